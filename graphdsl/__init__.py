@@ -1,0 +1,20 @@
+"""graphdsl — define LLMs as torch-like Python modules, compile them into static engines.
+
+The whole public surface of the language is re-exported here::
+
+    import graphdsl as gd
+    from graphdsl import Tensor, Dim, Network, get_default_net, functional as F
+"""
+from . import functional, nn
+from .dim import Dim
+from .errors import BindError, GraphDSLError, ShapeError
+from .network import Network, get_default_net
+from .nn import Module, ModuleList, Parameter
+from .opdef import OpCategory, RuntimeParam, Spec, register_op, same_as
+from .tensor import Tensor
+
+__version__ = "0.1.0"
+
+__all__ = ["Tensor", "Dim", "Network", "get_default_net", "functional", "nn", "Module", "ModuleList",
+           "Parameter", "register_op", "OpCategory", "Spec", "same_as", "RuntimeParam", "GraphDSLError",
+           "ShapeError", "BindError", "__version__"]

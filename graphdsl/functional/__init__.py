@@ -1,0 +1,30 @@
+"""graphdsl.functional — the ops model code calls on fake tensors (``import ... as F``).
+
+Each op is registered once with its shape rule, torch reference and category (see
+:mod:`graphdsl.opdef`); the functions here record nodes into the current network.
+"""
+from .attention import RopeLayout, paged_attention, reshape_and_cache, rope
+from .collective import all_gather, all_reduce
+from .matmul import bmm, linear, matmul
+from .movement import (cat, embedding, expand, gather, getitem, permute, reshape, slice, split, squeeze,
+                       transpose, unsqueeze)
+from .pointwise import (ActType, activation, add, cast, div, eq, exp, ge, gelu, gelu_tanh, gt, le, lt, mul,
+                        ne, neg, pow, relu, rsqrt, scalar, sigmoid, silu, sqrt, sub, tanh, where)
+from .reduction import argmax, layer_norm, max, mean, rms_norm, softmax, sum, topk
+
+__all__ = [
+    # pointwise
+    "scalar", "add", "sub", "mul", "div", "neg", "exp", "rsqrt", "sqrt", "pow", "silu", "gelu", "gelu_tanh",
+    "sigmoid", "tanh", "relu", "where", "cast", "lt", "le", "gt", "ge", "eq", "ne", "ActType", "activation",
+    # reductions and row ops
+    "sum", "mean", "max", "softmax", "argmax", "topk", "rms_norm", "layer_norm",
+    # matmul
+    "matmul", "bmm", "linear",
+    # views and data movement
+    "reshape", "permute", "transpose", "unsqueeze", "squeeze", "slice", "expand", "split", "cat", "gather",
+    "embedding", "getitem",
+    # attention
+    "RopeLayout", "rope", "reshape_and_cache", "paged_attention",
+    # collectives
+    "all_reduce", "all_gather",
+]

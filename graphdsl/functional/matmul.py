@@ -1,0 +1,46 @@
+"""Matrix products: ``matmul`` (batched, with transpose flags) and ``linear`` on top of it."""
+from __future__ import annotations
+
+import torch
+
+from ..dim import same_extent, shape_str
+from ..opdef import OpCategory, Spec, check, register_op
+from ._rules import broadcast_shapes
+
+__all__ = ["matmul", "bmm", "linear"]
+
+
+def _matmul_rule(a: Spec, b: Spec, *, transpose_a=False, transpose_b=False):
+    check(len(a.shape) >= 2 and len(b.shape) >= 2, "matmul",
+          f"operands need rank >= 2, got {shape_str(a.shape)} and {shape_str(b.shape)}")
+    check(a.dtype == b.dtype, "matmul", f"operands must share a dtype, got {a.dtype} and {b.dtype}")
+    m, ka = (a.shape[-1], a.shape[-2]) if transpose_a else (a.shape[-2], a.shape[-1])
+    kb, n = (b.shape[-1], b.shape[-2]) if transpose_b else (b.shape[-2], b.shape[-1])
+    check(same_extent(ka, kb) is not False, "matmul",
+          f"inner dims differ: {shape_str(a.shape)}{'ᵀ' if transpose_a else ''} @ "
+          f"{shape_str(b.shape)}{'ᵀ' if transpose_b else ''} ({ka} vs {kb})")
+    batch = broadcast_shapes([a.shape[:-2], b.shape[:-2]], "matmul") if len(a.shape) + len(b.shape) > 4 else ()
+    return Spec(tuple(batch) + (m, n), a.dtype)
+
+
+@register_op("matmul", category=OpCategory.MATMUL, shape=_matmul_rule)
+def matmul(a, b, *, transpose_a=False, transpose_b=False):
+    """op(a) @ op(b), op = transpose of the last two dims when the flag is set; batch dims
+    broadcast as in torch.matmul."""
+    return torch.matmul(a.mT if transpose_a else a, b.mT if transpose_b else b)
+
+
+def bmm(a, b, transpose_a: bool = False, transpose_b: bool = False):
+    """Batched matmul of rank-3 operands."""
+    check(a.shape is None or len(a.shape) == 3, "bmm", f"a must be rank 3, got {shape_str(a.shape)}")
+    check(b.shape is None or len(b.shape) == 3, "bmm", f"b must be rank 3, got {shape_str(b.shape)}")
+    return matmul(a, b, transpose_a=transpose_a, transpose_b=transpose_b)
+
+
+def linear(x, weight, bias=None, transpose_a: bool = False, transpose_b: bool = False):
+    """x @ weight (+ bias) — seed semantics: without transposes, ``weight`` is [in, out].
+
+    HF checkpoints store [out, in]: pass ``transpose_b=True``.
+    """
+    out = matmul(x, weight, transpose_a=transpose_a, transpose_b=transpose_b)
+    return out if bias is None else out + bias

@@ -1,0 +1,262 @@
+"""The built engine: an optimised network, a backend, and one memory plan per shape signature.
+
+``engine.forward(inputs, outputs=None, runtime_params=None)`` validates every tensor it is given
+(names, shapes with consistent Dims, dtypes, devices — errors name the tensor, the expected and
+the actual value), specialises on the call's shapes (cached per signature), then runs the backend
+over one arena and writes the marked outputs into the given buffers, or into new ones it returns.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Mapping
+
+import torch
+
+from graphdsl.dim import DimExpr, bind_shapes, evaluate, shape_str
+from graphdsl.dtypes import dtype_str
+from graphdsl.errors import BindError, GraphDSLError
+from graphdsl.network import Network
+from graphdsl.opdef import OpCategory, RuntimeParam, Spec
+from graphdsl.passes.memory_plan import MemoryPlan, plan_memory
+
+__all__ = ["Engine", "ShapePlan"]
+
+
+@dataclass
+class ShapePlan:
+    """Everything specialised for one shape signature."""
+
+    binding: dict[str, int]
+    specs: dict[str, tuple[tuple[int, ...], torch.dtype]]
+    attrs: dict                       # node -> attributes with Dims and runtime params resolved
+    memory: MemoryPlan
+    storage: dict | None = None       # tensor -> arena view, valid for ``storage_arena``
+    storage_arena: int = -1
+
+
+class Engine:
+    """A compiled network. Build one with ``net.build_engine()``; see the module docstring."""
+
+    def __init__(self, net: Network, backend, *, device=None, recorded: Network | None = None,
+                 build_report: list[tuple[str, float, str]] | None = None):
+        self.net = net
+        self.recorded = recorded
+        self.backend = backend
+        self.device = None if device is None else torch.device(device)
+        self.build_report = build_report or []
+        self._weights: dict[str, torch.Tensor] = {}
+        self._plans: dict[tuple, ShapePlan] = {}
+        self._arenas: dict[torch.device, torch.Tensor] = {}
+        self.last_plan: ShapePlan | None = None
+        used = {t for n in net.nodes for t in n.inputs} | set(net.outputs.values())
+        self.required = [name for name, t in net.inputs.items() if t in used]
+        self._aliases = {t for n in net.nodes for i, t in enumerate(n.outputs)
+                         if n.category is OpCategory.VIEW or i in n.opdef.inplace}
+        self.runtime_param_names = sorted({v.name for n in net.nodes for v in n.attrs.values()
+                                           if isinstance(v, RuntimeParam)})
+
+    # -- public surface ----------------------------------------------------------------------
+    @property
+    def input_names(self) -> list[str]:
+        return list(self.net.inputs)
+
+    @property
+    def output_names(self) -> list[str]:
+        return list(self.net.outputs)
+
+    @property
+    def num_launches(self) -> int:
+        """Kernel launches per forward (what fusion reduces)."""
+        return self.backend.launches(self.net)
+
+    def set_weights(self, weights: Mapping[str, torch.Tensor]) -> None:
+        """Bind tensors once (weights) instead of passing them on every call; checked like inputs."""
+        unknown = sorted(k for k in weights if k not in self.net.inputs)
+        if unknown:
+            raise BindError(f"set_weights: unknown names {unknown}; the graph's inputs are {self.input_names}")
+        for name, w in weights.items():
+            self._check_tensor(name, w)
+            declared = self.net.inputs[name]
+            if declared.shape is not None and all(isinstance(s, int) for s in declared.shape) \
+                    and tuple(w.shape) != declared.shape:
+                raise BindError(f"weight '{name}': expected shape {shape_str(declared.shape)}, got {list(w.shape)}")
+        self._weights.update(weights)
+
+    def forward(self, inputs: Mapping[str, torch.Tensor], outputs: Mapping[str, torch.Tensor] | None = None,
+                runtime_params: Mapping | None = None) -> dict[str, torch.Tensor]:
+        """Run the engine; returns ``{output name: tensor}`` (the given buffers when passed)."""
+        if not isinstance(inputs, Mapping):
+            raise BindError(f"forward: inputs must be a dict of name -> torch.Tensor, got {type(inputs).__name__}")
+        unknown = sorted(k for k in inputs if k not in self.net.inputs)
+        if unknown:
+            raise BindError(f"forward: unknown inputs {unknown}; the graph's inputs are {self.input_names}")
+        feed = {**self._weights, **inputs}
+        missing = [k for k in self.required if k not in feed]
+        if missing:
+            raise BindError(f"forward: missing inputs {missing} (pass them, or bind weights once with set_weights)")
+        device = self._check_feed(feed)
+        params = self._check_runtime_params(runtime_params)
+        key = (device, tuple((k, tuple(feed[k].shape), feed[k].dtype) for k in self.required),
+               tuple(sorted(params.items())))
+        plan = self._plans.get(key)
+        if plan is None:
+            plan = self._plans[key] = self._specialise(feed, params)
+        self.last_plan = plan
+        storage = dict(self._storage(plan, device))
+        outs = self._bind_outputs(outputs, plan, device)
+        for name, t in self.net.outputs.items():
+            if t.producer is not None and t not in self._aliases and t not in storage:
+                storage[t] = outs[name]
+        values = {t: feed[name] for name, t in self.net.inputs.items() if name in feed}
+        self.backend.run(self.net.nodes, values, plan.attrs, storage)
+        for name, t in self.net.outputs.items():
+            if values[t] is not outs[name]:
+                outs[name].copy_(values[t])
+        return outs
+
+    __call__ = forward
+
+    # -- validation --------------------------------------------------------------------------
+    def _check_tensor(self, name: str, x) -> None:
+        if not isinstance(x, torch.Tensor):
+            raise BindError(f"input '{name}' must be a torch.Tensor, got {type(x).__name__}")
+        want = self.net.inputs[name].dtype
+        if want is not None and x.dtype != want:
+            raise BindError(f"input '{name}': expected dtype {dtype_str(want)}, got {dtype_str(x.dtype)}")
+
+    def _check_feed(self, feed: dict) -> torch.device:
+        device, first = self.device, None
+        for name in self.required:
+            x = feed[name]
+            self._check_tensor(name, x)
+            if device is None:
+                device, first = x.device, name
+            elif x.device != device:
+                where = f"the engine's device {device}" if first is None else f"'{first}' is on {device}"
+                raise BindError(f"input '{name}' is on {x.device}, but {where}; move all inputs to one device")
+        declared = {n: self.net.inputs[n].shape for n in self.required if self.net.inputs[n].shape is not None}
+        bind_shapes(declared, {n: tuple(feed[n].shape) for n in declared})
+        return device if device is not None else torch.device("cpu")
+
+    def _check_runtime_params(self, params) -> dict:
+        params = dict(params or {})
+        unknown = sorted(set(params) - set(self.runtime_param_names))
+        if unknown:
+            raise BindError(f"forward: unknown runtime_params {unknown}; this graph takes {self.runtime_param_names}")
+        missing = sorted(set(self.runtime_param_names) - set(params))
+        if missing:
+            raise BindError(f"forward: missing runtime_params {missing}")
+        return params
+
+    def _bind_outputs(self, outputs, plan: ShapePlan, device) -> dict[str, torch.Tensor]:
+        outputs = dict(outputs or {})
+        unknown = sorted(k for k in outputs if k not in self.net.outputs)
+        if unknown:
+            raise BindError(f"forward: unknown outputs {unknown}; the graph's outputs are {self.output_names}")
+        outs = {}
+        for name, t in self.net.outputs.items():
+            shape, dtype = plan.specs[t.name]
+            buf = outputs.get(name)
+            if buf is None:
+                outs[name] = torch.empty(shape, dtype=dtype, device=device)
+                continue
+            if not isinstance(buf, torch.Tensor):
+                raise BindError(f"output '{name}' must be a torch.Tensor, got {type(buf).__name__}")
+            if tuple(buf.shape) != shape or buf.dtype != dtype or buf.device != device:
+                raise BindError(f"output '{name}': expected {list(shape)} {dtype_str(dtype)} on {device}, "
+                                f"got {list(buf.shape)} {dtype_str(buf.dtype)} on {buf.device}")
+            outs[name] = buf
+        return outs
+
+    # -- specialisation ----------------------------------------------------------------------
+    def _specialise(self, feed: dict, params: dict) -> ShapePlan:
+        declared = {n: self.net.inputs[n].shape for n in self.required if self.net.inputs[n].shape is not None}
+        binding = bind_shapes(declared, {n: tuple(feed[n].shape) for n in declared})
+        specs = {name: (tuple(feed[name].shape), feed[name].dtype) for name in self.required}
+        attrs = {}
+        for node in self.net.nodes:
+            a = {k: _resolve(v, binding, params) for k, v in node.attrs.items()}
+            attrs[node] = a
+            ins = [Spec(*specs[t.name]) for t in node.inputs]
+            try:
+                outs = node.opdef.infer(ins, a)
+            except GraphDSLError as e:
+                detail = ", ".join(f"{t.name} {list(s.shape)} {dtype_str(s.dtype)}" for t, s in zip(node.inputs, ins))
+                raise BindError(f"node '{node.name}' ({node.op} at {node.source}"
+                                f"{', module ' + node.module if node.module else ''}) rejects this call's shapes "
+                                f"({detail}): {e}") from None
+            for t, s in zip(node.outputs, outs):
+                specs[t.name] = (tuple(s.shape), s.dtype)
+        return ShapePlan(binding, specs, attrs, plan_memory(self.net, specs))
+
+    def _storage(self, plan: ShapePlan, device) -> dict:
+        need = max(plan.memory.arena_bytes, 1)
+        arena = self._arenas.get(device)
+        if arena is None or arena.numel() < need:
+            arena = self._arenas[device] = torch.empty(need, dtype=torch.uint8, device=device)
+        if plan.storage is None or plan.storage_arena != arena.data_ptr():
+            by_name = {t.name: t for n in self.net.nodes for t in n.outputs}
+            plan.storage = {}
+            for name, (off, nbytes) in plan.memory.slots.items():
+                shape, dtype = plan.specs[name]
+                plan.storage[by_name[name]] = arena[off:off + nbytes].view(dtype).view(shape)
+            plan.storage_arena = arena.data_ptr()
+        return plan.storage
+
+    # -- reports -----------------------------------------------------------------------------
+    def summary(self) -> str:
+        """Nodes, launches, inputs/outputs, build stages and each shape plan's arena use."""
+        net = self.net
+        rec = self.recorded
+        lines = [f"Engine '{net.name}'  backend={self.backend.name}  device={self.device or 'from first call'}",
+                 f"  nodes: {len(net.nodes)}" + (f" (recorded: {len(rec.nodes)})" if rec is not None else "")
+                 + f"   kernel launches per forward: {self.num_launches}",
+                 "  inputs:  " + ", ".join(f"{n} {shape_str(t.shape)} {dtype_str(t.dtype)}"
+                                           for n, t in net.inputs.items()),
+                 f"  weights bound: {len(self._weights)}",
+                 "  outputs: " + ", ".join(f"{n} {shape_str(t.shape)} {dtype_str(t.dtype)}"
+                                           for n, t in net.outputs.items())]
+        if self.build_report:
+            lines.append("  build: " + ", ".join(f"{stage} {sec * 1e3:.1f} ms" + (f" ({info})" if info else "")
+                                                 for stage, sec, info in self.build_report))
+        lines.append(f"  shape plans: {len(self._plans)}")
+        for plan in self._plans.values():
+            m = plan.memory
+            ratio = m.arena_bytes / m.intermediate_bytes if m.intermediate_bytes else 0.0
+            dims = ", ".join(f"{k}={v}" for k, v in sorted(plan.binding.items())) or "static"
+            lines.append(f"    [{dims}] arena {_fmt_bytes(m.arena_bytes)} planned vs {_fmt_bytes(m.intermediate_bytes)} "
+                         f"sum of intermediates ({ratio:.0%})")
+        return "\n".join(lines)
+
+    def dump(self, directory) -> Path:
+        """Write graph (txt/dot/json, recorded and optimised), memory plans and the summary."""
+        d = Path(directory)
+        d.mkdir(parents=True, exist_ok=True)
+        if self.recorded is not None:
+            self.recorded.dump(d / "00-recorded.txt")
+        for suffix in (".txt", ".dot", ".json"):
+            self.net.dump(d / f"graph{suffix}")
+        plans = [f"[{', '.join(f'{k}={v}' for k, v in sorted(p.binding.items())) or 'static'}]\n{p.memory.describe()}"
+                 for p in self._plans.values()]
+        (d / "plan.txt").write_text("\n\n".join(plans) + "\n" if plans else "no shape plan yet (no forward call)\n")
+        (d / "summary.txt").write_text(self.summary() + "\n")
+        return d
+
+
+def _resolve(v, binding, params):
+    if isinstance(v, RuntimeParam):
+        return params[v.name]
+    if isinstance(v, DimExpr):
+        return evaluate(v, binding)
+    if isinstance(v, tuple):
+        return tuple(_resolve(x, binding, params) for x in v)
+    return v
+
+
+def _fmt_bytes(n: int) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if n < 1024 or unit == "GiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return f"{n} B"
