@@ -1,0 +1,146 @@
+"""Engine: the seed's matmul, forward validation (every error names tensor/expected/actual),
+outputs given or returned, weights bound once, runtime params, one plan per shape signature."""
+import pytest
+import torch
+
+from graphdsl import BindError, Dim, GraphDSLError, Network, RuntimeParam, Tensor, get_default_net
+from graphdsl import functional as F
+from graphdsl.opdef import OpCategory, register_op
+
+
+def test_seed_matmul_matches_torch():
+    out = F.linear(Tensor("x"), Tensor("weight"), None, False, False)
+    get_default_net().mark_output(out, "out")
+    engine = get_default_net().build_engine()
+    x = torch.rand(100, 200).to(torch.float16)
+    weight = torch.rand(200, 300).to(torch.float16)
+    buf = torch.empty(100, 300).to(torch.float16)
+    res = engine.forward({"x": x, "weight": weight}, {"out": buf})
+    assert res["out"] is buf
+    assert torch.allclose(torch.matmul(x, weight), buf, rtol=1e-2, atol=1e-2)
+
+
+def _mlp_engine():
+    n = Dim("n", max=16)
+    with Network("mlp") as net:
+        x = Tensor("x", (n, 8), torch.float32)
+        w = Tensor("w", (8, 4), torch.float32)
+        y = F.relu(F.linear(x, w)) * 2.0
+        net.mark_output(y, "y")
+    return net.build_engine()
+
+
+def test_outputs_returned_when_omitted_and_one_plan_per_signature():
+    eng = _mlp_engine()
+    w = torch.randn(8, 4)
+    eng.set_weights({"w": w})
+    for n in (3, 5, 3):
+        x = torch.randn(n, 8)
+        torch.testing.assert_close(eng.forward({"x": x})["y"], torch.relu(x @ w) * 2)
+    assert len(eng._plans) == 2
+    assert "[n=3]" in eng.summary() and "[n=5]" in eng.summary()
+
+
+def test_inputs_override_bound_weights():
+    eng = _mlp_engine()
+    eng.set_weights({"w": torch.zeros(8, 4)})
+    x, w = torch.randn(2, 8), torch.randn(8, 4)
+    torch.testing.assert_close(eng.forward({"x": x, "w": w})["y"], torch.relu(x @ w) * 2)
+
+
+@pytest.mark.parametrize("feed,outs,msg", [
+    ({"x": torch.randn(2, 8), "w": torch.randn(8, 4), "z": torch.ones(1)}, None, r"unknown inputs \['z'\]; the graph's inputs are \['x', 'w'\]"),
+    ({"x": torch.randn(2, 8)}, None, r"missing inputs \['w'\]"),
+    ({"x": [1, 2], "w": torch.randn(8, 4)}, None, r"input 'x' must be a torch.Tensor, got list"),
+    ({"x": torch.randn(2, 8, dtype=torch.float64), "w": torch.randn(8, 4)}, None, r"input 'x': expected dtype float32, got float64"),
+    ({"x": torch.randn(2, 7), "w": torch.randn(8, 4)}, None, r"input 'x': expected shape \[n, 8\], got \[2, 7\]"),
+    ({"x": torch.randn(17, 8), "w": torch.randn(8, 4)}, None, r"dim 0 \('n'\) is 17, above its max 16"),
+    ({"x": torch.randn(2, 8), "w": torch.randn(8, 4)}, {"y": torch.empty(2, 5)}, r"output 'y': expected \[2, 4\] float32 on cpu, got \[2, 5\] float32 on cpu"),
+    ({"x": torch.randn(2, 8), "w": torch.randn(8, 4)}, {"q": torch.empty(2, 4)}, r"unknown outputs \['q'\]"),
+    ({"x": torch.randn(2, 8), "w": torch.randn(8, 4, device="meta")}, None, r"input 'w' is on meta, but 'x' is on cpu"),
+])
+def test_forward_errors(feed, outs, msg):
+    with pytest.raises(BindError, match=msg):
+        _mlp_engine().forward(feed, outs)
+
+
+def test_set_weights_errors():
+    eng = _mlp_engine()
+    with pytest.raises(BindError, match=r"set_weights: unknown names \['v'\]"):
+        eng.set_weights({"v": torch.ones(1)})
+    with pytest.raises(BindError, match=r"weight 'w': expected shape \[8, 4\], got \[4, 8\]"):
+        eng.set_weights({"w": torch.ones(4, 8)})
+
+
+def test_pinned_device_is_checked():
+    n = Dim("n")
+    with Network() as net:
+        net.mark_output(F.exp(Tensor("x", (n,), "float32")), "y")
+    eng = net.build_engine(device="meta")
+    with pytest.raises(BindError, match="input 'x' is on cpu, but the engine's device meta"):
+        eng.forward({"x": torch.ones(3)})
+
+
+def test_unspecialised_graph_reports_shape_errors_at_the_call():
+    with Network() as net:
+        net.mark_output(F.matmul(Tensor("a"), Tensor("b")), "c")
+    eng = net.build_engine()
+    torch.testing.assert_close(eng.forward({"a": torch.ones(2, 3), "b": torch.ones(3, 4)})["c"], torch.full((2, 4), 3.0))
+    with pytest.raises(BindError, match=r"node 'matmul_0' \(matmul at .*test_engine.py:\d+\) rejects this call's shapes .*inner dims differ"):
+        eng.forward({"a": torch.ones(2, 3), "b": torch.ones(5, 4)})
+
+
+def test_build_errors():
+    with Network() as net:
+        F.exp(Tensor("x", (2,), "float32"))
+    with pytest.raises(GraphDSLError, match="has no outputs"):
+        net.build_engine()
+    net.mark_output(net.nodes[0].outputs[0], "y")
+    with pytest.raises(GraphDSLError, match=r"unknown backend 'cuda-magic'; available: \['torch'"):
+        net.build_engine(backend="cuda-magic")
+
+
+def test_runtime_params_resolve_attributes():
+    @register_op("test_scale_by", category=OpCategory.POINTWISE, shape=lambda x, **_: x)
+    def scale_by(x, *, factor=1.0):
+        """x * factor"""
+        return x * factor
+
+    with Network() as net:
+        net.mark_output(scale_by(Tensor("x", (3,), "float32"), factor=RuntimeParam("factor")), "y")
+    eng = net.build_engine()
+    x = torch.randn(3)
+    torch.testing.assert_close(eng.forward({"x": x}, runtime_params={"factor": 3.0})["y"], 3 * x)
+    torch.testing.assert_close(eng.forward({"x": x}, runtime_params={"factor": -1.0})["y"], -x)
+    with pytest.raises(BindError, match=r"missing runtime_params \['factor'\]"):
+        eng.forward({"x": x})
+    with pytest.raises(BindError, match=r"unknown runtime_params \['other'\]; this graph takes \['factor'\]"):
+        eng.forward({"x": x}, runtime_params={"factor": 1.0, "other": 2})
+
+
+def test_dead_code_is_removed_and_cache_writes_kept():
+    with Network() as net:
+        x = Tensor("x", (4, 2, 8), "float32")
+        kc, vc = Tensor("kc", (2, 4, 2, 8), "float32"), Tensor("vc", (2, 4, 2, 8), "float32")
+        F.exp(x)                                     # dead
+        F.reshape_and_cache(x, x, kc, vc, Tensor("slots", (4,), torch.int64))   # side effect, unused result
+        net.mark_output(F.neg(x), "y")
+    eng = net.build_engine()
+    assert [n.op for n in eng.net.nodes] == ["reshape_and_cache", "neg"]
+    k, v = torch.zeros(2, 4, 2, 8), torch.zeros(2, 4, 2, 8)
+    xs = torch.randn(4, 2, 8)
+    eng.forward({"x": xs, "kc": k, "vc": v, "slots": torch.tensor([5, 0, -1, 2])})
+    torch.testing.assert_close(k.view(8, 2, 8)[[5, 0, 2]], xs[[0, 1, 3]])
+    assert k.view(8, 2, 8)[[1, 3, 4, 6, 7]].abs().sum() == 0
+
+
+def test_output_that_is_a_view_or_an_input():
+    with Network() as net:
+        x = Tensor("x", (2, 3), "float32")
+        net.mark_output(F.exp(x).reshape(3, 2), "v")
+        net.mark_output(x, "same")
+    x = torch.randn(2, 3)
+    out = net.build_engine().forward({"x": x})
+    torch.testing.assert_close(out["v"], x.exp().reshape(3, 2))
+    torch.testing.assert_close(out["same"], x)
+    assert out["same"].data_ptr() != x.data_ptr()

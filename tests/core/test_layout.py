@@ -1,0 +1,55 @@
+"""Rooms and arrows (DESIGN.md): imports point one way; the package installs into one namespace."""
+import ast
+import pathlib
+
+import pytest
+
+ROOT = pathlib.Path(__file__).resolve().parents[2]
+FORBIDDEN = {
+    "graphdsl": ("graphdsl.layers", "graphdsl.models", "graphdsl.passes", "graphdsl.runtime"),
+    "passes": ("graphdsl.layers", "graphdsl.models", "graphdsl.runtime"),
+    "layers": ("graphdsl.models", "graphdsl.runtime", "graphdsl.passes"),
+    "runtime": ("graphdsl.layers", "graphdsl.models"),
+}
+# The language's documented seams: Network.build_engine calls the runtime builder, and the package
+# root re-exports the public API (graphdsl.LLM etc.) lazily.
+ALLOWED = {("graphdsl/network.py", "graphdsl.runtime.build"), ("graphdsl/__init__.py", "*")}
+
+
+def _imports(path: pathlib.Path):
+    tree = ast.parse(path.read_text())
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            for a in node.names:
+                yield a.name
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            yield node.module
+
+
+@pytest.mark.parametrize("room", sorted(FORBIDDEN))
+def test_imports_point_one_way(room):
+    bad = []
+    for path in (ROOT / room).rglob("*.py"):
+        rel = str(path.relative_to(ROOT))
+        for mod in _imports(path):
+            if any(mod == f or mod.startswith(f + ".") for f in FORBIDDEN[room]):
+                if (rel, mod) not in ALLOWED and (rel, "*") not in ALLOWED:
+                    bad.append(f"{rel} imports {mod}")
+    assert not bad, "\n".join(bad)
+
+
+def test_rooms_import_as_graphdsl_namespace():
+    import graphdsl.layers
+    import graphdsl.models
+    import graphdsl.passes
+    import graphdsl.runtime
+    for mod, folder in [(graphdsl.layers, "layers"), (graphdsl.models, "models"), (graphdsl.passes, "passes"),
+                        (graphdsl.runtime, "runtime")]:
+        assert pathlib.Path(mod.__file__).parent == ROOT / folder
+
+
+def test_public_api_names():
+    import graphdsl as gd
+    for name in ["Tensor", "Dim", "Network", "get_default_net", "functional", "Module", "ModuleList", "Parameter",
+                 "register_op", "OpCategory", "GraphDSLError"]:
+        assert name in gd.__all__ and hasattr(gd, name)
