@@ -6,16 +6,12 @@ user's own ``file:line`` rather than a line inside graphdsl.
 """
 from __future__ import annotations
 
+import functools
+import importlib.util
 import os
 import sys
 
 __all__ = ["GraphDSLError", "ShapeError", "BindError", "user_frame"]
-
-_PKG_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-_INTERNAL_DIRS = tuple(
-    os.path.join(_PKG_ROOT, d) + os.sep for d in ("graphdsl", "passes", "runtime")
-)
-
 
 class GraphDSLError(Exception):
     """Base class of every error graphdsl raises on bad user input."""
@@ -33,16 +29,30 @@ def user_frame() -> str:
     """``file:line`` of the innermost caller outside graphdsl's own language/pass/runtime code.
 
     Layer and model files are user code from the graph's point of view (their lines are what a
-    reader wants on a node), so only ``graphdsl/``, ``passes/`` and ``runtime/`` frames are
-    skipped.
+    reader wants on a node), so only the ``graphdsl``, ``graphdsl.passes`` and
+    ``graphdsl.runtime`` folders are skipped — wherever they are installed.
     """
+    inside, outside = _internal_dirs()
     frame = sys._getframe(1)
     while frame is not None:
         filename = frame.f_code.co_filename
-        if not filename.startswith(_INTERNAL_DIRS) and "<frozen" not in filename:
+        internal = filename.startswith(inside) and not filename.startswith(outside)
+        if not internal and "<frozen" not in filename:
             return f"{_short(filename)}:{frame.f_lineno}"
         frame = frame.f_back
     return "<unknown>"
+
+
+@functools.lru_cache(maxsize=1)
+def _internal_dirs() -> tuple[tuple[str, ...], tuple[str, ...]]:
+    """(folders whose frames are graphdsl internals, sub-folders of those that are user-facing)."""
+    def folder(name: str) -> str | None:
+        spec = importlib.util.find_spec(name)
+        return os.path.dirname(spec.origin) + os.sep if spec is not None and spec.origin else None
+
+    inside = tuple(d for d in map(folder, ("graphdsl", "graphdsl.passes", "graphdsl.runtime")) if d)
+    outside = tuple(d for d in map(folder, ("graphdsl.layers", "graphdsl.models")) if d)
+    return inside, outside
 
 
 def _short(filename: str) -> str:
