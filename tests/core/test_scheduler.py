@@ -1,0 +1,130 @@
+"""Continuous batching: chunked prefill, budgets, preemption by recompute, and outputs equal to
+running each request alone — checked with a fake model that reads its context only through the
+paged KV cache (so a wrong slot or block table changes the output)."""
+import random
+
+import pytest
+import torch
+
+from graphdsl import GraphDSLError
+from graphdsl.runtime.kv_cache import BlockManager
+from graphdsl.runtime.sampling import SamplingParams
+from graphdsl.runtime.scheduler import RequestStatus, Scheduler, run_steps
+
+VOCAB = 50
+
+
+class FakeModel:
+    """Writes each token into its cache slot and computes logits of a token from the tokens it
+    can read back through the block table (positions 0..p), like attention would."""
+
+    def __init__(self, blocks: BlockManager):
+        self.blocks = blocks
+        self.cache = torch.full((blocks.num_blocks * blocks.block_size,), -1, dtype=torch.int64)
+
+    def __call__(self, batch):
+        t = batch.model_inputs(self.blocks)
+        self.cache[t["slot_mapping"]] = t["input_ids"]
+        out, bs = [], self.blocks.block_size
+        for s, c in enumerate(batch.chunks):
+            if not c.samples:
+                continue
+            table = t["block_tables"][s]
+            L = int(t["seq_lens"][s])
+            ctx = [int(self.cache[table[p // bs] * bs + p % bs]) for p in range(L)]
+            assert -1 not in ctx, "read a slot nothing wrote"
+            g = torch.Generator().manual_seed(hash(tuple(ctx)) % (2 ** 31))
+            out.append(torch.randn(VOCAB, generator=g) * 3)
+        return torch.stack(out) if out else torch.empty(0, VOCAB)
+
+
+def _run(requests, *, num_blocks, block_size=4, max_num_seqs=8, budget=32, max_model_len=64, eos=()):
+    blocks = BlockManager(num_blocks, block_size)
+    sched = Scheduler(blocks, max_num_seqs=max_num_seqs, max_num_batched_tokens=budget,
+                      max_model_len=max_model_len, eos_token_ids=eos)
+    reqs = [sched.add_request(i, p, sp) for i, (p, sp) in enumerate(requests)]
+    streamed = {i: [] for i in range(len(reqs))}
+    for ev in run_steps(sched, FakeModel(blocks)):
+        streamed[ev.request.request_id].append(ev.token_id)
+    assert blocks.num_free_blocks == num_blocks
+    for r in reqs:
+        assert r.status is RequestStatus.FINISHED and streamed[r.request_id] == r.output_ids
+    return reqs
+
+
+def _random_requests(n, seed):
+    rng = random.Random(seed)
+    out = []
+    for i in range(n):
+        prompt = [rng.randrange(VOCAB) for _ in range(rng.randint(1, 30))]
+        temp = rng.choice([0.0, 0.8, 1.3])
+        sp = SamplingParams(max_tokens=rng.randint(1, 20), temperature=temp, top_k=rng.choice([0, 5]),
+                            top_p=rng.choice([1.0, 0.9]), seed=1000 + i)
+        out.append((prompt, sp))
+    return out
+
+
+def test_many_requests_with_preemption_equal_one_by_one():
+    reqs = _random_requests(120, seed=0)
+    together = _run(reqs, num_blocks=24, max_num_seqs=16, budget=24)
+    assert sum(r.num_preemptions for r in together) > 0, "pool was meant to force preemption"
+    for i, (prompt, sp) in enumerate(reqs):
+        (alone,) = _run([(prompt, sp)], num_blocks=24, max_num_seqs=16, budget=24)
+        assert alone.output_ids == together[i].output_ids, f"request {i} differs"
+        assert alone.finish_reason == together[i].finish_reason
+
+
+def test_chunked_prefill_respects_the_budget_and_decodes_batch():
+    blocks = BlockManager(64, 4)
+    sched = Scheduler(blocks, max_num_seqs=4, max_num_batched_tokens=10, max_model_len=64)
+    a = sched.add_request("a", list(range(25)), SamplingParams(max_tokens=3, temperature=0))
+    b = sched.add_request("b", [1, 2], SamplingParams(max_tokens=3, temperature=0))
+    step1 = sched.schedule()
+    assert [(c.request.request_id, c.start, c.end) for c in step1.chunks] == [("a", 0, 10)]
+    assert not step1.chunks[0].samples
+    sched.update(step1, [])
+    step2 = sched.schedule()
+    assert [(c.request.request_id, c.start, c.end) for c in step2.chunks] == [("a", 10, 20)]
+    sched.update(step2, [])
+    step3 = sched.schedule()
+    assert [(c.request.request_id, c.start, c.end) for c in step3.chunks] == [("a", 20, 25), ("b", 0, 2)]
+    sched.update(step3, [7, 8])
+    step4 = sched.schedule()
+    assert step4.is_decode and [(c.start, c.end) for c in step4.chunks] == [(25, 26), (2, 3)]
+    t = step4.model_inputs(blocks)
+    assert t["input_ids"].tolist() == [7, 8] and t["seq_lens"].tolist() == [26, 3]
+    assert t["lm_head_indices"].tolist() == [0, 1] and t["query_start_loc"].tolist() == [0, 1, 2]
+    assert t["slot_mapping"].tolist() == blocks.slot_mapping("a", 25, 26) + blocks.slot_mapping("b", 2, 3)
+    assert a.status is b.status is RequestStatus.RUNNING
+
+
+def test_stop_conditions():
+    blocks = BlockManager(16, 4)
+    sched = Scheduler(blocks, max_num_seqs=4, max_num_batched_tokens=16, max_model_len=8, eos_token_ids=[3])
+    eos = sched.add_request(0, [1, 2], SamplingParams(max_tokens=5))
+    ign = sched.add_request(1, [1, 2], SamplingParams(max_tokens=2, ignore_eos=True))
+    stp = sched.add_request(2, [1, 2], SamplingParams(max_tokens=5, stop_token_ids=[9]))
+    cap = sched.add_request(3, [1, 2, 3, 4, 5, 6], SamplingParams(max_tokens=9))
+    b = sched.schedule()
+    ev = sched.update(b, [3, 3, 9, 1])
+    assert [e.finished for e in ev] == [True, False, True, False]
+    assert eos.finish_reason == "stop" and stp.finish_reason == "stop"
+    b = sched.schedule()
+    sched.update(b, [5, 5])
+    assert ign.finish_reason == "length" and cap.finish_reason == "length"   # max_tokens; max_model_len
+    assert not sched.has_unfinished() and blocks.num_free_blocks == 16
+
+
+def test_request_errors():
+    sched = Scheduler(BlockManager(4, 4), max_num_seqs=2, max_num_batched_tokens=8, max_model_len=32)
+    with pytest.raises(GraphDSLError, match="the prompt is empty"):
+        sched.add_request(0, [], SamplingParams())
+    with pytest.raises(GraphDSLError, match="the prompt has 40 tokens, but max_model_len is 32"):
+        sched.add_request(0, [1] * 40, SamplingParams())
+    with pytest.raises(GraphDSLError, match="need 6 KV blocks, but the cache has only 4"):
+        sched.add_request(0, [1] * 10, SamplingParams(max_tokens=12))
+    sched.add_request("x", [1], SamplingParams(max_tokens=2))
+    with pytest.raises(GraphDSLError, match="request id 'x' is already in use"):
+        sched.add_request("x", [1], SamplingParams(max_tokens=2))
+    with pytest.raises(GraphDSLError, match="max_num_seqs must be an integer >= 1, got 0"):
+        Scheduler(BlockManager(4, 4), max_num_seqs=0, max_num_batched_tokens=8, max_model_len=32)
