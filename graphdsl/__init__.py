@@ -17,4 +17,16 @@ __version__ = "0.1.0"
 
 __all__ = ["Tensor", "Dim", "Network", "get_default_net", "functional", "nn", "Module", "ModuleList",
            "Parameter", "register_op", "OpCategory", "Spec", "same_as", "RuntimeParam", "GraphDSLError",
-           "ShapeError", "BindError", "__version__"]
+           "ShapeError", "BindError", "__version__", "LLM", "SamplingParams"]
+
+
+def __getattr__(name):
+    """Lazy re-exports of the model-level API (``gd.LLM``, ``gd.SamplingParams``), so importing the
+    language does not import the model and runtime rooms."""
+    if name == "LLM":
+        from graphdsl.models.llm import LLM
+        return LLM
+    if name == "SamplingParams":
+        from graphdsl.runtime.sampling import SamplingParams
+        return SamplingParams
+    raise AttributeError(f"module 'graphdsl' has no attribute {name!r}")

@@ -1,0 +1,20 @@
+"""graphdsl.layers — torch-like building blocks over fake tensors.
+
+Every layer is pure architecture: parameters with shapes, dtypes and tensor-parallel shard specs,
+and a ``forward`` that records functional ops. Weights are bound afterwards by name.
+"""
+from .attention import Attention
+from .checkpoint import CheckpointSlot, checkpoint_layout
+from .context import ForwardContext, KVCacheSpec, Phase
+from .embedding import VocabParallelEmbedding
+from .linear import (ColumnParallelLinear, MergedColumnParallelLinear, QKVParallelLinear, ReplicatedLinear,
+                     RowParallelLinear)
+from .mlp import GatedMLP
+from .moe import FusedExperts, MoE, Scoring
+from .norm import LayerNorm, RMSNorm
+from .rotary import RopeScaling, RopeType, RotaryEmbedding
+
+__all__ = ["ColumnParallelLinear", "RowParallelLinear", "MergedColumnParallelLinear", "QKVParallelLinear",
+           "ReplicatedLinear", "RMSNorm", "LayerNorm", "VocabParallelEmbedding", "RotaryEmbedding", "RopeType",
+           "RopeScaling", "Attention", "GatedMLP", "MoE", "FusedExperts", "Scoring", "ForwardContext",
+           "KVCacheSpec", "Phase", "CheckpointSlot", "checkpoint_layout"]

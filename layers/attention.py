@@ -1,0 +1,63 @@
+"""Self-attention over a paged KV cache: MHA/GQA, optional q/k RMSNorm, sliding window.
+
+``forward(x, ctx)``: fused qkv projection → (q/k-norm) → RoPE with the step's cos/sin → write the
+new k/v into this layer's cache blocks (``reshape_and_cache``) → paged attention (prefill when the
+context has ``query_start_loc``, decode otherwise) → output projection.
+"""
+from __future__ import annotations
+
+from graphdsl import Module
+from graphdsl import functional as F
+from graphdsl.errors import GraphDSLError
+
+from .context import ForwardContext
+from .linear import QKVParallelLinear, RowParallelLinear
+from .norm import RMSNorm
+from .rotary import RotaryEmbedding
+
+__all__ = ["Attention"]
+
+
+class Attention(Module):
+    """Args:
+        hidden_size, num_heads, num_kv_heads, head_dim: geometry (``num_heads % num_kv_heads == 0``).
+        layer_idx: which of ``ctx.kv_caches`` this layer owns.
+        rotary: the model's :class:`RotaryEmbedding` (shared, parameter-free).
+        qkv_bias / o_bias: projection biases.
+        qk_norm_eps: if set, RMSNorm over each q and k head before RoPE (Qwen3).
+        sliding_window: attend to at most this many most recent positions (None: all).
+        scale: softmax scale, default ``head_dim ** -0.5``.
+    """
+
+    def __init__(self, hidden_size: int, num_heads: int, num_kv_heads: int, head_dim: int, layer_idx: int,
+                 rotary: RotaryEmbedding, *, qkv_bias: bool = False, o_bias: bool = False,
+                 qk_norm_eps: float | None = None, sliding_window: int | None = None, scale: float | None = None,
+                 dtype=None):
+        super().__init__()
+        if sliding_window is not None and (not isinstance(sliding_window, int) or sliding_window <= 0):
+            raise GraphDSLError(f"Attention: sliding_window must be a positive int or None, got {sliding_window!r}")
+        self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
+        self.layer_idx, self.sliding_window = layer_idx, sliding_window
+        self.scale = head_dim ** -0.5 if scale is None else float(scale)
+        self.qkv_proj = QKVParallelLinear(hidden_size, head_dim, num_heads, num_kv_heads, qkv_bias, dtype)
+        self.o_proj = RowParallelLinear(num_heads * head_dim, hidden_size, o_bias, dtype)
+        if qk_norm_eps is not None:
+            self.q_norm = RMSNorm(head_dim, qk_norm_eps, dtype)
+            self.k_norm = RMSNorm(head_dim, qk_norm_eps, dtype)
+        self.qk_norm = qk_norm_eps is not None
+        object.__setattr__(self, "rotary", rotary)   # shared across layers, not a child
+
+    def forward(self, x, ctx: ForwardContext):
+        q, k, v = self.qkv_proj(x)
+        if self.qk_norm:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = self.rotary(q, k, ctx.cos, ctx.sin)
+        key_cache, value_cache = ctx.kv_caches[self.layer_idx]
+        key_cache, value_cache = F.reshape_and_cache(k, v, key_cache, value_cache, ctx.slot_mapping)
+        out = F.paged_attention(q, key_cache, value_cache, ctx.block_tables, ctx.seq_lens, ctx.query_start_loc,
+                                scale=self.scale, sliding_window=self.sliding_window)
+        return self.o_proj(out.reshape(-1, self.num_heads * self.head_dim))
+
+    def extra_repr(self) -> str:
+        return (f"layer={self.layer_idx}, heads={self.num_heads}, kv_heads={self.num_kv_heads}, "
+                f"head_dim={self.head_dim}, qk_norm={self.qk_norm}, sliding_window={self.sliding_window}")

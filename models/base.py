@@ -1,0 +1,154 @@
+"""``FlashCausalLM`` — the base of every model — and the ``to_engine`` decorator.
+
+A model is a :class:`~graphdsl.Module` tree whose ``forward(ctx)`` returns float32 logits: for the
+rows ``ctx.lm_head_indices`` in prefill, for every token in decode. ``@to_engine(*features)`` gives
+the class its runtime entry point :meth:`FlashCausalLM.execute`: the first call per
+``(phase, frozenset(features))`` records ``forward`` on fake tensors with symbolic dims
+(``num_tokens``, ``num_seqs``, ``num_blocks``, ...), builds the engine with
+``net.build_engine()``, binds weights and KV caches by name once, and caches it; every later
+call only fills the step's inputs and runs ``engine.forward``. Shape specialisations are cached
+inside the engine (one plan per shape signature).
+"""
+from __future__ import annotations
+
+import re
+from typing import Iterable, Mapping
+
+import torch
+
+from graphdsl import Module, Network
+from graphdsl import functional as F
+from graphdsl.errors import GraphDSLError
+from graphdsl.layers import CheckpointSlot, ForwardContext, KVCacheSpec, Phase, checkpoint_layout
+
+from .config import ModelConfig
+
+__all__ = ["FlashCausalLM", "to_engine"]
+
+
+class FlashCausalLM(Module):
+    """Base class: ``self.model`` (embedding → layers → norm, with ``rotary_emb``) and ``self.lm_head``.
+
+    Subclasses build the tree in ``__init__(config, dtype)``; they may override
+    :meth:`_update_model_inputs` to feed extra graph inputs, and extend
+    ``ignored_checkpoint_names`` (regexes) for checkpoint tensors that carry no weights.
+    """
+
+    model_types: tuple[str, ...] = ()
+    ignored_checkpoint_names: tuple[str, ...] = (r"\.rotary_emb\.inv_freq$",)
+    engine_features: frozenset | None = None     # set by @to_engine
+
+    def __init__(self, config: ModelConfig, dtype: torch.dtype | None = None):
+        super().__init__()
+        object.__setattr__(self, "config", config)
+        object.__setattr__(self, "dtype", dtype or config.dtype)
+        object.__setattr__(self, "_engines", {})
+        object.__setattr__(self, "_bound", {})
+        object.__setattr__(self, "_cache_spec", None)
+
+    # -- architecture ------------------------------------------------------------------------
+    def forward(self, ctx: ForwardContext):
+        hidden = self.model(ctx)
+        if ctx.lm_head_indices is not None:
+            hidden = F.gather(hidden, 0, ctx.lm_head_indices)
+        return self.lm_head(hidden).float()
+
+    @property
+    def rotary(self):
+        return self.model.rotary_emb
+
+    # -- checkpoint mapping ------------------------------------------------------------------
+    def checkpoint_table(self) -> dict[str, CheckpointSlot]:
+        """``{checkpoint tensor name: slot}``; the tied lm_head is filled from the embedding."""
+        table = checkpoint_layout(self)
+        if self.config.tie_word_embeddings:
+            table.pop("lm_head.weight", None)
+        return table
+
+    def is_ignored_checkpoint_name(self, name: str) -> bool:
+        if self.config.tie_word_embeddings and name == "lm_head.weight":
+            return True
+        return any(re.search(p, name) for p in self.ignored_checkpoint_names)
+
+    def tied_parameters(self) -> dict[str, str]:
+        """``{parameter: parameter it shares storage with}``."""
+        return {"lm_head.weight": "model.embed_tokens.weight"} if self.config.tie_word_embeddings else {}
+
+    # -- runtime hooks -----------------------------------------------------------------------
+    def _update_model_inputs(self, meta: Mapping[str, torch.Tensor]) -> tuple[dict, dict, dict]:
+        """Extra ``(engine inputs, engine outputs, runtime params)`` for this step (default none)."""
+        return {}, {}, {}
+
+    def bind(self, weights: Mapping[str, torch.Tensor], kv_caches: Iterable[tuple[torch.Tensor, torch.Tensor]],
+             block_size: int) -> None:
+        """Attach real weights and KV caches; engines built later bind them by name."""
+        caches = list(kv_caches)
+        if len(caches) != self.config.num_hidden_layers:
+            raise GraphDSLError(f"bind: expected {self.config.num_hidden_layers} (key, value) cache pairs, "
+                                f"got {len(caches)}")
+        bound = dict(weights)
+        for i, (k, v) in enumerate(caches):
+            bound[KVCacheSpec.key_name(i)], bound[KVCacheSpec.value_name(i)] = k, v
+        k0 = caches[0][0]
+        spec = KVCacheSpec(len(caches), k0.shape[2], k0.shape[3], block_size, k0.dtype)
+        object.__setattr__(self, "_bound", bound)
+        object.__setattr__(self, "_cache_spec", spec)
+        self._engines.clear()
+
+    def execute(self, phase: Phase, inputs: Mapping[str, torch.Tensor]) -> torch.Tensor:
+        raise GraphDSLError(f"{type(self).__name__} is not runnable: decorate the class with @to_engine()")
+
+    def engine(self, phase: Phase):
+        raise GraphDSLError(f"{type(self).__name__} is not runnable: decorate the class with @to_engine()")
+
+
+def to_engine(*features: str):
+    """Class decorator making a :class:`FlashCausalLM` subclass runnable through cached engines.
+
+    ``features`` name graph variants (LoRA, ...) this class builds in; the engine cache key is
+    ``(phase, frozenset(features))``.
+    """
+    for f in features:
+        if not isinstance(f, str):
+            raise GraphDSLError(f"to_engine: features must be strings, got {f!r}")
+
+    def deco(cls):
+        if not (isinstance(cls, type) and issubclass(cls, FlashCausalLM)):
+            raise GraphDSLError(f"to_engine decorates FlashCausalLM subclasses, got {cls!r}")
+        cls.engine_features = frozenset(features)
+        cls.engine = _engine
+        cls.execute = _execute
+        return cls
+    return deco
+
+
+def _engine(self: FlashCausalLM, phase: Phase):
+    """The engine for ``phase`` and this class's features, recorded and built on first use."""
+    if not isinstance(phase, Phase):
+        raise GraphDSLError(f"phase must be a Phase, one of {[p.value for p in Phase]}, got {phase!r}")
+    if self._cache_spec is None:
+        raise GraphDSLError(f"{type(self).__name__}: call bind(weights, kv_caches, block_size) before running")
+    key = (phase, self.engine_features)
+    engine = self._engines.get(key)
+    if engine is None:
+        ctx = ForwardContext.symbolic(phase, self._cache_spec, self.config.rotary_dim)
+        with Network(f"{type(self).__name__}.{phase.value}") as net:
+            net.mark_output(self(ctx), "logits")
+        device = next(iter(self._bound.values())).device
+        engine = net.build_engine(device=device)
+        engine.set_weights({n: t for n, t in self._bound.items() if n in engine.net.inputs})
+        self._engines[key] = engine
+    return engine
+
+
+def _execute(self: FlashCausalLM, phase: Phase, inputs: Mapping[str, torch.Tensor]) -> torch.Tensor:
+    """Run one step. ``inputs`` holds the :meth:`ForwardContext.input_names` tensors but cos/sin,
+    which come from the rotary tables here. Returns float32 logits."""
+    engine = self.engine(phase)
+    feed = dict(inputs)
+    feed["cos"], feed["sin"] = self.rotary.cos_sin(feed["positions"])
+    extra_in, extra_out, runtime_params = self._update_model_inputs(feed)
+    feed.update(extra_in)
+    names = engine.net.inputs
+    out = engine.forward({k: v for k, v in feed.items() if k in names}, extra_out or None, runtime_params or None)
+    return out["logits"]

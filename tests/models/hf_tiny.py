@@ -1,0 +1,64 @@
+"""Tiny random HF checkpoints for the model tests (built with transformers, saved as safetensors)."""
+from __future__ import annotations
+
+import torch
+
+TINY = dict(vocab_size=160, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+            num_key_value_heads=2, max_position_embeddings=256, rms_norm_eps=1e-5)
+
+
+def make_config(family: str, **overrides):
+    """A transformers config of ``family`` with the tiny geometry."""
+    import transformers as tf
+    kw = dict(TINY)
+    if family == "llama":
+        cls = tf.LlamaConfig
+    elif family == "mistral":
+        cls = tf.MistralConfig
+        kw.update(sliding_window=8)
+    elif family == "qwen2":
+        cls = tf.Qwen2Config
+    elif family == "qwen3":
+        cls = tf.Qwen3Config
+        kw.update(head_dim=32)
+    elif family == "qwen2_moe":
+        cls = tf.Qwen2MoeConfig
+        kw.update(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
+                  shared_expert_intermediate_size=48, norm_topk_prob=False)
+    else:
+        raise ValueError(family)
+    kw.update(overrides)
+    return cls(**kw)
+
+
+def make_checkpoint(family: str, directory, *, seed: int = 0, max_shard_size=None, **overrides):
+    """Build a random ``family`` model, save it to ``directory``; return the HF model (eval, float32)."""
+    import transformers as tf
+    torch.manual_seed(seed)
+    config = make_config(family, **overrides)
+    model = tf.AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
+    with torch.no_grad():   # HF init is tiny (std 0.02); widen it so logits are far from ties
+        for name, p in model.named_parameters():
+            if p.dim() >= 2:
+                p.normal_(0.0, 0.15)
+            elif "norm" in name:
+                p.uniform_(0.8, 1.2)
+            else:
+                p.normal_(0.0, 0.1)
+    kw = {} if max_shard_size is None else {"max_shard_size": max_shard_size}
+    model.save_pretrained(directory, **kw)
+    model.generation_config.eos_token_id = None     # compare full-length greedy continuations
+    model.generation_config.pad_token_id = 0
+    return model
+
+
+def hf_logits(model, ids: list[int]) -> torch.Tensor:
+    with torch.no_grad():
+        return model(torch.tensor([ids])).logits[0].float()
+
+
+def hf_greedy(model, ids: list[int], n: int) -> list[int]:
+    with torch.no_grad():
+        out = model.generate(torch.tensor([ids]), max_new_tokens=n, do_sample=False, eos_token_id=None,
+                             attention_mask=torch.ones(1, len(ids), dtype=torch.long))
+    return out[0, len(ids):].tolist()
