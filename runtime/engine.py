@@ -39,8 +39,14 @@ class Engine:
     """A compiled network. Build one with ``net.build_engine()``; see the module docstring."""
 
     def __init__(self, net: Network, backend, *, device=None, recorded: Network | None = None,
-                 build_report: list[tuple[str, float, str]] | None = None):
+                 build_report: list[tuple[str, float, str]] | None = None, pass_report=None,
+                 fold_constants: bool = True):
         self.net = net
+        self.pass_report = pass_report          # graphdsl.passes.BuildReport (None: built without passes)
+        self.fold_constants = fold_constants
+        self._folded: dict = {}                 # tensor -> value computed once from bound weights
+        self._folded_from: set[str] = set()     # weight names the folded values were computed from
+        self._run_nodes = list(net.nodes)
         self.recorded = recorded
         self.backend = backend
         self.device = None if device is None else torch.device(device)
@@ -67,8 +73,8 @@ class Engine:
 
     @property
     def num_launches(self) -> int:
-        """Kernel launches per forward (what fusion reduces)."""
-        return self.backend.launches(self.net)
+        """Kernel launches per forward (what fusion and constant folding reduce)."""
+        return self.backend.launches(self._run_nodes)
 
     def set_weights(self, weights: Mapping[str, torch.Tensor]) -> None:
         """Bind tensors once (weights) instead of passing them on every call; checked like inputs."""
@@ -82,6 +88,23 @@ class Engine:
                     and tuple(w.shape) != declared.shape:
                 raise BindError(f"weight '{name}': expected shape {shape_str(declared.shape)}, got {list(w.shape)}")
         self._weights.update(weights)
+        if self.fold_constants:
+            self._fold()
+
+    def _fold(self) -> None:
+        """Evaluate the nodes that depend only on bound weights, once (constant folding)."""
+        from graphdsl.passes.constant_fold import parameter_only_nodes
+        nodes = parameter_only_nodes(self.net, set(self._weights))
+        values = {t: self._weights[name] for name, t in self.net.inputs.items() if name in self._weights}
+        for node in nodes:
+            attrs = {k: v for k, v in node.attrs.items()}
+            for t, r in zip(node.outputs, node.opdef.run([values[x] for x in node.inputs], attrs)):
+                values[t] = r
+        self._folded = {t: values[t] for n in nodes for t in n.outputs}
+        folded_nodes = set(nodes)
+        self._folded_from = {name for name, t in self.net.inputs.items()
+                             if name in self._weights and any(t in n.inputs for n in nodes)}
+        self._run_nodes = [n for n in self.net.nodes if n not in folded_nodes]
 
     def forward(self, inputs: Mapping[str, torch.Tensor], outputs: Mapping[str, torch.Tensor] | None = None,
                 runtime_params: Mapping | None = None) -> dict[str, torch.Tensor]:
@@ -109,7 +132,11 @@ class Engine:
             if t.producer is not None and t not in self._aliases and t not in storage:
                 storage[t] = outs[name]
         values = {t: feed[name] for name, t in self.net.inputs.items() if name in feed}
-        self.backend.run(self.net.nodes, values, plan.attrs, storage)
+        nodes = self.net.nodes
+        if self._folded and not self._folded_from.intersection(inputs):
+            values.update(self._folded)
+            nodes = self._run_nodes
+        self.backend.run(nodes, values, plan.attrs, storage)
         for name, t in self.net.outputs.items():
             if values[t] is not outs[name]:
                 outs[name].copy_(values[t])
@@ -214,9 +241,18 @@ class Engine:
                  + f"   kernel launches per forward: {self.num_launches}",
                  "  inputs:  " + ", ".join(f"{n} {shape_str(t.shape)} {dtype_str(t.dtype)}"
                                            for n, t in net.inputs.items()),
-                 f"  weights bound: {len(self._weights)}",
+                 f"  weights bound: {len(self._weights)}"
+                 + (f"   folded constants: {len(self._folded)} (computed once from weights)" if self._folded else ""),
                  "  outputs: " + ", ".join(f"{n} {shape_str(t.shape)} {dtype_str(t.dtype)}"
                                            for n, t in net.outputs.items())]
+        fused = [n for n in self._run_nodes if n.op in _FUSED_OPS]
+        if fused:
+            by_op: dict[str, int] = {}
+            for n in fused:
+                by_op[n.op] = by_op.get(n.op, 0) + 1
+            absorbed = sum(len(n.attrs.get("absorbed", ())) for n in fused if n.op == "fused")
+            lines.append(f"  fused kernels: {len(fused)} (" + ", ".join(f"{k} x{v}" for k, v in sorted(by_op.items()))
+                         + f"; generic groups absorb {absorbed} recorded ops)")
         if self.build_report:
             lines.append("  build: " + ", ".join(f"{stage} {sec * 1e3:.1f} ms" + (f" ({info})" if info else "")
                                                  for stage, sec, info in self.build_report))
@@ -241,7 +277,43 @@ class Engine:
                  for p in self._plans.values()]
         (d / "plan.txt").write_text("\n\n".join(plans) + "\n" if plans else "no shape plan yet (no forward call)\n")
         (d / "summary.txt").write_text(self.summary() + "\n")
+        if self.pass_report is not None:
+            (d / "build_report.txt").write_text(str(self.pass_report) + "\n")
+            (d / "fusion_report.txt").write_text(self.fusion_report() + "\n")
+        sources = getattr(self.backend, "sources", {})
+        if sources:
+            (d / "kernels").mkdir(exist_ok=True)
+            for name, src in sources.items():
+                (d / "kernels" / f"{name.replace(':', '_')}.py").write_text(src)
         return d
+
+    def fusion_report(self, *, rule: str | None = None) -> str:
+        """"Why didn't this fuse?": per rule, what fused and each place that almost matched, with the
+        reason (extra user, dtype, shape, disabled pass, ...), module path and source line."""
+        rep = self.pass_report
+        if rep is None:
+            return "no fusion report: this engine was built without the pass manager"
+        by_rule: dict[str, list] = {}
+        for m in rep.near_misses:
+            if rule is None or m.rule == rule:
+                by_rule.setdefault(m.rule, []).append(m)
+        applied: dict[str, int] = {}
+        for r, _, _ in rep.applied:
+            applied[r] = applied.get(r, 0) + 1
+        names = sorted(set(by_rule) | ({r for r in applied if rule is None or r == rule}))
+        lines = [f"fusion report for '{self.net.name}'"
+                 + (f" (disabled passes: {', '.join(rep.disabled)})" if rep.disabled else "")]
+        for r in names:
+            misses = by_rule.get(r, [])
+            lines.append(f"  {r}: fused {applied.get(r, 0)}, near misses {len(misses)}")
+            for m in misses:
+                lines.append(f"    - {m}")
+        if len(lines) == 1:
+            lines.append("  nothing to report")
+        return "\n".join(lines)
+
+
+_FUSED_OPS = {"fused", "add_rms_norm", "silu_mul", "rope_cache", "matmul_add"}
 
 
 def _resolve(v, binding, params):

@@ -15,9 +15,10 @@ __all__ = ["TorchBackend"]
 class TorchBackend:
     name = "torch"
 
-    def launches(self, net) -> int:
-        """Kernel launches per forward: every node but views."""
-        return sum(1 for n in net.nodes if n.category is not OpCategory.VIEW)
+    def launches(self, net_or_nodes) -> int:
+        """Kernel launches per forward: every node but views (a network or a list of nodes)."""
+        nodes = getattr(net_or_nodes, "nodes", net_or_nodes)
+        return sum(1 for n in nodes if n.category is not OpCategory.VIEW)
 
     def run(self, nodes, values: dict, attrs: dict, storage: dict) -> None:
         """Execute ``nodes`` in order.

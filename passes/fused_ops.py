@@ -1,0 +1,133 @@
+"""Fused ops that the fusion passes put into graphs.
+
+Each is an ordinary :class:`~graphdsl.opdef.OpDef` registered from here: a shape rule, a torch
+reference that is the composition of the ops it replaces (so the ``torch`` backend runs fused
+graphs unchanged and every rewrite can be checked numerically), and the math in its docstring.
+Backends may lower them to dedicated kernels (``graphdsl.runtime``).
+
+``fused`` is the generic one: its attributes hold a *sub-program* — a tuple of instructions
+``(op_name, arg_refs, attr_pairs)`` where a ref ``< len(inputs)`` names an input and a larger ref
+names the result of instruction ``ref - len(inputs)`` — so it stays JSON-serialisable and its
+shape rule and reference simply interpret the sub-program with the member ops' own rules.
+"""
+from __future__ import annotations
+
+import torch
+
+from graphdsl.dim import shape_str
+from graphdsl.errors import GraphDSLError
+from graphdsl.functional import attention as _attn
+from graphdsl.functional._rules import binary_rule
+from graphdsl.opdef import OpCategory, Spec, check, get_op, register_op
+
+__all__ = ["add_rms_norm", "silu_mul", "rope_cache", "matmul_add", "fused", "program_ops",
+           "FUSED_OPS"]
+
+
+# -- residual add + RMSNorm ----------------------------------------------------------------
+def _add_rms_norm_rule(x: Spec, residual: Spec, weight: Spec, *, eps=1e-6):
+    s = binary_rule("add_rms_norm")(x, residual)
+    normed = get_op("rms_norm").shape(s, weight, eps=eps)
+    return normed, s
+
+
+@register_op("add_rms_norm", category=OpCategory.REDUCTION, shape=_add_rms_norm_rule, num_outputs=2)
+def add_rms_norm(x, residual, weight, *, eps=1e-6):
+    """s = x + residual;  normed = rms_norm(s, weight, eps).  Returns (normed, s): the normed value
+    and the new residual stream, in one pass over the row."""
+    s = torch.add(x, residual)
+    return get_op("rms_norm").reference(s, weight, eps=eps), s
+
+
+# -- SwiGLU on a packed [gate | up] projection -----------------------------------------------
+def _silu_mul_rule(x: Spec):
+    check(len(x.shape) >= 1, "silu_mul", f"input must have rank >= 1, got {shape_str(x.shape)}")
+    last = x.shape[-1]
+    if isinstance(last, int):
+        check(last % 2 == 0, "silu_mul", f"last dim must be even ([gate | up]), got {last}")
+    check(x.dtype.is_floating_point, "silu_mul", f"needs a floating dtype, got {x.dtype}")
+    return Spec(tuple(x.shape[:-1]) + (last // 2,), x.dtype)
+
+
+@register_op("silu_mul", category=OpCategory.CUSTOM, shape=_silu_mul_rule)
+def silu_mul(x):
+    """gate, up = x[..., :I], x[..., I:] (I = last dim / 2);  out = silu(gate) * up."""
+    gate, up = torch.split(x, x.shape[-1] // 2, dim=-1)
+    return torch.mul(torch.nn.functional.silu(gate), up)
+
+
+# -- RoPE on q and k + paged KV-cache write --------------------------------------------------
+def _rope_cache_rule(q: Spec, k: Spec, v: Spec, key_cache: Spec, value_cache: Spec, cos: Spec, sin: Spec,
+                     slot_mapping: Spec, *, layout=_attn.RopeLayout.NEOX):
+    q2, k2 = get_op("rope").shape(q, k, cos, sin, layout=layout)
+    kc, vc = get_op("reshape_and_cache").shape(k2, v, key_cache, value_cache, slot_mapping)
+    return q2, kc, vc
+
+
+@register_op("rope_cache", category=OpCategory.CUSTOM, shape=_rope_cache_rule, num_outputs=3,
+             inplace={1: 3, 2: 4})
+def rope_cache(q, k, v, key_cache, value_cache, cos, sin, slot_mapping, *, layout=_attn.RopeLayout.NEOX):
+    """q', k' = rope(q, k, cos, sin, layout);  key_cache[slot[t]] = k'[t], value_cache[slot[t]] = v[t]
+    (slot >= 0).  Returns (q', key_cache, value_cache); the caches are written in place and k'
+    never reaches memory except in the cache."""
+    q2, k2 = get_op("rope").reference(q, k, cos, sin, layout=layout)
+    kc, vc = get_op("reshape_and_cache").reference(k2, v, key_cache, value_cache, slot_mapping)
+    return q2, kc, vc
+
+
+# -- matmul with an add epilogue (bias or residual) ---------------------------------------------
+def _matmul_add_rule(a: Spec, b: Spec, c: Spec, *, transpose_a=False, transpose_b=False):
+    m = get_op("matmul").shape(a, b, transpose_a=transpose_a, transpose_b=transpose_b)
+    return binary_rule("matmul_add")(m, c)
+
+
+@register_op("matmul_add", category=OpCategory.MATMUL, shape=_matmul_add_rule)
+def matmul_add(a, b, c, *, transpose_a=False, transpose_b=False):
+    """op(a) @ op(b) + c, op = transpose of the last two dims when the flag is set; c is a bias
+    (broadcast over rows) or a residual of the product's shape. One GEMM with a beta=1 epilogue."""
+    return torch.add(get_op("matmul").reference(a, b, transpose_a=transpose_a, transpose_b=transpose_b), c)
+
+
+# -- generic fused group -------------------------------------------------------------------------
+def program_ops(program) -> list[str]:
+    """The op names of a ``fused`` sub-program, in order."""
+    return [ins[0] for ins in program]
+
+
+def _interpret(program, n_inputs: int, values: list, step):
+    vals = list(values)
+    for op, refs, attr_pairs in program:
+        for r in refs:
+            if not 0 <= r < len(vals):
+                raise GraphDSLError(f"fused: instruction {op} reads ref {r}, but only {len(vals)} values exist")
+        vals.append(step(get_op(op), [vals[r] for r in refs], dict(attr_pairs)))
+    return vals
+
+
+def _fused_count(attrs) -> int:
+    return len(attrs["outputs"])
+
+
+def _fused_rule(*specs: Spec, program=(), outputs=(), absorbed=()):
+    def step(opdef, ins, attrs):
+        out = opdef.infer(list(ins), attrs)
+        check(len(out) == 1, "fused", f"member op '{opdef.name}' has {len(out)} outputs; only single-output ops fuse")
+        return out[0]
+    vals = _interpret(program, len(specs), list(specs), step)
+    return tuple(vals[r] for r in outputs)
+
+
+@register_op("fused", category=OpCategory.CUSTOM, shape=_fused_rule, num_outputs=_fused_count)
+def fused(*inputs, program=(), outputs=(), absorbed=()):
+    """A fused group of pointwise ops, optionally ending in one row reduction, run as one kernel.
+
+    ``program`` is a tuple of ``(op, refs, attr_pairs)``; refs below ``len(inputs)`` name inputs,
+    ref ``len(inputs) + i`` names instruction i's result; ``outputs`` lists the refs returned;
+    ``absorbed`` names the recorded nodes the group replaced. The reference runs each member op's
+    own torch reference in order."""
+    vals = _interpret(program, len(inputs), list(inputs), lambda opdef, ins, attrs: opdef.run(ins, attrs)[0])
+    return tuple(vals[r] for r in outputs)
+
+
+FUSED_OPS = {"add_rms_norm": add_rms_norm, "silu_mul": silu_mul, "rope_cache": rope_cache,
+             "matmul_add": matmul_add, "fused": fused}

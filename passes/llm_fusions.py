@@ -1,0 +1,151 @@
+"""The LLM fusion rules: each a pattern written like the model code it matches.
+
+* ``add_rms_norm``  — ``s = x + residual; rms_norm(s)`` -> one row kernel returning (normed, s)
+* ``swiglu``        — ``silu(gate) * up`` over a packed gate/up projection -> ``silu_mul``; two
+  separate gate and up projections of the same input become one projection of the concatenated
+  weights (a parameter-only ``cat``, folded once when weights are bound) feeding ``silu_mul``
+* ``rope_cache``    — ``rope`` of q/k whose k goes straight into ``reshape_and_cache`` -> one kernel
+* ``matmul_epilogue`` — ``matmul + bias`` / ``matmul + residual`` -> one GEMM with a beta=1
+  epilogue. It runs after ``add_rms_norm``: an add that feeds an RMSNorm saves more by joining the
+  norm's row kernel (no extra read of the sum) than by joining the GEMM, so only adds left over
+  (biases, residuals not followed by a norm) go to the GEMM.
+"""
+from __future__ import annotations
+
+from graphdsl import functional as F
+
+from .fused_ops import add_rms_norm, matmul_add, rope_cache, silu_mul
+from .rewriter import Rule, Var, ops
+from .shapes import same_extent_value, same_shape
+
+__all__ = ["ADD_RMS_NORM_RULES", "SWIGLU_RULES", "ROPE_CACHE_RULES", "MATMUL_EPILOGUE_RULES"]
+
+
+# -- residual add + RMSNorm ----------------------------------------------------------------------
+def _add_norm_pattern(x, residual, weight):
+    s = x + residual
+    return F.rms_norm(s, weight, eps=Var("eps")), s
+
+
+def _add_norm_replacement(x, residual, weight, *, eps):
+    return add_rms_norm(x, residual, weight, eps=eps)
+
+
+def _add_norm_check(m):
+    x, r = m.inputs["x"], m.inputs["residual"]
+    if not same_shape(x.shape, r.shape):
+        return f"shape: the add broadcasts ({x.shape} + {r.shape}); a residual add has equal shapes"
+    if x.dtype != r.dtype:
+        return f"dtype: x is {x.dtype} but the residual is {r.dtype}"
+    return True
+
+
+ADD_RMS_NORM_RULES = [Rule("add_rms_norm", _add_norm_pattern, _add_norm_replacement, _add_norm_check)]
+
+
+# -- SwiGLU --------------------------------------------------------------------------------------
+def _swiglu_pattern(x):
+    gate, up = ops.split(x, sections=2, dim=Var("dim"))
+    return F.silu(gate) * up
+
+
+def _swiglu_pattern_swapped(x):
+    gate, up = ops.split(x, sections=2, dim=Var("dim"))
+    return up * F.silu(gate)
+
+
+def _swiglu_replacement(x):
+    return silu_mul(x)
+
+
+def _swiglu_check(m):
+    x, dim = m.inputs["x"], m.vars["dim"]
+    if x.shape is None:
+        return "shape: input shape unknown while building"
+    if dim not in (-1, len(x.shape) - 1):
+        return f"shape: splits dim {dim}, silu_mul splits the last dim"
+    if x.dtype is None or not x.dtype.is_floating_point:
+        return f"dtype: {x.dtype} is not a floating dtype"
+    return True
+
+
+def _gate_up_pattern(x, w_gate, w_up):
+    g = ops.matmul(x, w_gate, transpose_a=False, transpose_b=Var("tb"))
+    u = ops.matmul(x, w_up, transpose_a=False, transpose_b=Var("tb"))
+    return F.silu(g) * u
+
+
+def _gate_up_replacement(x, w_gate, w_up, *, tb):
+    w = F.cat([w_gate, w_up], dim=0 if tb else 1)
+    return silu_mul(ops.matmul(x, w, transpose_a=False, transpose_b=tb))
+
+
+def _gate_up_check(m):
+    wg, wu = m.inputs["w_gate"], m.inputs["w_up"]
+    if wg.producer is not None or wu.producer is not None:
+        return "gate/up weights are computed in the graph, not weights (the concatenation would not fold)"
+    if not same_shape(wg.shape, wu.shape) or len(wg.shape) != 2:
+        return f"shape: gate weight {wg.shape} and up weight {wu.shape} differ or are not 2-D"
+    if wg.dtype != wu.dtype:
+        return f"dtype: gate weight is {wg.dtype}, up weight {wu.dtype}"
+    return True
+
+
+SWIGLU_RULES = [Rule("swiglu", _swiglu_pattern, _swiglu_replacement, _swiglu_check),
+                Rule("swiglu_swapped", _swiglu_pattern_swapped, _swiglu_replacement, _swiglu_check),
+                Rule("gate_up_swiglu", _gate_up_pattern, _gate_up_replacement, _gate_up_check)]
+
+
+# -- RoPE + KV-cache write -----------------------------------------------------------------------
+def _rope_cache_pattern(q, k, v, key_cache, value_cache, cos, sin, slot_mapping):
+    q2, k2 = ops.rope(q, k, cos, sin, layout=Var("layout"))
+    kc, vc = ops.reshape_and_cache(k2, v, key_cache, value_cache, slot_mapping)
+    return q2, kc, vc
+
+
+def _rope_cache_replacement(q, k, v, key_cache, value_cache, cos, sin, slot_mapping, *, layout):
+    return rope_cache(q, k, v, key_cache, value_cache, cos, sin, slot_mapping, layout=layout)
+
+
+def _rope_cache_check(m):
+    k, v = m.inputs["k"], m.inputs["v"]
+    if k.dtype != v.dtype:
+        return f"dtype: k is {k.dtype}, v is {v.dtype}"
+    return True
+
+
+ROPE_CACHE_RULES = [Rule("rope_cache", _rope_cache_pattern, _rope_cache_replacement, _rope_cache_check)]
+
+
+# -- matmul epilogue ------------------------------------------------------------------------------
+def _epilogue_pattern(a, b, c):
+    return ops.matmul(a, b, transpose_a=Var("ta"), transpose_b=Var("tb")) + c
+
+
+def _epilogue_pattern_swapped(a, b, c):
+    return c + ops.matmul(a, b, transpose_a=Var("ta"), transpose_b=Var("tb"))
+
+
+def _epilogue_replacement(a, b, c, *, ta, tb):
+    return matmul_add(a, b, c, transpose_a=ta, transpose_b=tb)
+
+
+def _epilogue_check(m):
+    a, b, c = m.inputs["a"], m.inputs["b"], m.inputs["c"]
+    prod = m.node("matmul").outputs[0]
+    if a.shape is None or b.shape is None or c.shape is None:
+        return "shape: unknown while building"
+    if len(a.shape) != 2 or len(b.shape) != 2:
+        return f"shape: only 2-D GEMMs take an epilogue here, got {a.shape} @ {b.shape}"
+    if c.dtype != prod.dtype:
+        return f"dtype: the addend is {c.dtype}, the product {prod.dtype}"
+    full = same_shape(c.shape, prod.shape)
+    bias = len(c.shape) == 1 and same_extent_value(c.shape[0], prod.shape[1])
+    if not (full or bias):
+        return f"shape: addend {c.shape} is neither a bias [{prod.shape[1]}] nor a residual {prod.shape}"
+    return True
+
+
+MATMUL_EPILOGUE_RULES = [Rule("matmul_epilogue", _epilogue_pattern, _epilogue_replacement, _epilogue_check),
+                         Rule("matmul_epilogue_swapped", _epilogue_pattern_swapped, _epilogue_replacement,
+                              _epilogue_check)]

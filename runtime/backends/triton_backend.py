@@ -1,0 +1,193 @@
+"""The Triton backend: generated kernels for fused groups, cuBLAS (through torch) for matmuls.
+
+Per node, by what the node is:
+
+* ``fused``, ``add_rms_norm``, ``silu_mul`` — one generated ``@triton.jit`` kernel each
+  (:mod:`graphdsl.runtime.codegen.fused`), writing straight into the node's arena slot;
+* ``rope_cache`` — its own kernel (:mod:`graphdsl.runtime.codegen.rope_cache`), caches in place;
+* matmuls — ``torch.matmul(..., out=slot)`` / ``torch.addmm`` (cuBLAS on CUDA, its epilogue adds
+  the bias or residual);
+* anything else — the op's torch reference, copied into its slot (views alias their source).
+
+Kernels are prepared once per node and operand signature (shapes, strides, dtypes) and cached.
+On CPU the same kernels run under ``TRITON_INTERPRET=1`` (how CI tests them).
+"""
+from __future__ import annotations
+
+import os
+
+import torch
+
+from graphdsl.errors import GraphDSLError
+from graphdsl.network import Node
+from graphdsl.opdef import OpCategory, Spec
+
+__all__ = ["TritonBackend", "triton_can_fuse"]
+
+
+def _interpreting() -> bool:
+    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+
+
+def triton_can_fuse(node: Node) -> str | None:
+    """Narrow generic fusion to what the generated kernels compute."""
+    from graphdsl.functional import scalar
+    from graphdsl.passes.generic_fusion import default_can_fuse
+
+    from ..codegen.fused import MAX_ROW
+    from ..codegen.lowering import POINTWISE, POW_EXPONENTS, ROW_REDUCTIONS, TL_DTYPES
+    reason = default_can_fuse(node)
+    if reason is not None:
+        return reason
+    for t in list(node.inputs) + list(node.outputs):
+        if t.dtype not in TL_DTYPES:
+            return f"dtype: {t.dtype} has no Triton type here"
+    if node.category is OpCategory.REDUCTION:
+        if node.op not in ROW_REDUCTIONS:
+            return f"no generated lowering for reduction '{node.op}' (have {list(ROW_REDUCTIONS)})"
+        last = node.inputs[0].shape[-1]
+        if isinstance(last, int) and last > MAX_ROW:
+            return f"shape: row of {last} exceeds the {MAX_ROW} a row kernel holds"
+        if node.op in ("sum", "max", "mean") and not node.outputs[0].dtype.is_floating_point:
+            return f"dtype: integer {node.op} is not generated"
+        return None
+    if node.op not in POINTWISE:
+        return f"no generated lowering for pointwise op '{node.op}'"
+    if node.op == "pow":
+        e = node.inputs[1].producer
+        if e is None or e.opdef is not scalar.opdef or e.attrs.get("value") not in POW_EXPONENTS:
+            return f"pow: only constant exponents {list(POW_EXPONENTS)} are generated"
+    return None
+
+
+class TritonBackend:
+    name = "triton"
+
+    def __init__(self):
+        self._prepared: dict = {}
+        self._single: dict = {}                 # node -> generated as a one-op kernel?
+        self.sources: dict[str, str] = {}       # node name -> generated kernel source (for dumps)
+        from .torch_backend import TorchBackend
+        self._reference = TorchBackend()
+
+    # -- build time ----------------------------------------------------------------------------
+    can_fuse = staticmethod(triton_can_fuse)
+
+    def launches(self, net_or_nodes) -> int:
+        """Kernel launches per forward: one per node except views."""
+        nodes = getattr(net_or_nodes, "nodes", net_or_nodes)
+        return sum(1 for n in nodes if n.category is not OpCategory.VIEW)
+
+    def fused_groups(self, nodes) -> int:
+        return sum(1 for n in nodes if n.op in ("fused", "add_rms_norm", "silu_mul", "rope_cache", "matmul_add"))
+
+    # -- run -----------------------------------------------------------------------------------
+    def run(self, nodes, values: dict, attrs: dict, storage: dict) -> None:
+        for node in nodes:
+            ins = [values[t] for t in node.inputs]
+            if ins and ins[0].device.type == "cpu" and not _interpreting() and _needs_triton(node):
+                raise GraphDSLError(f"backend 'triton' runs on CUDA, or on CPU with TRITON_INTERPRET=1; node "
+                                    f"'{node.name}' ({node.op}) got CPU tensors (use backend='torch' on CPU)")
+            lower = _LOWERINGS.get(node.op)
+            if lower is None and node.category is OpCategory.MATMUL:
+                lower = _matmul
+            if lower is None and self._lone_fusable(node):
+                lower = _single
+            if lower is None:
+                self._reference.run([node], values, attrs, storage)
+                continue
+            dsts = [self._dst(t, storage, node, attrs[node], ins, i) for i, t in enumerate(node.outputs)]
+            outs = lower(self, node, ins, attrs[node], dsts)
+            for t, r in zip(node.outputs, outs):
+                values[t] = r
+
+    def _lone_fusable(self, node) -> bool:
+        ok = self._single.get(node)
+        if ok is None:
+            from graphdsl.functional import scalar
+            ok = self._single[node] = (node.category in (OpCategory.POINTWISE, OpCategory.REDUCTION)
+                                       and node.opdef is not scalar.opdef and triton_can_fuse(node) is None)
+        return ok
+
+    def _dst(self, t, storage, node, attrs, ins, i):
+        d = storage.get(t)
+        if d is not None or i in node.opdef.inplace:
+            return d
+        specs = node.opdef.infer([Spec(tuple(x.shape), x.dtype) for x in ins], attrs)
+        return torch.empty(specs[i].shape, dtype=specs[i].dtype, device=ins[0].device)
+
+    def _kernel(self, node, program, outputs, ins, dsts):
+        key = (node, program, tuple((tuple(x.shape), x.stride(), x.dtype) for x in list(ins) + list(dsts)))
+        hit = self._prepared.get(key)
+        if hit is None:
+            from ..codegen.fused import prepare_fused
+            hit = self._prepared[key] = prepare_fused(program, outputs, ins, dsts)
+            self.sources[node.name] = hit[0].source
+        return hit
+
+
+def _needs_triton(node) -> bool:
+    return node.op in _LOWERINGS or node.category in (OpCategory.POINTWISE, OpCategory.REDUCTION)
+
+
+def _single(be: TritonBackend, node, ins, attrs, dsts):
+    n = len(ins)
+    program = ((node.op, tuple(range(n)), tuple(sorted(attrs.items()))),)
+    k, data = be._kernel(node, program, (n,), ins, dsts)
+    k([ins[r] for r in data], dsts)
+    return dsts
+
+
+def _fused(be: TritonBackend, node, ins, attrs, dsts):
+    k, data = be._kernel(node, attrs["program"], attrs["outputs"], ins, dsts)
+    k([ins[r] for r in data], dsts)
+    return dsts
+
+
+def _add_rms_norm(be: TritonBackend, node, ins, attrs, dsts):
+    from ..codegen.ops import add_rms_norm_program
+    k, data = be._kernel(node, add_rms_norm_program(attrs["eps"]), (4, 3), ins, dsts)
+    k([ins[r] for r in data], dsts)
+    return dsts
+
+
+def _silu_mul(be: TritonBackend, node, ins, attrs, dsts):
+    from ..codegen.ops import SILU_MUL_PROGRAM
+    x = ins[0]
+    half = x.shape[-1] // 2
+    halves = [x[..., :half], x[..., half:]]
+    k, data = be._kernel(node, SILU_MUL_PROGRAM, (3,), halves, dsts)
+    k([halves[r] for r in data], dsts)
+    return dsts
+
+
+def _rope_cache(be: TritonBackend, node, ins, attrs, dsts):
+    from ..codegen.rope_cache import rope_cache
+    q, k, v, kc, vc, cos, sin, slots = ins
+    q_out, kc, vc = rope_cache(q, k, v, kc, vc, cos, sin, slots, layout=attrs["layout"], q_out=dsts[0])
+    return [q_out, kc, vc]
+
+
+def _operands(ins, attrs):
+    a, b = ins[0], ins[1]
+    return (a.mT if attrs.get("transpose_a") else a), (b.mT if attrs.get("transpose_b") else b)
+
+
+def _matmul(be: TritonBackend, node, ins, attrs, dsts):
+    a, b = _operands(ins, attrs)
+    dst = dsts[0]
+    if node.op == "matmul_add":
+        c = ins[2]
+        if a.dim() == 2 and b.dim() == 2 and c.dtype == dst.dtype:
+            torch.addmm(c, a, b, out=dst)
+        else:
+            torch.add(torch.matmul(a, b), c, out=dst)
+        return [dst]
+    if node.op == "matmul":
+        torch.matmul(a, b, out=dst)
+        return [dst]
+    dst.copy_(node.opdef.run(ins, attrs)[0])
+    return [dst]
+
+
+_LOWERINGS = {"fused": _fused, "add_rms_norm": _add_rms_norm, "silu_mul": _silu_mul, "rope_cache": _rope_cache}

@@ -1,0 +1,121 @@
+"""``rope_cache``: rotary embedding of q and k, and the paged KV-cache write of k and v, in one kernel.
+
+The rotated k never goes to memory except into its cache slot, and q is read and written once.
+One program handles one token: all its query heads, then all its key/value heads.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+import triton
+import triton.language as tl
+
+from graphdsl.errors import GraphDSLError
+from graphdsl.functional.attention import RopeLayout
+
+from .fused import launch_config
+
+__all__ = ["rope_cache"]
+
+
+@triton.jit
+def _rotate(x_ptr, tok_off, head_stride, h, d, partner, c, s, sign, H: tl.constexpr, D: tl.constexpr):
+    """x' = x * c + sign * x[partner] * s over an [H, D] tile (c = 1, s = 0 on dims that do not rotate)."""
+    m = (h[:, None] < H) & (d[None, :] < D)
+    base = x_ptr + tok_off + h[:, None] * head_stride
+    x = tl.load(base + d[None, :], mask=m, other=0.0).to(tl.float32)
+    xp = tl.load(base + partner[None, :], mask=m, other=0.0).to(tl.float32)
+    return x * c[None, :] + sign[None, :] * xp * s[None, :], m
+
+
+@triton.jit
+def _rope_cache_kernel(
+    q_ptr,            # [T, HQ, D] query (last dim contiguous)
+    k_ptr,            # [T, HK, D] key
+    v_ptr,            # [T, HK, D] value
+    kc_ptr,           # [num_blocks, block_size, HK, D] key cache (contiguous), written in place
+    vc_ptr,           # [num_blocks, block_size, HK, D] value cache (contiguous), written in place
+    cos_ptr,          # [T, HALF] cos of position * frequency
+    sin_ptr,          # [T, HALF] sin
+    slot_ptr,         # [T] int slot = block * block_size + offset; < 0: padding, not written
+    qo_ptr,           # [T, HQ, D] rotated query out (contiguous)
+    q_st, q_sh,       # q token / head strides
+    k_st, k_sh,       # k token / head strides
+    v_st, v_sh,       # v token / head strides
+    cs_st,            # cos/sin token stride
+    HQ: tl.constexpr, HK: tl.constexpr,        # query / key-value heads
+    D: tl.constexpr,                           # head dim
+    HALF: tl.constexpr,                        # rotary dim / 2 (dims >= 2*HALF pass through)
+    GPTJ: tl.constexpr,                        # pairs (2i, 2i+1) instead of (i, i + HALF)
+    BLOCK_HQ: tl.constexpr, BLOCK_HK: tl.constexpr, BLOCK_D: tl.constexpr,
+):
+    """For token t, head h, rotating pair (a, b) with frequency i:
+        x'[a] = x[a] cos[t, i] - x[b] sin[t, i],   x'[b] = x[b] cos[t, i] + x[a] sin[t, i]
+    NEOX: a = i, b = i + HALF;  GPT-J: a = 2i, b = 2i + 1.  Computed in float32.
+    q_out[t] = q'[t];  key_cache.flat[slot[t]] = k'[t];  value_cache.flat[slot[t]] = v[t]  (slot >= 0)."""
+    t = tl.program_id(0).to(tl.int64)
+    d = tl.arange(0, BLOCK_D)
+    rot = d < 2 * HALF
+    if GPTJ:
+        partner = tl.where(d % 2 == 0, d + 1, d - 1)
+        freq = d // 2
+        sign = tl.where(d % 2 == 0, -1.0, 1.0)
+    else:
+        first = d < HALF
+        partner = tl.where(first, d + HALF, d - HALF)
+        freq = tl.where(first, d, d - HALF)
+        sign = tl.where(first, -1.0, 1.0)
+    partner = tl.where(rot, partner, d)
+    c = tl.load(cos_ptr + t * cs_st + freq, mask=rot, other=1.0).to(tl.float32)
+    s = tl.load(sin_ptr + t * cs_st + freq, mask=rot, other=0.0).to(tl.float32)
+
+    hq = tl.arange(0, BLOCK_HQ)
+    qr, mq = _rotate(q_ptr, t * q_st, q_sh, hq, d, partner, c, s, sign, HQ, D)
+    tl.store(qo_ptr + t * (HQ * D) + hq[:, None] * D + d[None, :], qr.to(qo_ptr.dtype.element_ty), mask=mq)
+
+    hk = tl.arange(0, BLOCK_HK)
+    kr, mk = _rotate(k_ptr, t * k_st, k_sh, hk, d, partner, c, s, sign, HK, D)
+    slot = tl.load(slot_ptr + t).to(tl.int64)
+    mk = mk & ((tl.zeros([BLOCK_HK, BLOCK_D], tl.int64) + slot) >= 0)
+    dst = slot * (HK * D) + hk[:, None] * D + d[None, :]
+    tl.store(kc_ptr + dst, kr.to(kc_ptr.dtype.element_ty), mask=mk)
+    v = tl.load(v_ptr + t * v_st + hk[:, None] * v_sh + d[None, :], mask=mk, other=0.0)
+    tl.store(vc_ptr + dst, v.to(vc_ptr.dtype.element_ty), mask=mk)
+
+
+def _launch(q, k, v, key_cache, value_cache, cos, sin, slot_mapping, q_out, layout: RopeLayout):
+    T, HQ, D = q.shape
+    HK = k.shape[1]
+    half = cos.shape[-1]
+    for name, x in (("q", q), ("k", k), ("v", v)):
+        if x.stride(-1) != 1:
+            raise GraphDSLError(f"rope_cache: {name} must have a contiguous last dim, got strides {x.stride()}")
+    for name, x in (("key_cache", key_cache), ("value_cache", value_cache), ("q_out", q_out)):
+        if not x.is_contiguous():
+            raise GraphDSLError(f"rope_cache: {name} must be contiguous, got strides {x.stride()}")
+    if cos.stride(-1) != 1 or sin.stride() != cos.stride():
+        raise GraphDSLError(f"rope_cache: cos/sin must share strides with a contiguous last dim, got "
+                            f"{cos.stride()} and {sin.stride()}")
+    if 2 * half > D:
+        raise GraphDSLError(f"rope_cache: rotary dim {2 * half} exceeds head_dim {D}")
+    block_d = 1 << math.ceil(math.log2(max(D, 1)))
+    bhq, bhk = (1 << math.ceil(math.log2(max(h, 1))) for h in (HQ, HK))
+    if bhq * block_d > 65536:
+        raise GraphDSLError(f"rope_cache: {HQ} heads x head_dim {D} exceed one program's tile (65536 elements)")
+    _, warps = launch_config(bhq * block_d, reduction=True)
+    if T == 0:
+        return
+    _rope_cache_kernel[(T,)](q, k, v, key_cache, value_cache, cos, sin, slot_mapping, q_out,
+                             q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
+                             cos.stride(0), HQ=HQ, HK=HK, D=D, HALF=half, GPTJ=layout is RopeLayout.GPTJ,
+                             BLOCK_HQ=bhq, BLOCK_HK=bhk, BLOCK_D=block_d, num_warps=min(warps, 8))
+
+
+def rope_cache(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
+               cos: torch.Tensor, sin: torch.Tensor, slot_mapping: torch.Tensor, *, layout=RopeLayout.NEOX,
+               q_out: torch.Tensor | None = None):
+    """Rotate q and k, write k' and v into the paged caches; returns (q', key_cache, value_cache)."""
+    q_out = torch.empty(q.shape, dtype=q.dtype, device=q.device) if q_out is None else q_out
+    _launch(q, k, v, key_cache, value_cache, cos, sin, slot_mapping, q_out, layout)
+    return q_out, key_cache, value_cache
