@@ -327,3 +327,44 @@ def test_added_token_dict_form_in_config(tmp_path):
     cfg["eos_token"] = {"__type": "AddedToken", "content": "<|im_end|>"}
     (tmp_path / "tokenizer_config.json").write_text(json.dumps(cfg))
     assert Tokenizer.from_pretrained(tmp_path).eos_token_ids == {2}
+
+
+# ---------------------------------------------------------------- GGUF files written with GGUFWriter
+
+def _write_tokenizer_gguf(path, meta: dict) -> None:
+    import numpy as np
+    from tests.helpers.gguf_files import write_gguf
+    meta = dict(meta)
+    meta.pop("general.architecture", None)
+    write_gguf(path, "llama", meta, {"output_norm.weight": (np.ones(4, np.float32), None)})
+
+
+def test_gguf_file_bpe_tokenizer_matches_hf_and_transformers_gguf(tmp_path, hf_dir):
+    from graphdsl.runtime.gguf import GGUFCheckpoint
+    hf = Tokenizer.from_pretrained(hf_dir)
+    ref_dir = transformers.AutoTokenizer.from_pretrained(str(hf_dir))
+    (tmp_path / "g").mkdir()                      # apart from hf_dir's tokenizer files
+    path = tmp_path / "g" / "tok.gguf"
+    _write_tokenizer_gguf(path, gguf_metadata_from(hf.backend))
+    ours = GGUFCheckpoint(path).tokenizer()
+    ref_gguf = transformers.AutoTokenizer.from_pretrained(str(path.parent), gguf_file="tok.gguf")
+    for text in TEXTS:
+        ids = ours.encode(text)
+        assert ids == hf.encode(text) == ref_dir.encode(text) == ref_gguf.encode(text), text
+        assert ours.decode(ids) == ref_dir.decode(ids, skip_special_tokens=True) == ref_gguf.decode(ids, skip_special_tokens=True)
+        assert ours.decode(ids, skip_special_tokens=False) == ref_gguf.decode(ids, skip_special_tokens=False)
+    msgs = [{"role": "user", "content": "hi"}]
+    assert ours.apply_chat_template(msgs) == ref_gguf.apply_chat_template(msgs, tokenize=False, add_generation_prompt=True)
+    assert ours.vocab_size == len(ref_gguf) and ours.eos_token_ids == {2} and ours.bos_token_id == 0
+
+
+def test_gguf_file_spm_tokenizer_matches_transformers_gguf(tmp_path):
+    from graphdsl.runtime.gguf import GGUFCheckpoint
+    path = tmp_path / "spm.gguf"
+    _write_tokenizer_gguf(path, spm_metadata())
+    ours = GGUFCheckpoint(path).tokenizer()
+    ref = transformers.AutoTokenizer.from_pretrained(str(tmp_path), gguf_file="spm.gguf")
+    for text in ["hello world", "hello é", "world hello hello", "  hello", "hello\nworld", "lord held"]:
+        ids = ours.encode(text)
+        assert ids == ref.encode(text), (text, ids, ref.encode(text))
+        assert ours.decode(ids) == ref.decode(ids, skip_special_tokens=True), text

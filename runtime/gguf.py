@@ -1,0 +1,409 @@
+"""GGUF checkpoints: metadata → HF config, tensors → HF parameter names, block dequantization.
+
+Reading goes through the ``gguf`` package's ``GGUFReader`` (memory-mapped); everything after the
+raw bytes is ours:
+
+- :func:`dequantize` turns the raw block bytes of one tensor into float32 (formats below);
+- :class:`GGUFCheckpoint` renames llama.cpp tensors to HF names, undoes the q/k row permutation
+  llama.cpp's converter applies to llama-architecture attention weights, builds a HF
+  ``config.json``-style dict from the ``{arch}.*`` metadata, and a :class:`Tokenizer` from
+  ``tokenizer.*``.
+
+Block formats (little endian; ``d``, ``m``, ``dmin`` are float16; ``y`` is the output):
+
+- ``Q8_0`` (32 values, 34 B): ``d, q[32] int8`` → ``y = d·q``.
+- ``Q4_0`` (32, 18 B): ``d, qs[16]``; value ``j < 16`` is the low nibble of ``qs[j]``, value
+  ``j + 16`` the high nibble → ``y = d·(nibble − 8)``.
+- ``Q4_1`` (32, 20 B): ``d, m, qs[16]`` → ``y = d·nibble + m``.
+- ``Q5_0`` (32, 22 B): ``d, qh u32, qs[16]``; bit ``j`` of ``qh`` is the fifth bit of value ``j``
+  → ``y = d·(q − 16)``.  ``Q5_1`` (32, 24 B): ``d, m, qh, qs`` → ``y = d·q + m``.
+- ``Q4_K`` (256, 144 B): ``d, dmin, scales[12], qs[128]``: eight sub-blocks of 32 with 6-bit
+  scale ``sc`` and min ``mn`` packed in ``scales``; chunk ``c`` (64 values) reads ``qs[32c:32c+32]``,
+  low nibbles for sub-block ``2c``, high nibbles for ``2c+1`` → ``y = d·sc·q − dmin·mn``.
+- ``Q5_K`` (256, 176 B): ``d, dmin, scales[12], qh[32], qs[128]``; as Q4_K plus a fifth bit from
+  ``qh[l]`` bit ``2c`` (low half of chunk ``c``) or ``2c+1`` (high half).
+- ``Q6_K`` (256, 210 B): ``ql[128], qh[64], scales[16] int8, d``; two halves of 128; in half ``h``
+  value ``l + 32k`` (``k`` = 0..3) takes 4 bits from ``ql`` (low nibble of ``ql[l]``/``ql[l+32]``
+  for k = 0/1, high for k = 2/3) and 2 bits ``(qh[l] >> 2k) & 3``, minus 32, times
+  ``d·scales[8h + l//16 + 2k]``.
+"""
+from __future__ import annotations
+
+import os
+import re
+from typing import Any, Iterator
+
+import numpy as np
+import torch
+
+from graphdsl.errors import GraphDSLError
+
+from .tokenizer import Tokenizer
+
+__all__ = ["GGUFCheckpoint", "dequantize", "SUPPORTED_QTYPES", "SUPPORTED_ARCHITECTURES"]
+
+
+def _qtype_enum():
+    from gguf import GGMLQuantizationType
+    return GGMLQuantizationType
+
+
+# name -> (values per block, bytes per block)
+_BLOCKS = {
+    "F32": (1, 4), "F16": (1, 2), "BF16": (1, 2),
+    "Q8_0": (32, 34), "Q4_0": (32, 18), "Q4_1": (32, 20), "Q5_0": (32, 22), "Q5_1": (32, 24),
+    "Q4_K": (256, 144), "Q5_K": (256, 176), "Q6_K": (256, 210),
+}
+SUPPORTED_QTYPES = tuple(_BLOCKS)
+
+
+def _f16(b: np.ndarray) -> np.ndarray:
+    """``[n, 2]`` uint8 → ``[n, 1]`` float32."""
+    return np.ascontiguousarray(b).view("<f2").astype(np.float32)
+
+
+def _nibbles(qs: np.ndarray) -> np.ndarray:
+    """``[n, 16]`` bytes → ``[n, 32]``: low nibbles then high nibbles."""
+    return np.concatenate([qs & 0x0F, qs >> 4], axis=1)
+
+
+def _deq_q8_0(b):
+    return _f16(b[:, :2]) * b[:, 2:].view(np.int8).astype(np.float32)
+
+
+def _deq_q4_0(b):
+    return _f16(b[:, :2]) * (_nibbles(b[:, 2:]).astype(np.float32) - 8.0)
+
+
+def _deq_q4_1(b):
+    return _f16(b[:, :2]) * _nibbles(b[:, 4:]).astype(np.float32) + _f16(b[:, 2:4])
+
+
+def _fifth_bits(qh_bytes: np.ndarray) -> np.ndarray:
+    """``[n, 4]`` bytes of a little-endian u32 → ``[n, 32]`` bits (bit j for value j)."""
+    qh = np.ascontiguousarray(qh_bytes).view("<u4")          # [n, 1]
+    return ((qh >> np.arange(32, dtype=np.uint32)) & 1).astype(np.uint8)
+
+
+def _deq_q5_0(b):
+    q = _nibbles(b[:, 6:]) | (_fifth_bits(b[:, 2:6]) << 4)
+    return _f16(b[:, :2]) * (q.astype(np.float32) - 16.0)
+
+
+def _deq_q5_1(b):
+    q = _nibbles(b[:, 8:]) | (_fifth_bits(b[:, 4:8]) << 4)
+    return _f16(b[:, :2]) * q.astype(np.float32) + _f16(b[:, 2:4])
+
+
+def _k_scales(s: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Unpack ``[n, 12]`` Q4_K/Q5_K scale bytes → 6-bit scales and mins, each ``[n, 8]``."""
+    sc = np.empty(s.shape[:1] + (8,), dtype=np.uint8)
+    mn = np.empty_like(sc)
+    sc[:, :4] = s[:, 0:4] & 63
+    mn[:, :4] = s[:, 4:8] & 63
+    sc[:, 4:] = (s[:, 8:12] & 0x0F) | ((s[:, 0:4] >> 6) << 4)
+    mn[:, 4:] = (s[:, 8:12] >> 4) | ((s[:, 4:8] >> 6) << 4)
+    return sc.astype(np.float32), mn.astype(np.float32)
+
+
+def _k_apply(d, dmin, sc, mn, q):
+    """``q [n, 8, 32]`` with per-sub-block scale/min → ``[n, 256]``."""
+    y = (d * sc)[:, :, None] * q.astype(np.float32) - (dmin * mn)[:, :, None]
+    return y.reshape(q.shape[0], 256)
+
+
+def _k_low_high(qs: np.ndarray) -> np.ndarray:
+    """``[n, 128]`` bytes → ``[n, 8, 32]`` 4-bit values in sub-block order."""
+    chunks = qs.reshape(-1, 4, 32)
+    return np.stack([chunks & 0x0F, chunks >> 4], axis=2).reshape(-1, 8, 32)
+
+
+def _deq_q4_k(b):
+    d, dmin = _f16(b[:, 0:2]), _f16(b[:, 2:4])
+    sc, mn = _k_scales(b[:, 4:16])
+    return _k_apply(d, dmin, sc, mn, _k_low_high(b[:, 16:144]))
+
+
+def _deq_q5_k(b):
+    d, dmin = _f16(b[:, 0:2]), _f16(b[:, 2:4])
+    sc, mn = _k_scales(b[:, 4:16])
+    qh = b[:, 16:48]                                            # [n, 32]
+    shifts = np.arange(8, dtype=np.uint8)                       # sub-block j reads bit j
+    high = (qh[:, None, :] >> shifts[None, :, None]) & 1        # [n, 8, 32]
+    q = _k_low_high(b[:, 48:176]) | (high << 4)
+    return _k_apply(d, dmin, sc, mn, q)
+
+
+def _deq_q6_k(b):
+    n = b.shape[0]
+    ql = b[:, 0:128].reshape(n, 2, 64)
+    qh = b[:, 128:192].reshape(n, 2, 32)
+    sc = b[:, 192:208].view(np.int8).astype(np.float32).reshape(n, 2, 8)
+    d = _f16(b[:, 208:210]).reshape(n, 1, 1)
+    low = np.stack([ql[:, :, :32] & 0x0F, ql[:, :, 32:] & 0x0F,
+                    ql[:, :, :32] >> 4, ql[:, :, 32:] >> 4], axis=2)          # [n, 2, 4, 32]
+    high = np.stack([(qh >> (2 * k)) & 3 for k in range(4)], axis=2)          # [n, 2, 4, 32]
+    q = (low | (high << 4)).astype(np.float32) - 32.0
+    # scale index within the half: l // 16 + 2k  ->  [4, 2] table over (k, l // 16)
+    idx = (np.arange(4)[:, None] * 2 + np.arange(2)[None, :]).reshape(-1)    # [8]
+    s = sc[:, :, idx].reshape(n, 2, 4, 2, 1)
+    y = d[:, :, :, None, None] * s * q.reshape(n, 2, 4, 2, 16)
+    return y.reshape(n, 256)
+
+
+_DEQUANT = {"Q8_0": _deq_q8_0, "Q4_0": _deq_q4_0, "Q4_1": _deq_q4_1, "Q5_0": _deq_q5_0,
+            "Q5_1": _deq_q5_1, "Q4_K": _deq_q4_k, "Q5_K": _deq_q5_k, "Q6_K": _deq_q6_k}
+
+
+def _qtype_name(qtype) -> str:
+    enum = _qtype_enum()
+    try:
+        return enum(int(qtype)).name if not isinstance(qtype, str) else enum[qtype].name
+    except (ValueError, KeyError):
+        raise GraphDSLError(f"unknown GGML tensor type {qtype!r}") from None
+
+
+def dequantize(data: np.ndarray, qtype, shape) -> torch.Tensor:
+    """Raw GGML bytes of one tensor → float32 torch tensor of ``shape`` (numpy/HF order).
+
+    ``data``: any numpy array holding the tensor's bytes (uint8 block bytes, or the typed array
+    the reader returns for F32/F16); ``qtype``: a ``GGMLQuantizationType``, its int or name.
+    """
+    name = _qtype_name(qtype)
+    if name not in _BLOCKS:
+        raise GraphDSLError(f"GGML tensor type {name} is not supported; supported: "
+                            f"{list(SUPPORTED_QTYPES)}")
+    shape = tuple(int(s) for s in shape)
+    numel = int(np.prod(shape)) if shape else 1
+    per_block, nbytes = _BLOCKS[name]
+    if numel % per_block:
+        raise GraphDSLError(f"{name} tensor of shape {list(shape)} ({numel} values) is not a "
+                            f"whole number of {per_block}-value blocks")
+    raw = np.ascontiguousarray(data).reshape(-1).view(np.uint8)
+    want = numel // per_block * nbytes
+    if raw.size != want:
+        raise GraphDSLError(f"{name} tensor of shape {list(shape)} needs {want} bytes, "
+                            f"got {raw.size}")
+    if name == "F32":
+        out = raw.view("<f4").astype(np.float32, copy=True)
+    elif name == "F16":
+        out = raw.view("<f2").astype(np.float32)
+    elif name == "BF16":
+        out = (raw.view("<u2").astype(np.uint32) << 16).view(np.float32)
+    else:
+        out = _DEQUANT[name](raw.reshape(-1, nbytes)).astype(np.float32, copy=False)
+    return torch.from_numpy(np.ascontiguousarray(out).reshape(shape))
+
+
+# --------------------------------------------------------------------------- architectures
+
+# GGUF architecture -> (HF model_type, HF architectures class)
+_ARCHS = {
+    "llama": ("llama", "LlamaForCausalLM"),
+    "qwen2": ("qwen2", "Qwen2ForCausalLM"),
+    "qwen3": ("qwen3", "Qwen3ForCausalLM"),
+}
+SUPPORTED_ARCHITECTURES = tuple(_ARCHS)
+# llama.cpp permutes q/k rows for these (its rotary embedding is interleaved; HF's is half-split)
+_PERMUTED_QK = ("llama",)
+
+_GLOBAL_NAMES = {
+    "token_embd.weight": "model.embed_tokens.weight",
+    "output_norm.weight": "model.norm.weight",
+    "output.weight": "lm_head.weight",
+}
+_LAYER_NAMES = {
+    "attn_norm": "input_layernorm",
+    "ffn_norm": "post_attention_layernorm",
+    "attn_q": "self_attn.q_proj",
+    "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    "attn_q_norm": "self_attn.q_norm",
+    "attn_k_norm": "self_attn.k_norm",
+    "ffn_gate": "mlp.gate_proj",
+    "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
+}
+_LAYER_RE = re.compile(r"^blk\.(\d+)\.([a-z_]+)\.(weight|bias)$")
+# tensors llama.cpp writes that are not parameters of the HF model (rope_freqs: llama3 scaling)
+_SKIPPED = ("rope_freqs.weight",)
+
+
+def hf_name(gguf_name: str) -> str | None:
+    """The HF parameter name of a llama.cpp tensor name (None if it has no mapping)."""
+    if gguf_name in _GLOBAL_NAMES:
+        return _GLOBAL_NAMES[gguf_name]
+    m = _LAYER_RE.match(gguf_name)
+    if m and m.group(2) in _LAYER_NAMES:
+        return f"model.layers.{m.group(1)}.{_LAYER_NAMES[m.group(2)]}.{m.group(3)}"
+    return None
+
+
+def _unpermute_rows(w: torch.Tensor, n_head: int) -> torch.Tensor:
+    """Undo llama.cpp's ``permute``: rows of each head go from interleaved pairs
+    ``(0, d/2, 1, d/2+1, ...)`` back to HF's half-split order."""
+    rows = w.shape[0]
+    if rows % (2 * n_head):
+        raise GraphDSLError(f"cannot un-permute a q/k weight of {rows} rows over {n_head} heads")
+    return w.reshape(n_head, rows // n_head // 2, 2, *w.shape[1:]).transpose(1, 2).reshape(w.shape)
+
+
+class GGUFCheckpoint:
+    """A GGUF file: metadata, HF-style config, HF-named dequantized tensors, tokenizer."""
+
+    def __init__(self, path: str | os.PathLike) -> None:
+        self.path = os.fspath(path)
+        if not os.path.isfile(self.path):
+            raise GraphDSLError(f"GGUF file {self.path!r} does not exist")
+        from gguf import GGUFReader
+        try:
+            self._reader = GGUFReader(self.path, "r")
+        except Exception as e:  # bad magic, version, truncated header/tensor infos/data, ...
+            size = os.path.getsize(self.path)
+            why = _first_line(e)
+            hint = "" if "magic" in why else f" (truncated or corrupt? the file has {size} bytes)"
+            raise GraphDSLError(f"{self.path!r} is not a readable GGUF file{hint}: "
+                                f"{type(e).__name__}: {why}") from None
+        try:
+            self.metadata: dict[str, Any] = {k: _plain(f.contents())
+                                             for k, f in self._reader.fields.items()}
+        except Exception as e:
+            raise GraphDSLError(f"{self.path!r}: cannot decode GGUF metadata: {_first_line(e)}") from None
+        self._tensors = {t.name: t for t in self._reader.tensors}
+
+    def __repr__(self) -> str:
+        return (f"GGUFCheckpoint({self.path!r}, architecture={self.metadata.get('general.architecture')!r}, "
+                f"{len(self._tensors)} tensors)")
+
+    # ------------------------------------------------------------------ metadata
+    @property
+    def architecture(self) -> str:
+        arch = self.metadata.get("general.architecture")
+        if not isinstance(arch, str):
+            raise GraphDSLError(f"{self.path!r} has no general.architecture metadata")
+        return arch
+
+    @property
+    def tensor_names(self) -> list[str]:
+        """The file's own (llama.cpp) tensor names."""
+        return list(self._tensors)
+
+    def tensor_info(self) -> dict[str, tuple[str, tuple[int, ...]]]:
+        """``{gguf name: (GGML type name, numpy-order shape)}``."""
+        return {n: (t.tensor_type.name, tuple(int(s) for s in reversed(t.shape.tolist())))
+                for n, t in self._tensors.items()}
+
+    def _check_arch(self) -> str:
+        arch = self.architecture
+        if arch not in _ARCHS:
+            raise GraphDSLError(f"{self.path!r}: GGUF architecture {arch!r} is not supported; "
+                                f"supported: {list(SUPPORTED_ARCHITECTURES)}")
+        return arch
+
+    def _key(self, arch: str, key: str, default: Any = ...) -> Any:
+        v = self.metadata.get(f"{arch}.{key}", default)
+        if v is ...:
+            raise GraphDSLError(f"{self.path!r}: required metadata key '{arch}.{key}' is missing")
+        return v
+
+    def hf_config(self) -> dict[str, Any]:
+        """A HF ``config.json``-style dict for this file (llama, qwen2, qwen3)."""
+        arch = self._check_arch()
+        model_type, cls = _ARCHS[arch]
+        hidden = int(self._key(arch, "embedding_length"))
+        heads = int(self._key(arch, "attention.head_count"))
+        kv_heads = int(self._key(arch, "attention.head_count_kv", heads))
+        head_dim = self._key(arch, "attention.key_length", None)
+        if head_dim is None and arch in _PERMUTED_QK:
+            head_dim = self._key(arch, "rope.dimension_count", None)
+        if head_dim is None:
+            head_dim = hidden // heads
+        vocab = self._key(arch, "vocab_size", None)
+        if vocab is None and "token_embd.weight" in self._tensors:
+            vocab = self.tensor_info()["token_embd.weight"][1][0]
+        if vocab is None:
+            vocab = len(self.metadata.get("tokenizer.ggml.tokens") or [])
+        cfg: dict[str, Any] = {
+            "model_type": model_type,
+            "architectures": [cls],
+            "vocab_size": int(vocab),
+            "hidden_size": hidden,
+            "intermediate_size": int(self._key(arch, "feed_forward_length")),
+            "num_hidden_layers": int(self._key(arch, "block_count")),
+            "num_attention_heads": heads,
+            "num_key_value_heads": kv_heads,
+            "head_dim": int(head_dim),
+            "rms_norm_eps": float(self._key(arch, "attention.layer_norm_rms_epsilon", 1e-6)),
+            "rope_theta": float(self._key(arch, "rope.freq_base", 10000.0)),
+            "max_position_embeddings": int(self._key(arch, "context_length", 2048)),
+            "tie_word_embeddings": "output.weight" not in self._tensors,
+            "bos_token_id": self.metadata.get("tokenizer.ggml.bos_token_id"),
+            "eos_token_id": self.metadata.get("tokenizer.ggml.eos_token_id"),
+        }
+        if arch == "llama":
+            cfg["attention_bias"] = "blk.0.attn_q.bias" in self._tensors
+            cfg["mlp_bias"] = "blk.0.ffn_up.bias" in self._tensors
+        scaling = self._key(arch, "rope.scaling.type", None)
+        if scaling not in (None, "none"):
+            rs: dict[str, Any] = {"rope_type": scaling}
+            factor = self._key(arch, "rope.scaling.factor", None)
+            if factor is not None:
+                rs["factor"] = float(factor)
+            orig = self._key(arch, "rope.scaling.original_context_length", None)
+            if orig is not None:
+                rs["original_max_position_embeddings"] = int(orig)
+            cfg["rope_scaling"] = rs
+        return cfg
+
+    def tokenizer(self) -> Tokenizer:
+        return Tokenizer.from_gguf(self.metadata, source=self.path)
+
+    # ------------------------------------------------------------------ tensors
+    def iter_tensors(self, dtype: torch.dtype = torch.float32) -> Iterator[tuple[str, torch.Tensor]]:
+        """Yield ``(HF name, tensor)`` dequantized to ``dtype``, one tensor at a time.
+
+        Tensors without an HF mapping keep their GGUF name (so a weight check reports them);
+        ``rope_freqs.weight`` (llama3 rope factors, not an HF parameter) is skipped.
+        """
+        if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
+            raise GraphDSLError(f"iter_tensors: dtype must be a floating torch.dtype, got {dtype!r}")
+        arch = self._check_arch()
+        cfg = self.hf_config()
+        for name, t in self._tensors.items():
+            if name in _SKIPPED:
+                continue
+            qname = t.tensor_type.name
+            if qname not in _BLOCKS:
+                raise GraphDSLError(f"{self.path!r}: tensor {name!r} has GGML type {qname}, "
+                                    f"which graphdsl cannot dequantize; supported: "
+                                    f"{list(SUPPORTED_QTYPES)}")
+            shape = tuple(int(s) for s in reversed(t.shape.tolist()))
+            try:
+                w = dequantize(t.data, t.tensor_type, shape)
+            except GraphDSLError as e:
+                raise GraphDSLError(f"{self.path!r}: tensor {name!r}: {e}") from None
+            except Exception as e:  # an I/O error from the memory map of a damaged file
+                raise GraphDSLError(f"{self.path!r}: cannot read tensor {name!r}: "
+                                    f"{_first_line(e)}") from None
+            if arch in _PERMUTED_QK and ".attn_q." in name:
+                w = _unpermute_rows(w, cfg["num_attention_heads"])
+            elif arch in _PERMUTED_QK and ".attn_k." in name:
+                w = _unpermute_rows(w, cfg["num_key_value_heads"])
+            yield hf_name(name) or name, w.to(dtype)
+
+
+def _plain(v: Any) -> Any:
+    """Reader values → plain Python (numpy scalars to int/float/bool, arrays to lists)."""
+    if isinstance(v, np.generic):
+        return v.item()
+    if isinstance(v, np.ndarray):
+        return v.tolist()
+    if isinstance(v, (list, tuple)):
+        return [_plain(x) for x in v]
+    return v
+
+
+def _first_line(e: BaseException) -> str:
+    s = str(e).strip()
+    return s.splitlines()[0] if s else type(e).__name__

@@ -1,0 +1,121 @@
+"""Write tiny GGUF files the way llama.cpp's converter would, for loader tests.
+
+Independent of ``graphdsl.runtime.gguf``: its own HF → llama.cpp name table and its own forward
+q/k permutation, so a loader bug cannot cancel against a helper bug.
+"""
+from __future__ import annotations
+
+import re
+from typing import Any
+
+import numpy as np
+import torch
+
+# HF suffix -> llama.cpp suffix, inside model.layers.{i}.
+_LAYER = {
+    "input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm",
+    "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
+    "self_attn.o_proj": "attn_output", "self_attn.q_norm": "attn_q_norm",
+    "self_attn.k_norm": "attn_k_norm", "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up",
+    "mlp.down_proj": "ffn_down",
+}
+_GLOBAL = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight",
+           "lm_head.weight": "output.weight"}
+
+
+def gguf_name(hf: str) -> str:
+    if hf in _GLOBAL:
+        return _GLOBAL[hf]
+    m = re.match(r"model\.layers\.(\d+)\.(.+)\.(weight|bias)$", hf)
+    assert m and m.group(2) in _LAYER, hf
+    return f"blk.{m.group(1)}.{_LAYER[m.group(2)]}.{m.group(3)}"
+
+
+def llama_cpp_permute(w: np.ndarray, n_head: int) -> np.ndarray:
+    """llama.cpp's converter: per head, rows (half-split rotary order) → interleaved pairs."""
+    rows = w.shape[0]
+    return w.reshape(n_head, 2, rows // n_head // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def add_metadata(writer, meta: dict[str, Any]) -> None:
+    from gguf import GGUFValueType as V
+    for key, value in meta.items():
+        if isinstance(value, bool):
+            writer.add_bool(key, value)
+        elif isinstance(value, int):
+            writer.add_uint32(key, value)
+        elif isinstance(value, float):
+            writer.add_float32(key, value)
+        elif isinstance(value, str):
+            writer.add_string(key, value)
+        elif isinstance(value, list) and value and isinstance(value[0], float):
+            writer.add_key_value(key, value, V.ARRAY, sub_type=V.FLOAT32)
+        elif isinstance(value, list) and value and isinstance(value[0], int):
+            writer.add_key_value(key, value, V.ARRAY, sub_type=V.INT32)
+        else:
+            writer.add_array(key, value)
+
+
+def write_gguf(path, arch: str, meta: dict[str, Any], tensors: dict[str, tuple[np.ndarray, Any]]) -> None:
+    """``tensors``: GGUF name -> (numpy data, GGMLQuantizationType or None for the array's dtype)."""
+    from gguf import GGUFWriter
+    w = GGUFWriter(str(path), arch)
+    add_metadata(w, meta)
+    for name, (data, qtype) in tensors.items():
+        if qtype is None:
+            w.add_tensor(name, data)
+        else:
+            w.add_tensor(name, data, raw_dtype=qtype)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+
+
+def hf_model_to_gguf(path, model, arch: str, *, quant: dict[str, Any] | None = None,
+                     tokenizer_meta: dict[str, Any] | None = None, extra_meta: dict | None = None,
+                     skip: tuple[str, ...] = ()) -> dict[str, torch.Tensor]:
+    """Write ``model`` (a HF *ForCausalLM) as llama.cpp would; returns the HF state dict written.
+
+    ``quant`` maps a regex over HF names to a GGMLQuantizationType (first match wins; default F32).
+    q/k weights are permuted for the ``llama`` architecture only, as llama.cpp does.
+    """
+    from gguf import quants
+    cfg = model.config
+    meta = {
+        f"{arch}.context_length": cfg.max_position_embeddings,
+        f"{arch}.embedding_length": cfg.hidden_size,
+        f"{arch}.block_count": cfg.num_hidden_layers,
+        f"{arch}.feed_forward_length": cfg.intermediate_size,
+        f"{arch}.attention.head_count": cfg.num_attention_heads,
+        f"{arch}.attention.head_count_kv": cfg.num_key_value_heads,
+        f"{arch}.attention.layer_norm_rms_epsilon": float(cfg.rms_norm_eps),
+        f"{arch}.rope.freq_base": float(getattr(cfg, "rope_theta", None)
+                                        or cfg.rope_parameters["rope_theta"]),
+    }
+    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+    meta[f"{arch}.rope.dimension_count"] = head_dim
+    if arch != "llama":
+        meta[f"{arch}.attention.key_length"] = head_dim
+        meta[f"{arch}.attention.value_length"] = head_dim
+    meta.update(tokenizer_meta or {})
+    meta.update(extra_meta or {})
+    sd = {k: v.detach().float().clone() for k, v in model.state_dict().items()}
+    if cfg.tie_word_embeddings:
+        sd.pop("lm_head.weight", None)
+    tensors = {}
+    for name, t in sd.items():
+        if name in skip:
+            continue
+        data = t.numpy()
+        if arch == "llama" and ".q_proj." in name:
+            data = llama_cpp_permute(data, cfg.num_attention_heads)
+        elif arch == "llama" and ".k_proj." in name:
+            data = llama_cpp_permute(data, cfg.num_key_value_heads)
+        qtype = next((q for pat, q in (quant or {}).items() if re.search(pat, name)), None)
+        if qtype is None:
+            tensors[gguf_name(name)] = (np.ascontiguousarray(data, dtype=np.float32), None)
+        else:
+            tensors[gguf_name(name)] = (quants.quantize(np.ascontiguousarray(data, dtype=np.float32), qtype), qtype)
+    write_gguf(path, arch, meta, tensors)
+    return sd
