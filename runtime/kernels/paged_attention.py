@@ -1,0 +1,536 @@
+"""Triton kernels for ``paged_attention``: varlen causal prefill and split-K flash-decoding.
+
+Semantics (``graphdsl.functional.attention.paged_attention``, whose torch reference defines them):
+sequence ``s`` has context length ``L = seq_lens[s]`` (including this step's tokens) and ``n`` new
+queries, packed in ``q[query_start_loc[s] : query_start_loc[s + 1]]``; query ``i`` sits at position
+``p = L - n + i`` and attends over the cached keys ``0..p`` (only those with ``k > p - window``
+when ``sliding_window`` is set)::
+
+    score[k] = q · key[k] * scale                 (float32)
+    score[k] = cap * tanh(score[k] / cap)         (when soft_cap = cap > 0)
+    out      = sum_k softmax(score)[k] * value[k]  (float32, stored in q's dtype)
+
+Query head ``h`` reads KV head ``h // (num_heads / num_kv_heads)`` (GQA). Key/value ``k`` of
+sequence ``s`` lives in block ``block_tables[s, k // block_size]`` at offset ``k % block_size`` of
+the caches ``[num_blocks, block_size, num_kv_heads, head_dim]``.
+
+Both kernels are GQA-aware: one program serves all ``group = num_heads / num_kv_heads`` query heads
+of one KV head, so each K/V tile is loaded once per group. The softmax is the online (flash)
+softmax in base 2: scores are scaled by ``log2(e)`` and exponentiated with ``exp2``; a running max
+``m`` starts at ``-1e30`` (finite, so a row whose tile is fully masked gets weight ``exp2(-inf) = 0``
+and never ``inf - inf``).
+
+* prefill (:func:`paged_attention_prefill`): grid ``(num_tokens // BLOCK_Q + num_seqs, kv_heads)``.
+  Sequence ``s`` owns tile indices ``[b_s, b_s + cdiv(n_s, BLOCK_Q))`` with
+  ``b_s = query_start_loc[s] // BLOCK_Q + s``; these ranges are disjoint and below the grid size, so
+  a program finds its sequence by binary search over ``b`` without any host synchronisation. A tile
+  holds ``BLOCK_Q`` queries x ``GROUP_PAD`` heads as its ``BLOCK_M`` rows.
+* decode (:func:`paged_attention_decode`): grid ``(num_seqs, kv_heads, num_splits)``; split ``j``
+  covers a contiguous ``BLOCK_N``-aligned part of the keys ``[lo, L)`` and writes its unnormalised
+  ``acc``, max ``m`` and sum ``l`` (float32); a second kernel combines the splits::
+
+      M = max_j m_j,   out = sum_j 2^(m_j - M) acc_j / sum_j 2^(m_j - M) l_j
+
+  (with one split the first kernel normalises and stores the output itself).
+
+File shape (STYLE.md 11): the ``@triton.jit`` kernels, one shared heuristic (:func:`_pick_config`)
+used by the launchers, which check every argument and raise a :class:`GraphDSLError` naming it,
+and the thin public wrappers. No autotuning: a CUDA-graph-captured engine must not benchmark on its
+first call, so tile sizes come from the heuristic alone.
+"""
+from __future__ import annotations
+
+import math
+from typing import NamedTuple
+
+import torch
+import triton
+import triton.language as tl
+
+from graphdsl.errors import GraphDSLError
+
+__all__ = ["paged_attention", "paged_attention_prefill", "paged_attention_decode"]
+
+_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+
+
+@triton.jit
+def _score(qk, kpos, qpos, scale, soft_cap, sliding_window,
+           USE_CAP: tl.constexpr, USE_WINDOW: tl.constexpr, CAUSAL: tl.constexpr, kvalid):
+    """Masked base-2 logits of one tile: ``log2(e) * cap * tanh(qk * scale / cap)`` (or
+    ``log2(e) * qk * scale``), ``-inf`` where key ``kpos`` is outside ``[0, hi)`` (``kvalid``),
+    after query ``qpos`` (``CAUSAL``) or outside its window (``USE_WINDOW``)."""
+    s = qk * scale
+    if USE_CAP:
+        # tanh(x) = 1 - 2 / (exp(2x) + 1): exact at both tails (exp -> inf gives 1, exp -> 0 gives -1)
+        t = 1.0 - 2.0 / (tl.exp2(s * (2.0 * 1.4426950408889634 / soft_cap)) + 1.0)
+        s = soft_cap * t
+    s = s * 1.4426950408889634
+    keep = kvalid[None, :]
+    if CAUSAL:
+        keep = keep & (kpos[None, :] <= qpos[:, None])
+    if USE_WINDOW:
+        keep = keep & (kpos[None, :] > qpos[:, None] - sliding_window)
+    return tl.where(keep, s, float("-inf"))
+
+
+@triton.jit
+def _mm(a, b, DOT_PREC: tl.constexpr, DOT_F32: tl.constexpr):
+    """``a @ b`` accumulated in float32; ``DOT_F32`` first upcasts both operands (set only under
+    the CPU interpreter, whose bfloat16 ``tl.dot`` returns garbage in triton 3.9)."""
+    if DOT_F32:
+        return tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision="ieee")
+    else:
+        return tl.dot(a, b, input_precision=DOT_PREC)
+
+
+@triton.jit
+def _prefill_kernel(
+    q_ptr,              # [num_tokens, num_heads, head_dim] packed queries (head_dim contiguous)
+    k_cache_ptr,        # [num_blocks, block_size, num_kv_heads, head_dim] key cache
+    v_cache_ptr,        # [num_blocks, block_size, num_kv_heads, head_dim] value cache
+    out_ptr,            # [num_tokens, num_heads, head_dim] output, q's dtype
+    block_tables_ptr,   # [num_seqs, max_blocks] int32/int64 cache block of each sequence's j-th block
+    seq_lens_ptr,       # [num_seqs] context length L of each sequence, new tokens included
+    qsl_ptr,            # [num_seqs + 1] query_start_loc: sequence s's queries are q[qsl[s]:qsl[s+1]]
+    scale,              # float, multiplies q·k
+    soft_cap,           # float, cap of cap*tanh(s/cap) (read only when USE_CAP)
+    sliding_window,     # int, keep keys k > p - window (read only when USE_WINDOW)
+    num_seqs,           # int, number of sequences
+    search_steps,       # int, ceil(log2(num_seqs)): binary-search steps to find a tile's sequence
+    stride_qt, stride_qh,              # q strides (tokens, heads), elements
+    stride_ot, stride_oh,              # out strides (tokens, heads)
+    stride_kb, stride_ks, stride_kh,   # key cache strides (block, slot, head)
+    stride_vb, stride_vs, stride_vh,   # value cache strides (block, slot, head)
+    stride_bt,                         # block_tables stride between sequences
+    BLOCK_SIZE: tl.constexpr,  # cache block size (tokens per block)
+    GROUP: tl.constexpr,       # query heads per KV head
+    GROUP_PAD: tl.constexpr,   # GROUP rounded up to a power of two
+    HEAD_DIM: tl.constexpr,    # head_dim (power of two)
+    BLOCK_Q: tl.constexpr,     # queries per tile; the tile has BLOCK_Q * GROUP_PAD rows
+    BLOCK_N: tl.constexpr,     # keys per inner step
+    USE_CAP: tl.constexpr,     # soft_cap > 0
+    USE_WINDOW: tl.constexpr,  # sliding_window > 0
+    DOT_PREC: tl.constexpr,    # tl.dot input_precision ("ieee" for float32 inputs)
+    DOT_F32: tl.constexpr,     # upcast dot operands to float32 (interpreter only, see _mm)
+):
+    """Rows ``r`` of tile ``t`` of sequence ``s``: query ``i = t * BLOCK_Q + r // GROUP_PAD``, head
+    ``kvh * GROUP + r % GROUP_PAD``, position ``p = L - n + i``. Keys run over
+    ``[lo, hi)`` with ``hi = min(L - n + (t + 1) * BLOCK_Q, L)`` (the tile's last query + 1) and
+    ``lo = max(0, L - n + t * BLOCK_Q - window + 1)`` with a window (else 0), ``BLOCK_N`` at a time::
+
+        m' = max(m, rowmax(S));  P = 2^(S - m');  l = l * 2^(m - m') + rowsum(P)
+        acc = acc * 2^(m - m') + P V;  m = m'          and finally  out = acc / l
+    """
+    BLOCK_M: tl.constexpr = BLOCK_Q * GROUP_PAD
+    tile = tl.program_id(0)
+    kvh = tl.program_id(1)
+
+    # Sequence of this tile: the largest s with qsl[s] // BLOCK_Q + s <= tile.
+    lo_s = tl.program_id(0) * 0
+    hi_s = lo_s + num_seqs
+    for _ in range(search_steps):
+        mid = (lo_s + hi_s) // 2
+        b_mid = tl.load(qsl_ptr + mid).to(tl.int32) // BLOCK_Q + mid
+        go_right = b_mid <= tile
+        lo_s = tl.where(go_right, mid, lo_s)
+        hi_s = tl.where(go_right, hi_s, mid)
+    seq = lo_s
+    q_start = tl.load(qsl_ptr + seq).to(tl.int32)
+    n_new = tl.load(qsl_ptr + seq + 1).to(tl.int32) - q_start
+    t = tile - (q_start // BLOCK_Q + seq)
+    if t * BLOCK_Q < n_new:
+        ctx = tl.load(seq_lens_ptr + seq).to(tl.int32)
+        rows = tl.arange(0, BLOCK_M)
+        qi = t * BLOCK_Q + rows // GROUP_PAD
+        g = rows % GROUP_PAD
+        head = kvh * GROUP + g
+        row_ok = (qi < n_new) & (g < GROUP)
+        qpos = ctx - n_new + qi
+        dims = tl.arange(0, HEAD_DIM)
+        token = (q_start + qi).to(tl.int64)
+
+        q = tl.load(q_ptr + token[:, None] * stride_qt + head[:, None] * stride_qh + dims[None, :],
+                    mask=row_ok[:, None], other=0.0)
+
+        first = ctx - n_new + t * BLOCK_Q
+        hi = tl.minimum(first + BLOCK_Q, ctx)
+        lo = first * 0
+        if USE_WINDOW:
+            lo = tl.maximum(first - sliding_window + 1, 0)
+
+        m_i = tl.full([BLOCK_M], -1.0e30, tl.float32)
+        l_i = tl.zeros([BLOCK_M], tl.float32)
+        acc = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
+        table = block_tables_ptr + seq.to(tl.int64) * stride_bt
+        for start in range(lo, hi, BLOCK_N):
+            kpos = start + tl.arange(0, BLOCK_N)
+            kvalid = kpos < hi
+            blk = tl.load(table + kpos // BLOCK_SIZE, mask=kvalid, other=0).to(tl.int64)
+            slot = kpos % BLOCK_SIZE
+            k = tl.load(k_cache_ptr + (blk * stride_kb + slot * stride_ks + kvh * stride_kh)[:, None]
+                        + dims[None, :], mask=kvalid[:, None], other=0.0)
+            v = tl.load(v_cache_ptr + (blk * stride_vb + slot * stride_vs + kvh * stride_vh)[:, None]
+                        + dims[None, :], mask=kvalid[:, None], other=0.0)
+            qk = _mm(q, tl.trans(k), DOT_PREC, DOT_F32)
+            s = _score(qk, kpos, qpos, scale, soft_cap, sliding_window, USE_CAP, USE_WINDOW, True, kvalid)
+            m_new = tl.maximum(m_i, tl.max(s, 1))
+            alpha = tl.exp2(m_i - m_new)
+            p = tl.exp2(s - m_new[:, None])
+            l_i = l_i * alpha + tl.sum(p, 1)
+            acc = acc * alpha[:, None] + _mm(p.to(v.dtype), v, DOT_PREC, DOT_F32)
+            m_i = m_new
+
+        l_i = tl.where(l_i == 0.0, 1.0, l_i)
+        o = acc / l_i[:, None]
+        tl.store(out_ptr + token[:, None] * stride_ot + head[:, None] * stride_oh + dims[None, :],
+                 o.to(out_ptr.dtype.element_ty), mask=row_ok[:, None])
+
+
+@triton.jit
+def _decode_split_kernel(
+    q_ptr,              # [num_seqs, num_heads, head_dim] one query per sequence
+    k_cache_ptr,        # [num_blocks, block_size, num_kv_heads, head_dim] key cache
+    v_cache_ptr,        # [num_blocks, block_size, num_kv_heads, head_dim] value cache
+    out_ptr,            # [num_seqs, num_heads, head_dim] output (written when NUM_SPLITS == 1)
+    part_acc_ptr,       # [num_seqs, num_heads, NUM_SPLITS, head_dim] float32 unnormalised acc per split
+    part_ml_ptr,        # [2, num_seqs, num_heads, NUM_SPLITS] float32 running max m (0) and sum l (1)
+    block_tables_ptr,   # [num_seqs, max_blocks] cache block of each sequence's j-th block
+    seq_lens_ptr,       # [num_seqs] context length L (the query sits at position L - 1)
+    scale,              # float, multiplies q·k
+    soft_cap,           # float, cap of cap*tanh(s/cap) (read only when USE_CAP)
+    sliding_window,     # int, keep keys k >= L - window (read only when USE_WINDOW)
+    num_seqs,           # int, number of sequences
+    stride_qt, stride_qh,              # q strides (sequences, heads)
+    stride_ot, stride_oh,              # out strides (sequences, heads)
+    stride_kb, stride_ks, stride_kh,   # key cache strides (block, slot, head)
+    stride_vb, stride_vs, stride_vh,   # value cache strides (block, slot, head)
+    stride_bt,                         # block_tables stride between sequences
+    NUM_HEADS: tl.constexpr,   # query heads
+    BLOCK_SIZE: tl.constexpr,  # cache block size
+    GROUP: tl.constexpr,       # query heads per KV head
+    BLOCK_H: tl.constexpr,     # GROUP padded to a power of two >= 16 (tl.dot's smallest M)
+    HEAD_DIM: tl.constexpr,    # head_dim (power of two)
+    BLOCK_N: tl.constexpr,     # keys per inner step
+    NUM_SPLITS: tl.constexpr,  # partitions of each sequence's keys
+    USE_CAP: tl.constexpr,     # soft_cap > 0
+    USE_WINDOW: tl.constexpr,  # sliding_window > 0
+    DOT_PREC: tl.constexpr,    # tl.dot input_precision
+    DOT_F32: tl.constexpr,     # upcast dot operands to float32 (interpreter only, see _mm)
+):
+    """Program ``(s, kvh, j)``: keys ``[lo, L)`` with ``lo = max(0, L - window)`` (0 without a
+    window) are cut into ``T = cdiv(L - lo, BLOCK_N)`` tiles; split ``j`` takes tiles
+    ``[j * c, (j + 1) * c)``, ``c = cdiv(T, NUM_SPLITS)``, and runs the online softmax of the
+    ``GROUP`` query heads of KV head ``kvh`` over them (module docstring), every key in range being
+    visible (causal: the query is the last position). It stores ``acc, m, l``, or ``acc / l`` into
+    ``out`` when ``NUM_SPLITS == 1``; an empty split stores ``m = -1e30, l = 0, acc = 0``."""
+    seq = tl.program_id(0)
+    kvh = tl.program_id(1)
+    split = tl.program_id(2)
+    ctx = tl.load(seq_lens_ptr + seq).to(tl.int32)
+    lo = ctx * 0
+    if USE_WINDOW:
+        lo = tl.maximum(ctx - sliding_window, 0)
+    tiles_per_split = tl.cdiv(tl.cdiv(ctx - lo, BLOCK_N), NUM_SPLITS)
+    start = lo + split * tiles_per_split * BLOCK_N
+    end = tl.minimum(start + tiles_per_split * BLOCK_N, ctx)
+
+    h = tl.arange(0, BLOCK_H)
+    head = kvh * GROUP + h
+    head_ok = h < GROUP
+    dims = tl.arange(0, HEAD_DIM)
+    q = tl.load(q_ptr + seq.to(tl.int64) * stride_qt + head[:, None] * stride_qh + dims[None, :],
+                mask=head_ok[:, None], other=0.0)
+
+    m_i = tl.full([BLOCK_H], -1.0e30, tl.float32)
+    l_i = tl.zeros([BLOCK_H], tl.float32)
+    acc = tl.zeros([BLOCK_H, HEAD_DIM], tl.float32)
+    table = block_tables_ptr + seq.to(tl.int64) * stride_bt
+    for kstart in range(start, end, BLOCK_N):
+        kpos = kstart + tl.arange(0, BLOCK_N)
+        kvalid = kpos < end
+        blk = tl.load(table + kpos // BLOCK_SIZE, mask=kvalid, other=0).to(tl.int64)
+        slot = kpos % BLOCK_SIZE
+        k = tl.load(k_cache_ptr + (blk * stride_kb + slot * stride_ks + kvh * stride_kh)[:, None]
+                    + dims[None, :], mask=kvalid[:, None], other=0.0)
+        v = tl.load(v_cache_ptr + (blk * stride_vb + slot * stride_vs + kvh * stride_vh)[:, None]
+                    + dims[None, :], mask=kvalid[:, None], other=0.0)
+        qk = _mm(q, tl.trans(k), DOT_PREC, DOT_F32)
+        s = _score(qk, kpos, kpos, scale, soft_cap, sliding_window, USE_CAP, False, False, kvalid)
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        alpha = tl.exp2(m_i - m_new)
+        p = tl.exp2(s - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        acc = acc * alpha[:, None] + _mm(p.to(v.dtype), v, DOT_PREC, DOT_F32)
+        m_i = m_new
+
+    if NUM_SPLITS == 1:
+        o = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
+        tl.store(out_ptr + seq.to(tl.int64) * stride_ot + head[:, None] * stride_oh + dims[None, :],
+                 o.to(out_ptr.dtype.element_ty), mask=head_ok[:, None])
+    else:
+        row = (seq * NUM_HEADS + head).to(tl.int64) * NUM_SPLITS + split
+        tl.store(part_acc_ptr + row[:, None] * HEAD_DIM + dims[None, :], acc, mask=head_ok[:, None])
+        tl.store(part_ml_ptr + row, m_i, mask=head_ok)
+        tl.store(part_ml_ptr + num_seqs * NUM_HEADS * NUM_SPLITS + row, l_i, mask=head_ok)
+
+
+@triton.jit
+def _decode_reduce_kernel(
+    part_acc_ptr,       # [num_seqs, num_heads, NUM_SPLITS, head_dim] float32 per-split acc
+    part_ml_ptr,        # [2, num_seqs, num_heads, NUM_SPLITS] float32 per-split max m and sum l
+    out_ptr,            # [num_seqs, num_heads, head_dim] output, q's dtype
+    num_seqs,           # int, number of sequences
+    stride_ot, stride_oh,      # out strides (sequences, heads)
+    NUM_HEADS: tl.constexpr,   # query heads
+    HEAD_DIM: tl.constexpr,    # head_dim
+    NUM_SPLITS: tl.constexpr,  # splits written by the split kernel
+    SPLITS_PAD: tl.constexpr,  # NUM_SPLITS rounded up to a power of two
+):
+    """Program ``(s, h)``: ``M = max_j m_j``, ``w_j = 2^(m_j - M)``,
+    ``out = sum_j w_j acc_j / sum_j w_j l_j`` (0 when no split saw a key)."""
+    seq = tl.program_id(0)
+    head = tl.program_id(1)
+    j = tl.arange(0, SPLITS_PAD)
+    j_ok = j < NUM_SPLITS
+    row = (seq * NUM_HEADS + head).to(tl.int64) * NUM_SPLITS
+    m = tl.load(part_ml_ptr + row + j, mask=j_ok, other=float("-inf"))
+    l = tl.load(part_ml_ptr + num_seqs * NUM_HEADS * NUM_SPLITS + row + j, mask=j_ok, other=0.0)
+    w = tl.exp2(m - tl.max(m, 0))
+    denom = tl.sum(w * l, 0)
+    dims = tl.arange(0, HEAD_DIM)
+    acc = tl.load(part_acc_ptr + (row + j)[:, None] * HEAD_DIM + dims[None, :], mask=j_ok[:, None], other=0.0)
+    o = tl.sum(acc * w[:, None], 0) / tl.where(denom == 0.0, 1.0, denom)
+    tl.store(out_ptr + seq.to(tl.int64) * stride_ot + head * stride_oh + dims,
+             o.to(out_ptr.dtype.element_ty))
+
+
+# --------------------------------------------------------------------------------------------------
+# launchers
+
+
+class _Config(NamedTuple):
+    block_m: int        # prefill rows per tile (queries x padded group)
+    block_n: int        # keys per inner step
+    num_warps: int
+    num_stages: int
+
+
+def _pick_config(head_dim: int, group_pad: int, *, decode: bool) -> _Config:
+    """The one tile heuristic of both kernels. Prefill: 128 rows x 64 keys (8 warps at head_dim 128,
+    the flash-attention-2 shape for Hopper-class register files), halved for head_dim 256 so the
+    float32 accumulator stays in registers; the tile grows to hold at least one query's whole group.
+    Decode: 64 keys per step (32 for head_dim 256), 4 warps, rows = the padded group."""
+    big = head_dim > 128
+    if decode:
+        return _Config(block_m=max(16, group_pad), block_n=32 if big else 64, num_warps=4, num_stages=2)
+    block_m = max(64 if big else 128, group_pad)
+    return _Config(block_m=block_m, block_n=32 if big else 64,
+                   num_warps=8 if head_dim >= 128 else 4, num_stages=2)
+
+
+def _interpreted(kernel) -> bool:
+    """True when triton built ``kernel`` for its CPU interpreter (``TRITON_INTERPRET=1`` at import)."""
+    return type(kernel).__name__ == "InterpretedFunction"
+
+
+def _dot_args(dtype: torch.dtype, kernel) -> dict:
+    """float32 inputs multiply in full precision ("ieee", not tf32); the interpreter upcasts."""
+    return dict(DOT_PREC="ieee" if dtype == torch.float32 else "tf32", DOT_F32=_interpreted(kernel))
+
+
+def _fail(fn: str, arg: str, expected: str, actual) -> None:
+    raise GraphDSLError(f"{fn}: {arg} must be {expected}, got {actual}")
+
+
+def _desc(x) -> str:
+    return f"{tuple(x.shape)} {x.dtype}" if isinstance(x, torch.Tensor) else type(x).__name__
+
+
+def _check_common(fn, q, key_cache, value_cache, block_tables, seq_lens, scale, sliding_window,
+                  soft_cap, out, kernel):
+    """Validate what prefill and decode share; return (num_heads, kv_heads, head_dim, block_size)."""
+    if not isinstance(q, torch.Tensor) or q.dim() != 3:
+        _fail(fn, "q", "a [num_tokens, num_heads, head_dim] tensor", _desc(q))
+    if q.dtype not in _DTYPES:
+        _fail(fn, "q.dtype", "float16, bfloat16 or float32", q.dtype)
+    if q.stride(2) != 1:
+        _fail(fn, "q.stride(2)", "1 (head_dim contiguous)", q.stride(2))
+    for name, c in (("key_cache", key_cache), ("value_cache", value_cache)):
+        if not isinstance(c, torch.Tensor) or c.dim() != 4:
+            _fail(fn, name, "a [num_blocks, block_size, num_kv_heads, head_dim] tensor", _desc(c))
+        if c.dtype != q.dtype:
+            _fail(fn, f"{name}.dtype", f"q's dtype {q.dtype}", c.dtype)
+        if c.stride(3) != 1:
+            _fail(fn, f"{name}.stride(3)", "1 (head_dim contiguous)", c.stride(3))
+    if tuple(key_cache.shape) != tuple(value_cache.shape):
+        _fail(fn, "value_cache.shape", f"key_cache's {tuple(key_cache.shape)}", tuple(value_cache.shape))
+    heads, dim = q.shape[1], q.shape[2]
+    kv_heads, block_size = key_cache.shape[2], key_cache.shape[1]
+    if key_cache.shape[3] != dim:
+        _fail(fn, "key_cache.shape[3] (head_dim)", f"q's head_dim {dim}", key_cache.shape[3])
+    if dim < 16 or dim > 256 or dim & (dim - 1):
+        _fail(fn, "head_dim", "a power of two in [16, 256]", dim)
+    if kv_heads == 0 or heads % kv_heads:
+        _fail(fn, "num_heads", f"a multiple of num_kv_heads {kv_heads}", heads)
+    if not isinstance(block_tables, torch.Tensor) or block_tables.dim() != 2 \
+            or block_tables.dtype not in (torch.int32, torch.int64):
+        _fail(fn, "block_tables", "a [num_seqs, max_blocks] int32/int64 tensor", _desc(block_tables))
+    if block_tables.stride(1) != 1:
+        _fail(fn, "block_tables.stride(1)", "1", block_tables.stride(1))
+    if not isinstance(seq_lens, torch.Tensor) or seq_lens.dim() != 1 \
+            or seq_lens.dtype not in (torch.int32, torch.int64) or not seq_lens.is_contiguous():
+        _fail(fn, "seq_lens", "a contiguous [num_seqs] int32/int64 tensor", _desc(seq_lens))
+    if block_tables.shape[0] != seq_lens.shape[0]:
+        _fail(fn, "block_tables.shape[0]", f"num_seqs = len(seq_lens) = {seq_lens.shape[0]}", block_tables.shape[0])
+    if not isinstance(scale, (int, float)) or isinstance(scale, bool):
+        _fail(fn, "scale", "a float", repr(scale))
+    if isinstance(sliding_window, bool) or not isinstance(sliding_window, int) or sliding_window < 0:
+        _fail(fn, "sliding_window", "an int >= 0", repr(sliding_window))
+    if not isinstance(soft_cap, (int, float)) or isinstance(soft_cap, bool) or soft_cap < 0:
+        _fail(fn, "soft_cap", "a float >= 0", repr(soft_cap))
+    if out is not None:
+        if not isinstance(out, torch.Tensor) or tuple(out.shape) != tuple(q.shape) or out.dtype != q.dtype:
+            _fail(fn, "out", f"a {tuple(q.shape)} {q.dtype} tensor", _desc(out))
+        if out.stride(2) != 1:
+            _fail(fn, "out.stride(2)", "1", out.stride(2))
+    tensors = [q, key_cache, value_cache, block_tables, seq_lens] + ([out] if out is not None else [])
+    devices = {t.device for t in tensors}
+    if len(devices) != 1:
+        _fail(fn, "all tensors", "on one device", sorted(str(d) for d in devices))
+    if q.device.type != "cuda" and not _interpreted(kernel):
+        _fail(fn, "device", "cuda (or TRITON_INTERPRET=1 set before triton was imported)", q.device)
+    return heads, kv_heads, dim, block_size
+
+
+def _cache_strides(key_cache, value_cache):
+    return (key_cache.stride(0), key_cache.stride(1), key_cache.stride(2),
+            value_cache.stride(0), value_cache.stride(1), value_cache.stride(2))
+
+
+def _launch_prefill(q, key_cache, value_cache, block_tables, seq_lens, query_start_loc, scale,
+                    sliding_window, soft_cap, out):
+    fn = "paged_attention_prefill"
+    heads, kv_heads, dim, block_size = _check_common(
+        fn, q, key_cache, value_cache, block_tables, seq_lens, scale, sliding_window, soft_cap, out,
+        _prefill_kernel)
+    num_seqs = seq_lens.shape[0]
+    if not isinstance(query_start_loc, torch.Tensor) or query_start_loc.dim() != 1 \
+            or query_start_loc.dtype not in (torch.int32, torch.int64) or not query_start_loc.is_contiguous() \
+            or query_start_loc.shape[0] != num_seqs + 1:
+        _fail(fn, "query_start_loc", f"a contiguous [{num_seqs + 1}] int32/int64 tensor (num_seqs + 1)",
+              _desc(query_start_loc))
+    if query_start_loc.device != q.device:
+        _fail(fn, "query_start_loc.device", str(q.device), query_start_loc.device)
+    if out is None:
+        out = torch.empty_like(q, memory_format=torch.contiguous_format)
+    if q.shape[0] == 0 or num_seqs == 0:
+        return out
+    group = heads // kv_heads
+    group_pad = triton.next_power_of_2(group)
+    cfg = _pick_config(dim, group_pad, decode=False)
+    block_q = cfg.block_m // group_pad
+    grid = (q.shape[0] // block_q + num_seqs, kv_heads)
+    _prefill_kernel[grid](
+        q, key_cache, value_cache, out, block_tables, seq_lens, query_start_loc,
+        float(scale), float(soft_cap), int(sliding_window), num_seqs, max(num_seqs - 1, 0).bit_length(),
+        q.stride(0), q.stride(1), out.stride(0), out.stride(1),
+        *_cache_strides(key_cache, value_cache), block_tables.stride(0),
+        BLOCK_SIZE=block_size, GROUP=group, GROUP_PAD=group_pad, HEAD_DIM=dim,
+        BLOCK_Q=block_q, BLOCK_N=cfg.block_n, USE_CAP=soft_cap > 0, USE_WINDOW=sliding_window > 0,
+        **_dot_args(q.dtype, _prefill_kernel),
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+    return out
+
+
+_MAX_SPLITS = 64
+_MIN_KEYS_PER_SPLIT = 128
+
+
+def _default_splits(num_seqs: int, kv_heads: int, max_keys: int, device: torch.device) -> int:
+    """Enough splits for about two programs per SM, but no split shorter than 128 keys (the
+    longest possible context, from the block table's width, bounds this without reading seq_lens)."""
+    sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 4
+    want = triton.cdiv(2 * sms, max(num_seqs * kv_heads, 1))
+    return max(1, min(want, triton.cdiv(max_keys, _MIN_KEYS_PER_SPLIT), _MAX_SPLITS))
+
+
+def _launch_decode(q, key_cache, value_cache, block_tables, seq_lens, scale, sliding_window, soft_cap,
+                   out, num_splits):
+    fn = "paged_attention_decode"
+    heads, kv_heads, dim, block_size = _check_common(
+        fn, q, key_cache, value_cache, block_tables, seq_lens, scale, sliding_window, soft_cap, out,
+        _decode_split_kernel)
+    num_seqs = seq_lens.shape[0]
+    if q.shape[0] != num_seqs:
+        _fail(fn, "q.shape[0]", f"num_seqs = len(seq_lens) = {num_seqs} (one query per sequence)", q.shape[0])
+    if num_splits is None:
+        max_keys = block_tables.shape[1] * block_size
+        if sliding_window:
+            max_keys = min(max_keys, sliding_window)
+        num_splits = _default_splits(num_seqs, kv_heads, max_keys, q.device)
+    if isinstance(num_splits, bool) or not isinstance(num_splits, int) or not 1 <= num_splits <= 256:
+        _fail(fn, "num_splits", "None or an int in [1, 256]", repr(num_splits))
+    if out is None:
+        out = torch.empty_like(q, memory_format=torch.contiguous_format)
+    if num_seqs == 0:
+        return out
+    group = heads // kv_heads
+    cfg = _pick_config(dim, triton.next_power_of_2(group), decode=True)
+    if num_splits > 1:
+        part_acc = torch.empty((num_seqs, heads, num_splits, dim), dtype=torch.float32, device=q.device)
+        part_ml = torch.empty((2, num_seqs, heads, num_splits), dtype=torch.float32, device=q.device)
+    else:
+        part_acc = part_ml = out     # not read or written with one split
+    _decode_split_kernel[(num_seqs, kv_heads, num_splits)](
+        q, key_cache, value_cache, out, part_acc, part_ml, block_tables, seq_lens,
+        float(scale), float(soft_cap), int(sliding_window), num_seqs,
+        q.stride(0), q.stride(1), out.stride(0), out.stride(1),
+        *_cache_strides(key_cache, value_cache), block_tables.stride(0),
+        NUM_HEADS=heads, BLOCK_SIZE=block_size, GROUP=group, BLOCK_H=cfg.block_m, HEAD_DIM=dim,
+        BLOCK_N=cfg.block_n, NUM_SPLITS=num_splits, USE_CAP=soft_cap > 0, USE_WINDOW=sliding_window > 0,
+        **_dot_args(q.dtype, _decode_split_kernel),
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+    if num_splits > 1:
+        _decode_reduce_kernel[(num_seqs, heads)](
+            part_acc, part_ml, out, num_seqs, out.stride(0), out.stride(1),
+            NUM_HEADS=heads, HEAD_DIM=dim, NUM_SPLITS=num_splits,
+            SPLITS_PAD=triton.next_power_of_2(num_splits), num_warps=4 if dim >= 128 else 2)
+    return out
+
+
+# --------------------------------------------------------------------------------------------------
+# public wrappers
+
+
+def paged_attention_prefill(q, key_cache, value_cache, block_tables, seq_lens, query_start_loc, *,
+                            scale: float, sliding_window: int = 0, soft_cap: float = 0.0, out=None):
+    """Varlen causal attention of packed queries ``q [num_tokens, num_heads, head_dim]`` over the
+    paged caches (cached prefix + this step's keys, already written); ``query_start_loc[s]`` is where
+    sequence ``s``'s queries start (``num_seqs + 1`` entries, last = num_tokens) and ``seq_lens[s]``
+    its context length including them. Returns ``out`` (allocated when omitted)."""
+    return _launch_prefill(q, key_cache, value_cache, block_tables, seq_lens, query_start_loc, scale,
+                           sliding_window, soft_cap, out)
+
+
+def paged_attention_decode(q, key_cache, value_cache, block_tables, seq_lens, *, scale: float,
+                           sliding_window: int = 0, soft_cap: float = 0.0, out=None,
+                           num_splits: int | None = None):
+    """One query per sequence (``q [num_seqs, num_heads, head_dim]``, position ``seq_lens[s] - 1``)
+    over the paged caches, split-K over ``num_splits`` partitions of the context (a heuristic from
+    the SM count and the block table's width when omitted). Returns ``out``."""
+    return _launch_decode(q, key_cache, value_cache, block_tables, seq_lens, scale, sliding_window,
+                          soft_cap, out, num_splits)
+
+
+def paged_attention(q, key_cache, value_cache, block_tables, seq_lens, query_start_loc=None, *,
+                    scale: float | None = None, sliding_window: int = 0, soft_cap: float = 0.0, out=None):
+    """The ``paged_attention`` op's signature: prefill when ``query_start_loc`` is given, decode
+    otherwise; ``scale`` defaults to ``1/sqrt(head_dim)``."""
+    if scale is None:
+        scale = 1.0 / math.sqrt(q.shape[-1])
+    if query_start_loc is None:
+        return paged_attention_decode(q, key_cache, value_cache, block_tables, seq_lens, scale=scale,
+                                      sliding_window=sliding_window, soft_cap=soft_cap, out=out)
+    return paged_attention_prefill(q, key_cache, value_cache, block_tables, seq_lens, query_start_loc,
+                                   scale=scale, sliding_window=sliding_window, soft_cap=soft_cap, out=out)

@@ -1,0 +1,225 @@
+"""runtime/kernels/paged_attention.py vs the paged_attention op's torch reference.
+
+Prefill (varlen, causal, cached prefix read through shuffled block tables) and split-K decode, for
+odd lengths, many sequences, GQA ratios 1/4/8, head dims 32..256, block sizes 16/32/64, sliding
+window and soft-cap, in float32/float16/bfloat16. On CPU the kernels run under Triton's interpreter
+(small shapes); with CUDA the same cases run compiled with every length scaled up ~16x.
+"""
+from __future__ import annotations
+
+import os
+
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")   # before triton is imported (see conftest.py)
+
+import pytest  # noqa: E402
+
+from graphdsl.errors import GraphDSLError  # noqa: E402
+from graphdsl.opdef import get_op  # noqa: E402
+from graphdsl.runtime.kernels import (  # noqa: E402
+    paged_attention, paged_attention_decode, paged_attention_prefill)
+
+CUDA = torch.cuda.is_available()
+DEVICE = "cuda" if CUDA else "cpu"
+REF = get_op("paged_attention").reference
+# relative Frobenius error ||out - ref|| / ||ref|| allowed per dtype (METHOD.md's bands)
+TOL = {torch.float32: 2e-5, torch.float16: 2e-3, torch.bfloat16: 1.5e-2}
+
+
+def _grow(lens, news):
+    """On the GPU, scale the CPU case's lengths up (keeping them odd-ish and news <= lens)."""
+    if not CUDA:
+        return list(lens), list(news)
+    big = [L * 16 + L % 7 for L in lens]
+    return big, [min(n * 16 + n % 5, L) if n > 1 else n for n, L in zip(news, big)]
+
+
+def make_case(lens, news, heads, kv_heads, head_dim, block_size, dtype, *, seed=0, device=DEVICE):
+    """Random caches whose blocks are handed to sequences in shuffled order; the unused table
+    entries point at real (random) blocks too, so reading past a context shows up as an error."""
+    g = torch.Generator().manual_seed(seed)
+    per_seq = [(L + block_size - 1) // block_size for L in lens]
+    num_blocks = sum(per_seq) + 5
+    width = max(per_seq + [1]) + 2
+    kc = torch.randn(num_blocks, block_size, kv_heads, head_dim, generator=g).to(dtype)
+    vc = torch.randn(num_blocks, block_size, kv_heads, head_dim, generator=g).to(dtype)
+    order = torch.randperm(num_blocks, generator=g)
+    tables = torch.randint(0, num_blocks, (len(lens), width), generator=g, dtype=torch.int32)
+    used = 0
+    for s, nb in enumerate(per_seq):
+        tables[s, :nb] = order[used:used + nb]
+        used += nb
+    qsl = torch.tensor([0] + torch.tensor(news, dtype=torch.int64).cumsum(0).tolist(), dtype=torch.int32)
+    q = torch.randn(int(qsl[-1]), heads, head_dim, generator=g).to(dtype)
+    seq_lens = torch.tensor(lens, dtype=torch.int32)
+    return [t.to(device) for t in (q, kc, vc, tables, seq_lens, qsl)]
+
+
+def assert_close(out, ref, dtype):
+    assert out.dtype == ref.dtype and out.shape == ref.shape
+    assert torch.isfinite(out.float()).all(), "non-finite output (unwritten rows?)"
+    err = ((out.float() - ref.float()).norm() / ref.float().norm().clamp_min(1e-30)).item()
+    assert err < TOL[dtype], f"relative error {err:.2e} >= {TOL[dtype]:.0e}"
+
+
+def _nan_like(q):
+    return torch.full_like(q, float("nan"))
+
+
+# (lens, news): context lengths and how many of their last tokens are this step's queries
+PREFILL_SEQS = {
+    "one_token": ([1], [1]),
+    "odd_single": ([33], [33]),
+    "many_mixed": ([1, 7, 33, 64, 100, 17], [1, 7, 5, 64, 3, 0]),
+    "prefix_chunks": ([40, 97], [9, 31]),
+}
+
+
+@pytest.mark.parametrize("seqs", list(PREFILL_SEQS))
+@pytest.mark.parametrize("heads,kv_heads", [(4, 4), (8, 2), (8, 1)])
+def test_prefill_shapes_and_gqa(seqs, heads, kv_heads):
+    lens, news = _grow(*PREFILL_SEQS[seqs])
+    dtype = torch.float32
+    q, kc, vc, bt, sl, qsl = make_case(lens, news, heads, kv_heads, 64, 16, dtype)
+    out = paged_attention_prefill(q, kc, vc, bt, sl, qsl, scale=0.125, out=_nan_like(q))
+    assert_close(out, REF(q, kc, vc, bt, sl, qsl, scale=0.125), dtype)
+
+
+@pytest.mark.parametrize("head_dim,block_size,dtype", [
+    (128, 32, torch.float16), (64, 64, torch.bfloat16), (128, 16, torch.bfloat16),
+    (32, 16, torch.float32), (256, 32, torch.float16)])
+def test_prefill_dims_blocks_dtypes(head_dim, block_size, dtype):
+    lens, news = _grow([7, 70, 33], [7, 20, 1])
+    q, kc, vc, bt, sl, qsl = make_case(lens, news, 8, 2, head_dim, block_size, dtype, seed=1)
+    scale = head_dim ** -0.5
+    out = paged_attention_prefill(q, kc, vc, bt, sl, qsl, scale=scale)
+    assert_close(out, REF(q, kc, vc, bt, sl, qsl, scale=scale), dtype)
+
+
+@pytest.mark.parametrize("window,cap", [(5, 0.0), (0, 2.5), (16, 4.0), (1, 0.0), (10_000, 0.0)])
+def test_prefill_window_and_softcap(window, cap):
+    lens, news = _grow([50, 9, 33], [20, 9, 2])
+    dtype = torch.float32
+    q, kc, vc, bt, sl, qsl = make_case(lens, news, 8, 4, 64, 16, dtype, seed=2)
+    q = q * 3   # larger scores so the cap bends them
+    kw = dict(scale=0.2, sliding_window=window, soft_cap=cap)
+    out = paged_attention_prefill(q, kc, vc, bt, sl, qsl, **kw)
+    assert_close(out, REF(q, kc, vc, bt, sl, qsl, **kw), dtype)
+
+
+def test_prefill_strided_q_and_int64_tables():
+    """q as a view of a fused qkv projection output, int64 tables/lengths, into a strided out."""
+    lens, news = _grow([12, 30], [12, 4])
+    q, kc, vc, bt, sl, qsl = make_case(lens, news, 4, 2, 64, 16, torch.float32, seed=3)
+    qkv = torch.randn(q.shape[0], 8, 64, device=q.device)
+    qkv[:, :4] = q
+    qv = qkv[:, :4]
+    out_buf = torch.full((q.shape[0], 6, 64), float("nan"), device=q.device)
+    out = paged_attention_prefill(qv, kc, vc, bt.long(), sl.long(), qsl.long(), scale=0.125,
+                                  out=out_buf[:, 1:5])
+    assert out.data_ptr() == out_buf[:, 1:5].data_ptr()
+    assert_close(out, REF(q, kc, vc, bt, sl, qsl, scale=0.125), torch.float32)
+    assert torch.isnan(out_buf[:, 0]).all() and torch.isnan(out_buf[:, 5]).all()
+
+
+DECODE_LENS = {"short": [1, 7, 33], "many": [5, 64, 65, 100, 1, 257], "long": [300]}
+
+
+@pytest.mark.parametrize("lens,num_splits", [("short", 1), ("short", 3), ("many", 1), ("many", 5),
+                                             ("many", None), ("long", 8), ("long", None)])
+@pytest.mark.parametrize("heads,kv_heads", [(4, 4), (8, 1)])
+def test_decode_splits_and_gqa(lens, num_splits, heads, kv_heads):
+    lens, _ = _grow(DECODE_LENS[lens], [])
+    dtype = torch.float32
+    q, kc, vc, bt, sl, _ = make_case(lens, [1] * len(lens), heads, kv_heads, 64, 16, dtype, seed=4)
+    out = paged_attention_decode(q, kc, vc, bt, sl, scale=0.125, num_splits=num_splits, out=_nan_like(q))
+    assert_close(out, REF(q, kc, vc, bt, sl, scale=0.125), dtype)
+
+
+@pytest.mark.parametrize("head_dim,block_size,dtype,heads,kv_heads,splits", [
+    (128, 32, torch.float16, 8, 2, 4), (64, 64, torch.bfloat16, 8, 2, 1),
+    (128, 16, torch.bfloat16, 32, 8, 2), (32, 16, torch.float32, 2, 1, 4), (256, 64, torch.float16, 4, 1, 3)])
+def test_decode_dims_blocks_dtypes(head_dim, block_size, dtype, heads, kv_heads, splits):
+    lens, _ = _grow([3, 130, 64], [])
+    q, kc, vc, bt, sl, _ = make_case(lens, [1] * 3, heads, kv_heads, head_dim, block_size, dtype, seed=5)
+    scale = head_dim ** -0.5
+    out = paged_attention_decode(q, kc, vc, bt, sl, scale=scale, num_splits=splits)
+    assert_close(out, REF(q, kc, vc, bt, sl, scale=scale), dtype)
+
+
+@pytest.mark.parametrize("window,cap,splits", [(5, 0.0, 3), (0, 3.0, 2), (20, 2.0, 4), (1, 0.0, 2),
+                                               (64, 0.0, 1)])
+def test_decode_window_and_softcap(window, cap, splits):
+    lens, _ = _grow([100, 3, 64, 21], [])
+    q, kc, vc, bt, sl, _ = make_case(lens, [1] * 4, 8, 2, 64, 32, torch.float32, seed=6)
+    q = q * 3
+    kw = dict(scale=0.2, sliding_window=window, soft_cap=cap)
+    out = paged_attention_decode(q, kc, vc, bt, sl, num_splits=splits, **kw)
+    assert_close(out, REF(q, kc, vc, bt, sl, **kw), torch.float32)
+
+
+def test_cache_then_prefill_then_decode_round_trip():
+    """Chunked prefill then decode through reshape_and_cache; prefill of a one-token step equals
+    decode, and the op-shaped dispatcher picks the right kernel."""
+    from graphdsl.runtime.kernels import reshape_and_cache
+    torch.manual_seed(7)
+    bs, hk, h, d = 16, 2, 4, 64
+    total = 45 if not CUDA else 45 * 16
+    kc = torch.zeros(total // bs + 4, bs, hk, d, device=DEVICE)
+    vc = torch.zeros_like(kc)
+    table = torch.randperm(kc.shape[0], device=DEVICE)[None, :].to(torch.int32)
+    keys, values = torch.randn(total, hk, d, device=DEVICE), torch.randn(total, hk, d, device=DEVICE)
+    qs = torch.randn(total, h, d, device=DEVICE)
+    slots = (table[0].long()[torch.arange(total, device=DEVICE) // bs] * bs + torch.arange(total, device=DEVICE) % bs)
+    cut = total * 2 // 3
+    outs = []
+    for a, b in ((0, cut // 2), (cut // 2, cut)):       # two prefill chunks
+        reshape_and_cache(keys[a:b], values[a:b], kc, vc, slots[a:b])
+        sl = torch.tensor([b], dtype=torch.int32, device=DEVICE)
+        qsl = torch.tensor([0, b - a], dtype=torch.int32, device=DEVICE)
+        outs.append(paged_attention(qs[a:b], kc, vc, table, sl, qsl))
+    for t in range(cut, total):                          # then one token at a time
+        reshape_and_cache(keys[t:t + 1], values[t:t + 1], kc, vc, slots[t:t + 1])
+        sl = torch.tensor([t + 1], dtype=torch.int32, device=DEVICE)
+        outs.append(paged_attention(qs[t:t + 1], kc, vc, table, sl))
+    got = torch.cat(outs)
+    # the whole sequence as one prefill over a cache written by the reference op
+    kr, vr = torch.zeros_like(kc), torch.zeros_like(vc)
+    get_op("reshape_and_cache").reference(keys, values, kr, vr, slots)
+    full_sl = torch.tensor([total], dtype=torch.int32, device=DEVICE)
+    full_qsl = torch.tensor([0, total], dtype=torch.int32, device=DEVICE)
+    assert_close(got, REF(qs, kr, vr, table, full_sl, full_qsl, scale=d ** -0.5), torch.float32)
+
+
+@pytest.mark.parametrize("change,msg", [
+    (lambda a: a.update(q=a["q"][..., :48], key_cache=a["key_cache"][..., :48],
+                        value_cache=a["value_cache"][..., :48]), r"head_dim must be a power of two in \[16, 256\], got 48"),
+    (lambda a: a.update(q=a["q"].half()), r"key_cache.dtype must be q's dtype torch.float16, got torch.float32"),
+    (lambda a: a.update(q=a["q"][:, :3]), r"num_heads must be a multiple of num_kv_heads 2, got 3"),
+    (lambda a: a.update(q=a["q"].int()), r"q.dtype must be float16, bfloat16 or float32, got torch.int32"),
+    (lambda a: a.update(block_tables=a["block_tables"].float()), r"block_tables must be a \[num_seqs, max_blocks\]"),
+    (lambda a: a.update(seq_lens=a["seq_lens"][:1]), r"block_tables.shape\[0\] must be num_seqs = len\(seq_lens\) = 1, got 2"),
+    (lambda a: a.update(query_start_loc=a["query_start_loc"][:2]), r"query_start_loc must be a contiguous \[3\]"),
+    (lambda a: a.update(sliding_window=-1), r"sliding_window must be an int >= 0, got -1"),
+    (lambda a: a.update(out=torch.empty(2, 2)), r"out must be a \(\d+, 4, 64\) torch.float32 tensor, got \(2, 2\)"),
+])
+def test_prefill_errors_name_the_argument(change, msg):
+    q, kc, vc, bt, sl, qsl = make_case([5, 9], [5, 2], 4, 2, 64, 16, torch.float32)
+    args = dict(q=q, key_cache=kc, value_cache=vc, block_tables=bt, seq_lens=sl, query_start_loc=qsl,
+                scale=0.1, sliding_window=0)
+    change(args)
+    with pytest.raises(GraphDSLError, match="paged_attention_prefill: " + msg):
+        paged_attention_prefill(**args)
+
+
+def test_decode_errors_name_the_argument():
+    q, kc, vc, bt, sl, _ = make_case([5, 9], [1, 1], 4, 2, 64, 16, torch.float32)
+    with pytest.raises(GraphDSLError, match=r"q.shape\[0\] must be num_seqs = len\(seq_lens\) = 2 "
+                                            r"\(one query per sequence\), got 3"):
+        paged_attention_decode(torch.cat([q, q[:1]]), kc, vc, bt, sl, scale=0.1)
+    with pytest.raises(GraphDSLError, match=r"num_splits must be None or an int in \[1, 256\], got 0"):
+        paged_attention_decode(q, kc, vc, bt, sl, scale=0.1, num_splits=0)
+    with pytest.raises(GraphDSLError, match=r"soft_cap must be a float >= 0, got -1.0"):
+        paged_attention_decode(q, kc, vc, bt, sl, scale=0.1, soft_cap=-1.0)
