@@ -149,7 +149,8 @@ def sampling_probs(logits: torch.Tensor, params: list[SamplingParams],
     ps = [p.top_p for p in params]
     if any(k < vocab for k in ks):
         k = torch.tensor([min(k, vocab) for k in ks], device=logits.device)
-        kth = logits.sort(dim=1, descending=True).values.gather(1, (k - 1)[:, None])
+        top = logits.topk(int(k.max()), dim=1).values          # only the largest k_max per row
+        kth = top.gather(1, (k - 1)[:, None])
         logits = logits.masked_fill(logits < kth, float("-inf"))
     if any(p < 1.0 for p in ps):
         p = torch.tensor(ps, dtype=torch.float32, device=logits.device)
