@@ -4,7 +4,8 @@ Reading goes through the ``gguf`` package's ``GGUFReader`` (memory-mapped); ever
 raw bytes is ours:
 
 - :func:`dequantize` turns the raw block bytes of one tensor into float32 (formats below);
-- :class:`GGUFCheckpoint` renames llama.cpp tensors to HF names, undoes the q/k row permutation
+- :class:`GGUFCheckpoint` renames llama.cpp tensors to HF names (splitting stacked MoE experts
+  into per-expert tensors), undoes the q/k row permutation
   llama.cpp's converter applies to llama-architecture attention weights, builds a HF
   ``config.json``-style dict from the ``{arch}.*`` metadata, and a :class:`Tokenizer` from
   ``tokenizer.*``.
@@ -202,7 +203,10 @@ _ARCHS = {
     "llama": ("llama", "LlamaForCausalLM"),
     "qwen2": ("qwen2", "Qwen2ForCausalLM"),
     "qwen3": ("qwen3", "Qwen3ForCausalLM"),
+    "qwen2moe": ("qwen2_moe", "Qwen2MoeForCausalLM"),
+    "qwen3moe": ("qwen3_moe", "Qwen3MoeForCausalLM"),
 }
+_MOE = ("qwen2moe", "qwen3moe")
 SUPPORTED_ARCHITECTURES = tuple(_ARCHS)
 # llama.cpp permutes q/k rows for these (its rotary embedding is interleaved; HF's is half-split)
 _PERMUTED_QK = ("llama",)
@@ -224,7 +228,14 @@ _LAYER_NAMES = {
     "ffn_gate": "mlp.gate_proj",
     "ffn_up": "mlp.up_proj",
     "ffn_down": "mlp.down_proj",
+    "ffn_gate_inp": "mlp.gate",                       # MoE router
+    "ffn_gate_shexp": "mlp.shared_expert.gate_proj",
+    "ffn_up_shexp": "mlp.shared_expert.up_proj",
+    "ffn_down_shexp": "mlp.shared_expert.down_proj",
+    "ffn_gate_inp_shexp": "mlp.shared_expert_gate",   # stored 1-D [hidden]; HF has [1, hidden]
 }
+# stacked experts [E, ...] -> one HF tensor per expert: mlp.experts.{e}.{proj}.weight
+_EXPERT_NAMES = {"ffn_gate_exps": "gate_proj", "ffn_up_exps": "up_proj", "ffn_down_exps": "down_proj"}
 _LAYER_RE = re.compile(r"^blk\.(\d+)\.([a-z_]+)\.(weight|bias)$")
 # tensors llama.cpp writes that are not parameters of the HF model (rope_freqs: llama3 scaling)
 _SKIPPED = ("rope_freqs.weight",)
@@ -308,7 +319,7 @@ class GGUFCheckpoint:
         return v
 
     def hf_config(self) -> dict[str, Any]:
-        """A HF ``config.json``-style dict for this file (llama, qwen2, qwen3)."""
+        """A HF ``config.json``-style dict for this file (llama, qwen2, qwen3, qwen2moe, qwen3moe)."""
         arch = self._check_arch()
         model_type, cls = _ARCHS[arch]
         hidden = int(self._key(arch, "embedding_length"))
@@ -341,6 +352,21 @@ class GGUFCheckpoint:
             "bos_token_id": self.metadata.get("tokenizer.ggml.bos_token_id"),
             "eos_token_id": self.metadata.get("tokenizer.ggml.eos_token_id"),
         }
+        if self.metadata.get("tokenizer.ggml.padding_token_id") is not None:
+            cfg["pad_token_id"] = self.metadata["tokenizer.ggml.padding_token_id"]
+        if arch in _MOE:
+            experts = int(self._key(arch, "expert_count"))
+            moe_ff = int(self._key(arch, "expert_feed_forward_length"))
+            dense = [i for i in range(cfg["num_hidden_layers"])
+                     if f"blk.{i}.ffn_gate_inp.weight" not in self._tensors]
+            cfg.update(num_experts=experts,
+                       num_experts_per_tok=int(self._key(arch, "expert_used_count")),
+                       moe_intermediate_size=moe_ff, decoder_sparse_step=1, mlp_only_layers=dense,
+                       # llama.cpp renormalises the top-k weights for qwen3moe, not for qwen2moe
+                       norm_topk_prob=arch == "qwen3moe")
+            shared = self._key(arch, "expert_shared_feed_forward_length", None)
+            if shared is not None:
+                cfg["shared_expert_intermediate_size"] = int(shared)
         if arch == "llama":
             cfg["attention_bias"] = "blk.0.attn_q.bias" in self._tensors
             cfg["mlp_bias"] = "blk.0.ffn_up.bias" in self._tensors
@@ -362,6 +388,10 @@ class GGUFCheckpoint:
     # ------------------------------------------------------------------ tensors
     def iter_tensors(self, dtype: torch.dtype = torch.float32) -> Iterator[tuple[str, torch.Tensor]]:
         """Yield ``(HF name, tensor)`` dequantized to ``dtype``, one tensor at a time.
+
+        Stacked MoE expert tensors ``blk.{i}.ffn_{gate,up,down}_exps`` ``[E, ...]`` are yielded per
+        expert as ``model.layers.{i}.mlp.experts.{e}.{gate,up,down}_proj.weight`` (the names of HF
+        checkpoints on disk).
 
         Tensors without an HF mapping keep their GGUF name (so a weight check reports them);
         ``rope_freqs.weight`` (llama3 rope factors, not an HF parameter) is skipped.
@@ -390,6 +420,15 @@ class GGUFCheckpoint:
                 w = _unpermute_rows(w, cfg["num_attention_heads"])
             elif arch in _PERMUTED_QK and ".attn_k." in name:
                 w = _unpermute_rows(w, cfg["num_key_value_heads"])
+            m = _LAYER_RE.match(name)
+            if m and m.group(2) in _EXPERT_NAMES:
+                proj = _EXPERT_NAMES[m.group(2)]
+                for e in range(w.shape[0]):
+                    yield (f"model.layers.{m.group(1)}.mlp.experts.{e}.{proj}.weight",
+                           w[e].to(dtype).contiguous())
+                continue
+            if m and m.group(2) == "ffn_gate_inp_shexp" and w.dim() == 1:
+                w = w.reshape(1, -1)
             yield hf_name(name) or name, w.to(dtype)
 
 

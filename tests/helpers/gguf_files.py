@@ -17,7 +17,9 @@ _LAYER = {
     "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
     "self_attn.o_proj": "attn_output", "self_attn.q_norm": "attn_q_norm",
     "self_attn.k_norm": "attn_k_norm", "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up",
-    "mlp.down_proj": "ffn_down",
+    "mlp.down_proj": "ffn_down", "mlp.gate": "ffn_gate_inp",
+    "mlp.shared_expert.gate_proj": "ffn_gate_shexp", "mlp.shared_expert.up_proj": "ffn_up_shexp",
+    "mlp.shared_expert.down_proj": "ffn_down_shexp", "mlp.shared_expert_gate": "ffn_gate_inp_shexp",
 }
 _GLOBAL = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight",
            "lm_head.weight": "output.weight"}
@@ -100,6 +102,12 @@ def hf_model_to_gguf(path, model, arch: str, *, quant: dict[str, Any] | None = N
         meta[f"{arch}.attention.value_length"] = head_dim
     meta.update(tokenizer_meta or {})
     meta.update(extra_meta or {})
+    if getattr(cfg, "num_experts", None):
+        meta[f"{arch}.expert_count"] = cfg.num_experts
+        meta[f"{arch}.expert_used_count"] = cfg.num_experts_per_tok
+        meta[f"{arch}.expert_feed_forward_length"] = cfg.moe_intermediate_size
+        if getattr(cfg, "shared_expert_intermediate_size", None):
+            meta[f"{arch}.expert_shared_feed_forward_length"] = cfg.shared_expert_intermediate_size
     sd = {k: v.detach().float().clone() for k, v in model.state_dict().items()}
     if cfg.tie_word_embeddings:
         sd.pop("lm_head.weight", None)
@@ -107,7 +115,19 @@ def hf_model_to_gguf(path, model, arch: str, *, quant: dict[str, Any] | None = N
     for name, t in sd.items():
         if name in skip:
             continue
+        m = re.match(r"model\.layers\.(\d+)\.mlp\.experts\.(gate_up_proj|down_proj)$", name)
+        if m:  # transformers' fused experts [E, 2I, H] (gate rows first) / [E, H, I]
+            blk = f"blk.{m.group(1)}"
+            if m.group(2) == "gate_up_proj":
+                gate, up = t.chunk(2, dim=1)
+                tensors[f"{blk}.ffn_gate_exps.weight"] = (gate.contiguous().numpy(), None)
+                tensors[f"{blk}.ffn_up_exps.weight"] = (up.contiguous().numpy(), None)
+            else:
+                tensors[f"{blk}.ffn_down_exps.weight"] = (t.contiguous().numpy(), None)
+            continue
         data = t.numpy()
+        if name.endswith("shared_expert_gate.weight"):
+            data = data.reshape(-1)                      # llama.cpp stores it 1-D
         if arch == "llama" and ".q_proj." in name:
             data = llama_cpp_permute(data, cfg.num_attention_heads)
         elif arch == "llama" and ".k_proj." in name:

@@ -208,6 +208,73 @@ def test_metadata_is_plain_python(tiny_gguf):
     assert all(type(v) in (int, float, str, bool, list) for v in meta.values())
 
 
+# ---------------------------------------------------------------- MoE (qwen2moe, qwen3moe)
+
+def _tiny_moe(arch: str):
+    common = dict(vocab_size=96, hidden_size=64, intermediate_size=96, moe_intermediate_size=32,
+                  num_experts=4, num_experts_per_tok=2, num_hidden_layers=2, num_attention_heads=4,
+                  num_key_value_heads=2, max_position_embeddings=256, rms_norm_eps=1e-5,
+                  tie_word_embeddings=False)
+    torch.manual_seed(1)
+    if arch == "qwen2moe":
+        cfg = transformers.Qwen2MoeConfig(**common, shared_expert_intermediate_size=64, mlp_only_layers=[1],
+                                          norm_topk_prob=False)
+        model = transformers.Qwen2MoeForCausalLM(cfg)
+    else:
+        cfg = transformers.Qwen3MoeConfig(**common, head_dim=24, norm_topk_prob=True)
+        model = transformers.Qwen3MoeForCausalLM(cfg)
+    with torch.no_grad():
+        for p in model.parameters():          # router and experts get distinct, non-tiny values
+            p.normal_(0, 0.2)
+    return model.eval()
+
+
+def _fuse_experts(tensors: dict[str, torch.Tensor], num_experts: int) -> dict[str, torch.Tensor]:
+    """Per-expert HF checkpoint names -> transformers' fused ``experts.gate_up_proj/down_proj``."""
+    out, layers = {}, set()
+    for name, t in tensors.items():
+        if ".mlp.experts." in name:
+            layers.add(name.split(".mlp.experts.")[0])
+        else:
+            out[name] = t
+    for pre in layers:
+        e = range(num_experts)
+        gate = torch.stack([tensors[f"{pre}.mlp.experts.{i}.gate_proj.weight"] for i in e])
+        up = torch.stack([tensors[f"{pre}.mlp.experts.{i}.up_proj.weight"] for i in e])
+        out[f"{pre}.mlp.experts.gate_up_proj"] = torch.cat([gate, up], dim=1)
+        out[f"{pre}.mlp.experts.down_proj"] = torch.stack(
+            [tensors[f"{pre}.mlp.experts.{i}.down_proj.weight"] for i in e])
+    return out
+
+
+@pytest.mark.parametrize("arch", ["qwen2moe", "qwen3moe"])
+def test_moe_config_tensors_and_logits(tmp_path, arch):
+    model = _tiny_moe(arch)
+    path = tmp_path / f"{arch}.gguf"
+    sd = hf_model_to_gguf(path, model, arch, tokenizer_meta=_tok_meta(96))
+    ck = GGUFCheckpoint(path)
+    cfg = ck.hf_config()
+    hc = model.config
+    assert cfg["model_type"] == hc.model_type and cfg["architectures"] == [type(model).__name__]
+    for key in ("num_experts", "num_experts_per_tok", "moe_intermediate_size", "norm_topk_prob"):
+        assert cfg[key] == getattr(hc, key), key
+    assert cfg["head_dim"] == (getattr(hc, "head_dim", None) or hc.hidden_size // hc.num_attention_heads)
+    if arch == "qwen2moe":
+        assert cfg["mlp_only_layers"] == [1] and cfg["shared_expert_intermediate_size"] == 64
+    got = dict(ck.iter_tensors(torch.float32))
+    assert "model.layers.0.mlp.experts.3.down_proj.weight" in got
+    assert got["model.layers.0.mlp.experts.2.gate_proj.weight"].shape == (32, 64)
+    fused = _fuse_experts(got, 4)
+    assert set(fused) == set(sd)
+    for name, t in sd.items():
+        assert torch.equal(fused[name], t), name
+    rebuilt = type(model)(type(hc)(**{k: v for k, v in cfg.items() if k not in ("model_type", "architectures")}))
+    rebuilt.load_state_dict(fused, strict=True)
+    ids = torch.tensor([[3, 17, 42, 5, 88, 9, 60]])
+    with torch.no_grad():
+        torch.testing.assert_close(rebuilt.eval()(ids).logits, model(ids).logits, rtol=0, atol=0)
+
+
 # ---------------------------------------------------------------- error paths
 
 def test_missing_and_not_gguf(tmp_path):
@@ -239,7 +306,7 @@ def test_unsupported_architecture(tmp_path):
     write_gguf(path, "mamba", {"mamba.block_count": 1}, {"x.weight": (np.ones(4, np.float32), None)})
     ck = GGUFCheckpoint(path)
     assert ck.architecture == "mamba"
-    with pytest.raises(GraphDSLError, match=r"architecture 'mamba' is not supported; supported: \['llama', 'qwen2', 'qwen3'\]"):
+    with pytest.raises(GraphDSLError, match=r"architecture 'mamba' is not supported; supported: \['llama', 'qwen2', 'qwen3', 'qwen2moe', 'qwen3moe'\]"):
         ck.hf_config()
     with pytest.raises(GraphDSLError, match="'mamba' is not supported"):
         list(ck.iter_tensors())
