@@ -99,7 +99,8 @@ class _Grouper:
         seen = set()
         while stack:
             n = stack.pop()
-            if n in seen or self.ed.pos[n] > top:
+            # a scalar constant read by the group is copied into it: no path runs through it
+            if n in seen or self.ed.pos[n] > top or n.opdef is _SCALAR:
                 continue
             seen.add(n)
             for u in self.ed.node_users(n):
@@ -213,10 +214,14 @@ def _materialise(ed: GraphEditor, group: Group) -> Node | None:
         refs = tuple(resolve(a) for a in args)
         program.append((n.op, refs, tuple(sorted(n.attrs.items()))))
         values[n.outputs[0]] = n_in + len(program) - 1
+    def dies_with_group(u) -> bool:     # a scalar whose only readers are members: copied in, then dead
+        return (isinstance(u, Node) and u.opdef is _SCALAR
+                and all(isinstance(x, Node) and x in inside for x in ed.users(u.outputs[0])))
+
     outs = []
     for n in members:
         t = n.outputs[0]
-        if any(not (isinstance(u, Node) and u in inside) for u in ed.users(t)):
+        if any(not (isinstance(u, Node) and u in inside) and not dies_with_group(u) for u in ed.users(t)):
             outs.append(t)
     if not outs:
         return None
@@ -227,6 +232,9 @@ def _materialise(ed: GraphEditor, group: Group) -> Node | None:
     for old, nt in zip(outs, node.outputs):
         ed.replace_uses(old, nt, exclude=new)
     for n in reversed(members):
+        for u in ed.users(n.outputs[0]):
+            if isinstance(u, Node) and u.opdef is _SCALAR and not ed.users(u.outputs[0]):
+                ed.erase(u)
         if all(not ed.users(t) for t in n.outputs):
             ed.erase(n)
     return node

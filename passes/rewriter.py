@@ -20,9 +20,9 @@ there; it returns one tensor per pattern output (an existing tensor is fine: ide
 Matching starts at the pattern's last node (the *anchor*) and walks inputs backwards. A match is
 rejected when a tensor computed inside the pattern, other than a pattern output, is read outside
 the match (an intermediate used elsewhere would have to be recomputed, so the rewrite would not
-pay), or when ``extra_check(match)`` returns False or a reason string. Every rejection of a node
-whose op equals the anchor's is kept as a :class:`NearMiss` (rule, node, module path, source line,
-reason) for ``engine.fusion_report()``.
+pay), or when ``extra_check(match)`` returns False or a reason string. A rejection after more than
+the anchor matched (or after the whole structure matched) is kept as a :class:`NearMiss` (rule,
+node, module path, source line, reason) for ``engine.fusion_report()``.
 
 :func:`apply_rules` is the one driver: a worklist over the :class:`GraphEditor`'s networkx view,
 seeded with every node in order; after a rewrite only the new nodes, their readers and the
@@ -40,6 +40,7 @@ from graphdsl.network import Network, Node
 from graphdsl.tensor import Tensor
 
 from .graph_edit import OUTPUT, GraphEditor
+from .shapes import same_shape
 
 __all__ = ["Var", "Rule", "Pattern", "Match", "NearMiss", "RewriteResult", "apply_rules", "replace_pattern"]
 
@@ -74,9 +75,10 @@ class NearMiss:
 
 
 class _NoMatch(Exception):
-    def __init__(self, reason: str):
+    def __init__(self, reason: str, depth: int = 1 << 30):
         super().__init__(reason)
         self.reason = reason
+        self.depth = depth          # pattern nodes matched before the failure
 
 
 @dataclass
@@ -189,10 +191,10 @@ def _match(rule: Rule, ed: GraphEditor, anchor: Node) -> Match:
             if isinstance(want, Var):
                 if want.name in m.vars and m.vars[want.name] != have:
                     raise _NoMatch(f"attribute {want.name} is {m.vars[want.name]!r} in one place and {have!r} in "
-                                   f"'{g.name}'")
+                                   f"'{g.name}'", depth=len(m.nodes) + 1)
                 m.vars[want.name] = have
             elif want != have or type(want) is not type(have):
-                raise _NoMatch(f"'{g.name}' has {k}={have!r}, pattern wants {k}={want!r}")
+                raise _NoMatch(f"'{g.name}' has {k}={have!r}, pattern wants {k}={want!r}", depth=len(m.nodes) + 1)
         m.nodes[p] = g
         used.add(g)
         for pt, gt in zip(p.inputs, g.inputs):
@@ -207,7 +209,10 @@ def _match(rule: Rule, ed: GraphEditor, anchor: Node) -> Match:
                     raise _NoMatch(f"'{g.name}' reads '{gt.name}' from {what}; pattern expects {pt.producer.op}")
                 visit(pt.producer, gt.producer)
 
-    visit(pat.anchor, anchor)
+    try:
+        visit(pat.anchor, anchor)
+    except _NoMatch as e:
+        raise _NoMatch(e.reason, depth=len(m.nodes) if e.depth == 1 << 30 else e.depth) from None
     for p, g in m.nodes.items():
         for pt, gt in zip(p.outputs, g.outputs):
             if pt in pat.output_set:
@@ -242,7 +247,8 @@ def _replace(ed: GraphEditor, m: Match) -> list[Node]:
         raise GraphDSLError(f"rule '{rule.name}': the replacement returned {len(outs)} value(s), the pattern has "
                             f"{len(m.outputs)} output(s); return one graph tensor per pattern output")
     for old, new_t in zip(m.outputs, outs):
-        if old.shape is not None and new_t.shape is not None and (old.shape != new_t.shape or old.dtype != new_t.dtype):
+        if old.shape is not None and new_t.shape is not None and (not same_shape(old.shape, new_t.shape)
+                                                                   or old.dtype != new_t.dtype):
             raise GraphDSLError(f"rule '{rule.name}' replaced '{old.name}' {old.shape} {old.dtype} by "
                                 f"'{new_t.name}' {new_t.shape} {new_t.dtype}; a rewrite must keep shapes and dtypes")
         ed.replace_uses(old, new_t, exclude=new)
@@ -281,7 +287,10 @@ def apply_rules(net_or_editor, rules: list[Rule], *, pass_name: str = "", dry_ru
             try:
                 m = _match(rule, ed, n)
             except _NoMatch as e:
-                misses[(rule.name, n)] = NearMiss(rule.name, pass_name, n.name, n.op, n.module, n.source, e.reason)
+                # a miss counts as "near" once more than the anchor matched (or only checks failed)
+                if e.depth >= min(2, len(rule.compiled.nodes)):
+                    misses[(rule.name, n)] = NearMiss(rule.name, pass_name, n.name, n.op, n.module, n.source,
+                                                      e.reason)
                 continue
             if dry_run:
                 misses[(rule.name, n)] = NearMiss(rule.name, pass_name, n.name, n.op, n.module, n.source,

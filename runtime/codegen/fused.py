@@ -101,7 +101,9 @@ def _analyse(program, in_specs: list[Spec]) -> _Analysis:
             if k != len(program) - 1 or op not in ROW_REDUCTIONS:
                 raise GraphDSLError(f"fused: reduction '{op}' must be the group's last op and one of {ROW_REDUCTIONS}")
             reduction = k
-        data_inputs += [r for r in refs if r < n_in and r not in data_inputs]
+        for r in refs:
+            if r < n_in and r not in data_inputs:
+                data_inputs.append(r)
     if reduction is not None:
         shape = tuple(specs[program[reduction][1][0]].shape)
     else:
