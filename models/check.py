@@ -1,0 +1,113 @@
+"""``check_model(path)``: what of a checkpoint graphdsl supports, without running it.
+
+Reads ``config.json`` (or GGUF metadata) and the tensor headers, then reports every problem at
+once: an unknown architecture (with the supported list), config fields graphdsl does not implement
+(quantization, unsupported rope types, activations), and weights the model would not find.
+"""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+
+from graphdsl.errors import GraphDSLError
+
+from .config import ModelConfig, build_config, read_hf_config
+from .registry import load_custom_module_map, resolve_model_class
+
+__all__ = ["ModelCheck", "check_model"]
+
+# config.json fields that change the math and that graphdsl does not implement yet
+_UNSUPPORTED_FIELDS = {
+    "quantization_config": "quantized checkpoints (quant_method {value[quant_method]!r}) are not supported yet",
+    "attn_logit_softcapping": "attention logit soft-capping is not wired into the supported families",
+    "final_logit_softcapping": "final logit soft-capping is not supported",
+}
+
+
+@dataclass
+class ModelCheck:
+    """The result: ``ok`` when nothing is unsupported; ``str()`` is a readable report."""
+
+    path: str
+    model_type: str | None = None
+    architectures: list[str] = field(default_factory=list)
+    model_class: str | None = None
+    config: ModelConfig | None = None
+    problems: list[str] = field(default_factory=list)
+
+    @property
+    def ok(self) -> bool:
+        return not self.problems
+
+    def __str__(self) -> str:
+        head = (f"{self.path}: model_type={self.model_type!r} architectures={self.architectures} "
+                f"-> {self.model_class or 'no model class'}")
+        if self.ok:
+            return head + "\n  supported"
+        return head + "\n" + "\n".join(f"  unsupported: {p}" for p in self.problems)
+
+
+def check_model(path: str | os.PathLike, custom_module_map: str | os.PathLike | None = None) -> ModelCheck:
+    """Check a HF model directory or a ``.gguf`` file; returns a :class:`ModelCheck` (never raises
+    for an unsupported model, only for an unreadable path)."""
+    path = os.fspath(path)
+    if custom_module_map is not None:
+        load_custom_module_map(custom_module_map)
+    gguf = path.endswith(".gguf")
+    if gguf:
+        from graphdsl.runtime.gguf import GGUFCheckpoint
+        ckpt = GGUFCheckpoint(path)
+        try:
+            hf = ckpt.hf_config()
+        except GraphDSLError as e:
+            return ModelCheck(path, problems=[str(e)])
+    else:
+        hf = read_hf_config(path)
+    report = ModelCheck(path, hf.get("model_type"), list(hf.get("architectures") or []))
+    for key, why in _UNSUPPORTED_FIELDS.items():
+        value = hf.get(key)
+        if value:
+            report.problems.append(why.format(value=value if isinstance(value, dict) else {"quant_method": value}))
+    try:
+        cls = resolve_model_class(hf.get("model_type"), hf.get("architectures") or ())
+        report.model_class = cls.__name__
+    except GraphDSLError as e:
+        report.problems.append(str(e))
+        return report
+    try:
+        report.config = build_config(hf)
+    except GraphDSLError as e:
+        report.problems.append(str(e))
+        return report
+    model = cls(report.config)
+    expected = {n: s.shape for n, s in model.checkpoint_table().items()}
+    got = _gguf_shapes(ckpt) if gguf else _safetensors_shapes(path)
+    got = {n: s for n, s in got.items() if not model.is_ignored_checkpoint_name(n)}
+    from graphdsl.runtime.weights import WeightReport
+    weights = WeightReport.compare(expected, got)
+    if not weights.ok:
+        report.problems.append("weights:\n    " + str(weights).replace("\n", "\n    "))
+    return report
+
+
+def _safetensors_shapes(path: str) -> dict[str, tuple[int, ...]]:
+    from safetensors import safe_open
+
+    from graphdsl.runtime.weights import safetensors_files
+    shapes = {}
+    for file, names in safetensors_files(path):
+        try:
+            with safe_open(file, framework="pt") as f:
+                for name in names or f.keys():
+                    shapes[name] = tuple(f.get_slice(name).get_shape())
+        except GraphDSLError:
+            raise
+        except Exception as e:
+            raise GraphDSLError(f"{file!r} is not a readable safetensors file: {str(e).splitlines()[0]}") from None
+    return shapes
+
+
+def _gguf_shapes(ckpt) -> dict[str, tuple[int, ...]]:
+    from graphdsl.runtime.gguf import hf_name
+    return {hf_name(n) or n: shape for n, (_, shape) in ckpt.tensor_info().items()
+            if n != "rope_freqs.weight"}
