@@ -55,33 +55,76 @@ _DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
 
 @triton.jit
-def _score(qk, kpos, qpos, scale, soft_cap, sliding_window,
-           USE_CAP: tl.constexpr, USE_WINDOW: tl.constexpr, CAUSAL: tl.constexpr, kvalid):
-    """Masked base-2 logits of one tile: ``log2(e) * cap * tanh(qk * scale / cap)`` (or
-    ``log2(e) * qk * scale``), ``-inf`` where key ``kpos`` is outside ``[0, hi)`` (``kvalid``),
-    after query ``qpos`` (``CAUSAL``) or outside its window (``USE_WINDOW``)."""
-    s = qk * scale
-    if USE_CAP:
-        # tanh(x) = 1 - 2 / (exp(2x) + 1): exact at both tails (exp -> inf gives 1, exp -> 0 gives -1)
-        t = 1.0 - 2.0 / (tl.exp2(s * (2.0 * 1.4426950408889634 / soft_cap)) + 1.0)
-        s = soft_cap * t
-    s = s * 1.4426950408889634
-    keep = kvalid[None, :]
-    if CAUSAL:
-        keep = keep & (kpos[None, :] <= qpos[:, None])
-    if USE_WINDOW:
-        keep = keep & (kpos[None, :] > qpos[:, None] - sliding_window)
-    return tl.where(keep, s, float("-inf"))
-
-
-@triton.jit
 def _mm(a, b, DOT_PREC: tl.constexpr, DOT_F32: tl.constexpr):
     """``a @ b`` accumulated in float32; ``DOT_F32`` first upcasts both operands (set only under
     the CPU interpreter, whose bfloat16 ``tl.dot`` returns garbage in triton 3.9)."""
     if DOT_F32:
-        return tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision="ieee")
+        r = tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision="ieee")
     else:
-        return tl.dot(a, b, input_precision=DOT_PREC)
+        r = tl.dot(a, b, input_precision=DOT_PREC)
+    return r
+
+
+@triton.jit
+def _attend(
+    acc, m_i, l_i,      # running [ROWS, HEAD_DIM] output, [ROWS] max and [ROWS] sum (float32)
+    q,                  # [ROWS, HEAD_DIM] queries of the program (their heads share one KV head)
+    qpos,               # [ROWS] absolute position of each row's query (read when CAUSAL)
+    start, stop,        # key positions [start, stop) to visit, BLOCK_N at a time from start
+    table,              # pointer to this sequence's block-table row
+    k_cache_ptr, v_cache_ptr, kvh,
+    stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
+    scale, soft_cap, sliding_window,
+    BLOCK_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr,
+    USE_CAP: tl.constexpr,      # soft-cap the scores
+    CAUSAL: tl.constexpr,       # mask keys after qpos (and outside the window when USE_WINDOW)
+    USE_WINDOW: tl.constexpr,
+    CHECK_STOP: tl.constexpr,   # mask keys >= stop (the last tile may overhang)
+    DOT_PREC: tl.constexpr, DOT_F32: tl.constexpr,
+):
+    """Online-softmax steps over keys ``[start, stop)``: for each tile of ``BLOCK_N`` keys (read
+    through the block table) ``S = log2(e) * cap * tanh(q kᵀ * scale / cap)`` (no tanh without a cap),
+    masked to ``-inf``; ``m' = max(m, rowmax S)``, ``P = 2^(S - m')``,
+    ``l = l 2^(m - m') + rowsum P``, ``acc = acc 2^(m - m') + P v``. Tiles wholly visible to every
+    row skip the masks (``CAUSAL = CHECK_STOP = False``). ``tanh(x) = 1 - 2 / (e^(2x) + 1)``, exact at
+    both tails."""
+    dims = tl.arange(0, HEAD_DIM)
+    for kstart in range(start, stop, BLOCK_N):
+        kpos = kstart + tl.arange(0, BLOCK_N)
+        if CHECK_STOP:
+            kvalid = kpos < stop
+            blk = tl.load(table + kpos // BLOCK_SIZE, mask=kvalid, other=0).to(tl.int64)
+        else:
+            blk = tl.load(table + kpos // BLOCK_SIZE).to(tl.int64)
+        slot = kpos % BLOCK_SIZE
+        k_ptrs = k_cache_ptr + (blk * stride_kb + slot * stride_ks + kvh * stride_kh)[:, None] + dims[None, :]
+        v_ptrs = v_cache_ptr + (blk * stride_vb + slot * stride_vs + kvh * stride_vh)[:, None] + dims[None, :]
+        if CHECK_STOP:
+            k = tl.load(k_ptrs, mask=kvalid[:, None], other=0.0)
+            v = tl.load(v_ptrs, mask=kvalid[:, None], other=0.0)
+        else:
+            k = tl.load(k_ptrs)
+            v = tl.load(v_ptrs)
+        sc = _mm(q, tl.trans(k), DOT_PREC, DOT_F32) * scale
+        if USE_CAP:
+            sc = soft_cap * (1.0 - 2.0 / (tl.exp2(sc * (2.0 * 1.4426950408889634 / soft_cap)) + 1.0))
+        sc = sc * 1.4426950408889634
+        if CAUSAL:
+            keep = kpos[None, :] <= qpos[:, None]
+            if USE_WINDOW:
+                keep = keep & (kpos[None, :] > qpos[:, None] - sliding_window)
+            if CHECK_STOP:
+                keep = keep & kvalid[None, :]
+            sc = tl.where(keep, sc, float("-inf"))
+        elif CHECK_STOP:
+            sc = tl.where(kvalid[None, :], sc, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(sc, 1))
+        alpha = tl.exp2(m_i - m_new)
+        p = tl.exp2(sc - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        acc = acc * alpha[:, None] + _mm(p.to(v.dtype), v, DOT_PREC, DOT_F32)
+        m_i = m_new
+    return acc, m_i, l_i
 
 
 @triton.jit
@@ -153,33 +196,34 @@ def _prefill_kernel(
         q = tl.load(q_ptr + token[:, None] * stride_qt + head[:, None] * stride_qh + dims[None, :],
                     mask=row_ok[:, None], other=0.0)
 
-        first = ctx - n_new + t * BLOCK_Q
-        hi = tl.minimum(first + BLOCK_Q, ctx)
+        first = ctx - n_new + t * BLOCK_Q          # position of the tile's first query
+        hi = tl.minimum(first + BLOCK_Q, ctx)      # one past its last query's position
         lo = first * 0
+        full_lo = lo                               # keys >= full_lo are inside every row's window
         if USE_WINDOW:
             lo = tl.maximum(first - sliding_window + 1, 0)
+            full_lo = tl.minimum(tl.maximum(hi - sliding_window, 0), first + 1)
+        # keys [full_lo, full_hi) are visible to every row: no masks there
+        full_hi = full_lo + (first + 1 - full_lo) // BLOCK_N * BLOCK_N
 
         m_i = tl.full([BLOCK_M], -1.0e30, tl.float32)
         l_i = tl.zeros([BLOCK_M], tl.float32)
         acc = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
         table = block_tables_ptr + seq.to(tl.int64) * stride_bt
-        for start in range(lo, hi, BLOCK_N):
-            kpos = start + tl.arange(0, BLOCK_N)
-            kvalid = kpos < hi
-            blk = tl.load(table + kpos // BLOCK_SIZE, mask=kvalid, other=0).to(tl.int64)
-            slot = kpos % BLOCK_SIZE
-            k = tl.load(k_cache_ptr + (blk * stride_kb + slot * stride_ks + kvh * stride_kh)[:, None]
-                        + dims[None, :], mask=kvalid[:, None], other=0.0)
-            v = tl.load(v_cache_ptr + (blk * stride_vb + slot * stride_vs + kvh * stride_vh)[:, None]
-                        + dims[None, :], mask=kvalid[:, None], other=0.0)
-            qk = _mm(q, tl.trans(k), DOT_PREC, DOT_F32)
-            s = _score(qk, kpos, qpos, scale, soft_cap, sliding_window, USE_CAP, USE_WINDOW, True, kvalid)
-            m_new = tl.maximum(m_i, tl.max(s, 1))
-            alpha = tl.exp2(m_i - m_new)
-            p = tl.exp2(s - m_new[:, None])
-            l_i = l_i * alpha + tl.sum(p, 1)
-            acc = acc * alpha[:, None] + _mm(p.to(v.dtype), v, DOT_PREC, DOT_F32)
-            m_i = m_new
+        acc, m_i, l_i = _attend(
+            acc, m_i, l_i, q, qpos, full_lo, full_hi, table, k_cache_ptr, v_cache_ptr, kvh,
+            stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, scale, soft_cap, sliding_window,
+            BLOCK_SIZE, HEAD_DIM, BLOCK_N, USE_CAP, False, USE_WINDOW, False, DOT_PREC, DOT_F32)
+        acc, m_i, l_i = _attend(
+            acc, m_i, l_i, q, qpos, full_hi, hi, table, k_cache_ptr, v_cache_ptr, kvh,
+            stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, scale, soft_cap, sliding_window,
+            BLOCK_SIZE, HEAD_DIM, BLOCK_N, USE_CAP, True, USE_WINDOW, True, DOT_PREC, DOT_F32)
+        if USE_WINDOW:
+            acc, m_i, l_i = _attend(
+                acc, m_i, l_i, q, qpos, lo, full_lo, table, k_cache_ptr, v_cache_ptr, kvh,
+                stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, scale, soft_cap,
+                sliding_window, BLOCK_SIZE, HEAD_DIM, BLOCK_N, USE_CAP, True, USE_WINDOW, True,
+                DOT_PREC, DOT_F32)
 
         l_i = tl.where(l_i == 0.0, 1.0, l_i)
         o = acc / l_i[:, None]
@@ -246,23 +290,10 @@ def _decode_split_kernel(
     l_i = tl.zeros([BLOCK_H], tl.float32)
     acc = tl.zeros([BLOCK_H, HEAD_DIM], tl.float32)
     table = block_tables_ptr + seq.to(tl.int64) * stride_bt
-    for kstart in range(start, end, BLOCK_N):
-        kpos = kstart + tl.arange(0, BLOCK_N)
-        kvalid = kpos < end
-        blk = tl.load(table + kpos // BLOCK_SIZE, mask=kvalid, other=0).to(tl.int64)
-        slot = kpos % BLOCK_SIZE
-        k = tl.load(k_cache_ptr + (blk * stride_kb + slot * stride_ks + kvh * stride_kh)[:, None]
-                    + dims[None, :], mask=kvalid[:, None], other=0.0)
-        v = tl.load(v_cache_ptr + (blk * stride_vb + slot * stride_vs + kvh * stride_vh)[:, None]
-                    + dims[None, :], mask=kvalid[:, None], other=0.0)
-        qk = _mm(q, tl.trans(k), DOT_PREC, DOT_F32)
-        s = _score(qk, kpos, kpos, scale, soft_cap, sliding_window, USE_CAP, False, False, kvalid)
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        alpha = tl.exp2(m_i - m_new)
-        p = tl.exp2(s - m_new[:, None])
-        l_i = l_i * alpha + tl.sum(p, 1)
-        acc = acc * alpha[:, None] + _mm(p.to(v.dtype), v, DOT_PREC, DOT_F32)
-        m_i = m_new
+    acc, m_i, l_i = _attend(
+        acc, m_i, l_i, q, h, start, end, table, k_cache_ptr, v_cache_ptr, kvh,
+        stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, scale, soft_cap, sliding_window,
+        BLOCK_SIZE, HEAD_DIM, BLOCK_N, USE_CAP, False, False, True, DOT_PREC, DOT_F32)
 
     if NUM_SPLITS == 1:
         o = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
@@ -409,7 +440,7 @@ def _cache_strides(key_cache, value_cache):
 
 
 def _launch_prefill(q, key_cache, value_cache, block_tables, seq_lens, query_start_loc, scale,
-                    sliding_window, soft_cap, out):
+                    sliding_window, soft_cap, out, config: _Config | None = None):
     fn = "paged_attention_prefill"
     heads, kv_heads, dim, block_size = _check_common(
         fn, q, key_cache, value_cache, block_tables, seq_lens, scale, sliding_window, soft_cap, out,
@@ -428,7 +459,7 @@ def _launch_prefill(q, key_cache, value_cache, block_tables, seq_lens, query_sta
         return out
     group = heads // kv_heads
     group_pad = triton.next_power_of_2(group)
-    cfg = _pick_config(dim, group_pad, decode=False)
+    cfg = config or _pick_config(dim, group_pad, decode=False)   # config: benchmarks' sweeps only
     block_q = cfg.block_m // group_pad
     grid = (q.shape[0] // block_q + num_seqs, kv_heads)
     _prefill_kernel[grid](
@@ -456,7 +487,7 @@ def _default_splits(num_seqs: int, kv_heads: int, max_keys: int, device: torch.d
 
 
 def _launch_decode(q, key_cache, value_cache, block_tables, seq_lens, scale, sliding_window, soft_cap,
-                   out, num_splits):
+                   out, num_splits, config: _Config | None = None):
     fn = "paged_attention_decode"
     heads, kv_heads, dim, block_size = _check_common(
         fn, q, key_cache, value_cache, block_tables, seq_lens, scale, sliding_window, soft_cap, out,
@@ -476,7 +507,7 @@ def _launch_decode(q, key_cache, value_cache, block_tables, seq_lens, scale, sli
     if num_seqs == 0:
         return out
     group = heads // kv_heads
-    cfg = _pick_config(dim, triton.next_power_of_2(group), decode=True)
+    cfg = config or _pick_config(dim, triton.next_power_of_2(group), decode=True)
     if num_splits > 1:
         part_acc = torch.empty((num_seqs, heads, num_splits, dim), dtype=torch.float32, device=q.device)
         part_ml = torch.empty((2, num_seqs, heads, num_splits), dtype=torch.float32, device=q.device)

@@ -98,9 +98,9 @@ def test_prefill_dims_blocks_dtypes(head_dim, block_size, dtype):
     assert_close(out, REF(q, kc, vc, bt, sl, qsl, scale=scale), dtype)
 
 
-@pytest.mark.parametrize("window,cap", [(5, 0.0), (0, 2.5), (16, 4.0), (1, 0.0), (10_000, 0.0)])
+@pytest.mark.parametrize("window,cap", [(5, 0.0), (0, 2.5), (16, 4.0), (1, 0.0), (70, 0.0), (10_000, 0.0)])
 def test_prefill_window_and_softcap(window, cap):
-    lens, news = _grow([50, 9, 33], [20, 9, 2])
+    lens, news = _grow([50, 9, 33, 200], [20, 9, 2, 5])
     dtype = torch.float32
     q, kc, vc, bt, sl, qsl = make_case(lens, news, 8, 4, 64, 16, dtype, seed=2)
     q = q * 3   # larger scores so the cap bends them

@@ -1,0 +1,166 @@
+"""Benchmark of the Triton paged-attention kernels (runtime/kernels/paged_attention.py).
+
+Prints, for a Llama-3-8B attention shape (32 query heads, 8 KV heads, head_dim 128, bf16,
+block size 16):
+
+* decode at batch 1/8/64 x context 512/4096: time, GB/s of KV-cache bytes read, and % of the
+  device-to-device copy bandwidth measured in the same run (bytes read + bytes written);
+* prefill (2048 new tokens as 1x2048 and 4x512, and 2048 new tokens after a 2048-token cached
+  prefix): time, TFLOP/s of the causal attention (4 * heads * head_dim per visible query-key pair)
+  and % of a bf16 ``torch.matmul`` 8192^3 rate measured in the same run.
+
+Times are ``triton.testing.do_bench`` medians (it flushes L2 between repetitions). ``--sweep``
+also times a few tile configurations of each kernel (checked against the default one) to tune
+``_pick_config``. Usage: ``python benchmarks/attention.py [--sweep]`` on a CUDA machine.
+"""
+from __future__ import annotations
+
+import argparse
+import importlib
+import math
+
+import torch
+import triton
+
+# the module (the package's ``paged_attention`` attribute is the function of the same name)
+pa = importlib.import_module("graphdsl.runtime.kernels.paged_attention")
+
+HEADS, KV_HEADS, HEAD_DIM, BLOCK_SIZE = 32, 8, 128, 16
+DTYPE = torch.bfloat16
+
+
+def _median_ms(fn) -> float:
+    return triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median")
+
+
+def copy_bandwidth_gbs(nbytes: int = 1 << 30) -> float:
+    """Device-to-device copy of ``nbytes``: (read + written bytes) / median time."""
+    src = torch.randn(nbytes // 2, device="cuda", dtype=torch.bfloat16)
+    dst = torch.empty_like(src)
+    ms = _median_ms(lambda: dst.copy_(src))
+    return 2 * nbytes / ms / 1e6
+
+
+def matmul_tflops(n: int = 8192) -> float:
+    """bf16 ``torch.matmul`` of two random n x n matrices: 2 n^3 / median time."""
+    a = torch.randn(n, n, device="cuda", dtype=torch.bfloat16)
+    b = torch.randn(n, n, device="cuda", dtype=torch.bfloat16)
+    ms = _median_ms(lambda: torch.matmul(a, b))
+    return 2 * n ** 3 / ms / 1e9
+
+
+def make_paged(lens, news, *, heads=HEADS, kv_heads=KV_HEADS, head_dim=HEAD_DIM, block_size=BLOCK_SIZE,
+               dtype=DTYPE, seed=0):
+    """Random q and caches; each sequence's blocks are scattered (a random permutation)."""
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    per_seq = [math.ceil(L / block_size) for L in lens]
+    num_blocks = sum(per_seq)
+    kc = torch.randn(num_blocks, block_size, kv_heads, head_dim, device="cuda", dtype=dtype, generator=g)
+    vc = torch.randn(num_blocks, block_size, kv_heads, head_dim, device="cuda", dtype=dtype, generator=g)
+    order = torch.randperm(num_blocks, device="cuda", generator=g).to(torch.int32)
+    tables = torch.zeros(len(lens), max(per_seq), dtype=torch.int32, device="cuda")
+    used = 0
+    for s, nb in enumerate(per_seq):
+        tables[s, :nb] = order[used:used + nb]
+        used += nb
+    qsl = torch.tensor([0] + list(torch.tensor(news).cumsum(0).tolist()), dtype=torch.int32, device="cuda")
+    q = torch.randn(int(sum(news)), heads, head_dim, device="cuda", dtype=dtype, generator=g)
+    return q, kc, vc, tables, torch.tensor(lens, dtype=torch.int32, device="cuda"), qsl
+
+
+def bench_decode(batch: int, ctx: int, *, num_splits=None, config=None):
+    """(ms, GB/s of KV bytes read, splits used) for decode at ``batch`` sequences of ``ctx`` keys."""
+    q, kc, vc, bt, sl, _ = make_paged([ctx] * batch, [1] * batch)
+    out = torch.empty_like(q)
+    scale = HEAD_DIM ** -0.5
+    run = lambda: pa._launch_decode(q, kc, vc, bt, sl, scale, 0, 0.0, out, num_splits, config)  # noqa: E731
+    ms = _median_ms(run)
+    kv_bytes = 2 * batch * ctx * KV_HEADS * HEAD_DIM * kc.element_size()
+    splits = num_splits or pa._default_splits(batch, KV_HEADS, bt.shape[1] * BLOCK_SIZE, q.device)
+    return ms, kv_bytes / ms / 1e6, splits, out
+
+
+def bench_prefill(num_seqs: int, new: int, prefix: int = 0, *, config=None):
+    """(ms, TFLOP/s) of prefill: ``num_seqs`` sequences of ``new`` tokens after ``prefix`` cached."""
+    L = prefix + new
+    q, kc, vc, bt, sl, qsl = make_paged([L] * num_seqs, [new] * num_seqs)
+    out = torch.empty_like(q)
+    scale = HEAD_DIM ** -0.5
+    run = lambda: pa._launch_prefill(q, kc, vc, bt, sl, qsl, scale, 0, 0.0, out, config)  # noqa: E731
+    ms = _median_ms(run)
+    pairs = num_seqs * sum(prefix + i + 1 for i in range(new))
+    flops = 4 * HEADS * HEAD_DIM * pairs
+    return ms, flops / ms / 1e9, out
+
+
+def _rel(a, b) -> float:
+    return ((a.float() - b.float()).norm() / b.float().norm()).item()
+
+
+def sweep() -> list[str]:
+    """Time alternative tile configs (block_m, block_n, warps, stages) against the heuristic's."""
+    lines = []
+    C = pa._Config
+    decode_cfgs = [C(16, 64, 4, 2), C(16, 64, 4, 3), C(16, 32, 4, 3), C(16, 128, 4, 2), C(16, 64, 8, 2),
+                   C(16, 32, 2, 4), C(16, 128, 8, 3)]
+    for batch, ctx in ((1, 4096), (8, 4096), (64, 4096)):
+        base = bench_decode(batch, ctx)
+        lines.append(f"decode b={batch} ctx={ctx} default {pa._pick_config(HEAD_DIM, 4, decode=True)} "
+                     f"splits={base[2]}: {base[0] * 1e3:.1f} us {base[1]:.0f} GB/s")
+        for cfg in decode_cfgs:
+            try:
+                r = bench_decode(batch, ctx, config=cfg)
+                lines.append(f"  {cfg}: {r[0] * 1e3:.1f} us {r[1]:.0f} GB/s err={_rel(r[3], base[3]):.1e}")
+            except Exception as e:  # a config the compiler rejects (shared memory) is a result too
+                lines.append(f"  {cfg}: failed {type(e).__name__}: {str(e)[:80]}")
+        if batch == 1:
+            for splits in (4, 8, 16, 32, 64):
+                r = bench_decode(batch, ctx, num_splits=splits)
+                lines.append(f"  splits={splits}: {r[0] * 1e3:.1f} us {r[1]:.0f} GB/s")
+    prefill_cfgs = [C(128, 64, 8, 2), C(128, 64, 8, 3), C(128, 128, 8, 2), C(128, 64, 4, 3), C(64, 64, 4, 3),
+                    C(128, 32, 4, 3), C(64, 128, 4, 2), C(256, 64, 8, 2)]
+    base = bench_prefill(1, 2048)
+    lines.append(f"prefill 1x2048 default {pa._pick_config(HEAD_DIM, 4, decode=False)}: "
+                 f"{base[0] * 1e3:.1f} us {base[1]:.0f} TFLOP/s")
+    for cfg in prefill_cfgs:
+        try:
+            r = bench_prefill(1, 2048, config=cfg)
+            lines.append(f"  {cfg}: {r[0] * 1e3:.1f} us {r[1]:.0f} TFLOP/s err={_rel(r[2], base[2]):.1e}")
+        except Exception as e:
+            lines.append(f"  {cfg}: failed {type(e).__name__}: {str(e)[:80]}")
+    return lines
+
+
+def main(argv=None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--sweep", action="store_true", help="also time alternative tile configs")
+    args = ap.parse_args(argv)
+    if not torch.cuda.is_available():
+        raise SystemExit("benchmarks/attention.py needs a CUDA GPU")
+    dev = torch.cuda.get_device_name()
+    copy = copy_bandwidth_gbs()
+    mm = matmul_tflops()
+    if args.sweep:
+        print("\n".join(sweep()))
+    rows = []
+    for batch in (1, 8, 64):
+        for ctx in (512, 4096):
+            ms, gbs, splits, _ = bench_decode(batch, ctx)
+            name = f"decode b={batch} ctx={ctx}"
+            rows.append(f"| {name:<24} | {splits:>6} | {ms * 1e3:9.1f} | {gbs:7.0f} GB/s "
+                        f"| {100 * gbs / copy:5.1f}% of copy |")
+    for num_seqs, new, prefix in ((1, 2048, 0), (4, 512, 0), (1, 2048, 2048)):
+        ms, tflops, _ = bench_prefill(num_seqs, new, prefix)
+        name = f"prefill {num_seqs}x{new}" + (f" +{prefix} prefix" if prefix else "")
+        rows.append(f"| {name:<24} | {'':>6} | {ms * 1e3:9.1f} | {tflops:7.0f} TF/s "
+                    f"| {100 * tflops / mm:5.1f}% of mm   |")
+    print(f"\n{dev}; torch {torch.__version__}, triton {triton.__version__}; "
+          f"{HEADS} heads / {KV_HEADS} KV heads, head_dim {HEAD_DIM}, bf16, block_size {BLOCK_SIZE}")
+    print(f"device-to-device copy: {copy:.0f} GB/s (read + write); bf16 matmul 8192^3: {mm:.0f} TFLOP/s")
+    print("| case                     | splits | time (us) | rate         | vs ceiling        |")
+    print("|--------------------------|--------|-----------|--------------|-------------------|")
+    print("\n".join(rows))
+
+
+if __name__ == "__main__":
+    main()
