@@ -320,7 +320,11 @@ def _gguf_bpe(metadata: dict, tokens: list[str], types: list[int], source: str):
         vocab.setdefault(t, i)
     pre = metadata.get("tokenizer.ggml.pre", "default")
     splits, ignore_merges = _PRE_SPLITS.get(pre, _PRE_SPLITS["default"])
-    model = models.BPE(vocab=vocab, merges=merges, ignore_merges=ignore_merges)
+    try:
+        model = models.BPE(vocab=vocab, merges=merges, ignore_merges=ignore_merges)
+    except Exception as e:  # tokenizers reports a merge over a token missing from the vocab
+        raise GraphDSLError(f"{source}: tokenizer.ggml.merges do not fit tokenizer.ggml.tokens: "
+                            f"{str(e).strip()}") from None
     backend = _Backend(model)
     backend.pre_tokenizer = pre_tokenizers.Sequence(
         [pre_tokenizers.Split(Regex(s), behavior="isolated") for s in splits]

@@ -97,9 +97,9 @@ def _tiny(arch: str):
 
 
 def _tok_meta(vocab: int) -> dict:
-    tokens = [f"t{i}" for i in range(vocab)]
+    tokens = ["a", "b", "ab"] + [f"t{i}" for i in range(3, vocab)]
     return {"tokenizer.ggml.model": "gpt2", "tokenizer.ggml.tokens": tokens,
-            "tokenizer.ggml.token_type": [1] * vocab, "tokenizer.ggml.merges": ["t 1"],
+            "tokenizer.ggml.token_type": [1] * vocab, "tokenizer.ggml.merges": ["a b"],
             "tokenizer.ggml.bos_token_id": 1, "tokenizer.ggml.eos_token_id": 2}
 
 
@@ -204,6 +204,7 @@ def test_metadata_is_plain_python(tiny_gguf):
     _arch, _m, _sd, path = tiny_gguf
     meta = GGUFCheckpoint(path).metadata
     assert isinstance(meta["tokenizer.ggml.tokens"], list) and meta["tokenizer.ggml.tokens"][5] == "t5"
+    assert GGUFCheckpoint(path).tokenizer().encode("abba", add_special_tokens=False) == [2, 1, 0]
     assert type(meta["tokenizer.ggml.bos_token_id"]) is int
     assert all(type(v) in (int, float, str, bool, list) for v in meta.values())
 

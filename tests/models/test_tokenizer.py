@@ -234,6 +234,7 @@ def test_from_gguf_smollm_pre_splits_digits():
     ({"tokenizer.ggml.token_type": [1, 1]}, "token_type has 2 entries for 400 tokens"),
     ({"tokenizer.ggml.merges": None}, "needs tokenizer.ggml.merges"),
     ({"tokenizer.ggml.merges": ["a b c"]}, r"merges\[0\] = 'a b c' is not 'left right'"),
+    ({"tokenizer.ggml.merges": ["zz\u2603 q"]}, r"merges do not fit tokenizer.ggml.tokens: .*out of vocabulary"),
     ({"tokenizer.ggml.eos_token_id": 4000}, r"eos_token_id = 4000 is not a token id in \[0, 400\)"),
 ])
 def test_from_gguf_errors(change, msg):
