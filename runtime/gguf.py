@@ -23,6 +23,12 @@ Block formats (little endian; ``d``, ``m``, ``dmin`` are float16; ``y`` is the o
   low nibbles for sub-block ``2c``, high nibbles for ``2c+1`` → ``y = d·sc·q − dmin·mn``.
 - ``Q5_K`` (256, 176 B): ``d, dmin, scales[12], qh[32], qs[128]``; as Q4_K plus a fifth bit from
   ``qh[l]`` bit ``2c`` (low half of chunk ``c``) or ``2c+1`` (high half).
+- ``Q2_K`` (256, 84 B): ``scales[16], qs[64], d, dmin``; sixteen sub-blocks of 16, each with
+  a 4-bit scale (low nibble) and 4-bit min (high nibble); sub-block ``8h + 2j + s`` takes bits
+  ``2j..2j+1`` of ``qs[32h + 16s + l]`` → ``y = d·sc·q − dmin·mn``.
+- ``Q3_K`` (256, 110 B): ``hmask[32], qs[64], scales[12], d``; 2-bit values as in Q2_K, minus 4
+  unless bit ``4h + j`` of ``hmask[16s + l]`` is set; sixteen signed 6-bit scales (``−32``)
+  → ``y = d·sc·q``.
 - ``Q6_K`` (256, 210 B): ``ql[128], qh[64], scales[16] int8, d``; two halves of 128; in half ``h``
   value ``l + 32k`` (``k`` = 0..3) takes 4 bits from ``ql`` (low nibble of ``ql[l]``/``ql[l+32]``
   for k = 0/1, high for k = 2/3) and 2 bits ``(qh[l] >> 2k) & 3``, minus 32, times
@@ -53,7 +59,8 @@ def _qtype_enum():
 _BLOCKS = {
     "F32": (1, 4), "F16": (1, 2), "BF16": (1, 2),
     "Q8_0": (32, 34), "Q4_0": (32, 18), "Q4_1": (32, 20), "Q5_0": (32, 22), "Q5_1": (32, 24),
-    "Q4_K": (256, 144), "Q5_K": (256, 176), "Q6_K": (256, 210),
+    "Q2_K": (256, 84), "Q3_K": (256, 110), "Q4_K": (256, 144), "Q5_K": (256, 176),
+    "Q6_K": (256, 210),
 }
 SUPPORTED_QTYPES = tuple(_BLOCKS)
 
@@ -152,7 +159,45 @@ def _deq_q6_k(b):
     return y.reshape(n, 256)
 
 
-_DEQUANT = {"Q8_0": _deq_q8_0, "Q4_0": _deq_q4_0, "Q4_1": _deq_q4_1, "Q5_0": _deq_q5_0,
+def _crumbs(qs: np.ndarray) -> np.ndarray:
+    """``[n, 64]`` Q2_K/Q3_K bytes → ``[n, 2, 4, 2, 16]`` 2-bit values indexed (half, shift j,
+    sub, l): byte ``qs[32·half + 16·sub + l]``, bits ``2j..2j+1``; flattening gives value order."""
+    q = qs.reshape(-1, 2, 1, 2, 16)
+    shifts = (2 * np.arange(4, dtype=np.uint8)).reshape(1, 1, 4, 1, 1)
+    return (q >> shifts) & 3
+
+
+def _deq_q2_k(b):
+    n = b.shape[0]
+    sc = b[:, 0:16]
+    d, dmin = _f16(b[:, 80:82]), _f16(b[:, 82:84])
+    q = _crumbs(b[:, 16:80]).reshape(n, 16, 16).astype(np.float32)
+    scale = d * (sc & 0x0F).astype(np.float32)
+    mins = dmin * (sc >> 4).astype(np.float32)
+    return (scale[:, :, None] * q - mins[:, :, None]).reshape(n, 256)
+
+
+def _q3_k_scales(s: np.ndarray) -> np.ndarray:
+    """``[n, 12]`` → ``[n, 16]`` signed 6-bit scales: low 4 bits from ``s[i]`` (i < 8) or
+    ``s[i-8] >> 4``, high 2 bits ``(s[8 + i % 4] >> 2·(i // 4)) & 3``; minus 32."""
+    low = np.concatenate([s[:, 0:8] & 0x0F, s[:, 0:8] >> 4], axis=1)
+    hi_src = np.tile(s[:, 8:12], (1, 4))                                      # s[8 + i % 4]
+    hi_shift = (2 * (np.arange(16) // 4)).astype(np.uint8)
+    high = (hi_src >> hi_shift) & 3
+    return (low | (high << 4)).astype(np.float32) - 32.0
+
+
+def _deq_q3_k(b):
+    n = b.shape[0]
+    hmask = b[:, 0:32].reshape(n, 1, 1, 2, 16)                                 # hm[16·sub + l]
+    bit = (4 * np.arange(2).reshape(1, 2, 1, 1, 1) + np.arange(4).reshape(1, 1, 4, 1, 1)).astype(np.uint8)
+    high = (hmask >> bit) & 1                                                  # [n, 2, 4, 2, 16]
+    q = _crumbs(b[:, 32:96]).astype(np.float32) - np.where(high == 1, 0.0, 4.0).astype(np.float32)
+    scale = _f16(b[:, 108:110]) * _q3_k_scales(b[:, 96:108])                  # [n, 16]
+    return (scale[:, :, None] * q.reshape(n, 16, 16)).reshape(n, 256)
+
+
+_DEQUANT = {"Q2_K": _deq_q2_k, "Q3_K": _deq_q3_k, "Q8_0": _deq_q8_0, "Q4_0": _deq_q4_0, "Q4_1": _deq_q4_1, "Q5_0": _deq_q5_0,
             "Q5_1": _deq_q5_1, "Q4_K": _deq_q4_k, "Q5_K": _deq_q5_k, "Q6_K": _deq_q6_k}
 
 

@@ -29,6 +29,10 @@ def _random_blocks(qtype, n_blocks: int, rng) -> np.ndarray:
     name = qtype.name
     if name in ("Q4_K", "Q5_K"):
         raw[:, 0:4] = f16(2)                 # d, dmin
+    elif name == "Q2_K":
+        raw[:, 80:84] = f16(2)               # d, dmin at the end
+    elif name == "Q3_K":
+        raw[:, 108:110] = f16(1)
     elif name == "Q6_K":
         raw[:, 208:210] = f16(1)             # d at the end
     return raw
@@ -62,8 +66,8 @@ def test_dequantize_accepts_int_and_name_qtypes():
 
 def test_dequantize_errors():
     data = np.zeros((2, 34), dtype=np.uint8)
-    with pytest.raises(GraphDSLError, match=r"Q2_K is not supported; supported: \['F32', 'F16'"):
-        dequantize(data, Q.Q2_K, (256,))
+    with pytest.raises(GraphDSLError, match=r"Q8_K is not supported; supported: \['F32', 'F16'"):
+        dequantize(data, Q.Q8_K, (256,))
     with pytest.raises(GraphDSLError, match="unknown GGML tensor type 999"):
         dequantize(data, 999, (64,))
     with pytest.raises(GraphDSLError, match=r"Q8_0 tensor of shape \[3, 10\] \(30 values\) is not a whole number of 32-value blocks"):
@@ -324,9 +328,9 @@ def test_unsupported_tensor_type(tmp_path):
     path = tmp_path / "m.gguf"
     meta = {"llama.embedding_length": 256, "llama.block_count": 1, "llama.feed_forward_length": 8,
             "llama.attention.head_count": 2}
-    raw = np.zeros((1, GGML_QUANT_SIZES[Q.Q2_K][1]), dtype=np.uint8)
-    write_gguf(path, "llama", meta, {"output_norm.weight": (raw, Q.Q2_K)})
-    with pytest.raises(GraphDSLError, match=r"tensor 'output_norm.weight' has GGML type Q2_K, which graphdsl cannot dequantize"):
+    raw = np.zeros((1, GGML_QUANT_SIZES[Q.Q8_K][1]), dtype=np.uint8)
+    write_gguf(path, "llama", meta, {"output_norm.weight": (raw, Q.Q8_K)})
+    with pytest.raises(GraphDSLError, match=r"tensor 'output_norm.weight' has GGML type Q8_K, which graphdsl cannot dequantize"):
         list(GGUFCheckpoint(path).iter_tensors())
 
 
