@@ -12,6 +12,7 @@ its block table and token count. Tables only grow (``append``) until ``free``. R
 from __future__ import annotations
 
 import math
+import numbers
 import os
 from typing import Hashable
 
@@ -32,10 +33,14 @@ class OutOfBlocks(GraphDSLError):
 
 
 def _positive_int(name: str, v, *, allow_zero: bool = False) -> int:
+    """``v`` as a Python int (numpy/torch integer scalars accepted) if it is >= 1 (or >= 0)."""
     lo = 0 if allow_zero else 1
-    if isinstance(v, bool) or not isinstance(v, int) or v < lo:
-        raise GraphDSLError(f"{name} must be an integer >= {lo}, got {v!r}")
-    return v
+    if not isinstance(v, bool) and isinstance(v, numbers.Integral) and v >= lo:
+        return int(v)
+    if isinstance(v, torch.Tensor) and v.dim() == 0 and not v.is_floating_point() \
+            and v.dtype != torch.bool and int(v) >= lo:
+        return int(v)
+    raise GraphDSLError(f"{name} must be an integer >= {lo}, got {v!r}")
 
 
 class PagedKVCache:
@@ -154,7 +159,7 @@ class BlockManager:
         return -(-n_tokens // self.block_size)
 
     def can_allocate(self, n_tokens: int) -> bool:
-        _positive_int("n_tokens", n_tokens, allow_zero=True)
+        n_tokens = _positive_int("n_tokens", n_tokens, allow_zero=True)
         return self.blocks_needed(n_tokens) <= len(self._free)
 
     def can_append(self, seq_id: Hashable, n_new_tokens: int) -> bool:
@@ -162,7 +167,7 @@ class BlockManager:
 
     def allocate(self, seq_id: Hashable, n_tokens: int) -> list[int]:
         """Give a new sequence blocks for its first ``n_tokens``; returns its block table."""
-        _positive_int("n_tokens", n_tokens, allow_zero=True)
+        n_tokens = _positive_int("n_tokens", n_tokens, allow_zero=True)
         if seq_id in self._tables:
             raise GraphDSLError(f"sequence {seq_id!r} already has blocks; append() to grow it "
                                 f"or free() it first")
@@ -173,7 +178,7 @@ class BlockManager:
     def append(self, seq_id: Hashable, n_new_tokens: int) -> list[int]:
         """Grow ``seq_id`` by ``n_new_tokens``, adding blocks as needed; returns its table."""
         extra = self._extra_blocks(seq_id, n_new_tokens)
-        total = self._lens[seq_id] + n_new_tokens
+        total = self._lens[seq_id] + int(n_new_tokens)
         self._take(seq_id, extra, f"{n_new_tokens} more tokens (to {total})")
         self._lens[seq_id] = total
         return list(self._tables[seq_id])

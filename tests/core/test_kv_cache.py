@@ -105,6 +105,17 @@ def test_out_of_blocks_has_numbers_and_changes_nothing():
     assert m.num_tokens(1) == 40 and m.block_table(1) == [0, 1, 2]
 
 
+def test_numpy_and_torch_integers_are_accepted():
+    import numpy as np
+    m = BlockManager(np.int64(4), torch.tensor(4))
+    assert m.allocate("a", np.int32(5)) == [0, 1] and m.append("a", torch.tensor(4)) == [0, 1, 2]
+    assert m.num_tokens("a") == 9 and type(m.num_tokens("a")) is int
+    with pytest.raises(GraphDSLError, match=r"n_tokens must be an integer >= 0, got tensor\(1.5000\)"):
+        m.allocate("b", torch.tensor(1.5))
+    with pytest.raises(GraphDSLError, match="num_blocks must be an integer >= 1, got True"):
+        BlockManager(True, 4)
+
+
 def test_manager_errors():
     m = BlockManager(4, 4)
     m.allocate("a", 3)
