@@ -1,0 +1,169 @@
+"""Layers against plain-torch / transformers references, through a built engine."""
+import math
+
+import pytest
+import torch
+
+from graphdsl import Dim, Network, Tensor
+from graphdsl import functional as F
+from graphdsl.errors import GraphDSLError
+from graphdsl.layers import (LayerNorm, MoE, QKVParallelLinear, RMSNorm, RopeScaling, RopeType, RotaryEmbedding,
+                             Scoring, checkpoint_layout)
+from graphdsl.models import build_config
+
+ROPE_CASES = {
+    "default": {"rope_type": "default"},
+    "linear": {"rope_type": "linear", "factor": 4.0},
+    "dynamic": {"rope_type": "dynamic", "factor": 2.0},
+    "llama3": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+               "original_max_position_embeddings": 64},
+    "yarn": {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64},
+    "yarn-mscale": {"rope_type": "yarn", "factor": 8.0, "original_max_position_embeddings": 32, "mscale": 0.707,
+                    "mscale_all_dim": 0.5, "beta_fast": 16.0, "beta_slow": 2.0},
+}
+
+
+@pytest.mark.parametrize("case", list(ROPE_CASES))
+def test_rotary_tables_match_transformers(case):
+    from transformers import LlamaConfig
+    from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
+    params = dict(ROPE_CASES[case], rope_theta=50000.0)
+    hf_cfg = LlamaConfig(vocab_size=32, hidden_size=128, intermediate_size=64, num_hidden_layers=1,
+                         num_attention_heads=2, max_position_embeddings=256, rope_parameters=params)
+    ours = build_config(hf_cfg.to_dict())
+    rotary = RotaryEmbedding(ours.head_dim, ours.rope_theta, ours.max_position_embeddings, ours.rope_scaling)
+    hf_rotary = LlamaRotaryEmbedding(hf_cfg)
+    # positions beyond max_position_embeddings exercise dynamic NTK's rescaling
+    positions = torch.tensor([0, 1, 7, 63, 64, 100, 255] + ([400] if case == "dynamic" else []))
+    x = torch.zeros(1, len(positions), ours.head_dim)
+    hf_cos, hf_sin = hf_rotary(x, positions[None])
+    cos, sin = rotary.cos_sin(positions)
+    half = ours.head_dim // 2
+    torch.testing.assert_close(cos, hf_cos[0, :, :half], rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(sin, hf_sin[0, :, :half], rtol=1e-5, atol=1e-5)
+    if case != "default":
+        assert not torch.allclose(rotary.inv_freq()[0], RotaryEmbedding(ours.head_dim, 50000.0).inv_freq()[0]) \
+            or case == "dynamic"
+
+
+def test_rope_scaling_validation():
+    with pytest.raises(GraphDSLError, match="llama3 scaling needs original_max_position_embeddings"):
+        RopeScaling(rope_type=RopeType.LLAMA3, factor=8.0)
+    with pytest.raises(GraphDSLError, match="rope_type must be a RopeType"):
+        RopeScaling(rope_type="llama3")
+    with pytest.raises(GraphDSLError, match="rotary_dim must be even"):
+        RotaryEmbedding(64, rotary_dim=63)
+
+
+def _run(build, feed):
+    n = Dim("n")
+    with Network("t") as net:
+        outs = build(n)
+        for i, o in enumerate(outs if isinstance(outs, tuple) else (outs,)):
+            net.mark_output(o, f"out{i}")
+    engine = net.build_engine()
+    res = engine.forward(feed)
+    return [res[f"out{i}"] for i in range(len(res))]
+
+
+def test_rope_layouts_rotate_pairs():
+    rotary_neox = RotaryEmbedding(8, layout=F.RopeLayout.NEOX)
+    rotary_gptj = RotaryEmbedding(8, layout=F.RopeLayout.GPTJ)
+    pos = torch.arange(5)
+    cos, sin = rotary_neox.cos_sin(pos)
+    q, k = torch.randn(5, 2, 8), torch.randn(5, 1, 8)
+
+    def rotate_ref(x, pairs):
+        out = x.clone()
+        for i, (a, b) in enumerate(pairs):
+            c, s = cos[:, i, None], sin[:, i, None]
+            out[..., a] = x[..., a] * c - x[..., b] * s
+            out[..., b] = x[..., b] * c + x[..., a] * s
+        return out
+
+    for rotary, pairs in ((rotary_neox, [(i, i + 4) for i in range(4)]), (rotary_gptj, [(2 * i, 2 * i + 1) for i in range(4)])):
+        got = _run(lambda n: rotary(Tensor("q", (n, 2, 8), torch.float32), Tensor("k", (n, 1, 8), torch.float32),
+                                    Tensor("cos", (n, 4), torch.float32), Tensor("sin", (n, 4), torch.float32)),
+                   {"q": q, "k": k, "cos": cos, "sin": sin})
+        torch.testing.assert_close(got[0], rotate_ref(q, pairs))
+        torch.testing.assert_close(got[1], rotate_ref(k, pairs))
+
+
+def test_rmsnorm_with_residual_returns_new_residual():
+    x, r, w = torch.randn(4, 16), torch.randn(4, 16), torch.rand(16) + 0.5
+    norm = RMSNorm(16, eps=1e-5, dtype=torch.float32)
+    y, new_r = _run(lambda n: norm(Tensor("x", (n, 16), torch.float32), Tensor("r", (n, 16), torch.float32)),
+                    {"x": x, "r": r, "weight": w})
+    s = x + r
+    torch.testing.assert_close(new_r, s)
+    torch.testing.assert_close(y, w * s * torch.rsqrt(s.pow(2).mean(-1, keepdim=True) + 1e-5))
+
+
+def test_layernorm_matches_torch():
+    x, w, b = torch.randn(3, 16), torch.randn(16), torch.randn(16)
+    ln = LayerNorm(16, eps=1e-5, dtype=torch.float32)
+    (y,) = _run(lambda n: ln(Tensor("x", (n, 16), torch.float32)), {"x": x, "weight": w, "bias": b})
+    torch.testing.assert_close(y, torch.nn.functional.layer_norm(x, (16,), w, b, 1e-5))
+
+
+def test_qkv_linear_splits_heads_and_declares_checkpoint_slots():
+    qkv = QKVParallelLinear(16, head_dim=4, num_heads=4, num_kv_heads=2, bias=True, dtype=torch.float32)
+    x, w, b = torch.randn(3, 16), torch.randn(32, 16), torch.randn(32)
+    q, k, v = _run(lambda n: qkv(Tensor("x", (n, 16), torch.float32)), {"x": x, "weight": w, "bias": b})
+    full = x @ w.T + b
+    torch.testing.assert_close(q, full[:, :16].reshape(3, 4, 4))
+    torch.testing.assert_close(v, full[:, 24:].reshape(3, 2, 4))
+    table = checkpoint_layout(qkv, "attn.qkv_proj")
+    assert table["attn.k_proj.bias"].index == (slice(16, 24),) and table["attn.v_proj.weight"].shape == (8, 16)
+    with pytest.raises(GraphDSLError, match="num_heads \\(4\\) must be a multiple of num_kv_heads \\(3\\)"):
+        QKVParallelLinear(16, 4, 4, 3)
+
+
+def _moe_reference(x, gate_w, gate_up, down, top_k, scoring, renormalize, shared=None):
+    logits = (x @ gate_w.T).float()
+    scores = logits.softmax(-1) if scoring is Scoring.SOFTMAX else logits.sigmoid()
+    w, idx = scores.topk(top_k, dim=-1)
+    if renormalize:
+        w = w / w.sum(-1, keepdim=True)
+    out = torch.zeros_like(x)
+    for t in range(x.shape[0]):
+        for j in range(top_k):
+            e = idx[t, j]
+            g, u = (gate_up[e] @ x[t]).chunk(2)
+            out[t] += w[t, j] * (down[e] @ (torch.nn.functional.silu(g) * u))
+    if shared is not None:
+        sgu, sdown, sgate = shared
+        g, u = (x @ sgu.T).chunk(2, -1)
+        out += torch.sigmoid(x @ sgate.T) * ((torch.nn.functional.silu(g) * u) @ sdown.T)
+    return out
+
+
+@pytest.mark.parametrize("scoring,renormalize,shared", [(Scoring.SOFTMAX, False, True), (Scoring.SOFTMAX, True, False),
+                                                        (Scoring.SIGMOID, True, False), (Scoring.SIGMOID, False, True)])
+def test_moe_matches_per_token_reference(scoring, renormalize, shared):
+    torch.manual_seed(0)
+    h, e, i, si, k = 16, 5, 8, 12, 2
+    moe = MoE(h, e, k, i, scoring=scoring, renormalize=renormalize, shared_intermediate_size=si if shared else None,
+              shared_expert_gate=shared, dtype=torch.float32)
+    x = torch.randn(6, h)
+    w = {"gate.weight": torch.randn(e, h), "experts.gate_up_proj": torch.randn(e, 2 * i, h) * 0.3,
+         "experts.down_proj": torch.randn(e, h, i) * 0.3}
+    if shared:
+        w.update({"shared_expert.gate_up_proj.weight": torch.randn(2 * si, h) * 0.3,
+                  "shared_expert.down_proj.weight": torch.randn(h, si) * 0.3,
+                  "shared_expert_gate.weight": torch.randn(1, h)})
+    (y,) = _run(lambda n: moe(Tensor("x", (n, h), torch.float32)), {"x": x, **w})
+    ref = _moe_reference(x, w["gate.weight"], w["experts.gate_up_proj"], w["experts.down_proj"], k, scoring,
+                         renormalize, (w["shared_expert.gate_up_proj.weight"], w["shared_expert.down_proj.weight"],
+                                       w["shared_expert_gate.weight"]) if shared else None)
+    torch.testing.assert_close(y, ref, rtol=1e-4, atol=1e-4)
+
+
+def test_moe_argument_errors():
+    with pytest.raises(GraphDSLError, match=r"top_k must be in \[1, num_experts=4\], got 5"):
+        MoE(8, 4, 5, 8)
+    with pytest.raises(GraphDSLError, match="scoring must be a Scoring"):
+        MoE(8, 4, 2, 8, scoring="softmax")
+    table = checkpoint_layout(MoE(8, 3, 2, 4), "mlp")
+    assert table["mlp.experts.2.up_proj.weight"].index == (2, slice(4, 8))
+    assert table["mlp.experts.0.down_proj.weight"].shape == (8, 4)
