@@ -179,8 +179,13 @@ def sample(logits: torch.Tensor, params: list[SamplingParams],
     _check_batch(logits, params, generators, prev_tokens)
     probs = sampling_probs(logits, params, prev_tokens)
     out = probs.argmax(dim=1)
+    # rows on the global RNG are drawn in one call; seeded rows each with their own generator
+    shared = [i for i, (p, g) in enumerate(zip(params, generators)) if not p.greedy and g is None]
+    if shared:
+        idx = torch.tensor(shared, device=probs.device)
+        out[idx] = torch.multinomial(probs[idx], 1)[:, 0]
     for i, (p, g) in enumerate(zip(params, generators)):
-        if not p.greedy:
+        if not p.greedy and g is not None:
             out[i] = torch.multinomial(probs[i], 1, generator=g)[0]
     return out.to(torch.int64)
 

@@ -203,6 +203,22 @@ def test_draw_frequencies_match_distribution():
     assert chi2 < 25.7
 
 
+def test_unseeded_rows_follow_distribution_and_greedy_rows_stay_argmax():
+    torch.manual_seed(5)
+    logits = torch.randn(1, 6) * 2
+    p = SamplingParams(temperature=1.0)
+    n = 3000
+    rows = logits.expand(n, 6).contiguous()
+    params = [p] * n
+    params[0] = SamplingParams(temperature=0)
+    out = sample(rows, params, [None] * n, [[]] * n)
+    assert out[0].item() == logits.argmax().item()
+    expected = torch.softmax(logits[0], -1)
+    counts = torch.bincount(out[1:], minlength=6).float()
+    sigma = ((n - 1) * expected * (1 - expected)).sqrt()
+    assert torch.all((counts - (n - 1) * expected).abs() <= 5 * sigma + 1)
+
+
 def test_sample_shape_errors():
     with pytest.raises(GraphDSLError, match=r"logits must be a 2-D tensor \[n, vocab\], got \(5,\)"):
         sample(torch.zeros(5), [SamplingParams()], [None], [[]])
