@@ -194,7 +194,7 @@ class PassManager:
                                   dry_reason=f"would fuse, but pass '{spec.name}' is disabled")
                 if spec.report_misses:
                     ctx.near_misses.extend(res.near_misses)
-                report.applied.extend(res.applied)
+                    report.applied.extend(res.applied)
                 counts = res.counts()
                 rec.detail = ", ".join(f"{k} x{v}" for k, v in counts.items()) or "no match"
                 if not on:

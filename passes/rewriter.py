@@ -36,11 +36,14 @@ from dataclasses import dataclass, field
 from typing import Any, Callable
 
 from graphdsl.errors import GraphDSLError
+from graphdsl.functional import scalar as _scalar_op
 from graphdsl.network import Network, Node
 from graphdsl.tensor import Tensor
 
 from .graph_edit import OUTPUT, GraphEditor
 from .shapes import same_shape
+
+_SCALAR = _scalar_op.opdef
 
 __all__ = ["Var", "Rule", "Pattern", "Match", "NearMiss", "RewriteResult", "apply_rules", "replace_pattern"]
 
@@ -217,7 +220,8 @@ def _match(rule: Rule, ed: GraphEditor, anchor: Node) -> Match:
         for pt, gt in zip(p.outputs, g.outputs):
             if pt in pat.output_set:
                 continue
-            for u in ed.users(gt):
+            # name a reader that uses the value (a scalar constant only borrows its dtype) first
+            for u in sorted(ed.users(gt), key=lambda u: isinstance(u, Node) and u.opdef is _SCALAR):
                 if isinstance(u, OUTPUT):
                     raise _NoMatch(f"extra user: '{gt.name}' (inside the pattern) is also the network output "
                                    f"'{u.name}'")
