@@ -68,4 +68,5 @@ def build_engine(net: Network, *, backend: str | None = None, device=None, dump_
                     fold_constants="constant_fold" in pm.enabled)
     if out_dir is not None:
         engine.dump(out_dir)
+        engine.dump_dir = out_dir
     return engine

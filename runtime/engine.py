@@ -47,6 +47,8 @@ class Engine:
         self._folded: dict = {}                 # tensor -> value computed once from bound weights
         self._folded_from: set[str] = set()     # weight names the folded values were computed from
         self._run_nodes = list(net.nodes)
+        self.dump_dir: Path | None = None       # set by build_engine when dumping: kernels land here too
+        self._kernels_dumped = 0
         self.recorded = recorded
         self.backend = backend
         self.device = None if device is None else torch.device(device)
@@ -137,6 +139,8 @@ class Engine:
             values.update(self._folded)
             nodes = self._run_nodes
         self.backend.run(nodes, values, plan.attrs, storage)
+        if self.dump_dir is not None and len(getattr(self.backend, "sources", ())) != self._kernels_dumped:
+            self._dump_kernels(self.dump_dir)
         for name, t in self.net.outputs.items():
             if values[t] is not outs[name]:
                 outs[name].copy_(values[t])
@@ -280,12 +284,17 @@ class Engine:
         if self.pass_report is not None:
             (d / "build_report.txt").write_text(str(self.pass_report) + "\n")
             (d / "fusion_report.txt").write_text(self.fusion_report() + "\n")
+        self._dump_kernels(d)
+        return d
+
+    def _dump_kernels(self, d: Path) -> None:
+        """Write each generated kernel's source (the Triton backend generates them per shape signature)."""
         sources = getattr(self.backend, "sources", {})
         if sources:
-            (d / "kernels").mkdir(exist_ok=True)
+            (d / "kernels").mkdir(parents=True, exist_ok=True)
             for name, src in sources.items():
                 (d / "kernels" / f"{name.replace(':', '_')}.py").write_text(src)
-        return d
+        self._kernels_dumped = len(sources)
 
     def fusion_report(self, *, rule: str | None = None) -> str:
         """"Why didn't this fuse?": per rule, what fused and each place that almost matched, with the

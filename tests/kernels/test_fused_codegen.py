@@ -184,3 +184,17 @@ def test_random_networks_equal_reference_for_every_pass_subset(case):
     got = eng.forward({k: v.to(DEV) for k, v in feed.items() if k in eng.required})
     for k in want:
         torch.testing.assert_close(got[k].cpu(), want[k], rtol=2e-5, atol=2e-5, equal_nan=True)
+
+
+def test_dump_dir_gets_kernel_sources_after_the_first_forward(tmp_path, monkeypatch):
+    monkeypatch.setenv("GRAPHDSL_DUMP_DIR", str(tmp_path))
+    with Network("dumped") as net:
+        x = Tensor("x", (Dim("n"), 8), torch.float32)
+        net.mark_output(F.sigmoid(x) * x + 1.0, "y")
+    eng = net.build_engine(backend="triton")
+    (d,) = list(tmp_path.iterdir())
+    assert not (d / "kernels").exists()
+    x = torch.randn(2, 8, device=DEV)
+    torch.testing.assert_close(eng.forward({"x": x})["y"], torch.sigmoid(x) * x + 1.0)
+    (src,) = list((d / "kernels").iterdir())
+    assert "def fused_kernel(" in src.read_text()
