@@ -4,6 +4,7 @@ from __future__ import annotations
 import torch
 
 from ..dim import same_extent, shape_str
+from ..errors import user_frame
 from ..opdef import OpCategory, Spec, check, register_op
 from ._rules import broadcast_shapes
 
@@ -32,8 +33,8 @@ def matmul(a, b, *, transpose_a=False, transpose_b=False):
 
 def bmm(a, b, transpose_a: bool = False, transpose_b: bool = False):
     """Batched matmul of rank-3 operands."""
-    check(a.shape is None or len(a.shape) == 3, "bmm", f"a must be rank 3, got {shape_str(a.shape)}")
-    check(b.shape is None or len(b.shape) == 3, "bmm", f"b must be rank 3, got {shape_str(b.shape)}")
+    check(a.shape is None or len(a.shape) == 3, "bmm", f"a must be rank 3, got {shape_str(a.shape)} (at {user_frame()})")
+    check(b.shape is None or len(b.shape) == 3, "bmm", f"b must be rank 3, got {shape_str(b.shape)} (at {user_frame()})")
     return matmul(a, b, transpose_a=transpose_a, transpose_b=transpose_b)
 
 

@@ -229,6 +229,7 @@ def _gather_rule(x: Spec, index: Spec, *, dim=0):
 @register_op("gather", category=M, shape=_gather_rule)
 def _gather(x, index, *, dim=0):
     """out = x[:, ..., index, ...] with ``index`` (any rank) placed at ``dim``."""
+    dim = dim % x.ndim
     flat = torch.index_select(x, dim, index.reshape(-1).long())
     return flat.reshape(x.shape[:dim] + index.shape + x.shape[dim + 1:])
 
@@ -256,6 +257,9 @@ def getitem(x, idx):
     idx = idx if isinstance(idx, tuple) else (idx,)
     if builtins.sum(1 for i in idx if i is Ellipsis) > 1:
         raise GraphDSLError("an index can have only one Ellipsis (...)")
+    if builtins.sum(1 for i in idx if isinstance(i, Tensor)) > 1:
+        raise GraphDSLError("an index can have only one Tensor index (torch pairs several tensor indices "
+                            "elementwise; use F.gather per dim for that)")
     n_real = builtins.sum(1 for i in idx if i is not None and i is not Ellipsis)
     if Ellipsis in idx:
         e = idx.index(Ellipsis)

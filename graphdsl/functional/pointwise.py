@@ -25,13 +25,17 @@ def _scalar_rule(like: Spec, *, value):
           f"value must be an int or float, got {value!r}")
     if isinstance(value, float) and not like.dtype.is_floating_point:
         return Spec((), torch.float32)
+    if like.dtype == torch.bool:        # an int next to bool is int64 in torch (True + 2 == 3)
+        return Spec((), torch.int64)
     return Spec((), like.dtype)
 
 
 @register_op("scalar", category=P, shape=_scalar_rule)
 def scalar(like, *, value=0):
-    """0-d constant ``value``; its dtype follows ``like`` (float32 for a float next to an int)."""
+    """0-d constant ``value``; its dtype follows ``like`` (float32 for a float next to an int or
+    bool, int64 for an int next to a bool)."""
     dt = like.dtype if (isinstance(value, int) or like.dtype.is_floating_point) else torch.float32
+    dt = torch.int64 if dt == torch.bool else dt
     return torch.tensor(value, dtype=dt, device=like.device)
 
 
@@ -104,19 +108,19 @@ def tanh(x):
 @register_op("silu", category=P, shape=unary_float_rule("silu"))
 def silu(x):
     """x * sigmoid(x)"""
-    return torch.nn.functional.silu(x)
+    return torch.nn.functional.silu(x if x.is_floating_point() else x.float())
 
 
 @register_op("gelu", category=P, shape=unary_float_rule("gelu"))
 def gelu(x):
     """x * Φ(x) = x/2 * (1 + erf(x / √2))"""
-    return torch.nn.functional.gelu(x)
+    return torch.nn.functional.gelu(x if x.is_floating_point() else x.float())
 
 
 @register_op("gelu_tanh", category=P, shape=unary_float_rule("gelu_tanh"))
 def gelu_tanh(x):
     """x/2 * (1 + tanh(√(2/π) * (x + 0.044715 x³)))"""
-    return torch.nn.functional.gelu(x, approximate="tanh")
+    return torch.nn.functional.gelu(x if x.is_floating_point() else x.float(), approximate="tanh")
 
 
 @register_op("relu", category=P, shape=same_as(0))

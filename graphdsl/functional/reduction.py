@@ -34,9 +34,14 @@ def _reduce_rule(op: str, *, float_out: bool = False, dtype=None):
     return rule
 
 
-@register_op("sum", category=R, shape=_reduce_rule("sum"))
+def _sum_rule(x: Spec, *, dim=None, keepdim=False):
+    # like torch.sum: integer and bool inputs sum to int64
+    return _reduce_rule("sum", dtype=None if x.dtype.is_floating_point else torch.int64)(x, dim=dim, keepdim=keepdim)
+
+
+@register_op("sum", category=R, shape=_sum_rule)
 def sum(x, *, dim=None, keepdim=False):  # noqa: A001 - torch name
-    """Σ x over ``dim`` (all dims when None)."""
+    """Σ x over ``dim`` (all dims when None); integer and bool inputs give int64."""
     return torch.sum(x, dim=dim if dim is not None else tuple(range(x.ndim)), keepdim=keepdim)
 
 
