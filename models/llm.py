@@ -165,14 +165,14 @@ class LLM:
         seqs = self._make_seqs([prompt] if isinstance(prompt, str) else [list(prompt)], params, use_chat_template)
         if self.tokenizer is None:
             raise GraphDSLError("stream needs a tokenizer; this checkpoint has none")
-        from graphdsl.runtime.tokenizer import StreamDecoder
-        decoder = StreamDecoder(self.tokenizer)
-        for seq, token in self._run(seqs):
-            if seq.finish_reason == "stop" and (token in self.eos_token_ids or token in seq.params.stop_token_ids):
-                continue
-            piece = decoder.push(token)
-            if piece:
-                yield piece
+        seq = seqs[0]
+        hold = max((len(x) for x in seq.params.stop), default=1) - 1   # a stop string may be forming
+        emitted = 0
+        for _ in self._run(seqs):
+            text = self._output(seq).text if seq.finish_reason else seq.text[:max(len(seq.text) - hold, 0)]
+            if len(text) > emitted:
+                yield text[emitted:]
+                emitted = len(text)
 
     def chat(self, messages: list[dict], params: SamplingParams | dict | None = None) -> CompletionOutput:
         """Answer a chat (``[{"role": ..., "content": ...}, ...]``) with the model's chat template."""
