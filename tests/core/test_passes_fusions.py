@@ -295,3 +295,26 @@ def test_build_time_of_32_layer_8b_graph():
     counts = {r.name: r.detail for r in eng.pass_report.records}
     assert counts["add_rms_norm"] == "add_rms_norm x64" and counts["rope_cache"] == "rope_cache x32"
     assert seconds < 10.0, f"build took {seconds:.2f} s"
+
+
+def test_parameter_only_subgraph_is_left_unfused_and_folded_at_set_weights():
+    n = Dim("n")
+    with Network("p") as net:
+        x = Tensor("x", (n, 16), torch.float32)
+        g = Parameter((16,), torch.float32, name="gamma")
+        w = Parameter((16, 16), torch.float32, name="w")
+        scale = g * 0.5 + 1.0                                   # parameter-only pointwise chain
+        h = F.rms_norm(x, scale)
+        net.mark_output(F.matmul(h, F.transpose(w, 0, 1)), "y")   # transpose of a weight
+    eng = net.build_engine(backend="torch")
+    rec = {r.name: r.detail for r in eng.pass_report.records}
+    # scalar 0.5, mul, scalar 1.0, add (the transpose became the matmul flag in canonicalize)
+    assert rec["constant_fold"].startswith("4 parameter-only nodes")
+    assert "rms_norm" in ops_of(eng.net)
+    weights = {"gamma": torch.randn(16), "w": torch.randn(16, 16)}
+    launches = eng.num_launches
+    eng.set_weights(weights)
+    assert eng.num_launches < launches
+    x = torch.randn(3, 16)
+    ref = net.build_engine(backend="torch", passes=[])
+    torch.testing.assert_close(eng.forward({"x": x})["y"], ref.forward({"x": x, **weights})["y"], rtol=1e-5, atol=1e-5)
