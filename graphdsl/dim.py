@@ -12,7 +12,7 @@ from typing import Iterable, Mapping, Sequence, Union
 
 from .errors import BindError, GraphDSLError
 
-__all__ = ["Dim", "DimExpr", "Extent", "Shape", "same_extent", "evaluate", "evaluate_shape",
+__all__ = ["Dim", "DimExpr", "Extent", "Shape", "minimum", "same_extent", "evaluate", "evaluate_shape",
            "bind_shapes", "shape_str", "numel"]
 
 
@@ -21,7 +21,7 @@ class DimExpr:
 
     __slots__ = ("op", "args")
     _OPS = {"+": lambda a, b: a + b, "-": lambda a, b: a - b,
-            "*": lambda a, b: a * b, "//": lambda a, b: a // b}
+            "*": lambda a, b: a * b, "//": lambda a, b: a // b, "min": min}
 
     def __init__(self, op: str, args: tuple):
         self.op, self.args = op, args
@@ -31,6 +31,8 @@ class DimExpr:
     def _make(op: str, a: "Extent", b: "Extent") -> "Extent":
         if isinstance(a, int) and isinstance(b, int):
             return DimExpr._OPS[op](a, b)
+        if op == "min" and a == b:
+            return a
         if op == "+" and b == 0 or op == "-" and b == 0 or op in ("*", "//") and b == 1:
             return a
         if op == "+" and a == 0 or op == "*" and a == 1:
@@ -63,6 +65,9 @@ class DimExpr:
     @property
     def max(self) -> int | None:
         """Upper bound from the leaves' ``max`` (None when any leaf is unbounded)."""
+        if self.op == "min":
+            bounds = [m for m in map(_max, self.args) if m is not None]
+            return min(bounds) if bounds else None
         if self.op == "-" or self.op == "//":
             lo = _max(self.args[0])
             return None if lo is None else (lo if self.op == "-" else lo // _min_pos(self.args[1]))
@@ -79,6 +84,8 @@ class DimExpr:
         return (self.op, tuple(a._key() if isinstance(a, DimExpr) else a for a in self.args))
 
     def __str__(self):
+        if self.op == "min":
+            return f"min({self.args[0]}, {self.args[1]})"
         a, b = (f"({x})" if isinstance(x, DimExpr) and x.op in "+-" and self.op in ("*", "//")
                 else str(x) for x in self.args)
         return f"{a}{self.op}{b}" if self.op in ("*", "//") else f"{a} {self.op} {b}"
@@ -167,6 +174,11 @@ def _max(x: Extent) -> int | None:
 
 def _min_pos(x: Extent) -> int:
     return x if isinstance(x, int) else 1
+
+
+def minimum(a: Extent, b: Extent) -> Extent:
+    """min(a, b), symbolic when either is (slicing ``x[:100]`` on a dim ``n`` gives ``min(n, 100)``)."""
+    return DimExpr._make("min", a, b)
 
 
 def same_extent(a: Extent, b: Extent) -> bool | None:

@@ -113,6 +113,7 @@ class Tensor:
     def __rmatmul__(self, o): return F.matmul(o, self)
     def __neg__(self): return F.neg(self)
     def __pow__(self, o): return F.pow(self, o)
+    def __rpow__(self, o): return F.pow(o, self)
     def __lt__(self, o): return F.lt(self, o)
     def __le__(self, o): return F.le(self, o)
     def __gt__(self, o): return F.gt(self, o)

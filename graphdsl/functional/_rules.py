@@ -1,12 +1,15 @@
 """Shared shape/dtype rules for the functional ops (used by several op files)."""
 from __future__ import annotations
 
+import functools
+
 import torch
 
 from ..dim import DimExpr, same_extent, shape_str
+from ..errors import ShapeError, user_frame
 from ..opdef import Spec, check
 
-__all__ = ["norm_dim", "broadcast_shapes", "promote", "binary_rule", "unary_float_rule", "float_dtype"]
+__all__ = ["at_user_line", "norm_dim", "broadcast_shapes", "promote", "binary_rule", "unary_float_rule", "float_dtype"]
 
 
 def norm_dim(d: int, ndim: int, op: str) -> int:
@@ -80,3 +83,17 @@ def unary_float_rule(op: str):
 
 def is_static(x) -> bool:
     return isinstance(x, int) and not isinstance(x, DimExpr)
+
+
+def at_user_line(fn):
+    """Decorate a functional wrapper whose own checks run before any op is recorded, so its
+    ShapeErrors name the user's ``file:line`` like shape-rule errors do."""
+    @functools.wraps(fn)
+    def wrapper(*args, **kwargs):
+        try:
+            return fn(*args, **kwargs)
+        except ShapeError as e:
+            if " (at " in str(e):
+                raise
+            raise ShapeError(f"{e} (at {user_frame()})") from None
+    return wrapper

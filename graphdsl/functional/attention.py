@@ -18,6 +18,7 @@ import torch
 
 from ..dim import same_extent, shape_str
 from ..opdef import OpCategory, Spec, check, register_op
+from ._rules import at_user_line
 
 __all__ = ["RopeLayout", "rope", "reshape_and_cache", "paged_attention"]
 
@@ -153,6 +154,7 @@ def _paged_attention(q, key_cache, value_cache, block_tables, seq_lens, *query_s
     return out
 
 
+@at_user_line
 def paged_attention(q, key_cache, value_cache, block_tables, seq_lens, query_start_loc=None, *,
                     scale: float | None = None, sliding_window: int | None = None, soft_cap: float | None = None):
     """Attention of packed queries over a paged KV cache (prefill when ``query_start_loc`` is

@@ -4,9 +4,8 @@ from __future__ import annotations
 import torch
 
 from ..dim import same_extent, shape_str
-from ..errors import user_frame
 from ..opdef import OpCategory, Spec, check, register_op
-from ._rules import broadcast_shapes
+from ._rules import at_user_line, broadcast_shapes
 
 __all__ = ["matmul", "bmm", "linear"]
 
@@ -31,10 +30,11 @@ def matmul(a, b, *, transpose_a=False, transpose_b=False):
     return torch.matmul(a.mT if transpose_a else a, b.mT if transpose_b else b)
 
 
+@at_user_line
 def bmm(a, b, transpose_a: bool = False, transpose_b: bool = False):
     """Batched matmul of rank-3 operands."""
-    check(a.shape is None or len(a.shape) == 3, "bmm", f"a must be rank 3, got {shape_str(a.shape)} (at {user_frame()})")
-    check(b.shape is None or len(b.shape) == 3, "bmm", f"b must be rank 3, got {shape_str(b.shape)} (at {user_frame()})")
+    check(a.shape is None or len(a.shape) == 3, "bmm", f"a must be rank 3, got {shape_str(a.shape)}")
+    check(b.shape is None or len(b.shape) == 3, "bmm", f"b must be rank 3, got {shape_str(b.shape)}")
     return matmul(a, b, transpose_a=transpose_a, transpose_b=transpose_b)
 
 

@@ -10,10 +10,10 @@ import builtins
 
 import torch
 
-from ..dim import DimExpr, numel, same_extent, shape_str
+from ..dim import DimExpr, minimum, numel, same_extent, shape_str
 from ..errors import GraphDSLError
 from ..opdef import OpCategory, Spec, check, register_op
-from ._rules import norm_dim
+from ._rules import at_user_line, norm_dim
 
 __all__ = ["reshape", "permute", "transpose", "unsqueeze", "squeeze", "slice", "expand", "split", "cat",
            "gather", "embedding", "getitem"]
@@ -69,6 +69,7 @@ def permute(x, dims):
     return _permute(x, dims=tuple(dims))
 
 
+@at_user_line
 def transpose(x, dim0: int, dim1: int):
     """Swap two dims (a permute)."""
     n = x.ndim
@@ -111,6 +112,8 @@ def _slice_bounds(size, start, end, step):
     if isinstance(size, int) and isinstance(start, int) and isinstance(end, int):
         start, end = builtins.max(0, builtins.min(start, size)), builtins.max(0, builtins.min(end, size))
         end = builtins.max(start, end)
+    elif isinstance(end, int):           # symbolic size: clamp like Python slicing does
+        end = minimum(size, end)
     return start, end
 
 

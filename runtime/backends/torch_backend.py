@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import torch
 
+from graphdsl.errors import GraphDSLError
 from graphdsl.opdef import OpCategory
 
 __all__ = ["TorchBackend"]
@@ -33,6 +34,10 @@ class TorchBackend:
             for t, r in zip(node.outputs, results):
                 dst = storage.get(t)
                 if dst is not None:
+                    if r.shape != dst.shape or r.dtype != dst.dtype:
+                        raise GraphDSLError(
+                            f"node '{node.name}' ({node.op} at {node.source}): the op's torch reference returned "
+                            f"{list(r.shape)} {r.dtype} but its shape rule promised {list(dst.shape)} {dst.dtype}")
                     dst.copy_(r)
                     values[t] = dst
                 else:

@@ -144,3 +144,15 @@ def test_output_that_is_a_view_or_an_input():
     torch.testing.assert_close(out["v"], x.exp().reshape(3, 2))
     torch.testing.assert_close(out["same"], x)
     assert out["same"].data_ptr() != x.data_ptr()
+
+
+def test_reference_that_breaks_its_shape_rule_is_caught():
+    @register_op("test_liar", category=OpCategory.POINTWISE, shape=lambda x, **_: x)
+    def liar(x):
+        """claims same shape, returns a float64 result"""
+        return x.double() * 2
+
+    with Network() as net:
+        net.mark_output(F.exp(liar(Tensor("x", (3,), "float32"))), "y")
+    with pytest.raises(GraphDSLError, match=r"node '\w+' \(\w+ at .*test_engine.py:\d+\): the op's torch reference returned \[3\] torch.float64 but its shape rule promised \[3\] torch.float32"):
+        net.build_engine().forward({"x": torch.ones(3)})
