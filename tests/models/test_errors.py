@@ -152,3 +152,13 @@ def test_bad_llm_arguments(ckpt):
         gd.LLM(ckpt, device="cpu", max_num_seqs=0)
     with pytest.raises(GraphDSLError, match="neither a model directory nor a .gguf file"):
         gd.LLM(str(ckpt / "nothing-here"), device="cpu")
+
+
+def test_bfloat16_and_memory_fraction_cache(ckpt):
+    ref = gd.LLM(ckpt, device="cpu", max_model_len=32)
+    llm = gd.LLM(ckpt, device="cpu", dtype="bfloat16", kv_cache_memory_fraction=0.001)
+    assert llm.kv_cache.key_caches[0].dtype == torch.bfloat16 and llm.blocks.num_blocks >= 1
+    ids = [3, 1, 4, 1, 5, 9, 2, 6]
+    a, b = ref.score(ids), llm.score(ids)
+    assert b.dtype == torch.float32
+    assert (a - b).abs().max() < 0.05 * a.abs().max()      # bf16 weights: close, not equal

@@ -1,0 +1,65 @@
+"""The graphdsl command line on a tiny GGUF model (the real-model demo is in test_smollm2.py)."""
+import io
+
+import pytest
+
+from graphdsl.models.cli import build_parser, main
+from tests.models.gguf_tiny import build_tiny_gguf
+
+
+@pytest.fixture(scope="module")
+def gguf(tmp_path_factory):
+    path, _ = build_tiny_gguf(tmp_path_factory.mktemp("cli"))
+    return str(path)
+
+
+def test_help_lists_every_command(capsys):
+    with pytest.raises(SystemExit):
+        main(["--help"])
+    out = capsys.readouterr().out
+    for cmd in ("demo", "generate", "chat", "dump"):
+        assert cmd in out
+    sub = build_parser()._subparsers._group_actions[0].choices
+    assert "--chat" in sub["generate"].format_help() and "--out" in sub["dump"].format_help()
+
+
+def test_generate_streams_text(gguf, capsys):
+    assert main(["generate", gguf, "--prompt", "hello there", "--max-tokens", "6", "--device", "cpu"]) == 0
+    out = capsys.readouterr()
+    assert out.out.strip() and "loading weights" in out.err
+    assert main(["generate", gguf, "--prompt", "hi", "--chat", "--max-tokens", "4", "--temperature", "0.7",
+                 "--seed", "3"]) == 0
+
+
+def test_generate_reports_bad_input(gguf, capsys):
+    assert main(["generate", gguf, "--prompt", "hi", "--temperature", "-1"]) == 1
+    assert "temperature must be a float >= 0" in capsys.readouterr().err
+    with pytest.raises(SystemExit, match="not found"):
+        main(["generate", "/no/such/model", "--prompt", "hi"])
+
+
+def test_chat_reads_turns_from_stdin(gguf, capsys, monkeypatch):
+    monkeypatch.setattr("sys.stdin", io.StringIO("hello\n/reset\nthe theme\n"))
+    assert main(["chat", gguf, "--max-tokens", "4"]) == 0
+    assert capsys.readouterr().out.count("\n") >= 2
+
+
+def test_dump_writes_graphs_and_summaries(gguf, tmp_path, capsys, monkeypatch):
+    monkeypatch.delenv("GRAPHDSL_DUMP_DIR", raising=False)
+    out = tmp_path / "dump"
+    assert main(["dump", gguf, "--out", str(out)]) == 0
+    for phase in ("prefill", "decode"):
+        assert (out / phase / "summary.txt").read_text().startswith("Engine")
+        assert (out / phase / "graph.txt").exists() and (out / phase / "00-recorded.txt").exists()
+    assert "qkv_proj" in (out / "model.txt").read_text()
+    assert (out / "config.json").exists() and any((out / "builds").iterdir())
+    assert "Engine 'LlamaForCausalLM.decode'" in capsys.readouterr().out
+    assert "GRAPHDSL_DUMP_DIR" not in __import__("os").environ
+
+
+def test_check_command(gguf, tmp_path, capsys):
+    assert main(["check", gguf]) == 0
+    assert "supported" in capsys.readouterr().out
+    (tmp_path / "config.json").write_text('{"model_type": "bloom", "architectures": ["BloomForCausalLM"]}')
+    assert main(["check", str(tmp_path)]) == 1
+    assert "unknown model_type 'bloom'" in capsys.readouterr().out
