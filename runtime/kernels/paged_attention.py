@@ -20,7 +20,8 @@ softmax in base 2: scores are scaled by ``log2(e)`` and exponentiated with ``exp
 ``m`` starts at ``-1e30`` (finite, so a row whose tile is fully masked gets weight ``exp2(-inf) = 0``
 and never ``inf - inf``).
 
-* prefill (:func:`paged_attention_prefill`): grid ``(num_tokens // BLOCK_Q + num_seqs, kv_heads)``.
+* prefill (:func:`paged_attention_prefill`): grid ``(kv_heads, num_tokens // BLOCK_Q + num_seqs)``,
+  tiles taken in reverse order (heaviest causal tiles first).
   Sequence ``s`` owns tile indices ``[b_s, b_s + cdiv(n_s, BLOCK_Q))`` with
   ``b_s = query_start_loc[s] // BLOCK_Q + s``; these ranges are disjoint and below the grid size, so
   a program finds its sequence by binary search over ``b`` without any host synchronisation. A tile
@@ -40,6 +41,7 @@ first call, so tile sizes come from the heuristic alone.
 """
 from __future__ import annotations
 
+import functools
 import math
 from typing import NamedTuple
 
@@ -127,7 +129,7 @@ def _attend(
     return acc, m_i, l_i
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["soft_cap", "sliding_window", "num_seqs", "search_steps"])
 def _prefill_kernel(
     q_ptr,              # [num_tokens, num_heads, head_dim] packed queries (head_dim contiguous)
     k_cache_ptr,        # [num_blocks, block_size, num_kv_heads, head_dim] key cache
@@ -154,7 +156,7 @@ def _prefill_kernel(
     BLOCK_N: tl.constexpr,     # keys per inner step
     USE_CAP: tl.constexpr,     # soft_cap > 0
     USE_WINDOW: tl.constexpr,  # sliding_window > 0
-    DOT_PREC: tl.constexpr,    # tl.dot input_precision ("ieee" for float32 inputs)
+    DOT_PREC: tl.constexpr,    # tl.dot input_precision ("tf32x3" for float32 inputs)
     DOT_F32: tl.constexpr,     # upcast dot operands to float32 (interpreter only, see _mm)
 ):
     """Rows ``r`` of tile ``t`` of sequence ``s``: query ``i = t * BLOCK_Q + r // GROUP_PAD``, head
@@ -166,11 +168,12 @@ def _prefill_kernel(
         acc = acc * 2^(m - m') + P V;  m = m'          and finally  out = acc / l
     """
     BLOCK_M: tl.constexpr = BLOCK_Q * GROUP_PAD
-    tile = tl.program_id(0)
-    kvh = tl.program_id(1)
+    kvh = tl.program_id(0)
+    # heaviest tiles (last queries of the last sequences) first: less tail imbalance under causality
+    tile = tl.num_programs(1) - 1 - tl.program_id(1)
 
     # Sequence of this tile: the largest s with qsl[s] // BLOCK_Q + s <= tile.
-    lo_s = tl.program_id(0) * 0
+    lo_s = tl.program_id(1) * 0
     hi_s = lo_s + num_seqs
     for _ in range(search_steps):
         mid = (lo_s + hi_s) // 2
@@ -231,7 +234,7 @@ def _prefill_kernel(
                  o.to(out_ptr.dtype.element_ty), mask=row_ok[:, None])
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["soft_cap", "sliding_window", "num_seqs"])
 def _decode_split_kernel(
     q_ptr,              # [num_seqs, num_heads, head_dim] one query per sequence
     k_cache_ptr,        # [num_blocks, block_size, num_kv_heads, head_dim] key cache
@@ -306,7 +309,7 @@ def _decode_split_kernel(
         tl.store(part_ml_ptr + num_seqs * NUM_HEADS * NUM_SPLITS + row, l_i, mask=head_ok)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_seqs"])
 def _decode_reduce_kernel(
     part_acc_ptr,       # [num_seqs, num_heads, NUM_SPLITS, head_dim] float32 per-split acc
     part_ml_ptr,        # [2, num_seqs, num_heads, NUM_SPLITS] float32 per-split max m and sum l
@@ -348,16 +351,17 @@ class _Config(NamedTuple):
 
 
 def _pick_config(head_dim: int, group_pad: int, *, decode: bool) -> _Config:
-    """The one tile heuristic of both kernels. Prefill: 128 rows x 64 keys (8 warps at head_dim 128,
-    the flash-attention-2 shape for Hopper-class register files), halved for head_dim 256 so the
-    float32 accumulator stays in registers; the tile grows to hold at least one query's whole group.
-    Decode: 64 keys per step (32 for head_dim 256), 4 warps, rows = the padded group."""
+    """The one tile heuristic of both kernels (from ``benchmarks/attention.py --sweep`` on an H200,
+    32/8 heads, head_dim 128, bf16). Prefill: 64 rows x 64 keys, 4 warps, 3 stages (240 TFLOP/s at
+    2048 tokens, vs 204 for 128x64/8 warps/2 stages); head_dim 256 takes 32 keys and 8 warps so
+    the float32 accumulator stays in registers; the tile grows to hold at least one query's whole
+    group. Decode: 64 keys per step (32 for head_dim 256), 4 warps, 2 stages (within 3% of the best
+    swept config at batch 8 and 64, context 4096), rows = the group padded to >= 16."""
     big = head_dim > 128
     if decode:
         return _Config(block_m=max(16, group_pad), block_n=32 if big else 64, num_warps=4, num_stages=2)
-    block_m = max(64 if big else 128, group_pad)
-    return _Config(block_m=block_m, block_n=32 if big else 64,
-                   num_warps=8 if head_dim >= 128 else 4, num_stages=2)
+    return _Config(block_m=max(64, group_pad), block_n=32 if big else 64,
+                   num_warps=8 if big else 4, num_stages=2 if big else 3)
 
 
 def _interpreted(kernel) -> bool:
@@ -366,8 +370,9 @@ def _interpreted(kernel) -> bool:
 
 
 def _dot_args(dtype: torch.dtype, kernel) -> dict:
-    """float32 inputs multiply in full precision ("ieee", not tf32); the interpreter upcasts."""
-    return dict(DOT_PREC="ieee" if dtype == torch.float32 else "tf32", DOT_F32=_interpreted(kernel))
+    """float32 inputs multiply as 3xTF32 on the tensor cores (error ~1e-6 relative, float32 class;
+    plain tf32 would be ~1e-3 and "ieee" compiles to slow FMA loops); the interpreter upcasts."""
+    return dict(DOT_PREC="tf32x3" if dtype == torch.float32 else "tf32", DOT_F32=_interpreted(kernel))
 
 
 def _fail(fn: str, arg: str, expected: str, actual) -> None:
@@ -461,7 +466,7 @@ def _launch_prefill(q, key_cache, value_cache, block_tables, seq_lens, query_sta
     group_pad = triton.next_power_of_2(group)
     cfg = config or _pick_config(dim, group_pad, decode=False)   # config: benchmarks' sweeps only
     block_q = cfg.block_m // group_pad
-    grid = (q.shape[0] // block_q + num_seqs, kv_heads)
+    grid = (kv_heads, q.shape[0] // block_q + num_seqs)
     _prefill_kernel[grid](
         q, key_cache, value_cache, out, block_tables, seq_lens, query_start_loc,
         float(scale), float(soft_cap), int(sliding_window), num_seqs, max(num_seqs - 1, 0).bit_length(),
@@ -478,10 +483,15 @@ _MAX_SPLITS = 64
 _MIN_KEYS_PER_SPLIT = 128
 
 
+@functools.lru_cache(maxsize=None)
+def _sm_count(device: torch.device) -> int:
+    return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 4
+
+
 def _default_splits(num_seqs: int, kv_heads: int, max_keys: int, device: torch.device) -> int:
     """Enough splits for about two programs per SM, but no split shorter than 128 keys (the
     longest possible context, from the block table's width, bounds this without reading seq_lens)."""
-    sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 4
+    sms = _sm_count(device)
     want = triton.cdiv(2 * sms, max(num_seqs * kv_heads, 1))
     return max(1, min(want, triton.cdiv(max_keys, _MIN_KEYS_PER_SPLIT), _MAX_SPLITS))
 
