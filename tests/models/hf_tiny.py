@@ -21,6 +21,13 @@ def make_config(family: str, **overrides):
     elif family == "qwen3":
         cls = tf.Qwen3Config
         kw.update(head_dim=32)
+    elif family == "qwen3_moe":
+        cls = tf.Qwen3MoeConfig
+        kw.update(head_dim=32, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, norm_topk_prob=True,
+                  mlp_only_layers=[1])
+    elif family == "granite":
+        cls = tf.GraniteConfig
+        kw.update(embedding_multiplier=3.0, residual_multiplier=0.5, attention_multiplier=0.2, logits_scaling=2.5)
     elif family == "qwen2_moe":
         cls = tf.Qwen2MoeConfig
         kw.update(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,

@@ -20,6 +20,7 @@ FAMILIES = {
     "qwen2": ("qwen2", {}),
     "qwen3": ("qwen3", {}),
     "qwen2_moe": ("qwen2_moe", {}),
+    "qwen3_moe-renormalised-with-dense-layer": ("qwen3_moe", {}),
 }
 
 
