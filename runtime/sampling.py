@@ -12,15 +12,18 @@ Math, applied per row ``i`` of ``logits[n, vocab]`` in this order (HF ``generate
    cumulative probability is ``>= p`` (token ``j`` is kept iff the mass strictly before it is
    ``< p``, so at least one token is always kept);
 6. sample from ``softmax`` over the kept tokens with the row's own ``torch.Generator`` (or the
-   global RNG when None), so a request with a seed reproduces regardless of its batch.
+   global RNG when None), so a request with a seed reproduces regardless of its batch
+   (exponential race: ``argmax p_t / E_t``, ``E_t ~ Exp(1)``).
 
 :class:`SamplingParams` validates every field; a bad value raises :class:`GraphDSLError` naming
 the field, the allowed range and the value.
 """
 from __future__ import annotations
 
+import itertools
 from typing import Any
 
+import numpy as np
 import torch
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
@@ -114,18 +117,33 @@ def make_generator(params: SamplingParams, device: torch.device | str = "cpu") -
 
 def apply_repetition_penalty(logits: torch.Tensor, penalties: list[float],
                              prev_tokens: list[list[int]]) -> torch.Tensor:
-    """HF-style repetition penalty, in place on ``logits[n, vocab]``; returns ``logits``."""
-    vocab = logits.shape[1]
-    for i, (r, toks) in enumerate(zip(penalties, prev_tokens)):
-        if r == 1.0 or not toks:
-            continue
-        bad = [t for t in toks if not 0 <= t < vocab]
-        if bad:
-            raise GraphDSLError(f"prev_tokens[{i}] holds ids outside [0, {vocab}): {bad[:8]}")
-        idx = torch.tensor(sorted(set(toks)), dtype=torch.long, device=logits.device)
-        row = logits[i]
-        seen = row.index_select(0, idx)
-        row.index_copy_(0, idx, torch.where(seen > 0, seen / r, seen * r))
+    """HF-style repetition penalty, in place on ``logits[n, vocab]``; returns ``logits``.
+
+    All penalised rows are done in one gather/scatter over flat indices ``row·vocab + token``
+    (a token seen twice is written twice with the same value).
+    """
+    n, vocab = logits.shape
+    rows = [i for i, (r, toks) in enumerate(zip(penalties, prev_tokens)) if r != 1.0 and toks]
+    if not rows:
+        return logits
+    lens = torch.tensor([len(prev_tokens[i]) for i in rows])
+    total = int(lens.sum())
+    toks = torch.from_numpy(np.fromiter(itertools.chain.from_iterable(prev_tokens[i] for i in rows),
+                                        dtype=np.int64, count=total))
+    bad = (toks < 0) | (toks >= vocab)
+    if bool(bad.any()):
+        owner = torch.tensor(rows).repeat_interleave(lens)[bad]
+        i = int(owner[0])
+        ids = [t for t in prev_tokens[i] if not 0 <= t < vocab]
+        raise GraphDSLError(f"prev_tokens[{i}] holds ids outside [0, {vocab}): {ids[:8]}")
+    row_of = torch.tensor(rows).repeat_interleave(lens)
+    r = torch.tensor([float(penalties[i]) for i in rows]).repeat_interleave(lens)
+    dev = logits.device
+    flat_idx = (row_of * vocab + toks).to(dev, non_blocking=True)
+    r = r.to(dev, non_blocking=True)
+    flat = logits.view(-1)
+    seen = flat.index_select(0, flat_idx)
+    flat.index_copy_(0, flat_idx, torch.where(seen > 0, seen / r, seen * r))
     return logits
 
 
@@ -136,33 +154,37 @@ def sampling_probs(logits: torch.Tensor, params: list[SamplingParams],
     Greedy rows get a one-hot at their argmax.
     """
     _check_batch(logits, params, None, prev_tokens)
-    logits = logits.to(torch.float32).clone()
+    logits = logits.to(torch.float32).contiguous().clone()
     n, vocab = logits.shape
+    dev = logits.device
     apply_repetition_penalty(logits, [p.repetition_penalty for p in params], prev_tokens)
 
-    greedy = torch.tensor([p.greedy for p in params], device=logits.device)
-    temps = torch.tensor([p.temperature if not p.greedy else 1.0 for p in params],
-                         dtype=torch.float32, device=logits.device)
-    logits = logits / temps[:, None]
+    ks = [min(p.top_k, vocab) if p.top_k > 0 else vocab for p in params]
+    table = torch.tensor([[1.0 if p.greedy else p.temperature, k, p.top_p, p.greedy]
+                          for p, k in zip(params, ks)], dtype=torch.float32).to(dev, non_blocking=True)
+    temps, k, top_p, greedy = table[:, 0:1], table[:, 1:2].long(), table[:, 2:3], table[:, 3] > 0
+    logits = logits / temps
 
-    ks = [p.top_k if p.top_k > 0 else vocab for p in params]
-    ps = [p.top_p for p in params]
-    if any(k < vocab for k in ks):
-        k = torch.tensor([min(k, vocab) for k in ks], device=logits.device)
-        top = logits.topk(int(k.max()), dim=1).values          # only the largest k_max per row
-        kth = top.gather(1, (k - 1)[:, None])
+    use_k = any(kk < vocab for kk in ks)
+    use_p = any(p.top_p < 1.0 for p in params)
+    if use_k:
+        kth = logits.topk(max(ks), dim=1).values.gather(1, k - 1)   # only the largest k_max
         logits = logits.masked_fill(logits < kth, float("-inf"))
-    if any(p < 1.0 for p in ps):
-        p = torch.tensor(ps, dtype=torch.float32, device=logits.device)
-        probs_sorted, order = logits.softmax(dim=1).sort(dim=1, descending=True)
+    if use_p:
+        if all(kk < vocab for kk, p in zip(ks, params) if p.top_p < 1.0):
+            # every top-p row is already cut to its top k (plus ties): sort only the survivors
+            width = int((logits > float("-inf")).sum(dim=1).max())
+            vals, order = logits.topk(width, dim=1)
+        else:
+            vals, order = logits.sort(dim=1, descending=True)
+        probs_sorted = vals.softmax(dim=1)
         mass_before = probs_sorted.cumsum(dim=1) - probs_sorted
-        drop_sorted = mass_before >= p[:, None]
+        drop_sorted = mass_before >= top_p
         drop_sorted[:, 0] = False
-        drop = torch.zeros_like(drop_sorted).scatter(1, order, drop_sorted)
-        logits = logits.masked_fill(drop, float("-inf"))
+        logits = logits.scatter(1, order, vals.masked_fill(drop_sorted, float("-inf")))
 
     probs = logits.softmax(dim=1)
-    if bool(greedy.any()):
+    if any(p.greedy for p in params):
         onehot = torch.zeros_like(probs).scatter(1, logits.argmax(dim=1, keepdim=True), 1.0)
         probs = torch.where(greedy[:, None], onehot, probs)
     return probs
@@ -175,19 +197,21 @@ def sample(logits: torch.Tensor, params: list[SamplingParams],
 
     ``generators[i]`` (on logits' device, or None for the global RNG) drives row ``i``'s draw;
     ``prev_tokens[i]`` are the prompt + generated ids the repetition penalty looks at.
+
+    The draw is an exponential race, ``argmax_t p_t / E_t`` with ``E_t ~ Exp(1)`` i.i.d., which
+    picks ``t`` with probability ``p_t``: one noise kernel for all unseeded rows, one per seeded
+    row (its own generator), and no host synchronisation.
     """
     _check_batch(logits, params, generators, prev_tokens)
     probs = sampling_probs(logits, params, prev_tokens)
-    out = probs.argmax(dim=1)
-    # rows on the global RNG are drawn in one call; seeded rows each with their own generator
-    shared = [i for i, (p, g) in enumerate(zip(params, generators)) if not p.greedy and g is None]
-    if shared:
-        idx = torch.tensor(shared, device=probs.device)
-        out[idx] = torch.multinomial(probs[idx], 1)[:, 0]
+    if all(p.greedy for p in params):
+        return probs.argmax(dim=1).to(torch.int64)
+    noise = torch.empty_like(probs).exponential_()
     for i, (p, g) in enumerate(zip(params, generators)):
         if not p.greedy and g is not None:
-            out[i] = torch.multinomial(probs[i], 1, generator=g)[0]
-    return out.to(torch.int64)
+            noise[i].exponential_(generator=g)
+    noise.clamp_min_(torch.finfo(noise.dtype).tiny)
+    return (probs / noise).argmax(dim=1).to(torch.int64)
 
 
 def _check_batch(logits, params, generators, prev_tokens) -> None:

@@ -135,6 +135,19 @@ def test_top_k_keeps_ties():
     assert (probs[0] > 0).tolist() == [True, True, True, False, False]
 
 
+def test_top_k_then_top_p_with_ties_matches_reference():
+    """Ties at the k-th value survive top-k; top-p cut points chosen outside tie groups (which
+    of several tied tokens a prefix keeps is an arbitrary order)."""
+    cases = [([3.0, 2.0, 2.0, 1.0, 0.0, 2.0], dict(top_k=2, top_p=0.9)),    # 3 and all three 2s
+             ([3.0, 2.0, 2.0, 1.0, 0.0, 2.0], dict(top_k=2, top_p=0.4)),    # only the 3
+             ([0.5, 0.5, 0.5, 0.5, 0.1, 0.0], dict(top_k=3, top_p=0.95))]   # all four 0.5s
+    for row, kw in cases:
+        p = SamplingParams(**kw)
+        logits = torch.tensor([row])
+        got = sampling_probs(logits, [p], [[]])[0]
+        torch.testing.assert_close(got, _reference_probs(logits[0], p), atol=1e-6, rtol=1e-5)
+
+
 def test_top_p_keeps_smallest_prefix_reaching_p():
     # probs 0.5, 0.25, 0.25 (exact in binary): p=0.75 is reached by the first two -> third dropped
     logits = torch.tensor([[0.5, 0.25, 0.125]]).log()
