@@ -10,6 +10,11 @@ when ``sliding_window`` is set)::
     score[k] = cap * tanh(score[k] / cap)         (when soft_cap = cap > 0)
     out      = sum_k softmax(score)[k] * value[k]  (float32, stored in q's dtype)
 
+Matrix products multiply q's dtype exactly into float32 accumulators (float32 inputs as 3xTF32,
+~1e-6 relative); the probabilities enter ``P·V`` rounded to q's dtype, as in flash-attention.
+One addition to the reference: a sequence with no visible key (``seq_lens[s] == 0``, a padded
+decode slot of a CUDA-graph batch) gets a zero output where the reference's softmax gives NaN.
+
 Query head ``h`` reads KV head ``h // (num_heads / num_kv_heads)`` (GQA). Key/value ``k`` of
 sequence ``s`` lives in block ``block_tables[s, k // block_size]`` at offset ``k % block_size`` of
 the caches ``[num_blocks, block_size, num_kv_heads, head_dim]``.

@@ -138,6 +138,17 @@ def test_decode_splits_and_gqa(lens, num_splits, heads, kv_heads):
     assert_close(out, REF(q, kc, vc, bt, sl, scale=0.125), dtype)
 
 
+@pytest.mark.parametrize("num_splits", [1, 4])
+def test_decode_padded_slots_give_zeros(num_splits):
+    """seq_len 0 (a padded slot of a CUDA-graph decode batch): zeros, not NaN; the others exact."""
+    lens, _ = _grow([9, 40], [])
+    q, kc, vc, bt, sl, _ = make_case(lens + [1], [1] * 3, 4, 2, 64, 16, torch.float32, seed=8)
+    sl[2] = 0
+    out = paged_attention_decode(q, kc, vc, bt, sl, scale=0.125, num_splits=num_splits, out=_nan_like(q))
+    assert torch.equal(out[2], torch.zeros_like(out[2]))
+    assert_close(out[:2], REF(q[:2], kc, vc, bt[:2], sl[:2], scale=0.125), torch.float32)
+
+
 @pytest.mark.parametrize("head_dim,block_size,dtype,heads,kv_heads,splits", [
     (128, 32, torch.float16, 8, 2, 4), (64, 64, torch.bfloat16, 8, 2, 1),
     (128, 16, torch.bfloat16, 32, 8, 2), (32, 16, torch.float32, 2, 1, 4), (256, 64, torch.float16, 4, 1, 3)])
