@@ -56,7 +56,8 @@ class Attention(Module):
         key_cache, value_cache = F.reshape_and_cache(k, v, key_cache, value_cache, ctx.slot_mapping)
         out = F.paged_attention(q, key_cache, value_cache, ctx.block_tables, ctx.seq_lens, ctx.query_start_loc,
                                 scale=self.scale, sliding_window=self.sliding_window)
-        return self.o_proj(out.reshape(-1, self.num_heads * self.head_dim))
+        tokens = x.shape[0] if x.shape is not None else -1
+        return self.o_proj(out.reshape(tokens, self.num_heads * self.head_dim))
 
     def extra_repr(self) -> str:
         return (f"layer={self.layer_idx}, heads={self.num_heads}, kv_heads={self.num_kv_heads}, "

@@ -117,12 +117,18 @@ class QKVParallelLinear(MergedColumnParallelLinear):
     def forward(self, x):
         qkv = super().forward(x)
         q, k, v = F.split(qkv, self.output_sizes, -1)
-        d = self.head_dim
-        return q.reshape(-1, self.num_heads, d), k.reshape(-1, self.num_kv_heads, d), v.reshape(-1, self.num_kv_heads, d)
+        n, d = _tokens(x), self.head_dim
+        return q.reshape(n, self.num_heads, d), k.reshape(n, self.num_kv_heads, d), v.reshape(n, self.num_kv_heads, d)
 
     def extra_repr(self) -> str:
         return (f"hidden={self.in_features}, heads={self.num_heads}, kv_heads={self.num_kv_heads}, "
                 f"head_dim={self.head_dim}, bias={self.bias is not None}")
+
+
+def _tokens(x):
+    """The token count of ``x [tokens, features]`` for reshapes: its (symbolic) dim when known,
+    so shapes stay ``num_tokens`` instead of ``num_tokens*a//a`` expressions; else -1."""
+    return x.shape[0] if x.shape is not None and len(x.shape) == 2 else -1
 
 
 def _whole(module: Module):

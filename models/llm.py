@@ -176,8 +176,11 @@ class LLM:
 
     def chat(self, messages: list[dict], params: SamplingParams | dict | None = None) -> CompletionOutput:
         """Answer a chat (``[{"role": ..., "content": ...}, ...]``) with the model's chat template."""
-        prompt = self._tokenizer_or_error("chat").apply_chat_template(messages, add_generation_prompt=True)
-        return self.generate([prompt], params)[0]
+        tok = self._tokenizer_or_error("chat")
+        prompt = tok.apply_chat_template(messages, add_generation_prompt=True)
+        out = self.generate([tok.encode(prompt, add_special_tokens=False)], params)[0]   # the template has BOS
+        out.prompt = prompt
+        return out
 
     # -- internals ---------------------------------------------------------------------------
     def _tokenizer_or_error(self, what: str):
