@@ -103,6 +103,49 @@ def _rope_cache_case(T):
 CASES = {"add_rms_norm": _add_rms_norm_case, "silu_mul (SwiGLU)": _silu_mul_case, "rope_cache": _rope_cache_case}
 
 
+def sweep_warps(T: int, copy: float) -> list[str]:
+    """The launch heuristic's choice against other warp counts, at ``T`` tokens (events, median)."""
+    import dataclasses
+
+    from graphdsl.functional.attention import RopeLayout
+    from graphdsl.runtime.codegen.fused import prepare_fused
+    from graphdsl.runtime.codegen.ops import SILU_MUL_PROGRAM, add_rms_norm_program
+    from graphdsl.runtime.codegen.rope_cache import _launch
+    lines = [f"warp sweep at {T} tokens (GB/s, % of copy); * = the heuristic's choice"]
+    x, r = (torch.randn(T, HIDDEN, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+    w = torch.randn(HIDDEN, device="cuda", dtype=torch.bfloat16)
+    out, res = torch.empty_like(x), torch.empty_like(x)
+    k, _ = prepare_fused(add_rms_norm_program(1e-5), (4, 3), [x, r, w], [out, res])
+    g = torch.randn(T, 2 * INTER, device="cuda", dtype=torch.bfloat16)
+    o2 = torch.empty(T, INTER, device="cuda", dtype=torch.bfloat16)
+    k2, _ = prepare_fused(SILU_MUL_PROGRAM, (3,), [g[:, :INTER], g[:, INTER:]], [o2])
+    for name, kern, ins, outs, nbytes in (("add_rms_norm", k, [x, r, w], [out, res], 4 * T * HIDDEN * 2),
+                                         ("silu_mul", k2, [g[:, :INTER], g[:, INTER:]], [o2], 3 * T * INTER * 2)):
+        cells = []
+        for warps in (2, 4, 8, 16):
+            kv = dataclasses.replace(kern, num_warps=warps)
+            ms = bench(lambda: kv(ins, outs))
+            bw = nbytes / (ms * 1e-3) / 1e9
+            cells.append(f"{warps}w{'*' if warps == kern.num_warps else ''} {bw:.0f} ({100 * bw / copy:.0f}%)")
+        lines.append(f"  {name:<14} " + "   ".join(cells))
+    make = _rope_cache_case(T)
+    q = torch.randn(T, HQ, D, device="cuda", dtype=torch.bfloat16)
+    kk, v = (torch.randn(T, HK, D, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+    cos, sin = torch.randn(T, D // 2, device="cuda"), torch.randn(T, D // 2, device="cuda")
+    nblocks = 4096 // BLOCK + 8
+    slots = torch.randperm(nblocks * BLOCK, device="cuda")[:T]
+    kc, vc = (torch.zeros(nblocks, BLOCK, HK, D, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+    qo = torch.empty_like(q)
+    nbytes = make[2]
+    cells = []
+    for warps in (2, 4, 8, 16):
+        ms = bench(lambda: _launch(q, kk, v, kc, vc, cos, sin, slots, qo, RopeLayout.NEOX, num_warps=warps))
+        bw = nbytes / (ms * 1e-3) / 1e9
+        cells.append(f"{warps}w{'*' if warps == 8 else ''} {bw:.0f} ({100 * bw / copy:.0f}%)")
+    lines.append(f"  {'rope_cache':<14} " + "   ".join(cells))
+    return lines
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--tokens", type=int, nargs="+", default=[1, 16, 128, 1024, 4096])
@@ -132,6 +175,10 @@ def main():
              "|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for name, T, mb, us, bw, pct, gbw, gpct, rus in rows:
         lines.append(f"| {name} | {T} | {mb:.2f} | {us:.1f} | {bw:.0f} | {pct:.1f}% | {gbw:.0f} | {gpct:.1f}% | {rus:.1f} |")
+    try:
+        lines += [""] + sweep_warps(max(args.tokens), copy)
+    except Exception as e:  # noqa: BLE001 - the sweep is extra; keep the main table
+        lines += ["", f"warp sweep failed: {type(e).__name__}: {e}"]
     table = "\n".join(lines)
     print()
     print(table)

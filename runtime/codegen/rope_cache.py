@@ -30,6 +30,16 @@ def _rotate(x_ptr, tok_off, head_stride, h, d, partner, c, s, sign, H: tl.conste
 
 
 @triton.jit
+def _rotate_halves(x_ptr, tok_off, head_stride, h, j, c, s, H: tl.constexpr, HALF: tl.constexpr):
+    """NEOX over the whole head: (x1, x2) = (x[:HALF], x[HALF:]) -> (x1 c - x2 s, x2 c + x1 s) on an [H, HALF] tile."""
+    m = (h[:, None] < H) & (j[None, :] < HALF)
+    base = x_ptr + tok_off + h[:, None] * head_stride + j[None, :]
+    x1 = tl.load(base, mask=m, other=0.0).to(tl.float32)
+    x2 = tl.load(base + HALF, mask=m, other=0.0).to(tl.float32)
+    return x1 * c[None, :] - x2 * s[None, :], x2 * c[None, :] + x1 * s[None, :], m
+
+
+@triton.jit
 def _rope_cache_kernel(
     q_ptr,            # [T, HQ, D] query (last dim contiguous)
     k_ptr,            # [T, HK, D] key
@@ -48,14 +58,44 @@ def _rope_cache_kernel(
     D: tl.constexpr,                           # head dim
     HALF: tl.constexpr,                        # rotary dim / 2 (dims >= 2*HALF pass through)
     GPTJ: tl.constexpr,                        # pairs (2i, 2i+1) instead of (i, i + HALF)
-    BLOCK_HQ: tl.constexpr, BLOCK_HK: tl.constexpr, BLOCK_D: tl.constexpr,
+    HALVES: tl.constexpr,                      # NEOX rotating the whole head: load the two halves once each
+    BLOCK_HQ: tl.constexpr, BLOCK_HK: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_HALF: tl.constexpr,
 ):
     """For token t, head h, rotating pair (a, b) with frequency i:
         x'[a] = x[a] cos[t, i] - x[b] sin[t, i],   x'[b] = x[b] cos[t, i] + x[a] sin[t, i]
     NEOX: a = i, b = i + HALF;  GPT-J: a = 2i, b = 2i + 1.  Computed in float32.
     q_out[t] = q'[t];  key_cache.flat[slot[t]] = k'[t];  value_cache.flat[slot[t]] = v[t]  (slot >= 0)."""
     t = tl.program_id(0).to(tl.int64)
+    hq = tl.arange(0, BLOCK_HQ)
+    hk = tl.arange(0, BLOCK_HK)
     d = tl.arange(0, BLOCK_D)
+    slot = tl.load(slot_ptr + t).to(tl.int64)
+    if HALVES:
+        j = tl.arange(0, BLOCK_HALF)
+        cj = tl.load(cos_ptr + t * cs_st + j, mask=j < HALF, other=1.0).to(tl.float32)
+        sj = tl.load(sin_ptr + t * cs_st + j, mask=j < HALF, other=0.0).to(tl.float32)
+        q1, q2, mq = _rotate_halves(q_ptr, t * q_st, q_sh, hq, j, cj, sj, HQ, HALF)
+        qo = qo_ptr + t * (HQ * D) + hq[:, None] * D + j[None, :]
+        tl.store(qo, q1.to(qo_ptr.dtype.element_ty), mask=mq)
+        tl.store(qo + HALF, q2.to(qo_ptr.dtype.element_ty), mask=mq)
+        k1, k2, mk = _rotate_halves(k_ptr, t * k_st, k_sh, hk, j, cj, sj, HK, HALF)
+        mk = mk & ((tl.zeros([BLOCK_HK, BLOCK_HALF], tl.int64) + slot) >= 0)
+        kd = kc_ptr + slot * (HK * D) + hk[:, None] * D + j[None, :]
+        tl.store(kd, k1.to(kc_ptr.dtype.element_ty), mask=mk)
+        tl.store(kd + HALF, k2.to(kc_ptr.dtype.element_ty), mask=mk)
+    else:
+        _rope_cache_pairs(q_ptr, k_ptr, kc_ptr, cos_ptr, sin_ptr, qo_ptr, t, slot, q_st, q_sh, k_st, k_sh, cs_st,
+                          hq, hk, d, HQ, HK, D, HALF, GPTJ, BLOCK_HK, BLOCK_D)
+    mv = (hk[:, None] < HK) & (d[None, :] < D) & ((tl.zeros([BLOCK_HK, BLOCK_D], tl.int64) + slot) >= 0)
+    v = tl.load(v_ptr + t * v_st + hk[:, None] * v_sh + d[None, :], mask=mv, other=0.0)
+    tl.store(vc_ptr + slot * (HK * D) + hk[:, None] * D + d[None, :], v.to(vc_ptr.dtype.element_ty), mask=mv)
+
+
+@triton.jit
+def _rope_cache_pairs(q_ptr, k_ptr, kc_ptr, cos_ptr, sin_ptr, qo_ptr, t, slot, q_st, q_sh, k_st, k_sh, cs_st,
+                      hq, hk, d, HQ: tl.constexpr, HK: tl.constexpr, D: tl.constexpr, HALF: tl.constexpr,
+                      GPTJ: tl.constexpr, BLOCK_HK: tl.constexpr, BLOCK_D: tl.constexpr):
+    """General layout (GPT-J pairs, or a partial rotary dim): each element reads its partner."""
     rot = d < 2 * HALF
     if GPTJ:
         partner = tl.where(d % 2 == 0, d + 1, d - 1)
@@ -69,22 +109,15 @@ def _rope_cache_kernel(
     partner = tl.where(rot, partner, d)
     c = tl.load(cos_ptr + t * cs_st + freq, mask=rot, other=1.0).to(tl.float32)
     s = tl.load(sin_ptr + t * cs_st + freq, mask=rot, other=0.0).to(tl.float32)
-
-    hq = tl.arange(0, BLOCK_HQ)
     qr, mq = _rotate(q_ptr, t * q_st, q_sh, hq, d, partner, c, s, sign, HQ, D)
     tl.store(qo_ptr + t * (HQ * D) + hq[:, None] * D + d[None, :], qr.to(qo_ptr.dtype.element_ty), mask=mq)
-
-    hk = tl.arange(0, BLOCK_HK)
     kr, mk = _rotate(k_ptr, t * k_st, k_sh, hk, d, partner, c, s, sign, HK, D)
-    slot = tl.load(slot_ptr + t).to(tl.int64)
     mk = mk & ((tl.zeros([BLOCK_HK, BLOCK_D], tl.int64) + slot) >= 0)
-    dst = slot * (HK * D) + hk[:, None] * D + d[None, :]
-    tl.store(kc_ptr + dst, kr.to(kc_ptr.dtype.element_ty), mask=mk)
-    v = tl.load(v_ptr + t * v_st + hk[:, None] * v_sh + d[None, :], mask=mk, other=0.0)
-    tl.store(vc_ptr + dst, v.to(vc_ptr.dtype.element_ty), mask=mk)
+    tl.store(kc_ptr + slot * (HK * D) + hk[:, None] * D + d[None, :], kr.to(kc_ptr.dtype.element_ty), mask=mk)
 
 
-def _launch(q, k, v, key_cache, value_cache, cos, sin, slot_mapping, q_out, layout: RopeLayout):
+def _launch(q, k, v, key_cache, value_cache, cos, sin, slot_mapping, q_out, layout: RopeLayout,
+            num_warps: int | None = None):
     T, HQ, D = q.shape
     HK = k.shape[1]
     half = cos.shape[-1]
@@ -104,12 +137,15 @@ def _launch(q, k, v, key_cache, value_cache, cos, sin, slot_mapping, q_out, layo
     if bhq * block_d > 65536:
         raise GraphDSLError(f"rope_cache: {HQ} heads x head_dim {D} exceed one program's tile (65536 elements)")
     _, warps = launch_config(bhq * block_d, reduction=True)
+    warps = num_warps or min(warps, 8)
+    halves = layout is RopeLayout.NEOX and 2 * half == D
     if T == 0:
         return
     _rope_cache_kernel[(T,)](q, k, v, key_cache, value_cache, cos, sin, slot_mapping, q_out,
                              q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
                              cos.stride(0), HQ=HQ, HK=HK, D=D, HALF=half, GPTJ=layout is RopeLayout.GPTJ,
-                             BLOCK_HQ=bhq, BLOCK_HK=bhk, BLOCK_D=block_d, num_warps=min(warps, 8))
+                             HALVES=halves, BLOCK_HQ=bhq, BLOCK_HK=bhk, BLOCK_D=block_d,
+                             BLOCK_HALF=1 << math.ceil(math.log2(max(half, 1))), num_warps=warps)
 
 
 def rope_cache(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,

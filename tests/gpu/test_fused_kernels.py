@@ -54,8 +54,10 @@ def test_silu_mul(tokens):
     check(out, get_op("silu_mul").reference(x))
 
 
+@pytest.mark.parametrize("layout", ["NEOX", "GPTJ"])
 @pytest.mark.parametrize("tokens", TOKENS)
-def test_rope_cache(tokens):
+def test_rope_cache(tokens, layout):
+    from graphdsl.functional.attention import RopeLayout
     from graphdsl.opdef import get_op
     from graphdsl.runtime.codegen.ops import rope_cache
     block, nblocks = 16, (4096 // 16) + 8
@@ -70,9 +72,10 @@ def test_rope_cache(tokens):
     kc = torch.randn(nblocks, block, HK, D, device="cuda", dtype=torch.bfloat16)
     vc = torch.randn(nblocks, block, HK, D, device="cuda", dtype=torch.bfloat16)
     kc_ref, vc_ref = kc.clone(), vc.clone()
-    q_ref, _, _ = get_op("rope_cache").reference(q, k, v, kc_ref, vc_ref, cos, sin, slots)
+    lay = RopeLayout[layout]
+    q_ref, _, _ = get_op("rope_cache").reference(q, k, v, kc_ref, vc_ref, cos, sin, slots, layout=lay)
     q_out = torch.full_like(q, float("nan"))
-    rope_cache(q, k, v, kc, vc, cos, sin, slots, q_out=q_out)
+    rope_cache(q, k, v, kc, vc, cos, sin, slots, layout=lay, q_out=q_out)
     check(q_out, q_ref)
     check(kc, kc_ref)
     torch.testing.assert_close(vc, vc_ref, rtol=0, atol=0)
