@@ -26,7 +26,6 @@ from .canonicalize import CANONICALIZE_RULES
 from .constant_fold import declared_parameters, parameter_only_nodes
 from .cse import common_subexpression_elimination
 from .dce import dead_code_elimination
-from .fused_ops import FUSED_OPS
 from .generic_fusion import default_can_fuse, fuse_groups
 from .graph_edit import GraphEditor
 from .llm_fusions import ADD_RMS_NORM_RULES, MATMUL_EPILOGUE_RULES, ROPE_CACHE_RULES, SWIGLU_RULES
@@ -219,7 +218,3 @@ class PassManager:
         if d is not None:
             (d / "build_report.txt").write_text(str(report) + "\n")
         return report
-
-
-def fused_op_names() -> list[str]:
-    return sorted(FUSED_OPS)
