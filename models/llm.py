@@ -50,6 +50,7 @@ class _Seq:
     out_ids: list[int] = field(default_factory=list)
     text: str = ""
     finish_reason: str | None = None
+    stop_string_hit: bool = False
     decoder: object = None
 
     @property
@@ -294,19 +295,17 @@ class LLM:
                     hit = [s.text.find(x) for x in p.stop if x in s.text]
                     if hit:
                         s.text = s.text[:min(hit)]
-                        s.finish_reason = "stop"
+                        s.finish_reason, s.stop_string_hit = "stop", True
                 if not s.finish_reason and len(s.out_ids) >= s.max_new:
                     s.finish_reason = "length"
             yield s, tok
 
     def _output(self, s: _Seq) -> CompletionOutput:
+        """The finished request; text is the full decode unless a stop string cut it."""
         text = s.text
-        if self.tokenizer is not None and not (s.finish_reason == "stop" and s.params.stop and s.text != self._full_text(s)):
-            text = self._full_text(s)
+        if self.tokenizer is not None and not s.stop_string_hit:
+            text = self.tokenizer.decode(s.out_ids, skip_special_tokens=True)
         return CompletionOutput(s.prompt, s.prompt_ids, text, list(s.out_ids), s.finish_reason or "length")
-
-    def _full_text(self, s: _Seq) -> str:
-        return self.tokenizer.decode(s.out_ids, skip_special_tokens=True)
 
     def _tensor(self, values, dtype) -> torch.Tensor:
         return torch.tensor(values, dtype=dtype, device=self.device)
