@@ -1,7 +1,7 @@
 """GGUF checkpoints: metadata → HF config, tensors → HF parameter names, block dequantization.
 
 Reading goes through the ``gguf`` package's ``GGUFReader`` (memory-mapped); everything after the
-raw bytes is ours:
+raw bytes is ours, written in torch so the same code decodes on the CPU or on a GPU:
 
 - :func:`dequantize` turns the raw block bytes of one tensor into float32 (formats below);
 - :class:`GGUFCheckpoint` renames llama.cpp tensors to HF names (splitting stacked MoE experts
@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import os
 import re
+import warnings
 from typing import Any, Iterator
 
 import numpy as np
@@ -65,65 +66,68 @@ _BLOCKS = {
 SUPPORTED_QTYPES = tuple(_BLOCKS)
 
 
-def _f16(b: np.ndarray) -> np.ndarray:
-    """``[n, 2]`` uint8 → ``[n, 1]`` float32."""
-    return np.ascontiguousarray(b).view("<f2").astype(np.float32)
+# The decoders below take ``b``: a uint8 torch tensor ``[n_blocks, bytes_per_block]`` (CPU or
+# CUDA) and return float32 ``[n_blocks, values_per_block]``.
+
+def _f16(b: torch.Tensor) -> torch.Tensor:
+    """``[n, 2]`` bytes → ``[n, 1]`` float32."""
+    return b.contiguous().view(torch.float16).float()
 
 
-def _nibbles(qs: np.ndarray) -> np.ndarray:
+def _nibbles(qs: torch.Tensor) -> torch.Tensor:
     """``[n, 16]`` bytes → ``[n, 32]``: low nibbles then high nibbles."""
-    return np.concatenate([qs & 0x0F, qs >> 4], axis=1)
+    return torch.cat([qs & 0x0F, qs >> 4], dim=1)
 
 
 def _deq_q8_0(b):
-    return _f16(b[:, :2]) * b[:, 2:].view(np.int8).astype(np.float32)
+    return _f16(b[:, :2]) * b[:, 2:].contiguous().view(torch.int8).float()
 
 
 def _deq_q4_0(b):
-    return _f16(b[:, :2]) * (_nibbles(b[:, 2:]).astype(np.float32) - 8.0)
+    return _f16(b[:, :2]) * (_nibbles(b[:, 2:]).float() - 8.0)
 
 
 def _deq_q4_1(b):
-    return _f16(b[:, :2]) * _nibbles(b[:, 4:]).astype(np.float32) + _f16(b[:, 2:4])
+    return _f16(b[:, :2]) * _nibbles(b[:, 4:]).float() + _f16(b[:, 2:4])
 
 
-def _fifth_bits(qh_bytes: np.ndarray) -> np.ndarray:
-    """``[n, 4]`` bytes of a little-endian u32 → ``[n, 32]`` bits (bit j for value j)."""
-    qh = np.ascontiguousarray(qh_bytes).view("<u4")          # [n, 1]
-    return ((qh >> np.arange(32, dtype=np.uint32)) & 1).astype(np.uint8)
+def _fifth_bits(qh_bytes: torch.Tensor) -> torch.Tensor:
+    """``[n, 4]`` bytes of a little-endian u32 → ``[n, 32]`` bits (bit j for value j).
+    (Read as int32: an arithmetic shift still leaves bit 31 in place for ``& 1``.)"""
+    qh = qh_bytes.contiguous().view(torch.int32)                         # [n, 1]
+    shifts = torch.arange(32, dtype=torch.int32, device=qh.device)
+    return ((qh >> shifts) & 1).to(torch.uint8)
 
 
 def _deq_q5_0(b):
     q = _nibbles(b[:, 6:]) | (_fifth_bits(b[:, 2:6]) << 4)
-    return _f16(b[:, :2]) * (q.astype(np.float32) - 16.0)
+    return _f16(b[:, :2]) * (q.float() - 16.0)
 
 
 def _deq_q5_1(b):
     q = _nibbles(b[:, 8:]) | (_fifth_bits(b[:, 4:8]) << 4)
-    return _f16(b[:, :2]) * q.astype(np.float32) + _f16(b[:, 2:4])
+    return _f16(b[:, :2]) * q.float() + _f16(b[:, 2:4])
 
 
-def _k_scales(s: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """Unpack ``[n, 12]`` Q4_K/Q5_K scale bytes → 6-bit scales and mins, each ``[n, 8]``."""
-    sc = np.empty(s.shape[:1] + (8,), dtype=np.uint8)
-    mn = np.empty_like(sc)
-    sc[:, :4] = s[:, 0:4] & 63
-    mn[:, :4] = s[:, 4:8] & 63
-    sc[:, 4:] = (s[:, 8:12] & 0x0F) | ((s[:, 0:4] >> 6) << 4)
-    mn[:, 4:] = (s[:, 8:12] >> 4) | ((s[:, 4:8] >> 6) << 4)
-    return sc.astype(np.float32), mn.astype(np.float32)
+def _k_scales(s: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Unpack ``[n, 12]`` Q4_K/Q5_K scale bytes → 6-bit scales and mins, each ``[n, 8]``:
+    j < 4: ``s[j] & 63``, ``s[j+4] & 63``; j >= 4: low 4 bits from ``s[j+4]`` (low/high nibble),
+    high 2 bits from the top of ``s[j-4]`` / ``s[j]``."""
+    sc = torch.cat([s[:, 0:4] & 63, (s[:, 8:12] & 0x0F) | ((s[:, 0:4] >> 6) << 4)], dim=1)
+    mn = torch.cat([s[:, 4:8] & 63, (s[:, 8:12] >> 4) | ((s[:, 4:8] >> 6) << 4)], dim=1)
+    return sc.float(), mn.float()
 
 
 def _k_apply(d, dmin, sc, mn, q):
     """``q [n, 8, 32]`` with per-sub-block scale/min → ``[n, 256]``."""
-    y = (d * sc)[:, :, None] * q.astype(np.float32) - (dmin * mn)[:, :, None]
+    y = (d * sc)[:, :, None] * q.float() - (dmin * mn)[:, :, None]
     return y.reshape(q.shape[0], 256)
 
 
-def _k_low_high(qs: np.ndarray) -> np.ndarray:
+def _k_low_high(qs: torch.Tensor) -> torch.Tensor:
     """``[n, 128]`` bytes → ``[n, 8, 32]`` 4-bit values in sub-block order."""
     chunks = qs.reshape(-1, 4, 32)
-    return np.stack([chunks & 0x0F, chunks >> 4], axis=2).reshape(-1, 8, 32)
+    return torch.stack([chunks & 0x0F, chunks >> 4], dim=2).reshape(-1, 8, 32)
 
 
 def _deq_q4_k(b):
@@ -135,9 +139,9 @@ def _deq_q4_k(b):
 def _deq_q5_k(b):
     d, dmin = _f16(b[:, 0:2]), _f16(b[:, 2:4])
     sc, mn = _k_scales(b[:, 4:16])
-    qh = b[:, 16:48]                                            # [n, 32]
-    shifts = np.arange(8, dtype=np.uint8)                       # sub-block j reads bit j
-    high = (qh[:, None, :] >> shifts[None, :, None]) & 1        # [n, 8, 32]
+    qh = b[:, 16:48]                                                     # [n, 32]
+    shifts = torch.arange(8, dtype=torch.uint8, device=b.device)         # sub-block j reads bit j
+    high = (qh[:, None, :] >> shifts[None, :, None]) & 1                 # [n, 8, 32]
     q = _k_low_high(b[:, 48:176]) | (high << 4)
     return _k_apply(d, dmin, sc, mn, q)
 
@@ -146,24 +150,23 @@ def _deq_q6_k(b):
     n = b.shape[0]
     ql = b[:, 0:128].reshape(n, 2, 64)
     qh = b[:, 128:192].reshape(n, 2, 32)
-    sc = b[:, 192:208].view(np.int8).astype(np.float32).reshape(n, 2, 8)
-    d = _f16(b[:, 208:210]).reshape(n, 1, 1)
-    low = np.stack([ql[:, :, :32] & 0x0F, ql[:, :, 32:] & 0x0F,
-                    ql[:, :, :32] >> 4, ql[:, :, 32:] >> 4], axis=2)          # [n, 2, 4, 32]
-    high = np.stack([(qh >> (2 * k)) & 3 for k in range(4)], axis=2)          # [n, 2, 4, 32]
-    q = (low | (high << 4)).astype(np.float32) - 32.0
-    # scale index within the half: l // 16 + 2k  ->  [4, 2] table over (k, l // 16)
-    idx = (np.arange(4)[:, None] * 2 + np.arange(2)[None, :]).reshape(-1)    # [8]
-    s = sc[:, :, idx].reshape(n, 2, 4, 2, 1)
-    y = d[:, :, :, None, None] * s * q.reshape(n, 2, 4, 2, 16)
+    sc = b[:, 192:208].contiguous().view(torch.int8).float().reshape(n, 2, 8)
+    d = _f16(b[:, 208:210]).reshape(n, 1, 1, 1, 1)
+    low = torch.stack([ql[:, :, :32] & 0x0F, ql[:, :, 32:] & 0x0F,
+                       ql[:, :, :32] >> 4, ql[:, :, 32:] >> 4], dim=2)             # [n, 2, 4, 32]
+    high = torch.stack([(qh >> (2 * k)) & 3 for k in range(4)], dim=2)             # [n, 2, 4, 32]
+    q = (low | (high << 4)).float() - 32.0
+    # scale index within the half: 2k + l // 16, laid out over (k, l // 16)
+    s = sc.reshape(n, 2, 4, 2, 1)
+    y = d * s * q.reshape(n, 2, 4, 2, 16)
     return y.reshape(n, 256)
 
 
-def _crumbs(qs: np.ndarray) -> np.ndarray:
+def _crumbs(qs: torch.Tensor) -> torch.Tensor:
     """``[n, 64]`` Q2_K/Q3_K bytes → ``[n, 2, 4, 2, 16]`` 2-bit values indexed (half, shift j,
     sub, l): byte ``qs[32·half + 16·sub + l]``, bits ``2j..2j+1``; flattening gives value order."""
     q = qs.reshape(-1, 2, 1, 2, 16)
-    shifts = (2 * np.arange(4, dtype=np.uint8)).reshape(1, 1, 4, 1, 1)
+    shifts = (2 * torch.arange(4, dtype=torch.uint8, device=qs.device)).reshape(1, 1, 4, 1, 1)
     return (q >> shifts) & 3
 
 
@@ -171,34 +174,36 @@ def _deq_q2_k(b):
     n = b.shape[0]
     sc = b[:, 0:16]
     d, dmin = _f16(b[:, 80:82]), _f16(b[:, 82:84])
-    q = _crumbs(b[:, 16:80]).reshape(n, 16, 16).astype(np.float32)
-    scale = d * (sc & 0x0F).astype(np.float32)
-    mins = dmin * (sc >> 4).astype(np.float32)
+    q = _crumbs(b[:, 16:80]).reshape(n, 16, 16).float()
+    scale = d * (sc & 0x0F).float()
+    mins = dmin * (sc >> 4).float()
     return (scale[:, :, None] * q - mins[:, :, None]).reshape(n, 256)
 
 
-def _q3_k_scales(s: np.ndarray) -> np.ndarray:
+def _q3_k_scales(s: torch.Tensor) -> torch.Tensor:
     """``[n, 12]`` → ``[n, 16]`` signed 6-bit scales: low 4 bits from ``s[i]`` (i < 8) or
     ``s[i-8] >> 4``, high 2 bits ``(s[8 + i % 4] >> 2·(i // 4)) & 3``; minus 32."""
-    low = np.concatenate([s[:, 0:8] & 0x0F, s[:, 0:8] >> 4], axis=1)
-    hi_src = np.tile(s[:, 8:12], (1, 4))                                      # s[8 + i % 4]
-    hi_shift = (2 * (np.arange(16) // 4)).astype(np.uint8)
+    low = torch.cat([s[:, 0:8] & 0x0F, s[:, 0:8] >> 4], dim=1)
+    hi_src = s[:, 8:12].repeat(1, 4)                                     # s[8 + i % 4]
+    hi_shift = (2 * (torch.arange(16, device=s.device) // 4)).to(torch.uint8)
     high = (hi_src >> hi_shift) & 3
-    return (low | (high << 4)).astype(np.float32) - 32.0
+    return (low | (high << 4)).float() - 32.0
 
 
 def _deq_q3_k(b):
     n = b.shape[0]
-    hmask = b[:, 0:32].reshape(n, 1, 1, 2, 16)                                 # hm[16·sub + l]
-    bit = (4 * np.arange(2).reshape(1, 2, 1, 1, 1) + np.arange(4).reshape(1, 1, 4, 1, 1)).astype(np.uint8)
-    high = (hmask >> bit) & 1                                                  # [n, 2, 4, 2, 16]
-    q = _crumbs(b[:, 32:96]).astype(np.float32) - np.where(high == 1, 0.0, 4.0).astype(np.float32)
-    scale = _f16(b[:, 108:110]) * _q3_k_scales(b[:, 96:108])                  # [n, 16]
+    hmask = b[:, 0:32].reshape(n, 1, 1, 2, 16)                           # hm[16·sub + l]
+    bit = (4 * torch.arange(2, device=b.device).reshape(1, 2, 1, 1, 1)
+           + torch.arange(4, device=b.device).reshape(1, 1, 4, 1, 1)).to(torch.uint8)
+    high = (hmask >> bit) & 1                                            # [n, 2, 4, 2, 16]
+    q = _crumbs(b[:, 32:96]).float() - 4.0 * (1 - high).float()
+    scale = _f16(b[:, 108:110]) * _q3_k_scales(b[:, 96:108])             # [n, 16]
     return (scale[:, :, None] * q.reshape(n, 16, 16)).reshape(n, 256)
 
 
-_DEQUANT = {"Q2_K": _deq_q2_k, "Q3_K": _deq_q3_k, "Q8_0": _deq_q8_0, "Q4_0": _deq_q4_0, "Q4_1": _deq_q4_1, "Q5_0": _deq_q5_0,
-            "Q5_1": _deq_q5_1, "Q4_K": _deq_q4_k, "Q5_K": _deq_q5_k, "Q6_K": _deq_q6_k}
+_DEQUANT = {"Q8_0": _deq_q8_0, "Q4_0": _deq_q4_0, "Q4_1": _deq_q4_1, "Q5_0": _deq_q5_0,
+            "Q5_1": _deq_q5_1, "Q2_K": _deq_q2_k, "Q3_K": _deq_q3_k, "Q4_K": _deq_q4_k,
+            "Q5_K": _deq_q5_k, "Q6_K": _deq_q6_k}
 
 
 def _qtype_name(qtype) -> str:
@@ -209,11 +214,13 @@ def _qtype_name(qtype) -> str:
         raise GraphDSLError(f"unknown GGML tensor type {qtype!r}") from None
 
 
-def dequantize(data: np.ndarray, qtype, shape) -> torch.Tensor:
+def dequantize(data, qtype, shape, *, device: torch.device | str | None = None) -> torch.Tensor:
     """Raw GGML bytes of one tensor → float32 torch tensor of ``shape`` (numpy/HF order).
 
-    ``data``: any numpy array holding the tensor's bytes (uint8 block bytes, or the typed array
-    the reader returns for F32/F16); ``qtype``: a ``GGMLQuantizationType``, its int or name.
+    ``data``: a numpy array or torch tensor holding the tensor's bytes (uint8 block bytes, or
+    the typed array the reader returns for F32/F16); ``qtype``: a ``GGMLQuantizationType``, its
+    int or name. ``device``: where to decode (the raw bytes are copied there first, so a CUDA
+    device moves the small quantized bytes, not float32 weights); default: the CPU.
     """
     name = _qtype_name(qtype)
     if name not in _BLOCKS:
@@ -225,20 +232,27 @@ def dequantize(data: np.ndarray, qtype, shape) -> torch.Tensor:
     if numel % per_block:
         raise GraphDSLError(f"{name} tensor of shape {list(shape)} ({numel} values) is not a "
                             f"whole number of {per_block}-value blocks")
-    raw = np.ascontiguousarray(data).reshape(-1).view(np.uint8)
-    want = numel // per_block * nbytes
-    if raw.size != want:
-        raise GraphDSLError(f"{name} tensor of shape {list(shape)} needs {want} bytes, "
-                            f"got {raw.size}")
-    if name == "F32":
-        out = raw.view("<f4").astype(np.float32, copy=True)
-    elif name == "F16":
-        out = raw.view("<f2").astype(np.float32)
-    elif name == "BF16":
-        out = (raw.view("<u2").astype(np.uint32) << 16).view(np.float32)
+    if isinstance(data, torch.Tensor):
+        raw = data.detach().contiguous().reshape(-1).view(torch.uint8)
     else:
-        out = _DEQUANT[name](raw.reshape(-1, nbytes)).astype(np.float32, copy=False)
-    return torch.from_numpy(np.ascontiguousarray(out).reshape(shape))
+        with warnings.catch_warnings():  # a read-only memory map: we only ever read it
+            warnings.simplefilter("ignore", UserWarning)
+            raw = torch.from_numpy(np.ascontiguousarray(data).reshape(-1).view(np.uint8))
+    want = numel // per_block * nbytes
+    if raw.numel() != want:
+        raise GraphDSLError(f"{name} tensor of shape {list(shape)} needs {want} bytes, "
+                            f"got {raw.numel()}")
+    if device is not None:
+        raw = raw.to(device)
+    if name == "F32":
+        out = raw.view(torch.float32).clone()
+    elif name == "F16":
+        out = raw.view(torch.float16).float()
+    elif name == "BF16":
+        out = raw.view(torch.bfloat16).float()
+    else:
+        out = _DEQUANT[name](raw.reshape(-1, nbytes))
+    return out.reshape(shape)
 
 
 # --------------------------------------------------------------------------- architectures
@@ -431,12 +445,14 @@ class GGUFCheckpoint:
         return Tokenizer.from_gguf(self.metadata, source=self.path)
 
     # ------------------------------------------------------------------ tensors
-    def iter_tensors(self, dtype: torch.dtype = torch.float32) -> Iterator[tuple[str, torch.Tensor]]:
+    def iter_tensors(self, dtype: torch.dtype = torch.float32, *,
+                     device: torch.device | str | None = None) -> Iterator[tuple[str, torch.Tensor]]:
         """Yield ``(HF name, tensor)`` dequantized to ``dtype``, one tensor at a time.
 
         Stacked MoE expert tensors ``blk.{i}.ffn_{gate,up,down}_exps`` ``[E, ...]`` are yielded per
         expert as ``model.layers.{i}.mlp.experts.{e}.{gate,up,down}_proj.weight`` (the names of HF
-        checkpoints on disk).
+        checkpoints on disk). ``device``: decode there (e.g. ``"cuda"``: only the quantized
+        bytes cross PCIe, and the GPU does the unpacking); default: the CPU.
 
         Tensors without an HF mapping keep their GGUF name (so a weight check reports them);
         ``rope_freqs.weight`` (llama3 rope factors, not an HF parameter) is skipped.
@@ -455,7 +471,7 @@ class GGUFCheckpoint:
                                     f"{list(SUPPORTED_QTYPES)}")
             shape = tuple(int(s) for s in reversed(t.shape.tolist()))
             try:
-                w = dequantize(t.data, t.tensor_type, shape)
+                w = dequantize(t.data, t.tensor_type, shape, device=device)
             except GraphDSLError as e:
                 raise GraphDSLError(f"{self.path!r}: tensor {name!r}: {e}") from None
             except Exception as e:  # an I/O error from the memory map of a damaged file

@@ -56,6 +56,14 @@ def test_dequantize_matches_gguf_py(name):
         assert np.abs(ours.numpy() - x).max() < (0.05 if name == "Q8_0" else 0.02) * np.abs(x).max()
 
 
+def test_dequantize_accepts_torch_bytes():
+    x = np.random.default_rng(2).standard_normal((2, 256)).astype(np.float32)
+    data = gguf.quants.quantize(x, Q.Q4_0)
+    a = dequantize(data, Q.Q4_0, (2, 256))
+    b = dequantize(torch.from_numpy(data.copy()), Q.Q4_0, (2, 256), device="cpu")
+    assert torch.equal(a, b)
+
+
 def test_dequantize_accepts_int_and_name_qtypes():
     x = np.random.default_rng(0).standard_normal((2, 64)).astype(np.float32)
     data = gguf.quants.quantize(x, Q.Q8_0)
