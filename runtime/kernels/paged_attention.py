@@ -357,11 +357,12 @@ class _Config(NamedTuple):
 
 def _pick_config(head_dim: int, group_pad: int, *, decode: bool) -> _Config:
     """The one tile heuristic of both kernels (from ``benchmarks/attention.py --sweep`` on an H200,
-    32/8 heads, head_dim 128, bf16). Prefill: 64 rows x 64 keys, 4 warps, 3 stages (240 TFLOP/s at
-    2048 tokens, vs 204 for 128x64/8 warps/2 stages); head_dim 256 takes 32 keys and 8 warps so
-    the float32 accumulator stays in registers; the tile grows to hold at least one query's whole
-    group. Decode: 64 keys per step (32 for head_dim 256), 4 warps, 2 stages (within 3% of the best
-    swept config at batch 8 and 64, context 4096), rows = the group padded to >= 16."""
+    32/8 heads, head_dim 128, bf16). Prefill: 64 rows x 64 keys, 4 warps, 3 stages (275 TFLOP/s
+    causal at 2048 tokens; 128x64/8 warps 268, 128x128/8 warps 275, 64x32 210); head_dim 256 takes
+    32 keys and 8 warps so the float32 accumulator stays in registers; the tile grows to hold at
+    least one query's whole group. Decode: 64 keys per step (32 for head_dim 256), 4 warps,
+    2 stages (within 6% of the best swept config at batch 1/8/64, context 4096), rows = the group
+    padded to >= 16 (``tl.dot``'s smallest M)."""
     big = head_dim > 128
     if decode:
         return _Config(block_m=max(16, group_pad), block_n=32 if big else 64, num_warps=4, num_stages=2)
