@@ -49,13 +49,28 @@ def test_config_and_tokenizer_from_gguf_metadata(llm):
     assert "<|im_start|>user" in llm.tokenizer.apply_chat_template([{"role": "user", "content": "hi"}])
 
 
+def _transformers_from_gguf(gguf_path):
+    """transformers' own GGUF loading of the file: ``from_pretrained(..., gguf_file=...)``, which
+    needs ``accelerate``; without it, the same conversion (transformers' ``load_gguf_checkpoint``:
+    its name map, q/k un-permutation and dequantization) loaded into ``from_config``."""
+    import importlib.util
+
+    from transformers import AutoConfig, AutoModelForCausalLM
+    folder, name = os.path.dirname(gguf_path), os.path.basename(gguf_path)
+    if importlib.util.find_spec("accelerate") is not None:
+        return AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.float32).eval()
+    from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
+    model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(folder, gguf_file=name),
+                                             dtype=torch.float32).eval()
+    tensors = load_gguf_checkpoint(gguf_path, return_tensors=True, model_to_load=model)["tensors"]
+    missing, unexpected = model.load_state_dict(tensors, strict=False)
+    assert set(missing) <= {"lm_head.weight"} and not unexpected, (missing, unexpected)
+    model.tie_weights()
+    return model
+
+
 def test_logits_match_transformers_loading_the_same_gguf(llm, gguf_path):
-    why = _ensure("accelerate", "accelerate")   # transformers needs it to read GGUF files
-    if why:
-        pytest.skip(f"transformers cannot load GGUF without accelerate: {why}")
-    from transformers import AutoModelForCausalLM
-    hf = AutoModelForCausalLM.from_pretrained(os.path.dirname(gguf_path), gguf_file=os.path.basename(gguf_path),
-                                              dtype=torch.float32).eval()
+    hf = _transformers_from_gguf(gguf_path)
     ids = llm.tokenizer.encode("The capital of France is")
     with torch.no_grad():
         ref = hf(torch.tensor([ids])).logits[0].float()
@@ -63,6 +78,7 @@ def test_logits_match_transformers_loading_the_same_gguf(llm, gguf_path):
     err = (ours - ref).abs().max().item()
     assert err <= 1e-4 * ref.abs().max().item(), err
     assert ours[-1].argmax() == ref[-1].argmax()
+    assert llm.tokenizer.decode([int(ours[-1].argmax())]).strip() == "Paris"
 
 
 def test_chat_answer_names_paris(llm):
