@@ -84,7 +84,8 @@ class LLM:
                  tensor_parallel_size: int = 1, progress: bool = False):
         if tensor_parallel_size != 1:
             raise GraphDSLError(f"tensor_parallel_size must be 1 for now, got {tensor_parallel_size!r}")
-        for name, v in (("max_num_seqs", max_num_seqs), ("block_size", block_size)):
+        for name, v in (("max_num_seqs", max_num_seqs), ("block_size", block_size),
+                        ("max_model_len", 1 if max_model_len is None else max_model_len)):
             if isinstance(v, bool) or not isinstance(v, int) or v < 1:
                 raise GraphDSLError(f"LLM: {name} must be a positive int, got {v!r}")
         if custom_module_map is not None:
@@ -103,6 +104,9 @@ class LLM:
         else:
             raise GraphDSLError(f"model {path!r} is neither a model directory nor a .gguf file")
         self.config: ModelConfig = build_config(hf)
+        if max_model_len is not None and max_model_len > self.config.max_position_embeddings:
+            raise GraphDSLError(f"LLM: max_model_len={max_model_len} exceeds the model's max_position_embeddings="
+                                f"{self.config.max_position_embeddings}")
         self.dtype = _pick_dtype(dtype, self.device, self.config)
         cls = resolve_model_class(self.config.model_type, self.config.architectures)
         self.model: FlashCausalLM = cls(self.config, self.dtype)
@@ -112,8 +116,6 @@ class LLM:
 
         cfg = self.config
         self.max_model_len = max_model_len or min(cfg.max_position_embeddings, 2048)
-        if isinstance(self.max_model_len, bool) or not isinstance(self.max_model_len, int) or self.max_model_len < 1:
-            raise GraphDSLError(f"LLM: max_model_len must be a positive int, got {max_model_len!r}")
         self.max_num_seqs, self.block_size = max_num_seqs, block_size
         if kv_cache_memory_fraction is not None:
             num_blocks = PagedKVCache.blocks_for_memory(kv_cache_memory_fraction, cfg.num_hidden_layers,

@@ -150,6 +150,10 @@ def test_bad_llm_arguments(ckpt):
         gd.LLM(ckpt, device="cpu", dtype="int8")
     with pytest.raises(GraphDSLError, match="max_num_seqs must be a positive int, got 0"):
         gd.LLM(ckpt, device="cpu", max_num_seqs=0)
+    with pytest.raises(GraphDSLError, match="max_model_len must be a positive int, got -4"):
+        gd.LLM(ckpt, device="cpu", max_model_len=-4)
+    with pytest.raises(GraphDSLError, match="max_model_len=4096 exceeds the model's max_position_embeddings=256"):
+        gd.LLM(ckpt, device="cpu", max_model_len=4096)
     with pytest.raises(GraphDSLError, match="neither a model directory nor a .gguf file"):
         gd.LLM(str(ckpt / "nothing-here"), device="cpu")
 
