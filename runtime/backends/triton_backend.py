@@ -162,10 +162,14 @@ def _silu_mul(be: TritonBackend, node, ins, attrs, dsts):
 
 
 def _rope_cache(be: TritonBackend, node, ins, attrs, dsts):
-    from ..codegen.rope_cache import rope_cache
-    q, k, v, kc, vc, cos, sin, slots = ins
-    q_out, kc, vc = rope_cache(q, k, v, kc, vc, cos, sin, slots, layout=attrs["layout"], q_out=dsts[0])
-    return [q_out, kc, vc]
+    from ..codegen.rope_cache import prepare_rope_cache
+    operands = list(ins) + [dsts[0]]
+    key = (node, attrs["layout"], tuple((tuple(x.shape), x.stride(), x.dtype) for x in operands))
+    kernel = be._prepared.get(key)
+    if kernel is None:
+        kernel = be._prepared[key] = prepare_rope_cache(*operands, attrs["layout"])
+    kernel(*operands)
+    return [dsts[0], ins[3], ins[4]]
 
 
 def _operands(ins, attrs):

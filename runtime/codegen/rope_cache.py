@@ -6,6 +6,7 @@ One program handles one token: all its query heads, then all its key/value heads
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import torch
 import triton
@@ -16,7 +17,7 @@ from graphdsl.functional.attention import RopeLayout
 
 from .fused import launch_config
 
-__all__ = ["rope_cache"]
+__all__ = ["rope_cache", "prepare_rope_cache", "RopeCacheKernel"]
 
 
 @triton.jit
@@ -116,8 +117,23 @@ def _rope_cache_pairs(q_ptr, k_ptr, kc_ptr, cos_ptr, sin_ptr, qo_ptr, t, slot, q
     tl.store(kc_ptr + slot * (HK * D) + hk[:, None] * D + d[None, :], kr.to(kc_ptr.dtype.element_ty), mask=mk)
 
 
-def _launch(q, k, v, key_cache, value_cache, cos, sin, slot_mapping, q_out, layout: RopeLayout,
-            num_warps: int | None = None):
+@dataclass
+class RopeCacheKernel:
+    """A validated launch of :func:`_rope_cache_kernel` for one operand signature (reuse it per call)."""
+
+    grid: tuple
+    strides: tuple
+    meta: dict
+
+    def __call__(self, q, k, v, key_cache, value_cache, cos, sin, slot_mapping, q_out) -> None:
+        if self.grid[0]:
+            _rope_cache_kernel[self.grid](q, k, v, key_cache, value_cache, cos, sin, slot_mapping, q_out,
+                                          *self.strides, **self.meta)
+
+
+def prepare_rope_cache(q, k, v, key_cache, value_cache, cos, sin, slot_mapping, q_out, layout: RopeLayout,
+                       num_warps: int | None = None) -> RopeCacheKernel:
+    """Check the operands and pick the launch (tile sizes from the shapes, warps from the shared heuristic)."""
     T, HQ, D = q.shape
     HK = k.shape[1]
     half = cos.shape[-1]
@@ -137,15 +153,17 @@ def _launch(q, k, v, key_cache, value_cache, cos, sin, slot_mapping, q_out, layo
     if bhq * block_d > 65536:
         raise GraphDSLError(f"rope_cache: {HQ} heads x head_dim {D} exceed one program's tile (65536 elements)")
     _, warps = launch_config(bhq * block_d, reduction=True)
-    warps = num_warps or min(warps, 8)
-    halves = layout is RopeLayout.NEOX and 2 * half == D
-    if T == 0:
-        return
-    _rope_cache_kernel[(T,)](q, k, v, key_cache, value_cache, cos, sin, slot_mapping, q_out,
-                             q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
-                             cos.stride(0), HQ=HQ, HK=HK, D=D, HALF=half, GPTJ=layout is RopeLayout.GPTJ,
-                             HALVES=halves, BLOCK_HQ=bhq, BLOCK_HK=bhk, BLOCK_D=block_d,
-                             BLOCK_HALF=1 << math.ceil(math.log2(max(half, 1))), num_warps=warps)
+    meta = dict(HQ=HQ, HK=HK, D=D, HALF=half, GPTJ=layout is RopeLayout.GPTJ,
+                HALVES=layout is RopeLayout.NEOX and 2 * half == D, BLOCK_HQ=bhq, BLOCK_HK=bhk, BLOCK_D=block_d,
+                BLOCK_HALF=1 << math.ceil(math.log2(max(half, 1))), num_warps=num_warps or min(warps, 8))
+    strides = (q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), cos.stride(0))
+    return RopeCacheKernel((T,), strides, meta)
+
+
+def _launch(q, k, v, key_cache, value_cache, cos, sin, slot_mapping, q_out, layout: RopeLayout,
+            num_warps: int | None = None) -> None:
+    prepare_rope_cache(q, k, v, key_cache, value_cache, cos, sin, slot_mapping, q_out, layout, num_warps)(
+        q, k, v, key_cache, value_cache, cos, sin, slot_mapping, q_out)
 
 
 def rope_cache(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
