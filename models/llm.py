@@ -110,7 +110,7 @@ class LLM:
         self.dtype = _pick_dtype(dtype, self.device, self.config)
         cls = resolve_model_class(self.config.model_type, self.config.architectures)
         self.model: FlashCausalLM = cls(self.config, self.dtype)
-        tensors = ckpt.iter_tensors(self.dtype) if self.gguf else _iter_dir(path, self.dtype)
+        tensors = ckpt.iter_tensors(self.dtype, device=self.device) if self.gguf else _iter_dir(path, self.dtype)
         weights = load_weights(self.model, tensors, device=self.device, dtype=self.dtype, progress=progress)
         self.tokenizer = _load_tokenizer(ckpt if self.gguf else None, path)
 
