@@ -18,6 +18,7 @@ FAMILIES = {
     "llama-tied": ("llama", {"tie_word_embeddings": True}),
     "mistral-sliding-window": ("mistral", {}),
     "qwen2": ("qwen2", {}),
+    "qwen2-sliding-window-layers": ("qwen2", {"use_sliding_window": True, "sliding_window": 6, "max_window_layers": 1}),
     "qwen3": ("qwen3", {}),
     "qwen2_moe": ("qwen2_moe", {}),
     "qwen3_moe-renormalised-with-dense-layer": ("qwen3_moe", {}),
