@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import itertools
 import os
-import sys
 from dataclasses import dataclass, field
 from typing import Iterable, Iterator, Sequence
 

@@ -2,7 +2,6 @@
 matrices, a byte-level BPE vocabulary and a chat template) must score and greedy-decode like the
 transformers model it came from, with its config and tokenizer read from the GGUF metadata."""
 import pytest
-import torch
 
 import graphdsl as gd
 from tests.models.gguf_tiny import build_tiny_gguf, vocabulary

@@ -1,5 +1,4 @@
 """Layers against plain-torch / transformers references, through a built engine."""
-import math
 
 import pytest
 import torch

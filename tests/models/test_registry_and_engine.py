@@ -3,7 +3,6 @@ import json
 import textwrap
 
 import pytest
-import torch
 
 import graphdsl as gd
 from graphdsl.errors import GraphDSLError
