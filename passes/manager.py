@@ -28,6 +28,7 @@ from .cse import common_subexpression_elimination
 from .dce import dead_code_elimination
 from .generic_fusion import default_can_fuse, fuse_groups
 from .graph_edit import GraphEditor
+from .horizontal import merge_projections
 from .llm_fusions import ADD_RMS_NORM_RULES, MATMUL_EPILOGUE_RULES, ROPE_CACHE_RULES, SWIGLU_RULES
 from .rewriter import NearMiss, Rule, apply_rules
 
@@ -80,12 +81,12 @@ class BuildReport:
         return sum(r.seconds for r in self.records)
 
     def __str__(self) -> str:
-        lines = [f"{'#':>2}  {'pass':<16} {'ms':>9}  {'nodes':>13}  what happened"]
+        lines = [f"{'#':>2}  {'pass':<18} {'ms':>9}  {'nodes':>13}  what happened"]
         for i, r in enumerate(self.records, 1):
             nodes = f"{r.nodes_before:>5} -> {r.nodes_after:<5}" if r.enabled else f"{'':>13}"
-            lines.append(f"{i:>2}  {r.name:<16} {r.seconds * 1e3:>9.1f}  {nodes}  "
+            lines.append(f"{i:>2}  {r.name:<18} {r.seconds * 1e3:>9.1f}  {nodes}  "
                          + (r.detail if r.enabled else "disabled" + (f" ({r.detail})" if r.detail else "")))
-        lines.append(f"    {'total':<16} {self.seconds * 1e3:>9.1f}")
+        lines.append(f"    {'total':<18} {self.seconds * 1e3:>9.1f}")
         return "\n".join(lines)
 
 
@@ -108,6 +109,11 @@ def _constant_fold(ed: GraphEditor, ctx: PassContext) -> str:
     return f"{len(nodes)} parameter-only nodes, folded when weights are bound"
 
 
+def _merge_projections(ed: GraphEditor, ctx: PassContext) -> str:
+    merged = merge_projections(ed)
+    return ", ".join(f"{n} matmuls at {name}" for name, n in merged) or "no shared-input projections"
+
+
 def _generic(ed: GraphEditor, ctx: PassContext) -> str:
     made, misses = fuse_groups(ed, ctx.can_fuse, ctx.parameter_only)
     ctx.near_misses.extend(misses)
@@ -126,6 +132,8 @@ PIPELINE: list[PassSpec] = [
     PassSpec("cse", "merge nodes computing the same op on the same inputs", fn=_cse),
     PassSpec("canonicalize", "transposes into matmul flags; no-op casts, reshapes, permutes out",
              rules=CANONICALIZE_RULES, report_misses=False),
+    PassSpec("merge_projections", "matmuls of one input by several weights -> one matmul by the concatenated "
+             "weights + split (q/k/v, gate/up)", fn=_merge_projections),
     PassSpec("constant_fold", "mark parameter-only subgraphs; the engine folds them at set_weights",
              fn=_constant_fold),
     PassSpec("rope_cache", "rope(q, k) + KV-cache write -> rope_cache", rules=ROPE_CACHE_RULES),
