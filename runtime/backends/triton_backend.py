@@ -78,14 +78,12 @@ class TritonBackend:
         nodes = getattr(net_or_nodes, "nodes", net_or_nodes)
         return sum(1 for n in nodes if n.category is not OpCategory.VIEW)
 
-    def fused_groups(self, nodes) -> int:
-        return sum(1 for n in nodes if n.op in ("fused", "add_rms_norm", "silu_mul", "rope_cache", "matmul_add"))
-
     # -- run -----------------------------------------------------------------------------------
     def run(self, nodes, values: dict, attrs: dict, storage: dict) -> None:
         for node in nodes:
             ins = [values[t] for t in node.inputs]
-            if ins and ins[0].device.type == "cpu" and not _interpreting() and _needs_triton(node):
+            if (ins and ins[0].device.type == "cpu" and not _interpreting()
+                    and (node.op in _LOWERINGS or self._lone_fusable(node))):
                 raise GraphDSLError(f"backend 'triton' runs on CUDA, or on CPU with TRITON_INTERPRET=1; node "
                                     f"'{node.name}' ({node.op}) got CPU tensors (use backend='torch' on CPU)")
             lower = _LOWERINGS.get(node.op)
@@ -124,10 +122,6 @@ class TritonBackend:
             hit = self._prepared[key] = prepare_fused(program, outputs, ins, dsts)
             self.sources[node.name] = hit[0].source
         return hit
-
-
-def _needs_triton(node) -> bool:
-    return node.op in _LOWERINGS or node.category in (OpCategory.POINTWISE, OpCategory.REDUCTION)
 
 
 def _single(be: TritonBackend, node, ins, attrs, dsts):

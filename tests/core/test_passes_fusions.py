@@ -354,3 +354,14 @@ def test_projections_of_different_inputs_or_flags_stay_apart():
         net.mark_output(c, "c")
     work, _ = optimise(net, passes=["merge_projections"])
     assert ops_of(work) == ["matmul", "matmul", "matmul", "add"]
+
+
+def test_triton_backend_on_cpu_without_interpreter_says_what_to_do(monkeypatch):
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    with Network("p") as net:
+        x = Tensor("x", (2, 4), torch.float32)
+        net.mark_output(F.exp(x) + 1.0, "y")
+    eng = net.build_engine(backend="triton")
+    with pytest.raises(Exception, match=r"backend 'triton' runs on CUDA, or on CPU with TRITON_INTERPRET=1; "
+                                         r"node 'fused_\d+' \(fused\) got CPU tensors"):
+        eng.forward({"x": torch.randn(2, 4)})
