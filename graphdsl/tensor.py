@@ -129,7 +129,7 @@ class Tensor:
     def squeeze(self, dim: int): return F.squeeze(self, dim)
     def expand(self, *shape): return F.expand(self, _varargs(shape))
     def contiguous(self): return self
-    def to(self, dtype): return F.cast(self, dtype)
+    def to(self, dtype): return F.cast(self, dtype)   # a dtype, a name, or a tensor to follow
     def float(self): return F.cast(self, torch.float32)
     def half(self): return F.cast(self, torch.float16)
     def bfloat16(self): return F.cast(self, torch.bfloat16)

@@ -43,7 +43,7 @@ class FusedExperts(Module):
     def forward(self, x, routing):
         h = F.activation(F.matmul(x, self.gate_up_proj, transpose_b=True), self.act)   # [E, T, I]
         y = F.matmul(h, self.down_proj, transpose_b=True)                               # [E, T, H]
-        w = routing.permute(1, 0).unsqueeze(-1).to(y.dtype)                             # [E, T, 1]
+        w = routing.permute(1, 0).unsqueeze(-1).to(y)                             # [E, T, 1]
         return (y * w).sum(0)
 
     def checkpoint_slots(self):

@@ -133,7 +133,7 @@ def _epilogue_replacement(a, b, c, *, ta, tb):
 def _epilogue_check(m):
     a, b, c = m.inputs["a"], m.inputs["b"], m.inputs["c"]
     prod = m.node("matmul").outputs[0]
-    if a.shape is None or b.shape is None or c.shape is None:
+    if a.shape is None or b.shape is None or c.shape is None or prod.shape is None:
         return "shape: unknown while building"
     if len(a.shape) != 2 or len(b.shape) != 2:
         return f"shape: only 2-D GEMMs take an epilogue here, got {a.shape} @ {b.shape}"

@@ -151,8 +151,26 @@ def _cast(x, *, dtype=torch.float32):
     return x.to(to_dtype(dtype))
 
 
+def _cast_like_rule(x: Spec, like: Spec):
+    return Spec(x.shape, like.dtype)
+
+
+@register_op("cast_like", category=P, shape=_cast_like_rule)
+def _cast_like(x, like):
+    """x converted to ``like``'s dtype (known only when the engine specialises)"""
+    return x.to(like.dtype)
+
+
 def cast(x, dtype):
-    """x converted to ``dtype`` (a torch dtype or a name such as ``"bfloat16"``)."""
+    """x converted to ``dtype``: a torch dtype, a name such as ``"bfloat16"``, or another tensor
+    (its dtype, which may be unknown while recording)."""
+    from ..tensor import Tensor
+    if isinstance(dtype, Tensor):
+        return _cast(x, dtype=dtype.dtype) if dtype.dtype is not None else _cast_like(x, dtype)
+    if dtype is None:
+        from ..errors import GraphDSLError
+        raise GraphDSLError("cast: dtype must be a torch dtype or a name such as 'bfloat16', got None; to follow "
+                            "a tensor whose dtype is not known while recording, pass the tensor: x.to(y)")
     return _cast(x, dtype=to_dtype(dtype, "cast dtype"))
 
 

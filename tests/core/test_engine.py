@@ -156,3 +156,34 @@ def test_reference_that_breaks_its_shape_rule_is_caught():
         net.mark_output(F.exp(liar(Tensor("x", (3,), "float32"))), "y")
     with pytest.raises(GraphDSLError, match=r"node '\w+' \(\w+ at .*test_engine.py:\d+\): the op's torch reference returned \[3\] torch.float64 but its shape rule promised \[3\] torch.float32"):
         net.build_engine().forward({"x": torch.ones(3)})
+
+
+def test_cast_to_a_tensor_whose_dtype_is_known_only_at_run_time():
+    import graphdsl as gd
+    w = gd.Parameter((4, 3), name="w")                       # dtype adopted from the bound weight
+    with Network() as net:
+        x = Tensor("x", (2, 4), "float32")
+        y = F.matmul(x.to(w), w)                              # cast_like: w's dtype is unknown here
+        net.mark_output(y, "y")
+    assert [n.op for n in net.nodes] == ["cast_like", "matmul"]
+    eng = net.build_engine()
+    wt = torch.randn(4, 3, dtype=torch.float64)
+    xs = torch.randn(2, 4)
+    out = eng.forward({"x": xs, "w": wt})["y"]
+    assert out.dtype == torch.float64
+    torch.testing.assert_close(out, xs.double() @ wt)
+    with pytest.raises(GraphDSLError, match=r"cast: dtype must be a torch dtype .* got None; .* pass the tensor: x.to\(y\)"):
+        with Network():
+            Tensor("x", (2,), "float32").to(None)
+
+
+def test_dtype_less_parameters_build_and_run():
+    """Layers whose Parameters carry no dtype (bound weights decide) build through every pass."""
+    from graphdsl.layers import ColumnParallelLinear, MoE
+    for layer in (ColumnParallelLinear(16, 8, bias=True),
+                  MoE(16, 4, 2, 8, shared_intermediate_size=8, shared_expert_gate=True)):
+        with Network() as net:
+            net.mark_output(layer(Tensor("x", (3, 16), "float32")), "y")
+        eng = net.build_engine()
+        eng.set_weights({n: torch.randn(p.shape) for n, p in layer.named_parameters()})
+        assert torch.isfinite(eng.forward({"x": torch.randn(3, 16)})["y"]).all()
