@@ -293,6 +293,16 @@ def _compile_template(source: str):
 
 # ---------------------------------------------------------------------- GGUF vocabularies
 
+def _with_added_tokens(backend, tokens: list[str], types: list[int]):
+    """Register the vocabulary's control and user-defined tokens on ``backend``; return it."""
+    special, user = _added_tokens(tokens, types)
+    if special:
+        backend.add_special_tokens(special)
+    if user:
+        backend.add_tokens(user)
+    return backend
+
+
 def _added_tokens(tokens: list[str], types: list[int], keep=lambda t: True):
     from tokenizers import AddedToken
 
@@ -330,12 +340,7 @@ def _gguf_bpe(metadata: dict, tokens: list[str], types: list[int], source: str):
         [pre_tokenizers.Split(Regex(s), behavior="isolated") for s in splits]
         + [pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
     backend.decoder = decoders.ByteLevel()
-    special, user = _added_tokens(tokens, types)
-    if special:
-        backend.add_special_tokens(special)
-    if user:
-        backend.add_tokens(user)
-    return backend
+    return _with_added_tokens(backend, tokens, types)
 
 
 def _gguf_spm(metadata: dict, tokens: list[str], types: list[int], source: str):
@@ -370,12 +375,7 @@ def _gguf_spm(metadata: dict, tokens: list[str], types: list[int], source: str):
     if prefix:
         steps.append(decoders.Strip(" ", 1, 0))
     backend.decoder = decoders.Sequence(steps)
-    special, user = _added_tokens(tokens, types)
-    if special:
-        backend.add_special_tokens(special)
-    if user:
-        backend.add_tokens(user)
-    return backend
+    return _with_added_tokens(backend, tokens, types)
 
 
 # ---------------------------------------------------------------------- streaming
