@@ -1,15 +1,18 @@
 """``graphdsl.LLM``: load a checkpoint (HF directory or GGUF file), score and generate.
 
-The loop is deliberately small (gpt-fast / nano-vLLM shape): sequences are admitted while their
-whole budget (prompt + max_tokens) fits in the paged KV cache, prefilled together in one packed
-step, then decoded one token per sequence per step until each stops. Engines come from the
-model's ``@to_engine`` entry points; everything else here is host bookkeeping.
+Requests run through :class:`graphdsl.runtime.scheduler.Scheduler` (continuous batching): every
+step packs decode tokens of running requests and chunks of waiting prompts into one token budget
+(``max_num_batched_tokens``), admits requests while free KV blocks allow, and preempts the newest
+request (to recompute later) when the pool runs dry. A step of one new token per request runs the
+model's decode engine; any other step runs the prefill engine. Tokens are sampled on the model's
+device; this layer turns them into text and ends a request when a stop string appears.
+Engines come from the model's ``@to_engine`` entry points; everything else here is host bookkeeping.
 """
 from __future__ import annotations
 
 import itertools
 import os
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Iterable, Iterator, Sequence
 
 import torch
@@ -17,7 +20,8 @@ import torch
 from graphdsl.errors import GraphDSLError
 from graphdsl.layers import Phase
 from graphdsl.runtime.kv_cache import BlockManager, PagedKVCache
-from graphdsl.runtime.sampling import SamplingParams, make_generator, sample
+from graphdsl.runtime.sampling import SamplingParams
+from graphdsl.runtime.scheduler import Request, RequestStatus, Scheduler, StepBatch, run_steps
 
 from .base import FlashCausalLM
 from .config import ModelConfig, build_config, read_hf_config
@@ -38,23 +42,25 @@ class CompletionOutput:
     finish_reason: str
 
 
-@dataclass
+@dataclass(eq=False)
 class _Seq:
-    id: int
+    """What the LLM layer adds to a scheduler :class:`Request`: the prompt text and the streamed text."""
+
     prompt: str | None
     prompt_ids: list[int]
     params: SamplingParams
-    max_new: int
-    generator: torch.Generator | None
-    out_ids: list[int] = field(default_factory=list)
-    text: str = ""
-    finish_reason: str | None = None
-    stop_string_hit: bool = False
     decoder: object = None
+    text: str = ""
+    stop_string_hit: bool = False
+    req: Request | None = None
 
     @property
-    def all_ids(self) -> list[int]:
-        return self.prompt_ids + self.out_ids
+    def out_ids(self) -> list[int]:
+        return self.req.output_ids if self.req is not None else []
+
+    @property
+    def finish_reason(self) -> str | None:
+        return self.req.finish_reason if self.req is not None else None
 
 
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
@@ -69,30 +75,35 @@ class LLM:
         dtype: ``"float32"``, ``"float16"``, ``"bfloat16"`` or a torch dtype; default float32 on
             CPU, the checkpoint's dtype on CUDA.
         max_model_len: longest sequence (prompt + output); default ``min(max_position_embeddings, 2048)``.
-        max_num_seqs: sequences decoded together; with ``max_model_len`` it sizes the KV cache.
+        max_num_seqs: requests running together; with ``max_model_len`` it sizes the KV cache.
+        max_num_batched_tokens: tokens one model step may hold (decode tokens plus prompt chunks;
+            longer prompts are prefilled in chunks); default 2048.
         kv_cache_memory_fraction: size the cache from this fraction of free device memory instead.
+        num_kv_blocks: exactly this many KV-cache blocks (overrides both sizings above; a small
+            pool makes the scheduler preempt, which tests use).
         block_size: tokens per KV-cache block.
         custom_module_map: a ``.py`` file registering extra or replacement models.
         tensor_parallel_size: only 1 for now.
         progress: print loading progress on stderr.
+        cuda_graphs: replay decode steps through CUDA graphs on CUDA (``False``, or the environment
+            variable ``GRAPHDSL_CUDA_GRAPHS=0``, runs them eagerly, for debugging).
+
+    ``num_preemptions`` counts requests pushed out of the KV cache (and recomputed later) so far.
     """
 
     def __init__(self, model: str | os.PathLike, *, device: str | torch.device | None = None, dtype=None,
-                 max_model_len: int | None = None, max_num_seqs: int = 4, kv_cache_memory_fraction: float | None = None,
-                 block_size: int = 16, custom_module_map: str | os.PathLike | None = None,
-                 tensor_parallel_size: int = 1, progress: bool = False):
-        if tensor_parallel_size != 1:
-            raise GraphDSLError(f"tensor_parallel_size must be 1 for now, got {tensor_parallel_size!r}")
-        for name, v in (("max_num_seqs", max_num_seqs), ("block_size", block_size),
-                        ("max_model_len", 1 if max_model_len is None else max_model_len)):
-            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
-                raise GraphDSLError(f"LLM: {name} must be a positive int, got {v!r}")
+                 max_model_len: int | None = None, max_num_seqs: int = 4, max_num_batched_tokens: int | None = None,
+                 kv_cache_memory_fraction: float | None = None, num_kv_blocks: int | None = None, block_size: int = 16,
+                 custom_module_map: str | os.PathLike | None = None, tensor_parallel_size: int = 1,
+                 progress: bool = False, cuda_graphs: bool = True):
+        _check_sizes(tensor_parallel_size, max_num_seqs, block_size, max_model_len, max_num_batched_tokens,
+                     num_kv_blocks)
         if custom_module_map is not None:
             load_custom_module_map(custom_module_map)
         path = os.fspath(model)
-        self.device = torch.device(device if device is not None else ("cuda" if torch.cuda.is_available() else "cpu"))
-        self.gguf = path.endswith(".gguf")
-        if self.gguf:
+        device = torch.device(device if device is not None else ("cuda" if torch.cuda.is_available() else "cpu"))
+        gguf = path.endswith(".gguf")
+        if gguf:
             from graphdsl.runtime.gguf import GGUFCheckpoint
             if not os.path.isfile(path):
                 raise GraphDSLError(f"GGUF file {path!r} does not exist")
@@ -102,34 +113,78 @@ class LLM:
             hf = read_hf_config(path)
         else:
             raise GraphDSLError(f"model {path!r} is neither a model directory nor a .gguf file")
-        self.config: ModelConfig = build_config(hf)
-        if max_model_len is not None and max_model_len > self.config.max_position_embeddings:
-            raise GraphDSLError(f"LLM: max_model_len={max_model_len} exceeds the model's max_position_embeddings="
-                                f"{self.config.max_position_embeddings}")
-        self.dtype = _pick_dtype(dtype, self.device, self.config)
-        cls = resolve_model_class(self.config.model_type, self.config.architectures)
-        self.model: FlashCausalLM = cls(self.config, self.dtype)
-        tensors = ckpt.iter_tensors(self.dtype, device=self.device) if self.gguf else _iter_dir(path, self.dtype)
-        weights = load_weights(self.model, tensors, device=self.device, dtype=self.dtype, progress=progress)
-        self.tokenizer = _load_tokenizer(ckpt if self.gguf else None, path)
+        config, model_obj, dtype = self._architecture(hf, device, dtype, max_model_len)
+        tensors = ckpt.iter_tensors(dtype, device=device) if gguf else _iter_dir(path, dtype)
+        weights = load_weights(model_obj, tensors, device=device, dtype=dtype, progress=progress)
+        self.gguf = gguf
+        self._setup(config, model_obj, weights, _load_tokenizer(ckpt if gguf else None, path), device=device,
+                    dtype=dtype, max_model_len=max_model_len, max_num_seqs=max_num_seqs,
+                    max_num_batched_tokens=max_num_batched_tokens, kv_cache_memory_fraction=kv_cache_memory_fraction,
+                    num_kv_blocks=num_kv_blocks, block_size=block_size)
+        self.cuda_graphs = cuda_graphs
+        self.model.configure_runtime(cuda_graphs=cuda_graphs, max_blocks_per_seq=-(-self.max_model_len // block_size))
 
-        cfg = self.config
+    @classmethod
+    def from_config(cls, hf_config: dict, *, device: str | torch.device | None = None, dtype=None, seed: int = 0,
+                    init_std: float = 0.02, max_model_len: int | None = None, max_num_seqs: int = 4,
+                    max_num_batched_tokens: int | None = None, kv_cache_memory_fraction: float | None = None,
+                    num_kv_blocks: int | None = None, block_size: int = 16) -> "LLM":
+        """A model of ``hf_config``'s architecture (a HF ``config.json`` as a dict) with random
+        weights made directly on ``device``: matrices and embeddings ~ N(0, ``init_std``), norm
+        weights 1, biases 0. No checkpoint, no tokenizer (prompts are token ids) — for benchmarks
+        of real shapes and for tests. Same ``seed``, same weights on the same device."""
+        if not isinstance(hf_config, dict):
+            raise GraphDSLError(f"from_config: hf_config must be a dict (a HF config.json), got {type(hf_config).__name__}")
+        if isinstance(seed, bool) or not isinstance(seed, int):
+            raise GraphDSLError(f"from_config: seed must be an int, got {seed!r}")
+        if isinstance(init_std, bool) or not isinstance(init_std, (int, float)) or not init_std > 0:
+            raise GraphDSLError(f"from_config: init_std must be a float > 0, got {init_std!r}")
+        _check_sizes(1, max_num_seqs, block_size, max_model_len, max_num_batched_tokens, num_kv_blocks)
+        device = torch.device(device if device is not None else ("cuda" if torch.cuda.is_available() else "cpu"))
+        self = cls.__new__(cls)
+        config, model_obj, dtype = self._architecture(dict(hf_config), device, dtype, max_model_len)
+        weights = _random_weights(model_obj, device, dtype, seed, float(init_std))
+        self.gguf = False
+        self._setup(config, model_obj, weights, None, device=device, dtype=dtype, max_model_len=max_model_len,
+                    max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
+                    kv_cache_memory_fraction=kv_cache_memory_fraction, num_kv_blocks=num_kv_blocks,
+                    block_size=block_size)
+        return self
+
+    def _architecture(self, hf: dict, device: torch.device, dtype, max_model_len):
+        config: ModelConfig = build_config(hf)
+        if max_model_len is not None and max_model_len > config.max_position_embeddings:
+            raise GraphDSLError(f"LLM: max_model_len={max_model_len} exceeds the model's max_position_embeddings="
+                                f"{config.max_position_embeddings}")
+        dtype = _pick_dtype(dtype, device, config)
+        cls = resolve_model_class(config.model_type, config.architectures)
+        return config, cls(config, dtype), dtype
+
+    def _setup(self, config: ModelConfig, model: FlashCausalLM, weights, tokenizer, *, device, dtype, max_model_len,
+               max_num_seqs, max_num_batched_tokens, kv_cache_memory_fraction, num_kv_blocks, block_size) -> None:
+        self.config, self.model, self.tokenizer = config, model, tokenizer
+        self.device, self.dtype = device, dtype
+        cfg = config
         self.max_model_len = max_model_len or min(cfg.max_position_embeddings, 2048)
         self.max_num_seqs, self.block_size = max_num_seqs, block_size
-        if kv_cache_memory_fraction is not None:
+        self.max_num_batched_tokens = max_num_batched_tokens or 2048
+        if num_kv_blocks is not None:
+            num_blocks = num_kv_blocks
+        elif kv_cache_memory_fraction is not None:
             num_blocks = PagedKVCache.blocks_for_memory(kv_cache_memory_fraction, cfg.num_hidden_layers,
                                                         cfg.num_key_value_heads, cfg.head_dim, block_size=block_size,
-                                                        dtype=self.dtype, device=self.device)
+                                                        dtype=dtype, device=device)
         else:
             num_blocks = PagedKVCache.blocks_for(self.max_model_len, max_num_seqs, block_size)
         self.kv_cache = PagedKVCache(cfg.num_hidden_layers, cfg.num_key_value_heads, cfg.head_dim,
-                                     num_blocks=num_blocks, block_size=block_size, dtype=self.dtype, device=self.device)
+                                     num_blocks=num_blocks, block_size=block_size, dtype=dtype, device=device)
         self.blocks = BlockManager(num_blocks, block_size)
         self.model.bind(weights, zip(self.kv_cache.key_caches, self.kv_cache.value_caches), block_size)
         self._ids = itertools.count()
+        self.num_preemptions = 0
         eos = set(cfg.eos_token_ids)
-        if self.tokenizer is not None:
-            eos |= set(self.tokenizer.eos_token_ids)
+        if tokenizer is not None:
+            eos |= set(tokenizer.eos_token_ids)
         self.eos_token_ids = eos
 
     def __repr__(self):
@@ -141,15 +196,21 @@ class LLM:
     def score(self, token_ids: Sequence[int]) -> torch.Tensor:
         """float32 logits ``[len(token_ids), vocab]``: row i predicts token i + 1."""
         ids = self._check_ids(token_ids, "token_ids", allow_full=True)
-        seq = _Seq(next(self._ids), None, ids, SamplingParams(), 0, None)
-        if not self.blocks.can_allocate(len(ids)):
-            raise GraphDSLError(f"score: {len(ids)} tokens need {self.blocks.blocks_needed(len(ids))} KV blocks, "
+        n, sid = len(ids), ("score", next(self._ids))
+        if not self.blocks.can_allocate(n):
+            raise GraphDSLError(f"score: {n} tokens need {self.blocks.blocks_needed(n)} KV blocks, "
                                 f"only {self.blocks.num_free_blocks} are free")
-        self.blocks.allocate(seq.id, len(ids))
+        self.blocks.allocate(sid, n)
         try:
-            return self._prefill([seq], all_logits=True)
+            t = self._tensor
+            inputs = {"input_ids": t(ids, torch.int64), "positions": t(list(range(n)), torch.int64),
+                      "slot_mapping": t(self.blocks.slot_mapping(sid, 0, n), torch.int64),
+                      "block_tables": t([self.blocks.block_table(sid)], torch.int32),
+                      "seq_lens": t([n], torch.int32), "query_start_loc": t([0, n], torch.int32),
+                      "lm_head_indices": t(list(range(n)), torch.int64)}
+            return self.model.execute(Phase.PREFILL, inputs)
         finally:
-            self.blocks.free(seq.id)
+            self.blocks.free(sid)
 
     # -- generation --------------------------------------------------------------------------
     def generate(self, prompts, params: SamplingParams | Sequence[SamplingParams] | dict | None = None, *,
@@ -220,8 +281,7 @@ class LLM:
             else:
                 ids = list(prompt) if isinstance(prompt, (list, tuple)) else prompt
             ids = self._check_ids(ids, f"prompt {i}")
-            max_new = min(p.max_tokens, self.max_model_len - len(ids))
-            seq = _Seq(next(self._ids), text, ids, p, max_new, make_generator(p, self.device))
+            seq = _Seq(text, ids, p)
             if self.tokenizer is not None:
                 from graphdsl.runtime.tokenizer import StreamDecoder
                 seq.decoder = StreamDecoder(self.tokenizer)
@@ -246,60 +306,45 @@ class LLM:
             raise GraphDSLError(f"{what} holds token ids outside [0, {vocab}): {bad[:8]}")
         return list(ids)
 
-    def _budget(self, seq: _Seq) -> int:
-        return self.blocks.blocks_needed(len(seq.prompt_ids) + seq.max_new)
+    def _scheduler(self) -> Scheduler:
+        return Scheduler(self.blocks, max_num_seqs=self.max_num_seqs, max_num_batched_tokens=self.max_num_batched_tokens,
+                         max_model_len=self.max_model_len, eos_token_ids=self.eos_token_ids, device=self.device)
 
     def _run(self, seqs: list[_Seq]) -> Iterator[tuple[_Seq, int]]:
-        """Drive ``seqs`` to completion, yielding ``(seq, token)`` as each token is produced."""
+        """Drive ``seqs`` through a scheduler to completion, yielding ``(seq, token)`` as each token
+        is produced. Requests still running when the caller stops iterating are aborted (their
+        blocks return to the pool)."""
+        sched = self._scheduler()
+        by_id = {}
         for s in seqs:
-            if self._budget(s) > self.blocks.num_blocks:
-                raise GraphDSLError(f"a request of {len(s.prompt_ids)} prompt tokens + {s.max_new} new tokens needs "
-                                    f"{self._budget(s)} KV blocks, the cache has {self.blocks.num_blocks}")
-        waiting, running = list(seqs), []
+            s.req = sched.add_request(next(self._ids), s.prompt_ids, s.params)
+            by_id[s.req.request_id] = s
         try:
-            while waiting or running:
-                admitted = []
-                reserved = sum(self._budget(s) for s in running)
-                while waiting and len(running) + len(admitted) < self.max_num_seqs \
-                        and reserved + self._budget(waiting[0]) <= self.blocks.num_blocks:
-                    s = waiting.pop(0)
-                    reserved += self._budget(s)
-                    self.blocks.allocate(s.id, len(s.prompt_ids))
-                    admitted.append(s)
-                if admitted:
-                    logits = self._prefill(admitted)
-                    yield from self._accept(admitted, logits)
-                    running += admitted
-                else:
-                    for s in running:
-                        self.blocks.append(s.id, 1)
-                    logits = self._decode(running)
-                    yield from self._accept(running, logits)
-                for s in [s for s in running if s.finish_reason]:
-                    self.blocks.free(s.id)
-                    running.remove(s)
+            for ev in run_steps(sched, self._execute):
+                s = by_id[ev.request.request_id]
+                self._accept(sched, s, ev.token_id, ev.finished)
+                yield s, ev.token_id
         finally:
-            for s in running:
-                if s.id in self.blocks:
-                    self.blocks.free(s.id)
+            for s in seqs:
+                if s.req.status is not RequestStatus.FINISHED:
+                    sched.finish(s.req, "abort")
+            self.num_preemptions += sched.num_preemptions
 
-    def _accept(self, seqs: list[_Seq], logits: torch.Tensor) -> Iterator[tuple[_Seq, int]]:
-        tokens = sample(logits, [s.params for s in seqs], [s.generator for s in seqs], [s.all_ids for s in seqs])
-        for s, tok in zip(seqs, tokens.tolist()):
-            s.out_ids.append(tok)
-            p = s.params
-            if (tok in self.eos_token_ids and not p.ignore_eos) or tok in p.stop_token_ids:
-                s.finish_reason = "stop"
+    def _accept(self, sched: Scheduler, s: _Seq, tok: int, finished: bool) -> None:
+        """Stream ``tok`` into the text and end the request when a stop string appears in it."""
+        if finished and s.req.finish_reason == "stop":          # eos or a stop token: not part of the text
+            return
+        if s.decoder is None:
+            return
+        s.text += s.decoder.push(tok)
+        hit = [s.text.find(x) for x in s.params.stop if x in s.text]
+        if hit:
+            s.text = s.text[:min(hit)]
+            s.stop_string_hit = True
+            if s.req.status is RequestStatus.FINISHED:           # its last token (length) completed the string
+                s.req.finish_reason = "stop"
             else:
-                if s.decoder is not None:
-                    s.text += s.decoder.push(tok)
-                    hit = [s.text.find(x) for x in p.stop if x in s.text]
-                    if hit:
-                        s.text = s.text[:min(hit)]
-                        s.finish_reason, s.stop_string_hit = "stop", True
-                if not s.finish_reason and len(s.out_ids) >= s.max_new:
-                    s.finish_reason = "length"
-            yield s, tok
+                sched.finish(s.req, "stop")
 
     def _output(self, s: _Seq) -> CompletionOutput:
         """The finished request; text is the full decode unless a stop string cut it."""
@@ -311,39 +356,55 @@ class LLM:
     def _tensor(self, values, dtype) -> torch.Tensor:
         return torch.tensor(values, dtype=dtype, device=self.device)
 
-    def _block_tables(self, seqs: list[_Seq]) -> torch.Tensor:
-        tables = [self.blocks.block_table(s.id) for s in seqs]
-        width = max(len(t) for t in tables)
-        return self._tensor([t + [0] * (width - len(t)) for t in tables], torch.int32)
-
-    def _prefill(self, seqs: list[_Seq], all_logits: bool = False) -> torch.Tensor:
-        ids, pos, slots, qsl, heads = [], [], [], [0], []
-        for s in seqs:
-            n = len(s.prompt_ids)
-            ids += s.prompt_ids
-            pos += range(n)
-            slots += self.blocks.slot_mapping(s.id, 0, n)
-            heads += range(qsl[-1], qsl[-1] + n) if all_logits else [qsl[-1] + n - 1]
-            qsl.append(qsl[-1] + n)
-        inputs = {"input_ids": self._tensor(ids, torch.int64), "positions": self._tensor(pos, torch.int64),
-                  "slot_mapping": self._tensor(slots, torch.int64), "block_tables": self._block_tables(seqs),
-                  "seq_lens": self._tensor([len(s.prompt_ids) for s in seqs], torch.int32),
-                  "query_start_loc": self._tensor(qsl, torch.int32),
-                  "lm_head_indices": self._tensor(heads, torch.int64)}
+    def _execute(self, batch: StepBatch) -> torch.Tensor:
+        """Float32 logits ``[len(batch.sampling_chunks), vocab]`` of one scheduled step."""
+        inputs = batch.model_inputs(self.blocks, self.device)
+        if batch.is_decode:
+            del inputs["query_start_loc"], inputs["lm_head_indices"]
+            return self.model.execute(Phase.DECODE, inputs)
+        if inputs["lm_head_indices"].numel() == 0:
+            # every chunk is a middle piece of a prompt: fill the cache, project one row, drop it
+            inputs["lm_head_indices"] = torch.zeros(1, dtype=torch.int64, device=self.device)
+            return self.model.execute(Phase.PREFILL, inputs)[:0]
         return self.model.execute(Phase.PREFILL, inputs)
 
-    def _decode(self, seqs: list[_Seq]) -> torch.Tensor:
-        ids, pos, slots, lens = [], [], [], []
-        for s in seqs:
-            n = self.blocks.num_tokens(s.id)        # includes the token fed now
-            ids.append(s.out_ids[-1])
-            pos.append(n - 1)
-            slots += self.blocks.slot_mapping(s.id, n - 1, n)
-            lens.append(n)
-        inputs = {"input_ids": self._tensor(ids, torch.int64), "positions": self._tensor(pos, torch.int64),
-                  "slot_mapping": self._tensor(slots, torch.int64), "block_tables": self._block_tables(seqs),
-                  "seq_lens": self._tensor(lens, torch.int32)}
-        return self.model.execute(Phase.DECODE, inputs)
+
+def _check_sizes(tensor_parallel_size, max_num_seqs, block_size, max_model_len, max_num_batched_tokens,
+                 num_kv_blocks) -> None:
+    if tensor_parallel_size != 1:
+        raise GraphDSLError(f"tensor_parallel_size must be 1 for now, got {tensor_parallel_size!r}")
+    for name, v in (("max_num_seqs", max_num_seqs), ("block_size", block_size),
+                    ("max_model_len", 1 if max_model_len is None else max_model_len),
+                    ("max_num_batched_tokens", 1 if max_num_batched_tokens is None else max_num_batched_tokens),
+                    ("num_kv_blocks", 1 if num_kv_blocks is None else num_kv_blocks)):
+        if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+            raise GraphDSLError(f"LLM: {name} must be a positive int, got {v!r}")
+
+
+def _random_weights(model: FlashCausalLM, device: torch.device, dtype: torch.dtype, seed: int,
+                    std: float) -> dict[str, torch.Tensor]:
+    """``{parameter: tensor}`` drawn on ``device``: 1-D ``*norm*`` weights 1, other 1-D tensors
+    (biases) 0, the rest ~ N(0, std); tied parameters share their source's tensor."""
+    gen = torch.Generator(device=device)
+    gen.manual_seed(seed)
+    tied = model.tied_parameters()
+    out: dict[str, torch.Tensor] = {}
+    for name, p in model.named_parameters():
+        if name in tied:
+            continue
+        t = torch.empty(tuple(p.shape), dtype=p.dtype or dtype, device=device)
+        if t.dim() == 1:
+            module = name.rsplit(".", 1)[0].rsplit(".", 1)[-1]
+            t.fill_(1.0 if "norm" in module else 0.0)
+        elif t.is_floating_point():
+            t.normal_(0.0, std, generator=gen)
+        else:
+            raise GraphDSLError(f"from_config: parameter {name!r} has non-floating dtype {t.dtype}; "
+                                "random weights cover float parameters only")
+        out[name] = t
+    for name, source in tied.items():
+        out[name] = out[source]
+    return out
 
 
 def _pick_dtype(dtype, device: torch.device, config: ModelConfig) -> torch.dtype:

@@ -64,6 +64,15 @@ class Request:
     def num_tokens(self) -> int:
         return len(self.prompt_ids) + len(self.output_ids)
 
+    def tokens(self, start: int, end: int) -> list[int]:
+        """Known tokens ``[start, end)`` (prompt then generated) without copying the whole list."""
+        n = len(self.prompt_ids)
+        if end <= n:
+            return self.prompt_ids[start:end]
+        if start >= n:
+            return self.output_ids[start - n:end - n]
+        return self.prompt_ids[start:] + self.output_ids[:end - n]
+
 
 @dataclass
 class Chunk:
@@ -104,7 +113,7 @@ class StepBatch:
         ids, pos, slots, qsl, lens, heads, tables = [], [], [], [0], [], [], []
         for c in self.chunks:
             rid = c.request.request_id
-            ids += c.request.token_ids[c.start:c.end]
+            ids += c.request.tokens(c.start, c.end)
             pos += range(c.start, c.end)
             slots += blocks.slot_mapping(rid, c.start, c.end)
             qsl.append(qsl[-1] + c.end - c.start)
@@ -150,6 +159,8 @@ class Scheduler:
         self.running: list[Request] = []
         self._arrivals = itertools.count()
         self._ids: set = set()
+        self.num_preemptions = 0                  # over this scheduler's life (requests recomputed)
+        self.num_steps = 0                        # batches handed out by schedule()
 
     # -- requests ----------------------------------------------------------------------------
     def add_request(self, request_id: Hashable, prompt_ids: Sequence[int], params: SamplingParams) -> Request:
@@ -231,6 +242,8 @@ class Scheduler:
             raise GraphDSLError(f"scheduler stalled: {len(self.waiting)} waiting and {len(self.running)} running "
                                 f"requests, {self.blocks.num_free_blocks} free blocks, token budget "
                                 f"{self.max_num_batched_tokens}")
+        if batch.chunks:
+            self.num_steps += 1
         return batch
 
     def _preempt(self, req: Request) -> None:
@@ -238,6 +251,7 @@ class Scheduler:
         self.blocks.free(req.request_id)
         req.num_computed, req.status = 0, RequestStatus.WAITING
         req.num_preemptions += 1
+        self.num_preemptions += 1
         at = next((i for i, w in enumerate(self.waiting) if w.arrival > req.arrival), len(self.waiting))
         self.waiting.insert(at, req)
 
@@ -270,15 +284,20 @@ class Scheduler:
 
 def run_steps(scheduler: Scheduler, execute: Callable[[StepBatch], torch.Tensor]) -> Iterator[TokenEvent]:
     """Drive ``scheduler`` to completion: ``execute(batch)`` returns float32 logits
-    ``[len(batch.sampling_chunks), vocab]``; tokens are sampled per request and yielded as they come."""
+    ``[len(batch.sampling_chunks), vocab]`` (on any device; tokens are drawn there, with each
+    request's generator made on ``scheduler.device``) and tokens are yielded as they come.
+
+    Between two events the caller may end a request with ``scheduler.finish`` (a stop string it
+    found in the text, say): the next step no longer schedules it."""
     while scheduler.has_unfinished():
         batch = scheduler.schedule()
         chunks = batch.sampling_chunks
         logits = execute(batch)
         if chunks:
             reqs = [c.request for c in chunks]
-            tokens = sample(logits, [r.params for r in reqs], [r.generator for r in reqs],
-                            [r.token_ids for r in reqs]).tolist()
+            # only a repetition penalty looks at earlier tokens: skip building the others' lists
+            prev = [r.token_ids if r.params.repetition_penalty != 1.0 else [] for r in reqs]
+            tokens = sample(logits, [r.params for r in reqs], [r.generator for r in reqs], prev).tolist()
         else:
             tokens = []
         yield from scheduler.update(batch, tokens)
