@@ -5,6 +5,11 @@ Per node, by what the node is:
 * ``fused``, ``add_rms_norm``, ``silu_mul`` — one generated ``@triton.jit`` kernel each
   (:mod:`graphdsl.runtime.codegen.fused`), writing straight into the node's arena slot;
 * ``rope_cache`` — its own kernel (:mod:`graphdsl.runtime.codegen.rope_cache`), caches in place;
+* ``paged_attention`` — :func:`~graphdsl.runtime.kernels.paged_attention_prefill` when the node
+  has a ``query_start_loc`` input, else :func:`~graphdsl.runtime.kernels.paged_attention_decode`
+  (its split-K workspace kept by the backend, so a CUDA-graph replay allocates nothing), writing
+  into the node's slot; ``reshape_and_cache`` — the Triton cache-write kernel, in place. On CPU
+  without ``TRITON_INTERPRET=1`` these two run their torch references instead;
 * matmuls — ``torch.matmul(..., out=slot)`` / ``torch.addmm`` (cuBLAS on CUDA, its epilogue adds
   the bias or residual);
 * anything else — the op's torch reference, copied into its slot (views alias their source).
@@ -65,6 +70,7 @@ class TritonBackend:
 
     def __init__(self):
         self._prepared: dict = {}
+        self._workspaces: dict = {}             # (device, shapes) -> split-K decode partial buffers
         self._single: dict = {}                 # node -> generated as a one-op kernel?
         self.sources: dict[str, str] = {}       # node name -> generated kernel source (for dumps)
         from .torch_backend import TorchBackend
@@ -82,8 +88,11 @@ class TritonBackend:
     def run(self, nodes, values: dict, attrs: dict, storage: dict) -> None:
         for node in nodes:
             ins = [values[t] for t in node.inputs]
-            if (ins and ins[0].device.type == "cpu" and not _interpreting()
-                    and (node.op in _LOWERINGS or self._lone_fusable(node))):
+            on_cpu = bool(ins) and ins[0].device.type == "cpu" and not _interpreting()
+            if node.op in _KERNEL_OPS and (on_cpu or _kernel_unsupported(node, ins)):
+                self._reference.run([node], values, attrs, storage)
+                continue
+            if on_cpu and (node.op in _LOWERINGS or self._lone_fusable(node)):
                 raise GraphDSLError(f"backend 'triton' runs on CUDA, or on CPU with TRITON_INTERPRET=1; node "
                                     f"'{node.name}' ({node.op}) got CPU tensors (use backend='torch' on CPU)")
             lower = _LOWERINGS.get(node.op)
@@ -166,6 +175,67 @@ def _rope_cache(be: TritonBackend, node, ins, attrs, dsts):
     return [dsts[0], ins[3], ins[4]]
 
 
+_KERNEL_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+
+
+def _kernel_unsupported(node, ins) -> str | None:
+    """Why the hand-written kernel cannot take this call (then the op's torch reference runs)."""
+    if node.op == "paged_attention":
+        q, key_cache = ins[0], ins[1]
+        dim = q.shape[-1]
+        if dim < 16 or dim > 256 or dim & (dim - 1):
+            return f"head_dim {dim} is not a power of two in [16, 256]"
+        if q.dtype not in _KERNEL_DTYPES or key_cache.dtype != q.dtype or ins[2].dtype != q.dtype:
+            return f"dtypes q {q.dtype}, caches {key_cache.dtype}/{ins[2].dtype}"
+        if key_cache.stride(-1) != 1 or ins[2].stride(-1) != 1 or ins[3].stride(-1) != 1 \
+                or not ins[4].is_contiguous() or (len(ins) == 6 and not ins[5].is_contiguous()):
+            return "non-unit inner strides"
+        return None
+    key_cache, value_cache = ins[2], ins[3]
+    if key_cache.dtype not in _KERNEL_DTYPES or value_cache.dtype not in _KERNEL_DTYPES \
+            or ins[0].dtype not in _KERNEL_DTYPES or ins[1].dtype not in _KERNEL_DTYPES:
+        return "dtypes"
+    if not (key_cache.is_contiguous() and value_cache.is_contiguous() and ins[4].is_contiguous()):
+        return "non-contiguous caches or slot_mapping"
+    return None
+
+
+def _paged_attention(be: TritonBackend, node, ins, attrs, dsts):
+    from ..kernels.paged_attention import (decode_num_splits, decode_workspace_shapes, paged_attention_decode,
+                                           paged_attention_prefill)
+    q, key_cache, value_cache, block_tables, seq_lens = ins[:5]
+    if q.stride(-1) != 1:
+        q = q.contiguous()
+    common = dict(scale=attrs["scale"], sliding_window=attrs["sliding_window"], soft_cap=attrs["soft_cap"],
+                  out=dsts[0])
+    if len(ins) == 6:
+        paged_attention_prefill(q, key_cache, value_cache, block_tables, seq_lens, ins[5], **common)
+        return dsts
+    num_seqs, heads, dim = q.shape
+    splits = decode_num_splits(num_seqs, key_cache.shape[2], block_tables.shape[1], key_cache.shape[1],
+                               attrs["sliding_window"], q.device)
+    workspace = None
+    if splits > 1 and num_seqs > 0:
+        shapes = decode_workspace_shapes(num_seqs, heads, dim, splits)
+        key = (q.device, shapes)
+        workspace = be._workspaces.get(key)
+        if workspace is None:
+            workspace = be._workspaces[key] = tuple(torch.empty(s, dtype=torch.float32, device=q.device)
+                                                    for s in shapes)
+    paged_attention_decode(q, key_cache, value_cache, block_tables, seq_lens, num_splits=splits,
+                           workspace=workspace, **common)
+    return dsts
+
+
+def _reshape_and_cache(be: TritonBackend, node, ins, attrs, dsts):
+    from ..kernels.cache_write import reshape_and_cache
+    key, value, key_cache, value_cache, slot_mapping = ins
+    key = key if key.stride(-1) == 1 else key.contiguous()
+    value = value if value.stride(-1) == 1 else value.contiguous()
+    reshape_and_cache(key, value, key_cache, value_cache, slot_mapping)
+    return [key_cache, value_cache]
+
+
 def _operands(ins, attrs):
     a, b = ins[0], ins[1]
     return (a.mT if attrs.get("transpose_a") else a), (b.mT if attrs.get("transpose_b") else b)
@@ -188,4 +258,6 @@ def _matmul(be: TritonBackend, node, ins, attrs, dsts):
     return [dst]
 
 
-_LOWERINGS = {"fused": _fused, "add_rms_norm": _add_rms_norm, "silu_mul": _silu_mul, "rope_cache": _rope_cache}
+_LOWERINGS = {"fused": _fused, "add_rms_norm": _add_rms_norm, "silu_mul": _silu_mul, "rope_cache": _rope_cache,
+              "paged_attention": _paged_attention, "reshape_and_cache": _reshape_and_cache}
+_KERNEL_OPS = {"paged_attention", "reshape_and_cache"}   # hand-written kernels; torch reference on plain CPU

@@ -56,7 +56,8 @@ import triton.language as tl
 
 from graphdsl.errors import GraphDSLError
 
-__all__ = ["paged_attention", "paged_attention_prefill", "paged_attention_decode"]
+__all__ = ["paged_attention", "paged_attention_prefill", "paged_attention_decode", "decode_num_splits",
+           "decode_workspace_shapes"]
 
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
@@ -502,8 +503,23 @@ def _default_splits(num_seqs: int, kv_heads: int, max_keys: int, device: torch.d
     return max(1, min(want, triton.cdiv(max_keys, _MIN_KEYS_PER_SPLIT), _MAX_SPLITS))
 
 
+def decode_num_splits(num_seqs: int, kv_heads: int, max_blocks: int, block_size: int, sliding_window: int,
+                      device: torch.device) -> int:
+    """The split count :func:`paged_attention_decode` picks when ``num_splits`` is omitted: it depends
+    on shapes only (the block table's width bounds the context), so a caller can size ``workspace``."""
+    max_keys = max_blocks * block_size
+    if sliding_window:
+        max_keys = min(max_keys, sliding_window)
+    return _default_splits(num_seqs, kv_heads, max_keys, device)
+
+
+def decode_workspace_shapes(num_seqs: int, num_heads: int, head_dim: int, num_splits: int):
+    """Shapes of the two float32 partial-result buffers a split decode needs (``workspace=``)."""
+    return (num_seqs, num_heads, num_splits, head_dim), (2, num_seqs, num_heads, num_splits)
+
+
 def _launch_decode(q, key_cache, value_cache, block_tables, seq_lens, scale, sliding_window, soft_cap,
-                   out, num_splits, config: _Config | None = None):
+                   out, num_splits, config: _Config | None = None, workspace=None):
     fn = "paged_attention_decode"
     heads, kv_heads, dim, block_size = _check_common(
         fn, q, key_cache, value_cache, block_tables, seq_lens, scale, sliding_window, soft_cap, out,
@@ -512,10 +528,8 @@ def _launch_decode(q, key_cache, value_cache, block_tables, seq_lens, scale, sli
     if q.shape[0] != num_seqs:
         _fail(fn, "q.shape[0]", f"num_seqs = len(seq_lens) = {num_seqs} (one query per sequence)", q.shape[0])
     if num_splits is None:
-        max_keys = block_tables.shape[1] * block_size
-        if sliding_window:
-            max_keys = min(max_keys, sliding_window)
-        num_splits = _default_splits(num_seqs, kv_heads, max_keys, q.device)
+        num_splits = decode_num_splits(num_seqs, kv_heads, block_tables.shape[1], block_size, sliding_window,
+                                       q.device)
     if isinstance(num_splits, bool) or not isinstance(num_splits, int) or not 1 <= num_splits <= 256:
         _fail(fn, "num_splits", "None or an int in [1, 256]", repr(num_splits))
     if out is None:
@@ -525,8 +539,16 @@ def _launch_decode(q, key_cache, value_cache, block_tables, seq_lens, scale, sli
     group = heads // kv_heads
     cfg = config or _pick_config(dim, triton.next_power_of_2(group), decode=True)
     if num_splits > 1:
-        part_acc = torch.empty((num_seqs, heads, num_splits, dim), dtype=torch.float32, device=q.device)
-        part_ml = torch.empty((2, num_seqs, heads, num_splits), dtype=torch.float32, device=q.device)
+        acc_shape, ml_shape = decode_workspace_shapes(num_seqs, heads, dim, num_splits)
+        if workspace is None:
+            part_acc = torch.empty(acc_shape, dtype=torch.float32, device=q.device)
+            part_ml = torch.empty(ml_shape, dtype=torch.float32, device=q.device)
+        else:
+            part_acc, part_ml = workspace
+            for name, x, shape in (("workspace[0]", part_acc, acc_shape), ("workspace[1]", part_ml, ml_shape)):
+                if not isinstance(x, torch.Tensor) or tuple(x.shape) != shape or x.dtype != torch.float32 \
+                        or not x.is_contiguous() or x.device != q.device:
+                    _fail(fn, name, f"a contiguous {shape} float32 tensor on {q.device}", _desc(x))
     else:
         part_acc = part_ml = out     # not read or written with one split
     _decode_split_kernel[(num_seqs, kv_heads, num_splits)](
@@ -562,12 +584,14 @@ def paged_attention_prefill(q, key_cache, value_cache, block_tables, seq_lens, q
 
 def paged_attention_decode(q, key_cache, value_cache, block_tables, seq_lens, *, scale: float,
                            sliding_window: int = 0, soft_cap: float = 0.0, out=None,
-                           num_splits: int | None = None):
+                           num_splits: int | None = None, workspace=None):
     """One query per sequence (``q [num_seqs, num_heads, head_dim]``, position ``seq_lens[s] - 1``)
     over the paged caches, split-K over ``num_splits`` partitions of the context (a heuristic from
-    the SM count and the block table's width when omitted). Returns ``out``."""
+    the SM count and the block table's width when omitted). ``workspace``: the two partial-result
+    buffers (:func:`decode_workspace_shapes`) to use instead of allocating them per call (what a
+    CUDA-graph capture needs). Returns ``out``."""
     return _launch_decode(q, key_cache, value_cache, block_tables, seq_lens, scale, sliding_window,
-                          soft_cap, out, num_splits)
+                          soft_cap, out, num_splits, workspace=workspace)
 
 
 def paged_attention(q, key_cache, value_cache, block_tables, seq_lens, query_start_loc=None, *,
