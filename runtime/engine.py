@@ -53,6 +53,7 @@ class Engine:
         self.backend = backend
         self.device = None if device is None else torch.device(device)
         self.build_report = build_report or []
+        self.cache_key: str | None = None       # the engine-cache entry this build was stored/loaded under
         self._weights: dict[str, torch.Tensor] = {}
         self._plans: dict[tuple, ShapePlan] = {}
         self._arenas: dict[torch.device, torch.Tensor] = {}

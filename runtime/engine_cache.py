@@ -103,6 +103,13 @@ class EngineCache:
             raise
         return path
 
+    def remove(self, key: str) -> bool:
+        """Delete one entry; returns whether it existed."""
+        path = self._path(key)
+        existed = path.exists()
+        path.unlink(missing_ok=True)
+        return existed
+
     def entries(self) -> list[CacheEntry]:
         out = []
         for p in sorted(self.dir.glob("*.json")) if self.dir.exists() else []:
