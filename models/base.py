@@ -11,6 +11,7 @@ inside the engine (one plan per shape signature).
 """
 from __future__ import annotations
 
+import os
 import re
 from typing import Iterable, Mapping
 
@@ -23,7 +24,7 @@ from graphdsl.layers import CheckpointSlot, ForwardContext, KVCacheSpec, Phase, 
 
 from .config import ModelConfig
 
-__all__ = ["FlashCausalLM", "to_engine"]
+__all__ = ["FlashCausalLM", "to_engine", "decode_pads", "cuda_graphs_enabled"]
 
 
 class FlashCausalLM(Module):
@@ -45,6 +46,9 @@ class FlashCausalLM(Module):
         object.__setattr__(self, "_engines", {})
         object.__setattr__(self, "_bound", {})
         object.__setattr__(self, "_cache_spec", None)
+        object.__setattr__(self, "_runtime", {"backend": None, "cuda_graphs": True, "max_blocks_per_seq": None})
+        object.__setattr__(self, "_graph_runners", {})
+        object.__setattr__(self, "_num_cache_blocks", 0)
 
     # -- architecture ------------------------------------------------------------------------
     def forward(self, ctx: ForwardContext):
@@ -93,7 +97,30 @@ class FlashCausalLM(Module):
         spec = KVCacheSpec(len(caches), k0.shape[2], k0.shape[3], block_size, k0.dtype)
         object.__setattr__(self, "_bound", bound)
         object.__setattr__(self, "_cache_spec", spec)
+        object.__setattr__(self, "_num_cache_blocks", k0.shape[0])
         self._engines.clear()
+        self._graph_runners.clear()
+
+    def configure_runtime(self, *, backend: str | None = None, cuda_graphs: bool = True,
+                          max_blocks_per_seq: int | None = None) -> None:
+        """How engines are built and run (drops engines already built).
+
+        Args:
+            backend: the engines' backend (default: ``triton`` on CUDA, ``torch`` on CPU).
+            cuda_graphs: replay decode steps through CUDA graphs per batch bucket on CUDA (also off
+                with ``GRAPHDSL_CUDA_GRAPHS=0``); see :mod:`graphdsl.runtime.cuda_graphs`.
+            max_blocks_per_seq: the fixed ``block_tables`` width graphs pad to (default: every
+                block of the bound cache); a step with a wider table runs eagerly.
+        """
+        if not isinstance(cuda_graphs, bool):
+            raise GraphDSLError(f"configure_runtime: cuda_graphs must be a bool, got {cuda_graphs!r}")
+        if max_blocks_per_seq is not None and (isinstance(max_blocks_per_seq, bool)
+                                               or not isinstance(max_blocks_per_seq, int) or max_blocks_per_seq < 1):
+            raise GraphDSLError(f"configure_runtime: max_blocks_per_seq must be a positive int or None, "
+                                f"got {max_blocks_per_seq!r}")
+        self._runtime.update(backend=backend, cuda_graphs=cuda_graphs, max_blocks_per_seq=max_blocks_per_seq)
+        self._engines.clear()
+        self._graph_runners.clear()
 
     def execute(self, phase: Phase, inputs: Mapping[str, torch.Tensor]) -> torch.Tensor:
         raise GraphDSLError(f"{type(self).__name__} is not runnable: decorate the class with @to_engine()")
@@ -135,7 +162,7 @@ def _engine(self: FlashCausalLM, phase: Phase):
         with Network(f"{type(self).__name__}.{phase.value}") as net:
             net.mark_output(self(ctx), "logits")
         device = next(iter(self._bound.values())).device
-        engine = net.build_engine(device=device)
+        engine = net.build_engine(device=device, backend=self._runtime["backend"])
         engine.set_weights({n: t for n, t in self._bound.items() if n in engine.net.inputs})
         self._engines[key] = engine
     return engine
@@ -150,5 +177,40 @@ def _execute(self: FlashCausalLM, phase: Phase, inputs: Mapping[str, torch.Tenso
     extra_in, extra_out, runtime_params = self._update_model_inputs(feed)
     feed.update(extra_in)
     names = engine.net.inputs
-    out = engine.forward({k: v for k, v in feed.items() if k in names}, extra_out or None, runtime_params or None)
+    step = {k: v for k, v in feed.items() if k in names}
+    if phase is Phase.DECODE and not (extra_in or extra_out or runtime_params):
+        runner = _graph_runner(self, engine)
+        if runner is not None and runner.fits(step):
+            return runner.run(step)["logits"]
+    out = engine.forward(step, extra_out or None, runtime_params or None)
     return out["logits"]
+
+
+def decode_pads(max_blocks_per_seq: int) -> dict:
+    """The padding of a decode step's inputs for a CUDA-graph bucket (see
+    :mod:`graphdsl.runtime.cuda_graphs`): padded rows write no cache slot (-1) and attend over no
+    key (seq_len 0); ``block_tables`` keeps one fixed width."""
+    from graphdsl.runtime.cuda_graphs import Pad
+    return {"input_ids": Pad(0), "positions": Pad(0), "cos": Pad(0.0), "sin": Pad(0.0), "slot_mapping": Pad(-1),
+            "block_tables": Pad(0, width=max_blocks_per_seq), "seq_lens": Pad(0)}
+
+
+def cuda_graphs_enabled(flag: bool) -> bool:
+    """``flag`` unless ``GRAPHDSL_CUDA_GRAPHS=0`` turns graphs off."""
+    return flag and os.environ.get("GRAPHDSL_CUDA_GRAPHS", "1").strip().lower() not in ("0", "false", "off", "no")
+
+
+def _graph_runner(self: FlashCausalLM, engine):
+    """The decode engine's CUDA-graph runner, or None when graphs do not apply (off, not CUDA, or a
+    backend whose ops synchronise with the host: only ``triton`` is captured)."""
+    if not cuda_graphs_enabled(self._runtime["cuda_graphs"]):
+        return None
+    if engine.device is None or engine.device.type != "cuda" or engine.backend.name != "triton":
+        return None
+    runner = self._graph_runners.get(id(engine))
+    if runner is None or runner.engine is not engine:
+        from graphdsl.runtime.cuda_graphs import CudaGraphRunner
+        width = self._runtime["max_blocks_per_seq"] or self._num_cache_blocks
+        pads = {k: p for k, p in decode_pads(width).items() if k in engine.net.inputs and k not in engine._weights}
+        runner = self._graph_runners[id(engine)] = CudaGraphRunner(engine, pads)
+    return runner

@@ -1,0 +1,195 @@
+"""CUDA graphs for fixed-shape engine steps (decode): one captured graph per batch-size bucket.
+
+A decode step's launch overhead (a few hundred small kernels) dominates small-batch latency;
+replaying a captured CUDA graph removes it. A graph fixes every shape and pointer, so:
+
+* **buckets** — the batch (leading dim of every padded input) is padded up to the next of
+  :data:`BUCKETS` (1, 2, 4, ..., 256); one graph per bucket, captured on first use;
+* **padding** — each input declares a :class:`Pad`: the value of the padding rows (decode:
+  ``slot_mapping = -1`` so nothing is written to the cache, ``seq_lens = 0`` so attention reads
+  nothing and returns zeros, ids/positions/cos/sin/block-table rows 0) and optionally a fixed
+  width for dim 1 (``block_tables`` is padded to the model's max blocks per sequence, so its shape
+  never changes between steps);
+* **static buffers** — per bucket, input buffers the step's tensors are copied into and the output
+  buffers the graph writes; results are returned as copies of the first ``n`` rows;
+* **capture** — one eager warm-up ``engine.forward`` on a side stream (specialises the engine's
+  shape plan, compiles the Triton kernels, sizes the backend's workspaces), then the same call is
+  captured with the output buffers given, so the captured region allocates nothing of its own:
+  the plan's arena slots, the backend's split-K workspaces and the outputs already exist. The
+  arena views of a captured plan are held by the runner, so a later, larger plan that regrows the
+  engine's arena cannot free memory a graph still writes to.
+
+The warm-up computes the same step the replay then repeats (cache writes are idempotent), so the
+first step of a bucket is correct too. :func:`pad_batch` is the same padding as plain tensors, for
+running a padded batch eagerly (how the CPU tests check that padding changes no real row).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Mapping
+
+import torch
+
+from graphdsl.errors import BindError, GraphDSLError
+
+__all__ = ["BUCKETS", "Pad", "bucket_for", "pad_batch", "CudaGraphRunner"]
+
+BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
+
+
+@dataclass(frozen=True)
+class Pad:
+    """How one batch-major input is padded: rows ``n..bucket`` (and, with ``width``, columns
+    ``cols..width`` of 2-D inputs) are filled with ``value``."""
+
+    value: int | float = 0
+    width: int | None = None
+
+
+def bucket_for(n: int, buckets=BUCKETS) -> int | None:
+    """The smallest bucket ``>= n`` (None when ``n`` exceeds the largest)."""
+    if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+        raise GraphDSLError(f"bucket_for: n must be a positive int, got {n!r}")
+    for b in buckets:
+        if b >= n:
+            return b
+    return None
+
+
+def _batch(inputs: Mapping[str, torch.Tensor], pads: Mapping[str, Pad]) -> int:
+    missing = sorted(set(pads) - set(inputs))
+    if missing:
+        raise BindError(f"padded batch: missing inputs {missing}")
+    unknown = sorted(set(inputs) - set(pads))
+    if unknown:
+        raise BindError(f"padded batch: inputs {unknown} have no Pad (padded inputs are {sorted(pads)})")
+    sizes = {name: x.shape[0] for name, x in inputs.items()}
+    if len(set(sizes.values())) != 1:
+        raise BindError(f"padded batch: every input's dim 0 must be the batch size, got {sizes}")
+    return next(iter(sizes.values()))
+
+
+def _check_width(name: str, x: torch.Tensor, pad: Pad) -> None:
+    if pad.width is not None and (x.dim() != 2 or x.shape[1] > pad.width):
+        raise BindError(f"input '{name}': expected a 2-D tensor at most {pad.width} wide (its fixed padded width), "
+                        f"got shape {list(x.shape)}")
+
+
+def _fill(dst: torch.Tensor, x: torch.Tensor, n: int, pad: Pad) -> None:
+    """``dst[:n] = x`` (columns past ``x``'s width and rows ``n:`` set to ``pad.value``)."""
+    if pad.width is not None and x.shape[1] < pad.width:
+        dst[:n, :x.shape[1]].copy_(x)
+        dst[:n, x.shape[1]:].fill_(pad.value)
+    else:
+        dst[:n].copy_(x)
+    if n < dst.shape[0]:
+        dst[n:].fill_(pad.value)
+
+
+def _padded_shape(x: torch.Tensor, rows: int, pad: Pad) -> tuple[int, ...]:
+    shape = [rows, *x.shape[1:]]
+    if pad.width is not None:
+        shape[1] = pad.width
+    return tuple(shape)
+
+
+def pad_batch(inputs: Mapping[str, torch.Tensor], pads: Mapping[str, Pad], rows: int) -> dict[str, torch.Tensor]:
+    """New tensors: each input padded to ``rows`` rows (and its fixed width) as its :class:`Pad` says."""
+    n = _batch(inputs, pads)
+    if rows < n:
+        raise BindError(f"pad_batch: rows must be >= the batch size {n}, got {rows}")
+    out = {}
+    for name, x in inputs.items():
+        _check_width(name, x, pads[name])
+        dst = torch.empty(_padded_shape(x, rows, pads[name]), dtype=x.dtype, device=x.device)
+        _fill(dst, x, n, pads[name])
+        out[name] = dst
+    return out
+
+
+@dataclass
+class _Graph:
+    graph: object                          # torch.cuda.CUDAGraph
+    inputs: dict[str, torch.Tensor]        # static input buffers, [bucket, ...]
+    outputs: dict[str, torch.Tensor]       # static output buffers the graph writes
+    keep: list = field(default_factory=list)   # arena views the captured kernels address
+
+
+class CudaGraphRunner:
+    """Runs ``engine`` through CUDA graphs keyed by batch bucket.
+
+    Args:
+        engine: a built :class:`~graphdsl.runtime.Engine` on CUDA whose weights are bound; its
+            remaining inputs are exactly the names in ``pads`` (batch-major), and every output is
+            batch-major.
+        pads: per input name, its :class:`Pad`.
+        buckets: the batch sizes graphs are captured for (ascending).
+    """
+
+    def __init__(self, engine, pads: Mapping[str, Pad], *, buckets=BUCKETS):
+        if list(buckets) != sorted(set(buckets)) or not buckets or buckets[0] < 1:
+            raise GraphDSLError(f"CudaGraphRunner: buckets must be ascending positive ints, got {buckets!r}")
+        self.engine = engine
+        self.pads = dict(pads)
+        self.buckets = tuple(buckets)
+        self.graphs: dict[int, _Graph] = {}
+        self._pool = None
+
+    def fits(self, inputs: Mapping[str, torch.Tensor]) -> bool:
+        """Whether a step with these inputs can replay a graph (batch within the largest bucket,
+        fixed-width inputs not wider than their width)."""
+        n = _batch(inputs, self.pads)
+        if n < 1 or n > self.buckets[-1]:
+            return False
+        return all(p.width is None or (inputs[k].dim() == 2 and inputs[k].shape[1] <= p.width)
+                   for k, p in self.pads.items())
+
+    def run(self, inputs: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """One step: pad into the bucket's static inputs, replay (capturing on first use), and
+        return copies of the outputs' first ``n`` rows."""
+        n = _batch(inputs, self.pads)
+        bucket = bucket_for(n, self.buckets) if n >= 1 else None
+        if bucket is None:
+            raise BindError(f"CudaGraphRunner: batch size must be in [1, {self.buckets[-1]}], got {n}")
+        entry = self.graphs.get(bucket)
+        if entry is None:
+            entry = self.graphs[bucket] = self._capture(bucket, inputs, n)
+        else:
+            self._load(entry, inputs, n)
+        entry.graph.replay()
+        return {name: buf[:n].clone() for name, buf in entry.outputs.items()}
+
+    def _load(self, entry: _Graph, inputs, n: int) -> None:
+        for name, x in inputs.items():
+            dst = entry.inputs[name]
+            if x.dtype != dst.dtype or x.device != dst.device or tuple(x.shape[2:]) != tuple(dst.shape[2:]) \
+                    or (self.pads[name].width is None and x.shape[1:] != dst.shape[1:]):
+                raise BindError(f"input '{name}': expected [n, {', '.join(map(str, dst.shape[1:]))}] "
+                                f"{dst.dtype} on {dst.device} (the captured graph's), got {list(x.shape)} "
+                                f"{x.dtype} on {x.device}")
+            _check_width(name, x, self.pads[name])
+            _fill(dst, x, n, self.pads[name])
+
+    def _capture(self, bucket: int, inputs, n: int) -> _Graph:
+        engine = self.engine
+        static = pad_batch(inputs, self.pads, bucket)
+        device = next(iter(static.values())).device
+        if device.type != "cuda":
+            raise GraphDSLError(f"CudaGraphRunner: CUDA graphs need CUDA inputs, got device {device}")
+        side = torch.cuda.Stream(device)
+        side.wait_stream(torch.cuda.current_stream(device))
+        with torch.cuda.stream(side):
+            outputs = engine.forward(static)          # warm-up: specialise the plan, compile kernels
+        torch.cuda.current_stream(device).wait_stream(side)
+        for name, buf in outputs.items():
+            if buf.dim() == 0 or buf.shape[0] != bucket:
+                raise GraphDSLError(f"CudaGraphRunner: output '{name}' must be batch-major ([{bucket}, ...]), "
+                                    f"got {list(buf.shape)}")
+        if self._pool is None:
+            self._pool = torch.cuda.graph_pool_handle()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self._pool):
+            engine.forward(static, outputs)
+        plan = engine.last_plan
+        keep = list(plan.storage.values()) if plan is not None and plan.storage else []
+        return _Graph(graph, static, outputs, keep)

@@ -1,0 +1,93 @@
+"""CUDA-graph bucketing and padding, checked on CPU: a decode step padded to its bucket (rows with
+slot -1 and seq_len 0, block tables widened to the fixed width) gives the real rows' logits and
+cache writes of the unpadded step."""
+import pytest
+import torch
+
+import graphdsl as gd
+from graphdsl.errors import BindError, GraphDSLError
+from graphdsl.layers import Phase
+from graphdsl.models.base import cuda_graphs_enabled, decode_pads
+from graphdsl.runtime.cuda_graphs import BUCKETS, CudaGraphRunner, Pad, bucket_for, pad_batch
+from tests.models.hf_tiny import make_checkpoint
+
+
+def test_bucket_for():
+    assert BUCKETS == (1, 2, 4, 8, 16, 32, 64, 128, 256)
+    assert [bucket_for(n) for n in (1, 2, 3, 5, 8, 33, 256)] == [1, 2, 4, 8, 8, 64, 256]
+    assert bucket_for(257) is None
+    with pytest.raises(GraphDSLError, match="n must be a positive int, got 0"):
+        bucket_for(0)
+
+
+def test_pad_batch_values_and_errors():
+    x = {"ids": torch.tensor([7, 8, 9]), "slots": torch.tensor([3, 4, 5]),
+         "bt": torch.tensor([[1, 2], [3, 4], [5, 6]], dtype=torch.int32)}
+    pads = {"ids": Pad(0), "slots": Pad(-1), "bt": Pad(0, width=4)}
+    p = pad_batch(x, pads, 4)
+    assert p["ids"].tolist() == [7, 8, 9, 0] and p["slots"].tolist() == [3, 4, 5, -1]
+    assert p["bt"].tolist() == [[1, 2, 0, 0], [3, 4, 0, 0], [5, 6, 0, 0], [0, 0, 0, 0]]
+    assert p["bt"].dtype == torch.int32
+    with pytest.raises(BindError, match="at most 1 wide"):
+        pad_batch(x, {**pads, "bt": Pad(0, width=1)}, 4)
+    with pytest.raises(BindError, match="rows must be >= the batch size 3, got 2"):
+        pad_batch(x, pads, 2)
+    with pytest.raises(BindError, match=r"dim 0 must be the batch size, got \{'ids': 2"):
+        pad_batch({**x, "ids": torch.tensor([1, 2])}, pads, 4)
+    with pytest.raises(BindError, match=r"missing inputs \['slots'\]"):
+        pad_batch({k: v for k, v in x.items() if k != "slots"}, pads, 4)
+    runner = CudaGraphRunner(object(), pads)
+    assert runner.fits(x) and not runner.fits({**x, "bt": torch.zeros(3, 5, dtype=torch.int32)})
+    big = {k: v.repeat(100, *([1] * (v.dim() - 1))) for k, v in x.items()}
+    assert not runner.fits(big)                         # 300 rows > the largest bucket
+
+
+def test_env_switch(monkeypatch):
+    assert cuda_graphs_enabled(True) and not cuda_graphs_enabled(False)
+    monkeypatch.setenv("GRAPHDSL_CUDA_GRAPHS", "0")
+    assert not cuda_graphs_enabled(True)
+
+
+def _decode_step(llm, seq_lens, g):
+    bs = llm.block_size
+    tables, slots, next_block = [], [], 0
+    for L in seq_lens:
+        n = -(-L // bs)
+        tables.append(list(range(next_block, next_block + n)))
+        next_block += n
+        slots.append(tables[-1][(L - 1) // bs] * bs + (L - 1) % bs)
+    width = max(map(len, tables))
+    return {"input_ids": torch.randint(0, llm.config.vocab_size, (len(seq_lens),), generator=g),
+            "positions": torch.tensor([L - 1 for L in seq_lens]),
+            "slot_mapping": torch.tensor(slots),
+            "block_tables": torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int32),
+            "seq_lens": torch.tensor(seq_lens, dtype=torch.int32)}
+
+
+@pytest.mark.parametrize("seq_lens", [[5], [5, 17, 30], [3, 9, 16, 2, 40]])
+def test_padded_decode_equals_unpadded(seq_lens, tmp_path):
+    make_checkpoint("llama", tmp_path)
+    llm = gd.LLM(tmp_path, device="cpu", dtype="float32", max_model_len=64, max_num_seqs=8, block_size=8)
+    g = torch.Generator().manual_seed(0)
+    for c in llm.kv_cache.key_caches + llm.kv_cache.value_caches:
+        c.copy_(torch.randn(c.shape, generator=g))
+    before = [c.clone() for c in llm.kv_cache.key_caches]
+    step = _decode_step(llm, seq_lens, g)
+    want = llm.model.execute(Phase.DECODE, step)
+    written = [c.clone() for c in llm.kv_cache.key_caches]
+    assert any(not torch.equal(a, b) for a, b in zip(before, written))
+    for c, b in zip(llm.kv_cache.key_caches, before):
+        c.copy_(b)
+    width = llm.model._runtime["max_blocks_per_seq"]
+    assert width == 8                                    # ceil(max_model_len / block_size)
+    bucket = bucket_for(len(seq_lens))
+    pads = {k: p for k, p in decode_pads(width).items() if k in step}
+    padded = pad_batch(step, pads, bucket)
+    assert padded["block_tables"].shape == (bucket, width)
+    got = llm.model.execute(Phase.DECODE, padded)
+    assert got.shape[0] == bucket and torch.isfinite(got).all()
+    torch.testing.assert_close(got[:len(seq_lens)], want, rtol=1e-5, atol=1e-5)
+    for c, w, b in zip(llm.kv_cache.key_caches, written, before):
+        assert torch.equal(c != b, w != b)               # the same slots written: none by padding rows
+        torch.testing.assert_close(c, w, rtol=1e-5, atol=1e-5)
+    assert llm.model._graph_runners == {}                # CPU: decode runs eagerly, no graphs
