@@ -19,10 +19,15 @@ from __future__ import annotations
 import argparse
 import importlib
 import math
+import os
+import sys
 from typing import NamedTuple
 
 import torch
 import triton
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))   # benchmarks/common.py, also when loaded by path
+from common import bench_ms, copy_bandwidth_gbs, matmul_tflops  # noqa: E402
 
 # the module (the package's ``paged_attention`` attribute is the function of the same name)
 pa = importlib.import_module("graphdsl.runtime.kernels.paged_attention")
@@ -32,7 +37,7 @@ DTYPE = torch.bfloat16
 
 
 def _median_ms(fn) -> float:
-    return triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median")
+    return bench_ms(fn, repeats=1, rep_ms=100)
 
 
 def _graph_ms(fn) -> float:
@@ -47,22 +52,6 @@ def _graph_ms(fn) -> float:
     with torch.cuda.graph(graph):
         fn()
     return _median_ms(graph.replay)
-
-
-def copy_bandwidth_gbs(nbytes: int = 1 << 30) -> float:
-    """Device-to-device copy of ``nbytes``: (read + written bytes) / median time."""
-    src = torch.randn(nbytes // 2, device="cuda", dtype=torch.bfloat16)
-    dst = torch.empty_like(src)
-    ms = _median_ms(lambda: dst.copy_(src))
-    return 2 * nbytes / ms / 1e6
-
-
-def matmul_tflops(n: int = 8192) -> float:
-    """bf16 ``torch.matmul`` of two random n x n matrices: 2 n^3 / median time."""
-    a = torch.randn(n, n, device="cuda", dtype=torch.bfloat16)
-    b = torch.randn(n, n, device="cuda", dtype=torch.bfloat16)
-    ms = _median_ms(lambda: torch.matmul(a, b))
-    return 2 * n ** 3 / ms / 1e9
 
 
 def make_paged(lens, news, *, heads=HEADS, kv_heads=KV_HEADS, head_dim=HEAD_DIM, block_size=BLOCK_SIZE,

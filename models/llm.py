@@ -120,15 +120,13 @@ class LLM:
         self._setup(config, model_obj, weights, _load_tokenizer(ckpt if gguf else None, path), device=device,
                     dtype=dtype, max_model_len=max_model_len, max_num_seqs=max_num_seqs,
                     max_num_batched_tokens=max_num_batched_tokens, kv_cache_memory_fraction=kv_cache_memory_fraction,
-                    num_kv_blocks=num_kv_blocks, block_size=block_size)
-        self.cuda_graphs = cuda_graphs
-        self.model.configure_runtime(cuda_graphs=cuda_graphs, max_blocks_per_seq=-(-self.max_model_len // block_size))
+                    num_kv_blocks=num_kv_blocks, block_size=block_size, cuda_graphs=cuda_graphs)
 
     @classmethod
     def from_config(cls, hf_config: dict, *, device: str | torch.device | None = None, dtype=None, seed: int = 0,
                     init_std: float = 0.02, max_model_len: int | None = None, max_num_seqs: int = 4,
                     max_num_batched_tokens: int | None = None, kv_cache_memory_fraction: float | None = None,
-                    num_kv_blocks: int | None = None, block_size: int = 16) -> "LLM":
+                    num_kv_blocks: int | None = None, block_size: int = 16, cuda_graphs: bool = True) -> "LLM":
         """A model of ``hf_config``'s architecture (a HF ``config.json`` as a dict) with random
         weights made directly on ``device``: matrices and embeddings ~ N(0, ``init_std``), norm
         weights 1, biases 0. No checkpoint, no tokenizer (prompts are token ids) — for benchmarks
@@ -148,7 +146,7 @@ class LLM:
         self._setup(config, model_obj, weights, None, device=device, dtype=dtype, max_model_len=max_model_len,
                     max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
                     kv_cache_memory_fraction=kv_cache_memory_fraction, num_kv_blocks=num_kv_blocks,
-                    block_size=block_size)
+                    block_size=block_size, cuda_graphs=cuda_graphs)
         return self
 
     def _architecture(self, hf: dict, device: torch.device, dtype, max_model_len):
@@ -161,7 +159,8 @@ class LLM:
         return config, cls(config, dtype), dtype
 
     def _setup(self, config: ModelConfig, model: FlashCausalLM, weights, tokenizer, *, device, dtype, max_model_len,
-               max_num_seqs, max_num_batched_tokens, kv_cache_memory_fraction, num_kv_blocks, block_size) -> None:
+               max_num_seqs, max_num_batched_tokens, kv_cache_memory_fraction, num_kv_blocks, block_size,
+               cuda_graphs: bool) -> None:
         self.config, self.model, self.tokenizer = config, model, tokenizer
         self.device, self.dtype = device, dtype
         cfg = config
@@ -180,6 +179,8 @@ class LLM:
                                      num_blocks=num_blocks, block_size=block_size, dtype=dtype, device=device)
         self.blocks = BlockManager(num_blocks, block_size)
         self.model.bind(weights, zip(self.kv_cache.key_caches, self.kv_cache.value_caches), block_size)
+        self.cuda_graphs = cuda_graphs
+        self.model.configure_runtime(cuda_graphs=cuda_graphs, max_blocks_per_seq=-(-self.max_model_len // block_size))
         self._ids = itertools.count()
         self.num_preemptions = 0
         eos = set(cfg.eos_token_ids)

@@ -1,0 +1,68 @@
+"""benchmarks/llm.py (``graphdsl bench``): the shape table holds the published models, the byte and
+FLOP counts follow from it, and the whole measurement runs end to end on a tiny shape on the CPU."""
+import importlib.util
+import pathlib
+import time
+
+import pytest
+import torch
+
+from graphdsl.models import build_config, resolve_model_class
+from graphdsl.models.cli import bench_script_path, build_parser
+from tests.helpers.soak import TINY_LLAMA
+
+
+@pytest.fixture(scope="module")
+def bench():
+    path = pathlib.Path(__file__).resolve().parents[2] / "benchmarks" / "llm.py"
+    assert pathlib.Path(bench_script_path()) == path
+    spec = importlib.util.spec_from_file_location("graphdsl_bench_llm_test", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+# total parameters as published on each model's card (embedding counted once when tied)
+PUBLISHED = {"llama-3.2-1b": 1_235_814_400, "llama-3-8b": 8_030_261_248, "qwen3-8b": 8_190_735_360}
+
+
+@pytest.mark.parametrize("shape", sorted(PUBLISHED))
+def test_shapes_have_the_published_parameter_counts(bench, shape):
+    config = build_config(bench.SHAPES[shape])
+    model = resolve_model_class(config.model_type, config.architectures)(config, torch.bfloat16)
+    w = bench.weight_bytes(model)
+    total = w["embedding"] + w["layers"] + (0 if config.tie_word_embeddings else w["lm_head"])
+    assert total // 2 == PUBLISHED[shape]
+    assert w["lm_head"] == w["embedding"]          # decode reads lm_head even when it is the embedding
+
+
+def test_byte_and_flop_counts(bench):
+    config = build_config(bench.SHAPES["llama-3-8b"])
+    w = {"embedding": 1, "lm_head": 10, "layers": 100}
+    kv = 2 * 32 * 8 * 128 * 2
+    assert kv == 131072
+    assert bench.decode_bytes(w, kv, batch=2, context=512) == 110 + 2 * 512 * kv
+    flops = bench.prefill_flops(config, {"layers": 2 * 1000}, 2, tokens=4)
+    assert flops == 2 * 1000 * 4 + 2 * 128256 * 4096 + 32 * 4 * 32 * 128 * 10
+
+
+def test_cli_offers_every_shape(bench):
+    sub = next(a for a in build_parser()._actions if a.dest == "command")
+    shape = next(a for a in sub.choices["bench"]._actions if a.dest == "shape")
+    assert sorted(shape.choices) == sorted(bench.SHAPES)
+
+
+def test_runs_end_to_end_on_a_tiny_cpu_shape(bench):
+    def timer(fn):
+        fn()
+        t0 = time.perf_counter()
+        fn()
+        return (time.perf_counter() - t0) * 1e3
+    res = bench.measure_graphdsl("tiny", hf=TINY_LLAMA, device="cpu", dtype="float32", timer=timer, batches=(1, 3),
+                                 e2e_batches=(2,), e2e_tokens=3, context=24, prefill=40)
+    assert set(res["decode"]) == {1, 3} and set(res["e2e"]) == {2} and res["prefill_ms"] > 0
+    peer = bench.measure_peer("tiny", hf=TINY_LLAMA, device="cpu", dtype=torch.float32, timer=timer,
+                              compile_mode=None, context=24)
+    text = bench.table(res, 100.0, 10.0, peer, "cpu")
+    assert "| decode batch 3, ctx 24" in text and "| prefill 40 tokens" in text
+    assert "graphdsl/peer time ratio" in text and "cold build decode + prefill engines" in text
