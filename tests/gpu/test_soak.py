@@ -16,7 +16,7 @@ if not torch.cuda.is_available():
 
 
 def test_soak_500_requests_with_preemption():
-    llm = tiny_llm("cuda", num_kv_blocks=96, max_num_seqs=32, max_num_batched_tokens=128)
+    llm = tiny_llm("cuda", num_kv_blocks=16, max_num_seqs=32, max_num_batched_tokens=128)
     stats = soak(llm, random_requests(500, seed=7), log=lambda m: print(m, file=sys.stderr, flush=True))
     print(f"soak: {stats}", file=sys.stderr)
     assert stats["preemptions"] > 0

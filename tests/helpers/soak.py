@@ -10,13 +10,14 @@ import graphdsl as gd
 
 # a tiny Llama; weights are drawn wide (init_std) so the logits are far from ties and the
 # batched and one-by-one runs (different matmul shapes, prefill vs decode kernels) pick the same tokens
-TINY_LLAMA = dict(model_type="llama", architectures=["LlamaForCausalLM"], vocab_size=256, hidden_size=64,
-                  intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+# (head_dim 32 and block_size 16: shapes the Triton attention kernels are tested at)
+TINY_LLAMA = dict(model_type="llama", architectures=["LlamaForCausalLM"], vocab_size=256, hidden_size=128,
+                  intermediate_size=256, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
                   max_position_embeddings=256, rms_norm_eps=1e-5, rope_theta=10000.0, tie_word_embeddings=False)
 
 
 def tiny_llm(device: str, *, num_kv_blocks: int, max_num_seqs: int, max_num_batched_tokens: int,
-             max_model_len: int = 64, block_size: int = 4) -> gd.LLM:
+             max_model_len: int = 64, block_size: int = 16) -> gd.LLM:
     return gd.LLM.from_config(TINY_LLAMA, device=device, dtype="float32", seed=0, init_std=0.15,
                               max_model_len=max_model_len, max_num_seqs=max_num_seqs,
                               max_num_batched_tokens=max_num_batched_tokens, num_kv_blocks=num_kv_blocks,
