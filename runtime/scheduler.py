@@ -122,14 +122,33 @@ class StepBatch:
             if c.samples:
                 heads.append(qsl[-1] - 1)
         width = max(len(t) for t in tables)
-        padded = [t + [0] * (width - len(t)) for t in tables]
+        flat_tables = [b for t in tables for b in t + [0] * (width - len(t))]
+        return _to_device(device, {"input_ids": (ids, torch.int64), "positions": (list(pos), torch.int64),
+                                   "slot_mapping": (slots, torch.int64), "lm_head_indices": (heads, torch.int64),
+                                   "block_tables": (flat_tables, torch.int32), "seq_lens": (lens, torch.int32),
+                                   "query_start_loc": (qsl, torch.int32)},
+                          shapes={"block_tables": (len(tables), width)})
 
-        def t(x, dt):
-            return torch.tensor(x, dtype=dt, device=device)
-        return {"input_ids": t(ids, torch.int64), "positions": t(pos, torch.int64),
-                "slot_mapping": t(slots, torch.int64), "block_tables": t(padded, torch.int32),
-                "seq_lens": t(lens, torch.int32), "query_start_loc": t(qsl, torch.int32),
-                "lm_head_indices": t(heads, torch.int64)}
+
+def _to_device(device, fields: dict[str, tuple[list[int], torch.dtype]],
+               shapes: dict[str, tuple[int, ...]]) -> dict[str, torch.Tensor]:
+    """One host-to-device copy per dtype: the lists are packed into one buffer, each starting at
+    a 16-byte boundary (kernels may assume aligned pointers), and handed out as views."""
+    out = {}
+    for dt in (torch.int64, torch.int32):
+        names = [k for k, (_, d) in fields.items() if d is dt]
+        align = 16 // torch.empty((), dtype=dt).element_size()
+        packed, offsets = [], {}
+        for k in names:
+            offsets[k] = len(packed)
+            vals = fields[k][0]
+            packed += vals + [0] * (-len(vals) % align)
+        buf = torch.tensor(packed, dtype=dt).to(device)
+        for k in names:
+            n = len(fields[k][0])
+            view = buf[offsets[k]:offsets[k] + n]
+            out[k] = view.view(shapes[k]) if k in shapes else view
+    return out
 
 
 @dataclass
