@@ -14,6 +14,7 @@ from pydantic import BaseModel, ConfigDict, ValidationError
 
 from graphdsl.errors import GraphDSLError
 from graphdsl.layers import RopeScaling, RopeType
+from graphdsl.runtime.jsonfile import read_json_object
 
 __all__ = ["ModelConfig", "ConfigBuilder", "register_config_builder", "build_config", "read_hf_config",
            "parse_rope", "UnsupportedModelError"]
@@ -111,13 +112,7 @@ def read_hf_config(path: str | os.PathLike) -> dict:
     file = os.path.join(path, "config.json") if os.path.isdir(path) else path
     if not os.path.isfile(file):
         raise GraphDSLError(f"no config.json at {path!r}: pass a HF model directory or a .gguf file")
-    try:
-        with open(file, encoding="utf-8") as f:
-            hf = json.load(f)
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise GraphDSLError(f"cannot read {file!r}: {e}") from None
-    if not isinstance(hf, dict):
-        raise GraphDSLError(f"{file!r} must hold a JSON object, got {type(hf).__name__}")
+    hf = read_json_object(file)
     gen = os.path.join(os.path.dirname(file), "generation_config.json")
     if os.path.isfile(gen):
         try:

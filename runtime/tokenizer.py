@@ -27,6 +27,8 @@ from typing import Any, Iterable
 
 from graphdsl.errors import GraphDSLError
 
+from .jsonfile import read_json_object
+
 __all__ = ["Tokenizer", "StreamDecoder"]
 
 # llama.cpp token types (gguf TokenType)
@@ -59,17 +61,6 @@ def _token_str(v: Any) -> str | None:
     if isinstance(v, dict):
         v = v.get("content")
     return v if isinstance(v, str) else None
-
-
-def _read_json(path: str) -> dict:
-    try:
-        with open(path, encoding="utf-8") as f:
-            data = json.load(f)
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise GraphDSLError(f"cannot read {path!r}: {e}") from None
-    if not isinstance(data, dict):
-        raise GraphDSLError(f"{path!r} must hold a JSON object, got {type(data).__name__}")
-    return data
 
 
 def _ids(v: Any) -> list[int]:
@@ -119,7 +110,7 @@ class Tokenizer:
             raise GraphDSLError(f"cannot load {tj!r}: {str(e).splitlines()[0]}") from None
 
         cfg_path = os.path.join(model_dir, "tokenizer_config.json")
-        cfg = _read_json(cfg_path) if os.path.isfile(cfg_path) else {}
+        cfg = read_json_object(cfg_path) if os.path.isfile(cfg_path) else {}
 
         def tid(key: str) -> int | None:
             tok = _token_str(cfg.get(key))
@@ -129,7 +120,7 @@ class Tokenizer:
         eos = set(x for x in [tid("eos_token")] if x is not None)
         gen_path = os.path.join(model_dir, "generation_config.json")
         if os.path.isfile(gen_path):
-            gen = _read_json(gen_path)
+            gen = read_json_object(gen_path)
             eos.update(_ids(gen.get("eos_token_id")))
             if bos is None and isinstance(gen.get("bos_token_id"), int):
                 bos = gen["bos_token_id"]
@@ -149,7 +140,7 @@ class Tokenizer:
         t = cfg.get("chat_template")
         ctj = os.path.join(model_dir, "chat_template.json")
         if t is None and os.path.isfile(ctj):
-            t = _read_json(ctj).get("chat_template")
+            t = read_json_object(ctj).get("chat_template")
         if isinstance(t, list):  # [{"name": "default", "template": ...}, ...]
             named = {d.get("name"): d.get("template") for d in t if isinstance(d, dict)}
             t = named.get("default") or next(iter(named.values()), None)
