@@ -354,6 +354,9 @@ class LLM:
             text = self.tokenizer.decode(s.out_ids, skip_special_tokens=True)
         return CompletionOutput(s.prompt, s.prompt_ids, text, list(s.out_ids), s.finish_reason or "length")
 
+    def _tensor(self, values, dtype) -> torch.Tensor:
+        return torch.tensor(values, dtype=dtype, device=self.device)
+
     def _execute(self, batch: StepBatch) -> torch.Tensor:
         """Float32 logits ``[len(batch.sampling_chunks), vocab]`` of one scheduled step."""
         inputs = batch.model_inputs(self.blocks, self.device)
