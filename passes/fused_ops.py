@@ -20,8 +20,8 @@ from graphdsl.functional import attention as _attn
 from graphdsl.functional._rules import binary_rule
 from graphdsl.opdef import OpCategory, Spec, check, get_op, register_op
 
-__all__ = ["add_rms_norm", "silu_mul", "rope_cache", "matmul_add", "rms_norm_matmul", "add_rms_norm_matmul",
-           "silu_mul_matmul", "fused", "program_ops", "FUSED_OPS"]
+__all__ = ["add_rms_norm", "silu_mul", "rope_cache", "matmul_add", "fused", "program_ops",
+           "FUSED_OPS"]
 
 
 # -- residual add + RMSNorm ----------------------------------------------------------------
@@ -88,52 +88,6 @@ def matmul_add(a, b, c, *, transpose_a=False, transpose_b=False):
     return torch.add(get_op("matmul").reference(a, b, transpose_a=transpose_a, transpose_b=transpose_b), c)
 
 
-# -- row op as the prologue of a weight matmul (decode GEMVs) ------------------------------------
-# The weight is [N, K] and read transposed (HF layout), as the ``matmul_prologue`` pass matches it.
-def _weight_matmul_rule(a: Spec, weight: Spec):
-    return get_op("matmul").shape(a, weight, transpose_a=False, transpose_b=True)
-
-
-def _rms_norm_matmul_rule(x: Spec, norm_weight: Spec, weight: Spec, *, eps=1e-6):
-    return _weight_matmul_rule(get_op("rms_norm").shape(x, norm_weight, eps=eps), weight)
-
-
-@register_op("rms_norm_matmul", category=OpCategory.MATMUL, shape=_rms_norm_matmul_rule)
-def rms_norm_matmul(x, norm_weight, weight, *, eps=1e-6):
-    """out = rms_norm(x, norm_weight, eps) @ weightᵀ;  x [T, K], norm_weight [K], weight [N, K] ->
-    out [T, N] (x's dtype: the pass fuses only weights of x's dtype). The GEMV normalises each row
-    of x while it loads it, so the normed rows never reach memory."""
-    h = get_op("rms_norm").reference(x, norm_weight, eps=eps)
-    return get_op("matmul").reference(h, weight, transpose_a=False, transpose_b=True)
-
-
-def _add_rms_norm_matmul_rule(x: Spec, residual: Spec, norm_weight: Spec, weight: Spec, *, eps=1e-6):
-    normed, s = _add_rms_norm_rule(x, residual, norm_weight, eps=eps)
-    return _weight_matmul_rule(normed, weight), s
-
-
-@register_op("add_rms_norm_matmul", category=OpCategory.MATMUL, shape=_add_rms_norm_matmul_rule, num_outputs=2)
-def add_rms_norm_matmul(x, residual, norm_weight, weight, *, eps=1e-6):
-    """s = x + residual;  out = rms_norm(s, norm_weight, eps) @ weightᵀ.  Returns (out, s): out
-    [T, N] and the new residual stream s [T, K] (x, residual [T, K], norm_weight [K], weight [N, K]);
-    the normed rows never reach memory."""
-    normed, s = get_op("add_rms_norm").reference(x, residual, norm_weight, eps=eps)
-    return get_op("matmul").reference(normed, weight, transpose_a=False, transpose_b=True), s
-
-
-def _silu_mul_matmul_rule(x: Spec, weight: Spec):
-    return _weight_matmul_rule(_silu_mul_rule(x), weight)
-
-
-@register_op("silu_mul_matmul", category=OpCategory.MATMUL, shape=_silu_mul_matmul_rule)
-def silu_mul_matmul(x, weight):
-    """gate, up = x[..., :I], x[..., I:];  out = (silu(gate) * up) @ weightᵀ;  x [T, 2I] (packed
-    [gate | up]), weight [N, I] -> out [T, N]. The GEMV applies SwiGLU to each row while it loads
-    it (the down projection of a gated MLP)."""
-    act = get_op("silu_mul").reference(x)
-    return get_op("matmul").reference(act, weight, transpose_a=False, transpose_b=True)
-
-
 # -- generic fused group -------------------------------------------------------------------------
 def program_ops(program) -> list[str]:
     """The op names of a ``fused`` sub-program, in order."""
@@ -176,5 +130,4 @@ def fused(*inputs, program=(), outputs=(), absorbed=()):
 
 
 FUSED_OPS = {"add_rms_norm": add_rms_norm, "silu_mul": silu_mul, "rope_cache": rope_cache,
-             "matmul_add": matmul_add, "rms_norm_matmul": rms_norm_matmul,
-             "add_rms_norm_matmul": add_rms_norm_matmul, "silu_mul_matmul": silu_mul_matmul, "fused": fused}
+             "matmul_add": matmul_add, "fused": fused}

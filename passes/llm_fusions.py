@@ -9,25 +9,16 @@
   epilogue. It runs after ``add_rms_norm``: an add that feeds an RMSNorm saves more by joining the
   norm's row kernel (no extra read of the sum) than by joining the GEMM, so only adds left over
   (biases, residuals not followed by a norm) go to the GEMM.
-* ``matmul_prologue`` — ``rms_norm`` / ``add_rms_norm`` / ``silu_mul`` whose result feeds only a
-  weight matmul (2-D ``x @ weightᵀ``, weight of x's dtype) -> ``rms_norm_matmul`` /
-  ``add_rms_norm_matmul`` / ``silu_mul_matmul``: a decode GEMV is bound by reading its weight, so it
-  computes the row op while it loads its few input rows, saving one launch per projection. It runs
-  after ``add_rms_norm`` and ``swiglu`` (it consumes their ops) and after ``matmul_epilogue`` (a
-  matmul that took a bias or residual is a ``matmul_add`` and keeps its own epilogue).
 """
 from __future__ import annotations
 
 from graphdsl import functional as F
-from graphdsl.dim import shape_str
 
-from .fused_ops import (add_rms_norm, add_rms_norm_matmul, matmul_add, rms_norm_matmul, rope_cache, silu_mul,
-                        silu_mul_matmul)
+from .fused_ops import add_rms_norm, matmul_add, rope_cache, silu_mul
 from .rewriter import Rule, Var, ops
 from .shapes import same_extent_value, same_shape
 
-__all__ = ["ADD_RMS_NORM_RULES", "SWIGLU_RULES", "ROPE_CACHE_RULES", "MATMUL_EPILOGUE_RULES",
-           "MATMUL_PROLOGUE_RULES"]
+__all__ = ["ADD_RMS_NORM_RULES", "SWIGLU_RULES", "ROPE_CACHE_RULES", "MATMUL_EPILOGUE_RULES"]
 
 
 # -- residual add + RMSNorm ----------------------------------------------------------------------
@@ -158,57 +149,3 @@ def _epilogue_check(m):
 MATMUL_EPILOGUE_RULES = [Rule("matmul_epilogue", _epilogue_pattern, _epilogue_replacement, _epilogue_check),
                          Rule("matmul_epilogue_swapped", _epilogue_pattern_swapped, _epilogue_replacement,
                               _epilogue_check)]
-
-
-# -- matmul prologue --------------------------------------------------------------------------------
-def _norm_prologue_pattern(x, norm_weight, weight):
-    h = F.rms_norm(x, norm_weight, eps=Var("eps"))
-    return ops.matmul(h, weight, transpose_a=Var("ta"), transpose_b=Var("tb"))
-
-
-def _norm_prologue_replacement(x, norm_weight, weight, *, eps):
-    return rms_norm_matmul(x, norm_weight, weight, eps=eps)
-
-
-def _add_norm_prologue_pattern(x, residual, norm_weight, weight):
-    normed, s = add_rms_norm(x, residual, norm_weight, eps=Var("eps"))
-    return ops.matmul(normed, weight, transpose_a=Var("ta"), transpose_b=Var("tb")), s
-
-
-def _add_norm_prologue_replacement(x, residual, norm_weight, weight, *, eps):
-    return add_rms_norm_matmul(x, residual, norm_weight, weight, eps=eps)
-
-
-def _swiglu_prologue_pattern(x, weight):
-    return ops.matmul(silu_mul(x), weight, transpose_a=Var("ta"), transpose_b=Var("tb"))
-
-
-def _swiglu_prologue_replacement(x, weight):
-    return silu_mul_matmul(x, weight)
-
-
-def _prologue_check(m):
-    """The matmul is a GEMM/GEMV by a [N, K] weight read transposed, in x's dtype, over 2-D rows.
-    (An intermediate read elsewhere is refused by the driver as an extra user.)"""
-    x, w = m.inputs["x"], m.inputs["weight"]
-    mm = m.node("matmul")
-    if m.vars["ta"] or not m.vars["tb"]:
-        return (f"layout: the matmul has transpose_a={m.vars['ta']}, transpose_b={m.vars['tb']}; the prologue "
-                "fuses x @ weightᵀ (transpose_a=False, transpose_b=True) only")
-    if x.shape is None or w.shape is None:
-        return "shape: unknown while building"
-    if len(x.shape) != 2:
-        return f"shape: the input {shape_str(x.shape)} is not 2-D [tokens, features]"
-    if len(w.shape) != 2:
-        return f"shape: the weight {shape_str(w.shape)} is not 2-D [out, in]"
-    if w.dtype != x.dtype:
-        return f"dtype: the weight is {w.dtype} but the input {x.dtype}"
-    if w.producer is not None and w.producer is mm.inputs[0].producer:
-        return f"the weight '{w.name}' is the prologue's own result, not a weight"
-    return True
-
-
-MATMUL_PROLOGUE_RULES = [
-    Rule("rms_norm_matmul", _norm_prologue_pattern, _norm_prologue_replacement, _prologue_check),
-    Rule("add_rms_norm_matmul", _add_norm_prologue_pattern, _add_norm_prologue_replacement, _prologue_check),
-    Rule("silu_mul_matmul", _swiglu_prologue_pattern, _swiglu_prologue_replacement, _prologue_check)]

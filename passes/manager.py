@@ -29,8 +29,7 @@ from .dce import dead_code_elimination
 from .generic_fusion import default_can_fuse, fuse_groups
 from .graph_edit import GraphEditor
 from .horizontal import merge_projections
-from .llm_fusions import (ADD_RMS_NORM_RULES, MATMUL_EPILOGUE_RULES, MATMUL_PROLOGUE_RULES, ROPE_CACHE_RULES,
-                          SWIGLU_RULES)
+from .llm_fusions import ADD_RMS_NORM_RULES, MATMUL_EPILOGUE_RULES, ROPE_CACHE_RULES, SWIGLU_RULES
 from .rewriter import NearMiss, Rule, apply_rules
 
 __all__ = ["PassSpec", "PassContext", "PassRecord", "BuildReport", "PassManager", "PIPELINE", "pass_names",
@@ -143,8 +142,6 @@ PIPELINE: list[PassSpec] = [
              rules=ADD_RMS_NORM_RULES),
     PassSpec("matmul_epilogue", "matmul + bias / residual -> matmul_add (GEMM epilogue)",
              rules=MATMUL_EPILOGUE_RULES),
-    PassSpec("matmul_prologue", "rms_norm / add_rms_norm / silu_mul feeding a weight matmul -> one op (decode "
-             "GEMVs load their rows through the prologue)", rules=MATMUL_PROLOGUE_RULES),
     PassSpec("generic_fusion", "connected pointwise ops (+ one row reduction) -> one fused kernel", fn=_generic),
 ]
 
