@@ -30,6 +30,7 @@ from graphdsl.errors import GraphDSLError
 from graphdsl.functional._rules import broadcast_shapes
 from graphdsl.opdef import OpCategory, Spec, get_op
 
+from ..kernels.pdl import pdl_launch
 from .lowering import PRELUDE, ROW_REDUCTIONS, Operand, compute_type, lower_pointwise, tl_dtype
 
 __all__ = ["launch_config", "FusedKernel", "prepare_fused", "run_fused", "kernel_source", "MAX_ROW"]
@@ -135,6 +136,7 @@ def kernel_source(program, outputs, specs: list[Spec], consts: dict, reduction: 
     for j in range(len(outputs)):
         args.append("    " + ", ".join(f"out{j}_s{d}" for d in range(rank)) + f",  # output {j} strides")
     args.append("    BLOCK: tl.constexpr,  # columns per program")
+    args.append("    USE_PDL: tl.constexpr,  # launched with programmatic dependent launch (kernels/pdl.py)")
     math_lines = []
     for k, (op, refs, attr_pairs) in enumerate(program):
         a = ", ".join(f"%{r}" for r in refs)
@@ -142,7 +144,7 @@ def kernel_source(program, outputs, specs: list[Spec], consts: dict, reduction: 
         math_lines.append(f"    %{n_in + k} = {op}({a}{', ' + at if at else ''})")
     doc = ("    \"\"\"Fused group over rows x C" + (" ending in a row reduction" if reduction is not None else "")
            + ":\n\n" + "\n".join(math_lines) + "\n\n    returns " + ", ".join(f"%{r}" for r in outputs) + "\n    \"\"\"")
-    body = []
+    body = ["    pdl_wait(USE_PDL)"]
     if reduction is None:
         body += ["    pid = tl.program_id(0).to(tl.int64)", "    row = pid // NB",
                  "    cols = (pid % NB) * BLOCK + tl.arange(0, BLOCK)"]
@@ -187,7 +189,8 @@ def kernel_source(program, outputs, specs: list[Spec], consts: dict, reduction: 
             body.append(f"    tl.store(out{j}_ptr + ({offset(f'out{j}', False)}), {text})")
         else:
             body.append(f"    tl.store(out{j}_ptr + ({offset(f'out{j}', True)}), {text}, mask=mask)")
-    return ("import triton\nimport triton.language as tl\n\n" + PRELUDE + "\n\n@triton.jit\ndef fused_kernel(\n"
+    return ("import triton\nimport triton.language as tl\n\nfrom graphdsl.runtime.kernels.pdl import pdl_wait\n\n"
+            + PRELUDE + "\n\n@triton.jit\ndef fused_kernel(\n"
             + "\n".join(args) + "\n):\n" + doc + "\n" + "\n".join(body) + "\n")
 
 
@@ -292,11 +295,12 @@ class FusedKernel:
     args: list
     block: int
     num_warps: int
+    pdl: dict
 
     def __call__(self, inputs: list[torch.Tensor], outputs: list[torch.Tensor]) -> None:
         if self.grid[0] == 0:
             return
-        self.fn[self.grid](*inputs, *outputs, *self.args, BLOCK=self.block, num_warps=self.num_warps)
+        self.fn[self.grid](*inputs, *outputs, *self.args, BLOCK=self.block, num_warps=self.num_warps, **self.pdl)
 
 
 def prepare_fused(program, outputs, inputs: list[torch.Tensor], dsts: list[torch.Tensor]) -> tuple[FusedKernel, list[int]]:
@@ -320,7 +324,8 @@ def prepare_fused(program, outputs, inputs: list[torch.Tensor], dsts: list[torch
     fn = compile_source(src)
     args = list(cshape[:-1]) + [C, nb] + [s for st in cstrides for s in st]
     grid = (rows * nb if C > 0 else 0,)
-    return FusedKernel(src, fn, grid, args, block, warps), an.data_inputs
+    device = (dsts or inputs)[0].device
+    return FusedKernel(src, fn, grid, args, block, warps, pdl_launch(device)), an.data_inputs
 
 
 def run_fused(program, outputs, inputs: list[torch.Tensor], dsts: list[torch.Tensor]) -> FusedKernel:

@@ -15,6 +15,7 @@ import triton.language as tl
 from graphdsl.errors import GraphDSLError
 from graphdsl.functional.attention import RopeLayout
 
+from ..kernels.pdl import pdl_launch, pdl_wait
 from .fused import launch_config
 
 __all__ = ["rope_cache", "prepare_rope_cache", "RopeCacheKernel"]
@@ -61,11 +62,13 @@ def _rope_cache_kernel(
     GPTJ: tl.constexpr,                        # pairs (2i, 2i+1) instead of (i, i + HALF)
     HALVES: tl.constexpr,                      # NEOX rotating the whole head: load the two halves once each
     BLOCK_HQ: tl.constexpr, BLOCK_HK: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_HALF: tl.constexpr,
+    USE_PDL: tl.constexpr,                     # launched with programmatic dependent launch (kernels/pdl.py)
 ):
     """For token t, head h, rotating pair (a, b) with frequency i:
         x'[a] = x[a] cos[t, i] - x[b] sin[t, i],   x'[b] = x[b] cos[t, i] + x[a] sin[t, i]
     NEOX: a = i, b = i + HALF;  GPT-J: a = 2i, b = 2i + 1.  Computed in float32.
     q_out[t] = q'[t];  key_cache.flat[slot[t]] = k'[t];  value_cache.flat[slot[t]] = v[t]  (slot >= 0)."""
+    pdl_wait(USE_PDL)
     t = tl.program_id(0).to(tl.int64)
     hq = tl.arange(0, BLOCK_HQ)
     hk = tl.arange(0, BLOCK_HK)
@@ -155,7 +158,8 @@ def prepare_rope_cache(q, k, v, key_cache, value_cache, cos, sin, slot_mapping, 
     _, warps = launch_config(bhq * block_d, reduction=True)
     meta = dict(HQ=HQ, HK=HK, D=D, HALF=half, GPTJ=layout is RopeLayout.GPTJ,
                 HALVES=layout is RopeLayout.NEOX and 2 * half == D, BLOCK_HQ=bhq, BLOCK_HK=bhk, BLOCK_D=block_d,
-                BLOCK_HALF=1 << math.ceil(math.log2(max(half, 1))), num_warps=num_warps or min(warps, 8))
+                BLOCK_HALF=1 << math.ceil(math.log2(max(half, 1))), num_warps=num_warps or min(warps, 8),
+                **pdl_launch(q.device))
     strides = (q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), cos.stride(0))
     return RopeCacheKernel((T,), strides, meta)
 

@@ -17,6 +17,8 @@ import triton.language as tl
 
 from graphdsl.errors import GraphDSLError
 
+from .pdl import pdl_launch, pdl_wait
+
 __all__ = ["reshape_and_cache"]
 
 _CACHE_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
@@ -36,6 +38,7 @@ def _reshape_and_cache_kernel(
     NUM_HEADS: tl.constexpr,   # kv_heads
     HEAD_DIM: tl.constexpr,    # head_dim
     BLOCK: tl.constexpr,       # elements of one token's heads*head_dim row handled per program
+    USE_PDL: tl.constexpr,     # launched with programmatic dependent launch (kernels/pdl.py)
 ):
     """One program copies ``BLOCK`` of the ``kv_heads * head_dim`` elements of token ``t``.
 
@@ -46,6 +49,7 @@ def _reshape_and_cache_kernel(
 
     converted to the cache's dtype; slot arithmetic is in int64 (large caches exceed 2**31 elements).
     """
+    pdl_wait(USE_PDL)
     t = tl.program_id(0)
     chunk = tl.program_id(1)
     slot = tl.load(slot_ptr + t).to(tl.int64)
@@ -121,7 +125,7 @@ def _launch_reshape_and_cache(key, value, key_cache, value_cache, slot_mapping):
     _reshape_and_cache_kernel[grid](
         key, value, key_cache, value_cache, slot_mapping,
         key.stride(0), key.stride(1), value.stride(0), value.stride(1),
-        NUM_HEADS=heads, HEAD_DIM=dim, BLOCK=block, num_warps=warps)
+        NUM_HEADS=heads, HEAD_DIM=dim, BLOCK=block, num_warps=warps, **pdl_launch(key.device))
     return key_cache, value_cache
 
 

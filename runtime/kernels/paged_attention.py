@@ -56,6 +56,8 @@ import triton.language as tl
 
 from graphdsl.errors import GraphDSLError
 
+from .pdl import pdl_launch, pdl_wait
+
 __all__ = ["paged_attention", "paged_attention_prefill", "paged_attention_decode", "decode_num_splits",
            "decode_workspace_shapes"]
 
@@ -164,6 +166,7 @@ def _prefill_kernel(
     USE_WINDOW: tl.constexpr,  # sliding_window > 0
     DOT_PREC: tl.constexpr,    # tl.dot input_precision ("tf32x3" for float32 inputs)
     DOT_F32: tl.constexpr,     # upcast dot operands to float32 (interpreter only, see _mm)
+    USE_PDL: tl.constexpr,     # launched with programmatic dependent launch (kernels/pdl.py)
 ):
     """Rows ``r`` of tile ``t`` of sequence ``s``: query ``i = t * BLOCK_Q + r // GROUP_PAD``, head
     ``kvh * GROUP + r % GROUP_PAD``, position ``p = L - n + i``. Keys run over
@@ -174,6 +177,7 @@ def _prefill_kernel(
         acc = acc * 2^(m - m') + P V;  m = m'          and finally  out = acc / l
     """
     BLOCK_M: tl.constexpr = BLOCK_Q * GROUP_PAD
+    pdl_wait(USE_PDL)
     kvh = tl.program_id(0)
     # heaviest tiles (last queries of the last sequences) first: less tail imbalance under causality
     tile = tl.num_programs(1) - 1 - tl.program_id(1)
@@ -270,6 +274,7 @@ def _decode_split_kernel(
     USE_WINDOW: tl.constexpr,  # sliding_window > 0
     DOT_PREC: tl.constexpr,    # tl.dot input_precision
     DOT_F32: tl.constexpr,     # upcast dot operands to float32 (interpreter only, see _mm)
+    USE_PDL: tl.constexpr,     # launched with programmatic dependent launch (kernels/pdl.py)
 ):
     """Program ``(s, kvh, j)``: keys ``[lo, L)`` with ``lo = max(0, L - window)`` (0 without a
     window) are cut into ``T = cdiv(L - lo, BLOCK_N)`` tiles; split ``j`` takes tiles
@@ -277,6 +282,7 @@ def _decode_split_kernel(
     ``GROUP`` query heads of KV head ``kvh`` over them (module docstring), every key in range being
     visible (causal: the query is the last position). It stores ``acc, m, l``, or ``acc / l`` into
     ``out`` when ``NUM_SPLITS == 1``; an empty split stores ``m = -1e30, l = 0, acc = 0``."""
+    pdl_wait(USE_PDL)
     seq = tl.program_id(0)
     kvh = tl.program_id(1)
     split = tl.program_id(2)
@@ -326,9 +332,11 @@ def _decode_reduce_kernel(
     HEAD_DIM: tl.constexpr,    # head_dim
     NUM_SPLITS: tl.constexpr,  # splits written by the split kernel
     SPLITS_PAD: tl.constexpr,  # NUM_SPLITS rounded up to a power of two
+    USE_PDL: tl.constexpr,     # launched with programmatic dependent launch (kernels/pdl.py)
 ):
     """Program ``(s, h)``: ``M = max_j m_j``, ``w_j = 2^(m_j - M)``,
     ``out = sum_j w_j acc_j / sum_j w_j l_j`` (0 when no split saw a key)."""
+    pdl_wait(USE_PDL)
     seq = tl.program_id(0)
     head = tl.program_id(1)
     j = tl.arange(0, SPLITS_PAD)
@@ -481,7 +489,7 @@ def _launch_prefill(q, key_cache, value_cache, block_tables, seq_lens, query_sta
         *_cache_strides(key_cache, value_cache), block_tables.stride(0),
         BLOCK_SIZE=block_size, GROUP=group, GROUP_PAD=group_pad, HEAD_DIM=dim,
         BLOCK_Q=block_q, BLOCK_N=cfg.block_n, USE_CAP=soft_cap > 0, USE_WINDOW=sliding_window > 0,
-        **_dot_args(q.dtype, _prefill_kernel),
+        **_dot_args(q.dtype, _prefill_kernel), **pdl_launch(q.device),
         num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     return out
 
@@ -558,13 +566,14 @@ def _launch_decode(q, key_cache, value_cache, block_tables, seq_lens, scale, sli
         *_cache_strides(key_cache, value_cache), block_tables.stride(0),
         NUM_HEADS=heads, BLOCK_SIZE=block_size, GROUP=group, BLOCK_H=cfg.block_m, HEAD_DIM=dim,
         BLOCK_N=cfg.block_n, NUM_SPLITS=num_splits, USE_CAP=soft_cap > 0, USE_WINDOW=sliding_window > 0,
-        **_dot_args(q.dtype, _decode_split_kernel),
+        **_dot_args(q.dtype, _decode_split_kernel), **pdl_launch(q.device),
         num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     if num_splits > 1:
         _decode_reduce_kernel[(num_seqs, heads)](
             part_acc, part_ml, out, num_seqs, out.stride(0), out.stride(1),
             NUM_HEADS=heads, HEAD_DIM=dim, NUM_SPLITS=num_splits,
-            SPLITS_PAD=triton.next_power_of_2(num_splits), num_warps=4 if dim >= 128 else 2)
+            SPLITS_PAD=triton.next_power_of_2(num_splits), num_warps=4 if dim >= 128 else 2,
+            **pdl_launch(q.device))
     return out
 
 

@@ -1,0 +1,75 @@
+"""Programmatic dependent launch (PDL) for the engine's Triton kernels.
+
+A decode step is a chain of a few hundred short kernels, each of which waits for the one before
+it; on Hopper every such boundary costs microseconds of launch and ramp-up even inside a CUDA
+graph. With PDL a kernel launched with the programmatic-serialisation attribute may be scheduled
+*before* its predecessor has finished: its programs start, wait at ``griddepcontrol.wait`` until
+the predecessor grid has completed and its writes are visible, and only then touch memory. The
+predecessor allows this early start with ``griddepcontrol.launch_dependents``. The launch of the
+next kernel thus overlaps the tail of the current one, and CUDA-graph capture keeps these
+programmatic edges.
+
+The contract, kept by every kernel that takes ``USE_PDL``: call :func:`pdl_wait` before its first
+memory access that depends on earlier kernels, or that writes memory earlier kernels may still
+read — in practice first thing, except reads of weights, which no kernel of a step writes. A
+kernel that is not launched this way (cuBLAS, torch ops) simply runs after its predecessor, and
+a PDL kernel after it starts when it ends, so mixing is safe.
+
+:func:`pdl_launch` returns the launch keywords: ``USE_PDL`` (a ``tl.constexpr``) and Triton's
+``launch_pdl`` option, on Hopper or newer CUDA devices when the installed Triton has grid
+dependency control, and not under the CPU interpreter; ``GRAPHDSL_PDL=0`` turns it off.
+"""
+from __future__ import annotations
+
+import functools
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+try:                                   # Triton >= 3.3 on NVIDIA
+    from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
+except ImportError:                    # pragma: no cover - older Triton: PDL stays off
+    gdc_launch_dependents = gdc_wait = None
+
+__all__ = ["pdl_wait", "pdl_launch", "pdl_available"]
+
+
+@triton.jit
+def pdl_wait(USE_PDL: tl.constexpr):
+    """Wait for the previous kernel's completion, then let the next kernel launch early."""
+    if USE_PDL:
+        gdc_wait()
+        gdc_launch_dependents()
+
+
+@functools.lru_cache(maxsize=None)
+def _hopper(index: int) -> bool:
+    return torch.cuda.get_device_capability(index)[0] >= 9
+
+
+@functools.lru_cache(maxsize=1)
+def _triton_has_pdl() -> bool:
+    if gdc_wait is None:
+        return False
+    try:
+        from triton.backends.nvidia.compiler import CUDAOptions
+    except ImportError:                # pragma: no cover
+        return False
+    return "launch_pdl" in getattr(CUDAOptions, "__dataclass_fields__", {})
+
+
+def pdl_available(device) -> bool:
+    """Whether kernels on ``device`` launch with PDL (see the module docstring for the conditions)."""
+    device = torch.device(device)
+    if device.type != "cuda" or os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
+        return False
+    if os.environ.get("GRAPHDSL_PDL", "1") == "0" or not _triton_has_pdl():
+        return False
+    return _hopper(device.index if device.index is not None else torch.cuda.current_device())
+
+
+def pdl_launch(device) -> dict:
+    """Launch keywords for a kernel that takes ``USE_PDL``: ``{USE_PDL, launch_pdl}`` or ``{USE_PDL}``."""
+    return {"USE_PDL": True, "launch_pdl": True} if pdl_available(device) else {"USE_PDL": False}
