@@ -10,11 +10,15 @@ Per node, by what the node is:
   (its split-K workspace kept by the backend, so a CUDA-graph replay allocates nothing), writing
   into the node's slot; ``reshape_and_cache`` — the Triton cache-write kernel, in place. On CPU
   without ``TRITON_INTERPRET=1`` these two run their torch references instead;
-* matmuls — ``torch.matmul(..., out=slot)`` / ``torch.addmm`` (cuBLAS on CUDA, its epilogue adds
-  the bias or residual);
+* matmuls of weights ``[N, K]`` (``transpose_b``) by at most 16 fp16/bf16 rows — the decode GEMV
+  (:mod:`graphdsl.runtime.kernels.gemv`), bias or residual in its epilogue; other matmuls —
+  ``torch.matmul(..., out=slot)`` / ``torch.addmm`` (cuBLAS on CUDA, its epilogue adds the bias or
+  residual);
 * anything else — the op's torch reference, copied into its slot (views alias their source).
 
 Kernels are prepared once per node and operand signature (shapes, strides, dtypes) and cached.
+On Hopper the Triton kernels launch with programmatic dependent launch
+(:mod:`graphdsl.runtime.kernels.pdl`), so each one's launch overlaps the tail of the one before.
 On CPU the same kernels run under ``TRITON_INTERPRET=1`` (how CI tests them).
 """
 from __future__ import annotations
@@ -73,6 +77,8 @@ class TritonBackend:
         self._workspaces: dict = {}             # (device, shapes) -> split-K decode partial buffers
         self._single: dict = {}                 # node -> generated as a one-op kernel?
         self.sources: dict[str, str] = {}       # node name -> generated kernel source (for dumps)
+        from ..kernels.gemv import GemvWorkspace
+        self.gemv_workspace = GemvWorkspace()   # split-K partials + counters of the decode GEMVs
         from .torch_backend import TorchBackend
         self._reference = TorchBackend()
 
@@ -241,9 +247,22 @@ def _operands(ins, attrs):
     return (a.mT if attrs.get("transpose_a") else a), (b.mT if attrs.get("transpose_b") else b)
 
 
+def _gemv_rows(x: torch.Tensor, w: torch.Tensor, dst: torch.Tensor) -> bool:
+    """Whether the decode GEMV takes ``x @ w.T`` into ``dst`` (else cuBLAS does)."""
+    from ..kernels.gemv import gemv_supported
+    return (x.device.type == "cuda" or _interpreting()) and dst.stride(-1) == 1 and gemv_supported(x, w)
+
+
 def _matmul(be: TritonBackend, node, ins, attrs, dsts):
     a, b = _operands(ins, attrs)
     dst = dsts[0]
+    if node.op in ("matmul", "matmul_add") and attrs.get("transpose_b") and not attrs.get("transpose_a") \
+            and _gemv_rows(ins[0], ins[1], dst):
+        add = ins[2] if node.op == "matmul_add" else None
+        if add is None or (add.dtype == dst.dtype and add.stride(-1) == 1):
+            from ..kernels.gemv import gemv
+            gemv(ins[0], ins[1], add, out=dst, workspace=be.gemv_workspace)
+            return [dst]
     if node.op == "matmul_add":
         c = ins[2]
         if a.dim() == 2 and b.dim() == 2 and c.dtype == dst.dtype:

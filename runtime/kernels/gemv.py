@@ -1,22 +1,33 @@
 """Triton GEMV for decode: ``out = x @ w.T (+ add)`` for a few rows ``x`` (M <= 16).
 
 At decode batch sizes a projection reads its whole weight ``w [N, K]`` to produce a handful of
-rows, so the op is bound by the bytes of ``w``. One program owns ``BLOCK_N`` output columns: it
-streams its ``[BLOCK_N, K]`` slab of ``w`` once, in ``[BLOCK_N, BLOCK_K]`` tiles contiguous along K
-(16-byte loads), multiplies each tile by the matching ``[M, BLOCK_K]`` slice of ``x`` and reduces
-over K in float32; the optional addend (a bias ``[N]`` or a residual ``[M, N]``) is added before
-the one store.
+rows, so the op is bound by the bytes of ``w`` and by how many of them are in flight. The kernel:
 
-Status (measured, ``benchmarks/gemv.py`` on an H200): at M = 1 the best tiles only match cuBLAS
-(qkv 50% vs 53% of copy bandwidth, gate_up 73% vs 79%, lm_head 87% vs 96%), and at M = 8 the
-broadcast-reduce inner product is ~10x slower than cuBLAS, so the Triton backend does not use this
-kernel yet. Next: split-K over more programs (more loads in flight for the narrow projections) and
-``tl.dot`` for M >= 8.
+* **Tiles.** Program ``(n, s)`` owns ``BLOCK_N`` output columns and the ``s``-th of ``SPLIT_K``
+  equal slices of K. It streams its ``[BLOCK_N, K / SPLIT_K]`` slab of ``w`` in
+  ``[BLOCK_N, BLOCK_K]`` tiles (contiguous along K) and multiplies each by the matching
+  ``[16, BLOCK_K]`` slice of the rows (M padded to 16 with masked loads) with ``tl.dot``, so the
+  compiler software-pipelines the weight loads ``num_stages`` deep through shared memory, which is
+  what keeps enough bytes in flight. Accumulation is float32.
+* **Split-K without a second launch.** With ``SPLIT_K > 1`` each program writes its float32 partial
+  tile to a workspace and bumps the tile's arrival counter (a release/acquire atomic); the program
+  that arrives last sums the ``SPLIT_K`` partials *in slice order* (so results do not depend on
+  arrival order), applies the epilogue, stores, and resets the counter to 0 for the next launch
+  (so CUDA-graph replays need no memset).
+* **Epilogue**: ``+ add`` — a bias ``[N]`` or a residual ``[M, N]``.
+* **PDL** (:mod:`.pdl`): on Hopper the kernel may launch while its predecessor finishes.
 
-File shape (STYLE.md 11): the ``@triton.jit`` kernel, a launcher that checks operands and picks the
-tile with :func:`_pick_config`, the thin public wrapper :func:`gemv`.
+Tried on the H200 and measured slower, so not kept (docs/performance.md has the figures): loading
+the rows through a prologue (RMSNorm, SwiGLU computed while loading; loads that do not feed the
+dot directly are not software-pipelined, so each K step waits for them), and prefetching the
+start of the weight slab into L2 before the PDL wait.
+
+File shape (STYLE.md 11): the ``@triton.jit`` kernel and its epilogue helper, the launch heuristic
+:func:`_pick_config`, the split-K :class:`GemvWorkspace`, the public wrapper :func:`gemv`.
 """
 from __future__ import annotations
+
+import os
 
 import torch
 import triton
@@ -24,98 +35,185 @@ import triton.language as tl
 
 from graphdsl.errors import GraphDSLError
 
-__all__ = ["gemv", "gemv_supported", "MAX_ROWS"]
+from .pdl import pdl_launch, pdl_wait
+
+__all__ = ["gemv", "gemv_supported", "GemvWorkspace", "MAX_ROWS"]
 
 MAX_ROWS = 16
 _DTYPES = (torch.float16, torch.bfloat16)
 
 
 @triton.jit
+def _finish(acc, add_ptr, out_ptr, rm, rn, m_ok, n_ok, stride_am, stride_om, HAS_ADD: tl.constexpr):
+    """acc [BLOCK_N, BLOCK_M] (transposed output tile) -> out[m, n] = acc[n, m] + add."""
+    mask = n_ok[:, None] & m_ok[None, :]
+    if HAS_ADD:
+        a = tl.load(add_ptr + rm[None, :] * stride_am + rn[:, None], mask=mask, other=0.0)
+        acc += a.to(tl.float32)
+    tl.store(out_ptr + rm[None, :] * stride_om + rn[:, None], acc.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
 def _gemv_kernel(
-    x_ptr,          # [M, K] input rows (last dim contiguous)
+    x_ptr,          # [M, K] rows, last dim contiguous
     w_ptr,          # [N, K] weight, row-major contiguous (HF [out, in] layout)
-    add_ptr,        # [M, N] residual, [N] bias, or unused (HAS_ADD = False)
-    out_ptr,        # [M, N] output (last dim contiguous)
-    M, N, K,        # sizes
-    stride_xm,      # x row stride (elements)
-    stride_am,      # addend row stride (0 for a bias)
-    stride_om,      # out row stride
+    add_ptr,        # [M, N] residual / [N] bias (HAS_ADD) or unused
+    out_ptr,        # [M, N] output, last dim contiguous
+    part_ptr,       # [SPLIT_K, n_tiles, BLOCK_N, BLOCK_M] float32 partial tiles (SPLIT)
+    lock_ptr,       # [n_tiles] int32 arrival counters, zero between launches (SPLIT)
+    M, N, K, SPLIT_K, K_SPLIT,   # sizes; K_SPLIT = K elements per slice (a multiple of BLOCK_K)
+    stride_xm, stride_am, stride_om,
     HAS_ADD: tl.constexpr,
-    BLOCK_M: tl.constexpr,   # next power of two >= M
-    BLOCK_N: tl.constexpr,   # output columns per program
-    BLOCK_K: tl.constexpr,   # reduction tile
-    EVEN_K: tl.constexpr,    # K % BLOCK_K == 0: no masks along K
+    SPLIT: tl.constexpr,         # SPLIT_K > 1
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    EVEN_K: tl.constexpr,        # K % BLOCK_K == 0
+    EVEN_N: tl.constexpr,        # N % BLOCK_N == 0
+    DOT_F32: tl.constexpr,       # the CPU interpreter's dot mishandles bfloat16: multiply in float32
+    USE_PDL: tl.constexpr,       # launched with programmatic dependent launch (kernels/pdl.py)
 ):
-    """out[m, n] = sum_k x[m, k] * w[n, k] (+ add[m, n]), accumulated in float32."""
-    pid = tl.program_id(0)
-    rn = pid * BLOCK_N + tl.arange(0, BLOCK_N)
+    """out[m, n] = sum_k x[m, k] * w[n, k] (+ add[m, n]), float32 accumulation."""
+    pid_n = tl.program_id(0)
+    pid_k = tl.program_id(1)
+    rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     rm = tl.arange(0, BLOCK_M)
     rk = tl.arange(0, BLOCK_K)
     n_ok = rn < N
     m_ok = rm < M
     w_rows = w_ptr + rn.to(tl.int64)[:, None] * K
-    x_rows = x_ptr + rm.to(tl.int64)[:, None] * stride_xm
-    acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
-    for k0 in range(0, K, BLOCK_K):
+    x_rows = x_ptr + rm[:, None] * stride_xm
+    acc = tl.zeros([BLOCK_N, BLOCK_M], tl.float32)
+    k_lo = pid_k * K_SPLIT
+    k_hi = tl.minimum(k_lo + K_SPLIT, K)
+    pdl_wait(USE_PDL)
+    for k0 in range(k_lo, k_hi, BLOCK_K):
         kk = k0 + rk
         if EVEN_K:
-            w = tl.load(w_rows + kk[None, :], mask=n_ok[:, None], other=0.0)
-            x = tl.load(x_rows + kk[None, :], mask=m_ok[:, None], other=0.0)
+            w = tl.load(w_rows + kk[None, :], mask=n_ok[:, None], other=0.0) if not EVEN_N \
+                else tl.load(w_rows + kk[None, :])
+            a = tl.load(x_rows + kk[None, :], mask=m_ok[:, None], other=0.0)
         else:
             k_ok = kk < K
             w = tl.load(w_rows + kk[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0.0)
-            x = tl.load(x_rows + kk[None, :], mask=m_ok[:, None] & k_ok[None, :], other=0.0)
-        prod = x.to(tl.float32)[:, None, :] * w.to(tl.float32)[None, :, :]
-        acc += tl.sum(prod, axis=2)
-    mask = m_ok[:, None] & n_ok[None, :]
-    if HAS_ADD:
-        a = tl.load(add_ptr + rm[:, None] * stride_am + rn[None, :], mask=mask, other=0.0)
-        acc += a.to(tl.float32)
-    tl.store(out_ptr + rm[:, None] * stride_om + rn[None, :], acc.to(out_ptr.dtype.element_ty), mask=mask)
+            a = tl.load(x_rows + kk[None, :], mask=m_ok[:, None] & k_ok[None, :], other=0.0)
+        if DOT_F32:
+            acc += tl.dot(w.to(tl.float32), tl.trans(a.to(tl.float32)))
+        else:
+            acc += tl.dot(w, tl.trans(a))
+    if SPLIT:
+        n_tiles = tl.num_programs(0)
+        tile = pid_k * n_tiles + pid_n
+        rt = tl.arange(0, BLOCK_N)
+        part = part_ptr + tile.to(tl.int64) * (BLOCK_N * BLOCK_M) + rt[:, None] * BLOCK_M + rm[None, :]
+        tl.store(part, acc)
+        tl.debug_barrier()
+        arrived = tl.atomic_add(lock_ptr + pid_n, 1, sem="acq_rel")
+        if arrived == SPLIT_K - 1:
+            acc = tl.zeros([BLOCK_N, BLOCK_M], tl.float32)
+            for s in range(0, SPLIT_K):
+                t = s * n_tiles + pid_n
+                acc += tl.load(part_ptr + t.to(tl.int64) * (BLOCK_N * BLOCK_M) + rt[:, None] * BLOCK_M
+                               + rm[None, :], cache_modifier=".cg")
+            tl.atomic_xchg(lock_ptr + pid_n, 0)
+            _finish(acc, add_ptr, out_ptr, rm, rn, m_ok, n_ok, stride_am, stride_om, HAS_ADD)
+    else:
+        _finish(acc, add_ptr, out_ptr, rm, rn, m_ok, n_ok, stride_am, stride_om, HAS_ADD)
 
 
 def _pow2(n: int) -> int:
     return 1 << max(n - 1, 0).bit_length()
 
 
+def _num_sms(device: torch.device) -> int:
+    if device.type != "cuda":
+        return 4
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
 def _pick_config(m: int, n: int, k: int, device: torch.device) -> dict:
-    """Tile and warps from the H200 sweep of ``benchmarks/gemv.py --sweep`` (M = 1): ``BLOCK_N`` 8
-    and ``BLOCK_K`` 512, five stages, were best or within a few percent on every Llama projection
-    but the lm head (16); the [M, N, K] tile product stays <= 8192 elements per step (registers)."""
-    block_m = _pow2(m)
-    block_n = 16 if n >= 65536 else 8
-    block_k = max(32, min(512, 8192 // (block_m * block_n), _pow2(k)))
-    return dict(BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, num_warps=4, num_stages=5)
+    """The launch for ``[m, k] @ [n, k].T`` from the H200 sweep of ``benchmarks/gemv.py --sweep``
+    (CUDA-graph replay, weights from HBM): 64-column tiles of 256-element K steps five stages deep
+    were best or within a few percent on every Llama projection; splitting K only paid where the
+    column tiles leave most SMs idle *and* each slice keeps at least eight K steps (Llama-3.2-1B's
+    down projection: 32 tiles, split 4), elsewhere the partial-tile round trip costs more than it
+    brings."""
+    block_n, block_k = 64, 256
+    if k < 4 * block_k:
+        block_k = max(16, min(128, _pow2(k)))
+    tiles = triton.cdiv(n, block_n)
+    steps = triton.cdiv(k, block_k)
+    split = 1
+    while tiles * split < _num_sms(device) // 2 and steps // (split * 2) >= 8:
+        split *= 2
+    return dict(BLOCK_N=block_n, BLOCK_K=block_k, SPLIT_K=split, num_warps=4, num_stages=5 if block_k == 256 else 4)
+
+
+class GemvWorkspace:
+    """Split-K scratch for :func:`gemv`: per (device, tiles, slices, tile size) one float32 partial
+    buffer and one zeroed counter array, allocated on first use and kept (a captured CUDA graph
+    holds their addresses). Kernels run one at a time on a stream leave the counters at zero, so
+    one workspace serves every GEMV of an engine."""
+
+    def __init__(self):
+        self._buffers: dict = {}
+
+    def get(self, device: torch.device, n_tiles: int, split: int, block_n: int):
+        key = (str(device), n_tiles, split, block_n)
+        bufs = self._buffers.get(key)
+        if bufs is None:
+            bufs = self._buffers[key] = (
+                torch.empty(split * n_tiles * block_n * MAX_ROWS, dtype=torch.float32, device=device),
+                torch.zeros(n_tiles, dtype=torch.int32, device=device))
+        return bufs
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for bufs in self._buffers.values() for t in bufs)
 
 
 def gemv_supported(x: torch.Tensor, w: torch.Tensor) -> bool:
-    """Whether :func:`gemv` takes these operands (the backend falls back to cuBLAS otherwise)."""
+    """Whether :func:`gemv` takes these operands (the backend uses cuBLAS otherwise)."""
     return (x.dim() == 2 and w.dim() == 2 and 1 <= x.shape[0] <= MAX_ROWS and x.dtype in _DTYPES
             and w.dtype == x.dtype and w.is_contiguous() and x.stride(1) == 1 and x.shape[1] == w.shape[1])
 
 
 def gemv(x: torch.Tensor, w: torch.Tensor, add: torch.Tensor | None = None, *, out: torch.Tensor | None = None,
-         config: dict | None = None) -> torch.Tensor:
-    """``x @ w.T (+ add)`` for ``x [M <= 16, K]``, ``w [N, K]`` (fp16/bf16); ``add`` is ``[N]`` or
-    ``[M, N]``. ``config`` overrides the tile heuristic (benchmarks sweep it)."""
+         workspace: GemvWorkspace | None = None, config: dict | None = None) -> torch.Tensor:
+    """``x @ w.T (+ add)`` for ``x [M <= 16, K]`` and ``w [N, K]`` of one dtype (fp16/bf16); ``add``
+    is a bias ``[N]`` or a residual ``[M, N]``. ``workspace`` holds split-K scratch (a private one
+    is made per call if omitted); ``config`` overrides the launch heuristic (``BLOCK_N, BLOCK_K,
+    SPLIT_K, num_warps, num_stages``; benchmarks sweep it)."""
     if not gemv_supported(x, w):
         raise GraphDSLError(f"gemv: needs x [M<= {MAX_ROWS}, K] and a contiguous w [N, K] of one dtype in "
                             f"{[str(d) for d in _DTYPES]}, got x {list(x.shape)} {x.dtype} strides {x.stride()}, "
                             f"w {list(w.shape)} {w.dtype} contiguous={w.is_contiguous()}")
-    m, k = x.shape
-    n = w.shape[0]
+    m = x.shape[0]
+    n, k = w.shape
     if out is None:
         out = torch.empty(m, n, dtype=x.dtype, device=x.device)
-    elif tuple(out.shape) != (m, n) or out.stride(1) != 1:
-        raise GraphDSLError(f"gemv: out must be [{m}, {n}] with a contiguous last dim, got {list(out.shape)} "
-                            f"strides {out.stride()}")
+    if tuple(out.shape) != (m, n) or out.dtype != x.dtype or out.stride(-1) != 1:
+        raise GraphDSLError(f"gemv: out must be [{m}, {n}] {x.dtype} with a contiguous last dim, got "
+                            f"{list(out.shape)} {out.dtype} strides {out.stride()}")
     if add is not None and tuple(add.shape) not in ((n,), (m, n)):
         raise GraphDSLError(f"gemv: add must be a bias [{n}] or a residual [{m}, {n}], got {list(add.shape)}")
     if add is not None and add.stride(-1) != 1:
         raise GraphDSLError(f"gemv: add must have a contiguous last dim, got strides {add.stride()}")
     cfg = dict(config or _pick_config(m, n, k, x.device))
+    block_n, block_k, split = cfg.pop("BLOCK_N"), cfg.pop("BLOCK_K"), cfg.pop("SPLIT_K")
+    steps = triton.cdiv(k, block_k)
+    split = max(1, min(split, steps))
+    k_split = triton.cdiv(steps, split) * block_k
+    split = triton.cdiv(k, k_split)                  # no empty slices
+    n_tiles = triton.cdiv(n, block_n)
+    if split > 1:
+        part, lock = (workspace or GemvWorkspace()).get(x.device, n_tiles, split, block_n)
+    else:
+        part = lock = out
     stride_am = 0 if add is None or add.dim() == 1 else add.stride(0)
-    grid = (triton.cdiv(n, cfg["BLOCK_N"]),)
-    _gemv_kernel[grid](x, w, add if add is not None else out, out, m, n, k, x.stride(0), stride_am, out.stride(0),
-                       HAS_ADD=add is not None, EVEN_K=k % cfg["BLOCK_K"] == 0, **cfg)
+    _gemv_kernel[(n_tiles, split)](
+        x, w, add if add is not None else out, out, part, lock,
+        m, n, k, split, k_split, x.stride(0), stride_am, out.stride(0),
+        HAS_ADD=add is not None, SPLIT=split > 1, BLOCK_M=MAX_ROWS, BLOCK_N=block_n, BLOCK_K=block_k,
+        EVEN_K=k % block_k == 0, EVEN_N=n % block_n == 0,
+        DOT_F32=x.dtype == torch.bfloat16 and os.environ.get("TRITON_INTERPRET") == "1", **pdl_launch(x.device),
+        **cfg)
     return out

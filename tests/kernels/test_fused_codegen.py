@@ -135,6 +135,27 @@ def test_tiny_block_triton_engine_matches_reference_with_fewer_launches():
     assert "fused kernels: 8" in eng.summary() and "backend=triton" in eng.summary()
 
 
+@pytest.mark.parametrize("num_tokens", [3, 20])
+def test_tiny_block_fp16_projections_run_as_decode_gemvs(num_tokens, monkeypatch):
+    """In fp16 with <= 16 tokens every weight projection runs as the decode GEMV; with 20 tokens
+    the same graph goes to cuBLAS (torch.matmul); both match the unfused torch reference."""
+    import graphdsl.runtime.kernels.gemv as gemv_module
+    calls = []
+    real = gemv_module.gemv
+    monkeypatch.setattr(gemv_module, "gemv", lambda *a, **k: calls.append(a[1].shape) or real(*a, **k))
+    dt = torch.float16
+    w, feed = tiny_block.weights(2, dtype=dt), tiny_block.inputs(num_tokens, dtype=dt)
+    net = tiny_block.build(2, dtype=dt)
+    ref = net.build_engine(backend="torch", passes=[])
+    eng = net.build_engine(backend="triton")
+    eng.set_weights({k: v.to(DEV) for k, v in w.items()})
+    got = eng.forward({k: v.clone().to(DEV) for k, v in feed.items()})["logits"].cpu().float()
+    want = ref.forward({**w, **{k: v.clone() for k, v in feed.items()}})["logits"].float()
+    torch.testing.assert_close(got, want, rtol=2e-2, atol=2e-2)
+    matmuls = [n for n in eng.net.nodes if n.op in ("matmul", "matmul_add")]
+    assert len(calls) == (len(matmuls) if num_tokens <= 16 else 0) and len(matmuls) == 9
+
+
 # -- property test: random pointwise/reduction networks x random pass subsets -------------------
 _UNARY = [F.sigmoid, F.tanh, F.silu, F.neg, F.relu, F.gelu, lambda a: F.exp(F.tanh(a)), lambda a: a * 0.5,
           lambda a: a + 1.0, lambda a: a * a]

@@ -1,25 +1,58 @@
-"""Small-M GEMV vs torch (under the CPU interpreter here, compiled on a GPU)."""
+"""Small-M GEMV (split-K, bias/residual epilogue) vs torch (under the CPU interpreter here, compiled on a GPU)."""
 import pytest
 import torch
 
 from graphdsl import GraphDSLError
-from graphdsl.runtime.kernels.gemv import gemv
+from graphdsl.runtime.kernels.gemv import GemvWorkspace, _pick_config, gemv
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 
 
-@pytest.mark.parametrize("m,n,k", [(1, 40, 64), (3, 17, 100), (8, 64, 256), (16, 33, 70)])
+def _operands(m, n, k, add, dtype, seed):
+    g = torch.Generator().manual_seed(seed)
+    t = lambda *s: torch.randn(*s, generator=g).to(DEV, dtype)  # noqa: E731
+    return t(m, k), t(n, k), {None: None, "bias": t(n), "residual": t(m, n)}[add]
+
+
+def _reference(x, w, add):
+    return x.float() @ w.float().T + (0 if add is None else add.float())
+
+
+@pytest.mark.parametrize("m,n,k,split", [(1, 40, 64, 1), (3, 17, 100, 2), (8, 64, 256, 4), (16, 33, 70, 3)])
 @pytest.mark.parametrize("add", [None, "bias", "residual"])
-def test_gemv_matches_torch(m, n, k, add):
-    g = torch.Generator().manual_seed(m * 1000 + n + k)
-    x = torch.randn(m, k, generator=g).to(DEV, torch.float16)
-    w = torch.randn(n, k, generator=g).to(DEV, torch.float16)
-    a = {None: None, "bias": torch.randn(n, generator=g), "residual": torch.randn(m, n, generator=g)}[add]
-    a = None if a is None else a.to(DEV, torch.float16)
+def test_gemv_matches_torch(m, n, k, split, add):
+    x, w, a = _operands(m, n, k, add, torch.float16, m * 1000 + n + k)
     out = torch.full((m, n), float("nan"), dtype=torch.float16, device=DEV)
-    gemv(x, w, a, out=out)
-    want = x.float() @ w.float().T + (0 if a is None else a.float())
-    torch.testing.assert_close(out.float(), want, rtol=2e-3, atol=2e-2)
+    cfg = dict(BLOCK_N=16, BLOCK_K=16, SPLIT_K=split, num_warps=4, num_stages=2)
+    gemv(x, w, a, out=out, config=cfg)
+    torch.testing.assert_close(out.float(), _reference(x, w, a), rtol=1e-2, atol=3e-2)
+
+
+def test_gemv_bfloat16_and_default_launch():
+    x, w, a = _operands(2, 96, 160, "bias", torch.bfloat16, 7)
+    torch.testing.assert_close(gemv(x, w, a).float(), _reference(x, w, a), rtol=2e-2, atol=1e-1)
+
+
+def test_split_k_is_deterministic_and_leaves_counters_at_zero():
+    """The last-arriving program sums the slices in slice order, so repeated launches on one
+    workspace give bit-identical results and the counters are reset for the next launch."""
+    x, w, _ = _operands(4, 48, 512, None, torch.float16, 3)
+    ws = GemvWorkspace()
+    cfg = dict(BLOCK_N=16, BLOCK_K=32, SPLIT_K=4, num_warps=4, num_stages=2)
+    first = gemv(x, w, workspace=ws, config=cfg)
+    for _ in range(3):
+        assert torch.equal(gemv(x, w, workspace=ws, config=cfg), first)
+    (part, lock), = ws._buffers.values()
+    assert lock.shape == (3,) and int(lock.abs().sum()) == 0
+    assert ws.nbytes > 0
+
+
+def test_pick_config_splits_narrow_projections_only():
+    cpu = torch.device("cpu")                       # 4 "SMs" off the GPU: split below 2 column tiles
+    assert _pick_config(1, 4096, 4096, cpu)["SPLIT_K"] == 1           # 64 tiles
+    assert _pick_config(1, 64, 8192, cpu)["SPLIT_K"] == 2             # 1 tile, 32 K steps
+    assert _pick_config(1, 64, 2048, cpu)["SPLIT_K"] == 1             # 8 K steps: too few to split
+    assert _pick_config(1, 64, 200, cpu)["BLOCK_K"] == 128            # short K: smaller steps
 
 
 def test_gemv_rejects_what_it_cannot_run():
@@ -28,3 +61,5 @@ def test_gemv_rejects_what_it_cannot_run():
         gemv(x, torch.randn(4, 8, dtype=torch.float16))
     with pytest.raises(GraphDSLError, match=r"add must be a bias \[4\] or a residual \[2, 4\], got \[3\]"):
         gemv(x[:2], torch.randn(4, 8, dtype=torch.float16), torch.randn(3, dtype=torch.float16))
+    with pytest.raises(GraphDSLError, match=r"out must be \[2, 4\] torch.float16.*got \[2, 5\]"):
+        gemv(x[:2], torch.randn(4, 8, dtype=torch.float16), out=torch.empty(2, 5, dtype=torch.float16))

@@ -1,0 +1,49 @@
+"""One figure, quickly: the CUDA-graph-replayed batch-1 decode step of a real shape, and its % of
+the roofline, under whatever ``GRAPHDSL_PDL`` / ``GRAPHDSL_DISABLE_PASSES`` are set — for A/B runs
+of one decode optimisation at a time (``benchmarks/llm.py`` is the full report).
+
+    GRAPHDSL_PDL=0 python benchmarks/decode_step.py --shape llama-3.2-1b [--batch 1] [--context 512]
+
+Roofline as in ``llm.py``: (every weight but the embedding table + the KV cache read) / copy
+bandwidth measured in the same run.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from common import bench_ms, copy_bandwidth_gbs, device_line  # noqa: E402
+from llm import BLOCK, SHAPES, _decode_inputs, decode_bytes, kv_bytes_per_token, weight_bytes  # noqa: E402
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--shape", required=True, choices=sorted(SHAPES))
+    ap.add_argument("--batch", type=int, default=1)
+    ap.add_argument("--context", type=int, default=512)
+    args = ap.parse_args(argv)
+    if not torch.cuda.is_available():
+        print("decode_step.py needs a CUDA GPU", file=sys.stderr)
+        return 2
+    import graphdsl as gd
+    from graphdsl.layers import Phase
+    copy = copy_bandwidth_gbs()
+    llm = gd.LLM.from_config(SHAPES[args.shape], device="cuda", dtype="bfloat16", seed=0,
+                             max_model_len=args.context + 1, max_num_seqs=args.batch, block_size=BLOCK)
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    inputs, _ = _decode_inputs(llm, args.batch, args.context, gen)
+    ms = bench_ms(lambda: llm.model.execute(Phase.DECODE, inputs))
+    nbytes = decode_bytes(weight_bytes(llm.model), kv_bytes_per_token(llm), args.batch, args.context)
+    roof = nbytes / (copy * 1e9) * 1e3
+    env = {k: os.environ[k] for k in ("GRAPHDSL_PDL", "GRAPHDSL_DISABLE_PASSES") if k in os.environ}
+    print(f"{args.shape} batch {args.batch} ctx {args.context} {env or '(defaults)'}: {ms * 1e3:.0f} µs/step = "
+          f"{100 * roof / ms:.1f}% of roofline ({roof * 1e3:.0f} µs at {copy:.0f} GB/s) — {device_line()}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
