@@ -130,21 +130,25 @@ def _num_sms(device: torch.device) -> int:
 
 
 def _pick_config(m: int, n: int, k: int, device: torch.device) -> dict:
-    """The launch for ``[m, k] @ [n, k].T`` from the H200 sweep of ``benchmarks/gemv.py --sweep``
-    (CUDA-graph replay, weights from HBM): 64-column tiles of 256-element K steps five stages deep
-    were best or within a few percent on every Llama projection; splitting K only paid where the
-    column tiles leave most SMs idle *and* each slice keeps at least eight K steps (Llama-3.2-1B's
-    down projection: 32 tiles, split 4), elsewhere the partial-tile round trip costs more than it
-    brings."""
-    block_n, block_k = 64, 256
+    """The launch for ``[m, k] @ [n, k].T``, from the H200 sweeps of ``benchmarks/gemv.py --sweep``
+    (CUDA-graph replay, weights from HBM): 64-column tiles, five pipeline stages; 128-element K
+    steps once there are more column tiles than half the SMs (Llama-3-8B qkv: 13.7 µs vs 15.8 with
+    256), else 256 (8B o: 10.5 vs 11.6 µs). K is split (in one launch) only when the tiles cover
+    less than a quarter of the SMs, into at most 4 slices of at least 8 steps each (Llama-3.2-1B's
+    down projection, 32 tiles: 11.5 µs at split 4); elsewhere the partial-tile round trip costs
+    more than the extra parallelism brings (8B o: 11.2 µs at split 2 vs 10.5 unsplit)."""
+    sms = _num_sms(device)
+    block_n = 64
+    tiles = triton.cdiv(n, block_n)
+    block_k = 128 if tiles > sms // 2 else 256
     if k < 4 * block_k:
         block_k = max(16, min(128, _pow2(k)))
-    tiles = triton.cdiv(n, block_n)
     steps = triton.cdiv(k, block_k)
     split = 1
-    while tiles * split < _num_sms(device) // 2 and steps // (split * 2) >= 8:
-        split *= 2
-    return dict(BLOCK_N=block_n, BLOCK_K=block_k, SPLIT_K=split, num_warps=4, num_stages=5 if block_k == 256 else 4)
+    if tiles < sms // 4:
+        while split < 4 and steps // (split * 2) >= 8:
+            split *= 2
+    return dict(BLOCK_N=block_n, BLOCK_K=block_k, SPLIT_K=split, num_warps=4, num_stages=5)
 
 
 class GemvWorkspace:

@@ -47,12 +47,16 @@ def test_split_k_is_deterministic_and_leaves_counters_at_zero():
     assert ws.nbytes > 0
 
 
-def test_pick_config_splits_narrow_projections_only():
-    cpu = torch.device("cpu")                       # 4 "SMs" off the GPU: split below 2 column tiles
-    assert _pick_config(1, 4096, 4096, cpu)["SPLIT_K"] == 1           # 64 tiles
-    assert _pick_config(1, 64, 8192, cpu)["SPLIT_K"] == 2             # 1 tile, 32 K steps
-    assert _pick_config(1, 64, 2048, cpu)["SPLIT_K"] == 1             # 8 K steps: too few to split
-    assert _pick_config(1, 64, 200, cpu)["BLOCK_K"] == 128            # short K: smaller steps
+def test_pick_config_from_the_sweeps(monkeypatch):
+    import graphdsl.runtime.kernels.gemv as g
+    monkeypatch.setattr(g, "_num_sms", lambda device: 132)             # an H100/H200
+    dev = torch.device("cpu")
+    pick = lambda n, k: _pick_config(1, n, k, dev)  # noqa: E731
+    assert (pick(6144, 4096)["BLOCK_K"], pick(6144, 4096)["SPLIT_K"]) == (128, 1)   # 96 tiles > 66
+    assert (pick(4096, 4096)["BLOCK_K"], pick(4096, 4096)["SPLIT_K"]) == (256, 1)   # 64 tiles
+    assert pick(2048, 8192)["SPLIT_K"] == 4                                         # 32 tiles, 32 steps
+    assert pick(2048, 2048)["SPLIT_K"] == 1                                         # 32 tiles, 8 steps
+    assert pick(64, 200)["BLOCK_K"] == 128 and pick(64, 48)["BLOCK_K"] == 64        # short K
 
 
 def test_gemv_rejects_what_it_cannot_run():
