@@ -3,7 +3,9 @@
 * ``add_rms_norm``  — ``s = x + residual; rms_norm(s)`` -> one row kernel returning (normed, s)
 * ``swiglu``        — ``silu(gate) * up`` over a packed gate/up projection -> ``silu_mul``; two
   separate gate and up projections of the same input become one projection of the concatenated
-  weights (a parameter-only ``cat``, folded once when weights are bound) feeding ``silu_mul``
+  weights (a parameter-only ``cat``, folded once when weights are bound) feeding ``silu_mul``;
+  a 2-D weight projection feeding ``silu_mul`` -> ``gate_up_silu`` (decode: one GEMV with the
+  SwiGLU in its epilogue)
 * ``rope_cache``    — ``rope`` of q/k whose k goes straight into ``reshape_and_cache`` -> one kernel
 * ``matmul_epilogue`` — ``matmul + bias`` / ``matmul + residual`` -> one GEMM with a beta=1
   epilogue. It runs after ``add_rms_norm``: an add that feeds an RMSNorm saves more by joining the
@@ -14,7 +16,7 @@ from __future__ import annotations
 
 from graphdsl import functional as F
 
-from .fused_ops import add_rms_norm, matmul_add, rope_cache, silu_mul
+from .fused_ops import add_rms_norm, gate_up_silu, matmul_add, rope_cache, silu_mul
 from .rewriter import Rule, Var, ops
 from .shapes import same_extent_value, same_shape
 
@@ -91,9 +93,33 @@ def _gate_up_check(m):
     return True
 
 
+def _gate_up_silu_pattern(x, w):
+    return ops.silu_mul(ops.matmul(x, w, transpose_a=Var("ta"), transpose_b=Var("tb")))
+
+
+def _gate_up_silu_replacement(x, w, *, ta, tb):
+    act, _ = gate_up_silu(x, w)
+    return act
+
+
+def _gate_up_silu_check(m):
+    x, w = m.inputs["x"], m.inputs["w"]
+    if m.vars["ta"] or not m.vars["tb"]:
+        return (f"layout: gate_up_silu takes x @ wᵀ with w [2I, K]; got transpose_a={m.vars['ta']}, "
+                f"transpose_b={m.vars['tb']}")
+    if x.shape is None or w.shape is None:
+        return "shape: unknown while building"
+    if len(x.shape) != 2 or len(w.shape) != 2:
+        return f"shape: only 2-D projections fuse, got {x.shape} @ {w.shape}ᵀ"
+    if x.dtype != w.dtype:
+        return f"dtype: the input is {x.dtype}, the weight {w.dtype}"
+    return True
+
+
 SWIGLU_RULES = [Rule("swiglu", _swiglu_pattern, _swiglu_replacement, _swiglu_check),
                 Rule("swiglu_swapped", _swiglu_pattern_swapped, _swiglu_replacement, _swiglu_check),
-                Rule("gate_up_swiglu", _gate_up_pattern, _gate_up_replacement, _gate_up_check)]
+                Rule("gate_up_swiglu", _gate_up_pattern, _gate_up_replacement, _gate_up_check),
+                Rule("gate_up_silu", _gate_up_silu_pattern, _gate_up_silu_replacement, _gate_up_silu_check)]
 
 
 # -- RoPE + KV-cache write -----------------------------------------------------------------------

@@ -10,6 +10,8 @@ Per node, by what the node is:
   (its split-K workspace kept by the backend, so a CUDA-graph replay allocates nothing), writing
   into the node's slot; ``reshape_and_cache`` — the Triton cache-write kernel, in place. On CPU
   without ``TRITON_INTERPRET=1`` these two run their torch references instead;
+* ``gate_up_silu`` — for at most 16 fp16/bf16 rows one GEMV whose programs stream matching gate
+  and up rows and apply the SwiGLU in the epilogue; else cuBLAS, then the SwiGLU kernel;
 * matmuls of weights ``[N, K]`` (``transpose_b``) by at most 16 fp16/bf16 rows — the decode GEMV
   (:mod:`graphdsl.runtime.kernels.gemv`), bias or residual in its epilogue; other matmuls —
   ``torch.matmul(..., out=slot)`` / ``torch.addmm`` (cuBLAS on CUDA, its epilogue adds the bias or
@@ -77,8 +79,7 @@ class TritonBackend:
         self._workspaces: dict = {}             # (device, shapes) -> split-K decode partial buffers
         self._single: dict = {}                 # node -> generated as a one-op kernel?
         self.sources: dict[str, str] = {}       # node name -> generated kernel source (for dumps)
-        from ..kernels.gemv import GemvWorkspace
-        self.gemv_workspace = GemvWorkspace()   # split-K partials + counters of the decode GEMVs
+        self._gemv_workspace = None             # split-K partials + counters of the decode GEMVs
         from .torch_backend import TorchBackend
         self._reference = TorchBackend()
 
@@ -113,6 +114,15 @@ class TritonBackend:
             outs = lower(self, node, ins, attrs[node], dsts)
             for t, r in zip(node.outputs, outs):
                 values[t] = r
+
+    @property
+    def gemv_workspace(self):
+        """The split-K scratch of this backend's decode GEMVs (made on first use: importing the
+        kernel module decides, once, whether its kernels run under the CPU interpreter)."""
+        if self._gemv_workspace is None:
+            from ..kernels.gemv import GemvWorkspace
+            self._gemv_workspace = GemvWorkspace()
+        return self._gemv_workspace
 
     def _lone_fusable(self, node) -> bool:
         ok = self._single.get(node)
@@ -242,6 +252,20 @@ def _reshape_and_cache(be: TritonBackend, node, ins, attrs, dsts):
     return [key_cache, value_cache]
 
 
+def _gate_up_silu(be: TritonBackend, node, ins, attrs, dsts):
+    """One GEMV with the SwiGLU epilogue for few rows; else the GEMM into ``gate_up``, then the
+    SwiGLU kernel into ``act``."""
+    x, w = ins
+    act, gate_up = dsts
+    if _gemv_rows(x, w, gate_up) and act.stride(-1) == 1 and w.shape[0] % 2 == 0:
+        from ..kernels.gemv import gemv_swiglu
+        gemv_swiglu(x, w, act=act, gate_up=gate_up)
+        return dsts
+    torch.matmul(x, w.mT, out=gate_up)
+    _silu_mul(be, node, [gate_up], {}, [act])
+    return dsts
+
+
 def _operands(ins, attrs):
     a, b = ins[0], ins[1]
     return (a.mT if attrs.get("transpose_a") else a), (b.mT if attrs.get("transpose_b") else b)
@@ -278,5 +302,6 @@ def _matmul(be: TritonBackend, node, ins, attrs, dsts):
 
 
 _LOWERINGS = {"fused": _fused, "add_rms_norm": _add_rms_norm, "silu_mul": _silu_mul, "rope_cache": _rope_cache,
-              "paged_attention": _paged_attention, "reshape_and_cache": _reshape_and_cache}
+              "paged_attention": _paged_attention, "reshape_and_cache": _reshape_and_cache,
+              "gate_up_silu": _gate_up_silu}
 _KERNEL_OPS = {"paged_attention", "reshape_and_cache"}   # hand-written kernels; torch reference on plain CPU

@@ -37,7 +37,7 @@ from graphdsl.errors import GraphDSLError
 
 from .pdl import pdl_launch, pdl_wait
 
-__all__ = ["gemv", "gemv_supported", "GemvWorkspace", "MAX_ROWS"]
+__all__ = ["gemv", "gemv_swiglu", "gemv_supported", "GemvWorkspace", "MAX_ROWS"]
 
 MAX_ROWS = 16
 _DTYPES = (torch.float16, torch.bfloat16)
@@ -51,6 +51,29 @@ def _finish(acc, add_ptr, out_ptr, rm, rn, m_ok, n_ok, stride_am, stride_om, HAS
         a = tl.load(add_ptr + rm[None, :] * stride_am + rn[:, None], mask=mask, other=0.0)
         acc += a.to(tl.float32)
     tl.store(out_ptr + rm[None, :] * stride_om + rn[:, None], acc.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _stream(w_rows, x_rows, n_ok, m_ok, k_lo, k_hi, K, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+            BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, EVEN_N: tl.constexpr, DOT_F32: tl.constexpr):
+    """acc[n, m] = sum over k in [k_lo, k_hi) of w[n, k] * x[m, k]: the pipelined weight stream."""
+    rk = tl.arange(0, BLOCK_K)
+    acc = tl.zeros([BLOCK_N, BLOCK_M], tl.float32)
+    for k0 in range(k_lo, k_hi, BLOCK_K):
+        kk = k0 + rk
+        if EVEN_K:
+            w = tl.load(w_rows + kk[None, :], mask=n_ok[:, None], other=0.0) if not EVEN_N \
+                else tl.load(w_rows + kk[None, :])
+            a = tl.load(x_rows + kk[None, :], mask=m_ok[:, None], other=0.0)
+        else:
+            k_ok = kk < K
+            w = tl.load(w_rows + kk[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0.0)
+            a = tl.load(x_rows + kk[None, :], mask=m_ok[:, None] & k_ok[None, :], other=0.0)
+        if DOT_F32:
+            acc += tl.dot(w.to(tl.float32), tl.trans(a.to(tl.float32)))
+        else:
+            acc += tl.dot(w, tl.trans(a))
+    return acc
 
 
 @triton.jit
@@ -76,29 +99,14 @@ def _gemv_kernel(
     pid_k = tl.program_id(1)
     rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     rm = tl.arange(0, BLOCK_M)
-    rk = tl.arange(0, BLOCK_K)
     n_ok = rn < N
     m_ok = rm < M
     w_rows = w_ptr + rn.to(tl.int64)[:, None] * K
     x_rows = x_ptr + rm[:, None] * stride_xm
-    acc = tl.zeros([BLOCK_N, BLOCK_M], tl.float32)
     k_lo = pid_k * K_SPLIT
     k_hi = tl.minimum(k_lo + K_SPLIT, K)
     pdl_wait(USE_PDL)
-    for k0 in range(k_lo, k_hi, BLOCK_K):
-        kk = k0 + rk
-        if EVEN_K:
-            w = tl.load(w_rows + kk[None, :], mask=n_ok[:, None], other=0.0) if not EVEN_N \
-                else tl.load(w_rows + kk[None, :])
-            a = tl.load(x_rows + kk[None, :], mask=m_ok[:, None], other=0.0)
-        else:
-            k_ok = kk < K
-            w = tl.load(w_rows + kk[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0.0)
-            a = tl.load(x_rows + kk[None, :], mask=m_ok[:, None] & k_ok[None, :], other=0.0)
-        if DOT_F32:
-            acc += tl.dot(w.to(tl.float32), tl.trans(a.to(tl.float32)))
-        else:
-            acc += tl.dot(w, tl.trans(a))
+    acc = _stream(w_rows, x_rows, n_ok, m_ok, k_lo, k_hi, K, BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, EVEN_N, DOT_F32)
     if SPLIT:
         n_tiles = tl.num_programs(0)
         tile = pid_k * n_tiles + pid_n
@@ -117,6 +125,43 @@ def _gemv_kernel(
             _finish(acc, add_ptr, out_ptr, rm, rn, m_ok, n_ok, stride_am, stride_om, HAS_ADD)
     else:
         _finish(acc, add_ptr, out_ptr, rm, rn, m_ok, n_ok, stride_am, stride_om, HAS_ADD)
+
+
+@triton.jit
+def _gemv_swiglu_kernel(
+    x_ptr,          # [M, K] rows, last dim contiguous
+    w_ptr,          # [2I, K] packed [gate; up] weight, row-major contiguous
+    act_ptr,        # [M, I] silu(gate) * up, last dim contiguous
+    gu_ptr,         # [M, 2I] [gate | up], last dim contiguous
+    M, I, K,
+    stride_xm, stride_am, stride_gm,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    EVEN_K: tl.constexpr, EVEN_N: tl.constexpr, DOT_F32: tl.constexpr, USE_PDL: tl.constexpr,
+):
+    """Program n streams gate rows [n*BLOCK_N, (n+1)*BLOCK_N) and the matching up rows (+ I):
+    gate = x @ w[rows].T, up = x @ w[I + rows].T (float32, then rounded to the output dtype like the
+    unfused GEMM's output), gu = [gate | up], act = silu(gate) * up."""
+    pid = tl.program_id(0)
+    rn = pid * BLOCK_N + tl.arange(0, BLOCK_N)
+    rm = tl.arange(0, BLOCK_M)
+    n_ok = rn < I
+    m_ok = rm < M
+    rows = rn.to(tl.int64)
+    x_rows = x_ptr + rm[:, None] * stride_xm
+    pdl_wait(USE_PDL)
+    gate = _stream(w_ptr + rows[:, None] * K, x_rows, n_ok, m_ok, 0, K, K, BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K,
+                   EVEN_N, DOT_F32)
+    up = _stream(w_ptr + (rows + I)[:, None] * K, x_rows, n_ok, m_ok, 0, K, K, BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K,
+                 EVEN_N, DOT_F32)
+    mask = n_ok[:, None] & m_ok[None, :]
+    dt = gu_ptr.dtype.element_ty
+    gate = gate.to(dt)
+    up = up.to(dt)
+    tl.store(gu_ptr + rm[None, :] * stride_gm + rn[:, None], gate, mask=mask)
+    tl.store(gu_ptr + rm[None, :] * stride_gm + I + rn[:, None], up, mask=mask)
+    g = gate.to(tl.float32)
+    act = g * tl.sigmoid(g) * up.to(tl.float32)
+    tl.store(act_ptr + rm[None, :] * stride_am + rn[:, None], act.to(act_ptr.dtype.element_ty), mask=mask)
 
 
 def _pow2(n: int) -> int:
@@ -221,3 +266,30 @@ def gemv(x: torch.Tensor, w: torch.Tensor, add: torch.Tensor | None = None, *, o
         DOT_F32=x.dtype == torch.bfloat16 and os.environ.get("TRITON_INTERPRET") == "1", **pdl_launch(x.device),
         **cfg)
     return out
+
+
+def gemv_swiglu(x: torch.Tensor, w: torch.Tensor, *, act: torch.Tensor | None = None,
+                gate_up: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """SwiGLU of a packed projection in one launch, for ``x [M <= 16, K]`` and ``w [2I, K]``
+    (gate rows, then up rows): ``gate_up = x @ w.T`` ``[M, 2I]`` and
+    ``act = silu(gate_up[:, :I]) * gate_up[:, I:]`` ``[M, I]``. Returns ``(act, gate_up)``."""
+    if not gemv_supported(x, w) or w.shape[0] % 2:
+        raise GraphDSLError(f"gemv_swiglu: needs x [M<= {MAX_ROWS}, K] and a contiguous w [2I, K] of one dtype in "
+                            f"{[str(d) for d in _DTYPES]}, got x {list(x.shape)} {x.dtype} strides {x.stride()}, "
+                            f"w {list(w.shape)} {w.dtype} contiguous={w.is_contiguous()}")
+    m, (n2, k) = x.shape[0], w.shape
+    i = n2 // 2
+    act = torch.empty(m, i, dtype=x.dtype, device=x.device) if act is None else act
+    gate_up = torch.empty(m, n2, dtype=x.dtype, device=x.device) if gate_up is None else gate_up
+    for name, t, shape in (("act", act, (m, i)), ("gate_up", gate_up, (m, n2))):
+        if tuple(t.shape) != shape or t.dtype != x.dtype or t.stride(-1) != 1:
+            raise GraphDSLError(f"gemv_swiglu: {name} must be {list(shape)} {x.dtype} with a contiguous last dim, "
+                                f"got {list(t.shape)} {t.dtype} strides {t.stride()}")
+    cfg = _pick_config(m, n2, k, x.device)          # the tile of the packed projection, half per stream
+    block_n, block_k = cfg["BLOCK_N"] // 2, cfg["BLOCK_K"]
+    _gemv_swiglu_kernel[(triton.cdiv(i, block_n),)](
+        x, w, act, gate_up, m, i, k, x.stride(0), act.stride(0), gate_up.stride(0),
+        BLOCK_M=MAX_ROWS, BLOCK_N=block_n, BLOCK_K=block_k, EVEN_K=k % block_k == 0, EVEN_N=i % block_n == 0,
+        DOT_F32=x.dtype == torch.bfloat16 and os.environ.get("TRITON_INTERPRET") == "1", **pdl_launch(x.device),
+        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
+    return act, gate_up

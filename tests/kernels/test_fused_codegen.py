@@ -137,8 +137,9 @@ def test_tiny_block_triton_engine_matches_reference_with_fewer_launches():
 
 @pytest.mark.parametrize("num_tokens", [3, 20])
 def test_tiny_block_fp16_projections_run_as_decode_gemvs(num_tokens, monkeypatch):
-    """In fp16 with <= 16 tokens every weight projection runs as the decode GEMV; with 20 tokens
-    the same graph goes to cuBLAS (torch.matmul); both match the unfused torch reference."""
+    """In fp16 with <= 16 tokens every weight projection runs as the decode GEMV (the gate/up ones
+    as the SwiGLU GEMV); with 20 tokens the same graph goes to cuBLAS (torch.matmul); both match
+    the unfused torch reference."""
     import graphdsl.runtime.kernels.gemv as gemv_module
     calls = []
     real = gemv_module.gemv
@@ -153,7 +154,8 @@ def test_tiny_block_fp16_projections_run_as_decode_gemvs(num_tokens, monkeypatch
     want = ref.forward({**w, **{k: v.clone() for k, v in feed.items()}})["logits"].float()
     torch.testing.assert_close(got, want, rtol=2e-2, atol=2e-2)
     matmuls = [n for n in eng.net.nodes if n.op in ("matmul", "matmul_add")]
-    assert len(calls) == (len(matmuls) if num_tokens <= 16 else 0) and len(matmuls) == 9
+    swiglus = [n for n in eng.net.nodes if n.op == "gate_up_silu"]
+    assert len(calls) == (len(matmuls) if num_tokens <= 16 else 0) and len(matmuls) == 7 and len(swiglus) == 2
 
 
 # -- property test: random pointwise/reduction networks x random pass subsets -------------------

@@ -3,7 +3,7 @@ import pytest
 import torch
 
 from graphdsl import GraphDSLError
-from graphdsl.runtime.kernels.gemv import GemvWorkspace, _pick_config, gemv
+from graphdsl.runtime.kernels.gemv import GemvWorkspace, _pick_config, gemv, gemv_swiglu
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 
@@ -67,3 +67,21 @@ def test_gemv_rejects_what_it_cannot_run():
         gemv(x[:2], torch.randn(4, 8, dtype=torch.float16), torch.randn(3, dtype=torch.float16))
     with pytest.raises(GraphDSLError, match=r"out must be \[2, 4\] torch.float16.*got \[2, 5\]"):
         gemv(x[:2], torch.randn(4, 8, dtype=torch.float16), out=torch.empty(2, 5, dtype=torch.float16))
+
+
+@pytest.mark.parametrize("m,i,k", [(1, 64, 128), (5, 40, 96), (16, 33, 70)])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_gemv_swiglu_matches_torch(m, i, k, dtype):
+    g = torch.Generator().manual_seed(m + i + k)
+    x = torch.randn(m, k, generator=g).to(DEV, dtype)
+    w = (torch.randn(2 * i, k, generator=g) / k ** 0.5).to(DEV, dtype)
+    act, gate_up = gemv_swiglu(x, w)
+    want_gu = x.float() @ w.float().T
+    torch.testing.assert_close(gate_up.float(), want_gu, rtol=2e-2, atol=2e-2)
+    gate, up = gate_up.float().chunk(2, dim=-1)
+    torch.testing.assert_close(act.float(), torch.nn.functional.silu(gate) * up, rtol=2e-2, atol=2e-2)
+
+
+def test_gemv_swiglu_rejects_odd_rows():
+    with pytest.raises(GraphDSLError, match=r"gemv_swiglu: needs .* w \[2I, K\].*got .* w \[5, 8\]"):
+        gemv_swiglu(torch.randn(1, 8, dtype=torch.float16), torch.randn(5, 8, dtype=torch.float16))
