@@ -39,6 +39,15 @@ class DimExpr:
             return b
         if op == "*" and (a == 0 or b == 0):
             return 0
+        if isinstance(a, DimExpr) and a.op == "*" and isinstance(a.args[1], int) and isinstance(b, int) and b > 0 \
+                and a.args[1] > 0:
+            e, c = a.args                 # (e * c) * b = e * (c b);  (e * c) // b = e * (c / b) or e // (b / c)
+            if op == "*":
+                return DimExpr._make("*", e, c * b)
+            if op == "//" and c % b == 0:
+                return DimExpr._make("*", e, c // b)
+            if op == "//" and b % c == 0:
+                return DimExpr._make("//", e, b // c)
         return DimExpr(op, (a, b))
 
     def __add__(self, o): return DimExpr._make("+", self, _check(o))

@@ -1,6 +1,8 @@
 """The LLM fusion rules: each a pattern written like the model code it matches.
 
-* ``add_rms_norm``  — ``s = x + residual; rms_norm(s)`` -> one row kernel returning (normed, s)
+* ``add_rms_norm``  — ``s = x + residual; rms_norm(s)`` -> one row kernel returning (normed, s);
+  when ``x`` is a 2-D weight projection -> ``matmul_add_rms_norm`` (decode: the GEMV normalises
+  the rows it produced, no launch of its own)
 * ``swiglu``        — ``silu(gate) * up`` over a packed gate/up projection -> ``silu_mul``; two
   separate gate and up projections of the same input become one projection of the concatenated
   weights (a parameter-only ``cat``, folded once when weights are bound) feeding ``silu_mul``;
@@ -16,7 +18,7 @@ from __future__ import annotations
 
 from graphdsl import functional as F
 
-from .fused_ops import add_rms_norm, gate_up_silu, matmul_add, rope_cache, silu_mul
+from .fused_ops import add_rms_norm, gate_up_silu, matmul_add, matmul_add_rms_norm, rope_cache, silu_mul
 from .rewriter import Rule, Var, ops
 from .shapes import same_extent_value, same_shape
 
@@ -42,7 +44,39 @@ def _add_norm_check(m):
     return True
 
 
-ADD_RMS_NORM_RULES = [Rule("add_rms_norm", _add_norm_pattern, _add_norm_replacement, _add_norm_check)]
+def _matmul_norm_pattern(a, w, residual, weight):
+    prod = ops.matmul(a, w, transpose_a=Var("ta"), transpose_b=Var("tb"))
+    return ops.add_rms_norm(prod, residual, weight, eps=Var("eps"))
+
+
+def _matmul_norm_pattern_swapped(a, w, residual, weight):
+    prod = ops.matmul(a, w, transpose_a=Var("ta"), transpose_b=Var("tb"))
+    return ops.add_rms_norm(residual, prod, weight, eps=Var("eps"))          # the add commutes
+
+
+def _matmul_norm_replacement(a, w, residual, weight, *, ta, tb, eps):
+    return matmul_add_rms_norm(a, w, residual, weight, eps=eps)
+
+
+def _matmul_norm_check(m):
+    a, w, r = m.inputs["a"], m.inputs["w"], m.inputs["residual"]
+    if m.vars["ta"] or not m.vars["tb"]:
+        return (f"layout: matmul_add_rms_norm takes a @ wᵀ with w [N, K]; got transpose_a={m.vars['ta']}, "
+                f"transpose_b={m.vars['tb']}")
+    if a.shape is None or w.shape is None:
+        return "shape: unknown while building"
+    if len(a.shape) != 2 or len(w.shape) != 2:
+        return f"shape: only 2-D projections fuse, got {a.shape} @ {w.shape}ᵀ"
+    if not (a.dtype == w.dtype == r.dtype):
+        return f"dtype: input {a.dtype}, weight {w.dtype}, residual {r.dtype} differ"
+    return True
+
+
+ADD_RMS_NORM_RULES = [Rule("add_rms_norm", _add_norm_pattern, _add_norm_replacement, _add_norm_check),
+                      Rule("matmul_add_rms_norm", _matmul_norm_pattern, _matmul_norm_replacement,
+                           _matmul_norm_check),
+                      Rule("matmul_add_rms_norm_swapped", _matmul_norm_pattern_swapped, _matmul_norm_replacement,
+                           _matmul_norm_check)]
 
 
 # -- SwiGLU --------------------------------------------------------------------------------------

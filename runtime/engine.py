@@ -323,7 +323,8 @@ class Engine:
         return "\n".join(lines)
 
 
-_FUSED_OPS = {"fused", "add_rms_norm", "silu_mul", "rope_cache", "matmul_add", "gate_up_silu"}
+_FUSED_OPS = {"fused", "add_rms_norm", "silu_mul", "rope_cache", "matmul_add", "gate_up_silu",
+              "matmul_add_rms_norm"}
 
 
 def _resolve(v, binding, params):

@@ -14,7 +14,9 @@ rows, so the op is bound by the bytes of ``w`` and by how many of them are in fl
   that arrives last sums the ``SPLIT_K`` partials *in slice order* (so results do not depend on
   arrival order), applies the epilogue, stores, and resets the counter to 0 for the next launch
   (so CUDA-graph replays need no memset).
-* **Epilogue**: ``+ add`` — a bias ``[N]`` or a residual ``[M, N]``.
+* **Epilogue**: ``+ add`` — a bias ``[N]`` or a residual ``[M, N]``; optionally followed by an
+  RMSNorm of the finished rows (:func:`gemv_add_rms_norm`: the residual add + RMSNorm that follows
+  the o and down projections of a decoder layer, without a launch of its own).
 * **PDL** (:mod:`.pdl`): on Hopper the kernel may launch while its predecessor finishes.
 
 Tried on the H200 and measured slower, so not kept (docs/performance.md has the figures): loading
@@ -37,7 +39,7 @@ from graphdsl.errors import GraphDSLError
 
 from .pdl import pdl_launch, pdl_wait
 
-__all__ = ["gemv", "gemv_swiglu", "gemv_supported", "GemvWorkspace", "MAX_ROWS"]
+__all__ = ["gemv", "gemv_swiglu", "gemv_add_rms_norm", "gemv_supported", "GemvWorkspace", "MAX_ROWS"]
 
 MAX_ROWS = 16
 _DTYPES = (torch.float16, torch.bfloat16)
@@ -45,12 +47,42 @@ _DTYPES = (torch.float16, torch.bfloat16)
 
 @triton.jit
 def _finish(acc, add_ptr, out_ptr, rm, rn, m_ok, n_ok, stride_am, stride_om, HAS_ADD: tl.constexpr):
-    """acc [BLOCK_N, BLOCK_M] (transposed output tile) -> out[m, n] = acc[n, m] + add."""
+    """acc [BLOCK_N, BLOCK_M] (transposed output tile) -> out[m, n] = acc[n, m] + add; returns the
+    stored tile (rounded to out's dtype) in float32, 0 outside the masks."""
     mask = n_ok[:, None] & m_ok[None, :]
     if HAS_ADD:
         a = tl.load(add_ptr + rm[None, :] * stride_am + rn[:, None], mask=mask, other=0.0)
         acc += a.to(tl.float32)
-    tl.store(out_ptr + rm[None, :] * stride_om + rn[:, None], acc.to(out_ptr.dtype.element_ty), mask=mask)
+    y = acc.to(out_ptr.dtype.element_ty)
+    tl.store(out_ptr + rm[None, :] * stride_om + rn[:, None], y, mask=mask)
+    return tl.where(mask, y.to(tl.float32), 0.0)
+
+
+@triton.jit
+def _norm_rows(y, out_ptr, g_ptr, normed_ptr, ss_ptr, nlock_ptr, rm, m_ok, pid_n, n_tiles, N, eps,
+               stride_om, stride_nm, BLOCK_M: tl.constexpr, TILES_PAD: tl.constexpr, CHUNK: tl.constexpr):
+    """RMSNorm of whole output rows once every column tile is stored. Each tile's program stores
+    the sums of squares of its stored tile ``y`` per row, then bumps one counter; the program that
+    arrives last adds the ``n_tiles`` partial sums in tile order, ``rstd = 1 / sqrt(ss / N + eps)``,
+    and writes ``normed = g * (out * rstd)`` (rounded to the dtype before the weight, as the
+    unfused RMSNorm) over the full rows, then resets the counter."""
+    tl.store(ss_ptr + pid_n * BLOCK_M + rm, tl.sum(y * y, axis=0))
+    tl.debug_barrier()
+    arrived = tl.atomic_add(nlock_ptr, 1, sem="acq_rel")
+    if arrived == n_tiles - 1:
+        rt = tl.arange(0, TILES_PAD)
+        parts = tl.load(ss_ptr + rt[:, None] * BLOCK_M + rm[None, :], mask=(rt < n_tiles)[:, None], other=0.0,
+                        cache_modifier=".cg")
+        rstd = tl.rsqrt(tl.sum(parts, axis=0) / N + eps)
+        dt = normed_ptr.dtype.element_ty
+        for c0 in range(0, N, CHUNK):
+            rc = c0 + tl.arange(0, CHUNK)
+            mask = m_ok[:, None] & (rc < N)[None, :]
+            v = tl.load(out_ptr + rm[:, None] * stride_om + rc[None, :], mask=mask, other=0.0, cache_modifier=".cg")
+            g = tl.load(g_ptr + rc, mask=rc < N, other=0.0)
+            h = (v.to(tl.float32) * rstd[:, None]).to(dt)
+            tl.store(normed_ptr + rm[:, None] * stride_nm + rc[None, :], (g[None, :] * h).to(dt), mask=mask)
+        tl.atomic_xchg(nlock_ptr, 0)
 
 
 @triton.jit
@@ -84,9 +116,15 @@ def _gemv_kernel(
     out_ptr,        # [M, N] output, last dim contiguous
     part_ptr,       # [SPLIT_K, n_tiles, BLOCK_N, BLOCK_M] float32 partial tiles (SPLIT)
     lock_ptr,       # [n_tiles] int32 arrival counters, zero between launches (SPLIT)
+    g_ptr,          # [N] RMSNorm weight (NORM) or unused
+    normed_ptr,     # [M, N] normed output (NORM) or unused
+    ss_ptr,         # [n_tiles, BLOCK_M] float32 per-tile sums of squares (NORM)
+    nlock_ptr,      # [1] int32 counter of stored tiles, zero between launches (NORM)
     M, N, K, SPLIT_K, K_SPLIT,   # sizes; K_SPLIT = K elements per slice (a multiple of BLOCK_K)
-    stride_xm, stride_am, stride_om,
+    stride_xm, stride_am, stride_om, stride_nm, eps,
     HAS_ADD: tl.constexpr,
+    NORM: tl.constexpr,          # RMSNorm the finished rows into normed_ptr (out then holds x @ w.T + add)
+    TILES_PAD: tl.constexpr,     # n_tiles rounded up to a power of two (NORM)
     SPLIT: tl.constexpr,         # SPLIT_K > 1
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     EVEN_K: tl.constexpr,        # K % BLOCK_K == 0
@@ -94,7 +132,8 @@ def _gemv_kernel(
     DOT_F32: tl.constexpr,       # the CPU interpreter's dot mishandles bfloat16: multiply in float32
     USE_PDL: tl.constexpr,       # launched with programmatic dependent launch (kernels/pdl.py)
 ):
-    """out[m, n] = sum_k x[m, k] * w[n, k] (+ add[m, n]), float32 accumulation."""
+    """out[m, n] = sum_k x[m, k] * w[n, k] (+ add[m, n]), float32 accumulation; with NORM also
+    normed = rms_norm(out, g, eps) over whole rows (see _norm_rows)."""
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -122,9 +161,15 @@ def _gemv_kernel(
                 acc += tl.load(part_ptr + t.to(tl.int64) * (BLOCK_N * BLOCK_M) + rt[:, None] * BLOCK_M
                                + rm[None, :], cache_modifier=".cg")
             tl.atomic_xchg(lock_ptr + pid_n, 0)
-            _finish(acc, add_ptr, out_ptr, rm, rn, m_ok, n_ok, stride_am, stride_om, HAS_ADD)
+            y = _finish(acc, add_ptr, out_ptr, rm, rn, m_ok, n_ok, stride_am, stride_om, HAS_ADD)
+            if NORM:
+                _norm_rows(y, out_ptr, g_ptr, normed_ptr, ss_ptr, nlock_ptr, rm, m_ok, pid_n, n_tiles, N, eps,
+                           stride_om, stride_nm, BLOCK_M, TILES_PAD, 512)
     else:
-        _finish(acc, add_ptr, out_ptr, rm, rn, m_ok, n_ok, stride_am, stride_om, HAS_ADD)
+        y = _finish(acc, add_ptr, out_ptr, rm, rn, m_ok, n_ok, stride_am, stride_om, HAS_ADD)
+        if NORM:
+            _norm_rows(y, out_ptr, g_ptr, normed_ptr, ss_ptr, nlock_ptr, rm, m_ok, pid_n, tl.num_programs(0), N,
+                       eps, stride_om, stride_nm, BLOCK_M, TILES_PAD, 512)
 
 
 @triton.jit
@@ -197,8 +242,9 @@ def _pick_config(m: int, n: int, k: int, device: torch.device) -> dict:
 
 
 class GemvWorkspace:
-    """Split-K scratch for :func:`gemv`: per (device, tiles, slices, tile size) one float32 partial
-    buffer and one zeroed counter array, allocated on first use and kept (a captured CUDA graph
+    """Scratch for :func:`gemv`: per (device, tiles, slices, tile size) a float32 partial-tile
+    buffer and zeroed tile counters (split-K), per-tile sums of squares and a zeroed counter (the
+    RMSNorm epilogue), allocated on first use and kept (a captured CUDA graph
     holds their addresses). Kernels run one at a time on a stream leave the counters at zero, so
     one workspace serves every GEMV of an engine."""
 
@@ -206,12 +252,15 @@ class GemvWorkspace:
         self._buffers: dict = {}
 
     def get(self, device: torch.device, n_tiles: int, split: int, block_n: int):
+        """(partial tiles, tile counters, per-tile sums of squares, norm counter)."""
         key = (str(device), n_tiles, split, block_n)
         bufs = self._buffers.get(key)
         if bufs is None:
             bufs = self._buffers[key] = (
                 torch.empty(split * n_tiles * block_n * MAX_ROWS, dtype=torch.float32, device=device),
-                torch.zeros(n_tiles, dtype=torch.int32, device=device))
+                torch.zeros(n_tiles, dtype=torch.int32, device=device),
+                torch.empty(n_tiles * MAX_ROWS, dtype=torch.float32, device=device),
+                torch.zeros(1, dtype=torch.int32, device=device))
         return bufs
 
     @property
@@ -246,6 +295,12 @@ def gemv(x: torch.Tensor, w: torch.Tensor, add: torch.Tensor | None = None, *, o
         raise GraphDSLError(f"gemv: add must be a bias [{n}] or a residual [{m}, {n}], got {list(add.shape)}")
     if add is not None and add.stride(-1) != 1:
         raise GraphDSLError(f"gemv: add must have a contiguous last dim, got strides {add.stride()}")
+    return _launch(x, w, add, out, None, workspace, config)
+
+
+def _launch(x, w, add, out, norm, workspace, config):
+    """One launch of :func:`_gemv_kernel`; ``norm`` is ``(norm_weight, eps, normed)`` or None."""
+    m, (n, k) = x.shape[0], w.shape
     cfg = dict(config or _pick_config(m, n, k, x.device))
     block_n, block_k, split = cfg.pop("BLOCK_N"), cfg.pop("BLOCK_K"), cfg.pop("SPLIT_K")
     steps = triton.cdiv(k, block_k)
@@ -253,19 +308,45 @@ def gemv(x: torch.Tensor, w: torch.Tensor, add: torch.Tensor | None = None, *, o
     k_split = triton.cdiv(steps, split) * block_k
     split = triton.cdiv(k, k_split)                  # no empty slices
     n_tiles = triton.cdiv(n, block_n)
-    if split > 1:
-        part, lock = (workspace or GemvWorkspace()).get(x.device, n_tiles, split, block_n)
+    if split > 1 or norm is not None:
+        part, lock, ss, nlock = (workspace or GemvWorkspace()).get(x.device, n_tiles, split, block_n)
     else:
-        part = lock = out
+        part = lock = ss = nlock = out
+    g, eps, normed = norm if norm is not None else (out, 0.0, out)
     stride_am = 0 if add is None or add.dim() == 1 else add.stride(0)
     _gemv_kernel[(n_tiles, split)](
-        x, w, add if add is not None else out, out, part, lock,
-        m, n, k, split, k_split, x.stride(0), stride_am, out.stride(0),
-        HAS_ADD=add is not None, SPLIT=split > 1, BLOCK_M=MAX_ROWS, BLOCK_N=block_n, BLOCK_K=block_k,
+        x, w, add if add is not None else out, out, part, lock, g, normed, ss, nlock,
+        m, n, k, split, k_split, x.stride(0), stride_am, out.stride(0), normed.stride(0), float(eps),
+        HAS_ADD=add is not None, NORM=norm is not None, TILES_PAD=triton.next_power_of_2(n_tiles),
+        SPLIT=split > 1, BLOCK_M=MAX_ROWS, BLOCK_N=block_n, BLOCK_K=block_k,
         EVEN_K=k % block_k == 0, EVEN_N=n % block_n == 0,
         DOT_F32=x.dtype == torch.bfloat16 and os.environ.get("TRITON_INTERPRET") == "1", **pdl_launch(x.device),
         **cfg)
     return out
+
+
+def gemv_add_rms_norm(x: torch.Tensor, w: torch.Tensor, residual: torch.Tensor, norm_weight: torch.Tensor,
+                      eps: float, *, normed: torch.Tensor | None = None, out: torch.Tensor | None = None,
+                      workspace: GemvWorkspace | None = None, config: dict | None = None):
+    """``s = x @ w.T + residual`` and ``normed = rms_norm(s, norm_weight, eps)`` in one launch, for
+    ``x [M <= 16, K]``, ``w [N, K]``, ``residual [M, N]``; ``out`` receives ``s``. Returns
+    ``(normed, s)`` (the order of ``add_rms_norm``). The program that stores the last column tile
+    normalises the whole rows (see ``_norm_rows``)."""
+    if not gemv_supported(x, w):
+        raise GraphDSLError(f"gemv_add_rms_norm: needs x [M<= {MAX_ROWS}, K] and a contiguous w [N, K] of one "
+                            f"dtype in {[str(d) for d in _DTYPES]}, got x {list(x.shape)} {x.dtype}, "
+                            f"w {list(w.shape)} {w.dtype} contiguous={w.is_contiguous()}")
+    m, n = x.shape[0], w.shape[0]
+    out = torch.empty(m, n, dtype=x.dtype, device=x.device) if out is None else out
+    normed = torch.empty(m, n, dtype=x.dtype, device=x.device) if normed is None else normed
+    for name, t, shape in (("residual", residual, (m, n)), ("out", out, (m, n)), ("normed", normed, (m, n)),
+                           ("norm_weight", norm_weight, (n,))):
+        if tuple(t.shape) != shape or t.stride(-1) != 1 or (name != "norm_weight" and t.dtype != x.dtype):
+            raise GraphDSLError(f"gemv_add_rms_norm: {name} must be {list(shape)} with a contiguous last dim"
+                                f"{'' if name == 'norm_weight' else f' and dtype {x.dtype}'}, got {list(t.shape)} "
+                                f"{t.dtype} strides {t.stride()}")
+    _launch(x, w, residual, out, (norm_weight, eps, normed), workspace, config)
+    return normed, out
 
 
 def gemv_swiglu(x: torch.Tensor, w: torch.Tensor, *, act: torch.Tensor | None = None,

@@ -69,3 +69,15 @@ def test_bind_errors_name_tensor_expected_actual():
 def test_json_round_trip():
     e = (Dim("n", max=8) + 1) * Dim("m")
     assert DimExpr.from_json(e.to_json()) == e
+
+
+def test_scaled_dims_fold_constant_factors():
+    """(n * c) * b, (n * c) // b fold when the constants divide: the rows of a reshape chain such
+    as [n, 32, 4] -> [n * 128 // 32, ...] stay `n`, so rewrites that rebuild shapes from another
+    operand agree with the recorded ones."""
+    n = Dim("n", max=64)
+    assert str(n * 32 // 32 * 4 * 8 // 32) == "n"
+    assert str(n * 2 * 3) == "n*6" and str(n * 4 // 8) == "n//2"
+    assert str(n * 6 // 4) == "n*6//4"                      # not divisible either way: kept
+    for v in (1, 7, 64):
+        assert (n * 4 // 8).evaluate({"n": v}) == v * 4 // 8
