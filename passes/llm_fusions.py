@@ -1,13 +1,13 @@
 """The LLM fusion rules: each a pattern written like the model code it matches.
 
-* ``add_rms_norm``  — ``s = x + residual; rms_norm(s)`` -> one row kernel returning (normed, s);
-  when ``x`` is a 2-D weight projection -> ``matmul_add_rms_norm`` (decode: the GEMV normalises
-  the rows it produced, no launch of its own)
+* ``add_rms_norm``  — ``s = x + residual; rms_norm(s)`` -> one row kernel returning (normed, s)
+* ``matmul_norm``   — ``add_rms_norm`` of a 2-D weight projection (either operand: the add
+  commutes) -> ``matmul_add_rms_norm`` (decode: the GEMV normalises the rows it produced)
 * ``swiglu``        — ``silu(gate) * up`` over a packed gate/up projection -> ``silu_mul``; two
   separate gate and up projections of the same input become one projection of the concatenated
-  weights (a parameter-only ``cat``, folded once when weights are bound) feeding ``silu_mul``;
-  a 2-D weight projection feeding ``silu_mul`` -> ``gate_up_silu`` (decode: one GEMV with the
-  SwiGLU in its epilogue)
+  weights (a parameter-only ``cat``, folded once when weights are bound) feeding ``silu_mul``
+* ``gate_up_silu``  — a 2-D weight projection feeding ``silu_mul`` -> ``gate_up_silu`` (decode: one
+  GEMV with the SwiGLU in its epilogue)
 * ``rope_cache``    — ``rope`` of q/k whose k goes straight into ``reshape_and_cache`` -> one kernel
 * ``matmul_epilogue`` — ``matmul + bias`` / ``matmul + residual`` -> one GEMM with a beta=1
   epilogue. It runs after ``add_rms_norm``: an add that feeds an RMSNorm saves more by joining the
@@ -22,7 +22,8 @@ from .fused_ops import add_rms_norm, gate_up_silu, matmul_add, matmul_add_rms_no
 from .rewriter import Rule, Var, ops
 from .shapes import same_extent_value, same_shape
 
-__all__ = ["ADD_RMS_NORM_RULES", "SWIGLU_RULES", "ROPE_CACHE_RULES", "MATMUL_EPILOGUE_RULES"]
+__all__ = ["ADD_RMS_NORM_RULES", "SWIGLU_RULES", "GATE_UP_SILU_RULES", "MATMUL_NORM_RULES", "ROPE_CACHE_RULES",
+           "MATMUL_EPILOGUE_RULES"]
 
 
 # -- residual add + RMSNorm ----------------------------------------------------------------------
@@ -72,11 +73,10 @@ def _matmul_norm_check(m):
     return True
 
 
-ADD_RMS_NORM_RULES = [Rule("add_rms_norm", _add_norm_pattern, _add_norm_replacement, _add_norm_check),
-                      Rule("matmul_add_rms_norm", _matmul_norm_pattern, _matmul_norm_replacement,
-                           _matmul_norm_check),
-                      Rule("matmul_add_rms_norm_swapped", _matmul_norm_pattern_swapped, _matmul_norm_replacement,
-                           _matmul_norm_check)]
+ADD_RMS_NORM_RULES = [Rule("add_rms_norm", _add_norm_pattern, _add_norm_replacement, _add_norm_check)]
+MATMUL_NORM_RULES = [Rule("matmul_add_rms_norm", _matmul_norm_pattern, _matmul_norm_replacement, _matmul_norm_check),
+                     Rule("matmul_add_rms_norm_swapped", _matmul_norm_pattern_swapped, _matmul_norm_replacement,
+                          _matmul_norm_check)]
 
 
 # -- SwiGLU --------------------------------------------------------------------------------------
@@ -152,8 +152,8 @@ def _gate_up_silu_check(m):
 
 SWIGLU_RULES = [Rule("swiglu", _swiglu_pattern, _swiglu_replacement, _swiglu_check),
                 Rule("swiglu_swapped", _swiglu_pattern_swapped, _swiglu_replacement, _swiglu_check),
-                Rule("gate_up_swiglu", _gate_up_pattern, _gate_up_replacement, _gate_up_check),
-                Rule("gate_up_silu", _gate_up_silu_pattern, _gate_up_silu_replacement, _gate_up_silu_check)]
+                Rule("gate_up_swiglu", _gate_up_pattern, _gate_up_replacement, _gate_up_check)]
+GATE_UP_SILU_RULES = [Rule("gate_up_silu", _gate_up_silu_pattern, _gate_up_silu_replacement, _gate_up_silu_check)]
 
 
 # -- RoPE + KV-cache write -----------------------------------------------------------------------

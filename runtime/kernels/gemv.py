@@ -59,13 +59,13 @@ def _finish(acc, add_ptr, out_ptr, rm, rn, m_ok, n_ok, stride_am, stride_om, HAS
 
 
 @triton.jit
-def _norm_rows(y, out_ptr, g_ptr, normed_ptr, ss_ptr, nlock_ptr, rm, m_ok, pid_n, n_tiles, N, eps,
-               stride_om, stride_nm, BLOCK_M: tl.constexpr, TILES_PAD: tl.constexpr, CHUNK: tl.constexpr):
+def _norm_rows(y, out_ptr, g_ptr, normed_ptr, ss_ptr, nlock_ptr, rm, M, pid_n, n_tiles, N, eps,
+               stride_om, stride_nm, BLOCK_M: tl.constexpr, TILES_PAD: tl.constexpr, N_PAD: tl.constexpr):
     """RMSNorm of whole output rows once every column tile is stored. Each tile's program stores
     the sums of squares of its stored tile ``y`` per row, then bumps one counter; the program that
     arrives last adds the ``n_tiles`` partial sums in tile order, ``rstd = 1 / sqrt(ss / N + eps)``,
     and writes ``normed = g * (out * rstd)`` (rounded to the dtype before the weight, as the
-    unfused RMSNorm) over the full rows, then resets the counter."""
+    unfused RMSNorm) one whole row at a time, then resets the counter."""
     tl.store(ss_ptr + pid_n * BLOCK_M + rm, tl.sum(y * y, axis=0))
     tl.debug_barrier()
     arrived = tl.atomic_add(nlock_ptr, 1, sem="acq_rel")
@@ -75,13 +75,14 @@ def _norm_rows(y, out_ptr, g_ptr, normed_ptr, ss_ptr, nlock_ptr, rm, m_ok, pid_n
                         cache_modifier=".cg")
         rstd = tl.rsqrt(tl.sum(parts, axis=0) / N + eps)
         dt = normed_ptr.dtype.element_ty
-        for c0 in range(0, N, CHUNK):
-            rc = c0 + tl.arange(0, CHUNK)
-            mask = m_ok[:, None] & (rc < N)[None, :]
-            v = tl.load(out_ptr + rm[:, None] * stride_om + rc[None, :], mask=mask, other=0.0, cache_modifier=".cg")
-            g = tl.load(g_ptr + rc, mask=rc < N, other=0.0)
-            h = (v.to(tl.float32) * rstd[:, None]).to(dt)
-            tl.store(normed_ptr + rm[:, None] * stride_nm + rc[None, :], (g[None, :] * h).to(dt), mask=mask)
+        rc = tl.arange(0, N_PAD)
+        n_ok = rc < N
+        g = tl.load(g_ptr + rc, mask=n_ok, other=0.0)
+        for m in range(0, M):
+            r = tl.sum(tl.where(rm == m, rstd, 0.0), axis=0)
+            v = tl.load(out_ptr + m * stride_om + rc, mask=n_ok, other=0.0, cache_modifier=".cg")
+            h = (v.to(tl.float32) * r).to(dt)
+            tl.store(normed_ptr + m * stride_nm + rc, (g * h).to(dt), mask=n_ok)
         tl.atomic_xchg(nlock_ptr, 0)
 
 
@@ -125,6 +126,7 @@ def _gemv_kernel(
     HAS_ADD: tl.constexpr,
     NORM: tl.constexpr,          # RMSNorm the finished rows into normed_ptr (out then holds x @ w.T + add)
     TILES_PAD: tl.constexpr,     # n_tiles rounded up to a power of two (NORM)
+    N_PAD: tl.constexpr,         # N rounded up to a power of two (NORM: one row per step)
     SPLIT: tl.constexpr,         # SPLIT_K > 1
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     EVEN_K: tl.constexpr,        # K % BLOCK_K == 0
@@ -163,13 +165,13 @@ def _gemv_kernel(
             tl.atomic_xchg(lock_ptr + pid_n, 0)
             y = _finish(acc, add_ptr, out_ptr, rm, rn, m_ok, n_ok, stride_am, stride_om, HAS_ADD)
             if NORM:
-                _norm_rows(y, out_ptr, g_ptr, normed_ptr, ss_ptr, nlock_ptr, rm, m_ok, pid_n, n_tiles, N, eps,
-                           stride_om, stride_nm, BLOCK_M, TILES_PAD, 512)
+                _norm_rows(y, out_ptr, g_ptr, normed_ptr, ss_ptr, nlock_ptr, rm, M, pid_n, n_tiles, N, eps,
+                           stride_om, stride_nm, BLOCK_M, TILES_PAD, N_PAD)
     else:
         y = _finish(acc, add_ptr, out_ptr, rm, rn, m_ok, n_ok, stride_am, stride_om, HAS_ADD)
         if NORM:
-            _norm_rows(y, out_ptr, g_ptr, normed_ptr, ss_ptr, nlock_ptr, rm, m_ok, pid_n, tl.num_programs(0), N,
-                       eps, stride_om, stride_nm, BLOCK_M, TILES_PAD, 512)
+            _norm_rows(y, out_ptr, g_ptr, normed_ptr, ss_ptr, nlock_ptr, rm, M, pid_n, tl.num_programs(0), N,
+                       eps, stride_om, stride_nm, BLOCK_M, TILES_PAD, N_PAD)
 
 
 @triton.jit
@@ -318,6 +320,7 @@ def _launch(x, w, add, out, norm, workspace, config):
         x, w, add if add is not None else out, out, part, lock, g, normed, ss, nlock,
         m, n, k, split, k_split, x.stride(0), stride_am, out.stride(0), normed.stride(0), float(eps),
         HAS_ADD=add is not None, NORM=norm is not None, TILES_PAD=triton.next_power_of_2(n_tiles),
+        N_PAD=triton.next_power_of_2(n) if norm is not None else 1,
         SPLIT=split > 1, BLOCK_M=MAX_ROWS, BLOCK_N=block_n, BLOCK_K=block_k,
         EVEN_K=k % block_k == 0, EVEN_N=n % block_n == 0,
         DOT_F32=x.dtype == torch.bfloat16 and os.environ.get("TRITON_INTERPRET") == "1", **pdl_launch(x.device),
