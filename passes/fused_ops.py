@@ -20,8 +20,7 @@ from graphdsl.functional import attention as _attn
 from graphdsl.functional._rules import binary_rule
 from graphdsl.opdef import OpCategory, Spec, check, get_op, register_op
 
-__all__ = ["add_rms_norm", "silu_mul", "rope_cache", "matmul_add", "gate_up_silu", "matmul_add_rms_norm", "fused",
-           "program_ops",
+__all__ = ["add_rms_norm", "silu_mul", "rope_cache", "matmul_add", "fused", "program_ops",
            "FUSED_OPS"]
 
 
@@ -89,38 +88,6 @@ def matmul_add(a, b, c, *, transpose_a=False, transpose_b=False):
     return torch.add(get_op("matmul").reference(a, b, transpose_a=transpose_a, transpose_b=transpose_b), c)
 
 
-# -- projection + residual add + RMSNorm --------------------------------------------------------
-def _matmul_add_rms_norm_rule(a: Spec, w: Spec, residual: Spec, norm_weight: Spec, *, eps=1e-6):
-    prod = get_op("matmul").shape(a, w, transpose_a=False, transpose_b=True)
-    return _add_rms_norm_rule(prod, residual, norm_weight, eps=eps)
-
-
-@register_op("matmul_add_rms_norm", category=OpCategory.MATMUL, shape=_matmul_add_rms_norm_rule, num_outputs=2)
-def matmul_add_rms_norm(a, w, residual, norm_weight, *, eps=1e-6):
-    """s = a @ wᵀ + residual;  normed = rms_norm(s, norm_weight, eps).  Returns (normed, s), like
-    add_rms_norm. A decoder layer's o and down projections followed by the next norm: at decode
-    sizes one GEMV whose last-finishing program normalises the rows; larger batches run the GEMM
-    with the residual in its epilogue, then the RMSNorm kernel."""
-    prod = get_op("matmul").reference(a, w, transpose_a=False, transpose_b=True)
-    return get_op("add_rms_norm").reference(prod, residual, norm_weight, eps=eps)
-
-
-# -- packed gate/up projection + SwiGLU ---------------------------------------------------------
-def _gate_up_silu_rule(x: Spec, w: Spec):
-    gate_up = get_op("matmul").shape(x, w, transpose_a=False, transpose_b=True)
-    return _silu_mul_rule(gate_up), gate_up
-
-
-@register_op("gate_up_silu", category=OpCategory.MATMUL, shape=_gate_up_silu_rule, num_outputs=2)
-def gate_up_silu(x, w):
-    """gate_up = x @ wᵀ with w = [gate rows; up rows] ([2I, K]);  act = silu(gate_up[..., :I]) *
-    gate_up[..., I:].  Returns (act, gate_up). At decode sizes one GEMV computes both and applies
-    the SwiGLU in its epilogue (the gate and up rows of a column tile are streamed by one program);
-    larger batches run the GEMM and then the SwiGLU kernel."""
-    gate_up = get_op("matmul").reference(x, w, transpose_a=False, transpose_b=True)
-    return get_op("silu_mul").reference(gate_up), gate_up
-
-
 # -- generic fused group -------------------------------------------------------------------------
 def program_ops(program) -> list[str]:
     """The op names of a ``fused`` sub-program, in order."""
@@ -163,5 +130,4 @@ def fused(*inputs, program=(), outputs=(), absorbed=()):
 
 
 FUSED_OPS = {"add_rms_norm": add_rms_norm, "silu_mul": silu_mul, "rope_cache": rope_cache,
-             "matmul_add": matmul_add, "gate_up_silu": gate_up_silu, "matmul_add_rms_norm": matmul_add_rms_norm,
-             "fused": fused}
+             "matmul_add": matmul_add, "fused": fused}

@@ -1,13 +1,9 @@
 """The LLM fusion rules: each a pattern written like the model code it matches.
 
 * ``add_rms_norm``  — ``s = x + residual; rms_norm(s)`` -> one row kernel returning (normed, s)
-* ``matmul_norm``   — ``add_rms_norm`` of a 2-D weight projection (either operand: the add
-  commutes) -> ``matmul_add_rms_norm`` (decode: the GEMV normalises the rows it produced)
 * ``swiglu``        — ``silu(gate) * up`` over a packed gate/up projection -> ``silu_mul``; two
   separate gate and up projections of the same input become one projection of the concatenated
   weights (a parameter-only ``cat``, folded once when weights are bound) feeding ``silu_mul``
-* ``gate_up_silu``  — a 2-D weight projection feeding ``silu_mul`` -> ``gate_up_silu`` (decode: one
-  GEMV with the SwiGLU in its epilogue)
 * ``rope_cache``    — ``rope`` of q/k whose k goes straight into ``reshape_and_cache`` -> one kernel
 * ``matmul_epilogue`` — ``matmul + bias`` / ``matmul + residual`` -> one GEMM with a beta=1
   epilogue. It runs after ``add_rms_norm``: an add that feeds an RMSNorm saves more by joining the
@@ -18,12 +14,11 @@ from __future__ import annotations
 
 from graphdsl import functional as F
 
-from .fused_ops import add_rms_norm, gate_up_silu, matmul_add, matmul_add_rms_norm, rope_cache, silu_mul
+from .fused_ops import add_rms_norm, matmul_add, rope_cache, silu_mul
 from .rewriter import Rule, Var, ops
 from .shapes import same_extent_value, same_shape
 
-__all__ = ["ADD_RMS_NORM_RULES", "SWIGLU_RULES", "GATE_UP_SILU_RULES", "MATMUL_NORM_RULES", "ROPE_CACHE_RULES",
-           "MATMUL_EPILOGUE_RULES"]
+__all__ = ["ADD_RMS_NORM_RULES", "SWIGLU_RULES", "ROPE_CACHE_RULES", "MATMUL_EPILOGUE_RULES"]
 
 
 # -- residual add + RMSNorm ----------------------------------------------------------------------
@@ -45,38 +40,7 @@ def _add_norm_check(m):
     return True
 
 
-def _matmul_norm_pattern(a, w, residual, weight):
-    prod = ops.matmul(a, w, transpose_a=Var("ta"), transpose_b=Var("tb"))
-    return ops.add_rms_norm(prod, residual, weight, eps=Var("eps"))
-
-
-def _matmul_norm_pattern_swapped(a, w, residual, weight):
-    prod = ops.matmul(a, w, transpose_a=Var("ta"), transpose_b=Var("tb"))
-    return ops.add_rms_norm(residual, prod, weight, eps=Var("eps"))          # the add commutes
-
-
-def _matmul_norm_replacement(a, w, residual, weight, *, ta, tb, eps):
-    return matmul_add_rms_norm(a, w, residual, weight, eps=eps)
-
-
-def _matmul_norm_check(m):
-    a, w, r = m.inputs["a"], m.inputs["w"], m.inputs["residual"]
-    if m.vars["ta"] or not m.vars["tb"]:
-        return (f"layout: matmul_add_rms_norm takes a @ wᵀ with w [N, K]; got transpose_a={m.vars['ta']}, "
-                f"transpose_b={m.vars['tb']}")
-    if a.shape is None or w.shape is None:
-        return "shape: unknown while building"
-    if len(a.shape) != 2 or len(w.shape) != 2:
-        return f"shape: only 2-D projections fuse, got {a.shape} @ {w.shape}ᵀ"
-    if not (a.dtype == w.dtype == r.dtype):
-        return f"dtype: input {a.dtype}, weight {w.dtype}, residual {r.dtype} differ"
-    return True
-
-
 ADD_RMS_NORM_RULES = [Rule("add_rms_norm", _add_norm_pattern, _add_norm_replacement, _add_norm_check)]
-MATMUL_NORM_RULES = [Rule("matmul_add_rms_norm", _matmul_norm_pattern, _matmul_norm_replacement, _matmul_norm_check),
-                     Rule("matmul_add_rms_norm_swapped", _matmul_norm_pattern_swapped, _matmul_norm_replacement,
-                          _matmul_norm_check)]
 
 
 # -- SwiGLU --------------------------------------------------------------------------------------
@@ -127,33 +91,9 @@ def _gate_up_check(m):
     return True
 
 
-def _gate_up_silu_pattern(x, w):
-    return ops.silu_mul(ops.matmul(x, w, transpose_a=Var("ta"), transpose_b=Var("tb")))
-
-
-def _gate_up_silu_replacement(x, w, *, ta, tb):
-    act, _ = gate_up_silu(x, w)
-    return act
-
-
-def _gate_up_silu_check(m):
-    x, w = m.inputs["x"], m.inputs["w"]
-    if m.vars["ta"] or not m.vars["tb"]:
-        return (f"layout: gate_up_silu takes x @ wᵀ with w [2I, K]; got transpose_a={m.vars['ta']}, "
-                f"transpose_b={m.vars['tb']}")
-    if x.shape is None or w.shape is None:
-        return "shape: unknown while building"
-    if len(x.shape) != 2 or len(w.shape) != 2:
-        return f"shape: only 2-D projections fuse, got {x.shape} @ {w.shape}ᵀ"
-    if x.dtype != w.dtype:
-        return f"dtype: the input is {x.dtype}, the weight {w.dtype}"
-    return True
-
-
 SWIGLU_RULES = [Rule("swiglu", _swiglu_pattern, _swiglu_replacement, _swiglu_check),
                 Rule("swiglu_swapped", _swiglu_pattern_swapped, _swiglu_replacement, _swiglu_check),
                 Rule("gate_up_swiglu", _gate_up_pattern, _gate_up_replacement, _gate_up_check)]
-GATE_UP_SILU_RULES = [Rule("gate_up_silu", _gate_up_silu_pattern, _gate_up_silu_replacement, _gate_up_silu_check)]
 
 
 # -- RoPE + KV-cache write -----------------------------------------------------------------------

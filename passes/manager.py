@@ -29,8 +29,7 @@ from .dce import dead_code_elimination
 from .generic_fusion import default_can_fuse, fuse_groups
 from .graph_edit import GraphEditor
 from .horizontal import merge_projections
-from .llm_fusions import (ADD_RMS_NORM_RULES, GATE_UP_SILU_RULES, MATMUL_EPILOGUE_RULES, MATMUL_NORM_RULES,
-                          ROPE_CACHE_RULES, SWIGLU_RULES)
+from .llm_fusions import ADD_RMS_NORM_RULES, MATMUL_EPILOGUE_RULES, ROPE_CACHE_RULES, SWIGLU_RULES
 from .rewriter import NearMiss, Rule, apply_rules
 
 __all__ = ["PassSpec", "PassContext", "PassRecord", "BuildReport", "PassManager", "PIPELINE", "pass_names",
@@ -139,12 +138,8 @@ PIPELINE: list[PassSpec] = [
              fn=_constant_fold),
     PassSpec("rope_cache", "rope(q, k) + KV-cache write -> rope_cache", rules=ROPE_CACHE_RULES),
     PassSpec("swiglu", "silu(gate) * up (packed or two projections) -> silu_mul", rules=SWIGLU_RULES),
-    PassSpec("gate_up_silu", "weight projection + silu_mul -> gate_up_silu (decode: one GEMV with the SwiGLU "
-             "epilogue)", rules=GATE_UP_SILU_RULES),
     PassSpec("add_rms_norm", "residual add + rms_norm -> add_rms_norm (normed, residual)",
              rules=ADD_RMS_NORM_RULES),
-    PassSpec("matmul_norm", "weight projection + add_rms_norm -> matmul_add_rms_norm (decode: the GEMV "
-             "normalises its rows)", rules=MATMUL_NORM_RULES),
     PassSpec("matmul_epilogue", "matmul + bias / residual -> matmul_add (GEMM epilogue)",
              rules=MATMUL_EPILOGUE_RULES),
     PassSpec("generic_fusion", "connected pointwise ops (+ one row reduction) -> one fused kernel", fn=_generic),

@@ -323,8 +323,7 @@ class Engine:
         return "\n".join(lines)
 
 
-_FUSED_OPS = {"fused", "add_rms_norm", "silu_mul", "rope_cache", "matmul_add", "gate_up_silu",
-              "matmul_add_rms_norm"}
+_FUSED_OPS = {"fused", "add_rms_norm", "silu_mul", "rope_cache", "matmul_add"}
 
 
 def _resolve(v, binding, params):

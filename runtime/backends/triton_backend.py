@@ -10,10 +10,6 @@ Per node, by what the node is:
   (its split-K workspace kept by the backend, so a CUDA-graph replay allocates nothing), writing
   into the node's slot; ``reshape_and_cache`` — the Triton cache-write kernel, in place. On CPU
   without ``TRITON_INTERPRET=1`` these two run their torch references instead;
-* ``gate_up_silu`` — for at most 16 fp16/bf16 rows one GEMV whose programs stream matching gate
-  and up rows and apply the SwiGLU in the epilogue; else cuBLAS, then the SwiGLU kernel;
-* ``matmul_add_rms_norm`` — for at most 16 fp16/bf16 rows one GEMV whose last-finishing program
-  normalises the rows; else cuBLAS with the residual in its epilogue, then the RMSNorm kernel;
 * matmuls of weights ``[N, K]`` (``transpose_b``) by at most 16 fp16/bf16 rows — the decode GEMV
   (:mod:`graphdsl.runtime.kernels.gemv`), bias or residual in its epilogue; other matmuls —
   ``torch.matmul(..., out=slot)`` / ``torch.addmm`` (cuBLAS on CUDA, its epilogue adds the bias or
@@ -254,41 +250,6 @@ def _reshape_and_cache(be: TritonBackend, node, ins, attrs, dsts):
     return [key_cache, value_cache]
 
 
-def _gate_up_silu(be: TritonBackend, node, ins, attrs, dsts):
-    """One GEMV with the SwiGLU epilogue for few rows; else the GEMM into ``gate_up``, then the
-    SwiGLU kernel into ``act``."""
-    x, w = ins
-    act, gate_up = dsts
-    if _gemv_rows(x, w, gate_up) and act.stride(-1) == 1 and w.shape[0] % 2 == 0:
-        from ..kernels.gemv import gemv_swiglu
-        gemv_swiglu(x, w, act=act, gate_up=gate_up)
-        return dsts
-    torch.matmul(x, w.mT, out=gate_up)
-    _silu_mul(be, node, [gate_up], {}, [act])
-    return dsts
-
-
-def _matmul_add_rms_norm(be: TritonBackend, node, ins, attrs, dsts):
-    """One GEMV that normalises its finished rows for few rows; else the GEMM with the residual in
-    its epilogue (into ``s``), then the RMSNorm kernel."""
-    a, w, residual, g = ins
-    normed, s = dsts
-    eps = attrs["eps"]
-    if _gemv_rows(a, w, s) and normed.stride(-1) == 1 and residual.dtype == a.dtype \
-            and residual.stride(-1) == 1 and g.stride(-1) == 1:
-        from ..kernels.gemv import gemv_add_rms_norm
-        gemv_add_rms_norm(a, w, residual, g, eps, normed=normed, out=s, workspace=be.gemv_workspace)
-        return dsts
-    if residual.dtype == s.dtype:
-        torch.addmm(residual, a, w.mT, out=s)
-    else:
-        torch.add(torch.matmul(a, w.mT), residual, out=s)
-    program = (("rms_norm", (0, 1), (("eps", eps),)),)
-    kernel, data = be._kernel(node, program, (2,), [s, g], [normed])
-    kernel([[s, g][r] for r in data], [normed])
-    return dsts
-
-
 def _operands(ins, attrs):
     a, b = ins[0], ins[1]
     return (a.mT if attrs.get("transpose_a") else a), (b.mT if attrs.get("transpose_b") else b)
@@ -325,6 +286,5 @@ def _matmul(be: TritonBackend, node, ins, attrs, dsts):
 
 
 _LOWERINGS = {"fused": _fused, "add_rms_norm": _add_rms_norm, "silu_mul": _silu_mul, "rope_cache": _rope_cache,
-              "paged_attention": _paged_attention, "reshape_and_cache": _reshape_and_cache,
-              "gate_up_silu": _gate_up_silu, "matmul_add_rms_norm": _matmul_add_rms_norm}
+              "paged_attention": _paged_attention, "reshape_and_cache": _reshape_and_cache}
 _KERNEL_OPS = {"paged_attention", "reshape_and_cache"}   # hand-written kernels; torch reference on plain CPU

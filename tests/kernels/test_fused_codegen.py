@@ -24,7 +24,6 @@ from graphdsl import Dim, Network, Tensor  # noqa: E402
 from graphdsl import functional as F  # noqa: E402
 from graphdsl.errors import GraphDSLError  # noqa: E402
 from graphdsl.functional.attention import RopeLayout  # noqa: E402
-from graphdsl.opdef import OpCategory  # noqa: E402
 from graphdsl.opdef import get_op  # noqa: E402
 from graphdsl.passes import pass_names  # noqa: E402
 from graphdsl.runtime.codegen import launch_config, run_fused  # noqa: E402
@@ -138,15 +137,12 @@ def test_tiny_block_triton_engine_matches_reference_with_fewer_launches():
 
 @pytest.mark.parametrize("num_tokens", [3, 20])
 def test_tiny_block_fp16_projections_run_as_decode_gemvs(num_tokens, monkeypatch):
-    """In fp16 with <= 16 tokens every weight projection runs as a decode GEMV (gate/up with the
-    SwiGLU epilogue, o/down with the add+RMSNorm epilogue); with 20 tokens the same graph goes to
-    cuBLAS + row kernels; both match the unfused torch reference."""
+    """In fp16 with <= 16 tokens every weight projection runs as the decode GEMV; with 20 tokens
+    the same graph goes to cuBLAS (torch.matmul); both match the unfused torch reference."""
     import graphdsl.runtime.kernels.gemv as gemv_module
     calls = []
-    for name in ("gemv", "gemv_swiglu", "gemv_add_rms_norm"):
-        real = getattr(gemv_module, name)
-        monkeypatch.setattr(gemv_module, name, lambda *a, _real=real, _name=name, **k: calls.append(_name) or
-                            _real(*a, **k))
+    real = gemv_module.gemv
+    monkeypatch.setattr(gemv_module, "gemv", lambda *a, **k: calls.append(a[1].shape) or real(*a, **k))
     dt = torch.float16
     w, feed = tiny_block.weights(2, dtype=dt), tiny_block.inputs(num_tokens, dtype=dt)
     net = tiny_block.build(2, dtype=dt)
@@ -156,10 +152,8 @@ def test_tiny_block_fp16_projections_run_as_decode_gemvs(num_tokens, monkeypatch
     got = eng.forward({k: v.clone().to(DEV) for k, v in feed.items()})["logits"].cpu().float()
     want = ref.forward({**w, **{k: v.clone() for k, v in feed.items()}})["logits"].float()
     torch.testing.assert_close(got, want, rtol=2e-2, atol=2e-2)
-    ops = [n.op for n in eng.net.nodes if n.category is OpCategory.MATMUL]
-    assert sorted(ops) == ["gate_up_silu"] * 2 + ["matmul"] * 3 + ["matmul_add_rms_norm"] * 4   # 9 projections
-    want_calls = ["gemv_swiglu"] * 2 + ["gemv"] * 3 + ["gemv_add_rms_norm"] * 4 if num_tokens <= 16 else []
-    assert sorted(calls) == sorted(want_calls)
+    matmuls = [n for n in eng.net.nodes if n.op in ("matmul", "matmul_add")]
+    assert len(calls) == (len(matmuls) if num_tokens <= 16 else 0) and len(matmuls) == 9
 
 
 # -- property test: random pointwise/reduction networks x random pass subsets -------------------

@@ -1,0 +1,68 @@
+"""Interleaved A/B of decode passes: one model per pass configuration in one process, their batch-1
+decode steps timed in alternation, so slow drifts of the device (clocks, placement) hit every
+variant alike — separate processes differed by up to 10% with identical code on the H200.
+
+    python benchmarks/decode_ab.py --shape llama-3-8b --variants "" matmul_norm gate_up_silu \
+        matmul_norm,gate_up_silu [--rounds 5]
+
+Each variant is a ``GRAPHDSL_DISABLE_PASSES`` value ("" = every pass), set while its engines are
+built. Prints each variant's median µs per step and % of the roofline (as in ``llm.py``).
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from common import bench_ms, copy_bandwidth_gbs, device_line  # noqa: E402
+from llm import BLOCK, SHAPES, _decode_inputs, decode_bytes, kv_bytes_per_token, weight_bytes  # noqa: E402
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--shape", required=True, choices=sorted(SHAPES))
+    ap.add_argument("--variants", nargs="+", default=["", "matmul_norm,gate_up_silu"],
+                    help="GRAPHDSL_DISABLE_PASSES values, one model each")
+    ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--context", type=int, default=512)
+    args = ap.parse_args(argv)
+    if not torch.cuda.is_available():
+        print("decode_ab.py needs a CUDA GPU", file=sys.stderr)
+        return 2
+    import graphdsl as gd
+    from graphdsl.layers import Phase
+    copy = copy_bandwidth_gbs()
+    runs = {}
+    for v in args.variants:
+        os.environ["GRAPHDSL_DISABLE_PASSES"] = v
+        llm = gd.LLM.from_config(SHAPES[args.shape], device="cuda", dtype="bfloat16", seed=0, max_model_len=2049,
+                                 max_num_seqs=1, num_kv_blocks=2 * (args.context // BLOCK + 2), block_size=BLOCK)
+        for k, val in zip(llm.kv_cache.key_caches, llm.kv_cache.value_caches):
+            k.normal_()
+            val.normal_()
+        inputs, _ = _decode_inputs(llm, 1, args.context, torch.Generator(device="cuda").manual_seed(0))
+        llm.model.execute(Phase.DECODE, inputs)          # build + capture under this variant's passes
+        runs[v] = (llm, inputs, [])
+    os.environ.pop("GRAPHDSL_DISABLE_PASSES", None)
+    for _ in range(args.rounds):
+        for v, (llm, inputs, times) in runs.items():
+            times.append(bench_ms(lambda: llm.model.execute(Phase.DECODE, inputs), repeats=1))
+    llm0 = next(iter(runs.values()))[0]
+    roof = decode_bytes(weight_bytes(llm0.model), kv_bytes_per_token(llm0), 1, args.context) / (copy * 1e9) * 1e3
+    print(f"## decode A/B, {args.shape}, batch 1, ctx {args.context}, {args.rounds} interleaved rounds — "
+          f"{device_line()}; copy {copy:.0f} GB/s, roofline {roof * 1e3:.0f} µs\n")
+    print("| disabled passes | median µs/step | % of roofline | min | max |")
+    print("|---|---:|---:|---:|---:|")
+    for v, (_, _, times) in runs.items():
+        med = statistics.median(times)
+        print(f"| {v or '(none)'} | {med * 1e3:.0f} | {100 * roof / med:.1f}% | {min(times) * 1e3:.0f} | "
+              f"{max(times) * 1e3:.0f} |")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
