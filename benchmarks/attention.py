@@ -115,8 +115,8 @@ def sweep() -> list[str]:
     """Time alternative tile configs (block_m, block_n, warps, stages) against the heuristic's."""
     lines = []
     C = pa._Config
-    decode_cfgs = [C(16, 64, 4, 3), C(16, 128, 4, 2), C(16, 32, 4, 3)]
-    for batch, ctx in ((1, 4096), (8, 4096), (64, 4096)):
+    decode_cfgs = [C(16, 64, 4, 3), C(16, 128, 4, 2), C(16, 32, 4, 3), C(16, 64, 2, 2), C(16, 32, 2, 2)]
+    for batch, ctx in ((1, 512), (1, 4096), (8, 4096), (64, 4096)):
         base = bench_decode(batch, ctx)
         lines.append(f"decode b={batch} ctx={ctx} default {pa._pick_config(HEAD_DIM, 4, decode=True)} "
                      f"splits={base.splits}: graph {base.graph_ms * 1e3:.1f} us {base.gbs:.0f} GB/s")
@@ -128,7 +128,7 @@ def sweep() -> list[str]:
             except Exception as e:  # a config the compiler rejects (shared memory) is a result too
                 lines.append(f"  {cfg}: failed {type(e).__name__}: {str(e)[:80]}")
         if batch == 1:
-            for splits in (4, 8, 16, 32, 64):
+            for splits in (1, 2, 4, 8, 16, 32, 64):
                 r = bench_decode(batch, ctx, num_splits=splits)
                 lines.append(f"  splits={splits}: graph {r.graph_ms * 1e3:.1f} us {r.gbs:.0f} GB/s")
     prefill_cfgs = [C(64, 64, 4, 2), C(128, 64, 8, 3), C(128, 128, 8, 3), C(64, 32, 4, 3),

@@ -44,9 +44,10 @@ def weight_copies(n: int, k: int) -> list[torch.Tensor]:
 
 
 def sweep_grid():
-    for bn, bk, stages, split in itertools.product((32, 64, 128), (64, 128, 256), (3, 5), (1, 2, 4, 8)):
+    for bn, bk, stages, split, warps in itertools.product((32, 64, 128), (64, 128, 256), (3, 5), (1, 2, 4),
+                                                          (4, 8)):
         if bn * bk * 2 * stages <= 160 * 1024:
-            yield dict(BLOCK_N=bn, BLOCK_K=bk, SPLIT_K=split, num_warps=4, num_stages=stages)
+            yield dict(BLOCK_N=bn, BLOCK_K=bk, SPLIT_K=split, num_warps=warps, num_stages=stages)
 
 
 def main(argv=None) -> int:
@@ -101,7 +102,7 @@ def main(argv=None) -> int:
                 best_table[(name, m)] = best
                 b = best[1]
                 print(f"|  best | {m} | | | {best[0]:.1f} | {pct(best[0]):.1f}% | {b['BLOCK_N']}x{b['BLOCK_K']} split "
-                      f"{b['SPLIT_K']} st {b['num_stages']} | |", flush=True)
+                      f"{b['SPLIT_K']} st {b['num_stages']} w {b['num_warps']} | |", flush=True)
         del weights
         torch.cuda.empty_cache()
     if best_table:
