@@ -29,6 +29,7 @@ File shape (STYLE.md 11): the ``@triton.jit`` kernel and its epilogue helper, th
 """
 from __future__ import annotations
 
+import functools
 import os
 
 import torch
@@ -128,7 +129,13 @@ def _pow2(n: int) -> int:
 def _num_sms(device: torch.device) -> int:
     if device.type != "cuda":
         return 4
-    return torch.cuda.get_device_properties(device).multi_processor_count
+    return _cuda_sms(device.index if device.index is not None else torch.cuda.current_device())
+
+
+@functools.lru_cache(maxsize=None)
+def _cuda_sms(index: int) -> int:
+    """SM count of CUDA device ``index``, read once (every launch picks its config from it)."""
+    return torch.cuda.get_device_properties(index).multi_processor_count
 
 
 def _pick_config(m: int, n: int, k: int, device: torch.device) -> dict:
