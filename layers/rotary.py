@@ -114,9 +114,30 @@ class RotaryEmbedding(Module):
         """Per-token tables ``cos, sin: [len(positions), rotary_dim/2]`` float32 on positions' device."""
         if seq_len is None and self.scaling.rope_type is RopeType.DYNAMIC and positions.numel():
             seq_len = int(positions.max()) + 1
-        inv, scale = self.inv_freq(seq_len)
-        freqs = positions.to(torch.float32)[:, None] * inv.to(positions.device)[None, :]
+        inv, scale = self._device_inv_freq(seq_len, positions.device)
+        freqs = positions.to(torch.float32)[:, None] * inv[None, :]
+        if scale == 1.0:
+            return freqs.cos(), freqs.sin()
         return freqs.cos() * scale, freqs.sin() * scale
+
+    def _device_inv_freq(self, seq_len: int | None, device: torch.device) -> tuple[torch.Tensor, float]:
+        """:meth:`inv_freq` on ``device``, kept per device (and per effective length for dynamic NTK):
+        copying a fresh CPU table every step would make each decode step wait for the previous one."""
+        key = (str(device), self._ntk_len(seq_len))
+        cache = self.__dict__.setdefault("_inv_cache", {})
+        hit = cache.get(key)
+        if hit is None:
+            if len(cache) >= 64:                 # dynamic NTK over ever longer contexts: keep it bounded
+                cache.clear()
+            inv, scale = self.inv_freq(seq_len)
+            hit = cache[key] = (inv.to(device), scale)
+        return hit
+
+    def _ntk_len(self, seq_len: int | None) -> int | None:
+        """The length :meth:`inv_freq` depends on: dynamic NTK's ``max(seq_len, max_positions)``, else none."""
+        if self.scaling.rope_type is not RopeType.DYNAMIC:
+            return None
+        return max(seq_len or self.max_position_embeddings, self.max_position_embeddings)
 
     # -- graph side --------------------------------------------------------------------------
     def forward(self, q, k, cos, sin):

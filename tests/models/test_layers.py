@@ -45,6 +45,26 @@ def test_rotary_tables_match_transformers(case):
             or case == "dynamic"
 
 
+def test_rotary_tables_are_computed_once_per_device(monkeypatch):
+    """A decode step must not copy a fresh CPU frequency table to the GPU (that copy waits for the
+    previous step): the table is made once per device, and per effective length for dynamic NTK."""
+    rotary = RotaryEmbedding(64, 10000.0, 32, RopeScaling(rope_type=RopeType.LLAMA3, factor=8.0, low_freq_factor=1.0,
+                                                          high_freq_factor=4.0, original_max_position_embeddings=16))
+    calls = []
+    real = rotary.inv_freq
+    monkeypatch.setattr(rotary, "inv_freq", lambda *a: calls.append(a) or real(*a))
+    first = rotary.cos_sin(torch.tensor([3, 9]))
+    for p in (5, 70, 2):
+        cos, sin = rotary.cos_sin(torch.tensor([p]))
+        want = torch.tensor([float(p)])[:, None] * real()[0][None, :]
+        torch.testing.assert_close(cos, want.cos())
+    assert len(calls) == 1 and first[0].shape == (2, 32)
+    dynamic = RotaryEmbedding(64, 10000.0, 32, RopeScaling(rope_type=RopeType.DYNAMIC, factor=2.0))
+    for n in (5, 20, 40, 40, 70):
+        dynamic.cos_sin(torch.arange(n))
+    assert sorted(k[1] for k in dynamic._inv_cache) == [32, 40, 70]     # lengths <= 32 share one table
+
+
 def test_rope_scaling_validation():
     with pytest.raises(GraphDSLError, match="llama3 scaling needs original_max_position_embeddings"):
         RopeScaling(rope_type=RopeType.LLAMA3, factor=8.0)
