@@ -20,7 +20,7 @@ from graphdsl.functional import attention as _attn
 from graphdsl.functional._rules import binary_rule
 from graphdsl.opdef import OpCategory, Spec, check, get_op, register_op
 
-__all__ = ["add_rms_norm", "silu_mul", "rope_cache", "matmul_add", "fused", "program_ops",
+__all__ = ["add_rms_norm", "silu_mul", "rope_cache", "rope_cache_attention", "matmul_add", "fused", "program_ops",
            "FUSED_OPS"]
 
 
@@ -73,6 +73,30 @@ def rope_cache(q, k, v, key_cache, value_cache, cos, sin, slot_mapping, *, layou
     q2, k2 = get_op("rope").reference(q, k, cos, sin, layout=layout)
     kc, vc = get_op("reshape_and_cache").reference(k2, v, key_cache, value_cache, slot_mapping)
     return q2, kc, vc
+
+
+# -- decode: RoPE + KV-cache write + paged attention -----------------------------------------------
+def _rope_cache_attention_rule(q: Spec, k: Spec, v: Spec, key_cache: Spec, value_cache: Spec, cos: Spec, sin: Spec,
+                               slot_mapping: Spec, block_tables: Spec, seq_lens: Spec, *,
+                               layout=_attn.RopeLayout.NEOX, scale=1.0, sliding_window=0, soft_cap=0.0):
+    q2, kc, vc = _rope_cache_rule(q, k, v, key_cache, value_cache, cos, sin, slot_mapping, layout=layout)
+    out = get_op("paged_attention").shape(q2, kc, vc, block_tables, seq_lens, scale=scale,
+                                          sliding_window=sliding_window, soft_cap=soft_cap)
+    return out, kc, vc
+
+
+@register_op("rope_cache_attention", category=OpCategory.ATTENTION, shape=_rope_cache_attention_rule,
+             num_outputs=3, inplace={1: 3, 2: 4})
+def rope_cache_attention(q, k, v, key_cache, value_cache, cos, sin, slot_mapping, block_tables, seq_lens, *,
+                         layout=_attn.RopeLayout.NEOX, scale=1.0, sliding_window=0, soft_cap=0.0):
+    """Decode (one query per sequence): ``q', key_cache, value_cache = rope_cache(q, k, v, ...)``, then
+    ``out = paged_attention(q', key_cache, value_cache, block_tables, seq_lens)``. Returns
+    ``(out, key_cache, value_cache)``; q' and k' never reach memory except k' in the cache."""
+    q2, kc, vc = get_op("rope_cache").reference(q, k, v, key_cache, value_cache, cos, sin, slot_mapping,
+                                                layout=layout)
+    out = get_op("paged_attention").reference(q2, kc, vc, block_tables, seq_lens, scale=scale,
+                                              sliding_window=sliding_window, soft_cap=soft_cap)
+    return out, kc, vc
 
 
 # -- matmul with an add epilogue (bias or residual) ---------------------------------------------
@@ -130,4 +154,5 @@ def fused(*inputs, program=(), outputs=(), absorbed=()):
 
 
 FUSED_OPS = {"add_rms_norm": add_rms_norm, "silu_mul": silu_mul, "rope_cache": rope_cache,
+             "rope_cache_attention": rope_cache_attention,
              "matmul_add": matmul_add, "fused": fused}

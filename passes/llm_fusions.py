@@ -5,6 +5,8 @@
   separate gate and up projections of the same input become one projection of the concatenated
   weights (a parameter-only ``cat``, folded once when weights are bound) feeding ``silu_mul``
 * ``rope_cache``    — ``rope`` of q/k whose k goes straight into ``reshape_and_cache`` -> one kernel
+* ``rope_cache_attention`` — a decode ``paged_attention`` (no ``query_start_loc``) reading
+  ``rope_cache``'s q' and caches -> one kernel that rotates, writes the cache and attends
 * ``matmul_epilogue`` — ``matmul + bias`` / ``matmul + residual`` -> one GEMM with a beta=1
   epilogue. It runs after ``add_rms_norm``: an add that feeds an RMSNorm saves more by joining the
   norm's row kernel (no extra read of the sum) than by joining the GEMM, so only adds left over
@@ -14,11 +16,12 @@ from __future__ import annotations
 
 from graphdsl import functional as F
 
-from .fused_ops import add_rms_norm, matmul_add, rope_cache, silu_mul
+from .fused_ops import add_rms_norm, matmul_add, rope_cache, rope_cache_attention, silu_mul
 from .rewriter import Rule, Var, ops
 from .shapes import same_extent_value, same_shape
 
-__all__ = ["ADD_RMS_NORM_RULES", "SWIGLU_RULES", "ROPE_CACHE_RULES", "MATMUL_EPILOGUE_RULES"]
+__all__ = ["ADD_RMS_NORM_RULES", "SWIGLU_RULES", "ROPE_CACHE_RULES", "ROPE_CACHE_ATTENTION_RULES",
+           "MATMUL_EPILOGUE_RULES"]
 
 
 # -- residual add + RMSNorm ----------------------------------------------------------------------
@@ -115,6 +118,23 @@ def _rope_cache_check(m):
 
 
 ROPE_CACHE_RULES = [Rule("rope_cache", _rope_cache_pattern, _rope_cache_replacement, _rope_cache_check)]
+
+
+# -- decode attention with RoPE + KV-cache write ---------------------------------------------------
+def _rca_pattern(q, k, v, key_cache, value_cache, cos, sin, slot_mapping, block_tables, seq_lens):
+    q2, kc, vc = ops.rope_cache(q, k, v, key_cache, value_cache, cos, sin, slot_mapping, layout=Var("layout"))
+    out = ops.paged_attention(q2, kc, vc, block_tables, seq_lens, scale=Var("scale"),
+                              sliding_window=Var("sliding_window"), soft_cap=Var("soft_cap"))
+    return out, kc, vc
+
+
+def _rca_replacement(q, k, v, key_cache, value_cache, cos, sin, slot_mapping, block_tables, seq_lens, *,
+                     layout, scale, sliding_window, soft_cap):
+    return rope_cache_attention(q, k, v, key_cache, value_cache, cos, sin, slot_mapping, block_tables, seq_lens,
+                                layout=layout, scale=scale, sliding_window=sliding_window, soft_cap=soft_cap)
+
+
+ROPE_CACHE_ATTENTION_RULES = [Rule("rope_cache_attention", _rca_pattern, _rca_replacement)]
 
 
 # -- matmul epilogue ------------------------------------------------------------------------------

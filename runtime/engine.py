@@ -323,7 +323,7 @@ class Engine:
         return "\n".join(lines)
 
 
-_FUSED_OPS = {"fused", "add_rms_norm", "silu_mul", "rope_cache", "matmul_add"}
+_FUSED_OPS = {"fused", "add_rms_norm", "silu_mul", "rope_cache", "rope_cache_attention", "matmul_add"}
 
 
 def _resolve(v, binding, params):

@@ -8,8 +8,9 @@ Per node, by what the node is:
 * ``paged_attention`` — :func:`~graphdsl.runtime.kernels.paged_attention_prefill` when the node
   has a ``query_start_loc`` input, else :func:`~graphdsl.runtime.kernels.paged_attention_decode`
   (its split-K workspace kept by the backend, so a CUDA-graph replay allocates nothing), writing
-  into the node's slot; ``reshape_and_cache`` — the Triton cache-write kernel, in place. On CPU
-  without ``TRITON_INTERPRET=1`` these two run their torch references instead;
+  into the node's slot; ``rope_cache_attention`` — the same decode kernel also rotating q and k and
+  writing the cache; ``reshape_and_cache`` — the Triton cache-write kernel, in place. On CPU
+  without ``TRITON_INTERPRET=1`` these three run their torch references instead;
 * matmuls of weights ``[N, K]`` (``transpose_b``) by at most 16 fp16/bf16 rows — the decode GEMV
   (:mod:`graphdsl.runtime.kernels.gemv`), bias or residual in its epilogue; other matmuls —
   ``torch.matmul(..., out=slot)`` / ``torch.addmm`` (cuBLAS on CUDA, its epilogue adds the bias or
@@ -78,6 +79,8 @@ class TritonBackend:
         self._single: dict = {}                 # node -> generated as a one-op kernel?
         self.sources: dict[str, str] = {}       # node name -> generated kernel source (for dumps)
         self._gemv_workspace = None             # split-K partials + counters of the decode GEMVs
+        self._step_nodes: set = set()           # the nodes of the current run (step_constant)
+        self._step_written: set = set()         # graph inputs those nodes write in place (KV caches)
         from .torch_backend import TorchBackend
         self._reference = TorchBackend()
 
@@ -91,6 +94,8 @@ class TritonBackend:
 
     # -- run -----------------------------------------------------------------------------------
     def run(self, nodes, values: dict, attrs: dict, storage: dict) -> None:
+        self._step_nodes = set(nodes)
+        self._step_written = {n.inputs[i] for n in nodes for i in n.opdef.inplace.values()}
         for node in nodes:
             ins = [values[t] for t in node.inputs]
             on_cpu = bool(ins) and ins[0].device.type == "cpu" and not _interpreting()
@@ -112,6 +117,14 @@ class TritonBackend:
             outs = lower(self, node, ins, attrs[node], dsts)
             for t, r in zip(node.outputs, outs):
                 values[t] = r
+
+    def step_constant(self, t) -> bool:
+        """Whether tensor ``t`` is written by none of the nodes this backend runs: a graph input (bound
+        weight or step input, copied in before the step) that no node updates in place, or a
+        constant folded from weights once. Kernels may read such tensors before their PDL wait."""
+        if t.producer is None:
+            return t not in self._step_written
+        return t.producer not in self._step_nodes
 
     @property
     def gemv_workspace(self):
@@ -192,19 +205,29 @@ def _rope_cache(be: TritonBackend, node, ins, attrs, dsts):
 _KERNEL_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
 
+def _attention_unsupported(q, key_cache, value_cache, block_tables, seq_lens, query_start_loc=None) -> str | None:
+    dim = q.shape[-1]
+    if dim < 16 or dim > 256 or dim & (dim - 1):
+        return f"head_dim {dim} is not a power of two in [16, 256]"
+    if q.dtype not in _KERNEL_DTYPES or key_cache.dtype != q.dtype or value_cache.dtype != q.dtype:
+        return f"dtypes q {q.dtype}, caches {key_cache.dtype}/{value_cache.dtype}"
+    if key_cache.stride(-1) != 1 or value_cache.stride(-1) != 1 or block_tables.stride(-1) != 1 \
+            or not seq_lens.is_contiguous() or (query_start_loc is not None and not query_start_loc.is_contiguous()):
+        return "non-unit inner strides"
+    return None
+
+
 def _kernel_unsupported(node, ins) -> str | None:
     """Why the hand-written kernel cannot take this call (then the op's torch reference runs)."""
     if node.op == "paged_attention":
-        q, key_cache = ins[0], ins[1]
-        dim = q.shape[-1]
-        if dim < 16 or dim > 256 or dim & (dim - 1):
-            return f"head_dim {dim} is not a power of two in [16, 256]"
-        if q.dtype not in _KERNEL_DTYPES or key_cache.dtype != q.dtype or ins[2].dtype != q.dtype:
-            return f"dtypes q {q.dtype}, caches {key_cache.dtype}/{ins[2].dtype}"
-        if key_cache.stride(-1) != 1 or ins[2].stride(-1) != 1 or ins[3].stride(-1) != 1 \
-                or not ins[4].is_contiguous() or (len(ins) == 6 and not ins[5].is_contiguous()):
-            return "non-unit inner strides"
-        return None
+        return _attention_unsupported(*ins)
+    if node.op == "rope_cache_attention":
+        q, k, v, key_cache, value_cache, cos, sin, slot_mapping, block_tables, seq_lens = ins
+        if k.dtype not in _KERNEL_DTYPES or v.dtype not in _KERNEL_DTYPES:
+            return f"dtypes k {k.dtype}, v {v.dtype}"
+        if cos.stride(-1) != 1 or sin.stride() != cos.stride() or not slot_mapping.is_contiguous():
+            return "cos/sin strides differ or slot_mapping is not contiguous"
+        return _attention_unsupported(q, key_cache, value_cache, block_tables, seq_lens)
     key_cache, value_cache = ins[2], ins[3]
     if key_cache.dtype not in _KERNEL_DTYPES or value_cache.dtype not in _KERNEL_DTYPES \
             or ins[0].dtype not in _KERNEL_DTYPES or ins[1].dtype not in _KERNEL_DTYPES:
@@ -214,9 +237,24 @@ def _kernel_unsupported(node, ins) -> str | None:
     return None
 
 
+def _decode_workspace(be: TritonBackend, q, key_cache, block_tables, sliding_window):
+    """Split count and the backend's kept split scratch for a decode of these operands."""
+    from ..kernels.paged_attention import decode_num_splits, decode_workspace
+    num_seqs, heads, dim = q.shape
+    kv_heads = key_cache.shape[2]
+    splits = decode_num_splits(num_seqs, kv_heads, block_tables.shape[1], key_cache.shape[1], sliding_window,
+                               q.device)
+    if splits == 1 or num_seqs == 0:
+        return splits, None
+    key = (q.device, num_seqs, heads, kv_heads, dim, splits)
+    workspace = be._workspaces.get(key)
+    if workspace is None:
+        workspace = be._workspaces[key] = decode_workspace(num_seqs, heads, kv_heads, dim, splits, q.device)
+    return splits, workspace
+
+
 def _paged_attention(be: TritonBackend, node, ins, attrs, dsts):
-    from ..kernels.paged_attention import (decode_num_splits, decode_workspace_shapes, paged_attention_decode,
-                                           paged_attention_prefill)
+    from ..kernels.paged_attention import paged_attention_decode, paged_attention_prefill
     q, key_cache, value_cache, block_tables, seq_lens = ins[:5]
     if q.stride(-1) != 1:
         q = q.contiguous()
@@ -225,20 +263,23 @@ def _paged_attention(be: TritonBackend, node, ins, attrs, dsts):
     if len(ins) == 6:
         paged_attention_prefill(q, key_cache, value_cache, block_tables, seq_lens, ins[5], **common)
         return dsts
-    num_seqs, heads, dim = q.shape
-    splits = decode_num_splits(num_seqs, key_cache.shape[2], block_tables.shape[1], key_cache.shape[1],
-                               attrs["sliding_window"], q.device)
-    workspace = None
-    if splits > 1 and num_seqs > 0:
-        shapes = decode_workspace_shapes(num_seqs, heads, dim, splits)
-        key = (q.device, shapes)
-        workspace = be._workspaces.get(key)
-        if workspace is None:
-            workspace = be._workspaces[key] = tuple(torch.empty(s, dtype=torch.float32, device=q.device)
-                                                    for s in shapes)
+    splits, workspace = _decode_workspace(be, q, key_cache, block_tables, attrs["sliding_window"])
     paged_attention_decode(q, key_cache, value_cache, block_tables, seq_lens, num_splits=splits,
-                           workspace=workspace, **common)
+                           workspace=workspace, inputs_ready=be.step_constant(node.inputs[4]), **common)
     return dsts
+
+
+def _rope_cache_attention(be: TritonBackend, node, ins, attrs, dsts):
+    from ..kernels.paged_attention import DecodeRopeCache, paged_attention_decode
+    q, k, v, key_cache, value_cache, cos, sin, slot_mapping, block_tables, seq_lens = ins
+    q, k, v = (x if x.stride(-1) == 1 else x.contiguous() for x in (q, k, v))
+    splits, workspace = _decode_workspace(be, q, key_cache, block_tables, attrs["sliding_window"])
+    paged_attention_decode(q, key_cache, value_cache, block_tables, seq_lens, scale=attrs["scale"],
+                           sliding_window=attrs["sliding_window"], soft_cap=attrs["soft_cap"], out=dsts[0],
+                           num_splits=splits, workspace=workspace,
+                           rope_cache=DecodeRopeCache(k, v, cos, sin, slot_mapping, attrs["layout"]),
+                           inputs_ready=all(be.step_constant(node.inputs[i]) for i in (5, 6, 7, 9)))
+    return [dsts[0], key_cache, value_cache]
 
 
 def _reshape_and_cache(be: TritonBackend, node, ins, attrs, dsts):
@@ -286,5 +327,6 @@ def _matmul(be: TritonBackend, node, ins, attrs, dsts):
 
 
 _LOWERINGS = {"fused": _fused, "add_rms_norm": _add_rms_norm, "silu_mul": _silu_mul, "rope_cache": _rope_cache,
-              "paged_attention": _paged_attention, "reshape_and_cache": _reshape_and_cache}
-_KERNEL_OPS = {"paged_attention", "reshape_and_cache"}   # hand-written kernels; torch reference on plain CPU
+              "paged_attention": _paged_attention, "rope_cache_attention": _rope_cache_attention,
+              "reshape_and_cache": _reshape_and_cache}
+_KERNEL_OPS = {"paged_attention", "rope_cache_attention", "reshape_and_cache"}   # hand-written kernels; torch reference on plain CPU

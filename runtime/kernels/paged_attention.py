@@ -31,13 +31,16 @@ and never ``inf - inf``).
   ``b_s = query_start_loc[s] // BLOCK_Q + s``; these ranges are disjoint and below the grid size, so
   a program finds its sequence by binary search over ``b`` without any host synchronisation. A tile
   holds ``BLOCK_Q`` queries x ``GROUP_PAD`` heads as its ``BLOCK_M`` rows.
-* decode (:func:`paged_attention_decode`): grid ``(num_seqs, kv_heads, num_splits)``; split ``j``
-  covers a contiguous ``BLOCK_N``-aligned part of the keys ``[lo, L)`` and writes its unnormalised
-  ``acc``, max ``m`` and sum ``l`` (float32); a second kernel combines the splits::
+* decode (:func:`paged_attention_decode`): one launch, grid ``(num_seqs, kv_heads, num_splits)``;
+  split ``j`` covers a contiguous ``BLOCK_N``-aligned part of the keys ``[lo, L)`` and writes its
+  unnormalised ``acc``, max ``m`` and sum ``l`` (float32); the last split of a (sequence, KV head)
+  to finish (an arrival counter) combines them::
 
       M = max_j m_j,   out = sum_j 2^(m_j - M) acc_j / sum_j 2^(m_j - M) l_j
 
-  (with one split the first kernel normalises and stores the output itself).
+  (a context that fits one split's tiles is normalised and stored by that split alone). Fused
+  with ``rope_cache`` (:class:`DecodeRopeCache`) it also rotates q and writes this step's key and
+  value into the caches, saving a launch per layer.
 
 File shape (STYLE.md 11): the ``@triton.jit`` kernels, one shared heuristic (:func:`_pick_config`)
 used by the launchers, which check every argument and raise a :class:`GraphDSLError` naming it,
@@ -55,11 +58,12 @@ import triton
 import triton.language as tl
 
 from graphdsl.errors import GraphDSLError
+from graphdsl.functional.attention import RopeLayout
 
 from .pdl import pdl_launch, pdl_wait
 
 __all__ = ["paged_attention", "paged_attention_prefill", "paged_attention_decode", "decode_num_splits",
-           "decode_workspace_shapes"]
+           "decode_workspace", "DecodeWorkspace", "DecodeRopeCache"]
 
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
@@ -244,16 +248,79 @@ def _prefill_kernel(
                  o.to(out_ptr.dtype.element_ty), mask=row_ok[:, None])
 
 
+@triton.jit
+def _rope_coeffs(cos_ptr, sin_ptr, HEAD_DIM: tl.constexpr, HALF: tl.constexpr, GPTJ: tl.constexpr):
+    """Per dim ``d`` of a head: its rotation partner, ``c = cos[f]`` and ``ss = sign * sin[f]``, so that
+    ``x'[d] = x[d] * c + x[partner] * ss`` (``functional.attention.rope``): NEOX pairs ``(i, i + HALF)``,
+    GPT-J pairs ``(2i, 2i + 1)``; dims ``>= 2 * HALF`` pass through (partner = d, c = 1, ss = 0)."""
+    d = tl.arange(0, HEAD_DIM)
+    rot = d < 2 * HALF
+    if GPTJ:
+        partner = tl.where(d % 2 == 0, d + 1, d - 1)
+        freq = d // 2
+        sign = tl.where(d % 2 == 0, -1.0, 1.0)
+    else:
+        first = d < HALF
+        partner = tl.where(first, d + HALF, d - HALF)
+        freq = tl.where(first, d, d - HALF)
+        sign = tl.where(first, -1.0, 1.0)
+    partner = tl.where(rot, partner, d)
+    c = tl.load(cos_ptr + freq, mask=rot, other=1.0).to(tl.float32)
+    ss = sign * tl.load(sin_ptr + freq, mask=rot, other=0.0).to(tl.float32)
+    return partner, c, ss
+
+
+@triton.jit
+def _combine_splits(part_acc_ptr, part_ml_ptr, out_ptr, seq, kvh, used, num_seqs, stride_ot, stride_oh,
+                    NUM_HEADS: tl.constexpr, GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr,
+                    NUM_SPLITS: tl.constexpr, CHUNK: tl.constexpr):
+    """For the query heads of KV head ``kvh`` at once: ``M = max_j m_j``, ``w_j = 2^(m_j - M)``,
+    ``out = sum_j w_j acc_j / sum_j w_j l_j`` over the ``used`` splits, ``CHUNK`` splits per step
+    with the running max rescaled between steps (one step, so one round of loads, up to ``CHUNK``
+    splits). Loads are ``.cg``: other programs wrote them. 0 when no split saw a key."""
+    g = tl.arange(0, GROUP_PAD)
+    j = tl.arange(0, CHUNK)
+    dims = tl.arange(0, HEAD_DIM)
+    head = kvh * GROUP + g
+    g_ok = g < GROUP
+    rows = (seq * NUM_HEADS + head).to(tl.int64) * NUM_SPLITS
+    l_base = part_ml_ptr + num_seqs * NUM_HEADS * NUM_SPLITS
+    m_run = tl.full([GROUP_PAD], -1.0e30, tl.float32)
+    den = tl.zeros([GROUP_PAD], tl.float32)
+    o = tl.zeros([GROUP_PAD, HEAD_DIM], tl.float32)
+    for j0 in range(0, used, CHUNK):
+        ok = g_ok[:, None] & (j0 + j < used)[None, :]
+        r = rows[:, None] + (j0 + j)[None, :]
+        m = tl.load(part_ml_ptr + r, mask=ok, other=-1.0e30, cache_modifier=".cg")
+        l = tl.load(l_base + r, mask=ok, other=0.0, cache_modifier=".cg")
+        acc = tl.load(part_acc_ptr + r[:, :, None] * HEAD_DIM + dims[None, None, :], mask=ok[:, :, None],
+                      other=0.0, cache_modifier=".cg")
+        m_new = tl.maximum(m_run, tl.max(m, 1))
+        alpha = tl.exp2(m_run - m_new)
+        w = tl.where(ok, tl.exp2(m - m_new[:, None]), 0.0)
+        den = den * alpha + tl.sum(w * l, 1)
+        o = o * alpha[:, None] + tl.sum(acc * w[:, :, None], 1)
+        m_run = m_new
+    o = o / tl.where(den == 0.0, 1.0, den)[:, None]
+    tl.store(out_ptr + seq.to(tl.int64) * stride_ot + head[:, None] * stride_oh + dims[None, :],
+             o.to(out_ptr.dtype.element_ty), mask=g_ok[:, None])
+
+
 @triton.jit(do_not_specialize=["soft_cap", "sliding_window", "num_seqs"])
-def _decode_split_kernel(
-    q_ptr,              # [num_seqs, num_heads, head_dim] one query per sequence
+def _decode_kernel(
+    q_ptr,              # [num_seqs, num_heads, head_dim] one query per sequence (un-rotated when ROPE)
     k_cache_ptr,        # [num_blocks, block_size, num_kv_heads, head_dim] key cache
     v_cache_ptr,        # [num_blocks, block_size, num_kv_heads, head_dim] value cache
-    out_ptr,            # [num_seqs, num_heads, head_dim] output (written when NUM_SPLITS == 1)
+    out_ptr,            # [num_seqs, num_heads, head_dim] output, q's dtype
     part_acc_ptr,       # [num_seqs, num_heads, NUM_SPLITS, head_dim] float32 unnormalised acc per split
     part_ml_ptr,        # [2, num_seqs, num_heads, NUM_SPLITS] float32 running max m (0) and sum l (1)
+    count_ptr,          # [num_seqs, num_kv_heads] int32 arrival counters, zero between launches
     block_tables_ptr,   # [num_seqs, max_blocks] cache block of each sequence's j-th block
     seq_lens_ptr,       # [num_seqs] context length L (the query sits at position L - 1)
+    k_new_ptr,          # ROPE: [num_seqs, num_kv_heads, head_dim] this step's un-rotated keys
+    v_new_ptr,          # ROPE: [num_seqs, num_kv_heads, head_dim] this step's values
+    cos_ptr, sin_ptr,   # ROPE: [num_seqs, HALF] rotary cos/sin of each query's position
+    slot_ptr,           # ROPE: [num_seqs] cache slot of the new key/value (< 0: padding, not written)
     scale,              # float, multiplies q·k
     soft_cap,           # float, cap of cap*tanh(s/cap) (read only when USE_CAP)
     sliding_window,     # int, keep keys k >= L - window (read only when USE_WINDOW)
@@ -263,94 +330,116 @@ def _decode_split_kernel(
     stride_kb, stride_ks, stride_kh,   # key cache strides (block, slot, head)
     stride_vb, stride_vs, stride_vh,   # value cache strides (block, slot, head)
     stride_bt,                         # block_tables stride between sequences
+    stride_knt, stride_knh,            # ROPE: new keys' strides (sequences, heads)
+    stride_vnt, stride_vnh,            # ROPE: new values' strides
+    stride_cs,                         # ROPE: cos/sin stride between sequences
     NUM_HEADS: tl.constexpr,   # query heads
     BLOCK_SIZE: tl.constexpr,  # cache block size
     GROUP: tl.constexpr,       # query heads per KV head
+    GROUP_PAD: tl.constexpr,   # GROUP padded to a power of two (the combine's rows)
     BLOCK_H: tl.constexpr,     # GROUP padded to a power of two >= 16 (tl.dot's smallest M)
     HEAD_DIM: tl.constexpr,    # head_dim (power of two)
     BLOCK_N: tl.constexpr,     # keys per inner step
     NUM_SPLITS: tl.constexpr,  # partitions of each sequence's keys
+    CHUNK: tl.constexpr,       # splits combined per step (_combine_chunk)
+    MIN_TILES: tl.constexpr,   # fewest tiles a split takes (short contexts use fewer splits)
     USE_CAP: tl.constexpr,     # soft_cap > 0
     USE_WINDOW: tl.constexpr,  # sliding_window > 0
+    ROPE: tl.constexpr,        # rotate q and the new key, write the new key/value into the caches first
+    HALF: tl.constexpr,        # ROPE: rotary dim / 2
+    GPTJ: tl.constexpr,        # ROPE: GPT-J pairs (2i, 2i + 1) instead of NEOX (i, i + HALF)
+    INPUTS_READY: tl.constexpr,  # seq_lens (and the ROPE inputs) are not written by earlier kernels
     DOT_PREC: tl.constexpr,    # tl.dot input_precision
     DOT_F32: tl.constexpr,     # upcast dot operands to float32 (interpreter only, see _mm)
     USE_PDL: tl.constexpr,     # launched with programmatic dependent launch (kernels/pdl.py)
 ):
     """Program ``(s, kvh, j)``: keys ``[lo, L)`` with ``lo = max(0, L - window)`` (0 without a
     window) are cut into ``T = cdiv(L - lo, BLOCK_N)`` tiles; split ``j`` takes tiles
-    ``[j * c, (j + 1) * c)``, ``c = cdiv(T, NUM_SPLITS)``, and runs the online softmax of the
-    ``GROUP`` query heads of KV head ``kvh`` over them (module docstring), every key in range being
-    visible (causal: the query is the last position). It stores ``acc, m, l``, or ``acc / l`` into
-    ``out`` when ``NUM_SPLITS == 1``; an empty split stores ``m = -1e30, l = 0, acc = 0``."""
-    pdl_wait(USE_PDL)
+    ``[j * c, (j + 1) * c)``, ``c = max(cdiv(T, NUM_SPLITS), MIN_TILES)``, so ``U = cdiv(T, c)``
+    splits have keys and the rest exit. Each runs the online softmax of the ``GROUP`` query heads of KV head ``kvh``
+    over its keys (module docstring; every key in range is visible: the query is the last
+    position). With ``U <= 1`` split 0 stores ``acc / l`` (zeros when ``L = 0``); otherwise each
+    stores ``acc, m, l`` and bumps the counter of ``(s, kvh)`` (release/acquire), and the last to
+    arrive combines the ``U`` partials (:func:`_combine_splits`) and resets the counter to 0.
+
+    ``ROPE`` (the fused ``rope_cache_attention`` op): q is rotated in registers, and split ``U - 1``
+    (the one holding position ``L - 1``) first writes the rotated new key and the new value of
+    ``kvh`` to cache slot ``slot[s]`` (when ``>= 0``), then syncs its threads before reading the
+    cache. The slot must be position ``L - 1``'s (the scheduler's decode contract)."""
     seq = tl.program_id(0)
     kvh = tl.program_id(1)
     split = tl.program_id(2)
-    ctx = tl.load(seq_lens_ptr + seq).to(tl.int32)
+    if INPUTS_READY:                       # step inputs: read them while the previous kernel finishes
+        ctx = tl.load(seq_lens_ptr + seq).to(tl.int32)
+        if ROPE:
+            partner, c, ss = _rope_coeffs(cos_ptr + seq.to(tl.int64) * stride_cs,
+                                          sin_ptr + seq.to(tl.int64) * stride_cs, HEAD_DIM, HALF, GPTJ)
+            slot = tl.load(slot_ptr + seq).to(tl.int64)
+    pdl_wait(USE_PDL)
+    if not INPUTS_READY:
+        ctx = tl.load(seq_lens_ptr + seq).to(tl.int32)
+        if ROPE:
+            partner, c, ss = _rope_coeffs(cos_ptr + seq.to(tl.int64) * stride_cs,
+                                          sin_ptr + seq.to(tl.int64) * stride_cs, HEAD_DIM, HALF, GPTJ)
+            slot = tl.load(slot_ptr + seq).to(tl.int64)
     lo = ctx * 0
     if USE_WINDOW:
         lo = tl.maximum(ctx - sliding_window, 0)
-    tiles_per_split = tl.cdiv(tl.cdiv(ctx - lo, BLOCK_N), NUM_SPLITS)
-    start = lo + split * tiles_per_split * BLOCK_N
-    end = tl.minimum(start + tiles_per_split * BLOCK_N, ctx)
+    tiles = tl.cdiv(ctx - lo, BLOCK_N)
+    tiles_per_split = tl.maximum(tl.cdiv(tiles, NUM_SPLITS), MIN_TILES)
+    used = tl.cdiv(tiles, tl.maximum(tiles_per_split, 1))
+    if split < tl.maximum(used, 1):
+        start = lo + split * tiles_per_split * BLOCK_N
+        end = tl.minimum(start + tiles_per_split * BLOCK_N, ctx)
+        h = tl.arange(0, BLOCK_H)
+        head = kvh * GROUP + h
+        head_ok = h < GROUP
+        dims = tl.arange(0, HEAD_DIM)
+        q_rows = q_ptr + seq.to(tl.int64) * stride_qt + head[:, None] * stride_qh
+        q = tl.load(q_rows + dims[None, :], mask=head_ok[:, None], other=0.0)
+        if ROPE:
+            qp = tl.load(q_rows + partner[None, :], mask=head_ok[:, None], other=0.0)
+            q = (q.to(tl.float32) * c[None, :] + qp.to(tl.float32) * ss[None, :]).to(q_ptr.dtype.element_ty)
+            if (split == used - 1) & (slot >= 0):
+                kn = k_new_ptr + seq.to(tl.int64) * stride_knt + kvh * stride_knh
+                k = tl.load(kn + dims).to(tl.float32) * c + tl.load(kn + partner).to(tl.float32) * ss
+                v = tl.load(v_new_ptr + seq.to(tl.int64) * stride_vnt + kvh * stride_vnh + dims)
+                blk = slot // BLOCK_SIZE
+                off = slot % BLOCK_SIZE
+                tl.store(k_cache_ptr + blk * stride_kb + off * stride_ks + kvh * stride_kh + dims,
+                         k.to(k_cache_ptr.dtype.element_ty))
+                tl.store(v_cache_ptr + blk * stride_vb + off * stride_vs + kvh * stride_vh + dims,
+                         v.to(v_cache_ptr.dtype.element_ty))
+            tl.debug_barrier()             # this program's threads read the new key back below
 
-    h = tl.arange(0, BLOCK_H)
-    head = kvh * GROUP + h
-    head_ok = h < GROUP
-    dims = tl.arange(0, HEAD_DIM)
-    q = tl.load(q_ptr + seq.to(tl.int64) * stride_qt + head[:, None] * stride_qh + dims[None, :],
-                mask=head_ok[:, None], other=0.0)
+        m_i = tl.full([BLOCK_H], -1.0e30, tl.float32)
+        l_i = tl.zeros([BLOCK_H], tl.float32)
+        acc = tl.zeros([BLOCK_H, HEAD_DIM], tl.float32)
+        table = block_tables_ptr + seq.to(tl.int64) * stride_bt
+        acc, m_i, l_i = _attend(
+            acc, m_i, l_i, q, h, start, end, table, k_cache_ptr, v_cache_ptr, kvh,
+            stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, scale, soft_cap, sliding_window,
+            BLOCK_SIZE, HEAD_DIM, BLOCK_N, USE_CAP, False, False, True, DOT_PREC, DOT_F32)
 
-    m_i = tl.full([BLOCK_H], -1.0e30, tl.float32)
-    l_i = tl.zeros([BLOCK_H], tl.float32)
-    acc = tl.zeros([BLOCK_H, HEAD_DIM], tl.float32)
-    table = block_tables_ptr + seq.to(tl.int64) * stride_bt
-    acc, m_i, l_i = _attend(
-        acc, m_i, l_i, q, h, start, end, table, k_cache_ptr, v_cache_ptr, kvh,
-        stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, scale, soft_cap, sliding_window,
-        BLOCK_SIZE, HEAD_DIM, BLOCK_N, USE_CAP, False, False, True, DOT_PREC, DOT_F32)
-
-    if NUM_SPLITS == 1:
-        o = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
-        tl.store(out_ptr + seq.to(tl.int64) * stride_ot + head[:, None] * stride_oh + dims[None, :],
-                 o.to(out_ptr.dtype.element_ty), mask=head_ok[:, None])
-    else:
-        row = (seq * NUM_HEADS + head).to(tl.int64) * NUM_SPLITS + split
-        tl.store(part_acc_ptr + row[:, None] * HEAD_DIM + dims[None, :], acc, mask=head_ok[:, None])
-        tl.store(part_ml_ptr + row, m_i, mask=head_ok)
-        tl.store(part_ml_ptr + num_seqs * NUM_HEADS * NUM_SPLITS + row, l_i, mask=head_ok)
-
-
-@triton.jit(do_not_specialize=["num_seqs"])
-def _decode_reduce_kernel(
-    part_acc_ptr,       # [num_seqs, num_heads, NUM_SPLITS, head_dim] float32 per-split acc
-    part_ml_ptr,        # [2, num_seqs, num_heads, NUM_SPLITS] float32 per-split max m and sum l
-    out_ptr,            # [num_seqs, num_heads, head_dim] output, q's dtype
-    num_seqs,           # int, number of sequences
-    stride_ot, stride_oh,      # out strides (sequences, heads)
-    NUM_HEADS: tl.constexpr,   # query heads
-    HEAD_DIM: tl.constexpr,    # head_dim
-    NUM_SPLITS: tl.constexpr,  # splits written by the split kernel
-    SPLITS_PAD: tl.constexpr,  # NUM_SPLITS rounded up to a power of two
-    USE_PDL: tl.constexpr,     # launched with programmatic dependent launch (kernels/pdl.py)
-):
-    """Program ``(s, h)``: ``M = max_j m_j``, ``w_j = 2^(m_j - M)``,
-    ``out = sum_j w_j acc_j / sum_j w_j l_j`` (0 when no split saw a key)."""
-    pdl_wait(USE_PDL)
-    seq = tl.program_id(0)
-    head = tl.program_id(1)
-    j = tl.arange(0, SPLITS_PAD)
-    j_ok = j < NUM_SPLITS
-    row = (seq * NUM_HEADS + head).to(tl.int64) * NUM_SPLITS
-    m = tl.load(part_ml_ptr + row + j, mask=j_ok, other=float("-inf"))
-    l = tl.load(part_ml_ptr + num_seqs * NUM_HEADS * NUM_SPLITS + row + j, mask=j_ok, other=0.0)
-    w = tl.exp2(m - tl.max(m, 0))
-    denom = tl.sum(w * l, 0)
-    dims = tl.arange(0, HEAD_DIM)
-    acc = tl.load(part_acc_ptr + (row + j)[:, None] * HEAD_DIM + dims[None, :], mask=j_ok[:, None], other=0.0)
-    o = tl.sum(acc * w[:, None], 0) / tl.where(denom == 0.0, 1.0, denom)
-    tl.store(out_ptr + seq.to(tl.int64) * stride_ot + head * stride_oh + dims,
-             o.to(out_ptr.dtype.element_ty))
+        alone = used <= 1
+        if NUM_SPLITS == 1:      # (no workspace: the split code below must not even be compiled)
+            alone = True
+        if alone:
+            o = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
+            tl.store(out_ptr + seq.to(tl.int64) * stride_ot + head[:, None] * stride_oh + dims[None, :],
+                     o.to(out_ptr.dtype.element_ty), mask=head_ok[:, None])
+        elif NUM_SPLITS > 1:
+            row = (seq * NUM_HEADS + head).to(tl.int64) * NUM_SPLITS + split
+            tl.store(part_acc_ptr + row[:, None] * HEAD_DIM + dims[None, :], acc, mask=head_ok[:, None])
+            tl.store(part_ml_ptr + row, m_i, mask=head_ok)
+            tl.store(part_ml_ptr + num_seqs * NUM_HEADS * NUM_SPLITS + row, l_i, mask=head_ok)
+            tl.debug_barrier()
+            counter = count_ptr + seq * (NUM_HEADS // GROUP) + kvh
+            arrived = tl.atomic_add(counter, 1, sem="acq_rel")
+            if arrived == used - 1:
+                _combine_splits(part_acc_ptr, part_ml_ptr, out_ptr, seq, kvh, used, num_seqs, stride_ot,
+                                stride_oh, NUM_HEADS, GROUP, GROUP_PAD, HEAD_DIM, NUM_SPLITS, CHUNK)
+                tl.atomic_xchg(counter, 0)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -521,17 +610,93 @@ def decode_num_splits(num_seqs: int, kv_heads: int, max_blocks: int, block_size:
     return _default_splits(num_seqs, kv_heads, max_keys, device)
 
 
-def decode_workspace_shapes(num_seqs: int, num_heads: int, head_dim: int, num_splits: int):
-    """Shapes of the two float32 partial-result buffers a split decode needs (``workspace=``)."""
-    return (num_seqs, num_heads, num_splits, head_dim), (2, num_seqs, num_heads, num_splits)
+def _combine_chunk(num_splits: int, group: int, head_dim: int) -> int:
+    """Splits the combine reads per step: all of them (one round of loads) while the
+    ``[group, chunk, head_dim]`` float32 tile stays within 8192 elements (64 registers a thread)."""
+    cap = max(1, 8192 // (triton.next_power_of_2(group) * head_dim))
+    return min(triton.next_power_of_2(num_splits), 1 << (cap.bit_length() - 1))
+
+
+class DecodeWorkspace(NamedTuple):
+    """Scratch of a split decode (``workspace=``): per-split partial results and one arrival counter
+    per (sequence, KV head), zero between launches (the combining program resets it, so CUDA-graph
+    replays need no memset). Make it with :func:`decode_workspace`."""
+
+    part_acc: torch.Tensor   # [num_seqs, num_heads, num_splits, head_dim] float32
+    part_ml: torch.Tensor    # [2, num_seqs, num_heads, num_splits] float32
+    counters: torch.Tensor   # [num_seqs, num_kv_heads] int32, zeros
+
+
+def decode_workspace(num_seqs: int, num_heads: int, num_kv_heads: int, head_dim: int, num_splits: int,
+                     device) -> DecodeWorkspace:
+    """Allocate the :class:`DecodeWorkspace` of a decode of these sizes (counters zeroed)."""
+    f32 = dict(dtype=torch.float32, device=device)
+    return DecodeWorkspace(torch.empty(num_seqs, num_heads, num_splits, head_dim, **f32),
+                           torch.empty(2, num_seqs, num_heads, num_splits, **f32),
+                           torch.zeros(num_seqs, num_kv_heads, dtype=torch.int32, device=device))
+
+
+class DecodeRopeCache(NamedTuple):
+    """This step's un-rotated keys and values, for a decode that also does ``rope_cache`` (the fused
+    ``rope_cache_attention`` op): q is passed un-rotated too. The kernel rotates q and the key in
+    float32 (rounded to their dtype, as ``functional.attention.rope``), writes ``key'``/``value`` to
+    cache slot ``slot_mapping[s]`` (skipped when negative), then attends."""
+
+    key: torch.Tensor            # [num_seqs, num_kv_heads, head_dim], head_dim contiguous
+    value: torch.Tensor          # [num_seqs, num_kv_heads, head_dim], head_dim contiguous
+    cos: torch.Tensor            # [num_seqs, rotary_dim / 2]
+    sin: torch.Tensor            # [num_seqs, rotary_dim / 2], cos's strides
+    slot_mapping: torch.Tensor   # [num_seqs] int32/int64: slot of position seq_lens[s] - 1
+    layout: RopeLayout
+
+
+def _check_rope_cache(fn: str, rc, q, key_cache, kv_heads: int, dim: int) -> None:
+    if not isinstance(rc, DecodeRopeCache):
+        _fail(fn, "rope_cache", "None or a DecodeRopeCache", type(rc).__name__)
+    n = q.shape[0]
+    for name, x in (("rope_cache.key", rc.key), ("rope_cache.value", rc.value)):
+        if not isinstance(x, torch.Tensor) or tuple(x.shape) != (n, kv_heads, dim):
+            _fail(fn, name, f"a [{n}, {kv_heads}, {dim}] tensor (num_seqs, kv_heads, head_dim)", _desc(x))
+        if x.dtype not in _DTYPES or x.stride(2) != 1:
+            _fail(fn, name, "float16/bfloat16/float32 with a contiguous last dim",
+                  f"{x.dtype} strides {tuple(x.stride())}")
+    for name, x in (("rope_cache.cos", rc.cos), ("rope_cache.sin", rc.sin)):
+        if not isinstance(x, torch.Tensor) or x.dim() != 2 or x.shape[0] != n or x.stride(1) != 1:
+            _fail(fn, name, f"a [{n}, rotary_dim / 2] tensor with a contiguous last dim", _desc(x))
+    if tuple(rc.sin.shape) != tuple(rc.cos.shape) or rc.sin.stride() != rc.cos.stride():
+        _fail(fn, "rope_cache.sin", f"cos's shape {tuple(rc.cos.shape)} and strides {rc.cos.stride()}",
+              f"{tuple(rc.sin.shape)} strides {rc.sin.stride()}")
+    if 2 * rc.cos.shape[1] > dim:
+        _fail(fn, "rope_cache.cos.shape[1]", f"<= head_dim / 2 = {dim // 2}", rc.cos.shape[1])
+    s = rc.slot_mapping
+    if not isinstance(s, torch.Tensor) or tuple(s.shape) != (n,) or s.dtype not in (torch.int32, torch.int64) \
+            or not s.is_contiguous():
+        _fail(fn, "rope_cache.slot_mapping", f"a contiguous [{n}] int32/int64 tensor", _desc(s))
+    if not isinstance(rc.layout, RopeLayout):
+        _fail(fn, "rope_cache.layout", "a RopeLayout", repr(rc.layout))
+    devices = {x.device for x in (rc.key, rc.value, rc.cos, rc.sin, s)}
+    if devices != {q.device}:
+        _fail(fn, "rope_cache tensors", f"on q's device {q.device}", sorted(str(d) for d in devices))
+
+
+def _check_workspace(fn: str, workspace, want: tuple, device) -> DecodeWorkspace:
+    if not isinstance(workspace, DecodeWorkspace):
+        _fail(fn, "workspace", "None or a DecodeWorkspace (decode_workspace())", type(workspace).__name__)
+    dtypes = (torch.float32, torch.float32, torch.int32)
+    for name, x, shape, dtype in zip(DecodeWorkspace._fields, workspace, want, dtypes):
+        if not isinstance(x, torch.Tensor) or tuple(x.shape) != shape or x.dtype != dtype \
+                or not x.is_contiguous() or x.device != device:
+            _fail(fn, f"workspace.{name}", f"a contiguous {shape} {dtype} tensor on {device}", _desc(x))
+    return workspace
 
 
 def _launch_decode(q, key_cache, value_cache, block_tables, seq_lens, scale, sliding_window, soft_cap,
-                   out, num_splits, config: _Config | None = None, workspace=None):
+                   out, num_splits, config: _Config | None = None, workspace=None, rope_cache=None,
+                   inputs_ready: bool = False):
     fn = "paged_attention_decode"
     heads, kv_heads, dim, block_size = _check_common(
         fn, q, key_cache, value_cache, block_tables, seq_lens, scale, sliding_window, soft_cap, out,
-        _decode_split_kernel)
+        _decode_kernel)
     num_seqs = seq_lens.shape[0]
     if q.shape[0] != num_seqs:
         _fail(fn, "q.shape[0]", f"num_seqs = len(seq_lens) = {num_seqs} (one query per sequence)", q.shape[0])
@@ -540,6 +705,8 @@ def _launch_decode(q, key_cache, value_cache, block_tables, seq_lens, scale, sli
                                        q.device)
     if isinstance(num_splits, bool) or not isinstance(num_splits, int) or not 1 <= num_splits <= 256:
         _fail(fn, "num_splits", "None or an int in [1, 256]", repr(num_splits))
+    if rope_cache is not None:
+        _check_rope_cache(fn, rope_cache, q, key_cache, kv_heads, dim)
     if out is None:
         out = torch.empty_like(q, memory_format=torch.contiguous_format)
     if num_seqs == 0:
@@ -547,33 +714,32 @@ def _launch_decode(q, key_cache, value_cache, block_tables, seq_lens, scale, sli
     group = heads // kv_heads
     cfg = config or _pick_config(dim, triton.next_power_of_2(group), decode=True)
     if num_splits > 1:
-        acc_shape, ml_shape = decode_workspace_shapes(num_seqs, heads, dim, num_splits)
         if workspace is None:
-            part_acc = torch.empty(acc_shape, dtype=torch.float32, device=q.device)
-            part_ml = torch.empty(ml_shape, dtype=torch.float32, device=q.device)
-        else:
-            part_acc, part_ml = workspace
-            for name, x, shape in (("workspace[0]", part_acc, acc_shape), ("workspace[1]", part_ml, ml_shape)):
-                if not isinstance(x, torch.Tensor) or tuple(x.shape) != shape or x.dtype != torch.float32 \
-                        or not x.is_contiguous() or x.device != q.device:
-                    _fail(fn, name, f"a contiguous {shape} float32 tensor on {q.device}", _desc(x))
+            workspace = decode_workspace(num_seqs, heads, kv_heads, dim, num_splits, q.device)
+        want = ((num_seqs, heads, num_splits, dim), (2, num_seqs, heads, num_splits), (num_seqs, kv_heads))
+        part_acc, part_ml, counters = _check_workspace(fn, workspace, want, q.device)
     else:
-        part_acc = part_ml = out     # not read or written with one split
-    _decode_split_kernel[(num_seqs, kv_heads, num_splits)](
-        q, key_cache, value_cache, out, part_acc, part_ml, block_tables, seq_lens,
+        part_acc = part_ml = counters = out     # not read or written with one split
+    rc = rope_cache
+    if rc is None:
+        rope_args, rope_meta = (q, q, q, q, q) + (0,) * 5, dict(ROPE=False, HALF=1, GPTJ=False)
+    else:
+        rope_args = (rc.key, rc.value, rc.cos, rc.sin, rc.slot_mapping, rc.key.stride(0), rc.key.stride(1),
+                     rc.value.stride(0), rc.value.stride(1), rc.cos.stride(0))
+        rope_meta = dict(ROPE=True, HALF=rc.cos.shape[1], GPTJ=rc.layout is RopeLayout.GPTJ)
+    k_new, v_new, cos, sin, slots, *rope_strides = rope_args
+    _decode_kernel[(num_seqs, kv_heads, num_splits)](
+        q, key_cache, value_cache, out, part_acc, part_ml, counters, block_tables, seq_lens,
+        k_new, v_new, cos, sin, slots,
         float(scale), float(soft_cap), int(sliding_window), num_seqs,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
-        *_cache_strides(key_cache, value_cache), block_tables.stride(0),
-        NUM_HEADS=heads, BLOCK_SIZE=block_size, GROUP=group, BLOCK_H=cfg.block_m, HEAD_DIM=dim,
-        BLOCK_N=cfg.block_n, NUM_SPLITS=num_splits, USE_CAP=soft_cap > 0, USE_WINDOW=sliding_window > 0,
-        **_dot_args(q.dtype, _decode_split_kernel), **pdl_launch(q.device),
+        *_cache_strides(key_cache, value_cache), block_tables.stride(0), *rope_strides,
+        NUM_HEADS=heads, BLOCK_SIZE=block_size, GROUP=group, GROUP_PAD=triton.next_power_of_2(group),
+        BLOCK_H=cfg.block_m, HEAD_DIM=dim, BLOCK_N=cfg.block_n, NUM_SPLITS=num_splits,
+        CHUNK=_combine_chunk(num_splits, group, dim), MIN_TILES=2 if dim >= 128 else 1,
+        USE_CAP=soft_cap > 0, USE_WINDOW=sliding_window > 0, INPUTS_READY=bool(inputs_ready), **rope_meta,
+        **_dot_args(q.dtype, _decode_kernel), **pdl_launch(q.device),
         num_warps=cfg.num_warps, num_stages=cfg.num_stages)
-    if num_splits > 1:
-        _decode_reduce_kernel[(num_seqs, heads)](
-            part_acc, part_ml, out, num_seqs, out.stride(0), out.stride(1),
-            NUM_HEADS=heads, HEAD_DIM=dim, NUM_SPLITS=num_splits,
-            SPLITS_PAD=triton.next_power_of_2(num_splits), num_warps=4 if dim >= 128 else 2,
-            **pdl_launch(q.device))
     return out
 
 
@@ -593,14 +759,20 @@ def paged_attention_prefill(q, key_cache, value_cache, block_tables, seq_lens, q
 
 def paged_attention_decode(q, key_cache, value_cache, block_tables, seq_lens, *, scale: float,
                            sliding_window: int = 0, soft_cap: float = 0.0, out=None,
-                           num_splits: int | None = None, workspace=None):
+                           num_splits: int | None = None, workspace: DecodeWorkspace | None = None,
+                           rope_cache: DecodeRopeCache | None = None, inputs_ready: bool = False):
     """One query per sequence (``q [num_seqs, num_heads, head_dim]``, position ``seq_lens[s] - 1``)
     over the paged caches, split-K over ``num_splits`` partitions of the context (a heuristic from
-    the SM count and the block table's width when omitted). ``workspace``: the two partial-result
-    buffers (:func:`decode_workspace_shapes`) to use instead of allocating them per call (what a
-    CUDA-graph capture needs). Returns ``out``."""
+    the SM count and the block table's width when omitted), in one launch.
+
+    ``workspace``: the split scratch (:func:`decode_workspace`) to use instead of allocating it per
+    call (what a CUDA-graph capture needs). ``rope_cache``: also rotate q and this step's key and
+    write the key and value into the caches first (:class:`DecodeRopeCache`). ``inputs_ready``:
+    ``seq_lens`` and the ``rope_cache`` cos/sin/slots are step inputs no kernel launched just before
+    writes, so with PDL they are read before waiting for that kernel. Returns ``out``."""
     return _launch_decode(q, key_cache, value_cache, block_tables, seq_lens, scale, sliding_window,
-                          soft_cap, out, num_splits, workspace=workspace)
+                          soft_cap, out, num_splits, workspace=workspace, rope_cache=rope_cache,
+                          inputs_ready=inputs_ready)
 
 
 def paged_attention(q, key_cache, value_cache, block_tables, seq_lens, query_start_loc=None, *,

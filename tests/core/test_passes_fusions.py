@@ -121,6 +121,59 @@ def test_rope_cache_fuses_and_writes_the_cache():
     assert fb["k_cache0"].abs().sum() > 0
 
 
+def _attention_net(prefill: bool, q_also_out: bool = False) -> Network:
+    """rope -> cache write -> paged attention over one layer's caches (decode without query_start_loc)."""
+    n, s = Dim("n"), Dim("s")
+    with Network("attn") as net:
+        q, k, v = (Tensor(x, (n, h, 8), torch.float32) for x, h in (("q", 4), ("k", 2), ("v", 2)))
+        cos, sin = Tensor("cos", (n, 4), torch.float32), Tensor("sin", (n, 4), torch.float32)
+        kc, vc = (Tensor(x, (6, 4, 2, 8), torch.float32) for x in ("kc", "vc"))
+        q2, k2 = F.rope(q, k, cos, sin)
+        kc, vc = F.reshape_and_cache(k2, v, kc, vc, Tensor("slots", (n,), torch.int64))
+        qsl = Tensor("qsl", (Dim("s1"),), torch.int32) if prefill else None
+        out = F.paged_attention(q2, kc, vc, Tensor("bt", (s, 3), torch.int32), Tensor("lens", (s,), torch.int32),
+                                qsl, soft_cap=4.0)
+        net.mark_output(out, "out")
+        if q_also_out:
+            net.mark_output(q2, "q_rotated")
+    return net
+
+
+def _decode_feed(lens=(5, 9, 1)):
+    g = torch.Generator().manual_seed(3)
+    n = len(lens)
+    tables = torch.tensor([[0, 1, 2], [3, 4, 5], [2, 0, 0]], dtype=torch.int32)
+    pos = torch.tensor(lens) - 1
+    freqs = pos[:, None].float() * torch.tensor([1.0, 0.1, 0.01, 0.001])[None, :]
+    return {"q": torch.randn(n, 4, 8, generator=g), "k": torch.randn(n, 2, 8, generator=g),
+            "v": torch.randn(n, 2, 8, generator=g), "cos": freqs.cos(), "sin": freqs.sin(),
+            "kc": torch.randn(6, 4, 2, 8, generator=g), "vc": torch.randn(6, 4, 2, 8, generator=g),
+            "slots": torch.tensor([int(tables[i, p // 4]) * 4 + int(p) % 4 for i, p in enumerate(pos)]),
+            "bt": tables, "lens": torch.tensor(lens, dtype=torch.int32)}
+
+
+def test_rope_cache_attention_fuses_decode_only():
+    work, rep = optimise(_attention_net(prefill=False))
+    assert ops_of(work) == ["rope_cache_attention"]
+    assert any(r.name == "rope_cache_attention" and r.detail == "rope_cache_attention x1" for r in rep.records)
+    feed = _decode_feed()
+    ref, eng = check_numbers(_attention_net(prefill=False), feed)
+    fa, fb = ({k: v.clone() for k, v in feed.items()} for _ in range(2))
+    ref.forward(fa), eng.forward(fb)
+    torch.testing.assert_close(fb["kc"], fa["kc"])                  # the cache is written in place
+    assert not torch.equal(fb["kc"], feed["kc"])
+    work, _ = optimise(_attention_net(prefill=True))
+    assert ops_of(work) == ["rope_cache", "paged_attention"]
+
+
+def test_rope_cache_attention_needs_the_rotated_q_unshared():
+    net = _attention_net(prefill=False, q_also_out=True)
+    work, _ = optimise(net)
+    assert "rope_cache_attention" not in ops_of(work) and "paged_attention" in ops_of(work)
+    eng = net.build_engine(backend="torch")
+    assert "rope_cache_attention" in eng.fusion_report()
+
+
 def test_matmul_epilogue_takes_bias_and_residual_not_followed_by_norm():
     n = Dim("n")
     with Network("p") as net:

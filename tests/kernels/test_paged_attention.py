@@ -234,3 +234,107 @@ def test_decode_errors_name_the_argument():
         paged_attention_decode(q, kc, vc, bt, sl, scale=0.1, num_splits=0)
     with pytest.raises(GraphDSLError, match=r"soft_cap must be a float >= 0, got -1.0"):
         paged_attention_decode(q, kc, vc, bt, sl, scale=0.1, soft_cap=-1.0)
+
+
+# -- decode fused with RoPE + cache write (the rope_cache_attention op) ---------------------------
+RCA_REF = get_op("rope_cache_attention").reference
+
+
+def _rope_case(lens, heads, kv_heads, head_dim, dtype, half, *, seed=9, pad_last=False):
+    """A decode step: un-rotated q/k/v of the new token of each sequence, cos/sin of position L - 1
+    and the slot of that position (-1 and L = 0 for a padded last sequence)."""
+    from graphdsl.runtime.kernels.paged_attention import DecodeRopeCache  # noqa: F401 (import check)
+    q, kc, vc, bt, sl, _ = make_case(lens, [1] * len(lens), heads, kv_heads, head_dim, 16, dtype, seed=seed)
+    g = torch.Generator().manual_seed(seed + 1)
+    n = len(lens)
+    k = torch.randn(n, kv_heads, head_dim, generator=g).to(dtype).to(q.device)
+    v = torch.randn(n, kv_heads, head_dim, generator=g).to(dtype).to(q.device)
+    pos = torch.tensor(lens, dtype=torch.float32) - 1
+    freqs = pos[:, None] * (1.0 / 10000 ** (torch.arange(half, dtype=torch.float32) / half))[None, :]
+    cos, sin = freqs.cos().to(q.device), freqs.sin().to(q.device)
+    slots = [int(bt[s, (L - 1) // 16]) * 16 + (L - 1) % 16 for s, L in enumerate(lens)]
+    if pad_last:
+        sl[-1], slots[-1] = 0, -1
+    slots = torch.tensor(slots, dtype=torch.int64, device=q.device)
+    return q, k, v, kc, vc, cos, sin, slots, bt, sl
+
+
+@pytest.mark.parametrize("layout,half,head_dim,heads,kv_heads,dtype,splits", [
+    ("neox", 32, 64, 4, 4, torch.float32, 1), ("neox", 32, 64, 8, 2, torch.float32, 3),
+    ("gptj", 32, 64, 8, 1, torch.float32, 4), ("neox", 16, 64, 8, 2, torch.float32, 2),
+    ("gptj", 8, 32, 4, 2, torch.float32, None), ("neox", 64, 128, 8, 1, torch.bfloat16, 5),
+    ("neox", 64, 128, 16, 2, torch.float16, 2)])
+def test_decode_with_rope_cache_equals_rope_cache_then_attention(layout, half, head_dim, heads, kv_heads, dtype,
+                                                                  splits):
+    """Rotating q/k in the kernel and writing the new key/value first gives the reference's
+    output and caches: NEOX and GPT-J pairs, partial rotary dims, GQA 1/4/8, splits 1..5."""
+    from graphdsl.functional.attention import RopeLayout
+    from graphdsl.runtime.kernels.paged_attention import DecodeRopeCache
+    lens, _ = _grow([9, 40, 1, 70, 33], [])
+    q, k, v, kc, vc, cos, sin, slots, bt, sl = _rope_case(lens, heads, kv_heads, head_dim, dtype, half)
+    lay = RopeLayout(layout)
+    kr, vr = kc.clone(), vc.clone()
+    want, kr, vr = RCA_REF(q, k, v, kr, vr, cos, sin, slots, bt, sl, layout=lay, scale=head_dim ** -0.5)
+    out = paged_attention_decode(q, kc, vc, bt, sl, scale=head_dim ** -0.5, num_splits=splits, out=_nan_like(q),
+                                 rope_cache=DecodeRopeCache(k, v, cos, sin, slots, lay))
+    assert_close(out, want, dtype)
+    torch.testing.assert_close(vc, vr, rtol=0, atol=0)             # values are copied
+    torch.testing.assert_close(kc.float(), kr.float(), rtol=TOL[dtype], atol=TOL[dtype])   # rotated keys
+
+
+@pytest.mark.parametrize("window,cap", [(5, 0.0), (0, 3.0), (40, 2.0)])
+def test_decode_with_rope_cache_window_softcap_and_padding(window, cap):
+    """Sliding window and soft-cap with the fused cache write; a padded slot (L = 0, slot -1)
+    writes nothing and gives zeros."""
+    from graphdsl.functional.attention import RopeLayout
+    from graphdsl.runtime.kernels.paged_attention import DecodeRopeCache
+    lens, _ = _grow([50, 7, 90, 1], [])
+    q, k, v, kc, vc, cos, sin, slots, bt, sl = _rope_case(lens, 8, 2, 64, torch.float32, 32, pad_last=True)
+    kw = dict(scale=0.2, sliding_window=window, soft_cap=cap)
+    kr, vr = kc.clone(), vc.clone()
+    want, kr, vr = RCA_REF(q[:3], k[:3], v[:3], kr, vr, cos[:3], sin[:3], slots[:3], bt[:3], sl[:3],
+                           layout=RopeLayout.NEOX, **kw)
+    out = paged_attention_decode(q, kc, vc, bt, sl, num_splits=3, out=_nan_like(q), **kw,
+                                 rope_cache=DecodeRopeCache(k, v, cos, sin, slots, RopeLayout.NEOX))
+    assert torch.equal(out[3], torch.zeros_like(out[3]))
+    assert_close(out[:3], want, torch.float32)
+    torch.testing.assert_close(kc, kr, rtol=2e-5, atol=2e-5)
+    torch.testing.assert_close(vc, vr, rtol=0, atol=0)
+
+
+def test_decode_split_counters_reset_and_results_repeat():
+    """The split combine leaves every counter at 0 (so graph replays need no memset), and runs
+    that reuse one workspace are bitwise equal (splits are summed in order, whoever arrives last)."""
+    from graphdsl.runtime.kernels.paged_attention import decode_workspace
+    lens, _ = _grow([300, 5, 129], [])
+    q, kc, vc, bt, sl, _ = make_case(lens, [1] * 3, 8, 2, 64, 16, torch.float32, seed=11)
+    ws = decode_workspace(3, 8, 2, 64, 4, q.device)
+    first = paged_attention_decode(q, kc, vc, bt, sl, scale=0.125, num_splits=4, workspace=ws)
+    assert torch.count_nonzero(ws.counters) == 0
+    for _ in range(3):
+        again = paged_attention_decode(q, kc, vc, bt, sl, scale=0.125, num_splits=4, workspace=ws)
+        assert torch.equal(again, first)
+    assert torch.count_nonzero(ws.counters) == 0
+    assert_close(first, REF(q, kc, vc, bt, sl, scale=0.125), torch.float32)
+
+
+def test_decode_workspace_and_rope_cache_errors_name_the_argument():
+    from graphdsl.functional.attention import RopeLayout
+    from graphdsl.runtime.kernels.paged_attention import DecodeRopeCache, decode_workspace
+    q, k, v, kc, vc, cos, sin, slots, bt, sl = _rope_case([9, 20], 4, 2, 64, torch.float32, 32)
+    ws = decode_workspace(2, 4, 2, 64, 3, q.device)
+    with pytest.raises(GraphDSLError, match=r"workspace.counters must be a contiguous \(2, 2\) torch.int32 tensor"):
+        paged_attention_decode(q, kc, vc, bt, sl, scale=0.1, num_splits=3, workspace=ws._replace(
+            counters=torch.zeros(2, 2, device=q.device)))
+    with pytest.raises(GraphDSLError, match=r"workspace must be None or a DecodeWorkspace"):
+        paged_attention_decode(q, kc, vc, bt, sl, scale=0.1, num_splits=3, workspace=tuple(ws)[:2])
+    with pytest.raises(GraphDSLError, match=r"rope_cache.key must be a \[2, 2, 64\] tensor"):
+        paged_attention_decode(q, kc, vc, bt, sl, scale=0.1,
+                               rope_cache=DecodeRopeCache(k[:1], v, cos, sin, slots, RopeLayout.NEOX))
+    with pytest.raises(GraphDSLError, match=r"rope_cache.cos.shape\[1\] must be <= head_dim / 2 = 32, got 40"):
+        big = torch.zeros(2, 40, device=q.device)
+        paged_attention_decode(q, kc, vc, bt, sl, scale=0.1,
+                               rope_cache=DecodeRopeCache(k, v, big, big, slots, RopeLayout.NEOX))
+    with pytest.raises(GraphDSLError, match=r"rope_cache.slot_mapping must be a contiguous \[2\] int32/int64"):
+        paged_attention_decode(q, kc, vc, bt, sl, scale=0.1,
+                               rope_cache=DecodeRopeCache(k, v, cos, sin, slots.float(), RopeLayout.NEOX))

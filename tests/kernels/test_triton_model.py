@@ -37,10 +37,10 @@ def test_tiny_model_on_triton_backend_matches_hf(family, tmp_path, monkeypatch):
     outs = llm.generate(prompts, gd.SamplingParams(max_tokens=4, temperature=0, ignore_eos=True))
     assert [o.token_ids for o in outs] == [hf_greedy(hf_model, ids, 4) for ids in prompts]
     assert calls["paged_attention_prefill"] > 0 and calls["paged_attention_decode"] > 0, calls
-    for phase in Phase:
+    for phase, attention in ((Phase.PREFILL, "paged_attention"), (Phase.DECODE, "rope_cache_attention")):
         eng = llm.model.engine(phase)
         assert eng.backend.name == "triton"
-        assert {n.op for n in eng.net.nodes} & {"paged_attention"}
+        assert attention in {n.op for n in eng.net.nodes}
 
 
 @pytest.mark.parametrize("prefill", [False, True])
@@ -83,6 +83,46 @@ def test_cache_write_and_attention_nodes_lower_to_kernels(prefill):
     for ref, got in zip(results["torch"], results["triton"]):
         torch.testing.assert_close(got, ref, rtol=1e-4, atol=1e-4)
     assert not torch.equal(results["triton"][1], caches[0])        # the cache really was written
+
+
+@pytest.mark.parametrize("lens_in_graph", [False, True])
+def test_decode_reads_step_inputs_before_the_pdl_wait_only_when_no_kernel_writes_them(lens_in_graph, monkeypatch):
+    """``inputs_ready`` (seq_lens and the RoPE inputs read before the PDL wait) is passed only for
+    graph inputs that no node of the step writes; a seq_lens computed in the graph is not."""
+    from graphdsl import Dim, Network, Tensor
+    from graphdsl import functional as F
+    import importlib
+    paged_attention = importlib.import_module("graphdsl.runtime.kernels.paged_attention")
+    ready = []
+    real = paged_attention.paged_attention_decode
+    monkeypatch.setattr(paged_attention, "paged_attention_decode",
+                        lambda *a, **k: ready.append(k["inputs_ready"]) or real(*a, **k))
+    dev = "cuda" if torch.cuda.is_available() else "cpu"
+    n, s = Dim("n"), Dim("s")
+    with Network("decode") as net:
+        q, k, v = (Tensor(x, (n, h, 16), "float32") for x, h in (("q", 4), ("k", 2), ("v", 2)))
+        cos, sin = Tensor("cos", (n, 8), "float32"), Tensor("sin", (n, 8), "float32")
+        kc, vc = (Tensor(x, (6, 4, 2, 16), "float32") for x in ("kc", "vc"))
+        q2, k2 = F.rope(q, k, cos, sin)
+        kc, vc = F.reshape_and_cache(k2, v, kc, vc, Tensor("slots", (n,), "int64"))
+        lens = Tensor("lens", (s,), "int32")
+        if lens_in_graph:
+            lens = F.cast(F.cast(lens, "float32") * 1.0, "int32")
+        net.mark_output(F.paged_attention(q2, kc, vc, Tensor("bt", (s, 3), "int32"), lens), "out")
+    g = torch.Generator().manual_seed(1)
+    pos = torch.tensor([4, 8])
+    freqs = pos[:, None].float() * (0.5 ** torch.arange(8.0))[None, :]
+    feed = {"q": torch.randn(2, 4, 16, generator=g), "k": torch.randn(2, 2, 16, generator=g),
+            "v": torch.randn(2, 2, 16, generator=g), "cos": freqs.cos(), "sin": freqs.sin(),
+            "kc": torch.randn(6, 4, 2, 16, generator=g), "vc": torch.randn(6, 4, 2, 16, generator=g),
+            "slots": torch.tensor([4, 20]), "bt": torch.tensor([[0, 1, 2], [3, 4, 5]], dtype=torch.int32),
+            "lens": torch.tensor([5, 9], dtype=torch.int32)}
+    ref = net.build_engine(backend="torch", passes=[]).forward({k_: t.clone() for k_, t in feed.items()})["out"]
+    eng = net.build_engine(backend="triton")
+    assert "rope_cache_attention" in {nd.op for nd in eng.net.nodes}
+    got = eng.forward({k_: t.clone().to(dev) for k_, t in feed.items()})["out"]
+    torch.testing.assert_close(got.cpu(), ref, rtol=1e-4, atol=1e-4)
+    assert ready == [not lens_in_graph]
 
 
 def test_engine_cache_hit_runs_on_triton_backend(tmp_path):
