@@ -86,11 +86,12 @@ def bench_decode(batch: int, ctx: int, *, num_splits=None, config=None) -> Decod
     q, kc, vc, bt, sl, _ = make_paged([ctx] * batch, [1] * batch)
     out = torch.empty_like(q)
     scale = HEAD_DIM ** -0.5
-    run = lambda: pa._launch_decode(q, kc, vc, bt, sl, scale, 0, 0.0, out, num_splits, config)  # noqa: E731
+    splits = num_splits or pa._default_splits(batch, KV_HEADS, bt.shape[1] * BLOCK_SIZE, q.device)
+    ws = pa.decode_workspace(batch, HEADS, KV_HEADS, HEAD_DIM, splits, q.device)   # kept, as the engine does
+    run = lambda: pa._launch_decode(q, kc, vc, bt, sl, scale, 0, 0.0, out, splits, config, ws)  # noqa: E731
     eager = _median_ms(run)
     graph = _graph_ms(run)
     kv_bytes = 2 * batch * ctx * KV_HEADS * HEAD_DIM * kc.element_size()
-    splits = num_splits or pa._default_splits(batch, KV_HEADS, bt.shape[1] * BLOCK_SIZE, q.device)
     return DecodeResult(eager, graph, kv_bytes / graph / 1e6, splits, out)
 
 

@@ -5,8 +5,10 @@ variant alike — separate processes differed by up to 10% with identical code o
     python benchmarks/decode_ab.py --shape llama-3-8b --variants "" matmul_norm gate_up_silu \
         matmul_norm,gate_up_silu [--rounds 5]
 
-Each variant is a ``GRAPHDSL_DISABLE_PASSES`` value ("" = every pass), set while its engines are
-built. Prints each variant's median µs per step and % of the roofline (as in ``llm.py``).
+Each variant is a ``GRAPHDSL_DISABLE_PASSES`` value ("" = every pass), optionally followed by
+``;NAME=VALUE`` environment settings (``"rope_cache_attention;GRAPHDSL_PDL=0"``), set while its
+engines are built and captured. Prints each variant's median µs per step and % of the roofline
+(as in ``llm.py``).
 """
 from __future__ import annotations
 
@@ -26,7 +28,7 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--shape", required=True, choices=sorted(SHAPES))
     ap.add_argument("--variants", nargs="+", default=["", "matmul_norm,gate_up_silu"],
-                    help="GRAPHDSL_DISABLE_PASSES values, one model each")
+                    help="GRAPHDSL_DISABLE_PASSES values [;NAME=VALUE...], one model each")
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--context", type=int, default=512)
     args = ap.parse_args(argv)
@@ -38,7 +40,10 @@ def main(argv=None) -> int:
     copy = copy_bandwidth_gbs()
     runs = {}
     for v in args.variants:
-        os.environ["GRAPHDSL_DISABLE_PASSES"] = v
+        passes, *settings = v.split(";")
+        env = dict(s.split("=", 1) for s in settings)
+        saved = {k: os.environ.get(k) for k in env}
+        os.environ.update(env, GRAPHDSL_DISABLE_PASSES=passes)
         llm = gd.LLM.from_config(SHAPES[args.shape], device="cuda", dtype="bfloat16", seed=0, max_model_len=2049,
                                  max_num_seqs=1, num_kv_blocks=2 * (args.context // BLOCK + 2), block_size=BLOCK)
         for k, val in zip(llm.kv_cache.key_caches, llm.kv_cache.value_caches):
@@ -47,6 +52,11 @@ def main(argv=None) -> int:
         inputs, _ = _decode_inputs(llm, 1, args.context, torch.Generator(device="cuda").manual_seed(0))
         llm.model.execute(Phase.DECODE, inputs)          # build + capture under this variant's passes
         runs[v] = (llm, inputs, [])
+        for k, old in saved.items():
+            if old is None:
+                os.environ.pop(k)
+            else:
+                os.environ[k] = old
     os.environ.pop("GRAPHDSL_DISABLE_PASSES", None)
     for _ in range(args.rounds):
         for v, (llm, inputs, times) in runs.items():
@@ -55,7 +65,7 @@ def main(argv=None) -> int:
     roof = decode_bytes(weight_bytes(llm0.model), kv_bytes_per_token(llm0), 1, args.context) / (copy * 1e9) * 1e3
     print(f"## decode A/B, {args.shape}, batch 1, ctx {args.context}, {args.rounds} interleaved rounds — "
           f"{device_line()}; copy {copy:.0f} GB/s, roofline {roof * 1e3:.0f} µs\n")
-    print("| disabled passes | median µs/step | % of roofline | min | max |")
+    print("| disabled passes; environment | median µs/step | % of roofline | min | max |")
     print("|---|---:|---:|---:|---:|")
     for v, (_, _, times) in runs.items():
         med = statistics.median(times)
