@@ -115,10 +115,16 @@ class RotaryEmbedding(Module):
         if seq_len is None and self.scaling.rope_type is RopeType.DYNAMIC and positions.numel():
             seq_len = int(positions.max()) + 1
         inv, scale = self._device_inv_freq(seq_len, positions.device)
-        freqs = positions.to(torch.float32)[:, None] * inv[None, :]
+        freqs = positions[:, None] * inv[None, :]          # int x float32 -> float32, one kernel
         if scale == 1.0:
             return freqs.cos(), freqs.sin()
         return freqs.cos() * scale, freqs.sin() * scale
+
+    @property
+    def captures_tables(self) -> bool:
+        """Whether :meth:`cos_sin` runs without host synchronisation (so a CUDA graph can capture it):
+        all but dynamic NTK, whose frequencies depend on the step's longest position."""
+        return self.scaling.rope_type is not RopeType.DYNAMIC
 
     def _device_inv_freq(self, seq_len: int | None, device: torch.device) -> tuple[torch.Tensor, float]:
         """:meth:`inv_freq` on ``device``, kept per device (and per effective length for dynamic NTK):

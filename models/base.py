@@ -173,15 +173,20 @@ def _execute(self: FlashCausalLM, phase: Phase, inputs: Mapping[str, torch.Tenso
     which come from the rotary tables here. Returns float32 logits."""
     engine = self.engine(phase)
     feed = dict(inputs)
-    feed["cos"], feed["sin"] = self.rotary.cos_sin(feed["positions"])
     extra_in, extra_out, runtime_params = self._update_model_inputs(feed)
     feed.update(extra_in)
     names = engine.net.inputs
-    step = {k: v for k, v in feed.items() if k in names}
     if phase is Phase.DECODE and not (extra_in or extra_out or runtime_params):
         runner = _graph_runner(self, engine)
-        if runner is not None and runner.fits(step):
-            return runner.run(step)["logits"]
+        if runner is not None:
+            if runner.prologue is None:
+                feed["cos"], feed["sin"] = self.rotary.cos_sin(feed["positions"])
+            step = {k: v for k, v in feed.items() if k in runner.pads}
+            if runner.fits(step):
+                return runner.run(step)["logits"]
+    if "cos" not in feed:
+        feed["cos"], feed["sin"] = self.rotary.cos_sin(feed["positions"])
+    step = {k: v for k, v in feed.items() if k in names}
     out = engine.forward(step, extra_out or None, runtime_params or None)
     return out["logits"]
 
@@ -212,5 +217,17 @@ def _graph_runner(self: FlashCausalLM, engine):
         from graphdsl.runtime.cuda_graphs import CudaGraphRunner
         width = self._runtime["max_blocks_per_seq"] or self._num_cache_blocks
         pads = {k: p for k, p in decode_pads(width).items() if k in engine.net.inputs and k not in engine._weights}
-        runner = self._graph_runners[id(engine)] = CudaGraphRunner(engine, pads)
+        prologue = None
+        if self.rotary.captures_tables and {"cos", "sin"} <= set(pads):   # cos/sin computed inside the graph
+            pads = {k: p for k, p in pads.items() if k not in ("cos", "sin")}
+            pads["positions"] = decode_pads(width)["positions"]
+            prologue = _rope_prologue(self.rotary)
+        runner = self._graph_runners[id(engine)] = CudaGraphRunner(engine, pads, prologue=prologue)
     return runner
+
+
+def _rope_prologue(rotary):
+    def prologue(static: Mapping[str, torch.Tensor]) -> dict:
+        cos, sin = rotary.cos_sin(static["positions"])
+        return {"cos": cos, "sin": sin}
+    return prologue

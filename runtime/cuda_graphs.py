@@ -17,7 +17,10 @@ replaying a captured CUDA graph removes it. A graph fixes every shape and pointe
   captured with the output buffers given, so the captured region allocates nothing of its own:
   the plan's arena slots, the backend's split-K workspaces and the outputs already exist. The
   arena views of a captured plan are held by the runner, so a later, larger plan that regrows the
-  engine's arena cannot free memory a graph still writes to.
+  engine's arena cannot free memory a graph still writes to;
+* **prologue** — inputs computed from other inputs on the device (decode's RoPE cos/sin from the
+  positions) can be captured too: the runner calls it before the engine in the warm-up and in
+  the capture, and holds what the captured call allocated. Their host-side launches leave the step.
 
 The warm-up computes the same step the replay then repeats (cache writes are idempotent), so the
 first step of a bucket is correct too. :func:`pad_batch` is the same padding as plain tensors, for
@@ -120,17 +123,24 @@ class CudaGraphRunner:
 
     Args:
         engine: a built :class:`~graphdsl.runtime.Engine` on CUDA whose weights are bound; its
-            remaining inputs are exactly the names in ``pads`` (batch-major), and every output is
-            batch-major.
+            remaining inputs are the names in ``pads`` (batch-major) and what ``prologue`` adds,
+            and every output is batch-major.
         pads: per input name, its :class:`Pad`.
         buckets: the batch sizes graphs are captured for (ascending).
+        prologue: optional ``fn(static inputs) -> {name: tensor}``, more engine inputs computed from
+            the padded ones by device-side torch ops (no host synchronisation); it is captured
+            into the graph, so its work costs no launches of its own (the RoPE tables from the
+            positions, for decode). Padded inputs the engine does not take are the prologue's.
     """
 
-    def __init__(self, engine, pads: Mapping[str, Pad], *, buckets=BUCKETS):
+    def __init__(self, engine, pads: Mapping[str, Pad], *, buckets=BUCKETS, prologue=None):
         if list(buckets) != sorted(set(buckets)) or not buckets or buckets[0] < 1:
             raise GraphDSLError(f"CudaGraphRunner: buckets must be ascending positive ints, got {buckets!r}")
+        if prologue is not None and not callable(prologue):
+            raise GraphDSLError(f"CudaGraphRunner: prologue must be callable or None, got {prologue!r}")
         self.engine = engine
         self.pads = dict(pads)
+        self.prologue = prologue
         self.buckets = tuple(buckets)
         self.graphs: dict[int, _Graph] = {}
         self._pool = None
@@ -179,7 +189,7 @@ class CudaGraphRunner:
         side = torch.cuda.Stream(device)
         side.wait_stream(torch.cuda.current_stream(device))
         with torch.cuda.stream(side):
-            outputs = engine.forward(static)          # warm-up: specialise the plan, compile kernels
+            outputs = engine.forward(self._feed(static, []))   # warm-up: specialise the plan, compile kernels
         torch.cuda.current_stream(device).wait_stream(side)
         for name, buf in outputs.items():
             if buf.dim() == 0 or buf.shape[0] != bucket:
@@ -188,8 +198,19 @@ class CudaGraphRunner:
         if self._pool is None:
             self._pool = torch.cuda.graph_pool_handle()
         graph = torch.cuda.CUDAGraph()
+        made: list = []
         with torch.cuda.graph(graph, pool=self._pool):
-            engine.forward(static, outputs)
+            engine.forward(self._feed(static, made), outputs)
         plan = engine.last_plan
         keep = list(plan.storage.values()) if plan is not None and plan.storage else []
-        return _Graph(graph, static, outputs, keep)
+        return _Graph(graph, static, outputs, keep + made)
+
+    def _feed(self, static: dict, made: list) -> dict:
+        """The engine's inputs: the static buffers and what the prologue computes from them (its
+        tensors appended to ``made``: a graph keeps the memory it was captured with)."""
+        if self.prologue is None:
+            return static
+        extra = dict(self.prologue(static))
+        made.extend(extra.values())
+        names = self.engine.net.inputs
+        return {k: v for k, v in {**static, **extra}.items() if k in names}

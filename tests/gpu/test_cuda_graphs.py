@@ -72,6 +72,7 @@ def test_replay_equals_eager(tiny_llm, n, monkeypatch):
         for a, b in zip(got_cache, want_cache):
             torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
     (runner,) = llm.model._graph_runners.values()
+    assert runner.prologue is not None and not {"cos", "sin"} & set(runner.pads)   # RoPE tables inside the graph
     bucket = next(b for b in runner.buckets if b >= n)
     assert bucket in runner.graphs
     assert runner.graphs[bucket].inputs["block_tables"].shape == (bucket, 8)   # fixed width: 64 / 8

@@ -40,6 +40,15 @@ def test_pad_batch_values_and_errors():
     assert runner.fits(x) and not runner.fits({**x, "bt": torch.zeros(3, 5, dtype=torch.int32)})
     big = {k: v.repeat(100, *([1] * (v.dim() - 1))) for k, v in x.items()}
     assert not runner.fits(big)                         # 300 rows > the largest bucket
+    with pytest.raises(GraphDSLError, match="prologue must be callable or None, got 5"):
+        CudaGraphRunner(object(), pads, prologue=5)
+    made = []
+
+    class _Engine:          # takes "ids" and the prologue's "twice", not the prologue's own input "slots"
+        net = type("Net", (), {"inputs": {"ids": None, "bt": None, "twice": None}})()
+    fed = CudaGraphRunner(_Engine(), pads, prologue=lambda s: {"twice": s["slots"] * 2})._feed(x, made)
+    assert sorted(fed) == ["bt", "ids", "twice"] and fed["ids"] is x["ids"]
+    assert torch.equal(fed["twice"], x["slots"] * 2) and made == [fed["twice"]]
 
 
 def test_env_switch(monkeypatch):

@@ -63,6 +63,7 @@ def test_rotary_tables_are_computed_once_per_device(monkeypatch):
     for n in (5, 20, 40, 40, 70):
         dynamic.cos_sin(torch.arange(n))
     assert sorted(k[1] for k in dynamic._inv_cache) == [32, 40, 70]     # lengths <= 32 share one table
+    assert rotary.captures_tables and not dynamic.captures_tables            # dynamic NTK reads positions.max()
 
 
 def test_rope_scaling_validation():
