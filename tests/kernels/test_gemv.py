@@ -54,7 +54,8 @@ def test_pick_config_from_the_sweeps(monkeypatch):
     pick = lambda n, k: _pick_config(1, n, k, dev)  # noqa: E731
     assert (pick(6144, 4096)["BLOCK_K"], pick(6144, 4096)["SPLIT_K"]) == (128, 1)   # 96 tiles > 66
     assert (pick(4096, 4096)["BLOCK_K"], pick(4096, 4096)["SPLIT_K"]) == (256, 1)   # 64 tiles
-    assert pick(2048, 8192)["SPLIT_K"] == 4                                         # 32 tiles, 32 steps
+    assert (pick(2048, 8192)["SPLIT_K"], pick(2048, 8192)["BLOCK_K"]) == (4, 128)   # 32 tiles, split slices
+    assert pick(16384, 2048)["BLOCK_K"] == 64 and pick(128256, 2048)["BLOCK_K"] == 128  # 2 waves / many, short K
     assert pick(2048, 2048)["SPLIT_K"] == 1                                         # 32 tiles, 8 steps
     assert pick(64, 200)["BLOCK_K"] == 128 and pick(64, 48)["BLOCK_K"] == 64        # short K
 
