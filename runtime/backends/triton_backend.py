@@ -80,7 +80,7 @@ class TritonBackend:
         self.sources: dict[str, str] = {}       # node name -> generated kernel source (for dumps)
         self._gemv_workspace = None             # split-K partials + counters of the decode GEMVs
         self._step_nodes: set = set()           # the nodes of the current run (step_constant)
-        self._step_written: set = set()         # graph inputs those nodes write in place (KV caches)
+        self._step_written: dict = {}           # graph input -> the nodes writing it in place (KV caches)
         from .torch_backend import TorchBackend
         self._reference = TorchBackend()
 
@@ -95,7 +95,10 @@ class TritonBackend:
     # -- run -----------------------------------------------------------------------------------
     def run(self, nodes, values: dict, attrs: dict, storage: dict) -> None:
         self._step_nodes = set(nodes)
-        self._step_written = {n.inputs[i] for n in nodes for i in n.opdef.inplace.values()}
+        self._step_written = {}
+        for n in nodes:
+            for i in n.opdef.inplace.values():
+                self._step_written.setdefault(n.inputs[i], []).append(n)
         for node in nodes:
             ins = [values[t] for t in node.inputs]
             on_cpu = bool(ins) and ins[0].device.type == "cpu" and not _interpreting()
@@ -125,6 +128,11 @@ class TritonBackend:
         if t.producer is None:
             return t not in self._step_written
         return t.producer not in self._step_nodes
+
+    def written_only_by(self, t, node) -> bool:
+        """Whether graph input ``t`` is updated in place by ``node`` alone among this run's nodes (a
+        layer's KV cache under its fused attention), so kernels before ``node`` leave it as it was."""
+        return t.producer is None and self._step_written.get(t, []) == [node]
 
     @property
     def gemv_workspace(self):
@@ -265,7 +273,7 @@ def _paged_attention(be: TritonBackend, node, ins, attrs, dsts):
         return dsts
     splits, workspace = _decode_workspace(be, q, key_cache, block_tables, attrs["sliding_window"])
     paged_attention_decode(q, key_cache, value_cache, block_tables, seq_lens, num_splits=splits,
-                           workspace=workspace, inputs_ready=be.step_constant(node.inputs[4]), **common)
+                           workspace=workspace, inputs_ready=all(be.step_constant(node.inputs[i]) for i in (3, 4)), **common)
     return dsts
 
 
@@ -278,7 +286,8 @@ def _rope_cache_attention(be: TritonBackend, node, ins, attrs, dsts):
                            sliding_window=attrs["sliding_window"], soft_cap=attrs["soft_cap"], out=dsts[0],
                            num_splits=splits, workspace=workspace,
                            rope_cache=DecodeRopeCache(k, v, cos, sin, slot_mapping, attrs["layout"]),
-                           inputs_ready=all(be.step_constant(node.inputs[i]) for i in (5, 6, 7, 9)))
+                           inputs_ready=all(be.step_constant(node.inputs[i]) for i in (5, 6, 7, 8, 9)),
+                           cache_ready=all(be.written_only_by(node.inputs[i], node) for i in (3, 4)))
     return [dsts[0], key_cache, value_cache]
 
 

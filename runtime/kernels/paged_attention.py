@@ -80,6 +80,57 @@ def _mm(a, b, DOT_PREC: tl.constexpr, DOT_F32: tl.constexpr):
 
 
 @triton.jit
+def _load_tile(table, kstart, stop, k_cache_ptr, v_cache_ptr, kvh, stride_kb, stride_ks, stride_kh, stride_vb,
+               stride_vs, stride_vh, BLOCK_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr,
+               CHECK_STOP: tl.constexpr):
+    """Keys and values ``[kstart, kstart + BLOCK_N)`` through the block table (zeros at ``>= stop``
+    when ``CHECK_STOP``); returns ``(k, v, kpos)``."""
+    dims = tl.arange(0, HEAD_DIM)
+    kpos = kstart + tl.arange(0, BLOCK_N)
+    if CHECK_STOP:
+        kvalid = kpos < stop
+        blk = tl.load(table + kpos // BLOCK_SIZE, mask=kvalid, other=0).to(tl.int64)
+    else:
+        blk = tl.load(table + kpos // BLOCK_SIZE).to(tl.int64)
+    slot = kpos % BLOCK_SIZE
+    k_ptrs = k_cache_ptr + (blk * stride_kb + slot * stride_ks + kvh * stride_kh)[:, None] + dims[None, :]
+    v_ptrs = v_cache_ptr + (blk * stride_vb + slot * stride_vs + kvh * stride_vh)[:, None] + dims[None, :]
+    if CHECK_STOP:
+        k = tl.load(k_ptrs, mask=kvalid[:, None], other=0.0)
+        v = tl.load(v_ptrs, mask=kvalid[:, None], other=0.0)
+    else:
+        k = tl.load(k_ptrs)
+        v = tl.load(v_ptrs)
+    return k, v, kpos
+
+
+@triton.jit
+def _attend_tile(acc, m_i, l_i, q, k, v, kpos, qpos, stop, scale, soft_cap, sliding_window,
+                 USE_CAP: tl.constexpr, CAUSAL: tl.constexpr, USE_WINDOW: tl.constexpr, CHECK_STOP: tl.constexpr,
+                 DOT_PREC: tl.constexpr, DOT_F32: tl.constexpr):
+    """One online-softmax step over the key tile ``k, v`` at positions ``kpos`` (see :func:`_attend`)."""
+    sc = _mm(q, tl.trans(k), DOT_PREC, DOT_F32) * scale
+    if USE_CAP:
+        sc = soft_cap * (1.0 - 2.0 / (tl.exp2(sc * (2.0 * 1.4426950408889634 / soft_cap)) + 1.0))
+    sc = sc * 1.4426950408889634
+    if CAUSAL:
+        keep = kpos[None, :] <= qpos[:, None]
+        if USE_WINDOW:
+            keep = keep & (kpos[None, :] > qpos[:, None] - sliding_window)
+        if CHECK_STOP:
+            keep = keep & (kpos < stop)[None, :]
+        sc = tl.where(keep, sc, float("-inf"))
+    elif CHECK_STOP:
+        sc = tl.where((kpos < stop)[None, :], sc, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(sc, 1))
+    alpha = tl.exp2(m_i - m_new)
+    p = tl.exp2(sc - m_new[:, None])
+    l_i = l_i * alpha + tl.sum(p, 1)
+    acc = acc * alpha[:, None] + _mm(p.to(v.dtype), v, DOT_PREC, DOT_F32)
+    return acc, m_new, l_i
+
+
+@triton.jit
 def _attend(
     acc, m_i, l_i,      # running [ROWS, HEAD_DIM] output, [ROWS] max and [ROWS] sum (float32)
     q,                  # [ROWS, HEAD_DIM] queries of the program (their heads share one KV head)
@@ -102,42 +153,11 @@ def _attend(
     ``l = l 2^(m - m') + rowsum P``, ``acc = acc 2^(m - m') + P v``. Tiles wholly visible to every
     row skip the masks (``CAUSAL = CHECK_STOP = False``). ``tanh(x) = 1 - 2 / (e^(2x) + 1)``, exact at
     both tails."""
-    dims = tl.arange(0, HEAD_DIM)
     for kstart in range(start, stop, BLOCK_N):
-        kpos = kstart + tl.arange(0, BLOCK_N)
-        if CHECK_STOP:
-            kvalid = kpos < stop
-            blk = tl.load(table + kpos // BLOCK_SIZE, mask=kvalid, other=0).to(tl.int64)
-        else:
-            blk = tl.load(table + kpos // BLOCK_SIZE).to(tl.int64)
-        slot = kpos % BLOCK_SIZE
-        k_ptrs = k_cache_ptr + (blk * stride_kb + slot * stride_ks + kvh * stride_kh)[:, None] + dims[None, :]
-        v_ptrs = v_cache_ptr + (blk * stride_vb + slot * stride_vs + kvh * stride_vh)[:, None] + dims[None, :]
-        if CHECK_STOP:
-            k = tl.load(k_ptrs, mask=kvalid[:, None], other=0.0)
-            v = tl.load(v_ptrs, mask=kvalid[:, None], other=0.0)
-        else:
-            k = tl.load(k_ptrs)
-            v = tl.load(v_ptrs)
-        sc = _mm(q, tl.trans(k), DOT_PREC, DOT_F32) * scale
-        if USE_CAP:
-            sc = soft_cap * (1.0 - 2.0 / (tl.exp2(sc * (2.0 * 1.4426950408889634 / soft_cap)) + 1.0))
-        sc = sc * 1.4426950408889634
-        if CAUSAL:
-            keep = kpos[None, :] <= qpos[:, None]
-            if USE_WINDOW:
-                keep = keep & (kpos[None, :] > qpos[:, None] - sliding_window)
-            if CHECK_STOP:
-                keep = keep & kvalid[None, :]
-            sc = tl.where(keep, sc, float("-inf"))
-        elif CHECK_STOP:
-            sc = tl.where(kvalid[None, :], sc, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(sc, 1))
-        alpha = tl.exp2(m_i - m_new)
-        p = tl.exp2(sc - m_new[:, None])
-        l_i = l_i * alpha + tl.sum(p, 1)
-        acc = acc * alpha[:, None] + _mm(p.to(v.dtype), v, DOT_PREC, DOT_F32)
-        m_i = m_new
+        k, v, kpos = _load_tile(table, kstart, stop, k_cache_ptr, v_cache_ptr, kvh, stride_kb, stride_ks, stride_kh,
+                                stride_vb, stride_vs, stride_vh, BLOCK_SIZE, HEAD_DIM, BLOCK_N, CHECK_STOP)
+        acc, m_i, l_i = _attend_tile(acc, m_i, l_i, q, k, v, kpos, qpos, stop, scale, soft_cap, sliding_window,
+                                     USE_CAP, CAUSAL, USE_WINDOW, CHECK_STOP, DOT_PREC, DOT_F32)
     return acc, m_i, l_i
 
 
@@ -306,6 +326,22 @@ def _combine_splits(part_acc_ptr, part_ml_ptr, out_ptr, seq, kvh, used, num_seqs
              o.to(out_ptr.dtype.element_ty), mask=g_ok[:, None])
 
 
+@triton.jit
+def _split_range(ctx, split, sliding_window, BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr,
+                 MIN_TILES: tl.constexpr, USE_WINDOW: tl.constexpr):
+    """``(start, end, used)``: split ``split``'s keys ``[start, end)`` and how many splits have keys
+    (see :func:`_decode_kernel`)."""
+    lo = ctx * 0
+    if USE_WINDOW:
+        lo = tl.maximum(ctx - sliding_window, 0)
+    tiles = tl.cdiv(ctx - lo, BLOCK_N)
+    tiles_per_split = tl.maximum(tl.cdiv(tiles, NUM_SPLITS), MIN_TILES)
+    used = tl.cdiv(tiles, tiles_per_split)
+    start = lo + split * tiles_per_split * BLOCK_N
+    end = tl.minimum(start + tiles_per_split * BLOCK_N, ctx)
+    return start, end, used
+
+
 @triton.jit(do_not_specialize=["soft_cap", "sliding_window", "num_seqs"])
 def _decode_kernel(
     q_ptr,              # [num_seqs, num_heads, head_dim] one query per sequence (un-rotated when ROPE)
@@ -348,7 +384,8 @@ def _decode_kernel(
     ROPE: tl.constexpr,        # rotate q and the new key, write the new key/value into the caches first
     HALF: tl.constexpr,        # ROPE: rotary dim / 2
     GPTJ: tl.constexpr,        # ROPE: GPT-J pairs (2i, 2i + 1) instead of NEOX (i, i + HALF)
-    INPUTS_READY: tl.constexpr,  # seq_lens (and the ROPE inputs) are not written by earlier kernels
+    INPUTS_READY: tl.constexpr,  # seq_lens, block_tables (and the ROPE inputs) are not written by earlier kernels
+    PREFETCH: tl.constexpr,    # ROPE and INPUTS_READY, and no earlier kernel writes the caches: load tile 0 early
     DOT_PREC: tl.constexpr,    # tl.dot input_precision
     DOT_F32: tl.constexpr,     # upcast dot operands to float32 (interpreter only, see _mm)
     USE_PDL: tl.constexpr,     # launched with programmatic dependent launch (kernels/pdl.py)
@@ -365,32 +402,33 @@ def _decode_kernel(
     ``ROPE`` (the fused ``rope_cache_attention`` op): q is rotated in registers, and split ``U - 1``
     (the one holding position ``L - 1``) first writes the rotated new key and the new value of
     ``kvh`` to cache slot ``slot[s]`` (when ``>= 0``), then syncs its threads before reading the
-    cache. The slot must be position ``L - 1``'s (the scheduler's decode contract)."""
+    cache. The slot must be position ``L - 1``'s (the scheduler's decode contract). With
+    ``PREFETCH`` each split loads its first key tile before the PDL wait (the cache changes only at
+    ``L - 1`` in this step, and that key and value are put into the tile from registers)."""
     seq = tl.program_id(0)
     kvh = tl.program_id(1)
     split = tl.program_id(2)
+    table = block_tables_ptr + seq.to(tl.int64) * stride_bt
     if INPUTS_READY:                       # step inputs: read them while the previous kernel finishes
         ctx = tl.load(seq_lens_ptr + seq).to(tl.int32)
+        start, end, used = _split_range(ctx, split, sliding_window, BLOCK_N, NUM_SPLITS, MIN_TILES, USE_WINDOW)
         if ROPE:
             partner, c, ss = _rope_coeffs(cos_ptr + seq.to(tl.int64) * stride_cs,
                                           sin_ptr + seq.to(tl.int64) * stride_cs, HEAD_DIM, HALF, GPTJ)
             slot = tl.load(slot_ptr + seq).to(tl.int64)
+        if PREFETCH:                       # and this split's first keys: no kernel of the step writes them
+            k0, v0, kpos0 = _load_tile(table, start, end, k_cache_ptr, v_cache_ptr, kvh, stride_kb, stride_ks,
+                                       stride_kh, stride_vb, stride_vs, stride_vh, BLOCK_SIZE, HEAD_DIM, BLOCK_N,
+                                       True)
     pdl_wait(USE_PDL)
     if not INPUTS_READY:
         ctx = tl.load(seq_lens_ptr + seq).to(tl.int32)
+        start, end, used = _split_range(ctx, split, sliding_window, BLOCK_N, NUM_SPLITS, MIN_TILES, USE_WINDOW)
         if ROPE:
             partner, c, ss = _rope_coeffs(cos_ptr + seq.to(tl.int64) * stride_cs,
                                           sin_ptr + seq.to(tl.int64) * stride_cs, HEAD_DIM, HALF, GPTJ)
             slot = tl.load(slot_ptr + seq).to(tl.int64)
-    lo = ctx * 0
-    if USE_WINDOW:
-        lo = tl.maximum(ctx - sliding_window, 0)
-    tiles = tl.cdiv(ctx - lo, BLOCK_N)
-    tiles_per_split = tl.maximum(tl.cdiv(tiles, NUM_SPLITS), MIN_TILES)
-    used = tl.cdiv(tiles, tl.maximum(tiles_per_split, 1))
     if split < tl.maximum(used, 1):
-        start = lo + split * tiles_per_split * BLOCK_N
-        end = tl.minimum(start + tiles_per_split * BLOCK_N, ctx)
         h = tl.arange(0, BLOCK_H)
         head = kvh * GROUP + h
         head_ok = h < GROUP
@@ -400,22 +438,28 @@ def _decode_kernel(
         if ROPE:
             qp = tl.load(q_rows + partner[None, :], mask=head_ok[:, None], other=0.0)
             q = (q.to(tl.float32) * c[None, :] + qp.to(tl.float32) * ss[None, :]).to(q_ptr.dtype.element_ty)
+            kn = k_new_ptr + seq.to(tl.int64) * stride_knt + kvh * stride_knh
+            k_new = (tl.load(kn + dims).to(tl.float32) * c
+                     + tl.load(kn + partner).to(tl.float32) * ss).to(k_cache_ptr.dtype.element_ty)
+            v_new = tl.load(v_new_ptr + seq.to(tl.int64) * stride_vnt + kvh * stride_vnh + dims).to(
+                v_cache_ptr.dtype.element_ty)
             if (split == used - 1) & (slot >= 0):
-                kn = k_new_ptr + seq.to(tl.int64) * stride_knt + kvh * stride_knh
-                k = tl.load(kn + dims).to(tl.float32) * c + tl.load(kn + partner).to(tl.float32) * ss
-                v = tl.load(v_new_ptr + seq.to(tl.int64) * stride_vnt + kvh * stride_vnh + dims)
                 blk = slot // BLOCK_SIZE
                 off = slot % BLOCK_SIZE
-                tl.store(k_cache_ptr + blk * stride_kb + off * stride_ks + kvh * stride_kh + dims,
-                         k.to(k_cache_ptr.dtype.element_ty))
-                tl.store(v_cache_ptr + blk * stride_vb + off * stride_vs + kvh * stride_vh + dims,
-                         v.to(v_cache_ptr.dtype.element_ty))
+                tl.store(k_cache_ptr + blk * stride_kb + off * stride_ks + kvh * stride_kh + dims, k_new)
+                tl.store(v_cache_ptr + blk * stride_vb + off * stride_vs + kvh * stride_vh + dims, v_new)
             tl.debug_barrier()             # this program's threads read the new key back below
 
         m_i = tl.full([BLOCK_H], -1.0e30, tl.float32)
         l_i = tl.zeros([BLOCK_H], tl.float32)
         acc = tl.zeros([BLOCK_H, HEAD_DIM], tl.float32)
-        table = block_tables_ptr + seq.to(tl.int64) * stride_bt
+        if PREFETCH:                       # the first tile came before the wait: put this step's key in
+            new = ((kpos0 == ctx - 1) & (slot >= 0))[:, None]
+            k0 = tl.where(new, k_new[None, :], k0)
+            v0 = tl.where(new, v_new[None, :], v0)
+            acc, m_i, l_i = _attend_tile(acc, m_i, l_i, q, k0, v0, kpos0, h, end, scale, soft_cap, sliding_window,
+                                         USE_CAP, False, False, True, DOT_PREC, DOT_F32)
+            start += BLOCK_N
         acc, m_i, l_i = _attend(
             acc, m_i, l_i, q, h, start, end, table, k_cache_ptr, v_cache_ptr, kvh,
             stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, scale, soft_cap, sliding_window,
@@ -692,7 +736,7 @@ def _check_workspace(fn: str, workspace, want: tuple, device) -> DecodeWorkspace
 
 def _launch_decode(q, key_cache, value_cache, block_tables, seq_lens, scale, sliding_window, soft_cap,
                    out, num_splits, config: _Config | None = None, workspace=None, rope_cache=None,
-                   inputs_ready: bool = False):
+                   inputs_ready: bool = False, cache_ready: bool = False):
     fn = "paged_attention_decode"
     heads, kv_heads, dim, block_size = _check_common(
         fn, q, key_cache, value_cache, block_tables, seq_lens, scale, sliding_window, soft_cap, out,
@@ -737,7 +781,8 @@ def _launch_decode(q, key_cache, value_cache, block_tables, seq_lens, scale, sli
         NUM_HEADS=heads, BLOCK_SIZE=block_size, GROUP=group, GROUP_PAD=triton.next_power_of_2(group),
         BLOCK_H=cfg.block_m, HEAD_DIM=dim, BLOCK_N=cfg.block_n, NUM_SPLITS=num_splits,
         CHUNK=_combine_chunk(num_splits, group, dim), MIN_TILES=2 if dim >= 128 else 1,
-        USE_CAP=soft_cap > 0, USE_WINDOW=sliding_window > 0, INPUTS_READY=bool(inputs_ready), **rope_meta,
+        USE_CAP=soft_cap > 0, USE_WINDOW=sliding_window > 0, INPUTS_READY=bool(inputs_ready),
+        PREFETCH=bool(inputs_ready and cache_ready) and rc is not None, **rope_meta,
         **_dot_args(q.dtype, _decode_kernel), **pdl_launch(q.device),
         num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     return out
@@ -760,7 +805,8 @@ def paged_attention_prefill(q, key_cache, value_cache, block_tables, seq_lens, q
 def paged_attention_decode(q, key_cache, value_cache, block_tables, seq_lens, *, scale: float,
                            sliding_window: int = 0, soft_cap: float = 0.0, out=None,
                            num_splits: int | None = None, workspace: DecodeWorkspace | None = None,
-                           rope_cache: DecodeRopeCache | None = None, inputs_ready: bool = False):
+                           rope_cache: DecodeRopeCache | None = None, inputs_ready: bool = False,
+                           cache_ready: bool = False):
     """One query per sequence (``q [num_seqs, num_heads, head_dim]``, position ``seq_lens[s] - 1``)
     over the paged caches, split-K over ``num_splits`` partitions of the context (a heuristic from
     the SM count and the block table's width when omitted), in one launch.
@@ -768,11 +814,14 @@ def paged_attention_decode(q, key_cache, value_cache, block_tables, seq_lens, *,
     ``workspace``: the split scratch (:func:`decode_workspace`) to use instead of allocating it per
     call (what a CUDA-graph capture needs). ``rope_cache``: also rotate q and this step's key and
     write the key and value into the caches first (:class:`DecodeRopeCache`). ``inputs_ready``:
-    ``seq_lens`` and the ``rope_cache`` cos/sin/slots are step inputs no kernel launched just before
-    writes, so with PDL they are read before waiting for that kernel. Returns ``out``."""
+    ``seq_lens``, ``block_tables`` and the ``rope_cache`` cos/sin/slots are step inputs no kernel
+    launched just before writes, so with PDL they are read before waiting for that kernel.
+    ``cache_ready`` (with ``rope_cache`` and ``inputs_ready``): no kernel launched before writes the
+    caches either (this launch writes the step's key and value), so each split also reads its
+    first key/value tile before the wait. Returns ``out``."""
     return _launch_decode(q, key_cache, value_cache, block_tables, seq_lens, scale, sliding_window,
                           soft_cap, out, num_splits, workspace=workspace, rope_cache=rope_cache,
-                          inputs_ready=inputs_ready)
+                          inputs_ready=inputs_ready, cache_ready=cache_ready)
 
 
 def paged_attention(q, key_cache, value_cache, block_tables, seq_lens, query_start_loc=None, *,

@@ -264,10 +264,12 @@ def _rope_case(lens, heads, kv_heads, head_dim, dtype, half, *, seed=9, pad_last
     ("gptj", 32, 64, 8, 1, torch.float32, 4), ("neox", 16, 64, 8, 2, torch.float32, 2),
     ("gptj", 8, 32, 4, 2, torch.float32, None), ("neox", 64, 128, 8, 1, torch.bfloat16, 5),
     ("neox", 64, 128, 16, 2, torch.float16, 2)])
+@pytest.mark.parametrize("prefetch", [False, True])
 def test_decode_with_rope_cache_equals_rope_cache_then_attention(layout, half, head_dim, heads, kv_heads, dtype,
-                                                                  splits):
+                                                                  splits, prefetch):
     """Rotating q/k in the kernel and writing the new key/value first gives the reference's
-    output and caches: NEOX and GPT-J pairs, partial rotary dims, GQA 1/4/8, splits 1..5."""
+    output and caches: NEOX and GPT-J pairs, partial rotary dims, GQA 1/4/8, splits 1..5; also
+    with each split's first tile read before the PDL wait and the new key patched in."""
     from graphdsl.functional.attention import RopeLayout
     from graphdsl.runtime.kernels.paged_attention import DecodeRopeCache
     lens, _ = _grow([9, 40, 1, 70, 33], [])
@@ -276,14 +278,16 @@ def test_decode_with_rope_cache_equals_rope_cache_then_attention(layout, half, h
     kr, vr = kc.clone(), vc.clone()
     want, kr, vr = RCA_REF(q, k, v, kr, vr, cos, sin, slots, bt, sl, layout=lay, scale=head_dim ** -0.5)
     out = paged_attention_decode(q, kc, vc, bt, sl, scale=head_dim ** -0.5, num_splits=splits, out=_nan_like(q),
-                                 rope_cache=DecodeRopeCache(k, v, cos, sin, slots, lay))
+                                 rope_cache=DecodeRopeCache(k, v, cos, sin, slots, lay), inputs_ready=prefetch,
+                                 cache_ready=prefetch)
     assert_close(out, want, dtype)
     torch.testing.assert_close(vc, vr, rtol=0, atol=0)             # values are copied
     torch.testing.assert_close(kc.float(), kr.float(), rtol=TOL[dtype], atol=TOL[dtype])   # rotated keys
 
 
-@pytest.mark.parametrize("window,cap", [(5, 0.0), (0, 3.0), (40, 2.0)])
-def test_decode_with_rope_cache_window_softcap_and_padding(window, cap):
+@pytest.mark.parametrize("window,cap,prefetch", [(5, 0.0, False), (0, 3.0, False), (40, 2.0, False), (5, 0.0, True),
+                                                (40, 2.0, True)])
+def test_decode_with_rope_cache_window_softcap_and_padding(window, cap, prefetch):
     """Sliding window and soft-cap with the fused cache write; a padded slot (L = 0, slot -1)
     writes nothing and gives zeros."""
     from graphdsl.functional.attention import RopeLayout
@@ -295,7 +299,8 @@ def test_decode_with_rope_cache_window_softcap_and_padding(window, cap):
     want, kr, vr = RCA_REF(q[:3], k[:3], v[:3], kr, vr, cos[:3], sin[:3], slots[:3], bt[:3], sl[:3],
                            layout=RopeLayout.NEOX, **kw)
     out = paged_attention_decode(q, kc, vc, bt, sl, num_splits=3, out=_nan_like(q), **kw,
-                                 rope_cache=DecodeRopeCache(k, v, cos, sin, slots, RopeLayout.NEOX))
+                                 rope_cache=DecodeRopeCache(k, v, cos, sin, slots, RopeLayout.NEOX),
+                                 inputs_ready=prefetch, cache_ready=prefetch)
     assert torch.equal(out[3], torch.zeros_like(out[3]))
     assert_close(out[:3], want, torch.float32)
     torch.testing.assert_close(kc, kr, rtol=2e-5, atol=2e-5)

@@ -96,7 +96,7 @@ def test_decode_reads_step_inputs_before_the_pdl_wait_only_when_no_kernel_writes
     ready = []
     real = paged_attention.paged_attention_decode
     monkeypatch.setattr(paged_attention, "paged_attention_decode",
-                        lambda *a, **k: ready.append(k["inputs_ready"]) or real(*a, **k))
+                        lambda *a, **k: ready.append((k["inputs_ready"], k["cache_ready"])) or real(*a, **k))
     dev = "cuda" if torch.cuda.is_available() else "cpu"
     n, s = Dim("n"), Dim("s")
     with Network("decode") as net:
@@ -122,7 +122,12 @@ def test_decode_reads_step_inputs_before_the_pdl_wait_only_when_no_kernel_writes
     assert "rope_cache_attention" in {nd.op for nd in eng.net.nodes}
     got = eng.forward({k_: t.clone().to(dev) for k_, t in feed.items()})["out"]
     torch.testing.assert_close(got.cpu(), ref, rtol=1e-4, atol=1e-4)
-    assert ready == [not lens_in_graph]
+    assert ready == [(not lens_in_graph, True)]          # the fused node is its caches' only writer
+    be, (node,) = eng.backend, [nd for nd in eng.net.nodes if nd.op == "rope_cache_attention"]
+    kc_in = node.inputs[3]
+    assert be.written_only_by(kc_in, node) and not be.step_constant(kc_in)
+    be._step_written[kc_in] = [node, node]                  # another writer in the step: no early cache reads
+    assert not be.written_only_by(kc_in, node)
 
 
 def test_engine_cache_hit_runs_on_triton_backend(tmp_path):
