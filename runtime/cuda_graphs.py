@@ -116,6 +116,7 @@ class _Graph:
     inputs: dict[str, torch.Tensor]        # static input buffers, [bucket, ...]
     outputs: dict[str, torch.Tensor]       # static output buffers the graph writes
     keep: list = field(default_factory=list)   # arena views the captured kernels address
+    extent: dict = field(default_factory=dict)  # input -> (rows, width) that may hold non-pad values
 
 
 class CudaGraphRunner:
@@ -170,15 +171,33 @@ class CudaGraphRunner:
         return {name: buf[:n].clone() for name, buf in entry.outputs.items()}
 
     def _load(self, entry: _Graph, inputs, n: int) -> None:
+        """Copy the step into the static buffers with as few launches as the padding allows: full-width
+        inputs go in one ``_foreach_copy_`` per dtype, and padding is rewritten only where an earlier
+        step left values (``entry.extent``), so a step no wider than the last one fills nothing."""
+        copies: dict = {}
         for name, x in inputs.items():
-            dst = entry.inputs[name]
+            dst, pad = entry.inputs[name], self.pads[name]
             if x.dtype != dst.dtype or x.device != dst.device or tuple(x.shape[2:]) != tuple(dst.shape[2:]) \
-                    or (self.pads[name].width is None and x.shape[1:] != dst.shape[1:]):
+                    or (pad.width is None and x.shape[1:] != dst.shape[1:]):
                 raise BindError(f"input '{name}': expected [n, {', '.join(map(str, dst.shape[1:]))}] "
                                 f"{dst.dtype} on {dst.device} (the captured graph's), got {list(x.shape)} "
                                 f"{x.dtype} on {x.device}")
-            _check_width(name, x, self.pads[name])
-            _fill(dst, x, n, self.pads[name])
+            _check_width(name, x, pad)
+            rows, width = entry.extent.get(name, (dst.shape[0], None))
+            w = x.shape[1] if pad.width is not None else None
+            if w is not None and w < pad.width:
+                dst[:n, :w].copy_(x)
+                if width is None or w < width:
+                    dst[:n, w:width].fill_(pad.value)
+            else:
+                dsts, srcs = copies.setdefault(x.dtype, ([], []))
+                dsts.append(dst[:n])
+                srcs.append(x)
+            if n < rows:
+                dst[n:rows].fill_(pad.value)
+            entry.extent[name] = (n, w)
+        for dsts, srcs in copies.values():
+            torch._foreach_copy_(dsts, srcs)
 
     def _capture(self, bucket: int, inputs, n: int) -> _Graph:
         engine = self.engine
@@ -203,7 +222,8 @@ class CudaGraphRunner:
             engine.forward(self._feed(static, made), outputs)
         plan = engine.last_plan
         keep = list(plan.storage.values()) if plan is not None and plan.storage else []
-        return _Graph(graph, static, outputs, keep + made)
+        extent = {name: (n, x.shape[1] if self.pads[name].width is not None else None) for name, x in inputs.items()}
+        return _Graph(graph, static, outputs, keep + made, extent)
 
     def _feed(self, static: dict, made: list) -> dict:
         """The engine's inputs: the static buffers and what the prologue computes from them (its

@@ -51,6 +51,29 @@ def test_pad_batch_values_and_errors():
     assert torch.equal(fed["twice"], x["slots"] * 2) and made == [fed["twice"]]
 
 
+def test_runner_load_equals_fresh_padding_whatever_the_previous_steps():
+    """The runner rewrites padding only where an earlier step left values: after any sequence of
+    steps (more or fewer rows, wider or narrower tables) its static buffers equal ``pad_batch``."""
+    from graphdsl.runtime.cuda_graphs import _Graph
+    pads = {"ids": Pad(0), "slots": Pad(-1), "bt": Pad(7, width=6), "cs": Pad(0.0)}
+    g = torch.Generator().manual_seed(0)
+
+    def step(n, w):
+        return {"ids": torch.randint(1, 9, (n,), generator=g), "slots": torch.randint(0, 50, (n,), generator=g),
+                "bt": torch.randint(0, 5, (n, w), generator=g, dtype=torch.int32),
+                "cs": torch.rand(n, 3, generator=g)}
+    runner = CudaGraphRunner(object(), pads)
+    first = step(3, 2)
+    entry = _Graph(None, pad_batch(first, pads, 8), {}, [],
+                   {k: (3, 2 if k == "bt" else None) for k in pads})
+    for n, w in ((5, 6), (2, 1), (8, 3), (1, 4), (1, 4), (6, 2), (4, 6), (3, 5)):
+        x = step(n, w)
+        runner._load(entry, x, n)
+        want = pad_batch(x, pads, 8)
+        for k in pads:
+            assert torch.equal(entry.inputs[k], want[k]), (n, w, k)
+
+
 def test_env_switch(monkeypatch):
     assert cuda_graphs_enabled(True) and not cuda_graphs_enabled(False)
     monkeypatch.setenv("GRAPHDSL_CUDA_GRAPHS", "0")
