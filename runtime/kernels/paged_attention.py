@@ -328,14 +328,14 @@ def _combine_splits(part_acc_ptr, part_ml_ptr, out_ptr, seq, kvh, used, num_seqs
 
 @triton.jit
 def _split_range(ctx, split, sliding_window, BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr,
-                 MIN_TILES: tl.constexpr, USE_WINDOW: tl.constexpr):
+                 USE_WINDOW: tl.constexpr):
     """``(start, end, used)``: split ``split``'s keys ``[start, end)`` and how many splits have keys
     (see :func:`_decode_kernel`)."""
     lo = ctx * 0
     if USE_WINDOW:
         lo = tl.maximum(ctx - sliding_window, 0)
     tiles = tl.cdiv(ctx - lo, BLOCK_N)
-    tiles_per_split = tl.maximum(tl.cdiv(tiles, NUM_SPLITS), MIN_TILES)
+    tiles_per_split = tl.maximum(tl.cdiv(tiles, NUM_SPLITS), 1)
     used = tl.cdiv(tiles, tiles_per_split)
     start = lo + split * tiles_per_split * BLOCK_N
     end = tl.minimum(start + tiles_per_split * BLOCK_N, ctx)
@@ -378,7 +378,6 @@ def _decode_kernel(
     BLOCK_N: tl.constexpr,     # keys per inner step
     NUM_SPLITS: tl.constexpr,  # partitions of each sequence's keys
     CHUNK: tl.constexpr,       # splits combined per step (_combine_chunk)
-    MIN_TILES: tl.constexpr,   # fewest tiles a split takes (short contexts use fewer splits)
     USE_CAP: tl.constexpr,     # soft_cap > 0
     USE_WINDOW: tl.constexpr,  # sliding_window > 0
     ROPE: tl.constexpr,        # rotate q and the new key, write the new key/value into the caches first
@@ -392,8 +391,8 @@ def _decode_kernel(
 ):
     """Program ``(s, kvh, j)``: keys ``[lo, L)`` with ``lo = max(0, L - window)`` (0 without a
     window) are cut into ``T = cdiv(L - lo, BLOCK_N)`` tiles; split ``j`` takes tiles
-    ``[j * c, (j + 1) * c)``, ``c = max(cdiv(T, NUM_SPLITS), MIN_TILES)``, so ``U = cdiv(T, c)``
-    splits have keys and the rest exit. Each runs the online softmax of the ``GROUP`` query heads of KV head ``kvh``
+    ``[j * c, (j + 1) * c)``, ``c = cdiv(T, NUM_SPLITS)``, so ``U = cdiv(T, c)`` splits have keys
+    and the rest exit. Each runs the online softmax of the ``GROUP`` query heads of KV head ``kvh``
     over its keys (module docstring; every key in range is visible: the query is the last
     position). With ``U <= 1`` split 0 stores ``acc / l`` (zeros when ``L = 0``); otherwise each
     stores ``acc, m, l`` and bumps the counter of ``(s, kvh)`` (release/acquire), and the last to
@@ -411,7 +410,7 @@ def _decode_kernel(
     table = block_tables_ptr + seq.to(tl.int64) * stride_bt
     if INPUTS_READY:                       # step inputs: read them while the previous kernel finishes
         ctx = tl.load(seq_lens_ptr + seq).to(tl.int32)
-        start, end, used = _split_range(ctx, split, sliding_window, BLOCK_N, NUM_SPLITS, MIN_TILES, USE_WINDOW)
+        start, end, used = _split_range(ctx, split, sliding_window, BLOCK_N, NUM_SPLITS, USE_WINDOW)
         if ROPE:
             partner, c, ss = _rope_coeffs(cos_ptr + seq.to(tl.int64) * stride_cs,
                                           sin_ptr + seq.to(tl.int64) * stride_cs, HEAD_DIM, HALF, GPTJ)
@@ -423,7 +422,7 @@ def _decode_kernel(
     pdl_wait(USE_PDL)
     if not INPUTS_READY:
         ctx = tl.load(seq_lens_ptr + seq).to(tl.int32)
-        start, end, used = _split_range(ctx, split, sliding_window, BLOCK_N, NUM_SPLITS, MIN_TILES, USE_WINDOW)
+        start, end, used = _split_range(ctx, split, sliding_window, BLOCK_N, NUM_SPLITS, USE_WINDOW)
         if ROPE:
             partner, c, ss = _rope_coeffs(cos_ptr + seq.to(tl.int64) * stride_cs,
                                           sin_ptr + seq.to(tl.int64) * stride_cs, HEAD_DIM, HALF, GPTJ)
@@ -497,17 +496,20 @@ class _Config(NamedTuple):
     num_stages: int
 
 
-def _pick_config(head_dim: int, group_pad: int, *, decode: bool) -> _Config:
+def _pick_config(head_dim: int, group_pad: int, *, decode: bool, prefetch_splits: bool = False) -> _Config:
     """The one tile heuristic of both kernels (from ``benchmarks/attention.py --sweep`` on an H200,
     32/8 heads, head_dim 128, bf16). Prefill: 64 rows x 64 keys, 4 warps, 3 stages (275 TFLOP/s
     causal at 2048 tokens; 128x64/8 warps 268, 128x128/8 warps 275, 64x32 210); head_dim 256 takes
     32 keys and 8 warps so the float32 accumulator stays in registers; the tile grows to hold at
     least one query's whole group. Decode: 64 keys per step (32 for head_dim 256), 4 warps,
     2 stages (within 6% of the best swept config at batch 1/8/64, context 4096), rows = the group
-    padded to >= 16 (``tl.dot``'s smallest M)."""
+    padded to >= 16 (``tl.dot``'s smallest M). A split decode that reads its first tile before the
+    PDL wait (``prefetch_splits``) takes 32 keys per tile: more splits, each wholly read early
+    (Llama-3-8B batch 1, context 512, in the model: 4218 vs 4278 µs a step with 64 keys)."""
     big = head_dim > 128
     if decode:
-        return _Config(block_m=max(16, group_pad), block_n=32 if big else 64, num_warps=4, num_stages=2)
+        return _Config(block_m=max(16, group_pad), block_n=32 if big or prefetch_splits else 64, num_warps=4,
+                       num_stages=2)
     return _Config(block_m=max(64, group_pad), block_n=32 if big else 64,
                    num_warps=8 if big else 4, num_stages=2 if big else 3)
 
@@ -756,7 +758,9 @@ def _launch_decode(q, key_cache, value_cache, block_tables, seq_lens, scale, sli
     if num_seqs == 0:
         return out
     group = heads // kv_heads
-    cfg = config or _pick_config(dim, triton.next_power_of_2(group), decode=True)
+    prefetch = bool(inputs_ready and cache_ready) and rope_cache is not None
+    cfg = config or _pick_config(dim, triton.next_power_of_2(group), decode=True,
+                                 prefetch_splits=prefetch and num_splits > 1)
     if num_splits > 1:
         if workspace is None:
             workspace = decode_workspace(num_seqs, heads, kv_heads, dim, num_splits, q.device)
@@ -780,9 +784,9 @@ def _launch_decode(q, key_cache, value_cache, block_tables, seq_lens, scale, sli
         *_cache_strides(key_cache, value_cache), block_tables.stride(0), *rope_strides,
         NUM_HEADS=heads, BLOCK_SIZE=block_size, GROUP=group, GROUP_PAD=triton.next_power_of_2(group),
         BLOCK_H=cfg.block_m, HEAD_DIM=dim, BLOCK_N=cfg.block_n, NUM_SPLITS=num_splits,
-        CHUNK=_combine_chunk(num_splits, group, dim), MIN_TILES=2 if dim >= 128 else 1,
+        CHUNK=_combine_chunk(num_splits, group, dim),
         USE_CAP=soft_cap > 0, USE_WINDOW=sliding_window > 0, INPUTS_READY=bool(inputs_ready),
-        PREFETCH=bool(inputs_ready and cache_ready) and rc is not None, **rope_meta,
+        PREFETCH=prefetch, **rope_meta,
         **_dot_args(q.dtype, _decode_kernel), **pdl_launch(q.device),
         num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     return out
