@@ -82,12 +82,13 @@ class BuildReport:
         return sum(r.seconds for r in self.records)
 
     def __str__(self) -> str:
-        lines = [f"{'#':>2}  {'pass':<18} {'ms':>9}  {'nodes':>13}  what happened"]
+        w = max([18] + [len(r.name) for r in self.records])
+        lines = [f"{'#':>2}  {'pass':<{w}} {'ms':>9}  {'nodes':>13}  what happened"]
         for i, r in enumerate(self.records, 1):
             nodes = f"{r.nodes_before:>5} -> {r.nodes_after:<5}" if r.enabled else f"{'':>13}"
-            lines.append(f"{i:>2}  {r.name:<18} {r.seconds * 1e3:>9.1f}  {nodes}  "
+            lines.append(f"{i:>2}  {r.name:<{w}} {r.seconds * 1e3:>9.1f}  {nodes}  "
                          + (r.detail if r.enabled else "disabled" + (f" ({r.detail})" if r.detail else "")))
-        lines.append(f"    {'total':<18} {self.seconds * 1e3:>9.1f}")
+        lines.append(f"    {'total':<{w}} {self.seconds * 1e3:>9.1f}")
         return "\n".join(lines)
 
 

@@ -66,3 +66,21 @@ def test_runs_end_to_end_on_a_tiny_cpu_shape(bench):
     text = bench.table(res, 100.0, 10.0, peer, "cpu")
     assert "| decode batch 3, ctx 24" in text and "| prefill 40 tokens" in text
     assert "graphdsl/peer time ratio" in text and "cold build decode + prefill engines" in text
+
+
+def test_decode_timeline_increments_add_up_to_the_critical_path():
+    """benchmarks/decode_timeline.py: overlapping (PDL) kernels are charged only what they add past
+    the latest end before them, so the increments sum to the last end minus the first."""
+    path = pathlib.Path(__file__).resolve().parents[2] / "benchmarks" / "decode_timeline.py"
+    spec = importlib.util.spec_from_file_location("graphdsl_bench_timeline_test", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    events = [{"name": "_gemv_kernel_0d1d(...)", "ts": 0.0, "dur": 10.0},
+              {"name": "fused_kernel_abc", "ts": 2.0, "dur": 9.0},          # waits, ends 1 after the GEMV
+              {"name": "_decode_kernel", "ts": 3.0, "dur": 5.0},            # ends inside: adds nothing
+              {"name": "_gemv_kernel_0d1d(...)", "ts": 11.5, "dur": 4.0}]
+    inc, dur, calls = mod.increments(events)
+    assert inc == {"fused_kernel": 1.0, "_decode_kernel": 0.0, "_gemv_kernel": 4.5}
+    assert sum(inc.values()) == 15.5 - 10.0 and calls["_gemv_kernel"] == 2 and dur["_gemv_kernel"] == 14.0
+    assert mod.family("void at::native::vectorized_elementwise_kernel<4, X>(int)") == \
+        "void at::native::vectorized_elementwise_kernel<4, X>"[:50]
