@@ -273,7 +273,8 @@ def _paged_attention(be: TritonBackend, node, ins, attrs, dsts):
         return dsts
     splits, workspace = _decode_workspace(be, q, key_cache, block_tables, attrs["sliding_window"])
     paged_attention_decode(q, key_cache, value_cache, block_tables, seq_lens, num_splits=splits,
-                           workspace=workspace, inputs_ready=all(be.step_constant(node.inputs[i]) for i in (3, 4)), **common)
+                           workspace=workspace, inputs_ready=all(be.step_constant(node.inputs[i]) for i in (3, 4)),
+                           **common)
     return dsts
 
 
@@ -338,4 +339,5 @@ def _matmul(be: TritonBackend, node, ins, attrs, dsts):
 _LOWERINGS = {"fused": _fused, "add_rms_norm": _add_rms_norm, "silu_mul": _silu_mul, "rope_cache": _rope_cache,
               "paged_attention": _paged_attention, "rope_cache_attention": _rope_cache_attention,
               "reshape_and_cache": _reshape_and_cache}
-_KERNEL_OPS = {"paged_attention", "rope_cache_attention", "reshape_and_cache"}   # hand-written kernels; torch reference on plain CPU
+# hand-written kernels; their torch references run on plain CPU
+_KERNEL_OPS = {"paged_attention", "rope_cache_attention", "reshape_and_cache"}
