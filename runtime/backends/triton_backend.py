@@ -79,8 +79,8 @@ class TritonBackend:
         self._single: dict = {}                 # node -> generated as a one-op kernel?
         self.sources: dict[str, str] = {}       # node name -> generated kernel source (for dumps)
         self._gemv_workspace = None             # split-K partials + counters of the decode GEMVs
-        self._step_nodes: set = set()           # the nodes of the current run (step_constant)
-        self._step_written: dict = {}           # graph input -> the nodes writing it in place (KV caches)
+        self._run_nodes: list = []              # the node list of the current run (step_constant)
+        self._step_view = None                  # (a node list, its set, graph input -> in-place writers)
         from .torch_backend import TorchBackend
         self._reference = TorchBackend()
 
@@ -94,11 +94,7 @@ class TritonBackend:
 
     # -- run -----------------------------------------------------------------------------------
     def run(self, nodes, values: dict, attrs: dict, storage: dict) -> None:
-        self._step_nodes = set(nodes)
-        self._step_written = {}
-        for n in nodes:
-            for i in n.opdef.inplace.values():
-                self._step_written.setdefault(n.inputs[i], []).append(n)
+        self._run_nodes = nodes
         for node in nodes:
             ins = [values[t] for t in node.inputs]
             on_cpu = bool(ins) and ins[0].device.type == "cpu" and not _interpreting()
@@ -125,14 +121,27 @@ class TritonBackend:
         """Whether tensor ``t`` is written by none of the nodes this backend runs: a graph input (bound
         weight or step input, copied in before the step) that no node updates in place, or a
         constant folded from weights once. Kernels may read such tensors before their PDL wait."""
+        members, written = self._step()
         if t.producer is None:
-            return t not in self._step_written
-        return t.producer not in self._step_nodes
+            return t not in written
+        return t.producer not in members
 
     def written_only_by(self, t, node) -> bool:
         """Whether graph input ``t`` is updated in place by ``node`` alone among this run's nodes (a
         layer's KV cache under its fused attention), so kernels before ``node`` leave it as it was."""
-        return t.producer is None and self._step_written.get(t, []) == [node]
+        return t.producer is None and self._step()[1].get(t, []) == [node]
+
+    def _step(self) -> tuple[set, dict]:
+        """The current run's node set and in-place writers per graph input, made when first asked
+        and kept while the engine runs the same node list (held, so its identity stays unique)."""
+        nodes, view = self._run_nodes, self._step_view
+        if view is None or view[0] is not nodes or len(view[1]) != len(nodes):
+            written: dict = {}
+            for n in nodes:
+                for i in n.opdef.inplace.values():
+                    written.setdefault(n.inputs[i], []).append(n)
+            view = self._step_view = (nodes, set(nodes), written)
+        return view[1], view[2]
 
     @property
     def gemv_workspace(self):

@@ -126,7 +126,7 @@ def test_decode_reads_step_inputs_before_the_pdl_wait_only_when_no_kernel_writes
     be, (node,) = eng.backend, [nd for nd in eng.net.nodes if nd.op == "rope_cache_attention"]
     kc_in = node.inputs[3]
     assert be.written_only_by(kc_in, node) and not be.step_constant(kc_in)
-    be._step_written[kc_in] = [node, node]                  # another writer in the step: no early cache reads
+    be._step()[1][kc_in] = [node, node]                     # another writer in the step: no early cache reads
     assert not be.written_only_by(kc_in, node)
 
 
