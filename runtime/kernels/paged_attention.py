@@ -342,6 +342,27 @@ def _split_range(ctx, split, sliding_window, BLOCK_N: tl.constexpr, NUM_SPLITS: 
     return start, end, used
 
 
+@triton.jit
+def _read_step(seq, split, seq_lens_ptr, cos_ptr, sin_ptr, slot_ptr, stride_cs, sliding_window,
+               BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr, USE_WINDOW: tl.constexpr, ROPE: tl.constexpr,
+               HEAD_DIM: tl.constexpr, HALF: tl.constexpr, GPTJ: tl.constexpr):
+    """What a decode program reads of the step's inputs: ``(L, start, end, used)`` of its split
+    (:func:`_split_range`) and, with ``ROPE``, the rotation terms (:func:`_rope_coeffs`) of the
+    query's position and the new key's cache slot (identity rotation and slot -1 without)."""
+    ctx = tl.load(seq_lens_ptr + seq).to(tl.int32)
+    start, end, used = _split_range(ctx, split, sliding_window, BLOCK_N, NUM_SPLITS, USE_WINDOW)
+    if ROPE:
+        partner, c, ss = _rope_coeffs(cos_ptr + seq.to(tl.int64) * stride_cs, sin_ptr + seq.to(tl.int64) * stride_cs,
+                                      HEAD_DIM, HALF, GPTJ)
+        slot = tl.load(slot_ptr + seq).to(tl.int64)
+    else:
+        partner = tl.arange(0, HEAD_DIM)
+        c = tl.full([HEAD_DIM], 1.0, tl.float32)
+        ss = tl.zeros([HEAD_DIM], tl.float32)
+        slot = ctx.to(tl.int64) * 0 - 1
+    return ctx, start, end, used, partner, c, ss, slot
+
+
 @triton.jit(do_not_specialize=["soft_cap", "sliding_window", "num_seqs"])
 def _decode_kernel(
     q_ptr,              # [num_seqs, num_heads, head_dim] one query per sequence (un-rotated when ROPE)
@@ -409,24 +430,18 @@ def _decode_kernel(
     split = tl.program_id(2)
     table = block_tables_ptr + seq.to(tl.int64) * stride_bt
     if INPUTS_READY:                       # step inputs: read them while the previous kernel finishes
-        ctx = tl.load(seq_lens_ptr + seq).to(tl.int32)
-        start, end, used = _split_range(ctx, split, sliding_window, BLOCK_N, NUM_SPLITS, USE_WINDOW)
-        if ROPE:
-            partner, c, ss = _rope_coeffs(cos_ptr + seq.to(tl.int64) * stride_cs,
-                                          sin_ptr + seq.to(tl.int64) * stride_cs, HEAD_DIM, HALF, GPTJ)
-            slot = tl.load(slot_ptr + seq).to(tl.int64)
+        ctx, start, end, used, partner, c, ss, slot = _read_step(
+            seq, split, seq_lens_ptr, cos_ptr, sin_ptr, slot_ptr, stride_cs, sliding_window, BLOCK_N, NUM_SPLITS,
+            USE_WINDOW, ROPE, HEAD_DIM, HALF, GPTJ)
         if PREFETCH:                       # and this split's first keys: no kernel of the step writes them
             k0, v0, kpos0 = _load_tile(table, start, end, k_cache_ptr, v_cache_ptr, kvh, stride_kb, stride_ks,
                                        stride_kh, stride_vb, stride_vs, stride_vh, BLOCK_SIZE, HEAD_DIM, BLOCK_N,
                                        True)
     pdl_wait(USE_PDL)
     if not INPUTS_READY:
-        ctx = tl.load(seq_lens_ptr + seq).to(tl.int32)
-        start, end, used = _split_range(ctx, split, sliding_window, BLOCK_N, NUM_SPLITS, USE_WINDOW)
-        if ROPE:
-            partner, c, ss = _rope_coeffs(cos_ptr + seq.to(tl.int64) * stride_cs,
-                                          sin_ptr + seq.to(tl.int64) * stride_cs, HEAD_DIM, HALF, GPTJ)
-            slot = tl.load(slot_ptr + seq).to(tl.int64)
+        ctx, start, end, used, partner, c, ss, slot = _read_step(
+            seq, split, seq_lens_ptr, cos_ptr, sin_ptr, slot_ptr, stride_cs, sliding_window, BLOCK_N, NUM_SPLITS,
+            USE_WINDOW, ROPE, HEAD_DIM, HALF, GPTJ)
     if split < tl.maximum(used, 1):
         h = tl.arange(0, BLOCK_H)
         head = kvh * GROUP + h
