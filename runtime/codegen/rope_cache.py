@@ -16,19 +16,20 @@ from graphdsl.errors import GraphDSLError
 from graphdsl.functional.attention import RopeLayout
 
 from ..kernels.pdl import pdl_launch, pdl_wait
+from ..kernels.rope import rope_coeffs
 from .fused import launch_config
 
 __all__ = ["rope_cache", "prepare_rope_cache", "RopeCacheKernel"]
 
 
 @triton.jit
-def _rotate(x_ptr, tok_off, head_stride, h, d, partner, c, s, sign, H: tl.constexpr, D: tl.constexpr):
-    """x' = x * c + sign * x[partner] * s over an [H, D] tile (c = 1, s = 0 on dims that do not rotate)."""
+def _rotate(x_ptr, tok_off, head_stride, h, d, partner, c, ss, H: tl.constexpr, D: tl.constexpr):
+    """x' = x * c + x[partner] * ss over an [H, D] tile (:func:`~..kernels.rope.rope_coeffs`)."""
     m = (h[:, None] < H) & (d[None, :] < D)
     base = x_ptr + tok_off + h[:, None] * head_stride
     x = tl.load(base + d[None, :], mask=m, other=0.0).to(tl.float32)
     xp = tl.load(base + partner[None, :], mask=m, other=0.0).to(tl.float32)
-    return x * c[None, :] + sign[None, :] * xp * s[None, :], m
+    return x * c[None, :] + xp * ss[None, :], m
 
 
 @triton.jit
@@ -100,22 +101,10 @@ def _rope_cache_pairs(q_ptr, k_ptr, kc_ptr, cos_ptr, sin_ptr, qo_ptr, t, slot, q
                       hq, hk, d, HQ: tl.constexpr, HK: tl.constexpr, D: tl.constexpr, HALF: tl.constexpr,
                       GPTJ: tl.constexpr, BLOCK_HK: tl.constexpr, BLOCK_D: tl.constexpr):
     """General layout (GPT-J pairs, or a partial rotary dim): each element reads its partner."""
-    rot = d < 2 * HALF
-    if GPTJ:
-        partner = tl.where(d % 2 == 0, d + 1, d - 1)
-        freq = d // 2
-        sign = tl.where(d % 2 == 0, -1.0, 1.0)
-    else:
-        first = d < HALF
-        partner = tl.where(first, d + HALF, d - HALF)
-        freq = tl.where(first, d, d - HALF)
-        sign = tl.where(first, -1.0, 1.0)
-    partner = tl.where(rot, partner, d)
-    c = tl.load(cos_ptr + t * cs_st + freq, mask=rot, other=1.0).to(tl.float32)
-    s = tl.load(sin_ptr + t * cs_st + freq, mask=rot, other=0.0).to(tl.float32)
-    qr, mq = _rotate(q_ptr, t * q_st, q_sh, hq, d, partner, c, s, sign, HQ, D)
+    partner, c, ss = rope_coeffs(cos_ptr + t * cs_st, sin_ptr + t * cs_st, BLOCK_D, HALF, GPTJ)
+    qr, mq = _rotate(q_ptr, t * q_st, q_sh, hq, d, partner, c, ss, HQ, D)
     tl.store(qo_ptr + t * (HQ * D) + hq[:, None] * D + d[None, :], qr.to(qo_ptr.dtype.element_ty), mask=mq)
-    kr, mk = _rotate(k_ptr, t * k_st, k_sh, hk, d, partner, c, s, sign, HK, D)
+    kr, mk = _rotate(k_ptr, t * k_st, k_sh, hk, d, partner, c, ss, HK, D)
     mk = mk & ((tl.zeros([BLOCK_HK, BLOCK_D], tl.int64) + slot) >= 0)
     tl.store(kc_ptr + slot * (HK * D) + hk[:, None] * D + d[None, :], kr.to(kc_ptr.dtype.element_ty), mask=mk)
 

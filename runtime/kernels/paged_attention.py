@@ -61,6 +61,7 @@ from graphdsl.errors import GraphDSLError
 from graphdsl.functional.attention import RopeLayout
 
 from .pdl import pdl_launch, pdl_wait
+from .rope import rope_coeffs
 
 __all__ = ["paged_attention", "paged_attention_prefill", "paged_attention_decode", "decode_num_splits",
            "decode_workspace", "DecodeWorkspace", "DecodeRopeCache"]
@@ -269,28 +270,6 @@ def _prefill_kernel(
 
 
 @triton.jit
-def _rope_coeffs(cos_ptr, sin_ptr, HEAD_DIM: tl.constexpr, HALF: tl.constexpr, GPTJ: tl.constexpr):
-    """Per dim ``d`` of a head: its rotation partner, ``c = cos[f]`` and ``ss = sign * sin[f]``, so that
-    ``x'[d] = x[d] * c + x[partner] * ss`` (``functional.attention.rope``): NEOX pairs ``(i, i + HALF)``,
-    GPT-J pairs ``(2i, 2i + 1)``; dims ``>= 2 * HALF`` pass through (partner = d, c = 1, ss = 0)."""
-    d = tl.arange(0, HEAD_DIM)
-    rot = d < 2 * HALF
-    if GPTJ:
-        partner = tl.where(d % 2 == 0, d + 1, d - 1)
-        freq = d // 2
-        sign = tl.where(d % 2 == 0, -1.0, 1.0)
-    else:
-        first = d < HALF
-        partner = tl.where(first, d + HALF, d - HALF)
-        freq = tl.where(first, d, d - HALF)
-        sign = tl.where(first, -1.0, 1.0)
-    partner = tl.where(rot, partner, d)
-    c = tl.load(cos_ptr + freq, mask=rot, other=1.0).to(tl.float32)
-    ss = sign * tl.load(sin_ptr + freq, mask=rot, other=0.0).to(tl.float32)
-    return partner, c, ss
-
-
-@triton.jit
 def _combine_splits(part_acc_ptr, part_ml_ptr, out_ptr, seq, kvh, used, num_seqs, stride_ot, stride_oh,
                     NUM_HEADS: tl.constexpr, GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr,
                     NUM_SPLITS: tl.constexpr, CHUNK: tl.constexpr):
@@ -347,12 +326,12 @@ def _read_step(seq, split, seq_lens_ptr, cos_ptr, sin_ptr, slot_ptr, stride_cs, 
                BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr, USE_WINDOW: tl.constexpr, ROPE: tl.constexpr,
                HEAD_DIM: tl.constexpr, HALF: tl.constexpr, GPTJ: tl.constexpr):
     """What a decode program reads of the step's inputs: ``(L, start, end, used)`` of its split
-    (:func:`_split_range`) and, with ``ROPE``, the rotation terms (:func:`_rope_coeffs`) of the
+    (:func:`_split_range`) and, with ``ROPE``, the rotation terms (:func:`~.rope.rope_coeffs`) of the
     query's position and the new key's cache slot (identity rotation and slot -1 without)."""
     ctx = tl.load(seq_lens_ptr + seq).to(tl.int32)
     start, end, used = _split_range(ctx, split, sliding_window, BLOCK_N, NUM_SPLITS, USE_WINDOW)
     if ROPE:
-        partner, c, ss = _rope_coeffs(cos_ptr + seq.to(tl.int64) * stride_cs, sin_ptr + seq.to(tl.int64) * stride_cs,
+        partner, c, ss = rope_coeffs(cos_ptr + seq.to(tl.int64) * stride_cs, sin_ptr + seq.to(tl.int64) * stride_cs,
                                       HEAD_DIM, HALF, GPTJ)
         slot = tl.load(slot_ptr + seq).to(tl.int64)
     else:
