@@ -21,7 +21,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from common import bench_ms, copy_bandwidth_gbs, device_line  # noqa: E402
-from llm import BLOCK, SHAPES, _decode_inputs, decode_bytes, kv_bytes_per_token, weight_bytes  # noqa: E402
+from llm import SHAPES, batch1_decode, decode_bytes, kv_bytes_per_token, weight_bytes  # noqa: E402
 
 
 def main(argv=None) -> int:
@@ -44,12 +44,7 @@ def main(argv=None) -> int:
         env = dict(s.split("=", 1) for s in settings)
         saved = {k: os.environ.get(k) for k in env}
         os.environ.update(env, GRAPHDSL_DISABLE_PASSES=passes)
-        llm = gd.LLM.from_config(SHAPES[args.shape], device="cuda", dtype="bfloat16", seed=0, max_model_len=2049,
-                                 max_num_seqs=1, num_kv_blocks=2 * (args.context // BLOCK + 2), block_size=BLOCK)
-        for k, val in zip(llm.kv_cache.key_caches, llm.kv_cache.value_caches):
-            k.normal_()
-            val.normal_()
-        inputs, _ = _decode_inputs(llm, 1, args.context, torch.Generator(device="cuda").manual_seed(0))
+        llm, inputs = batch1_decode(gd, args.shape, args.context)
         llm.model.execute(Phase.DECODE, inputs)          # build + capture under this variant's passes
         runs[v] = (llm, inputs, [])
         for k, old in saved.items():

@@ -18,7 +18,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from common import bench_ms, copy_bandwidth_gbs, device_line, matmul_tflops  # noqa: E402
 from llm import (BLOCK, SHAPES, _decode_inputs, _drop_engines, decode_bytes, kv_bytes_per_token,  # noqa: E402
-                 weight_bytes)
+                 random_kv, weight_bytes)
 
 
 def main(argv=None) -> int:
@@ -46,9 +46,7 @@ def main(argv=None) -> int:
     llm = gd.LLM.from_config(SHAPES[args.shape], device="cuda", dtype="bfloat16", seed=0,
                              max_model_len=max(args.max_model_len, args.context + 1), max_num_seqs=args.max_num_seqs or args.batch,
                              block_size=BLOCK)
-    for k, v in zip(llm.kv_cache.key_caches, llm.kv_cache.value_caches):   # never time on zeros
-        k.normal_()
-        v.normal_()
+    random_kv(llm)
     gen = torch.Generator(device="cuda").manual_seed(0)
     inputs, _ = _decode_inputs(llm, args.batch, args.context, gen)
     if args.rebuild:

@@ -24,7 +24,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from common import device_line  # noqa: E402
-from llm import BLOCK, SHAPES, _decode_inputs  # noqa: E402
+from llm import SHAPES, batch1_decode  # noqa: E402
 
 FAMILIES = ("_gemv_kernel", "_decode_kernel", "_rope_cache_kernel", "fused_kernel", "nvjet", "gemm",
             "_reshape_and_cache")
@@ -80,9 +80,7 @@ def main(argv=None) -> int:
         print("decode_timeline.py needs a CUDA GPU", file=sys.stderr)
         return 2
     import graphdsl as gd
-    llm = gd.LLM.from_config(SHAPES[args.shape], device="cuda", dtype="bfloat16", seed=0, max_model_len=2049,
-                             max_num_seqs=1, num_kv_blocks=2 * (args.context // BLOCK + 2), block_size=BLOCK)
-    inputs, _ = _decode_inputs(llm, 1, args.context, torch.Generator(device="cuda").manual_seed(0))
+    llm, inputs = batch1_decode(gd, args.shape, args.context)
     events = kernel_events(llm, inputs, args.steps)
     inc, dur, calls = increments(events)
     n = args.steps

@@ -173,6 +173,23 @@ def _make_llm(gd, hf: dict, device, dtype, max_model_len: int, max_num_seqs: int
                               max_num_seqs=max_num_seqs, num_kv_blocks=num_blocks, block_size=BLOCK)
 
 
+def random_kv(llm) -> None:
+    """Fill the KV cache with random values: never time attention on zeros."""
+    for k, v in zip(llm.kv_cache.key_caches, llm.kv_cache.value_caches):
+        k.normal_()
+        v.normal_()
+
+
+def batch1_decode(gd, shape: str, context: int) -> tuple:
+    """``(llm, inputs)`` for timing batch-1 decode steps of ``shape`` at ``context`` (what
+    ``decode_ab.py`` and ``decode_timeline.py`` time): ``llm.py``'s block-table width
+    (max_model_len 2049), a pool of two contexts' blocks, a random KV cache."""
+    llm = _make_llm(gd, SHAPES[shape], "cuda", "bfloat16", 2049, 1, 2 * (context // BLOCK + 2))
+    random_kv(llm)
+    inputs, _ = _decode_inputs(llm, 1, context, torch.Generator(device="cuda").manual_seed(0))
+    return llm, inputs
+
+
 def _fresh_process_warm_start(shape: str, max_model_len: int, max_num_seqs: int, num_blocks: int,
                               context: int) -> dict[str, float]:
     """Seconds of the same engine builds + first steps in a new Python process that finds this
@@ -224,9 +241,7 @@ def measure_graphdsl(shape: str, *, hf: dict | None = None, device="cuda", dtype
     llm = _make_llm(gd, hf, device, dtype, max(prefill + 1, max_len), max(batches), num_blocks)
     _sync(device)
     res["load_s"] = time.perf_counter() - t0
-    for k, v in zip(llm.kv_cache.key_caches, llm.kv_cache.value_caches):   # never time on zeros
-        k.normal_()
-        v.normal_()
+    random_kv(llm)
     res["repr"] = repr(llm)
     w = weight_bytes(llm.model)
     res.update(weights=w, kv_per_token=kv_bytes_per_token(llm), config=llm.config,
