@@ -11,7 +11,9 @@ Timing is how decode runs them: one CUDA graph replays the projection over enoug
 weight to overflow L2 (each launch reads its weight from HBM, as every layer's does in a decode
 step), and the time per launch is the replay time over the copies, so launch gaps inside a graph
 are included. ``--sweep`` also times a grid of launches per shape and M and prints the best, to
-tune ``_pick_config``.
+tune ``_pick_config``. A second table times the gate/up projections with the SwiGLU in the GEMV's
+epilogue (``gemv(..., silu_mul=True)``, the ``matmul_silu_mul`` op) against the GEMV followed by
+the generated ``silu_mul`` kernel, and checks the two give the same bits.
 """
 from __future__ import annotations
 
@@ -103,9 +105,45 @@ def main(argv=None) -> int:
                           f"{b['SPLIT_K']} st {b['num_stages']} w {b['num_warps']} | |", flush=True)
         del weights
         torch.cuda.empty_cache()
+    swiglu_table([n for n in names if n.endswith("gate_up")], rows, copy, ws)
     if best_table:
         print("\nbest launches:", {f"{k[0]}@{k[1]}": (round(v[0], 1), v[1]) for k, v in best_table.items()})
     return 0
+
+
+def swiglu_table(names: list[str], rows: list[int], copy: float, ws) -> None:
+    """µs per gate/up projection + SwiGLU: fused epilogue vs GEMV then the ``silu_mul`` kernel."""
+    from graphdsl.runtime.codegen.ops import silu_mul
+    from graphdsl.runtime.kernels.gemv import gemv
+    if not names:
+        return
+    print("\n| gate/up + SwiGLU | M | gemv + silu_mul µs | fused µs | fused % copy | same bits |")
+    print("|---|---:|---:|---:|---:|---|")
+    for name in names:
+        n, k = SHAPES[name]
+        weights = weight_copies(n, k)
+        c = len(weights)
+        for m in rows:
+            x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+            prod = torch.empty(m, n, device="cuda", dtype=torch.bfloat16)
+            act = torch.empty(m, n // 2, device="cuda", dtype=torch.bfloat16)
+            fused = torch.empty_like(act)
+
+            def two():
+                for w in weights:
+                    silu_mul(gemv(x, w, out=prod, workspace=ws), out=act)
+
+            def one():
+                for w in weights:
+                    gemv(x, w, silu_mul=True, out=fused, workspace=ws)
+            two()
+            one()
+            same = torch.equal(act, fused)
+            t_two, t_one = replay_us(two, c), replay_us(one, c)
+            pct = 100 * (n * k + m * (k + n // 2)) * 2 / (t_one * 1e-6) / 1e9 / copy
+            print(f"| {name} [{n}, {k}] | {m} | {t_two:.1f} | {t_one:.1f} | {pct:.1f}% | {same} |", flush=True)
+        del weights
+        torch.cuda.empty_cache()
 
 
 if __name__ == "__main__":

@@ -47,13 +47,29 @@ _DTYPES = (torch.float16, torch.bfloat16)
 
 
 @triton.jit
-def _finish(acc, add_ptr, out_ptr, rm, rn, m_ok, n_ok, stride_am, stride_om, HAS_ADD: tl.constexpr):
-    """acc [BLOCK_N, BLOCK_M] (transposed output tile) -> out[m, n] = acc[n, m] + add."""
-    mask = n_ok[:, None] & m_ok[None, :]
+def _finish(acc, add_ptr, out_ptr, pid_n, rm, m_ok, N, stride_am, stride_om, HAS_ADD: tl.constexpr,
+            SWIGLU: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr):
+    """Store the transposed output tile ``acc [BLOCK_N, BLOCK_M]`` of column tile ``pid_n``:
+    ``out[m, n] = acc[n, m] + add`` or, with ``SWIGLU``, ``out[m, c] = silu(g) * u`` where rows
+    ``2i, 2i + 1`` of the tile hold gate and up of column ``c = pid_n * BLOCK_N / 2 + i``. g and u
+    are rounded to the output dtype first and silu(g) after, as the matmul and ``silu_mul``
+    kernels it replaces round them."""
+    if SWIGLU:
+        HALF: tl.constexpr = BLOCK_N // 2
+        gate, up = tl.split(tl.permute(tl.reshape(acc, [HALF, 2, BLOCK_M]), (0, 2, 1)))
+        dt = out_ptr.dtype.element_ty
+        gate = gate.to(dt).to(tl.float32)
+        act = (gate * tl.sigmoid(gate)).to(dt).to(tl.float32)
+        y = act * up.to(dt).to(tl.float32)
+        rn = pid_n * HALF + tl.arange(0, HALF)
+    else:
+        y = acc
+        rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    mask = (rn < N)[:, None] & m_ok[None, :]
     if HAS_ADD:
         a = tl.load(add_ptr + rm[None, :] * stride_am + rn[:, None], mask=mask, other=0.0)
-        acc += a.to(tl.float32)
-    tl.store(out_ptr + rm[None, :] * stride_om + rn[:, None], acc.to(out_ptr.dtype.element_ty), mask=mask)
+        y += a.to(tl.float32)
+    tl.store(out_ptr + rm[None, :] * stride_om + rn[:, None], y.to(out_ptr.dtype.element_ty), mask=mask)
 
 
 @triton.jit
@@ -64,23 +80,32 @@ def _gemv_kernel(
     out_ptr,        # [M, N] output, last dim contiguous
     part_ptr,       # [SPLIT_K, n_tiles, BLOCK_N, BLOCK_M] float32 partial tiles (SPLIT)
     lock_ptr,       # [n_tiles] int32 arrival counters, zero between launches (SPLIT)
-    M, N, K, SPLIT_K, K_SPLIT,   # sizes; K_SPLIT = K elements per slice (a multiple of BLOCK_K)
+    M, N, K, SPLIT_K, K_SPLIT,   # sizes (N: output columns); K_SPLIT = K elements per slice (a multiple of BLOCK_K)
     stride_xm, stride_am, stride_om,
     HAS_ADD: tl.constexpr,
+    SWIGLU: tl.constexpr,        # w is [2N, K] = [gate | up]; out = silu(x @ gate.T) * (x @ up.T)
     SPLIT: tl.constexpr,         # SPLIT_K > 1
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     EVEN_K: tl.constexpr,        # K % BLOCK_K == 0
-    EVEN_N: tl.constexpr,        # N % BLOCK_N == 0
+    EVEN_N: tl.constexpr,        # N % (output columns per tile) == 0
     DOT_F32: tl.constexpr,       # the CPU interpreter's dot mishandles bfloat16: multiply in float32
     USE_PDL: tl.constexpr,       # launched with programmatic dependent launch (kernels/pdl.py)
 ):
-    """out[m, n] = sum_k x[m, k] * w[n, k] (+ add[m, n]), float32 accumulation."""
+    """out[m, n] = sum_k x[m, k] * w[n, k] (+ add[m, n]), float32 accumulation. With ``SWIGLU`` the
+    tile's rows are the gate and up rows of ``BLOCK_N / 2`` output columns, interleaved (row ``2i``
+    is gate row ``c``, row ``2i + 1`` up row ``N + c``), so one slab stream feeds both halves."""
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
-    rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    r = tl.arange(0, BLOCK_N)
+    if SWIGLU:
+        col = pid_n * (BLOCK_N // 2) + r // 2
+        n_ok = col < N
+        rn = col + (r % 2) * N
+    else:
+        rn = pid_n * BLOCK_N + r
+        n_ok = rn < N
     rm = tl.arange(0, BLOCK_M)
     rk = tl.arange(0, BLOCK_K)
-    n_ok = rn < N
     m_ok = rm < M
     w_rows = w_ptr + rn.to(tl.int64)[:, None] * K
     x_rows = x_ptr + rm[:, None] * stride_xm
@@ -117,9 +142,10 @@ def _gemv_kernel(
                 acc += tl.load(part_ptr + t.to(tl.int64) * (BLOCK_N * BLOCK_M) + rt[:, None] * BLOCK_M
                                + rm[None, :], cache_modifier=".cg")
             tl.atomic_xchg(lock_ptr + pid_n, 0)
-            _finish(acc, add_ptr, out_ptr, rm, rn, m_ok, n_ok, stride_am, stride_om, HAS_ADD)
+            _finish(acc, add_ptr, out_ptr, pid_n, rm, m_ok, N, stride_am, stride_om, HAS_ADD, SWIGLU, BLOCK_N,
+                    BLOCK_M)
     else:
-        _finish(acc, add_ptr, out_ptr, rm, rn, m_ok, n_ok, stride_am, stride_om, HAS_ADD)
+        _finish(acc, add_ptr, out_ptr, pid_n, rm, m_ok, N, stride_am, stride_om, HAS_ADD, SWIGLU, BLOCK_N, BLOCK_M)
 
 
 def _pow2(n: int) -> int:
@@ -195,22 +221,31 @@ def gemv_supported(x: torch.Tensor, w: torch.Tensor) -> bool:
             and w.dtype == x.dtype and w.is_contiguous() and x.stride(1) == 1 and x.shape[1] == w.shape[1])
 
 
-def gemv(x: torch.Tensor, w: torch.Tensor, add: torch.Tensor | None = None, *, out: torch.Tensor | None = None,
-         workspace: GemvWorkspace | None = None, config: dict | None = None) -> torch.Tensor:
+def gemv(x: torch.Tensor, w: torch.Tensor, add: torch.Tensor | None = None, *, silu_mul: bool = False,
+         out: torch.Tensor | None = None, workspace: GemvWorkspace | None = None,
+         config: dict | None = None) -> torch.Tensor:
     """``x @ w.T (+ add)`` for ``x [M <= 16, K]`` and ``w [N, K]`` of one dtype (fp16/bf16); ``add``
-    is a bias ``[N]`` or a residual ``[M, N]``. ``workspace`` holds split-K scratch (a private one
-    is made per call if omitted); ``config`` overrides the launch heuristic (``BLOCK_N, BLOCK_K,
-    SPLIT_K, num_warps, num_stages``; benchmarks sweep it)."""
+    is a bias ``[N]`` or a residual ``[M, N]``. With ``silu_mul``, ``w`` is a packed ``[gate | up]``
+    ``[2I, K]`` and the result is ``silu(x @ gate.T) * (x @ up.T)`` ``[M, I]`` (the ``silu_mul`` op
+    of the product, without writing the product). ``workspace`` holds split-K scratch (a private
+    one is made per call if omitted); ``config`` overrides the launch heuristic (``BLOCK_N,
+    BLOCK_K, SPLIT_K, num_warps, num_stages``; benchmarks sweep it)."""
     if not gemv_supported(x, w):
         raise GraphDSLError(f"gemv: needs x [M<= {MAX_ROWS}, K] and a contiguous w [N, K] of one dtype in "
                             f"{[str(d) for d in _DTYPES]}, got x {list(x.shape)} {x.dtype} strides {x.stride()}, "
                             f"w {list(w.shape)} {w.dtype} contiguous={w.is_contiguous()}")
     m = x.shape[0]
     n, k = w.shape
+    cols = n
+    if silu_mul:
+        if n % 2 or add is not None:
+            raise GraphDSLError(f"gemv: silu_mul needs a packed [gate | up] weight with an even row count and no "
+                                f"add, got w {list(w.shape)}, add {None if add is None else list(add.shape)}")
+        cols = n // 2
     if out is None:
-        out = torch.empty(m, n, dtype=x.dtype, device=x.device)
-    if tuple(out.shape) != (m, n) or out.dtype != x.dtype or out.stride(-1) != 1:
-        raise GraphDSLError(f"gemv: out must be [{m}, {n}] {x.dtype} with a contiguous last dim, got "
+        out = torch.empty(m, cols, dtype=x.dtype, device=x.device)
+    if tuple(out.shape) != (m, cols) or out.dtype != x.dtype or out.stride(-1) != 1:
+        raise GraphDSLError(f"gemv: out must be [{m}, {cols}] {x.dtype} with a contiguous last dim, got "
                             f"{list(out.shape)} {out.dtype} strides {out.stride()}")
     if add is not None and tuple(add.shape) not in ((n,), (m, n)):
         raise GraphDSLError(f"gemv: add must be a bias [{n}] or a residual [{m}, {n}], got {list(add.shape)}")
@@ -222,7 +257,8 @@ def gemv(x: torch.Tensor, w: torch.Tensor, add: torch.Tensor | None = None, *, o
     split = max(1, min(split, steps))
     k_split = triton.cdiv(steps, split) * block_k
     split = triton.cdiv(k, k_split)                  # no empty slices
-    n_tiles = triton.cdiv(n, block_n)
+    tile_cols = block_n // 2 if silu_mul else block_n
+    n_tiles = triton.cdiv(cols, tile_cols)
     if split > 1:
         part, lock = (workspace or GemvWorkspace()).get(x.device, n_tiles, split, block_n)
     else:
@@ -230,9 +266,9 @@ def gemv(x: torch.Tensor, w: torch.Tensor, add: torch.Tensor | None = None, *, o
     stride_am = 0 if add is None or add.dim() == 1 else add.stride(0)
     _gemv_kernel[(n_tiles, split)](
         x, w, add if add is not None else out, out, part, lock,
-        m, n, k, split, k_split, x.stride(0), stride_am, out.stride(0),
-        HAS_ADD=add is not None, SPLIT=split > 1, BLOCK_M=MAX_ROWS, BLOCK_N=block_n, BLOCK_K=block_k,
-        EVEN_K=k % block_k == 0, EVEN_N=n % block_n == 0,
+        m, cols, k, split, k_split, x.stride(0), stride_am, out.stride(0),
+        HAS_ADD=add is not None, SWIGLU=silu_mul, SPLIT=split > 1, BLOCK_M=MAX_ROWS, BLOCK_N=block_n,
+        BLOCK_K=block_k, EVEN_K=k % block_k == 0, EVEN_N=cols % tile_cols == 0,
         DOT_F32=x.dtype == torch.bfloat16 and os.environ.get("TRITON_INTERPRET") == "1", **pdl_launch(x.device),
         **cfg)
     return out
