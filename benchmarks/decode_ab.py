@@ -6,13 +6,17 @@ variant alike — separate processes differed by up to 10% with identical code o
         matmul_norm,gate_up_silu [--rounds 5]
 
 Each variant is a ``GRAPHDSL_DISABLE_PASSES`` value ("" = every pass), optionally followed by
-``;NAME=VALUE`` environment settings (``"rope_cache_attention;GRAPHDSL_PDL=0"``), set while its
-engines are built and captured. Prints each variant's median µs per step and % of the roofline
+``;NAME=VALUE`` environment settings (``"rope_cache_attention;GRAPHDSL_PDL=0"``) and
+``;module:attr=VALUE`` patches of a module constant (a Python literal:
+``";graphdsl.runtime.kernels.paged_attention:_MIN_KEYS_PER_SPLIT=256"``), set while its engines are
+built and captured (a captured graph keeps the launches it was captured with). Prints each variant's median µs per step and % of the roofline
 (as in ``llm.py``).
 """
 from __future__ import annotations
 
 import argparse
+import ast
+import importlib
 import os
 import statistics
 import sys
@@ -41,17 +45,25 @@ def main(argv=None) -> int:
     runs = {}
     for v in args.variants:
         passes, *settings = v.split(";")
-        env = dict(s.split("=", 1) for s in settings)
+        pairs = [s.split("=", 1) for s in settings]
+        env = {k: val for k, val in pairs if ":" not in k}
+        patches = [(importlib.import_module(k.split(":")[0]), k.split(":")[1], ast.literal_eval(val))
+                   for k, val in pairs if ":" in k]
         saved = {k: os.environ.get(k) for k in env}
+        saved_attrs = [(mod, attr, getattr(mod, attr)) for mod, attr, _ in patches]
         os.environ.update(env, GRAPHDSL_DISABLE_PASSES=passes)
+        for mod, attr, val in patches:
+            setattr(mod, attr, val)
         llm, inputs = batch1_decode(gd, args.shape, args.context)
-        llm.model.execute(Phase.DECODE, inputs)          # build + capture under this variant's passes
+        llm.model.execute(Phase.DECODE, inputs)          # build + capture under this variant's settings
         runs[v] = (llm, inputs, [])
         for k, old in saved.items():
             if old is None:
                 os.environ.pop(k)
             else:
                 os.environ[k] = old
+        for mod, attr, old in saved_attrs:
+            setattr(mod, attr, old)
     os.environ.pop("GRAPHDSL_DISABLE_PASSES", None)
     for _ in range(args.rounds):
         for v, (llm, inputs, times) in runs.items():

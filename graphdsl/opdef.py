@@ -8,6 +8,9 @@ An :class:`OpDef` holds an op's
   implementation the CPU/``torch`` backend runs;
 * **category** — one of the closed set :class:`OpCategory`; passes ask "is this pointwise", never
   compare op names;
+* **workspace rule** (optional) — ``workspace(*input_specs, **attrs) -> Spec | None``: scratch a
+  backend may use while it runs the node (a fused op's intermediate that some lowerings need);
+  the memory plan gives it arena bytes live during that node only, so no lowering allocates;
 * **docstring** — the math.
 
 :func:`register_op` is the public decorator: it turns a torch reference function into a
@@ -82,6 +85,7 @@ class OpDef:
     num_outputs: int | Callable[[dict], int] = 1
     inplace: dict[int, int] = field(default_factory=dict)   # output index -> aliased input index
     doc: str = ""
+    workspace: Callable[..., Any] | None = None              # input specs, attrs -> scratch Spec | None
 
     def n_outputs(self, attrs: dict) -> int:
         return self.num_outputs(attrs) if callable(self.num_outputs) else self.num_outputs
@@ -101,6 +105,10 @@ class OpDef:
         """Run the torch reference and return its outputs as a list."""
         out = self.reference(*tensors, **attrs)
         return list(out) if isinstance(out, (tuple, list)) else [out]
+
+    def workspace_spec(self, specs: list[Spec], attrs: dict) -> Spec | None:
+        """The scratch a backend may use while running this node (``None``: none), from concrete specs."""
+        return None if self.workspace is None else self.workspace(*specs, **attrs)
 
 
 _REGISTRY: dict[str, OpDef] = {}
@@ -127,13 +135,13 @@ def same_as(i: int = 0):
 
 def register_op(name: str, *, category: OpCategory, shape: Callable[..., Any],
                 num_outputs: int | Callable[[dict], int] = 1, inplace: dict[int, int] | None = None,
-                replace: bool = False):
+                workspace: Callable[..., Any] | None = None, replace: bool = False):
     """Register ``reference`` as op ``name``; return a function that records it.
 
     The recorder takes the reference's tensor parameters positionally (a Python number where a
     pointwise op expects a tensor becomes a 0-d constant of the other operand's dtype), then its
-    keyword-only attributes positionally or by keyword. Re-registering a name is an error unless
-    ``replace=True``.
+    keyword-only attributes positionally or by keyword. ``workspace`` is the optional scratch rule
+    (module docstring). Re-registering a name is an error unless ``replace=True``.
     """
     if not isinstance(category, OpCategory):
         raise GraphDSLError(f"register_op('{name}'): category must be an OpCategory, one of "
@@ -157,7 +165,7 @@ def register_op(name: str, *, category: OpCategory, shape: Callable[..., Any],
         opdef = OpDef(name=name, category=category, shape=shape, reference=reference,
                       tensor_params=tuple(tensor_params), variadic=variadic, attr_defaults=attr_defaults,
                       num_outputs=num_outputs, inplace=dict(inplace or {}),
-                      doc=inspect.getdoc(reference) or "")
+                      doc=inspect.getdoc(reference) or "", workspace=workspace)
         _REGISTRY[name] = opdef
 
         @functools.wraps(reference)

@@ -20,8 +20,8 @@ from graphdsl.functional import attention as _attn
 from graphdsl.functional._rules import binary_rule
 from graphdsl.opdef import OpCategory, Spec, check, get_op, register_op
 
-__all__ = ["add_rms_norm", "silu_mul", "rope_cache", "rope_cache_attention", "matmul_add", "fused", "program_ops",
-           "FUSED_OPS"]
+__all__ = ["add_rms_norm", "silu_mul", "rope_cache", "rope_cache_attention", "matmul_add", "matmul_silu_mul", "fused",
+           "program_ops", "FUSED_OPS"]
 
 
 # -- residual add + RMSNorm ----------------------------------------------------------------
@@ -112,6 +112,21 @@ def matmul_add(a, b, c, *, transpose_a=False, transpose_b=False):
     return torch.add(get_op("matmul").reference(a, b, transpose_a=transpose_a, transpose_b=transpose_b), c)
 
 
+# -- matmul with a SwiGLU epilogue ------------------------------------------------------------------
+def _matmul_silu_mul_rule(a: Spec, b: Spec, *, transpose_a=False, transpose_b=False):
+    return _silu_mul_rule(get_op("matmul").shape(a, b, transpose_a=transpose_a, transpose_b=transpose_b))
+
+
+@register_op("matmul_silu_mul", category=OpCategory.MATMUL, shape=_matmul_silu_mul_rule,
+             workspace=lambda a, b, **attrs: get_op("matmul").shape(a, b, **attrs))
+def matmul_silu_mul(a, b, *, transpose_a=False, transpose_b=False):
+    """``silu_mul(op(a) @ op(b))``: the product's last dim packs ``[gate | up]`` (I columns each),
+    ``out = silu(gate) * up``. A decode GEMV computes gate and up of a column in one tile and writes
+    only ``out``; other lowerings may put the product in the node's workspace (its shape)."""
+    return get_op("silu_mul").reference(get_op("matmul").reference(a, b, transpose_a=transpose_a,
+                                                                   transpose_b=transpose_b))
+
+
 # -- generic fused group -------------------------------------------------------------------------
 def program_ops(program) -> list[str]:
     """The op names of a ``fused`` sub-program, in order."""
@@ -155,4 +170,4 @@ def fused(*inputs, program=(), outputs=(), absorbed=()):
 
 FUSED_OPS = {"add_rms_norm": add_rms_norm, "silu_mul": silu_mul, "rope_cache": rope_cache,
              "rope_cache_attention": rope_cache_attention,
-             "matmul_add": matmul_add, "fused": fused}
+             "matmul_add": matmul_add, "matmul_silu_mul": matmul_silu_mul, "fused": fused}

@@ -7,6 +7,9 @@
 * ``rope_cache``    — ``rope`` of q/k whose k goes straight into ``reshape_and_cache`` -> one kernel
 * ``rope_cache_attention`` — a decode ``paged_attention`` (no ``query_start_loc``) reading
   ``rope_cache``'s q' and caches -> one kernel that rotates, writes the cache and attends
+* ``matmul_silu_mul`` — ``silu_mul(matmul(x, w))`` -> one op: the decode GEMV computes a column's
+  gate and up in one tile and writes only ``silu(gate) * up`` (the product never reaches memory;
+  larger row counts run the GEMM into the node's workspace, then the ``silu_mul`` kernel)
 * ``matmul_epilogue`` — ``matmul + bias`` / ``matmul + residual`` -> one GEMM with a beta=1
   epilogue. It runs after ``add_rms_norm``: an add that feeds an RMSNorm saves more by joining the
   norm's row kernel (no extra read of the sum) than by joining the GEMM, so only adds left over
@@ -16,12 +19,12 @@ from __future__ import annotations
 
 from graphdsl import functional as F
 
-from .fused_ops import add_rms_norm, matmul_add, rope_cache, rope_cache_attention, silu_mul
+from .fused_ops import add_rms_norm, matmul_add, matmul_silu_mul, rope_cache, rope_cache_attention, silu_mul
 from .rewriter import Rule, Var, ops
 from .shapes import same_extent_value, same_shape
 
-__all__ = ["ADD_RMS_NORM_RULES", "SWIGLU_RULES", "ROPE_CACHE_RULES", "ROPE_CACHE_ATTENTION_RULES",
-           "MATMUL_EPILOGUE_RULES"]
+__all__ = ["ADD_RMS_NORM_RULES", "SWIGLU_RULES", "MATMUL_SILU_MUL_RULES", "ROPE_CACHE_RULES",
+           "ROPE_CACHE_ATTENTION_RULES", "MATMUL_EPILOGUE_RULES"]
 
 
 # -- residual add + RMSNorm ----------------------------------------------------------------------
@@ -97,6 +100,18 @@ def _gate_up_check(m):
 SWIGLU_RULES = [Rule("swiglu", _swiglu_pattern, _swiglu_replacement, _swiglu_check),
                 Rule("swiglu_swapped", _swiglu_pattern_swapped, _swiglu_replacement, _swiglu_check),
                 Rule("gate_up_swiglu", _gate_up_pattern, _gate_up_replacement, _gate_up_check)]
+
+
+# -- SwiGLU in the projection's epilogue -----------------------------------------------------------
+def _matmul_silu_mul_pattern(a, b):
+    return silu_mul(ops.matmul(a, b, transpose_a=Var("ta"), transpose_b=Var("tb")))
+
+
+def _matmul_silu_mul_replacement(a, b, *, ta, tb):
+    return matmul_silu_mul(a, b, transpose_a=ta, transpose_b=tb)
+
+
+MATMUL_SILU_MUL_RULES = [Rule("matmul_silu_mul", _matmul_silu_mul_pattern, _matmul_silu_mul_replacement)]
 
 
 # -- RoPE + KV-cache write -----------------------------------------------------------------------

@@ -29,8 +29,8 @@ from .dce import dead_code_elimination
 from .generic_fusion import default_can_fuse, fuse_groups
 from .graph_edit import GraphEditor
 from .horizontal import merge_projections
-from .llm_fusions import (ADD_RMS_NORM_RULES, MATMUL_EPILOGUE_RULES, ROPE_CACHE_ATTENTION_RULES, ROPE_CACHE_RULES,
-                          SWIGLU_RULES)
+from .llm_fusions import (ADD_RMS_NORM_RULES, MATMUL_EPILOGUE_RULES, MATMUL_SILU_MUL_RULES, ROPE_CACHE_ATTENTION_RULES,
+                          ROPE_CACHE_RULES, SWIGLU_RULES)
 from .rewriter import NearMiss, Rule, apply_rules
 
 __all__ = ["PassSpec", "PassContext", "PassRecord", "BuildReport", "PassManager", "PIPELINE", "pass_names",
@@ -142,6 +142,8 @@ PIPELINE: list[PassSpec] = [
     PassSpec("rope_cache_attention", "decode: rope_cache + paged_attention -> rope_cache_attention",
              rules=ROPE_CACHE_ATTENTION_RULES),
     PassSpec("swiglu", "silu(gate) * up (packed or two projections) -> silu_mul", rules=SWIGLU_RULES),
+    PassSpec("matmul_silu_mul", "silu_mul(matmul) -> matmul_silu_mul (SwiGLU in the GEMV epilogue)",
+             rules=MATMUL_SILU_MUL_RULES),
     PassSpec("add_rms_norm", "residual add + rms_norm -> add_rms_norm (normed, residual)",
              rules=ADD_RMS_NORM_RULES),
     PassSpec("matmul_epilogue", "matmul + bias / residual -> matmul_add (GEMM epilogue)",

@@ -5,7 +5,9 @@ not engine outputs) gets a byte range in a single arena. A tensor is live from t
 produces it to the last step that reads it *or any view/alias of it*. Two tensors may share bytes
 when their live ranges do not overlap. A pointwise node may also write its output over an input of
 the same size whose life ends at that node (in-place reuse), which is safe for elementwise kernels.
-Placement is greedy by size (largest first, lowest fitting offset), aligned to 256 bytes.
+A node's *workspace* (scratch its op's workspace rule asks for, see :mod:`graphdsl.opdef`) is live
+during that node only. Placement is greedy by size (largest first, lowest fitting offset), aligned
+to 256 bytes.
 """
 from __future__ import annotations
 
@@ -38,6 +40,7 @@ class MemoryPlan:
     intermediate_bytes: int          # sum over all planned tensors, as if each had its own memory
     slots: dict[str, tuple[int, int]]  # tensor name -> (offset, nbytes)
     buffers: list[Buffer]
+    workspace_slots: dict[str, tuple[int, int]] = field(default_factory=dict)  # node name -> (offset, nbytes)
 
     def describe(self) -> str:
         lines = [f"arena {self.arena_bytes} bytes for {len(self.slots)} tensors in {len(self.buffers)} buffers "
@@ -52,8 +55,11 @@ def _align(n: int) -> int:
     return (n + ALIGN - 1) // ALIGN * ALIGN
 
 
-def plan_memory(net: Network, specs: dict[str, tuple[tuple[int, ...], torch.dtype]]) -> MemoryPlan:
-    """Plan ``net``'s intermediates given concrete ``specs`` (tensor name -> (shape, dtype))."""
+def plan_memory(net: Network, specs: dict[str, tuple[tuple[int, ...], torch.dtype]],
+                workspaces: dict[str, tuple[tuple[int, ...], torch.dtype]] | None = None) -> MemoryPlan:
+    """Plan ``net``'s intermediates given concrete ``specs`` (tensor name -> (shape, dtype)) and the
+    nodes' ``workspaces`` (node name -> (shape, dtype)), each live during its node's step only."""
+    workspaces = workspaces or {}
     nbytes = {name: _nbytes(shape, dt) for name, (shape, dt) in specs.items()}
     outputs = set(net.outputs.values())
     base: dict = {}                       # tensor -> tensor whose storage it uses
@@ -77,8 +83,15 @@ def plan_memory(net: Network, specs: dict[str, tuple[tuple[int, ...], torch.dtyp
 
     buffers: list[Buffer] = []
     owner: dict = {}                      # tensor -> Buffer
+    scratch: dict = {}                    # node name -> (Buffer, nbytes)
     total = 0
     for step, node in enumerate(net.nodes):
+        if node.name in workspaces:
+            size = _nbytes(*workspaces[node.name])
+            b = Buffer(_align(size), step, step, [f"{node.name} (workspace)"])
+            buffers.append(b)
+            scratch[node.name] = (b, size)
+            total += size
         for i, t in enumerate(node.outputs):
             if t in base or t in outputs:
                 continue
@@ -115,7 +128,7 @@ def plan_memory(net: Network, specs: dict[str, tuple[tuple[int, ...], torch.dtyp
         placed.append(b)
         arena = max(arena, off + b.nbytes)
     slots = {t.name: (b.offset, nbytes[t.name]) for t, b in owner.items()}
-    return MemoryPlan(arena, total, slots, buffers)
+    return MemoryPlan(arena, total, slots, buffers, {n: (b.offset, size) for n, (b, size) in scratch.items()})
 
 
 def _nbytes(shape, dtype) -> int:

@@ -7,7 +7,7 @@ over one arena and writes the marked outputs into the given buffers, or into new
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Mapping
 
@@ -31,7 +31,8 @@ class ShapePlan:
     specs: dict[str, tuple[tuple[int, ...], torch.dtype]]
     attrs: dict                       # node -> attributes with Dims and runtime params resolved
     memory: MemoryPlan
-    storage: dict | None = None       # tensor -> arena view, valid for ``storage_arena``
+    workspaces: dict = field(default_factory=dict)  # node name -> (shape, dtype) of its scratch (OpDef.workspace)
+    storage: dict | None = None       # tensor (node: its workspace) -> arena view, valid for ``storage_arena``
     storage_arena: int = -1
 
 
@@ -206,13 +207,14 @@ class Engine:
         declared = {n: self.net.inputs[n].shape for n in self.required if self.net.inputs[n].shape is not None}
         binding = bind_shapes(declared, {n: tuple(feed[n].shape) for n in declared})
         specs = {name: (tuple(feed[name].shape), feed[name].dtype) for name in self.required}
-        attrs = {}
+        attrs, workspaces = {}, {}
         for node in self.net.nodes:
             a = {k: _resolve(v, binding, params) for k, v in node.attrs.items()}
             attrs[node] = a
             ins = [Spec(*specs[t.name]) for t in node.inputs]
             try:
                 outs = node.opdef.infer(ins, a)
+                scratch = node.opdef.workspace_spec(ins, a)
             except GraphDSLError as e:
                 detail = ", ".join(f"{t.name} {list(s.shape)} {dtype_str(s.dtype)}" for t, s in zip(node.inputs, ins))
                 raise BindError(f"node '{node.name}' ({node.op} at {node.source}"
@@ -220,7 +222,9 @@ class Engine:
                                 f"({detail}): {e}") from None
             for t, s in zip(node.outputs, outs):
                 specs[t.name] = (tuple(s.shape), s.dtype)
-        return ShapePlan(binding, specs, attrs, plan_memory(self.net, specs))
+            if scratch is not None:
+                workspaces[node.name] = (tuple(scratch.shape), scratch.dtype)
+        return ShapePlan(binding, specs, attrs, plan_memory(self.net, specs, workspaces), workspaces)
 
     def _storage(self, plan: ShapePlan, device) -> dict:
         need = max(plan.memory.arena_bytes, 1)
@@ -233,6 +237,10 @@ class Engine:
             for name, (off, nbytes) in plan.memory.slots.items():
                 shape, dtype = plan.specs[name]
                 plan.storage[by_name[name]] = arena[off:off + nbytes].view(dtype).view(shape)
+            nodes = {n.name: n for n in self.net.nodes}
+            for name, (off, nbytes) in plan.memory.workspace_slots.items():   # keyed by the node itself
+                shape, dtype = plan.workspaces[name]
+                plan.storage[nodes[name]] = arena[off:off + nbytes].view(dtype).view(shape)
             plan.storage_arena = arena.data_ptr()
         return plan.storage
 
@@ -323,7 +331,8 @@ class Engine:
         return "\n".join(lines)
 
 
-_FUSED_OPS = {"fused", "add_rms_norm", "silu_mul", "rope_cache", "rope_cache_attention", "matmul_add"}
+_FUSED_OPS = {"fused", "add_rms_norm", "silu_mul", "rope_cache", "rope_cache_attention", "matmul_add",
+              "matmul_silu_mul"}
 
 
 def _resolve(v, binding, params):

@@ -12,9 +12,10 @@ Per node, by what the node is:
   writing the cache; ``reshape_and_cache`` — the Triton cache-write kernel, in place. On CPU
   without ``TRITON_INTERPRET=1`` these three run their torch references instead;
 * matmuls of weights ``[N, K]`` (``transpose_b``) by at most 16 fp16/bf16 rows — the decode GEMV
-  (:mod:`graphdsl.runtime.kernels.gemv`), bias or residual in its epilogue; other matmuls —
-  ``torch.matmul(..., out=slot)`` / ``torch.addmm`` (cuBLAS on CUDA, its epilogue adds the bias or
-  residual);
+  (:mod:`graphdsl.runtime.kernels.gemv`), bias, residual or SwiGLU (``matmul_silu_mul``) in its
+  epilogue; other matmuls — ``torch.matmul(..., out=slot)`` / ``torch.addmm`` (cuBLAS on CUDA, its
+  epilogue adds the bias or residual); ``matmul_silu_mul`` then runs ``silu_mul`` on the product,
+  which it keeps in the node's planned workspace;
 * anything else — the op's torch reference, copied into its slot (views alias their source).
 
 Kernels are prepared once per node and operand signature (shapes, strides, dtypes) and cached.
@@ -30,7 +31,7 @@ import torch
 
 from graphdsl.errors import GraphDSLError
 from graphdsl.network import Node
-from graphdsl.opdef import OpCategory, Spec
+from graphdsl.opdef import OpCategory, Spec, get_op
 
 __all__ = ["TritonBackend", "triton_can_fuse"]
 
@@ -80,6 +81,7 @@ class TritonBackend:
         self.sources: dict[str, str] = {}       # node name -> generated kernel source (for dumps)
         self._gemv_workspace = None             # split-K partials + counters of the decode GEMVs
         self._run_nodes: list = []              # the node list of the current run (step_constant)
+        self._storage: dict = {}                # the current run's arena views (tensor / node -> view)
         self._step_view = None                  # (a node list, its set, graph input -> in-place writers)
         from .torch_backend import TorchBackend
         self._reference = TorchBackend()
@@ -95,6 +97,7 @@ class TritonBackend:
     # -- run -----------------------------------------------------------------------------------
     def run(self, nodes, values: dict, attrs: dict, storage: dict) -> None:
         self._run_nodes = nodes
+        self._storage = storage
         for node in nodes:
             ins = [values[t] for t in node.inputs]
             on_cpu = bool(ins) and ins[0].device.type == "cpu" and not _interpreting()
@@ -142,6 +145,17 @@ class TritonBackend:
                     written.setdefault(n.inputs[i], []).append(n)
             view = self._step_view = (nodes, set(nodes), written)
         return view[1], view[2]
+
+    def workspace(self, node, shape, dtype, device) -> torch.Tensor:
+        """``node``'s scratch (its op's workspace rule): the arena view the engine planned for it, or
+        a fresh tensor when the caller planned none (a backend driven without an engine)."""
+        w = self._storage.get(node)
+        if w is None:
+            return torch.empty(shape, dtype=dtype, device=device)
+        if tuple(w.shape) != tuple(shape) or w.dtype != dtype:
+            raise GraphDSLError(f"node '{node.name}' ({node.op}): its planned workspace is {list(w.shape)} {w.dtype}, "
+                                f"the lowering needs {list(shape)} {dtype}")
+        return w
 
     @property
     def gemv_workspace(self):
@@ -321,9 +335,24 @@ def _gemv_rows(x: torch.Tensor, w: torch.Tensor, dst: torch.Tensor) -> bool:
     return (x.device.type == "cuda" or _interpreting()) and dst.stride(-1) == 1 and gemv_supported(x, w)
 
 
+def _matmul_silu_mul(be: TritonBackend, node, ins, attrs, a, b, dst) -> torch.Tensor:
+    """The GEMV with its SwiGLU epilogue for a few rows; otherwise the GEMM into the node's
+    workspace, then the ``silu_mul`` kernel (its reference on plain CPU)."""
+    if attrs.get("transpose_b") and not attrs.get("transpose_a") and _gemv_rows(ins[0], ins[1], dst):
+        from ..kernels.gemv import gemv
+        return gemv(ins[0], ins[1], silu_mul=True, out=dst, workspace=be.gemv_workspace)
+    prod = be.workspace(node, a.shape[:-1] + b.shape[-1:], dst.dtype, dst.device)
+    torch.matmul(a, b, out=prod)
+    if dst.device.type == "cpu" and not _interpreting():
+        return dst.copy_(get_op("silu_mul").reference(prod))
+    return _silu_mul(be, node, [prod], attrs, [dst])[0]
+
+
 def _matmul(be: TritonBackend, node, ins, attrs, dsts):
     a, b = _operands(ins, attrs)
     dst = dsts[0]
+    if node.op == "matmul_silu_mul":
+        return [_matmul_silu_mul(be, node, ins, attrs, a, b, dst)]
     if node.op in ("matmul", "matmul_add") and attrs.get("transpose_b") and not attrs.get("transpose_a") \
             and _gemv_rows(ins[0], ins[1], dst):
         add = ins[2] if node.op == "matmul_add" else None

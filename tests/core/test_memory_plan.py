@@ -73,3 +73,43 @@ def test_views_keep_their_base_alive():
     assert eb.end >= 4
     x = torch.randn(4, 6)
     torch.testing.assert_close(net.build_engine().forward({"x": x})["o"], x.exp().reshape(6, 4) @ (-x))
+
+
+def test_node_workspace_is_live_during_its_node_only():
+    """A workspace (OpDef.workspace) gets arena bytes that overlap neither the node's inputs nor
+    its outputs, and may share bytes with tensors dead before or born after the node."""
+    from graphdsl.opdef import Spec
+    from graphdsl.passes.fused_ops import matmul_silu_mul
+    with Network() as net:
+        x = Tensor("x", (4, 16), "float32")
+        w = Tensor("w", (32, 16), "float32")
+        y = F.exp(matmul_silu_mul(F.exp(x), w, transpose_b=True))     # exp(x) dies at the fused node
+        net.mark_output(F.exp(y), "z")
+    node = next(n for n in net.nodes if n.op == "matmul_silu_mul")
+    scratch = node.opdef.workspace_spec([Spec((4, 16), torch.float32), Spec((32, 16), torch.float32)],
+                                        {"transpose_a": False, "transpose_b": True})
+    assert scratch == Spec((4, 32), torch.float32)                   # the product [gate | up]
+    specs = {"x": ((4, 16), torch.float32), "w": ((32, 16), torch.float32)}
+    specs.update({t.name: ((4, 16), torch.float32) for n in net.nodes for t in n.outputs})
+    plan = plan_memory(net, specs, {node.name: (scratch.shape, scratch.dtype)})
+    _check_no_overlap(plan)
+    assert list(plan.workspace_slots) == [node.name]
+    off, nbytes = plan.workspace_slots[node.name]
+    step = net.nodes.index(node)
+    (buf,) = [b for b in plan.buffers if b.tensors == [f"{node.name} (workspace)"]]
+    assert (nbytes, buf.start, buf.end, buf.offset) == (4 * 32 * 4, step, step, off)
+
+
+def test_engine_runs_a_workspace_op_from_its_arena():
+    from graphdsl.passes.fused_ops import matmul_silu_mul
+    with Network() as net:
+        x = Tensor("x", (Dim("n"), 16), "float32")
+        w = Tensor("w", (32, 16), "float32")
+        net.mark_output(F.exp(matmul_silu_mul(x, w, transpose_b=True)), "y")
+    eng = net.build_engine(backend="torch", passes=[])
+    x, w = torch.randn(5, 16), torch.randn(32, 16)
+    y = eng.forward({"x": x, "w": w})["y"]
+    p = x @ w.T
+    torch.testing.assert_close(y, torch.exp(torch.nn.functional.silu(p[:, :16]) * p[:, 16:]))
+    assert list(eng.last_plan.memory.workspace_slots) == [net.nodes[0].name]
+    assert eng.last_plan.memory.arena_bytes >= 5 * 32 * 4

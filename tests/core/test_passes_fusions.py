@@ -84,6 +84,26 @@ def test_swiglu_packed_and_extra_user_blocks():
     assert "extra user: 'silu_" in eng.fusion_report()
 
 
+def test_matmul_silu_mul_fuses_only_a_product_nothing_else_reads():
+    n = Dim("n")
+    with Network("p") as net:
+        x = Tensor("x", (n, 16), torch.float32)
+        w = Tensor("w", (48, 16), torch.float32)
+        prod = F.linear(x, w, transpose_b=True)
+        net.mark_output(F.activation(prod, F.ActType.SWIGLU), "y")
+        net.mark_output(prod + 1.0, "also")          # the product is read outside the pattern
+    eng = net.build_engine(backend="torch", disable=["generic_fusion"])
+    assert "matmul_silu_mul" not in ops_of(eng.net) and "silu_mul" in ops_of(eng.net)
+    assert "matmul_silu_mul: fused 0, near misses 1" in eng.fusion_report()
+    with Network("q") as net2:
+        x = Tensor("x", (n, 16), torch.float32)
+        w = Tensor("w", (48, 16), torch.float32)
+        net2.mark_output(F.activation(F.linear(x, w, transpose_b=True), F.ActType.SWIGLU), "y")
+    work, _ = optimise(net2)
+    assert ops_of(work) == ["matmul_silu_mul"] and work.nodes[0].attrs["transpose_b"] is True
+    check_numbers(net2, {"x": torch.randn(3, 16), "w": torch.randn(48, 16)})
+
+
 def test_gate_up_projections_become_one_gemm_with_folded_weights():
     n = Dim("n")
     with Network("p") as net:
@@ -91,7 +111,8 @@ def test_gate_up_projections_become_one_gemm_with_folded_weights():
         wg, wu = Tensor("wg", (24, 16), torch.float32), Tensor("wu", (24, 16), torch.float32)
         net.mark_output(F.silu(F.linear(x, wg, transpose_b=True)) * F.linear(x, wu, transpose_b=True), "y")
     work, _ = optimise(net)
-    assert ops_of(work) == ["cat", "matmul", "silu_mul"]
+    assert ops_of(work) == ["cat", "matmul_silu_mul"]
+    assert ops_of(optimise(net, disable=["matmul_silu_mul"])[0]) == ["cat", "matmul", "silu_mul"]
     w = {"wg": torch.randn(24, 16), "wu": torch.randn(24, 16)}
     ref, eng = check_numbers(net, {"x": torch.randn(5, 16), **w})
     before = eng.num_launches
@@ -333,7 +354,7 @@ def test_tiny_block_fused_engine_matches_reference_with_fewer_launches():
     assert eng.num_launches < ref.num_launches
     summary = eng.summary()
     assert f"kernel launches per forward: {eng.num_launches}" in summary
-    assert "fused kernels: 8 (add_rms_norm x4, rope_cache x2, silu_mul x2" in summary
+    assert "fused kernels: 8 (add_rms_norm x4, matmul_silu_mul x2, rope_cache x2" in summary
 
 
 def test_build_time_of_32_layer_8b_graph():

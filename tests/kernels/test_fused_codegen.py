@@ -148,12 +148,20 @@ def test_tiny_block_fp16_projections_run_as_decode_gemvs(num_tokens, monkeypatch
     net = tiny_block.build(2, dtype=dt)
     ref = net.build_engine(backend="torch", passes=[])
     eng = net.build_engine(backend="triton")
+    scratch = []                             # is each workspace the engine's arena?
+    real_ws = eng.backend.workspace
+    monkeypatch.setattr(eng.backend, "workspace", lambda node, *a: scratch.append(real_ws(node, *a)) or scratch[-1])
     eng.set_weights({k: v.to(DEV) for k, v in w.items()})
     got = eng.forward({k: v.clone().to(DEV) for k, v in feed.items()})["logits"].cpu().float()
     want = ref.forward({**w, **{k: v.clone() for k, v in feed.items()}})["logits"].float()
     torch.testing.assert_close(got, want, rtol=2e-2, atol=2e-2)
-    matmuls = [n for n in eng.net.nodes if n.op in ("matmul", "matmul_add")]
+    matmuls = [n for n in eng.net.nodes if n.op in ("matmul", "matmul_add", "matmul_silu_mul")]
     assert len(calls) == (len(matmuls) if num_tokens <= 16 else 0) and len(matmuls) == 9
+    # the gate/up GEMMs with the SwiGLU epilogue: past 16 rows the product sits in a planned workspace
+    swiglu = [n.name for n in matmuls if n.op == "matmul_silu_mul"]
+    assert len(swiglu) == 2 and sorted(eng.last_plan.memory.workspace_slots) == sorted(swiglu)
+    arena = eng._arenas[torch.device(DEV)].untyped_storage().data_ptr()
+    assert [x.untyped_storage().data_ptr() for x in scratch] == ([] if num_tokens <= 16 else [arena] * 2)
 
 
 # -- property test: random pointwise/reduction networks x random pass subsets -------------------
