@@ -15,7 +15,11 @@ rows, so the op is bound by the bytes of ``w`` and by how many of them are in fl
   arrival order), applies the epilogue, stores, and resets the counter to 0 for the next launch
   (so CUDA-graph replays need no memset).
 * **Epilogue**: ``+ add`` — a bias ``[N]`` or a residual ``[M, N]``.
-* **PDL** (:mod:`.pdl`): on Hopper the kernel may launch while its predecessor finishes.
+* **PDL** (:mod:`.pdl`): on Hopper the kernel may launch while its predecessor finishes. A grid of
+  more programs than SMs lets the next kernel launch only once its programs are past the K loop:
+  launched at the usual point (when its last wave starts), the next kernel's programs take each SM
+  its tail frees and idle there, which cost the Llama-3-8B step 4144 -> 4303 µs once the down
+  projection followed the gate/up GEMV directly (H200, in-model A/B; every GEMV late: 4246).
 
 Tried on the H200 and measured slower, so not kept (docs/performance.md has the figures): loading
 the rows through a prologue (RMSNorm, SwiGLU computed while loading; loads that do not feed the
@@ -38,11 +42,17 @@ import triton.language as tl
 
 from graphdsl.errors import GraphDSLError
 
-from .pdl import pdl_launch, pdl_wait
+from .pdl import pdl_launch, pdl_trigger, pdl_wait
 
 __all__ = ["gemv", "gemv_supported", "GemvWorkspace", "MAX_ROWS"]
 
 MAX_ROWS = 16
+# _pick_config's constants (benchmarks/decode_ab.py patches them for in-model A/B; on the H200 each
+# alternative was slower in the model: _WIDE_K 128, _STAGES 4 or 3, _SPLIT_BELOW 2, _MIN_SPLIT_STEPS 4)
+_WIDE_K = 256              # K step of grids of at most half the SMs' tiles
+_STAGES = 5                # software-pipeline depth
+_SPLIT_BELOW = 4           # split K when the tiles cover less than 1/_SPLIT_BELOW of the SMs ...
+_MIN_SPLIT_STEPS = 8       # ... into slices of at least this many K steps
 _DTYPES = (torch.float16, torch.bfloat16)
 
 
@@ -90,6 +100,7 @@ def _gemv_kernel(
     EVEN_N: tl.constexpr,        # N % (output columns per tile) == 0
     DOT_F32: tl.constexpr,       # the CPU interpreter's dot mishandles bfloat16: multiply in float32
     USE_PDL: tl.constexpr,       # launched with programmatic dependent launch (kernels/pdl.py)
+    LATE_LAUNCH: tl.constexpr,   # let the next kernel launch after the K loop, not after the wait
 ):
     """out[m, n] = sum_k x[m, k] * w[n, k] (+ add[m, n]), float32 accumulation. With ``SWIGLU`` the
     tile's rows are the gate and up rows of ``BLOCK_N / 2`` output columns, interleaved (row ``2i``
@@ -112,7 +123,7 @@ def _gemv_kernel(
     acc = tl.zeros([BLOCK_N, BLOCK_M], tl.float32)
     k_lo = pid_k * K_SPLIT
     k_hi = tl.minimum(k_lo + K_SPLIT, K)
-    pdl_wait(USE_PDL)
+    pdl_wait(USE_PDL, not LATE_LAUNCH)
     for k0 in range(k_lo, k_hi, BLOCK_K):
         kk = k0 + rk
         if EVEN_K:
@@ -127,6 +138,8 @@ def _gemv_kernel(
             acc += tl.dot(w.to(tl.float32), tl.trans(a.to(tl.float32)))
         else:
             acc += tl.dot(w, tl.trans(a))
+    if LATE_LAUNCH:
+        pdl_trigger(USE_PDL)
     if SPLIT:
         n_tiles = tl.num_programs(0)
         tile = pid_k * n_tiles + pid_n
@@ -141,7 +154,7 @@ def _gemv_kernel(
                 t = s * n_tiles + pid_n
                 acc += tl.load(part_ptr + t.to(tl.int64) * (BLOCK_N * BLOCK_M) + rt[:, None] * BLOCK_M
                                + rm[None, :], cache_modifier=".cg")
-            tl.atomic_xchg(lock_ptr + pid_n, 0)
+            tl.atomic_xchg(lock_ptr + pid_n, 0, sem="relaxed")   # read again only by a later launch
             _finish(acc, add_ptr, out_ptr, pid_n, rm, m_ok, N, stride_am, stride_om, HAS_ADD, SWIGLU, BLOCK_N,
                     BLOCK_M)
     else:
@@ -177,19 +190,19 @@ def _pick_config(m: int, n: int, k: int, device: torch.device) -> dict:
     sms = _num_sms(device)
     block_n = 64
     tiles = triton.cdiv(n, block_n)
-    block_k = 128 if tiles > sms // 2 else 256
+    block_k = 128 if tiles > sms // 2 else _WIDE_K
     if sms < tiles <= 4 * sms and k <= 2048:
         block_k = 64                     # a few waves of short slabs (1B gate_up: 16.5 vs 16.9 µs)
     if k < 4 * block_k:
         block_k = max(16, min(128, _pow2(k)))
     steps = triton.cdiv(k, block_k)
     split = 1
-    if tiles < sms // 4:
-        while split < 4 and steps // (split * 2) >= 8:
+    if tiles < sms // _SPLIT_BELOW:
+        while split < 4 and steps // (split * 2) >= _MIN_SPLIT_STEPS:
             split *= 2
         if split > 1 and block_k > 128:  # split slices stream in 128-wide steps (1B down: 10.9 vs 11.4 µs)
             block_k = 128
-    return dict(BLOCK_N=block_n, BLOCK_K=block_k, SPLIT_K=split, num_warps=4, num_stages=5)
+    return dict(BLOCK_N=block_n, BLOCK_K=block_k, SPLIT_K=split, num_warps=4, num_stages=_STAGES)
 
 
 class GemvWorkspace:
@@ -267,6 +280,7 @@ def gemv(x: torch.Tensor, w: torch.Tensor, add: torch.Tensor | None = None, *, s
     _gemv_kernel[(n_tiles, split)](
         x, w, add if add is not None else out, out, part, lock,
         m, cols, k, split, k_split, x.stride(0), stride_am, out.stride(0),
+        LATE_LAUNCH=n_tiles * split > _num_sms(x.device),
         HAS_ADD=add is not None, SWIGLU=silu_mul, SPLIT=split > 1, BLOCK_M=MAX_ROWS, BLOCK_N=block_n,
         BLOCK_K=block_k, EVEN_K=k % block_k == 0, EVEN_N=cols % tile_cols == 0,
         DOT_F32=x.dtype == torch.bfloat16 and os.environ.get("TRITON_INTERPRET") == "1", **pdl_launch(x.device),

@@ -34,14 +34,23 @@ try:                                   # Triton >= 3.3 on NVIDIA
 except ImportError:                    # pragma: no cover - older Triton: PDL stays off
     gdc_launch_dependents = gdc_wait = None
 
-__all__ = ["pdl_wait", "pdl_launch", "pdl_available"]
+__all__ = ["pdl_wait", "pdl_trigger", "pdl_launch", "pdl_available"]
 
 
 @triton.jit
-def pdl_wait(USE_PDL: tl.constexpr):
-    """Wait for the previous kernel's completion, then let the next kernel launch early."""
+def pdl_wait(USE_PDL: tl.constexpr, LAUNCH_NEXT: tl.constexpr = True):
+    """Wait for the previous kernel's completion, then (``LAUNCH_NEXT``) let the next kernel launch
+    early; a kernel passing ``LAUNCH_NEXT=False`` calls :func:`pdl_trigger` later itself."""
     if USE_PDL:
         gdc_wait()
+        if LAUNCH_NEXT:
+            gdc_launch_dependents()
+
+
+@triton.jit
+def pdl_trigger(USE_PDL: tl.constexpr):
+    """Let the next kernel launch once every program of this one has called this (or exited)."""
+    if USE_PDL:
         gdc_launch_dependents()
 
 
