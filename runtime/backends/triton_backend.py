@@ -146,15 +146,16 @@ class TritonBackend:
             view = self._step_view = (nodes, set(nodes), written)
         return view[1], view[2]
 
-    def workspace(self, node, shape, dtype, device) -> torch.Tensor:
-        """``node``'s scratch (its op's workspace rule): the arena view the engine planned for it, or
-        a fresh tensor when the caller planned none (a backend driven without an engine)."""
+    def workspace(self, node, ins, attrs) -> torch.Tensor:
+        """``node``'s scratch, shaped by its op's workspace rule: the arena view the engine planned for
+        it, or a fresh tensor when the caller planned none (a backend driven without an engine)."""
+        spec = node.opdef.workspace_spec([Spec(tuple(x.shape), x.dtype) for x in ins], attrs)
         w = self._storage.get(node)
         if w is None:
-            return torch.empty(shape, dtype=dtype, device=device)
-        if tuple(w.shape) != tuple(shape) or w.dtype != dtype:
+            return torch.empty(spec.shape, dtype=spec.dtype, device=ins[0].device)
+        if tuple(w.shape) != tuple(spec.shape) or w.dtype != spec.dtype:
             raise GraphDSLError(f"node '{node.name}' ({node.op}): its planned workspace is {list(w.shape)} {w.dtype}, "
-                                f"the lowering needs {list(shape)} {dtype}")
+                                f"the op's workspace rule gives {list(spec.shape)} {spec.dtype}")
         return w
 
     @property
@@ -341,7 +342,7 @@ def _matmul_silu_mul(be: TritonBackend, node, ins, attrs, a, b, dst) -> torch.Te
     if attrs.get("transpose_b") and not attrs.get("transpose_a") and _gemv_rows(ins[0], ins[1], dst):
         from ..kernels.gemv import gemv
         return gemv(ins[0], ins[1], silu_mul=True, out=dst, workspace=be.gemv_workspace)
-    prod = be.workspace(node, a.shape[:-1] + b.shape[-1:], dst.dtype, dst.device)
+    prod = be.workspace(node, ins, attrs)
     torch.matmul(a, b, out=prod)
     if dst.device.type == "cpu" and not _interpreting():
         return dst.copy_(get_op("silu_mul").reference(prod))

@@ -150,7 +150,7 @@ def test_tiny_block_fp16_projections_run_as_decode_gemvs(num_tokens, monkeypatch
     eng = net.build_engine(backend="triton")
     scratch = []                             # is each workspace the engine's arena?
     real_ws = eng.backend.workspace
-    monkeypatch.setattr(eng.backend, "workspace", lambda node, *a: scratch.append(real_ws(node, *a)) or scratch[-1])
+    monkeypatch.setattr(eng.backend, "workspace", lambda *a: scratch.append(real_ws(*a)) or scratch[-1])
     eng.set_weights({k: v.to(DEV) for k, v in w.items()})
     got = eng.forward({k: v.clone().to(DEV) for k, v in feed.items()})["logits"].cpu().float()
     want = ref.forward({**w, **{k: v.clone() for k, v in feed.items()}})["logits"].float()
@@ -160,7 +160,7 @@ def test_tiny_block_fp16_projections_run_as_decode_gemvs(num_tokens, monkeypatch
     # the gate/up GEMMs with the SwiGLU epilogue: past 16 rows the product sits in a planned workspace
     swiglu = [n.name for n in matmuls if n.op == "matmul_silu_mul"]
     assert len(swiglu) == 2 and sorted(eng.last_plan.memory.workspace_slots) == sorted(swiglu)
-    arena = eng._arenas[torch.device(DEV)].untyped_storage().data_ptr()
+    (arena,) = [a.untyped_storage().data_ptr() for a in eng._arenas.values()]
     assert [x.untyped_storage().data_ptr() for x in scratch] == ([] if num_tokens <= 16 else [arena] * 2)
 
 
@@ -227,3 +227,21 @@ def test_dump_dir_gets_kernel_sources_after_the_first_forward(tmp_path, monkeypa
     torch.testing.assert_close(eng.forward({"x": x})["y"], torch.sigmoid(x) * x + 1.0)
     (src,) = list((d / "kernels").iterdir())
     assert "def fused_kernel(" in src.read_text()
+
+
+def test_batched_matmul_silu_mul_keeps_the_broadcast_product_in_its_workspace():
+    """MoE experts: x [T, H] times stacked weights [E, 2I, H] broadcasts to [E, T, 2I]; past the
+    GEMV the product goes to the node's workspace, shaped by the op's workspace rule."""
+    n = Dim("n")
+    with Network("experts") as net:
+        x = Tensor("x", (n, 16), torch.float32)
+        w = Tensor("w", (3, 24, 16), torch.float32)
+        net.mark_output(F.activation(F.matmul(x, w, transpose_b=True), F.ActType.SWIGLU), "y")
+    eng = net.build_engine(backend="triton")
+    assert [nd.op for nd in eng.net.nodes] == ["matmul_silu_mul"]
+    x, w = torch.randn(5, 16), torch.randn(3, 24, 16)
+    got = eng.forward({"x": x.to(DEV), "w": w.to(DEV)})["y"].cpu()
+    p = x @ w.mT
+    torch.testing.assert_close(got, torch.nn.functional.silu(p[..., :12]) * p[..., 12:], rtol=1e-5, atol=1e-5)
+    ((_, nbytes),) = eng.last_plan.memory.workspace_slots.values()
+    assert nbytes == 3 * 5 * 24 * 4
