@@ -14,7 +14,9 @@ rows, so the op is bound by the bytes of ``w`` and by how many of them are in fl
   that arrives last sums the ``SPLIT_K`` partials *in slice order* (so results do not depend on
   arrival order), applies the epilogue, stores, and resets the counter to 0 for the next launch
   (so CUDA-graph replays need no memset).
-* **Epilogue**: ``+ add`` — a bias ``[N]`` or a residual ``[M, N]``.
+* **Epilogue**: ``+ add`` — a bias ``[N]`` or a residual ``[M, N]``; or, with ``silu_mul``, SwiGLU
+  over a packed ``[gate | up]`` weight: each tile's rows are the gate and up rows of half as many
+  output columns, interleaved, so one stream feeds both and the epilogue writes ``silu(g) * u``.
 * **PDL** (:mod:`.pdl`): on Hopper the kernel may launch while its predecessor finishes. A grid of
   more programs than SMs lets the next kernel launch only once its programs are past the K loop:
   launched at the usual point (when its last wave starts), the next kernel's programs take each SM
@@ -24,9 +26,10 @@ rows, so the op is bound by the bytes of ``w`` and by how many of them are in fl
 Tried on the H200 and measured slower, so not kept (docs/performance.md has the figures): loading
 the rows through a prologue (RMSNorm, SwiGLU computed while loading; loads that do not feed the
 dot directly are not software-pipelined, so each K step waits for them); prefetching the start of
-the weight slab into L2, or its first tile into registers, before the PDL wait; a SwiGLU epilogue (each program streaming its gate
-rows, then the matching up rows); and an add+RMSNorm epilogue (the last program to finish a tile
-normalising the whole rows): each saves a launch but serialises more than the launch cost.
+the weight slab into L2, or its first tile into registers, before the PDL wait; a SwiGLU epilogue
+with two streams (each program streaming its gate rows, then the matching up rows); and an
+add+RMSNorm epilogue (the last program to finish a tile normalising the whole rows): each saves a
+launch but serialises more than the launch cost.
 
 File shape (STYLE.md 11): the ``@triton.jit`` kernel and its epilogue helper, the launch heuristic
 :func:`_pick_config`, the split-K :class:`GemvWorkspace`, the public wrapper :func:`gemv`.

@@ -12,7 +12,9 @@ programmatic edges.
 The contract, kept by every kernel that takes ``USE_PDL``: call :func:`pdl_wait` before its first
 memory access that depends on earlier kernels, or that writes memory earlier kernels may still
 read. Every kernel here calls it first thing (reads of weights, which no kernel of a step writes,
-could go before it; prefetching them there was measured slower on the H200). A
+could go before it; prefetching them there was measured slower on the H200). It also lets the
+next kernel launch, unless the kernel passes ``LAUNCH_NEXT=False`` and calls :func:`pdl_trigger`
+later (the decode GEMV does, after its K loop, when its grid has more programs than SMs). A
 kernel that is not launched this way (cuBLAS, torch ops) simply runs after its predecessor, and
 a PDL kernel after it starts when it ends, so mixing is safe.
 
