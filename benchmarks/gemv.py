@@ -45,6 +45,19 @@ def weight_copies(n: int, k: int) -> list[torch.Tensor]:
     return [torch.randn(n, k, device="cuda", dtype=torch.bfloat16) for _ in range(count)]
 
 
+def cases(names: list[str], rows: list[int]):
+    """``(name, n, k, weights, m, x)`` per projection shape and row count: the shape's weight copies
+    (the list is emptied, freeing them, before the next shape's are made) and random bf16 rows
+    ``x [m, k]``."""
+    for name in names:
+        n, k = SHAPES[name]
+        weights = weight_copies(n, k)
+        for m in rows:
+            yield name, n, k, weights, m, torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+        weights.clear()
+        torch.cuda.empty_cache()
+
+
 def sweep_grid():
     for bn, bk, stages, split, warps in itertools.product((16, 32, 64, 128), (64, 128, 256), (3, 5), (1, 2, 4),
                                                           (2, 4, 8)):
@@ -67,44 +80,38 @@ def main(argv=None) -> int:
     print("|---|---:|---:|---:|---:|---:|---|---:|")
     best_table = {}
     ws = GemvWorkspace()
-    for name in names:
-        n, k = SHAPES[name]
-        weights = weight_copies(n, k)
+    for name, n, k, weights, m, x in cases(names, rows):
         c = len(weights)
-        for m in rows:
-            x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
-            out = torch.empty(m, n, device="cuda", dtype=torch.bfloat16)
-            want = x.float() @ weights[0].float().T
-            err = ((gemv(x, weights[0], out=out, workspace=ws).float() - want).abs().max() / want.abs().max()).item()
-            nbytes = (n * k + m * (n + k)) * 2
-            pct = lambda us: 100 * nbytes / (us * 1e-6) / 1e9 / copy  # noqa: E731
+        out = torch.empty(m, n, device="cuda", dtype=torch.bfloat16)
+        want = x.float() @ weights[0].float().T
+        err = ((gemv(x, weights[0], out=out, workspace=ws).float() - want).abs().max() / want.abs().max()).item()
+        nbytes = (n * k + m * (n + k)) * 2
+        pct = lambda us: 100 * nbytes / (us * 1e-6) / 1e9 / copy  # noqa: E731
 
-            def blas():
-                for w in weights:
-                    torch.matmul(x, w.T, out=out)
+        def blas():
+            for w in weights:
+                torch.matmul(x, w.T, out=out)
 
-            def run(cfg=None):
-                for w in weights:
-                    gemv(x, w, out=out, workspace=ws, config=cfg)
-            t_blas, t_gemv = replay_us(blas, c), replay_us(run, c)
-            cfg = _pick_config(m, n, k, x.device)
-            launch = f"{cfg['BLOCK_N']}x{cfg['BLOCK_K']} split {cfg['SPLIT_K']} st {cfg['num_stages']}"
-            print(f"| {name} [{n}, {k}] | {m} | {t_blas:.1f} | {pct(t_blas):.1f}% | {t_gemv:.1f} | "
-                  f"{pct(t_gemv):.1f}% | {launch} | {err:.1e} |", flush=True)
-            if args.sweep and m in (1, 16) and name != "8b.lm_head":
-                timed = []
-                for cfg in sweep_grid():
-                    try:
-                        timed.append((replay_us(lambda: run(cfg), c), cfg))
-                    except Exception as e:  # a launch the compiler rejects (shared memory) is skipped
-                        print(f"  skipped {cfg}: {type(e).__name__}", flush=True)
-                timed.sort(key=lambda r: r[0])
-                best_table[(name, m)] = timed[0]
-                for rank, (us, b) in enumerate(timed[:3], 1):
-                    print(f"|  best {rank} | {m} | | | {us:.1f} | {pct(us):.1f}% | {b['BLOCK_N']}x{b['BLOCK_K']} split "
-                          f"{b['SPLIT_K']} st {b['num_stages']} w {b['num_warps']} | |", flush=True)
-        del weights
-        torch.cuda.empty_cache()
+        def run(cfg=None):
+            for w in weights:
+                gemv(x, w, out=out, workspace=ws, config=cfg)
+        t_blas, t_gemv = replay_us(blas, c), replay_us(run, c)
+        cfg = _pick_config(m, n, k, x.device)
+        launch = f"{cfg['BLOCK_N']}x{cfg['BLOCK_K']} split {cfg['SPLIT_K']} st {cfg['num_stages']}"
+        print(f"| {name} [{n}, {k}] | {m} | {t_blas:.1f} | {pct(t_blas):.1f}% | {t_gemv:.1f} | "
+              f"{pct(t_gemv):.1f}% | {launch} | {err:.1e} |", flush=True)
+        if args.sweep and m in (1, 16) and name != "8b.lm_head":
+            timed = []
+            for cfg in sweep_grid():
+                try:
+                    timed.append((replay_us(lambda: run(cfg), c), cfg))
+                except Exception as e:  # a launch the compiler rejects (shared memory) is skipped
+                    print(f"  skipped {cfg}: {type(e).__name__}", flush=True)
+            timed.sort(key=lambda r: r[0])
+            best_table[(name, m)] = timed[0]
+            for rank, (us, b) in enumerate(timed[:3], 1):
+                print(f"|  best {rank} | {m} | | | {us:.1f} | {pct(us):.1f}% | {b['BLOCK_N']}x{b['BLOCK_K']} split "
+                      f"{b['SPLIT_K']} st {b['num_stages']} w {b['num_warps']} | |", flush=True)
     swiglu_table([n for n in names if n.endswith("gate_up")], rows, copy, ws)
     if best_table:
         print("\nbest launches:", {f"{k[0]}@{k[1]}": (round(v[0], 1), v[1]) for k, v in best_table.items()})
@@ -119,31 +126,25 @@ def swiglu_table(names: list[str], rows: list[int], copy: float, ws) -> None:
         return
     print("\n| gate/up + SwiGLU | M | gemv + silu_mul µs | fused µs | fused % copy | same bits |")
     print("|---|---:|---:|---:|---:|---|")
-    for name in names:
-        n, k = SHAPES[name]
-        weights = weight_copies(n, k)
+    for name, n, k, weights, m, x in cases(names, rows):
         c = len(weights)
-        for m in rows:
-            x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
-            prod = torch.empty(m, n, device="cuda", dtype=torch.bfloat16)
-            act = torch.empty(m, n // 2, device="cuda", dtype=torch.bfloat16)
-            fused = torch.empty_like(act)
+        prod = torch.empty(m, n, device="cuda", dtype=torch.bfloat16)
+        act = torch.empty(m, n // 2, device="cuda", dtype=torch.bfloat16)
+        fused = torch.empty_like(act)
 
-            def two():
-                for w in weights:
-                    silu_mul(gemv(x, w, out=prod, workspace=ws), out=act)
+        def two():
+            for w in weights:
+                silu_mul(gemv(x, w, out=prod, workspace=ws), out=act)
 
-            def one():
-                for w in weights:
-                    gemv(x, w, silu_mul=True, out=fused, workspace=ws)
-            two()
-            one()
-            same = torch.equal(act, fused)
-            t_two, t_one = replay_us(two, c), replay_us(one, c)
-            pct = 100 * (n * k + m * (k + n // 2)) * 2 / (t_one * 1e-6) / 1e9 / copy
-            print(f"| {name} [{n}, {k}] | {m} | {t_two:.1f} | {t_one:.1f} | {pct:.1f}% | {same} |", flush=True)
-        del weights
-        torch.cuda.empty_cache()
+        def one():
+            for w in weights:
+                gemv(x, w, silu_mul=True, out=fused, workspace=ws)
+        two()
+        one()
+        same = torch.equal(act, fused)
+        t_two, t_one = replay_us(two, c), replay_us(one, c)
+        pct = 100 * (n * k + m * (k + n // 2)) * 2 / (t_one * 1e-6) / 1e9 / copy
+        print(f"| {name} [{n}, {k}] | {m} | {t_two:.1f} | {t_one:.1f} | {pct:.1f}% | {same} |", flush=True)
 
 
 if __name__ == "__main__":

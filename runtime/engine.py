@@ -18,6 +18,7 @@ from graphdsl.dtypes import dtype_str
 from graphdsl.errors import BindError, GraphDSLError
 from graphdsl.network import Network
 from graphdsl.opdef import OpCategory, RuntimeParam, Spec
+from graphdsl.passes.fused_ops import FUSED_OPS
 from graphdsl.passes.memory_plan import MemoryPlan, plan_memory
 
 __all__ = ["Engine", "ShapePlan"]
@@ -258,7 +259,7 @@ class Engine:
                  + (f"   folded constants: {len(self._folded)} (computed once from weights)" if self._folded else ""),
                  "  outputs: " + ", ".join(f"{n} {shape_str(t.shape)} {dtype_str(t.dtype)}"
                                            for n, t in net.outputs.items())]
-        fused = [n for n in self._run_nodes if n.op in _FUSED_OPS]
+        fused = [n for n in self._run_nodes if n.op in FUSED_OPS]
         if fused:
             by_op: dict[str, int] = {}
             for n in fused:
@@ -329,10 +330,6 @@ class Engine:
         if len(lines) == 1:
             lines.append("  nothing to report")
         return "\n".join(lines)
-
-
-_FUSED_OPS = {"fused", "add_rms_norm", "silu_mul", "rope_cache", "rope_cache_attention", "matmul_add",
-              "matmul_silu_mul"}
 
 
 def _resolve(v, binding, params):

@@ -245,3 +245,21 @@ def test_batched_matmul_silu_mul_keeps_the_broadcast_product_in_its_workspace():
     torch.testing.assert_close(got, torch.nn.functional.silu(p[..., :12]) * p[..., 12:], rtol=1e-5, atol=1e-5)
     ((_, nbytes),) = eng.last_plan.memory.workspace_slots.values()
     assert nbytes == 3 * 5 * 24 * 4
+
+
+def test_workspace_of_the_wrong_shape_is_an_error():
+    """A planned workspace that disagrees with the op's workspace rule is named, not overwritten."""
+    from graphdsl.runtime.backends.triton_backend import TritonBackend
+    with Network("p") as net:
+        x = Tensor("x", (20, 16), torch.float32)
+        w = Tensor("w", (24, 16), torch.float32)
+        net.mark_output(F.activation(F.matmul(x, w, transpose_b=True), F.ActType.SWIGLU), "y")
+    eng = net.build_engine(backend="triton")
+    node = eng.net.nodes[0]
+    assert node.op == "matmul_silu_mul"
+    be = TritonBackend()
+    values = {eng.net.inputs["x"]: torch.randn(20, 16).to(DEV), eng.net.inputs["w"]: torch.randn(24, 16).to(DEV)}
+    attrs = {node: dict(node.attrs)}
+    with pytest.raises(GraphDSLError, match=r"node 'matmul_silu_mul_\d+' \(matmul_silu_mul\): its planned workspace is "
+                                            r"\[20, 12\] torch.float32, the op's workspace rule gives \[20, 24\]"):
+        be.run([node], values, attrs, {node: torch.empty(20, 12, device=DEV)})
