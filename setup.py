@@ -1,10 +1,10 @@
-"""Package layout (DESIGN.md "Layout"): the four sibling rooms install into the graphdsl namespace,
+"""Package layout (DESIGN.md "Layout"): the sibling rooms install into the graphdsl namespace,
 so users write ``from graphdsl.layers import RMSNorm`` and no generic top-level names are installed.
 Sub-packages are found automatically; everything else is in pyproject.toml."""
 from setuptools import find_packages, setup
 
-ROOMS = {"graphdsl": "graphdsl", "graphdsl.layers": "layers", "graphdsl.models": "models",
-         "graphdsl.passes": "passes", "graphdsl.runtime": "runtime"}
+ROOMS = {"graphdsl": "graphdsl", "graphdsl.entrypoints": "entrypoints", "graphdsl.layers": "layers",
+         "graphdsl.models": "models", "graphdsl.passes": "passes", "graphdsl.runtime": "runtime"}
 
 packages = []
 for pkg, folder in ROOMS.items():

@@ -24,9 +24,9 @@ def __getattr__(name):
     """Lazy re-exports of the model-level API (``gd.LLM``, ``gd.SamplingParams``), so importing the
     language does not import the model and runtime rooms."""
     if name == "LLM":
-        from graphdsl.models.llm import LLM
+        from graphdsl.entrypoints.llm import LLM
         return LLM
     if name == "SamplingParams":
-        from graphdsl.runtime.sampling import SamplingParams
+        from graphdsl.runtime.serving.sampling import SamplingParams
         return SamplingParams
     raise AttributeError(f"module 'graphdsl' has no attribute {name!r}")

@@ -108,7 +108,7 @@ class FlashCausalLM(Module):
         Args:
             backend: the engines' backend (default: ``triton`` on CUDA, ``torch`` on CPU).
             cuda_graphs: replay decode steps through CUDA graphs per batch bucket on CUDA (also off
-                with ``GRAPHDSL_CUDA_GRAPHS=0``); see :mod:`graphdsl.runtime.cuda_graphs`.
+                with ``GRAPHDSL_CUDA_GRAPHS=0``); see :mod:`graphdsl.runtime.serving.cuda_graphs`.
             max_blocks_per_seq: the fixed ``block_tables`` width graphs pad to (default: every
                 block of the bound cache); a step with a wider table runs eagerly.
         """
@@ -193,9 +193,9 @@ def _execute(self: FlashCausalLM, phase: Phase, inputs: Mapping[str, torch.Tenso
 
 def decode_pads(max_blocks_per_seq: int) -> dict:
     """The padding of a decode step's inputs for a CUDA-graph bucket (see
-    :mod:`graphdsl.runtime.cuda_graphs`): padded rows write no cache slot (-1) and attend over no
+    :mod:`graphdsl.runtime.serving.cuda_graphs`): padded rows write no cache slot (-1) and attend over no
     key (seq_len 0); ``block_tables`` keeps one fixed width."""
-    from graphdsl.runtime.cuda_graphs import Pad
+    from graphdsl.runtime.serving.cuda_graphs import Pad
     return {"input_ids": Pad(0), "positions": Pad(0), "cos": Pad(0.0), "sin": Pad(0.0), "slot_mapping": Pad(-1),
             "block_tables": Pad(0, width=max_blocks_per_seq), "seq_lens": Pad(0)}
 
@@ -214,7 +214,7 @@ def _graph_runner(self: FlashCausalLM, engine):
         return None
     runner = self._graph_runners.get(id(engine))
     if runner is None or runner.engine is not engine:
-        from graphdsl.runtime.cuda_graphs import CudaGraphRunner
+        from graphdsl.runtime.serving.cuda_graphs import CudaGraphRunner
         width = self._runtime["max_blocks_per_seq"] or self._num_cache_blocks
         pads = {k: p for k, p in decode_pads(width).items() if k in engine.net.inputs and k not in engine._weights}
         prologue = None

@@ -55,7 +55,7 @@ def check_model(path: str | os.PathLike, custom_module_map: str | os.PathLike | 
         load_custom_module_map(custom_module_map)
     gguf = path.endswith(".gguf")
     if gguf:
-        from graphdsl.runtime.gguf import GGUFCheckpoint
+        from graphdsl.runtime.loaders.gguf import GGUFCheckpoint
         ckpt = GGUFCheckpoint(path)
         try:
             hf = ckpt.hf_config()
@@ -83,7 +83,7 @@ def check_model(path: str | os.PathLike, custom_module_map: str | os.PathLike | 
     expected = {n: s.shape for n, s in model.checkpoint_table().items()}
     got = _gguf_shapes(ckpt) if gguf else _safetensors_shapes(path)
     got = {n: s for n, s in got.items() if not model.is_ignored_checkpoint_name(n)}
-    from graphdsl.runtime.weights import WeightReport
+    from graphdsl.runtime.loaders.safetensors import WeightReport
     weights = WeightReport.compare(expected, got)
     if not weights.ok:
         report.problems.append("weights:\n    " + str(weights).replace("\n", "\n    "))
@@ -93,7 +93,7 @@ def check_model(path: str | os.PathLike, custom_module_map: str | os.PathLike | 
 def _safetensors_shapes(path: str) -> dict[str, tuple[int, ...]]:
     from safetensors import safe_open
 
-    from graphdsl.runtime.weights import safetensors_files
+    from graphdsl.runtime.loaders.safetensors import safetensors_files
     shapes = {}
     for file, names in safetensors_files(path):
         try:
@@ -108,6 +108,6 @@ def _safetensors_shapes(path: str) -> dict[str, tuple[int, ...]]:
 
 
 def _gguf_shapes(ckpt) -> dict[str, tuple[int, ...]]:
-    from graphdsl.runtime.gguf import hf_name
+    from graphdsl.runtime.loaders.gguf import hf_name
     return {hf_name(n) or n: shape for n, (_, shape) in ckpt.tensor_info().items()
             if n != "rope_freqs.weight"}

@@ -14,7 +14,7 @@ from pydantic import BaseModel, ConfigDict, ValidationError
 
 from graphdsl.errors import GraphDSLError
 from graphdsl.layers import RopeScaling, RopeType
-from graphdsl.runtime.jsonfile import read_json_object
+from graphdsl.runtime.loaders.jsonfile import read_json_object
 
 __all__ = ["ModelConfig", "ConfigBuilder", "register_config_builder", "build_config", "read_hf_config",
            "parse_rope", "UnsupportedModelError"]

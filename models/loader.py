@@ -13,7 +13,7 @@ from typing import Iterable
 
 import torch
 
-from graphdsl.runtime.weights import check_weights
+from graphdsl.runtime.loaders.safetensors import check_weights
 
 from .base import FlashCausalLM
 

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from graphdsl import GraphDSLError
-from graphdsl.models.cli import main
+from graphdsl.entrypoints.cli import main
 from graphdsl.runtime.engine_cache import EngineCache
 from tests.helpers import tiny_block
 

@@ -2,7 +2,7 @@
 import pytest
 
 from graphdsl import GraphDSLError
-from graphdsl.runtime.jsonfile import read_json_object
+from graphdsl.runtime.loaders.jsonfile import read_json_object
 
 
 def test_reads_objects_and_names_bad_files(tmp_path):

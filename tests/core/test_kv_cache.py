@@ -1,4 +1,4 @@
-"""runtime/kv_cache.py: cache layout, block accounting, slot mapping, and a paged-attention round trip."""
+"""runtime/serving/kv_cache.py: cache layout, block accounting, slot mapping, and a paged-attention round trip."""
 from __future__ import annotations
 
 import math
@@ -8,7 +8,7 @@ import torch
 
 from graphdsl.errors import GraphDSLError
 from graphdsl.opdef import get_op
-from graphdsl.runtime.kv_cache import BlockManager, OutOfBlocks, PagedKVCache
+from graphdsl.runtime.serving.kv_cache import BlockManager, OutOfBlocks, PagedKVCache
 
 
 def test_cache_tensors_layout():

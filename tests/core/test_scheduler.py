@@ -7,9 +7,9 @@ import pytest
 import torch
 
 from graphdsl import GraphDSLError
-from graphdsl.runtime.kv_cache import BlockManager
-from graphdsl.runtime.sampling import SamplingParams
-from graphdsl.runtime.scheduler import RequestStatus, Scheduler, run_steps
+from graphdsl.runtime.serving.kv_cache import BlockManager
+from graphdsl.runtime.serving.sampling import SamplingParams
+from graphdsl.runtime.serving.scheduler import RequestStatus, Scheduler, run_steps
 
 VOCAB = 50
 

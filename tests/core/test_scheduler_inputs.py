@@ -1,8 +1,8 @@
 """StepBatch.model_inputs packs each dtype into one host-to-device copy; every tensor it hands out
 must still be its own correct, contiguous, 16-byte-aligned view."""
-from graphdsl.runtime.kv_cache import BlockManager
-from graphdsl.runtime.sampling import SamplingParams
-from graphdsl.runtime.scheduler import Scheduler
+from graphdsl.runtime.serving.kv_cache import BlockManager
+from graphdsl.runtime.serving.sampling import SamplingParams
+from graphdsl.runtime.serving.scheduler import Scheduler
 
 
 def test_inputs_are_aligned_contiguous_views_with_the_right_values():

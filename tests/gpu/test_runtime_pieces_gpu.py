@@ -12,9 +12,9 @@ import numpy as np
 import pytest
 import torch
 
-from graphdsl.runtime.gguf import dequantize
-from graphdsl.runtime.kv_cache import BlockManager, PagedKVCache
-from graphdsl.runtime.sampling import SamplingParams, make_generator, sample, sampling_probs
+from graphdsl.runtime.loaders.gguf import dequantize
+from graphdsl.runtime.serving.kv_cache import BlockManager, PagedKVCache
+from graphdsl.runtime.serving.sampling import SamplingParams, make_generator, sample, sampling_probs
 
 pytestmark = pytest.mark.gpu
 

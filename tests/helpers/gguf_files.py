@@ -1,6 +1,6 @@
 """Write tiny GGUF files the way llama.cpp's converter would, for loader tests.
 
-Independent of ``graphdsl.runtime.gguf``: its own HF → llama.cpp name table and its own forward
+Independent of ``graphdsl.runtime.loaders.gguf``: its own HF → llama.cpp name table and its own forward
 q/k permutation, so a loader bug cannot cancel against a helper bug.
 """
 from __future__ import annotations

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from graphdsl.models import build_config, resolve_model_class
-from graphdsl.models.cli import bench_script_path, build_parser
+from graphdsl.entrypoints.cli import bench_script_path, build_parser
 from tests.helpers.soak import TINY_LLAMA
 
 

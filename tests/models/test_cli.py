@@ -3,7 +3,7 @@ import io
 
 import pytest
 
-from graphdsl.models.cli import build_parser, main
+from graphdsl.entrypoints.cli import build_parser, main
 from tests.models.gguf_tiny import build_tiny_gguf
 
 

@@ -8,7 +8,7 @@ import graphdsl as gd
 from graphdsl.errors import BindError, GraphDSLError
 from graphdsl.layers import Phase
 from graphdsl.models.base import cuda_graphs_enabled, decode_pads
-from graphdsl.runtime.cuda_graphs import BUCKETS, CudaGraphRunner, Pad, bucket_for, pad_batch
+from graphdsl.runtime.serving.cuda_graphs import BUCKETS, CudaGraphRunner, Pad, bucket_for, pad_batch
 from tests.models.hf_tiny import make_checkpoint
 
 
@@ -54,7 +54,7 @@ def test_pad_batch_values_and_errors():
 def test_runner_load_equals_fresh_padding_whatever_the_previous_steps():
     """The runner rewrites padding only where an earlier step left values: after any sequence of
     steps (more or fewer rows, wider or narrower tables) its static buffers equal ``pad_batch``."""
-    from graphdsl.runtime.cuda_graphs import _Graph
+    from graphdsl.runtime.serving.cuda_graphs import _Graph
     pads = {"ids": Pad(0), "slots": Pad(-1), "bt": Pad(7, width=6), "cs": Pad(0.0)}
     g = torch.Generator().manual_seed(0)
 

@@ -1,4 +1,4 @@
-"""runtime/gguf.py: block dequantization vs gguf-py, tiny llama/qwen2/qwen3 GGUFs written like
+"""runtime/loaders/gguf.py: block dequantization vs gguf-py, tiny llama/qwen2/qwen3 GGUFs written like
 llama.cpp vs the HF models they came from (and vs transformers' GGUF loader), the real SmolLM2
 GGUF vs transformers, and every error path."""
 from __future__ import annotations
@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from graphdsl.errors import GraphDSLError
-from graphdsl.runtime.gguf import SUPPORTED_QTYPES, GGUFCheckpoint, dequantize
+from graphdsl.runtime.loaders.gguf import SUPPORTED_QTYPES, GGUFCheckpoint, dequantize
 from tests.helpers.gguf_files import hf_model_to_gguf, write_gguf
 
 gguf = pytest.importorskip("gguf")

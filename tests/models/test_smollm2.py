@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import graphdsl as gd
-from graphdsl.models.cli import main, smollm2_path
+from graphdsl.entrypoints.cli import main, smollm2_path
 
 
 def _ensure(package: str, module: str) -> str | None:

@@ -1,4 +1,4 @@
-"""runtime/tokenizer.py against transformers' tokenizers (HF dir and GGUF metadata), chat templates,
+"""runtime/loaders/tokenizer.py against transformers' tokenizers (HF dir and GGUF metadata), chat templates,
 streaming decode and every error path."""
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import json
 import pytest
 
 from graphdsl.errors import GraphDSLError
-from graphdsl.runtime.tokenizer import StreamDecoder, Tokenizer
+from graphdsl.runtime.loaders.tokenizer import StreamDecoder, Tokenizer
 
 tokenizers = pytest.importorskip("tokenizers")
 transformers = pytest.importorskip("transformers")
@@ -341,7 +341,7 @@ def _write_tokenizer_gguf(path, meta: dict) -> None:
 
 
 def test_gguf_file_bpe_tokenizer_matches_hf_and_transformers_gguf(tmp_path, hf_dir):
-    from graphdsl.runtime.gguf import GGUFCheckpoint
+    from graphdsl.runtime.loaders.gguf import GGUFCheckpoint
     hf = Tokenizer.from_pretrained(hf_dir)
     ref_dir = transformers.AutoTokenizer.from_pretrained(str(hf_dir))
     (tmp_path / "g").mkdir()                      # apart from hf_dir's tokenizer files
@@ -360,7 +360,7 @@ def test_gguf_file_bpe_tokenizer_matches_hf_and_transformers_gguf(tmp_path, hf_d
 
 
 def test_gguf_file_spm_tokenizer_matches_transformers_gguf(tmp_path):
-    from graphdsl.runtime.gguf import GGUFCheckpoint
+    from graphdsl.runtime.loaders.gguf import GGUFCheckpoint
     path = tmp_path / "spm.gguf"
     _write_tokenizer_gguf(path, spm_metadata())
     ours = GGUFCheckpoint(path).tokenizer()

@@ -1,4 +1,4 @@
-"""runtime/weights.py: safetensors iteration (single, sharded, dtype) and its error paths."""
+"""runtime/loaders/safetensors.py: safetensors iteration (single, sharded, dtype) and its error paths."""
 from __future__ import annotations
 
 import json
@@ -9,7 +9,7 @@ import torch
 from safetensors.torch import save_file
 
 from graphdsl.errors import GraphDSLError
-from graphdsl.runtime.weights import WeightReport, check_weights, iter_safetensors
+from graphdsl.runtime.loaders.safetensors import WeightReport, check_weights, iter_safetensors
 
 transformers = pytest.importorskip("transformers")
 

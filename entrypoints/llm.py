@@ -1,6 +1,6 @@
 """``graphdsl.LLM``: load a checkpoint (HF directory or GGUF file), score and generate.
 
-Requests run through :class:`graphdsl.runtime.scheduler.Scheduler` (continuous batching): every
+Requests run through :class:`graphdsl.runtime.serving.scheduler.Scheduler` (continuous batching): every
 step packs decode tokens of running requests and chunks of waiting prompts into one token budget
 (``max_num_batched_tokens``), admits requests while free KV blocks allow, and preempts the newest
 request (to recompute later) when the pool runs dry. A step of one new token per request runs the
@@ -19,14 +19,14 @@ import torch
 
 from graphdsl.errors import GraphDSLError
 from graphdsl.layers import Phase
-from graphdsl.runtime.kv_cache import BlockManager, PagedKVCache
-from graphdsl.runtime.sampling import SamplingParams
-from graphdsl.runtime.scheduler import Request, RequestStatus, Scheduler, StepBatch, run_steps
+from graphdsl.runtime.serving.kv_cache import BlockManager, PagedKVCache
+from graphdsl.runtime.serving.sampling import SamplingParams
+from graphdsl.runtime.serving.scheduler import Request, RequestStatus, Scheduler, StepBatch, run_steps
 
-from .base import FlashCausalLM
-from .config import ModelConfig, build_config, read_hf_config
-from .loader import load_weights
-from .registry import load_custom_module_map, resolve_model_class
+from graphdsl.models.base import FlashCausalLM
+from graphdsl.models.config import ModelConfig, build_config, read_hf_config
+from graphdsl.models.loader import load_weights
+from graphdsl.models.registry import load_custom_module_map, resolve_model_class
 
 __all__ = ["LLM", "CompletionOutput"]
 
@@ -104,7 +104,7 @@ class LLM:
         device = torch.device(device if device is not None else ("cuda" if torch.cuda.is_available() else "cpu"))
         gguf = path.endswith(".gguf")
         if gguf:
-            from graphdsl.runtime.gguf import GGUFCheckpoint
+            from graphdsl.runtime.loaders.gguf import GGUFCheckpoint
             if not os.path.isfile(path):
                 raise GraphDSLError(f"GGUF file {path!r} does not exist")
             ckpt = GGUFCheckpoint(path)
@@ -284,7 +284,7 @@ class LLM:
             ids = self._check_ids(ids, f"prompt {i}")
             seq = _Seq(text, ids, p)
             if self.tokenizer is not None:
-                from graphdsl.runtime.tokenizer import StreamDecoder
+                from graphdsl.runtime.loaders.tokenizer import StreamDecoder
                 seq.decoder = StreamDecoder(self.tokenizer)
             seqs.append(seq)
         return seqs
@@ -419,7 +419,7 @@ def _pick_dtype(dtype, device: torch.device, config: ModelConfig) -> torch.dtype
 
 
 def _iter_dir(path: str, dtype) -> Iterable[tuple[str, torch.Tensor]]:
-    from graphdsl.runtime.weights import iter_safetensors
+    from graphdsl.runtime.loaders.safetensors import iter_safetensors
     return iter_safetensors(path, dtype=dtype)
 
 
@@ -428,5 +428,5 @@ def _load_tokenizer(gguf_ckpt, path: str):
         return gguf_ckpt.tokenizer()
     if not os.path.isfile(os.path.join(path, "tokenizer.json")):
         return None
-    from graphdsl.runtime.tokenizer import Tokenizer
+    from graphdsl.runtime.loaders.tokenizer import Tokenizer
     return Tokenizer.from_pretrained(path)

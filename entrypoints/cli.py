@@ -142,7 +142,7 @@ def _dump_into(args, out: str) -> int:
 
 
 def _check(args) -> int:
-    from .check import check_model
+    from graphdsl.models.check import check_model
     report = check_model(_resolve_model(args.model), custom_module_map=args.custom_module_map)
     print(report)
     return 0 if report.ok else 1
