@@ -11,7 +11,11 @@ Reports, on one device (see docs/performance.md for how each figure is defined):
 * decode steps at 512 tokens of context, batch 1/8/64/256: ms per step (``do_bench`` median of
   ``model.execute(Phase.DECODE, ...)``, the call ``LLM`` makes each step), tokens/s, and % of the
   roofline: (every weight but the embedding table + the KV cache read) / copy bandwidth;
-* end-to-end ``LLM.generate`` decode throughput (scheduler, sampling and host work included);
+* end-to-end ``LLM.generate`` decode time per token (scheduler, sampling and host work included):
+  prompts of ``CONTEXT - 1`` tokens, (generate ``E2E + 1`` tokens - generate 1 token) / ``E2E``, and
+  its ratio to the engine step; at batch 1 also with seeded sampling (temperature, top-k, top-p,
+  presence and frequency penalties) against greedy;
+* batch 256 against max(memory bound, compute bound), compute = 2 x parameters x batch / matmul rate;
 * prefill of 2048 tokens: ms, TFLOP/s and % of the matmul rate, FLOPs = 2 x (decoder-layer
   parameters) x tokens + 2 x vocab x hidden (the one projected row) + causal attention;
 * cold build of the decode and prefill engines (record + passes + plan, then the first step with
@@ -227,7 +231,7 @@ def _engine_cache_entries() -> int | None:
 
 
 def measure_graphdsl(shape: str, *, hf: dict | None = None, device="cuda", dtype="bfloat16", timer=bench_ms,
-                     batches=BATCHES, e2e_batches=(1, 64), e2e_tokens: int = 64, context: int = CONTEXT,
+                     batches=BATCHES, e2e_batches=(1, 64), e2e_tokens: int = 256, context: int = CONTEXT,
                      prefill: int = PREFILL, fresh_process: bool = True) -> dict:
     """Every graphdsl figure of the table for ``SHAPES[shape]`` (or ``hf``); ``timer(fn)`` returns
     milliseconds (``bench_ms`` on CUDA)."""
@@ -273,6 +277,16 @@ def measure_graphdsl(shape: str, *, hf: dict | None = None, device="cuda", dtype
         res["decode"][b] = ms
         _log(f"decode batch {b}: {ms:.3f} ms/step, {b / ms * 1e3:.0f} tokens/s")
 
+    # the engine step at the mean context of the LLM.generate runs below (their decode steps see
+    # contexts CONTEXT .. CONTEXT + e2e_tokens), the fair reference for their per-token time
+    res["decode_mid"] = {}
+    mid = context + e2e_tokens // 2
+    for b in e2e_batches:
+        inputs, ids = _decode_inputs(llm, b, mid, gen)
+        res["decode_mid"][b] = timer(lambda: llm.model.execute(Phase.DECODE, inputs))
+        _free(llm, ids)
+        _log(f"decode batch {b} at ctx {mid}: {res['decode_mid'][b]:.3f} ms/step")
+
     # prefill
     inputs, ids = _prefill_inputs(llm, prefill, gen)
     ms = timer(lambda: llm.model.execute(Phase.PREFILL, inputs))
@@ -282,11 +296,17 @@ def measure_graphdsl(shape: str, *, hf: dict | None = None, device="cuda", dtype
 
     # end to end through the scheduler
     res["e2e"] = {}
-    sp_short = gd.SamplingParams(max_tokens=1, temperature=0, ignore_eos=True)
-    sp_long = gd.SamplingParams(max_tokens=e2e_tokens + 1, temperature=0, ignore_eos=True)
+    res["e2e_sampled"] = {}
+    res["e2e_tokens"] = e2e_tokens
+    greedy = dict(temperature=0, ignore_eos=True)
+    sampled = dict(temperature=0.8, top_k=50, top_p=0.9, presence_penalty=0.5, frequency_penalty=0.5, seed=0,
+                   ignore_eos=True)
     budget = llm.max_num_batched_tokens
-    for b in e2e_batches:
+    runs = [(b, "e2e", greedy) for b in e2e_batches] + [(1, "e2e_sampled", sampled)]
+    for b, key, kw in runs:
         prompts = torch.randint(0, hf["vocab_size"], (b, context - 1), generator=torch.Generator().manual_seed(b)).tolist()
+        sp_short = gd.SamplingParams(max_tokens=1, **kw)
+        sp_long = gd.SamplingParams(max_tokens=e2e_tokens + 1, **kw)
         # all prompts in one prefill step, so the long run is that step + e2e_tokens decode steps of batch b
         llm.max_num_batched_tokens = max(budget, b * context)
         for sp in (sp_short, sp_long):                         # warm: this batch's shapes and graphs
@@ -299,9 +319,9 @@ def measure_graphdsl(shape: str, *, hf: dict | None = None, device="cuda", dtype
             _sync(device)
             times[name] = time.perf_counter() - t0
         per_step = (times["long"] - times["short"]) / e2e_tokens
-        res["e2e"][b] = per_step * 1e3
+        res[key][b] = per_step * 1e3
         llm.max_num_batched_tokens = budget
-        _log(f"LLM.generate batch {b}: {per_step * 1e3:.3f} ms per decode step ({b / per_step:.0f} tokens/s)")
+        _log(f"LLM.generate batch {b} ({key}): {per_step * 1e3:.3f} ms per decode step ({b / per_step:.0f} tokens/s)")
     return res
 
 
@@ -401,9 +421,26 @@ def table(res: dict, copy: float, mm: float, peer: dict | None, device: str) -> 
         roof_ms = nbytes / (copy * 1e9) * 1e3
         lines.append(f"| decode batch {b}, ctx {ctx}: ms/step (tokens/s) | {ms:.3f} ({b / ms * 1e3:,.0f}) "
                      f"| {100 * roof_ms / ms:.1f}% of roofline ({nbytes / 1e9:.2f} GB/step -> {roof_ms:.3f} ms) |")
+    n = res.get("e2e_tokens", 0)
+    mid = ctx + n // 2
     for b, ms in res["e2e"].items():
-        lines.append(f"| LLM.generate batch {b}, ctx {ctx}: ms/step (tokens/s) | {ms:.3f} ({b / ms * 1e3:,.0f}) "
-                     f"| {100 * decode_bytes(w, kv, b, ctx) / (copy * 1e9) * 1e3 / ms:.1f}% of roofline |")
+        step = res.get("decode_mid", {}).get(b)
+        vs = f"; {ms / step:.3f}x the engine step at ctx {mid} ({step:.3f} ms)" if step else ""
+        lines.append(f"| LLM.generate greedy batch {b}, prompt {ctx - 1}, {n} tokens: ms/token (tokens/s) | {ms:.3f} "
+                     f"({b / ms * 1e3:,.0f}) | {100 * decode_bytes(w, kv, b, ctx) / (copy * 1e9) * 1e3 / ms:.1f}% of "
+                     f"roofline{vs} |")
+    for b, ms in res.get("e2e_sampled", {}).items():
+        g = res["e2e"].get(b)
+        vs = f"{ms / g:.3f}x greedy" if g else ""
+        lines.append(f"| LLM.generate seeded sampling batch {b} (T 0.8, top-k 50, top-p 0.9, presence + frequency "
+                     f"0.5): ms/token | {ms:.3f} | {vs} |")
+    if 256 in res["decode"]:
+        params = (w["layers"] + w["lm_head"]) / res["elem"]
+        mem_ms = decode_bytes(w, kv, 256, ctx) / (copy * 1e9) * 1e3
+        comp_ms = 2 * params * 256 / (mm * 1e12) * 1e3
+        bound = max(mem_ms, comp_ms)
+        lines.append(f"| decode batch 256 vs max(memory {mem_ms:.3f}, compute {comp_ms:.3f}) ms | "
+                     f"{res['decode'][256]:.3f} | {100 * bound / res['decode'][256]:.1f}% of the bound |")
     flops = prefill_flops(res["config"], w, res["elem"], pre)
     tf = flops / (res["prefill_ms"] * 1e-3) / 1e12
     lines.append(f"| prefill {pre} tokens: ms (TFLOP/s) | {res['prefill_ms']:.2f} ({tf:.0f}) "

@@ -1,12 +1,10 @@
 """``graphdsl.LLM``: load a checkpoint (HF directory or GGUF file), score and generate.
 
-Requests run through :class:`graphdsl.runtime.serving.scheduler.Scheduler` (continuous batching): every
-step packs decode tokens of running requests and chunks of waiting prompts into one token budget
-(``max_num_batched_tokens``), admits requests while free KV blocks allow, and preempts the newest
-request (to recompute later) when the pool runs dry. A step of one new token per request runs the
-model's decode engine; any other step runs the prefill engine. Tokens are sampled on the model's
-device; this layer turns them into text and ends a request when a stop string appears.
-Engines come from the model's ``@to_engine`` entry points; everything else here is host bookkeeping.
+Requests run through :class:`graphdsl.runtime.serving.loop.ServingLoop`: the scheduler packs
+decode tokens of running requests and chunks of waiting prompts into each step, sampling happens on
+the model's device, and the host reads tokens back one step late while the GPU runs the next step.
+This layer turns tokens into text, ends a request when a stop string appears, and shapes results
+like vLLM's (:class:`RequestOutput` holding ``n`` :class:`CompletionOutput`).
 """
 from __future__ import annotations
 
@@ -19,48 +17,44 @@ import torch
 
 from graphdsl.errors import GraphDSLError
 from graphdsl.layers import Phase
+from graphdsl.models.executor import ModelExecutor
 from graphdsl.runtime.serving.kv_cache import BlockManager, PagedKVCache
+from graphdsl.runtime.serving.loop import ServingLoop
+from graphdsl.runtime.serving.outputs import CompletionOutput, RequestOutput
 from graphdsl.runtime.serving.sampling import SamplingParams
-from graphdsl.runtime.serving.scheduler import Request, RequestStatus, Scheduler, StepBatch, run_steps
+from graphdsl.runtime.serving.scheduler import Request, RequestStatus, Scheduler, TokenEvent
 
 from graphdsl.models.base import FlashCausalLM
 from graphdsl.models.config import ModelConfig, build_config, read_hf_config
 from graphdsl.models.loader import load_weights
 from graphdsl.models.registry import load_custom_module_map, resolve_model_class
 
-__all__ = ["LLM", "CompletionOutput"]
-
-
-@dataclass
-class CompletionOutput:
-    """One finished request: ``finish_reason`` is ``"stop"`` (eos, stop token or string) or ``"length"``."""
-
-    prompt: str | None
-    prompt_token_ids: list[int]
-    text: str
-    token_ids: list[int]
-    finish_reason: str
+__all__ = ["LLM", "RequestOutput", "CompletionOutput"]
 
 
 @dataclass(eq=False)
-class _Seq:
-    """What the LLM layer adds to a scheduler :class:`Request`: the prompt text and the streamed text."""
+class _Sample:
+    """One sample being generated: its scheduler request, streamed text and logprobs."""
 
-    prompt: str | None
-    prompt_ids: list[int]
+    index: int
     params: SamplingParams
     decoder: object = None
     text: str = ""
     stop_string_hit: bool = False
     req: Request | None = None
+    logprobs: list | None = None
+    cumulative_logprob: float | None = None
 
-    @property
-    def out_ids(self) -> list[int]:
-        return self.req.output_ids if self.req is not None else []
 
-    @property
-    def finish_reason(self) -> str | None:
-        return self.req.finish_reason if self.req is not None else None
+@dataclass(eq=False)
+class _Prompt:
+    """One prompt and its ``n`` samples."""
+
+    request_id: str
+    prompt: str | None
+    prompt_ids: list[int]
+    params: SamplingParams
+    samples: list[_Sample]
 
 
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
@@ -87,15 +81,18 @@ class LLM:
         progress: print loading progress on stderr.
         cuda_graphs: replay decode steps through CUDA graphs on CUDA (``False``, or the environment
             variable ``GRAPHDSL_CUDA_GRAPHS=0``, runs them eagerly, for debugging).
+        overlap: schedule and launch step N+1 before reading step N's tokens (``False``, or
+            ``GRAPHDSL_OVERLAP=0``, reads each step's tokens first: same results, for debugging).
 
-    ``num_preemptions`` counts requests pushed out of the KV cache (and recomputed later) so far.
+    ``num_preemptions`` counts requests pushed out of the KV cache (and recomputed later) so far,
+    ``num_steps`` the model steps run.
     """
 
     def __init__(self, model: str | os.PathLike, *, device: str | torch.device | None = None, dtype=None,
                  max_model_len: int | None = None, max_num_seqs: int = 4, max_num_batched_tokens: int | None = None,
                  kv_cache_memory_fraction: float | None = None, num_kv_blocks: int | None = None, block_size: int = 16,
                  custom_module_map: str | os.PathLike | None = None, tensor_parallel_size: int = 1,
-                 progress: bool = False, cuda_graphs: bool = True):
+                 progress: bool = False, cuda_graphs: bool = True, overlap: bool = True):
         _check_sizes(tensor_parallel_size, max_num_seqs, block_size, max_model_len, max_num_batched_tokens,
                      num_kv_blocks)
         if custom_module_map is not None:
@@ -120,13 +117,14 @@ class LLM:
         self._setup(config, model_obj, weights, _load_tokenizer(ckpt if gguf else None, path), device=device,
                     dtype=dtype, max_model_len=max_model_len, max_num_seqs=max_num_seqs,
                     max_num_batched_tokens=max_num_batched_tokens, kv_cache_memory_fraction=kv_cache_memory_fraction,
-                    num_kv_blocks=num_kv_blocks, block_size=block_size, cuda_graphs=cuda_graphs)
+                    num_kv_blocks=num_kv_blocks, block_size=block_size, cuda_graphs=cuda_graphs, overlap=overlap)
 
     @classmethod
     def from_config(cls, hf_config: dict, *, device: str | torch.device | None = None, dtype=None, seed: int = 0,
                     init_std: float = 0.02, max_model_len: int | None = None, max_num_seqs: int = 4,
                     max_num_batched_tokens: int | None = None, kv_cache_memory_fraction: float | None = None,
-                    num_kv_blocks: int | None = None, block_size: int = 16, cuda_graphs: bool = True) -> "LLM":
+                    num_kv_blocks: int | None = None, block_size: int = 16, cuda_graphs: bool = True,
+                    overlap: bool = True) -> "LLM":
         """A model of ``hf_config``'s architecture (a HF ``config.json`` as a dict) with random
         weights made directly on ``device``: matrices and embeddings ~ N(0, ``init_std``), norm
         weights 1, biases 0. No checkpoint, no tokenizer (prompts are token ids) — for benchmarks
@@ -146,7 +144,7 @@ class LLM:
         self._setup(config, model_obj, weights, None, device=device, dtype=dtype, max_model_len=max_model_len,
                     max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
                     kv_cache_memory_fraction=kv_cache_memory_fraction, num_kv_blocks=num_kv_blocks,
-                    block_size=block_size, cuda_graphs=cuda_graphs)
+                    block_size=block_size, cuda_graphs=cuda_graphs, overlap=overlap)
         return self
 
     def _architecture(self, hf: dict, device: torch.device, dtype, max_model_len):
@@ -160,7 +158,7 @@ class LLM:
 
     def _setup(self, config: ModelConfig, model: FlashCausalLM, weights, tokenizer, *, device, dtype, max_model_len,
                max_num_seqs, max_num_batched_tokens, kv_cache_memory_fraction, num_kv_blocks, block_size,
-               cuda_graphs: bool) -> None:
+               cuda_graphs: bool, overlap: bool) -> None:
         self.config, self.model, self.tokenizer = config, model, tokenizer
         self.device, self.dtype = device, dtype
         cfg = config
@@ -179,10 +177,15 @@ class LLM:
                                      num_blocks=num_blocks, block_size=block_size, dtype=dtype, device=device)
         self.blocks = BlockManager(num_blocks, block_size)
         self.model.bind(weights, zip(self.kv_cache.key_caches, self.kv_cache.value_caches), block_size)
-        self.cuda_graphs = cuda_graphs
-        self.model.configure_runtime(cuda_graphs=cuda_graphs, max_blocks_per_seq=-(-self.max_model_len // block_size))
+        if not isinstance(overlap, bool):
+            raise GraphDSLError(f"LLM: overlap must be a bool, got {overlap!r}")
+        self.cuda_graphs, self.overlap = cuda_graphs, overlap
+        width = -(-self.max_model_len // block_size)
+        self.model.configure_runtime(cuda_graphs=cuda_graphs, max_blocks_per_seq=width)
+        self._executor = ModelExecutor(self.model, device=device, block_size=block_size, max_blocks_per_seq=width)
         self._ids = itertools.count()
         self.num_preemptions = 0
+        self.num_steps = 0
         eos = set(cfg.eos_token_ids)
         if tokenizer is not None:
             eos |= set(tokenizer.eos_token_ids)
@@ -213,32 +216,38 @@ class LLM:
         finally:
             self.blocks.free(sid)
 
+    def _tensor(self, values, dtype) -> torch.Tensor:
+        return torch.tensor(values, dtype=dtype, device=self.device)
+
     # -- generation --------------------------------------------------------------------------
     def generate(self, prompts, params: SamplingParams | Sequence[SamplingParams] | dict | None = None, *,
-                 use_chat_template: bool = False) -> list[CompletionOutput]:
+                 use_chat_template: bool = False) -> list[RequestOutput]:
         """Complete each prompt. ``prompts``: a string, a list of strings, a list of token ids, or a
-        list of token-id lists; ``params``: one :class:`SamplingParams` for all or one per prompt."""
-        seqs = self._make_seqs(prompts, params, use_chat_template)
-        for _ in self._run(seqs):
+        list of token-id lists; ``params``: one :class:`SamplingParams` for all or one per prompt.
+        Returns one :class:`RequestOutput` per prompt, in order, each with ``params.n`` samples."""
+        groups = self._make_prompts(prompts, params, use_chat_template)
+        for _ in self._run(groups):
             pass
-        return [self._output(s) for s in seqs]
+        return [self._output(g) for g in groups]
 
     def stream(self, prompt, params: SamplingParams | dict | None = None, *,
                use_chat_template: bool = False) -> Iterator[str]:
-        """Yield the completion of one prompt piece by piece as tokens are generated."""
-        seqs = self._make_seqs([prompt] if isinstance(prompt, str) else [list(prompt)], params, use_chat_template)
+        """Yield the completion of one prompt (its first sample) piece by piece as tokens arrive."""
+        groups = self._make_prompts([prompt] if isinstance(prompt, str) else [list(prompt)], params,
+                                    use_chat_template)
         if self.tokenizer is None:
             raise GraphDSLError("stream needs a tokenizer; this checkpoint has none")
-        seq = seqs[0]
-        hold = max((len(x) for x in seq.params.stop), default=1) - 1   # a stop string may be forming
+        s = groups[0].samples[0]
+        hold = max((len(x) for x in s.params.stop), default=1) - 1   # a stop string may be forming
         emitted = 0
-        for _ in self._run(seqs):
-            text = self._output(seq).text if seq.finish_reason else seq.text[:max(len(seq.text) - hold, 0)]
+        for _ in self._run(groups):
+            done = s.req.status is RequestStatus.FINISHED
+            text = self._text(s) if done else s.text[:max(len(s.text) - hold, 0)]
             if len(text) > emitted:
                 yield text[emitted:]
                 emitted = len(text)
 
-    def chat(self, messages: list[dict], params: SamplingParams | dict | None = None) -> CompletionOutput:
+    def chat(self, messages: list[dict], params: SamplingParams | dict | None = None) -> RequestOutput:
         """Answer a chat (``[{"role": ..., "content": ...}, ...]``) with the model's chat template."""
         tok = self._tokenizer_or_error("chat")
         prompt = tok.apply_chat_template(messages, add_generation_prompt=True)
@@ -253,7 +262,7 @@ class LLM:
                                 "(pass token ids instead)")
         return self.tokenizer
 
-    def _make_seqs(self, prompts, params, use_chat_template: bool) -> list[_Seq]:
+    def _make_prompts(self, prompts, params, use_chat_template: bool) -> list[_Prompt]:
         if isinstance(prompts, str) or (isinstance(prompts, (list, tuple)) and prompts
                                         and all(isinstance(t, int) for t in prompts)):
             prompts = [prompts]
@@ -268,7 +277,7 @@ class LLM:
         for i, p in enumerate(plist):
             if not isinstance(p, SamplingParams):
                 raise GraphDSLError(f"params[{i}] must be a SamplingParams or dict, got {type(p).__name__}")
-        seqs = []
+        groups = []
         for i, (prompt, p) in enumerate(zip(prompts, plist)):
             text = None
             if isinstance(prompt, str):
@@ -282,12 +291,17 @@ class LLM:
             else:
                 ids = list(prompt) if isinstance(prompt, (list, tuple)) else prompt
             ids = self._check_ids(ids, f"prompt {i}")
-            seq = _Seq(text, ids, p)
-            if self.tokenizer is not None:
-                from graphdsl.runtime.loaders.tokenizer import StreamDecoder
-                seq.decoder = StreamDecoder(self.tokenizer)
-            seqs.append(seq)
-        return seqs
+            samples = []
+            for k in range(p.n):
+                s = _Sample(k, p)
+                if self.tokenizer is not None:
+                    from graphdsl.runtime.loaders.tokenizer import StreamDecoder
+                    s.decoder = StreamDecoder(self.tokenizer)
+                if p.logprobs is not None:
+                    s.logprobs, s.cumulative_logprob = [], 0.0
+                samples.append(s)
+            groups.append(_Prompt(str(next(self._ids)), text, ids, p, samples))
+        return groups
 
     def _check_ids(self, ids, what: str, allow_full: bool = False) -> list[int]:
         if isinstance(ids, torch.Tensor):
@@ -309,65 +323,72 @@ class LLM:
 
     def _scheduler(self) -> Scheduler:
         return Scheduler(self.blocks, max_num_seqs=self.max_num_seqs, max_num_batched_tokens=self.max_num_batched_tokens,
-                         max_model_len=self.max_model_len, eos_token_ids=self.eos_token_ids, device=self.device)
+                         max_model_len=self.max_model_len, eos_token_ids=self.eos_token_ids)
 
-    def _run(self, seqs: list[_Seq]) -> Iterator[tuple[_Seq, int]]:
-        """Drive ``seqs`` through a scheduler to completion, yielding ``(seq, token)`` as each token
-        is produced. Requests still running when the caller stops iterating are aborted (their
+    def _run(self, groups: list[_Prompt]) -> Iterator[TokenEvent]:
+        """Drive ``groups`` through a serving loop to completion, yielding each token event as the
+        host learns it. Requests still running when the caller stops iterating are aborted (their
         blocks return to the pool)."""
         sched = self._scheduler()
-        by_id = {}
-        for s in seqs:
-            s.req = sched.add_request(next(self._ids), s.prompt_ids, s.params)
-            by_id[s.req.request_id] = s
+        name = None
+        if self.tokenizer is not None:
+            tok = self.tokenizer
+            name = lambda t: tok.decode([t], skip_special_tokens=False)   # noqa: E731
+        loop = ServingLoop(self._executor, sched, overlap=self.overlap, logprob_decoder=name)
+        by_req = {}
+        for g in groups:
+            p = g.params
+            for s in g.samples:
+                seed = None if p.seed is None else p.seed + s.index
+                parent = g.samples[0].req if s.index else None
+                s.req = sched.add_request((g.request_id, s.index), g.prompt_ids, p, parent=parent, seed=seed)
+                by_req[id(s.req)] = s
         try:
-            for ev in run_steps(sched, self._execute):
-                s = by_id[ev.request.request_id]
-                self._accept(sched, s, ev.token_id, ev.finished)
-                yield s, ev.token_id
+            while loop.has_work():
+                for ev in loop.step():
+                    self._accept(sched, by_req[id(ev.request)], ev)
+                    yield ev
         finally:
-            for s in seqs:
+            for s in by_req.values():
                 if s.req.status is not RequestStatus.FINISHED:
                     sched.finish(s.req, "abort")
+            loop.drain()
             self.num_preemptions += sched.num_preemptions
+            self.num_steps += loop.num_steps
 
-    def _accept(self, sched: Scheduler, s: _Seq, tok: int, finished: bool) -> None:
-        """Stream ``tok`` into the text and end the request when a stop string appears in it."""
-        if finished and s.req.finish_reason == "stop":          # eos or a stop token: not part of the text
+    def _accept(self, sched: Scheduler, s: _Sample, ev: TokenEvent) -> None:
+        """Record the token's logprobs, stream it into the text, and end the request when a stop
+        string appears (checked once ``min_tokens`` tokens exist)."""
+        if ev.logprobs is not None and s.logprobs is not None:
+            s.logprobs.append(ev.logprobs)
+            s.cumulative_logprob += ev.logprobs[ev.token_id].logprob
+        if (ev.finished and s.req.finish_reason == "stop") or s.decoder is None:   # eos / stop id: not text
             return
-        if s.decoder is None:
+        s.text += s.decoder.push(ev.token_id)
+        if not s.params.stop or len(s.req.output_ids) <= s.params.min_tokens:
             return
-        s.text += s.decoder.push(tok)
-        hit = [s.text.find(x) for x in s.params.stop if x in s.text]
+        hit = [(s.text.find(x), x) for x in s.params.stop if x in s.text]
         if hit:
-            s.text = s.text[:min(hit)]
+            at, stop = min(hit)
+            s.text = s.text[:at]
             s.stop_string_hit = True
             if s.req.status is RequestStatus.FINISHED:           # its last token (length) completed the string
-                s.req.finish_reason = "stop"
+                s.req.finish_reason, s.req.stop_reason = "stop", stop
             else:
-                sched.finish(s.req, "stop")
+                sched.finish(s.req, "stop", stop)
 
-    def _output(self, s: _Seq) -> CompletionOutput:
-        """The finished request; text is the full decode unless a stop string cut it."""
-        text = s.text
+    def _text(self, s: _Sample) -> str:
+        """The sample's text: the full decode, unless a stop string cut it."""
         if self.tokenizer is not None and not s.stop_string_hit:
-            text = self.tokenizer.decode(s.out_ids, skip_special_tokens=True)
-        return CompletionOutput(s.prompt, s.prompt_ids, text, list(s.out_ids), s.finish_reason or "length")
+            return self.tokenizer.decode(s.req.output_ids, skip_special_tokens=True)
+        return s.text
 
-    def _tensor(self, values, dtype) -> torch.Tensor:
-        return torch.tensor(values, dtype=dtype, device=self.device)
-
-    def _execute(self, batch: StepBatch) -> torch.Tensor:
-        """Float32 logits ``[len(batch.sampling_chunks), vocab]`` of one scheduled step."""
-        inputs = batch.model_inputs(self.blocks, self.device)
-        if batch.is_decode:
-            del inputs["query_start_loc"], inputs["lm_head_indices"]
-            return self.model.execute(Phase.DECODE, inputs)
-        if inputs["lm_head_indices"].numel() == 0:
-            # every chunk is a middle piece of a prompt: fill the cache, project one row, drop it
-            inputs["lm_head_indices"] = torch.zeros(1, dtype=torch.int64, device=self.device)
-            return self.model.execute(Phase.PREFILL, inputs)[:0]
-        return self.model.execute(Phase.PREFILL, inputs)
+    def _output(self, g: _Prompt) -> RequestOutput:
+        outs = [CompletionOutput(s.index, self._text(s), list(s.req.output_ids), s.cumulative_logprob, s.logprobs,
+                                 s.req.finish_reason or "length", s.req.stop_reason) for s in g.samples]
+        first = g.samples[0].req
+        return RequestOutput(g.request_id, g.prompt, g.prompt_ids, outs, first.prompt_logprobs,
+                             finished=all(s.req.status is RequestStatus.FINISHED for s in g.samples))
 
 
 def _check_sizes(tensor_parallel_size, max_num_seqs, block_size, max_model_len, max_num_batched_tokens,

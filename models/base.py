@@ -179,7 +179,7 @@ def _execute(self: FlashCausalLM, phase: Phase, inputs: Mapping[str, torch.Tenso
     if phase is Phase.DECODE and not (extra_in or extra_out or runtime_params):
         runner = _graph_runner(self, engine)
         if runner is not None:
-            if runner.prologue is None:
+            if "cos" in runner.pads:
                 feed["cos"], feed["sin"] = self.rotary.cos_sin(feed["positions"])
             step = {k: v for k, v in feed.items() if k in runner.pads}
             if runner.fits(step):
@@ -207,7 +207,10 @@ def cuda_graphs_enabled(flag: bool) -> bool:
 
 def _graph_runner(self: FlashCausalLM, engine):
     """The decode engine's CUDA-graph runner, or None when graphs do not apply (off, not CUDA, or a
-    backend whose ops synchronise with the host: only ``triton`` is captured)."""
+    backend whose ops synchronise with the host: only ``triton`` is captured). The graph computes
+    the RoPE tables and the cache slots from the positions and block tables itself (its prologue);
+    its epilogue takes the greedy next token (``next_tokens``) and advances the static inputs to the
+    next decode step of the same rows (see :func:`_decode_epilogue`)."""
     if not cuda_graphs_enabled(self._runtime["cuda_graphs"]):
         return None
     if engine.device is None or engine.device.type != "cuda" or engine.backend.name != "triton":
@@ -216,18 +219,43 @@ def _graph_runner(self: FlashCausalLM, engine):
     if runner is None or runner.engine is not engine:
         from graphdsl.runtime.serving.cuda_graphs import CudaGraphRunner
         width = self._runtime["max_blocks_per_seq"] or self._num_cache_blocks
-        pads = {k: p for k, p in decode_pads(width).items() if k in engine.net.inputs and k not in engine._weights}
+        all_pads = decode_pads(width)
+        pads = {k: p for k, p in all_pads.items() if k in engine.net.inputs and k not in engine._weights}
+        rope = self.rotary.captures_tables and {"cos", "sin"} <= set(pads)
+        slots = "slot_mapping" in pads and {"block_tables", "seq_lens"} <= set(pads)
         prologue = None
-        if self.rotary.captures_tables and {"cos", "sin"} <= set(pads):   # cos/sin computed inside the graph
-            pads = {k: p for k, p in pads.items() if k not in ("cos", "sin")}
-            pads["positions"] = decode_pads(width)["positions"]
-            prologue = _rope_prologue(self.rotary)
-        runner = self._graph_runners[id(engine)] = CudaGraphRunner(engine, pads, prologue=prologue)
+        if rope or slots:
+            pads = {k: p for k, p in pads.items() if not ((rope and k in ("cos", "sin")) or (slots and k == "slot_mapping"))}
+            pads["positions"] = all_pads["positions"]
+            prologue = _decode_prologue(self.rotary if rope else None, self._cache_spec.block_size if slots else None)
+        runner = self._graph_runners[id(engine)] = CudaGraphRunner(engine, pads, prologue=prologue,
+                                                                   epilogue=_decode_epilogue)
     return runner
 
 
-def _rope_prologue(rotary):
+def _decode_prologue(rotary, block_size: int | None):
+    from graphdsl.runtime.serving.kv_cache import decode_slots
+
     def prologue(static: Mapping[str, torch.Tensor]) -> dict:
-        cos, sin = rotary.cos_sin(static["positions"])
-        return {"cos": cos, "sin": sin}
+        out = {}
+        if rotary is not None:
+            out["cos"], out["sin"] = rotary.cos_sin(static["positions"])
+        if block_size is not None:
+            out["slot_mapping"] = decode_slots(static["positions"], static["block_tables"], static["seq_lens"],
+                                               block_size)
+        return out
     return prologue
+
+
+def _decode_epilogue(static: Mapping[str, torch.Tensor], outputs: Mapping[str, torch.Tensor]) -> dict:
+    """Greedy next token of every row, and the static inputs advanced for the next step of the same
+    rows: ``input_ids <- next token``, ``positions += 1`` and ``seq_lens += 1`` on real rows
+    (``seq_lens > 0``; padding rows stay padding). The serving loop overwrites ``input_ids`` with
+    sampled tokens when a row does not decode greedily; a caller that copies its inputs in before
+    every replay (``CudaGraphRunner.run``) is not affected."""
+    tokens = outputs["logits"].argmax(dim=-1)
+    active = static["seq_lens"] > 0
+    static["input_ids"].copy_(tokens)
+    static["positions"].add_(active)
+    static["seq_lens"].add_(active)
+    return {"next_tokens": tokens}

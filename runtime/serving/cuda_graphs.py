@@ -19,8 +19,13 @@ replaying a captured CUDA graph removes it. A graph fixes every shape and pointe
   arena views of a captured plan are held by the runner, so a later, larger plan that regrows the
   engine's arena cannot free memory a graph still writes to;
 * **prologue** — inputs computed from other inputs on the device (decode's RoPE cos/sin from the
-  positions) can be captured too: the runner calls it before the engine in the warm-up and in
-  the capture, and holds what the captured call allocated. Their host-side launches leave the step.
+  positions, the cache slots from positions and block tables) can be captured too: the runner
+  calls it before the engine in the warm-up and in the capture, and holds what the captured call
+  allocated. Their host-side launches leave the step;
+* **epilogue** — work after the engine (the greedy argmax of the logits, advancing the static
+  inputs to the next step) is captured too, but not run in the warm-up, so it may update inputs;
+* **static use** — the serving loop writes a bucket's static inputs itself (:meth:`static_inputs`,
+  advanced in place between steps) and calls :meth:`replay` with no copy at all.
 
 The warm-up computes the same step the replay then repeats (cache writes are idempotent), so the
 first step of a bucket is correct too. :func:`pad_batch` is the same padding as plain tensors, for
@@ -134,14 +139,16 @@ class CudaGraphRunner:
             positions, for decode). Padded inputs the engine does not take are the prologue's.
     """
 
-    def __init__(self, engine, pads: Mapping[str, Pad], *, buckets=BUCKETS, prologue=None):
+    def __init__(self, engine, pads: Mapping[str, Pad], *, buckets=BUCKETS, prologue=None, epilogue=None):
         if list(buckets) != sorted(set(buckets)) or not buckets or buckets[0] < 1:
             raise GraphDSLError(f"CudaGraphRunner: buckets must be ascending positive ints, got {buckets!r}")
-        if prologue is not None and not callable(prologue):
-            raise GraphDSLError(f"CudaGraphRunner: prologue must be callable or None, got {prologue!r}")
+        for name, fn in (("prologue", prologue), ("epilogue", epilogue)):
+            if fn is not None and not callable(fn):
+                raise GraphDSLError(f"CudaGraphRunner: {name} must be callable or None, got {fn!r}")
         self.engine = engine
         self.pads = dict(pads)
-        self.prologue = prologue
+        self.prologue, self.epilogue = prologue, epilogue
+        self._static: dict[int, dict[str, torch.Tensor]] = {}
         self.buckets = tuple(buckets)
         self.graphs: dict[int, _Graph] = {}
         self._pool = None
@@ -164,11 +171,50 @@ class CudaGraphRunner:
             raise BindError(f"CudaGraphRunner: batch size must be in [1, {self.buckets[-1]}], got {n}")
         entry = self.graphs.get(bucket)
         if entry is None:
-            entry = self.graphs[bucket] = self._capture(bucket, inputs, n)
+            static = pad_batch(inputs, self.pads, bucket)
+            entry = self.graphs[bucket] = self._capture(bucket, static)
+            entry.extent = {name: (n, x.shape[1] if self.pads[name].width is not None else None)
+                            for name, x in inputs.items()}
         else:
             self._load(entry, inputs, n)
         entry.graph.replay()
         return {name: buf[:n].clone() for name, buf in entry.outputs.items()}
+
+    def static_inputs(self, bucket: int, like: Mapping[str, tuple[tuple[int, ...], torch.dtype]],
+                      device) -> dict[str, torch.Tensor]:
+        """The bucket's static input buffers, made on first use filled with their pad values:
+        ``like[name] = (shape of one row, dtype)``. The caller writes them in place; :meth:`replay`
+        runs the graph over what they hold."""
+        if bucket not in self.buckets:
+            raise GraphDSLError(f"CudaGraphRunner: bucket must be one of {self.buckets}, got {bucket}")
+        entry = self.graphs.get(bucket)
+        if entry is not None:
+            return entry.inputs
+        static = self._static.get(bucket)
+        if static is None:
+            static = {}
+            for name, pad in self.pads.items():
+                row, dtype = like[name]
+                shape = (bucket, *row)
+                if pad.width is not None:
+                    shape = (bucket, pad.width, *row[1:])
+                static[name] = torch.full(shape, pad.value, dtype=dtype, device=device)
+            self._static[bucket] = static
+        return static
+
+    def replay(self, bucket: int) -> dict[str, torch.Tensor]:
+        """Run the bucket's graph over its static inputs (capturing it on first use) and return its
+        output buffers themselves (``[bucket, ...]``, valid until the next replay)."""
+        entry = self.graphs.get(bucket)
+        if entry is None:
+            static = self._static.pop(bucket, None)
+            if static is None:
+                raise GraphDSLError(f"CudaGraphRunner.replay: bucket {bucket} has no static inputs; "
+                                    "call static_inputs first")
+            entry = self.graphs[bucket] = self._capture(bucket, static)
+        entry.extent = {}        # the caller wrote the buffers: a later run() refills all padding
+        entry.graph.replay()
+        return entry.outputs
 
     def _load(self, entry: _Graph, inputs, n: int) -> None:
         """Copy the step into the static buffers with as few launches as the padding allows: full-width
@@ -199,16 +245,16 @@ class CudaGraphRunner:
         for dsts, srcs in copies.values():
             torch._foreach_copy_(dsts, srcs)
 
-    def _capture(self, bucket: int, inputs, n: int) -> _Graph:
+    def _capture(self, bucket: int, static: dict[str, torch.Tensor]) -> _Graph:
         engine = self.engine
-        static = pad_batch(inputs, self.pads, bucket)
         device = next(iter(static.values())).device
         if device.type != "cuda":
             raise GraphDSLError(f"CudaGraphRunner: CUDA graphs need CUDA inputs, got device {device}")
         side = torch.cuda.Stream(device)
         side.wait_stream(torch.cuda.current_stream(device))
         with torch.cuda.stream(side):
-            outputs = engine.forward(self._feed(static, []))   # warm-up: specialise the plan, compile kernels
+            # warm-up: specialise the plan, compile kernels (not the epilogue: it may update the inputs)
+            outputs = engine.forward(self._feed(static, []))
         torch.cuda.current_stream(device).wait_stream(side)
         for name, buf in outputs.items():
             if buf.dim() == 0 or buf.shape[0] != bucket:
@@ -220,10 +266,10 @@ class CudaGraphRunner:
         made: list = []
         with torch.cuda.graph(graph, pool=self._pool):
             engine.forward(self._feed(static, made), outputs)
+            extra = dict(self.epilogue(static, outputs)) if self.epilogue is not None else {}
         plan = engine.last_plan
         keep = list(plan.storage.values()) if plan is not None and plan.storage else []
-        extent = {name: (n, x.shape[1] if self.pads[name].width is not None else None) for name, x in inputs.items()}
-        return _Graph(graph, static, outputs, keep + made, extent)
+        return _Graph(graph, static, {**outputs, **extra}, keep + made)
 
     def _feed(self, static: dict, made: list) -> dict:
         """The engine's inputs: the static buffers and what the prologue computes from them (its

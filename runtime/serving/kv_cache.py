@@ -7,7 +7,11 @@ i.e. at flat slot ``table[p // block_size] * block_size + p % block_size``.
 
 :class:`BlockManager` is pure bookkeeping (no tensors): a free list of block ids, and per sequence
 its block table and token count. Tables only grow (``append``) until ``free``. Running out raises
-:class:`OutOfBlocks` with the numbers, and leaves the manager unchanged.
+:class:`OutOfBlocks` with the numbers, and leaves the manager unchanged. Full blocks can be shared:
+``fork(parent, child, n)`` gives ``child`` the parent's first ``n // block_size`` blocks (the
+``n`` parallel samples of one prompt read one copy of its KV); a block returns to the free list
+when the last sequence holding it is freed. Shared blocks are never written again: a sequence
+only writes positions past the shared prefix, which live in blocks of its own.
 """
 from __future__ import annotations
 
@@ -21,7 +25,7 @@ import torch
 from graphdsl.dtypes import dtype_str, to_dtype
 from graphdsl.errors import GraphDSLError
 
-__all__ = ["PagedKVCache", "BlockManager", "OutOfBlocks"]
+__all__ = ["PagedKVCache", "BlockManager", "OutOfBlocks", "decode_slots"]
 
 
 class OutOfBlocks(GraphDSLError):
@@ -150,6 +154,7 @@ class BlockManager:
         self._free: list[int] = list(range(num_blocks - 1, -1, -1))
         self._tables: dict[Hashable, list[int]] = {}
         self._lens: dict[Hashable, int] = {}
+        self._refs: dict[int, int] = {}          # block -> number of sequences holding it, when > 1
 
     @property
     def num_free_blocks(self) -> int:
@@ -183,10 +188,47 @@ class BlockManager:
         self._lens[seq_id] = total
         return list(self._tables[seq_id])
 
-    def free(self, seq_id: Hashable) -> None:
-        """Return all of ``seq_id``'s blocks to the free list."""
+    def try_append(self, seq_id: Hashable, n_new_tokens: int) -> bool:
+        """Grow ``seq_id`` by ``n_new_tokens`` (an int >= 0) if the free blocks allow; False (and no
+        change) otherwise. The scheduler's per-step fast path: no table copy, no exception."""
         table = self._table(seq_id)
-        self._free.extend(reversed(table))
+        total = self._lens[seq_id] + n_new_tokens
+        need = -(-total // self.block_size) - len(table)
+        if need > len(self._free):
+            return False
+        for _ in range(need):
+            table.append(self._free.pop())
+        self._lens[seq_id] = total
+        return True
+
+    def fork(self, parent: Hashable, child: Hashable, n_tokens: int) -> list[int]:
+        """Give the new sequence ``child`` the parent's blocks holding its first ``n_tokens`` tokens,
+        shared (no copy); ``n_tokens`` must be a multiple of ``block_size`` within the parent's
+        tokens. ``child`` then grows with ``append`` like any sequence. Returns its table."""
+        table = self._table(parent)
+        n_tokens = _positive_int("n_tokens", n_tokens, allow_zero=True)
+        if n_tokens % self.block_size or n_tokens > self._lens[parent]:
+            raise GraphDSLError(f"fork({parent!r}, {child!r}, n_tokens={n_tokens}): n_tokens must be a multiple of "
+                                f"block_size={self.block_size} and at most the parent's {self._lens[parent]} tokens")
+        if child in self._tables:
+            raise GraphDSLError(f"fork: sequence {child!r} already has blocks")
+        shared = table[:n_tokens // self.block_size]
+        for b in shared:
+            self._refs[b] = self._refs.get(b, 1) + 1
+        self._tables[child], self._lens[child] = list(shared), n_tokens
+        return list(shared)
+
+    def free(self, seq_id: Hashable) -> None:
+        """Release ``seq_id``'s blocks; each returns to the free list once no sequence holds it."""
+        table = self._table(seq_id)
+        for b in reversed(table):
+            refs = self._refs.get(b, 1)
+            if refs > 2:
+                self._refs[b] = refs - 1
+            elif refs == 2:
+                del self._refs[b]                # one holder left: no count kept
+            else:
+                self._free.append(b)
         del self._tables[seq_id], self._lens[seq_id]
 
     def block_table(self, seq_id: Hashable) -> list[int]:
@@ -236,3 +278,13 @@ class BlockManager:
         table = self._tables.setdefault(seq_id, [])
         for _ in range(n_blocks):
             table.append(self._free.pop())
+
+
+def decode_slots(positions: torch.Tensor, block_tables: torch.Tensor, seq_lens: torch.Tensor,
+                 block_size: int) -> torch.Tensor:
+    """Cache slot of each decode row's new token, on the device:
+    ``block_tables[r, p // bs] * bs + p % bs`` for ``p = positions[r]``, and -1 (write nothing) for
+    padding rows (``seq_lens[r] == 0``)."""
+    col = torch.div(positions, block_size, rounding_mode="floor").clamp_(0, block_tables.shape[1] - 1)
+    block = block_tables.gather(1, col.unsqueeze(1).to(torch.int64)).squeeze(1).to(torch.int64)
+    return torch.where(seq_lens > 0, block * block_size + positions % block_size, torch.full_like(positions, -1))

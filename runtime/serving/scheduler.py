@@ -12,27 +12,44 @@ Every step the scheduler fills a token budget (``max_num_batched_tokens``) and a
 2. **Waiting requests** are admitted in arrival order (no overtaking) while budgets and free
    blocks allow; a prompt longer than the budget left is chunked.
 
-A scheduled chunk covers token positions ``[start, end)`` of the request's known tokens (prompt +
-generated). When ``end`` reaches the last known token the request samples its next token.
-Preemption loses nothing: the recompute rebuilds the same KV cache, the per-request sampling
-generator has advanced only on real draws, so the request finishes with the output it would have
-had alone. ``tests/core/test_scheduler.py`` checks this against one-by-one runs.
+A scheduled chunk covers token positions ``[start, end)`` of the request's tokens (prompt +
+generated). When ``end`` reaches the last token the request samples its next token.
+
+**Tokens in flight.** The serving loop (:mod:`.loop`) schedules step N+1 before it has read step
+N's sampled tokens back from the device, so a request may own tokens the host does not know yet:
+``schedule`` counts each sampling chunk's token as *pending* (``Request.num_pending``) and moves
+``num_computed`` past the chunk at once; ``update`` later fills the pending tokens in, in order.
+A pending token's value is on the device, and the loop feeds it to the next step from there.
+The host therefore always knows how many tokens each request has (``num_tokens``), so a request
+that reached ``max_tokens`` or ``max_model_len`` with tokens still pending is not scheduled again;
+only an EOS, stop token or stop string is learned a step late, and the extra token computed in the
+meantime is dropped. A preempted request with pending tokens waits for them before it is readmitted.
+
+**Parallel samples.** ``SamplingParams.n > 1`` makes ``n`` requests; sample ``i > 0`` names sample 0
+as its ``parent``. When the parent has computed the prompt's full blocks before the last prompt
+token, the sample is admitted sharing those blocks (:meth:`BlockManager.fork`) and computes only
+the rest of the prompt; otherwise it computes the whole prompt itself.
+
+Preemption loses nothing: the recompute rebuilds the same KV cache and sampling noise depends only
+on the request's seed and the token position, so the request finishes with the output it would
+have had alone. ``tests/core/test_scheduler.py`` checks this against one-by-one runs.
 """
 from __future__ import annotations
 
 import enum
 import itertools
+import random
 from dataclasses import dataclass, field
-from typing import Callable, Hashable, Iterator, Sequence
+from typing import Hashable, Sequence
 
 import torch
 
 from graphdsl.errors import GraphDSLError
 
 from .kv_cache import BlockManager
-from .sampling import SamplingParams, make_generator, sample
+from .sampling import SamplingParams
 
-__all__ = ["RequestStatus", "Request", "Chunk", "StepBatch", "Scheduler", "TokenEvent", "run_steps"]
+__all__ = ["RequestStatus", "Request", "Chunk", "StepBatch", "Scheduler", "TokenEvent"]
 
 
 class RequestStatus(enum.Enum):
@@ -43,26 +60,41 @@ class RequestStatus(enum.Enum):
 
 @dataclass(eq=False)
 class Request:
-    """One generation request and its progress."""
+    """One generation request (one sample of a prompt) and its progress."""
 
     request_id: Hashable
     prompt_ids: list[int]
     params: SamplingParams
     arrival: int
+    seed: int = 0                         # drives the sampling noise (params.seed, or drawn at add time)
+    parent: "Request | None" = None       # sample 0 of the same prompt, for samples 1..n-1
     output_ids: list[int] = field(default_factory=list)
-    num_computed: int = 0                 # leading tokens whose KV is in the cache
+    num_pending: int = 0                  # sampled on the device, not yet read back
+    num_computed: int = 0                 # leading tokens whose KV is (or is being) written
     status: RequestStatus = RequestStatus.WAITING
     finish_reason: str | None = None      # "stop" | "length" | "abort"
+    stop_reason: int | str | None = None  # the stop token id or stop string that ended it
     num_preemptions: int = 0
-    generator: torch.Generator | None = None
+    prompt_logprobs: list | None = None   # filled by the serving loop when params.prompt_logprobs is set
+    prompt_lp_done: int = 1               # prompt positions whose logprobs are computed (0 has none)
 
     @property
     def token_ids(self) -> list[int]:
+        """The known tokens: prompt then generated (pending ones excluded)."""
         return self.prompt_ids + self.output_ids
 
     @property
     def num_tokens(self) -> int:
+        """Prompt + generated tokens, pending ones included."""
+        return len(self.prompt_ids) + len(self.output_ids) + self.num_pending
+
+    @property
+    def num_known(self) -> int:
         return len(self.prompt_ids) + len(self.output_ids)
+
+    @property
+    def num_generated(self) -> int:
+        return len(self.output_ids) + self.num_pending
 
     def tokens(self, start: int, end: int) -> list[int]:
         """Known tokens ``[start, end)`` (prompt then generated) without copying the whole list."""
@@ -76,15 +108,13 @@ class Request:
 
 @dataclass
 class Chunk:
-    """Positions ``[start, end)`` of ``request`` computed in one step."""
+    """Positions ``[start, end)`` of ``request`` computed in one step; ``samples`` when the step
+    draws the request's next token from the chunk's last position."""
 
     request: Request
     start: int
     end: int
-
-    @property
-    def samples(self) -> bool:
-        return self.end == self.request.num_tokens
+    samples: bool = False
 
 
 @dataclass
@@ -98,8 +128,8 @@ class StepBatch:
 
     @property
     def is_decode(self) -> bool:
-        """Every chunk is one new token after a cached context (a decode-only step)."""
-        return all(c.end - c.start == 1 and c.start > 0 for c in self.chunks)
+        """Every chunk is one new token after a cached context, and samples (a decode-only step)."""
+        return all(c.end - c.start == 1 and c.start > 0 and c.samples for c in self.chunks)
 
     @property
     def sampling_chunks(self) -> list[Chunk]:
@@ -109,11 +139,15 @@ class StepBatch:
         """The standard per-step tensors: ``input_ids``, ``positions``, ``slot_mapping`` (int64,
         one per scheduled token), ``block_tables`` [num_seqs, max_blocks] int32 (padded with 0),
         ``seq_lens`` (context incl. this chunk) and ``query_start_loc`` (int32), and
-        ``lm_head_indices`` (int64: the last token of each sampling chunk, in chunk order)."""
+        ``lm_head_indices`` (int64: the last token of each sampling chunk, in chunk order).
+        Pending tokens (not yet known on the host) are given as 0: :meth:`pending_inputs` says where."""
         ids, pos, slots, qsl, lens, heads, tables = [], [], [], [0], [], [], []
         for c in self.chunks:
-            rid = c.request.request_id
-            ids += c.request.tokens(c.start, c.end)
+            req = c.request
+            rid = req.request_id
+            known = min(c.end, req.num_known)
+            ids += req.tokens(c.start, known) if known > c.start else []
+            ids += [0] * (c.end - max(known, c.start))
             pos += range(c.start, c.end)
             slots += blocks.slot_mapping(rid, c.start, c.end)
             qsl.append(qsl[-1] + c.end - c.start)
@@ -123,27 +157,47 @@ class StepBatch:
                 heads.append(qsl[-1] - 1)
         width = max(len(t) for t in tables)
         flat_tables = [b for t in tables for b in t + [0] * (width - len(t))]
-        return _to_device(device, {"input_ids": (ids, torch.int64), "positions": (list(pos), torch.int64),
-                                   "slot_mapping": (slots, torch.int64), "lm_head_indices": (heads, torch.int64),
-                                   "block_tables": (flat_tables, torch.int32), "seq_lens": (lens, torch.int32),
-                                   "query_start_loc": (qsl, torch.int32)},
-                          shapes={"block_tables": (len(tables), width)})
+        return to_device(device, {"input_ids": (ids, torch.int64), "positions": (list(pos), torch.int64),
+                                  "slot_mapping": (slots, torch.int64), "lm_head_indices": (heads, torch.int64),
+                                  "block_tables": (flat_tables, torch.int32), "seq_lens": (lens, torch.int32),
+                                  "query_start_loc": (qsl, torch.int32)},
+                         shapes={"block_tables": (len(tables), width)})
+
+    def pending_inputs(self) -> list[tuple[int, Request, int]]:
+        """``(index in input_ids, request, index of the token among its generated ones)`` for every
+        scheduled token whose value is still on the device."""
+        out, at = [], 0
+        for c in self.chunks:
+            req = c.request
+            for p in range(max(c.start, req.num_known), c.end):
+                out.append((at + p - c.start, req, p - len(req.prompt_ids)))
+            at += c.end - c.start
+        return out
 
 
-def _to_device(device, fields: dict[str, tuple[list[int], torch.dtype]],
-               shapes: dict[str, tuple[int, ...]]) -> dict[str, torch.Tensor]:
+def to_device(device, fields: dict[str, tuple[list[int], torch.dtype]],
+              shapes: dict[str, tuple[int, ...]] | None = None) -> dict[str, torch.Tensor]:
     """One host-to-device copy per dtype: the lists are packed into one buffer, each starting at
-    a 16-byte boundary (kernels may assume aligned pointers), and handed out as views."""
+    a 16-byte boundary (kernels may assume aligned pointers), and handed out as views. On CUDA the
+    buffer is staged in pinned memory and copied without blocking the host."""
+    shapes = shapes or {}
+    device = torch.device(device)
     out = {}
     for dt in (torch.int64, torch.int32):
         names = [k for k, (_, d) in fields.items() if d is dt]
+        if not names:
+            continue
         align = 16 // torch.empty((), dtype=dt).element_size()
         packed, offsets = [], {}
         for k in names:
             offsets[k] = len(packed)
             vals = fields[k][0]
             packed += vals + [0] * (-len(vals) % align)
-        buf = torch.tensor(packed, dtype=dt).to(device)
+        buf = torch.tensor(packed, dtype=dt)
+        if device.type == "cuda":
+            buf = buf.pin_memory().to(device, non_blocking=True)
+        else:
+            buf = buf.to(device)
         for k in names:
             n = len(fields[k][0])
             view = buf[offsets[k]:offsets[k] + n]
@@ -153,18 +207,21 @@ def _to_device(device, fields: dict[str, tuple[list[int], torch.dtype]],
 
 @dataclass
 class TokenEvent:
-    """A sampled token; ``finished`` is set on the request's last one."""
+    """A sampled token; ``finished`` is set on the request's last one. ``index`` is the token's place
+    among the request's generated tokens."""
 
     request: Request
     token_id: int
     finished: bool
+    index: int = 0
+    logprobs: dict | None = None          # {token id: Logprob} when params.logprobs is set
 
 
 class Scheduler:
     """Continuous batching over a :class:`BlockManager` (see the module docstring)."""
 
     def __init__(self, blocks: BlockManager, *, max_num_seqs: int, max_num_batched_tokens: int,
-                 max_model_len: int, eos_token_ids: Sequence[int] = (), device="cpu"):
+                 max_model_len: int, eos_token_ids: Sequence[int] = ()):
         for name, v in (("max_num_seqs", max_num_seqs), ("max_num_batched_tokens", max_num_batched_tokens),
                         ("max_model_len", max_model_len)):
             if isinstance(v, bool) or not isinstance(v, int) or v < 1:
@@ -173,18 +230,21 @@ class Scheduler:
         self.max_num_seqs, self.max_num_batched_tokens = max_num_seqs, max_num_batched_tokens
         self.max_model_len = max_model_len
         self.eos_token_ids = frozenset(eos_token_ids)
-        self.device = device                      # where per-request sampling generators live
         self.waiting: list[Request] = []
         self.running: list[Request] = []
         self._arrivals = itertools.count()
         self._ids: set = set()
+        self._seeds = random.Random()
         self.num_preemptions = 0                  # over this scheduler's life (requests recomputed)
         self.num_steps = 0                        # batches handed out by schedule()
 
     # -- requests ----------------------------------------------------------------------------
-    def add_request(self, request_id: Hashable, prompt_ids: Sequence[int], params: SamplingParams) -> Request:
+    def add_request(self, request_id: Hashable, prompt_ids: Sequence[int], params: SamplingParams, *,
+                    parent: Request | None = None, seed: int | None = None) -> Request:
         """Queue a request; raises on an empty prompt, a prompt that leaves no room to generate
-        within ``max_model_len``, or one that needs more KV blocks than the whole pool."""
+        within ``max_model_len``, or one that needs more KV blocks than the whole pool. ``seed``
+        (default ``params.seed``, else a random one) drives its sampling noise; ``parent`` is sample 0
+        of the same prompt, whose prompt blocks this one may share."""
         prompt = [int(t) for t in prompt_ids]
         if not prompt:
             raise GraphDSLError(f"request {request_id!r}: the prompt is empty (it needs at least one token)")
@@ -200,14 +260,16 @@ class Scheduler:
         if request_id in self._ids:
             raise GraphDSLError(f"request id {request_id!r} is already in use")
         self._ids.add(request_id)
-        req = Request(request_id, prompt, params, next(self._arrivals), generator=make_generator(params, self.device))
+        if seed is None:
+            seed = params.seed if params.seed is not None else self._seeds.getrandbits(63)
+        req = Request(request_id, prompt, params, next(self._arrivals), seed=seed, parent=parent)
         self.waiting.append(req)
         return req
 
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)
 
-    def finish(self, request: Request, reason: str) -> None:
+    def finish(self, request: Request, reason: str, stop_reason: int | str | None = None) -> None:
         """End ``request`` now (stop string found by the caller, abort, ...)."""
         if request.status is RequestStatus.FINISHED:
             return
@@ -217,53 +279,89 @@ class Scheduler:
             self.waiting.remove(request)
         if request.request_id in self.blocks:
             self.blocks.free(request.request_id)
-        request.status, request.finish_reason = RequestStatus.FINISHED, reason
+        request.status, request.finish_reason, request.stop_reason = RequestStatus.FINISHED, reason, stop_reason
         self._ids.discard(request.request_id)
 
     # -- one step ----------------------------------------------------------------------------
+    def _done_generating(self, req: Request) -> bool:
+        """All its tokens are sampled (some maybe pending): nothing more to compute."""
+        return req.num_generated >= req.params.max_tokens or req.num_tokens >= self.max_model_len
+
     def schedule(self) -> StepBatch:
+        """The next step's chunks. May be empty while every request waits for pending tokens."""
         budget = self.max_num_batched_tokens
         batch = StepBatch([])
         scheduled: set[int] = set()
+        preempted: set[int] = set()
+        blocks = self.blocks
         for req in list(self.running):
             if budget == 0:
                 break
-            if req not in self.running:          # preempted earlier in this loop
+            if id(req) in preempted or self._done_generating(req):
                 continue
             n = min(req.num_tokens - req.num_computed, budget)
-            while not self.blocks.can_append(req.request_id, req.num_computed + n - self.blocks.num_tokens(req.request_id)):
+            grow = req.num_computed + n - blocks.num_tokens(req.request_id)
+            while grow > 0 and not blocks.try_append(req.request_id, grow):
                 victims = [r for r in self.running if id(r) not in scheduled and r is not req]
                 victim = max(victims, key=lambda r: r.arrival) if victims else req
                 self._preempt(victim)
+                preempted.add(id(victim))
                 batch.preempted.append(victim)
                 if victim is req:
                     break
-            if req not in self.running:
+            if id(req) in preempted:
                 continue
-            grow = req.num_computed + n - self.blocks.num_tokens(req.request_id)
-            if grow > 0:
-                self.blocks.append(req.request_id, grow)
-            batch.chunks.append(Chunk(req, req.num_computed, req.num_computed + n))
+            self._add_chunk(batch, req, req.num_computed, n)
             scheduled.add(id(req))
             budget -= n
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             req = self.waiting[0]
-            n = min(req.num_tokens, budget)
-            if not self.blocks.can_allocate(n):
+            if req.num_pending:                      # preempted with tokens in flight: wait for them
                 break
+            start = self._shared_prefix(req, batch)
+            if start is None:                        # its parent is still computing the shared prompt
+                break
+            n = min(req.num_tokens - start, budget)
+            if start:
+                if self.blocks.blocks_needed(start + n) - start // self.blocks.block_size > self.blocks.num_free_blocks:
+                    break
+                self.blocks.fork(req.parent.request_id, req.request_id, start)
+                self.blocks.append(req.request_id, n)
+            else:
+                if not self.blocks.can_allocate(n):
+                    break
+                self.blocks.allocate(req.request_id, n)
             self.waiting.pop(0)
-            self.blocks.allocate(req.request_id, n)
             req.status = RequestStatus.RUNNING
             self.running.append(req)
-            batch.chunks.append(Chunk(req, 0, n))
+            self._add_chunk(batch, req, start, n)
             budget -= n
-        if not batch.chunks and self.has_unfinished():
+        if not batch.chunks and self.has_unfinished() and not any(r.num_pending for r in self.running + self.waiting):
             raise GraphDSLError(f"scheduler stalled: {len(self.waiting)} waiting and {len(self.running)} running "
                                 f"requests, {self.blocks.num_free_blocks} free blocks, token budget "
                                 f"{self.max_num_batched_tokens}")
         if batch.chunks:
             self.num_steps += 1
         return batch
+
+    def _add_chunk(self, batch: StepBatch, req: Request, start: int, n: int) -> None:
+        req.num_computed = start + n
+        samples = req.num_computed == req.num_tokens
+        if samples:
+            req.num_pending += 1
+        batch.chunks.append(Chunk(req, start, start + n, samples))
+
+    def _shared_prefix(self, req: Request, batch: StepBatch) -> int | None:
+        """Tokens ``req`` can take from its parent's blocks (0: none), or None to wait until a step
+        before this one has computed them."""
+        parent = req.parent
+        if parent is None or req.num_known != len(req.prompt_ids) or parent.status is not RequestStatus.RUNNING:
+            return 0
+        share = (len(req.prompt_ids) - 1) // self.blocks.block_size * self.blocks.block_size
+        if share == 0:
+            return 0
+        computing = any(c.request is parent and c.start < share for c in batch.chunks)
+        return share if parent.num_computed >= share and not computing else None
 
     def _preempt(self, req: Request) -> None:
         self.running.remove(req)
@@ -275,48 +373,32 @@ class Scheduler:
         self.waiting.insert(at, req)
 
     def update(self, batch: StepBatch, sampled: Sequence[int]) -> list[TokenEvent]:
-        """Record a step's results; ``sampled`` holds one token per sampling chunk, in order."""
+        """Record a step's results; ``sampled`` holds one token per sampling chunk, in order. A token
+        of a request that finished meanwhile (EOS seen a step late, abort) is dropped."""
         chunks = batch.sampling_chunks
         if len(sampled) != len(chunks):
             raise GraphDSLError(f"update: expected {len(chunks)} sampled tokens (one per sampling chunk), got {len(sampled)}")
         events = []
-        for c in batch.chunks:
-            c.request.num_computed = c.end
         for c, tok in zip(chunks, sampled):
             req = c.request
+            req.num_pending -= 1
+            if req.status is RequestStatus.FINISHED:
+                continue
             tok = int(tok)
             req.output_ids.append(tok)
-            reason = self._finish_reason(req, tok)
+            reason, stop = self._finish_reason(req, tok)
             if reason:
-                self.finish(req, reason)
-            events.append(TokenEvent(req, tok, reason is not None))
+                self.finish(req, reason, stop)
+            events.append(TokenEvent(req, tok, reason is not None, len(req.output_ids) - 1))
         return events
 
-    def _finish_reason(self, req: Request, tok: int) -> str | None:
+    def _finish_reason(self, req: Request, tok: int) -> tuple[str | None, int | None]:
         p = req.params
-        if (tok in self.eos_token_ids and not p.ignore_eos) or tok in p.stop_token_ids:
-            return "stop"
-        if len(req.output_ids) >= p.max_tokens or req.num_tokens >= self.max_model_len:
-            return "length"
-        return None
-
-
-def run_steps(scheduler: Scheduler, execute: Callable[[StepBatch], torch.Tensor]) -> Iterator[TokenEvent]:
-    """Drive ``scheduler`` to completion: ``execute(batch)`` returns float32 logits
-    ``[len(batch.sampling_chunks), vocab]`` (on any device; tokens are drawn there, with each
-    request's generator made on ``scheduler.device``) and tokens are yielded as they come.
-
-    Between two events the caller may end a request with ``scheduler.finish`` (a stop string it
-    found in the text, say): the next step no longer schedules it."""
-    while scheduler.has_unfinished():
-        batch = scheduler.schedule()
-        chunks = batch.sampling_chunks
-        logits = execute(batch)
-        if chunks:
-            reqs = [c.request for c in chunks]
-            # only a repetition penalty looks at earlier tokens: skip building the others' lists
-            prev = [r.token_ids if r.params.repetition_penalty != 1.0 else [] for r in reqs]
-            tokens = sample(logits, [r.params for r in reqs], [r.generator for r in reqs], prev).tolist()
-        else:
-            tokens = []
-        yield from scheduler.update(batch, tokens)
+        if len(req.output_ids) > p.min_tokens:         # EOS / stop ids count after min_tokens
+            if tok in p.stop_token_ids:
+                return "stop", tok
+            if tok in self.eos_token_ids and not p.ignore_eos:
+                return "stop", None
+        if len(req.output_ids) >= p.max_tokens or req.num_known >= self.max_model_len:
+            return "length", None
+        return None, None

@@ -9,46 +9,25 @@ import torch
 from graphdsl import GraphDSLError
 from graphdsl.runtime.serving.kv_cache import BlockManager
 from graphdsl.runtime.serving.sampling import SamplingParams
-from graphdsl.runtime.serving.scheduler import RequestStatus, Scheduler, run_steps
-
-VOCAB = 50
-
-
-class FakeModel:
-    """Writes each token into its cache slot and computes logits of a token from the tokens it
-    can read back through the block table (positions 0..p), like attention would."""
-
-    def __init__(self, blocks: BlockManager):
-        self.blocks = blocks
-        self.cache = torch.full((blocks.num_blocks * blocks.block_size,), -1, dtype=torch.int64)
-
-    def __call__(self, batch):
-        t = batch.model_inputs(self.blocks)
-        self.cache[t["slot_mapping"]] = t["input_ids"]
-        out, bs = [], self.blocks.block_size
-        for s, c in enumerate(batch.chunks):
-            if not c.samples:
-                continue
-            table = t["block_tables"][s]
-            L = int(t["seq_lens"][s])
-            ctx = [int(self.cache[table[p // bs] * bs + p % bs]) for p in range(L)]
-            assert -1 not in ctx, "read a slot nothing wrote"
-            g = torch.Generator().manual_seed(hash(tuple(ctx)) % (2 ** 31))
-            out.append(torch.randn(VOCAB, generator=g) * 3)
-        return torch.stack(out) if out else torch.empty(0, VOCAB)
+from graphdsl.runtime.serving.loop import ServingLoop
+from graphdsl.runtime.serving.scheduler import RequestStatus, Scheduler
+from tests.helpers.fake_model import VOCAB, FakeModel
 
 
-def _run(requests, *, num_blocks, block_size=4, max_num_seqs=8, budget=32, max_model_len=64, eos=()):
+def _run(requests, *, num_blocks, block_size=4, max_num_seqs=8, budget=32, max_model_len=64, eos=(), overlap=True):
     blocks = BlockManager(num_blocks, block_size)
     sched = Scheduler(blocks, max_num_seqs=max_num_seqs, max_num_batched_tokens=budget,
                       max_model_len=max_model_len, eos_token_ids=eos)
     reqs = [sched.add_request(i, p, sp) for i, (p, sp) in enumerate(requests)]
     streamed = {i: [] for i in range(len(reqs))}
-    for ev in run_steps(sched, FakeModel(blocks)):
-        streamed[ev.request.request_id].append(ev.token_id)
+    loop = ServingLoop(FakeModel(blocks, max_model_len), sched, overlap=overlap)
+    while loop.has_work():
+        for ev in loop.step():
+            streamed[ev.request.request_id].append(ev.token_id)
     assert blocks.num_free_blocks == num_blocks
     for r in reqs:
         assert r.status is RequestStatus.FINISHED and streamed[r.request_id] == r.output_ids
+        assert r.num_pending == 0
     return reqs
 
 
@@ -64,9 +43,10 @@ def _random_requests(n, seed):
     return out
 
 
-def test_many_requests_with_preemption_equal_one_by_one():
+@pytest.mark.parametrize("overlap", [True, False])
+def test_many_requests_with_preemption_equal_one_by_one(overlap):
     reqs = _random_requests(120, seed=0)
-    together = _run(reqs, num_blocks=24, max_num_seqs=16, budget=24)
+    together = _run(reqs, num_blocks=24, max_num_seqs=16, budget=24, overlap=overlap)
     assert sum(r.num_preemptions for r in together) > 0, "pool was meant to force preemption"
     for i, (prompt, sp) in enumerate(reqs):
         (alone,) = _run([(prompt, sp)], num_blocks=24, max_num_seqs=16, budget=24)

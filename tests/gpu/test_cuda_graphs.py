@@ -103,7 +103,7 @@ def test_greedy_generate_same_with_and_without_graphs(family, tmp_path):
     outs = {}
     for graphs in (False, True):
         llm = gd.LLM(tmp_path, device="cuda", dtype="float32", max_model_len=64, cuda_graphs=graphs)
-        outs[graphs] = [o.token_ids for o in llm.generate(prompts, params)]
+        outs[graphs] = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
         runners = llm.model._graph_runners
         assert bool(runners) == graphs and (not graphs or any(r.graphs for r in runners.values()))
     assert outs[True] == outs[False]

@@ -1,9 +1,5 @@
-"""Sampler, KV cache sizing and GGUF dequantization on a CUDA device (run with ``pytest -m gpu``).
-
-The sampler must give the same distribution on the GPU as on the CPU, draw reproducibly with
-per-request CUDA generators, and keep up with a large batch; the cache must size itself from
-the device's free memory.
-"""
+"""KV cache sizing and GGUF dequantization on a CUDA device (run with ``pytest -m gpu``): the
+cache must size itself from the device's free memory; dequantization must match the CPU."""
 from __future__ import annotations
 
 import time
@@ -14,7 +10,6 @@ import torch
 
 from graphdsl.runtime.loaders.gguf import dequantize
 from graphdsl.runtime.serving.kv_cache import BlockManager, PagedKVCache
-from graphdsl.runtime.serving.sampling import SamplingParams, make_generator, sample, sampling_probs
 
 pytestmark = pytest.mark.gpu
 
@@ -22,60 +17,6 @@ if not torch.cuda.is_available():
     pytest.skip("needs a CUDA GPU", allow_module_level=True)
 
 DEV = torch.device("cuda")
-
-
-def test_probs_match_cpu():
-    torch.manual_seed(0)
-    logits = torch.randn(16, 32000) * 4
-    params = [SamplingParams(temperature=0.7, top_k=50, top_p=0.9, repetition_penalty=1.2),
-              SamplingParams(top_p=0.5), SamplingParams(temperature=0), SamplingParams(top_k=1)] * 4
-    prev = [[1, 2, 3, 500, 31999]] * 16
-    cpu = sampling_probs(logits, params, prev)
-    gpu = sampling_probs(logits.to(DEV), params, prev)
-    torch.testing.assert_close(gpu.cpu(), cpu, atol=1e-5, rtol=1e-4)
-
-
-def test_seeded_cuda_draws_reproduce_and_follow_distribution():
-    torch.manual_seed(1)
-    logits = (torch.randn(1, 64) * 2).to(DEV)
-    p = SamplingParams(seed=123, temperature=0.9, top_p=0.95)
-    draws = []
-    for _ in range(2):
-        g = make_generator(p, DEV)
-        draws.append([sample(logits, [p], [g], [[]]).item() for _ in range(20)])
-    assert draws[0] == draws[1]
-    n = 20000
-    g = make_generator(p, DEV)
-    out = sample(logits.expand(n, 64).contiguous(), [p] * n, [g] * n, [[]] * n)
-    assert out.device.type == "cuda" and out.dtype == torch.int64
-    freq = torch.bincount(out, minlength=64).float().cpu() / n
-    expected = sampling_probs(logits, [p], [[]])[0].cpu()
-    assert (freq - expected).abs().max() < 0.02
-
-
-@pytest.mark.parametrize("label,kw,seeded,hist", [
-    ("greedy", dict(temperature=0), False, 0),
-    ("temperature only", dict(temperature=0.8), False, 0),
-    ("top-k 40 + top-p 0.95", dict(temperature=0.8, top_k=40, top_p=0.95), False, 0),
-    ("top-p 0.95 (full sort)", dict(temperature=0.8, top_p=0.95), False, 0),
-    ("top-k+top-p, seeded", dict(temperature=0.8, top_k=40, top_p=0.95), True, 0),
-    ("top-k+top-p+penalty (1000 prev ids)", dict(temperature=0.8, top_k=40, top_p=0.95,
-                                                  repetition_penalty=1.1), False, 1000),
-])
-def test_sample_batch_timing_print(label, kw, seeded, hist):
-    n, vocab = 256, 128256
-    logits = torch.randn(n, vocab, device=DEV)
-    params = [SamplingParams(**kw, seed=i if seeded else None) for i in range(n)]
-    gens = [make_generator(p, DEV) for p in params]
-    prev = [list(range(i, i + hist)) for i in range(n)]
-    sample(logits, params, gens, prev)
-    torch.cuda.synchronize()
-    t = time.perf_counter()
-    for _ in range(5):
-        sample(logits, params, gens, prev)
-    torch.cuda.synchronize()
-    ms = (time.perf_counter() - t) / 5 * 1e3
-    print(f"\nsample(): batch {n} x vocab {vocab}, {label}: {ms:.2f} ms/step")
 
 
 def test_cache_sizing_from_free_memory():

@@ -54,10 +54,10 @@ def soak(llm: gd.LLM, requests, *, log=print) -> dict:
     log(f"together: {len(requests)} requests in {t_together:.1f}s, {preemptions} preemptions")
     t0 = time.perf_counter()
     mismatches = []
-    for i, ((prompt, sp), out) in enumerate(zip(requests, together)):
+    for i, ((prompt, sp), out) in enumerate(zip(requests, [o.outputs[0] for o in together])):
         assert len(out.token_ids) == sp.max_tokens and out.finish_reason == "length", \
             f"request {i}: {len(out.token_ids)} tokens, finish {out.finish_reason!r}; expected {sp.max_tokens}, 'length'"
-        alone = llm.generate([prompt], sp)[0]
+        alone = llm.generate([prompt], sp)[0].outputs[0]
         if alone.token_ids != out.token_ids:
             mismatches.append(f"request {i} (prompt {len(prompt)} tokens, {sp}): together {out.token_ids} "
                               f"alone {alone.token_ids}")

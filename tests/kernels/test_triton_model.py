@@ -35,7 +35,7 @@ def test_tiny_model_on_triton_backend_matches_hf(family, tmp_path, monkeypatch):
     ours, ref = llm.score(prompts[0]).cpu(), hf_logits(hf_model, prompts[0])
     assert (ours - ref).abs().max() <= 1e-4 * ref.abs().max()
     outs = llm.generate(prompts, gd.SamplingParams(max_tokens=4, temperature=0, ignore_eos=True))
-    assert [o.token_ids for o in outs] == [hf_greedy(hf_model, ids, 4) for ids in prompts]
+    assert [o.outputs[0].token_ids for o in outs] == [hf_greedy(hf_model, ids, 4) for ids in prompts]
     assert calls["paged_attention_prefill"] > 0 and calls["paged_attention_decode"] > 0, calls
     for phase, attention in ((Phase.PREFILL, "paged_attention"), (Phase.DECODE, "rope_cache_attention")):
         eng = llm.model.engine(phase)

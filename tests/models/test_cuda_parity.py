@@ -22,7 +22,7 @@ def test_cuda_float32_parity(family, tmp_path):
         ours, ref = llm.score(ids).cpu(), hf_logits(hf_model, ids)
         assert (ours - ref).abs().max() <= 1e-4 * ref.abs().max()
     outs = llm.generate(PROMPTS, gd.SamplingParams(max_tokens=32, temperature=0, ignore_eos=True))
-    assert [o.token_ids for o in outs] == [hf_greedy(hf_model, ids, 32) for ids in PROMPTS]
+    assert [o.outputs[0].token_ids for o in outs] == [hf_greedy(hf_model, ids, 32) for ids in PROMPTS]
     assert llm.model.engine(Phase.DECODE).device.type == "cuda"
 
 

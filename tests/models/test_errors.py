@@ -84,7 +84,7 @@ def test_prompt_longer_than_max_model_len(llm):
 
 
 def test_output_is_capped_by_max_model_len(llm):
-    out = llm.generate([list(range(1, 30))], gd.SamplingParams(max_tokens=20, temperature=0, ignore_eos=True))[0]
+    out = llm.generate([list(range(1, 30))], gd.SamplingParams(max_tokens=20, temperature=0, ignore_eos=True))[0].outputs[0]
     assert len(out.token_ids) == 3 and out.finish_reason == "length"
 
 

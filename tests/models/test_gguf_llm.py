@@ -23,6 +23,7 @@ def test_gguf_parity_with_transformers(tiny_gguf):
     assert (ours - ref).abs().max().item() <= 1e-4 * ref.abs().max().item()
     out = llm.generate(["hello there, the theme", "he"], gd.SamplingParams(max_tokens=32, temperature=0,
                                                                            ignore_eos=True))
+    out = [o.outputs[0] for o in out]
     assert out[0].token_ids == hf_greedy(hf_model, ids, 32)
     assert out[1].token_ids == hf_greedy(hf_model, llm.tokenizer.encode("he"), 32)
     assert out[0].text == llm.tokenizer.decode(out[0].token_ids)
@@ -35,6 +36,7 @@ def test_gguf_chat_template_and_eos(tiny_gguf):
     assert eos in llm.eos_token_ids
     prompt = llm.tokenizer.apply_chat_template([{"role": "user", "content": "hi"}])
     assert prompt == "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n"
-    out = llm.generate("hi", gd.SamplingParams(max_tokens=8, temperature=0), use_chat_template=True)[0]
-    assert out.prompt_token_ids[:1] == [vocabulary().index("<|im_start|>")]
+    res = llm.generate("hi", gd.SamplingParams(max_tokens=8, temperature=0), use_chat_template=True)[0]
+    out = res.outputs[0]
+    assert res.prompt_token_ids[:1] == [vocabulary().index("<|im_start|>")]
     assert out.finish_reason in ("stop", "length") and 1 <= len(out.token_ids) <= 8

@@ -28,8 +28,9 @@ def test_text_prompts_and_chat_from_a_hf_directory(tmp_path):
     ids = hf_tok.encode("hello there, the theme")
     assert llm.tokenizer.encode("hello there, the theme") == ids
     p = gd.SamplingParams(max_tokens=16, temperature=0, ignore_eos=True)
-    out = llm.generate("hello there, the theme", p)[0]
-    assert out.prompt_token_ids == ids and out.token_ids == hf_greedy(hf_model, ids, 16)
+    res = llm.generate("hello there, the theme", p)[0]
+    out = res.outputs[0]
+    assert res.prompt_token_ids == ids and out.token_ids == hf_greedy(hf_model, ids, 16)
     assert out.text == hf_tok.decode(out.token_ids, skip_special_tokens=True)
     chat = llm.chat([{"role": "user", "content": "hi"}], gd.SamplingParams(max_tokens=6, temperature=0))
     want = hf_tok.apply_chat_template([{"role": "user", "content": "hi"}], add_generation_prompt=True, tokenize=False)

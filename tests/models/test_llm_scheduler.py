@@ -19,7 +19,7 @@ def test_chunked_prefill_equals_one_step_prefill():
     chunked = tiny_llm("cpu", num_kv_blocks=64, max_num_seqs=4, max_num_batched_tokens=7)
     prompt = list(range(3, 50))
     sp = gd.SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
-    a, b = one_step.generate([prompt], sp)[0], chunked.generate([prompt], sp)[0]
+    a, b = one_step.generate([prompt], sp)[0].outputs[0], chunked.generate([prompt], sp)[0].outputs[0]
     assert a.token_ids == b.token_ids
     ids = prompt[:20]
     torch.testing.assert_close(chunked.score(ids), one_step.score(ids))

@@ -32,7 +32,7 @@ def check_parity(llm, hf_model, prompts=PROMPTS, n_tokens=32):
         err = (ours - ref).abs().max().item()
         assert err <= 1e-4 * ref.abs().max().item(), f"max |logit diff| {err} vs max |logit| {ref.abs().max()}"
     outs = llm.generate(prompts, gd.SamplingParams(max_tokens=n_tokens, temperature=0, ignore_eos=True))
-    for ids, out in zip(prompts, outs):
+    for ids, out in zip(prompts, [o.outputs[0] for o in outs]):
         assert out.finish_reason == "length" and len(out.token_ids) == n_tokens
         assert out.token_ids == hf_greedy(hf_model, ids, n_tokens)
 

@@ -83,7 +83,7 @@ def test_logits_match_transformers_loading_the_same_gguf(llm, gguf_path):
 
 def test_chat_answer_names_paris(llm):
     out = llm.generate("What is the capital of France?", gd.SamplingParams(max_tokens=24, temperature=0),
-                       use_chat_template=True)[0]
+                       use_chat_template=True)[0].outputs[0]
     assert "Paris" in out.text, out.text
 
 

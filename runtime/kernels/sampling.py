@@ -1,0 +1,276 @@
+"""Sampling kernels: penalties + temperature, the truncation threshold, and a seeded Gumbel-max draw.
+
+``penalize`` (one launch, rows cut into slices): ``x = penalised(l) / T`` with the HF repetition
+penalty on tokens seen in the prompt or generated and the OpenAI presence/frequency penalties on
+generated tokens (counts per request slot, kept on the device).
+
+``threshold`` (one program per row): from each row's sorted prefix (``torch.topk``), the cut
+``thr`` of min-p, top-k and top-p (see ``graphdsl.runtime.serving.sampler`` for the math).
+
+``gumbel_argmax``: for row ``r`` of ``x[R, V]`` and ``thr[r]``::
+
+    token[r] = argmax_{t : x[r, t] >= thr[r]}  x[r, t] + g(seed[r], counter[r], t)
+    g = -log(-log(u)),  u = (hash32(seed, counter, t) >> 8 + 0.5) / 2**24   in (0, 1)
+
+which draws ``t`` with probability ``softmax(x)`` restricted to the kept tokens. ``hash32`` is a
+counter-based integer hash (:func:`hash_uniform` is the same function in torch): the noise of a
+token depends only on the request's seed, the position being drawn (``counter``) and the token id,
+so a request's draws are independent of its batch neighbours and replay after a preemption.
+Ties in the score go to the lowest token id. Each row is cut into slices, one program per slice
+(so a batch of one still fills the GPU); the slices' winners are reduced by a small argmax.
+Integer arithmetic is done in int64 on values below 2**32, with products split in 16-bit halves
+so nothing overflows, in both implementations.
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from graphdsl.errors import GraphDSLError
+
+__all__ = ["gumbel_argmax", "hash_uniform", "gumbel_argmax_reference", "penalize", "threshold"]
+
+_M1, _M2, _GOLDEN = 0x7FEB352D, 0x846CA68B, 0x9E3779B9
+_MASK = 0xFFFFFFFF
+
+
+@triton.jit
+def _mul32(x, c: tl.constexpr):
+    """``x * c mod 2**32`` for int64 ``0 <= x < 2**32`` without overflowing int64."""
+    lo = (x & 0xFFFF) * c
+    hi = (((x >> 16) * c) & 0xFFFF) << 16
+    return (lo + hi) & 0xFFFFFFFF
+
+
+@triton.jit
+def _mix(x):
+    """A 32-bit integer finaliser (xor-shift / multiply rounds) on int64 values below 2**32."""
+    x = x ^ (x >> 16)
+    x = _mul32(x, 0x7FEB352D)
+    x = x ^ (x >> 15)
+    x = _mul32(x, 0x846CA68B)
+    x = x ^ (x >> 16)
+    return x
+
+
+@triton.jit
+def _gumbel_argmax_kernel(
+    x_ptr,            # float32 [R, V] (row stride x_stride): processed logits
+    x_stride,
+    thr_ptr,          # float32 [R]: keep tokens with x >= thr
+    seed_ptr,         # int64 [R]: per-row seed
+    ctr_ptr,          # int64 [R]: per-row RNG counter (the position being drawn)
+    best_ptr,         # float32 [R, S]: best score of each slice of the row
+    arg_ptr,          # int64 [R, S]: its token id (lowest on ties)
+    V,                # vocabulary size
+    SLICE,            # tokens per program (a multiple of BLOCK)
+    S,                # slices per row
+    BLOCK: tl.constexpr,
+):
+    row = tl.program_id(0)
+    sl = tl.program_id(1)
+    thr = tl.load(thr_ptr + row)
+    seed = tl.load(seed_ptr + row)
+    s_lo = seed & 0xFFFFFFFF
+    s_hi = (seed >> 32) & 0xFFFFFFFF
+    ctr = tl.load(ctr_ptr + row) & 0xFFFFFFFF
+    best = tl.full((), float("-inf"), tl.float32)
+    best_i = tl.full((), 0, tl.int64) + sl * SLICE
+    for start in range(sl * SLICE, tl.minimum(sl * SLICE + SLICE, V), BLOCK):
+        idx = start + tl.arange(0, BLOCK)
+        inside = idx < V
+        x = tl.load(x_ptr + row * x_stride + idx, mask=inside, other=float("-inf"))
+        h = _mix((idx.to(tl.int64) + 0x9E3779B9) & 0xFFFFFFFF)
+        h = _mix(h ^ ctr)
+        h = _mix(h ^ s_hi)
+        h = _mix(h ^ s_lo)
+        u = ((h >> 8).to(tl.float32) + 0.5) * (1.0 / 16777216.0)
+        g = -tl.log(-tl.log(u))
+        score = tl.where(inside & (x >= thr), x + g, float("-inf"))
+        bmax = tl.max(score, axis=0)
+        bidx = tl.argmax(score, axis=0)
+        take = bmax > best
+        best = tl.where(take, bmax, best)
+        best_i = tl.where(take, start + bidx.to(tl.int64), best_i)
+    tl.store(best_ptr + row * S + sl, best)
+    tl.store(arg_ptr + row * S + sl, best_i)
+
+
+@triton.jit
+def _penalize_kernel(
+    l_ptr,            # float32 [R, V] (row stride l_stride): logits, read
+    l_stride,
+    x_ptr,            # float32 [R, V] contiguous: processed logits, written
+    temp_ptr,         # float32 [R]: temperature (0 => greedy: no division)
+    slot_ptr,         # int64 [R]: penalty slot, -1 => none
+    rep_ptr,          # float32 [R]: repetition penalty (HF)
+    pres_ptr,         # float32 [R]: presence penalty (OpenAI)
+    freq_ptr,         # float32 [R]: frequency penalty (OpenAI)
+    counts_ptr,       # int32 [S, V]: generated-token counts per slot
+    mask_ptr,         # int8 [S, V]: prompt-token mask per slot
+    V,
+    SLICE,            # tokens per program (a multiple of BLOCK)
+    PENALTIES: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
+    """x = penalised(l) / T: l_t / rho or l_t * rho (rho: repetition, on tokens seen in the prompt or
+    generated), minus freq * count_t + pres * [count_t > 0]; rows with T == 0 are not divided."""
+    row = tl.program_id(0)
+    sl = tl.program_id(1)
+    t = tl.load(temp_ptr + row)
+    inv_t = 1.0 / tl.where(t > 0, t, 1.0)
+    slot = tl.load(slot_ptr + row)
+    rho = tl.load(rep_ptr + row)
+    pres = tl.load(pres_ptr + row)
+    freq = tl.load(freq_ptr + row)
+    end_pen = tl.where(slot >= 0, V, 0)          # tokens below this get penalties (none without a slot)
+    for start in range(sl * SLICE, tl.minimum(sl * SLICE + SLICE, V), BLOCK):
+        idx = start + tl.arange(0, BLOCK)
+        inside = idx < V
+        l = tl.load(l_ptr + row * l_stride + idx, mask=inside, other=0.0)
+        if PENALTIES:
+            on = idx < end_pen
+            s = tl.maximum(slot, 0)
+            cnt = tl.load(counts_ptr + s * V + idx, mask=on, other=0)
+            seen = (tl.load(mask_ptr + s * V + idx, mask=on, other=0) != 0) | (cnt > 0)
+            l = tl.where(on & seen, tl.where(l > 0, l / rho, l * rho), l)
+            l = tl.where(on, l - (freq * cnt.to(tl.float32) + pres * (cnt > 0).to(tl.float32)), l)
+        tl.store(x_ptr + row * V + idx, l * inv_t, mask=inside)
+
+
+@triton.jit
+def _threshold_kernel(
+    vals_ptr,         # float32 [R, W]: each row's W largest x, descending (W <= BLOCK_W)
+    W,
+    min_p_ptr,        # float32 [R]
+    k_ptr,            # int64 [R]: top-k, 0 => off
+    p_ptr,            # float32 [R]: top-p, 1 => off
+    thr_ptr,          # float32 [R]: the threshold, written (keep x >= thr)
+    EXTRA: tl.constexpr,   # ties past the k-th value counted into the top-p mass
+    BLOCK_W: tl.constexpr,
+):
+    """thr = max(min-p cut, k-th largest, top-p cut), from the sorted prefix. Top-p keeps the tokens
+    whose strictly larger kept tokens hold < p of the kept mass: with e the kept probabilities in
+    descending order and c the exclusive prefix sums, J = #{j: c_j < p * sum(e)} and the cut is
+    vals[J - 1] (a tie group straddling J - 1 is kept whole)."""
+    row = tl.program_id(0)
+    j = tl.arange(0, BLOCK_W)
+    inside = j < W
+    v = tl.load(vals_ptr + row * W + j, mask=inside, other=float("-inf"))
+    m = tl.max(v, axis=0)
+    neg = float("-inf")
+    min_p = tl.load(min_p_ptr + row)
+    thr = tl.where(min_p > 0, m + tl.log(tl.maximum(min_p, 1e-30)), neg)
+    k = tl.load(k_ptr + row)
+    kth = tl.load(vals_ptr + row * W + tl.minimum(tl.maximum(k - 1, 0), W - 1))
+    thr = tl.where((k > 0) & (k <= W), tl.maximum(thr, kth), thr)
+    p = tl.load(p_ptr + row)
+    limit = tl.where(k > 0, k + EXTRA, W)
+    kept = inside & (v >= thr) & (j < limit)
+    e = tl.where(kept, tl.exp(v - m), 0.0)
+    c = tl.cumsum(e, axis=0) - e
+    z = tl.sum(e, axis=0)
+    J = tl.sum((kept & (c < p * z)).to(tl.int32), axis=0)
+    t_p = tl.load(vals_ptr + row * W + tl.maximum(J - 1, 0))
+    thr = tl.where(p < 1.0, tl.maximum(thr, t_p), thr)
+    tl.store(thr_ptr + row, thr)
+
+
+def _slices(R: int, V: int, block: int) -> tuple[int, int]:
+    """(tokens per program, programs per row): about 8 blocks a program at batch 1, whole rows at
+    large batch, so one launch fills the GPU either way."""
+    slice_ = block * max(8, triton.cdiv(triton.cdiv(V, block), max(1, 1024 // max(R, 1))))
+    return slice_, triton.cdiv(V, slice_)
+
+
+def penalize(logits: torch.Tensor, temperature, slot, repetition, presence, frequency, counts, prompt_mask):
+    """``_penalize_kernel`` on ``logits`` (float32 [R, V]); ``counts``/``prompt_mask`` None skip the
+    penalties. Returns the new float32 [R, V] tensor."""
+    R, V = logits.shape
+    x = torch.empty(R, V, dtype=torch.float32, device=logits.device)
+    if R == 0:
+        return x
+    block = 1024
+    slice_, S = _slices(R, V, block)
+    pen = counts is not None
+    if not pen:
+        counts = prompt_mask = logits        # unused pointers
+    else:
+        prompt_mask = prompt_mask.view(torch.int8)
+    _penalize_kernel[(R, S)](logits, logits.stride(0), x, temperature, slot, repetition, presence, frequency,
+                             counts, prompt_mask, V, slice_, PENALTIES=pen, BLOCK=block, num_warps=4)
+    return x
+
+
+def threshold(vals: torch.Tensor, min_p: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor,
+              extra: int) -> torch.Tensor:
+    """``_threshold_kernel`` over sorted prefixes ``vals`` [R, W] (W <= 4096)."""
+    R, W = vals.shape
+    if W > 4096:
+        raise GraphDSLError(f"threshold: the sorted prefix must be at most 4096 wide, got {W}")
+    thr = torch.empty(R, dtype=torch.float32, device=vals.device)
+    if R:
+        _threshold_kernel[(R,)](vals, W, min_p, top_k, top_p, thr, EXTRA=extra,
+                                BLOCK_W=max(16, triton.next_power_of_2(W)), num_warps=4)
+    return thr
+
+
+def _check(x: torch.Tensor, thr: torch.Tensor, seed: torch.Tensor, counter: torch.Tensor) -> None:
+    if x.dim() != 2 or x.dtype != torch.float32 or x.stride(1) != 1:
+        raise GraphDSLError(f"gumbel_argmax: x must be a float32 [R, V] tensor with unit stride in V, got "
+                            f"{tuple(x.shape)} {x.dtype} strides {tuple(x.stride())}")
+    R = x.shape[0]
+    for name, t, dt in (("thr", thr, torch.float32), ("seed", seed, torch.int64), ("counter", counter, torch.int64)):
+        if t.shape != (R,) or t.dtype != dt or t.device != x.device or (R and t.stride(0) != 1):
+            raise GraphDSLError(f"gumbel_argmax: {name} must be a contiguous {dt} [{R}] on {x.device}, got "
+                                f"{t.dtype} {list(t.shape)} (stride {t.stride()}) on {t.device}")
+
+
+def gumbel_argmax(x: torch.Tensor, thr: torch.Tensor, seed: torch.Tensor, counter: torch.Tensor) -> torch.Tensor:
+    """The draw of the module docstring on ``x``'s device: int64 ``[R]``. Launches one program per row."""
+    _check(x, thr, seed, counter)
+    R, V = x.shape
+    block = 1024
+    slice_, S = _slices(R, V, block)
+    best = torch.empty(R, S, dtype=torch.float32, device=x.device)
+    arg = torch.empty(R, S, dtype=torch.int64, device=x.device)
+    if R == 0:
+        return arg[:, 0]
+    _gumbel_argmax_kernel[(R, S)](x, x.stride(0), thr, seed, counter, best, arg, V, slice_, S, BLOCK=block,
+                                  num_warps=4)
+    if S == 1:
+        return arg[:, 0]
+    return arg.gather(1, best.argmax(dim=1, keepdim=True)).squeeze(1)   # first slice on ties: lowest id
+
+
+# -- the same function in torch -------------------------------------------------------------------
+def _mul32_t(x: torch.Tensor, c: int) -> torch.Tensor:
+    return ((x & 0xFFFF) * c + ((((x >> 16) * c) & 0xFFFF) << 16)) & _MASK
+
+
+def _mix_t(x: torch.Tensor) -> torch.Tensor:
+    x = x ^ (x >> 16)
+    x = _mul32_t(x, _M1)
+    x = x ^ (x >> 15)
+    x = _mul32_t(x, _M2)
+    return x ^ (x >> 16)
+
+
+def hash_uniform(seed: torch.Tensor, counter: torch.Tensor, vocab: int) -> torch.Tensor:
+    """``u[r, t]`` in (0, 1), float32 ``[R, vocab]``: the kernel's uniform noise, in torch."""
+    t = torch.arange(vocab, dtype=torch.int64, device=seed.device)
+    h = _mix_t((t + _GOLDEN) & _MASK)[None, :]
+    h = _mix_t(h ^ (counter & _MASK)[:, None])
+    h = _mix_t(h ^ ((seed >> 32) & _MASK)[:, None])
+    h = _mix_t(h ^ (seed & _MASK)[:, None])
+    return ((h >> 8).to(torch.float32) + 0.5) * (1.0 / 16777216.0)
+
+
+def gumbel_argmax_reference(x: torch.Tensor, thr: torch.Tensor, seed: torch.Tensor,
+                            counter: torch.Tensor) -> torch.Tensor:
+    """:func:`gumbel_argmax` in torch (any device)."""
+    _check(x, thr, seed, counter)
+    g = -torch.log(-torch.log(hash_uniform(seed, counter, x.shape[1])))
+    score = torch.where(x >= thr[:, None], x + g, torch.full_like(x, float("-inf")))
+    return score.argmax(dim=1)

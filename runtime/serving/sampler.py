@@ -1,0 +1,251 @@
+"""The sampler: a batch of logits to next tokens, on the logits' device, with no host sync.
+
+Per row ``r`` of ``logits[R, V]`` (float32), in this order:
+
+1. ``banned`` ids get ``-inf`` (``min_tokens`` keeps EOS and stop ids out);
+2. repetition penalty ``rho`` (HF): every token seen in the prompt or generated
+   (``prompt_mask | counts > 0``) gets ``l / rho`` if ``l > 0`` else ``l * rho``;
+3. OpenAI penalties over generated tokens: ``l -= frequency * count + presence * [count > 0]``;
+4. ``temperature == 0``: greedy, ``argmax l`` (lowest id on ties); steps 5-8 are skipped;
+5. ``x = l / temperature``;
+6. min-p: keep ``x >= max x + log(min_p)`` (``p_t >= min_p * p_max``);
+7. top-k: keep ``x >=`` the k-th largest ``x`` (ties at the k-th value kept);
+8. top-p over what 6-7 kept: keep token ``t`` iff the probability mass of the kept tokens with a
+   *strictly larger* ``x`` is ``< top_p`` of the kept mass (so tied tokens are kept or cut
+   together, and at least the most likely token is kept). With a top-k, the mass counts the k
+   largest and at most :data:`TIES_COUNTED` more tied with the k-th (a row's result never depends
+   on other rows' k);
+9. draw: Gumbel-max over the kept tokens with counter-based noise of (seed, position, token)
+   (:mod:`graphdsl.runtime.kernels.sampling`): a request's tokens depend only on its seed, its
+   logits and its positions, never on its batch neighbours.
+
+Steps 6-8 come down to one threshold per row (keep ``x >= thr``), computed from a sorted prefix:
+``torch.topk`` of the batch's largest k (no full-vocabulary sort), or the whole sorted row only
+when a row asks for top-p without a top-k of at most :data:`TOPK_SORT_LIMIT`. On CUDA, steps 2-5,
+the threshold and the draw are Triton kernels (:mod:`graphdsl.runtime.kernels.sampling`); on the
+CPU the same math in torch (bit-identical noise).
+
+Penalties read :class:`PenaltyState`: per request slot, the count of each generated token and a
+mask of prompt tokens, kept on the device (``record`` adds each step's tokens).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from graphdsl.errors import GraphDSLError
+
+__all__ = ["SamplingTensors", "PenaltyState", "sample", "sample_reference", "compute_logprobs", "TOPK_SORT_LIMIT",
+           "TIES_COUNTED"]
+
+TOPK_SORT_LIMIT = 1024   # top-p rows with a top-k up to this use the top-k prefix, not a full sort
+TIES_COUNTED = 64        # tokens tied with the k-th value beyond it that count in the top-p mass
+
+_FLOATS = ("temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty")
+_INTS = ("top_k", "seed", "slot")
+
+
+@dataclass
+class SamplingTensors:
+    """Per-row settings on the sampling device, each ``[R]``, and host-side summaries of them."""
+
+    temperature: torch.Tensor        # float32; 0 => greedy row
+    top_k: torch.Tensor              # int64; 0 => off
+    top_p: torch.Tensor              # float32 in (0, 1]; 1 => off
+    min_p: torch.Tensor              # float32 in [0, 1]; 0 => off
+    presence_penalty: torch.Tensor   # float32; 0 => off
+    frequency_penalty: torch.Tensor  # float32; 0 => off
+    repetition_penalty: torch.Tensor  # float32; 1 => off
+    seed: torch.Tensor               # int64
+    slot: torch.Tensor               # int64 row in PenaltyState, -1 => no penalty
+    all_greedy: bool = True
+    any_penalty: bool = False
+    max_top_k: int = 0
+    any_top_p: bool = False
+    any_min_p: bool = False
+    any_greedy: bool = True
+    full_sort: bool = False          # some top-p row has no top-k <= TOPK_SORT_LIMIT
+
+    @classmethod
+    def build(cls, rows: list[dict], device) -> "SamplingTensors":
+        """``rows[i]``: temperature, top_k, top_p, min_p, presence_penalty, frequency_penalty,
+        repetition_penalty, seed, slot. Two host-to-device copies (pinned, non-blocking on CUDA)."""
+        device = torch.device(device)
+        missing = [k for k in _FLOATS + _INTS if rows and k not in rows[0]]
+        if missing:
+            raise GraphDSLError(f"SamplingTensors.build: rows need the keys {missing}")
+        # one row per field, so each field is a contiguous [R] view
+        f = torch.tensor([[float(r[k]) for r in rows] for k in _FLOATS], dtype=torch.float32).reshape(6, len(rows))
+        i = torch.tensor([[int(r[k]) for r in rows] for k in _INTS], dtype=torch.int64).reshape(3, len(rows))
+        if device.type == "cuda":
+            f, i = f.pin_memory().to(device, non_blocking=True), i.pin_memory().to(device, non_blocking=True)
+        else:
+            f, i = f.to(device), i.to(device)
+        sampled = [r for r in rows if r["temperature"] > 0]
+        topk = [int(r["top_k"]) for r in sampled if r["top_k"] > 0]
+        return cls(temperature=f[0], top_p=f[1], min_p=f[2], presence_penalty=f[3],
+                   frequency_penalty=f[4], repetition_penalty=f[5], top_k=i[0], seed=i[1], slot=i[2],
+                   all_greedy=not sampled, any_penalty=any(r["slot"] >= 0 for r in rows),
+                   max_top_k=max(topk, default=0), any_top_p=any(r["top_p"] < 1.0 for r in sampled),
+                   any_min_p=any(r["min_p"] > 0 for r in sampled), any_greedy=len(sampled) < len(rows),
+                   full_sort=any(r["top_p"] < 1.0 and not 0 < r["top_k"] <= TOPK_SORT_LIMIT for r in sampled))
+
+
+class PenaltyState:
+    """``counts[num_slots, vocab]`` int32 (generated tokens of the slot's request) and
+    ``prompt_mask[num_slots, vocab]`` bool (tokens of its prompt), on the device."""
+
+    def __init__(self, num_slots: int, vocab: int, device):
+        self.device = torch.device(device)
+        self.counts = torch.zeros(num_slots, vocab, dtype=torch.int32, device=self.device)
+        self.prompt_mask = torch.zeros(num_slots, vocab, dtype=torch.bool, device=self.device)
+
+    def reset(self, slot: int, prompt_ids: list[int], output_ids: list[int]) -> None:
+        """Overwrite the slot's rows from host token lists (no host sync)."""
+        if not 0 <= slot < self.counts.shape[0]:
+            raise GraphDSLError(f"PenaltyState.reset: slot must be in [0, {self.counts.shape[0]}), got {slot}")
+        ids = _to_device(prompt_ids + output_ids, self.device)
+        self.counts[slot].zero_()
+        self.prompt_mask[slot].zero_()
+        self.prompt_mask[slot].index_fill_(0, ids[:len(prompt_ids)], True)
+        if output_ids:
+            out = ids[len(prompt_ids):]
+            self.counts[slot].index_add_(0, out, torch.ones_like(out, dtype=torch.int32))
+
+    def record(self, slots: torch.Tensor, tokens: torch.Tensor) -> None:
+        """``counts[slots[r], tokens[r]] += 1`` for rows with ``slots[r] >= 0`` (device only)."""
+        self.counts.index_put_((slots.clamp(min=0), tokens), (slots >= 0).to(torch.int32), accumulate=True)
+
+
+def _to_device(values: list[int], device: torch.device) -> torch.Tensor:
+    t = torch.tensor(values, dtype=torch.int64)
+    return t.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else t.to(device)
+
+
+def _check(logits, st, counters, banned) -> None:
+    if not isinstance(logits, torch.Tensor) or logits.dim() != 2 or logits.dtype != torch.float32:
+        got = (tuple(logits.shape), logits.dtype) if isinstance(logits, torch.Tensor) else type(logits).__name__
+        raise GraphDSLError(f"sample: logits must be a float32 [R, vocab] tensor, got {got}")
+    R = logits.shape[0]
+    if st.temperature.shape != (R,):
+        raise GraphDSLError(f"sample: the SamplingTensors hold {st.temperature.shape[0]} rows, logits {R}")
+    if counters.shape != (R,) or counters.dtype != torch.int64:
+        raise GraphDSLError(f"sample: counters must be int64 [{R}], got {counters.dtype} {list(counters.shape)}")
+    if banned is not None and (banned.dim() != 2 or banned.shape[0] != R or banned.dtype != torch.int64):
+        raise GraphDSLError(f"sample: banned must be int64 [{R}, B], got {banned.dtype} {list(banned.shape)}")
+
+
+def _penalized(l: torch.Tensor, st: SamplingTensors, penalties: PenaltyState | None) -> torch.Tensor:
+    """Steps 2-3 in torch."""
+    if penalties is None:
+        return l
+    has = (st.slot >= 0)[:, None]
+    s = st.slot.clamp(min=0)
+    cnt = penalties.counts.index_select(0, s)
+    seen = penalties.prompt_mask.index_select(0, s) | (cnt > 0)
+    rho = st.repetition_penalty[:, None]
+    l = torch.where(has & seen, torch.where(l > 0, l / rho, l * rho), l)
+    return l - has * (st.frequency_penalty[:, None] * cnt.to(torch.float32) + st.presence_penalty[:, None] * (cnt > 0))
+
+
+def _prefix(x: torch.Tensor, st: SamplingTensors) -> torch.Tensor | None:
+    """The sorted prefix steps 6-8 read: each row's largest ``max_top_k + TIES_COUNTED`` values
+    (``torch.topk``), or the whole sorted row when a top-p row has no small top-k; None when no
+    row uses top-k or top-p."""
+    if not (st.max_top_k or st.any_top_p):
+        return None
+    if st.full_sort:
+        return x.sort(dim=1, descending=True).values
+    return x.topk(min(st.max_top_k + TIES_COUNTED, x.shape[1]), dim=1).values
+
+
+def _prefix_threshold(vals: torch.Tensor, st: SamplingTensors) -> torch.Tensor:
+    """Steps 6-8 from the sorted prefix, in torch (what ``kernels.sampling.threshold`` computes)."""
+    R, W = vals.shape
+    neg = torch.full((R,), float("-inf"), dtype=torch.float32, device=vals.device)
+    m = vals[:, 0]
+    thr = torch.where(st.min_p > 0, m + torch.log(st.min_p.clamp(min=1e-30)), neg)
+    k = st.top_k
+    kth = vals.gather(1, (k - 1).clamp(0, W - 1)[:, None]).squeeze(1)
+    thr = torch.where((k > 0) & (k <= W), torch.maximum(thr, kth), thr)
+    j = torch.arange(W, device=vals.device)[None, :]
+    limit = torch.where(k > 0, k + TIES_COUNTED, torch.full_like(k, W))[:, None]
+    kept = (vals >= thr[:, None]) & (j < limit)
+    e = torch.where(kept, torch.exp(vals - m[:, None]), torch.zeros_like(vals))
+    c = e.cumsum(dim=1) - e
+    z = e.sum(dim=1, keepdim=True)
+    J = (kept & (c < st.top_p[:, None] * z)).sum(dim=1)
+    t_p = vals.gather(1, (J - 1).clamp(min=0)[:, None]).squeeze(1)
+    return torch.where(st.top_p < 1.0, torch.maximum(thr, t_p), thr)
+
+
+def _threshold(x: torch.Tensor, st: SamplingTensors, kernel=None) -> torch.Tensor:
+    """Steps 6-8 as one threshold per row: keep ``x >= thr`` (``-inf`` keeps everything)."""
+    vals = _prefix(x, st)
+    if vals is None:
+        neg = torch.full((x.shape[0],), float("-inf"), dtype=torch.float32, device=x.device)
+        if not st.any_min_p:
+            return neg
+        return torch.where(st.min_p > 0, x.max(dim=1).values + torch.log(st.min_p.clamp(min=1e-30)), neg)
+    if kernel is not None and vals.shape[1] <= 4096:
+        return kernel(vals.contiguous(), st.min_p, st.top_k, st.top_p, TIES_COUNTED)
+    return _prefix_threshold(vals, st)
+
+
+def _sample(logits, st, counters, penalties, banned, cuda: bool) -> torch.Tensor:
+    _check(logits, st, counters, banned)
+    l = logits
+    if banned is not None:
+        hits = torch.zeros(l.shape, dtype=torch.int32, device=l.device)
+        hits.scatter_add_(1, banned.clamp(min=0), (banned >= 0).to(torch.int32))   # pads (-1) add 0
+        l = l.masked_fill_(hits > 0, float("-inf"))
+    use_pen = penalties is not None and st.any_penalty
+    if cuda:
+        from graphdsl.runtime.kernels import sampling as K
+        x = K.penalize(l, st.temperature, st.slot, st.repetition_penalty, st.presence_penalty, st.frequency_penalty,
+                       penalties.counts if use_pen else None, penalties.prompt_mask if use_pen else None)
+        draw, kernel = K.gumbel_argmax, K.threshold
+    else:
+        from graphdsl.runtime.kernels.sampling import gumbel_argmax_reference
+        l = _penalized(l, st, penalties if use_pen else None)
+        temp = st.temperature
+        x = l / torch.where(temp > 0, temp, torch.ones_like(temp))[:, None]
+        draw, kernel = gumbel_argmax_reference, None
+    if st.all_greedy:                        # greedy rows are not divided by their temperature
+        return x.argmax(dim=1)
+    drawn = draw(x, _threshold(x, st, kernel), st.seed, counters)
+    if st.any_greedy:
+        return torch.where(st.temperature > 0, drawn, x.argmax(dim=1))
+    return drawn
+
+
+def sample(logits: torch.Tensor, st: SamplingTensors, counters: torch.Tensor, *,
+           penalties: PenaltyState | None = None, banned: torch.Tensor | None = None) -> torch.Tensor:
+    """Next token per row (module docstring), int64 ``[R]`` on logits' device; ``logits`` may be
+    changed in place. ``counters[r]`` is the position of the token being drawn; ``banned`` int64
+    ``[R, B]`` (ids >= 0 are banned, -1 pads). No host synchronisation. On CUDA: the Triton
+    kernels of :mod:`graphdsl.runtime.kernels.sampling` (penalties + temperature in one launch,
+    ``torch.topk`` of the batch's largest k, the threshold, the draw); elsewhere the torch path."""
+    return _sample(logits, st, counters, penalties, banned, logits.device.type == "cuda")
+
+
+def sample_reference(logits: torch.Tensor, st: SamplingTensors, counters: torch.Tensor, *,
+                     penalties: PenaltyState | None = None, banned: torch.Tensor | None = None) -> torch.Tensor:
+    """:func:`sample` in plain torch on any device (the CPU path, and the kernels' reference)."""
+    return _sample(logits, st, counters, penalties, banned, False)
+
+
+def compute_logprobs(logits: torch.Tensor, tokens: torch.Tensor, num: int):
+    """Raw logprobs (``log_softmax`` of ``logits`` in float32): ``(top_ids int64 [R, num],
+    top_logprobs float32 [R, num] descending, token_logprob float32 [R], token_rank int64 [R])``,
+    rank = 1 + the number of entries with a strictly larger logprob. No host sync."""
+    lp = torch.log_softmax(logits.to(torch.float32), dim=1)
+    tok = lp.gather(1, tokens[:, None])
+    rank = (lp > tok).sum(dim=1) + 1
+    if num:
+        top = lp.topk(num, dim=1)
+        return top.indices, top.values, tok.squeeze(1), rank
+    R = lp.shape[0]
+    return (torch.empty(R, 0, dtype=torch.int64, device=lp.device), torch.empty(R, 0, device=lp.device),
+            tok.squeeze(1), rank)

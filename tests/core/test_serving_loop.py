@@ -1,0 +1,176 @@
+"""The serving loop (runtime/serving/loop.py) over a fake model that reads its context only
+through the paged KV cache: one-step-late token reads (overlap) change no output, EOS learned a
+step late drops the extra token, parallel samples share their prompt's blocks, min_tokens keeps EOS
+out, logprobs are the model's raw log-softmax, and an abort frees blocks with a step in flight."""
+import random
+
+import pytest
+import torch
+
+from graphdsl.runtime.serving.kv_cache import BlockManager
+from graphdsl.runtime.serving.loop import ServingLoop
+from graphdsl.runtime.serving.sampling import SamplingParams
+from graphdsl.runtime.serving.scheduler import RequestStatus, Scheduler
+from tests.helpers.fake_model import VOCAB, FakeModel, fake_logits
+
+
+def _loop(*, num_blocks=64, block_size=4, max_num_seqs=8, budget=32, max_model_len=64, eos=(), overlap=True):
+    blocks = BlockManager(num_blocks, block_size)
+    sched = Scheduler(blocks, max_num_seqs=max_num_seqs, max_num_batched_tokens=budget,
+                      max_model_len=max_model_len, eos_token_ids=eos)
+    return ServingLoop(FakeModel(blocks, max_model_len), sched, overlap=overlap), sched, blocks
+
+
+def _drive(loop):
+    events = []
+    while loop.has_work():
+        events += loop.step()
+    return events
+
+
+def _greedy_reference(prompt, max_tokens, eos=(), min_tokens=0):
+    """What greedy decoding of the fake model gives, token by token on the host."""
+    out = []
+    while len(out) < max_tokens:
+        logits = fake_logits(prompt + out)
+        if len(out) < min_tokens:
+            logits[list(eos)] = float("-inf")
+        tok = int(logits.argmax())
+        out.append(tok)
+        if tok in eos and len(out) > min_tokens:
+            break
+    return out
+
+
+@pytest.mark.parametrize("overlap", [True, False])
+def test_eos_learned_a_step_late_gives_the_host_loop_tokens(overlap):
+    rng = random.Random(1)
+    eos = (3, 7, 11, 19)
+    loop, sched, blocks = _loop(eos=eos, overlap=overlap)
+    prompts = [[rng.randrange(VOCAB) for _ in range(rng.randint(1, 12))] for _ in range(12)]
+    reqs = [sched.add_request(i, p, SamplingParams(max_tokens=20, temperature=0)) for i, p in enumerate(prompts)]
+    _drive(loop)
+    assert blocks.num_free_blocks == blocks.num_blocks
+    stopped = 0
+    for r, p in zip(reqs, prompts):
+        assert r.output_ids == _greedy_reference(p, 20, eos), r.request_id
+        assert r.num_pending == 0 and r.status is RequestStatus.FINISHED
+        stopped += r.finish_reason == "stop"
+    assert stopped >= 3, "the prompts were meant to hit EOS"
+
+
+def test_overlap_computes_one_extra_step_only_for_eos():
+    """With overlap, a request that stops on EOS is computed one step further (its extra token is
+    dropped); a request that stops on length is not."""
+    prompt = [5, 6, 7]
+    ref = _greedy_reference(prompt, 30)
+    eos = (ref[4],)                                        # the fifth greedy token stops it
+    steps = {}
+    for overlap in (False, True):
+        loop, sched, _ = _loop(eos=eos, overlap=overlap)
+        r = sched.add_request(0, prompt, SamplingParams(max_tokens=30, temperature=0))
+        _drive(loop)
+        assert r.output_ids == ref[:5] and r.finish_reason == "stop"
+        steps[overlap] = loop.num_steps
+    assert steps[True] == steps[False] + 1
+    for overlap in (False, True):
+        loop, sched, _ = _loop(overlap=overlap)
+        r = sched.add_request(0, prompt, SamplingParams(max_tokens=6, temperature=0))
+        _drive(loop)
+        assert r.output_ids == ref[:6] and loop.num_steps == 6
+
+
+def test_parallel_samples_share_prompt_blocks():
+    loop, sched, blocks = _loop(block_size=4)
+    prompt = list(range(10, 24))                           # 14 tokens: 3 full blocks before the last token
+    sp = SamplingParams(max_tokens=5, temperature=0)
+    parent = sched.add_request(("p", 0), prompt, sp)
+    kids = [sched.add_request(("p", i), prompt, sp, parent=parent) for i in (1, 2)]
+    loop.step()                                            # parent's prompt; the samples wait for it
+    assert all(k.status is RequestStatus.WAITING for k in kids)
+    loop.step()                                            # samples admitted, sharing 3 blocks
+    shared = blocks.block_table(("p", 0))[:3]
+    for k in kids:
+        assert blocks.block_table(k.request_id)[:3] == shared and k.num_computed == 14
+    assert blocks.num_free_blocks == blocks.num_blocks - (4 + 2 * 1)
+    _drive(loop)
+    want = _greedy_reference(prompt, 5)
+    assert [r.output_ids for r in [parent] + kids] == [want] * 3
+    assert blocks.num_free_blocks == blocks.num_blocks
+
+
+def test_fork_refcounts_return_shared_blocks_once():
+    bm = BlockManager(8, 4)
+    bm.allocate("a", 10)
+    bm.fork("a", "b", 8)
+    bm.append("b", 3)
+    assert bm.block_table("b")[:2] == bm.block_table("a")[:2] and bm.num_free_blocks == 8 - 3 - 1
+    bm.free("a")
+    assert bm.num_free_blocks == 8 - 3                      # a's third block back; shared two still held
+    bm.free("b")
+    assert bm.num_free_blocks == 8 and sorted(bm._free) == list(range(8))
+    with pytest.raises(Exception, match="multiple of block_size=4"):
+        bm.allocate("c", 6)
+        bm.fork("c", "d", 5)
+
+
+def test_min_tokens_keeps_eos_out():
+    eos = tuple(range(0, 45))                              # nearly every token ends the request
+    loop, sched, _ = _loop(eos=eos)
+    r = sched.add_request(0, [1, 2, 3], SamplingParams(max_tokens=12, min_tokens=4, temperature=0))
+    _drive(loop)
+    assert r.output_ids == _greedy_reference([1, 2, 3], 12, eos, min_tokens=4)
+    assert len(r.output_ids) >= 5 and all(t >= 45 for t in r.output_ids[:4])
+
+
+def test_logprobs_are_the_raw_log_softmax():
+    loop, sched, _ = _loop()
+    prompt = [4, 9, 16, 25, 36]
+    r = sched.add_request(0, prompt, SamplingParams(max_tokens=6, temperature=0.8, seed=3, logprobs=3,
+                                                    prompt_logprobs=2, presence_penalty=1.5))
+    events = _drive(loop)
+    assert len(events) == 6 and r.output_ids == [e.token_id for e in events]
+    for i, e in enumerate(events):
+        ref = torch.log_softmax(fake_logits(prompt + r.output_ids[:i]), dim=0)
+        top = ref.topk(3)
+        assert set(top.indices.tolist()) <= set(e.logprobs)
+        for t, lp in e.logprobs.items():
+            assert lp.logprob == pytest.approx(float(ref[t]), abs=1e-5)
+            assert lp.rank == 1 + int((ref > ref[t]).sum())
+    assert r.prompt_logprobs[0] is None and len(r.prompt_logprobs) == len(prompt)
+    for j in range(1, len(prompt)):
+        ref = torch.log_softmax(fake_logits(prompt[:j]), dim=0)
+        pos = r.prompt_logprobs[j]
+        assert prompt[j] in pos and len(pos) in (2, 3)
+        assert pos[prompt[j]].logprob == pytest.approx(float(ref[prompt[j]]), abs=1e-5)
+
+
+def test_abort_with_a_step_in_flight_frees_blocks():
+    loop, sched, blocks = _loop()
+    a = sched.add_request("a", [1, 2, 3], SamplingParams(max_tokens=50, temperature=0, ignore_eos=True))
+    b = sched.add_request("b", [4, 5], SamplingParams(max_tokens=8, temperature=0, ignore_eos=True))
+    for _ in range(4):
+        loop.step()
+    assert loop._flight is not None                         # a step is in flight
+    loop.abort(a)
+    assert a.status is RequestStatus.FINISHED and a.finish_reason == "abort"
+    _drive(loop)
+    assert b.output_ids == _greedy_reference([4, 5], 8) and blocks.num_free_blocks == blocks.num_blocks
+    assert a.num_pending == 0 and len(a.output_ids) <= 5
+
+
+def test_prompt_logprobs_survive_chunking_and_preemption():
+    """A long prompt prefilled in chunks, preempted and recomputed, still gets each prompt
+    position's logprob exactly once."""
+    loop, sched, _ = _loop(num_blocks=10, block_size=4, budget=6, max_num_seqs=4)
+    prompt = list(range(1, 21))
+    others = [sched.add_request(i, [7, 7, 7], SamplingParams(max_tokens=16, temperature=0)) for i in range(2)]
+    r = sched.add_request("r", prompt, SamplingParams(max_tokens=8, temperature=0, prompt_logprobs=1))
+    _drive(loop)
+    assert r.num_preemptions > 0, "the pool was meant to preempt the newest request"
+    assert len(r.prompt_logprobs) == len(prompt) and r.prompt_logprobs[0] is None
+    for j in range(1, len(prompt)):
+        ref = torch.log_softmax(fake_logits(prompt[:j]), dim=0)
+        assert r.prompt_logprobs[j][prompt[j]].logprob == pytest.approx(float(ref[prompt[j]]), abs=1e-5)
+    assert r.output_ids == _greedy_reference(prompt, 8)
+    assert all(o.output_ids == _greedy_reference([7, 7, 7], 16) for o in others)
