@@ -253,9 +253,6 @@ def _decode_epilogue(static: Mapping[str, torch.Tensor], outputs: Mapping[str, t
     (``seq_lens > 0``; padding rows stay padding). The serving loop overwrites ``input_ids`` with
     sampled tokens when a row does not decode greedily; a caller that copies its inputs in before
     every replay (``CudaGraphRunner.run``) is not affected."""
-    tokens = outputs["logits"].argmax(dim=-1)
-    active = static["seq_lens"] > 0
-    static["input_ids"].copy_(tokens)
-    static["positions"].add_(active)
-    static["seq_lens"].add_(active)
+    from graphdsl.runtime.kernels.sampling import argmax
+    tokens = argmax(outputs["logits"], advance=(static["input_ids"], static["positions"], static["seq_lens"]))
     return {"next_tokens": tokens}

@@ -7,6 +7,9 @@ generated tokens (counts per request slot, kept on the device).
 ``threshold`` (one program per row): from each row's sorted prefix (``torch.topk``), the cut
 ``thr`` of min-p, top-k and top-p (see ``graphdsl.runtime.serving.sampler`` for the math).
 
+``argmax``: a row argmax spread over the GPU, optionally advancing decode inputs (the decode
+graph's greedy epilogue).
+
 ``gumbel_argmax``: for row ``r`` of ``x[R, V]`` and ``thr[r]``::
 
     token[r] = argmax_{t : x[r, t] >= thr[r]}  x[r, t] + g(seed[r], counter[r], t)
@@ -29,7 +32,7 @@ import triton.language as tl
 
 from graphdsl.errors import GraphDSLError
 
-__all__ = ["gumbel_argmax", "hash_uniform", "gumbel_argmax_reference", "penalize", "threshold"]
+__all__ = ["gumbel_argmax", "hash_uniform", "gumbel_argmax_reference", "penalize", "threshold", "argmax"]
 
 _M1, _M2, _GOLDEN = 0x7FEB352D, 0x846CA68B, 0x9E3779B9
 _MASK = 0xFFFFFFFF
@@ -66,28 +69,33 @@ def _gumbel_argmax_kernel(
     V,                # vocabulary size
     SLICE,            # tokens per program (a multiple of BLOCK)
     S,                # slices per row
+    NOISE: tl.constexpr,   # False: a plain argmax of x (thr, seed and counter unused)
     BLOCK: tl.constexpr,
 ):
     row = tl.program_id(0)
     sl = tl.program_id(1)
-    thr = tl.load(thr_ptr + row)
-    seed = tl.load(seed_ptr + row)
-    s_lo = seed & 0xFFFFFFFF
-    s_hi = (seed >> 32) & 0xFFFFFFFF
-    ctr = tl.load(ctr_ptr + row) & 0xFFFFFFFF
+    if NOISE:
+        thr = tl.load(thr_ptr + row)
+        seed = tl.load(seed_ptr + row)
+        s_lo = seed & 0xFFFFFFFF
+        s_hi = (seed >> 32) & 0xFFFFFFFF
+        ctr = tl.load(ctr_ptr + row) & 0xFFFFFFFF
     best = tl.full((), float("-inf"), tl.float32)
     best_i = tl.full((), 0, tl.int64) + sl * SLICE
     for start in range(sl * SLICE, tl.minimum(sl * SLICE + SLICE, V), BLOCK):
         idx = start + tl.arange(0, BLOCK)
         inside = idx < V
         x = tl.load(x_ptr + row * x_stride + idx, mask=inside, other=float("-inf"))
-        h = _mix((idx.to(tl.int64) + 0x9E3779B9) & 0xFFFFFFFF)
-        h = _mix(h ^ ctr)
-        h = _mix(h ^ s_hi)
-        h = _mix(h ^ s_lo)
-        u = ((h >> 8).to(tl.float32) + 0.5) * (1.0 / 16777216.0)
-        g = -tl.log(-tl.log(u))
-        score = tl.where(inside & (x >= thr), x + g, float("-inf"))
+        if NOISE:
+            h = _mix((idx.to(tl.int64) + 0x9E3779B9) & 0xFFFFFFFF)
+            h = _mix(h ^ ctr)
+            h = _mix(h ^ s_hi)
+            h = _mix(h ^ s_lo)
+            u = ((h >> 8).to(tl.float32) + 0.5) * (1.0 / 16777216.0)
+            g = -tl.log(-tl.log(u))
+            score = tl.where(inside & (x >= thr), x + g, float("-inf"))
+        else:
+            score = x
         bmax = tl.max(score, axis=0)
         bidx = tl.argmax(score, axis=0)
         take = bmax > best
@@ -237,11 +245,70 @@ def gumbel_argmax(x: torch.Tensor, thr: torch.Tensor, seed: torch.Tensor, counte
     arg = torch.empty(R, S, dtype=torch.int64, device=x.device)
     if R == 0:
         return arg[:, 0]
-    _gumbel_argmax_kernel[(R, S)](x, x.stride(0), thr, seed, counter, best, arg, V, slice_, S, BLOCK=block,
-                                  num_warps=4)
+    _gumbel_argmax_kernel[(R, S)](x, x.stride(0), thr, seed, counter, best, arg, V, slice_, S, NOISE=True,
+                                  BLOCK=block, num_warps=4)
     if S == 1:
         return arg[:, 0]
     return arg.gather(1, best.argmax(dim=1, keepdim=True)).squeeze(1)   # first slice on ties: lowest id
+
+
+@triton.jit
+def _argmax_finish_kernel(
+    best_ptr,         # float32 [R, S]: each slice's max
+    arg_ptr,          # int64 [R, S]: its lowest token id
+    S,
+    out_ptr,          # int64 [R]: the row's argmax, written
+    ids_ptr,          # int64 [R]: decode inputs advanced in place when ADVANCE (else unused)
+    pos_ptr,          # int64 [R]
+    lens_ptr,         # int32 [R]
+    ADVANCE: tl.constexpr,
+    BLOCK_S: tl.constexpr,
+):
+    """token = the lowest id of the best slice; with ADVANCE, the next decode step's inputs:
+    input_ids <- token, and positions, seq_lens + 1 where seq_lens > 0 (padding rows stay)."""
+    row = tl.program_id(0)
+    j = tl.arange(0, BLOCK_S)
+    b = tl.load(best_ptr + row * S + j, mask=j < S, other=float("-inf"))
+    pick = tl.argmax(b, axis=0)
+    tok = tl.load(arg_ptr + row * S + pick)
+    tl.store(out_ptr + row, tok)
+    if ADVANCE:
+        tl.store(ids_ptr + row, tok)
+        n = tl.load(lens_ptr + row)
+        step = (n > 0).to(tl.int32)
+        tl.store(lens_ptr + row, n + step)
+        tl.store(pos_ptr + row, tl.load(pos_ptr + row) + step.to(tl.int64))
+
+
+def argmax(x: torch.Tensor, advance: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+    """Row argmax of float32 ``x`` [R, V] (lowest id on ties) in two launches that fill the GPU even
+    at R = 1 (``torch.argmax`` reduces a row in one block). ``advance = (input_ids, positions,
+    seq_lens)`` ([R] each, contiguous) also moves decode inputs to the next step, as the finish
+    kernel's docstring says (the decode graph's epilogue)."""
+    if x.dim() != 2 or x.dtype != torch.float32 or x.stride(1) != 1:
+        raise GraphDSLError(f"argmax: x must be a float32 [R, V] tensor with unit stride in V, got "
+                            f"{tuple(x.shape)} {x.dtype} strides {tuple(x.stride())}")
+    R, V = x.shape
+    out = torch.empty(R, dtype=torch.int64, device=x.device)
+    if R == 0:
+        return out
+    if advance is not None:
+        ids, pos, lens = advance
+        for name, t, dt in (("input_ids", ids, torch.int64), ("positions", pos, torch.int64),
+                            ("seq_lens", lens, torch.int32)):
+            if t.shape != (R,) or t.dtype != dt or t.stride(0) != 1:
+                raise GraphDSLError(f"argmax: advance's {name} must be a contiguous {dt} [{R}], got {t.dtype} "
+                                    f"{list(t.shape)}")
+    block = 1024
+    slice_, S = _slices(R, V, block)
+    best = torch.empty(R, S, dtype=torch.float32, device=x.device)
+    arg = torch.empty(R, S, dtype=torch.int64, device=x.device)
+    _gumbel_argmax_kernel[(R, S)](x, x.stride(0), x, x, x, best, arg, V, slice_, S, NOISE=False, BLOCK=block,
+                                  num_warps=4)
+    ids, pos, lens = advance if advance is not None else (out, out, out)
+    _argmax_finish_kernel[(R,)](best, arg, S, out, ids, pos, lens, ADVANCE=advance is not None,
+                                BLOCK_S=max(2, triton.next_power_of_2(S)), num_warps=1)
+    return out
 
 
 # -- the same function in torch -------------------------------------------------------------------

@@ -201,22 +201,22 @@ def _sample(logits, st, counters, penalties, banned, cuda: bool) -> torch.Tensor
         hits.scatter_add_(1, banned.clamp(min=0), (banned >= 0).to(torch.int32))   # pads (-1) add 0
         l = l.masked_fill_(hits > 0, float("-inf"))
     use_pen = penalties is not None and st.any_penalty
+    from graphdsl.runtime.kernels import sampling as K
     if cuda:
-        from graphdsl.runtime.kernels import sampling as K
         x = K.penalize(l, st.temperature, st.slot, st.repetition_penalty, st.presence_penalty, st.frequency_penalty,
                        penalties.counts if use_pen else None, penalties.prompt_mask if use_pen else None)
         draw, kernel = K.gumbel_argmax, K.threshold
     else:
-        from graphdsl.runtime.kernels.sampling import gumbel_argmax_reference
         l = _penalized(l, st, penalties if use_pen else None)
         temp = st.temperature
         x = l / torch.where(temp > 0, temp, torch.ones_like(temp))[:, None]
-        draw, kernel = gumbel_argmax_reference, None
+        draw, kernel = K.gumbel_argmax_reference, None
+    best = K.argmax if cuda else (lambda t: t.argmax(dim=1))
     if st.all_greedy:                        # greedy rows are not divided by their temperature
-        return x.argmax(dim=1)
+        return best(x)
     drawn = draw(x, _threshold(x, st, kernel), st.seed, counters)
     if st.any_greedy:
-        return torch.where(st.temperature > 0, drawn, x.argmax(dim=1))
+        return torch.where(st.temperature > 0, drawn, best(x))
     return drawn
 
 

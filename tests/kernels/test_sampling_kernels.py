@@ -79,3 +79,18 @@ def test_threshold_kernel_equals_torch(kw):
     vals = _prefix(x, st)
     got = threshold(vals.contiguous(), st.min_p, st.top_k, st.top_p, 64)
     assert torch.equal(got.cpu(), _prefix_threshold(vals, st).cpu())
+
+
+@pytest.mark.parametrize("R,V", [(1, 20000), (3, 1000), (5, 1)])
+def test_argmax_and_advance(R, V):
+    from graphdsl.runtime.kernels.sampling import argmax
+    g = torch.Generator().manual_seed(R * V)
+    x = torch.randn(R, V, generator=g).to(DEV)
+    x[0, V // 3] = x[0, V // 2] = 50.0                                # a tie: the lower id wins
+    assert argmax(x).cpu().tolist() == x.argmax(dim=1).cpu().tolist()
+    ids = torch.full((R,), -5, dtype=torch.int64, device=DEV)
+    pos = torch.arange(R, dtype=torch.int64, device=DEV) + 10
+    lens = torch.tensor([7] * (R - 1) + [0], dtype=torch.int32, device=DEV)   # the last row is padding
+    tok = argmax(x, advance=(ids, pos, lens))
+    assert ids.tolist() == tok.tolist() == x.argmax(dim=1).tolist()
+    assert pos.tolist() == [11 + i for i in range(R - 1)] + [9 + R] and lens.tolist() == [8] * (R - 1) + [0]
