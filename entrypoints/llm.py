@@ -19,6 +19,7 @@ import torch
 
 from graphdsl.errors import GraphDSLError
 from graphdsl.layers import Phase
+from graphdsl.runtime.device import check_device, default_device
 from graphdsl.runtime.serving.kv_cache import BlockManager, PagedKVCache
 from graphdsl.runtime.serving.sampling import SamplingParams
 from graphdsl.runtime.serving.scheduler import Request, RequestStatus, Scheduler, StepBatch, run_steps
@@ -98,10 +99,10 @@ class LLM:
                  progress: bool = False, cuda_graphs: bool = True):
         _check_sizes(tensor_parallel_size, max_num_seqs, block_size, max_model_len, max_num_batched_tokens,
                      num_kv_blocks)
+        device = check_device(device, "LLM: device") or default_device()
         if custom_module_map is not None:
             load_custom_module_map(custom_module_map)
         path = os.fspath(model)
-        device = torch.device(device if device is not None else ("cuda" if torch.cuda.is_available() else "cpu"))
         gguf = path.endswith(".gguf")
         if gguf:
             from graphdsl.runtime.loaders.gguf import GGUFCheckpoint
@@ -138,7 +139,7 @@ class LLM:
         if isinstance(init_std, bool) or not isinstance(init_std, (int, float)) or not init_std > 0:
             raise GraphDSLError(f"from_config: init_std must be a float > 0, got {init_std!r}")
         _check_sizes(1, max_num_seqs, block_size, max_model_len, max_num_batched_tokens, num_kv_blocks)
-        device = torch.device(device if device is not None else ("cuda" if torch.cuda.is_available() else "cpu"))
+        device = check_device(device, "LLM.from_config: device") or default_device()
         self = cls.__new__(cls)
         config, model_obj, dtype = self._architecture(dict(hf_config), device, dtype, max_model_len)
         weights = _random_weights(model_obj, device, dtype, seed, float(init_std))
