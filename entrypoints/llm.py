@@ -20,6 +20,7 @@ import torch
 from graphdsl.errors import GraphDSLError
 from graphdsl.layers import Phase
 from graphdsl.runtime.device import check_device, default_device
+from graphdsl.runtime.loaders.checkpoint import CheckpointFormat, checkpoint_format
 from graphdsl.runtime.serving.kv_cache import BlockManager, PagedKVCache
 from graphdsl.runtime.serving.sampling import SamplingParams
 from graphdsl.runtime.serving.scheduler import Request, RequestStatus, Scheduler, StepBatch, run_steps
@@ -103,17 +104,13 @@ class LLM:
         if custom_module_map is not None:
             load_custom_module_map(custom_module_map)
         path = os.fspath(model)
-        gguf = path.endswith(".gguf")
+        gguf = checkpoint_format(path) is CheckpointFormat.GGUF
         if gguf:
             from graphdsl.runtime.loaders.gguf import GGUFCheckpoint
-            if not os.path.isfile(path):
-                raise GraphDSLError(f"GGUF file {path!r} does not exist")
             ckpt = GGUFCheckpoint(path)
             hf = ckpt.hf_config()
-        elif os.path.isdir(path):
-            hf = read_hf_config(path)
         else:
-            raise GraphDSLError(f"model {path!r} is neither a model directory nor a .gguf file")
+            hf = read_hf_config(path)
         config, model_obj, dtype = self._architecture(hf, device, dtype, max_model_len)
         tensors = ckpt.iter_tensors(dtype, device=device) if gguf else _iter_dir(path, dtype)
         weights = load_weights(model_obj, tensors, device=device, dtype=dtype, progress=progress)
