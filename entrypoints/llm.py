@@ -21,6 +21,7 @@ from graphdsl.errors import GraphDSLError
 from graphdsl.layers import Phase
 from graphdsl.runtime.device import check_device, default_device
 from graphdsl.runtime.loaders.checkpoint import CheckpointFormat, checkpoint_format
+from graphdsl.runtime.loaders.generation_config import gguf_generation_config, read_generation_config
 from graphdsl.runtime.serving.kv_cache import BlockManager, PagedKVCache
 from graphdsl.runtime.serving.sampling import SamplingParams
 from graphdsl.runtime.serving.scheduler import Request, RequestStatus, Scheduler, StepBatch, run_steps
@@ -91,6 +92,8 @@ class LLM:
             variable ``GRAPHDSL_CUDA_GRAPHS=0``, runs them eagerly, for debugging).
 
     ``num_preemptions`` counts requests pushed out of the KV cache (and recomputed later) so far.
+    ``generation_config`` holds the sampling settings the checkpoint recommends (vLLM field names;
+    ``{}`` when none): :meth:`get_default_sampling_params` applies them to requests without params.
     """
 
     def __init__(self, model: str | os.PathLike, *, device: str | torch.device | None = None, dtype=None,
@@ -111,6 +114,7 @@ class LLM:
             hf = ckpt.hf_config()
         else:
             hf = read_hf_config(path)
+        self.generation_config = gguf_generation_config(ckpt.metadata, path) if gguf else read_generation_config(path)
         config, model_obj, dtype = self._architecture(hf, device, dtype, max_model_len)
         tensors = ckpt.iter_tensors(dtype, device=device) if gguf else _iter_dir(path, dtype)
         weights = load_weights(model_obj, tensors, device=device, dtype=dtype, progress=progress)
@@ -138,6 +142,7 @@ class LLM:
         _check_sizes(1, max_num_seqs, block_size, max_model_len, max_num_batched_tokens, num_kv_blocks)
         device = check_device(device, "LLM.from_config: device") or default_device()
         self = cls.__new__(cls)
+        self.generation_config = {}
         config, model_obj, dtype = self._architecture(dict(hf_config), device, dtype, max_model_len)
         weights = _random_weights(model_obj, device, dtype, seed, float(init_std))
         self.gguf = False
@@ -244,6 +249,18 @@ class LLM:
         out.prompt = prompt
         return out
 
+    def get_default_sampling_params(self) -> SamplingParams:
+        """What ``generate``, ``stream`` and ``chat`` use when given no params (as vLLM's method of
+        this name): ``SamplingParams()`` with the fields the checkpoint recommends —
+        :attr:`generation_config`, read from ``generation_config.json`` or GGUF ``general.sampling.*``
+        metadata — put in. Recommended fields that SamplingParams does not have are left out."""
+        known = {k: v for k, v in self.generation_config.items() if k in SamplingParams.model_fields}
+        try:
+            return SamplingParams(**known)
+        except GraphDSLError as e:
+            raise GraphDSLError(f"the checkpoint's recommended sampling settings {self.generation_config} are not "
+                                f"valid ({e}); pass SamplingParams explicitly") from None
+
     # -- internals ---------------------------------------------------------------------------
     def _tokenizer_or_error(self, what: str):
         if self.tokenizer is None:
@@ -258,7 +275,7 @@ class LLM:
         if not isinstance(prompts, (list, tuple)) or not prompts:
             raise GraphDSLError(f"prompts must be a non-empty list of strings or token-id lists, got {prompts!r}")
         if params is None:
-            params = SamplingParams()
+            params = self.get_default_sampling_params()
         plist = list(params) if isinstance(params, (list, tuple)) else [params] * len(prompts)
         if len(plist) != len(prompts):
             raise GraphDSLError(f"got {len(plist)} SamplingParams for {len(prompts)} prompts; pass one or one per prompt")
