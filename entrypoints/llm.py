@@ -103,6 +103,7 @@ class LLM:
                  progress: bool = False, cuda_graphs: bool = True):
         _check_sizes(tensor_parallel_size, max_num_seqs, block_size, max_model_len, max_num_batched_tokens,
                      num_kv_blocks)
+        _check_fraction(kv_cache_memory_fraction)
         device = check_device(device, "LLM: device") or default_device()
         if custom_module_map is not None:
             load_custom_module_map(custom_module_map)
@@ -140,6 +141,7 @@ class LLM:
         if isinstance(init_std, bool) or not isinstance(init_std, (int, float)) or not init_std > 0:
             raise GraphDSLError(f"from_config: init_std must be a float > 0, got {init_std!r}")
         _check_sizes(1, max_num_seqs, block_size, max_model_len, max_num_batched_tokens, num_kv_blocks)
+        _check_fraction(kv_cache_memory_fraction)
         device = check_device(device, "LLM.from_config: device") or default_device()
         self = cls.__new__(cls)
         self.generation_config = {}
@@ -395,6 +397,13 @@ def _check_sizes(tensor_parallel_size, max_num_seqs, block_size, max_model_len, 
                     ("num_kv_blocks", 1 if num_kv_blocks is None else num_kv_blocks)):
         if isinstance(v, bool) or not isinstance(v, int) or v < 1:
             raise GraphDSLError(f"LLM: {name} must be a positive int, got {v!r}")
+
+
+def _check_fraction(kv_cache_memory_fraction) -> None:
+    """Checked before anything loads (the cache is sized only after the weights are in memory)."""
+    f = kv_cache_memory_fraction
+    if f is not None and (isinstance(f, bool) or not isinstance(f, (int, float)) or not 0.0 < f <= 1.0):
+        raise GraphDSLError(f"LLM: kv_cache_memory_fraction must be a float in (0, 1], got {f!r}")
 
 
 def _random_weights(model: FlashCausalLM, device: torch.device, dtype: torch.dtype, seed: int,

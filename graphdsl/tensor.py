@@ -138,7 +138,31 @@ class Tensor:
     def squeeze(self, dim: int): return F.squeeze(self, dim)
     def expand(self, *shape): return F.expand(self, _varargs(shape))
     def contiguous(self): return self
-    def to(self, dtype): return F.cast(self, dtype)   # a dtype, a name, or a tensor to follow
+    def to(self, *args, dtype=None, device=None, non_blocking: bool = False, copy: bool = False):
+        """torch's ``to``: a dtype (or its name), or a tensor whose dtype to follow. Graph tensors have
+        no device — the engine runs where its inputs are (or ``build_engine(device=)``) — so a device
+        argument is an error, not a silent no-op."""
+        for a in args:
+            if (isinstance(a, (torch.device, int)) and not isinstance(a, bool)) or _is_device_name(a):
+                device = a
+            elif dtype is None:
+                dtype = a
+            else:
+                raise GraphDSLError(f"to(): more than one dtype in {args!r} (at {user_frame()})")
+        if device is not None:
+            self._no_device(f"to({device!r})")
+        if dtype is None and not args:
+            raise GraphDSLError(f"to() on graph tensor '{self.name}' needs a dtype or a tensor to follow "
+                                f"(at {user_frame()})")
+        return F.cast(self, dtype)
+
+    def cuda(self, *args, **kwargs): self._no_device(".cuda()")
+    def cpu(self): self._no_device(".cpu()")
+
+    def _no_device(self, what: str):
+        raise GraphDSLError(f"{what} on graph tensor '{self.name}' at {user_frame()}: graph tensors have no device; "
+                            "the engine runs on the device of its inputs (or the one given to build_engine(device=)), "
+                            "so model code names none. to() takes a dtype here.")
     def float(self): return F.cast(self, torch.float32)
     def half(self): return F.cast(self, torch.float16)
     def bfloat16(self): return F.cast(self, torch.bfloat16)
@@ -178,6 +202,17 @@ class Tensor:
     def mT(self):  # noqa: N802 - torch name
         """The last two dims swapped."""
         return F.transpose(self, -2, -1)
+
+
+def _is_device_name(x) -> bool:
+    """A string torch reads as a device (``"cuda"``, ``"cpu"``, ``"cuda:1"``) rather than a dtype name."""
+    if not isinstance(x, str):
+        return False
+    try:
+        torch.device(x)
+    except (RuntimeError, ValueError):
+        return False
+    return True
 
 
 def _torch_fn(func, *args):

@@ -104,3 +104,26 @@ def test_seed_linear_keeps_x_at_weight_and_suggests_transpose_b_for_torch_layout
         with pytest.raises(gd.ShapeError, match=r"matmul: inner dims differ") as e:      # no torch-layout hint
             F.linear(Tensor("x", (5, 6), "float32"), Tensor("w", (3, 7), "float32"))
         assert "transpose_b" not in str(e.value)
+
+
+@pytest.mark.parametrize("call, what", [
+    (lambda x: x.to("cuda"), "to('cuda')"), (lambda x: x.to("cpu", torch.float16), "to('cpu')"),
+    (lambda x: x.to(torch.device("cpu")), "to(device(type='cpu'))"), (lambda x: x.to(0), "to(0)"),
+    (lambda x: x.to(device="cuda:1"), "to('cuda:1')"), (lambda x: x.cuda(), ".cuda()"), (lambda x: x.cpu(), ".cpu()"),
+])
+def test_devices_on_graph_tensors_say_there_are_none(call, what):
+    with Network("dev"):
+        with pytest.raises(gd.GraphDSLError) as e:
+            call(Tensor("x", (5, 6), "float32"))
+    msg = str(e.value)
+    assert msg.startswith(f"{what} on graph tensor 'x' at ") and "test_torch_habits.py:" in msg
+    assert "graph tensors have no device" in msg
+
+
+def test_to_takes_dtypes_as_torch_does():
+    with Network("to"):
+        x = Tensor("x", (5, 6), "float32")
+        assert x.to(torch.float16).dtype == torch.float16 and x.to("bfloat16").dtype == torch.bfloat16
+        assert x.to(dtype=torch.float64).dtype == torch.float64 and x.to(x.to("float16")).dtype == torch.float16
+        with pytest.raises(gd.GraphDSLError, match="needs a dtype"):
+            x.to()

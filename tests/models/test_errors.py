@@ -158,6 +158,17 @@ def test_bad_llm_arguments(ckpt):
         gd.LLM(str(ckpt / "nothing-here"), device="cpu")
 
 
+@pytest.mark.parametrize("fraction", [0, 1.5, -0.1, True, "half"])
+def test_kv_cache_fraction_is_checked_before_anything_loads(ckpt, fraction, monkeypatch):
+    def no_weights(*a, **k):
+        raise AssertionError("weights were loaded before kv_cache_memory_fraction was checked")
+    monkeypatch.setattr("graphdsl.entrypoints.llm.load_weights", no_weights)
+    with pytest.raises(GraphDSLError, match=r"kv_cache_memory_fraction must be a float in \(0, 1\], got"):
+        gd.LLM(ckpt, device="cpu", kv_cache_memory_fraction=fraction)
+    with pytest.raises(GraphDSLError, match=r"kv_cache_memory_fraction must be a float in \(0, 1\], got"):
+        gd.LLM.from_config({"model_type": "llama"}, device="cpu", kv_cache_memory_fraction=fraction)
+
+
 def test_bfloat16_and_memory_fraction_cache(ckpt):
     ref = gd.LLM(ckpt, device="cpu", max_model_len=32)
     llm = gd.LLM(ckpt, device="cpu", dtype="bfloat16", kv_cache_memory_fraction=0.001)
