@@ -115,6 +115,9 @@ def build_engine(net: Network, *, backend: str | None = None, device=None, dump_
         return r
 
     dump_dir = dump_dir or os.environ.get("GRAPHDSL_DUMP_DIR")
+    if dump_dir and os.path.exists(dump_dir) and not os.path.isdir(dump_dir):
+        raise GraphDSLError(f"build_engine: dump_dir {os.fspath(dump_dir)!r} (dump_dir= or $GRAPHDSL_DUMP_DIR) "
+                            "is a file, not a folder")
     out_dir = Path(dump_dir) / f"{next(_build_ids):03d}-{net.name}" if dump_dir else None
     stage("lint", net.lint)
     store = _resolve_cache(cache, backend, device)

@@ -298,7 +298,12 @@ class Engine:
     def dump(self, directory) -> Path:
         """Write graph (txt/dot/json, recorded and optimised), memory plans and the summary."""
         d = Path(directory)
-        d.mkdir(parents=True, exist_ok=True)
+        if d.exists() and not d.is_dir():
+            raise GraphDSLError(f"engine.dump: '{d}' is a file, not a folder")
+        try:
+            d.mkdir(parents=True, exist_ok=True)
+        except OSError as e:                              # a file of that name, permissions
+            raise GraphDSLError(f"engine.dump: cannot create the folder '{d}': {e.strerror}") from None
         if self.recorded is not None:
             self.recorded.dump(d / "00-recorded.txt")
         for suffix in (".txt", ".dot", ".json"):
