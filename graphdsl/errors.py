@@ -30,7 +30,8 @@ def user_frame() -> str:
 
     Layer and model files are user code from the graph's point of view (their lines are what a
     reader wants on a node), so only the ``graphdsl``, ``graphdsl.passes`` and
-    ``graphdsl.runtime`` folders are skipped — wherever they are installed.
+    ``graphdsl.runtime`` folders are skipped — wherever they are installed — and torch's own
+    (``torch.nn.functional.silu(t)`` on a graph tensor reaches graphdsl through torch's frames).
     """
     inside, outside = _internal_dirs()
     frame = sys._getframe(1)
@@ -50,7 +51,7 @@ def _internal_dirs() -> tuple[tuple[str, ...], tuple[str, ...]]:
         spec = importlib.util.find_spec(name)
         return os.path.dirname(spec.origin) + os.sep if spec is not None and spec.origin else None
 
-    inside = tuple(d for d in map(folder, ("graphdsl", "graphdsl.passes", "graphdsl.runtime")) if d)
+    inside = tuple(d for d in map(folder, ("graphdsl", "graphdsl.passes", "graphdsl.runtime", "torch")) if d)
     outside = tuple(d for d in map(folder, ("graphdsl.layers", "graphdsl.models")) if d)
     return inside, outside
 

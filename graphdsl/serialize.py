@@ -186,7 +186,16 @@ def from_json(obj: dict):
 def dump(net, path) -> None:
     path = Path(path)
     suffix = path.suffix.lower()
-    path.parent.mkdir(parents=True, exist_ok=True)
+    if suffix not in (".txt", ".dot", ".json", ".svg"):
+        raise GraphDSLError(f"dump: unknown suffix '{path.suffix}' for {path}; use one of .txt .dot .json .svg")
+    if path.is_dir():
+        raise GraphDSLError(f"dump: '{path}' is a directory; give a file name ending in {suffix}")
+    if path.parent.exists() and not path.parent.is_dir():
+        raise GraphDSLError(f"dump: '{path.parent}' is a file, not a folder")
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+    except OSError as e:                                  # a file where a folder should be, permissions
+        raise GraphDSLError(f"dump: cannot create the folder '{path.parent}': {e.strerror}") from None
     if suffix == ".txt":
         path.write_text(to_text(net) + "\n")
     elif suffix == ".dot":
@@ -204,12 +213,16 @@ def dump(net, path) -> None:
                              capture_output=True)
         if res.returncode != 0:
             raise GraphDSLError(f"'dot -Tsvg' failed: {res.stderr.strip()}")
-    else:
-        raise GraphDSLError(f"dump: unknown suffix '{path.suffix}' for {path}; use one of .txt .dot .json .svg")
 
 
 def load(path):
     path = Path(path)
     if path.suffix.lower() != ".json":
         raise GraphDSLError(f"load reads .json dumps only, got '{path}'")
-    return from_json(json.loads(path.read_text()))
+    if not path.is_file():
+        raise GraphDSLError(f"load: '{path}' not found" if not path.exists() else f"load: '{path}' is not a file")
+    try:
+        obj = json.loads(path.read_text(encoding="utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise GraphDSLError(f"load: '{path}' is not a JSON graph dump: {e}") from None
+    return from_json(obj)

@@ -62,7 +62,8 @@ class Tensor:
                                 f"Tensor('{self.name}', shape=(Dim('n'), 64)), to use its rank while recording)")
         return len(self.shape)
 
-    dim = ndim
+    def dim(self) -> int:
+        return self.ndim
 
     def size(self, d: int | None = None):
         if d is None:
@@ -120,6 +121,14 @@ class Tensor:
     def __ge__(self, o): return F.ge(self, o)
     def __getitem__(self, idx): return F.getitem(self, idx)
 
+    # -- torch functions (recorded; graphdsl/torch_functions.py) -----------------------------
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        """``torch.relu(t)``, ``torch.nn.functional.silu(t)``, ``torch.cat([a, b])`` ... on graph tensors
+        record the matching graphdsl op; a torch function without one raises naming it."""
+        from .torch_functions import record_torch_function
+        return record_torch_function(func, args, kwargs or {})
+
     # -- methods (recorded) ------------------------------------------------------------------
     def reshape(self, *shape): return F.reshape(self, _varargs(shape))
     view = reshape
@@ -129,7 +138,31 @@ class Tensor:
     def squeeze(self, dim: int): return F.squeeze(self, dim)
     def expand(self, *shape): return F.expand(self, _varargs(shape))
     def contiguous(self): return self
-    def to(self, dtype): return F.cast(self, dtype)   # a dtype, a name, or a tensor to follow
+    def to(self, *args, dtype=None, device=None, non_blocking: bool = False, copy: bool = False):
+        """torch's ``to``: a dtype (or its name), or a tensor whose dtype to follow. Graph tensors have
+        no device — the engine runs where its inputs are (or ``build_engine(device=)``) — so a device
+        argument is an error, not a silent no-op."""
+        for a in args:
+            if (isinstance(a, (torch.device, int)) and not isinstance(a, bool)) or _is_device_name(a):
+                device = a
+            elif dtype is None:
+                dtype = a
+            else:
+                raise GraphDSLError(f"to(): more than one dtype in {args!r} (at {user_frame()})")
+        if device is not None:
+            self._no_device(f"to({device!r})")
+        if dtype is None and not args:
+            raise GraphDSLError(f"to() on graph tensor '{self.name}' needs a dtype or a tensor to follow "
+                                f"(at {user_frame()})")
+        return F.cast(self, dtype)
+
+    def cuda(self, *args, **kwargs): self._no_device(".cuda()")
+    def cpu(self): self._no_device(".cpu()")
+
+    def _no_device(self, what: str):
+        raise GraphDSLError(f"{what} on graph tensor '{self.name}' at {user_frame()}: graph tensors have no device; "
+                            "the engine runs on the device of its inputs (or the one given to build_engine(device=)), "
+                            "so model code names none. to() takes a dtype here.")
     def float(self): return F.cast(self, torch.float32)
     def half(self): return F.cast(self, torch.float16)
     def bfloat16(self): return F.cast(self, torch.bfloat16)
@@ -143,6 +176,48 @@ class Tensor:
     def tanh(self): return F.tanh(self)
     def pow(self, e): return F.pow(self, e)
     def softmax(self, dim: int = -1): return F.softmax(self, dim)
+    def relu(self): return F.relu(self)
+    def neg(self): return F.neg(self)
+    def add(self, o, *, alpha=1): return F.add(self, o if alpha == 1 else o * alpha)
+    def sub(self, o, *, alpha=1): return F.sub(self, o if alpha == 1 else o * alpha)
+    def mul(self, o): return F.mul(self, o)
+    def div(self, o): return F.div(self, o)
+    def matmul(self, o): return F.matmul(self, o)
+    def argmax(self, dim: int = -1, keepdim: bool = False): return F.argmax(self, dim=dim, keepdim=keepdim)
+    def chunk(self, chunks: int, dim: int = 0): return F.split(self, chunks, dim)
+    def split(self, split_size, dim: int = 0): return _torch_fn(torch.split, self, split_size, dim)
+    def flatten(self, start_dim: int = 0, end_dim: int = -1): return _torch_fn(torch.flatten, self, start_dim, end_dim)
+    def type_as(self, other): return F.cast(self, other)
+    def view_as(self, other): return F.reshape(self, other.shape)
+    reshape_as = view_as
+    def expand_as(self, other): return F.expand(self, other.shape)
+    def t(self): return _torch_fn(torch.t, self)
+
+    @property
+    def T(self):  # noqa: N802 - torch name
+        """``t()``: a matrix transposed (torch deprecates ``.T`` beyond rank 2; use ``mT`` or ``permute``)."""
+        return self.t()
+
+    @property
+    def mT(self):  # noqa: N802 - torch name
+        """The last two dims swapped."""
+        return F.transpose(self, -2, -1)
+
+
+def _is_device_name(x) -> bool:
+    """A string torch reads as a device (``"cuda"``, ``"cpu"``, ``"cuda:1"``) rather than a dtype name."""
+    if not isinstance(x, str):
+        return False
+    try:
+        torch.device(x)
+    except (RuntimeError, ValueError):
+        return False
+    return True
+
+
+def _torch_fn(func, *args):
+    from .torch_functions import record_torch_function
+    return record_torch_function(func, args, {})
 
 
 def _varargs(args):

@@ -10,6 +10,7 @@ import os
 from dataclasses import dataclass, field
 
 from graphdsl.errors import GraphDSLError
+from graphdsl.runtime.loaders.checkpoint import CheckpointFormat, checkpoint_format, has_tokenizer
 
 from .config import ModelConfig, build_config, read_hf_config
 from .registry import load_custom_module_map, resolve_model_class
@@ -34,6 +35,7 @@ class ModelCheck:
     model_class: str | None = None
     config: ModelConfig | None = None
     problems: list[str] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)     # what works differently, though supported
 
     @property
     def ok(self) -> bool:
@@ -42,9 +44,8 @@ class ModelCheck:
     def __str__(self) -> str:
         head = (f"{self.path}: model_type={self.model_type!r} architectures={self.architectures} "
                 f"-> {self.model_class or 'no model class'}")
-        if self.ok:
-            return head + "\n  supported"
-        return head + "\n" + "\n".join(f"  unsupported: {p}" for p in self.problems)
+        lines = ["  supported"] if self.ok else [f"  unsupported: {p}" for p in self.problems]
+        return "\n".join([head, *lines, *(f"  note: {n}" for n in self.notes)])
 
 
 def check_model(path: str | os.PathLike, custom_module_map: str | os.PathLike | None = None) -> ModelCheck:
@@ -53,7 +54,7 @@ def check_model(path: str | os.PathLike, custom_module_map: str | os.PathLike | 
     path = os.fspath(path)
     if custom_module_map is not None:
         load_custom_module_map(custom_module_map)
-    gguf = path.endswith(".gguf")
+    gguf = checkpoint_format(path) is CheckpointFormat.GGUF
     if gguf:
         from graphdsl.runtime.loaders.gguf import GGUFCheckpoint
         ckpt = GGUFCheckpoint(path)
@@ -64,6 +65,7 @@ def check_model(path: str | os.PathLike, custom_module_map: str | os.PathLike | 
     else:
         hf = read_hf_config(path)
     report = ModelCheck(path, hf.get("model_type"), list(hf.get("architectures") or []))
+    _check_tokenizer(report, ckpt if gguf else None)
     for key, why in _UNSUPPORTED_FIELDS.items():
         value = hf.get(key)
         if value:
@@ -88,6 +90,20 @@ def check_model(path: str | os.PathLike, custom_module_map: str | os.PathLike | 
     if not weights.ok:
         report.problems.append("weights:\n    " + str(weights).replace("\n", "\n    "))
     return report
+
+
+def _check_tokenizer(report: ModelCheck, gguf_ckpt) -> None:
+    """A GGUF file's tokenizer must build (LLM needs it); a HF directory may lack one, which limits
+    it to token-id prompts (the CLI cannot run it), and a present one must load."""
+    from graphdsl.runtime.loaders.tokenizer import Tokenizer
+    if gguf_ckpt is None and not has_tokenizer(report.path, CheckpointFormat.HF_DIR):
+        report.notes.append("no tokenizer.json: LLM.generate and LLM.score take token ids only; "
+                            "the graphdsl generate and chat commands need one")
+        return
+    try:
+        gguf_ckpt.tokenizer() if gguf_ckpt is not None else Tokenizer.from_pretrained(report.path)
+    except GraphDSLError as e:
+        report.problems.append(f"tokenizer: {e}")
 
 
 def _safetensors_shapes(path: str) -> dict[str, tuple[int, ...]]:

@@ -37,7 +37,7 @@ def load_weights(model: FlashCausalLM, tensors: Iterable[tuple[str, torch.Tensor
            for name, p in params.items() if name not in tied}
     got: dict[str, tuple[int, ...]] = {}
     expected = {name: slot.shape for name, slot in table.items()}
-    t0, last = time.monotonic(), 0.0
+    line = _ProgressLine(sys.stderr) if progress else None
     for i, (name, tensor) in enumerate(tensors, 1):
         if model.is_ignored_checkpoint_name(name):
             continue
@@ -45,14 +45,41 @@ def load_weights(model: FlashCausalLM, tensors: Iterable[tuple[str, torch.Tensor
         slot = table.get(name)
         if slot is not None and tuple(tensor.shape) == slot.shape:
             out[slot.param][slot.index].copy_(tensor)
-        if progress and time.monotonic() - last > 0.2:
-            last = time.monotonic()
-            print(f"\rloading weights: {i} tensors ({len(got)}/{len(expected)} matched names) "
-                  f"{last - t0:.1f}s", end="", file=sys.stderr, flush=True)
-    if progress:
-        print(f"\rloading weights: {len(got)} tensors in {time.monotonic() - t0:.1f}s" + " " * 20,
-              file=sys.stderr, flush=True)
+        if line is not None and line.due():
+            line.show(f"loading weights: {i} tensors ({len(got)}/{len(expected)} matched names)")
+    if line is not None:
+        line.done(f"loading weights: {len(got)} tensors")
     check_weights(expected, got)
     for name, source in tied.items():
         out[name] = out[source]
     return out
+
+
+class _ProgressLine:
+    """One status line on ``stream``: redrawn in place (carriage return) a few times a second on a
+    terminal; on anything else (a pipe, a log file) a plain line every ``plain_every`` seconds, so
+    logs hold whole lines and no ``\\r`` fragments."""
+
+    def __init__(self, stream, *, tty_every: float = 0.2, plain_every: float = 10.0):
+        self.stream = stream
+        isatty = getattr(stream, "isatty", None)
+        self.tty = bool(isatty and isatty())
+        self.every = tty_every if self.tty else plain_every
+        self.t0 = self.last = time.monotonic()
+
+    def due(self) -> bool:
+        """True when the next :meth:`show` would not come too soon after the last one."""
+        return time.monotonic() - self.last >= self.every
+
+    def show(self, text: str) -> None:
+        """Show ``text`` with the elapsed time."""
+        now = self.last = time.monotonic()
+        msg = f"{text} {now - self.t0:.1f}s"
+        if self.tty:
+            print(f"\r{msg}", end="", file=self.stream, flush=True)
+        else:
+            print(msg, file=self.stream, flush=True)
+
+    def done(self, text: str) -> None:
+        msg = f"{text} in {time.monotonic() - self.t0:.1f}s"
+        print(f"\r{msg}\033[K" if self.tty else msg, file=self.stream, flush=True)

@@ -19,6 +19,7 @@ from graphdsl.network import Network
 from graphdsl.passes.manager import PassManager
 
 from .backends import BACKENDS
+from .device import check_device
 from .engine import Engine
 from .engine_cache import EngineCache, environment_key
 
@@ -29,8 +30,9 @@ _build_ids = itertools.count()
 
 def default_backend(device=None) -> str:
     """``"triton"`` when the engine will run on CUDA, else ``"torch"``."""
+    device = check_device(device, "default_backend: device")
     if device is not None:
-        return "triton" if torch.device(device).type == "cuda" else "torch"
+        return "triton" if device.type == "cuda" else "torch"
     return "triton" if torch.cuda.is_available() else "torch"
 
 
@@ -96,6 +98,7 @@ def build_engine(net: Network, *, backend: str | None = None, device=None, dump_
             stage says ``cache hit``). While dumping (``dump_dir``) the passes always run, so their graphs are
             written, and the result is stored.
     """
+    device = check_device(device, "build_engine: device")
     backend = backend or default_backend(device)
     if backend not in BACKENDS:
         raise GraphDSLError(f"build_engine: unknown backend {backend!r}; available: {sorted(BACKENDS)}")
@@ -112,6 +115,9 @@ def build_engine(net: Network, *, backend: str | None = None, device=None, dump_
         return r
 
     dump_dir = dump_dir or os.environ.get("GRAPHDSL_DUMP_DIR")
+    if dump_dir and os.path.exists(dump_dir) and not os.path.isdir(dump_dir):
+        raise GraphDSLError(f"build_engine: dump_dir {os.fspath(dump_dir)!r} (dump_dir= or $GRAPHDSL_DUMP_DIR) "
+                            "is a file, not a folder")
     out_dir = Path(dump_dir) / f"{next(_build_ids):03d}-{net.name}" if dump_dir else None
     stage("lint", net.lint)
     store = _resolve_cache(cache, backend, device)

@@ -87,7 +87,7 @@ class Engine:
         if unknown:
             raise BindError(f"set_weights: unknown names {unknown}; the graph's inputs are {self.input_names}")
         for name, w in weights.items():
-            self._check_tensor(name, w)
+            self._check_tensor(name, w, "weight")
             declared = self.net.inputs[name]
             if declared.shape is not None and all(isinstance(s, int) for s in declared.shape) \
                     and tuple(w.shape) != declared.shape:
@@ -152,12 +152,13 @@ class Engine:
     __call__ = forward
 
     # -- validation --------------------------------------------------------------------------
-    def _check_tensor(self, name: str, x) -> None:
+    def _check_tensor(self, name: str, x, kind: str = "input") -> None:
+        """``kind`` names the tensor as the caller does: an ``input`` of forward, a ``weight`` of set_weights."""
         if not isinstance(x, torch.Tensor):
-            raise BindError(f"input '{name}' must be a torch.Tensor, got {type(x).__name__}")
+            raise BindError(f"{kind} '{name}' must be a torch.Tensor, got {type(x).__name__}")
         want = self.net.inputs[name].dtype
         if want is not None and x.dtype != want:
-            raise BindError(f"input '{name}': expected dtype {dtype_str(want)}, got {dtype_str(x.dtype)}")
+            raise BindError(f"{kind} '{name}': expected dtype {dtype_str(want)}, got {dtype_str(x.dtype)}")
 
     def _check_feed(self, feed: dict) -> torch.device:
         device, first = self.device, None
@@ -253,12 +254,10 @@ class Engine:
         lines = [f"Engine '{net.name}'  backend={self.backend.name}  device={self.device or 'from first call'}",
                  f"  nodes: {len(net.nodes)}" + (f" (recorded: {len(rec.nodes)})" if rec is not None else "")
                  + f"   kernel launches per forward: {self.num_launches}",
-                 "  inputs:  " + ", ".join(f"{n} {shape_str(t.shape)} {dtype_str(t.dtype)}"
-                                           for n, t in net.inputs.items()),
+                 "  inputs:  " + ", ".join(self._describe(n, t) for n, t in net.inputs.items()),
                  f"  weights bound: {len(self._weights)}"
                  + (f"   folded constants: {len(self._folded)} (computed once from weights)" if self._folded else ""),
-                 "  outputs: " + ", ".join(f"{n} {shape_str(t.shape)} {dtype_str(t.dtype)}"
-                                           for n, t in net.outputs.items())]
+                 "  outputs: " + ", ".join(self._describe(n, t) for n, t in net.outputs.items())]
         fused = [n for n in self._run_nodes if n.op in FUSED_OPS]
         if fused:
             by_op: dict[str, int] = {}
@@ -274,21 +273,42 @@ class Engine:
         for plan in self._plans.values():
             m = plan.memory
             ratio = m.arena_bytes / m.intermediate_bytes if m.intermediate_bytes else 0.0
-            dims = ", ".join(f"{k}={v}" for k, v in sorted(plan.binding.items())) or "static"
+            dims = self._plan_label(plan)
             lines.append(f"    [{dims}] arena {_fmt_bytes(m.arena_bytes)} planned vs {_fmt_bytes(m.intermediate_bytes)} "
                          f"sum of intermediates ({ratio:.0%})")
         return "\n".join(lines)
 
+    def _describe(self, name: str, t) -> str:
+        """``name [shape] dtype``; a tensor declared without shape or dtype shows the last call's
+        (or says that the first call decides)."""
+        if t.shape is not None and t.dtype is not None:
+            return f"{name} {shape_str(t.shape)} {dtype_str(t.dtype)}"
+        if self.last_plan is None:
+            return f"{name} (shape and dtype from the first call)"
+        shape, dtype = self.last_plan.specs[t.name]
+        return f"{name} {list(shape)} {dtype_str(dtype)} (last call)"
+
+    def _plan_label(self, plan: ShapePlan) -> str:
+        """What a shape plan is specialised on: its Dim values, else the shapes of shape-less inputs."""
+        if plan.binding:
+            return ", ".join(f"{k}={v}" for k, v in sorted(plan.binding.items()))
+        free = [n for n in self.required if self.net.inputs[n].shape is None]
+        return ", ".join(f"{n}={list(plan.specs[n][0])}" for n in free) or "static"
+
     def dump(self, directory) -> Path:
         """Write graph (txt/dot/json, recorded and optimised), memory plans and the summary."""
         d = Path(directory)
-        d.mkdir(parents=True, exist_ok=True)
+        if d.exists() and not d.is_dir():
+            raise GraphDSLError(f"engine.dump: '{d}' is a file, not a folder")
+        try:
+            d.mkdir(parents=True, exist_ok=True)
+        except OSError as e:                              # a file of that name, permissions
+            raise GraphDSLError(f"engine.dump: cannot create the folder '{d}': {e.strerror}") from None
         if self.recorded is not None:
             self.recorded.dump(d / "00-recorded.txt")
         for suffix in (".txt", ".dot", ".json"):
             self.net.dump(d / f"graph{suffix}")
-        plans = [f"[{', '.join(f'{k}={v}' for k, v in sorted(p.binding.items())) or 'static'}]\n{p.memory.describe()}"
-                 for p in self._plans.values()]
+        plans = [f"[{self._plan_label(p)}]\n{p.memory.describe()}" for p in self._plans.values()]
         (d / "plan.txt").write_text("\n\n".join(plans) + "\n" if plans else "no shape plan yet (no forward call)\n")
         (d / "summary.txt").write_text(self.summary() + "\n")
         if self.pass_report is not None:

@@ -38,10 +38,18 @@ def bmm(a, b, transpose_a: bool = False, transpose_b: bool = False):
     return matmul(a, b, transpose_a=transpose_a, transpose_b=transpose_b)
 
 
+@at_user_line
 def linear(x, weight, bias=None, transpose_a: bool = False, transpose_b: bool = False):
     """x @ weight (+ bias) — seed semantics: without transposes, ``weight`` is [in, out].
 
-    HF checkpoints store [out, in]: pass ``transpose_b=True``.
+    HF checkpoints (and ``torch.nn.functional.linear``) store [out, in]: pass ``transpose_b=True``.
     """
+    if not transpose_b and x.shape is not None and weight.shape is not None and len(weight.shape) >= 2 \
+            and len(x.shape) >= 1:
+        k = x.shape[-2] if transpose_a and len(x.shape) >= 2 else x.shape[-1]
+        check(same_extent(k, weight.shape[-2]) is not False or same_extent(k, weight.shape[-1]) is False, "linear",
+              f"x {shape_str(x.shape)} @ weight {shape_str(weight.shape)}: inner dims differ ({k} vs "
+              f"{weight.shape[-2]}). graphdsl's F.linear computes x @ weight (weight [in, out], the seed's "
+              "layout); this weight looks like torch's [out, in]: pass transpose_b=True")
     out = matmul(x, weight, transpose_a=transpose_a, transpose_b=transpose_b)
     return out if bias is None else out + bias

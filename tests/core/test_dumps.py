@@ -110,3 +110,26 @@ def test_dump_dir_env_dumps_every_build(tmp_path, monkeypatch):
     dirs = sorted(p.name for p in tmp_path.iterdir())
     assert len(dirs) == 2 and all(d.endswith("-envdump") for d in dirs)
     assert (tmp_path / dirs[0] / "graph.txt").read_text().count("exp(") == 1
+
+
+def test_dump_and_load_paths_are_checked(tmp_path):
+    """Paths that cannot be written or read give GraphDSLErrors naming them, not raw OSErrors."""
+    with Network("n") as net:
+        net.mark_output(F.exp(Tensor("x", (2,), "float32")), "y")
+    a_file = tmp_path / "a_file"
+    a_file.write_text("x")
+    bad_json = tmp_path / "bad.json"
+    engine = net.build_engine()
+    for call, msg in [(lambda: engine.dump(a_file), "engine.dump: '.*a_file' is a file, not a folder"),
+                      (lambda: net.dump(a_file / "g.txt"), "dump: '.*a_file' is a file, not a folder"),
+                      (lambda: net.dump(tmp_path), "dump: unknown suffix ''"),
+                      (lambda: net.dump(tmp_path / "dir.txt") or net.dump(tmp_path / "dir.txt" / "x.txt"),
+                       "is a file, not a folder"),
+                      (lambda: net.build_engine(dump_dir=a_file), "build_engine: dump_dir '.*a_file' .* is a file"),
+                      (lambda: Network.load(tmp_path / "none.json"), "load: '.*none.json' not found"),
+                      (lambda: (bad_json.write_text("{nope"), Network.load(bad_json)), "is not a JSON graph dump")]:
+        with pytest.raises(GraphDSLError, match=msg):
+            call()
+    (tmp_path / "d.txt").mkdir()
+    with pytest.raises(GraphDSLError, match="is a directory; give a file name ending in .txt"):
+        net.dump(tmp_path / "d.txt")

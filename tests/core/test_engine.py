@@ -70,15 +70,31 @@ def test_set_weights_errors():
         eng.set_weights({"v": torch.ones(1)})
     with pytest.raises(BindError, match=r"weight 'w': expected shape \[8, 4\], got \[4, 8\]"):
         eng.set_weights({"w": torch.ones(4, 8)})
+    with pytest.raises(BindError, match=r"^weight 'w': expected dtype float32, got float64$"):    # not "input"
+        eng.set_weights({"w": torch.ones(8, 4, dtype=torch.float64)})
+    with pytest.raises(BindError, match=r"^weight 'w' must be a torch.Tensor, got list$"):
+        eng.set_weights({"w": [1.0]})
+
+
+def test_summary_of_shape_less_inputs_shows_the_call():
+    with Network("seed") as net:
+        net.mark_output(F.matmul(Tensor("a"), Tensor("b")), "c")
+    eng = net.build_engine()
+    assert "a (shape and dtype from the first call)" in eng.summary()
+    assert "[?]" not in eng.summary()
+    eng.forward({"a": torch.ones(2, 3), "b": torch.ones(3, 4)})
+    text = eng.summary()
+    assert "a [2, 3] float32 (last call), b [3, 4] float32 (last call)" in text
+    assert "c [2, 4] float32 (last call)" in text and "[a=[2, 3], b=[3, 4]] arena" in text
 
 
 def test_pinned_device_is_checked():
     n = Dim("n")
     with Network() as net:
         net.mark_output(F.exp(Tensor("x", (n,), "float32")), "y")
-    eng = net.build_engine(device="meta")
-    with pytest.raises(BindError, match="input 'x' is on cpu, but the engine's device meta"):
-        eng.forward({"x": torch.ones(3)})
+    eng = net.build_engine(device="cpu")   # pinned devices are cpu/cuda; a meta tensor stands for another one
+    with pytest.raises(BindError, match="input 'x' is on meta, but the engine's device cpu"):
+        eng.forward({"x": torch.ones(3, device="meta")})
 
 
 def test_unspecialised_graph_reports_shape_errors_at_the_call():

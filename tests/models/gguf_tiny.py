@@ -39,12 +39,13 @@ LAYER_NAMES = {"input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_
                "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up", "mlp.down_proj": "ffn_down"}
 
 
-def write_llama_gguf(path, hf_model):
+def write_llama_gguf(path, hf_model, metadata=None):
+    """``metadata``: extra or replacement keys (str, int or float values)."""
     import gguf
     cfg = hf_model.config
     tokens = vocabulary()
     assert len(tokens) == cfg.vocab_size
-    w = gguf.GGUFWriter(str(path), "llama")
+    w = _Overridden(gguf.GGUFWriter(str(path), "llama"), dict(metadata or {}))
     w.add_uint32("llama.context_length", cfg.max_position_embeddings)
     w.add_uint32("llama.embedding_length", cfg.hidden_size)
     w.add_uint32("llama.block_count", cfg.num_hidden_layers)
@@ -62,6 +63,7 @@ def write_llama_gguf(path, hf_model):
     w.add_uint32("tokenizer.ggml.eos_token_id", tokens.index("<|im_end|>"))
     w.add_uint32("tokenizer.ggml.bos_token_id", tokens.index("<|endoftext|>"))
     w.add_string("tokenizer.chat_template", TEMPLATE)
+    w.add_rest()
     for name, p in hf_model.state_dict().items():
         a = p.detach().float().numpy()
         if name in ("model.embed_tokens.weight", "model.norm.weight", "lm_head.weight"):
@@ -82,13 +84,35 @@ def write_llama_gguf(path, hf_model):
     w.close()
 
 
-def build_tiny_gguf(directory):
+class _Overridden:
+    """A GGUFWriter whose scalar keys take their value from ``overrides`` where given; ``add_rest``
+    writes the override keys the writer was never asked for (typed by their Python type)."""
+
+    def __init__(self, writer, overrides: dict):
+        self._w, self._over = writer, overrides
+
+    def __getattr__(self, name):
+        fn = getattr(self._w, name)
+        if name not in ("add_string", "add_uint32", "add_float32"):
+            return fn
+        return lambda key, value: fn(key, self._over.pop(key, value))
+
+    def add_rest(self):
+        adders = {str: self._w.add_string, float: self._w.add_float32, int: self._w.add_uint32}
+        for key, value in self._over.items():
+            adders[type(value)](key, value)
+        self._over = {}
+
+
+def build_tiny_gguf(directory, **metadata):
     """``(path of tiny.gguf, the transformers model it holds)``; matrices pass through float16 on
-    both sides so the two hold identical values."""
+    both sides so the two hold identical values. Keyword arguments replace or add metadata keys
+    (``tokenizer_model="x"`` for ``tokenizer.ggml.model``, or a full key through ``**{"a.b": v}``)."""
     hf_model = make_checkpoint("llama", directory / "hf", vocab_size=len(vocabulary()))
     with torch.no_grad():
         for p in hf_model.parameters():
             if p.dim() == 2:
                 p.copy_(p.half().float())
-    write_llama_gguf(directory / "tiny.gguf", hf_model)
+    keys = {("tokenizer.ggml.model" if k == "tokenizer_model" else k): v for k, v in metadata.items()}
+    write_llama_gguf(directory / "tiny.gguf", hf_model, keys)
     return directory / "tiny.gguf", hf_model

@@ -32,10 +32,12 @@ def test_generate_streams_text(gguf, capsys):
 
 
 def test_generate_reports_bad_input(gguf, capsys):
-    assert main(["generate", gguf, "--prompt", "hi", "--temperature", "-1"]) == 1
-    assert "temperature must be a float >= 0" in capsys.readouterr().err
-    with pytest.raises(SystemExit, match="not found"):
+    with pytest.raises(SystemExit) as e:
+        main(["generate", gguf, "--prompt", "hi", "--temperature", "-1"])
+    assert e.value.code == 2 and "argument --temperature: temperature must be a float >= 0" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
         main(["generate", "/no/such/model", "--prompt", "hi"])
+    assert "argument model: model path '/no/such/model' not found" in capsys.readouterr().err
 
 
 def test_chat_reads_turns_from_stdin(gguf, capsys, monkeypatch):

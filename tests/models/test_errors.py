@@ -141,7 +141,7 @@ def test_corrupt_gguf(tmp_path):
     bad.write_bytes(b"GGUF" + b"\x00" * 3 + b"garbage")
     with pytest.raises(GraphDSLError, match="not a readable GGUF file"):
         gd.LLM(str(bad), device="cpu")
-    with pytest.raises(GraphDSLError, match="does not exist"):
+    with pytest.raises(GraphDSLError, match="missing.gguf' not found"):
         gd.LLM(str(tmp_path / "missing.gguf"), device="cpu")
 
 
@@ -154,8 +154,19 @@ def test_bad_llm_arguments(ckpt):
         gd.LLM(ckpt, device="cpu", max_model_len=-4)
     with pytest.raises(GraphDSLError, match="max_model_len=4096 exceeds the model's max_position_embeddings=256"):
         gd.LLM(ckpt, device="cpu", max_model_len=4096)
-    with pytest.raises(GraphDSLError, match="neither a model directory nor a .gguf file"):
+    with pytest.raises(GraphDSLError, match="nothing-here' not found"):
         gd.LLM(str(ckpt / "nothing-here"), device="cpu")
+
+
+@pytest.mark.parametrize("fraction", [0, 1.5, -0.1, True, "half"])
+def test_kv_cache_fraction_is_checked_before_anything_loads(ckpt, fraction, monkeypatch):
+    def no_weights(*a, **k):
+        raise AssertionError("weights were loaded before kv_cache_memory_fraction was checked")
+    monkeypatch.setattr("graphdsl.entrypoints.llm.load_weights", no_weights)
+    with pytest.raises(GraphDSLError, match=r"kv_cache_memory_fraction must be a float in \(0, 1\], got"):
+        gd.LLM(ckpt, device="cpu", kv_cache_memory_fraction=fraction)
+    with pytest.raises(GraphDSLError, match=r"kv_cache_memory_fraction must be a float in \(0, 1\], got"):
+        gd.LLM.from_config({"model_type": "llama"}, device="cpu", kv_cache_memory_fraction=fraction)
 
 
 def test_bfloat16_and_memory_fraction_cache(ckpt):
