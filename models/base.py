@@ -31,12 +31,17 @@ class FlashCausalLM(Module):
     """Base class: ``self.model`` (embedding → layers → norm, with ``rotary_emb``) and ``self.lm_head``.
 
     Subclasses build the tree in ``__init__(config, dtype)``; they may override
-    :meth:`_update_model_inputs` to feed extra graph inputs, and extend
-    ``ignored_checkpoint_names`` (regexes) for checkpoint tensors that carry no weights.
+    :meth:`_update_model_inputs` to feed extra graph inputs, extend ``ignored_checkpoint_names``
+    (regexes) for checkpoint tensors that carry no weights, and list ``checkpoint_renames``:
+    ``(regex, replacement)`` pairs applied in order to every checkpoint tensor name before it is
+    looked up (a family whose checkpoints name a module differently from the layers, e.g.
+    Mixtral's ``block_sparse_moe.experts.{e}.w1`` for ``mlp.experts.{e}.gate_proj``).
     """
 
     model_types: tuple[str, ...] = ()
     ignored_checkpoint_names: tuple[str, ...] = (r"\.rotary_emb\.inv_freq$",)
+    checkpoint_renames: tuple[tuple[str, str], ...] = ()
+    embedding_parameter = "model.embed_tokens.weight"   # what a tied lm_head shares
     engine_features: frozenset | None = None     # set by @to_engine
 
     def __init__(self, config: ModelConfig, dtype: torch.dtype | None = None):
@@ -69,6 +74,12 @@ class FlashCausalLM(Module):
             table.pop("lm_head.weight", None)
         return table
 
+    def checkpoint_name(self, name: str) -> str:
+        """A checkpoint tensor's name in this model's naming (``checkpoint_renames`` applied)."""
+        for pattern, replacement in self.checkpoint_renames:
+            name = re.sub(pattern, replacement, name)
+        return name
+
     def is_ignored_checkpoint_name(self, name: str) -> bool:
         if self.config.tie_word_embeddings and name == "lm_head.weight":
             return True
@@ -76,7 +87,7 @@ class FlashCausalLM(Module):
 
     def tied_parameters(self) -> dict[str, str]:
         """``{parameter: parameter it shares storage with}``."""
-        return {"lm_head.weight": "model.embed_tokens.weight"} if self.config.tie_word_embeddings else {}
+        return {"lm_head.weight": self.embedding_parameter} if self.config.tie_word_embeddings else {}
 
     # -- runtime hooks -----------------------------------------------------------------------
     def _update_model_inputs(self, meta: Mapping[str, torch.Tensor]) -> tuple[dict, dict, dict]:

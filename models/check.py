@@ -82,6 +82,7 @@ def check_model(path: str | os.PathLike, custom_module_map: str | os.PathLike | 
     model = cls(report.config)
     expected = {n: s.shape for n, s in model.checkpoint_table().items()}
     got = _gguf_shapes(ckpt) if gguf else _safetensors_shapes(path)
+    got = {model.checkpoint_name(n): s for n, s in got.items()}
     got = {n: s for n, s in got.items() if not model.is_ignored_checkpoint_name(n)}
     from graphdsl.runtime.loaders.safetensors import WeightReport
     weights = WeightReport.compare(expected, got)

@@ -25,7 +25,7 @@ def load_weights(model: FlashCausalLM, tensors: Iterable[tuple[str, torch.Tensor
     """``{parameter name: tensor on device}`` for every parameter of ``model``.
 
     Args:
-        tensors: checkpoint ``(name, tensor)`` pairs in HF naming.
+        tensors: checkpoint ``(name, tensor)`` pairs in HF naming (``model.checkpoint_renames`` apply).
         dtype: parameter dtype (default: the model's).
         progress: print a progress line on stderr while reading.
     """
@@ -39,6 +39,7 @@ def load_weights(model: FlashCausalLM, tensors: Iterable[tuple[str, torch.Tensor
     expected = {name: slot.shape for name, slot in table.items()}
     t0, last = time.monotonic(), 0.0
     for i, (name, tensor) in enumerate(tensors, 1):
+        name = model.checkpoint_name(name)
         if model.is_ignored_checkpoint_name(name):
             continue
         got[name] = tuple(tensor.shape)

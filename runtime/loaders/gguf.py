@@ -378,9 +378,13 @@ class GGUFCheckpoint:
         return v
 
     def hf_config(self) -> dict[str, Any]:
-        """A HF ``config.json``-style dict for this file (llama, qwen2, qwen3, qwen2moe, qwen3moe)."""
+        """A HF ``config.json``-style dict for this file (llama, qwen2, qwen3, qwen2moe, qwen3moe; a
+        llama with ``expert_count`` is Mixtral)."""
         arch = self._check_arch()
         model_type, cls = _ARCHS[arch]
+        mixtral = arch == "llama" and self._key(arch, "expert_count", None) is not None
+        if mixtral:                  # llama.cpp converts Mixtral as a llama with stacked experts
+            model_type, cls = "mixtral", "MixtralForCausalLM"
         hidden = int(self._key(arch, "embedding_length"))
         heads = int(self._key(arch, "attention.head_count"))
         kv_heads = int(self._key(arch, "attention.head_count_kv", heads))
@@ -426,6 +430,9 @@ class GGUFCheckpoint:
             shared = self._key(arch, "expert_shared_feed_forward_length", None)
             if shared is not None:
                 cfg["shared_expert_intermediate_size"] = int(shared)
+        if mixtral:
+            cfg.update(num_local_experts=int(self._key(arch, "expert_count")),
+                       num_experts_per_tok=int(self._key(arch, "expert_used_count")))
         if arch == "llama":
             cfg["attention_bias"] = "blk.0.attn_q.bias" in self._tensors
             cfg["mlp_bias"] = "blk.0.ffn_up.bias" in self._tensors

@@ -105,7 +105,8 @@ def hf_model_to_gguf(path, model, arch: str, *, quant: dict[str, Any] | None = N
     if getattr(cfg, "num_experts", None):
         meta[f"{arch}.expert_count"] = cfg.num_experts
         meta[f"{arch}.expert_used_count"] = cfg.num_experts_per_tok
-        meta[f"{arch}.expert_feed_forward_length"] = cfg.moe_intermediate_size
+        if getattr(cfg, "moe_intermediate_size", None):     # Mixtral's experts are intermediate_size wide
+            meta[f"{arch}.expert_feed_forward_length"] = cfg.moe_intermediate_size
         if getattr(cfg, "shared_expert_intermediate_size", None):
             meta[f"{arch}.expert_shared_feed_forward_length"] = cfg.shared_expert_intermediate_size
     sd = {k: v.detach().float().clone() for k, v in model.state_dict().items()}

@@ -25,6 +25,9 @@ def make_config(family: str, **overrides):
         cls = tf.Qwen3MoeConfig
         kw.update(head_dim=32, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, norm_topk_prob=True,
                   mlp_only_layers=[1])
+    elif family == "mixtral":
+        cls = tf.MixtralConfig
+        kw.update(num_local_experts=8, num_experts_per_tok=2, intermediate_size=32)
     elif family == "granite":
         cls = tf.GraniteConfig
         kw.update(embedding_multiplier=3.0, residual_multiplier=0.5, attention_multiplier=0.2, logits_scaling=2.5)

@@ -288,6 +288,31 @@ def test_moe_config_tensors_and_logits(tmp_path, arch):
         torch.testing.assert_close(rebuilt.eval()(ids).logits, model(ids).logits, rtol=0, atol=0)
 
 
+def test_mixtral_as_llama_with_experts(tmp_path):
+    """llama.cpp converts Mixtral as a ``llama`` GGUF with ``expert_count``: config, names (the
+    Mixtral model's ``checkpoint_renames`` leave GGUF's ``mlp.experts.{e}.gate_proj`` alone) and
+    logits through ``gd.LLM`` match the transformers model."""
+    import graphdsl as gd
+    torch.manual_seed(2)
+    cfg = transformers.MixtralConfig(vocab_size=96, hidden_size=64, intermediate_size=32, num_hidden_layers=2,
+                                     num_attention_heads=4, num_key_value_heads=2, num_local_experts=8,
+                                     num_experts_per_tok=2, max_position_embeddings=256, rms_norm_eps=1e-5)
+    model = transformers.MixtralForCausalLM(cfg).eval()
+    with torch.no_grad():
+        for p in model.parameters():
+            p.normal_(0, 0.2)
+    path = tmp_path / "mixtral.gguf"
+    hf_model_to_gguf(path, model, "llama", tokenizer_meta=_tok_meta(96))
+    hf = GGUFCheckpoint(path).hf_config()
+    assert (hf["model_type"], hf["architectures"]) == ("mixtral", ["MixtralForCausalLM"])
+    assert (hf["num_local_experts"], hf["num_experts_per_tok"], hf["intermediate_size"]) == (8, 2, 32)
+    llm = gd.LLM(str(path), device="cpu", max_model_len=64)
+    ids = [3, 17, 42, 5, 88, 9, 60, 61, 2]
+    with torch.no_grad():
+        ref = model(torch.tensor([ids])).logits[0]
+    assert (llm.score(ids) - ref).abs().max().item() <= 1e-4 * ref.abs().max().item()
+
+
 # ---------------------------------------------------------------- error paths
 
 def test_missing_and_not_gguf(tmp_path):
