@@ -11,10 +11,10 @@ from .linear import (ColumnParallelLinear, MergedColumnParallelLinear, QKVParall
                      RowParallelLinear)
 from .mlp import GatedMLP
 from .moe import FusedExperts, MoE, Scoring
-from .norm import LayerNorm, RMSNorm
+from .norm import GemmaRMSNorm, LayerNorm, RMSNorm
 from .rotary import RopeScaling, RopeType, RotaryEmbedding
 
 __all__ = ["ColumnParallelLinear", "RowParallelLinear", "MergedColumnParallelLinear", "QKVParallelLinear",
-           "ReplicatedLinear", "RMSNorm", "LayerNorm", "VocabParallelEmbedding", "RotaryEmbedding", "RopeType",
-           "RopeScaling", "Attention", "GatedMLP", "MoE", "FusedExperts", "Scoring", "ForwardContext",
+           "ReplicatedLinear", "RMSNorm", "GemmaRMSNorm", "LayerNorm", "VocabParallelEmbedding", "RotaryEmbedding",
+           "RopeType", "RopeScaling", "Attention", "GatedMLP", "MoE", "FusedExperts", "Scoring", "ForwardContext",
            "KVCacheSpec", "Phase", "CheckpointSlot", "checkpoint_layout"]

@@ -1,4 +1,4 @@
-"""Self-attention over a paged KV cache: MHA/GQA, optional q/k RMSNorm, sliding window.
+"""Self-attention over a paged KV cache: MHA/GQA, optional q/k RMSNorm, sliding window, soft-capping.
 
 ``forward(x, ctx)``: fused qkv projection → (q/k-norm) → RoPE with the step's cos/sin → write the
 new k/v into this layer's cache blocks (``reshape_and_cache``) → paged attention (prefill when the
@@ -27,17 +27,20 @@ class Attention(Module):
         qk_norm_eps: if set, RMSNorm over each q and k head before RoPE (Qwen3).
         sliding_window: attend to at most this many most recent positions (None: all).
         scale: softmax scale, default ``head_dim ** -0.5``.
+        soft_cap: if set, scores become ``soft_cap * tanh(scores / soft_cap)`` (Gemma 2).
     """
 
     def __init__(self, hidden_size: int, num_heads: int, num_kv_heads: int, head_dim: int, layer_idx: int,
                  rotary: RotaryEmbedding, *, qkv_bias: bool = False, o_bias: bool = False,
                  qk_norm_eps: float | None = None, sliding_window: int | None = None, scale: float | None = None,
-                 dtype=None):
+                 soft_cap: float | None = None, dtype=None):
         super().__init__()
         if sliding_window is not None and (not isinstance(sliding_window, int) or sliding_window <= 0):
             raise GraphDSLError(f"Attention: sliding_window must be a positive int or None, got {sliding_window!r}")
         self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
-        self.layer_idx, self.sliding_window = layer_idx, sliding_window
+        if soft_cap is not None and not soft_cap > 0:
+            raise GraphDSLError(f"Attention: soft_cap must be > 0 or None, got {soft_cap!r}")
+        self.layer_idx, self.sliding_window, self.soft_cap = layer_idx, sliding_window, soft_cap
         self.scale = head_dim ** -0.5 if scale is None else float(scale)
         self.qkv_proj = QKVParallelLinear(hidden_size, head_dim, num_heads, num_kv_heads, qkv_bias, dtype)
         self.o_proj = RowParallelLinear(num_heads * head_dim, hidden_size, o_bias, dtype)
@@ -55,10 +58,11 @@ class Attention(Module):
         key_cache, value_cache = ctx.kv_caches[self.layer_idx]
         key_cache, value_cache = F.reshape_and_cache(k, v, key_cache, value_cache, ctx.slot_mapping)
         out = F.paged_attention(q, key_cache, value_cache, ctx.block_tables, ctx.seq_lens, ctx.query_start_loc,
-                                scale=self.scale, sliding_window=self.sliding_window)
+                                scale=self.scale, sliding_window=self.sliding_window, soft_cap=self.soft_cap)
         tokens = x.shape[0] if x.shape is not None else -1
         return self.o_proj(out.reshape(tokens, self.num_heads * self.head_dim))
 
     def extra_repr(self) -> str:
         return (f"layer={self.layer_idx}, heads={self.num_heads}, kv_heads={self.num_kv_heads}, "
-                f"head_dim={self.head_dim}, qk_norm={self.qk_norm}, sliding_window={self.sliding_window}")
+                f"head_dim={self.head_dim}, qk_norm={self.qk_norm}, sliding_window={self.sliding_window}"
+                + ("" if self.soft_cap is None else f", soft_cap={self.soft_cap}"))

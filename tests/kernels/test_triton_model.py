@@ -14,7 +14,7 @@ from graphdsl.layers import Phase
 from tests.models.hf_tiny import hf_greedy, hf_logits, make_checkpoint
 
 
-@pytest.mark.parametrize("family", ["llama", "mistral"])   # mistral: sliding-window attention
+@pytest.mark.parametrize("family", ["llama", "mistral", "gemma2"])   # sliding window; gemma2: + soft caps
 def test_tiny_model_on_triton_backend_matches_hf(family, tmp_path, monkeypatch):
     import importlib
     paged_attention = importlib.import_module("graphdsl.runtime.kernels.paged_attention")   # the module, not

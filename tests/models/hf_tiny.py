@@ -28,6 +28,13 @@ def make_config(family: str, **overrides):
     elif family == "mixtral":
         cls = tf.MixtralConfig
         kw.update(num_local_experts=8, num_experts_per_tok=2, intermediate_size=32)
+    elif family == "gemma":
+        cls = tf.GemmaConfig
+        kw.update(head_dim=32)
+    elif family == "gemma2":
+        cls = tf.Gemma2Config
+        kw.update(head_dim=32, sliding_window=8, query_pre_attn_scalar=24, attn_logit_softcapping=4.0,
+                  final_logit_softcapping=6.0)
     elif family == "granite":
         cls = tf.GraniteConfig
         kw.update(embedding_multiplier=3.0, residual_multiplier=0.5, attention_multiplier=0.2, logits_scaling=2.5)

@@ -313,6 +313,28 @@ def test_mixtral_as_llama_with_experts(tmp_path):
     assert (llm.score(ids) - ref).abs().max().item() <= 1e-4 * ref.abs().max().item()
 
 
+@pytest.mark.parametrize("arch", ["gemma", "gemma2"])
+def test_gemma_logits_through_llm(tmp_path, arch):
+    """llama.cpp's Gemma GGUFs: norm weights stored as ``1 + w``, gemma2's four norms a layer and its
+    soft caps and sliding window in the metadata; ``gd.LLM`` on the file scores like transformers."""
+    import graphdsl as gd
+    from tests.models.hf_tiny import make_checkpoint
+    extra = {"query_pre_attn_scalar": 32} if arch == "gemma2" else {}   # head_dim, as llama.cpp assumes
+    model = make_checkpoint(arch, tmp_path / "hf", vocab_size=96, **extra)
+    path = tmp_path / f"{arch}.gguf"
+    hf_model_to_gguf(path, model, arch, tokenizer_meta=_tok_meta(96))
+    hf = GGUFCheckpoint(path).hf_config()
+    assert hf["model_type"] == arch and hf["tie_word_embeddings"]
+    if arch == "gemma2":
+        assert (hf["sliding_window"], hf["attn_logit_softcapping"], hf["final_logit_softcapping"],
+                hf["query_pre_attn_scalar"]) == (8, 4.0, 6.0, 32)
+    llm = gd.LLM(str(path), device="cpu", max_model_len=64)
+    ids = [3, 17, 42, 5, 88, 9, 60, 61, 2, 7, 11, 13]        # longer than gemma2's window of 8
+    with torch.no_grad():
+        ref = model(torch.tensor([ids])).logits[0]
+    assert (llm.score(ids) - ref).abs().max().item() <= 1e-4 * ref.abs().max().item()
+
+
 # ---------------------------------------------------------------- error paths
 
 def test_missing_and_not_gguf(tmp_path):
@@ -344,7 +366,7 @@ def test_unsupported_architecture(tmp_path):
     write_gguf(path, "mamba", {"mamba.block_count": 1}, {"x.weight": (np.ones(4, np.float32), None)})
     ck = GGUFCheckpoint(path)
     assert ck.architecture == "mamba"
-    with pytest.raises(GraphDSLError, match=r"architecture 'mamba' is not supported; supported: \['llama', 'qwen2', 'qwen3', 'qwen2moe', 'qwen3moe'\]"):
+    with pytest.raises(GraphDSLError, match=r"architecture 'mamba' is not supported; supported: \['llama', 'qwen2', 'qwen3', 'qwen2moe', 'qwen3moe', 'gemma', 'gemma2'\]"):
         ck.hf_config()
     with pytest.raises(GraphDSLError, match="'mamba' is not supported"):
         list(ck.iter_tensors())

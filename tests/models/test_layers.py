@@ -6,8 +6,8 @@ import torch
 from graphdsl import Dim, Network, Tensor
 from graphdsl import functional as F
 from graphdsl.errors import GraphDSLError
-from graphdsl.layers import (LayerNorm, MoE, QKVParallelLinear, RMSNorm, RopeScaling, RopeType, RotaryEmbedding,
-                             Scoring, checkpoint_layout)
+from graphdsl.layers import (GemmaRMSNorm, LayerNorm, MoE, QKVParallelLinear, RMSNorm, RopeScaling, RopeType,
+                             RotaryEmbedding, Scoring, VocabParallelEmbedding, checkpoint_layout)
 from graphdsl.models import build_config
 
 ROPE_CASES = {
@@ -117,6 +117,31 @@ def test_rmsnorm_with_residual_returns_new_residual():
     s = x + r
     torch.testing.assert_close(new_r, s)
     torch.testing.assert_close(y, w * s * torch.rsqrt(s.pow(2).mean(-1, keepdim=True) + 1e-5))
+
+
+def test_gemma_rmsnorm_matches_transformers_in_bfloat16():
+    """``(1 + w)`` multiplied in float32 before the cast back: bit-equal to transformers' Gemma norm,
+    also with the residual add (in the stream's dtype) in front."""
+    from transformers.models.gemma.modeling_gemma import GemmaRMSNorm as HFGemmaRMSNorm
+    torch.manual_seed(0)
+    x, r = torch.randn(5, 32).bfloat16(), torch.randn(5, 32).bfloat16()
+    w = (torch.randn(32) * 0.1).bfloat16()
+    hf = HFGemmaRMSNorm(32, eps=1e-6)
+    with torch.no_grad():
+        hf.weight.copy_(w)
+    norm = GemmaRMSNorm(32, eps=1e-6, dtype=torch.bfloat16)
+    y, new_r = _run(lambda n: norm(Tensor("x", (n, 32), torch.bfloat16), Tensor("r", (n, 32), torch.bfloat16)),
+                    {"x": x, "r": r, "weight": w})
+    assert y.dtype == torch.bfloat16 and torch.equal(new_r, x + r)
+    with torch.no_grad():
+        assert torch.equal(y, hf(x + r))
+
+
+def test_embedding_scale():
+    emb = VocabParallelEmbedding(10, 4, torch.float32, scale=3.0)
+    w = torch.randn(10, 4)
+    (y,) = _run(lambda n: emb(Tensor("ids", (n,), torch.int64)), {"ids": torch.tensor([2, 7]), "weight": w})
+    torch.testing.assert_close(y, w[[2, 7]] * 3.0)
 
 
 def test_layernorm_matches_torch():

@@ -25,6 +25,8 @@ FAMILIES = {
     "qwen3_moe-renormalised-with-dense-layer": ("qwen3_moe", {}),
     "mixtral": ("mixtral", {}),
     "mixtral-sliding-window": ("mixtral", {"sliding_window": 8}),
+    "gemma": ("gemma", {}),
+    "gemma2-sliding-window-and-soft-caps": ("gemma2", {}),
 }
 
 

@@ -1,0 +1,80 @@
+"""Published ``config.json`` files of the newer families parse into the right config and model.
+
+Each dict is the checkpoint's own ``config.json`` (transformers 4 layout, as published). The model
+built from it must have the published parameter count (weights only allocate when bound, so this
+is cheap), and the family's knobs must land in the typed config.
+"""
+import math
+
+import pytest
+
+from graphdsl.models import build_config, resolve_model_class
+
+MIXTRAL_8X7B = {
+    "architectures": ["MixtralForCausalLM"], "attention_dropout": 0.0, "bos_token_id": 1, "eos_token_id": 2,
+    "hidden_act": "silu", "hidden_size": 4096, "initializer_range": 0.02, "intermediate_size": 14336,
+    "max_position_embeddings": 32768, "model_type": "mixtral", "num_attention_heads": 32, "num_experts_per_tok": 2,
+    "num_hidden_layers": 32, "num_key_value_heads": 8, "num_local_experts": 8, "output_router_logits": False,
+    "rms_norm_eps": 1e-05, "rope_theta": 1000000.0, "router_aux_loss_coef": 0.02, "sliding_window": None,
+    "tie_word_embeddings": False, "torch_dtype": "bfloat16", "transformers_version": "4.36.0.dev0",
+    "use_cache": True, "vocab_size": 32000,
+}
+GEMMA_7B = {
+    "architectures": ["GemmaForCausalLM"], "attention_bias": False, "attention_dropout": 0.0, "bos_token_id": 2,
+    "eos_token_id": 1, "head_dim": 256, "hidden_act": "gelu", "hidden_size": 3072, "initializer_range": 0.02,
+    "intermediate_size": 24576, "max_position_embeddings": 8192, "model_type": "gemma", "num_attention_heads": 16,
+    "num_hidden_layers": 28, "num_key_value_heads": 16, "pad_token_id": 0, "rms_norm_eps": 1e-06,
+    "rope_scaling": None, "rope_theta": 10000.0, "torch_dtype": "bfloat16", "transformers_version": "4.38.0.dev0",
+    "use_cache": True, "vocab_size": 256000,
+}
+GEMMA2_9B = {
+    "architectures": ["Gemma2ForCausalLM"], "attention_bias": False, "attention_dropout": 0.0,
+    "attn_logit_softcapping": 50.0, "bos_token_id": 2, "cache_implementation": "hybrid", "eos_token_id": 1,
+    "final_logit_softcapping": 30.0, "head_dim": 256, "hidden_act": "gelu_pytorch_tanh",
+    "hidden_activation": "gelu_pytorch_tanh", "hidden_size": 3584, "initializer_range": 0.02,
+    "intermediate_size": 14336, "max_position_embeddings": 8192, "model_type": "gemma2", "num_attention_heads": 16,
+    "num_hidden_layers": 42, "num_key_value_heads": 8, "pad_token_id": 0, "query_pre_attn_scalar": 256,
+    "rms_norm_eps": 1e-06, "rope_theta": 10000.0, "sliding_window": 4096, "sliding_window_size": 4096,
+    "torch_dtype": "float32", "transformers_version": "4.42.0.dev0", "use_cache": True, "vocab_size": 256000,
+}
+
+
+def _count(model) -> int:
+    tied = model.tied_parameters()
+    return sum(math.prod(p.shape) for name, p in model.named_parameters() if name not in tied)
+
+
+@pytest.mark.parametrize("hf,cls_name,params", [
+    (MIXTRAL_8X7B, "MixtralForCausalLM", 46_702_792_704),
+    (GEMMA_7B, "GemmaForCausalLM", 8_537_680_896),
+    (GEMMA2_9B, "Gemma2ForCausalLM", 9_241_705_984),
+])
+def test_published_config_builds_the_published_model(hf, cls_name, params):
+    config = build_config(dict(hf))
+    cls = resolve_model_class(config.model_type, config.architectures)
+    assert cls.__name__ == cls_name
+    assert _count(cls(config)) == params
+
+
+def test_mixtral_fields():
+    c = build_config(dict(MIXTRAL_8X7B))
+    assert (c.num_experts, c.num_experts_per_tok, c.moe_intermediate_size, c.norm_topk_prob) == (8, 2, 14336, True)
+    assert c.sliding_window is None and c.is_moe_layer(0) and c.is_moe_layer(31)
+
+
+def test_gemma_fields():
+    c = build_config(dict(GEMMA_7B))
+    assert c.hidden_act == "gelu_pytorch_tanh"          # the legacy "gelu" means the tanh approximation
+    assert c.tie_word_embeddings and c.head_dim == 256  # tied by default: the config does not say
+    model = resolve_model_class("gemma")(c)
+    assert model.model.embed_tokens.scale == 55.5       # sqrt(3072) = 55.43 rounded to bfloat16
+
+
+def test_gemma2_fields():
+    c = build_config(dict(GEMMA2_9B))
+    assert c.query_pre_attn_scalar == 256 and c.attn_logit_softcapping == 50.0 and c.final_logit_softcapping == 30.0
+    assert [c.layer_sliding_window(i) for i in range(4)] == [4096, None, 4096, None]   # layer 0 slides
+    attn = resolve_model_class("gemma2")(c).model.layers[0].self_attn
+    assert (attn.scale, attn.soft_cap, attn.sliding_window) == (256 ** -0.5, 50.0, 4096)
+    explicit = build_config(dict(GEMMA2_9B, layer_types=["full_attention", "sliding_attention"] * 21))
+    assert [explicit.layer_sliding_window(i) for i in range(2)] == [None, 4096]
