@@ -64,7 +64,8 @@ class FlashCausalLM(Module):
 
     @property
     def rotary(self):
-        return self.model.rotary_emb
+        """The model's rotary embedding (``model.rotary_emb``); None for models without RoPE (ALiBi)."""
+        return getattr(self.model, "rotary_emb", None)
 
     # -- checkpoint mapping ------------------------------------------------------------------
     def checkpoint_table(self) -> dict[str, CheckpointSlot]:
@@ -187,15 +188,16 @@ def _execute(self: FlashCausalLM, phase: Phase, inputs: Mapping[str, torch.Tenso
     extra_in, extra_out, runtime_params = self._update_model_inputs(feed)
     feed.update(extra_in)
     names = engine.net.inputs
+    tables = "cos" in names and "cos" not in feed     # the graph rotates q/k and no model input gave the tables
     if phase is Phase.DECODE and not (extra_in or extra_out or runtime_params):
         runner = _graph_runner(self, engine)
         if runner is not None:
-            if runner.prologue is None:
+            if runner.prologue is None and tables:
                 feed["cos"], feed["sin"] = self.rotary.cos_sin(feed["positions"])
             step = {k: v for k, v in feed.items() if k in runner.pads}
             if runner.fits(step):
                 return runner.run(step)["logits"]
-    if "cos" not in feed:
+    if tables and "cos" not in feed:
         feed["cos"], feed["sin"] = self.rotary.cos_sin(feed["positions"])
     step = {k: v for k, v in feed.items() if k in names}
     out = engine.forward(step, extra_out or None, runtime_params or None)
@@ -229,7 +231,7 @@ def _graph_runner(self: FlashCausalLM, engine):
         width = self._runtime["max_blocks_per_seq"] or self._num_cache_blocks
         pads = {k: p for k, p in decode_pads(width).items() if k in engine.net.inputs and k not in engine._weights}
         prologue = None
-        if self.rotary.captures_tables and {"cos", "sin"} <= set(pads):   # cos/sin computed inside the graph
+        if self.rotary is not None and self.rotary.captures_tables and {"cos", "sin"} <= set(pads):  # in the graph
             pads = {k: p for k, p in pads.items() if k not in ("cos", "sin")}
             pads["positions"] = decode_pads(width)["positions"]
             prologue = _rope_prologue(self.rotary)

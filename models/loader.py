@@ -45,7 +45,8 @@ def load_weights(model: FlashCausalLM, tensors: Iterable[tuple[str, torch.Tensor
         got[name] = tuple(tensor.shape)
         slot = table.get(name)
         if slot is not None and tuple(tensor.shape) == slot.shape:
-            out[slot.param][slot.index].copy_(tensor)
+            target = out[slot.param][slot.index]
+            target.copy_(slot.place(tensor).reshape(target.shape))
         if progress and time.monotonic() - last > 0.2:
             last = time.monotonic()
             print(f"\rloading weights: {i} tensors ({len(got)}/{len(expected)} matched names) "

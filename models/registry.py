@@ -103,4 +103,4 @@ def _load_builtin() -> None:
     global _loaded
     if not _loaded:
         _loaded = True
-        from . import gemma, llama, mixtral, qwen2, qwen2_moe, qwen3  # noqa: F401  (registration side effects)
+        from . import bloom, gemma, llama, mixtral, qwen2, qwen2_moe, qwen3  # noqa: F401  (registration side effects)

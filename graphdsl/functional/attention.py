@@ -5,6 +5,7 @@ Layouts (vLLM's "flash" layout):
 * q: ``[num_tokens, num_heads, head_dim]``; k/v: ``[num_tokens, num_kv_heads, head_dim]``
 * key/value cache: ``[num_blocks, block_size, num_kv_heads, head_dim]``
 * ``slot_mapping[t] = block * block_size + offset`` (negative: padding, not written)
+* ``alibi_slopes``: one float per query head (ALiBi, Bloom); empty: no position bias
 * ``block_tables[s, j]``: the j-th cache block of sequence s; ``seq_lens[s]``: its context length
   *including* the tokens of this step; ``query_start_loc[s]``: where sequence s's queries start in
   the packed q (length num_seqs + 1). Decode passes no ``query_start_loc``: one query per sequence.
@@ -98,7 +99,7 @@ def reshape_and_cache(key, value, key_cache, value_cache, slot_mapping):
 
 
 def _attn_rule(q: Spec, key_cache: Spec, value_cache: Spec, block_tables: Spec, seq_lens: Spec,
-               *query_start_loc: Spec, scale=1.0, sliding_window=0, soft_cap=0.0):
+               *query_start_loc: Spec, scale=1.0, sliding_window=0, soft_cap=0.0, alibi_slopes=()):
     op = "paged_attention"
     check(len(q.shape) == 3, op, f"q must be [num_tokens, num_heads, head_dim], got {shape_str(q.shape)}")
     check(len(key_cache.shape) == 4 and len(value_cache.shape) == 4, op, "caches must be rank 4")
@@ -117,16 +118,22 @@ def _attn_rule(q: Spec, key_cache: Spec, value_cache: Spec, block_tables: Spec, 
               f"decode needs one query per sequence: {q.shape[0]} queries, {seq_lens.shape[0]} sequences")
     check(isinstance(sliding_window, int) and sliding_window >= 0, op, f"sliding_window must be an int >= 0, got {sliding_window!r}")
     check(isinstance(soft_cap, (int, float)) and soft_cap >= 0, op, f"soft_cap must be >= 0, got {soft_cap!r}")
+    check(isinstance(alibi_slopes, tuple) and all(isinstance(x, float) for x in alibi_slopes), op,
+          f"alibi_slopes must be a tuple of floats, got {alibi_slopes!r}")
+    if alibi_slopes and isinstance(hq, int):
+        check(len(alibi_slopes) == hq, op, f"alibi_slopes has {len(alibi_slopes)} slopes for {hq} query heads")
     return Spec(q.shape[:2] + value_cache.shape[3:], q.dtype)
 
 
 @register_op("paged_attention", category=OpCategory.ATTENTION, shape=_attn_rule)
 def _paged_attention(q, key_cache, value_cache, block_tables, seq_lens, *query_start_loc, scale=1.0,
-                     sliding_window=0, soft_cap=0.0):
+                     sliding_window=0, soft_cap=0.0, alibi_slopes=()):
     """For each sequence s with context length L and n new queries, query i (absolute position
     p = L - n + i) attends causally over cached keys 0..p (and only keys > p - sliding_window when
-    a window is set): ``softmax(cap·tanh(q·kᵀ·scale / cap)) · v`` with ``cap = soft_cap`` if set.
-    Query head h reads KV head h // (num_heads / num_kv_heads) (GQA). Computed in float32."""
+    a window is set): ``softmax(cap·tanh(q·kᵀ·scale / cap) + m_h·(k - p)) · v`` with
+    ``cap = soft_cap`` if set and ``m_h = alibi_slopes[h]`` for query head h if given (ALiBi; the
+    bias is relative to the query, which softmax cannot tell from Bloom's ``m_h·k``). Query head h
+    reads KV head h // (num_heads / num_kv_heads) (GQA). Computed in float32."""
     num_seqs = seq_lens.shape[0]
     qsl = query_start_loc[0].tolist() if query_start_loc else list(range(num_seqs + 1))
     lens = seq_lens.tolist()
@@ -146,6 +153,9 @@ def _paged_attention(q, key_cache, value_cache, block_tables, seq_lens, *query_s
             scores = soft_cap * torch.tanh(scores / soft_cap)
         pos_q = torch.arange(L - n, L, device=q.device)[:, None]
         pos_k = torch.arange(L, device=q.device)[None, :]
+        if alibi_slopes:
+            slopes = torch.tensor(alibi_slopes, dtype=torch.float32, device=q.device)[:, None, None]
+            scores = scores + slopes * (pos_k - pos_q)
         mask = pos_k <= pos_q
         if sliding_window:
             mask &= pos_k > pos_q - sliding_window
@@ -156,12 +166,15 @@ def _paged_attention(q, key_cache, value_cache, block_tables, seq_lens, *query_s
 
 @at_user_line
 def paged_attention(q, key_cache, value_cache, block_tables, seq_lens, query_start_loc=None, *,
-                    scale: float | None = None, sliding_window: int | None = None, soft_cap: float | None = None):
+                    scale: float | None = None, sliding_window: int | None = None, soft_cap: float | None = None,
+                    alibi_slopes=None):
     """Attention of packed queries over a paged KV cache (prefill when ``query_start_loc`` is
-    given, decode otherwise); ``scale`` defaults to 1/sqrt(head_dim)."""
+    given, decode otherwise); ``scale`` defaults to 1/sqrt(head_dim); ``alibi_slopes``: one ALiBi
+    slope per query head (a sequence of floats), or None."""
     if scale is None:
         scale = 1.0 / math.sqrt(q.shape[-1]) if q.shape is not None and isinstance(q.shape[-1], int) else None
         check(scale is not None, "paged_attention", "pass scale= when q's head_dim is not known while recording")
     extra = [] if query_start_loc is None else [query_start_loc]
     return _paged_attention(q, key_cache, value_cache, block_tables, seq_lens, *extra, scale=float(scale),
-                            sliding_window=int(sliding_window or 0), soft_cap=float(soft_cap or 0.0))
+                            sliding_window=int(sliding_window or 0), soft_cap=float(soft_cap or 0.0),
+                            alibi_slopes=tuple(float(x) for x in alibi_slopes or ()))

@@ -77,6 +77,7 @@ class TritonBackend:
     def __init__(self):
         self._prepared: dict = {}
         self._workspaces: dict = {}             # (device, shapes) -> split-K decode partial buffers
+        self._alibi: dict = {}                  # (device, slopes) -> ALiBi slopes as a device tensor
         self._single: dict = {}                 # node -> generated as a one-op kernel?
         self.sources: dict[str, str] = {}       # node name -> generated kernel source (for dumps)
         self._gemv_workspace = None             # split-K partials + counters of the decode GEMVs
@@ -285,13 +286,25 @@ def _decode_workspace(be: TritonBackend, q, key_cache, block_tables, sliding_win
     return splits, workspace
 
 
+def _alibi_slopes(be: TritonBackend, slopes: tuple, device) -> torch.Tensor | None:
+    """The node's ``alibi_slopes`` attribute as a float32 device tensor, made once (a CUDA-graph
+    replay must find it at the same address)."""
+    if not slopes:
+        return None
+    key = (device, slopes)
+    t = be._alibi.get(key)
+    if t is None:
+        t = be._alibi[key] = torch.tensor(slopes, dtype=torch.float32, device=device)
+    return t
+
+
 def _paged_attention(be: TritonBackend, node, ins, attrs, dsts):
     from ..kernels.paged_attention import paged_attention_decode, paged_attention_prefill
     q, key_cache, value_cache, block_tables, seq_lens = ins[:5]
     if q.stride(-1) != 1:
         q = q.contiguous()
     common = dict(scale=attrs["scale"], sliding_window=attrs["sliding_window"], soft_cap=attrs["soft_cap"],
-                  out=dsts[0])
+                  out=dsts[0], alibi_slopes=_alibi_slopes(be, attrs["alibi_slopes"], q.device))
     if len(ins) == 6:
         paged_attention_prefill(q, key_cache, value_cache, block_tables, seq_lens, ins[5], **common)
         return dsts

@@ -7,7 +7,7 @@ raw bytes is ours, written in torch so the same code decodes on the CPU or on a 
 - :class:`GGUFCheckpoint` renames llama.cpp tensors to HF names (splitting stacked MoE experts
   into per-expert tensors), undoes the q/k row permutation
   llama.cpp's converter applies to llama-architecture attention weights (and the ``+ 1`` it adds
-  to Gemma's norm weights), builds a HF
+  to Gemma's norm weights, and its ``[q | k | v]`` order of Bloom's fused projection), builds a HF
   ``config.json``-style dict from the ``{arch}.*`` metadata, and a :class:`Tokenizer` from
   ``tokenizer.*``.
 
@@ -267,6 +267,7 @@ _ARCHS = {
     "qwen3moe": ("qwen3_moe", "Qwen3MoeForCausalLM"),
     "gemma": ("gemma", "GemmaForCausalLM"),
     "gemma2": ("gemma2", "Gemma2ForCausalLM"),
+    "bloom": ("bloom", "BloomForCausalLM"),
 }
 _MOE = ("qwen2moe", "qwen3moe")
 SUPPORTED_ARCHITECTURES = tuple(_ARCHS)
@@ -277,7 +278,10 @@ _NORM_PLUS_ONE = ("gemma", "gemma2")
 
 _GLOBAL_NAMES = {
     "token_embd.weight": "model.embed_tokens.weight",
+    "token_embd_norm.weight": "model.embed_layernorm.weight",   # bloom
+    "token_embd_norm.bias": "model.embed_layernorm.bias",
     "output_norm.weight": "model.norm.weight",
+    "output_norm.bias": "model.norm.bias",
     "output.weight": "lm_head.weight",
 }
 _LAYER_NAMES = {
@@ -301,7 +305,9 @@ _LAYER_NAMES = {
     "post_ffw_norm": "post_feedforward_layernorm",
 }
 # architectures whose layers use a name differently (gemma2's ffn_norm is the norm before the MLP)
-_ARCH_LAYER_NAMES = {"gemma2": {"ffn_norm": "pre_feedforward_layernorm"}}
+_ARCH_LAYER_NAMES = {"gemma2": {"ffn_norm": "pre_feedforward_layernorm"},
+                     # llama.cpp stores bloom's fused q/k/v as [q | k | v]; it is yielded in the HF layout
+                     "bloom": {"attn_qkv": "self_attention.query_key_value"}}
 # stacked experts [E, ...] -> one HF tensor per expert: mlp.experts.{e}.{proj}.weight
 _EXPERT_NAMES = {"ffn_gate_exps": "gate_proj", "ffn_up_exps": "up_proj", "ffn_down_exps": "down_proj"}
 _LAYER_RE = re.compile(r"^blk\.(\d+)\.([a-z_]+)\.(weight|bias)$")
@@ -327,6 +333,12 @@ def _unpermute_rows(w: torch.Tensor, n_head: int) -> torch.Tensor:
     if rows % (2 * n_head):
         raise GraphDSLError(f"cannot un-permute a q/k weight of {rows} rows over {n_head} heads")
     return w.reshape(n_head, rows // n_head // 2, 2, *w.shape[1:]).transpose(1, 2).reshape(w.shape)
+
+
+def _per_head_qkv(w: torch.Tensor, n_head: int) -> torch.Tensor:
+    """llama.cpp's ``[q | k | v]`` rows (or bias) back to Bloom's per-head ``[head, (q | k | v), head_dim]``."""
+    rows = w.shape[0]
+    return w.reshape(3, n_head, rows // 3 // n_head, *w.shape[1:]).transpose(0, 1).reshape(w.shape)
 
 
 class GGUFCheckpoint:
@@ -389,7 +401,7 @@ class GGUFCheckpoint:
 
     def hf_config(self) -> dict[str, Any]:
         """A HF ``config.json``-style dict for this file (llama, qwen2, qwen3, qwen2moe, qwen3moe, gemma,
-        gemma2; a llama with ``expert_count`` is Mixtral)."""
+        gemma2, bloom; a llama with ``expert_count`` is Mixtral)."""
         arch = self._check_arch()
         model_type, cls = _ARCHS[arch]
         mixtral = arch == "llama" and self._key(arch, "expert_count", None) is not None
@@ -440,6 +452,8 @@ class GGUFCheckpoint:
             shared = self._key(arch, "expert_shared_feed_forward_length", None)
             if shared is not None:
                 cfg["shared_expert_intermediate_size"] = int(shared)
+        if arch == "bloom":
+            cfg["layer_norm_epsilon"] = float(self._key(arch, "attention.layer_norm_epsilon"))
         if arch == "gemma2":
             window = self._key(arch, "attention.sliding_window", None)
             cfg.update(attn_logit_softcapping=self._key(arch, "attn_logit_softcapping", None),
@@ -517,6 +531,8 @@ class GGUFCheckpoint:
                 w = w.reshape(1, -1)
             if arch in _NORM_PLUS_ONE and name.endswith("norm.weight"):
                 w = w - 1.0
+            if arch == "bloom" and ".attn_qkv." in name:
+                w = _per_head_qkv(w, cfg["num_attention_heads"])
             yield hf_name(name, arch) or name, w.to(dtype)
 
 

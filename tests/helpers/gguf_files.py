@@ -152,3 +152,37 @@ def hf_model_to_gguf(path, model, arch: str, *, quant: dict[str, Any] | None = N
             tensors[gname] = (quants.quantize(np.ascontiguousarray(data, dtype=np.float32), qtype), qtype)
     write_gguf(path, arch, meta, tensors)
     return sd
+
+
+_BLOOM_LAYER = {"input_layernorm": "attn_norm", "self_attention.query_key_value": "attn_qkv",
+                "self_attention.dense": "attn_output", "post_attention_layernorm": "ffn_norm",
+                "mlp.dense_h_to_4h": "ffn_up", "mlp.dense_4h_to_h": "ffn_down"}
+_BLOOM_GLOBAL = {"word_embeddings": "token_embd", "word_embeddings_layernorm": "token_embd_norm", "ln_f": "output_norm"}
+
+
+def bloom_to_gguf(path, model, *, tokenizer_meta: dict[str, Any] | None = None) -> None:
+    """Write a HF Bloom as llama.cpp's converter does: the fused q/k/v rows reordered from per head
+    ``[head, (q|k|v), head_dim]`` to ``[q | k | v]``, and the embedding written again as ``output``."""
+    cfg = model.config
+    h, n = cfg.n_head, cfg.hidden_size
+    meta = {"bloom.context_length": n, "bloom.embedding_length": n, "bloom.feed_forward_length": 4 * n,
+            "bloom.block_count": cfg.n_layer, "bloom.attention.head_count": h, "bloom.attention.head_count_kv": h,
+            "bloom.attention.layer_norm_epsilon": float(cfg.layer_norm_epsilon)}
+    meta.update(tokenizer_meta or {})
+    tensors = {}
+    for name, t in model.state_dict().items():
+        name = re.sub(r"^transformer\.", "", name)
+        data = t.detach().float().numpy()
+        m = re.match(r"h\.(\d+)\.(.+)\.(weight|bias)$", name)
+        if m:
+            if m.group(2) == "self_attention.query_key_value":
+                data = data.reshape(h, 3, n // h, *data.shape[1:]).swapaxes(0, 1).reshape(data.shape)
+            gname = f"blk.{m.group(1)}.{_BLOOM_LAYER[m.group(2)]}.{m.group(3)}"
+        elif name == "lm_head.weight":
+            continue
+        else:
+            module, leaf = name.rsplit(".", 1)
+            gname = f"{_BLOOM_GLOBAL[module]}.{leaf}"
+        tensors[gname] = (np.ascontiguousarray(data, dtype=np.float32), None)
+    tensors["output.weight"] = tensors["token_embd.weight"]
+    write_gguf(path, "bloom", meta, tensors)

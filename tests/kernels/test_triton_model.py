@@ -14,7 +14,8 @@ from graphdsl.layers import Phase
 from tests.models.hf_tiny import hf_greedy, hf_logits, make_checkpoint
 
 
-@pytest.mark.parametrize("family", ["llama", "mistral", "gemma2"])   # sliding window; gemma2: + soft caps
+# mistral: sliding window; gemma2: + soft caps; bloom: ALiBi, no RoPE (so no rope_cache fusion in decode)
+@pytest.mark.parametrize("family", ["llama", "mistral", "gemma2", "bloom"])
 def test_tiny_model_on_triton_backend_matches_hf(family, tmp_path, monkeypatch):
     import importlib
     paged_attention = importlib.import_module("graphdsl.runtime.kernels.paged_attention")   # the module, not
@@ -37,7 +38,8 @@ def test_tiny_model_on_triton_backend_matches_hf(family, tmp_path, monkeypatch):
     outs = llm.generate(prompts, gd.SamplingParams(max_tokens=4, temperature=0, ignore_eos=True))
     assert [o.token_ids for o in outs] == [hf_greedy(hf_model, ids, 4) for ids in prompts]
     assert calls["paged_attention_prefill"] > 0 and calls["paged_attention_decode"] > 0, calls
-    for phase, attention in ((Phase.PREFILL, "paged_attention"), (Phase.DECODE, "rope_cache_attention")):
+    decode_attention = "paged_attention" if family == "bloom" else "rope_cache_attention"
+    for phase, attention in ((Phase.PREFILL, "paged_attention"), (Phase.DECODE, decode_attention)):
         eng = llm.model.engine(phase)
         assert eng.backend.name == "triton"
         assert attention in {n.op for n in eng.net.nodes}

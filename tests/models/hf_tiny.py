@@ -35,6 +35,9 @@ def make_config(family: str, **overrides):
         cls = tf.Gemma2Config
         kw.update(head_dim=32, sliding_window=8, query_pre_attn_scalar=24, attn_logit_softcapping=4.0,
                   final_logit_softcapping=6.0)
+    elif family == "bloom":
+        cls = tf.BloomConfig
+        kw = dict(vocab_size=TINY["vocab_size"], hidden_size=TINY["hidden_size"], n_layer=2, n_head=4)
     elif family == "granite":
         cls = tf.GraniteConfig
         kw.update(embedding_multiplier=3.0, residual_multiplier=0.5, attention_multiplier=0.2, logits_scaling=2.5)

@@ -38,6 +38,23 @@ GEMMA2_9B = {
     "torch_dtype": "float32", "transformers_version": "4.42.0.dev0", "use_cache": True, "vocab_size": 256000,
 }
 
+BLOOM_560M = {
+    "apply_residual_connection_post_layernorm": False, "architectures": ["BloomForCausalLM"],
+    "attention_dropout": 0.0, "attention_softmax_in_fp32": True, "bias_dropout_fusion": True, "bos_token_id": 1,
+    "eos_token_id": 2, "hidden_dropout": 0.0, "hidden_size": 1024, "initializer_range": 0.02,
+    "layer_norm_epsilon": 1e-05, "masked_softmax_fusion": True, "model_type": "bloom", "n_head": 16,
+    "n_inner": None, "n_layer": 24, "offset_alibi": 100, "pad_token_id": 3, "pretraining_tp": 1,
+    "skip_bias_add": True, "skip_bias_add_qkv": False, "slow_but_exact": False, "transformers_version": "4.21.0",
+    "unk_token_id": 0, "use_cache": True, "vocab_size": 250880,
+}
+BLOOM_176B = {   # the big one spells the width n_embed
+    "apply_residual_connection_post_layernorm": False, "attention_dropout": 0.0, "attention_softmax_in_fp32": True,
+    "bias_dropout_fusion": True, "bos_token_id": 1, "eos_token_id": 2, "hidden_dropout": 0.0,
+    "initializer_range": 0.02, "layer_norm_epsilon": 1e-05, "masked_softmax_fusion": True, "model_type": "bloom",
+    "n_embed": 14336, "n_layer": 70, "num_attention_heads": 112, "pretraining_tp": 4, "slow_but_exact": False,
+    "transformers_version": "4.21.0", "use_cache": True, "vocab_size": 250880,
+}
+
 
 def _count(model) -> int:
     tied = model.tied_parameters()
@@ -48,6 +65,8 @@ def _count(model) -> int:
     (MIXTRAL_8X7B, "MixtralForCausalLM", 46_702_792_704),
     (GEMMA_7B, "GemmaForCausalLM", 8_537_680_896),
     (GEMMA2_9B, "Gemma2ForCausalLM", 9_241_705_984),
+    (BLOOM_560M, "BloomForCausalLM", 559_214_592),
+    (BLOOM_176B, "BloomForCausalLM", 176_247_271_424),
 ])
 def test_published_config_builds_the_published_model(hf, cls_name, params):
     config = build_config(dict(hf))
@@ -78,3 +97,13 @@ def test_gemma2_fields():
     assert (attn.scale, attn.soft_cap, attn.sliding_window) == (256 ** -0.5, 50.0, 4096)
     explicit = build_config(dict(GEMMA2_9B, layer_types=["full_attention", "sliding_attention"] * 21))
     assert [explicit.layer_sliding_window(i) for i in range(2)] == [None, 4096]
+
+
+def test_bloom_fields():
+    c = build_config(dict(BLOOM_176B))
+    assert (c.hidden_size, c.num_attention_heads, c.head_dim, c.intermediate_size) == (14336, 112, 128, 57344)
+    assert c.tie_word_embeddings and c.eos_token_ids == (2,)
+    attn = resolve_model_class("bloom")(c).model.layers[0].self_attn
+    slopes = attn.alibi_slopes            # 112 heads: 64 from the 2^(-8i/64) sequence, 48 odd ones of 2^(-4i/64)
+    assert len(slopes) == 112 and slopes[0] == 2 ** -0.125 and slopes[64] == 2 ** -0.0625
+    assert slopes[65] == 2 ** (-3 * 0.0625)

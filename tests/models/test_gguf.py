@@ -335,6 +335,25 @@ def test_gemma_logits_through_llm(tmp_path, arch):
     assert (llm.score(ids) - ref).abs().max().item() <= 1e-4 * ref.abs().max().item()
 
 
+def test_bloom_logits_through_llm(tmp_path):
+    """llama.cpp's Bloom GGUF: fused q/k/v in [q | k | v] order (back to per head while loading),
+    embedding LayerNorm, biases, output written out; ``gd.LLM`` scores like transformers."""
+    import graphdsl as gd
+    from tests.helpers.gguf_files import bloom_to_gguf
+    from tests.models.hf_tiny import make_checkpoint
+    model = make_checkpoint("bloom", tmp_path / "hf", vocab_size=96)
+    path = tmp_path / "bloom.gguf"
+    bloom_to_gguf(path, model, tokenizer_meta=_tok_meta(96))
+    hf = GGUFCheckpoint(path).hf_config()
+    assert (hf["model_type"], hf["num_attention_heads"]) == ("bloom", 4)
+    assert hf["layer_norm_epsilon"] == pytest.approx(1e-5)   # a float32 in the file
+    llm = gd.LLM(str(path), device="cpu", max_model_len=64)
+    ids = [3, 17, 42, 5, 88, 9, 60, 61, 2, 7, 11, 13]
+    with torch.no_grad():
+        ref = model(torch.tensor([ids])).logits[0]
+    assert (llm.score(ids) - ref).abs().max().item() <= 1e-4 * ref.abs().max().item()
+
+
 # ---------------------------------------------------------------- error paths
 
 def test_missing_and_not_gguf(tmp_path):
@@ -366,7 +385,7 @@ def test_unsupported_architecture(tmp_path):
     write_gguf(path, "mamba", {"mamba.block_count": 1}, {"x.weight": (np.ones(4, np.float32), None)})
     ck = GGUFCheckpoint(path)
     assert ck.architecture == "mamba"
-    with pytest.raises(GraphDSLError, match=r"architecture 'mamba' is not supported; supported: \['llama', 'qwen2', 'qwen3', 'qwen2moe', 'qwen3moe', 'gemma', 'gemma2'\]"):
+    with pytest.raises(GraphDSLError, match=r"architecture 'mamba' is not supported; supported: \['llama', 'qwen2', 'qwen3', 'qwen2moe', 'qwen3moe', 'gemma', 'gemma2', 'bloom'\]"):
         ck.hf_config()
     with pytest.raises(GraphDSLError, match="'mamba' is not supported"):
         list(ck.iter_tensors())

@@ -6,8 +6,9 @@ import torch
 from graphdsl import Dim, Network, Tensor
 from graphdsl import functional as F
 from graphdsl.errors import GraphDSLError
-from graphdsl.layers import (GemmaRMSNorm, LayerNorm, MoE, QKVParallelLinear, RMSNorm, RopeScaling, RopeType,
-                             RotaryEmbedding, Scoring, VocabParallelEmbedding, checkpoint_layout)
+from graphdsl.layers import (GemmaRMSNorm, LayerNorm, MoE, QKVLayout, QKVParallelLinear, RMSNorm, RopeScaling,
+                             RopeType, RotaryEmbedding, Scoring, VocabParallelEmbedding, alibi_slopes,
+                             checkpoint_layout)
 from graphdsl.models import build_config
 
 ROPE_CASES = {
@@ -135,6 +136,29 @@ def test_gemma_rmsnorm_matches_transformers_in_bfloat16():
     assert y.dtype == torch.bfloat16 and torch.equal(new_r, x + r)
     with torch.no_grad():
         assert torch.equal(y, hf(x + r))
+
+
+@pytest.mark.parametrize("heads", [1, 4, 12, 16, 112])
+def test_alibi_slopes_match_bloom(heads):
+    from transformers.models.bloom.modeling_bloom import _get_alibi_slopes
+    torch.testing.assert_close(torch.tensor(alibi_slopes(heads), dtype=torch.float32),
+                               _get_alibi_slopes(heads, torch.device("cpu")), rtol=1e-6, atol=0)
+
+
+def test_per_head_qkv_checkpoint_layout():
+    """Bloom's query_key_value rows [head, (q | k | v), head_dim] land in the [q | k | v] parameter."""
+    h, d, n = 3, 2, 5
+    qkv = QKVParallelLinear(n, d, h, h, bias=True, dtype=torch.float32, layout=QKVLayout.PER_HEAD)
+    table = checkpoint_layout(qkv, "attn.qkv_proj")
+    assert set(table) == {"attn.qkv_proj.weight", "attn.qkv_proj.bias"}
+    w = torch.arange(3 * h * d * n, dtype=torch.float32).reshape(3 * h * d, n)
+    slot = table["attn.qkv_proj.weight"]
+    got = slot.place(w).reshape(3 * h * d, n)
+    per_head = w.reshape(h, 3, d, n)
+    for j in range(3):          # q, k, v blocks of the parameter
+        torch.testing.assert_close(got[j * h * d:(j + 1) * h * d], per_head[:, j].reshape(h * d, n))
+    with pytest.raises(GraphDSLError, match="per-head q/k/v layout needs num_kv_heads == num_heads"):
+        QKVParallelLinear(n, d, 4, 2, layout=QKVLayout.PER_HEAD)
 
 
 def test_embedding_scale():

@@ -27,6 +27,7 @@ FAMILIES = {
     "mixtral-sliding-window": ("mixtral", {"sliding_window": 8}),
     "gemma": ("gemma", {}),
     "gemma2-sliding-window-and-soft-caps": ("gemma2", {}),
+    "bloom-alibi": ("bloom", {}),
 }
 
 
