@@ -9,13 +9,14 @@ from .context import ForwardContext, KVCacheSpec, Phase
 from .embedding import VocabParallelEmbedding
 from .linear import (ColumnParallelLinear, MergedColumnParallelLinear, QKVLayout, QKVParallelLinear,
                      ReplicatedLinear, RowParallelLinear)
+from .mla import MLAttention
 from .mlp import MLP, GatedMLP
-from .moe import FusedExperts, MoE, Scoring
+from .moe import FusedExperts, MoE, Router, Scoring, TopkMethod
 from .norm import GemmaRMSNorm, LayerNorm, RMSNorm
 from .rotary import RopeScaling, RopeType, RotaryEmbedding
 
 __all__ = ["ColumnParallelLinear", "RowParallelLinear", "MergedColumnParallelLinear", "QKVParallelLinear",
            "QKVLayout", "ReplicatedLinear", "RMSNorm", "GemmaRMSNorm", "LayerNorm", "VocabParallelEmbedding",
-           "RotaryEmbedding", "RopeType", "RopeScaling", "Attention", "alibi_slopes", "GatedMLP", "MLP", "MoE",
-           "FusedExperts", "Scoring", "ForwardContext", "KVCacheSpec", "Phase", "CheckpointSlot",
-           "checkpoint_layout"]
+           "RotaryEmbedding", "RopeType", "RopeScaling", "Attention", "MLAttention", "alibi_slopes", "GatedMLP",
+           "MLP", "MoE", "Router", "TopkMethod", "FusedExperts", "Scoring", "ForwardContext", "KVCacheSpec",
+           "Phase", "CheckpointSlot", "checkpoint_layout"]

@@ -52,9 +52,12 @@ class LlamaDecoderLayer(Module):
     def __init__(self, config: ModelConfig, layer_idx: int, rotary: RotaryEmbedding, dtype=None):
         super().__init__()
         self.input_layernorm = self.norm_cls(config.hidden_size, config.rms_norm_eps, dtype)
-        self.self_attn = LlamaAttention(config, layer_idx, rotary, dtype)
+        self.self_attn = self.make_attention(config, layer_idx, rotary, dtype)
         self.post_attention_layernorm = self.norm_cls(config.hidden_size, config.rms_norm_eps, dtype)
         self.mlp = self.make_mlp(config, layer_idx, dtype)
+
+    def make_attention(self, config: ModelConfig, layer_idx: int, rotary: RotaryEmbedding, dtype) -> Module:
+        return LlamaAttention(config, layer_idx, rotary, dtype)
 
     def make_mlp(self, config: ModelConfig, layer_idx: int, dtype) -> Module:
         act = getattr(F.ActType, ACTIVATIONS[config.hidden_act])

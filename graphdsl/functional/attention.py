@@ -21,7 +21,7 @@ from ..dim import same_extent, shape_str
 from ..opdef import OpCategory, Spec, check, register_op
 from ._rules import at_user_line
 
-__all__ = ["RopeLayout", "rope", "reshape_and_cache", "paged_attention"]
+__all__ = ["RopeLayout", "rope", "reshape_and_cache", "paged_attention", "paged_mla_attention"]
 
 
 class RopeLayout(enum.Enum):
@@ -134,20 +134,12 @@ def _paged_attention(q, key_cache, value_cache, block_tables, seq_lens, *query_s
     ``cap = soft_cap`` if set and ``m_h = alibi_slopes[h]`` for query head h if given (ALiBi; the
     bias is relative to the query, which softmax cannot tell from Bloom's ``m_h·k``). Query head h
     reads KV head h // (num_heads / num_kv_heads) (GQA). Computed in float32."""
-    num_seqs = seq_lens.shape[0]
-    qsl = query_start_loc[0].tolist() if query_start_loc else list(range(num_seqs + 1))
-    lens = seq_lens.tolist()
-    bs, hk = key_cache.shape[1], key_cache.shape[2]
-    group = q.shape[1] // hk
+    group = q.shape[1] // key_cache.shape[2]
     out = torch.zeros(q.shape[:2] + value_cache.shape[3:], dtype=q.dtype, device=q.device)
-    for s in range(num_seqs):
-        L, q0, q1 = lens[s], qsl[s], qsl[s + 1]
+    for s, L, q0, q1 in _sequences(seq_lens, query_start_loc):
         n = q1 - q0
-        if n == 0:
-            continue
-        blocks = block_tables[s, : (L + bs - 1) // bs].long()
-        k = key_cache[blocks].reshape(-1, hk, key_cache.shape[3])[:L].float().repeat_interleave(group, dim=1)
-        v = value_cache[blocks].reshape(-1, hk, value_cache.shape[3])[:L].float().repeat_interleave(group, dim=1)
+        k = _context(key_cache, block_tables[s], L).repeat_interleave(group, dim=1)
+        v = _context(value_cache, block_tables[s], L).repeat_interleave(group, dim=1)
         scores = torch.einsum("qhd,khd->hqk", q[q0:q1].float(), k) * scale
         if soft_cap:
             scores = soft_cap * torch.tanh(scores / soft_cap)
@@ -162,6 +154,73 @@ def _paged_attention(q, key_cache, value_cache, block_tables, seq_lens, *query_s
         probs = torch.softmax(scores.masked_fill(~mask, float("-inf")), dim=-1)
         out[q0:q1] = torch.einsum("hqk,khd->qhd", probs, v).to(q.dtype)
     return out
+
+
+def _sequences(seq_lens, query_start_loc):
+    """``(s, L, q0, q1)`` of every sequence with queries: its context length and query rows."""
+    num_seqs = seq_lens.shape[0]
+    qsl = query_start_loc[0].tolist() if query_start_loc else list(range(num_seqs + 1))
+    for s, L in enumerate(seq_lens.tolist()):
+        if qsl[s + 1] > qsl[s]:
+            yield s, L, qsl[s], qsl[s + 1]
+
+
+def _context(cache, table_row, L):
+    """Positions ``0..L-1`` of one sequence from a paged cache: ``[L, kv_heads, head_dim]`` float32."""
+    bs = cache.shape[1]
+    blocks = table_row[: (L + bs - 1) // bs].long()
+    return cache[blocks].reshape(-1, *cache.shape[2:])[:L].float()
+
+
+def _mla_rule(q: Spec, key_cache: Spec, value_cache: Spec, block_tables: Spec, seq_lens: Spec,
+              *query_start_loc: Spec, scale=1.0, value_dim=0):
+    op = "paged_mla_attention"
+    check(len(q.shape) == 3, op, f"q must be [num_tokens, num_heads, latent_dim], got {shape_str(q.shape)}")
+    check(len(key_cache.shape) == 4 and tuple(key_cache.shape) == tuple(value_cache.shape), op,
+          f"caches must both be [num_blocks, block_size, 1, latent_dim / 2], got {shape_str(key_cache.shape)} and "
+          f"{shape_str(value_cache.shape)}")
+    check(same_extent(key_cache.shape[2], 1) is not False, op,
+          f"the latent cache has one head, got {key_cache.shape[2]}")
+    half = key_cache.shape[3]
+    if isinstance(half, int) and isinstance(q.shape[2], int):
+        check(q.shape[2] == 2 * half, op, f"q's latent_dim {q.shape[2]} must be twice the caches' {half}")
+        check(isinstance(value_dim, int) and 0 < value_dim <= q.shape[2], op,
+              f"value_dim must be an int in [1, {q.shape[2]}], got {value_dim!r}")
+    check(len(query_start_loc) <= 1, op, "takes at most one query_start_loc")
+    if not query_start_loc:
+        check(same_extent(q.shape[0], seq_lens.shape[0]) is not False, op,
+              f"decode needs one query per sequence: {q.shape[0]} queries, {seq_lens.shape[0]} sequences")
+    return Spec(q.shape[:2] + (value_dim,), q.dtype)
+
+
+@register_op("paged_mla_attention", category=OpCategory.ATTENTION, shape=_mla_rule)
+def _paged_mla_attention(q, key_cache, value_cache, block_tables, seq_lens, *query_start_loc, scale=1.0,
+                         value_dim=0):
+    """Multi-head latent attention (DeepSeek-V2, weight-absorbed): every query head attends over one
+    shared latent per position, ``c[k] = key_cache[k] ++ value_cache[k]`` (the latent is stored split
+    in two halves so the ordinary paged cache holds it without waste), with causal positions as in
+    ``paged_attention``: ``out = softmax(q·cᵀ·scale) · c[:, :value_dim]``, in float32."""
+    out = torch.zeros(q.shape[:2] + (value_dim,), dtype=q.dtype, device=q.device)
+    for s, L, q0, q1 in _sequences(seq_lens, query_start_loc):
+        n = q1 - q0
+        c = torch.cat((_context(key_cache, block_tables[s], L), _context(value_cache, block_tables[s], L)), -1)[:, 0]
+        scores = torch.einsum("qhd,kd->hqk", q[q0:q1].float(), c) * scale
+        causal = torch.arange(L, device=q.device)[None, :] <= torch.arange(L - n, L, device=q.device)[:, None]
+        probs = torch.softmax(scores.masked_fill(~causal, float("-inf")), dim=-1)
+        out[q0:q1] = torch.einsum("hqk,kd->qhd", probs, c[:, :value_dim]).to(q.dtype)
+    return out
+
+
+@at_user_line
+def paged_mla_attention(q, key_cache, value_cache, block_tables, seq_lens, query_start_loc=None, *,
+                        scale: float, value_dim: int):
+    """Latent attention of packed queries ``q [num_tokens, num_heads, latent_dim]`` over a paged cache
+    whose key and value halves hold each position's latent (prefill with ``query_start_loc``, decode
+    without); returns ``[num_tokens, num_heads, value_dim]``, attention over the latent's first
+    ``value_dim`` entries."""
+    extra = [] if query_start_loc is None else [query_start_loc]
+    return _paged_mla_attention(q, key_cache, value_cache, block_tables, seq_lens, *extra, scale=float(scale),
+                                value_dim=int(value_dim))
 
 
 @at_user_line

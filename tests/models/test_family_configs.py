@@ -55,6 +55,24 @@ BLOOM_176B = {   # the big one spells the width n_embed
     "transformers_version": "4.21.0", "use_cache": True, "vocab_size": 250880,
 }
 
+_DEEPSEEK_YARN = {"beta_fast": 32, "beta_slow": 1, "factor": 40, "mscale": 0.707, "mscale_all_dim": 0.707,
+                  "original_max_position_embeddings": 4096, "type": "yarn"}
+DEEPSEEK_V2_LITE = {
+    "architectures": ["DeepseekV2ForCausalLM"], "attention_bias": False, "attention_dropout": 0.0,
+    "aux_loss_alpha": 0.001, "bos_token_id": 100000, "eos_token_id": 100001, "first_k_dense_replace": 1,
+    "hidden_act": "silu", "hidden_size": 2048, "initializer_range": 0.02, "intermediate_size": 10944,
+    "kv_lora_rank": 512, "max_position_embeddings": 163840, "model_type": "deepseek_v2", "moe_intermediate_size": 1408,
+    "moe_layer_freq": 1, "n_group": 1, "n_routed_experts": 64, "n_shared_experts": 2, "norm_topk_prob": False,
+    "num_attention_heads": 16, "num_experts_per_tok": 6, "num_hidden_layers": 27, "num_key_value_heads": 16,
+    "pretraining_tp": 1, "q_lora_rank": None, "qk_nope_head_dim": 128, "qk_rope_head_dim": 64, "rms_norm_eps": 1e-06,
+    "rope_scaling": _DEEPSEEK_YARN, "rope_theta": 10000, "routed_scaling_factor": 1.0, "scoring_func": "softmax",
+    "seq_aux": True, "tie_word_embeddings": False, "topk_group": 1, "topk_method": "greedy", "torch_dtype": "bfloat16",
+    "transformers_version": "4.33.1", "use_cache": True, "v_head_dim": 128, "vocab_size": 102400,
+}
+DEEPSEEK_V2 = dict(DEEPSEEK_V2_LITE, hidden_size=5120, intermediate_size=12288, moe_intermediate_size=1536, n_group=8,
+                   n_routed_experts=160, num_attention_heads=128, num_hidden_layers=60, num_key_value_heads=128,
+                   q_lora_rank=1536, routed_scaling_factor=16.0, topk_group=3, topk_method="group_limited_greedy")
+
 
 def _count(model) -> int:
     tied = model.tied_parameters()
@@ -107,3 +125,28 @@ def test_bloom_fields():
     slopes = attn.alibi_slopes            # 112 heads: 64 from the 2^(-8i/64) sequence, 48 odd ones of 2^(-4i/64)
     assert len(slopes) == 112 and slopes[0] == 2 ** -0.125 and slopes[64] == 2 ** -0.0625
     assert slopes[65] == 2 ** (-3 * 0.0625)
+
+
+@pytest.mark.parametrize("hf", [DEEPSEEK_V2_LITE, DEEPSEEK_V2], ids=["v2-lite", "v2"])
+def test_deepseek_v2_builds_the_transformers_model(hf):
+    """Same parameter count as transformers' own model of the config (built on the meta device);
+    the cache holds the 576-number latent a token and layer."""
+    import torch
+    import transformers
+    config = build_config(dict(hf))
+    with torch.device("meta"):
+        ref = transformers.DeepseekV2ForCausalLM(transformers.DeepseekV2Config(**hf))
+    assert _count(resolve_model_class("deepseek_v2")(config)) == sum(p.numel() for p in ref.parameters())
+    assert 2 * config.num_key_value_heads * config.head_dim == 576 and config.rotary_dim == 64
+    mscale = 0.1 * 0.707 * math.log(40) + 1
+    assert config.softmax_scale == pytest.approx(192 ** -0.5 * mscale ** 2)
+    assert config.rope_scaling.factor == 40 and config.rope_scaling.mscale_all_dim == 0.707
+
+
+def test_deepseek_v2_routing_fields():
+    c = build_config(dict(DEEPSEEK_V2))
+    assert (c.topk_method.value, c.n_group, c.topk_group) == ("group_limited_greedy", 8, 3)
+    assert c.routed_scaling_factor == 16.0
+    assert c.moe_layers[:2] == (False, True) and c.shared_expert_intermediate_size == 2 * 1536 and c.q_lora_rank == 1536
+    lite = build_config(dict(DEEPSEEK_V2_LITE))
+    assert lite.topk_method.value == "greedy" and lite.q_lora_rank is None and lite.num_experts == 64

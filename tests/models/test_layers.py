@@ -3,11 +3,11 @@
 import pytest
 import torch
 
-from graphdsl import Dim, Network, Tensor
+from graphdsl import Dim, Module, Network, Tensor
 from graphdsl import functional as F
 from graphdsl.errors import GraphDSLError
 from graphdsl.layers import (GemmaRMSNorm, LayerNorm, MoE, QKVLayout, QKVParallelLinear, RMSNorm, RopeScaling,
-                             RopeType, RotaryEmbedding, Scoring, VocabParallelEmbedding, alibi_slopes,
+                             RopeType, RotaryEmbedding, Scoring, TopkMethod, VocabParallelEmbedding, alibi_slopes,
                              checkpoint_layout)
 from graphdsl.models import build_config
 
@@ -226,6 +226,53 @@ def test_moe_matches_per_token_reference(scoring, renormalize, shared):
                          renormalize, (w["shared_expert.gate_up_proj.weight"], w["shared_expert.down_proj.weight"],
                                        w["shared_expert_gate.weight"]) if shared else None)
     torch.testing.assert_close(y, ref, rtol=1e-4, atol=1e-4)
+
+
+class _Routing(Module):
+    """Records ``moe.routing_weights`` under the module path ``moe``."""
+
+    def __init__(self, moe):
+        super().__init__()
+        self.moe = moe
+
+    def forward(self, x):
+        return self.moe.routing_weights(x)
+
+
+@pytest.mark.parametrize("version,method", [("v2", "greedy"), ("v2", "group_limited_greedy"), ("v3", "noaux_tc")])
+def test_deepseek_routing_matches_transformers(version, method):
+    """The dense routing matrix equals transformers' DeepSeek routers' (top-k ids and weights):
+    group-limited greedy, V3's bias-chosen groups and experts with renormalised sigmoid weights, and
+    the routed scaling factor."""
+    import transformers
+    from transformers.models.deepseek_v2.modeling_deepseek_v2 import DeepseekV2TopkRouter
+    from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3TopkRouter
+    torch.manual_seed(1)
+    h, e, k = 16, 16, 3
+    common = dict(hidden_size=h, num_attention_heads=4, n_routed_experts=e, num_experts_per_tok=k, n_group=4,
+                  topk_group=2, routed_scaling_factor=2.5)
+    if version == "v2":
+        hf = DeepseekV2TopkRouter(transformers.DeepseekV2Config(**common, topk_method=method))
+        scoring, renormalize = Scoring.SOFTMAX, False
+    else:
+        hf = DeepseekV3TopkRouter(transformers.DeepseekV3Config(**common, norm_topk_prob=True))
+        hf.e_score_correction_bias.normal_(0, 0.3)
+        scoring, renormalize = Scoring.SIGMOID, True
+    hf.weight.data.normal_(0, 1)
+    x = torch.randn(40, h)
+    moe = MoE(h, e, k, 8, scoring=scoring, renormalize=renormalize, topk_method=TopkMethod(method), num_groups=4,
+              topk_groups=2, routed_scaling_factor=2.5, router_float32=True, dtype=torch.float32)
+    feed = {"x": x, "moe.gate.weight": hf.weight.data}
+    if version == "v3":
+        feed["moe.gate.e_score_correction_bias"] = hf.e_score_correction_bias
+    (got,) = _run(lambda n: _Routing(moe)(Tensor("x", (n, h), torch.float32)), feed)
+    with torch.no_grad():
+        logits, weights, ids = hf(x)
+    want = torch.zeros(40, e).scatter(1, ids, weights)
+    torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)
+    scores = logits.softmax(-1) if version == "v2" else logits.sigmoid() + hf.e_score_correction_bias
+    greedy = torch.zeros(40, e).scatter(1, torch.topk(scores, k).indices, 1.0)
+    assert (method == "greedy") == torch.equal(greedy, (want > 0).float())   # the groups change some choices
 
 
 def test_moe_argument_errors():

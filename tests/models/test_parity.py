@@ -28,6 +28,10 @@ FAMILIES = {
     "gemma": ("gemma", {}),
     "gemma2-sliding-window-and-soft-caps": ("gemma2", {}),
     "bloom-alibi": ("bloom", {}),
+    "deepseek_v2-mla-grouped-routing-yarn": ("deepseek_v2", {}),
+    "deepseek_v2-q-lora": ("deepseek_v2", {"q_lora_rank": 24, "topk_method": "greedy", "n_group": 1,
+                                           "topk_group": 1}),
+    "deepseek_v3-noaux-tc": ("deepseek_v3", {}),
 }
 
 
