@@ -41,7 +41,6 @@ class FlashCausalLM(Module):
     model_types: tuple[str, ...] = ()
     ignored_checkpoint_names: tuple[str, ...] = (r"\.rotary_emb\.inv_freq$",)
     checkpoint_renames: tuple[tuple[str, str], ...] = ()
-    embedding_parameter = "model.embed_tokens.weight"   # what a tied lm_head shares
     engine_features: frozenset | None = None     # set by @to_engine
 
     def __init__(self, config: ModelConfig, dtype: torch.dtype | None = None):
@@ -88,7 +87,7 @@ class FlashCausalLM(Module):
 
     def tied_parameters(self) -> dict[str, str]:
         """``{parameter: parameter it shares storage with}``."""
-        return {"lm_head.weight": self.embedding_parameter} if self.config.tie_word_embeddings else {}
+        return {"lm_head.weight": "model.embed_tokens.weight"} if self.config.tie_word_embeddings else {}
 
     # -- runtime hooks -----------------------------------------------------------------------
     def _update_model_inputs(self, meta: Mapping[str, torch.Tensor]) -> tuple[dict, dict, dict]:

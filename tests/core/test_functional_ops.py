@@ -1247,6 +1247,41 @@ def test_paged_attention_alibi(decode, window, cap):
                           Tensor("lens", (1,), torch.int32), alibi_slopes=[1.0, 2.0, 3.0])
 
 
+@pytest.mark.parametrize("decode", [False, True], ids=["prefill", "decode"])
+def test_paged_mla_attention(decode):
+    """Latent attention: the cache rows' two halves form one latent per position shared by every
+    head; equals dense causal attention with keys = latent and values = its first value_dim dims."""
+    half, h, lora = 6, 3, 8
+    ctx, new = ([7, 3, 5], [1, 1, 1]) if decode else ([7, 3], [4, 3])
+    kc, vc, tables, ks, vs, k_new, v_new, slots = _paged_setup(ctx, new, 1, half, torch.float32, pad_tokens=0)
+    t = sum(new)
+    q = randn(t, h, 2 * half, dtype=torch.float32, scale=2.0)
+    starts = [sum(new[:i]) for i in range(len(new))]
+    with Network() as net:
+        tkc, tvc = Tensor("kc", tuple(kc.shape), torch.float32), Tensor("vc", tuple(vc.shape), torch.float32)
+        kc2, vc2 = F.reshape_and_cache(Tensor("k", (t, 1, half), torch.float32),
+                                       Tensor("v", (t, 1, half), torch.float32), tkc, tvc,
+                                       Tensor("slot", (t,), torch.int32))
+        tqsl = None if decode else Tensor("qsl", (len(ctx) + 1,), torch.int32)
+        out = F.paged_mla_attention(Tensor("q", (t, h, 2 * half), torch.float32), kc2, vc2,
+                                    Tensor("bt", tuple(tables.shape), torch.int32),
+                                    Tensor("lens", (len(ctx),), torch.int32), tqsl, scale=0.3, value_dim=lora)
+        assert (out.shape, out.dtype) == ((t, h, lora), torch.float32)
+        net.mark_output(out, "out")
+    feed = {"q": q, "k": k_new, "v": v_new, "kc": kc, "vc": vc, "slot": slots, "bt": tables,
+            "lens": torch.tensor(ctx, dtype=torch.int32)}
+    if not decode:
+        feed["qsl"] = torch.tensor(starts + [t], dtype=torch.int32)
+    got = net.build_engine().forward(feed)["out"]
+    latents = [torch.cat((k, v), -1) for k, v in zip(ks, vs)]                 # [L, 1, 2 * half]
+    want = _dense_attention(q, latents, [c[..., :lora] for c in latents], starts, new, 0.3, 0, 0.0)
+    assert_close(got, want.float(), 2.0, "paged_mla_attention")
+    with Network(), pytest.raises(GraphDSLError, match="q's latent_dim 10 must be twice the caches' 6"):
+        F.paged_mla_attention(Tensor("q", (1, h, 10), torch.float32), Tensor("kc", tuple(kc.shape), torch.float32),
+                              Tensor("vc", tuple(kc.shape), torch.float32), Tensor("bt", (1, 3), torch.int32),
+                              Tensor("lens", (1,), torch.int32), scale=1.0, value_dim=8)
+
+
 def test_paged_attention_prefill_symbolic_tokens_and_seqs():
     """Prefill with Dims for tokens, sequences (query_start_loc is num_seqs + 1) and table width."""
     hk, d, group, dtype = 1, 8, 4, torch.float32

@@ -280,6 +280,13 @@ def test_moe_argument_errors():
         MoE(8, 4, 5, 8)
     with pytest.raises(GraphDSLError, match="scoring must be a Scoring"):
         MoE(8, 4, 2, 8, scoring="softmax")
+    with pytest.raises(GraphDSLError, match="topk_method must be a TopkMethod, one of"):
+        MoE(8, 4, 2, 8, topk_method="noaux_tc")
+    with pytest.raises(GraphDSLError, match="at least top_k=3 experts in the chosen groups, got num_groups=4, "
+                                            "topk_groups=1"):
+        MoE(8, 8, 3, 8, topk_method=TopkMethod.GROUP_LIMITED_GREEDY, num_groups=4, topk_groups=1)
+    table = checkpoint_layout(MoE(8, 4, 2, 4, topk_method=TopkMethod.NOAUX_TC, num_groups=2), "mlp")
+    assert table["mlp.gate.e_score_correction_bias"].shape == (4,)
     table = checkpoint_layout(MoE(8, 3, 2, 4), "mlp")
     assert table["mlp.experts.2.up_proj.weight"].index == (2, slice(4, 8))
     assert table["mlp.experts.0.down_proj.weight"].shape == (8, 4)
