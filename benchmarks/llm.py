@@ -59,6 +59,32 @@ SHAPES: dict[str, dict] = {
                      head_dim=128, vocab_size=151936, max_position_embeddings=40960, rms_norm_eps=1e-6,
                      rope_theta=1000000.0, tie_word_embeddings=False, attention_bias=False, bos_token_id=151643,
                      eos_token_id=151645, torch_dtype="bfloat16"),
+    # published config.json geometry of the newer families (tests/models/test_family_configs.py checks
+    # the parameter counts); MoE experts run dense today, so decode reads every expert
+    "gemma-2-9b": dict(model_type="gemma2", architectures=["Gemma2ForCausalLM"], hidden_size=3584,
+                       intermediate_size=14336, num_hidden_layers=42, num_attention_heads=16, num_key_value_heads=8,
+                       head_dim=256, vocab_size=256000, max_position_embeddings=8192, rms_norm_eps=1e-6,
+                       rope_theta=10000.0, attn_logit_softcapping=50.0, final_logit_softcapping=30.0,
+                       query_pre_attn_scalar=256, sliding_window=4096, hidden_activation="gelu_pytorch_tanh",
+                       bos_token_id=2, eos_token_id=1, torch_dtype="bfloat16"),
+    "mixtral-8x7b": dict(model_type="mixtral", architectures=["MixtralForCausalLM"], hidden_size=4096,
+                         intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=8,
+                         num_local_experts=8, num_experts_per_tok=2, vocab_size=32000, max_position_embeddings=32768,
+                         rms_norm_eps=1e-5, rope_theta=1000000.0, sliding_window=None, tie_word_embeddings=False,
+                         bos_token_id=1, eos_token_id=2, torch_dtype="bfloat16"),
+    "deepseek-v2-lite": dict(model_type="deepseek_v2", architectures=["DeepseekV2ForCausalLM"], hidden_size=2048,
+                             intermediate_size=10944, kv_lora_rank=512, q_lora_rank=None, qk_nope_head_dim=128,
+                             qk_rope_head_dim=64, v_head_dim=128, num_hidden_layers=27, num_attention_heads=16,
+                             num_key_value_heads=16, moe_intermediate_size=1408, n_routed_experts=64,
+                             n_shared_experts=2, num_experts_per_tok=6, first_k_dense_replace=1, moe_layer_freq=1,
+                             n_group=1, topk_group=1, topk_method="greedy", norm_topk_prob=False,
+                             routed_scaling_factor=1.0, scoring_func="softmax", vocab_size=102400,
+                             max_position_embeddings=163840, rms_norm_eps=1e-6, rope_theta=10000,
+                             rope_scaling={"beta_fast": 32, "beta_slow": 1, "factor": 40, "mscale": 0.707,
+                                           "mscale_all_dim": 0.707, "original_max_position_embeddings": 4096,
+                                           "type": "yarn"},
+                             tie_word_embeddings=False, bos_token_id=100000, eos_token_id=100001,
+                             torch_dtype="bfloat16"),
 }
 
 CONTEXT = 512            # decode context (tokens already in the cache + the new one)
@@ -473,6 +499,10 @@ def main(argv=None) -> int:
     ap.add_argument("--shape", required=True, choices=sorted(SHAPES), help="model geometry (random weights)")
     ap.add_argument("--no-peer", action="store_true", help="skip the transformers + torch.compile peer")
     ap.add_argument("--batches", type=int, nargs="+", default=list(BATCHES), help="decode batch sizes")
+    ap.add_argument("--no-fresh-process", action="store_true",
+                    help="skip the warm start in a second process (it loads a second copy of the model)")
+    ap.add_argument("--e2e-batches", type=int, nargs="+", default=[1, 64],
+                    help="LLM.generate batch sizes (each must be <= the largest of --batches)")
     ap.add_argument("--out", default=None, help="also write the table (markdown) here")
     ap.add_argument("--warm-start-child", default=None, help=argparse.SUPPRESS)   # internal: see below
     args = ap.parse_args(argv)
@@ -488,7 +518,10 @@ def main(argv=None) -> int:
     copy = copy_bandwidth_gbs()
     mm = matmul_tflops()
     _log(f"copy {copy:.0f} GB/s, matmul {mm:.0f} TFLOP/s")
-    res = measure_graphdsl(args.shape, batches=tuple(args.batches))
+    if max(args.e2e_batches) > max(args.batches):
+        ap.error(f"--e2e-batches {args.e2e_batches} must not exceed the largest of --batches {args.batches}")
+    res = measure_graphdsl(args.shape, batches=tuple(args.batches), e2e_batches=tuple(args.e2e_batches),
+                           fresh_process=not args.no_fresh_process)
     print(table(res, copy, mm, None, device), flush=True)      # our figures first, in case the peer fails
     peer = None
     if not args.no_peer:

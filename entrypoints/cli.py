@@ -439,7 +439,7 @@ def build_parser() -> argparse.ArgumentParser:
                  description="Run benchmarks/llm.py: copy bandwidth and matmul rate, decode at 512 tokens of "
                              "context (batch 1/8/64/256, % of roofline), prefill of 2048 tokens (% of matmul), "
                              "engine build times, and the transformers + torch.compile peer. Needs a CUDA GPU.")
-    p.add_argument("--shape", required=True, choices=["llama-3.2-1b", "llama-3-8b", "qwen3-8b"],
+    p.add_argument("--shape", required=True, choices=["llama-3.2-1b", "llama-3-8b", "qwen3-8b", "gemma-2-9b", "mixtral-8x7b", "deepseek-v2-lite"],
                    help="model geometry (published config; random weights)")
     p.add_argument("--no-peer", action="store_true", help="skip the transformers peer")
     p.add_argument("--batches", type=_positive_int, nargs="+", default=None,

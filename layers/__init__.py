@@ -3,18 +3,20 @@
 Every layer is pure architecture: parameters with shapes, dtypes and tensor-parallel shard specs,
 and a ``forward`` that records functional ops. Weights are bound afterwards by name.
 """
-from .attention import Attention
+from .attention import Attention, alibi_slopes
 from .checkpoint import CheckpointSlot, checkpoint_layout
 from .context import ForwardContext, KVCacheSpec, Phase
 from .embedding import VocabParallelEmbedding
-from .linear import (ColumnParallelLinear, MergedColumnParallelLinear, QKVParallelLinear, ReplicatedLinear,
-                     RowParallelLinear)
-from .mlp import GatedMLP
-from .moe import FusedExperts, MoE, Scoring
-from .norm import LayerNorm, RMSNorm
+from .linear import (ColumnParallelLinear, MergedColumnParallelLinear, QKVLayout, QKVParallelLinear,
+                     ReplicatedLinear, RowParallelLinear)
+from .mla import MLAttention
+from .mlp import MLP, GatedMLP
+from .moe import FusedExperts, MoE, Router, Scoring, TopkMethod
+from .norm import GemmaRMSNorm, LayerNorm, RMSNorm
 from .rotary import RopeScaling, RopeType, RotaryEmbedding
 
 __all__ = ["ColumnParallelLinear", "RowParallelLinear", "MergedColumnParallelLinear", "QKVParallelLinear",
-           "ReplicatedLinear", "RMSNorm", "LayerNorm", "VocabParallelEmbedding", "RotaryEmbedding", "RopeType",
-           "RopeScaling", "Attention", "GatedMLP", "MoE", "FusedExperts", "Scoring", "ForwardContext",
-           "KVCacheSpec", "Phase", "CheckpointSlot", "checkpoint_layout"]
+           "QKVLayout", "ReplicatedLinear", "RMSNorm", "GemmaRMSNorm", "LayerNorm", "VocabParallelEmbedding",
+           "RotaryEmbedding", "RopeType", "RopeScaling", "Attention", "MLAttention", "alibi_slopes", "GatedMLP",
+           "MLP", "MoE", "Router", "TopkMethod", "FusedExperts", "Scoring", "ForwardContext", "KVCacheSpec",
+           "Phase", "CheckpointSlot", "checkpoint_layout"]

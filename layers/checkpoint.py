@@ -19,18 +19,29 @@ class CheckpointSlot:
     """One checkpoint tensor's place: ``param[index] = tensor`` with ``tensor.shape == shape``.
 
     ``index`` is a tuple of ints and slices into the parameter (``()``: the whole parameter).
+    ``reorder``, when set, is ``(split, dims)``: the checkpoint stores the values in another order,
+    and ``param[index] = tensor.reshape(split).permute(dims)`` (flattened back to the target's
+    shape). Bloom's ``query_key_value`` rows ``[head, (q|k|v), head_dim]`` become q|k|v that way.
     """
 
     param: str
     index: tuple
     shape: tuple[int, ...]
+    reorder: tuple[tuple[int, ...], tuple[int, ...]] | None = None
+
+    def place(self, tensor):
+        """``tensor`` (of ``shape``) in the order and shape of ``param[index]``."""
+        if self.reorder is None:
+            return tensor
+        split, dims = self.reorder
+        return tensor.reshape(split).permute(dims)
 
 
 def checkpoint_layout(root: Module, prefix: str = "") -> dict[str, CheckpointSlot]:
     """``{checkpoint name: slot}`` for every parameter of ``root``.
 
-    A module may define ``checkpoint_slots() -> list[(suffix, param_leaf, index, shape)]``; the
-    leaf is relative to the module's own path, the suffix too, or to its parent's path when the
+    A module may define ``checkpoint_slots() -> list[(suffix, param_leaf, index, shape[, reorder])]``;
+    the leaf is relative to the module's own path, the suffix too, or to its parent's path when the
     module sets ``checkpoint_sources_are_siblings`` (``self_attn.qkv_proj`` packs its siblings
     ``self_attn.q_proj``...). Other parameters map one to one.
     """
@@ -41,8 +52,9 @@ def checkpoint_layout(root: Module, prefix: str = "") -> dict[str, CheckpointSlo
         slots = getattr(module, "checkpoint_slots", None)
         if slots is not None:
             parent = path.rpartition(".")[0] if getattr(module, "checkpoint_sources_are_siblings", False) else path
-            for suffix, leaf, index, shape in slots():
-                table[f"{parent}.{suffix}" if parent else suffix] = CheckpointSlot(full(leaf), tuple(index), tuple(shape))
+            for suffix, leaf, index, shape, *reorder in slots():
+                table[f"{parent}.{suffix}" if parent else suffix] = CheckpointSlot(full(leaf), tuple(index),
+                                                                                  tuple(shape), *reorder)
             continue
         for leaf, p in module._parameters.items():
             table[full(leaf)] = CheckpointSlot(full(leaf), (), tuple(p.shape))

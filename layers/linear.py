@@ -7,12 +7,14 @@ transform driven by the spec, so layers hold no world-size state.
 """
 from __future__ import annotations
 
+import enum
+
 from graphdsl import Module, Parameter
 from graphdsl import functional as F
 from graphdsl.errors import GraphDSLError
 
 __all__ = ["ColumnParallelLinear", "RowParallelLinear", "MergedColumnParallelLinear", "QKVParallelLinear",
-           "ReplicatedLinear"]
+           "QKVLayout", "ReplicatedLinear"]
 
 
 def _positive(name: str, **values):
@@ -93,6 +95,13 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
             start += size
 
 
+class QKVLayout(enum.Enum):
+    """How a checkpoint stores the q/k/v projection (the parameter is always ``[q | k | v]``)."""
+
+    SEPARATE = "separate"   # q_proj, k_proj, v_proj tensors (Llama, Qwen, Gemma, ...)
+    PER_HEAD = "per_head"   # one tensor (this layer's own name), rows [head, (q | k | v), head_dim]: Bloom, GPT-NeoX
+
+
 class QKVParallelLinear(MergedColumnParallelLinear):
     """q, k and v projections in one matmul; ``forward`` returns ``(q, k, v)`` as
     ``[tokens, heads, head_dim]`` views.
@@ -102,17 +111,36 @@ class QKVParallelLinear(MergedColumnParallelLinear):
         head_dim, num_heads, num_kv_heads: attention geometry (GQA when num_kv_heads < num_heads).
         bias: q/k/v biases (Qwen2).
         sources: checkpoint names of the three parts, default ``("q_proj", "k_proj", "v_proj")``.
+        layout: :class:`QKVLayout` of the checkpoint; ``PER_HEAD`` (MHA only) reads one fused tensor
+            under this layer's own name and reorders its rows into ``[q | k | v]`` while loading.
     """
 
     def __init__(self, hidden_size: int, head_dim: int, num_heads: int, num_kv_heads: int, bias: bool = False,
-                 dtype=None, sources: tuple[str, str, str] = ("q_proj", "k_proj", "v_proj")):
+                 dtype=None, sources: tuple[str, str, str] = ("q_proj", "k_proj", "v_proj"),
+                 layout: QKVLayout = QKVLayout.SEPARATE):
         _positive("QKVParallelLinear", head_dim=head_dim, num_heads=num_heads, num_kv_heads=num_kv_heads)
         if num_heads % num_kv_heads:
             raise GraphDSLError(f"QKVParallelLinear: num_heads ({num_heads}) must be a multiple of "
                                 f"num_kv_heads ({num_kv_heads})")
+        if not isinstance(layout, QKVLayout):
+            raise GraphDSLError(f"QKVParallelLinear: layout must be a QKVLayout, one of "
+                                f"{[x.value for x in QKVLayout]}, got {layout!r}")
+        if layout is QKVLayout.PER_HEAD and num_kv_heads != num_heads:
+            raise GraphDSLError(f"QKVParallelLinear: the per-head q/k/v layout needs num_kv_heads == num_heads, "
+                                f"got {num_kv_heads} and {num_heads}")
+        per_head = layout is QKVLayout.PER_HEAD
         super().__init__(hidden_size, [num_heads * head_dim, num_kv_heads * head_dim, num_kv_heads * head_dim],
-                         bias, dtype, sources)
-        self.head_dim, self.num_heads, self.num_kv_heads = head_dim, num_heads, num_kv_heads
+                         bias, dtype, None if per_head else sources)
+        self.head_dim, self.num_heads, self.num_kv_heads, self.layout = head_dim, num_heads, num_kv_heads, layout
+
+    def checkpoint_slots(self):
+        if self.layout is QKVLayout.SEPARATE:
+            yield from super().checkpoint_slots()
+            return
+        h, d, n = self.num_heads, self.head_dim, self.in_features
+        yield "weight", "weight", (), (3 * h * d, n), ((h, 3, d, n), (1, 0, 2, 3))
+        if self.bias is not None:
+            yield "bias", "bias", (), (3 * h * d,), ((h, 3, d), (1, 0, 2))
 
     def forward(self, x):
         qkv = super().forward(x)

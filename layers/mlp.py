@@ -1,12 +1,13 @@
-"""The gated MLP of Llama-family decoders: ``down(act(gate(x)) * up(x))`` with gate|up fused."""
+"""Feed-forward blocks: the gated MLP of Llama-family decoders, ``down(act(gate(x)) * up(x))`` with
+gate|up fused, and the plain two-layer :class:`MLP` ``down(act(up(x)))`` (Bloom, GPT-2 style)."""
 from __future__ import annotations
 
 from graphdsl import Module
 from graphdsl import functional as F
 
-from .linear import MergedColumnParallelLinear, RowParallelLinear
+from .linear import ColumnParallelLinear, MergedColumnParallelLinear, RowParallelLinear
 
-__all__ = ["GatedMLP"]
+__all__ = ["GatedMLP", "MLP"]
 
 
 class GatedMLP(Module):
@@ -22,3 +23,17 @@ class GatedMLP(Module):
 
     def forward(self, x):
         return self.down_proj(F.activation(self.gate_up_proj(x), self.act))
+
+
+class MLP(Module):
+    """``down_proj(act(up_proj(x)))``; ``act`` is a plain (not gated) :class:`graphdsl.functional.ActType`."""
+
+    def __init__(self, hidden_size: int, intermediate_size: int, bias: bool = True, act=F.ActType.GELU_TANH,
+                 dtype=None):
+        super().__init__()
+        self.act = act
+        self.up_proj = ColumnParallelLinear(hidden_size, intermediate_size, bias, dtype)
+        self.down_proj = RowParallelLinear(intermediate_size, hidden_size, bias, dtype)
+
+    def forward(self, x):
+        return self.down_proj(F.activation(self.up_proj(x), self.act))

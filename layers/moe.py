@@ -1,14 +1,18 @@
 """Mixture of experts: a top-k router over stacked expert weights, plus an optional shared expert.
 
-Routing: ``scores = softmax(router(x))`` (or ``sigmoid``) in float32 → top-k → optional
-renormalisation of the k weights → a dense ``[num_tokens, num_experts]`` routing matrix (zero
-off the chosen experts). Experts are computed densely as batched matmuls over the stacked weights
-and summed with those weights — exact, and simple to fuse or replace by a grouped-GEMM kernel
-later; a CPU reference does not need sparsity to be correct.
+Routing, in float32: ``scores = softmax(router(x))`` (or ``sigmoid``) → the experts to use are the
+top-k of ``scores`` (:class:`TopkMethod`: over all experts, or only within the best groups, the
+DeepSeek ways) → a dense ``[num_tokens, num_experts]`` routing matrix holding the chosen experts'
+scores, zero elsewhere → optional renormalisation to sum one → times ``routed_scaling_factor``.
+Experts are computed densely as batched matmuls over the stacked weights and summed with those
+weights — exact, and simple to fuse or replace by a grouped-GEMM kernel later; a CPU reference
+does not need sparsity to be correct.
 """
 from __future__ import annotations
 
 import enum
+
+import torch
 
 from graphdsl import Module, Parameter
 from graphdsl import functional as F
@@ -17,12 +21,39 @@ from graphdsl.errors import GraphDSLError
 from .linear import ReplicatedLinear
 from .mlp import GatedMLP
 
-__all__ = ["Scoring", "FusedExperts", "MoE"]
+__all__ = ["Scoring", "TopkMethod", "Router", "FusedExperts", "MoE"]
 
 
 class Scoring(enum.Enum):
-    SOFTMAX = "softmax"   # Mixtral, Qwen-MoE
+    SOFTMAX = "softmax"   # Mixtral, Qwen-MoE, DeepSeek-V2
     SIGMOID = "sigmoid"   # DeepSeek-V3 style
+
+
+class TopkMethod(enum.Enum):
+    """Which experts a token uses (``k = top_k``; experts split into ``num_groups`` equal groups)."""
+
+    GREEDY = "greedy"                              # the k best scores
+    GROUP_LIMITED_GREEDY = "group_limited_greedy"  # DeepSeek-V2: the k best within the topk_groups groups of best max
+    NOAUX_TC = "noaux_tc"                          # DeepSeek-V3: chosen by score + correction bias (groups ranked by
+    #                                                their two best), weighted by the score without it
+
+
+class Router(ReplicatedLinear):
+    """The router projection ``[num_experts, hidden]``, with DeepSeek-V3's per-expert
+    ``e_score_correction_bias`` (float32) when ``correction_bias``. ``float32_logits``: multiply
+    ``x.float() @ weight.float()`` (DeepSeek keeps the router in float32) instead of in the model
+    dtype."""
+
+    def __init__(self, hidden_size: int, num_experts: int, dtype=None, *, correction_bias: bool = False,
+                 float32_logits: bool = False):
+        super().__init__(hidden_size, num_experts, False, dtype)
+        self.float32_logits = float32_logits
+        self.e_score_correction_bias = Parameter((num_experts,), torch.float32) if correction_bias else None
+
+    def forward(self, x):
+        if self.float32_logits:
+            return F.linear(x.float(), self.weight.float(), None, transpose_b=True)
+        return super().forward(x).float()
 
 
 class FusedExperts(Module):
@@ -64,24 +95,42 @@ class MoE(Module):
     Args:
         num_experts, top_k, intermediate_size: routed experts.
         scoring: :class:`Scoring` of the router logits.
-        renormalize: rescale the top-k weights to sum to one.
+        renormalize: rescale the chosen experts' weights to sum to one.
+        topk_method: :class:`TopkMethod`; the grouped ones split the experts into ``num_groups`` and
+            choose within the ``topk_groups`` best groups.
+        routed_scaling_factor: multiplies the routed experts' weights (after renormalising).
+        router_float32: compute the router logits from float32 input and weight.
         shared_intermediate_size: add an always-on shared expert of this size (None: none).
         shared_expert_gate: scale the shared expert by ``sigmoid(gate(x))`` (Qwen2-MoE).
     """
 
     def __init__(self, hidden_size: int, num_experts: int, top_k: int, intermediate_size: int, *,
                  scoring: Scoring = Scoring.SOFTMAX, renormalize: bool = False,
+                 topk_method: TopkMethod = TopkMethod.GREEDY, num_groups: int = 1, topk_groups: int = 1,
+                 routed_scaling_factor: float = 1.0, router_float32: bool = False,
                  shared_intermediate_size: int | None = None, shared_expert_gate: bool = False,
                  act=F.ActType.SWIGLU, dtype=None):
         super().__init__()
         if not isinstance(scoring, Scoring):
             raise GraphDSLError(f"MoE: scoring must be a Scoring, one of {[s.value for s in Scoring]}, got {scoring!r}")
+        if not isinstance(topk_method, TopkMethod):
+            raise GraphDSLError(f"MoE: topk_method must be a TopkMethod, one of {[m.value for m in TopkMethod]}, "
+                                f"got {topk_method!r}")
         if not 1 <= top_k <= num_experts:
             raise GraphDSLError(f"MoE: top_k must be in [1, num_experts={num_experts}], got {top_k!r}")
+        grouped = topk_method is not TopkMethod.GREEDY
+        if grouped and (num_experts % num_groups or not 1 <= topk_groups <= num_groups
+                        or topk_groups * (num_experts // num_groups) < top_k):
+            raise GraphDSLError(f"MoE: {topk_method.value} needs num_groups dividing num_experts={num_experts} and "
+                                f"1 <= topk_groups <= num_groups with at least top_k={top_k} experts in the chosen "
+                                f"groups, got num_groups={num_groups}, topk_groups={topk_groups}")
         if shared_expert_gate and not shared_intermediate_size:
             raise GraphDSLError("MoE: shared_expert_gate needs a shared expert (shared_intermediate_size)")
         self.num_experts, self.top_k, self.scoring, self.renormalize = num_experts, top_k, scoring, renormalize
-        self.gate = ReplicatedLinear(hidden_size, num_experts, False, dtype)
+        self.topk_method, self.routed_scaling_factor = topk_method, float(routed_scaling_factor)
+        self.num_groups, self.topk_groups = (num_groups, topk_groups) if grouped else (1, 1)
+        self.gate = Router(hidden_size, num_experts, dtype, correction_bias=topk_method is TopkMethod.NOAUX_TC,
+                           float32_logits=router_float32)
         self.experts = FusedExperts(num_experts, hidden_size, intermediate_size, act, dtype)
         if shared_intermediate_size:
             self.shared_expert = GatedMLP(hidden_size, shared_intermediate_size, act=act, dtype=dtype)
@@ -91,14 +140,32 @@ class MoE(Module):
 
     def routing_weights(self, x):
         """``[T, E]`` float32: the chosen experts' weights, zero elsewhere."""
-        logits = self.gate(x).float()
+        logits = self.gate(x)
         scores = F.softmax(logits, -1) if self.scoring is Scoring.SOFTMAX else F.sigmoid(logits)
-        weights, ids = F.topk(scores, k=self.top_k, dim=-1)
+        choice = scores
+        if self.gate.e_score_correction_bias is not None:
+            choice = scores + self.gate.e_score_correction_bias
+        if self.num_groups > 1:
+            choice = self._within_top_groups(choice)
+        _, ids = F.topk(choice, k=self.top_k, dim=-1)
+        weights = F.where(_chosen(ids, self.num_experts), scores, scores * 0.0)
         if self.renormalize:
-            weights = weights / weights.sum(-1, keepdim=True)
-        zero = weights * 0.0
-        cols = [F.where(F.eq(ids, e), weights, zero).sum(-1, keepdim=True) for e in range(self.num_experts)]
-        return F.cat(cols, -1)
+            total = weights.sum(-1, keepdim=True)
+            weights = weights / (total + 1e-20 if self.topk_method is TopkMethod.NOAUX_TC else total)
+        return weights if self.routed_scaling_factor == 1.0 else weights * self.routed_scaling_factor
+
+    def _within_top_groups(self, choice):
+        """``choice`` with the experts outside the ``topk_groups`` best groups pushed to -1e30 (a
+        group ranks by its best score, or by its two best summed for ``NOAUX_TC``)."""
+        g, per = self.num_groups, self.num_experts // self.num_groups
+        grouped = choice.reshape(-1, g, per)
+        if self.topk_method is TopkMethod.NOAUX_TC:
+            rank = F.topk(grouped, k=2, dim=-1)[0].sum(-1)
+        else:
+            rank = grouped.max(-1)
+        _, best = F.topk(rank, k=self.topk_groups, dim=-1)
+        kept = F.where(_chosen(best, g).unsqueeze(-1), grouped, grouped * 0.0 - 1e30)
+        return kept.reshape(-1, self.num_experts)
 
     def forward(self, x):
         out = self.experts(x, self.routing_weights(x))
@@ -110,4 +177,11 @@ class MoE(Module):
         return out
 
     def extra_repr(self) -> str:
-        return f"top_k={self.top_k}, scoring={self.scoring.value}, renormalize={self.renormalize}"
+        groups = "" if self.num_groups == 1 else f", groups={self.topk_groups}/{self.num_groups}"
+        return (f"top_k={self.top_k}, scoring={self.scoring.value}, renormalize={self.renormalize}, "
+                f"topk_method={self.topk_method.value}{groups}, scaling={self.routed_scaling_factor}")
+
+
+def _chosen(ids, n: int):
+    """``[T, n]`` bool: whether each of ``0..n-1`` is among the row's ``ids [T, k]``."""
+    return F.cat([F.eq(ids, i).sum(-1, keepdim=True) for i in range(n)], -1) > 0

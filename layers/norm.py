@@ -1,10 +1,11 @@
-"""Normalisations: :class:`RMSNorm` (optionally fused with the residual add) and :class:`LayerNorm`."""
+"""Normalisations: :class:`RMSNorm` (optionally fused with the residual add), Gemma's
+:class:`GemmaRMSNorm` and :class:`LayerNorm`."""
 from __future__ import annotations
 
 from graphdsl import Module, Parameter
 from graphdsl import functional as F
 
-__all__ = ["RMSNorm", "LayerNorm"]
+__all__ = ["RMSNorm", "GemmaRMSNorm", "LayerNorm"]
 
 
 class RMSNorm(Module):
@@ -21,12 +22,24 @@ class RMSNorm(Module):
 
     def forward(self, x, residual=None):
         if residual is None:
-            return F.rms_norm(x, self.weight, eps=self.eps)
+            return self._norm(x)
         r = x + residual
-        return F.rms_norm(r, self.weight, eps=self.eps), r
+        return self._norm(r), r
+
+    def _norm(self, x):
+        return F.rms_norm(x, self.weight, eps=self.eps)
 
     def extra_repr(self) -> str:
         return f"{self.hidden_size}, eps={self.eps}"
+
+
+class GemmaRMSNorm(RMSNorm):
+    """Gemma's RMSNorm: the checkpoint stores ``w`` and the scale is ``1 + w``, applied in float32
+    before the cast back (HF order): ``y = ((1 + w) * x / sqrt(mean(x²) + eps)).to(x.dtype)``. The
+    ``1 + w`` depends on the weight only, so it is folded once when weights are bound."""
+
+    def _norm(self, x):
+        return F.rms_norm(x.float(), self.weight.float() + 1.0, eps=self.eps).to(x)
 
 
 class LayerNorm(Module):

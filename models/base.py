@@ -31,12 +31,16 @@ class FlashCausalLM(Module):
     """Base class: ``self.model`` (embedding → layers → norm, with ``rotary_emb``) and ``self.lm_head``.
 
     Subclasses build the tree in ``__init__(config, dtype)``; they may override
-    :meth:`_update_model_inputs` to feed extra graph inputs, and extend
-    ``ignored_checkpoint_names`` (regexes) for checkpoint tensors that carry no weights.
+    :meth:`_update_model_inputs` to feed extra graph inputs, extend ``ignored_checkpoint_names``
+    (regexes) for checkpoint tensors that carry no weights, and list ``checkpoint_renames``:
+    ``(regex, replacement)`` pairs applied in order to every checkpoint tensor name before it is
+    looked up (a family whose checkpoints name a module differently from the layers, e.g.
+    Mixtral's ``block_sparse_moe.experts.{e}.w1`` for ``mlp.experts.{e}.gate_proj``).
     """
 
     model_types: tuple[str, ...] = ()
     ignored_checkpoint_names: tuple[str, ...] = (r"\.rotary_emb\.inv_freq$",)
+    checkpoint_renames: tuple[tuple[str, str], ...] = ()
     engine_features: frozenset | None = None     # set by @to_engine
 
     def __init__(self, config: ModelConfig, dtype: torch.dtype | None = None):
@@ -59,7 +63,8 @@ class FlashCausalLM(Module):
 
     @property
     def rotary(self):
-        return self.model.rotary_emb
+        """The model's rotary embedding (``model.rotary_emb``); None for models without RoPE (ALiBi)."""
+        return getattr(self.model, "rotary_emb", None)
 
     # -- checkpoint mapping ------------------------------------------------------------------
     def checkpoint_table(self) -> dict[str, CheckpointSlot]:
@@ -68,6 +73,12 @@ class FlashCausalLM(Module):
         if self.config.tie_word_embeddings:
             table.pop("lm_head.weight", None)
         return table
+
+    def checkpoint_name(self, name: str) -> str:
+        """A checkpoint tensor's name in this model's naming (``checkpoint_renames`` applied)."""
+        for pattern, replacement in self.checkpoint_renames:
+            name = re.sub(pattern, replacement, name)
+        return name
 
     def is_ignored_checkpoint_name(self, name: str) -> bool:
         if self.config.tie_word_embeddings and name == "lm_head.weight":
@@ -176,15 +187,16 @@ def _execute(self: FlashCausalLM, phase: Phase, inputs: Mapping[str, torch.Tenso
     extra_in, extra_out, runtime_params = self._update_model_inputs(feed)
     feed.update(extra_in)
     names = engine.net.inputs
+    tables = "cos" in names and "cos" not in feed     # the graph rotates q/k and no model input gave the tables
     if phase is Phase.DECODE and not (extra_in or extra_out or runtime_params):
         runner = _graph_runner(self, engine)
         if runner is not None:
-            if "cos" in runner.pads:
+            if "cos" in runner.pads and tables:
                 feed["cos"], feed["sin"] = self.rotary.cos_sin(feed["positions"])
             step = {k: v for k, v in feed.items() if k in runner.pads}
             if runner.fits(step):
                 return runner.run(step)["logits"]
-    if "cos" not in feed:
+    if tables and "cos" not in feed:
         feed["cos"], feed["sin"] = self.rotary.cos_sin(feed["positions"])
     step = {k: v for k, v in feed.items() if k in names}
     out = engine.forward(step, extra_out or None, runtime_params or None)
@@ -221,7 +233,7 @@ def _graph_runner(self: FlashCausalLM, engine):
         width = self._runtime["max_blocks_per_seq"] or self._num_cache_blocks
         all_pads = decode_pads(width)
         pads = {k: p for k, p in all_pads.items() if k in engine.net.inputs and k not in engine._weights}
-        rope = self.rotary.captures_tables and {"cos", "sin"} <= set(pads)
+        rope = self.rotary is not None and self.rotary.captures_tables and {"cos", "sin"} <= set(pads)
         slots = "slot_mapping" in pads and {"block_tables", "seq_lens"} <= set(pads)
         prologue = None
         if rope or slots:

@@ -20,8 +20,6 @@ __all__ = ["ModelCheck", "check_model"]
 # config.json fields that change the math and that graphdsl does not implement yet
 _UNSUPPORTED_FIELDS = {
     "quantization_config": "quantized checkpoints (quant_method {value[quant_method]!r}) are not supported yet",
-    "attn_logit_softcapping": "attention logit soft-capping is not wired into the supported families",
-    "final_logit_softcapping": "final logit soft-capping is not supported",
 }
 
 
@@ -84,6 +82,7 @@ def check_model(path: str | os.PathLike, custom_module_map: str | os.PathLike | 
     model = cls(report.config)
     expected = {n: s.shape for n, s in model.checkpoint_table().items()}
     got = _gguf_shapes(ckpt) if gguf else _safetensors_shapes(path)
+    got = {model.checkpoint_name(n): s for n, s in got.items()}
     got = {n: s for n, s in got.items() if not model.is_ignored_checkpoint_name(n)}
     from graphdsl.runtime.loaders.safetensors import WeightReport
     weights = WeightReport.compare(expected, got)
@@ -125,5 +124,5 @@ def _safetensors_shapes(path: str) -> dict[str, tuple[int, ...]]:
 
 def _gguf_shapes(ckpt) -> dict[str, tuple[int, ...]]:
     from graphdsl.runtime.loaders.gguf import hf_name
-    return {hf_name(n) or n: shape for n, (_, shape) in ckpt.tensor_info().items()
+    return {hf_name(n, ckpt.architecture) or n: shape for n, (_, shape) in ckpt.tensor_info().items()
             if n != "rope_freqs.weight"}

@@ -47,12 +47,17 @@ def LlamaAttention(config: ModelConfig, layer_idx: int, rotary: RotaryEmbedding,
 
 
 class LlamaDecoderLayer(Module):
+    norm_cls = RMSNorm
+
     def __init__(self, config: ModelConfig, layer_idx: int, rotary: RotaryEmbedding, dtype=None):
         super().__init__()
-        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
-        self.self_attn = LlamaAttention(config, layer_idx, rotary, dtype)
-        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
+        self.input_layernorm = self.norm_cls(config.hidden_size, config.rms_norm_eps, dtype)
+        self.self_attn = self.make_attention(config, layer_idx, rotary, dtype)
+        self.post_attention_layernorm = self.norm_cls(config.hidden_size, config.rms_norm_eps, dtype)
         self.mlp = self.make_mlp(config, layer_idx, dtype)
+
+    def make_attention(self, config: ModelConfig, layer_idx: int, rotary: RotaryEmbedding, dtype) -> Module:
+        return LlamaAttention(config, layer_idx, rotary, dtype)
 
     def make_mlp(self, config: ModelConfig, layer_idx: int, dtype) -> Module:
         act = getattr(F.ActType, ACTIVATIONS[config.hidden_act])
@@ -70,6 +75,7 @@ class LlamaDecoderLayer(Module):
 
 class LlamaModel(Module):
     layer_cls = LlamaDecoderLayer
+    norm_cls = RMSNorm
 
     def __init__(self, config: ModelConfig, dtype=None):
         super().__init__()
@@ -77,7 +83,7 @@ class LlamaModel(Module):
         self.rotary_emb = make_rotary(config)
         self.layers = ModuleList(self.layer_cls(config, i, self.rotary_emb, dtype)
                                  for i in range(config.num_hidden_layers))
-        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
+        self.norm = self.norm_cls(config.hidden_size, config.rms_norm_eps, dtype)
 
     def forward(self, ctx: ForwardContext):
         x, residual = self.embed_tokens(ctx.input_ids), None

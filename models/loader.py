@@ -25,7 +25,7 @@ def load_weights(model: FlashCausalLM, tensors: Iterable[tuple[str, torch.Tensor
     """``{parameter name: tensor on device}`` for every parameter of ``model``.
 
     Args:
-        tensors: checkpoint ``(name, tensor)`` pairs in HF naming.
+        tensors: checkpoint ``(name, tensor)`` pairs in HF naming (``model.checkpoint_renames`` apply).
         dtype: parameter dtype (default: the model's).
         progress: print a progress line on stderr while reading.
     """
@@ -39,12 +39,14 @@ def load_weights(model: FlashCausalLM, tensors: Iterable[tuple[str, torch.Tensor
     expected = {name: slot.shape for name, slot in table.items()}
     line = _ProgressLine(sys.stderr) if progress else None
     for i, (name, tensor) in enumerate(tensors, 1):
+        name = model.checkpoint_name(name)
         if model.is_ignored_checkpoint_name(name):
             continue
         got[name] = tuple(tensor.shape)
         slot = table.get(name)
         if slot is not None and tuple(tensor.shape) == slot.shape:
-            out[slot.param][slot.index].copy_(tensor)
+            target = out[slot.param][slot.index]
+            target.copy_(slot.place(tensor).reshape(target.shape))
         if line is not None and line.due():
             line.show(f"loading weights: {i} tensors ({len(got)}/{len(expected)} matched names)")
     if line is not None:

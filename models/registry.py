@@ -103,4 +103,5 @@ def _load_builtin() -> None:
     global _loaded
     if not _loaded:
         _loaded = True
-        from . import llama, qwen2, qwen2_moe, qwen3  # noqa: F401  (registration side effects)
+        # imported for their registration side effects
+        from . import bloom, deepseek_v2, gemma, llama, mixtral, qwen2, qwen2_moe, qwen3  # noqa: F401

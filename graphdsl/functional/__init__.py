@@ -3,7 +3,7 @@
 Each op is registered once with its shape rule, torch reference and category (see
 :mod:`graphdsl.opdef`); the functions here record nodes into the current network.
 """
-from .attention import RopeLayout, paged_attention, reshape_and_cache, rope
+from .attention import RopeLayout, paged_attention, paged_mla_attention, reshape_and_cache, rope
 from .collective import all_gather, all_reduce
 from .matmul import bmm, linear, matmul
 from .movement import (cat, embedding, expand, gather, getitem, permute, reshape, slice, split, squeeze,
@@ -24,7 +24,7 @@ __all__ = [
     "reshape", "permute", "transpose", "unsqueeze", "squeeze", "slice", "expand", "split", "cat", "gather",
     "embedding", "getitem",
     # attention
-    "RopeLayout", "rope", "reshape_and_cache", "paged_attention",
+    "RopeLayout", "rope", "reshape_and_cache", "paged_attention", "paged_mla_attention",
     # collectives
     "all_reduce", "all_gather",
 ]

@@ -5,6 +5,7 @@ Layouts (vLLM's "flash" layout):
 * q: ``[num_tokens, num_heads, head_dim]``; k/v: ``[num_tokens, num_kv_heads, head_dim]``
 * key/value cache: ``[num_blocks, block_size, num_kv_heads, head_dim]``
 * ``slot_mapping[t] = block * block_size + offset`` (negative: padding, not written)
+* ``alibi_slopes``: one float per query head (ALiBi, Bloom); empty: no position bias
 * ``block_tables[s, j]``: the j-th cache block of sequence s; ``seq_lens[s]``: its context length
   *including* the tokens of this step; ``query_start_loc[s]``: where sequence s's queries start in
   the packed q (length num_seqs + 1). Decode passes no ``query_start_loc``: one query per sequence.
@@ -20,7 +21,7 @@ from ..dim import same_extent, shape_str
 from ..opdef import OpCategory, Spec, check, register_op
 from ._rules import at_user_line
 
-__all__ = ["RopeLayout", "rope", "reshape_and_cache", "paged_attention"]
+__all__ = ["RopeLayout", "rope", "reshape_and_cache", "paged_attention", "paged_mla_attention"]
 
 
 class RopeLayout(enum.Enum):
@@ -98,7 +99,7 @@ def reshape_and_cache(key, value, key_cache, value_cache, slot_mapping):
 
 
 def _attn_rule(q: Spec, key_cache: Spec, value_cache: Spec, block_tables: Spec, seq_lens: Spec,
-               *query_start_loc: Spec, scale=1.0, sliding_window=0, soft_cap=0.0):
+               *query_start_loc: Spec, scale=1.0, sliding_window=0, soft_cap=0.0, alibi_slopes=()):
     op = "paged_attention"
     check(len(q.shape) == 3, op, f"q must be [num_tokens, num_heads, head_dim], got {shape_str(q.shape)}")
     check(len(key_cache.shape) == 4 and len(value_cache.shape) == 4, op, "caches must be rank 4")
@@ -117,35 +118,36 @@ def _attn_rule(q: Spec, key_cache: Spec, value_cache: Spec, block_tables: Spec, 
               f"decode needs one query per sequence: {q.shape[0]} queries, {seq_lens.shape[0]} sequences")
     check(isinstance(sliding_window, int) and sliding_window >= 0, op, f"sliding_window must be an int >= 0, got {sliding_window!r}")
     check(isinstance(soft_cap, (int, float)) and soft_cap >= 0, op, f"soft_cap must be >= 0, got {soft_cap!r}")
+    check(isinstance(alibi_slopes, tuple) and all(isinstance(x, float) for x in alibi_slopes), op,
+          f"alibi_slopes must be a tuple of floats, got {alibi_slopes!r}")
+    if alibi_slopes and isinstance(hq, int):
+        check(len(alibi_slopes) == hq, op, f"alibi_slopes has {len(alibi_slopes)} slopes for {hq} query heads")
     return Spec(q.shape[:2] + value_cache.shape[3:], q.dtype)
 
 
 @register_op("paged_attention", category=OpCategory.ATTENTION, shape=_attn_rule)
 def _paged_attention(q, key_cache, value_cache, block_tables, seq_lens, *query_start_loc, scale=1.0,
-                     sliding_window=0, soft_cap=0.0):
+                     sliding_window=0, soft_cap=0.0, alibi_slopes=()):
     """For each sequence s with context length L and n new queries, query i (absolute position
     p = L - n + i) attends causally over cached keys 0..p (and only keys > p - sliding_window when
-    a window is set): ``softmax(cap·tanh(q·kᵀ·scale / cap)) · v`` with ``cap = soft_cap`` if set.
-    Query head h reads KV head h // (num_heads / num_kv_heads) (GQA). Computed in float32."""
-    num_seqs = seq_lens.shape[0]
-    qsl = query_start_loc[0].tolist() if query_start_loc else list(range(num_seqs + 1))
-    lens = seq_lens.tolist()
-    bs, hk = key_cache.shape[1], key_cache.shape[2]
-    group = q.shape[1] // hk
+    a window is set): ``softmax(cap·tanh(q·kᵀ·scale / cap) + m_h·(k - p)) · v`` with
+    ``cap = soft_cap`` if set and ``m_h = alibi_slopes[h]`` for query head h if given (ALiBi; the
+    bias is relative to the query, which softmax cannot tell from Bloom's ``m_h·k``). Query head h
+    reads KV head h // (num_heads / num_kv_heads) (GQA). Computed in float32."""
+    group = q.shape[1] // key_cache.shape[2]
     out = torch.zeros(q.shape[:2] + value_cache.shape[3:], dtype=q.dtype, device=q.device)
-    for s in range(num_seqs):
-        L, q0, q1 = lens[s], qsl[s], qsl[s + 1]
+    for s, L, q0, q1 in _sequences(seq_lens, query_start_loc):
         n = q1 - q0
-        if n == 0:
-            continue
-        blocks = block_tables[s, : (L + bs - 1) // bs].long()
-        k = key_cache[blocks].reshape(-1, hk, key_cache.shape[3])[:L].float().repeat_interleave(group, dim=1)
-        v = value_cache[blocks].reshape(-1, hk, value_cache.shape[3])[:L].float().repeat_interleave(group, dim=1)
+        k = _context(key_cache, block_tables[s], L).repeat_interleave(group, dim=1)
+        v = _context(value_cache, block_tables[s], L).repeat_interleave(group, dim=1)
         scores = torch.einsum("qhd,khd->hqk", q[q0:q1].float(), k) * scale
         if soft_cap:
             scores = soft_cap * torch.tanh(scores / soft_cap)
         pos_q = torch.arange(L - n, L, device=q.device)[:, None]
         pos_k = torch.arange(L, device=q.device)[None, :]
+        if alibi_slopes:
+            slopes = torch.tensor(alibi_slopes, dtype=torch.float32, device=q.device)[:, None, None]
+            scores = scores + slopes * (pos_k - pos_q)
         mask = pos_k <= pos_q
         if sliding_window:
             mask &= pos_k > pos_q - sliding_window
@@ -154,14 +156,84 @@ def _paged_attention(q, key_cache, value_cache, block_tables, seq_lens, *query_s
     return out
 
 
+def _sequences(seq_lens, query_start_loc):
+    """``(s, L, q0, q1)`` of every sequence with queries: its context length and query rows."""
+    num_seqs = seq_lens.shape[0]
+    qsl = query_start_loc[0].tolist() if query_start_loc else list(range(num_seqs + 1))
+    for s, L in enumerate(seq_lens.tolist()):
+        if qsl[s + 1] > qsl[s]:
+            yield s, L, qsl[s], qsl[s + 1]
+
+
+def _context(cache, table_row, L):
+    """Positions ``0..L-1`` of one sequence from a paged cache: ``[L, kv_heads, head_dim]`` float32."""
+    bs = cache.shape[1]
+    blocks = table_row[: (L + bs - 1) // bs].long()
+    return cache[blocks].reshape(-1, *cache.shape[2:])[:L].float()
+
+
+def _mla_rule(q: Spec, key_cache: Spec, value_cache: Spec, block_tables: Spec, seq_lens: Spec,
+              *query_start_loc: Spec, scale=1.0, value_dim=0):
+    op = "paged_mla_attention"
+    check(len(q.shape) == 3, op, f"q must be [num_tokens, num_heads, latent_dim], got {shape_str(q.shape)}")
+    check(len(key_cache.shape) == 4 and tuple(key_cache.shape) == tuple(value_cache.shape), op,
+          f"caches must both be [num_blocks, block_size, 1, latent_dim / 2], got {shape_str(key_cache.shape)} and "
+          f"{shape_str(value_cache.shape)}")
+    check(same_extent(key_cache.shape[2], 1) is not False, op,
+          f"the latent cache has one head, got {key_cache.shape[2]}")
+    half = key_cache.shape[3]
+    if isinstance(half, int) and isinstance(q.shape[2], int):
+        check(q.shape[2] == 2 * half, op, f"q's latent_dim {q.shape[2]} must be twice the caches' {half}")
+        check(isinstance(value_dim, int) and 0 < value_dim <= q.shape[2], op,
+              f"value_dim must be an int in [1, {q.shape[2]}], got {value_dim!r}")
+    check(len(query_start_loc) <= 1, op, "takes at most one query_start_loc")
+    if not query_start_loc:
+        check(same_extent(q.shape[0], seq_lens.shape[0]) is not False, op,
+              f"decode needs one query per sequence: {q.shape[0]} queries, {seq_lens.shape[0]} sequences")
+    return Spec(q.shape[:2] + (value_dim,), q.dtype)
+
+
+@register_op("paged_mla_attention", category=OpCategory.ATTENTION, shape=_mla_rule)
+def _paged_mla_attention(q, key_cache, value_cache, block_tables, seq_lens, *query_start_loc, scale=1.0,
+                         value_dim=0):
+    """Multi-head latent attention (DeepSeek-V2, weight-absorbed): every query head attends over one
+    shared latent per position, ``c[k] = key_cache[k] ++ value_cache[k]`` (the latent is stored split
+    in two halves so the ordinary paged cache holds it without waste), with causal positions as in
+    ``paged_attention``: ``out = softmax(q·cᵀ·scale) · c[:, :value_dim]``, in float32."""
+    out = torch.zeros(q.shape[:2] + (value_dim,), dtype=q.dtype, device=q.device)
+    for s, L, q0, q1 in _sequences(seq_lens, query_start_loc):
+        n = q1 - q0
+        c = torch.cat((_context(key_cache, block_tables[s], L), _context(value_cache, block_tables[s], L)), -1)[:, 0]
+        scores = torch.einsum("qhd,kd->hqk", q[q0:q1].float(), c) * scale
+        causal = torch.arange(L, device=q.device)[None, :] <= torch.arange(L - n, L, device=q.device)[:, None]
+        probs = torch.softmax(scores.masked_fill(~causal, float("-inf")), dim=-1)
+        out[q0:q1] = torch.einsum("hqk,kd->qhd", probs, c[:, :value_dim]).to(q.dtype)
+    return out
+
+
+@at_user_line
+def paged_mla_attention(q, key_cache, value_cache, block_tables, seq_lens, query_start_loc=None, *,
+                        scale: float, value_dim: int):
+    """Latent attention of packed queries ``q [num_tokens, num_heads, latent_dim]`` over a paged cache
+    whose key and value halves hold each position's latent (prefill with ``query_start_loc``, decode
+    without); returns ``[num_tokens, num_heads, value_dim]``, attention over the latent's first
+    ``value_dim`` entries."""
+    extra = [] if query_start_loc is None else [query_start_loc]
+    return _paged_mla_attention(q, key_cache, value_cache, block_tables, seq_lens, *extra, scale=float(scale),
+                                value_dim=int(value_dim))
+
+
 @at_user_line
 def paged_attention(q, key_cache, value_cache, block_tables, seq_lens, query_start_loc=None, *,
-                    scale: float | None = None, sliding_window: int | None = None, soft_cap: float | None = None):
+                    scale: float | None = None, sliding_window: int | None = None, soft_cap: float | None = None,
+                    alibi_slopes=None):
     """Attention of packed queries over a paged KV cache (prefill when ``query_start_loc`` is
-    given, decode otherwise); ``scale`` defaults to 1/sqrt(head_dim)."""
+    given, decode otherwise); ``scale`` defaults to 1/sqrt(head_dim); ``alibi_slopes``: one ALiBi
+    slope per query head (a sequence of floats), or None."""
     if scale is None:
         scale = 1.0 / math.sqrt(q.shape[-1]) if q.shape is not None and isinstance(q.shape[-1], int) else None
         check(scale is not None, "paged_attention", "pass scale= when q's head_dim is not known while recording")
     extra = [] if query_start_loc is None else [query_start_loc]
     return _paged_attention(q, key_cache, value_cache, block_tables, seq_lens, *extra, scale=float(scale),
-                            sliding_window=int(sliding_window or 0), soft_cap=float(soft_cap or 0.0))
+                            sliding_window=int(sliding_window or 0), soft_cap=float(soft_cap or 0.0),
+                            alibi_slopes=tuple(float(x) for x in alibi_slopes or ()))

@@ -9,8 +9,10 @@ Per node, by what the node is:
   has a ``query_start_loc`` input, else :func:`~graphdsl.runtime.kernels.paged_attention_decode`
   (its split-K workspace kept by the backend, so a CUDA-graph replay allocates nothing), writing
   into the node's slot; ``rope_cache_attention`` — the same decode kernel also rotating q and k and
-  writing the cache; ``reshape_and_cache`` — the Triton cache-write kernel, in place. On CPU
-  without ``TRITON_INTERPRET=1`` these three run their torch references instead;
+  writing the cache; ``reshape_and_cache`` — the Triton cache-write kernel, in place;
+  ``paged_mla_attention`` — :func:`~graphdsl.runtime.kernels.paged_mla_attention.paged_mla_attention`
+  (its split scratch kept like the decode's). On CPU without ``TRITON_INTERPRET=1`` these four run
+  their torch references instead;
 * matmuls of weights ``[N, K]`` (``transpose_b``) by at most 16 fp16/bf16 rows — the decode GEMV
   (:mod:`graphdsl.runtime.kernels.gemv`), bias, residual or SwiGLU (``matmul_silu_mul``) in its
   epilogue; other matmuls — ``torch.matmul(..., out=slot)`` / ``torch.addmm`` (cuBLAS on CUDA, its
@@ -77,6 +79,7 @@ class TritonBackend:
     def __init__(self):
         self._prepared: dict = {}
         self._workspaces: dict = {}             # (device, shapes) -> split-K decode partial buffers
+        self._alibi: dict = {}                  # (device, slopes) -> ALiBi slopes as a device tensor
         self._single: dict = {}                 # node -> generated as a one-op kernel?
         self.sources: dict[str, str] = {}       # node name -> generated kernel source (for dumps)
         self._gemv_workspace = None             # split-K partials + counters of the decode GEMVs
@@ -249,10 +252,24 @@ def _attention_unsupported(q, key_cache, value_cache, block_tables, seq_lens, qu
     return None
 
 
+def _mla_unsupported(q, key_cache, value_cache, block_tables, seq_lens, *qsl, value_dim) -> str | None:
+    rope = q.shape[-1] - value_dim
+    if not all(n >= 16 and n & (n - 1) == 0 for n in (value_dim, rope)) or rope > value_dim:
+        return f"latent {value_dim} + {rope} is not two powers of two >= 16 with the RoPE part the smaller"
+    if q.dtype not in _KERNEL_DTYPES or key_cache.dtype != q.dtype or value_cache.dtype != q.dtype:
+        return f"dtypes q {q.dtype}, caches {key_cache.dtype}/{value_cache.dtype}"
+    if key_cache.stride(-1) != 1 or value_cache.stride(-1) != 1 or block_tables.stride(-1) != 1 \
+            or not seq_lens.is_contiguous() or not all(x.is_contiguous() for x in qsl):
+        return "non-unit inner strides"
+    return None
+
+
 def _kernel_unsupported(node, ins) -> str | None:
     """Why the hand-written kernel cannot take this call (then the op's torch reference runs)."""
     if node.op == "paged_attention":
         return _attention_unsupported(*ins)
+    if node.op == "paged_mla_attention":
+        return _mla_unsupported(*ins, value_dim=node.attrs["value_dim"])
     if node.op == "rope_cache_attention":
         q, k, v, key_cache, value_cache, cos, sin, slot_mapping, block_tables, seq_lens = ins
         if k.dtype not in _KERNEL_DTYPES or v.dtype not in _KERNEL_DTYPES:
@@ -285,13 +302,25 @@ def _decode_workspace(be: TritonBackend, q, key_cache, block_tables, sliding_win
     return splits, workspace
 
 
+def _alibi_slopes(be: TritonBackend, slopes: tuple, device) -> torch.Tensor | None:
+    """The node's ``alibi_slopes`` attribute as a float32 device tensor, made once (a CUDA-graph
+    replay must find it at the same address)."""
+    if not slopes:
+        return None
+    key = (device, slopes)
+    t = be._alibi.get(key)
+    if t is None:
+        t = be._alibi[key] = torch.tensor(slopes, dtype=torch.float32, device=device)
+    return t
+
+
 def _paged_attention(be: TritonBackend, node, ins, attrs, dsts):
     from ..kernels.paged_attention import paged_attention_decode, paged_attention_prefill
     q, key_cache, value_cache, block_tables, seq_lens = ins[:5]
     if q.stride(-1) != 1:
         q = q.contiguous()
     common = dict(scale=attrs["scale"], sliding_window=attrs["sliding_window"], soft_cap=attrs["soft_cap"],
-                  out=dsts[0])
+                  out=dsts[0], alibi_slopes=_alibi_slopes(be, attrs["alibi_slopes"], q.device))
     if len(ins) == 6:
         paged_attention_prefill(q, key_cache, value_cache, block_tables, seq_lens, ins[5], **common)
         return dsts
@@ -299,6 +328,26 @@ def _paged_attention(be: TritonBackend, node, ins, attrs, dsts):
     paged_attention_decode(q, key_cache, value_cache, block_tables, seq_lens, num_splits=splits,
                            workspace=workspace, inputs_ready=all(be.step_constant(node.inputs[i]) for i in (3, 4)),
                            **common)
+    return dsts
+
+
+def _paged_mla_attention(be: TritonBackend, node, ins, attrs, dsts):
+    from ..kernels.paged_mla_attention import mla_num_splits, mla_workspace, paged_mla_attention
+    q, key_cache, value_cache, block_tables, seq_lens = ins[:5]
+    qsl = ins[5] if len(ins) == 6 else None
+    if q.stride(-1) != 1:
+        q = q.contiguous()
+    tokens, heads, lora = q.shape[0], q.shape[1], attrs["value_dim"]
+    splits = mla_num_splits(tokens, heads, block_tables.shape[1], key_cache.shape[1], q.device,
+                            prefill=qsl is not None)
+    workspace = None
+    if splits > 1:
+        key = ("mla", q.device, tokens, heads, lora, splits)
+        workspace = be._workspaces.get(key)
+        if workspace is None:
+            workspace = be._workspaces[key] = mla_workspace(tokens, heads, lora, splits, q.device)
+    paged_mla_attention(q, key_cache, value_cache, block_tables, seq_lens, qsl, scale=attrs["scale"],
+                        value_dim=lora, out=dsts[0], num_splits=splits, workspace=workspace)
     return dsts
 
 
@@ -377,6 +426,7 @@ def _matmul(be: TritonBackend, node, ins, attrs, dsts):
 
 _LOWERINGS = {"fused": _fused, "add_rms_norm": _add_rms_norm, "silu_mul": _silu_mul, "rope_cache": _rope_cache,
               "paged_attention": _paged_attention, "rope_cache_attention": _rope_cache_attention,
+              "paged_mla_attention": _paged_mla_attention,
               "reshape_and_cache": _reshape_and_cache}
 # hand-written kernels; their torch references run on plain CPU
-_KERNEL_OPS = {"paged_attention", "rope_cache_attention", "reshape_and_cache"}
+_KERNEL_OPS = {"paged_attention", "rope_cache_attention", "reshape_and_cache", "paged_mla_attention"}

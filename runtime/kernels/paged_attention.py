@@ -8,6 +8,7 @@ when ``sliding_window`` is set)::
 
     score[k] = q · key[k] * scale                 (float32)
     score[k] = cap * tanh(score[k] / cap)         (when soft_cap = cap > 0)
+    score[k] = score[k] + m_h * (k - p)           (ALiBi: slope m_h of query head h, when given)
     out      = sum_k softmax(score)[k] * value[k]  (float32, stored in q's dtype)
 
 Matrix products multiply q's dtype exactly into float32 accumulators (float32 inputs as 3xTF32,
@@ -106,13 +107,15 @@ def _load_tile(table, kstart, stop, k_cache_ptr, v_cache_ptr, kvh, stride_kb, st
 
 
 @triton.jit
-def _attend_tile(acc, m_i, l_i, q, k, v, kpos, qpos, stop, scale, soft_cap, sliding_window,
+def _attend_tile(acc, m_i, l_i, q, k, v, kpos, qpos, slope, stop, scale, soft_cap, sliding_window,
                  USE_CAP: tl.constexpr, CAUSAL: tl.constexpr, USE_WINDOW: tl.constexpr, CHECK_STOP: tl.constexpr,
-                 DOT_PREC: tl.constexpr, DOT_F32: tl.constexpr):
+                 USE_ALIBI: tl.constexpr, DOT_PREC: tl.constexpr, DOT_F32: tl.constexpr):
     """One online-softmax step over the key tile ``k, v`` at positions ``kpos`` (see :func:`_attend`)."""
     sc = _mm(q, tl.trans(k), DOT_PREC, DOT_F32) * scale
     if USE_CAP:
         sc = soft_cap * (1.0 - 2.0 / (tl.exp2(sc * (2.0 * 1.4426950408889634 / soft_cap)) + 1.0))
+    if USE_ALIBI:
+        sc = sc + slope[:, None] * (kpos[None, :] - qpos[:, None]).to(tl.float32)
     sc = sc * 1.4426950408889634
     if CAUSAL:
         keep = kpos[None, :] <= qpos[:, None]
@@ -135,7 +138,8 @@ def _attend_tile(acc, m_i, l_i, q, k, v, kpos, qpos, stop, scale, soft_cap, slid
 def _attend(
     acc, m_i, l_i,      # running [ROWS, HEAD_DIM] output, [ROWS] max and [ROWS] sum (float32)
     q,                  # [ROWS, HEAD_DIM] queries of the program (their heads share one KV head)
-    qpos,               # [ROWS] absolute position of each row's query (read when CAUSAL)
+    qpos,               # [ROWS] absolute position of each row's query (read when CAUSAL or USE_ALIBI)
+    slope,              # [ROWS] float32 ALiBi slope of each row's head (read when USE_ALIBI)
     start, stop,        # key positions [start, stop) to visit, BLOCK_N at a time from start
     table,              # pointer to this sequence's block-table row
     k_cache_ptr, v_cache_ptr, kvh,
@@ -146,19 +150,21 @@ def _attend(
     CAUSAL: tl.constexpr,       # mask keys after qpos (and outside the window when USE_WINDOW)
     USE_WINDOW: tl.constexpr,
     CHECK_STOP: tl.constexpr,   # mask keys >= stop (the last tile may overhang)
+    USE_ALIBI: tl.constexpr,    # add slope * (key position - query position)
     DOT_PREC: tl.constexpr, DOT_F32: tl.constexpr,
 ):
     """Online-softmax steps over keys ``[start, stop)``: for each tile of ``BLOCK_N`` keys (read
-    through the block table) ``S = log2(e) * cap * tanh(q kᵀ * scale / cap)`` (no tanh without a cap),
-    masked to ``-inf``; ``m' = max(m, rowmax S)``, ``P = 2^(S - m')``,
+    through the block table) ``S = log2(e) * (cap * tanh(q kᵀ * scale / cap) + slope * (kpos - qpos))``
+    (no tanh without a cap, no bias without ALiBi), masked to ``-inf``; ``m' = max(m, rowmax S)``, ``P = 2^(S - m')``,
     ``l = l 2^(m - m') + rowsum P``, ``acc = acc 2^(m - m') + P v``. Tiles wholly visible to every
     row skip the masks (``CAUSAL = CHECK_STOP = False``). ``tanh(x) = 1 - 2 / (e^(2x) + 1)``, exact at
     both tails."""
     for kstart in range(start, stop, BLOCK_N):
         k, v, kpos = _load_tile(table, kstart, stop, k_cache_ptr, v_cache_ptr, kvh, stride_kb, stride_ks, stride_kh,
                                 stride_vb, stride_vs, stride_vh, BLOCK_SIZE, HEAD_DIM, BLOCK_N, CHECK_STOP)
-        acc, m_i, l_i = _attend_tile(acc, m_i, l_i, q, k, v, kpos, qpos, stop, scale, soft_cap, sliding_window,
-                                     USE_CAP, CAUSAL, USE_WINDOW, CHECK_STOP, DOT_PREC, DOT_F32)
+        acc, m_i, l_i = _attend_tile(acc, m_i, l_i, q, k, v, kpos, qpos, slope, stop, scale, soft_cap,
+                                     sliding_window, USE_CAP, CAUSAL, USE_WINDOW, CHECK_STOP, USE_ALIBI, DOT_PREC,
+                                     DOT_F32)
     return acc, m_i, l_i
 
 
@@ -171,6 +177,7 @@ def _prefill_kernel(
     block_tables_ptr,   # [num_seqs, max_blocks] int32/int64 cache block of each sequence's j-th block
     seq_lens_ptr,       # [num_seqs] context length L of each sequence, new tokens included
     qsl_ptr,            # [num_seqs + 1] query_start_loc: sequence s's queries are q[qsl[s]:qsl[s+1]]
+    alibi_ptr,          # [num_heads] float32 ALiBi slopes (read only when USE_ALIBI)
     scale,              # float, multiplies q·k
     soft_cap,           # float, cap of cap*tanh(s/cap) (read only when USE_CAP)
     sliding_window,     # int, keep keys k > p - window (read only when USE_WINDOW)
@@ -189,6 +196,7 @@ def _prefill_kernel(
     BLOCK_N: tl.constexpr,     # keys per inner step
     USE_CAP: tl.constexpr,     # soft_cap > 0
     USE_WINDOW: tl.constexpr,  # sliding_window > 0
+    USE_ALIBI: tl.constexpr,   # add the ALiBi bias slope[head] * (key position - query position)
     DOT_PREC: tl.constexpr,    # tl.dot input_precision ("tf32x3" for float32 inputs)
     DOT_F32: tl.constexpr,     # upcast dot operands to float32 (interpreter only, see _mm)
     USE_PDL: tl.constexpr,     # launched with programmatic dependent launch (kernels/pdl.py)
@@ -233,6 +241,9 @@ def _prefill_kernel(
 
         q = tl.load(q_ptr + token[:, None] * stride_qt + head[:, None] * stride_qh + dims[None, :],
                     mask=row_ok[:, None], other=0.0)
+        slope = tl.zeros([BLOCK_M], tl.float32)
+        if USE_ALIBI:
+            slope = tl.load(alibi_ptr + head, mask=row_ok, other=0.0)
 
         first = ctx - n_new + t * BLOCK_Q          # position of the tile's first query
         hi = tl.minimum(first + BLOCK_Q, ctx)      # one past its last query's position
@@ -249,18 +260,18 @@ def _prefill_kernel(
         acc = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
         table = block_tables_ptr + seq.to(tl.int64) * stride_bt
         acc, m_i, l_i = _attend(
-            acc, m_i, l_i, q, qpos, full_lo, full_hi, table, k_cache_ptr, v_cache_ptr, kvh,
+            acc, m_i, l_i, q, qpos, slope, full_lo, full_hi, table, k_cache_ptr, v_cache_ptr, kvh,
             stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, scale, soft_cap, sliding_window,
-            BLOCK_SIZE, HEAD_DIM, BLOCK_N, USE_CAP, False, USE_WINDOW, False, DOT_PREC, DOT_F32)
+            BLOCK_SIZE, HEAD_DIM, BLOCK_N, USE_CAP, False, USE_WINDOW, False, USE_ALIBI, DOT_PREC, DOT_F32)
         acc, m_i, l_i = _attend(
-            acc, m_i, l_i, q, qpos, full_hi, hi, table, k_cache_ptr, v_cache_ptr, kvh,
+            acc, m_i, l_i, q, qpos, slope, full_hi, hi, table, k_cache_ptr, v_cache_ptr, kvh,
             stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, scale, soft_cap, sliding_window,
-            BLOCK_SIZE, HEAD_DIM, BLOCK_N, USE_CAP, True, USE_WINDOW, True, DOT_PREC, DOT_F32)
+            BLOCK_SIZE, HEAD_DIM, BLOCK_N, USE_CAP, True, USE_WINDOW, True, USE_ALIBI, DOT_PREC, DOT_F32)
         if USE_WINDOW:
             acc, m_i, l_i = _attend(
-                acc, m_i, l_i, q, qpos, lo, full_lo, table, k_cache_ptr, v_cache_ptr, kvh,
+                acc, m_i, l_i, q, qpos, slope, lo, full_lo, table, k_cache_ptr, v_cache_ptr, kvh,
                 stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, scale, soft_cap,
-                sliding_window, BLOCK_SIZE, HEAD_DIM, BLOCK_N, USE_CAP, True, USE_WINDOW, True,
+                sliding_window, BLOCK_SIZE, HEAD_DIM, BLOCK_N, USE_CAP, True, USE_WINDOW, True, USE_ALIBI,
                 DOT_PREC, DOT_F32)
 
         l_i = tl.where(l_i == 0.0, 1.0, l_i)
@@ -357,6 +368,7 @@ def _decode_kernel(
     v_new_ptr,          # ROPE: [num_seqs, num_kv_heads, head_dim] this step's values
     cos_ptr, sin_ptr,   # ROPE: [num_seqs, HALF] rotary cos/sin of each query's position
     slot_ptr,           # ROPE: [num_seqs] cache slot of the new key/value (< 0: padding, not written)
+    alibi_ptr,          # [num_heads] float32 ALiBi slopes (read only when USE_ALIBI)
     scale,              # float, multiplies q·k
     soft_cap,           # float, cap of cap*tanh(s/cap) (read only when USE_CAP)
     sliding_window,     # int, keep keys k >= L - window (read only when USE_WINDOW)
@@ -380,6 +392,7 @@ def _decode_kernel(
     CHUNK: tl.constexpr,       # splits combined per step (_combine_chunk)
     USE_CAP: tl.constexpr,     # soft_cap > 0
     USE_WINDOW: tl.constexpr,  # sliding_window > 0
+    USE_ALIBI: tl.constexpr,   # add the ALiBi bias slope[head] * (key position - (L - 1))
     ROPE: tl.constexpr,        # rotate q and the new key, write the new key/value into the caches first
     HALF: tl.constexpr,        # ROPE: rotary dim / 2
     GPTJ: tl.constexpr,        # ROPE: GPT-J pairs (2i, 2i + 1) instead of NEOX (i, i + HALF)
@@ -446,17 +459,21 @@ def _decode_kernel(
         m_i = tl.full([BLOCK_H], -1.0e30, tl.float32)
         l_i = tl.zeros([BLOCK_H], tl.float32)
         acc = tl.zeros([BLOCK_H, HEAD_DIM], tl.float32)
+        qpos = h * 0 + ctx - 1                 # every row's query is the sequence's last position
+        slope = tl.zeros([BLOCK_H], tl.float32)
+        if USE_ALIBI:
+            slope = tl.load(alibi_ptr + head, mask=head_ok, other=0.0)
         if PREFETCH:                       # the first tile came before the wait: put this step's key in
             new = ((kpos0 == ctx - 1) & (slot >= 0))[:, None]
             k0 = tl.where(new, k_new[None, :], k0)
             v0 = tl.where(new, v_new[None, :], v0)
-            acc, m_i, l_i = _attend_tile(acc, m_i, l_i, q, k0, v0, kpos0, h, end, scale, soft_cap, sliding_window,
-                                         USE_CAP, False, False, True, DOT_PREC, DOT_F32)
+            acc, m_i, l_i = _attend_tile(acc, m_i, l_i, q, k0, v0, kpos0, qpos, slope, end, scale, soft_cap,
+                                         sliding_window, USE_CAP, False, False, True, USE_ALIBI, DOT_PREC, DOT_F32)
             start += BLOCK_N
         acc, m_i, l_i = _attend(
-            acc, m_i, l_i, q, h, start, end, table, k_cache_ptr, v_cache_ptr, kvh,
+            acc, m_i, l_i, q, qpos, slope, start, end, table, k_cache_ptr, v_cache_ptr, kvh,
             stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, scale, soft_cap, sliding_window,
-            BLOCK_SIZE, HEAD_DIM, BLOCK_N, USE_CAP, False, False, True, DOT_PREC, DOT_F32)
+            BLOCK_SIZE, HEAD_DIM, BLOCK_N, USE_CAP, False, False, True, USE_ALIBI, DOT_PREC, DOT_F32)
 
         alone = used <= 1
         if NUM_SPLITS == 1:      # (no workspace: the split code below must not even be compiled)
@@ -528,7 +545,7 @@ def _desc(x) -> str:
 
 
 def _check_common(fn, q, key_cache, value_cache, block_tables, seq_lens, scale, sliding_window,
-                  soft_cap, out, kernel):
+                  soft_cap, alibi_slopes, out, kernel):
     """Validate what prefill and decode share; return (num_heads, kv_heads, head_dim, block_size)."""
     if not isinstance(q, torch.Tensor) or q.dim() != 3:
         _fail(fn, "q", "a [num_tokens, num_heads, head_dim] tensor", _desc(q))
@@ -569,12 +586,16 @@ def _check_common(fn, q, key_cache, value_cache, block_tables, seq_lens, scale, 
         _fail(fn, "sliding_window", "an int >= 0", repr(sliding_window))
     if not isinstance(soft_cap, (int, float)) or isinstance(soft_cap, bool) or soft_cap < 0:
         _fail(fn, "soft_cap", "a float >= 0", repr(soft_cap))
+    if alibi_slopes is not None and (not isinstance(alibi_slopes, torch.Tensor) or alibi_slopes.dtype != torch.float32
+                                     or tuple(alibi_slopes.shape) != (heads,) or not alibi_slopes.is_contiguous()):
+        _fail(fn, "alibi_slopes", f"None or a contiguous [{heads}] float32 tensor (one slope per query head)",
+              _desc(alibi_slopes))
     if out is not None:
         if not isinstance(out, torch.Tensor) or tuple(out.shape) != tuple(q.shape) or out.dtype != q.dtype:
             _fail(fn, "out", f"a {tuple(q.shape)} {q.dtype} tensor", _desc(out))
         if out.stride(2) != 1:
             _fail(fn, "out.stride(2)", "1", out.stride(2))
-    tensors = [q, key_cache, value_cache, block_tables, seq_lens] + ([out] if out is not None else [])
+    tensors = [q, key_cache, value_cache, block_tables, seq_lens] + [x for x in (out, alibi_slopes) if x is not None]
     devices = {t.device for t in tensors}
     if len(devices) != 1:
         _fail(fn, "all tensors", "on one device", sorted(str(d) for d in devices))
@@ -589,10 +610,10 @@ def _cache_strides(key_cache, value_cache):
 
 
 def _launch_prefill(q, key_cache, value_cache, block_tables, seq_lens, query_start_loc, scale,
-                    sliding_window, soft_cap, out, config: _Config | None = None):
+                    sliding_window, soft_cap, out, config: _Config | None = None, alibi_slopes=None):
     fn = "paged_attention_prefill"
     heads, kv_heads, dim, block_size = _check_common(
-        fn, q, key_cache, value_cache, block_tables, seq_lens, scale, sliding_window, soft_cap, out,
+        fn, q, key_cache, value_cache, block_tables, seq_lens, scale, sliding_window, soft_cap, alibi_slopes, out,
         _prefill_kernel)
     num_seqs = seq_lens.shape[0]
     if not isinstance(query_start_loc, torch.Tensor) or query_start_loc.dim() != 1 \
@@ -613,12 +634,13 @@ def _launch_prefill(q, key_cache, value_cache, block_tables, seq_lens, query_sta
     grid = (kv_heads, q.shape[0] // block_q + num_seqs)
     _prefill_kernel[grid](
         q, key_cache, value_cache, out, block_tables, seq_lens, query_start_loc,
+        q if alibi_slopes is None else alibi_slopes,
         float(scale), float(soft_cap), int(sliding_window), num_seqs, max(num_seqs - 1, 0).bit_length(),
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         *_cache_strides(key_cache, value_cache), block_tables.stride(0),
         BLOCK_SIZE=block_size, GROUP=group, GROUP_PAD=group_pad, HEAD_DIM=dim,
         BLOCK_Q=block_q, BLOCK_N=cfg.block_n, USE_CAP=soft_cap > 0, USE_WINDOW=sliding_window > 0,
-        **_dot_args(q.dtype, _prefill_kernel), **pdl_launch(q.device),
+        USE_ALIBI=alibi_slopes is not None, **_dot_args(q.dtype, _prefill_kernel), **pdl_launch(q.device),
         num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     return out
 
@@ -733,10 +755,10 @@ def _check_workspace(fn: str, workspace, want: tuple, device) -> DecodeWorkspace
 
 def _launch_decode(q, key_cache, value_cache, block_tables, seq_lens, scale, sliding_window, soft_cap,
                    out, num_splits, config: _Config | None = None, workspace=None, rope_cache=None,
-                   inputs_ready: bool = False, cache_ready: bool = False):
+                   inputs_ready: bool = False, cache_ready: bool = False, alibi_slopes=None):
     fn = "paged_attention_decode"
     heads, kv_heads, dim, block_size = _check_common(
-        fn, q, key_cache, value_cache, block_tables, seq_lens, scale, sliding_window, soft_cap, out,
+        fn, q, key_cache, value_cache, block_tables, seq_lens, scale, sliding_window, soft_cap, alibi_slopes, out,
         _decode_kernel)
     num_seqs = seq_lens.shape[0]
     if q.shape[0] != num_seqs:
@@ -773,14 +795,15 @@ def _launch_decode(q, key_cache, value_cache, block_tables, seq_lens, scale, sli
     k_new, v_new, cos, sin, slots, *rope_strides = rope_args
     _decode_kernel[(num_seqs, kv_heads, num_splits)](
         q, key_cache, value_cache, out, part_acc, part_ml, counters, block_tables, seq_lens,
-        k_new, v_new, cos, sin, slots,
+        k_new, v_new, cos, sin, slots, q if alibi_slopes is None else alibi_slopes,
         float(scale), float(soft_cap), int(sliding_window), num_seqs,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         *_cache_strides(key_cache, value_cache), block_tables.stride(0), *rope_strides,
         NUM_HEADS=heads, BLOCK_SIZE=block_size, GROUP=group, GROUP_PAD=triton.next_power_of_2(group),
         BLOCK_H=cfg.block_m, HEAD_DIM=dim, BLOCK_N=cfg.block_n, NUM_SPLITS=num_splits,
         CHUNK=_combine_chunk(num_splits, group, dim),
-        USE_CAP=soft_cap > 0, USE_WINDOW=sliding_window > 0, INPUTS_READY=bool(inputs_ready),
+        USE_CAP=soft_cap > 0, USE_WINDOW=sliding_window > 0, USE_ALIBI=alibi_slopes is not None,
+        INPUTS_READY=bool(inputs_ready),
         PREFETCH=prefetch, **rope_meta,
         **_dot_args(q.dtype, _decode_kernel), **pdl_launch(q.device),
         num_warps=cfg.num_warps, num_stages=cfg.num_stages)
@@ -792,23 +815,26 @@ def _launch_decode(q, key_cache, value_cache, block_tables, seq_lens, scale, sli
 
 
 def paged_attention_prefill(q, key_cache, value_cache, block_tables, seq_lens, query_start_loc, *,
-                            scale: float, sliding_window: int = 0, soft_cap: float = 0.0, out=None):
+                            scale: float, sliding_window: int = 0, soft_cap: float = 0.0, out=None,
+                            alibi_slopes: torch.Tensor | None = None):
     """Varlen causal attention of packed queries ``q [num_tokens, num_heads, head_dim]`` over the
     paged caches (cached prefix + this step's keys, already written); ``query_start_loc[s]`` is where
     sequence ``s``'s queries start (``num_seqs + 1`` entries, last = num_tokens) and ``seq_lens[s]``
-    its context length including them. Returns ``out`` (allocated when omitted)."""
+    its context length including them. ``alibi_slopes``: ``[num_heads]`` float32 ALiBi slopes on q's
+    device, or None. Returns ``out`` (allocated when omitted)."""
     return _launch_prefill(q, key_cache, value_cache, block_tables, seq_lens, query_start_loc, scale,
-                           sliding_window, soft_cap, out)
+                           sliding_window, soft_cap, out, alibi_slopes=alibi_slopes)
 
 
 def paged_attention_decode(q, key_cache, value_cache, block_tables, seq_lens, *, scale: float,
                            sliding_window: int = 0, soft_cap: float = 0.0, out=None,
                            num_splits: int | None = None, workspace: DecodeWorkspace | None = None,
                            rope_cache: DecodeRopeCache | None = None, inputs_ready: bool = False,
-                           cache_ready: bool = False):
+                           cache_ready: bool = False, alibi_slopes: torch.Tensor | None = None):
     """One query per sequence (``q [num_seqs, num_heads, head_dim]``, position ``seq_lens[s] - 1``)
     over the paged caches, split-K over ``num_splits`` partitions of the context (a heuristic from
-    the SM count and the block table's width when omitted), in one launch.
+    the SM count and the block table's width when omitted), in one launch. ``alibi_slopes``:
+    ``[num_heads]`` float32 ALiBi slopes on q's device, or None.
 
     ``workspace``: the split scratch (:func:`decode_workspace`) to use instead of allocating it per
     call (what a CUDA-graph capture needs). ``rope_cache``: also rotate q and this step's key and
@@ -820,17 +846,17 @@ def paged_attention_decode(q, key_cache, value_cache, block_tables, seq_lens, *,
     first key/value tile before the wait. Returns ``out``."""
     return _launch_decode(q, key_cache, value_cache, block_tables, seq_lens, scale, sliding_window,
                           soft_cap, out, num_splits, workspace=workspace, rope_cache=rope_cache,
-                          inputs_ready=inputs_ready, cache_ready=cache_ready)
+                          inputs_ready=inputs_ready, cache_ready=cache_ready, alibi_slopes=alibi_slopes)
 
 
 def paged_attention(q, key_cache, value_cache, block_tables, seq_lens, query_start_loc=None, *,
-                    scale: float | None = None, sliding_window: int = 0, soft_cap: float = 0.0, out=None):
+                    scale: float | None = None, sliding_window: int = 0, soft_cap: float = 0.0, out=None,
+                    alibi_slopes: torch.Tensor | None = None):
     """The ``paged_attention`` op's signature: prefill when ``query_start_loc`` is given, decode
     otherwise; ``scale`` defaults to ``1/sqrt(head_dim)``."""
     if scale is None:
         scale = 1.0 / math.sqrt(q.shape[-1])
+    kw = dict(scale=scale, sliding_window=sliding_window, soft_cap=soft_cap, out=out, alibi_slopes=alibi_slopes)
     if query_start_loc is None:
-        return paged_attention_decode(q, key_cache, value_cache, block_tables, seq_lens, scale=scale,
-                                      sliding_window=sliding_window, soft_cap=soft_cap, out=out)
-    return paged_attention_prefill(q, key_cache, value_cache, block_tables, seq_lens, query_start_loc,
-                                   scale=scale, sliding_window=sliding_window, soft_cap=soft_cap, out=out)
+        return paged_attention_decode(q, key_cache, value_cache, block_tables, seq_lens, **kw)
+    return paged_attention_prefill(q, key_cache, value_cache, block_tables, seq_lens, query_start_loc, **kw)

@@ -6,7 +6,8 @@ raw bytes is ours, written in torch so the same code decodes on the CPU or on a 
 - :func:`dequantize` turns the raw block bytes of one tensor into float32 (formats below);
 - :class:`GGUFCheckpoint` renames llama.cpp tensors to HF names (splitting stacked MoE experts
   into per-expert tensors), undoes the q/k row permutation
-  llama.cpp's converter applies to llama-architecture attention weights, builds a HF
+  llama.cpp's converter applies to llama-architecture attention weights (and the ``+ 1`` it adds
+  to Gemma's norm weights, and its ``[q | k | v]`` order of Bloom's fused projection), builds a HF
   ``config.json``-style dict from the ``{arch}.*`` metadata, and a :class:`Tokenizer` from
   ``tokenizer.*``.
 
@@ -264,15 +265,23 @@ _ARCHS = {
     "qwen3": ("qwen3", "Qwen3ForCausalLM"),
     "qwen2moe": ("qwen2_moe", "Qwen2MoeForCausalLM"),
     "qwen3moe": ("qwen3_moe", "Qwen3MoeForCausalLM"),
+    "gemma": ("gemma", "GemmaForCausalLM"),
+    "gemma2": ("gemma2", "Gemma2ForCausalLM"),
+    "bloom": ("bloom", "BloomForCausalLM"),
 }
 _MOE = ("qwen2moe", "qwen3moe")
 SUPPORTED_ARCHITECTURES = tuple(_ARCHS)
 # llama.cpp permutes q/k rows for these (its rotary embedding is interleaved; HF's is half-split)
 _PERMUTED_QK = ("llama",)
+# llama.cpp stores Gemma's RMSNorm weights as 1 + w (HF keeps w)
+_NORM_PLUS_ONE = ("gemma", "gemma2")
 
 _GLOBAL_NAMES = {
     "token_embd.weight": "model.embed_tokens.weight",
+    "token_embd_norm.weight": "model.embed_layernorm.weight",   # bloom
+    "token_embd_norm.bias": "model.embed_layernorm.bias",
     "output_norm.weight": "model.norm.weight",
+    "output_norm.bias": "model.norm.bias",
     "output.weight": "lm_head.weight",
 }
 _LAYER_NAMES = {
@@ -292,7 +301,13 @@ _LAYER_NAMES = {
     "ffn_up_shexp": "mlp.shared_expert.up_proj",
     "ffn_down_shexp": "mlp.shared_expert.down_proj",
     "ffn_gate_inp_shexp": "mlp.shared_expert_gate",   # stored 1-D [hidden]; HF has [1, hidden]
+    "post_attention_norm": "post_attention_layernorm",   # gemma2: the norm after attention
+    "post_ffw_norm": "post_feedforward_layernorm",
 }
+# architectures whose layers use a name differently (gemma2's ffn_norm is the norm before the MLP)
+_ARCH_LAYER_NAMES = {"gemma2": {"ffn_norm": "pre_feedforward_layernorm"},
+                     # llama.cpp stores bloom's fused q/k/v as [q | k | v]; it is yielded in the HF layout
+                     "bloom": {"attn_qkv": "self_attention.query_key_value"}}
 # stacked experts [E, ...] -> one HF tensor per expert: mlp.experts.{e}.{proj}.weight
 _EXPERT_NAMES = {"ffn_gate_exps": "gate_proj", "ffn_up_exps": "up_proj", "ffn_down_exps": "down_proj"}
 _LAYER_RE = re.compile(r"^blk\.(\d+)\.([a-z_]+)\.(weight|bias)$")
@@ -300,13 +315,14 @@ _LAYER_RE = re.compile(r"^blk\.(\d+)\.([a-z_]+)\.(weight|bias)$")
 _SKIPPED = ("rope_freqs.weight",)
 
 
-def hf_name(gguf_name: str) -> str | None:
-    """The HF parameter name of a llama.cpp tensor name (None if it has no mapping)."""
+def hf_name(gguf_name: str, arch: str = "llama") -> str | None:
+    """The HF parameter name of a llama.cpp tensor name in ``arch`` (None if it has no mapping)."""
     if gguf_name in _GLOBAL_NAMES:
         return _GLOBAL_NAMES[gguf_name]
     m = _LAYER_RE.match(gguf_name)
-    if m and m.group(2) in _LAYER_NAMES:
-        return f"model.layers.{m.group(1)}.{_LAYER_NAMES[m.group(2)]}.{m.group(3)}"
+    names = {**_LAYER_NAMES, **_ARCH_LAYER_NAMES.get(arch, {})}
+    if m and m.group(2) in names:
+        return f"model.layers.{m.group(1)}.{names[m.group(2)]}.{m.group(3)}"
     return None
 
 
@@ -317,6 +333,12 @@ def _unpermute_rows(w: torch.Tensor, n_head: int) -> torch.Tensor:
     if rows % (2 * n_head):
         raise GraphDSLError(f"cannot un-permute a q/k weight of {rows} rows over {n_head} heads")
     return w.reshape(n_head, rows // n_head // 2, 2, *w.shape[1:]).transpose(1, 2).reshape(w.shape)
+
+
+def _per_head_qkv(w: torch.Tensor, n_head: int) -> torch.Tensor:
+    """llama.cpp's ``[q | k | v]`` rows (or bias) back to Bloom's per-head ``[head, (q | k | v), head_dim]``."""
+    rows = w.shape[0]
+    return w.reshape(3, n_head, rows // 3 // n_head, *w.shape[1:]).transpose(0, 1).reshape(w.shape)
 
 
 class GGUFCheckpoint:
@@ -378,9 +400,13 @@ class GGUFCheckpoint:
         return v
 
     def hf_config(self) -> dict[str, Any]:
-        """A HF ``config.json``-style dict for this file (llama, qwen2, qwen3, qwen2moe, qwen3moe)."""
+        """A HF ``config.json``-style dict for this file (llama, qwen2, qwen3, qwen2moe, qwen3moe, gemma,
+        gemma2, bloom; a llama with ``expert_count`` is Mixtral)."""
         arch = self._check_arch()
         model_type, cls = _ARCHS[arch]
+        mixtral = arch == "llama" and self._key(arch, "expert_count", None) is not None
+        if mixtral:                  # llama.cpp converts Mixtral as a llama with stacked experts
+            model_type, cls = "mixtral", "MixtralForCausalLM"
         hidden = int(self._key(arch, "embedding_length"))
         heads = int(self._key(arch, "attention.head_count"))
         kv_heads = int(self._key(arch, "attention.head_count_kv", heads))
@@ -426,6 +452,19 @@ class GGUFCheckpoint:
             shared = self._key(arch, "expert_shared_feed_forward_length", None)
             if shared is not None:
                 cfg["shared_expert_intermediate_size"] = int(shared)
+        if arch == "bloom":
+            cfg["layer_norm_epsilon"] = float(self._key(arch, "attention.layer_norm_epsilon"))
+        if arch == "gemma2":
+            window = self._key(arch, "attention.sliding_window", None)
+            cfg.update(attn_logit_softcapping=self._key(arch, "attn_logit_softcapping", None),
+                       final_logit_softcapping=self._key(arch, "final_logit_softcapping", None),
+                       sliding_window=None if window is None else int(window),
+                       # not in the metadata: llama.cpp scales q by 1/sqrt(head_dim), by 1/sqrt(hidden / heads)
+                       # for the 46-layer 27B
+                       query_pre_attn_scalar=hidden // heads if cfg["num_hidden_layers"] == 46 else int(head_dim))
+        if mixtral:
+            cfg.update(num_local_experts=int(self._key(arch, "expert_count")),
+                       num_experts_per_tok=int(self._key(arch, "expert_used_count")))
         if arch == "llama":
             cfg["attention_bias"] = "blk.0.attn_q.bias" in self._tensors
             cfg["mlp_bias"] = "blk.0.ffn_up.bias" in self._tensors
@@ -490,7 +529,11 @@ class GGUFCheckpoint:
                 continue
             if m and m.group(2) == "ffn_gate_inp_shexp" and w.dim() == 1:
                 w = w.reshape(1, -1)
-            yield hf_name(name) or name, w.to(dtype)
+            if arch in _NORM_PLUS_ONE and name.endswith("norm.weight"):
+                w = w - 1.0
+            if arch == "bloom" and ".attn_qkv." in name:
+                w = _per_head_qkv(w, cfg["num_attention_heads"])
+            yield hf_name(name, arch) or name, w.to(dtype)
 
 
 def _plain(v: Any) -> Any:

@@ -1081,9 +1081,10 @@ def test_reshape_and_cache(dtype, mode):
     assert not torch.equal(kc, feeds["kc"])
 
 
-def _dense_attention(q, ks, vs, starts, news, scale, window, cap):
+def _dense_attention(q, ks, vs, starts, news, scale, window, cap, alibi=()):
     """Causal softmax attention per sequence from its full K/V ([L, Hk, D], before caching);
-    query i of a sequence with L keys and n new tokens sits at position L - n + i."""
+    query i of a sequence with L keys and n new tokens sits at position L - n + i. ``alibi``: per
+    query head slopes, added as Bloom does (``slope * key position``, not relative to the query)."""
     out = torch.zeros(q.shape[0], q.shape[1], vs[0].shape[-1], dtype=torch.float64)
     hq = q.shape[1]
     for k, v, q0, n in zip(ks, vs, starts, news):
@@ -1093,6 +1094,8 @@ def _dense_attention(q, ks, vs, starts, news, scale, window, cap):
         s = torch.einsum("nkgd,lkd->kgnl", qs, k.double()) * scale
         if cap:
             s = cap * torch.tanh(s / cap)
+        if alibi:
+            s = s + torch.tensor(alibi, dtype=torch.float64).reshape(hk, g, 1, 1) * torch.arange(L)
         pq = torch.arange(L - n, L)[:, None]
         pk = torch.arange(L)[None, :]
         allowed = pk <= pq
@@ -1205,6 +1208,78 @@ def test_paged_attention_decode_symbolic(group, dtype, window, cap, scale):
                                 scale if scale is not None else 1 / math.sqrt(d), window, cap).to(dtype)
         assert got.shape == (len(ctx), hq, d)
         assert_close(got, want, 2.0, f"decode ctx={ctx}")
+
+
+@pytest.mark.parametrize("decode", [False, True], ids=["prefill", "decode"])
+@pytest.mark.parametrize("window,cap", [(0, 0.0), (3, 0.0), (0, 2.0)], ids=str)
+def test_paged_attention_alibi(decode, window, cap):
+    """ALiBi slopes per query head (GQA group 2): the op's ``m_h * (k - p)`` bias equals Bloom's
+    ``m_h * k`` under softmax, with a window and a soft cap too."""
+    hk, d, dtype = 2, 8, torch.float32
+    hq = 2 * hk
+    slopes = tuple(2.0 ** -(i + 1) for i in range(hq))
+    ctx, new = ([11, 6, 9], [1, 1, 1]) if decode else ([11, 6], [4, 6])
+    kc, vc, tables, ks, vs, k_new, v_new, slots = _paged_setup(ctx, new, hk, d, dtype, pad_tokens=0)
+    t = sum(new)
+    q = randn(t, hq, d, dtype=dtype, scale=2.0)
+    starts = [sum(new[:i]) for i in range(len(new))]
+    qsl = None if decode else torch.tensor(starts + [t], dtype=torch.int32)
+    with Network() as net:
+        tkc, tvc = Tensor("kc", tuple(kc.shape), dtype), Tensor("vc", tuple(vc.shape), dtype)
+        kc2, vc2 = F.reshape_and_cache(Tensor("k", (t, hk, d), dtype), Tensor("v", (t, hk, d), dtype), tkc, tvc,
+                                       Tensor("slot", (t,), torch.int32))
+        tqsl = None if decode else Tensor("qsl", (len(ctx) + 1,), torch.int32)
+        out = F.paged_attention(Tensor("q", (t, hq, d), dtype), kc2, vc2, Tensor("bt", tuple(tables.shape), torch.int32),
+                                Tensor("lens", (len(ctx),), torch.int32), tqsl, sliding_window=window, soft_cap=cap,
+                                alibi_slopes=list(slopes))
+        assert out.producer.attrs["alibi_slopes"] == slopes
+        net.mark_output(out, "out")
+    feed = {"q": q, "k": k_new, "v": v_new, "kc": kc, "vc": vc, "slot": slots, "bt": tables,
+            "lens": torch.tensor(ctx, dtype=torch.int32)} | ({} if decode else {"qsl": qsl})
+    got = net.build_engine().forward(feed)["out"]
+    want = _dense_attention(q, ks, vs, starts, new, 1 / math.sqrt(d), window, cap, slopes).to(dtype)
+    assert_close(got, want, 2.0, "paged_attention alibi")
+    plain = _dense_attention(q, ks, vs, starts, new, 1 / math.sqrt(d), window, cap).to(dtype)
+    assert (got - plain).abs().max() > 1e-2          # the bias matters in this case
+    with Network(), pytest.raises(GraphDSLError, match="alibi_slopes has 3 slopes for 4 query heads"):
+        F.paged_attention(Tensor("q", (1, hq, d), dtype), Tensor("kc", tuple(kc.shape), dtype),
+                          Tensor("vc", tuple(kc.shape), dtype), Tensor("bt", (1, 3), torch.int32),
+                          Tensor("lens", (1,), torch.int32), alibi_slopes=[1.0, 2.0, 3.0])
+
+
+@pytest.mark.parametrize("decode", [False, True], ids=["prefill", "decode"])
+def test_paged_mla_attention(decode):
+    """Latent attention: the cache rows' two halves form one latent per position shared by every
+    head; equals dense causal attention with keys = latent and values = its first value_dim dims."""
+    half, h, lora = 6, 3, 8
+    ctx, new = ([7, 3, 5], [1, 1, 1]) if decode else ([7, 3], [4, 3])
+    kc, vc, tables, ks, vs, k_new, v_new, slots = _paged_setup(ctx, new, 1, half, torch.float32, pad_tokens=0)
+    t = sum(new)
+    q = randn(t, h, 2 * half, dtype=torch.float32, scale=2.0)
+    starts = [sum(new[:i]) for i in range(len(new))]
+    with Network() as net:
+        tkc, tvc = Tensor("kc", tuple(kc.shape), torch.float32), Tensor("vc", tuple(vc.shape), torch.float32)
+        kc2, vc2 = F.reshape_and_cache(Tensor("k", (t, 1, half), torch.float32),
+                                       Tensor("v", (t, 1, half), torch.float32), tkc, tvc,
+                                       Tensor("slot", (t,), torch.int32))
+        tqsl = None if decode else Tensor("qsl", (len(ctx) + 1,), torch.int32)
+        out = F.paged_mla_attention(Tensor("q", (t, h, 2 * half), torch.float32), kc2, vc2,
+                                    Tensor("bt", tuple(tables.shape), torch.int32),
+                                    Tensor("lens", (len(ctx),), torch.int32), tqsl, scale=0.3, value_dim=lora)
+        assert (out.shape, out.dtype) == ((t, h, lora), torch.float32)
+        net.mark_output(out, "out")
+    feed = {"q": q, "k": k_new, "v": v_new, "kc": kc, "vc": vc, "slot": slots, "bt": tables,
+            "lens": torch.tensor(ctx, dtype=torch.int32)}
+    if not decode:
+        feed["qsl"] = torch.tensor(starts + [t], dtype=torch.int32)
+    got = net.build_engine().forward(feed)["out"]
+    latents = [torch.cat((k, v), -1) for k, v in zip(ks, vs)]                 # [L, 1, 2 * half]
+    want = _dense_attention(q, latents, [c[..., :lora] for c in latents], starts, new, 0.3, 0, 0.0)
+    assert_close(got, want.float(), 2.0, "paged_mla_attention")
+    with Network(), pytest.raises(GraphDSLError, match="q's latent_dim 10 must be twice the caches' 6"):
+        F.paged_mla_attention(Tensor("q", (1, h, 10), torch.float32), Tensor("kc", tuple(kc.shape), torch.float32),
+                              Tensor("vc", tuple(kc.shape), torch.float32), Tensor("bt", (1, 3), torch.int32),
+                              Tensor("lens", (1,), torch.int32), scale=1.0, value_dim=8)
 
 
 def test_paged_attention_prefill_symbolic_tokens_and_seqs():

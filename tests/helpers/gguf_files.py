@@ -21,16 +21,20 @@ _LAYER = {
     "mlp.shared_expert.gate_proj": "ffn_gate_shexp", "mlp.shared_expert.up_proj": "ffn_up_shexp",
     "mlp.shared_expert.down_proj": "ffn_down_shexp", "mlp.shared_expert_gate": "ffn_gate_inp_shexp",
 }
+# gemma2 has four norms a layer: llama.cpp's ffn_norm is the one before the MLP there
+_GEMMA2 = {"post_attention_layernorm": "post_attention_norm", "pre_feedforward_layernorm": "ffn_norm",
+           "post_feedforward_layernorm": "post_ffw_norm"}
 _GLOBAL = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight",
            "lm_head.weight": "output.weight"}
 
 
-def gguf_name(hf: str) -> str:
+def gguf_name(hf: str, arch: str = "llama") -> str:
     if hf in _GLOBAL:
         return _GLOBAL[hf]
     m = re.match(r"model\.layers\.(\d+)\.(.+)\.(weight|bias)$", hf)
-    assert m and m.group(2) in _LAYER, hf
-    return f"blk.{m.group(1)}.{_LAYER[m.group(2)]}.{m.group(3)}"
+    table = {**_LAYER, **_GEMMA2} if arch == "gemma2" else _LAYER
+    assert m and m.group(2) in table, hf
+    return f"blk.{m.group(1)}.{table[m.group(2)]}.{m.group(3)}"
 
 
 def llama_cpp_permute(w: np.ndarray, n_head: int) -> np.ndarray:
@@ -80,7 +84,8 @@ def hf_model_to_gguf(path, model, arch: str, *, quant: dict[str, Any] | None = N
     """Write ``model`` (a HF *ForCausalLM) as llama.cpp would; returns the HF state dict written.
 
     ``quant`` maps a regex over HF names to a GGMLQuantizationType (first match wins; default F32).
-    q/k weights are permuted for the ``llama`` architecture only, as llama.cpp does.
+    q/k weights are permuted for the ``llama`` architecture only, and Gemma's norm weights stored
+    as ``1 + w``, as llama.cpp does.
     """
     from gguf import quants
     cfg = model.config
@@ -105,9 +110,14 @@ def hf_model_to_gguf(path, model, arch: str, *, quant: dict[str, Any] | None = N
     if getattr(cfg, "num_experts", None):
         meta[f"{arch}.expert_count"] = cfg.num_experts
         meta[f"{arch}.expert_used_count"] = cfg.num_experts_per_tok
-        meta[f"{arch}.expert_feed_forward_length"] = cfg.moe_intermediate_size
+        if getattr(cfg, "moe_intermediate_size", None):     # Mixtral's experts are intermediate_size wide
+            meta[f"{arch}.expert_feed_forward_length"] = cfg.moe_intermediate_size
         if getattr(cfg, "shared_expert_intermediate_size", None):
             meta[f"{arch}.expert_shared_feed_forward_length"] = cfg.shared_expert_intermediate_size
+    if arch == "gemma2":
+        meta.update({f"{arch}.attn_logit_softcapping": float(cfg.attn_logit_softcapping),
+                     f"{arch}.final_logit_softcapping": float(cfg.final_logit_softcapping),
+                     f"{arch}.attention.sliding_window": cfg.sliding_window})
     sd = {k: v.detach().float().clone() for k, v in model.state_dict().items()}
     if cfg.tie_word_embeddings:
         sd.pop("lm_head.weight", None)
@@ -132,10 +142,47 @@ def hf_model_to_gguf(path, model, arch: str, *, quant: dict[str, Any] | None = N
             data = llama_cpp_permute(data, cfg.num_attention_heads)
         elif arch == "llama" and ".k_proj." in name:
             data = llama_cpp_permute(data, cfg.num_key_value_heads)
+        if arch in ("gemma", "gemma2") and name.endswith("norm.weight"):
+            data = data + 1.0
         qtype = next((q for pat, q in (quant or {}).items() if re.search(pat, name)), None)
+        gname = gguf_name(name, arch)
         if qtype is None:
-            tensors[gguf_name(name)] = (np.ascontiguousarray(data, dtype=np.float32), None)
+            tensors[gname] = (np.ascontiguousarray(data, dtype=np.float32), None)
         else:
-            tensors[gguf_name(name)] = (quants.quantize(np.ascontiguousarray(data, dtype=np.float32), qtype), qtype)
+            tensors[gname] = (quants.quantize(np.ascontiguousarray(data, dtype=np.float32), qtype), qtype)
     write_gguf(path, arch, meta, tensors)
     return sd
+
+
+_BLOOM_LAYER = {"input_layernorm": "attn_norm", "self_attention.query_key_value": "attn_qkv",
+                "self_attention.dense": "attn_output", "post_attention_layernorm": "ffn_norm",
+                "mlp.dense_h_to_4h": "ffn_up", "mlp.dense_4h_to_h": "ffn_down"}
+_BLOOM_GLOBAL = {"word_embeddings": "token_embd", "word_embeddings_layernorm": "token_embd_norm", "ln_f": "output_norm"}
+
+
+def bloom_to_gguf(path, model, *, tokenizer_meta: dict[str, Any] | None = None) -> None:
+    """Write a HF Bloom as llama.cpp's converter does: the fused q/k/v rows reordered from per head
+    ``[head, (q|k|v), head_dim]`` to ``[q | k | v]``, and the embedding written again as ``output``."""
+    cfg = model.config
+    h, n = cfg.n_head, cfg.hidden_size
+    meta = {"bloom.context_length": n, "bloom.embedding_length": n, "bloom.feed_forward_length": 4 * n,
+            "bloom.block_count": cfg.n_layer, "bloom.attention.head_count": h, "bloom.attention.head_count_kv": h,
+            "bloom.attention.layer_norm_epsilon": float(cfg.layer_norm_epsilon)}
+    meta.update(tokenizer_meta or {})
+    tensors = {}
+    for name, t in model.state_dict().items():
+        name = re.sub(r"^transformer\.", "", name)
+        data = t.detach().float().numpy()
+        m = re.match(r"h\.(\d+)\.(.+)\.(weight|bias)$", name)
+        if m:
+            if m.group(2) == "self_attention.query_key_value":
+                data = data.reshape(h, 3, n // h, *data.shape[1:]).swapaxes(0, 1).reshape(data.shape)
+            gname = f"blk.{m.group(1)}.{_BLOOM_LAYER[m.group(2)]}.{m.group(3)}"
+        elif name == "lm_head.weight":
+            continue
+        else:
+            module, leaf = name.rsplit(".", 1)
+            gname = f"{_BLOOM_GLOBAL[module]}.{leaf}"
+        tensors[gname] = (np.ascontiguousarray(data, dtype=np.float32), None)
+    tensors["output.weight"] = tensors["token_embd.weight"]
+    write_gguf(path, "bloom", meta, tensors)

@@ -171,6 +171,39 @@ def test_decode_window_and_softcap(window, cap, splits):
     assert_close(out, REF(q, kc, vc, bt, sl, **kw), torch.float32)
 
 
+def _slopes(heads):
+    """Bloom's ALiBi slopes (2^(-8i/n) for n = heads, a power of two), as a tuple and a device tensor."""
+    slopes = tuple(2.0 ** (-8.0 * (i + 1) / heads) for i in range(heads))
+    return slopes, torch.tensor(slopes, device=DEVICE)
+
+
+@pytest.mark.parametrize("heads,kv_heads,window,dtype", [(4, 4, 0, torch.float32), (8, 2, 16, torch.float32),
+                                                         (8, 2, 0, torch.bfloat16), (4, 1, 5, torch.float16)])
+def test_prefill_alibi(heads, kv_heads, window, dtype):
+    """ALiBi: ``slope[h] * (k - p)`` added to the scores, in the masked and the unmasked tiles."""
+    lens, news = _grow([50, 9, 33, 200], [20, 9, 2, 5])
+    q, kc, vc, bt, sl, qsl = make_case(lens, news, heads, kv_heads, 64, 16, dtype, seed=11)
+    slopes, t = _slopes(heads)
+    kw = dict(scale=0.125, sliding_window=window)
+    out = paged_attention_prefill(q, kc, vc, bt, sl, qsl, alibi_slopes=t, out=_nan_like(q), **kw)
+    ref = REF(q, kc, vc, bt, sl, qsl, alibi_slopes=slopes, **kw)
+    assert_close(out, ref, dtype)
+    assert (ref.float() - REF(q, kc, vc, bt, sl, qsl, **kw).float()).abs().max() > 0.05   # the bias matters
+
+
+@pytest.mark.parametrize("heads,kv_heads,window,cap,splits", [(4, 4, 0, 0.0, 1), (8, 2, 0, 0.0, 3),
+                                                              (8, 2, 20, 2.0, 4), (4, 1, 0, 0.0, None)])
+def test_decode_alibi(heads, kv_heads, window, cap, splits):
+    lens, _ = _grow([100, 3, 64, 21], [])
+    q, kc, vc, bt, sl, _ = make_case(lens, [1] * 4, heads, kv_heads, 64, 32, torch.float32, seed=12)
+    slopes, t = _slopes(heads)
+    kw = dict(scale=0.2, sliding_window=window, soft_cap=cap)
+    out = paged_attention_decode(q, kc, vc, bt, sl, num_splits=splits, alibi_slopes=t, out=_nan_like(q), **kw)
+    assert_close(out, REF(q, kc, vc, bt, sl, alibi_slopes=slopes, **kw), torch.float32)
+    with pytest.raises(GraphDSLError, match=r"alibi_slopes must be None or a contiguous \[4\] float32 tensor"):
+        paged_attention_decode(q[:, :4], kc, vc, bt, sl, scale=0.2, alibi_slopes=t.double()[:4])
+
+
 def test_cache_then_prefill_then_decode_round_trip():
     """Chunked prefill then decode through reshape_and_cache; prefill of a one-token step equals
     decode, and the op-shaped dispatcher picks the right kernel."""

@@ -14,20 +14,35 @@ from graphdsl.layers import Phase
 from tests.models.hf_tiny import hf_greedy, hf_logits, make_checkpoint
 
 
-@pytest.mark.parametrize("family", ["llama", "mistral"])   # mistral: sliding-window attention
+# family: (prefill attention op, decode attention op, kernels that must have run). mistral: sliding
+# window; gemma2: + soft caps; bloom: ALiBi, no RoPE (so no rope_cache fusion in decode);
+# deepseek_v2: latent attention over the compressed cache
+FAMILIES = {
+    "llama": ("paged_attention", "rope_cache_attention", ("paged_attention_prefill", "paged_attention_decode")),
+    "mistral": ("paged_attention", "rope_cache_attention", ("paged_attention_prefill", "paged_attention_decode")),
+    "gemma2": ("paged_attention", "rope_cache_attention", ("paged_attention_prefill", "paged_attention_decode")),
+    "bloom": ("paged_attention", "paged_attention", ("paged_attention_prefill", "paged_attention_decode")),
+    "deepseek_v2": ("paged_mla_attention", "paged_mla_attention", ("paged_mla_attention",)),
+}
+# fewer experts under the interpreter (the routing records a few ops per expert)
+OVERRIDES = {"deepseek_v2": dict(num_hidden_layers=2, n_routed_experts=4, num_experts_per_tok=2, n_group=2,
+                                 topk_group=1)}
+
+
+@pytest.mark.parametrize("family", list(FAMILIES))
 def test_tiny_model_on_triton_backend_matches_hf(family, tmp_path, monkeypatch):
     import importlib
-    paged_attention = importlib.import_module("graphdsl.runtime.kernels.paged_attention")   # the module, not
-    cache_write = importlib.import_module("graphdsl.runtime.kernels.cache_write")           # the function
-    calls = {"paged_attention_prefill": 0, "paged_attention_decode": 0, "reshape_and_cache": 0}
-    for mod in (paged_attention, cache_write):
+    prefill_op, decode_op, kernels = FAMILIES[family]
+    calls = dict.fromkeys(kernels + ("reshape_and_cache",), 0)
+    for module in ("paged_attention", "paged_mla_attention", "cache_write"):
+        mod = importlib.import_module(f"graphdsl.runtime.kernels.{module}")   # the module, not the function
         for name in calls:
             if hasattr(mod, name):
                 def spy(*a, _f=getattr(mod, name), _n=name, **k):
                     calls[_n] += 1
                     return _f(*a, **k)
                 monkeypatch.setattr(mod, name, spy)
-    hf_model = make_checkpoint(family, tmp_path)
+    hf_model = make_checkpoint(family, tmp_path, **OVERRIDES.get(family, {}))
     llm = gd.LLM(tmp_path, device="cuda" if torch.cuda.is_available() else "cpu", dtype="float32",
                  max_model_len=64)
     llm.model.configure_runtime(backend="triton", max_blocks_per_seq=4)
@@ -36,8 +51,8 @@ def test_tiny_model_on_triton_backend_matches_hf(family, tmp_path, monkeypatch):
     assert (ours - ref).abs().max() <= 1e-4 * ref.abs().max()
     outs = llm.generate(prompts, gd.SamplingParams(max_tokens=4, temperature=0, ignore_eos=True))
     assert [o.outputs[0].token_ids for o in outs] == [hf_greedy(hf_model, ids, 4) for ids in prompts]
-    assert calls["paged_attention_prefill"] > 0 and calls["paged_attention_decode"] > 0, calls
-    for phase, attention in ((Phase.PREFILL, "paged_attention"), (Phase.DECODE, "rope_cache_attention")):
+    assert all(calls[k] > 0 for k in kernels), calls
+    for phase, attention in ((Phase.PREFILL, prefill_op), (Phase.DECODE, decode_op)):
         eng = llm.model.engine(phase)
         assert eng.backend.name == "triton"
         assert attention in {n.op for n in eng.net.nodes}

@@ -62,6 +62,6 @@ def test_dump_writes_graphs_and_summaries(gguf, tmp_path, capsys, monkeypatch):
 def test_check_command(gguf, tmp_path, capsys):
     assert main(["check", gguf]) == 0
     assert "supported" in capsys.readouterr().out
-    (tmp_path / "config.json").write_text('{"model_type": "bloom", "architectures": ["BloomForCausalLM"]}')
+    (tmp_path / "config.json").write_text('{"model_type": "falcon", "architectures": ["FalconForCausalLM"]}')
     assert main(["check", str(tmp_path)]) == 1
-    assert "unknown model_type 'bloom'" in capsys.readouterr().out
+    assert "unknown model_type 'falcon'" in capsys.readouterr().out

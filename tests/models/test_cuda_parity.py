@@ -14,7 +14,8 @@ pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
 
 
-@pytest.mark.parametrize("family", ["llama", "mistral", "qwen2", "qwen3", "qwen2_moe", "qwen3_moe"])
+@pytest.mark.parametrize("family", ["llama", "mistral", "qwen2", "qwen3", "qwen2_moe", "qwen3_moe", "mixtral", "gemma",
+                                    "gemma2", "bloom", "deepseek_v2", "deepseek_v3"])
 def test_cuda_float32_parity(family, tmp_path):
     hf_model = make_checkpoint(family, tmp_path)
     llm = gd.LLM(tmp_path, device="cuda", dtype="float32", max_model_len=96)

@@ -288,6 +288,72 @@ def test_moe_config_tensors_and_logits(tmp_path, arch):
         torch.testing.assert_close(rebuilt.eval()(ids).logits, model(ids).logits, rtol=0, atol=0)
 
 
+def test_mixtral_as_llama_with_experts(tmp_path):
+    """llama.cpp converts Mixtral as a ``llama`` GGUF with ``expert_count``: config, names (the
+    Mixtral model's ``checkpoint_renames`` leave GGUF's ``mlp.experts.{e}.gate_proj`` alone) and
+    logits through ``gd.LLM`` match the transformers model."""
+    import graphdsl as gd
+    torch.manual_seed(2)
+    cfg = transformers.MixtralConfig(vocab_size=96, hidden_size=64, intermediate_size=32, num_hidden_layers=2,
+                                     num_attention_heads=4, num_key_value_heads=2, num_local_experts=8,
+                                     num_experts_per_tok=2, max_position_embeddings=256, rms_norm_eps=1e-5)
+    model = transformers.MixtralForCausalLM(cfg).eval()
+    with torch.no_grad():
+        for p in model.parameters():
+            p.normal_(0, 0.2)
+    path = tmp_path / "mixtral.gguf"
+    hf_model_to_gguf(path, model, "llama", tokenizer_meta=_tok_meta(96))
+    hf = GGUFCheckpoint(path).hf_config()
+    assert (hf["model_type"], hf["architectures"]) == ("mixtral", ["MixtralForCausalLM"])
+    assert (hf["num_local_experts"], hf["num_experts_per_tok"], hf["intermediate_size"]) == (8, 2, 32)
+    llm = gd.LLM(str(path), device="cpu", max_model_len=64)
+    ids = [3, 17, 42, 5, 88, 9, 60, 61, 2]
+    with torch.no_grad():
+        ref = model(torch.tensor([ids])).logits[0]
+    assert (llm.score(ids) - ref).abs().max().item() <= 1e-4 * ref.abs().max().item()
+
+
+@pytest.mark.parametrize("arch", ["gemma", "gemma2"])
+def test_gemma_logits_through_llm(tmp_path, arch):
+    """llama.cpp's Gemma GGUFs: norm weights stored as ``1 + w``, gemma2's four norms a layer and its
+    soft caps and sliding window in the metadata; ``gd.LLM`` on the file scores like transformers."""
+    import graphdsl as gd
+    from tests.models.hf_tiny import make_checkpoint
+    extra = {"query_pre_attn_scalar": 32} if arch == "gemma2" else {}   # head_dim, as llama.cpp assumes
+    model = make_checkpoint(arch, tmp_path / "hf", vocab_size=96, **extra)
+    path = tmp_path / f"{arch}.gguf"
+    hf_model_to_gguf(path, model, arch, tokenizer_meta=_tok_meta(96))
+    hf = GGUFCheckpoint(path).hf_config()
+    assert hf["model_type"] == arch and hf["tie_word_embeddings"]
+    if arch == "gemma2":
+        assert (hf["sliding_window"], hf["attn_logit_softcapping"], hf["final_logit_softcapping"],
+                hf["query_pre_attn_scalar"]) == (8, 4.0, 6.0, 32)
+    llm = gd.LLM(str(path), device="cpu", max_model_len=64)
+    ids = [3, 17, 42, 5, 88, 9, 60, 61, 2, 7, 11, 13]        # longer than gemma2's window of 8
+    with torch.no_grad():
+        ref = model(torch.tensor([ids])).logits[0]
+    assert (llm.score(ids) - ref).abs().max().item() <= 1e-4 * ref.abs().max().item()
+
+
+def test_bloom_logits_through_llm(tmp_path):
+    """llama.cpp's Bloom GGUF: fused q/k/v in [q | k | v] order (back to per head while loading),
+    embedding LayerNorm, biases, output written out; ``gd.LLM`` scores like transformers."""
+    import graphdsl as gd
+    from tests.helpers.gguf_files import bloom_to_gguf
+    from tests.models.hf_tiny import make_checkpoint
+    model = make_checkpoint("bloom", tmp_path / "hf", vocab_size=96)
+    path = tmp_path / "bloom.gguf"
+    bloom_to_gguf(path, model, tokenizer_meta=_tok_meta(96))
+    hf = GGUFCheckpoint(path).hf_config()
+    assert (hf["model_type"], hf["num_attention_heads"]) == ("bloom", 4)
+    assert hf["layer_norm_epsilon"] == pytest.approx(1e-5)   # a float32 in the file
+    llm = gd.LLM(str(path), device="cpu", max_model_len=64)
+    ids = [3, 17, 42, 5, 88, 9, 60, 61, 2, 7, 11, 13]
+    with torch.no_grad():
+        ref = model(torch.tensor([ids])).logits[0]
+    assert (llm.score(ids) - ref).abs().max().item() <= 1e-4 * ref.abs().max().item()
+
+
 # ---------------------------------------------------------------- error paths
 
 def test_missing_and_not_gguf(tmp_path):
@@ -319,7 +385,7 @@ def test_unsupported_architecture(tmp_path):
     write_gguf(path, "mamba", {"mamba.block_count": 1}, {"x.weight": (np.ones(4, np.float32), None)})
     ck = GGUFCheckpoint(path)
     assert ck.architecture == "mamba"
-    with pytest.raises(GraphDSLError, match=r"architecture 'mamba' is not supported; supported: \['llama', 'qwen2', 'qwen3', 'qwen2moe', 'qwen3moe'\]"):
+    with pytest.raises(GraphDSLError, match=r"architecture 'mamba' is not supported; supported: \['llama', 'qwen2', 'qwen3', 'qwen2moe', 'qwen3moe', 'gemma', 'gemma2', 'bloom'\]"):
         ck.hf_config()
     with pytest.raises(GraphDSLError, match="'mamba' is not supported"):
         list(ck.iter_tensors())

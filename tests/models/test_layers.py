@@ -3,11 +3,12 @@
 import pytest
 import torch
 
-from graphdsl import Dim, Network, Tensor
+from graphdsl import Dim, Module, Network, Tensor
 from graphdsl import functional as F
 from graphdsl.errors import GraphDSLError
-from graphdsl.layers import (LayerNorm, MoE, QKVParallelLinear, RMSNorm, RopeScaling, RopeType, RotaryEmbedding,
-                             Scoring, checkpoint_layout)
+from graphdsl.layers import (GemmaRMSNorm, LayerNorm, MoE, QKVLayout, QKVParallelLinear, RMSNorm, RopeScaling,
+                             RopeType, RotaryEmbedding, Scoring, TopkMethod, VocabParallelEmbedding, alibi_slopes,
+                             checkpoint_layout)
 from graphdsl.models import build_config
 
 ROPE_CASES = {
@@ -119,6 +120,54 @@ def test_rmsnorm_with_residual_returns_new_residual():
     torch.testing.assert_close(y, w * s * torch.rsqrt(s.pow(2).mean(-1, keepdim=True) + 1e-5))
 
 
+def test_gemma_rmsnorm_matches_transformers_in_bfloat16():
+    """``(1 + w)`` multiplied in float32 before the cast back: bit-equal to transformers' Gemma norm,
+    also with the residual add (in the stream's dtype) in front."""
+    from transformers.models.gemma.modeling_gemma import GemmaRMSNorm as HFGemmaRMSNorm
+    torch.manual_seed(0)
+    x, r = torch.randn(5, 32).bfloat16(), torch.randn(5, 32).bfloat16()
+    w = (torch.randn(32) * 0.1).bfloat16()
+    hf = HFGemmaRMSNorm(32, eps=1e-6)
+    with torch.no_grad():
+        hf.weight.copy_(w)
+    norm = GemmaRMSNorm(32, eps=1e-6, dtype=torch.bfloat16)
+    y, new_r = _run(lambda n: norm(Tensor("x", (n, 32), torch.bfloat16), Tensor("r", (n, 32), torch.bfloat16)),
+                    {"x": x, "r": r, "weight": w})
+    assert y.dtype == torch.bfloat16 and torch.equal(new_r, x + r)
+    with torch.no_grad():
+        assert torch.equal(y, hf(x + r))
+
+
+@pytest.mark.parametrize("heads", [1, 4, 12, 16, 112])
+def test_alibi_slopes_match_bloom(heads):
+    from transformers.models.bloom.modeling_bloom import _get_alibi_slopes
+    torch.testing.assert_close(torch.tensor(alibi_slopes(heads), dtype=torch.float32),
+                               _get_alibi_slopes(heads, torch.device("cpu")), rtol=1e-6, atol=0)
+
+
+def test_per_head_qkv_checkpoint_layout():
+    """Bloom's query_key_value rows [head, (q | k | v), head_dim] land in the [q | k | v] parameter."""
+    h, d, n = 3, 2, 5
+    qkv = QKVParallelLinear(n, d, h, h, bias=True, dtype=torch.float32, layout=QKVLayout.PER_HEAD)
+    table = checkpoint_layout(qkv, "attn.qkv_proj")
+    assert set(table) == {"attn.qkv_proj.weight", "attn.qkv_proj.bias"}
+    w = torch.arange(3 * h * d * n, dtype=torch.float32).reshape(3 * h * d, n)
+    slot = table["attn.qkv_proj.weight"]
+    got = slot.place(w).reshape(3 * h * d, n)
+    per_head = w.reshape(h, 3, d, n)
+    for j in range(3):          # q, k, v blocks of the parameter
+        torch.testing.assert_close(got[j * h * d:(j + 1) * h * d], per_head[:, j].reshape(h * d, n))
+    with pytest.raises(GraphDSLError, match="per-head q/k/v layout needs num_kv_heads == num_heads"):
+        QKVParallelLinear(n, d, 4, 2, layout=QKVLayout.PER_HEAD)
+
+
+def test_embedding_scale():
+    emb = VocabParallelEmbedding(10, 4, torch.float32, scale=3.0)
+    w = torch.randn(10, 4)
+    (y,) = _run(lambda n: emb(Tensor("ids", (n,), torch.int64)), {"ids": torch.tensor([2, 7]), "weight": w})
+    torch.testing.assert_close(y, w[[2, 7]] * 3.0)
+
+
 def test_layernorm_matches_torch():
     x, w, b = torch.randn(3, 16), torch.randn(16), torch.randn(16)
     ln = LayerNorm(16, eps=1e-5, dtype=torch.float32)
@@ -179,11 +228,65 @@ def test_moe_matches_per_token_reference(scoring, renormalize, shared):
     torch.testing.assert_close(y, ref, rtol=1e-4, atol=1e-4)
 
 
+class _Routing(Module):
+    """Records ``moe.routing_weights`` under the module path ``moe``."""
+
+    def __init__(self, moe):
+        super().__init__()
+        self.moe = moe
+
+    def forward(self, x):
+        return self.moe.routing_weights(x)
+
+
+@pytest.mark.parametrize("version,method", [("v2", "greedy"), ("v2", "group_limited_greedy"), ("v3", "noaux_tc")])
+def test_deepseek_routing_matches_transformers(version, method):
+    """The dense routing matrix equals transformers' DeepSeek routers' (top-k ids and weights):
+    group-limited greedy, V3's bias-chosen groups and experts with renormalised sigmoid weights, and
+    the routed scaling factor."""
+    import transformers
+    from transformers.models.deepseek_v2.modeling_deepseek_v2 import DeepseekV2TopkRouter
+    from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3TopkRouter
+    torch.manual_seed(1)
+    h, e, k = 16, 16, 3
+    common = dict(hidden_size=h, num_attention_heads=4, n_routed_experts=e, num_experts_per_tok=k, n_group=4,
+                  topk_group=2, routed_scaling_factor=2.5)
+    if version == "v2":
+        hf = DeepseekV2TopkRouter(transformers.DeepseekV2Config(**common, topk_method=method))
+        scoring, renormalize = Scoring.SOFTMAX, False
+    else:
+        hf = DeepseekV3TopkRouter(transformers.DeepseekV3Config(**common, norm_topk_prob=True))
+        hf.e_score_correction_bias.normal_(0, 0.3)
+        scoring, renormalize = Scoring.SIGMOID, True
+    hf.weight.data.normal_(0, 1)
+    x = torch.randn(40, h)
+    moe = MoE(h, e, k, 8, scoring=scoring, renormalize=renormalize, topk_method=TopkMethod(method), num_groups=4,
+              topk_groups=2, routed_scaling_factor=2.5, router_float32=True, dtype=torch.float32)
+    feed = {"x": x, "moe.gate.weight": hf.weight.data}
+    if version == "v3":
+        feed["moe.gate.e_score_correction_bias"] = hf.e_score_correction_bias
+    (got,) = _run(lambda n: _Routing(moe)(Tensor("x", (n, h), torch.float32)), feed)
+    with torch.no_grad():
+        logits, weights, ids = hf(x)
+    want = torch.zeros(40, e).scatter(1, ids, weights)
+    torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)
+    scores = logits.softmax(-1) if version == "v2" else logits.sigmoid() + hf.e_score_correction_bias
+    greedy = torch.zeros(40, e).scatter(1, torch.topk(scores, k).indices, 1.0)
+    assert (method == "greedy") == torch.equal(greedy, (want > 0).float())   # the groups change some choices
+
+
 def test_moe_argument_errors():
     with pytest.raises(GraphDSLError, match=r"top_k must be in \[1, num_experts=4\], got 5"):
         MoE(8, 4, 5, 8)
     with pytest.raises(GraphDSLError, match="scoring must be a Scoring"):
         MoE(8, 4, 2, 8, scoring="softmax")
+    with pytest.raises(GraphDSLError, match="topk_method must be a TopkMethod, one of"):
+        MoE(8, 4, 2, 8, topk_method="noaux_tc")
+    with pytest.raises(GraphDSLError, match="at least top_k=3 experts in the chosen groups, got num_groups=4, "
+                                            "topk_groups=1"):
+        MoE(8, 8, 3, 8, topk_method=TopkMethod.GROUP_LIMITED_GREEDY, num_groups=4, topk_groups=1)
+    table = checkpoint_layout(MoE(8, 4, 2, 4, topk_method=TopkMethod.NOAUX_TC, num_groups=2), "mlp")
+    assert table["mlp.gate.e_score_correction_bias"].shape == (4,)
     table = checkpoint_layout(MoE(8, 3, 2, 4), "mlp")
     assert table["mlp.experts.2.up_proj.weight"].index == (2, slice(4, 8))
     assert table["mlp.experts.0.down_proj.weight"].shape == (8, 4)

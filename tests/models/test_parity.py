@@ -10,6 +10,7 @@ import pytest
 import torch
 
 import graphdsl as gd
+from graphdsl.models import check_model
 from tests.models.hf_tiny import hf_greedy, hf_logits, make_checkpoint
 
 PROMPTS = [[1, 5, 9, 33, 2, 77, 100, 3, 8, 9, 10, 11, 12, 13, 40, 41, 42, 150, 7], [4, 5, 6]]
@@ -22,6 +23,15 @@ FAMILIES = {
     "qwen3": ("qwen3", {}),
     "qwen2_moe": ("qwen2_moe", {}),
     "qwen3_moe-renormalised-with-dense-layer": ("qwen3_moe", {}),
+    "mixtral": ("mixtral", {}),
+    "mixtral-sliding-window": ("mixtral", {"sliding_window": 8}),
+    "gemma": ("gemma", {}),
+    "gemma2-sliding-window-and-soft-caps": ("gemma2", {}),
+    "bloom-alibi": ("bloom", {}),
+    "deepseek_v2-mla-grouped-routing-yarn": ("deepseek_v2", {}),
+    "deepseek_v2-q-lora": ("deepseek_v2", {"q_lora_rank": 24, "topk_method": "greedy", "n_group": 1,
+                                           "topk_group": 1}),
+    "deepseek_v3-noaux-tc": ("deepseek_v3", {}),
 }
 
 
@@ -44,6 +54,7 @@ def test_family_parity(case, tmp_path):
     hf_model = make_checkpoint(family, tmp_path, **save_kw, **kw)
     if save_kw:
         assert (tmp_path / "model.safetensors.index.json").exists()
+    assert check_model(tmp_path).ok, str(check_model(tmp_path))
     llm = gd.LLM(tmp_path, device="cpu", max_model_len=96)
     check_parity(llm, hf_model)
 
