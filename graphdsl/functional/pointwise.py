@@ -36,7 +36,7 @@ def scalar(like, *, value=0):
     bool, int64 for an int next to a bool)."""
     dt = like.dtype if (isinstance(value, int) or like.dtype.is_floating_point) else torch.float32
     dt = torch.int64 if dt == torch.bool else dt
-    return torch.tensor(value, dtype=dt, device=like.device)
+    return torch.full((), value, dtype=dt, device=like.device)   # a fill, not a copy: CUDA-graph safe
 
 
 @register_op("add", category=P, shape=binary_rule("add"))
