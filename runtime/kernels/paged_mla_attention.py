@@ -48,13 +48,14 @@ _DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
 
 @triton.jit
-def _dot(a, b, DOT_F32: tl.constexpr):
+def _dot(a, b, DOT_PREC: tl.constexpr, DOT_F32: tl.constexpr):
     """``a @ b`` accumulated in float32 (operands upcast under the CPU interpreter, whose
-    bfloat16 ``tl.dot`` is wrong in triton 3.9)."""
+    bfloat16 ``tl.dot`` is wrong in triton 3.9); ``DOT_PREC`` is "tf32x3" for float32 operands
+    (plain tf32 errs by ~1e-3), "tf32" (ignored) for 16-bit ones."""
     if DOT_F32:
         r = tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision="ieee")
     else:
-        r = tl.dot(a, b)
+        r = tl.dot(a, b, input_precision=DOT_PREC)
     return r
 
 
@@ -87,6 +88,7 @@ def _mla_kernel(
     BLOCK_N: tl.constexpr,     # keys per inner step
     NUM_SPLITS: tl.constexpr,  # partitions of each query's keys
     PREFILL: tl.constexpr,     # queries packed by query_start_loc (else one per sequence)
+    DOT_PREC: tl.constexpr,    # tl.dot input_precision ("tf32x3" for float32 caches)
     DOT_F32: tl.constexpr,     # upcast dot operands (interpreter only)
     USE_PDL: tl.constexpr,     # launched with programmatic dependent launch (kernels/pdl.py)
 ):
@@ -143,13 +145,13 @@ def _mla_kernel(
         c = tl.load(k_row[:, None] + lora[None, :], mask=kvalid[:, None] & in_key[None, :], other=0.0) \
             + tl.load(v_row[:, None] + (lora - HALF)[None, :], mask=kvalid[:, None] & ~in_key[None, :], other=0.0)
         r = tl.load(v_row[:, None] + (LORA - HALF + rope)[None, :], mask=kvalid[:, None], other=0.0)
-        sc = (_dot(q_c, tl.trans(c), DOT_F32) + _dot(q_r, tl.trans(r), DOT_F32)) * (scale * 1.4426950408889634)
+        sc = (_dot(q_c, tl.trans(c), DOT_PREC, DOT_F32) + _dot(q_r, tl.trans(r), DOT_PREC, DOT_F32)) * (scale * 1.4426950408889634)
         sc = tl.where(kvalid[None, :], sc, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(sc, 1))
         alpha = tl.exp2(m_i - m_new)
         p = tl.exp2(sc - m_new[:, None])
         l_i = l_i * alpha + tl.sum(p, 1)
-        acc = acc * alpha[:, None] + _dot(p.to(c.dtype), c, DOT_F32)
+        acc = acc * alpha[:, None] + _dot(p.to(c.dtype), c, DOT_PREC, DOT_F32)
         m_i = m_new
 
     if NUM_SPLITS == 1:
@@ -339,7 +341,8 @@ def paged_mla_attention(q, key_cache, value_cache, block_tables, seq_lens, query
         key_cache.stride(0), key_cache.stride(1), value_cache.stride(0), value_cache.stride(1),
         block_tables.stride(0),
         NUM_HEADS=heads, LORA=lora, ROPE=rope, HALF=half, BLOCK_SIZE=block_size, BLOCK_H=cfg.block_h,
-        BLOCK_N=cfg.block_n, NUM_SPLITS=num_splits, PREFILL=prefill, DOT_F32=_interpreted(_mla_kernel), **pdl,
+        BLOCK_N=cfg.block_n, NUM_SPLITS=num_splits, PREFILL=prefill,
+        DOT_PREC="tf32x3" if key_cache.dtype == torch.float32 else "tf32", DOT_F32=_interpreted(_mla_kernel), **pdl,
         num_warps=cfg.num_warps)
     if num_splits > 1:
         _combine_kernel[(tokens, heads)](
