@@ -69,7 +69,9 @@ def make_checkpoint(family: str, directory, *, seed: int = 0, max_shard_size=Non
     import transformers as tf
     torch.manual_seed(seed)
     config = make_config(family, **overrides)
-    model = tf.AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
+    # the reference must apply every feature: transformers 5.17's SDPA path drops Gemma 2's attention
+    # soft-capping (its eager path matches ours to 2e-6 on the H200), so references run eager
+    model = tf.AutoModelForCausalLM.from_config(config, dtype=torch.float32, attn_implementation="eager").eval()
     with torch.no_grad():   # HF init is tiny (std 0.02); widen it so logits are far from ties
         for name, p in model.named_parameters():
             if p.dim() >= 2:
