@@ -40,23 +40,12 @@ import triton.language as tl
 
 from graphdsl.errors import GraphDSLError
 
+from .paged_attention import _mm   # a @ b in float32 at the given tl.dot precision
 from .pdl import pdl_launch, pdl_wait
 
 __all__ = ["paged_mla_attention", "mla_num_splits", "mla_workspace", "MLAWorkspace"]
 
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32)
-
-
-@triton.jit
-def _dot(a, b, DOT_PREC: tl.constexpr, DOT_F32: tl.constexpr):
-    """``a @ b`` accumulated in float32 (operands upcast under the CPU interpreter, whose
-    bfloat16 ``tl.dot`` is wrong in triton 3.9); ``DOT_PREC`` is "tf32x3" for float32 operands
-    (plain tf32 errs by ~1e-3), "tf32" (ignored) for 16-bit ones."""
-    if DOT_F32:
-        r = tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision="ieee")
-    else:
-        r = tl.dot(a, b, input_precision=DOT_PREC)
-    return r
 
 
 @triton.jit
@@ -145,13 +134,14 @@ def _mla_kernel(
         c = tl.load(k_row[:, None] + lora[None, :], mask=kvalid[:, None] & in_key[None, :], other=0.0) \
             + tl.load(v_row[:, None] + (lora - HALF)[None, :], mask=kvalid[:, None] & ~in_key[None, :], other=0.0)
         r = tl.load(v_row[:, None] + (LORA - HALF + rope)[None, :], mask=kvalid[:, None], other=0.0)
-        sc = (_dot(q_c, tl.trans(c), DOT_PREC, DOT_F32) + _dot(q_r, tl.trans(r), DOT_PREC, DOT_F32)) * (scale * 1.4426950408889634)
+        sc = _mm(q_c, tl.trans(c), DOT_PREC, DOT_F32) + _mm(q_r, tl.trans(r), DOT_PREC, DOT_F32)
+        sc = sc * (scale * 1.4426950408889634)
         sc = tl.where(kvalid[None, :], sc, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(sc, 1))
         alpha = tl.exp2(m_i - m_new)
         p = tl.exp2(sc - m_new[:, None])
         l_i = l_i * alpha + tl.sum(p, 1)
-        acc = acc * alpha[:, None] + _dot(p.to(c.dtype), c, DOT_PREC, DOT_F32)
+        acc = acc * alpha[:, None] + _mm(p.to(c.dtype), c, DOT_PREC, DOT_F32)
         m_i = m_new
 
     if NUM_SPLITS == 1:
