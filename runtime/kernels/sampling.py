@@ -13,7 +13,9 @@ graph's greedy epilogue).
 ``gumbel_argmax``: for row ``r`` of ``x[R, V]`` and ``thr[r]``::
 
     token[r] = argmax_{t : x[r, t] >= thr[r]}  x[r, t] + g(seed[r], counter[r], t)
-    g = -log(-log(u)),  u = (hash32(seed, counter, t) >> 8 + 0.5) / 2**24   in (0, 1)
+    g = -log(-log(u)),  u = (hash32(seed, counter, t) >> 9 + 0.5) / 2**23   in (0, 1)
+
+(23 bits: with 24, the largest value plus 0.5 rounds up to 2**24 in float32, u = 1 and g = +inf.)
 
 which draws ``t`` with probability ``softmax(x)`` restricted to the kept tokens. ``hash32`` is a
 counter-based integer hash (:func:`hash_uniform` is the same function in torch): the noise of a
@@ -91,7 +93,7 @@ def _gumbel_argmax_kernel(
             h = _mix(h ^ ctr)
             h = _mix(h ^ s_hi)
             h = _mix(h ^ s_lo)
-            u = ((h >> 8).to(tl.float32) + 0.5) * (1.0 / 16777216.0)
+            u = ((h >> 9).to(tl.float32) + 0.5) * (1.0 / 8388608.0)
             g = -tl.log(-tl.log(u))
             score = tl.where(inside & (x >= thr), x + g, float("-inf"))
         else:
@@ -331,7 +333,12 @@ def hash_uniform(seed: torch.Tensor, counter: torch.Tensor, vocab: int) -> torch
     h = _mix_t(h ^ (counter & _MASK)[:, None])
     h = _mix_t(h ^ ((seed >> 32) & _MASK)[:, None])
     h = _mix_t(h ^ (seed & _MASK)[:, None])
-    return ((h >> 8).to(torch.float32) + 0.5) * (1.0 / 16777216.0)
+    return bits_to_unit(h)
+
+
+def bits_to_unit(h: torch.Tensor) -> torch.Tensor:
+    """A 32-bit hash (int64 values below 2**32) to float32 in (0, 1), as the kernel does it."""
+    return ((h >> 9).to(torch.float32) + 0.5) * (1.0 / 8388608.0)
 
 
 def gumbel_argmax_reference(x: torch.Tensor, thr: torch.Tensor, seed: torch.Tensor,

@@ -94,3 +94,13 @@ def test_argmax_and_advance(R, V):
     tok = argmax(x, advance=(ids, pos, lens))
     assert ids.tolist() == tok.tolist() == x.argmax(dim=1).tolist()
     assert pos.tolist() == [11 + i for i in range(R - 1)] + [9 + R] and lens.tolist() == [8] * (R - 1) + [0]
+
+
+def test_noise_is_strictly_inside_zero_one():
+    """u must never round to 1 (g = +inf would pick a token whatever its logit): over every 32-bit
+    hash the top 23 bits + 0.5 stay below 2**23 in float32."""
+    from graphdsl.runtime.kernels.sampling import bits_to_unit, hash_uniform
+    ends = bits_to_unit(torch.tensor([0, 2**32 - 1], dtype=torch.int64))
+    assert 0.0 < float(ends[0]) and float(ends[1]) < 1.0
+    u = hash_uniform(torch.arange(64, dtype=torch.int64), torch.arange(64, dtype=torch.int64) * 7, 4096)
+    assert float(u.max()) < 1.0 and float(u.min()) > 0.0
