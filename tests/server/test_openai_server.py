@@ -3,7 +3,6 @@ CPU, driven by the real ``openai`` client and by raw HTTP for the error shapes, 
 disconnects and metrics."""
 from __future__ import annotations
 
-import json
 import socket
 import threading
 import time
