@@ -162,3 +162,23 @@ def test_concurrent_requests_share_the_batch(server, client):
     assert "graphdsl_requests_running" in text and "graphdsl_time_to_first_token_seconds_count" in text
     assert int(next(line.split()[1] for line in text.splitlines()
                     if line.startswith("graphdsl_generated_tokens_total"))) >= 64
+
+
+def test_64_concurrent_streams_get_their_solo_outputs(server, client):
+    base, llm, engine = server
+    prompts = [f"Item {i}: the" for i in range(64)]
+    solo = [o.outputs[0].text for o in (llm.generate(p, gd.SamplingParams(max_tokens=6, temperature=0,
+                                                                             ignore_eos=True)) [0] for p in prompts)]
+    got = [None] * 64
+
+    def stream(i):
+        chunks = client.completions.create(model=NAME, prompt=prompts[i], max_tokens=6, temperature=0, stream=True,
+                                           extra_body={"ignore_eos": True})
+        got[i] = "".join(c.choices[0].text for c in chunks if c.choices)
+    threads = [threading.Thread(target=stream, args=(i,)) for i in range(64)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert got == solo
+    assert llm.blocks.num_free_blocks == llm.blocks.num_blocks

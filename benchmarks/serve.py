@@ -1,0 +1,127 @@
+"""Serving benchmark: the OpenAI server (``graphdsl serve``'s app, in this process on uvicorn) under
+concurrent streaming clients, random weights of a real shape.
+
+    python benchmarks/serve.py --shape llama-3-8b [--clients 1 16 64 256] [--seconds 20]
+
+Each of ``C`` clients sends streaming ``/v1/completions`` requests one after another, waiting an
+exponential (Poisson) think time between them; prompts are random token ids with ShareGPT-like
+random lengths (log-normal, median ~200 tokens) and outputs of 32-256 tokens (``ignore_eos``).
+Reported per concurrency: output tokens/s, time to first token and inter-token latency (p50 and
+p99, from the arrival times of the server-sent events), and at 1 client the ratio of ITL p50 to
+``LLM.generate``'s per-token time on the same model.
+"""
+import argparse
+import asyncio
+import json
+import math
+import os
+import random
+import socket
+import sys
+import threading
+import time
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from common import device_line  # noqa: E402
+from llm import SHAPES  # noqa: E402
+
+
+def _pct(xs, q):
+    if not xs:
+        return float("nan")
+    xs = sorted(xs)
+    return xs[min(len(xs) - 1, int(q * len(xs)))]
+
+
+async def _client(http, url, rng, vocab, stop_at, ttft, itl, tokens):
+    while time.monotonic() < stop_at:
+        plen = int(min(1024, max(16, rng.lognormvariate(math.log(200), 0.6))))
+        body = {"model": "bench", "prompt": [rng.randrange(vocab) for _ in range(plen)], "stream": True,
+                "max_tokens": rng.randint(32, 256), "temperature": 0, "ignore_eos": True}
+        t0 = time.monotonic()
+        last = None
+        async with http.stream("POST", url, json=body, timeout=600) as r:
+            async for line in r.aiter_lines():
+                if not line.startswith("data: {"):
+                    continue
+                now = time.monotonic()
+                if last is None:
+                    ttft.append(now - t0)
+                else:
+                    itl.append(now - last)
+                last = now
+                tokens[0] += 1
+        await asyncio.sleep(rng.expovariate(20.0))          # Poisson think time, mean 50 ms
+
+
+async def _run(url, clients, seconds, vocab, seed):
+    import httpx
+    ttft, itl, tokens = [], [], [0]
+    limits = httpx.Limits(max_connections=clients + 4, max_keepalive_connections=clients + 4)
+    async with httpx.AsyncClient(limits=limits) as http:
+        t0 = time.monotonic()
+        stop_at = t0 + seconds
+        await asyncio.gather(*[_client(http, url, random.Random(seed * 1000 + i), vocab, stop_at, ttft, itl, tokens)
+                               for i in range(clients)])
+        wall = time.monotonic() - t0
+    return {"tokens_s": tokens[0] / wall, "ttft": ttft, "itl": itl}
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--shape", default="llama-3-8b", choices=sorted(SHAPES))
+    ap.add_argument("--clients", type=int, nargs="+", default=[1, 16, 64, 256])
+    ap.add_argument("--seconds", type=float, default=20.0, help="sending time per concurrency level")
+    args = ap.parse_args(argv)
+    if not torch.cuda.is_available():
+        print("benchmarks/serve.py needs a CUDA GPU", file=sys.stderr)
+        return 1
+    import uvicorn
+
+    import graphdsl as gd
+    from graphdsl.entrypoints.openai_server import build_app
+    hf = SHAPES[args.shape]
+    llm = gd.LLM.from_config(hf, device="cuda", dtype="bfloat16", seed=0, max_model_len=1536,
+                             max_num_seqs=max(args.clients), kv_cache_memory_fraction=0.8)
+    # LLM.generate's per-token time at batch 1 (prompt 511, (257 - 1 tokens) / 256), the ITL reference
+    ids = [random.Random(0).randrange(hf["vocab_size"]) for _ in range(511)]
+    times = {}
+    for n in (1, 257, 1, 257):
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        llm.generate([ids], gd.SamplingParams(max_tokens=n, temperature=0, ignore_eos=True))
+        torch.cuda.synchronize()
+        times[n] = time.perf_counter() - t0
+    gen_ms = (times[257] - times[1]) / 256 * 1e3
+    app = build_app(llm, served_model_name="bench")
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
+    threading.Thread(target=server.run, daemon=True).start()
+    while not server.started:
+        time.sleep(0.05)
+    url = f"http://127.0.0.1:{port}/v1/completions"
+    print(f"{device_line()}; {args.shape} random weights; LLM.generate {gen_ms:.3f} ms/token at batch 1", flush=True)
+    rows = []
+    for c in args.clients:
+        r = asyncio.run(_run(url, c, args.seconds, hf["vocab_size"], c))
+        itl50 = _pct(r["itl"], 0.5) * 1e3
+        rows.append(f"| {c} | {r['tokens_s']:,.0f} | {_pct(r['ttft'], 0.5) * 1e3:.1f} | {_pct(r['ttft'], 0.99) * 1e3:.1f} "
+                    f"| {itl50:.2f} | {_pct(r['itl'], 0.99) * 1e3:.2f} | {len(r['ttft'])} |")
+        print(rows[-1], flush=True)
+        if c == 1:
+            print(f"1 client: ITL p50 {itl50:.3f} ms = {itl50 / gen_ms:.3f}x LLM.generate's {gen_ms:.3f} ms/token",
+                  flush=True)
+    print("\n| clients | output tokens/s | TTFT p50 ms | TTFT p99 ms | ITL p50 ms | ITL p99 ms | requests |")
+    print("|---:|---:|---:|---:|---:|---:|---:|")
+    print("\n".join(rows))
+    print(json.dumps({"generate_ms_per_token": gen_ms}))
+    server.should_exit = True
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
