@@ -268,6 +268,7 @@ _ARCHS = {
     "gemma": ("gemma", "GemmaForCausalLM"),
     "gemma2": ("gemma2", "Gemma2ForCausalLM"),
     "bloom": ("bloom", "BloomForCausalLM"),
+    "deepseek2": ("deepseek_v2", "DeepseekV2ForCausalLM"),
 }
 _MOE = ("qwen2moe", "qwen3moe")
 SUPPORTED_ARCHITECTURES = tuple(_ARCHS)
@@ -307,7 +308,14 @@ _LAYER_NAMES = {
 # architectures whose layers use a name differently (gemma2's ffn_norm is the norm before the MLP)
 _ARCH_LAYER_NAMES = {"gemma2": {"ffn_norm": "pre_feedforward_layernorm"},
                      # llama.cpp stores bloom's fused q/k/v as [q | k | v]; it is yielded in the HF layout
-                     "bloom": {"attn_qkv": "self_attention.query_key_value"}}
+                     "bloom": {"attn_qkv": "self_attention.query_key_value"},
+                     # multi-head latent attention; llama.cpp names DeepSeek's shared experts like Qwen's
+                     "deepseek2": {"attn_q_a": "self_attn.q_a_proj", "attn_q_a_norm": "self_attn.q_a_layernorm",
+                                   "attn_q_b": "self_attn.q_b_proj", "attn_kv_a_mqa": "self_attn.kv_a_proj_with_mqa",
+                                   "attn_kv_a_norm": "self_attn.kv_a_layernorm", "attn_kv_b": "self_attn.kv_b_proj",
+                                   "ffn_gate_shexp": "mlp.shared_experts.gate_proj",
+                                   "ffn_up_shexp": "mlp.shared_experts.up_proj",
+                                   "ffn_down_shexp": "mlp.shared_experts.down_proj"}}
 # stacked experts [E, ...] -> one HF tensor per expert: mlp.experts.{e}.{proj}.weight
 _EXPERT_NAMES = {"ffn_gate_exps": "gate_proj", "ffn_up_exps": "up_proj", "ffn_down_exps": "down_proj"}
 _LAYER_RE = re.compile(r"^blk\.(\d+)\.([a-z_]+)\.(weight|bias)$")
@@ -401,7 +409,7 @@ class GGUFCheckpoint:
 
     def hf_config(self) -> dict[str, Any]:
         """A HF ``config.json``-style dict for this file (llama, qwen2, qwen3, qwen2moe, qwen3moe, gemma,
-        gemma2, bloom; a llama with ``expert_count`` is Mixtral)."""
+        gemma2, bloom, deepseek2; a llama with ``expert_count`` is Mixtral)."""
         arch = self._check_arch()
         model_type, cls = _ARCHS[arch]
         mixtral = arch == "llama" and self._key(arch, "expert_count", None) is not None
@@ -452,6 +460,8 @@ class GGUFCheckpoint:
             shared = self._key(arch, "expert_shared_feed_forward_length", None)
             if shared is not None:
                 cfg["shared_expert_intermediate_size"] = int(shared)
+        if arch == "deepseek2":
+            self._deepseek2_fields(cfg)
         if arch == "bloom":
             cfg["layer_norm_epsilon"] = float(self._key(arch, "attention.layer_norm_epsilon"))
         if arch == "gemma2":
@@ -477,8 +487,53 @@ class GGUFCheckpoint:
             orig = self._key(arch, "rope.scaling.original_context_length", None)
             if orig is not None:
                 rs["original_max_position_embeddings"] = int(orig)
+            if arch == "deepseek2":
+                # llama.cpp keeps 0.1 * mscale_all_dim; DeepSeek's configs have mscale == mscale_all_dim
+                log_mul = self._key(arch, "rope.scaling.yarn_log_multiplier", None)
+                if log_mul:
+                    rs.update(mscale=float(log_mul) / 0.1, mscale_all_dim=float(log_mul) / 0.1)
+                rs.update(beta_fast=32.0, beta_slow=1.0)
             cfg["rope_scaling"] = rs
         return cfg
+
+    def _deepseek2_fields(self, cfg: dict[str, Any]) -> None:
+        """Add DeepSeek-V2/V3 fields from llama.cpp's ``deepseek2`` metadata to ``cfg``.
+
+        llama.cpp describes MLA as one-head MQA over the latent (``key_length`` = kv_lora_rank +
+        rope dims, ``value_length`` = kv_lora_rank) and keeps the per-head sizes in ``key_length_mla``
+        / ``value_length_mla``; files written before that split hold the per-head sizes in
+        ``key_length`` / ``value_length``. Routing: sigmoid gating is V3's ``noaux_tc``; softmax over
+        more than one expert group is V2's ``group_limited_greedy``.
+        """
+        a = "deepseek2"
+        rope = int(self._key(a, "rope.dimension_count"))
+        mla = self._key(a, "attention.key_length_mla", None) is not None
+        qk = int(self._key(a, "attention.key_length_mla" if mla else "attention.key_length"))
+        v = int(self._key(a, "attention.value_length_mla" if mla else "attention.value_length"))
+        q_lora = self._key(a, "attention.q_lora_rank", None)
+        experts = int(self._key(a, "expert_count", 0) or 0)
+        groups = int(self._key(a, "expert_group_count", 1) or 1)
+        sigmoid = int(self._key(a, "expert_gating_func", 1) or 1) == 2   # llama.cpp: 1 softmax, 2 sigmoid
+        if sigmoid:
+            cfg["model_type"], cfg["architectures"] = "deepseek_v3", ["DeepseekV3ForCausalLM"]
+        cfg.pop("head_dim", None)
+        cfg.update({
+            "num_key_value_heads": cfg["num_attention_heads"],   # the HF config's (MLA expands per head)
+            "kv_lora_rank": int(self._key(a, "attention.kv_lora_rank")),
+            "q_lora_rank": None if not q_lora else int(q_lora),
+            "qk_rope_head_dim": rope, "qk_nope_head_dim": qk - rope, "v_head_dim": v,
+            "first_k_dense_replace": int(self._key(a, "leading_dense_block_count", 0)),
+            "n_routed_experts": experts or None,
+            "num_experts_per_tok": int(self._key(a, "expert_used_count", 0) or 0) or None,
+            "moe_intermediate_size": int(self._key(a, "expert_feed_forward_length", 0) or 0) or None,
+            "n_shared_experts": int(self._key(a, "expert_shared_count", 0) or 0) or None,
+            "routed_scaling_factor": float(self._key(a, "expert_weights_scale", 1.0) or 1.0),
+            "norm_topk_prob": bool(self._key(a, "expert_weights_norm", False)),
+            "scoring_func": "sigmoid" if sigmoid else "softmax",
+            "topk_method": "noaux_tc" if sigmoid else ("group_limited_greedy" if groups > 1 else "greedy"),
+            "n_group": groups, "topk_group": int(self._key(a, "expert_group_used_count", 1) or 1),
+            "moe_layer_freq": 1, "rope_interleave": True,
+        })
 
     def tokenizer(self) -> Tokenizer:
         return Tokenizer.from_gguf(self.metadata, source=self.path)
@@ -500,6 +555,7 @@ class GGUFCheckpoint:
             raise GraphDSLError(f"iter_tensors: dtype must be a floating torch.dtype, got {dtype!r}")
         arch = self._check_arch()
         cfg = self.hf_config()
+        kv_b_halves: dict[str, dict[str, torch.Tensor]] = {}   # deepseek2: layer -> {"attn_k_b"|"attn_v_b": tensor}
         for name, t in self._tensors.items():
             if name in _SKIPPED:
                 continue
@@ -521,6 +577,16 @@ class GGUFCheckpoint:
             elif arch in _PERMUTED_QK and ".attn_k." in name:
                 w = _unpermute_rows(w, cfg["num_key_value_heads"])
             m = _LAYER_RE.match(name)
+            if m and m.group(2) in ("attn_k_b", "attn_v_b"):
+                halves = kv_b_halves.setdefault(m.group(1), {})
+                halves[m.group(2)] = w
+                if len(halves) == 2:
+                    yield (f"model.layers.{m.group(1)}.self_attn.kv_b_proj.weight",
+                           _join_kv_b(halves.pop("attn_k_b"), halves.pop("attn_v_b")).to(dtype))
+                continue
+            if m and m.group(2) == "exp_probs_b":
+                yield f"model.layers.{m.group(1)}.mlp.gate.e_score_correction_bias", w.to(dtype)
+                continue
             if m and m.group(2) in _EXPERT_NAMES:
                 proj = _EXPERT_NAMES[m.group(2)]
                 for e in range(w.shape[0]):
@@ -534,6 +600,16 @@ class GGUFCheckpoint:
             if arch == "bloom" and ".attn_qkv." in name:
                 w = _per_head_qkv(w, cfg["num_attention_heads"])
             yield hf_name(name, arch) or name, w.to(dtype)
+
+
+def _join_kv_b(k_b: torch.Tensor, v_b: torch.Tensor) -> torch.Tensor:
+    """DeepSeek's ``kv_b_proj [heads * (nope + v), kv_lora_rank]`` from llama.cpp's halves:
+    ``attn_k_b [heads, kv_lora_rank, nope]`` (transposed per head) and ``attn_v_b [heads, v, kv_lora_rank]``."""
+    if k_b.dim() != 3 or v_b.dim() != 3 or k_b.shape[0] != v_b.shape[0] or k_b.shape[1] != v_b.shape[2]:
+        raise GraphDSLError(f"attn_k_b {list(k_b.shape)} and attn_v_b {list(v_b.shape)} do not fit "
+                            "[heads, kv_lora_rank, nope] and [heads, v_head_dim, kv_lora_rank]")
+    joined = torch.cat([k_b.transpose(1, 2), v_b], dim=1)
+    return joined.reshape(-1, k_b.shape[1]).contiguous()
 
 
 def _plain(v: Any) -> Any:
