@@ -1,0 +1,201 @@
+"""Sparse MoE experts: only the experts each token chose are computed (grouped GEMMs over sorted rows).
+
+``moe_experts(x [T, H], routing [T, E], gate_up [E, 2I, H], down [E, H, I])`` is
+
+    out[t] = Σ_e routing[t, e] · down_e · act(gate_e x[t], up_e x[t])
+
+where ``routing`` holds each token's top-k expert weights and zeros elsewhere. Only the top-k are
+computed, so decode reads ``k / E`` of the expert weights instead of all of them.
+
+1. **Align** (torch, on the device, no host sync, so it is CUDA-graph safe): the ``P = T·k``
+   (token, choice) pairs are grouped by expert, each group padded to a multiple of ``BLOCK_M``:
+   ``rows[b·BLOCK_M + i]`` is a pair index (``P`` marks padding) and ``block_expert[b]`` the expert
+   of block ``b`` (``E`` past the last block: such programs exit). At most
+   ``cdiv(P, BLOCK_M) + min(E, P)`` blocks are needed, a bound fixed by the shapes.
+2. **Gate/up** (:func:`_gate_up_kernel`): program ``(b, n)`` multiplies its block's gathered token
+   rows by expert ``e``'s gate and up rows ``n·BLOCK_N ...``, float32 accumulation, and stores
+   ``act(gate) · up`` (SwiGLU or tanh-GeGLU) for each pair: ``h [P, I]`` in the input dtype.
+3. **Down** (:func:`_down_kernel`): ``y[p] = routing weight(p) · h[p] @ down_eᵀ`` in float32.
+4. ``out = Σ_k y.view(T, k, H)`` (torch), cast to the input dtype.
+
+File shape (STYLE.md 11): the two ``@triton.jit`` kernels, the align step, the launcher that picks
+tiles with one heuristic (:func:`_pick_config`) and checks its arguments, the public wrapper.
+"""
+from __future__ import annotations
+
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+from graphdsl.errors import GraphDSLError
+
+from .paged_attention import _mm
+
+__all__ = ["moe_experts", "moe_align", "moe_supported"]
+
+_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+
+
+@triton.jit
+def _act(g, u, GEGLU: tl.constexpr):
+    """``silu(g) · u`` or ``gelu_tanh(g) · u`` (float32)."""
+    if GEGLU:
+        z = 0.7978845608028654 * (g + 0.044715 * g * g * g)
+        return 0.5 * g * (2.0 * tl.sigmoid(2.0 * z)) * u     # 1 + tanh(z) = 2 sigmoid(2z)
+    return g * tl.sigmoid(g) * u
+
+
+@triton.jit
+def _gate_up_kernel(
+    x_ptr, sx,                 # tokens [T, H] (inner stride 1), row stride
+    w_ptr, swe, swn,           # gate_up [E, 2I, H] (inner stride 1): expert and row strides
+    h_ptr,                     # out: act(gate)·up per pair [P, I], contiguous
+    rows_ptr, blk_e_ptr,       # align: pair index per padded row, expert per block
+    P, H, I, E, TOP_K: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    GEGLU: tl.constexpr, DOT_PREC: tl.constexpr, DOT_F32: tl.constexpr,   # DOT_F32: interpreter only
+):
+    """h[p, n] = act(x[p // k] · gate_e[n], x[p // k] · up_e[n]) for the pairs of block ``b``."""
+    b, pid_n = tl.program_id(0), tl.program_id(1)
+    e = tl.load(blk_e_ptr + b)
+    if e >= E:
+        return
+    rows = tl.load(rows_ptr + b * BLOCK_M + tl.arange(0, BLOCK_M))
+    valid = rows < P
+    tok = tl.where(valid, rows // TOP_K, 0)
+    n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_ok = n < I
+    k = tl.arange(0, BLOCK_K)
+    w_e = w_ptr + e.to(tl.int64) * swe
+    acc_g = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    acc_u = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k0 in range(0, H, BLOCK_K):
+        kk = k0 + k
+        k_ok = kk < H
+        a = tl.load(x_ptr + tok[:, None].to(tl.int64) * sx + kk[None, :], mask=valid[:, None] & k_ok[None, :],
+                    other=0.0)
+        wg = tl.load(w_e + n[None, :].to(tl.int64) * swn + kk[:, None], mask=n_ok[None, :] & k_ok[:, None], other=0.0)
+        wu = tl.load(w_e + (n[None, :] + I).to(tl.int64) * swn + kk[:, None], mask=n_ok[None, :] & k_ok[:, None],
+                     other=0.0)
+        acc_g += _mm(a, wg, DOT_PREC, DOT_F32)
+        acc_u += _mm(a, wu, DOT_PREC, DOT_F32)
+    h = _act(acc_g, acc_u, GEGLU)
+    tl.store(h_ptr + rows[:, None].to(tl.int64) * I + n[None, :], h.to(h_ptr.dtype.element_ty),
+             mask=valid[:, None] & n_ok[None, :])
+
+
+@triton.jit
+def _down_kernel(
+    h_ptr,                     # act(gate)·up per pair [P, I], contiguous
+    w_ptr, swe, swn,           # down [E, H, I] (inner stride 1): expert and row strides
+    wt_ptr,                    # routing weight per pair [P], float32
+    y_ptr,                     # out: weighted expert outputs per pair [P, H], float32
+    rows_ptr, blk_e_ptr,
+    P, H, I, E,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DOT_PREC: tl.constexpr,
+    DOT_F32: tl.constexpr,
+):
+    """y[p, n] = weight(p) · h[p] · down_e[n] for the pairs of block ``b``."""
+    b, pid_n = tl.program_id(0), tl.program_id(1)
+    e = tl.load(blk_e_ptr + b)
+    if e >= E:
+        return
+    rows = tl.load(rows_ptr + b * BLOCK_M + tl.arange(0, BLOCK_M))
+    valid = rows < P
+    safe = tl.where(valid, rows, 0).to(tl.int64)
+    n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_ok = n < H
+    k = tl.arange(0, BLOCK_K)
+    w_e = w_ptr + e.to(tl.int64) * swe
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k0 in range(0, I, BLOCK_K):
+        kk = k0 + k
+        k_ok = kk < I
+        a = tl.load(h_ptr + safe[:, None] * I + kk[None, :], mask=valid[:, None] & k_ok[None, :], other=0.0)
+        w = tl.load(w_e + n[None, :].to(tl.int64) * swn + kk[:, None], mask=n_ok[None, :] & k_ok[:, None], other=0.0)
+        acc += _mm(a, w, DOT_PREC, DOT_F32)
+    wt = tl.load(wt_ptr + safe, mask=valid, other=0.0)
+    tl.store(y_ptr + safe[:, None] * H + n[None, :], acc * wt[:, None], mask=valid[:, None] & n_ok[None, :])
+
+
+def moe_align(ids: torch.Tensor, num_experts: int, block_m: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Group the pairs of ``ids [T, k]`` (expert per token choice) by expert, blocks of ``block_m``.
+
+    Returns ``rows [num_blocks · block_m]`` int32 (pair index ``t·k + j``, or ``P = T·k`` for padding)
+    and ``block_expert [num_blocks]`` int32 (``num_experts`` for blocks past the last), where
+    ``num_blocks = cdiv(P, block_m) + min(num_experts, P)``. Pairs keep their order within an expert.
+    """
+    flat = ids.reshape(-1).long()
+    p, dev = flat.numel(), flat.device
+    num_blocks = triton.cdiv(p, block_m) + min(num_experts, p)
+    onehot = torch.nn.functional.one_hot(flat, num_experts).to(torch.int32)      # [P, E]
+    before = (onehot.cumsum(0) - onehot).gather(1, flat[:, None]).squeeze(1)    # rank of the pair in its expert
+    counts = onehot.sum(0)
+    ends = ((counts + block_m - 1) // block_m * block_m).cumsum(0)
+    starts = ends - (counts + block_m - 1) // block_m * block_m
+    rows = torch.full((num_blocks * block_m,), p, dtype=torch.int32, device=dev)
+    rows.scatter_(0, (starts[flat] + before).long(), torch.arange(p, dtype=torch.int32, device=dev))
+    first_row = torch.arange(num_blocks, device=dev, dtype=ends.dtype) * block_m
+    block_expert = torch.searchsorted(ends, first_row, right=True).to(torch.int32)
+    return rows, block_expert
+
+
+def _pick_config(pairs: int, dtype: torch.dtype) -> dict:
+    """Tiles: 16 rows a block for decode-sized batches (the weights dominate), 64 for prefill."""
+    block_m = 16 if pairs <= 64 else 64
+    interp = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+    return dict(BLOCK_M=block_m, BLOCK_N=64 if block_m == 16 else 128, BLOCK_K=64,
+                DOT_PREC="ieee" if dtype == torch.float32 else "tf32", DOT_F32=interp,
+                num_warps=4, num_stages=1 if interp else (4 if block_m == 16 else 3))
+
+
+def moe_supported(x: torch.Tensor, routing: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor) -> str | None:
+    """Why :func:`moe_experts` cannot take these operands (None: it can)."""
+    if x.dtype not in _DTYPES or gate_up.dtype != x.dtype or down.dtype != x.dtype:
+        return f"dtypes x {x.dtype}, gate_up {gate_up.dtype}, down {down.dtype}"
+    if x.dim() != 2 or routing.dim() != 2 or gate_up.dim() != 3 or down.dim() != 3:
+        return "ranks"
+    if x.stride(-1) != 1 or gate_up.stride(-1) != 1 or down.stride(-1) != 1:
+        return "non-unit inner strides"
+    return None
+
+
+def moe_experts(x: torch.Tensor, routing: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, *,
+                top_k: int, geglu: bool = False, out: torch.Tensor | None = None) -> torch.Tensor:
+    """``Σ_e routing[:, e] · mlp_e(x)`` over each token's ``top_k`` largest routing weights (module
+    docstring); ``out [T, H]`` in ``x``'s dtype."""
+    why = moe_supported(x, routing, gate_up, down)
+    if why is not None:
+        raise GraphDSLError(f"moe_experts: unsupported operands ({why})")
+    t, hidden = x.shape
+    e, two_i, h2 = gate_up.shape
+    inter = two_i // 2
+    if h2 != hidden or routing.shape != (t, e) or tuple(down.shape) != (e, hidden, inter) or two_i % 2:
+        raise GraphDSLError(f"moe_experts: shapes x {list(x.shape)}, routing {list(routing.shape)}, gate_up "
+                            f"{list(gate_up.shape)}, down {list(down.shape)} do not fit [T, H], [T, E], [E, 2I, H], "
+                            "[E, H, I]")
+    if not isinstance(top_k, int) or not 1 <= top_k <= e:
+        raise GraphDSLError(f"moe_experts: top_k must be an int in [1, {e}], got {top_k!r}")
+    if out is None:
+        out = torch.empty_like(x)
+    if t == 0:
+        return out
+    weights, ids = routing.float().topk(top_k, dim=-1)
+    pairs = t * top_k
+    cfg = _pick_config(pairs, x.dtype)
+    rows, block_expert = moe_align(ids, e, cfg["BLOCK_M"])
+    h = torch.empty((pairs, inter), dtype=x.dtype, device=x.device)
+    y = torch.empty((pairs, hidden), dtype=torch.float32, device=x.device)
+    num_blocks = block_expert.numel()
+    launch = dict(num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
+    tiles = {k: cfg[k] for k in ("BLOCK_M", "BLOCK_N", "BLOCK_K", "DOT_PREC", "DOT_F32")}
+    _gate_up_kernel[(num_blocks, triton.cdiv(inter, cfg["BLOCK_N"]))](
+        x, x.stride(0), gate_up, gate_up.stride(0), gate_up.stride(1), h, rows, block_expert,
+        pairs, hidden, inter, e, TOP_K=top_k, GEGLU=geglu, **tiles, **launch)
+    _down_kernel[(num_blocks, triton.cdiv(hidden, cfg["BLOCK_N"]))](
+        h, down, down.stride(0), down.stride(1), weights.reshape(-1).contiguous(), y, rows, block_expert,
+        pairs, hidden, inter, e, **tiles, **launch)
+    out.copy_(y.view(t, top_k, hidden).sum(1))
+    return out
