@@ -24,6 +24,7 @@ tiles with one heuristic (:func:`_pick_config`) and checks its arguments, the pu
 from __future__ import annotations
 
 import os
+from dataclasses import dataclass
 
 import torch
 import triton
@@ -33,7 +34,7 @@ from graphdsl.errors import GraphDSLError
 
 from .paged_attention import _mm
 
-__all__ = ["moe_experts", "moe_align", "moe_supported"]
+__all__ = ["moe_experts", "moe_align", "moe_supported", "MoeConfig"]
 
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
@@ -142,13 +143,21 @@ def moe_align(ids: torch.Tensor, num_experts: int, block_m: int) -> tuple[torch.
     return rows, block_expert
 
 
-def _pick_config(pairs: int, dtype: torch.dtype) -> dict:
-    """Tiles: 16 rows a block for decode-sized batches (the weights dominate), 64 for prefill."""
-    block_m = 16 if pairs <= 64 else 64
-    interp = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
-    return dict(BLOCK_M=block_m, BLOCK_N=64 if block_m == 16 else 128, BLOCK_K=64,
-                DOT_PREC="ieee" if dtype == torch.float32 else "tf32", DOT_F32=interp,
-                num_warps=4, num_stages=1 if interp else (4 if block_m == 16 else 3))
+@dataclass(frozen=True)
+class MoeConfig:
+    """Launch parameters: rows a block, and per kernel (gate/up, down) its ``(BLOCK_N, BLOCK_K,
+    num_warps, num_stages)``."""
+
+    block_m: int
+    up: tuple[int, int, int, int]
+    down: tuple[int, int, int, int]
+
+
+def _pick_config(pairs: int) -> MoeConfig:
+    """16 rows a block for decode-sized batches (the weights dominate), 64 for prefill."""
+    if pairs <= 64:
+        return MoeConfig(16, (64, 64, 4, 4), (64, 64, 4, 4))
+    return MoeConfig(64, (128, 64, 4, 3), (128, 64, 4, 3))
 
 
 def moe_supported(x: torch.Tensor, routing: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor) -> str | None:
@@ -163,9 +172,11 @@ def moe_supported(x: torch.Tensor, routing: torch.Tensor, gate_up: torch.Tensor,
 
 
 def moe_experts(x: torch.Tensor, routing: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, *,
-                top_k: int, geglu: bool = False, out: torch.Tensor | None = None) -> torch.Tensor:
+                top_k: int, geglu: bool = False, out: torch.Tensor | None = None,
+                config: MoeConfig | None = None) -> torch.Tensor:
     """``Σ_e routing[:, e] · mlp_e(x)`` over each token's ``top_k`` largest routing weights (module
-    docstring); ``out [T, H]`` in ``x``'s dtype."""
+    docstring); ``out [T, H]`` in ``x``'s dtype. ``config``: launch parameters (benchmarks' sweeps;
+    default :func:`_pick_config`)."""
     why = moe_supported(x, routing, gate_up, down)
     if why is not None:
         raise GraphDSLError(f"moe_experts: unsupported operands ({why})")
@@ -184,18 +195,23 @@ def moe_experts(x: torch.Tensor, routing: torch.Tensor, gate_up: torch.Tensor, d
         return out
     weights, ids = routing.float().topk(top_k, dim=-1)
     pairs = t * top_k
-    cfg = _pick_config(pairs, x.dtype)
-    rows, block_expert = moe_align(ids, e, cfg["BLOCK_M"])
+    cfg = config or _pick_config(pairs)
+    interp = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+    rows, block_expert = moe_align(ids, e, cfg.block_m)
     h = torch.empty((pairs, inter), dtype=x.dtype, device=x.device)
     y = torch.empty((pairs, hidden), dtype=torch.float32, device=x.device)
     num_blocks = block_expert.numel()
-    launch = dict(num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
-    tiles = {k: cfg[k] for k in ("BLOCK_M", "BLOCK_N", "BLOCK_K", "DOT_PREC", "DOT_F32")}
-    _gate_up_kernel[(num_blocks, triton.cdiv(inter, cfg["BLOCK_N"]))](
+    common = dict(BLOCK_M=cfg.block_m, DOT_PREC="ieee" if x.dtype == torch.float32 else "tf32", DOT_F32=interp)
+
+    def launch(kcfg):
+        bn, bk, warps, stages = kcfg
+        return dict(BLOCK_N=bn, BLOCK_K=bk, num_warps=warps, num_stages=1 if interp else stages, **common)
+
+    _gate_up_kernel[(num_blocks, triton.cdiv(inter, cfg.up[0]))](
         x, x.stride(0), gate_up, gate_up.stride(0), gate_up.stride(1), h, rows, block_expert,
-        pairs, hidden, inter, e, TOP_K=top_k, GEGLU=geglu, **tiles, **launch)
-    _down_kernel[(num_blocks, triton.cdiv(hidden, cfg["BLOCK_N"]))](
+        pairs, hidden, inter, e, TOP_K=top_k, GEGLU=geglu, **launch(cfg.up))
+    _down_kernel[(num_blocks, triton.cdiv(hidden, cfg.down[0]))](
         h, down, down.stride(0), down.stride(1), weights.reshape(-1).contiguous(), y, rows, block_expert,
-        pairs, hidden, inter, e, **tiles, **launch)
+        pairs, hidden, inter, e, **launch(cfg.down))
     out.copy_(y.view(t, top_k, hidden).sum(1))
     return out
