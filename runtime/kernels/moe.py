@@ -121,6 +121,43 @@ def _down_kernel(
     tl.store(y_ptr + safe[:, None] * H + n[None, :], acc * wt[:, None], mask=valid[:, None] & n_ok[None, :])
 
 
+@triton.jit
+def _align_kernel(
+    ids_ptr,                   # [P] expert of each (token, choice) pair (int32/int64)
+    rows_ptr,                  # out: [NUM_BLOCKS * BLOCK_M] int32, pair index per padded row (P: padding)
+    blk_e_ptr,                 # out: [NUM_BLOCKS] int32, expert per block (E: past the last)
+    P, E, NUM_BLOCKS,
+    P_PAD: tl.constexpr, E_PAD: tl.constexpr, NB_PAD: tl.constexpr, ROWS_PAD: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+):
+    """:func:`moe_align` in one program, for few pairs (decode): counts per expert, padded block
+    starts (a cumulative sum), each pair's rank among the earlier pairs of its expert, then the
+    scatter of pair indices and the expert of each block (the number of expert ends at or before
+    the block's first row)."""
+    p = tl.arange(0, P_PAD)
+    pm = p < P
+    e = tl.load(ids_ptr + p, mask=pm, other=E_PAD).to(tl.int32)
+    lanes = tl.arange(0, E_PAD)
+    onehot = e[:, None] == lanes[None, :]                                       # [P_PAD, E_PAD]
+    counts = tl.sum(onehot.to(tl.int32), axis=0)
+    padded = (counts + BLOCK_M - 1) // BLOCK_M * BLOCK_M
+    ends = tl.cumsum(padded, axis=0)
+    starts = ends - padded
+    earlier = (p[None, :] < p[:, None]) & (e[None, :] == e[:, None])            # [P_PAD, P_PAD]
+    rank = tl.sum(earlier.to(tl.int32), axis=1)
+    pos = tl.sum(tl.where(onehot, starts[None, :], 0), axis=1) + rank
+    r = tl.arange(0, ROWS_PAD)
+    tl.store(rows_ptr + r, tl.zeros([ROWS_PAD], tl.int32) + P, mask=r < NUM_BLOCKS * BLOCK_M)
+    tl.debug_barrier()
+    tl.store(rows_ptr + pos, p, mask=pm)
+    b = tl.arange(0, NB_PAD)
+    blk = tl.sum((ends[None, :] <= (b * BLOCK_M)[:, None]).to(tl.int32), axis=1)
+    tl.store(blk_e_ptr + b, tl.minimum(blk, E), mask=b < NUM_BLOCKS)
+
+
+_ALIGN_KERNEL_MAX_PAIRS = 128      # the one-program align's [P, P] and [P, E] tiles stay small
+
+
 def moe_align(ids: torch.Tensor, num_experts: int, block_m: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Group the pairs of ``ids [T, k]`` (expert per token choice) by expert, blocks of ``block_m``.
 
@@ -128,9 +165,19 @@ def moe_align(ids: torch.Tensor, num_experts: int, block_m: int) -> tuple[torch.
     and ``block_expert [num_blocks]`` int32 (``num_experts`` for blocks past the last), where
     ``num_blocks = cdiv(P, block_m) + min(num_experts, P)``. Pairs keep their order within an expert.
     """
-    flat = ids.reshape(-1).long()
+    flat = ids.reshape(-1)
     p, dev = flat.numel(), flat.device
     num_blocks = triton.cdiv(p, block_m) + min(num_experts, p)
+    interp = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+    if (dev.type == "cuda" or interp) and 0 < p <= _ALIGN_KERNEL_MAX_PAIRS and num_experts <= 512:
+        rows = torch.empty(num_blocks * block_m, dtype=torch.int32, device=dev)
+        block_expert = torch.empty(num_blocks, dtype=torch.int32, device=dev)
+        _align_kernel[(1,)](flat.contiguous(), rows, block_expert, p, num_experts, num_blocks,
+                            P_PAD=triton.next_power_of_2(p), E_PAD=triton.next_power_of_2(num_experts),
+                            NB_PAD=triton.next_power_of_2(num_blocks),
+                            ROWS_PAD=triton.next_power_of_2(num_blocks * block_m), BLOCK_M=block_m, num_warps=8)
+        return rows, block_expert
+    flat = flat.long()
     onehot = torch.nn.functional.one_hot(flat, num_experts).to(torch.int32)      # [P, E]
     before = (onehot.cumsum(0) - onehot).gather(1, flat[:, None]).squeeze(1)    # rank of the pair in its expert
     counts = onehot.sum(0)
