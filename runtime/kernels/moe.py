@@ -200,10 +200,13 @@ class MoeConfig:
     down: tuple[int, int, int, int]
 
 
-def _pick_config(pairs: int) -> MoeConfig:
+def _pick_config(pairs: int, dtype: torch.dtype = torch.bfloat16) -> MoeConfig:
     """16 rows a block for decode-sized batches (the weights dominate: long K steps, deep pipelines;
-    the H200 sweep of benchmarks/moe.py at Mixtral's size, one token: 254 -> 222 µs), 64 for prefill."""
+    the H200 sweep of benchmarks/moe.py at Mixtral's size, one token: 254 -> 222 µs), 64 for prefill.
+    float32 operands take twice the shared memory a stage: half the K step."""
     if pairs <= 64:
+        if dtype == torch.float32:
+            return MoeConfig(16, (32, 128, 4, 4), (64, 128, 4, 3))
         return MoeConfig(16, (32, 256, 4, 5), (64, 256, 4, 4))
     return MoeConfig(64, (128, 64, 4, 3), (128, 64, 4, 3))
 
@@ -243,7 +246,7 @@ def moe_experts(x: torch.Tensor, routing: torch.Tensor, gate_up: torch.Tensor, d
         return out
     weights, ids = routing.float().topk(top_k, dim=-1)
     pairs = t * top_k
-    cfg = config or _pick_config(pairs)
+    cfg = config or _pick_config(pairs, x.dtype)
     interp = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
     rows, block_expert = moe_align(ids, e, cfg.block_m)
     h = torch.empty((pairs, inter), dtype=x.dtype, device=x.device)
