@@ -1,6 +1,5 @@
 """graphdsl.runtime.kernels — hand-written Triton kernels (one op per file, named after the op)."""
 from .cache_write import reshape_and_cache
-from .gguf_linear import gguf_dequantize, gguf_gemv, gguf_linear
 from .paged_attention import paged_attention, paged_attention_decode, paged_attention_prefill
 
-__all__ = ["reshape_and_cache", "gguf_linear", "gguf_gemv", "gguf_dequantize", "paged_attention", "paged_attention_prefill", "paged_attention_decode"]
+__all__ = ["reshape_and_cache", "paged_attention", "paged_attention_prefill", "paged_attention_decode"]

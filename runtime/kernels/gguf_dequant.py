@@ -31,11 +31,13 @@ Block formats (little endian; ``d``, ``m``, ``dmin`` are float16; ``y`` is the o
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 from graphdsl.errors import GraphDSLError
 
-__all__ = ["GGUF_BLOCKS", "dequantize_blocks", "row_bytes"]
+__all__ = ["GGUF_BLOCKS", "KERNEL_QTYPES", "GGUFBlockWeight", "dequantize_blocks", "row_bytes"]
 
 
 GGUF_BLOCKS: dict[str, tuple[int, int]] = {   # name -> (values per block, bytes per block)
@@ -44,6 +46,9 @@ GGUF_BLOCKS: dict[str, tuple[int, int]] = {   # name -> (values per block, bytes
     "Q2_K": (256, 84), "Q3_K": (256, 110), "Q4_K": (256, 144), "Q5_K": (256, 176),
     "Q6_K": (256, 210),
 }
+
+# the block types with Triton kernels (.gguf_tiles, .gguf_linear)
+KERNEL_QTYPES = ("Q4_0", "Q4_1", "Q8_0", "Q4_K", "Q5_K", "Q6_K")
 
 
 # The decoders below take ``b``: a uint8 torch tensor ``[n_blocks, bytes_per_block]`` (CPU or
@@ -215,3 +220,45 @@ def dequantize_blocks(data: torch.Tensor, qtype: str, k: int) -> torch.Tensor:
     if qtype == "BF16":
         return raw.view(torch.bfloat16).float()
     return _DECODERS[qtype](raw.reshape(-1, nbytes)).reshape(rows, k)
+
+
+@dataclass(frozen=True)
+class GGUFBlockWeight:
+    """A linear weight kept in its GGUF block format: what a quantized ``Parameter`` binds.
+
+    - ``qtype``: the GGML type name (``"Q4_K"``, ``"Q6_K"``, ...; a key of :data:`GGUF_BLOCKS`);
+      a Q4_K_M-style file mixes types, so it is per tensor;
+    - ``shape``: the logical ``(N, K)`` = ``(out_features, in_features)``, HF order;
+    - ``data``: uint8 ``[N, row_bytes(qtype, K)]``, each row its K values as consecutive blocks,
+      byte for byte as in the file (after the loader's row reorders, e.g. llama's q/k un-permute).
+
+    ``dequantize()`` gives the dense weight (the reference); :func:`.gguf_linear.gguf_linear`
+    multiplies with ``(data, qtype)`` directly.
+    """
+
+    qtype: str
+    shape: tuple[int, int]
+    data: torch.Tensor
+
+    def __post_init__(self):
+        if len(self.shape) != 2:
+            raise GraphDSLError(f"GGUFBlockWeight: shape must be (N, K), got {self.shape}")
+        want = (self.shape[0], row_bytes(self.qtype, self.shape[1]))
+        if self.data.dtype != torch.uint8 or tuple(self.data.shape) != want:
+            raise GraphDSLError(f"GGUFBlockWeight: {self.qtype} {list(self.shape)} needs data uint8 {list(want)}, "
+                                f"got {self.data.dtype} {list(self.data.shape)}")
+
+    @property
+    def nbytes(self) -> int:
+        return self.data.numel()
+
+    @property
+    def device(self) -> torch.device:
+        return self.data.device
+
+    def to(self, device) -> "GGUFBlockWeight":
+        return GGUFBlockWeight(self.qtype, self.shape, self.data.to(device))
+
+    def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """The dense ``[N, K]`` weight in ``dtype``."""
+        return dequantize_blocks(self.data, self.qtype, self.shape[1]).to(dtype)

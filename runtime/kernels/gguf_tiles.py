@@ -23,13 +23,12 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-__all__ = ["KERNEL_QTYPES"]
+from .gguf_dequant import GGUF_BLOCKS, KERNEL_QTYPES as _NAMES
+
+__all__ = ["KERNEL_QTYPES", "decode_tile"]
 
 # GGML types with a Triton tile decoder: name -> (values per block, bytes per block)
-KERNEL_QTYPES: dict[str, tuple[int, int]] = {
-    "Q4_0": (32, 18), "Q4_1": (32, 20), "Q8_0": (32, 34),
-    "Q4_K": (256, 144), "Q5_K": (256, 176), "Q6_K": (256, 210),
-}
+KERNEL_QTYPES: dict[str, tuple[int, int]] = {name: GGUF_BLOCKS[name] for name in _NAMES}
 
 
 @triton.jit

@@ -9,7 +9,8 @@ raw bytes is ours, written in torch so the same code decodes on the CPU or on a 
   llama.cpp's converter applies to llama-architecture attention weights (and the ``+ 1`` it adds
   to Gemma's norm weights, and its ``[q | k | v]`` order of Bloom's fused projection), builds a HF
   ``config.json``-style dict from the ``{arch}.*`` metadata, and a :class:`Tokenizer` from
-  ``tokenizer.*``.
+  ``tokenizer.*``; with ``iter_tensors(keep_quantized=True)`` it keeps the linear weights of the
+  block types the GGUF kernels run as :class:`GGUFBlockWeight` records (raw rows, type, shape).
 
 Block formats: :mod:`graphdsl.runtime.kernels.gguf_dequant`.
 """
@@ -24,11 +25,13 @@ import numpy as np
 import torch
 
 from graphdsl.errors import GraphDSLError
-from graphdsl.runtime.kernels.gguf_dequant import GGUF_BLOCKS, dequantize_blocks
+from graphdsl.runtime.kernels.gguf_dequant import (GGUF_BLOCKS, KERNEL_QTYPES, GGUFBlockWeight, dequantize_blocks,
+                                                   row_bytes)
 
 from .tokenizer import Tokenizer
 
-__all__ = ["GGUFCheckpoint", "dequantize", "SUPPORTED_QTYPES", "SUPPORTED_ARCHITECTURES"]
+__all__ = ["GGUFCheckpoint", "GGUFBlockWeight", "dequantize", "SUPPORTED_QTYPES", "KEPT_QTYPES",
+           "SUPPORTED_ARCHITECTURES"]
 
 
 def _qtype_enum():
@@ -38,6 +41,8 @@ def _qtype_enum():
 
 _BLOCKS = GGUF_BLOCKS
 SUPPORTED_QTYPES = tuple(GGUF_BLOCKS)
+# block types ``iter_tensors(keep_quantized=True)`` keeps as blocks: those with GGUF kernels
+KEPT_QTYPES = tuple(KERNEL_QTYPES)
 
 
 def _qtype_name(qtype) -> str:
@@ -311,9 +316,16 @@ class GGUFCheckpoint:
         return Tokenizer.from_gguf(self.metadata, source=self.path)
 
     # ------------------------------------------------------------------ tensors
-    def iter_tensors(self, dtype: torch.dtype = torch.float32, *,
-                     device: torch.device | str | None = None) -> Iterator[tuple[str, torch.Tensor]]:
+    def iter_tensors(self, dtype: torch.dtype = torch.float32, *, device: torch.device | str | None = None,
+                     keep_quantized: bool = False) -> Iterator[tuple[str, torch.Tensor | GGUFBlockWeight]]:
         """Yield ``(HF name, tensor)`` dequantized to ``dtype``, one tensor at a time.
+
+        With ``keep_quantized``, every matrix stored in a block type the GGUF kernels run
+        (:data:`KEPT_QTYPES`; the token embedding excepted, it is gathered, not multiplied) is yielded
+        as a :class:`GGUFBlockWeight` instead: its raw block rows (on ``device``), GGML type (per
+        tensor: a Q4_K_M file mixes Q4_K and Q6_K) and ``(N, K)`` shape, after the same row
+        reorders (llama q/k un-permute, bloom's per-head q/k/v, per-expert split) as the dense path.
+        Everything else (norms, F32/F16/BF16 matrices, other block types) is dequantized as usual.
 
         Stacked MoE expert tensors ``blk.{i}.ffn_{gate,up,down}_exps`` ``[E, ...]`` are yielded per
         expert as ``model.layers.{i}.mlp.experts.{e}.{gate,up,down}_proj.weight`` (the names of HF
@@ -336,8 +348,11 @@ class GGUFCheckpoint:
                                     f"which graphdsl cannot dequantize; supported: "
                                     f"{list(SUPPORTED_QTYPES)}")
             shape = tuple(int(s) for s in reversed(t.shape.tolist()))
+            keep = (keep_quantized and qname in KEPT_QTYPES and len(shape) >= 2
+                    and name != "token_embd.weight")
             try:
-                w = dequantize(t.data, t.tensor_type, shape, device=device)
+                w = (_block_rows(t.data, qname, shape, device) if keep
+                     else dequantize(t.data, t.tensor_type, shape, device=device))
             except GraphDSLError as e:
                 raise GraphDSLError(f"{self.path!r}: tensor {name!r}: {e}") from None
             except Exception as e:  # an I/O error from the memory map of a damaged file
@@ -352,7 +367,7 @@ class GGUFCheckpoint:
                 proj = _EXPERT_NAMES[m.group(2)]
                 for e in range(w.shape[0]):
                     yield (f"model.layers.{m.group(1)}.mlp.experts.{e}.{proj}.weight",
-                           w[e].to(dtype).contiguous())
+                           _blocks(qname, shape, w[e]) if keep else w[e].to(dtype).contiguous())
                 continue
             if m and m.group(2) == "ffn_gate_inp_shexp" and w.dim() == 1:
                 w = w.reshape(1, -1)
@@ -360,7 +375,25 @@ class GGUFCheckpoint:
                 w = w - 1.0
             if arch == "bloom" and ".attn_qkv." in name:
                 w = _per_head_qkv(w, cfg["num_attention_heads"])
-            yield hf_name(name, arch) or name, w.to(dtype)
+            yield hf_name(name, arch) or name, (_blocks(qname, shape, w) if keep else w.to(dtype))
+
+
+def _block_rows(data, qname: str, shape: tuple[int, ...], device) -> torch.Tensor:
+    """The raw bytes of a block-quantized tensor of logical ``shape`` as uint8 rows
+    ``[*shape[:-1], row_bytes]`` on ``device`` (checked against the type's row size)."""
+    with warnings.catch_warnings():  # a read-only memory map: we only ever read it
+        warnings.simplefilter("ignore", UserWarning)
+        raw = torch.from_numpy(np.ascontiguousarray(data).reshape(-1).view(np.uint8))
+    rb = row_bytes(qname, shape[-1])
+    if raw.numel() != int(np.prod(shape[:-1])) * rb:
+        raise GraphDSLError(f"{qname} tensor of shape {list(shape)} needs {int(np.prod(shape[:-1])) * rb} bytes, "
+                            f"got {raw.numel()}")
+    raw = raw.reshape(*shape[:-1], rb)
+    return raw.to(device) if device is not None else raw
+
+
+def _blocks(qname: str, shape: tuple[int, ...], rows: torch.Tensor) -> GGUFBlockWeight:
+    return GGUFBlockWeight(qname, (rows.shape[0], shape[-1]), rows.contiguous())
 
 
 def _plain(v: Any) -> Any:
