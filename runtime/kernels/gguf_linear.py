@@ -8,10 +8,10 @@ by a matmul; the kernels never write the dequantized weight for decode.
 * **Decode (``M <= 16`` rows): dequantize-in-GEMV.** Program ``(n, s)`` owns ``BLOCK_N`` rows and
   the ``s``-th of ``SPLIT_K`` slices of the blocks; per step it decodes ``SB`` blocks of each row
   (:func:`.gguf_tiles.decode_tile`: one contiguous pass over the bytes, values in tile order) and
-  gathers the matching activations. With one row (``M == 1``) it multiplies elementwise into a
-  float32 ``[BLOCK_N, SB·values]`` accumulator reduced once at the end (no tensor-core layout
-  shuffle); with more rows it ``tl.dot``\\ s the tile (cast to the activation dtype) with the
-  ``[SB·values, 16]`` activation slice. Split-K writes float32 partials ``[SPLIT_K, M, N]`` summed
+  gathers the matching activations, then ``tl.dot``\\ s the tile (cast to the activation dtype)
+  with the ``[SB·values, 16]`` activation slice. With one row (``M == 1``, the decode case that
+  matters most) it skips the tile: :func:`.gguf_tiles.row_dot` multiplies each nibble plane with
+  its contiguous activation slice, sums per sub-block and applies the scales to the sums. Split-K writes float32 partials ``[SPLIT_K, M, N]`` summed
   afterwards in slice order (deterministic).
 * **Prefill (``M > 16``): dequantize then cuBLAS.** :func:`gguf_dequantize` writes the weight in
   the activation dtype (one pass over the bytes, one write) and ``torch.nn.functional.linear``
@@ -31,7 +31,7 @@ import triton.language as tl
 
 from graphdsl.errors import GraphDSLError
 
-from .gguf_tiles import KERNEL_QTYPES, decode_tile
+from .gguf_tiles import KERNEL_QTYPES, decode_tile, row_dot
 
 __all__ = ["gguf_linear", "gguf_gemv", "gguf_dequantize", "KERNEL_QTYPES", "MAX_GEMV_ROWS"]
 
@@ -69,23 +69,20 @@ def _gguf_gemv_kernel(
     m_ok = rm < M
     if USE_DOT:
         acc = tl.zeros([BLOCK_N, BLOCK_M], tl.float32)
-    else:
-        acc2 = tl.zeros([BLOCK_N, SB * VALUES], tl.float32)
-    for s in range(s_lo, s_hi):
-        blk0 = s * SB
-        w, koff = decode_tile(rows, n_ok, blk0, QTYPE, SB)
-        kk = blk0 * VALUES + koff
-        if USE_DOT:
-            xt = tl.load(x_ptr + rm[None, :] * stride_xm + kk[:, None], mask=m_ok[None, :], other=0.0)
+        for s in range(s_lo, s_hi):
+            blk0 = s * SB
+            w, koff = decode_tile(rows, n_ok, blk0, QTYPE, SB)
+            xt = tl.load(x_ptr + rm[None, :] * stride_xm + (blk0 * VALUES + koff)[:, None], mask=m_ok[None, :],
+                         other=0.0)
             if DOT_F32:
                 acc += tl.dot(w, xt.to(tl.float32))
             else:
                 acc += tl.dot(w.to(xt.dtype), xt)
-        else:
-            xv = tl.load(x_ptr + kk).to(tl.float32)
-            acc2 += w * xv[None, :]
-    if not USE_DOT:
-        acc = tl.expand_dims(tl.sum(acc2, axis=1), 1)      # [BLOCK_N, 1]; M == 1
+    else:
+        acc1 = tl.zeros([BLOCK_N], tl.float32)
+        for s in range(s_lo, s_hi):
+            acc1 += row_dot(rows, n_ok, s * SB, x_ptr, QTYPE, SB)
+        acc = tl.expand_dims(acc1, 1)                      # [BLOCK_N, 1]; M == 1
         rm = tl.arange(0, 1)
         m_ok = rm < 1
     dst = out_ptr + pid_k.to(tl.int64) * stride_os + rm[None, :] * stride_om + rn[:, None]

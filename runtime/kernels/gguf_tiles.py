@@ -25,7 +25,7 @@ import triton.language as tl
 
 from .gguf_dequant import GGUF_BLOCKS, KERNEL_QTYPES as _NAMES
 
-__all__ = ["KERNEL_QTYPES", "decode_tile"]
+__all__ = ["KERNEL_QTYPES", "decode_tile", "row_dot"]
 
 # GGML types with a Triton tile decoder: name -> (values per block, bytes per block)
 KERNEL_QTYPES: dict[str, tuple[int, int]] = {name: GGUF_BLOCKS[name] for name in _NAMES}
@@ -204,3 +204,158 @@ def decode_tile(rows, n_ok, blk0, QTYPE: tl.constexpr, SB: tl.constexpr):
         tl.static_assert(QTYPE == "Q6_K", "decode_tile: unsupported GGML type")
         w, koff = _tile_q6_k(rows, n_ok, blk0, SB)
     return w, koff
+
+
+# --------------------------------------------------------------------------- one activation row
+# ``row_dot`` computes, for BLOCK_N weight rows, the dot product of ``SB`` blocks with one activation
+# row, without building a dequantized tile: each nibble plane (low / high nibbles, which sit 16 or
+# 32 values apart in K) is multiplied by its own contiguous slice of x and summed per sub-block,
+# and the sub-block's scale (and min: ``- dmin·mn·sum(x)``) is applied once to that sum. Integers
+# become floats through the exponent trick ``float(0x4B000000 | q) - 2^23 = q`` (exact for
+# ``q < 2^23``; one integer OR and one float add instead of an int-to-float convert, which Hopper
+# issues at a quarter of the FMA rate), with the format's offset folded into the subtraction.
+
+
+@triton.jit
+def _i2f(q, OFFSET: tl.constexpr):
+    """float32 ``q - OFFSET`` for int32 ``0 <= q < 2^23`` (exponent trick, exact)."""
+    return (q | 0x4B000000).to(tl.float32, bitcast=True) - (8388608.0 + OFFSET)
+
+
+@triton.jit
+def _xload(x_ptr, offs):
+    return tl.load(x_ptr + offs).to(tl.float32)
+
+
+@triton.jit
+def _row_dot_q4(rows, n_ok, blk0, x_ptr, SB: tl.constexpr, BLOCK_BYTES: tl.constexpr, HAS_MIN: tl.constexpr):
+    """Q4_0 (18 B: ``d, qs[16]``, ``y = d(q - 8)``) and Q4_1 (20 B: ``d, m, qs[16]``, ``y = dq + m``)."""
+    g = tl.arange(0, SB)
+    b = tl.arange(0, 16)
+    blk = (blk0 + g).to(tl.int64) * BLOCK_BYTES
+    QS: tl.constexpr = 4 if HAS_MIN else 2
+    byte = tl.load(rows[:, None, None] + (blk[:, None] + QS + b[None, :])[None, :, :],
+                   mask=n_ok[:, None, None], other=0).to(tl.int32)              # [BN, SB, 16]
+    koff = (blk0 + g)[:, None] * 32 + b[None, :]                                # [SB, 16]
+    x_lo = _xload(x_ptr, koff)
+    x_hi = _xload(x_ptr, koff + 16)
+    d = _f16_at(rows[:, None] + blk[None, :], n_ok[:, None])                    # [BN, SB]
+    if HAS_MIN:
+        s = tl.sum(_i2f(byte & 15, 0.0) * x_lo[None] + _i2f(byte >> 4, 0.0) * x_hi[None], axis=2)
+        m = _f16_at(rows[:, None] + blk[None, :] + 2, n_ok[:, None])
+        y = d * s + m * tl.sum(x_lo + x_hi, axis=1)[None, :]
+    else:
+        s = tl.sum(_i2f(byte & 15, 8.0) * x_lo[None] + _i2f(byte >> 4, 8.0) * x_hi[None], axis=2)
+        y = d * s
+    return tl.sum(y, axis=1)
+
+
+@triton.jit
+def _row_dot_q8_0(rows, n_ok, blk0, x_ptr, SB: tl.constexpr):
+    """Q8_0 (34 B: ``d, q[32] int8``): int8 ``q`` read as ``(byte ^ 0x80) - 128``."""
+    g = tl.arange(0, SB)
+    j = tl.arange(0, 32)
+    blk = (blk0 + g).to(tl.int64) * 34
+    byte = tl.load(rows[:, None, None] + (blk[:, None] + 2 + j[None, :])[None, :, :],
+                   mask=n_ok[:, None, None], other=0).to(tl.int32)
+    xv = _xload(x_ptr, (blk0 + g)[:, None] * 32 + j[None, :])
+    s = tl.sum(_i2f(byte ^ 0x80, 128.0) * xv[None], axis=2)
+    d = _f16_at(rows[:, None] + blk[None, :], n_ok[:, None])
+    return tl.sum(d * s, axis=1)
+
+
+@triton.jit
+def _k_scale_pair(rows, n_ok, base, j):
+    """``(sc_j, mn_j)`` as float32 ``[BN, T]`` for per-column sub-block index ``j`` ``[T]`` and super-block
+    byte offset ``base`` ``[T]`` (Q4_K/Q5_K packing, see :func:`_k_scales_mins`)."""
+    lowj = j < 4
+    p = rows[:, None] + base[None, :] + 4
+    msk = n_ok[:, None]
+    a = tl.load(p + tl.where(lowj, j, j + 4)[None, :], mask=msk, other=0).to(tl.int32)
+    b = tl.load(p + tl.where(lowj, j + 4, j - 4)[None, :], mask=msk, other=0).to(tl.int32)
+    c = tl.load(p + j[None, :], mask=msk, other=0).to(tl.int32)
+    sc = tl.where(lowj[None, :], a & 63, (a & 15) | ((b >> 6) << 4))
+    mn = tl.where(lowj[None, :], b & 63, (a >> 4) | ((c >> 6) << 4))
+    return _i2f(sc, 0.0), _i2f(mn, 0.0)
+
+
+@triton.jit
+def _row_dot_q45_k(rows, n_ok, blk0, x_ptr, SB: tl.constexpr, FIVE: tl.constexpr):
+    """Q4_K (144 B) / Q5_K (176 B, ``FIVE``): chunk ``t`` (64 values) of byte row ``l``: low nibble
+    is sub-block ``2c`` at K ``64t + l``, high nibble ``2c + 1`` at ``64t + 32 + l``."""
+    BYTES: tl.constexpr = 176 if FIVE else 144
+    QS: tl.constexpr = 48 if FIVE else 16
+    t = tl.arange(0, SB * 4)
+    l = tl.arange(0, 32)
+    c = t % 4
+    base = (blk0 + t // 4).to(tl.int64) * BYTES                                  # [T]
+    msk = n_ok[:, None, None]
+    byte = tl.load(rows[:, None, None] + (base + QS + 32 * c)[None, :, None] + l[None, None, :],
+                   mask=msk, other=0).to(tl.int32)                              # [BN, T, 32]
+    lo = byte & 15
+    hi = byte >> 4
+    if FIVE:
+        qh = tl.load(rows[:, None, None] + (base + 16)[None, :, None] + l[None, None, :],
+                     mask=msk, other=0).to(tl.int32)
+        sh = (2 * c)[None, :, None]
+        lo = lo | (((qh >> sh) & 1) << 4)
+        hi = hi | (((qh >> (sh + 1)) & 1) << 4)
+    koff = (blk0 * 256 + 64 * t)[:, None] + l[None, :]                          # [T, 32]
+    x_lo = _xload(x_ptr, koff)
+    x_hi = _xload(x_ptr, koff + 32)
+    s_lo = tl.sum(_i2f(lo, 0.0) * x_lo[None], axis=2)                           # [BN, T]
+    s_hi = tl.sum(_i2f(hi, 0.0) * x_hi[None], axis=2)
+    sc_lo, mn_lo = _k_scale_pair(rows, n_ok, base, 2 * c)
+    sc_hi, mn_hi = _k_scale_pair(rows, n_ok, base, 2 * c + 1)
+    d = _f16_at(rows[:, None] + base[None, :], n_ok[:, None])
+    dmin = _f16_at(rows[:, None] + base[None, :] + 2, n_ok[:, None])
+    y = d * (sc_lo * s_lo + sc_hi * s_hi) \
+        - dmin * (mn_lo * tl.sum(x_lo, axis=1)[None, :] + mn_hi * tl.sum(x_hi, axis=1)[None, :])
+    return tl.sum(y, axis=1)
+
+
+@triton.jit
+def _row_dot_q6_k(rows, n_ok, blk0, x_ptr, SB: tl.constexpr):
+    """Q6_K (210 B): group ``i = 4hf + 2a + l2`` reads ``ql[16i + l1]``; its low nibble is ``k = a``
+    (K ``128hf + 32a + 16l2 + l1``), high nibble ``k = a + 2`` (64 further), each with its own
+    2 bits of ``qh`` and int8 scale (see :func:`_tile_q6_k`)."""
+    t = tl.arange(0, SB * 8)
+    l1 = tl.arange(0, 16)
+    i = t % 8
+    base = (blk0 + t // 8).to(tl.int64) * 210
+    msk = n_ok[:, None, None]
+    ql = tl.load(rows[:, None, None] + (base + 16 * i)[None, :, None] + l1[None, None, :],
+                 mask=msk, other=0).to(tl.int32)                                 # [BN, T, 16]
+    qh = tl.load(rows[:, None, None] + (base + 128 + 32 * (i // 4) + 16 * (i % 2))[None, :, None]
+                 + l1[None, None, :], mask=msk, other=0).to(tl.int32)
+    sh = (2 * ((i // 2) % 2))[None, :, None]
+    q0 = (ql & 15) | (((qh >> sh) & 3) << 4)
+    q1 = (ql >> 4) | (((qh >> (sh + 4)) & 3) << 4)
+    koff = (256 * (blk0 + t // 8) + 128 * (i // 4) + 32 * ((i // 2) % 2) + 16 * (i % 2))[:, None] + l1[None, :]
+    s0 = tl.sum(_i2f(q0, 32.0) * _xload(x_ptr, koff)[None], axis=2)              # [BN, T]
+    s1 = tl.sum(_i2f(q1, 32.0) * _xload(x_ptr, koff + 64)[None], axis=2)
+    sidx = base + 192 + i + 4 * (i // 4)
+    sc0 = tl.load(rows[:, None] + sidx[None, :], mask=n_ok[:, None], other=0).to(tl.int8, bitcast=True)
+    sc1 = tl.load(rows[:, None] + (sidx + 4)[None, :], mask=n_ok[:, None], other=0).to(tl.int8, bitcast=True)
+    d = _f16_at(rows[:, None] + (base + 208)[None, :], n_ok[:, None])
+    return tl.sum(d * (sc0.to(tl.float32) * s0 + sc1.to(tl.float32) * s1), axis=1)
+
+
+@triton.jit
+def row_dot(rows, n_ok, blk0, x_ptr, QTYPE: tl.constexpr, SB: tl.constexpr):
+    """float32 ``[BLOCK_N]``: ``sum_k x[k] * dequant(w)[n, k]`` over the ``SB`` blocks from ``blk0`` of the
+    rows ``rows`` of GGML type ``QTYPE``; ``x_ptr`` points at the activation row's element 0."""
+    if QTYPE == "Q4_0":
+        y = _row_dot_q4(rows, n_ok, blk0, x_ptr, SB, 18, False)
+    elif QTYPE == "Q4_1":
+        y = _row_dot_q4(rows, n_ok, blk0, x_ptr, SB, 20, True)
+    elif QTYPE == "Q8_0":
+        y = _row_dot_q8_0(rows, n_ok, blk0, x_ptr, SB)
+    elif QTYPE == "Q4_K":
+        y = _row_dot_q45_k(rows, n_ok, blk0, x_ptr, SB, False)
+    elif QTYPE == "Q5_K":
+        y = _row_dot_q45_k(rows, n_ok, blk0, x_ptr, SB, True)
+    else:
+        tl.static_assert(QTYPE == "Q6_K", "row_dot: unsupported GGML type")
+        y = _row_dot_q6_k(rows, n_ok, blk0, x_ptr, SB)
+    return y
