@@ -1,6 +1,7 @@
 """GGUF dequantize-in-GEMV (runtime/kernels/gguf_linear.py) on the Llama-3-8B projection shapes.
 
-    python benchmarks/gguf_gemv.py [--rows 1] [--types Q4_K,Q6_K] [--sweep] [--prefill]
+    python benchmarks/gguf_gemv.py [--rows 1] [--types Q4_K,Q6_K] [--shapes 8b.o] [--sweep] [--prefill]
+                                   [--config '{"USE_DOT": true, "BLOCK_N": 32}']
 
 For each GGML block type and weight shape ``[N, K]`` (8B: o 4096x4096, qkv 6144x4096, gate/up
 14336x4096, down 4096x14336): checks ``gguf_gemv`` against the torch reference (dequantize, then a
@@ -18,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import itertools
+import json
 import os
 import sys
 
@@ -82,7 +84,9 @@ def main() -> None:
     ap.add_argument("--shapes", default=",".join(SHAPES))
     ap.add_argument("--sweep", action="store_true")
     ap.add_argument("--prefill", action="store_true")
+    ap.add_argument("--config", default=None, help='JSON merged into every launch, e.g. \'{"USE_DOT": true, "BLOCK_N": 32}\'')
     args = ap.parse_args()
+    override = json.loads(args.config) if args.config else {}
     rows = [int(r) for r in args.rows.split(",")]
     types = args.types.split(",")
     shapes = args.shapes.split(",")
@@ -104,8 +108,8 @@ def main() -> None:
                 one = random_blocks(qtype, n, k, seed=0)
                 datas = [one] + [random_blocks(qtype, n, k, seed=i) for i in range(1, copies_for(one.numel()))]
                 check(x, one, qtype)
-                cfg = _pick_config(m, n, k, qtype, x.device)
-                us = replay_us(lambda: [gguf_gemv(x, d, qtype) for d in datas], len(datas))
+                cfg = {**_pick_config(m, n, k, qtype, x.device), **override}
+                us = replay_us(lambda: [gguf_gemv(x, d, qtype, config=cfg) for d in datas], len(datas))
                 nbytes = one.numel() + m * k * 2 + m * n * 2
                 gbs = nbytes / (us * 1e-6) / 1e9
                 print(f"{qtype:6} {name:8} {n:>5} x {k:<5} {m:>3} {nbytes / 1e6:7.1f} {us:8.1f} {gbs:7.0f} "

@@ -126,20 +126,23 @@ def _num_sms(device: torch.device) -> int:
 
 
 def _pick_config(m: int, n: int, k: int, qtype: str, device: torch.device) -> dict:
-    """Launch for ``[m, k] @ dequant([n, k]).T``: 256 values a step (8 blocks of 32 or one
-    super-block), 16 rows a program with one activation row (elementwise accumulator, 4096
-    float32 in registers), 32 with more (``tl.dot`` tiles); K split until the grid has about four
-    programs per SM, keeping at least 2 steps a slice."""
+    """Launch for ``[m, k] @ dequant([n, k]).T``. One row (H200 sweep of ``benchmarks/gguf_gemv.py
+    --sweep`` at 8B shapes): 512 values a step (16 blocks of 32 or two super-blocks), 8 rows a
+    program, 2 warps (4 for Q6_K, whose step holds more integer work); the split of K hardly
+    mattered there. More rows: 256 values a step and 32-row ``tl.dot`` tiles. K is split until the
+    grid has about four programs per SM, keeping at least 2 steps a slice."""
     values = KERNEL_QTYPES[qtype][0]
     n_blocks = k // values
-    sb = _sb_for(n_blocks, 256 // values)
-    block_n = 16 if m == 1 else 32
+    one = m == 1
+    sb = _sb_for(n_blocks, (512 if one else 256) // values)
+    block_n = 8 if one else 32
+    warps = 4 if (not one or qtype == "Q6_K") else 2
     tiles = triton.cdiv(n, block_n)
     steps = n_blocks // sb
     split = 1
     while tiles * split < 4 * _num_sms(device) and steps // (split * 2) >= 2:
         split *= 2
-    return dict(SB=sb, BLOCK_N=block_n, SPLIT_K=split, num_warps=4, num_stages=1)
+    return dict(SB=sb, BLOCK_N=block_n, SPLIT_K=split, num_warps=warps, num_stages=1)
 
 
 def _check(data: torch.Tensor, qtype: str, x: torch.Tensor | None = None) -> int:
@@ -162,7 +165,8 @@ def _check(data: torch.Tensor, qtype: str, x: torch.Tensor | None = None) -> int
 def gguf_gemv(x: torch.Tensor, data: torch.Tensor, qtype: str, *, config: dict | None = None) -> torch.Tensor:
     """``x @ dequant(data).T`` for ``x [M <= 16, K]`` and GGML blocks ``data [N, row_bytes]`` of type
     ``qtype``; the result has x's dtype. ``config`` overrides the launch (``SB, BLOCK_N, SPLIT_K,
-    num_warps, num_stages``; benchmarks sweep it)."""
+    num_warps, num_stages``, optionally ``USE_DOT`` to take the tile + ``tl.dot`` path with one row;
+    benchmarks sweep it)."""
     k = _check(data, qtype, x)
     m, n = x.shape[0], data.shape[0]
     if not 1 <= m <= MAX_GEMV_ROWS:
@@ -170,6 +174,7 @@ def gguf_gemv(x: torch.Tensor, data: torch.Tensor, qtype: str, *, config: dict |
     values = KERNEL_QTYPES[qtype][0]
     cfg = dict(config or _pick_config(m, n, k, qtype, x.device))
     sb, block_n, split = cfg.pop("SB"), cfg.pop("BLOCK_N"), cfg.pop("SPLIT_K")
+    use_dot = cfg.pop("USE_DOT", m > 1)
     if (k // values) % sb:
         raise GraphDSLError(f"gguf_gemv: SB={sb} blocks a step must divide the {k // values} blocks of a row")
     steps = k // values // sb
@@ -180,7 +185,7 @@ def gguf_gemv(x: torch.Tensor, data: torch.Tensor, qtype: str, *, config: dict |
     interp = os.environ.get("TRITON_INTERPRET") == "1"
     _gguf_gemv_kernel[(triton.cdiv(n, block_n), split)](
         x, data, dst, m, n, k, data.shape[1], per, x.stride(0), n, m * n,
-        QTYPE=qtype, VALUES=values, SB=sb, BLOCK_N=block_n, BLOCK_M=MAX_GEMV_ROWS, USE_DOT=m > 1,
+        QTYPE=qtype, VALUES=values, SB=sb, BLOCK_N=block_n, BLOCK_M=MAX_GEMV_ROWS, USE_DOT=use_dot,
         DOT_F32=interp or x.dtype == torch.float32, **cfg)
     if split > 1:
         out.copy_(dst.sum(0))

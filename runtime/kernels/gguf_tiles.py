@@ -307,11 +307,13 @@ def _row_dot_q45_k(rows, n_ok, blk0, x_ptr, SB: tl.constexpr, FIVE: tl.constexpr
     s_hi = tl.sum(_i2f(hi, 0.0) * x_hi[None], axis=2)
     sc_lo, mn_lo = _k_scale_pair(rows, n_ok, base, 2 * c)
     sc_hi, mn_hi = _k_scale_pair(rows, n_ok, base, 2 * c + 1)
-    d = _f16_at(rows[:, None] + base[None, :], n_ok[:, None])
-    dmin = _f16_at(rows[:, None] + base[None, :] + 2, n_ok[:, None])
-    y = d * (sc_lo * s_lo + sc_hi * s_hi) \
-        - dmin * (mn_lo * tl.sum(x_lo, axis=1)[None, :] + mn_hi * tl.sum(x_hi, axis=1)[None, :])
-    return tl.sum(y, axis=1)
+    sb = (blk0 + tl.arange(0, SB)).to(tl.int64) * BYTES                          # d, dmin once per super-block
+    d = _f16_at(rows[:, None] + sb[None, :], n_ok[:, None])                     # [BN, SB]
+    dmin = _f16_at(rows[:, None] + sb[None, :] + 2, n_ok[:, None])
+    ys = tl.reshape(sc_lo * s_lo + sc_hi * s_hi, [s_lo.shape[0], SB, 4])
+    ym = tl.reshape(mn_lo * tl.sum(x_lo, axis=1)[None, :] + mn_hi * tl.sum(x_hi, axis=1)[None, :],
+                    [s_lo.shape[0], SB, 4])
+    return tl.sum(d * tl.sum(ys, axis=2) - dmin * tl.sum(ym, axis=2), axis=1)
 
 
 @triton.jit
@@ -337,8 +339,10 @@ def _row_dot_q6_k(rows, n_ok, blk0, x_ptr, SB: tl.constexpr):
     sidx = base + 192 + i + 4 * (i // 4)
     sc0 = tl.load(rows[:, None] + sidx[None, :], mask=n_ok[:, None], other=0).to(tl.int8, bitcast=True)
     sc1 = tl.load(rows[:, None] + (sidx + 4)[None, :], mask=n_ok[:, None], other=0).to(tl.int8, bitcast=True)
-    d = _f16_at(rows[:, None] + (base + 208)[None, :], n_ok[:, None])
-    return tl.sum(d * (sc0.to(tl.float32) * s0 + sc1.to(tl.float32) * s1), axis=1)
+    sb = (blk0 + tl.arange(0, SB)).to(tl.int64) * 210
+    d = _f16_at(rows[:, None] + (sb + 208)[None, :], n_ok[:, None])             # [BN, SB], once per super-block
+    y = tl.reshape(sc0.to(tl.float32) * s0 + sc1.to(tl.float32) * s1, [s0.shape[0], SB, 8])
+    return tl.sum(d * tl.sum(y, axis=2), axis=1)
 
 
 @triton.jit

@@ -47,6 +47,15 @@ def test_gemv_matches_dequantize_then_matmul(qtype, m, split):
     _close(out, x, ref, torch.float32)
 
 
+def test_one_row_dot_path_matches_row_dot():
+    """The tile + tl.dot path forced for one row (benchmarks compare it) gives the same values."""
+    data, ref = _weight("Q5_K", 17, 512, seed=5)
+    x = _x(1, 512, torch.float32, seed=5)
+    cfg = dict(SB=2, BLOCK_N=16, SPLIT_K=1, num_warps=4, num_stages=1)
+    _close(gguf_gemv(x, data, "Q5_K", config={**cfg, "USE_DOT": True}), x, ref, torch.float32)
+    _close(gguf_gemv(x, data, "Q5_K", config=cfg), x, ref, torch.float32)
+
+
 @pytest.mark.parametrize("qtype", ["Q4_0", "Q4_K", "Q6_K"])
 @pytest.mark.parametrize("m", [1, 3])
 def test_gemv_bfloat16_default_launch(qtype, m):
@@ -73,11 +82,12 @@ def test_pick_config_splits_small_grids(monkeypatch):
     import graphdsl.runtime.kernels.gguf_linear as g
     monkeypatch.setattr(g, "_num_sms", lambda device: 132)
     cpu = torch.device("cpu")
-    c = _pick_config(1, 4096, 4096, "Q4_K", cpu)           # 256 tiles of 16 rows, 16 super-blocks
-    assert (c["SB"], c["BLOCK_N"], c["SPLIT_K"]) == (1, 16, 4)
-    c = _pick_config(1, 14336, 4096, "Q8_0", cpu)          # 896 tiles >= 4 per SM
-    assert (c["SB"], c["SPLIT_K"]) == (8, 1)
-    assert _pick_config(4, 4096, 14336, "Q6_K", cpu)["BLOCK_N"] == 32
+    c = _pick_config(1, 4096, 4096, "Q4_K", cpu)           # 512 tiles of 8 rows, 8 steps of 2 super-blocks
+    assert (c["SB"], c["BLOCK_N"], c["SPLIT_K"], c["num_warps"]) == (2, 8, 2, 2)
+    c = _pick_config(1, 14336, 4096, "Q8_0", cpu)          # 1792 tiles >= 4 per SM
+    assert (c["SB"], c["SPLIT_K"]) == (16, 1)
+    c = _pick_config(4, 4096, 14336, "Q6_K", cpu)
+    assert (c["SB"], c["BLOCK_N"], c["num_warps"]) == (1, 32, 4)
     assert _sb_for(3, 8) == 1 and _sb_for(56, 8) == 8 and _sb_for(12, 8) == 4
 
 
