@@ -11,11 +11,16 @@ by a matmul; the kernels never write the dequantized weight for decode.
   gathers the matching activations, then ``tl.dot``\\ s the tile (cast to the activation dtype)
   with the ``[SB·values, 16]`` activation slice. With one row (``M == 1``, the decode case that
   matters most) it skips the tile: :func:`.gguf_tiles.row_dot` multiplies each nibble plane with
-  its contiguous activation slice, sums per sub-block and applies the scales to the sums. Split-K writes float32 partials ``[SPLIT_K, M, N]`` summed
-  afterwards in slice order (deterministic).
+  its contiguous activation slice, sums per sub-block and applies the scales to the sums.
+  Split-K writes float32 partials ``[SPLIT_K, M, N]`` summed afterwards in slice order
+  (deterministic).
 * **Prefill (``M > 16``): dequantize then cuBLAS.** :func:`gguf_dequantize` writes the weight in
-  the activation dtype (one pass over the bytes, one write) and ``torch.nn.functional.linear``
-  multiplies: at prefill sizes the matmul dominates the extra pass.
+  the activation dtype (one pass over the bytes) and ``torch.nn.functional.linear`` multiplies.
+  Measured on the H200 its tile-order stores make the dequantize pass cost several times the
+  512-row matmul (docs/gguf-kernels.md): correct, not yet fast.
+
+Speed today (H200, one row): 15-33% of copy bandwidth, about the bf16 cuBLAS GEMV's time; the
+kernels are instruction-bound (docs/gguf-kernels.md has the table and the next steps).
 
 File shape (STYLE.md 11): the ``@triton.jit`` kernels, the launch heuristic :func:`_pick_config`,
 the public wrappers :func:`gguf_gemv`, :func:`gguf_dequantize`, :func:`gguf_linear`.
