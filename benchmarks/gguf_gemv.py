@@ -36,7 +36,7 @@ _F16_FIELDS = {"Q4_0": (0, 2), "Q4_1": (0, 4), "Q8_0": (0, 2), "Q4_K": (0, 4), "
 
 def random_blocks(qtype: str, n: int, k: int, seed: int) -> torch.Tensor:
     """Random GGML rows ``uint8 [n, row_bytes]`` on the GPU with small float16 scales."""
-    from graphdsl.runtime.kernels.gguf_dequant import GGUF_BLOCKS
+    from graphdsl.runtime.gguf_blocks import GGUF_BLOCKS
     per, size = GGUF_BLOCKS[qtype]
     g = torch.Generator(device="cuda").manual_seed(seed)
     data = torch.randint(0, 256, (n, k // per, size), generator=g, device="cuda", dtype=torch.uint8)
@@ -58,7 +58,7 @@ def copies_for(nbytes: int) -> int:
 
 
 def check(x, data, qtype):
-    from graphdsl.runtime.kernels.gguf_dequant import dequantize_blocks
+    from graphdsl.runtime.gguf_blocks import dequantize_blocks
     from graphdsl.runtime.kernels.gguf_linear import gguf_gemv
     k = x.shape[1]
     want = x.float() @ dequantize_blocks(data, qtype, k).T

@@ -2,7 +2,7 @@
 
 ``W`` is ``data``, uint8 ``[N, row_bytes]``: each of the N output rows is the row's K values as
 ``K / values_per_block`` consecutive GGML blocks, byte for byte as in the file (types:
-:data:`~.gguf_tiles.KERNEL_QTYPES`). The math is :func:`.gguf_dequant.dequantize_blocks` followed
+:data:`~.gguf_tiles.KERNEL_QTYPES`). The math is :func:`graphdsl.runtime.gguf_blocks.dequantize_blocks` followed
 by a matmul; the kernels never write the dequantized weight for decode.
 
 * **Decode (``M <= 16`` rows): dequantize-in-GEMV.** Program ``(n, s)`` owns ``BLOCK_N`` rows and

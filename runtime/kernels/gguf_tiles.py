@@ -12,7 +12,7 @@ consecutive blocks starting at block ``blk0`` of every row and returns
 
 So a consumer reads the activations at ``koff`` (GEMV: a gather from a row that sits in L1/L2) or
 stores the tile at ``koff`` (dequantize), and the weight bytes are read once, in order. The math per
-format is the one of :mod:`.gguf_dequant` (the reference these tiles are tested against); the
+format is the one of :mod:`graphdsl.runtime.gguf_blocks` (the reference these tiles are tested against); the
 byte offsets used are written next to each load.
 
 Float16 fields are assembled from two byte loads (blocks of 18, 34 or 210 bytes leave them only
@@ -23,7 +23,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from .gguf_dequant import GGUF_BLOCKS, KERNEL_QTYPES as _NAMES
+from ..gguf_blocks import GGUF_BLOCKS, KERNEL_QTYPES as _NAMES
 
 __all__ = ["KERNEL_QTYPES", "decode_tile", "row_dot"]
 

@@ -12,7 +12,7 @@ raw bytes is ours, written in torch so the same code decodes on the CPU or on a 
   ``tokenizer.*``; with ``iter_tensors(keep_quantized=True)`` it keeps the linear weights of the
   block types the GGUF kernels run as :class:`GGUFBlockWeight` records (raw rows, type, shape).
 
-Block formats: :mod:`graphdsl.runtime.kernels.gguf_dequant`.
+Block formats: :mod:`graphdsl.runtime.gguf_blocks`.
 """
 from __future__ import annotations
 
@@ -25,8 +25,8 @@ import numpy as np
 import torch
 
 from graphdsl.errors import GraphDSLError
-from graphdsl.runtime.kernels.gguf_dequant import (GGUF_BLOCKS, KERNEL_QTYPES, GGUFBlockWeight, dequantize_blocks,
-                                                   row_bytes)
+from graphdsl.runtime.gguf_blocks import (GGUF_BLOCKS, KERNEL_QTYPES, GGUFBlockWeight, dequantize_blocks,
+                                          row_bytes)
 
 from .tokenizer import Tokenizer
 

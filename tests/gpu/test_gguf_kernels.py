@@ -9,12 +9,14 @@ from __future__ import annotations
 import pytest
 import torch
 
-from graphdsl.runtime.kernels.gguf_dequant import dequantize_blocks
-from graphdsl.runtime.kernels.gguf_linear import gguf_dequantize, gguf_gemv, gguf_linear
-from tests.helpers.gguf_blocks import KERNEL_QTYPES, random_gguf_blocks
+pytestmark = pytest.mark.gpu
 
-pytestmark = [pytest.mark.gpu,
-              pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
+if not torch.cuda.is_available():   # before the kernel imports: triton picks the interpreter at decoration
+    pytest.skip("needs a CUDA GPU", allow_module_level=True)
+
+from graphdsl.runtime.gguf_blocks import dequantize_blocks  # noqa: E402
+from graphdsl.runtime.kernels.gguf_linear import gguf_dequantize, gguf_gemv, gguf_linear  # noqa: E402
+from tests.helpers.gguf_blocks import KERNEL_QTYPES, random_gguf_blocks  # noqa: E402
 
 SHAPES = [(4096, 4096), (6144, 4096), (14336, 4096), (4096, 14336)]
 

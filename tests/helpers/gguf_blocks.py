@@ -41,7 +41,7 @@ def random_gguf_weight(qtype: str, n: int, k: int, seed: int = 0) -> tuple[torch
 def random_gguf_blocks(qtype: str, n: int, k: int, device="cuda", seed: int = 0) -> torch.Tensor:
     """Random raw rows ``uint8 [n, row_bytes]`` made on ``device`` (fast at real sizes): random
     bytes with the float16 scale fields set to small random values (so no inf/NaN)."""
-    from graphdsl.runtime.kernels.gguf_dequant import GGUF_BLOCKS
+    from graphdsl.runtime.gguf_blocks import GGUF_BLOCKS
 
     per, size = GGUF_BLOCKS[qtype]
     g = torch.Generator(device=device).manual_seed(seed)

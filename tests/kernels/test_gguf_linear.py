@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from graphdsl import GraphDSLError
-from graphdsl.runtime.kernels.gguf_dequant import dequantize_blocks
+from graphdsl.runtime.gguf_blocks import dequantize_blocks
 from graphdsl.runtime.kernels.gguf_tiles import KERNEL_QTYPES as BLOCKS
 from graphdsl.runtime.kernels.gguf_linear import _pick_config, _sb_for, gguf_dequantize, gguf_gemv, gguf_linear
 from tests.helpers.gguf_blocks import KERNEL_QTYPES, random_gguf_weight

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from graphdsl import GraphDSLError
-from graphdsl.runtime.kernels.gguf_dequant import GGUFBlockWeight, row_bytes
+from graphdsl.runtime.gguf_blocks import GGUFBlockWeight, row_bytes
 from graphdsl.runtime.loaders.gguf import GGUFCheckpoint
 from tests.helpers.gguf_blocks import random_gguf_weight
 from tests.helpers.gguf_files import hf_model_to_gguf, write_gguf

@@ -1,9 +1,9 @@
-"""runtime/kernels/gguf_dequant.py: the torch reference decoders on raw rows vs gguf-py's numpy dequantize."""
+"""runtime/gguf_blocks.py: the torch reference decoders on raw rows vs gguf-py's numpy dequantize."""
 import pytest
 import torch
 
 from graphdsl import GraphDSLError
-from graphdsl.runtime.kernels.gguf_dequant import GGUF_BLOCKS, dequantize_blocks, row_bytes
+from graphdsl.runtime.gguf_blocks import GGUF_BLOCKS, dequantize_blocks, row_bytes
 from tests.helpers.gguf_blocks import KERNEL_QTYPES, random_gguf_weight
 
 pytest.importorskip("gguf")

@@ -1,7 +1,10 @@
-"""Torch reference dequantization of GGUF (GGML) block formats, on the raw block bytes.
+"""GGUF (GGML) block formats: their table, the torch reference decoder on raw block bytes, and
+the :class:`GGUFBlockWeight` record of a weight kept in them.
 
-The semantics of every GGUF kernel (:mod:`.gguf_linear`) and the decoder the GGUF loader uses to
-dequantize on load. :func:`dequantize_blocks` takes one tensor's rows as they are stored in the
+The decoder is the semantics of every GGUF kernel (:mod:`graphdsl.runtime.kernels.gguf_linear`) and
+what the GGUF loader dequantizes with. This module is plain torch and sits in the runtime core (not
+in ``runtime/kernels``, whose package import decorates Triton kernels) so that loaders, backends and
+kernels can all import it. :func:`dequantize_blocks` takes one tensor's rows as they are stored in the
 file: a uint8 tensor ``[rows, bytes_per_row]`` (CPU or CUDA), each row ``K / values_per_block``
 consecutive blocks, and returns float32 ``[rows, K]``.
 
@@ -47,7 +50,7 @@ GGUF_BLOCKS: dict[str, tuple[int, int]] = {   # name -> (values per block, bytes
     "Q6_K": (256, 210),
 }
 
-# the block types with Triton kernels (.gguf_tiles, .gguf_linear)
+# the block types with Triton kernels (runtime/kernels/gguf_tiles.py, gguf_linear.py)
 KERNEL_QTYPES = ("Q4_0", "Q4_1", "Q8_0", "Q4_K", "Q5_K", "Q6_K")
 
 
@@ -232,7 +235,8 @@ class GGUFBlockWeight:
     - ``data``: uint8 ``[N, row_bytes(qtype, K)]``, each row its K values as consecutive blocks,
       byte for byte as in the file (after the loader's row reorders, e.g. llama's q/k un-permute).
 
-    ``dequantize()`` gives the dense weight (the reference); :func:`.gguf_linear.gguf_linear`
+    ``dequantize()`` gives the dense weight (the reference);
+    :func:`graphdsl.runtime.kernels.gguf_linear.gguf_linear`
     multiplies with ``(data, qtype)`` directly.
     """
 
