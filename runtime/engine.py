@@ -168,6 +168,13 @@ class Engine:
 
     __call__ = forward
 
+    def profile(self, inputs: Mapping[str, torch.Tensor], **options):
+        """Per-kernel times of one step on ``inputs``: a :class:`~graphdsl.runtime.profile.ProfileReport`
+        (``print`` it; ``.chrome_trace(path)``, ``.svg(path)``). Options: ``warmup``, ``iters``,
+        ``ceilings``, ``runtime_params``, ``name`` (see :func:`~graphdsl.runtime.profile.profile_engine`)."""
+        from .profile import profile_engine
+        return profile_engine(self, dict(inputs), **options)
+
     def tap_set(self, selectors) -> TapSet:
         """The tensors ``selectors`` name (resolved once per selector tuple and cached)."""
         key = (selectors,) if isinstance(selectors, str) else tuple(selectors)
