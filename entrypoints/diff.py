@@ -38,6 +38,8 @@ from graphdsl.layers import Phase
 from graphdsl.opdef import OpCategory
 from graphdsl.runtime.taps import kernel_for
 
+from .steps import prefill_feed
+
 __all__ = ["DiffRow", "Divergence", "DiffReport", "diff_model", "compare"]
 
 _LAYER = re.compile(r"(^|\.)(layers|h)\.\d+$")
@@ -225,22 +227,6 @@ def _culprit(rec, bad: DiffRow, good: set[str]) -> list:
     return compute + [n for n in ops if n not in compute]   # arithmetic first: copies rarely change values
 
 
-def _prefill_feed(llm, engine, ids: list[int], sid) -> dict:
-    t = llm._tensor
-    n = len(ids)
-    llm.blocks.allocate(sid, n)
-    feed = {"input_ids": t(ids, torch.int64), "positions": t(list(range(n)), torch.int64),
-            "slot_mapping": t(llm.blocks.slot_mapping(sid, 0, n), torch.int64),
-            "block_tables": t([llm.blocks.block_table(sid)], torch.int32),
-            "seq_lens": t([n], torch.int32), "query_start_loc": t([0, n], torch.int32),
-            "lm_head_indices": t(list(range(n)), torch.int64)}
-    extra, _, _ = llm.model._update_model_inputs(feed)
-    feed.update(extra)
-    if "cos" in engine.net.inputs and "cos" not in feed:
-        feed["cos"], feed["sin"] = llm.model.rotary.cos_sin(feed["positions"])
-    return {k: v for k, v in feed.items() if k in engine.net.inputs and k not in engine._weights}
-
-
 def diff_model(model, prompt: str | None = None, *, token_ids: list[int] | None = None, tolerance: float = 1e-3,
                llm=None, hf_model=None) -> DiffReport:
     """Compare graphdsl with HF transformers on one prompt (see the module docstring).
@@ -275,7 +261,7 @@ def diff_model(model, prompt: str | None = None, *, token_ids: list[int] | None 
     unfused.set_weights({k: v for k, v in llm.model._bound.items() if k in unfused.net.inputs})
     sid = ("diff", id(ids))
     try:
-        feed = _prefill_feed(llm, unfused, ids, sid)
+        feed = prefill_feed(llm, unfused, ids, sid)
         unfused.forward(feed, taps="op:*")
     finally:
         llm.blocks.free(sid)

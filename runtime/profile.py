@@ -2,16 +2,19 @@
 
 Each node the engine runs is one launch (views excepted). The step runs ``warmup`` times, then
 ``iters`` times with a timestamp after every node: CUDA events on the device (recorded on the
-stream between launches, so they time the GPU's work, idle gaps included), ``time.perf_counter``
-on CPU (where the torch backend or the Triton interpreter runs each node synchronously). A node's
+stream between launches), ``time.perf_counter`` on CPU (where the torch backend or the Triton
+interpreter runs each node synchronously). On CUDA the device first spins (``torch.cuda._sleep``)
+while the host enqueues the whole step, so the times are the GPU's own, not the host's launch
+rate (what a CUDA-graph replay gets too). A node's
 time is the median over the iterations of the gap between its timestamp and the one before. The
 step itself is timed the same way without per-node timestamps (``step_ms``), so
 ``sum(kernel ms) / step_ms`` says how much the timestamps themselves cost.
 
 Per node the report gives the fused ops it absorbed, its time and share of the step, and its rate
 against the device ceiling: bytes moved (every non-view input and output, once; a paged KV cache
-counts only the rows ``seq_lens`` covers) per second against the copy bandwidth, or for matmuls
-``2 M N K`` FLOPs per second against the matmul rate, whichever is the larger fraction.
+read by attention counts only the rows ``seq_lens`` covers, one written in place only its new
+rows) per second against the copy bandwidth, or for matmuls ``2 M N K`` FLOPs per second against
+the matmul rate, whichever is the larger fraction.
 :func:`measure_ceilings` measures both on the device (a copy and a square matmul).
 """
 from __future__ import annotations
@@ -39,11 +42,13 @@ class Ceilings:
     tflops: float
 
 
-def _time_ms(fn, device: torch.device, reps: int) -> float:
+def _time_ms(fn, device: torch.device, reps: int, hold_cycles: int = 0) -> float:
     fn()
     if device.type == "cuda":
         torch.cuda.synchronize(device)
         a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        if hold_cycles:
+            torch.cuda._sleep(hold_cycles)
         a.record()
         for _ in range(reps):
             fn()
@@ -112,8 +117,8 @@ class ProfileReport:
         rows = self.rows if top is None else self.rows[:top]
         w = max([len(r.node) for r in rows] + [6])
         lines = [f"{self.name} on {self.device}: step {self.step_ms:.3f} ms, kernels sum {self.kernel_ms:.3f} ms "
-                 f"({self.kernel_ms / self.step_ms:.1%} of the step); ceilings {self.ceilings.gbps:.0f} GB/s, "
-                 f"{self.ceilings.tflops:.1f} TFLOP/s",
+                 f"({self.kernel_ms / self.step_ms:.1%} of the step); ceilings {self.ceilings.gbps:.3g} GB/s, "
+                 f"{self.ceilings.tflops:.3g} TFLOP/s",
                  f"{'kernel':<{w}}  {'op':<18} {'ms':>9} {'step':>6} {'GB/s':>8} {'TFLOP/s':>8} {'ceil':>5}  fused ops"]
         for r in rows:
             fused = ", ".join(r.fused) if r.fused else "-"
@@ -176,11 +181,15 @@ def _nbytes(x: torch.Tensor) -> int:
 def _work(node, ins: list, outs: list, attrs: dict, kv_rows: int) -> tuple[float, float]:
     """(bytes moved, FLOPs) of one node (see the module docstring)."""
     nbytes = 0
-    for x in ins:
+    updated = set(node.opdef.inplace.values())
+    tokens = ins[0].shape[0] if ins and isinstance(ins[0], torch.Tensor) and ins[0].dim() else 0
+    for i, x in enumerate(ins):
         if not isinstance(x, torch.Tensor):
             continue
-        if node.category is OpCategory.ATTENTION and x.dim() == 4 and kv_rows:     # a paged cache
-            nbytes += kv_rows * x.shape[2] * x.shape[3] * x.element_size()     # cache rows actually read
+        if x.dim() == 4 and i in updated:                  # a paged cache written in place: the new rows
+            nbytes += tokens * x.shape[2] * x.shape[3] * x.element_size()
+        elif node.category is OpCategory.ATTENTION and x.dim() == 4 and kv_rows:     # a paged cache read
+            nbytes += kv_rows * x.shape[2] * x.shape[3] * x.element_size()
         else:
             nbytes += _nbytes(x)
     written = set(node.opdef.inplace)
@@ -223,8 +232,16 @@ def profile_engine(engine, inputs: dict, *, warmup: int = 2, iters: int = 5, cei
     device = engine.device or next((v.device for v in inputs.values() if isinstance(v, torch.Tensor)),
                                    torch.device("cpu"))
     cuda = device.type == "cuda"
+    hold = 0
     if cuda:
         torch.cuda.synchronize(device)
+        t0 = time.perf_counter()
+        engine.forward(inputs, runtime_params=runtime_params)
+        host_s = time.perf_counter() - t0
+        torch.cuda.synchronize(device)
+        # keep the GPU busy while the host enqueues the step (2 GHz, twice the host time, timestamps
+        # included), so the times are the device's work, not the host's launch rate
+        hold = int(min(4 * host_s, 1.0) * 2e9)
 
     shapes: dict = {}
     samples: dict[str, list[float]] = {}
@@ -243,6 +260,7 @@ def profile_engine(engine, inputs: dict, *, warmup: int = 2, iters: int = 5, cei
                 shapes[node] = ([values[t] for t in node.inputs], [values[t] for t in node.outputs])
 
         if cuda:
+            torch.cuda._sleep(hold)
             start = torch.cuda.Event(enable_timing=True)
             start.record()
         else:
@@ -260,19 +278,19 @@ def profile_engine(engine, inputs: dict, *, warmup: int = 2, iters: int = 5, cei
                 order.append(node.name)
             samples.setdefault(node.name, []).append(ms)
 
-    step_ms = statistics.median(_time_ms(lambda: engine.forward(inputs, runtime_params=runtime_params), device, 1)
-                                for _ in range(iters))
+    step_ms = statistics.median(_time_ms(lambda: engine.forward(inputs, runtime_params=runtime_params), device, 1,
+                                         hold) for _ in range(iters))
     ceilings = ceilings or measure_ceilings(device)
     seq_lens = inputs.get("seq_lens")
     kv_rows = int(seq_lens.sum().item()) if isinstance(seq_lens, torch.Tensor) else 0
     by_name = {n.name: n for n in shapes}
     rows = []
-    for name in order:
-        node = by_name[name]
+    for node_name in order:
+        node = by_name[node_name]
         ins, outs = shapes[node]
         nbytes, flops = _work(node, ins, outs, engine.last_plan.attrs[node], kv_rows)
-        ms = statistics.median(samples[name])
-        row = KernelRow(name, node.op, _fused_ops(node, engine.recorded), node.module, ms,
+        ms = statistics.median(samples[node_name])
+        row = KernelRow(node_name, node.op, _fused_ops(node, engine.recorded), node.module, ms,
                         ms / step_ms if step_ms > 0 else 0.0, nbytes / 1e9, flops / 1e12)
         row.ceiling = max(row.gbps / ceilings.gbps if ceilings.gbps else 0.0,
                           row.tflops / ceilings.tflops if ceilings.tflops else 0.0)
