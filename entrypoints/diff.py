@@ -19,7 +19,10 @@ How it works:
    but not under this one (HF defines its output differently: Bloom's ``mlp`` adds the residual);
 4. per aligned module: ``max_rel = max|ours - hf| / max|hf|``, ``mean_rel = mean|ours - hf| /
    mean|hf|`` and the cosine similarity, rows in the order our graph computes them;
-5. the first row whose ``max_rel`` exceeds ``tolerance`` is the divergence. Its ops are the
+5. a kernel check: the real engine's tapped tensors against the unfused graph's of the same name,
+   in launch order; the first that differs names the fused kernels run since the last that matched
+   (where a wrong kernel or fusion shows when the unfused graph still matches HF);
+6. the first row whose ``max_rel`` exceeds ``tolerance`` is the divergence. Its ops are the
    recorded ops between the aligned tensors that still matched and that tensor (the ancestors of
    the divergent tensor, stopping at matched tensors and graph inputs); the first arithmetic op
    among them (views and pure data movement after) is named, with its source line, module, and the fused kernel of the real
@@ -79,16 +82,64 @@ class Divergence:
 
 
 @dataclass
+class KernelMismatch:
+    """The real (fused) engine's first tensor that differs from the same tensor of the unfused graph."""
+
+    tensor: str
+    max_rel: float
+    kernels: list[str]                 # "name (op) at source": the kernels since the last tensor that matched
+
+    def __str__(self) -> str:
+        return (f"kernel check: the real engine's '{self.tensor}' differs from the unfused graph's (max rel "
+                f"{self.max_rel:.3g}); computed by {', then '.join(self.kernels)}")
+
+
+def _kernel_check(engine, values: dict, fused: dict, tolerance: float) -> KernelMismatch | None:
+    """Walk the real engine's launches in order; the first output both graphs name whose values differ
+    names the kernels run since the last output that matched. A fused kernel's new output counts as
+    matching when it equals one of the recorded tensors of its shape that the kernel stands for
+    (:func:`~graphdsl.runtime.taps.kernel_for`): ``add_rms_norm``'s two outputs are the recorded
+    ``add`` and ``rms_norm``."""
+    rec = engine.recorded
+    stands_for: dict = {}
+    for n in rec.nodes:
+        k = kernel_for(engine.net, rec, n.name)
+        if k is not None:
+            stands_for.setdefault(k, []).extend(t.name for t in n.outputs)
+    since: list[str] = []
+    for node in engine._run_nodes:
+        if node.category is not OpCategory.VIEW:
+            since.append(f"'{node.name}' ({node.op}) at {_short_source(node.source)}")
+        for t in node.outputs:
+            got, ref = fused.get(t.name), values.get(t.name)
+            if got is None:
+                continue
+            if ref is None:                      # a fused kernel's own output: certified by a match only
+                same = [values[r] for r in stands_for.get(node, ()) if r in values and values[r].shape == got.shape]
+                if any(compare(got, r)[0] <= tolerance for r in same):
+                    since = []
+                continue
+            if ref.shape != got.shape:
+                continue
+            max_rel = compare(got, ref)[0]
+            if max_rel > tolerance:
+                return KernelMismatch(t.name, max_rel, since)
+            since = []
+    return None
+
+
+@dataclass
 class DiffReport:
     rows: list[DiffRow]
     tolerance: float
     first: Divergence | None
     logits: DiffRow | None = None      # the real (fused) engine's logits vs HF's
     skipped: list[str] = field(default_factory=list)   # HF modules our graph names but no tensor aligns with
+    kernel: KernelMismatch | None = None   # the real engine's first tensor that differs from the unfused graph
 
     @property
     def ok(self) -> bool:
-        return all(r.ok for r in self.rows) and (self.logits is None or self.logits.ok)
+        return all(r.ok for r in self.rows) and (self.logits is None or self.logits.ok) and self.kernel is None
 
     def table(self) -> str:
         w = max([len(r.module) for r in self.rows] + [6])
@@ -106,9 +157,11 @@ class DiffReport:
     def __str__(self) -> str:
         tail = str(self.first) if self.first is not None else \
             f"no divergence: every aligned tensor within max rel {self.tolerance:g}"
-        if self.first is None and self.logits is not None and not self.logits.ok:
+        if self.kernel is not None:
+            tail += f"\n{self.kernel}"
+        elif self.first is None and self.logits is not None and not self.logits.ok:
             tail = (f"the unfused graph matches HF, but the real engine's logits do not (max rel "
-                    f"{self.logits.max_rel:.3g}): a kernel or fusion differs from its op's reference")
+                    f"{self.logits.max_rel:.3g}) while no tensor both graphs name differs")
         return f"{self.table()}\n{len(self.rows)} aligned tensors, tolerance {self.tolerance:g}\n{tail}"
 
 
@@ -270,12 +323,15 @@ def diff_model(model, prompt: str | None = None, *, token_ids: list[int] | None 
     unfused.set_weights({k: v for k, v in llm.model._bound.items() if k in unfused.net.inputs})
     sid = ("diff", id(ids))
     try:
-        feed = prefill_feed(llm, unfused, ids, sid)
-        unfused.forward(feed, taps="op:*")
+        unfused.forward(prefill_feed(llm, unfused, ids, sid), taps="op:*")
     finally:
         llm.blocks.free(sid)
     values = dict(unfused.tapped)
-    ours_logits = llm.score(ids)
+    try:
+        ours_logits = engine.forward(prefill_feed(llm, engine, ids, sid), taps="op:*")["logits"]
+    finally:
+        llm.blocks.free(sid)
+    kernel = _kernel_check(engine, values, dict(engine.tapped), tolerance)
 
     hf = {_our_name(llm.model, k): v for k, v in hf.items()}
     pairs, skipped = _align(llm.model, rec, hf, values)
@@ -308,4 +364,4 @@ def diff_model(model, prompt: str | None = None, *, token_ids: list[int] | None 
     if "<logits>" in hf:
         mr, me, cs = compare(ours_logits, hf["<logits>"])
         logits = DiffRow("logits", ("logits",), tuple(hf["<logits>"].shape), mr, me, cs, mr <= tolerance)
-    return DiffReport(rows, float(tolerance), first, logits, skipped)
+    return DiffReport(rows, float(tolerance), first, logits, skipped, kernel)

@@ -87,3 +87,16 @@ def test_compare_metrics():
     assert compare(ref, ref) == (0.0, 0.0, pytest.approx(1.0))
     max_rel, mean_rel, cos = compare(ref + torch.tensor([0.0, 0.0, 0.4]), ref)
     assert max_rel == pytest.approx(0.1) and mean_rel == pytest.approx(0.4 / 7) and cos < 1
+
+
+def test_diff_kernel_check_names_a_wrong_fused_kernel(llama, monkeypatch):
+    """The unfused graph still matches HF; the real engine's fused SwiGLU kernel does not."""
+    path, hf = llama
+    _break(monkeypatch, "matmul_silu_mul")
+    report = diff_model(path, token_ids=IDS, hf_model=hf)
+    assert report.first is None and all(r.ok for r in report.rows)
+    assert not report.ok and not report.logits.ok
+    k = report.kernel
+    assert k is not None and k.kernels[0].startswith("'matmul_silu_mul_"), str(report)
+    assert "(matmul_silu_mul) at layers/mlp.py:" in k.kernels[0]
+    assert "kernel check:" in str(report)
