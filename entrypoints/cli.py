@@ -296,7 +296,8 @@ def _diff(args) -> int:
         torch.set_num_threads(args.threads)
     llm = gd.LLM(args.model, device="cpu", dtype=torch.float32, max_num_seqs=1, cuda_graphs=False,
                  custom_module_map=args.custom_module_map)
-    report = diff_model(args.model, args.prompt, token_ids=args.token_ids, tolerance=args.tolerance, llm=llm)
+    report = diff_model(args.model, args.prompt, token_ids=args.token_ids, tolerance=args.tolerance,
+                        reference=args.reference, llm=llm)
     print(report)
     return 0 if report.ok else 1
 
@@ -430,9 +431,9 @@ def _validate(parser: argparse.ArgumentParser, args) -> None:
             parser.error(f"argument model: {args.model!r} has no tokenizer.json, and graphdsl {args.command} "
                          "takes text; run it from Python with token ids (LLM(path).generate([[1, 2, 3]])) or add "
                          "the model's tokenizer.json")
-    if args.command == "diff" and checkpoint_format(args.model) is not CheckpointFormat.HF_DIR:
-        parser.error(f"argument model: diff compares with HF transformers, which loads a HF model directory; "
-                     f"got {args.model!r}")
+    if args.command == "diff" and checkpoint_format(args.reference or args.model) is not CheckpointFormat.HF_DIR:
+        parser.error(f"argument --reference: diff compares with HF transformers, which loads a HF model directory; "
+                     f"got {args.reference or args.model!r} (a GGUF MODEL needs --reference HF_DIR)")
     if args.command == "profile":
         if (args.model is None) == (args.shape is None):
             parser.error("give MODEL or --shape (one of them)")
@@ -548,7 +549,9 @@ def build_parser() -> argparse.ArgumentParser:
                              "hooks, align tensors by module path, print per-module max/mean relative error and "
                              "cosine similarity, and name the first op whose error exceeds --tolerance, with its "
                              "source line and the fused kernel computing it. Exit 1 on a divergence.")
-    p.add_argument("model", type=_model_arg, help="HF model directory")
+    p.add_argument("model", type=_model_arg, help="HF model directory, or a .gguf file (with --reference)")
+    p.add_argument("--reference", type=_model_arg, default=None,
+                   help="HF model directory transformers loads as the reference (default: MODEL)")
     p.add_argument("--prompt", type=_text_arg, default=None, help="prompt text (default: 'The quick brown fox')")
     p.add_argument("--token-ids", type=_token_ids_arg, default=None, help="token ids instead of a prompt: 1,2,3")
     p.add_argument("--tolerance", type=_positive_float, default=1e-3,

@@ -290,11 +290,14 @@ def _short_source(source: str) -> str:
 
 
 def diff_model(model, prompt: str | None = None, *, token_ids: list[int] | None = None, tolerance: float = 1e-3,
-               llm=None, hf_model=None) -> DiffReport:
+               reference=None, llm=None, hf_model=None) -> DiffReport:
     """Compare graphdsl with HF transformers on one prompt (see the module docstring).
 
     Args:
-        model: a HF model directory (the reference is loaded from it with transformers).
+        model: what graphdsl runs: a HF model directory or a GGUF file (quantized weights).
+        reference: the HF model directory transformers loads as the reference (default: ``model``;
+            needed for a GGUF ``model``: e.g. the full-precision checkpoint it was quantized from, so
+            each row shows what quantization costs that module).
         prompt / token_ids: what to run (token ids win; default: the prompt ``"The quick brown fox"``
             through the tokenizer, else ids ``1..8``).
         tolerance: the ``max_rel`` above which an aligned tensor counts as divergent.
@@ -307,8 +310,13 @@ def diff_model(model, prompt: str | None = None, *, token_ids: list[int] | None 
         llm = LLM(model, device="cpu", dtype=torch.float32, cuda_graphs=False)
     if hf_model is None:
         import transformers
+        from graphdsl.runtime.loaders.checkpoint import CheckpointFormat, checkpoint_format
+        reference = reference or model
+        if checkpoint_format(reference) is not CheckpointFormat.HF_DIR:
+            raise GraphDSLError(f"diff: reference must be a HF model directory for transformers to load, got "
+                                f"{str(reference)!r} (for a GGUF model pass reference=<the HF checkpoint>)")
         hf_model = transformers.AutoModelForCausalLM.from_pretrained(
-            model, dtype=torch.float32, attn_implementation="eager").eval()
+            reference, dtype=torch.float32, attn_implementation="eager").eval()
     if token_ids is None:
         tok = llm.tokenizer
         token_ids = tok.encode(prompt or "The quick brown fox") if tok is not None else list(range(1, 9))

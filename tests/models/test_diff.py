@@ -100,3 +100,29 @@ def test_diff_kernel_check_names_a_wrong_fused_kernel(llama, monkeypatch):
     assert k is not None and k.kernels[0].startswith("'matmul_silu_mul_"), str(report)
     assert "(matmul_silu_mul) at layers/mlp.py:" in k.kernels[0]
     assert "kernel check:" in str(report)
+
+
+def test_diff_of_quantized_gguf_against_its_hf_checkpoint(tmp_path, capsys):
+    """Q8_0 q/k and Q4_0 MLP weights (a GGUF written the llama.cpp way, q/k rows permuted) against the
+    float32 checkpoint they were quantized from: the first row over a tight tolerance is the first
+    quantized projection, and each module's error shows what quantization costs it."""
+    from gguf import GGMLQuantizationType as Q
+
+    from tests.helpers.gguf_files import hf_model_to_gguf
+    from tests.models.test_gguf import _tok_meta
+    hf = make_checkpoint("llama", tmp_path / "hf", vocab_size=96)
+    gguf = tmp_path / "q.gguf"
+    hf_model_to_gguf(gguf, hf, "llama", tokenizer_meta=_tok_meta(96), quant={r"q_proj|k_proj": Q.Q8_0, r"mlp": Q.Q4_0})
+    report = diff_model(str(gguf), token_ids=IDS[:4], tolerance=1e-3, hf_model=hf)
+    rows = {r.module: r for r in report.rows}
+    assert rows["model.embed_tokens"].ok and rows["model.layers.0.input_layernorm"].ok
+    assert rows["model.layers.0.self_attn.v_proj"].max_rel < 1e-5          # F32: exact
+    assert 1e-3 < rows["model.layers.0.self_attn.q_proj"].max_rel < 5e-2   # Q8_0
+    assert rows["model.layers.0.mlp.gate_up_proj"].max_rel > rows["model.layers.0.self_attn.q_proj"].max_rel  # Q4_0
+    first = report.first
+    assert first.row.module == "model.layers.0.self_attn.q_proj" and first.op == "matmul", str(report)
+    assert first.module == "model.layers.0.self_attn.qkv_proj"
+    assert diff_model(str(gguf), token_ids=IDS[:4], tolerance=0.5, hf_model=hf).first is None
+    with pytest.raises(SystemExit):
+        main(["diff", str(gguf)])
+    assert "a GGUF MODEL needs --reference" in capsys.readouterr().err
