@@ -151,8 +151,8 @@ class Engine:
             values.update(self._folded)
             nodes = self._run_nodes
         hook = after
-        if taps is None and taps_from_env():
-            taps = taps_from_env()
+        if taps is None:
+            taps = taps_from_env() or None
         if taps is not None:
             buffers = dict(taps) if isinstance(taps, Mapping) else None
             tapset = self.tap_set(list(buffers) if buffers is not None else taps)
