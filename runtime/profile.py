@@ -13,7 +13,7 @@ step itself is timed the same way without per-node timestamps (``step_ms``), so
 Per node the report gives the fused ops it absorbed, its time and share of the step, and its rate
 against the device ceiling: bytes moved (every non-view input and output, once; a paged KV cache
 read by attention counts only the rows ``seq_lens`` covers, one written in place only its new
-rows) per second against the copy bandwidth, or for matmuls ``2 M N K`` FLOPs per second against
+rows, a gather such as ``embedding`` at most the bytes it writes) per second against the copy bandwidth, or for matmuls ``2 M N K`` FLOPs per second against
 the matmul rate, whichever is the larger fraction.
 :func:`measure_ceilings` measures both on the device (a copy and a square matmul).
 """
@@ -183,6 +183,7 @@ def _work(node, ins: list, outs: list, attrs: dict, kv_rows: int) -> tuple[float
     nbytes = 0
     updated = set(node.opdef.inplace.values())
     tokens = ins[0].shape[0] if ins and isinstance(ins[0], torch.Tensor) and ins[0].dim() else 0
+    out_bytes = sum(_nbytes(x) for x in outs if isinstance(x, torch.Tensor))
     for i, x in enumerate(ins):
         if not isinstance(x, torch.Tensor):
             continue
@@ -190,6 +191,8 @@ def _work(node, ins: list, outs: list, attrs: dict, kv_rows: int) -> tuple[float
             nbytes += tokens * x.shape[2] * x.shape[3] * x.element_size()
         elif node.category is OpCategory.ATTENTION and x.dim() == 4 and kv_rows:     # a paged cache read
             nbytes += kv_rows * x.shape[2] * x.shape[3] * x.element_size()
+        elif node.category is OpCategory.DATA_MOVEMENT and i not in updated:
+            nbytes += min(_nbytes(x), out_bytes)       # a gather (embedding rows) reads what it writes
         else:
             nbytes += _nbytes(x)
     written = set(node.opdef.inplace)

@@ -53,3 +53,17 @@ def test_profile_rejects_bad_options():
     engine = _mlp_engine()
     with pytest.raises(GraphDSLError, match="iters must be an int >= 1, got 0"):
         engine.profile({"x": torch.randn(2, 8)}, iters=0)
+
+
+def test_gather_counts_the_rows_it_reads():
+    from graphdsl import Dim, Network, Tensor
+    from graphdsl import functional as F
+    with Network("emb") as net:
+        ids = Tensor("ids", (Dim("n", max=64),), torch.int64)
+        table = Tensor("table", (1000, 16), torch.float32)
+        net.mark_output(F.embedding(ids, table) * 2.0, "y")
+    engine = net.build_engine()
+    engine.set_weights({"table": torch.randn(1000, 16)})
+    report = engine.profile({"ids": torch.tensor([1, 5, 7])}, iters=1, ceilings=Ceilings(1.0, 1.0))
+    emb = next(r for r in report.rows if r.op == "embedding")
+    assert emb.gbytes * 1e9 == 3 * 8 + 2 * 3 * 16 * 4          # ids, the 3 rows read, the 3 rows written
