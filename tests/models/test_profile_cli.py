@@ -39,3 +39,10 @@ def test_profile_cli_needs_model_or_shape(capsys):
     with pytest.raises(SystemExit):
         main(["profile"])
     assert "give MODEL or --shape" in capsys.readouterr().err
+
+
+def test_profile_shapes_are_the_benchmark_shapes():
+    from graphdsl.entrypoints.cli import _bench_shapes, build_parser
+    sub = build_parser()._subparsers._group_actions[0].choices["profile"]
+    shape = next(a for a in sub._actions if a.dest == "shape")
+    assert set(shape.choices) <= set(_bench_shapes())
