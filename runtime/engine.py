@@ -199,7 +199,7 @@ class Engine:
             self._check_tensor(name, x)
             if device is None:
                 device, first = x.device, name
-            elif x.device != device:
+            elif not _same_device(x.device, device):
                 where = f"the engine's device {device}" if first is None else f"'{first}' is on {device}"
                 raise BindError(f"input '{name}' is on {x.device}, but {where}; move all inputs to one device")
         declared = {n: self.net.inputs[n].shape for n in self.required if self.net.inputs[n].shape is not None}
@@ -407,3 +407,13 @@ def _fmt_bytes(n: int) -> str:
             return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
         n /= 1024
     return f"{n} B"
+
+
+def _same_device(a: torch.device, b: torch.device) -> bool:
+    """``cuda`` (the current GPU) and ``cuda:0`` name one device when the current GPU is 0."""
+    if a.type != b.type:
+        return False
+    if a.index is None or b.index is None:
+        cur = torch.cuda.current_device() if a.type == "cuda" and torch.cuda.is_available() else 0
+        return (a.index if a.index is not None else cur) == (b.index if b.index is not None else cur)
+    return a.index == b.index

@@ -1,14 +1,18 @@
 """Per-kernel profiles of one engine step: ``engine.profile(inputs)``.
 
 Each node the engine runs is one launch (views excepted). The step runs ``warmup`` times, then
-``iters`` times with a timestamp after every node: CUDA events on the device (recorded on the
-stream between launches), ``time.perf_counter`` on CPU (where the torch backend or the Triton
-interpreter runs each node synchronously). On CUDA the device first spins (``torch.cuda._sleep``)
-while the host enqueues the whole step, so the times are the GPU's own, not the host's launch
-rate (what a CUDA-graph replay gets too). A node's
-time is the median over the iterations of the gap between its timestamp and the one before. The
-step itself is timed the same way without per-node timestamps (``step_ms``), so
-``sum(kernel ms) / step_ms`` says how much the timestamps themselves cost.
+``iters`` times timed per node. On CUDA the device first spins (``torch.cuda._sleep``) while the
+host enqueues the whole step, so the times are the GPU's own, not the host's launch rate (what a
+CUDA-graph replay gets too), and the kernels come from a ``torch.profiler`` (CUPTI) trace: each
+node's launches are found through a profiler range around the node, and each kernel is charged
+the time from the previous kernel's end to its own end (its own duration for the step's first),
+so kernels that overlap under programmatic dependent launch are not counted twice and the
+charges add up to the step's span on the device. Where the trace cannot be read, CUDA events
+recorded between the launches time each node instead (they cost a few µs each and stop the
+launches overlapping, so the sum then exceeds the step). On CPU ``time.perf_counter`` after
+every node (the torch backend or the Triton interpreter runs each node synchronously). A node's
+time is the median over the iterations. The step itself is timed without any of this
+(``step_ms``), so ``sum(kernel ms) / step_ms`` says how faithful the per-node times are.
 
 Per node the report gives the fused ops it absorbed, its time and share of the step, and its rate
 against the device ceiling: bytes moved (every non-view input and output, once; a paged KV cache
@@ -223,6 +227,70 @@ def _fused_ops(node, recorded) -> tuple[str, ...]:
     return _PATTERN_OPS.get(node.op, ())
 
 
+_LAUNCHES = ("LaunchKernel", "cuLaunch", "Memcpy", "Memset", "memcpy", "memset")
+
+
+def _traced_samples(engine, inputs, runtime_params, hold: int, iters: int, shapes: dict):
+    """``(node order, {node: [ms per iteration]})`` from a CUPTI trace (module docstring), or None
+    when the trace has no kernels this can attribute (then CUDA events are used)."""
+    import bisect
+
+    from torch.profiler import ProfilerActivity, profile
+    enter = torch.ops.profiler._record_function_enter_new
+    leave = torch.ops.profiler._record_function_exit
+    runs = []
+    for it in range(iters):
+        nodes, handle = [], [None]
+
+        def after(node, values, nodes=nodes, handle=handle):
+            leave(handle[0])
+            nodes.append(node)
+            if not shapes.get(node):
+                shapes[node] = ([values[t] for t in node.inputs], [values[t] for t in node.outputs])
+            handle[0] = enter(f"graphdsl:{len(nodes)}", None)
+
+        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+            torch.cuda._sleep(hold)
+            handle[0] = enter("graphdsl:0", None)
+            engine.forward(inputs, runtime_params=runtime_params, after=after)
+            leave(handle[0])
+            torch.cuda.synchronize()
+        runs.append((nodes, prof.profiler.kineto_results.events()))
+    order, samples = [], {}
+    for it, (nodes, events) in enumerate(runs):
+        ranges = sorted((e.start_ns(), e.end_ns(), int(e.name().split(":")[1])) for e in events
+                        if e.name().startswith("graphdsl:"))
+        launch_at = {}
+        for e in events:
+            if e.device_type() == torch.autograd.DeviceType.CPU and any(k in e.name() for k in _LAUNCHES):
+                launch_at[e.correlation_id()] = e.start_ns()
+        kernels = []
+        for e in events:
+            if e.device_type() != torch.autograd.DeviceType.CUDA:
+                continue
+            t = launch_at.get(e.correlation_id(), launch_at.get(e.linked_correlation_id()))
+            if t is None:
+                continue
+            k = bisect.bisect_right([r[0] for r in ranges], t) - 1
+            if k >= 0 and t <= ranges[k][1] and ranges[k][2] < len(nodes):
+                kernels.append((e.start_ns(), e.end_ns(), nodes[ranges[k][2]]))
+        if not kernels:
+            return None
+        kernels.sort(key=lambda k: (k[0], k[1]))
+        charge: dict = {}
+        prev_end = kernels[0][0]
+        for start, end, node in kernels:
+            charge[node] = charge.get(node, 0.0) + max(end - prev_end, 0) / 1e6   # the gap before it included
+            prev_end = max(prev_end, end)
+        for node in nodes:
+            if node.category is OpCategory.VIEW:
+                continue
+            if it == 0:
+                order.append(node.name)
+            samples.setdefault(node.name, []).append(charge.get(node, 0.0))
+    return order, samples
+
+
 def profile_engine(engine, inputs: dict, *, warmup: int = 2, iters: int = 5, ceilings: Ceilings | None = None,
                    runtime_params=None, name: str | None = None) -> ProfileReport:
     """Profile one step of ``engine`` on ``inputs`` (see the module docstring)."""
@@ -249,7 +317,10 @@ def profile_engine(engine, inputs: dict, *, warmup: int = 2, iters: int = 5, cei
     shapes: dict = {}
     samples: dict[str, list[float]] = {}
     order: list[str] = []
-    for it in range(iters):
+    traced = _traced_samples(engine, inputs, runtime_params, hold, iters, shapes) if cuda else None
+    if traced is not None:
+        order, samples = traced
+    for it in range(iters if traced is None else 0):
         stamps: list = []
 
         def after(node, values, stamps=stamps, first=(it == 0)):
