@@ -230,7 +230,7 @@ class Engine:
                 continue
             if not isinstance(buf, torch.Tensor):
                 raise BindError(f"output '{name}' must be a torch.Tensor, got {type(buf).__name__}")
-            if tuple(buf.shape) != shape or buf.dtype != dtype or buf.device != device:
+            if tuple(buf.shape) != shape or buf.dtype != dtype or not _same_device(buf.device, device):
                 raise BindError(f"output '{name}': expected {list(shape)} {dtype_str(dtype)} on {device}, "
                                 f"got {list(buf.shape)} {dtype_str(buf.dtype)} on {buf.device}")
             outs[name] = buf
