@@ -362,7 +362,7 @@ class ServingLoop:
             inputs["lm_head_indices"] = torch.zeros(1, dtype=torch.int64, device=self.device)
         if any(c.request.lora is not None for c in batch.chunks):
             inputs["lora_indices"] = self._lora_indices(batch.chunks)
-        padded = self.prefill_buckets and set(inputs) == STANDARD_INPUTS
+        padded = self.prefill_buckets and set(inputs) - {"lora_indices"} == STANDARD_INPUTS
         if padded:
             inputs, projected = pad_prefill(inputs, self.executor.max_blocks_per_seq)
         logits = self.executor.execute("prefill", inputs)

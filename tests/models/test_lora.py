@@ -93,9 +93,12 @@ def test_base_engine_is_unchanged_by_lora(llama):
     assert "lora_indices" in lora_net.inputs
 
 
-def test_mixed_batch_equals_each_alone(llama):
+@pytest.mark.parametrize("buckets", ["0", "1"])
+def test_mixed_batch_equals_each_alone(llama, monkeypatch, buckets):
     """Three adapters and the base model in one generate call (two GPU slots: the scheduler keeps at
-    most two adapters running and the pool evicts to the host) give each request's solo output."""
+    most two adapters running and the pool evicts to the host) give each request's solo output,
+    with and without padded prefill buckets (padding tokens use no adapter)."""
+    monkeypatch.setenv("GRAPHDSL_PREFILL_BUCKETS", buckets)
     llm, ids, _, paths, _ = llama
     reqs = [gd.LoRARequest(n, i + 1, paths[n]) for i, n in enumerate("abc")] + [None]
     prompts = [ids, ids[:5], ids[2:], ids[1:7]]
