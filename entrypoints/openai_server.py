@@ -140,7 +140,8 @@ class AsyncEngine:
                 for s in g.samples:
                     seed = None if p.seed is None else p.seed + s.index
                     parent = g.samples[0].req if s.index else None
-                    s.req = self.sched.add_request((g.request_id, s.index), g.prompt_ids, p, parent=parent, seed=seed)
+                    s.req = self.sched.add_request((g.request_id, s.index), g.prompt_ids, p, parent=parent, seed=seed,
+                                                   lora=g.lora)
                     self._by_req[id(s.req)] = (t, s)
             except GraphDSLError as e:           # e.g. more KV blocks than the pool has: the request's fault
                 self._do(("abort", t))
@@ -295,11 +296,15 @@ def build_app(llm, *, served_model_name: str, api_key: str | None = None):
         except (json.JSONDecodeError, UnicodeDecodeError):
             raise ApiError(400, "the request body is not valid JSON") from None
 
-    def _model(body: dict) -> None:
+    def _model(body: dict) -> str | None:
+        """The LoRA adapter the request's ``model`` names (None: the base model)."""
         name = body.get("model")
-        if name != served_model_name:
-            raise ApiError(404, f"the model {name!r} does not exist; this server serves {served_model_name!r}",
-                           "model", code="model_not_found")
+        if name == served_model_name:
+            return None
+        if isinstance(name, str) and name in llm.list_loras():
+            return name
+        raise ApiError(404, f"the model {name!r} does not exist; this server serves "
+                            f"{[served_model_name, *llm.list_loras()]}", "model", code="model_not_found")
 
     @app.get("/health")
     async def health():
@@ -310,8 +315,10 @@ def build_app(llm, *, served_model_name: str, api_key: str | None = None):
     @app.get("/v1/models")
     async def models(request: Request):
         _auth(request)
-        return {"object": "list", "data": [{"id": served_model_name, "object": "model", "created": created,
-                                            "owned_by": "graphdsl", "max_model_len": llm.max_model_len}]}
+        base = {"id": served_model_name, "object": "model", "created": created, "owned_by": "graphdsl",
+                "max_model_len": llm.max_model_len}
+        adapters = [{**base, "id": n, "parent": served_model_name} for n in llm.list_loras()]
+        return {"object": "list", "data": [base, *adapters]}
 
     @app.get("/metrics")
     async def metrics():
@@ -356,7 +363,7 @@ def build_app(llm, *, served_model_name: str, api_key: str | None = None):
     async def _generate(request: Request, chat: bool):
         _auth(request)
         body = await _body(request)
-        _model(body)
+        lora = _model(body)
         params = _sampling(body, chat=chat)
         ids, text = _prompt_ids(body, chat)
         try:
@@ -364,6 +371,7 @@ def build_app(llm, *, served_model_name: str, api_key: str | None = None):
         except GraphDSLError as e:
             raise ApiError(400, str(e), "messages" if chat else "prompt") from None
         group.prompt = text
+        group.lora = lora
         if engine.error is not None:
             raise ApiError(500, f"the engine stopped: {engine.error}", kind="server_error")
         rid = f"{'chatcmpl' if chat else 'cmpl'}-{group.request_id}"
