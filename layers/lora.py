@@ -6,7 +6,8 @@ A targeted linear computes ``y = x·Wᵀ (+ b)`` and then ``F.lora_apply(y, x, A
 adapter is a copy into them, never a rebuild:
 
 * ``A [slots, parts·rank, in]`` — a fused linear (q|k|v, gate|up) stacks its parts' A factors;
-* ``B [slots, out, parts·rank]`` — block-diagonal over the parts, scaling folded in.
+* ``B [out, slots, parts·rank]`` — block-diagonal over the parts, scaling folded in (output-major:
+  all slots' B are one ``[out, slots·parts·rank]`` matrix for the dense many-token path).
 
 Outside :func:`lora_scope` the hook records nothing, so an engine without the feature is the same
 graph as a model without LoRA.
@@ -70,5 +71,5 @@ def lora_hook(module, x, y):
     width = rank * len(target.parts)
     a_name, b_name = lora_weight_names(module._path)
     a = Tensor(a_name, (slots, width, target.in_features), x.dtype)
-    b = Tensor(b_name, (slots, target.out_features, width), x.dtype)
+    b = Tensor(b_name, (target.out_features, slots, width), x.dtype)
     return F.lora_apply(y, x, a, b, indices)

@@ -2,7 +2,7 @@
 
 :class:`LoRAManager` owns, per adapted linear (every column/row-parallel linear of the decoder
 layers), two slot buffers bound to the ``lora`` feature engines (see :mod:`graphdsl.layers.lora`):
-``A [max_loras, parts·max_rank, in]`` and ``B [max_loras, out, parts·max_rank]``. An adapter read by
+``A [max_loras, parts·max_rank, in]`` and ``B [out, max_loras, parts·max_rank]``. An adapter read by
 :func:`~graphdsl.runtime.loaders.peft.load_peft_adapter` is packed once on the host into that layout
 (q/k/v or gate/up factors stacked, B block-diagonal with ``scaling`` folded in, ranks below
 ``max_rank`` zero-padded) and kept there; :meth:`LoRAManager.slots_for` copies the adapters a step
@@ -110,7 +110,7 @@ class LoRAManager:
             a, b = lora_weight_names(path)
             width = max_lora_rank * len(t.parts)
             self.buffers[a] = torch.zeros(max_loras, width, t.in_features, dtype=self.dtype, device=self.device)
-            self.buffers[b] = torch.zeros(max_loras, t.out_features, width, dtype=self.dtype, device=self.device)
+            self.buffers[b] = torch.zeros(t.out_features, max_loras, width, dtype=self.dtype, device=self.device)
         self._host: dict[str, dict[str, torch.Tensor]] = {}        # name -> packed buffers' rows
         self._resident: OrderedDict[str, int] = OrderedDict()     # name -> slot, least recently used first
 
@@ -197,8 +197,9 @@ class LoRAManager:
     def _copy_in(self, name: str, slot: int) -> None:
         packed = self._host[name]
         for buf_name, buf in self.buffers.items():
+            dst = buf[slot] if buf_name.endswith(".A") else buf[:, slot]
             src = packed.get(buf_name)
             if src is None:
-                buf[slot].zero_()
+                dst.zero_()
             else:
-                buf[slot].copy_(src, non_blocking=True)
+                dst.copy_(src, non_blocking=True)

@@ -177,7 +177,8 @@ def test_engine_cache_hit_runs_on_triton_backend(tmp_path):
 
 def test_lora_on_triton_backend_matches_peft(tmp_path, monkeypatch):
     """A tiny llama with two PEFT adapters (q/v and gate/down) on the Triton backend: the BGMV
-    kernels run for prefill and decode, logits match peft's, and a mixed batch matches solo runs."""
+    kernels run for prefill (20 tokens: the slot-dense path) and decode (BGMV), logits match peft's,
+    and a mixed batch matches solo runs."""
     pytest.importorskip("peft")
     import graphdsl.runtime.kernels.lora as lora_kernels
     from tests.models.test_lora import make_adapter
@@ -189,7 +190,7 @@ def test_lora_on_triton_backend_matches_peft(tmp_path, monkeypatch):
     monkeypatch.setattr(lora_kernels, "lora_apply", spy)
     hf = make_checkpoint("llama", tmp_path / "base", num_hidden_layers=1)
     pm = make_adapter(hf, tmp_path / "a", seed=7, r=4, targets=["q_proj", "v_proj", "gate_proj", "down_proj"])
-    ids = [1, 5, 9, 33, 2, 77]
+    ids = [1, 5, 9, 33, 2, 77, 6, 8, 100, 31, 45, 12, 3, 4, 7, 150, 2, 9, 10, 11]
     want = hf_logits(pm, ids)
     llm = gd.LLM(tmp_path / "base", device="cuda" if torch.cuda.is_available() else "cpu", dtype="float32",
                  max_model_len=64)
