@@ -88,6 +88,7 @@ def test_base_engine_is_unchanged_by_lora(llama):
     mine, theirs = llm.model.engine(Phase.PREFILL).net, plain.model.engine(Phase.PREFILL).net
     assert [n.op for n in mine.nodes] == [n.op for n in theirs.nodes]
     assert sorted(mine.inputs) == sorted(theirs.inputs)
+    assert mine.to_json() == theirs.to_json()          # what the engine cache key hashes
     lora_net = llm.model.engine(Phase.PREFILL, lora=True).net
     assert sum(n.op == "lora_apply" for n in lora_net.nodes) == 4 * 2      # qkv, o, gate_up, down per layer
     assert "lora_indices" in lora_net.inputs
