@@ -173,3 +173,21 @@ def test_qwen2_adapter_matches_peft(tmp_path):
         ref = pm.generate(input_ids=torch.tensor([ids]), max_new_tokens=4, do_sample=False, eos_token_id=None,
                           attention_mask=torch.ones(1, len(ids), dtype=torch.long))
     assert out[0].outputs[0].token_ids == ref[0, len(ids):].tolist()
+
+
+def test_slot_pool_evicts_the_least_recently_used(llama):
+    llm, ids, refs, paths, _ = llama
+    pool = llm.model.lora
+    for n, p in (("l1", "a"), ("l2", "b"), ("l3", "c")):
+        llm.load_lora(n, paths[p])
+    s1, = pool.slots_for(["l1"])
+    s2, = pool.slots_for(["l2"])
+    assert s1 != s2
+    assert pool.slots_for(["l1", None]) == [s1, -1]          # l1 used again: l2 is now the oldest
+    assert pool.slots_for(["l3"]) == [s2]                      # l3 takes l2's slot
+    assert list(pool.resident())[-2:] == ["l1", "l3"]
+    torch.testing.assert_close(llm.score(ids, lora_request="l2"), refs["b"], atol=2e-4, rtol=2e-4)   # back from the host
+    with pytest.raises(LoRAError, match="a step uses 3 adapters but max_loras=2"):
+        pool.slots_for(["l1", "l2", "l3"])
+    for n in ("l1", "l2", "l3"):
+        llm.remove_lora(n)
