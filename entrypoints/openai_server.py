@@ -387,12 +387,12 @@ def build_app(llm, *, served_model_name: str, api_key: str | None = None):
                 if item[0] == "bad":
                     raise ApiError(400, item[1], "max_tokens")
                 if item[0] == "done":
-                    return _final(item[1], rid, chat, params)
+                    return _final(item[1], rid, chat, params, lora or served_model_name)
         except asyncio.CancelledError:
             engine.abort(tracked)
             raise
 
-    def _final(result, rid: str, chat: bool, params: SamplingParams) -> dict:
+    def _final(result, rid: str, chat: bool, params: SamplingParams, model: str) -> dict:
         choices = []
         for o in result.outputs:
             lp = None
@@ -405,7 +405,7 @@ def build_app(llm, *, served_model_name: str, api_key: str | None = None):
             else:
                 choices.append({"index": o.index, "text": o.text, "logprobs": lp, "finish_reason": fr})
         return {"id": rid, "object": "chat.completion" if chat else "text_completion", "created": int(time.time()),
-                "model": served_model_name, "choices": choices, "usage": _usage(result)}
+                "model": model, "choices": choices, "usage": _usage(result)}
 
     async def _stream(request: Request, tracked: _Tracked, rid: str, chat: bool, include_usage: bool):
         obj = "chat.completion.chunk" if chat else "text_completion"
@@ -413,7 +413,8 @@ def build_app(llm, *, served_model_name: str, api_key: str | None = None):
         first = set()
 
         def chunk(choices, usage=None) -> str:
-            d = {"id": rid, "object": obj, "created": int(time.time()), "model": served_model_name, "choices": choices}
+            d = {"id": rid, "object": obj, "created": int(time.time()), "model": tracked.group.lora or served_model_name,
+                 "choices": choices}
             if include_usage:
                 d["usage"] = usage
             return f"data: {json.dumps(d)}\n\n"

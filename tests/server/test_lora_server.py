@@ -39,6 +39,7 @@ def test_lora_adapters_are_served_as_models(tmp_path):
             r = client.post("/v1/completions", json={"model": model, "prompt": prompt, "max_tokens": 5,
                                                      "temperature": 0, "ignore_eos": True})
             assert r.status_code == 200, r.text
+            assert r.json()["model"] == model
         bad = client.post("/v1/completions", json={"model": "nope", "prompt": prompt, "max_tokens": 2})
         assert bad.status_code == 404 and "tuned" in bad.json()["error"]["message"]
     params = gd.SamplingParams(max_tokens=5, temperature=0, ignore_eos=True)
