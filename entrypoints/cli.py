@@ -369,6 +369,16 @@ def bench_script_path() -> str:
     return os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks", "llm.py")
 
 
+def _lora_arg(text: str) -> tuple[str, str]:
+    """``NAME=PATH`` of a ``--lora`` argument (PATH a PEFT adapter directory)."""
+    name, sep, path = text.partition("=")
+    if not sep or not name or not path:
+        raise argparse.ArgumentTypeError(f"expected NAME=PATH (a PEFT adapter directory), got {text!r}")
+    if not os.path.isdir(path):
+        raise argparse.ArgumentTypeError(f"{path!r} is not a directory (expected a PEFT adapter directory)")
+    return name, path
+
+
 def _serve(args) -> int:
     try:
         import uvicorn
@@ -392,6 +402,10 @@ def _serve(args) -> int:
             raise SystemExit("graphdsl serve: --chat-template needs a model with a tokenizer")
         with open(args.chat_template, encoding="utf-8") as f:
             llm.tokenizer.chat_template = f.read()
+    if args.lora:
+        llm.enable_lora(max_loras=args.max_loras, max_lora_rank=args.max_lora_rank)
+        for lora_name, lora_path in args.lora:
+            llm.load_lora(lora_name, lora_path)
     name = args.served_model_name or os.path.basename(os.path.normpath(args.model))
     app = build_app(llm, served_model_name=name, api_key=args.api_key)
     print(f"serving {name!r} on http://{args.host}:{args.port}/v1 ({llm})", file=sys.stderr, flush=True)
@@ -593,6 +607,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--api-key", type=_text_arg, default=None, help="require 'Authorization: Bearer KEY'")
     p.add_argument("--chat-template", type=_existing_file_arg, default=None,
                    help="a Jinja chat template file to use instead of the model's")
+    p.add_argument("--lora", type=_lora_arg, action="append", default=[], metavar="NAME=PATH",
+                   help="serve the PEFT LoRA adapter at PATH as model NAME (repeatable)")
+    p.add_argument("--max-loras", type=_positive_int, default=4,
+                   help="LoRA adapters on the GPU at once (default 4)")
+    p.add_argument("--max-lora-rank", type=_positive_int, default=16, help="largest LoRA rank accepted (default 16)")
 
     p = _command(sub, "cache", _cache, help="list or clear the on-disk engine cache",
                  description="List the cached engine builds (key, size, date, network name) or delete them. "

@@ -281,6 +281,9 @@ def _kernel_unsupported(node, ins) -> str | None:
     if node.op == "moe_experts":
         from ..kernels.moe import moe_supported
         return moe_supported(*ins)
+    if node.op == "lora_apply":
+        from ..kernels.lora import lora_supported
+        return lora_supported(*ins)
     if node.op == "rope_cache_attention":
         q, k, v, key_cache, value_cache, cos, sin, slot_mapping, block_tables, seq_lens = ins
         if k.dtype not in _KERNEL_DTYPES or v.dtype not in _KERNEL_DTYPES:
@@ -395,6 +398,12 @@ def _moe_experts(be: TritonBackend, node, ins, attrs, dsts):
     return dsts
 
 
+def _lora_apply(be: TritonBackend, node, ins, attrs, dsts):
+    from ..kernels.lora import lora_apply
+    lora_apply(*ins, out=dsts[0], workspace=be.workspace(node, ins, attrs))
+    return dsts
+
+
 def _operands(ins, attrs):
     a, b = ins[0], ins[1]
     return (a.mT if attrs.get("transpose_a") else a), (b.mT if attrs.get("transpose_b") else b)
@@ -447,7 +456,8 @@ def _matmul(be: TritonBackend, node, ins, attrs, dsts):
 
 _LOWERINGS = {"fused": _fused, "add_rms_norm": _add_rms_norm, "silu_mul": _silu_mul, "rope_cache": _rope_cache,
               "paged_attention": _paged_attention, "rope_cache_attention": _rope_cache_attention,
-              "paged_mla_attention": _paged_mla_attention, "moe_experts": _moe_experts,
+              "paged_mla_attention": _paged_mla_attention, "moe_experts": _moe_experts, "lora_apply": _lora_apply,
               "reshape_and_cache": _reshape_and_cache}
 # hand-written kernels; their torch references run on plain CPU
-_KERNEL_OPS = {"paged_attention", "rope_cache_attention", "reshape_and_cache", "paged_mla_attention", "moe_experts"}
+_KERNEL_OPS = {"paged_attention", "rope_cache_attention", "reshape_and_cache", "paged_mla_attention", "moe_experts",
+               "lora_apply"}

@@ -733,6 +733,26 @@ def test_bmm(dtype, ta, tb):
              expect, "symbolic", scale=4.0)
 
 
+@pytest.mark.parametrize("dtype", FLOATS, ids=dt_id)
+def test_lora_apply(dtype):
+    """``y[t] + (x[t]·A[s]ᵀ)·B[s]ᵀ`` per token, ``s = indices[t]`` (-1: y unchanged), against a per-row
+    float64 loop."""
+    def expect(y, x, a, b, idx):
+        rows = [y[t].double() + ((b[:, s].double() @ (a[s].double() @ x[t].double())) if s >= 0 else 0)
+                for t, s in enumerate(idx.tolist())]
+        return torch.stack(rows).to(dtype)
+
+    def make(sz):
+        n = sz["n"]
+        return {"y": randn(n, 7, dtype=dtype), "x": randn(n, 9, dtype=dtype), "a": randn(3, 4, 9, dtype=dtype),
+                "b": randn(7, 3, 4, dtype=dtype),
+                "idx": torch.tensor([(t % 4) - 1 for t in range(n)], dtype=torch.int32)}
+
+    check_op(lambda y, x, a, b, idx: F.lora_apply(y, x, a, b, idx),
+             {"y": (("n", 7), dtype), "x": (("n", 9), dtype), "a": ((3, 4, 9), dtype), "b": ((7, 3, 4), dtype),
+              "idx": (("n",), torch.int32)}, make, expect, "symbolic", scale=4.0)
+
+
 @pytest.mark.parametrize("mode", BOTH)
 @pytest.mark.parametrize("bias", [False, True])
 @pytest.mark.parametrize("hf_layout", [False, True])
@@ -1430,6 +1450,9 @@ SHAPE_ERRORS = {
                         [((2, 6, 8), f32), ((4, 4, 4, 8), f32), ((4, 4, 4, 8), f32), ((2, 3), torch.int32),
                          ((2,), torch.int32)],
                         r"paged_attention: num_heads 6 is not a multiple of num_kv_heads 4"),
+    "lora_rank": (lambda y, x, a, b, i: F.lora_apply(y, x, a, b, i),
+                  [((3, 7), f32), ((3, 9), f32), ((2, 4, 9), f32), ((7, 2, 5), f32), ((3,), torch.int32)],
+                  r"lora_apply: rank of a and b differ: 4 vs 5"),
     "cache_slots": (lambda k, v, kc, vc, s: F.reshape_and_cache(k, v, kc, vc, s),
                     [((3, 2, 8), f32), ((3, 2, 8), f32), ((4, 4, 2, 8), f32), ((4, 4, 2, 8), f32),
                      ((2,), torch.int32)],
