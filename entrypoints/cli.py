@@ -575,7 +575,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = _command(sub, "profile", _profile, help="per-kernel time table of one prefill and one decode step",
                  description="Build MODEL's engines and time every kernel of a prefill of --prompt-tokens random "
-                             "tokens and of a batch-1 decode step (CUDA events on a GPU, host timers on CPU): "
+                             "tokens and of a batch-1 decode step (a CUPTI trace on a GPU, host timers on CPU): "
                              "kernel, fused ops, ms, share of the step, GB/s and TFLOP/s against the measured "
                              "copy bandwidth and matmul rate. --out writes Chrome traces, SVG charts and an HTML page.")
     p.add_argument("model", type=_model_arg, nargs="?", default=None,
