@@ -7,6 +7,7 @@ from .attention import RopeLayout, paged_attention, paged_mla_attention, reshape
 from .collective import all_gather, all_reduce
 from .matmul import bmm, linear, matmul
 from .moe import moe_experts
+from .quant import quant_linear
 from .movement import (cat, embedding, expand, gather, getitem, permute, reshape, slice, split, squeeze,
                        transpose, unsqueeze)
 from .pointwise import (ActType, activation, add, cast, div, eq, exp, ge, gelu, gelu_tanh, gt, le, lt, mul,
@@ -20,7 +21,7 @@ __all__ = [
     # reductions and row ops
     "sum", "mean", "max", "softmax", "argmax", "topk", "rms_norm", "layer_norm",
     # matmul
-    "matmul", "bmm", "linear", "moe_experts",
+    "matmul", "bmm", "linear", "moe_experts", "quant_linear",
     # views and data movement
     "reshape", "permute", "transpose", "unsqueeze", "squeeze", "slice", "expand", "split", "cat", "gather",
     "embedding", "getitem",
