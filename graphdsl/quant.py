@@ -200,13 +200,32 @@ class IntScheme(QuantScheme):
         return out + ((Companion("_zero_point", (out_features, g), None),) if self.zero_point else ())
 
     def dequantize(self, tensors, out_features, in_features, dtype):
-        q = unpack_int4(tensors[0]) if self.bits == 4 else tensors[0]
-        q = q.float()
-        if self.bits == 4:
-            q = q - (tensors[2].float().repeat_interleave(self.group_size, 1) if self.zero_point else 8.0)
-        s = tensors[1].float()
-        s = s.repeat_interleave(self.group_size, 1) if self.group_size is not None else s
-        return (q * s).to(dtype)
+        if self.bits == 8:
+            return (tensors[0].float() * tensors[1].float()).to(dtype)
+        n, g = out_features, self.groups(in_features)
+        q = unpack_int4(tensors[0]).reshape(n, g, self.group_size).float()
+        q = q - (tensors[2].float()[..., None] if self.zero_point else 8.0)
+        return (q * tensors[1].float()[..., None]).reshape(n, in_features).to(dtype)
+
+    def linear(self, x, tensors, out_features, in_features):
+        """``x @ W.T`` with the scales applied to partial sums: ``(x @ q.T) * s`` per channel, and per
+        group ``sum_g s[n, g] * (x_g @ q_g.T - z[n, g] * sum(x_g))`` for a few rows (no dequantized
+        ``W`` is written: the CPU reference stays near the bytes of the codes); more rows
+        dequantize once and multiply."""
+        lead, xf = x.shape[:-1], x.reshape(-1, in_features).float()
+        if self.bits == 8:
+            y = (xf @ tensors[0].float().T) * tensors[1].float().reshape(1, -1)
+        elif xf.shape[0] > 16:
+            y = xf @ self.dequantize(tensors, out_features, in_features, torch.float32).T
+        else:
+            n, g = out_features, self.groups(in_features)
+            q = unpack_int4(tensors[0]).float().reshape(n, g, self.group_size)
+            xg = xf.reshape(-1, g, self.group_size)
+            part = torch.einsum("mgk,ngk->mng", xg, q)
+            zero = tensors[2].float() if self.zero_point else torch.full((1, 1), 8.0, device=part.device)
+            part = part - zero[None] * xg.sum(-1)[:, None, :]
+            y = (part * tensors[1].float()[None]).sum(-1)
+        return y.reshape(*lead, out_features).to(x.dtype)
 
     def quantize(self, weight, dtype=None):
         dtype = dtype or weight.dtype
@@ -236,7 +255,10 @@ def pack_int4(q: torch.Tensor) -> torch.Tensor:
 def unpack_int4(p: torch.Tensor) -> torch.Tensor:
     """Inverse of :func:`pack_int4`: ``[n, k // 2]`` bytes -> ``[n, k]`` uint8 values 0..15."""
     p = p.to(torch.uint8)
-    return torch.stack((p & 15, p >> 4), dim=-1).reshape(p.shape[0], -1)
+    out = torch.empty(p.shape[0], p.shape[1], 2, dtype=torch.uint8, device=p.device)
+    torch.bitwise_and(p, 15, out=out[..., 0])
+    torch.bitwise_right_shift(p, 4, out=out[..., 1])
+    return out.reshape(p.shape[0], -1)
 
 
 # -- names ---------------------------------------------------------------------------------------
