@@ -8,10 +8,10 @@ group-wise symmetric or with zero points, fp8 e4m3 per-tensor or per-channel):
   the same kernel is the dequantize-in-GEMM). It streams its ``[BLOCK_N, K]`` slab of stored
   weights in ``[BLOCK_N, BLOCK_K]`` tiles.
 * **Dequantize in registers.** int4 tiles load ``BLOCK_K / 2`` bytes per row and split the nibbles
-  (``tl.interleave(lo, hi)``: even ``k`` low, odd ``k`` high); the integer codes ``q - z`` (exact in
-  bf16/fp16) and fp8 values (exact in bf16/fp16) enter ``tl.dot`` in the activation dtype, and the
-  scale multiplies the float32 partial product: per group (``BLOCK_K`` divides the group, so one
-  scale per row per tile) or once at the end (per-channel / per-tensor).
+  (``tl.interleave(lo, hi)``: even ``k`` low, odd ``k`` high); group-wise weights become
+  ``(q - z) * s`` per group in registers (a tile holds ``BLOCK_K / GROUP`` groups, or lies inside
+  one) and enter ``tl.dot`` in the activation dtype; per-channel / per-tensor codes (int8 exact in
+  bf16, fp8 e4m3 exact in bf16/fp16) enter as they are and the scale multiplies the float32 result.
 * fp8 with dynamic per-token activations (``-dyn``) quantizes the rows first (the op's semantics)
   and feeds the dequantized rows as float32.
 
@@ -33,6 +33,8 @@ __all__ = ["quant_linear", "quant_linear_supported", "KIND_INT8", "KIND_INT4", "
 
 KIND_INT8, KIND_INT4, KIND_INT4_ZP, KIND_FP8 = 0, 1, 2, 3
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+_DECODE_K = 512            # K step of the decode tiles (benchmarks/quant.py --sweep measures the choice)
+_DECODE_STAGES = 4
 
 
 @triton.jit
@@ -46,7 +48,7 @@ def _quant_linear_kernel(
     stride_xm, stride_sn, stride_om,
     KIND: tl.constexpr,          # KIND_INT8 / KIND_INT4 / KIND_INT4_ZP / KIND_FP8
     GROUPED: tl.constexpr,       # one scale per GROUP inputs (else one per row, applied at the end)
-    GROUP: tl.constexpr,         # inputs per scale when GROUPED (a multiple of BLOCK_K)
+    GROUP: tl.constexpr,         # inputs per scale when GROUPED (a multiple or a divisor of BLOCK_K)
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     EVEN_K: tl.constexpr,        # K % BLOCK_K == 0
     DOT_F32: tl.constexpr,       # multiply in float32 (float32 rows, or the CPU interpreter's bf16 dot)
@@ -73,27 +75,32 @@ def _quant_linear_kernel(
         else:
             a = tl.load(x_rows + kk[None, :], mask=m_ok[:, None] & k_ok[None, :], other=0.0)
         if KIND == 1 or KIND == 2:
-            b = tl.load(q_ptr + rn64[:, None] * (K // 2) + (k0 // 2 + rh)[None, :], mask=n_ok[:, None],
+            kh = k0 // 2 + rh
+            b = tl.load(q_ptr + rn64[:, None] * (K // 2) + kh[None, :], mask=n_ok[:, None] & (kh < K // 2)[None, :],
                         other=0).to(tl.int32)
             q = tl.interleave(b & 15, (b >> 4) & 15).to(tl.float32)
         else:
             # no ``other=``: fp8 has no literal zero here; masked lanes are zeroed after the cast
             q_ok = n_ok[:, None] & k_ok[None, :]
             q = tl.where(q_ok, tl.load(q_ptr + rn64[:, None] * K + kk[None, :], mask=q_ok).to(tl.float32), 0.0)
-        if KIND == 1:
-            q = q - 8.0
-        if KIND == 2:
-            z = tl.load(z_ptr + rn64 * stride_sn + k0 // GROUP, mask=n_ok, other=0.0).to(tl.float32)
-            q = q - z[:, None]
-        if DOT_F32:
-            part = tl.dot(q, tl.trans(a.to(tl.float32)))
-        else:
-            part = tl.dot(q.to(a.dtype), tl.trans(a))
         if GROUPED:
-            s = tl.load(s_ptr + rn64 * stride_sn + k0 // GROUP, mask=n_ok, other=0.0).to(tl.float32)
-            acc += part * s[:, None]
+            # per group: W = (q - z) * s, in registers; NG groups per tile (or one group spans tiles)
+            NG: tl.constexpr = BLOCK_K // GROUP if BLOCK_K >= GROUP else 1
+            gi = k0 // GROUP + tl.arange(0, NG)
+            g_ok = n_ok[:, None] & (gi < (K + GROUP - 1) // GROUP)[None, :]
+            s = tl.load(s_ptr + rn64[:, None] * stride_sn + gi[None, :], mask=g_ok, other=0.0).to(tl.float32)
+            if KIND == 2:
+                z = tl.load(z_ptr + rn64[:, None] * stride_sn + gi[None, :], mask=g_ok, other=0.0).to(tl.float32)
+            elif KIND == 1:
+                z = tl.full([BLOCK_N, NG], 8.0, tl.float32)
+            else:
+                z = tl.zeros([BLOCK_N, NG], tl.float32)
+            q3 = tl.reshape(q, [BLOCK_N, NG, BLOCK_K // NG])
+            q = tl.reshape((q3 - z[:, :, None]) * s[:, :, None], [BLOCK_N, BLOCK_K])
+        if DOT_F32:
+            acc += tl.dot(q, tl.trans(a.to(tl.float32)))
         else:
-            acc += part
+            acc += tl.dot(q.to(a.dtype), tl.trans(a))
     if not GROUPED:
         s = tl.load(s_ptr + rn64 * stride_sn, mask=n_ok, other=0.0).to(tl.float32)
         acc = acc * s[:, None]
@@ -116,14 +123,12 @@ def _num_sms(device: torch.device) -> int:
 def _pick_config(m: int, n: int, k: int, scheme: QuantScheme, device: torch.device) -> dict:
     """Tiles: decode (M <= 16) takes 16-row tiles and the widest column tile that still gives every SM
     two programs; prefill 64 x 64 tiles. ``BLOCK_K`` divides the int4 group."""
-    group = scheme.group_size if isinstance(scheme, IntScheme) and scheme.group_size else None
-    block_k = min(group, 128) if group else 128
     if m <= 16:
-        block_m, block_n = 16, 64
+        block_n = 64
         while block_n > 16 and triton.cdiv(n, block_n) < 2 * _num_sms(device):
             block_n //= 2
-        return dict(BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, num_warps=4, num_stages=4)
-    return dict(BLOCK_M=64, BLOCK_N=64, BLOCK_K=min(block_k, 64), num_warps=4, num_stages=3)
+        return dict(BLOCK_M=16, BLOCK_N=block_n, BLOCK_K=_DECODE_K, num_warps=4, num_stages=_DECODE_STAGES)
+    return dict(BLOCK_M=64, BLOCK_N=64, BLOCK_K=64, num_warps=4, num_stages=3)
 
 
 def quant_linear_supported(x: torch.Tensor, scheme: QuantScheme, stored: list[torch.Tensor]) -> str | None:
@@ -165,8 +170,8 @@ def quant_linear(x: torch.Tensor, stored: list[torch.Tensor], scheme: QuantSchem
     bm, bn, bk = cfg.pop("BLOCK_M"), cfg.pop("BLOCK_N"), cfg.pop("BLOCK_K")
     grouped = isinstance(scheme, IntScheme) and scheme.group_size is not None
     group = scheme.group_size if grouped else bk
-    if grouped and group % bk:
-        raise GraphDSLError(f"quant_linear: BLOCK_K {bk} must divide the group size {group}")
+    if grouped and group % bk and bk % group:
+        raise GraphDSLError(f"quant_linear: BLOCK_K {bk} and the group size {group} must divide one another")
     interp = os.environ.get("TRITON_INTERPRET") == "1"
     _quant_linear_kernel[(triton.cdiv(n, bn), triton.cdiv(m, bm))](
         x, q, s, z, out, m, n, k, x.stride(0), s.stride(0) if s.shape[0] > 1 else 0, out.stride(0),

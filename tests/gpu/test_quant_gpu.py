@@ -38,8 +38,8 @@ def test_fp8_dynamic_prefill_through_scaled_mm():
     stored = s.quantize(torch.randn(512, 1024, device="cuda") * 0.05, torch.bfloat16)
     feed = {"x": torch.randn(64, 1024, device="cuda", dtype=torch.bfloat16),
             **{c.name: t for c, t in zip(p.companions(), stored)}}
-    got = net.build_engine(device="cuda", backend="triton").forward(feed)["y"].float()
-    want = net.build_engine(device="cuda", backend="torch").forward(feed)["y"].float()
+    got = net.build_engine(device="cuda:0", backend="triton").forward(feed)["y"].float()
+    want = net.build_engine(device="cuda:0", backend="torch").forward(feed)["y"].float()
     torch.testing.assert_close(got, want, atol=2e-2 * want.abs().max().item(), rtol=2e-2)
 
 

@@ -57,3 +57,15 @@ def test_triton_backend_lowers_quant_linear(name, monkeypatch):
     assert calls, "the Triton backend did not run the quant_linear kernel"
     want = net.build_engine(device=DEVICE, backend="torch").forward(feed)["y"]
     torch.testing.assert_close(got.float(), want.float(), atol=3e-2, rtol=2e-2)
+
+
+@pytest.mark.parametrize("name", ["int4-g32", "int4-g128-zp"])
+@pytest.mark.parametrize("block_k", [64, 256])
+def test_tiles_across_and_inside_groups(name, block_k):
+    """A K tile holding several groups, or lying inside one, over several K steps."""
+    s = parse_scheme(name)
+    stored = [t.to(DEVICE) for t in s.quantize(torch.randn(20, 512), torch.float32)]
+    x = torch.randn(3, 512).to(DEVICE)
+    want = quant_linear_op.opdef.reference(x, *stored, scheme=name, out_features=20, in_features=512)
+    cfg = dict(BLOCK_M=16, BLOCK_N=16, BLOCK_K=block_k, num_warps=4, num_stages=2)
+    torch.testing.assert_close(quant_linear(x, stored, s, 20, config=cfg), want, atol=1e-4, rtol=1e-4)
