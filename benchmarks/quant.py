@@ -52,6 +52,37 @@ def kernel_rows(shape: str, schemes: list[str], copy: float) -> list[str]:
     return rows
 
 
+def sweep(shape: str, schemes: list[str], copy: float) -> list[str]:
+    """Decode tile configs (BLOCK_N, BLOCK_K, stages) per scheme: the summed µs over the shape's
+    projections, best first (how ``_DECODE_K`` / ``_DECODE_STAGES`` were chosen)."""
+    import itertools
+
+    from graphdsl.quant import online_scheme
+    from graphdsl.runtime.kernels.quant_linear import quant_linear
+    c = SHAPES[shape]
+    h, i = c["hidden_size"], c["intermediate_size"]
+    hd = c.get("head_dim") or h // c["num_attention_heads"]
+    projs = [((c["num_attention_heads"] + 2 * c["num_key_value_heads"]) * hd, h), (h, h), (2 * i, h), (h, i)]
+    rows = []
+    for name in schemes:
+        s = online_scheme(name)
+        data = []
+        for n, k in projs:
+            stored = s.quantize(torch.randn(n, k, device="cuda", dtype=torch.bfloat16))
+            data.append((n, stored, torch.randn(1, k, device="cuda", dtype=torch.bfloat16)))
+        results = []
+        for bn, bk, st in itertools.product((16, 32), (256, 512, 1024), (3, 4)):
+            cfg = dict(BLOCK_M=16, BLOCK_N=bn, BLOCK_K=bk, num_warps=4, num_stages=st)
+            us = [bench_ms(lambda: quant_linear(x, stored, s, n, config=cfg)) * 1e3 for n, stored, x in data]
+            results.append((sum(us), bn, bk, st, us))
+        results.sort()
+        for tot, bn, bk, st, us in results[:4]:
+            rows.append(f"| {s.name} | BLOCK_N={bn} BLOCK_K={bk} stages={st} | {tot:.1f} | "
+                        + " ".join(f"{u:.1f}" for u in us) + " |")
+            _log(rows[-1])
+    return rows
+
+
 def stored_bytes(llm) -> int:
     """Bytes one decode step must read of the weights: every parameter as stored (a quantized one's
     companions) but the embedding table; a tied lm_head counts the table once."""
@@ -110,6 +141,8 @@ def main(argv=None) -> int:
     ap.add_argument("--schemes", nargs="+", default=["int4", "fp8", "int8"])
     ap.add_argument("--no-peer", action="store_true")
     ap.add_argument("--no-kernels", action="store_true")
+    ap.add_argument("--no-e2e", action="store_true")
+    ap.add_argument("--sweep", action="store_true", help="also sweep the decode tile configs")
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
     copy = copy_bandwidth_gbs()
@@ -118,6 +151,12 @@ def main(argv=None) -> int:
     if not args.no_kernels:
         lines += ["| scheme | projection | µs | GB/s | % of copy |", "|---|---|---|---|---|"]
         lines += kernel_rows(args.shape, [s for s in args.schemes], copy) + [""]
+    if args.sweep:
+        lines += ["| scheme | decode config | total µs | per projection µs |", "|---|---|---|---|"]
+        lines += sweep(args.shape, args.schemes, copy) + [""]
+    if args.no_e2e:
+        print("\n".join(lines))
+        return 0
     lines += ["| model | weights GB | roofline ms | engine step ms | % roofline | LLM.generate ms/token | % roofline |",
               "|---|---|---|---|---|---|---|"]
     for q in [None] + list(args.schemes):
