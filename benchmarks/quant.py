@@ -71,9 +71,13 @@ def sweep(shape: str, schemes: list[str], copy: float) -> list[str]:
             stored = s.quantize(torch.randn(n, k, device="cuda", dtype=torch.bfloat16))
             data.append((n, stored, torch.randn(1, k, device="cuda", dtype=torch.bfloat16)))
         results = []
-        for bn, bk, st in itertools.product((16, 32), (256, 512, 1024), (3, 4)):
+        for bn, bk, st in itertools.product((16, 32), (256, 512, 1024), (2, 4)):
             cfg = dict(BLOCK_M=16, BLOCK_N=bn, BLOCK_K=bk, num_warps=4, num_stages=st)
-            us = [bench_ms(lambda: quant_linear(x, stored, s, n, config=cfg)) * 1e3 for n, stored, x in data]
+            try:
+                us = [bench_ms(lambda: quant_linear(x, stored, s, n, config=cfg)) * 1e3 for n, stored, x in data]
+            except Exception as e:  # noqa: BLE001 - a config past the shared memory / registers: skip it
+                _log(f"{s.name} {cfg}: {type(e).__name__}: {str(e)[:120]}")
+                continue
             results.append((sum(us), bn, bk, st, us))
         results.sort()
         for tot, bn, bk, st, us in results[:4]:

@@ -88,7 +88,8 @@ class LLM:
         overlap: schedule and launch step N+1 before reading step N's tokens (``False``, or
             ``GRAPHDSL_OVERLAP=0``, reads each step's tokens first: same results, for debugging).
         quantization: quantize the linear weights (all but ``lm_head``) while loading: ``"fp8"``
-            (e4m3 per-channel, dynamic per-token activations), ``"int8"`` (weight-only per-channel),
+            (e4m3 per-channel weight-only; ``"fp8-channel-dyn"`` adds dynamic per-token fp8
+            activations and FP8 tensor-core prefill), ``"int8"`` (weight-only per-channel),
             ``"int4"`` (weight-only, groups of 128, symmetric), or a scheme name such as
             ``"int4-g64-zp"`` (:mod:`graphdsl.quant`; docs/quantization.md).
 

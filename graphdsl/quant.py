@@ -40,7 +40,7 @@ FP8_MAX = 448.0          # largest finite float8 e4m3fn
 class QuantMethod(enum.Enum):
     """The online quantization methods (``LLM(..., quantization=...)``, ``--quantization``)."""
 
-    FP8 = "fp8"      # fp8 e4m3 weights, per-channel scales, dynamic per-token activation scales
+    FP8 = "fp8"      # fp8 e4m3 weights, per-channel scales (weight-only; fp8-channel-dyn adds activations)
     INT8 = "int8"    # int8 weight-only, per-channel scales
     INT4 = "int4"    # int4 weight-only, groups of 128, symmetric
 
@@ -323,7 +323,7 @@ def online_scheme(method) -> QuantScheme:
     if not isinstance(method, str):
         raise GraphDSLError(f"quantization must be one of {[m.value for m in QuantMethod]} or a scheme name, "
                             f"got {method!r}")
-    defaults = {QuantMethod.FP8.value: Fp8Scheme(True, True), QuantMethod.INT8.value: IntScheme(8, None, False),
+    defaults = {QuantMethod.FP8.value: Fp8Scheme(True, False), QuantMethod.INT8.value: IntScheme(8, None, False),
                 QuantMethod.INT4.value: IntScheme(4, 128, False)}
     if method in defaults:
         return defaults[method]

@@ -19,7 +19,8 @@ def checkpoint(tmp_path_factory):
 
 
 @pytest.mark.parametrize("quantization,scheme", [("int8", "int8-channel"), ("int4", "int4-g64 int4-g32"),
-                                                 ("int4-g32-zp", None), ("fp8", "fp8-channel-dyn")])
+                                                 ("int4-g32-zp", None), ("fp8", "fp8-channel"),
+                                                 ("fp8-channel-dyn", None)])
 def test_quantized_llm_scores_like_dequantized_transformers(checkpoint, quantization, scheme):
     path, hf = checkpoint
     llm = gd.LLM(path, device="cpu", quantization=quantization, max_model_len=64, max_num_seqs=1)
