@@ -40,6 +40,7 @@ def test_triton_backend_lowers_quant_linear(name, monkeypatch):
     reference; both agree."""
     from graphdsl import Network, Parameter, Tensor
     from graphdsl import functional as F
+    torch.manual_seed(0)
     s = parse_scheme(name)
     with Network("q") as net:
         p = Parameter((48, 64), torch.bfloat16, name="proj.weight").quantize(s)
@@ -56,7 +57,7 @@ def test_triton_backend_lowers_quant_linear(name, monkeypatch):
     got = triton_engine.forward(feed)["y"]
     assert calls, "the Triton backend did not run the quant_linear kernel"
     want = net.build_engine(device=DEVICE, backend="torch").forward(feed)["y"]
-    torch.testing.assert_close(got.float(), want.float(), atol=3e-2, rtol=2e-2)
+    torch.testing.assert_close(got.float(), want.float(), atol=2e-2 * want.float().abs().max().item(), rtol=2e-2)
 
 
 @pytest.mark.parametrize("name", ["int4-g32", "int4-g128-zp"])
