@@ -116,17 +116,11 @@ def _kind(scheme: QuantScheme) -> int | None:
     return None
 
 
-def _num_sms(device: torch.device) -> int:
-    return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 4
-
-
 def _pick_config(m: int, n: int, k: int, scheme: QuantScheme, device: torch.device) -> dict:
-    """Tiles: decode (M <= 16) takes 16 x 32 x 512 tiles, 4 stages (best total over the Llama-3-8B
-    projections of the H200 sweep in ``benchmarks/quant.py --sweep``; 16 columns when 32 would leave
-    SMs idle); prefill 64 x 64 x 64 tiles."""
+    """Tiles: decode (M <= 16) takes 16 x 32 x 512 tiles, 4 stages (the best total over the
+    Llama-3-8B projections of the H200 sweep in ``benchmarks/quant.py --sweep``); prefill 64 x 64 x 64."""
     if m <= 16:
-        block_n = 32 if triton.cdiv(n, 32) >= _num_sms(device) else 16
-        return dict(BLOCK_M=16, BLOCK_N=block_n, BLOCK_K=_DECODE_K, num_warps=4, num_stages=_DECODE_STAGES)
+        return dict(BLOCK_M=16, BLOCK_N=32, BLOCK_K=_DECODE_K, num_warps=4, num_stages=_DECODE_STAGES)
     return dict(BLOCK_M=64, BLOCK_N=64, BLOCK_K=64, num_warps=4, num_stages=3)
 
 
