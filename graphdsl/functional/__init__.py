@@ -7,11 +7,11 @@ from .attention import RopeLayout, paged_attention, paged_mla_attention, reshape
 from .collective import all_gather, all_reduce
 from .matmul import bmm, linear, matmul
 from .moe import moe_experts
-from .quant import quant_linear
-from .movement import (cat, embedding, expand, gather, getitem, permute, reshape, slice, split, squeeze,
-                       transpose, unsqueeze)
+from .movement import (cat, embedding, expand, gather, getitem, index_mask, permute, reshape, slice, split,
+                       squeeze, transpose, unsqueeze)
 from .pointwise import (ActType, activation, add, cast, div, eq, exp, ge, gelu, gelu_tanh, gt, le, lt, mul,
                         ne, neg, pow, relu, rsqrt, scalar, sigmoid, silu, sqrt, sub, tanh, where)
+from .quant import quant_linear
 from .reduction import argmax, layer_norm, max, mean, rms_norm, softmax, sum, topk
 
 __all__ = [
@@ -24,7 +24,7 @@ __all__ = [
     "matmul", "bmm", "linear", "moe_experts", "quant_linear",
     # views and data movement
     "reshape", "permute", "transpose", "unsqueeze", "squeeze", "slice", "expand", "split", "cat", "gather",
-    "embedding", "getitem",
+    "embedding", "getitem", "index_mask",
     # attention
     "RopeLayout", "rope", "reshape_and_cache", "paged_attention", "paged_mla_attention",
     # collectives

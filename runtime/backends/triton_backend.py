@@ -100,30 +100,37 @@ class TritonBackend:
         return sum(1 for n in nodes if n.category is not OpCategory.VIEW)
 
     # -- run -----------------------------------------------------------------------------------
-    def run(self, nodes, values: dict, attrs: dict, storage: dict) -> None:
+    def run(self, nodes, values: dict, attrs: dict, storage: dict, after=None) -> None:
+        """Execute ``nodes`` in order (arguments as :meth:`TorchBackend.run`); ``after(node, values)``,
+        when given, runs after each node (taps copy there, profiles record events there)."""
         self._run_nodes = nodes
         self._storage = storage
         for node in nodes:
-            ins = [values[t] for t in node.inputs]
-            on_cpu = bool(ins) and ins[0].device.type == "cpu" and not _interpreting()
-            if node.op in _KERNEL_OPS and (on_cpu or _kernel_unsupported(node, ins)):
-                self._reference.run([node], values, attrs, storage)
-                continue
-            if on_cpu and (node.op in _LOWERINGS or self._lone_fusable(node)):
-                raise GraphDSLError(f"backend 'triton' runs on CUDA, or on CPU with TRITON_INTERPRET=1; node "
-                                    f"'{node.name}' ({node.op}) got CPU tensors (use backend='torch' on CPU)")
-            lower = _LOWERINGS.get(node.op)
-            if lower is None and node.category is OpCategory.MATMUL:
-                lower = _matmul
-            if lower is None and self._lone_fusable(node):
-                lower = _single
-            if lower is None:
-                self._reference.run([node], values, attrs, storage)
-                continue
-            dsts = [self._dst(t, storage, node, attrs[node], ins, i) for i, t in enumerate(node.outputs)]
-            outs = lower(self, node, ins, attrs[node], dsts)
-            for t, r in zip(node.outputs, outs):
-                values[t] = r
+            self._run_one(node, values, attrs, storage)
+            if after is not None:
+                after(node, values)
+
+    def _run_one(self, node, values: dict, attrs: dict, storage: dict) -> None:
+        ins = [values[t] for t in node.inputs]
+        on_cpu = bool(ins) and ins[0].device.type == "cpu" and not _interpreting()
+        if node.op in _KERNEL_OPS and (on_cpu or _kernel_unsupported(node, ins)):
+            self._reference.run([node], values, attrs, storage)
+            return
+        if on_cpu and (node.op in _LOWERINGS or self._lone_fusable(node)):
+            raise GraphDSLError(f"backend 'triton' runs on CUDA, or on CPU with TRITON_INTERPRET=1; node "
+                                f"'{node.name}' ({node.op}) got CPU tensors (use backend='torch' on CPU)")
+        lower = _LOWERINGS.get(node.op)
+        if lower is None and node.category is OpCategory.MATMUL:
+            lower = _matmul
+        if lower is None and self._lone_fusable(node):
+            lower = _single
+        if lower is None:
+            self._reference.run([node], values, attrs, storage)
+            return
+        dsts = [self._dst(t, storage, node, attrs[node], ins, i) for i, t in enumerate(node.outputs)]
+        outs = lower(self, node, ins, attrs[node], dsts)
+        for t, r in zip(node.outputs, outs):
+            values[t] = r
 
     def step_constant(self, t) -> bool:
         """Whether tensor ``t`` is written by none of the nodes this backend runs: a graph input (bound

@@ -451,6 +451,36 @@ def test_cast_rejects_unknown_dtype_name():
             F.cast(x, "float128")
 
 
+@pytest.mark.parametrize("act", [F.ActType.SWIGLU, F.ActType.GEGLU])
+def test_moe_experts(act):
+    """``moe_experts`` against a per-token loop over each token's chosen experts."""
+    E, H, I = 4, 8, 6
+
+    def graph_fn(x, routing, gate_up, down):
+        return (F.moe_experts(x, routing, gate_up, down, act=act, top_k=2),)
+
+    def make(sz):
+        scores = torch.rand(sz["n"], E)
+        top = scores.topk(2, dim=-1).indices
+        routing = torch.zeros_like(scores).scatter(1, top, scores.gather(1, top))
+        return {"x": torch.randn(sz["n"], H), "routing": routing, "gate_up": torch.randn(E, 2 * I, H) * 0.3,
+                "down": torch.randn(E, H, I) * 0.3}
+
+    def expect(x, routing, gate_up, down):
+        fn = torch.nn.functional.silu if act is F.ActType.SWIGLU else \
+            (lambda g: torch.nn.functional.gelu(g, approximate="tanh"))
+        out = torch.zeros_like(x)
+        for t in range(x.shape[0]):
+            for e in routing[t].nonzero().flatten().tolist():
+                g, u = (gate_up[e] @ x[t]).chunk(2)
+                out[t] += routing[t, e] * (down[e] @ (fn(g) * u))
+        return out
+
+    check_op(graph_fn, {"x": (("n", H), torch.float32), "routing": (("n", E), torch.float32),
+                        "gate_up": ((E, 2 * I, H), torch.float32), "down": ((E, H, I), torch.float32)},
+             make, expect, "symbolic", scale=10.0)
+
+
 COMPARE = {"lt": (F.lt, operator.lt), "le": (F.le, operator.le), "gt": (F.gt, operator.gt),
            "ge": (F.ge, operator.ge), "eq": (F.eq, operator.eq), "ne": (F.ne, operator.ne)}
 
@@ -903,6 +933,24 @@ def test_gather(dim, ishape, idtype, mode):
 
     check_op(lambda x, i: F.gather(x, dim, i), {"x": (xshape, torch.float32), "i": (ishape, idtype)},
              make, expect, mode, sizes)
+
+
+@pytest.mark.parametrize("mode", BOTH)
+@pytest.mark.parametrize("idtype", [torch.int32, torch.int64], ids=dt_id)
+def test_index_mask(idtype, mode):
+    """mask[t, j] = j in ids[t]: a top-k's chosen set as a dense mask (repeated ids count once)."""
+    sizes = ({"n": 1}, {"n": 6}) if mode == "static" else ({"n": 3}, {"n": 17})
+
+    def make(sz):
+        return {"i": torch.randint(0, 9, (sz["n"], 3), dtype=idtype)}
+
+    def expect(i):
+        return torch.stack([(i == j).any(-1) for j in range(9)], -1)
+
+    check_op(lambda i: F.index_mask(i, 9), {"i": (("n", 3), idtype)}, make, expect, mode, sizes)
+    with pytest.raises(GraphDSLError, match="size must be a positive int, got 0"):
+        with Network():
+            F.index_mask(Tensor("i", (4, 2), torch.int64), 0)
 
 
 @pytest.mark.parametrize("mode", BOTH)
