@@ -367,9 +367,10 @@ def measure_graphdsl(shape: str, *, hf: dict | None = None, device="cuda", dtype
 
 # -- the transformers peer ----------------------------------------------------------------------
 def measure_peer(shape: str, *, hf: dict | None = None, device="cuda", dtype=torch.bfloat16, timer=bench_ms,
-                 compile_mode: str | None = "reduce-overhead", context: int = CONTEXT) -> dict:
+                 compile_mode: str | None = "reduce-overhead", context: int = CONTEXT, prepare=None) -> dict:
     """Batch-1 decode of ``transformers`` at ``context`` tokens: static cache, torch.compile
-    (reduce-overhead: CUDA graphs), same config, random weights made on the device."""
+    (reduce-overhead: CUDA graphs), same config, random weights made on the device; ``prepare(model)``
+    transforms the model first (benchmarks/quant.py: torchao quantization)."""
     import transformers
     hf = dict(SHAPES[shape] if hf is None else hf)
     model_type = hf.pop("model_type")
@@ -379,6 +380,8 @@ def measure_peer(shape: str, *, hf: dict | None = None, device="cuda", dtype=tor
     t0 = time.perf_counter()
     with torch.device(device):
         model = transformers.AutoModelForCausalLM.from_config(cfg, dtype=dtype).eval()
+    if prepare is not None:
+        prepare(model)
     _sync(device)
     _log(f"peer: transformers {transformers.__version__} {type(model).__name__} on {device} in "
          f"{time.perf_counter() - t0:.1f}s")

@@ -70,6 +70,16 @@ def _positive_int(value: str) -> int:
     return n
 
 
+def _quantization_arg(value: str) -> str:
+    from graphdsl.errors import GraphDSLError
+    from graphdsl.quant import online_scheme
+    try:
+        online_scheme(value)
+    except GraphDSLError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+    return value
+
+
 def _text_arg(value: str) -> str:
     if not value:
         raise argparse.ArgumentTypeError("must not be empty")
@@ -156,7 +166,7 @@ def _load(args):
     t0 = time.monotonic()
     print(f"loading {args.model} on {device} ...", file=sys.stderr, flush=True)
     llm = gd.LLM(args.model, device=device, dtype=args.dtype, max_model_len=args.max_model_len, max_num_seqs=1,
-                 custom_module_map=args.custom_module_map, progress=True)
+                 custom_module_map=args.custom_module_map, progress=True, quantization=args.quantization)
     print(f"loaded {llm} in {time.monotonic() - t0:.1f}s", file=sys.stderr, flush=True)
     return llm
 
@@ -396,7 +406,8 @@ def _serve(args) -> int:
     device = args.device or default_device()
     print(f"loading {args.model} on {device} ...", file=sys.stderr, flush=True)
     llm = gd.LLM(args.model, device=device, dtype=args.dtype, max_model_len=args.max_model_len,
-                 max_num_seqs=args.max_num_seqs, custom_module_map=args.custom_module_map, progress=True)
+                 max_num_seqs=args.max_num_seqs, custom_module_map=args.custom_module_map, progress=True,
+                 quantization=args.quantization)
     if args.chat_template:
         if llm.tokenizer is None:
             raise SystemExit("graphdsl serve: --chat-template needs a model with a tokenizer")
@@ -495,6 +506,9 @@ def _add_runtime(p: argparse.ArgumentParser, model: bool = True) -> None:
         p.add_argument("--dtype", default=None, choices=["float32", "float16", "bfloat16"],
                        help="compute dtype (default: float32 on CPU, the checkpoint's on CUDA)")
         p.add_argument("--max-model-len", type=_positive_int, default=None, help="longest prompt + output in tokens")
+    p.add_argument("--quantization", type=_quantization_arg, default=None,
+                   help="quantize the linear weights while loading: fp8, int8, int4 or a scheme name such as "
+                        "int4-g64-zp (docs/quantization.md)")
     p.add_argument("--threads", type=_positive_int, default=None, help="torch CPU threads (default: torch's choice)")
     _add_module_map(p)
 

@@ -16,8 +16,9 @@ from typing import Iterable, Iterator, Sequence
 import torch
 
 from graphdsl.errors import GraphDSLError
-from graphdsl.layers import Phase
+from graphdsl.layers import Phase, quantize_linears, quantize_weights
 from graphdsl.models.executor import ModelExecutor
+from graphdsl.quant import online_scheme
 from graphdsl.runtime.device import check_device, default_device
 from graphdsl.runtime.loaders.checkpoint import CheckpointFormat, checkpoint_format
 from graphdsl.runtime.loaders.generation_config import gguf_generation_config, read_generation_config
@@ -88,6 +89,11 @@ class LLM:
             variable ``GRAPHDSL_CUDA_GRAPHS=0``, runs them eagerly, for debugging).
         overlap: schedule and launch step N+1 before reading step N's tokens (``False``, or
             ``GRAPHDSL_OVERLAP=0``, reads each step's tokens first: same results, for debugging).
+        quantization: quantize the linear weights (all but ``lm_head``) while loading: ``"fp8"``
+            (e4m3 per-channel weight-only; ``"fp8-channel-dyn"`` adds dynamic per-token fp8
+            activations and FP8 tensor-core prefill), ``"int8"`` (weight-only per-channel),
+            ``"int4"`` (weight-only, groups of 128, symmetric), or a scheme name such as
+            ``"int4-g64-zp"`` (:mod:`graphdsl.quant`; docs/quantization.md).
 
     ``num_preemptions`` counts requests pushed out of the KV cache (and recomputed later) so far,
     ``num_steps`` the model steps run. ``generation_config`` holds the sampling settings the
@@ -99,7 +105,8 @@ class LLM:
                  max_model_len: int | None = None, max_num_seqs: int = 4, max_num_batched_tokens: int | None = None,
                  kv_cache_memory_fraction: float | None = None, num_kv_blocks: int | None = None, block_size: int = 16,
                  custom_module_map: str | os.PathLike | None = None, tensor_parallel_size: int = 1,
-                 progress: bool = False, cuda_graphs: bool = True, overlap: bool = True):
+                 progress: bool = False, cuda_graphs: bool = True, overlap: bool = True,
+                 quantization: str | None = None):
         _check_sizes(tensor_parallel_size, max_num_seqs, block_size, max_model_len, max_num_batched_tokens,
                      num_kv_blocks)
         _check_fraction(kv_cache_memory_fraction)
@@ -116,8 +123,11 @@ class LLM:
             hf = read_hf_config(path)
         self.generation_config = gguf_generation_config(ckpt.metadata, path) if gguf else read_generation_config(path)
         config, model_obj, dtype = self._architecture(hf, device, dtype, max_model_len)
+        scheme = _quantize_model(model_obj, quantization)
         tensors = ckpt.iter_tensors(dtype, device=device) if gguf else _iter_dir(path, dtype)
         weights = load_weights(model_obj, tensors, device=device, dtype=dtype, progress=progress)
+        if scheme is not None:
+            weights = quantize_weights(model_obj, weights, dtype)
         self.gguf = gguf
         self._setup(config, model_obj, weights, _load_tokenizer(ckpt if gguf else None, path), device=device,
                     dtype=dtype, max_model_len=max_model_len, max_num_seqs=max_num_seqs,
@@ -129,7 +139,7 @@ class LLM:
                     init_std: float = 0.02, max_model_len: int | None = None, max_num_seqs: int = 4,
                     max_num_batched_tokens: int | None = None, kv_cache_memory_fraction: float | None = None,
                     num_kv_blocks: int | None = None, block_size: int = 16, cuda_graphs: bool = True,
-                    overlap: bool = True) -> "LLM":
+                    overlap: bool = True, quantization: str | None = None) -> "LLM":
         """A model of ``hf_config``'s architecture (a HF ``config.json`` as a dict) with random
         weights made directly on ``device``: matrices and embeddings ~ N(0, ``init_std``), norm
         weights 1, biases 0. No checkpoint, no tokenizer (prompts are token ids) — for benchmarks
@@ -146,7 +156,10 @@ class LLM:
         self = cls.__new__(cls)
         self.generation_config = {}
         config, model_obj, dtype = self._architecture(dict(hf_config), device, dtype, max_model_len)
+        scheme = _quantize_model(model_obj, quantization)
         weights = _random_weights(model_obj, device, dtype, seed, float(init_std))
+        if scheme is not None:
+            weights = quantize_weights(model_obj, weights, dtype)
         self.gguf = False
         self._setup(config, model_obj, weights, None, device=device, dtype=dtype, max_model_len=max_model_len,
                     max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
@@ -523,6 +536,15 @@ def _pick_dtype(dtype, device: torch.device, config: ModelConfig) -> torch.dtype
     if isinstance(dtype, str) and dtype in _DTYPES:
         return _DTYPES[dtype]
     raise GraphDSLError(f"dtype must be one of {sorted(_DTYPES)} (or a matching torch dtype), got {dtype!r}")
+
+
+def _quantize_model(model: FlashCausalLM, quantization):
+    """Mark ``model``'s linears with the online scheme of ``quantization`` (None: leave them)."""
+    if quantization is None:
+        return None
+    scheme = online_scheme(quantization)
+    quantize_linears(model, quantization)
+    return scheme
 
 
 def _iter_dir(path: str, dtype) -> Iterable[tuple[str, torch.Tensor]]:

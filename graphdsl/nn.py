@@ -28,16 +28,43 @@ class Parameter(Tensor):
         name: only for parameters used outside a Module; a module tree names its own.
     """
 
-    __slots__ = ("shard_dim",)
+    __slots__ = ("shard_dim", "quant", "_companions")
 
     def __init__(self, shape, dtype=None, shard_dim: int | None = None, name: str = "<unnamed parameter>"):
         super().__init__(name, shape, dtype)
         if shard_dim is not None and (not isinstance(shard_dim, int) or not -len(self.shape) <= shard_dim < len(self.shape)):
             raise GraphDSLError(f"Parameter shard_dim must be a dim of shape {list(self.shape)}, got {shard_dim!r}")
         self.shard_dim = shard_dim
+        self.quant = None
+        self._companions = None
+
+    def quantize(self, scheme) -> "Parameter":
+        """Store this ``[out, in]`` weight in quantization ``scheme`` (a :class:`~graphdsl.quant.QuantScheme`
+        or its name; ``None`` undoes it). Its data then lives in companion parameters named
+        ``<name><suffix>`` (:meth:`companions`), which ``F.linear`` reads through ``quant_linear``."""
+        from .quant import QuantScheme, parse_scheme
+        if scheme is not None:
+            scheme = scheme if isinstance(scheme, QuantScheme) else parse_scheme(scheme)
+            scheme.check(self.name, tuple(self.shape))
+        self.quant, self._companions = scheme, None
+        return self
+
+    def companions(self) -> list["Parameter"]:
+        """The stored tensors of a quantized weight, named after this parameter's current name
+        (empty when not quantized)."""
+        if self.quant is None:
+            return []
+        key = (self.name, self.quant)
+        if self._companions is None or self._companions[0] != key:
+            out, inp = self.shape
+            made = [Parameter(c.shape, c.dtype if c.dtype is not None else self.dtype, self.shard_dim,
+                              name=f"{self.name}{c.suffix}") for c in self.quant.companions(out, inp)]
+            self._companions = (key, made)
+        return self._companions[1]
 
     def __repr__(self):
-        return f"Parameter({self.name!r}, shape={list(self.shape)}, dtype={self.dtype}, shard_dim={self.shard_dim})"
+        q = f", quant={self.quant.name}" if self.quant is not None else ""
+        return f"Parameter({self.name!r}, shape={list(self.shape)}, dtype={self.dtype}, shard_dim={self.shard_dim}{q})"
 
 
 class Module:

@@ -379,6 +379,13 @@ class Engine:
             lines.append(f"  {r}: fused {applied.get(r, 0)}, near misses {len(misses)}")
             for m in misses:
                 lines.append(f"    - {m}")
+        schemes: dict[str, int] = {}
+        for n in self.net.nodes:
+            if n.op == "quant_linear":
+                schemes[n.attrs["scheme"]] = schemes.get(n.attrs["scheme"], 0) + 1
+        if schemes and rule is None:
+            lines.append("  quantized linears (quant_linear, no GEMV epilogue fusion): "
+                         + ", ".join(f"{k} x{v}" for k, v in sorted(schemes.items())))
         if len(lines) == 1:
             lines.append("  nothing to report")
         return "\n".join(lines)

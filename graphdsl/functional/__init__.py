@@ -12,6 +12,7 @@ from .movement import (cat, embedding, expand, gather, getitem, index_mask, perm
                        squeeze, transpose, unsqueeze)
 from .pointwise import (ActType, activation, add, cast, div, eq, exp, ge, gelu, gelu_tanh, gt, le, lt, mul,
                         ne, neg, pow, relu, rsqrt, scalar, sigmoid, silu, sqrt, sub, tanh, where)
+from .quant import quant_linear
 from .reduction import argmax, layer_norm, max, mean, rms_norm, softmax, sum, topk
 
 __all__ = [
@@ -21,7 +22,7 @@ __all__ = [
     # reductions and row ops
     "sum", "mean", "max", "softmax", "argmax", "topk", "rms_norm", "layer_norm",
     # matmul
-    "matmul", "bmm", "linear", "moe_experts", "lora_apply",
+    "matmul", "bmm", "linear", "moe_experts", "lora_apply", "quant_linear",
     # views and data movement
     "reshape", "permute", "transpose", "unsqueeze", "squeeze", "slice", "expand", "split", "cat", "gather",
     "embedding", "getitem", "index_mask",

@@ -43,6 +43,8 @@ def linear(x, weight, bias=None, transpose_a: bool = False, transpose_b: bool = 
     """x @ weight (+ bias) — seed semantics: without transposes, ``weight`` is [in, out].
 
     HF checkpoints (and ``torch.nn.functional.linear``) store [out, in]: pass ``transpose_b=True``.
+    A quantized :class:`~graphdsl.Parameter` (``weight.quant`` set) records ``quant_linear`` on its
+    companions instead of ``matmul``.
     """
     if not transpose_b and x.shape is not None and weight.shape is not None and len(weight.shape) >= 2 \
             and len(x.shape) >= 1:
@@ -51,5 +53,13 @@ def linear(x, weight, bias=None, transpose_a: bool = False, transpose_b: bool = 
               f"x {shape_str(x.shape)} @ weight {shape_str(weight.shape)}: inner dims differ ({k} vs "
               f"{weight.shape[-2]}). graphdsl's F.linear computes x @ weight (weight [in, out], the seed's "
               "layout); this weight looks like torch's [out, in]: pass transpose_b=True")
-    out = matmul(x, weight, transpose_a=transpose_a, transpose_b=transpose_b)
+    scheme = getattr(weight, "quant", None)
+    if scheme is not None:
+        check(transpose_b and not transpose_a, "linear",
+              f"quantized weight '{weight.name}' ({scheme.name}) is [out, in]: pass transpose_b=True, no transpose_a")
+        from .quant import quant_linear
+        out_f, in_f = weight.shape
+        out = quant_linear(x, *weight.companions(), scheme=scheme.name, out_features=out_f, in_features=in_f)
+    else:
+        out = matmul(x, weight, transpose_a=transpose_a, transpose_b=transpose_b)
     return out if bias is None else out + bias

@@ -12,8 +12,9 @@ Per node, by what the node is:
   writing the cache; ``reshape_and_cache`` — the Triton cache-write kernel, in place;
   ``paged_mla_attention`` — :func:`~graphdsl.runtime.kernels.paged_mla_attention.paged_mla_attention`
   (its split scratch kept like the decode's); ``moe_experts`` — the sparse grouped-GEMM experts
-  (:mod:`graphdsl.runtime.kernels.moe`). On CPU without ``TRITON_INTERPRET=1`` these five run
-  their torch references instead;
+  (:mod:`graphdsl.runtime.kernels.moe`); ``quant_linear`` — the dequantize-in-GEMV/GEMM kernel
+  (:mod:`graphdsl.runtime.kernels.quant_linear`; ``torch._scaled_mm`` for fp8 W8A8 prefill on
+  Hopper). On CPU without ``TRITON_INTERPRET=1`` these six run their torch references instead;
 * matmuls of weights ``[N, K]`` (``transpose_b``) by at most 16 fp16/bf16 rows — the decode GEMV
   (:mod:`graphdsl.runtime.kernels.gemv`), bias, residual or SwiGLU (``matmul_silu_mul``) in its
   epilogue; other matmuls — ``torch.matmul(..., out=slot)`` / ``torch.addmm`` (cuBLAS on CUDA, its
@@ -278,6 +279,14 @@ def _kernel_unsupported(node, ins) -> str | None:
         return _attention_unsupported(*ins)
     if node.op == "paged_mla_attention":
         return _mla_unsupported(*ins, value_dim=node.attrs["value_dim"])
+    if node.op == "quant_linear":
+        from graphdsl.quant import parse_scheme
+
+        from ..kernels.quant_linear import quant_linear_supported
+        x = ins[0]
+        if x.dim() < 1 or not x.is_contiguous():
+            return "x is not contiguous"
+        return quant_linear_supported(x.reshape(-1, x.shape[-1]), parse_scheme(node.attrs["scheme"]), list(ins[1:]))
     if node.op == "moe_experts":
         from ..kernels.moe import moe_supported
         return moe_supported(*ins)
@@ -404,6 +413,32 @@ def _lora_apply(be: TritonBackend, node, ins, attrs, dsts):
     return dsts
 
 
+def _quant_linear(be: TritonBackend, node, ins, attrs, dsts):
+    """``quant_linear``: the dequantize-in-GEMV/GEMM kernel (:mod:`graphdsl.runtime.kernels.quant_linear`);
+    fp8 with dynamic activation scales and more than 16 rows on Hopper: ``torch._scaled_mm`` (FP8
+    tensor cores, row-wise scales) on the rows quantized per token."""
+    from graphdsl.quant import Fp8Scheme, parse_scheme, quantize_fp8_rows
+
+    from ..kernels.quant_linear import quant_linear
+    scheme = parse_scheme(attrs["scheme"])
+    x, stored, dst = ins[0], list(ins[1:]), dsts[0]
+    x2, out2 = x.reshape(-1, x.shape[-1]), dst.view(-1, dst.shape[-1])
+    n = attrs["out_features"]
+    if isinstance(scheme, Fp8Scheme) and scheme.dynamic_activations and _scaled_mm_rows(x2, n):
+        xq, sx = quantize_fp8_rows(x2)
+        sw = stored[1].float().reshape(-1, 1).expand(n, 1).reshape(1, n)
+        out2.copy_(torch._scaled_mm(xq, stored[0].t(), scale_a=sx, scale_b=sw, out_dtype=x.dtype))
+        return dsts
+    quant_linear(x2, stored, scheme, n, out=out2)
+    return dsts
+
+
+def _scaled_mm_rows(x: torch.Tensor, n: int) -> bool:
+    """Whether ``torch._scaled_mm`` with row-wise scales takes this prefill (Hopper, bf16, > 16 rows)."""
+    return (x.device.type == "cuda" and x.shape[0] > 16 and x.dtype == torch.bfloat16 and hasattr(torch, "_scaled_mm")
+            and torch.cuda.get_device_capability(x.device) >= (9, 0) and x.shape[1] % 16 == 0 and n % 16 == 0)
+
+
 def _operands(ins, attrs):
     a, b = ins[0], ins[1]
     return (a.mT if attrs.get("transpose_a") else a), (b.mT if attrs.get("transpose_b") else b)
@@ -457,7 +492,7 @@ def _matmul(be: TritonBackend, node, ins, attrs, dsts):
 _LOWERINGS = {"fused": _fused, "add_rms_norm": _add_rms_norm, "silu_mul": _silu_mul, "rope_cache": _rope_cache,
               "paged_attention": _paged_attention, "rope_cache_attention": _rope_cache_attention,
               "paged_mla_attention": _paged_mla_attention, "moe_experts": _moe_experts, "lora_apply": _lora_apply,
-              "reshape_and_cache": _reshape_and_cache}
+              "reshape_and_cache": _reshape_and_cache, "quant_linear": _quant_linear}
 # hand-written kernels; their torch references run on plain CPU
 _KERNEL_OPS = {"paged_attention", "rope_cache_attention", "reshape_and_cache", "paged_mla_attention", "moe_experts",
-               "lora_apply"}
+               "lora_apply", "quant_linear"}

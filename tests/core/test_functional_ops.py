@@ -1375,6 +1375,31 @@ def test_paged_attention_prefill_symbolic_tokens_and_seqs():
 
 
 # ---------------------------------------------------------------------------------------------
+# quantized linear (schemes: tests/core/test_quant.py; kernels: tests/kernels/test_quant_linear.py)
+# ---------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("scheme", ["int4-g32-zp", "int8-channel", "fp8-tensor"])
+def test_quant_linear_symbolic_rows(scheme):
+    from graphdsl.quant import parse_scheme
+    s = parse_scheme(scheme)
+    stored = s.quantize(torch.randn(24, 64), torch.float32)
+    with Network() as net:
+        ins = [Tensor(f"w{i}", tuple(t.shape), t.dtype) for i, t in enumerate(stored)]
+        y = F.quant_linear(Tensor("x", (Dim("n"), 64), torch.float32), *ins, scheme=scheme, out_features=24,
+                           in_features=64)
+        assert y.shape[1] == 24 and y.dtype == torch.float32
+        net.mark_output(y, "y")
+    engine = net.build_engine()
+    for n in (1, 5):
+        x = torch.randn(n, 64)
+        got = engine.forward({"x": x, **{f"w{i}": t for i, t in enumerate(stored)}})["y"]
+        assert_close(got, x @ s.dequantize(stored, 24, 64, torch.float32).T, 1.0, f"{scheme} n={n}")
+    with pytest.raises(ShapeError, match=r"stored tensor '_packed' should be \[24, 32\]"):
+        F.quant_linear(Tensor("x", (2, 64), torch.float32), Tensor("p", (24, 64), torch.uint8),
+                       Tensor("s", (24, 2), torch.float32), Tensor("z", (24, 2), torch.float32),
+                       scheme="int4-g32-zp", out_features=24, in_features=64)
+
+
+# ---------------------------------------------------------------------------------------------
 # collectives (world size 1 on CPU; larger worlds need torchrun)
 # ---------------------------------------------------------------------------------------------
 @pytest.mark.parametrize("mode", BOTH)

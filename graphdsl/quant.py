@@ -1,0 +1,334 @@
+"""Quantization schemes of weights: what a quantized :class:`~graphdsl.Parameter` stores and means.
+
+A scheme turns a logical weight ``W [out, in]`` into *companion* tensors bound by name beside it
+(``<param>_packed``, ``<param>_scale``, ``<param>_zero_point``, compressed-tensors' naming), and
+says how to read ``W`` back:
+
+* ``fp8-tensor`` / ``fp8-channel`` — ``W = Wq * s``, ``Wq`` float8 e4m3 ``[out, in]`` stored under
+  the parameter's own name, ``s`` float32 ``[1, 1]`` or ``[out, 1]``; with ``-dyn`` the
+  activations are quantized too, per token (``x = xq * sx``, ``sx = max|x_row| / 448``), as the
+  FP8 tensor cores need.
+* ``int8-channel`` — ``W = q * s``, ``q`` int8 ``[out, in]`` (symmetric, -127..127), ``s [out, 1]``.
+* ``int4-g{32,64,128}`` (symmetric) / ``int4-g{..}-zp`` (zero points) — per group of ``g`` inputs,
+  ``W = (q - z) * s`` with ``q`` in 0..15 packed two per byte (``packed[n, k // 2]``: even ``k`` in
+  the low nibble, odd ``k`` in the high one), ``z = 8`` when symmetric else the companion
+  ``zero_point [out, in // g]``, ``s [out, in // g]``.
+
+Schemes are frozen, hashable and named by a canonical string (:attr:`QuantScheme.name`, what
+graphs carry as the ``quant_linear`` op's ``scheme`` attribute, print and dump).
+:func:`parse_scheme` reads a name back; :func:`register_scheme` adds a family (GGUF block types
+register theirs: a :class:`QuantScheme` subclass with its companions, ``dequantize`` and, where
+it can, ``quantize``), so ``F.linear`` and the backends dispatch on any registered scheme.
+"""
+from __future__ import annotations
+
+import enum
+import functools
+from dataclasses import dataclass
+from typing import Callable, Mapping
+
+import torch
+
+from .errors import GraphDSLError
+
+__all__ = ["QuantMethod", "Companion", "QuantScheme", "Fp8Scheme", "IntScheme", "parse_scheme", "register_scheme",
+           "registered_scheme_families", "online_scheme", "FP8_MAX"]
+
+FP8_MAX = 448.0          # largest finite float8 e4m3fn
+
+
+class QuantMethod(enum.Enum):
+    """The online quantization methods (``LLM(..., quantization=...)``, ``--quantization``)."""
+
+    FP8 = "fp8"      # fp8 e4m3 weights, per-channel scales (weight-only; fp8-channel-dyn adds activations)
+    INT8 = "int8"    # int8 weight-only, per-channel scales
+    INT4 = "int4"    # int4 weight-only, groups of 128, symmetric
+
+
+@dataclass(frozen=True)
+class Companion:
+    """One stored tensor of a quantized weight: ``<param name><suffix>``, its shape and dtype
+    (``None``: the model's compute dtype)."""
+
+    suffix: str
+    shape: tuple[int, ...]
+    dtype: torch.dtype | None
+
+
+class QuantScheme:
+    """Base of the schemes. Subclasses are frozen dataclasses and define :attr:`name`,
+    :meth:`companions`, :meth:`dequantize` and :meth:`quantize`; :meth:`linear` defaults to
+    ``x @ dequantize(...).T`` (the semantics every kernel is tested against)."""
+
+    @property
+    def name(self) -> str:
+        raise NotImplementedError
+
+    def companions(self, out_features: int, in_features: int) -> tuple[Companion, ...]:
+        """The stored tensors, in the order ``quant_linear`` takes them."""
+        raise NotImplementedError
+
+    def dequantize(self, tensors: list[torch.Tensor], out_features: int, in_features: int,
+                   dtype: torch.dtype) -> torch.Tensor:
+        """``W [out, in]`` in ``dtype`` from the companions (in :meth:`companions` order)."""
+        raise NotImplementedError
+
+    def quantize(self, weight: torch.Tensor, dtype: torch.dtype | None = None) -> list[torch.Tensor]:
+        """The companions of ``weight [out, in]`` (scales in ``dtype``, default the weight's)."""
+        raise GraphDSLError(f"quantization scheme {self.name!r} cannot quantize a weight online; "
+                            "load a checkpoint already in this format")
+
+    def linear(self, x: torch.Tensor, tensors: list[torch.Tensor], out_features: int,
+               in_features: int) -> torch.Tensor:
+        """``x @ W.T`` in ``x``'s dtype (float32 accumulation)."""
+        w = self.dequantize(tensors, out_features, in_features, torch.float32)
+        return (x.float() @ w.T).to(x.dtype)
+
+    def check(self, name: str, shape: tuple) -> None:
+        """Raise unless a weight called ``name`` of logical ``shape`` can take this scheme."""
+        if len(shape) != 2 or not all(isinstance(d, int) for d in shape):
+            raise GraphDSLError(f"quantization scheme {self.name!r}: parameter {name!r} must be a 2-D "
+                                f"[out, in] weight of int sizes, got shape {list(shape)}")
+
+    def check_tensors(self, name: str, tensors: Mapping[str, torch.Tensor], out_features: int,
+                      in_features: int) -> list[torch.Tensor]:
+        """The companions of parameter ``name`` from ``tensors`` (keyed by full name), checked
+        against this scheme's layout; an error names the tensor, the scheme, expected and actual."""
+        got = []
+        for c in self.companions(out_features, in_features):
+            full = f"{name}{c.suffix}"
+            t = tensors.get(full)
+            if t is None:
+                raise GraphDSLError(f"quantized weight {name!r} ({self.name}): tensor {full!r} is missing")
+            if tuple(t.shape) != c.shape or (c.dtype is not None and t.dtype != c.dtype):
+                want = f"{list(c.shape)} {c.dtype if c.dtype is not None else 'any float'}"
+                raise GraphDSLError(f"quantized weight {name!r} ({self.name}): tensor {full!r} should be "
+                                    f"{want}, got {list(t.shape)} {t.dtype}")
+            got.append(t)
+        return got
+
+    def __str__(self) -> str:
+        return self.name
+
+
+@dataclass(frozen=True)
+class Fp8Scheme(QuantScheme):
+    """float8 e4m3 weights with a per-tensor or per-output-channel float32 scale; optionally
+    dynamic per-token activation scales (W8A8)."""
+
+    per_channel: bool = True
+    dynamic_activations: bool = False
+
+    @property
+    def name(self) -> str:
+        return f"fp8-{'channel' if self.per_channel else 'tensor'}{'-dyn' if self.dynamic_activations else ''}"
+
+    def companions(self, out_features, in_features):
+        return (Companion("", (out_features, in_features), torch.float8_e4m3fn),
+                Companion("_scale", (out_features if self.per_channel else 1, 1), torch.float32))
+
+    def dequantize(self, tensors, out_features, in_features, dtype):
+        q, s = tensors
+        return (q.float() * s.float()).to(dtype)
+
+    def quantize(self, weight, dtype=None):
+        w = weight.float()
+        amax = w.abs().amax(dim=1, keepdim=True) if self.per_channel else w.abs().amax().reshape(1, 1)
+        s = (amax / FP8_MAX).clamp(min=1e-12)
+        q = (w / s).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
+        return [q, s]
+
+    def linear(self, x, tensors, out_features, in_features):
+        if not self.dynamic_activations:
+            return super().linear(x, tensors, out_features, in_features)
+        xq, sx = quantize_fp8_rows(x)
+        w = self.dequantize(tensors, out_features, in_features, torch.float32)
+        return ((xq.float() * sx) @ w.T).to(x.dtype)
+
+
+def quantize_fp8_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-row float8 e4m3 quantization: ``x ≈ xq * sx``, ``sx = max|x_row| / 448`` (float32 ``[..., 1]``)."""
+    xf = x.float()
+    sx = (xf.abs().amax(dim=-1, keepdim=True) / FP8_MAX).clamp(min=1e-12)
+    return (xf / sx).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn), sx
+
+
+_GROUPS = (32, 64, 128)
+
+
+@dataclass(frozen=True)
+class IntScheme(QuantScheme):
+    """Integer weight-only: ``bits`` 8 (per-channel, symmetric) or 4 (groups of ``group_size``
+    inputs, symmetric or with zero points)."""
+
+    bits: int = 4
+    group_size: int | None = 128
+    zero_point: bool = False
+
+    def __post_init__(self):
+        if self.bits == 8:
+            if self.group_size is not None or self.zero_point:
+                raise GraphDSLError(f"int8 weights are per-channel and symmetric; got group_size={self.group_size}, "
+                                    f"zero_point={self.zero_point}")
+        elif self.bits == 4:
+            if self.group_size not in _GROUPS:
+                raise GraphDSLError(f"int4 group_size must be one of {list(_GROUPS)}, got {self.group_size!r}")
+        else:
+            raise GraphDSLError(f"integer weights have 8 or 4 bits, got bits={self.bits!r}")
+
+    @property
+    def name(self) -> str:
+        if self.bits == 8:
+            return "int8-channel"
+        return f"int4-g{self.group_size}{'-zp' if self.zero_point else ''}"
+
+    def groups(self, in_features: int) -> int:
+        return 1 if self.group_size is None else in_features // self.group_size
+
+    def check(self, name, shape):
+        super().check(name, shape)
+        k = shape[1]
+        if self.bits == 4 and k % self.group_size:
+            raise GraphDSLError(f"quantization scheme {self.name!r}: parameter {name!r} has {k} inputs, not a "
+                                f"multiple of the group size {self.group_size}")
+
+    def companions(self, out_features, in_features):
+        g = self.groups(in_features)
+        packed = (Companion("_packed", (out_features, in_features), torch.int8) if self.bits == 8 else
+                  Companion("_packed", (out_features, in_features // 2), torch.uint8))
+        out = (packed, Companion("_scale", (out_features, g), None))
+        return out + ((Companion("_zero_point", (out_features, g), None),) if self.zero_point else ())
+
+    def dequantize(self, tensors, out_features, in_features, dtype):
+        if self.bits == 8:
+            return (tensors[0].float() * tensors[1].float()).to(dtype)
+        n, g = out_features, self.groups(in_features)
+        q = unpack_int4(tensors[0]).reshape(n, g, self.group_size).float()
+        q = q - (tensors[2].float()[..., None] if self.zero_point else 8.0)
+        return (q * tensors[1].float()[..., None]).reshape(n, in_features).to(dtype)
+
+    def linear(self, x, tensors, out_features, in_features):
+        """``x @ W.T`` with the scales applied to partial sums: ``(x @ q.T) * s`` per channel, and per
+        group ``sum_g s[n, g] * (x_g @ q_g.T - z[n, g] * sum(x_g))`` for a few rows (no dequantized
+        ``W`` is written: the CPU reference stays near the bytes of the codes); more rows
+        dequantize once and multiply."""
+        lead, xf = x.shape[:-1], x.reshape(-1, in_features).float()
+        if self.bits == 8:
+            y = (xf @ tensors[0].float().T) * tensors[1].float().reshape(1, -1)
+        elif xf.shape[0] > 16:
+            y = xf @ self.dequantize(tensors, out_features, in_features, torch.float32).T
+        else:
+            n, g = out_features, self.groups(in_features)
+            q = unpack_int4(tensors[0]).float().reshape(n, g, self.group_size)
+            xg = xf.reshape(-1, g, self.group_size)
+            part = torch.einsum("mgk,ngk->mng", xg, q)
+            zero = tensors[2].float() if self.zero_point else torch.full((1, 1), 8.0, device=part.device)
+            part = part - zero[None] * xg.sum(-1)[:, None, :]
+            y = (part * tensors[1].float()[None]).sum(-1)
+        return y.reshape(*lead, out_features).to(x.dtype)
+
+    def quantize(self, weight, dtype=None):
+        dtype = dtype or weight.dtype
+        w = weight.float()
+        if self.bits == 8:
+            s = (w.abs().amax(dim=1, keepdim=True) / 127.0).clamp(min=1e-12)
+            return [torch.round(w / s).clamp(-127, 127).to(torch.int8), s.to(dtype)]
+        n, k = w.shape
+        wg = w.reshape(n, k // self.group_size, self.group_size)
+        if self.zero_point:
+            lo, hi = wg.amin(-1).clamp(max=0), wg.amax(-1).clamp(min=0)
+            s = ((hi - lo) / 15.0).clamp(min=1e-12)
+            s = s.to(dtype).float()            # quantize against the scale actually stored
+            z = torch.round(-lo / s).clamp(0, 15)
+            q = torch.round(wg / s[..., None] + z[..., None]).clamp(0, 15)
+            return [pack_int4(q.reshape(n, k).to(torch.uint8)), s.to(dtype), z.to(dtype)]
+        s = (wg.abs().amax(-1) / 7.0).clamp(min=1e-12).to(dtype).float()
+        q = (torch.round(wg / s[..., None]).clamp(-8, 7) + 8).reshape(n, k).to(torch.uint8)
+        return [pack_int4(q), s.to(dtype)]
+
+
+def pack_int4(q: torch.Tensor) -> torch.Tensor:
+    """``[n, k]`` values 0..15 (uint8) -> ``[n, k // 2]`` bytes, even ``k`` in the low nibble."""
+    return (q[:, 0::2] | (q[:, 1::2] << 4)).to(torch.uint8)
+
+
+def unpack_int4(p: torch.Tensor) -> torch.Tensor:
+    """Inverse of :func:`pack_int4`: ``[n, k // 2]`` bytes -> ``[n, k]`` uint8 values 0..15."""
+    p = p.to(torch.uint8)
+    out = torch.empty(p.shape[0], p.shape[1], 2, dtype=torch.uint8, device=p.device)
+    torch.bitwise_and(p, 15, out=out[..., 0])
+    torch.bitwise_right_shift(p, 4, out=out[..., 1])
+    return out.reshape(p.shape[0], -1)
+
+
+# -- names ---------------------------------------------------------------------------------------
+_FAMILIES: dict[str, Callable[[str], QuantScheme]] = {}
+
+
+def register_scheme(family: str, parse: Callable[[str], QuantScheme]) -> None:
+    """Make names ``<family>-...`` parse through ``parse(name)`` (which raises on a bad name)."""
+    if not family or "-" in family:
+        raise GraphDSLError(f"register_scheme: family must be a non-empty name without '-', got {family!r}")
+    _FAMILIES[family] = parse
+
+
+def registered_scheme_families() -> list[str]:
+    return sorted(_FAMILIES)
+
+
+@functools.lru_cache(maxsize=None)
+def parse_scheme(name: str) -> QuantScheme:
+    """The scheme called ``name`` (:attr:`QuantScheme.name`); errors list the known families."""
+    if isinstance(name, QuantScheme):
+        return name
+    family = str(name).split("-", 1)[0]
+    parse = _FAMILIES.get(family)
+    if parse is None:
+        raise GraphDSLError(f"unknown quantization scheme {name!r}: families {registered_scheme_families()} "
+                            "(e.g. fp8-channel-dyn, int8-channel, int4-g128, int4-g64-zp)")
+    return parse(name)
+
+
+def _parse_fp8(name: str) -> QuantScheme:
+    parts = name.split("-")[1:]
+    dyn = parts[-1:] == ["dyn"]
+    parts = parts[:-1] if dyn else parts
+    if parts not in (["tensor"], ["channel"]):
+        raise GraphDSLError(f"unknown fp8 scheme {name!r}: fp8-tensor or fp8-channel, optionally with -dyn")
+    return Fp8Scheme(per_channel=parts == ["channel"], dynamic_activations=dyn)
+
+
+def _parse_int(name: str) -> QuantScheme:
+    parts = name.split("-")
+    if parts == ["int8", "channel"]:
+        return IntScheme(8, None, False)
+    if parts[0] == "int4" and len(parts) in (2, 3) and parts[1][:1] == "g" and parts[1][1:].isdigit() \
+            and parts[2:] in ([], ["zp"]):
+        return IntScheme(4, int(parts[1][1:]), parts[2:] == ["zp"])
+    raise GraphDSLError(f"unknown integer scheme {name!r}: int8-channel or int4-g{{32,64,128}}[-zp]")
+
+
+register_scheme("fp8", _parse_fp8)
+register_scheme("int8", _parse_int)
+register_scheme("int4", _parse_int)
+
+
+def online_scheme(method) -> QuantScheme:
+    """The scheme ``LLM(..., quantization=method)`` applies: a :class:`QuantMethod`, its value, or a
+    full scheme name (``int4-g64-zp``)."""
+    if isinstance(method, QuantScheme):
+        return method
+    if isinstance(method, QuantMethod):
+        method = method.value
+    if not isinstance(method, str):
+        raise GraphDSLError(f"quantization must be one of {[m.value for m in QuantMethod]} or a scheme name, "
+                            f"got {method!r}")
+    defaults = {QuantMethod.FP8.value: Fp8Scheme(True, False), QuantMethod.INT8.value: IntScheme(8, None, False),
+                QuantMethod.INT4.value: IntScheme(4, 128, False)}
+    if method in defaults:
+        return defaults[method]
+    try:
+        return parse_scheme(method)
+    except GraphDSLError:
+        raise GraphDSLError(f"quantization must be one of {[m.value for m in QuantMethod]} or a scheme name "
+                            f"(e.g. int4-g64-zp), got {method!r}") from None

