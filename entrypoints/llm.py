@@ -636,9 +636,9 @@ class _TPExecutor:
         if d.closed or d.broken is not None:
             raise GraphDSLError(f"LLM: the tensor-parallel group is {'closed' if d.closed else 'broken'} "
                                 f"({d.broken or 'close() was called'}); make a new LLM")
-        if d.pool is not None:
-            d.pool.check()
         try:
+            if d.pool is not None:
+                d.pool.check()
             d.channel.send(phase, inputs)
             return self.local.execute(phase, inputs)
         except Exception as e:

@@ -29,6 +29,7 @@ class CheckpointSlot:
     shape: tuple[int, ...]
     reorder: tuple[tuple[int, ...], tuple[int, ...]] | None = None
     source: tuple = ()
+    held: bool = True
 
     def place(self, tensor):
         """``tensor`` (of ``shape``) in the order and shape of ``param[index]``."""
@@ -41,7 +42,7 @@ class CheckpointSlot:
 def checkpoint_layout(root: Module, prefix: str = "") -> dict[str, CheckpointSlot]:
     """``{checkpoint name: slot}`` for every parameter of ``root``.
 
-    A module may define ``checkpoint_slots() -> list[(suffix, param_leaf, index, shape[, reorder[, source]]])]``;
+    A module may define ``checkpoint_slots() -> list[(suffix, param_leaf, index, shape[, reorder[, source[, held]]]])]``;
     the leaf is relative to the module's own path, the suffix too, or to its parent's path when the
     module sets ``checkpoint_sources_are_siblings`` (``self_attn.qkv_proj`` packs its siblings
     ``self_attn.q_proj``...). Other parameters map one to one.

@@ -335,11 +335,12 @@ def _shard_experts(m: FusedExperts, tp: TensorParallel, path: str, expert_parall
         first, el = tp.split(e, f"{path} num_experts")
         _retype(m, _EPExperts, tp=tp, first_expert=first)
         m.num_experts = el
-        for j in range(el):
-            g = first + j
-            slots += [(f"{g}.{gate}.weight", "gate_up_proj", (j, slice(0, i)), (i, h)),
-                      (f"{g}.{up}.weight", "gate_up_proj", (j, slice(i, 2 * i)), (i, h)),
-                      (f"{g}.{down}.weight", "down_proj", (j,), (h, i))]
+        for g in range(e):
+            j, held = g - first, first <= g < first + el     # other ranks' experts: expected, not read
+            j = j if held else 0
+            slots += [(f"{g}.{gate}.weight", "gate_up_proj", (j, slice(0, i)), (i, h), None, (), held),
+                      (f"{g}.{up}.weight", "gate_up_proj", (j, slice(i, 2 * i)), (i, h), None, (), held),
+                      (f"{g}.{down}.weight", "down_proj", (j,), (h, i), None, (), held)]
         _resize(m, "gate_up_proj", (el, 2 * i, h))
         _resize(m, "down_proj", (el, h, i))
     else:

@@ -47,7 +47,7 @@ def load_weights(model: FlashCausalLM, tensors: Iterable[tuple[str, torch.Tensor
             continue
         got[name] = tuple(tensor.shape)
         slot = table.get(name)
-        if slot is not None and tuple(tensor.shape) == slot.shape:
+        if slot is not None and tuple(tensor.shape) == slot.shape and slot.held:
             target = out[slot.param][slot.index]
             target.copy_(slot.place(_part(tensor, slot.source)).reshape(target.shape))
         if line is not None and line.due():
