@@ -610,10 +610,9 @@ class _Driver:
 
 
 def _close_at_exit(llm: "LLM") -> None:
-    import atexit
+    """Close ``llm``'s tensor-parallel group when it is garbage-collected or at interpreter exit."""
     import weakref
-    ref = weakref.ref(llm)
-    atexit.register(lambda: ref() is not None and ref().close())
+    weakref.finalize(llm, llm._tp.close)
 
 
 def _destroy_group() -> None:

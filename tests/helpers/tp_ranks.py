@@ -15,13 +15,17 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _rank_main(rank: int, world_size: int, port: int, fn, args, results) -> None:
+def _rank_main(rank: int, world_size: int, port: int, fn, args, results, timeout_s: float) -> None:
+    import faulthandler
+    faulthandler.dump_traceback_later(max(1.0, timeout_s - 5), exit=True)   # a hung rank shows where
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world_size),
                       MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     try:
         import torch
         torch.set_num_threads(1)
         out = fn(rank, world_size, *args)
+        import gc
+        gc.collect()    # LLMs fn dropped close their groups now (a torchrun script would at exit)
         results.put((rank, "ok", pickle.dumps(out)))     # plain bytes: no shared-memory handles to outlive us
     except BaseException:
         results.put((rank, "error", traceback.format_exc()))
@@ -33,7 +37,7 @@ def run_ranks(world_size: int, fn, *args, timeout_s: float = 240.0):
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
     port = _free_port()
-    procs = [ctx.Process(target=_rank_main, args=(r, world_size, port, fn, args, results), daemon=True)
+    procs = [ctx.Process(target=_rank_main, args=(r, world_size, port, fn, args, results, timeout_s), daemon=True)
              for r in range(world_size)]
     for p in procs:
         p.start()

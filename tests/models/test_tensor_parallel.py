@@ -222,3 +222,27 @@ def test_unsupported_layers_and_arguments_are_errors():
         gd.LLM.from_config({}, device="cpu", tensor_parallel_size=0)
     with pytest.raises(GraphDSLError, match="kv_cache_memory_fraction is not supported with tensor_parallel_size"):
         gd.LLM.from_config({}, device="cpu", tensor_parallel_size=2, kv_cache_memory_fraction=0.5)
+
+
+# -- the command line under torchrun (each rank runs `graphdsl generate`; GGUF weights sliced) -------
+def _cli(rank: int, world: int, path: str):
+    import contextlib
+    import io
+
+    from graphdsl.entrypoints.cli import main
+    out = io.StringIO()
+    try:
+        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(io.StringIO()):
+            code = main(["generate", path, "--prompt", "hello there", "--max-tokens", "6", "--device", "cpu",
+                         "--temperature", "0"])
+    except SystemExit as e:             # a worker rank leaves once rank 0 is done
+        return ("worker", e.code)
+    return (code, out.getvalue())
+
+
+def test_cli_generate_under_torchrun_matches_one_process(tmp_path):
+    from tests.models.gguf_tiny import build_tiny_gguf
+    path, _ = build_tiny_gguf(tmp_path)
+    want = _cli(0, 1, str(path))
+    assert want[0] == 0 and want[1].strip()
+    assert run_ranks(2, _cli, str(path)) == want
