@@ -46,7 +46,8 @@ def _run(path: str, tp: int, **kw):
         llm.close()
 
 
-def _nccl_collectives(rank: int, world: int) -> None:
+def _nccl_collectives(rank: int, world: int, allreduce: str) -> None:
+    os.environ["GRAPHDSL_ALLREDUCE"] = allreduce
     from graphdsl import Dim, Network, Tensor
     from graphdsl import functional as F
     from graphdsl.runtime.distributed import init_distributed
@@ -67,9 +68,10 @@ def _nccl_collectives(rank: int, world: int) -> None:
     torch.testing.assert_close(out["rs"], total.chunk(world, -1)[rank])
 
 
-def test_nccl_collective_lowerings():
+@pytest.mark.parametrize("allreduce", ["nccl", "symm_mem"])
+def test_nccl_collective_lowerings(allreduce):
     from tests.helpers.tp_ranks import run_ranks
-    run_ranks(2, _nccl_collectives)
+    run_ranks(2, _nccl_collectives, allreduce)
 
 
 @pytest.mark.parametrize("name, kw", [("llama", {}), ("qwen2_moe", {}), ("qwen2_moe", {"expert_parallel": True}),
@@ -85,6 +87,14 @@ def test_tp2_decode_cuda_graphs_capture_the_collectives(ckpts, monkeypatch):
     logits, tokens = _run(ckpts["llama"], 1)
     monkeypatch.setenv("GRAPHDSL_TP_CUDA_GRAPHS", "1")
     got_logits, got_tokens = _run(ckpts["llama"], 2)
+    assert got_tokens == tokens
+
+
+def test_tp2_one_shot_allreduce_matches_tp1(ckpts, monkeypatch):
+    logits, tokens = _run(ckpts["llama"], 1)
+    monkeypatch.setenv("GRAPHDSL_ALLREDUCE", "symm_mem")
+    got_logits, got_tokens = _run(ckpts["llama"], 2)
+    torch.testing.assert_close(got_logits, logits, rtol=1e-3, atol=1e-3)
     assert got_tokens == tokens
 
 
