@@ -204,6 +204,8 @@ class LLM:
             raise GraphDSLError(f"LLM: tensor_parallel_size={world_size} but torchrun started {ws} processes "
                                 f"(--nproc-per-node); they must be equal")
         device = torch.device("cuda", local) if device.type == "cuda" else device
+        if device.type == "cuda":
+            torch.cuda.set_device(device)
         self._build(source, device, TensorParallel(rank, ws), opts)
         ctx = init_distributed(rank, ws, device)
         if rank != 0:       # a worker: follow rank 0's steps, then leave the script (torchrun owns the group)
@@ -219,6 +221,8 @@ class LLM:
         pool = WorkerPool(world_size, _tp_follower, (source, device.type, opts))
         try:
             device = torch.device("cuda", 0) if device.type == "cuda" else device
+            if device.type == "cuda":
+                torch.cuda.set_device(device)
             self._build(source, device, TensorParallel(0, world_size), opts)
             ctx = pool.join(device)
         except BaseException:
@@ -663,6 +667,8 @@ def _tp_follower(rank: int, world_size: int, source: tuple, device_type: str, op
     if opts.get("custom_module_map") is not None:
         load_custom_module_map(opts["custom_module_map"])
     device = torch.device("cuda", rank) if device_type == "cuda" else torch.device("cpu")
+    if device.type == "cuda":
+        torch.cuda.set_device(device)          # kernels launch on the current device
     llm = LLM.__new__(LLM)
     llm._tp = None
     llm._build(source, device, TensorParallel(rank, world_size), dict(opts, progress=False))

@@ -53,7 +53,8 @@ class StepChannel:
         names = sorted(inputs)
         self._bcast_header(("step", phase, [(n, tuple(inputs[n].shape), inputs[n].dtype) for n in names]))
         for n in names:
-            dist.broadcast(inputs[n].contiguous(), src=0)
+            t = inputs[n]
+            dist.broadcast(t.to(self.ctx.device).contiguous() if t.device != self.ctx.device else t.contiguous(), src=0)
 
     def stop(self) -> None:
         """Rank 0: end the workers' :meth:`serve` loops."""
