@@ -2,7 +2,8 @@
 
 :class:`StepChannel` — every model step rank 0 runs is announced to the other ranks first: a small
 header (the phase and the inputs' names, shapes and dtypes) over the host (gloo) group, then the
-input tensors themselves by ``broadcast`` over the default group (NCCL on GPU: no host copy).
+input tensors themselves, packed into one flat tensor per dtype, by ``broadcast`` over the default
+group (NCCL on GPU: no host copy).
 Workers run :meth:`StepChannel.serve`: receive a step, run it on their shard (its collectives meet
 rank 0's), repeat, until rank 0 sends ``stop``. Only rank 0 samples, so every rank runs the same
 steps whatever the sampling settings.
@@ -15,6 +16,7 @@ after that. During serving, a step whose collectives fail (a peer died) is re-ra
 """
 from __future__ import annotations
 
+import math
 import multiprocessing as mp
 import os
 import socket
@@ -48,13 +50,14 @@ class StepChannel:
         return box[0]
 
     def send(self, phase: str, inputs: dict[str, torch.Tensor]) -> None:
-        """Rank 0: tell the workers to run ``phase`` on ``inputs`` (device tensors)."""
+        """Rank 0: tell the workers to run ``phase`` on ``inputs`` (device tensors). The inputs
+        travel packed, one flat broadcast per dtype (a step's are a few small integer tensors)."""
         import torch.distributed as dist
         names = sorted(inputs)
         self._bcast_header(("step", phase, [(n, tuple(inputs[n].shape), inputs[n].dtype) for n in names]))
-        for n in names:
-            t = inputs[n]
-            dist.broadcast(t.to(self.ctx.device).contiguous() if t.device != self.ctx.device else t.contiguous(), src=0)
+        for dtype, group in _by_dtype(names, inputs).items():
+            flat = torch.cat([inputs[n].reshape(-1).to(self.ctx.device) for n in group])
+            dist.broadcast(flat, src=0)
 
     def stop(self) -> None:
         """Rank 0: end the workers' :meth:`serve` loops."""
@@ -69,13 +72,25 @@ class StepChannel:
             if header[0] == "stop":
                 return steps
             _, phase, specs = header
+            shapes = {name: (shape, dtype) for name, shape, dtype in specs}
             inputs = {}
-            for name, shape, dtype in specs:
-                t = torch.empty(shape, dtype=dtype, device=self.ctx.device)
-                dist.broadcast(t, src=0)
-                inputs[name] = t
+            for dtype, group in _by_dtype(sorted(shapes), shapes).items():
+                sizes = [math.prod(shapes[n][0]) for n in group]
+                flat = torch.empty(sum(sizes), dtype=dtype, device=self.ctx.device)
+                dist.broadcast(flat, src=0)
+                for n, part in zip(group, flat.split(sizes)):
+                    inputs[n] = part.view(shapes[n][0])
             run(phase, inputs)
             steps += 1
+
+
+def _by_dtype(names: list[str], specs: dict) -> dict:
+    """``{dtype: [names]}`` in ``names`` order; ``specs[n]`` is a tensor or a ``(shape, dtype)``."""
+    out: dict = {}
+    for n in names:
+        spec = specs[n]
+        out.setdefault(spec.dtype if isinstance(spec, torch.Tensor) else spec[1], []).append(n)
+    return out
 
 
 def _free_port() -> int:
