@@ -17,6 +17,7 @@ FORBIDDEN = {
     "runtime/backends": ("graphdsl.runtime.serving", "graphdsl.runtime.loaders"),
     "runtime/codegen": ("graphdsl.runtime.serving", "graphdsl.runtime.loaders"),
     "runtime/kernels": ("graphdsl.runtime.serving", "graphdsl.runtime.loaders"),
+    "runtime/distributed": ("graphdsl.runtime.serving", "graphdsl.runtime.loaders"),
 }
 _CORE_FILES = sorted(p.name for p in (ROOT / "runtime").glob("*.py"))   # engine, build, cache, device, ...
 # The language's documented seams: Network.build_engine calls the runtime builder, and the package
