@@ -33,7 +33,8 @@ ODD = dict(num_key_value_heads=1, vocab_size=163)          # KV heads < ranks, v
 def ckpts(tmp_path_factory):
     root = tmp_path_factory.mktemp("tp")
     out = {}
-    for name, family, kw in (("llama", "llama", {}), ("qwen2_moe", "qwen2_moe", {}), ("odd", "llama", ODD)):
+    for name, family, kw in (("llama", "llama", {}), ("qwen2_moe", "qwen2_moe", {}), ("odd", "llama", ODD),
+                             ("gemma", "gemma", {})):
         make_checkpoint(family, root / name, **kw)
         out[name] = str(root / name)
     return out
@@ -43,6 +44,18 @@ def _reference(path: str, **kw):
     llm = gd.LLM(path, device="cpu", num_kv_blocks=16, **kw)
     sp = gd.SamplingParams(max_tokens=NEW, temperature=0.0, ignore_eos=True)
     return llm.score(IDS), llm.generate([IDS], sp)[0].outputs[0].token_ids
+
+
+@pytest.fixture(scope="module")
+def references():
+    """The single-process run of a checkpoint (logits, greedy tokens), made once per module."""
+    done = {}
+
+    def get(path: str):
+        if path not in done:
+            done[path] = _reference(path)
+        return done[path]
+    return get
 
 
 # -- what every rank runs (torchrun's environment is set by run_ranks) ------------------------------
@@ -80,12 +93,13 @@ def _models(rank: int, world: int, cases: list) -> dict:
 
 
 @pytest.mark.parametrize("world", [2, 4])
-def test_models_match_single_process(ckpts, world):
-    cases = [("llama", ckpts["llama"], {}), ("qwen2_moe", ckpts["qwen2_moe"], {}),
-             ("qwen2_moe_ep", ckpts["qwen2_moe"], {"expert_parallel": True}), ("odd", ckpts["odd"], {})]
+def test_models_match_single_process(ckpts, references, world):
+    cases = [("llama", ckpts["llama"], {}), ("qwen2_moe", ckpts["qwen2_moe"], {}), ("odd", ckpts["odd"], {})]
+    if world == 2:            # expert parallel; a tied, scaled embedding shared with the vocab-parallel LM head
+        cases += [("qwen2_moe_ep", ckpts["qwen2_moe"], {"expert_parallel": True}), ("gemma", ckpts["gemma"], {})]
     got = run_ranks(world, _models, cases)
     for name, path, _ in cases:
-        logits, tokens = _reference(path)
+        logits, tokens = references(path)
         assert got[name][0].shape == logits.shape, name
         torch.testing.assert_close(got[name][0], logits, rtol=1e-4, atol=1e-4, msg=name)
         assert got[name][1] == tokens, name
@@ -148,8 +162,8 @@ def test_sharded_loading_reads_only_each_ranks_slices(ckpts, name, world):
 
 
 # -- LLM(tensor_parallel_size=N) owns its workers ---------------------------------------------------
-def test_llm_spawns_workers_and_a_worker_crash_names_the_rank(ckpts):
-    logits, tokens = _reference(ckpts["llama"])
+def test_llm_spawns_workers_and_a_worker_crash_names_the_rank(ckpts, references):
+    logits, tokens = references(ckpts["llama"])
     llm = gd.LLM(ckpts["llama"], device="cpu", tensor_parallel_size=2, num_kv_blocks=16)
     try:
         sp = gd.SamplingParams(max_tokens=NEW, temperature=0.0, ignore_eos=True)
@@ -167,6 +181,17 @@ def test_llm_spawns_workers_and_a_worker_crash_names_the_rank(ckpts):
         llm.close()
     import torch.distributed as dist
     assert not dist.is_initialized()
+
+
+def test_from_config_shards_random_weights_per_rank():
+    """The benchmarks' path: each rank draws only its shard; the run is whole (shapes, steps)."""
+    from tests.models.hf_tiny import make_config
+    hf = make_config("llama").to_dict()
+    with gd.LLM.from_config(hf, device="cpu", tensor_parallel_size=2, num_kv_blocks=16) as llm:
+        assert tuple(llm.model.model.layers[0].self_attn.qkv_proj.weight.shape) == (64, 64)
+        assert llm.kv_cache.key_caches[0].shape[2] == 1
+        out = llm.generate([IDS], gd.SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True))
+        assert len(out[0].outputs[0].token_ids) == 3 and llm.score(IDS).shape == (len(IDS), hf["vocab_size"])
 
 
 def test_llm_close_ends_workers(ckpts):
