@@ -181,7 +181,10 @@ class LLM:
             self.generation_config = (gguf_generation_config(ckpt.metadata, path) if gguf
                                       else read_generation_config(path))
             config, model_obj, dtype = self._architecture(hf, device, dtype, opts["max_model_len"], tp, opts)
-            tensors = ckpt.iter_tensors(dtype, device=device) if gguf else _iter_dir(path, dtype, lazy=tp is not None)
+            if gguf:
+                tensors = (ckpt.iter_tensors_lazy if tp is not None else ckpt.iter_tensors)(dtype, device=device)
+            else:
+                tensors = _iter_dir(path, dtype, lazy=tp is not None)
             weights = load_weights(model_obj, tensors, device=device, dtype=dtype, progress=progress)
             self.gguf = gguf
             tokenizer = _load_tokenizer(ckpt if gguf else None, path)

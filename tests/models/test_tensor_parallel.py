@@ -271,3 +271,47 @@ def test_cli_generate_under_torchrun_matches_one_process(tmp_path):
     want = _cli(0, 1, str(path))
     assert want[0] == 0 and want[1].strip()
     assert run_ranks(2, _cli, str(path)) == want
+
+
+def test_gguf_shards_read_only_their_rows_and_columns(tmp_path):
+    """Lazy GGUF reads: q/k (llama.cpp-permuted, Q8_0) by whole heads, F16/Q4_0 rows, columns on block
+    boundaries (else whole rows, then sliced): the shard equals the slice of the whole load."""
+    from gguf import GGMLQuantizationType as Q
+
+    from graphdsl.runtime.loaders.gguf import GGUFCheckpoint
+    from tests.helpers.gguf_files import hf_model_to_gguf
+    hf_model = make_checkpoint("llama", tmp_path / "hf", intermediate_size=128)
+    path = tmp_path / "q.gguf"
+    hf_model_to_gguf(path, hf_model, "llama", quant={r"q_proj|k_proj": Q.Q8_0, r"mlp": Q.Q4_0, r"embed|lm_head|o_proj|v_proj": Q.F16})
+    ckpt = GGUFCheckpoint(path)
+    config = build_config(ckpt.hf_config())
+    cls = resolve_model_class(config.model_type, config.architectures)
+    full = load_weights(cls(config, torch.float32), ckpt.iter_tensors(), device="cpu")
+    total = sum(int(t.data.nbytes) for t in ckpt._reader.tensors)
+    world = 2
+    for rank in range(world):
+        model = shard_model(cls(config, torch.float32), TensorParallel(rank, world))
+        stats = ReadStats()
+        shard = load_weights(model, ckpt.iter_tensors_lazy(stats=stats), device="cpu")
+        assert stats.bytes < 0.55 * total, (stats.bytes, total)   # about half: norms are whole
+        ref = shard_model(cls(config, torch.float32), TensorParallel(rank, world))
+        for name, slot in ref.checkpoint_table().items():
+            if slot.source:
+                src = full_tensor(full, name, config)
+                want = src[slot.source]
+                got = shard[slot.param][slot.index]
+                torch.testing.assert_close(got, want.reshape(got.shape), rtol=0, atol=0, msg=name)
+
+
+def full_tensor(full: dict, name: str, config) -> torch.Tensor:
+    """The whole checkpoint tensor ``name`` out of a single-process load (q/k/v, gate/up unpacked)."""
+    h, kv, d, i = config.num_attention_heads, config.num_key_value_heads, config.head_dim, config.intermediate_size
+    layer, _, leaf = name.rpartition(".")
+    parent, _, proj = layer.rpartition(".")
+    if proj in ("q_proj", "k_proj", "v_proj"):
+        q, k, v = full[f"{parent}.qkv_proj.{leaf}"].split([h * d, kv * d, kv * d])
+        return {"q_proj": q, "k_proj": k, "v_proj": v}[proj]
+    if proj in ("gate_proj", "up_proj"):
+        g, u = full[f"{parent}.gate_up_proj.{leaf}"].split([i, i])
+        return g if proj == "gate_proj" else u
+    return full[name]
