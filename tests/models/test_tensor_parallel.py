@@ -315,3 +315,11 @@ def full_tensor(full: dict, name: str, config) -> torch.Tensor:
         g, u = full[f"{parent}.gate_up_proj.{leaf}"].split([i, i])
         return g if proj == "gate_proj" else u
     return full[name]
+
+
+def test_python_dash_m_graphdsl_is_the_cli():
+    """What ``torchrun --nproc-per-node N -m graphdsl ...`` runs on every rank."""
+    import subprocess
+    import sys
+    out = subprocess.run([sys.executable, "-m", "graphdsl", "--version"], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0 and out.stdout.startswith("graphdsl "), out.stderr
