@@ -672,6 +672,8 @@ def _tp_follower(rank: int, world_size: int, source: tuple, device_type: str, op
     device = torch.device("cuda", rank) if device_type == "cuda" else torch.device("cpu")
     if device.type == "cuda":
         torch.cuda.set_device(device)          # kernels launch on the current device
+    else:                                      # CPU ranks share the cores instead of each taking all
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // world_size))
     llm = LLM.__new__(LLM)
     llm._tp = None
     llm._build(source, device, TensorParallel(rank, world_size), dict(opts, progress=False))
