@@ -83,6 +83,26 @@ def test_tp2_matches_tp1(ckpts, name, kw):
     assert got_tokens == tokens
 
 
+def _torchrun_rank(rank: int, world: int, path: str):
+    import graphdsl as gd
+    try:
+        llm = gd.LLM(path, device="cuda", dtype="float32", tensor_parallel_size=world, num_kv_blocks=32)
+    except SystemExit:                    # a worker rank, done once rank 0 closed its LLM
+        return None
+    sp = gd.SamplingParams(max_tokens=NEW, temperature=0.0, ignore_eos=True)
+    out = (llm.score(IDS).cpu(), llm.generate([IDS], sp)[0].outputs[0].token_ids, str(llm.device))
+    llm.close()
+    return out
+
+
+def test_torchrun_ranks_on_their_local_gpus(ckpts):
+    from tests.helpers.tp_ranks import run_ranks
+    logits, tokens = _run(ckpts["odd"], 1)
+    got_logits, got_tokens, device = run_ranks(2, _torchrun_rank, ckpts["odd"])
+    assert device == "cuda:0" and got_tokens == tokens
+    torch.testing.assert_close(got_logits, logits, rtol=1e-3, atol=1e-3)
+
+
 def test_tp2_decode_cuda_graphs_capture_the_collectives(ckpts, monkeypatch):
     logits, tokens = _run(ckpts["llama"], 1)
     monkeypatch.setenv("GRAPHDSL_TP_CUDA_GRAPHS", "1")
