@@ -17,7 +17,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from common import bench_ms, copy_bandwidth_gbs, device_line, matmul_tflops  # noqa: E402
-from llm import (BLOCK, SHAPES, _decode_inputs, _drop_engines, decode_bytes, kv_bytes_per_token,  # noqa: E402
+from llm import (BLOCK, SHAPES, _decode_inputs, _drop_engines, decode_bytes, expert_fraction, kv_bytes_per_token,  # noqa: E402
                  random_kv, weight_bytes)
 
 
@@ -53,7 +53,8 @@ def main(argv=None) -> int:
         llm.model.execute(Phase.DECODE, inputs)
         _drop_engines(llm)
     ms = bench_ms(lambda: llm.model.execute(Phase.DECODE, inputs))
-    nbytes = decode_bytes(weight_bytes(llm.model), kv_bytes_per_token(llm), args.batch, args.context)
+    nbytes = decode_bytes(weight_bytes(llm.model), kv_bytes_per_token(llm), args.batch, args.context,
+                          expert_fraction(llm.config, args.batch))
     roof = nbytes / (copy * 1e9) * 1e3
     env = {k: os.environ[k] for k in ("GRAPHDSL_PDL", "GRAPHDSL_DISABLE_PASSES") if k in os.environ}
     extra = f" max_num_seqs {args.max_num_seqs}" if args.max_num_seqs else ""

@@ -60,7 +60,7 @@ SHAPES: dict[str, dict] = {
                      rope_theta=1000000.0, tie_word_embeddings=False, attention_bias=False, bos_token_id=151643,
                      eos_token_id=151645, torch_dtype="bfloat16"),
     # published config.json geometry of the newer families (tests/models/test_family_configs.py checks
-    # the parameter counts); MoE experts run dense today, so decode reads every expert
+    # the parameter counts); decode reads only the routed experts (see expert_fraction)
     "gemma-2-9b": dict(model_type="gemma2", architectures=["Gemma2ForCausalLM"], hidden_size=3584,
                        intermediate_size=14336, num_hidden_layers=42, num_attention_heads=16, num_key_value_heads=8,
                        head_dim=256, vocab_size=256000, max_position_embeddings=8192, rms_norm_eps=1e-6,
@@ -100,15 +100,25 @@ def _log(msg: str) -> None:
 # -- byte and FLOP counts ----------------------------------------------------------------------
 def weight_bytes(model) -> dict[str, int]:
     """Bytes of a model's parameters by role: ``embedding``, ``lm_head`` (counted even when tied:
-    decode reads the whole matrix to project), ``layers`` (everything else: decoder layers and the
-    final norm). ``model`` is a :class:`FlashCausalLM` (its parameters' shapes; no weights needed)."""
-    out = {"embedding": 0, "lm_head": 0, "layers": 0}
+    decode reads the whole matrix to project), ``experts`` (routed MoE experts' stacked weights),
+    ``layers`` (everything else: decoder layers and the final norm). ``model`` is a
+    :class:`FlashCausalLM` (its parameters' shapes; no weights needed)."""
+    out = {"embedding": 0, "lm_head": 0, "layers": 0, "experts": 0}
     elem = torch.empty((), dtype=model.dtype).element_size()
     for name, p in model.named_parameters():
         n = math.prod(p.shape) * (torch.empty((), dtype=p.dtype).element_size() if p.dtype else elem)
-        key = "embedding" if name == "model.embed_tokens.weight" else "lm_head" if name == "lm_head.weight" else "layers"
+        key = "embedding" if name == "model.embed_tokens.weight" else "lm_head" if name == "lm_head.weight" else \
+            "experts" if ".experts." in name else "layers"
         out[key] += n
     return out
+
+
+def expert_fraction(config, batch: int) -> float:
+    """Expected fraction of the routed experts' weights one step reads: a token uses ``k`` of ``E``
+    experts, so ``batch`` tokens routed uniformly at random (random weights) touch
+    ``1 - (1 - k/E)^batch`` of them. 1.0 for dense models."""
+    e, k = getattr(config, "num_experts", 0) or 0, getattr(config, "num_experts_per_tok", 0) or 0
+    return 1.0 if not e or not k else 1.0 - (1.0 - k / e) ** batch
 
 
 def kv_bytes_per_token(llm) -> int:
@@ -117,10 +127,12 @@ def kv_bytes_per_token(llm) -> int:
     return 2 * c.num_hidden_layers * c.num_key_value_heads * c.head_dim * torch.empty((), dtype=llm.dtype).element_size()
 
 
-def decode_bytes(weights: dict[str, int], kv_per_token: int, batch: int, context: int) -> int:
-    """Fewest bytes one decode step moves: every weight but the embedding table, read once, plus
-    each sequence's KV cache (``context`` tokens)."""
-    return weights["layers"] + weights["lm_head"] + batch * context * kv_per_token
+def decode_bytes(weights: dict[str, int], kv_per_token: int, batch: int, context: int, experts: float = 1.0) -> int:
+    """Fewest bytes one decode step moves: every weight but the embedding table, read once (of the
+    routed experts' weights the fraction ``experts``, see :func:`expert_fraction`), plus each
+    sequence's KV cache (``context`` tokens)."""
+    return int(weights["layers"] + weights["lm_head"] + experts * weights.get("experts", 0)
+               + batch * context * kv_per_token)
 
 
 def prefill_flops(config, weights: dict[str, int], elem: int, tokens: int) -> float:
@@ -130,7 +142,9 @@ def prefill_flops(config, weights: dict[str, int], elem: int, tokens: int) -> fl
     c = config
     pairs = tokens * (tokens + 1) / 2
     attention = c.num_hidden_layers * 4 * c.num_attention_heads * c.head_dim * pairs
-    return 2 * (weights["layers"] / elem) * tokens + 2 * c.vocab_size * c.hidden_size + attention
+    e, k = getattr(c, "num_experts", 0) or 0, getattr(c, "num_experts_per_tok", 0) or 0
+    active = weights["layers"] + (weights.get("experts", 0) * k / e if e and k else weights.get("experts", 0))
+    return 2 * (active / elem) * tokens + 2 * c.vocab_size * c.hidden_size + attention
 
 
 # -- graphdsl measurements ------------------------------------------------------------------------
@@ -436,14 +450,17 @@ def table(res: dict, copy: float, mm: float, peer: dict | None, device: str) -> 
     lines = [f"## {res['shape']} (random weights, {res['dtype']}) on {device}", "",
              f"- model: {res['repr']}",
              f"- weights: {sum(w.values()) / 1e9:.2f} GB (embedding {w['embedding'] / 1e9:.2f} GB, "
-             f"lm_head {w['lm_head'] / 1e9:.2f} GB, layers {w['layers'] / 1e9:.2f} GB); "
+             f"lm_head {w['lm_head'] / 1e9:.2f} GB, layers {w['layers'] / 1e9:.2f} GB, routed experts "
+             f"{w.get('experts', 0) / 1e9:.2f} GB, of which a step reads the expected fraction "
+             "1 - (1 - k/E)^batch); "
              f"KV cache {kv / 1024:.0f} KiB per token",
              f"- ceilings measured in this run: copy {copy:.0f} GB/s (1 GiB device-to-device, read + written), "
              f"bf16 matmul {mm:.0f} TFLOP/s (8192^3)", "",
              "| figure | value | vs ceiling |", "|---|---:|---:|"]
     ms1 = res["decode"].get(1)
+    cfg = res["config"]
     for b, ms in res["decode"].items():
-        nbytes = decode_bytes(w, kv, b, ctx)
+        nbytes = decode_bytes(w, kv, b, ctx, expert_fraction(res["config"], b))
         roof_ms = nbytes / (copy * 1e9) * 1e3
         lines.append(f"| decode batch {b}, ctx {ctx}: ms/step (tokens/s) | {ms:.3f} ({b / ms * 1e3:,.0f}) "
                      f"| {100 * roof_ms / ms:.1f}% of roofline ({nbytes / 1e9:.2f} GB/step -> {roof_ms:.3f} ms) |")
@@ -453,7 +470,7 @@ def table(res: dict, copy: float, mm: float, peer: dict | None, device: str) -> 
         step = res.get("decode_mid", {}).get(b)
         vs = f"; {ms / step:.3f}x the engine step at ctx {mid} ({step:.3f} ms)" if step else ""
         lines.append(f"| LLM.generate greedy batch {b}, prompt {ctx - 1}, {n} tokens: ms/token (tokens/s) | {ms:.3f} "
-                     f"({b / ms * 1e3:,.0f}) | {100 * decode_bytes(w, kv, b, ctx) / (copy * 1e9) * 1e3 / ms:.1f}% of "
+                     f"({b / ms * 1e3:,.0f}) | {100 * decode_bytes(w, kv, b, ctx, expert_fraction(cfg, b)) / (copy * 1e9) * 1e3 / ms:.1f}% of "
                      f"roofline{vs} |")
     for b, ms in res.get("e2e_sampled", {}).items():
         g = res["e2e"].get(b)
@@ -461,8 +478,8 @@ def table(res: dict, copy: float, mm: float, peer: dict | None, device: str) -> 
         lines.append(f"| LLM.generate seeded sampling batch {b} (T 0.8, top-k 50, top-p 0.9, presence + frequency "
                      f"0.5): ms/token | {ms:.3f} | {vs} |")
     if 256 in res["decode"]:
-        params = (w["layers"] + w["lm_head"]) / res["elem"]
-        mem_ms = decode_bytes(w, kv, 256, ctx) / (copy * 1e9) * 1e3
+        params = (w["layers"] + w["lm_head"] + w.get("experts", 0) * expert_fraction(res["config"], 1)) / res["elem"]
+        mem_ms = decode_bytes(w, kv, 256, ctx, expert_fraction(res["config"], 256)) / (copy * 1e9) * 1e3
         comp_ms = 2 * params * 256 / (mm * 1e12) * 1e3
         bound = max(mem_ms, comp_ms)
         lines.append(f"| decode batch 256 vs max(memory {mem_ms:.3f}, compute {comp_ms:.3f}) ms | "

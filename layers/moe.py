@@ -4,9 +4,9 @@ Routing, in float32: ``scores = softmax(router(x))`` (or ``sigmoid``) → the ex
 top-k of ``scores`` (:class:`TopkMethod`: over all experts, or only within the best groups, the
 DeepSeek ways) → a dense ``[num_tokens, num_experts]`` routing matrix holding the chosen experts'
 scores, zero elsewhere → optional renormalisation to sum one → times ``routed_scaling_factor``.
-Experts are computed densely as batched matmuls over the stacked weights and summed with those
-weights — exact, and simple to fuse or replace by a grouped-GEMM kernel later; a CPU reference
-does not need sparsity to be correct.
+Experts are one ``moe_experts`` op over the stacked weights: its reference computes every expert
+densely and sums them with those weights (exact); the Triton backend computes only each token's
+``top_k`` experts with grouped GEMMs over tokens sorted by expert (:mod:`graphdsl.runtime.kernels.moe`).
 """
 from __future__ import annotations
 
@@ -59,23 +59,27 @@ class Router(ReplicatedLinear):
 class FusedExperts(Module):
     """``num_experts`` gated MLPs with stacked weights ``gate_up_proj [E, 2I, H]``, ``down_proj [E, H, I]``.
 
-    ``forward(x [T, H], routing [T, E]) = Σ_e routing[:, e] * mlp_e(x)``. ``sources`` names each
-    expert's checkpoint tensors (``experts.{e}.{gate,up,down}.weight``).
+    ``forward(x [T, H], routing [T, E]) = Σ_e routing[:, e] * mlp_e(x)``, where ``routing`` has at
+    most ``top_k`` non-zeros a row (None: any number). ``sources`` names each expert's checkpoint
+    tensors (``experts.{e}.{gate,up,down}.weight``).
     """
 
     def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int, act=F.ActType.SWIGLU,
-                 dtype=None, sources: tuple[str, str, str] = ("gate_proj", "up_proj", "down_proj")):
+                 dtype=None, sources: tuple[str, str, str] = ("gate_proj", "up_proj", "down_proj"),
+                 top_k: int | None = None):
         super().__init__()
+        if act not in (F.ActType.SWIGLU, F.ActType.GEGLU):
+            raise GraphDSLError(f"FusedExperts: act must be ActType.SWIGLU or ActType.GEGLU, got {act!r}")
+        if top_k is not None and not 1 <= top_k <= num_experts:
+            raise GraphDSLError(f"FusedExperts: top_k must be None or in [1, num_experts={num_experts}], got {top_k!r}")
+        self.top_k = top_k
         self.num_experts, self.hidden_size, self.intermediate_size = num_experts, hidden_size, intermediate_size
         self.act, self.sources = act, sources
         self.gate_up_proj = Parameter((num_experts, 2 * intermediate_size, hidden_size), dtype, shard_dim=1)
         self.down_proj = Parameter((num_experts, hidden_size, intermediate_size), dtype, shard_dim=2)
 
     def forward(self, x, routing):
-        h = F.activation(F.matmul(x, self.gate_up_proj, transpose_b=True), self.act)   # [E, T, I]
-        y = F.matmul(h, self.down_proj, transpose_b=True)                               # [E, T, H]
-        w = routing.permute(1, 0).unsqueeze(-1).to(y)                             # [E, T, 1]
-        return (y * w).sum(0)
+        return F.moe_experts(x, routing, self.gate_up_proj, self.down_proj, act=self.act, top_k=self.top_k)
 
     def checkpoint_slots(self):
         gate, up, down = self.sources
@@ -86,7 +90,8 @@ class FusedExperts(Module):
             yield f"{e}.{down}.weight", "down_proj", (e,), (h, i)
 
     def extra_repr(self) -> str:
-        return f"experts={self.num_experts}, hidden={self.hidden_size}, intermediate={self.intermediate_size}"
+        return (f"experts={self.num_experts}, hidden={self.hidden_size}, intermediate={self.intermediate_size}, "
+                f"top_k={self.top_k}")
 
 
 class MoE(Module):
@@ -131,7 +136,7 @@ class MoE(Module):
         self.num_groups, self.topk_groups = (num_groups, topk_groups) if grouped else (1, 1)
         self.gate = Router(hidden_size, num_experts, dtype, correction_bias=topk_method is TopkMethod.NOAUX_TC,
                            float32_logits=router_float32)
-        self.experts = FusedExperts(num_experts, hidden_size, intermediate_size, act, dtype)
+        self.experts = FusedExperts(num_experts, hidden_size, intermediate_size, act, dtype, top_k=top_k)
         if shared_intermediate_size:
             self.shared_expert = GatedMLP(hidden_size, shared_intermediate_size, act=act, dtype=dtype)
         if shared_expert_gate:
@@ -148,7 +153,7 @@ class MoE(Module):
         if self.num_groups > 1:
             choice = self._within_top_groups(choice)
         _, ids = F.topk(choice, k=self.top_k, dim=-1)
-        weights = F.where(_chosen(ids, self.num_experts), scores, scores * 0.0)
+        weights = F.where(F.index_mask(ids, self.num_experts), scores, scores * 0.0)
         if self.renormalize:
             total = weights.sum(-1, keepdim=True)
             weights = weights / (total + 1e-20 if self.topk_method is TopkMethod.NOAUX_TC else total)
@@ -164,7 +169,7 @@ class MoE(Module):
         else:
             rank = grouped.max(-1)
         _, best = F.topk(rank, k=self.topk_groups, dim=-1)
-        kept = F.where(_chosen(best, g).unsqueeze(-1), grouped, grouped * 0.0 - 1e30)
+        kept = F.where(F.index_mask(best, g).unsqueeze(-1), grouped, grouped * 0.0 - 1e30)
         return kept.reshape(-1, self.num_experts)
 
     def forward(self, x):
@@ -181,7 +186,3 @@ class MoE(Module):
         return (f"top_k={self.top_k}, scoring={self.scoring.value}, renormalize={self.renormalize}, "
                 f"topk_method={self.topk_method.value}{groups}, scaling={self.routed_scaling_factor}")
 
-
-def _chosen(ids, n: int):
-    """``[T, n]`` bool: whether each of ``0..n-1`` is among the row's ``ids [T, k]``."""
-    return F.cat([F.eq(ids, i).sum(-1, keepdim=True) for i in range(n)], -1) > 0

@@ -11,7 +11,8 @@ Per node, by what the node is:
   into the node's slot; ``rope_cache_attention`` — the same decode kernel also rotating q and k and
   writing the cache; ``reshape_and_cache`` — the Triton cache-write kernel, in place;
   ``paged_mla_attention`` — :func:`~graphdsl.runtime.kernels.paged_mla_attention.paged_mla_attention`
-  (its split scratch kept like the decode's). On CPU without ``TRITON_INTERPRET=1`` these four run
+  (its split scratch kept like the decode's); ``moe_experts`` — the sparse grouped-GEMM experts
+  (:mod:`graphdsl.runtime.kernels.moe`). On CPU without ``TRITON_INTERPRET=1`` these five run
   their torch references instead;
 * matmuls of weights ``[N, K]`` (``transpose_b``) by at most 16 fp16/bf16 rows — the decode GEMV
   (:mod:`graphdsl.runtime.kernels.gemv`), bias, residual or SwiGLU (``matmul_silu_mul``) in its
@@ -279,6 +280,9 @@ def _kernel_unsupported(node, ins) -> str | None:
         return _attention_unsupported(*ins)
     if node.op == "paged_mla_attention":
         return _mla_unsupported(*ins, value_dim=node.attrs["value_dim"])
+    if node.op == "moe_experts":
+        from ..kernels.moe import moe_supported
+        return moe_supported(*ins)
     if node.op == "rope_cache_attention":
         q, k, v, key_cache, value_cache, cos, sin, slot_mapping, block_tables, seq_lens = ins
         if k.dtype not in _KERNEL_DTYPES or v.dtype not in _KERNEL_DTYPES:
@@ -383,6 +387,16 @@ def _reshape_and_cache(be: TritonBackend, node, ins, attrs, dsts):
     return [key_cache, value_cache]
 
 
+def _moe_experts(be: TritonBackend, node, ins, attrs, dsts):
+    from graphdsl.functional import ActType
+
+    from ..kernels.moe import moe_experts
+    x, routing, gate_up, down = ins
+    top_k = attrs["top_k"] or gate_up.shape[0]
+    moe_experts(x, routing, gate_up, down, top_k=top_k, geglu=attrs["act"] is ActType.GEGLU, out=dsts[0])
+    return dsts
+
+
 def _operands(ins, attrs):
     a, b = ins[0], ins[1]
     return (a.mT if attrs.get("transpose_a") else a), (b.mT if attrs.get("transpose_b") else b)
@@ -435,7 +449,7 @@ def _matmul(be: TritonBackend, node, ins, attrs, dsts):
 
 _LOWERINGS = {"fused": _fused, "add_rms_norm": _add_rms_norm, "silu_mul": _silu_mul, "rope_cache": _rope_cache,
               "paged_attention": _paged_attention, "rope_cache_attention": _rope_cache_attention,
-              "paged_mla_attention": _paged_mla_attention,
+              "paged_mla_attention": _paged_mla_attention, "moe_experts": _moe_experts,
               "reshape_and_cache": _reshape_and_cache}
 # hand-written kernels; their torch references run on plain CPU
-_KERNEL_OPS = {"paged_attention", "rope_cache_attention", "reshape_and_cache", "paged_mla_attention"}
+_KERNEL_OPS = {"paged_attention", "rope_cache_attention", "reshape_and_cache", "paged_mla_attention", "moe_experts"}

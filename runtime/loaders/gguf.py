@@ -9,31 +9,10 @@ raw bytes is ours, written in torch so the same code decodes on the CPU or on a 
   llama.cpp's converter applies to llama-architecture attention weights (and the ``+ 1`` it adds
   to Gemma's norm weights, and its ``[q | k | v]`` order of Bloom's fused projection), builds a HF
   ``config.json``-style dict from the ``{arch}.*`` metadata, and a :class:`Tokenizer` from
-  ``tokenizer.*``.
+  ``tokenizer.*``; with ``iter_tensors(keep_quantized=True)`` it keeps the linear weights of the
+  block types the GGUF kernels run as :class:`GGUFBlockWeight` records (raw rows, type, shape).
 
-Block formats (little endian; ``d``, ``m``, ``dmin`` are float16; ``y`` is the output):
-
-- ``Q8_0`` (32 values, 34 B): ``d, q[32] int8`` → ``y = d·q``.
-- ``Q4_0`` (32, 18 B): ``d, qs[16]``; value ``j < 16`` is the low nibble of ``qs[j]``, value
-  ``j + 16`` the high nibble → ``y = d·(nibble − 8)``.
-- ``Q4_1`` (32, 20 B): ``d, m, qs[16]`` → ``y = d·nibble + m``.
-- ``Q5_0`` (32, 22 B): ``d, qh u32, qs[16]``; bit ``j`` of ``qh`` is the fifth bit of value ``j``
-  → ``y = d·(q − 16)``.  ``Q5_1`` (32, 24 B): ``d, m, qh, qs`` → ``y = d·q + m``.
-- ``Q4_K`` (256, 144 B): ``d, dmin, scales[12], qs[128]``: eight sub-blocks of 32 with 6-bit
-  scale ``sc`` and min ``mn`` packed in ``scales``; chunk ``c`` (64 values) reads ``qs[32c:32c+32]``,
-  low nibbles for sub-block ``2c``, high nibbles for ``2c+1`` → ``y = d·sc·q − dmin·mn``.
-- ``Q5_K`` (256, 176 B): ``d, dmin, scales[12], qh[32], qs[128]``; as Q4_K plus a fifth bit from
-  ``qh[l]`` bit ``2c`` (low half of chunk ``c``) or ``2c+1`` (high half).
-- ``Q2_K`` (256, 84 B): ``scales[16], qs[64], d, dmin``; sixteen sub-blocks of 16, each with
-  a 4-bit scale (low nibble) and 4-bit min (high nibble); sub-block ``8h + 2j + s`` takes bits
-  ``2j..2j+1`` of ``qs[32h + 16s + l]`` → ``y = d·sc·q − dmin·mn``.
-- ``Q3_K`` (256, 110 B): ``hmask[32], qs[64], scales[12], d``; 2-bit values as in Q2_K, minus 4
-  unless bit ``4h + j`` of ``hmask[16s + l]`` is set; sixteen signed 6-bit scales (``−32``)
-  → ``y = d·sc·q``.
-- ``Q6_K`` (256, 210 B): ``ql[128], qh[64], scales[16] int8, d``; two halves of 128; in half ``h``
-  value ``l + 32k`` (``k`` = 0..3) takes 4 bits from ``ql`` (low nibble of ``ql[l]``/``ql[l+32]``
-  for k = 0/1, high for k = 2/3) and 2 bits ``(qh[l] >> 2k) & 3``, minus 32, times
-  ``d·scales[8h + l//16 + 2k]``.
+Block formats: :mod:`graphdsl.runtime.gguf_blocks`.
 """
 from __future__ import annotations
 
@@ -46,10 +25,13 @@ import numpy as np
 import torch
 
 from graphdsl.errors import GraphDSLError
+from graphdsl.runtime.gguf_blocks import (GGUF_BLOCKS, KERNEL_QTYPES, GGUFBlockWeight, dequantize_blocks,
+                                          row_bytes)
 
 from .tokenizer import Tokenizer
 
-__all__ = ["GGUFCheckpoint", "dequantize", "SUPPORTED_QTYPES", "SUPPORTED_ARCHITECTURES"]
+__all__ = ["GGUFCheckpoint", "GGUFBlockWeight", "dequantize", "SUPPORTED_QTYPES", "KEPT_QTYPES",
+           "SUPPORTED_ARCHITECTURES"]
 
 
 def _qtype_enum():
@@ -57,154 +39,10 @@ def _qtype_enum():
     return GGMLQuantizationType
 
 
-# name -> (values per block, bytes per block)
-_BLOCKS = {
-    "F32": (1, 4), "F16": (1, 2), "BF16": (1, 2),
-    "Q8_0": (32, 34), "Q4_0": (32, 18), "Q4_1": (32, 20), "Q5_0": (32, 22), "Q5_1": (32, 24),
-    "Q2_K": (256, 84), "Q3_K": (256, 110), "Q4_K": (256, 144), "Q5_K": (256, 176),
-    "Q6_K": (256, 210),
-}
-SUPPORTED_QTYPES = tuple(_BLOCKS)
-
-
-# The decoders below take ``b``: a uint8 torch tensor ``[n_blocks, bytes_per_block]`` (CPU or
-# CUDA) and return float32 ``[n_blocks, values_per_block]``.
-
-def _f16(b: torch.Tensor) -> torch.Tensor:
-    """``[n, 2]`` bytes → ``[n, 1]`` float32."""
-    return b.contiguous().view(torch.float16).float()
-
-
-def _nibbles(qs: torch.Tensor) -> torch.Tensor:
-    """``[n, 16]`` bytes → ``[n, 32]``: low nibbles then high nibbles."""
-    return torch.cat([qs & 0x0F, qs >> 4], dim=1)
-
-
-def _deq_q8_0(b):
-    return _f16(b[:, :2]) * b[:, 2:].contiguous().view(torch.int8).float()
-
-
-def _deq_q4_0(b):
-    return _f16(b[:, :2]) * (_nibbles(b[:, 2:]).float() - 8.0)
-
-
-def _deq_q4_1(b):
-    return _f16(b[:, :2]) * _nibbles(b[:, 4:]).float() + _f16(b[:, 2:4])
-
-
-def _fifth_bits(qh_bytes: torch.Tensor) -> torch.Tensor:
-    """``[n, 4]`` bytes of a little-endian u32 → ``[n, 32]`` bits (bit j for value j).
-    (Read as int32: an arithmetic shift still leaves bit 31 in place for ``& 1``.)"""
-    qh = qh_bytes.contiguous().view(torch.int32)                         # [n, 1]
-    shifts = torch.arange(32, dtype=torch.int32, device=qh.device)
-    return ((qh >> shifts) & 1).to(torch.uint8)
-
-
-def _deq_q5_0(b):
-    q = _nibbles(b[:, 6:]) | (_fifth_bits(b[:, 2:6]) << 4)
-    return _f16(b[:, :2]) * (q.float() - 16.0)
-
-
-def _deq_q5_1(b):
-    q = _nibbles(b[:, 8:]) | (_fifth_bits(b[:, 4:8]) << 4)
-    return _f16(b[:, :2]) * q.float() + _f16(b[:, 2:4])
-
-
-def _k_scales(s: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Unpack ``[n, 12]`` Q4_K/Q5_K scale bytes → 6-bit scales and mins, each ``[n, 8]``:
-    j < 4: ``s[j] & 63``, ``s[j+4] & 63``; j >= 4: low 4 bits from ``s[j+4]`` (low/high nibble),
-    high 2 bits from the top of ``s[j-4]`` / ``s[j]``."""
-    sc = torch.cat([s[:, 0:4] & 63, (s[:, 8:12] & 0x0F) | ((s[:, 0:4] >> 6) << 4)], dim=1)
-    mn = torch.cat([s[:, 4:8] & 63, (s[:, 8:12] >> 4) | ((s[:, 4:8] >> 6) << 4)], dim=1)
-    return sc.float(), mn.float()
-
-
-def _k_apply(d, dmin, sc, mn, q):
-    """``q [n, 8, 32]`` with per-sub-block scale/min → ``[n, 256]``."""
-    y = (d * sc)[:, :, None] * q.float() - (dmin * mn)[:, :, None]
-    return y.reshape(q.shape[0], 256)
-
-
-def _k_low_high(qs: torch.Tensor) -> torch.Tensor:
-    """``[n, 128]`` bytes → ``[n, 8, 32]`` 4-bit values in sub-block order."""
-    chunks = qs.reshape(-1, 4, 32)
-    return torch.stack([chunks & 0x0F, chunks >> 4], dim=2).reshape(-1, 8, 32)
-
-
-def _deq_q4_k(b):
-    d, dmin = _f16(b[:, 0:2]), _f16(b[:, 2:4])
-    sc, mn = _k_scales(b[:, 4:16])
-    return _k_apply(d, dmin, sc, mn, _k_low_high(b[:, 16:144]))
-
-
-def _deq_q5_k(b):
-    d, dmin = _f16(b[:, 0:2]), _f16(b[:, 2:4])
-    sc, mn = _k_scales(b[:, 4:16])
-    qh = b[:, 16:48]                                                     # [n, 32]
-    shifts = torch.arange(8, dtype=torch.uint8, device=b.device)         # sub-block j reads bit j
-    high = (qh[:, None, :] >> shifts[None, :, None]) & 1                 # [n, 8, 32]
-    q = _k_low_high(b[:, 48:176]) | (high << 4)
-    return _k_apply(d, dmin, sc, mn, q)
-
-
-def _deq_q6_k(b):
-    n = b.shape[0]
-    ql = b[:, 0:128].reshape(n, 2, 64)
-    qh = b[:, 128:192].reshape(n, 2, 32)
-    sc = b[:, 192:208].contiguous().view(torch.int8).float().reshape(n, 2, 8)
-    d = _f16(b[:, 208:210]).reshape(n, 1, 1, 1, 1)
-    low = torch.stack([ql[:, :, :32] & 0x0F, ql[:, :, 32:] & 0x0F,
-                       ql[:, :, :32] >> 4, ql[:, :, 32:] >> 4], dim=2)             # [n, 2, 4, 32]
-    high = torch.stack([(qh >> (2 * k)) & 3 for k in range(4)], dim=2)             # [n, 2, 4, 32]
-    q = (low | (high << 4)).float() - 32.0
-    # scale index within the half: 2k + l // 16, laid out over (k, l // 16)
-    s = sc.reshape(n, 2, 4, 2, 1)
-    y = d * s * q.reshape(n, 2, 4, 2, 16)
-    return y.reshape(n, 256)
-
-
-def _crumbs(qs: torch.Tensor) -> torch.Tensor:
-    """``[n, 64]`` Q2_K/Q3_K bytes → ``[n, 2, 4, 2, 16]`` 2-bit values indexed (half, shift j,
-    sub, l): byte ``qs[32·half + 16·sub + l]``, bits ``2j..2j+1``; flattening gives value order."""
-    q = qs.reshape(-1, 2, 1, 2, 16)
-    shifts = (2 * torch.arange(4, dtype=torch.uint8, device=qs.device)).reshape(1, 1, 4, 1, 1)
-    return (q >> shifts) & 3
-
-
-def _deq_q2_k(b):
-    n = b.shape[0]
-    sc = b[:, 0:16]
-    d, dmin = _f16(b[:, 80:82]), _f16(b[:, 82:84])
-    q = _crumbs(b[:, 16:80]).reshape(n, 16, 16).float()
-    scale = d * (sc & 0x0F).float()
-    mins = dmin * (sc >> 4).float()
-    return (scale[:, :, None] * q - mins[:, :, None]).reshape(n, 256)
-
-
-def _q3_k_scales(s: torch.Tensor) -> torch.Tensor:
-    """``[n, 12]`` → ``[n, 16]`` signed 6-bit scales: low 4 bits from ``s[i]`` (i < 8) or
-    ``s[i-8] >> 4``, high 2 bits ``(s[8 + i % 4] >> 2·(i // 4)) & 3``; minus 32."""
-    low = torch.cat([s[:, 0:8] & 0x0F, s[:, 0:8] >> 4], dim=1)
-    hi_src = s[:, 8:12].repeat(1, 4)                                     # s[8 + i % 4]
-    hi_shift = (2 * (torch.arange(16, device=s.device) // 4)).to(torch.uint8)
-    high = (hi_src >> hi_shift) & 3
-    return (low | (high << 4)).float() - 32.0
-
-
-def _deq_q3_k(b):
-    n = b.shape[0]
-    hmask = b[:, 0:32].reshape(n, 1, 1, 2, 16)                           # hm[16·sub + l]
-    bit = (4 * torch.arange(2, device=b.device).reshape(1, 2, 1, 1, 1)
-           + torch.arange(4, device=b.device).reshape(1, 1, 4, 1, 1)).to(torch.uint8)
-    high = (hmask >> bit) & 1                                            # [n, 2, 4, 2, 16]
-    q = _crumbs(b[:, 32:96]).float() - 4.0 * (1 - high).float()
-    scale = _f16(b[:, 108:110]) * _q3_k_scales(b[:, 96:108])             # [n, 16]
-    return (scale[:, :, None] * q.reshape(n, 16, 16)).reshape(n, 256)
-
-
-_DEQUANT = {"Q8_0": _deq_q8_0, "Q4_0": _deq_q4_0, "Q4_1": _deq_q4_1, "Q5_0": _deq_q5_0,
-            "Q5_1": _deq_q5_1, "Q2_K": _deq_q2_k, "Q3_K": _deq_q3_k, "Q4_K": _deq_q4_k,
-            "Q5_K": _deq_q5_k, "Q6_K": _deq_q6_k}
+_BLOCKS = GGUF_BLOCKS
+SUPPORTED_QTYPES = tuple(GGUF_BLOCKS)
+# block types ``iter_tensors(keep_quantized=True)`` keeps as blocks: those with GGUF kernels
+KEPT_QTYPES = tuple(KERNEL_QTYPES)
 
 
 def _qtype_name(qtype) -> str:
@@ -245,14 +83,8 @@ def dequantize(data, qtype, shape, *, device: torch.device | str | None = None) 
                             f"got {raw.numel()}")
     if device is not None:
         raw = raw.to(device)
-    if name == "F32":
-        out = raw.view(torch.float32).clone()
-    elif name == "F16":
-        out = raw.view(torch.float16).float()
-    elif name == "BF16":
-        out = raw.view(torch.bfloat16).float()
-    else:
-        out = _DEQUANT[name](raw.reshape(-1, nbytes))
+    rows = numel // shape[-1] if shape and shape[-1] % per_block == 0 else 1   # GGUF rows hold whole blocks
+    out = dequantize_blocks(raw.reshape(rows, -1), name, numel // rows)
     return out.reshape(shape)
 
 
@@ -268,6 +100,7 @@ _ARCHS = {
     "gemma": ("gemma", "GemmaForCausalLM"),
     "gemma2": ("gemma2", "Gemma2ForCausalLM"),
     "bloom": ("bloom", "BloomForCausalLM"),
+    "deepseek2": ("deepseek_v2", "DeepseekV2ForCausalLM"),
 }
 _MOE = ("qwen2moe", "qwen3moe")
 SUPPORTED_ARCHITECTURES = tuple(_ARCHS)
@@ -307,7 +140,14 @@ _LAYER_NAMES = {
 # architectures whose layers use a name differently (gemma2's ffn_norm is the norm before the MLP)
 _ARCH_LAYER_NAMES = {"gemma2": {"ffn_norm": "pre_feedforward_layernorm"},
                      # llama.cpp stores bloom's fused q/k/v as [q | k | v]; it is yielded in the HF layout
-                     "bloom": {"attn_qkv": "self_attention.query_key_value"}}
+                     "bloom": {"attn_qkv": "self_attention.query_key_value"},
+                     # multi-head latent attention; llama.cpp names DeepSeek's shared experts like Qwen's
+                     "deepseek2": {"attn_q_a": "self_attn.q_a_proj", "attn_q_a_norm": "self_attn.q_a_layernorm",
+                                   "attn_q_b": "self_attn.q_b_proj", "attn_kv_a_mqa": "self_attn.kv_a_proj_with_mqa",
+                                   "attn_kv_a_norm": "self_attn.kv_a_layernorm", "attn_kv_b": "self_attn.kv_b_proj",
+                                   "ffn_gate_shexp": "mlp.shared_experts.gate_proj",
+                                   "ffn_up_shexp": "mlp.shared_experts.up_proj",
+                                   "ffn_down_shexp": "mlp.shared_experts.down_proj"}}
 # stacked experts [E, ...] -> one HF tensor per expert: mlp.experts.{e}.{proj}.weight
 _EXPERT_NAMES = {"ffn_gate_exps": "gate_proj", "ffn_up_exps": "up_proj", "ffn_down_exps": "down_proj"}
 _LAYER_RE = re.compile(r"^blk\.(\d+)\.([a-z_]+)\.(weight|bias)$")
@@ -401,7 +241,7 @@ class GGUFCheckpoint:
 
     def hf_config(self) -> dict[str, Any]:
         """A HF ``config.json``-style dict for this file (llama, qwen2, qwen3, qwen2moe, qwen3moe, gemma,
-        gemma2, bloom; a llama with ``expert_count`` is Mixtral)."""
+        gemma2, bloom, deepseek2; a llama with ``expert_count`` is Mixtral)."""
         arch = self._check_arch()
         model_type, cls = _ARCHS[arch]
         mixtral = arch == "llama" and self._key(arch, "expert_count", None) is not None
@@ -452,6 +292,8 @@ class GGUFCheckpoint:
             shared = self._key(arch, "expert_shared_feed_forward_length", None)
             if shared is not None:
                 cfg["shared_expert_intermediate_size"] = int(shared)
+        if arch == "deepseek2":
+            self._deepseek2_fields(cfg)
         if arch == "bloom":
             cfg["layer_norm_epsilon"] = float(self._key(arch, "attention.layer_norm_epsilon"))
         if arch == "gemma2":
@@ -477,16 +319,69 @@ class GGUFCheckpoint:
             orig = self._key(arch, "rope.scaling.original_context_length", None)
             if orig is not None:
                 rs["original_max_position_embeddings"] = int(orig)
+            if arch == "deepseek2":
+                # llama.cpp keeps 0.1 * mscale_all_dim; DeepSeek's configs have mscale == mscale_all_dim
+                log_mul = self._key(arch, "rope.scaling.yarn_log_multiplier", None)
+                if log_mul:
+                    rs.update(mscale=float(log_mul) / 0.1, mscale_all_dim=float(log_mul) / 0.1)
+                rs.update(beta_fast=32.0, beta_slow=1.0)
             cfg["rope_scaling"] = rs
         return cfg
+
+    def _deepseek2_fields(self, cfg: dict[str, Any]) -> None:
+        """Add DeepSeek-V2/V3 fields from llama.cpp's ``deepseek2`` metadata to ``cfg``.
+
+        llama.cpp describes MLA as one-head MQA over the latent (``key_length`` = kv_lora_rank +
+        rope dims, ``value_length`` = kv_lora_rank) and keeps the per-head sizes in ``key_length_mla``
+        / ``value_length_mla``; files written before that split hold the per-head sizes in
+        ``key_length`` / ``value_length``. Routing: sigmoid gating is V3's ``noaux_tc``; softmax over
+        more than one expert group is V2's ``group_limited_greedy``.
+        """
+        a = "deepseek2"
+        rope = int(self._key(a, "rope.dimension_count"))
+        mla = self._key(a, "attention.key_length_mla", None) is not None
+        qk = int(self._key(a, "attention.key_length_mla" if mla else "attention.key_length"))
+        v = int(self._key(a, "attention.value_length_mla" if mla else "attention.value_length"))
+        q_lora = self._key(a, "attention.q_lora_rank", None)
+        experts = int(self._key(a, "expert_count", 0) or 0)
+        groups = int(self._key(a, "expert_group_count", 1) or 1)
+        sigmoid = int(self._key(a, "expert_gating_func", 1) or 1) == 2   # llama.cpp: 1 softmax, 2 sigmoid
+        if sigmoid:
+            cfg["model_type"], cfg["architectures"] = "deepseek_v3", ["DeepseekV3ForCausalLM"]
+        cfg.pop("head_dim", None)
+        cfg.update({
+            "num_key_value_heads": cfg["num_attention_heads"],   # the HF config's (MLA expands per head)
+            "kv_lora_rank": int(self._key(a, "attention.kv_lora_rank")),
+            "q_lora_rank": None if not q_lora else int(q_lora),
+            "qk_rope_head_dim": rope, "qk_nope_head_dim": qk - rope, "v_head_dim": v,
+            "first_k_dense_replace": int(self._key(a, "leading_dense_block_count", 0)),
+            "n_routed_experts": experts or None,
+            "num_experts_per_tok": int(self._key(a, "expert_used_count", 0) or 0) or None,
+            "moe_intermediate_size": int(self._key(a, "expert_feed_forward_length", 0) or 0) or None,
+            "n_shared_experts": int(self._key(a, "expert_shared_count", 0) or 0) or None,
+            "routed_scaling_factor": float(self._key(a, "expert_weights_scale", 1.0) or 1.0),
+            "norm_topk_prob": bool(self._key(a, "expert_weights_norm", False)),
+            "scoring_func": "sigmoid" if sigmoid else "softmax",
+            "topk_method": "noaux_tc" if sigmoid else ("group_limited_greedy" if groups > 1 else "greedy"),
+            "n_group": groups, "topk_group": int(self._key(a, "expert_group_used_count", 1) or 1),
+            "moe_layer_freq": 1, "rope_interleave": True,
+        })
 
     def tokenizer(self) -> Tokenizer:
         return Tokenizer.from_gguf(self.metadata, source=self.path)
 
     # ------------------------------------------------------------------ tensors
-    def iter_tensors(self, dtype: torch.dtype = torch.float32, *,
-                     device: torch.device | str | None = None) -> Iterator[tuple[str, torch.Tensor]]:
+    def iter_tensors(self, dtype: torch.dtype = torch.float32, *, device: torch.device | str | None = None,
+                     keep_quantized: bool = False, _only: set | None = None
+                     ) -> Iterator[tuple[str, torch.Tensor | GGUFBlockWeight]]:
         """Yield ``(HF name, tensor)`` dequantized to ``dtype``, one tensor at a time.
+
+        With ``keep_quantized``, every matrix stored in a block type the GGUF kernels run
+        (:data:`KEPT_QTYPES`; the token embedding excepted, it is gathered, not multiplied) is yielded
+        as a :class:`GGUFBlockWeight` instead: its raw block rows (on ``device``), GGML type (per
+        tensor: a Q4_K_M file mixes Q4_K and Q6_K) and ``(N, K)`` shape, after the same row
+        reorders (llama q/k un-permute, bloom's per-head q/k/v, per-expert split) as the dense path.
+        Everything else (norms, F32/F16/BF16 matrices, other block types) is dequantized as usual.
 
         Stacked MoE expert tensors ``blk.{i}.ffn_{gate,up,down}_exps`` ``[E, ...]`` are yielded per
         expert as ``model.layers.{i}.mlp.experts.{e}.{gate,up,down}_proj.weight`` (the names of HF
@@ -500,33 +395,82 @@ class GGUFCheckpoint:
             raise GraphDSLError(f"iter_tensors: dtype must be a floating torch.dtype, got {dtype!r}")
         arch = self._check_arch()
         cfg = self.hf_config()
+        kv_b_halves: dict[str, dict[str, torch.Tensor]] = {}   # deepseek2: layer -> {"attn_k_b"|"attn_v_b": tensor}
         for name, t in self._tensors.items():
-            if name not in _SKIPPED:
-                yield from self._converted(name, t, dtype, device, arch, cfg)
+            if name in _SKIPPED or (_only is not None and name not in _only):
+                continue
+            qname = t.tensor_type.name
+            if qname not in _BLOCKS:
+                raise GraphDSLError(f"{self.path!r}: tensor {name!r} has GGML type {qname}, "
+                                    f"which graphdsl cannot dequantize; supported: "
+                                    f"{list(SUPPORTED_QTYPES)}")
+            shape = tuple(int(s) for s in reversed(t.shape.tolist()))
+            keep = (keep_quantized and qname in KEPT_QTYPES and len(shape) >= 2
+                    and name != "token_embd.weight")
+            try:
+                w = (_block_rows(t.data, qname, shape, device) if keep
+                     else dequantize(t.data, t.tensor_type, shape, device=device))
+            except GraphDSLError as e:
+                raise GraphDSLError(f"{self.path!r}: tensor {name!r}: {e}") from None
+            except Exception as e:  # an I/O error from the memory map of a damaged file
+                raise GraphDSLError(f"{self.path!r}: cannot read tensor {name!r}: "
+                                    f"{_first_line(e)}") from None
+            if arch in _PERMUTED_QK and ".attn_q." in name:
+                w = _unpermute_rows(w, cfg["num_attention_heads"])
+            elif arch in _PERMUTED_QK and ".attn_k." in name:
+                w = _unpermute_rows(w, cfg["num_key_value_heads"])
+            m = _LAYER_RE.match(name)
+            if m and m.group(2) in ("attn_k_b", "attn_v_b"):
+                halves = kv_b_halves.setdefault(m.group(1), {})
+                halves[m.group(2)] = w
+                if len(halves) == 2:
+                    yield (f"model.layers.{m.group(1)}.self_attn.kv_b_proj.weight",
+                           _join_kv_b(halves.pop("attn_k_b"), halves.pop("attn_v_b")).to(dtype))
+                continue
+            if m and m.group(2) == "exp_probs_b":
+                yield f"model.layers.{m.group(1)}.mlp.gate.e_score_correction_bias", w.to(dtype)
+                continue
+            if m and m.group(2) in _EXPERT_NAMES:
+                proj = _EXPERT_NAMES[m.group(2)]
+                for e in range(w.shape[0]):
+                    yield (f"model.layers.{m.group(1)}.mlp.experts.{e}.{proj}.weight",
+                           _blocks(qname, shape, w[e]) if keep else w[e].to(dtype).contiguous())
+                continue
+            if m and m.group(2) == "ffn_gate_inp_shexp" and w.dim() == 1:
+                w = w.reshape(1, -1)
+            if arch in _NORM_PLUS_ONE and name.endswith("norm.weight"):
+                w = w - 1.0
+            if arch == "bloom" and ".attn_qkv." in name:
+                w = _per_head_qkv(w, cfg["num_attention_heads"])
+            yield hf_name(name, arch) or name, (_blocks(qname, shape, w) if keep else w.to(dtype))
+
 
     def iter_tensors_lazy(self, dtype: torch.dtype = torch.float32, *, device: torch.device | str | None = None,
                           stats=None) -> Iterator[tuple[str, Any]]:
         """Like :meth:`iter_tensors`, but 2-D weights that need no conversion beyond llama.cpp's q/k
         row permutation come as lazy handles (``shape``, ``read(index)``): a tensor-parallel rank's
-        rows, or its columns on block boundaries, are dequantized from just their bytes. Other
-        tensors (stacked experts, norms, 1-D) come whole. ``stats`` (a
-        :class:`~graphdsl.runtime.loaders.safetensors.ReadStats`) adds up the GGUF bytes read."""
+        rows, or its columns on block boundaries, are dequantized from just their bytes. The other
+        tensors (stacked experts, norms, joined halves, 1-D) come whole, after the lazy ones.
+        ``stats`` (a :class:`~graphdsl.runtime.loaders.safetensors.ReadStats`) adds up the GGUF bytes read."""
         if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
             raise GraphDSLError(f"iter_tensors_lazy: dtype must be a floating torch.dtype, got {dtype!r}")
         arch = self._check_arch()
         cfg = self.hf_config()
+        whole: set = set()
         for name, t in self._tensors.items():
             if name in _SKIPPED:
                 continue
             m = _LAYER_RE.match(name)
+            special = m is not None and m.group(2) in (*_EXPERT_NAMES, "attn_k_b", "attn_v_b", "exp_probs_b",
+                                                      "ffn_gate_inp_shexp")
             plain = (len(t.shape) == 2 and t.tensor_type.name in _BLOCKS and hf_name(name, arch) is not None
-                     and not (m and m.group(2) in _EXPERT_NAMES) and not (arch == "bloom" and ".attn_qkv." in name)
+                     and not special and not (arch == "bloom" and ".attn_qkv." in name)
                      and not (arch in _NORM_PLUS_ONE and name.endswith("norm.weight")))
             if not plain:
+                whole.add(name)
                 if stats is not None:
                     stats.bytes += int(t.data.nbytes)
                     stats.tensors += 1
-                yield from self._converted(name, t, dtype, device, arch, cfg)
                 continue
             heads = None
             if arch in _PERMUTED_QK and ".attn_q." in name:
@@ -534,40 +478,8 @@ class GGUFCheckpoint:
             elif arch in _PERMUTED_QK and ".attn_k." in name:
                 heads = cfg["num_key_value_heads"]
             yield hf_name(name, arch), _GGUFTensor(self.path, name, t, heads, dtype, device, stats)
-
-    def _converted(self, name: str, t, dtype, device, arch: str, cfg: dict) -> Iterator[tuple[str, torch.Tensor]]:
-        """One GGUF tensor dequantized and converted to HF names and layout (experts split)."""
-        qname = t.tensor_type.name
-        if qname not in _BLOCKS:
-            raise GraphDSLError(f"{self.path!r}: tensor {name!r} has GGML type {qname}, "
-                                f"which graphdsl cannot dequantize; supported: "
-                                f"{list(SUPPORTED_QTYPES)}")
-        shape = tuple(int(s) for s in reversed(t.shape.tolist()))
-        try:
-            w = dequantize(t.data, t.tensor_type, shape, device=device)
-        except GraphDSLError as e:
-            raise GraphDSLError(f"{self.path!r}: tensor {name!r}: {e}") from None
-        except Exception as e:  # an I/O error from the memory map of a damaged file
-            raise GraphDSLError(f"{self.path!r}: cannot read tensor {name!r}: "
-                                f"{_first_line(e)}") from None
-        if arch in _PERMUTED_QK and ".attn_q." in name:
-            w = _unpermute_rows(w, cfg["num_attention_heads"])
-        elif arch in _PERMUTED_QK and ".attn_k." in name:
-            w = _unpermute_rows(w, cfg["num_key_value_heads"])
-        m = _LAYER_RE.match(name)
-        if m and m.group(2) in _EXPERT_NAMES:
-            proj = _EXPERT_NAMES[m.group(2)]
-            for e in range(w.shape[0]):
-                yield (f"model.layers.{m.group(1)}.mlp.experts.{e}.{proj}.weight",
-                       w[e].to(dtype).contiguous())
-            return
-        if m and m.group(2) == "ffn_gate_inp_shexp" and w.dim() == 1:
-            w = w.reshape(1, -1)
-        if arch in _NORM_PLUS_ONE and name.endswith("norm.weight"):
-            w = w - 1.0
-        if arch == "bloom" and ".attn_qkv." in name:
-            w = _per_head_qkv(w, cfg["num_attention_heads"])
-        yield hf_name(name, arch) or name, w.to(dtype)
+        if whole:
+            yield from self.iter_tensors(dtype, device=device, _only=whole)
 
 
 class _GGUFTensor:
@@ -613,6 +525,34 @@ class _GGUFTensor:
             w = _unpermute_rows(w, (a1 - a0) // (rows // self._heads))
         w = w[r0 - a0:r1 - a0:rstep, c0 - b0:c1 - b0:cstep]
         return w.to(self._dtype)
+
+
+def _block_rows(data, qname: str, shape: tuple[int, ...], device) -> torch.Tensor:
+    """The raw bytes of a block-quantized tensor of logical ``shape`` as uint8 rows
+    ``[*shape[:-1], row_bytes]`` on ``device`` (checked against the type's row size)."""
+    with warnings.catch_warnings():  # a read-only memory map: we only ever read it
+        warnings.simplefilter("ignore", UserWarning)
+        raw = torch.from_numpy(np.ascontiguousarray(data).reshape(-1).view(np.uint8))
+    rb = row_bytes(qname, shape[-1])
+    if raw.numel() != int(np.prod(shape[:-1])) * rb:
+        raise GraphDSLError(f"{qname} tensor of shape {list(shape)} needs {int(np.prod(shape[:-1])) * rb} bytes, "
+                            f"got {raw.numel()}")
+    raw = raw.reshape(*shape[:-1], rb)
+    return raw.to(device) if device is not None else raw
+
+
+def _blocks(qname: str, shape: tuple[int, ...], rows: torch.Tensor) -> GGUFBlockWeight:
+    return GGUFBlockWeight(qname, (rows.shape[0], shape[-1]), rows.contiguous())
+
+
+def _join_kv_b(k_b: torch.Tensor, v_b: torch.Tensor) -> torch.Tensor:
+    """DeepSeek's ``kv_b_proj [heads * (nope + v), kv_lora_rank]`` from llama.cpp's halves:
+    ``attn_k_b [heads, kv_lora_rank, nope]`` (transposed per head) and ``attn_v_b [heads, v, kv_lora_rank]``."""
+    if k_b.dim() != 3 or v_b.dim() != 3 or k_b.shape[0] != v_b.shape[0] or k_b.shape[1] != v_b.shape[2]:
+        raise GraphDSLError(f"attn_k_b {list(k_b.shape)} and attn_v_b {list(v_b.shape)} do not fit "
+                            "[heads, kv_lora_rank, nope] and [heads, v_head_dim, kv_lora_rank]")
+    joined = torch.cat([k_b.transpose(1, 2), v_b], dim=1)
+    return joined.reshape(-1, k_b.shape[1]).contiguous()
 
 
 def _plain(v: Any) -> Any:

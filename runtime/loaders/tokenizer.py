@@ -40,6 +40,15 @@ _LLAMA3_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1
 _QWEN2_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}"
                 r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
 
+# DeepSeek's pre-tokenizers (their tokenizer.json): newlines, cased-letter runs, ASCII/full-width punctuation
+# runs, trailing spaces, CJK/Hangul runs, digit runs; V3: digits in threes, CJK/kana runs, then Llama-3-like
+_DEEPSEEK_LLM_SPLITS = (r"[\r\n]", r"\s?\p{LC}+",
+                        r"\s?[!-/:-~\uff01-\uff0f\uff1a-\uff5e\u2018-\u201f\u3000-\u3002]+", r"\s+$",
+                        r"[\u4e00-\u9fa5\u0800-\u4e00\uac00-\ud7ff]+", r"\p{N}+")
+_DEEPSEEK_V3_SPLITS = (r"\p{N}{1,3}", r"[\u4e00-\u9fa5\u3040-\u309f\u30a0-\u30ff]+",
+                       r"[!\"#$%&'()*+,\-./:;<=>?@\[\\\]^_`{|}~][A-Za-z]+|[^\r\n\p{L}\p{P}\p{S}]?[\p{L}\p{M}]+"
+                       r"| ?[\p{P}\p{S}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
+
 # tokenizer.ggml.pre -> (split regexes applied in order, ignore_merges)
 _PRE_SPLITS: dict[str, tuple[tuple[str, ...], bool]] = {
     "default": ((_GPT2_SPLIT,), False),
@@ -51,6 +60,8 @@ _PRE_SPLITS: dict[str, tuple[tuple[str, ...], bool]] = {
     "smaug-bpe": ((_LLAMA3_SPLIT,), True),
     "qwen2": ((_QWEN2_SPLIT,), False),
     "deepseek-r1-qwen": ((_QWEN2_SPLIT,), False),
+    "deepseek-llm": (_DEEPSEEK_LLM_SPLITS, False),    # DeepSeek LLM / V2
+    "deepseek-v3": (_DEEPSEEK_V3_SPLITS, False),
 }
 
 _GGUF_MODELS = ("gpt2", "llama")

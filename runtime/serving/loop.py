@@ -14,6 +14,10 @@ reach the host through a non-blocking copy into pinned memory and a CUDA event.
 ``overlap=False`` (or ``GRAPHDSL_OVERLAP=0``) reads every step's tokens before the next one is
 scheduled: the same results, one step sooner, for debugging.
 
+Prefill steps are padded to a few shape buckets (:mod:`.prefill_pad`) on CUDA, so the prefill
+engine specialises once per bucket instead of once per step; ``GRAPHDSL_PREFILL_BUCKETS=0`` turns
+that off, ``=1`` turns it on elsewhere too.
+
 The loop speaks to the model through a :class:`StepExecutor` (``graphdsl.models.executor`` wraps a
 ``FlashCausalLM``): ``execute(phase, inputs)`` runs an engine eagerly and returns float32 logits,
 and ``decode_graph(rows)`` optionally gives a CUDA-graph step whose static inputs *are* the
@@ -32,9 +36,10 @@ from graphdsl.errors import GraphDSLError
 from .outputs import Logprob
 from .sampler import PenaltyState, SamplingTensors, compute_logprobs, sample
 from .kv_cache import decode_slots
+from .prefill_pad import STANDARD_INPUTS, pad_prefill
 from .scheduler import Chunk, Request, RequestStatus, Scheduler, StepBatch, TokenEvent, to_device
 
-__all__ = ["StepExecutor", "DecodeGraph", "ServingLoop", "overlap_enabled"]
+__all__ = ["StepExecutor", "DecodeGraph", "ServingLoop", "overlap_enabled", "prefill_buckets_enabled"]
 
 
 class DecodeGraph(Protocol):
@@ -67,6 +72,15 @@ class StepExecutor(Protocol):
 def overlap_enabled(flag: bool) -> bool:
     """``flag`` unless ``GRAPHDSL_OVERLAP=0`` turns the overlap off."""
     return flag and os.environ.get("GRAPHDSL_OVERLAP", "1").strip().lower() not in ("0", "false", "off", "no")
+
+
+def prefill_buckets_enabled(device: torch.device) -> bool:
+    """Pad prefill steps to shape buckets: on CUDA unless ``GRAPHDSL_PREFILL_BUCKETS=0``; elsewhere
+    only with ``GRAPHDSL_PREFILL_BUCKETS=1``."""
+    flag = os.environ.get("GRAPHDSL_PREFILL_BUCKETS", "").strip().lower()
+    if flag in ("0", "false", "off", "no"):
+        return False
+    return flag in ("1", "true", "on", "yes") or device.type == "cuda"
 
 
 @dataclass
@@ -109,6 +123,7 @@ class ServingLoop:
         self.executor, self.scheduler = executor, scheduler
         self.device = torch.device(executor.device)
         self.overlap = overlap_enabled(overlap)
+        self.prefill_buckets = prefill_buckets_enabled(self.device)
         self.decode_name = logprob_decoder
         self._flight: _Flight | None = None
         self._rows: _Rows | None = None
@@ -334,7 +349,12 @@ class ServingLoop:
             inputs["lm_head_indices"] = to_device(self.device, {"h": (heads, torch.int64)})["h"]
         if not heads:      # every chunk is a middle piece of a prompt: fill the cache, project one row
             inputs["lm_head_indices"] = torch.zeros(1, dtype=torch.int64, device=self.device)
+        padded = self.prefill_buckets and set(inputs) == STANDARD_INPUTS
+        if padded:
+            inputs, projected = pad_prefill(inputs, self.executor.max_blocks_per_seq)
         logits = self.executor.execute("prefill", inputs)
+        if padded:
+            logits = logits[:projected]
         prompt_rows = []
         for c, row0 in prompt_spans:
             req = c.request

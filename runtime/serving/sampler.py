@@ -36,7 +36,8 @@ import torch
 
 from graphdsl.errors import GraphDSLError
 
-__all__ = ["SamplingTensors", "PenaltyState", "sample", "sample_reference", "compute_logprobs", "TOPK_SORT_LIMIT",
+__all__ = ["SamplingTensors", "PenaltyState", "sample", "sample_reference", "compute_logprobs",
+           "compute_logprobs_reference", "TOPK_SORT_LIMIT",
            "TIES_COUNTED"]
 
 TOPK_SORT_LIMIT = 1024   # top-p rows with a top-k up to this use the top-k prefix, not a full sort
@@ -239,7 +240,18 @@ def sample_reference(logits: torch.Tensor, st: SamplingTensors, counters: torch.
 def compute_logprobs(logits: torch.Tensor, tokens: torch.Tensor, num: int):
     """Raw logprobs (``log_softmax`` of ``logits`` in float32): ``(top_ids int64 [R, num],
     top_logprobs float32 [R, num] descending, token_logprob float32 [R], token_rank int64 [R])``,
-    rank = 1 + the number of entries with a strictly larger logprob. No host sync."""
+    rank = 1 + the number of entries with a strictly larger logprob. No host sync: on CUDA one
+    Triton launch (:mod:`graphdsl.runtime.kernels.logprobs`, ``num <= 64``; ties in the top list go
+    to the lowest id), elsewhere :func:`compute_logprobs_reference`."""
+    if logits.device.type == "cuda" and logits.dim() == 2 and logits.shape[1] > 0:
+        from graphdsl.runtime.kernels.logprobs import MAX_NUM, logprobs
+        if num <= min(MAX_NUM, logits.shape[1]):
+            return logprobs(logits.to(torch.float32).contiguous(), tokens.to(torch.int64).contiguous(), num)
+    return compute_logprobs_reference(logits, tokens, num)
+
+
+def compute_logprobs_reference(logits: torch.Tensor, tokens: torch.Tensor, num: int):
+    """:func:`compute_logprobs` in plain torch (``log_softmax``, ``topk``), on any device."""
     lp = torch.log_softmax(logits.to(torch.float32), dim=1)
     tok = lp.gather(1, tokens[:, None])
     rank = (lp > tok).sum(dim=1) + 1

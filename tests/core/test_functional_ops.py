@@ -906,6 +906,24 @@ def test_gather(dim, ishape, idtype, mode):
 
 
 @pytest.mark.parametrize("mode", BOTH)
+@pytest.mark.parametrize("idtype", [torch.int32, torch.int64], ids=dt_id)
+def test_index_mask(idtype, mode):
+    """mask[t, j] = j in ids[t]: a top-k's chosen set as a dense mask (repeated ids count once)."""
+    sizes = ({"n": 1}, {"n": 6}) if mode == "static" else ({"n": 3}, {"n": 17})
+
+    def make(sz):
+        return {"i": torch.randint(0, 9, (sz["n"], 3), dtype=idtype)}
+
+    def expect(i):
+        return torch.stack([(i == j).any(-1) for j in range(9)], -1)
+
+    check_op(lambda i: F.index_mask(i, 9), {"i": (("n", 3), idtype)}, make, expect, mode, sizes)
+    with pytest.raises(GraphDSLError, match="size must be a positive int, got 0"):
+        with Network():
+            F.index_mask(Tensor("i", (4, 2), torch.int64), 0)
+
+
+@pytest.mark.parametrize("mode", BOTH)
 @pytest.mark.parametrize("ishape", [("n",), (2, "n")], ids=str)
 @pytest.mark.parametrize("idtype", [torch.int32, torch.int64], ids=dt_id)
 @pytest.mark.parametrize("dtype", FLOATS, ids=dt_id)

@@ -186,3 +186,77 @@ def bloom_to_gguf(path, model, *, tokenizer_meta: dict[str, Any] | None = None) 
         tensors[gname] = (np.ascontiguousarray(data, dtype=np.float32), None)
     tensors["output.weight"] = tensors["token_embd.weight"]
     write_gguf(path, "bloom", meta, tensors)
+
+
+_DEEPSEEK2_LAYER = {
+    "input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm", "self_attn.q_proj": "attn_q",
+    "self_attn.q_a_proj": "attn_q_a", "self_attn.q_a_layernorm": "attn_q_a_norm", "self_attn.q_b_proj": "attn_q_b",
+    "self_attn.kv_a_proj_with_mqa": "attn_kv_a_mqa", "self_attn.kv_a_layernorm": "attn_kv_a_norm",
+    "self_attn.kv_b_proj": "attn_kv_b", "self_attn.o_proj": "attn_output", "mlp.gate_proj": "ffn_gate",
+    "mlp.up_proj": "ffn_up", "mlp.down_proj": "ffn_down", "mlp.gate": "ffn_gate_inp",
+    "mlp.shared_experts.gate_proj": "ffn_gate_shexp", "mlp.shared_experts.up_proj": "ffn_up_shexp",
+    "mlp.shared_experts.down_proj": "ffn_down_shexp",
+}
+
+
+def deepseek2_to_gguf(path, model, *, tokenizer_meta: dict[str, Any] | None = None, split_kv_b: bool = True,
+                      with_groups: bool = True) -> None:
+    """Write a HF DeepSeek-V2/V3 as llama.cpp's ``deepseek2`` converter does: MLA as one-head MQA in the
+    metadata (per-head sizes under ``*_mla``), ``kv_b_proj`` split into ``attn_k_b`` (transposed per
+    head) and ``attn_v_b`` (``split_kv_b``; older files keep ``attn_kv_b``), stacked experts,
+    ``e_score_correction_bias`` as ``exp_probs_b.bias``, YaRN's ``0.1 * mscale_all_dim``."""
+    cfg = model.config
+    a = "deepseek2"
+    h, lora, rope = cfg.num_attention_heads, cfg.kv_lora_rank, cfg.qk_rope_head_dim
+    nope, v = cfg.qk_nope_head_dim, cfg.v_head_dim
+    rp = getattr(cfg, "rope_parameters", None) or {}
+    sigmoid = cfg.model_type == "deepseek_v3"
+    meta = {
+        f"{a}.context_length": cfg.max_position_embeddings, f"{a}.embedding_length": cfg.hidden_size,
+        f"{a}.block_count": cfg.num_hidden_layers, f"{a}.feed_forward_length": cfg.intermediate_size,
+        f"{a}.attention.head_count": h, f"{a}.attention.head_count_kv": 1,
+        f"{a}.attention.layer_norm_rms_epsilon": float(cfg.rms_norm_eps),
+        f"{a}.rope.freq_base": float(rp.get("rope_theta", 10000.0)), f"{a}.vocab_size": cfg.vocab_size,
+        f"{a}.leading_dense_block_count": cfg.first_k_dense_replace, f"{a}.attention.kv_lora_rank": lora,
+        f"{a}.attention.key_length": lora + rope, f"{a}.attention.value_length": lora,
+        f"{a}.attention.key_length_mla": nope + rope, f"{a}.attention.value_length_mla": v,
+        f"{a}.expert_feed_forward_length": cfg.moe_intermediate_size, f"{a}.expert_count": cfg.n_routed_experts,
+        f"{a}.expert_shared_count": cfg.n_shared_experts, f"{a}.expert_used_count": cfg.num_experts_per_tok,
+        f"{a}.expert_weights_scale": float(cfg.routed_scaling_factor),
+        f"{a}.expert_gating_func": 2 if sigmoid else 1, f"{a}.rope.dimension_count": rope,
+    }
+    if cfg.q_lora_rank:
+        meta[f"{a}.attention.q_lora_rank"] = cfg.q_lora_rank
+    if getattr(cfg, "norm_topk_prob", False):
+        meta[f"{a}.expert_weights_norm"] = True
+    if with_groups and (cfg.n_group or 1) > 1:
+        meta.update({f"{a}.expert_group_count": cfg.n_group, f"{a}.expert_group_used_count": cfg.topk_group})
+    if rp.get("rope_type") == "yarn":
+        meta.update({f"{a}.rope.scaling.type": "yarn", f"{a}.rope.scaling.factor": float(rp["factor"]),
+                     f"{a}.rope.scaling.original_context_length": rp["original_max_position_embeddings"],
+                     f"{a}.rope.scaling.yarn_log_multiplier": 0.1 * rp["mscale_all_dim"]})
+    meta.update(tokenizer_meta or {})
+    tensors = {}
+    for name, t in model.state_dict().items():
+        data = t.detach().float()
+        if name in _GLOBAL:
+            tensors[_GLOBAL[name]] = (np.ascontiguousarray(data.numpy(), dtype=np.float32), None)
+            continue
+        m = re.match(r"model\.layers\.(\d+)\.(.+?)(?:\.(weight|bias))?$", name)
+        blk, part, leaf = f"blk.{m.group(1)}", m.group(2), m.group(3)
+        out: dict[str, torch.Tensor] = {}
+        if part == "mlp.experts.gate_up_proj":
+            gate, up = data.chunk(2, dim=1)
+            out = {f"{blk}.ffn_gate_exps.weight": gate, f"{blk}.ffn_up_exps.weight": up}
+        elif part == "mlp.experts.down_proj":
+            out = {f"{blk}.ffn_down_exps.weight": data}
+        elif part == "mlp.gate.e_score_correction_bias":
+            out = {f"{blk}.exp_probs_b.bias": data}
+        elif part == "self_attn.kv_b_proj" and split_kv_b:
+            k_b, v_b = data.reshape(h, nope + v, lora).split([nope, v], dim=1)
+            out = {f"{blk}.attn_k_b.weight": k_b.transpose(1, 2), f"{blk}.attn_v_b.weight": v_b}
+        else:
+            out = {f"{blk}.{_DEEPSEEK2_LAYER[part]}.{leaf}": data}
+        for gname, x in out.items():
+            tensors[gname] = (np.ascontiguousarray(x.numpy(), dtype=np.float32), None)
+    write_gguf(path, a, meta, tensors)

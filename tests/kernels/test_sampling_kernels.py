@@ -104,3 +104,32 @@ def test_noise_is_strictly_inside_zero_one():
     assert 0.0 < float(ends[0]) and float(ends[1]) < 1.0
     u = hash_uniform(torch.arange(64, dtype=torch.int64), torch.arange(64, dtype=torch.int64) * 7, 4096)
     assert float(u.max()) < 1.0 and float(u.min()) > 0.0
+
+
+@pytest.mark.parametrize("V,num", [(1000, 5), (20000, 20), (20000, 0), (7, 7)])
+def test_logprobs_kernel_matches_log_softmax(V, num):
+    """runtime/kernels/logprobs.py (one launch) vs compute_logprobs_reference (log_softmax + topk)."""
+    from graphdsl.runtime.kernels.logprobs import logprobs
+    from graphdsl.runtime.serving.sampler import compute_logprobs_reference
+    torch.manual_seed(V + num)
+    R = 3
+    logits = torch.randn(R, V, device=DEV) * 3
+    logits[0, :5] = float("-inf")                             # banned-style entries
+    tokens = torch.randint(5, V, (R,), device=DEV)
+    tokens[1] = logits[1].argmax()                            # rank 1
+    ids, top, tok, rank = logprobs(logits, tokens, num)
+    r_ids, r_top, r_tok, r_rank = compute_logprobs_reference(logits, tokens, num)
+    assert ids.shape == (R, num) and top.dtype == torch.float32 and rank.dtype == torch.int64
+    finite = r_top > float("-inf")                            # torch.topk orders ties (the -inf) arbitrarily
+    assert torch.equal(ids[finite], r_ids[finite]) and torch.equal(rank, r_rank) and rank[1].item() == 1
+    assert ids[~finite].tolist() == sorted(ids[~finite].tolist())          # the kernel: lowest id first
+    torch.testing.assert_close(top, r_top, atol=2e-5, rtol=1e-5)
+    torch.testing.assert_close(tok, r_tok, atol=2e-5, rtol=1e-5)
+
+
+def test_logprobs_kernel_ties_go_to_the_lowest_id():
+    from graphdsl.runtime.kernels.logprobs import logprobs
+    logits = torch.tensor([[1.0, 3.0, 2.0, 3.0, 3.0, 0.0]], device=DEV)
+    ids, top, _, rank = logprobs(logits, torch.tensor([3], device=DEV), 4)
+    assert ids.tolist() == [[1, 3, 4, 2]] and rank.tolist() == [1]
+    assert top[0, 0] == top[0, 1] == top[0, 2] > top[0, 3]

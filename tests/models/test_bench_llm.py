@@ -46,6 +46,22 @@ def test_byte_and_flop_counts(bench):
     assert flops == 2 * 1000 * 4 + 2 * 128256 * 4096 + 32 * 4 * 32 * 128 * 10
 
 
+def test_routed_experts_count_by_expected_use(bench):
+    """A step reads the fraction 1 - (1 - k/E)^batch of the routed experts: Mixtral's 2 of 8 at batch 1
+    reads a quarter; prefill FLOPs count k/E of them."""
+    config = build_config(bench.SHAPES["mixtral-8x7b"])
+    model = resolve_model_class(config.model_type, config.architectures)(config, torch.bfloat16)
+    w = bench.weight_bytes(model)
+    assert w["experts"] == 2 * 32 * 8 * 3 * 4096 * 14336
+    assert bench.expert_fraction(config, 1) == 0.25 and bench.expert_fraction(config, 2) == 1 - 0.75 ** 2
+    assert bench.decode_bytes(w, 0, 1, 512, bench.expert_fraction(config, 1)) == \
+        w["layers"] + w["lm_head"] + w["experts"] // 4
+    dense = {"layers": w["layers"]}
+    assert bench.prefill_flops(config, {**dense, "experts": w["experts"]}, 2, 8) == \
+        bench.prefill_flops(config, {"layers": w["layers"] + w["experts"] // 4}, 2, 8)
+    assert bench.expert_fraction(build_config(bench.SHAPES["llama-3-8b"]), 1) == 1.0
+
+
 def test_cli_offers_every_shape(bench):
     sub = next(a for a in build_parser()._actions if a.dest == "command")
     shape = next(a for a in sub.choices["bench"]._actions if a.dest == "shape")

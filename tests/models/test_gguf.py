@@ -354,6 +354,46 @@ def test_bloom_logits_through_llm(tmp_path):
     assert (llm.score(ids) - ref).abs().max().item() <= 1e-4 * ref.abs().max().item()
 
 
+@pytest.mark.parametrize("family,q_lora_rank,split_kv_b", [("deepseek_v2", None, True), ("deepseek_v2", 24, False),
+                                                           ("deepseek_v3", 24, True)])
+def test_deepseek2_logits_through_llm(tmp_path, family, q_lora_rank, split_kv_b):
+    """llama.cpp's ``deepseek2`` GGUF: MLA as one-head MQA in the metadata, ``kv_b_proj`` split into
+    ``attn_k_b``/``attn_v_b`` (or whole, as older files), grouped routing, V3's sigmoid gating with its
+    correction bias, YaRN's log multiplier; ``gd.LLM`` on the file scores like transformers."""
+    import graphdsl as gd
+    from tests.helpers.gguf_files import deepseek2_to_gguf
+    from tests.models.hf_tiny import make_checkpoint
+    model = make_checkpoint(family, tmp_path / "hf", vocab_size=96, q_lora_rank=q_lora_rank)
+    if family == "deepseek_v3":
+        with torch.no_grad():
+            for name, p in model.named_parameters():
+                if name.endswith("e_score_correction_bias"):
+                    p.uniform_(-0.1, 0.1)
+    path = tmp_path / "deepseek2.gguf"
+    deepseek2_to_gguf(path, model, tokenizer_meta=_tok_meta(96), split_kv_b=split_kv_b)
+    hf = GGUFCheckpoint(path).hf_config()
+    hc = model.config
+    assert (hf["model_type"], hf["architectures"]) == (family, [type(model).__name__])
+    for key in ("kv_lora_rank", "q_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim",
+                "first_k_dense_replace", "n_routed_experts", "n_shared_experts", "num_experts_per_tok",
+                "n_group", "topk_group", "moe_intermediate_size", "num_key_value_heads"):
+        assert hf[key] == getattr(hc, key), key
+    assert hf["routed_scaling_factor"] == pytest.approx(hc.routed_scaling_factor)
+    assert hf["topk_method"] == ("noaux_tc" if family == "deepseek_v3" else "group_limited_greedy")
+    assert hf["rope_scaling"]["mscale_all_dim"] == pytest.approx(0.707, rel=1e-6)
+    llm = gd.LLM(str(path), device="cpu", max_model_len=64)
+    ids = [3, 17, 42, 5, 88, 9, 60, 61, 2, 7, 11, 13]
+    with torch.no_grad():
+        ref = model(torch.tensor([ids])).logits[0]
+    assert (llm.score(ids) - ref).abs().max().item() <= 1e-4 * ref.abs().max().item()
+
+
+def test_deepseek2_kv_b_halves_must_fit(tmp_path):
+    from graphdsl.runtime.loaders.gguf import _join_kv_b
+    with pytest.raises(GraphDSLError, match=r"attn_k_b \[2, 8, 4\] and attn_v_b \[2, 6, 7\] do not fit"):
+        _join_kv_b(torch.zeros(2, 8, 4), torch.zeros(2, 6, 7))
+
+
 # ---------------------------------------------------------------- error paths
 
 def test_missing_and_not_gguf(tmp_path):
@@ -385,7 +425,7 @@ def test_unsupported_architecture(tmp_path):
     write_gguf(path, "mamba", {"mamba.block_count": 1}, {"x.weight": (np.ones(4, np.float32), None)})
     ck = GGUFCheckpoint(path)
     assert ck.architecture == "mamba"
-    with pytest.raises(GraphDSLError, match=r"architecture 'mamba' is not supported; supported: \['llama', 'qwen2', 'qwen3', 'qwen2moe', 'qwen3moe', 'gemma', 'gemma2', 'bloom'\]"):
+    with pytest.raises(GraphDSLError, match=r"architecture 'mamba' is not supported; supported: \['llama', 'qwen2', 'qwen3', 'qwen2moe', 'qwen3moe', 'gemma', 'gemma2', 'bloom', 'deepseek2'\]"):
         ck.hf_config()
     with pytest.raises(GraphDSLError, match="'mamba' is not supported"):
         list(ck.iter_tensors())

@@ -1,0 +1,50 @@
+"""Routed experts as one op: ``moe_experts`` (what a grouped-GEMM kernel computes)."""
+from __future__ import annotations
+
+import torch
+
+from ..dim import same_extent, shape_str
+from ..opdef import OpCategory, Spec, check, register_op
+from .pointwise import ActType
+
+__all__ = ["moe_experts"]
+
+_GATED = (ActType.SWIGLU, ActType.GEGLU)
+
+
+def _moe_rule(x: Spec, routing: Spec, gate_up: Spec, down: Spec, *, act=ActType.SWIGLU, top_k=None):
+    op = "moe_experts"
+    check(act in _GATED, op, f"act must be a gated ActType, one of {[a.name for a in _GATED]}, got {act!r}")
+    check(len(x.shape) == 2 and len(routing.shape) == 2, op,
+          f"x and routing must be [num_tokens, hidden] and [num_tokens, num_experts], got {shape_str(x.shape)} and "
+          f"{shape_str(routing.shape)}")
+    check(len(gate_up.shape) == 3 and len(down.shape) == 3, op,
+          f"gate_up and down must be [E, 2I, H] and [E, H, I], got {shape_str(gate_up.shape)} and "
+          f"{shape_str(down.shape)}")
+    check(gate_up.dtype == x.dtype and down.dtype == x.dtype, op,
+          f"x, gate_up and down must share a dtype, got {x.dtype}, {gate_up.dtype}, {down.dtype}")
+    e, two_i, h = gate_up.shape
+    for a, b, what in ((x.shape[0], routing.shape[0], "tokens of x and routing"), (routing.shape[1], e, "experts"),
+                       (x.shape[1], h, "hidden of x and gate_up"), (down.shape[0], e, "experts of down"),
+                       (down.shape[1], h, "hidden of down")):
+        check(same_extent(a, b) is not False, op, f"{what} differ: {a} vs {b}")
+    if isinstance(two_i, int) and isinstance(down.shape[2], int):
+        check(two_i == 2 * down.shape[2], op, f"gate_up has {two_i} rows an expert, down {down.shape[2]} columns: "
+                                              "need 2 x intermediate")
+    if isinstance(e, int):
+        check(top_k is None or (isinstance(top_k, int) and 1 <= top_k <= e), op,
+              f"top_k must be None or an int in [1, {e}], got {top_k!r}")
+    return Spec(tuple(x.shape), x.dtype)
+
+
+@register_op("moe_experts", category=OpCategory.CUSTOM, shape=_moe_rule)
+def moe_experts(x, routing, gate_up, down, *, act=ActType.SWIGLU, top_k=None):
+    """``Σ_e routing[:, e] · down_e · act([gate_e | up_e] · x)`` — expert ``e``'s gated MLP weighted
+    by its routing column. ``routing [T, E]`` holds each token's chosen experts' weights and zeros
+    elsewhere; ``top_k`` (None: all) tells a sparse kernel how many per row to compute. The
+    reference computes every expert densely, in the input dtype."""
+    gate, up = torch.matmul(x, gate_up.mT).chunk(2, dim=-1)                          # [E, T, I] each
+    a = torch.nn.functional.silu(gate) if act is ActType.SWIGLU else \
+        torch.nn.functional.gelu(gate, approximate="tanh")
+    y = torch.matmul(a * up, down.mT)                                                 # [E, T, H]
+    return (y * routing.permute(1, 0).unsqueeze(-1).to(y)).sum(0)

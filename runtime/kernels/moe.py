@@ -1,0 +1,268 @@
+"""Sparse MoE experts: only the experts each token chose are computed (grouped GEMMs over sorted rows).
+
+``moe_experts(x [T, H], routing [T, E], gate_up [E, 2I, H], down [E, H, I])`` is
+
+    out[t] = Σ_e routing[t, e] · down_e · act(gate_e x[t], up_e x[t])
+
+where ``routing`` holds each token's top-k expert weights and zeros elsewhere. Only the top-k are
+computed, so decode reads ``k / E`` of the expert weights instead of all of them.
+
+1. **Align** (torch, on the device, no host sync, so it is CUDA-graph safe): the ``P = T·k``
+   (token, choice) pairs are grouped by expert, each group padded to a multiple of ``BLOCK_M``:
+   ``rows[b·BLOCK_M + i]`` is a pair index (``P`` marks padding) and ``block_expert[b]`` the expert
+   of block ``b`` (``E`` past the last block: such programs exit). At most
+   ``cdiv(P, BLOCK_M) + min(E, P)`` blocks are needed, a bound fixed by the shapes.
+2. **Gate/up** (:func:`_gate_up_kernel`): program ``(b, n)`` multiplies its block's gathered token
+   rows by expert ``e``'s gate and up rows ``n·BLOCK_N ...``, float32 accumulation, and stores
+   ``act(gate) · up`` (SwiGLU or tanh-GeGLU) for each pair: ``h [P, I]`` in the input dtype.
+3. **Down** (:func:`_down_kernel`): ``y[p] = routing weight(p) · h[p] @ down_eᵀ`` in float32.
+4. ``out = Σ_k y.view(T, k, H)`` (torch), cast to the input dtype.
+
+File shape (STYLE.md 11): the two ``@triton.jit`` kernels, the align step, the launcher that picks
+tiles with one heuristic (:func:`_pick_config`) and checks its arguments, the public wrapper.
+"""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+from graphdsl.errors import GraphDSLError
+
+from .paged_attention import _mm
+
+__all__ = ["moe_experts", "moe_align", "moe_supported", "MoeConfig"]
+
+_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+
+
+@triton.jit
+def _act(g, u, GEGLU: tl.constexpr):
+    """``silu(g) · u`` or ``gelu_tanh(g) · u`` (float32)."""
+    if GEGLU:
+        z = 0.7978845608028654 * (g + 0.044715 * g * g * g)
+        return 0.5 * g * (2.0 * tl.sigmoid(2.0 * z)) * u     # 1 + tanh(z) = 2 sigmoid(2z)
+    return g * tl.sigmoid(g) * u
+
+
+@triton.jit
+def _gate_up_kernel(
+    x_ptr, sx,                 # tokens [T, H] (inner stride 1), row stride
+    w_ptr, swe, swn,           # gate_up [E, 2I, H] (inner stride 1): expert and row strides
+    h_ptr,                     # out: act(gate)·up per pair [P, I], contiguous
+    rows_ptr, blk_e_ptr,       # align: pair index per padded row, expert per block
+    P, H, I, E, TOP_K: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    GEGLU: tl.constexpr, DOT_PREC: tl.constexpr, DOT_F32: tl.constexpr,   # DOT_F32: interpreter only
+):
+    """h[p, n] = act(x[p // k] · gate_e[n], x[p // k] · up_e[n]) for the pairs of block ``b``."""
+    b, pid_n = tl.program_id(0), tl.program_id(1)
+    e = tl.load(blk_e_ptr + b)
+    if e >= E:
+        return
+    rows = tl.load(rows_ptr + b * BLOCK_M + tl.arange(0, BLOCK_M))
+    valid = rows < P
+    tok = tl.where(valid, rows // TOP_K, 0)
+    n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_ok = n < I
+    k = tl.arange(0, BLOCK_K)
+    w_e = w_ptr + e.to(tl.int64) * swe
+    acc_g = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    acc_u = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k0 in range(0, H, BLOCK_K):
+        kk = k0 + k
+        k_ok = kk < H
+        a = tl.load(x_ptr + tok[:, None].to(tl.int64) * sx + kk[None, :], mask=valid[:, None] & k_ok[None, :],
+                    other=0.0)
+        wg = tl.load(w_e + n[None, :].to(tl.int64) * swn + kk[:, None], mask=n_ok[None, :] & k_ok[:, None], other=0.0)
+        wu = tl.load(w_e + (n[None, :] + I).to(tl.int64) * swn + kk[:, None], mask=n_ok[None, :] & k_ok[:, None],
+                     other=0.0)
+        acc_g += _mm(a, wg, DOT_PREC, DOT_F32)
+        acc_u += _mm(a, wu, DOT_PREC, DOT_F32)
+    h = _act(acc_g, acc_u, GEGLU)
+    tl.store(h_ptr + rows[:, None].to(tl.int64) * I + n[None, :], h.to(h_ptr.dtype.element_ty),
+             mask=valid[:, None] & n_ok[None, :])
+
+
+@triton.jit
+def _down_kernel(
+    h_ptr,                     # act(gate)·up per pair [P, I], contiguous
+    w_ptr, swe, swn,           # down [E, H, I] (inner stride 1): expert and row strides
+    wt_ptr,                    # routing weight per pair [P], float32
+    y_ptr,                     # out: weighted expert outputs per pair [P, H], float32
+    rows_ptr, blk_e_ptr,
+    P, H, I, E,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DOT_PREC: tl.constexpr,
+    DOT_F32: tl.constexpr,
+):
+    """y[p, n] = weight(p) · h[p] · down_e[n] for the pairs of block ``b``."""
+    b, pid_n = tl.program_id(0), tl.program_id(1)
+    e = tl.load(blk_e_ptr + b)
+    if e >= E:
+        return
+    rows = tl.load(rows_ptr + b * BLOCK_M + tl.arange(0, BLOCK_M))
+    valid = rows < P
+    safe = tl.where(valid, rows, 0).to(tl.int64)
+    n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_ok = n < H
+    k = tl.arange(0, BLOCK_K)
+    w_e = w_ptr + e.to(tl.int64) * swe
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k0 in range(0, I, BLOCK_K):
+        kk = k0 + k
+        k_ok = kk < I
+        a = tl.load(h_ptr + safe[:, None] * I + kk[None, :], mask=valid[:, None] & k_ok[None, :], other=0.0)
+        w = tl.load(w_e + n[None, :].to(tl.int64) * swn + kk[:, None], mask=n_ok[None, :] & k_ok[:, None], other=0.0)
+        acc += _mm(a, w, DOT_PREC, DOT_F32)
+    wt = tl.load(wt_ptr + safe, mask=valid, other=0.0)
+    tl.store(y_ptr + safe[:, None] * H + n[None, :], acc * wt[:, None], mask=valid[:, None] & n_ok[None, :])
+
+
+@triton.jit
+def _align_kernel(
+    ids_ptr,                   # [P] expert of each (token, choice) pair (int32/int64)
+    rows_ptr,                  # out: [NUM_BLOCKS * BLOCK_M] int32, pair index per padded row (P: padding)
+    blk_e_ptr,                 # out: [NUM_BLOCKS] int32, expert per block (E: past the last)
+    P, E, NUM_BLOCKS,
+    P_PAD: tl.constexpr, E_PAD: tl.constexpr, NB_PAD: tl.constexpr, ROWS_PAD: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+):
+    """:func:`moe_align` in one program, for few pairs (decode): counts per expert, padded block
+    starts (a cumulative sum), each pair's rank among the earlier pairs of its expert, then the
+    scatter of pair indices and the expert of each block (the number of expert ends at or before
+    the block's first row)."""
+    p = tl.arange(0, P_PAD)
+    pm = p < P
+    e = tl.load(ids_ptr + p, mask=pm, other=E_PAD).to(tl.int32)
+    lanes = tl.arange(0, E_PAD)
+    onehot = e[:, None] == lanes[None, :]                                       # [P_PAD, E_PAD]
+    counts = tl.sum(onehot.to(tl.int32), axis=0)
+    padded = (counts + BLOCK_M - 1) // BLOCK_M * BLOCK_M
+    ends = tl.cumsum(padded, axis=0)
+    starts = ends - padded
+    earlier = (p[None, :] < p[:, None]) & (e[None, :] == e[:, None])            # [P_PAD, P_PAD]
+    rank = tl.sum(earlier.to(tl.int32), axis=1)
+    pos = tl.sum(tl.where(onehot, starts[None, :], 0), axis=1) + rank
+    r = tl.arange(0, ROWS_PAD)
+    tl.store(rows_ptr + r, tl.zeros([ROWS_PAD], tl.int32) + P, mask=r < NUM_BLOCKS * BLOCK_M)
+    tl.debug_barrier()
+    tl.store(rows_ptr + pos, p, mask=pm)
+    b = tl.arange(0, NB_PAD)
+    blk = tl.sum((ends[None, :] <= (b * BLOCK_M)[:, None]).to(tl.int32), axis=1)
+    tl.store(blk_e_ptr + b, tl.minimum(blk, E), mask=b < NUM_BLOCKS)
+
+
+_ALIGN_KERNEL_MAX_PAIRS = 128      # the one-program align's [P, P] and [P, E] tiles stay small
+
+
+def moe_align(ids: torch.Tensor, num_experts: int, block_m: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Group the pairs of ``ids [T, k]`` (expert per token choice) by expert, blocks of ``block_m``.
+
+    Returns ``rows [num_blocks · block_m]`` int32 (pair index ``t·k + j``, or ``P = T·k`` for padding)
+    and ``block_expert [num_blocks]`` int32 (``num_experts`` for blocks past the last), where
+    ``num_blocks = cdiv(P, block_m) + min(num_experts, P)``. Pairs keep their order within an expert.
+    """
+    flat = ids.reshape(-1)
+    p, dev = flat.numel(), flat.device
+    num_blocks = triton.cdiv(p, block_m) + min(num_experts, p)
+    interp = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+    if (dev.type == "cuda" or interp) and 0 < p <= _ALIGN_KERNEL_MAX_PAIRS and num_experts <= 512:
+        rows = torch.empty(num_blocks * block_m, dtype=torch.int32, device=dev)
+        block_expert = torch.empty(num_blocks, dtype=torch.int32, device=dev)
+        _align_kernel[(1,)](flat.contiguous(), rows, block_expert, p, num_experts, num_blocks,
+                            P_PAD=triton.next_power_of_2(p), E_PAD=triton.next_power_of_2(num_experts),
+                            NB_PAD=triton.next_power_of_2(num_blocks),
+                            ROWS_PAD=triton.next_power_of_2(num_blocks * block_m), BLOCK_M=block_m, num_warps=8)
+        return rows, block_expert
+    flat = flat.long()
+    onehot = torch.nn.functional.one_hot(flat, num_experts).to(torch.int32)      # [P, E]
+    before = (onehot.cumsum(0) - onehot).gather(1, flat[:, None]).squeeze(1)    # rank of the pair in its expert
+    counts = onehot.sum(0)
+    ends = ((counts + block_m - 1) // block_m * block_m).cumsum(0)
+    starts = ends - (counts + block_m - 1) // block_m * block_m
+    rows = torch.full((num_blocks * block_m,), p, dtype=torch.int32, device=dev)
+    rows.scatter_(0, (starts[flat] + before).long(), torch.arange(p, dtype=torch.int32, device=dev))
+    first_row = torch.arange(num_blocks, device=dev, dtype=ends.dtype) * block_m
+    block_expert = torch.searchsorted(ends, first_row, right=True).to(torch.int32)
+    return rows, block_expert
+
+
+@dataclass(frozen=True)
+class MoeConfig:
+    """Launch parameters: rows a block, and per kernel (gate/up, down) its ``(BLOCK_N, BLOCK_K,
+    num_warps, num_stages)``."""
+
+    block_m: int
+    up: tuple[int, int, int, int]
+    down: tuple[int, int, int, int]
+
+
+def _pick_config(pairs: int, dtype: torch.dtype = torch.bfloat16) -> MoeConfig:
+    """16 rows a block for decode-sized batches (the weights dominate: long K steps, deep pipelines;
+    the H200 sweep of benchmarks/moe.py at Mixtral's size, one token: 254 -> 222 µs), 64 for prefill.
+    float32 operands take twice the shared memory a stage: half the K step."""
+    if pairs <= 64:
+        if dtype == torch.float32:
+            return MoeConfig(16, (32, 128, 4, 4), (64, 128, 4, 3))
+        return MoeConfig(16, (32, 256, 4, 5), (64, 256, 4, 4))
+    return MoeConfig(64, (128, 64, 4, 3), (128, 64, 4, 3))
+
+
+def moe_supported(x: torch.Tensor, routing: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor) -> str | None:
+    """Why :func:`moe_experts` cannot take these operands (None: it can)."""
+    if x.dtype not in _DTYPES or gate_up.dtype != x.dtype or down.dtype != x.dtype:
+        return f"dtypes x {x.dtype}, gate_up {gate_up.dtype}, down {down.dtype}"
+    if x.dim() != 2 or routing.dim() != 2 or gate_up.dim() != 3 or down.dim() != 3:
+        return "ranks"
+    if x.stride(-1) != 1 or gate_up.stride(-1) != 1 or down.stride(-1) != 1:
+        return "non-unit inner strides"
+    return None
+
+
+def moe_experts(x: torch.Tensor, routing: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, *,
+                top_k: int, geglu: bool = False, out: torch.Tensor | None = None,
+                config: MoeConfig | None = None) -> torch.Tensor:
+    """``Σ_e routing[:, e] · mlp_e(x)`` over each token's ``top_k`` largest routing weights (module
+    docstring); ``out [T, H]`` in ``x``'s dtype. ``config``: launch parameters (benchmarks' sweeps;
+    default :func:`_pick_config`)."""
+    why = moe_supported(x, routing, gate_up, down)
+    if why is not None:
+        raise GraphDSLError(f"moe_experts: unsupported operands ({why})")
+    t, hidden = x.shape
+    e, two_i, h2 = gate_up.shape
+    inter = two_i // 2
+    if h2 != hidden or routing.shape != (t, e) or tuple(down.shape) != (e, hidden, inter) or two_i % 2:
+        raise GraphDSLError(f"moe_experts: shapes x {list(x.shape)}, routing {list(routing.shape)}, gate_up "
+                            f"{list(gate_up.shape)}, down {list(down.shape)} do not fit [T, H], [T, E], [E, 2I, H], "
+                            "[E, H, I]")
+    if not isinstance(top_k, int) or not 1 <= top_k <= e:
+        raise GraphDSLError(f"moe_experts: top_k must be an int in [1, {e}], got {top_k!r}")
+    if out is None:
+        out = torch.empty_like(x)
+    if t == 0:
+        return out
+    weights, ids = routing.float().topk(top_k, dim=-1)
+    pairs = t * top_k
+    cfg = config or _pick_config(pairs, x.dtype)
+    interp = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+    rows, block_expert = moe_align(ids, e, cfg.block_m)
+    h = torch.empty((pairs, inter), dtype=x.dtype, device=x.device)
+    y = torch.empty((pairs, hidden), dtype=torch.float32, device=x.device)
+    num_blocks = block_expert.numel()
+    common = dict(BLOCK_M=cfg.block_m, DOT_PREC="ieee" if x.dtype == torch.float32 else "tf32", DOT_F32=interp)
+
+    def launch(kcfg):
+        bn, bk, warps, stages = kcfg
+        return dict(BLOCK_N=bn, BLOCK_K=bk, num_warps=warps, num_stages=1 if interp else stages, **common)
+
+    _gate_up_kernel[(num_blocks, triton.cdiv(inter, cfg.up[0]))](
+        x, x.stride(0), gate_up, gate_up.stride(0), gate_up.stride(1), h, rows, block_expert,
+        pairs, hidden, inter, e, TOP_K=top_k, GEGLU=geglu, **launch(cfg.up))
+    _down_kernel[(num_blocks, triton.cdiv(hidden, cfg.down[0]))](
+        h, down, down.stride(0), down.stride(1), weights.reshape(-1).contiguous(), y, rows, block_expert,
+        pairs, hidden, inter, e, **launch(cfg.down))
+    out.copy_(y.view(t, top_k, hidden).sum(1))
+    return out

@@ -1,0 +1,66 @@
+"""Prefill steps padded to a few shapes, so an engine specialises once per bucket, not per step.
+
+An engine keeps one plan (shapes, arena offsets) and the backend one set of prepared kernels per
+input-shape signature. Prefill steps mix prompts of every length, so unpadded, nearly each step
+has a new signature and pays for specialising (and the caches grow without bound in a server).
+:func:`pad_prefill` pads the step's standard inputs to buckets:
+
+* tokens ``N`` → :func:`token_bucket` (a multiple of ``2^(⌊log2 N⌋ - 3)``, at least 16: at most
+  1/8 padding, eight buckets an octave): padding tokens have id 0, position 0 and cache slot -1
+  (no cache write) and belong to no sequence (``query_start_loc``'s last entry stays ``N``), so
+  attention never reads them and they touch no real row (every other op is row-wise);
+* sequences ``S`` → the next power of two: padding sequences have no tokens
+  (``query_start_loc`` repeats ``N``), ``seq_lens`` 0 and block-table rows of 0;
+* block-table width → the next power of two (at most the model's ``max_blocks_per_seq``),
+  padded with block 0 as decode's CUDA graphs do;
+* projected rows (``lm_head_indices``, ``H``) → the next power of two, padding rows projecting
+  token 0; the caller keeps the first ``H`` rows of the logits.
+
+A real row's values do not depend on the padding (the tests compare padded and unpadded steps).
+"""
+from __future__ import annotations
+
+import torch
+
+__all__ = ["STANDARD_INPUTS", "token_bucket", "pad_prefill"]
+
+STANDARD_INPUTS = frozenset({"input_ids", "positions", "slot_mapping", "block_tables", "seq_lens",
+                             "query_start_loc", "lm_head_indices"})
+
+
+def token_bucket(n: int, minimum: int = 16) -> int:
+    """``n`` rounded up to a multiple of ``2^(⌊log2 n⌋ - 3)`` (at most 1/8 more), at least ``minimum``."""
+    if n <= minimum:
+        return minimum
+    step = 1 << max(n.bit_length() - 4, 0)
+    return -(-n // step) * step
+
+
+def _pow2(n: int) -> int:
+    return 1 if n <= 1 else 1 << (n - 1).bit_length()
+
+
+def _extend(x: torch.Tensor, rows: int, value) -> torch.Tensor:
+    if x.shape[0] == rows:
+        return x
+    pad = torch.full((rows - x.shape[0], *x.shape[1:]), value, dtype=x.dtype, device=x.device)
+    return torch.cat([x, pad])
+
+
+def pad_prefill(inputs: dict[str, torch.Tensor], max_width: int) -> tuple[dict[str, torch.Tensor], int]:
+    """``(padded inputs, H)``: ``inputs`` (exactly :data:`STANDARD_INPUTS`) padded to their buckets
+    (module docstring); ``H`` is the number of real projected rows. Device-side ops only."""
+    n, s = inputs["input_ids"].shape[0], inputs["seq_lens"].shape[0]
+    h = inputs["lm_head_indices"].shape[0]
+    tokens, seqs, heads = token_bucket(n), _pow2(s), _pow2(h)
+    bt = inputs["block_tables"]
+    width = max(bt.shape[1], min(_pow2(bt.shape[1]), max_width))
+    if width != bt.shape[1]:
+        bt = torch.cat([bt, bt.new_zeros(bt.shape[0], width - bt.shape[1])], 1)
+    qsl = inputs["query_start_loc"]
+    out = {"input_ids": _extend(inputs["input_ids"], tokens, 0), "positions": _extend(inputs["positions"], tokens, 0),
+           "slot_mapping": _extend(inputs["slot_mapping"], tokens, -1), "block_tables": _extend(bt, seqs, 0),
+           "seq_lens": _extend(inputs["seq_lens"], seqs, 0),
+           "query_start_loc": torch.cat([qsl, qsl[-1:].expand(seqs - s)]) if seqs > s else qsl,
+           "lm_head_indices": _extend(inputs["lm_head_indices"], heads, 0)}
+    return out, h

@@ -1,0 +1,37 @@
+"""runtime/serving/prefill_pad.py: the buckets and the padded tensors."""
+import torch
+
+from graphdsl.runtime.serving.prefill_pad import STANDARD_INPUTS, pad_prefill, token_bucket
+
+
+def test_token_buckets_pad_at_most_an_eighth():
+    assert [token_bucket(n) for n in (1, 16, 17, 31, 32, 33, 100, 511, 512, 513, 8191)] == \
+        [16, 16, 18, 32, 32, 36, 104, 512, 512, 576, 8192]
+    for n in range(17, 5000):
+        b = token_bucket(n)
+        assert n <= b <= n + n // 8 + 1
+    assert len({token_bucket(n) for n in range(1, 8193)}) <= 1 + 8 * 9
+
+
+def test_pad_prefill_values():
+    i64, i32 = torch.int64, torch.int32
+    inputs = {"input_ids": torch.tensor([5, 6, 7, 8, 9], dtype=i64), "positions": torch.tensor([0, 1, 2, 7, 8]),
+              "slot_mapping": torch.tensor([10, 11, 12, 40, 41]), "seq_lens": torch.tensor([3, 9], dtype=i32),
+              "block_tables": torch.tensor([[1, 0, 0], [4, 5, 6]], dtype=i32),
+              "query_start_loc": torch.tensor([0, 3, 5], dtype=i32), "lm_head_indices": torch.tensor([2, 4, 4])}
+    assert set(inputs) == STANDARD_INPUTS
+    out, heads = pad_prefill(inputs, max_width=8)
+    assert heads == 3
+    assert out["input_ids"].tolist() == [5, 6, 7, 8, 9] + [0] * 11
+    assert out["positions"].tolist() == [0, 1, 2, 7, 8] + [0] * 11
+    assert out["slot_mapping"].tolist() == [10, 11, 12, 40, 41] + [-1] * 11      # no cache writes
+    assert out["seq_lens"].tolist() == [3, 9] and out["query_start_loc"].tolist() == [0, 3, 5]
+    assert out["block_tables"].tolist() == [[1, 0, 0, 0], [4, 5, 6, 0]] and out["block_tables"].dtype == i32
+    assert out["lm_head_indices"].tolist() == [2, 4, 4, 0]
+    three = {**inputs, "seq_lens": torch.tensor([3, 1, 1], dtype=i32), "query_start_loc": torch.tensor([0, 3, 4, 5], dtype=i32),
+             "block_tables": torch.tensor([[1], [2], [3]], dtype=i32)}
+    out, _ = pad_prefill(three, max_width=8)
+    assert out["seq_lens"].tolist() == [3, 1, 1, 0] and out["query_start_loc"].tolist() == [0, 3, 4, 5, 5]
+    assert out["block_tables"].tolist() == [[1], [2], [3], [0]]
+    wide = {**inputs, "block_tables": torch.zeros(2, 5, dtype=i32)}
+    assert pad_prefill(wide, max_width=6)[0]["block_tables"].shape == (2, 6)      # capped at the model's width

@@ -1,0 +1,115 @@
+"""runtime/kernels/moe.py vs the moe_experts op's torch reference (every expert, dense).
+
+Routing like the MoE layer's (top-k of a softmax, zeros elsewhere; some rows sharing experts,
+some experts unused), SwiGLU and GeGLU, decode-sized (16-row blocks) and prefill-sized (64-row
+blocks) pair counts, odd sizes that leave partial tiles, float32 and bfloat16. On CPU under
+Triton's interpreter; at real sizes on the GPU.
+"""
+from __future__ import annotations
+
+import os
+
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")   # before triton is imported (see conftest.py)
+
+import pytest  # noqa: E402
+
+from graphdsl.errors import GraphDSLError  # noqa: E402
+from graphdsl.functional import ActType  # noqa: E402
+from graphdsl.opdef import get_op  # noqa: E402
+from graphdsl.runtime.kernels.moe import moe_align, moe_experts  # noqa: E402
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+REF = get_op("moe_experts").reference
+TOL = {torch.float32: 1e-5, torch.bfloat16: 2e-2}
+
+
+def _case(tokens, experts, hidden, inter, top_k, dtype, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(tokens, hidden, generator=g).to(dtype)
+    gate_up = (torch.randn(experts, 2 * inter, hidden, generator=g) / hidden ** 0.5).to(dtype)
+    down = (torch.randn(experts, hidden, inter, generator=g) / inter ** 0.5).to(dtype)
+    scores = torch.randn(tokens, experts, generator=g).softmax(-1)
+    w, ids = scores.topk(top_k, -1)
+    routing = torch.zeros_like(scores).scatter_(1, ids, w)
+    return [t.to(DEVICE) for t in (x, routing, gate_up, down)]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("tokens,experts,hidden,inter,top_k,act", [
+    (1, 8, 64, 48, 2, ActType.SWIGLU),        # decode: one token, two experts
+    (5, 6, 40, 24, 3, ActType.GEGLU),         # partial tiles in every dim
+    (37, 4, 32, 80, 2, ActType.SWIGLU),       # > 64 pairs: prefill-sized blocks
+])
+def test_moe_experts_matches_reference(tokens, experts, hidden, inter, top_k, act, dtype):
+    x, routing, gate_up, down = _case(tokens, experts, hidden, inter, top_k, dtype)
+    got = moe_experts(x, routing, gate_up, down, top_k=top_k, geglu=act is ActType.GEGLU)
+    want = REF(x.float(), routing, gate_up.float(), down.float(), act=act).to(dtype)
+    assert got.dtype == dtype and got.shape == (tokens, hidden)
+    scale = want.float().abs().max().item()
+    assert (got.float() - want.float()).abs().max().item() <= TOL[dtype] * max(scale, 1.0)
+
+
+def test_only_chosen_experts_are_read():
+    """An expert no token chose may hold NaNs: the sparse kernel never reads it."""
+    x, routing, gate_up, down = _case(3, 6, 32, 32, 2, torch.float32, seed=1)
+    unused = sorted(set(range(6)) - set(routing.nonzero()[:, 1].tolist()))
+    assert unused
+    want = moe_experts(x, routing, gate_up, down, top_k=2)
+    gate_up[unused], down[unused] = float("nan"), float("nan")
+    got = moe_experts(x, routing, gate_up, down, top_k=2)
+    assert torch.equal(got, want)
+
+
+def test_align_groups_pairs_by_expert():
+    ids = torch.tensor([[2, 0], [2, 1], [0, 2]], device=DEVICE)       # pairs 0..5: experts 2,0,2,1,0,2
+    rows, block_expert = moe_align(ids, num_experts=4, block_m=2)
+    p = 6
+    assert block_expert.numel() == 3 + 4 and rows.numel() == 14       # cdiv(P, 2) + min(E, P) blocks
+    assert block_expert.tolist() == [0, 1, 2, 2, 4, 4, 4]
+    assert rows.tolist()[:8] == [1, 4, 3, p, 0, 2, 5, p]
+    assert all(r == p for r in rows.tolist()[8:])
+
+
+def test_bad_operands():
+    x, routing, gate_up, down = _case(2, 4, 16, 16, 2, torch.float32)
+    with pytest.raises(GraphDSLError, match=r"top_k must be an int in \[1, 4\], got 5"):
+        moe_experts(x, routing, gate_up, down, top_k=5)
+    with pytest.raises(GraphDSLError, match=r"do not fit \[T, H\], \[T, E\], \[E, 2I, H\], \[E, H, I\]"):
+        moe_experts(x, routing[:, :3], gate_up, down, top_k=2)
+    with pytest.raises(GraphDSLError, match="dtypes"):
+        moe_experts(x, routing, gate_up.half(), down, top_k=2)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("tokens", [1, 16, 300])
+def test_mixtral_size_on_gpu(tokens):
+    """Mixtral-8x7B's experts (hidden 4096, intermediate 14336, top-2 of 8) in bfloat16 vs a float32
+    loop over each token's chosen experts."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    x, routing, gate_up, down = _case(tokens, 8, 4096, 14336, 2, torch.bfloat16)
+    got = moe_experts(x, routing, gate_up, down, top_k=2).float()
+    want = torch.zeros_like(got)
+    for e in range(8):
+        rows = routing[:, e].nonzero().squeeze(1)
+        if rows.numel():
+            g, u = (x[rows].float() @ gate_up[e].float().T).chunk(2, -1)
+            want[rows] += routing[rows, e, None] * ((torch.nn.functional.silu(g) * u) @ down[e].float().T)
+    assert (got - want).abs().max().item() <= 2e-2 * want.abs().max().item()
+
+
+@pytest.mark.parametrize("tokens,experts,top_k,block_m", [(1, 8, 2, 16), (7, 64, 6, 16), (30, 4, 2, 16),
+                                                          (5, 3, 3, 4)])
+def test_one_program_align_equals_the_torch_one(tokens, experts, top_k, block_m, monkeypatch):
+    """The decode-size align kernel and the torch align give the same rows and block experts."""
+    import graphdsl.runtime.kernels.moe as moe
+    g = torch.Generator().manual_seed(tokens)
+    ids = torch.stack([torch.randperm(experts, generator=g)[:top_k] for _ in range(tokens)]).to(DEVICE)
+    got = moe_align(ids, experts, block_m)
+    monkeypatch.setattr(moe, "_ALIGN_KERNEL_MAX_PAIRS", 0)
+    monkeypatch.setenv("TRITON_INTERPRET", "0")     # (on CPU) the torch path
+    want = moe_align(ids, experts, block_m)
+    assert torch.equal(got[0].cpu(), want[0].cpu()) and torch.equal(got[1].cpu(), want[1].cpu())
