@@ -335,6 +335,8 @@ def _shard_experts(m: FusedExperts, tp: TensorParallel, path: str, expert_parall
         first, el = tp.split(e, f"{path} num_experts")
         _retype(m, _EPExperts, tp=tp, first_expert=first)
         m.num_experts = el
+        if getattr(m, "top_k", None) is not None:       # a row has at most that many local choices
+            m.top_k = min(m.top_k, el)
         for g in range(e):
             j, held = g - first, first <= g < first + el     # other ranks' experts: expected, not read
             j = j if held else 0

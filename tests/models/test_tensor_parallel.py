@@ -323,3 +323,14 @@ def test_python_dash_m_graphdsl_is_the_cli():
     import sys
     out = subprocess.run([sys.executable, "-m", "graphdsl", "--version"], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0 and out.stdout.startswith("graphdsl "), out.stderr
+
+
+def test_expert_parallel_keeps_a_rank_s_experts_and_bounds_top_k():
+    m = shard_model(_tiny("qwen2_moe", num_experts=4, num_experts_per_tok=3), TensorParallel(1, 2), expert_parallel=True)
+    experts = m.model.layers[0].mlp.experts
+    assert (experts.num_experts, experts.first_expert) == (2, 2)
+    assert experts.top_k == 2                      # 3 of 4 experts chosen, 2 held here
+    assert tuple(experts.gate_up_proj.shape) == (2, 64, 64)
+    held = {k: s.held for k, s in m.checkpoint_table().items() if ".experts." in k and k.startswith("model.layers.0.")}
+    assert sorted(k for k, h in held.items() if h)[0].startswith("model.layers.0.mlp.experts.2.")
+    assert sum(held.values()) == 6 and len(held) == 12
