@@ -5,6 +5,7 @@ Each op is registered once with its shape rule, torch reference and category (se
 """
 from .attention import RopeLayout, paged_attention, paged_mla_attention, reshape_and_cache, rope
 from .collective import all_gather, all_reduce, reduce_scatter
+from .lora import lora_apply
 from .matmul import bmm, linear, matmul
 from .moe import moe_experts
 from .movement import (cat, embedding, expand, gather, getitem, index_mask, permute, reshape, slice, split,
@@ -20,7 +21,7 @@ __all__ = [
     # reductions and row ops
     "sum", "mean", "max", "softmax", "argmax", "topk", "rms_norm", "layer_norm",
     # matmul
-    "matmul", "bmm", "linear", "moe_experts",
+    "matmul", "bmm", "linear", "moe_experts", "lora_apply",
     # views and data movement
     "reshape", "permute", "transpose", "unsqueeze", "squeeze", "slice", "expand", "split", "cat", "gather",
     "embedding", "getitem", "index_mask",

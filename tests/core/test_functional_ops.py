@@ -451,6 +451,36 @@ def test_cast_rejects_unknown_dtype_name():
             F.cast(x, "float128")
 
 
+@pytest.mark.parametrize("act", [F.ActType.SWIGLU, F.ActType.GEGLU])
+def test_moe_experts(act):
+    """``moe_experts`` against a per-token loop over each token's chosen experts."""
+    E, H, I = 4, 8, 6
+
+    def graph_fn(x, routing, gate_up, down):
+        return (F.moe_experts(x, routing, gate_up, down, act=act, top_k=2),)
+
+    def make(sz):
+        scores = torch.rand(sz["n"], E)
+        top = scores.topk(2, dim=-1).indices
+        routing = torch.zeros_like(scores).scatter(1, top, scores.gather(1, top))
+        return {"x": torch.randn(sz["n"], H), "routing": routing, "gate_up": torch.randn(E, 2 * I, H) * 0.3,
+                "down": torch.randn(E, H, I) * 0.3}
+
+    def expect(x, routing, gate_up, down):
+        fn = torch.nn.functional.silu if act is F.ActType.SWIGLU else \
+            (lambda g: torch.nn.functional.gelu(g, approximate="tanh"))
+        out = torch.zeros_like(x)
+        for t in range(x.shape[0]):
+            for e in routing[t].nonzero().flatten().tolist():
+                g, u = (gate_up[e] @ x[t]).chunk(2)
+                out[t] += routing[t, e] * (down[e] @ (fn(g) * u))
+        return out
+
+    check_op(graph_fn, {"x": (("n", H), torch.float32), "routing": (("n", E), torch.float32),
+                        "gate_up": ((E, 2 * I, H), torch.float32), "down": ((E, H, I), torch.float32)},
+             make, expect, "symbolic", scale=10.0)
+
+
 COMPARE = {"lt": (F.lt, operator.lt), "le": (F.le, operator.le), "gt": (F.gt, operator.gt),
            "ge": (F.ge, operator.ge), "eq": (F.eq, operator.eq), "ne": (F.ne, operator.ne)}
 
@@ -701,6 +731,26 @@ def test_bmm(dtype, ta, tb):
              lambda sz: {"a": randn(*[_extent(s, sz) for s in sa], dtype=dtype),
                          "b": randn(*[_extent(s, sz) for s in sb], dtype=dtype)},
              expect, "symbolic", scale=4.0)
+
+
+@pytest.mark.parametrize("dtype", FLOATS, ids=dt_id)
+def test_lora_apply(dtype):
+    """``y[t] + (x[t]·A[s]ᵀ)·B[s]ᵀ`` per token, ``s = indices[t]`` (-1: y unchanged), against a per-row
+    float64 loop."""
+    def expect(y, x, a, b, idx):
+        rows = [y[t].double() + ((b[:, s].double() @ (a[s].double() @ x[t].double())) if s >= 0 else 0)
+                for t, s in enumerate(idx.tolist())]
+        return torch.stack(rows).to(dtype)
+
+    def make(sz):
+        n = sz["n"]
+        return {"y": randn(n, 7, dtype=dtype), "x": randn(n, 9, dtype=dtype), "a": randn(3, 4, 9, dtype=dtype),
+                "b": randn(7, 3, 4, dtype=dtype),
+                "idx": torch.tensor([(t % 4) - 1 for t in range(n)], dtype=torch.int32)}
+
+    check_op(lambda y, x, a, b, idx: F.lora_apply(y, x, a, b, idx),
+             {"y": (("n", 7), dtype), "x": (("n", 9), dtype), "a": ((3, 4, 9), dtype), "b": ((7, 3, 4), dtype),
+              "idx": (("n",), torch.int32)}, make, expect, "symbolic", scale=4.0)
 
 
 @pytest.mark.parametrize("mode", BOTH)
@@ -1406,6 +1456,9 @@ SHAPE_ERRORS = {
                         [((2, 6, 8), f32), ((4, 4, 4, 8), f32), ((4, 4, 4, 8), f32), ((2, 3), torch.int32),
                          ((2,), torch.int32)],
                         r"paged_attention: num_heads 6 is not a multiple of num_kv_heads 4"),
+    "lora_rank": (lambda y, x, a, b, i: F.lora_apply(y, x, a, b, i),
+                  [((3, 7), f32), ((3, 9), f32), ((2, 4, 9), f32), ((7, 2, 5), f32), ((3,), torch.int32)],
+                  r"lora_apply: rank of a and b differ: 4 vs 5"),
     "cache_slots": (lambda k, v, kc, vc, s: F.reshape_and_cache(k, v, kc, vc, s),
                     [((3, 2, 8), f32), ((3, 2, 8), f32), ((4, 4, 2, 8), f32), ((4, 4, 2, 8), f32),
                      ((2,), torch.int32)],

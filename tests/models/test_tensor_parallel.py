@@ -334,3 +334,10 @@ def test_expert_parallel_keeps_a_rank_s_experts_and_bounds_top_k():
     held = {k: s.held for k, s in m.checkpoint_table().items() if ".experts." in k and k.startswith("model.layers.0.")}
     assert sorted(k for k, h in held.items() if h)[0].startswith("model.layers.0.mlp.experts.2.")
     assert sum(held.values()) == 6 and len(held) == 12
+
+
+def test_lora_with_tensor_parallel_is_refused(ckpts):
+    with gd.LLM(ckpts["odd"], device="cpu", tensor_parallel_size=2, num_kv_blocks=16) as llm:
+        with pytest.raises(GraphDSLError, match="LoRA adapters are not supported with tensor_parallel_size > 1"):
+            llm.enable_lora()
+        assert llm.score(IDS).shape[0] == len(IDS)          # the group still works after the refusal
