@@ -166,9 +166,19 @@ def _load(args):
     t0 = time.monotonic()
     print(f"loading {args.model} on {device} ...", file=sys.stderr, flush=True)
     llm = gd.LLM(args.model, device=device, dtype=args.dtype, max_model_len=args.max_model_len, max_num_seqs=1,
-                 custom_module_map=args.custom_module_map, progress=True, quantization=args.quantization)
+                 custom_module_map=args.custom_module_map, progress=True, quantization=args.quantization,
+                 tensor_parallel_size=_tp_size(args))
     print(f"loaded {llm} in {time.monotonic() - t0:.1f}s", file=sys.stderr, flush=True)
     return llm
+
+
+def _tp_size(args) -> int:
+    """``--tensor-parallel-size``, else torchrun's world size, else 1. Under torchrun every rank runs
+    this command; ranks other than 0 follow rank 0's steps inside ``LLM`` and then exit quietly."""
+    if getattr(args, "tensor_parallel_size", None):
+        return args.tensor_parallel_size
+    from graphdsl.runtime.distributed import launched_by_torchrun, torchrun_env
+    return torchrun_env()[1] if launched_by_torchrun() else 1
 
 
 def _stream(llm, prompt, params, chat: bool) -> str:
@@ -407,7 +417,7 @@ def _serve(args) -> int:
     print(f"loading {args.model} on {device} ...", file=sys.stderr, flush=True)
     llm = gd.LLM(args.model, device=device, dtype=args.dtype, max_model_len=args.max_model_len,
                  max_num_seqs=args.max_num_seqs, custom_module_map=args.custom_module_map, progress=True,
-                 quantization=args.quantization)
+                 quantization=args.quantization, tensor_parallel_size=_tp_size(args))
     if args.chat_template:
         if llm.tokenizer is None:
             raise SystemExit("graphdsl serve: --chat-template needs a model with a tokenizer")
@@ -506,6 +516,9 @@ def _add_runtime(p: argparse.ArgumentParser, model: bool = True) -> None:
         p.add_argument("--dtype", default=None, choices=["float32", "float16", "bfloat16"],
                        help="compute dtype (default: float32 on CPU, the checkpoint's on CUDA)")
         p.add_argument("--max-model-len", type=_positive_int, default=None, help="longest prompt + output in tokens")
+        p.add_argument("--tensor-parallel-size", "--tp", type=_positive_int, default=None,
+                       help="ranks of tensor parallelism (default: torchrun's WORLD_SIZE, else 1); without torchrun "
+                            "the worker processes are spawned (docs/distributed.md)")
     p.add_argument("--quantization", type=_quantization_arg, default=None,
                    help="quantize the linear weights while loading: fp8, int8, int4 or a scheme name such as "
                         "int4-g64-zp (docs/quantization.md)")

@@ -83,7 +83,14 @@ class LLM:
             pool makes the scheduler preempt, which tests use).
         block_size: tokens per KV-cache block.
         custom_module_map: a ``.py`` file registering extra or replacement models.
-        tensor_parallel_size: only 1 for now.
+        tensor_parallel_size: ranks of tensor parallelism (docs/distributed.md). Under ``torchrun`` the
+            ranks are torchrun's processes (``--nproc-per-node`` must equal it): rank 0 returns the
+            LLM, the other ranks follow its steps inside this constructor and then exit the script
+            (``SystemExit(0)``). Otherwise ``N - 1`` worker processes are spawned and owned here:
+            rank r runs on ``cuda:r`` (or the CPU, over gloo); :meth:`close` (or interpreter exit)
+            ends them, and a worker that dies raises an error naming its rank.
+        expert_parallel: with tensor parallelism, split MoE experts across ranks (each whole)
+            instead of splitting every expert.
         progress: print loading progress on stderr.
         cuda_graphs: replay decode steps through CUDA graphs on CUDA (``False``, or the environment
             variable ``GRAPHDSL_CUDA_GRAPHS=0``, runs them eagerly, for debugging).
@@ -105,83 +112,184 @@ class LLM:
                  max_model_len: int | None = None, max_num_seqs: int = 4, max_num_batched_tokens: int | None = None,
                  kv_cache_memory_fraction: float | None = None, num_kv_blocks: int | None = None, block_size: int = 16,
                  custom_module_map: str | os.PathLike | None = None, tensor_parallel_size: int = 1,
-                 progress: bool = False, cuda_graphs: bool = True, overlap: bool = True,
-                 quantization: str | None = None):
+                 expert_parallel: bool = False, progress: bool = False, cuda_graphs: bool = True,
+                 overlap: bool = True, quantization: str | None = None):
         _check_sizes(tensor_parallel_size, max_num_seqs, block_size, max_model_len, max_num_batched_tokens,
                      num_kv_blocks)
         _check_fraction(kv_cache_memory_fraction)
+        _check_tp(tensor_parallel_size, kv_cache_memory_fraction, expert_parallel, quantization)
         device = check_device(device, "LLM: device") or default_device()
         if custom_module_map is not None:
             load_custom_module_map(custom_module_map)
-        path = os.fspath(model)
-        gguf = checkpoint_format(path) is CheckpointFormat.GGUF
-        if gguf:
-            from graphdsl.runtime.loaders.gguf import GGUFCheckpoint
-            ckpt = GGUFCheckpoint(path)
-            hf = ckpt.hf_config()
-        else:
-            hf = read_hf_config(path)
-        self.generation_config = gguf_generation_config(ckpt.metadata, path) if gguf else read_generation_config(path)
-        config, model_obj, dtype = self._architecture(hf, device, dtype, max_model_len)
-        scheme = _quantize_model(model_obj, quantization)
-        tensors = ckpt.iter_tensors(dtype, device=device) if gguf else _iter_dir(path, dtype)
-        weights = load_weights(model_obj, tensors, device=device, dtype=dtype, progress=progress)
-        if scheme is not None:
-            weights = quantize_weights(model_obj, weights, dtype)
-        self.gguf = gguf
-        self._setup(config, model_obj, weights, _load_tokenizer(ckpt if gguf else None, path), device=device,
-                    dtype=dtype, max_model_len=max_model_len, max_num_seqs=max_num_seqs,
+        opts = dict(dtype=dtype, max_model_len=max_model_len, max_num_seqs=max_num_seqs,
                     max_num_batched_tokens=max_num_batched_tokens, kv_cache_memory_fraction=kv_cache_memory_fraction,
-                    num_kv_blocks=num_kv_blocks, block_size=block_size, cuda_graphs=cuda_graphs, overlap=overlap)
+                    num_kv_blocks=num_kv_blocks, block_size=block_size, cuda_graphs=cuda_graphs, overlap=overlap,
+                    progress=progress, custom_module_map=custom_module_map, expert_parallel=expert_parallel,
+                    quantization=quantization)
+        self._start(("path", os.fspath(model)), device, tensor_parallel_size, opts)
 
     @classmethod
     def from_config(cls, hf_config: dict, *, device: str | torch.device | None = None, dtype=None, seed: int = 0,
                     init_std: float = 0.02, max_model_len: int | None = None, max_num_seqs: int = 4,
                     max_num_batched_tokens: int | None = None, kv_cache_memory_fraction: float | None = None,
                     num_kv_blocks: int | None = None, block_size: int = 16, cuda_graphs: bool = True,
-                    overlap: bool = True, quantization: str | None = None) -> "LLM":
+                    overlap: bool = True, tensor_parallel_size: int = 1, expert_parallel: bool = False,
+                    quantization: str | None = None) -> "LLM":
         """A model of ``hf_config``'s architecture (a HF ``config.json`` as a dict) with random
         weights made directly on ``device``: matrices and embeddings ~ N(0, ``init_std``), norm
         weights 1, biases 0. No checkpoint, no tokenizer (prompts are token ids) — for benchmarks
-        of real shapes and for tests. Same ``seed``, same weights on the same device."""
+        of real shapes and for tests. Same ``seed``, same weights on the same device. Under tensor
+        parallelism each rank draws its own shard (the whole model is never made; the shards are
+        not slices of the single-process model's weights)."""
         if not isinstance(hf_config, dict):
             raise GraphDSLError(f"from_config: hf_config must be a dict (a HF config.json), got {type(hf_config).__name__}")
         if isinstance(seed, bool) or not isinstance(seed, int):
             raise GraphDSLError(f"from_config: seed must be an int, got {seed!r}")
         if isinstance(init_std, bool) or not isinstance(init_std, (int, float)) or not init_std > 0:
             raise GraphDSLError(f"from_config: init_std must be a float > 0, got {init_std!r}")
-        _check_sizes(1, max_num_seqs, block_size, max_model_len, max_num_batched_tokens, num_kv_blocks)
+        _check_sizes(tensor_parallel_size, max_num_seqs, block_size, max_model_len, max_num_batched_tokens,
+                     num_kv_blocks)
         _check_fraction(kv_cache_memory_fraction)
+        _check_tp(tensor_parallel_size, kv_cache_memory_fraction, expert_parallel, quantization)
         device = check_device(device, "LLM.from_config: device") or default_device()
         self = cls.__new__(cls)
-        self.generation_config = {}
-        config, model_obj, dtype = self._architecture(dict(hf_config), device, dtype, max_model_len)
-        scheme = _quantize_model(model_obj, quantization)
-        weights = _random_weights(model_obj, device, dtype, seed, float(init_std))
-        if scheme is not None:
-            weights = quantize_weights(model_obj, weights, dtype)
-        self.gguf = False
-        self._setup(config, model_obj, weights, None, device=device, dtype=dtype, max_model_len=max_model_len,
-                    max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
-                    kv_cache_memory_fraction=kv_cache_memory_fraction, num_kv_blocks=num_kv_blocks,
-                    block_size=block_size, cuda_graphs=cuda_graphs, overlap=overlap)
+        opts = dict(dtype=dtype, max_model_len=max_model_len, max_num_seqs=max_num_seqs,
+                    max_num_batched_tokens=max_num_batched_tokens, kv_cache_memory_fraction=kv_cache_memory_fraction,
+                    num_kv_blocks=num_kv_blocks, block_size=block_size, cuda_graphs=cuda_graphs, overlap=overlap,
+                    progress=False, custom_module_map=None, expert_parallel=expert_parallel,
+                    quantization=quantization)
+        self._start(("config", dict(hf_config), seed, float(init_std)), device, tensor_parallel_size, opts)
         return self
 
-    def _architecture(self, hf: dict, device: torch.device, dtype, max_model_len):
+    # -- building (one process, or one rank's shard) -----------------------------------------
+    def _start(self, source: tuple, device: torch.device, world_size: int, opts: dict) -> None:
+        """Build the model: in this process (world size 1), or as rank 0 of ``world_size`` ranks —
+        the ranks torchrun started, or worker processes spawned and owned here."""
+        self._tp = None
+        if world_size == 1:
+            self._build(source, device, None, opts)
+            return
+        from graphdsl.runtime.distributed import launched_by_torchrun
+        if launched_by_torchrun():
+            self._start_torchrun(source, device, world_size, opts)
+        else:
+            self._start_workers(source, device, world_size, opts)
+
+    def _build(self, source: tuple, device: torch.device, tp, opts: dict) -> None:
+        """Load ``source`` (``("path", p)`` or ``("config", hf, seed, std)``) on ``device``; with
+        ``tp`` (a :class:`~graphdsl.layers.tensor_parallel.TensorParallel`) only that rank's shard."""
+        dtype, progress = opts["dtype"], opts["progress"]
+        tokenizer = None
+        if source[0] == "path":
+            path = source[1]
+            gguf = checkpoint_format(path) is CheckpointFormat.GGUF
+            if gguf:
+                from graphdsl.runtime.loaders.gguf import GGUFCheckpoint
+                ckpt = GGUFCheckpoint(path)
+                hf = ckpt.hf_config()
+            else:
+                hf = read_hf_config(path)
+            self.generation_config = (gguf_generation_config(ckpt.metadata, path) if gguf
+                                      else read_generation_config(path))
+            config, model_obj, dtype = self._architecture(hf, device, dtype, opts["max_model_len"], tp, opts)
+            scheme = _quantize_model(model_obj, opts["quantization"])
+            if gguf:
+                tensors = (ckpt.iter_tensors_lazy if tp is not None else ckpt.iter_tensors)(dtype, device=device)
+            else:
+                tensors = _iter_dir(path, dtype, lazy=tp is not None)
+            weights = load_weights(model_obj, tensors, device=device, dtype=dtype, progress=progress)
+            if scheme is not None:
+                weights = quantize_weights(model_obj, weights, dtype)
+            self.gguf = gguf
+            tokenizer = _load_tokenizer(ckpt if gguf else None, path)
+        else:
+            _, hf, seed, std = source
+            self.generation_config = {}
+            config, model_obj, dtype = self._architecture(dict(hf), device, dtype, opts["max_model_len"], tp, opts)
+            scheme = _quantize_model(model_obj, opts["quantization"])
+            weights = _random_weights(model_obj, device, dtype, seed, std)
+            if scheme is not None:
+                weights = quantize_weights(model_obj, weights, dtype)
+            self.gguf = False
+        self._setup(config, model_obj, weights, tokenizer, device=device, dtype=dtype, tp=tp,
+                    **{k: opts[k] for k in ("max_model_len", "max_num_seqs", "max_num_batched_tokens",
+                                            "kv_cache_memory_fraction", "num_kv_blocks", "block_size", "cuda_graphs",
+                                            "overlap")})
+
+    def _start_torchrun(self, source, device, world_size, opts) -> None:
+        from graphdsl.layers.tensor_parallel import TensorParallel
+        from graphdsl.runtime.distributed import StepChannel, init_distributed, torchrun_env
+        rank, ws, local = torchrun_env()
+        if ws != world_size:
+            raise GraphDSLError(f"LLM: tensor_parallel_size={world_size} but torchrun started {ws} processes "
+                                f"(--nproc-per-node); they must be equal")
+        device = torch.device("cuda", local) if device.type == "cuda" else device
+        if device.type == "cuda":
+            torch.cuda.set_device(device)
+        self._build(source, device, TensorParallel(rank, ws), opts)
+        ctx = init_distributed(rank, ws, device)
+        if rank != 0:       # a worker: follow rank 0's steps, then leave the script (torchrun owns the group)
+            StepChannel(ctx).serve(self._local_executor.execute)
+            raise SystemExit(0)
+        self._tp = _Driver(ctx, None)
+        self._executor = _TPExecutor(self._local_executor, self._tp)
+        _close_at_exit(self)
+
+    def _start_workers(self, source, device, world_size, opts) -> None:
+        from graphdsl.layers.tensor_parallel import TensorParallel
+        from graphdsl.runtime.distributed import WorkerPool
+        pool = WorkerPool(world_size, _tp_follower, (source, device.type, opts))
+        try:
+            device = torch.device("cuda", 0) if device.type == "cuda" else device
+            if device.type == "cuda":
+                torch.cuda.set_device(device)
+            self._build(source, device, TensorParallel(0, world_size), opts)
+            ctx = pool.join(device)
+        except BaseException:
+            pool.close(timeout_s=0.1)
+            raise
+        self._tp = _Driver(ctx, pool)
+        self._executor = _TPExecutor(self._local_executor, self._tp)
+        _close_at_exit(self)
+
+    def close(self) -> None:
+        """End tensor-parallel workers and leave the process group (a no-op for one process; also
+        at interpreter exit). The LLM cannot run steps afterwards."""
+        tp = getattr(self, "_tp", None)
+        if tp is not None:
+            tp.close()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+    def _architecture(self, hf: dict, device: torch.device, dtype, max_model_len, tp=None, opts=None):
         config: ModelConfig = build_config(hf)
         if max_model_len is not None and max_model_len > config.max_position_embeddings:
             raise GraphDSLError(f"LLM: max_model_len={max_model_len} exceeds the model's max_position_embeddings="
                                 f"{config.max_position_embeddings}")
         dtype = _pick_dtype(dtype, device, config)
         cls = resolve_model_class(config.model_type, config.architectures)
-        return config, cls(config, dtype), dtype
+        model = cls(config, dtype)
+        if tp is not None:
+            from graphdsl.models.tensor_parallel import shard_model
+            shard_model(model, tp, expert_parallel=opts["expert_parallel"])
+        return config, model, dtype
 
     def _setup(self, config: ModelConfig, model: FlashCausalLM, weights, tokenizer, *, device, dtype, max_model_len,
                max_num_seqs, max_num_batched_tokens, kv_cache_memory_fraction, num_kv_blocks, block_size,
-               cuda_graphs: bool, overlap: bool) -> None:
+               cuda_graphs: bool, overlap: bool, tp=None) -> None:
         self.config, self.model, self.tokenizer = config, model, tokenizer
         self.device, self.dtype = device, dtype
         cfg = config
+        kv_heads = cfg.num_key_value_heads
+        if tp is not None:
+            from graphdsl.models.tensor_parallel import kv_heads_per_rank
+            kv_heads = kv_heads_per_rank(model, tp.world_size)
+            cuda_graphs = cuda_graphs and os.environ.get("GRAPHDSL_TP_CUDA_GRAPHS", "0") == "1"
+        self.tensor_parallel = tp
         self.max_model_len = max_model_len or min(cfg.max_position_embeddings, 2048)
         self.max_num_seqs, self.block_size = max_num_seqs, block_size
         self.max_num_batched_tokens = max_num_batched_tokens or 2048
@@ -189,11 +297,11 @@ class LLM:
             num_blocks = num_kv_blocks
         elif kv_cache_memory_fraction is not None:
             num_blocks = PagedKVCache.blocks_for_memory(kv_cache_memory_fraction, cfg.num_hidden_layers,
-                                                        cfg.num_key_value_heads, cfg.head_dim, block_size=block_size,
+                                                        kv_heads, cfg.head_dim, block_size=block_size,
                                                         dtype=dtype, device=device)
         else:
             num_blocks = PagedKVCache.blocks_for(self.max_model_len, max_num_seqs, block_size)
-        self.kv_cache = PagedKVCache(cfg.num_hidden_layers, cfg.num_key_value_heads, cfg.head_dim,
+        self.kv_cache = PagedKVCache(cfg.num_hidden_layers, kv_heads, cfg.head_dim,
                                      num_blocks=num_blocks, block_size=block_size, dtype=dtype, device=device)
         self.blocks = BlockManager(num_blocks, block_size)
         self.model.bind(weights, zip(self.kv_cache.key_caches, self.kv_cache.value_caches), block_size)
@@ -203,6 +311,7 @@ class LLM:
         width = -(-self.max_model_len // block_size)
         self.model.configure_runtime(cuda_graphs=cuda_graphs, max_blocks_per_seq=width)
         self._executor = ModelExecutor(self.model, device=device, block_size=block_size, max_blocks_per_seq=width)
+        self._local_executor = self._executor
         self._ids = itertools.count()
         self.num_preemptions = 0
         self.num_steps = 0
@@ -236,7 +345,7 @@ class LLM:
                       "lm_head_indices": t(list(range(n)), torch.int64)}
             if lora is not None:
                 inputs["lora_indices"] = t(self.model.lora.slots_for([lora]) * n, torch.int32)
-            return self.model.execute(Phase.PREFILL, inputs)
+            return self._executor.execute("prefill", inputs)
         finally:
             self.blocks.free(sid)
 
@@ -367,6 +476,9 @@ class LLM:
         """Make room for LoRA adapters: ``max_loras`` GPU slots (the most distinct adapters running
         at once; more may be loaded, the least recently used wait on the host) of rank up to
         ``max_lora_rank``. Drops adapters loaded before. :meth:`load_lora` calls it with the defaults."""
+        if getattr(self, "_tp", None) is not None:
+            raise GraphDSLError("LoRA adapters are not supported with tensor_parallel_size > 1 yet (the workers' "
+                                "shards would not hold them)")
         self.model.enable_lora(max_loras=max_loras, max_lora_rank=max_lora_rank)
 
     def load_lora(self, name: str, path: str | os.PathLike) -> None:
@@ -485,14 +597,25 @@ class LLM:
 
 def _check_sizes(tensor_parallel_size, max_num_seqs, block_size, max_model_len, max_num_batched_tokens,
                  num_kv_blocks) -> None:
-    if tensor_parallel_size != 1:
-        raise GraphDSLError(f"tensor_parallel_size must be 1 for now, got {tensor_parallel_size!r}")
+    if isinstance(tensor_parallel_size, bool) or not isinstance(tensor_parallel_size, int) or tensor_parallel_size < 1:
+        raise GraphDSLError(f"LLM: tensor_parallel_size must be a positive int, got {tensor_parallel_size!r}")
     for name, v in (("max_num_seqs", max_num_seqs), ("block_size", block_size),
                     ("max_model_len", 1 if max_model_len is None else max_model_len),
                     ("max_num_batched_tokens", 1 if max_num_batched_tokens is None else max_num_batched_tokens),
                     ("num_kv_blocks", 1 if num_kv_blocks is None else num_kv_blocks)):
         if isinstance(v, bool) or not isinstance(v, int) or v < 1:
             raise GraphDSLError(f"LLM: {name} must be a positive int, got {v!r}")
+
+
+def _check_tp(tensor_parallel_size: int, kv_cache_memory_fraction, expert_parallel, quantization=None) -> None:
+    if tensor_parallel_size > 1 and quantization is not None:
+        raise GraphDSLError(f"LLM: quantization={quantization!r} is not supported with tensor_parallel_size > 1 yet "
+                            "(quantized weights are not sharded): use one of them")
+    if not isinstance(expert_parallel, bool):
+        raise GraphDSLError(f"LLM: expert_parallel must be a bool, got {expert_parallel!r}")
+    if tensor_parallel_size > 1 and kv_cache_memory_fraction is not None:
+        raise GraphDSLError("LLM: kv_cache_memory_fraction is not supported with tensor_parallel_size > 1 yet (every "
+                            "rank must hold the same number of blocks): pass num_kv_blocks or max_num_seqs")
 
 
 def _check_fraction(kv_cache_memory_fraction) -> None:
@@ -547,9 +670,106 @@ def _quantize_model(model: FlashCausalLM, quantization):
     return scheme
 
 
-def _iter_dir(path: str, dtype) -> Iterable[tuple[str, torch.Tensor]]:
-    from graphdsl.runtime.loaders.safetensors import iter_safetensors
-    return iter_safetensors(path, dtype=dtype)
+def _iter_dir(path: str, dtype, lazy: bool = False) -> Iterable[tuple[str, torch.Tensor]]:
+    from graphdsl.runtime.loaders.safetensors import iter_safetensors, iter_safetensors_lazy
+    return iter_safetensors_lazy(path, dtype=dtype) if lazy else iter_safetensors(path, dtype=dtype)
+
+
+# -- tensor parallelism: rank 0 drives, workers follow ------------------------------------------------
+class _Driver:
+    """Rank 0's side: the step channel, the worker pool it owns (None under torchrun), and state."""
+
+    def __init__(self, ctx, pool):
+        from graphdsl.runtime.distributed import StepChannel
+        self.ctx, self.pool, self.channel = ctx, pool, StepChannel(ctx)
+        self.broken: BaseException | None = None
+        self.closed = False
+
+    def failed(self, e: BaseException) -> BaseException:
+        """The error to raise for ``e`` from a step: a worker's death when that is the cause."""
+        if self.pool is not None:
+            why = self.pool.failure()
+            if why is not None:
+                self.broken = why
+                return why
+        self.broken = e
+        return e
+
+    def close(self) -> None:
+        if self.closed:
+            return
+        self.closed = True
+        try:
+            if self.broken is None:
+                self.channel.stop()
+        finally:
+            if self.pool is not None:        # the group is ours (not torchrun's): leave it
+                self.pool.close(timeout_s=10.0 if self.broken is None else 0.1)
+                _destroy_group()
+
+
+def _close_at_exit(llm: "LLM") -> None:
+    """Close ``llm``'s tensor-parallel group when it is garbage-collected or at interpreter exit."""
+    import weakref
+    weakref.finalize(llm, llm._tp.close)
+
+
+def _destroy_group() -> None:
+    import torch.distributed as dist
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+class _TPExecutor:
+    """Rank 0's step executor: announces each step to the workers, then runs its own shard. Decode
+    steps run eagerly (no CUDA graphs: the step must be announced first)."""
+
+    def __init__(self, local: ModelExecutor, driver: _Driver):
+        self.local, self.driver = local, driver
+        self.device, self.vocab_size = local.device, local.vocab_size
+        self.block_size, self.max_blocks_per_seq = local.block_size, local.max_blocks_per_seq
+
+    def execute(self, phase: str, inputs: dict[str, torch.Tensor]) -> torch.Tensor:
+        d = self.driver
+        if d.closed or d.broken is not None:
+            raise GraphDSLError(f"LLM: the tensor-parallel group is {'closed' if d.closed else 'broken'} "
+                                f"({d.broken or 'close() was called'}); make a new LLM")
+        try:
+            if d.pool is not None:
+                d.pool.check()
+            d.channel.send(phase, inputs)
+            return self.local.execute(phase, inputs)
+        except Exception as e:
+            raise d.failed(e) from e
+
+    def decode_graph(self, n: int):
+        return None
+
+
+class _Follower:
+    """A worker rank's shard: runs the steps rank 0 announces."""
+
+    def __init__(self, llm: "LLM"):
+        self.llm, self.device = llm, llm.device
+
+    def run_step(self, phase: str, inputs: dict[str, torch.Tensor]):
+        return self.llm._local_executor.execute(phase, inputs)
+
+
+def _tp_follower(rank: int, world_size: int, source: tuple, device_type: str, opts: dict) -> _Follower:
+    """Build rank ``rank``'s shard in a spawned worker (``WorkerPool``'s build function)."""
+    from graphdsl.layers.tensor_parallel import TensorParallel
+    if opts.get("custom_module_map") is not None:
+        load_custom_module_map(opts["custom_module_map"])
+    device = torch.device("cuda", rank) if device_type == "cuda" else torch.device("cpu")
+    if device.type == "cuda":
+        torch.cuda.set_device(device)          # kernels launch on the current device
+    else:                                      # CPU ranks share the cores instead of each taking all
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // world_size))
+    llm = LLM.__new__(LLM)
+    llm._tp = None
+    llm._build(source, device, TensorParallel(rank, world_size), dict(opts, progress=False))
+    return _Follower(llm)
 
 
 def _load_tokenizer(gguf_ckpt, path: str):

@@ -28,6 +28,8 @@ class CheckpointSlot:
     index: tuple
     shape: tuple[int, ...]
     reorder: tuple[tuple[int, ...], tuple[int, ...]] | None = None
+    source: tuple = ()
+    held: bool = True
 
     def place(self, tensor):
         """``tensor`` (of ``shape``) in the order and shape of ``param[index]``."""
@@ -40,7 +42,7 @@ class CheckpointSlot:
 def checkpoint_layout(root: Module, prefix: str = "") -> dict[str, CheckpointSlot]:
     """``{checkpoint name: slot}`` for every parameter of ``root``.
 
-    A module may define ``checkpoint_slots() -> list[(suffix, param_leaf, index, shape[, reorder])]``;
+    A module may define ``checkpoint_slots() -> list[(suffix, param_leaf, index, shape[, reorder[, source[, held]]]])]``;
     the leaf is relative to the module's own path, the suffix too, or to its parent's path when the
     module sets ``checkpoint_sources_are_siblings`` (``self_attn.qkv_proj`` packs its siblings
     ``self_attn.q_proj``...). Other parameters map one to one.
@@ -52,9 +54,9 @@ def checkpoint_layout(root: Module, prefix: str = "") -> dict[str, CheckpointSlo
         slots = getattr(module, "checkpoint_slots", None)
         if slots is not None:
             parent = path.rpartition(".")[0] if getattr(module, "checkpoint_sources_are_siblings", False) else path
-            for suffix, leaf, index, shape, *reorder in slots():
+            for suffix, leaf, index, shape, *rest in slots():
                 table[f"{parent}.{suffix}" if parent else suffix] = CheckpointSlot(full(leaf), tuple(index),
-                                                                                  tuple(shape), *reorder)
+                                                                                  tuple(shape), *rest)
             continue
         for leaf, p in module._parameters.items():
             table[full(leaf)] = CheckpointSlot(full(leaf), (), tuple(p.shape))

@@ -2,7 +2,10 @@
 
 One pass over ``(name, tensor)`` pairs (safetensors or GGUF, already in HF names): each tensor is
 copied into its slot — a whole parameter, or a slice of a packed one (q/k/v → qkv, gate/up,
-per-expert stacks). Shapes are checked as tensors arrive, and at the end one
+per-expert stacks). A tensor may be a lazy handle (``shape`` plus ``read(index)``, as
+:func:`~graphdsl.runtime.loaders.safetensors.iter_safetensors_lazy` yields): then only the part the
+slot holds (``slot.source``: a tensor-parallel rank's rows or columns) is read, and tensors that
+match no slot are not read at all. Shapes are checked as tensors arrive, and at the end one
 :class:`~graphdsl.GraphDSLError` lists every missing, unexpected and wrong-shape tensor.
 """
 from __future__ import annotations
@@ -33,7 +36,7 @@ def load_weights(model: FlashCausalLM, tensors: Iterable[tuple[str, torch.Tensor
     table = model.checkpoint_table()
     params = dict(model.named_parameters())
     tied = model.tied_parameters()
-    out = {name: torch.empty(tuple(p.shape), dtype=p.dtype or dtype, device=device)
+    out = {name: torch.zeros(tuple(p.shape), dtype=p.dtype or dtype, device=device)   # zeros: TP vocab padding
            for name, p in params.items() if name not in tied}
     got: dict[str, tuple[int, ...]] = {}
     expected = {name: slot.shape for name, slot in table.items()}
@@ -44,9 +47,9 @@ def load_weights(model: FlashCausalLM, tensors: Iterable[tuple[str, torch.Tensor
             continue
         got[name] = tuple(tensor.shape)
         slot = table.get(name)
-        if slot is not None and tuple(tensor.shape) == slot.shape:
+        if slot is not None and tuple(tensor.shape) == slot.shape and slot.held:
             target = out[slot.param][slot.index]
-            target.copy_(slot.place(tensor).reshape(target.shape))
+            target.copy_(slot.place(_part(tensor, slot.source)).reshape(target.shape))
         if line is not None and line.due():
             line.show(f"loading weights: {i} tensors ({len(got)}/{len(expected)} matched names)")
     if line is not None:
@@ -55,6 +58,13 @@ def load_weights(model: FlashCausalLM, tensors: Iterable[tuple[str, torch.Tensor
     for name, source in tied.items():
         out[name] = out[source]
     return out
+
+
+def _part(tensor, source: tuple) -> torch.Tensor:
+    """``tensor[source]`` (all of it for ``()``), reading only that part of a lazy handle."""
+    if isinstance(tensor, torch.Tensor):
+        return tensor[source] if source else tensor
+    return tensor.read(source)
 
 
 class _ProgressLine:

@@ -4,7 +4,7 @@ Each op is registered once with its shape rule, torch reference and category (se
 :mod:`graphdsl.opdef`); the functions here record nodes into the current network.
 """
 from .attention import RopeLayout, paged_attention, paged_mla_attention, reshape_and_cache, rope
-from .collective import all_gather, all_reduce
+from .collective import all_gather, all_reduce, reduce_scatter
 from .lora import lora_apply
 from .matmul import bmm, linear, matmul
 from .moe import moe_experts
@@ -29,5 +29,5 @@ __all__ = [
     # attention
     "RopeLayout", "rope", "reshape_and_cache", "paged_attention", "paged_mla_attention",
     # collectives
-    "all_reduce", "all_gather",
+    "all_reduce", "all_gather", "reduce_scatter",
 ]

@@ -20,6 +20,8 @@ Per node, by what the node is:
   epilogue; other matmuls — ``torch.matmul(..., out=slot)`` / ``torch.addmm`` (cuBLAS on CUDA, its
   epilogue adds the bias or residual); ``matmul_silu_mul`` then runs ``silu_mul`` on the product,
   which it keeps in the node's planned workspace;
+* collectives (``all_reduce``, ``all_gather``, ``reduce_scatter``) on CUDA — NCCL through
+  ``torch.distributed`` straight into the node's slot (:mod:`graphdsl.runtime.distributed.collectives`);
 * anything else — the op's torch reference, copied into its slot (views alias their source).
 
 Kernels are prepared once per node and operand signature (shapes, strides, dtypes) and cached.
@@ -36,6 +38,8 @@ import torch
 from graphdsl.errors import GraphDSLError
 from graphdsl.network import Node
 from graphdsl.opdef import OpCategory, Spec, get_op
+
+from ..distributed.collectives import COLLECTIVE_LOWERINGS
 
 __all__ = ["TritonBackend", "triton_can_fuse"]
 
@@ -113,6 +117,11 @@ class TritonBackend:
     def _run_one(self, node, values: dict, attrs: dict, storage: dict) -> None:
         ins = [values[t] for t in node.inputs]
         on_cpu = bool(ins) and ins[0].device.type == "cpu" and not _interpreting()
+        if node.category is OpCategory.COLLECTIVE and not on_cpu and node.op in COLLECTIVE_LOWERINGS:
+            dsts = [self._dst(t, storage, node, attrs[node], ins, i) for i, t in enumerate(node.outputs)]
+            for t, r in zip(node.outputs, COLLECTIVE_LOWERINGS[node.op](self, node, ins, attrs[node], dsts)):
+                values[t] = r
+            return
         if node.op in _KERNEL_OPS and (on_cpu or _kernel_unsupported(node, ins)):
             self._reference.run([node], values, attrs, storage)
             return

@@ -372,7 +372,8 @@ class GGUFCheckpoint:
 
     # ------------------------------------------------------------------ tensors
     def iter_tensors(self, dtype: torch.dtype = torch.float32, *, device: torch.device | str | None = None,
-                     keep_quantized: bool = False) -> Iterator[tuple[str, torch.Tensor | GGUFBlockWeight]]:
+                     keep_quantized: bool = False, _only: set | None = None
+                     ) -> Iterator[tuple[str, torch.Tensor | GGUFBlockWeight]]:
         """Yield ``(HF name, tensor)`` dequantized to ``dtype``, one tensor at a time.
 
         With ``keep_quantized``, every matrix stored in a block type the GGUF kernels run
@@ -396,7 +397,7 @@ class GGUFCheckpoint:
         cfg = self.hf_config()
         kv_b_halves: dict[str, dict[str, torch.Tensor]] = {}   # deepseek2: layer -> {"attn_k_b"|"attn_v_b": tensor}
         for name, t in self._tensors.items():
-            if name in _SKIPPED:
+            if name in _SKIPPED or (_only is not None and name not in _only):
                 continue
             qname = t.tensor_type.name
             if qname not in _BLOCKS:
@@ -442,6 +443,88 @@ class GGUFCheckpoint:
             if arch == "bloom" and ".attn_qkv." in name:
                 w = _per_head_qkv(w, cfg["num_attention_heads"])
             yield hf_name(name, arch) or name, (_blocks(qname, shape, w) if keep else w.to(dtype))
+
+
+    def iter_tensors_lazy(self, dtype: torch.dtype = torch.float32, *, device: torch.device | str | None = None,
+                          stats=None) -> Iterator[tuple[str, Any]]:
+        """Like :meth:`iter_tensors`, but 2-D weights that need no conversion beyond llama.cpp's q/k
+        row permutation come as lazy handles (``shape``, ``read(index)``): a tensor-parallel rank's
+        rows, or its columns on block boundaries, are dequantized from just their bytes. The other
+        tensors (stacked experts, norms, joined halves, 1-D) come whole, after the lazy ones.
+        ``stats`` (a :class:`~graphdsl.runtime.loaders.safetensors.ReadStats`) adds up the GGUF bytes read."""
+        if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
+            raise GraphDSLError(f"iter_tensors_lazy: dtype must be a floating torch.dtype, got {dtype!r}")
+        arch = self._check_arch()
+        cfg = self.hf_config()
+        whole: set = set()
+        for name, t in self._tensors.items():
+            if name in _SKIPPED:
+                continue
+            m = _LAYER_RE.match(name)
+            special = m is not None and m.group(2) in (*_EXPERT_NAMES, "attn_k_b", "attn_v_b", "exp_probs_b",
+                                                      "ffn_gate_inp_shexp")
+            plain = (len(t.shape) == 2 and t.tensor_type.name in _BLOCKS and hf_name(name, arch) is not None
+                     and not special and not (arch == "bloom" and ".attn_qkv." in name)
+                     and not (arch in _NORM_PLUS_ONE and name.endswith("norm.weight")))
+            if not plain:
+                whole.add(name)
+                if stats is not None:
+                    stats.bytes += int(t.data.nbytes)
+                    stats.tensors += 1
+                continue
+            heads = None
+            if arch in _PERMUTED_QK and ".attn_q." in name:
+                heads = cfg["num_attention_heads"]
+            elif arch in _PERMUTED_QK and ".attn_k." in name:
+                heads = cfg["num_key_value_heads"]
+            yield hf_name(name, arch), _GGUFTensor(self.path, name, t, heads, dtype, device, stats)
+        if whole:
+            yield from self.iter_tensors(dtype, device=device, _only=whole)
+
+
+class _GGUFTensor:
+    """A 2-D GGUF weight not read yet; :meth:`read` dequantizes only the rows (and, on block
+    boundaries, the columns) asked for. ``heads``: undo llama.cpp's q/k row permutation over this
+    many heads (a row range then widens to whole heads)."""
+
+    def __init__(self, path: str, name: str, t, heads: int | None, dtype, device, stats):
+        self.path, self.name, self._t, self._heads = path, name, t, heads
+        self._dtype, self._device, self._stats = dtype, device, stats
+        self.shape = tuple(int(s) for s in reversed(t.shape.tolist()))
+
+    def read(self, index: tuple = ()) -> torch.Tensor:
+        rows, cols = self.shape
+        rsl = index[0] if len(index) > 0 else slice(None)
+        csl = index[1] if len(index) > 1 else slice(None)
+        if not (isinstance(rsl, slice) and isinstance(csl, slice)) or len(index) > 2:
+            raise GraphDSLError(f"GGUF tensor {self.name!r}: read takes up to two slices, got {index!r}")
+        r0, r1, rstep = rsl.indices(rows)
+        c0, c1, cstep = csl.indices(cols)
+        per_block, nbytes = _BLOCKS[self._t.tensor_type.name]
+        a0, a1 = r0, r1                       # the rows decoded: whole heads when un-permuting
+        if self._heads is not None:
+            per = rows // self._heads
+            a0, a1 = r0 // per * per, -(-r1 // per) * per
+        b0, b1 = (c0, c1) if c0 % per_block == 0 and c1 % per_block == 0 and cstep == 1 else (0, cols)
+        data = self._t.data
+        try:
+            if data.dtype == np.uint8:        # quantized: [rows, bytes per row] of whole blocks
+                part = data[a0:a1, b0 // per_block * nbytes:b1 // per_block * nbytes]
+            else:                             # F32 / F16 / BF16: typed [rows, cols]
+                part = data[a0:a1, b0:b1]
+            part = np.ascontiguousarray(part)
+            w = dequantize(part, self._t.tensor_type, (a1 - a0, b1 - b0), device=self._device)
+        except GraphDSLError as e:
+            raise GraphDSLError(f"{self.path!r}: tensor {self.name!r}: {e}") from None
+        except Exception as e:
+            raise GraphDSLError(f"{self.path!r}: cannot read tensor {self.name!r}: {_first_line(e)}") from None
+        if self._stats is not None:
+            self._stats.bytes += int(part.nbytes)
+            self._stats.tensors += 1
+        if self._heads is not None:
+            w = _unpermute_rows(w, (a1 - a0) // (rows // self._heads))
+        w = w[r0 - a0:r1 - a0:rstep, c0 - b0:c1 - b0:cstep]
+        return w.to(self._dtype)
 
 
 def _block_rows(data, qname: str, shape: tuple[int, ...], device) -> torch.Tensor:

@@ -10,6 +10,9 @@ Contract:
 - Anything wrong with the files (missing, truncated, not safetensors, an index naming a missing
   shard or a tensor that its shard lacks) raises one :class:`~graphdsl.GraphDSLError` naming the
   file and what is wrong.
+- :func:`iter_safetensors_lazy` yields ``(name, LazyTensor)`` pairs instead: nothing is read until
+  the consumer asks for the whole tensor or a slice of it (``safe_open(...).get_slice``), so a
+  tensor-parallel rank reads only its own rows or columns; :class:`ReadStats` counts the bytes.
 - :func:`check_weights` compares the parameter shapes a model declares with the shapes a
   checkpoint holds and raises one error listing every missing, unexpected and wrong-shape weight.
 """
@@ -24,7 +27,8 @@ import torch
 
 from graphdsl.errors import GraphDSLError
 
-__all__ = ["iter_safetensors", "safetensors_files", "WeightReport", "check_weights"]
+__all__ = ["iter_safetensors", "iter_safetensors_lazy", "LazyTensor", "ReadStats", "safetensors_files",
+           "WeightReport", "check_weights"]
 
 _SINGLE = "model.safetensors"
 _INDEX = "model.safetensors.index.json"
@@ -123,6 +127,65 @@ def _iter_file(file: str, names: list[str] | None,
             if dtype is not None and t.is_floating_point() and t.dtype != dtype:
                 t = t.to(dtype)
             yield name, t
+
+
+@dataclass
+class ReadStats:
+    """Bytes and tensors read from checkpoint files (in the files' dtypes)."""
+
+    bytes: int = 0
+    tensors: int = 0
+
+
+class LazyTensor:
+    """One checkpoint tensor not read yet: ``shape`` (a tuple), ``dtype`` (torch), and :meth:`read`."""
+
+    def __init__(self, name: str, file: str, handle, dtype: torch.dtype | None, stats: ReadStats | None):
+        self.name, self.file, self._handle, self._cast, self._stats = name, file, handle, dtype, stats
+        try:
+            self._slice = handle.get_slice(name)
+            self.shape = tuple(self._slice.get_shape())
+        except Exception as e:
+            raise GraphDSLError(f"cannot read tensor {name!r} from {file!r}: {_why(e)}") from None
+
+    def read(self, index: tuple = ()) -> torch.Tensor:
+        """The tensor, or its part ``index`` (a tuple of slices, ints), as a CPU tensor; only that
+        part's bytes are read from the memory-mapped file."""
+        try:
+            t = self._slice[index] if index else self._handle.get_tensor(self.name)
+        except Exception as e:
+            raise GraphDSLError(f"cannot read tensor {self.name!r}{list(index) if index else ''} from "
+                                f"{self.file!r}: {_why(e)}") from None
+        if self._stats is not None:
+            self._stats.bytes += t.numel() * t.element_size()
+            self._stats.tensors += 1
+        if self._cast is not None and t.is_floating_point() and t.dtype != self._cast:
+            t = t.to(self._cast)
+        return t
+
+
+def iter_safetensors_lazy(path: str | os.PathLike, *, dtype: torch.dtype | None = None,
+                          stats: ReadStats | None = None) -> Iterator[tuple[str, LazyTensor]]:
+    """Like :func:`iter_safetensors`, but yields :class:`LazyTensor` handles (valid while iterating)
+    and reads nothing by itself; ``stats`` adds up what the consumer reads."""
+    if dtype is not None and not isinstance(dtype, torch.dtype):
+        raise GraphDSLError(f"iter_safetensors_lazy: dtype must be a torch.dtype or None, got {dtype!r}")
+    from safetensors import safe_open
+    for file, names in safetensors_files(path):
+        try:
+            handle = safe_open(file, framework="pt", device="cpu")
+        except Exception as e:
+            raise GraphDSLError(f"{file!r} is not a readable safetensors file: {_why(e)}") from None
+        with handle as f:
+            present = list(f.keys())
+            if names is not None:
+                missing = [n for n in names if n not in set(present)]
+                if missing:
+                    raise GraphDSLError(
+                        f"safetensors shard {file!r} lacks {len(missing)} tensors that the index "
+                        f"assigns to it: {missing[:8]}{' ...' if len(missing) > 8 else ''}")
+            for name in (present if names is None else names):
+                yield name, LazyTensor(name, file, f, dtype, stats)
 
 
 def _why(e: BaseException) -> str:

@@ -1404,10 +1404,11 @@ def test_quant_linear_symbolic_rows(scheme):
 # ---------------------------------------------------------------------------------------------
 @pytest.mark.parametrize("mode", BOTH)
 @pytest.mark.parametrize("dtype", FLOATS, ids=dt_id)
-@pytest.mark.parametrize("op", ["all_reduce", "all_gather_0", "all_gather_-1"])
+@pytest.mark.parametrize("op", ["all_reduce", "all_gather_0", "all_gather_-1", "reduce_scatter"])
 def test_collectives_world_size_1(op, dtype, mode):
     graph = {"all_reduce": lambda x: F.all_reduce(x), "all_gather_0": lambda x: F.all_gather(x, dim=0),
-             "all_gather_-1": lambda x: F.all_gather(x, dim=-1, world_size=1)}[op]
+             "all_gather_-1": lambda x: F.all_gather(x, dim=-1, world_size=1),
+             "reduce_scatter": lambda x: F.reduce_scatter(x, dim=-1, world_size=1)}[op]
     check_op(graph, {"x": (("n", 3), dtype)}, lambda sz: {"x": randn(sz["n"], 3, dtype=dtype)},
              lambda x: x.clone(), mode)
 
@@ -1417,7 +1418,12 @@ def test_collectives_world_size_2_shapes_and_uninitialised_error():
         x = Tensor("x", (Dim("n"), 3), torch.float32)
         g = F.all_gather(x, dim=-1, world_size=2)
         r = F.all_reduce(x, world_size=2)
-        assert g.shape == (x.shape[0], 6) and r.shape == x.shape
+        s = F.reduce_scatter(F.all_gather(x, dim=-1, world_size=2), dim=-1, world_size=3)
+        assert g.shape == (x.shape[0], 6) and r.shape == x.shape and s.shape == (x.shape[0], 2)
+        with pytest.raises(GraphDSLError, match=r"reduce_scatter: dim 0 is the symbolic"):
+            F.reduce_scatter(x, dim=0, world_size=2)
+        with pytest.raises(GraphDSLError, match=r"dim -1 has size 3, not a multiple of world_size=2"):
+            F.reduce_scatter(x, dim=-1, world_size=2)
         net.mark_output(g, "g")
     with pytest.raises(GraphDSLError, match=r"all_gather with world_size > 1 needs torch.distributed initialised"):
         net.build_engine().forward({"x": torch.randn(2, 3)})

@@ -1,0 +1,80 @@
+"""Process groups for tensor parallelism.
+
+One process per rank. The default ``torch.distributed`` group carries the model's collectives (the
+graph's ``all_reduce``/``all_gather`` nodes): NCCL when the ranks run on CUDA, gloo on CPU. A second
+gloo group carries small host messages (the step headers rank 0 sends to workers), so those never
+touch the GPU stream.
+"""
+from __future__ import annotations
+
+import datetime
+import os
+from dataclasses import dataclass
+
+import torch
+
+from graphdsl.errors import GraphDSLError
+
+__all__ = ["DistContext", "backend_for", "init_distributed", "launched_by_torchrun", "torchrun_env"]
+
+_TORCHRUN_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
+
+
+@dataclass
+class DistContext:
+    """This process's place: ``rank`` of ``world_size``, its ``device``, and the host-message group."""
+
+    rank: int
+    world_size: int
+    device: torch.device
+    control: object = None           # gloo ProcessGroup for headers (None at world size 1)
+
+    @property
+    def is_driver(self) -> bool:
+        return self.rank == 0
+
+
+def backend_for(device: torch.device) -> str:
+    """``"nccl"`` for CUDA devices, ``"gloo"`` otherwise."""
+    return "nccl" if torch.device(device).type == "cuda" else "gloo"
+
+
+def launched_by_torchrun() -> bool:
+    """Whether this process was started by ``torchrun`` (its environment variables are set)."""
+    return all(v in os.environ for v in _TORCHRUN_VARS)
+
+
+def torchrun_env() -> tuple[int, int, int]:
+    """``(rank, world_size, local_rank)`` from torchrun's environment."""
+    try:
+        return int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]), int(os.environ["LOCAL_RANK"])
+    except (KeyError, ValueError) as e:
+        raise GraphDSLError(f"torchrun environment incomplete or malformed ({e}); launch with "
+                            f"`torchrun --nproc-per-node N ...`") from None
+
+
+def init_distributed(rank: int, world_size: int, device: torch.device, *, store=None,
+                     timeout_s: float | None = None) -> DistContext:
+    """Join (or reuse) the default process group as ``rank`` of ``world_size`` on ``device``.
+
+    ``store``: a ``torch.distributed.Store`` to rendezvous through (default: torchrun's ``env://``).
+    On CUDA the device becomes the current one and the group is NCCL; on CPU, gloo. ``timeout_s``
+    bounds every collective (default ``GRAPHDSL_DIST_TIMEOUT_S`` or 600 s), so a lost rank ends in
+    an error instead of a hang.
+    """
+    import torch.distributed as dist
+    device = torch.device(device)
+    if device.type == "cuda":
+        if device.index is None:
+            device = torch.device("cuda", rank % max(1, torch.cuda.device_count()))
+        torch.cuda.set_device(device)
+    timeout = datetime.timedelta(seconds=timeout_s or float(os.environ.get("GRAPHDSL_DIST_TIMEOUT_S", 600)))
+    if dist.is_initialized():
+        if dist.get_world_size() != world_size or dist.get_rank() != rank:
+            raise GraphDSLError(f"torch.distributed is already initialised as rank {dist.get_rank()} of "
+                                f"{dist.get_world_size()}, not rank {rank} of {world_size}")
+    else:
+        kw = {"store": store} if store is not None else {"init_method": "env://"}
+        dist.init_process_group(backend_for(device), rank=rank, world_size=world_size, timeout=timeout, **kw)
+    control = dist.new_group(backend="gloo", timeout=timeout) if backend_for(device) != "gloo" else dist.group.WORLD
+    return DistContext(rank, world_size, device, control)

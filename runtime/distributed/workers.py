@@ -1,0 +1,193 @@
+"""Rank 0 drives, workers follow: the step channel, and the worker processes ``LLM`` owns.
+
+:class:`StepChannel` — every model step rank 0 runs is announced to the other ranks first: a small
+header (the phase and the inputs' names, shapes and dtypes) over the host (gloo) group, then the
+input tensors themselves, packed into one flat tensor per dtype, by ``broadcast`` over the default
+group (NCCL on GPU: no host copy).
+Workers run :meth:`StepChannel.serve`: receive a step, run it on their shard (its collectives meet
+rank 0's), repeat, until rank 0 sends ``stop``. Only rank 0 samples, so every rank runs the same
+steps whatever the sampling settings.
+
+:class:`WorkerPool` — ranks ``1..N-1`` as spawned processes that rendezvous through a ``TCPStore``
+rank 0 hosts. Each worker builds its shard, then marks itself ready in the store; rank 0 waits for
+every mark while watching the processes, so a worker that fails while loading surfaces as a
+:class:`WorkerError` naming its rank and error instead of a hang; the process group forms only
+after that. During serving, a step whose collectives fail (a peer died) is re-raised the same way.
+"""
+from __future__ import annotations
+
+import math
+import multiprocessing as mp
+import os
+import socket
+import time
+import traceback
+from typing import Callable
+
+import torch
+
+from graphdsl.errors import GraphDSLError
+
+from .group import DistContext, init_distributed
+
+__all__ = ["StepChannel", "WorkerPool", "WorkerError"]
+
+
+class WorkerError(GraphDSLError):
+    """A tensor-parallel worker process failed or died; the message names its rank."""
+
+
+class StepChannel:
+    """Announce steps from rank 0 (:meth:`send`, :meth:`stop`); follow them elsewhere (:meth:`serve`)."""
+
+    def __init__(self, ctx: DistContext):
+        self.ctx = ctx
+
+    def _bcast_header(self, header):
+        import torch.distributed as dist
+        box = [header]
+        dist.broadcast_object_list(box, src=0, group=self.ctx.control)
+        return box[0]
+
+    def send(self, phase: str, inputs: dict[str, torch.Tensor]) -> None:
+        """Rank 0: tell the workers to run ``phase`` on ``inputs`` (device tensors). The inputs
+        travel packed, one flat broadcast per dtype (a step's are a few small integer tensors)."""
+        import torch.distributed as dist
+        names = sorted(inputs)
+        self._bcast_header(("step", phase, [(n, tuple(inputs[n].shape), inputs[n].dtype) for n in names]))
+        for dtype, group in _by_dtype(names, inputs).items():
+            flat = torch.cat([inputs[n].reshape(-1).to(self.ctx.device) for n in group])
+            dist.broadcast(flat, src=0)
+
+    def stop(self) -> None:
+        """Rank 0: end the workers' :meth:`serve` loops."""
+        self._bcast_header(("stop",))
+
+    def serve(self, run: Callable[[str, dict[str, torch.Tensor]], object]) -> int:
+        """Workers: receive steps and ``run(phase, inputs)`` them until ``stop``; returns the steps run."""
+        import torch.distributed as dist
+        steps = 0
+        while True:
+            header = self._bcast_header(None)
+            if header[0] == "stop":
+                return steps
+            _, phase, specs = header
+            shapes = {name: (shape, dtype) for name, shape, dtype in specs}
+            inputs = {}
+            for dtype, group in _by_dtype(sorted(shapes), shapes).items():
+                sizes = [math.prod(shapes[n][0]) for n in group]
+                flat = torch.empty(sum(sizes), dtype=dtype, device=self.ctx.device)
+                dist.broadcast(flat, src=0)
+                for n, part in zip(group, flat.split(sizes)):
+                    inputs[n] = part.view(shapes[n][0])
+            run(phase, inputs)
+            steps += 1
+
+
+def _by_dtype(names: list[str], specs: dict) -> dict:
+    """``{dtype: [names]}`` in ``names`` order; ``specs[n]`` is a tensor or a ``(shape, dtype)``."""
+    out: dict = {}
+    for n in names:
+        spec = specs[n]
+        out.setdefault(spec.dtype if isinstance(spec, torch.Tensor) else spec[1], []).append(n)
+    return out
+
+
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _worker_main(rank: int, world_size: int, port: int, build: Callable, build_args: tuple, errors) -> None:
+    """A worker process: build the shard, mark ready, join the group, serve steps, leave cleanly."""
+    import torch.distributed as dist
+    try:
+        store = dist.TCPStore("127.0.0.1", port, world_size, is_master=False)
+        follower = build(rank, world_size, *build_args)          # loads this rank's weights
+        store.set(f"ready/{rank}", "1")
+        ctx = init_distributed(rank, world_size, follower.device, store=dist.PrefixStore("pg", store))
+        StepChannel(ctx).serve(follower.run_step)
+        dist.destroy_process_group()
+    except BaseException as e:   # reported to rank 0 with the traceback, then a failing exit code
+        errors.put((rank, f"{type(e).__name__}: {e}", traceback.format_exc()))
+        os._exit(1)
+
+
+class WorkerPool:
+    """Ranks ``1..world_size-1`` as processes started with ``spawn``.
+
+    ``build(rank, world_size, *build_args)`` runs in each worker and returns its follower: an object
+    with ``device`` and ``run_step(phase, inputs)``. The caller (rank 0) builds its own shard, then
+    calls :meth:`join` to wait for the workers and form the process group.
+    """
+
+    def __init__(self, world_size: int, build: Callable, build_args: tuple = ()):
+        import torch.distributed as dist
+        if world_size < 2:
+            raise GraphDSLError(f"WorkerPool: world_size must be >= 2, got {world_size}")
+        self.world_size = world_size
+        self.port = _free_port()
+        self.store = dist.TCPStore("127.0.0.1", self.port, world_size, is_master=True, wait_for_workers=False)
+        spawn = mp.get_context("spawn")
+        self.errors = spawn.Queue()
+        self.procs = [spawn.Process(target=_worker_main, name=f"graphdsl-tp-rank{r}", daemon=True,
+                                    args=(r, world_size, self.port, build, build_args, self.errors))
+                      for r in range(1, world_size)]
+        for p in self.procs:
+            p.start()
+        self.closed = False
+
+    def join(self, device: torch.device, *, timeout_s: float = 600.0) -> DistContext:
+        """Wait until every worker has loaded its shard (raising :class:`WorkerError` for one that
+        fails or exits first), then form the process group as rank 0."""
+        import torch.distributed as dist
+        keys = [f"ready/{r}" for r in range(1, self.world_size)]
+        deadline = time.monotonic() + timeout_s
+        while not self.store.check(keys):
+            self.check()
+            if time.monotonic() > deadline:
+                waiting = [k for k in keys if not self.store.check([k])]
+                raise WorkerError(f"tensor-parallel workers not ready after {timeout_s:.0f}s: {waiting}")
+            time.sleep(0.05)
+        return init_distributed(0, self.world_size, device, store=dist.PrefixStore("pg", self.store))
+
+    def check(self) -> None:
+        """Raise :class:`WorkerError` naming the first worker that failed or exited."""
+        for r, p in enumerate(self.procs, 1):
+            if p.exitcode is not None and not (self.closed and p.exitcode == 0):
+                raise WorkerError(self._why(r, p.exitcode))
+
+    def failure(self) -> WorkerError | None:
+        """A :class:`WorkerError` for a dead worker, waiting briefly for a dying one, else None."""
+        deadline = time.monotonic() + 2.0
+        while time.monotonic() < deadline:
+            try:
+                self.check()
+            except WorkerError as e:
+                return e
+            time.sleep(0.05)
+        return None
+
+    def _why(self, rank: int, code: int) -> str:
+        reports = {}
+        while True:
+            try:
+                r, msg, tb = self.errors.get_nowait()
+            except Exception:
+                break
+            reports[r] = (msg, tb)
+        if rank in reports:
+            msg, tb = reports[rank]
+            return f"tensor-parallel worker rank {rank} failed: {msg}\n{tb}"
+        how = f"killed by signal {-code}" if code < 0 else f"exit code {code}"
+        return f"tensor-parallel worker rank {rank} died ({how})"
+
+    def close(self, timeout_s: float = 10.0) -> None:
+        """Wait for workers to exit (after the channel's ``stop``), killing any that do not."""
+        self.closed = True
+        for p in self.procs:
+            p.join(timeout_s)
+            if p.is_alive():
+                p.kill()
+                p.join(1.0)

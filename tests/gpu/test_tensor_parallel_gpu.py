@@ -1,0 +1,133 @@
+"""Tensor parallelism on GPUs over NCCL (needs 2 GPUs; NVLink multicast kept off):
+``python3 -m pytest -m gpu tests/gpu/test_tensor_parallel_gpu.py`` on an ``nvidia-h200-x2``.
+
+The collectives' NCCL lowerings (triton backend, into the engine's buffers) against their
+definitions; whole models (llama, qwen2-MoE, a KV-heads-<-ranks llama) at TP2 against TP1 —
+logits and greedy tokens, float32 so the different summation order stays far below the tolerance —
+eagerly and with decode CUDA graphs capturing the collectives (``GRAPHDSL_TP_CUDA_GRAPHS=1``); and a
+dead worker surfacing as an error naming its rank."""
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
+os.environ.setdefault("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1")
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+pytestmark = [pytest.mark.gpu,
+              pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.device_count() < 2,
+                                 reason="needs 2 CUDA GPUs")]
+
+IDS = [3, 17, 42, 99, 7, 150, 11, 64]
+NEW = 8
+
+
+@pytest.fixture(scope="module")
+def ckpts(tmp_path_factory):
+    from tests.models.hf_tiny import make_checkpoint
+    root = tmp_path_factory.mktemp("tp_gpu")
+    out = {}
+    for name, family, kw in (("llama", "llama", {}), ("qwen2_moe", "qwen2_moe", {}),
+                             ("odd", "llama", dict(num_key_value_heads=1, vocab_size=163))):
+        make_checkpoint(family, root / name, **kw)
+        out[name] = str(root / name)
+    return out
+
+
+def _run(path: str, tp: int, **kw):
+    import graphdsl as gd
+    llm = gd.LLM(path, device="cuda", dtype="float32", tensor_parallel_size=tp, num_kv_blocks=32, **kw)
+    try:
+        sp = gd.SamplingParams(max_tokens=NEW, temperature=0.0, ignore_eos=True)
+        return llm.score(IDS).cpu(), llm.generate([IDS], sp)[0].outputs[0].token_ids
+    finally:
+        llm.close()
+
+
+def _nccl_collectives(rank: int, world: int, allreduce: str) -> None:
+    os.environ["GRAPHDSL_ALLREDUCE"] = allreduce
+    from graphdsl import Dim, Network, Tensor
+    from graphdsl import functional as F
+    from graphdsl.runtime.distributed import init_distributed
+    ctx = init_distributed(rank, world, torch.device("cuda", rank))
+    with Network() as net:
+        x = Tensor("x", (Dim("n"), 8 * world), torch.bfloat16)
+        net.mark_output(F.all_reduce(x, world_size=world) * 1.0, "ar")
+        net.mark_output(F.all_gather(x, dim=-1, world_size=world), "ag")
+        net.mark_output(F.all_gather(x, dim=0, world_size=world), "ag0")
+        net.mark_output(F.reduce_scatter(x, dim=-1, world_size=world), "rs")
+    xs = [torch.arange(5 * 8 * world, dtype=torch.bfloat16, device=ctx.device).reshape(5, -1) * (r + 1) / 64
+          for r in range(world)]
+    out = net.build_engine(device=ctx.device, backend="triton").forward({"x": xs[rank]})
+    total = sum(x.float() for x in xs).to(torch.bfloat16)
+    torch.testing.assert_close(out["ar"], total)
+    torch.testing.assert_close(out["ag"], torch.cat(xs, -1), rtol=0, atol=0)
+    torch.testing.assert_close(out["ag0"], torch.cat(xs, 0), rtol=0, atol=0)
+    torch.testing.assert_close(out["rs"], total.chunk(world, -1)[rank])
+
+
+@pytest.mark.parametrize("allreduce", ["nccl", "symm_mem"])
+def test_nccl_collective_lowerings(allreduce):
+    from tests.helpers.tp_ranks import run_ranks
+    run_ranks(2, _nccl_collectives, allreduce)
+
+
+@pytest.mark.parametrize("name, kw", [("llama", {}), ("qwen2_moe", {}), ("qwen2_moe", {"expert_parallel": True}),
+                                      ("odd", {})])
+def test_tp2_matches_tp1(ckpts, name, kw):
+    logits, tokens = _run(ckpts[name], 1)
+    got_logits, got_tokens = _run(ckpts[name], 2, **kw)
+    torch.testing.assert_close(got_logits, logits, rtol=1e-3, atol=1e-3)
+    assert got_tokens == tokens
+
+
+def _torchrun_rank(rank: int, world: int, path: str):
+    import graphdsl as gd
+    try:
+        llm = gd.LLM(path, device="cuda", dtype="float32", tensor_parallel_size=world, num_kv_blocks=32)
+    except SystemExit:                    # a worker rank, done once rank 0 closed its LLM
+        return None
+    sp = gd.SamplingParams(max_tokens=NEW, temperature=0.0, ignore_eos=True)
+    out = (llm.score(IDS).cpu(), llm.generate([IDS], sp)[0].outputs[0].token_ids, str(llm.device))
+    llm.close()
+    return out
+
+
+def test_torchrun_ranks_on_their_local_gpus(ckpts):
+    from tests.helpers.tp_ranks import run_ranks
+    logits, tokens = _run(ckpts["odd"], 1)
+    got_logits, got_tokens, device = run_ranks(2, _torchrun_rank, ckpts["odd"])
+    assert device == "cuda:0" and got_tokens == tokens
+    torch.testing.assert_close(got_logits, logits, rtol=1e-3, atol=1e-3)
+
+
+def test_tp2_decode_cuda_graphs_capture_the_collectives(ckpts, monkeypatch):
+    logits, tokens = _run(ckpts["llama"], 1)
+    monkeypatch.setenv("GRAPHDSL_TP_CUDA_GRAPHS", "1")
+    got_logits, got_tokens = _run(ckpts["llama"], 2)
+    assert got_tokens == tokens
+
+
+def test_tp2_one_shot_allreduce_matches_tp1(ckpts, monkeypatch):
+    logits, tokens = _run(ckpts["llama"], 1)
+    monkeypatch.setenv("GRAPHDSL_ALLREDUCE", "symm_mem")
+    got_logits, got_tokens = _run(ckpts["llama"], 2)
+    torch.testing.assert_close(got_logits, logits, rtol=1e-3, atol=1e-3)
+    assert got_tokens == tokens
+
+
+def test_dead_worker_is_an_error_naming_its_rank(ckpts):
+    import graphdsl as gd
+    from graphdsl.errors import GraphDSLError
+    llm = gd.LLM(ckpts["llama"], device="cuda", dtype="float32", tensor_parallel_size=2, num_kv_blocks=32)
+    try:
+        llm.score(IDS)
+        w = llm._tp.pool.procs[0]
+        w.kill()
+        w.join(10)
+        with pytest.raises(GraphDSLError, match=r"worker rank 1 died"):
+            llm.score(IDS)
+    finally:
+        llm.close()

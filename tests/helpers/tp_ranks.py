@@ -1,0 +1,56 @@
+"""Run a function on W ranks as torchrun would (one spawned process per rank, torchrun's environment
+variables set), collecting rank 0's result. Used by the tensor-parallel tests and the GPU tests."""
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import pickle
+import socket
+import traceback
+
+
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _rank_main(rank: int, world_size: int, port: int, fn, args, results, timeout_s: float) -> None:
+    import faulthandler
+    faulthandler.dump_traceback_later(max(1.0, timeout_s - 5), exit=True)   # a hung rank shows where
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world_size),
+                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    try:
+        import torch
+        torch.set_num_threads(1)
+        out = fn(rank, world_size, *args)
+        import gc
+        gc.collect()    # LLMs fn dropped close their groups now (a torchrun script would at exit)
+        results.put((rank, "ok", pickle.dumps(out)))     # plain bytes: no shared-memory handles to outlive us
+    except BaseException:
+        results.put((rank, "error", traceback.format_exc()))
+
+
+def run_ranks(world_size: int, fn, *args, timeout_s: float = 240.0):
+    """``fn(rank, world_size, *args)`` on every rank under torchrun's environment; returns rank 0's
+    value. Raises with the traceback of any rank that failed, or when a rank does not finish."""
+    ctx = mp.get_context("spawn")
+    results = ctx.Queue()
+    port = _free_port()
+    procs = [ctx.Process(target=_rank_main, args=(r, world_size, port, fn, args, results, timeout_s), daemon=True)
+             for r in range(world_size)]
+    for p in procs:
+        p.start()
+    got = {}
+    try:
+        for _ in range(world_size):
+            rank, status, value = results.get(timeout=timeout_s)
+            if status != "ok":
+                raise AssertionError(f"rank {rank} failed:\n{value}")
+            got[rank] = pickle.loads(value)
+    finally:
+        for p in procs:
+            p.join(5.0)
+            if p.is_alive():
+                p.kill()
+    return got[0]
