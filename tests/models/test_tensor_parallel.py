@@ -247,6 +247,8 @@ def test_unsupported_layers_and_arguments_are_errors():
         gd.LLM.from_config({}, device="cpu", tensor_parallel_size=0)
     with pytest.raises(GraphDSLError, match="kv_cache_memory_fraction is not supported with tensor_parallel_size"):
         gd.LLM.from_config({}, device="cpu", tensor_parallel_size=2, kv_cache_memory_fraction=0.5)
+    with pytest.raises(GraphDSLError, match=r"quantization='int8' is not supported with tensor_parallel_size > 1"):
+        gd.LLM.from_config({}, device="cpu", tensor_parallel_size=2, quantization="int8")
 
 
 # -- the command line under torchrun (each rank runs `graphdsl generate`; GGUF weights sliced) -------
