@@ -30,6 +30,7 @@ from graphdsl.runtime.serving.scheduler import Request, RequestStatus, Scheduler
 from graphdsl.models.base import FlashCausalLM
 from graphdsl.models.config import ModelConfig, build_config, read_hf_config
 from graphdsl.models.loader import load_weights
+from graphdsl.models.injection import apply_rules, check_placements
 from graphdsl.models.registry import load_custom_module_map, resolve_model_class
 
 __all__ = ["LLM", "RequestOutput", "CompletionOutput"]
@@ -80,6 +81,9 @@ class LLM:
             pool makes the scheduler preempt, which tests use).
         block_size: tokens per KV-cache block.
         custom_module_map: a ``.py`` file registering extra or replacement models.
+        optimize_rules: injection rules applied to the module tree before weights load: a YAML file
+            path, a YAML string or a list of rule dicts (see ``docs/injection.md`` and
+            :mod:`graphdsl.models.injection`); ``llm.injection`` holds the report.
         tensor_parallel_size: only 1 for now.
         progress: print loading progress on stderr.
         cuda_graphs: replay decode steps through CUDA graphs on CUDA (``False``, or the environment
@@ -97,7 +101,7 @@ class LLM:
                  max_model_len: int | None = None, max_num_seqs: int = 4, max_num_batched_tokens: int | None = None,
                  kv_cache_memory_fraction: float | None = None, num_kv_blocks: int | None = None, block_size: int = 16,
                  custom_module_map: str | os.PathLike | None = None, tensor_parallel_size: int = 1,
-                 progress: bool = False, cuda_graphs: bool = True, overlap: bool = True):
+                 progress: bool = False, cuda_graphs: bool = True, overlap: bool = True, optimize_rules=None):
         _check_sizes(tensor_parallel_size, max_num_seqs, block_size, max_model_len, max_num_batched_tokens,
                      num_kv_blocks)
         _check_fraction(kv_cache_memory_fraction)
@@ -113,7 +117,7 @@ class LLM:
         else:
             hf = read_hf_config(path)
         self.generation_config = gguf_generation_config(ckpt.metadata, path) if gguf else read_generation_config(path)
-        config, model_obj, dtype = self._architecture(hf, device, dtype, max_model_len)
+        config, model_obj, dtype = self._architecture(hf, device, dtype, max_model_len, optimize_rules)
         tensors = ckpt.iter_tensors(dtype, device=device) if gguf else _iter_dir(path, dtype)
         weights = load_weights(model_obj, tensors, device=device, dtype=dtype, progress=progress)
         self.gguf = gguf
@@ -127,11 +131,12 @@ class LLM:
                     init_std: float = 0.02, max_model_len: int | None = None, max_num_seqs: int = 4,
                     max_num_batched_tokens: int | None = None, kv_cache_memory_fraction: float | None = None,
                     num_kv_blocks: int | None = None, block_size: int = 16, cuda_graphs: bool = True,
-                    overlap: bool = True) -> "LLM":
+                    overlap: bool = True, optimize_rules=None) -> "LLM":
         """A model of ``hf_config``'s architecture (a HF ``config.json`` as a dict) with random
         weights made directly on ``device``: matrices and embeddings ~ N(0, ``init_std``), norm
         weights 1, biases 0. No checkpoint, no tokenizer (prompts are token ids) — for benchmarks
-        of real shapes and for tests. Same ``seed``, same weights on the same device."""
+        of real shapes and for tests. Same ``seed``, same weights on the same device (also for
+        parameters ``optimize_rules`` place on the host: they are drawn on ``device`` and moved)."""
         if not isinstance(hf_config, dict):
             raise GraphDSLError(f"from_config: hf_config must be a dict (a HF config.json), got {type(hf_config).__name__}")
         if isinstance(seed, bool) or not isinstance(seed, int):
@@ -143,7 +148,7 @@ class LLM:
         device = check_device(device, "LLM.from_config: device") or default_device()
         self = cls.__new__(cls)
         self.generation_config = {}
-        config, model_obj, dtype = self._architecture(dict(hf_config), device, dtype, max_model_len)
+        config, model_obj, dtype = self._architecture(dict(hf_config), device, dtype, max_model_len, optimize_rules)
         weights = _random_weights(model_obj, device, dtype, seed, float(init_std))
         self.gguf = False
         self._setup(config, model_obj, weights, None, device=device, dtype=dtype, max_model_len=max_model_len,
@@ -152,14 +157,19 @@ class LLM:
                     block_size=block_size, cuda_graphs=cuda_graphs, overlap=overlap)
         return self
 
-    def _architecture(self, hf: dict, device: torch.device, dtype, max_model_len):
+    def _architecture(self, hf: dict, device: torch.device, dtype, max_model_len, optimize_rules=None):
         config: ModelConfig = build_config(hf)
         if max_model_len is not None and max_model_len > config.max_position_embeddings:
             raise GraphDSLError(f"LLM: max_model_len={max_model_len} exceeds the model's max_position_embeddings="
                                 f"{config.max_position_embeddings}")
         dtype = _pick_dtype(dtype, device, config)
         cls = resolve_model_class(config.model_type, config.architectures)
-        return config, cls(config, dtype), dtype
+        model = cls(config, dtype)
+        self.injection = None
+        if optimize_rules is not None:
+            self.injection = apply_rules(model, optimize_rules, config)
+            check_placements(model, device)
+        return config, model, dtype
 
     def _setup(self, config: ModelConfig, model: FlashCausalLM, weights, tokenizer, *, device, dtype, max_model_len,
                max_num_seqs, max_num_batched_tokens, kv_cache_memory_fraction, num_kv_blocks, block_size,
@@ -434,6 +444,7 @@ def _random_weights(model: FlashCausalLM, device: torch.device, dtype: torch.dty
     gen = torch.Generator(device=device)
     gen.manual_seed(seed)
     tied = model.tied_parameters()
+    where = model.parameter_devices()
     out: dict[str, torch.Tensor] = {}
     for name, p in model.named_parameters():
         if name in tied:
@@ -447,7 +458,7 @@ def _random_weights(model: FlashCausalLM, device: torch.device, dtype: torch.dty
         else:
             raise GraphDSLError(f"from_config: parameter {name!r} has non-floating dtype {t.dtype}; "
                                 "random weights cover float parameters only")
-        out[name] = t
+        out[name] = t.to(where[name]) if name in where else t
     for name, source in tied.items():
         out[name] = out[source]
     return out

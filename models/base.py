@@ -85,6 +85,21 @@ class FlashCausalLM(Module):
             return True
         return any(re.search(p, name) for p in self.ignored_checkpoint_names)
 
+    def parameter_devices(self) -> dict[str, str]:
+        """``{parameter: device}`` for parameters an injected module keeps off the model's device
+        (a module's ``weight_device``, e.g. :class:`~graphdsl.models.cpu_experts.CPUExperts` on the host)."""
+        out = {}
+        for path, m in self.named_modules():
+            dev = getattr(m, "weight_device", None)
+            if dev is not None:
+                out.update({f"{path}.{leaf}": dev for leaf in m._parameters})
+        return out
+
+    def graph_capturable(self) -> bool:
+        """False when some (injected) module sets ``cuda_graph_safe = False``: it runs
+        host-synchronising ops, so decode runs without CUDA graphs."""
+        return all(getattr(m, "cuda_graph_safe", True) for _, m in self.named_modules() if m is not self)
+
     def tied_parameters(self) -> dict[str, str]:
         """``{parameter: parameter it shares storage with}``."""
         return {"lm_head.weight": "model.embed_tokens.weight"} if self.config.tie_word_embeddings else {}
@@ -106,6 +121,10 @@ class FlashCausalLM(Module):
             bound[KVCacheSpec.key_name(i)], bound[KVCacheSpec.value_name(i)] = k, v
         k0 = caches[0][0]
         spec = KVCacheSpec(len(caches), k0.shape[2], k0.shape[3], block_size, k0.dtype)
+        for path, m in self.named_modules():
+            hook = getattr(m, "bind_weights", None)
+            if hook is not None:
+                hook(bound, path)
         object.__setattr__(self, "_bound", bound)
         object.__setattr__(self, "_cache_spec", spec)
         object.__setattr__(self, "_num_cache_blocks", k0.shape[0])
@@ -172,7 +191,7 @@ def _engine(self: FlashCausalLM, phase: Phase):
         ctx = ForwardContext.symbolic(phase, self._cache_spec, self.config.rotary_dim)
         with Network(f"{type(self).__name__}.{phase.value}") as net:
             net.mark_output(self(ctx), "logits")
-        device = next(iter(self._bound.values())).device
+        device = self._bound[KVCacheSpec.key_name(0)].device
         engine = net.build_engine(device=device, backend=self._runtime["backend"])
         engine.set_weights({n: t for n, t in self._bound.items() if n in engine.net.inputs})
         self._engines[key] = engine
@@ -226,6 +245,8 @@ def _graph_runner(self: FlashCausalLM, engine):
     if not cuda_graphs_enabled(self._runtime["cuda_graphs"]):
         return None
     if engine.device is None or engine.device.type != "cuda" or engine.backend.name != "triton":
+        return None
+    if not self.graph_capturable():
         return None
     runner = self._graph_runners.get(id(engine))
     if runner is None or runner.engine is not engine:

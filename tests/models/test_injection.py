@@ -1,0 +1,143 @@
+"""Optimize rules (graphdsl.models.injection): kept modules change nothing, an injected module changes
+exactly what it replaces, CPU experts equal the fused ones, and every malformed rule names itself."""
+import warnings
+
+import pytest
+import torch
+
+import graphdsl as gd
+from graphdsl.layers import FusedExperts, RMSNorm
+from graphdsl.models.injection import InjectionRuleError, InjectionWarning, apply_rules, load_rules
+
+from tests.models.hf_tiny import make_config
+
+LLAMA = make_config("llama").to_dict()
+NORM = "tests.helpers.injected.ScaledRMSNorm"
+
+
+def _llm(hf=LLAMA, rules=None):
+    return gd.LLM.from_config(hf, device="cpu", dtype="float32", max_model_len=64, optimize_rules=rules, seed=3)
+
+
+def _greedy(llm, n=6):
+    return llm.generate([[1, 5, 9, 13]], gd.SamplingParams(max_tokens=n, temperature=0.0))[0].outputs[0].token_ids
+
+
+def test_default_rules_with_cpu_device_change_nothing():
+    base = _llm()
+    rules = [{"match": {"name": r"^model\.layers\.\d+\.self_attn$"}, "replace": {"class": "default",
+                                                                                  "kwargs": {"device": "cpu"}}},
+             {"match": {"class": "graphdsl.layers.RMSNorm"}, "replace": {"kwargs": {"generate_device": "cpu"}}},
+             {"match": {"name": "^lm_head$"}, "replace": {"class": "default"}, "recursive": False}]
+    injected = _llm(rules=rules)
+    assert len(injected.injection.matched) == 2 + 5 + 1
+    ids = [1, 7, 3, 11, 2]
+    assert torch.equal(base.score(ids), injected.score(ids))
+    assert _greedy(base) == _greedy(injected)
+
+
+def test_injected_norm_replaces_exactly_the_final_norm():
+    base = _llm()
+    llm = _llm(rules=[{"match": {"name": r"^model\.norm$"}, "replace": {"class": NORM, "kwargs": {"scale": 2.0}}}])
+    assert type(llm.model.model.norm).__name__ == "ScaledRMSNorm"
+    assert all(type(layer.input_layernorm) is RMSNorm for layer in llm.model.model.layers)
+    assert list(llm.injection.matched) == ["model.norm"]
+    ids = [1, 7, 3, 11, 2]
+    # lm_head is linear without bias: doubling the final norm's output doubles every logit
+    torch.testing.assert_close(llm.score(ids), 2.0 * base.score(ids), rtol=1e-5, atol=1e-5)
+
+
+def test_injected_norm_by_class_matches_every_norm_and_is_recorded():
+    llm = _llm(rules=[{"match": {"class": "graphdsl.layers.RMSNorm", "name": r"layernorm$"},
+                       "replace": {"class": NORM, "kwargs": {"scale": 1.0}}}])
+    assert sorted(llm.injection.matched) == [f"model.layers.{i}.{n}" for i in range(2)
+                                             for n in ("input_layernorm", "post_attention_layernorm")]
+    ids = [1, 7, 3, 11, 2]
+    torch.testing.assert_close(llm.score(ids), _llm().score(ids), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("family", ["qwen2_moe", "mixtral", "deepseek_v2"])
+def test_cpu_experts_equal_fused_experts(family):
+    hf = make_config(family).to_dict()
+    rules = [{"match": {"name": r"\.experts$", "class": "graphdsl.layers.FusedExperts"},
+              "replace": {"class": "graphdsl.models.cpu_experts.CPUExperts", "kwargs": {"generate_device": "cpu"}},
+              "recursive": False}]
+    base, cpu = _llm(hf), _llm(hf, rules)
+    n_moe = sum(isinstance(m, FusedExperts) for _, m in base.model.named_modules())
+    assert len(cpu.injection.matched) == n_moe > 0
+    ops = {n.op for n in cpu.model.engine(gd.layers.Phase.PREFILL).net.nodes}
+    assert "cpu_moe_experts" in ops and "moe_experts" not in ops
+    ids = [1, 7, 3, 11, 2, 9, 4]
+    torch.testing.assert_close(cpu.score(ids), base.score(ids), rtol=1e-5, atol=1e-5)
+    assert _greedy(base) == _greedy(cpu)
+
+
+# -- malformed rules: each names the rule index, the field and the value -------------------------
+_BAD = [
+    ([{"match": {"name": "x"}, "replce": {}}], "optimize rule 0: field 'replce'", "not a known key"),
+    ([{"match": {"name": "x", "klass": "a.B"}}], "optimize rule 0: field 'match.klass'", "not a known key"),
+    ([{"match": {"name": "x"}}, {"match": {"name": "model.(layers"}}], "optimize rule 1: field 'match.name'",
+     "'model.(layers'"),
+    ([{"match": {"class": "graphdsl.layers.NoSuchNorm"}}], "optimize rule 0: field 'match.class'", "does not import"),
+    ([{"match": {"name": "x"}, "replace": {"class": "no_such_pkg.Mod"}}], "optimize rule 0: field 'replace.class'",
+     "'no_such_pkg.Mod'"),
+    ([{"match": {"name": "x"}, "replace": {"class": NORM, "kwargs": {"scael": 2}}}],
+     "optimize rule 0: field 'replace.kwargs'", "scael"),
+    ([{"match": {"name": "x"}, "replace": {"kwargs": {"generate_op": "foo"}}}],
+     "optimize rule 0: field 'replace.kwargs'", "'generate_op'"),
+    ([{"match": {"name": "x"}, "replace": {"kwargs": {"device": "gpu7"}}}],
+     "optimize rule 0: field 'replace.kwargs.device'", "'gpu7'"),
+    ([{"match": {"name": "x"}, "recursive": "sometimes"}], "optimize rule 0: field 'recursive'", "'sometimes'"),
+    ([{"match": {}}], "optimize rule 0: field 'match'", "needs 'name' and/or 'class'"),
+    ({"match": {}}, "expected a list of rules", "dict"),
+]
+
+
+@pytest.mark.parametrize("rules,where,what", _BAD, ids=[b[1].split("field ")[-1] + str(i) for i, b in enumerate(_BAD)])
+def test_malformed_rules_name_index_field_and_value(rules, where, what):
+    with pytest.raises(InjectionRuleError) as e:
+        load_rules(rules)
+    msg = str(e.value)
+    assert where in msg and what in msg
+    assert "validation error" not in msg and "pydantic" not in msg
+
+
+def test_rule_file_and_yaml_string(tmp_path):
+    text = "- match:\n    name: '^model\\.norm$'\n  replace:\n    class: default\n    kwargs: {device: cpu}\n"
+    path = tmp_path / "rules.yaml"
+    path.write_text(text)
+    assert load_rules(str(path)) == load_rules(path) == load_rules(text)
+    assert load_rules(text)[0].match.name == r"^model\.norm$"
+    with pytest.raises(InjectionRuleError, match="no such rule file"):
+        load_rules(str(tmp_path / "missing.yaml"))
+
+
+def test_rule_matching_nothing_warns_and_first_match_wins():
+    llm = _llm()
+    rules = [{"match": {"name": r"^model\.norm$"}, "replace": {"class": NORM, "kwargs": {"scale": 3.0}}},
+             {"match": {"class": "graphdsl.layers.RMSNorm"}, "replace": {"class": NORM, "kwargs": {"scale": 5.0}}},
+             {"match": {"name": "^nothing_here$"}}]
+    with pytest.warns(InjectionWarning, match=r"optimize rule 2 \(name='\^nothing_here\$'\) matched no module"):
+        report = apply_rules(llm.model, rules)
+    assert llm.model.model.norm.scale == 3.0
+    assert {llm.model.model.layers[0].input_layernorm.scale} == {5.0}
+    assert report.unmatched_rules == [2]
+
+
+def test_non_recursive_rule_stops_descent():
+    llm = _llm()
+    rules = [{"match": {"name": r"^model\.layers\.0$"}, "recursive": False},
+             {"match": {"class": "graphdsl.layers.RMSNorm"}, "replace": {"class": NORM}}]
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        apply_rules(llm.model, rules)
+    assert type(llm.model.model.layers[0].input_layernorm) is RMSNorm
+    assert type(llm.model.model.layers[1].input_layernorm).__name__ == "ScaledRMSNorm"
+
+
+def test_kept_module_on_another_device_is_refused():
+    from graphdsl.models.injection import check_placements
+    llm = _llm()
+    apply_rules(llm.model, [{"match": {"name": r"^model\.norm$"}, "replace": {"kwargs": {"device": "cuda:1"}}}])
+    with pytest.raises(InjectionRuleError, match=r"'model.norm' \(RMSNorm\) with generate_device='cuda:1'"):
+        check_placements(llm.model, "cpu")
