@@ -82,6 +82,22 @@ def _module_map_arg(value: str) -> str:
     return value
 
 
+def _rules_arg(value: str) -> str:
+    """A YAML rule file, or the name of one shipped in graphdsl/models/optimize_rules; validated now."""
+    from graphdsl.models.injection import InjectionRuleError, builtin_rules, load_rules
+    path = value
+    if not os.path.exists(value):
+        try:
+            path = builtin_rules(value)
+        except InjectionRuleError as e:
+            raise argparse.ArgumentTypeError(f"{value!r}: not a file, nor a shipped rule file ({e})") from None
+    try:
+        load_rules(path)
+    except InjectionRuleError as e:
+        raise argparse.ArgumentTypeError(f"{value!r}: {e}") from None
+    return path
+
+
 def _existing_file_arg(value: str) -> str:
     if not os.path.isfile(value):
         raise argparse.ArgumentTypeError(f"{value!r}: {'not a file' if os.path.exists(value) else 'not found'}")
@@ -155,7 +171,9 @@ def _load(args):
     t0 = time.monotonic()
     print(f"loading {args.model} on {device} ...", file=sys.stderr, flush=True)
     llm = gd.LLM(args.model, device=device, dtype=args.dtype, max_model_len=args.max_model_len, max_num_seqs=1,
-                 custom_module_map=args.custom_module_map, progress=True)
+                 custom_module_map=args.custom_module_map, progress=True, optimize_rules=args.optimize_rules)
+    if llm.injection is not None:
+        print(f"optimize rules: {len(llm.injection.matched)} modules matched", file=sys.stderr, flush=True)
     print(f"loaded {llm} in {time.monotonic() - t0:.1f}s", file=sys.stderr, flush=True)
     return llm
 
@@ -313,7 +331,8 @@ def _serve(args) -> int:
     device = args.device or default_device()
     print(f"loading {args.model} on {device} ...", file=sys.stderr, flush=True)
     llm = gd.LLM(args.model, device=device, dtype=args.dtype, max_model_len=args.max_model_len,
-                 max_num_seqs=args.max_num_seqs, custom_module_map=args.custom_module_map, progress=True)
+                 max_num_seqs=args.max_num_seqs, custom_module_map=args.custom_module_map, progress=True,
+                 optimize_rules=args.optimize_rules)
     if args.chat_template:
         if llm.tokenizer is None:
             raise SystemExit("graphdsl serve: --chat-template needs a model with a tokenizer")
@@ -401,6 +420,9 @@ def _add_runtime(p: argparse.ArgumentParser, model: bool = True) -> None:
                        help="compute dtype (default: float32 on CPU, the checkpoint's on CUDA)")
         p.add_argument("--max-model-len", type=_positive_int, default=None, help="longest prompt + output in tokens")
     p.add_argument("--threads", type=_positive_int, default=None, help="torch CPU threads (default: torch's choice)")
+    p.add_argument("--optimize-rules", type=_rules_arg, default=None, metavar="PATH",
+                   help="YAML injection rules applied before weights load, or the name of a shipped rule file "
+                        "(docs/injection.md)")
     _add_module_map(p)
 
 

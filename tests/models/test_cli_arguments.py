@@ -36,7 +36,8 @@ _SAMPLING = [("--top-p", "2"), ("--top-p", "0"), ("--temperature", "-1"), ("--to
              ("--stop", ""), ("--temperature", "hot")]
 _RUNTIME = _DEVICES + [("--dtype", "int8"), ("--max-model-len", "0"), ("--max-model-len", "-3"),
                        ("--threads", "0"), ("--custom-module-map", "{missing}.py"),
-                       ("--custom-module-map", "{not_py}")]
+                       ("--custom-module-map", "{not_py}"), ("--optimize-rules", "{missing}.yaml"),
+                       ("--optimize-rules", "{file}")]
 _MODELS = ["{missing}", "{file}", "{dir}", "{safetensors}", ""]
 
 

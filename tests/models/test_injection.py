@@ -141,3 +141,31 @@ def test_kept_module_on_another_device_is_refused():
     apply_rules(llm.model, [{"match": {"name": r"^model\.norm$"}, "replace": {"kwargs": {"device": "cuda:1"}}}])
     with pytest.raises(InjectionRuleError, match=r"'model.norm' \(RMSNorm\) with generate_device='cuda:1'"):
         check_placements(llm.model, "cpu")
+
+
+# -- entry points: checkpoints (safetensors, GGUF) bind injected modules' weights by name ------------
+EXPERTS_CPU = [{"match": {"name": r"^model\.layers\.\d+\.mlp\.experts$"},
+                "replace": {"class": "graphdsl.models.cpu_experts.CPUExperts", "kwargs": {"generate_device": "cpu"}},
+                "recursive": False}]
+
+
+def test_safetensors_checkpoint_binds_cpu_experts(tmp_path):
+    from tests.models.hf_tiny import make_checkpoint
+    make_checkpoint("qwen2_moe", tmp_path)
+    base = gd.LLM(tmp_path, device="cpu", max_model_len=64)
+    cpu = gd.LLM(tmp_path, device="cpu", max_model_len=64, optimize_rules=EXPERTS_CPU)
+    assert type(cpu.model.model.layers[0].mlp.experts).__name__ == "CPUExperts"
+    ids = [3, 1, 4, 1, 5, 9]
+    torch.testing.assert_close(cpu.score(ids), base.score(ids), rtol=1e-5, atol=1e-5)
+
+
+def test_cli_optimize_rules_on_a_gguf_model(tmp_path, capsys, monkeypatch):
+    from graphdsl.entrypoints.cli import main
+    from tests.models.gguf_tiny import build_tiny_gguf
+    monkeypatch.delenv("GRAPHDSL_DUMP_DIR", raising=False)
+    gguf, _ = build_tiny_gguf(tmp_path)
+    rules = tmp_path / "rules.yaml"
+    rules.write_text(f"- match: {{name: '^model\\.norm$'}}\n  replace: {{class: {NORM}, kwargs: {{scale: 2.0}}}}\n")
+    assert main(["dump", str(gguf), "--out", str(tmp_path / "out"), "--optimize-rules", str(rules)]) == 0
+    assert "optimize rules: 1 modules matched" in capsys.readouterr().err
+    assert "(norm): ScaledRMSNorm" in (tmp_path / "out" / "model.txt").read_text()
