@@ -8,7 +8,7 @@ from .collective import all_gather, all_reduce
 from .matmul import bmm, linear, matmul
 from .moe import moe_experts
 from .movement import (cat, embedding, expand, gather, getitem, permute, reshape, slice, split, squeeze,
-                       transpose, unsqueeze)
+                       transfer, transpose, unsqueeze)
 from .pointwise import (ActType, activation, add, cast, div, eq, exp, ge, gelu, gelu_tanh, gt, le, lt, mul,
                         ne, neg, pow, relu, rsqrt, scalar, sigmoid, silu, sqrt, sub, tanh, where)
 from .reduction import argmax, layer_norm, max, mean, rms_norm, softmax, sum, topk
@@ -23,7 +23,7 @@ __all__ = [
     "matmul", "bmm", "linear", "moe_experts",
     # views and data movement
     "reshape", "permute", "transpose", "unsqueeze", "squeeze", "slice", "expand", "split", "cat", "gather",
-    "embedding", "getitem",
+    "embedding", "getitem", "transfer",
     # attention
     "RopeLayout", "rope", "reshape_and_cache", "paged_attention", "paged_mla_attention",
     # collectives
