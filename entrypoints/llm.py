@@ -191,7 +191,11 @@ class LLM:
         self.kv_cache = PagedKVCache(cfg.num_hidden_layers, cfg.num_key_value_heads, cfg.head_dim,
                                      num_blocks=num_blocks, block_size=block_size, dtype=dtype, device=device)
         self.blocks = BlockManager(num_blocks, block_size)
-        self.model.bind(weights, zip(self.kv_cache.key_caches, self.kv_cache.value_caches), block_size)
+        for i, dev in enumerate(model.layer_devices(device)):      # KV blocks live with their attention layer
+            if torch.device(dev) != self.kv_cache.key_caches[i].device:
+                self.kv_cache.key_caches[i] = self.kv_cache.key_caches[i].to(dev)
+                self.kv_cache.value_caches[i] = self.kv_cache.value_caches[i].to(dev)
+        self.model.bind(weights, zip(self.kv_cache.key_caches, self.kv_cache.value_caches), block_size, device)
         if not isinstance(overlap, bool):
             raise GraphDSLError(f"LLM: overlap must be a bool, got {overlap!r}")
         self.cuda_graphs, self.overlap = cuda_graphs, overlap

@@ -86,13 +86,29 @@ class FlashCausalLM(Module):
         return any(re.search(p, name) for p in self.ignored_checkpoint_names)
 
     def parameter_devices(self) -> dict[str, str]:
-        """``{parameter: device}`` for parameters an injected module keeps off the model's device
-        (a module's ``weight_device``, e.g. :class:`~graphdsl.models.cpu_experts.CPUExperts` on the host)."""
+        """``{parameter: device}`` for parameters placed off the model's device: by an injected
+        module's ``weight_device`` (e.g. :class:`~graphdsl.models.cpu_experts.CPUExperts` on the
+        host), or by an optimize rule's placement of their module (``generate_device``, a
+        ``transfer_map``)."""
+        from .injection import placement_of
         out = {}
         for path, m in self.named_modules():
             dev = getattr(m, "weight_device", None)
+            if dev is None and m._parameters:
+                p = placement_of(self, path)
+                dev = None if p is None else p.generate
             if dev is not None:
                 out.update({f"{path}.{leaf}": dev for leaf in m._parameters})
+        return out
+
+    def layer_devices(self, home) -> list[str]:
+        """The device of each decoder layer's attention, where its KV cache blocks live."""
+        from .injection import device_labeller, normalize_device, placement_of
+        out = []
+        for i in range(self.config.num_hidden_layers):
+            p = placement_of(self, f"model.layers.{i}.self_attn")
+            out.append(normalize_device(p.generate) if p is not None and p.generate is not None
+                       else normalize_device(home))
         return out
 
     def graph_capturable(self) -> bool:
@@ -110,8 +126,10 @@ class FlashCausalLM(Module):
         return {}, {}, {}
 
     def bind(self, weights: Mapping[str, torch.Tensor], kv_caches: Iterable[tuple[torch.Tensor, torch.Tensor]],
-             block_size: int) -> None:
-        """Attach real weights and KV caches; engines built later bind them by name."""
+             block_size: int, device=None) -> None:
+        """Attach real weights and KV caches; engines built later bind them by name. ``device``: where
+        a step's inputs arrive (default: the first cache's device); modules placed elsewhere by
+        optimize rules run in engines of their own device (a partitioned engine)."""
         caches = list(kv_caches)
         if len(caches) != self.config.num_hidden_layers:
             raise GraphDSLError(f"bind: expected {self.config.num_hidden_layers} (key, value) cache pairs, "
@@ -126,6 +144,7 @@ class FlashCausalLM(Module):
             if hook is not None:
                 hook(bound, path)
         object.__setattr__(self, "_bound", bound)
+        object.__setattr__(self, "_home", torch.device(device) if device is not None else k0.device)
         object.__setattr__(self, "_cache_spec", spec)
         object.__setattr__(self, "_num_cache_blocks", k0.shape[0])
         self._engines.clear()
@@ -191,8 +210,15 @@ def _engine(self: FlashCausalLM, phase: Phase):
         ctx = ForwardContext.symbolic(phase, self._cache_spec, self.config.rotary_dim)
         with Network(f"{type(self).__name__}.{phase.value}") as net:
             net.mark_output(self(ctx), "logits")
-        device = self._bound[KVCacheSpec.key_name(0)].device
-        engine = net.build_engine(device=device, backend=self._runtime["backend"])
+        from .injection import device_labeller
+        labels = device_labeller(self, self._home)
+        if labels is None:
+            engine = net.build_engine(device=self._home, backend=self._runtime["backend"])
+        else:
+            from graphdsl.passes.partition import partition_by_device
+            from graphdsl.runtime.partitioned import PartitionedEngine
+            engine = PartitionedEngine(partition_by_device(net, labels), device=self._home,
+                                       backend=self._runtime["backend"])
         engine.set_weights({n: t for n, t in self._bound.items() if n in engine.net.inputs})
         self._engines[key] = engine
     return engine
@@ -246,7 +272,7 @@ def _graph_runner(self: FlashCausalLM, engine):
         return None
     if engine.device is None or engine.device.type != "cuda" or engine.backend.name != "triton":
         return None
-    if not self.graph_capturable():
+    if not self.graph_capturable() or getattr(engine, "partition", None) is not None:
         return None
     runner = self._graph_runners.get(id(engine))
     if runner is None or runner.engine is not engine:

@@ -37,7 +37,7 @@ from graphdsl import Module
 from graphdsl.errors import GraphDSLError
 
 __all__ = ["InjectionRuleError", "InjectionWarning", "Rule", "Placement", "InjectedModule", "InjectionReport",
-           "load_rules", "apply_rules", "placement_of", "check_placements", "PLACEMENT_KEYS", "builtin_rules"]
+           "load_rules", "apply_rules", "placement_of", "check_placements", "device_labeller", "normalize_device", "PLACEMENT_KEYS", "builtin_rules"]
 
 #: kwargs that place a module rather than configure it; ``default`` accepts only these.
 PLACEMENT_KEYS = ("device", "generate_device", "prefill_device", "out_device")
@@ -165,8 +165,10 @@ def _check_kwargs(rule: Rule, index: int) -> None:
         v = kwargs.get(k)
         if v is not None and not _valid_device(v):
             raise _err(index, f"replace.kwargs.{k}", v, "must be a device such as 'cpu', 'cuda' or 'cuda:1'")
+    if "transfer_map" in kwargs:
+        _check_transfer_map(kwargs["transfer_map"], index)
     if rule.replace.class_ == "default":
-        extra = sorted(set(kwargs) - set(PLACEMENT_KEYS))
+        extra = sorted(set(kwargs) - set(PLACEMENT_KEYS) - {"transfer_map"})
         if extra:
             raise _err(index, "replace.kwargs", extra[0] if len(extra) == 1 else extra,
                        f"holds keys 'default' does not accept (it keeps the module; allowed: {list(PLACEMENT_KEYS)})")
@@ -185,6 +187,16 @@ def _check_kwargs(rule: Rule, index: int) -> None:
             raise _err(index, "replace.kwargs", extra[0] if len(extra) == 1 else extra,
                        f"is not accepted by {cls.__name__} (it takes {sorted(named - {'key', 'config', 'orig_module'})}"
                        f" and the placement keys {list(PLACEMENT_KEYS)})")
+
+
+def _check_transfer_map(tm, index: int) -> None:
+    if not isinstance(tm, dict) or not tm:
+        raise _err(index, "replace.kwargs.transfer_map", tm, "must be a non-empty mapping {layer index: device}")
+    for k, v in tm.items():
+        if isinstance(k, bool) or not isinstance(k, int) or k < 0:
+            raise _err(index, "replace.kwargs.transfer_map", k, "keys must be layer indices (ints >= 0)")
+        if not _valid_device(v):
+            raise _err(index, f"replace.kwargs.transfer_map.{k}", v, "must be a device such as 'cpu' or 'cuda:1'")
 
 
 def _valid_device(v) -> bool:
@@ -268,8 +280,10 @@ def apply_rules(model: Module, rules, config=None) -> InjectionReport:
                 model.set_submodule(path, new)
                 children_of = new
             placement = Placement.from_kwargs(rule.replace.kwargs)
-            if placement is not None:
+            if placement is not None and getattr(children_of, "weight_device", None) is None:
                 object.__setattr__(children_of, "_placement", placement)
+            if "transfer_map" in rule.replace.kwargs:
+                _apply_transfer_map(children_of, rule.replace.kwargs["transfer_map"], idx, path)
             report.matched[path] = (idx, type(children_of).__name__)
             if not rule.recursive:
                 continue
@@ -280,41 +294,94 @@ def apply_rules(model: Module, rules, config=None) -> InjectionReport:
     return report
 
 
+def _apply_transfer_map(module: Module, tm: dict, index: int, path: str) -> None:
+    """Place ``module.layers[i:]`` on ``tm[i]`` (until the next key): a pipeline split of the stack."""
+    layers = module._modules.get("layers")
+    if layers is None:
+        raise InjectionRuleError(f"optimize rule {index}: field 'replace.kwargs.transfer_map' needs a module with "
+                                 f"a 'layers' list, but '{path}' ({type(module).__name__}) has children "
+                                 f"{list(module._modules)}")
+    n = len(layers._modules)
+    bad = [k for k in tm if k >= n]
+    if bad:
+        raise InjectionRuleError(f"optimize rule {index}: field 'replace.kwargs.transfer_map' has layer index "
+                                 f"{bad[0]}, but '{path}.layers' has {n} layers (0..{n - 1})")
+    keys = sorted(tm)
+    for i in range(keys[0], n):
+        dev = tm[max(k for k in keys if k <= i)]
+        object.__setattr__(layers._modules[str(i)], "_placement", Placement(dev, dev, None))
+
+
 def placement_of(model: Module, path: str) -> Placement | None:
-    """The placement of the module at ``path``: its own, else its nearest placed ancestor's."""
+    """The placement of the module at ``path``: its own, else its nearest placed ancestor's (a path
+    that leaves the tree, e.g. the root's class name in recorded nodes, stops at the last module)."""
     parts = path.split(".") if path else []
     found = model.__dict__.get("_placement")
     m = model
     for p in parts:
-        m = m._modules[p]
+        m = m._modules.get(p)
+        if m is None:
+            break
         found = m.__dict__.get("_placement", found)
     return found
 
 
-def check_placements(model: Module, device) -> None:
-    """Raise when a kept (``default``) module is placed on a device other than the model's
-    ``device``: its weights would live apart from the graph that reads them. Injected modules that
-    run elsewhere by themselves (``weight_device``, e.g. CPU experts) are fine."""
+def normalize_device(dev) -> str:
+    """``dev`` as a label: ``cuda`` becomes ``cuda:<current>`` so one GPU has one name."""
     import torch
-    home = torch.device(device)
+    d = torch.device(dev)
+    if d.type == "cuda" and d.index is None:
+        d = torch.device("cuda", torch.cuda.current_device() if torch.cuda.is_available() else 0)
+    return str(d)
+
+
+def device_labeller(model: Module, home):
+    """``node -> device label`` for the partitioner, or None when every module runs on ``home``.
+
+    A node of a placed module (its own placement or an ancestor's) runs there. A node of an unplaced
+    module runs where its data is: on the device of its first input made by another node (so a
+    shared module such as ``model.rotary_emb`` runs inside the layer that calls it, and the final
+    norm follows the last layer), else on ``home``. Call it on nodes in record order."""
+    home_label = normalize_device(home)
+    placed = {normalize_device(m.__dict__["_placement"].generate) for _, m in model.named_modules()
+              if "_placement" in m.__dict__ and m.__dict__["_placement"].generate is not None}
+    if not placed - {home_label}:
+        return None
+    explicit: dict[str, str | None] = {}
+    labels: dict = {}
+
+    def label(node) -> str:
+        path = node.module
+        if path not in explicit:
+            p = placement_of(model, path)
+            explicit[path] = normalize_device(p.generate) if p is not None and p.generate is not None else None
+        dev = explicit[path]
+        if dev is None:
+            dev = next((labels[t.producer] for t in node.inputs if t.producer in labels), home_label)
+        labels[node] = dev
+        return dev
+    return label
+
+
+def check_placements(model: Module, device) -> None:
+    """Check placements against the model's ``device``: a kept (``default``) module has one copy of
+    its weights, so its ``prefill_device`` must equal its ``generate_device``; a CUDA placement
+    needs a CUDA machine. Injected modules that place their own work (``weight_device``, e.g. CPU
+    experts) are theirs to check."""
+    import torch
     for path, m in model.named_modules():
-        if not path or getattr(m, "weight_device", None) is not None:
-            continue
         p = m.__dict__.get("_placement")
-        if p is None:
+        if not path or p is None or getattr(m, "weight_device", None) is not None:
             continue
-        for name, dev in (("generate_device", p.generate), ("prefill_device", p.prefill)):
-            if dev is not None and not _same_device(torch.device(dev), home):
-                raise InjectionRuleError(
-                    f"optimize rules place '{path}' ({type(m).__name__}) with {name}={dev!r}, but the model runs on "
-                    f"{home}; a kept module runs on the model's device (inject a module that moves its own work, "
-                    "such as graphdsl.models.cpu_experts.CPUExperts)")
-
-
-def _same_device(a, b) -> bool:
-    if a.type != b.type:
-        return False
-    return a.index is None or b.index is None or a.index == b.index
+        if p.generate is not None and p.prefill is not None and \
+                normalize_device(p.generate) != normalize_device(p.prefill):
+            raise InjectionRuleError(
+                f"optimize rules place '{path}' ({type(m).__name__}) with generate_device={p.generate!r} and "
+                f"prefill_device={p.prefill!r}; a kept module has one copy of its weights, so both must be equal")
+        for dev in (p.generate, p.prefill):
+            if dev is not None and torch.device(dev).type == "cuda" and not torch.cuda.is_available():
+                raise InjectionRuleError(f"optimize rules place '{path}' ({type(m).__name__}) on {dev!r}, but "
+                                         f"this machine has no CUDA device (the model runs on {device})")
 
 
 def builtin_rules(name: str) -> str:

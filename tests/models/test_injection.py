@@ -135,12 +135,15 @@ def test_non_recursive_rule_stops_descent():
     assert type(llm.model.model.layers[1].input_layernorm).__name__ == "ScaledRMSNorm"
 
 
-def test_kept_module_on_another_device_is_refused():
-    from graphdsl.models.injection import check_placements
-    llm = _llm()
-    apply_rules(llm.model, [{"match": {"name": r"^model\.norm$"}, "replace": {"kwargs": {"device": "cuda:1"}}}])
-    with pytest.raises(InjectionRuleError, match=r"'model.norm' \(RMSNorm\) with generate_device='cuda:1'"):
-        check_placements(llm.model, "cpu")
+def test_kept_module_placements_are_checked():
+    with pytest.raises(InjectionRuleError, match=r"'model.norm' \(RMSNorm\) with generate_device='cpu' and "
+                                                 r"prefill_device='cpu:1'; .* both must be equal"):
+        _llm(rules=[{"match": {"name": r"^model\.norm$"},
+                     "replace": {"kwargs": {"generate_device": "cpu", "prefill_device": "cpu:1"}}}])
+    if not torch.cuda.is_available():
+        with pytest.raises(InjectionRuleError, match=r"'model.norm' \(RMSNorm\) on 'cuda:1', but this machine has "
+                                                     r"no CUDA device"):
+            _llm(rules=[{"match": {"name": r"^model\.norm$"}, "replace": {"kwargs": {"device": "cuda:1"}}}])
 
 
 # -- entry points: checkpoints (safetensors, GGUF) bind injected modules' weights by name ------------
@@ -169,3 +172,47 @@ def test_cli_optimize_rules_on_a_gguf_model(tmp_path, capsys, monkeypatch):
     assert main(["dump", str(gguf), "--out", str(tmp_path / "out"), "--optimize-rules", str(rules)]) == 0
     assert "optimize rules: 1 modules matched" in capsys.readouterr().err
     assert "(norm): ScaledRMSNorm" in (tmp_path / "out" / "model.txt").read_text()
+
+
+# -- placement: a transfer_map splits the layer stack into per-device engines ------------------------
+SPLIT = [{"match": {"name": "^model$"}, "replace": {"class": "default", "kwargs": {"transfer_map": {1: "cpu:1"}}}}]
+
+
+HEAD_BACK = [{"match": {"name": "^lm_head$"}, "replace": {"kwargs": {"device": "cpu"}}}]
+
+
+@pytest.mark.parametrize("family,rules,devices", [
+    ("llama", SPLIT, ["cpu", "cpu:1"]),                       # unplaced norm/lm_head follow their data
+    ("llama", SPLIT + HEAD_BACK, ["cpu", "cpu:1", "cpu"]),    # a placed lm_head brings the stream back
+    ("qwen2_moe", SPLIT + EXPERTS_CPU, ["cpu", "cpu:1"])], ids=["llama", "llama-head-back", "qwen2_moe-cpu-experts"])
+def test_transfer_map_split_equals_unsplit(family, rules, devices):
+    hf = LLAMA if family == "llama" else make_config(family).to_dict()
+    base = _llm(hf)
+    split = _llm(hf, rules)
+    assert split.model.layer_devices("cpu") == ["cpu", "cpu:1"]
+    for phase in gd.layers.Phase:
+        engine = split.model.engine(phase)
+        parts = engine.partition.parts
+        assert [p.device for p in parts] == devices
+        assert sum(n.op == "transfer" for n in engine.net.nodes) >= len(devices) - 1
+        # KV cache blocks live with their attention layer's part
+        assert "k_cache.0" in parts[0].net.inputs and "k_cache.1" in parts[1].net.inputs
+        assert "k_cache.1" not in parts[0].net.inputs
+    ids = [1, 7, 3, 11, 2]
+    if rules is SPLIT or family == "llama":        # the split alone is exact; CPU experts round differently
+        assert torch.equal(split.score(ids), base.score(ids))
+    else:
+        torch.testing.assert_close(split.score(ids), base.score(ids), rtol=1e-5, atol=1e-5)
+    assert _greedy(split) == _greedy(base)
+
+
+def test_transfer_map_errors_name_the_rule():
+    with pytest.raises(InjectionRuleError, match=r"optimize rule 0: field 'replace.kwargs.transfer_map' has layer "
+                                                 r"index 5, but 'model.layers' has 2 layers"):
+        _llm(rules=[{"match": {"name": "^model$"}, "replace": {"kwargs": {"transfer_map": {5: "cpu:1"}}}}])
+    with pytest.raises(InjectionRuleError, match=r"optimize rule 0: field 'replace.kwargs.transfer_map' needs a "
+                                                 r"module with a 'layers' list, but 'lm_head'"):
+        _llm(rules=[{"match": {"name": "^lm_head$"}, "replace": {"kwargs": {"transfer_map": {0: "cpu:1"}}}}])
+    with pytest.raises(InjectionRuleError, match=r"optimize rule 0: field 'replace.kwargs.transfer_map.1' must be "
+                                                 r"a device .*got 'gpu'"):
+        load_rules([{"match": {"name": "^model$"}, "replace": {"kwargs": {"transfer_map": {1: "gpu"}}}}])
