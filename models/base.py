@@ -144,7 +144,8 @@ class FlashCausalLM(Module):
             if hook is not None:
                 hook(bound, path)
         object.__setattr__(self, "_bound", bound)
-        object.__setattr__(self, "_home", torch.device(device) if device is not None else k0.device)
+        from .injection import normalize_device
+        object.__setattr__(self, "_home", torch.device(normalize_device(device)) if device is not None else k0.device)
         object.__setattr__(self, "_cache_spec", spec)
         object.__setattr__(self, "_num_cache_blocks", k0.shape[0])
         self._engines.clear()

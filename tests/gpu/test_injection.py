@@ -59,3 +59,37 @@ def test_experts_on_cpu_equal_all_gpu(dtype):
     engine = cpu.model.engine(Phase.DECODE)
     assert "cpu_moe_experts" in {n.op for n in engine.net.nodes}
     assert not cpu.model.graph_capturable()
+
+
+def _split(transfer_map):
+    return [{"match": {"name": "^model$"}, "replace": {"kwargs": {"transfer_map": transfer_map}}}]
+
+
+@pytest.mark.parametrize("devices", [("cuda:0", "cpu"), ("cuda:0", "cuda:1")], ids=["cuda0-cpu", "cuda0-cuda1"])
+def test_transfer_map_split_equals_unsplit(devices):
+    if devices[1] == "cuda:1" and torch.cuda.device_count() < 2:
+        pytest.skip("needs two GPUs (nvidia-h200-x2)")
+    base = gd.LLM.from_config(QWEN2_MOE, device="cuda:0", dtype="float32", seed=0, max_model_len=128,
+                              max_num_seqs=2)
+    want_tokens, want_logits = _greedy(base), base.score(PROMPT[0])
+    del base
+    split = gd.LLM.from_config(QWEN2_MOE, device="cuda:0", dtype="float32", seed=0, max_model_len=128,
+                               max_num_seqs=2, optimize_rules=_split({0: devices[0], 2: devices[1]}))
+    assert split.model.layer_devices("cuda:0") == [devices[0], devices[0], devices[1]]
+    assert str(split.kv_cache.key_caches[2].device) == devices[1]
+    engine = split.model.engine(Phase.DECODE)
+    assert [p.device for p in engine.partition.parts] == list(devices)
+    assert [e.backend.name for e in engine.engines] == ["triton", "triton" if devices[1] != "cpu" else "torch"]
+    torch.testing.assert_close(split.score(PROMPT[0]), want_logits, rtol=2e-3, atol=2e-3)
+    assert _greedy(split) == want_tokens
+
+
+def test_shipped_two_gpu_rules_split_the_stack():
+    from graphdsl.models.injection import builtin_rules
+    if torch.cuda.device_count() < 2:
+        pytest.skip("needs two GPUs (nvidia-h200-x2)")
+    hf = dict(QWEN2_MOE, num_hidden_layers=13)          # the rule file splits at layer 12
+    llm = gd.LLM.from_config(hf, device="cuda:0", dtype="bfloat16", seed=0, max_model_len=128, max_num_seqs=2,
+                             optimize_rules=builtin_rules("moe-two-gpu"))
+    assert llm.model.layer_devices("cuda:0") == ["cuda:0"] * 12 + ["cuda:1"]
+    assert len(_greedy(llm, 4)) == 4

@@ -216,3 +216,13 @@ def test_transfer_map_errors_name_the_rule():
     with pytest.raises(InjectionRuleError, match=r"optimize rule 0: field 'replace.kwargs.transfer_map.1' must be "
                                                  r"a device .*got 'gpu'"):
         load_rules([{"match": {"name": "^model$"}, "replace": {"kwargs": {"transfer_map": {1: "gpu"}}}}])
+
+
+@pytest.mark.parametrize("name", ["moe-experts-cpu", "moe-two-gpu"])
+def test_shipped_rule_files_load(name):
+    from graphdsl.models.injection import builtin_rules
+    rules = load_rules(builtin_rules(name))
+    assert rules and all(r.match.name for r in rules)
+    with pytest.raises(InjectionRuleError, match=r"builtin_rules: name must be one of \['moe-experts-cpu', "
+                                                 r"'moe-two-gpu'\], got 'nope'"):
+        builtin_rules("nope")
