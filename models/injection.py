@@ -147,16 +147,46 @@ def _err(index: int, fieldname: str, value, why: str) -> InjectionRuleError:
 
 
 def _import_class(path: str, index: int, fieldname: str) -> type:
-    mod, _, name = path.rpartition(".")
-    if not mod:
-        raise _err(index, fieldname, path, "must be a dotted class path such as graphdsl.layers.RMSNorm")
-    try:
-        obj = getattr(importlib.import_module(mod), name)
-    except (ImportError, AttributeError) as e:
-        raise _err(index, fieldname, path, f"does not import ({type(e).__name__}: {e})") from None
+    """A class named ``package.module.Class``, or ``file.py:Class`` (a file path, relative to the
+    working directory: a user's module that is not installed, as ``--custom-module-map`` takes)."""
+    if ".py:" in path:
+        file, _, name = path.rpartition(":")
+        try:
+            obj = getattr(_load_file(file), name)
+        except (OSError, ImportError, AttributeError, SyntaxError) as e:
+            raise _err(index, fieldname, path, f"does not import ({type(e).__name__}: {e})") from None
+    else:
+        mod, _, name = path.rpartition(".")
+        if not mod:
+            raise _err(index, fieldname, path, "must be a dotted class path such as graphdsl.layers.RMSNorm, "
+                                               "or file.py:Class")
+        try:
+            obj = getattr(importlib.import_module(mod), name)
+        except (ImportError, AttributeError) as e:
+            raise _err(index, fieldname, path, f"does not import ({type(e).__name__}: {e})") from None
     if not (isinstance(obj, type) and issubclass(obj, Module)):
         raise _err(index, fieldname, path, "must name a graphdsl Module subclass")
     return obj
+
+
+def _load_file(file: str):
+    """The module of a ``.py`` file, loaded once per absolute path."""
+    import importlib.util
+    import sys
+    full = os.path.abspath(file)
+    key = "graphdsl_injected_" + re.sub(r"\W", "_", full)
+    if key not in sys.modules:
+        if not os.path.isfile(full):
+            raise FileNotFoundError(f"no such file {full}")
+        spec = importlib.util.spec_from_file_location(key, full)
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[key] = module
+        try:
+            spec.loader.exec_module(module)
+        except BaseException:
+            del sys.modules[key]
+            raise
+    return sys.modules[key]
 
 
 def _check_kwargs(rule: Rule, index: int) -> None:

@@ -226,3 +226,13 @@ def test_shipped_rule_files_load(name):
     with pytest.raises(InjectionRuleError, match=r"builtin_rules: name must be one of \['moe-experts-cpu', "
                                                  r"'moe-two-gpu'\], got 'nope'"):
         builtin_rules("nope")
+
+
+def test_replacement_class_from_a_file(tmp_path, monkeypatch):
+    (tmp_path / "my_norm.py").write_text("from tests.helpers.injected import ScaledRMSNorm as Norm\n")
+    monkeypatch.chdir(tmp_path)
+    llm = _llm(rules=[{"match": {"name": r"^model\.norm$"}, "replace": {"class": "my_norm.py:Norm"}}])
+    assert type(llm.model.model.norm).__name__ == "ScaledRMSNorm"
+    with pytest.raises(InjectionRuleError, match=r"optimize rule 0: field 'replace.class' does not import "
+                                                 r"\(FileNotFoundError: .*got 'nope.py:Norm'"):
+        load_rules([{"match": {"name": "x"}, "replace": {"class": "nope.py:Norm"}}])
