@@ -286,7 +286,7 @@ def _dump_into(args, out: str) -> int:
 
 def _check(args) -> int:
     from graphdsl.models.check import check_model
-    report = check_model(args.model, custom_module_map=args.custom_module_map)
+    report = check_model(args.model, custom_module_map=args.custom_module_map, optimize_rules=args.optimize_rules)
     print(report)
     return 0 if report.ok else 1
 
@@ -420,16 +420,17 @@ def _add_runtime(p: argparse.ArgumentParser, model: bool = True) -> None:
                        help="compute dtype (default: float32 on CPU, the checkpoint's on CUDA)")
         p.add_argument("--max-model-len", type=_positive_int, default=None, help="longest prompt + output in tokens")
     p.add_argument("--threads", type=_positive_int, default=None, help="torch CPU threads (default: torch's choice)")
-    p.add_argument("--optimize-rules", type=_rules_arg, default=None, metavar="PATH",
-                   help="YAML injection rules applied before weights load, or the name of a shipped rule file "
-                        "(docs/injection.md)")
     _add_module_map(p)
 
 
 def _add_module_map(p: argparse.ArgumentParser) -> None:
-    """Every command that loads or checks a model takes the custom module map it may need."""
+    """Every command that loads or checks a model takes the custom module map and the optimize rules
+    it may need."""
     p.add_argument("--custom-module-map", type=_module_map_arg, default=None,
                    help="a .py file registering extra or replacement models (docs/add-a-model.md)")
+    p.add_argument("--optimize-rules", type=_rules_arg, default=None, metavar="PATH",
+                   help="YAML injection rules applied before weights load, or the name of a shipped rule file "
+                        "(docs/injection.md)")
 
 
 def _command(sub, name: str, fn, **kw) -> argparse.ArgumentParser:

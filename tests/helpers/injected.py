@@ -3,7 +3,7 @@ from graphdsl import Parameter
 from graphdsl import functional as F
 from graphdsl.models.injection import InjectedModule
 
-__all__ = ["ScaledRMSNorm"]
+__all__ = ["ScaledRMSNorm", "RenamedNorm"]
 
 
 class ScaledRMSNorm(InjectedModule):
@@ -18,3 +18,12 @@ class ScaledRMSNorm(InjectedModule):
         r = x if residual is None else x + residual
         y = F.rms_norm(r, self.weight, eps=self.eps) * self.scale
         return y if residual is None else (y, r)
+
+
+class RenamedNorm(ScaledRMSNorm):
+    """A norm whose weight has another name: the checkpoint no longer fills it."""
+
+    def __init__(self, key, config, orig_module, **kwargs):
+        super().__init__(key, config, orig_module, **kwargs)
+        self.gain = self.weight
+        del self.weight

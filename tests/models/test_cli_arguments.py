@@ -64,6 +64,7 @@ def _cases():
     yield ["dump", "{gguf}"], "--out"
     yield ["dump", "{gguf}", "--out", "{dir}/o", "--prompt", ""], "--prompt"
     yield ["check", "{gguf}", "--custom-module-map", "{missing}.py"], "--custom-module-map"
+    yield ["check", "{gguf}", "--optimize-rules", "{file}"], "--optimize-rules"
     yield ["cache", "list", "--dir", "{file}"], "--dir"
     yield ["cache", "purge"], "action"
     yield ["bench", "--shape", "gpt-9"], "--shape"

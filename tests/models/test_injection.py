@@ -236,3 +236,19 @@ def test_replacement_class_from_a_file(tmp_path, monkeypatch):
     with pytest.raises(InjectionRuleError, match=r"optimize rule 0: field 'replace.class' does not import "
                                                  r"\(FileNotFoundError: .*got 'nope.py:Norm'"):
         load_rules([{"match": {"name": "x"}, "replace": {"class": "nope.py:Norm"}}])
+
+
+def test_check_applies_rules_before_comparing_weights(tmp_path, capsys):
+    from graphdsl.entrypoints.cli import main
+    from graphdsl.models.check import check_model
+    from tests.models.gguf_tiny import build_tiny_gguf
+    gguf, _ = build_tiny_gguf(tmp_path)
+    ok = [{"match": {"name": r"^model\.norm$"}, "replace": {"class": NORM}}]
+    renamed = [{"match": {"name": r"^model\.norm$"}, "replace": {"class": "tests.helpers.injected.RenamedNorm"}}]
+    assert check_model(gguf, optimize_rules=ok).ok
+    report = check_model(gguf, optimize_rules=renamed)
+    assert not report.ok and "model.norm.gain" in str(report) and "model.norm.weight" in str(report)
+    rules = tmp_path / "renamed.yaml"
+    rules.write_text("- match: {name: '^model\\.norm$'}\n  replace: {class: tests.helpers.injected.RenamedNorm}\n")
+    assert main(["check", str(gguf), "--optimize-rules", str(rules)]) == 1
+    assert "model.norm.gain" in capsys.readouterr().out
