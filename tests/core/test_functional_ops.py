@@ -451,6 +451,46 @@ def test_cast_rejects_unknown_dtype_name():
             F.cast(x, "float128")
 
 
+@pytest.mark.parametrize("mode", BOTH)
+def test_transfer(mode):
+    """``transfer`` copies to a device (here the host, as ``cpu:1``, a second CPU part): same values."""
+    def graph_fn(x):
+        return (F.transfer(x * 2.0, device="cpu:1") + 1.0,)
+
+    check_op(graph_fn, {"x": (("n", 4), torch.float32)}, lambda sz: {"x": torch.randn(sz["n"], 4)},
+             lambda x: x * 2.0 + 1.0, mode)
+
+
+@pytest.mark.parametrize("act", [F.ActType.SWIGLU, F.ActType.GEGLU])
+def test_moe_experts(act):
+    """``moe_experts`` against a per-token loop over each token's chosen experts."""
+    E, H, I = 4, 8, 6
+
+    def graph_fn(x, routing, gate_up, down):
+        return (F.moe_experts(x, routing, gate_up, down, act=act, top_k=2),)
+
+    def make(sz):
+        scores = torch.rand(sz["n"], E)
+        top = scores.topk(2, dim=-1).indices
+        routing = torch.zeros_like(scores).scatter(1, top, scores.gather(1, top))
+        return {"x": torch.randn(sz["n"], H), "routing": routing, "gate_up": torch.randn(E, 2 * I, H) * 0.3,
+                "down": torch.randn(E, H, I) * 0.3}
+
+    def expect(x, routing, gate_up, down):
+        fn = torch.nn.functional.silu if act is F.ActType.SWIGLU else \
+            (lambda g: torch.nn.functional.gelu(g, approximate="tanh"))
+        out = torch.zeros_like(x)
+        for t in range(x.shape[0]):
+            for e in routing[t].nonzero().flatten().tolist():
+                g, u = (gate_up[e] @ x[t]).chunk(2)
+                out[t] += routing[t, e] * (down[e] @ (fn(g) * u))
+        return out
+
+    check_op(graph_fn, {"x": (("n", H), torch.float32), "routing": (("n", E), torch.float32),
+                        "gate_up": ((E, 2 * I, H), torch.float32), "down": ((E, H, I), torch.float32)},
+             make, expect, "symbolic", scale=10.0)
+
+
 COMPARE = {"lt": (F.lt, operator.lt), "le": (F.le, operator.le), "gt": (F.gt, operator.gt),
            "ge": (F.ge, operator.ge), "eq": (F.eq, operator.eq), "ne": (F.ne, operator.ne)}
 
