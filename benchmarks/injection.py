@@ -11,6 +11,7 @@ per MoE layer (activations out, results back) and the host GEMMs of the routed e
 from __future__ import annotations
 
 import argparse
+import gc
 import os
 import sys
 import time
@@ -29,26 +30,62 @@ QWEN2_MOE = dict(model_type="qwen2_moe", architectures=["Qwen2MoeForCausalLM"], 
                  tie_word_embeddings=False, bos_token_id=151643, eos_token_id=151643, torch_dtype="bfloat16")
 
 
-def _run(gd, hf, rules, args) -> dict:
+def measure(hf: dict, rules, *, device: str = "cuda", dtype: str = "bfloat16", context: int = 512,
+            tokens: int = 16, timer=None) -> dict:
+    """One model of ``hf`` with ``rules`` (None: as is): ``ms`` (a batch-1 decode step at
+    ``context`` cached tokens, timed by ``timer(fn) -> ms``; default: CUDA-event medians),
+    ``resident`` (device bytes the model and its KV cache took), ``load_s``, and ``tokens``
+    greedy tokens of a fixed prompt."""
+    import graphdsl as gd
     from graphdsl.layers import Phase
-    torch.cuda.empty_cache()
-    torch.cuda.reset_peak_memory_stats()
-    base = torch.cuda.memory_allocated()
+    cuda = torch.device(device).type == "cuda"
+    timer = timer or (lambda fn: bench_ms(fn, repeats=3, warmup_ms=50, rep_ms=500))
+    if cuda:
+        torch.cuda.empty_cache()
+    base = torch.cuda.memory_allocated() if cuda else 0
     t0 = time.monotonic()
-    llm = gd.LLM.from_config(hf, device="cuda", dtype=args.dtype, seed=0, max_model_len=args.context + 64,
-                             max_num_seqs=1, num_kv_blocks=2 * (args.context // BLOCK + 2), block_size=BLOCK,
-                             optimize_rules=rules)
+    llm = gd.LLM.from_config(hf, device=device, dtype=dtype, seed=0, max_model_len=context + 64, max_num_seqs=1,
+                             num_kv_blocks=2 * (context // BLOCK + 2), block_size=BLOCK, optimize_rules=rules)
     load_s = time.monotonic() - t0
-    resident = torch.cuda.memory_allocated() - base
-    tokens = llm.generate([[1, 2, 3, 4, 5, 6, 7, 8]], gd.SamplingParams(max_tokens=args.tokens, temperature=0.0,
-                                                                        ignore_eos=True))[0].outputs[0].token_ids
+    resident = (torch.cuda.memory_allocated() - base) if cuda else 0
+    params = gd.SamplingParams(max_tokens=tokens, temperature=0.0, ignore_eos=True)
+    out_tokens = llm.generate([[1, 2, 3, 4, 5, 6, 7, 8]], params)[0].outputs[0].token_ids
     random_kv(llm)
-    gen = torch.Generator(device="cuda").manual_seed(0)
-    inputs, _ = _decode_inputs(llm, 1, args.context, gen)
-    ms = bench_ms(lambda: llm.model.execute(Phase.DECODE, inputs), repeats=3, warmup_ms=50, rep_ms=500)
-    out = dict(ms=ms, resident=resident, load_s=load_s, tokens=tokens)
-    del llm
+    gen = torch.Generator(device=device).manual_seed(0)
+    inputs, _ = _decode_inputs(llm, 1, context, gen)
+    ms = timer(lambda: llm.model.execute(Phase.DECODE, inputs))
+    out = dict(ms=ms, resident=resident, load_s=load_s, tokens=out_tokens)
+    del llm, inputs
+    gc.collect()
+    if cuda:
+        torch.cuda.empty_cache()
     return out
+
+
+def table(gpu: dict, cpu: dict, *, layers: int, dtype: str, context: int, threads: int, device: str) -> str:
+    gib = 2 ** 30
+    lines = [f"# CPU expert offload, Qwen1.5-MoE-A2.7B shape, {layers} layers, {dtype}, batch 1, context {context}",
+             f"# {device}; host threads {threads}",
+             f"| {'experts on':<10} | {'decode ms/token':>15} | {'GPU resident GiB':>16} | {'load s':>7} |",
+             f"|{'-' * 12}|{'-' * 16}:|{'-' * 17}:|{'-' * 8}:|"]
+    for name, r in (("GPU", gpu), ("CPU", cpu)):
+        lines.append(f"| {name:<10} | {r['ms']:>15.2f} | {r['resident'] / gib:>16.2f} | {r['load_s']:>7.1f} |")
+    saved = gpu["resident"] - cpu["resident"]
+    lines.append(f"GPU memory saved: {saved / gib:.2f} GiB ({100 * saved / max(gpu['resident'], 1):.0f}% of the "
+                 f"all-GPU model); CPU/GPU decode time {cpu['ms'] / gpu['ms']:.1f}x")
+    same = gpu["tokens"] == cpu["tokens"]
+    lines.append(f"greedy tokens ({len(gpu['tokens'])}) equal: {same}"
+                 + ("" if same else f"\n  GPU {gpu['tokens']}\n  CPU {cpu['tokens']}"))
+    return "\n".join(lines)
+
+
+def experts_cpu_rules(threads: int | None = None) -> list:
+    """The shipped ``moe-experts-cpu`` rules, with ``threads`` for the host GEMMs."""
+    from graphdsl.models.injection import builtin_rules, load_rules
+    rules = load_rules(builtin_rules("moe-experts-cpu"))
+    if threads:
+        rules[0].replace.kwargs["threads"] = threads
+    return rules
 
 
 def main(argv=None) -> int:
@@ -64,27 +101,12 @@ def main(argv=None) -> int:
         return 2
     if not 1 <= args.layers <= QWEN2_MOE["num_hidden_layers"]:
         ap.error(f"--layers must be in [1, {QWEN2_MOE['num_hidden_layers']}], got {args.layers}")
-    import graphdsl as gd
-    from graphdsl.models.injection import builtin_rules, load_rules
     hf = dict(QWEN2_MOE, num_hidden_layers=args.layers)
-    rules = load_rules(builtin_rules("moe-experts-cpu"))
-    if args.threads:
-        rules[0].replace.kwargs["threads"] = args.threads
-    gpu = _run(gd, hf, None, args)
-    cpu = _run(gd, hf, rules, args)
-    gib = 2 ** 30
-    print(f"# CPU expert offload, Qwen1.5-MoE-A2.7B shape, {args.layers} layers, {args.dtype}, batch 1, "
-          f"context {args.context}")
-    print(f"# {device_line()}; host threads {args.threads or torch.get_num_threads()}")
-    print(f"| {'experts on':<10} | {'decode ms/token':>15} | {'GPU resident GiB':>16} | {'load s':>7} |")
-    print(f"|{'-' * 12}|{'-' * 17}:|{'-' * 18}:|{'-' * 9}:|")
-    for name, r in (("GPU", gpu), ("CPU", cpu)):
-        print(f"| {name:<10} | {r['ms']:>15.2f} | {r['resident'] / gib:>16.2f} | {r['load_s']:>7.1f} |")
-    saved = gpu["resident"] - cpu["resident"]
-    same = gpu["tokens"] == cpu["tokens"]
-    print(f"GPU memory saved: {saved / gib:.2f} GiB ({100 * saved / max(gpu['resident'], 1):.0f}% of the all-GPU "
-          f"model); CPU/GPU decode time {cpu['ms'] / gpu['ms']:.1f}x")
-    print(f"greedy tokens ({args.tokens}) equal: {same}" + ("" if same else f"\n  GPU {gpu['tokens']}\n  CPU {cpu['tokens']}"))
+    kw = dict(device="cuda", dtype=args.dtype, context=args.context, tokens=args.tokens)
+    gpu = measure(hf, None, **kw)
+    cpu = measure(hf, experts_cpu_rules(args.threads), **kw)
+    print(table(gpu, cpu, layers=args.layers, dtype=args.dtype, context=args.context,
+                threads=args.threads or torch.get_num_threads(), device=device_line()))
     return 0
 
 
