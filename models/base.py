@@ -273,9 +273,15 @@ def _graph_runner(self: FlashCausalLM, engine):
         return None
     if engine.device is None or engine.device.type != "cuda" or engine.backend.name != "triton":
         return None
-    if not self.graph_capturable() or getattr(engine, "partition", None) is not None:
+    if not self.graph_capturable():
         return None
     runner = self._graph_runners.get(id(engine))
+    if getattr(engine, "partition", None) is not None:        # placement rules: one graph per CUDA part
+        if runner is None or runner.engine is not engine:
+            from .partitioned_graphs import PartitionedGraphRunner
+            width = self._runtime["max_blocks_per_seq"] or self._num_cache_blocks
+            runner = self._graph_runners[id(engine)] = PartitionedGraphRunner(engine, decode_pads(width))
+        return runner
     if runner is None or runner.engine is not engine:
         from graphdsl.runtime.serving.cuda_graphs import CudaGraphRunner
         width = self._runtime["max_blocks_per_seq"] or self._num_cache_blocks

@@ -11,6 +11,7 @@ weight on another device is an error, never a silent copy (a copied KV cache wou
 """
 from __future__ import annotations
 
+import contextlib
 from pathlib import Path
 from typing import Mapping
 
@@ -19,7 +20,13 @@ import torch
 from graphdsl.errors import BindError
 from graphdsl.passes.partition import Partition
 
-__all__ = ["PartitionedEngine", "part_device"]
+__all__ = ["PartitionedEngine", "part_device", "on_device"]
+
+
+def on_device(dev: torch.device):
+    """Make ``dev`` the current CUDA device while a part runs (kernels launch on the current
+    device); a no-op for the host."""
+    return torch.cuda.device(dev) if dev.type == "cuda" else contextlib.nullcontext()
 
 
 def part_device(label: str) -> torch.device:
@@ -72,12 +79,10 @@ class PartitionedEngine:
         values: dict[str, torch.Tensor] = dict(inputs)
         params = dict(runtime_params or {})
         for part, engine in zip(self.partition.parts, self.engines):
-            dev = part_device(part.device)
-            for t in part.transfers:
-                values[t.out] = values[t.src].to(dev)
-            feed = {n: values[n].to(dev) for n in part.net.inputs if n not in engine._weights and n in values}
+            feed = self.part_feed(part.index, values)
             mine = {k: v for k, v in params.items() if k in engine.runtime_param_names}
-            values.update(engine.forward(feed, None, mine or None))
+            with on_device(part_device(part.device)):
+                values.update(engine.forward(feed, None, mine or None))
         result = {}
         for name, t in self.net.outputs.items():
             value = values[t.name]
@@ -88,6 +93,16 @@ class PartitionedEngine:
         return result
 
     __call__ = forward
+
+    def part_feed(self, index: int, values: dict) -> dict[str, torch.Tensor]:
+        """Part ``index``'s inputs from ``values`` (the step's inputs and earlier parts' outputs): the
+        boundary transfers run here (added to ``values``), then every input it reads but its bound
+        weights, on its device."""
+        part, engine = self.partition.parts[index], self.engines[index]
+        dev = part_device(part.device)
+        for t in part.transfers:
+            values[t.out] = values[t.src].to(dev)
+        return {n: values[n].to(dev) for n in part.net.inputs if n not in engine._weights and n in values}
 
     def summary(self) -> str:
         lines = [str(self.partition)]

@@ -1,8 +1,9 @@
 """Optimize rules on a real GPU (``pytest -m gpu tests/gpu/test_injection.py``): a Qwen2-MoE model of
 real layer sizes (Qwen1.5-MoE-A2.7B, 3 layers, random weights) with its routed experts on the CPU
 (``moe-experts-cpu``) gives the all-GPU model's greedy tokens and logits, keeps the expert weights
-off the GPU, and decodes without CUDA graphs (the host op cannot be captured) while the all-GPU
-model keeps them."""
+off the GPU, and decodes without CUDA graphs (the host op cannot be captured). A ``transfer_map``
+split (cuda:0/cpu; cuda:0/cuda:1 on two GPUs) gives the unsplit tokens, with KV blocks on each
+layer's device and one CUDA graph per CUDA part."""
 from __future__ import annotations
 
 import pytest
@@ -83,6 +84,12 @@ def test_transfer_map_split_equals_unsplit(devices):
     assert [e.backend.name for e in engine.engines] == ["triton", "triton" if devices[1] != "cpu" else "torch"]
     torch.testing.assert_close(split.score(PROMPT[0]), want_logits, rtol=2e-3, atol=2e-3)
     assert _greedy(split) == want_tokens
+    # decode replays one CUDA graph per CUDA part (host parts run eagerly)
+    from graphdsl.models.partitioned_graphs import PartitionedGraphRunner
+    (runner,) = split.model._graph_runners.values()
+    assert isinstance(runner, PartitionedGraphRunner)
+    for part, r in zip(engine.partition.parts, runner.runners):
+        assert (r is not None and len(r.graphs) > 0) == part.device.startswith("cuda")
 
 
 def test_shipped_two_gpu_rules_split_the_stack():

@@ -252,3 +252,22 @@ def test_check_applies_rules_before_comparing_weights(tmp_path, capsys):
     rules.write_text("- match: {name: '^model\\.norm$'}\n  replace: {class: tests.helpers.injected.RenamedNorm}\n")
     assert main(["check", str(gguf), "--optimize-rules", str(rules)]) == 1
     assert "model.norm.gain" in capsys.readouterr().out
+
+
+def test_partitioned_graph_runner_steps_equal_the_engine():
+    """The per-part decode runner (CUDA graphs per CUDA part; host parts eager, as here) gives the
+    partitioned engine's logits for a padded decode batch."""
+    from graphdsl.models.base import decode_pads
+    from graphdsl.models.partitioned_graphs import PartitionedGraphRunner
+    split = _llm(rules=SPLIT)
+    engine = split.model.engine(gd.layers.Phase.DECODE)
+    runner = PartitionedGraphRunner(engine, decode_pads(4))
+    assert runner.runners == [None, None]                  # host parts run eagerly
+    assert {"input_ids", "cos", "slot_mapping", "block_tables", "seq_lens"} <= set(runner.pads)
+    pos = torch.tensor([0, 0])
+    step = {"input_ids": torch.tensor([5, 9]), "positions": pos, "slot_mapping": torch.tensor([0, 16]),
+            "block_tables": torch.tensor([[0], [1]], dtype=torch.int32), "seq_lens": torch.tensor([1, 1], dtype=torch.int32)}
+    step["cos"], step["sin"] = split.model.rotary.cos_sin(pos)
+    step = {k: v for k, v in step.items() if k in engine.net.inputs}
+    assert runner.fits(step) and not runner.fits({**step, "block_tables": torch.zeros(2, 5, dtype=torch.int32)})
+    assert torch.equal(runner.run(step)["logits"], engine.forward(step)["logits"])
