@@ -103,7 +103,7 @@ class FlashCausalLM(Module):
 
     def layer_devices(self, home) -> list[str]:
         """The device of each decoder layer's attention, where its KV cache blocks live."""
-        from .injection import device_labeller, normalize_device, placement_of
+        from .injection import normalize_device, placement_of
         out = []
         for i in range(self.config.num_hidden_layers):
             p = placement_of(self, f"model.layers.{i}.self_attn")

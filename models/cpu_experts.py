@@ -27,6 +27,7 @@ import torch
 from graphdsl import OpCategory, register_op, same_as
 from graphdsl import functional as F
 from graphdsl.errors import GraphDSLError
+from graphdsl.opdef import get_op
 from graphdsl.layers import FusedExperts
 
 from .injection import Placement
@@ -38,8 +39,7 @@ _IDS = itertools.count()
 _OPS = ("torch",)
 
 
-@register_op("cpu_moe_experts", category=OpCategory.CUSTOM, shape=same_as(0))
-def cpu_moe_experts(x, routing, *, store: str, act=F.ActType.SWIGLU, top_k=None):
+def _reference(x, routing, *, store: str, act=F.ActType.SWIGLU, top_k=None):
     """``moe_experts(x, routing, gate_up, down)`` with the stacked weights held on the host by the
     :class:`CPUExperts` registered as ``store``; the result is on ``x``'s device, in its dtype."""
     module = _STORES.get(store)
@@ -47,6 +47,19 @@ def cpu_moe_experts(x, routing, *, store: str, act=F.ActType.SWIGLU, top_k=None)
         raise GraphDSLError(f"cpu_moe_experts: no bound CPUExperts weights for store {store!r}; "
                             "bind the model's weights (FlashCausalLM.bind) before running")
     return module.run(x, routing, act, top_k)
+
+
+_OP = dict(category=OpCategory.CUSTOM, shape=same_as(0))
+_record = register_op("cpu_moe_experts", **_OP)(_reference)
+
+
+def cpu_moe_experts(x, routing, *, store: str, act=F.ActType.SWIGLU, top_k=None):
+    """Record the ``cpu_moe_experts`` op (registering it again if a registry reset dropped it)."""
+    try:
+        get_op("cpu_moe_experts")
+    except GraphDSLError:
+        register_op("cpu_moe_experts", **_OP)(_reference)
+    return _record(x, routing, store=store, act=act, top_k=top_k)
 
 
 class CPUExperts(FusedExperts):

@@ -271,3 +271,14 @@ def test_partitioned_graph_runner_steps_equal_the_engine():
     step = {k: v for k, v in step.items() if k in engine.net.inputs}
     assert runner.fits(step) and not runner.fits({**step, "block_tables": torch.zeros(2, 5, dtype=torch.int32)})
     assert torch.equal(runner.run(step)["logits"], engine.forward(step)["logits"])
+
+
+def test_cpu_experts_survive_an_op_registry_reset(monkeypatch):
+    """A registry reset (the docs test isolates each doc's ops) after the module was imported must not
+    leave CPUExperts recording an unknown op."""
+    from graphdsl import opdef
+    import graphdsl.models.cpu_experts  # noqa: F401  (registers the op)
+    monkeypatch.setattr(opdef, "_REGISTRY", {k: v for k, v in opdef._REGISTRY.items() if k != "cpu_moe_experts"})
+    hf = make_config("qwen2_moe").to_dict()
+    llm = _llm(hf, EXPERTS_CPU)
+    assert llm.score([1, 2, 3]).shape == (3, hf["vocab_size"])
