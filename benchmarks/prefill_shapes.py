@@ -27,6 +27,8 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--shape", default="llama-3-8b", choices=sorted(SHAPES))
     ap.add_argument("--lengths", type=int, nargs="+", default=[200, 201, 203, 250, 511, 777])
+    ap.add_argument("--profile", type=int, default=0, metavar="N",
+                    help="also print the top N functions (cumulative time) of one new-shape call")
     args = ap.parse_args(argv)
     llm = _make_llm(gd, SHAPES[args.shape], "cuda", "bfloat16", 2049, 4, 4 * (2048 // BLOCK + 2))
     gen = torch.Generator(device="cuda").manual_seed(0)
@@ -46,6 +48,17 @@ def main(argv=None) -> int:
             times.append((time.perf_counter() - t0) * 1e3)
             _free(llm, ids)
         print(f"| {n} | {times[0]:.1f} | {times[1]:.1f} | {times[0] - times[1]:.1f} |", flush=True)
+    if args.profile:
+        import cProfile
+        import pstats
+        inputs, ids = _prefill_inputs(llm, max(args.lengths) + 3, gen)
+        prof = cProfile.Profile()
+        prof.enable()
+        llm.model.execute(Phase.PREFILL, inputs)
+        torch.cuda.synchronize()
+        prof.disable()
+        _free(llm, ids)
+        pstats.Stats(prof, stream=sys.stdout).sort_stats("cumulative").print_stats(args.profile)
     return 0
 
 

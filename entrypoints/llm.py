@@ -31,9 +31,10 @@ from graphdsl.models.base import FlashCausalLM
 from graphdsl.models.config import ModelConfig, build_config, read_hf_config
 from graphdsl.models.loader import load_weights
 from graphdsl.models.injection import apply_rules, check_placements
+from graphdsl.models.lora import LoRARequest
 from graphdsl.models.registry import load_custom_module_map, resolve_model_class
 
-__all__ = ["LLM", "RequestOutput", "CompletionOutput"]
+__all__ = ["LLM", "RequestOutput", "CompletionOutput", "LoRARequest"]
 
 
 @dataclass(eq=False)
@@ -59,6 +60,7 @@ class _Prompt:
     prompt_ids: list[int]
     params: SamplingParams
     samples: list[_Sample]
+    lora: str | None = None
 
 
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
@@ -216,9 +218,11 @@ class LLM:
                 f"max_model_len={self.max_model_len}, {self.kv_cache})")
 
     # -- scoring -----------------------------------------------------------------------------
-    def score(self, token_ids: Sequence[int]) -> torch.Tensor:
-        """float32 logits ``[len(token_ids), vocab]``: row i predicts token i + 1."""
+    def score(self, token_ids: Sequence[int], *, lora_request: LoRARequest | None = None) -> torch.Tensor:
+        """float32 logits ``[len(token_ids), vocab]``: row i predicts token i + 1 (with the
+        ``lora_request`` adapter when given)."""
         ids = self._check_ids(token_ids, "token_ids", allow_full=True)
+        lora = self._lora_name(lora_request, "score: lora_request")
         n, sid = len(ids), ("score", next(self._ids))
         if not self.blocks.can_allocate(n):
             raise GraphDSLError(f"score: {n} tokens need {self.blocks.blocks_needed(n)} KV blocks, "
@@ -231,6 +235,8 @@ class LLM:
                       "block_tables": t([self.blocks.block_table(sid)], torch.int32),
                       "seq_lens": t([n], torch.int32), "query_start_loc": t([0, n], torch.int32),
                       "lm_head_indices": t(list(range(n)), torch.int64)}
+            if lora is not None:
+                inputs["lora_indices"] = t(self.model.lora.slots_for([lora]) * n, torch.int32)
             return self.model.execute(Phase.PREFILL, inputs)
         finally:
             self.blocks.free(sid)
@@ -240,20 +246,25 @@ class LLM:
 
     # -- generation --------------------------------------------------------------------------
     def generate(self, prompts, params: SamplingParams | Sequence[SamplingParams] | dict | None = None, *,
-                 use_chat_template: bool = False) -> list[RequestOutput]:
+                 use_chat_template: bool = False,
+                 lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None) -> list[RequestOutput]:
         """Complete each prompt. ``prompts``: a string, a list of strings, a list of token ids, or a
-        list of token-id lists; ``params``: one :class:`SamplingParams` for all or one per prompt.
-        Returns one :class:`RequestOutput` per prompt, in order, each with ``params.n`` samples."""
+        list of token-id lists; ``params``: one :class:`SamplingParams` for all or one per prompt;
+        ``lora_request``: one :class:`LoRARequest` for all, or one (or None: the base model) per
+        prompt — one batch mixes adapters. Returns one :class:`RequestOutput` per prompt, in order,
+        each with ``params.n`` samples."""
         groups = self._make_prompts(prompts, params, use_chat_template)
+        self._attach_loras(groups, lora_request)
         for _ in self._run(groups):
             pass
         return [self._output(g) for g in groups]
 
     def stream(self, prompt, params: SamplingParams | dict | None = None, *,
-               use_chat_template: bool = False) -> Iterator[str]:
+               use_chat_template: bool = False, lora_request: LoRARequest | None = None) -> Iterator[str]:
         """Yield the completion of one prompt (its first sample) piece by piece as tokens arrive."""
         groups = self._make_prompts([prompt] if isinstance(prompt, str) else [list(prompt)], params,
                                     use_chat_template)
+        self._attach_loras(groups, lora_request)
         if self.tokenizer is None:
             raise GraphDSLError("stream needs a tokenizer; this checkpoint has none")
         s = groups[0].samples[0]
@@ -352,9 +363,59 @@ class LLM:
             raise GraphDSLError(f"{what} holds token ids outside [0, {vocab}): {bad[:8]}")
         return list(ids)
 
+    # -- LoRA ----------------------------------------------------------------------------------
+    def enable_lora(self, *, max_loras: int = 4, max_lora_rank: int = 16) -> None:
+        """Make room for LoRA adapters: ``max_loras`` GPU slots (the most distinct adapters running
+        at once; more may be loaded, the least recently used wait on the host) of rank up to
+        ``max_lora_rank``. Drops adapters loaded before. :meth:`load_lora` calls it with the defaults."""
+        self.model.enable_lora(max_loras=max_loras, max_lora_rank=max_lora_rank)
+
+    def load_lora(self, name: str, path: str | os.PathLike) -> None:
+        """Load the PEFT adapter directory ``path`` under ``name`` (replacing one of that name in
+        place: engines are not rebuilt)."""
+        if self.model.lora is None:
+            self.enable_lora()
+        self.model.lora.add(name, path)
+
+    def remove_lora(self, name: str) -> None:
+        """Forget the adapter ``name``."""
+        if self.model.lora is None:
+            from graphdsl.runtime.loaders.peft import LoRAError
+            raise LoRAError(f"remove_lora: no adapter named {name!r}; none are loaded")
+        self.model.lora.remove(name)
+
+    def list_loras(self) -> list[str]:
+        """Names of the loaded adapters."""
+        return [] if self.model.lora is None else self.model.lora.names
+
+    def _lora_name(self, req, what: str) -> str | None:
+        """The adapter name of ``req`` (a :class:`LoRARequest`, a loaded adapter's name, or None),
+        loading a request's adapter from its path on first use."""
+        if req is None:
+            return None
+        if isinstance(req, str):
+            if req not in self.list_loras():
+                from graphdsl.runtime.loaders.peft import LoRAError
+                raise LoRAError(f"{what}: no adapter named {req!r}; loaded: {self.list_loras()}")
+            return req
+        if not isinstance(req, LoRARequest):
+            raise GraphDSLError(f"{what} must be a LoRARequest, an adapter name or None, got {type(req).__name__}")
+        if req.lora_name not in self.list_loras():
+            self.load_lora(req.lora_name, req.lora_path)
+        return req.lora_name
+
+    def _attach_loras(self, groups: list[_Prompt], lora_request) -> None:
+        reqs = list(lora_request) if isinstance(lora_request, (list, tuple)) else [lora_request] * len(groups)
+        if len(reqs) != len(groups):
+            raise GraphDSLError(f"got {len(reqs)} lora_requests for {len(groups)} prompts; pass one or one per prompt")
+        for i, (g, r) in enumerate(zip(groups, reqs)):
+            g.lora = self._lora_name(r, f"lora_request[{i}]")
+
     def _scheduler(self) -> Scheduler:
+        lora = self.model.lora
         return Scheduler(self.blocks, max_num_seqs=self.max_num_seqs, max_num_batched_tokens=self.max_num_batched_tokens,
-                         max_model_len=self.max_model_len, eos_token_ids=self.eos_token_ids)
+                         max_model_len=self.max_model_len, eos_token_ids=self.eos_token_ids,
+                         max_loras=None if lora is None else lora.max_loras)
 
     def _run(self, groups: list[_Prompt]) -> Iterator[TokenEvent]:
         """Drive ``groups`` through a serving loop to completion, yielding each token event as the
@@ -372,7 +433,8 @@ class LLM:
             for s in g.samples:
                 seed = None if p.seed is None else p.seed + s.index
                 parent = g.samples[0].req if s.index else None
-                s.req = sched.add_request((g.request_id, s.index), g.prompt_ids, p, parent=parent, seed=seed)
+                s.req = sched.add_request((g.request_id, s.index), g.prompt_ids, p, parent=parent, seed=seed,
+                                          lora=g.lora)
                 by_req[id(s.req)] = s
         try:
             while loop.has_work():

@@ -140,7 +140,8 @@ class AsyncEngine:
                 for s in g.samples:
                     seed = None if p.seed is None else p.seed + s.index
                     parent = g.samples[0].req if s.index else None
-                    s.req = self.sched.add_request((g.request_id, s.index), g.prompt_ids, p, parent=parent, seed=seed)
+                    s.req = self.sched.add_request((g.request_id, s.index), g.prompt_ids, p, parent=parent, seed=seed,
+                                                   lora=g.lora)
                     self._by_req[id(s.req)] = (t, s)
             except GraphDSLError as e:           # e.g. more KV blocks than the pool has: the request's fault
                 self._do(("abort", t))
@@ -295,11 +296,15 @@ def build_app(llm, *, served_model_name: str, api_key: str | None = None):
         except (json.JSONDecodeError, UnicodeDecodeError):
             raise ApiError(400, "the request body is not valid JSON") from None
 
-    def _model(body: dict) -> None:
+    def _model(body: dict) -> str | None:
+        """The LoRA adapter the request's ``model`` names (None: the base model)."""
         name = body.get("model")
-        if name != served_model_name:
-            raise ApiError(404, f"the model {name!r} does not exist; this server serves {served_model_name!r}",
-                           "model", code="model_not_found")
+        if name == served_model_name:
+            return None
+        if isinstance(name, str) and name in llm.list_loras():
+            return name
+        raise ApiError(404, f"the model {name!r} does not exist; this server serves "
+                            f"{[served_model_name, *llm.list_loras()]}", "model", code="model_not_found")
 
     @app.get("/health")
     async def health():
@@ -310,8 +315,10 @@ def build_app(llm, *, served_model_name: str, api_key: str | None = None):
     @app.get("/v1/models")
     async def models(request: Request):
         _auth(request)
-        return {"object": "list", "data": [{"id": served_model_name, "object": "model", "created": created,
-                                            "owned_by": "graphdsl", "max_model_len": llm.max_model_len}]}
+        base = {"id": served_model_name, "object": "model", "created": created, "owned_by": "graphdsl",
+                "max_model_len": llm.max_model_len}
+        adapters = [{**base, "id": n, "parent": served_model_name} for n in llm.list_loras()]
+        return {"object": "list", "data": [base, *adapters]}
 
     @app.get("/metrics")
     async def metrics():
@@ -356,7 +363,7 @@ def build_app(llm, *, served_model_name: str, api_key: str | None = None):
     async def _generate(request: Request, chat: bool):
         _auth(request)
         body = await _body(request)
-        _model(body)
+        lora = _model(body)
         params = _sampling(body, chat=chat)
         ids, text = _prompt_ids(body, chat)
         try:
@@ -364,6 +371,7 @@ def build_app(llm, *, served_model_name: str, api_key: str | None = None):
         except GraphDSLError as e:
             raise ApiError(400, str(e), "messages" if chat else "prompt") from None
         group.prompt = text
+        group.lora = lora
         if engine.error is not None:
             raise ApiError(500, f"the engine stopped: {engine.error}", kind="server_error")
         rid = f"{'chatcmpl' if chat else 'cmpl'}-{group.request_id}"
@@ -379,12 +387,12 @@ def build_app(llm, *, served_model_name: str, api_key: str | None = None):
                 if item[0] == "bad":
                     raise ApiError(400, item[1], "max_tokens")
                 if item[0] == "done":
-                    return _final(item[1], rid, chat, params)
+                    return _final(item[1], rid, chat, params, lora or served_model_name)
         except asyncio.CancelledError:
             engine.abort(tracked)
             raise
 
-    def _final(result, rid: str, chat: bool, params: SamplingParams) -> dict:
+    def _final(result, rid: str, chat: bool, params: SamplingParams, model: str) -> dict:
         choices = []
         for o in result.outputs:
             lp = None
@@ -397,7 +405,7 @@ def build_app(llm, *, served_model_name: str, api_key: str | None = None):
             else:
                 choices.append({"index": o.index, "text": o.text, "logprobs": lp, "finish_reason": fr})
         return {"id": rid, "object": "chat.completion" if chat else "text_completion", "created": int(time.time()),
-                "model": served_model_name, "choices": choices, "usage": _usage(result)}
+                "model": model, "choices": choices, "usage": _usage(result)}
 
     async def _stream(request: Request, tracked: _Tracked, rid: str, chat: bool, include_usage: bool):
         obj = "chat.completion.chunk" if chat else "text_completion"
@@ -405,7 +413,8 @@ def build_app(llm, *, served_model_name: str, api_key: str | None = None):
         first = set()
 
         def chunk(choices, usage=None) -> str:
-            d = {"id": rid, "object": obj, "created": int(time.time()), "model": served_model_name, "choices": choices}
+            d = {"id": rid, "object": obj, "created": int(time.time()), "model": tracked.group.lora or served_model_name,
+                 "choices": choices}
             if include_usage:
                 d["usage"] = usage
             return f"data: {json.dumps(d)}\n\n"

@@ -17,7 +17,8 @@ __version__ = "0.1.0"
 
 __all__ = ["Tensor", "Dim", "Network", "get_default_net", "functional", "nn", "Module", "ModuleList",
            "Parameter", "register_op", "OpCategory", "Spec", "same_as", "RuntimeParam", "GraphDSLError",
-           "ShapeError", "BindError", "__version__", "LLM", "SamplingParams"]
+           "ShapeError", "BindError", "__version__", "LLM", "SamplingParams",
+           "LoRARequest"]
 
 
 def __getattr__(name):
@@ -29,4 +30,7 @@ def __getattr__(name):
     if name == "SamplingParams":
         from graphdsl.runtime.serving.sampling import SamplingParams
         return SamplingParams
+    if name == "LoRARequest":
+        from graphdsl.models.lora import LoRARequest
+        return LoRARequest
     raise AttributeError(f"module 'graphdsl' has no attribute {name!r}")

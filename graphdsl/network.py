@@ -99,6 +99,9 @@ class Network:
         self.inputs: dict[str, Tensor] = {}
         self.outputs: dict[str, Tensor] = {}
         self._counter = itertools.count()
+        # module path -> (input tensors, returned tensors) of its first call while recording; what a
+        # diff against another framework aligns by (not serialised: a loaded graph has none)
+        self.module_io: dict[str, tuple[list[Tensor], list[Tensor]]] = {}
 
     # -- context ---------------------------------------------------------------------------
     def __enter__(self) -> "Network":

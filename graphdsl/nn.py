@@ -128,8 +128,11 @@ class Module:
         from .network import current_module_path
         if not current_module_path():           # outermost call: name the whole tree
             self._assign_paths()
-        with module_scope(self._path or type(self).__name__):
-            return self.forward(*args, **kwargs)
+        path = self._path or type(self).__name__
+        with module_scope(path):
+            out = self.forward(*args, **kwargs)
+        _note_io(path, list(args) + list(kwargs.values()), out)
+        return out
 
     def forward(self, *args, **kwargs):
         raise NotImplementedError(f"{type(self).__name__} must define forward()")
@@ -143,6 +146,22 @@ class Module:
             sub = repr(m).replace("\n", "\n  ")
             lines.append(f"  ({name}): {sub}")
         return "\n".join(lines) + (")" if len(lines) == 1 else "\n)")
+
+
+def _tensors(value) -> list:
+    if isinstance(value, Tensor):
+        return [value]
+    if isinstance(value, (tuple, list)):
+        return [t for v in value for t in _tensors(v)]
+    return []
+
+
+def _note_io(path: str, args, out) -> None:
+    """Remember a module call's tensor inputs and returns in the current network (first call wins)."""
+    from .network import current_net
+    net = current_net()
+    if path not in net.module_io:
+        net.module_io[path] = (_tensors(list(args)), _tensors(out))
 
 
 class ModuleList(Module):

@@ -13,6 +13,8 @@ from graphdsl import Module, Parameter
 from graphdsl import functional as F
 from graphdsl.errors import GraphDSLError
 
+from .lora import lora_hook
+
 __all__ = ["ColumnParallelLinear", "RowParallelLinear", "MergedColumnParallelLinear", "QKVParallelLinear",
            "QKVLayout", "ReplicatedLinear"]
 
@@ -34,7 +36,7 @@ class ColumnParallelLinear(Module):
         self.bias = Parameter((out_features,), dtype, shard_dim=0) if bias else None
 
     def forward(self, x):
-        return F.linear(x, self.weight, self.bias, transpose_b=True)
+        return lora_hook(self, x, F.linear(x, self.weight, self.bias, transpose_b=True))
 
     def extra_repr(self) -> str:
         return f"in={self.in_features}, out={self.out_features}, bias={self.bias is not None}"
@@ -51,7 +53,7 @@ class RowParallelLinear(Module):
         self.bias = Parameter((out_features,), dtype) if bias else None
 
     def forward(self, x):
-        return F.linear(x, self.weight, self.bias, transpose_b=True)
+        return lora_hook(self, x, F.linear(x, self.weight, self.bias, transpose_b=True))
 
     def extra_repr(self) -> str:
         return f"in={self.in_features}, out={self.out_features}, bias={self.bias is not None}"

@@ -153,7 +153,7 @@ class MoE(Module):
         if self.num_groups > 1:
             choice = self._within_top_groups(choice)
         _, ids = F.topk(choice, k=self.top_k, dim=-1)
-        weights = F.where(_chosen(ids, self.num_experts), scores, scores * 0.0)
+        weights = F.where(F.index_mask(ids, self.num_experts), scores, scores * 0.0)
         if self.renormalize:
             total = weights.sum(-1, keepdim=True)
             weights = weights / (total + 1e-20 if self.topk_method is TopkMethod.NOAUX_TC else total)
@@ -169,7 +169,7 @@ class MoE(Module):
         else:
             rank = grouped.max(-1)
         _, best = F.topk(rank, k=self.topk_groups, dim=-1)
-        kept = F.where(_chosen(best, g).unsqueeze(-1), grouped, grouped * 0.0 - 1e30)
+        kept = F.where(F.index_mask(best, g).unsqueeze(-1), grouped, grouped * 0.0 - 1e30)
         return kept.reshape(-1, self.num_experts)
 
     def forward(self, x):
@@ -186,7 +186,3 @@ class MoE(Module):
         return (f"top_k={self.top_k}, scoring={self.scoring.value}, renormalize={self.renormalize}, "
                 f"topk_method={self.topk_method.value}{groups}, scaling={self.routed_scaling_factor}")
 
-
-def _chosen(ids, n: int):
-    """``[T, n]`` bool: whether each of ``0..n-1`` is among the row's ``ids [T, k]``."""
-    return F.cat([F.eq(ids, i).sum(-1, keepdim=True) for i in range(n)], -1) > 0

@@ -53,6 +53,7 @@ class FlashCausalLM(Module):
         object.__setattr__(self, "_runtime", {"backend": None, "cuda_graphs": True, "max_blocks_per_seq": None})
         object.__setattr__(self, "_graph_runners", {})
         object.__setattr__(self, "_num_cache_blocks", 0)
+        object.__setattr__(self, "_lora", None)
 
     # -- architecture ------------------------------------------------------------------------
     def forward(self, ctx: ForwardContext):
@@ -172,10 +173,25 @@ class FlashCausalLM(Module):
         self._engines.clear()
         self._graph_runners.clear()
 
+    # -- LoRA ----------------------------------------------------------------------------------
+    def enable_lora(self, *, max_loras: int = 4, max_lora_rank: int = 16):
+        """Give the model a LoRA slot pool (:class:`graphdsl.models.lora.LoRAManager`); steps whose
+        inputs hold ``lora_indices`` then run the ``lora`` feature engines. Call after :meth:`bind`."""
+        from .lora import LoRAManager
+        object.__setattr__(self, "_lora", LoRAManager(self, max_loras=max_loras, max_lora_rank=max_lora_rank))
+        for key in [k for k in self._engines if "lora" in k[1]]:
+            del self._engines[key]
+        return self._lora
+
+    @property
+    def lora(self):
+        """The LoRA manager (None until :meth:`enable_lora`)."""
+        return self._lora
+
     def execute(self, phase: Phase, inputs: Mapping[str, torch.Tensor]) -> torch.Tensor:
         raise GraphDSLError(f"{type(self).__name__} is not runnable: decorate the class with @to_engine()")
 
-    def engine(self, phase: Phase):
+    def engine(self, phase: Phase, lora: bool = False):
         raise GraphDSLError(f"{type(self).__name__} is not runnable: decorate the class with @to_engine()")
 
 
@@ -199,18 +215,29 @@ def to_engine(*features: str):
     return deco
 
 
-def _engine(self: FlashCausalLM, phase: Phase):
-    """The engine for ``phase`` and this class's features, recorded and built on first use."""
+def _engine(self: FlashCausalLM, phase: Phase, lora: bool = False):
+    """The engine for ``phase`` and this class's features (plus ``lora`` when asked: the graph with
+    :func:`~graphdsl.layers.lora.lora_hook` terms on every target linear), recorded and built on
+    first use."""
     if not isinstance(phase, Phase):
         raise GraphDSLError(f"phase must be a Phase, one of {[p.value for p in Phase]}, got {phase!r}")
     if self._cache_spec is None:
         raise GraphDSLError(f"{type(self).__name__}: call bind(weights, kv_caches, block_size) before running")
-    key = (phase, self.engine_features)
+    if lora and self._lora is None:
+        raise GraphDSLError(f"{type(self).__name__}: a LoRA step needs enable_lora() first")
+    key = (phase, self.engine_features | {"lora"} if lora else self.engine_features)
     engine = self._engines.get(key)
     if engine is None:
         ctx = ForwardContext.symbolic(phase, self._cache_spec, self.config.rotary_dim)
-        with Network(f"{type(self).__name__}.{phase.value}") as net:
-            net.mark_output(self(ctx), "logits")
+        bound = self._bound
+        with Network(f"{type(self).__name__}.{phase.value}{'.lora' if lora else ''}") as net:
+            if lora:
+                from graphdsl.layers.lora import lora_scope
+                with lora_scope(self._lora.targets, self._lora.max_loras, self._lora.max_rank):
+                    net.mark_output(self(ctx), "logits")
+                bound = {**bound, **self._lora.buffers}
+            else:
+                net.mark_output(self(ctx), "logits")
         from .injection import device_labeller
         labels = device_labeller(self, self._home)
         if labels is None:
@@ -220,15 +247,16 @@ def _engine(self: FlashCausalLM, phase: Phase):
             from graphdsl.runtime.partitioned import PartitionedEngine
             engine = PartitionedEngine(partition_by_device(net, labels), device=self._home,
                                        backend=self._runtime["backend"])
-        engine.set_weights({n: t for n, t in self._bound.items() if n in engine.net.inputs})
+        engine.set_weights({n: t for n, t in bound.items() if n in engine.net.inputs})
         self._engines[key] = engine
     return engine
 
 
 def _execute(self: FlashCausalLM, phase: Phase, inputs: Mapping[str, torch.Tensor]) -> torch.Tensor:
     """Run one step. ``inputs`` holds the :meth:`ForwardContext.input_names` tensors but cos/sin,
-    which come from the rotary tables here. Returns float32 logits."""
-    engine = self.engine(phase)
+    which come from the rotary tables here; with ``lora_indices`` (int32 adapter slot of each token,
+    -1: none) the step runs the ``lora`` engine. Returns float32 logits."""
+    engine = self.engine(phase, lora="lora_indices" in inputs)
     feed = dict(inputs)
     extra_in, extra_out, runtime_params = self._update_model_inputs(feed)
     feed.update(extra_in)
@@ -255,7 +283,7 @@ def decode_pads(max_blocks_per_seq: int) -> dict:
     key (seq_len 0); ``block_tables`` keeps one fixed width."""
     from graphdsl.runtime.serving.cuda_graphs import Pad
     return {"input_ids": Pad(0), "positions": Pad(0), "cos": Pad(0.0), "sin": Pad(0.0), "slot_mapping": Pad(-1),
-            "block_tables": Pad(0, width=max_blocks_per_seq), "seq_lens": Pad(0)}
+            "block_tables": Pad(0, width=max_blocks_per_seq), "seq_lens": Pad(0), "lora_indices": Pad(-1)}
 
 
 def cuda_graphs_enabled(flag: bool) -> bool:

@@ -49,6 +49,12 @@ class ModelExecutor:
             feed.pop("lm_head_indices", None)
         return self.model.execute(_PHASES[phase], feed)
 
+    def lora_slots(self, names: list[str | None]) -> list[int]:
+        if self.model.lora is None:
+            from graphdsl.runtime.loaders.peft import LoRAError
+            raise LoRAError("a request names a LoRA adapter, but the model has no LoRA slots (load_lora first)")
+        return self.model.lora.slots_for(names)
+
     def decode_graph(self, n: int):
         """The decode graph of the smallest bucket holding ``n`` rows, or None (no graphs here, the
         batch is larger than the largest bucket, or the model feeds extra inputs per step)."""

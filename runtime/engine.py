@@ -21,6 +21,8 @@ from graphdsl.opdef import OpCategory, RuntimeParam, Spec
 from graphdsl.passes.fused_ops import FUSED_OPS
 from graphdsl.passes.memory_plan import MemoryPlan, plan_memory
 
+from .taps import TapSet, resolve_taps, taps_from_env
+
 __all__ = ["Engine", "ShapePlan"]
 
 
@@ -60,6 +62,8 @@ class Engine:
         self._plans: dict[tuple, ShapePlan] = {}
         self._arenas: dict[torch.device, torch.Tensor] = {}
         self.last_plan: ShapePlan | None = None
+        self.tapped: dict[str, torch.Tensor] = {}   # the last forward's taps (graphdsl.runtime.taps)
+        self._tapsets: dict[tuple, TapSet] = {}
         used = {t for n in net.nodes for t in n.inputs} | set(net.outputs.values())
         self.required = [name for name, t in net.inputs.items() if t in used]
         self._aliases = {t for n in net.nodes for i, t in enumerate(n.outputs)
@@ -112,8 +116,13 @@ class Engine:
         self._run_nodes = [n for n in self.net.nodes if n not in folded_nodes]
 
     def forward(self, inputs: Mapping[str, torch.Tensor], outputs: Mapping[str, torch.Tensor] | None = None,
-                runtime_params: Mapping | None = None) -> dict[str, torch.Tensor]:
-        """Run the engine; returns ``{output name: tensor}`` (the given buffers when passed)."""
+                runtime_params: Mapping | None = None, *, taps=None, after=None) -> dict[str, torch.Tensor]:
+        """Run the engine; returns ``{output name: tensor}`` (the given buffers when passed).
+
+        ``taps`` (see :mod:`graphdsl.runtime.taps`): selectors (a string or a list) whose tensors are
+        copied out as the step runs into ``engine.tapped`` (``{tensor name: copy}``), or a dict
+        ``{tensor name: buffer}`` to copy into in place (static buffers of a CUDA graph). Default:
+        ``$GRAPHDSL_TAPS``. ``after(node, values)`` is a hook run after each node (profiles)."""
         if not isinstance(inputs, Mapping):
             raise BindError(f"forward: inputs must be a dict of name -> torch.Tensor, got {type(inputs).__name__}")
         unknown = sorted(k for k in inputs if k not in self.net.inputs)
@@ -141,7 +150,15 @@ class Engine:
         if self._folded and not self._folded_from.intersection(inputs):
             values.update(self._folded)
             nodes = self._run_nodes
-        self.backend.run(nodes, values, plan.attrs, storage)
+        hook = after
+        if taps is None:
+            taps = taps_from_env() or None
+        if taps is not None:
+            buffers = dict(taps) if isinstance(taps, Mapping) else None
+            tapset = self.tap_set(list(buffers) if buffers is not None else taps)
+            copy, self.tapped = tapset.copier(values, buffers)
+            hook = copy if after is None else _chain(copy, after)
+        self.backend.run(nodes, values, plan.attrs, storage, after=hook)
         if self.dump_dir is not None and len(getattr(self.backend, "sources", ())) != self._kernels_dumped:
             self._dump_kernels(self.dump_dir)
         for name, t in self.net.outputs.items():
@@ -150,6 +167,21 @@ class Engine:
         return outs
 
     __call__ = forward
+
+    def profile(self, inputs: Mapping[str, torch.Tensor], **options):
+        """Per-kernel times of one step on ``inputs``: a :class:`~graphdsl.runtime.profile.ProfileReport`
+        (``print`` it; ``.chrome_trace(path)``, ``.svg(path)``). Options: ``warmup``, ``iters``,
+        ``ceilings``, ``runtime_params``, ``name`` (see :func:`~graphdsl.runtime.profile.profile_engine`)."""
+        from .profile import profile_engine
+        return profile_engine(self, dict(inputs), **options)
+
+    def tap_set(self, selectors) -> TapSet:
+        """The tensors ``selectors`` name (resolved once per selector tuple and cached)."""
+        key = (selectors,) if isinstance(selectors, str) else tuple(selectors)
+        hit = self._tapsets.get(key)
+        if hit is None:
+            hit = self._tapsets[key] = TapSet(resolve_taps(self.net, key, self.recorded))
+        return hit
 
     # -- validation --------------------------------------------------------------------------
     def _check_tensor(self, name: str, x, kind: str = "input") -> None:
@@ -167,7 +199,7 @@ class Engine:
             self._check_tensor(name, x)
             if device is None:
                 device, first = x.device, name
-            elif x.device != device:
+            elif not _same_device(x.device, device):
                 where = f"the engine's device {device}" if first is None else f"'{first}' is on {device}"
                 raise BindError(f"input '{name}' is on {x.device}, but {where}; move all inputs to one device")
         declared = {n: self.net.inputs[n].shape for n in self.required if self.net.inputs[n].shape is not None}
@@ -198,7 +230,7 @@ class Engine:
                 continue
             if not isinstance(buf, torch.Tensor):
                 raise BindError(f"output '{name}' must be a torch.Tensor, got {type(buf).__name__}")
-            if tuple(buf.shape) != shape or buf.dtype != dtype or buf.device != device:
+            if tuple(buf.shape) != shape or buf.dtype != dtype or not _same_device(buf.device, device):
                 raise BindError(f"output '{name}': expected {list(shape)} {dtype_str(dtype)} on {device}, "
                                 f"got {list(buf.shape)} {dtype_str(buf.dtype)} on {buf.device}")
             outs[name] = buf
@@ -352,6 +384,13 @@ class Engine:
         return "\n".join(lines)
 
 
+def _chain(first, second):
+    def both(node, values):
+        first(node, values)
+        second(node, values)
+    return both
+
+
 def _resolve(v, binding, params):
     if isinstance(v, RuntimeParam):
         return params[v.name]
@@ -368,3 +407,13 @@ def _fmt_bytes(n: int) -> str:
             return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
         n /= 1024
     return f"{n} B"
+
+
+def _same_device(a: torch.device, b: torch.device) -> bool:
+    """``cuda`` (the current GPU) and ``cuda:0`` name one device when the current GPU is 0."""
+    if a.type != b.type:
+        return False
+    if a.index is None or b.index is None:
+        cur = torch.cuda.current_device() if a.type == "cuda" and torch.cuda.is_available() else 0
+        return (a.index if a.index is not None else cur) == (b.index if b.index is not None else cur)
+    return a.index == b.index

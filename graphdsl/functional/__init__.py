@@ -5,10 +5,11 @@ Each op is registered once with its shape rule, torch reference and category (se
 """
 from .attention import RopeLayout, paged_attention, paged_mla_attention, reshape_and_cache, rope
 from .collective import all_gather, all_reduce
+from .lora import lora_apply
 from .matmul import bmm, linear, matmul
 from .moe import moe_experts
-from .movement import (cat, embedding, expand, gather, getitem, permute, reshape, slice, split, squeeze,
-                       transfer, transpose, unsqueeze)
+from .movement import (cat, embedding, expand, gather, getitem, index_mask, permute, reshape, slice, split,
+                       squeeze, transfer, transpose, unsqueeze)
 from .pointwise import (ActType, activation, add, cast, div, eq, exp, ge, gelu, gelu_tanh, gt, le, lt, mul,
                         ne, neg, pow, relu, rsqrt, scalar, sigmoid, silu, sqrt, sub, tanh, where)
 from .reduction import argmax, layer_norm, max, mean, rms_norm, softmax, sum, topk
@@ -20,10 +21,10 @@ __all__ = [
     # reductions and row ops
     "sum", "mean", "max", "softmax", "argmax", "topk", "rms_norm", "layer_norm",
     # matmul
-    "matmul", "bmm", "linear", "moe_experts",
+    "matmul", "bmm", "linear", "moe_experts", "lora_apply",
     # views and data movement
     "reshape", "permute", "transpose", "unsqueeze", "squeeze", "slice", "expand", "split", "cat", "gather",
-    "embedding", "getitem", "transfer",
+    "embedding", "getitem", "index_mask", "transfer",
     # attention
     "RopeLayout", "rope", "reshape_and_cache", "paged_attention", "paged_mla_attention",
     # collectives

@@ -16,7 +16,7 @@ from ..opdef import OpCategory, Spec, check, register_op
 from ._rules import at_user_line, norm_dim
 
 __all__ = ["reshape", "permute", "transpose", "unsqueeze", "squeeze", "slice", "expand", "split", "cat",
-           "gather", "embedding", "getitem", "transfer"]
+           "gather", "embedding", "getitem", "index_mask", "transfer"]
 
 V, M = OpCategory.VIEW, OpCategory.DATA_MOVEMENT
 
@@ -240,6 +240,26 @@ def _gather(x, index, *, dim=0):
 def gather(x, dim: int, index):
     """Seed signature ``gather(x, dim, index)``: take slices of ``x`` at ``index`` along ``dim``."""
     return _gather(x, index, dim=dim)
+
+
+def _index_mask_rule(ids: Spec, *, size=None):
+    check(ids.dtype in (torch.int32, torch.int64), "index_mask", f"ids must be int32/int64, got {ids.dtype}")
+    check(len(ids.shape) >= 1, "index_mask", f"ids must have a last dim of indices, got {shape_str(ids.shape)}")
+    check(isinstance(size, int) and size > 0, "index_mask", f"size must be a positive int, got {size!r}")
+    return Spec(tuple(ids.shape[:-1]) + (size,), torch.bool)
+
+
+@register_op("index_mask", category=M, shape=_index_mask_rule)
+def _index_mask(ids, *, size=None):
+    """``mask[..., j] = j in ids[..., :]``: which of ``0 .. size-1`` each row's indices name (a
+    top-k's chosen set as a dense mask). Indices must lie in ``[0, size)``."""
+    mask = torch.zeros(ids.shape[:-1] + (size,), dtype=torch.bool, device=ids.device)
+    return mask.scatter_(-1, ids.long(), True)
+
+
+def index_mask(ids, size: int):
+    """``[..., size]`` bool: whether ``j`` is among the row's ``ids [..., k]``."""
+    return _index_mask(ids, size=size)
 
 
 def _embedding_rule(ids: Spec, table: Spec):

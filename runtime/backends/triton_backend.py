@@ -99,30 +99,37 @@ class TritonBackend:
         return sum(1 for n in nodes if n.category is not OpCategory.VIEW)
 
     # -- run -----------------------------------------------------------------------------------
-    def run(self, nodes, values: dict, attrs: dict, storage: dict) -> None:
+    def run(self, nodes, values: dict, attrs: dict, storage: dict, after=None) -> None:
+        """Execute ``nodes`` in order (arguments as :meth:`TorchBackend.run`); ``after(node, values)``,
+        when given, runs after each node (taps copy there, profiles record events there)."""
         self._run_nodes = nodes
         self._storage = storage
         for node in nodes:
-            ins = [values[t] for t in node.inputs]
-            on_cpu = bool(ins) and ins[0].device.type == "cpu" and not _interpreting()
-            if node.op in _KERNEL_OPS and (on_cpu or _kernel_unsupported(node, ins)):
-                self._reference.run([node], values, attrs, storage)
-                continue
-            if on_cpu and (node.op in _LOWERINGS or self._lone_fusable(node)):
-                raise GraphDSLError(f"backend 'triton' runs on CUDA, or on CPU with TRITON_INTERPRET=1; node "
-                                    f"'{node.name}' ({node.op}) got CPU tensors (use backend='torch' on CPU)")
-            lower = _LOWERINGS.get(node.op)
-            if lower is None and node.category is OpCategory.MATMUL:
-                lower = _matmul
-            if lower is None and self._lone_fusable(node):
-                lower = _single
-            if lower is None:
-                self._reference.run([node], values, attrs, storage)
-                continue
-            dsts = [self._dst(t, storage, node, attrs[node], ins, i) for i, t in enumerate(node.outputs)]
-            outs = lower(self, node, ins, attrs[node], dsts)
-            for t, r in zip(node.outputs, outs):
-                values[t] = r
+            self._run_one(node, values, attrs, storage)
+            if after is not None:
+                after(node, values)
+
+    def _run_one(self, node, values: dict, attrs: dict, storage: dict) -> None:
+        ins = [values[t] for t in node.inputs]
+        on_cpu = bool(ins) and ins[0].device.type == "cpu" and not _interpreting()
+        if node.op in _KERNEL_OPS and (on_cpu or _kernel_unsupported(node, ins)):
+            self._reference.run([node], values, attrs, storage)
+            return
+        if on_cpu and (node.op in _LOWERINGS or self._lone_fusable(node)):
+            raise GraphDSLError(f"backend 'triton' runs on CUDA, or on CPU with TRITON_INTERPRET=1; node "
+                                f"'{node.name}' ({node.op}) got CPU tensors (use backend='torch' on CPU)")
+        lower = _LOWERINGS.get(node.op)
+        if lower is None and node.category is OpCategory.MATMUL:
+            lower = _matmul
+        if lower is None and self._lone_fusable(node):
+            lower = _single
+        if lower is None:
+            self._reference.run([node], values, attrs, storage)
+            return
+        dsts = [self._dst(t, storage, node, attrs[node], ins, i) for i, t in enumerate(node.outputs)]
+        outs = lower(self, node, ins, attrs[node], dsts)
+        for t, r in zip(node.outputs, outs):
+            values[t] = r
 
     def step_constant(self, t) -> bool:
         """Whether tensor ``t`` is written by none of the nodes this backend runs: a graph input (bound
@@ -274,6 +281,9 @@ def _kernel_unsupported(node, ins) -> str | None:
     if node.op == "moe_experts":
         from ..kernels.moe import moe_supported
         return moe_supported(*ins)
+    if node.op == "lora_apply":
+        from ..kernels.lora import lora_supported
+        return lora_supported(*ins)
     if node.op == "rope_cache_attention":
         q, k, v, key_cache, value_cache, cos, sin, slot_mapping, block_tables, seq_lens = ins
         if k.dtype not in _KERNEL_DTYPES or v.dtype not in _KERNEL_DTYPES:
@@ -388,6 +398,12 @@ def _moe_experts(be: TritonBackend, node, ins, attrs, dsts):
     return dsts
 
 
+def _lora_apply(be: TritonBackend, node, ins, attrs, dsts):
+    from ..kernels.lora import lora_apply
+    lora_apply(*ins, out=dsts[0], workspace=be.workspace(node, ins, attrs))
+    return dsts
+
+
 def _operands(ins, attrs):
     a, b = ins[0], ins[1]
     return (a.mT if attrs.get("transpose_a") else a), (b.mT if attrs.get("transpose_b") else b)
@@ -440,7 +456,8 @@ def _matmul(be: TritonBackend, node, ins, attrs, dsts):
 
 _LOWERINGS = {"fused": _fused, "add_rms_norm": _add_rms_norm, "silu_mul": _silu_mul, "rope_cache": _rope_cache,
               "paged_attention": _paged_attention, "rope_cache_attention": _rope_cache_attention,
-              "paged_mla_attention": _paged_mla_attention, "moe_experts": _moe_experts,
+              "paged_mla_attention": _paged_mla_attention, "moe_experts": _moe_experts, "lora_apply": _lora_apply,
               "reshape_and_cache": _reshape_and_cache}
 # hand-written kernels; their torch references run on plain CPU
-_KERNEL_OPS = {"paged_attention", "rope_cache_attention", "reshape_and_cache", "paged_mla_attention", "moe_experts"}
+_KERNEL_OPS = {"paged_attention", "rope_cache_attention", "reshape_and_cache", "paged_mla_attention", "moe_experts",
+               "lora_apply"}

@@ -124,7 +124,8 @@ def kernel_source(program, outputs, specs: list[Spec], consts: dict, reduction: 
     sizes = [f"size{d}" for d in range(L)]
     args = []
     for r in data_inputs:
-        args.append(f"    in{r}_ptr,  # input {r}: {_dt(specs[r])} {list(specs[r].shape)}")
+        # dtype and rank only: a source (so its compiled kernel) must not depend on the call's sizes
+        args.append(f"    in{r}_ptr,  # input {r}: {_dt(specs[r])}, rank {len(specs[r].shape)}")
     for j, r in enumerate(outputs):
         args.append(f"    out{j}_ptr,  # output {j} (value %{r}): {_dt(specs[r])}")
     for s in sizes:

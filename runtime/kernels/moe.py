@@ -24,6 +24,7 @@ tiles with one heuristic (:func:`_pick_config`) and checks its arguments, the pu
 from __future__ import annotations
 
 import os
+from dataclasses import dataclass
 
 import torch
 import triton
@@ -33,7 +34,7 @@ from graphdsl.errors import GraphDSLError
 
 from .paged_attention import _mm
 
-__all__ = ["moe_experts", "moe_align", "moe_supported"]
+__all__ = ["moe_experts", "moe_align", "moe_supported", "MoeConfig"]
 
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
@@ -120,6 +121,43 @@ def _down_kernel(
     tl.store(y_ptr + safe[:, None] * H + n[None, :], acc * wt[:, None], mask=valid[:, None] & n_ok[None, :])
 
 
+@triton.jit
+def _align_kernel(
+    ids_ptr,                   # [P] expert of each (token, choice) pair (int32/int64)
+    rows_ptr,                  # out: [NUM_BLOCKS * BLOCK_M] int32, pair index per padded row (P: padding)
+    blk_e_ptr,                 # out: [NUM_BLOCKS] int32, expert per block (E: past the last)
+    P, E, NUM_BLOCKS,
+    P_PAD: tl.constexpr, E_PAD: tl.constexpr, NB_PAD: tl.constexpr, ROWS_PAD: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+):
+    """:func:`moe_align` in one program, for few pairs (decode): counts per expert, padded block
+    starts (a cumulative sum), each pair's rank among the earlier pairs of its expert, then the
+    scatter of pair indices and the expert of each block (the number of expert ends at or before
+    the block's first row)."""
+    p = tl.arange(0, P_PAD)
+    pm = p < P
+    e = tl.load(ids_ptr + p, mask=pm, other=E_PAD).to(tl.int32)
+    lanes = tl.arange(0, E_PAD)
+    onehot = e[:, None] == lanes[None, :]                                       # [P_PAD, E_PAD]
+    counts = tl.sum(onehot.to(tl.int32), axis=0)
+    padded = (counts + BLOCK_M - 1) // BLOCK_M * BLOCK_M
+    ends = tl.cumsum(padded, axis=0)
+    starts = ends - padded
+    earlier = (p[None, :] < p[:, None]) & (e[None, :] == e[:, None])            # [P_PAD, P_PAD]
+    rank = tl.sum(earlier.to(tl.int32), axis=1)
+    pos = tl.sum(tl.where(onehot, starts[None, :], 0), axis=1) + rank
+    r = tl.arange(0, ROWS_PAD)
+    tl.store(rows_ptr + r, tl.zeros([ROWS_PAD], tl.int32) + P, mask=r < NUM_BLOCKS * BLOCK_M)
+    tl.debug_barrier()
+    tl.store(rows_ptr + pos, p, mask=pm)
+    b = tl.arange(0, NB_PAD)
+    blk = tl.sum((ends[None, :] <= (b * BLOCK_M)[:, None]).to(tl.int32), axis=1)
+    tl.store(blk_e_ptr + b, tl.minimum(blk, E), mask=b < NUM_BLOCKS)
+
+
+_ALIGN_KERNEL_MAX_PAIRS = 128      # the one-program align's [P, P] and [P, E] tiles stay small
+
+
 def moe_align(ids: torch.Tensor, num_experts: int, block_m: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Group the pairs of ``ids [T, k]`` (expert per token choice) by expert, blocks of ``block_m``.
 
@@ -127,9 +165,19 @@ def moe_align(ids: torch.Tensor, num_experts: int, block_m: int) -> tuple[torch.
     and ``block_expert [num_blocks]`` int32 (``num_experts`` for blocks past the last), where
     ``num_blocks = cdiv(P, block_m) + min(num_experts, P)``. Pairs keep their order within an expert.
     """
-    flat = ids.reshape(-1).long()
+    flat = ids.reshape(-1)
     p, dev = flat.numel(), flat.device
     num_blocks = triton.cdiv(p, block_m) + min(num_experts, p)
+    interp = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+    if (dev.type == "cuda" or interp) and 0 < p <= _ALIGN_KERNEL_MAX_PAIRS and num_experts <= 512:
+        rows = torch.empty(num_blocks * block_m, dtype=torch.int32, device=dev)
+        block_expert = torch.empty(num_blocks, dtype=torch.int32, device=dev)
+        _align_kernel[(1,)](flat.contiguous(), rows, block_expert, p, num_experts, num_blocks,
+                            P_PAD=triton.next_power_of_2(p), E_PAD=triton.next_power_of_2(num_experts),
+                            NB_PAD=triton.next_power_of_2(num_blocks),
+                            ROWS_PAD=triton.next_power_of_2(num_blocks * block_m), BLOCK_M=block_m, num_warps=8)
+        return rows, block_expert
+    flat = flat.long()
     onehot = torch.nn.functional.one_hot(flat, num_experts).to(torch.int32)      # [P, E]
     before = (onehot.cumsum(0) - onehot).gather(1, flat[:, None]).squeeze(1)    # rank of the pair in its expert
     counts = onehot.sum(0)
@@ -142,13 +190,25 @@ def moe_align(ids: torch.Tensor, num_experts: int, block_m: int) -> tuple[torch.
     return rows, block_expert
 
 
-def _pick_config(pairs: int, dtype: torch.dtype) -> dict:
-    """Tiles: 16 rows a block for decode-sized batches (the weights dominate), 64 for prefill."""
-    block_m = 16 if pairs <= 64 else 64
-    interp = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
-    return dict(BLOCK_M=block_m, BLOCK_N=64 if block_m == 16 else 128, BLOCK_K=64,
-                DOT_PREC="ieee" if dtype == torch.float32 else "tf32", DOT_F32=interp,
-                num_warps=4, num_stages=1 if interp else (4 if block_m == 16 else 3))
+@dataclass(frozen=True)
+class MoeConfig:
+    """Launch parameters: rows a block, and per kernel (gate/up, down) its ``(BLOCK_N, BLOCK_K,
+    num_warps, num_stages)``."""
+
+    block_m: int
+    up: tuple[int, int, int, int]
+    down: tuple[int, int, int, int]
+
+
+def _pick_config(pairs: int, dtype: torch.dtype = torch.bfloat16) -> MoeConfig:
+    """16 rows a block for decode-sized batches (the weights dominate: long K steps, deep pipelines;
+    the H200 sweep of benchmarks/moe.py at Mixtral's size, one token: 254 -> 222 µs), 64 for prefill.
+    float32 operands take twice the shared memory a stage: half the K step."""
+    if pairs <= 64:
+        if dtype == torch.float32:
+            return MoeConfig(16, (32, 128, 4, 4), (64, 128, 4, 3))
+        return MoeConfig(16, (32, 256, 4, 5), (64, 256, 4, 4))
+    return MoeConfig(64, (128, 64, 4, 3), (128, 64, 4, 3))
 
 
 def moe_supported(x: torch.Tensor, routing: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor) -> str | None:
@@ -163,9 +223,11 @@ def moe_supported(x: torch.Tensor, routing: torch.Tensor, gate_up: torch.Tensor,
 
 
 def moe_experts(x: torch.Tensor, routing: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, *,
-                top_k: int, geglu: bool = False, out: torch.Tensor | None = None) -> torch.Tensor:
+                top_k: int, geglu: bool = False, out: torch.Tensor | None = None,
+                config: MoeConfig | None = None) -> torch.Tensor:
     """``Σ_e routing[:, e] · mlp_e(x)`` over each token's ``top_k`` largest routing weights (module
-    docstring); ``out [T, H]`` in ``x``'s dtype."""
+    docstring); ``out [T, H]`` in ``x``'s dtype. ``config``: launch parameters (benchmarks' sweeps;
+    default :func:`_pick_config`)."""
     why = moe_supported(x, routing, gate_up, down)
     if why is not None:
         raise GraphDSLError(f"moe_experts: unsupported operands ({why})")
@@ -184,18 +246,23 @@ def moe_experts(x: torch.Tensor, routing: torch.Tensor, gate_up: torch.Tensor, d
         return out
     weights, ids = routing.float().topk(top_k, dim=-1)
     pairs = t * top_k
-    cfg = _pick_config(pairs, x.dtype)
-    rows, block_expert = moe_align(ids, e, cfg["BLOCK_M"])
+    cfg = config or _pick_config(pairs, x.dtype)
+    interp = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+    rows, block_expert = moe_align(ids, e, cfg.block_m)
     h = torch.empty((pairs, inter), dtype=x.dtype, device=x.device)
     y = torch.empty((pairs, hidden), dtype=torch.float32, device=x.device)
     num_blocks = block_expert.numel()
-    launch = dict(num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
-    tiles = {k: cfg[k] for k in ("BLOCK_M", "BLOCK_N", "BLOCK_K", "DOT_PREC", "DOT_F32")}
-    _gate_up_kernel[(num_blocks, triton.cdiv(inter, cfg["BLOCK_N"]))](
+    common = dict(BLOCK_M=cfg.block_m, DOT_PREC="ieee" if x.dtype == torch.float32 else "tf32", DOT_F32=interp)
+
+    def launch(kcfg):
+        bn, bk, warps, stages = kcfg
+        return dict(BLOCK_N=bn, BLOCK_K=bk, num_warps=warps, num_stages=1 if interp else stages, **common)
+
+    _gate_up_kernel[(num_blocks, triton.cdiv(inter, cfg.up[0]))](
         x, x.stride(0), gate_up, gate_up.stride(0), gate_up.stride(1), h, rows, block_expert,
-        pairs, hidden, inter, e, TOP_K=top_k, GEGLU=geglu, **tiles, **launch)
-    _down_kernel[(num_blocks, triton.cdiv(hidden, cfg["BLOCK_N"]))](
+        pairs, hidden, inter, e, TOP_K=top_k, GEGLU=geglu, **launch(cfg.up))
+    _down_kernel[(num_blocks, triton.cdiv(hidden, cfg.down[0]))](
         h, down, down.stride(0), down.stride(1), weights.reshape(-1).contiguous(), y, rows, block_expert,
-        pairs, hidden, inter, e, **tiles, **launch)
+        pairs, hidden, inter, e, **launch(cfg.down))
     out.copy_(y.view(t, top_k, hidden).sum(1))
     return out

@@ -24,6 +24,10 @@ replaying a captured CUDA graph removes it. A graph fixes every shape and pointe
   allocated. Their host-side launches leave the step;
 * **epilogue** — work after the engine (the greedy argmax of the logits, advancing the static
   inputs to the next step) is captured too, but not run in the warm-up, so it may update inputs;
+* **taps** — with ``taps`` (selectors, default ``$GRAPHDSL_TAPS``; see :mod:`graphdsl.runtime.taps`)
+  the warm-up's tap copies become the bucket's static tap buffers and the capture copies into
+  them, so every replay refreshes them; ``runner.tapped`` holds the last replay's (``[bucket, ...]``
+  rows, padding included);
 * **static use** — the serving loop writes a bucket's static inputs itself (:meth:`static_inputs`,
   advanced in place between steps) and calls :meth:`replay` with no copy at all.
 
@@ -39,6 +43,7 @@ from typing import Mapping
 import torch
 
 from graphdsl.errors import BindError, GraphDSLError
+from graphdsl.runtime.taps import taps_from_env
 
 __all__ = ["BUCKETS", "Pad", "bucket_for", "pad_batch", "CudaGraphRunner"]
 
@@ -122,6 +127,7 @@ class _Graph:
     outputs: dict[str, torch.Tensor]       # static output buffers the graph writes
     keep: list = field(default_factory=list)   # arena views the captured kernels address
     extent: dict = field(default_factory=dict)  # input -> (rows, width) that may hold non-pad values
+    taps: dict = field(default_factory=dict)    # tensor name -> static tap buffer the graph copies into
 
 
 class CudaGraphRunner:
@@ -139,7 +145,8 @@ class CudaGraphRunner:
             positions, for decode). Padded inputs the engine does not take are the prologue's.
     """
 
-    def __init__(self, engine, pads: Mapping[str, Pad], *, buckets=BUCKETS, prologue=None, epilogue=None):
+    def __init__(self, engine, pads: Mapping[str, Pad], *, buckets=BUCKETS, prologue=None, epilogue=None,
+                 taps=None):
         if list(buckets) != sorted(set(buckets)) or not buckets or buckets[0] < 1:
             raise GraphDSLError(f"CudaGraphRunner: buckets must be ascending positive ints, got {buckets!r}")
         for name, fn in (("prologue", prologue), ("epilogue", epilogue)):
@@ -152,6 +159,8 @@ class CudaGraphRunner:
         self.buckets = tuple(buckets)
         self.graphs: dict[int, _Graph] = {}
         self._pool = None
+        self.taps = list(taps_from_env() if taps is None else ([taps] if isinstance(taps, str) else taps))
+        self.tapped: dict[str, torch.Tensor] = {}   # the last replay's static tap buffers
 
     def fits(self, inputs: Mapping[str, torch.Tensor]) -> bool:
         """Whether a step with these inputs can replay a graph (batch within the largest bucket,
@@ -178,6 +187,7 @@ class CudaGraphRunner:
         else:
             self._load(entry, inputs, n)
         entry.graph.replay()
+        self.tapped = entry.taps
         return {name: buf[:n].clone() for name, buf in entry.outputs.items()}
 
     def static_inputs(self, bucket: int, like: Mapping[str, tuple[tuple[int, ...], torch.dtype]],
@@ -214,6 +224,7 @@ class CudaGraphRunner:
             entry = self.graphs[bucket] = self._capture(bucket, static)
         entry.extent = {}        # the caller wrote the buffers: a later run() refills all padding
         entry.graph.replay()
+        self.tapped = entry.taps
         return entry.outputs
 
     def _load(self, entry: _Graph, inputs, n: int) -> None:
@@ -254,7 +265,8 @@ class CudaGraphRunner:
         side.wait_stream(torch.cuda.current_stream(device))
         with torch.cuda.stream(side):
             # warm-up: specialise the plan, compile kernels (not the epilogue: it may update the inputs)
-            outputs = engine.forward(self._feed(static, []))
+            outputs = engine.forward(self._feed(static, []), taps=self.taps or {})
+            tap_buffers = dict(engine.tapped) if self.taps else {}
         torch.cuda.current_stream(device).wait_stream(side)
         for name, buf in outputs.items():
             if buf.dim() == 0 or buf.shape[0] != bucket:
@@ -265,11 +277,11 @@ class CudaGraphRunner:
         graph = torch.cuda.CUDAGraph()
         made: list = []
         with torch.cuda.graph(graph, pool=self._pool):
-            engine.forward(self._feed(static, made), outputs)
+            engine.forward(self._feed(static, made), outputs, taps=tap_buffers)
             extra = dict(self.epilogue(static, outputs)) if self.epilogue is not None else {}
         plan = engine.last_plan
         keep = list(plan.storage.values()) if plan is not None and plan.storage else []
-        return _Graph(graph, static, {**outputs, **extra}, keep + made)
+        return _Graph(graph, static, {**outputs, **extra}, keep + made, taps=tap_buffers)
 
     def _feed(self, static: dict, made: list) -> dict:
         """The engine's inputs: the static buffers and what the prologue computes from them (its

@@ -68,6 +68,9 @@ class StepExecutor(Protocol):
     def decode_graph(self, n: int) -> DecodeGraph | None:
         """A CUDA-graph decode step with room for ``n`` rows, or None (eager decode)."""
 
+    def lora_slots(self, names: list[str | None]) -> list[int]:
+        """The LoRA slot of each adapter name (-1 for None), loading adapters into slots as needed."""
+
 
 def overlap_enabled(flag: bool) -> bool:
     """``flag`` unless ``GRAPHDSL_OVERLAP=0`` turns the overlap off."""
@@ -261,6 +264,8 @@ class ServingLoop:
             logits, greedy = rows.graph.replay(n)            # advances the buffers itself (its epilogue)
         else:
             feed = {k: v[:n] for k, v in bufs.items()}
+            if any(r.lora is not None for r in reqs):
+                feed["lora_indices"] = self._lora_indices(batch.chunks)
             feed["slot_mapping"] = decode_slots(feed["positions"], feed["block_tables"], feed["seq_lens"],
                                                 self.executor.block_size)
             logits = self.executor.execute("decode", feed)
@@ -270,11 +275,17 @@ class ServingLoop:
         rows.launched = True
         return logits, greedy, rows
 
+    def _lora_indices(self, chunks: list[Chunk]) -> torch.Tensor:
+        """``[num_tokens]`` int32: the LoRA slot of each scheduled token's request (-1: none)."""
+        slots = self.executor.lora_slots([c.request.lora for c in chunks])
+        per_token = [s for c, s in zip(chunks, slots) for _ in range(c.end - c.start)]
+        return to_device(self.device, {"l": (per_token, torch.int32)})["l"]
+
     def _build_rows(self, batch: StepBatch) -> _Rows:
         reqs = [c.request for c in batch.chunks]
         n = len(reqs)
         ex = self.executor
-        graph = ex.decode_graph(n)
+        graph = None if any(r.lora is not None for r in reqs) else ex.decode_graph(n)
         width = ex.max_blocks_per_seq
         if graph is not None:
             bufs = graph.inputs
@@ -349,7 +360,9 @@ class ServingLoop:
             inputs["lm_head_indices"] = to_device(self.device, {"h": (heads, torch.int64)})["h"]
         if not heads:      # every chunk is a middle piece of a prompt: fill the cache, project one row
             inputs["lm_head_indices"] = torch.zeros(1, dtype=torch.int64, device=self.device)
-        padded = self.prefill_buckets and set(inputs) == STANDARD_INPUTS
+        if any(c.request.lora is not None for c in batch.chunks):
+            inputs["lora_indices"] = self._lora_indices(batch.chunks)
+        padded = self.prefill_buckets and set(inputs) - {"lora_indices"} == STANDARD_INPUTS
         if padded:
             inputs, projected = pad_prefill(inputs, self.executor.max_blocks_per_seq)
         logits = self.executor.execute("prefill", inputs)

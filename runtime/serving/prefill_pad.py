@@ -14,7 +14,8 @@ has a new signature and pays for specialising (and the caches grow without bound
 * block-table width → the next power of two (at most the model's ``max_blocks_per_seq``),
   padded with block 0 as decode's CUDA graphs do;
 * projected rows (``lm_head_indices``, ``H``) → the next power of two, padding rows projecting
-  token 0; the caller keeps the first ``H`` rows of the logits.
+  token 0; the caller keeps the first ``H`` rows of the logits;
+* ``lora_indices`` (optional, LoRA steps) → padded with -1: padding tokens use no adapter.
 
 A real row's values do not depend on the padding (the tests compare padded and unpadded steps).
 """
@@ -48,7 +49,8 @@ def _extend(x: torch.Tensor, rows: int, value) -> torch.Tensor:
 
 
 def pad_prefill(inputs: dict[str, torch.Tensor], max_width: int) -> tuple[dict[str, torch.Tensor], int]:
-    """``(padded inputs, H)``: ``inputs`` (exactly :data:`STANDARD_INPUTS`) padded to their buckets
+    """``(padded inputs, H)``: ``inputs`` (exactly :data:`STANDARD_INPUTS`, and optionally
+    ``lora_indices``) padded to their buckets
     (module docstring); ``H`` is the number of real projected rows. Device-side ops only."""
     n, s = inputs["input_ids"].shape[0], inputs["seq_lens"].shape[0]
     h = inputs["lm_head_indices"].shape[0]
@@ -63,4 +65,6 @@ def pad_prefill(inputs: dict[str, torch.Tensor], max_width: int) -> tuple[dict[s
            "seq_lens": _extend(inputs["seq_lens"], seqs, 0),
            "query_start_loc": torch.cat([qsl, qsl[-1:].expand(seqs - s)]) if seqs > s else qsl,
            "lm_head_indices": _extend(inputs["lm_head_indices"], heads, 0)}
+    if "lora_indices" in inputs:
+        out["lora_indices"] = _extend(inputs["lora_indices"], tokens, -1)
     return out, h

@@ -77,6 +77,7 @@ class Request:
     num_preemptions: int = 0
     prompt_logprobs: list | None = None   # filled by the serving loop when params.prompt_logprobs is set
     prompt_lp_done: int = 1               # prompt positions whose logprobs are computed (0 has none)
+    lora: str | None = None               # the LoRA adapter it runs with (None: the base model)
 
     @property
     def token_ids(self) -> list[int]:
@@ -221,7 +222,7 @@ class Scheduler:
     """Continuous batching over a :class:`BlockManager` (see the module docstring)."""
 
     def __init__(self, blocks: BlockManager, *, max_num_seqs: int, max_num_batched_tokens: int,
-                 max_model_len: int, eos_token_ids: Sequence[int] = ()):
+                 max_model_len: int, eos_token_ids: Sequence[int] = (), max_loras: int | None = None):
         for name, v in (("max_num_seqs", max_num_seqs), ("max_num_batched_tokens", max_num_batched_tokens),
                         ("max_model_len", max_model_len)):
             if isinstance(v, bool) or not isinstance(v, int) or v < 1:
@@ -230,6 +231,7 @@ class Scheduler:
         self.max_num_seqs, self.max_num_batched_tokens = max_num_seqs, max_num_batched_tokens
         self.max_model_len = max_model_len
         self.eos_token_ids = frozenset(eos_token_ids)
+        self.max_loras = max_loras                # distinct LoRA adapters running at once (None: no limit)
         self.waiting: list[Request] = []
         self.running: list[Request] = []
         self._arrivals = itertools.count()
@@ -240,7 +242,7 @@ class Scheduler:
 
     # -- requests ----------------------------------------------------------------------------
     def add_request(self, request_id: Hashable, prompt_ids: Sequence[int], params: SamplingParams, *,
-                    parent: Request | None = None, seed: int | None = None) -> Request:
+                    parent: Request | None = None, seed: int | None = None, lora: str | None = None) -> Request:
         """Queue a request; raises on an empty prompt, a prompt that leaves no room to generate
         within ``max_model_len``, or one that needs more KV blocks than the whole pool. ``seed``
         (default ``params.seed``, else a random one) drives its sampling noise; ``parent`` is sample 0
@@ -262,7 +264,7 @@ class Scheduler:
         self._ids.add(request_id)
         if seed is None:
             seed = params.seed if params.seed is not None else self._seeds.getrandbits(63)
-        req = Request(request_id, prompt, params, next(self._arrivals), seed=seed, parent=parent)
+        req = Request(request_id, prompt, params, next(self._arrivals), seed=seed, parent=parent, lora=lora)
         self.waiting.append(req)
         return req
 
@@ -314,10 +316,14 @@ class Scheduler:
             self._add_chunk(batch, req, req.num_computed, n)
             scheduled.add(id(req))
             budget -= n
+        adapters = {r.lora for r in self.running if r.lora is not None}
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             req = self.waiting[0]
             if req.num_pending:                      # preempted with tokens in flight: wait for them
                 break
+            if req.lora is not None and self.max_loras is not None and req.lora not in adapters \
+                    and len(adapters) >= self.max_loras:
+                break                                # every LoRA slot is taken by running requests
             start = self._shared_prefix(req, batch)
             if start is None:                        # its parent is still computing the shared prompt
                 break
@@ -332,6 +338,8 @@ class Scheduler:
                     break
                 self.blocks.allocate(req.request_id, n)
             self.waiting.pop(0)
+            if req.lora is not None:
+                adapters.add(req.lora)
             req.status = RequestStatus.RUNNING
             self.running.append(req)
             self._add_chunk(batch, req, start, n)

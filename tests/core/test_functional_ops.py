@@ -743,6 +743,26 @@ def test_bmm(dtype, ta, tb):
              expect, "symbolic", scale=4.0)
 
 
+@pytest.mark.parametrize("dtype", FLOATS, ids=dt_id)
+def test_lora_apply(dtype):
+    """``y[t] + (x[t]·A[s]ᵀ)·B[s]ᵀ`` per token, ``s = indices[t]`` (-1: y unchanged), against a per-row
+    float64 loop."""
+    def expect(y, x, a, b, idx):
+        rows = [y[t].double() + ((b[:, s].double() @ (a[s].double() @ x[t].double())) if s >= 0 else 0)
+                for t, s in enumerate(idx.tolist())]
+        return torch.stack(rows).to(dtype)
+
+    def make(sz):
+        n = sz["n"]
+        return {"y": randn(n, 7, dtype=dtype), "x": randn(n, 9, dtype=dtype), "a": randn(3, 4, 9, dtype=dtype),
+                "b": randn(7, 3, 4, dtype=dtype),
+                "idx": torch.tensor([(t % 4) - 1 for t in range(n)], dtype=torch.int32)}
+
+    check_op(lambda y, x, a, b, idx: F.lora_apply(y, x, a, b, idx),
+             {"y": (("n", 7), dtype), "x": (("n", 9), dtype), "a": ((3, 4, 9), dtype), "b": ((7, 3, 4), dtype),
+              "idx": (("n",), torch.int32)}, make, expect, "symbolic", scale=4.0)
+
+
 @pytest.mark.parametrize("mode", BOTH)
 @pytest.mark.parametrize("bias", [False, True])
 @pytest.mark.parametrize("hf_layout", [False, True])
@@ -943,6 +963,24 @@ def test_gather(dim, ishape, idtype, mode):
 
     check_op(lambda x, i: F.gather(x, dim, i), {"x": (xshape, torch.float32), "i": (ishape, idtype)},
              make, expect, mode, sizes)
+
+
+@pytest.mark.parametrize("mode", BOTH)
+@pytest.mark.parametrize("idtype", [torch.int32, torch.int64], ids=dt_id)
+def test_index_mask(idtype, mode):
+    """mask[t, j] = j in ids[t]: a top-k's chosen set as a dense mask (repeated ids count once)."""
+    sizes = ({"n": 1}, {"n": 6}) if mode == "static" else ({"n": 3}, {"n": 17})
+
+    def make(sz):
+        return {"i": torch.randint(0, 9, (sz["n"], 3), dtype=idtype)}
+
+    def expect(i):
+        return torch.stack([(i == j).any(-1) for j in range(9)], -1)
+
+    check_op(lambda i: F.index_mask(i, 9), {"i": (("n", 3), idtype)}, make, expect, mode, sizes)
+    with pytest.raises(GraphDSLError, match="size must be a positive int, got 0"):
+        with Network():
+            F.index_mask(Tensor("i", (4, 2), torch.int64), 0)
 
 
 @pytest.mark.parametrize("mode", BOTH)
@@ -1422,6 +1460,9 @@ SHAPE_ERRORS = {
                         [((2, 6, 8), f32), ((4, 4, 4, 8), f32), ((4, 4, 4, 8), f32), ((2, 3), torch.int32),
                          ((2,), torch.int32)],
                         r"paged_attention: num_heads 6 is not a multiple of num_kv_heads 4"),
+    "lora_rank": (lambda y, x, a, b, i: F.lora_apply(y, x, a, b, i),
+                  [((3, 7), f32), ((3, 9), f32), ((2, 4, 9), f32), ((7, 2, 5), f32), ((3,), torch.int32)],
+                  r"lora_apply: rank of a and b differ: 4 vs 5"),
     "cache_slots": (lambda k, v, kc, vc, s: F.reshape_and_cache(k, v, kc, vc, s),
                     [((3, 2, 8), f32), ((3, 2, 8), f32), ((4, 4, 2, 8), f32), ((4, 4, 2, 8), f32),
                      ((2,), torch.int32)],

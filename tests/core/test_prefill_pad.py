@@ -35,3 +35,14 @@ def test_pad_prefill_values():
     assert out["block_tables"].tolist() == [[1], [2], [3], [0]]
     wide = {**inputs, "block_tables": torch.zeros(2, 5, dtype=i32)}
     assert pad_prefill(wide, max_width=6)[0]["block_tables"].shape == (2, 6)      # capped at the model's width
+
+
+def test_pad_prefill_lora_indices_pad_with_no_adapter():
+    i64, i32 = torch.int64, torch.int32
+    inputs = {"input_ids": torch.tensor([5, 6, 7], dtype=i64), "positions": torch.tensor([0, 1, 2]),
+              "slot_mapping": torch.tensor([10, 11, 12]), "seq_lens": torch.tensor([3], dtype=i32),
+              "block_tables": torch.tensor([[1]], dtype=i32), "query_start_loc": torch.tensor([0, 3], dtype=i32),
+              "lm_head_indices": torch.tensor([2]), "lora_indices": torch.tensor([1, 1, 1], dtype=i32)}
+    out, _ = pad_prefill(inputs, max_width=8)
+    assert out["lora_indices"].tolist() == [1, 1, 1] + [-1] * 13 and out["lora_indices"].dtype == i32
+    assert "lora_indices" not in pad_prefill({k: v for k, v in inputs.items() if k != "lora_indices"}, 8)[0]

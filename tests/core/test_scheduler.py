@@ -108,3 +108,23 @@ def test_request_errors():
         sched.add_request("x", [1], SamplingParams(max_tokens=2))
     with pytest.raises(GraphDSLError, match="max_num_seqs must be an integer >= 1, got 0"):
         Scheduler(BlockManager(4, 4), max_num_seqs=0, max_num_batched_tokens=8, max_model_len=32)
+
+
+def test_lora_requests_wait_for_a_free_adapter_slot():
+    """With max_loras=2, a request for a third adapter waits (FIFO) until a running adapter's
+    requests finish; base requests and more requests of a running adapter are admitted."""
+    blocks = BlockManager(64, 4)
+    sched = Scheduler(blocks, max_num_seqs=8, max_num_batched_tokens=64, max_model_len=64, max_loras=2)
+    sp = SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True)
+    a = sched.add_request("a", [1, 2], sp, lora="x")
+    b = sched.add_request("b", [1, 2], sp, lora="y")
+    a2 = sched.add_request("a2", [3], sp, lora="x")
+    c = sched.add_request("c", [1, 2], sp, lora="z")
+    base = sched.add_request("base", [1, 2], sp)
+    batch = sched.schedule()
+    assert [ch.request for ch in batch.chunks] == [a, b, a2]
+    assert sched.waiting == [c, base]
+    for r in (a, b, a2):
+        sched.finish(r, "stop")
+    batch = sched.schedule()
+    assert [ch.request for ch in batch.chunks] == [c, base]

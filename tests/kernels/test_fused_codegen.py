@@ -263,3 +263,18 @@ def test_workspace_of_the_wrong_shape_is_an_error():
     with pytest.raises(GraphDSLError, match=r"node 'matmul_silu_mul_\d+' \(matmul_silu_mul\): its planned workspace is "
                                             r"\[20, 12\] torch.float32, the op's workspace rule gives \[20, 24\]"):
         be.run([node], values, attrs, {node: torch.empty(20, 12, device=DEV)})
+
+
+def test_kernel_source_does_not_depend_on_the_row_count():
+    """A new token count must reuse the compiled kernel: the generated source names dtypes and
+    ranks, never sizes (sizes in the source made every new prefill length compile again)."""
+    from graphdsl.runtime.codegen.fused import prepare_fused
+    from graphdsl.runtime.codegen.ops import add_rms_norm_program
+    dev = "cuda" if torch.cuda.is_available() else "cpu"
+    sources = set()
+    for rows in (200, 201, 17):
+        x, r, w = torch.randn(rows, 64, device=dev), torch.randn(rows, 64, device=dev), torch.randn(64, device=dev)
+        outs = [torch.empty(rows, 64, device=dev), torch.empty(rows, 64, device=dev)]
+        kernel, _ = prepare_fused(add_rms_norm_program(1e-5), (4, 3), [x, r, w], outs)
+        sources.add(kernel.source)
+    assert len(sources) == 1

@@ -99,3 +99,17 @@ def test_mixtral_size_on_gpu(tokens):
             g, u = (x[rows].float() @ gate_up[e].float().T).chunk(2, -1)
             want[rows] += routing[rows, e, None] * ((torch.nn.functional.silu(g) * u) @ down[e].float().T)
     assert (got - want).abs().max().item() <= 2e-2 * want.abs().max().item()
+
+
+@pytest.mark.parametrize("tokens,experts,top_k,block_m", [(1, 8, 2, 16), (7, 64, 6, 16), (30, 4, 2, 16),
+                                                          (5, 3, 3, 4)])
+def test_one_program_align_equals_the_torch_one(tokens, experts, top_k, block_m, monkeypatch):
+    """The decode-size align kernel and the torch align give the same rows and block experts."""
+    import graphdsl.runtime.kernels.moe as moe
+    g = torch.Generator().manual_seed(tokens)
+    ids = torch.stack([torch.randperm(experts, generator=g)[:top_k] for _ in range(tokens)]).to(DEVICE)
+    got = moe_align(ids, experts, block_m)
+    monkeypatch.setattr(moe, "_ALIGN_KERNEL_MAX_PAIRS", 0)
+    monkeypatch.setenv("TRITON_INTERPRET", "0")     # (on CPU) the torch path
+    want = moe_align(ids, experts, block_m)
+    assert torch.equal(got[0].cpu(), want[0].cpu()) and torch.equal(got[1].cpu(), want[1].cpu())

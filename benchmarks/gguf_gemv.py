@@ -1,0 +1,155 @@
+"""GGUF dequantize-in-GEMV (runtime/kernels/gguf_linear.py) on the Llama-3-8B projection shapes.
+
+    python benchmarks/gguf_gemv.py [--rows 1] [--types Q4_K,Q6_K] [--shapes 8b.o] [--sweep] [--prefill]
+                                   [--config '{"USE_DOT": true, "BLOCK_N": 32}']
+
+For each GGML block type and weight shape ``[N, K]`` (8B: o 4096x4096, qkv 6144x4096, gate/up
+14336x4096, down 4096x14336): checks ``gguf_gemv`` against the torch reference (dequantize, then a
+float32 matmul), then prints µs per call, the block bytes per call (weight blocks + activations +
+output), the GB/s they make and the % of the device-to-device copy bandwidth measured in the same
+run; and the bf16 cuBLAS GEMV of the same shape (its own bytes) for comparison.
+
+Timing is how decode runs them: one CUDA graph replays the GEMV over enough copies of the weight
+to overflow L2 (every launch reads its blocks from HBM), time per launch = replay time / copies.
+``--sweep`` also times a grid of launch configs per type and shape and prints the best (to tune
+``_pick_config``). ``--prefill`` adds a table of ``gguf_linear`` at 512 rows (dequantize + cuBLAS)
+against the bf16 matmul.
+"""
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import os
+import sys
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from common import bench_ms, copy_bandwidth_gbs, device_line  # noqa: E402
+
+SHAPES = {"8b.o": (4096, 4096), "8b.qkv": (6144, 4096), "8b.gate": (14336, 4096), "8b.down": (4096, 14336)}
+TYPES = ("Q4_0", "Q4_1", "Q8_0", "Q4_K", "Q5_K", "Q6_K")
+# float16 scale fields (byte range in a block) set to small values in the random blocks
+_F16_FIELDS = {"Q4_0": (0, 2), "Q4_1": (0, 4), "Q8_0": (0, 2), "Q4_K": (0, 4), "Q5_K": (0, 4), "Q6_K": (208, 210)}
+
+
+def random_blocks(qtype: str, n: int, k: int, seed: int) -> torch.Tensor:
+    """Random GGML rows ``uint8 [n, row_bytes]`` on the GPU with small float16 scales."""
+    from graphdsl.runtime.gguf_blocks import GGUF_BLOCKS
+    per, size = GGUF_BLOCKS[qtype]
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    data = torch.randint(0, 256, (n, k // per, size), generator=g, device="cuda", dtype=torch.uint8)
+    lo, hi = _F16_FIELDS[qtype]
+    scales = (torch.rand(n, k // per, (hi - lo) // 2, generator=g, device="cuda") - 0.5) * 0.02
+    data[:, :, lo:hi] = scales.to(torch.float16).view(torch.uint8)
+    return data.reshape(n, -1)
+
+
+def replay_us(fn, copies: int) -> float:
+    """µs per launch: ``fn`` (``copies`` launches) captured in one CUDA graph, median replay time."""
+    import triton.testing
+    return triton.testing.do_bench_cudagraph(fn, rep=30, return_mode="median") * 1e3 / copies
+
+
+def copies_for(nbytes: int) -> int:
+    l2 = getattr(torch.cuda.get_device_properties(0), "L2_cache_size", 64 << 20)
+    return max(2, -(-4 * l2 // nbytes))
+
+
+def check(x, data, qtype):
+    from graphdsl.runtime.gguf_blocks import dequantize_blocks
+    from graphdsl.runtime.kernels.gguf_linear import gguf_gemv
+    k = x.shape[1]
+    want = x.float() @ dequantize_blocks(data, qtype, k).T
+    got = gguf_gemv(x, data, qtype).float()
+    err = (got - want).abs().max().item() / max(want.abs().max().item(), 1e-6)
+    if err > 2e-2:
+        raise SystemExit(f"{qtype} {list(data.shape)}: relative error {err:.3g} vs the torch reference")
+
+
+def sweep_configs(qtype: str, k: int):
+    from graphdsl.runtime.kernels.gguf_linear import KERNEL_QTYPES, _sb_for
+    values = KERNEL_QTYPES[qtype][0]
+    sbs = sorted({_sb_for(k // values, s * 256 // values) for s in (1, 2)})
+    for sb, bn, warps, split in itertools.product(sbs, (8, 16, 32), (2, 4), (1, 2, 4, 8)):
+        yield dict(SB=sb, BLOCK_N=bn, SPLIT_K=split, num_warps=warps, num_stages=1)
+
+
+def main() -> None:
+    from graphdsl.runtime.kernels.gguf_linear import _pick_config, gguf_gemv, gguf_linear
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--rows", default="1", help="activation rows, comma-separated (<= 16)")
+    ap.add_argument("--types", default=",".join(TYPES))
+    ap.add_argument("--shapes", default=",".join(SHAPES))
+    ap.add_argument("--sweep", action="store_true")
+    ap.add_argument("--prefill", action="store_true")
+    ap.add_argument("--config", default=None, help='JSON merged into every launch, e.g. \'{"USE_DOT": true, "BLOCK_N": 32}\'')
+    args = ap.parse_args()
+    override = json.loads(args.config) if args.config else {}
+    rows = [int(r) for r in args.rows.split(",")]
+    types = args.types.split(",")
+    shapes = args.shapes.split(",")
+
+    print(device_line())
+    copy = copy_bandwidth_gbs()
+    print(f"copy bandwidth: {copy:.0f} GB/s (device-to-device, read + write)\n")
+    print(f"{'type':6} {'shape':8} {'N x K':>12} {'M':>3} {'MB':>7} {'µs':>8} {'GB/s':>7} {'%copy':>6} "
+          f"{'bf16 µs':>8} {'bf16 %':>6} {'speedup':>7}  config")
+    best_rows = []
+    for name in shapes:
+        n, k = SHAPES[name]
+        wb = [torch.randn(n, k, device="cuda", dtype=torch.bfloat16) for _ in range(copies_for(n * k * 2))]
+        for m in rows:
+            x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+            us_bf16 = replay_us(lambda: [x @ w.T for w in wb], len(wb))
+            bytes_bf16 = n * k * 2 + m * k * 2 + m * n * 2
+            for qtype in types:
+                one = random_blocks(qtype, n, k, seed=0)
+                datas = [one] + [random_blocks(qtype, n, k, seed=i) for i in range(1, copies_for(one.numel()))]
+                check(x, one, qtype)
+                cfg = {**_pick_config(m, n, k, qtype, x.device), **override}
+                us = replay_us(lambda: [gguf_gemv(x, d, qtype, config=cfg) for d in datas], len(datas))
+                nbytes = one.numel() + m * k * 2 + m * n * 2
+                gbs = nbytes / (us * 1e-6) / 1e9
+                print(f"{qtype:6} {name:8} {n:>5} x {k:<5} {m:>3} {nbytes / 1e6:7.1f} {us:8.1f} {gbs:7.0f} "
+                      f"{100 * gbs / copy:5.0f}% {us_bf16:8.1f} {100 * bytes_bf16 / (us_bf16 * 1e-6) / 1e9 / copy:5.0f}% "
+                      f"{us_bf16 / us:6.2f}x  {cfg}", flush=True)
+                if args.sweep and m == 1:
+                    results = []
+                    for c in sweep_configs(qtype, k):
+                        try:
+                            t = replay_us(lambda: [gguf_gemv(x, d, qtype, config=c) for d in datas], len(datas))
+                        except Exception as e:  # a config the compiler rejects (registers, shared memory)
+                            print(f"    {c}: {type(e).__name__}", flush=True)
+                            continue
+                        results.append((t, c))
+                    results.sort(key=lambda r: r[0])
+                    for t, c in results[:3]:
+                        print(f"    sweep {qtype} {name}: {t:7.1f} µs {100 * nbytes / (t * 1e-6) / 1e9 / copy:5.0f}%  {c}",
+                              flush=True)
+                    best_rows.append((qtype, name, results[0]))
+                del datas, one
+                torch.cuda.empty_cache()
+        del wb
+        torch.cuda.empty_cache()
+    if best_rows:
+        print("\nbest per (type, shape):")
+        for qtype, name, (t, c) in best_rows:
+            print(f"  {qtype:6} {name:8} {t:7.1f} µs  {c}")
+    if args.prefill:
+        print(f"\nprefill, 512 rows: gguf_linear (dequantize + cuBLAS) vs bf16 matmul")
+        print(f"{'type':6} {'shape':8} {'µs':>8} {'bf16 µs':>8} {'TFLOP/s':>8}")
+        for name in shapes:
+            n, k = SHAPES[name]
+            x = torch.randn(512, k, device="cuda", dtype=torch.bfloat16)
+            w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16)
+            ms_bf16 = bench_ms(lambda: x @ w.T)
+            for qtype in types:
+                d = random_blocks(qtype, n, k, seed=0)
+                ms = bench_ms(lambda: gguf_linear(x, d, qtype))
+                print(f"{qtype:6} {name:8} {ms * 1e3:8.1f} {ms_bf16 * 1e3:8.1f} {2 * 512 * n * k / (ms * 1e-3) / 1e12:8.1f}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,230 @@
+"""``gguf_linear``: ``out = x @ dequant(W).T`` with ``W`` kept in its GGUF block bytes on the device.
+
+``W`` is ``data``, uint8 ``[N, row_bytes]``: each of the N output rows is the row's K values as
+``K / values_per_block`` consecutive GGML blocks, byte for byte as in the file (types:
+:data:`~.gguf_tiles.KERNEL_QTYPES`). The math is :func:`graphdsl.runtime.gguf_blocks.dequantize_blocks` followed
+by a matmul; the kernels never write the dequantized weight for decode.
+
+* **Decode (``M <= 16`` rows): dequantize-in-GEMV.** Program ``(n, s)`` owns ``BLOCK_N`` rows and
+  the ``s``-th of ``SPLIT_K`` slices of the blocks; per step it decodes ``SB`` blocks of each row
+  (:func:`.gguf_tiles.decode_tile`: one contiguous pass over the bytes, values in tile order) and
+  gathers the matching activations, then ``tl.dot``\\ s the tile (cast to the activation dtype)
+  with the ``[SB·values, 16]`` activation slice. With one row (``M == 1``, the decode case that
+  matters most) it skips the tile: :func:`.gguf_tiles.row_dot` multiplies each nibble plane with
+  its contiguous activation slice, sums per sub-block and applies the scales to the sums.
+  Split-K writes float32 partials ``[SPLIT_K, M, N]`` summed afterwards in slice order
+  (deterministic).
+* **Prefill (``M > 16``): dequantize then cuBLAS.** :func:`gguf_dequantize` writes the weight in
+  the activation dtype (one pass over the bytes) and ``torch.nn.functional.linear`` multiplies.
+  Measured on the H200 its tile-order stores make the dequantize pass cost several times the
+  512-row matmul (docs/gguf-kernels.md): correct, not yet fast.
+
+Speed today (H200, one row): 15-33% of copy bandwidth, about the bf16 cuBLAS GEMV's time; the
+kernels are instruction-bound (docs/gguf-kernels.md has the table and the next steps).
+
+File shape (STYLE.md 11): the ``@triton.jit`` kernels, the launch heuristic :func:`_pick_config`,
+the public wrappers :func:`gguf_gemv`, :func:`gguf_dequantize`, :func:`gguf_linear`.
+"""
+from __future__ import annotations
+
+import functools
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+from graphdsl.errors import GraphDSLError
+
+from .gguf_tiles import KERNEL_QTYPES, decode_tile, row_dot
+
+__all__ = ["gguf_linear", "gguf_gemv", "gguf_dequantize", "KERNEL_QTYPES", "MAX_GEMV_ROWS"]
+
+MAX_GEMV_ROWS = 16
+_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+
+
+@triton.jit
+def _gguf_gemv_kernel(
+    x_ptr,          # [M, K] activations, last dim contiguous
+    w_ptr,          # [N, ROW_BYTES] uint8 GGML blocks, row-major
+    out_ptr,        # [M, N] output (SPLIT: [SPLIT_K, M, N] float32 partials), last dim contiguous
+    M, N, K,        # sizes
+    row_bytes,      # bytes of one weight row
+    steps_per_split,  # SB-block steps per K slice
+    stride_xm, stride_om, stride_os,   # x row stride; out row stride; out slice stride (SPLIT)
+    QTYPE: tl.constexpr,         # GGML type name
+    VALUES: tl.constexpr,        # values per block
+    SB: tl.constexpr,            # blocks per step
+    BLOCK_N: tl.constexpr,       # weight rows per program
+    BLOCK_M: tl.constexpr,       # activation rows padded (dot path)
+    USE_DOT: tl.constexpr,       # M > 1: tl.dot; M == 1: elementwise
+    DOT_F32: tl.constexpr,       # the CPU interpreter's dot mishandles bfloat16: multiply in float32
+):
+    """out[m, n] = sum_k x[m, k] * dequant(w)[n, k] over this program's K slice, float32 accumulation."""
+    pid_n = tl.program_id(0)
+    pid_k = tl.program_id(1)
+    rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_ok = rn < N
+    rows = w_ptr + rn.to(tl.int64) * row_bytes
+    n_steps = K // (VALUES * SB)
+    s_lo = pid_k * steps_per_split
+    s_hi = tl.minimum(s_lo + steps_per_split, n_steps)
+    rm = tl.arange(0, BLOCK_M)
+    m_ok = rm < M
+    if USE_DOT:
+        acc = tl.zeros([BLOCK_N, BLOCK_M], tl.float32)
+        for s in range(s_lo, s_hi):
+            blk0 = s * SB
+            w, koff = decode_tile(rows, n_ok, blk0, QTYPE, SB)
+            xt = tl.load(x_ptr + rm[None, :] * stride_xm + (blk0 * VALUES + koff)[:, None], mask=m_ok[None, :],
+                         other=0.0)
+            if DOT_F32:
+                acc += tl.dot(w, xt.to(tl.float32))
+            else:
+                acc += tl.dot(w.to(xt.dtype), xt)
+    else:
+        acc1 = tl.zeros([BLOCK_N], tl.float32)
+        for s in range(s_lo, s_hi):
+            acc1 += row_dot(rows, n_ok, s * SB, x_ptr, QTYPE, SB)
+        acc = tl.expand_dims(acc1, 1)                      # [BLOCK_N, 1]; M == 1
+        rm = tl.arange(0, 1)
+        m_ok = rm < 1
+    dst = out_ptr + pid_k.to(tl.int64) * stride_os + rm[None, :] * stride_om + rn[:, None]
+    tl.store(dst, acc.to(out_ptr.dtype.element_ty), mask=n_ok[:, None] & m_ok[None, :])
+
+
+@triton.jit
+def _gguf_dequant_kernel(
+    w_ptr,          # [N, ROW_BYTES] uint8 GGML blocks
+    out_ptr,        # [N, K] output, row-major
+    N, K, row_bytes,
+    QTYPE: tl.constexpr, VALUES: tl.constexpr, SB: tl.constexpr, BLOCK_N: tl.constexpr,
+):
+    """out[n, k] = dequant(w)[n, k] for BLOCK_N rows and SB blocks per program."""
+    pid_n = tl.program_id(0)
+    blk0 = tl.program_id(1) * SB
+    rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_ok = rn < N
+    w, koff = decode_tile(w_ptr + rn.to(tl.int64) * row_bytes, n_ok, blk0, QTYPE, SB)
+    dst = out_ptr + rn.to(tl.int64)[:, None] * K + (blk0 * VALUES + koff)[None, :]
+    tl.store(dst, w.to(out_ptr.dtype.element_ty), mask=n_ok[:, None])
+
+
+def _sb_for(n_blocks: int, want: int) -> int:
+    """The largest power of two <= ``want`` dividing ``n_blocks`` (steps never straddle the row end)."""
+    sb = 1
+    while sb * 2 <= want and n_blocks % (sb * 2) == 0:
+        sb *= 2
+    return sb
+
+
+@functools.lru_cache(maxsize=None)
+def _cuda_sms(index: int) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count
+
+
+def _num_sms(device: torch.device) -> int:
+    if device.type != "cuda":
+        return 4
+    return _cuda_sms(device.index if device.index is not None else torch.cuda.current_device())
+
+
+def _pick_config(m: int, n: int, k: int, qtype: str, device: torch.device) -> dict:
+    """Launch for ``[m, k] @ dequant([n, k]).T``. One row (H200 sweep of ``benchmarks/gguf_gemv.py
+    --sweep`` at 8B shapes): 512 values a step (16 blocks of 32 or two super-blocks), 8 rows a
+    program, 2 warps (4 for Q6_K, whose step holds more integer work); the split of K hardly
+    mattered there. More rows: 256 values a step and 32-row ``tl.dot`` tiles. K is split until the
+    grid has about four programs per SM, keeping at least 2 steps a slice."""
+    values = KERNEL_QTYPES[qtype][0]
+    n_blocks = k // values
+    one = m == 1
+    sb = _sb_for(n_blocks, (512 if one else 256) // values)
+    block_n = 8 if one else 32
+    warps = 4 if (not one or qtype == "Q6_K") else 2
+    tiles = triton.cdiv(n, block_n)
+    steps = n_blocks // sb
+    split = 1
+    while tiles * split < 4 * _num_sms(device) and steps // (split * 2) >= 2:
+        split *= 2
+    return dict(SB=sb, BLOCK_N=block_n, SPLIT_K=split, num_warps=warps, num_stages=1)
+
+
+def _check(data: torch.Tensor, qtype: str, x: torch.Tensor | None = None) -> int:
+    """Validate the operands; returns K."""
+    if qtype not in KERNEL_QTYPES:
+        raise GraphDSLError(f"gguf kernels: GGML type {qtype!r} has no kernel; supported: {list(KERNEL_QTYPES)}")
+    values, nbytes = KERNEL_QTYPES[qtype]
+    if data.dtype != torch.uint8 or data.dim() != 2 or not data.is_contiguous() or data.shape[1] % nbytes:
+        raise GraphDSLError(f"gguf kernels: data must be contiguous uint8 [N, K / {values} * {nbytes}] ({qtype} "
+                            f"blocks), got {data.dtype} {list(data.shape)} contiguous={data.is_contiguous()}")
+    k = data.shape[1] // nbytes * values
+    if x is not None and (x.dim() != 2 or x.shape[1] != k or x.dtype not in _DTYPES or x.stride(1) != 1):
+        raise GraphDSLError(f"gguf kernels: x must be [M, {k}] in {[str(d) for d in _DTYPES]} with a contiguous "
+                            f"last dim, got {list(x.shape)} {x.dtype} strides {x.stride()}")
+    if x is not None and x.device != data.device:
+        raise GraphDSLError(f"gguf kernels: x is on {x.device}, data on {data.device}")
+    return k
+
+
+def gguf_gemv(x: torch.Tensor, data: torch.Tensor, qtype: str, *, config: dict | None = None) -> torch.Tensor:
+    """``x @ dequant(data).T`` for ``x [M <= 16, K]`` and GGML blocks ``data [N, row_bytes]`` of type
+    ``qtype``; the result has x's dtype. ``config`` overrides the launch (``SB, BLOCK_N, SPLIT_K,
+    num_warps, num_stages``, optionally ``USE_DOT`` to take the tile + ``tl.dot`` path with one row;
+    benchmarks sweep it)."""
+    k = _check(data, qtype, x)
+    m, n = x.shape[0], data.shape[0]
+    if not 1 <= m <= MAX_GEMV_ROWS:
+        raise GraphDSLError(f"gguf_gemv: x needs 1..{MAX_GEMV_ROWS} rows, got {m}")
+    values = KERNEL_QTYPES[qtype][0]
+    cfg = dict(config or _pick_config(m, n, k, qtype, x.device))
+    sb, block_n, split = cfg.pop("SB"), cfg.pop("BLOCK_N"), cfg.pop("SPLIT_K")
+    use_dot = cfg.pop("USE_DOT", m > 1)
+    if (k // values) % sb:
+        raise GraphDSLError(f"gguf_gemv: SB={sb} blocks a step must divide the {k // values} blocks of a row")
+    steps = k // values // sb
+    per = triton.cdiv(steps, max(1, min(split, steps)))
+    split = triton.cdiv(steps, per)                        # no empty slices
+    out = torch.empty(m, n, dtype=x.dtype, device=x.device)
+    dst = out if split == 1 else torch.empty(split, m, n, dtype=torch.float32, device=x.device)
+    interp = os.environ.get("TRITON_INTERPRET") == "1"
+    _gguf_gemv_kernel[(triton.cdiv(n, block_n), split)](
+        x, data, dst, m, n, k, data.shape[1], per, x.stride(0), n, m * n,
+        QTYPE=qtype, VALUES=values, SB=sb, BLOCK_N=block_n, BLOCK_M=MAX_GEMV_ROWS, USE_DOT=use_dot,
+        DOT_F32=interp or x.dtype == torch.float32, **cfg)
+    if split > 1:
+        out.copy_(dst.sum(0))
+    return out
+
+
+def gguf_dequantize(data: torch.Tensor, qtype: str, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+    """The weight ``[N, K]`` in ``dtype`` from its GGML blocks ``data [N, row_bytes]`` (Triton; one pass)."""
+    k = _check(data, qtype)
+    n = data.shape[0]
+    values = KERNEL_QTYPES[qtype][0]
+    sb = _sb_for(k // values, 256 // values)
+    out = torch.empty(n, k, dtype=dtype, device=data.device)
+    block_n = 16
+    _gguf_dequant_kernel[(triton.cdiv(n, block_n), k // values // sb)](
+        data, out, n, k, data.shape[1], QTYPE=qtype, VALUES=values, SB=sb, BLOCK_N=block_n, num_warps=4)
+    return out
+
+
+def gguf_linear(x: torch.Tensor, data: torch.Tensor, qtype: str, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """``x @ dequant(data).T (+ bias)`` for ``x [..., K]``: the GEMV kernel for at most
+    :data:`MAX_GEMV_ROWS` rows, else dequantize to x's dtype and matmul."""
+    k = _check(data, qtype)
+    if x.shape[-1] != k:
+        raise GraphDSLError(f"gguf_linear: x's last dim must be K={k} (the {qtype} weight's), got {list(x.shape)}")
+    lead = x.shape[:-1]
+    x2 = x.reshape(-1, k)
+    if x2.stride(1) != 1:
+        x2 = x2.contiguous()
+    if 1 <= x2.shape[0] <= MAX_GEMV_ROWS:
+        out = gguf_gemv(x2, data, qtype)
+    else:
+        _check(data, qtype, x2)
+        out = torch.nn.functional.linear(x2, gguf_dequantize(data, qtype, x2.dtype))
+    if bias is not None:
+        out = out + bias
+    return out.reshape(*lead, data.shape[0])

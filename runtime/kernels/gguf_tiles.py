@@ -1,0 +1,365 @@
+"""Triton tile decoders for GGUF block formats, read straight from the file's block bytes.
+
+Each ``_tile_<type>(rows, n_ok, blk0, SB)`` decodes, for ``BLOCK_N`` weight rows at once (``rows``:
+``[BLOCK_N]`` uint8 pointers to the rows' first byte; ``n_ok``: which of them exist), the ``SB``
+consecutive blocks starting at block ``blk0`` of every row and returns
+
+- ``w``: float32 ``[BLOCK_N, SB * values_per_block]``, the dequantized values in *tile order*: the
+  order that falls out of loading the packed bytes contiguously and splitting each byte into its
+  nibbles (``tl.join``), which is not the order of K;
+- ``koff``: int32 ``[SB * values_per_block]``, the K offset (from ``blk0 * values_per_block``) of
+  each tile position.
+
+So a consumer reads the activations at ``koff`` (GEMV: a gather from a row that sits in L1/L2) or
+stores the tile at ``koff`` (dequantize), and the weight bytes are read once, in order. The math per
+format is the one of :mod:`graphdsl.runtime.gguf_blocks` (the reference these tiles are tested against); the
+byte offsets used are written next to each load.
+
+Float16 fields are assembled from two byte loads (blocks of 18, 34 or 210 bytes leave them only
+2-byte aligned), then bitcast.
+"""
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+from ..gguf_blocks import GGUF_BLOCKS, KERNEL_QTYPES as _NAMES
+
+__all__ = ["KERNEL_QTYPES", "decode_tile", "row_dot"]
+
+# GGML types with a Triton tile decoder: name -> (values per block, bytes per block)
+KERNEL_QTYPES: dict[str, tuple[int, int]] = {name: GGUF_BLOCKS[name] for name in _NAMES}
+
+
+@triton.jit
+def _f16_at(ptr, mask):
+    """float32 of the little-endian float16 at byte pointers ``ptr`` (any shape)."""
+    lo = tl.load(ptr, mask=mask, other=0).to(tl.uint16)
+    hi = tl.load(ptr + 1, mask=mask, other=0).to(tl.uint16)
+    return (lo | (hi << 8)).to(tl.float16, bitcast=True).to(tl.float32)
+
+
+@triton.jit
+def _tile_q4_0(rows, n_ok, blk0, SB: tl.constexpr):
+    """Q4_0, 18 B: ``d f16 @0, qs[16] @2``; value ``b`` is ``qs[b] & 15``, value ``b + 16`` is
+    ``qs[b] >> 4``; ``y = d * (q - 8)``. Tile ``[BLOCK_N, SB, 16, 2]`` (block, byte, nibble)."""
+    g = tl.arange(0, SB)
+    b = tl.arange(0, 16)
+    h = tl.arange(0, 2)
+    blk = (blk0 + g).to(tl.int64) * 18
+    byte = tl.load(rows[:, None, None] + (blk[:, None] + 2 + b[None, :])[None, :, :],
+                   mask=n_ok[:, None, None], other=0).to(tl.int32)
+    q = tl.join(byte & 15, byte >> 4).to(tl.float32)                            # [BN, SB, 16, 2]
+    d = _f16_at(rows[:, None] + blk[None, :], n_ok[:, None])                    # [BN, SB]
+    w = d[:, :, None, None] * (q - 8.0)
+    koff = g[:, None, None] * 32 + b[None, :, None] + 16 * h[None, None, :]
+    return tl.reshape(w, [w.shape[0], SB * 32]), tl.reshape(koff, [SB * 32])
+
+
+@triton.jit
+def _tile_q4_1(rows, n_ok, blk0, SB: tl.constexpr):
+    """Q4_1, 20 B: ``d f16 @0, m f16 @2, qs[16] @4``; nibbles as Q4_0; ``y = d * q + m``."""
+    g = tl.arange(0, SB)
+    b = tl.arange(0, 16)
+    h = tl.arange(0, 2)
+    blk = (blk0 + g).to(tl.int64) * 20
+    byte = tl.load(rows[:, None, None] + (blk[:, None] + 4 + b[None, :])[None, :, :],
+                   mask=n_ok[:, None, None], other=0).to(tl.int32)
+    q = tl.join(byte & 15, byte >> 4).to(tl.float32)
+    d = _f16_at(rows[:, None] + blk[None, :], n_ok[:, None])
+    m = _f16_at(rows[:, None] + blk[None, :] + 2, n_ok[:, None])
+    w = d[:, :, None, None] * q + m[:, :, None, None]
+    koff = g[:, None, None] * 32 + b[None, :, None] + 16 * h[None, None, :]
+    return tl.reshape(w, [w.shape[0], SB * 32]), tl.reshape(koff, [SB * 32])
+
+
+@triton.jit
+def _tile_q8_0(rows, n_ok, blk0, SB: tl.constexpr):
+    """Q8_0, 34 B: ``d f16 @0, q[32] int8 @2``; ``y = d * q``. Tile ``[BLOCK_N, SB, 32]`` in K order."""
+    g = tl.arange(0, SB)
+    j = tl.arange(0, 32)
+    blk = (blk0 + g).to(tl.int64) * 34
+    byte = tl.load(rows[:, None, None] + (blk[:, None] + 2 + j[None, :])[None, :, :],
+                   mask=n_ok[:, None, None], other=0)
+    q = byte.to(tl.int8, bitcast=True).to(tl.float32)
+    d = _f16_at(rows[:, None] + blk[None, :], n_ok[:, None])
+    w = d[:, :, None] * q
+    koff = g[:, None] * 32 + j[None, :]
+    return tl.reshape(w, [w.shape[0], SB * 32]), tl.reshape(koff, [SB * 32])
+
+
+@triton.jit
+def _k_scales_mins(rows, n_ok, blk0, SB: tl.constexpr, BLOCK_BYTES: tl.constexpr):
+    """Q4_K/Q5_K: ``d·sc_j`` and ``dmin·mn_j`` of the 8 sub-blocks of ``SB`` super-blocks,
+    ``[BLOCK_N, SB * 8]``. ``d @0, dmin @2`` (f16), ``scales[12] @4``: for ``j < 4``
+    ``sc = s[j] & 63, mn = s[j+4] & 63``; for ``j >= 4`` ``sc = (s[j+4] & 15) | (s[j-4] >> 6) << 4``,
+    ``mn = (s[j+4] >> 4) | (s[j] >> 6) << 4``."""
+    u = tl.arange(0, SB * 8)
+    j = u % 8
+    base = (blk0 + u // 8).to(tl.int64) * BLOCK_BYTES
+    lowj = j < 4
+    p = rows[:, None] + base[None, :] + 4
+    msk = n_ok[:, None]
+    a = tl.load(p + tl.where(lowj, j, j + 4)[None, :], mask=msk, other=0).to(tl.int32)
+    b = tl.load(p + tl.where(lowj, j + 4, j - 4)[None, :], mask=msk, other=0).to(tl.int32)
+    c = tl.load(p + j[None, :], mask=msk, other=0).to(tl.int32)
+    sc = tl.where(lowj[None, :], a & 63, (a & 15) | ((b >> 6) << 4)).to(tl.float32)
+    mn = tl.where(lowj[None, :], b & 63, (a >> 4) | ((c >> 6) << 4)).to(tl.float32)
+    d = _f16_at(rows[:, None] + base[None, :], msk)
+    dmin = _f16_at(rows[:, None] + base[None, :] + 2, msk)
+    return d * sc, dmin * mn
+
+
+@triton.jit
+def _tile_q4_k(rows, n_ok, blk0, SB: tl.constexpr):
+    """Q4_K, 144 B: ``qs[128] @16``; chunk ``c`` (64 values) is ``qs[32c : 32c + 32]``, low nibbles
+    sub-block ``2c``, high nibbles ``2c + 1``; ``y = d·sc·q − dmin·mn``. Tile ``[BLOCK_N, SB*4, 32, 2]``
+    (super-block·chunk ``t``, byte ``l``, nibble ``h``) at K offset ``64t + 32h + l``."""
+    t = tl.arange(0, SB * 4)
+    l = tl.arange(0, 32)
+    h = tl.arange(0, 2)
+    off = (blk0 + t // 4).to(tl.int64) * 144 + 16 + 32 * (t % 4)
+    byte = tl.load(rows[:, None, None] + (off[:, None] + l[None, :])[None, :, :],
+                   mask=n_ok[:, None, None], other=0).to(tl.int32)
+    q = tl.join(byte & 15, byte >> 4).to(tl.float32)                            # [BN, T, 32, 2]
+    scale, mins = _k_scales_mins(rows, n_ok, blk0, SB, 144)                     # [BN, SB*8], j = 2c + h
+    scale = tl.expand_dims(tl.reshape(scale, [scale.shape[0], SB * 4, 2]), 2)
+    mins = tl.expand_dims(tl.reshape(mins, [mins.shape[0], SB * 4, 2]), 2)
+    w = scale * q - mins
+    koff = 64 * t[:, None, None] + l[None, :, None] + 32 * h[None, None, :]
+    return tl.reshape(w, [w.shape[0], SB * 256]), tl.reshape(koff, [SB * 256])
+
+
+@triton.jit
+def _tile_q5_k(rows, n_ok, blk0, SB: tl.constexpr):
+    """Q5_K, 176 B: as Q4_K with ``qh[32] @16``, ``qs[128] @48``; the fifth bit of value ``l`` of
+    sub-block ``j`` is bit ``j`` of ``qh[l]``."""
+    t = tl.arange(0, SB * 4)
+    l = tl.arange(0, 32)
+    h = tl.arange(0, 2)
+    sb = (blk0 + t // 4).to(tl.int64) * 176
+    msk = n_ok[:, None, None]
+    byte = tl.load(rows[:, None, None] + (sb + 48 + 32 * (t % 4))[None, :, None] + l[None, None, :],
+                   mask=msk, other=0).to(tl.int32)
+    qh = tl.load(rows[:, None, None] + (sb + 16)[None, :, None] + l[None, None, :],
+                 mask=msk, other=0).to(tl.int32)                                # [BN, T, 32]
+    shift = (2 * (t % 4))[:, None, None] + h[None, None, :]                     # sub-block j = 2c + h
+    high = (tl.expand_dims(qh, 3) >> shift) & 1
+    q = (tl.join(byte & 15, byte >> 4) | (high << 4)).to(tl.float32)
+    scale, mins = _k_scales_mins(rows, n_ok, blk0, SB, 176)
+    scale = tl.expand_dims(tl.reshape(scale, [scale.shape[0], SB * 4, 2]), 2)
+    mins = tl.expand_dims(tl.reshape(mins, [mins.shape[0], SB * 4, 2]), 2)
+    w = scale * q - mins
+    koff = 64 * t[:, None, None] + l[None, :, None] + 32 * h[None, None, :]
+    return tl.reshape(w, [w.shape[0], SB * 256]), tl.reshape(koff, [SB * 256])
+
+
+@triton.jit
+def _tile_q6_k(rows, n_ok, blk0, SB: tl.constexpr):
+    """Q6_K, 210 B: ``ql[128] @0, qh[64] @128, scales[16] int8 @192, d f16 @208``. Value
+    ``128·hf + 32k + l`` (``k`` 0..3, ``l`` 0..31) is ``(ql[64hf + 32(k%2) + l] >> 4(k//2)) & 15 |
+    ((qh[32hf + l] >> 2k) & 3) << 4``, minus 32, times ``d·scales[8hf + 2k + l//16]``.
+
+    Tile ``[BLOCK_N, SB*8, 16, 2]``: group ``i = 4hf + 2a + l2`` (``a = k % 2``, ``l = 16·l2 + l1``)
+    reads ``ql[16i + l1]`` contiguously, nibble ``b = k // 2``; its scale index is
+    ``8hf + 2a + l2 + 4b = i + 4(i//4) + 4b``."""
+    t = tl.arange(0, SB * 8)
+    l1 = tl.arange(0, 16)
+    b = tl.arange(0, 2)
+    i = t % 8
+    sb = (blk0 + t // 8).to(tl.int64) * 210
+    msk = n_ok[:, None, None]
+    ql = tl.load(rows[:, None, None] + (sb + 16 * i)[None, :, None] + l1[None, None, :],
+                 mask=msk, other=0).to(tl.int32)                                # [BN, T, 16]
+    qh = tl.load(rows[:, None, None] + (sb + 128 + 32 * (i // 4) + 16 * (i % 2))[None, :, None]
+                 + l1[None, None, :], mask=msk, other=0).to(tl.int32)
+    shift = (2 * ((i // 2) % 2))[:, None, None] + 4 * b[None, None, :]          # 2k
+    high = (tl.expand_dims(qh, 3) >> shift) & 3
+    q = (tl.join(ql & 15, ql >> 4) | (high << 4)).to(tl.float32) - 32.0       # [BN, T, 16, 2]
+    sidx = (sb + 192 + i + 4 * (i // 4))[:, None] + 4 * b[None, :]              # [T, 2]
+    sc = tl.load(rows[:, None, None] + sidx[None, :, :], mask=msk, other=0)
+    sc = sc.to(tl.int8, bitcast=True).to(tl.float32)                            # [BN, T, 2]
+    d = _f16_at(rows[:, None] + (sb + 208)[None, :], n_ok[:, None])             # [BN, T]
+    w = tl.expand_dims(d[:, :, None] * sc, 2) * q
+    koff = (256 * (t // 8) + 128 * (i // 4) + 32 * ((i // 2) % 2) + 16 * (i % 2))[:, None, None] \
+        + l1[None, :, None] + 64 * b[None, None, :]
+    return tl.reshape(w, [w.shape[0], SB * 256]), tl.reshape(koff, [SB * 256])
+
+
+@triton.jit
+def decode_tile(rows, n_ok, blk0, QTYPE: tl.constexpr, SB: tl.constexpr):
+    """``(w [BLOCK_N, SB * values_per_block] float32, koff)`` of GGML type ``QTYPE`` (a name in
+    :data:`KERNEL_QTYPES`); see the module docstring."""
+    if QTYPE == "Q4_0":
+        w, koff = _tile_q4_0(rows, n_ok, blk0, SB)
+    elif QTYPE == "Q4_1":
+        w, koff = _tile_q4_1(rows, n_ok, blk0, SB)
+    elif QTYPE == "Q8_0":
+        w, koff = _tile_q8_0(rows, n_ok, blk0, SB)
+    elif QTYPE == "Q4_K":
+        w, koff = _tile_q4_k(rows, n_ok, blk0, SB)
+    elif QTYPE == "Q5_K":
+        w, koff = _tile_q5_k(rows, n_ok, blk0, SB)
+    else:
+        tl.static_assert(QTYPE == "Q6_K", "decode_tile: unsupported GGML type")
+        w, koff = _tile_q6_k(rows, n_ok, blk0, SB)
+    return w, koff
+
+
+# --------------------------------------------------------------------------- one activation row
+# ``row_dot`` computes, for BLOCK_N weight rows, the dot product of ``SB`` blocks with one activation
+# row, without building a dequantized tile: each nibble plane (low / high nibbles, which sit 16 or
+# 32 values apart in K) is multiplied by its own contiguous slice of x and summed per sub-block,
+# and the sub-block's scale (and min: ``- dmin·mn·sum(x)``) is applied once to that sum. Integers
+# become floats through the exponent trick ``float(0x4B000000 | q) - 2^23 = q`` (exact for
+# ``q < 2^23``; one integer OR and one float add instead of an int-to-float convert, which Hopper
+# issues at a quarter of the FMA rate), with the format's offset folded into the subtraction.
+
+
+@triton.jit
+def _i2f(q, OFFSET: tl.constexpr):
+    """float32 ``q - OFFSET`` for int32 ``0 <= q < 2^23`` (exponent trick, exact)."""
+    return (q | 0x4B000000).to(tl.float32, bitcast=True) - (8388608.0 + OFFSET)
+
+
+@triton.jit
+def _xload(x_ptr, offs):
+    return tl.load(x_ptr + offs).to(tl.float32)
+
+
+@triton.jit
+def _row_dot_q4(rows, n_ok, blk0, x_ptr, SB: tl.constexpr, BLOCK_BYTES: tl.constexpr, HAS_MIN: tl.constexpr):
+    """Q4_0 (18 B: ``d, qs[16]``, ``y = d(q - 8)``) and Q4_1 (20 B: ``d, m, qs[16]``, ``y = dq + m``)."""
+    g = tl.arange(0, SB)
+    b = tl.arange(0, 16)
+    blk = (blk0 + g).to(tl.int64) * BLOCK_BYTES
+    QS: tl.constexpr = 4 if HAS_MIN else 2
+    byte = tl.load(rows[:, None, None] + (blk[:, None] + QS + b[None, :])[None, :, :],
+                   mask=n_ok[:, None, None], other=0).to(tl.int32)              # [BN, SB, 16]
+    koff = (blk0 + g)[:, None] * 32 + b[None, :]                                # [SB, 16]
+    x_lo = _xload(x_ptr, koff)
+    x_hi = _xload(x_ptr, koff + 16)
+    d = _f16_at(rows[:, None] + blk[None, :], n_ok[:, None])                    # [BN, SB]
+    if HAS_MIN:
+        s = tl.sum(_i2f(byte & 15, 0.0) * x_lo[None] + _i2f(byte >> 4, 0.0) * x_hi[None], axis=2)
+        m = _f16_at(rows[:, None] + blk[None, :] + 2, n_ok[:, None])
+        y = d * s + m * tl.sum(x_lo + x_hi, axis=1)[None, :]
+    else:
+        s = tl.sum(_i2f(byte & 15, 8.0) * x_lo[None] + _i2f(byte >> 4, 8.0) * x_hi[None], axis=2)
+        y = d * s
+    return tl.sum(y, axis=1)
+
+
+@triton.jit
+def _row_dot_q8_0(rows, n_ok, blk0, x_ptr, SB: tl.constexpr):
+    """Q8_0 (34 B: ``d, q[32] int8``): int8 ``q`` read as ``(byte ^ 0x80) - 128``."""
+    g = tl.arange(0, SB)
+    j = tl.arange(0, 32)
+    blk = (blk0 + g).to(tl.int64) * 34
+    byte = tl.load(rows[:, None, None] + (blk[:, None] + 2 + j[None, :])[None, :, :],
+                   mask=n_ok[:, None, None], other=0).to(tl.int32)
+    xv = _xload(x_ptr, (blk0 + g)[:, None] * 32 + j[None, :])
+    s = tl.sum(_i2f(byte ^ 0x80, 128.0) * xv[None], axis=2)
+    d = _f16_at(rows[:, None] + blk[None, :], n_ok[:, None])
+    return tl.sum(d * s, axis=1)
+
+
+@triton.jit
+def _k_scale_pair(rows, n_ok, base, j):
+    """``(sc_j, mn_j)`` as float32 ``[BN, T]`` for per-column sub-block index ``j`` ``[T]`` and super-block
+    byte offset ``base`` ``[T]`` (Q4_K/Q5_K packing, see :func:`_k_scales_mins`)."""
+    lowj = j < 4
+    p = rows[:, None] + base[None, :] + 4
+    msk = n_ok[:, None]
+    a = tl.load(p + tl.where(lowj, j, j + 4)[None, :], mask=msk, other=0).to(tl.int32)
+    b = tl.load(p + tl.where(lowj, j + 4, j - 4)[None, :], mask=msk, other=0).to(tl.int32)
+    c = tl.load(p + j[None, :], mask=msk, other=0).to(tl.int32)
+    sc = tl.where(lowj[None, :], a & 63, (a & 15) | ((b >> 6) << 4))
+    mn = tl.where(lowj[None, :], b & 63, (a >> 4) | ((c >> 6) << 4))
+    return _i2f(sc, 0.0), _i2f(mn, 0.0)
+
+
+@triton.jit
+def _row_dot_q45_k(rows, n_ok, blk0, x_ptr, SB: tl.constexpr, FIVE: tl.constexpr):
+    """Q4_K (144 B) / Q5_K (176 B, ``FIVE``): chunk ``t`` (64 values) of byte row ``l``: low nibble
+    is sub-block ``2c`` at K ``64t + l``, high nibble ``2c + 1`` at ``64t + 32 + l``."""
+    BYTES: tl.constexpr = 176 if FIVE else 144
+    QS: tl.constexpr = 48 if FIVE else 16
+    t = tl.arange(0, SB * 4)
+    l = tl.arange(0, 32)
+    c = t % 4
+    base = (blk0 + t // 4).to(tl.int64) * BYTES                                  # [T]
+    msk = n_ok[:, None, None]
+    byte = tl.load(rows[:, None, None] + (base + QS + 32 * c)[None, :, None] + l[None, None, :],
+                   mask=msk, other=0).to(tl.int32)                              # [BN, T, 32]
+    lo = byte & 15
+    hi = byte >> 4
+    if FIVE:
+        qh = tl.load(rows[:, None, None] + (base + 16)[None, :, None] + l[None, None, :],
+                     mask=msk, other=0).to(tl.int32)
+        sh = (2 * c)[None, :, None]
+        lo = lo | (((qh >> sh) & 1) << 4)
+        hi = hi | (((qh >> (sh + 1)) & 1) << 4)
+    koff = (blk0 * 256 + 64 * t)[:, None] + l[None, :]                          # [T, 32]
+    x_lo = _xload(x_ptr, koff)
+    x_hi = _xload(x_ptr, koff + 32)
+    s_lo = tl.sum(_i2f(lo, 0.0) * x_lo[None], axis=2)                           # [BN, T]
+    s_hi = tl.sum(_i2f(hi, 0.0) * x_hi[None], axis=2)
+    sc_lo, mn_lo = _k_scale_pair(rows, n_ok, base, 2 * c)
+    sc_hi, mn_hi = _k_scale_pair(rows, n_ok, base, 2 * c + 1)
+    sb = (blk0 + tl.arange(0, SB)).to(tl.int64) * BYTES                          # d, dmin once per super-block
+    d = _f16_at(rows[:, None] + sb[None, :], n_ok[:, None])                     # [BN, SB]
+    dmin = _f16_at(rows[:, None] + sb[None, :] + 2, n_ok[:, None])
+    ys = tl.reshape(sc_lo * s_lo + sc_hi * s_hi, [s_lo.shape[0], SB, 4])
+    ym = tl.reshape(mn_lo * tl.sum(x_lo, axis=1)[None, :] + mn_hi * tl.sum(x_hi, axis=1)[None, :],
+                    [s_lo.shape[0], SB, 4])
+    return tl.sum(d * tl.sum(ys, axis=2) - dmin * tl.sum(ym, axis=2), axis=1)
+
+
+@triton.jit
+def _row_dot_q6_k(rows, n_ok, blk0, x_ptr, SB: tl.constexpr):
+    """Q6_K (210 B): group ``i = 4hf + 2a + l2`` reads ``ql[16i + l1]``; its low nibble is ``k = a``
+    (K ``128hf + 32a + 16l2 + l1``), high nibble ``k = a + 2`` (64 further), each with its own
+    2 bits of ``qh`` and int8 scale (see :func:`_tile_q6_k`)."""
+    t = tl.arange(0, SB * 8)
+    l1 = tl.arange(0, 16)
+    i = t % 8
+    base = (blk0 + t // 8).to(tl.int64) * 210
+    msk = n_ok[:, None, None]
+    ql = tl.load(rows[:, None, None] + (base + 16 * i)[None, :, None] + l1[None, None, :],
+                 mask=msk, other=0).to(tl.int32)                                 # [BN, T, 16]
+    qh = tl.load(rows[:, None, None] + (base + 128 + 32 * (i // 4) + 16 * (i % 2))[None, :, None]
+                 + l1[None, None, :], mask=msk, other=0).to(tl.int32)
+    sh = (2 * ((i // 2) % 2))[None, :, None]
+    q0 = (ql & 15) | (((qh >> sh) & 3) << 4)
+    q1 = (ql >> 4) | (((qh >> (sh + 4)) & 3) << 4)
+    koff = (256 * (blk0 + t // 8) + 128 * (i // 4) + 32 * ((i // 2) % 2) + 16 * (i % 2))[:, None] + l1[None, :]
+    s0 = tl.sum(_i2f(q0, 32.0) * _xload(x_ptr, koff)[None], axis=2)              # [BN, T]
+    s1 = tl.sum(_i2f(q1, 32.0) * _xload(x_ptr, koff + 64)[None], axis=2)
+    sidx = base + 192 + i + 4 * (i // 4)
+    sc0 = tl.load(rows[:, None] + sidx[None, :], mask=n_ok[:, None], other=0).to(tl.int8, bitcast=True)
+    sc1 = tl.load(rows[:, None] + (sidx + 4)[None, :], mask=n_ok[:, None], other=0).to(tl.int8, bitcast=True)
+    sb = (blk0 + tl.arange(0, SB)).to(tl.int64) * 210
+    d = _f16_at(rows[:, None] + (sb + 208)[None, :], n_ok[:, None])             # [BN, SB], once per super-block
+    y = tl.reshape(sc0.to(tl.float32) * s0 + sc1.to(tl.float32) * s1, [s0.shape[0], SB, 8])
+    return tl.sum(d * tl.sum(y, axis=2), axis=1)
+
+
+@triton.jit
+def row_dot(rows, n_ok, blk0, x_ptr, QTYPE: tl.constexpr, SB: tl.constexpr):
+    """float32 ``[BLOCK_N]``: ``sum_k x[k] * dequant(w)[n, k]`` over the ``SB`` blocks from ``blk0`` of the
+    rows ``rows`` of GGML type ``QTYPE``; ``x_ptr`` points at the activation row's element 0."""
+    if QTYPE == "Q4_0":
+        y = _row_dot_q4(rows, n_ok, blk0, x_ptr, SB, 18, False)
+    elif QTYPE == "Q4_1":
+        y = _row_dot_q4(rows, n_ok, blk0, x_ptr, SB, 20, True)
+    elif QTYPE == "Q8_0":
+        y = _row_dot_q8_0(rows, n_ok, blk0, x_ptr, SB)
+    elif QTYPE == "Q4_K":
+        y = _row_dot_q45_k(rows, n_ok, blk0, x_ptr, SB, False)
+    elif QTYPE == "Q5_K":
+        y = _row_dot_q45_k(rows, n_ok, blk0, x_ptr, SB, True)
+    else:
+        tl.static_assert(QTYPE == "Q6_K", "row_dot: unsupported GGML type")
+        y = _row_dot_q6_k(rows, n_ok, blk0, x_ptr, SB)
+    return y

@@ -1,0 +1,105 @@
+"""runtime/kernels/gguf_linear.py: GEMV / dequantize / linear on raw GGUF blocks vs the dequantize-then-matmul
+reference (gguf-py's numpy dequantize). Under the CPU interpreter here (small shapes), compiled on a GPU."""
+import pytest
+import torch
+
+from graphdsl import GraphDSLError
+from graphdsl.runtime.gguf_blocks import dequantize_blocks
+from graphdsl.runtime.kernels.gguf_tiles import KERNEL_QTYPES as BLOCKS
+from graphdsl.runtime.kernels.gguf_linear import _pick_config, _sb_for, gguf_dequantize, gguf_gemv, gguf_linear
+from tests.helpers.gguf_blocks import KERNEL_QTYPES, random_gguf_weight
+
+pytest.importorskip("gguf")
+DEV = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def _weight(qtype, n, k, seed=0):
+    data, ref = random_gguf_weight(qtype, n, k, seed=seed)
+    return data.to(DEV), ref.to(DEV)
+
+
+def _x(m, k, dtype, seed):
+    return torch.randn(m, k, generator=torch.Generator().manual_seed(seed)).to(DEV, dtype)
+
+
+def _close(out, x, ref, dtype):
+    want = x.float() @ ref.T
+    tol = 1e-4 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(out.float(), want, rtol=tol, atol=tol * want.abs().max().item())
+
+
+@pytest.mark.parametrize("qtype", KERNEL_QTYPES)
+def test_dequantize_kernel_is_exact(qtype):
+    data, ref = _weight(qtype, 19, 512, seed=1)
+    torch.testing.assert_close(gguf_dequantize(data, qtype, torch.float32), ref, rtol=0, atol=0)
+    torch.testing.assert_close(dequantize_blocks(data, qtype, 512), ref, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("qtype", KERNEL_QTYPES)
+@pytest.mark.parametrize("m,split", [(1, 1), (1, 2), (5, 1), (5, 2)])
+def test_gemv_matches_dequantize_then_matmul(qtype, m, split):
+    """Odd N (19, a partial row tile), one and several activation rows, with and without split-K."""
+    data, ref = _weight(qtype, 19, 512, seed=2)
+    x = _x(m, 512, torch.float32, seed=m)
+    cfg = dict(SB=_sb_for(512 // BLOCKS[qtype][0], 4), BLOCK_N=16, SPLIT_K=split, num_warps=4, num_stages=1)
+    out = gguf_gemv(x, data, qtype, config=cfg)
+    assert out.shape == (m, 19) and out.dtype == torch.float32
+    _close(out, x, ref, torch.float32)
+
+
+def test_one_row_dot_path_matches_row_dot():
+    """The tile + tl.dot path forced for one row (benchmarks compare it) gives the same values."""
+    data, ref = _weight("Q5_K", 17, 512, seed=5)
+    x = _x(1, 512, torch.float32, seed=5)
+    cfg = dict(SB=2, BLOCK_N=16, SPLIT_K=1, num_warps=4, num_stages=1)
+    _close(gguf_gemv(x, data, "Q5_K", config={**cfg, "USE_DOT": True}), x, ref, torch.float32)
+    _close(gguf_gemv(x, data, "Q5_K", config=cfg), x, ref, torch.float32)
+
+
+@pytest.mark.parametrize("qtype", ["Q4_0", "Q4_K", "Q6_K"])
+@pytest.mark.parametrize("m", [1, 3])
+def test_gemv_bfloat16_default_launch(qtype, m):
+    data, ref = _weight(qtype, 33, 768, seed=3)
+    x = _x(m, 768, torch.bfloat16, seed=10 + m)
+    out = gguf_gemv(x, data, qtype)
+    assert out.dtype == torch.bfloat16
+    _close(out, x, ref, torch.bfloat16)
+
+
+@pytest.mark.parametrize("qtype", ["Q8_0", "Q5_K"])
+def test_linear_dispatches_gemv_and_prefill(qtype):
+    """``gguf_linear``: leading dims and bias; 17+ rows go through dequantize + matmul."""
+    data, ref = _weight(qtype, 24, 256, seed=4)
+    bias = torch.randn(24).to(DEV)
+    for shape in [(2, 256), (3, 7, 256)]:
+        x = _x(int(torch.tensor(shape[:-1]).prod()), 256, torch.float32, seed=len(shape)).reshape(shape)
+        out = gguf_linear(x, data, qtype, bias)
+        assert out.shape == (*shape[:-1], 24)
+        _close(out.reshape(-1, 24) - bias, x.reshape(-1, 256), ref, torch.float32)
+
+
+def test_pick_config_splits_small_grids(monkeypatch):
+    import graphdsl.runtime.kernels.gguf_linear as g
+    monkeypatch.setattr(g, "_num_sms", lambda device: 132)
+    cpu = torch.device("cpu")
+    c = _pick_config(1, 4096, 4096, "Q4_K", cpu)           # 512 tiles of 8 rows, 8 steps of 2 super-blocks
+    assert (c["SB"], c["BLOCK_N"], c["SPLIT_K"], c["num_warps"]) == (2, 8, 2, 2)
+    c = _pick_config(1, 14336, 4096, "Q8_0", cpu)          # 1792 tiles >= 4 per SM
+    assert (c["SB"], c["SPLIT_K"]) == (16, 1)
+    c = _pick_config(4, 4096, 14336, "Q6_K", cpu)
+    assert (c["SB"], c["BLOCK_N"], c["num_warps"]) == (1, 32, 4)
+    assert _sb_for(3, 8) == 1 and _sb_for(56, 8) == 8 and _sb_for(12, 8) == 4
+
+
+def test_errors_name_the_operand():
+    data = torch.zeros(4, 144, dtype=torch.uint8)
+    with pytest.raises(GraphDSLError, match=r"GGML type 'Q2_K' has no kernel; supported: \['Q4_0'"):
+        gguf_gemv(torch.zeros(1, 256), data, "Q2_K")
+    with pytest.raises(GraphDSLError, match=r"data must be contiguous uint8 \[N, K / 256 \* 210\].*got torch.uint8 \[4, 144\]"):
+        gguf_gemv(torch.zeros(1, 256), data, "Q6_K")
+    with pytest.raises(GraphDSLError, match=r"x must be \[M, 256\].*got \[1, 128\]"):
+        gguf_gemv(torch.zeros(1, 128), data, "Q4_K")
+    with pytest.raises(GraphDSLError, match=r"x needs 1..16 rows, got 17"):
+        gguf_gemv(torch.zeros(17, 256), data, "Q4_K")
+    with pytest.raises(GraphDSLError, match=r"last dim must be K=256 \(the Q4_K weight's\), got \[2, 3\]"):
+        gguf_linear(torch.zeros(2, 3), data, "Q4_K")
