@@ -93,6 +93,22 @@ def _module_map_arg(value: str) -> str:
     return value
 
 
+def _rules_arg(value: str) -> str:
+    """A YAML rule file, or the name of one shipped in graphdsl/models/optimize_rules; validated now."""
+    from graphdsl.models.injection import InjectionRuleError, builtin_rules, load_rules
+    path = value
+    if not os.path.exists(value):
+        try:
+            path = builtin_rules(value)
+        except InjectionRuleError as e:
+            raise argparse.ArgumentTypeError(f"{value!r}: not a file, nor a shipped rule file ({e})") from None
+    try:
+        load_rules(path)
+    except InjectionRuleError as e:
+        raise argparse.ArgumentTypeError(f"{value!r}: {e}") from None
+    return path
+
+
 def _existing_file_arg(value: str) -> str:
     if not os.path.isfile(value):
         raise argparse.ArgumentTypeError(f"{value!r}: {'not a file' if os.path.exists(value) else 'not found'}")
@@ -167,7 +183,9 @@ def _load(args):
     print(f"loading {args.model} on {device} ...", file=sys.stderr, flush=True)
     llm = gd.LLM(args.model, device=device, dtype=args.dtype, max_model_len=args.max_model_len, max_num_seqs=1,
                  custom_module_map=args.custom_module_map, progress=True, quantization=args.quantization,
-                 tensor_parallel_size=_tp_size(args))
+                 tensor_parallel_size=_tp_size(args), optimize_rules=args.optimize_rules)
+    if llm.injection is not None:
+        print(f"optimize rules: {len(llm.injection.matched)} modules matched", file=sys.stderr, flush=True)
     print(f"loaded {llm} in {time.monotonic() - t0:.1f}s", file=sys.stderr, flush=True)
     return llm
 
@@ -361,7 +379,7 @@ def _profile(args) -> int:
 
 def _check(args) -> int:
     from graphdsl.models.check import check_model
-    report = check_model(args.model, custom_module_map=args.custom_module_map)
+    report = check_model(args.model, custom_module_map=args.custom_module_map, optimize_rules=args.optimize_rules)
     print(report)
     return 0 if report.ok else 1
 
@@ -417,7 +435,8 @@ def _serve(args) -> int:
     print(f"loading {args.model} on {device} ...", file=sys.stderr, flush=True)
     llm = gd.LLM(args.model, device=device, dtype=args.dtype, max_model_len=args.max_model_len,
                  max_num_seqs=args.max_num_seqs, custom_module_map=args.custom_module_map, progress=True,
-                 quantization=args.quantization, tensor_parallel_size=_tp_size(args))
+                 quantization=args.quantization, tensor_parallel_size=_tp_size(args),
+                 optimize_rules=args.optimize_rules)
     if args.chat_template:
         if llm.tokenizer is None:
             raise SystemExit("graphdsl serve: --chat-template needs a model with a tokenizer")
@@ -527,9 +546,13 @@ def _add_runtime(p: argparse.ArgumentParser, model: bool = True) -> None:
 
 
 def _add_module_map(p: argparse.ArgumentParser) -> None:
-    """Every command that loads or checks a model takes the custom module map it may need."""
+    """Every command that loads or checks a model takes the custom module map and the optimize rules
+    it may need."""
     p.add_argument("--custom-module-map", type=_module_map_arg, default=None,
                    help="a .py file registering extra or replacement models (docs/add-a-model.md)")
+    p.add_argument("--optimize-rules", type=_rules_arg, default=None, metavar="PATH",
+                   help="YAML injection rules applied before weights load, or the name of a shipped rule file "
+                        "(docs/injection.md)")
 
 
 def _command(sub, name: str, fn, **kw) -> argparse.ArgumentParser:

@@ -31,6 +31,7 @@ from graphdsl.runtime.serving.scheduler import Request, RequestStatus, Scheduler
 from graphdsl.models.base import FlashCausalLM
 from graphdsl.models.config import ModelConfig, build_config, read_hf_config
 from graphdsl.models.loader import load_weights
+from graphdsl.models.injection import apply_rules, check_placements
 from graphdsl.models.lora import LoRARequest
 from graphdsl.models.registry import load_custom_module_map, resolve_model_class
 
@@ -83,6 +84,9 @@ class LLM:
             pool makes the scheduler preempt, which tests use).
         block_size: tokens per KV-cache block.
         custom_module_map: a ``.py`` file registering extra or replacement models.
+        optimize_rules: injection rules applied to the module tree before weights load: a YAML file
+            path, a YAML string or a list of rule dicts (see ``docs/injection.md`` and
+            :mod:`graphdsl.models.injection`); ``llm.injection`` holds the report.
         tensor_parallel_size: ranks of tensor parallelism (docs/distributed.md). Under ``torchrun`` the
             ranks are torchrun's processes (``--nproc-per-node`` must equal it): rank 0 returns the
             LLM, the other ranks follow its steps inside this constructor and then exit the script
@@ -113,11 +117,12 @@ class LLM:
                  kv_cache_memory_fraction: float | None = None, num_kv_blocks: int | None = None, block_size: int = 16,
                  custom_module_map: str | os.PathLike | None = None, tensor_parallel_size: int = 1,
                  expert_parallel: bool = False, progress: bool = False, cuda_graphs: bool = True,
-                 overlap: bool = True, quantization: str | None = None):
+                 overlap: bool = True, quantization: str | None = None,
+                 optimize_rules=None):
         _check_sizes(tensor_parallel_size, max_num_seqs, block_size, max_model_len, max_num_batched_tokens,
                      num_kv_blocks)
         _check_fraction(kv_cache_memory_fraction)
-        _check_tp(tensor_parallel_size, kv_cache_memory_fraction, expert_parallel, quantization)
+        _check_tp(tensor_parallel_size, kv_cache_memory_fraction, expert_parallel, quantization, optimize_rules)
         device = check_device(device, "LLM: device") or default_device()
         if custom_module_map is not None:
             load_custom_module_map(custom_module_map)
@@ -125,7 +130,7 @@ class LLM:
                     max_num_batched_tokens=max_num_batched_tokens, kv_cache_memory_fraction=kv_cache_memory_fraction,
                     num_kv_blocks=num_kv_blocks, block_size=block_size, cuda_graphs=cuda_graphs, overlap=overlap,
                     progress=progress, custom_module_map=custom_module_map, expert_parallel=expert_parallel,
-                    quantization=quantization)
+                    quantization=quantization, optimize_rules=optimize_rules)
         self._start(("path", os.fspath(model)), device, tensor_parallel_size, opts)
 
     @classmethod
@@ -134,13 +139,14 @@ class LLM:
                     max_num_batched_tokens: int | None = None, kv_cache_memory_fraction: float | None = None,
                     num_kv_blocks: int | None = None, block_size: int = 16, cuda_graphs: bool = True,
                     overlap: bool = True, tensor_parallel_size: int = 1, expert_parallel: bool = False,
-                    quantization: str | None = None) -> "LLM":
+                    quantization: str | None = None, optimize_rules=None) -> "LLM":
         """A model of ``hf_config``'s architecture (a HF ``config.json`` as a dict) with random
         weights made directly on ``device``: matrices and embeddings ~ N(0, ``init_std``), norm
         weights 1, biases 0. No checkpoint, no tokenizer (prompts are token ids) — for benchmarks
         of real shapes and for tests. Same ``seed``, same weights on the same device. Under tensor
         parallelism each rank draws its own shard (the whole model is never made; the shards are
-        not slices of the single-process model's weights)."""
+        not slices of the single-process model's weights). Parameters ``optimize_rules`` place on the
+        host are drawn on ``device`` and moved."""
         if not isinstance(hf_config, dict):
             raise GraphDSLError(f"from_config: hf_config must be a dict (a HF config.json), got {type(hf_config).__name__}")
         if isinstance(seed, bool) or not isinstance(seed, int):
@@ -150,14 +156,14 @@ class LLM:
         _check_sizes(tensor_parallel_size, max_num_seqs, block_size, max_model_len, max_num_batched_tokens,
                      num_kv_blocks)
         _check_fraction(kv_cache_memory_fraction)
-        _check_tp(tensor_parallel_size, kv_cache_memory_fraction, expert_parallel, quantization)
+        _check_tp(tensor_parallel_size, kv_cache_memory_fraction, expert_parallel, quantization, optimize_rules)
         device = check_device(device, "LLM.from_config: device") or default_device()
         self = cls.__new__(cls)
         opts = dict(dtype=dtype, max_model_len=max_model_len, max_num_seqs=max_num_seqs,
                     max_num_batched_tokens=max_num_batched_tokens, kv_cache_memory_fraction=kv_cache_memory_fraction,
                     num_kv_blocks=num_kv_blocks, block_size=block_size, cuda_graphs=cuda_graphs, overlap=overlap,
                     progress=False, custom_module_map=None, expert_parallel=expert_parallel,
-                    quantization=quantization)
+                    quantization=quantization, optimize_rules=optimize_rules)
         self._start(("config", dict(hf_config), seed, float(init_std)), device, tensor_parallel_size, opts)
         return self
 
@@ -273,6 +279,10 @@ class LLM:
         dtype = _pick_dtype(dtype, device, config)
         cls = resolve_model_class(config.model_type, config.architectures)
         model = cls(config, dtype)
+        self.injection = None
+        if opts is not None and opts.get("optimize_rules") is not None:
+            self.injection = apply_rules(model, opts["optimize_rules"], config)
+            check_placements(model, device)
         if tp is not None:
             from graphdsl.models.tensor_parallel import shard_model
             shard_model(model, tp, expert_parallel=opts["expert_parallel"])
@@ -304,7 +314,11 @@ class LLM:
         self.kv_cache = PagedKVCache(cfg.num_hidden_layers, kv_heads, cfg.head_dim,
                                      num_blocks=num_blocks, block_size=block_size, dtype=dtype, device=device)
         self.blocks = BlockManager(num_blocks, block_size)
-        self.model.bind(weights, zip(self.kv_cache.key_caches, self.kv_cache.value_caches), block_size)
+        for i, dev in enumerate(model.layer_devices(device)):      # KV blocks live with their attention layer
+            if torch.device(dev) != self.kv_cache.key_caches[i].device:
+                self.kv_cache.key_caches[i] = self.kv_cache.key_caches[i].to(dev)
+                self.kv_cache.value_caches[i] = self.kv_cache.value_caches[i].to(dev)
+        self.model.bind(weights, zip(self.kv_cache.key_caches, self.kv_cache.value_caches), block_size, device)
         if not isinstance(overlap, bool):
             raise GraphDSLError(f"LLM: overlap must be a bool, got {overlap!r}")
         self.cuda_graphs, self.overlap = cuda_graphs, overlap
@@ -607,7 +621,11 @@ def _check_sizes(tensor_parallel_size, max_num_seqs, block_size, max_model_len, 
             raise GraphDSLError(f"LLM: {name} must be a positive int, got {v!r}")
 
 
-def _check_tp(tensor_parallel_size: int, kv_cache_memory_fraction, expert_parallel, quantization=None) -> None:
+def _check_tp(tensor_parallel_size: int, kv_cache_memory_fraction, expert_parallel, quantization=None,
+              optimize_rules=None) -> None:
+    if tensor_parallel_size > 1 and optimize_rules is not None:
+        raise GraphDSLError("LLM: optimize_rules are not supported with tensor_parallel_size > 1 yet (injected modules "
+                            "and device placements are not sharded): use one of them")
     if tensor_parallel_size > 1 and quantization is not None:
         raise GraphDSLError(f"LLM: quantization={quantization!r} is not supported with tensor_parallel_size > 1 yet "
                             "(quantized weights are not sharded): use one of them")
@@ -632,6 +650,7 @@ def _random_weights(model: FlashCausalLM, device: torch.device, dtype: torch.dty
     gen = torch.Generator(device=device)
     gen.manual_seed(seed)
     tied = model.tied_parameters()
+    where = model.parameter_devices()
     out: dict[str, torch.Tensor] = {}
     for name, p in model.named_parameters():
         if name in tied:
@@ -645,7 +664,7 @@ def _random_weights(model: FlashCausalLM, device: torch.device, dtype: torch.dty
         else:
             raise GraphDSLError(f"from_config: parameter {name!r} has non-floating dtype {t.dtype}; "
                                 "random weights cover float parameters only")
-        out[name] = t
+        out[name] = t.to(where[name]) if name in where else t
     for name, source in tied.items():
         out[name] = out[source]
     return out

@@ -132,12 +132,17 @@ class Module:
         return m
 
     def set_submodule(self, path: str, module: "Module") -> None:
-        """Replace the module at dotted ``path`` (used by injection rules)."""
+        """Replace the module at dotted ``path`` (used by injection rules); it keeps its place among
+        its siblings, so parameter order (and anything drawn in that order) is unchanged."""
+        if not isinstance(module, Module):
+            raise GraphDSLError(f"set_submodule: module must be a Module, got {type(module).__name__}")
         parent_path, _, leaf = path.rpartition(".")
         parent = self.get_submodule(parent_path)
         if leaf not in parent._modules:
             raise GraphDSLError(f"no submodule '{path}' to replace")
-        setattr(parent, leaf, module) if not isinstance(parent, ModuleList) else parent._set(int(leaf), module)
+        parent._modules[leaf] = module
+        if not isinstance(parent, ModuleList):
+            object.__setattr__(parent, leaf, module)
 
     # -- calling -----------------------------------------------------------------------------
     def _assign_paths(self):

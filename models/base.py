@@ -86,6 +86,37 @@ class FlashCausalLM(Module):
             return True
         return any(re.search(p, name) for p in self.ignored_checkpoint_names)
 
+    def parameter_devices(self) -> dict[str, str]:
+        """``{parameter: device}`` for parameters placed off the model's device: by an injected
+        module's ``weight_device`` (e.g. :class:`~graphdsl.models.cpu_experts.CPUExperts` on the
+        host), or by an optimize rule's placement of their module (``generate_device``, a
+        ``transfer_map``)."""
+        from .injection import placement_of
+        out = {}
+        for path, m in self.named_modules():
+            dev = getattr(m, "weight_device", None)
+            if dev is None and m._parameters:
+                p = placement_of(self, path)
+                dev = None if p is None else p.generate
+            if dev is not None:
+                out.update({f"{path}.{leaf}": dev for leaf in m._parameters})
+        return out
+
+    def layer_devices(self, home) -> list[str]:
+        """The device of each decoder layer's attention, where its KV cache blocks live."""
+        from .injection import normalize_device, placement_of
+        out = []
+        for i in range(self.config.num_hidden_layers):
+            p = placement_of(self, f"model.layers.{i}.self_attn")
+            out.append(normalize_device(p.generate) if p is not None and p.generate is not None
+                       else normalize_device(home))
+        return out
+
+    def graph_capturable(self) -> bool:
+        """False when some (injected) module sets ``cuda_graph_safe = False``: it runs
+        host-synchronising ops, so decode runs without CUDA graphs."""
+        return all(getattr(m, "cuda_graph_safe", True) for _, m in self.named_modules() if m is not self)
+
     def tied_parameters(self) -> dict[str, str]:
         """``{parameter: parameter it shares storage with}``."""
         return {"lm_head.weight": "model.embed_tokens.weight"} if self.config.tie_word_embeddings else {}
@@ -96,8 +127,10 @@ class FlashCausalLM(Module):
         return {}, {}, {}
 
     def bind(self, weights: Mapping[str, torch.Tensor], kv_caches: Iterable[tuple[torch.Tensor, torch.Tensor]],
-             block_size: int) -> None:
-        """Attach real weights and KV caches; engines built later bind them by name."""
+             block_size: int, device=None) -> None:
+        """Attach real weights and KV caches; engines built later bind them by name. ``device``: where
+        a step's inputs arrive (default: the first cache's device); modules placed elsewhere by
+        optimize rules run in engines of their own device (a partitioned engine)."""
         caches = list(kv_caches)
         if len(caches) != self.config.num_hidden_layers:
             raise GraphDSLError(f"bind: expected {self.config.num_hidden_layers} (key, value) cache pairs, "
@@ -107,7 +140,13 @@ class FlashCausalLM(Module):
             bound[KVCacheSpec.key_name(i)], bound[KVCacheSpec.value_name(i)] = k, v
         k0 = caches[0][0]
         spec = KVCacheSpec(len(caches), k0.shape[2], k0.shape[3], block_size, k0.dtype)
+        for path, m in self.named_modules():
+            hook = getattr(m, "bind_weights", None)
+            if hook is not None:
+                hook(bound, path)
         object.__setattr__(self, "_bound", bound)
+        from .injection import normalize_device
+        object.__setattr__(self, "_home", torch.device(normalize_device(device)) if device is not None else k0.device)
         object.__setattr__(self, "_cache_spec", spec)
         object.__setattr__(self, "_num_cache_blocks", k0.shape[0])
         self._engines.clear()
@@ -199,8 +238,15 @@ def _engine(self: FlashCausalLM, phase: Phase, lora: bool = False):
                 bound = {**bound, **self._lora.buffers}
             else:
                 net.mark_output(self(ctx), "logits")
-        device = next(iter(self._bound.values())).device
-        engine = net.build_engine(device=device, backend=self._runtime["backend"])
+        from .injection import device_labeller
+        labels = device_labeller(self, self._home)
+        if labels is None:
+            engine = net.build_engine(device=self._home, backend=self._runtime["backend"])
+        else:
+            from graphdsl.passes.partition import partition_by_device
+            from graphdsl.runtime.partitioned import PartitionedEngine
+            engine = PartitionedEngine(partition_by_device(net, labels), device=self._home,
+                                       backend=self._runtime["backend"])
         engine.set_weights({n: t for n, t in bound.items() if n in engine.net.inputs})
         self._engines[key] = engine
     return engine
@@ -255,7 +301,15 @@ def _graph_runner(self: FlashCausalLM, engine):
         return None
     if engine.device is None or engine.device.type != "cuda" or engine.backend.name != "triton":
         return None
+    if not self.graph_capturable():
+        return None
     runner = self._graph_runners.get(id(engine))
+    if getattr(engine, "partition", None) is not None:        # placement rules: one graph per CUDA part
+        if runner is None or runner.engine is not engine:
+            from .partitioned_graphs import PartitionedGraphRunner
+            width = self._runtime["max_blocks_per_seq"] or self._num_cache_blocks
+            runner = self._graph_runners[id(engine)] = PartitionedGraphRunner(engine, decode_pads(width))
+        return runner
     if runner is None or runner.engine is not engine:
         from graphdsl.runtime.serving.cuda_graphs import CudaGraphRunner
         width = self._runtime["max_blocks_per_seq"] or self._num_cache_blocks

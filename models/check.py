@@ -46,9 +46,11 @@ class ModelCheck:
         return "\n".join([head, *lines, *(f"  note: {n}" for n in self.notes)])
 
 
-def check_model(path: str | os.PathLike, custom_module_map: str | os.PathLike | None = None) -> ModelCheck:
+def check_model(path: str | os.PathLike, custom_module_map: str | os.PathLike | None = None,
+                optimize_rules=None) -> ModelCheck:
     """Check a HF model directory or a ``.gguf`` file; returns a :class:`ModelCheck` (never raises
-    for an unsupported model, only for an unreadable path)."""
+    for an unsupported model, only for an unreadable path). ``optimize_rules`` are applied to the
+    module tree first, so the weights are checked against the injected modules."""
     path = os.fspath(path)
     if custom_module_map is not None:
         load_custom_module_map(custom_module_map)
@@ -80,6 +82,13 @@ def check_model(path: str | os.PathLike, custom_module_map: str | os.PathLike | 
         report.problems.append(str(e))
         return report
     model = cls(report.config)
+    if optimize_rules is not None:
+        from .injection import apply_rules
+        try:
+            apply_rules(model, optimize_rules, report.config)
+        except GraphDSLError as e:
+            report.problems.append(str(e))
+            return report
     expected = {n: s.shape for n, s in model.checkpoint_table().items()}
     got = _gguf_shapes(ckpt) if gguf else _safetensors_shapes(path)
     got = {model.checkpoint_name(n): s for n, s in got.items()}

@@ -25,7 +25,8 @@ __all__ = ["load_weights"]
 
 def load_weights(model: FlashCausalLM, tensors: Iterable[tuple[str, torch.Tensor]], *, device, dtype=None,
                  progress: bool = False) -> dict[str, torch.Tensor]:
-    """``{parameter name: tensor on device}`` for every parameter of ``model``.
+    """``{parameter name: tensor on device}`` for every parameter of ``model`` (on the device
+    :meth:`FlashCausalLM.parameter_devices` names, for parameters injected modules keep elsewhere).
 
     Args:
         tensors: checkpoint ``(name, tensor)`` pairs in HF naming (``model.checkpoint_renames`` apply).
@@ -36,7 +37,8 @@ def load_weights(model: FlashCausalLM, tensors: Iterable[tuple[str, torch.Tensor
     table = model.checkpoint_table()
     params = dict(model.named_parameters())
     tied = model.tied_parameters()
-    out = {name: torch.zeros(tuple(p.shape), dtype=p.dtype or dtype, device=device)   # zeros: TP vocab padding
+    where = model.parameter_devices()
+    out = {name: torch.zeros(tuple(p.shape), dtype=p.dtype or dtype, device=where.get(name, device))  # zeros: TP vocab padding
            for name, p in params.items() if name not in tied}
     got: dict[str, tuple[int, ...]] = {}
     expected = {name: slot.shape for name, slot in table.items()}

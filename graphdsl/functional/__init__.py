@@ -9,7 +9,7 @@ from .lora import lora_apply
 from .matmul import bmm, linear, matmul
 from .moe import moe_experts
 from .movement import (cat, embedding, expand, gather, getitem, index_mask, permute, reshape, slice, split,
-                       squeeze, transpose, unsqueeze)
+                       squeeze, transfer, transpose, unsqueeze)
 from .pointwise import (ActType, activation, add, cast, div, eq, exp, ge, gelu, gelu_tanh, gt, le, lt, mul,
                         ne, neg, pow, relu, rsqrt, scalar, sigmoid, silu, sqrt, sub, tanh, where)
 from .quant import quant_linear
@@ -25,7 +25,7 @@ __all__ = [
     "matmul", "bmm", "linear", "moe_experts", "lora_apply", "quant_linear",
     # views and data movement
     "reshape", "permute", "transpose", "unsqueeze", "squeeze", "slice", "expand", "split", "cat", "gather",
-    "embedding", "getitem", "index_mask",
+    "embedding", "getitem", "index_mask", "transfer",
     # attention
     "RopeLayout", "rope", "reshape_and_cache", "paged_attention", "paged_mla_attention",
     # collectives

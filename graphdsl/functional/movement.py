@@ -16,7 +16,7 @@ from ..opdef import OpCategory, Spec, check, register_op
 from ._rules import at_user_line, norm_dim
 
 __all__ = ["reshape", "permute", "transpose", "unsqueeze", "squeeze", "slice", "expand", "split", "cat",
-           "gather", "embedding", "getitem", "index_mask"]
+           "gather", "embedding", "getitem", "index_mask", "transfer"]
 
 V, M = OpCategory.VIEW, OpCategory.DATA_MOVEMENT
 
@@ -306,3 +306,11 @@ def getitem(x, idx):
         else:
             raise GraphDSLError(f"unsupported index {i!r} ({type(i).__name__}); use ints, slices, None, ... or a Tensor")
     return out
+
+
+@register_op("transfer", category=M, shape=lambda x, *, device="cpu": Spec(x.shape, x.dtype))
+def transfer(x, *, device: str = "cpu"):
+    """``x`` copied to ``device`` (a device string: ``cpu``, ``cuda:1``). A partitioned graph
+    (:mod:`graphdsl.passes.partition`) holds one at every edge between parts on different devices;
+    the part boundary is where it runs."""
+    return x.to(torch.device(device).type if torch.device(device).type == "cpu" else device)

@@ -451,6 +451,16 @@ def test_cast_rejects_unknown_dtype_name():
             F.cast(x, "float128")
 
 
+@pytest.mark.parametrize("mode", BOTH)
+def test_transfer(mode):
+    """``transfer`` copies to a device (here the host, as ``cpu:1``, a second CPU part): same values."""
+    def graph_fn(x):
+        return (F.transfer(x * 2.0, device="cpu:1") + 1.0,)
+
+    check_op(graph_fn, {"x": (("n", 4), torch.float32)}, lambda sz: {"x": torch.randn(sz["n"], 4)},
+             lambda x: x * 2.0 + 1.0, mode)
+
+
 @pytest.mark.parametrize("act", [F.ActType.SWIGLU, F.ActType.GEGLU])
 def test_moe_experts(act):
     """``moe_experts`` against a per-token loop over each token's chosen experts."""

@@ -13,7 +13,8 @@ Directives:
     the marker.
 ``file NAME``
     a ``python`` block written to ``NAME`` in the working directory and run as that file (so the
-    source lines graphdsl records read ``NAME:LINE``).
+    source lines graphdsl records read ``NAME:LINE``); a ``yaml`` block is only written there (a
+    rule file later blocks load).
 ``process``
     with ``file NAME``: run as its own process (``python NAME``), with ``TRITON_INTERPRET=1`` when
     there is no GPU (Triton reads it when kernels are defined, so only a fresh process can set it).
@@ -132,6 +133,9 @@ def run_doc(path: str, workdir: str, models: dict[str, str] | None = None) -> li
             _check_output(b, d["output"], *last)
         elif b.lang == "python":
             last = (b, _run_python(b, text, scope, workdir))
+        elif b.lang == "yaml" and "file" in d:
+            with open(os.path.join(workdir, d["file"]), "w", encoding="utf-8") as f:
+                f.write(text)
         elif d.get("run"):
             last = (b, _run_shell(b, text, workdir))
         else:

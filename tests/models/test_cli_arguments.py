@@ -36,7 +36,8 @@ _SAMPLING = [("--top-p", "2"), ("--top-p", "0"), ("--temperature", "-1"), ("--to
              ("--stop", ""), ("--temperature", "hot")]
 _RUNTIME = _DEVICES + [("--dtype", "int8"), ("--max-model-len", "0"), ("--max-model-len", "-3"),
                        ("--threads", "0"), ("--custom-module-map", "{missing}.py"),
-                       ("--custom-module-map", "{not_py}")]
+                       ("--custom-module-map", "{not_py}"), ("--optimize-rules", "{missing}.yaml"),
+                       ("--optimize-rules", "{file}")]
 _MODELS = ["{missing}", "{file}", "{dir}", "{safetensors}", ""]
 
 
@@ -63,6 +64,7 @@ def _cases():
     yield ["dump", "{gguf}"], "--out"
     yield ["dump", "{gguf}", "--out", "{dir}/o", "--prompt", ""], "--prompt"
     yield ["check", "{gguf}", "--custom-module-map", "{missing}.py"], "--custom-module-map"
+    yield ["check", "{gguf}", "--optimize-rules", "{file}"], "--optimize-rules"
     yield ["cache", "list", "--dir", "{file}"], "--dir"
     yield ["cache", "purge"], "action"
     yield ["bench", "--shape", "gpt-9"], "--shape"

@@ -1,0 +1,142 @@
+"""CPU expert offload: an injected replacement of :class:`~graphdsl.layers.FusedExperts` whose routed
+experts run on the host (multi-threaded torch, bf16 or fp32) while the rest of the model runs on the
+GPU. Rule::
+
+    - match: {name: "^model\\.layers\\.\\d+\\.mlp\\.experts$"}
+      replace:
+        class: graphdsl.models.cpu_experts.CPUExperts
+        kwargs: {generate_device: cpu}
+      recursive: false
+
+Per step only the activations cross the bus: ``x [T, H]`` and each token's ``top_k`` expert ids
+and weights go to the host, ``y [T, H]`` comes back; the expert weights stay in host memory (the
+loader puts them there: :attr:`CPUExperts.weight_device`). The math is :func:`graphdsl.functional.moe_experts`'s::
+
+    y[t] = Σ_{e in topk(t)} routing[t, e] · down_e · act(gate_e · x[t]) ⊙ (up_e · x[t])
+
+computed per expert over the tokens routed to it (gather, two GEMMs, scatter-add in float32).
+The op synchronises with the host, so models using it run decode without CUDA graphs.
+"""
+from __future__ import annotations
+
+import itertools
+import weakref
+
+import torch
+
+from graphdsl import OpCategory, register_op, same_as
+from graphdsl import functional as F
+from graphdsl.errors import GraphDSLError
+from graphdsl.opdef import get_op
+from graphdsl.layers import FusedExperts
+
+from .injection import Placement
+
+__all__ = ["CPUExperts", "cpu_moe_experts"]
+
+_STORES: "weakref.WeakValueDictionary[str, CPUExperts]" = weakref.WeakValueDictionary()
+_IDS = itertools.count()
+_OPS = ("torch",)
+
+
+def _reference(x, routing, *, store: str, act=F.ActType.SWIGLU, top_k=None):
+    """``moe_experts(x, routing, gate_up, down)`` with the stacked weights held on the host by the
+    :class:`CPUExperts` registered as ``store``; the result is on ``x``'s device, in its dtype."""
+    module = _STORES.get(store)
+    if module is None or module.host_weights is None:
+        raise GraphDSLError(f"cpu_moe_experts: no bound CPUExperts weights for store {store!r}; "
+                            "bind the model's weights (FlashCausalLM.bind) before running")
+    return module.run(x, routing, act, top_k)
+
+
+_OP = dict(category=OpCategory.CUSTOM, shape=same_as(0))
+_record = register_op("cpu_moe_experts", **_OP)(_reference)
+
+
+def cpu_moe_experts(x, routing, *, store: str, act=F.ActType.SWIGLU, top_k=None):
+    """Record the ``cpu_moe_experts`` op (registering it again if a registry reset dropped it)."""
+    try:
+        get_op("cpu_moe_experts")
+    except GraphDSLError:
+        register_op("cpu_moe_experts", **_OP)(_reference)
+    return _record(x, routing, store=store, act=act, top_k=top_k)
+
+
+class CPUExperts(FusedExperts):
+    """Routed experts on the CPU; same Parameters and checkpoint slots as the module it replaces.
+    Follows the :class:`~graphdsl.models.injection.InjectedModule` constructor protocol.
+
+    Args (rule kwargs):
+        generate_device / device: must be ``cpu`` (where the experts run and their weights live).
+        prefill_device: ``cpu`` too (prefill on the GPU would need a second copy of the weights).
+        out_device: accepted for the seed's rules; the result returns to the input's device.
+        generate_op, prefill_op: ``torch`` (the only CPU kernel here).
+        threads: ``torch.set_num_threads`` for the host GEMMs (None: torch's default).
+    """
+
+    cuda_graph_safe = False
+    weight_device = "cpu"
+
+    def __init__(self, key: str, config, orig_module, *, device: str | None = None, generate_device: str | None = None,
+                 prefill_device: str | None = None, out_device: str | None = None, generate_op: str = "torch",
+                 prefill_op: str = "torch", threads: int | None = None):
+        if not isinstance(orig_module, FusedExperts):
+            raise GraphDSLError(f"CPUExperts replaces FusedExperts modules, got {type(orig_module).__name__} at '{key}'")
+        m = orig_module
+        FusedExperts.__init__(self, m.num_experts, m.hidden_size, m.intermediate_size, m.act, m.gate_up_proj.dtype,
+                              m.sources, m.top_k)
+        place = Placement.from_kwargs({k: v for k, v in dict(device=device, generate_device=generate_device,
+                                                             prefill_device=prefill_device).items() if v is not None})
+        for name, dev in (("generate_device", place and place.generate), ("prefill_device", place and place.prefill)):
+            if dev is not None and torch.device(dev).type != "cpu":
+                raise GraphDSLError(f"CPUExperts: {name} must be 'cpu', got {dev!r}")
+        for name, op in (("generate_op", generate_op), ("prefill_op", prefill_op)):
+            if op not in _OPS:
+                raise GraphDSLError(f"CPUExperts: {name} must be one of {list(_OPS)}, got {op!r}")
+        if threads is not None and (isinstance(threads, bool) or not isinstance(threads, int) or threads < 1):
+            raise GraphDSLError(f"CPUExperts: threads must be a positive int or None, got {threads!r}")
+        object.__setattr__(self, "key", key)
+        object.__setattr__(self, "config", config)
+        object.__setattr__(self, "threads", threads)
+        object.__setattr__(self, "store_key", f"{key}#{next(_IDS)}")
+        object.__setattr__(self, "host_weights", None)
+        _STORES[self.store_key] = self
+
+    def forward(self, x, routing):
+        return cpu_moe_experts(x, routing, store=self.store_key, act=self.act, top_k=self.top_k)
+
+    def bind_weights(self, weights: dict, path: str) -> None:
+        """Take this module's stacked weights (``{path}.gate_up_proj``, ``{path}.down_proj``) from the
+        bound weights, on the host."""
+        gate_up, down = weights[f"{path}.gate_up_proj"], weights[f"{path}.down_proj"]
+        object.__setattr__(self, "host_weights", (gate_up.to("cpu"), down.to("cpu")))
+
+    def run(self, x: torch.Tensor, routing: torch.Tensor, act, top_k) -> torch.Tensor:
+        """The op's body: route on ``x``'s device, compute on the host, return on ``x``'s device."""
+        gate_up, down = self.host_weights
+        k = top_k or routing.shape[-1]
+        w, ids = routing.float().topk(k, dim=-1)                              # [T, k]
+        xh, w, ids = x.to("cpu"), w.to("cpu"), ids.to("cpu")
+        if self.threads is not None and torch.get_num_threads() != self.threads:
+            torch.set_num_threads(self.threads)
+        out = torch.zeros(xh.shape, dtype=torch.float32)
+        flat = ids.reshape(-1)
+        order = torch.argsort(flat, stable=True)
+        counts = torch.bincount(flat, minlength=gate_up.shape[0]).tolist()
+        start = 0
+        for e, n in enumerate(counts):
+            if n == 0:
+                continue
+            sel = order[start:start + n]
+            start += n
+            tok = sel // k
+            h = xh[tok].to(gate_up.dtype)
+            gate, up = (h @ gate_up[e].mT).chunk(2, dim=-1)
+            a = torch.nn.functional.silu(gate) if act is F.ActType.SWIGLU else \
+                torch.nn.functional.gelu(gate, approximate="tanh")
+            y = (a * up) @ down[e].mT
+            out.index_add_(0, tok, y.float() * w.reshape(-1)[sel].unsqueeze(-1))
+        return out.to(dtype=x.dtype).to(x.device)
+
+    def extra_repr(self) -> str:
+        return super().extra_repr() + ", device=cpu"
