@@ -369,9 +369,12 @@ def device_labeller(model: Module, home):
     """``node -> device label`` for the partitioner, or None when every module runs on ``home``.
 
     A node of a placed module (its own placement or an ancestor's) runs there. A node of an unplaced
-    module runs where its data is: on the device of its first input made by another node (so a
-    shared module such as ``model.rotary_emb`` runs inside the layer that calls it, and the final
-    norm follows the last layer), else on ``home``. Call it on nodes in record order."""
+    module that holds parameters runs on ``home``, where the loader puts those parameters
+    (:meth:`FlashCausalLM.parameter_devices`): the final norm and ``lm_head`` after a
+    ``transfer_map`` split run back on ``home``. Any other node runs where its data is: on the
+    device of its first input made by another node (so a parameter-free shared module such as
+    ``model.rotary_emb`` runs inside the layer that calls it), else on ``home``. Call it on nodes in
+    record order."""
     home_label = normalize_device(home)
     placed = {normalize_device(m.__dict__["_placement"].generate) for _, m in model.named_modules()
               if "_placement" in m.__dict__ and m.__dict__["_placement"].generate is not None}
@@ -386,11 +389,23 @@ def device_labeller(model: Module, home):
             p = placement_of(model, path)
             explicit[path] = normalize_device(p.generate) if p is not None and p.generate is not None else None
         dev = explicit[path]
+        if dev is None and _owns_parameters(model, path):
+            dev = home_label
         if dev is None:
             dev = next((labels[t.producer] for t in node.inputs if t.producer in labels), home_label)
         labels[node] = dev
         return dev
     return label
+
+
+def _owns_parameters(model: Module, path: str) -> bool:
+    """Whether the module at ``path`` (a recorded node's module path) exists and has parameters of its own."""
+    m = model
+    for p in path.split(".") if path else []:
+        m = m._modules.get(p)
+        if m is None:
+            return False
+    return bool(m._parameters)
 
 
 def check_placements(model: Module, device) -> None:

@@ -182,9 +182,10 @@ HEAD_BACK = [{"match": {"name": "^lm_head$"}, "replace": {"kwargs": {"device": "
 
 
 @pytest.mark.parametrize("family,rules,devices", [
-    ("llama", SPLIT, ["cpu", "cpu:1"]),                       # unplaced norm/lm_head follow their data
-    ("llama", SPLIT + HEAD_BACK, ["cpu", "cpu:1", "cpu"]),    # a placed lm_head brings the stream back
-    ("qwen2_moe", SPLIT + EXPERTS_CPU, ["cpu", "cpu:1"])], ids=["llama", "llama-head-back", "qwen2_moe-cpu-experts"])
+    ("llama", SPLIT, ["cpu", "cpu:1", "cpu"]),                # unplaced norm/lm_head run where their weights are
+    ("llama", SPLIT + HEAD_BACK, ["cpu", "cpu:1", "cpu"]),    # a placed lm_head: the same
+    ("qwen2_moe", SPLIT + EXPERTS_CPU, ["cpu", "cpu:1", "cpu"])],
+    ids=["llama", "llama-head-back", "qwen2_moe-cpu-experts"])
 def test_transfer_map_split_equals_unsplit(family, rules, devices):
     hf = LLAMA if family == "llama" else make_config(family).to_dict()
     base = _llm(hf)
@@ -262,7 +263,7 @@ def test_partitioned_graph_runner_steps_equal_the_engine():
     split = _llm(rules=SPLIT)
     engine = split.model.engine(gd.layers.Phase.DECODE)
     runner = PartitionedGraphRunner(engine, decode_pads(4))
-    assert runner.runners == [None, None]                  # host parts run eagerly
+    assert runner.runners == [None, None, None]            # host parts run eagerly
     assert {"input_ids", "cos", "slot_mapping", "block_tables", "seq_lens"} <= set(runner.pads)
     pos = torch.tensor([0, 0])
     step = {"input_ids": torch.tensor([5, 9]), "positions": pos, "slot_mapping": torch.tensor([0, 16]),
