@@ -7,8 +7,9 @@
 where ``routing`` holds each token's top-k expert weights and zeros elsewhere. Only the top-k are
 computed, so decode reads ``k / E`` of the expert weights instead of all of them.
 
-1. **Align** (torch, on the device, no host sync, so it is CUDA-graph safe): the ``P = T·k``
-   (token, choice) pairs are grouped by expert, each group padded to a multiple of ``BLOCK_M``:
+1. **Align** (:func:`moe_align`, on the device, no host sync, so it is CUDA-graph safe: one Triton
+   program for up to 128 pairs, torch ops beyond): the ``P = T·k`` (token, choice) pairs are
+   grouped by expert, each group padded to a multiple of ``BLOCK_M``:
    ``rows[b·BLOCK_M + i]`` is a pair index (``P`` marks padding) and ``block_expert[b]`` the expert
    of block ``b`` (``E`` past the last block: such programs exit). At most
    ``cdiv(P, BLOCK_M) + min(E, P)`` blocks are needed, a bound fixed by the shapes.
@@ -18,7 +19,7 @@ computed, so decode reads ``k / E`` of the expert weights instead of all of them
 3. **Down** (:func:`_down_kernel`): ``y[p] = routing weight(p) · h[p] @ down_eᵀ`` in float32.
 4. ``out = Σ_k y.view(T, k, H)`` (torch), cast to the input dtype.
 
-File shape (STYLE.md 11): the two ``@triton.jit`` kernels, the align step, the launcher that picks
+File shape (STYLE.md 11): the three ``@triton.jit`` kernels, the align step, the launcher that picks
 tiles with one heuristic (:func:`_pick_config`) and checks its arguments, the public wrapper.
 """
 from __future__ import annotations
