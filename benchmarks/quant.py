@@ -52,38 +52,75 @@ def kernel_rows(shape: str, schemes: list[str], copy: float) -> list[str]:
     return rows
 
 
-def sweep(shape: str, schemes: list[str], copy: float) -> list[str]:
-    """Decode tile configs (BLOCK_N, BLOCK_K, stages) per scheme: the summed µs over the shape's
-    projections, best first (how ``_DECODE_K`` / ``_DECODE_STAGES`` were chosen)."""
+def sweep(shape: str, schemes: list[str], copy: float, *, top: int = 3) -> list[str]:
+    """Decode GEMV configs for quantized weights (``gemv(..., scheme=)``; BLOCK_N, BLOCK_K, SPLIT_K,
+    stages): per projection of the shape (gate_up with its SwiGLU epilogue, as in the model), a CUDA
+    graph replays the GEMV over enough copies of the weights (>= 256 MB) that they stream from HBM,
+    as in a decode step; µs per GEMV and % of copy bandwidth, the ``top`` best first, and the
+    default heuristic's row (how ``_pick_quant_config`` was chosen)."""
     import itertools
 
     from graphdsl.quant import online_scheme
-    from graphdsl.runtime.kernels.quant_linear import quant_linear
+    from graphdsl.runtime.kernels.gemv import GemvWorkspace, _pick_quant_config, gemv, weight_kind
     c = SHAPES[shape]
     h, i = c["hidden_size"], c["intermediate_size"]
     hd = c.get("head_dim") or h // c["num_attention_heads"]
-    projs = [((c["num_attention_heads"] + 2 * c["num_key_value_heads"]) * hd, h), (h, h), (2 * i, h), (h, i)]
+    projs = {"qkv": ((c["num_attention_heads"] + 2 * c["num_key_value_heads"]) * hd, h), "o": (h, h),
+             "gate_up": (2 * i, h), "down": (h, i)}
     rows = []
+    ws = GemvWorkspace()
     for name in schemes:
         s = online_scheme(name)
-        data = []
-        for n, k in projs:
-            stored = s.quantize(torch.randn(n, k, device="cuda", dtype=torch.bfloat16))
-            data.append((n, stored, torch.randn(1, k, device="cuda", dtype=torch.bfloat16)))
-        results = []
-        for bn, bk, st in itertools.product((16, 32), (256, 512, 1024), (2, 4)):
-            cfg = dict(BLOCK_M=16, BLOCK_N=bn, BLOCK_K=bk, num_warps=4, num_stages=st)
-            try:
-                us = [bench_ms(lambda: quant_linear(x, stored, s, n, config=cfg)) * 1e3 for n, stored, x in data]
-            except Exception as e:  # noqa: BLE001 - a config past the shared memory / registers: skip it
-                _log(f"{s.name} {cfg}: {type(e).__name__}: {str(e)[:120]}")
-                continue
-            results.append((sum(us), bn, bk, st, us))
-        results.sort()
-        for tot, bn, bk, st, us in results[:4]:
-            rows.append(f"| {s.name} | BLOCK_N={bn} BLOCK_K={bk} stages={st} | {tot:.1f} | "
-                        + " ".join(f"{u:.1f}" for u in us) + " |")
-            _log(rows[-1])
+        for proj, (n, k) in projs.items():
+            one = s.quantize(torch.randn(n, k, device="cuda", dtype=torch.bfloat16))
+            nbytes = sum(t.numel() * t.element_size() for t in one)
+            copies = [one] + [[t.clone() for t in one] for _ in range(max(1, -(-(256 << 20) // nbytes)) - 1)]
+            x = torch.randn(1, k, device="cuda", dtype=torch.bfloat16)
+            silu = proj == "gate_up"
+            out = torch.empty(1, n // 2 if silu else n, device="cuda", dtype=torch.bfloat16)
+            group = getattr(s, "group_size", None) or 1
+
+            def run(cfg):
+                for st in copies:
+                    gemv(x, st[0], silu_mul=silu, out=out, workspace=ws, config=dict(cfg), scheme=s, scales=st[1],
+                         zeros=st[2] if len(st) > 2 else None)
+
+            def time_graph(cfg) -> float:
+                run(cfg)
+                torch.cuda.synchronize()
+                g = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(g):
+                    run(cfg)
+                ms = bench_ms(g.replay, repeats=1, warmup_ms=10, rep_ms=60)
+                del g
+                return ms * 1e3 / len(copies)
+
+            default = _pick_quant_config(1, n, k, weight_kind(s), group, x.device)
+            results = []
+            for bn, bk, split, st in itertools.product((32, 64, 128), (128, 256, 512), (1, 2, 4, 8), (4,)):
+                if (group > 1 and bk % group and group % bk) or k % bk:
+                    continue
+                cfg = dict(BLOCK_N=bn, BLOCK_K=bk, SPLIT_K=split, num_warps=4, num_stages=st)
+                try:
+                    results.append((time_graph(cfg), cfg))
+                except Exception as e:  # noqa: BLE001 - a config past shared memory / registers: skip it
+                    _log(f"{s.name} {proj} {cfg}: {type(e).__name__}: {str(e)[:100]}")
+            results.sort(key=lambda r: r[0])
+            best = results[0][1]
+            for st in (3, 5, 6):                           # pipeline depth around the best tile
+                cfg = dict(best, num_stages=st)
+                try:
+                    results.append((time_graph(cfg), cfg))
+                except Exception as e:  # noqa: BLE001
+                    _log(f"{s.name} {proj} {cfg}: {type(e).__name__}: {str(e)[:100]}")
+            results.sort(key=lambda r: r[0])
+            shown = results[:top] + [(time_graph(default), dict(default, heuristic=True))]
+            for us, cfg in shown:
+                gbs = nbytes / (us * 1e-6) / 1e9
+                rows.append(f"| {s.name} | {proj} [{n}, {k}] | {cfg} | {us:.2f} | {100 * gbs / copy:.0f}% |")
+                _log(rows[-1])
+            del copies
+            torch.cuda.empty_cache()
     return rows
 
 
@@ -156,7 +193,7 @@ def main(argv=None) -> int:
         lines += ["| scheme | projection | µs | GB/s | % of copy |", "|---|---|---|---|---|"]
         lines += kernel_rows(args.shape, [s for s in args.schemes], copy) + [""]
     if args.sweep:
-        lines += ["| scheme | decode config | total µs | per projection µs |", "|---|---|---|---|"]
+        lines += ["| scheme | projection | decode GEMV config | µs | % of copy |", "|---|---|---|---|---|"]
         lines += sweep(args.shape, args.schemes, copy) + [""]
     if args.no_e2e:
         print("\n".join(lines))

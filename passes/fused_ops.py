@@ -20,7 +20,8 @@ from graphdsl.functional import attention as _attn
 from graphdsl.functional._rules import binary_rule
 from graphdsl.opdef import OpCategory, Spec, check, get_op, register_op
 
-__all__ = ["add_rms_norm", "silu_mul", "rope_cache", "rope_cache_attention", "matmul_add", "matmul_silu_mul", "fused",
+__all__ = ["add_rms_norm", "silu_mul", "rope_cache", "rope_cache_attention", "matmul_add", "matmul_silu_mul",
+           "quant_linear_silu_mul", "quant_linear_add", "fused",
            "program_ops", "FUSED_OPS"]
 
 
@@ -127,6 +128,37 @@ def matmul_silu_mul(a, b, *, transpose_a=False, transpose_b=False):
                                                                    transpose_b=transpose_b))
 
 
+# -- quantized linear with an epilogue --------------------------------------------------------------
+def _quant_linear_silu_mul_rule(x: Spec, *stored: Spec, scheme: str, out_features: int, in_features: int):
+    return _silu_mul_rule(get_op("quant_linear").shape(x, *stored, scheme=scheme, out_features=out_features,
+                                                       in_features=in_features))
+
+
+@register_op("quant_linear_silu_mul", category=OpCategory.MATMUL, shape=_quant_linear_silu_mul_rule,
+             workspace=lambda x, *stored, **attrs: get_op("quant_linear").shape(x, *stored, **attrs))
+def quant_linear_silu_mul(x, *stored, scheme: str = "", out_features: int = 0, in_features: int = 0):
+    """``silu_mul(quant_linear(x, *stored))``: the quantized packed ``[gate | up]`` projection with
+    SwiGLU in its epilogue (as ``matmul_silu_mul``; other lowerings may put the product in the
+    node's workspace)."""
+    y = get_op("quant_linear").reference(x, *stored, scheme=scheme, out_features=out_features,
+                                         in_features=in_features)
+    return get_op("silu_mul").reference(y)
+
+
+def _quant_linear_add_rule(x: Spec, c: Spec, *stored: Spec, scheme: str, out_features: int, in_features: int):
+    y = get_op("quant_linear").shape(x, *stored, scheme=scheme, out_features=out_features, in_features=in_features)
+    return binary_rule("quant_linear_add")(y, c)
+
+
+@register_op("quant_linear_add", category=OpCategory.MATMUL, shape=_quant_linear_add_rule)
+def quant_linear_add(x, c, *stored, scheme: str = "", out_features: int = 0, in_features: int = 0):
+    """``quant_linear(x, *stored) + c``, ``c`` a bias ``[out_features]`` or a residual of the
+    product's shape (added to the float32 sums in the GEMV's epilogue)."""
+    y = get_op("quant_linear").reference(x, *stored, scheme=scheme, out_features=out_features,
+                                         in_features=in_features)
+    return torch.add(y, c)
+
+
 # -- generic fused group -------------------------------------------------------------------------
 def program_ops(program) -> list[str]:
     """The op names of a ``fused`` sub-program, in order."""
@@ -170,4 +202,5 @@ def fused(*inputs, program=(), outputs=(), absorbed=()):
 
 FUSED_OPS = {"add_rms_norm": add_rms_norm, "silu_mul": silu_mul, "rope_cache": rope_cache,
              "rope_cache_attention": rope_cache_attention,
-             "matmul_add": matmul_add, "matmul_silu_mul": matmul_silu_mul, "fused": fused}
+             "matmul_add": matmul_add, "matmul_silu_mul": matmul_silu_mul,
+             "quant_linear_silu_mul": quant_linear_silu_mul, "quant_linear_add": quant_linear_add, "fused": fused}

@@ -10,6 +10,8 @@
 * ``matmul_silu_mul`` — ``silu_mul(matmul(x, w))`` -> one op: the decode GEMV computes a column's
   gate and up in one tile and writes only ``silu(gate) * up`` (the product never reaches memory;
   larger row counts run the GEMM into the node's workspace, then the ``silu_mul`` kernel)
+* ``quant_linear_silu_mul`` / ``quant_linear_add`` — the same two epilogues on a quantized
+  projection (``quant_linear`` with 2 or 3 stored tensors: codes, scales, zero points)
 * ``matmul_epilogue`` — ``matmul + bias`` / ``matmul + residual`` -> one GEMM with a beta=1
   epilogue. It runs after ``add_rms_norm``: an add that feeds an RMSNorm saves more by joining the
   norm's row kernel (no extra read of the sum) than by joining the GEMM, so only adds left over
@@ -19,7 +21,8 @@ from __future__ import annotations
 
 from graphdsl import functional as F
 
-from .fused_ops import add_rms_norm, matmul_add, matmul_silu_mul, rope_cache, rope_cache_attention, silu_mul
+from .fused_ops import (add_rms_norm, matmul_add, matmul_silu_mul, quant_linear_add, quant_linear_silu_mul, rope_cache,
+                        rope_cache_attention, silu_mul)
 from .rewriter import Rule, Var, ops
 from .shapes import same_extent_value, same_shape
 
@@ -111,7 +114,29 @@ def _matmul_silu_mul_replacement(a, b, *, ta, tb):
     return matmul_silu_mul(a, b, transpose_a=ta, transpose_b=tb)
 
 
-MATMUL_SILU_MUL_RULES = [Rule("matmul_silu_mul", _matmul_silu_mul_pattern, _matmul_silu_mul_replacement)]
+def _quant_attrs():
+    return dict(scheme=Var("scheme"), out_features=Var("out_features"), in_features=Var("in_features"))
+
+
+def _quant_silu_mul_pattern2(x, q, s):
+    return silu_mul(F.quant_linear(x, q, s, **_quant_attrs()))
+
+
+def _quant_silu_mul_pattern3(x, q, s, z):
+    return silu_mul(F.quant_linear(x, q, s, z, **_quant_attrs()))
+
+
+def _quant_silu_mul_replacement2(x, q, s, *, scheme, out_features, in_features):
+    return quant_linear_silu_mul(x, q, s, scheme=scheme, out_features=out_features, in_features=in_features)
+
+
+def _quant_silu_mul_replacement3(x, q, s, z, *, scheme, out_features, in_features):
+    return quant_linear_silu_mul(x, q, s, z, scheme=scheme, out_features=out_features, in_features=in_features)
+
+
+MATMUL_SILU_MUL_RULES = [Rule("matmul_silu_mul", _matmul_silu_mul_pattern, _matmul_silu_mul_replacement),
+                         Rule("quant_linear_silu_mul", _quant_silu_mul_pattern2, _quant_silu_mul_replacement2),
+                         Rule("quant_linear_silu_mul_zp", _quant_silu_mul_pattern3, _quant_silu_mul_replacement3)]
 
 
 # -- RoPE + KV-cache write -----------------------------------------------------------------------
@@ -181,6 +206,49 @@ def _epilogue_check(m):
     return True
 
 
+def _quant_epilogue_pattern2(x, q, s, c):
+    return F.quant_linear(x, q, s, **_quant_attrs()) + c
+
+
+def _quant_epilogue_pattern2_swapped(x, q, s, c):
+    return c + F.quant_linear(x, q, s, **_quant_attrs())
+
+
+def _quant_epilogue_pattern3(x, q, s, z, c):
+    return F.quant_linear(x, q, s, z, **_quant_attrs()) + c
+
+
+def _quant_epilogue_pattern3_swapped(x, q, s, z, c):
+    return c + F.quant_linear(x, q, s, z, **_quant_attrs())
+
+
+def _quant_epilogue_replacement2(x, q, s, c, *, scheme, out_features, in_features):
+    return quant_linear_add(x, c, q, s, scheme=scheme, out_features=out_features, in_features=in_features)
+
+
+def _quant_epilogue_replacement3(x, q, s, z, c, *, scheme, out_features, in_features):
+    return quant_linear_add(x, c, q, s, z, scheme=scheme, out_features=out_features, in_features=in_features)
+
+
+def _quant_epilogue_check(m):
+    c, prod = m.inputs["c"], m.node("quant_linear").outputs[0]
+    if c.shape is None or prod.shape is None:
+        return "shape: unknown while building"
+    if c.dtype != prod.dtype:
+        return f"dtype: the addend is {c.dtype}, the product {prod.dtype}"
+    if not (same_shape(c.shape, prod.shape) or (len(c.shape) == 1 and same_extent_value(c.shape[0], prod.shape[-1]))):
+        return f"shape: addend {c.shape} is neither a bias [{prod.shape[-1]}] nor a residual {prod.shape}"
+    return True
+
+
 MATMUL_EPILOGUE_RULES = [Rule("matmul_epilogue", _epilogue_pattern, _epilogue_replacement, _epilogue_check),
                          Rule("matmul_epilogue_swapped", _epilogue_pattern_swapped, _epilogue_replacement,
-                              _epilogue_check)]
+                              _epilogue_check),
+                         Rule("quant_linear_epilogue", _quant_epilogue_pattern2, _quant_epilogue_replacement2,
+                              _quant_epilogue_check),
+                         Rule("quant_linear_epilogue_swapped", _quant_epilogue_pattern2_swapped,
+                              _quant_epilogue_replacement2, _quant_epilogue_check),
+                         Rule("quant_linear_zp_epilogue", _quant_epilogue_pattern3, _quant_epilogue_replacement3,
+                              _quant_epilogue_check),
+                         Rule("quant_linear_zp_epilogue_swapped", _quant_epilogue_pattern3_swapped,
+                              _quant_epilogue_replacement3, _quant_epilogue_check)]

@@ -288,14 +288,17 @@ def _kernel_unsupported(node, ins) -> str | None:
         return _attention_unsupported(*ins)
     if node.op == "paged_mla_attention":
         return _mla_unsupported(*ins, value_dim=node.attrs["value_dim"])
-    if node.op == "quant_linear":
+    if node.op in _QUANT_OPS:
         from graphdsl.quant import parse_scheme
 
         from ..kernels.quant_linear import quant_linear_supported
         x = ins[0]
         if x.dim() < 1 or not x.is_contiguous():
             return "x is not contiguous"
-        return quant_linear_supported(x.reshape(-1, x.shape[-1]), parse_scheme(node.attrs["scheme"]), list(ins[1:]))
+        if node.op == "quant_linear_add" and (ins[1].dtype != x.dtype or ins[1].stride(-1) != 1):
+            return f"addend {ins[1].dtype} strides {ins[1].stride()}"
+        stored = list(ins[2:] if node.op == "quant_linear_add" else ins[1:])
+        return quant_linear_supported(x.reshape(-1, x.shape[-1]), parse_scheme(node.attrs["scheme"]), stored)
     if node.op == "moe_experts":
         from ..kernels.moe import moe_supported
         return moe_supported(*ins)
@@ -423,22 +426,39 @@ def _lora_apply(be: TritonBackend, node, ins, attrs, dsts):
 
 
 def _quant_linear(be: TritonBackend, node, ins, attrs, dsts):
-    """``quant_linear``: the dequantize-in-GEMV/GEMM kernel (:mod:`graphdsl.runtime.kernels.quant_linear`);
-    fp8 with dynamic activation scales and more than 16 rows on Hopper: ``torch._scaled_mm`` (FP8
-    tensor cores, row-wise scales) on the rows quantized per token."""
-    from graphdsl.quant import Fp8Scheme, parse_scheme, quantize_fp8_rows
+    """``quant_linear`` and its fused epilogues (``quant_linear_silu_mul``, ``quant_linear_add``):
+    a few rows run the decode GEMV with the weight dequantized in registers and the epilogue in
+    its last store (:mod:`graphdsl.runtime.kernels.gemv`); more rows the dequantize-in-GEMM kernel
+    (:mod:`graphdsl.runtime.kernels.quant_linear`) — or, for fp8 with dynamic activation scales on
+    Hopper, ``torch._scaled_mm`` (FP8 tensor cores, row-wise scales) on the rows quantized per
+    token — into the node's workspace, then the epilogue."""
+    from graphdsl.quant import Fp8Scheme, parse_scheme
 
+    from ..kernels.gemv import gemv, gemv_supported
     from ..kernels.quant_linear import quant_linear
     scheme = parse_scheme(attrs["scheme"])
-    x, stored, dst = ins[0], list(ins[1:]), dsts[0]
+    add = ins[1] if node.op == "quant_linear_add" else None
+    x, dst = ins[0], dsts[0]
+    stored = list(ins[2:] if add is not None else ins[1:])
     x2, out2 = x.reshape(-1, x.shape[-1]), dst.view(-1, dst.shape[-1])
     n = attrs["out_features"]
+    silu = node.op == "quant_linear_silu_mul"
+    if gemv_supported(x2, stored[0], scheme) and (x2.device.type == "cuda" or _interpreting()):
+        add2 = None if add is None else (add if add.dim() == 1 else add.reshape(-1, n))
+        gemv(x2, stored[0], add2, silu_mul=silu, out=out2, workspace=be.gemv_workspace, scheme=scheme,
+             scales=stored[1], zeros=stored[2] if len(stored) > 2 else None)
+        return dsts
+    prod = be.workspace(node, ins, attrs).view(-1, n) if silu else out2
     if isinstance(scheme, Fp8Scheme) and scheme.dynamic_activations and _scaled_mm_rows(x2, n):
         xq, sx = quantize_fp8_rows(x2)
         sw = stored[1].float().reshape(-1, 1).expand(n, 1).reshape(1, n)
-        out2.copy_(torch._scaled_mm(xq, stored[0].t(), scale_a=sx, scale_b=sw, out_dtype=x.dtype))
-        return dsts
-    quant_linear(x2, stored, scheme, n, out=out2)
+        prod.copy_(torch._scaled_mm(xq, stored[0].t(), scale_a=sx, scale_b=sw, out_dtype=x.dtype))
+    else:
+        quant_linear(x2, stored, scheme, n, out=prod)
+    if silu:
+        _silu_mul(be, node, [prod], attrs, [out2])
+    elif add is not None:
+        out2.add_(add if add.dim() == 1 else add.reshape(-1, n))
     return dsts
 
 
@@ -501,7 +521,9 @@ def _matmul(be: TritonBackend, node, ins, attrs, dsts):
 _LOWERINGS = {"fused": _fused, "add_rms_norm": _add_rms_norm, "silu_mul": _silu_mul, "rope_cache": _rope_cache,
               "paged_attention": _paged_attention, "rope_cache_attention": _rope_cache_attention,
               "paged_mla_attention": _paged_mla_attention, "moe_experts": _moe_experts, "lora_apply": _lora_apply,
-              "reshape_and_cache": _reshape_and_cache, "quant_linear": _quant_linear}
+              "reshape_and_cache": _reshape_and_cache, "quant_linear": _quant_linear,
+              "quant_linear_silu_mul": _quant_linear, "quant_linear_add": _quant_linear}
+_QUANT_OPS = ("quant_linear", "quant_linear_silu_mul", "quant_linear_add")
 # hand-written kernels; their torch references run on plain CPU
 _KERNEL_OPS = {"paged_attention", "rope_cache_attention", "reshape_and_cache", "paged_mla_attention", "moe_experts",
-               "lora_apply", "quant_linear"}
+               "lora_apply", *_QUANT_OPS}

@@ -47,7 +47,7 @@ from graphdsl.errors import GraphDSLError
 
 from .pdl import pdl_launch, pdl_trigger, pdl_wait
 
-__all__ = ["gemv", "gemv_supported", "GemvWorkspace", "MAX_ROWS"]
+__all__ = ["gemv", "gemv_supported", "GemvWorkspace", "MAX_ROWS", "weight_kind"]
 
 MAX_ROWS = 16
 # _pick_config's constants (benchmarks/decode_ab.py patches them for in-model A/B; on the H200 each
@@ -57,6 +57,11 @@ _STAGES = 5                # software-pipeline depth
 _SPLIT_BELOW = 4           # split K when the tiles cover less than 1/_SPLIT_BELOW of the SMs ...
 _MIN_SPLIT_STEPS = 8       # ... into slices of at least this many K steps
 _DTYPES = (torch.float16, torch.bfloat16)
+# weight kinds (``WKIND``): plain fp16/bf16, then the weight-only schemes of graphdsl.quant
+W_FLOAT, W_INT8, W_INT4, W_INT4_ZP, W_FP8 = 0, 1, 2, 3, 4
+# quantized tiles (benchmarks/quant.py --sweep, H200, weights from HBM): see _pick_quant_config
+_QUANT_BLOCK_N = 64
+_QUANT_STAGES = 4
 
 
 @triton.jit
@@ -86,15 +91,61 @@ def _finish(acc, add_ptr, out_ptr, pid_n, rm, m_ok, N, stride_am, stride_om, HAS
 
 
 @triton.jit
+def _int4_k_loop(acc, x_rows, q_ptr, s_ptr, z_ptr, rn, n_ok, m_ok, k_lo, k_hi, K, stride_sn,
+                 ZERO_POINT: tl.constexpr, GROUP: tl.constexpr, BLOCK_K: tl.constexpr, DOT_F32: tl.constexpr):
+    """``acc[n, m] += sum_k x[m, k] * (q[n, k] - z[n, g]) * s[n, g]`` over ``k_lo <= k < k_hi``,
+    ``g = k // GROUP`` (``z = 8`` without zero points). A K step of ``BLOCK_K`` inputs covers
+    ``BLOCK_K / GROUP`` whole groups (or lies in one): per group the low nibbles (even ``k``) and
+    the high nibbles (odd ``k``) enter two ``tl.dot`` calls with the even and odd activations, as
+    small integers exact in the activation dtype, and the group's scale multiplies the float32
+    partial — no interleave of nibbles, no per-weight scale multiply."""
+    STEP: tl.constexpr = BLOCK_K if BLOCK_K < GROUP else GROUP       # inputs per dot pair
+    SUBS: tl.constexpr = BLOCK_K // STEP
+    HALF: tl.constexpr = STEP // 2
+    rh = tl.arange(0, HALF)
+    rn64 = rn.to(tl.int64)
+    q_rows = q_ptr + rn64[:, None] * (K // 2)
+    s_rows = s_ptr + rn64 * stride_sn
+    z_rows = z_ptr + rn64 * stride_sn
+    for k0 in range(k_lo, k_hi, BLOCK_K):
+        for j in tl.static_range(SUBS):
+            kb = k0 + j * STEP
+            ok = (kb + 2 * rh) < K                                       # whole groups: all or none
+            b = tl.load(q_rows + (kb // 2 + rh)[None, :], mask=n_ok[:, None] & ok[None, :], other=0)
+            xe = tl.load(x_rows + (kb + 2 * rh)[None, :], mask=m_ok[:, None] & ok[None, :], other=0.0)
+            xo = tl.load(x_rows + (kb + 1 + 2 * rh)[None, :], mask=m_ok[:, None] & ok[None, :], other=0.0)
+            g = kb // GROUP
+            g_ok = n_ok & ((rn * 0 + kb) < K)
+            s = tl.load(s_rows + g, mask=g_ok, other=0.0).to(tl.float32)
+            if ZERO_POINT:
+                z = tl.load(z_rows + g, mask=g_ok, other=0.0).to(tl.float32)
+            else:
+                z = tl.full([rn.shape[0]], 8.0, tl.float32)
+            lo = (b & 15).to(tl.float32) - z[:, None]
+            hi = (b >> 4).to(tl.float32) - z[:, None]
+            if DOT_F32:
+                part = tl.dot(lo, tl.trans(xe.to(tl.float32))) + tl.dot(hi, tl.trans(xo.to(tl.float32)))
+            else:
+                part = tl.dot(lo.to(xe.dtype), tl.trans(xe)) + tl.dot(hi.to(xo.dtype), tl.trans(xo))
+            acc += part * s[:, None]
+    return acc
+
+
+@triton.jit
 def _gemv_kernel(
     x_ptr,          # [M, K] rows, last dim contiguous
-    w_ptr,          # [N, K] weight, row-major contiguous (HF [out, in] layout)
+    w_ptr,          # [N, K] weight, row-major contiguous (HF [out, in] layout); quantized: the codes
+                    # ([N, K] int8 / fp8, or [N, K / 2] bytes of two int4 each, even k low)
+    s_ptr,          # quantized: scales [N, K / GROUP] (int4) / [N, 1] or [1, 1] (int8, fp8); else unused
+    z_ptr,          # W_INT4_ZP: zero points [N, K / GROUP]; else unused
     add_ptr,        # [M, N] residual / [N] bias (HAS_ADD) or unused
     out_ptr,        # [M, N] output, last dim contiguous
     part_ptr,       # [SPLIT_K, n_tiles, BLOCK_N, BLOCK_M] float32 partial tiles (SPLIT)
     lock_ptr,       # [n_tiles] int32 arrival counters, zero between launches (SPLIT)
     M, N, K, SPLIT_K, K_SPLIT,   # sizes (N: output columns); K_SPLIT = K elements per slice (a multiple of BLOCK_K)
-    stride_xm, stride_am, stride_om,
+    stride_xm, stride_am, stride_om, stride_sn,
+    WKIND: tl.constexpr,         # W_FLOAT, W_INT8, W_INT4, W_INT4_ZP or W_FP8 (module constants)
+    GROUP: tl.constexpr,         # int4: inputs per scale (a divisor or a multiple of BLOCK_K)
     HAS_ADD: tl.constexpr,
     SWIGLU: tl.constexpr,        # w is [2N, K] = [gate | up]; out = silu(x @ gate.T) * (x @ up.T)
     SPLIT: tl.constexpr,         # SPLIT_K > 1
@@ -121,26 +172,33 @@ def _gemv_kernel(
     rm = tl.arange(0, BLOCK_M)
     rk = tl.arange(0, BLOCK_K)
     m_ok = rm < M
-    w_rows = w_ptr + rn.to(tl.int64)[:, None] * K
+    INT4: tl.constexpr = WKIND == 2 or WKIND == 3
     x_rows = x_ptr + rm[:, None] * stride_xm
     acc = tl.zeros([BLOCK_N, BLOCK_M], tl.float32)
     k_lo = pid_k * K_SPLIT
     k_hi = tl.minimum(k_lo + K_SPLIT, K)
     pdl_wait(USE_PDL, not LATE_LAUNCH)
-    for k0 in range(k_lo, k_hi, BLOCK_K):
-        kk = k0 + rk
-        if EVEN_K:
-            w = tl.load(w_rows + kk[None, :], mask=n_ok[:, None], other=0.0) if not EVEN_N \
-                else tl.load(w_rows + kk[None, :])
-            a = tl.load(x_rows + kk[None, :], mask=m_ok[:, None], other=0.0)
-        else:
-            k_ok = kk < K
-            w = tl.load(w_rows + kk[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0.0)
-            a = tl.load(x_rows + kk[None, :], mask=m_ok[:, None] & k_ok[None, :], other=0.0)
-        if DOT_F32:
-            acc += tl.dot(w.to(tl.float32), tl.trans(a.to(tl.float32)))
-        else:
-            acc += tl.dot(w, tl.trans(a))
+    if INT4:
+        acc = _int4_k_loop(acc, x_rows, w_ptr, s_ptr, z_ptr, rn, n_ok, m_ok, k_lo, k_hi, K, stride_sn,
+                           WKIND == 3, GROUP, BLOCK_K, DOT_F32)
+    else:
+        w_rows = w_ptr + rn.to(tl.int64)[:, None] * K
+        for k0 in range(k_lo, k_hi, BLOCK_K):
+            kk = k0 + rk
+            if EVEN_K and EVEN_N:
+                w = tl.load(w_rows + kk[None, :])
+                a = tl.load(x_rows + kk[None, :], mask=m_ok[:, None], other=0.0)
+            else:
+                w_ok = n_ok[:, None] & (kk < K)[None, :]
+                if WKIND == 4:      # fp8 has no literal zero for ``other``: zero masked lanes after the cast
+                    w = tl.where(w_ok, tl.load(w_rows + kk[None, :], mask=w_ok).to(tl.float32), 0.0)
+                else:
+                    w = tl.load(w_rows + kk[None, :], mask=w_ok, other=0.0)
+                a = tl.load(x_rows + kk[None, :], mask=m_ok[:, None] & (kk < K)[None, :], other=0.0)
+            if DOT_F32:
+                acc += tl.dot(w.to(tl.float32), tl.trans(a.to(tl.float32)))
+            else:
+                acc += tl.dot(w.to(a.dtype), tl.trans(a))     # int8 / fp8 e4m3 codes are exact in fp16/bf16
     if LATE_LAUNCH:
         pdl_trigger(USE_PDL)
     if SPLIT:
@@ -158,9 +216,13 @@ def _gemv_kernel(
                 acc += tl.load(part_ptr + t.to(tl.int64) * (BLOCK_N * BLOCK_M) + rt[:, None] * BLOCK_M
                                + rm[None, :], cache_modifier=".cg")
             tl.atomic_xchg(lock_ptr + pid_n, 0, sem="relaxed")   # read again only by a later launch
+            if WKIND == 1 or WKIND == 4:
+                acc = acc * tl.load(s_ptr + rn.to(tl.int64) * stride_sn, mask=n_ok, other=0.0).to(tl.float32)[:, None]
             _finish(acc, add_ptr, out_ptr, pid_n, rm, m_ok, N, stride_am, stride_om, HAS_ADD, SWIGLU, BLOCK_N,
                     BLOCK_M)
     else:
+        if WKIND == 1 or WKIND == 4:
+            acc = acc * tl.load(s_ptr + rn.to(tl.int64) * stride_sn, mask=n_ok, other=0.0).to(tl.float32)[:, None]
         _finish(acc, add_ptr, out_ptr, pid_n, rm, m_ok, N, stride_am, stride_om, HAS_ADD, SWIGLU, BLOCK_N, BLOCK_M)
 
 
@@ -208,6 +270,43 @@ def _pick_config(m: int, n: int, k: int, device: torch.device) -> dict:
     return dict(BLOCK_N=block_n, BLOCK_K=block_k, SPLIT_K=split, num_warps=4, num_stages=_STAGES)
 
 
+def _pick_quant_config(m: int, n: int, k: int, wkind: int, group: int, device: torch.device) -> dict:
+    """The launch for a quantized weight: ``BLOCK_K`` of 256 inputs (int4: 128 bytes a row, two
+    groups of 128; int8 / fp8: 256 bytes) in 64-row tiles, and K split until the tiles cover the
+    SMs (a batch-1 int4 projection of 4096 outputs is 64 tiles of 8 KB steps: alone they would
+    leave half of an H200's 132 SMs idle)."""
+    sms = _num_sms(device)
+    block_n = _QUANT_BLOCK_N
+    block_k = 256
+    if wkind in (W_INT4, W_INT4_ZP):
+        block_k = max(block_k, group) if group > block_k else block_k
+    while block_k > 32 and k % block_k:
+        block_k //= 2
+    tiles = triton.cdiv(n, block_n)
+    steps = triton.cdiv(k, block_k)
+    split = 1
+    while split < 8 and tiles * split * 2 <= 2 * sms and steps // (split * 2) >= 4:
+        split *= 2
+    return dict(BLOCK_N=block_n, BLOCK_K=block_k, SPLIT_K=split, num_warps=4, num_stages=_QUANT_STAGES)
+
+
+def weight_kind(scheme) -> int | None:
+    """``WKIND`` of a :mod:`graphdsl.quant` scheme the GEMV dequantizes (``None``: it cannot: fp8
+    with dynamic activation scales, foreign block formats)."""
+    from graphdsl.quant import Fp8Scheme, IntScheme
+    if scheme is None:
+        return W_FLOAT
+    if isinstance(scheme, IntScheme):
+        if scheme.bits == 8 and scheme.group_size is None:
+            return W_INT8
+        if scheme.bits == 4 and scheme.group_size is not None and scheme.group_size % 32 == 0:
+            return W_INT4_ZP if scheme.zero_point else W_INT4
+        return None
+    if isinstance(scheme, Fp8Scheme) and not scheme.dynamic_activations:
+        return W_FP8
+    return None
+
+
 class GemvWorkspace:
     """Split-K scratch for :func:`gemv`: per (device, tiles, slices, tile size) one float32 partial
     buffer and one zeroed counter array, allocated on first use and kept (a captured CUDA graph
@@ -231,27 +330,50 @@ class GemvWorkspace:
         return sum(t.numel() * t.element_size() for bufs in self._buffers.values() for t in bufs)
 
 
-def gemv_supported(x: torch.Tensor, w: torch.Tensor) -> bool:
-    """Whether :func:`gemv` takes these operands (the backend uses cuBLAS otherwise)."""
-    return (x.dim() == 2 and w.dim() == 2 and 1 <= x.shape[0] <= MAX_ROWS and x.dtype in _DTYPES
-            and w.dtype == x.dtype and w.is_contiguous() and x.stride(1) == 1 and x.shape[1] == w.shape[1])
+def gemv_supported(x: torch.Tensor, w: torch.Tensor, scheme=None) -> bool:
+    """Whether :func:`gemv` takes these operands (the backend uses cuBLAS, or the quantized GEMM,
+    otherwise). ``scheme``: ``w`` holds the codes of that :mod:`graphdsl.quant` scheme."""
+    if not (x.dim() == 2 and w.dim() == 2 and 1 <= x.shape[0] <= MAX_ROWS and x.dtype in _DTYPES
+            and w.is_contiguous() and x.stride(1) == 1):
+        return False
+    kind = weight_kind(scheme)
+    if kind is None:
+        return False
+    if kind == W_FLOAT:
+        return w.dtype == x.dtype and x.shape[1] == w.shape[1]
+    if kind in (W_INT4, W_INT4_ZP):
+        return w.dtype == torch.uint8 and 2 * w.shape[1] == x.shape[1] and x.shape[1] % scheme.group_size == 0
+    return w.shape[1] == x.shape[1]
 
 
 def gemv(x: torch.Tensor, w: torch.Tensor, add: torch.Tensor | None = None, *, silu_mul: bool = False,
          out: torch.Tensor | None = None, workspace: GemvWorkspace | None = None,
-         config: dict | None = None) -> torch.Tensor:
+         config: dict | None = None, scheme=None, scales: torch.Tensor | None = None,
+         zeros: torch.Tensor | None = None) -> torch.Tensor:
     """``x @ w.T (+ add)`` for ``x [M <= 16, K]`` and ``w [N, K]`` of one dtype (fp16/bf16); ``add``
     is a bias ``[N]`` or a residual ``[M, N]``. With ``silu_mul``, ``w`` is a packed ``[gate | up]``
     ``[2I, K]`` and the result is ``silu(x @ gate.T) * (x @ up.T)`` ``[M, I]`` (the ``silu_mul`` op
     of the product, without writing the product). ``workspace`` holds split-K scratch (a private
     one is made per call if omitted); ``config`` overrides the launch heuristic (``BLOCK_N,
-    BLOCK_K, SPLIT_K, num_warps, num_stages``; benchmarks sweep it)."""
-    if not gemv_supported(x, w):
-        raise GraphDSLError(f"gemv: needs x [M<= {MAX_ROWS}, K] and a contiguous w [N, K] of one dtype in "
-                            f"{[str(d) for d in _DTYPES]}, got x {list(x.shape)} {x.dtype} strides {x.stride()}, "
-                            f"w {list(w.shape)} {w.dtype} contiguous={w.is_contiguous()}")
-    m = x.shape[0]
-    n, k = w.shape
+    BLOCK_K, SPLIT_K, num_warps, num_stages``; benchmarks sweep it).
+
+    Quantized weights (``scheme``, a weight-only :mod:`graphdsl.quant` scheme): ``w`` holds the codes
+    (``[N, K]`` int8 / fp8 e4m3, or ``[N, K/2]`` uint8 of two int4), ``scales`` the scales
+    (``[N, K/group]`` for int4, ``[N, 1]`` or ``[1, 1]`` per channel / tensor) and ``zeros`` int4's
+    zero points: ``W = (q - z) * s`` dequantized in registers (:func:`_int4_k_loop`; 8-bit codes are
+    exact in the activation dtype and the per-row scale multiplies the float32 sums)."""
+    if not gemv_supported(x, w, scheme):
+        want = "a contiguous w [N, K] of one dtype" if scheme is None else f"the codes of {scheme.name}"
+        raise GraphDSLError(f"gemv: needs x [M<= {MAX_ROWS}, K] in {[str(d) for d in _DTYPES]} and {want}, got x "
+                            f"{list(x.shape)} {x.dtype} strides {x.stride()}, w {list(w.shape)} {w.dtype} "
+                            f"contiguous={w.is_contiguous()}")
+    kind = weight_kind(scheme)
+    if kind != W_FLOAT and (scales is None or not scales.is_contiguous()
+                            or (kind == W_INT4_ZP and (zeros is None or not zeros.is_contiguous()))):
+        raise GraphDSLError(f"gemv: scheme {scheme.name} needs contiguous scales"
+                            + (" and zero points" if kind == W_INT4_ZP else ""))
+    m, k = x.shape
+    n = w.shape[0]
     cols = n
     if silu_mul:
         if n % 2 or add is not None:
@@ -267,7 +389,9 @@ def gemv(x: torch.Tensor, w: torch.Tensor, add: torch.Tensor | None = None, *, s
         raise GraphDSLError(f"gemv: add must be a bias [{n}] or a residual [{m}, {n}], got {list(add.shape)}")
     if add is not None and add.stride(-1) != 1:
         raise GraphDSLError(f"gemv: add must have a contiguous last dim, got strides {add.stride()}")
-    cfg = dict(config or _pick_config(m, n, k, x.device))
+    group = scheme.group_size if kind in (W_INT4, W_INT4_ZP) else 1
+    cfg = dict(config or (_pick_config(m, n, k, x.device) if kind == W_FLOAT
+                          else _pick_quant_config(m, n, k, kind, group, x.device)))
     block_n, block_k, split = cfg.pop("BLOCK_N"), cfg.pop("BLOCK_K"), cfg.pop("SPLIT_K")
     steps = triton.cdiv(k, block_k)
     split = max(1, min(split, steps))
@@ -279,10 +403,14 @@ def gemv(x: torch.Tensor, w: torch.Tensor, add: torch.Tensor | None = None, *, s
         part, lock = (workspace or GemvWorkspace()).get(x.device, n_tiles, split, block_n)
     else:
         part = lock = out
+    if kind in (W_INT4, W_INT4_ZP) and block_k % group and group % block_k:
+        raise GraphDSLError(f"gemv: BLOCK_K {block_k} and the group size {group} must divide one another")
     stride_am = 0 if add is None or add.dim() == 1 else add.stride(0)
+    s_t = scales if scales is not None else out
+    stride_sn = 0 if kind == W_FLOAT or s_t.shape[0] == 1 else s_t.stride(0)
     _gemv_kernel[(n_tiles, split)](
-        x, w, add if add is not None else out, out, part, lock,
-        m, cols, k, split, k_split, x.stride(0), stride_am, out.stride(0),
+        x, w, s_t, zeros if zeros is not None else s_t, add if add is not None else out, out, part, lock,
+        m, cols, k, split, k_split, x.stride(0), stride_am, out.stride(0), stride_sn, WKIND=kind, GROUP=group,
         LATE_LAUNCH=n_tiles * split > _num_sms(x.device),
         HAS_ADD=add is not None, SWIGLU=silu_mul, SPLIT=split > 1, BLOCK_M=MAX_ROWS, BLOCK_N=block_n,
         BLOCK_K=block_k, EVEN_K=k % block_k == 0, EVEN_N=cols % tile_cols == 0,

@@ -1,7 +1,10 @@
 """Triton dequantize-in-GEMV/GEMM for ``quant_linear``: ``out = x @ W.T``, ``W`` stored quantized.
 
 One kernel serves the weight-only schemes of :mod:`graphdsl.quant` (int8 per-channel, int4
-group-wise symmetric or with zero points, fp8 e4m3 per-tensor or per-channel):
+group-wise symmetric or with zero points, fp8 e4m3 per-tensor or per-channel) for prefill and for
+what the decode GEMV (:mod:`.gemv`, which dequantizes in registers with split-K, PDL and the
+SwiGLU / residual epilogues; :func:`quant_linear` hands it up to 16 fp16/bf16 rows) does not take:
+float32 rows, fp8 with dynamic activation scales:
 
 * **Tiles.** Program ``(n, m)`` owns ``BLOCK_N`` output columns and ``BLOCK_M`` rows (padded with
   masked loads; decode uses ``BLOCK_M = 16``, the smallest ``tl.dot``; prefill larger tiles, so
@@ -153,6 +156,11 @@ def quant_linear(x: torch.Tensor, stored: list[torch.Tensor], scheme: QuantSchem
                             f"{list(out.shape)} {out.dtype} strides {out.stride()}")
     if m == 0:
         return out
+    if config is None and m <= 16 and x.dtype != torch.float32:
+        from .gemv import gemv, gemv_supported
+        if gemv_supported(x, stored[0], scheme):      # decode: the GEMV dequantizing in registers
+            return gemv(x, stored[0], out=out, scheme=scheme, scales=stored[1],
+                        zeros=stored[2] if len(stored) > 2 else None)
     if isinstance(scheme, Fp8Scheme) and scheme.dynamic_activations:
         xq, sx = quantize_fp8_rows(x)
         x = xq.float() * sx

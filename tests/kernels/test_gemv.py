@@ -96,3 +96,62 @@ def test_silu_mul_epilogue_rejects_odd_weights_and_adds():
         gemv(x, w, torch.zeros(6, dtype=torch.float16, device=DEV), silu_mul=True)
     with pytest.raises(GraphDSLError, match=r"out must be \[2, 3\]"):
         gemv(x, w, silu_mul=True, out=torch.empty(2, 6, dtype=torch.float16, device=DEV))
+
+
+# -- quantized weights (graphdsl.quant weight-only schemes) dequantized in the GEMV ---------------
+_QUANT_CASES = [("int4-g32", 16, 64, 1), ("int4-g64-zp", 32, 64, 2), ("int4-g128", 16, 256, 2),
+                ("int4-g64", 16, 32, 3), ("int8-channel", 16, 64, 2), ("fp8-channel", 32, 128, 1),
+                ("fp8-tensor", 16, 64, 3)]
+
+
+def _quantized(name, n, k, dtype, seed):
+    from graphdsl.quant import parse_scheme
+    s = parse_scheme(name)
+    stored = [t.to(DEV) for t in s.quantize(torch.randn(n, k, generator=torch.Generator().manual_seed(seed)), dtype)]
+    w = s.dequantize(stored, n, k, torch.float32)
+    return s, stored, w
+
+
+@pytest.mark.parametrize("name,block_n,block_k,split", _QUANT_CASES)
+@pytest.mark.parametrize("epilogue", [None, "residual", "silu_mul"])
+def test_quantized_weights_match_dequantize_then_matmul(name, block_n, block_k, split, epilogue):
+    """``W = (q - z) * s`` dequantized in registers (int4: a K step across several groups, inside one,
+    and split over K; 8-bit: the row scale on the float32 sums) equals the dequantized weight's
+    float32 product, with the residual or SwiGLU epilogue applied by the program finishing a tile."""
+    m, k, dtype = 3, 256, torch.bfloat16
+    n = 48 if epilogue == "silu_mul" else 40
+    s, stored, w = _quantized(name, n, k, dtype, seed=block_k + split)
+    x = torch.randn(m, k, generator=torch.Generator().manual_seed(1)).to(DEV, dtype)
+    add = torch.randn(m, n, generator=torch.Generator().manual_seed(2)).to(DEV, dtype) if epilogue == "residual" else None
+    cols = n // 2 if epilogue == "silu_mul" else n
+    out = torch.full((m, cols), float("nan"), dtype=dtype, device=DEV)
+    cfg = dict(BLOCK_N=block_n, BLOCK_K=block_k, SPLIT_K=split, num_warps=4, num_stages=2)
+    gemv(x, stored[0], add, silu_mul=epilogue == "silu_mul", out=out, config=cfg, workspace=GemvWorkspace(),
+         scheme=s, scales=stored[1], zeros=stored[2] if len(stored) > 2 else None)
+    prod = x.float() @ w.T
+    if epilogue == "silu_mul":
+        g, u = prod[:, :cols].to(dtype).float(), prod[:, cols:].to(dtype).float()
+        want = torch.nn.functional.silu(g).to(dtype).float() * u
+    else:
+        want = prod + (0 if add is None else add.float())
+    torch.testing.assert_close(out.float(), want, rtol=2e-2, atol=2e-2 * want.abs().max().item())
+
+
+def test_quantized_default_launch_splits_k_and_keeps_groups_whole():
+    """The default quantized launch: K steps that hold whole int4 groups, K split when few tiles."""
+    from graphdsl.runtime.kernels.gemv import W_INT4, _pick_quant_config
+    cfg = _pick_quant_config(1, 4096, 4096, W_INT4, 128, torch.device("cuda:0") if DEV == "cuda" else torch.device("cpu"))
+    assert cfg["BLOCK_K"] % 128 == 0 and cfg["SPLIT_K"] >= 1
+    s, stored, w = _quantized("int4-g128", 24, 512, torch.float16, seed=3)
+    x = torch.randn(2, 512).to(DEV, torch.float16)
+    got = gemv(x, stored[0], scheme=s, scales=stored[1])
+    torch.testing.assert_close(got.float(), x.float() @ w.T, rtol=1e-2, atol=1e-2 * (x.float() @ w.T).abs().max().item())
+
+
+def test_quantized_operands_are_checked():
+    s, stored, _ = _quantized("int4-g32", 8, 64, torch.float16, seed=4)
+    x = torch.randn(2, 64).to(DEV, torch.float16)
+    with pytest.raises(GraphDSLError, match=r"the codes of int4-g32.*w \[8, 64\] torch.float16"):
+        gemv(x, torch.zeros(8, 64, dtype=torch.float16, device=DEV), scheme=s, scales=stored[1])
+    with pytest.raises(GraphDSLError, match=r"int4-g32 needs contiguous scales"):
+        gemv(x, stored[0], scheme=s)

@@ -36,8 +36,9 @@ def test_odd_k_per_channel_and_prefill_tiles():
 
 @pytest.mark.parametrize("name", ["int4-g32-zp", "fp8-channel-dyn"])
 def test_triton_backend_lowers_quant_linear(name, monkeypatch):
-    """A graph with bias and a following op: the Triton backend runs the kernel, the torch backend the
-    reference; both agree."""
+    """A graph with bias and a following op: the bias joins the projection (``quant_linear_add``), the
+    Triton backend runs a kernel (the decode GEMV for weight-only schemes, the quantized GEMM for
+    fp8 with dynamic activations), the torch backend the reference; both agree."""
     from graphdsl import Network, Parameter, Tensor
     from graphdsl import functional as F
     torch.manual_seed(0)
@@ -50,12 +51,15 @@ def test_triton_backend_lowers_quant_linear(name, monkeypatch):
     feed = {"x": torch.randn(3, 64).to(DEVICE, torch.bfloat16), "proj.bias": torch.randn(48).to(DEVICE, torch.bfloat16),
             **{c.name: t.to(DEVICE) for c, t in zip(p.companions(), stored)}}
     triton_engine = net.build_engine(device=DEVICE, backend="triton")
-    assert any(n.op == "quant_linear" for n in triton_engine.net.nodes)
+    assert [n.op for n in triton_engine.net.nodes if n.op.startswith("quant")] == ["quant_linear_add"]
+    import graphdsl.runtime.kernels.gemv as gemv_kernels
     import graphdsl.runtime.kernels.quant_linear as kernels
     calls = []
-    monkeypatch.setattr(kernels, "quant_linear", lambda *a, **kw: calls.append(1) or quant_linear(*a, **kw))
+    monkeypatch.setattr(kernels, "quant_linear", lambda *a, **kw: calls.append("gemm") or quant_linear(*a, **kw))
+    real_gemv = gemv_kernels.gemv
+    monkeypatch.setattr(gemv_kernels, "gemv", lambda *a, **kw: calls.append("gemv") or real_gemv(*a, **kw))
     got = triton_engine.forward(feed)["y"]
-    assert calls, "the Triton backend did not run the quant_linear kernel"
+    assert calls == (["gemm"] if getattr(s, "dynamic_activations", False) else ["gemv"]), calls
     want = net.build_engine(device=DEVICE, backend="torch").forward(feed)["y"]
     torch.testing.assert_close(got.float(), want.float(), atol=2e-2 * want.float().abs().max().item(), rtol=2e-2)
 
@@ -70,3 +74,31 @@ def test_tiles_across_and_inside_groups(name, block_k):
     want = quant_linear_op.opdef.reference(x, *stored, scheme=name, out_features=20, in_features=512)
     cfg = dict(BLOCK_M=16, BLOCK_N=16, BLOCK_K=block_k, num_warps=4, num_stages=2)
     torch.testing.assert_close(quant_linear(x, stored, s, 20, config=cfg), want, atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("name", ["int4-g32", "int4-g64-zp", "fp8-channel"])
+@pytest.mark.parametrize("rows", [2, 20])
+def test_quantized_gate_up_keeps_swiglu_in_the_epilogue(name, rows):
+    """``silu(gate) * up`` of a quantized packed gate|up projection becomes one
+    ``quant_linear_silu_mul`` (decode: the GEMV's SwiGLU epilogue; prefill: GEMM + silu_mul); a
+    residual add after the down projection joins it (``quant_linear_add``); equal to the torch
+    backend's reference."""
+    from graphdsl import Network, Parameter, Tensor
+    from graphdsl import functional as F
+    s = parse_scheme(name)
+    with Network("mlp") as net:
+        x = Tensor("x", (rows, 64), torch.bfloat16)
+        gu = Parameter((128, 64), torch.bfloat16, name="gate_up.weight").quantize(s)
+        down = Parameter((64, 64), torch.bfloat16, name="down.weight").quantize(s)
+        g, u = F.split(F.linear(x, gu, None, transpose_b=True), 2, dim=-1)
+        net.mark_output(F.linear(F.silu(g) * u, down, None, transpose_b=True) + x, "y")
+    gen = torch.Generator().manual_seed(0)
+    feed = {"x": torch.randn(rows, 64, generator=gen).to(DEVICE, torch.bfloat16)}
+    for p, shape in ((gu, (128, 64)), (down, (64, 64))):
+        feed.update({c.name: t.to(DEVICE) for c, t in zip(p.companions(), s.quantize(torch.randn(*shape, generator=gen),
+                                                                                      torch.bfloat16))})
+    engine = net.build_engine(device=DEVICE, backend="triton")
+    assert [n.op for n in engine.net.nodes if n.op.startswith("quant")] == ["quant_linear_silu_mul", "quant_linear_add"]
+    got = engine.forward(feed)["y"]
+    want = net.build_engine(device=DEVICE, backend="torch").forward(feed)["y"]
+    torch.testing.assert_close(got.float(), want.float(), atol=3e-2 * want.float().abs().max().item(), rtol=3e-2)
