@@ -358,23 +358,32 @@ def _pick_config(m: int, n: int, k: int, device: torch.device) -> dict:
 
 
 def _pick_quant_config(m: int, n: int, k: int, wkind: int, group: int, device: torch.device) -> dict:
-    """The launch for a quantized weight: ``BLOCK_K`` of 256 inputs (int4: 128 bytes a row, two
-    groups of 128; int8 / fp8: 256 bytes) in 64-row tiles, and K split until the tiles cover the
-    SMs (a batch-1 int4 projection of 4096 outputs is 64 tiles of 8 KB steps: alone they would
-    leave half of an H200's 132 SMs idle)."""
+    """The launch for a quantized weight, from the H200 sweeps of ``benchmarks/quant.py --sweep``
+    (CUDA graphs over HBM-resident copies of the Llama-3-8B projections, one row).
+
+    int4: 128-row tiles, K split until there are about four programs per SM (nothing software-
+    pipelines the CUDA-core loop, so programs in flight are what hide the loads' latency): o
+    [4096, 4096] 9.8 µs at split 16 (12.3 at split 4), down 24.7 (31.2), gate_up 41.4 at split 4;
+    256-input steps (two g128 groups) unless a slice is shorter. fp8 / int8 (the ``tl.dot`` path):
+    64-row tiles, 128-input steps up to K = 8192, K split up to 8 while there are fewer than three
+    programs per SM (qkv 16.2 µs at split 8, 18.4 at split 2 with 256-input steps)."""
     sms = _num_sms(device)
-    block_n = _QUANT_BLOCK_N
-    block_k = 256
     if wkind in (W_INT4, W_INT4_ZP):
-        block_k = max(block_k, group) if group > block_k else block_k
-    elif k <= 8192:
-        block_k = 128             # fp8 / int8 over the hidden size: 128-wide steps, K split 2-8 (H200 sweep)
+        block_n = 128
+        tiles = triton.cdiv(n, block_n)
+        split = 1
+        while split < 16 and tiles * split < 4 * sms and k // (split * 2) >= max(group, 128):
+            split *= 2
+        block_k = 256 if k // split >= 256 and 256 % group == 0 else max(group, 128)
+        return dict(BLOCK_N=block_n, BLOCK_K=block_k, SPLIT_K=split, num_warps=4, num_stages=_QUANT_STAGES)
+    block_n = _QUANT_BLOCK_N
+    block_k = 128 if k <= 8192 else 256
     while block_k > 32 and k % block_k:
         block_k //= 2
     tiles = triton.cdiv(n, block_n)
     steps = triton.cdiv(k, block_k)
     split = 1
-    while split < 8 and tiles * split * 2 <= 2 * sms and steps // (split * 2) >= 4:
+    while split < 8 and tiles * split < 3 * sms and steps // (split * 2) >= 4:
         split *= 2
     return dict(BLOCK_N=block_n, BLOCK_K=block_k, SPLIT_K=split, num_warps=4, num_stages=_QUANT_STAGES)
 
