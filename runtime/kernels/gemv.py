@@ -372,8 +372,8 @@ def _pick_quant_config(m: int, n: int, k: int, wkind: int, group: int, device: t
 
     int4: 128-row tiles, K split until there are about four programs per SM (nothing software-
     pipelines the CUDA-core loop, so programs in flight are what hide the loads' latency): o
-    [4096, 4096] 9.8 µs at split 16 (12.3 at split 4), down 24.7 (31.2), gate_up 41.4 at split 4;
-    256-input steps (two g128 groups) unless a slice is shorter. fp8 / int8 (the ``tl.dot`` path):
+    [4096, 4096] 9.1 µs at split 16, qkv 11.5 at split 8, down 19.8 at split 16, gate_up 37.1 at
+    split 4; 128-input slice steps when split 8 or more (down 19.8 vs 21.4 µs with 256), else 256. fp8 / int8 (the ``tl.dot`` path):
     64-row tiles, 128-input steps up to K = 8192, K split up to 8 while there are fewer than three
     programs per SM (qkv 16.2 µs at split 8, 18.4 at split 2 with 256-input steps)."""
     sms = _num_sms(device)
@@ -383,7 +383,7 @@ def _pick_quant_config(m: int, n: int, k: int, wkind: int, group: int, device: t
         split = 1
         while split < 16 and tiles * split < 4 * sms and k // (split * 2) >= max(group, 128):
             split *= 2
-        block_k = 256 if k // split >= 256 and 256 % group == 0 else max(group, 128)
+        block_k = 256 if split <= 4 and k // split >= 256 and 256 % group == 0 else max(group, 128)
         return dict(BLOCK_N=block_n, BLOCK_K=block_k, SPLIT_K=split, num_warps=4, num_stages=_QUANT_STAGES)
     block_n = _QUANT_BLOCK_N
     block_k = 128 if k <= 8192 else 256
