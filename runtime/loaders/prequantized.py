@@ -65,6 +65,11 @@ def read_checkpoint_quantization(hf_config: dict) -> "CheckpointQuantization | N
         raise GraphDSLError(f"config.json: quantization_config must be an object, got {type(qc).__name__}")
     method = str(qc.get("quant_method", "")).lower()
     if method == "compressed-tensors":
+        for key, what in (("sparsity_config", "sparse weights"), ("kv_cache_scheme", "a quantized KV cache"),
+                          ("transform_config", "weight transforms (rotations)")):
+            if qc.get(key) and not (key == "sparsity_config" and qc[key].get("format") in (None, "dense")):
+                raise GraphDSLError(f"config.json: compressed-tensors quantization_config.{key} ({what}) is not "
+                                    f"supported, got {qc[key]!r}")
         return _CompressedTensors.parse(qc)
     if method == "awq":
         return _Awq.parse(qc)
@@ -401,6 +406,9 @@ class _Gptq(CheckpointQuantization):
     @classmethod
     def parse(cls, qc):
         fmt = str(qc.get("checkpoint_format", qc.get("format", "gptq"))).lower()
+        if qc.get("dynamic"):
+            raise GraphDSLError(f"quantization_config: GPTQ per-module 'dynamic' overrides are not supported, got "
+                                f"{qc['dynamic']!r}")
         if fmt not in ("gptq", "gptq_v2"):
             raise GraphDSLError(f"quantization_config: GPTQ checkpoint_format {fmt!r} is not supported "
                                 "(gptq, gptq_v2)")
