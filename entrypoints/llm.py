@@ -204,7 +204,7 @@ class LLM:
             if gguf:
                 tensors = (ckpt.iter_tensors_lazy if tp is not None else ckpt.iter_tensors)(dtype, device=device)
             elif stored is not None:
-                tensors = stored.convert(_iter_dir(path, None), dtype)
+                tensors = stored.convert(_iter_dir(path, None), dtype, model_obj.checkpoint_name)
             else:
                 tensors = _iter_dir(path, dtype, lazy=tp is not None)
             weights = load_weights(model_obj, tensors, device=device, dtype=dtype, progress=progress,

@@ -34,7 +34,7 @@ from __future__ import annotations
 import re
 import sys
 from dataclasses import dataclass, field
-from typing import Iterable, Iterator
+from typing import Callable, Iterable, Iterator
 
 import torch
 
@@ -105,14 +105,17 @@ class CheckpointQuantization:
         self._chosen[module] = (scheme, out_features, in_features)
         return scheme
 
-    def convert(self, tensors: Iterable[tuple[str, torch.Tensor]], dtype: torch.dtype) \
-            -> Iterator[tuple[str, torch.Tensor]]:
-        """The checkpoint's ``(name, tensor)`` pairs with each quantized module's tensors replaced
-        by our companions ``<module>.weight<suffix>`` (and other floating-point tensors cast to
-        ``dtype``). Call after :meth:`scheme_for` has seen every linear. A module's tensors are held
-        only until its last one arrives."""
+    def convert(self, tensors: Iterable[tuple[str, torch.Tensor]], dtype: torch.dtype,
+                rename: Callable[[str], str] = lambda name: name) -> Iterator[tuple[str, torch.Tensor]]:
+        """The checkpoint's ``(name, tensor)`` pairs (names passed through ``rename``, the model's
+        checkpoint renames, first) with each quantized module's tensors replaced by our companions
+        ``<module>.weight<suffix>``, and other floating-point tensors cast to ``dtype``. Call after
+        :meth:`scheme_for` has seen every linear. A module's tensors are held only until its last
+        one arrives. A quantized tensor of a module that is no linear graphdsl quantizes (an MoE
+        expert, say) is an error naming it."""
         pending: dict[str, dict[str, torch.Tensor]] = {}
         for name, t in tensors:
+            name = rename(name)
             module, _, leaf = name.rpartition(".")
             chosen = self._chosen.get(module)
             if chosen is not None and chosen[0] is not None:
@@ -124,6 +127,11 @@ class CheckpointQuantization:
                     if all(p in got for p in self._required(module)):
                         yield from self._emit(module, pending.pop(module), dtype)
                     continue
+            elif leaf in self.leaves and leaf != "weight":
+                why = (f"the quantization_config leaves {module!r} unquantized" if chosen is not None else
+                       f"{module!r} is not a linear graphdsl loads quantized (the attention and MLP projections are; "
+                       "MoE expert stacks and embeddings are not yet)")
+                raise GraphDSLError(f"checkpoint tensor {name!r} is stored quantized ({self.method}), but {why}")
             yield name, (t.to(dtype) if t.is_floating_point() and t.dtype != dtype else t)
         for module, got in pending.items():
             missing = [p for p in self._required(module) if p not in got and p not in self.optional]

@@ -193,3 +193,13 @@ def test_online_quantization_of_a_quantized_checkpoint_is_an_error(bases, tmp_pa
     with pytest.raises(GraphDSLError, match=r"quantization='int8' given, but the checkpoint is already quantized "
                                             r"\(gptq"):
         gd.LLM(tmp_path / "q", device="cpu", quantization="int8")
+
+
+def test_quantized_tensor_of_an_unquantized_module_is_an_error(bases, tmp_path):
+    """The config leaves the MLP unquantized, the tensors say otherwise: a layout mismatch."""
+    write_awq(bases["llama"], tmp_path / "q", group=32)
+    _patch_config(tmp_path / "q", modules_to_not_convert=["mlp"])
+    with pytest.raises(GraphDSLError, match=r"checkpoint tensor 'model.layers.0.mlp.down_proj.qweight' is stored "
+                                            r"quantized \(awq\), but the quantization_config leaves "
+                                            r"'model.layers.0.mlp.down_proj' unquantized"):
+        _load(tmp_path / "q")
