@@ -105,7 +105,9 @@ class LLM:
             (e4m3 per-channel weight-only; ``"fp8-channel-dyn"`` adds dynamic per-token fp8
             activations and FP8 tensor-core prefill), ``"int8"`` (weight-only per-channel),
             ``"int4"`` (weight-only, groups of 128, symmetric), or a scheme name such as
-            ``"int4-g64-zp"`` (:mod:`graphdsl.quant`; docs/quantization.md).
+            ``"int4-g64-zp"`` (:mod:`graphdsl.quant`; docs/quantization.md). A checkpoint already
+            quantized (compressed-tensors, AutoAWQ, GPTQ: ``config.json``'s ``quantization_config``)
+            loads in its stored schemes without it (and refuses it).
 
     ``num_preemptions`` counts requests pushed out of the KV cache (and recomputed later) so far,
     ``num_steps`` the model steps run. ``generation_config`` holds the sampling settings the

@@ -177,17 +177,19 @@ def _int4_scheme(where: str, group: int | None, in_features: int, zero_point: bo
     return IntScheme(4, group, zero_point)
 
 
-def _per_group(t: torch.Tensor, out_features: int, groups: int, what: str) -> torch.Tensor:
-    """``t`` as ``[out, groups]``: a per-tensor ``[1]``/``[]`` or per-channel ``[out, 1]`` value
-    repeated across groups, or ``[out, G]`` with ``G`` dividing ``groups`` repeated ``groups / G``
-    times along the inputs (exact)."""
-    t = t.reshape(-1, 1) if t.numel() == 1 else t
-    if t.dim() == 1 and t.shape[0] == out_features:
+def _per_group(t: torch.Tensor, out_features: int, groups: int, what: str, stored: int | None = None) -> torch.Tensor:
+    """``t`` as ``[out, groups]``. ``stored``: the groups the checkpoint's layout holds (default
+    ``groups``); one (per channel: ``[out, 1]``, ``[out]``, or per tensor: ``[1]``, ``[]``) is
+    repeated across the groups, exactly. Any other shape is a layout mismatch."""
+    stored = groups if stored is None else stored
+    if stored == 1 and t.numel() == 1:
+        t = t.reshape(1, 1)
+    elif stored == 1 and t.dim() == 1 and t.shape[0] == out_features:
         t = t[:, None]
-    if t.dim() != 2 or t.shape[0] not in (1, out_features) or groups % t.shape[1]:
-        raise GraphDSLError(f"{what} has shape {list(t.shape)}; expected [{out_features}, {groups}] "
-                            f"(or per-channel [{out_features}, 1], or per-tensor [1])")
-    return t.expand(out_features, t.shape[1]).repeat_interleave(groups // t.shape[1], dim=1)
+    if t.dim() != 2 or t.shape[1] != stored or t.shape[0] not in ((1, out_features) if stored == 1 else (out_features,)):
+        raise GraphDSLError(f"{what} has shape {list(t.shape)}; the layout expects [{out_features}, {stored}]"
+                            + (" (or per-tensor [1])" if stored == 1 else ""))
+    return t.expand(out_features, stored).repeat_interleave(groups // stored, dim=1)
 
 
 def _int32_bytes(t: torch.Tensor) -> torch.Tensor:
@@ -239,6 +241,7 @@ class _CompressedTensors(CheckpointQuantization):
                                    g.get("input_activations")))
         return cls(method="compressed-tensors", groups=tuple(groups), ignore=tuple(qc.get("ignore") or ()),
                    leaves=("weight_packed", "weight", "weight_scale", "weight_zero_point", "weight_shape"),
+                   optional=("weight_shape",),
                    refused={"input_scale": "static activation scales are not supported (dynamic per-token fp8 or "
                                            "weight-only schemes are)"})
 
@@ -315,7 +318,8 @@ class _CompressedTensors(CheckpointQuantization):
                                     f"got {list(w.shape)} {w.dtype}")
             return [w, _per_group(got["weight_scale"].float(), n, 1, f"{where}: {scale_name!r}")]
         groups = scheme.groups(k)
-        scale = _per_group(got["weight_scale"], n, groups, f"{where}: {scale_name!r}")
+        stored = groups if g.weights.get("strategy") == "group" else 1
+        scale = _per_group(got["weight_scale"], n, groups, f"{where}: {scale_name!r}", stored)
         if g.fmt == "pack-quantized":
             words = k * scheme.bits // 32
             packed = _check_int(got["weight_packed"], (n, words), f"{where}: {module + '.weight_packed'!r}")
@@ -332,12 +336,11 @@ class _CompressedTensors(CheckpointQuantization):
             zp = got["weight_zero_point"]
             zname = f"{where}: {module + '.weight_zero_point'!r}"
             if g.fmt == "pack-quantized":
-                stored = scale.shape[1] if g.weights.get("strategy") == "group" else 1
                 zp = _check_int(zp, ((n + 7) // 8, stored), zname)
                 zp = _nibbles(zp.T.contiguous())[:, :n].T.float()              # stored as zp + 8
             else:
                 zp = zp.float() + 8
-            out.append(_per_group(zp, n, groups, zname))
+            out.append(_per_group(zp, n, groups, zname, stored))
         return out
 
 
@@ -359,10 +362,10 @@ class _Awq(CheckpointQuantization):
     def parse(cls, qc):
         bits = qc.get("bits", qc.get("w_bit", 4))
         group = qc.get("group_size", qc.get("q_group_size", 128))
-        version = str(qc.get("version", "gemm")).lower()
-        if version != "gemm":
-            raise GraphDSLError(f"quantization_config: AutoAWQ version {qc.get('version')!r} is not supported "
-                                "(only the GEMM layout)")
+        version = str(qc.get("version") or qc.get("format") or "gemm").lower()     # transformers: format; legacy: version
+        if version != "gemm" or str(qc.get("backend", "")).lower() == "llm-awq":
+            raise GraphDSLError(f"quantization_config: AutoAWQ version/format {version!r} (backend "
+                                f"{qc.get('backend')!r}) is not supported (only the GEMM layout)")
         if not qc.get("zero_point", True):
             raise GraphDSLError("quantization_config: AutoAWQ with zero_point=false is not supported")
         return cls(method="awq", leaves=("qweight", "qzeros", "scales"), bits=bits, group=group,
@@ -454,8 +457,8 @@ class _Gptq(CheckpointQuantization):
                                     "(desc_act) checkpoints are not supported; re-quantize with desc_act=false")
         codes = _nibbles(qw.T.contiguous()).contiguous()             # [n, k]: word r's nibble i is input 8r + i
         zeros = _nibbles(qz).T.float() + (0.0 if self.v2 else 1.0)    # [n, stored_g]
-        scale = _per_group(s.T, n, g, f"{where}: {module + '.scales'!r}")
-        zeros = _per_group(zeros, n, g, f"{where}: {module + '.qzeros'!r}")
+        scale = _per_group(s.T, n, g, f"{where}: {module + '.scales'!r}", stored_g)
+        zeros = _per_group(zeros, n, g, f"{where}: {module + '.qzeros'!r}", stored_g)
         if not scheme.zero_point:
             if not bool((zeros == 8).all()):
                 raise GraphDSLError(f"{where}: {module + '.qzeros'!r} holds zero points other than 8 although "

@@ -115,7 +115,7 @@ def test_gptq_desc_act_with_trivial_g_idx_loads(bases, tmp_path):
                            r"are not supported"),
     ("gptq", dict(group_size=16), r"'model.layers.0.self_attn.q_proj.qweight' \(gptq int4 g16 sym\): int4 group_size "
                                   r"16 is not supported"),
-    ("awq", dict(version="gemv"), r"AutoAWQ version 'gemv' is not supported"),
+    ("awq", dict(version="gemv"), r"AutoAWQ version/format 'gemv' \(backend None\) is not supported"),
     ("awq", dict(bits=8), r"'model.layers.0.self_attn.q_proj.qweight' \(awq gemm int8 g32\): 8-bit AWQ"),
     ("gptq", dict(quant_method="bitsandbytes"), r"quant_method 'bitsandbytes' is not supported.*\['awq', "
                                                 r"'compressed-tensors', 'gptq'\]"),
@@ -202,4 +202,19 @@ def test_quantized_tensor_of_an_unquantized_module_is_an_error(bases, tmp_path):
     with pytest.raises(GraphDSLError, match=r"checkpoint tensor 'model.layers.0.mlp.down_proj.qweight' is stored "
                                             r"quantized \(awq\), but the quantization_config leaves "
                                             r"'model.layers.0.mlp.down_proj' unquantized"):
+        _load(tmp_path / "q")
+
+
+def test_compressed_tensors_group_mismatch_names_the_tensor(bases, tmp_path):
+    """The config says groups of 64, the scales hold groups of 32: a layout mismatch, not a repeat."""
+    pytest.importorskip("compressed_tensors")
+    write_compressed_tensors(bases["llama"], tmp_path / "q", fmt="pack-quantized", weights=_int(4, group=32))
+    with open(tmp_path / "q" / "config.json") as f:
+        config = json.load(f)
+    config["quantization_config"]["config_groups"]["group_0"]["weights"]["group_size"] = 64
+    with open(tmp_path / "q" / "config.json", "w") as f:
+        json.dump(config, f)
+    with pytest.raises(GraphDSLError, match=r"\(compressed-tensors pack-quantized int4 group g64\): "
+                                            r"'model.layers.0.mlp.down_proj.weight_scale' has shape \[128, 8\]; the "
+                                            r"layout expects \[128, 4\]"):
         _load(tmp_path / "q")
