@@ -540,7 +540,8 @@ def _add_runtime(p: argparse.ArgumentParser, model: bool = True) -> None:
                             "the worker processes are spawned (docs/distributed.md)")
     p.add_argument("--quantization", type=_quantization_arg, default=None,
                    help="quantize the linear weights while loading: fp8, int8, int4 or a scheme name such as "
-                        "int4-g64-zp (docs/quantization.md)")
+                        "int4-g64-zp (docs/quantization.md); a pre-quantized checkpoint (compressed-tensors, AWQ, "
+                        "GPTQ) loads quantized without it")
     p.add_argument("--threads", type=_positive_int, default=None, help="torch CPU threads (default: torch's choice)")
     _add_module_map(p)
 

@@ -22,6 +22,7 @@ from graphdsl.quant import online_scheme
 from graphdsl.runtime.device import check_device, default_device
 from graphdsl.runtime.loaders.checkpoint import CheckpointFormat, checkpoint_format
 from graphdsl.runtime.loaders.generation_config import gguf_generation_config, read_generation_config
+from graphdsl.runtime.loaders.prequantized import read_checkpoint_quantization
 from graphdsl.runtime.serving.kv_cache import BlockManager, PagedKVCache
 from graphdsl.runtime.serving.loop import ServingLoop
 from graphdsl.runtime.serving.outputs import CompletionOutput, RequestOutput
@@ -30,7 +31,7 @@ from graphdsl.runtime.serving.scheduler import Request, RequestStatus, Scheduler
 
 from graphdsl.models.base import FlashCausalLM
 from graphdsl.models.config import ModelConfig, build_config, read_hf_config
-from graphdsl.models.loader import load_weights
+from graphdsl.models.loader import load_weights, mark_checkpoint_quantization
 from graphdsl.models.injection import apply_rules, check_placements
 from graphdsl.models.lora import LoRARequest
 from graphdsl.models.registry import load_custom_module_map, resolve_model_class
@@ -104,7 +105,9 @@ class LLM:
             (e4m3 per-channel weight-only; ``"fp8-channel-dyn"`` adds dynamic per-token fp8
             activations and FP8 tensor-core prefill), ``"int8"`` (weight-only per-channel),
             ``"int4"`` (weight-only, groups of 128, symmetric), or a scheme name such as
-            ``"int4-g64-zp"`` (:mod:`graphdsl.quant`; docs/quantization.md).
+            ``"int4-g64-zp"`` (:mod:`graphdsl.quant`; docs/quantization.md). A checkpoint already
+            quantized (compressed-tensors, AutoAWQ, GPTQ: ``config.json``'s ``quantization_config``)
+            loads in its stored schemes without it (and refuses it).
 
     ``num_preemptions`` counts requests pushed out of the KV cache (and recomputed later) so far,
     ``num_steps`` the model steps run. ``generation_config`` holds the sampling settings the
@@ -198,12 +201,16 @@ class LLM:
             self.generation_config = (gguf_generation_config(ckpt.metadata, path) if gguf
                                       else read_generation_config(path))
             config, model_obj, dtype = self._architecture(hf, device, dtype, opts["max_model_len"], tp, opts)
+            stored = None if gguf else _checkpoint_quantization(model_obj, hf, opts["quantization"], tp)
             scheme = _quantize_model(model_obj, opts["quantization"])
             if gguf:
                 tensors = (ckpt.iter_tensors_lazy if tp is not None else ckpt.iter_tensors)(dtype, device=device)
+            elif stored is not None:
+                tensors = stored.convert(_iter_dir(path, None), dtype, model_obj.checkpoint_name)
             else:
                 tensors = _iter_dir(path, dtype, lazy=tp is not None)
-            weights = load_weights(model_obj, tensors, device=device, dtype=dtype, progress=progress)
+            weights = load_weights(model_obj, tensors, device=device, dtype=dtype, progress=progress,
+                                   quantized=stored is not None)
             if scheme is not None:
                 weights = quantize_weights(model_obj, weights, dtype)
             self.gguf = gguf
@@ -687,6 +694,22 @@ def _quantize_model(model: FlashCausalLM, quantization):
     scheme = online_scheme(quantization)
     quantize_linears(model, quantization)
     return scheme
+
+
+def _checkpoint_quantization(model: FlashCausalLM, hf: dict, quantization, tp):
+    """A pre-quantized checkpoint's quantization (``config.json``'s ``quantization_config``), with
+    ``model``'s linears marked in the stored schemes; None for a full-precision checkpoint."""
+    stored = read_checkpoint_quantization(hf)
+    if stored is None:
+        return None
+    if quantization is not None:
+        raise GraphDSLError(f"LLM: quantization={quantization!r} given, but the checkpoint is already quantized "
+                            f"({stored.method}, config.json's quantization_config): leave quantization unset")
+    if tp is not None:
+        raise GraphDSLError(f"LLM: a pre-quantized ({stored.method}) checkpoint does not load with "
+                            "tensor_parallel_size > 1 yet (quantized weights are not sharded)")
+    mark_checkpoint_quantization(model, stored)
+    return stored
 
 
 def _iter_dir(path: str, dtype, lazy: bool = False) -> Iterable[tuple[str, torch.Tensor]]:

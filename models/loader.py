@@ -16,15 +16,64 @@ from typing import Iterable
 
 import torch
 
+from graphdsl.errors import GraphDSLError
+from graphdsl.layers.linear import ColumnParallelLinear, RowParallelLinear
+from graphdsl.layers.checkpoint import CheckpointSlot
 from graphdsl.runtime.loaders.safetensors import check_weights
 
 from .base import FlashCausalLM
 
-__all__ = ["load_weights"]
+__all__ = ["load_weights", "mark_checkpoint_quantization"]
+
+
+def mark_checkpoint_quantization(model: FlashCausalLM, quantization) -> list[str]:
+    """Give every linear weight of ``model`` the scheme a pre-quantized checkpoint stores it in
+    (``quantization``: a :class:`~graphdsl.runtime.loaders.prequantized.CheckpointQuantization`);
+    return the quantized parameter names. The checkpoint linears packed into one parameter (q/k/v
+    into ``qkv_proj``, gate/up) must agree on the scheme, else an error names each piece's."""
+    table = model.checkpoint_table()
+    dict(model.named_parameters())                      # name every parameter first
+    linears = {m.weight.name: m for _, m in model.named_modules() if isinstance(m, (ColumnParallelLinear, RowParallelLinear))}
+    pieces: dict[str, list[tuple[str, object]]] = {}
+    for name, slot in table.items():
+        if slot.param in linears and name.endswith(".weight") and slot.param.endswith(".weight"):
+            module = name[: -len(".weight")]
+            pieces.setdefault(slot.param, []).append(
+                (name, quantization.scheme_for(module, slot.shape[0], slot.shape[1])))
+    names = []
+    for param, got in pieces.items():
+        schemes = {s.name if s is not None else "unquantized" for _, s in got}
+        if len(schemes) > 1:
+            each = ", ".join(f"{n}: {s.name if s is not None else 'unquantized'}" for n, s in got)
+            raise GraphDSLError(f"parameter {param!r} packs checkpoint linears stored in different quantization schemes "
+                                f"({each}); they must agree")
+        if got[0][1] is not None:
+            linears[param].weight.quantize(got[0][1])
+            names.append(param)
+    return names
+
+
+def _quantized_table(table: dict[str, CheckpointSlot], params: dict) -> dict[str, CheckpointSlot]:
+    """``table`` with each piece of a quantized weight replaced by its companions' pieces: rows
+    ``index`` of the weight are the same rows of every companion (all are ``[out, ...]``)."""
+    out = {}
+    for name, slot in table.items():
+        p = params.get(slot.param)
+        if p is None or p.quant is None:
+            out[name] = slot
+            continue
+        if slot.reorder is not None or slot.source or len(slot.index) > 1 or \
+                (slot.index and not isinstance(slot.index[0], slice)):
+            raise GraphDSLError(f"checkpoint tensor {name!r}: a quantized ({p.quant.name}) piece of {slot.param!r} must "
+                                f"be whole rows, got index {slot.index}")
+        rows, inputs = slot.shape
+        for c_param, c in zip(p.companions(), p.quant.companions(rows, inputs)):
+            out[f"{name}{c.suffix}"] = CheckpointSlot(c_param.name, slot.index, c.shape)
+    return out
 
 
 def load_weights(model: FlashCausalLM, tensors: Iterable[tuple[str, torch.Tensor]], *, device, dtype=None,
-                 progress: bool = False) -> dict[str, torch.Tensor]:
+                 progress: bool = False, quantized: bool = False) -> dict[str, torch.Tensor]:
     """``{parameter name: tensor on device}`` for every parameter of ``model`` (on the device
     :meth:`FlashCausalLM.parameter_devices` names, for parameters injected modules keep elsewhere).
 
@@ -32,12 +81,20 @@ def load_weights(model: FlashCausalLM, tensors: Iterable[tuple[str, torch.Tensor
         tensors: checkpoint ``(name, tensor)`` pairs in HF naming (``model.checkpoint_renames`` apply).
         dtype: parameter dtype (default: the model's).
         progress: print a progress line on stderr while reading.
+        quantized: the checkpoint holds the quantized weights' companions (``<name>_packed``,
+            ``_scale``, ...; pieces of packed parameters too), not their full-precision tensors.
     """
     dtype = dtype or model.dtype
     table = model.checkpoint_table()
     params = dict(model.named_parameters())
     tied = model.tied_parameters()
     where = model.parameter_devices()
+    if quantized:
+        table = _quantized_table(table, params)
+        for name, p in list(params.items()):
+            if p.quant is not None:
+                del params[name]
+                params.update((c.name, c) for c in p.companions())
     out = {name: torch.zeros(tuple(p.shape), dtype=p.dtype or dtype, device=where.get(name, device))  # zeros: TP vocab padding
            for name, p in params.items() if name not in tied}
     got: dict[str, tuple[int, ...]] = {}

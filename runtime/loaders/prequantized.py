@@ -1,0 +1,467 @@
+"""Pre-quantized HF checkpoints: read ``config.json``'s ``quantization_config`` and convert the stored
+tensors into graphdsl's scheme layouts (:mod:`graphdsl.quant`) while they stream in.
+
+Formats (``quant_method`` / ``format``) and the scheme each linear takes:
+
+* ``compressed-tensors`` ``pack-quantized`` — int4: ``weight_packed`` int32 ``[out, in/8]`` holds 8
+  consecutive inputs per word, value ``q + 8`` at bits ``4i`` (little end first), so on a
+  little-endian host its bytes *are* our ``_packed`` (even ``k`` in the low nibble, ``code = q + 8``);
+  ``weight_zero_point`` (asymmetric) int32 ``[ceil(out/8), groups]`` packs 8 output rows per word the
+  same way. ``W = (q - zp) * s`` becomes ``int4-g{g}`` (``z = 8``) or ``int4-g{g}-zp`` with
+  ``z = zp + 8``. int8: 4 bytes per word, ``q + 128`` each → ``int8-channel`` (symmetric only).
+* ``compressed-tensors`` ``naive-quantized`` / ``int-quantized`` — ``weight`` int8 ``[out, in]``
+  (int4 values in -8..7, or int8) with the same scales and zero points, unpacked.
+* ``compressed-tensors`` ``float-quantized`` — ``weight`` float8 e4m3 with a per-tensor or
+  per-channel ``weight_scale`` → ``fp8-channel`` (a per-tensor scale is repeated per row, which is
+  exact and lets q/k/v pieces of one fused linear keep their own scales); dynamic per-token fp8
+  activations → ``fp8-channel-dyn``.
+* ``awq`` (AutoAWQ GEMM) — ``qweight`` int32 ``[in, out/8]``, nibble ``i`` of a word holding output
+  column ``[0, 2, 4, 6, 1, 3, 5, 7][i]`` of its 8; ``qzeros`` int32 ``[in/g, out/8]`` in the same
+  order; ``scales [in/g, out]``; ``W = (q - z) * s`` → ``int4-g{g}-zp``.
+* ``gptq`` (AutoGPTQ / GPTQModel) — ``qweight`` int32 ``[in/8, out]``, nibble ``i`` of word ``r``
+  holding input ``8r + i``; ``qzeros`` int32 ``[in/g, out/8]`` sequential; ``scales [in/g, out]``;
+  ``g_idx [in]``. ``W = (q - z) * s`` with ``z = stored + 1`` for ``checkpoint_format`` ``gptq``
+  (v1, what transformers/optimum convert on load) and ``z = stored`` for ``gptq_v2``; ``sym`` true →
+  ``int4-g{g}`` (every ``z`` must be 8), else ``int4-g{g}-zp``. Act-order (``desc_act``) is refused
+  unless ``g_idx`` is the trivial ``k // g``.
+
+Per-channel int4 (one group over all inputs) takes groups of 128 (64, 32) with the scale repeated,
+exactly. Anything else — other bit widths, group sizes, block or static-activation schemes — is a
+:class:`~graphdsl.GraphDSLError` naming the tensor and the scheme.
+"""
+from __future__ import annotations
+
+import re
+import sys
+from dataclasses import dataclass, field
+from typing import Callable, Iterable, Iterator
+
+import torch
+
+from graphdsl.errors import GraphDSLError
+from graphdsl.quant import Fp8Scheme, IntScheme, QuantScheme, pack_int4
+
+__all__ = ["CheckpointQuantization", "read_checkpoint_quantization", "SUPPORTED"]
+
+SUPPORTED = {
+    ("compressed-tensors", "pack-quantized"): "int4-g{32,64,128}[-zp], int8-channel",
+    ("compressed-tensors", "naive-quantized"): "int4-g{32,64,128}[-zp], int8-channel",
+    ("compressed-tensors", "int-quantized"): "int4-g{32,64,128}[-zp], int8-channel",
+    ("compressed-tensors", "float-quantized"): "fp8-channel, fp8-channel-dyn",
+    ("awq", "gemm"): "int4-g{32,64,128}-zp",
+    ("gptq", "gptq"): "int4-g{32,64,128}[-zp]",
+}
+_GROUPS = (128, 64, 32)
+_AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)       # nibble i of an AWQ word holds column _AWQ_ORDER[i] of its 8
+
+
+def read_checkpoint_quantization(hf_config: dict) -> "CheckpointQuantization | None":
+    """The checkpoint's quantization (None when ``config.json`` has no ``quantization_config``);
+    an unsupported ``quant_method`` or format is an error naming it and the supported ones."""
+    qc = hf_config.get("quantization_config") or hf_config.get("compression_config")
+    if qc is None:
+        return None
+    if not isinstance(qc, dict):
+        raise GraphDSLError(f"config.json: quantization_config must be an object, got {type(qc).__name__}")
+    method = str(qc.get("quant_method", "")).lower()
+    if method == "compressed-tensors":
+        for key, what in (("sparsity_config", "sparse weights"), ("kv_cache_scheme", "a quantized KV cache"),
+                          ("transform_config", "weight transforms (rotations)")):
+            if qc.get(key) and not (key == "sparsity_config" and qc[key].get("format") in (None, "dense")):
+                raise GraphDSLError(f"config.json: compressed-tensors quantization_config.{key} ({what}) is not "
+                                    f"supported, got {qc[key]!r}")
+        return _CompressedTensors.parse(qc)
+    if method == "awq":
+        return _Awq.parse(qc)
+    if method == "gptq":
+        return _Gptq.parse(qc)
+    raise GraphDSLError(f"config.json: quantization_config.quant_method {qc.get('quant_method')!r} is not supported; "
+                        f"pre-quantized checkpoints load from {sorted({m for m, _ in SUPPORTED})}")
+
+
+@dataclass
+class CheckpointQuantization:
+    """A checkpoint's quantization: which linear (HF module name) takes which scheme, and the
+    conversion of its stored tensors into that scheme's companions.
+
+    Subclasses define :meth:`describe`, :meth:`_scheme` (``None``: the module is stored
+    unquantized), :meth:`_required` (the tensor leaves of one quantized module, all present before
+    it converts), :meth:`_convert`, and set ``leaves`` (every leaf a quantized module may store),
+    ``optional`` (leaves that may be absent) and ``refused`` (leaf -> why it cannot load)."""
+
+    method: str = ""
+    leaves: tuple[str, ...] = ()
+    optional: tuple[str, ...] = ()
+    refused: dict = field(default_factory=dict)
+    _chosen: dict = field(default_factory=dict)
+
+    def describe(self, module: str) -> str:
+        """How the checkpoint stores ``module`` (for messages)."""
+        return self.method
+
+    def scheme_for(self, module: str, out_features: int, in_features: int) -> QuantScheme | None:
+        """Our scheme for the HF linear ``module`` of ``[out, in]`` (None: stored in full precision)."""
+        scheme = self._scheme(module, in_features)
+        self._chosen[module] = (scheme, out_features, in_features)
+        return scheme
+
+    def convert(self, tensors: Iterable[tuple[str, torch.Tensor]], dtype: torch.dtype,
+                rename: Callable[[str], str] = lambda name: name) -> Iterator[tuple[str, torch.Tensor]]:
+        """The checkpoint's ``(name, tensor)`` pairs (names passed through ``rename``, the model's
+        checkpoint renames, first) with each quantized module's tensors replaced by our companions
+        ``<module>.weight<suffix>``, and other floating-point tensors cast to ``dtype``. Call after
+        :meth:`scheme_for` has seen every linear. A module's tensors are held only until its last
+        one arrives. A quantized tensor of a module that is no linear graphdsl quantizes (an MoE
+        expert, say) is an error naming it."""
+        pending: dict[str, dict[str, torch.Tensor]] = {}
+        for name, t in tensors:
+            name = rename(name)
+            module, _, leaf = name.rpartition(".")
+            chosen = self._chosen.get(module)
+            if chosen is not None and chosen[0] is not None:
+                if leaf in self.refused:
+                    raise GraphDSLError(f"checkpoint tensor {name!r} ({self.describe(module)}): {self.refused[leaf]}")
+                if leaf in self.leaves:
+                    got = pending.setdefault(module, {})
+                    got[leaf] = t
+                    if all(p in got for p in self._required(module)):
+                        yield from self._emit(module, pending.pop(module), dtype)
+                    continue
+            elif leaf in self.leaves and leaf != "weight":
+                why = (f"the quantization_config leaves {module!r} unquantized" if chosen is not None else
+                       f"{module!r} is not a linear graphdsl loads quantized (the attention and MLP projections are; "
+                       "MoE expert stacks and embeddings are not yet)")
+                raise GraphDSLError(f"checkpoint tensor {name!r} is stored quantized ({self.method}), but {why}")
+            yield name, (t.to(dtype) if t.is_floating_point() and t.dtype != dtype else t)
+        for module, got in pending.items():
+            missing = [p for p in self._required(module) if p not in got and p not in self.optional]
+            if missing:
+                raise GraphDSLError(f"quantized linear {module!r} ({self.describe(module)}): the checkpoint lacks "
+                                    f"{[f'{module}.{p}' for p in missing]}")
+            yield from self._emit(module, got, dtype)
+
+    def _emit(self, module, got, dtype):
+        scheme, out_features, in_features = self._chosen[module]
+        stored = self._convert(module, scheme, got, out_features, in_features)
+        for c, t in zip(scheme.companions(out_features, in_features), stored):
+            full = f"{module}.weight{c.suffix}"
+            if tuple(t.shape) != c.shape:
+                raise GraphDSLError(f"quantized linear {module!r} ({self.describe(module)} as {scheme.name}): "
+                                    f"tensor {full!r} converts to {list(t.shape)}, expected {list(c.shape)}")
+            yield full, t.to(c.dtype or dtype).contiguous()
+
+    def _required(self, module: str) -> tuple[str, ...]:
+        return tuple(p for p in self.leaves)
+
+    def _scheme(self, module: str, in_features: int) -> QuantScheme | None:
+        raise NotImplementedError
+
+    def _convert(self, module, scheme, got, out_features, in_features) -> list[torch.Tensor]:
+        raise NotImplementedError
+
+
+# -- helpers ------------------------------------------------------------------------------------------
+def _int4_scheme(where: str, group: int | None, in_features: int, zero_point: bool) -> IntScheme:
+    """``int4-g{group}[-zp]``; ``group`` None (one group per channel): the largest of 128/64/32
+    dividing the inputs, with the scale repeated."""
+    if group is None or group == -1 or group == in_features:
+        group = next((g for g in _GROUPS if in_features % g == 0), None)
+        if group is None:
+            raise GraphDSLError(f"{where}: per-channel int4 over {in_features} inputs needs a group of "
+                                f"{list(_GROUPS)} dividing them")
+    if group not in _GROUPS:
+        raise GraphDSLError(f"{where}: int4 group_size {group} is not supported (supported: {sorted(_GROUPS)}, "
+                            "or per-channel)")
+    if in_features % group:
+        raise GraphDSLError(f"{where}: {in_features} inputs are not a multiple of the group size {group}")
+    return IntScheme(4, group, zero_point)
+
+
+def _per_group(t: torch.Tensor, out_features: int, groups: int, what: str, stored: int | None = None) -> torch.Tensor:
+    """``t`` as ``[out, groups]``. ``stored``: the groups the checkpoint's layout holds (default
+    ``groups``); one (per channel: ``[out, 1]``, ``[out]``, or per tensor: ``[1]``, ``[]``) is
+    repeated across the groups, exactly. Any other shape is a layout mismatch."""
+    stored = groups if stored is None else stored
+    if stored == 1 and t.numel() == 1:
+        t = t.reshape(1, 1)
+    elif stored == 1 and t.dim() == 1 and t.shape[0] == out_features:
+        t = t[:, None]
+    if t.dim() != 2 or t.shape[1] != stored or t.shape[0] not in ((1, out_features) if stored == 1 else (out_features,)):
+        raise GraphDSLError(f"{what} has shape {list(t.shape)}; the layout expects [{out_features}, {stored}]"
+                            + (" (or per-tensor [1])" if stored == 1 else ""))
+    return t.expand(out_features, stored).repeat_interleave(groups // stored, dim=1)
+
+
+def _int32_bytes(t: torch.Tensor) -> torch.Tensor:
+    """An int32 ``[r, c]`` tensor's bytes ``[r, 4c]`` in memory order (word ``w``'s byte ``b`` at ``4w + b``)."""
+    if sys.byteorder != "little":
+        raise GraphDSLError("packed int32 checkpoints load only on little-endian hosts")
+    return t.contiguous().view(torch.uint8)
+
+
+def _nibbles(t: torch.Tensor) -> torch.Tensor:
+    """int32 ``[r, c]`` -> uint8 ``[r, 8c]``: nibble ``i`` (bits ``4i..4i+3``) of word ``c`` at ``8c + i``."""
+    b = _int32_bytes(t)
+    return torch.stack([b & 15, b >> 4], dim=-1).reshape(t.shape[0], -1)
+
+
+def _check_int(t: torch.Tensor, shape: tuple, what: str, dtype=torch.int32) -> torch.Tensor:
+    if tuple(t.shape) != tuple(shape) or t.dtype != dtype:
+        raise GraphDSLError(f"{what} should be {list(shape)} {dtype}, got {list(t.shape)} {t.dtype}")
+    return t
+
+
+# -- compressed-tensors ----------------------------------------------------------------------------
+@dataclass(frozen=True)
+class _CtGroup:
+    targets: tuple[str, ...]
+    fmt: str
+    weights: dict
+    activations: dict | None
+
+
+@dataclass
+class _CompressedTensors(CheckpointQuantization):
+    groups: tuple = ()
+    ignore: tuple = ()
+
+    @classmethod
+    def parse(cls, qc: dict) -> "_CompressedTensors":
+        top = qc.get("format")
+        groups = []
+        for gname, g in (qc.get("config_groups") or {}).items():
+            if not isinstance(g, dict):
+                raise GraphDSLError(f"quantization_config.config_groups.{gname} must be an object, got {g!r}")
+            fmt = g.get("format") or top
+            if fmt not in ("pack-quantized", "naive-quantized", "int-quantized", "float-quantized"):
+                raise GraphDSLError(f"quantization_config.config_groups.{gname}: compressed-tensors format {fmt!r} is "
+                                    f"not supported (supported: pack-quantized, naive-quantized, int-quantized, "
+                                    f"float-quantized)")
+            groups.append(_CtGroup(tuple(g.get("targets") or ()), fmt, dict(g.get("weights") or {}),
+                                   g.get("input_activations")))
+        return cls(method="compressed-tensors", groups=tuple(groups), ignore=tuple(qc.get("ignore") or ()),
+                   leaves=("weight_packed", "weight", "weight_scale", "weight_zero_point", "weight_shape"),
+                   optional=("weight_shape",),
+                   refused={"input_scale": "static activation scales are not supported (dynamic per-token fp8 or "
+                                           "weight-only schemes are)"})
+
+    def describe(self, module):
+        g = self._group(module)
+        if g is None:
+            return "compressed-tensors"
+        w = g.weights
+        return (f"compressed-tensors {g.fmt} {w.get('type')}{w.get('num_bits')} {w.get('strategy')}"
+                f"{'' if w.get('group_size') in (None, -1) else ' g' + str(w.get('group_size'))}"
+                f"{'' if w.get('symmetric', True) else ' asymmetric'}")
+
+    def _group(self, module: str) -> _CtGroup | None:
+        if any(_ct_match(module, t) for t in self.ignore):
+            return None
+        return next((g for g in self.groups if any(t == "Linear" or _ct_match(module, t) for t in g.targets)), None)
+
+    def _scheme(self, module, in_features):
+        g = self._group(module)
+        if g is None:
+            return None
+        where = f"quantized linear {module + '.weight'!r} ({self.describe(module)})"
+        w, a = g.weights, g.activations
+        bits, kind, strategy = w.get("num_bits"), w.get("type", "int"), w.get("strategy")
+        if strategy in ("block", "tensor_group") or w.get("actorder") not in (None, False, "static", "group"):
+            raise GraphDSLError(f"{where}: weight strategy {strategy!r}"
+                                f"{'' if not w.get('actorder') else ', actorder ' + repr(w.get('actorder'))} "
+                                "is not supported")
+        if kind == "float":
+            if bits != 8 or g.fmt != "float-quantized" or strategy not in ("tensor", "channel"):
+                raise GraphDSLError(f"{where}: only float8 weights (float-quantized, per-tensor or per-channel) "
+                                    "are supported")
+            dyn = False
+            if a is not None:
+                if not (a.get("type") == "float" and a.get("num_bits") == 8 and a.get("dynamic") in (True, "true")
+                        and a.get("strategy") == "token"):
+                    raise GraphDSLError(f"{where}: input activations {a!r} are not supported (only dynamic per-token "
+                                        "float8, which becomes fp8-channel-dyn)")
+                dyn = True
+            return Fp8Scheme(per_channel=True, dynamic_activations=dyn)
+        if a is not None:
+            raise GraphDSLError(f"{where}: quantized input activations {a!r} are not supported with integer "
+                                "weights (weight-only schemes are)")
+        if g.fmt == "float-quantized" or kind != "int":
+            raise GraphDSLError(f"{where}: weight type {kind!r} in format {g.fmt!r} is not supported")
+        sym = w.get("symmetric", True)
+        if bits == 8:
+            if not sym or strategy not in ("channel", "tensor"):
+                raise GraphDSLError(f"{where}: int8 weights load as int8-channel, which is symmetric and per-channel "
+                                    f"(got strategy {strategy!r}, symmetric={sym})")
+            return IntScheme(8, None, False)
+        if bits == 4:
+            group = w.get("group_size") if strategy == "group" else None
+            return _int4_scheme(where, group, in_features, not sym)
+        raise GraphDSLError(f"{where}: {bits}-bit integer weights are not supported (4 or 8 bits)")
+
+    def _required(self, module):
+        g = self._group(module)
+        data = ("weight_packed", "weight_shape") if g.fmt == "pack-quantized" else ("weight",)
+        zp = () if g.weights.get("symmetric", True) or g.weights.get("type") == "float" else ("weight_zero_point",)
+        return ("weight_scale",) + data + zp
+
+    def _convert(self, module, scheme, got, n, k):
+        g = self._group(module)
+        where = f"quantized linear {module!r} ({self.describe(module)})"
+        if "weight_shape" in got and [int(x) for x in got["weight_shape"].tolist()] != [n, k]:
+            raise GraphDSLError(f"{where}: {module + '.weight_shape'!r} is {got['weight_shape'].tolist()}, the model "
+                                f"expects [{n}, {k}]")
+        scale_name = f"{module}.weight_scale"
+        if isinstance(scheme, Fp8Scheme):
+            w = got["weight"]
+            if w.dtype != torch.float8_e4m3fn or tuple(w.shape) != (n, k):
+                raise GraphDSLError(f"{where}: {module + '.weight'!r} should be [{n}, {k}] torch.float8_e4m3fn, "
+                                    f"got {list(w.shape)} {w.dtype}")
+            return [w, _per_group(got["weight_scale"].float(), n, 1, f"{where}: {scale_name!r}")]
+        groups = scheme.groups(k)
+        stored = groups if g.weights.get("strategy") == "group" else 1
+        scale = _per_group(got["weight_scale"], n, groups, f"{where}: {scale_name!r}", stored)
+        if g.fmt == "pack-quantized":
+            words = k * scheme.bits // 32
+            packed = _check_int(got["weight_packed"], (n, words), f"{where}: {module + '.weight_packed'!r}")
+            codes = _int32_bytes(packed)                  # int8: byte = q + 128; int4: already our nibbles
+            if scheme.bits == 8:
+                return [(codes.to(torch.int16) - 128).to(torch.int8), scale]
+            out = [codes, scale]
+        else:
+            q = _check_int(got["weight"], (n, k), f"{where}: {module + '.weight'!r}", torch.int8)
+            if scheme.bits == 8:
+                return [q, scale]
+            out = [pack_int4((q.to(torch.int16) + 8).to(torch.uint8)), scale]
+        if scheme.zero_point:
+            zp = got["weight_zero_point"]
+            zname = f"{where}: {module + '.weight_zero_point'!r}"
+            if g.fmt == "pack-quantized":
+                zp = _check_int(zp, ((n + 7) // 8, stored), zname)
+                zp = _nibbles(zp.T.contiguous())[:, :n].T.float()              # stored as zp + 8
+            else:
+                zp = zp.float() + 8
+            out.append(_per_group(zp, n, groups, zname, stored))
+        return out
+
+
+def _ct_match(module: str, target: str) -> bool:
+    """compressed-tensors' name match: ``re:<regex>`` (``re.match``) or the exact name."""
+    if target.startswith("re:"):
+        return re.match(target[3:], module) is not None
+    return target == module
+
+
+# -- AutoAWQ ----------------------------------------------------------------------------------------
+@dataclass
+class _Awq(CheckpointQuantization):
+    bits: int = 4
+    group: int = 128
+    skip: tuple = ()
+
+    @classmethod
+    def parse(cls, qc):
+        bits = qc.get("bits", qc.get("w_bit", 4))
+        group = qc.get("group_size", qc.get("q_group_size", 128))
+        version = str(qc.get("version") or qc.get("format") or "gemm").lower()     # transformers: format; legacy: version
+        if version != "gemm" or str(qc.get("backend", "")).lower() == "llm-awq":
+            raise GraphDSLError(f"quantization_config: AutoAWQ version/format {version!r} (backend "
+                                f"{qc.get('backend')!r}) is not supported (only the GEMM layout)")
+        if not qc.get("zero_point", True):
+            raise GraphDSLError("quantization_config: AutoAWQ with zero_point=false is not supported")
+        return cls(method="awq", leaves=("qweight", "qzeros", "scales"), bits=bits, group=group,
+                   skip=tuple(qc.get("modules_to_not_convert") or ()))
+
+    def describe(self, module):
+        return f"awq gemm int{self.bits} g{self.group}"
+
+    def _scheme(self, module, in_features):
+        if module.split(".")[-1] == "lm_head" or any(s in module for s in self.skip):
+            return None
+        where = f"quantized linear {module + '.qweight'!r} ({self.describe(module)})"
+        if self.bits != 4:
+            raise GraphDSLError(f"{where}: {self.bits}-bit AWQ weights are not supported (4 bits)")
+        return _int4_scheme(where, self.group, in_features, True)
+
+    def _convert(self, module, scheme, got, n, k):
+        where = f"quantized linear {module!r} ({self.describe(module)})"
+        g = scheme.groups(k)
+        qw = _check_int(got["qweight"], (k, n // 8), f"{where}: {module + '.qweight'!r}")
+        qz = _check_int(got["qzeros"], (g, n // 8), f"{where}: {module + '.qzeros'!r}")
+        s = got["scales"]
+        if tuple(s.shape) != (g, n):
+            raise GraphDSLError(f"{where}: {module + '.scales'!r} should be [{g}, {n}], got {list(s.shape)}")
+        codes = _awq_columns(qw).T.contiguous()          # [n, k]
+        zeros = _awq_columns(qz).T.float()               # [n, g]
+        return [pack_int4(codes), s.T.contiguous(), zeros]
+
+
+def _awq_columns(t: torch.Tensor) -> torch.Tensor:
+    """AWQ int32 ``[r, c]`` -> uint8 ``[r, 8c]`` in column order (undoing the ``_AWQ_ORDER`` interleave)."""
+    nib = _nibbles(t).reshape(t.shape[0], t.shape[1], 8)
+    out = torch.empty_like(nib)
+    out[..., list(_AWQ_ORDER)] = nib
+    return out.reshape(t.shape[0], -1)
+
+
+# -- GPTQ -------------------------------------------------------------------------------------------
+@dataclass
+class _Gptq(CheckpointQuantization):
+    bits: int = 4
+    group: int = 128
+    sym: bool = True
+    v2: bool = False
+    desc_act: bool = False
+    lm_head: bool = False
+    skip: tuple = ()
+
+    @classmethod
+    def parse(cls, qc):
+        fmt = str(qc.get("checkpoint_format", qc.get("format", "gptq"))).lower()
+        if qc.get("dynamic"):
+            raise GraphDSLError(f"quantization_config: GPTQ per-module 'dynamic' overrides are not supported, got "
+                                f"{qc['dynamic']!r}")
+        if fmt not in ("gptq", "gptq_v2"):
+            raise GraphDSLError(f"quantization_config: GPTQ checkpoint_format {fmt!r} is not supported "
+                                "(gptq, gptq_v2)")
+        return cls(method="gptq", leaves=("qweight", "qzeros", "scales", "g_idx"), optional=("g_idx",),
+                   bits=qc.get("bits", 4), group=qc.get("group_size", 128), sym=bool(qc.get("sym", True)),
+                   v2=fmt == "gptq_v2", desc_act=bool(qc.get("desc_act", False)), lm_head=bool(qc.get("lm_head", False)),
+                   skip=tuple(qc.get("modules_to_not_convert") or ()))
+
+    def describe(self, module):
+        return (f"gptq{'_v2' if self.v2 else ''} int{self.bits} g{self.group}{' sym' if self.sym else ''}"
+                f"{' desc_act' if self.desc_act else ''}")
+
+    def _scheme(self, module, in_features):
+        if (module.split(".")[-1] == "lm_head" and not self.lm_head) or any(s in module for s in self.skip):
+            return None
+        where = f"quantized linear {module + '.qweight'!r} ({self.describe(module)})"
+        if self.bits != 4:
+            raise GraphDSLError(f"{where}: {self.bits}-bit GPTQ weights are not supported (4 bits)")
+        return _int4_scheme(where, None if self.group in (-1, None) else self.group, in_features, not self.sym)
+
+    def _convert(self, module, scheme, got, n, k):
+        where = f"quantized linear {module!r} ({self.describe(module)})"
+        g = scheme.groups(k)
+        stored_g = 1 if self.group in (-1, None) else g
+        qw = _check_int(got["qweight"], (k // 8, n), f"{where}: {module + '.qweight'!r}")
+        qz = _check_int(got["qzeros"], (stored_g, n // 8), f"{where}: {module + '.qzeros'!r}")
+        s = got["scales"]
+        if tuple(s.shape) != (stored_g, n):
+            raise GraphDSLError(f"{where}: {module + '.scales'!r} should be [{stored_g}, {n}], got {list(s.shape)}")
+        if "g_idx" in got:
+            gi = got["g_idx"].reshape(-1).long()
+            size = k if stored_g == 1 else k // stored_g
+            if gi.shape[0] != k or not torch.equal(gi, torch.arange(k) // size):
+                raise GraphDSLError(f"{where}: {module + '.g_idx'!r} is not the trivial k // group_size: act-order "
+                                    "(desc_act) checkpoints are not supported; re-quantize with desc_act=false")
+        codes = _nibbles(qw.T.contiguous()).contiguous()             # [n, k]: word r's nibble i is input 8r + i
+        zeros = _nibbles(qz).T.float() + (0.0 if self.v2 else 1.0)    # [n, stored_g]
+        scale = _per_group(s.T, n, g, f"{where}: {module + '.scales'!r}", stored_g)
+        zeros = _per_group(zeros, n, g, f"{where}: {module + '.qzeros'!r}", stored_g)
+        if not scheme.zero_point:
+            if not bool((zeros == 8).all()):
+                raise GraphDSLError(f"{where}: {module + '.qzeros'!r} holds zero points other than 8 although "
+                                    "sym=true (layout mismatch)")
+            return [pack_int4(codes), scale]
+        return [pack_int4(codes), scale, zeros]

@@ -1,0 +1,218 @@
+"""Pre-quantized HF checkpoints (compressed-tensors, AutoAWQ, GPTQ) load with ``gd.LLM(path)`` alone:
+tiny random llama / qwen2 checkpoints written in each on-disk layout (tests/models/quant_checkpoints.py)
+score like transformers running the dequantized weights — transformers' own compressed-tensors
+loading where it can read the checkpoint — and every unsupported scheme or layout mismatch is an
+error naming the tensor and the scheme."""
+import json
+import os
+
+import pytest
+import torch
+
+import graphdsl as gd
+from graphdsl.errors import GraphDSLError
+from tests.models.hf_tiny import hf_logits
+from tests.models.quant_checkpoints import base_model, write_awq, write_compressed_tensors, write_gptq
+
+IDS = [3, 17, 42, 99, 5, 120, 64, 7]
+
+
+@pytest.fixture(scope="module")
+def bases(tmp_path_factory):
+    """One tiny random model per family (shared by the cases; each writes its own directory)."""
+    return {f: base_model(f, tmp_path_factory.mktemp(f)) for f in ("llama", "qwen2")}
+
+
+def _int(bits, sym=True, group=None):
+    return dict(num_bits=bits, type="int", symmetric=sym, strategy="group" if group else "channel", group_size=group)
+
+
+FP8_TOKEN = dict(num_bits=8, type="float", symmetric=True, strategy="token", dynamic=True)
+
+# (id, family, writer, kwargs, the schemes the linears take, transformers loads it itself)
+CASES = [
+    ("ct-pack-int4-g32", "llama", "ct", dict(fmt="pack-quantized", weights=_int(4, group=32)), {"int4-g32"}, True),
+    ("ct-pack-int4-g128-zp", "qwen2", "ct", dict(fmt="pack-quantized", weights=_int(4, sym=False, group=128)),
+     {"int4-g128-zp"}, False),     # transformers 5.24 shapes the packed zero points wrongly and refuses
+    ("ct-pack-int4-channel-zp", "llama", "ct", dict(fmt="pack-quantized", weights=_int(4, sym=False)),
+     {"int4-g128-zp"}, False),
+    ("ct-pack-int8", "qwen2", "ct", dict(fmt="pack-quantized", weights=_int(8)), {"int8-channel"}, True),
+    ("ct-naive-int4-g64-zp", "llama", "ct", dict(fmt="naive-quantized", weights=_int(4, sym=False, group=64)),
+     {"int4-g64-zp"}, False),
+    ("ct-int-quantized-int8", "llama", "ct", dict(fmt="int-quantized", weights=_int(8)), {"int8-channel"}, True),
+    ("ct-fp8-tensor", "llama", "ct", dict(fmt="float-quantized", weights=dict(num_bits=8, type="float",
+                                                                             strategy="tensor")), {"fp8-channel"}, True),
+    ("ct-fp8-channel-dyn", "qwen2", "ct", dict(fmt="float-quantized", weights=dict(num_bits=8, type="float",
+                                                                                   strategy="channel"),
+                                              input_activations=FP8_TOKEN), {"fp8-channel-dyn"}, True),
+    ("awq-g64", "llama", "awq", dict(group=64), {"int4-g64-zp"}, False),
+    ("awq-g128", "qwen2", "awq", dict(group=128), {"int4-g128-zp"}, False),
+    ("gptq-sym-g32", "llama", "gptq", dict(group=32, sym=True), {"int4-g32"}, False),
+    ("gptq-asym-g128", "qwen2", "gptq", dict(group=128, sym=False), {"int4-g128-zp"}, False),
+    ("gptq-v2-asym-channel", "llama", "gptq", dict(group=-1, sym=False, v2=True), {"int4-g128-zp"}, False),
+]
+WRITERS = {"ct": write_compressed_tensors, "awq": write_awq, "gptq": write_gptq}
+
+
+def _write(bases, tmp_path, family, writer, kw):
+    return WRITERS[writer](bases[family], tmp_path / "q", **kw)
+
+
+@pytest.mark.parametrize("case", CASES, ids=[c[0] for c in CASES])
+def test_prequantized_checkpoint_scores_like_transformers(bases, tmp_path, case):
+    _, family, writer, kw, schemes, hf_loads = case
+    if writer == "ct":
+        pytest.importorskip("compressed_tensors")
+    ref_model = _write(bases, tmp_path, family, writer, kw)
+    llm = gd.LLM(tmp_path / "q", device="cpu", max_model_len=64, max_num_seqs=1)
+    quantized = [p for _, p in llm.model.named_parameters() if p.quant is not None]
+    assert len(quantized) == 2 * 4 and {p.quant.name for p in quantized} == schemes
+    assert not any(p.quant is not None for n, p in llm.model.named_parameters() if n.startswith("lm_head"))
+    ours = llm.score(IDS)
+    if hf_loads:        # transformers' own compressed-tensors loading (decompresses; fp8 -dyn quantizes tokens)
+        import transformers as tf
+        ref_model = tf.AutoModelForCausalLM.from_pretrained(tmp_path / "q", dtype=torch.float32,
+                                                           attn_implementation="eager").eval()
+    ref = hf_logits(ref_model, IDS)
+    torch.testing.assert_close(ours, ref, atol=2e-4, rtol=2e-4)
+    full = hf_logits(bases[family], IDS)
+    assert not torch.allclose(ours, full, atol=1e-3), "the checkpoint's quantization changed nothing"
+
+
+def _patch_config(path, **changes):
+    with open(os.path.join(path, "config.json")) as f:
+        config = json.load(f)
+    for k, v in changes.items():
+        if v is None:
+            config["quantization_config"].pop(k, None)
+        else:
+            config["quantization_config"][k] = v
+    with open(os.path.join(path, "config.json"), "w") as f:
+        json.dump(config, f)
+
+
+def _load(path):
+    return gd.LLM(path, device="cpu", max_model_len=64, max_num_seqs=1)
+
+
+def test_gptq_act_order_is_an_error(bases, tmp_path):
+    write_gptq(bases["llama"], tmp_path / "q", group=32, sym=True, act_order=True)
+    with pytest.raises(GraphDSLError, match=r"'model.layers.0.mlp.down_proj' \(gptq int4 g32 sym desc_act\).*"
+                                            r"'model.layers.0.mlp.down_proj.g_idx' is not the trivial.*act-order"):
+        _load(tmp_path / "q")
+
+
+def test_gptq_desc_act_with_trivial_g_idx_loads(bases, tmp_path):
+    ref = write_gptq(bases["llama"], tmp_path / "q", group=32, sym=True)
+    _patch_config(tmp_path / "q", desc_act=True)
+    torch.testing.assert_close(_load(tmp_path / "q").score(IDS), hf_logits(ref, IDS), atol=2e-4, rtol=2e-4)
+
+
+@pytest.mark.parametrize("writer,change,match", [
+    ("gptq", dict(bits=3), r"'model.layers.0.self_attn.q_proj.qweight' \(gptq int3 g32 sym\): 3-bit GPTQ weights "
+                           r"are not supported"),
+    ("gptq", dict(group_size=16), r"'model.layers.0.self_attn.q_proj.qweight' \(gptq int4 g16 sym\): int4 group_size "
+                                  r"16 is not supported"),
+    ("awq", dict(version="gemv"), r"AutoAWQ version/format 'gemv' \(backend None\) is not supported"),
+    ("awq", dict(bits=8), r"'model.layers.0.self_attn.q_proj.qweight' \(awq gemm int8 g32\): 8-bit AWQ"),
+    ("gptq", dict(quant_method="bitsandbytes"), r"quant_method 'bitsandbytes' is not supported.*\['awq', "
+                                                r"'compressed-tensors', 'gptq'\]"),
+])
+def test_unsupported_scheme_is_an_error(bases, tmp_path, writer, change, match):
+    WRITERS[writer](bases["llama"], tmp_path / "q", group=32, **({"sym": True} if writer == "gptq" else {}))
+    _patch_config(tmp_path / "q", **change)
+    with pytest.raises(GraphDSLError, match=match):
+        _load(tmp_path / "q")
+
+
+def test_compressed_tensors_unsupported_bits_is_an_error(bases, tmp_path):
+    pytest.importorskip("compressed_tensors")
+    write_compressed_tensors(bases["llama"], tmp_path / "q", fmt="pack-quantized", weights=_int(4, group=32))
+    with open(tmp_path / "q" / "config.json") as f:
+        config = json.load(f)
+    config["quantization_config"]["config_groups"]["group_0"]["weights"]["num_bits"] = 2
+    with open(tmp_path / "q" / "config.json", "w") as f:
+        json.dump(config, f)
+    with pytest.raises(GraphDSLError, match=r"'model.layers.0.self_attn.q_proj.weight' \(compressed-tensors "
+                                            r"pack-quantized int2 group g32\): 2-bit integer weights are not supported"):
+        _load(tmp_path / "q")
+
+
+def test_gptq_group_mismatch_names_the_tensor(bases, tmp_path):
+    """The config says groups of 64, the tensors hold groups of 32: a layout mismatch."""
+    write_gptq(bases["llama"], tmp_path / "q", group=32, sym=False)
+    _patch_config(tmp_path / "q", group_size=64)
+    with pytest.raises(GraphDSLError, match=r"\(gptq int4 g64\): 'model.layers.0.mlp.down_proj.qzeros' should be "
+                                            r"\[4, 16\] torch.int32, got \[8, 16\]"):
+        _load(tmp_path / "q")
+
+
+def test_gptq_sym_with_other_zero_points_is_an_error(bases, tmp_path):
+    write_gptq(bases["llama"], tmp_path / "q", group=32, sym=False)
+    _patch_config(tmp_path / "q", sym=True)
+    with pytest.raises(GraphDSLError, match=r"\(gptq int4 g32 sym\): 'model.layers.0.mlp.down_proj.qzeros' holds zero "
+                                            r"points other than 8 although sym=true"):
+        _load(tmp_path / "q")
+
+
+def test_fused_pieces_in_different_schemes_are_an_error(bases, tmp_path):
+    """q_proj left unquantized while k/v are quantized: they cannot share the packed qkv_proj."""
+    pytest.importorskip("compressed_tensors")
+    write_compressed_tensors(bases["llama"], tmp_path / "q", fmt="pack-quantized", weights=_int(4, group=32))
+    _patch_config(tmp_path / "q", ignore=["lm_head", "re:.*q_proj$"])
+    with pytest.raises(GraphDSLError, match=r"'model.layers.0.self_attn.qkv_proj.weight' packs checkpoint linears "
+                                            r"stored in different quantization schemes \(model.layers.0.self_attn."
+                                            r"q_proj.weight: unquantized, .*k_proj.weight: int4-g32"):
+        _load(tmp_path / "q")
+
+
+def test_missing_quantized_tensor_is_an_error(bases, tmp_path):
+    from safetensors.torch import load_file, save_file
+    write_awq(bases["llama"], tmp_path / "q", group=32)
+    f = tmp_path / "q" / "model.safetensors"
+    tensors = load_file(f)
+    del tensors["model.layers.1.mlp.down_proj.qzeros"]
+    save_file(tensors, f, metadata={"format": "pt"})
+    with pytest.raises(GraphDSLError, match=r"quantized linear 'model.layers.1.mlp.down_proj' \(awq gemm int4 g32\): "
+                                            r"the checkpoint lacks \['model.layers.1.mlp.down_proj.qzeros'\]"):
+        _load(tmp_path / "q")
+
+
+def test_awq_modules_to_not_convert_stay_full_precision(bases, tmp_path):
+    ref = write_awq(bases["llama"], tmp_path / "q", group=64, modules_to_not_convert=["mlp"])
+    llm = _load(tmp_path / "q")
+    assert {n for n, p in llm.model.named_parameters() if p.quant is not None} == \
+        {f"model.layers.{i}.self_attn.{x}.weight" for i in range(2) for x in ("qkv_proj", "o_proj")}
+    torch.testing.assert_close(llm.score(IDS), hf_logits(ref, IDS), atol=2e-4, rtol=2e-4)
+
+
+def test_online_quantization_of_a_quantized_checkpoint_is_an_error(bases, tmp_path):
+    write_gptq(bases["llama"], tmp_path / "q", group=32, sym=True)
+    with pytest.raises(GraphDSLError, match=r"quantization='int8' given, but the checkpoint is already quantized "
+                                            r"\(gptq"):
+        gd.LLM(tmp_path / "q", device="cpu", quantization="int8")
+
+
+def test_quantized_tensor_of_an_unquantized_module_is_an_error(bases, tmp_path):
+    """The config leaves the MLP unquantized, the tensors say otherwise: a layout mismatch."""
+    write_awq(bases["llama"], tmp_path / "q", group=32)
+    _patch_config(tmp_path / "q", modules_to_not_convert=["mlp"])
+    with pytest.raises(GraphDSLError, match=r"checkpoint tensor 'model.layers.0.mlp.down_proj.qweight' is stored "
+                                            r"quantized \(awq\), but the quantization_config leaves "
+                                            r"'model.layers.0.mlp.down_proj' unquantized"):
+        _load(tmp_path / "q")
+
+
+def test_compressed_tensors_group_mismatch_names_the_tensor(bases, tmp_path):
+    """The config says groups of 64, the scales hold groups of 32: a layout mismatch, not a repeat."""
+    pytest.importorskip("compressed_tensors")
+    write_compressed_tensors(bases["llama"], tmp_path / "q", fmt="pack-quantized", weights=_int(4, group=32))
+    with open(tmp_path / "q" / "config.json") as f:
+        config = json.load(f)
+    config["quantization_config"]["config_groups"]["group_0"]["weights"]["group_size"] = 64
+    with open(tmp_path / "q" / "config.json", "w") as f:
+        json.dump(config, f)
+    with pytest.raises(GraphDSLError, match=r"\(compressed-tensors pack-quantized int4 group g64\): "
+                                            r"'model.layers.0.mlp.down_proj.weight_scale' has shape \[128, 8\]; the "
+                                            r"layout expects \[128, 4\]"):
+        _load(tmp_path / "q")
