@@ -16,13 +16,15 @@
   epilogue. It runs after ``add_rms_norm``: an add that feeds an RMSNorm saves more by joining the
   norm's row kernel (no extra read of the sum) than by joining the GEMM, so only adds left over
   (biases, residuals not followed by a norm) go to the GEMM.
-* ``lora_epilogue`` — a LoRA engine's ``lora_apply(matmul(x, w), x, A, B, idx)`` -> ``matmul_lora``
-  (the term joins the projection: one shrink launch, then the GEMV adds it in its epilogue), and
-  then, as the passes before did for the bare matmul, ``silu_mul(matmul_lora)`` ->
-  ``matmul_silu_mul_lora`` and ``matmul_lora + c`` -> ``matmul_add_lora``; a biased projection's
-  ``lora_apply(matmul_add(x, w, bias))`` -> ``matmul_add_lora``. It runs last, on what the earlier
-  passes left, so residual adds still go to ``add_rms_norm`` first and a graph without
-  ``lora_apply`` (the base engine) never matches.
+* ``lora_epilogue`` (rules of the ``matmul_epilogue`` pass, after the base rules) — a LoRA
+  engine's ``lora_apply(matmul(x, w), x, A, B, idx)`` -> ``matmul_lora`` (the term joins the
+  projection: one shrink launch, then the GEMV adds it in its epilogue), and then, as the passes
+  before did for the bare matmul, ``silu_mul(matmul_lora)`` -> ``matmul_silu_mul_lora`` and
+  ``matmul_lora + c`` -> ``matmul_add_lora``; a biased projection's
+  ``lora_apply(matmul_add(x, w, bias))`` -> ``matmul_add_lora``. The rules chain (each rewrite
+  revisits the new node's readers), so their order does not matter; they run after
+  ``add_rms_norm``, so residual adds still go to the norm first, and a graph without
+  ``lora_apply`` (the base engine) never matches them.
 """
 from __future__ import annotations
 

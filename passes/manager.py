@@ -146,10 +146,9 @@ PIPELINE: list[PassSpec] = [
              rules=MATMUL_SILU_MUL_RULES),
     PassSpec("add_rms_norm", "residual add + rms_norm -> add_rms_norm (normed, residual)",
              rules=ADD_RMS_NORM_RULES),
-    PassSpec("matmul_epilogue", "matmul + bias / residual -> matmul_add (GEMM epilogue)",
-             rules=MATMUL_EPILOGUE_RULES),
-    PassSpec("lora_epilogue", "lora_apply(matmul) -> matmul_lora / matmul_silu_mul_lora / matmul_add_lora (the "
-             "LoRA term in the projection's epilogue)", rules=LORA_EPILOGUE_RULES),
+    PassSpec("matmul_epilogue", "matmul + bias / residual -> matmul_add (GEMM epilogue); lora_apply(matmul) -> "
+             "matmul_lora / matmul_silu_mul_lora / matmul_add_lora (the LoRA term in the projection)",
+             rules=MATMUL_EPILOGUE_RULES + LORA_EPILOGUE_RULES),
     PassSpec("generic_fusion", "connected pointwise ops (+ one row reduction) -> one fused kernel", fn=_generic),
 ]
 

@@ -17,6 +17,12 @@ rows, so the op is bound by the bytes of ``w`` and by how many of them are in fl
 * **Epilogue**: ``+ add`` — a bias ``[N]`` or a residual ``[M, N]``; or, with ``silu_mul``, SwiGLU
   over a packed ``[gate | up]`` weight: each tile's rows are the gate and up rows of half as many
   output columns, interleaved, so one stream feeds both and the epilogue writes ``silu(g) * u``.
+  With ``lora`` (``HAS_LORA``, the fused ``matmul_lora`` / ``matmul_add_lora`` /
+  ``matmul_silu_mul_lora`` ops) each row's LoRA term ``Σ_r v[m, r]·B[n, s, r]`` joins the float32
+  tile first (``v``: the float32 split-K partials of the BGMV shrink launched just before, summed;
+  ``s``: the row's adapter slot, ``< 0`` none; for SwiGLU tile rows map back to their gate or up
+  row of ``B``) — in :func:`_finish`, so the K loop is the base engine's, and with split-K the
+  program that finishes the tile adds it once.
 * **PDL** (:mod:`.pdl`): on Hopper the kernel may launch while its predecessor finishes. A grid of
   more programs than SMs lets the next kernel launch only once its programs are past the K loop:
   launched at the usual point (when its last wave starts), the next kernel's programs take each SM

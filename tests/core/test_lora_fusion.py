@@ -1,5 +1,5 @@
-"""The ``lora_epilogue`` pass: ``lora_apply(matmul(x, w), x, A, B, idx)`` joins the projection
-(``matmul_lora``), then its SwiGLU / bias / residual epilogue (``matmul_silu_mul_lora``,
+"""The ``lora_epilogue`` rules (``matmul_epilogue`` pass): ``lora_apply(matmul(x, w), x, A, B, idx)``
+joins the projection (``matmul_lora``), then its SwiGLU / bias / residual epilogue (``matmul_silu_mul_lora``,
 ``matmul_add_lora``); numbers equal the unfused graph (torch backend); the base engine of a model
 is untouched and a LoRA decode layer keeps the base layer's fusions."""
 from __future__ import annotations
@@ -116,7 +116,7 @@ def test_lora_term_of_another_input_is_not_fused():
 
 
 def test_disabled_pass_leaves_lora_apply():
-    work = optimise(_mlp_net(True), disable=["generic_fusion", "lora_epilogue"])
+    work = optimise(_mlp_net(True), disable=["generic_fusion", "matmul_epilogue"])
     assert "lora_apply" in ops_of(work) and "silu_mul" in ops_of(work)
 
 
