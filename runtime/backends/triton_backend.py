@@ -525,7 +525,8 @@ def _lora_matmul(be: TritonBackend, node, ins, attrs, dsts):
     prod_cells, _ = lora_workspace_layout(*(Spec(tuple(v.shape), v.dtype) for v in (x, w, a)), product=silu)
     scratch = ws[t * prod_cells:]
     if t <= MAX_BGMV_ROWS and gemv_supported(x, w) and idx.dtype == torch.int32:
-        p = lora_shrink(x, a, idx, scratch)
+        ready = all(be.step_constant(node.inputs[i]) for i in (len(ins) - 3, len(ins) - 1))   # A, idx
+        p = lora_shrink(x, a, idx, scratch, inputs_ready=ready)
         gemv(x, w, add, silu_mul=silu, out=dst, workspace=be.gemv_workspace, lora=GemvLoRA(p, b, idx))
         return dsts
     prod = lora_dense_view(ws, t, n, x.dtype) if silu else dst

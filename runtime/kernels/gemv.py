@@ -73,12 +73,14 @@ _QUANT_STAGES = 4
 
 @triton.jit
 def _lora_term(acc, p_ptr, b_ptr, idx_ptr, pid_n, M, N, LORA_S, LORA_R, LORA_SPLITS, SWIGLU: tl.constexpr,
-               BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr):
+               BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_SPLITS: tl.constexpr):
     """``acc[i, m] += Σ_r v[m, r] · B[row(i), s, r]`` for every row ``m < M`` with slot
     ``s = idx[m] >= 0``, ``v[m] = Σ_j p[m, j]`` (the shrink's float32 split-K partials ``[M, splits,
     R]``), ``B [rows, S, R]``. ``row(i)`` is the weight row of tile row ``i``: ``pid_n · BLOCK_N + i``,
     or with ``SWIGLU`` gate row ``c`` / up row ``N + c`` of column ``c = pid_n · BLOCK_N / 2 + i // 2``
-    (the K loop's interleave)."""
+    (the K loop's interleave). The slots come in one vector load; per adapted row one
+    ``[BLOCK_SPLITS, BLOCK_R]`` load of its partials and one ``[BLOCK_N, BLOCK_R]`` gather of B,
+    independent of each other (a batch-1 step pays about one L2 round trip)."""
     i = tl.arange(0, BLOCK_N)
     if SWIGLU:
         col = pid_n * (BLOCK_N // 2) + i // 2
@@ -88,16 +90,18 @@ def _lora_term(acc, p_ptr, b_ptr, idx_ptr, pid_n, M, N, LORA_S, LORA_R, LORA_SPL
         row = col
     b_rows = b_ptr + row.to(tl.int64)[:, None] * (LORA_S * LORA_R)
     r = tl.arange(0, BLOCK_R)
-    b_ok = (col < N)[:, None] & (r < LORA_R)[None, :]
+    r_ok = r < LORA_R
+    b_ok = (col < N)[:, None] & r_ok[None, :]
+    j = tl.arange(0, BLOCK_SPLITS)
+    p_ok = (j < LORA_SPLITS)[:, None] & r_ok[None, :]
     rm = tl.arange(0, BLOCK_M)
+    slots = tl.load(idx_ptr + rm, mask=rm < M, other=-1)
     for m in range(0, M):
-        s = tl.load(idx_ptr + m).to(tl.int64)
+        s = tl.sum(tl.where(rm == m, slots, 0), axis=0).to(tl.int64)
         if s >= 0:
-            v = tl.zeros([BLOCK_R], tl.float32)
-            for j in range(0, LORA_SPLITS):
-                v += tl.load(p_ptr + (m * LORA_SPLITS + j) * LORA_R + r, mask=r < LORA_R, other=0.0)
+            part = tl.load(p_ptr + (m * LORA_SPLITS + j)[:, None] * LORA_R + r[None, :], mask=p_ok, other=0.0)
             b = tl.load(b_rows + s * LORA_R + r[None, :], mask=b_ok, other=0.0).to(tl.float32)
-            term = tl.sum(b * v[None, :], axis=1)
+            term = tl.sum(b * tl.sum(part, axis=0)[None, :], axis=1)
             acc += tl.where(rm[None, :] == m, term[:, None], 0.0)
     return acc
 
@@ -106,7 +110,7 @@ def _lora_term(acc, p_ptr, b_ptr, idx_ptr, pid_n, M, N, LORA_S, LORA_R, LORA_SPL
 def _finish(acc, add_ptr, out_ptr, pid_n, rm, m_ok, N, stride_am, stride_om, HAS_ADD: tl.constexpr,
             SWIGLU: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr,
             lora_p_ptr, lora_b_ptr, lora_idx_ptr, M, LORA_S, LORA_R, LORA_SPLITS,
-            HAS_LORA: tl.constexpr, LORA_BLOCK_R: tl.constexpr):
+            HAS_LORA: tl.constexpr, LORA_BLOCK_R: tl.constexpr, LORA_BLOCK_SPLITS: tl.constexpr):
     """Store the transposed output tile ``acc [BLOCK_N, BLOCK_M]`` of column tile ``pid_n``:
     ``out[m, n] = acc[n, m] + add`` or, with ``SWIGLU``, ``out[m, c] = silu(g) * u`` where rows
     ``2i, 2i + 1`` of the tile hold gate and up of column ``c = pid_n * BLOCK_N / 2 + i``. g and u
@@ -115,7 +119,7 @@ def _finish(acc, add_ptr, out_ptr, pid_n, rm, m_ok, N, stride_am, stride_om, HAS
     (:func:`_lora_term`), before the add or the SwiGLU split."""
     if HAS_LORA:
         acc = _lora_term(acc, lora_p_ptr, lora_b_ptr, lora_idx_ptr, pid_n, M, N, LORA_S, LORA_R, LORA_SPLITS, SWIGLU,
-                         BLOCK_N, BLOCK_M, LORA_BLOCK_R)
+                         BLOCK_N, BLOCK_M, LORA_BLOCK_R, LORA_BLOCK_SPLITS)
     if SWIGLU:
         HALF: tl.constexpr = BLOCK_N // 2
         gate, up = tl.split(tl.permute(tl.reshape(acc, [HALF, 2, BLOCK_M]), (0, 2, 1)))
@@ -205,6 +209,7 @@ def _gemv_kernel(
     LORA_S, LORA_R, LORA_SPLITS,  # slots, slot width, shrink K slices
     HAS_LORA: tl.constexpr = False,     # add each row's LoRA term in the epilogue (_lora_term)
     LORA_BLOCK_R: tl.constexpr = 16,    # LORA_R padded to a power of two >= 16
+    LORA_BLOCK_SPLITS: tl.constexpr = 1,  # LORA_SPLITS padded to a power of two
 ):
     """out[m, n] = sum_k x[m, k] * w[n, k] (+ add[m, n]), float32 accumulation. With ``SWIGLU`` the
     tile's rows are the gate and up rows of ``BLOCK_N / 2`` output columns, interleaved (row ``2i``
@@ -270,12 +275,13 @@ def _gemv_kernel(
                 acc = acc * tl.load(s_ptr + rn.to(tl.int64) * stride_sn, mask=n_ok, other=0.0).to(tl.float32)[:, None]
             _finish(acc, add_ptr, out_ptr, pid_n, rm, m_ok, N, stride_am, stride_om, HAS_ADD, SWIGLU, BLOCK_N,
                     BLOCK_M, lora_p_ptr, lora_b_ptr, lora_idx_ptr, M, LORA_S, LORA_R, LORA_SPLITS, HAS_LORA,
-                    LORA_BLOCK_R)
+                    LORA_BLOCK_R, LORA_BLOCK_SPLITS)
     else:
         if WKIND == 1 or WKIND == 4:
             acc = acc * tl.load(s_ptr + rn.to(tl.int64) * stride_sn, mask=n_ok, other=0.0).to(tl.float32)[:, None]
         _finish(acc, add_ptr, out_ptr, pid_n, rm, m_ok, N, stride_am, stride_om, HAS_ADD, SWIGLU, BLOCK_N, BLOCK_M,
-                lora_p_ptr, lora_b_ptr, lora_idx_ptr, M, LORA_S, LORA_R, LORA_SPLITS, HAS_LORA, LORA_BLOCK_R)
+                lora_p_ptr, lora_b_ptr, lora_idx_ptr, M, LORA_S, LORA_R, LORA_SPLITS, HAS_LORA, LORA_BLOCK_R,
+                LORA_BLOCK_SPLITS)
 
 
 def _pow2(n: int) -> int:
@@ -411,7 +417,8 @@ def _lora_args(lora: GemvLoRA | None, dummy: torch.Tensor) -> dict:
     p, b, idx = lora
     from .lora import block_r_of
     return dict(lora_p_ptr=p, lora_b_ptr=b, lora_idx_ptr=idx, LORA_S=b.shape[1], LORA_R=b.shape[2],
-                LORA_SPLITS=p.shape[1], HAS_LORA=True, LORA_BLOCK_R=block_r_of(b.shape[2]))
+                LORA_SPLITS=p.shape[1], HAS_LORA=True, LORA_BLOCK_R=block_r_of(b.shape[2]),
+                LORA_BLOCK_SPLITS=triton.next_power_of_2(p.shape[1]))
 
 
 def gemv_supported(x: torch.Tensor, w: torch.Tensor, scheme=None) -> bool:

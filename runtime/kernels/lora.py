@@ -7,9 +7,11 @@ adapter), ``A [S, R, K]``, ``B [N, S, R]`` (scaling folded into B). Two shrinks 
 * :func:`lora_shrink` (**few rows**, ``T <= MAX_BGMV_ROWS``: decode) — the "batched gather
   matrix-vector" shrink of Punica/vLLM's BGMV: program ``(t, k-slice)`` reduces ``x[t]`` against
   its own adapter's ``A[s]`` over one ``LORA_SPLIT_K`` slice of K and writes ``R`` float32 partial
-  sums ``p [T, splits, R]`` (split-K: a batch-1 shrink of a 14336-wide input spreads over 28
+  sums ``p [T, splits, R]`` (split-K: a batch-1 shrink of a 14336-wide input spreads over 56
   programs instead of one streaming 460 KB). Rows without an adapter write nothing. On Hopper it
-  launches with PDL (:mod:`.pdl`), so its launch overlaps the previous kernel's tail.
+  launches with PDL (:mod:`.pdl`), so its launch overlaps the previous kernel's tail; with
+  ``inputs_ready`` (slots and A are step constants) each program also reads its slot and its A
+  slice before the wait, leaving only ``x``'s slice and the reduction on the critical path.
 * :func:`lora_shrink_dense` (**many rows**: prefill, large decode batches) — the slot-dense
   ``V [T, S·R]`` in x's dtype: ``V[t, s·R + r] = x[t]·A[s, r]`` for the token's own slot and 0 in
   every other slot's columns (all of them for base rows), so ``V·B_allᵀ`` (``B`` is
@@ -61,22 +63,36 @@ def _shrink_kernel(x_ptr,        # [T, K] activations, row stride stride_x, unit
                    K, R, SPLITS, stride_x,
                    SPLIT_K: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr,
                    USE_PDL: tl.constexpr,       # launched with programmatic dependent launch
-                   LATE_LAUNCH: tl.constexpr):  # let the next kernel launch at the end, not after the wait
+                   LATE_LAUNCH: tl.constexpr,   # let the next kernel launch at the end, not after the wait
+                   PREFETCH: tl.constexpr):     # idx and A are step constants and BLOCK_K == SPLIT_K:
+                                                # read the slot and the A slice before the PDL wait
     """p[t, j, r] = Σ_{k in slice j} x[t, k] · A[s, r, k]; rows without an adapter write nothing."""
     t = tl.program_id(0)
     j = tl.program_id(1)
-    pdl_wait(USE_PDL, not LATE_LAUNCH)
-    s = tl.load(idx_ptr + t).to(tl.int64)
-    if s >= 0:
-        r = tl.arange(0, BLOCK_R)
-        acc = tl.zeros((BLOCK_R,), dtype=tl.float32)
-        a_row = a_ptr + s * R * K + r[:, None].to(tl.int64) * K
-        for k0 in range(j * SPLIT_K, j * SPLIT_K + SPLIT_K, BLOCK_K):
-            k = k0 + tl.arange(0, BLOCK_K)
+    r = tl.arange(0, BLOCK_R)
+    r_ok = r < R
+    out = p_ptr + (t.to(tl.int64) * SPLITS + j) * R + r
+    if PREFETCH:
+        s = tl.load(idx_ptr + t).to(tl.int64)
+        k = j * SPLIT_K + tl.arange(0, BLOCK_K)
+        a = tl.load(a_ptr + s * R * K + r[:, None].to(tl.int64) * K + k[None, :],
+                    mask=(r_ok & ((r * 0 + s) >= 0))[:, None] & (k < K)[None, :], other=0.0)
+        pdl_wait(USE_PDL, not LATE_LAUNCH)
+        if s >= 0:
             xk = tl.load(x_ptr + t.to(tl.int64) * stride_x + k, mask=k < K, other=0.0).to(tl.float32)
-            ak = tl.load(a_row + k[None, :], mask=(r[:, None] < R) & (k[None, :] < K), other=0.0).to(tl.float32)
-            acc += tl.sum(ak * xk[None, :], axis=1)
-        tl.store(p_ptr + (t.to(tl.int64) * SPLITS + j) * R + r, acc, mask=r < R)
+            tl.store(out, tl.sum(a.to(tl.float32) * xk[None, :], axis=1), mask=r_ok)
+    else:
+        pdl_wait(USE_PDL, not LATE_LAUNCH)
+        s = tl.load(idx_ptr + t).to(tl.int64)
+        if s >= 0:
+            acc = tl.zeros((BLOCK_R,), dtype=tl.float32)
+            a_row = a_ptr + s * R * K + r[:, None].to(tl.int64) * K
+            for k0 in range(j * SPLIT_K, j * SPLIT_K + SPLIT_K, BLOCK_K):
+                k = k0 + tl.arange(0, BLOCK_K)
+                xk = tl.load(x_ptr + t.to(tl.int64) * stride_x + k, mask=k < K, other=0.0).to(tl.float32)
+                ak = tl.load(a_row + k[None, :], mask=r_ok[:, None] & (k[None, :] < K), other=0.0).to(tl.float32)
+                acc += tl.sum(ak * xk[None, :], axis=1)
+            tl.store(out, acc, mask=r_ok)
     if LATE_LAUNCH:
         pdl_trigger(USE_PDL)
 
@@ -185,10 +201,15 @@ def lora_splits(k: int) -> int:
     return triton.cdiv(k, LORA_SPLIT_K)
 
 
-def lora_shrink(x: torch.Tensor, a: torch.Tensor, indices: torch.Tensor, partials: torch.Tensor) -> torch.Tensor:
+def lora_shrink(x: torch.Tensor, a: torch.Tensor, indices: torch.Tensor, partials: torch.Tensor, *,
+                inputs_ready: bool = False) -> torch.Tensor:
     """One launch: ``partials[t, j] = x[t, slice j]·A[indices[t], :, slice j]ᵀ`` (float32, ``partials``
     holds at least ``T · splits · R`` values, read as ``[T, splits, R]``); rows with ``indices[t] < 0``
-    are left as they were (readers skip them). Returns the ``[T, splits, R]`` view."""
+    are left as they were (readers skip them). Returns the ``[T, splits, R]`` view.
+
+    ``inputs_ready``: no kernel of the step writes ``indices`` or ``a`` (the backend's
+    ``step_constant``), so under PDL each program reads its slot and its A slice (slots up to 64
+    wide: one ``[R, LORA_SPLIT_K]`` tile) before waiting for the kernel that writes ``x``."""
     t, k = x.shape
     _, r, _ = a.shape
     splits = lora_splits(k)
@@ -200,8 +221,12 @@ def lora_shrink(x: torch.Tensor, a: torch.Tensor, indices: torch.Tensor, partial
         return view
     from .gemv import _num_sms
     block_r, block_k, _ = _blocks(r, _interpreting())
+    prefetch = inputs_ready and block_r <= 64
+    if prefetch:
+        block_k = LORA_SPLIT_K
     _shrink_kernel[(t, splits)](x, a, indices, view, k, r, splits, x.stride(0), SPLIT_K=LORA_SPLIT_K,
                                 BLOCK_R=block_r, BLOCK_K=block_k, LATE_LAUNCH=t * splits > _num_sms(x.device),
+                                PREFETCH=prefetch, num_warps=8 if prefetch and block_r > 32 else 4,
                                 **pdl_launch(x.device))
     return view
 

@@ -80,3 +80,18 @@ def test_dense_shrink_keeps_only_each_rows_slot(dtype, tol, t, k, r, s):
         if slot >= 0:
             want[i, slot * r:(slot + 1) * r] = x[i].float() @ a[slot].float().T
     torch.testing.assert_close(out.float().cpu(), want, atol=tol, rtol=tol)
+
+
+@pytest.mark.parametrize("r", [8, 48])
+def test_shrink_prefetch_gives_the_same_partials(r):
+    """``inputs_ready`` (slot and A read before the PDL wait, one A tile per program) computes what the
+    K-stepping shrink does; base rows are left untouched by both."""
+    x, _, a, _, idx = _factors(4, 8, 600, r, 2, torch.float16, r)
+    p = torch.full((4 * lora_splits(600) * r,), float("nan"), device=DEV)
+    plain = lora_shrink(x, a, idx, p.clone())
+    ready = lora_shrink(x, a, idx, p.clone(), inputs_ready=True)
+    rows = idx >= 0
+    torch.testing.assert_close(ready[rows], plain[rows], atol=1e-3, rtol=1e-3)
+    assert torch.isnan(ready[~rows]).all() and torch.isnan(plain[~rows]).all()
+    want = torch.stack([x[i].float() @ a[s].float().T if s >= 0 else torch.zeros(r) for i, s in enumerate(idx.tolist())])
+    torch.testing.assert_close(ready.sum(1)[rows], want[rows], atol=1e-2, rtol=1e-2)
