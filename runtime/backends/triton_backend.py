@@ -423,7 +423,7 @@ def _moe_experts(be: TritonBackend, node, ins, attrs, dsts):
 
 def _lora_apply(be: TritonBackend, node, ins, attrs, dsts):
     from ..kernels.lora import lora_apply
-    lora_apply(*ins, out=dsts[0], workspace=be.workspace(node, ins, attrs))
+    lora_apply(*ins, out=dsts[0], workspace=be.workspace(node, ins, attrs), scratch=be._workspaces)
     return dsts
 
 
@@ -537,7 +537,8 @@ def _lora_matmul(be: TritonBackend, node, ins, attrs, dsts):
     if t <= MAX_BGMV_ROWS:
         lora_apply(prod, x, a, b, idx, out=prod, workspace=scratch, dense=False)
     else:
-        v = lora_shrink_dense(x, a, idx, lora_dense_view(scratch, t, slots * width, x.dtype))
+        v = lora_shrink_dense(x, a, idx, lora_dense_view(scratch, t, slots * width, x.dtype),
+                              scratch=be._workspaces)
         prod.addmm_(v, b.view(n, slots * width).T)
     if silu:
         _silu_mul(be, node, [prod], attrs, [dst])

@@ -16,9 +16,10 @@ adapter), ``A [S, R, K]``, ``B [N, S, R]`` (scaling folded into B). Two shrinks 
   ``V [T, S·R]`` in x's dtype: ``V[t, s·R + r] = x[t]·A[s, r]`` for the token's own slot and 0 in
   every other slot's columns (all of them for base rows), so ``V·B_allᵀ`` (``B`` is
   output-major: ``B_all = B.view(N, S·R)``) is every row's own term in one cuBLAS GEMM. Program
-  ``(row block, slot)`` multiplies its rows by ``A[s]`` with ``tl.dot`` and masks the rows of other
-  slots; a block none of whose rows uses ``s`` only writes zeros (a prefill of one adapter reads one
-  slot's A). The wasted work is the other slots' rows inside a used block — small next to the
+  ``(row block, slot, K slice)`` multiplies its rows by ``A[s]`` with ``tl.dot`` (loading only
+  the rows of slot ``s``) and masks the others; a block none of whose rows uses ``s`` only writes
+  zeros (a prefill of one adapter reads one slot's A). Few tiles (a batch-64 decode step over 8
+  slots is 8) split K within the launch, the GEMV's way (:func:`_dense_splits`). The wasted work is the other slots' rows inside a used block — small next to the
   base GEMM. (A segmented GEMM over tokens grouped by adapter, Punica's SGMV, avoids even that.)
 
 The expand half is not a kernel of its own where it matters:
@@ -127,24 +128,34 @@ def _shrink_dense_kernel(x_ptr,      # [T, K] activations, row stride stride_x, 
                          a_ptr,      # [S, R, K] contiguous A factors of every slot
                          idx_ptr,    # [T] int slot of each token (< 0: none)
                          v_ptr,      # [T, S·R] out (x's dtype), row stride stride_v
-                         T, K, R, stride_x, stride_v,
+                         part_ptr,   # [SPLITS, n_tiles, BLOCK_T, BLOCK_R] float32 partial tiles (SPLIT)
+                         lock_ptr,   # [n_tiles] int32 arrival counters, zero between launches (SPLIT)
+                         T, K, R, K_SPLIT, SPLITS, stride_x, stride_v,
                          BLOCK_T: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr,
+                         SPLIT: tl.constexpr,         # SPLITS > 1
                          DOT_F32: tl.constexpr,       # multiply in float32 (fp32 inputs; the interpreter)
                          IEEE: tl.constexpr):         # fp32 inputs: full-precision dot, not tf32
     """V[t, s·R + r] = Σ_k x[t, k] · A[s, r, k] if indices[t] == s else 0, for the block's rows and
-    slot ``s = program_id(1)``; float32 accumulation, stored in V's dtype."""
+    slot ``s = program_id(1)``, over K slice ``program_id(2)``; float32 accumulation, stored in V's
+    dtype. With ``SPLIT`` the slices meet as the GEMV's do: each stores its partial tile and bumps
+    the tile's counter, the last to arrive sums the partials in slice order, stores and resets the
+    counter. A tile none of whose rows uses ``s`` is zeros: slice 0 writes them, nobody counts."""
     pid_t = tl.program_id(0)
     s = tl.program_id(1)
+    pid_k = tl.program_id(2)
     rt = pid_t * BLOCK_T + tl.arange(0, BLOCK_T)
     t_ok = rt < T
     r = tl.arange(0, BLOCK_R)
     r_ok = r < R
     own = (tl.load(idx_ptr + rt, mask=t_ok, other=-1) == s) & t_ok
-    acc = tl.zeros([BLOCK_T, BLOCK_R], tl.float32)
+    out = v_ptr + rt.to(tl.int64)[:, None] * stride_v + s * R + r[None, :]
+    o_ok = t_ok[:, None] & r_ok[None, :]
     if tl.sum(own.to(tl.int32), axis=0) > 0:
+        acc = tl.zeros([BLOCK_T, BLOCK_R], tl.float32)
         x_rows = x_ptr + rt.to(tl.int64)[:, None] * stride_x
         a_rows = a_ptr + (s * R + r).to(tl.int64)[:, None] * K
-        for k0 in range(0, K, BLOCK_K):
+        k_lo = pid_k * K_SPLIT
+        for k0 in range(k_lo, tl.minimum(k_lo + K_SPLIT, K), BLOCK_K):
             k = k0 + tl.arange(0, BLOCK_K)
             xk = tl.load(x_rows + k[None, :], mask=own[:, None] & (k < K)[None, :], other=0.0)
             ak = tl.load(a_rows + k[None, :], mask=r_ok[:, None] & (k < K)[None, :], other=0.0)
@@ -155,9 +166,24 @@ def _shrink_dense_kernel(x_ptr,      # [T, K] activations, row stride stride_x, 
                     acc += tl.dot(xk.to(tl.float32), tl.trans(ak.to(tl.float32)))
             else:
                 acc += tl.dot(xk, tl.trans(ak))
-        acc = tl.where(own[:, None], acc, 0.0)
-    out = v_ptr + rt.to(tl.int64)[:, None] * stride_v + s * R + r[None, :]
-    tl.store(out, acc.to(v_ptr.dtype.element_ty), mask=t_ok[:, None] & r_ok[None, :])
+        if SPLIT:
+            n_tiles = tl.num_programs(0) * tl.num_programs(1)
+            tile = pid_t * tl.num_programs(1) + s
+            rb = tl.arange(0, BLOCK_T)
+            part = part_ptr + rb[:, None] * BLOCK_R + r[None, :]
+            tl.store(part + (pid_k * n_tiles + tile).to(tl.int64) * (BLOCK_T * BLOCK_R), acc)
+            tl.debug_barrier()
+            arrived = tl.atomic_add(lock_ptr + tile, 1, sem="acq_rel")
+            if arrived == SPLITS - 1:
+                acc = tl.zeros([BLOCK_T, BLOCK_R], tl.float32)
+                for j in range(0, SPLITS):
+                    acc += tl.load(part + (j * n_tiles + tile).to(tl.int64) * (BLOCK_T * BLOCK_R), cache_modifier=".cg")
+                tl.atomic_xchg(lock_ptr + tile, 0, sem="relaxed")     # read again only by a later launch
+                tl.store(out, tl.where(own[:, None], acc, 0.0).to(v_ptr.dtype.element_ty), mask=o_ok)
+        else:
+            tl.store(out, tl.where(own[:, None], acc, 0.0).to(v_ptr.dtype.element_ty), mask=o_ok)
+    elif pid_k == 0:
+        tl.store(out, tl.zeros([BLOCK_T, BLOCK_R], tl.float32).to(v_ptr.dtype.element_ty), mask=o_ok)
 
 
 def _blocks(rank: int, interpreted: bool) -> tuple[int, int, int]:
@@ -231,9 +257,22 @@ def lora_shrink(x: torch.Tensor, a: torch.Tensor, indices: torch.Tensor, partial
     return view
 
 
-def lora_shrink_dense(x: torch.Tensor, a: torch.Tensor, indices: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+def _dense_splits(tiles: int, k: int, block_k: int, sms: int) -> int:
+    """K slices of the slot-dense shrink: enough that ``tiles · slices`` covers the SMs twice (a
+    batch-64 step over 8 slots is 8 tiles: alone they would stream 400 KB of A each on 8 SMs), of
+    at least 4 ``BLOCK_K`` steps; 1 once the tiles fill the machine (prefill)."""
+    splits = 1
+    while tiles * splits < 2 * sms and triton.cdiv(k, splits * 2) >= 4 * block_k:
+        splits *= 2
+    return splits
+
+
+def lora_shrink_dense(x: torch.Tensor, a: torch.Tensor, indices: torch.Tensor, out: torch.Tensor, *,
+                      scratch: dict | None = None) -> torch.Tensor:
     """One launch: the slot-dense ``V [T, S·R]`` (module docstring) into ``out`` (x's dtype, unit
-    inner stride, ``[T, S·R]``): each row's own slot's ``x[t]·A[s]ᵀ``, zeros elsewhere."""
+    inner stride, ``[T, S·R]``): each row's own slot's ``x[t]·A[s]ᵀ``, zeros elsewhere. ``scratch``
+    (a dict the caller keeps, e.g. the backend's workspaces) holds the split-K partial tiles and
+    zeroed counters per shape, made on first use (a captured CUDA graph keeps their addresses)."""
     t, k = x.shape
     slots, r, _ = a.shape
     if tuple(out.shape) != (t, slots * r) or out.dtype != x.dtype or out.stride(-1) != 1:
@@ -241,10 +280,25 @@ def lora_shrink_dense(x: torch.Tensor, a: torch.Tensor, indices: torch.Tensor, o
                             f"got {list(out.shape)} {out.dtype} strides {out.stride()}")
     if t == 0:
         return out
+    from .gemv import _num_sms
     block_t, block_r, block_k = _dense_blocks(t, r, _interpreting())
+    t_blocks = triton.cdiv(t, block_t)
+    splits = _dense_splits(t_blocks * slots, k, block_k, _num_sms(x.device))
+    k_split = triton.cdiv(triton.cdiv(k, splits), block_k) * block_k
+    splits = triton.cdiv(k, k_split)
+    part = lock = out
+    if splits > 1:
+        scratch = {} if scratch is None else scratch
+        key = ("lora_dense", str(x.device), t_blocks * slots, splits, block_t, block_r)
+        if key not in scratch:
+            scratch[key] = (torch.empty(splits * t_blocks * slots * block_t * block_r, dtype=torch.float32,
+                                        device=x.device),
+                            torch.zeros(t_blocks * slots, dtype=torch.int32, device=x.device))
+        part, lock = scratch[key]
     f32 = x.dtype == torch.float32
-    _shrink_dense_kernel[(triton.cdiv(t, block_t), slots)](
-        x, a, indices, out, t, k, r, x.stride(0), out.stride(0), BLOCK_T=block_t, BLOCK_R=block_r, BLOCK_K=block_k,
+    _shrink_dense_kernel[(t_blocks, slots, splits)](
+        x, a, indices, out, part, lock, t, k, r, k_split, splits, x.stride(0), out.stride(0), BLOCK_T=block_t,
+        BLOCK_R=block_r, BLOCK_K=block_k, SPLIT=splits > 1,
         DOT_F32=f32 or (_interpreting() and x.dtype == torch.bfloat16), IEEE=f32, num_warps=4)
     return out
 
@@ -256,12 +310,12 @@ def lora_dense_view(workspace: torch.Tensor, t: int, width: int, dtype: torch.dt
 
 def lora_apply(y: torch.Tensor, x: torch.Tensor, a: torch.Tensor, b: torch.Tensor, indices: torch.Tensor, *,
                out: torch.Tensor | None = None, workspace: torch.Tensor | None = None,
-               dense: bool | None = None) -> torch.Tensor:
+               dense: bool | None = None, scratch: dict | None = None) -> torch.Tensor:
     """``out = y + (x·A[idx]ᵀ)·B[:, idx]ᵀ`` per token (module docstring); ``out`` may be ``y`` itself
     (in place). ``workspace``: float32 scratch of at least ``T·R·max(splits, S)`` values (the op's
     workspace rule; allocated when omitted). ``dense`` forces the path (default: slot-dense above
     ``MAX_BGMV_ROWS`` rows): two launches either way (shrink + expand, or the slot-dense shrink +
-    one cuBLAS ``addmm``)."""
+    one cuBLAS ``addmm``). ``scratch``: as :func:`lora_shrink_dense`'s."""
     why = lora_supported(y, x, a, b, indices)
     if why is not None:
         raise GraphDSLError(f"lora_apply kernel: unsupported operands: {why}")
@@ -277,7 +331,7 @@ def lora_apply(y: torch.Tensor, x: torch.Tensor, a: torch.Tensor, b: torch.Tenso
         workspace = torch.empty(need, dtype=torch.float32, device=x.device)
     dense = t > MAX_BGMV_ROWS if dense is None else dense
     if dense:
-        v = lora_shrink_dense(x, a, indices, lora_dense_view(workspace, t, slots * r, x.dtype))
+        v = lora_shrink_dense(x, a, indices, lora_dense_view(workspace, t, slots * r, x.dtype), scratch=scratch)
         torch.addmm(y, v, b.view(n, slots * r).T, out=out)
         return out
     p = lora_shrink(x, a, indices, workspace)

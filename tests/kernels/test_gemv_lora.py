@@ -69,12 +69,19 @@ def test_gemv_lora_rejects_mismatched_factors():
 
 
 @pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-4), (torch.bfloat16, 3e-2)])
-@pytest.mark.parametrize("t,k,r,s", [(20, 48, 8, 3), (33, 70, 12, 2)])
+@pytest.mark.parametrize("t,k,r,s", [(20, 48, 8, 3), (33, 70, 12, 2), (20, 600, 8, 1)])   # the last: split K
 def test_dense_shrink_keeps_only_each_rows_slot(dtype, tol, t, k, r, s):
     x, _, a, _, idx = _factors(t, 8, k, r, s, dtype, t + k)
     idx[: 16] = 0                                    # the first row block uses slot 0 only: others write zeros
     out = torch.full((t, s * r), float("nan"), dtype=dtype, device=DEV)
-    lora_shrink_dense(x, a, idx, out)
+    scratch = {}
+    lora_shrink_dense(x, a, idx, out, scratch=scratch)
+    first = out.clone()
+    lora_shrink_dense(x, a, idx, out, scratch=scratch)     # again: the split counters were reset
+    assert torch.equal(out, first)
+    if k == 600 and DEV == "cpu":
+        (_, lock), = scratch.values()
+        assert int(lock.abs().sum()) == 0
     want = torch.zeros(t, s * r)
     for i, slot in enumerate(idx.tolist()):
         if slot >= 0:
