@@ -434,7 +434,7 @@ def _quant_linear(be: TritonBackend, node, ins, attrs, dsts):
     (:mod:`graphdsl.runtime.kernels.quant_linear`) — or, for fp8 with dynamic activation scales on
     Hopper, ``torch._scaled_mm`` (FP8 tensor cores, row-wise scales) on the rows quantized per
     token — into the node's workspace, then the epilogue."""
-    from graphdsl.quant import Fp8Scheme, parse_scheme
+    from graphdsl.quant import Fp8Scheme, parse_scheme, quantize_fp8_rows
 
     from ..kernels.gemv import gemv, gemv_supported
     from ..kernels.quant_linear import quant_linear
