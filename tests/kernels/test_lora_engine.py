@@ -85,3 +85,45 @@ def test_mixed_decode_batch_equals_each_alone(llm):
         assert out.outputs[0].token_ids == llm.generate([p], params, lora_request=n)[0].outputs[0].token_ids
     assert {n.op for n in llm.model.engine(Phase.DECODE, lora=True).net.nodes} >= {"matmul_lora",
                                                                                    "matmul_silu_mul_lora"}
+
+
+def _projection_net():
+    """Every LoRA projection kind: a biased one (qwen2's qkv), SwiGLU, a residual epilogue, a bare one."""
+    from graphdsl import Dim, Network, Tensor
+    from graphdsl import functional as F
+    n, h = Dim("num_tokens"), torch.float16
+    slots, width = 3, 8
+
+    def lora(x, y, name, k, out, idx):
+        return F.lora_apply(y, x, Tensor(f"{name}.A", (slots, width, k), h), Tensor(f"{name}.B", (out, slots, width), h),
+                            idx)
+    with Network("lora_projections") as net:
+        x, res, idx = Tensor("x", (n, 32), h), Tensor("res", (n, 32), h), Tensor("idx", (n,), torch.int32)
+        q = lora(x, F.linear(x, Tensor("wq", (48, 32), h), Tensor("bq", (48,), h), transpose_b=True), "q", 32, 48, idx)
+        gu = lora(q, F.linear(q, Tensor("wgu", (64, 48), h), transpose_b=True), "gu", 48, 64, idx)
+        gate, up = F.split(gu, 2, -1)
+        act = F.silu(gate) * up
+        d = res + lora(act, F.linear(act, Tensor("wd", (32, 32), h), transpose_b=True), "d", 32, 32, idx)
+        o = lora(d, F.linear(d, Tensor("wo", (40, 32), h), transpose_b=True), "o", 32, 40, idx)
+        net.mark_output(F.rms_norm(o, Tensor("g", (40,), h)), "out")
+    return net
+
+
+@pytest.mark.parametrize("rows", [5, 20], ids=["gemv", "dense"])
+def test_each_lora_projection_kind_on_the_triton_backend(rows, monkeypatch):
+    net = _projection_net()
+    g = torch.Generator().manual_seed(rows)
+    feed = {}
+    for name, t in net.inputs.items():
+        shape = [rows if not isinstance(d, int) else d for d in t.shape]
+        feed[name] = (torch.tensor([(i % 4) - 1 for i in range(rows)], dtype=torch.int32) if name == "idx"
+                      else (torch.randn(*shape, generator=g) * 0.3).half()).to(DEV)
+    ref = net.build_engine(backend="torch", passes=[]).forward({k: v.clone() for k, v in feed.items()})["out"]
+    eng = net.build_engine(backend="triton")
+    assert sorted(n.op for n in eng.net.nodes if "lora" in n.op) == ["matmul_add_lora", "matmul_add_lora",
+                                                                     "matmul_lora", "matmul_silu_mul_lora"]
+    calls = _count(monkeypatch)
+    got = eng.forward({k: v.clone() for k, v in feed.items()})["out"]
+    torch.testing.assert_close(got.float(), ref.float(), atol=3e-2, rtol=3e-2)
+    assert (calls["gemv_lora"], calls["shrink"]) == ((4, 4) if rows <= 16 else (0, 0))     # the kernels ran,
+    assert calls["shrink_dense"] == (0 if rows <= 16 else 4) and calls["expand"] == 0     # not the references
