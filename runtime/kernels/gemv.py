@@ -292,7 +292,7 @@ def _gemv_kernel(
     LORA_S, LORA_R, LORA_SPLITS,  # slots, slot width, shrink K slices
     HAS_LORA: tl.constexpr = False,     # add each row's LoRA term in the epilogue (_lora_term)
     LORA_BLOCK_R: tl.constexpr = 16,    # LORA_R padded to a power of two >= 16
-    LORA_BLOCK_SPLITS: tl.constexpr = 1,  # LORA_SPLITS padded to a power of two
+    LORA_BLOCK_SPLITS: tl.constexpr = 2,  # LORA_SPLITS padded to a power of two >= 2
 ):
     """out[m, n] = sum_k x[m, k] * w[n, k] (+ add[m, n]), float32 accumulation. With ``SWIGLU`` the
     tile's rows are the gate and up rows of ``BLOCK_N / 2`` output columns, interleaved (row ``2i``
@@ -517,7 +517,7 @@ def _lora_args(lora: GemvLoRA | None, dummy: torch.Tensor) -> dict:
     from .lora import block_r_of
     return dict(lora_p_ptr=p, lora_b_ptr=b, lora_idx_ptr=idx, LORA_S=b.shape[1], LORA_R=b.shape[2],
                 LORA_SPLITS=p.shape[1], HAS_LORA=True, LORA_BLOCK_R=block_r_of(b.shape[2]),
-                LORA_BLOCK_SPLITS=triton.next_power_of_2(p.shape[1]))
+                LORA_BLOCK_SPLITS=max(2, triton.next_power_of_2(p.shape[1])))
 
 
 def gemv_supported(x: torch.Tensor, w: torch.Tensor, scheme=None) -> bool:
