@@ -152,55 +152,62 @@ def _f16(v):
 
 
 @triton.jit
-def _int4_row_loop(x_ptr, q_ptr, s_ptr, z_ptr, rn, n_ok, k_lo, k_hi, K, stride_sn, BLOCK_N: tl.constexpr,
-                   ZERO_POINT: tl.constexpr, GROUP: tl.constexpr, BLOCK_K: tl.constexpr):
-    """One row (batch-1 decode): ``sum_k x[k] * (q[n, k] - z[n, g]) * s[n, g]`` over the slice, with
-    CUDA-core FMAs instead of ``tl.dot`` (whose operand-layout shuffle and int->float conversions
-    bound the tensor-core path at one row). ``q_ptr``: int32 words of eight nibbles (word ``c`` holds
-    ``k = 8c + i`` in bits ``4i..4i+3``).
+def _int4_row_loop(x_ptr, q_ptr, s_ptr, z_ptr, rn, n_ok, N, w_lo, w_hi, W_ROW, stride_sn, BLOCK_N: tl.constexpr,
+                   ZERO_POINT: tl.constexpr, GROUP: tl.constexpr):
+    """One row (batch-1 decode): ``sum_k x[k] * (q[n, k] - z[n, g]) * s[n, g]`` over the words
+    ``[w_lo, w_hi)`` of each weight row, with CUDA-core FMAs instead of ``tl.dot`` (whose operand-
+    layout shuffle and int->float conversions bound the tensor-core path at one row). ``q_ptr``:
+    int32 words of eight nibbles, ``W_ROW`` a row (word ``c`` holds ``k = 8c + i`` in bits
+    ``4i..4i+3``).
 
     Each nibble is brought to bits 12..15 or 16..19 by one of four shifts per word (``<< 12``,
     ``<< 8``, none, ``>> 8``, ``>> 16`` serve two planes each) and OR-ed into the mantissa of 1.0
     (:func:`_f12`, :func:`_f16`): ``f = 1 + q * 2^-p`` exactly, so ``sum f * x`` minus ``sum x`` is
-    ``2^-p * sum q * x`` — about 1.5 integer operations and one FMA per weight. The accumulators
-    ``a12``, ``a16`` stay ``[BLOCK_N, GROUP / 8]`` until a group ends (scale, zero point, the
-    ``sum x`` correction), and are reduced over the words once, at the end."""
+    ``2^-p * sum q * x``; with the activations pre-scaled by ``2^p`` (per word, not per weight)
+    one accumulator takes every plane: about 1.5 integer operations and one FMA per weight. Per
+    group and word, ``sum 2^p x`` and the zero point's ``z * sum x`` are taken off and the scale
+    applied (2 operations per 8 weights); the ``[BLOCK_N, GROUP / 8]`` sums are reduced over the
+    words once, at the end. Rounding: the float32 products carry ~2^-24 of ``2^11 |x|``, about
+    1e-4 of a word's ``sum q x`` — below the 16-bit activations' own rounding.
+
+    The slice is walked one group at a time, the next group's words loaded before this one's
+    math (nothing software-pipelines loads that do not feed ``tl.dot``). Weight loads carry no
+    mask — rows past ``N`` read row ``N - 1`` (their sums are never stored) and the prefetch past
+    the slice re-reads its last group — so they vectorize to 16-byte loads."""
     C: tl.constexpr = GROUP // 8
-    SUBS: tl.constexpr = BLOCK_K // GROUP
     rc = tl.arange(0, C)
-    rn64 = rn.to(tl.int64)
-    q_rows = q_ptr + rn64[:, None] * (K // 8)
+    rn64 = tl.minimum(rn, N - 1).to(tl.int64)
+    q_rows = q_ptr + rn64[:, None] * W_ROW
     acc = tl.zeros([BLOCK_N, C], tl.float32)
-    for k0 in range(k_lo, k_hi, BLOCK_K):
-        for j in tl.static_range(SUBS):
-            kb = k0 + j * GROUP
-            ok = (kb + 8 * rc) < K
-            w = tl.load(q_rows + (kb // 8 + rc)[None, :], mask=n_ok[:, None] & ok[None, :], other=0)
-            xp = x_ptr + kb + 8 * rc
-            x0 = tl.load(xp, mask=ok, other=0.0).to(tl.float32)
-            x1 = tl.load(xp + 1, mask=ok, other=0.0).to(tl.float32)
-            x2 = tl.load(xp + 2, mask=ok, other=0.0).to(tl.float32)
-            x3 = tl.load(xp + 3, mask=ok, other=0.0).to(tl.float32)
-            x4 = tl.load(xp + 4, mask=ok, other=0.0).to(tl.float32)
-            x5 = tl.load(xp + 5, mask=ok, other=0.0).to(tl.float32)
-            x6 = tl.load(xp + 6, mask=ok, other=0.0).to(tl.float32)
-            x7 = tl.load(xp + 7, mask=ok, other=0.0).to(tl.float32)
-            wl8 = w << 8
-            wr8 = w >> 8
-            a12 = _f12(w << 12) * x0[None, :] + _f12(wl8) * x1[None, :] + _f12(w) * x3[None, :] \
-                + _f12(wr8) * x5[None, :] + _f12(w >> 16) * x7[None, :]
-            a16 = _f16(wl8) * x2[None, :] + _f16(w) * x4[None, :] + _f16(wr8) * x6[None, :]
-            s12 = x0 + x1 + x3 + x5 + x7
-            s16 = x2 + x4 + x6
-            g = kb // GROUP
-            g_ok = n_ok & ((rn * 0 + kb) < K)
-            sc = tl.load(s_ptr + rn64 * stride_sn + g, mask=g_ok, other=0.0).to(tl.float32)
-            if ZERO_POINT:
-                z = tl.load(z_ptr + rn64 * stride_sn + g, mask=g_ok, other=0.0).to(tl.float32)
-            else:
-                z = tl.full([BLOCK_N], 8.0, tl.float32)
-            qx = (a12 - s12[None, :]) * 2048.0 + (a16 - s16[None, :]) * 128.0      # sum q * x per word
-            acc += sc[:, None] * (qx - z[:, None] * (s12 + s16)[None, :])
+    w_next = tl.load(q_rows + (w_lo + rc)[None, :])
+    for c in range(w_lo, w_hi, C):
+        w = w_next
+        w_next = tl.load(q_rows + (tl.minimum(c + C, w_hi - C) + rc)[None, :])
+        kb = c * 8
+        xp = x_ptr + kb + 8 * rc
+        # the planes' activations pre-scaled by 2^p: f * (2^p x) = 2^p x + q x
+        x0 = tl.load(xp).to(tl.float32) * 2048.0
+        x1 = tl.load(xp + 1).to(tl.float32) * 2048.0
+        x2 = tl.load(xp + 2).to(tl.float32) * 128.0
+        x3 = tl.load(xp + 3).to(tl.float32) * 2048.0
+        x4 = tl.load(xp + 4).to(tl.float32) * 128.0
+        x5 = tl.load(xp + 5).to(tl.float32) * 2048.0
+        x6 = tl.load(xp + 6).to(tl.float32) * 128.0
+        x7 = tl.load(xp + 7).to(tl.float32) * 2048.0
+        wl8 = w << 8
+        wr8 = w >> 8
+        a = _f12(w << 12) * x0[None, :] + _f12(wl8) * x1[None, :] + _f16(wl8) * x2[None, :] \
+            + _f12(w) * x3[None, :] + _f16(w) * x4[None, :] + _f12(wr8) * x5[None, :] \
+            + _f16(wr8) * x6[None, :] + _f12(w >> 16) * x7[None, :]
+        big = x0 + x1 + x2 + x3 + x4 + x5 + x6 + x7                            # sum 2^p x
+        xs = (x0 + x1 + x3 + x5 + x7) * (1.0 / 2048.0) + (x2 + x4 + x6) * (1.0 / 128.0)   # sum x
+        g = kb // GROUP
+        sc = tl.load(s_ptr + rn64 * stride_sn + g).to(tl.float32)
+        if ZERO_POINT:
+            z = tl.load(z_ptr + rn64 * stride_sn + g).to(tl.float32)
+            acc += sc[:, None] * (a - big[None, :] - z[:, None] * xs[None, :])     # sum (q - z) x per word
+        else:
+            acc += sc[:, None] * (a - (big + 8.0 * xs)[None, :])
     return tl.sum(acc, axis=1)
 
 
@@ -273,6 +280,7 @@ def _gemv_kernel(
     part_ptr,       # [SPLIT_K, n_tiles, BLOCK_N, BLOCK_M] float32 partial tiles (SPLIT)
     lock_ptr,       # [n_tiles] int32 arrival counters, zero between launches (SPLIT)
     M, N, K, SPLIT_K, K_SPLIT,   # sizes (N: output columns); K_SPLIT = K elements per slice (a multiple of BLOCK_K)
+    N2, W_ROW, K_SPLIT_W,        # int4 one-row loop: weight rows, int32 words a row (K / 8), words a slice
     stride_xm, stride_am, stride_om, stride_sn,
     WKIND: tl.constexpr,         # W_FLOAT, W_INT8, W_INT4, W_INT4_ZP or W_FP8 (module constants)
     GROUP: tl.constexpr,         # int4: inputs per scale (a divisor or a multiple of BLOCK_K)
@@ -317,8 +325,9 @@ def _gemv_kernel(
     k_hi = tl.minimum(k_lo + K_SPLIT, K)
     pdl_wait(USE_PDL, not LATE_LAUNCH)
     if INT4 and ONE_ROW:
-        row = _int4_row_loop(x_ptr, w_ptr, s_ptr, z_ptr, rn, n_ok, k_lo, k_hi, K, stride_sn, BLOCK_N, WKIND == 3,
-                             GROUP, BLOCK_K)
+        w_lo = pid_k * K_SPLIT_W
+        row = _int4_row_loop(x_ptr, w_ptr, s_ptr, z_ptr, rn, n_ok, N2, w_lo, tl.minimum(w_lo + K_SPLIT_W, W_ROW), W_ROW,
+                             stride_sn, BLOCK_N, WKIND == 3, GROUP)
         acc = tl.where((rm == 0)[None, :], row[:, None], 0.0)
     elif INT4:
         acc = _int4_k_loop(acc, x_rows, w_ptr, s_ptr, z_ptr, rn, n_ok, m_ok, k_lo, k_hi, K, stride_sn,
@@ -421,8 +430,8 @@ def _pick_quant_config(m: int, n: int, k: int, wkind: int, group: int, device: t
 
     int4: 128-row tiles, K split until there are about four programs per SM (nothing software-
     pipelines the CUDA-core loop, so programs in flight are what hide the loads' latency): o
-    [4096, 4096] 9.8 µs at split 16 (12.3 at split 4), down 24.7 (31.2), gate_up 41.4 at split 4;
-    256-input steps (two g128 groups) unless a slice is shorter. fp8 / int8 (the ``tl.dot`` path):
+    [4096, 4096] 9.1 µs at split 16, qkv 11.5 at split 8, down 19.8 at split 16, gate_up 37.1 at
+    split 4; 128-input slice steps when split 8 or more (down 19.8 vs 21.4 µs with 256), else 256. fp8 / int8 (the ``tl.dot`` path):
     64-row tiles, 128-input steps up to K = 8192, K split up to 8 while there are fewer than three
     programs per SM (qkv 16.2 µs at split 8, 18.4 at split 2 with 256-input steps)."""
     sms = _num_sms(device)
@@ -432,7 +441,7 @@ def _pick_quant_config(m: int, n: int, k: int, wkind: int, group: int, device: t
         split = 1
         while split < 16 and tiles * split < 4 * sms and k // (split * 2) >= max(group, 128):
             split *= 2
-        block_k = 256 if k // split >= 256 and 256 % group == 0 else max(group, 128)
+        block_k = 256 if split <= 4 and k // split >= 256 and 256 % group == 0 else max(group, 128)
         return dict(BLOCK_N=block_n, BLOCK_K=block_k, SPLIT_K=split, num_warps=4, num_stages=_QUANT_STAGES)
     block_n = _QUANT_BLOCK_N
     block_k = 128 if k <= 8192 else 256
@@ -610,7 +619,8 @@ def gemv(x: torch.Tensor, w: torch.Tensor, add: torch.Tensor | None = None, *, s
     stride_sn = 0 if kind == W_FLOAT or s_t.shape[0] == 1 else s_t.stride(0)
     _gemv_kernel[(n_tiles, split)](
         x, w, s_t, zeros if zeros is not None else s_t, add if add is not None else out, out, part, lock,
-        m, cols, k, split, k_split, x.stride(0), stride_am, out.stride(0), stride_sn, WKIND=kind, GROUP=group,
+        m, cols, k, split, k_split, n, k // 8, k_split // 8, x.stride(0), stride_am, out.stride(0), stride_sn,
+        WKIND=kind, GROUP=group,
         ONE_ROW=kind in (W_INT4, W_INT4_ZP) and one_row,
         LATE_LAUNCH=n_tiles * split > _num_sms(x.device),
         HAS_ADD=add is not None, SWIGLU=silu_mul, SPLIT=split > 1, BLOCK_M=MAX_ROWS, BLOCK_N=block_n,
