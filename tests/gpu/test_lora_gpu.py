@@ -134,7 +134,7 @@ def fp16_llm_with_adapters(tmp_path):
     sys_path_benchmarks()
     from llm import random_kv
     llm = gd.LLM.from_config(TINY_LLAMA, device="cuda", dtype="float16", seed=0, init_std=0.15, max_model_len=64,
-                             max_num_seqs=64, max_num_batched_tokens=256, num_kv_blocks=80, block_size=16)
+                             max_num_seqs=64, max_num_batched_tokens=256, num_kv_blocks=64 * 3 + 16, block_size=16)
     random_kv(llm)
     llm.enable_lora(max_loras=4, max_lora_rank=16)
     names = []
