@@ -11,7 +11,11 @@ Rows (issue 18 targets in brackets):
   each; wall time including prefill, graph replay and sampling).
 
 The extra bytes a LoRA step reads (every used slot's A and B once) are printed beside the time
-they cost at the measured copy bandwidth.
+they cost at the measured copy bandwidth. A header line counts the LoRA decode graph's
+projections by op: the ``lora_epilogue`` rules (``matmul_epilogue`` pass) put each adapter term
+into its projection (``matmul_lora``, ``matmul_silu_mul_lora``, ``matmul_add_lora``: one shrink
+launch more than the base projection up to 16 rows, two beyond); a ``lora_apply`` left over is a
+projection the rules did not fuse.
 """
 from __future__ import annotations
 
@@ -100,6 +104,12 @@ def main(argv=None) -> int:
             lora = min(_generate_s(llm, prompts, params, loras) for _ in range(2)) * 1e3
             rows.append((f"LLM.generate {batch} x {args.new_tokens} tokens, {used} adapter(s)", base, lora, target, ""))
     print(f"{args.shape}, rank {args.rank}, all linear targets, context {ctx} — {device_line()}; copy {copy:.0f} GB/s")
+    ops = [n.op for n in llm.model.engine(Phase.DECODE, lora=True).net.nodes]
+    base_nodes = len(llm.model.engine(Phase.DECODE).net.nodes)
+    counts = {op: ops.count(op) for op in ("matmul_lora", "matmul_silu_mul_lora", "matmul_add_lora", "lora_apply",
+                                           "silu_mul")}
+    print(f"LoRA decode graph: {len(ops)} nodes (base {base_nodes}); "
+          + ", ".join(f"{op} x{c}" for op, c in counts.items()))
     print(f"{'case':<48} {'base ms':>10} {'LoRA ms':>10} {'ratio':>7} {'target':>7}  note")
     for name, base, lora, target, note in rows:
         ok = "ok" if lora / base <= target else "MISS"

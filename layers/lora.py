@@ -10,7 +10,8 @@ adapter is a copy into them, never a rebuild:
   all slots' B are one ``[out, slots·parts·rank]`` matrix for the dense many-token path).
 
 Outside :func:`lora_scope` the hook records nothing, so an engine without the feature is the same
-graph as a model without LoRA.
+graph as a model without LoRA. The ``lora_epilogue`` rules then fold each ``lora_apply`` into its
+projection (``matmul_lora``, ``matmul_silu_mul_lora``, ``matmul_add_lora``; docs/lora.md).
 """
 from __future__ import annotations
 

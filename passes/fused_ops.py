@@ -14,14 +14,16 @@ from __future__ import annotations
 
 import torch
 
-from graphdsl.dim import shape_str
+from graphdsl.dim import same_extent, shape_str
 from graphdsl.errors import GraphDSLError
 from graphdsl.functional import attention as _attn
 from graphdsl.functional._rules import binary_rule
+from graphdsl.functional.lora import LORA_SPLIT_K
 from graphdsl.opdef import OpCategory, Spec, check, get_op, register_op
 
 __all__ = ["add_rms_norm", "silu_mul", "rope_cache", "rope_cache_attention", "matmul_add", "matmul_silu_mul",
-           "quant_linear_silu_mul", "quant_linear_add", "fused",
+           "quant_linear_silu_mul", "quant_linear_add", "matmul_lora", "matmul_add_lora", "matmul_silu_mul_lora",
+           "lora_workspace_layout", "fused",
            "program_ops", "FUSED_OPS"]
 
 
@@ -159,6 +161,89 @@ def quant_linear_add(x, c, *stored, scheme: str = "", out_features: int = 0, in_
     return torch.add(y, c)
 
 
+# -- matmuls with the LoRA term of lora_apply inside -------------------------------------------------
+# ``lora_apply(matmul(x, w), x, A, B, idx)`` absorbed into the projection (passes/llm_fusions.py,
+# LORA_EPILOGUE_RULES). Inputs: the matmul's (plus the addend), then ``A [S, R, K]``, ``B [N, S, R]``
+# and ``idx [T]`` of lora_apply; x must be the matmul's own left operand, w an [N, K] weight.
+_CELL_ALIGN = 64          # float32 cells (256 bytes): every workspace region starts aligned
+
+
+def _round_cells(n: int) -> int:
+    return -(-n // _CELL_ALIGN) * _CELL_ALIGN
+
+
+def lora_workspace_layout(x: Spec, w: Spec, a: Spec, *, product: bool) -> tuple[int, int]:
+    """``(product cells, LoRA cells)`` per row of a LoRA matmul's float32 workspace ``[T · (p + l)]``:
+    rows ``[0, T·p)`` hold the ``[T, N]`` product in x's dtype (``product``: the SwiGLU op's GEMM
+    result before ``silu_mul``; else 0), then ``T·l`` cells the LoRA scratch — the shrink's float32
+    split-K partials ``[T, splits, R]`` (a few rows) or the slot-dense ``[T, S·R]`` in x's dtype
+    (many rows). Each part is a multiple of 256 bytes per row."""
+    slots, rank, k = a.shape
+    if not all(isinstance(v, int) for v in (slots, rank, k)) or not isinstance(w.shape[0], int):
+        raise GraphDSLError(f"LoRA matmul: A {shape_str(a.shape)} and w {shape_str(w.shape)} need static extents")
+    splits = -(-k // LORA_SPLIT_K)
+    prod = _round_cells(-(-w.shape[0] * x.dtype.itemsize // 4)) if product else 0
+    return prod, _round_cells(rank * max(splits, slots))
+
+
+def _lora_workspace(x: Spec, w: Spec, *factors: Spec, product: bool = False) -> Spec:
+    a = factors[-3]
+    prod, lora = lora_workspace_layout(x, w, a, product=product)
+    return Spec((x.shape[0] * (prod + lora),), torch.float32)
+
+
+def _check_lora(op: str, x: Spec, w: Spec, out_rows, factors) -> None:
+    check(len(factors) == 3, op, f"takes A, B and indices after the matmul operands, got {len(factors)} more inputs")
+    a, b, idx = factors
+    y = get_op("matmul").shape(x, w, transpose_b=True)
+    check(len(x.shape) == 2 and len(w.shape) == 2, op,
+          f"x and w must be 2-D, got {shape_str(x.shape)} and {shape_str(w.shape)}")
+    get_op("lora_apply").shape(Spec(tuple(y.shape), y.dtype), x, a, b, idx)
+    check(same_extent(b.shape[0], out_rows) is not False, op,
+          f"B's out features {b.shape[0]} differ from the weight's rows {out_rows}")
+
+
+def _matmul_lora_rule(x: Spec, w: Spec, *factors: Spec):
+    _check_lora("matmul_lora", x, w, w.shape[0], factors)
+    return get_op("matmul").shape(x, w, transpose_b=True)
+
+
+@register_op("matmul_lora", category=OpCategory.MATMUL, shape=_matmul_lora_rule, workspace=_lora_workspace)
+def matmul_lora(x, w, *factors):
+    """``lora_apply(x @ w.T, x, A, B, idx)`` (``factors = A, B, idx``): the projection plus each row's
+    adapter term ``(x[t]·A[s]ᵀ)·B[:, s]ᵀ``, ``s = idx[t]`` (``s < 0``: none). A decode GEMV adds the
+    term to its float32 accumulator in the epilogue after one shrink launch; many rows add it with
+    one GEMM over the slot-dense shrink."""
+    y = get_op("matmul").reference(x, w, transpose_b=True)
+    return get_op("lora_apply").reference(y, x, *factors)
+
+
+def _matmul_add_lora_rule(x: Spec, w: Spec, c: Spec, *factors: Spec):
+    _check_lora("matmul_add_lora", x, w, w.shape[0], factors)
+    return binary_rule("matmul_add_lora")(get_op("matmul").shape(x, w, transpose_b=True), c)
+
+
+@register_op("matmul_add_lora", category=OpCategory.MATMUL, shape=_matmul_add_lora_rule, workspace=_lora_workspace)
+def matmul_add_lora(x, w, c, *factors):
+    """``lora_apply(x @ w.T, x, A, B, idx) + c``: ``matmul_lora`` with the bias ``[N]`` or residual
+    ``[T, N]`` ``c`` added after the LoRA term (as ``matmul_add``'s epilogue)."""
+    return torch.add(get_op("matmul_lora").reference(x, w, *factors), c)
+
+
+def _matmul_silu_mul_lora_rule(x: Spec, w: Spec, *factors: Spec):
+    _check_lora("matmul_silu_mul_lora", x, w, w.shape[0], factors)
+    return _silu_mul_rule(get_op("matmul").shape(x, w, transpose_b=True))
+
+
+@register_op("matmul_silu_mul_lora", category=OpCategory.MATMUL, shape=_matmul_silu_mul_lora_rule,
+             workspace=lambda x, w, *factors: _lora_workspace(x, w, *factors, product=True))
+def matmul_silu_mul_lora(x, w, *factors):
+    """``silu_mul(lora_apply(x @ w.T, x, A, B, idx))``: the packed ``[gate | up]`` projection, each
+    row's adapter term added to gate and up (B's rows are the weight's), then SwiGLU — as
+    ``matmul_silu_mul``, the LoRA term inside the GEMV's float32 accumulator before the split."""
+    return get_op("silu_mul").reference(get_op("matmul_lora").reference(x, w, *factors))
+
+
 # -- generic fused group -------------------------------------------------------------------------
 def program_ops(program) -> list[str]:
     """The op names of a ``fused`` sub-program, in order."""
@@ -203,4 +288,6 @@ def fused(*inputs, program=(), outputs=(), absorbed=()):
 FUSED_OPS = {"add_rms_norm": add_rms_norm, "silu_mul": silu_mul, "rope_cache": rope_cache,
              "rope_cache_attention": rope_cache_attention,
              "matmul_add": matmul_add, "matmul_silu_mul": matmul_silu_mul,
-             "quant_linear_silu_mul": quant_linear_silu_mul, "quant_linear_add": quant_linear_add, "fused": fused}
+             "quant_linear_silu_mul": quant_linear_silu_mul, "quant_linear_add": quant_linear_add,
+             "matmul_lora": matmul_lora, "matmul_add_lora": matmul_add_lora,
+             "matmul_silu_mul_lora": matmul_silu_mul_lora, "fused": fused}

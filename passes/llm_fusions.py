@@ -16,18 +16,27 @@
   epilogue. It runs after ``add_rms_norm``: an add that feeds an RMSNorm saves more by joining the
   norm's row kernel (no extra read of the sum) than by joining the GEMM, so only adds left over
   (biases, residuals not followed by a norm) go to the GEMM.
+* ``lora_epilogue`` (rules of the ``matmul_epilogue`` pass, after the base rules) — a LoRA
+  engine's ``lora_apply(matmul(x, w), x, A, B, idx)`` -> ``matmul_lora`` (the term joins the
+  projection: one shrink launch, then the GEMV adds it in its epilogue), and then, as the passes
+  before did for the bare matmul, ``silu_mul(matmul_lora)`` -> ``matmul_silu_mul_lora`` and
+  ``matmul_lora + c`` -> ``matmul_add_lora``; a biased projection's
+  ``lora_apply(matmul_add(x, w, bias))`` -> ``matmul_add_lora``. The rules chain (each rewrite
+  revisits the new node's readers), so their order does not matter; they run after
+  ``add_rms_norm``, so residual adds still go to the norm first, and a graph without
+  ``lora_apply`` (the base engine) never matches them.
 """
 from __future__ import annotations
 
 from graphdsl import functional as F
 
-from .fused_ops import (add_rms_norm, matmul_add, matmul_silu_mul, quant_linear_add, quant_linear_silu_mul, rope_cache,
-                        rope_cache_attention, silu_mul)
+from .fused_ops import (add_rms_norm, matmul_add, matmul_add_lora, matmul_lora, matmul_silu_mul, matmul_silu_mul_lora,
+                        quant_linear_add, quant_linear_silu_mul, rope_cache, rope_cache_attention, silu_mul)
 from .rewriter import Rule, Var, ops
 from .shapes import same_extent_value, same_shape
 
 __all__ = ["ADD_RMS_NORM_RULES", "SWIGLU_RULES", "MATMUL_SILU_MUL_RULES", "ROPE_CACHE_RULES",
-           "ROPE_CACHE_ATTENTION_RULES", "MATMUL_EPILOGUE_RULES"]
+           "ROPE_CACHE_ATTENTION_RULES", "MATMUL_EPILOGUE_RULES", "LORA_EPILOGUE_RULES"]
 
 
 # -- residual add + RMSNorm ----------------------------------------------------------------------
@@ -252,3 +261,66 @@ MATMUL_EPILOGUE_RULES = [Rule("matmul_epilogue", _epilogue_pattern, _epilogue_re
                               _quant_epilogue_check),
                          Rule("quant_linear_zp_epilogue_swapped", _quant_epilogue_pattern3_swapped,
                               _quant_epilogue_replacement3, _quant_epilogue_check)]
+
+
+# -- LoRA inside the projection ----------------------------------------------------------------------
+def _lora_pattern(x, w, a, b, idx):
+    return ops.lora_apply(ops.matmul(x, w, transpose_a=False, transpose_b=True), x, a, b, idx)
+
+
+def _lora_replacement(x, w, a, b, idx):
+    return matmul_lora(x, w, a, b, idx)
+
+
+def _lora_check(m):
+    x, w = m.inputs["x"], m.inputs["w"]
+    if x.shape is None or w.shape is None or len(x.shape) != 2 or len(w.shape) != 2:
+        return f"shape: a LoRA projection is 2-D, got x {x.shape} @ w {w.shape}"
+    return True
+
+
+def _lora_bias_pattern(x, w, c, a, b, idx):
+    return ops.lora_apply(ops.matmul_add(x, w, c, transpose_a=False, transpose_b=True), x, a, b, idx)
+
+
+def _lora_bias_replacement(x, w, c, a, b, idx):
+    return matmul_add_lora(x, w, c, a, b, idx)
+
+
+def _lora_silu_mul_pattern(x, w, a, b, idx):
+    return silu_mul(ops.matmul_lora(x, w, a, b, idx))
+
+
+def _lora_silu_mul_replacement(x, w, a, b, idx):
+    return matmul_silu_mul_lora(x, w, a, b, idx)
+
+
+def _lora_add_pattern(x, w, a, b, idx, c):
+    return ops.matmul_lora(x, w, a, b, idx) + c
+
+
+def _lora_add_pattern_swapped(x, w, a, b, idx, c):
+    return c + ops.matmul_lora(x, w, a, b, idx)
+
+
+def _lora_add_replacement(x, w, a, b, idx, c):
+    return matmul_add_lora(x, w, c, a, b, idx)
+
+
+def _lora_add_check(m):
+    c, prod = m.inputs["c"], m.node("matmul_lora").outputs[0]
+    if c.shape is None or prod.shape is None:
+        return "shape: unknown while building"
+    if c.dtype != prod.dtype:
+        return f"dtype: the addend is {c.dtype}, the product {prod.dtype}"
+    if not (same_shape(c.shape, prod.shape) or (len(c.shape) == 1 and same_extent_value(c.shape[0], prod.shape[1]))):
+        return f"shape: addend {c.shape} is neither a bias [{prod.shape[1]}] nor a residual {prod.shape}"
+    return True
+
+
+LORA_EPILOGUE_RULES = [Rule("matmul_lora", _lora_pattern, _lora_replacement, _lora_check),
+                       Rule("matmul_add_lora_bias", _lora_bias_pattern, _lora_bias_replacement, _lora_check),
+                       Rule("matmul_silu_mul_lora", _lora_silu_mul_pattern, _lora_silu_mul_replacement),
+                       Rule("matmul_add_lora", _lora_add_pattern, _lora_add_replacement, _lora_add_check),
+                       Rule("matmul_add_lora_swapped", _lora_add_pattern_swapped, _lora_add_replacement,
+                            _lora_add_check)]

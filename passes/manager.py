@@ -29,8 +29,8 @@ from .dce import dead_code_elimination
 from .generic_fusion import default_can_fuse, fuse_groups
 from .graph_edit import GraphEditor
 from .horizontal import merge_projections
-from .llm_fusions import (ADD_RMS_NORM_RULES, MATMUL_EPILOGUE_RULES, MATMUL_SILU_MUL_RULES, ROPE_CACHE_ATTENTION_RULES,
-                          ROPE_CACHE_RULES, SWIGLU_RULES)
+from .llm_fusions import (ADD_RMS_NORM_RULES, LORA_EPILOGUE_RULES, MATMUL_EPILOGUE_RULES, MATMUL_SILU_MUL_RULES,
+                          ROPE_CACHE_ATTENTION_RULES, ROPE_CACHE_RULES, SWIGLU_RULES)
 from .rewriter import NearMiss, Rule, apply_rules
 
 __all__ = ["PassSpec", "PassContext", "PassRecord", "BuildReport", "PassManager", "PIPELINE", "pass_names",
@@ -146,8 +146,9 @@ PIPELINE: list[PassSpec] = [
              rules=MATMUL_SILU_MUL_RULES),
     PassSpec("add_rms_norm", "residual add + rms_norm -> add_rms_norm (normed, residual)",
              rules=ADD_RMS_NORM_RULES),
-    PassSpec("matmul_epilogue", "matmul + bias / residual -> matmul_add (GEMM epilogue)",
-             rules=MATMUL_EPILOGUE_RULES),
+    PassSpec("matmul_epilogue", "matmul + bias / residual -> matmul_add (GEMM epilogue); lora_apply(matmul) -> "
+             "matmul_lora / matmul_silu_mul_lora / matmul_add_lora (the LoRA term in the projection)",
+             rules=MATMUL_EPILOGUE_RULES + LORA_EPILOGUE_RULES),
     PassSpec("generic_fusion", "connected pointwise ops (+ one row reduction) -> one fused kernel", fn=_generic),
 ]
 

@@ -216,7 +216,9 @@ def _work(node, ins: list, outs: list, attrs: dict, kv_rows: int) -> tuple[float
 _PATTERN_OPS = {"add_rms_norm": ("add", "rms_norm"), "silu_mul": ("silu", "mul"),
                 "rope_cache": ("rope", "reshape_and_cache"),
                 "rope_cache_attention": ("rope", "reshape_and_cache", "paged_attention"),
-                "matmul_add": ("matmul", "add"), "matmul_silu_mul": ("matmul", "silu", "mul")}
+                "matmul_add": ("matmul", "add"), "matmul_silu_mul": ("matmul", "silu", "mul"),
+                "matmul_lora": ("matmul", "lora_apply"), "matmul_add_lora": ("matmul", "lora_apply", "add"),
+                "matmul_silu_mul_lora": ("matmul", "lora_apply", "silu", "mul")}
 
 
 def _fused_ops(node, recorded) -> tuple[str, ...]:

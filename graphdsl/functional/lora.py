@@ -8,7 +8,7 @@ from ..opdef import OpCategory, Spec, check, register_op
 
 __all__ = ["lora_apply", "LORA_SPLIT_K"]
 
-LORA_SPLIT_K = 512   # in-features one shrink program reduces (the kernels' split-K slice)
+LORA_SPLIT_K = 256   # in-features one shrink program reduces (the kernels' split-K slice)
 
 
 def _lora_rule(y: Spec, x: Spec, a: Spec, b: Spec, indices: Spec):

@@ -19,7 +19,9 @@ Per node, by what the node is:
   (:mod:`graphdsl.runtime.kernels.gemv`), bias, residual or SwiGLU (``matmul_silu_mul``) in its
   epilogue; other matmuls — ``torch.matmul(..., out=slot)`` / ``torch.addmm`` (cuBLAS on CUDA, its
   epilogue adds the bias or residual); ``matmul_silu_mul`` then runs ``silu_mul`` on the product,
-  which it keeps in the node's planned workspace;
+  which it keeps in the node's planned workspace; the LoRA projections (``matmul_lora``,
+  ``matmul_add_lora``, ``matmul_silu_mul_lora``) add the adapter term inside the same GEMV after
+  one shrink launch, or through one more cuBLAS ``addmm`` for many rows (:func:`_lora_matmul`);
 * collectives (``all_reduce``, ``all_gather``, ``reduce_scatter``) on CUDA — NCCL through
   ``torch.distributed`` straight into the node's slot (:mod:`graphdsl.runtime.distributed.collectives`);
 * anything else — the op's torch reference, copied into its slot (views alias their source).
@@ -421,7 +423,7 @@ def _moe_experts(be: TritonBackend, node, ins, attrs, dsts):
 
 def _lora_apply(be: TritonBackend, node, ins, attrs, dsts):
     from ..kernels.lora import lora_apply
-    lora_apply(*ins, out=dsts[0], workspace=be.workspace(node, ins, attrs))
+    lora_apply(*ins, out=dsts[0], workspace=be.workspace(node, ins, attrs), scratch=be._workspaces)
     return dsts
 
 
@@ -492,7 +494,60 @@ def _matmul_silu_mul(be: TritonBackend, node, ins, attrs, a, b, dst) -> torch.Te
     return _silu_mul(be, node, [prod], attrs, [dst])[0]
 
 
+_LORA_MATMULS = ("matmul_lora", "matmul_add_lora", "matmul_silu_mul_lora")
+
+
+def _lora_matmul(be: TritonBackend, node, ins, attrs, dsts):
+    """``matmul_lora`` / ``matmul_add_lora`` / ``matmul_silu_mul_lora`` (``x @ w.T`` + each row's LoRA
+    term, then the epilogue). Up to 16 fp16/bf16 rows: the BGMV shrink into the node's workspace,
+    then the decode GEMV adding the term to its float32 sums before the bias/residual or SwiGLU
+    epilogue — one launch more than the base projection. More rows: cuBLAS for the base product
+    (``addmm`` with the addend, or into the workspace before ``silu_mul``), the slot-dense shrink,
+    one cuBLAS ``addmm`` of ``V·B_allᵀ`` into the product, then ``silu_mul`` — two launches more.
+    Few rows of another dtype (float32) take the BGMV shrink and expand in place instead. Plain CPU
+    and operands the kernels do not take run the op's reference."""
+    from graphdsl.passes.fused_ops import lora_workspace_layout
+
+    from ..kernels.gemv import GemvLoRA, gemv, gemv_supported
+    from ..kernels.lora import MAX_BGMV_ROWS, lora_apply, lora_dense_view, lora_shrink, lora_shrink_dense, lora_supported
+    x, w, dst = ins[0], ins[1], dsts[0]
+    add = ins[2] if node.op == "matmul_add_lora" else None
+    a, b, idx = ins[-3:]
+    silu = node.op == "matmul_silu_mul_lora"
+    plain_cpu = x.device.type == "cpu" and not _interpreting()
+    if plain_cpu or x.dim() != 2 or dst.stride(-1) != 1 or lora_supported(x, x, a, b, idx) is not None \
+            or (add is not None and (add.dtype != dst.dtype or add.stride(-1) != 1)):
+        dst.copy_(node.opdef.run(ins, attrs)[0])
+        return dsts
+    t, n = x.shape[0], w.shape[0]
+    slots, width, _ = a.shape
+    ws = be.workspace(node, ins, attrs)
+    prod_cells, _ = lora_workspace_layout(*(Spec(tuple(v.shape), v.dtype) for v in (x, w, a)), product=silu)
+    scratch = ws[t * prod_cells:]
+    if t <= MAX_BGMV_ROWS and gemv_supported(x, w) and idx.dtype == torch.int32:
+        ready = all(be.step_constant(node.inputs[i]) for i in (len(ins) - 3, len(ins) - 1))   # A, idx
+        p = lora_shrink(x, a, idx, scratch, inputs_ready=ready)
+        gemv(x, w, add, silu_mul=silu, out=dst, workspace=be.gemv_workspace, lora=GemvLoRA(p, b, idx))
+        return dsts
+    prod = lora_dense_view(ws, t, n, x.dtype) if silu else dst
+    if add is not None:
+        torch.addmm(add, x, w.T, out=prod)
+    else:
+        torch.matmul(x, w.T, out=prod)
+    if t <= MAX_BGMV_ROWS:
+        lora_apply(prod, x, a, b, idx, out=prod, workspace=scratch, dense=False)
+    else:
+        v = lora_shrink_dense(x, a, idx, lora_dense_view(scratch, t, slots * width, x.dtype),
+                              scratch=be._workspaces)
+        prod.addmm_(v, b.view(n, slots * width).T)
+    if silu:
+        _silu_mul(be, node, [prod], attrs, [dst])
+    return dsts
+
+
 def _matmul(be: TritonBackend, node, ins, attrs, dsts):
+    if node.op in _LORA_MATMULS:
+        return _lora_matmul(be, node, ins, attrs, dsts)
     a, b = _operands(ins, attrs)
     dst = dsts[0]
     if node.op == "matmul_silu_mul":

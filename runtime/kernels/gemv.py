@@ -17,6 +17,12 @@ rows, so the op is bound by the bytes of ``w`` and by how many of them are in fl
 * **Epilogue**: ``+ add`` — a bias ``[N]`` or a residual ``[M, N]``; or, with ``silu_mul``, SwiGLU
   over a packed ``[gate | up]`` weight: each tile's rows are the gate and up rows of half as many
   output columns, interleaved, so one stream feeds both and the epilogue writes ``silu(g) * u``.
+  With ``lora`` (``HAS_LORA``, the fused ``matmul_lora`` / ``matmul_add_lora`` /
+  ``matmul_silu_mul_lora`` ops) each row's LoRA term ``Σ_r v[m, r]·B[n, s, r]`` joins the float32
+  tile first (``v``: the float32 split-K partials of the BGMV shrink launched just before, summed;
+  ``s``: the row's adapter slot, ``< 0`` none; for SwiGLU tile rows map back to their gate or up
+  row of ``B``) — in :func:`_finish`, so the K loop is the base engine's, and with split-K the
+  program that finishes the tile adds it once.
 * **PDL** (:mod:`.pdl`): on Hopper the kernel may launch while its predecessor finishes. A grid of
   more programs than SMs lets the next kernel launch only once its programs are past the K loop:
   launched at the usual point (when its last wave starts), the next kernel's programs take each SM
@@ -38,6 +44,7 @@ from __future__ import annotations
 
 import functools
 import os
+from typing import NamedTuple
 
 import torch
 import triton
@@ -47,7 +54,7 @@ from graphdsl.errors import GraphDSLError
 
 from .pdl import pdl_launch, pdl_trigger, pdl_wait
 
-__all__ = ["gemv", "gemv_supported", "GemvWorkspace", "MAX_ROWS", "weight_kind"]
+__all__ = ["gemv", "gemv_supported", "GemvWorkspace", "GemvLoRA", "MAX_ROWS", "weight_kind"]
 
 MAX_ROWS = 16
 # _pick_config's constants (benchmarks/decode_ab.py patches them for in-model A/B; on the H200 each
@@ -65,13 +72,54 @@ _QUANT_STAGES = 4
 
 
 @triton.jit
+def _lora_term(acc, p_ptr, b_ptr, idx_ptr, pid_n, M, N, LORA_S, LORA_R, LORA_SPLITS, SWIGLU: tl.constexpr,
+               BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_SPLITS: tl.constexpr):
+    """``acc[i, m] += Σ_r v[m, r] · B[row(i), s, r]`` for every row ``m < M`` with slot
+    ``s = idx[m] >= 0``, ``v[m] = Σ_j p[m, j]`` (the shrink's float32 split-K partials ``[M, splits,
+    R]``), ``B [rows, S, R]``. ``row(i)`` is the weight row of tile row ``i``: ``pid_n · BLOCK_N + i``,
+    or with ``SWIGLU`` gate row ``c`` / up row ``N + c`` of column ``c = pid_n · BLOCK_N / 2 + i // 2``
+    (the K loop's interleave). The slots come in one vector load; per adapted row one
+    ``[BLOCK_SPLITS, BLOCK_R]`` load of its partials and one ``[BLOCK_N, BLOCK_R]`` gather of B,
+    independent of each other (a batch-1 step pays about one L2 round trip)."""
+    i = tl.arange(0, BLOCK_N)
+    if SWIGLU:
+        col = pid_n * (BLOCK_N // 2) + i // 2
+        row = col + (i % 2) * N
+    else:
+        col = pid_n * BLOCK_N + i
+        row = col
+    b_rows = b_ptr + row.to(tl.int64)[:, None] * (LORA_S * LORA_R)
+    r = tl.arange(0, BLOCK_R)
+    r_ok = r < LORA_R
+    b_ok = (col < N)[:, None] & r_ok[None, :]
+    j = tl.arange(0, BLOCK_SPLITS)
+    p_ok = (j < LORA_SPLITS)[:, None] & r_ok[None, :]
+    rm = tl.arange(0, BLOCK_M)
+    slots = tl.load(idx_ptr + rm, mask=rm < M, other=-1)
+    for m in range(0, M):
+        s = tl.sum(tl.where(rm == m, slots, 0), axis=0).to(tl.int64)
+        if s >= 0:
+            part = tl.load(p_ptr + (m * LORA_SPLITS + j)[:, None] * LORA_R + r[None, :], mask=p_ok, other=0.0)
+            b = tl.load(b_rows + s * LORA_R + r[None, :], mask=b_ok, other=0.0).to(tl.float32)
+            term = tl.sum(b * tl.sum(part, axis=0)[None, :], axis=1)
+            acc += tl.where(rm[None, :] == m, term[:, None], 0.0)
+    return acc
+
+
+@triton.jit
 def _finish(acc, add_ptr, out_ptr, pid_n, rm, m_ok, N, stride_am, stride_om, HAS_ADD: tl.constexpr,
-            SWIGLU: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr):
+            SWIGLU: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr,
+            lora_p_ptr, lora_b_ptr, lora_idx_ptr, M, LORA_S, LORA_R, LORA_SPLITS,
+            HAS_LORA: tl.constexpr, LORA_BLOCK_R: tl.constexpr, LORA_BLOCK_SPLITS: tl.constexpr):
     """Store the transposed output tile ``acc [BLOCK_N, BLOCK_M]`` of column tile ``pid_n``:
     ``out[m, n] = acc[n, m] + add`` or, with ``SWIGLU``, ``out[m, c] = silu(g) * u`` where rows
     ``2i, 2i + 1`` of the tile hold gate and up of column ``c = pid_n * BLOCK_N / 2 + i``. g and u
     are rounded to the output dtype first and silu(g) after, as the matmul and ``silu_mul``
-    kernels it replaces round them."""
+    kernels it replaces round them. With ``HAS_LORA`` each row's adapter term joins ``acc`` first
+    (:func:`_lora_term`), before the add or the SwiGLU split."""
+    if HAS_LORA:
+        acc = _lora_term(acc, lora_p_ptr, lora_b_ptr, lora_idx_ptr, pid_n, M, N, LORA_S, LORA_R, LORA_SPLITS, SWIGLU,
+                         BLOCK_N, BLOCK_M, LORA_BLOCK_R, LORA_BLOCK_SPLITS)
     if SWIGLU:
         HALF: tl.constexpr = BLOCK_N // 2
         gate, up = tl.split(tl.permute(tl.reshape(acc, [HALF, 2, BLOCK_M]), (0, 2, 1)))
@@ -246,6 +294,13 @@ def _gemv_kernel(
     DOT_F32: tl.constexpr,       # the CPU interpreter's dot mishandles bfloat16: multiply in float32
     USE_PDL: tl.constexpr,       # launched with programmatic dependent launch (kernels/pdl.py)
     LATE_LAUNCH: tl.constexpr,   # let the next kernel launch after the K loop, not after the wait
+    lora_p_ptr,     # HAS_LORA: [M, LORA_SPLITS, LORA_R] float32 shrink partials (kernels/lora.py); else unused
+    lora_b_ptr,     # HAS_LORA: [rows of w, LORA_S, LORA_R] B factors, scaling folded in; else unused
+    lora_idx_ptr,   # HAS_LORA: [M] int32 adapter slot of each row (< 0: none); else unused
+    LORA_S, LORA_R, LORA_SPLITS,  # slots, slot width, shrink K slices
+    HAS_LORA: tl.constexpr = False,     # add each row's LoRA term in the epilogue (_lora_term)
+    LORA_BLOCK_R: tl.constexpr = 16,    # LORA_R padded to a power of two >= 16
+    LORA_BLOCK_SPLITS: tl.constexpr = 2,  # LORA_SPLITS padded to a power of two >= 2
 ):
     """out[m, n] = sum_k x[m, k] * w[n, k] (+ add[m, n]), float32 accumulation. With ``SWIGLU`` the
     tile's rows are the gate and up rows of ``BLOCK_N / 2`` output columns, interleaved (row ``2i``
@@ -315,11 +370,14 @@ def _gemv_kernel(
             if WKIND == 1 or WKIND == 4:
                 acc = acc * tl.load(s_ptr + rn.to(tl.int64) * stride_sn, mask=n_ok, other=0.0).to(tl.float32)[:, None]
             _finish(acc, add_ptr, out_ptr, pid_n, rm, m_ok, N, stride_am, stride_om, HAS_ADD, SWIGLU, BLOCK_N,
-                    BLOCK_M)
+                    BLOCK_M, lora_p_ptr, lora_b_ptr, lora_idx_ptr, M, LORA_S, LORA_R, LORA_SPLITS, HAS_LORA,
+                    LORA_BLOCK_R, LORA_BLOCK_SPLITS)
     else:
         if WKIND == 1 or WKIND == 4:
             acc = acc * tl.load(s_ptr + rn.to(tl.int64) * stride_sn, mask=n_ok, other=0.0).to(tl.float32)[:, None]
-        _finish(acc, add_ptr, out_ptr, pid_n, rm, m_ok, N, stride_am, stride_om, HAS_ADD, SWIGLU, BLOCK_N, BLOCK_M)
+        _finish(acc, add_ptr, out_ptr, pid_n, rm, m_ok, N, stride_am, stride_om, HAS_ADD, SWIGLU, BLOCK_N, BLOCK_M,
+                lora_p_ptr, lora_b_ptr, lora_idx_ptr, M, LORA_S, LORA_R, LORA_SPLITS, HAS_LORA, LORA_BLOCK_R,
+                LORA_BLOCK_SPLITS)
 
 
 def _pow2(n: int) -> int:
@@ -415,6 +473,27 @@ def weight_kind(scheme) -> int | None:
     return None
 
 
+class GemvLoRA(NamedTuple):
+    """The LoRA term :func:`gemv` adds in its epilogue: ``partials [M, splits, R]`` float32 from
+    :func:`~graphdsl.runtime.kernels.lora.lora_shrink` (launched just before), ``b [rows of w, S, R]``
+    (contiguous, w's dtype) and ``indices [M]`` int32 (``< 0``: no adapter)."""
+
+    partials: torch.Tensor
+    b: torch.Tensor
+    indices: torch.Tensor
+
+
+def _check_lora(lora: GemvLoRA, m: int, n: int, dtype: torch.dtype) -> None:
+    p, b, idx = lora
+    ok = (p.dim() == 3 and p.shape[0] == m and p.shape[2] == b.shape[-1] and p.dtype == torch.float32
+          and p.is_contiguous() and b.dim() == 3 and b.shape[0] == n and b.dtype == dtype and b.is_contiguous()
+          and idx.shape == (m,) and idx.dtype == torch.int32 and idx.is_contiguous())
+    if not ok:
+        raise GraphDSLError(f"gemv: lora needs contiguous partials [{m}, splits, R] float32, b [{n}, S, R] {dtype} and "
+                            f"indices [{m}] int32, got partials {list(p.shape)} {p.dtype}, b {list(b.shape)} {b.dtype}, "
+                            f"indices {list(idx.shape)} {idx.dtype}")
+
+
 class GemvWorkspace:
     """Split-K scratch for :func:`gemv`: per (device, tiles, slices, tile size) one float32 partial
     buffer and one zeroed counter array, allocated on first use and kept (a captured CUDA graph
@@ -438,6 +517,18 @@ class GemvWorkspace:
         return sum(t.numel() * t.element_size() for bufs in self._buffers.values() for t in bufs)
 
 
+def _lora_args(lora: GemvLoRA | None, dummy: torch.Tensor) -> dict:
+    """The kernel's LoRA arguments (pointers to ``dummy`` and ``HAS_LORA=False`` without ``lora``)."""
+    if lora is None:
+        return dict(lora_p_ptr=dummy, lora_b_ptr=dummy, lora_idx_ptr=dummy, LORA_S=1, LORA_R=1, LORA_SPLITS=1,
+                    HAS_LORA=False)
+    p, b, idx = lora
+    from .lora import block_r_of
+    return dict(lora_p_ptr=p, lora_b_ptr=b, lora_idx_ptr=idx, LORA_S=b.shape[1], LORA_R=b.shape[2],
+                LORA_SPLITS=p.shape[1], HAS_LORA=True, LORA_BLOCK_R=block_r_of(b.shape[2]),
+                LORA_BLOCK_SPLITS=max(2, triton.next_power_of_2(p.shape[1])))
+
+
 def gemv_supported(x: torch.Tensor, w: torch.Tensor, scheme=None) -> bool:
     """Whether :func:`gemv` takes these operands (the backend uses cuBLAS, or the quantized GEMM,
     otherwise). ``scheme``: ``w`` holds the codes of that :mod:`graphdsl.quant` scheme."""
@@ -457,7 +548,7 @@ def gemv_supported(x: torch.Tensor, w: torch.Tensor, scheme=None) -> bool:
 def gemv(x: torch.Tensor, w: torch.Tensor, add: torch.Tensor | None = None, *, silu_mul: bool = False,
          out: torch.Tensor | None = None, workspace: GemvWorkspace | None = None,
          config: dict | None = None, scheme=None, scales: torch.Tensor | None = None,
-         zeros: torch.Tensor | None = None) -> torch.Tensor:
+         zeros: torch.Tensor | None = None, lora: GemvLoRA | None = None) -> torch.Tensor:
     """``x @ w.T (+ add)`` for ``x [M <= 16, K]`` and ``w [N, K]`` of one dtype (fp16/bf16); ``add``
     is a bias ``[N]`` or a residual ``[M, N]``. With ``silu_mul``, ``w`` is a packed ``[gate | up]``
     ``[2I, K]`` and the result is ``silu(x @ gate.T) * (x @ up.T)`` ``[M, I]`` (the ``silu_mul`` op
@@ -469,7 +560,11 @@ def gemv(x: torch.Tensor, w: torch.Tensor, add: torch.Tensor | None = None, *, s
     (``[N, K]`` int8 / fp8 e4m3, or ``[N, K/2]`` uint8 of two int4), ``scales`` the scales
     (``[N, K/group]`` for int4, ``[N, 1]`` or ``[1, 1]`` per channel / tensor) and ``zeros`` int4's
     zero points: ``W = (q - z) * s`` dequantized in registers (:func:`_int4_k_loop`; 8-bit codes are
-    exact in the activation dtype and the per-row scale multiplies the float32 sums)."""
+    exact in the activation dtype and the per-row scale multiplies the float32 sums).
+
+    ``lora`` (:class:`GemvLoRA`): each row's adapter term ``Σ_r v[m, r]·B[n, s, r]`` joins the
+    float32 sums before the add or SwiGLU (``B``'s rows are ``w``'s: with ``silu_mul`` the packed
+    gate and up rows), added once per tile by the program that stores it."""
     if not gemv_supported(x, w, scheme):
         want = "a contiguous w [N, K] of one dtype" if scheme is None else f"the codes of {scheme.name}"
         raise GraphDSLError(f"gemv: needs x [M<= {MAX_ROWS}, K] in {[str(d) for d in _DTYPES]} and {want}, got x "
@@ -517,6 +612,8 @@ def gemv(x: torch.Tensor, w: torch.Tensor, add: torch.Tensor | None = None, *, s
             raise GraphDSLError(f"gemv: BLOCK_K {block_k} and the group size {group} must divide one another")
         one_row = m == 1 and block_k % group == 0
         w = w.view(torch.int32 if one_row else torch.int16)      # nibbles a word: _int4_row_loop / _int4_k_loop
+    if lora is not None:
+        _check_lora(lora, m, n, x.dtype)
     stride_am = 0 if add is None or add.dim() == 1 else add.stride(0)
     s_t = scales if scales is not None else out
     stride_sn = 0 if kind == W_FLOAT or s_t.shape[0] == 1 else s_t.stride(0)
@@ -529,5 +626,5 @@ def gemv(x: torch.Tensor, w: torch.Tensor, add: torch.Tensor | None = None, *, s
         HAS_ADD=add is not None, SWIGLU=silu_mul, SPLIT=split > 1, BLOCK_M=MAX_ROWS, BLOCK_N=block_n,
         BLOCK_K=block_k, EVEN_K=k % block_k == 0, EVEN_N=cols % tile_cols == 0,
         DOT_F32=x.dtype == torch.bfloat16 and os.environ.get("TRITON_INTERPRET") == "1", **pdl_launch(x.device),
-        **cfg)
+        **_lora_args(lora, out), **cfg)
     return out

@@ -1,25 +1,39 @@
-"""LoRA over a per-token adapter index: Triton BGMV kernels for a few rows, slot-dense cuBLAS for many.
+"""LoRA over a per-token adapter index: Triton shrink kernels (BGMV for a few rows, slot-tiled for many).
 
-``lora_apply`` computes ``out[t] = y[t] + (x[t]·A[s]ᵀ)·B[:, s]ᵀ`` with ``s = indices[t]`` (``s < 0``:
-no adapter, ``out[t] = y[t]``), ``A [S, R, K]``, ``B [N, S, R]`` (scaling folded into B), for a
-batch that mixes adapters and base rows:
+The LoRA term of token ``t`` is ``(x[t]·A[s]ᵀ)·B[:, s]ᵀ`` with ``s = indices[t]`` (``s < 0``: no
+adapter), ``A [S, R, K]``, ``B [N, S, R]`` (scaling folded into B). Two shrinks compute
+``x·A[s]ᵀ``, each in one launch:
 
-* **few rows** (``T <= MAX_BGMV_ROWS``: decode) — two launches of the "batched gather
-  matrix-vector" kind (Punica/vLLM's BGMV): the **shrink** program ``(t, k-slice)`` reduces
-  ``x[t]`` against its adapter's ``A[s]`` over one ``LORA_SPLIT_K`` slice of K and writes ``R``
-  float32 partial sums (split-K: a batch-1 shrink of a 14336-wide input spreads over 28 programs
-  instead of one streaming 460 KB); the **expand** program ``(t, n-block)`` sums the partials into
-  ``v[t]`` and writes ``y[t, n-block] + B[n-block, s]·v[t]``. Each row reads only its own adapter.
-* **many rows** (prefill, large decode batches) — slot-dense: ``V = x·A_allᵀ`` over every slot's
-  A at once (one cuBLAS GEMM, ``[T, S·R]``), a mask kernel zeroing each row's columns of other
-  slots (all of them for base rows), then ``out = y + V·B_allᵀ`` (one cuBLAS ``addmm``; ``B`` is
-  output-major so ``B_all = B.view(N, S·R)``). It reads every slot's factors once per call (a few
-  MB per layer at rank 16) instead of once per token, and its GEMMs run at matmul rate. The
-  wasted work is ``(S - 1)/S`` of a rank-``S·R`` product, small next to the base GEMM. (A
-  segmented GEMM over tokens grouped by adapter, as Punica's SGMV, avoids even that; not built.)
+* :func:`lora_shrink` (**few rows**, ``T <= MAX_BGMV_ROWS``: decode) — the "batched gather
+  matrix-vector" shrink of Punica/vLLM's BGMV: program ``(t, k-slice)`` reduces ``x[t]`` against
+  its own adapter's ``A[s]`` over one ``LORA_SPLIT_K`` slice of K and writes ``R`` float32 partial
+  sums ``p [T, splits, R]`` (split-K: a batch-1 shrink of a 14336-wide input spreads over 56
+  programs instead of one streaming 460 KB). Rows without an adapter write nothing. On Hopper it
+  launches with PDL (:mod:`.pdl`), so its launch overlaps the previous kernel's tail; with
+  ``inputs_ready`` (slots and A are step constants) each program also reads its slot and its A
+  slice before the wait, leaving only ``x``'s slice and the reduction on the critical path.
+* :func:`lora_shrink_dense` (**many rows**: prefill, large decode batches) — the slot-dense
+  ``V [T, S·R]`` in x's dtype: ``V[t, s·R + r] = x[t]·A[s, r]`` for the token's own slot and 0 in
+  every other slot's columns (all of them for base rows), so ``V·B_allᵀ`` (``B`` is
+  output-major: ``B_all = B.view(N, S·R)``) is every row's own term in one cuBLAS GEMM. Program
+  ``(row block, slot, K slice)`` multiplies its rows by ``A[s]`` with ``tl.dot`` (loading only
+  the rows of slot ``s``) and masks the others; a block none of whose rows uses ``s`` only writes
+  zeros (a prefill of one adapter reads one slot's A). Few tiles (a batch-64 decode step over 8
+  slots is 8) split K within the launch, the GEMV's way (:func:`_dense_splits`). The wasted work is the other slots' rows inside a used block — small next to the
+  base GEMM. (A segmented GEMM over tokens grouped by adapter, Punica's SGMV, avoids even that.)
 
-File shape (STYLE.md 11): the ``@triton.jit`` kernels, the launch heuristic :func:`_blocks`,
-:func:`lora_supported` and the public wrapper :func:`lora_apply`.
+The expand half is not a kernel of its own where it matters:
+
+* the fused projections ``matmul_lora`` / ``matmul_add_lora`` / ``matmul_silu_mul_lora``
+  (``passes/fused_ops.py``) add ``Σ_r v[t, r]·B[n, s, r]`` (``v`` = the partials summed over
+  splits) inside the decode GEMV's float32 accumulator, before its bias/residual or SwiGLU
+  epilogue (:mod:`.gemv`, ``HAS_LORA``); with many rows the product runs on cuBLAS and one
+  ``addmm`` adds ``V·B_allᵀ`` into it before ``silu_mul`` / with the residual;
+* the un-fused op :func:`lora_apply` (graphs no fusion rule matched) keeps an expand kernel for a
+  few rows (``_expand_kernel``: ``out[t] = y[t] + B[:, s]·v[t]``) and the ``addmm`` for many.
+
+File shape (STYLE.md 11): the ``@triton.jit`` kernels, the launch heuristics :func:`_blocks` /
+:func:`_dense_blocks`, :func:`lora_supported` and the public wrappers.
 """
 from __future__ import annotations
 
@@ -32,7 +46,10 @@ import triton.language as tl
 from graphdsl.errors import GraphDSLError
 from graphdsl.functional.lora import LORA_SPLIT_K
 
-__all__ = ["lora_apply", "lora_supported", "MAX_RANK", "MAX_BGMV_ROWS"]
+from .pdl import pdl_launch, pdl_trigger, pdl_wait
+
+__all__ = ["lora_apply", "lora_shrink", "lora_shrink_dense", "lora_dense_view", "lora_splits", "lora_supported",
+           "block_r_of", "MAX_RANK", "MAX_BGMV_ROWS"]
 
 MAX_RANK = 256          # slot width (parts · rank) the kernels take
 MAX_BGMV_ROWS = 16      # rows up to which the per-token kernels run (beyond: slot-dense GEMMs)
@@ -45,21 +62,40 @@ def _shrink_kernel(x_ptr,        # [T, K] activations, row stride stride_x, unit
                    idx_ptr,      # [T] int slot of each token (< 0: none)
                    p_ptr,        # [T, SPLITS, R] float32 out: partial sums of x[t] · A[s]ᵀ per K slice
                    K, R, SPLITS, stride_x,
-                   SPLIT_K: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr):
+                   SPLIT_K: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr,
+                   USE_PDL: tl.constexpr,       # launched with programmatic dependent launch
+                   LATE_LAUNCH: tl.constexpr,   # let the next kernel launch at the end, not after the wait
+                   PREFETCH: tl.constexpr):     # idx and A are step constants and BLOCK_K == SPLIT_K:
+                                                # read the slot and the A slice before the PDL wait
     """p[t, j, r] = Σ_{k in slice j} x[t, k] · A[s, r, k]; rows without an adapter write nothing."""
     t = tl.program_id(0)
     j = tl.program_id(1)
-    s = tl.load(idx_ptr + t).to(tl.int64)
-    if s >= 0:
-        r = tl.arange(0, BLOCK_R)
-        acc = tl.zeros((BLOCK_R,), dtype=tl.float32)
-        a_row = a_ptr + s * R * K + r[:, None].to(tl.int64) * K
-        for k0 in range(j * SPLIT_K, j * SPLIT_K + SPLIT_K, BLOCK_K):
-            k = k0 + tl.arange(0, BLOCK_K)
+    r = tl.arange(0, BLOCK_R)
+    r_ok = r < R
+    out = p_ptr + (t.to(tl.int64) * SPLITS + j) * R + r
+    if PREFETCH:
+        s = tl.load(idx_ptr + t).to(tl.int64)
+        k = j * SPLIT_K + tl.arange(0, BLOCK_K)
+        a = tl.load(a_ptr + s * R * K + r[:, None].to(tl.int64) * K + k[None, :],
+                    mask=(r_ok & ((r * 0 + s) >= 0))[:, None] & (k < K)[None, :], other=0.0)
+        pdl_wait(USE_PDL, not LATE_LAUNCH)
+        if s >= 0:
             xk = tl.load(x_ptr + t.to(tl.int64) * stride_x + k, mask=k < K, other=0.0).to(tl.float32)
-            ak = tl.load(a_row + k[None, :], mask=(r[:, None] < R) & (k[None, :] < K), other=0.0).to(tl.float32)
-            acc += tl.sum(ak * xk[None, :], axis=1)
-        tl.store(p_ptr + (t.to(tl.int64) * SPLITS + j) * R + r, acc, mask=r < R)
+            tl.store(out, tl.sum(a.to(tl.float32) * xk[None, :], axis=1), mask=r_ok)
+    else:
+        pdl_wait(USE_PDL, not LATE_LAUNCH)
+        s = tl.load(idx_ptr + t).to(tl.int64)
+        if s >= 0:
+            acc = tl.zeros((BLOCK_R,), dtype=tl.float32)
+            a_row = a_ptr + s * R * K + r[:, None].to(tl.int64) * K
+            for k0 in range(j * SPLIT_K, j * SPLIT_K + SPLIT_K, BLOCK_K):
+                k = k0 + tl.arange(0, BLOCK_K)
+                xk = tl.load(x_ptr + t.to(tl.int64) * stride_x + k, mask=k < K, other=0.0).to(tl.float32)
+                ak = tl.load(a_row + k[None, :], mask=r_ok[:, None] & (k[None, :] < K), other=0.0).to(tl.float32)
+                acc += tl.sum(ak * xk[None, :], axis=1)
+            tl.store(out, acc, mask=r_ok)
+    if LATE_LAUNCH:
+        pdl_trigger(USE_PDL)
 
 
 @triton.jit
@@ -88,32 +124,89 @@ def _expand_kernel(p_ptr,        # [T, SPLITS, R] float32 partials from the shri
 
 
 @triton.jit
-def _mask_kernel(v_ptr,          # [T, S·R] every slot's shrink product (in place)
-                 idx_ptr,        # [T] int slot of each token (< 0: none)
-                 SR, R,
-                 BLOCK: tl.constexpr):
-    """v[t, c] = 0 unless column c belongs to the token's own slot (c // R == s)."""
-    t = tl.program_id(0)
-    s = tl.load(idx_ptr + t)
-    for c0 in range(0, SR, BLOCK):
-        c = c0 + tl.arange(0, BLOCK)
-        keep = (c // R) == s
-        ptr = v_ptr + t.to(tl.int64) * SR + c
-        v = tl.load(ptr, mask=c < SR, other=0.0)
-        tl.store(ptr, tl.where(keep, v, tl.zeros_like(v)), mask=c < SR)
+def _shrink_dense_kernel(x_ptr,      # [T, K] activations, row stride stride_x, unit inner stride
+                         a_ptr,      # [S, R, K] contiguous A factors of every slot
+                         idx_ptr,    # [T] int slot of each token (< 0: none)
+                         v_ptr,      # [T, S·R] out (x's dtype), row stride stride_v
+                         part_ptr,   # [SPLITS, n_tiles, BLOCK_T, BLOCK_R] float32 partial tiles (SPLIT)
+                         lock_ptr,   # [n_tiles] int32 arrival counters, zero between launches (SPLIT)
+                         T, K, R, K_SPLIT, SPLITS, stride_x, stride_v,
+                         BLOCK_T: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr,
+                         SPLIT: tl.constexpr,         # SPLITS > 1
+                         DOT_F32: tl.constexpr,       # multiply in float32 (fp32 inputs; the interpreter)
+                         IEEE: tl.constexpr):         # fp32 inputs: full-precision dot, not tf32
+    """V[t, s·R + r] = Σ_k x[t, k] · A[s, r, k] if indices[t] == s else 0, for the block's rows and
+    slot ``s = program_id(1)``, over K slice ``program_id(2)``; float32 accumulation, stored in V's
+    dtype. With ``SPLIT`` the slices meet as the GEMV's do: each stores its partial tile and bumps
+    the tile's counter, the last to arrive sums the partials in slice order, stores and resets the
+    counter. A tile none of whose rows uses ``s`` is zeros: slice 0 writes them, nobody counts."""
+    pid_t = tl.program_id(0)
+    s = tl.program_id(1)
+    pid_k = tl.program_id(2)
+    rt = pid_t * BLOCK_T + tl.arange(0, BLOCK_T)
+    t_ok = rt < T
+    r = tl.arange(0, BLOCK_R)
+    r_ok = r < R
+    own = (tl.load(idx_ptr + rt, mask=t_ok, other=-1) == s) & t_ok
+    out = v_ptr + rt.to(tl.int64)[:, None] * stride_v + s * R + r[None, :]
+    o_ok = t_ok[:, None] & r_ok[None, :]
+    if tl.sum(own.to(tl.int32), axis=0) > 0:
+        acc = tl.zeros([BLOCK_T, BLOCK_R], tl.float32)
+        x_rows = x_ptr + rt.to(tl.int64)[:, None] * stride_x
+        a_rows = a_ptr + (s * R + r).to(tl.int64)[:, None] * K
+        k_lo = pid_k * K_SPLIT
+        for k0 in range(k_lo, tl.minimum(k_lo + K_SPLIT, K), BLOCK_K):
+            k = k0 + tl.arange(0, BLOCK_K)
+            xk = tl.load(x_rows + k[None, :], mask=own[:, None] & (k < K)[None, :], other=0.0)
+            ak = tl.load(a_rows + k[None, :], mask=r_ok[:, None] & (k < K)[None, :], other=0.0)
+            if DOT_F32:
+                if IEEE:
+                    acc += tl.dot(xk.to(tl.float32), tl.trans(ak.to(tl.float32)), input_precision="ieee")
+                else:
+                    acc += tl.dot(xk.to(tl.float32), tl.trans(ak.to(tl.float32)))
+            else:
+                acc += tl.dot(xk, tl.trans(ak))
+        if SPLIT:
+            n_tiles = tl.num_programs(0) * tl.num_programs(1)
+            tile = pid_t * tl.num_programs(1) + s
+            rb = tl.arange(0, BLOCK_T)
+            part = part_ptr + rb[:, None] * BLOCK_R + r[None, :]
+            tl.store(part + (pid_k * n_tiles + tile).to(tl.int64) * (BLOCK_T * BLOCK_R), acc)
+            tl.debug_barrier()
+            arrived = tl.atomic_add(lock_ptr + tile, 1, sem="acq_rel")
+            if arrived == SPLITS - 1:
+                acc = tl.zeros([BLOCK_T, BLOCK_R], tl.float32)
+                for j in range(0, SPLITS):
+                    acc += tl.load(part + (j * n_tiles + tile).to(tl.int64) * (BLOCK_T * BLOCK_R), cache_modifier=".cg")
+                tl.atomic_xchg(lock_ptr + tile, 0, sem="relaxed")     # read again only by a later launch
+                tl.store(out, tl.where(own[:, None], acc, 0.0).to(v_ptr.dtype.element_ty), mask=o_ok)
+        else:
+            tl.store(out, tl.where(own[:, None], acc, 0.0).to(v_ptr.dtype.element_ty), mask=o_ok)
+    elif pid_k == 0:
+        tl.store(out, tl.zeros([BLOCK_T, BLOCK_R], tl.float32).to(v_ptr.dtype.element_ty), mask=o_ok)
 
 
 def _blocks(rank: int, interpreted: bool) -> tuple[int, int, int]:
     """``(BLOCK_R, BLOCK_K, BLOCK_N)``: the slot width padded to a power of two (>= 16); K and N tiles
     of about 8K float32 products a program (1K under the interpreter); BLOCK_K divides LORA_SPLIT_K."""
-    block_r = max(16, triton.next_power_of_2(rank))
+    block_r = block_r_of(rank)
     budget = 1024 if interpreted else 8192
     tile = max(16, min(256, budget // block_r))
     return block_r, min(tile, LORA_SPLIT_K), tile
 
 
+def _dense_blocks(rows: int, rank: int, interpreted: bool) -> tuple[int, int, int]:
+    """``(BLOCK_T, BLOCK_R, BLOCK_K)`` of the slot-dense shrink: 64-row blocks (16 for few rows or
+    under the interpreter), the slot width padded to a power of two (>= 16), 64-wide K steps (32 for
+    slots wider than 64, to bound the A tile's registers)."""
+    block_t = 16 if interpreted or rows <= 16 else 64
+    block_r = block_r_of(rank)
+    return block_t, block_r, 32 if block_r > 64 or interpreted else 64
+
+
 def lora_supported(y, x, a, b, indices) -> str | None:
-    """Why the kernels cannot take this call (None: they can)."""
+    """Why the kernels cannot take this call (None: they can). ``y`` is the base product (or any
+    tensor of its dtype and inner stride)."""
     if x.dtype not in _DTYPES or a.dtype != x.dtype or b.dtype != x.dtype or y.dtype != x.dtype:
         return f"dtypes x {x.dtype}, a {a.dtype}, b {b.dtype}, y {y.dtype}"
     if a.shape[1] > MAX_RANK:
@@ -125,12 +218,104 @@ def lora_supported(y, x, a, b, indices) -> str | None:
     return None
 
 
+def _interpreting() -> bool:
+    return os.environ.get("TRITON_INTERPRET") == "1"
+
+
+def lora_splits(k: int) -> int:
+    """K slices of :func:`lora_shrink` for ``k`` input features."""
+    return triton.cdiv(k, LORA_SPLIT_K)
+
+
+def lora_shrink(x: torch.Tensor, a: torch.Tensor, indices: torch.Tensor, partials: torch.Tensor, *,
+                inputs_ready: bool = False) -> torch.Tensor:
+    """One launch: ``partials[t, j] = x[t, slice j]·A[indices[t], :, slice j]ᵀ`` (float32, ``partials``
+    holds at least ``T · splits · R`` values, read as ``[T, splits, R]``); rows with ``indices[t] < 0``
+    are left as they were (readers skip them). Returns the ``[T, splits, R]`` view.
+
+    ``inputs_ready``: no kernel of the step writes ``indices`` or ``a`` (the backend's
+    ``step_constant``), so under PDL each program reads its slot and its A slice (slots up to 64
+    wide: one ``[R, LORA_SPLIT_K]`` tile) before waiting for the kernel that writes ``x``."""
+    t, k = x.shape
+    _, r, _ = a.shape
+    splits = lora_splits(k)
+    if partials.dtype != torch.float32 or partials.numel() < t * splits * r:
+        raise GraphDSLError(f"lora_shrink: partials must be float32 with at least {t * splits * r} values, got "
+                            f"{partials.numel()} {partials.dtype}")
+    view = partials.view(-1)[:t * splits * r].view(t, splits, r)
+    if t == 0:
+        return view
+    from .gemv import _num_sms
+    block_r, block_k, _ = _blocks(r, _interpreting())
+    prefetch = inputs_ready and block_r <= 64
+    if prefetch:
+        block_k = LORA_SPLIT_K
+    _shrink_kernel[(t, splits)](x, a, indices, view, k, r, splits, x.stride(0), SPLIT_K=LORA_SPLIT_K,
+                                BLOCK_R=block_r, BLOCK_K=block_k, LATE_LAUNCH=t * splits > _num_sms(x.device),
+                                PREFETCH=prefetch, num_warps=8 if prefetch and block_r > 32 else 4,
+                                **pdl_launch(x.device))
+    return view
+
+
+def _dense_splits(tiles: int, k: int, block_k: int, sms: int) -> int:
+    """K slices of the slot-dense shrink: enough that ``tiles · slices`` covers the SMs twice (a
+    batch-64 step over 8 slots is 8 tiles: alone they would stream 400 KB of A each on 8 SMs), of
+    at least 4 ``BLOCK_K`` steps; 1 once the tiles fill the machine (prefill)."""
+    splits = 1
+    while tiles * splits < 2 * sms and triton.cdiv(k, splits * 2) >= 4 * block_k:
+        splits *= 2
+    return splits
+
+
+def lora_shrink_dense(x: torch.Tensor, a: torch.Tensor, indices: torch.Tensor, out: torch.Tensor, *,
+                      scratch: dict | None = None) -> torch.Tensor:
+    """One launch: the slot-dense ``V [T, S·R]`` (module docstring) into ``out`` (x's dtype, unit
+    inner stride, ``[T, S·R]``): each row's own slot's ``x[t]·A[s]ᵀ``, zeros elsewhere. ``scratch``
+    (a dict the caller keeps, e.g. the backend's workspaces) holds the split-K partial tiles and
+    zeroed counters per shape, made on first use (a captured CUDA graph keeps their addresses)."""
+    t, k = x.shape
+    slots, r, _ = a.shape
+    if tuple(out.shape) != (t, slots * r) or out.dtype != x.dtype or out.stride(-1) != 1:
+        raise GraphDSLError(f"lora_shrink_dense: out must be [{t}, {slots * r}] {x.dtype} with a unit inner stride, "
+                            f"got {list(out.shape)} {out.dtype} strides {out.stride()}")
+    if t == 0:
+        return out
+    from .gemv import _num_sms
+    block_t, block_r, block_k = _dense_blocks(t, r, _interpreting())
+    t_blocks = triton.cdiv(t, block_t)
+    splits = _dense_splits(t_blocks * slots, k, block_k, _num_sms(x.device))
+    k_split = triton.cdiv(triton.cdiv(k, splits), block_k) * block_k
+    splits = triton.cdiv(k, k_split)
+    part = lock = out
+    if splits > 1:
+        scratch = {} if scratch is None else scratch
+        key = ("lora_dense", str(x.device), t_blocks * slots, splits, block_t, block_r)
+        if key not in scratch:
+            scratch[key] = (torch.empty(splits * t_blocks * slots * block_t * block_r, dtype=torch.float32,
+                                        device=x.device),
+                            torch.zeros(t_blocks * slots, dtype=torch.int32, device=x.device))
+        part, lock = scratch[key]
+    f32 = x.dtype == torch.float32
+    _shrink_dense_kernel[(t_blocks, slots, splits)](
+        x, a, indices, out, part, lock, t, k, r, k_split, splits, x.stride(0), out.stride(0), BLOCK_T=block_t,
+        BLOCK_R=block_r, BLOCK_K=block_k, SPLIT=splits > 1,
+        DOT_F32=f32 or (_interpreting() and x.dtype == torch.bfloat16), IEEE=f32, num_warps=4)
+    return out
+
+
+def lora_dense_view(workspace: torch.Tensor, t: int, width: int, dtype: torch.dtype) -> torch.Tensor:
+    """The ``[t, width]`` matrix of ``dtype`` at the start of a float32 ``workspace``."""
+    return workspace.view(-1).view(dtype)[:t * width].view(t, width)
+
+
 def lora_apply(y: torch.Tensor, x: torch.Tensor, a: torch.Tensor, b: torch.Tensor, indices: torch.Tensor, *,
                out: torch.Tensor | None = None, workspace: torch.Tensor | None = None,
-               dense: bool | None = None) -> torch.Tensor:
-    """``out = y + (x·A[idx]ᵀ)·B[:, idx]ᵀ`` per token (module docstring). ``workspace``: float32 scratch
-    of at least ``T·R·max(splits, S)`` values (the op's workspace rule; allocated when omitted).
-    ``dense`` forces the path (default: slot-dense above ``MAX_BGMV_ROWS`` rows)."""
+               dense: bool | None = None, scratch: dict | None = None) -> torch.Tensor:
+    """``out = y + (x·A[idx]ᵀ)·B[:, idx]ᵀ`` per token (module docstring); ``out`` may be ``y`` itself
+    (in place). ``workspace``: float32 scratch of at least ``T·R·max(splits, S)`` values (the op's
+    workspace rule; allocated when omitted). ``dense`` forces the path (default: slot-dense above
+    ``MAX_BGMV_ROWS`` rows): two launches either way (shrink + expand, or the slot-dense shrink +
+    one cuBLAS ``addmm``). ``scratch``: as :func:`lora_shrink_dense`'s."""
     why = lora_supported(y, x, a, b, indices)
     if why is not None:
         raise GraphDSLError(f"lora_apply kernel: unsupported operands: {why}")
@@ -140,20 +325,23 @@ def lora_apply(y: torch.Tensor, x: torch.Tensor, a: torch.Tensor, b: torch.Tenso
     out = torch.empty_like(y) if out is None else out
     if t == 0:
         return out
-    splits = triton.cdiv(k, LORA_SPLIT_K)
+    splits = lora_splits(k)
     need = t * r * max(splits, slots)
     if workspace is None or workspace.numel() < need:
         workspace = torch.empty(need, dtype=torch.float32, device=x.device)
     dense = t > MAX_BGMV_ROWS if dense is None else dense
     if dense:
-        v = workspace.view(x.dtype)[:t * slots * r].view(t, slots * r)
-        torch.matmul(x, a.view(slots * r, k).T, out=v)
-        _mask_kernel[(t,)](v, indices, slots * r, r, BLOCK=min(1024, triton.next_power_of_2(slots * r)))
+        v = lora_shrink_dense(x, a, indices, lora_dense_view(workspace, t, slots * r, x.dtype), scratch=scratch)
         torch.addmm(y, v, b.view(n, slots * r).T, out=out)
         return out
-    block_r, block_k, block_n = _blocks(r, os.environ.get("TRITON_INTERPRET") == "1")
-    _shrink_kernel[(t, splits)](x, a, indices, workspace, k, r, splits, x.stride(0),
-                                SPLIT_K=LORA_SPLIT_K, BLOCK_R=block_r, BLOCK_K=block_k)
-    _expand_kernel[(t, triton.cdiv(n, block_n))](workspace, b, indices, y, out, n, slots, r, splits, y.stride(0),
-                                                 out.stride(0), BLOCK_N=block_n, BLOCK_R=block_r)
+    p = lora_shrink(x, a, indices, workspace)
+    _, _, block_n = _blocks(r, _interpreting())
+    _expand_kernel[(t, triton.cdiv(n, block_n))](p, b, indices, y, out, n, slots, r, splits, y.stride(0),
+                                                 out.stride(0), BLOCK_N=block_n, BLOCK_R=block_r_of(r))
     return out
+
+
+def block_r_of(rank: int) -> int:
+    """The slot width padded to a power of two (>= 16): ``BLOCK_R`` of every kernel here and of the
+    GEMV's LoRA epilogue."""
+    return max(16, triton.next_power_of_2(rank))

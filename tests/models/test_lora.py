@@ -90,7 +90,9 @@ def test_base_engine_is_unchanged_by_lora(llama):
     assert sorted(mine.inputs) == sorted(theirs.inputs)
     assert mine.to_json() == theirs.to_json()          # what the engine cache key hashes
     lora_net = llm.model.engine(Phase.PREFILL, lora=True).net
-    assert sum(n.op == "lora_apply" for n in lora_net.nodes) == 4 * 2      # qkv, o, gate_up, down per layer
+    lora_ops = [n.op for n in lora_net.nodes]
+    assert lora_ops.count("matmul_lora") + lora_ops.count("matmul_silu_mul_lora") == 4 * 2   # qkv, o, gate_up, down
+    assert lora_ops.count("matmul_silu_mul_lora") == 2 and "lora_apply" not in lora_ops    # fused, SwiGLU kept
     assert "lora_indices" in lora_net.inputs
 
 
