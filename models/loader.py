@@ -16,15 +16,18 @@ from typing import Iterable
 
 import torch
 
+from graphdsl.errors import GraphDSLError
+from graphdsl.runtime.gguf_blocks import GGUFBlockWeight
 from graphdsl.runtime.loaders.safetensors import check_weights
 
 from .base import FlashCausalLM
+from .gguf_weights import rows_of_slot
 
 __all__ = ["load_weights"]
 
 
 def load_weights(model: FlashCausalLM, tensors: Iterable[tuple[str, torch.Tensor]], *, device, dtype=None,
-                 progress: bool = False) -> dict[str, torch.Tensor]:
+                 progress: bool = False, blocks: Iterable[str] = ()) -> dict[str, torch.Tensor]:
     """``{parameter name: tensor on device}`` for every parameter of ``model`` (on the device
     :meth:`FlashCausalLM.parameter_devices` names, for parameters injected modules keep elsewhere).
 
@@ -32,14 +35,21 @@ def load_weights(model: FlashCausalLM, tensors: Iterable[tuple[str, torch.Tensor
         tensors: checkpoint ``(name, tensor)`` pairs in HF naming (``model.checkpoint_renames`` apply).
         dtype: parameter dtype (default: the model's).
         progress: print a progress line on stderr while reading.
+        blocks: parameters marked ``gguf-<type>`` (:func:`~graphdsl.models.gguf_weights.keep_gguf_blocks`)
+            whose GGUF block rows (:class:`~graphdsl.runtime.gguf_blocks.GGUFBlockWeight` tensors) are
+            copied into their ``_packed`` companion as they are. Any other block tensor is dequantized.
     """
     dtype = dtype or model.dtype
     table = model.checkpoint_table()
     params = dict(model.named_parameters())
     tied = model.tied_parameters()
     where = model.parameter_devices()
+    blocks = set(blocks)
     out = {name: torch.zeros(tuple(p.shape), dtype=p.dtype or dtype, device=where.get(name, device))  # zeros: TP vocab padding
-           for name, p in params.items() if name not in tied}
+           for name, p in params.items() if name not in tied and name not in blocks}
+    for name in blocks:
+        for c in params[name].companions():
+            out[c.name] = torch.zeros(tuple(c.shape), dtype=c.dtype, device=where.get(name, device))
     got: dict[str, tuple[int, ...]] = {}
     expected = {name: slot.shape for name, slot in table.items()}
     line = _ProgressLine(sys.stderr) if progress else None
@@ -49,6 +59,11 @@ def load_weights(model: FlashCausalLM, tensors: Iterable[tuple[str, torch.Tensor
             continue
         got[name] = tuple(tensor.shape)
         slot = table.get(name)
+        if isinstance(tensor, GGUFBlockWeight):
+            if slot is not None and slot.param in blocks:
+                _place_blocks(out, params[slot.param], name, slot, tensor)
+                continue
+            tensor = tensor.dequantize(dtype)
         if slot is not None and tuple(tensor.shape) == slot.shape and slot.held:
             target = out[slot.param][slot.index]
             target.copy_(slot.place(_part(tensor, slot.source)).reshape(target.shape))
@@ -60,6 +75,18 @@ def load_weights(model: FlashCausalLM, tensors: Iterable[tuple[str, torch.Tensor
     for name, source in tied.items():
         out[name] = out[source]
     return out
+
+
+def _place_blocks(out: dict, p, name: str, slot, tensor: GGUFBlockWeight) -> None:
+    """Copy the block rows of checkpoint tensor ``name`` into the rows ``slot`` names of ``p``'s
+    ``_packed`` companion; a block type other than ``p``'s scheme is an error naming both."""
+    if tensor.qtype != p.quant.qtype:
+        raise GraphDSLError(f"checkpoint tensor {name!r} is {tensor.qtype}, but {p.name!r} keeps {p.quant.name} "
+                            "blocks (all parts of a packed weight must share one block type)")
+    if tuple(tensor.shape) != slot.shape or not slot.held:
+        return                                             # a wrong shape is reported by check_weights
+    packed = out[p.companions()[0].name]
+    packed[rows_of_slot(slot)].copy_(tensor.data)
 
 
 def _part(tensor, source: tuple) -> torch.Tensor:
