@@ -13,8 +13,8 @@
    and MLP matrix Q4_K, but ``attn_v`` and ``ffn_down`` Q6_K in the layers of ``use_more_bits`` (the
    first and last eighth, and every third layer between); random weights rounded onto those blocks.
    As ``LLM(file.gguf, quantization="gguf")`` would: a fused ``qkv_proj`` whose v part is Q6_K beside
-   Q4_K q/k is dequantized to bf16 (one packed weight holds one block type), and ``lm_head`` (Q6_K
-   in llama.cpp) stays bf16; the roofline counts the bytes actually stored.
+   Q4_K q/k keeps both (``gguf-q4_k.5120+q6_k.1024``: two GEMVs), and ``lm_head`` (Q6_K in
+   llama.cpp) stays bf16; the roofline counts the bytes actually stored.
 3. The peer in the same run: transformers with the same config and random weights, torchao
    ``Int4WeightOnlyConfig(group_size=128)`` (tinygemm tile-packed layout), static cache,
    ``torch.compile(mode="reduce-overhead")`` (benchmarks/llm.py's ``measure_peer``).
@@ -166,8 +166,7 @@ class _GGUFMix:
             if quantization != self.NAME:
                 return self._saved(model, quantization)
             kept = keep_gguf_blocks(model, q4_k_m_types(model.config.num_hidden_layers))
-            _log(f"{self.NAME}: {len(kept)} linear weights in GGUF blocks "
-                 f"({sorted(set(kept.values()))})")
+            _log(f"{self.NAME}: {len(kept)} linear weights in GGUF blocks ({sorted(set(kept.values()))})")
             return self.NAME
         llm_mod._quantize_model = mark
         return self

@@ -8,12 +8,13 @@ excepted) with the scheme ``gguf-<type>`` of the file tensors that fill it, so i
 
 * a weight filled by one file tensor keeps that tensor's block type, if it is one of the types the
   GGUF kernels run (:data:`~graphdsl.runtime.gguf_blocks.KERNEL_QTYPES`);
-* a packed weight (``qkv_proj`` from q/k/v, ``gate_up_proj`` from gate/up) keeps its blocks only when
-  all its parts have the same type: rows of different types cannot share one ``[out, row_bytes]``
-  tensor. Otherwise (a Q4_K_M file's Q6_K ``attn_v`` beside Q4_K q/k) the weight is dequantized to
-  the model dtype, and one log line lists every weight that was;
-* parts packed by a reorder or a column slice, float matrices (F32/F16/BF16) and types without a
-  kernel are dequantized as well; embeddings, norms, ``lm_head`` and MoE expert stacks always are.
+* a packed weight (``qkv_proj`` from q/k/v, ``gate_up_proj`` from gate/up) whose parts all have one
+  type keeps it; parts of different types (a Q4_K_M file's Q6_K ``attn_v`` beside Q4_K q/k) keep
+  theirs side by side: :class:`~graphdsl.runtime.gguf_scheme.GGUFMixScheme`
+  (``gguf-q4_k.5120+q6_k.1024``), one stored tensor and one kernel launch per run of rows of a type;
+* a weight with a part in a float type (F32/F16/BF16) or a type without a kernel, or packed by a
+  reorder or a column slice, is dequantized to the model dtype, and one log line lists every weight
+  that was; embeddings, norms, ``lm_head`` and MoE expert stacks always are.
 
 :func:`~graphdsl.models.loader.load_weights` then copies the block rows of the marked weights into
 their ``_packed`` companions (``blocks=`` the returned names) and dequantizes everything else.
@@ -32,6 +33,7 @@ from .base import FlashCausalLM
 __all__ = ["keep_gguf_blocks", "rows_of_slot"]
 
 _log = logging.getLogger("graphdsl.gguf")
+_FLOAT_TYPES = ("F32", "F16", "BF16")
 
 
 def rows_of_slot(slot) -> slice | None:
@@ -53,7 +55,7 @@ def rows_of_slot(slot) -> slice | None:
 def keep_gguf_blocks(model: FlashCausalLM, tensor_types: Mapping[str, str], *,
                      skip: tuple[str, ...] = ("lm_head",)) -> dict[str, str]:
     """Mark the linears of ``model`` whose file tensors can stay in their blocks (module docstring);
-    return ``{parameter name: GGML type}`` of those. ``tensor_types``: ``{HF tensor name: GGML type}``
+    return ``{parameter name: scheme name}`` of those. ``tensor_types``: ``{HF tensor name: GGML type}``
     of the file's matrices. The weights left dense are named in one log line (logger ``graphdsl.gguf``)."""
     dict(model.named_parameters())                                 # name every parameter first
     sources: dict[str, list] = {}
@@ -70,16 +72,19 @@ def keep_gguf_blocks(model: FlashCausalLM, tensor_types: Mapping[str, str], *,
         why = None
         if not parts or None in found:
             why = "not a block matrix in the file"
-        elif len(found) > 1:
-            why = "parts of " + " + ".join(types[name] for name, _ in parts)
-        elif next(iter(found)) not in KERNEL_QTYPES:
-            why = f"{next(iter(found))}, no GGUF kernel"
+        elif not found <= set(KERNEL_QTYPES):
+            odd = sorted(found - set(KERNEL_QTYPES))
+            why = ", ".join(f"{q} in the file" if q in _FLOAT_TYPES else f"{q}: no GGUF kernel" for q in odd)
         elif any(rows_of_slot(slot) is None or slot.shape[-1] != p.shape[1] for _, slot in parts):
             why = "packed by a reorder or a column slice"
+        else:
+            spans = sorted((rows_of_slot(slot).indices(p.shape[0])[:2], types[name]) for name, slot in parts)
+            if [a for (a, _), _ in spans] != [0] + [b for (_, b), _ in spans[:-1]] or spans[-1][0][1] != p.shape[0]:
+                why = "its parts do not tile its rows"
         if why is None:
-            qtype = next(iter(found))
-            p.quantize(gguf_scheme(qtype))
-            kept[p.name] = qtype
+            scheme = gguf_scheme([(q, b - a) for (a, b), q in spans])
+            p.quantize(scheme)
+            kept[p.name] = scheme.name
         else:
             dense[p.name] = why
     if dense:

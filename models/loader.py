@@ -79,14 +79,17 @@ def load_weights(model: FlashCausalLM, tensors: Iterable[tuple[str, torch.Tensor
 
 def _place_blocks(out: dict, p, name: str, slot, tensor: GGUFBlockWeight) -> None:
     """Copy the block rows of checkpoint tensor ``name`` into the rows ``slot`` names of ``p``'s
-    ``_packed`` companion; a block type other than ``p``'s scheme is an error naming both."""
-    if tensor.qtype != p.quant.qtype:
-        raise GraphDSLError(f"checkpoint tensor {name!r} is {tensor.qtype}, but {p.name!r} keeps {p.quant.name} "
-                            "blocks (all parts of a packed weight must share one block type)")
+    stored part that holds them; a block type other than that part's is an error naming both."""
     if tuple(tensor.shape) != slot.shape or not slot.held:
         return                                             # a wrong shape is reported by check_weights
-    packed = out[p.companions()[0].name]
-    packed[rows_of_slot(slot)].copy_(tensor.data)
+    a, b, _ = rows_of_slot(slot).indices(p.shape[0])
+    for c, (qtype, r0, r1) in zip(p.companions(), p.quant.row_parts(p.shape[0])):
+        if r0 <= a < r1:
+            if tensor.qtype != qtype or b > r1:
+                raise GraphDSLError(f"checkpoint tensor {name!r} is {tensor.qtype} rows {a}..{b}, but {p.name!r} "
+                                    f"({p.quant.name}) keeps {qtype} blocks in rows {r0}..{r1}")
+            out[c.name][a - r0:b - r0].copy_(tensor.data)
+            return
 
 
 def _part(tensor, source: tuple) -> torch.Tensor:

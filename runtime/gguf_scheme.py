@@ -1,5 +1,7 @@
 """GGUF block types as quantization schemes: ``gguf-q4_0``, ``gguf-q4_1``, ``gguf-q8_0``,
-``gguf-q4_k``, ``gguf-q5_k``, ``gguf-q6_k`` (the types with Triton kernels, :data:`KERNEL_QTYPES`).
+``gguf-q4_k``, ``gguf-q5_k``, ``gguf-q6_k`` (the types with Triton kernels, :data:`KERNEL_QTYPES`),
+and :class:`GGUFMixScheme` for a packed weight whose row ranges keep different types
+(``gguf-q4_k.5120+q6_k.1024``: one companion per part).
 
 A weight ``W [N, K]`` in scheme ``gguf-<type>`` stores one companion, ``<param>_packed``: uint8
 ``[N, row_bytes(type, K)]``, each row its ``K`` values as consecutive GGML blocks, byte for byte as
@@ -24,7 +26,7 @@ from graphdsl.quant import Companion, QuantScheme, register_scheme
 
 from .gguf_blocks import GGUF_BLOCKS, KERNEL_QTYPES, dequantize_blocks, row_bytes
 
-__all__ = ["GGUFScheme", "gguf_scheme", "quantize_blocks"]
+__all__ = ["GGUFScheme", "GGUFMixScheme", "gguf_scheme", "quantize_blocks"]
 
 
 @dataclass(frozen=True)
@@ -60,18 +62,85 @@ class GGUFScheme(QuantScheme):
     def quantize(self, weight, dtype=None):
         return [quantize_blocks(weight, self.qtype)]
 
+    def row_parts(self, out_features: int) -> list[tuple[str, int, int]]:
+        """``[(GGML type, first row, end row)]`` of the stored companions, in order."""
+        return [(self.qtype, 0, out_features)]
 
-def gguf_scheme(qtype: str) -> GGUFScheme:
-    """The scheme of GGML type ``qtype`` (a name such as ``"Q6_K"``)."""
-    return GGUFScheme(str(qtype).upper())
+
+@dataclass(frozen=True)
+class GGUFMixScheme(QuantScheme):
+    """A packed weight whose row ranges keep different GGML block types: ``parts`` is
+    ``((type, rows), ...)`` top to bottom (a Q4_K_M ``qkv_proj``: ``(("Q4_K", q + k rows), ("Q6_K",
+    v rows))``). Part ``i`` is stored as ``<param>_packed`` (``i == 0``) or ``<param>_packed<i>``,
+    uint8 ``[rows, row_bytes(type, in)]``; ``W`` is the parts' rows stacked. Named
+    ``gguf-q4_k.5120+q6_k.1024``."""
+
+    parts: tuple[tuple[str, int], ...] = ()
+
+    def __post_init__(self):
+        if len(self.parts) < 2 or any(q not in KERNEL_QTYPES or not isinstance(r, int) or r <= 0
+                                      for q, r in self.parts):
+            raise GraphDSLError(f"gguf mix scheme: parts must be two or more (type, rows > 0) with types in "
+                                f"{list(KERNEL_QTYPES)}, got {self.parts!r}")
+
+    @property
+    def name(self) -> str:
+        return "gguf-" + "+".join(f"{q.lower()}.{r}" for q, r in self.parts)
+
+    def row_parts(self, out_features: int) -> list[tuple[str, int, int]]:
+        out, r0 = [], 0
+        for q, r in self.parts:
+            out.append((q, r0, r0 + r))
+            r0 += r
+        return out
+
+    def check(self, name, shape):
+        super().check(name, shape)
+        rows = sum(r for _, r in self.parts)
+        if rows != shape[0]:
+            raise GraphDSLError(f"quantization scheme {self.name!r}: parameter {name!r} has {shape[0]} rows, its "
+                                f"parts {rows}")
+        for q, _ in self.parts:
+            GGUFScheme(q).check(name, shape)
+
+    def companions(self, out_features, in_features):
+        return tuple(Companion(f"_packed{i or ''}", (r1 - r0, row_bytes(q, in_features)), torch.uint8)
+                     for i, (q, r0, r1) in enumerate(self.row_parts(out_features)))
+
+    def dequantize(self, tensors, out_features, in_features, dtype):
+        return torch.cat([dequantize_blocks(t, q, in_features).to(dtype)
+                          for t, (q, _, _) in zip(tensors, self.row_parts(out_features))])
+
+    def quantize(self, weight, dtype=None):
+        return [quantize_blocks(weight[r0:r1], q) for q, r0, r1 in self.row_parts(weight.shape[0])]
+
+
+def gguf_scheme(qtype: str | list[tuple[str, int]]) -> GGUFScheme | GGUFMixScheme:
+    """The scheme of GGML type ``qtype`` (a name such as ``"Q6_K"``), or of row parts
+    ``[(type, rows), ...]`` top to bottom: adjacent parts of one type merge, and a single type
+    left is a plain :class:`GGUFScheme`."""
+    if isinstance(qtype, str):
+        return GGUFScheme(qtype.upper())
+    merged: list[list] = []
+    for q, rows in qtype:
+        if merged and merged[-1][0] == q.upper():
+            merged[-1][1] += rows
+        else:
+            merged.append([q.upper(), rows])
+    if len(merged) == 1:
+        return GGUFScheme(merged[0][0])
+    return GGUFMixScheme(tuple((q, r) for q, r in merged))
 
 
 def _parse(name: str) -> QuantScheme:
-    parts = name.split("-")
-    if len(parts) == 2 and parts[1].upper() in KERNEL_QTYPES:
-        return GGUFScheme(parts[1].upper())
+    body = name.split("-", 1)[1] if "-" in name else ""
+    if body.upper() in KERNEL_QTYPES:
+        return GGUFScheme(body.upper())
+    items = [p.split(".") for p in body.split("+")]
+    if len(items) >= 2 and all(len(i) == 2 and i[0].upper() in KERNEL_QTYPES and i[1].isdigit() for i in items):
+        return GGUFMixScheme(tuple((q.upper(), int(r)) for q, r in items))
     raise GraphDSLError(f"unknown gguf scheme {name!r}: gguf-<type> with type one of "
-                        f"{[q.lower() for q in KERNEL_QTYPES]}")
+                        f"{[q.lower() for q in KERNEL_QTYPES]}, or row parts such as gguf-q4_k.5120+q6_k.1024")
 
 
 register_scheme("gguf", _parse)

@@ -40,7 +40,7 @@ from graphdsl.network import Node
 from graphdsl.opdef import OpCategory, Spec, get_op
 
 from ..distributed.collectives import COLLECTIVE_LOWERINGS
-from ..gguf_scheme import GGUFScheme
+from ..gguf_scheme import GGUFMixScheme, GGUFScheme
 
 __all__ = ["TritonBackend", "triton_can_fuse"]
 
@@ -300,8 +300,8 @@ def _kernel_unsupported(node, ins) -> str | None:
             return f"addend {ins[1].dtype} strides {ins[1].stride()}"
         stored = list(ins[2:] if node.op == "quant_linear_add" else ins[1:])
         scheme = parse_scheme(node.attrs["scheme"])
-        if isinstance(scheme, GGUFScheme):
-            return _gguf_unsupported(x, stored[0])
+        if isinstance(scheme, (GGUFScheme, GGUFMixScheme)):
+            return _gguf_unsupported(x, stored)
         return quant_linear_supported(x.reshape(-1, x.shape[-1]), scheme, stored)
     if node.op == "moe_experts":
         from ..kernels.moe import moe_supported
@@ -423,11 +423,11 @@ def _moe_experts(be: TritonBackend, node, ins, attrs, dsts):
     return dsts
 
 
-def _gguf_unsupported(x: torch.Tensor, data: torch.Tensor) -> str | None:
-    """Why :func:`~graphdsl.runtime.kernels.gguf_linear.gguf_linear` cannot take ``x`` and the blocks ``data``."""
+def _gguf_unsupported(x: torch.Tensor, stored: list[torch.Tensor]) -> str | None:
+    """Why :func:`~graphdsl.runtime.kernels.gguf_linear.gguf_linear` cannot take ``x`` and the blocks ``stored``."""
     if x.dtype not in (torch.float16, torch.bfloat16, torch.float32):
         return f"x dtype {x.dtype}"
-    if not data.is_contiguous():
+    if not all(t.is_contiguous() for t in stored):
         return "the packed blocks are not contiguous"
     return None
 
@@ -446,7 +446,7 @@ def _quant_linear(be: TritonBackend, node, ins, attrs, dsts):
     Hopper, ``torch._scaled_mm`` (FP8 tensor cores, row-wise scales) on the rows quantized per
     token — into the node's workspace, then the epilogue. ``gguf-<type>`` schemes run
     :func:`~graphdsl.runtime.kernels.gguf_linear.gguf_linear` (GEMV on the blocks for a few rows,
-    dequantize + cuBLAS for more), then the same epilogues."""
+    dequantize + cuBLAS for more; once per row part of a ``GGUFMixScheme``), then the same epilogues."""
     from graphdsl.quant import Fp8Scheme, parse_scheme
 
     from ..kernels.gemv import gemv, gemv_supported
@@ -458,10 +458,11 @@ def _quant_linear(be: TritonBackend, node, ins, attrs, dsts):
     x2, out2 = x.reshape(-1, x.shape[-1]), dst.view(-1, dst.shape[-1])
     n = attrs["out_features"]
     silu = node.op == "quant_linear_silu_mul"
-    if isinstance(scheme, GGUFScheme):                  # GGUF blocks: their own kernels, then the epilogue
+    if isinstance(scheme, (GGUFScheme, GGUFMixScheme)):  # GGUF blocks: their kernels per part, then the epilogue
         from ..kernels.gguf_linear import gguf_linear
         prod = be.workspace(node, ins, attrs).view(-1, n) if silu else out2
-        prod.copy_(gguf_linear(x2, stored[0], scheme.qtype))
+        for data, (qtype, r0, r1) in zip(stored, scheme.row_parts(n)):
+            prod[:, r0:r1].copy_(gguf_linear(x2, data, qtype))
         if silu:
             _silu_mul(be, node, [prod], attrs, [out2])
         elif add is not None:

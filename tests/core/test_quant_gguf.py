@@ -72,3 +72,28 @@ def test_names_parse_and_errors():
         Parameter((8, 96), name="layer.weight").quantize("gguf-q4_k")
     with pytest.raises(GraphDSLError, match=r"quantize_blocks: weight must be a 2-D float"):
         quantize_blocks(torch.zeros(4, 32, dtype=torch.int32), "Q8_0")
+
+
+def test_mixed_parts_scheme():
+    """A packed weight with row ranges in different block types: one stored tensor per run of a type,
+    W the parts stacked; adjacent parts of one type merge, a single type is the plain scheme."""
+    from graphdsl.runtime.gguf_scheme import GGUFMixScheme, gguf_scheme
+    s = gguf_scheme([("Q4_K", 16), ("q4_k", 8), ("Q6_K", 8)])
+    assert isinstance(s, GGUFMixScheme) and s.name == "gguf-q4_k.24+q6_k.8" and parse_scheme(s.name) == s
+    assert gguf_scheme([("Q8_0", 4), ("Q8_0", 4)]) == GGUFScheme("Q8_0")
+    assert [(c.suffix, c.shape) for c in s.companions(32, 256)] == [("_packed", (24, 144)), ("_packed1", (8, 210))]
+    w = torch.randn(32, 256, generator=torch.Generator().manual_seed(3))
+    stored = s.quantize(w)
+    want = torch.cat([_gguf_py(stored[0], "Q4_K", 24, 256), _gguf_py(stored[1], "Q6_K", 8, 256)])
+    torch.testing.assert_close(s.dequantize(stored, 32, 256, torch.float32), want, atol=0, rtol=0)
+    with Network("m") as net:
+        p = Parameter((32, 256), torch.float32, name="qkv.weight").quantize(s)
+        net.mark_output(F.linear(Tensor("x", (3, 256), torch.float32), p, None, transpose_b=True), "y")
+    x = torch.randn(3, 256)
+    got = net.build_engine(device="cpu").forward({"x": x, "qkv.weight_packed": stored[0],
+                                                  "qkv.weight_packed1": stored[1]})["y"]
+    torch.testing.assert_close(got, x @ want.T, atol=1e-4, rtol=1e-4)
+    with pytest.raises(GraphDSLError, match=r"'gguf-q4_k.24\+q6_k.8'.*'qkv.weight' has 40 rows, its parts 32"):
+        Parameter((40, 256), name="qkv.weight").quantize(s)
+    with pytest.raises(GraphDSLError, match=r"unknown gguf scheme 'gguf-q4_k.24\+q3_k.8'"):
+        parse_scheme("gguf-q4_k.24+q3_k.8")
