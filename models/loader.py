@@ -64,6 +64,9 @@ def load_weights(model: FlashCausalLM, tensors: Iterable[tuple[str, torch.Tensor
                 _place_blocks(out, params[slot.param], name, slot, tensor)
                 continue
             tensor = tensor.dequantize(dtype)
+        elif slot is not None and slot.param in blocks:
+            raise GraphDSLError(f"checkpoint tensor {name!r} is not in GGUF blocks, but {slot.param!r} "
+                                f"({params[slot.param].quant.name}) keeps them")
         if slot is not None and tuple(tensor.shape) == slot.shape and slot.held:
             target = out[slot.param][slot.index]
             target.copy_(slot.place(_part(tensor, slot.source)).reshape(target.shape))

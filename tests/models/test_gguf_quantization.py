@@ -73,3 +73,17 @@ def test_gguf_quantization_needs_a_gguf_file(quantized_gguf):
         gd.LLM.from_config({"model_type": "llama", "architectures": ["LlamaForCausalLM"], "hidden_size": 64,
                             "intermediate_size": 96, "num_hidden_layers": 1, "num_attention_heads": 4,
                             "num_key_value_heads": 2, "vocab_size": 96}, device="cpu", quantization="gguf")
+
+
+def test_block_weights_need_block_tensors(quantized_gguf):
+    """A weight marked to keep blocks but fed a dense tensor is an error naming both (not a KeyError)."""
+    from graphdsl.models.gguf_weights import keep_gguf_blocks
+    from graphdsl.models.loader import load_weights
+    from graphdsl.runtime.loaders.gguf import GGUFCheckpoint
+    llm = gd.LLM(str(quantized_gguf / "q.gguf"), device="cpu", max_model_len=64, max_num_seqs=1)
+    model = type(llm.model)(llm.config, torch.float32)
+    ckpt = GGUFCheckpoint(str(quantized_gguf / "q.gguf"))
+    blocks = keep_gguf_blocks(model, ckpt.block_types())
+    with pytest.raises(GraphDSLError, match=r"checkpoint tensor 'model.layers.0.self_attn.q_proj.weight' is not in "
+                                            r"GGUF blocks, but .*qkv_proj.weight' \(gguf-q8_0.96\+q4_0.32\) keeps them"):
+        load_weights(model, ckpt.iter_tensors(), device="cpu", blocks=blocks)
