@@ -104,7 +104,7 @@ def sweep(shape: str, schemes: list[str], copy: float, *, top: int = 3) -> list[
 
             default = _pick_quant_config(1, n, k, weight_kind(s), group, x.device)
             results = []
-            for bn, bk, split, st in itertools.product((32, 64, 128), (128, 256, 512), (1, 2, 4, 8), (4,)):
+            for bn, bk, split, st in itertools.product((32, 64, 128), (128, 256, 512), (1, 2, 4, 8, 16), (4,)):
                 if (group > 1 and bk % group and group % bk) or k % bk:
                     continue
                 cfg = dict(BLOCK_N=bn, BLOCK_K=bk, SPLIT_K=split, num_warps=4, num_stages=st)

@@ -447,7 +447,7 @@ def _quant_linear(be: TritonBackend, node, ins, attrs, dsts):
     token — into the node's workspace, then the epilogue. ``gguf-<type>`` schemes run
     :func:`~graphdsl.runtime.kernels.gguf_linear.gguf_linear` (GEMV on the blocks for a few rows,
     dequantize + cuBLAS for more; once per row part of a ``GGUFMixScheme``), then the same epilogues."""
-    from graphdsl.quant import Fp8Scheme, parse_scheme
+    from graphdsl.quant import Fp8Scheme, parse_scheme, quantize_fp8_rows
 
     from ..kernels.gemv import gemv, gemv_supported
     from ..kernels.quant_linear import quant_linear

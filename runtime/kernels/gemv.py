@@ -91,29 +91,112 @@ def _finish(acc, add_ptr, out_ptr, pid_n, rm, m_ok, N, stride_am, stride_om, HAS
 
 
 @triton.jit
+def _f12(v):
+    """``1 + q * 2^-11`` for the nibble ``q`` in bits 12..15 of ``v``: the nibble as mantissa bits of
+    a float32 in [1, 2) (one LOP3, no conversion instruction)."""
+    return ((v & 0xF000) | 0x3F800000).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _f16(v):
+    """``1 + q * 2^-7`` for the nibble ``q`` in bits 16..19 of ``v`` (as :func:`_f12`)."""
+    return ((v & 0xF0000) | 0x3F800000).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _int4_row_loop(x_ptr, q_ptr, s_ptr, z_ptr, rn, n_ok, N, w_lo, w_hi, W_ROW, stride_sn, BLOCK_N: tl.constexpr,
+                   ZERO_POINT: tl.constexpr, GROUP: tl.constexpr):
+    """One row (batch-1 decode): ``sum_k x[k] * (q[n, k] - z[n, g]) * s[n, g]`` over the words
+    ``[w_lo, w_hi)`` of each weight row, with CUDA-core FMAs instead of ``tl.dot`` (whose operand-
+    layout shuffle and int->float conversions bound the tensor-core path at one row). ``q_ptr``:
+    int32 words of eight nibbles, ``W_ROW`` a row (word ``c`` holds ``k = 8c + i`` in bits
+    ``4i..4i+3``).
+
+    Each nibble is brought to bits 12..15 or 16..19 by one of four shifts per word (``<< 12``,
+    ``<< 8``, none, ``>> 8``, ``>> 16`` serve two planes each) and OR-ed into the mantissa of 1.0
+    (:func:`_f12`, :func:`_f16`): ``f = 1 + q * 2^-p`` exactly, so ``sum f * x`` minus ``sum x`` is
+    ``2^-p * sum q * x``; with the activations pre-scaled by ``2^p`` (per word, not per weight)
+    one accumulator takes every plane: about 1.5 integer operations and one FMA per weight. Per
+    group and word, ``sum 2^p x`` and the zero point's ``z * sum x`` are taken off and the scale
+    applied (2 operations per 8 weights); the ``[BLOCK_N, GROUP / 8]`` sums are reduced over the
+    words once, at the end. Rounding: the float32 products carry ~2^-24 of ``2^11 |x|``, about
+    1e-4 of a word's ``sum q x`` — below the 16-bit activations' own rounding.
+
+    The slice is walked one group at a time, the next group's words loaded before this one's
+    math (nothing software-pipelines loads that do not feed ``tl.dot``). Weight loads carry no
+    mask — rows past ``N`` read row ``N - 1`` (their sums are never stored) and the prefetch past
+    the slice re-reads its last group — so they vectorize to 16-byte loads."""
+    C: tl.constexpr = GROUP // 8
+    rc = tl.arange(0, C)
+    rn64 = tl.minimum(rn, N - 1).to(tl.int64)
+    q_rows = q_ptr + rn64[:, None] * W_ROW
+    acc = tl.zeros([BLOCK_N, C], tl.float32)
+    w_next = tl.load(q_rows + (w_lo + rc)[None, :])
+    for c in range(w_lo, w_hi, C):
+        w = w_next
+        w_next = tl.load(q_rows + (tl.minimum(c + C, w_hi - C) + rc)[None, :])
+        kb = c * 8
+        xp = x_ptr + kb + 8 * rc
+        # the planes' activations pre-scaled by 2^p: f * (2^p x) = 2^p x + q x
+        x0 = tl.load(xp).to(tl.float32) * 2048.0
+        x1 = tl.load(xp + 1).to(tl.float32) * 2048.0
+        x2 = tl.load(xp + 2).to(tl.float32) * 128.0
+        x3 = tl.load(xp + 3).to(tl.float32) * 2048.0
+        x4 = tl.load(xp + 4).to(tl.float32) * 128.0
+        x5 = tl.load(xp + 5).to(tl.float32) * 2048.0
+        x6 = tl.load(xp + 6).to(tl.float32) * 128.0
+        x7 = tl.load(xp + 7).to(tl.float32) * 2048.0
+        wl8 = w << 8
+        wr8 = w >> 8
+        a = _f12(w << 12) * x0[None, :] + _f12(wl8) * x1[None, :] + _f16(wl8) * x2[None, :] \
+            + _f12(w) * x3[None, :] + _f16(w) * x4[None, :] + _f12(wr8) * x5[None, :] \
+            + _f16(wr8) * x6[None, :] + _f12(w >> 16) * x7[None, :]
+        big = x0 + x1 + x2 + x3 + x4 + x5 + x6 + x7                            # sum 2^p x
+        xs = (x0 + x1 + x3 + x5 + x7) * (1.0 / 2048.0) + (x2 + x4 + x6) * (1.0 / 128.0)   # sum x
+        g = kb // GROUP
+        sc = tl.load(s_ptr + rn64 * stride_sn + g).to(tl.float32)
+        if ZERO_POINT:
+            z = tl.load(z_ptr + rn64 * stride_sn + g).to(tl.float32)
+            acc += sc[:, None] * (a - big[None, :] - z[:, None] * xs[None, :])     # sum (q - z) x per word
+        else:
+            acc += sc[:, None] * (a - (big + 8.0 * xs)[None, :])
+    return tl.sum(acc, axis=1)
+
+
+@triton.jit
 def _int4_k_loop(acc, x_rows, q_ptr, s_ptr, z_ptr, rn, n_ok, m_ok, k_lo, k_hi, K, stride_sn,
                  ZERO_POINT: tl.constexpr, GROUP: tl.constexpr, BLOCK_K: tl.constexpr, DOT_F32: tl.constexpr):
     """``acc[n, m] += sum_k x[m, k] * (q[n, k] - z[n, g]) * s[n, g]`` over ``k_lo <= k < k_hi``,
-    ``g = k // GROUP`` (``z = 8`` without zero points). A K step of ``BLOCK_K`` inputs covers
-    ``BLOCK_K / GROUP`` whole groups (or lies in one): per group the low nibbles (even ``k``) and
-    the high nibbles (odd ``k``) enter two ``tl.dot`` calls with the even and odd activations, as
-    small integers exact in the activation dtype, and the group's scale multiplies the float32
-    partial — no interleave of nibbles, no per-weight scale multiply."""
-    STEP: tl.constexpr = BLOCK_K if BLOCK_K < GROUP else GROUP       # inputs per dot pair
+    ``g = k // GROUP`` (``z = 8`` without zero points), ``q_ptr`` the codes as int16 words of four
+    nibbles (word ``c`` holds ``k = 4c + i`` in bits ``4i..4i+3``).
+
+    A K step of ``BLOCK_K`` inputs covers ``BLOCK_K / GROUP`` whole groups (or lies in one). Per
+    group, each nibble plane ``i`` (a ``[BLOCK_N, STEP / 4]`` tile) enters a ``tl.dot`` with the
+    activations ``x[:, 4c + i]``, and the group's scale multiplies the float32 partial — no nibble
+    interleave, no per-weight scale multiply. The plane becomes 16-bit floats without a conversion
+    instruction (those run at 1/8 of the FMA rate on Hopper and bound a plain cast): ``nibble | MAGIC``
+    is the bit pattern of ``M + nibble`` (bf16 ``0x4300`` = 128, fp16 ``0x6400`` = 1024; exact: the
+    unit in the last place there is 1). The dot takes ``M + q`` as it is (16-bit float arithmetic
+    may itself go through conversions) and ``(M + z) * sum_k x[m, k]`` over the group is taken off
+    the float32 partial: the products are exact and the float32 sums carry ~2^-17 of
+    ``sum |x|``, far below the 16-bit activations' own rounding."""
+    STEP: tl.constexpr = BLOCK_K if BLOCK_K < GROUP else GROUP       # inputs per group step
     SUBS: tl.constexpr = BLOCK_K // STEP
-    HALF: tl.constexpr = STEP // 2
-    rh = tl.arange(0, HALF)
+    QUARTER: tl.constexpr = STEP // 4
+    rc = tl.arange(0, QUARTER)
     rn64 = rn.to(tl.int64)
-    q_rows = q_ptr + rn64[:, None] * (K // 2)
+    q_rows = q_ptr + rn64[:, None] * (K // 4)
     s_rows = s_ptr + rn64 * stride_sn
     z_rows = z_ptr + rn64 * stride_sn
+    xdt = x_rows.dtype.element_ty
+    BF16: tl.constexpr = xdt == tl.bfloat16
+    MAGIC_BITS: tl.constexpr = 0x4300 if BF16 else 0x6400
+    MAGIC: tl.constexpr = 128.0 if BF16 else 1024.0
     for k0 in range(k_lo, k_hi, BLOCK_K):
         for j in tl.static_range(SUBS):
             kb = k0 + j * STEP
-            ok = (kb + 2 * rh) < K                                       # whole groups: all or none
-            b = tl.load(q_rows + (kb // 2 + rh)[None, :], mask=n_ok[:, None] & ok[None, :], other=0)
-            xe = tl.load(x_rows + (kb + 2 * rh)[None, :], mask=m_ok[:, None] & ok[None, :], other=0.0)
-            xo = tl.load(x_rows + (kb + 1 + 2 * rh)[None, :], mask=m_ok[:, None] & ok[None, :], other=0.0)
+            ok = (kb + 4 * rc) < K                                       # whole groups: all or none
+            w = tl.load(q_rows + (kb // 4 + rc)[None, :], mask=n_ok[:, None] & ok[None, :], other=0)
             g = kb // GROUP
             g_ok = n_ok & ((rn * 0 + kb) < K)
             s = tl.load(s_rows + g, mask=g_ok, other=0.0).to(tl.float32)
@@ -121,12 +204,18 @@ def _int4_k_loop(acc, x_rows, q_ptr, s_ptr, z_ptr, rn, n_ok, m_ok, k_lo, k_hi, K
                 z = tl.load(z_rows + g, mask=g_ok, other=0.0).to(tl.float32)
             else:
                 z = tl.full([rn.shape[0]], 8.0, tl.float32)
-            lo = (b & 15).to(tl.float32) - z[:, None]
-            hi = (b >> 4).to(tl.float32) - z[:, None]
-            if DOT_F32:
-                part = tl.dot(lo, tl.trans(xe.to(tl.float32))) + tl.dot(hi, tl.trans(xo.to(tl.float32)))
-            else:
-                part = tl.dot(lo.to(xe.dtype), tl.trans(xe)) + tl.dot(hi.to(xo.dtype), tl.trans(xo))
+            part = tl.zeros_like(acc)
+            xsum = tl.zeros([acc.shape[1]], tl.float32)
+            for i in tl.static_range(4):
+                xi = tl.load(x_rows + (kb + 4 * rc + i)[None, :], mask=m_ok[:, None] & ok[None, :], other=0.0)
+                nib = (w >> (4 * i)) & 15
+                if DOT_F32:
+                    part += tl.dot(nib.to(tl.float32) - z[:, None], tl.trans(xi.to(tl.float32)), input_precision="ieee")
+                else:
+                    part += tl.dot((nib | MAGIC_BITS).to(tl.int16).to(xdt, bitcast=True), tl.trans(xi))
+                    xsum += tl.sum(xi.to(tl.float32), axis=1)
+            if not DOT_F32:
+                part -= (z + MAGIC)[:, None] * xsum[None, :]                # sum (M + q) x - (M + z) sum x
             acc += part * s[:, None]
     return acc
 
@@ -143,9 +232,11 @@ def _gemv_kernel(
     part_ptr,       # [SPLIT_K, n_tiles, BLOCK_N, BLOCK_M] float32 partial tiles (SPLIT)
     lock_ptr,       # [n_tiles] int32 arrival counters, zero between launches (SPLIT)
     M, N, K, SPLIT_K, K_SPLIT,   # sizes (N: output columns); K_SPLIT = K elements per slice (a multiple of BLOCK_K)
+    N2, W_ROW, K_SPLIT_W,        # int4 one-row loop: weight rows, int32 words a row (K / 8), words a slice
     stride_xm, stride_am, stride_om, stride_sn,
     WKIND: tl.constexpr,         # W_FLOAT, W_INT8, W_INT4, W_INT4_ZP or W_FP8 (module constants)
     GROUP: tl.constexpr,         # int4: inputs per scale (a divisor or a multiple of BLOCK_K)
+    ONE_ROW: tl.constexpr,       # int4, M == 1: the CUDA-core loop (_int4_row_loop; BLOCK_K a multiple of GROUP)
     HAS_ADD: tl.constexpr,
     SWIGLU: tl.constexpr,        # w is [2N, K] = [gate | up]; out = silu(x @ gate.T) * (x @ up.T)
     SPLIT: tl.constexpr,         # SPLIT_K > 1
@@ -178,7 +269,12 @@ def _gemv_kernel(
     k_lo = pid_k * K_SPLIT
     k_hi = tl.minimum(k_lo + K_SPLIT, K)
     pdl_wait(USE_PDL, not LATE_LAUNCH)
-    if INT4:
+    if INT4 and ONE_ROW:
+        w_lo = pid_k * K_SPLIT_W
+        row = _int4_row_loop(x_ptr, w_ptr, s_ptr, z_ptr, rn, n_ok, N2, w_lo, tl.minimum(w_lo + K_SPLIT_W, W_ROW), W_ROW,
+                             stride_sn, BLOCK_N, WKIND == 3, GROUP)
+        acc = tl.where((rm == 0)[None, :], row[:, None], 0.0)
+    elif INT4:
         acc = _int4_k_loop(acc, x_rows, w_ptr, s_ptr, z_ptr, rn, n_ok, m_ok, k_lo, k_hi, K, stride_sn,
                            WKIND == 3, GROUP, BLOCK_K, DOT_F32)
     else:
@@ -271,35 +367,47 @@ def _pick_config(m: int, n: int, k: int, device: torch.device) -> dict:
 
 
 def _pick_quant_config(m: int, n: int, k: int, wkind: int, group: int, device: torch.device) -> dict:
-    """The launch for a quantized weight: ``BLOCK_K`` of 256 inputs (int4: 128 bytes a row, two
-    groups of 128; int8 / fp8: 256 bytes) in 64-row tiles, and K split until the tiles cover the
-    SMs (a batch-1 int4 projection of 4096 outputs is 64 tiles of 8 KB steps: alone they would
-    leave half of an H200's 132 SMs idle)."""
+    """The launch for a quantized weight, from the H200 sweeps of ``benchmarks/quant.py --sweep``
+    (CUDA graphs over HBM-resident copies of the Llama-3-8B projections, one row).
+
+    int4: 128-row tiles, K split until there are about four programs per SM (nothing software-
+    pipelines the CUDA-core loop, so programs in flight are what hide the loads' latency): o
+    [4096, 4096] 9.1 µs at split 16, qkv 11.5 at split 8, down 19.8 at split 16, gate_up 37.1 at
+    split 4; 128-input slice steps when split 8 or more (down 19.8 vs 21.4 µs with 256), else 256. fp8 / int8 (the ``tl.dot`` path):
+    64-row tiles, 128-input steps up to K = 8192, K split up to 8 while there are fewer than three
+    programs per SM (qkv 16.2 µs at split 8, 18.4 at split 2 with 256-input steps)."""
     sms = _num_sms(device)
-    block_n = _QUANT_BLOCK_N
-    block_k = 256
     if wkind in (W_INT4, W_INT4_ZP):
-        block_k = max(block_k, group) if group > block_k else block_k
+        block_n = 128
+        tiles = triton.cdiv(n, block_n)
+        split = 1
+        while split < 16 and tiles * split < 4 * sms and k // (split * 2) >= max(group, 128):
+            split *= 2
+        block_k = 256 if split <= 4 and k // split >= 256 and 256 % group == 0 else max(group, 128)
+        return dict(BLOCK_N=block_n, BLOCK_K=block_k, SPLIT_K=split, num_warps=4, num_stages=_QUANT_STAGES)
+    block_n = _QUANT_BLOCK_N
+    block_k = 128 if k <= 8192 else 256
     while block_k > 32 and k % block_k:
         block_k //= 2
     tiles = triton.cdiv(n, block_n)
     steps = triton.cdiv(k, block_k)
     split = 1
-    while split < 8 and tiles * split * 2 <= 2 * sms and steps // (split * 2) >= 4:
+    while split < 8 and tiles * split < 3 * sms and steps // (split * 2) >= 4:
         split *= 2
     return dict(BLOCK_N=block_n, BLOCK_K=block_k, SPLIT_K=split, num_warps=4, num_stages=_QUANT_STAGES)
 
 
 def weight_kind(scheme) -> int | None:
     """``WKIND`` of a :mod:`graphdsl.quant` scheme the GEMV dequantizes (``None``: it cannot: fp8
-    with dynamic activation scales, foreign block formats)."""
+    with dynamic activation scales, int4 groups under 64 inputs — a nibble plane of a group must
+    give ``tl.dot`` 16 inputs —, foreign block formats; ``quant_linear``'s kernel takes those)."""
     from graphdsl.quant import Fp8Scheme, IntScheme
     if scheme is None:
         return W_FLOAT
     if isinstance(scheme, IntScheme):
         if scheme.bits == 8 and scheme.group_size is None:
             return W_INT8
-        if scheme.bits == 4 and scheme.group_size is not None and scheme.group_size % 32 == 0:
+        if scheme.bits == 4 and scheme.group_size is not None and scheme.group_size % 64 == 0:
             return W_INT4_ZP if scheme.zero_point else W_INT4
         return None
     if isinstance(scheme, Fp8Scheme) and not scheme.dynamic_activations:
@@ -403,14 +511,20 @@ def gemv(x: torch.Tensor, w: torch.Tensor, add: torch.Tensor | None = None, *, s
         part, lock = (workspace or GemvWorkspace()).get(x.device, n_tiles, split, block_n)
     else:
         part = lock = out
-    if kind in (W_INT4, W_INT4_ZP) and block_k % group and group % block_k:
-        raise GraphDSLError(f"gemv: BLOCK_K {block_k} and the group size {group} must divide one another")
+    one_row = False
+    if kind in (W_INT4, W_INT4_ZP):
+        if block_k % group and group % block_k:
+            raise GraphDSLError(f"gemv: BLOCK_K {block_k} and the group size {group} must divide one another")
+        one_row = m == 1 and block_k % group == 0
+        w = w.view(torch.int32 if one_row else torch.int16)      # nibbles a word: _int4_row_loop / _int4_k_loop
     stride_am = 0 if add is None or add.dim() == 1 else add.stride(0)
     s_t = scales if scales is not None else out
     stride_sn = 0 if kind == W_FLOAT or s_t.shape[0] == 1 else s_t.stride(0)
     _gemv_kernel[(n_tiles, split)](
         x, w, s_t, zeros if zeros is not None else s_t, add if add is not None else out, out, part, lock,
-        m, cols, k, split, k_split, x.stride(0), stride_am, out.stride(0), stride_sn, WKIND=kind, GROUP=group,
+        m, cols, k, split, k_split, n, k // 8, k_split // 8, x.stride(0), stride_am, out.stride(0), stride_sn,
+        WKIND=kind, GROUP=group,
+        ONE_ROW=kind in (W_INT4, W_INT4_ZP) and one_row,
         LATE_LAUNCH=n_tiles * split > _num_sms(x.device),
         HAS_ADD=add is not None, SWIGLU=silu_mul, SPLIT=split > 1, BLOCK_M=MAX_ROWS, BLOCK_N=block_n,
         BLOCK_K=block_k, EVEN_K=k % block_k == 0, EVEN_N=cols % tile_cols == 0,

@@ -100,8 +100,8 @@ def _quant_linear_kernel(
                 z = tl.zeros([BLOCK_N, NG], tl.float32)
             q3 = tl.reshape(q, [BLOCK_N, NG, BLOCK_K // NG])
             q = tl.reshape((q3 - z[:, :, None]) * s[:, :, None], [BLOCK_N, BLOCK_K])
-        if DOT_F32:
-            acc += tl.dot(q, tl.trans(a.to(tl.float32)))
+        if DOT_F32:       # float32 rows are float32 math (a GPU's default tf32 keeps 10 mantissa bits)
+            acc += tl.dot(q, tl.trans(a.to(tl.float32)), input_precision="ieee")
         else:
             acc += tl.dot(q.to(a.dtype), tl.trans(a))
     if not GROUPED:

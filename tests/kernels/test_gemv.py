@@ -99,8 +99,8 @@ def test_silu_mul_epilogue_rejects_odd_weights_and_adds():
 
 
 # -- quantized weights (graphdsl.quant weight-only schemes) dequantized in the GEMV ---------------
-_QUANT_CASES = [("int4-g32", 16, 64, 1), ("int4-g64-zp", 32, 64, 2), ("int4-g128", 16, 256, 2),
-                ("int4-g64", 16, 32, 3), ("int8-channel", 16, 64, 2), ("fp8-channel", 32, 128, 1),
+_QUANT_CASES = [("int4-g64", 16, 256, 1), ("int4-g64-zp", 32, 64, 2), ("int4-g128", 16, 256, 2),
+                ("int4-g128-zp", 16, 64, 3), ("int8-channel", 16, 64, 2), ("fp8-channel", 32, 128, 1),
                 ("fp8-tensor", 16, 64, 3)]
 
 
@@ -114,11 +114,13 @@ def _quantized(name, n, k, dtype, seed):
 
 @pytest.mark.parametrize("name,block_n,block_k,split", _QUANT_CASES)
 @pytest.mark.parametrize("epilogue", [None, "residual", "silu_mul"])
-def test_quantized_weights_match_dequantize_then_matmul(name, block_n, block_k, split, epilogue):
+@pytest.mark.parametrize("m", [1, 3])
+def test_quantized_weights_match_dequantize_then_matmul(name, block_n, block_k, split, epilogue, m):
     """``W = (q - z) * s`` dequantized in registers (int4: a K step across several groups, inside one,
-    and split over K; 8-bit: the row scale on the float32 sums) equals the dequantized weight's
-    float32 product, with the residual or SwiGLU epilogue applied by the program finishing a tile."""
-    m, k, dtype = 3, 256, torch.bfloat16
+    and split over K — one row through the CUDA-core loop, more through ``tl.dot``; 8-bit: the row
+    scale on the float32 sums) equals the dequantized weight's float32 product, with the residual or
+    SwiGLU epilogue applied by the program finishing a tile."""
+    k, dtype = 256, torch.bfloat16
     n = 48 if epilogue == "silu_mul" else 40
     s, stored, w = _quantized(name, n, k, dtype, seed=block_k + split)
     x = torch.randn(m, k, generator=torch.Generator().manual_seed(1)).to(DEV, dtype)
@@ -149,9 +151,12 @@ def test_quantized_default_launch_splits_k_and_keeps_groups_whole():
 
 
 def test_quantized_operands_are_checked():
-    s, stored, _ = _quantized("int4-g32", 8, 64, torch.float16, seed=4)
-    x = torch.randn(2, 64).to(DEV, torch.float16)
-    with pytest.raises(GraphDSLError, match=r"the codes of int4-g32.*w \[8, 64\] torch.float16"):
-        gemv(x, torch.zeros(8, 64, dtype=torch.float16, device=DEV), scheme=s, scales=stored[1])
-    with pytest.raises(GraphDSLError, match=r"int4-g32 needs contiguous scales"):
+    s, stored, _ = _quantized("int4-g64", 8, 128, torch.float16, seed=4)
+    x = torch.randn(2, 128).to(DEV, torch.float16)
+    with pytest.raises(GraphDSLError, match=r"the codes of int4-g64.*w \[8, 128\] torch.float16"):
+        gemv(x, torch.zeros(8, 128, dtype=torch.float16, device=DEV), scheme=s, scales=stored[1])
+    with pytest.raises(GraphDSLError, match=r"int4-g64 needs contiguous scales"):
         gemv(x, stored[0], scheme=s)
+    g32 = _quantized("int4-g32", 8, 128, torch.float16, seed=4)[0]
+    with pytest.raises(GraphDSLError, match=r"the codes of int4-g32"):      # a plane of a group < 16 inputs
+        gemv(x, stored[0], scheme=g32, scales=stored[1])

@@ -34,7 +34,7 @@ def test_odd_k_per_channel_and_prefill_tiles():
     torch.testing.assert_close(quant_linear(x, stored, s, 24), want, atol=1e-4, rtol=1e-4)
 
 
-@pytest.mark.parametrize("name", ["int4-g32-zp", "fp8-channel-dyn"])
+@pytest.mark.parametrize("name", ["int4-g32-zp", "int4-g64-zp", "fp8-channel-dyn"])
 def test_triton_backend_lowers_quant_linear(name, monkeypatch):
     """A graph with bias and a following op: the bias joins the projection (``quant_linear_add``), the
     Triton backend runs a kernel (the decode GEMV for weight-only schemes, the quantized GEMM for
@@ -59,7 +59,8 @@ def test_triton_backend_lowers_quant_linear(name, monkeypatch):
     real_gemv = gemv_kernels.gemv
     monkeypatch.setattr(gemv_kernels, "gemv", lambda *a, **kw: calls.append("gemv") or real_gemv(*a, **kw))
     got = triton_engine.forward(feed)["y"]
-    assert calls == (["gemm"] if getattr(s, "dynamic_activations", False) else ["gemv"]), calls
+    from graphdsl.runtime.kernels.gemv import weight_kind
+    assert calls == (["gemv"] if weight_kind(s) is not None else ["gemm"]), calls
     want = net.build_engine(device=DEVICE, backend="torch").forward(feed)["y"]
     torch.testing.assert_close(got.float(), want.float(), atol=2e-2 * want.float().abs().max().item(), rtol=2e-2)
 
