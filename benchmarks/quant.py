@@ -1,6 +1,6 @@
 """Quantized decode: kernels and the 8B Llama shape end to end, beside torchao int4 + torch.compile.
 
-    python benchmarks/quant.py [--shape llama-3-8b] [--schemes int4 fp8 int8] [--no-peer] [--out t.md]
+    python benchmarks/quant.py [--shape llama-3-8b] [--schemes int4 fp8 int8 gguf-q4_k_m] [--no-peer] [--out t.md]
 
 1. ``quant_linear`` kernel, batch 1, on the shape's projections: GB/s of the bytes it must read
    (stored weight + scales + zero points + activations) vs the measured device copy bandwidth.
@@ -8,6 +8,13 @@
    the engine's decode step (CUDA graph) and ``LLM.generate`` ms/token, each as % of the quantized
    roofline = (every stored tensor but the embedding table + the KV cache read) / copy bandwidth;
    bf16 for reference.
+   ``gguf-q4_k_m`` (in ``--schemes``) is a llama.cpp Q4_K_M-style mix kept in GGUF blocks (the
+   rule of llama.cpp's ``llama_tensor_get_type`` for ``LLAMA_FTYPE_MOSTLY_Q4_K_M``): every attention
+   and MLP matrix Q4_K, but ``attn_v`` and ``ffn_down`` Q6_K in the layers of ``use_more_bits`` (the
+   first and last eighth, and every third layer between); random weights rounded onto those blocks.
+   As ``LLM(file.gguf, quantization="gguf")`` would: a fused ``qkv_proj`` whose v part is Q6_K beside
+   Q4_K q/k keeps both (``gguf-q4_k.5120+q6_k.1024``: two GEMVs), and ``lm_head`` (Q6_K in
+   llama.cpp) stays bf16; the roofline counts the bytes actually stored.
 3. The peer in the same run: transformers with the same config and random weights, torchao
    ``Int4WeightOnlyConfig(group_size=128)`` (tinygemm tile-packed layout), static cache,
    ``torch.compile(mode="reduce-overhead")`` (benchmarks/llm.py's ``measure_peer``).
@@ -124,6 +131,73 @@ def sweep(shape: str, schemes: list[str], copy: float, *, top: int = 3) -> list[
     return rows
 
 
+def _use_more_bits(i: int, n: int) -> bool:
+    """llama.cpp's ``use_more_bits``: the layers a Q4_K_M file gives Q6_K attn_v / ffn_down."""
+    return i < n // 8 or i >= 7 * n // 8 or (i - n // 8) % 3 == 2
+
+
+def q4_k_m_types(num_layers: int) -> dict[str, str]:
+    """``{HF tensor name: GGML type}`` of a Llama's attention/MLP matrices in llama.cpp's Q4_K_M mix."""
+    types = {}
+    for i in range(num_layers):
+        more = "Q6_K" if _use_more_bits(i, num_layers) else "Q4_K"
+        for proj in ("q_proj", "k_proj", "o_proj"):
+            types[f"model.layers.{i}.self_attn.{proj}.weight"] = "Q4_K"
+        types[f"model.layers.{i}.self_attn.v_proj.weight"] = more
+        types[f"model.layers.{i}.mlp.gate_proj.weight"] = "Q4_K"
+        types[f"model.layers.{i}.mlp.up_proj.weight"] = "Q4_K"
+        types[f"model.layers.{i}.mlp.down_proj.weight"] = more
+    return types
+
+
+class _GGUFMix:
+    """While active, ``LLM.from_config(..., quantization="gguf-q4_k_m")`` marks the linears with the
+    Q4_K_M mix through the same rule as a GGUF file (:func:`graphdsl.models.gguf_weights.keep_gguf_blocks`),
+    and the random weights are rounded onto those blocks (``quantize_weights``)."""
+
+    NAME = "gguf-q4_k_m"
+
+    def __enter__(self):
+        import graphdsl.entrypoints.llm as llm_mod
+        from graphdsl.models.gguf_weights import keep_gguf_blocks
+        self._mod, self._saved = llm_mod, llm_mod._quantize_model
+
+        def mark(model, quantization):
+            if quantization != self.NAME:
+                return self._saved(model, quantization)
+            kept = keep_gguf_blocks(model, q4_k_m_types(model.config.num_hidden_layers))
+            _log(f"{self.NAME}: {len(kept)} linear weights in GGUF blocks ({sorted(set(kept.values()))})")
+            return self.NAME
+        llm_mod._quantize_model = mark
+        return self
+
+    def __exit__(self, *exc):
+        self._mod._quantize_model = self._saved
+
+
+def gguf_kernel_rows(shape: str, copy: float) -> list[str]:
+    """Per projection, Q4_K and Q6_K blocks: µs and GB/s of one batch-1 ``gguf_linear``."""
+    from graphdsl.runtime.gguf_scheme import quantize_blocks
+    from graphdsl.runtime.kernels.gguf_linear import gguf_linear
+    c = SHAPES[shape]
+    h, i = c["hidden_size"], c["intermediate_size"]
+    hd = c.get("head_dim") or h // c["num_attention_heads"]
+    projs = {"qkv": ((c["num_attention_heads"] + 2 * c["num_key_value_heads"]) * hd, h),
+             "o": (h, c["num_attention_heads"] * hd), "gate_up": (2 * i, h), "down": (h, i)}
+    rows = []
+    for qtype in ("Q4_K", "Q6_K"):
+        for proj, (n, k) in projs.items():
+            data = quantize_blocks(torch.randn(n, k, device="cuda"), qtype)
+            x = torch.randn(1, k, device="cuda", dtype=torch.bfloat16)
+            ms = bench_ms(lambda: gguf_linear(x, data, qtype))
+            nbytes = data.numel() + x.numel() * 2 + n * 2
+            gbs = nbytes / ms / 1e6
+            rows.append(f"| gguf-{qtype.lower()} | {proj} [{n}, {k}] | {ms * 1e3:.1f} | {gbs:.0f} | "
+                        f"{100 * gbs / copy:.0f}% |")
+            _log(rows[-1])
+    return rows
+
+
 def stored_bytes(llm) -> int:
     """Bytes one decode step must read of the weights: every parameter as stored (a quantized one's
     companions) but the embedding table; a tied lm_head counts the table once."""
@@ -141,9 +215,10 @@ def e2e(shape: str, quantization: str | None, copy: float, gen_tokens: int = 64)
     from graphdsl.layers import Phase
     max_len = CONTEXT + gen_tokens + 1
     t0 = time.perf_counter()
-    llm = gd.LLM.from_config(SHAPES[shape], device="cuda", dtype="bfloat16", seed=0, max_model_len=max_len,
-                             max_num_seqs=1, num_kv_blocks=2 * math.ceil(max_len / BLOCK) + 2, block_size=BLOCK,
-                             quantization=quantization)
+    with _GGUFMix():
+        llm = gd.LLM.from_config(SHAPES[shape], device="cuda", dtype="bfloat16", seed=0, max_model_len=max_len,
+                                 max_num_seqs=1, num_kv_blocks=2 * math.ceil(max_len / BLOCK) + 2, block_size=BLOCK,
+                                 quantization=quantization)
     load_s = time.perf_counter() - t0
     random_kv(llm)
     wbytes = stored_bytes(llm)
@@ -179,7 +254,7 @@ def torchao_int4(model) -> None:
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--shape", default="llama-3-8b", choices=sorted(SHAPES))
-    ap.add_argument("--schemes", nargs="+", default=["int4", "fp8", "int8"])
+    ap.add_argument("--schemes", nargs="+", default=["int4", "fp8", "int8", "gguf-q4_k_m"])
     ap.add_argument("--no-peer", action="store_true")
     ap.add_argument("--no-kernels", action="store_true")
     ap.add_argument("--no-e2e", action="store_true")
@@ -191,10 +266,13 @@ def main(argv=None) -> int:
              f"context {CONTEXT}", ""]
     if not args.no_kernels:
         lines += ["| scheme | projection | µs | GB/s | % of copy |", "|---|---|---|---|---|"]
-        lines += kernel_rows(args.shape, [s for s in args.schemes], copy) + [""]
+        lines += kernel_rows(args.shape, [s for s in args.schemes if s != _GGUFMix.NAME], copy)
+        if _GGUFMix.NAME in args.schemes:
+            lines += gguf_kernel_rows(args.shape, copy)
+        lines += [""]
     if args.sweep:
         lines += ["| scheme | projection | decode GEMV config | µs | % of copy |", "|---|---|---|---|---|"]
-        lines += sweep(args.shape, args.schemes, copy) + [""]
+        lines += sweep(args.shape, [s for s in args.schemes if s != _GGUFMix.NAME], copy) + [""]
     if args.no_e2e:
         print("\n".join(lines))
         return 0

@@ -2,8 +2,10 @@
 
     python benchmarks/quant_perplexity.py [--schemes int8 int4 fp8 ...] [--out table.md]
 
-The reference is the GGUF's weights dequantized to float32 (no ``quantization``); each scheme
-re-quantizes the linears (all but the tied embedding / lm_head) of that same model. The text is
+The reference is the GGUF's weights dequantized to float32 (no ``quantization``); ``gguf`` keeps the
+file's own blocks (its Q4_1 linears multiplied as Q4_1: the same values, so the same perplexity up to
+summation order); each other scheme re-quantizes the linears (all but the tied embedding / lm_head)
+of that same model (``gguf-q8_0`` / ``gguf-q4_0``: onto GGUF blocks, round-to-nearest). The text is
 fixed (below), scored in one prefill with ``LLM.score``: perplexity = exp(mean NLL of tokens 2..n).
 """
 from __future__ import annotations
@@ -39,8 +41,8 @@ def main(argv=None) -> int:
     import graphdsl as gd
     from graphdsl.entrypoints.cli import smollm2_path
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--schemes", nargs="+", default=["int8", "fp8", "fp8-channel-dyn", "int4", "int4-g32",
-                                                     "int4-g64-zp"])
+    ap.add_argument("--schemes", nargs="+", default=["gguf", "int8", "fp8", "fp8-channel-dyn", "int4", "int4-g32",
+                                                     "int4-g64-zp", "gguf-q8_0", "gguf-q4_0"])
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
     path = smollm2_path()

@@ -72,8 +72,11 @@ def _positive_int(value: str) -> int:
 
 def _quantization_arg(value: str) -> str:
     from graphdsl.errors import GraphDSLError
-    from graphdsl.quant import online_scheme
+    from graphdsl.quant import QuantMethod, online_scheme
+    if value == QuantMethod.GGUF.value:
+        return value                                    # keep a GGUF file's blocks: checked when the model loads
     try:
+        import graphdsl.runtime  # noqa: F401 - registers the gguf-<type> schemes
         online_scheme(value)
     except GraphDSLError as e:
         raise argparse.ArgumentTypeError(str(e)) from None
@@ -540,8 +543,8 @@ def _add_runtime(p: argparse.ArgumentParser, model: bool = True) -> None:
                             "the worker processes are spawned (docs/distributed.md)")
     p.add_argument("--quantization", type=_quantization_arg, default=None,
                    help="quantize the linear weights while loading: fp8, int8, int4 or a scheme name such as "
-                        "int4-g64-zp (docs/quantization.md); a pre-quantized checkpoint (compressed-tensors, AWQ, "
-                        "GPTQ) loads quantized without it")
+                        "int4-g64-zp or gguf-q8_0; gguf keeps a .gguf file's own blocks; a pre-quantized checkpoint "
+                        "(compressed-tensors, AWQ, GPTQ) loads quantized without it (docs/quantization.md)")
     p.add_argument("--threads", type=_positive_int, default=None, help="torch CPU threads (default: torch's choice)")
     _add_module_map(p)
 

@@ -18,7 +18,7 @@ import torch
 from graphdsl.errors import GraphDSLError
 from graphdsl.layers import Phase, quantize_linears, quantize_weights
 from graphdsl.models.executor import ModelExecutor
-from graphdsl.quant import online_scheme
+from graphdsl.quant import QuantMethod, online_scheme
 from graphdsl.runtime.device import check_device, default_device
 from graphdsl.runtime.loaders.checkpoint import CheckpointFormat, checkpoint_format
 from graphdsl.runtime.loaders.generation_config import gguf_generation_config, read_generation_config
@@ -31,6 +31,7 @@ from graphdsl.runtime.serving.scheduler import Request, RequestStatus, Scheduler
 
 from graphdsl.models.base import FlashCausalLM
 from graphdsl.models.config import ModelConfig, build_config, read_hf_config
+from graphdsl.models.gguf_weights import keep_gguf_blocks
 from graphdsl.models.loader import load_weights, mark_checkpoint_quantization
 from graphdsl.models.injection import apply_rules, check_placements
 from graphdsl.models.lora import LoRARequest
@@ -105,9 +106,11 @@ class LLM:
             (e4m3 per-channel weight-only; ``"fp8-channel-dyn"`` adds dynamic per-token fp8
             activations and FP8 tensor-core prefill), ``"int8"`` (weight-only per-channel),
             ``"int4"`` (weight-only, groups of 128, symmetric), or a scheme name such as
-            ``"int4-g64-zp"`` (:mod:`graphdsl.quant`; docs/quantization.md). A checkpoint already
-            quantized (compressed-tensors, AutoAWQ, GPTQ: ``config.json``'s ``quantization_config``)
-            loads in its stored schemes without it (and refuses it).
+            ``"int4-g64-zp"`` (:mod:`graphdsl.quant`; docs/quantization.md); ``"gguf"`` keeps the blocks
+            of a ``.gguf`` file (each attention/MLP weight in its file block type, ``gguf-q4_k`` etc.,
+            multiplied by the GGUF kernels; :mod:`graphdsl.models.gguf_weights` has the rule). A
+            checkpoint already quantized (compressed-tensors, AutoAWQ, GPTQ: ``config.json``'s
+            ``quantization_config``) loads in its stored schemes without it (and refuses it).
 
     ``num_preemptions`` counts requests pushed out of the KV cache (and recomputed later) so far,
     ``num_steps`` the model steps run. ``generation_config`` holds the sampling settings the
@@ -200,17 +203,20 @@ class LLM:
                 hf = read_hf_config(path)
             self.generation_config = (gguf_generation_config(ckpt.metadata, path) if gguf
                                       else read_generation_config(path))
+            keep_blocks = _keeps_gguf_blocks(opts["quantization"], path if not gguf else None)
             config, model_obj, dtype = self._architecture(hf, device, dtype, opts["max_model_len"], tp, opts)
             stored = None if gguf else _checkpoint_quantization(model_obj, hf, opts["quantization"], tp)
-            scheme = _quantize_model(model_obj, opts["quantization"])
+            scheme = None if keep_blocks else _quantize_model(model_obj, opts["quantization"])
+            blocks = keep_gguf_blocks(model_obj, ckpt.block_types()) if keep_blocks else {}
             if gguf:
-                tensors = (ckpt.iter_tensors_lazy if tp is not None else ckpt.iter_tensors)(dtype, device=device)
+                tensors = (ckpt.iter_tensors_lazy(dtype, device=device) if tp is not None else
+                           ckpt.iter_tensors(dtype, device=device, keep_quantized=keep_blocks))
             elif stored is not None:
                 tensors = stored.convert(_iter_dir(path, None), dtype, model_obj.checkpoint_name)
             else:
                 tensors = _iter_dir(path, dtype, lazy=tp is not None)
             weights = load_weights(model_obj, tensors, device=device, dtype=dtype, progress=progress,
-                                   quantized=stored is not None)
+                                   quantized=stored is not None, blocks=blocks)
             if scheme is not None:
                 weights = quantize_weights(model_obj, weights, dtype)
             self.gguf = gguf
@@ -218,6 +224,7 @@ class LLM:
         else:
             _, hf, seed, std = source
             self.generation_config = {}
+            _keeps_gguf_blocks(opts["quantization"], "a config (LLM.from_config)")
             config, model_obj, dtype = self._architecture(dict(hf), device, dtype, opts["max_model_len"], tp, opts)
             scheme = _quantize_model(model_obj, opts["quantization"])
             weights = _random_weights(model_obj, device, dtype, seed, std)
@@ -710,6 +717,18 @@ def _checkpoint_quantization(model: FlashCausalLM, hf: dict, quantization, tp):
                             "tensor_parallel_size > 1 yet (quantized weights are not sharded)")
     mark_checkpoint_quantization(model, stored)
     return stored
+
+
+def _keeps_gguf_blocks(quantization, not_gguf: str | None) -> bool:
+    """Whether ``quantization`` is ``"gguf"`` (keep a GGUF file's blocks); an error when the model
+    (``not_gguf``: what it is) is not a GGUF file."""
+    if quantization not in (QuantMethod.GGUF, QuantMethod.GGUF.value):
+        return False
+    if not_gguf is not None:
+        raise GraphDSLError(f"LLM: quantization='gguf' keeps the blocks of a GGUF file, but the model is {not_gguf!r}, "
+                            "not a .gguf file: load a .gguf file, or quantize online with a scheme "
+                            "(fp8, int8, int4, gguf-q8_0, gguf-q4_k, ...)")
+    return True
 
 
 def _iter_dir(path: str, dtype, lazy: bool = False) -> Iterable[tuple[str, torch.Tensor]]:

@@ -9,6 +9,9 @@ says how to read ``W`` back:
   activations are quantized too, per token (``x = xq * sx``, ``sx = max|x_row| / 448``), as the
   FP8 tensor cores need.
 * ``int8-channel`` — ``W = q * s``, ``q`` int8 ``[out, in]`` (symmetric, -127..127), ``s [out, 1]``.
+* ``gguf-<type>`` (``gguf-q4_k``, ``gguf-q6_k``, ``gguf-q8_0``, ...) — GGUF block types, one
+  companion ``<param>_packed`` uint8 ``[out, row_bytes]``; registered by ``graphdsl.runtime``
+  (its ``gguf_scheme`` module), whose block decoders define them.
 * ``int4-g{32,64,128}`` (symmetric) / ``int4-g{..}-zp`` (zero points) — per group of ``g`` inputs,
   ``W = (q - z) * s`` with ``q`` in 0..15 packed two per byte (``packed[n, k // 2]``: even ``k`` in
   the low nibble, odd ``k`` in the high one), ``z = 8`` when symmetric else the companion
@@ -43,6 +46,7 @@ class QuantMethod(enum.Enum):
     FP8 = "fp8"      # fp8 e4m3 weights, per-channel scales (weight-only; fp8-channel-dyn adds activations)
     INT8 = "int8"    # int8 weight-only, per-channel scales
     INT4 = "int4"    # int4 weight-only, groups of 128, symmetric
+    GGUF = "gguf"    # keep a GGUF file's own blocks (gguf-<type> per weight); GGUF checkpoints only
 
 
 @dataclass(frozen=True)
@@ -285,7 +289,8 @@ def parse_scheme(name: str) -> QuantScheme:
     parse = _FAMILIES.get(family)
     if parse is None:
         raise GraphDSLError(f"unknown quantization scheme {name!r}: families {registered_scheme_families()} "
-                            "(e.g. fp8-channel-dyn, int8-channel, int4-g128, int4-g64-zp)")
+                            "(e.g. fp8-channel-dyn, int8-channel, int4-g128, int4-g64-zp; gguf-q4_k once "
+                            "graphdsl.runtime is imported)")
     return parse(name)
 
 
@@ -327,6 +332,9 @@ def online_scheme(method) -> QuantScheme:
                 QuantMethod.INT4.value: IntScheme(4, 128, False)}
     if method in defaults:
         return defaults[method]
+    if method == QuantMethod.GGUF.value:
+        raise GraphDSLError("quantization='gguf' keeps the block types of a GGUF file: it names no single scheme "
+                            "(use it with a .gguf checkpoint, or name a block type such as gguf-q4_k)")
     try:
         return parse_scheme(method)
     except GraphDSLError:

@@ -19,9 +19,11 @@ import torch
 from graphdsl.errors import GraphDSLError
 from graphdsl.layers.linear import ColumnParallelLinear, RowParallelLinear
 from graphdsl.layers.checkpoint import CheckpointSlot
+from graphdsl.runtime.gguf_blocks import GGUFBlockWeight
 from graphdsl.runtime.loaders.safetensors import check_weights
 
 from .base import FlashCausalLM
+from .gguf_weights import rows_of_slot
 
 __all__ = ["load_weights", "mark_checkpoint_quantization"]
 
@@ -73,7 +75,7 @@ def _quantized_table(table: dict[str, CheckpointSlot], params: dict) -> dict[str
 
 
 def load_weights(model: FlashCausalLM, tensors: Iterable[tuple[str, torch.Tensor]], *, device, dtype=None,
-                 progress: bool = False, quantized: bool = False) -> dict[str, torch.Tensor]:
+                 progress: bool = False, quantized: bool = False, blocks: Iterable[str] = ()) -> dict[str, torch.Tensor]:
     """``{parameter name: tensor on device}`` for every parameter of ``model`` (on the device
     :meth:`FlashCausalLM.parameter_devices` names, for parameters injected modules keep elsewhere).
 
@@ -83,6 +85,9 @@ def load_weights(model: FlashCausalLM, tensors: Iterable[tuple[str, torch.Tensor
         progress: print a progress line on stderr while reading.
         quantized: the checkpoint holds the quantized weights' companions (``<name>_packed``,
             ``_scale``, ...; pieces of packed parameters too), not their full-precision tensors.
+        blocks: parameters marked ``gguf-<type>`` (:func:`~graphdsl.models.gguf_weights.keep_gguf_blocks`)
+            whose GGUF block rows (:class:`~graphdsl.runtime.gguf_blocks.GGUFBlockWeight` tensors) are
+            copied into their ``_packed`` companion as they are. Any other block tensor is dequantized.
     """
     dtype = dtype or model.dtype
     table = model.checkpoint_table()
@@ -95,8 +100,12 @@ def load_weights(model: FlashCausalLM, tensors: Iterable[tuple[str, torch.Tensor
             if p.quant is not None:
                 del params[name]
                 params.update((c.name, c) for c in p.companions())
+    blocks = set(blocks)
     out = {name: torch.zeros(tuple(p.shape), dtype=p.dtype or dtype, device=where.get(name, device))  # zeros: TP vocab padding
-           for name, p in params.items() if name not in tied}
+           for name, p in params.items() if name not in tied and name not in blocks}
+    for name in blocks:
+        for c in params[name].companions():
+            out[c.name] = torch.zeros(tuple(c.shape), dtype=c.dtype, device=where.get(name, device))
     got: dict[str, tuple[int, ...]] = {}
     expected = {name: slot.shape for name, slot in table.items()}
     line = _ProgressLine(sys.stderr) if progress else None
@@ -106,6 +115,14 @@ def load_weights(model: FlashCausalLM, tensors: Iterable[tuple[str, torch.Tensor
             continue
         got[name] = tuple(tensor.shape)
         slot = table.get(name)
+        if isinstance(tensor, GGUFBlockWeight):
+            if slot is not None and slot.param in blocks:
+                _place_blocks(out, params[slot.param], name, slot, tensor)
+                continue
+            tensor = tensor.dequantize(dtype)
+        elif slot is not None and slot.param in blocks:
+            raise GraphDSLError(f"checkpoint tensor {name!r} is not in GGUF blocks, but {slot.param!r} "
+                                f"({params[slot.param].quant.name}) keeps them")
         if slot is not None and tuple(tensor.shape) == slot.shape and slot.held:
             target = out[slot.param][slot.index]
             target.copy_(slot.place(_part(tensor, slot.source)).reshape(target.shape))
@@ -117,6 +134,21 @@ def load_weights(model: FlashCausalLM, tensors: Iterable[tuple[str, torch.Tensor
     for name, source in tied.items():
         out[name] = out[source]
     return out
+
+
+def _place_blocks(out: dict, p, name: str, slot, tensor: GGUFBlockWeight) -> None:
+    """Copy the block rows of checkpoint tensor ``name`` into the rows ``slot`` names of ``p``'s
+    stored part that holds them; a block type other than that part's is an error naming both."""
+    if tuple(tensor.shape) != slot.shape or not slot.held:
+        return                                             # a wrong shape is reported by check_weights
+    a, b, _ = rows_of_slot(slot).indices(p.shape[0])
+    for c, (qtype, r0, r1) in zip(p.companions(), p.quant.row_parts(p.shape[0])):
+        if r0 <= a < r1:
+            if tensor.qtype != qtype or b > r1:
+                raise GraphDSLError(f"checkpoint tensor {name!r} is {tensor.qtype} rows {a}..{b}, but {p.name!r} "
+                                    f"({p.quant.name}) keeps {qtype} blocks in rows {r0}..{r1}")
+            out[c.name][a - r0:b - r0].copy_(tensor.data)
+            return
 
 
 def _part(tensor, source: tuple) -> torch.Tensor:

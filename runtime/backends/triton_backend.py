@@ -42,6 +42,7 @@ from graphdsl.network import Node
 from graphdsl.opdef import OpCategory, Spec, get_op
 
 from ..distributed.collectives import COLLECTIVE_LOWERINGS
+from ..gguf_scheme import GGUFMixScheme, GGUFScheme
 
 __all__ = ["TritonBackend", "triton_can_fuse"]
 
@@ -300,7 +301,10 @@ def _kernel_unsupported(node, ins) -> str | None:
         if node.op == "quant_linear_add" and (ins[1].dtype != x.dtype or ins[1].stride(-1) != 1):
             return f"addend {ins[1].dtype} strides {ins[1].stride()}"
         stored = list(ins[2:] if node.op == "quant_linear_add" else ins[1:])
-        return quant_linear_supported(x.reshape(-1, x.shape[-1]), parse_scheme(node.attrs["scheme"]), stored)
+        scheme = parse_scheme(node.attrs["scheme"])
+        if isinstance(scheme, (GGUFScheme, GGUFMixScheme)):
+            return _gguf_unsupported(x, stored)
+        return quant_linear_supported(x.reshape(-1, x.shape[-1]), scheme, stored)
     if node.op == "moe_experts":
         from ..kernels.moe import moe_supported
         return moe_supported(*ins)
@@ -421,6 +425,15 @@ def _moe_experts(be: TritonBackend, node, ins, attrs, dsts):
     return dsts
 
 
+def _gguf_unsupported(x: torch.Tensor, stored: list[torch.Tensor]) -> str | None:
+    """Why :func:`~graphdsl.runtime.kernels.gguf_linear.gguf_linear` cannot take ``x`` and the blocks ``stored``."""
+    if x.dtype not in (torch.float16, torch.bfloat16, torch.float32):
+        return f"x dtype {x.dtype}"
+    if not all(t.is_contiguous() for t in stored):
+        return "the packed blocks are not contiguous"
+    return None
+
+
 def _lora_apply(be: TritonBackend, node, ins, attrs, dsts):
     from ..kernels.lora import lora_apply
     lora_apply(*ins, out=dsts[0], workspace=be.workspace(node, ins, attrs), scratch=be._workspaces)
@@ -433,7 +446,9 @@ def _quant_linear(be: TritonBackend, node, ins, attrs, dsts):
     its last store (:mod:`graphdsl.runtime.kernels.gemv`); more rows the dequantize-in-GEMM kernel
     (:mod:`graphdsl.runtime.kernels.quant_linear`) — or, for fp8 with dynamic activation scales on
     Hopper, ``torch._scaled_mm`` (FP8 tensor cores, row-wise scales) on the rows quantized per
-    token — into the node's workspace, then the epilogue."""
+    token — into the node's workspace, then the epilogue. ``gguf-<type>`` schemes run
+    :func:`~graphdsl.runtime.kernels.gguf_linear.gguf_linear` (GEMV on the blocks for a few rows,
+    dequantize + cuBLAS for more; once per row part of a ``GGUFMixScheme``), then the same epilogues."""
     from graphdsl.quant import Fp8Scheme, parse_scheme, quantize_fp8_rows
 
     from ..kernels.gemv import gemv, gemv_supported
@@ -445,6 +460,16 @@ def _quant_linear(be: TritonBackend, node, ins, attrs, dsts):
     x2, out2 = x.reshape(-1, x.shape[-1]), dst.view(-1, dst.shape[-1])
     n = attrs["out_features"]
     silu = node.op == "quant_linear_silu_mul"
+    if isinstance(scheme, (GGUFScheme, GGUFMixScheme)):  # GGUF blocks: their kernels per part, then the epilogue
+        from ..kernels.gguf_linear import gguf_linear
+        prod = be.workspace(node, ins, attrs).view(-1, n) if silu else out2
+        for data, (qtype, r0, r1) in zip(stored, scheme.row_parts(n)):
+            prod[:, r0:r1].copy_(gguf_linear(x2, data, qtype))
+        if silu:
+            _silu_mul(be, node, [prod], attrs, [out2])
+        elif add is not None:
+            out2.add_(add if add.dim() == 1 else add.reshape(-1, n))
+        return dsts
     if gemv_supported(x2, stored[0], scheme) and (x2.device.type == "cuda" or _interpreting()):
         add2 = None if add is None else (add if add.dim() == 1 else add.reshape(-1, n))
         gemv(x2, stored[0], add2, silu_mul=silu, out=out2, workspace=be.gemv_workspace, scheme=scheme,

@@ -151,6 +151,8 @@ _ARCH_LAYER_NAMES = {"gemma2": {"ffn_norm": "pre_feedforward_layernorm"},
 # stacked experts [E, ...] -> one HF tensor per expert: mlp.experts.{e}.{proj}.weight
 _EXPERT_NAMES = {"ffn_gate_exps": "gate_proj", "ffn_up_exps": "up_proj", "ffn_down_exps": "down_proj"}
 _LAYER_RE = re.compile(r"^blk\.(\d+)\.([a-z_]+)\.(weight|bias)$")
+# rewritten on load beyond whole rows (transposed and joined): always dequantized
+_NOT_KEPT = ("attn_k_b", "attn_v_b")
 # tensors llama.cpp writes that are not parameters of the HF model (rope_freqs: llama3 scaling)
 _SKIPPED = ("rope_freqs.weight",)
 
@@ -225,6 +227,21 @@ class GGUFCheckpoint:
         """``{gguf name: (GGML type name, numpy-order shape)}``."""
         return {n: (t.tensor_type.name, tuple(int(s) for s in reversed(t.shape.tolist())))
                 for n, t in self._tensors.items()}
+
+    def block_types(self) -> dict[str, str]:
+        """``{HF name: GGML type name}`` of the 2-D weights that map one to one onto an HF tensor
+        (what ``iter_tensors(keep_quantized=True)`` yields as :class:`GGUFBlockWeight` when the type
+        is in :data:`KEPT_QTYPES`; stacked experts and joined halves are not listed)."""
+        arch = self._check_arch()
+        out = {}
+        for name, t in self._tensors.items():
+            m = _LAYER_RE.match(name)
+            if len(t.shape) != 2 or (m and m.group(2) in _NOT_KEPT) or name == "token_embd.weight":
+                continue
+            hf = hf_name(name, arch)
+            if hf is not None:
+                out[hf] = t.tensor_type.name
+        return out
 
     def _check_arch(self) -> str:
         arch = self.architecture
@@ -405,8 +422,9 @@ class GGUFCheckpoint:
                                     f"which graphdsl cannot dequantize; supported: "
                                     f"{list(SUPPORTED_QTYPES)}")
             shape = tuple(int(s) for s in reversed(t.shape.tolist()))
+            m = _LAYER_RE.match(name)
             keep = (keep_quantized and qname in KEPT_QTYPES and len(shape) >= 2
-                    and name != "token_embd.weight")
+                    and name != "token_embd.weight" and not (m and m.group(2) in _NOT_KEPT))
             try:
                 w = (_block_rows(t.data, qname, shape, device) if keep
                      else dequantize(t.data, t.tensor_type, shape, device=device))
@@ -419,7 +437,6 @@ class GGUFCheckpoint:
                 w = _unpermute_rows(w, cfg["num_attention_heads"])
             elif arch in _PERMUTED_QK and ".attn_k." in name:
                 w = _unpermute_rows(w, cfg["num_key_value_heads"])
-            m = _LAYER_RE.match(name)
             if m and m.group(2) in ("attn_k_b", "attn_v_b"):
                 halves = kv_b_halves.setdefault(m.group(1), {})
                 halves[m.group(2)] = w

