@@ -79,8 +79,8 @@ def _gguf_gemv_kernel(
             w, koff = decode_tile(rows, n_ok, blk0, QTYPE, SB)
             xt = tl.load(x_ptr + rm[None, :] * stride_xm + (blk0 * VALUES + koff)[:, None], mask=m_ok[None, :],
                          other=0.0)
-            if DOT_F32:
-                acc += tl.dot(w, xt.to(tl.float32))
+            if DOT_F32:       # float32 rows are float32 math (a GPU's default tf32 keeps 10 mantissa bits)
+                acc += tl.dot(w, xt.to(tl.float32), input_precision="ieee")
             else:
                 acc += tl.dot(w.to(xt.dtype), xt)
     else:
