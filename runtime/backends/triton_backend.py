@@ -526,16 +526,14 @@ def _lora_matmul(be: TritonBackend, node, ins, attrs, dsts):
     """``matmul_lora`` / ``matmul_add_lora`` / ``matmul_silu_mul_lora`` (``x @ w.T`` + each row's LoRA
     term, then the epilogue). Up to 16 fp16/bf16 rows: the BGMV shrink into the node's workspace,
     then the decode GEMV adding the term to its float32 sums before the bias/residual or SwiGLU
-    epilogue — one launch more than the base projection. Up to 64 rows: the slot-dense shrink,
-    then the same GEMV in 32/64-row tiles adding ``V·B_allᵀ`` with ``tl.dot`` in its epilogue (one
-    launch more than the base, which is cuBLAS there). More rows: cuBLAS for the base product
+    epilogue — one launch more than the base projection. More rows: cuBLAS for the base product
     (``addmm`` with the addend, or into the workspace before ``silu_mul``), the slot-dense shrink,
     one cuBLAS ``addmm`` of ``V·B_allᵀ`` into the product, then ``silu_mul`` — two launches more.
     Few rows of another dtype (float32) take the BGMV shrink and expand in place instead. Plain CPU
     and operands the kernels do not take run the op's reference."""
     from graphdsl.passes.fused_ops import lora_workspace_layout
 
-    from ..kernels.gemv import MAX_LORA_ROWS, GemvLoRA, gemv, gemv_supported
+    from ..kernels.gemv import GemvLoRA, gemv, gemv_supported
     from ..kernels.lora import MAX_BGMV_ROWS, lora_apply, lora_dense_view, lora_shrink, lora_shrink_dense, lora_supported
     x, w, dst = ins[0], ins[1], dsts[0]
     add = ins[2] if node.op == "matmul_add_lora" else None
@@ -555,12 +553,6 @@ def _lora_matmul(be: TritonBackend, node, ins, attrs, dsts):
         ready = all(be.step_constant(node.inputs[i]) for i in (len(ins) - 3, len(ins) - 1))   # A, idx
         p = lora_shrink(x, a, idx, scratch, inputs_ready=ready)
         gemv(x, w, add, silu_mul=silu, out=dst, workspace=be.gemv_workspace, lora=GemvLoRA(p, b, idx))
-        return dsts
-    if t <= MAX_LORA_ROWS and gemv_supported(x, w, max_rows=MAX_LORA_ROWS) and (x.device.type == "cuda"
-                                                                             or _interpreting()):
-        v = lora_shrink_dense(x, a, idx, lora_dense_view(scratch, t, slots * width, x.dtype), scratch=be._workspaces)
-        gemv(x, w, add, silu_mul=silu, out=dst, workspace=be.gemv_workspace,
-             lora=GemvLoRA(v, b.view(n, slots * width), idx, dense=True))
         return dsts
     prod = lora_dense_view(ws, t, n, x.dtype) if silu else dst
     if add is not None:

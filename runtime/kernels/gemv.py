@@ -54,10 +54,9 @@ from graphdsl.errors import GraphDSLError
 
 from .pdl import pdl_launch, pdl_trigger, pdl_wait
 
-__all__ = ["gemv", "gemv_supported", "GemvWorkspace", "GemvLoRA", "MAX_ROWS", "MAX_LORA_ROWS", "weight_kind"]
+__all__ = ["gemv", "gemv_supported", "GemvWorkspace", "GemvLoRA", "MAX_ROWS", "weight_kind"]
 
 MAX_ROWS = 16
-MAX_LORA_ROWS = 64         # rows of a projection with the slot-dense LoRA term (32- or 64-row tiles)
 # _pick_config's constants (benchmarks/decode_ab.py patches them for in-model A/B; on the H200 each
 # alternative was slower in the model: _WIDE_K 128, _STAGES 4 or 3, _SPLIT_BELOW 2, _MIN_SPLIT_STEPS 4)
 _WIDE_K = 256              # K step of grids of at most half the SMs' tiles
@@ -108,49 +107,17 @@ def _lora_term(acc, p_ptr, b_ptr, idx_ptr, pid_n, M, N, LORA_S, LORA_R, LORA_SPL
 
 
 @triton.jit
-def _lora_dense_term(acc, v_ptr, b_ptr, pid_n, M, N, SR, SWIGLU: tl.constexpr, BLOCK_N: tl.constexpr,
-                     BLOCK_M: tl.constexpr, DOT_F32: tl.constexpr):
-    """``acc[i, m] += Σ_j V[m, j] · B[row(i), j]`` over the ``SR = S·R`` slot-dense columns: ``V [M, SR]``
-    is :func:`~graphdsl.runtime.kernels.lora.lora_shrink_dense`'s product (each row's own slot's
-    columns, zeros in the others), ``B [rows, SR]`` every slot's B side by side; ``row(i)`` as in
-    :func:`_lora_term`. One ``tl.dot`` per 64 columns — the many-row term without a second GEMM."""
-    i = tl.arange(0, BLOCK_N)
-    if SWIGLU:
-        col = pid_n * (BLOCK_N // 2) + i // 2
-        row = col + (i % 2) * N
-    else:
-        col = pid_n * BLOCK_N + i
-        row = col
-    rm = tl.arange(0, BLOCK_M)
-    for c0 in range(0, SR, 64):
-        c = c0 + tl.arange(0, 64)
-        c_ok = c < SR
-        b = tl.load(b_ptr + row.to(tl.int64)[:, None] * SR + c[None, :], mask=(col < N)[:, None] & c_ok[None, :],
-                    other=0.0)
-        v = tl.load(v_ptr + rm[:, None] * SR + c[None, :], mask=(rm < M)[:, None] & c_ok[None, :], other=0.0)
-        if DOT_F32:
-            acc += tl.dot(b.to(tl.float32), tl.trans(v.to(tl.float32)))
-        else:
-            acc += tl.dot(b, tl.trans(v))
-    return acc
-
-
-@triton.jit
 def _finish(acc, add_ptr, out_ptr, pid_n, rm, m_ok, N, stride_am, stride_om, HAS_ADD: tl.constexpr,
             SWIGLU: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr,
             lora_p_ptr, lora_b_ptr, lora_idx_ptr, M, LORA_S, LORA_R, LORA_SPLITS,
-            HAS_LORA: tl.constexpr, LORA_BLOCK_R: tl.constexpr, LORA_BLOCK_SPLITS: tl.constexpr,
-            LORA_DENSE: tl.constexpr = False, DOT_F32: tl.constexpr = False):
+            HAS_LORA: tl.constexpr, LORA_BLOCK_R: tl.constexpr, LORA_BLOCK_SPLITS: tl.constexpr):
     """Store the transposed output tile ``acc [BLOCK_N, BLOCK_M]`` of column tile ``pid_n``:
     ``out[m, n] = acc[n, m] + add`` or, with ``SWIGLU``, ``out[m, c] = silu(g) * u`` where rows
     ``2i, 2i + 1`` of the tile hold gate and up of column ``c = pid_n * BLOCK_N / 2 + i``. g and u
     are rounded to the output dtype first and silu(g) after, as the matmul and ``silu_mul``
     kernels it replaces round them. With ``HAS_LORA`` each row's adapter term joins ``acc`` first
-    (:func:`_lora_term`; ``LORA_DENSE``: :func:`_lora_dense_term`), before the add or the SwiGLU
-    split."""
-    if HAS_LORA and LORA_DENSE:
-        acc = _lora_dense_term(acc, lora_p_ptr, lora_b_ptr, pid_n, M, N, LORA_R, SWIGLU, BLOCK_N, BLOCK_M, DOT_F32)
-    elif HAS_LORA:
+    (:func:`_lora_term`), before the add or the SwiGLU split."""
+    if HAS_LORA:
         acc = _lora_term(acc, lora_p_ptr, lora_b_ptr, lora_idx_ptr, pid_n, M, N, LORA_S, LORA_R, LORA_SPLITS, SWIGLU,
                          BLOCK_N, BLOCK_M, LORA_BLOCK_R, LORA_BLOCK_SPLITS)
     if SWIGLU:
@@ -334,7 +301,6 @@ def _gemv_kernel(
     HAS_LORA: tl.constexpr = False,     # add each row's LoRA term in the epilogue (_lora_term)
     LORA_BLOCK_R: tl.constexpr = 16,    # LORA_R padded to a power of two >= 16
     LORA_BLOCK_SPLITS: tl.constexpr = 2,  # LORA_SPLITS padded to a power of two >= 2
-    LORA_DENSE: tl.constexpr = False,   # lora_p_ptr: slot-dense V [M, LORA_R]; lora_b_ptr: B [rows, LORA_R]
 ):
     """out[m, n] = sum_k x[m, k] * w[n, k] (+ add[m, n]), float32 accumulation. With ``SWIGLU`` the
     tile's rows are the gate and up rows of ``BLOCK_N / 2`` output columns, interleaved (row ``2i``
@@ -405,13 +371,13 @@ def _gemv_kernel(
                 acc = acc * tl.load(s_ptr + rn.to(tl.int64) * stride_sn, mask=n_ok, other=0.0).to(tl.float32)[:, None]
             _finish(acc, add_ptr, out_ptr, pid_n, rm, m_ok, N, stride_am, stride_om, HAS_ADD, SWIGLU, BLOCK_N,
                     BLOCK_M, lora_p_ptr, lora_b_ptr, lora_idx_ptr, M, LORA_S, LORA_R, LORA_SPLITS, HAS_LORA,
-                    LORA_BLOCK_R, LORA_BLOCK_SPLITS, LORA_DENSE, DOT_F32)
+                    LORA_BLOCK_R, LORA_BLOCK_SPLITS)
     else:
         if WKIND == 1 or WKIND == 4:
             acc = acc * tl.load(s_ptr + rn.to(tl.int64) * stride_sn, mask=n_ok, other=0.0).to(tl.float32)[:, None]
         _finish(acc, add_ptr, out_ptr, pid_n, rm, m_ok, N, stride_am, stride_om, HAS_ADD, SWIGLU, BLOCK_N, BLOCK_M,
                 lora_p_ptr, lora_b_ptr, lora_idx_ptr, M, LORA_S, LORA_R, LORA_SPLITS, HAS_LORA, LORA_BLOCK_R,
-                LORA_BLOCK_SPLITS, LORA_DENSE, DOT_F32)
+                LORA_BLOCK_SPLITS)
 
 
 def _pow2(n: int) -> int:
@@ -515,19 +481,10 @@ class GemvLoRA(NamedTuple):
     partials: torch.Tensor
     b: torch.Tensor
     indices: torch.Tensor
-    dense: bool = False    # partials: the slot-dense V [M, S·R] (x's dtype), b: B [rows of w, S·R] (up to 64 rows)
 
 
 def _check_lora(lora: GemvLoRA, m: int, n: int, dtype: torch.dtype) -> None:
-    p, b, idx, dense = lora
-    if dense:
-        if not (p.dim() == 2 and p.shape[0] == m and b.dim() == 2 and b.shape == (n, p.shape[1]) and p.dtype == dtype
-                and b.dtype == dtype and p.stride(-1) == 1 and p.stride(0) == p.shape[1] and b.is_contiguous()):
-            raise GraphDSLError(f"gemv: dense lora needs V [{m}, S·R] and B [{n}, S·R] contiguous {dtype}, got V "
-                                f"{list(p.shape)} {p.dtype}, B {list(b.shape)} {b.dtype}")
-        return
-    if m > MAX_ROWS:
-        raise GraphDSLError(f"gemv: the per-row LoRA term takes up to {MAX_ROWS} rows, got {m}: use the dense term")
+    p, b, idx = lora
     ok = (p.dim() == 3 and p.shape[0] == m and p.shape[2] == b.shape[-1] and p.dtype == torch.float32
           and p.is_contiguous() and b.dim() == 3 and b.shape[0] == n and b.dtype == dtype and b.is_contiguous()
           and idx.shape == (m,) and idx.dtype == torch.int32 and idx.is_contiguous())
@@ -546,12 +503,12 @@ class GemvWorkspace:
     def __init__(self):
         self._buffers: dict = {}
 
-    def get(self, device: torch.device, n_tiles: int, split: int, block_n: int, block_m: int = MAX_ROWS):
-        key = (str(device), n_tiles, split, block_n, block_m)
+    def get(self, device: torch.device, n_tiles: int, split: int, block_n: int):
+        key = (str(device), n_tiles, split, block_n)
         bufs = self._buffers.get(key)
         if bufs is None:
             bufs = self._buffers[key] = (
-                torch.empty(split * n_tiles * block_n * block_m, dtype=torch.float32, device=device),
+                torch.empty(split * n_tiles * block_n * MAX_ROWS, dtype=torch.float32, device=device),
                 torch.zeros(n_tiles, dtype=torch.int32, device=device))
         return bufs
 
@@ -565,22 +522,17 @@ def _lora_args(lora: GemvLoRA | None, dummy: torch.Tensor) -> dict:
     if lora is None:
         return dict(lora_p_ptr=dummy, lora_b_ptr=dummy, lora_idx_ptr=dummy, LORA_S=1, LORA_R=1, LORA_SPLITS=1,
                     HAS_LORA=False)
-    p, b, idx, dense = lora
-    if dense:
-        return dict(lora_p_ptr=p, lora_b_ptr=b, lora_idx_ptr=idx, LORA_S=1, LORA_R=b.shape[1], LORA_SPLITS=1,
-                    HAS_LORA=True, LORA_DENSE=True)
+    p, b, idx = lora
     from .lora import block_r_of
     return dict(lora_p_ptr=p, lora_b_ptr=b, lora_idx_ptr=idx, LORA_S=b.shape[1], LORA_R=b.shape[2],
                 LORA_SPLITS=p.shape[1], HAS_LORA=True, LORA_BLOCK_R=block_r_of(b.shape[2]),
                 LORA_BLOCK_SPLITS=max(2, triton.next_power_of_2(p.shape[1])))
 
 
-def gemv_supported(x: torch.Tensor, w: torch.Tensor, scheme=None, *, max_rows: int = MAX_ROWS) -> bool:
+def gemv_supported(x: torch.Tensor, w: torch.Tensor, scheme=None) -> bool:
     """Whether :func:`gemv` takes these operands (the backend uses cuBLAS, or the quantized GEMM,
-    otherwise). ``scheme``: ``w`` holds the codes of that :mod:`graphdsl.quant` scheme. ``max_rows``:
-    up to :data:`MAX_LORA_ROWS` for a projection with the dense LoRA term (a plain projection of
-    more than 16 rows is cuBLAS's)."""
-    if not (x.dim() == 2 and w.dim() == 2 and 1 <= x.shape[0] <= max_rows and x.dtype in _DTYPES
+    otherwise). ``scheme``: ``w`` holds the codes of that :mod:`graphdsl.quant` scheme."""
+    if not (x.dim() == 2 and w.dim() == 2 and 1 <= x.shape[0] <= MAX_ROWS and x.dtype in _DTYPES
             and w.is_contiguous() and x.stride(1) == 1):
         return False
     kind = weight_kind(scheme)
@@ -613,8 +565,7 @@ def gemv(x: torch.Tensor, w: torch.Tensor, add: torch.Tensor | None = None, *, s
     ``lora`` (:class:`GemvLoRA`): each row's adapter term ``Σ_r v[m, r]·B[n, s, r]`` joins the
     float32 sums before the add or SwiGLU (``B``'s rows are ``w``'s: with ``silu_mul`` the packed
     gate and up rows), added once per tile by the program that stores it."""
-    dense_lora = lora is not None and lora.dense
-    if not gemv_supported(x, w, scheme, max_rows=MAX_LORA_ROWS if dense_lora and scheme is None else MAX_ROWS):
+    if not gemv_supported(x, w, scheme):
         want = "a contiguous w [N, K] of one dtype" if scheme is None else f"the codes of {scheme.name}"
         raise GraphDSLError(f"gemv: needs x [M<= {MAX_ROWS}, K] in {[str(d) for d in _DTYPES]} and {want}, got x "
                             f"{list(x.shape)} {x.dtype} strides {x.stride()}, w {list(w.shape)} {w.dtype} "
@@ -642,11 +593,8 @@ def gemv(x: torch.Tensor, w: torch.Tensor, add: torch.Tensor | None = None, *, s
     if add is not None and add.stride(-1) != 1:
         raise GraphDSLError(f"gemv: add must have a contiguous last dim, got strides {add.stride()}")
     group = scheme.group_size if kind in (W_INT4, W_INT4_ZP) else 1
-    block_m = MAX_ROWS if m <= MAX_ROWS else (32 if m <= 32 else 64)
     cfg = dict(config or (_pick_config(m, n, k, x.device) if kind == W_FLOAT
                           else _pick_quant_config(m, n, k, kind, group, x.device)))
-    if block_m > MAX_ROWS and config is None:
-        cfg.update(BLOCK_K=min(cfg["BLOCK_K"], 128), num_stages=3)   # x tiles 2-4x larger: keep shared memory
     block_n, block_k, split = cfg.pop("BLOCK_N"), cfg.pop("BLOCK_K"), cfg.pop("SPLIT_K")
     steps = triton.cdiv(k, block_k)
     split = max(1, min(split, steps))
@@ -655,7 +603,7 @@ def gemv(x: torch.Tensor, w: torch.Tensor, add: torch.Tensor | None = None, *, s
     tile_cols = block_n // 2 if silu_mul else block_n
     n_tiles = triton.cdiv(cols, tile_cols)
     if split > 1:
-        part, lock = (workspace or GemvWorkspace()).get(x.device, n_tiles, split, block_n, block_m)
+        part, lock = (workspace or GemvWorkspace()).get(x.device, n_tiles, split, block_n)
     else:
         part = lock = out
     one_row = False
@@ -675,7 +623,7 @@ def gemv(x: torch.Tensor, w: torch.Tensor, add: torch.Tensor | None = None, *, s
         WKIND=kind, GROUP=group,
         ONE_ROW=kind in (W_INT4, W_INT4_ZP) and one_row,
         LATE_LAUNCH=n_tiles * split > _num_sms(x.device),
-        HAS_ADD=add is not None, SWIGLU=silu_mul, SPLIT=split > 1, BLOCK_M=block_m, BLOCK_N=block_n,
+        HAS_ADD=add is not None, SWIGLU=silu_mul, SPLIT=split > 1, BLOCK_M=MAX_ROWS, BLOCK_N=block_n,
         BLOCK_K=block_k, EVEN_K=k % block_k == 0, EVEN_N=cols % tile_cols == 0,
         DOT_F32=x.dtype == torch.bfloat16 and os.environ.get("TRITON_INTERPRET") == "1", **pdl_launch(x.device),
         **_lora_args(lora, out), **cfg)
