@@ -239,8 +239,9 @@ def _quant_epilogue_replacement3(x, q, s, z, c, *, scheme, out_features, in_feat
     return quant_linear_add(x, c, q, s, z, scheme=scheme, out_features=out_features, in_features=in_features)
 
 
-def _quant_epilogue_check(m):
-    c, prod = m.inputs["c"], m.node("quant_linear").outputs[0]
+def _addend_check(c, prod):
+    """True when ``c`` can join the product ``prod``'s epilogue: a bias over its last dim or a
+    residual of its shape, in its dtype; else the reason."""
     if c.shape is None or prod.shape is None:
         return "shape: unknown while building"
     if c.dtype != prod.dtype:
@@ -248,6 +249,10 @@ def _quant_epilogue_check(m):
     if not (same_shape(c.shape, prod.shape) or (len(c.shape) == 1 and same_extent_value(c.shape[0], prod.shape[-1]))):
         return f"shape: addend {c.shape} is neither a bias [{prod.shape[-1]}] nor a residual {prod.shape}"
     return True
+
+
+def _quant_epilogue_check(m):
+    return _addend_check(m.inputs["c"], m.node("quant_linear").outputs[0])
 
 
 MATMUL_EPILOGUE_RULES = [Rule("matmul_epilogue", _epilogue_pattern, _epilogue_replacement, _epilogue_check),
@@ -308,14 +313,7 @@ def _lora_add_replacement(x, w, a, b, idx, c):
 
 
 def _lora_add_check(m):
-    c, prod = m.inputs["c"], m.node("matmul_lora").outputs[0]
-    if c.shape is None or prod.shape is None:
-        return "shape: unknown while building"
-    if c.dtype != prod.dtype:
-        return f"dtype: the addend is {c.dtype}, the product {prod.dtype}"
-    if not (same_shape(c.shape, prod.shape) or (len(c.shape) == 1 and same_extent_value(c.shape[0], prod.shape[1]))):
-        return f"shape: addend {c.shape} is neither a bias [{prod.shape[1]}] nor a residual {prod.shape}"
-    return True
+    return _addend_check(m.inputs["c"], m.node("matmul_lora").outputs[0])
 
 
 LORA_EPILOGUE_RULES = [Rule("matmul_lora", _lora_pattern, _lora_replacement, _lora_check),

@@ -125,14 +125,19 @@ def test_unsupported_scheme_is_an_error(bases, tmp_path, writer, change, match):
         _load(tmp_path / "q")
 
 
+def _set_ct_weights(path, **fields):
+    """Overwrite fields of a compressed-tensors checkpoint's ``group_0`` weight scheme in config.json."""
+    with open(path / "config.json") as f:
+        config = json.load(f)
+    config["quantization_config"]["config_groups"]["group_0"]["weights"].update(fields)
+    with open(path / "config.json", "w") as f:
+        json.dump(config, f)
+
+
 def test_compressed_tensors_unsupported_bits_is_an_error(bases, tmp_path):
     pytest.importorskip("compressed_tensors")
     write_compressed_tensors(bases["llama"], tmp_path / "q", fmt="pack-quantized", weights=_int(4, group=32))
-    with open(tmp_path / "q" / "config.json") as f:
-        config = json.load(f)
-    config["quantization_config"]["config_groups"]["group_0"]["weights"]["num_bits"] = 2
-    with open(tmp_path / "q" / "config.json", "w") as f:
-        json.dump(config, f)
+    _set_ct_weights(tmp_path / "q", num_bits=2)
     with pytest.raises(GraphDSLError, match=r"'model.layers.0.self_attn.q_proj.weight' \(compressed-tensors "
                                             r"pack-quantized int2 group g32\): 2-bit integer weights are not supported"):
         _load(tmp_path / "q")
@@ -207,11 +212,7 @@ def test_compressed_tensors_group_mismatch_names_the_tensor(bases, tmp_path):
     """The config says groups of 64, the scales hold groups of 32: a layout mismatch, not a repeat."""
     pytest.importorskip("compressed_tensors")
     write_compressed_tensors(bases["llama"], tmp_path / "q", fmt="pack-quantized", weights=_int(4, group=32))
-    with open(tmp_path / "q" / "config.json") as f:
-        config = json.load(f)
-    config["quantization_config"]["config_groups"]["group_0"]["weights"]["group_size"] = 64
-    with open(tmp_path / "q" / "config.json", "w") as f:
-        json.dump(config, f)
+    _set_ct_weights(tmp_path / "q", group_size=64)
     with pytest.raises(GraphDSLError, match=r"\(compressed-tensors pack-quantized int4 group g64\): "
                                             r"'model.layers.0.mlp.down_proj.weight_scale' has shape \[128, 8\]; the "
                                             r"layout expects \[128, 4\]"):
