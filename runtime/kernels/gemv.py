@@ -23,6 +23,12 @@ rows, so the op is bound by the bytes of ``w`` and by how many of them are in fl
   ``s``: the row's adapter slot, ``< 0`` none; for SwiGLU tile rows map back to their gate or up
   row of ``B``) — in :func:`_finish`, so the K loop is the base engine's, and with split-K the
   program that finishes the tile adds it once.
+* **Quantized weights** (``scheme=``, the weight-only schemes of :mod:`graphdsl.quant`;
+  ``WKIND``): int8 / fp8 codes are exact in fp16/bf16 and enter ``tl.dot`` as loaded, the row
+  scale multiplying the float32 sums before the epilogue; int4 one row runs CUDA-core FMAs over
+  nibbles OR-ed into the mantissa of 1.0 (:func:`_int4_row_loop`), more rows ``tl.dot`` over
+  16-bit magic-number nibble planes (:func:`_int4_k_loop`) — no int->float conversion
+  instructions either way (1/8 of the FMA rate on Hopper). Launches: :func:`_pick_quant_config`.
 * **PDL** (:mod:`.pdl`): on Hopper the kernel may launch while its predecessor finishes. A grid of
   more programs than SMs lets the next kernel launch only once its programs are past the K loop:
   launched at the usual point (when its last wave starts), the next kernel's programs take each SM
@@ -37,8 +43,9 @@ with two streams (each program streaming its gate rows, then the matching up row
 add+RMSNorm epilogue (the last program to finish a tile normalising the whole rows): each saves a
 launch but serialises more than the launch cost.
 
-File shape (STYLE.md 11): the ``@triton.jit`` kernel and its epilogue helper, the launch heuristic
-:func:`_pick_config`, the split-K :class:`GemvWorkspace`, the public wrapper :func:`gemv`.
+File shape (STYLE.md 11): the ``@triton.jit`` kernel with its epilogue and int4 K-loop helpers,
+the launch heuristics :func:`_pick_config` / :func:`_pick_quant_config`, the split-K
+:class:`GemvWorkspace`, the public wrapper :func:`gemv`.
 """
 from __future__ import annotations
 
