@@ -6,6 +6,8 @@ and the one timing helper they share.
 * :func:`matmul_tflops` — a bf16 ``torch.matmul`` of two random 8192 x 8192 matrices (cuBLAS):
   2 n^3 / median time. The compute-bound ceiling (prefill).
 
+:func:`generate_s` times the public entry point: one greedy ``LLM.generate`` call, wall clock.
+
 Times are medians of ``triton.testing.do_bench`` (CUDA events, L2 flushed between repetitions),
 after a warm-up call; :func:`bench_ms` takes the median of ``repeats`` such medians, which is stable
 to a few percent where one do_bench median moved by up to 2x on a slow-launching host.
@@ -14,7 +16,7 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["bench_ms", "copy_bandwidth_gbs", "matmul_tflops", "device_line"]
+__all__ = ["bench_ms", "copy_bandwidth_gbs", "matmul_tflops", "device_line", "generate_s"]
 
 
 def bench_ms(fn, *, repeats: int = 3, warmup_ms: int = 25, rep_ms: int = 200) -> float:
@@ -25,6 +27,19 @@ def bench_ms(fn, *, repeats: int = 3, warmup_ms: int = 25, rep_ms: int = 200) ->
     runs = sorted(triton.testing.do_bench(fn, warmup=warmup_ms, rep=rep_ms, return_mode="median")
                   for _ in range(repeats))
     return runs[len(runs) // 2]
+
+
+def generate_s(llm, prompt: list[int], new_tokens: int) -> float:
+    """Wall seconds of ``llm.generate([prompt])`` making ``new_tokens`` greedy tokens (``ignore_eos``),
+    the device synchronised before and after; per-token times are differences of two such calls."""
+    import time
+
+    import graphdsl as gd
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    llm.generate([prompt], gd.SamplingParams(max_tokens=new_tokens, temperature=0.0, ignore_eos=True))
+    torch.cuda.synchronize()
+    return time.perf_counter() - t0
 
 
 def copy_bandwidth_gbs(nbytes: int = 1 << 30, device="cuda") -> float:

@@ -30,7 +30,7 @@ import time
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from common import bench_ms, copy_bandwidth_gbs, device_line  # noqa: E402
+from common import bench_ms, copy_bandwidth_gbs, device_line, generate_s  # noqa: E402
 from llm import BLOCK, SHAPES, _decode_inputs, _free, _log, kv_bytes_per_token, measure_peer, random_kv  # noqa: E402
 
 CONTEXT = 512
@@ -229,15 +229,9 @@ def e2e(shape: str, quantization: str | None, copy: float, gen_tokens: int = 64)
     step_ms = bench_ms(lambda: llm.model.execute(Phase.DECODE, inputs))
     _free(llm, ids)
     prompt = torch.randint(0, llm.config.vocab_size, (CONTEXT - 1,), generator=torch.Generator().manual_seed(0)).tolist()
-
-    def generate(n):
-        torch.cuda.synchronize()
-        t = time.perf_counter()
-        llm.generate([prompt], gd.SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True))
-        torch.cuda.synchronize()
-        return time.perf_counter() - t
-    generate(gen_tokens)                                  # build and warm every engine and graph
-    runs = sorted((generate(gen_tokens + 1) - generate(1)) / gen_tokens * 1e3 for _ in range(3))
+    generate_s(llm, prompt, gen_tokens)                   # build and warm every engine and graph
+    runs = sorted((generate_s(llm, prompt, gen_tokens + 1) - generate_s(llm, prompt, 1)) / gen_tokens * 1e3
+                  for _ in range(3))
     res = dict(name=quantization or "bf16", load_s=load_s, weight_gb=wbytes / 1e9, kv_gb=kv / 1e9, roof_ms=roof_ms,
                step_ms=step_ms, gen_ms=runs[1])
     _log(f"{res}")

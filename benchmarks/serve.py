@@ -24,7 +24,7 @@ import time
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from common import device_line  # noqa: E402
+from common import device_line, generate_s  # noqa: E402
 from llm import SHAPES  # noqa: E402
 
 
@@ -89,11 +89,7 @@ def main(argv=None) -> int:
     ids = [random.Random(0).randrange(hf["vocab_size"]) for _ in range(511)]
     times = {}
     for n in (1, 257, 1, 257):
-        torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        llm.generate([ids], gd.SamplingParams(max_tokens=n, temperature=0, ignore_eos=True))
-        torch.cuda.synchronize()
-        times[n] = time.perf_counter() - t0
+        times[n] = generate_s(llm, ids, n)
     gen_ms = (times[257] - times[1]) / 256 * 1e3
     app = build_app(llm, served_model_name="bench")
     with socket.socket() as s:

@@ -23,12 +23,11 @@ import argparse  # noqa: E402
 import math  # noqa: E402
 import statistics  # noqa: E402
 import sys  # noqa: E402
-import time  # noqa: E402
 
 import torch  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from common import copy_bandwidth_gbs, device_line  # noqa: E402
+from common import copy_bandwidth_gbs, device_line, generate_s  # noqa: E402
 from llm import SHAPES  # noqa: E402
 
 SHAPES = dict(SHAPES)
@@ -50,18 +49,10 @@ def rank_bytes(llm, context: int) -> int:
 
 
 def decode_ms(llm, tokens: int) -> float:
-    import graphdsl as gd
     prompt = [(7 * i + 3) % 1000 + 10 for i in range(PROMPT)]
-
-    def run(n):
-        torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        llm.generate([prompt], gd.SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True))
-        torch.cuda.synchronize()
-        return time.perf_counter() - t0
-
-    run(WARM + tokens)                               # build + capture
-    times = [(run(WARM + tokens) - run(WARM)) * 1e3 / tokens for _ in range(3)]
+    generate_s(llm, prompt, WARM + tokens)           # build + capture
+    times = [(generate_s(llm, prompt, WARM + tokens) - generate_s(llm, prompt, WARM)) * 1e3 / tokens
+             for _ in range(3)]
     return statistics.median(times)
 
 

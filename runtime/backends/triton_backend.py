@@ -460,23 +460,18 @@ def _quant_linear(be: TritonBackend, node, ins, attrs, dsts):
     x2, out2 = x.reshape(-1, x.shape[-1]), dst.view(-1, dst.shape[-1])
     n = attrs["out_features"]
     silu = node.op == "quant_linear_silu_mul"
-    if isinstance(scheme, (GGUFScheme, GGUFMixScheme)):  # GGUF blocks: their kernels per part, then the epilogue
-        from ..kernels.gguf_linear import gguf_linear
-        prod = be.workspace(node, ins, attrs).view(-1, n) if silu else out2
-        for data, (qtype, r0, r1) in zip(stored, scheme.row_parts(n)):
-            prod[:, r0:r1].copy_(gguf_linear(x2, data, qtype))
-        if silu:
-            _silu_mul(be, node, [prod], attrs, [out2])
-        elif add is not None:
-            out2.add_(add if add.dim() == 1 else add.reshape(-1, n))
-        return dsts
+    add2 = None if add is None else (add if add.dim() == 1 else add.reshape(-1, n))
+    gguf = isinstance(scheme, (GGUFScheme, GGUFMixScheme))
     if gemv_supported(x2, stored[0], scheme) and (x2.device.type == "cuda" or _interpreting()):
-        add2 = None if add is None else (add if add.dim() == 1 else add.reshape(-1, n))
         gemv(x2, stored[0], add2, silu_mul=silu, out=out2, workspace=be.gemv_workspace, scheme=scheme,
              scales=stored[1], zeros=stored[2] if len(stored) > 2 else None)
         return dsts
     prod = be.workspace(node, ins, attrs).view(-1, n) if silu else out2
-    if isinstance(scheme, Fp8Scheme) and scheme.dynamic_activations and _scaled_mm_rows(x2, n):
+    if gguf:                                   # GGUF blocks: their kernel once per row part
+        from ..kernels.gguf_linear import gguf_linear
+        for data, (qtype, r0, r1) in zip(stored, scheme.row_parts(n)):
+            prod[:, r0:r1].copy_(gguf_linear(x2, data, qtype))
+    elif isinstance(scheme, Fp8Scheme) and scheme.dynamic_activations and _scaled_mm_rows(x2, n):
         xq, sx = quantize_fp8_rows(x2)
         sw = stored[1].float().reshape(-1, 1).expand(n, 1).reshape(1, n)
         prod.copy_(torch._scaled_mm(xq, stored[0].t(), scale_a=sx, scale_b=sw, out_dtype=x.dtype))
@@ -484,8 +479,8 @@ def _quant_linear(be: TritonBackend, node, ins, attrs, dsts):
         quant_linear(x2, stored, scheme, n, out=prod)
     if silu:
         _silu_mul(be, node, [prod], attrs, [out2])
-    elif add is not None:
-        out2.add_(add if add.dim() == 1 else add.reshape(-1, n))
+    elif add2 is not None:
+        out2.add_(add2)
     return dsts
 
 

@@ -40,36 +40,38 @@ def _f16_at(ptr, mask):
 
 
 @triton.jit
-def _tile_q4_0(rows, n_ok, blk0, SB: tl.constexpr):
-    """Q4_0, 18 B: ``d f16 @0, qs[16] @2``; value ``b`` is ``qs[b] & 15``, value ``b + 16`` is
-    ``qs[b] >> 4``; ``y = d * (q - 8)``. Tile ``[BLOCK_N, SB, 16, 2]`` (block, byte, nibble)."""
+def _nibble_blocks(rows, n_ok, blk0, SB: tl.constexpr, BLOCK_BYTES: tl.constexpr, QS_AT: tl.constexpr):
+    """The Q4_0 / Q4_1 nibble layout: block byte offsets ``[SB]``, the codes ``[BLOCK_N, SB, 16, 2]``
+    (float32; value ``b`` is ``qs[b] & 15``, value ``b + 16`` is ``qs[b] >> 4``, ``qs`` at byte
+    ``QS_AT`` of each ``BLOCK_BYTES``-byte block) and their K offsets in the tile."""
     g = tl.arange(0, SB)
     b = tl.arange(0, 16)
     h = tl.arange(0, 2)
-    blk = (blk0 + g).to(tl.int64) * 18
-    byte = tl.load(rows[:, None, None] + (blk[:, None] + 2 + b[None, :])[None, :, :],
+    blk = (blk0 + g).to(tl.int64) * BLOCK_BYTES
+    byte = tl.load(rows[:, None, None] + (blk[:, None] + QS_AT + b[None, :])[None, :, :],
                    mask=n_ok[:, None, None], other=0).to(tl.int32)
-    q = tl.join(byte & 15, byte >> 4).to(tl.float32)                            # [BN, SB, 16, 2]
+    q = tl.join(byte & 15, byte >> 4).to(tl.float32)
+    koff = g[:, None, None] * 32 + b[None, :, None] + 16 * h[None, None, :]
+    return blk, q, koff
+
+
+@triton.jit
+def _tile_q4_0(rows, n_ok, blk0, SB: tl.constexpr):
+    """Q4_0, 18 B: ``d f16 @0, qs[16] @2``; value ``b`` is ``qs[b] & 15``, value ``b + 16`` is
+    ``qs[b] >> 4``; ``y = d * (q - 8)``. Tile ``[BLOCK_N, SB, 16, 2]`` (block, byte, nibble)."""
+    blk, q, koff = _nibble_blocks(rows, n_ok, blk0, SB, 18, 2)                 # q: [BN, SB, 16, 2]
     d = _f16_at(rows[:, None] + blk[None, :], n_ok[:, None])                    # [BN, SB]
     w = d[:, :, None, None] * (q - 8.0)
-    koff = g[:, None, None] * 32 + b[None, :, None] + 16 * h[None, None, :]
     return tl.reshape(w, [w.shape[0], SB * 32]), tl.reshape(koff, [SB * 32])
 
 
 @triton.jit
 def _tile_q4_1(rows, n_ok, blk0, SB: tl.constexpr):
     """Q4_1, 20 B: ``d f16 @0, m f16 @2, qs[16] @4``; nibbles as Q4_0; ``y = d * q + m``."""
-    g = tl.arange(0, SB)
-    b = tl.arange(0, 16)
-    h = tl.arange(0, 2)
-    blk = (blk0 + g).to(tl.int64) * 20
-    byte = tl.load(rows[:, None, None] + (blk[:, None] + 4 + b[None, :])[None, :, :],
-                   mask=n_ok[:, None, None], other=0).to(tl.int32)
-    q = tl.join(byte & 15, byte >> 4).to(tl.float32)
+    blk, q, koff = _nibble_blocks(rows, n_ok, blk0, SB, 20, 4)
     d = _f16_at(rows[:, None] + blk[None, :], n_ok[:, None])
     m = _f16_at(rows[:, None] + blk[None, :] + 2, n_ok[:, None])
     w = d[:, :, None, None] * q + m[:, :, None, None]
-    koff = g[:, None, None] * 32 + b[None, :, None] + 16 * h[None, None, :]
     return tl.reshape(w, [w.shape[0], SB * 32]), tl.reshape(koff, [SB * 32])
 
 
