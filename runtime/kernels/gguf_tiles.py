@@ -113,23 +113,33 @@ def _k_scales_mins(rows, n_ok, blk0, SB: tl.constexpr, BLOCK_BYTES: tl.constexpr
 
 
 @triton.jit
+def _k_scaled(q, rows, n_ok, blk0, SB: tl.constexpr, BLOCK_BYTES: tl.constexpr):
+    """Q4_K / Q5_K: the codes ``q [BN, SB*4, 32, 2]`` (32-byte chunk ``t``, byte ``l``, nibble ``h``;
+    sub-block ``j = 2(t % 4) + h``) scaled ``d·sc[j]·q - dmin·m[j]``, as the tile ``[BN, SB*256]``
+    and its K offsets ``64t + l + 32h``."""
+    t = tl.arange(0, SB * 4)
+    l = tl.arange(0, 32)
+    h = tl.arange(0, 2)
+    scale, mins = _k_scales_mins(rows, n_ok, blk0, SB, BLOCK_BYTES)             # [BN, SB*8], j = 2c + h
+    scale = tl.expand_dims(tl.reshape(scale, [scale.shape[0], SB * 4, 2]), 2)
+    mins = tl.expand_dims(tl.reshape(mins, [mins.shape[0], SB * 4, 2]), 2)
+    w = scale * q - mins
+    koff = 64 * t[:, None, None] + l[None, :, None] + 32 * h[None, None, :]
+    return tl.reshape(w, [w.shape[0], SB * 256]), tl.reshape(koff, [SB * 256])
+
+
+@triton.jit
 def _tile_q4_k(rows, n_ok, blk0, SB: tl.constexpr):
     """Q4_K, 144 B: ``qs[128] @16``; chunk ``c`` (64 values) is ``qs[32c : 32c + 32]``, low nibbles
     sub-block ``2c``, high nibbles ``2c + 1``; ``y = d·sc·q − dmin·mn``. Tile ``[BLOCK_N, SB*4, 32, 2]``
     (super-block·chunk ``t``, byte ``l``, nibble ``h``) at K offset ``64t + 32h + l``."""
     t = tl.arange(0, SB * 4)
     l = tl.arange(0, 32)
-    h = tl.arange(0, 2)
     off = (blk0 + t // 4).to(tl.int64) * 144 + 16 + 32 * (t % 4)
     byte = tl.load(rows[:, None, None] + (off[:, None] + l[None, :])[None, :, :],
                    mask=n_ok[:, None, None], other=0).to(tl.int32)
     q = tl.join(byte & 15, byte >> 4).to(tl.float32)                            # [BN, T, 32, 2]
-    scale, mins = _k_scales_mins(rows, n_ok, blk0, SB, 144)                     # [BN, SB*8], j = 2c + h
-    scale = tl.expand_dims(tl.reshape(scale, [scale.shape[0], SB * 4, 2]), 2)
-    mins = tl.expand_dims(tl.reshape(mins, [mins.shape[0], SB * 4, 2]), 2)
-    w = scale * q - mins
-    koff = 64 * t[:, None, None] + l[None, :, None] + 32 * h[None, None, :]
-    return tl.reshape(w, [w.shape[0], SB * 256]), tl.reshape(koff, [SB * 256])
+    return _k_scaled(q, rows, n_ok, blk0, SB, 144)
 
 
 @triton.jit
@@ -148,12 +158,7 @@ def _tile_q5_k(rows, n_ok, blk0, SB: tl.constexpr):
     shift = (2 * (t % 4))[:, None, None] + h[None, None, :]                     # sub-block j = 2c + h
     high = (tl.expand_dims(qh, 3) >> shift) & 1
     q = (tl.join(byte & 15, byte >> 4) | (high << 4)).to(tl.float32)
-    scale, mins = _k_scales_mins(rows, n_ok, blk0, SB, 176)
-    scale = tl.expand_dims(tl.reshape(scale, [scale.shape[0], SB * 4, 2]), 2)
-    mins = tl.expand_dims(tl.reshape(mins, [mins.shape[0], SB * 4, 2]), 2)
-    w = scale * q - mins
-    koff = 64 * t[:, None, None] + l[None, :, None] + 32 * h[None, None, :]
-    return tl.reshape(w, [w.shape[0], SB * 256]), tl.reshape(koff, [SB * 256])
+    return _k_scaled(q, rows, n_ok, blk0, SB, 176)
 
 
 @triton.jit
