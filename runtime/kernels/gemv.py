@@ -276,6 +276,38 @@ def _int4_k_loop(acc, x_rows, q_ptr, s_ptr, z_ptr, rn, n_ok, m_ok, k_lo, k_hi, K
 
 
 @triton.jit
+def slice_ok(s, count, like):
+    """``s < count`` broadcast to ``like``'s shape (the interpreter takes no scalar mask for a tile)."""
+    return tl.full(like.shape, 0, tl.int32) + s < count
+
+
+@triton.jit
+def _sum_partials(slab, pid_n, n_tiles, SPLIT_K, BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr,
+                  ONE_PART_ROW: tl.constexpr, rm):
+    """Σ_s of the split slices' partial tiles of column tile ``pid_n`` (``slab``: the tile's offsets),
+    added in slice order, as a ``[BLOCK_N, BLOCK_M]`` tile. The loads go out 8 (one-row sums) or 4
+    (tiles) slices at a time: a plain loop waits one L2 round trip per slice (SASS: each iteration's loads are issued
+    after the previous iteration's adds), which cost an int4 GEMV split 16 ways most of its time.
+    Adding masked-off slices' zeros leaves the sum bit-identical to the one-by-one loop."""
+    if ONE_PART_ROW:
+        row = tl.zeros([BLOCK_N], tl.float32)
+        for s0 in range(0, SPLIT_K, 8):
+            for i in tl.static_range(8):        # straight-line code: the loads are issued together
+                t = (s0 + i) * n_tiles + pid_n
+                row += tl.load(slab + t.to(tl.int64) * BLOCK_N, mask=slice_ok(s0 + i, SPLIT_K, row), other=0.0,
+                               cache_modifier=".cg")
+        total = tl.where((rm == 0)[None, :], row[:, None], 0.0)
+    else:
+        total = tl.zeros([BLOCK_N, BLOCK_M], tl.float32)
+        for s0 in range(0, SPLIT_K, 4):
+            for i in tl.static_range(4):
+                t = (s0 + i) * n_tiles + pid_n
+                total += tl.load(slab + t.to(tl.int64) * (BLOCK_N * BLOCK_M), mask=slice_ok(s0 + i, SPLIT_K, total),
+                                 other=0.0, cache_modifier=".cg")
+    return total
+
+
+@triton.jit
 def _gemv_kernel(
     x_ptr,          # [M, K] rows, last dim contiguous
     w_ptr,          # [N, K] weight, row-major contiguous (HF [out, in] layout); quantized: the codes
@@ -292,6 +324,7 @@ def _gemv_kernel(
     WKIND: tl.constexpr,         # W_FLOAT, W_INT8, W_INT4, W_INT4_ZP or W_FP8 (module constants)
     GROUP: tl.constexpr,         # int4: inputs per scale (a divisor or a multiple of BLOCK_K)
     ONE_ROW: tl.constexpr,       # int4, M == 1: the CUDA-core loop (_int4_row_loop; BLOCK_K a multiple of GROUP)
+    ONE_PART_ROW: tl.constexpr,  # SPLIT and M == 1: the partials are [BLOCK_N] row sums, not padded tiles
     HAS_ADD: tl.constexpr,
     SWIGLU: tl.constexpr,        # w is [2N, K] = [gate | up]; out = silu(x @ gate.T) * (x @ up.T)
     SPLIT: tl.constexpr,         # SPLIT_K > 1
@@ -361,18 +394,21 @@ def _gemv_kernel(
         pdl_trigger(USE_PDL)
     if SPLIT:
         n_tiles = tl.num_programs(0)
-        tile = pid_k * n_tiles + pid_n
         rt = tl.arange(0, BLOCK_N)
-        part = part_ptr + tile.to(tl.int64) * (BLOCK_N * BLOCK_M) + rt[:, None] * BLOCK_M + rm[None, :]
-        tl.store(part, acc)
+        if ONE_PART_ROW:        # one row: store and sum its [BLOCK_N] sums, not the padded tile
+            if INT4 and ONE_ROW:
+                part_row = row
+            else:
+                part_row = tl.sum(tl.where((rm == 0)[None, :], acc, 0.0), axis=1)
+            slab = part_ptr + rt
+            tl.store(slab + (pid_k * n_tiles + pid_n).to(tl.int64) * BLOCK_N, part_row)
+        else:
+            slab = part_ptr + rt[:, None] * BLOCK_M + rm[None, :]
+            tl.store(slab + (pid_k * n_tiles + pid_n).to(tl.int64) * (BLOCK_N * BLOCK_M), acc)
         tl.debug_barrier()
         arrived = tl.atomic_add(lock_ptr + pid_n, 1, sem="acq_rel")
         if arrived == SPLIT_K - 1:
-            acc = tl.zeros([BLOCK_N, BLOCK_M], tl.float32)
-            for s in range(0, SPLIT_K):
-                t = s * n_tiles + pid_n
-                acc += tl.load(part_ptr + t.to(tl.int64) * (BLOCK_N * BLOCK_M) + rt[:, None] * BLOCK_M
-                               + rm[None, :], cache_modifier=".cg")
+            acc = _sum_partials(slab, pid_n, n_tiles, SPLIT_K, BLOCK_N, BLOCK_M, ONE_PART_ROW, rm)
             tl.atomic_xchg(lock_ptr + pid_n, 0, sem="relaxed")   # read again only by a later launch
             if WKIND == 1 or WKIND == 4:
                 acc = acc * tl.load(s_ptr + rn.to(tl.int64) * stride_sn, mask=n_ok, other=0.0).to(tl.float32)[:, None]
@@ -438,9 +474,12 @@ def _pick_quant_config(m: int, n: int, k: int, wkind: int, group: int, device: t
     int4: 128-row tiles, K split until there are about four programs per SM (nothing software-
     pipelines the CUDA-core loop, so programs in flight are what hide the loads' latency): o
     [4096, 4096] 9.1 µs at split 16, qkv 11.5 at split 8, down 19.8 at split 16, gate_up 37.1 at
-    split 4; 128-input slice steps when split 8 or more (down 19.8 vs 21.4 µs with 256), else 256. fp8 / int8 (the ``tl.dot`` path):
-    64-row tiles, 128-input steps up to K = 8192, K split up to 8 while there are fewer than three
-    programs per SM (qkv 16.2 µs at split 8, 18.4 at split 2 with 256-input steps)."""
+    split 4; 128-input slice steps when split 8 or more (down 19.8 vs 21.4 µs with 256), else 256
+    (timed before the split sums were loaded several slices at a time: now 7.5, 10.4, 18.1, 34.0).
+    fp8 / int8 (the ``tl.dot`` path): 64-row tiles, 128-input steps, 3 stages, K split up to 16
+    while the programs stay within about 12 a SM and each slice keeps 2 steps (qkv 14.6 µs at split
+    16 vs 16.2 at split 8 with 4 stages; o 11.2 vs 12.3; gate_up 49.8 at split 2 vs 57.4 unsplit;
+    down 26.2 at split 16 vs 32.5 at split 8 with 256-input steps)."""
     sms = _num_sms(device)
     if wkind in (W_INT4, W_INT4_ZP):
         block_n = 128
@@ -451,15 +490,15 @@ def _pick_quant_config(m: int, n: int, k: int, wkind: int, group: int, device: t
         block_k = 256 if split <= 4 and k // split >= 256 and 256 % group == 0 else max(group, 128)
         return dict(BLOCK_N=block_n, BLOCK_K=block_k, SPLIT_K=split, num_warps=4, num_stages=_QUANT_STAGES)
     block_n = _QUANT_BLOCK_N
-    block_k = 128 if k <= 8192 else 256
+    block_k = 128
     while block_k > 32 and k % block_k:
         block_k //= 2
     tiles = triton.cdiv(n, block_n)
     steps = triton.cdiv(k, block_k)
     split = 1
-    while split < 8 and tiles * split < 3 * sms and steps // (split * 2) >= 4:
+    while split < 16 and tiles * split * 2 <= 12 * sms and steps // (split * 2) >= 2:
         split *= 2
-    return dict(BLOCK_N=block_n, BLOCK_K=block_k, SPLIT_K=split, num_warps=4, num_stages=_QUANT_STAGES)
+    return dict(BLOCK_N=block_n, BLOCK_K=block_k, SPLIT_K=split, num_warps=4, num_stages=3)
 
 
 def weight_kind(scheme) -> int | None:
@@ -628,7 +667,7 @@ def gemv(x: torch.Tensor, w: torch.Tensor, add: torch.Tensor | None = None, *, s
         x, w, s_t, zeros if zeros is not None else s_t, add if add is not None else out, out, part, lock,
         m, cols, k, split, k_split, n, k // 8, k_split // 8, x.stride(0), stride_am, out.stride(0), stride_sn,
         WKIND=kind, GROUP=group,
-        ONE_ROW=kind in (W_INT4, W_INT4_ZP) and one_row,
+        ONE_ROW=kind in (W_INT4, W_INT4_ZP) and one_row, ONE_PART_ROW=split > 1 and m == 1,
         LATE_LAUNCH=n_tiles * split > _num_sms(x.device),
         HAS_ADD=add is not None, SWIGLU=silu_mul, SPLIT=split > 1, BLOCK_M=MAX_ROWS, BLOCK_N=block_n,
         BLOCK_K=block_k, EVEN_K=k % block_k == 0, EVEN_N=cols % tile_cols == 0,

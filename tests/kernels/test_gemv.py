@@ -18,7 +18,8 @@ def _reference(x, w, add):
     return x.float() @ w.float().T + (0 if add is None else add.float())
 
 
-@pytest.mark.parametrize("m,n,k,split", [(1, 40, 64, 1), (3, 17, 100, 2), (8, 64, 256, 4), (16, 33, 70, 3)])
+@pytest.mark.parametrize("m,n,k,split", [(1, 40, 64, 1), (3, 17, 100, 2), (8, 64, 256, 4), (16, 33, 70, 3),
+                                         (1, 40, 256, 4), (1, 17, 320, 10)])   # one row, split: row sums
 @pytest.mark.parametrize("add", [None, "bias", "residual"])
 def test_gemv_matches_torch(m, n, k, split, add):
     x, w, a = _operands(m, n, k, add, torch.float16, m * 1000 + n + k)
@@ -45,6 +46,16 @@ def test_split_k_is_deterministic_and_leaves_counters_at_zero():
     (part, lock), = ws._buffers.values()
     assert lock.shape == (3,) and int(lock.abs().sum()) == 0
     assert ws.nbytes > 0
+
+
+@pytest.mark.parametrize("split", [3, 10])
+def test_one_row_split_sums_equal_the_row_of_a_batch(split):
+    """A one-row split launch stores and sums ``[BLOCK_N]`` row sums instead of padded tiles, in the
+    same slice order, so a row's result does not depend on whether other rows ran beside it."""
+    x, w, a = _operands(3, 40, 320, "residual", torch.float16, split)
+    cfg = dict(BLOCK_N=16, BLOCK_K=16, SPLIT_K=split, num_warps=4, num_stages=2)
+    alone = gemv(x[:1], w, a[:1], config=cfg)
+    assert torch.equal(alone, gemv(x, w, a, config=cfg)[:1])
 
 
 def test_pick_config_from_the_sweeps(monkeypatch):
