@@ -116,8 +116,9 @@ def sweep() -> list[str]:
     """Time alternative tile configs (block_m, block_n, warps, stages) against the heuristic's."""
     lines = []
     C = pa._Config
-    decode_cfgs = [C(16, 64, 4, 3), C(16, 128, 4, 2), C(16, 32, 4, 3), C(16, 64, 2, 2), C(16, 32, 2, 2)]
-    for batch, ctx in ((1, 512), (1, 4096), (8, 4096), (64, 4096)):
+    decode_cfgs = [C(16, 64, 4, 3), C(16, 64, 4, 4), C(16, 128, 4, 2), C(16, 32, 4, 3), C(16, 32, 4, 4),
+                   C(16, 64, 8, 3), C(16, 64, 2, 2), C(16, 32, 2, 2)]
+    for batch, ctx in ((1, 512), (1, 4096), (8, 4096), (64, 512), (64, 4096), (256, 512)):
         base = bench_decode(batch, ctx)
         lines.append(f"decode b={batch} ctx={ctx} default {pa._pick_config(HEAD_DIM, 4, decode=True)} "
                      f"splits={base.splits}: graph {base.graph_ms * 1e3:.1f} us {base.gbs:.0f} GB/s")
@@ -128,8 +129,8 @@ def sweep() -> list[str]:
                              f"err={_rel(r.out, base.out):.1e}")
             except Exception as e:  # a config the compiler rejects (shared memory) is a result too
                 lines.append(f"  {cfg}: failed {type(e).__name__}: {str(e)[:80]}")
-        if batch == 1:
-            for splits in (1, 2, 4, 8, 16, 32, 64):
+        if batch == 1 or ctx == 512:
+            for splits in (1, 2, 4, 8, 16, 32, 64)[:7 if batch == 1 else 4]:
                 r = bench_decode(batch, ctx, num_splits=splits)
                 lines.append(f"  splits={splits}: graph {r.graph_ms * 1e3:.1f} us {r.gbs:.0f} GB/s")
     prefill_cfgs = [C(64, 64, 4, 2), C(128, 64, 8, 3), C(128, 128, 8, 3), C(64, 32, 4, 3),

@@ -58,6 +58,8 @@ def main(argv=None) -> int:
     ap.add_argument("--context", type=int, default=512)
     ap.add_argument("--new-tokens", type=int, default=128)
     ap.add_argument("--skip-generate", action="store_true", help="engine rows only")
+    ap.add_argument("--profile", action="store_true",
+                    help="also print the per-kernel table of the eager batch step, base and LoRA")
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
         print("lora.py needs a CUDA GPU", file=sys.stderr)
@@ -76,7 +78,7 @@ def main(argv=None) -> int:
     for i, n in enumerate(names):
         llm.load_lora(n, write_random_adapter(llm, os.path.join(tmp, n), rank=args.rank, seed=i))
     gen = torch.Generator(device="cuda").manual_seed(0)
-    rows = []
+    rows, profiles = [], []
 
     def engine_row(batch: int, used: int, target: float):
         inputs, ids = _decode_inputs(llm, batch, ctx, gen)
@@ -84,6 +86,12 @@ def main(argv=None) -> int:
         slots = llm.model.lora.slots_for([names[i % used] for i in range(batch)])
         lora_in = {**inputs, "lora_indices": torch.tensor(slots, dtype=torch.int32, device="cuda")}
         lora = bench_ms(lambda: llm.model.execute(Phase.DECODE, lora_in))
+        if args.profile and batch > 1:
+            from profile_decode import kernel_table
+            for label, step_inputs in (("base", inputs), ("LoRA", lora_in)):
+                table, total = kernel_table(llm, step_inputs)
+                profiles.append(f"eager step, batch {batch}, {label}: kernels sum to {total:.0f} µs\n"
+                                + "\n".join(table))
         for sid in ids:
             llm.blocks.free(sid)
         extra_ms = _lora_bytes(llm, used) / (copy * 1e9) * 1e3
@@ -114,6 +122,8 @@ def main(argv=None) -> int:
     for name, base, lora, target, note in rows:
         ok = "ok" if lora / base <= target else "MISS"
         print(f"{name:<48} {base:>10.3f} {lora:>10.3f} {lora / base:>6.3f}x {target:>6.2f}x  {ok} {note}")
+    for table in profiles:
+        print("\n" + table)
     return 0
 
 

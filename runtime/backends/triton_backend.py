@@ -521,15 +521,18 @@ def _lora_matmul(be: TritonBackend, node, ins, attrs, dsts):
     """``matmul_lora`` / ``matmul_add_lora`` / ``matmul_silu_mul_lora`` (``x @ w.T`` + each row's LoRA
     term, then the epilogue). Up to 16 fp16/bf16 rows: the BGMV shrink into the node's workspace,
     then the decode GEMV adding the term to its float32 sums before the bias/residual or SwiGLU
-    epilogue — one launch more than the base projection. More rows: cuBLAS for the base product
-    (``addmm`` with the addend, or into the workspace before ``silu_mul``), the slot-dense shrink,
-    one cuBLAS ``addmm`` of ``V·B_allᵀ`` into the product, then ``silu_mul`` — two launches more.
+    epilogue — one launch more than the base projection. More rows: the slot-dense shrink first
+    (a Triton kernel right after the previous one, so PDL overlaps its launch), cuBLAS for the base
+    product (``addmm`` with the addend, or into the workspace), then one cuBLAS ``addmm`` of
+    ``V·B_allᵀ`` into the product — two launches more — or, for SwiGLU, :func:`silu_mul_lora`
+    adding the term inside the ``silu_mul`` launch — one more.
     Few rows of another dtype (float32) take the BGMV shrink and expand in place instead. Plain CPU
     and operands the kernels do not take run the op's reference."""
     from graphdsl.passes.fused_ops import lora_workspace_layout
 
     from ..kernels.gemv import GemvLoRA, gemv, gemv_supported
-    from ..kernels.lora import MAX_BGMV_ROWS, lora_apply, lora_dense_view, lora_shrink, lora_shrink_dense, lora_supported
+    from ..kernels.lora import (MAX_BGMV_ROWS, lora_apply, lora_dense_view, lora_shrink, lora_shrink_dense,
+                                lora_supported, silu_mul_lora)
     x, w, dst = ins[0], ins[1], dsts[0]
     add = ins[2] if node.op == "matmul_add_lora" else None
     a, b, idx = ins[-3:]
@@ -544,21 +547,25 @@ def _lora_matmul(be: TritonBackend, node, ins, attrs, dsts):
     ws = be.workspace(node, ins, attrs)
     prod_cells, _ = lora_workspace_layout(*(Spec(tuple(v.shape), v.dtype) for v in (x, w, a)), product=silu)
     scratch = ws[t * prod_cells:]
+    ready = all(be.step_constant(node.inputs[i]) for i in (len(ins) - 3, len(ins) - 1))   # A, idx
     if t <= MAX_BGMV_ROWS and gemv_supported(x, w) and idx.dtype == torch.int32:
-        ready = all(be.step_constant(node.inputs[i]) for i in (len(ins) - 3, len(ins) - 1))   # A, idx
         p = lora_shrink(x, a, idx, scratch, inputs_ready=ready)
         gemv(x, w, add, silu_mul=silu, out=dst, workspace=be.gemv_workspace, lora=GemvLoRA(p, b, idx))
         return dsts
     prod = lora_dense_view(ws, t, n, x.dtype) if silu else dst
+    v = None
+    if t > MAX_BGMV_ROWS:       # first: its launch and A reads overlap the previous kernel's tail (PDL)
+        v = lora_shrink_dense(x, a, idx, lora_dense_view(scratch, t, slots * width, x.dtype),
+                              scratch=be._workspaces, inputs_ready=ready)
     if add is not None:
         torch.addmm(add, x, w.T, out=prod)
     else:
         torch.matmul(x, w.T, out=prod)
-    if t <= MAX_BGMV_ROWS:
+    if v is None:
         lora_apply(prod, x, a, b, idx, out=prod, workspace=scratch, dense=False)
+    elif silu:
+        return [silu_mul_lora(prod, v, b, dst)]
     else:
-        v = lora_shrink_dense(x, a, idx, lora_dense_view(scratch, t, slots * width, x.dtype),
-                              scratch=be._workspaces)
         prod.addmm_(v, b.view(n, slots * width).T)
     if silu:
         _silu_mul(be, node, [prod], attrs, [dst])

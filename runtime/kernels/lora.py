@@ -49,10 +49,11 @@ from graphdsl.functional.lora import LORA_SPLIT_K
 from .pdl import pdl_launch, pdl_trigger, pdl_wait
 
 __all__ = ["lora_apply", "lora_shrink", "lora_shrink_dense", "lora_dense_view", "lora_splits", "lora_supported",
-           "block_r_of", "MAX_RANK", "MAX_BGMV_ROWS"]
+           "silu_mul_lora", "block_r_of", "MAX_RANK", "MAX_BGMV_ROWS"]
 
 MAX_RANK = 256          # slot width (parts · rank) the kernels take
 MAX_BGMV_ROWS = 16      # rows up to which the per-token kernels run (beyond: slot-dense GEMMs)
+MAX_ROW_PROGRAMS = 4096  # (row, K slice) programs up to which the slot-dense V comes from per-row programs
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
 
@@ -61,13 +62,22 @@ def _shrink_kernel(x_ptr,        # [T, K] activations, row stride stride_x, unit
                    a_ptr,        # [S, R, K] contiguous A factors of every slot
                    idx_ptr,      # [T] int slot of each token (< 0: none)
                    p_ptr,        # [T, SPLITS, R] float32 out: partial sums of x[t] · A[s]ᵀ per K slice
-                   K, R, SPLITS, stride_x,
+                   v_ptr,        # [T, S·R] out (x's dtype), row stride stride_v (DENSE)
+                   lock_ptr,     # [T] int32 arrival counters, zero between launches (DENSE)
+                   K, R, S, SPLITS, stride_x, stride_v,
                    SPLIT_K: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr,
                    USE_PDL: tl.constexpr,       # launched with programmatic dependent launch
                    LATE_LAUNCH: tl.constexpr,   # let the next kernel launch at the end, not after the wait
-                   PREFETCH: tl.constexpr):     # idx and A are step constants and BLOCK_K == SPLIT_K:
+                   PREFETCH: tl.constexpr,      # idx and A are step constants and BLOCK_K == SPLIT_K:
                                                 # read the slot and the A slice before the PDL wait
-    """p[t, j, r] = Σ_{k in slice j} x[t, k] · A[s, r, k]; rows without an adapter write nothing."""
+                   DENSE: tl.constexpr,         # the last slice of a row to arrive writes its V row
+                   SPLITS_P2: tl.constexpr, BLOCK_W: tl.constexpr):   # (DENSE) tile of the sum, of a V row
+    """p[t, j, r] = Σ_{k in slice j} x[t, k] · A[s, r, k]; rows without an adapter write nothing.
+
+    ``DENSE`` (:func:`lora_shrink_dense` for decode batches): each slice then bumps its row's
+    counter; the last of the row's slices to arrive sums the row's partials in slice order (one
+    ``[SPLITS, R]`` load, so the result does not depend on arrival order), writes the slot-dense
+    ``V[t] = (0, .., x[t]·A[s]ᵀ, .., 0)`` and resets the counter; a base row's slice 0 writes zeros."""
     t = tl.program_id(0)
     j = tl.program_id(1)
     r = tl.arange(0, BLOCK_R)
@@ -82,6 +92,10 @@ def _shrink_kernel(x_ptr,        # [T, K] activations, row stride stride_x, unit
         if s >= 0:
             xk = tl.load(x_ptr + t.to(tl.int64) * stride_x + k, mask=k < K, other=0.0).to(tl.float32)
             tl.store(out, tl.sum(a.to(tl.float32) * xk[None, :], axis=1), mask=r_ok)
+            if DENSE:
+                _dense_row(p_ptr, v_ptr, lock_ptr, t, j, s, R, S, SPLITS, stride_v, BLOCK_R, SPLITS_P2, BLOCK_W)
+        elif DENSE and j == 0:
+            _dense_row(p_ptr, v_ptr, lock_ptr, t, j, s, R, S, SPLITS, stride_v, BLOCK_R, SPLITS_P2, BLOCK_W)
     else:
         pdl_wait(USE_PDL, not LATE_LAUNCH)
         s = tl.load(idx_ptr + t).to(tl.int64)
@@ -94,8 +108,40 @@ def _shrink_kernel(x_ptr,        # [T, K] activations, row stride stride_x, unit
                 ak = tl.load(a_row + k[None, :], mask=r_ok[:, None] & (k[None, :] < K), other=0.0).to(tl.float32)
                 acc += tl.sum(ak * xk[None, :], axis=1)
             tl.store(out, acc, mask=r_ok)
+            if DENSE:
+                _dense_row(p_ptr, v_ptr, lock_ptr, t, j, s, R, S, SPLITS, stride_v, BLOCK_R, SPLITS_P2, BLOCK_W)
+        elif DENSE and j == 0:
+            _dense_row(p_ptr, v_ptr, lock_ptr, t, j, s, R, S, SPLITS, stride_v, BLOCK_R, SPLITS_P2, BLOCK_W)
     if LATE_LAUNCH:
         pdl_trigger(USE_PDL)
+
+
+@triton.jit
+def _dense_row(p_ptr, v_ptr, lock_ptr, t, j, s, R, S, SPLITS, stride_v,
+               BLOCK_R: tl.constexpr, SPLITS_P2: tl.constexpr, BLOCK_W: tl.constexpr):
+    """Row ``t``'s slot-dense V row once all its slices stored their partials (``s < 0``: zeros,
+    written by slice 0 without counting). Called after the program stored its own partial."""
+    r = tl.arange(0, BLOCK_R)
+    v = tl.zeros((BLOCK_R,), dtype=tl.float32)
+    last = s < 0
+    if s >= 0:
+        tl.debug_barrier()
+        arrived = tl.atomic_add(lock_ptr + t, 1, sem="acq_rel")
+        last = arrived == SPLITS - 1
+        if last:
+            jj = tl.arange(0, SPLITS_P2)
+            part = tl.load(p_ptr + (t.to(tl.int64) * SPLITS + jj[:, None]) * R + r[None, :],
+                           mask=(jj < SPLITS)[:, None] & (r < R)[None, :], other=0.0, cache_modifier=".cg")
+            v = tl.sum(part, axis=0)
+            tl.atomic_xchg(lock_ptr + t, 0, sem="relaxed")     # read again only by a later launch
+    if last:
+        row = v_ptr + t.to(tl.int64) * stride_v
+        for c0 in range(0, S * R, BLOCK_W):
+            c = c0 + tl.arange(0, BLOCK_W)
+            tl.store(row + c, tl.zeros((BLOCK_W,), tl.float32).to(v_ptr.dtype.element_ty),
+                     mask=(c < S * R) & ((c // R) != s))
+        if s >= 0:
+            tl.store(row + s * R + r, v.to(v_ptr.dtype.element_ty), mask=r < R)
 
 
 @triton.jit
@@ -186,6 +232,56 @@ def _shrink_dense_kernel(x_ptr,      # [T, K] activations, row stride stride_x, 
         tl.store(out, tl.zeros([BLOCK_T, BLOCK_R], tl.float32).to(v_ptr.dtype.element_ty), mask=o_ok)
 
 
+@triton.jit
+def _silu_mul_lora_kernel(p_ptr,      # [T, 2I] base product (gate | up), x's dtype, row stride stride_p
+                          v_ptr,      # [T, W] slot-dense V (W = S·R), row stride stride_v
+                          b_ptr,      # [2I, W] B of every slot, output-major, contiguous
+                          out_ptr,    # [T, I] out, row stride stride_o
+                          T, I, W, stride_p, stride_v, stride_o,
+                          BLOCK_T: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_W: tl.constexpr,
+                          ONE_STEP: tl.constexpr,     # W <= BLOCK_W: B's tiles are read before the PDL wait
+                          DOT_F32: tl.constexpr, IEEE: tl.constexpr, USE_PDL: tl.constexpr):
+    """``g = p[t, n] + V[t]·B[n]``, ``u = p[t, I + n] + V[t]·B[I + n]`` (float32, the LoRA term
+    never rounded to the product's dtype), ``out[t, n] = silu(g) · u`` for the block's rows and
+    ``n`` in the block's columns. No kernel of a step writes B, so with ``ONE_STEP`` its tiles are
+    loaded before the wait for the kernels that write ``p`` and ``V``."""
+    rt = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
+    rn = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    t_ok = rt < T
+    n_ok = rn < I
+    ok = t_ok[:, None] & n_ok[None, :]
+    c = tl.arange(0, BLOCK_W)
+    b_gate = b_ptr + rn.to(tl.int64)[:, None] * W + c[None, :]
+    b_up = b_ptr + (rn + I).to(tl.int64)[:, None] * W + c[None, :]
+    v_rows = v_ptr + rt.to(tl.int64)[:, None] * stride_v + c[None, :]
+    p_rows = p_ptr + rt.to(tl.int64)[:, None] * stride_p + rn[None, :]
+    if ONE_STEP:
+        bg = tl.load(b_gate, mask=n_ok[:, None] & (c < W)[None, :], other=0.0)
+        bu = tl.load(b_up, mask=n_ok[:, None] & (c < W)[None, :], other=0.0)
+    pdl_wait(USE_PDL)
+    g = tl.load(p_rows, mask=ok, other=0.0).to(tl.float32)
+    u = tl.load(p_rows + I, mask=ok, other=0.0).to(tl.float32)
+    for c0 in range(0, W, BLOCK_W):
+        c_ok = (c0 + c) < W
+        v = tl.load(v_rows + c0, mask=t_ok[:, None] & c_ok[None, :], other=0.0)
+        if not ONE_STEP:
+            bg = tl.load(b_gate + c0, mask=n_ok[:, None] & c_ok[None, :], other=0.0)
+            bu = tl.load(b_up + c0, mask=n_ok[:, None] & c_ok[None, :], other=0.0)
+        if DOT_F32:
+            v = v.to(tl.float32)
+            if IEEE:
+                g += tl.dot(v, tl.trans(bg.to(tl.float32)), input_precision="ieee")
+                u += tl.dot(v, tl.trans(bu.to(tl.float32)), input_precision="ieee")
+            else:
+                g += tl.dot(v, tl.trans(bg.to(tl.float32)))
+                u += tl.dot(v, tl.trans(bu.to(tl.float32)))
+        else:
+            g += tl.dot(v, tl.trans(bg))
+            u += tl.dot(v, tl.trans(bu))
+    out = g / (1.0 + tl.exp(-g)) * u
+    tl.store(out_ptr + rt.to(tl.int64)[:, None] * stride_o + rn[None, :], out.to(out_ptr.dtype.element_ty), mask=ok)
+
+
 def _blocks(rank: int, interpreted: bool) -> tuple[int, int, int]:
     """``(BLOCK_R, BLOCK_K, BLOCK_N)``: the slot width padded to a power of two (>= 16); K and N tiles
     of about 8K float32 products a program (1K under the interpreter); BLOCK_K divides LORA_SPLIT_K."""
@@ -245,16 +341,28 @@ def lora_shrink(x: torch.Tensor, a: torch.Tensor, indices: torch.Tensor, partial
     view = partials.view(-1)[:t * splits * r].view(t, splits, r)
     if t == 0:
         return view
+    _launch_shrink(x, a, indices, view, inputs_ready=inputs_ready)
+    return view
+
+
+def _launch_shrink(x, a, indices, partials, *, inputs_ready: bool, v=None, lock=None) -> None:
+    """The BGMV shrink over ``(t, k-slice)`` programs into ``partials [T, splits, R]``; with ``v``
+    and ``lock`` (``[T]`` zeroed int32 counters) also the slot-dense ``V`` rows (``DENSE``)."""
     from .gemv import _num_sms
+    t, k = x.shape
+    slots, r, _ = a.shape
+    splits = lora_splits(k)
     block_r, block_k, _ = _blocks(r, _interpreting())
     prefetch = inputs_ready and block_r <= 64
     if prefetch:
         block_k = LORA_SPLIT_K
-    _shrink_kernel[(t, splits)](x, a, indices, view, k, r, splits, x.stride(0), SPLIT_K=LORA_SPLIT_K,
-                                BLOCK_R=block_r, BLOCK_K=block_k, LATE_LAUNCH=t * splits > _num_sms(x.device),
-                                PREFETCH=prefetch, num_warps=8 if prefetch and block_r > 32 else 4,
-                                **pdl_launch(x.device))
-    return view
+    dense = v is not None
+    _shrink_kernel[(t, splits)](
+        x, a, indices, partials, v if dense else partials, lock if dense else indices, k, r, slots, splits,
+        x.stride(0), v.stride(0) if dense else 0, SPLIT_K=LORA_SPLIT_K, BLOCK_R=block_r, BLOCK_K=block_k,
+        LATE_LAUNCH=t * splits > _num_sms(x.device), PREFETCH=prefetch, DENSE=dense,
+        SPLITS_P2=triton.next_power_of_2(splits), BLOCK_W=min(1024, triton.next_power_of_2(slots * r)),
+        num_warps=8 if prefetch and block_r > 32 else 4, **pdl_launch(x.device))
 
 
 def _dense_splits(tiles: int, k: int, block_k: int, sms: int) -> int:
@@ -268,17 +376,36 @@ def _dense_splits(tiles: int, k: int, block_k: int, sms: int) -> int:
 
 
 def lora_shrink_dense(x: torch.Tensor, a: torch.Tensor, indices: torch.Tensor, out: torch.Tensor, *,
-                      scratch: dict | None = None) -> torch.Tensor:
+                      scratch: dict | None = None, inputs_ready: bool = False,
+                      by_rows: bool | None = None) -> torch.Tensor:
     """One launch: the slot-dense ``V [T, S·R]`` (module docstring) into ``out`` (x's dtype, unit
     inner stride, ``[T, S·R]``): each row's own slot's ``x[t]·A[s]ᵀ``, zeros elsewhere. ``scratch``
-    (a dict the caller keeps, e.g. the backend's workspaces) holds the split-K partial tiles and
-    zeroed counters per shape, made on first use (a captured CUDA graph keeps their addresses)."""
+    (a dict the caller keeps, e.g. the backend's workspaces) holds the split-K partials and zeroed
+    counters per shape, made on first use (a captured CUDA graph keeps their addresses).
+
+    ``by_rows`` (default: up to ``MAX_ROW_PROGRAMS`` ``(row, K slice)`` programs, a decode batch)
+    runs the BGMV shrink's programs, whose last slice per row writes the V row (``DENSE``; with
+    ``inputs_ready`` the A slice is read before the PDL wait, as :func:`lora_shrink`'s). Otherwise
+    row-block tiles (``tl.dot`` over 64-row blocks: A is read once per block, not once per row; the
+    last split reads its partial tiles one after another). H200, 8 slots of rank 16, µs after a
+    cuBLAS GEMM in a CUDA graph, rows / tiles: 64 rows of 4096 inputs 3.9-5.4 / 7.4-7.7, of 14336
+    8.5 / 11.7; 128 rows of 14336 16.0 / 13.5; 256 rows of 4096 6.1 / 5.5."""
     t, k = x.shape
     slots, r, _ = a.shape
     if tuple(out.shape) != (t, slots * r) or out.dtype != x.dtype or out.stride(-1) != 1:
         raise GraphDSLError(f"lora_shrink_dense: out must be [{t}, {slots * r}] {x.dtype} with a unit inner stride, "
                             f"got {list(out.shape)} {out.dtype} strides {out.stride()}")
     if t == 0:
+        return out
+    scratch = {} if scratch is None else scratch
+    splits = lora_splits(k)
+    if (t * splits <= MAX_ROW_PROGRAMS) if by_rows is None else by_rows:
+        key = ("lora_rows", str(x.device), t, splits * r)
+        if key not in scratch:
+            scratch[key] = (torch.empty(t * splits * r, dtype=torch.float32, device=x.device),
+                            torch.zeros(t, dtype=torch.int32, device=x.device))
+        part, lock = scratch[key]
+        _launch_shrink(x, a, indices, part, inputs_ready=inputs_ready, v=out, lock=lock)
         return out
     from .gemv import _num_sms
     block_t, block_r, block_k = _dense_blocks(t, r, _interpreting())
@@ -288,7 +415,6 @@ def lora_shrink_dense(x: torch.Tensor, a: torch.Tensor, indices: torch.Tensor, o
     splits = triton.cdiv(k, k_split)
     part = lock = out
     if splits > 1:
-        scratch = {} if scratch is None else scratch
         key = ("lora_dense", str(x.device), t_blocks * slots, splits, block_t, block_r)
         if key not in scratch:
             scratch[key] = (torch.empty(splits * t_blocks * slots * block_t * block_r, dtype=torch.float32,
@@ -306,6 +432,32 @@ def lora_shrink_dense(x: torch.Tensor, a: torch.Tensor, indices: torch.Tensor, o
 def lora_dense_view(workspace: torch.Tensor, t: int, width: int, dtype: torch.dtype) -> torch.Tensor:
     """The ``[t, width]`` matrix of ``dtype`` at the start of a float32 ``workspace``."""
     return workspace.view(-1).view(dtype)[:t * width].view(t, width)
+
+
+def silu_mul_lora(prod: torch.Tensor, v: torch.Tensor, b: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+    """One launch: the SwiGLU of a gate/up product with each row's LoRA term added first,
+    ``out = silu(g) · u`` where ``[g | u] = prod + V·B_allᵀ`` (``V`` from :func:`lora_shrink_dense`,
+    ``B_all = b.view(2I, S·R)``). Replaces the ``addmm`` + ``silu_mul`` pair of a many-row
+    ``matmul_silu_mul_lora``; the term is added in float32, not rounded to ``prod``'s dtype first."""
+    t, n2 = prod.shape
+    width = v.shape[1]
+    if b.shape[0] != n2 or b[0].numel() != width or not b.is_contiguous() or n2 % 2 \
+            or tuple(out.shape) != (t, n2 // 2) or prod.stride(-1) != 1 or v.stride(-1) != 1 or out.stride(-1) != 1:
+        raise GraphDSLError(f"silu_mul_lora: prod [T, 2I] {list(prod.shape)}, V [T, S·R] {list(v.shape)}, "
+                            f"B [2I, S, R] {list(b.shape)} and out [T, I] {list(out.shape)} do not fit "
+                            "(unit inner strides, B contiguous)")
+    if t == 0:
+        return out
+    interp = _interpreting()
+    block_t = 16 if interp or t <= 16 else (32 if t <= 32 else 64)
+    block_n = 32
+    block_w = 32 if interp else min(128, max(16, triton.next_power_of_2(width)))
+    f32 = prod.dtype == torch.float32
+    _silu_mul_lora_kernel[(triton.cdiv(t, block_t), triton.cdiv(n2 // 2, block_n))](
+        prod, v, b, out, t, n2 // 2, width, prod.stride(0), v.stride(0), out.stride(0), BLOCK_T=block_t,
+        BLOCK_N=block_n, BLOCK_W=block_w, ONE_STEP=width <= block_w,
+        DOT_F32=f32 or (interp and prod.dtype == torch.bfloat16), IEEE=f32, num_warps=4, **pdl_launch(prod.device))
+    return out
 
 
 def lora_apply(y: torch.Tensor, x: torch.Tensor, a: torch.Tensor, b: torch.Tensor, indices: torch.Tensor, *,

@@ -68,18 +68,22 @@ def test_gemv_lora_rejects_mismatched_factors():
         gemv(x, w, lora=GemvLoRA(_shrunk(x, a, idx), b[:16], idx))
 
 
+@pytest.mark.parametrize("by_rows,ready", [(False, False), (True, False), (True, True)])
 @pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-4), (torch.bfloat16, 3e-2)])
 @pytest.mark.parametrize("t,k,r,s", [(20, 48, 8, 3), (33, 70, 12, 2), (20, 600, 8, 1)])   # the last: split K
-def test_dense_shrink_keeps_only_each_rows_slot(dtype, tol, t, k, r, s):
+def test_dense_shrink_keeps_only_each_rows_slot(dtype, tol, t, k, r, s, by_rows, ready):
+    """Both ways to the slot-dense V (row-block tiles; per-row slices whose last writes the row)
+    give each row its own slot's product and zeros elsewhere, base rows included, and leave their
+    arrival counters at zero for the next launch."""
     x, _, a, _, idx = _factors(t, 8, k, r, s, dtype, t + k)
     idx[: 16] = 0                                    # the first row block uses slot 0 only: others write zeros
     out = torch.full((t, s * r), float("nan"), dtype=dtype, device=DEV)
     scratch = {}
-    lora_shrink_dense(x, a, idx, out, scratch=scratch)
+    lora_shrink_dense(x, a, idx, out, scratch=scratch, by_rows=by_rows, inputs_ready=ready)
     first = out.clone()
-    lora_shrink_dense(x, a, idx, out, scratch=scratch)     # again: the split counters were reset
+    lora_shrink_dense(x, a, idx, out, scratch=scratch, by_rows=by_rows, inputs_ready=ready)   # counters were reset
     assert torch.equal(out, first)
-    if k == 600 and DEV == "cpu":
+    if (k == 600 or by_rows) and DEV == "cpu":
         (_, lock), = scratch.values()
         assert int(lock.abs().sum()) == 0
     want = torch.zeros(t, s * r)
@@ -100,5 +104,27 @@ def test_shrink_prefetch_gives_the_same_partials(r):
     rows = idx >= 0
     torch.testing.assert_close(ready[rows], plain[rows], atol=1e-3, rtol=1e-3)
     assert torch.isnan(ready[~rows]).all() and torch.isnan(plain[~rows]).all()
-    want = torch.stack([x[i].float() @ a[s].float().T if s >= 0 else torch.zeros(r) for i, s in enumerate(idx.tolist())])
+    want = torch.stack([x[i].float() @ a[s].float().T if s >= 0 else torch.zeros(r, device=DEV)
+                        for i, s in enumerate(idx.tolist())])
     torch.testing.assert_close(ready.sum(1)[rows], want[rows], atol=1e-2, rtol=1e-2)
+
+
+@pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-4), (torch.bfloat16, 3e-2)])
+@pytest.mark.parametrize("t,inter,r,s", [(20, 40, 8, 3), (70, 24, 16, 2), (20, 40, 16, 3)])   # last: two W steps
+def test_silu_mul_lora_adds_each_rows_term_before_the_swiglu(dtype, tol, t, inter, r, s):
+    """``silu_mul_lora`` = silu(g) · u of ``prod + V·B_allᵀ``, the reference computed in float32;
+    base rows (V zero) get the plain SwiGLU of the product."""
+    from graphdsl.runtime.kernels.lora import silu_mul_lora
+    x, _, a, b, idx = _factors(t, 2 * inter, 48, r, s, dtype, t + inter)
+    v = torch.empty(t, s * r, dtype=dtype, device=DEV)
+    lora_shrink_dense(x, a, idx, v)
+    g = torch.Generator().manual_seed(t)
+    prod = torch.randn(t, 2 * inter, generator=g).to(DEV, dtype)
+    out = torch.full((t, inter), float("nan"), dtype=dtype, device=DEV)
+    silu_mul_lora(prod, v, b, out)
+    full = prod.float() + v.float() @ b.view(2 * inter, s * r).float().T
+    want = torch.nn.functional.silu(full[:, :inter]) * full[:, inter:]
+    torch.testing.assert_close(out.float(), want, atol=tol, rtol=tol)
+    base = (idx < 0).nonzero().flatten()
+    plain = torch.nn.functional.silu(prod[base, :inter].float()) * prod[base, inter:].float()
+    torch.testing.assert_close(out[base].float(), plain, atol=tol, rtol=tol)

@@ -1,6 +1,7 @@
 """A tiny fp16 Llama with two LoRA adapters on the Triton backend (the CPU interpreter here, compiled on
 CUDA) against the torch backend (the fused ops' references): a few rows run the BGMV shrink and the
-decode GEMV with the LoRA epilogue, many rows the slot-dense shrink and one addmm; a LoRA step runs
+decode GEMV with the LoRA epilogue, many rows the slot-dense shrink and one addmm (for gate/up: the
+SwiGLU kernel that adds the term); a LoRA step runs
 exactly one shrink launch more per adapted projection than the base step, and no expand kernel."""
 import os
 
@@ -33,7 +34,7 @@ def llm(tmp_path_factory):
 def _count(monkeypatch):
     import graphdsl.runtime.kernels.gemv as gemv_mod
     import graphdsl.runtime.kernels.lora as lora_mod
-    calls = {"gemv": 0, "gemv_lora": 0, "shrink": 0, "shrink_dense": 0, "expand": 0}
+    calls = {"gemv": 0, "gemv_lora": 0, "shrink": 0, "shrink_dense": 0, "expand": 0, "silu_mul_lora": 0}
 
     def spy(mod, name, key, *, lora_key=None):
         f = getattr(mod, name)
@@ -45,6 +46,7 @@ def _count(monkeypatch):
     spy(gemv_mod, "gemv", "gemv", lora_key="gemv_lora")
     spy(lora_mod, "lora_shrink", "shrink")
     spy(lora_mod, "lora_shrink_dense", "shrink_dense")
+    spy(lora_mod, "silu_mul_lora", "silu_mul_lora")
     expand = lora_mod._expand_kernel
 
     class _Expand:
@@ -69,8 +71,9 @@ def test_triton_lora_engine_matches_torch_backend(llm, monkeypatch, tokens):
     if tokens <= 16:          # 4 projections a layer, each one shrink + one GEMV with the LoRA epilogue
         assert calls["shrink"] == 4 * layers and calls["gemv_lora"] == 4 * layers
         assert calls["shrink_dense"] == 0
-    else:
+    else:                     # the gate/up term is added inside the SwiGLU launch
         assert calls["shrink_dense"] == 4 * layers and calls["shrink"] == 0
+        assert calls["silu_mul_lora"] == layers
     assert calls["expand"] == 0
 
 
