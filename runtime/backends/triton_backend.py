@@ -468,9 +468,17 @@ def _quant_linear(be: TritonBackend, node, ins, attrs, dsts):
         return dsts
     prod = be.workspace(node, ins, attrs).view(-1, n) if silu else out2
     if gguf:                                   # GGUF blocks: their kernel once per row part
-        from ..kernels.gguf_linear import gguf_linear
+        from ..kernels.gguf_linear import MAX_GEMV_ROWS, gguf_gemv, gguf_linear
+        gemv_rows = 1 <= x2.shape[0] <= MAX_GEMV_ROWS and x2.stride(-1) == 1 and prod.stride(-1) == 1 \
+            and (add2 is None or (add2.dtype == x2.dtype and add2.stride(-1) == 1))
         for data, (qtype, r0, r1) in zip(stored, scheme.row_parts(n)):
-            prod[:, r0:r1].copy_(gguf_linear(x2, data, qtype))
+            if gemv_rows:                      # straight into the product's columns, the addend's slice added
+                gguf_gemv(x2, data, qtype, None if add2 is None else add2[..., r0:r1], out=prod[:, r0:r1],
+                          workspace=be.gemv_workspace)
+            else:
+                prod[:, r0:r1].copy_(gguf_linear(x2, data, qtype))
+        if gemv_rows:
+            add2 = None
     elif isinstance(scheme, Fp8Scheme) and scheme.dynamic_activations and _scaled_mm_rows(x2, n):
         xq, sx = quantize_fp8_rows(x2)
         sw = stored[1].float().reshape(-1, 1).expand(n, 1).reshape(1, n)

@@ -60,6 +60,7 @@ import triton.language as tl
 from graphdsl.errors import GraphDSLError
 
 from .pdl import pdl_launch, pdl_trigger, pdl_wait
+from .splitk import arrive, depart, sum_partials
 
 __all__ = ["gemv", "gemv_supported", "GemvWorkspace", "GemvLoRA", "MAX_ROWS", "weight_kind"]
 
@@ -276,38 +277,6 @@ def _int4_k_loop(acc, x_rows, q_ptr, s_ptr, z_ptr, rn, n_ok, m_ok, k_lo, k_hi, K
 
 
 @triton.jit
-def slice_ok(s, count, like):
-    """``s < count`` broadcast to ``like``'s shape (the interpreter takes no scalar mask for a tile)."""
-    return tl.full(like.shape, 0, tl.int32) + s < count
-
-
-@triton.jit
-def _sum_partials(slab, pid_n, n_tiles, SPLIT_K, BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr,
-                  ONE_PART_ROW: tl.constexpr, rm):
-    """Σ_s of the split slices' partial tiles of column tile ``pid_n`` (``slab``: the tile's offsets),
-    added in slice order, as a ``[BLOCK_N, BLOCK_M]`` tile. The loads go out 8 (one-row sums) or 4
-    (tiles) slices at a time: a plain loop waits one L2 round trip per slice (SASS: each iteration's loads are issued
-    after the previous iteration's adds), which cost an int4 GEMV split 16 ways most of its time.
-    Adding masked-off slices' zeros leaves the sum bit-identical to the one-by-one loop."""
-    if ONE_PART_ROW:
-        row = tl.zeros([BLOCK_N], tl.float32)
-        for s0 in range(0, SPLIT_K, 8):
-            for i in tl.static_range(8):        # straight-line code: the loads are issued together
-                t = (s0 + i) * n_tiles + pid_n
-                row += tl.load(slab + t.to(tl.int64) * BLOCK_N, mask=slice_ok(s0 + i, SPLIT_K, row), other=0.0,
-                               cache_modifier=".cg")
-        total = tl.where((rm == 0)[None, :], row[:, None], 0.0)
-    else:
-        total = tl.zeros([BLOCK_N, BLOCK_M], tl.float32)
-        for s0 in range(0, SPLIT_K, 4):
-            for i in tl.static_range(4):
-                t = (s0 + i) * n_tiles + pid_n
-                total += tl.load(slab + t.to(tl.int64) * (BLOCK_N * BLOCK_M), mask=slice_ok(s0 + i, SPLIT_K, total),
-                                 other=0.0, cache_modifier=".cg")
-    return total
-
-
-@triton.jit
 def _gemv_kernel(
     x_ptr,          # [M, K] rows, last dim contiguous
     w_ptr,          # [N, K] weight, row-major contiguous (HF [out, in] layout); quantized: the codes
@@ -405,11 +374,9 @@ def _gemv_kernel(
         else:
             slab = part_ptr + rt[:, None] * BLOCK_M + rm[None, :]
             tl.store(slab + (pid_k * n_tiles + pid_n).to(tl.int64) * (BLOCK_N * BLOCK_M), acc)
-        tl.debug_barrier()
-        arrived = tl.atomic_add(lock_ptr + pid_n, 1, sem="acq_rel")
-        if arrived == SPLIT_K - 1:
-            acc = _sum_partials(slab, pid_n, n_tiles, SPLIT_K, BLOCK_N, BLOCK_M, ONE_PART_ROW, rm)
-            tl.atomic_xchg(lock_ptr + pid_n, 0, sem="relaxed")   # read again only by a later launch
+        if arrive(lock_ptr, pid_n, SPLIT_K):
+            acc = sum_partials(slab, pid_n, n_tiles, SPLIT_K, BLOCK_N, BLOCK_M, ONE_PART_ROW, rm)
+            depart(lock_ptr, pid_n)
             if WKIND == 1 or WKIND == 4:
                 acc = acc * tl.load(s_ptr + rn.to(tl.int64) * stride_sn, mask=n_ok, other=0.0).to(tl.float32)[:, None]
             _finish(acc, add_ptr, out_ptr, pid_n, rm, m_ok, N, stride_am, stride_om, HAS_ADD, SWIGLU, BLOCK_N,

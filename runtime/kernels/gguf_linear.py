@@ -12,8 +12,9 @@ by a matmul; the kernels never write the dequantized weight for decode.
   with the ``[SB·values, 16]`` activation slice. With one row (``M == 1``, the decode case that
   matters most) it skips the tile: :func:`.gguf_tiles.row_dot` multiplies each nibble plane with
   its contiguous activation slice, sums per sub-block and applies the scales to the sums.
-  Split-K writes float32 partials ``[SPLIT_K, M, N]`` summed afterwards in slice order
-  (deterministic).
+  Split-K slices meet in the same launch (:mod:`.splitk`: the last program per row tile sums
+  the partials in slice order, deterministic), which adds the residual or bias and stores into
+  the caller's ``out`` — a column slice of a fused projection's product works.
 * **Prefill (``M > 16``): dequantize then cuBLAS.** :func:`gguf_dequantize` writes the weight in
   the activation dtype (one pass over the bytes) and ``torch.nn.functional.linear`` multiplies.
   Measured on the H200 its tile-order stores make the dequantize pass cost several times the
@@ -37,6 +38,7 @@ import triton.language as tl
 from graphdsl.errors import GraphDSLError
 
 from .gguf_tiles import KERNEL_QTYPES, decode_tile, row_dot
+from .splitk import arrive, depart, sum_partials
 
 __all__ = ["gguf_linear", "gguf_gemv", "gguf_dequantize", "KERNEL_QTYPES", "MAX_GEMV_ROWS"]
 
@@ -48,20 +50,28 @@ _DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 def _gguf_gemv_kernel(
     x_ptr,          # [M, K] activations, last dim contiguous
     w_ptr,          # [N, ROW_BYTES] uint8 GGML blocks, row-major
-    out_ptr,        # [M, N] output (SPLIT: [SPLIT_K, M, N] float32 partials), last dim contiguous
+    add_ptr,        # HAS_ADD: [M, N] residual (stride_am) or [N] bias (stride_am 0), last dim contiguous
+    out_ptr,        # [M, N] output, last dim contiguous
+    part_ptr,       # SPLIT: [SPLIT_K, n_tiles, BLOCK_N, BLOCK_M] float32 partials (one row: [.., BLOCK_N])
+    lock_ptr,       # SPLIT: [n_tiles] int32 arrival counters, zero between launches
     M, N, K,        # sizes
     row_bytes,      # bytes of one weight row
     steps_per_split,  # SB-block steps per K slice
-    stride_xm, stride_om, stride_os,   # x row stride; out row stride; out slice stride (SPLIT)
+    SPLIT_K,        # K slices (programs along axis 1)
+    stride_xm, stride_om, stride_am,   # row strides of x, out, add
     QTYPE: tl.constexpr,         # GGML type name
     VALUES: tl.constexpr,        # values per block
     SB: tl.constexpr,            # blocks per step
     BLOCK_N: tl.constexpr,       # weight rows per program
     BLOCK_M: tl.constexpr,       # activation rows padded (dot path)
     USE_DOT: tl.constexpr,       # M > 1: tl.dot; M == 1: elementwise
+    SPLIT: tl.constexpr,         # SPLIT_K > 1: the slices meet in this launch (:mod:`.splitk`)
+    HAS_ADD: tl.constexpr,
     DOT_F32: tl.constexpr,       # the CPU interpreter's dot mishandles bfloat16: multiply in float32
 ):
-    """out[m, n] = sum_k x[m, k] * dequant(w)[n, k] over this program's K slice, float32 accumulation."""
+    """out[m, n] = sum_k x[m, k] * dequant(w)[n, k] (+ add[m, n]), float32 accumulation; with
+    ``SPLIT`` each program sums its K slice and the last to arrive per row tile adds the slices in
+    slice order and stores (:mod:`.splitk`)."""
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -72,6 +82,7 @@ def _gguf_gemv_kernel(
     s_hi = tl.minimum(s_lo + steps_per_split, n_steps)
     rm = tl.arange(0, BLOCK_M)
     m_ok = rm < M
+    rt = tl.arange(0, BLOCK_N)
     if USE_DOT:
         acc = tl.zeros([BLOCK_N, BLOCK_M], tl.float32)
         for s in range(s_lo, s_hi):
@@ -83,15 +94,38 @@ def _gguf_gemv_kernel(
                 acc += tl.dot(w, xt.to(tl.float32), input_precision="ieee")
             else:
                 acc += tl.dot(w.to(xt.dtype), xt)
+        if SPLIT:
+            n_tiles = tl.num_programs(0)
+            slab = part_ptr + rt[:, None] * BLOCK_M + rm[None, :]
+            tl.store(slab + (pid_k * n_tiles + pid_n).to(tl.int64) * (BLOCK_N * BLOCK_M), acc)
+            last = arrive(lock_ptr, pid_n, SPLIT_K)
+            if last:
+                acc = sum_partials(slab, pid_n, n_tiles, SPLIT_K, BLOCK_N, BLOCK_M, False, rm)
+                depart(lock_ptr, pid_n)
+        else:
+            last = pid_k == 0
     else:
         acc1 = tl.zeros([BLOCK_N], tl.float32)
         for s in range(s_lo, s_hi):
             acc1 += row_dot(rows, n_ok, s * SB, x_ptr, QTYPE, SB)
-        acc = tl.expand_dims(acc1, 1)                      # [BLOCK_N, 1]; M == 1
         rm = tl.arange(0, 1)
         m_ok = rm < 1
-    dst = out_ptr + pid_k.to(tl.int64) * stride_os + rm[None, :] * stride_om + rn[:, None]
-    tl.store(dst, acc.to(out_ptr.dtype.element_ty), mask=n_ok[:, None] & m_ok[None, :])
+        acc = tl.expand_dims(acc1, 1)                      # [BLOCK_N, 1]; M == 1
+        if SPLIT:
+            n_tiles = tl.num_programs(0)
+            slab = part_ptr + rt
+            tl.store(slab + (pid_k * n_tiles + pid_n).to(tl.int64) * BLOCK_N, acc1)
+            last = arrive(lock_ptr, pid_n, SPLIT_K)
+            if last:
+                acc = sum_partials(slab, pid_n, n_tiles, SPLIT_K, BLOCK_N, 1, True, rm)
+                depart(lock_ptr, pid_n)
+        else:
+            last = pid_k == 0
+    if last:
+        ok = n_ok[:, None] & m_ok[None, :]
+        if HAS_ADD:
+            acc += tl.load(add_ptr + rm[None, :] * stride_am + rn[:, None], mask=ok, other=0.0).to(tl.float32)
+        tl.store(out_ptr + rm[None, :] * stride_om + rn[:, None], acc.to(out_ptr.dtype.element_ty), mask=ok)
 
 
 @triton.jit
@@ -167,15 +201,29 @@ def _check(data: torch.Tensor, qtype: str, x: torch.Tensor | None = None) -> int
     return k
 
 
-def gguf_gemv(x: torch.Tensor, data: torch.Tensor, qtype: str, *, config: dict | None = None) -> torch.Tensor:
-    """``x @ dequant(data).T`` for ``x [M <= 16, K]`` and GGML blocks ``data [N, row_bytes]`` of type
-    ``qtype``; the result has x's dtype. ``config`` overrides the launch (``SB, BLOCK_N, SPLIT_K,
-    num_warps, num_stages``, optionally ``USE_DOT`` to take the tile + ``tl.dot`` path with one row;
-    benchmarks sweep it)."""
+def gguf_gemv(x: torch.Tensor, data: torch.Tensor, qtype: str, add: torch.Tensor | None = None, *,
+              out: torch.Tensor | None = None, workspace=None, config: dict | None = None) -> torch.Tensor:
+    """``x @ dequant(data).T (+ add)`` for ``x [M <= 16, K]`` and GGML blocks ``data [N, row_bytes]``
+    of type ``qtype``, in one launch; the result has x's dtype. ``add``: a residual ``[M, N]`` or a
+    bias ``[N]`` (unit inner stride), added in float32 before the store. ``out``: ``[M, N]`` with a
+    unit inner stride (a column slice of a wider product works). ``workspace``: a
+    :class:`~.gemv.GemvWorkspace` holding the split-K partials and counters (a private one per
+    call if omitted; an engine passes its own so a captured graph keeps the addresses).
+    ``config`` overrides the launch (``SB, BLOCK_N, SPLIT_K, num_warps, num_stages``, optionally
+    ``USE_DOT`` to take the tile + ``tl.dot`` path with one row; benchmarks sweep it)."""
+    from .gemv import GemvWorkspace
     k = _check(data, qtype, x)
     m, n = x.shape[0], data.shape[0]
     if not 1 <= m <= MAX_GEMV_ROWS:
         raise GraphDSLError(f"gguf_gemv: x needs 1..{MAX_GEMV_ROWS} rows, got {m}")
+    if out is None:
+        out = torch.empty(m, n, dtype=x.dtype, device=x.device)
+    if tuple(out.shape) != (m, n) or out.dtype != x.dtype or out.stride(-1) != 1:
+        raise GraphDSLError(f"gguf_gemv: out must be [{m}, {n}] {x.dtype} with a unit inner stride, got "
+                            f"{list(out.shape)} {out.dtype} strides {out.stride()}")
+    if add is not None and (tuple(add.shape) not in ((n,), (m, n)) or add.stride(-1) != 1):
+        raise GraphDSLError(f"gguf_gemv: add must be a bias [{n}] or a residual [{m}, {n}] with a unit inner "
+                            f"stride, got {list(add.shape)} strides {add.stride()}")
     values = KERNEL_QTYPES[qtype][0]
     cfg = dict(config or _pick_config(m, n, k, qtype, x.device))
     sb, block_n, split = cfg.pop("SB"), cfg.pop("BLOCK_N"), cfg.pop("SPLIT_K")
@@ -185,15 +233,14 @@ def gguf_gemv(x: torch.Tensor, data: torch.Tensor, qtype: str, *, config: dict |
     steps = k // values // sb
     per = triton.cdiv(steps, max(1, min(split, steps)))
     split = triton.cdiv(steps, per)                        # no empty slices
-    out = torch.empty(m, n, dtype=x.dtype, device=x.device)
-    dst = out if split == 1 else torch.empty(split, m, n, dtype=torch.float32, device=x.device)
+    n_tiles = triton.cdiv(n, block_n)
+    part, lock = (workspace or GemvWorkspace()).get(x.device, n_tiles, split, block_n) if split > 1 else (out, out)
     interp = os.environ.get("TRITON_INTERPRET") == "1"
-    _gguf_gemv_kernel[(triton.cdiv(n, block_n), split)](
-        x, data, dst, m, n, k, data.shape[1], per, x.stride(0), n, m * n,
+    _gguf_gemv_kernel[(n_tiles, split)](
+        x, data, add if add is not None else out, out, part, lock, m, n, k, data.shape[1], per, split,
+        x.stride(0), out.stride(0), 0 if add is None or add.dim() == 1 else add.stride(0),
         QTYPE=qtype, VALUES=values, SB=sb, BLOCK_N=block_n, BLOCK_M=MAX_GEMV_ROWS, USE_DOT=use_dot,
-        DOT_F32=interp or x.dtype == torch.float32, **cfg)
-    if split > 1:
-        out.copy_(dst.sum(0))
+        SPLIT=split > 1, HAS_ADD=add is not None, DOT_F32=interp or x.dtype == torch.float32, **cfg)
     return out
 
 
@@ -221,10 +268,9 @@ def gguf_linear(x: torch.Tensor, data: torch.Tensor, qtype: str, bias: torch.Ten
     if x2.stride(1) != 1:
         x2 = x2.contiguous()
     if 1 <= x2.shape[0] <= MAX_GEMV_ROWS:
-        out = gguf_gemv(x2, data, qtype)
+        bias = bias if bias is None or bias.stride(-1) == 1 else bias.contiguous()
+        out = gguf_gemv(x2, data, qtype, None if bias is None else bias.to(x2.dtype))
     else:
         _check(data, qtype, x2)
-        out = torch.nn.functional.linear(x2, gguf_dequantize(data, qtype, x2.dtype))
-    if bias is not None:
-        out = out + bias
+        out = torch.nn.functional.linear(x2, gguf_dequantize(data, qtype, x2.dtype), bias)
     return out.reshape(*lead, data.shape[0])

@@ -47,6 +47,30 @@ def test_gemv_matches_dequantize_then_matmul(qtype, m, split):
     _close(out, x, ref, torch.float32)
 
 
+@pytest.mark.parametrize("m,split,use_dot", [(1, 3, False), (1, 3, True), (4, 5, True), (4, 1, True)])
+def test_gemv_into_a_column_slice_with_the_residual_added(m, split, use_dot):
+    """``out=`` a column slice of a wider product (a fused projection's row part) and a residual
+    slice as ``add``: the last slice's program adds it and stores; split-K meets in the launch and
+    leaves the workspace's counters at zero, so a second launch on it gives the same bits."""
+    from graphdsl.runtime.kernels.gemv import GemvWorkspace
+    data, ref = _weight("Q4_K", 19, 1024, seed=6)
+    x = _x(m, 1024, torch.float32, seed=6 + m)
+    wide = torch.full((m, 40), float("nan"), device=DEV)
+    res = _x(m, 40, torch.float32, seed=7)
+    ws = GemvWorkspace()
+    cfg = dict(SB=1, BLOCK_N=8, SPLIT_K=split, num_warps=4, num_stages=1, USE_DOT=use_dot)
+    got = gguf_gemv(x, data, "Q4_K", res[:, 10:29], out=wide[:, 10:29], workspace=ws, config=cfg)
+    assert got.data_ptr() == wide[:, 10:29].data_ptr()
+    _close(wide[:, 10:29] - res[:, 10:29], x, ref, torch.float32)
+    assert torch.isnan(wide[:, :10]).all() and torch.isnan(wide[:, 29:]).all()
+    first = wide.clone()
+    gguf_gemv(x, data, "Q4_K", res[:, 10:29], out=wide[:, 10:29], workspace=ws, config=cfg)
+    assert torch.equal(wide[:, 10:29], first[:, 10:29])
+    assert all(int(lock.abs().sum()) == 0 for _, lock in ws._buffers.values())
+    bias = res[0, :19].contiguous()
+    _close(gguf_gemv(x, data, "Q4_K", bias, config=cfg) - bias, x, ref, torch.float32)
+
+
 def test_one_row_dot_path_matches_row_dot():
     """The tile + tl.dot path forced for one row (benchmarks compare it) gives the same values."""
     data, ref = _weight("Q5_K", 17, 512, seed=5)

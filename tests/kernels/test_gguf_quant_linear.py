@@ -40,9 +40,12 @@ def test_triton_backend_runs_the_gguf_kernel(qtype, rows, monkeypatch):
         assert [nd.op for nd in engine.net.nodes][0] == "quant_linear_silu_mul"
     import graphdsl.runtime.kernels.gguf_linear as kernels
     calls = []
-    real = kernels.gguf_linear
-    monkeypatch.setattr(kernels, "gguf_linear", lambda x, d, q, *a: calls.append(q) or real(x, d, q, *a))
+    for name in ("gguf_linear", "gguf_gemv"):     # the GEMV (<= 16 rows, straight into the product) or both halves
+        real = getattr(kernels, name)
+        monkeypatch.setattr(kernels, name, lambda x, d, q, *a, _f=real, _n=name, **kw:
+                            calls.append((_n, q)) or _f(x, d, q, *a, **kw))
     got = engine.forward(feed)["y"]
-    assert calls == types + ["Q8_0"], calls
+    kernel = "gguf_gemv" if rows <= 16 else "gguf_linear"
+    assert calls == [(kernel, q) for q in types + ["Q8_0"]], calls
     want = net.build_engine(device=DEVICE, backend="torch").forward(feed)["y"]
     torch.testing.assert_close(got.float(), want.float(), atol=3e-2 * want.float().abs().max().item(), rtol=3e-2)
