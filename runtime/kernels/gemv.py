@@ -9,11 +9,12 @@ rows, so the op is bound by the bytes of ``w`` and by how many of them are in fl
   ``[16, BLOCK_K]`` slice of the rows (M padded to 16 with masked loads) with ``tl.dot``, so the
   compiler software-pipelines the weight loads ``num_stages`` deep through shared memory, which is
   what keeps enough bytes in flight. Accumulation is float32.
-* **Split-K without a second launch.** With ``SPLIT_K > 1`` each program writes its float32 partial
-  tile to a workspace and bumps the tile's arrival counter (a release/acquire atomic); the program
-  that arrives last sums the ``SPLIT_K`` partials *in slice order* (so results do not depend on
-  arrival order), applies the epilogue, stores, and resets the counter to 0 for the next launch
-  (so CUDA-graph replays need no memset).
+* **Split-K without a second launch** (:mod:`.splitk`). With ``SPLIT_K > 1`` each program writes its
+  float32 partial tile (one row: its ``[BLOCK_N]`` sums) to a workspace and bumps the tile's
+  arrival counter (a release/acquire atomic); the program that arrives last sums the ``SPLIT_K``
+  partials *in slice order* (so results do not depend on arrival order), several slices' loads
+  in flight at once, applies the epilogue, stores, and resets the counter to 0 for the next
+  launch (so CUDA-graph replays need no memset).
 * **Epilogue**: ``+ add`` — a bias ``[N]`` or a residual ``[M, N]``; or, with ``silu_mul``, SwiGLU
   over a packed ``[gate | up]`` weight: each tile's rows are the gate and up rows of half as many
   output columns, interleaved, so one stream feeds both and the epilogue writes ``silu(g) * u``.
@@ -25,10 +26,11 @@ rows, so the op is bound by the bytes of ``w`` and by how many of them are in fl
   program that finishes the tile adds it once.
 * **Quantized weights** (``scheme=``, the weight-only schemes of :mod:`graphdsl.quant`;
   ``WKIND``): int8 / fp8 codes are exact in fp16/bf16 and enter ``tl.dot`` as loaded, the row
-  scale multiplying the float32 sums before the epilogue; int4 one row runs CUDA-core FMAs over
-  nibbles OR-ed into the mantissa of 1.0 (:func:`_int4_row_loop`), more rows ``tl.dot`` over
-  16-bit magic-number nibble planes (:func:`_int4_k_loop`) — no int->float conversion
-  instructions either way (1/8 of the FMA rate on Hopper). Launches: :func:`_pick_quant_config`.
+  scale multiplying the float32 sums before the epilogue; one row runs CUDA-core FMAs instead —
+  int4 over nibbles OR-ed into the mantissa of 1.0 (:func:`_int4_row_loop`), fp8 over codes
+  shifted into float32 bits (:func:`_fp8_row_loop`) —, more int4 rows ``tl.dot`` over 16-bit
+  magic-number nibble planes (:func:`_int4_k_loop`): no conversion instructions (1/8 of the FMA
+  rate on Hopper) on the one-row paths. Launches: :func:`_pick_quant_config`.
 * **PDL** (:mod:`.pdl`): on Hopper the kernel may launch while its predecessor finishes. A grid of
   more programs than SMs lets the next kernel launch only once its programs are past the K loop:
   launched at the usual point (when its last wave starts), the next kernel's programs take each SM
@@ -220,6 +222,44 @@ def _int4_row_loop(x_ptr, q_ptr, s_ptr, z_ptr, rn, n_ok, N, w_lo, w_hi, W_ROW, s
 
 
 @triton.jit
+def _e4m3(top):
+    """An fp8 e4m3 code in bits 24..31 of ``top`` (the rest zero) as a float32: the arithmetic shift
+    by 4 puts the exponent and mantissa at bits 20..26 and copies the sign into 27..31, the mask
+    keeps bit 31: the float32 is the code times 2^-120 exactly — a code with exponent 0
+    (subnormal) lands on a float32 subnormal of the same ratio."""
+    return ((top >> 4) & -2014314496).to(tl.float32, bitcast=True)     # 0x87F00000
+
+
+@triton.jit
+def _fp8_row_loop(x_ptr, q_ptr, rn, N, w_lo, w_hi, W_ROW, BLOCK_N: tl.constexpr, C: tl.constexpr):
+    """One row: ``2^-120 · sum_k x[k] · q[n, k]`` over the words ``[w_lo, w_hi)`` of each row (the
+    caller multiplies by ``2^120`` and the scales). ``q_ptr``: int32 words of four e4m3 codes
+    (``k = 4c + i`` in byte ``i``). Each code becomes a float32 by shifts and one LOP3
+    (:func:`_e4m3`) instead of the conversion instructions (16 a clock per SM on Hopper, which held
+    the ``tl.dot`` path near half the copy bandwidth), then one FMA; float32 subnormal products
+    keep an absolute precision of 2^-29 of the code scale. Words are ``C`` a step, the next step's
+    loaded before this one's math, rows past ``N`` read row ``N - 1`` (never stored): unmasked
+    16-byte loads."""
+    rc = tl.arange(0, C)
+    q_rows = q_ptr + tl.minimum(rn, N - 1).to(tl.int64)[:, None] * W_ROW
+    acc = tl.zeros([BLOCK_N, C], tl.float32)
+    w_next = tl.load(q_rows + (w_lo + rc)[None, :])
+    for c in range(w_lo, w_hi, C):
+        w = w_next
+        w_next = tl.load(q_rows + (tl.minimum(c + C, w_hi - C) + rc)[None, :])
+        xp = x_ptr + 4 * (c + rc)
+        x0 = tl.load(xp).to(tl.float32)
+        x1 = tl.load(xp + 1).to(tl.float32)
+        x2 = tl.load(xp + 2).to(tl.float32)
+        x3 = tl.load(xp + 3).to(tl.float32)
+        acc += _e4m3(w << 24) * x0[None, :]
+        acc += _e4m3(w << 16) * x1[None, :]
+        acc += _e4m3(w << 8) * x2[None, :]
+        acc += _e4m3(w) * x3[None, :]          # byte 3: its low bits below 24 come out of the mask
+    return tl.sum(acc, axis=1)
+
+
+@triton.jit
 def _int4_k_loop(acc, x_rows, q_ptr, s_ptr, z_ptr, rn, n_ok, m_ok, k_lo, k_hi, K, stride_sn,
                  ZERO_POINT: tl.constexpr, GROUP: tl.constexpr, BLOCK_K: tl.constexpr, DOT_F32: tl.constexpr):
     """``acc[n, m] += sum_k x[m, k] * (q[n, k] - z[n, g]) * s[n, g]`` over ``k_lo <= k < k_hi``,
@@ -288,11 +328,12 @@ def _gemv_kernel(
     part_ptr,       # [SPLIT_K, n_tiles, BLOCK_N, BLOCK_M] float32 partial tiles (SPLIT)
     lock_ptr,       # [n_tiles] int32 arrival counters, zero between launches (SPLIT)
     M, N, K, SPLIT_K, K_SPLIT,   # sizes (N: output columns); K_SPLIT = K elements per slice (a multiple of BLOCK_K)
-    N2, W_ROW, K_SPLIT_W,        # int4 one-row loop: weight rows, int32 words a row (K / 8), words a slice
+    N2, W_ROW, K_SPLIT_W,        # one-row loops: weight rows, int32 words a row (K / 8 int4, K / 4 fp8), a slice
     stride_xm, stride_am, stride_om, stride_sn,
     WKIND: tl.constexpr,         # W_FLOAT, W_INT8, W_INT4, W_INT4_ZP or W_FP8 (module constants)
     GROUP: tl.constexpr,         # int4: inputs per scale (a divisor or a multiple of BLOCK_K)
-    ONE_ROW: tl.constexpr,       # int4, M == 1: the CUDA-core loop (_int4_row_loop; BLOCK_K a multiple of GROUP)
+    ONE_ROW: tl.constexpr,       # M == 1, int4 (BLOCK_K a multiple of GROUP) or fp8 (EVEN_K): the CUDA-core
+                                 # loops (_int4_row_loop, _fp8_row_loop) over int32 words of W_ROW a row
     ONE_PART_ROW: tl.constexpr,  # SPLIT and M == 1: the partials are [BLOCK_N] row sums, not padded tiles
     HAS_ADD: tl.constexpr,
     SWIGLU: tl.constexpr,        # w is [2N, K] = [gate | up]; out = silu(x @ gate.T) * (x @ up.T)
@@ -338,6 +379,11 @@ def _gemv_kernel(
         row = _int4_row_loop(x_ptr, w_ptr, s_ptr, z_ptr, rn, n_ok, N2, w_lo, tl.minimum(w_lo + K_SPLIT_W, W_ROW), W_ROW,
                              stride_sn, BLOCK_N, WKIND == 3, GROUP)
         acc = tl.where((rm == 0)[None, :], row[:, None], 0.0)
+    elif WKIND == 4 and ONE_ROW:
+        w_lo = pid_k * K_SPLIT_W
+        row = _fp8_row_loop(x_ptr, w_ptr, rn, N2, w_lo, tl.minimum(w_lo + K_SPLIT_W, W_ROW), W_ROW, BLOCK_N,
+                            BLOCK_K // 4) * 1.329227995784916e36          # 2^120
+        acc = tl.where((rm == 0)[None, :], row[:, None], 0.0)
     elif INT4:
         acc = _int4_k_loop(acc, x_rows, w_ptr, s_ptr, z_ptr, rn, n_ok, m_ok, k_lo, k_hi, K, stride_sn,
                            WKIND == 3, GROUP, BLOCK_K, DOT_F32)
@@ -365,7 +411,7 @@ def _gemv_kernel(
         n_tiles = tl.num_programs(0)
         rt = tl.arange(0, BLOCK_N)
         if ONE_PART_ROW:        # one row: store and sum its [BLOCK_N] sums, not the padded tile
-            if INT4 and ONE_ROW:
+            if ONE_ROW:
                 part_row = row
             else:
                 part_row = tl.sum(tl.where((rm == 0)[None, :], acc, 0.0), axis=1)
@@ -443,7 +489,10 @@ def _pick_quant_config(m: int, n: int, k: int, wkind: int, group: int, device: t
     [4096, 4096] 9.1 µs at split 16, qkv 11.5 at split 8, down 19.8 at split 16, gate_up 37.1 at
     split 4; 128-input slice steps when split 8 or more (down 19.8 vs 21.4 µs with 256), else 256
     (timed before the split sums were loaded several slices at a time: now 7.5, 10.4, 18.1, 34.0).
-    fp8 / int8 (the ``tl.dot`` path): 64-row tiles, 128-input steps, 3 stages, K split up to 16
+    fp8, one row (the CUDA-core :func:`_fp8_row_loop`): 256-input steps, 32-row tiles when 64-row
+    ones would outnumber half the SMs, K split while the grid stays within four programs a SM
+    (qkv 11.2 µs at 32 rows / split 2, o 8.5 and down 20.5 at 64 / split 8, gate_up 35.8 at 32 /
+    unsplit: 46-77% of copy). fp8 / int8 (the ``tl.dot`` path): 64-row tiles, 128-input steps, 3 stages, K split up to 16
     while the programs stay within about 12 a SM and each slice keeps 2 steps (qkv 14.6 µs at split
     16 vs 16.2 at split 8 with 4 stages; o 11.2 vs 12.3; gate_up 49.8 at split 2 vs 57.4 unsplit;
     down 26.2 at split 16 vs 32.5 at split 8 with 256-input steps)."""
@@ -456,6 +505,13 @@ def _pick_quant_config(m: int, n: int, k: int, wkind: int, group: int, device: t
             split *= 2
         block_k = 256 if split <= 4 and k // split >= 256 and 256 % group == 0 else max(group, 128)
         return dict(BLOCK_N=block_n, BLOCK_K=block_k, SPLIT_K=split, num_warps=4, num_stages=_QUANT_STAGES)
+    if wkind == W_FP8 and m == 1 and k % 256 == 0:     # the CUDA-core row loop (_fp8_row_loop)
+        block_n = 32 if triton.cdiv(n, 64) > sms // 2 else 64
+        tiles = triton.cdiv(n, block_n)
+        split = 1
+        while split < 16 and tiles * split * 2 <= 4 * sms and k // (split * 2) >= 512:
+            split *= 2
+        return dict(BLOCK_N=block_n, BLOCK_K=256, SPLIT_K=split, num_warps=4, num_stages=3)
     block_n = _QUANT_BLOCK_N
     block_k = 128
     while block_k > 32 and k % block_k:
@@ -619,12 +675,15 @@ def gemv(x: torch.Tensor, w: torch.Tensor, add: torch.Tensor | None = None, *, s
         part, lock = (workspace or GemvWorkspace()).get(x.device, n_tiles, split, block_n)
     else:
         part = lock = out
-    one_row = False
+    one_row = kind == W_FP8 and m == 1 and k % block_k == 0 and block_k % 4 == 0
+    if one_row:
+        w = w.view(torch.int32)                                  # four codes a word: _fp8_row_loop
     if kind in (W_INT4, W_INT4_ZP):
         if block_k % group and group % block_k:
             raise GraphDSLError(f"gemv: BLOCK_K {block_k} and the group size {group} must divide one another")
         one_row = m == 1 and block_k % group == 0
         w = w.view(torch.int32 if one_row else torch.int16)      # nibbles a word: _int4_row_loop / _int4_k_loop
+    per_word = 4 if kind == W_FP8 else 8                          # codes an int32 word holds (one-row loops)
     if lora is not None:
         _check_lora(lora, m, n, x.dtype)
     stride_am = 0 if add is None or add.dim() == 1 else add.stride(0)
@@ -632,9 +691,8 @@ def gemv(x: torch.Tensor, w: torch.Tensor, add: torch.Tensor | None = None, *, s
     stride_sn = 0 if kind == W_FLOAT or s_t.shape[0] == 1 else s_t.stride(0)
     _gemv_kernel[(n_tiles, split)](
         x, w, s_t, zeros if zeros is not None else s_t, add if add is not None else out, out, part, lock,
-        m, cols, k, split, k_split, n, k // 8, k_split // 8, x.stride(0), stride_am, out.stride(0), stride_sn,
-        WKIND=kind, GROUP=group,
-        ONE_ROW=kind in (W_INT4, W_INT4_ZP) and one_row, ONE_PART_ROW=split > 1 and m == 1,
+        m, cols, k, split, k_split, n, k // per_word, k_split // per_word, x.stride(0), stride_am, out.stride(0),
+        stride_sn, WKIND=kind, GROUP=group, ONE_ROW=one_row, ONE_PART_ROW=split > 1 and m == 1,
         LATE_LAUNCH=n_tiles * split > _num_sms(x.device),
         HAS_ADD=add is not None, SWIGLU=silu_mul, SPLIT=split > 1, BLOCK_M=MAX_ROWS, BLOCK_N=block_n,
         BLOCK_K=block_k, EVEN_K=k % block_k == 0, EVEN_N=cols % tile_cols == 0,

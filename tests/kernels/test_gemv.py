@@ -171,3 +171,30 @@ def test_quantized_operands_are_checked():
     g32 = _quantized("int4-g32", 8, 128, torch.float16, seed=4)[0]
     with pytest.raises(GraphDSLError, match=r"the codes of int4-g32"):      # a plane of a group < 16 inputs
         gemv(x, stored[0], scheme=g32, scales=stored[1])
+
+
+@pytest.mark.parametrize("split", [1, 4])
+def test_fp8_one_row_loop_is_exact_on_every_code(split):
+    """The one-row fp8 loop moves each e4m3 code's bits into a float32 (times 2^-120) instead of
+    converting it: every finite code — signed zeros, the subnormals (exponent 0), 448 — must come
+    out as its value. Rows 0-7 hold only subnormal codes, so a wrong subnormal would show at that
+    row's own scale; each row is checked against a float64 product to fp16 rounding."""
+    from graphdsl.quant import parse_scheme
+    s = parse_scheme("fp8-tensor")
+    gen = torch.Generator().manual_seed(split)
+    codes = torch.arange(256, dtype=torch.int32).to(torch.uint8)
+    finite = codes[(codes & 0x7F) != 0x7F]                              # every code but the two NaNs
+    sub = codes[(codes & 0x78) == 0]                                    # exponent 0: zeros and subnormals
+    n, k = 24, 256
+    q = torch.cat([sub[torch.randint(0, sub.numel(), (8, k), generator=gen)],
+                   finite.repeat(16 * k // finite.numel() + 1)[: 16 * k].view(16, k)])
+    q = q[:, torch.randperm(k, generator=gen)].contiguous()
+    values = q.view(torch.float8_e4m3fn).double()
+    assert values.abs().max() == 448 and values[:8].abs().max() < 2 ** -6
+    x = torch.randn(1, k, generator=gen).half()
+    cfg = dict(BLOCK_N=16, BLOCK_K=64, SPLIT_K=split, num_warps=4, num_stages=2)
+    got = gemv(x.to(DEV), q.view(torch.float8_e4m3fn).to(DEV), config=cfg, workspace=GemvWorkspace(), scheme=s,
+               scales=torch.tensor([[0.5]]).to(DEV)).double().cpu()
+    want = (x.double() @ values.T) * 0.5
+    for rows in (slice(0, 8), slice(8, 24)):
+        torch.testing.assert_close(got[:, rows], want[:, rows], rtol=2e-3, atol=2e-3 * want[:, rows].abs().max().item())
