@@ -803,7 +803,7 @@ class _TPExecutor:
         except Exception as e:
             raise d.failed(e) from e
 
-    def decode_graph(self, n: int):
+    def decode_graph(self, n: int, lora: bool = False):
         return None
 
 

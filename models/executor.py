@@ -55,13 +55,16 @@ class ModelExecutor:
             raise LoRAError("a request names a LoRA adapter, but the model has no LoRA slots (load_lora first)")
         return self.model.lora.slots_for(names)
 
-    def decode_graph(self, n: int):
+    def decode_graph(self, n: int, lora: bool = False):
         """The decode graph of the smallest bucket holding ``n`` rows, or None (no graphs here, the
-        batch is larger than the largest bucket, or the model feeds extra inputs per step)."""
+        batch is larger than the largest bucket, or the model feeds extra inputs per step). With
+        ``lora`` it is the LoRA engine's, whose static inputs also hold ``lora_indices`` (the slot
+        of each row, -1 on padding rows)."""
         model = self.model
-        engine = model.engine(Phase.DECODE)
+        engine = model.engine(Phase.DECODE, lora=lora)
         runner = _graph_runner(model, engine)
-        if runner is None or set(runner.pads) != {"input_ids", "positions", "seq_lens", "block_tables"}:
+        want = {"input_ids", "positions", "seq_lens", "block_tables"} | ({"lora_indices"} if lora else set())
+        if runner is None or set(runner.pads) != want:
             return None
         extra_in, extra_out, params = model._update_model_inputs({})
         if extra_in or extra_out or params:
@@ -70,5 +73,5 @@ class ModelExecutor:
         if bucket is None:
             return None
         like = {"input_ids": ((), torch.int64), "positions": ((), torch.int64), "seq_lens": ((), torch.int32),
-                "block_tables": ((self.max_blocks_per_seq,), torch.int32)}
+                "block_tables": ((self.max_blocks_per_seq,), torch.int32), "lora_indices": ((), torch.int32)}
         return _BucketGraph(runner, bucket, runner.static_inputs(bucket, like, self.device))

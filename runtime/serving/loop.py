@@ -44,8 +44,8 @@ __all__ = ["StepExecutor", "DecodeGraph", "ServingLoop", "overlap_enabled", "pre
 
 class DecodeGraph(Protocol):
     """A captured decode step for up to ``rows`` requests. ``inputs`` are its static buffers
-    (``input_ids``, ``positions``, ``seq_lens`` [rows], ``block_tables`` [rows, width]); rows past
-    the batch hold padding (``seq_lens`` 0). ``replay(n)`` runs it and returns ``(logits [n, vocab]
+    (``input_ids``, ``positions``, ``seq_lens`` [rows], ``block_tables`` [rows, width]; a LoRA
+    graph also ``lora_indices`` [rows]); rows past the batch hold padding (``seq_lens`` 0, slot -1). ``replay(n)`` runs it and returns ``(logits [n, vocab]
     float32, argmax [n] int64)``, views valid until the next replay; the replay also advances the
     inputs to the next step of the same rows (``input_ids <- argmax``, ``positions`` and
     ``seq_lens`` + 1 on real rows)."""
@@ -65,8 +65,9 @@ class StepExecutor(Protocol):
     def execute(self, phase: str, inputs: dict[str, torch.Tensor]) -> torch.Tensor:
         """Run one step eagerly (``phase`` "prefill" or "decode"); float32 logits."""
 
-    def decode_graph(self, n: int) -> DecodeGraph | None:
-        """A CUDA-graph decode step with room for ``n`` rows, or None (eager decode)."""
+    def decode_graph(self, n: int, lora: bool = False) -> DecodeGraph | None:
+        """A CUDA-graph decode step with room for ``n`` rows, or None (eager decode); ``lora``: of
+        the LoRA engine, its inputs also holding ``lora_indices`` [rows]."""
 
     def lora_slots(self, names: list[str | None]) -> list[int]:
         """The LoRA slot of each adapter name (-1 for None), loading adapters into slots as needed."""
@@ -109,6 +110,7 @@ class _Rows:
     sampling: SamplingTensors
     ban: tuple | None = None                  # (ids [n, B], prompt_len [n], min_tokens [n]) device
     launched: bool = False                    # a step of these rows ran (buffers advanced past it)
+    lora_slots: list[int] | None = None       # graph rows with adapters: the slots bufs["lora_indices"] holds
 
 
 class ServingLoop:
@@ -261,6 +263,8 @@ class ServingLoop:
         n = len(reqs)
         bufs = rows.bufs
         if rows.graph is not None:
+            if rows.lora_slots is not None:
+                self._refresh_lora_slots(rows, batch.chunks)
             logits, greedy = rows.graph.replay(n)            # advances the buffers itself (its epilogue)
         else:
             feed = {k: v[:n] for k, v in bufs.items()}
@@ -275,6 +279,17 @@ class ServingLoop:
         rows.launched = True
         return logits, greedy, rows
 
+    def _refresh_lora_slots(self, rows: _Rows, chunks: list[Chunk]) -> None:
+        """Ask the slot pool for the rows' adapters every step (host work: it keeps them most
+        recently used, and copies one back in if a prefill step evicted it) and rewrite the graph's
+        ``lora_indices`` only when a slot moved."""
+        slots = self.executor.lora_slots([c.request.lora for c in chunks])
+        if slots != rows.lora_slots:
+            n = len(slots)
+            rows.bufs["lora_indices"][:n].copy_(to_device(self.device, {"l": (slots, torch.int32)})["l"],
+                                               non_blocking=True)
+            rows.lora_slots = slots
+
     def _lora_indices(self, chunks: list[Chunk]) -> torch.Tensor:
         """``[num_tokens]`` int32: the LoRA slot of each scheduled token's request (-1: none)."""
         slots = self.executor.lora_slots([c.request.lora for c in chunks])
@@ -285,7 +300,8 @@ class ServingLoop:
         reqs = [c.request for c in batch.chunks]
         n = len(reqs)
         ex = self.executor
-        graph = None if any(r.lora is not None for r in reqs) else ex.decode_graph(n)
+        lora = any(r.lora is not None for r in reqs)
+        graph = ex.decode_graph(n, lora=True) if lora else ex.decode_graph(n)
         width = ex.max_blocks_per_seq
         if graph is not None:
             bufs = graph.inputs
@@ -316,9 +332,14 @@ class ServingLoop:
                          shapes={"block_tables": (rows_cap, width)})
         for k in ("input_ids", "positions", "seq_lens", "block_tables"):
             bufs[k].copy_(host[k], non_blocking=True)
+        lora_slots = None
+        if graph is not None and lora:     # the rows' adapter slots, kept in the graph's buffer (_refresh_lora_slots)
+            lora_slots = self.executor.lora_slots([c.request.lora for c in batch.chunks])
+            bufs["lora_indices"].copy_(to_device(self.device, {"l": (lora_slots + [-1] * pad, torch.int32)})["l"],
+                                       non_blocking=True)
         self._fill_pending(bufs["input_ids"], self._pending_ids(batch))
         st = self._sampling_tensors(reqs)
-        return _Rows(reqs, bufs, graph, st, self._ban_table(reqs))
+        return _Rows(reqs, bufs, graph, st, self._ban_table(reqs), lora_slots=lora_slots)
 
     def _grow_tables(self, rows: _Rows, chunks: list[Chunk]) -> None:
         """Write the block-table entry of every row whose new token starts a KV block."""

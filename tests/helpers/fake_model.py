@@ -28,7 +28,7 @@ class FakeModel:
         self.max_blocks_per_seq = -(-max_model_len // blocks.block_size)
         self.cache = torch.full((blocks.num_blocks * blocks.block_size,), -1, dtype=torch.int64)
 
-    def decode_graph(self, n):
+    def decode_graph(self, n, lora=False):
         return None
 
     def execute(self, phase, t):
