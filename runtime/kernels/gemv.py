@@ -150,21 +150,22 @@ def _finish(acc, add_ptr, out_ptr, pid_n, rm, m_ok, N, stride_am, stride_om, HAS
 
 
 @triton.jit
-def _f12(v):
+def _f12(v, mask):
     """``1 + q * 2^-11`` for the nibble ``q`` in bits 12..15 of ``v``: the nibble as mantissa bits of
-    a float32 in [1, 2) (one LOP3, no conversion instruction)."""
-    return ((v & 0xF000) | 0x3F800000).to(tl.float32, bitcast=True)
+    a float32 in [1, 2) (one LOP3, no conversion instruction). ``mask`` is ``0xF000`` passed as a
+    kernel argument: as a literal, ptxas re-materialised it before every other LOP3."""
+    return ((v & mask) | 0x3F800000).to(tl.float32, bitcast=True)
 
 
 @triton.jit
-def _f16(v):
-    """``1 + q * 2^-7`` for the nibble ``q`` in bits 16..19 of ``v`` (as :func:`_f12`)."""
-    return ((v & 0xF0000) | 0x3F800000).to(tl.float32, bitcast=True)
+def _f16(v, mask):
+    """``1 + q * 2^-7`` for the nibble ``q`` in bits 16..19 of ``v`` (as :func:`_f12`; ``mask`` 0xF0000)."""
+    return ((v & mask) | 0x3F800000).to(tl.float32, bitcast=True)
 
 
 @triton.jit
-def _int4_row_loop(x_ptr, q_ptr, s_ptr, z_ptr, rn, n_ok, N, w_lo, w_hi, W_ROW, stride_sn, BLOCK_N: tl.constexpr,
-                   ZERO_POINT: tl.constexpr, GROUP: tl.constexpr):
+def _int4_row_loop(x_ptr, q_ptr, s_ptr, z_ptr, rn, n_ok, N, w_lo, w_hi, W_ROW, stride_sn, M12, M16,
+                   BLOCK_N: tl.constexpr, ZERO_POINT: tl.constexpr, GROUP: tl.constexpr):
     """One row (batch-1 decode): ``sum_k x[k] * (q[n, k] - z[n, g]) * s[n, g]`` over the words
     ``[w_lo, w_hi)`` of each weight row, with CUDA-core FMAs instead of ``tl.dot`` (whose operand-
     layout shuffle and int->float conversions bound the tensor-core path at one row). ``q_ptr``:
@@ -207,9 +208,9 @@ def _int4_row_loop(x_ptr, q_ptr, s_ptr, z_ptr, rn, n_ok, N, w_lo, w_hi, W_ROW, s
         x7 = tl.load(xp + 7).to(tl.float32) * 2048.0
         wl8 = w << 8
         wr8 = w >> 8
-        a = _f12(w << 12) * x0[None, :] + _f12(wl8) * x1[None, :] + _f16(wl8) * x2[None, :] \
-            + _f12(w) * x3[None, :] + _f16(w) * x4[None, :] + _f12(wr8) * x5[None, :] \
-            + _f16(wr8) * x6[None, :] + _f12(w >> 16) * x7[None, :]
+        a = _f12(w << 12, M12) * x0[None, :] + _f12(wl8, M12) * x1[None, :] + _f16(wl8, M16) * x2[None, :] \
+            + _f12(w, M12) * x3[None, :] + _f16(w, M16) * x4[None, :] + _f12(wr8, M12) * x5[None, :] \
+            + _f16(wr8, M16) * x6[None, :] + _f12(w >> 16, M12) * x7[None, :]
         big = x0 + x1 + x2 + x3 + x4 + x5 + x6 + x7                            # sum 2^p x
         xs = (x0 + x1 + x3 + x5 + x7) * (1.0 / 2048.0) + (x2 + x4 + x6) * (1.0 / 128.0)   # sum x
         g = kb // GROUP
@@ -331,6 +332,7 @@ def _gemv_kernel(
     M, N, K, SPLIT_K, K_SPLIT,   # sizes (N: output columns); K_SPLIT = K elements per slice (a multiple of BLOCK_K)
     N2, W_ROW, K_SPLIT_W,        # one-row loops: weight rows, int32 words a row (K / 8 int4, K / 4 fp8), a slice
     stride_xm, stride_am, stride_om, stride_sn,
+    M12, M16,                    # 0xF000, 0xF0000: the int4 row loop's nibble masks (_f12, _f16)
     WKIND: tl.constexpr,         # W_FLOAT, W_INT8, W_INT4, W_INT4_ZP or W_FP8 (module constants)
     GROUP: tl.constexpr,         # int4: inputs per scale (a divisor or a multiple of BLOCK_K)
     ONE_ROW: tl.constexpr,       # M == 1, int4 (BLOCK_K a multiple of GROUP) or fp8 (EVEN_K): the CUDA-core
@@ -378,7 +380,7 @@ def _gemv_kernel(
     if INT4 and ONE_ROW:
         w_lo = pid_k * K_SPLIT_W
         row = _int4_row_loop(x_ptr, w_ptr, s_ptr, z_ptr, rn, n_ok, N2, w_lo, tl.minimum(w_lo + K_SPLIT_W, W_ROW), W_ROW,
-                             stride_sn, BLOCK_N, WKIND == 3, GROUP)
+                             stride_sn, M12, M16, BLOCK_N, WKIND == 3, GROUP)
         acc = tl.where((rm == 0)[None, :], row[:, None], 0.0)
     elif WKIND == 4 and ONE_ROW:
         w_lo = pid_k * K_SPLIT_W
@@ -693,7 +695,7 @@ def gemv(x: torch.Tensor, w: torch.Tensor, add: torch.Tensor | None = None, *, s
     _gemv_kernel[(n_tiles, split)](
         x, w, s_t, zeros if zeros is not None else s_t, add if add is not None else out, out, part, lock,
         m, cols, k, split, k_split, n, k // per_word, k_split // per_word, x.stride(0), stride_am, out.stride(0),
-        stride_sn, WKIND=kind, GROUP=group, ONE_ROW=one_row, ONE_PART_ROW=split > 1 and m == 1,
+        stride_sn, 0xF000, 0xF0000, WKIND=kind, GROUP=group, ONE_ROW=one_row, ONE_PART_ROW=split > 1 and m == 1,
         LATE_LAUNCH=n_tiles * split > _num_sms(x.device),
         HAS_ADD=add is not None, SWIGLU=silu_mul, SPLIT=split > 1, BLOCK_M=MAX_ROWS, BLOCK_N=block_n,
         BLOCK_K=block_k, EVEN_K=k % block_k == 0, EVEN_N=cols % tile_cols == 0,
