@@ -491,14 +491,19 @@ def _pick_quant_config(m: int, n: int, k: int, wkind: int, group: int, device: t
     pipelines the CUDA-core loop, so programs in flight are what hide the loads' latency): o
     [4096, 4096] 9.1 µs at split 16, qkv 11.5 at split 8, down 19.8 at split 16, gate_up 37.1 at
     split 4; 128-input slice steps when split 8 or more (down 19.8 vs 21.4 µs with 256), else 256
-    (timed before the split sums were loaded several slices at a time: now 7.5, 10.4, 18.1, 34.0).
+    (timed before the split sums were loaded several slices at a time and the nibble masks became
+    arguments: now o 7.0, qkv 10.6, down 16.5, gate_up 33.1).
+
     fp8, one row (the CUDA-core :func:`_fp8_row_loop`): 256-input steps, 32-row tiles when 64-row
     ones would outnumber half the SMs, K split while the grid stays within four programs a SM
     (qkv 11.2 µs at 32 rows / split 2, o 8.5 and down 20.5 at 64 / split 8, gate_up 35.8 at 32 /
-    unsplit: 46-77% of copy). fp8 / int8 (the ``tl.dot`` path): 64-row tiles, 128-input steps, 3 stages, K split up to 16
-    while the programs stay within about 12 a SM and each slice keeps 2 steps (qkv 14.6 µs at split
-    16 vs 16.2 at split 8 with 4 stages; o 11.2 vs 12.3; gate_up 49.8 at split 2 vs 57.4 unsplit;
-    down 26.2 at split 16 vs 32.5 at split 8 with 256-input steps)."""
+    unsplit: 46-77% of copy).
+
+    fp8 / int8, more rows (the ``tl.dot`` path): 64-row tiles, 128-input steps, 3 stages, K split
+    up to 16 while the programs stay within about 12 a SM and each slice keeps 2 steps (one-row
+    timings from before the row loop: qkv 14.6 µs at split 16 vs 16.2 at split 8 with 4 stages;
+    o 11.2 vs 12.3; gate_up 49.8 at split 2 vs 57.4 unsplit; down 26.2 at split 16 vs 32.5 at
+    split 8 with 256-input steps)."""
     sms = _num_sms(device)
     if wkind in (W_INT4, W_INT4_ZP):
         block_n = 128

@@ -45,10 +45,10 @@ __all__ = ["StepExecutor", "DecodeGraph", "ServingLoop", "overlap_enabled", "pre
 class DecodeGraph(Protocol):
     """A captured decode step for up to ``rows`` requests. ``inputs`` are its static buffers
     (``input_ids``, ``positions``, ``seq_lens`` [rows], ``block_tables`` [rows, width]; a LoRA
-    graph also ``lora_indices`` [rows]); rows past the batch hold padding (``seq_lens`` 0, slot -1). ``replay(n)`` runs it and returns ``(logits [n, vocab]
-    float32, argmax [n] int64)``, views valid until the next replay; the replay also advances the
-    inputs to the next step of the same rows (``input_ids <- argmax``, ``positions`` and
-    ``seq_lens`` + 1 on real rows)."""
+    graph also ``lora_indices`` [rows]); rows past the batch hold padding (``seq_lens`` 0, slot
+    -1). ``replay(n)`` runs it and returns ``(logits [n, vocab] float32, argmax [n] int64)``, views
+    valid until the next replay; the replay also advances the inputs to the next step of the same
+    rows (``input_ids <- argmax``, ``positions`` and ``seq_lens`` + 1 on real rows)."""
 
     rows: int
     inputs: dict[str, torch.Tensor]
