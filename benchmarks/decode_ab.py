@@ -9,8 +9,12 @@ Each variant is a ``GRAPHDSL_DISABLE_PASSES`` value ("" = every pass), optionall
 ``;NAME=VALUE`` environment settings (``"rope_cache_attention;GRAPHDSL_PDL=0"``) and
 ``;module:attr=VALUE`` patches of a module constant (a Python literal:
 ``";graphdsl.runtime.kernels.paged_attention:_MIN_KEYS_PER_SPLIT=256"``), set while its engines are
-built and captured (a captured graph keeps the launches it was captured with). Prints each variant's median µs per step and % of the roofline
-(as in ``llm.py``).
+built and captured (a captured graph keeps the launches it was captured with). Prints each variant's
+median µs per step and % of the roofline (as in ``llm.py``; with ``--quantization`` the weights count
+as stored, as in ``quant.py``). The int4 GEMV's integer-dot row loop against its float loop:
+
+    python benchmarks/decode_ab.py --shape llama-3-8b --quantization int4 \
+        --variants "" ";graphdsl.runtime.kernels.gemv:_INT4_INT_DOT=True"
 """
 from __future__ import annotations
 
@@ -35,6 +39,7 @@ def main(argv=None) -> int:
                     help="GRAPHDSL_DISABLE_PASSES values [;NAME=VALUE...], one model each")
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--context", type=int, default=512)
+    ap.add_argument("--quantization", default=None, help="LLM(quantization=...) for every variant: int4, fp8, ...")
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
         print("decode_ab.py needs a CUDA GPU", file=sys.stderr)
@@ -54,7 +59,7 @@ def main(argv=None) -> int:
         os.environ.update(env, GRAPHDSL_DISABLE_PASSES=passes)
         for mod, attr, val in patches:
             setattr(mod, attr, val)
-        llm, inputs = batch1_decode(gd, args.shape, args.context)
+        llm, inputs = batch1_decode(gd, args.shape, args.context, args.quantization)
         llm.model.execute(Phase.DECODE, inputs)          # build + capture under this variant's settings
         runs[v] = (llm, inputs, [])
         for k, old in saved.items():
@@ -69,8 +74,13 @@ def main(argv=None) -> int:
         for v, (llm, inputs, times) in runs.items():
             times.append(bench_ms(lambda: llm.model.execute(Phase.DECODE, inputs), repeats=1))
     llm0 = next(iter(runs.values()))[0]
-    roof = decode_bytes(weight_bytes(llm0.model), kv_bytes_per_token(llm0), 1, args.context) / (copy * 1e9) * 1e3
-    print(f"## decode A/B, {args.shape}, batch 1, ctx {args.context}, {args.rounds} interleaved rounds — "
+    if args.quantization:
+        from quant import stored_bytes
+        roof = (stored_bytes(llm0) + kv_bytes_per_token(llm0) * args.context) / (copy * 1e9) * 1e3
+    else:
+        roof = decode_bytes(weight_bytes(llm0.model), kv_bytes_per_token(llm0), 1, args.context) / (copy * 1e9) * 1e3
+    print(f"## decode A/B, {args.shape}{', ' + args.quantization if args.quantization else ''}, batch 1, "
+          f"ctx {args.context}, {args.rounds} interleaved rounds — "
           f"{device_line()}; copy {copy:.0f} GB/s, roofline {roof * 1e3:.0f} µs\n")
     print("| disabled passes; environment | median µs/step | % of roofline | min | max |")
     print("|---|---:|---:|---:|---:|")

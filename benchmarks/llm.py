@@ -211,10 +211,12 @@ def _timed_first_steps(llm, gen, context: int) -> dict[str, float]:
     return out
 
 
-def _make_llm(gd, hf: dict, device, dtype, max_model_len: int, max_num_seqs: int, num_blocks: int):
+def _make_llm(gd, hf: dict, device, dtype, max_model_len: int, max_num_seqs: int, num_blocks: int,
+              quantization: str | None = None):
     """The benchmark's model: random weights (seed 0), a KV pool of ``num_blocks`` blocks."""
     return gd.LLM.from_config(hf, device=device, dtype=dtype, seed=0, max_model_len=max_model_len,
-                              max_num_seqs=max_num_seqs, num_kv_blocks=num_blocks, block_size=BLOCK)
+                              max_num_seqs=max_num_seqs, num_kv_blocks=num_blocks, block_size=BLOCK,
+                              quantization=quantization)
 
 
 def random_kv(llm) -> None:
@@ -224,11 +226,12 @@ def random_kv(llm) -> None:
         v.normal_()
 
 
-def batch1_decode(gd, shape: str, context: int) -> tuple:
+def batch1_decode(gd, shape: str, context: int, quantization: str | None = None) -> tuple:
     """``(llm, inputs)`` for timing batch-1 decode steps of ``shape`` at ``context`` (what
     ``decode_ab.py`` and ``decode_timeline.py`` time): ``llm.py``'s block-table width
-    (max_model_len 2049), a pool of two contexts' blocks, a random KV cache."""
-    llm = _make_llm(gd, SHAPES[shape], "cuda", "bfloat16", 2049, 1, 2 * (context // BLOCK + 2))
+    (max_model_len 2049), a pool of two contexts' blocks, a random KV cache; weights quantized
+    online with ``quantization`` (``LLM``'s argument) if given."""
+    llm = _make_llm(gd, SHAPES[shape], "cuda", "bfloat16", 2049, 1, 2 * (context // BLOCK + 2), quantization)
     random_kv(llm)
     inputs, _ = _decode_inputs(llm, 1, context, torch.Generator(device="cuda").manual_seed(0))
     return llm, inputs

@@ -61,14 +61,15 @@ def kernel_rows(shape: str, schemes: list[str], copy: float) -> list[str]:
 
 def sweep(shape: str, schemes: list[str], copy: float, *, top: int = 3) -> list[str]:
     """Decode GEMV configs for quantized weights (``gemv(..., scheme=)``; BLOCK_N, BLOCK_K, SPLIT_K,
-    stages): per projection of the shape (gate_up with its SwiGLU epilogue, as in the model), a CUDA
-    graph replays the GEMV over enough copies of the weights (>= 256 MB) that they stream from HBM,
-    as in a decode step; µs per GEMV and % of copy bandwidth, the ``top`` best first, and the
-    default heuristic's row (how ``_pick_quant_config`` was chosen)."""
+    stages; int4 also its integer-dot row loop, ``INT_DOT``): per projection of the shape (gate_up
+    with its SwiGLU epilogue, as in the model), a CUDA graph replays the GEMV over enough copies of
+    the weights (>= 256 MB) that they stream from HBM, as in a decode step; µs per GEMV and % of
+    copy bandwidth, the ``top`` best first (and int4's best ``INT_DOT`` launch), and the default
+    heuristic's row (how ``_pick_quant_config`` was chosen)."""
     import itertools
 
     from graphdsl.quant import online_scheme
-    from graphdsl.runtime.kernels.gemv import GemvWorkspace, _pick_quant_config, gemv, weight_kind
+    from graphdsl.runtime.kernels.gemv import W_INT4, W_INT4_ZP, GemvWorkspace, _pick_quant_config, gemv, weight_kind
     c = SHAPES[shape]
     h, i = c["hidden_size"], c["intermediate_size"]
     hd = c.get("head_dim") or h // c["num_attention_heads"]
@@ -103,11 +104,16 @@ def sweep(shape: str, schemes: list[str], copy: float, *, top: int = 3) -> list[
                 return ms * 1e3 / len(copies)
 
             default = _pick_quant_config(1, n, k, weight_kind(s), group, x.device)
+            configs = [dict(BLOCK_N=bn, BLOCK_K=bk, SPLIT_K=split, num_warps=4, num_stages=4)
+                       for bn, bk, split in itertools.product((32, 64, 128), (128, 256, 512), (1, 2, 4, 8, 16))]
+            if weight_kind(s) in (W_INT4, W_INT4_ZP):     # the integer-dot row loop (INT_DOT), its own tiles
+                configs += [dict(BLOCK_N=bn, BLOCK_K=bk, SPLIT_K=split, num_warps=nw, num_stages=2, INT_DOT=True)
+                            for bn, nw, bk, split in itertools.product((64, 128, 256), (4, 8), (128, 256), (1, 2, 4, 8, 16))]
             results = []
-            for bn, bk, split, st in itertools.product((32, 64, 128), (128, 256, 512), (1, 2, 4, 8, 16), (4,)):
+            for cfg in configs:
+                bk = cfg["BLOCK_K"]
                 if (group > 1 and bk % group and group % bk) or k % bk:
                     continue
-                cfg = dict(BLOCK_N=bn, BLOCK_K=bk, SPLIT_K=split, num_warps=4, num_stages=st)
                 try:
                     results.append((time_graph(cfg), cfg))
                 except Exception as e:  # noqa: BLE001 - a config past shared memory / registers: skip it
@@ -121,7 +127,9 @@ def sweep(shape: str, schemes: list[str], copy: float, *, top: int = 3) -> list[
                 except Exception as e:  # noqa: BLE001
                     _log(f"{s.name} {proj} {cfg}: {type(e).__name__}: {str(e)[:100]}")
             results.sort(key=lambda r: r[0])
-            shown = results[:top] + [(time_graph(default), dict(default, heuristic=True))]
+            best_int = [r for r in results if r[1].get("INT_DOT")][:1]
+            shown = results[:top] + [r for r in best_int if r not in results[:top]] \
+                + [(time_graph(default), dict(default, heuristic=True))]
             for us, cfg in shown:
                 gbs = nbytes / (us * 1e-6) / 1e9
                 rows.append(f"| {s.name} | {proj} [{n}, {k}] | {cfg} | {us:.2f} | {100 * gbs / copy:.0f}% |")

@@ -30,7 +30,9 @@ rows, so the op is bound by the bytes of ``w`` and by how many of them are in fl
   int4 over nibbles OR-ed into the mantissa of 1.0 (:func:`_int4_row_loop`), fp8 over codes
   shifted into float32 bits (:func:`_fp8_row_loop`) —, more int4 rows ``tl.dot`` over 16-bit
   magic-number nibble planes (:func:`_int4_k_loop`): no conversion instructions (1/8 of the FMA
-  rate on Hopper) on the one-row paths. Launches: :func:`_pick_quant_config`.
+  rate on Hopper) on the one-row paths. One int4 row may instead take integer dot products
+  (``INT_DOT``, :func:`_int4_row_dp4a`: activations in 16-bit fixed point per group, four ``dp4a``
+  a word), not yet the default: it has not been timed on a GPU. Launches: :func:`_pick_quant_config`.
 * **PDL** (:mod:`.pdl`): on Hopper the kernel may launch while its predecessor finishes. A grid of
   more programs than SMs lets the next kernel launch only once its programs are past the K loop:
   launched at the usual point (when its last wave starts), the next kernel's programs take each SM
@@ -80,6 +82,10 @@ W_FLOAT, W_INT8, W_INT4, W_INT4_ZP, W_FP8 = 0, 1, 2, 3, 4
 # quantized tiles (benchmarks/quant.py --sweep, H200, weights from HBM): see _pick_quant_config
 _QUANT_BLOCK_N = 64
 _QUANT_STAGES = 4
+# one int4 row through integer dot products (_int4_row_dp4a) instead of the float loop: off until
+# timed on the GPU (benchmarks/quant.py --sweep, benchmarks/decode_ab.py --quantization int4)
+_INT4_INT_DOT = False
+_CONFIG_KEYS = {"BLOCK_N", "BLOCK_K", "SPLIT_K", "num_warps", "num_stages", "INT_DOT"}
 
 
 @triton.jit
@@ -224,6 +230,107 @@ def _int4_row_loop(x_ptr, q_ptr, s_ptr, z_ptr, rn, n_ok, N, w_lo, w_hi, W_ROW, s
 
 
 @triton.jit
+def _dp4a(a, b, c, SIGNED_B: tl.constexpr, EMULATE: tl.constexpr):
+    """``c + sum_i a.byte[i] * b.byte[i]`` (int32): the bytes of ``a`` unsigned, of ``b`` signed with
+    ``SIGNED_B``, else unsigned — one ``dp4a`` instruction (``EMULATE``: byte arithmetic, for the
+    CPU interpreter, which runs no PTX)."""
+    if EMULATE:
+        r = c
+        for i in tl.static_range(4):
+            ai = (a >> (8 * i)) & 255
+            if SIGNED_B:
+                bi = (b << (24 - 8 * i)) >> 24
+            else:
+                bi = (b >> (8 * i)) & 255
+            r += ai * bi
+    elif SIGNED_B:
+        r = tl.inline_asm_elementwise("dp4a.u32.s32 $0, $1, $2, $3;", "=r,r,r,r", [a, b, c], dtype=tl.int32,
+                                      is_pure=True, pack=1)
+    else:
+        r = tl.inline_asm_elementwise("dp4a.u32.u32 $0, $1, $2, $3;", "=r,r,r,r", [a, b, c], dtype=tl.int32,
+                                      is_pure=True, pack=1)
+    return r
+
+
+@triton.jit
+def _bytes4(b0, b1, b2, b3):
+    """The low bytes of ``b0..b3`` as bytes 0..3 of one int32."""
+    return (b0 & 255) | ((b1 & 255) << 8) | ((b2 & 255) << 16) | (b3 << 24)
+
+
+@triton.jit
+def _fixed16(x, inv):
+    """``round(x * inv)`` as an int32 for ``|x * inv| < 2^22``: added to ``1.5 * 2^23`` the float32's
+    low mantissa bits are the rounded integer (no conversion instruction)."""
+    return (x * inv + 12582912.0).to(tl.int32, bitcast=True) - 0x4B400000
+
+
+@triton.jit
+def _int4_row_dp4a(x_ptr, q_ptr, s_ptr, z_ptr, rn, N, w_lo, w_hi, W_ROW, stride_sn, M0F, BLOCK_N: tl.constexpr,
+                   ZERO_POINT: tl.constexpr, GROUP: tl.constexpr, EMULATE: tl.constexpr):
+    """One row as :func:`_int4_row_loop` computes it, with integer dot products: per group the
+    activations become 16-bit fixed point, ``x ~ a * xq`` with ``a = max|x_g| / 32767`` and
+    ``xq = round(x / a)`` (error at most ``a / 2`` an input: ``2^-16`` of the group's largest, far
+    below the 16-bit activations' own rounding), split into a signed high and an unsigned low byte
+    (``xq = 256 h + l``) and packed four to an int32 for the even and for the odd inputs of a
+    word. A weight word's even and odd nibbles are two ``& 0x0F0F0F0F`` byte vectors, so a word's
+    ``sum_i q_i xq_i`` is four ``dp4a`` (exact: below 2^22), about 0.9 instructions a weight where
+    the float loop spends 2.5. Per word the zero point comes off as ``z * sum_i xq_i`` and the
+    float32 accumulator takes ``s[n, g] * a`` times the converted sum.
+
+    Each thread makes the activation bytes of its own words' columns, per group. The compiler lays
+    the ``[BLOCK_N, GROUP / 8]`` words out one a thread (32-bit loads), so a thread holds one column
+    of many rows and packs that column's bytes once for all of them: compiled for sm_90, 2.5 SASS
+    instructions a weight in the loop against the float loop's 3.6. Loads past the slice and rows
+    past ``N`` read in bounds, as in :func:`_int4_row_loop`."""
+    C: tl.constexpr = GROUP // 8
+    rc = tl.arange(0, C)
+    rn64 = tl.minimum(rn, N - 1).to(tl.int64)
+    q_rows = q_ptr + rn64[:, None] * W_ROW
+    acc = tl.zeros([BLOCK_N, C], tl.float32)
+    w_next = tl.load(q_rows + (w_lo + rc)[None, :])
+    for c in range(w_lo, w_hi, C):
+        w = w_next
+        w_next = tl.load(q_rows + (tl.minimum(c + C, w_hi - C) + rc)[None, :])
+        xp = x_ptr + 8 * (c + rc)
+        x0 = tl.load(xp).to(tl.float32)
+        x1 = tl.load(xp + 1).to(tl.float32)
+        x2 = tl.load(xp + 2).to(tl.float32)
+        x3 = tl.load(xp + 3).to(tl.float32)
+        x4 = tl.load(xp + 4).to(tl.float32)
+        x5 = tl.load(xp + 5).to(tl.float32)
+        x6 = tl.load(xp + 6).to(tl.float32)
+        x7 = tl.load(xp + 7).to(tl.float32)
+        big = tl.maximum(tl.maximum(tl.maximum(tl.abs(x0), tl.abs(x1)), tl.maximum(tl.abs(x2), tl.abs(x3))),
+                         tl.maximum(tl.maximum(tl.abs(x4), tl.abs(x5)), tl.maximum(tl.abs(x6), tl.abs(x7))))
+        amax = tl.max(big, axis=0)
+        inv = tl.where(amax > 0, 32767.0 / amax, 0.0)
+        q0 = _fixed16(x0, inv)
+        q1 = _fixed16(x1, inv)
+        q2 = _fixed16(x2, inv)
+        q3 = _fixed16(x3, inv)
+        q4 = _fixed16(x4, inv)
+        q5 = _fixed16(x5, inv)
+        q6 = _fixed16(x6, inv)
+        q7 = _fixed16(x7, inv)
+        we = w & M0F                    # nibbles 0, 2, 4, 6 (k = 8c, 8c+2, ...) as bytes
+        wo = (w >> 4) & M0F             # nibbles 1, 3, 5, 7
+        v = _dp4a(we, _bytes4(q0 >> 8, q2 >> 8, q4 >> 8, q6 >> 8)[None, :], tl.zeros_like(w), True, EMULATE)
+        v = _dp4a(wo, _bytes4(q1 >> 8, q3 >> 8, q5 >> 8, q7 >> 8)[None, :], v, True, EMULATE)
+        v = _dp4a(we, _bytes4(q0, q2, q4, q6)[None, :], v << 8, False, EMULATE)
+        v = _dp4a(wo, _bytes4(q1, q3, q5, q7)[None, :], v, False, EMULATE)
+        xs = q0 + q1 + q2 + q3 + q4 + q5 + q6 + q7
+        g = (8 * c) // GROUP
+        sc = tl.load(s_ptr + rn64 * stride_sn + g).to(tl.float32) * (amax * (1.0 / 32767.0))
+        if ZERO_POINT:
+            z = tl.load(z_ptr + rn64 * stride_sn + g).to(tl.float32)
+            acc += (v.to(tl.float32) - z[:, None] * xs.to(tl.float32)[None, :]) * sc[:, None]
+        else:
+            acc += (v - 8 * xs[None, :]).to(tl.float32) * sc[:, None]
+    return tl.sum(acc, axis=1)
+
+
+@triton.jit
 def _e4m3(top):
     """An fp8 e4m3 code in bits 24..31 of ``top`` (the rest zero) as a float32: the arithmetic shift
     by 4 puts the exponent and mantissa at bits 20..26 and copies the sign into 27..31, the mask
@@ -332,7 +439,7 @@ def _gemv_kernel(
     M, N, K, SPLIT_K, K_SPLIT,   # sizes (N: output columns); K_SPLIT = K elements per slice (a multiple of BLOCK_K)
     N2, W_ROW, K_SPLIT_W,        # one-row loops: weight rows, int32 words a row (K / 8 int4, K / 4 fp8), a slice
     stride_xm, stride_am, stride_om, stride_sn,
-    M12, M16,                    # 0xF000, 0xF0000: the int4 row loop's nibble masks (_f12, _f16)
+    M12, M16, M0F,               # 0xF000, 0xF0000: the int4 row loop's nibble masks (_f12, _f16); 0x0F0F0F0F
     WKIND: tl.constexpr,         # W_FLOAT, W_INT8, W_INT4, W_INT4_ZP or W_FP8 (module constants)
     GROUP: tl.constexpr,         # int4: inputs per scale (a divisor or a multiple of BLOCK_K)
     ONE_ROW: tl.constexpr,       # M == 1, int4 (BLOCK_K a multiple of GROUP) or fp8 (EVEN_K): the CUDA-core
@@ -354,6 +461,8 @@ def _gemv_kernel(
     HAS_LORA: tl.constexpr = False,     # add each row's LoRA term in the epilogue (_lora_term)
     LORA_BLOCK_R: tl.constexpr = 16,    # LORA_R padded to a power of two >= 16
     LORA_BLOCK_SPLITS: tl.constexpr = 2,  # LORA_SPLITS padded to a power of two >= 2
+    INT_DOT: tl.constexpr = False,      # one int4 row: integer dot products (_int4_row_dp4a), not float FMAs
+    EMULATE: tl.constexpr = False,      # the CPU interpreter: dp4a as byte arithmetic
 ):
     """out[m, n] = sum_k x[m, k] * w[n, k] (+ add[m, n]), float32 accumulation. With ``SWIGLU`` the
     tile's rows are the gate and up rows of ``BLOCK_N / 2`` output columns, interleaved (row ``2i``
@@ -377,7 +486,12 @@ def _gemv_kernel(
     k_lo = pid_k * K_SPLIT
     k_hi = tl.minimum(k_lo + K_SPLIT, K)
     pdl_wait(USE_PDL, not LATE_LAUNCH)
-    if INT4 and ONE_ROW:
+    if INT4 and ONE_ROW and INT_DOT:
+        w_lo = pid_k * K_SPLIT_W
+        row = _int4_row_dp4a(x_ptr, w_ptr, s_ptr, z_ptr, rn, N2, w_lo, tl.minimum(w_lo + K_SPLIT_W, W_ROW), W_ROW,
+                             stride_sn, M0F, BLOCK_N, WKIND == 3, GROUP, EMULATE)
+        acc = tl.where((rm == 0)[None, :], row[:, None], 0.0)
+    elif INT4 and ONE_ROW:
         w_lo = pid_k * K_SPLIT_W
         row = _int4_row_loop(x_ptr, w_ptr, s_ptr, z_ptr, rn, n_ok, N2, w_lo, tl.minimum(w_lo + K_SPLIT_W, W_ROW), W_ROW,
                              stride_sn, M12, M16, BLOCK_N, WKIND == 3, GROUP)
@@ -512,7 +626,8 @@ def _pick_quant_config(m: int, n: int, k: int, wkind: int, group: int, device: t
         while split < 16 and tiles * split < 4 * sms and k // (split * 2) >= max(group, 128):
             split *= 2
         block_k = 256 if split <= 4 and k // split >= 256 and 256 % group == 0 else max(group, 128)
-        return dict(BLOCK_N=block_n, BLOCK_K=block_k, SPLIT_K=split, num_warps=4, num_stages=_QUANT_STAGES)
+        return dict(BLOCK_N=block_n, BLOCK_K=block_k, SPLIT_K=split, num_warps=4, num_stages=_QUANT_STAGES,
+                    INT_DOT=_INT4_INT_DOT and m == 1)
     if wkind == W_FP8 and m == 1 and k % 256 == 0:     # the CUDA-core row loop (_fp8_row_loop)
         block_n = 32 if triton.cdiv(n, 64) > sms // 2 else 64
         tiles = triton.cdiv(n, block_n)
@@ -672,6 +787,9 @@ def gemv(x: torch.Tensor, w: torch.Tensor, add: torch.Tensor | None = None, *, s
     group = scheme.group_size if kind in (W_INT4, W_INT4_ZP) else 1
     cfg = dict(config or (_pick_config(m, n, k, x.device) if kind == W_FLOAT
                           else _pick_quant_config(m, n, k, kind, group, x.device)))
+    if set(cfg) - _CONFIG_KEYS or {"BLOCK_N", "BLOCK_K", "SPLIT_K"} - set(cfg):
+        raise GraphDSLError(f"gemv: config takes BLOCK_N, BLOCK_K, SPLIT_K and optionally "
+                            f"{sorted(_CONFIG_KEYS - {'BLOCK_N', 'BLOCK_K', 'SPLIT_K'})}, got {sorted(cfg)}")
     block_n, block_k, split = cfg.pop("BLOCK_N"), cfg.pop("BLOCK_K"), cfg.pop("SPLIT_K")
     steps = triton.cdiv(k, block_k)
     split = max(1, min(split, steps))
@@ -695,15 +813,16 @@ def gemv(x: torch.Tensor, w: torch.Tensor, add: torch.Tensor | None = None, *, s
     if lora is not None:
         _check_lora(lora, m, n, x.dtype)
     stride_am = 0 if add is None or add.dim() == 1 else add.stride(0)
+    interpret = os.environ.get("TRITON_INTERPRET") == "1"
     s_t = scales if scales is not None else out
     stride_sn = 0 if kind == W_FLOAT or s_t.shape[0] == 1 else s_t.stride(0)
     _gemv_kernel[(n_tiles, split)](
         x, w, s_t, zeros if zeros is not None else s_t, add if add is not None else out, out, part, lock,
         m, cols, k, split, k_split, n, k // per_word, k_split // per_word, x.stride(0), stride_am, out.stride(0),
-        stride_sn, 0xF000, 0xF0000, WKIND=kind, GROUP=group, ONE_ROW=one_row, ONE_PART_ROW=split > 1 and m == 1,
+        stride_sn, 0xF000, 0xF0000, 0x0F0F0F0F, WKIND=kind, GROUP=group, ONE_ROW=one_row, ONE_PART_ROW=split > 1 and m == 1,
         LATE_LAUNCH=n_tiles * split > _num_sms(x.device),
         HAS_ADD=add is not None, SWIGLU=silu_mul, SPLIT=split > 1, BLOCK_M=MAX_ROWS, BLOCK_N=block_n,
         BLOCK_K=block_k, EVEN_K=k % block_k == 0, EVEN_N=cols % tile_cols == 0,
-        DOT_F32=x.dtype == torch.bfloat16 and os.environ.get("TRITON_INTERPRET") == "1", **pdl_launch(x.device),
+        DOT_F32=x.dtype == torch.bfloat16 and interpret, EMULATE=interpret, **pdl_launch(x.device),
         **_lora_args(lora, out), **cfg)
     return out

@@ -79,6 +79,8 @@ def test_gemv_rejects_what_it_cannot_run():
         gemv(x[:2], torch.randn(4, 8, dtype=torch.float16), torch.randn(3, dtype=torch.float16))
     with pytest.raises(GraphDSLError, match=r"out must be \[2, 4\] torch.float16.*got \[2, 5\]"):
         gemv(x[:2], torch.randn(4, 8, dtype=torch.float16), out=torch.empty(2, 5, dtype=torch.float16))
+    with pytest.raises(GraphDSLError, match=r"config takes BLOCK_N.*got \['BLOCK_K', 'BLOCK_N', 'SPLIT_K', 'num_wraps'\]"):
+        gemv(x[:2], torch.randn(4, 8, dtype=torch.float16), config=dict(BLOCK_N=16, BLOCK_K=16, SPLIT_K=1, num_wraps=4))
 
 
 @pytest.mark.parametrize("m,cols,k,split", [(1, 40, 64, 1), (3, 17, 100, 3), (16, 24, 256, 2)])
@@ -198,3 +200,44 @@ def test_fp8_one_row_loop_is_exact_on_every_code(split):
     want = (x.double() @ values.T) * 0.5
     for rows in (slice(0, 8), slice(8, 24)):
         torch.testing.assert_close(got[:, rows], want[:, rows], rtol=2e-3, atol=2e-3 * want[:, rows].abs().max().item())
+
+
+@pytest.mark.parametrize("name,split", [("int4-g64", 1), ("int4-g64-zp", 3), ("int4-g128", 2), ("int4-g128-zp", 1)])
+@pytest.mark.parametrize("epilogue", [None, "silu_mul"])
+def test_int4_integer_dot_row_matches_a_float64_product(name, split, epilogue):
+    """One int4 row through integer dot products (``INT_DOT``): per group the activations become
+    16-bit fixed point (step ``max|x_g| / 32767``), so each output is within half a step per input
+    of the exact product, plus the fp16 output's rounding. The row holds a group of zeros (no scale
+    to divide by), a group with one large input beside tiny ones and groups 1000 times larger than
+    others (each group is scaled on its own); SwiGLU's products of those need bfloat16's range."""
+    k, dtype = 512, torch.bfloat16 if epilogue == "silu_mul" else torch.float16
+    eps = 2 ** -7 if dtype == torch.bfloat16 else 2 ** -10     # the interpreter truncates to bfloat16
+    n = 48 if epilogue == "silu_mul" else 40
+    s, stored, w = _quantized(name, n, k, dtype, seed=split)
+    x = torch.randn(1, k, generator=torch.Generator().manual_seed(7), dtype=torch.float64)
+    x[0, :64] = 0.0
+    x[0, 64:128] *= 1e-3
+    x[0, 100] = 300.0
+    x[0, 256:320] *= 1e3
+    x = x.to(dtype)
+    out = torch.full((1, n // 2 if epilogue else n), float("nan"), dtype=dtype, device=DEV)
+    cfg = dict(BLOCK_N=16, BLOCK_K=128, SPLIT_K=split, num_warps=4, num_stages=2, INT_DOT=True)
+    gemv(x.to(DEV), stored[0], silu_mul=epilogue == "silu_mul", out=out, config=cfg, workspace=GemvWorkspace(),
+         scheme=s, scales=stored[1], zeros=stored[2] if len(stored) > 2 else None)
+    xd, wd = x.double(), w.double()
+    prod = xd @ wd.T
+    step = xd.view(-1, s.group_size).abs().amax(1).repeat_interleave(s.group_size)[None] / 32767
+    bound = (step / 2) @ wd.abs().T + 1e-6 * (xd.abs() @ wd.abs().T)
+    if epilogue == "silu_mul":
+        cols = n // 2
+        g, u = prod[:, :cols].to(dtype).double(), prod[:, cols:].to(dtype).double()
+        want = torch.nn.functional.silu(g).to(dtype).double() * u
+        # silu(g) * u moves by |u| * max|silu'| times g's error and |silu(g)| <= |g| times u's, and
+        # the rounding of g, u and silu(g) to the output dtype
+        bound = bound[:, :cols] * (u.abs() * 1.1) + bound[:, cols:] * g.abs() + 3 * eps * want.abs()
+    else:
+        want = prod
+    got = out.double().cpu()
+    err = (got - want).abs()
+    assert torch.isfinite(got).all()
+    assert (err <= bound + eps * want.abs() + 1e-3).all(), f"worst error {err.max():.3g} vs bound {bound.max():.3g}"
