@@ -315,18 +315,22 @@ def _int4_row_dp4a(x_ptr, q_ptr, s_ptr, z_ptr, rn, N, w_lo, w_hi, W_ROW, stride_
         q7 = _fixed16(x7, inv)
         we = w & M0F                    # nibbles 0, 2, 4, 6 (k = 8c, 8c+2, ...) as bytes
         wo = (w >> 4) & M0F             # nibbles 1, 3, 5, 7
+        xs = q0 + q1 + q2 + q3 + q4 + q5 + q6 + q7
+        if ZERO_POINT:
+            base = xs * 0
+        else:
+            base = -8 * xs              # the symmetric zero point, joined where the high sums are scaled
         v = _dp4a(we, _bytes4(q0 >> 8, q2 >> 8, q4 >> 8, q6 >> 8)[None, :], tl.zeros_like(w), True, EMULATE)
         v = _dp4a(wo, _bytes4(q1 >> 8, q3 >> 8, q5 >> 8, q7 >> 8)[None, :], v, True, EMULATE)
-        v = _dp4a(we, _bytes4(q0, q2, q4, q6)[None, :], v << 8, False, EMULATE)
+        v = _dp4a(we, _bytes4(q0, q2, q4, q6)[None, :], v * 256 + base[None, :], False, EMULATE)
         v = _dp4a(wo, _bytes4(q1, q3, q5, q7)[None, :], v, False, EMULATE)
-        xs = q0 + q1 + q2 + q3 + q4 + q5 + q6 + q7
         g = (8 * c) // GROUP
         sc = tl.load(s_ptr + rn64 * stride_sn + g).to(tl.float32) * (amax * (1.0 / 32767.0))
         if ZERO_POINT:
             z = tl.load(z_ptr + rn64 * stride_sn + g).to(tl.float32)
             acc += (v.to(tl.float32) - z[:, None] * xs.to(tl.float32)[None, :]) * sc[:, None]
         else:
-            acc += (v - 8 * xs[None, :]).to(tl.float32) * sc[:, None]
+            acc += v.to(tl.float32) * sc[:, None]
     return tl.sum(acc, axis=1)
 
 
