@@ -170,6 +170,32 @@ def _f16(v, mask):
 
 
 @triton.jit
+def _word_rows(q_ptr, rn, N, W_ROW, w_lo, w_hi, C: tl.constexpr):
+    """The one-row loops' start: the ``[C]`` word offsets of a step, the rows as int64 indices (rows
+    past ``N`` read row ``N - 1``, never stored), ``[BLOCK_N, 1]`` pointers to their first word and
+    the first step's words (:func:`_step_words`)."""
+    rc = tl.arange(0, C)
+    rn64 = tl.minimum(rn, N - 1).to(tl.int64)
+    q_rows = q_ptr + rn64[:, None] * W_ROW
+    return rc, rn64, q_rows, _step_words(q_rows, w_lo, w_hi, rc, C)
+
+
+@triton.jit
+def _step_words(q_rows, c, w_hi, rc, C: tl.constexpr):
+    """The one-row loops' ``[BLOCK_N, C]`` words from word ``c`` of each row, clamped to the slice's
+    last ``C`` (the prefetch past the slice re-reads them): unmasked, so 16-byte loads."""
+    return tl.load(q_rows + (tl.minimum(c, w_hi - C) + rc)[None, :])
+
+
+@triton.jit
+def _x8(xp):
+    """The eight activations ``xp[0..7]`` (one int4 word's inputs, ``[C]`` vectors) as float32."""
+    return (tl.load(xp).to(tl.float32), tl.load(xp + 1).to(tl.float32), tl.load(xp + 2).to(tl.float32),
+            tl.load(xp + 3).to(tl.float32), tl.load(xp + 4).to(tl.float32), tl.load(xp + 5).to(tl.float32),
+            tl.load(xp + 6).to(tl.float32), tl.load(xp + 7).to(tl.float32))
+
+
+@triton.jit
 def _int4_row_loop(x_ptr, q_ptr, s_ptr, z_ptr, rn, n_ok, N, w_lo, w_hi, W_ROW, stride_sn, M12, M16,
                    BLOCK_N: tl.constexpr, ZERO_POINT: tl.constexpr, GROUP: tl.constexpr):
     """One row (batch-1 decode): ``sum_k x[k] * (q[n, k] - z[n, g]) * s[n, g]`` over the words
@@ -193,25 +219,22 @@ def _int4_row_loop(x_ptr, q_ptr, s_ptr, z_ptr, rn, n_ok, N, w_lo, w_hi, W_ROW, s
     mask — rows past ``N`` read row ``N - 1`` (their sums are never stored) and the prefetch past
     the slice re-reads its last group — so they vectorize to 16-byte loads."""
     C: tl.constexpr = GROUP // 8
-    rc = tl.arange(0, C)
-    rn64 = tl.minimum(rn, N - 1).to(tl.int64)
-    q_rows = q_ptr + rn64[:, None] * W_ROW
+    rc, rn64, q_rows, w_next = _word_rows(q_ptr, rn, N, W_ROW, w_lo, w_hi, C)
     acc = tl.zeros([BLOCK_N, C], tl.float32)
-    w_next = tl.load(q_rows + (w_lo + rc)[None, :])
     for c in range(w_lo, w_hi, C):
         w = w_next
-        w_next = tl.load(q_rows + (tl.minimum(c + C, w_hi - C) + rc)[None, :])
+        w_next = _step_words(q_rows, c + C, w_hi, rc, C)
         kb = c * 8
-        xp = x_ptr + kb + 8 * rc
+        x0, x1, x2, x3, x4, x5, x6, x7 = _x8(x_ptr + kb + 8 * rc)
         # the planes' activations pre-scaled by 2^p: f * (2^p x) = 2^p x + q x
-        x0 = tl.load(xp).to(tl.float32) * 2048.0
-        x1 = tl.load(xp + 1).to(tl.float32) * 2048.0
-        x2 = tl.load(xp + 2).to(tl.float32) * 128.0
-        x3 = tl.load(xp + 3).to(tl.float32) * 2048.0
-        x4 = tl.load(xp + 4).to(tl.float32) * 128.0
-        x5 = tl.load(xp + 5).to(tl.float32) * 2048.0
-        x6 = tl.load(xp + 6).to(tl.float32) * 128.0
-        x7 = tl.load(xp + 7).to(tl.float32) * 2048.0
+        x0 *= 2048.0
+        x1 *= 2048.0
+        x2 *= 128.0
+        x3 *= 2048.0
+        x4 *= 128.0
+        x5 *= 2048.0
+        x6 *= 128.0
+        x7 *= 2048.0
         wl8 = w << 8
         wr8 = w >> 8
         a = _f12(w << 12, M12) * x0[None, :] + _f12(wl8, M12) * x1[None, :] + _f16(wl8, M16) * x2[None, :] \
@@ -284,23 +307,12 @@ def _int4_row_dp4a(x_ptr, q_ptr, s_ptr, z_ptr, rn, N, w_lo, w_hi, W_ROW, stride_
     instructions a weight in the loop against the float loop's 3.6. Loads past the slice and rows
     past ``N`` read in bounds, as in :func:`_int4_row_loop`."""
     C: tl.constexpr = GROUP // 8
-    rc = tl.arange(0, C)
-    rn64 = tl.minimum(rn, N - 1).to(tl.int64)
-    q_rows = q_ptr + rn64[:, None] * W_ROW
+    rc, rn64, q_rows, w_next = _word_rows(q_ptr, rn, N, W_ROW, w_lo, w_hi, C)
     acc = tl.zeros([BLOCK_N, C], tl.float32)
-    w_next = tl.load(q_rows + (w_lo + rc)[None, :])
     for c in range(w_lo, w_hi, C):
         w = w_next
-        w_next = tl.load(q_rows + (tl.minimum(c + C, w_hi - C) + rc)[None, :])
-        xp = x_ptr + 8 * (c + rc)
-        x0 = tl.load(xp).to(tl.float32)
-        x1 = tl.load(xp + 1).to(tl.float32)
-        x2 = tl.load(xp + 2).to(tl.float32)
-        x3 = tl.load(xp + 3).to(tl.float32)
-        x4 = tl.load(xp + 4).to(tl.float32)
-        x5 = tl.load(xp + 5).to(tl.float32)
-        x6 = tl.load(xp + 6).to(tl.float32)
-        x7 = tl.load(xp + 7).to(tl.float32)
+        w_next = _step_words(q_rows, c + C, w_hi, rc, C)
+        x0, x1, x2, x3, x4, x5, x6, x7 = _x8(x_ptr + 8 * (c + rc))
         big = tl.maximum(tl.maximum(tl.maximum(tl.abs(x0), tl.abs(x1)), tl.maximum(tl.abs(x2), tl.abs(x3))),
                          tl.maximum(tl.maximum(tl.abs(x4), tl.abs(x5)), tl.maximum(tl.abs(x6), tl.abs(x7))))
         amax = tl.max(big, axis=0)
@@ -353,13 +365,11 @@ def _fp8_row_loop(x_ptr, q_ptr, rn, N, w_lo, w_hi, W_ROW, BLOCK_N: tl.constexpr,
     keep an absolute precision of 2^-29 of the code scale. Words are ``C`` a step, the next step's
     loaded before this one's math, rows past ``N`` read row ``N - 1`` (never stored): unmasked
     16-byte loads."""
-    rc = tl.arange(0, C)
-    q_rows = q_ptr + tl.minimum(rn, N - 1).to(tl.int64)[:, None] * W_ROW
+    rc, _, q_rows, w_next = _word_rows(q_ptr, rn, N, W_ROW, w_lo, w_hi, C)
     acc = tl.zeros([BLOCK_N, C], tl.float32)
-    w_next = tl.load(q_rows + (w_lo + rc)[None, :])
     for c in range(w_lo, w_hi, C):
         w = w_next
-        w_next = tl.load(q_rows + (tl.minimum(c + C, w_hi - C) + rc)[None, :])
+        w_next = _step_words(q_rows, c + C, w_hi, rc, C)
         xp = x_ptr + 4 * (c + rc)
         x0 = tl.load(xp).to(tl.float32)
         x1 = tl.load(xp + 1).to(tl.float32)
