@@ -183,7 +183,7 @@ def _word_rows(q_ptr, rn, N, W_ROW, w_lo, w_hi, C: tl.constexpr):
 @triton.jit
 def _step_words(q_rows, c, w_hi, rc, C: tl.constexpr):
     """The one-row loops' ``[BLOCK_N, C]`` words from word ``c`` of each row, clamped to the slice's
-    last ``C`` (the prefetch past the slice re-reads them): unmasked, so 16-byte loads."""
+    last ``C`` (the prefetch past the slice re-reads them): unmasked, so they may vectorize."""
     return tl.load(q_rows + (tl.minimum(c, w_hi - C) + rc)[None, :])
 
 
@@ -282,6 +282,12 @@ def _bytes4(b0, b1, b2, b3):
 
 
 @triton.jit
+def _max_nan(a, b):
+    """``max(a, b)``, NaN if either is (a plain max returns the other operand)."""
+    return tl.maximum(a, b, propagate_nan=tl.PropagateNan.ALL)
+
+
+@triton.jit
 def _fixed16(x, inv):
     """``round(x * inv)`` as an int32 for ``|x * inv| < 2^22``: added to ``1.5 * 2^23`` the float32's
     low mantissa bits are the rounded integer (no conversion instruction)."""
@@ -298,8 +304,9 @@ def _int4_row_dp4a(x_ptr, q_ptr, s_ptr, z_ptr, rn, N, w_lo, w_hi, W_ROW, stride_
     (``xq = 256 h + l``) and packed four to an int32 for the even and for the odd inputs of a
     word. A weight word's even and odd nibbles are two ``& 0x0F0F0F0F`` byte vectors, so a word's
     ``sum_i q_i xq_i`` is four ``dp4a`` (exact: below 2^22), about 0.9 instructions a weight where
-    the float loop spends 2.5. Per word the zero point comes off as ``z * sum_i xq_i`` and the
-    float32 accumulator takes ``s[n, g] * a`` times the converted sum.
+    the float loop spends 2.5. Per word the zero point comes off as ``z * sum_i xq_i`` (the
+    symmetric 8 in the integer sum, with the high bytes' scaling) and the float32 accumulator takes
+    ``s[n, g] * a`` times the converted sum. A group with a NaN or infinite input gives NaN.
 
     Each thread makes the activation bytes of its own words' columns, per group. The compiler lays
     the ``[BLOCK_N, GROUP / 8]`` words out one a thread (32-bit loads), so a thread holds one column
@@ -313,9 +320,9 @@ def _int4_row_dp4a(x_ptr, q_ptr, s_ptr, z_ptr, rn, N, w_lo, w_hi, W_ROW, stride_
         w = w_next
         w_next = _step_words(q_rows, c + C, w_hi, rc, C)
         x0, x1, x2, x3, x4, x5, x6, x7 = _x8(x_ptr + 8 * (c + rc))
-        big = tl.maximum(tl.maximum(tl.maximum(tl.abs(x0), tl.abs(x1)), tl.maximum(tl.abs(x2), tl.abs(x3))),
-                         tl.maximum(tl.maximum(tl.abs(x4), tl.abs(x5)), tl.maximum(tl.abs(x6), tl.abs(x7))))
-        amax = tl.max(big, axis=0)
+        big = _max_nan(_max_nan(_max_nan(tl.abs(x0), tl.abs(x1)), _max_nan(tl.abs(x2), tl.abs(x3))),
+                       _max_nan(_max_nan(tl.abs(x4), tl.abs(x5)), _max_nan(tl.abs(x6), tl.abs(x7))))
+        amax = tl.max(big, axis=0) + tl.sum(big - big, axis=0)   # NaN if an input is not finite: nothing silent
         inv = tl.where(amax > 0, 32767.0 / amax, 0.0)
         q0 = _fixed16(x0, inv)
         q1 = _fixed16(x1, inv)

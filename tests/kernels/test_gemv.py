@@ -241,3 +241,13 @@ def test_int4_integer_dot_row_matches_a_float64_product(name, split, epilogue):
     err = (got - want).abs()
     assert torch.isfinite(got).all()
     assert (err <= bound + eps * want.abs() + 1e-3).all(), f"worst error {err.max():.3g} vs bound {bound.max():.3g}"
+
+
+def test_int4_integer_dot_row_gives_nan_for_a_nan_input():
+    """A NaN activation must not vanish into the fixed-point scale (a max that skips NaN would)."""
+    s, stored, _ = _quantized("int4-g64", 16, 128, torch.float16, seed=5)
+    x = torch.randn(1, 128, generator=torch.Generator().manual_seed(3)).half()
+    x[0, 70] = float("nan")
+    cfg = dict(BLOCK_N=16, BLOCK_K=64, SPLIT_K=1, num_warps=4, num_stages=2, INT_DOT=True)
+    got = gemv(x.to(DEV), stored[0], config=cfg, scheme=s, scales=stored[1])
+    assert torch.isnan(got).all()
