@@ -335,13 +335,13 @@ def _int4_row_dp4a(x_ptr, q_ptr, s_ptr, z_ptr, rn, N, w_lo, w_hi, W_ROW, stride_
         we = w & M0F                    # nibbles 0, 2, 4, 6 (k = 8c, 8c+2, ...) as bytes
         wo = (w >> 4) & M0F             # nibbles 1, 3, 5, 7
         xs = q0 + q1 + q2 + q3 + q4 + q5 + q6 + q7
-        if ZERO_POINT:
-            base = xs * 0
-        else:
-            base = -8 * xs              # the symmetric zero point, joined where the high sums are scaled
         v = _dp4a(we, _bytes4(q0 >> 8, q2 >> 8, q4 >> 8, q6 >> 8)[None, :], tl.zeros_like(w), True, EMULATE)
         v = _dp4a(wo, _bytes4(q1 >> 8, q3 >> 8, q5 >> 8, q7 >> 8)[None, :], v, True, EMULATE)
-        v = _dp4a(we, _bytes4(q0, q2, q4, q6)[None, :], v * 256 + base[None, :], False, EMULATE)
+        if ZERO_POINT:
+            v = v * 256
+        else:
+            v = v * 256 - 8 * xs[None, :]   # the symmetric zero point, joined where the high sums are scaled
+        v = _dp4a(we, _bytes4(q0, q2, q4, q6)[None, :], v, False, EMULATE)
         v = _dp4a(wo, _bytes4(q1, q3, q5, q7)[None, :], v, False, EMULATE)
         g = (8 * c) // GROUP
         sc = tl.load(s_ptr + rn64 * stride_sn + g).to(tl.float32) * (amax * (1.0 / 32767.0))
@@ -808,7 +808,7 @@ def gemv(x: torch.Tensor, w: torch.Tensor, add: torch.Tensor | None = None, *, s
     group = scheme.group_size if kind in (W_INT4, W_INT4_ZP) else 1
     cfg = dict(config or (_pick_config(m, n, k, x.device) if kind == W_FLOAT
                           else _pick_quant_config(m, n, k, kind, group, x.device)))
-    if set(cfg) - _CONFIG_KEYS or {"BLOCK_N", "BLOCK_K", "SPLIT_K"} - set(cfg):
+    if config and (set(cfg) - _CONFIG_KEYS or {"BLOCK_N", "BLOCK_K", "SPLIT_K"} - set(cfg)):   # a caller's
         raise GraphDSLError(f"gemv: config takes BLOCK_N, BLOCK_K, SPLIT_K and optionally "
                             f"{sorted(_CONFIG_KEYS - {'BLOCK_N', 'BLOCK_K', 'SPLIT_K'})}, got {sorted(cfg)}")
     block_n, block_k, split = cfg.pop("BLOCK_N"), cfg.pop("BLOCK_K"), cfg.pop("SPLIT_K")
