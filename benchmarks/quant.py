@@ -59,13 +59,14 @@ def kernel_rows(shape: str, schemes: list[str], copy: float) -> list[str]:
     return rows
 
 
-def sweep(shape: str, schemes: list[str], copy: float, *, top: int = 3) -> list[str]:
+def sweep(shape: str, schemes: list[str], copy: float, *, top: int = 3, int_dot_only: bool = False) -> list[str]:
     """Decode GEMV configs for quantized weights (``gemv(..., scheme=)``; BLOCK_N, BLOCK_K, SPLIT_K,
     stages; int4 also its integer-dot row loop, ``INT_DOT``): per projection of the shape (gate_up
     with its SwiGLU epilogue, as in the model), a CUDA graph replays the GEMV over enough copies of
     the weights (>= 256 MB) that they stream from HBM, as in a decode step; µs per GEMV and % of
     copy bandwidth, the ``top`` best first (and int4's best ``INT_DOT`` launch), and the default
-    heuristic's row (how ``_pick_quant_config`` was chosen)."""
+    heuristic's row (how ``_pick_quant_config`` was chosen). ``int_dot_only``: int4's ``INT_DOT``
+    launches alone (beside the heuristic's row), a quicker sweep."""
     import itertools
 
     from graphdsl.quant import online_scheme
@@ -104,11 +105,17 @@ def sweep(shape: str, schemes: list[str], copy: float, *, top: int = 3) -> list[
                 return ms * 1e3 / len(copies)
 
             default = _pick_quant_config(1, n, k, weight_kind(s), group, x.device)
-            configs = [dict(BLOCK_N=bn, BLOCK_K=bk, SPLIT_K=split, num_warps=4, num_stages=4)
-                       for bn, bk, split in itertools.product((32, 64, 128), (128, 256, 512), (1, 2, 4, 8, 16))]
-            if weight_kind(s) in (W_INT4, W_INT4_ZP):     # the integer-dot row loop (INT_DOT), its own tiles
-                configs += [dict(BLOCK_N=bn, BLOCK_K=bk, SPLIT_K=split, num_warps=nw, num_stages=2, INT_DOT=True)
-                            for bn, nw, bk, split in itertools.product((64, 128, 256), (4, 8), (128, 256), (1, 2, 4, 8, 16))]
+            int4 = weight_kind(s) in (W_INT4, W_INT4_ZP)
+            if int4:        # the one-row loops (float FMAs, or INT_DOT): BLOCK_K / group groups a step
+                tiles = [(bn, bk) for bn, bk in itertools.product((64, 128, 256), (128, 256, 512, 1024))
+                         if bn * bk // 8 <= 8192]
+                configs = [dict(BLOCK_N=bn, BLOCK_K=bk, SPLIT_K=split, num_warps=4 if bn * bk <= 32768 else 8,
+                                num_stages=2, INT_DOT=dot)
+                           for dot in ((True,) if int_dot_only else (False, True))
+                           for (bn, bk), split in itertools.product(tiles, (1, 2, 4, 8, 16))]
+            else:
+                configs = [dict(BLOCK_N=bn, BLOCK_K=bk, SPLIT_K=split, num_warps=4, num_stages=4)
+                           for bn, bk, split in itertools.product((32, 64, 128), (128, 256, 512), (1, 2, 4, 8, 16))]
             results = []
             for cfg in configs:
                 bk = cfg["BLOCK_K"]
@@ -116,11 +123,12 @@ def sweep(shape: str, schemes: list[str], copy: float, *, top: int = 3) -> list[
                     continue
                 try:
                     results.append((time_graph(cfg), cfg))
+                    _log(f"{s.name} {proj} {cfg}: {results[-1][0]:.2f} µs")
                 except Exception as e:  # noqa: BLE001 - a config past shared memory / registers: skip it
                     _log(f"{s.name} {proj} {cfg}: {type(e).__name__}: {str(e)[:100]}")
             results.sort(key=lambda r: r[0])
             best = results[0][1]
-            for st in (3, 5, 6):                           # pipeline depth around the best tile
+            for st in (3, 5, 6) if not int4 else ():       # pipeline depth around the best tile (tl.dot paths)
                 cfg = dict(best, num_stages=st)
                 try:
                     results.append((time_graph(cfg), cfg))
@@ -261,6 +269,7 @@ def main(argv=None) -> int:
     ap.add_argument("--no-kernels", action="store_true")
     ap.add_argument("--no-e2e", action="store_true")
     ap.add_argument("--sweep", action="store_true", help="also sweep the decode tile configs")
+    ap.add_argument("--int-dot-only", action="store_true", help="with --sweep: int4's INT_DOT launches only")
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
     copy = copy_bandwidth_gbs()
@@ -274,7 +283,8 @@ def main(argv=None) -> int:
         lines += [""]
     if args.sweep:
         lines += ["| scheme | projection | decode GEMV config | µs | % of copy |", "|---|---|---|---|---|"]
-        lines += sweep(args.shape, [s for s in args.schemes if s != _GGUFMix.NAME], copy) + [""]
+        lines += sweep(args.shape, [s for s in args.schemes if s != _GGUFMix.NAME], copy,
+                       int_dot_only=args.int_dot_only) + [""]
     if args.no_e2e:
         print("\n".join(lines))
         return 0

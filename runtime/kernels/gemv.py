@@ -30,9 +30,9 @@ rows, so the op is bound by the bytes of ``w`` and by how many of them are in fl
   int4 over nibbles OR-ed into the mantissa of 1.0 (:func:`_int4_row_loop`), fp8 over codes
   shifted into float32 bits (:func:`_fp8_row_loop`) —, more int4 rows ``tl.dot`` over 16-bit
   magic-number nibble planes (:func:`_int4_k_loop`): no conversion instructions (1/8 of the FMA
-  rate on Hopper) on the one-row paths. One int4 row may instead take integer dot products
+  rate on Hopper) on the one-row paths. One int4 row takes integer dot products by default
   (``INT_DOT``, :func:`_int4_row_dp4a`: activations in 16-bit fixed point per group, four ``dp4a``
-  a word), not yet the default: it has not been timed on a GPU. Launches: :func:`_pick_quant_config`.
+  a word; faster on the H200 than the float loop). Launches: :func:`_pick_quant_config`.
 * **PDL** (:mod:`.pdl`): on Hopper the kernel may launch while its predecessor finishes. A grid of
   more programs than SMs lets the next kernel launch only once its programs are past the K loop:
   launched at the usual point (when its last wave starts), the next kernel's programs take each SM
@@ -82,9 +82,9 @@ W_FLOAT, W_INT8, W_INT4, W_INT4_ZP, W_FP8 = 0, 1, 2, 3, 4
 # quantized tiles (benchmarks/quant.py --sweep, H200, weights from HBM): see _pick_quant_config
 _QUANT_BLOCK_N = 64
 _QUANT_STAGES = 4
-# one int4 row through integer dot products (_int4_row_dp4a) instead of the float loop: off until
-# timed on the GPU (benchmarks/quant.py --sweep, benchmarks/decode_ab.py --quantization int4)
-_INT4_INT_DOT = False
+# one int4 row through integer dot products (_int4_row_dp4a) instead of the float loop (_int4_row_loop):
+# faster on the H200 (benchmarks/quant.py --sweep; _pick_quant_config), False for the A/B
+_INT4_INT_DOT = True
 _CONFIG_KEYS = {"BLOCK_N", "BLOCK_K", "SPLIT_K", "num_warps", "num_stages", "INT_DOT"}
 
 
@@ -171,7 +171,7 @@ def _f16(v, mask):
 
 @triton.jit
 def _word_rows(q_ptr, rn, N, W_ROW, w_lo, w_hi, C: tl.constexpr):
-    """The one-row loops' start: the ``[C]`` word offsets of a step, the rows as int64 indices (rows
+    """The fp8 one-row loop's start: the ``[C]`` word offsets of a step, the rows as int64 indices (rows
     past ``N`` read row ``N - 1``, never stored), ``[BLOCK_N, 1]`` pointers to their first word and
     the first step's words (:func:`_step_words`)."""
     rc = tl.arange(0, C)
@@ -182,22 +182,45 @@ def _word_rows(q_ptr, rn, N, W_ROW, w_lo, w_hi, C: tl.constexpr):
 
 @triton.jit
 def _step_words(q_rows, c, w_hi, rc, C: tl.constexpr):
-    """The one-row loops' ``[BLOCK_N, C]`` words from word ``c`` of each row, clamped to the slice's
+    """The fp8 one-row loop's ``[BLOCK_N, C]`` words from word ``c`` of each row, clamped to the slice's
     last ``C`` (the prefetch past the slice re-reads them): unmasked, so they may vectorize."""
     return tl.load(q_rows + (tl.minimum(c, w_hi - C) + rc)[None, :])
 
 
 @triton.jit
-def _x8(xp):
-    """The eight activations ``xp[0..7]`` (one int4 word's inputs, ``[C]`` vectors) as float32."""
-    return (tl.load(xp).to(tl.float32), tl.load(xp + 1).to(tl.float32), tl.load(xp + 2).to(tl.float32),
-            tl.load(xp + 3).to(tl.float32), tl.load(xp + 4).to(tl.float32), tl.load(xp + 5).to(tl.float32),
-            tl.load(xp + 6).to(tl.float32), tl.load(xp + 7).to(tl.float32))
+def _int4_rows(q_ptr, rn, N, W_ROW, G: tl.constexpr, C: tl.constexpr):
+    """The int4 one-row loops' start, a step being ``G`` groups of ``C`` words of each row: the
+    ``[G, C]`` word offsets of a step, the ``[G]`` group offsets, the rows as int64 indices (rows
+    past ``N`` read row ``N - 1``, never stored) and ``[BLOCK_N, 1, 1]`` pointers to their first word."""
+    rw = tl.arange(0, G)[:, None] * C + tl.arange(0, C)[None, :]
+    rn64 = tl.minimum(rn, N - 1).to(tl.int64)
+    return rw, tl.arange(0, G), rn64, q_ptr + rn64[:, None, None] * W_ROW
+
+
+@triton.jit
+def _int4_loads(x_ptr, s_ptr, z_ptr, q_rows, rw, rg, rn64, c, w_hi, stride_sn, S: tl.constexpr,
+                GROUP: tl.constexpr, ZERO_POINT: tl.constexpr):
+    """All that the step from word ``c`` reads, clamped to the slice's last ``S`` words (a prefetch
+    past the slice re-reads them): the ``[BLOCK_N, G, C]`` words (unmasked, so 16-byte loads), the
+    ``[BLOCK_N, G]`` scales and zero points (the scales again without ``ZERO_POINT``) and the eight
+    ``[G, C]`` activation vectors of the words' inputs (word ``j`` holds inputs ``8j .. 8j + 7``).
+    Issued one step ahead of their use: a load inside the step would stall it by a memory latency."""
+    c = tl.minimum(c, w_hi - S)
+    w = tl.load(q_rows + (c + rw)[None, :, :])
+    sg = rn64[:, None] * stride_sn + ((8 * c) // GROUP + rg)[None, :]
+    sc = tl.load(s_ptr + sg)
+    if ZERO_POINT:
+        z = tl.load(z_ptr + sg)
+    else:
+        z = sc
+    xp = x_ptr + 8 * (c + rw)
+    return (w, sc, z, tl.load(xp), tl.load(xp + 1), tl.load(xp + 2), tl.load(xp + 3), tl.load(xp + 4),
+            tl.load(xp + 5), tl.load(xp + 6), tl.load(xp + 7))
 
 
 @triton.jit
 def _int4_row_loop(x_ptr, q_ptr, s_ptr, z_ptr, rn, n_ok, N, w_lo, w_hi, W_ROW, stride_sn, M12, M16,
-                   BLOCK_N: tl.constexpr, ZERO_POINT: tl.constexpr, GROUP: tl.constexpr):
+                   BLOCK_N: tl.constexpr, ZERO_POINT: tl.constexpr, GROUP: tl.constexpr, G: tl.constexpr):
     """One row (batch-1 decode): ``sum_k x[k] * (q[n, k] - z[n, g]) * s[n, g]`` over the words
     ``[w_lo, w_hi)`` of each weight row, with CUDA-core FMAs instead of ``tl.dot`` (whose operand-
     layout shuffle and int->float conversions bound the tensor-core path at one row). ``q_ptr``:
@@ -210,22 +233,28 @@ def _int4_row_loop(x_ptr, q_ptr, s_ptr, z_ptr, rn, n_ok, N, w_lo, w_hi, W_ROW, s
     ``2^-p * sum q * x``; with the activations pre-scaled by ``2^p`` (per word, not per weight)
     one accumulator takes every plane: about 1.5 integer operations and one FMA per weight. Per
     group and word, ``sum 2^p x`` and the zero point's ``z * sum x`` are taken off and the scale
-    applied (2 operations per 8 weights); the ``[BLOCK_N, GROUP / 8]`` sums are reduced over the
-    words once, at the end. Rounding: the float32 products carry ~2^-24 of ``2^11 |x|``, about
-    1e-4 of a word's ``sum q x`` — below the 16-bit activations' own rounding.
+    applied (2 operations per 8 weights); the ``[BLOCK_N, G, GROUP / 8]`` sums are reduced once,
+    at the end. Rounding: the float32 products carry ~2^-24 of ``2^11 |x|``, about 1e-4 of a
+    word's ``sum q x`` — below the 16-bit activations' own rounding.
 
-    The slice is walked one group at a time, the next group's words loaded before this one's
-    math (nothing software-pipelines loads that do not feed ``tl.dot``). Weight loads carry no
-    mask — rows past ``N`` read row ``N - 1`` (their sums are never stored) and the prefetch past
-    the slice re-reads its last group — so they vectorize to 16-byte loads."""
+    The slice is walked ``G`` groups a step (``G * GROUP / 2`` contiguous bytes of each row: the
+    HBM stream is slower in short pieces, ``benchmarks/row_stream.py``), all that the next step
+    reads — words, scales, activations (:func:`_int4_loads`) — loaded before this one's math
+    (nothing software-pipelines loads that do not feed ``tl.dot``). Weight loads carry no mask — rows past ``N`` read row ``N - 1`` (their sums are
+    never stored) and the prefetch past the slice re-reads its last step — so they vectorize to
+    16-byte loads."""
     C: tl.constexpr = GROUP // 8
-    rc, rn64, q_rows, w_next = _word_rows(q_ptr, rn, N, W_ROW, w_lo, w_hi, C)
-    acc = tl.zeros([BLOCK_N, C], tl.float32)
-    for c in range(w_lo, w_hi, C):
-        w = w_next
-        w_next = _step_words(q_rows, c + C, w_hi, rc, C)
-        kb = c * 8
-        x0, x1, x2, x3, x4, x5, x6, x7 = _x8(x_ptr + kb + 8 * rc)
+    S: tl.constexpr = G * C
+    rw, rg, rn64, q_rows = _int4_rows(q_ptr, rn, N, W_ROW, G, C)
+    nw, ns, nz, n0, n1, n2, n3, n4, n5, n6, n7 = _int4_loads(x_ptr, s_ptr, z_ptr, q_rows, rw, rg, rn64, w_lo, w_hi,
+                                                             stride_sn, S, GROUP, ZERO_POINT)
+    acc = tl.zeros([BLOCK_N, G, C], tl.float32)
+    for c in range(w_lo, w_hi, S):
+        w, sc, z = nw, ns.to(tl.float32)[:, :, None], nz.to(tl.float32)[:, :, None]
+        x0, x1, x2, x3 = n0.to(tl.float32), n1.to(tl.float32), n2.to(tl.float32), n3.to(tl.float32)
+        x4, x5, x6, x7 = n4.to(tl.float32), n5.to(tl.float32), n6.to(tl.float32), n7.to(tl.float32)
+        nw, ns, nz, n0, n1, n2, n3, n4, n5, n6, n7 = _int4_loads(x_ptr, s_ptr, z_ptr, q_rows, rw, rg, rn64, c + S,
+                                                                 w_hi, stride_sn, S, GROUP, ZERO_POINT)
         # the planes' activations pre-scaled by 2^p: f * (2^p x) = 2^p x + q x
         x0 *= 2048.0
         x1 *= 2048.0
@@ -237,19 +266,16 @@ def _int4_row_loop(x_ptr, q_ptr, s_ptr, z_ptr, rn, n_ok, N, w_lo, w_hi, W_ROW, s
         x7 *= 2048.0
         wl8 = w << 8
         wr8 = w >> 8
-        a = _f12(w << 12, M12) * x0[None, :] + _f12(wl8, M12) * x1[None, :] + _f16(wl8, M16) * x2[None, :] \
-            + _f12(w, M12) * x3[None, :] + _f16(w, M16) * x4[None, :] + _f12(wr8, M12) * x5[None, :] \
-            + _f16(wr8, M16) * x6[None, :] + _f12(w >> 16, M12) * x7[None, :]
+        a = _f12(w << 12, M12) * x0[None] + _f12(wl8, M12) * x1[None] + _f16(wl8, M16) * x2[None] \
+            + _f12(w, M12) * x3[None] + _f16(w, M16) * x4[None] + _f12(wr8, M12) * x5[None] \
+            + _f16(wr8, M16) * x6[None] + _f12(w >> 16, M12) * x7[None]
         big = x0 + x1 + x2 + x3 + x4 + x5 + x6 + x7                            # sum 2^p x
         xs = (x0 + x1 + x3 + x5 + x7) * (1.0 / 2048.0) + (x2 + x4 + x6) * (1.0 / 128.0)   # sum x
-        g = kb // GROUP
-        sc = tl.load(s_ptr + rn64 * stride_sn + g).to(tl.float32)
         if ZERO_POINT:
-            z = tl.load(z_ptr + rn64 * stride_sn + g).to(tl.float32)
-            acc += sc[:, None] * (a - big[None, :] - z[:, None] * xs[None, :])     # sum (q - z) x per word
+            acc += sc * (a - big[None] - z * xs[None])     # sum (q - z) x per word
         else:
-            acc += sc[:, None] * (a - (big + 8.0 * xs)[None, :])
-    return tl.sum(acc, axis=1)
+            acc += sc * (a - (big + 8.0 * xs)[None])
+    return tl.sum(tl.sum(acc, axis=2), axis=1)
 
 
 @triton.jit
@@ -296,34 +322,39 @@ def _fixed16(x, inv):
 
 @triton.jit
 def _int4_row_dp4a(x_ptr, q_ptr, s_ptr, z_ptr, rn, N, w_lo, w_hi, W_ROW, stride_sn, M0F, BLOCK_N: tl.constexpr,
-                   ZERO_POINT: tl.constexpr, GROUP: tl.constexpr, EMULATE: tl.constexpr):
-    """One row as :func:`_int4_row_loop` computes it, with integer dot products: per group the
-    activations become 16-bit fixed point, ``x ~ a * xq`` with ``a = max|x_g| / 32767`` and
-    ``xq = round(x / a)`` (error at most ``a / 2`` an input: ``2^-16`` of the group's largest, far
-    below the 16-bit activations' own rounding), split into a signed high and an unsigned low byte
-    (``xq = 256 h + l``) and packed four to an int32 for the even and for the odd inputs of a
-    word. A weight word's even and odd nibbles are two ``& 0x0F0F0F0F`` byte vectors, so a word's
-    ``sum_i q_i xq_i`` is four ``dp4a`` (exact: below 2^22), about 0.9 instructions a weight where
-    the float loop spends 2.5. Per word the zero point comes off as ``z * sum_i xq_i`` (the
-    symmetric 8 in the integer sum, with the high bytes' scaling) and the float32 accumulator takes
-    ``s[n, g] * a`` times the converted sum. A group with a NaN or infinite input gives NaN.
+                   ZERO_POINT: tl.constexpr, GROUP: tl.constexpr, G: tl.constexpr, EMULATE: tl.constexpr):
+    """One row as :func:`_int4_row_loop` computes it (``G`` groups a step), with integer dot
+    products: per group the activations become 16-bit fixed point, ``x ~ a * xq`` with
+    ``a = max|x_g| / 32767`` and ``xq = round(x / a)`` (error at most ``a / 2`` an input: ``2^-16``
+    of the group's largest, far below the 16-bit activations' own rounding), split into a signed
+    high and an unsigned low byte (``xq = 256 h + l``) and packed four to an int32 for the even and
+    for the odd inputs of a word. A weight word's even and odd nibbles are two ``& 0x0F0F0F0F``
+    byte vectors, so a word's ``sum_i q_i xq_i`` is four ``dp4a`` (exact: below 2^22), about 0.9
+    instructions a weight where the float loop spends 2.5. Per word the zero point comes off as
+    ``z * sum_i xq_i`` (the symmetric 8 in the integer sum, with the high bytes' scaling) and the
+    float32 accumulator takes ``s[n, g] * a`` times the converted sum. A group with a NaN or
+    infinite input gives NaN.
 
-    Each thread makes the activation bytes of its own words' columns, per group. The compiler lays
-    the ``[BLOCK_N, GROUP / 8]`` words out one a thread (32-bit loads), so a thread holds one column
-    of many rows and packs that column's bytes once for all of them: compiled for sm_90, 2.5 SASS
-    instructions a weight in the loop against the float loop's 3.6. Loads past the slice and rows
-    past ``N`` read in bounds, as in :func:`_int4_row_loop`."""
+    Each thread makes the activation bytes of its own words' columns, per group: compiled for
+    sm_90 (one group a step), 2.5 SASS instructions a weight in the loop against the float loop's
+    3.6 — yet no faster on the H200 (the HBM stream, not the issue rate, bounds both). Loads past
+    the slice and rows past ``N`` read in bounds, as in :func:`_int4_row_loop`."""
     C: tl.constexpr = GROUP // 8
-    rc, rn64, q_rows, w_next = _word_rows(q_ptr, rn, N, W_ROW, w_lo, w_hi, C)
-    acc = tl.zeros([BLOCK_N, C], tl.float32)
-    for c in range(w_lo, w_hi, C):
-        w = w_next
-        w_next = _step_words(q_rows, c + C, w_hi, rc, C)
-        x0, x1, x2, x3, x4, x5, x6, x7 = _x8(x_ptr + 8 * (c + rc))
+    S: tl.constexpr = G * C
+    rw, rg, rn64, q_rows = _int4_rows(q_ptr, rn, N, W_ROW, G, C)
+    nw, ns, nz, n0, n1, n2, n3, n4, n5, n6, n7 = _int4_loads(x_ptr, s_ptr, z_ptr, q_rows, rw, rg, rn64, w_lo, w_hi,
+                                                             stride_sn, S, GROUP, ZERO_POINT)
+    acc = tl.zeros([BLOCK_N, G, C], tl.float32)
+    for c in range(w_lo, w_hi, S):
+        w, sc, z = nw, ns.to(tl.float32)[:, :, None], nz.to(tl.float32)[:, :, None]
+        x0, x1, x2, x3 = n0.to(tl.float32), n1.to(tl.float32), n2.to(tl.float32), n3.to(tl.float32)
+        x4, x5, x6, x7 = n4.to(tl.float32), n5.to(tl.float32), n6.to(tl.float32), n7.to(tl.float32)
+        nw, ns, nz, n0, n1, n2, n3, n4, n5, n6, n7 = _int4_loads(x_ptr, s_ptr, z_ptr, q_rows, rw, rg, rn64, c + S,
+                                                                 w_hi, stride_sn, S, GROUP, ZERO_POINT)
         big = _max_nan(_max_nan(_max_nan(tl.abs(x0), tl.abs(x1)), _max_nan(tl.abs(x2), tl.abs(x3))),
                        _max_nan(_max_nan(tl.abs(x4), tl.abs(x5)), _max_nan(tl.abs(x6), tl.abs(x7))))
-        amax = tl.max(big, axis=0) + tl.sum(big - big, axis=0)   # NaN if an input is not finite: nothing silent
-        inv = tl.where(amax > 0, 32767.0 / amax, 0.0)
+        amax = tl.max(big, axis=1) + tl.sum(big - big, axis=1)   # [G]; NaN if an input is not finite
+        inv = tl.where(amax > 0, 32767.0 / amax, 0.0)[:, None]
         q0 = _fixed16(x0, inv)
         q1 = _fixed16(x1, inv)
         q2 = _fixed16(x2, inv)
@@ -335,22 +366,20 @@ def _int4_row_dp4a(x_ptr, q_ptr, s_ptr, z_ptr, rn, N, w_lo, w_hi, W_ROW, stride_
         we = w & M0F                    # nibbles 0, 2, 4, 6 (k = 8c, 8c+2, ...) as bytes
         wo = (w >> 4) & M0F             # nibbles 1, 3, 5, 7
         xs = q0 + q1 + q2 + q3 + q4 + q5 + q6 + q7
-        v = _dp4a(we, _bytes4(q0 >> 8, q2 >> 8, q4 >> 8, q6 >> 8)[None, :], tl.zeros_like(w), True, EMULATE)
-        v = _dp4a(wo, _bytes4(q1 >> 8, q3 >> 8, q5 >> 8, q7 >> 8)[None, :], v, True, EMULATE)
+        v = _dp4a(we, _bytes4(q0 >> 8, q2 >> 8, q4 >> 8, q6 >> 8)[None], tl.zeros_like(w), True, EMULATE)
+        v = _dp4a(wo, _bytes4(q1 >> 8, q3 >> 8, q5 >> 8, q7 >> 8)[None], v, True, EMULATE)
         if ZERO_POINT:
             v = v * 256
         else:
-            v = v * 256 - 8 * xs[None, :]   # the symmetric zero point, joined where the high sums are scaled
-        v = _dp4a(we, _bytes4(q0, q2, q4, q6)[None, :], v, False, EMULATE)
-        v = _dp4a(wo, _bytes4(q1, q3, q5, q7)[None, :], v, False, EMULATE)
-        g = (8 * c) // GROUP
-        sc = tl.load(s_ptr + rn64 * stride_sn + g).to(tl.float32) * (amax * (1.0 / 32767.0))
+            v = v * 256 - 8 * xs[None]   # the symmetric zero point, joined where the high sums are scaled
+        v = _dp4a(we, _bytes4(q0, q2, q4, q6)[None], v, False, EMULATE)
+        v = _dp4a(wo, _bytes4(q1, q3, q5, q7)[None], v, False, EMULATE)
+        sc = sc * (amax * (1.0 / 32767.0))[None, :, None]
         if ZERO_POINT:
-            z = tl.load(z_ptr + rn64 * stride_sn + g).to(tl.float32)
-            acc += (v.to(tl.float32) - z[:, None] * xs.to(tl.float32)[None, :]) * sc[:, None]
+            acc += (v.to(tl.float32) - z * xs.to(tl.float32)[None]) * sc
         else:
-            acc += v.to(tl.float32) * sc[:, None]
-    return tl.sum(acc, axis=1)
+            acc += v.to(tl.float32) * sc
+    return tl.sum(tl.sum(acc, axis=2), axis=1)
 
 
 @triton.jit
@@ -371,7 +400,8 @@ def _fp8_row_loop(x_ptr, q_ptr, rn, N, w_lo, w_hi, W_ROW, BLOCK_N: tl.constexpr,
     the ``tl.dot`` path near half the copy bandwidth), then one FMA; float32 subnormal products
     keep an absolute precision of 2^-29 of the code scale. Words are ``C`` a step, the next step's
     loaded before this one's math, rows past ``N`` read row ``N - 1`` (never stored): unmasked
-    16-byte loads."""
+    16-byte loads. (Prefetching the activations too, as the int4 loops do, made the heuristic's
+    launches slower on the H200: o 8.5 -> 10.1 µs, down 20.5 -> 24.8.)"""
     rc, _, q_rows, w_next = _word_rows(q_ptr, rn, N, W_ROW, w_lo, w_hi, C)
     acc = tl.zeros([BLOCK_N, C], tl.float32)
     for c in range(w_lo, w_hi, C):
@@ -463,7 +493,7 @@ def _gemv_kernel(
     M12, M16, M0F,               # 0xF000, 0xF0000: the int4 row loop's nibble masks (_f12, _f16); 0x0F0F0F0F
     WKIND: tl.constexpr,         # W_FLOAT, W_INT8, W_INT4, W_INT4_ZP or W_FP8 (module constants)
     GROUP: tl.constexpr,         # int4: inputs per scale (a divisor or a multiple of BLOCK_K)
-    ONE_ROW: tl.constexpr,       # M == 1, int4 (BLOCK_K a multiple of GROUP) or fp8 (EVEN_K): the CUDA-core
+    ONE_ROW: tl.constexpr,       # M == 1, int4 (BLOCK_K a multiple of GROUP, EVEN_K) or fp8 (EVEN_K): the CUDA-core
                                  # loops (_int4_row_loop, _fp8_row_loop) over int32 words of W_ROW a row
     ONE_PART_ROW: tl.constexpr,  # SPLIT and M == 1: the partials are [BLOCK_N] row sums, not padded tiles
     HAS_ADD: tl.constexpr,
@@ -510,12 +540,12 @@ def _gemv_kernel(
     if INT4 and ONE_ROW and INT_DOT:
         w_lo = pid_k * K_SPLIT_W
         row = _int4_row_dp4a(x_ptr, w_ptr, s_ptr, z_ptr, rn, N2, w_lo, tl.minimum(w_lo + K_SPLIT_W, W_ROW), W_ROW,
-                             stride_sn, M0F, BLOCK_N, WKIND == 3, GROUP, EMULATE)
+                             stride_sn, M0F, BLOCK_N, WKIND == 3, GROUP, BLOCK_K // GROUP, EMULATE)
         acc = tl.where((rm == 0)[None, :], row[:, None], 0.0)
     elif INT4 and ONE_ROW:
         w_lo = pid_k * K_SPLIT_W
         row = _int4_row_loop(x_ptr, w_ptr, s_ptr, z_ptr, rn, n_ok, N2, w_lo, tl.minimum(w_lo + K_SPLIT_W, W_ROW), W_ROW,
-                             stride_sn, M12, M16, BLOCK_N, WKIND == 3, GROUP)
+                             stride_sn, M12, M16, BLOCK_N, WKIND == 3, GROUP, BLOCK_K // GROUP)
         acc = tl.where((rm == 0)[None, :], row[:, None], 0.0)
     elif WKIND == 4 and ONE_ROW:
         w_lo = pid_k * K_SPLIT_W
@@ -622,12 +652,16 @@ def _pick_quant_config(m: int, n: int, k: int, wkind: int, group: int, device: t
     """The launch for a quantized weight, from the H200 sweeps of ``benchmarks/quant.py --sweep``
     (CUDA graphs over HBM-resident copies of the Llama-3-8B projections, one row).
 
-    int4: 128-row tiles, K split until there are about four programs per SM (nothing software-
-    pipelines the CUDA-core loop, so programs in flight are what hide the loads' latency): o
-    [4096, 4096] 9.1 µs at split 16, qkv 11.5 at split 8, down 19.8 at split 16, gate_up 37.1 at
-    split 4; 128-input slice steps when split 8 or more (down 19.8 vs 21.4 µs with 256), else 256
-    (timed before the split sums were loaded several slices at a time and the nibble masks became
-    arguments: now o 7.0, qkv 10.6, down 16.5, gate_up 33.1).
+    int4, one row: the integer-dot loop (:func:`_int4_row_dp4a`) with everything a step reads
+    issued one step ahead (:func:`_int4_loads`), 256-row tiles, one group a step (``BLOCK_K`` =
+    the group, at least 128: wider steps were slower), K split while the grid stays within two
+    programs a SM: qkv 9.2 µs at split 8, o 7.2 at 16, gate_up 30.2 at 2, down 15.6 at 16 (47%
+    of copy on gate_up and down; the float loop with the same prefetch: 9.4, 7.5, 35.4, 18.4).
+    Before the prefetch both loops ran at 10.0-11.0, 7.3-7.7, 33-34 and 17.4-18.0 µs: the
+    scale load inside the step stalled it by a memory latency.
+
+    int4, more rows (the ``tl.dot`` path): 128-row tiles, K split until there are about four
+    programs per SM, 256-input steps while the split is at most 4 (else 128).
 
     fp8, one row (the CUDA-core :func:`_fp8_row_loop`): 256-input steps, 32-row tiles when 64-row
     ones would outnumber half the SMs, K split while the grid stays within four programs a SM
@@ -640,6 +674,13 @@ def _pick_quant_config(m: int, n: int, k: int, wkind: int, group: int, device: t
     o 11.2 vs 12.3; gate_up 49.8 at split 2 vs 57.4 unsplit; down 26.2 at split 16 vs 32.5 at
     split 8 with 256-input steps)."""
     sms = _num_sms(device)
+    if wkind in (W_INT4, W_INT4_ZP) and m == 1 and k % max(group, 128) == 0:    # the one-row loops
+        block_n, block_k = 256, max(group, 128)
+        tiles = triton.cdiv(n, block_n)
+        split = 1
+        while split < 16 and tiles * split * 2 <= 2 * sms and k // (split * 2) >= block_k:
+            split *= 2
+        return dict(BLOCK_N=block_n, BLOCK_K=block_k, SPLIT_K=split, num_warps=4, num_stages=2, INT_DOT=_INT4_INT_DOT)
     if wkind in (W_INT4, W_INT4_ZP):
         block_n = 128
         tiles = triton.cdiv(n, block_n)
@@ -647,8 +688,7 @@ def _pick_quant_config(m: int, n: int, k: int, wkind: int, group: int, device: t
         while split < 16 and tiles * split < 4 * sms and k // (split * 2) >= max(group, 128):
             split *= 2
         block_k = 256 if split <= 4 and k // split >= 256 and 256 % group == 0 else max(group, 128)
-        return dict(BLOCK_N=block_n, BLOCK_K=block_k, SPLIT_K=split, num_warps=4, num_stages=_QUANT_STAGES,
-                    INT_DOT=_INT4_INT_DOT and m == 1)
+        return dict(BLOCK_N=block_n, BLOCK_K=block_k, SPLIT_K=split, num_warps=4, num_stages=_QUANT_STAGES)
     if wkind == W_FP8 and m == 1 and k % 256 == 0:     # the CUDA-core row loop (_fp8_row_loop)
         block_n = 32 if triton.cdiv(n, 64) > sms // 2 else 64
         tiles = triton.cdiv(n, block_n)
@@ -828,7 +868,7 @@ def gemv(x: torch.Tensor, w: torch.Tensor, add: torch.Tensor | None = None, *, s
     if kind in (W_INT4, W_INT4_ZP):
         if block_k % group and group % block_k:
             raise GraphDSLError(f"gemv: BLOCK_K {block_k} and the group size {group} must divide one another")
-        one_row = m == 1 and block_k % group == 0
+        one_row = m == 1 and block_k % group == 0 and k % block_k == 0     # whole steps of BLOCK_K / GROUP groups
         w = w.view(torch.int32 if one_row else torch.int16)      # nibbles a word: _int4_row_loop / _int4_k_loop
     per_word = 4 if kind == W_FP8 else 8                          # codes an int32 word holds (one-row loops)
     if lora is not None:

@@ -224,7 +224,7 @@ def test_int4_integer_dot_row_matches_a_float64_product(name, split, epilogue):
     cfg = dict(BLOCK_N=16, BLOCK_K=128, SPLIT_K=split, num_warps=4, num_stages=2, INT_DOT=True)
     gemv(x.to(DEV), stored[0], silu_mul=epilogue == "silu_mul", out=out, config=cfg, workspace=GemvWorkspace(),
          scheme=s, scales=stored[1], zeros=stored[2] if len(stored) > 2 else None)
-    xd, wd = x.double(), w.double()
+    xd, wd = x.double(), w.double().cpu()
     prod = xd @ wd.T
     step = xd.view(-1, s.group_size).abs().amax(1).repeat_interleave(s.group_size)[None] / 32767
     bound = (step / 2) @ wd.abs().T + 1e-6 * (xd.abs() @ wd.abs().T)
