@@ -10,8 +10,9 @@ by a matmul; the kernels never write the dequantized weight for decode.
   (:func:`.gguf_tiles.decode_tile`: one contiguous pass over the bytes, values in tile order) and
   gathers the matching activations, then ``tl.dot``\\ s the tile (cast to the activation dtype)
   with the ``[SB·values, 16]`` activation slice. With one row (``M == 1``, the decode case that
-  matters most) it skips the tile: :func:`.gguf_tiles.row_dot` multiplies each nibble plane with
-  its contiguous activation slice, sums per sub-block and applies the scales to the sums.
+  matters most) it skips the tile: :func:`.gguf_tiles.row_dot` scales each nibble plane per value and
+  multiplies it with its contiguous activation slice into an accumulator of the step's shape,
+  reduced once after the K loop.
   Split-K slices meet in the same launch (:mod:`.splitk`: the last program per row tile sums
   the partials in slice order, deterministic), which adds the residual or bias and stores into
   the caller's ``out`` — a column slice of a fused projection's product works.
@@ -37,7 +38,7 @@ import triton.language as tl
 
 from graphdsl.errors import GraphDSLError
 
-from .gguf_tiles import KERNEL_QTYPES, decode_tile, row_dot
+from .gguf_tiles import KERNEL_QTYPES, decode_tile, row_dot, row_total, row_zeros
 from .splitk import arrive, depart, sum_partials
 
 __all__ = ["gguf_linear", "gguf_gemv", "gguf_dequantize", "KERNEL_QTYPES", "MAX_GEMV_ROWS"]
@@ -105,9 +106,10 @@ def _gguf_gemv_kernel(
         else:
             last = pid_k == 0
     else:
-        acc1 = tl.zeros([BLOCK_N], tl.float32)
+        vals = row_zeros(BLOCK_N, QTYPE, SB)
         for s in range(s_lo, s_hi):
-            acc1 += row_dot(rows, n_ok, s * SB, x_ptr, QTYPE, SB)
+            vals = row_dot(vals, rows, n_ok, s * SB, x_ptr, QTYPE, SB)
+        acc1 = row_total(vals)                             # [BLOCK_N]: reduced once, after the K loop
         rm = tl.arange(0, 1)
         m_ok = rm < 1
         acc = tl.expand_dims(acc1, 1)                      # [BLOCK_N, 1]; M == 1
