@@ -10,9 +10,9 @@ by a matmul; the kernels never write the dequantized weight for decode.
   (:func:`.gguf_tiles.decode_tile`: one contiguous pass over the bytes, values in tile order) and
   gathers the matching activations, then ``tl.dot``\\ s the tile (cast to the activation dtype)
   with the ``[SB·values, 16]`` activation slice. With one row (``M == 1``, the decode case that
-  matters most) it skips the tile: :func:`.gguf_tiles.row_dot` scales each nibble plane per value and
-  multiplies it with its contiguous activation slice into an accumulator of the step's shape,
-  reduced once after the K loop.
+  matters most) it skips the tile: :func:`.gguf_tiles.row_dot` multiplies each nibble plane with its
+  contiguous activation slice into an accumulator reduced after the K loop (Q6_K scales each
+  value; the other types sum per sub-block and scale the sums).
   Split-K slices meet in the same launch (:mod:`.splitk`: the last program per row tile sums
   the partials in slice order, deterministic), which adds the residual or bias and stores into
   the caller's ``out`` — a column slice of a fused projection's product works.
