@@ -61,12 +61,13 @@ def kernel_rows(shape: str, schemes: list[str], copy: float) -> list[str]:
 
 def sweep(shape: str, schemes: list[str], copy: float, *, top: int = 3, int_dot_only: bool = False) -> list[str]:
     """Decode GEMV configs for quantized weights (``gemv(..., scheme=)``; BLOCK_N, BLOCK_K, SPLIT_K,
-    stages; int4 also its integer-dot row loop, ``INT_DOT``): per projection of the shape (gate_up
-    with its SwiGLU epilogue, as in the model), a CUDA graph replays the GEMV over enough copies of
-    the weights (>= 256 MB) that they stream from HBM, as in a decode step; µs per GEMV and % of
-    copy bandwidth, the ``top`` best first (and int4's best ``INT_DOT`` launch), and the default
-    heuristic's row (how ``_pick_quant_config`` was chosen). ``int_dot_only``: int4's ``INT_DOT``
-    launches alone (beside the heuristic's row), a quicker sweep."""
+    stages; int4 also its integer-dot row loop, ``INT_DOT``, and its words' pipeline,
+    ``ROW_STAGES``): per projection of the shape (gate_up with its SwiGLU epilogue, as in the
+    model), a CUDA graph replays the GEMV over enough copies of the weights (>= 256 MB) that they
+    stream from HBM, as in a decode step; µs per GEMV and % of copy bandwidth, the ``top`` best
+    first (and int4's best ``INT_DOT`` launch), and the default heuristic's row (how
+    ``_pick_quant_config`` was chosen). ``int_dot_only``: int4's ``INT_DOT`` launches alone (beside
+    the heuristic's row), a quicker sweep."""
     import itertools
 
     from graphdsl.quant import online_scheme
@@ -110,8 +111,9 @@ def sweep(shape: str, schemes: list[str], copy: float, *, top: int = 3, int_dot_
                 tiles = [(bn, bk) for bn, bk in itertools.product((64, 128, 256), (128, 256, 512, 1024))
                          if bn * bk // 8 <= 8192]
                 configs = [dict(BLOCK_N=bn, BLOCK_K=bk, SPLIT_K=split, num_warps=4 if bn * bk <= 32768 else 8,
-                                num_stages=2, INT_DOT=dot)
+                                num_stages=2, INT_DOT=dot, ROW_STAGES=stages)
                            for dot in ((True,) if int_dot_only else (False, True))
+                           for stages in ((1, 2, 3, 4) if dot else (1, 3))      # the words' pipeline
                            for (bn, bk), split in itertools.product(tiles, (1, 2, 4, 8, 16))]
             else:
                 configs = [dict(BLOCK_N=bn, BLOCK_K=bk, SPLIT_K=split, num_warps=4, num_stages=4)

@@ -85,7 +85,11 @@ _QUANT_STAGES = 4
 # one int4 row through integer dot products (_int4_row_dp4a) instead of the float loop (_int4_row_loop):
 # faster on the H200 (benchmarks/quant.py --sweep; _pick_quant_config), False for the A/B
 _INT4_INT_DOT = True
-_CONFIG_KEYS = {"BLOCK_N", "BLOCK_K", "SPLIT_K", "num_warps", "num_stages", "INT_DOT"}
+# its words' pipeline (the kernel's ROW_STAGES): 1 = a register prefetch one step ahead (timed, the
+# default); >= 2 = cp.async into shared memory through the loop pipeliner, fewer registers (sm_90:
+# 168 instead of 254 at 256 rows), not yet timed on a GPU
+_INT4_ROW_STAGES = 1
+_CONFIG_KEYS = {"BLOCK_N", "BLOCK_K", "SPLIT_K", "num_warps", "num_stages", "INT_DOT", "ROW_STAGES"}
 
 
 @triton.jit
@@ -220,7 +224,8 @@ def _int4_loads(x_ptr, s_ptr, z_ptr, q_rows, rw, rg, rn64, c, w_hi, stride_sn, S
 
 @triton.jit
 def _int4_row_loop(x_ptr, q_ptr, s_ptr, z_ptr, rn, n_ok, N, w_lo, w_hi, W_ROW, stride_sn, M12, M16,
-                   BLOCK_N: tl.constexpr, ZERO_POINT: tl.constexpr, GROUP: tl.constexpr, G: tl.constexpr):
+                   BLOCK_N: tl.constexpr, ZERO_POINT: tl.constexpr, GROUP: tl.constexpr, G: tl.constexpr,
+                   ROW_STAGES: tl.constexpr):
     """One row (batch-1 decode): ``sum_k x[k] * (q[n, k] - z[n, g]) * s[n, g]`` over the words
     ``[w_lo, w_hi)`` of each weight row, with CUDA-core FMAs instead of ``tl.dot`` (whose operand-
     layout shuffle and int->float conversions bound the tensor-core path at one row). ``q_ptr``:
@@ -239,18 +244,25 @@ def _int4_row_loop(x_ptr, q_ptr, s_ptr, z_ptr, rn, n_ok, N, w_lo, w_hi, W_ROW, s
 
     The slice is walked ``G`` groups a step (``G * GROUP / 2`` contiguous bytes of each row: the
     HBM stream is slower in short pieces, ``benchmarks/row_stream.py``), all that the next step
-    reads — words, scales, activations (:func:`_int4_loads`) — loaded before this one's math
-    (nothing software-pipelines loads that do not feed ``tl.dot``). Weight loads carry no mask — rows past ``N`` read row ``N - 1`` (their sums are
-    never stored) and the prefetch past the slice re-reads its last step — so they vectorize to
-    16-byte loads."""
+    reads — words, scales, activations (:func:`_int4_loads`) — loaded before this one's math: a
+    plain loop's loads that feed no ``tl.dot`` are not software-pipelined. With ``ROW_STAGES``
+    >= 2 the loop is a ``tl.range(num_stages=ROW_STAGES)``, which makes Triton's pipeliner take
+    such loads: the words then stream through shared memory (cp.async), ``ROW_STAGES - 1`` steps
+    ahead, and the scales and activations (too narrow for it) keep the register prefetch. Weight
+    loads carry no mask — rows past ``N`` read row ``N - 1`` (their sums are never stored) and the
+    prefetch past the slice re-reads its last step — so they vectorize to 16-byte loads."""
     C: tl.constexpr = GROUP // 8
     S: tl.constexpr = G * C
     rw, rg, rn64, q_rows = _int4_rows(q_ptr, rn, N, W_ROW, G, C)
     nw, ns, nz, n0, n1, n2, n3, n4, n5, n6, n7 = _int4_loads(x_ptr, s_ptr, z_ptr, q_rows, rw, rg, rn64, w_lo, w_hi,
                                                              stride_sn, S, GROUP, ZERO_POINT)
     acc = tl.zeros([BLOCK_N, G, C], tl.float32)
-    for c in range(w_lo, w_hi, S):
-        w, sc, z = nw, ns.to(tl.float32)[:, :, None], nz.to(tl.float32)[:, :, None]
+    for c in tl.range(w_lo, w_hi, S, num_stages=ROW_STAGES if ROW_STAGES > 1 else None):
+        if ROW_STAGES > 1:      # the words through the loop pipeliner: cp.async, ROW_STAGES - 1 steps ahead
+            w = tl.load(q_rows + (c + rw)[None, :, :])
+        else:                   # the words of the register prefetch (_int4_loads)
+            w = nw
+        sc, z = ns.to(tl.float32)[:, :, None], nz.to(tl.float32)[:, :, None]
         x0, x1, x2, x3 = n0.to(tl.float32), n1.to(tl.float32), n2.to(tl.float32), n3.to(tl.float32)
         x4, x5, x6, x7 = n4.to(tl.float32), n5.to(tl.float32), n6.to(tl.float32), n7.to(tl.float32)
         nw, ns, nz, n0, n1, n2, n3, n4, n5, n6, n7 = _int4_loads(x_ptr, s_ptr, z_ptr, q_rows, rw, rg, rn64, c + S,
@@ -322,7 +334,8 @@ def _fixed16(x, inv):
 
 @triton.jit
 def _int4_row_dp4a(x_ptr, q_ptr, s_ptr, z_ptr, rn, N, w_lo, w_hi, W_ROW, stride_sn, M0F, BLOCK_N: tl.constexpr,
-                   ZERO_POINT: tl.constexpr, GROUP: tl.constexpr, G: tl.constexpr, EMULATE: tl.constexpr):
+                   ZERO_POINT: tl.constexpr, GROUP: tl.constexpr, G: tl.constexpr, ROW_STAGES: tl.constexpr,
+                   EMULATE: tl.constexpr):
     """One row as :func:`_int4_row_loop` computes it (``G`` groups a step), with integer dot
     products: per group the activations become 16-bit fixed point, ``x ~ a * xq`` with
     ``a = max|x_g| / 32767`` and ``xq = round(x / a)`` (error at most ``a / 2`` an input: ``2^-16``
@@ -345,8 +358,12 @@ def _int4_row_dp4a(x_ptr, q_ptr, s_ptr, z_ptr, rn, N, w_lo, w_hi, W_ROW, stride_
     nw, ns, nz, n0, n1, n2, n3, n4, n5, n6, n7 = _int4_loads(x_ptr, s_ptr, z_ptr, q_rows, rw, rg, rn64, w_lo, w_hi,
                                                              stride_sn, S, GROUP, ZERO_POINT)
     acc = tl.zeros([BLOCK_N, G, C], tl.float32)
-    for c in range(w_lo, w_hi, S):
-        w, sc, z = nw, ns.to(tl.float32)[:, :, None], nz.to(tl.float32)[:, :, None]
+    for c in tl.range(w_lo, w_hi, S, num_stages=ROW_STAGES if ROW_STAGES > 1 else None):
+        if ROW_STAGES > 1:      # the words through the loop pipeliner: cp.async, ROW_STAGES - 1 steps ahead
+            w = tl.load(q_rows + (c + rw)[None, :, :])
+        else:                   # the words of the register prefetch (_int4_loads)
+            w = nw
+        sc, z = ns.to(tl.float32)[:, :, None], nz.to(tl.float32)[:, :, None]
         x0, x1, x2, x3 = n0.to(tl.float32), n1.to(tl.float32), n2.to(tl.float32), n3.to(tl.float32)
         x4, x5, x6, x7 = n4.to(tl.float32), n5.to(tl.float32), n6.to(tl.float32), n7.to(tl.float32)
         nw, ns, nz, n0, n1, n2, n3, n4, n5, n6, n7 = _int4_loads(x_ptr, s_ptr, z_ptr, q_rows, rw, rg, rn64, c + S,
@@ -514,6 +531,8 @@ def _gemv_kernel(
     LORA_BLOCK_SPLITS: tl.constexpr = 2,  # LORA_SPLITS padded to a power of two >= 2
     INT_DOT: tl.constexpr = False,      # one int4 row: integer dot products (_int4_row_dp4a), not float FMAs
     EMULATE: tl.constexpr = False,      # the CPU interpreter: dp4a as byte arithmetic
+    ROW_STAGES: tl.constexpr = 1,       # one int4 row: 1 = its words prefetched a step ahead in registers;
+                                        # >= 2 = through the loop pipeliner (shared memory), ROW_STAGES - 1 ahead
 ):
     """out[m, n] = sum_k x[m, k] * w[n, k] (+ add[m, n]), float32 accumulation. With ``SWIGLU`` the
     tile's rows are the gate and up rows of ``BLOCK_N / 2`` output columns, interleaved (row ``2i``
@@ -540,12 +559,12 @@ def _gemv_kernel(
     if INT4 and ONE_ROW and INT_DOT:
         w_lo = pid_k * K_SPLIT_W
         row = _int4_row_dp4a(x_ptr, w_ptr, s_ptr, z_ptr, rn, N2, w_lo, tl.minimum(w_lo + K_SPLIT_W, W_ROW), W_ROW,
-                             stride_sn, M0F, BLOCK_N, WKIND == 3, GROUP, BLOCK_K // GROUP, EMULATE)
+                             stride_sn, M0F, BLOCK_N, WKIND == 3, GROUP, BLOCK_K // GROUP, ROW_STAGES, EMULATE)
         acc = tl.where((rm == 0)[None, :], row[:, None], 0.0)
     elif INT4 and ONE_ROW:
         w_lo = pid_k * K_SPLIT_W
         row = _int4_row_loop(x_ptr, w_ptr, s_ptr, z_ptr, rn, n_ok, N2, w_lo, tl.minimum(w_lo + K_SPLIT_W, W_ROW), W_ROW,
-                             stride_sn, M12, M16, BLOCK_N, WKIND == 3, GROUP, BLOCK_K // GROUP)
+                             stride_sn, M12, M16, BLOCK_N, WKIND == 3, GROUP, BLOCK_K // GROUP, ROW_STAGES)
         acc = tl.where((rm == 0)[None, :], row[:, None], 0.0)
     elif WKIND == 4 and ONE_ROW:
         w_lo = pid_k * K_SPLIT_W
@@ -680,7 +699,8 @@ def _pick_quant_config(m: int, n: int, k: int, wkind: int, group: int, device: t
         split = 1
         while split < 16 and tiles * split * 2 <= 2 * sms and k // (split * 2) >= block_k:
             split *= 2
-        return dict(BLOCK_N=block_n, BLOCK_K=block_k, SPLIT_K=split, num_warps=4, num_stages=2, INT_DOT=_INT4_INT_DOT)
+        return dict(BLOCK_N=block_n, BLOCK_K=block_k, SPLIT_K=split, num_warps=4, num_stages=2, INT_DOT=_INT4_INT_DOT,
+                    ROW_STAGES=_INT4_ROW_STAGES)
     if wkind in (W_INT4, W_INT4_ZP):
         block_n = 128
         tiles = triton.cdiv(n, block_n)
