@@ -71,7 +71,7 @@ def sweep(shape: str, schemes: list[str], copy: float, *, top: int = 3, int_dot_
     import itertools
 
     from graphdsl.quant import online_scheme
-    from graphdsl.runtime.kernels.gemv import W_INT4, W_INT4_ZP, GemvWorkspace, _pick_quant_config, gemv, weight_kind
+    from graphdsl.runtime.kernels.gemv import W_FP8, W_INT4, W_INT4_ZP, GemvWorkspace, _pick_quant_config, gemv, weight_kind
     c = SHAPES[shape]
     h, i = c["hidden_size"], c["intermediate_size"]
     hd = c.get("head_dim") or h // c["num_attention_heads"]
@@ -115,8 +115,9 @@ def sweep(shape: str, schemes: list[str], copy: float, *, top: int = 3, int_dot_
                            for dot in ((True,) if int_dot_only else (False, True))
                            for stages in ((1, 2, 3, 4) if dot else (1, 3))      # the words' pipeline
                            for (bn, bk), split in itertools.product(tiles, (1, 2, 4, 8, 16))]
-            else:
-                configs = [dict(BLOCK_N=bn, BLOCK_K=bk, SPLIT_K=split, num_warps=4, num_stages=4)
+            else:           # fp8's one-row loop also takes ROW_STAGES; the tl.dot paths ignore it
+                configs = [dict(BLOCK_N=bn, BLOCK_K=bk, SPLIT_K=split, num_warps=4, num_stages=4, ROW_STAGES=stages)
+                           for stages in ((1, 3) if weight_kind(s) == W_FP8 else (1,))
                            for bn, bk, split in itertools.product((32, 64, 128), (128, 256, 512), (1, 2, 4, 8, 16))]
             results = []
             for cfg in configs:

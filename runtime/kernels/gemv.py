@@ -409,7 +409,8 @@ def _e4m3(top):
 
 
 @triton.jit
-def _fp8_row_loop(x_ptr, q_ptr, rn, N, w_lo, w_hi, W_ROW, BLOCK_N: tl.constexpr, C: tl.constexpr):
+def _fp8_row_loop(x_ptr, q_ptr, rn, N, w_lo, w_hi, W_ROW, BLOCK_N: tl.constexpr, C: tl.constexpr,
+                  ROW_STAGES: tl.constexpr):
     """One row: ``2^-120 · sum_k x[k] · q[n, k]`` over the words ``[w_lo, w_hi)`` of each row (the
     caller multiplies by ``2^120`` and the scales). ``q_ptr``: int32 words of four e4m3 codes
     (``k = 4c + i`` in byte ``i``). Each code becomes a float32 by shifts and one LOP3
@@ -417,13 +418,17 @@ def _fp8_row_loop(x_ptr, q_ptr, rn, N, w_lo, w_hi, W_ROW, BLOCK_N: tl.constexpr,
     the ``tl.dot`` path near half the copy bandwidth), then one FMA; float32 subnormal products
     keep an absolute precision of 2^-29 of the code scale. Words are ``C`` a step, the next step's
     loaded before this one's math, rows past ``N`` read row ``N - 1`` (never stored): unmasked
-    16-byte loads. (Prefetching the activations too, as the int4 loops do, made the heuristic's
-    launches slower on the H200: o 8.5 -> 10.1 µs, down 20.5 -> 24.8.)"""
+    16-byte loads; ``ROW_STAGES`` >= 2 streams the words through the loop pipeliner instead, as
+    :func:`_int4_row_loop` describes. (Prefetching the activations too, as the int4 loops do, made
+    the heuristic's launches slower on the H200: o 8.5 -> 10.1 µs, down 20.5 -> 24.8.)"""
     rc, _, q_rows, w_next = _word_rows(q_ptr, rn, N, W_ROW, w_lo, w_hi, C)
     acc = tl.zeros([BLOCK_N, C], tl.float32)
-    for c in range(w_lo, w_hi, C):
-        w = w_next
-        w_next = _step_words(q_rows, c + C, w_hi, rc, C)
+    for c in tl.range(w_lo, w_hi, C, num_stages=ROW_STAGES if ROW_STAGES > 1 else None):
+        if ROW_STAGES > 1:      # through the loop pipeliner, as in _int4_row_loop
+            w = tl.load(q_rows + (c + rc)[None, :])
+        else:
+            w = w_next
+            w_next = _step_words(q_rows, c + C, w_hi, rc, C)
         xp = x_ptr + 4 * (c + rc)
         x0 = tl.load(xp).to(tl.float32)
         x1 = tl.load(xp + 1).to(tl.float32)
@@ -531,7 +536,7 @@ def _gemv_kernel(
     LORA_BLOCK_SPLITS: tl.constexpr = 2,  # LORA_SPLITS padded to a power of two >= 2
     INT_DOT: tl.constexpr = False,      # one int4 row: integer dot products (_int4_row_dp4a), not float FMAs
     EMULATE: tl.constexpr = False,      # the CPU interpreter: dp4a as byte arithmetic
-    ROW_STAGES: tl.constexpr = 1,       # one int4 row: 1 = its words prefetched a step ahead in registers;
+    ROW_STAGES: tl.constexpr = 1,       # one int4 / fp8 row: 1 = its words prefetched a step ahead in registers;
                                         # >= 2 = through the loop pipeliner (shared memory), ROW_STAGES - 1 ahead
 ):
     """out[m, n] = sum_k x[m, k] * w[n, k] (+ add[m, n]), float32 accumulation. With ``SWIGLU`` the
@@ -569,7 +574,7 @@ def _gemv_kernel(
     elif WKIND == 4 and ONE_ROW:
         w_lo = pid_k * K_SPLIT_W
         row = _fp8_row_loop(x_ptr, w_ptr, rn, N2, w_lo, tl.minimum(w_lo + K_SPLIT_W, W_ROW), W_ROW, BLOCK_N,
-                            BLOCK_K // 4) * 1.329227995784916e36          # 2^120
+                            BLOCK_K // 4, ROW_STAGES) * 1.329227995784916e36          # 2^120
         acc = tl.where((rm == 0)[None, :], row[:, None], 0.0)
     elif INT4:
         acc = _int4_k_loop(acc, x_rows, w_ptr, s_ptr, z_ptr, rn, n_ok, m_ok, k_lo, k_hi, K, stride_sn,

@@ -145,8 +145,8 @@ def test_quantized_weights_match_dequantize_then_matmul(name, block_n, block_k, 
         want = torch.nn.functional.silu(g).to(dtype).float() * u
     else:
         want = prod + (0 if add is None else add.float())
-    # one int4 row: its words prefetched in registers (1) and through the loop pipeliner (3)
-    for row_stages in (1, 3) if name.startswith("int4") and m == 1 else (1,):
+    # one int4 / fp8 row: its words prefetched in registers (1) and through the loop pipeliner (3)
+    for row_stages in (1, 3) if name.startswith(("int4", "fp8")) and m == 1 else (1,):
         out = torch.full((m, cols), float("nan"), dtype=dtype, device=DEV)
         cfg = dict(BLOCK_N=block_n, BLOCK_K=block_k, SPLIT_K=split, num_warps=4, num_stages=2, ROW_STAGES=row_stages)
         gemv(x, stored[0], add, silu_mul=epilogue == "silu_mul", out=out, config=cfg, workspace=GemvWorkspace(),
@@ -177,8 +177,8 @@ def test_quantized_operands_are_checked():
         gemv(x, stored[0], scheme=g32, scales=stored[1])
 
 
-@pytest.mark.parametrize("split", [1, 4])
-def test_fp8_one_row_loop_is_exact_on_every_code(split):
+@pytest.mark.parametrize("split,row_stages", [(1, 1), (4, 1), (4, 3)])
+def test_fp8_one_row_loop_is_exact_on_every_code(split, row_stages):
     """The one-row fp8 loop moves each e4m3 code's bits into a float32 (times 2^-120) instead of
     converting it: every finite code — signed zeros, the subnormals (exponent 0), 448 — must come
     out as its value. Rows 0-7 hold only subnormal codes, so a wrong subnormal would show at that
@@ -196,7 +196,7 @@ def test_fp8_one_row_loop_is_exact_on_every_code(split):
     values = q.view(torch.float8_e4m3fn).double()
     assert values.abs().max() == 448 and values[:8].abs().max() < 2 ** -6
     x = torch.randn(1, k, generator=gen).half()
-    cfg = dict(BLOCK_N=16, BLOCK_K=64, SPLIT_K=split, num_warps=4, num_stages=2)
+    cfg = dict(BLOCK_N=16, BLOCK_K=64, SPLIT_K=split, num_warps=4, num_stages=2, ROW_STAGES=row_stages)
     got = gemv(x.to(DEV), q.view(torch.float8_e4m3fn).to(DEV), config=cfg, workspace=GemvWorkspace(), scheme=s,
                scales=torch.tensor([[0.5]]).to(DEV)).double().cpu()
     want = (x.double() @ values.T) * 0.5
