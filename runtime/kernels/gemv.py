@@ -27,11 +27,11 @@ rows, so the op is bound by the bytes of ``w`` and by how many of them are in fl
 * **Quantized weights** (``scheme=``, the weight-only schemes of :mod:`graphdsl.quant`;
   ``WKIND``): int8 / fp8 codes are exact in fp16/bf16 and enter ``tl.dot`` as loaded, the row
   scale multiplying the float32 sums before the epilogue; one row runs CUDA-core FMAs instead —
-  int4 over nibbles OR-ed into the mantissa of 1.0 (:func:`_int4_row_loop`), fp8 over codes
+  int4 over nibbles OR-ed into the mantissa of 1.0 (:func:`_int4_step_float`), fp8 over codes
   shifted into float32 bits (:func:`_fp8_row_loop`) —, more int4 rows ``tl.dot`` over 16-bit
   magic-number nibble planes (:func:`_int4_k_loop`): no conversion instructions (1/8 of the FMA
   rate on Hopper) on the one-row paths. One int4 row takes integer dot products by default
-  (``INT_DOT``, :func:`_int4_row_dp4a`: activations in 16-bit fixed point per group, four ``dp4a``
+  (``INT_DOT``, :func:`_int4_step_dp4a`: activations in 16-bit fixed point per group, four ``dp4a``
   a word; faster on the H200 than the float loop). Launches: :func:`_pick_quant_config`.
 * **PDL** (:mod:`.pdl`): on Hopper the kernel may launch while its predecessor finishes. A grid of
   more programs than SMs lets the next kernel launch only once its programs are past the K loop:
@@ -82,7 +82,7 @@ W_FLOAT, W_INT8, W_INT4, W_INT4_ZP, W_FP8 = 0, 1, 2, 3, 4
 # quantized tiles (benchmarks/quant.py --sweep, H200, weights from HBM): see _pick_quant_config
 _QUANT_BLOCK_N = 64
 _QUANT_STAGES = 4
-# one int4 row through integer dot products (_int4_row_dp4a) instead of the float loop (_int4_row_loop):
+# one int4 row through integer dot products (_int4_step_dp4a) instead of float FMAs (_int4_step_float):
 # faster on the H200 (benchmarks/quant.py --sweep; _pick_quant_config), False for the A/B
 _INT4_INT_DOT = True
 # its words' pipeline (the kernel's ROW_STAGES): 1 = a register prefetch one step ahead (timed, the
@@ -223,24 +223,16 @@ def _int4_loads(x_ptr, s_ptr, z_ptr, q_rows, rw, rg, rn64, c, w_hi, stride_sn, S
 
 
 @triton.jit
-def _int4_row_loop(x_ptr, q_ptr, s_ptr, z_ptr, rn, n_ok, N, w_lo, w_hi, W_ROW, stride_sn, M12, M16,
-                   BLOCK_N: tl.constexpr, ZERO_POINT: tl.constexpr, GROUP: tl.constexpr, G: tl.constexpr,
-                   ROW_STAGES: tl.constexpr):
+def _int4_row(x_ptr, q_ptr, s_ptr, z_ptr, rn, N, w_lo, w_hi, W_ROW, stride_sn, M12, M16, M0F,
+              BLOCK_N: tl.constexpr, ZERO_POINT: tl.constexpr, GROUP: tl.constexpr, G: tl.constexpr,
+              ROW_STAGES: tl.constexpr, INT_DOT: tl.constexpr, EMULATE: tl.constexpr):
     """One row (batch-1 decode): ``sum_k x[k] * (q[n, k] - z[n, g]) * s[n, g]`` over the words
-    ``[w_lo, w_hi)`` of each weight row, with CUDA-core FMAs instead of ``tl.dot`` (whose operand-
-    layout shuffle and int->float conversions bound the tensor-core path at one row). ``q_ptr``:
-    int32 words of eight nibbles, ``W_ROW`` a row (word ``c`` holds ``k = 8c + i`` in bits
-    ``4i..4i+3``).
-
-    Each nibble is brought to bits 12..15 or 16..19 by one of four shifts per word (``<< 12``,
-    ``<< 8``, none, ``>> 8``, ``>> 16`` serve two planes each) and OR-ed into the mantissa of 1.0
-    (:func:`_f12`, :func:`_f16`): ``f = 1 + q * 2^-p`` exactly, so ``sum f * x`` minus ``sum x`` is
-    ``2^-p * sum q * x``; with the activations pre-scaled by ``2^p`` (per word, not per weight)
-    one accumulator takes every plane: about 1.5 integer operations and one FMA per weight. Per
-    group and word, ``sum 2^p x`` and the zero point's ``z * sum x`` are taken off and the scale
-    applied (2 operations per 8 weights); the ``[BLOCK_N, G, GROUP / 8]`` sums are reduced once,
-    at the end. Rounding: the float32 products carry ~2^-24 of ``2^11 |x|``, about 1e-4 of a
-    word's ``sum q x`` — below the 16-bit activations' own rounding.
+    ``[w_lo, w_hi)`` of each weight row, on CUDA cores instead of ``tl.dot`` (whose operand-layout
+    shuffle and int->float conversions bound the tensor-core path at one row). ``q_ptr``: int32
+    words of eight nibbles, ``W_ROW`` a row (word ``c`` holds ``k = 8c + i`` in bits ``4i..4i+3``).
+    A step's math is :func:`_int4_step_dp4a` (``INT_DOT``: integer dot products) or
+    :func:`_int4_step_float` (float FMAs) into a ``[BLOCK_N, G, GROUP / 8]`` accumulator reduced
+    once, at the end.
 
     The slice is walked ``G`` groups a step (``G * GROUP / 2`` contiguous bytes of each row: the
     HBM stream is slower in short pieces, ``benchmarks/row_stream.py``), all that the next step
@@ -267,27 +259,48 @@ def _int4_row_loop(x_ptr, q_ptr, s_ptr, z_ptr, rn, n_ok, N, w_lo, w_hi, W_ROW, s
         x4, x5, x6, x7 = n4.to(tl.float32), n5.to(tl.float32), n6.to(tl.float32), n7.to(tl.float32)
         nw, ns, nz, n0, n1, n2, n3, n4, n5, n6, n7 = _int4_loads(x_ptr, s_ptr, z_ptr, q_rows, rw, rg, rn64, c + S,
                                                                  w_hi, stride_sn, S, GROUP, ZERO_POINT)
-        # the planes' activations pre-scaled by 2^p: f * (2^p x) = 2^p x + q x
-        x0 *= 2048.0
-        x1 *= 2048.0
-        x2 *= 128.0
-        x3 *= 2048.0
-        x4 *= 128.0
-        x5 *= 2048.0
-        x6 *= 128.0
-        x7 *= 2048.0
-        wl8 = w << 8
-        wr8 = w >> 8
-        a = _f12(w << 12, M12) * x0[None] + _f12(wl8, M12) * x1[None] + _f16(wl8, M16) * x2[None] \
-            + _f12(w, M12) * x3[None] + _f16(w, M16) * x4[None] + _f12(wr8, M12) * x5[None] \
-            + _f16(wr8, M16) * x6[None] + _f12(w >> 16, M12) * x7[None]
-        big = x0 + x1 + x2 + x3 + x4 + x5 + x6 + x7                            # sum 2^p x
-        xs = (x0 + x1 + x3 + x5 + x7) * (1.0 / 2048.0) + (x2 + x4 + x6) * (1.0 / 128.0)   # sum x
-        if ZERO_POINT:
-            acc += sc * (a - big[None] - z * xs[None])     # sum (q - z) x per word
+        if INT_DOT:
+            acc = _int4_step_dp4a(acc, w, sc, z, x0, x1, x2, x3, x4, x5, x6, x7, M0F, ZERO_POINT, EMULATE)
         else:
-            acc += sc * (a - (big + 8.0 * xs)[None])
+            acc = _int4_step_float(acc, w, sc, z, x0, x1, x2, x3, x4, x5, x6, x7, M12, M16, ZERO_POINT)
     return tl.sum(tl.sum(acc, axis=2), axis=1)
+
+
+@triton.jit
+def _int4_step_float(acc, w, sc, z, x0, x1, x2, x3, x4, x5, x6, x7, M12, M16, ZERO_POINT: tl.constexpr):
+    """``acc [BLOCK_N, G, C]`` plus one step of :func:`_int4_row` with float FMAs: ``w`` the words,
+    ``sc``/``z`` the ``[BLOCK_N, G, 1]`` scales and zero points, ``x0..x7`` the ``[G, C]`` float32
+    activations of each word's eight inputs.
+
+    Each nibble is brought to bits 12..15 or 16..19 by one of four shifts per word (``<< 12``,
+    ``<< 8``, none, ``>> 8``, ``>> 16`` serve two planes each) and OR-ed into the mantissa of 1.0
+    (:func:`_f12`, :func:`_f16`): ``f = 1 + q * 2^-p`` exactly, so ``sum f * x`` minus ``sum x`` is
+    ``2^-p * sum q * x``; with the activations pre-scaled by ``2^p`` (per word, not per weight)
+    one accumulator takes every plane: about 1.5 integer operations and one FMA per weight. Per
+    group and word, ``sum 2^p x`` and the zero point's ``z * sum x`` are taken off and the scale
+    applied (2 operations per 8 weights). Rounding: the float32 products carry ~2^-24 of
+    ``2^11 |x|``, about 1e-4 of a word's ``sum q x`` — below the 16-bit activations' own rounding."""
+    # the planes' activations pre-scaled by 2^p: f * (2^p x) = 2^p x + q x
+    x0 *= 2048.0
+    x1 *= 2048.0
+    x2 *= 128.0
+    x3 *= 2048.0
+    x4 *= 128.0
+    x5 *= 2048.0
+    x6 *= 128.0
+    x7 *= 2048.0
+    wl8 = w << 8
+    wr8 = w >> 8
+    a = _f12(w << 12, M12) * x0[None] + _f12(wl8, M12) * x1[None] + _f16(wl8, M16) * x2[None] \
+        + _f12(w, M12) * x3[None] + _f16(w, M16) * x4[None] + _f12(wr8, M12) * x5[None] \
+        + _f16(wr8, M16) * x6[None] + _f12(w >> 16, M12) * x7[None]
+    big = x0 + x1 + x2 + x3 + x4 + x5 + x6 + x7                            # sum 2^p x
+    xs = (x0 + x1 + x3 + x5 + x7) * (1.0 / 2048.0) + (x2 + x4 + x6) * (1.0 / 128.0)   # sum x
+    if ZERO_POINT:
+        acc += sc * (a - big[None] - z * xs[None])     # sum (q - z) x per word
+    else:
+        acc += sc * (a - (big + 8.0 * xs)[None])
+    return acc
 
 
 @triton.jit
@@ -333,11 +346,10 @@ def _fixed16(x, inv):
 
 
 @triton.jit
-def _int4_row_dp4a(x_ptr, q_ptr, s_ptr, z_ptr, rn, N, w_lo, w_hi, W_ROW, stride_sn, M0F, BLOCK_N: tl.constexpr,
-                   ZERO_POINT: tl.constexpr, GROUP: tl.constexpr, G: tl.constexpr, ROW_STAGES: tl.constexpr,
-                   EMULATE: tl.constexpr):
-    """One row as :func:`_int4_row_loop` computes it (``G`` groups a step), with integer dot
-    products: per group the activations become 16-bit fixed point, ``x ~ a * xq`` with
+def _int4_step_dp4a(acc, w, sc, z, x0, x1, x2, x3, x4, x5, x6, x7, M0F, ZERO_POINT: tl.constexpr,
+                    EMULATE: tl.constexpr):
+    """``acc`` plus one step of :func:`_int4_row` (arguments as :func:`_int4_step_float`), with
+    integer dot products: per group the activations become 16-bit fixed point, ``x ~ a * xq`` with
     ``a = max|x_g| / 32767`` and ``xq = round(x / a)`` (error at most ``a / 2`` an input: ``2^-16``
     of the group's largest, far below the 16-bit activations' own rounding), split into a signed
     high and an unsigned low byte (``xq = 256 h + l``) and packed four to an int32 for the even and
@@ -350,53 +362,37 @@ def _int4_row_dp4a(x_ptr, q_ptr, s_ptr, z_ptr, rn, N, w_lo, w_hi, W_ROW, stride_
 
     Each thread makes the activation bytes of its own words' columns, per group: compiled for
     sm_90 (one group a step), 2.5 SASS instructions a weight in the loop against the float loop's
-    3.6 — yet no faster on the H200 (the HBM stream, not the issue rate, bounds both). Loads past
-    the slice and rows past ``N`` read in bounds, as in :func:`_int4_row_loop`."""
-    C: tl.constexpr = GROUP // 8
-    S: tl.constexpr = G * C
-    rw, rg, rn64, q_rows = _int4_rows(q_ptr, rn, N, W_ROW, G, C)
-    nw, ns, nz, n0, n1, n2, n3, n4, n5, n6, n7 = _int4_loads(x_ptr, s_ptr, z_ptr, q_rows, rw, rg, rn64, w_lo, w_hi,
-                                                             stride_sn, S, GROUP, ZERO_POINT)
-    acc = tl.zeros([BLOCK_N, G, C], tl.float32)
-    for c in tl.range(w_lo, w_hi, S, num_stages=ROW_STAGES if ROW_STAGES > 1 else None):
-        if ROW_STAGES > 1:      # the words through the loop pipeliner: cp.async, ROW_STAGES - 1 steps ahead
-            w = tl.load(q_rows + (c + rw)[None, :, :])
-        else:                   # the words of the register prefetch (_int4_loads)
-            w = nw
-        sc, z = ns.to(tl.float32)[:, :, None], nz.to(tl.float32)[:, :, None]
-        x0, x1, x2, x3 = n0.to(tl.float32), n1.to(tl.float32), n2.to(tl.float32), n3.to(tl.float32)
-        x4, x5, x6, x7 = n4.to(tl.float32), n5.to(tl.float32), n6.to(tl.float32), n7.to(tl.float32)
-        nw, ns, nz, n0, n1, n2, n3, n4, n5, n6, n7 = _int4_loads(x_ptr, s_ptr, z_ptr, q_rows, rw, rg, rn64, c + S,
-                                                                 w_hi, stride_sn, S, GROUP, ZERO_POINT)
-        big = _max_nan(_max_nan(_max_nan(tl.abs(x0), tl.abs(x1)), _max_nan(tl.abs(x2), tl.abs(x3))),
-                       _max_nan(_max_nan(tl.abs(x4), tl.abs(x5)), _max_nan(tl.abs(x6), tl.abs(x7))))
-        amax = tl.max(big, axis=1) + tl.sum(big - big, axis=1)   # [G]; NaN if an input is not finite
-        inv = tl.where(amax > 0, 32767.0 / amax, 0.0)[:, None]
-        q0 = _fixed16(x0, inv)
-        q1 = _fixed16(x1, inv)
-        q2 = _fixed16(x2, inv)
-        q3 = _fixed16(x3, inv)
-        q4 = _fixed16(x4, inv)
-        q5 = _fixed16(x5, inv)
-        q6 = _fixed16(x6, inv)
-        q7 = _fixed16(x7, inv)
-        we = w & M0F                    # nibbles 0, 2, 4, 6 (k = 8c, 8c+2, ...) as bytes
-        wo = (w >> 4) & M0F             # nibbles 1, 3, 5, 7
-        xs = q0 + q1 + q2 + q3 + q4 + q5 + q6 + q7
-        v = _dp4a(we, _bytes4(q0 >> 8, q2 >> 8, q4 >> 8, q6 >> 8)[None], tl.zeros_like(w), True, EMULATE)
-        v = _dp4a(wo, _bytes4(q1 >> 8, q3 >> 8, q5 >> 8, q7 >> 8)[None], v, True, EMULATE)
-        if ZERO_POINT:
-            v = v * 256
-        else:
-            v = v * 256 - 8 * xs[None]   # the symmetric zero point, joined where the high sums are scaled
-        v = _dp4a(we, _bytes4(q0, q2, q4, q6)[None], v, False, EMULATE)
-        v = _dp4a(wo, _bytes4(q1, q3, q5, q7)[None], v, False, EMULATE)
-        sc = sc * (amax * (1.0 / 32767.0))[None, :, None]
-        if ZERO_POINT:
-            acc += (v.to(tl.float32) - z * xs.to(tl.float32)[None]) * sc
-        else:
-            acc += v.to(tl.float32) * sc
-    return tl.sum(tl.sum(acc, axis=2), axis=1)
+    3.6 — alone no faster on the H200; with the loads a step ahead (:func:`_int4_loads`) faster.
+    """
+    big = _max_nan(_max_nan(_max_nan(tl.abs(x0), tl.abs(x1)), _max_nan(tl.abs(x2), tl.abs(x3))),
+                   _max_nan(_max_nan(tl.abs(x4), tl.abs(x5)), _max_nan(tl.abs(x6), tl.abs(x7))))
+    amax = tl.max(big, axis=1) + tl.sum(big - big, axis=1)   # [G]; NaN if an input is not finite
+    inv = tl.where(amax > 0, 32767.0 / amax, 0.0)[:, None]
+    q0 = _fixed16(x0, inv)
+    q1 = _fixed16(x1, inv)
+    q2 = _fixed16(x2, inv)
+    q3 = _fixed16(x3, inv)
+    q4 = _fixed16(x4, inv)
+    q5 = _fixed16(x5, inv)
+    q6 = _fixed16(x6, inv)
+    q7 = _fixed16(x7, inv)
+    we = w & M0F                    # nibbles 0, 2, 4, 6 (k = 8c, 8c+2, ...) as bytes
+    wo = (w >> 4) & M0F             # nibbles 1, 3, 5, 7
+    xs = q0 + q1 + q2 + q3 + q4 + q5 + q6 + q7
+    v = _dp4a(we, _bytes4(q0 >> 8, q2 >> 8, q4 >> 8, q6 >> 8)[None], tl.zeros_like(w), True, EMULATE)
+    v = _dp4a(wo, _bytes4(q1 >> 8, q3 >> 8, q5 >> 8, q7 >> 8)[None], v, True, EMULATE)
+    if ZERO_POINT:
+        v = v * 256
+    else:
+        v = v * 256 - 8 * xs[None]   # the symmetric zero point, joined where the high sums are scaled
+    v = _dp4a(we, _bytes4(q0, q2, q4, q6)[None], v, False, EMULATE)
+    v = _dp4a(wo, _bytes4(q1, q3, q5, q7)[None], v, False, EMULATE)
+    sc = sc * (amax * (1.0 / 32767.0))[None, :, None]
+    if ZERO_POINT:
+        acc += (v.to(tl.float32) - z * xs.to(tl.float32)[None]) * sc
+    else:
+        acc += v.to(tl.float32) * sc
+    return acc
 
 
 @triton.jit
@@ -419,12 +415,12 @@ def _fp8_row_loop(x_ptr, q_ptr, rn, N, w_lo, w_hi, W_ROW, BLOCK_N: tl.constexpr,
     keep an absolute precision of 2^-29 of the code scale. Words are ``C`` a step, the next step's
     loaded before this one's math, rows past ``N`` read row ``N - 1`` (never stored): unmasked
     16-byte loads; ``ROW_STAGES`` >= 2 streams the words through the loop pipeliner instead, as
-    :func:`_int4_row_loop` describes. (Prefetching the activations too, as the int4 loops do, made
+    :func:`_int4_row` describes. (Prefetching the activations too, as the int4 loops do, made
     the heuristic's launches slower on the H200: o 8.5 -> 10.1 µs, down 20.5 -> 24.8.)"""
     rc, _, q_rows, w_next = _word_rows(q_ptr, rn, N, W_ROW, w_lo, w_hi, C)
     acc = tl.zeros([BLOCK_N, C], tl.float32)
     for c in tl.range(w_lo, w_hi, C, num_stages=ROW_STAGES if ROW_STAGES > 1 else None):
-        if ROW_STAGES > 1:      # through the loop pipeliner, as in _int4_row_loop
+        if ROW_STAGES > 1:      # through the loop pipeliner, as in _int4_row
             w = tl.load(q_rows + (c + rc)[None, :])
         else:
             w = w_next
@@ -516,7 +512,7 @@ def _gemv_kernel(
     WKIND: tl.constexpr,         # W_FLOAT, W_INT8, W_INT4, W_INT4_ZP or W_FP8 (module constants)
     GROUP: tl.constexpr,         # int4: inputs per scale (a divisor or a multiple of BLOCK_K)
     ONE_ROW: tl.constexpr,       # M == 1, int4 (BLOCK_K a multiple of GROUP, EVEN_K) or fp8 (EVEN_K): the CUDA-core
-                                 # loops (_int4_row_loop, _fp8_row_loop) over int32 words of W_ROW a row
+                                 # loops (_int4_row, _fp8_row_loop) over int32 words of W_ROW a row
     ONE_PART_ROW: tl.constexpr,  # SPLIT and M == 1: the partials are [BLOCK_N] row sums, not padded tiles
     HAS_ADD: tl.constexpr,
     SWIGLU: tl.constexpr,        # w is [2N, K] = [gate | up]; out = silu(x @ gate.T) * (x @ up.T)
@@ -534,7 +530,7 @@ def _gemv_kernel(
     HAS_LORA: tl.constexpr = False,     # add each row's LoRA term in the epilogue (_lora_term)
     LORA_BLOCK_R: tl.constexpr = 16,    # LORA_R padded to a power of two >= 16
     LORA_BLOCK_SPLITS: tl.constexpr = 2,  # LORA_SPLITS padded to a power of two >= 2
-    INT_DOT: tl.constexpr = False,      # one int4 row: integer dot products (_int4_row_dp4a), not float FMAs
+    INT_DOT: tl.constexpr = False,      # one int4 row: integer dot products (_int4_step_dp4a), not float FMAs
     EMULATE: tl.constexpr = False,      # the CPU interpreter: dp4a as byte arithmetic
     ROW_STAGES: tl.constexpr = 1,       # one int4 / fp8 row: 1 = its words prefetched a step ahead in registers;
                                         # >= 2 = through the loop pipeliner (shared memory), ROW_STAGES - 1 ahead
@@ -561,15 +557,10 @@ def _gemv_kernel(
     k_lo = pid_k * K_SPLIT
     k_hi = tl.minimum(k_lo + K_SPLIT, K)
     pdl_wait(USE_PDL, not LATE_LAUNCH)
-    if INT4 and ONE_ROW and INT_DOT:
+    if INT4 and ONE_ROW:
         w_lo = pid_k * K_SPLIT_W
-        row = _int4_row_dp4a(x_ptr, w_ptr, s_ptr, z_ptr, rn, N2, w_lo, tl.minimum(w_lo + K_SPLIT_W, W_ROW), W_ROW,
-                             stride_sn, M0F, BLOCK_N, WKIND == 3, GROUP, BLOCK_K // GROUP, ROW_STAGES, EMULATE)
-        acc = tl.where((rm == 0)[None, :], row[:, None], 0.0)
-    elif INT4 and ONE_ROW:
-        w_lo = pid_k * K_SPLIT_W
-        row = _int4_row_loop(x_ptr, w_ptr, s_ptr, z_ptr, rn, n_ok, N2, w_lo, tl.minimum(w_lo + K_SPLIT_W, W_ROW), W_ROW,
-                             stride_sn, M12, M16, BLOCK_N, WKIND == 3, GROUP, BLOCK_K // GROUP, ROW_STAGES)
+        row = _int4_row(x_ptr, w_ptr, s_ptr, z_ptr, rn, N2, w_lo, tl.minimum(w_lo + K_SPLIT_W, W_ROW), W_ROW, stride_sn,
+                        M12, M16, M0F, BLOCK_N, WKIND == 3, GROUP, BLOCK_K // GROUP, ROW_STAGES, INT_DOT, EMULATE)
         acc = tl.where((rm == 0)[None, :], row[:, None], 0.0)
     elif WKIND == 4 and ONE_ROW:
         w_lo = pid_k * K_SPLIT_W
@@ -676,7 +667,7 @@ def _pick_quant_config(m: int, n: int, k: int, wkind: int, group: int, device: t
     """The launch for a quantized weight, from the H200 sweeps of ``benchmarks/quant.py --sweep``
     (CUDA graphs over HBM-resident copies of the Llama-3-8B projections, one row).
 
-    int4, one row: the integer-dot loop (:func:`_int4_row_dp4a`) with everything a step reads
+    int4, one row: the integer-dot loop (:func:`_int4_step_dp4a`) with everything a step reads
     issued one step ahead (:func:`_int4_loads`), 256-row tiles, one group a step (``BLOCK_K`` =
     the group, at least 128: wider steps were slower), K split while the grid stays within two
     programs a SM: qkv 9.2 µs at split 8, o 7.2 at 16, gate_up 30.2 at 2, down 15.6 at 16 (47%
@@ -894,7 +885,7 @@ def gemv(x: torch.Tensor, w: torch.Tensor, add: torch.Tensor | None = None, *, s
         if block_k % group and group % block_k:
             raise GraphDSLError(f"gemv: BLOCK_K {block_k} and the group size {group} must divide one another")
         one_row = m == 1 and block_k % group == 0 and k % block_k == 0     # whole steps of BLOCK_K / GROUP groups
-        w = w.view(torch.int32 if one_row else torch.int16)      # nibbles a word: _int4_row_loop / _int4_k_loop
+        w = w.view(torch.int32 if one_row else torch.int16)      # nibbles a word: _int4_row / _int4_k_loop
     per_word = 4 if kind == W_FP8 else 8                          # codes an int32 word holds (one-row loops)
     if lora is not None:
         _check_lora(lora, m, n, x.dtype)
