@@ -72,8 +72,8 @@ def sweep_configs(qtype: str, k: int):
     from graphdsl.runtime.kernels.gguf_linear import KERNEL_QTYPES, _sb_for
     values = KERNEL_QTYPES[qtype][0]
     sbs = sorted({_sb_for(k // values, s * 256 // values) for s in (1, 2)})
-    for sb, bn, warps, split in itertools.product(sbs, (8, 16, 32), (2, 4), (1, 2, 4, 8)):
-        yield dict(SB=sb, BLOCK_N=bn, SPLIT_K=split, num_warps=warps, num_stages=1)
+    for sb, bn, warps, split, ahead in itertools.product(sbs, (8, 16, 32), (2, 4), (1, 2, 4, 8), (False, True)):
+        yield dict(SB=sb, BLOCK_N=bn, SPLIT_K=split, num_warps=warps, num_stages=1, PREFETCH=ahead)
 
 
 def main() -> None:

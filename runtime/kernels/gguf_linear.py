@@ -38,7 +38,7 @@ import triton.language as tl
 
 from graphdsl.errors import GraphDSLError
 
-from .gguf_tiles import KERNEL_QTYPES, decode_tile, row_dot, row_total, row_zeros
+from .gguf_tiles import KERNEL_QTYPES, decode_tile, row_codes, row_dot, row_total, row_zeros
 from .splitk import arrive, depart, sum_partials
 
 __all__ = ["gguf_linear", "gguf_gemv", "gguf_dequantize", "KERNEL_QTYPES", "MAX_GEMV_ROWS"]
@@ -69,6 +69,7 @@ def _gguf_gemv_kernel(
     SPLIT: tl.constexpr,         # SPLIT_K > 1: the slices meet in this launch (:mod:`.splitk`)
     HAS_ADD: tl.constexpr,
     DOT_F32: tl.constexpr,       # the CPU interpreter's dot mishandles bfloat16: multiply in float32
+    PREFETCH: tl.constexpr = False,  # one row: load each step's code bytes a step ahead (row_codes)
 ):
     """out[m, n] = sum_k x[m, k] * dequant(w)[n, k] (+ add[m, n]), float32 accumulation; with
     ``SPLIT`` each program sums its K slice and the last to arrive per row tile adds the slices in
@@ -107,8 +108,14 @@ def _gguf_gemv_kernel(
             last = pid_k == 0
     else:
         vals = row_zeros(BLOCK_N, QTYPE, SB)
+        n0, n1 = row_codes(rows, n_ok, tl.maximum(tl.minimum(s_lo, s_hi - 1), 0) * SB, QTYPE, SB)
         for s in range(s_lo, s_hi):
-            vals = row_dot(vals, rows, n_ok, s * SB, x_ptr, QTYPE, SB)
+            if PREFETCH:        # this step's code bytes were loaded last step; load the next step's
+                b0, b1 = n0, n1
+                n0, n1 = row_codes(rows, n_ok, tl.minimum(s + 1, s_hi - 1) * SB, QTYPE, SB)
+            else:
+                b0, b1 = row_codes(rows, n_ok, s * SB, QTYPE, SB)
+            vals = row_dot(vals, b0, b1, rows, n_ok, s * SB, x_ptr, QTYPE, SB)
         acc1 = row_total(vals)                             # [BLOCK_N]: reduced once, after the K loop
         rm = tl.arange(0, 1)
         m_ok = rm < 1
@@ -212,7 +219,8 @@ def gguf_gemv(x: torch.Tensor, data: torch.Tensor, qtype: str, add: torch.Tensor
     :class:`~.gemv.GemvWorkspace` holding the split-K partials and counters (a private one per
     call if omitted; an engine passes its own so a captured graph keeps the addresses).
     ``config`` overrides the launch (``SB, BLOCK_N, SPLIT_K, num_warps, num_stages``, optionally
-    ``USE_DOT`` to take the tile + ``tl.dot`` path with one row; benchmarks sweep it)."""
+    ``USE_DOT`` to take the tile + ``tl.dot`` path with one row, ``PREFETCH`` to load one row's
+    code bytes a step ahead — not yet timed on a GPU, off by default; benchmarks sweep both)."""
     from .gemv import GemvWorkspace
     k = _check(data, qtype, x)
     m, n = x.shape[0], data.shape[0]

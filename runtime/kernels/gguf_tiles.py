@@ -25,7 +25,7 @@ import triton.language as tl
 
 from ..gguf_blocks import GGUF_BLOCKS, KERNEL_QTYPES as _NAMES
 
-__all__ = ["KERNEL_QTYPES", "decode_tile", "row_dot", "row_total", "row_zeros"]
+__all__ = ["KERNEL_QTYPES", "decode_tile", "row_codes", "row_dot", "row_total", "row_zeros"]
 
 # GGML types with a Triton tile decoder: name -> (values per block, bytes per block)
 KERNEL_QTYPES: dict[str, tuple[int, int]] = {name: GGUF_BLOCKS[name] for name in _NAMES}
@@ -242,15 +242,22 @@ def _xload(x_ptr, offs):
 
 
 @triton.jit
-def _row_dot_q4(acc, rows, n_ok, blk0, x_ptr, SB: tl.constexpr, BLOCK_BYTES: tl.constexpr, HAS_MIN: tl.constexpr):
+def _bytes_q4(rows, n_ok, blk0, SB: tl.constexpr, BLOCK_BYTES: tl.constexpr, HAS_MIN: tl.constexpr):
+    """Q4_0 / Q4_1: the ``qs`` bytes ``[BN, SB, 16]`` of ``SB`` blocks from ``blk0``."""
+    blk = (blk0 + tl.arange(0, SB)).to(tl.int64) * BLOCK_BYTES
+    QS: tl.constexpr = 4 if HAS_MIN else 2
+    return tl.load(rows[:, None, None] + (blk[:, None] + QS + tl.arange(0, 16)[None, :])[None, :, :],
+                   mask=n_ok[:, None, None], other=0)
+
+
+@triton.jit
+def _row_dot_q4(acc, qs, rows, n_ok, blk0, x_ptr, SB: tl.constexpr, BLOCK_BYTES: tl.constexpr, HAS_MIN: tl.constexpr):
     """Q4_0 (18 B: ``d, qs[16]``, ``y = d(q - 8)``) and Q4_1 (20 B: ``d, m, qs[16]``, ``y = dq + m``);
-    ``acc [BN, 1, 1]``."""
+    ``qs`` from :func:`_bytes_q4`, ``acc [BN, 1, 1]``."""
     g = tl.arange(0, SB)
     b = tl.arange(0, 16)
     blk = (blk0 + g).to(tl.int64) * BLOCK_BYTES
-    QS: tl.constexpr = 4 if HAS_MIN else 2
-    byte = tl.load(rows[:, None, None] + (blk[:, None] + QS + b[None, :])[None, :, :],
-                   mask=n_ok[:, None, None], other=0).to(tl.int32)              # [BN, SB, 16]
+    byte = qs.to(tl.int32)                                                      # [BN, SB, 16]
     koff = (blk0 + g)[:, None] * 32 + b[None, :]                                # [SB, 16]
     x_lo = _xload(x_ptr, koff)
     x_hi = _xload(x_ptr, koff + 16)
@@ -266,13 +273,21 @@ def _row_dot_q4(acc, rows, n_ok, blk0, x_ptr, SB: tl.constexpr, BLOCK_BYTES: tl.
 
 
 @triton.jit
-def _row_dot_q8_0(acc, rows, n_ok, blk0, x_ptr, SB: tl.constexpr):
-    """Q8_0 (34 B: ``d, q[32] int8``): int8 ``q`` read as ``(byte ^ 0x80) - 128``; ``acc [BN, 1, 1]``."""
+def _bytes_q8_0(rows, n_ok, blk0, SB: tl.constexpr):
+    """Q8_0: the ``q`` bytes ``[BN, SB, 32]`` of ``SB`` blocks from ``blk0``."""
+    blk = (blk0 + tl.arange(0, SB)).to(tl.int64) * 34
+    return tl.load(rows[:, None, None] + (blk[:, None] + 2 + tl.arange(0, 32)[None, :])[None, :, :],
+                   mask=n_ok[:, None, None], other=0)
+
+
+@triton.jit
+def _row_dot_q8_0(acc, qs, rows, n_ok, blk0, x_ptr, SB: tl.constexpr):
+    """Q8_0 (34 B: ``d, q[32] int8``): int8 ``q`` read as ``(byte ^ 0x80) - 128``; ``qs`` from
+    :func:`_bytes_q8_0`, ``acc [BN, 1, 1]``."""
     g = tl.arange(0, SB)
     j = tl.arange(0, 32)
     blk = (blk0 + g).to(tl.int64) * 34
-    byte = tl.load(rows[:, None, None] + (blk[:, None] + 2 + j[None, :])[None, :, :],
-                   mask=n_ok[:, None, None], other=0).to(tl.int32)
+    byte = qs.to(tl.int32)
     xv = _xload(x_ptr, (blk0 + g)[:, None] * 32 + j[None, :])
     s = tl.sum(_i2f(byte ^ 0x80, 128.0) * xv[None], axis=2)
     d = _f16_at(rows[:, None] + blk[None, :], n_ok[:, None])
@@ -295,23 +310,39 @@ def _k_scale_pair(rows, n_ok, base, j):
 
 
 @triton.jit
-def _row_dot_q45_k(acc, rows, n_ok, blk0, x_ptr, SB: tl.constexpr, FIVE: tl.constexpr):
-    """Q4_K (144 B) / Q5_K (176 B, ``FIVE``): chunk ``t`` (64 values) of byte row ``l``: low nibble
-    is sub-block ``2c`` at K ``64t + l``, high nibble ``2c + 1`` at ``64t + 32 + l``; ``acc [BN, 1, 1]``."""
+def _bytes_q45_k(rows, n_ok, blk0, SB: tl.constexpr, FIVE: tl.constexpr):
+    """Q4_K / Q5_K: the ``qs`` bytes ``[BN, SB * 4, 32]`` (chunk ``t``, byte ``l``) of ``SB``
+    super-blocks from ``blk0``, and Q5_K's ``qh [BN, SB * 4, 32]`` (``qh`` repeated per chunk; Q4_K:
+    ``qs`` again)."""
     BYTES: tl.constexpr = 176 if FIVE else 144
     QS: tl.constexpr = 48 if FIVE else 16
     t = tl.arange(0, SB * 4)
     l = tl.arange(0, 32)
+    base = (blk0 + t // 4).to(tl.int64) * BYTES
+    msk = n_ok[:, None, None]
+    qs = tl.load(rows[:, None, None] + (base + QS + 32 * (t % 4))[None, :, None] + l[None, None, :], mask=msk, other=0)
+    if FIVE:
+        qh = tl.load(rows[:, None, None] + (base + 16)[None, :, None] + l[None, None, :], mask=msk, other=0)
+    else:
+        qh = qs
+    return qs, qh
+
+
+@triton.jit
+def _row_dot_q45_k(acc, qs, qh, rows, n_ok, blk0, x_ptr, SB: tl.constexpr, FIVE: tl.constexpr):
+    """Q4_K (144 B) / Q5_K (176 B, ``FIVE``): chunk ``t`` (64 values) of byte row ``l``: low nibble
+    is sub-block ``2c`` at K ``64t + l``, high nibble ``2c + 1`` at ``64t + 32 + l``; ``qs``, ``qh``
+    from :func:`_bytes_q45_k`, ``acc [BN, 1, 1]``."""
+    BYTES: tl.constexpr = 176 if FIVE else 144
+    t = tl.arange(0, SB * 4)
+    l = tl.arange(0, 32)
     c = t % 4
     base = (blk0 + t // 4).to(tl.int64) * BYTES                                  # [T]
-    msk = n_ok[:, None, None]
-    byte = tl.load(rows[:, None, None] + (base + QS + 32 * c)[None, :, None] + l[None, None, :],
-                   mask=msk, other=0).to(tl.int32)                              # [BN, T, 32]
+    byte = qs.to(tl.int32)                                                      # [BN, T, 32]
     lo = byte & 15
     hi = byte >> 4
     if FIVE:
-        qh = tl.load(rows[:, None, None] + (base + 16)[None, :, None] + l[None, None, :],
-                     mask=msk, other=0).to(tl.int32)
+        qh = qh.to(tl.int32)
         sh = (2 * c)[None, :, None]
         lo = lo | (((qh >> sh) & 1) << 4)
         hi = hi | (((qh >> (sh + 1)) & 1) << 4)
@@ -332,19 +363,32 @@ def _row_dot_q45_k(acc, rows, n_ok, blk0, x_ptr, SB: tl.constexpr, FIVE: tl.cons
 
 
 @triton.jit
-def _row_dot_q6_k(acc, rows, n_ok, blk0, x_ptr, SB: tl.constexpr):
-    """Q6_K (210 B): group ``i = 4hf + 2a + l2`` reads ``ql[16i + l1]``; its low nibble is ``k = a``
-    (K ``128hf + 32a + 16l2 + l1``), high nibble ``k = a + 2`` (64 further), each with its own
-    2 bits of ``qh`` and int8 scale (see :func:`_tile_q6_k`); ``acc [BN, SB * 8, 16]``."""
+def _bytes_q6_k(rows, n_ok, blk0, SB: tl.constexpr):
+    """Q6_K: the ``ql`` and ``qh`` bytes ``[BN, SB * 8, 16]`` (group ``t``, byte ``l1``) of ``SB``
+    super-blocks from ``blk0`` (layout: :func:`_row_dot_q6_k`)."""
     t = tl.arange(0, SB * 8)
     l1 = tl.arange(0, 16)
     i = t % 8
     base = (blk0 + t // 8).to(tl.int64) * 210
     msk = n_ok[:, None, None]
-    ql = tl.load(rows[:, None, None] + (base + 16 * i)[None, :, None] + l1[None, None, :],
-                 mask=msk, other=0).to(tl.int32)                                 # [BN, T, 16]
+    ql = tl.load(rows[:, None, None] + (base + 16 * i)[None, :, None] + l1[None, None, :], mask=msk, other=0)
     qh = tl.load(rows[:, None, None] + (base + 128 + 32 * (i // 4) + 16 * (i % 2))[None, :, None]
-                 + l1[None, None, :], mask=msk, other=0).to(tl.int32)
+                 + l1[None, None, :], mask=msk, other=0)
+    return ql, qh
+
+
+@triton.jit
+def _row_dot_q6_k(acc, ql, qh, rows, n_ok, blk0, x_ptr, SB: tl.constexpr):
+    """Q6_K (210 B): group ``i = 4hf + 2a + l2`` reads ``ql[16i + l1]``; its low nibble is ``k = a``
+    (K ``128hf + 32a + 16l2 + l1``), high nibble ``k = a + 2`` (64 further), each with its own
+    2 bits of ``qh`` and int8 scale (see :func:`_tile_q6_k`); ``ql``, ``qh`` from
+    :func:`_bytes_q6_k`, ``acc [BN, SB * 8, 16]``."""
+    t = tl.arange(0, SB * 8)
+    l1 = tl.arange(0, 16)
+    i = t % 8
+    base = (blk0 + t // 8).to(tl.int64) * 210
+    ql = ql.to(tl.int32)                                                         # [BN, T, 16]
+    qh = qh.to(tl.int32)
     sh = (2 * ((i // 2) % 2))[None, :, None]
     q0 = (ql & 15) | (((qh >> sh) & 3) << 4)
     q1 = (ql >> 4) | (((qh >> (sh + 4)) & 3) << 4)
@@ -369,23 +413,42 @@ def row_zeros(BLOCK_N: tl.constexpr, QTYPE: tl.constexpr, SB: tl.constexpr):
 
 
 @triton.jit
-def row_dot(acc, rows, n_ok, blk0, x_ptr, QTYPE: tl.constexpr, SB: tl.constexpr):
-    """``acc`` (:func:`row_zeros`) plus ``x[k] * dequant(w)[n, k]`` for the ``SB`` blocks from ``blk0`` of
-    the rows ``rows`` of GGML type ``QTYPE``, per value; ``x_ptr`` points at the activation row's
-    element 0. :func:`row_total` gives the rows' sums."""
-    if QTYPE == "Q4_0":
-        acc = _row_dot_q4(acc, rows, n_ok, blk0, x_ptr, SB, 18, False)
-    elif QTYPE == "Q4_1":
-        acc = _row_dot_q4(acc, rows, n_ok, blk0, x_ptr, SB, 20, True)
+def row_codes(rows, n_ok, blk0, QTYPE: tl.constexpr, SB: tl.constexpr):
+    """The code bytes :func:`row_dot` reads for the ``SB`` blocks from ``blk0`` — most of a step's
+    bytes, so a loop can load the next step's before this one's math — as two uint8 tensors (the
+    types with one give it twice)."""
+    if QTYPE == "Q4_0" or QTYPE == "Q4_1":
+        b0 = _bytes_q4(rows, n_ok, blk0, SB, 18 if QTYPE == "Q4_0" else 20, QTYPE == "Q4_1")
+        b1 = b0
     elif QTYPE == "Q8_0":
-        acc = _row_dot_q8_0(acc, rows, n_ok, blk0, x_ptr, SB)
+        b0 = _bytes_q8_0(rows, n_ok, blk0, SB)
+        b1 = b0
+    elif QTYPE == "Q4_K" or QTYPE == "Q5_K":
+        b0, b1 = _bytes_q45_k(rows, n_ok, blk0, SB, QTYPE == "Q5_K")
+    else:
+        tl.static_assert(QTYPE == "Q6_K", "row_codes: unsupported GGML type")
+        b0, b1 = _bytes_q6_k(rows, n_ok, blk0, SB)
+    return b0, b1
+
+
+@triton.jit
+def row_dot(acc, b0, b1, rows, n_ok, blk0, x_ptr, QTYPE: tl.constexpr, SB: tl.constexpr):
+    """``acc`` (:func:`row_zeros`) plus ``x[k] * dequant(w)[n, k]`` for the ``SB`` blocks from ``blk0`` of
+    the rows ``rows`` of GGML type ``QTYPE``, their code bytes ``b0``, ``b1`` from :func:`row_codes`;
+    ``x_ptr`` points at the activation row's element 0. :func:`row_total` gives the rows' sums."""
+    if QTYPE == "Q4_0":
+        acc = _row_dot_q4(acc, b0, rows, n_ok, blk0, x_ptr, SB, 18, False)
+    elif QTYPE == "Q4_1":
+        acc = _row_dot_q4(acc, b0, rows, n_ok, blk0, x_ptr, SB, 20, True)
+    elif QTYPE == "Q8_0":
+        acc = _row_dot_q8_0(acc, b0, rows, n_ok, blk0, x_ptr, SB)
     elif QTYPE == "Q4_K":
-        acc = _row_dot_q45_k(acc, rows, n_ok, blk0, x_ptr, SB, False)
+        acc = _row_dot_q45_k(acc, b0, b1, rows, n_ok, blk0, x_ptr, SB, False)
     elif QTYPE == "Q5_K":
-        acc = _row_dot_q45_k(acc, rows, n_ok, blk0, x_ptr, SB, True)
+        acc = _row_dot_q45_k(acc, b0, b1, rows, n_ok, blk0, x_ptr, SB, True)
     else:
         tl.static_assert(QTYPE == "Q6_K", "row_dot: unsupported GGML type")
-        acc = _row_dot_q6_k(acc, rows, n_ok, blk0, x_ptr, SB)
+        acc = _row_dot_q6_k(acc, b0, b1, rows, n_ok, blk0, x_ptr, SB)
     return acc
 
 

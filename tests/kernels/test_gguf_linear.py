@@ -47,6 +47,21 @@ def test_gemv_matches_dequantize_then_matmul(qtype, m, split):
     _close(out, x, ref, torch.float32)
 
 
+@pytest.mark.parametrize("qtype", KERNEL_QTYPES)
+@pytest.mark.parametrize("split", [1, 3])
+def test_one_row_prefetch_gives_the_same_sums(qtype, split):
+    """``PREFETCH`` (each step's code bytes loaded a step ahead) over slices of several steps, one
+    of them shorter: the reference's product, and bit for bit the sums of the plain loop."""
+    data, ref = _weight(qtype, 19, 2048, seed=5)
+    x = _x(1, 2048, torch.float32, seed=6)
+    blocks = 2048 // BLOCKS[qtype][0]
+    cfg = dict(SB=_sb_for(blocks, max(1, blocks // 16)), BLOCK_N=8, SPLIT_K=split, num_warps=2, num_stages=1)
+    plain = gguf_gemv(x, data, qtype, config=cfg)
+    ahead = gguf_gemv(x, data, qtype, config={**cfg, "PREFETCH": True})
+    _close(ahead, x, ref, torch.float32)
+    assert torch.equal(ahead, plain)
+
+
 @pytest.mark.parametrize("m,split,use_dot", [(1, 3, False), (1, 3, True), (4, 5, True), (4, 1, True)])
 def test_gemv_into_a_column_slice_with_the_residual_added(m, split, use_dot):
     """``out=`` a column slice of a wider product (a fused projection's row part) and a residual
