@@ -867,6 +867,10 @@ def gemv(x: torch.Tensor, w: torch.Tensor, add: torch.Tensor | None = None, *, s
     if config and (set(cfg) - _CONFIG_KEYS or {"BLOCK_N", "BLOCK_K", "SPLIT_K"} - set(cfg)):   # a caller's
         raise GraphDSLError(f"gemv: config takes BLOCK_N, BLOCK_K, SPLIT_K and optionally "
                             f"{sorted(_CONFIG_KEYS - {'BLOCK_N', 'BLOCK_K', 'SPLIT_K'})}, got {sorted(cfg)}")
+    stages = cfg.get("ROW_STAGES", 1)
+    if not isinstance(stages, int) or stages < 1:
+        raise GraphDSLError(f"gemv: config ROW_STAGES must be an int >= 1 (1: the register prefetch; >= 2: the "
+                            f"loop pipeliner's depth), got {stages!r}")
     block_n, block_k, split = cfg.pop("BLOCK_N"), cfg.pop("BLOCK_K"), cfg.pop("SPLIT_K")
     steps = triton.cdiv(k, block_k)
     split = max(1, min(split, steps))

@@ -154,6 +154,10 @@ def _gguf_dequant_kernel(
     tl.store(dst, w.to(out_ptr.dtype.element_ty), mask=n_ok[:, None])
 
 
+# the launch keys gguf_gemv's ``config`` takes (a typo is an error, not a silently ignored key)
+_CONFIG_KEYS = {"SB", "BLOCK_N", "SPLIT_K", "num_warps", "num_stages", "USE_DOT", "PREFETCH"}
+
+
 def _sb_for(n_blocks: int, want: int) -> int:
     """The largest power of two <= ``want`` dividing ``n_blocks`` (steps never straddle the row end)."""
     sb = 1
@@ -236,6 +240,9 @@ def gguf_gemv(x: torch.Tensor, data: torch.Tensor, qtype: str, add: torch.Tensor
                             f"stride, got {list(add.shape)} strides {add.stride()}")
     values = KERNEL_QTYPES[qtype][0]
     cfg = dict(config or _pick_config(m, n, k, qtype, x.device))
+    if config and (set(cfg) - _CONFIG_KEYS or {"SB", "BLOCK_N", "SPLIT_K"} - set(cfg)):       # a caller's
+        raise GraphDSLError(f"gguf_gemv: config takes SB, BLOCK_N, SPLIT_K and optionally "
+                            f"{sorted(_CONFIG_KEYS - {'SB', 'BLOCK_N', 'SPLIT_K'})}, got {sorted(cfg)}")
     sb, block_n, split = cfg.pop("SB"), cfg.pop("BLOCK_N"), cfg.pop("SPLIT_K")
     use_dot = cfg.pop("USE_DOT", m > 1)
     if (k // values) % sb:

@@ -81,6 +81,8 @@ def test_gemv_rejects_what_it_cannot_run():
         gemv(x[:2], torch.randn(4, 8, dtype=torch.float16), out=torch.empty(2, 5, dtype=torch.float16))
     with pytest.raises(GraphDSLError, match=r"config takes BLOCK_N.*got \['BLOCK_K', 'BLOCK_N', 'SPLIT_K', 'num_wraps'\]"):
         gemv(x[:2], torch.randn(4, 8, dtype=torch.float16), config=dict(BLOCK_N=16, BLOCK_K=16, SPLIT_K=1, num_wraps=4))
+    with pytest.raises(GraphDSLError, match=r"config ROW_STAGES must be an int >= 1 .*got 0"):
+        gemv(x[:2], torch.randn(4, 8, dtype=torch.float16), config=dict(BLOCK_N=16, BLOCK_K=16, SPLIT_K=1, ROW_STAGES=0))
 
 
 @pytest.mark.parametrize("m,cols,k,split", [(1, 40, 64, 1), (3, 17, 100, 3), (16, 24, 256, 2)])
