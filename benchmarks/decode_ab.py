@@ -11,10 +11,11 @@ Each variant is a ``GRAPHDSL_DISABLE_PASSES`` value ("" = every pass), optionall
 ``";graphdsl.runtime.kernels.paged_attention:_MIN_KEYS_PER_SPLIT=256"``), set while its engines are
 built and captured (a captured graph keeps the launches it was captured with). Prints each variant's
 median µs per step and % of the roofline (as in ``llm.py``; with ``--quantization`` the weights count
-as stored, as in ``quant.py``). The int4 GEMV's integer-dot row loop against its float loop:
+as stored, as in ``quant.py``). The int4 GEMV's integer-dot row loop (the default) against its
+float loop:
 
     python benchmarks/decode_ab.py --shape llama-3-8b --quantization int4 \
-        --variants "" ";graphdsl.runtime.kernels.gemv:_INT4_INT_DOT=True"
+        --variants "" ";graphdsl.runtime.kernels.gemv:_INT4_INT_DOT=False"
 """
 from __future__ import annotations
 

@@ -175,13 +175,12 @@ def _f16(v, mask):
 
 @triton.jit
 def _word_rows(q_ptr, rn, N, W_ROW, w_lo, w_hi, C: tl.constexpr):
-    """The fp8 one-row loop's start: the ``[C]`` word offsets of a step, the rows as int64 indices (rows
-    past ``N`` read row ``N - 1``, never stored), ``[BLOCK_N, 1]`` pointers to their first word and
-    the first step's words (:func:`_step_words`)."""
+    """The fp8 one-row loop's start: the ``[C]`` word offsets of a step, ``[BLOCK_N, 1]`` pointers to
+    the rows' first word (rows past ``N`` read row ``N - 1``, never stored) and the first step's
+    words (:func:`_step_words`)."""
     rc = tl.arange(0, C)
-    rn64 = tl.minimum(rn, N - 1).to(tl.int64)
-    q_rows = q_ptr + rn64[:, None] * W_ROW
-    return rc, rn64, q_rows, _step_words(q_rows, w_lo, w_hi, rc, C)
+    q_rows = q_ptr + tl.minimum(rn, N - 1).to(tl.int64)[:, None] * W_ROW
+    return rc, q_rows, _step_words(q_rows, w_lo, w_hi, rc, C)
 
 
 @triton.jit
@@ -417,7 +416,7 @@ def _fp8_row_loop(x_ptr, q_ptr, rn, N, w_lo, w_hi, W_ROW, BLOCK_N: tl.constexpr,
     16-byte loads; ``ROW_STAGES`` >= 2 streams the words through the loop pipeliner instead, as
     :func:`_int4_row` describes. (Prefetching the activations too, as the int4 loops do, made
     the heuristic's launches slower on the H200: o 8.5 -> 10.1 µs, down 20.5 -> 24.8.)"""
-    rc, _, q_rows, w_next = _word_rows(q_ptr, rn, N, W_ROW, w_lo, w_hi, C)
+    rc, q_rows, w_next = _word_rows(q_ptr, rn, N, W_ROW, w_lo, w_hi, C)
     acc = tl.zeros([BLOCK_N, C], tl.float32)
     for c in tl.range(w_lo, w_hi, C, num_stages=ROW_STAGES if ROW_STAGES > 1 else None):
         if ROW_STAGES > 1:      # through the loop pipeliner, as in _int4_row
