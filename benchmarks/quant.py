@@ -108,12 +108,12 @@ def sweep(shape: str, schemes: list[str], copy: float, *, top: int = 3, int_dot_
             default = _pick_quant_config(1, n, k, weight_kind(s), group, x.device)
             int4 = weight_kind(s) in (W_INT4, W_INT4_ZP)
             if int4:        # the one-row loops (float FMAs, or INT_DOT): BLOCK_K / group groups a step
-                tiles = [(bn, bk) for bn, bk in itertools.product((64, 128, 256), (128, 256, 512, 1024))
+                tiles = [(bn, bk) for bn, bk in itertools.product((32, 64, 128, 256), (128, 256, 512, 1024))
                          if bn * bk // 8 <= 8192]
                 configs = [dict(BLOCK_N=bn, BLOCK_K=bk, SPLIT_K=split, num_warps=4 if bn * bk <= 32768 else 8,
                                 num_stages=2, INT_DOT=dot, ROW_STAGES=stages)
                            for dot in ((True,) if int_dot_only else (False, True))
-                           for stages in ((1, 2, 3, 4) if dot else (1, 3))      # the words' pipeline
+                           for stages in (1, 3)      # the words' pipeline: a register prefetch, or cp.async
                            for (bn, bk), split in itertools.product(tiles, (1, 2, 4, 8, 16))]
             else:           # fp8's one-row loop also takes ROW_STAGES; the tl.dot paths ignore it
                 configs = [dict(BLOCK_N=bn, BLOCK_K=bk, SPLIT_K=split, num_warps=4, num_stages=4, ROW_STAGES=stages)

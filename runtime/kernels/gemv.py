@@ -85,9 +85,10 @@ _QUANT_STAGES = 4
 # one int4 row through integer dot products (_int4_step_dp4a) instead of float FMAs (_int4_step_float):
 # faster on the H200 (benchmarks/quant.py --sweep; _pick_quant_config), False for the A/B
 _INT4_INT_DOT = True
-# its words' pipeline (the kernel's ROW_STAGES): 1 = a register prefetch one step ahead (timed, the
-# default); >= 2 = cp.async into shared memory through the loop pipeliner, fewer registers (sm_90:
-# 168 instead of 254 at 256 rows), not yet timed on a GPU
+# its words' pipeline (the kernel's ROW_STAGES): 1 = a register prefetch one step ahead (the default);
+# >= 2 = cp.async into shared memory through the loop pipeliner, fewer registers (sm_90: 168 instead
+# of 254 at 256 rows) but slower on the H200 at every depth (gate_up 38.7 / 31.0 / 32.9 µs at 2 / 3 / 4
+# against 30.2; qkv 11.4 / 10.0 / 10.4 against 9.2)
 _INT4_ROW_STAGES = 1
 _CONFIG_KEYS = {"BLOCK_N", "BLOCK_K", "SPLIT_K", "num_warps", "num_stages", "INT_DOT", "ROW_STAGES"}
 
@@ -677,10 +678,11 @@ def _pick_quant_config(m: int, n: int, k: int, wkind: int, group: int, device: t
     int4, more rows (the ``tl.dot`` path): 128-row tiles, K split until there are about four
     programs per SM, 256-input steps while the split is at most 4 (else 128).
 
-    fp8, one row (the CUDA-core :func:`_fp8_row_loop`): 256-input steps, 32-row tiles when 64-row
-    ones would outnumber half the SMs, K split while the grid stays within four programs a SM
-    (qkv 11.2 µs at 32 rows / split 2, o 8.5 and down 20.5 at 64 / split 8, gate_up 35.8 at 32 /
-    unsplit: 46-77% of copy).
+    fp8, one row (the CUDA-core :func:`_fp8_row_loop`): 32-row tiles when 64-row ones would
+    outnumber half the SMs, K split while the grid stays within four programs a SM, 512-input
+    steps when the K is split into slices of at least four of them, else 256 (qkv 11.2 µs at 32
+    rows / split 2 / 512, against 12.7 at 256; o 8.5 and down 20.5 at 64 / split 8 / 256, where
+    512 gave 12.2 and 29.7; gate_up 35.6 at 32 / unsplit / 256, 39.6 at 512: 47-78% of copy).
 
     fp8 / int8, more rows (the ``tl.dot`` path): 64-row tiles, 128-input steps, 3 stages, K split
     up to 16 while the programs stay within about 12 a SM and each slice keeps 2 steps (one-row
@@ -710,7 +712,8 @@ def _pick_quant_config(m: int, n: int, k: int, wkind: int, group: int, device: t
         split = 1
         while split < 16 and tiles * split * 2 <= 4 * sms and k // (split * 2) >= 512:
             split *= 2
-        return dict(BLOCK_N=block_n, BLOCK_K=256, SPLIT_K=split, num_warps=4, num_stages=3)
+        wide = split > 1 and k % (split * 512) == 0 and k // split >= 2048
+        return dict(BLOCK_N=block_n, BLOCK_K=512 if wide else 256, SPLIT_K=split, num_warps=4, num_stages=3)
     block_n = _QUANT_BLOCK_N
     block_k = 128
     while block_k > 32 and k % block_k:

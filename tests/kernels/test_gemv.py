@@ -71,6 +71,19 @@ def test_pick_config_from_the_sweeps(monkeypatch):
     assert pick(64, 200)["BLOCK_K"] == 128 and pick(64, 48)["BLOCK_K"] == 64        # short K
 
 
+def test_fp8_one_row_launch_from_the_sweeps(monkeypatch):
+    """The fp8 one-row launch on the Llama-3-8B projections (H200 sweep, ``_pick_quant_config``):
+    512-input steps only where K is split into slices of at least four of them (qkv)."""
+    import graphdsl.runtime.kernels.gemv as g
+    monkeypatch.setattr(g, "_num_sms", lambda device: 132)
+    pick = lambda n, k: g._pick_quant_config(1, n, k, g.W_FP8, 1, torch.device("cpu"))  # noqa: E731
+    launch = lambda n, k: tuple(pick(n, k)[key] for key in ("BLOCK_N", "BLOCK_K", "SPLIT_K"))  # noqa: E731
+    assert launch(6144, 4096) == (32, 512, 2)          # qkv
+    assert launch(4096, 4096) == (64, 256, 8)          # o: slices of one 512-input step
+    assert launch(28672, 4096) == (32, 256, 1)         # gate_up: unsplit
+    assert launch(4096, 14336) == (64, 256, 8)         # down: 1792-input slices
+
+
 def test_gemv_rejects_what_it_cannot_run():
     x = torch.randn(17, 8, dtype=torch.float16)
     with pytest.raises(GraphDSLError, match=r"gemv: needs x \[M<= 16, K\].*got x \[17, 8\]"):
@@ -179,8 +192,8 @@ def test_quantized_operands_are_checked():
         gemv(x, stored[0], scheme=g32, scales=stored[1])
 
 
-@pytest.mark.parametrize("split,row_stages", [(1, 1), (4, 1), (4, 3)])
-def test_fp8_one_row_loop_is_exact_on_every_code(split, row_stages):
+@pytest.mark.parametrize("split,row_stages,block_k", [(1, 1, 64), (4, 1, 64), (4, 3, 64), (2, 1, 128)])
+def test_fp8_one_row_loop_is_exact_on_every_code(split, row_stages, block_k):
     """The one-row fp8 loop moves each e4m3 code's bits into a float32 (times 2^-120) instead of
     converting it: every finite code — signed zeros, the subnormals (exponent 0), 448 — must come
     out as its value. Rows 0-7 hold only subnormal codes, so a wrong subnormal would show at that
@@ -198,7 +211,7 @@ def test_fp8_one_row_loop_is_exact_on_every_code(split, row_stages):
     values = q.view(torch.float8_e4m3fn).double()
     assert values.abs().max() == 448 and values[:8].abs().max() < 2 ** -6
     x = torch.randn(1, k, generator=gen).half()
-    cfg = dict(BLOCK_N=16, BLOCK_K=64, SPLIT_K=split, num_warps=4, num_stages=2, ROW_STAGES=row_stages)
+    cfg = dict(BLOCK_N=16, BLOCK_K=block_k, SPLIT_K=split, num_warps=4, num_stages=2, ROW_STAGES=row_stages)
     got = gemv(x.to(DEV), q.view(torch.float8_e4m3fn).to(DEV), config=cfg, workspace=GemvWorkspace(), scheme=s,
                scales=torch.tensor([[0.5]]).to(DEV)).double().cpu()
     want = (x.double() @ values.T) * 0.5
