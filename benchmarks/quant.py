@@ -2,8 +2,11 @@
 
     python benchmarks/quant.py [--shape llama-3-8b] [--schemes int4 fp8 int8 gguf-q4_k_m] [--no-peer] [--out t.md]
 
-1. ``quant_linear`` kernel, batch 1, on the shape's projections: GB/s of the bytes it must read
-   (stored weight + scales + zero points + activations) vs the measured device copy bandwidth.
+1. The batch-1 decode GEMV the engine runs for ``quant_linear``, on the shape's projections (gate_up
+   with its SwiGLU epilogue), one CUDA graph replaying it over >= 256 MB of weight copies so every
+   weight streams from HBM as in a decode step: µs and GB/s of the stored weight bytes (codes +
+   scales + zero points) vs the measured device copy bandwidth; for int4 also the kernel peer,
+   gemlite's GEMV on the same codes (``--schemes`` with int4 and gemlite installed).
 2. ``LLM.from_config(shape, quantization=...)`` (random weights), batch 1 at 512 tokens of context:
    the engine's decode step (CUDA graph) and ``LLM.generate`` ms/token, each as % of the quantized
    roofline = (every stored tensor but the embedding table + the KV cache read) / copy bandwidth;
@@ -36,26 +39,90 @@ from llm import BLOCK, SHAPES, _decode_inputs, _free, _log, kv_bytes_per_token, 
 CONTEXT = 512
 
 
-def kernel_rows(shape: str, schemes: list[str], copy: float) -> list[str]:
-    """Per projection and scheme: µs and GB/s of one batch-1 ``quant_linear``."""
-    from graphdsl.quant import online_scheme
-    from graphdsl.runtime.kernels.quant_linear import quant_linear
+def _projections(shape: str) -> dict[str, tuple[int, int]]:
+    """The shape's decode GEMVs, ``name -> (weight rows N, K)``; gate_up is the packed ``[gate | up]``."""
     c = SHAPES[shape]
-    h, i, hd = c["hidden_size"], c["intermediate_size"], c.get("head_dim") or c["hidden_size"] // c["num_attention_heads"]
-    projs = {"qkv": ((c["num_attention_heads"] + 2 * c["num_key_value_heads"]) * hd, h), "o": (h, c["num_attention_heads"] * hd),
-             "gate_up": (2 * i, h), "down": (h, i)}
-    rows = []
+    h, i = c["hidden_size"], c["intermediate_size"]
+    hd = c.get("head_dim") or h // c["num_attention_heads"]
+    return {"qkv": ((c["num_attention_heads"] + 2 * c["num_key_value_heads"]) * hd, h),
+            "o": (h, c["num_attention_heads"] * hd), "gate_up": (2 * i, h), "down": (h, i)}
+
+
+def _copies(one: list[torch.Tensor]) -> list[list[torch.Tensor]]:
+    """``one`` (a weight's stored tensors) and clones of it, at least 256 MB in all: a graph replaying a
+    GEMV over them reads every weight from HBM, not L2, as a decode step does."""
+    nbytes = sum(t.numel() * t.element_size() for t in one)
+    return [one] + [[t.clone() for t in one] for _ in range(max(1, -(-(256 << 20) // nbytes)) - 1)]
+
+
+def _graph_us(call, copies: list) -> float:
+    """µs per ``call(stored)``: one CUDA graph replays it over ``copies`` (run once first, outside the
+    graph, so autotuners and allocations settle)."""
+    def run():
+        for st in copies:
+            call(st)
+    run()
+    torch.cuda.synchronize()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        run()
+    ms = bench_ms(g.replay, repeats=1, warmup_ms=10, rep_ms=60)
+    del g
+    return ms * 1e3 / len(copies)
+
+
+def kernel_rows(shape: str, schemes: list[str], copy: float) -> list[str]:
+    """Per projection and scheme: µs and GB/s of the batch-1 decode GEMV the engine runs for
+    ``quant_linear`` (gate_up with its SwiGLU epilogue), timed as :func:`_graph_us` does; GB/s of
+    the stored weight bytes."""
+    from graphdsl.quant import online_scheme
+    from graphdsl.runtime.kernels.gemv import GemvWorkspace, gemv
+    ws, rows = GemvWorkspace(), []
     for name in schemes:
         s = online_scheme(name)
-        for proj, (n, k) in projs.items():
-            stored = [t.cuda() for t in s.quantize(torch.randn(n, k, device="cuda", dtype=torch.bfloat16))]
+        for proj, (n, k) in _projections(shape).items():
+            copies = _copies(s.quantize(torch.randn(n, k, device="cuda", dtype=torch.bfloat16)))
             x = torch.randn(1, k, device="cuda", dtype=torch.bfloat16)
-            out = torch.empty(1, n, device="cuda", dtype=torch.bfloat16)
-            ms = bench_ms(lambda: quant_linear(x, stored, s, n, out=out))
-            nbytes = sum(t.numel() * t.element_size() for t in stored) + x.numel() * 2 + out.numel() * 2
-            gbs = nbytes / ms / 1e6
-            rows.append(f"| {s.name} | {proj} [{n}, {k}] | {ms * 1e3:.1f} | {gbs:.0f} | {100 * gbs / copy:.0f}% |")
-            _log(rows[-1])
+            silu = proj == "gate_up"
+            out = torch.empty(1, n // 2 if silu else n, device="cuda", dtype=torch.bfloat16)
+            us = _graph_us(lambda st: gemv(x, st[0], silu_mul=silu, out=out, workspace=ws, scheme=s, scales=st[1],
+                                           zeros=st[2] if len(st) > 2 else None), copies)
+            rows.append(_row(s.name, proj, n, k, sum(t.numel() * t.element_size() for t in copies[0]), us, copy))
+            del copies
+            torch.cuda.empty_cache()
+        if s.name.startswith("int4"):
+            rows += gemlite_rows(shape, s, copy)
+    return rows
+
+
+def _row(scheme: str, proj: str, n: int, k: int, nbytes: int, us: float, copy: float) -> str:
+    gbs = nbytes / (us * 1e-6) / 1e9
+    row = f"| {scheme} | {proj} [{n}, {k}] | {us:.1f} | {gbs:.0f} | {100 * gbs / copy:.0f}% |"
+    _log(row)
+    return row
+
+
+def gemlite_rows(shape: str, s, copy: float) -> list[str]:
+    """The kernel peer for int4: gemlite's batch-1 GEMV (``A16Wn``, 4-bit, the scheme's group, bfloat16,
+    its default autotune) on the same codes, scales and zero points (8 for a symmetric scheme);
+    gate_up is a plain GEMV (gemlite has no SwiGLU epilogue). One row saying why if gemlite is missing."""
+    try:
+        from gemlite.helper import A16Wn
+    except Exception as e:  # noqa: BLE001 - not installed, or it cannot start (it reads the GPU at import)
+        return [f"| gemlite | unavailable: {type(e).__name__}: {str(e)[:80]} | | | |"]
+    from graphdsl.quant import unpack_int4
+    rows = []
+    for proj, (n, k) in _projections(shape).items():
+        one = s.quantize(torch.randn(n, k, device="cuda", dtype=torch.bfloat16))
+        nbytes = sum(t.numel() * t.element_size() for t in one)
+        zeros = one[2] if len(one) > 2 else torch.full_like(one[1], 8.0)
+        layers = [[A16Wn(device="cuda", dtype=torch.bfloat16).from_weights(
+            unpack_int4(st[0]), st[1], st[2] if len(st) > 2 else zeros, W_nbits=4, group_size=s.group_size)]
+            for st in _copies(one)]
+        x = torch.randn(1, k, device="cuda", dtype=torch.bfloat16)
+        rows.append(_row(f"gemlite {s.name}", proj, n, k, nbytes, _graph_us(lambda st: st[0](x), layers), copy))
+        del layers
+        torch.cuda.empty_cache()
     return rows
 
 
@@ -72,38 +139,21 @@ def sweep(shape: str, schemes: list[str], copy: float, *, top: int = 3, int_dot_
 
     from graphdsl.quant import online_scheme
     from graphdsl.runtime.kernels.gemv import W_FP8, W_INT4, W_INT4_ZP, GemvWorkspace, _pick_quant_config, gemv, weight_kind
-    c = SHAPES[shape]
-    h, i = c["hidden_size"], c["intermediate_size"]
-    hd = c.get("head_dim") or h // c["num_attention_heads"]
-    projs = {"qkv": ((c["num_attention_heads"] + 2 * c["num_key_value_heads"]) * hd, h), "o": (h, h),
-             "gate_up": (2 * i, h), "down": (h, i)}
     rows = []
     ws = GemvWorkspace()
     for name in schemes:
         s = online_scheme(name)
-        for proj, (n, k) in projs.items():
-            one = s.quantize(torch.randn(n, k, device="cuda", dtype=torch.bfloat16))
-            nbytes = sum(t.numel() * t.element_size() for t in one)
-            copies = [one] + [[t.clone() for t in one] for _ in range(max(1, -(-(256 << 20) // nbytes)) - 1)]
+        for proj, (n, k) in _projections(shape).items():
+            copies = _copies(s.quantize(torch.randn(n, k, device="cuda", dtype=torch.bfloat16)))
+            nbytes = sum(t.numel() * t.element_size() for t in copies[0])
             x = torch.randn(1, k, device="cuda", dtype=torch.bfloat16)
             silu = proj == "gate_up"
             out = torch.empty(1, n // 2 if silu else n, device="cuda", dtype=torch.bfloat16)
             group = getattr(s, "group_size", None) or 1
 
-            def run(cfg):
-                for st in copies:
-                    gemv(x, st[0], silu_mul=silu, out=out, workspace=ws, config=dict(cfg), scheme=s, scales=st[1],
-                         zeros=st[2] if len(st) > 2 else None)
-
             def time_graph(cfg) -> float:
-                run(cfg)
-                torch.cuda.synchronize()
-                g = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(g):
-                    run(cfg)
-                ms = bench_ms(g.replay, repeats=1, warmup_ms=10, rep_ms=60)
-                del g
-                return ms * 1e3 / len(copies)
+                return _graph_us(lambda st: gemv(x, st[0], silu_mul=silu, out=out, workspace=ws, config=dict(cfg),
+                                                 scheme=s, scales=st[1], zeros=st[2] if len(st) > 2 else None), copies)
 
             default = _pick_quant_config(1, n, k, weight_kind(s), group, x.device)
             int4 = weight_kind(s) in (W_INT4, W_INT4_ZP)
@@ -195,25 +245,21 @@ class _GGUFMix:
 
 
 def gguf_kernel_rows(shape: str, copy: float) -> list[str]:
-    """Per projection, Q4_K and Q6_K blocks: µs and GB/s of one batch-1 ``gguf_linear``."""
+    """Per projection, Q4_K and Q6_K blocks: µs and GB/s of the batch-1 GGUF GEMV (``gguf_gemv``, what
+    the engine runs for one row), timed as :func:`_graph_us` does."""
     from graphdsl.runtime.gguf_scheme import quantize_blocks
-    from graphdsl.runtime.kernels.gguf_linear import gguf_linear
-    c = SHAPES[shape]
-    h, i = c["hidden_size"], c["intermediate_size"]
-    hd = c.get("head_dim") or h // c["num_attention_heads"]
-    projs = {"qkv": ((c["num_attention_heads"] + 2 * c["num_key_value_heads"]) * hd, h),
-             "o": (h, c["num_attention_heads"] * hd), "gate_up": (2 * i, h), "down": (h, i)}
-    rows = []
+    from graphdsl.runtime.kernels.gemv import GemvWorkspace
+    from graphdsl.runtime.kernels.gguf_linear import gguf_gemv
+    ws, rows = GemvWorkspace(), []
     for qtype in ("Q4_K", "Q6_K"):
-        for proj, (n, k) in projs.items():
-            data = quantize_blocks(torch.randn(n, k, device="cuda"), qtype)
+        for proj, (n, k) in _projections(shape).items():
+            copies = _copies([quantize_blocks(torch.randn(n, k, device="cuda"), qtype)])
             x = torch.randn(1, k, device="cuda", dtype=torch.bfloat16)
-            ms = bench_ms(lambda: gguf_linear(x, data, qtype))
-            nbytes = data.numel() + x.numel() * 2 + n * 2
-            gbs = nbytes / ms / 1e6
-            rows.append(f"| gguf-{qtype.lower()} | {proj} [{n}, {k}] | {ms * 1e3:.1f} | {gbs:.0f} | "
-                        f"{100 * gbs / copy:.0f}% |")
-            _log(rows[-1])
+            out = torch.empty(1, n, device="cuda", dtype=torch.bfloat16)
+            us = _graph_us(lambda st: gguf_gemv(x, st[0], qtype, out=out, workspace=ws), copies)
+            rows.append(_row(f"gguf-{qtype.lower()}", proj, n, k, copies[0][0].numel(), us, copy))
+            del copies
+            torch.cuda.empty_cache()
     return rows
 
 
