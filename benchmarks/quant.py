@@ -128,8 +128,7 @@ def gemlite_rows(shape: str, s, copy: float) -> list[str]:
 
 def sweep(shape: str, schemes: list[str], copy: float, *, top: int = 3, int_dot_only: bool = False) -> list[str]:
     """Decode GEMV configs for quantized weights (``gemv(..., scheme=)``; BLOCK_N, BLOCK_K, SPLIT_K,
-    stages; int4 also its integer-dot row loop, ``INT_DOT``, and its words' pipeline,
-    ``ROW_STAGES``): per projection of the shape (gate_up with its SwiGLU epilogue, as in the
+    stages; int4 also its integer-dot row loop, ``INT_DOT``): per projection of the shape (gate_up with its SwiGLU epilogue, as in the
     model), a CUDA graph replays the GEMV over enough copies of the weights (>= 256 MB) that they
     stream from HBM, as in a decode step; µs per GEMV and % of copy bandwidth, the ``top`` best
     first (and int4's best ``INT_DOT`` launch), and the default heuristic's row (how
@@ -138,7 +137,7 @@ def sweep(shape: str, schemes: list[str], copy: float, *, top: int = 3, int_dot_
     import itertools
 
     from graphdsl.quant import online_scheme
-    from graphdsl.runtime.kernels.gemv import W_FP8, W_INT4, W_INT4_ZP, GemvWorkspace, _pick_quant_config, gemv, weight_kind
+    from graphdsl.runtime.kernels.gemv import W_INT4, W_INT4_ZP, GemvWorkspace, _pick_quant_config, gemv, weight_kind
     rows = []
     ws = GemvWorkspace()
     for name in schemes:
@@ -161,13 +160,11 @@ def sweep(shape: str, schemes: list[str], copy: float, *, top: int = 3, int_dot_
                 tiles = [(bn, bk) for bn, bk in itertools.product((32, 64, 128, 256), (128, 256, 512, 1024))
                          if bn * bk // 8 <= 8192]
                 configs = [dict(BLOCK_N=bn, BLOCK_K=bk, SPLIT_K=split, num_warps=4 if bn * bk <= 32768 else 8,
-                                num_stages=2, INT_DOT=dot, ROW_STAGES=stages)
+                                num_stages=2, INT_DOT=dot)
                            for dot in ((True,) if int_dot_only else (False, True))
-                           for stages in (1, 3)      # the words' pipeline: a register prefetch, or cp.async
                            for (bn, bk), split in itertools.product(tiles, (1, 2, 4, 8, 16))]
-            else:           # fp8's one-row loop also takes ROW_STAGES; the tl.dot paths ignore it
-                configs = [dict(BLOCK_N=bn, BLOCK_K=bk, SPLIT_K=split, num_warps=4, num_stages=4, ROW_STAGES=stages)
-                           for stages in ((1, 3) if weight_kind(s) == W_FP8 else (1,))
+            else:
+                configs = [dict(BLOCK_N=bn, BLOCK_K=bk, SPLIT_K=split, num_warps=4, num_stages=4)
                            for bn, bk, split in itertools.product((32, 64, 128), (128, 256, 512), (1, 2, 4, 8, 16))]
             results = []
             for cfg in configs:

@@ -85,12 +85,7 @@ _QUANT_STAGES = 4
 # one int4 row through integer dot products (_int4_step_dp4a) instead of float FMAs (_int4_step_float):
 # faster on the H200 (benchmarks/quant.py --sweep; _pick_quant_config), False for the A/B
 _INT4_INT_DOT = True
-# its words' pipeline (the kernel's ROW_STAGES): 1 = a register prefetch one step ahead (the default);
-# >= 2 = cp.async into shared memory through the loop pipeliner, fewer registers (sm_90: 168 instead
-# of 254 at 256 rows) but slower on the H200 at every depth (gate_up 38.7 / 31.0 / 32.9 µs at 2 / 3 / 4
-# against 30.2; qkv 11.4 / 10.0 / 10.4 against 9.2)
-_INT4_ROW_STAGES = 1
-_CONFIG_KEYS = {"BLOCK_N", "BLOCK_K", "SPLIT_K", "num_warps", "num_stages", "INT_DOT", "ROW_STAGES"}
+_CONFIG_KEYS = {"BLOCK_N", "BLOCK_K", "SPLIT_K", "num_warps", "num_stages", "INT_DOT"}
 
 
 @triton.jit
@@ -225,7 +220,7 @@ def _int4_loads(x_ptr, s_ptr, z_ptr, q_rows, rw, rg, rn64, c, w_hi, stride_sn, S
 @triton.jit
 def _int4_row(x_ptr, q_ptr, s_ptr, z_ptr, rn, N, w_lo, w_hi, W_ROW, stride_sn, M12, M16, M0F,
               BLOCK_N: tl.constexpr, ZERO_POINT: tl.constexpr, GROUP: tl.constexpr, G: tl.constexpr,
-              ROW_STAGES: tl.constexpr, INT_DOT: tl.constexpr, EMULATE: tl.constexpr):
+              INT_DOT: tl.constexpr, EMULATE: tl.constexpr):
     """One row (batch-1 decode): ``sum_k x[k] * (q[n, k] - z[n, g]) * s[n, g]`` over the words
     ``[w_lo, w_hi)`` of each weight row, on CUDA cores instead of ``tl.dot`` (whose operand-layout
     shuffle and int->float conversions bound the tensor-core path at one row). ``q_ptr``: int32
@@ -237,10 +232,10 @@ def _int4_row(x_ptr, q_ptr, s_ptr, z_ptr, rn, N, w_lo, w_hi, W_ROW, stride_sn, M
     The slice is walked ``G`` groups a step (``G * GROUP / 2`` contiguous bytes of each row: the
     HBM stream is slower in short pieces, ``benchmarks/row_stream.py``), all that the next step
     reads — words, scales, activations (:func:`_int4_loads`) — loaded before this one's math: a
-    plain loop's loads that feed no ``tl.dot`` are not software-pipelined. With ``ROW_STAGES``
-    >= 2 the loop is a ``tl.range(num_stages=ROW_STAGES)``, which makes Triton's pipeliner take
-    such loads: the words then stream through shared memory (cp.async), ``ROW_STAGES - 1`` steps
-    ahead, and the scales and activations (too narrow for it) keep the register prefetch. Weight
+    plain loop's loads that feed no ``tl.dot`` are not software-pipelined. (Marking the loop
+    ``tl.range(num_stages=s)`` makes Triton's pipeliner stream the words through shared memory,
+    ``s - 1`` steps ahead, in fewer registers: slower on the H200 at every depth, gate_up 38.7 /
+    31.0 / 32.9 µs at 2 / 3 / 4 against 30.2, qkv 11.4 / 10.0 / 10.4 against 9.2.) Weight
     loads carry no mask — rows past ``N`` read row ``N - 1`` (their sums are never stored) and the
     prefetch past the slice re-reads its last step — so they vectorize to 16-byte loads."""
     C: tl.constexpr = GROUP // 8
@@ -249,11 +244,8 @@ def _int4_row(x_ptr, q_ptr, s_ptr, z_ptr, rn, N, w_lo, w_hi, W_ROW, stride_sn, M
     nw, ns, nz, n0, n1, n2, n3, n4, n5, n6, n7 = _int4_loads(x_ptr, s_ptr, z_ptr, q_rows, rw, rg, rn64, w_lo, w_hi,
                                                              stride_sn, S, GROUP, ZERO_POINT)
     acc = tl.zeros([BLOCK_N, G, C], tl.float32)
-    for c in tl.range(w_lo, w_hi, S, num_stages=ROW_STAGES if ROW_STAGES > 1 else None):
-        if ROW_STAGES > 1:      # the words through the loop pipeliner: cp.async, ROW_STAGES - 1 steps ahead
-            w = tl.load(q_rows + (c + rw)[None, :, :])
-        else:                   # the words of the register prefetch (_int4_loads)
-            w = nw
+    for c in range(w_lo, w_hi, S):
+        w = nw
         sc, z = ns.to(tl.float32)[:, :, None], nz.to(tl.float32)[:, :, None]
         x0, x1, x2, x3 = n0.to(tl.float32), n1.to(tl.float32), n2.to(tl.float32), n3.to(tl.float32)
         x4, x5, x6, x7 = n4.to(tl.float32), n5.to(tl.float32), n6.to(tl.float32), n7.to(tl.float32)
@@ -405,8 +397,7 @@ def _e4m3(top):
 
 
 @triton.jit
-def _fp8_row_loop(x_ptr, q_ptr, rn, N, w_lo, w_hi, W_ROW, BLOCK_N: tl.constexpr, C: tl.constexpr,
-                  ROW_STAGES: tl.constexpr):
+def _fp8_row_loop(x_ptr, q_ptr, rn, N, w_lo, w_hi, W_ROW, BLOCK_N: tl.constexpr, C: tl.constexpr):
     """One row: ``2^-120 · sum_k x[k] · q[n, k]`` over the words ``[w_lo, w_hi)`` of each row (the
     caller multiplies by ``2^120`` and the scales). ``q_ptr``: int32 words of four e4m3 codes
     (``k = 4c + i`` in byte ``i``). Each code becomes a float32 by shifts and one LOP3
@@ -414,17 +405,15 @@ def _fp8_row_loop(x_ptr, q_ptr, rn, N, w_lo, w_hi, W_ROW, BLOCK_N: tl.constexpr,
     the ``tl.dot`` path near half the copy bandwidth), then one FMA; float32 subnormal products
     keep an absolute precision of 2^-29 of the code scale. Words are ``C`` a step, the next step's
     loaded before this one's math, rows past ``N`` read row ``N - 1`` (never stored): unmasked
-    16-byte loads; ``ROW_STAGES`` >= 2 streams the words through the loop pipeliner instead, as
-    :func:`_int4_row` describes. (Prefetching the activations too, as the int4 loops do, made
-    the heuristic's launches slower on the H200: o 8.5 -> 10.1 µs, down 20.5 -> 24.8.)"""
+    16-byte loads. (Slower on the H200: prefetching the activations too, as the int4 loops do — o
+    8.5 -> 10.1 µs, down 20.5 -> 24.8 —, and streaming the words through the loop pipeliner, as
+    :func:`_int4_row` tells, 3 stages: qkv 11.2 -> 12.2, o 8.5 -> 9.5, gate_up 35.6 -> 37.8, down
+    20.5 -> 22.1.)"""
     rc, q_rows, w_next = _word_rows(q_ptr, rn, N, W_ROW, w_lo, w_hi, C)
     acc = tl.zeros([BLOCK_N, C], tl.float32)
-    for c in tl.range(w_lo, w_hi, C, num_stages=ROW_STAGES if ROW_STAGES > 1 else None):
-        if ROW_STAGES > 1:      # through the loop pipeliner, as in _int4_row
-            w = tl.load(q_rows + (c + rc)[None, :])
-        else:
-            w = w_next
-            w_next = _step_words(q_rows, c + C, w_hi, rc, C)
+    for c in range(w_lo, w_hi, C):
+        w = w_next
+        w_next = _step_words(q_rows, c + C, w_hi, rc, C)
         xp = x_ptr + 4 * (c + rc)
         x0 = tl.load(xp).to(tl.float32)
         x1 = tl.load(xp + 1).to(tl.float32)
@@ -532,8 +521,6 @@ def _gemv_kernel(
     LORA_BLOCK_SPLITS: tl.constexpr = 2,  # LORA_SPLITS padded to a power of two >= 2
     INT_DOT: tl.constexpr = False,      # one int4 row: integer dot products (_int4_step_dp4a), not float FMAs
     EMULATE: tl.constexpr = False,      # the CPU interpreter: dp4a as byte arithmetic
-    ROW_STAGES: tl.constexpr = 1,       # one int4 / fp8 row: 1 = its words prefetched a step ahead in registers;
-                                        # >= 2 = through the loop pipeliner (shared memory), ROW_STAGES - 1 ahead
 ):
     """out[m, n] = sum_k x[m, k] * w[n, k] (+ add[m, n]), float32 accumulation. With ``SWIGLU`` the
     tile's rows are the gate and up rows of ``BLOCK_N / 2`` output columns, interleaved (row ``2i``
@@ -560,12 +547,12 @@ def _gemv_kernel(
     if INT4 and ONE_ROW:
         w_lo = pid_k * K_SPLIT_W
         row = _int4_row(x_ptr, w_ptr, s_ptr, z_ptr, rn, N2, w_lo, tl.minimum(w_lo + K_SPLIT_W, W_ROW), W_ROW, stride_sn,
-                        M12, M16, M0F, BLOCK_N, WKIND == 3, GROUP, BLOCK_K // GROUP, ROW_STAGES, INT_DOT, EMULATE)
+                        M12, M16, M0F, BLOCK_N, WKIND == 3, GROUP, BLOCK_K // GROUP, INT_DOT, EMULATE)
         acc = tl.where((rm == 0)[None, :], row[:, None], 0.0)
     elif WKIND == 4 and ONE_ROW:
         w_lo = pid_k * K_SPLIT_W
         row = _fp8_row_loop(x_ptr, w_ptr, rn, N2, w_lo, tl.minimum(w_lo + K_SPLIT_W, W_ROW), W_ROW, BLOCK_N,
-                            BLOCK_K // 4, ROW_STAGES) * 1.329227995784916e36          # 2^120
+                            BLOCK_K // 4) * 1.329227995784916e36          # 2^120
         acc = tl.where((rm == 0)[None, :], row[:, None], 0.0)
     elif INT4:
         acc = _int4_k_loop(acc, x_rows, w_ptr, s_ptr, z_ptr, rn, n_ok, m_ok, k_lo, k_hi, K, stride_sn,
@@ -696,8 +683,7 @@ def _pick_quant_config(m: int, n: int, k: int, wkind: int, group: int, device: t
         split = 1
         while split < 16 and tiles * split * 2 <= 2 * sms and k // (split * 2) >= block_k:
             split *= 2
-        return dict(BLOCK_N=block_n, BLOCK_K=block_k, SPLIT_K=split, num_warps=4, num_stages=2, INT_DOT=_INT4_INT_DOT,
-                    ROW_STAGES=_INT4_ROW_STAGES)
+        return dict(BLOCK_N=block_n, BLOCK_K=block_k, SPLIT_K=split, num_warps=4, num_stages=2, INT_DOT=_INT4_INT_DOT)
     if wkind in (W_INT4, W_INT4_ZP):
         block_n = 128
         tiles = triton.cdiv(n, block_n)
@@ -869,10 +855,6 @@ def gemv(x: torch.Tensor, w: torch.Tensor, add: torch.Tensor | None = None, *, s
     if config and (set(cfg) - _CONFIG_KEYS or {"BLOCK_N", "BLOCK_K", "SPLIT_K"} - set(cfg)):   # a caller's
         raise GraphDSLError(f"gemv: config takes BLOCK_N, BLOCK_K, SPLIT_K and optionally "
                             f"{sorted(_CONFIG_KEYS - {'BLOCK_N', 'BLOCK_K', 'SPLIT_K'})}, got {sorted(cfg)}")
-    stages = cfg.get("ROW_STAGES", 1)
-    if not isinstance(stages, int) or stages < 1:
-        raise GraphDSLError(f"gemv: config ROW_STAGES must be an int >= 1 (1: the register prefetch; >= 2: the "
-                            f"loop pipeliner's depth), got {stages!r}")
     block_n, block_k, split = cfg.pop("BLOCK_N"), cfg.pop("BLOCK_K"), cfg.pop("SPLIT_K")
     steps = triton.cdiv(k, block_k)
     split = max(1, min(split, steps))

@@ -94,8 +94,6 @@ def test_gemv_rejects_what_it_cannot_run():
         gemv(x[:2], torch.randn(4, 8, dtype=torch.float16), out=torch.empty(2, 5, dtype=torch.float16))
     with pytest.raises(GraphDSLError, match=r"config takes BLOCK_N.*got \['BLOCK_K', 'BLOCK_N', 'SPLIT_K', 'num_wraps'\]"):
         gemv(x[:2], torch.randn(4, 8, dtype=torch.float16), config=dict(BLOCK_N=16, BLOCK_K=16, SPLIT_K=1, num_wraps=4))
-    with pytest.raises(GraphDSLError, match=r"config ROW_STAGES must be an int >= 1 .*got 0"):
-        gemv(x[:2], torch.randn(4, 8, dtype=torch.float16), config=dict(BLOCK_N=16, BLOCK_K=16, SPLIT_K=1, ROW_STAGES=0))
 
 
 @pytest.mark.parametrize("m,cols,k,split", [(1, 40, 64, 1), (3, 17, 100, 3), (16, 24, 256, 2)])
@@ -160,13 +158,11 @@ def test_quantized_weights_match_dequantize_then_matmul(name, block_n, block_k, 
         want = torch.nn.functional.silu(g).to(dtype).float() * u
     else:
         want = prod + (0 if add is None else add.float())
-    # one int4 / fp8 row: its words prefetched in registers (1) and through the loop pipeliner (3)
-    for row_stages in (1, 3) if name.startswith(("int4", "fp8")) and m == 1 else (1,):
-        out = torch.full((m, cols), float("nan"), dtype=dtype, device=DEV)
-        cfg = dict(BLOCK_N=block_n, BLOCK_K=block_k, SPLIT_K=split, num_warps=4, num_stages=2, ROW_STAGES=row_stages)
-        gemv(x, stored[0], add, silu_mul=epilogue == "silu_mul", out=out, config=cfg, workspace=GemvWorkspace(),
-             scheme=s, scales=stored[1], zeros=stored[2] if len(stored) > 2 else None)
-        torch.testing.assert_close(out.float(), want, rtol=2e-2, atol=2e-2 * want.abs().max().item())
+    out = torch.full((m, cols), float("nan"), dtype=dtype, device=DEV)
+    cfg = dict(BLOCK_N=block_n, BLOCK_K=block_k, SPLIT_K=split, num_warps=4, num_stages=2)
+    gemv(x, stored[0], add, silu_mul=epilogue == "silu_mul", out=out, config=cfg, workspace=GemvWorkspace(),
+         scheme=s, scales=stored[1], zeros=stored[2] if len(stored) > 2 else None)
+    torch.testing.assert_close(out.float(), want, rtol=2e-2, atol=2e-2 * want.abs().max().item())
 
 
 def test_quantized_default_launch_splits_k_and_keeps_groups_whole():
@@ -192,8 +188,8 @@ def test_quantized_operands_are_checked():
         gemv(x, stored[0], scheme=g32, scales=stored[1])
 
 
-@pytest.mark.parametrize("split,row_stages,block_k", [(1, 1, 64), (4, 1, 64), (4, 3, 64), (2, 1, 128)])
-def test_fp8_one_row_loop_is_exact_on_every_code(split, row_stages, block_k):
+@pytest.mark.parametrize("split,block_k", [(1, 64), (4, 64), (2, 128)])
+def test_fp8_one_row_loop_is_exact_on_every_code(split, block_k):
     """The one-row fp8 loop moves each e4m3 code's bits into a float32 (times 2^-120) instead of
     converting it: every finite code — signed zeros, the subnormals (exponent 0), 448 — must come
     out as its value. Rows 0-7 hold only subnormal codes, so a wrong subnormal would show at that
@@ -211,7 +207,7 @@ def test_fp8_one_row_loop_is_exact_on_every_code(split, row_stages, block_k):
     values = q.view(torch.float8_e4m3fn).double()
     assert values.abs().max() == 448 and values[:8].abs().max() < 2 ** -6
     x = torch.randn(1, k, generator=gen).half()
-    cfg = dict(BLOCK_N=16, BLOCK_K=block_k, SPLIT_K=split, num_warps=4, num_stages=2, ROW_STAGES=row_stages)
+    cfg = dict(BLOCK_N=16, BLOCK_K=block_k, SPLIT_K=split, num_warps=4, num_stages=2)
     got = gemv(x.to(DEV), q.view(torch.float8_e4m3fn).to(DEV), config=cfg, workspace=GemvWorkspace(), scheme=s,
                scales=torch.tensor([[0.5]]).to(DEV)).double().cpu()
     want = (x.double() @ values.T) * 0.5
@@ -221,8 +217,7 @@ def test_fp8_one_row_loop_is_exact_on_every_code(split, row_stages, block_k):
 
 @pytest.mark.parametrize("name,split", [("int4-g64", 1), ("int4-g64-zp", 3), ("int4-g128", 2), ("int4-g128-zp", 1)])
 @pytest.mark.parametrize("epilogue", [None, "silu_mul"])
-@pytest.mark.parametrize("row_stages", [1, 3])
-def test_int4_integer_dot_row_matches_a_float64_product(name, split, epilogue, row_stages):
+def test_int4_integer_dot_row_matches_a_float64_product(name, split, epilogue):
     """One int4 row through integer dot products (``INT_DOT``): per group the activations become
     16-bit fixed point (step ``max|x_g| / 32767``), so each output is within half a step per input
     of the exact product, plus the fp16 output's rounding. The row holds a group of zeros (no scale
@@ -239,7 +234,7 @@ def test_int4_integer_dot_row_matches_a_float64_product(name, split, epilogue, r
     x[0, 256:320] *= 1e3
     x = x.to(dtype)
     out = torch.full((1, n // 2 if epilogue else n), float("nan"), dtype=dtype, device=DEV)
-    cfg = dict(BLOCK_N=16, BLOCK_K=128, SPLIT_K=split, num_warps=4, num_stages=2, INT_DOT=True, ROW_STAGES=row_stages)
+    cfg = dict(BLOCK_N=16, BLOCK_K=128, SPLIT_K=split, num_warps=4, num_stages=2, INT_DOT=True)
     gemv(x.to(DEV), stored[0], silu_mul=epilogue == "silu_mul", out=out, config=cfg, workspace=GemvWorkspace(),
          scheme=s, scales=stored[1], zeros=stored[2] if len(stored) > 2 else None)
     xd, wd = x.double(), w.double().cpu()
