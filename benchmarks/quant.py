@@ -130,9 +130,9 @@ def sweep(shape: str, schemes: list[str], copy: float, *, top: int = 3, int_dot_
     """Decode GEMV configs for quantized weights (``gemv(..., scheme=)``; BLOCK_N, BLOCK_K, SPLIT_K,
     stages; int4 also its integer-dot row loop, ``INT_DOT``): per projection of the shape (gate_up
     with its SwiGLU epilogue, as in the model), a CUDA graph replays the GEMV over enough copies of
-    the weights (>= 256 MB) that they stream from HBM, as in a decode step (:func:`_graph_us`); µs per GEMV and % of copy bandwidth, the ``top`` best
-    first (and int4's best ``INT_DOT`` launch), and the default heuristic's row (how
-    ``_pick_quant_config`` was chosen). ``int_dot_only``: int4's ``INT_DOT`` launches alone (beside
+    the weights (>= 256 MB) that they stream from HBM, as in a decode step (:func:`_graph_us`); µs
+    per GEMV and % of copy bandwidth, the ``top`` best first (and int4's best ``INT_DOT`` launch),
+    and the default heuristic's row (how ``_pick_quant_config`` was chosen). ``int_dot_only``: int4's ``INT_DOT`` launches alone (beside
     the heuristic's row), a quicker sweep."""
     import itertools
 
