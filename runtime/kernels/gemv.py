@@ -170,16 +170,6 @@ def _f16(v, mask):
 
 
 @triton.jit
-def _word_rows(q_ptr, rn, N, W_ROW, w_lo, w_hi, C: tl.constexpr):
-    """The fp8 one-row loop's start: the ``[C]`` word offsets of a step, ``[BLOCK_N, 1]`` pointers to
-    the rows' first word (rows past ``N`` read row ``N - 1``, never stored) and the first step's
-    words (:func:`_step_words`)."""
-    rc = tl.arange(0, C)
-    q_rows = q_ptr + tl.minimum(rn, N - 1).to(tl.int64)[:, None] * W_ROW
-    return rc, q_rows, _step_words(q_rows, w_lo, w_hi, rc, C)
-
-
-@triton.jit
 def _step_words(q_rows, c, w_hi, rc, C: tl.constexpr):
     """The fp8 one-row loop's ``[BLOCK_N, C]`` words from word ``c`` of each row, clamped to the slice's
     last ``C`` (the prefetch past the slice re-reads them): unmasked, so they may vectorize."""
@@ -409,7 +399,9 @@ def _fp8_row_loop(x_ptr, q_ptr, rn, N, w_lo, w_hi, W_ROW, BLOCK_N: tl.constexpr,
     8.5 -> 10.1 µs, down 20.5 -> 24.8 —, and streaming the words through the loop pipeliner, as
     :func:`_int4_row` tells, 3 stages: qkv 11.2 -> 12.2, o 8.5 -> 9.5, gate_up 35.6 -> 37.8, down
     20.5 -> 22.1.)"""
-    rc, q_rows, w_next = _word_rows(q_ptr, rn, N, W_ROW, w_lo, w_hi, C)
+    rc = tl.arange(0, C)
+    q_rows = q_ptr + tl.minimum(rn, N - 1).to(tl.int64)[:, None] * W_ROW    # rows past N read row N - 1
+    w_next = _step_words(q_rows, w_lo, w_hi, rc, C)
     acc = tl.zeros([BLOCK_N, C], tl.float32)
     for c in range(w_lo, w_hi, C):
         w = w_next

@@ -108,7 +108,8 @@ def _gguf_gemv_kernel(
             last = pid_k == 0
     else:
         vals = row_zeros(BLOCK_N, QTYPE, SB)
-        n0, n1 = row_codes(rows, n_ok, tl.maximum(tl.minimum(s_lo, s_hi - 1), 0) * SB, QTYPE, SB)
+        if PREFETCH:            # the first step's code bytes
+            n0, n1 = row_codes(rows, n_ok, tl.maximum(tl.minimum(s_lo, s_hi - 1), 0) * SB, QTYPE, SB)
         for s in range(s_lo, s_hi):
             if PREFETCH:        # this step's code bytes were loaded last step; load the next step's
                 b0, b1 = n0, n1
@@ -224,7 +225,8 @@ def gguf_gemv(x: torch.Tensor, data: torch.Tensor, qtype: str, add: torch.Tensor
     call if omitted; an engine passes its own so a captured graph keeps the addresses).
     ``config`` overrides the launch (``SB, BLOCK_N, SPLIT_K, num_warps, num_stages``, optionally
     ``USE_DOT`` to take the tile + ``tl.dot`` path with one row, ``PREFETCH`` to load one row's
-    code bytes a step ahead — not yet timed on a GPU, off by default; benchmarks sweep both)."""
+    code bytes a step ahead — off by default: on the H200 it gained on short Q4_K GEMVs only, 4-7%,
+    docs/gguf-kernels.md; benchmarks sweep both)."""
     from .gemv import GemvWorkspace
     k = _check(data, qtype, x)
     m, n = x.shape[0], data.shape[0]
