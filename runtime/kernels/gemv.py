@@ -744,10 +744,10 @@ def _check_lora(lora: GemvLoRA, m: int, n: int, dtype: torch.dtype) -> None:
 
 
 class GemvWorkspace:
-    """Split-K scratch for :func:`gemv`: per (device, tiles, slices, tile size) one float32 partial
-    buffer and one zeroed counter array, allocated on first use and kept (a captured CUDA graph
-    holds their addresses). Kernels run one at a time on a stream leave the counters at zero, so
-    one workspace serves every GEMV of an engine."""
+    """Split-K scratch for :func:`gemv` (and the GGUF GEMVs): per (device, tiles, slices, tile
+    size) one float32 partial buffer and one zeroed counter array, allocated on first use and kept
+    (a captured CUDA graph holds their addresses). Kernels run one at a time on a stream leave the
+    counters at zero, so one workspace serves every GEMV of an engine."""
 
     def __init__(self):
         self._buffers: dict = {}
@@ -759,6 +759,18 @@ class GemvWorkspace:
             bufs = self._buffers[key] = (
                 torch.empty(split * n_tiles * block_n * MAX_ROWS, dtype=torch.float32, device=device),
                 torch.zeros(n_tiles, dtype=torch.int32, device=device))
+        return bufs
+
+    def planes(self, device: torch.device, k: int):
+        """The int8 activation planes ``[16, k]`` and two ``[k / 32]`` float32 vectors of the one-row
+        GGUF tensor-core GEMV (:func:`.gguf_mma.activation_planes`), one set per (device, k): each
+        GEMV rewrites them before reading, one at a time on a stream."""
+        key = ("planes", str(device), k)
+        bufs = self._buffers.get(key)
+        if bufs is None:
+            bufs = self._buffers[key] = (torch.empty(16, k, dtype=torch.int8, device=device),
+                                         torch.empty(k // 32, dtype=torch.float32, device=device),
+                                         torch.empty(k // 32, dtype=torch.float32, device=device))
         return bufs
 
     @property

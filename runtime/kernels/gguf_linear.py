@@ -38,6 +38,8 @@ import triton.language as tl
 
 from graphdsl.errors import GraphDSLError
 
+from .gguf_mma import _CONFIG_KEYS as _MMA_CONFIG_KEYS
+from .gguf_mma import MMA_QTYPES, gguf_gemv_mma
 from .gguf_tiles import KERNEL_QTYPES, decode_tile, row_codes, row_dot, row_total, row_zeros
 from .splitk import arrive, depart, sum_partials
 
@@ -156,7 +158,7 @@ def _gguf_dequant_kernel(
 
 
 # the launch keys gguf_gemv's ``config`` takes (a typo is an error, not a silently ignored key)
-_CONFIG_KEYS = {"SB", "BLOCK_N", "SPLIT_K", "num_warps", "num_stages", "USE_DOT", "PREFETCH"}
+_CONFIG_KEYS = {"SB", "BLOCK_N", "SPLIT_K", "num_warps", "num_stages", "USE_DOT", "PREFETCH", "MMA"}
 
 
 def _sb_for(n_blocks: int, want: int) -> int:
@@ -226,7 +228,10 @@ def gguf_gemv(x: torch.Tensor, data: torch.Tensor, qtype: str, add: torch.Tensor
     ``config`` overrides the launch (``SB, BLOCK_N, SPLIT_K, num_warps, num_stages``, optionally
     ``USE_DOT`` to take the tile + ``tl.dot`` path with one row, ``PREFETCH`` to load one row's
     code bytes a step ahead — off by default: on the H200 it gained on short Q4_K GEMVs only, 4-7%,
-    docs/gguf-kernels.md; benchmarks sweep both)."""
+    docs/gguf-kernels.md; benchmarks sweep both). One fp16/bf16 row of a type in
+    :data:`~.gguf_mma.MMA_QTYPES` runs on the int8 tensor cores (:mod:`.gguf_mma`) unless ``config``
+    picks a CUDA-core launch; ``config={"MMA": True, "BLOCK_N": .., "SPLIT_K": ..}`` (optionally
+    ``num_warps``, ``num_stages``) sets the tensor-core launch."""
     from .gemv import GemvWorkspace
     k = _check(data, qtype, x)
     m, n = x.shape[0], data.shape[0]
@@ -240,8 +245,12 @@ def gguf_gemv(x: torch.Tensor, data: torch.Tensor, qtype: str, add: torch.Tensor
     if add is not None and (tuple(add.shape) not in ((n,), (m, n)) or add.stride(-1) != 1):
         raise GraphDSLError(f"gguf_gemv: add must be a bias [{n}] or a residual [{m}, {n}] with a unit inner "
                             f"stride, got {list(add.shape)} strides {add.stride()}")
+    mma_ok = m == 1 and qtype in MMA_QTYPES and x.dtype != torch.float32 and data.data_ptr() % 4 == 0
+    if config is None and mma_ok or config and config.get("MMA"):
+        return _mma(x, data, qtype, add, out, workspace, config, mma_ok)
     values = KERNEL_QTYPES[qtype][0]
     cfg = dict(config or _pick_config(m, n, k, qtype, x.device))
+    cfg.pop("MMA", None)
     if config and (set(cfg) - _CONFIG_KEYS or {"SB", "BLOCK_N", "SPLIT_K"} - set(cfg)):       # a caller's
         raise GraphDSLError(f"gguf_gemv: config takes SB, BLOCK_N, SPLIT_K and optionally "
                             f"{sorted(_CONFIG_KEYS - {'SB', 'BLOCK_N', 'SPLIT_K'})}, got {sorted(cfg)}")
@@ -261,6 +270,21 @@ def gguf_gemv(x: torch.Tensor, data: torch.Tensor, qtype: str, add: torch.Tensor
         QTYPE=qtype, VALUES=values, SB=sb, BLOCK_N=block_n, BLOCK_M=MAX_GEMV_ROWS, USE_DOT=use_dot,
         SPLIT=split > 1, HAS_ADD=add is not None, DOT_F32=interp or x.dtype == torch.float32, **cfg)
     return out
+
+
+def _mma(x, data, qtype, add, out, workspace, config, mma_ok):
+    """:func:`gguf_gemv` on the tensor cores (:mod:`.gguf_mma`), its ``config`` checked."""
+    if not mma_ok:
+        raise GraphDSLError(f"gguf_gemv: config MMA=True needs one fp16/bf16 row, a type in {list(MMA_QTYPES)} "
+                            f"and 4-byte aligned data, got {x.shape[0]} {x.dtype} rows of {qtype} at "
+                            f"address {data.data_ptr():#x}")
+    cfg = None
+    if config:
+        cfg = {key: v for key, v in config.items() if key != "MMA"}
+        if set(cfg) - _MMA_CONFIG_KEYS or {"BLOCK_N", "SPLIT_K"} - set(cfg):
+            raise GraphDSLError(f"gguf_gemv: config with MMA=True takes BLOCK_N, SPLIT_K and optionally "
+                                f"{sorted(_MMA_CONFIG_KEYS - {'BLOCK_N', 'SPLIT_K'})}, got {sorted(cfg)}")
+    return gguf_gemv_mma(x, data, qtype, add, out, workspace, cfg, _num_sms(x.device))
 
 
 def gguf_dequantize(data: torch.Tensor, qtype: str, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:

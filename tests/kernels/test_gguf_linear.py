@@ -138,7 +138,7 @@ def test_errors_name_the_operand():
         gguf_gemv(torch.zeros(1, 256), data, "Q6_K")
     with pytest.raises(GraphDSLError, match=r"x must be \[M, 256\].*got \[1, 128\]"):
         gguf_gemv(torch.zeros(1, 128), data, "Q4_K")
-    with pytest.raises(GraphDSLError, match=r"config takes SB, BLOCK_N, SPLIT_K and optionally \['PREFETCH'.*"
+    with pytest.raises(GraphDSLError, match=r"config takes SB, BLOCK_N, SPLIT_K and optionally \['MMA', 'PREFETCH'.*"
                                             r"got \['BLOCK_N', 'PREFECTH', 'SB', 'SPLIT_K'\]"):
         gguf_gemv(torch.zeros(1, 256), torch.zeros(4, 144, dtype=torch.uint8), "Q4_K",
                   config=dict(SB=1, BLOCK_N=8, SPLIT_K=1, PREFECTH=True))

@@ -1,0 +1,211 @@
+"""One-row GGUF GEMV on the int8 tensor cores: ``out = x @ dequant(W).T (+ add)`` for Q4_K, ``x [1, K]``.
+
+The CUDA-core one-row path (:func:`.gguf_tiles.row_dot`) spends about six instructions a weight on
+nibble extraction, int->float tricks and FMAs, so it is bound by instruction issue, not bytes
+(docs/gguf-kernels.md). Here the arithmetic goes to ``mma.sync`` (``tl.dot`` of int8 tiles) and the
+per-weight work is three bit operations per eight weights:
+
+* **Activations** (:func:`_planes_kernel`, one small launch per GEMV): per sub-block ``s`` of 32
+  inputs, 16-bit fixed point ``xq = round(x / a_s)``, ``a_s = max|x_s| / 32639``, split into a signed
+  high and low byte, ``xq = 256 h + l`` (error at most ``a_s / 2`` an input: 2^-16 of the sub-block's
+  largest, below the 16-bit activations' own rounding). They are written as the dot's A operand
+  ``[16, K]`` int8, block diagonal: row ``r = 8 p + s`` holds the ``h`` (``p = 0``) or ``l``
+  (``p = 1``) bytes of sub-block ``s`` and zeros elsewhere, so each of the 16 rows of the ``[16,
+  BLOCK_N]`` product is one sub-block's partial. Within super-block ``b`` columns ``256 b + j``,
+  ``j < 128``, face the low nibbles of code byte ``j`` (sub-block ``2 (j // 32)``, value ``j % 32``),
+  ``256 b + 128 + j`` its high nibbles (sub-block ``2 (j // 32) + 1``). Also per sub-block: ``a_s``
+  and ``S_s = a_s sum xq``.
+* **Weights** (:func:`_q4k_kernel`): a super-block's 128 code bytes of ``BLOCK_N`` rows load as one
+  ``[BLOCK_N, 128]`` uint8 tile (16-byte loads, software-pipelined through shared memory by
+  ``tl.dot``); the low-nibble plane is ``((c << 4) & 0xF0) ^ 0x80`` bytewise, the high one
+  ``(c & 0xF0) ^ 0x80``: signed bytes ``16 (q - 8)``, two LOP3 and a shift per four bytes
+  (:func:`_nibbles`). Two int8 dots give ``V [16, BLOCK_N]`` (int32, exact).
+* **Scales**: for row ``n`` and sub-block ``s`` (``d``, ``dmin`` and the 6-bit ``sc``, ``m`` of the
+  block header), ``sum_k x_k w_k = d sc_s (a_s (256 V_h + V_l) / 16 + 8 S_s) - dmin m_s S_s``: each
+  accumulator row takes ``V`` times ``d sc_s a_s`` (x 16 or / 16) plus, on the ``h`` rows, the
+  ``S_s`` term; the 16 rows are summed once, after the K loop.
+
+Split-K slices meet in the launch (:mod:`.splitk`), the last program adding the residual or bias.
+Compiled for sm_90: about 2 SASS instructions a weight in the K loop, against ~6 on the CUDA-core
+path; on an H100, 1.6-1.9x faster on the Llama-3-8B projections (docs/gguf-kernels.md).
+"""
+from __future__ import annotations
+
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+from .splitk import arrive, depart, sum_partials
+
+__all__ = ["MMA_QTYPES", "gguf_gemv_mma", "activation_planes", "pick_mma_config"]
+
+MMA_QTYPES = ("Q4_K",)
+_SUPER = 256                    # values per super-block
+_ROWS = 16                      # the dot's M: 8 sub-blocks x (high, low) byte
+_CONFIG_KEYS = {"BLOCK_N", "SPLIT_K", "num_warps", "num_stages"}
+
+
+@triton.jit
+def _planes_kernel(x_ptr, a_ptr, xa_ptr, xs_ptr, K):
+    """Super-block ``program_id(0)`` of the row ``x [K]``: its ``[16, 256]`` columns of the A operand,
+    ``a_s`` and ``S_s`` of its 8 sub-blocks (module docstring). Row ``r`` quantizes its own sub-block
+    ``r % 8`` (rows ``r`` and ``r + 8`` compute the same ``xq``, keeping the high or low byte)."""
+    b = tl.program_id(0)
+    r = tl.arange(0, 16)[:, None]
+    c = tl.arange(0, 256)[None, :]
+    j = c % 128
+    sub = 2 * (j // 32) + c // 128                                       # the column's sub-block
+    x = tl.load(x_ptr + b * 256 + 32 * sub + j % 32).to(tl.float32)     # [1, 256]
+    own = sub == r % 8
+    amax = tl.max(tl.where(own, tl.abs(x), 0.0), axis=1)                # [16]
+    inv = tl.where(amax > 0, 32639.0 / tl.maximum(amax, 1e-30), 0.0)   # |xq| <= 32639: h fits a byte
+    xq = tl.where(own, tl.floor(x * inv[:, None] + 0.5), 0.0).to(tl.int32)
+    h = (xq + 128) >> 8                                                 # xq = 256 h + l, l in [-128, 127]
+    tl.store(a_ptr + r * K + b * 256 + c, tl.where(r < 8, h, xq - 256 * h).to(tl.int8))
+    rr = tl.arange(0, 16)
+    a = amax / 32639.0
+    tl.store(xa_ptr + b * 8 + rr, a, mask=rr < 8)
+    tl.store(xs_ptr + b * 8 + rr, a * tl.sum(xq, axis=1).to(tl.float32), mask=rr < 8)
+
+
+@triton.jit
+def _nibbles(c, HIGH: tl.constexpr, EMULATE: tl.constexpr):
+    """The low (or ``HIGH``) nibbles ``q`` of the code bytes ``c`` as int8 ``16 (q - 8)``: the nibble
+    in the top half of the byte, its top bit flipped; four bytes per instruction (``EMULATE``: int32
+    arithmetic, for the CPU interpreter, which runs no PTX)."""
+    if EMULATE:
+        q = (c.to(tl.int32) >> 4) & 15 if HIGH else c.to(tl.int32) & 15
+        return ((q ^ 8) << 28 >> 24).to(tl.int8)
+    if HIGH:
+        return tl.inline_asm_elementwise("lop3.b32 $0, $1, 0xF0F0F0F0, 0x80808080, 0x6a;", "=r,r", [c],
+                                         dtype=tl.int8, is_pure=True, pack=4)
+    return tl.inline_asm_elementwise("{ .reg .b32 t; shl.b32 t, $1, 4; lop3.b32 $0, t, 0xF0F0F0F0, 0x80808080, 0x6a; }",
+                                     "=r,r", [c], dtype=tl.int8, is_pure=True, pack=4)
+
+
+@triton.jit
+def _bytes(w, i):
+    """``[BLOCK_N, 4]``: the bytes of the int32 words ``w [BLOCK_N]``."""
+    return (w[:, None] >> (8 * i[None, :])) & 255
+
+
+@triton.jit
+def _rows16(f, BLOCK_N: tl.constexpr):
+    """``f [BLOCK_N, 8]`` (per sub-block) as the accumulator's ``[16, BLOCK_N]``: row ``r`` holds ``f[:, r % 8]``."""
+    t = tl.trans(f)
+    return tl.reshape(tl.permute(tl.join(t, t), (2, 0, 1)), [16, BLOCK_N])
+
+
+@triton.jit
+def _q4k_kernel(
+    a_ptr, xa_ptr, xs_ptr,   # activation planes [16, K] int8, a_s and S_s [K / 32] float32
+    w_ptr,                   # [N, ROW_BYTES] uint8 Q4_K blocks
+    add_ptr,                 # HAS_ADD: [N] residual row or bias, contiguous
+    out_ptr,                 # [N] output row
+    part_ptr, lock_ptr,      # SPLIT: [SPLIT_K, n_tiles, BLOCK_N] float32 partials, [n_tiles] counters
+    N, K, ROW_BYTES, PER,    # sizes; PER super-blocks per K slice
+    SPLIT_K,
+    BLOCK_N: tl.constexpr, SPLIT: tl.constexpr, HAS_ADD: tl.constexpr, EMULATE: tl.constexpr,
+):
+    """out[n] = sum_k x[k] dequant(w)[n, k] (+ add[n]) for ``BLOCK_N`` rows over super-blocks
+    ``[pid_s PER, (pid_s + 1) PER)`` (module docstring); rows past ``N`` read row ``N - 1``
+    (never stored), so the code loads carry no mask."""
+    pid_n = tl.program_id(0)
+    pid_s = tl.program_id(1)
+    rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    rows = w_ptr + tl.minimum(rn, N - 1).to(tl.int64) * ROW_BYTES
+    rj = tl.arange(0, 128)
+    r = tl.arange(0, 16)
+    i4 = tl.arange(0, 4)
+    part_w = tl.where(r < 8, 16.0, 1.0 / 16.0)            # 256 / 16 on the high bytes' rows, 1 / 16 on the low
+    acc = tl.zeros([16, BLOCK_N], tl.float32)
+    b_lo = pid_s * PER
+    b_hi = tl.minimum(b_lo + PER, K // 256)
+    for b in range(b_lo, b_hi):
+        blk = rows + b * 144                               # d, dmin @0; scales[12] @4; qs[128] @16
+        codes = tl.load(blk[:, None] + (16 + rj)[None, :])
+        a_lo = tl.load(a_ptr + r[:, None] * K + (b * 256 + rj)[None, :])
+        a_hi = tl.load(a_ptr + r[:, None] * K + (b * 256 + 128 + rj)[None, :])
+        v = tl.dot(a_lo, tl.trans(_nibbles(codes, False, EMULATE)), out_dtype=tl.int32)
+        v = tl.dot(a_hi, tl.trans(_nibbles(codes, True, EMULATE)), v, out_dtype=tl.int32)
+        words = blk.to(tl.pointer_type(tl.int32))
+        dd = tl.load(words)
+        b0, b1, b2 = _bytes(tl.load(words + 1), i4), _bytes(tl.load(words + 2), i4), _bytes(tl.load(words + 3), i4)
+        d = (dd & 0xFFFF).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
+        dmin = (dd >> 16).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
+        # 6-bit scale / min of sub-block s: s < 4 from bytes s / s + 4, s >= 4 split over bytes s + 4 and s - 4 / s
+        sc = tl.reshape(tl.permute(tl.join(b0 & 63, (b2 & 15) | ((b0 >> 6) << 4)), (0, 2, 1)), [BLOCK_N, 8])
+        mn = tl.reshape(tl.permute(tl.join(b1 & 63, (b2 >> 4) | ((b1 >> 6) << 4)), (0, 2, 1)), [BLOCK_N, 8])
+        f1 = d[:, None] * sc.to(tl.float32)
+        f2 = 8.0 * f1 - dmin[:, None] * mn.to(tl.float32)
+        xa = tl.load(xa_ptr + b * 8 + r % 8)
+        xs = tl.where(r < 8, tl.load(xs_ptr + b * 8 + r % 8), 0.0)
+        acc += v.to(tl.float32) * _rows16(f1, BLOCK_N) * (xa * part_w)[:, None] + _rows16(f2, BLOCK_N) * xs[:, None]
+    row = tl.sum(acc, axis=0)                              # [BLOCK_N]
+    rt = tl.arange(0, BLOCK_N)
+    rm = tl.arange(0, 1)
+    tile = tl.expand_dims(row, 1)
+    if SPLIT:
+        n_tiles = tl.num_programs(0)
+        slab = part_ptr + rt
+        tl.store(slab + (pid_s * n_tiles + pid_n).to(tl.int64) * BLOCK_N, row)
+        last = arrive(lock_ptr, pid_n, SPLIT_K)
+        if last:
+            tile = sum_partials(slab, pid_n, n_tiles, SPLIT_K, BLOCK_N, 1, True, rm)
+            depart(lock_ptr, pid_n)
+    else:
+        last = pid_s == 0
+    if last:
+        ok = (rn < N)[:, None] & (rm < 1)[None, :]
+        if HAS_ADD:
+            tile += tl.load(add_ptr + rn[:, None] + rm[None, :], mask=ok, other=0.0).to(tl.float32)
+        tl.store(out_ptr + rn[:, None] + rm[None, :], tile.to(out_ptr.dtype.element_ty), mask=ok)
+
+
+def activation_planes(x: torch.Tensor, planes: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None):
+    """The A operand ``[16, K]`` int8 and per-sub-block ``a_s``, ``S_s`` ``[K / 32]`` float32 of the row
+    ``x [K]`` (module docstring), written into ``planes`` when given (a workspace's buffers)."""
+    k = x.numel()
+    if planes is None:
+        planes = (torch.empty(_ROWS, k, dtype=torch.int8, device=x.device),
+                  torch.empty(k // 32, dtype=torch.float32, device=x.device),
+                  torch.empty(k // 32, dtype=torch.float32, device=x.device))
+    _planes_kernel[(k // _SUPER,)](x, *planes, k)
+    return planes
+
+
+def pick_mma_config(n: int, k: int, sms: int) -> dict:
+    """Launch of :func:`gguf_gemv_mma`. H100 sweep (``probe``; BLOCK_N 64/128, 4/8 warps, 2-4 stages,
+    split 1-8) at the 8B shapes: 64 rows, 4 warps, 3 stages everywhere; the best splits (o 4, qkv 4,
+    gate 2, down 8) are those that bring the grid to about two programs per SM: K is split in two
+    while the grid has fewer and each slice keeps at least 3 super-blocks (o: 4 slices of 4 took
+    7.7 µs, 8 of 2 7.9)."""
+    tiles, blocks, split = triton.cdiv(n, 64), k // _SUPER, 1
+    while tiles * split < 2 * sms and blocks // (split * 2) >= 3:
+        split *= 2
+    return dict(BLOCK_N=64, SPLIT_K=split, num_warps=4, num_stages=3)
+
+
+def gguf_gemv_mma(x: torch.Tensor, data: torch.Tensor, qtype: str, add: torch.Tensor | None, out: torch.Tensor,
+                  workspace, config: dict, sms: int) -> torch.Tensor:
+    """``out [1, N] = x [1, K] @ dequant(data).T (+ add)`` on the tensor cores (``qtype`` in
+    :data:`MMA_QTYPES`, x fp16/bf16); the operands were checked by :func:`.gguf_linear.gguf_gemv`,
+    which calls this. ``workspace``: a :class:`~.gemv.GemvWorkspace` (planes, split-K partials)."""
+    from .gemv import GemvWorkspace
+    n, k = data.shape[0], x.shape[1]
+    cfg = dict(config or pick_mma_config(n, k, sms))
+    block_n, split = cfg.pop("BLOCK_N"), cfg.pop("SPLIT_K")
+    blocks = k // _SUPER
+    per = triton.cdiv(blocks, max(1, min(split, blocks)))
+    split = triton.cdiv(blocks, per)                       # no empty slices
+    ws = workspace or GemvWorkspace()
+    planes = activation_planes(x[0], ws.planes(x.device, k))
+    n_tiles = triton.cdiv(n, block_n)
+    part, lock = ws.get(x.device, n_tiles, split, block_n) if split > 1 else (out, out)
+    _q4k_kernel[(n_tiles, split)](
+        *planes, data, add if add is not None else out, out, part, lock, n, k, data.shape[1], per, split,
+        BLOCK_N=block_n, SPLIT=split > 1, HAS_ADD=add is not None,
+        EMULATE=os.environ.get("TRITON_INTERPRET") == "1", **cfg)
+    return out
