@@ -762,15 +762,15 @@ class GemvWorkspace:
         return bufs
 
     def planes(self, device: torch.device, k: int):
-        """The int8 activation planes ``[16, k]`` and two ``[k / 16]`` float32 vectors of the one-row
+        """The int8 activation planes ``[16, k]`` and two ``[k / 32]`` float32 vectors of the one-row
         GGUF tensor-core GEMV (:func:`.gguf_mma.activation_planes`), one set per (device, k): each
         GEMV rewrites them before reading, one at a time on a stream."""
         key = ("planes", str(device), k)
         bufs = self._buffers.get(key)
         if bufs is None:
             bufs = self._buffers[key] = (torch.empty(16, k, dtype=torch.int8, device=device),
-                                         torch.empty(k // 16, dtype=torch.float32, device=device),
-                                         torch.empty(k // 16, dtype=torch.float32, device=device))
+                                         torch.empty(k // 32, dtype=torch.float32, device=device),
+                                         torch.empty(k // 32, dtype=torch.float32, device=device))
         return bufs
 
     @property

@@ -17,29 +17,24 @@ def _x(k, dtype, seed):
     return torch.randn(1, k, generator=torch.Generator().manual_seed(seed)).to(DEV, dtype)
 
 
-def _planes_math(k, qtype):
-    """Per column ``c`` of the A operand: its input index and sub-block (module docstring's layout):
-    Q4_K's columns follow the nibble planes of each super-block, Q6_K's the inputs."""
+def _planes_math(k):
+    """Per column ``c`` of the A operand: its input index and sub-block (module docstring's layout)."""
     c = torch.arange(k)
-    if qtype == "Q6_K":
-        return c, c // 16
     b, j = c // 256, c % 128
     sub = 2 * (j // 32) + (c % 256) // 128
     return 256 * b + 32 * sub + j % 32, 8 * b + sub
 
 
-@pytest.mark.parametrize("qtype", ["Q4_K", "Q6_K"])
-def test_activation_planes_hold_each_sub_block_in_16_bit_fixed_point(qtype):
+def test_activation_planes_hold_each_sub_block_in_16_bit_fixed_point():
     """Row ``8 p + s`` holds sub-block ``s``'s high (p 0) or low (p 1) bytes and zeros elsewhere;
     ``256 h + l`` times ``a_s`` gives x back within ``a_s / 2``; ``S_s = a_s sum xq``; an all-zero
     sub-block gives ``a_s = 0`` and zeros, no NaN."""
     k = 512
     x = _x(k, torch.bfloat16, seed=1)
-    x[0, 32:64] = 0                                      # sub-block 1 of 32 inputs, 2 and 3 of 16
-    a, xa, xs = activation_planes(x[0], qtype)
-    size = 32 if qtype == "Q4_K" else 16
-    a, xa, xs = a.cpu().long(), xa.cpu()[:k // size], xs.cpu()[:k // size]
-    idx, sub = _planes_math(k, qtype)
+    x[0, 32:64] = 0                                      # sub-block 1 of super-block 0
+    a, xa, xs = activation_planes(x[0])
+    a, xa, xs = a.cpu().long(), xa.cpu(), xs.cpu()
+    idx, sub = _planes_math(k)
     rows = torch.arange(16)[:, None]
     own = (sub % 8)[None, :] == rows % 8
     assert (a[~own] == 0).all()
@@ -52,68 +47,63 @@ def test_activation_planes_hold_each_sub_block_in_16_bit_fixed_point(qtype):
     want = x[0].float().cpu()[idx]
     got = xq.float() * xa[sub]
     assert ((got - want).abs() <= xa[sub] / 2 + 1e-7).all()
-    torch.testing.assert_close(xa, x[0].float().cpu().reshape(-1, size).abs().amax(1) / 32639)
-    sums = torch.zeros(k // size).index_add_(0, sub, xq.float())
+    torch.testing.assert_close(xa, x[0].float().cpu().reshape(-1, 32).abs().amax(1) / 32639)
+    sums = torch.zeros(k // 32).index_add_(0, sub, xq.float())
     torch.testing.assert_close(xs, xa * sums)
-    empty = 32 // size
-    assert (xa[empty:2 * empty] == 0).all() and (xs[empty:2 * empty] == 0).all() and not torch.isnan(xs).any()
+    assert xa[1] == 0 and xs[1] == 0 and not torch.isnan(xs).any()
 
 
-@pytest.mark.parametrize("qtype", ["Q4_K", "Q6_K"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("split", [1, 3])
-def test_tensor_core_gemv_matches_dequantize_then_matmul(qtype, dtype, split):
-    """Odd N (a partial row tile), K of 4 super-blocks (4 or 8 steps) split unevenly (3 asked:
-    slices of 2 or 3 steps; Q6_K's odd super-blocks start 2 bytes off alignment), a float32 output
-    to see the sums' own precision: within 1e-4 of the largest output (bf16 outputs round at 4e-3)."""
-    data, ref = random_gguf_weight(qtype, 19, 1024, seed=2)
+def test_tensor_core_gemv_matches_dequantize_then_matmul(dtype, split):
+    """Odd N (a partial row tile), K of 4 super-blocks split unevenly (3 asked: slices of 2), a
+    float32 output to see the sums' own precision: within 1e-4 of the largest output (bf16 outputs
+    round at 4e-3)."""
+    data, ref = random_gguf_weight("Q4_K", 19, 1024, seed=2)
     x = _x(1024, dtype, seed=3)
     out = torch.empty(1, 19, dtype=torch.float32, device=DEV)
-    gguf_gemv_mma(x, data.to(DEV), qtype, None, out, None, dict(BLOCK_N=16, SPLIT_K=split, num_warps=4,
-                                                                num_stages=2), 4)
+    gguf_gemv_mma(x, data.to(DEV), "Q4_K", None, out, None, dict(BLOCK_N=16, SPLIT_K=split, num_warps=4,
+                                                                 num_stages=2), 4)
     want = x.float().cpu() @ ref.T
     torch.testing.assert_close(out.cpu(), want, rtol=0, atol=1e-4 * want.abs().max().item())
 
 
-@pytest.mark.parametrize("qtype", ["Q4_K", "Q6_K"])
-def test_one_row_defaults_to_the_tensor_cores_into_a_column_slice_with_the_residual(qtype):
-    """``gguf_gemv`` of one bf16 row runs the tensor-core kernel (the same bits), writes a column
-    slice of a wider product with the residual slice added, leaves the split-K counters at zero (a
-    second launch gives the same bits); a config with ``SB`` keeps the CUDA-core path."""
-    data, ref = random_gguf_weight(qtype, 19, 1024, seed=6)
+def test_one_q4k_row_defaults_to_the_tensor_cores_into_a_column_slice_with_the_residual():
+    """``gguf_gemv`` of one bf16 row of Q4_K runs the tensor-core kernel (the same bits), writes a
+    column slice of a wider product with the residual slice added, leaves the split-K counters at
+    zero (a second launch gives the same bits); a config with ``SB`` keeps the CUDA-core path."""
+    data, ref = random_gguf_weight("Q4_K", 19, 1024, seed=6)
     data = data.to(DEV)
     x = _x(1024, torch.bfloat16, seed=7)
     res = _x(40, torch.bfloat16, seed=8)
     wide = torch.full((1, 40), float("nan"), dtype=torch.bfloat16, device=DEV)
     ws = GemvWorkspace()
-    got = gguf_gemv(x, data, qtype, res[:, 10:29], out=wide[:, 10:29], workspace=ws,
+    got = gguf_gemv(x, data, "Q4_K", res[:, 10:29], out=wide[:, 10:29], workspace=ws,
                     config=dict(MMA=True, BLOCK_N=16, SPLIT_K=4))
     assert got.data_ptr() == wide[:, 10:29].data_ptr()
     assert torch.isnan(wide[:, :10].float()).all() and torch.isnan(wide[:, 29:].float()).all()
     want = x.float().cpu() @ ref.T + res[:, 10:29].float().cpu()
     torch.testing.assert_close(wide[:, 10:29].float().cpu(), want, rtol=1e-2, atol=1e-2 * want.abs().max().item())
     first = wide.clone()
-    gguf_gemv(x, data, qtype, res[:, 10:29], out=wide[:, 10:29], workspace=ws,
+    gguf_gemv(x, data, "Q4_K", res[:, 10:29], out=wide[:, 10:29], workspace=ws,
               config=dict(MMA=True, BLOCK_N=16, SPLIT_K=4))
     assert torch.equal(wide[:, 10:29], first[:, 10:29])
     assert all(int(bufs[1].abs().sum()) == 0 for key, bufs in ws._buffers.items() if key[0] != "planes")
-    default = gguf_gemv(x, data, qtype)
+    default = gguf_gemv(x, data, "Q4_K")
     mma = torch.empty_like(default)
-    sms = torch.cuda.get_device_properties(0).multi_processor_count if DEV == "cuda" else 4
-    gguf_gemv_mma(x, data, qtype, None, mma, None, None, sms)
+    gguf_gemv_mma(x, data, "Q4_K", None, mma, None, None, 132 if DEV == "cuda" else 4)
     assert torch.equal(default, mma)
-    cuda_core = gguf_gemv(x, data, qtype, config=dict(SB=1, BLOCK_N=8, SPLIT_K=1, num_warps=2, num_stages=1))
+    cuda_core = gguf_gemv(x, data, "Q4_K", config=dict(SB=1, BLOCK_N=8, SPLIT_K=1, num_warps=2, num_stages=1))
     torch.testing.assert_close(cuda_core.float(), default.float(), rtol=2e-2, atol=2e-2 * want.abs().max().item())
 
 
 def test_pick_mma_config_from_the_sweep():
     """About two programs per SM (H100 sweep: o 4, qkv 4, gate 2, down 8 slices of 64-row tiles)."""
-    splits = {name: pick_mma_config(n, k, "Q4_K", 132)["SPLIT_K"]
+    splits = {name: pick_mma_config(n, k, 132)["SPLIT_K"]
               for name, (n, k) in {"o": (4096, 4096), "qkv": (6144, 4096), "gate": (14336, 4096),
                                    "down": (4096, 14336)}.items()}
     assert splits == {"o": 4, "qkv": 4, "gate": 2, "down": 8}
-    assert pick_mma_config(64, 1024, "Q4_K", 132)["SPLIT_K"] == 1          # slices keep 3 steps
-    assert pick_mma_config(4096, 14336, "Q6_K", 132)["SPLIT_K"] == 8       # 112 steps of 128 inputs
+    assert pick_mma_config(64, 1024, 132)["SPLIT_K"] == 1         # slices keep 3 super-blocks
 
 
 def test_mma_config_errors_name_what_is_wrong():
