@@ -11,7 +11,8 @@
   gate and up in one tile and writes only ``silu(gate) * up`` (the product never reaches memory;
   larger row counts run the GEMM into the node's workspace, then the ``silu_mul`` kernel)
 * ``quant_linear_silu_mul`` / ``quant_linear_add`` — the same two epilogues on a quantized
-  projection (``quant_linear`` with 2 or 3 stored tensors: codes, scales, zero points)
+  projection (``quant_linear`` with 2 or 3 stored tensors: codes, scales, zero points; the SwiGLU
+  also with 1, a GGUF weight's block bytes, which the tensor-core GGUF GEMV fuses)
 * ``matmul_epilogue`` — ``matmul + bias`` / ``matmul + residual`` -> one GEMM with a beta=1
   epilogue. It runs after ``add_rms_norm``: an add that feeds an RMSNorm saves more by joining the
   norm's row kernel (no extra read of the sum) than by joining the GEMM, so only adds left over
@@ -127,12 +128,20 @@ def _quant_attrs():
     return dict(scheme=Var("scheme"), out_features=Var("out_features"), in_features=Var("in_features"))
 
 
+def _quant_silu_mul_pattern1(x, q):
+    return silu_mul(F.quant_linear(x, q, **_quant_attrs()))
+
+
 def _quant_silu_mul_pattern2(x, q, s):
     return silu_mul(F.quant_linear(x, q, s, **_quant_attrs()))
 
 
 def _quant_silu_mul_pattern3(x, q, s, z):
     return silu_mul(F.quant_linear(x, q, s, z, **_quant_attrs()))
+
+
+def _quant_silu_mul_replacement1(x, q, *, scheme, out_features, in_features):
+    return quant_linear_silu_mul(x, q, scheme=scheme, out_features=out_features, in_features=in_features)
 
 
 def _quant_silu_mul_replacement2(x, q, s, *, scheme, out_features, in_features):
@@ -144,6 +153,7 @@ def _quant_silu_mul_replacement3(x, q, s, z, *, scheme, out_features, in_feature
 
 
 MATMUL_SILU_MUL_RULES = [Rule("matmul_silu_mul", _matmul_silu_mul_pattern, _matmul_silu_mul_replacement),
+                         Rule("quant_linear_silu_mul_1", _quant_silu_mul_pattern1, _quant_silu_mul_replacement1),
                          Rule("quant_linear_silu_mul", _quant_silu_mul_pattern2, _quant_silu_mul_replacement2),
                          Rule("quant_linear_silu_mul_zp", _quant_silu_mul_pattern3, _quant_silu_mul_replacement3)]
 

@@ -466,6 +466,12 @@ def _quant_linear(be: TritonBackend, node, ins, attrs, dsts):
         gemv(x2, stored[0], add2, silu_mul=silu, out=out2, workspace=be.gemv_workspace, scheme=scheme,
              scales=stored[1], zeros=stored[2] if len(stored) > 2 else None)
         return dsts
+    if gguf and silu and len(stored) == 1:     # one GGUF type: SwiGLU in the tensor-core GEMV's epilogue
+        from ..kernels.gguf_linear import gguf_gemv, mma_eligible
+        (qtype, _, _), = scheme.row_parts(n)
+        if mma_eligible(x2, stored[0], qtype) and x2.stride(-1) == 1 and out2.stride(-1) == 1:
+            gguf_gemv(x2, stored[0], qtype, silu_mul=True, out=out2, workspace=be.gemv_workspace)
+            return dsts
     prod = be.workspace(node, ins, attrs).view(-1, n) if silu else out2
     if gguf:                                   # GGUF blocks: their kernel once per row part
         from ..kernels.gguf_linear import MAX_GEMV_ROWS, gguf_gemv, gguf_linear

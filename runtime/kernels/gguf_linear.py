@@ -39,11 +39,11 @@ import triton.language as tl
 from graphdsl.errors import GraphDSLError
 
 from .gguf_mma import _CONFIG_KEYS as _MMA_CONFIG_KEYS
-from .gguf_mma import MMA_QTYPES, gguf_gemv_mma
+from .gguf_mma import MMA_MIN_ROWS, MMA_QTYPES, gguf_gemv_mma
 from .gguf_tiles import KERNEL_QTYPES, decode_tile, row_codes, row_dot, row_total, row_zeros
 from .splitk import arrive, depart, sum_partials
 
-__all__ = ["gguf_linear", "gguf_gemv", "gguf_dequantize", "KERNEL_QTYPES", "MAX_GEMV_ROWS"]
+__all__ = ["gguf_linear", "gguf_gemv", "gguf_dequantize", "mma_eligible", "KERNEL_QTYPES", "MAX_GEMV_ROWS"]
 
 MAX_GEMV_ROWS = 16
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32)
@@ -217,8 +217,23 @@ def _check(data: torch.Tensor, qtype: str, x: torch.Tensor | None = None) -> int
     return k
 
 
+def _mma_possible(x: torch.Tensor, data: torch.Tensor, qtype: str) -> bool:
+    """The tensor-core kernel (:mod:`.gguf_mma`) takes one fp16/bf16 row of a type in ``MMA_QTYPES``
+    over 4-byte aligned blocks (it reads each block header as int32 words)."""
+    return x.shape[0] == 1 and qtype in MMA_QTYPES and x.dtype != torch.float32 and data.data_ptr() % 4 == 0
+
+
+def mma_eligible(x: torch.Tensor, data: torch.Tensor, qtype: str) -> bool:
+    """Whether :func:`gguf_gemv` runs ``x @ dequant(data).T`` on the tensor cores by default: when
+    :func:`_mma_possible` and the weight has at least ``MMA_MIN_ROWS`` rows (on the H100 a 1024-row
+    Q4_K GEMV took 6.4 µs on CUDA cores, 7.5 on the tensor cores with its activation launch; 4096
+    rows 12.8 against 11.0)."""
+    return _mma_possible(x, data, qtype) and data.shape[0] >= MMA_MIN_ROWS
+
+
 def gguf_gemv(x: torch.Tensor, data: torch.Tensor, qtype: str, add: torch.Tensor | None = None, *,
-              out: torch.Tensor | None = None, workspace=None, config: dict | None = None) -> torch.Tensor:
+              silu_mul: bool = False, out: torch.Tensor | None = None, workspace=None,
+              config: dict | None = None) -> torch.Tensor:
     """``x @ dequant(data).T (+ add)`` for ``x [M <= 16, K]`` and GGML blocks ``data [N, row_bytes]``
     of type ``qtype``, in one launch; the result has x's dtype. ``add``: a residual ``[M, N]`` or a
     bias ``[N]`` (unit inner stride), added in float32 before the store. ``out``: ``[M, N]`` with a
@@ -230,13 +245,21 @@ def gguf_gemv(x: torch.Tensor, data: torch.Tensor, qtype: str, add: torch.Tensor
     code bytes a step ahead — off by default: on the H200 it gained on short Q4_K GEMVs only, 4-7%,
     docs/gguf-kernels.md; benchmarks sweep both). One fp16/bf16 row of a type in
     :data:`~.gguf_mma.MMA_QTYPES` runs on the int8 tensor cores (:mod:`.gguf_mma`) unless ``config``
-    picks a CUDA-core launch; ``config={"MMA": True, "BLOCK_N": .., "SPLIT_K": ..}`` (optionally
-    ``num_warps``, ``num_stages``) sets the tensor-core launch."""
+    picks a CUDA-core launch (:func:`mma_eligible`); ``config={"MMA": True, "BLOCK_N": ..,
+    "SPLIT_K": ..}`` (optionally ``num_warps``, ``num_stages``) sets the tensor-core launch.
+    ``silu_mul`` (tensor-core path only, no ``add``): ``data`` holds ``[gate | up]`` (``2 I`` rows)
+    and the result ``[1, I]`` is ``silu(x @ gate.T) * (x @ up.T)``, the ``silu_mul`` op fused."""
     from .gemv import GemvWorkspace
     k = _check(data, qtype, x)
     m, n = x.shape[0], data.shape[0]
     if not 1 <= m <= MAX_GEMV_ROWS:
         raise GraphDSLError(f"gguf_gemv: x needs 1..{MAX_GEMV_ROWS} rows, got {m}")
+    if silu_mul:
+        if not _mma_possible(x, data, qtype) or add is not None or n % 2 or (config and not config.get("MMA")):
+            raise GraphDSLError(f"gguf_gemv: silu_mul runs on the tensor-core path only: one fp16/bf16 row of "
+                                f"{list(MMA_QTYPES)} with an even row count, no add and a config (if any) with MMA=True; got "
+                                f"{m} {x.dtype} rows, {qtype} [{n}, {k}], add={add is not None}, config={config}")
+        n //= 2
     if out is None:
         out = torch.empty(m, n, dtype=x.dtype, device=x.device)
     if tuple(out.shape) != (m, n) or out.dtype != x.dtype or out.stride(-1) != 1:
@@ -245,9 +268,8 @@ def gguf_gemv(x: torch.Tensor, data: torch.Tensor, qtype: str, add: torch.Tensor
     if add is not None and (tuple(add.shape) not in ((n,), (m, n)) or add.stride(-1) != 1):
         raise GraphDSLError(f"gguf_gemv: add must be a bias [{n}] or a residual [{m}, {n}] with a unit inner "
                             f"stride, got {list(add.shape)} strides {add.stride()}")
-    mma_ok = m == 1 and qtype in MMA_QTYPES and x.dtype != torch.float32 and data.data_ptr() % 4 == 0
-    if config is None and mma_ok or config and config.get("MMA"):
-        return _mma(x, data, qtype, add, out, workspace, config, mma_ok)
+    if config is None and (silu_mul or mma_eligible(x, data, qtype)) or config and config.get("MMA"):
+        return _mma(x, data, qtype, add, out, workspace, config, silu_mul)
     values = KERNEL_QTYPES[qtype][0]
     cfg = dict(config or _pick_config(m, n, k, qtype, x.device))
     cfg.pop("MMA", None)
@@ -272,9 +294,9 @@ def gguf_gemv(x: torch.Tensor, data: torch.Tensor, qtype: str, add: torch.Tensor
     return out
 
 
-def _mma(x, data, qtype, add, out, workspace, config, mma_ok):
+def _mma(x, data, qtype, add, out, workspace, config, silu_mul):
     """:func:`gguf_gemv` on the tensor cores (:mod:`.gguf_mma`), its ``config`` checked."""
-    if not mma_ok:
+    if not _mma_possible(x, data, qtype):
         raise GraphDSLError(f"gguf_gemv: config MMA=True needs one fp16/bf16 row, a type in {list(MMA_QTYPES)} "
                             f"and 4-byte aligned data, got {x.shape[0]} {x.dtype} rows of {qtype} at "
                             f"address {data.data_ptr():#x}")
@@ -284,7 +306,7 @@ def _mma(x, data, qtype, add, out, workspace, config, mma_ok):
         if set(cfg) - _MMA_CONFIG_KEYS or {"BLOCK_N", "SPLIT_K"} - set(cfg):
             raise GraphDSLError(f"gguf_gemv: config with MMA=True takes BLOCK_N, SPLIT_K and optionally "
                                 f"{sorted(_MMA_CONFIG_KEYS - {'BLOCK_N', 'SPLIT_K'})}, got {sorted(cfg)}")
-    return gguf_gemv_mma(x, data, qtype, add, out, workspace, cfg, _num_sms(x.device))
+    return gguf_gemv_mma(x, data, qtype, add, out, workspace, cfg, _num_sms(x.device), silu_mul)
 
 
 def gguf_dequantize(data: torch.Tensor, qtype: str, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:

@@ -43,9 +43,10 @@ import triton.language as tl
 from .pdl import pdl_launch, pdl_trigger, pdl_wait
 from .splitk import arrive, depart, sum_partials
 
-__all__ = ["MMA_QTYPES", "gguf_gemv_mma", "activation_planes", "pick_mma_config"]
+__all__ = ["MMA_QTYPES", "MMA_MIN_ROWS", "gguf_gemv_mma", "activation_planes", "pick_mma_config"]
 
 MMA_QTYPES = ("Q4_K",)
+MMA_MIN_ROWS = 2048             # fewer weight rows stay on the CUDA cores by default (gguf_linear.mma_eligible)
 _SUPER = 256                    # values per super-block
 _ROWS = 16                      # the dot's M: 8 sub-blocks x (high, low) byte
 _CONFIG_KEYS = {"BLOCK_N", "SPLIT_K", "num_warps", "num_stages"}
@@ -110,19 +111,25 @@ def _q4k_kernel(
     add_ptr,                 # HAS_ADD: [N] residual row or bias, contiguous
     out_ptr,                 # [N] output row
     part_ptr, lock_ptr,      # SPLIT: [SPLIT_K, n_tiles, BLOCK_N] float32 partials, [n_tiles] counters
-    N, K, ROW_BYTES, PER,    # sizes; PER super-blocks per K slice
+    N, K, ROW_BYTES, PER,    # sizes (N: output columns); PER super-blocks per K slice
     SPLIT_K,
     BLOCK_N: tl.constexpr, SPLIT: tl.constexpr, HAS_ADD: tl.constexpr, EMULATE: tl.constexpr,
     USE_PDL: tl.constexpr, LATE_LAUNCH: tl.constexpr,   # (:mod:`.pdl`) the next kernel launches after the K loop
+    SWIGLU: tl.constexpr = False,   # w is [2N, K] = [gate | up]; out = silu(x @ gate.T) * (x @ up.T)
 ):
     """out[n] = sum_k x[k] dequant(w)[n, k] (+ add[n]) for ``BLOCK_N`` rows over super-blocks
     ``[pid_s PER, (pid_s + 1) PER)`` (module docstring); rows past ``N`` read row ``N - 1``
-    (never stored), so the code loads carry no mask."""
+    (never stored), so the code loads carry no mask. With ``SWIGLU`` tile rows ``2 i, 2 i + 1`` are
+    the gate and up rows of output column ``pid_n BLOCK_N / 2 + i`` (as the bf16 GEMV's epilogue)."""
     pdl_wait(USE_PDL, not LATE_LAUNCH)
     pid_n = tl.program_id(0)
     pid_s = tl.program_id(1)
-    rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    rows = w_ptr + tl.minimum(rn, N - 1).to(tl.int64) * ROW_BYTES
+    if SWIGLU:
+        rt = tl.arange(0, BLOCK_N)
+        rn = tl.minimum(pid_n * (BLOCK_N // 2) + rt // 2, N - 1) + (rt % 2) * N
+    else:
+        rn = tl.minimum(pid_n * BLOCK_N + tl.arange(0, BLOCK_N), N - 1)
+    rows = w_ptr + rn.to(tl.int64) * ROW_BYTES
     rj = tl.arange(0, 128)
     r = tl.arange(0, 16)
     i4 = tl.arange(0, 4)
@@ -152,7 +159,17 @@ def _q4k_kernel(
         acc += v.to(tl.float32) * _rows16(f1, BLOCK_N) * (xa * part_w)[:, None] + _rows16(f2, BLOCK_N) * xs[:, None]
     if LATE_LAUNCH:
         pdl_trigger(USE_PDL)
-    row = tl.sum(acc, axis=0)                              # [BLOCK_N]
+    _finish(tl.sum(acc, axis=0), pid_n, pid_s, add_ptr, out_ptr, part_ptr, lock_ptr, N, SPLIT_K, BLOCK_N, SPLIT,
+            HAS_ADD, SWIGLU)
+
+
+@triton.jit
+def _finish(row, pid_n, pid_s, add_ptr, out_ptr, part_ptr, lock_ptr, N, SPLIT_K, BLOCK_N: tl.constexpr,
+            SPLIT: tl.constexpr, HAS_ADD: tl.constexpr, SWIGLU: tl.constexpr):
+    """The program's ``[BLOCK_N]`` row sums: with ``SPLIT`` stored as its slice's partial, the last
+    slice to arrive summing them in slice order (:mod:`.splitk`); then ``+ add`` or, with ``SWIGLU``,
+    ``silu(g) * u`` of each (gate, up) row pair, g and u rounded to the output dtype first and
+    ``silu(g)`` after, as the matmul and ``silu_mul`` kernels it replaces round them; the store."""
     rt = tl.arange(0, BLOCK_N)
     rm = tl.arange(0, 1)
     tile = tl.expand_dims(row, 1)
@@ -167,10 +184,20 @@ def _q4k_kernel(
     else:
         last = pid_s == 0
     if last:
-        ok = (rn < N)[:, None] & (rm < 1)[None, :]
-        if HAS_ADD:
-            tile += tl.load(add_ptr + rn[:, None] + rm[None, :], mask=ok, other=0.0).to(tl.float32)
-        tl.store(out_ptr + rn[:, None] + rm[None, :], tile.to(out_ptr.dtype.element_ty), mask=ok)
+        dt = out_ptr.dtype.element_ty
+        if SWIGLU:
+            HALF: tl.constexpr = BLOCK_N // 2
+            gate, up = tl.split(tl.reshape(tl.sum(tile, axis=1), [HALF, 2]))
+            gate = gate.to(dt).to(tl.float32)
+            y = (gate * tl.sigmoid(gate)).to(dt).to(tl.float32) * up.to(dt).to(tl.float32)
+            cols = pid_n * HALF + tl.arange(0, HALF)
+            tl.store(out_ptr + cols, y.to(dt), mask=cols < N)
+        else:
+            cols = pid_n * BLOCK_N + rt
+            y = tl.sum(tile, axis=1)
+            if HAS_ADD:
+                y += tl.load(add_ptr + cols, mask=cols < N, other=0.0).to(tl.float32)
+            tl.store(out_ptr + cols, y.to(dt), mask=cols < N)
 
 
 def activation_planes(x: torch.Tensor, planes: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None):
@@ -198,10 +225,12 @@ def pick_mma_config(n: int, k: int, sms: int) -> dict:
 
 
 def gguf_gemv_mma(x: torch.Tensor, data: torch.Tensor, qtype: str, add: torch.Tensor | None, out: torch.Tensor,
-                  workspace, config: dict, sms: int) -> torch.Tensor:
+                  workspace, config: dict | None, sms: int, silu_mul: bool = False) -> torch.Tensor:
     """``out [1, N] = x [1, K] @ dequant(data).T (+ add)`` on the tensor cores (``qtype`` in
     :data:`MMA_QTYPES`, x fp16/bf16); the operands were checked by :func:`.gguf_linear.gguf_gemv`,
-    which calls this. ``workspace``: a :class:`~.gemv.GemvWorkspace` (planes, split-K partials)."""
+    which calls this. ``workspace``: a :class:`~.gemv.GemvWorkspace` (planes, split-K partials).
+    ``silu_mul``: ``data`` holds ``[gate | up]`` (``2 N`` rows) and ``out [1, N]`` gets
+    ``silu(x @ gate.T) * (x @ up.T)``, no ``add``."""
     from .gemv import GemvWorkspace
     n, k = data.shape[0], x.shape[1]
     cfg = dict(config or pick_mma_config(n, k, sms))
@@ -214,8 +243,8 @@ def gguf_gemv_mma(x: torch.Tensor, data: torch.Tensor, qtype: str, add: torch.Te
     n_tiles = triton.cdiv(n, block_n)
     part, lock = ws.get(x.device, n_tiles, split, block_n) if split > 1 else (out, out)
     _q4k_kernel[(n_tiles, split)](
-        *planes, data, add if add is not None else out, out, part, lock, n, k, data.shape[1], per, split,
-        BLOCK_N=block_n, SPLIT=split > 1, HAS_ADD=add is not None,
-        EMULATE=os.environ.get("TRITON_INTERPRET") == "1", LATE_LAUNCH=n_tiles * split > sms,
+        *planes, data, add if add is not None else out, out, part, lock, n // 2 if silu_mul else n, k,
+        data.shape[1], per, split, BLOCK_N=block_n, SPLIT=split > 1, HAS_ADD=add is not None,
+        EMULATE=os.environ.get("TRITON_INTERPRET") == "1", LATE_LAUNCH=n_tiles * split > sms, SWIGLU=silu_mul,
         **pdl_launch(x.device), **cfg)
     return out

@@ -68,10 +68,9 @@ def test_tensor_core_gemv_matches_dequantize_then_matmul(dtype, split):
     torch.testing.assert_close(out.cpu(), want, rtol=0, atol=1e-4 * want.abs().max().item())
 
 
-def test_one_q4k_row_defaults_to_the_tensor_cores_into_a_column_slice_with_the_residual():
-    """``gguf_gemv`` of one bf16 row of Q4_K runs the tensor-core kernel (the same bits), writes a
-    column slice of a wider product with the residual slice added, leaves the split-K counters at
-    zero (a second launch gives the same bits); a config with ``SB`` keeps the CUDA-core path."""
+def test_one_q4k_row_on_the_tensor_cores_into_a_column_slice_with_the_residual():
+    """``gguf_gemv`` with ``MMA=True`` writes a column slice of a wider product with the residual
+    slice added and leaves the split-K counters at zero (a second launch gives the same bits)."""
     data, ref = random_gguf_weight("Q4_K", 19, 1024, seed=6)
     data = data.to(DEV)
     x = _x(1024, torch.bfloat16, seed=7)
@@ -89,12 +88,43 @@ def test_one_q4k_row_defaults_to_the_tensor_cores_into_a_column_slice_with_the_r
               config=dict(MMA=True, BLOCK_N=16, SPLIT_K=4))
     assert torch.equal(wide[:, 10:29], first[:, 10:29])
     assert all(int(bufs[1].abs().sum()) == 0 for key, bufs in ws._buffers.items() if key[0] != "planes")
-    default = gguf_gemv(x, data, "Q4_K")
-    mma = torch.empty_like(default)
-    gguf_gemv_mma(x, data, "Q4_K", None, mma, None, None, 132 if DEV == "cuda" else 4)
-    assert torch.equal(default, mma)
-    cuda_core = gguf_gemv(x, data, "Q4_K", config=dict(SB=1, BLOCK_N=8, SPLIT_K=1, num_warps=2, num_stages=1))
-    torch.testing.assert_close(cuda_core.float(), default.float(), rtol=2e-2, atol=2e-2 * want.abs().max().item())
+
+
+def test_default_path_by_weight_rows(monkeypatch):
+    """One bf16 row of Q4_K takes the tensor cores by default from ``MMA_MIN_ROWS`` weight rows on
+    (the same bits as the explicit tensor-core call), the CUDA-core launch below it (the same bits
+    as its explicit config); fp32 rows never take them."""
+    import graphdsl.runtime.kernels.gguf_linear as kernels
+    data, _ = random_gguf_weight("Q4_K", 19, 1024, seed=6)
+    data = data.to(DEV)
+    x = _x(1024, torch.bfloat16, seed=9)
+    sms = torch.cuda.get_device_properties(0).multi_processor_count if DEV == "cuda" else 4
+    mma = torch.empty(1, 19, dtype=torch.bfloat16, device=DEV)
+    gguf_gemv_mma(x, data, "Q4_K", None, mma, None, None, sms)
+    cuda_core = gguf_gemv(x, data, "Q4_K", config=kernels._pick_config(1, 19, 1024, "Q4_K", x.device))
+    assert not kernels.mma_eligible(x, data, "Q4_K") and torch.equal(gguf_gemv(x, data, "Q4_K"), cuda_core)
+    monkeypatch.setattr(kernels, "MMA_MIN_ROWS", 19)
+    assert kernels.mma_eligible(x, data, "Q4_K") and torch.equal(gguf_gemv(x, data, "Q4_K"), mma)
+    assert not kernels.mma_eligible(x.float(), data, "Q4_K")
+    assert not torch.equal(mma, cuda_core)              # the two paths are told apart by their bits here
+
+
+def test_swiglu_epilogue_matches_silu_of_the_two_halves():
+    """``silu_mul=True`` over a packed ``[gate | up]`` (2 x 37 rows: partial tiles, split K): the
+    gate and up sums rounded to bf16, silu rounded, times up — the unfused GEMV + ``silu_mul``, to
+    two bf16 units in the last place (the CPU interpreter's float32 -> bf16 casts truncate)."""
+    data, ref = random_gguf_weight("Q4_K", 74, 1024, seed=11)
+    data = data.to(DEV)
+    x = _x(1024, torch.bfloat16, seed=12)
+    got = gguf_gemv(x, data, "Q4_K", silu_mul=True, config=dict(MMA=True, BLOCK_N=16, SPLIT_K=3))
+    assert got.shape == (1, 37) and got.dtype == torch.bfloat16
+    full = gguf_gemv(x, data, "Q4_K", config=dict(MMA=True, BLOCK_N=16, SPLIT_K=3)).float()
+    gate, up = full[:, :37], full[:, 37:]
+    want = (torch.nn.functional.silu(gate).to(torch.bfloat16).float() * up).to(torch.bfloat16)
+    torch.testing.assert_close(got.float(), want.float(), rtol=2 ** -6, atol=0)
+    exact = x.float().cpu() @ ref.T
+    ref_y = torch.nn.functional.silu(exact[:, :37]) * exact[:, 37:]
+    torch.testing.assert_close(got.float().cpu(), ref_y, rtol=2e-2, atol=2e-2 * ref_y.abs().max().item())
 
 
 def test_pick_mma_config_from_the_sweep():
@@ -109,6 +139,10 @@ def test_pick_mma_config_from_the_sweep():
 def test_mma_config_errors_name_what_is_wrong():
     data, _ = random_gguf_weight("Q4_K", 8, 256, seed=1)
     data = data.to(DEV)
+    with pytest.raises(GraphDSLError, match=r"silu_mul runs on the tensor-core path only.*add=True"):
+        gguf_gemv(_x(256, torch.bfloat16, seed=1), data, "Q4_K", torch.zeros(4, device=DEV), silu_mul=True)
+    with pytest.raises(GraphDSLError, match=r"silu_mul runs on the tensor-core path only.*got 1 torch.float32 rows"):
+        gguf_gemv(_x(256, torch.float32, seed=1), data, "Q4_K", silu_mul=True)
     with pytest.raises(GraphDSLError, match=r"MMA=True needs one fp16/bf16 row.*got 1 torch.float32 rows of Q4_K"):
         gguf_gemv(_x(256, torch.float32, seed=1), data, "Q4_K", config=dict(MMA=True, BLOCK_N=16, SPLIT_K=1))
     with pytest.raises(GraphDSLError, match=r"config with MMA=True takes BLOCK_N, SPLIT_K.*got \['BLOCK_N', 'SB'"):

@@ -49,3 +49,37 @@ def test_triton_backend_runs_the_gguf_kernel(qtype, rows, monkeypatch):
     assert calls == [(kernel, q) for q in types + ["Q8_0"]], calls
     want = net.build_engine(device=DEVICE, backend="torch").forward(feed)["y"]
     torch.testing.assert_close(got.float(), want.float(), atol=3e-2 * want.float().abs().max().item(), rtol=3e-2)
+
+
+def test_one_q4_k_row_fuses_the_swiglu_into_the_tensor_core_gemv(monkeypatch):
+    """A packed Q4_K gate|up without bias, one row: ``quant_linear_silu_mul`` is a single
+    ``gguf_gemv(..., silu_mul=True)`` (the tensor-core kernel's SwiGLU epilogue, no product buffer,
+    no separate ``silu_mul`` launch) when the weight is large enough for the tensor cores
+    (``MMA_MIN_ROWS`` lowered to this test's 64 rows), and agrees with the torch backend."""
+    from graphdsl import Network, Parameter, Tensor
+    from graphdsl import functional as F
+    import graphdsl.runtime.kernels.gguf_linear as kernels
+    n, k = 32, 512
+    s = parse_scheme("gguf-q4_k")
+    with Network("mlp") as net:
+        x = Tensor("x", (1, k), torch.bfloat16)
+        gu = Parameter((2 * n, k), torch.bfloat16, name="gate_up.weight").quantize(s)
+        g, u = F.split(F.linear(x, gu, None, transpose_b=True), 2, dim=-1)
+        net.mark_output(F.silu(g) * u, "y")
+    gen = torch.Generator().manual_seed(5)
+    feed = {"x": torch.randn(1, k, generator=gen).to(DEVICE, torch.bfloat16),
+            **{c.name: t.to(DEVICE) for c, t in zip(gu.companions(), s.quantize(0.1 * torch.randn(2 * n, k, generator=gen)))}}
+    engine = net.build_engine(device=DEVICE, backend="triton")
+    assert [nd.op for nd in engine.net.nodes] == ["quant_linear_silu_mul"]
+    calls = []
+    real = kernels.gguf_gemv
+    monkeypatch.setattr(kernels, "gguf_gemv", lambda x, d, q, *a, **kw: calls.append((q, kw.get("silu_mul", False))) or
+                        real(x, d, q, *a, **kw))
+    want = net.build_engine(device=DEVICE, backend="torch").forward(feed)["y"]
+    unfused = engine.forward(feed)["y"].clone()                 # 64 rows < MMA_MIN_ROWS: CUDA-core GEMV + silu_mul
+    assert calls == [("Q4_K", False)]
+    monkeypatch.setattr(kernels, "MMA_MIN_ROWS", 64)
+    got = engine.forward(feed)["y"]
+    assert calls[1:] == [("Q4_K", True)]
+    for out in (got, unfused):
+        torch.testing.assert_close(out.float(), want.float(), atol=2e-2 * want.float().abs().max().item(), rtol=2e-2)
