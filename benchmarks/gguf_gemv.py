@@ -7,7 +7,10 @@ For each GGML block type and weight shape ``[N, K]`` (8B: o 4096x4096, qkv 6144x
 14336x4096, down 4096x14336): checks ``gguf_gemv`` against the torch reference (dequantize, then a
 float32 matmul), then prints µs per call, the block bytes per call (weight blocks + activations +
 output), the GB/s they make and the % of the device-to-device copy bandwidth measured in the same
-run; and the bf16 cuBLAS GEMV of the same shape (its own bytes) for comparison.
+run; and the bf16 cuBLAS GEMV of the same shape (its own bytes) for comparison. The table's launch
+is the CUDA-core one (``_pick_config``); for one row of a type the tensor cores take
+(``gguf_mma.MMA_QTYPES``: Q4_K) the last columns time that path (activation planes launch
+included, ``pick_mma_config``) and its speedup over the CUDA-core launch.
 
 Timing is how decode runs them: one CUDA graph replays the GEMV over enough copies of the weight
 to overflow L2 (every launch reads its blocks from HBM), time per launch = replay time / copies.
@@ -77,7 +80,8 @@ def sweep_configs(qtype: str, k: int):
 
 
 def main() -> None:
-    from graphdsl.runtime.kernels.gguf_linear import _pick_config, gguf_gemv, gguf_linear
+    from graphdsl.runtime.kernels.gguf_linear import _num_sms, _pick_config, gguf_gemv, gguf_linear
+    from graphdsl.runtime.kernels.gguf_mma import MMA_QTYPES, pick_mma_config
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--rows", default="1", help="activation rows, comma-separated (<= 16)")
     ap.add_argument("--types", default=",".join(TYPES))
@@ -95,7 +99,7 @@ def main() -> None:
     copy = copy_bandwidth_gbs()
     print(f"copy bandwidth: {copy:.0f} GB/s (device-to-device, read + write)\n")
     print(f"{'type':6} {'shape':8} {'N x K':>12} {'M':>3} {'MB':>7} {'µs':>8} {'GB/s':>7} {'%copy':>6} "
-          f"{'bf16 µs':>8} {'bf16 %':>6} {'speedup':>7}  config")
+          f"{'bf16 µs':>8} {'bf16 %':>6} {'speedup':>7} {'tc µs':>7} {'tc %':>5} {'tc/cc':>6}  config")
     best_rows = []
     for name in shapes:
         n, k = SHAPES[name]
@@ -112,9 +116,14 @@ def main() -> None:
                 us = replay_us(lambda: [gguf_gemv(x, d, qtype, config=cfg) for d in datas], len(datas))
                 nbytes = one.numel() + m * k * 2 + m * n * 2
                 gbs = nbytes / (us * 1e-6) / 1e9
+                tc = f"{'-':>7} {'-':>5} {'-':>6}"
+                if m == 1 and qtype in MMA_QTYPES:           # the tensor-core path (gguf_mma)
+                    tcfg = dict(MMA=True, **pick_mma_config(n, k, _num_sms(x.device)))
+                    us_tc = replay_us(lambda: [gguf_gemv(x, d, qtype, config=tcfg) for d in datas], len(datas))
+                    tc = f"{us_tc:7.1f} {100 * nbytes / (us_tc * 1e-6) / 1e9 / copy:4.0f}% {us / us_tc:5.2f}x"
                 print(f"{qtype:6} {name:8} {n:>5} x {k:<5} {m:>3} {nbytes / 1e6:7.1f} {us:8.1f} {gbs:7.0f} "
                       f"{100 * gbs / copy:5.0f}% {us_bf16:8.1f} {100 * bytes_bf16 / (us_bf16 * 1e-6) / 1e9 / copy:5.0f}% "
-                      f"{us_bf16 / us:6.2f}x  {cfg}", flush=True)
+                      f"{us_bf16 / us:6.2f}x {tc}  {cfg}", flush=True)
                 if args.sweep and m == 1:
                     results = []
                     for c in sweep_configs(qtype, k):

@@ -1,6 +1,7 @@
 """Quantized decode: kernels and the 8B Llama shape end to end, beside torchao int4 + torch.compile.
 
-    python benchmarks/quant.py [--shape llama-3-8b] [--schemes int4 fp8 int8 gguf-q4_k_m] [--no-peer] [--out t.md]
+    python benchmarks/quant.py [--shape llama-3-8b] [--schemes int4 fp8 int8 gguf-q4_k_m] [--gguf-cuda-cores]
+                               [--no-peer] [--out t.md]
 
 1. The batch-1 decode GEMV the engine runs for ``quant_linear``, on the shape's projections (gate_up
    with its SwiGLU epilogue), one CUDA graph replaying it over >= 256 MB of weight copies so every
@@ -302,6 +303,20 @@ def e2e(shape: str, quantization: str | None, copy: float, gen_tokens: int = 64)
     return res
 
 
+def e2e_cuda_cores(shape: str, copy: float) -> dict:
+    """:func:`e2e` of ``gguf-q4_k_m`` with the tensor-core GEMV out of reach (``MMA_MIN_ROWS``
+    raised), every GGUF GEMV on the CUDA cores: the A/B of ``runtime/kernels/gguf_mma.py``."""
+    import graphdsl.runtime.kernels.gguf_linear as gl
+    keep = gl.MMA_MIN_ROWS
+    gl.MMA_MIN_ROWS = 1 << 40
+    try:
+        res = e2e(shape, _GGUFMix.NAME, copy)
+    finally:
+        gl.MMA_MIN_ROWS = keep
+    res["name"] += " (CUDA-core GEMVs)"
+    return res
+
+
 def torchao_int4(model) -> None:
     from torchao.quantization import Int4WeightOnlyConfig, quantize_
     quantize_(model, Int4WeightOnlyConfig(group_size=128, int4_packing_format="tile_packed_to_4d"))
@@ -316,6 +331,8 @@ def main(argv=None) -> int:
     ap.add_argument("--no-e2e", action="store_true")
     ap.add_argument("--sweep", action="store_true", help="also sweep the decode tile configs")
     ap.add_argument("--int-dot-only", action="store_true", help="with --sweep: int4's INT_DOT launches only")
+    ap.add_argument("--gguf-cuda-cores", action="store_true",
+                    help="with gguf-q4_k_m: also its end-to-end run with every GEMV on the CUDA cores (A/B)")
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
     copy = copy_bandwidth_gbs()
@@ -336,8 +353,11 @@ def main(argv=None) -> int:
         return 0
     lines += ["| model | weights GB | roofline ms | engine step ms | % roofline | LLM.generate ms/token | % roofline |",
               "|---|---|---|---|---|---|---|"]
-    for q in [None] + list(args.schemes):
-        r = e2e(args.shape, q, copy)
+    runs = [None] + list(args.schemes)
+    if args.gguf_cuda_cores and _GGUFMix.NAME in args.schemes:
+        runs.append("cuda-cores")
+    for q in runs:
+        r = e2e_cuda_cores(args.shape, copy) if q == "cuda-cores" else e2e(args.shape, q, copy)
         lines.append(f"| graphdsl {r['name']} | {r['weight_gb']:.2f} | {r['roof_ms']:.3f} | {r['step_ms']:.3f} | "
                      f"{100 * r['roof_ms'] / r['step_ms']:.0f}% | {r['gen_ms']:.3f} | {100 * r['roof_ms'] / r['gen_ms']:.0f}% |")
         print(lines[-1], flush=True)

@@ -21,8 +21,10 @@ by a matmul; the kernels never write the dequantized weight for decode.
   Measured on the H200 its tile-order stores make the dequantize pass cost several times the
   512-row matmul (docs/gguf-kernels.md): correct, not yet fast.
 
-Speed today (H200, one row): 15-33% of copy bandwidth, about the bf16 cuBLAS GEMV's time; the
-kernels are instruction-bound (docs/gguf-kernels.md has the table and the next steps).
+One fp16/bf16 row of Q4_K over at least ``MMA_MIN_ROWS`` weight rows runs on the int8 tensor
+cores instead (:mod:`.gguf_mma`, :func:`mma_eligible`): on an H100 1.4-1.6x faster than the
+CUDA-core loop, which is instruction-bound (15-33% of copy bandwidth on the H200, about the bf16
+cuBLAS GEMV's time; docs/gguf-kernels.md has the tables and the next steps).
 
 File shape (STYLE.md 11): the ``@triton.jit`` kernels, the launch heuristic :func:`_pick_config`,
 the public wrappers :func:`gguf_gemv`, :func:`gguf_dequantize`, :func:`gguf_linear`.
