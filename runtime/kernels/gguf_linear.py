@@ -22,7 +22,7 @@ by a matmul; the kernels never write the dequantized weight for decode.
   512-row matmul (docs/gguf-kernels.md): correct, not yet fast.
 
 One fp16/bf16 row of Q4_K over at least ``MMA_MIN_ROWS`` weight rows runs on the int8 tensor
-cores instead (:mod:`.gguf_mma`, :func:`mma_eligible`): on an H100 1.4-1.6x faster than the
+cores instead (:mod:`.gguf_mma`, :func:`mma_eligible`): on an H100 1.2-1.6x faster than the
 CUDA-core loop, which is instruction-bound (15-33% of copy bandwidth on the H200, about the bf16
 cuBLAS GEMV's time; docs/gguf-kernels.md has the tables and the next steps).
 

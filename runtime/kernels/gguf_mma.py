@@ -30,7 +30,8 @@ Both launches use programmatic dependent launch (:mod:`.pdl`): each starts while
 finishes and waits for it before touching memory; the GEMV, whose grid is larger than the SMs,
 lets its successor launch only after its K loop, as the bf16 GEMV does.
 Compiled for sm_90: about 2 SASS instructions a weight in the K loop, against ~6 on the CUDA-core
-path; on an H100, 1.6-1.9x faster on the Llama-3-8B projections (docs/gguf-kernels.md).
+path; on an H100 1.2-1.6x faster on the Llama-3-8B projections, the activation launch included
+(docs/gguf-kernels.md).
 """
 from __future__ import annotations
 
