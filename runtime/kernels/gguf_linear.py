@@ -43,7 +43,7 @@ from graphdsl.errors import GraphDSLError
 from .gguf_mma import _CONFIG_KEYS as _MMA_CONFIG_KEYS
 from .gguf_mma import MMA_MIN_ROWS, MMA_QTYPES, gguf_gemv_mma
 from .gguf_tiles import KERNEL_QTYPES, decode_tile, row_codes, row_dot, row_total, row_zeros
-from .splitk import arrive, depart, sum_partials
+from .splitk import arrive, depart, meet_rows, sum_partials
 
 __all__ = ["gguf_linear", "gguf_gemv", "gguf_dequantize", "mma_eligible", "KERNEL_QTYPES", "MAX_GEMV_ROWS"]
 
@@ -121,20 +121,10 @@ def _gguf_gemv_kernel(
             else:
                 b0, b1 = row_codes(rows, n_ok, s * SB, QTYPE, SB)
             vals = row_dot(vals, b0, b1, rows, n_ok, s * SB, x_ptr, QTYPE, SB)
-        acc1 = row_total(vals)                             # [BLOCK_N]: reduced once, after the K loop
         rm = tl.arange(0, 1)
         m_ok = rm < 1
-        acc = tl.expand_dims(acc1, 1)                      # [BLOCK_N, 1]; M == 1
-        if SPLIT:
-            n_tiles = tl.num_programs(0)
-            slab = part_ptr + rt
-            tl.store(slab + (pid_k * n_tiles + pid_n).to(tl.int64) * BLOCK_N, acc1)
-            last = arrive(lock_ptr, pid_n, SPLIT_K)
-            if last:
-                acc = sum_partials(slab, pid_n, n_tiles, SPLIT_K, BLOCK_N, 1, True, rm)
-                depart(lock_ptr, pid_n)
-        else:
-            last = pid_k == 0
+        # [BLOCK_N, 1] (M == 1): the row sums, reduced once after the K loop, met across slices
+        acc, last = meet_rows(row_total(vals), part_ptr, lock_ptr, pid_n, pid_k, SPLIT_K, BLOCK_N, SPLIT)
     if last:
         ok = n_ok[:, None] & m_ok[None, :]
         if HAS_ADD:

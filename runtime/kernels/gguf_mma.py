@@ -42,7 +42,7 @@ import triton
 import triton.language as tl
 
 from .pdl import pdl_launch, pdl_trigger, pdl_wait
-from .splitk import arrive, depart, sum_partials
+from .splitk import meet_rows
 
 __all__ = ["MMA_QTYPES", "MMA_MIN_ROWS", "gguf_gemv_mma", "activation_planes", "pick_mma_config"]
 
@@ -171,19 +171,7 @@ def _finish(row, pid_n, pid_s, add_ptr, out_ptr, part_ptr, lock_ptr, N, SPLIT_K,
     slice to arrive summing them in slice order (:mod:`.splitk`); then ``+ add`` or, with ``SWIGLU``,
     ``silu(g) * u`` of each (gate, up) row pair, g and u rounded to the output dtype first and
     ``silu(g)`` after, as the matmul and ``silu_mul`` kernels it replaces round them; the store."""
-    rt = tl.arange(0, BLOCK_N)
-    rm = tl.arange(0, 1)
-    tile = tl.expand_dims(row, 1)
-    if SPLIT:
-        n_tiles = tl.num_programs(0)
-        slab = part_ptr + rt
-        tl.store(slab + (pid_s * n_tiles + pid_n).to(tl.int64) * BLOCK_N, row)
-        last = arrive(lock_ptr, pid_n, SPLIT_K)
-        if last:
-            tile = sum_partials(slab, pid_n, n_tiles, SPLIT_K, BLOCK_N, 1, True, rm)
-            depart(lock_ptr, pid_n)
-    else:
-        last = pid_s == 0
+    tile, last = meet_rows(row, part_ptr, lock_ptr, pid_n, pid_s, SPLIT_K, BLOCK_N, SPLIT)
     if last:
         dt = out_ptr.dtype.element_ty
         if SWIGLU:
@@ -194,7 +182,7 @@ def _finish(row, pid_n, pid_s, add_ptr, out_ptr, part_ptr, lock_ptr, N, SPLIT_K,
             cols = pid_n * HALF + tl.arange(0, HALF)
             tl.store(out_ptr + cols, y.to(dt), mask=cols < N)
         else:
-            cols = pid_n * BLOCK_N + rt
+            cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
             y = tl.sum(tile, axis=1)
             if HAS_ADD:
                 y += tl.load(add_ptr + cols, mask=cols < N, other=0.0).to(tl.float32)

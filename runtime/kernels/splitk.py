@@ -14,7 +14,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-__all__ = ["slice_ok", "sum_partials", "arrive", "depart"]
+__all__ = ["slice_ok", "sum_partials", "arrive", "depart", "meet_rows"]
 
 
 @triton.jit
@@ -62,3 +62,24 @@ def sum_partials(slab, pid_n, n_tiles, SPLIT_K, BLOCK_N: tl.constexpr, BLOCK_M: 
                 total += tl.load(slab + t.to(tl.int64) * (BLOCK_N * BLOCK_M), mask=slice_ok(s0 + i, SPLIT_K, total),
                                  other=0.0, cache_modifier=".cg")
     return total
+
+
+@triton.jit
+def meet_rows(row, part_ptr, lock_ptr, pid_n, pid_s, SPLIT_K, BLOCK_N: tl.constexpr, SPLIT: tl.constexpr):
+    """The one-row meeting of a GEMV's slices: ``row`` is this program's ``[BLOCK_N]`` sums of
+    column tile ``pid_n`` over slice ``pid_s``. Returns ``(tile, last)``: with ``SPLIT`` the row is
+    stored as the slice's partial and the last slice to arrive gets their sum in slice order as a
+    ``[BLOCK_N, 1]`` tile (the others get ``last`` False); without, the row itself and True."""
+    rm = tl.arange(0, 1)
+    tile = tl.expand_dims(row, 1)
+    if SPLIT:
+        n_tiles = tl.num_programs(0)
+        slab = part_ptr + tl.arange(0, BLOCK_N)
+        tl.store(slab + (pid_s * n_tiles + pid_n).to(tl.int64) * BLOCK_N, row)
+        last = arrive(lock_ptr, pid_n, SPLIT_K)
+        if last:
+            tile = sum_partials(slab, pid_n, n_tiles, SPLIT_K, BLOCK_N, 1, True, rm)
+            depart(lock_ptr, pid_n)
+    else:
+        last = pid_s == 0
+    return tile, last
