@@ -14,7 +14,8 @@ per-weight work is three bit operations per eight weights:
   BLOCK_N]`` product is one sub-block's partial. Within super-block ``b`` columns ``256 b + j``,
   ``j < 128``, face the low nibbles of code byte ``j`` (sub-block ``2 (j // 32)``, value ``j % 32``),
   ``256 b + 128 + j`` its high nibbles (sub-block ``2 (j // 32) + 1``). Also per sub-block: ``a_s``
-  and ``S_s = a_s sum xq``.
+  and ``S_s = a_s sum xq``; a sub-block holding a NaN or an infinity gets ``a_s`` NaN, so every
+  output is NaN (as a float dot would give NaN or infinities), never a silent finite value.
 * **Weights** (:func:`_q4k_kernel`): a super-block's 128 code bytes of ``BLOCK_N`` rows load as one
   ``[BLOCK_N, 128]`` uint8 tile (16-byte loads, software-pipelined through shared memory by
   ``tl.dot``); the low-nibble plane is ``((c << 4) & 0xF0) ^ 0x80`` bytewise, the high one
@@ -72,7 +73,7 @@ def _planes_kernel(x_ptr, a_ptr, xa_ptr, xs_ptr, K, USE_PDL: tl.constexpr):
     h = (xq + 128) >> 8                                                 # xq = 256 h + l, l in [-128, 127]
     tl.store(a_ptr + r * K + b * 256 + c, tl.where(r < 8, h, xq - 256 * h).to(tl.int8))
     rr = tl.arange(0, 16)
-    a = amax / 32639.0
+    a = amax / 32639.0 + tl.sum(tl.where(own, x - x, 0.0), axis=1)      # NaN if the sub-block has a NaN or inf
     tl.store(xa_ptr + b * 8 + rr, a, mask=rr < 8)
     tl.store(xs_ptr + b * 8 + rr, a * tl.sum(xq, axis=1).to(tl.float32), mask=rr < 8)
 

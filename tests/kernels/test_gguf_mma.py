@@ -127,6 +127,17 @@ def test_swiglu_epilogue_matches_silu_of_the_two_halves():
     torch.testing.assert_close(got.float().cpu(), ref_y, rtol=2e-2, atol=2e-2 * ref_y.abs().max().item())
 
 
+@pytest.mark.parametrize("bad", [float("nan"), float("inf")])
+def test_a_non_finite_input_gives_nan_not_a_finite_sum(bad):
+    """The fixed-point planes cannot hold a NaN or an infinity: the sub-block's ``a_s`` becomes NaN,
+    so every output is NaN rather than a silently finite number."""
+    data, _ = random_gguf_weight("Q4_K", 19, 512, seed=4)
+    x = _x(512, torch.bfloat16, seed=5)
+    x[0, 300] = bad
+    out = gguf_gemv(x, data.to(DEV), "Q4_K", config=dict(MMA=True, BLOCK_N=16, SPLIT_K=2))
+    assert torch.isnan(out.float()).all()
+
+
 def test_pick_mma_config_from_the_sweep():
     """About two programs per SM (H100 sweep: o 4, qkv 4, gate 2, down 8 slices of 64-row tiles)."""
     splits = {name: pick_mma_config(n, k, 132)["SPLIT_K"]
