@@ -152,6 +152,7 @@ def _q4k_kernel(
         d = (dd & 0xFFFF).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
         dmin = (dd >> 16).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
         # 6-bit scale / min of sub-block s: s < 4 from bytes s / s + 4, s >= 4 split over bytes s + 4 and s - 4 / s
+        # (gguf_tiles._k_scales_mins unpacks the same from byte loads; here the header's four int32 words)
         sc = tl.reshape(tl.permute(tl.join(b0 & 63, (b2 & 15) | ((b0 >> 6) << 4)), (0, 2, 1)), [BLOCK_N, 8])
         mn = tl.reshape(tl.permute(tl.join(b1 & 63, (b2 >> 4) | ((b1 >> 6) << 4)), (0, 2, 1)), [BLOCK_N, 8])
         f1 = d[:, None] * sc.to(tl.float32)
