@@ -31,6 +31,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from common import bench_ms, copy_bandwidth_gbs, device_line  # noqa: E402
 from llm import SHAPES, batch1_decode, decode_bytes, kv_bytes_per_token, weight_bytes  # noqa: E402
+from quant import _GGUFMix  # noqa: E402
 
 
 def main(argv=None) -> int:
@@ -40,7 +41,8 @@ def main(argv=None) -> int:
                     help="GRAPHDSL_DISABLE_PASSES values [;NAME=VALUE...], one model each")
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--context", type=int, default=512)
-    ap.add_argument("--quantization", default=None, help="LLM(quantization=...) for every variant: int4, fp8, ...")
+    ap.add_argument("--quantization", default=None,
+                    help="LLM(quantization=...) for every variant: int4, fp8, ..., or gguf-q4_k_m (quant.py's mix)")
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
         print("decode_ab.py needs a CUDA GPU", file=sys.stderr)
@@ -60,7 +62,8 @@ def main(argv=None) -> int:
         os.environ.update(env, GRAPHDSL_DISABLE_PASSES=passes)
         for mod, attr, val in patches:
             setattr(mod, attr, val)
-        llm, inputs = batch1_decode(gd, args.shape, args.context, args.quantization)
+        with _GGUFMix():                                 # --quantization gguf-q4_k_m: the Q4_K_M mix (quant.py)
+            llm, inputs = batch1_decode(gd, args.shape, args.context, args.quantization)
         llm.model.execute(Phase.DECODE, inputs)          # build + capture under this variant's settings
         runs[v] = (llm, inputs, [])
         for k, old in saved.items():

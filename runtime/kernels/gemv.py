@@ -38,12 +38,17 @@ rows, so the op is bound by the bytes of ``w`` and by how many of them are in fl
   launched at the usual point (when its last wave starts), the next kernel's programs take each SM
   its tail frees and idle there, which cost the Llama-3-8B step 4144 -> 4303 µs once the down
   projection followed the gate/up GEMV directly (H200, in-model A/B; every GEMV late: 4246).
+  Before its wait each program asks L2 for the first K steps of its weight slab
+  (:func:`.pdl.prefetch_l2`; weights are written by no kernel of a step), so the loop after the wait
+  starts on L2 hits while the previous kernel was finishing: 1-2% of a batch-1 step (H100 A/B,
+  ``_PREFETCH_STEPS``). Before the late launch above this was measured slower.
 
 Tried on the H200 and measured slower, so not kept (docs/performance.md has the figures): loading
 the rows through a prologue (RMSNorm, SwiGLU computed while loading; loads that do not feed the
-dot directly are not software-pipelined, so each K step waits for them); prefetching the start of
-the weight slab into L2, or its first tile into registers, before the PDL wait (the one-row int4
-loop too: 8B int4 step 2.95 vs 2.87 ms; fp8 2.93 vs 2.94, within noise); a SwiGLU epilogue
+dot directly are not software-pipelined, so each K step waits for them); loading the first weight
+tile into registers before the PDL wait (the one-row int4 loop too: 8B int4 step 2.95 vs 2.87 ms;
+fp8 2.93 vs 2.94, within noise); issuing the whole pipeline prologue before the wait (a wait
+inside the loop keeps Triton from pipelining it at all); a SwiGLU epilogue
 with two streams (each program streaming its gate rows, then the matching up rows); and an
 add+RMSNorm epilogue (the last program to finish a tile normalising the whole rows): each saves a
 launch but serialises more than the launch cost.
@@ -64,7 +69,7 @@ import triton.language as tl
 
 from graphdsl.errors import GraphDSLError
 
-from .pdl import pdl_launch, pdl_trigger, pdl_wait
+from .pdl import pdl_launch, pdl_trigger, pdl_wait, prefetch_l2
 from .splitk import arrive, depart, sum_partials
 
 __all__ = ["gemv", "gemv_supported", "GemvWorkspace", "GemvLoRA", "MAX_ROWS", "weight_kind"]
@@ -86,6 +91,12 @@ _QUANT_STAGES = 4
 # faster on the H200 (benchmarks/quant.py --sweep; _pick_quant_config), False for the A/B
 _INT4_INT_DOT = True
 _CONFIG_KEYS = {"BLOCK_N", "BLOCK_K", "SPLIT_K", "num_warps", "num_stages", "INT_DOT"}
+# K steps of each program's weight slab prefetched into L2 before the PDL wait (pdl.prefetch_l2; 0: none):
+# fp16/bf16 weights, and the int4 / fp8 one-row loops by weight kind. In-model A/B on an H100
+# (benchmarks/decode_ab.py, µs a batch-1 step, none -> 1 / 2 / 4 steps): 8B bf16 5615 -> 5545 / 5554,
+# 1B bf16 1139 -> 1134 / 1117 / 1151; 8B int4 2859 -> 2836 / 2829 / 2904, fp8 3549 -> 3511 / 3585 / 3692
+_PREFETCH_STEPS = 2
+_PREFETCH_STEPS_QUANT = {W_INT4: 2, W_INT4_ZP: 2, W_FP8: 1}
 
 
 @triton.jit
@@ -513,6 +524,8 @@ def _gemv_kernel(
     LORA_BLOCK_SPLITS: tl.constexpr = 2,  # LORA_SPLITS padded to a power of two >= 2
     INT_DOT: tl.constexpr = False,      # one int4 row: integer dot products (_int4_step_dp4a), not float FMAs
     EMULATE: tl.constexpr = False,      # the CPU interpreter: dp4a as byte arithmetic
+    PREFETCH: tl.constexpr = 0,         # fp16/bf16 weights and the one-row loops: 128-byte lines a row
+                                        # prefetched into L2 before the PDL wait (pdl.prefetch_l2)
 ):
     """out[m, n] = sum_k x[m, k] * w[n, k] (+ add[m, n]), float32 accumulation. With ``SWIGLU`` the
     tile's rows are the gate and up rows of ``BLOCK_N / 2`` output columns, interleaved (row ``2i``
@@ -535,6 +548,13 @@ def _gemv_kernel(
     acc = tl.zeros([BLOCK_N, BLOCK_M], tl.float32)
     k_lo = pid_k * K_SPLIT
     k_hi = tl.minimum(k_lo + K_SPLIT, K)
+    if PREFETCH > 0 and USE_PDL:       # the slab's first lines into L2 while the previous kernel ends
+        if ONE_ROW:                     # int32 words of W_ROW a row
+            prefetch_l2(w_ptr + tl.minimum(rn, N2 - 1).to(tl.int64)[:, None] * W_ROW, pid_k * K_SPLIT_W,
+                         tl.minimum(pid_k * K_SPLIT_W + K_SPLIT_W, W_ROW), PREFETCH, 32)
+        elif WKIND == 0:
+            prefetch_l2(w_ptr + tl.minimum(rn, N2 - 1).to(tl.int64)[:, None] * K, k_lo, k_hi, PREFETCH,
+                         1024 // w_ptr.dtype.element_ty.primitive_bitwidth)
     pdl_wait(USE_PDL, not LATE_LAUNCH)
     if INT4 and ONE_ROW:
         w_lo = pid_k * K_SPLIT_W
@@ -596,6 +616,20 @@ def _gemv_kernel(
         _finish(acc, add_ptr, out_ptr, pid_n, rm, m_ok, N, stride_am, stride_om, HAS_ADD, SWIGLU, BLOCK_N, BLOCK_M,
                 lora_p_ptr, lora_b_ptr, lora_idx_ptr, M, LORA_S, LORA_R, LORA_SPLITS, HAS_LORA, LORA_BLOCK_R,
                 LORA_BLOCK_SPLITS)
+
+
+def _prefetch_lines(kind: int, one_row: bool, block_k: int, k_split: int) -> int:
+    """128-byte lines a weight row that :func:`.pdl.prefetch_l2` asks for: the first ``_PREFETCH_STEPS``
+    (the quantized one-row loops: ``_PREFETCH_STEPS_QUANT[kind]``) K steps of the slice, rounded up
+    to a power of two (0: no prefetch; the other quantized paths take none)."""
+    if kind == W_FLOAT:
+        steps, bits = _PREFETCH_STEPS, 16
+    elif one_row:
+        steps, bits = _PREFETCH_STEPS_QUANT.get(kind, 0), 4 if kind in (W_INT4, W_INT4_ZP) else 8
+    else:
+        return 0
+    nbytes = min(steps * block_k, k_split) * bits // 8
+    return 0 if nbytes == 0 else _pow2(-(-nbytes // 128))
 
 
 def _pow2(n: int) -> int:
@@ -892,6 +926,8 @@ def gemv(x: torch.Tensor, w: torch.Tensor, add: torch.Tensor | None = None, *, s
         LATE_LAUNCH=n_tiles * split > _num_sms(x.device),
         HAS_ADD=add is not None, SWIGLU=silu_mul, SPLIT=split > 1, BLOCK_M=MAX_ROWS, BLOCK_N=block_n,
         BLOCK_K=block_k, EVEN_K=k % block_k == 0, EVEN_N=cols % tile_cols == 0,
-        DOT_F32=x.dtype == torch.bfloat16 and interpret, EMULATE=interpret, **pdl_launch(x.device),
+        DOT_F32=x.dtype == torch.bfloat16 and interpret, EMULATE=interpret,
+        PREFETCH=0 if interpret else _prefetch_lines(kind, one_row, block_k, k_split),
+        **pdl_launch(x.device),
         **_lora_args(lora, out), **cfg)
     return out

@@ -42,7 +42,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .pdl import pdl_launch, pdl_trigger, pdl_wait
+from .pdl import pdl_launch, pdl_trigger, pdl_wait, prefetch_l2
 from .splitk import meet_rows
 
 __all__ = ["MMA_QTYPES", "MMA_MIN_ROWS", "gguf_gemv_mma", "activation_planes", "pick_mma_config"]
@@ -52,6 +52,9 @@ MMA_MIN_ROWS = 2048             # fewer weight rows stay on the CUDA cores by de
 _SUPER = 256                    # values per super-block
 _ROWS = 16                      # the dot's M: 8 sub-blocks x (high, low) byte
 _CONFIG_KEYS = {"BLOCK_N", "SPLIT_K", "num_warps", "num_stages"}
+# 128-byte lines of each row's first super-block asked of L2 before the PDL wait (pdl.prefetch_l2;
+# a super-block is 144 bytes), while the activation-planes launch before it runs; 0: none
+_PREFETCH_LINES = 2
 
 
 @triton.jit
@@ -118,12 +121,12 @@ def _q4k_kernel(
     BLOCK_N: tl.constexpr, SPLIT: tl.constexpr, HAS_ADD: tl.constexpr, EMULATE: tl.constexpr,
     USE_PDL: tl.constexpr, LATE_LAUNCH: tl.constexpr,   # (:mod:`.pdl`) the next kernel launches after the K loop
     SWIGLU: tl.constexpr = False,   # w is [2N, K] = [gate | up]; out = silu(x @ gate.T) * (x @ up.T)
+    PREFETCH: tl.constexpr = 0,     # 128-byte lines a row asked of L2 before the PDL wait (pdl.prefetch_l2)
 ):
     """out[n] = sum_k x[k] dequant(w)[n, k] (+ add[n]) for ``BLOCK_N`` rows over super-blocks
     ``[pid_s PER, (pid_s + 1) PER)`` (module docstring); rows past ``N`` read row ``N - 1``
     (never stored), so the code loads carry no mask. With ``SWIGLU`` tile rows ``2 i, 2 i + 1`` are
     the gate and up rows of output column ``pid_n BLOCK_N / 2 + i`` (as the bf16 GEMV's epilogue)."""
-    pdl_wait(USE_PDL, not LATE_LAUNCH)
     pid_n = tl.program_id(0)
     pid_s = tl.program_id(1)
     if SWIGLU:
@@ -132,6 +135,9 @@ def _q4k_kernel(
     else:
         rn = tl.minimum(pid_n * BLOCK_N + tl.arange(0, BLOCK_N), N - 1)
     rows = w_ptr + rn.to(tl.int64) * ROW_BYTES
+    if PREFETCH > 0 and USE_PDL:         # the slice's first code lines into L2 while the planes launch runs
+        prefetch_l2(rows[:, None], pid_s * PER * 144, (pid_s * PER + PER) * 144, PREFETCH, 128)
+    pdl_wait(USE_PDL, not LATE_LAUNCH)
     rj = tl.arange(0, 128)
     r = tl.arange(0, 16)
     i4 = tl.arange(0, 4)
@@ -237,5 +243,5 @@ def gguf_gemv_mma(x: torch.Tensor, data: torch.Tensor, qtype: str, add: torch.Te
         *planes, data, add if add is not None else out, out, part, lock, n // 2 if silu_mul else n, k,
         data.shape[1], per, split, BLOCK_N=block_n, SPLIT=split > 1, HAS_ADD=add is not None,
         EMULATE=os.environ.get("TRITON_INTERPRET") == "1", LATE_LAUNCH=n_tiles * split > sms, SWIGLU=silu_mul,
-        **pdl_launch(x.device), **cfg)
+        PREFETCH=_PREFETCH_LINES, **pdl_launch(x.device), **cfg)
     return out

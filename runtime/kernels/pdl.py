@@ -11,8 +11,9 @@ programmatic edges.
 
 The contract, kept by every kernel that takes ``USE_PDL``: call :func:`pdl_wait` before its first
 memory access that depends on earlier kernels, or that writes memory earlier kernels may still
-read. Every kernel here calls it first thing (reads of weights, which no kernel of a step writes,
-could go before it; prefetching them there was measured slower on the H200). It also lets the
+read. Reads of weights, which no kernel of a step writes, may go before it: the decode GEMVs ask
+L2 for the first lines of their weight slabs there (:func:`prefetch_l2`), so their loops start on
+L2 hits; everything else comes after the wait. It also lets the
 next kernel launch, unless the kernel passes ``LAUNCH_NEXT=False`` and calls :func:`pdl_trigger`
 later (the decode GEMV does, after its K loop, when its grid has more programs than SMs). A
 kernel that is not launched this way (cuBLAS, torch ops) simply runs after its predecessor, and
@@ -36,7 +37,7 @@ try:                                   # Triton >= 3.3 on NVIDIA
 except ImportError:                    # pragma: no cover - older Triton: PDL stays off
     gdc_launch_dependents = gdc_wait = None
 
-__all__ = ["pdl_wait", "pdl_trigger", "pdl_launch", "pdl_available"]
+__all__ = ["pdl_wait", "pdl_trigger", "pdl_launch", "pdl_available", "prefetch_l2"]
 
 
 @triton.jit
@@ -54,6 +55,19 @@ def pdl_trigger(USE_PDL: tl.constexpr):
     """Let the next kernel launch once every program of this one has called this (or exited)."""
     if USE_PDL:
         gdc_launch_dependents()
+
+
+@triton.jit
+def prefetch_l2(w_rows, lo, hi, LINES: tl.constexpr, LINE: tl.constexpr):
+    """Ask L2 for the first ``LINES`` 128-byte lines of each of this program's rows from element
+    ``lo`` on (``w_rows [BLOCK_N, 1]``: row pointers; ``LINE`` elements a line; ``hi``: the slice's
+    end), one ``prefetch.global.L2`` a line. No kernel of a step writes the weights, so this may run
+    before the PDL wait, while the previous kernel finishes; the loop after the wait then finds its
+    first tiles in L2 instead of paying the memory latency with nothing in flight."""
+    lines = tl.arange(0, LINES) * LINE
+    p = w_rows + tl.minimum(lo + lines, hi - 1)[None, :]
+    tl.inline_asm_elementwise("prefetch.global.L2 [$1];\n\tmov.u32 $0, 0;", "=r,l", [p], dtype=tl.int32,
+                              is_pure=False, pack=1)
 
 
 @functools.lru_cache(maxsize=None)

@@ -65,3 +65,39 @@ def test_dequantize_on_gpu_matches_cpu(name):
     ms = (time.perf_counter() - t) / 5 * 1e3
     print(f"\ndequantize {name} {rows}x{cols} on GPU (incl. H2D of the raw bytes): {ms:.2f} ms, "
           f"{rows * cols * 4 / ms / 1e6:.0f} GB/s of float32 out")
+
+
+@pytest.mark.parametrize("scheme", [None, "int4-g128", "fp8-channel"])
+def test_gemv_weight_prefetch_changes_no_bit(scheme, monkeypatch):
+    """With PDL the one-row GEMV asks L2 for its first weight lines before the wait
+    (``prefetch.global.L2`` in its PTX); its outputs are bit-identical with the prefetch off."""
+    import graphdsl.runtime.kernels.gemv as G
+    from graphdsl.quant import parse_scheme
+    from graphdsl.runtime.kernels.pdl import pdl_available
+    if not pdl_available(DEV):
+        pytest.skip("the prefetch runs only with programmatic dependent launch (Hopper)")
+    g = torch.Generator(device="cuda").manual_seed(1)
+    w = torch.randn(6144, 4096, device="cuda", generator=g, dtype=torch.bfloat16) * 0.02
+    s = parse_scheme(scheme) if scheme else None
+    stored = s.quantize(w, torch.bfloat16) if s else [w]
+    x = torch.randn(1, 4096, device="cuda", generator=g, dtype=torch.bfloat16)
+    kw = dict(scheme=s, scales=stored[1] if s else None, zeros=stored[2] if s and len(stored) > 2 else None)
+    ws = G.GemvWorkspace()
+    on = G.gemv(x, stored[0], workspace=ws, **kw)
+    kind = G.weight_kind(s)
+    cfg = G._pick_config(1, 6144, 4096, DEV) if s is None else G._pick_quant_config(1, 6144, 4096, kind, 128, DEV)
+    assert G._prefetch_lines(kind, s is not None, cfg["BLOCK_K"], 4096) > 0
+    assert any("prefetch.global.L2" in k.asm["ptx"] for k in _compiled(G._gemv_kernel))
+    monkeypatch.setattr(G, "_PREFETCH_STEPS", 0)
+    monkeypatch.setattr(G, "_PREFETCH_STEPS_QUANT", {})
+    off = G.gemv(x, stored[0], workspace=ws, **kw)
+    assert torch.equal(on, off)
+
+
+def _compiled(jit_fn):
+    """Every compiled variant of a ``@triton.jit`` function (the cache layout differs across Triton 3.x)."""
+    out = []
+    for per_device in jit_fn.device_caches.values() if hasattr(jit_fn, "device_caches") else [jit_fn.cache]:
+        cache = per_device[0] if isinstance(per_device, tuple) else per_device
+        out += [k for k in cache.values() if hasattr(k, "asm")]
+    return out

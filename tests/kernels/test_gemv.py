@@ -264,3 +264,22 @@ def test_int4_integer_dot_row_gives_nan_for_a_nan_input():
     cfg = dict(BLOCK_N=16, BLOCK_K=64, SPLIT_K=1, num_warps=4, num_stages=2, INT_DOT=True)
     got = gemv(x.to(DEV), stored[0], config=cfg, scheme=s, scales=stored[1])
     assert torch.isnan(got).all()
+
+
+def test_weight_prefetch_lines_per_kind(monkeypatch):
+    """The lines a row the GEMV asks L2 for before its PDL wait: the first K steps of its slice at the
+    weight's width, a power of two, none for the quantized ``tl.dot`` paths or with the knob at 0."""
+    import graphdsl.runtime.kernels.gemv as G
+    monkeypatch.setattr(G, "_PREFETCH_STEPS", 2)
+    monkeypatch.setattr(G, "_PREFETCH_STEPS_QUANT", {G.W_INT4: 2, G.W_INT4_ZP: 2, G.W_FP8: 1})
+    assert G._prefetch_lines(G.W_FLOAT, False, 128, 4096) == 4          # 2 steps x 128 bf16 = 512 bytes
+    assert G._prefetch_lines(G.W_FLOAT, False, 256, 4096) == 8
+    assert G._prefetch_lines(G.W_FLOAT, False, 64, 96) == 2             # the slice's 96 elements: 192 bytes
+    assert G._prefetch_lines(G.W_INT4, True, 128, 4096) == 1            # 2 x 128 nibbles = 128 bytes
+    assert G._prefetch_lines(G.W_INT4_ZP, True, 256, 4096) == 2
+    assert G._prefetch_lines(G.W_FP8, True, 512, 2048) == 4             # 1 x 512 codes
+    assert G._prefetch_lines(G.W_FP8, True, 256, 4096) == 2
+    assert G._prefetch_lines(G.W_FP8, False, 128, 4096) == 0            # the tl.dot path of more rows
+    assert G._prefetch_lines(G.W_INT8, False, 128, 4096) == 0
+    monkeypatch.setattr(G, "_PREFETCH_STEPS", 0)
+    assert G._prefetch_lines(G.W_FLOAT, False, 128, 4096) == 0
