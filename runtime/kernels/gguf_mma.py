@@ -136,7 +136,7 @@ def _q4k_kernel(
         rn = tl.minimum(pid_n * BLOCK_N + tl.arange(0, BLOCK_N), N - 1)
     rows = w_ptr + rn.to(tl.int64) * ROW_BYTES
     if PREFETCH > 0 and USE_PDL:         # the slice's first code lines into L2 while the planes launch runs
-        prefetch_l2(rows[:, None], pid_s * PER * 144, (pid_s * PER + PER) * 144, PREFETCH, 128)
+        prefetch_l2(rows[:, None], pid_s * PER * 144, tl.minimum(pid_s * PER + PER, K // 256) * 144, PREFETCH, 128)
     pdl_wait(USE_PDL, not LATE_LAUNCH)
     rj = tl.arange(0, 128)
     r = tl.arange(0, 16)
