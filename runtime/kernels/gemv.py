@@ -548,22 +548,21 @@ def _gemv_kernel(
     acc = tl.zeros([BLOCK_N, BLOCK_M], tl.float32)
     k_lo = pid_k * K_SPLIT
     k_hi = tl.minimum(k_lo + K_SPLIT, K)
+    w_lo = pid_k * K_SPLIT_W                        # the one-row loops' slice, in int32 words of W_ROW a row
+    w_hi = tl.minimum(w_lo + K_SPLIT_W, W_ROW)
     if PREFETCH > 0 and USE_PDL:       # the slab's first lines into L2 while the previous kernel ends
-        if ONE_ROW:                     # int32 words of W_ROW a row
-            prefetch_l2(w_ptr + tl.minimum(rn, N2 - 1).to(tl.int64)[:, None] * W_ROW, pid_k * K_SPLIT_W,
-                         tl.minimum(pid_k * K_SPLIT_W + K_SPLIT_W, W_ROW), PREFETCH, 32)
+        if ONE_ROW:
+            prefetch_l2(w_ptr + tl.minimum(rn, N2 - 1).to(tl.int64)[:, None] * W_ROW, w_lo, w_hi, PREFETCH, 32)
         elif WKIND == 0:
             prefetch_l2(w_ptr + tl.minimum(rn, N2 - 1).to(tl.int64)[:, None] * K, k_lo, k_hi, PREFETCH,
                          1024 // w_ptr.dtype.element_ty.primitive_bitwidth)
     pdl_wait(USE_PDL, not LATE_LAUNCH)
     if INT4 and ONE_ROW:
-        w_lo = pid_k * K_SPLIT_W
-        row = _int4_row(x_ptr, w_ptr, s_ptr, z_ptr, rn, N2, w_lo, tl.minimum(w_lo + K_SPLIT_W, W_ROW), W_ROW, stride_sn,
+        row = _int4_row(x_ptr, w_ptr, s_ptr, z_ptr, rn, N2, w_lo, w_hi, W_ROW, stride_sn,
                         M12, M16, M0F, BLOCK_N, WKIND == 3, GROUP, BLOCK_K // GROUP, INT_DOT, EMULATE)
         acc = tl.where((rm == 0)[None, :], row[:, None], 0.0)
     elif WKIND == 4 and ONE_ROW:
-        w_lo = pid_k * K_SPLIT_W
-        row = _fp8_row_loop(x_ptr, w_ptr, rn, N2, w_lo, tl.minimum(w_lo + K_SPLIT_W, W_ROW), W_ROW, BLOCK_N,
+        row = _fp8_row_loop(x_ptr, w_ptr, rn, N2, w_lo, w_hi, W_ROW, BLOCK_N,
                             BLOCK_K // 4) * 1.329227995784916e36          # 2^120
         acc = tl.where((rm == 0)[None, :], row[:, None], 0.0)
     elif INT4:
