@@ -1,5 +1,5 @@
-"""Interleaved A/B of decode passes: one model per pass configuration in one process, their batch-1
-decode steps timed in alternation, so slow drifts of the device (clocks, placement) hit every
+"""Interleaved A/B of decode passes: one model per pass configuration in one process, their decode
+steps (batch 1, or ``--batch N`` sequences) timed in alternation, so slow drifts of the device (clocks, placement) hit every
 variant alike — separate processes differed by up to 10% with identical code on the H200.
 
     python benchmarks/decode_ab.py --shape llama-3-8b --variants "" matmul_norm gate_up_silu \
@@ -30,7 +30,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from common import bench_ms, copy_bandwidth_gbs, device_line  # noqa: E402
-from llm import SHAPES, batch1_decode, decode_bytes, kv_bytes_per_token, weight_bytes  # noqa: E402
+from llm import SHAPES, batch_decode, decode_bytes, kv_bytes_per_token, weight_bytes  # noqa: E402
 from quant import _GGUFMix  # noqa: E402
 
 
@@ -41,6 +41,7 @@ def main(argv=None) -> int:
                     help="GRAPHDSL_DISABLE_PASSES values [;NAME=VALUE...], one model each")
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--context", type=int, default=512)
+    ap.add_argument("--batch", type=int, default=1, help="sequences a step (each at --context)")
     ap.add_argument("--quantization", default=None,
                     help="LLM(quantization=...) for every variant: int4, fp8, ..., or gguf-q4_k_m (quant.py's mix)")
     args = ap.parse_args(argv)
@@ -63,7 +64,7 @@ def main(argv=None) -> int:
         for mod, attr, val in patches:
             setattr(mod, attr, val)
         with _GGUFMix():                                 # --quantization gguf-q4_k_m: the Q4_K_M mix (quant.py)
-            llm, inputs = batch1_decode(gd, args.shape, args.context, args.quantization)
+            llm, inputs = batch_decode(gd, args.shape, args.context, args.quantization, args.batch)
         llm.model.execute(Phase.DECODE, inputs)          # build + capture under this variant's settings
         runs[v] = (llm, inputs, [])
         for k, old in saved.items():
@@ -80,10 +81,11 @@ def main(argv=None) -> int:
     llm0 = next(iter(runs.values()))[0]
     if args.quantization:
         from quant import stored_bytes
-        roof = (stored_bytes(llm0) + kv_bytes_per_token(llm0) * args.context) / (copy * 1e9) * 1e3
+        roof = (stored_bytes(llm0) + kv_bytes_per_token(llm0) * args.context * args.batch) / (copy * 1e9) * 1e3
     else:
-        roof = decode_bytes(weight_bytes(llm0.model), kv_bytes_per_token(llm0), 1, args.context) / (copy * 1e9) * 1e3
-    print(f"## decode A/B, {args.shape}{', ' + args.quantization if args.quantization else ''}, batch 1, "
+        roof = (decode_bytes(weight_bytes(llm0.model), kv_bytes_per_token(llm0), args.batch, args.context)
+                / (copy * 1e9) * 1e3)
+    print(f"## decode A/B, {args.shape}{', ' + args.quantization if args.quantization else ''}, batch {args.batch}, "
           f"ctx {args.context}, {args.rounds} interleaved rounds — "
           f"{device_line()}; copy {copy:.0f} GB/s, roofline {roof * 1e3:.0f} µs\n")
     print("| disabled passes; environment | median µs/step | % of roofline | min | max |")

@@ -24,7 +24,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from common import device_line  # noqa: E402
-from llm import SHAPES, batch1_decode  # noqa: E402
+from llm import SHAPES, batch_decode  # noqa: E402
 
 FAMILIES = ("_gemv_kernel", "_decode_kernel", "_rope_cache_kernel", "fused_kernel", "nvjet", "gemm",
             "_reshape_and_cache")
@@ -80,7 +80,7 @@ def main(argv=None) -> int:
         print("decode_timeline.py needs a CUDA GPU", file=sys.stderr)
         return 2
     import graphdsl as gd
-    llm, inputs = batch1_decode(gd, args.shape, args.context)
+    llm, inputs = batch_decode(gd, args.shape, args.context)
     events = kernel_events(llm, inputs, args.steps)
     inc, dur, calls = increments(events)
     n = args.steps

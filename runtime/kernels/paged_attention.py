@@ -32,7 +32,9 @@ and never ``inf - inf``).
   ``b_s = query_start_loc[s] // BLOCK_Q + s``; these ranges are disjoint and below the grid size, so
   a program finds its sequence by binary search over ``b`` without any host synchronisation. A tile
   holds ``BLOCK_Q`` queries x ``GROUP_PAD`` heads as its ``BLOCK_M`` rows.
-* decode (:func:`paged_attention_decode`): one launch, grid ``(num_seqs, kv_heads, num_splits)``;
+* decode (:func:`paged_attention_decode`): one launch, grid ``(kv_heads, num_seqs, num_splits)`` (the
+  KV heads of a sequence, whose keys share cache blocks, launch side by side: Llama-3.2-1B's batch-256
+  step 3443 -> 3328 µs against sequences first, in-model A/B on an H100);
   split ``j`` covers a contiguous ``BLOCK_N``-aligned part of the keys ``[lo, L)`` and writes its
   unnormalised ``acc``, max ``m`` and sum ``l`` (float32); the last split of a (sequence, KV head)
   to finish (an arrival counter) combines them::
@@ -402,7 +404,7 @@ def _decode_kernel(
     DOT_F32: tl.constexpr,     # upcast dot operands to float32 (interpreter only, see _mm)
     USE_PDL: tl.constexpr,     # launched with programmatic dependent launch (kernels/pdl.py)
 ):
-    """Program ``(s, kvh, j)``: keys ``[lo, L)`` with ``lo = max(0, L - window)`` (0 without a
+    """Program ``(kvh, s, j)``: keys ``[lo, L)`` with ``lo = max(0, L - window)`` (0 without a
     window) are cut into ``T = cdiv(L - lo, BLOCK_N)`` tiles; split ``j`` takes tiles
     ``[j * c, (j + 1) * c)``, ``c = cdiv(T, NUM_SPLITS)``, so ``U = cdiv(T, c)`` splits have keys
     and the rest exit. Each runs the online softmax of the ``GROUP`` query heads of KV head ``kvh``
@@ -417,8 +419,8 @@ def _decode_kernel(
     cache. The slot must be position ``L - 1``'s (the scheduler's decode contract). With
     ``PREFETCH`` each split loads its first key tile before the PDL wait (the cache changes only at
     ``L - 1`` in this step, and that key and value are put into the tile from registers)."""
-    seq = tl.program_id(0)
-    kvh = tl.program_id(1)
+    kvh = tl.program_id(0)          # the grid's fastest axis: a sequence's KV heads launch together
+    seq = tl.program_id(1)
     split = tl.program_id(2)
     table = block_tables_ptr + seq.to(tl.int64) * stride_bt
     if INPUTS_READY:                       # step inputs: read them while the previous kernel finishes
@@ -774,6 +776,8 @@ def _launch_decode(q, key_cache, value_cache, block_tables, seq_lens, scale, sli
         out = torch.empty_like(q, memory_format=torch.contiguous_format)
     if num_seqs == 0:
         return out
+    if num_seqs > 65535:                    # the grid's second axis
+        _fail(fn, "seq_lens", "at most 65535 sequences a launch", num_seqs)
     group = heads // kv_heads
     prefetch = bool(inputs_ready and cache_ready) and rope_cache is not None
     cfg = config or _pick_config(dim, triton.next_power_of_2(group), decode=True,
@@ -793,7 +797,7 @@ def _launch_decode(q, key_cache, value_cache, block_tables, seq_lens, scale, sli
                      rc.value.stride(0), rc.value.stride(1), rc.cos.stride(0))
         rope_meta = dict(ROPE=True, HALF=rc.cos.shape[1], GPTJ=rc.layout is RopeLayout.GPTJ)
     k_new, v_new, cos, sin, slots, *rope_strides = rope_args
-    _decode_kernel[(num_seqs, kv_heads, num_splits)](
+    _decode_kernel[(kv_heads, num_seqs, num_splits)](
         q, key_cache, value_cache, out, part_acc, part_ml, counters, block_tables, seq_lens,
         k_new, v_new, cos, sin, slots, q if alibi_slopes is None else alibi_slopes,
         float(scale), float(soft_cap), int(sliding_window), num_seqs,

@@ -267,6 +267,10 @@ def test_decode_errors_name_the_argument():
         paged_attention_decode(q, kc, vc, bt, sl, scale=0.1, num_splits=0)
     with pytest.raises(GraphDSLError, match=r"soft_cap must be a float >= 0, got -1.0"):
         paged_attention_decode(q, kc, vc, bt, sl, scale=0.1, soft_cap=-1.0)
+    n = 65536                                # one more sequence than the grid's second axis holds
+    with pytest.raises(GraphDSLError, match=r"seq_lens must be at most 65535 sequences a launch, got 65536"):
+        paged_attention_decode(q[:1].expand(n, -1, -1), kc, vc, bt[:1].expand(n, -1).contiguous(),
+                               sl[:1].expand(n).contiguous(), scale=0.1)
 
 
 # -- decode fused with RoPE + cache write (the rope_cache_attention op) ---------------------------
