@@ -5,7 +5,8 @@ with the bytes of logits it must read at least once.
     python benchmarks/sampling.py [--vocab 128256] [--rows 1 64 256]
 
 GPU time is measured by replaying one captured call (so launch gaps do not count), host time by
-launching calls back to back. A sampler whose host time exceeds a decode step's GPU time stalls the
+launching calls back to back. Each ``sample`` call also counts its tokens for the penalties and
+writes them into a next-step input buffer, as the serving loop's calls do. A sampler whose host time exceeds a decode step's GPU time stalls the
 overlapped loop; its GPU time adds to every step.
 """
 from __future__ import annotations
@@ -57,7 +58,10 @@ def main(argv=None) -> int:
         for r in range(R):
             pen.reset(r, list(range(r, r + 50)), list(range(100, 120)))
         ctr = torch.arange(R, dtype=torch.int64, device=dev)
-        cases = [(name, lambda st, x: sample(x, st, ctr, penalties=pen if st.any_penalty else None))
+        ids = torch.zeros(R, dtype=torch.int64, device=dev)
+        # as the serving loop calls it: the draw also counts the tokens and writes the next inputs
+        cases = [(name, lambda st, x: sample(x, st, ctr, penalties=pen if st.any_penalty else None, record=True,
+                                             into=ids))
                  for name in CASES]
         cases.append(("compute_logprobs(5)", None))
         for name, fn in cases:

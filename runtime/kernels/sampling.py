@@ -10,7 +10,8 @@ generated tokens (counts per request slot, kept on the device).
 ``argmax``: a row argmax spread over the GPU, optionally advancing decode inputs (the decode
 graph's greedy epilogue).
 
-``gumbel_argmax``: for row ``r`` of ``x[R, V]`` and ``thr[r]``::
+``gumbel_argmax``: for row ``r`` of ``x[R, V]`` and ``thr[r]`` (its finishing launch can also write
+the tokens into the next step's inputs and count them for the penalties)::
 
     token[r] = argmax_{t : x[r, t] >= thr[r]}  x[r, t] + g(seed[r], counter[r], t)
     g = -log(-log(u)),  u = (hash32(seed, counter, t) >> 9 + 0.5) / 2**23   in (0, 1)
@@ -71,12 +72,17 @@ def _gumbel_argmax_kernel(
     V,                # vocabulary size
     SLICE,            # tokens per program (a multiple of BLOCK)
     S,                # slices per row
+    temp_ptr,         # MIXED: float32 [R] temperatures; rows at 0 take the plain argmax of x
     NOISE: tl.constexpr,   # False: a plain argmax of x (thr, seed and counter unused)
     BLOCK: tl.constexpr,
+    MIXED: tl.constexpr = False,
 ):
     row = tl.program_id(0)
     sl = tl.program_id(1)
     if NOISE:
+        greedy = False
+        if MIXED:
+            greedy = tl.load(temp_ptr + row) == 0.0
         thr = tl.load(thr_ptr + row)
         seed = tl.load(seed_ptr + row)
         s_lo = seed & 0xFFFFFFFF
@@ -96,6 +102,8 @@ def _gumbel_argmax_kernel(
             u = ((h >> 9).to(tl.float32) + 0.5) * (1.0 / 8388608.0)
             g = -tl.log(-tl.log(u))
             score = tl.where(inside & (x >= thr), x + g, float("-inf"))
+            if MIXED:
+                score = tl.where(greedy, x, score)
         else:
             score = x
         bmax = tl.max(score, axis=0)
@@ -237,8 +245,15 @@ def _check(x: torch.Tensor, thr: torch.Tensor, seed: torch.Tensor, counter: torc
                                 f"{t.dtype} {list(t.shape)} (stride {t.stride()}) on {t.device}")
 
 
-def gumbel_argmax(x: torch.Tensor, thr: torch.Tensor, seed: torch.Tensor, counter: torch.Tensor) -> torch.Tensor:
-    """The draw of the module docstring on ``x``'s device: int64 ``[R]``. Launches one program per row."""
+def gumbel_argmax(x: torch.Tensor, thr: torch.Tensor, seed: torch.Tensor, counter: torch.Tensor, *,
+                  temperature: torch.Tensor | None = None, ids: torch.Tensor | None = None,
+                  record: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+    """The draw of the module docstring on ``x``'s device: int64 ``[R]``, in two launches (the
+    slices, then one program a row picking the best slice). ``temperature`` (float32 ``[R]``):
+    rows at 0 take the plain argmax of ``x`` instead. In the second launch, optionally:
+    ``ids`` (int64 ``[R]``) receives the tokens too (the next decode step's inputs), and
+    ``record = (slot [R] int64, counts [slots, V] int32)`` adds one to ``counts[slot[r], token[r]]``
+    for rows with ``slot[r] >= 0`` (each slot at most one row)."""
     _check(x, thr, seed, counter)
     R, V = x.shape
     block = 1024
@@ -247,11 +262,32 @@ def gumbel_argmax(x: torch.Tensor, thr: torch.Tensor, seed: torch.Tensor, counte
     arg = torch.empty(R, S, dtype=torch.int64, device=x.device)
     if R == 0:
         return arg[:, 0]
-    _gumbel_argmax_kernel[(R, S)](x, x.stride(0), thr, seed, counter, best, arg, V, slice_, S, NOISE=True,
-                                  BLOCK=block, num_warps=4)
-    if S == 1:
+    _gumbel_argmax_kernel[(R, S)](x, x.stride(0), thr, seed, counter, best, arg, V, slice_, S,
+                                  x if temperature is None else temperature, NOISE=True, BLOCK=block,
+                                  MIXED=temperature is not None, num_warps=4)
+    return _finish(best, arg, V, ids=ids, record=record)
+
+
+def _finish(best, arg, V: int, *, advance=None, ids=None, record=None) -> torch.Tensor:
+    """``_argmax_finish_kernel`` over the slices' winners ``best``/``arg`` [R, S]."""
+    R, S = best.shape
+    if S == 1 and advance is None and ids is None and record is None:
         return arg[:, 0]
-    return arg.gather(1, best.argmax(dim=1, keepdim=True)).squeeze(1)   # first slice on ties: lowest id
+    out = torch.empty(R, dtype=torch.int64, device=best.device)
+    for name, t, dt in (("ids", ids, torch.int64), ("record's slot", None if record is None else record[0],
+                                                    torch.int64)):
+        if t is not None and (t.shape != (R,) or t.dtype != dt or t.stride(0) != 1):
+            raise GraphDSLError(f"sampling: {name} must be a contiguous {dt} [{R}], got {t.dtype} {list(t.shape)}")
+    if record is not None and (record[1].dim() != 2 or record[1].shape[1] != V or record[1].dtype != torch.int32
+                               or not record[1].is_contiguous()):
+        raise GraphDSLError(f"sampling: record's counts must be a contiguous int32 [slots, {V}], got "
+                            f"{record[1].dtype} {list(record[1].shape)}")
+    adv_ids, pos, lens = advance if advance is not None else (ids if ids is not None else out, out, out)
+    slot, counts = record if record is not None else (out, out)
+    _argmax_finish_kernel[(R,)](best, arg, S, out, adv_ids, pos, lens, slot, counts, V, ADVANCE=advance is not None,
+                                BLOCK_S=max(2, triton.next_power_of_2(S)), IDS=ids is not None,
+                                RECORD=record is not None, num_warps=1)
+    return out
 
 
 @triton.jit
@@ -259,45 +295,58 @@ def _argmax_finish_kernel(
     best_ptr,         # float32 [R, S]: each slice's max
     arg_ptr,          # int64 [R, S]: its lowest token id
     S,
-    out_ptr,          # int64 [R]: the row's argmax, written
-    ids_ptr,          # int64 [R]: decode inputs advanced in place when ADVANCE (else unused)
+    out_ptr,          # int64 [R]: the row's token, written
+    ids_ptr,          # int64 [R]: decode inputs written (ADVANCE, IDS) (else unused)
     pos_ptr,          # int64 [R]
     lens_ptr,         # int32 [R]
+    slot_ptr,         # RECORD: int64 [R] penalty slot of each row (< 0: none)
+    counts_ptr,       # RECORD: int32 [slots, V] generated-token counts
+    V,
     ADVANCE: tl.constexpr,
     BLOCK_S: tl.constexpr,
+    IDS: tl.constexpr = False,
+    RECORD: tl.constexpr = False,
 ):
-    """token = the lowest id of the best slice; with ADVANCE, the next decode step's inputs:
-    input_ids <- token, and positions, seq_lens + 1 where seq_lens > 0 (padding rows stay)."""
+    """token = the lowest id of the best slice. ADVANCE: the next decode step's inputs,
+    input_ids <- token, and positions, seq_lens + 1 where seq_lens > 0 (padding rows stay);
+    IDS: input_ids <- token only; RECORD: counts[slot, token] += 1 where slot >= 0 (one row a
+    slot, so no atomics)."""
     row = tl.program_id(0)
     j = tl.arange(0, BLOCK_S)
     b = tl.load(best_ptr + row * S + j, mask=j < S, other=float("-inf"))
     pick = tl.argmax(b, axis=0)
     tok = tl.load(arg_ptr + row * S + pick)
     tl.store(out_ptr + row, tok)
-    if ADVANCE:
+    if ADVANCE or IDS:
         tl.store(ids_ptr + row, tok)
+    if ADVANCE:
         n = tl.load(lens_ptr + row)
         step = (n > 0).to(tl.int32)
         tl.store(lens_ptr + row, n + step)
         tl.store(pos_ptr + row, tl.load(pos_ptr + row) + step.to(tl.int64))
+    if RECORD:
+        slot = tl.load(slot_ptr + row)
+        if slot >= 0:
+            c = counts_ptr + slot * V + tok
+            tl.store(c, tl.load(c) + 1)
 
 
-def argmax(x: torch.Tensor, advance: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+def argmax(x: torch.Tensor, advance: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None, *,
+           ids: torch.Tensor | None = None, record: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
     """Row argmax of float32 ``x`` [R, V] (lowest id on ties) in two launches that fill the GPU even
     at R = 1 (``torch.argmax`` reduces a row in one block). ``advance = (input_ids, positions,
     seq_lens)`` ([R] each, contiguous) also moves decode inputs to the next step, as the finish
-    kernel's docstring says (the decode graph's epilogue)."""
+    kernel's docstring says (the decode graph's epilogue); ``ids`` and ``record`` as for
+    :func:`gumbel_argmax`."""
     if x.dim() != 2 or x.dtype != torch.float32 or x.stride(1) != 1:
         raise GraphDSLError(f"argmax: x must be a float32 [R, V] tensor with unit stride in V, got "
                             f"{tuple(x.shape)} {x.dtype} strides {tuple(x.stride())}")
     R, V = x.shape
-    out = torch.empty(R, dtype=torch.int64, device=x.device)
     if R == 0:
-        return out
+        return torch.empty(R, dtype=torch.int64, device=x.device)
     if advance is not None:
-        ids, pos, lens = advance
-        for name, t, dt in (("input_ids", ids, torch.int64), ("positions", pos, torch.int64),
-                            ("seq_lens", lens, torch.int32)):
+        for name, t, dt in zip(("input_ids", "positions", "seq_lens"), advance,
+                               (torch.int64, torch.int64, torch.int32)):
             if t.shape != (R,) or t.dtype != dt or t.stride(0) != 1:
                 raise GraphDSLError(f"argmax: advance's {name} must be a contiguous {dt} [{R}], got {t.dtype} "
                                     f"{list(t.shape)}")
@@ -305,12 +354,9 @@ def argmax(x: torch.Tensor, advance: tuple[torch.Tensor, torch.Tensor, torch.Ten
     slice_, S = _slices(R, V, block)
     best = torch.empty(R, S, dtype=torch.float32, device=x.device)
     arg = torch.empty(R, S, dtype=torch.int64, device=x.device)
-    _gumbel_argmax_kernel[(R, S)](x, x.stride(0), x, x, x, best, arg, V, slice_, S, NOISE=False, BLOCK=block,
+    _gumbel_argmax_kernel[(R, S)](x, x.stride(0), x, x, x, best, arg, V, slice_, S, x, NOISE=False, BLOCK=block,
                                   num_warps=4)
-    ids, pos, lens = advance if advance is not None else (out, out, out)
-    _argmax_finish_kernel[(R,)](best, arg, S, out, ids, pos, lens, ADVANCE=advance is not None,
-                                BLOCK_S=max(2, triton.next_power_of_2(S)), num_warps=1)
-    return out
+    return _finish(best, arg, V, advance=advance, ids=ids, record=record)
 
 
 # -- the same function in torch -------------------------------------------------------------------

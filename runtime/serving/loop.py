@@ -195,14 +195,11 @@ class ServingLoop:
         raw = logits.clone() if asked else logits          # sample() may change logits in place
         if greedy is not None and st.all_greedy and not st.any_penalty and banned is None:
             tokens = greedy
-        else:
+        else:       # counted for the penalties, and written as the next step's inputs, by the draw
             tokens = sample(logits, st, counters, penalties=self._penalties if st.any_penalty else None,
-                            banned=banned)
-        if st.any_penalty:
-            self._penalties.record(st.slot, tokens)
+                            banned=banned, record=True,
+                            into=rows.bufs["input_ids"][:len(chunks)] if rows is not None else None)
         lp = compute_logprobs(raw, tokens, max(asked)) if asked else None
-        if rows is not None and tokens is not greedy:
-            rows.bufs["input_ids"][:len(chunks)].copy_(tokens)      # the next step's inputs
         return self._read_back(batch, tokens, lp, prompt_rows, reqs)
 
     def _to_host(self, t: torch.Tensor) -> torch.Tensor:

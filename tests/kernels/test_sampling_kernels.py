@@ -133,3 +133,61 @@ def test_logprobs_kernel_ties_go_to_the_lowest_id():
     ids, top, _, rank = logprobs(logits, torch.tensor([3], device=DEV), 4)
     assert ids.tolist() == [[1, 3, 4, 2]] and rank.tolist() == [1]
     assert top[0, 0] == top[0, 1] == top[0, 2] > top[0, 3]
+
+
+def test_draw_writes_next_inputs_and_counts_and_keeps_greedy_rows():
+    """The finishing launch writes the tokens into ``ids`` and counts them per penalty slot; rows at
+    temperature 0 in a sampled batch take the plain argmax."""
+    from graphdsl.runtime.kernels.sampling import argmax
+    g = torch.Generator().manual_seed(3)
+    R, V = 4, 3000
+    x = (torch.randn(R, V, generator=g) * 2).to(DEV)
+    thr = torch.full((R,), float("-inf"), device=DEV)
+    seed = torch.arange(R, dtype=torch.int64, device=DEV) + 11
+    ctr = torch.full((R,), 5, dtype=torch.int64, device=DEV)
+    temp = torch.tensor([0.7, 0.0, 1.0, 0.0], device=DEV)
+    slot = torch.tensor([2, -1, 0, 1], dtype=torch.int64, device=DEV)
+    counts = torch.zeros(3, V, dtype=torch.int32, device=DEV)
+    ids = torch.full((R,), -1, dtype=torch.int64, device=DEV)
+    tok = gumbel_argmax(x, thr, seed, ctr, temperature=temp, ids=ids, record=(slot, counts))
+    drawn = gumbel_argmax_reference(x, thr, seed, ctr)
+    want = torch.where(temp > 0, drawn, x.argmax(dim=1))
+    assert tok.tolist() == ids.tolist() == want.tolist()
+    expect = torch.zeros_like(counts)
+    for r, s in enumerate(slot.tolist()):
+        if s >= 0:
+            expect[s, want[r]] += 1
+    assert torch.equal(counts, expect)
+    tok2 = argmax(x, ids=ids, record=(slot, counts))             # greedy: the same launch does both
+    assert tok2.tolist() == ids.tolist() == x.argmax(dim=1).tolist()
+    for r, s in enumerate(slot.tolist()):
+        if s >= 0:
+            expect[s, tok2[r]] += 1
+    assert torch.equal(counts, expect)
+    with pytest.raises(Exception, match=r"record's counts must be a contiguous int32 \[slots, 3000\]"):
+        argmax(x, record=(slot, counts.to(torch.int64)))
+
+
+def test_sampler_records_and_writes_inputs_like_the_reference():
+    """``sample(record=True, into=...)`` on the kernel path: same tokens, counts and inputs as the
+    torch path (penalties, top-k and top-p, a greedy row among sampled ones)."""
+    from graphdsl.runtime.serving.sampler import PenaltyState
+    g = torch.Generator().manual_seed(4)
+    R, V = 3, 5000
+    logits = (torch.randn(R, V, generator=g) * 2).to(DEV)
+    rows = _rows(R, top_k=50, top_p=0.9, presence_penalty=0.5, frequency_penalty=0.5)
+    for i, r in enumerate(rows):
+        r["slot"] = i
+    rows[1]["temperature"] = 0.0
+    st = SamplingTensors.build(rows, DEV)
+    ctr = torch.tensor([7, 8, 9], dtype=torch.int64, device=DEV)
+    out = {}
+    for cuda in (True, False):
+        pen = PenaltyState(R, V, DEV)
+        pen.reset(0, [1, 2], [3, 3])
+        into = torch.zeros(R, dtype=torch.int64, device=DEV)
+        tok = _sample(logits.clone(), st, ctr, pen, None, cuda, record=True, into=into)
+        out[cuda] = (tok.cpu(), into.cpu(), pen.counts.cpu())
+    assert all(torch.equal(a, b) for a, b in zip(out[True], out[False]))
+    assert out[True][0].tolist() == out[True][1].tolist()
+    assert int(out[True][2].sum()) == 2 + R                       # the reset's two tokens, one per row
