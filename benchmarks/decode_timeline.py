@@ -1,11 +1,11 @@
 """Where a graph-replayed decode step's time goes: each kernel's share of the critical path.
 
-    python benchmarks/decode_timeline.py --shape llama-3.2-1b [--context 512] [--steps 5]
+    python benchmarks/decode_timeline.py --shape llama-3.2-1b [--context 512] [--steps 5] [--batch 1]
 
 With programmatic dependent launch a kernel starts while its predecessor runs and then waits, so
 kernel *durations* overlap and do not add up to the step. What does add up is each kernel's
 **increment**: its end time minus the latest end time of the kernels before it. This script
-replays ``--steps`` batch-1 decode steps (what ``LLM`` runs) under ``torch.profiler``, sorts the
+replays ``--steps`` decode steps of ``--batch`` sequences (what ``LLM`` runs) under ``torch.profiler``, sorts the
 recorded kernels by start time, and prints per kernel family: calls per step, increment per step
 and per call, and the mean duration; then one layer's kernels in order (start, end, duration
 relative to the layer's first kernel). Increments of kernels outside the graph (input copies) also
@@ -75,16 +75,17 @@ def main(argv=None) -> int:
     ap.add_argument("--shape", required=True, choices=sorted(SHAPES))
     ap.add_argument("--context", type=int, default=512)
     ap.add_argument("--steps", type=int, default=5)
+    ap.add_argument("--batch", type=int, default=1, help="sequences a step (each at --context)")
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
         print("decode_timeline.py needs a CUDA GPU", file=sys.stderr)
         return 2
     import graphdsl as gd
-    llm, inputs = batch_decode(gd, args.shape, args.context)
+    llm, inputs = batch_decode(gd, args.shape, args.context, batch=args.batch)
     events = kernel_events(llm, inputs, args.steps)
     inc, dur, calls = increments(events)
     n = args.steps
-    print(f"## {args.shape} batch 1, ctx {args.context} — {device_line()}\n")
+    print(f"## {args.shape} batch {args.batch}, ctx {args.context} — {device_line()}\n")
     print(f"sum of increments {sum(inc.values()) / n:.0f} µs/step over {len(events) / n:.0f} kernels/step\n")
     print("| kernel | calls/step | increment µs/step | increment µs/call | mean duration µs |")
     print("|---|---:|---:|---:|---:|")

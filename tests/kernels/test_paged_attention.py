@@ -273,6 +273,18 @@ def test_decode_errors_name_the_argument():
                                sl[:1].expand(n).contiguous(), scale=0.1)
 
 
+def test_first_tile_prefetch_only_where_it_pays():
+    """The first key tile is read before the PDL wait except in one-split grids of many waves with
+    64 x 128 tiles (the launcher's rule; on this CPU device the grid counts 4 SMs)."""
+    from graphdsl.runtime.kernels.paged_attention import _prefetch_first_tile
+    cpu = torch.device("cpu")
+    assert _prefetch_first_tile(1, 8, 16, 128, 4, cpu)            # batch 1, split: one wave
+    assert not _prefetch_first_tile(256, 8, 1, 128, 4, cpu)       # 2048 programs of 64 x 128 tiles
+    assert _prefetch_first_tile(256, 8, 1, 64, 4, cpu)            # head_dim 64: a 4096-element tile
+    assert _prefetch_first_tile(256, 8, 2, 128, 4, cpu)           # split grids keep it
+    assert _prefetch_first_tile(1, 8, 1, 128, 4, cpu)             # 8 programs, two per SM
+
+
 # -- decode fused with RoPE + cache write (the rope_cache_attention op) ---------------------------
 RCA_REF = get_op("rope_cache_attention").reference
 
