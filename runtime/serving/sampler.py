@@ -203,7 +203,7 @@ def _sample(logits, st, counters, penalties, banned, cuda: bool, record: bool = 
         hits.scatter_add_(1, banned.clamp(min=0), (banned >= 0).to(torch.int32))   # pads (-1) add 0
         l = l.masked_fill_(hits > 0, float("-inf"))
     use_pen = penalties is not None and st.any_penalty
-    record = record and penalties is not None and st.any_penalty
+    record = record and use_pen
     from graphdsl.runtime.kernels import sampling as K
     if cuda:
         x = K.penalize(l, st.temperature, st.slot, st.repetition_penalty, st.presence_penalty, st.frequency_penalty,

@@ -166,6 +166,10 @@ def test_draw_writes_next_inputs_and_counts_and_keeps_greedy_rows():
     assert torch.equal(counts, expect)
     with pytest.raises(Exception, match=r"record's counts must be a contiguous int32 \[slots, 3000\]"):
         argmax(x, record=(slot, counts.to(torch.int64)))
+    with pytest.raises(Exception, match=r"ids must be a contiguous torch.int64 \[4\], got torch.int32 \[4\]"):
+        argmax(x, ids=ids.to(torch.int32))
+    with pytest.raises(Exception, match=r"record's slot must be a contiguous torch.int64 \[4\], got torch.int64 \[2\]"):
+        gumbel_argmax(x, thr, seed, ctr, record=(slot[:2], counts))
 
 
 def test_sampler_records_and_writes_inputs_like_the_reference():
