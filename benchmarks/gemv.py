@@ -1,6 +1,6 @@
 """Decode GEMV (runtime/kernels/gemv.py) against cuBLAS on the projections of real shapes.
 
-    python benchmarks/gemv.py [--sweep] [--rows 1,16] [--only 8b.o,1b.down]
+    python benchmarks/gemv.py [--sweep] [--rows 1,16] [--only 8b.o,1b.down] [--mid-rows 32,64,128,256]
 
 For each projection weight [N, K] of Llama-3-8B and Llama-3.2-1B and each row count M: checks the
 kernel against a float32 ``x @ w.T`` and prints µs and the % of the copy bandwidth (measured in
@@ -13,7 +13,10 @@ step), and the time per launch is the replay time over the copies, so launch gap
 are included. ``--sweep`` also times a grid of launches per shape and M and prints the best, to
 tune ``_pick_config``. A second table times the gate/up projections with the SwiGLU in the GEMV's
 epilogue (``gemv(..., silu_mul=True)``, the ``matmul_silu_mul`` op) against the GEMV followed by
-the generated ``silu_mul`` kernel, and checks the two give the same bits.
+the generated ``silu_mul`` kernel, and checks the two give the same bits. A third (``--mid-rows``,
+decode batches of 17-256) times the gate/up projections through the tiled SwiGLU GEMM
+(``runtime/kernels/swiglu_gemm.py``) against cuBLAS's product then ``silu_mul``, the path it
+replaces; with ``--mid-sweep`` it also prints the best launches of a grid.
 """
 from __future__ import annotations
 
@@ -70,6 +73,9 @@ def main(argv=None) -> int:
     ap.add_argument("--sweep", action="store_true", help="time a grid of launches and print the best")
     ap.add_argument("--rows", default="1,8,16", help="row counts M (comma-separated)")
     ap.add_argument("--only", default="", help="comma-separated shape names (default: all)")
+    ap.add_argument("--mid-rows", default="32,64,128,256",
+                    help="row counts for the tiled SwiGLU GEMM table (comma-separated; empty: skip it)")
+    ap.add_argument("--mid-sweep", action="store_true", help="time a grid of tiled SwiGLU GEMM launches too")
     args = ap.parse_args(argv)
     from graphdsl.runtime.kernels.gemv import GemvWorkspace, _pick_config, gemv
     rows = [int(r) for r in args.rows.split(",")]
@@ -113,6 +119,8 @@ def main(argv=None) -> int:
                 print(f"|  best {rank} | {m} | | | {us:.1f} | {pct(us):.1f}% | {b['BLOCK_N']}x{b['BLOCK_K']} split "
                       f"{b['SPLIT_K']} st {b['num_stages']} w {b['num_warps']} | |", flush=True)
     swiglu_table([n for n in names if n.endswith("gate_up")], rows, copy, ws)
+    mid_rows = [int(r) for r in args.mid_rows.split(",") if r]
+    mid_swiglu_table([n for n in names if n.endswith("gate_up")], mid_rows, copy, args.mid_sweep)
     if best_table:
         print("\nbest launches:", {f"{k[0]}@{k[1]}": (round(v[0], 1), v[1]) for k, v in best_table.items()})
     return 0
@@ -145,6 +153,59 @@ def swiglu_table(names: list[str], rows: list[int], copy: float, ws) -> None:
         t_two, t_one = replay_us(two, c), replay_us(one, c)
         pct = 100 * (n * k + m * (k + n // 2)) * 2 / (t_one * 1e-6) / 1e9 / copy
         print(f"| {name} [{n}, {k}] | {m} | {t_two:.1f} | {t_one:.1f} | {pct:.1f}% | {same} |", flush=True)
+
+
+def mid_swiglu_grid():
+    for bm, bn, bk, stages, warps in itertools.product((64, 128), (64, 128), (64, 128), (3, 4), (4, 8)):
+        if (bm + 2 * bn) * bk * 2 * stages <= 200 * 1024:
+            yield dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, STAGES=stages, num_warps=warps)
+
+
+def mid_swiglu_table(names: list[str], rows: list[int], copy: float, sweep: bool) -> None:
+    """µs per gate/up projection + SwiGLU at 17-256 rows: cuBLAS then ``silu_mul`` vs the tiled GEMM."""
+    from graphdsl.runtime.codegen.ops import silu_mul
+    from graphdsl.runtime.kernels.swiglu_gemm import launch_for, swiglu_gemm
+    if not names or not rows:
+        return
+    print("\n| gate/up + SwiGLU, mid rows | M | cuBLAS + silu_mul µs | swiglu_gemm µs | speedup | "
+          "TFLOP/s | % copy | launch | max rel err |")
+    print("|---|---:|---:|---:|---:|---:|---:|---|---:|")
+    for name, n, k, weights, m, x in cases(names, rows):
+        c = len(weights)
+        prod = torch.empty(m, n, device="cuda", dtype=torch.bfloat16)
+        act = torch.empty(m, n // 2, device="cuda", dtype=torch.bfloat16)
+        fused = torch.empty_like(act)
+
+        def two():
+            for w in weights:
+                torch.matmul(x, w.T, out=prod)
+                silu_mul(prod, out=act)
+
+        def one(cfg=None):
+            for w in weights:
+                swiglu_gemm(x, w, out=fused, config=cfg)
+        two()
+        one()
+        err = ((fused.float() - act.float()).abs().max() / act.float().abs().max()).item()
+        t_two, t_one = replay_us(two, c), replay_us(one, c)
+        tflops = 2 * m * n * k / (t_one * 1e-6) / 1e12
+        pct = 100 * (n * k + m * (k + n // 2)) * 2 / (t_one * 1e-6) / 1e9 / copy
+        cfg = launch_for(m, k)      # None: the backend keeps cuBLAS + silu_mul at this M (timed: the fallback tile)
+        launch = "cuBLAS kept" if cfg is None else \
+            f"{cfg['BLOCK_M']}x{cfg['BLOCK_N']}x{cfg['BLOCK_K']} st {cfg['STAGES']} w {cfg['num_warps']}"
+        print(f"| {name} [{n}, {k}] | {m} | {t_two:.1f} | {t_one:.1f} | {t_two / t_one:.2f}x | {tflops:.0f} | "
+              f"{pct:.1f}% | {launch} | {err:.1e} |", flush=True)
+        if sweep:
+            timed = []
+            for cfg in mid_swiglu_grid():
+                try:
+                    timed.append((replay_us(lambda: one(cfg), c), cfg))
+                except Exception as e:  # a launch the compiler rejects (shared memory) is skipped
+                    print(f"  skipped {cfg}: {type(e).__name__}", flush=True)
+            timed.sort(key=lambda r: r[0])
+            for rank, (us, b) in enumerate(timed[:3], 1):
+                print(f"|  best {rank} | {m} | | {us:.1f} | {t_two / us:.2f}x | | | {b['BLOCK_M']}x{b['BLOCK_N']}x"
+                      f"{b['BLOCK_K']} st {b['STAGES']} w {b['num_warps']} | |", flush=True)
 
 
 if __name__ == "__main__":

@@ -135,14 +135,18 @@ def test_tiny_block_triton_engine_matches_reference_with_fewer_launches():
     assert "fused kernels: 8" in eng.summary() and "backend=triton" in eng.summary()
 
 
-@pytest.mark.parametrize("num_tokens", [3, 20])
+@pytest.mark.parametrize("num_tokens", [3, 20, 64])
 def test_tiny_block_fp16_projections_run_as_decode_gemvs(num_tokens, monkeypatch):
-    """In fp16 with <= 16 tokens every weight projection runs as the decode GEMV; with 20 tokens
-    the same graph goes to cuBLAS (torch.matmul); both match the unfused torch reference."""
+    """In fp16 with <= 16 tokens every weight projection runs as the decode GEMV; with 64 tokens
+    the gate/up projections run the tiled SwiGLU GEMM (a row count where it beats cuBLAS) and the
+    others cuBLAS (torch.matmul); with 20 all go to cuBLAS; all match the unfused torch reference."""
     import graphdsl.runtime.kernels.gemv as gemv_module
-    calls = []
-    real = gemv_module.gemv
+    import graphdsl.runtime.kernels.swiglu_gemm as swiglu_module
+    calls, swiglu_calls = [], []
+    real, real_swiglu = gemv_module.gemv, swiglu_module.swiglu_gemm
     monkeypatch.setattr(gemv_module, "gemv", lambda *a, **k: calls.append(a[1].shape) or real(*a, **k))
+    monkeypatch.setattr(swiglu_module, "swiglu_gemm",
+                        lambda *a, **k: swiglu_calls.append(a[1].shape) or real_swiglu(*a, **k))
     dt = torch.float16
     w, feed = tiny_block.weights(2, dtype=dt), tiny_block.inputs(num_tokens, dtype=dt)
     net = tiny_block.build(2, dtype=dt)
@@ -157,11 +161,12 @@ def test_tiny_block_fp16_projections_run_as_decode_gemvs(num_tokens, monkeypatch
     torch.testing.assert_close(got, want, rtol=2e-2, atol=2e-2)
     matmuls = [n for n in eng.net.nodes if n.op in ("matmul", "matmul_add", "matmul_silu_mul")]
     assert len(calls) == (len(matmuls) if num_tokens <= 16 else 0) and len(matmuls) == 9
-    # the gate/up GEMMs with the SwiGLU epilogue: past 16 rows the product sits in a planned workspace
     swiglu = [n.name for n in matmuls if n.op == "matmul_silu_mul"]
+    assert len(swiglu_calls) == (2 if num_tokens == 64 else 0)
+    # the gate/up GEMMs through cuBLAS (20 tokens): the product sits in a planned workspace
     assert len(swiglu) == 2 and sorted(eng.last_plan.memory.workspace_slots) == sorted(swiglu)
     (arena,) = [a.untyped_storage().data_ptr() for a in eng._arenas.values()]
-    assert [x.untyped_storage().data_ptr() for x in scratch] == ([] if num_tokens <= 16 else [arena] * 2)
+    assert [x.untyped_storage().data_ptr() for x in scratch] == ([arena] * 2 if num_tokens == 20 else [])
 
 
 # -- property test: random pointwise/reduction networks x random pass subsets -------------------
