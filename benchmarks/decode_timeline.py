@@ -42,11 +42,11 @@ def kernel_events(llm, inputs: dict, steps: int) -> list[dict]:
 
     from graphdsl.layers import Phase
     for _ in range(5):
-        llm.model.execute(Phase.DECODE, inputs)
+        llm.model.execute(Phase.DECODE, inputs, float_logits=False)
     torch.cuda.synchronize()
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         for _ in range(steps):
-            llm.model.execute(Phase.DECODE, inputs)
+            llm.model.execute(Phase.DECODE, inputs, float_logits=False)
         torch.cuda.synchronize()
     with tempfile.TemporaryDirectory() as tmp:
         path = os.path.join(tmp, "trace.json")

@@ -53,7 +53,7 @@ def measure(hf: dict, rules, *, device: str = "cuda", dtype: str = "bfloat16", c
     random_kv(llm)
     gen = torch.Generator(device=device).manual_seed(0)
     inputs, _ = _decode_inputs(llm, 1, context, gen)
-    ms = timer(lambda: llm.model.execute(Phase.DECODE, inputs))
+    ms = timer(lambda: llm.model.execute(Phase.DECODE, inputs, float_logits=False))
     out = dict(ms=ms, resident=resident, load_s=load_s, tokens=out_tokens)
     del llm, inputs
     gc.collect()

@@ -9,7 +9,8 @@ Reports, on one device (see docs/performance.md for how each figure is defined):
 * the ceilings: device-to-device copy bandwidth (bytes read + written) and bf16 matmul TFLOP/s
   (``benchmarks/common.py``);
 * decode steps at 512 tokens of context, batch 1/8/64/256: ms per step (``do_bench`` median of
-  ``model.execute(Phase.DECODE, ...)``, the call ``LLM`` makes each step), tokens/s, and % of the
+  ``model.execute(Phase.DECODE, ..., float_logits=False)``: the decode graph a greedy ``LLM`` step
+  replays, with the step's inputs copied in and the logits left in the model's dtype), tokens/s, and % of the
   roofline: (every weight but the embedding table + the KV cache read) / copy bandwidth;
 * end-to-end ``LLM.generate`` decode time per token (scheduler, sampling and host work included):
   prompts of ``CONTEXT - 1`` tokens, (generate ``E2E + 1`` tokens - generate 1 token) / ``E2E``
@@ -318,7 +319,7 @@ def measure_graphdsl(shape: str, *, hf: dict | None = None, device="cuda", dtype
     res["decode"] = {}
     for b in batches:
         inputs, ids = _decode_inputs(llm, b, context, gen)
-        ms = timer(lambda: llm.model.execute(Phase.DECODE, inputs))
+        ms = timer(lambda: llm.model.execute(Phase.DECODE, inputs, float_logits=False))
         _free(llm, ids)
         res["decode"][b] = ms
         _log(f"decode batch {b}: {ms:.3f} ms/step, {b / ms * 1e3:.0f} tokens/s")
@@ -329,7 +330,7 @@ def measure_graphdsl(shape: str, *, hf: dict | None = None, device="cuda", dtype
     mid = context + e2e_tokens // 2
     for b in e2e_batches:
         inputs, ids = _decode_inputs(llm, b, mid, gen)
-        res["decode_mid"][b] = timer(lambda: llm.model.execute(Phase.DECODE, inputs))
+        res["decode_mid"][b] = timer(lambda: llm.model.execute(Phase.DECODE, inputs, float_logits=False))
         _free(llm, ids)
         _log(f"decode batch {b} at ctx {mid}: {res['decode_mid'][b]:.3f} ms/step")
 

@@ -82,10 +82,10 @@ def main(argv=None) -> int:
 
     def engine_row(batch: int, used: int, target: float):
         inputs, ids = _decode_inputs(llm, batch, ctx, gen)
-        base = bench_ms(lambda: llm.model.execute(Phase.DECODE, inputs))
+        base = bench_ms(lambda: llm.model.execute(Phase.DECODE, inputs, float_logits=False))
         slots = llm.model.lora.slots_for([names[i % used] for i in range(batch)])
         lora_in = {**inputs, "lora_indices": torch.tensor(slots, dtype=torch.int32, device="cuda")}
-        lora = bench_ms(lambda: llm.model.execute(Phase.DECODE, lora_in))
+        lora = bench_ms(lambda: llm.model.execute(Phase.DECODE, lora_in, float_logits=False))
         if args.profile and batch > 1:
             from profile_decode import kernel_table
             for label, step_inputs in (("base", inputs), ("LoRA", lora_in)):

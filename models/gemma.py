@@ -140,4 +140,4 @@ class Gemma2ForCausalLM(LlamaForCausalLM):
     def forward(self, ctx: ForwardContext):
         logits = super().forward(ctx)
         cap = self.config.final_logit_softcapping
-        return logits if not cap else F.tanh(logits / cap) * cap
+        return logits if not cap else F.tanh(logits.float() / cap) * cap

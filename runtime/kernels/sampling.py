@@ -62,7 +62,7 @@ def _mix(x):
 
 @triton.jit
 def _gumbel_argmax_kernel(
-    x_ptr,            # float32 [R, V] (row stride x_stride): processed logits
+    x_ptr,            # float32 [R, V] (row stride x_stride): processed logits (any float dtype without NOISE)
     x_stride,
     thr_ptr,          # float32 [R]: keep tokens with x >= thr
     seed_ptr,         # int64 [R]: per-row seed
@@ -93,7 +93,7 @@ def _gumbel_argmax_kernel(
     for start in range(sl * SLICE, tl.minimum(sl * SLICE + SLICE, V), BLOCK):
         idx = start + tl.arange(0, BLOCK)
         inside = idx < V
-        x = tl.load(x_ptr + row * x_stride + idx, mask=inside, other=float("-inf"))
+        x = tl.load(x_ptr + row * x_stride + idx, mask=inside, other=float("-inf")).to(tl.float32)
         if NOISE:
             h = _mix((idx.to(tl.int64) + 0x9E3779B9) & 0xFFFFFFFF)
             h = _mix(h ^ ctr)
@@ -333,13 +333,14 @@ def _argmax_finish_kernel(
 
 def argmax(x: torch.Tensor, advance: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None, *,
            ids: torch.Tensor | None = None, record: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
-    """Row argmax of float32 ``x`` [R, V] (lowest id on ties) in two launches that fill the GPU even
-    at R = 1 (``torch.argmax`` reduces a row in one block). ``advance = (input_ids, positions,
+    """Row argmax of ``x`` [R, V] (float32, bfloat16 or float16; lowest id on ties) in two launches
+    that fill the GPU even at R = 1 (``torch.argmax`` reduces a row in one block). A 16-bit row
+    gives the token its float32 cast would: the cast is exact. ``advance = (input_ids, positions,
     seq_lens)`` ([R] each, contiguous) also moves decode inputs to the next step, as the finish
     kernel's docstring says (the decode graph's epilogue); ``ids`` and ``record`` as for
     :func:`gumbel_argmax`."""
-    if x.dim() != 2 or x.dtype != torch.float32 or x.stride(1) != 1:
-        raise GraphDSLError(f"argmax: x must be a float32 [R, V] tensor with unit stride in V, got "
+    if x.dim() != 2 or x.dtype not in (torch.float32, torch.bfloat16, torch.float16) or x.stride(1) != 1:
+        raise GraphDSLError(f"argmax: x must be a float32, bfloat16 or float16 [R, V] tensor with unit stride in V, got "
                             f"{tuple(x.shape)} {x.dtype} strides {tuple(x.stride())}")
     R, V = x.shape
     if R == 0:

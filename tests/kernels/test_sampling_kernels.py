@@ -4,6 +4,7 @@ sampler through the kernel equals the reference path."""
 import pytest
 import torch
 
+from graphdsl.errors import GraphDSLError
 from graphdsl.runtime.kernels.sampling import gumbel_argmax, gumbel_argmax_reference
 from graphdsl.runtime.serving.sampler import SamplingTensors, _sample, sample_reference
 
@@ -94,6 +95,22 @@ def test_argmax_and_advance(R, V):
     tok = argmax(x, advance=(ids, pos, lens))
     assert ids.tolist() == tok.tolist() == x.argmax(dim=1).tolist()
     assert pos.tolist() == [11 + i for i in range(R - 1)] + [9 + R] and lens.tolist() == [8] * (R - 1) + [0]
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_argmax_of_16_bit_logits_is_the_argmax_of_their_float32_cast(dtype):
+    """The decode graph takes the greedy token from the logits in the model's dtype: the same token
+    as the float32 copy would give, ties (many in 16 bits) going to the lowest id."""
+    from graphdsl.runtime.kernels.sampling import argmax
+    g = torch.Generator().manual_seed(5)
+    x = (torch.randn(6, 3000, generator=g) * 4).to(dtype).to(DEV)
+    x[1, 100] = x[1, 2500] = x[1].max() + 1                          # a tie: the lower id wins
+    x[2, :] = x[2, 7]                                                # a whole row of ties
+    want = argmax(x.float())
+    assert argmax(x).tolist() == want.tolist() == x.float().argmax(dim=1).tolist()
+    assert want[1] == 100 and want[2] == 0
+    with pytest.raises(GraphDSLError, match=r"float32, bfloat16 or float16 \[R, V\].*torch.int32"):
+        argmax(x.to(torch.int32))
 
 
 def test_noise_is_strictly_inside_zero_one():
