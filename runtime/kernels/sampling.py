@@ -117,7 +117,7 @@ def _gumbel_argmax_kernel(
 
 @triton.jit
 def _penalize_kernel(
-    l_ptr,            # float32 [R, V] (row stride l_stride): logits, read
+    l_ptr,            # float32, bfloat16 or float16 [R, V] (row stride l_stride): logits, read
     l_stride,
     x_ptr,            # float32 [R, V] contiguous: processed logits, written
     temp_ptr,         # float32 [R]: temperature (0 => greedy: no division)
@@ -146,7 +146,7 @@ def _penalize_kernel(
     for start in range(sl * SLICE, tl.minimum(sl * SLICE + SLICE, V), BLOCK):
         idx = start + tl.arange(0, BLOCK)
         inside = idx < V
-        l = tl.load(l_ptr + row * l_stride + idx, mask=inside, other=0.0)
+        l = tl.load(l_ptr + row * l_stride + idx, mask=inside, other=0.0).to(tl.float32)
         if PENALTIES:
             on = idx < end_pen
             s = tl.maximum(slot, 0)
@@ -203,8 +203,9 @@ def _slices(R: int, V: int, block: int) -> tuple[int, int]:
 
 
 def penalize(logits: torch.Tensor, temperature, slot, repetition, presence, frequency, counts, prompt_mask):
-    """``_penalize_kernel`` on ``logits`` (float32 [R, V]); ``counts``/``prompt_mask`` None skip the
-    penalties. Returns the new float32 [R, V] tensor."""
+    """``_penalize_kernel`` on ``logits`` ([R, V], float32 or the model's 16-bit dtype: read as
+    float32, an exact cast); ``counts``/``prompt_mask`` None skip the penalties. Returns the new
+    float32 [R, V] tensor."""
     R, V = logits.shape
     x = torch.empty(R, V, dtype=torch.float32, device=logits.device)
     if R == 0:

@@ -47,7 +47,7 @@ class DecodeGraph(Protocol):
     (``input_ids``, ``positions``, ``seq_lens`` [rows], ``block_tables`` [rows, width]; a LoRA
     graph also ``lora_indices`` [rows]); rows past the batch hold padding (``seq_lens`` 0, slot
     -1). ``replay(n)`` runs it and returns ``(logits [n, vocab], argmax [n] int64)`` (the logits in
-    the model's dtype or float32: the loop casts them when it samples or reports logprobs), views
+    the model's dtype or float32: the sampler and the logprobs read either), views
     valid until the next replay; the replay also advances the inputs to the next step of the same
     rows (``input_ids <- argmax``, ``positions`` and ``seq_lens`` + 1 on real rows)."""
 
@@ -193,11 +193,8 @@ class ServingLoop:
             banned = self._banned_host(chunks)
         reqs = [c.request for c in chunks]
         asked = [r.params.logprobs for r in reqs if r.params.logprobs is not None]
-        take_greedy = greedy is not None and st.all_greedy and not st.any_penalty and banned is None
-        if logits.dtype != torch.float32 and (asked or not take_greedy):
-            logits = logits.float()                         # a decode graph's logits (exact cast)
         raw = logits.clone() if asked else logits          # sample() may change logits in place
-        if take_greedy:
+        if greedy is not None and st.all_greedy and not st.any_penalty and banned is None:
             tokens = greedy
         else:       # counted for the penalties, and written as the next step's inputs, by the draw
             tokens = sample(logits, st, counters, penalties=self._penalties if st.any_penalty else None,

@@ -125,10 +125,13 @@ def _to_device(values: list[int], device: torch.device) -> torch.Tensor:
     return t.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else t.to(device)
 
 
+_LOGIT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
 def _check(logits, st, counters, banned) -> None:
-    if not isinstance(logits, torch.Tensor) or logits.dim() != 2 or logits.dtype != torch.float32:
+    if not isinstance(logits, torch.Tensor) or logits.dim() != 2 or logits.dtype not in _LOGIT_DTYPES:
         got = (tuple(logits.shape), logits.dtype) if isinstance(logits, torch.Tensor) else type(logits).__name__
-        raise GraphDSLError(f"sample: logits must be a float32 [R, vocab] tensor, got {got}")
+        raise GraphDSLError(f"sample: logits must be a float32, bfloat16 or float16 [R, vocab] tensor, got {got}")
     R = logits.shape[0]
     if st.temperature.shape != (R,):
         raise GraphDSLError(f"sample: the SamplingTensors hold {st.temperature.shape[0]} rows, logits {R}")
@@ -213,7 +216,7 @@ def _sample(logits, st, counters, penalties, banned, cuda: bool, record: bool = 
             return K.argmax(x, **extra)
         return K.gumbel_argmax(x, _threshold(x, st, K.threshold), st.seed, counters,
                                temperature=st.temperature if st.any_greedy else None, **extra)
-    l = _penalized(l, st, penalties if use_pen else None)
+    l = _penalized(l.float(), st, penalties if use_pen else None)
     temp = st.temperature
     x = l / torch.where(temp > 0, temp, torch.ones_like(temp))[:, None]
     if st.all_greedy:
@@ -232,8 +235,9 @@ def _sample(logits, st, counters, penalties, banned, cuda: bool, record: bool = 
 def sample(logits: torch.Tensor, st: SamplingTensors, counters: torch.Tensor, *,
            penalties: PenaltyState | None = None, banned: torch.Tensor | None = None, record: bool = False,
            into: torch.Tensor | None = None) -> torch.Tensor:
-    """Next token per row (module docstring), int64 ``[R]`` on logits' device; ``logits`` may be
-    changed in place. ``counters[r]`` is the position of the token being drawn; ``banned`` int64
+    """Next token per row (module docstring), int64 ``[R]`` on logits' device; ``logits`` (float32,
+    or a decode graph's logits in the model's 16-bit dtype, read as their exact float32 cast) may
+    be changed in place. ``counters[r]`` is the position of the token being drawn; ``banned`` int64
     ``[R, B]`` (ids >= 0 are banned, -1 pads). ``record``: also count the drawn tokens in
     ``penalties`` (:meth:`PenaltyState.record`); ``into``: int64 ``[R]`` that also receives them (the
     next decode step's ``input_ids``). No host synchronisation. On CUDA: the Triton kernels of

@@ -149,8 +149,8 @@ def test_compute_logprobs_matches_log_softmax():
 
 def test_errors_name_the_argument():
     st = _st([{}])
-    with pytest.raises(GraphDSLError, match="logits must be a float32"):
-        sample_reference(torch.zeros(1, V, dtype=torch.float16), st, torch.zeros(1, dtype=torch.int64))
+    with pytest.raises(GraphDSLError, match=r"logits must be a float32, bfloat16 or float16 \[R, vocab\].*int32"):
+        sample_reference(torch.zeros(1, V, dtype=torch.int32), st, torch.zeros(1, dtype=torch.int64))
     with pytest.raises(GraphDSLError, match=r"counters must be int64 \[1\]"):
         sample_reference(torch.zeros(1, V), st, torch.zeros(2, dtype=torch.int64))
     with pytest.raises(GraphDSLError, match="SamplingTensors hold 1 rows, logits 2"):

@@ -42,6 +42,32 @@ def test_full_sampler_kernel_path_equals_reference():
     assert torch.equal(got.cpu(), ref.cpu())
 
 
+@pytest.mark.parametrize("cuda", [True, False])
+def test_sampler_reads_16_bit_logits_as_their_float32_cast(cuda):
+    """A decode graph hands the sampler its logits in the model's dtype: every row draws what the
+    float32 copy of the same logits draws (penalties, top-k, top-p, min-p, a greedy row, a ban)."""
+    from graphdsl.runtime.serving.sampler import PenaltyState
+    g = torch.Generator().manual_seed(8)
+    R, V = 4, 3000
+    logits = (torch.randn(R, V, generator=g) * 3).to(DEV, torch.bfloat16)
+    rows = _rows(R, top_k=40, top_p=0.9, presence_penalty=0.5, frequency_penalty=0.3)
+    rows[1]["temperature"] = 0.0
+    rows[2]["min_p"] = 0.05
+    for i, r in enumerate(rows):
+        r["slot"] = i
+    st = SamplingTensors.build(rows, DEV)
+    ctr = torch.tensor([3, 4, 5, 6], dtype=torch.int64, device=DEV)
+    banned = torch.tensor([[int(logits[0].float().argmax())], [-1], [-1], [-1]], dtype=torch.int64, device=DEV)
+    got = {}
+    for x in (logits, logits.float()):
+        pen = PenaltyState(R, V, DEV)
+        pen.reset(0, [1, 2], [int(logits[0].float().topk(2).indices[1])])
+        got[x.dtype] = _sample(x.clone(), st, ctr, pen, banned, cuda, record=True).cpu()
+    assert torch.equal(got[torch.bfloat16], got[torch.float32])
+    with pytest.raises(GraphDSLError, match=r"float32, bfloat16 or float16 \[R, vocab\].*torch.int64"):
+        _sample(logits.to(torch.int64), st, ctr, None, None, cuda)
+
+
 def _rows(n, **kw):
     base = dict(temperature=0.7, top_k=0, top_p=1.0, min_p=0.0, presence_penalty=0.0, frequency_penalty=0.0,
                 repetition_penalty=1.0, slot=-1)
