@@ -156,8 +156,8 @@ def swiglu_table(names: list[str], rows: list[int], copy: float, ws) -> None:
 
 
 def mid_swiglu_grid():
-    for bm, bn, bk, stages, warps in itertools.product((64, 128), (64, 128), (64, 128), (3, 4), (4, 8)):
-        if (bm + 2 * bn) * bk * 2 * stages <= 200 * 1024:
+    for bm, bn, bk, stages, warps in itertools.product((64, 128, 256), (64, 128), (64, 128), (3, 4), (4, 8)):
+        if (bm + 2 * bn) * bk * 2 * stages <= 200 * 1024 and bm * bn <= 2048 * warps:
             yield dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, STAGES=stages, num_warps=warps)
 
 
