@@ -32,7 +32,9 @@ rows, so the op is bound by the bytes of ``w`` and by how many of them are in fl
   magic-number nibble planes (:func:`_int4_k_loop`): no conversion instructions (1/8 of the FMA
   rate on Hopper) on the one-row paths. One int4 row takes integer dot products by default
   (``INT_DOT``, :func:`_int4_step_dp4a`: activations in 16-bit fixed point per group, four ``dp4a``
-  a word; faster on the H200 than the float loop). Launches: :func:`_pick_quant_config`.
+  a word; faster on the H200 than the float loop); with ``xpack`` it reads those bytes made by
+  one launch before (:mod:`.int4_acts`) instead of making them. Launches: :func:`_pick_quant_config`,
+  :func:`_pick_xpack_config`.
 * **PDL** (:mod:`.pdl`): on Hopper the kernel may launch while its predecessor finishes. A grid of
   more programs than SMs lets the next kernel launch only once its programs are past the K loop:
   launched at the usual point (when its last wave starts), the next kernel's programs take each SM
@@ -199,12 +201,15 @@ def _int4_rows(q_ptr, rn, N, W_ROW, G: tl.constexpr, C: tl.constexpr):
 
 @triton.jit
 def _int4_loads(x_ptr, s_ptr, z_ptr, q_rows, rw, rg, rn64, c, w_hi, stride_sn, S: tl.constexpr,
-                GROUP: tl.constexpr, ZERO_POINT: tl.constexpr):
+                GROUP: tl.constexpr, ZERO_POINT: tl.constexpr, XPACK: tl.constexpr = False, W_X=0):
     """All that the step from word ``c`` reads, clamped to the slice's last ``S`` words (a prefetch
     past the slice re-reads them): the ``[BLOCK_N, G, C]`` words (unmasked, so 16-byte loads), the
     ``[BLOCK_N, G]`` scales and zero points (the scales again without ``ZERO_POINT``) and the eight
     ``[G, C]`` activation vectors of the words' inputs (word ``j`` holds inputs ``8j .. 8j + 7``).
-    Issued one step ahead of their use: a load inside the step would stall it by a memory latency."""
+    Issued one step ahead of their use: a load inside the step would stall it by a memory latency.
+    With ``XPACK`` the activations come packed (:mod:`.int4_acts`, planes of ``W_X`` words): the
+    words' ``[G, C]`` ``he, ho, le, lo, xs`` (then ``he`` three times, unused: the branches must
+    return one shape; the groups' units come from :func:`_xpack_units`)."""
     c = tl.minimum(c, w_hi - S)
     w = tl.load(q_rows + (c + rw)[None, :, :])
     sg = rn64[:, None] * stride_sn + ((8 * c) // GROUP + rg)[None, :]
@@ -213,15 +218,28 @@ def _int4_loads(x_ptr, s_ptr, z_ptr, q_rows, rw, rg, rn64, c, w_hi, stride_sn, S
         z = tl.load(z_ptr + sg)
     else:
         z = sc
+    if XPACK:
+        xq = x_ptr + c + rw
+        he = tl.load(xq)
+        return (w, sc, z, he, tl.load(xq + W_X), tl.load(xq + 2 * W_X), tl.load(xq + 3 * W_X),
+                tl.load(xq + 4 * W_X), he, he, he)
     xp = x_ptr + 8 * (c + rw)
     return (w, sc, z, tl.load(xp), tl.load(xp + 1), tl.load(xp + 2), tl.load(xp + 3), tl.load(xp + 4),
             tl.load(xp + 5), tl.load(xp + 6), tl.load(xp + 7))
 
 
 @triton.jit
+def _xpack_units(x_ptr, W_X, c, w_hi, rg, S: tl.constexpr, GROUP: tl.constexpr):
+    """The ``[G]`` fixed-point units ``a`` of the step from word ``c`` (plane 5 of the packed
+    activations, float32 bits), clamped as :func:`_int4_loads` clamps."""
+    c = tl.minimum(c, w_hi - S)
+    return tl.load(x_ptr + 5 * W_X + (8 * c) // GROUP + rg).to(tl.float32, bitcast=True)
+
+
+@triton.jit
 def _int4_row(x_ptr, q_ptr, s_ptr, z_ptr, rn, N, w_lo, w_hi, W_ROW, stride_sn, M12, M16, M0F,
               BLOCK_N: tl.constexpr, ZERO_POINT: tl.constexpr, GROUP: tl.constexpr, G: tl.constexpr,
-              INT_DOT: tl.constexpr, EMULATE: tl.constexpr):
+              INT_DOT: tl.constexpr, EMULATE: tl.constexpr, XPACK: tl.constexpr = False, W_X=0):
     """One row (batch-1 decode): ``sum_k x[k] * (q[n, k] - z[n, g]) * s[n, g]`` over the words
     ``[w_lo, w_hi)`` of each weight row, on CUDA cores instead of ``tl.dot`` (whose operand-layout
     shuffle and int->float conversions bound the tensor-core path at one row). ``q_ptr``: int32
@@ -238,21 +256,33 @@ def _int4_row(x_ptr, q_ptr, s_ptr, z_ptr, rn, N, w_lo, w_hi, W_ROW, stride_sn, M
     ``s - 1`` steps ahead, in fewer registers: slower on the H200 at every depth, gate_up 38.7 /
     31.0 / 32.9 µs at 2 / 3 / 4 against 30.2, qkv 11.4 / 10.0 / 10.4 against 9.2.) Weight
     loads carry no mask — rows past ``N`` read row ``N - 1`` (their sums are never stored) and the
-    prefetch past the slice re-reads its last step — so they vectorize to 16-byte loads."""
+    prefetch past the slice re-reads its last step — so they vectorize to 16-byte loads.
+
+    ``XPACK``: ``x_ptr`` holds the activations already in the integer-dot loop's bytes
+    (:func:`.int4_acts.pack_int4_activations`, ``W_X`` words a plane), made once by the kernel
+    before instead of by every program each step; the sums are the same bits."""
     C: tl.constexpr = GROUP // 8
     S: tl.constexpr = G * C
     rw, rg, rn64, q_rows = _int4_rows(q_ptr, rn, N, W_ROW, G, C)
     nw, ns, nz, n0, n1, n2, n3, n4, n5, n6, n7 = _int4_loads(x_ptr, s_ptr, z_ptr, q_rows, rw, rg, rn64, w_lo, w_hi,
-                                                             stride_sn, S, GROUP, ZERO_POINT)
+                                                             stride_sn, S, GROUP, ZERO_POINT, XPACK, W_X)
+    if XPACK:
+        na = _xpack_units(x_ptr, W_X, w_lo, w_hi, rg, S, GROUP)
     acc = tl.zeros([BLOCK_N, G, C], tl.float32)
     for c in range(w_lo, w_hi, S):
         w = nw
         sc, z = ns.to(tl.float32)[:, :, None], nz.to(tl.float32)[:, :, None]
-        x0, x1, x2, x3 = n0.to(tl.float32), n1.to(tl.float32), n2.to(tl.float32), n3.to(tl.float32)
-        x4, x5, x6, x7 = n4.to(tl.float32), n5.to(tl.float32), n6.to(tl.float32), n7.to(tl.float32)
+        if XPACK:
+            he, ho, le, lo, xs, a = n0, n1, n2, n3, n4, na
+            na = _xpack_units(x_ptr, W_X, c + S, w_hi, rg, S, GROUP)
+        else:
+            x0, x1, x2, x3 = n0.to(tl.float32), n1.to(tl.float32), n2.to(tl.float32), n3.to(tl.float32)
+            x4, x5, x6, x7 = n4.to(tl.float32), n5.to(tl.float32), n6.to(tl.float32), n7.to(tl.float32)
         nw, ns, nz, n0, n1, n2, n3, n4, n5, n6, n7 = _int4_loads(x_ptr, s_ptr, z_ptr, q_rows, rw, rg, rn64, c + S,
-                                                                 w_hi, stride_sn, S, GROUP, ZERO_POINT)
-        if INT_DOT:
+                                                                 w_hi, stride_sn, S, GROUP, ZERO_POINT, XPACK, W_X)
+        if XPACK:
+            acc = _int4_dp4a_core(acc, w, sc, z, he, ho, le, lo, xs, a[None, :, None], M0F, ZERO_POINT, EMULATE)
+        elif INT_DOT:
             acc = _int4_step_dp4a(acc, w, sc, z, x0, x1, x2, x3, x4, x5, x6, x7, M0F, ZERO_POINT, EMULATE)
         else:
             acc = _int4_step_float(acc, w, sc, z, x0, x1, x2, x3, x4, x5, x6, x7, M12, M16, ZERO_POINT)
@@ -369,18 +399,30 @@ def _int4_step_dp4a(acc, w, sc, z, x0, x1, x2, x3, x4, x5, x6, x7, M0F, ZERO_POI
     q5 = _fixed16(x5, inv)
     q6 = _fixed16(x6, inv)
     q7 = _fixed16(x7, inv)
+    xs = q0 + q1 + q2 + q3 + q4 + q5 + q6 + q7
+    return _int4_dp4a_core(acc, w, sc, z, _bytes4(q0 >> 8, q2 >> 8, q4 >> 8, q6 >> 8),
+                           _bytes4(q1 >> 8, q3 >> 8, q5 >> 8, q7 >> 8), _bytes4(q0, q2, q4, q6),
+                           _bytes4(q1, q3, q5, q7), xs, (amax * (1.0 / 32767.0))[None, :, None], M0F, ZERO_POINT,
+                           EMULATE)
+
+
+@triton.jit
+def _int4_dp4a_core(acc, w, sc, z, he, ho, le, lo, xs, a, M0F, ZERO_POINT: tl.constexpr, EMULATE: tl.constexpr):
+    """The integer dot products of :func:`_int4_step_dp4a`: ``he``/``ho`` and ``le``/``lo`` the
+    ``[G, C]`` high and low activation bytes of each word's even / odd inputs, ``xs`` their
+    fixed-point sum, ``a`` the groups' fixed-point unit ``max|x_g| / 32767`` (broadcast against
+    ``[BLOCK_N, G, C]``)."""
     we = w & M0F                    # nibbles 0, 2, 4, 6 (k = 8c, 8c+2, ...) as bytes
     wo = (w >> 4) & M0F             # nibbles 1, 3, 5, 7
-    xs = q0 + q1 + q2 + q3 + q4 + q5 + q6 + q7
-    v = _dp4a(we, _bytes4(q0 >> 8, q2 >> 8, q4 >> 8, q6 >> 8)[None], tl.zeros_like(w), True, EMULATE)
-    v = _dp4a(wo, _bytes4(q1 >> 8, q3 >> 8, q5 >> 8, q7 >> 8)[None], v, True, EMULATE)
+    v = _dp4a(we, he[None], tl.zeros_like(w), True, EMULATE)
+    v = _dp4a(wo, ho[None], v, True, EMULATE)
     if ZERO_POINT:
         v = v * 256
     else:
         v = v * 256 - 8 * xs[None]   # the symmetric zero point, joined where the high sums are scaled
-    v = _dp4a(we, _bytes4(q0, q2, q4, q6)[None], v, False, EMULATE)
-    v = _dp4a(wo, _bytes4(q1, q3, q5, q7)[None], v, False, EMULATE)
-    sc = sc * (amax * (1.0 / 32767.0))[None, :, None]
+    v = _dp4a(we, le[None], v, False, EMULATE)
+    v = _dp4a(wo, lo[None], v, False, EMULATE)
+    sc = sc * a
     if ZERO_POINT:
         acc += (v.to(tl.float32) - z * xs.to(tl.float32)[None]) * sc
     else:
@@ -524,6 +566,7 @@ def _gemv_kernel(
     LORA_BLOCK_SPLITS: tl.constexpr = 2,  # LORA_SPLITS padded to a power of two >= 2
     INT_DOT: tl.constexpr = False,      # one int4 row: integer dot products (_int4_step_dp4a), not float FMAs
     EMULATE: tl.constexpr = False,      # the CPU interpreter: dp4a as byte arithmetic
+    XPACK: tl.constexpr = False,        # one int4 row: x_ptr holds the activations' packed bytes (.int4_acts)
     PREFETCH: tl.constexpr = 0,         # fp16/bf16 weights and the one-row loops: 128-byte lines a row
                                         # prefetched into L2 before the PDL wait (pdl.prefetch_l2)
 ):
@@ -559,7 +602,8 @@ def _gemv_kernel(
     pdl_wait(USE_PDL, not LATE_LAUNCH)
     if INT4 and ONE_ROW:
         row = _int4_row(x_ptr, w_ptr, s_ptr, z_ptr, rn, N2, w_lo, w_hi, W_ROW, stride_sn,
-                        M12, M16, M0F, BLOCK_N, WKIND == 3, GROUP, BLOCK_K // GROUP, INT_DOT, EMULATE)
+                        M12, M16, M0F, BLOCK_N, WKIND == 3, GROUP, BLOCK_K // GROUP, INT_DOT, EMULATE, XPACK,
+                        K // 8)
         acc = tl.where((rm == 0)[None, :], row[:, None], 0.0)
     elif WKIND == 4 and ONE_ROW:
         row = _fp8_row_loop(x_ptr, w_ptr, rn, N2, w_lo, w_hi, W_ROW, BLOCK_N,
@@ -629,6 +673,15 @@ def _prefetch_lines(kind: int, one_row: bool, block_k: int, k_split: int) -> int
         return 0
     nbytes = min(steps * block_k, k_split) * bits // 8
     return 0 if nbytes == 0 else _pow2(-(-nbytes // 128))
+
+
+def _check_xpack(xpack: torch.Tensor, m: int, k: int, kind: int, group: int) -> None:
+    want = (6, k // 8)
+    if kind not in (W_INT4, W_INT4_ZP) or m != 1 or k % group:
+        raise GraphDSLError(f"gemv: xpack is for one row of an int4 weight, got {m} rows, weight kind {kind}")
+    if tuple(xpack.shape) != want or xpack.dtype != torch.int32 or not xpack.is_contiguous():
+        raise GraphDSLError(f"gemv: xpack must be a contiguous int32 {list(want)} (pack_int4_activations of x), got "
+                            f"{xpack.dtype} {list(xpack.shape)}")
 
 
 def _pow2(n: int) -> int:
@@ -737,6 +790,20 @@ def _pick_quant_config(m: int, n: int, k: int, wkind: int, group: int, device: t
     return dict(BLOCK_N=block_n, BLOCK_K=block_k, SPLIT_K=split, num_warps=4, num_stages=3)
 
 
+def _pick_xpack_config(n: int, k: int, group: int, device: torch.device) -> dict:
+    """One int4 row with packed activations (``xpack``): with no activation bytes to make, a program
+    has the registers for 64-row tiles of two groups a step (H200, the probe in docs/quantization.md:
+    gate_up 23.5 µs against 30.3 for the 256-row, one-group loop); K split while the grid stays
+    within two programs a SM, as the one-row loop's."""
+    block_n = 64
+    block_k = 2 * group if k % (2 * group) == 0 else group
+    tiles = triton.cdiv(n, block_n)
+    split = 1
+    while split < 16 and tiles * split * 2 <= 2 * _num_sms(device) and k // (split * 2) >= block_k:
+        split *= 2
+    return dict(BLOCK_N=block_n, BLOCK_K=block_k, SPLIT_K=split, num_warps=4, num_stages=2, INT_DOT=True)
+
+
 def weight_kind(scheme) -> int | None:
     """``WKIND`` of a :mod:`graphdsl.quant` scheme the GEMV dequantizes (``None``: it cannot: fp8
     with dynamic activation scales, int4 groups under 64 inputs — a nibble plane of a group must
@@ -842,7 +909,8 @@ def gemv_supported(x: torch.Tensor, w: torch.Tensor, scheme=None) -> bool:
 def gemv(x: torch.Tensor, w: torch.Tensor, add: torch.Tensor | None = None, *, silu_mul: bool = False,
          out: torch.Tensor | None = None, workspace: GemvWorkspace | None = None,
          config: dict | None = None, scheme=None, scales: torch.Tensor | None = None,
-         zeros: torch.Tensor | None = None, lora: GemvLoRA | None = None) -> torch.Tensor:
+         zeros: torch.Tensor | None = None, lora: GemvLoRA | None = None,
+         xpack: torch.Tensor | None = None) -> torch.Tensor:
     """``x @ w.T (+ add)`` for ``x [M <= 16, K]`` and ``w [N, K]`` of one dtype (fp16/bf16); ``add``
     is a bias ``[N]`` or a residual ``[M, N]``. With ``silu_mul``, ``w`` is a packed ``[gate | up]``
     ``[2I, K]`` and the result is ``silu(x @ gate.T) * (x @ up.T)`` ``[M, I]`` (the ``silu_mul`` op
@@ -858,7 +926,12 @@ def gemv(x: torch.Tensor, w: torch.Tensor, add: torch.Tensor | None = None, *, s
 
     ``lora`` (:class:`GemvLoRA`): each row's adapter term ``Σ_r v[m, r]·B[n, s, r]`` joins the
     float32 sums before the add or SwiGLU (``B``'s rows are ``w``'s: with ``silu_mul`` the packed
-    gate and up rows), added once per tile by the program that stores it."""
+    gate and up rows), added once per tile by the program that stores it.
+
+    ``xpack``: for one row and an int4 weight, the row's activations already in the integer-dot
+    loop's bytes (:func:`.int4_acts.pack_int4_activations` of ``x``, ``[6, K / 8]`` int32); the loop
+    reads them instead of making them every step, with the launch of :func:`_pick_xpack_config`.
+    The result is the same bits as without."""
     if not gemv_supported(x, w, scheme):
         want = "a contiguous w [N, K] of one dtype" if scheme is None else f"the codes of {scheme.name}"
         raise GraphDSLError(f"gemv: needs x [M<= {MAX_ROWS}, K] in {[str(d) for d in _DTYPES]} and {want}, got x "
@@ -887,6 +960,9 @@ def gemv(x: torch.Tensor, w: torch.Tensor, add: torch.Tensor | None = None, *, s
     if add is not None and add.stride(-1) != 1:
         raise GraphDSLError(f"gemv: add must have a contiguous last dim, got strides {add.stride()}")
     group = scheme.group_size if kind in (W_INT4, W_INT4_ZP) else 1
+    if xpack is not None:
+        _check_xpack(xpack, m, k, kind, group)
+        config = config or _pick_xpack_config(n, k, group, x.device)
     cfg = dict(config or (_pick_config(m, n, k, x.device) if kind == W_FLOAT
                           else _pick_quant_config(m, n, k, kind, group, x.device)))
     if config and (set(cfg) - _CONFIG_KEYS or {"BLOCK_N", "BLOCK_K", "SPLIT_K"} - set(cfg)):   # a caller's
@@ -911,6 +987,9 @@ def gemv(x: torch.Tensor, w: torch.Tensor, add: torch.Tensor | None = None, *, s
             raise GraphDSLError(f"gemv: BLOCK_K {block_k} and the group size {group} must divide one another")
         one_row = m == 1 and block_k % group == 0 and k % block_k == 0     # whole steps of BLOCK_K / GROUP groups
         w = w.view(torch.int32 if one_row else torch.int16)      # nibbles a word: _int4_row / _int4_k_loop
+    if xpack is not None and not (one_row and cfg.get("INT_DOT")):
+        raise GraphDSLError(f"gemv: xpack needs the one-row integer-dot loop (BLOCK_K a multiple of the group "
+                            f"{group} dividing K = {k}, INT_DOT), got the launch {dict(cfg, BLOCK_K=block_k)}")
     per_word = 4 if kind == W_FP8 else 8                          # codes an int32 word holds (one-row loops)
     if lora is not None:
         _check_lora(lora, m, n, x.dtype)
@@ -919,14 +998,15 @@ def gemv(x: torch.Tensor, w: torch.Tensor, add: torch.Tensor | None = None, *, s
     s_t = scales if scales is not None else out
     stride_sn = 0 if kind == W_FLOAT or s_t.shape[0] == 1 else s_t.stride(0)
     _gemv_kernel[(n_tiles, split)](
-        x, w, s_t, zeros if zeros is not None else s_t, add if add is not None else out, out, part, lock,
+        x if xpack is None else xpack, w, s_t, zeros if zeros is not None else s_t, add if add is not None else out,
+        out, part, lock,
         m, cols, k, split, k_split, n, k // per_word, k_split // per_word, x.stride(0), stride_am, out.stride(0),
         stride_sn, 0xF000, 0xF0000, 0x0F0F0F0F, WKIND=kind, GROUP=group, ONE_ROW=one_row, ONE_PART_ROW=split > 1 and m == 1,
         LATE_LAUNCH=n_tiles * split > _num_sms(x.device),
         HAS_ADD=add is not None, SWIGLU=silu_mul, SPLIT=split > 1, BLOCK_M=MAX_ROWS, BLOCK_N=block_n,
         BLOCK_K=block_k, EVEN_K=k % block_k == 0, EVEN_N=cols % tile_cols == 0,
         DOT_F32=x.dtype == torch.bfloat16 and interpret, EMULATE=interpret,
-        PREFETCH=0 if interpret else _prefetch_lines(kind, one_row, block_k, k_split),
+        PREFETCH=0 if interpret else _prefetch_lines(kind, one_row, block_k, k_split), XPACK=xpack is not None,
         **pdl_launch(x.device),
         **_lora_args(lora, out), **cfg)
     return out

@@ -1,0 +1,112 @@
+"""One decode row's activations in the bytes of the int4 GEMV's integer-dot loop, made once.
+
+The one-row int4 GEMV (:func:`.gemv._int4_step_dp4a`) turns each group of ``G`` inputs into 16-bit
+fixed point, ``x ≈ a · xq`` with ``a = max|x_g| / 32767`` and ``xq = round(x / a)``, and packs
+the bytes for ``dp4a``. Every program does this for every step of its K slice, so the same bytes
+are made once per program. Here one small launch makes them once for the row, and the GEMV reads
+them (``gemv(..., xpack=)``). That frees the loop's registers and instructions for wider steps.
+
+Layout, int32 ``[6, K / 8]``: for word ``c`` (inputs ``8c .. 8c + 7``), plane 0 holds the high
+bytes of the even inputs ``8c, 8c + 2, 8c + 4, 8c + 6`` and plane 1 of the odd ones. Planes 2 and
+3 hold the low bytes of the same inputs, plane 4 the sum ``Σ_i xq[8c + i]``. Plane 5's first
+``K / G`` words are the groups' ``a``, as float32 bits. The arithmetic is the loop's own
+(:func:`.gemv._fixed16`, the NaN-propagating maximum), so the GEMV's sums are the same bits with
+or without it.
+"""
+from __future__ import annotations
+
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+from graphdsl.errors import GraphDSLError
+
+from .gemv import _bytes4, _fixed16, _max_nan
+from .pdl import pdl_launch, pdl_wait
+
+__all__ = ["pack_int4_activations", "pack_int4_activations_reference"]
+
+
+@triton.jit
+def _pack_kernel(x_ptr, out_ptr, W_X, GROUP: tl.constexpr, USE_PDL: tl.constexpr):
+    """Program ``g``: group ``g``'s ``GROUP / 8`` words."""
+    g = tl.program_id(0)
+    C: tl.constexpr = GROUP // 8
+    c = g * C + tl.arange(0, C)
+    pdl_wait(USE_PDL)
+    xp = x_ptr + 8 * c
+    x0, x1 = tl.load(xp).to(tl.float32), tl.load(xp + 1).to(tl.float32)
+    x2, x3 = tl.load(xp + 2).to(tl.float32), tl.load(xp + 3).to(tl.float32)
+    x4, x5 = tl.load(xp + 4).to(tl.float32), tl.load(xp + 5).to(tl.float32)
+    x6, x7 = tl.load(xp + 6).to(tl.float32), tl.load(xp + 7).to(tl.float32)
+    big = _max_nan(_max_nan(_max_nan(tl.abs(x0), tl.abs(x1)), _max_nan(tl.abs(x2), tl.abs(x3))),
+                   _max_nan(_max_nan(tl.abs(x4), tl.abs(x5)), _max_nan(tl.abs(x6), tl.abs(x7))))
+    amax = tl.max(big, axis=0) + tl.sum(big - big, axis=0)     # NaN if an input is not finite
+    inv = tl.where(amax > 0, 32767.0 / tl.where(amax > 0, amax, 1.0), 0.0)   # (the GEMV's, without a 1/0)
+    q0, q1, q2, q3 = _fixed16(x0, inv), _fixed16(x1, inv), _fixed16(x2, inv), _fixed16(x3, inv)
+    q4, q5, q6, q7 = _fixed16(x4, inv), _fixed16(x5, inv), _fixed16(x6, inv), _fixed16(x7, inv)
+    tl.store(out_ptr + c, _bytes4(q0 >> 8, q2 >> 8, q4 >> 8, q6 >> 8))
+    tl.store(out_ptr + W_X + c, _bytes4(q1 >> 8, q3 >> 8, q5 >> 8, q7 >> 8))
+    tl.store(out_ptr + 2 * W_X + c, _bytes4(q0, q2, q4, q6))
+    tl.store(out_ptr + 3 * W_X + c, _bytes4(q1, q3, q5, q7))
+    tl.store(out_ptr + 4 * W_X + c, q0 + q1 + q2 + q3 + q4 + q5 + q6 + q7)
+    tl.store(out_ptr + 5 * W_X + g, (amax * (1.0 / 32767.0)).to(tl.int32, bitcast=True))
+
+
+def _check(x: torch.Tensor, group: int) -> int:
+    if x.dim() == 2 and x.shape[0] == 1:
+        x = x[0]
+    k = x.shape[-1] if x.dim() >= 1 else 0
+    if x.dim() != 1 or x.dtype not in (torch.float16, torch.bfloat16, torch.float32) or x.stride(-1) != 1:
+        raise GraphDSLError(f"pack_int4_activations: x must be one row [K] or [1, K] of float16/bfloat16/float32 "
+                            f"with a unit stride, got {x.dtype} {list(x.shape)} strides {x.stride()}")
+    if group % 8 or group & (group - 1) or k % group:
+        raise GraphDSLError(f"pack_int4_activations: group must be a power of two >= 8 dividing K = {k}, got {group}")
+    return k
+
+
+def pack_int4_activations(x: torch.Tensor, group: int, out: torch.Tensor | None = None) -> torch.Tensor:
+    """``x`` (one row ``[K]`` or ``[1, K]``) as the int4 GEMV's activation bytes (module docstring)
+    for int4 groups of ``group`` inputs: int32 ``[6, K / 8]``, into ``out`` when given."""
+    k = _check(x, group)
+    x = x.reshape(k)
+    if out is None:
+        out = torch.empty(6, k // 8, dtype=torch.int32, device=x.device)
+    if tuple(out.shape) != (6, k // 8) or out.dtype != torch.int32 or not out.is_contiguous():
+        raise GraphDSLError(f"pack_int4_activations: out must be a contiguous int32 [6, {k // 8}], got "
+                            f"{out.dtype} {list(out.shape)}")
+    if x.device.type != "cuda" and os.environ.get("TRITON_INTERPRET", "0") in ("", "0"):
+        return out.copy_(pack_int4_activations_reference(x, group))
+    _pack_kernel[(k // group,)](x, out, k // 8, GROUP=group, **pdl_launch(x.device), num_warps=1)
+    return out
+
+
+def pack_int4_activations_reference(x: torch.Tensor, group: int, *, fused: bool = False) -> torch.Tensor:
+    """:func:`pack_int4_activations` in torch, float32 math as the kernel's. ``fused``: round
+    ``x · inv + 1.5 · 2^23`` once, as the compiled kernel's fused multiply-add does (the CPU
+    interpreter rounds the product first)."""
+    k = _check(x, group)
+    xf = x.reshape(k // group, group).to(torch.float32)
+    amax = xf.abs().amax(dim=1)
+    amax = torch.where(xf.isnan().any(dim=1) | xf.isinf().any(dim=1), torch.full_like(amax, float("nan")), amax)
+    inv = torch.where(amax > 0, 32767.0 / amax, torch.zeros_like(amax))
+    if fused:
+        t = (xf.double() * inv.double()[:, None] + 12582912.0).float()
+    else:
+        t = xf * inv[:, None] + 12582912.0
+    y = t.view(torch.int32) - 0x4B400000                 # round half to even, as _fixed16
+    q = y.reshape(k // 8, 8).to(torch.int64)
+
+    def bytes4(b0, b1, b2, b3):
+        v = (b0 & 255) | ((b1 & 255) << 8) | ((b2 & 255) << 16) | ((b3 & 255) << 24)
+        return torch.where(v >= 2**31, v - 2**32, v).to(torch.int32)
+    out = torch.zeros(6, k // 8, dtype=torch.int32, device=x.device)
+    out[0] = bytes4(q[:, 0] >> 8, q[:, 2] >> 8, q[:, 4] >> 8, q[:, 6] >> 8)
+    out[1] = bytes4(q[:, 1] >> 8, q[:, 3] >> 8, q[:, 5] >> 8, q[:, 7] >> 8)
+    out[2] = bytes4(q[:, 0], q[:, 2], q[:, 4], q[:, 6])
+    out[3] = bytes4(q[:, 1], q[:, 3], q[:, 5], q[:, 7])
+    out[4] = q.sum(dim=1).to(torch.int32)
+    out[5, :k // group] = (amax * (1.0 / 32767.0)).view(torch.int32)
+    return out
