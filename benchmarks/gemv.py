@@ -41,6 +41,18 @@ def replay_us(fn, copies: int) -> float:
     return triton.testing.do_bench_cudagraph(fn, rep=30, return_mode="median") * 1e3 / copies
 
 
+def sweep(run, grid, copies: int) -> list[tuple[float, dict]]:
+    """``(µs, launch)`` of ``run(launch)`` (``copies`` launches) for every launch of ``grid``, fastest
+    first; a launch the compiler rejects (shared memory) is skipped and named."""
+    timed = []
+    for cfg in grid:
+        try:
+            timed.append((replay_us(lambda: run(cfg), copies), cfg))
+        except Exception as e:  # noqa: BLE001
+            print(f"  skipped {cfg}: {type(e).__name__}", flush=True)
+    return sorted(timed, key=lambda r: r[0])
+
+
 def weight_copies(n: int, k: int) -> list[torch.Tensor]:
     """Enough random [n, k] bf16 weights to hold 4x the L2 between them (2 at least)."""
     l2 = getattr(torch.cuda.get_device_properties(0), "L2_cache_size", 64 << 20)
@@ -107,13 +119,7 @@ def main(argv=None) -> int:
         print(f"| {name} [{n}, {k}] | {m} | {t_blas:.1f} | {pct(t_blas):.1f}% | {t_gemv:.1f} | "
               f"{pct(t_gemv):.1f}% | {launch} | {err:.1e} |", flush=True)
         if args.sweep and m in (1, 16) and name != "8b.lm_head":
-            timed = []
-            for cfg in sweep_grid():
-                try:
-                    timed.append((replay_us(lambda: run(cfg), c), cfg))
-                except Exception as e:  # a launch the compiler rejects (shared memory) is skipped
-                    print(f"  skipped {cfg}: {type(e).__name__}", flush=True)
-            timed.sort(key=lambda r: r[0])
+            timed = sweep(run, sweep_grid(), c)
             best_table[(name, m)] = timed[0]
             for rank, (us, b) in enumerate(timed[:3], 1):
                 print(f"|  best {rank} | {m} | | | {us:.1f} | {pct(us):.1f}% | {b['BLOCK_N']}x{b['BLOCK_K']} split "
@@ -135,24 +141,33 @@ def swiglu_table(names: list[str], rows: list[int], copy: float, ws) -> None:
     print("\n| gate/up + SwiGLU | M | gemv + silu_mul µs | fused µs | fused % copy | same bits |")
     print("|---|---:|---:|---:|---:|---|")
     for name, n, k, weights, m, x in cases(names, rows):
-        c = len(weights)
-        prod = torch.empty(m, n, device="cuda", dtype=torch.bfloat16)
-        act = torch.empty(m, n // 2, device="cuda", dtype=torch.bfloat16)
-        fused = torch.empty_like(act)
-
-        def two():
-            for w in weights:
-                silu_mul(gemv(x, w, out=prod, workspace=ws), out=act)
-
-        def one():
-            for w in weights:
-                gemv(x, w, silu_mul=True, out=fused, workspace=ws)
-        two()
-        one()
+        act, fused, t_two, t_one, _ = _time_swiglu(
+            weights, x, n, lambda w, prod, act: silu_mul(gemv(x, w, out=prod, workspace=ws), out=act),
+            lambda w, out, cfg: gemv(x, w, silu_mul=True, out=out, workspace=ws))
         same = torch.equal(act, fused)
-        t_two, t_one = replay_us(two, c), replay_us(one, c)
         pct = 100 * (n * k + m * (k + n // 2)) * 2 / (t_one * 1e-6) / 1e9 / copy
         print(f"| {name} [{n}, {k}] | {m} | {t_two:.1f} | {t_one:.1f} | {pct:.1f}% | {same} |", flush=True)
+
+
+def _time_swiglu(weights, x, n, two_kernels, fused):
+    """Both paths of a gate/up projection + SwiGLU over the weight copies: ``two_kernels(w, prod,
+    act)`` and ``fused(w, out, config)``. Returns ``(act, out, µs two, µs fused, run_fused)``, the
+    outputs those of the last copy and ``run_fused(config)`` the fused path over all copies."""
+    m = x.shape[0]
+    prod = torch.empty(m, n, device="cuda", dtype=torch.bfloat16)
+    act = torch.empty(m, n // 2, device="cuda", dtype=torch.bfloat16)
+    out = torch.empty_like(act)
+
+    def two():
+        for w in weights:
+            two_kernels(w, prod, act)
+
+    def one(cfg=None):
+        for w in weights:
+            fused(w, out, cfg)
+    two()
+    one()
+    return act, out, replay_us(two, len(weights)), replay_us(one, len(weights)), one
 
 
 def mid_swiglu_grid():
@@ -161,7 +176,7 @@ def mid_swiglu_grid():
             yield dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, STAGES=stages, num_warps=warps)
 
 
-def mid_swiglu_table(names: list[str], rows: list[int], copy: float, sweep: bool) -> None:
+def mid_swiglu_table(names: list[str], rows: list[int], copy: float, mid_sweep: bool) -> None:
     """µs per gate/up projection + SwiGLU at 17-256 rows: cuBLAS then ``silu_mul`` vs the tiled GEMM."""
     from graphdsl.runtime.codegen.ops import silu_mul
     from graphdsl.runtime.kernels.swiglu_gemm import launch_for, swiglu_gemm
@@ -172,22 +187,10 @@ def mid_swiglu_table(names: list[str], rows: list[int], copy: float, sweep: bool
     print("|---|---:|---:|---:|---:|---:|---:|---|---:|")
     for name, n, k, weights, m, x in cases(names, rows):
         c = len(weights)
-        prod = torch.empty(m, n, device="cuda", dtype=torch.bfloat16)
-        act = torch.empty(m, n // 2, device="cuda", dtype=torch.bfloat16)
-        fused = torch.empty_like(act)
-
-        def two():
-            for w in weights:
-                torch.matmul(x, w.T, out=prod)
-                silu_mul(prod, out=act)
-
-        def one(cfg=None):
-            for w in weights:
-                swiglu_gemm(x, w, out=fused, config=cfg)
-        two()
-        one()
+        act, fused, t_two, t_one, one = _time_swiglu(
+            weights, x, n, lambda w, prod, act: silu_mul(torch.matmul(x, w.T, out=prod), out=act),
+            lambda w, out, cfg: swiglu_gemm(x, w, out=out, config=cfg))
         err = ((fused.float() - act.float()).abs().max() / act.float().abs().max()).item()
-        t_two, t_one = replay_us(two, c), replay_us(one, c)
         tflops = 2 * m * n * k / (t_one * 1e-6) / 1e12
         pct = 100 * (n * k + m * (k + n // 2)) * 2 / (t_one * 1e-6) / 1e9 / copy
         cfg = launch_for(m, k)      # None: the backend keeps cuBLAS + silu_mul at this M (timed: the fallback tile)
@@ -195,14 +198,8 @@ def mid_swiglu_table(names: list[str], rows: list[int], copy: float, sweep: bool
             f"{cfg['BLOCK_M']}x{cfg['BLOCK_N']}x{cfg['BLOCK_K']} st {cfg['STAGES']} w {cfg['num_warps']}"
         print(f"| {name} [{n}, {k}] | {m} | {t_two:.1f} | {t_one:.1f} | {t_two / t_one:.2f}x | {tflops:.0f} | "
               f"{pct:.1f}% | {launch} | {err:.1e} |", flush=True)
-        if sweep:
-            timed = []
-            for cfg in mid_swiglu_grid():
-                try:
-                    timed.append((replay_us(lambda: one(cfg), c), cfg))
-                except Exception as e:  # a launch the compiler rejects (shared memory) is skipped
-                    print(f"  skipped {cfg}: {type(e).__name__}", flush=True)
-            timed.sort(key=lambda r: r[0])
+        if mid_sweep:
+            timed = sweep(one, mid_swiglu_grid(), c)
             for rank, (us, b) in enumerate(timed[:3], 1):
                 print(f"|  best {rank} | {m} | | {us:.1f} | {t_two / us:.2f}x | | | {b['BLOCK_M']}x{b['BLOCK_N']}x"
                       f"{b['BLOCK_K']} st {b['STAGES']} w {b['num_warps']} | |", flush=True)
