@@ -65,7 +65,7 @@ def main(argv=None) -> int:
             setattr(mod, attr, val)
         with _GGUFMix():                                 # --quantization gguf-q4_k_m: the Q4_K_M mix (quant.py)
             llm, inputs = batch_decode(gd, args.shape, args.context, args.quantization, args.batch)
-        llm.model.execute(Phase.DECODE, inputs, float_logits=False)          # build + capture under this variant's settings
+        llm.model.execute(Phase.DECODE, inputs, float_logits=False)   # build + capture under this variant's settings
         runs[v] = (llm, inputs, [])
         for k, old in saved.items():
             if old is None:

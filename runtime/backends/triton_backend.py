@@ -17,12 +17,13 @@ Per node, by what the node is:
   Hopper). On CPU without ``TRITON_INTERPRET=1`` these six run their torch references instead;
 * matmuls of weights ``[N, K]`` (``transpose_b``) by at most 16 fp16/bf16 rows — the decode GEMV
   (:mod:`graphdsl.runtime.kernels.gemv`), bias, residual or SwiGLU (``matmul_silu_mul``) in its
-  epilogue; ``matmul_silu_mul`` of 64 or 128 rows — a tiled GEMM with the SwiGLU in its epilogue
-  (:mod:`graphdsl.runtime.kernels.swiglu_gemm`, where it beats cuBLAS); other matmuls — ``torch.matmul(..., out=slot)`` /
-  ``torch.addmm`` (cuBLAS on CUDA, its epilogue adds the bias or residual); ``matmul_silu_mul`` then
-  runs ``silu_mul`` on the product, which it keeps in the node's planned workspace; the LoRA projections (``matmul_lora``,
-  ``matmul_add_lora``, ``matmul_silu_mul_lora``) add the adapter term inside the same GEMV after
-  one shrink launch, or through one more cuBLAS ``addmm`` for many rows (:func:`_lora_matmul`);
+  epilogue; ``matmul_silu_mul`` at the row counts where it beats cuBLAS (64, 128; 256 with K ≤
+  2048) — a tiled GEMM with the SwiGLU in its epilogue (:mod:`graphdsl.runtime.kernels.swiglu_gemm`);
+  other matmuls — ``torch.matmul(..., out=slot)`` / ``torch.addmm`` (cuBLAS on CUDA, its epilogue
+  adds the bias or residual); ``matmul_silu_mul`` then runs ``silu_mul`` on the product, which it
+  keeps in the node's planned workspace; the LoRA projections (``matmul_lora``, ``matmul_add_lora``,
+  ``matmul_silu_mul_lora``) add the adapter term inside the same GEMV after one shrink launch, or
+  through one more cuBLAS ``addmm`` for many rows (:func:`_lora_matmul`);
 * collectives (``all_reduce``, ``all_gather``, ``reduce_scatter``) on CUDA — NCCL through
   ``torch.distributed`` straight into the node's slot (:mod:`graphdsl.runtime.distributed.collectives`);
 * anything else — the op's torch reference, copied into its slot (views alias their source).
@@ -545,9 +546,9 @@ def _gemv_rows(x: torch.Tensor, w: torch.Tensor, dst: torch.Tensor) -> bool:
 
 
 def _matmul_silu_mul(be: TritonBackend, node, ins, attrs, a, b, dst) -> torch.Tensor:
-    """The GEMV with its SwiGLU epilogue for up to 16 rows, the tiled GEMM with it at the row
-    counts where it beats cuBLAS (:mod:`..kernels.swiglu_gemm`, 64 and 128 rows); otherwise the GEMM into the node's workspace, then the
-    ``silu_mul`` kernel (its reference on plain CPU)."""
+    """The GEMV with its SwiGLU epilogue for up to 16 rows; the tiled GEMM with it at the row
+    counts where it beats cuBLAS (:func:`..kernels.swiglu_gemm.launch_for`); otherwise the GEMM
+    into the node's workspace, then the ``silu_mul`` kernel (its reference on plain CPU)."""
     if attrs.get("transpose_b") and not attrs.get("transpose_a"):
         from ..kernels.swiglu_gemm import launch_for, swiglu_gemm, swiglu_gemm_supported
         if _gemv_rows(ins[0], ins[1], dst):

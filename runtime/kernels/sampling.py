@@ -341,8 +341,8 @@ def argmax(x: torch.Tensor, advance: tuple[torch.Tensor, torch.Tensor, torch.Ten
     kernel's docstring says (the decode graph's epilogue); ``ids`` and ``record`` as for
     :func:`gumbel_argmax`."""
     if x.dim() != 2 or x.dtype not in (torch.float32, torch.bfloat16, torch.float16) or x.stride(1) != 1:
-        raise GraphDSLError(f"argmax: x must be a float32, bfloat16 or float16 [R, V] tensor with unit stride in V, got "
-                            f"{tuple(x.shape)} {x.dtype} strides {tuple(x.stride())}")
+        raise GraphDSLError(f"argmax: x must be a float32, bfloat16 or float16 [R, V] tensor with unit stride in V, "
+                            f"got {tuple(x.shape)} {x.dtype} strides {tuple(x.stride())}")
     R, V = x.shape
     if R == 0:
         return torch.empty(R, dtype=torch.int64, device=x.device)

@@ -33,7 +33,7 @@ from .pdl import pdl_launch, pdl_wait, prefetch_l2
 __all__ = ["swiglu_gemm", "swiglu_gemm_supported", "launch_for", "MIN_ROWS", "MAX_ROWS"]
 
 MIN_ROWS = 17          # fewer rows: the decode GEMV's SwiGLU epilogue (gemv.MAX_ROWS = 16)
-MAX_ROWS = 256         # more rows: cuBLAS then silu_mul (measured: docs/performance.md)
+MAX_ROWS = 256         # more rows: cuBLAS then silu_mul (not measured above the largest decode bucket)
 _DTYPES = (torch.float16, torch.bfloat16)
 _PREFETCH_LINES = 2    # 128-byte lines of each gate and up row asked of L2 before the PDL wait
 
@@ -103,7 +103,7 @@ def launch_for(m: int, k: int) -> dict | None:
 def swiglu_gemm_supported(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor) -> bool:
     """Whether :func:`swiglu_gemm` takes ``silu_mul(x @ w.T)`` into ``out``: CUDA (or the Triton
     interpreter), ``MIN_ROWS <= M <= MAX_ROWS`` fp16/bf16 rows with a unit last stride, a contiguous
-    packed weight of the same dtype with an even row count, ``out [M, 2I / 2]`` of that dtype."""
+    packed weight ``[2I, K]`` of the same dtype, ``out [M, I]`` of that dtype."""
     interpreting = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
     return ((x.device.type == "cuda" or interpreting) and x.dim() == 2 and w.dim() == 2
             and MIN_ROWS <= x.shape[0] <= MAX_ROWS and x.dtype in _DTYPES and w.dtype == x.dtype
