@@ -157,7 +157,8 @@ class Engine:
             buffers = dict(taps) if isinstance(taps, Mapping) else None
             tapset = self.tap_set(list(buffers) if buffers is not None else taps)
             copy, self.tapped = tapset.copier(values, buffers)
-            hook = copy if after is None else _chain(copy, after)
+            if tapset.tensors:          # no hook for an empty selection (a hook makes the backend run every node)
+                hook = copy if after is None else _chain(copy, after)
         self.backend.run(nodes, values, plan.attrs, storage, after=hook)
         if self.dump_dir is not None and len(getattr(self.backend, "sources", ())) != self._kernels_dumped:
             self._dump_kernels(self.dump_dir)

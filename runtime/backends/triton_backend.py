@@ -97,8 +97,10 @@ class TritonBackend:
         self._run_nodes: list = []              # the node list of the current run (step_constant)
         self._storage: dict = {}                # the current run's arena views (tensor / node -> view)
         self._step_view = None                  # (a node list, its set, graph input -> in-place writers)
+        from .norm_carry import NormCarry
         from .torch_backend import TorchBackend
         self._reference = TorchBackend()
+        self.norms = NormCarry()                # RMSNorms carried by the decode GEMVs around them
 
     # -- build time ----------------------------------------------------------------------------
     can_fuse = staticmethod(triton_can_fuse)
@@ -114,6 +116,7 @@ class TritonBackend:
         when given, runs after each node (taps copy there, profiles record events there)."""
         self._run_nodes = nodes
         self._storage = storage
+        self.norms.start(nodes, enabled=after is None)   # a hook reads every node's output: none carried
         for node in nodes:
             self._run_one(node, values, attrs, storage)
             if after is not None:
@@ -128,11 +131,14 @@ class TritonBackend:
                 values[t] = r
             return
         if node.op in _KERNEL_OPS and (on_cpu or _kernel_unsupported(node, ins)):
+            _not_carried(self, node)
             self._reference.run([node], values, attrs, storage)
             return
         if on_cpu and (node.op in _LOWERINGS or self._lone_fusable(node)):
             raise GraphDSLError(f"backend 'triton' runs on CUDA, or on CPU with TRITON_INTERPRET=1; node "
                                 f"'{node.name}' ({node.op}) got CPU tensors (use backend='torch' on CPU)")
+        if self.norms.norm(node, values) or self.norms.producer(self, node, values, attrs, storage):
+            return
         lower = _LOWERINGS.get(node.op)
         if lower is None and node.category is OpCategory.MATMUL:
             lower = _matmul
@@ -494,8 +500,10 @@ def _quant_linear(be: TritonBackend, node, ins, attrs, dsts):
     if gemv_supported(x2, stored[0], scheme) and (x2.device.type == "cuda" or _interpreting()):
         gemv(x2, stored[0], add2, silu_mul=silu, out=out2, workspace=be.gemv_workspace, scheme=scheme,
              scales=stored[1], zeros=stored[2] if len(stored) > 2 else None,
-             xpack=_int4_xpack(be, x2, stored[0], scheme) if silu and _XPACK_GATE_UP else None)
+             xpack=_int4_xpack(be, x2, stored[0], scheme) if silu and _XPACK_GATE_UP else None,
+             rms_in=be.norms.rms_in(node))
         return dsts
+    _not_carried(be, node)
     if gguf and silu and len(stored) == 1:     # one GGUF type: SwiGLU in the tensor-core GEMV's epilogue
         from ..kernels.gguf_linear import gguf_gemv, mma_eligible
         (qtype, _, _), = scheme.row_parts(n)
@@ -545,6 +553,13 @@ def _gemv_rows(x: torch.Tensor, w: torch.Tensor, dst: torch.Tensor) -> bool:
     return (x.device.type == "cuda" or _interpreting()) and dst.stride(-1) == 1 and gemv_supported(x, w)
 
 
+def _not_carried(be: TritonBackend, node) -> None:
+    """A projection leaving the decode GEMV must not have been promised a carried norm's scale."""
+    if be.norms.rms_in(node) is not None:
+        raise GraphDSLError(f"node '{node.name}' ({node.op}): its input's RMSNorm was left to its GEMV "
+                            f"(runtime/backends/norm_carry.py), but it does not run as one")
+
+
 def _matmul_silu_mul(be: TritonBackend, node, ins, attrs, a, b, dst) -> torch.Tensor:
     """The GEMV with its SwiGLU epilogue for up to 16 rows; the tiled GEMM with it at the row
     counts where it beats cuBLAS (:func:`..kernels.swiglu_gemm.launch_for`); otherwise the GEMM
@@ -553,9 +568,11 @@ def _matmul_silu_mul(be: TritonBackend, node, ins, attrs, a, b, dst) -> torch.Te
         from ..kernels.swiglu_gemm import launch_for, swiglu_gemm, swiglu_gemm_supported
         if _gemv_rows(ins[0], ins[1], dst):
             from ..kernels.gemv import gemv
-            return gemv(ins[0], ins[1], silu_mul=True, out=dst, workspace=be.gemv_workspace)
+            return gemv(ins[0], ins[1], silu_mul=True, out=dst, workspace=be.gemv_workspace,
+                        rms_in=be.norms.rms_in(node))
         if swiglu_gemm_supported(ins[0], ins[1], dst) and launch_for(*ins[0].shape) is not None:
             return swiglu_gemm(ins[0], ins[1], out=dst)
+    _not_carried(be, node)
     prod = be.workspace(node, ins, attrs)
     torch.matmul(a, b, out=prod)
     if dst.device.type == "cpu" and not _interpreting():
@@ -633,8 +650,9 @@ def _matmul(be: TritonBackend, node, ins, attrs, dsts):
         add = ins[2] if node.op == "matmul_add" else None
         if add is None or (add.dtype == dst.dtype and add.stride(-1) == 1):
             from ..kernels.gemv import gemv
-            gemv(ins[0], ins[1], add, out=dst, workspace=be.gemv_workspace)
+            gemv(ins[0], ins[1], add, out=dst, workspace=be.gemv_workspace, rms_in=be.norms.rms_in(node))
             return [dst]
+    _not_carried(be, node)
     if node.op == "matmul_add":
         c = ins[2]
         if a.dim() == 2 and b.dim() == 2 and c.dtype == dst.dtype:

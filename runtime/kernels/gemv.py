@@ -74,7 +74,8 @@ from graphdsl.errors import GraphDSLError
 from .pdl import pdl_launch, pdl_trigger, pdl_wait, prefetch_l2
 from .splitk import arrive, depart, sum_partials
 
-__all__ = ["gemv", "gemv_supported", "GemvWorkspace", "GemvLoRA", "MAX_ROWS", "weight_kind"]
+__all__ = ["gemv", "gemv_supported", "GemvWorkspace", "GemvLoRA", "GemvRmsOut", "GemvRmsIn", "MAX_ROWS",
+           "weight_kind"]
 
 MAX_ROWS = 16
 # _pick_config's constants (benchmarks/decode_ab.py patches them for in-model A/B; on the H200 each
@@ -99,6 +100,8 @@ _CONFIG_KEYS = {"BLOCK_N", "BLOCK_K", "SPLIT_K", "num_warps", "num_stages", "INT
 # 1B bf16 1139 -> 1134 / 1117 / 1151; 8B int4 2859 -> 2836 / 2829 / 2904, fp8 3549 -> 3511 / 3585 / 3692
 _PREFETCH_STEPS = 2
 _PREFETCH_STEPS_QUANT = {W_INT4: 2, W_INT4_ZP: 2, W_FP8: 1}
+# a carried RMSNorm (GemvRmsIn / GemvRmsOut): its partials and residual read before the K loop, not after
+_RMS_EARLY = True
 
 
 @triton.jit
@@ -137,16 +140,41 @@ def _lora_term(acc, p_ptr, b_ptr, idx_ptr, pid_n, M, N, LORA_S, LORA_R, LORA_SPL
 
 
 @triton.jit
+def _rin_tile(rin_ptr, rm, m_ok, RIN_CHUNKS, RIN_BLOCK: tl.constexpr):
+    """A consumer's ``[RIN_BLOCK, BLOCK_M]`` tile of its producer's partial sums (0 past the end)."""
+    j = tl.arange(0, RIN_BLOCK)
+    return tl.load(rin_ptr + rm[None, :] * RIN_CHUNKS + j[:, None], mask=(j < RIN_CHUNKS)[:, None] & m_ok[None, :],
+                   other=0.0)
+
+
+@triton.jit
 def _finish(acc, add_ptr, out_ptr, pid_n, rm, m_ok, N, stride_am, stride_om, HAS_ADD: tl.constexpr,
             SWIGLU: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr,
             lora_p_ptr, lora_b_ptr, lora_idx_ptr, M, LORA_S, LORA_R, LORA_SPLITS,
-            HAS_LORA: tl.constexpr, LORA_BLOCK_R: tl.constexpr, LORA_BLOCK_SPLITS: tl.constexpr):
+            HAS_LORA: tl.constexpr, LORA_BLOCK_R: tl.constexpr, LORA_BLOCK_SPLITS: tl.constexpr,
+            rms_g, rms_scaled_ptr, rms_part_ptr, RMS_CHUNKS, RMS_OUT: tl.constexpr,
+            rin_part, rin_ptr, RIN_CHUNKS, rin_inv_n, rin_eps, RMS_IN: tl.constexpr, RIN_BLOCK: tl.constexpr,
+            add_tile, EARLY: tl.constexpr):
     """Store the transposed output tile ``acc [BLOCK_N, BLOCK_M]`` of column tile ``pid_n``:
     ``out[m, n] = acc[n, m] + add`` or, with ``SWIGLU``, ``out[m, c] = silu(g) * u`` where rows
     ``2i, 2i + 1`` of the tile hold gate and up of column ``c = pid_n * BLOCK_N / 2 + i``. g and u
     are rounded to the output dtype first and silu(g) after, as the matmul and ``silu_mul``
     kernels it replaces round them. With ``HAS_LORA`` each row's adapter term joins ``acc`` first
-    (:func:`_lora_term`), before the add or the SwiGLU split."""
+    (:func:`_lora_term`), before the add or the SwiGLU split.
+
+    ``RMS_IN``: the rows are a producer's ``y · weight`` whose RMSNorm scale is still to come, so
+    ``acc[:, m] *= rsqrt(Σ_j part[m, j] / n + eps)`` first (``part``: its ``RIN_CHUNKS`` sums of
+    ``y²`` a row; ``rin_inv_n = 1 / n``). ``RMS_OUT`` (not with ``SWIGLU``): besides ``y`` (rounded
+    to its dtype, ``ŷ``) also store ``ŷ · weight`` rounded, into ``[M, N]`` rows of ``N``, and the
+    tile's float32 sums of ``ŷ²`` over each 32 columns into ``part[m, n // 32]`` (rows of
+    ``RMS_CHUNKS``) — what the next GEMV's ``RMS_IN`` reads. ``rms_g``: the norm weight of the
+    tile's columns, read before the PDL wait; with ``EARLY`` the kernel read ``rin_part`` (the
+    partials) and, with ``RMS_OUT``, ``add_tile`` (the residual) before its K loop, so their
+    latency hides behind it, else they are read here."""
+    if RMS_IN:
+        if not EARLY:
+            rin_part = _rin_tile(rin_ptr, rm, m_ok, RIN_CHUNKS, RIN_BLOCK)
+        acc = acc * tl.rsqrt(tl.sum(rin_part, axis=0) * rin_inv_n + rin_eps)[None, :]
     if HAS_LORA:
         acc = _lora_term(acc, lora_p_ptr, lora_b_ptr, lora_idx_ptr, pid_n, M, N, LORA_S, LORA_R, LORA_SPLITS, SWIGLU,
                          BLOCK_N, BLOCK_M, LORA_BLOCK_R, LORA_BLOCK_SPLITS)
@@ -163,9 +191,21 @@ def _finish(acc, add_ptr, out_ptr, pid_n, rm, m_ok, N, stride_am, stride_om, HAS
         rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     mask = (rn < N)[:, None] & m_ok[None, :]
     if HAS_ADD:
-        a = tl.load(add_ptr + rm[None, :] * stride_am + rn[:, None], mask=mask, other=0.0)
+        if EARLY and RMS_OUT:
+            a = add_tile
+        else:
+            a = tl.load(add_ptr + rm[None, :] * stride_am + rn[:, None], mask=mask, other=0.0)
         y += a.to(tl.float32)
     tl.store(out_ptr + rm[None, :] * stride_om + rn[:, None], y.to(out_ptr.dtype.element_ty), mask=mask)
+    if RMS_OUT:
+        yr = tl.where(mask, y.to(out_ptr.dtype.element_ty).to(tl.float32), 0.0)
+        tl.store(rms_scaled_ptr + rm[None, :] * N + rn[:, None],
+                 (yr * rms_g.to(tl.float32)[:, None]).to(out_ptr.dtype.element_ty), mask=mask)
+        CH: tl.constexpr = BLOCK_N // 32
+        sq = tl.sum(tl.reshape(yr * yr, [CH, 32, BLOCK_M]), axis=1)
+        ch = pid_n * CH + tl.arange(0, CH)
+        tl.store(rms_part_ptr + rm[None, :] * RMS_CHUNKS + ch[:, None], sq,
+                 mask=(ch < RMS_CHUNKS)[:, None] & m_ok[None, :])
 
 
 @triton.jit
@@ -561,6 +601,8 @@ def _gemv_kernel(
     lora_b_ptr,     # HAS_LORA: [rows of w, LORA_S, LORA_R] B factors, scaling folded in; else unused
     lora_idx_ptr,   # HAS_LORA: [M] int32 adapter slot of each row (< 0: none); else unused
     LORA_S, LORA_R, LORA_SPLITS,  # slots, slot width, shrink K slices
+    rms_w_ptr, rms_scaled_ptr, rms_part_ptr, RMS_CHUNKS,  # RMS_OUT: norm weight [N], y·weight [M, N], Σy² [M, chunks]
+    rin_ptr, RIN_CHUNKS, rin_inv_n, rin_eps,              # RMS_IN: the producer's Σy² [M, chunks], 1 / n, eps
     HAS_LORA: tl.constexpr = False,     # add each row's LoRA term in the epilogue (_lora_term)
     LORA_BLOCK_R: tl.constexpr = 16,    # LORA_R padded to a power of two >= 16
     LORA_BLOCK_SPLITS: tl.constexpr = 2,  # LORA_SPLITS padded to a power of two >= 2
@@ -569,6 +611,10 @@ def _gemv_kernel(
     XPACK: tl.constexpr = False,        # one int4 row: x_ptr holds the activations' packed bytes (.int4_acts)
     PREFETCH: tl.constexpr = 0,         # fp16/bf16 weights and the one-row loops: 128-byte lines a row
                                         # prefetched into L2 before the PDL wait (pdl.prefetch_l2)
+    RMS_OUT: tl.constexpr = False,      # also store y·weight and Σy² per 32 columns (_finish; GemvRmsOut)
+    RMS_IN: tl.constexpr = False,       # scale each row's sums by its RMSNorm factor first (_finish; GemvRmsIn)
+    RIN_BLOCK: tl.constexpr = 1,        # RIN_CHUNKS padded to a power of two
+    RMS_EARLY: tl.constexpr = True,     # read the partials / residual of RMS_IN / RMS_OUT before the K loop
 ):
     """out[m, n] = sum_k x[m, k] * w[n, k] (+ add[m, n]), float32 accumulation. With ``SWIGLU`` the
     tile's rows are the gate and up rows of ``BLOCK_N / 2`` output columns, interleaved (row ``2i``
@@ -599,7 +645,20 @@ def _gemv_kernel(
         elif WKIND == 0:
             prefetch_l2(w_ptr + tl.minimum(rn, N2 - 1).to(tl.int64)[:, None] * K, k_lo, k_hi, PREFETCH,
                          1024 // w_ptr.dtype.element_ty.primitive_bitwidth)
+    if RMS_OUT:                        # the norm weight: no kernel of a step writes it
+        rms_g = tl.load(rms_w_ptr + rn, mask=n_ok, other=0.0)
+    else:
+        rms_g = 0.0
     pdl_wait(USE_PDL, not LATE_LAUNCH)
+    if RMS_IN and RMS_EARLY:           # read now, used after the K loop (_finish)
+        rin_part = _rin_tile(rin_ptr, rm, m_ok, RIN_CHUNKS, RIN_BLOCK)
+    else:
+        rin_part = 0.0
+    if RMS_OUT and RMS_EARLY and HAS_ADD:
+        add_tile = tl.load(add_ptr + rm[None, :] * stride_am + rn[:, None], mask=n_ok[:, None] & m_ok[None, :],
+                           other=0.0)
+    else:
+        add_tile = 0.0
     if INT4 and ONE_ROW:
         row = _int4_row(x_ptr, w_ptr, s_ptr, z_ptr, rn, N2, w_lo, w_hi, W_ROW, stride_sn,
                         M12, M16, M0F, BLOCK_N, WKIND == 3, GROUP, BLOCK_K // GROUP, INT_DOT, EMULATE, XPACK,
@@ -652,13 +711,17 @@ def _gemv_kernel(
                 acc = acc * tl.load(s_ptr + rn.to(tl.int64) * stride_sn, mask=n_ok, other=0.0).to(tl.float32)[:, None]
             _finish(acc, add_ptr, out_ptr, pid_n, rm, m_ok, N, stride_am, stride_om, HAS_ADD, SWIGLU, BLOCK_N,
                     BLOCK_M, lora_p_ptr, lora_b_ptr, lora_idx_ptr, M, LORA_S, LORA_R, LORA_SPLITS, HAS_LORA,
-                    LORA_BLOCK_R, LORA_BLOCK_SPLITS)
+                    LORA_BLOCK_R, LORA_BLOCK_SPLITS, rms_g, rms_scaled_ptr, rms_part_ptr, RMS_CHUNKS, RMS_OUT,
+                    rin_part, rin_ptr, RIN_CHUNKS, rin_inv_n, rin_eps, RMS_IN, RIN_BLOCK,
+                    add_tile, RMS_EARLY)
     else:
         if WKIND == 1 or WKIND == 4:
             acc = acc * tl.load(s_ptr + rn.to(tl.int64) * stride_sn, mask=n_ok, other=0.0).to(tl.float32)[:, None]
         _finish(acc, add_ptr, out_ptr, pid_n, rm, m_ok, N, stride_am, stride_om, HAS_ADD, SWIGLU, BLOCK_N, BLOCK_M,
                 lora_p_ptr, lora_b_ptr, lora_idx_ptr, M, LORA_S, LORA_R, LORA_SPLITS, HAS_LORA, LORA_BLOCK_R,
-                LORA_BLOCK_SPLITS)
+                LORA_BLOCK_SPLITS, rms_g, rms_scaled_ptr, rms_part_ptr, RMS_CHUNKS, RMS_OUT,
+                rin_part, rin_ptr, RIN_CHUNKS, rin_inv_n, rin_eps, RMS_IN, RIN_BLOCK,
+                    add_tile, RMS_EARLY)
 
 
 def _prefetch_lines(kind: int, one_row: bool, block_k: int, k_split: int) -> int:
@@ -878,6 +941,61 @@ class GemvWorkspace:
         return sum(t.numel() * t.element_size() for bufs in self._buffers.values() for t in bufs)
 
 
+class GemvRmsOut(NamedTuple):
+    """The next projection's RMSNorm, prepared by a residual GEMV ``y = x @ w.T + residual`` whose
+    output feeds ``rms_norm(y, weight)`` and then only GEMVs: besides ``y`` its epilogue stores
+    ``scaled = ŷ · weight`` (``ŷ``: y rounded to its dtype; rounded again) and ``partials[m, j] =
+    Σ ŷ[m, n]²`` over the columns ``32j <= n < 32j + 32``. Since ``rms_norm(y, w) ≈ (ŷ · w) · r``
+    with ``r = rsqrt(Σ_n ŷ² / N + eps)`` a row, the next GEMV reads ``scaled`` and multiplies its
+    sums by ``r`` (:class:`GemvRmsIn`): the norm's own launch goes. (The norm's reference rounds
+    ``ŷ · r`` before the weight; this rounds ``ŷ · w`` instead: the same error, another place.)"""
+
+    weight: torch.Tensor     # [N], y's dtype
+    scaled: torch.Tensor     # [M, N] contiguous, y's dtype
+    partials: torch.Tensor   # [M, cdiv(N, 32)] contiguous float32
+
+
+class GemvRmsIn(NamedTuple):
+    """The RMSNorm factor still owed to ``x`` (a producer's :class:`GemvRmsOut` ``scaled``):
+    ``out = (x @ w.T) · rsqrt(Σ_j partials[m, j] / n + eps)`` per row, before the epilogue."""
+
+    partials: torch.Tensor   # [M, cdiv(n, 32)] contiguous float32
+    n: int                   # the normalised row length (the producer's N, this GEMV's K)
+    eps: float
+
+
+RMS_CHUNK = 32               # columns a GemvRmsOut partial sums
+
+
+def _rms_args(rms_out: GemvRmsOut | None, rms_in: GemvRmsIn | None, m: int, n: int, k: int, block_n: int,
+              silu_mul: bool, out: torch.Tensor) -> dict:
+    """The kernel's RMS_OUT / RMS_IN arguments (pointers to ``out`` where unused), each checked."""
+    args = dict(rms_w_ptr=out, rms_scaled_ptr=out, rms_part_ptr=out, RMS_CHUNKS=1, RMS_OUT=False,
+                rin_ptr=out, RIN_CHUNKS=1, rin_inv_n=1.0, rin_eps=0.0, RMS_IN=False, RIN_BLOCK=1,
+                RMS_EARLY=_RMS_EARLY)
+    if rms_out is not None:
+        w, scaled, part = rms_out
+        chunks = triton.cdiv(n, RMS_CHUNK)
+        if silu_mul or block_n % RMS_CHUNK:
+            raise GraphDSLError(f"gemv: rms_out needs a plain product in tiles of a multiple of {RMS_CHUNK} columns, "
+                                f"got silu_mul={silu_mul}, BLOCK_N {block_n}")
+        for name, t, shape, dtype in (("weight", w, (n,), out.dtype), ("scaled", scaled, (m, n), out.dtype),
+                                      ("partials", part, (m, chunks), torch.float32)):
+            if tuple(t.shape) != shape or t.dtype != dtype or not t.is_contiguous() or t.device != out.device:
+                raise GraphDSLError(f"gemv: rms_out.{name} must be a contiguous {list(shape)} {dtype} on "
+                                    f"{out.device}, got {list(t.shape)} {t.dtype} on {t.device}")
+        args.update(rms_w_ptr=w, rms_scaled_ptr=scaled, rms_part_ptr=part, RMS_CHUNKS=chunks, RMS_OUT=True)
+    if rms_in is not None:
+        part, rn, eps = rms_in
+        chunks = triton.cdiv(k, RMS_CHUNK)
+        if rn != k or tuple(part.shape) != (m, chunks) or part.dtype != torch.float32 or not part.is_contiguous():
+            raise GraphDSLError(f"gemv: rms_in needs n = K = {k} and contiguous partials [{m}, {chunks}] float32, got "
+                                f"n {rn}, partials {list(part.shape)} {part.dtype}")
+        args.update(rin_ptr=part, RIN_CHUNKS=chunks, rin_inv_n=1.0 / k, rin_eps=float(eps), RMS_IN=True,
+                    RIN_BLOCK=_pow2(chunks))
+    return args
+
+
 def _lora_args(lora: GemvLoRA | None, dummy: torch.Tensor) -> dict:
     """The kernel's LoRA arguments (pointers to ``dummy`` and ``HAS_LORA=False`` without ``lora``)."""
     if lora is None:
@@ -910,7 +1028,8 @@ def gemv(x: torch.Tensor, w: torch.Tensor, add: torch.Tensor | None = None, *, s
          out: torch.Tensor | None = None, workspace: GemvWorkspace | None = None,
          config: dict | None = None, scheme=None, scales: torch.Tensor | None = None,
          zeros: torch.Tensor | None = None, lora: GemvLoRA | None = None,
-         xpack: torch.Tensor | None = None) -> torch.Tensor:
+         xpack: torch.Tensor | None = None, rms_out: GemvRmsOut | None = None,
+         rms_in: GemvRmsIn | None = None) -> torch.Tensor:
     """``x @ w.T (+ add)`` for ``x [M <= 16, K]`` and ``w [N, K]`` of one dtype (fp16/bf16); ``add``
     is a bias ``[N]`` or a residual ``[M, N]``. With ``silu_mul``, ``w`` is a packed ``[gate | up]``
     ``[2I, K]`` and the result is ``silu(x @ gate.T) * (x @ up.T)`` ``[M, I]`` (the ``silu_mul`` op
@@ -931,7 +1050,10 @@ def gemv(x: torch.Tensor, w: torch.Tensor, add: torch.Tensor | None = None, *, s
     ``xpack``: for one row and an int4 weight, the row's activations already in the integer-dot
     loop's bytes (:func:`.int4_acts.pack_int4_activations` of ``x``, ``[6, K / 8]`` int32); the loop
     reads them instead of making them every step, with the launch of :func:`_pick_xpack_config`.
-    The result is the same bits as without."""
+    The result is the same bits as without.
+
+    ``rms_out`` (:class:`GemvRmsOut`) / ``rms_in`` (:class:`GemvRmsIn`): the RMSNorm between this
+    GEMV and the next one carried by their epilogues instead of a launch of its own."""
     if not gemv_supported(x, w, scheme):
         want = "a contiguous w [N, K] of one dtype" if scheme is None else f"the codes of {scheme.name}"
         raise GraphDSLError(f"gemv: needs x [M<= {MAX_ROWS}, K] in {[str(d) for d in _DTYPES]} and {want}, got x "
@@ -1008,5 +1130,5 @@ def gemv(x: torch.Tensor, w: torch.Tensor, add: torch.Tensor | None = None, *, s
         DOT_F32=x.dtype == torch.bfloat16 and interpret, EMULATE=interpret,
         PREFETCH=0 if interpret else _prefetch_lines(kind, one_row, block_k, k_split), XPACK=xpack is not None,
         **pdl_launch(x.device),
-        **_lora_args(lora, out), **cfg)
+        **_lora_args(lora, out), **_rms_args(rms_out, rms_in, m, cols, k, block_n, silu_mul, out), **cfg)
     return out

@@ -509,7 +509,8 @@ class _Config(NamedTuple):
     num_stages: int
 
 
-def _pick_config(head_dim: int, group_pad: int, *, decode: bool, prefetch_splits: bool = False) -> _Config:
+def _pick_config(head_dim: int, group_pad: int, *, decode: bool, prefetch_splits: bool = False,
+                 wide_grid: bool = False) -> _Config:
     """The one tile heuristic of both kernels (from ``benchmarks/attention.py --sweep`` on an H200,
     32/8 heads, head_dim 128, bf16). Prefill: 64 rows x 64 keys, 4 warps, 3 stages (275 TFLOP/s
     causal at 2048 tokens; 128x64/8 warps 268, 128x128/8 warps 275, 64x32 210); head_dim 256 takes
@@ -518,10 +519,14 @@ def _pick_config(head_dim: int, group_pad: int, *, decode: bool, prefetch_splits
     2 stages (within 6% of the best swept config at batch 1/8/64, context 4096), rows = the group
     padded to >= 16 (``tl.dot``'s smallest M). A split decode that reads its first tile before the
     PDL wait (``prefetch_splits``) takes 32 keys per tile: more splits, each wholly read early
-    (Llama-3-8B batch 1, context 512, in the model: 4218 vs 4278 µs a step with 64 keys)."""
+    (Llama-3-8B batch 1, context 512, in the model: 4218 vs 4278 µs a step with 64 keys). So does
+    a one-split grid of more than two programs a SM (``wide_grid``, ``_WIDE_GRID_KEYS``): at batch
+    256, context 640, 32/8 heads, ``probe`` on an H100, 120.3 vs 123.2 µs (head_dim 64) and 232.0
+    vs 235.3 µs (head_dim 128) a launch."""
     big = head_dim > 128
     if decode:
-        return _Config(block_m=max(16, group_pad), block_n=32 if big or prefetch_splits else 64,
+        narrow = big or prefetch_splits or (wide_grid and _WIDE_GRID_KEYS == 32)
+        return _Config(block_m=max(16, group_pad), block_n=32 if narrow else 64,
                        num_warps=_DECODE_WARPS, num_stages=2)
     return _Config(block_m=max(64, group_pad), block_n=32 if big else 64,
                    num_warps=8 if big else 4, num_stages=2 if big else 3)
@@ -651,6 +656,7 @@ _MAX_SPLITS = 64
 _DECODE_WARPS = 4          # decode warps (in-model A/B on the H200: 2 and 8 lose on Llama-3.2-1B)
 _MIN_KEYS_PER_SPLIT = 128
 _PREFETCH_WIDE_TILE = 8192   # keys x head_dim of a tile too large to hold across the PDL wait in many waves
+_WIDE_GRID_KEYS = 32         # keys a tile of a one-split grid of more than two programs a SM (64: as the others)
 
 
 def _prefetch_first_tile(num_seqs: int, kv_heads: int, num_splits: int, dim: int, group: int,
@@ -795,8 +801,9 @@ def _launch_decode(q, key_cache, value_cache, block_tables, seq_lens, scale, sli
     group = heads // kv_heads
     prefetch = (bool(inputs_ready and cache_ready) and rope_cache is not None
                 and _prefetch_first_tile(num_seqs, kv_heads, num_splits, dim, group, q.device))
+    wide = num_splits == 1 and num_seqs * kv_heads > 2 * _sm_count(q.device)
     cfg = config or _pick_config(dim, triton.next_power_of_2(group), decode=True,
-                                 prefetch_splits=prefetch and num_splits > 1)
+                                 prefetch_splits=prefetch and num_splits > 1, wide_grid=wide)
     if num_splits > 1:
         if workspace is None:
             workspace = decode_workspace(num_seqs, heads, kv_heads, dim, num_splits, q.device)

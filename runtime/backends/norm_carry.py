@@ -1,0 +1,223 @@
+"""The RMSNorm between two decode GEMVs, carried by their epilogues: one launch less per norm.
+
+In a decoder layer the ``o_proj`` / ``down_proj`` product ``y`` meets the residual in
+``add_rms_norm``, whose normed output feeds only the next projections (qkv, gate/up, the
+lm_head). When all of them run as decode GEMVs (<= 16 rows), the producer GEMV adds the residual
+itself and stores, besides the sum ``s``, ``s · weight`` and the sums of ``s²`` of each row's
+32-column chunks (:class:`~..kernels.gemv.GemvRmsOut`); each consumer GEMV reads ``s · weight``
+and multiplies its float32 sums by ``rsqrt(Σ s² / N + eps)`` (:class:`~..kernels.gemv.GemvRmsIn`).
+The ``add_rms_norm`` node then launches nothing. The product equals the unfused one up to where
+one bfloat16 rounding falls (``(ŝ·r)`` rounded before the weight multiply there, ``ŝ·w`` here).
+
+This is a schedule of three graph nodes, not a graph rewrite: the graph and its dumps keep the
+three ops, more rows run them one by one as before, and so does a run with a per-node hook (taps,
+profiles read every node's output, and here ``y`` and the normed tensor are never written).
+
+Conditions. Once per node list (:func:`plan`): the producer (``matmul`` of ``x @ w.T``, or
+``quant_linear``) is immediately followed by the ``add_rms_norm`` that is its output's only reader;
+the normed output is read only by such projections (``matmul``, ``matmul_silu_mul``,
+``quant_linear``, ``quant_linear_silu_mul``) as their input rows, and neither is a graph output.
+Per run (:meth:`NormCarry.producer`), on the real tensors: every GEMV takes its operands, the norm
+keeps the dtype, and the sum's planned storage is the residual's or overlaps none of the
+producer's inputs (the producer writes it while its other programs still read them). A site's
+``s · weight`` and partial sums live in one of two backend buffers, taken in turn; :func:`plan`
+keeps a site only if every reader of the last site on its buffer has run before its producer.
+When the planner put the sum into the memory of an input the producer still reads (it dies
+there), the sum goes to the slot's third buffer instead and its readers are handed that one —
+for a sum that is no graph output and whose readers all run before that buffer is taken again.
+"""
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+
+__all__ = ["NormCarry", "Site", "plan", "PRODUCERS", "CONSUMERS"]
+
+ENABLED = True       # False: every norm launches its own kernel (benchmarks/decode_ab.py's A/B)
+# producers' weight kinds whose sites are carried. In-model A/B on an H100 (µs a batch-1 step, carried vs
+# launched): Llama-3-8B int4 2586 vs 2684; bf16 5544 vs 5545 and Llama-3.2-1B 1110 vs 1115 (no gain: the
+# tensor-core GEMV's epilogue pays what the launch cost); fp8 3582 vs 3514 in one run, 3454 vs 3467 in another
+KINDS = ("int4",)
+PRODUCERS = ("matmul", "quant_linear")
+CONSUMERS = ("matmul", "matmul_silu_mul", "quant_linear", "quant_linear_silu_mul")
+
+
+class Site(NamedTuple):
+    """One carried norm: ``producer`` → ``norm`` (``add_rms_norm``) → ``consumers``."""
+
+    producer: object          # graph Node
+    norm: object              # graph Node, right after the producer
+    y_input: int              # the norm's input (0 or 1) that is the producer's output
+    consumers: tuple          # graph Nodes reading the normed output as their rows
+    slot: int                 # which of the two scratch buffers
+    sum_aside: bool           # the sum may go to the slot's buffer when its planned storage cannot take it
+
+
+def _plain_rows(node) -> bool:
+    """``node`` multiplies its input 0 (rows) by a weight: ``x @ w.T`` or a quantized linear."""
+    if node.op in ("quant_linear", "quant_linear_silu_mul"):
+        return True
+    return bool(node.attrs.get("transpose_b")) and not node.attrs.get("transpose_a")
+
+
+def plan(nodes) -> dict:
+    """The sites of ``nodes`` (a run's node list): ``{norm node: Site}``, also keyed by producer."""
+    if not nodes:
+        return {}
+    net = nodes[0].net
+    readers = net.consumers()
+    outputs = set(getattr(net, "outputs", {}).values())
+    index = {n: i for i, n in enumerate(nodes)}
+    sites, last_read = {}, [-1, -1]
+    for i, p in enumerate(nodes[:-1]):
+        b = nodes[i + 1]
+        if p.op not in PRODUCERS or b.op != "add_rms_norm" or not _plain_rows(p):
+            continue
+        y = p.outputs[0]
+        if readers.get(y) != [b] or y in outputs or b.inputs[0] is b.inputs[1] or y not in b.inputs[:2]:
+            continue
+        normed = b.outputs[0]
+        cons = readers.get(normed, [])
+        if not cons or normed in outputs or any(
+                c.op not in CONSUMERS or c.inputs[0] is not normed or normed in c.inputs[1:] or not _plain_rows(c)
+                or c not in index for c in cons):
+            continue
+        slot = next((s for s in (0, 1) if last_read[s] < i), None)
+        if slot is None:
+            continue
+        sum_readers = readers.get(b.outputs[1], [])
+        aside = b.outputs[1] not in outputs and all(r in index for r in sum_readers)
+        last_read[slot] = max(index[r] for r in cons + (sum_readers if aside else []))
+        site = Site(p, b, b.inputs.index(y), tuple(cons), slot, aside)
+        sites[b] = sites[p] = site
+    return sites
+
+
+def _span(t: torch.Tensor) -> tuple[int, int]:
+    start = t.data_ptr()
+    extent = sum((s - 1) * st for s, st in zip(t.shape, t.stride())) + 1
+    return start, start + extent * t.element_size()
+
+
+def _overlap(a: torch.Tensor, b: torch.Tensor) -> bool:
+    (a0, a1), (b0, b1) = _span(a), _span(b)
+    return a0 < b1 and b0 < a1
+
+
+class NormCarry:
+    """A backend's carried norms during one run: :meth:`producer` launches a site's producer with
+    the norm in its epilogue (or declines), :meth:`norm` tells whether the norm node is already
+    done, :meth:`rms_in` gives a consumer its row scale."""
+
+    def __init__(self):
+        self._plans: tuple = (None, {})          # (node list, its sites)
+        self._active: dict = {}                  # normed tensor -> (GemvRmsIn, scaled, sum)
+        self._buffers: dict = {}                 # (slot, device, m, n, dtype) -> (scaled, partials)
+
+    def start(self, nodes, enabled: bool) -> None:
+        """A run of ``nodes`` begins; ``enabled`` False (a per-node hook) carries nothing."""
+        self._active = {}
+        if not (enabled and ENABLED):
+            self._sites = {}
+            return
+        if self._plans[0] is not nodes:
+            self._plans = (nodes, plan(nodes))
+        self._sites = self._plans[1]
+
+    def _buffers_for(self, slot, device, m, n, dtype):
+        from ..kernels.gemv import RMS_CHUNK
+        key = (slot, str(device), m, n, dtype)
+        bufs = self._buffers.get(key)
+        if bufs is None:            # s · weight, the partial sums, the sum when set aside
+            bufs = self._buffers[key] = (torch.empty(m, n, dtype=dtype, device=device),
+                                         torch.empty(m, -(-n // RMS_CHUNK), dtype=torch.float32, device=device),
+                                         torch.empty(m, n, dtype=dtype, device=device))
+        return bufs
+
+    def producer(self, be, node, values: dict, attrs: dict, storage: dict) -> bool:
+        """Launch ``node`` as a site's producer with the norm carried, if it is one and every
+        condition holds on these tensors; False leaves the three nodes to run one by one."""
+        site = self._sites.get(node)
+        if site is None or site.producer is not node:
+            return False
+        launch = _launch(be, site, values, attrs, storage, self)
+        if launch is None:
+            return False
+        rms_in, scaled, s_dst = launch
+        self._active[site.norm.outputs[0]] = (rms_in, scaled, s_dst)
+        values[node.outputs[0]] = storage.get(node.outputs[0], s_dst)   # never written: its only reader is done
+        return True
+
+    def norm(self, node, values: dict) -> bool:
+        """Whether ``node`` (an ``add_rms_norm``) was carried by its producer; its outputs are then
+        the producer's ``s · weight`` (read only by the consumers, with :meth:`rms_in`) and sum."""
+        hit = self._active.get(node.outputs[0]) if node.op == "add_rms_norm" else None
+        if hit is None:
+            return False
+        values[node.outputs[0]], values[node.outputs[1]] = hit[1], hit[2]
+        return True
+
+    def rms_in(self, node):
+        """The :class:`~..kernels.gemv.GemvRmsIn` a consumer GEMV applies, or None."""
+        hit = self._active.get(node.inputs[0]) if node.inputs else None
+        return None if hit is None else hit[0]
+
+
+def _launch(be, site: Site, values: dict, attrs: dict, storage: dict, carry: NormCarry):
+    """Check the run-time conditions and launch the producer; ``(rms_in, scaled, sum)`` or None."""
+    from graphdsl.quant import parse_scheme
+
+    from ..kernels.gemv import GemvRmsIn, GemvRmsOut, gemv, gemv_supported
+    p, b = site.producer, site.norm
+    ins = [values[t] for t in p.inputs]
+    x = ins[0]
+    if x.dim() != 2 or not (x.device.type == "cuda" or _interpreting()):
+        return None
+    quant = p.op == "quant_linear"
+    scheme = parse_scheme(attrs[p]["scheme"]) if quant else None
+    w = ins[1]
+    if not gemv_supported(x, w, scheme) or _kind(scheme) not in KINDS:
+        return None
+    m = x.shape[0]
+    residual, g = values[b.inputs[1 - site.y_input]], values[b.inputs[2]]
+    n = residual.shape[-1]
+    if residual.shape != (m, n) or residual.dtype != x.dtype or residual.stride(-1) != 1 or g.shape != (n,) \
+            or g.dtype != x.dtype or not g.is_contiguous() or b.outputs[0].dtype != x.dtype:
+        return None
+    scaled, part, aside = carry._buffers_for(site.slot, x.device, m, n, x.dtype)
+    s_dst = storage.get(b.outputs[1])
+    if s_dst is None or tuple(s_dst.shape) != (m, n) or s_dst.dtype != x.dtype or s_dst.stride(-1) != 1 \
+            or any(_overlap(s_dst, t) for t in ins) or (_overlap(s_dst, residual) and (
+                s_dst.data_ptr() != residual.data_ptr() or s_dst.stride() != residual.stride())):
+        if not site.sum_aside or _overlap(aside, residual):    # (the last site on the slot: done with it)
+            return None
+        s_dst = aside           # the planner reused a dying input's memory: its readers get this buffer
+    from .triton_backend import _kernel_unsupported
+    for c in site.consumers:
+        cins = [scaled] + [values[t] for t in c.inputs[1:]]     # the rows are not made yet
+        quant_c = c.op.startswith("quant")
+        cs = parse_scheme(attrs[c]["scheme"]) if quant_c else None
+        dst = storage.get(c.outputs[0])
+        if not gemv_supported(scaled, cins[1], cs) or (dst is not None and dst.stride(-1) != 1) \
+                or (quant_c and _kernel_unsupported(c, cins) is not None):
+            return None
+    rms_out = GemvRmsOut(g, scaled, part)
+    if quant:
+        stored = ins[1:]
+        gemv(x, stored[0], residual, out=s_dst, workspace=be.gemv_workspace, scheme=scheme, scales=stored[1],
+             zeros=stored[2] if len(stored) > 2 else None, rms_out=rms_out)
+    else:
+        gemv(x, w, residual, out=s_dst, workspace=be.gemv_workspace, rms_out=rms_out)
+    return GemvRmsIn(part, n, float(attrs[b]["eps"])), scaled, s_dst
+
+
+def _kind(scheme) -> str:
+    """``"float"`` (fp16/bf16), ``"int8"``, ``"int4"`` or ``"fp8"``: the GEMV's weight kind."""
+    from ..kernels.gemv import W_FP8, W_INT4, W_INT4_ZP, W_INT8, weight_kind
+    return {W_INT8: "int8", W_INT4: "int4", W_INT4_ZP: "int4", W_FP8: "fp8"}.get(weight_kind(scheme), "float")
+
+
+def _interpreting() -> bool:
+    import os
+    return os.environ.get("TRITON_INTERPRET") == "1"
