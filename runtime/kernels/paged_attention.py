@@ -520,9 +520,10 @@ def _pick_config(head_dim: int, group_pad: int, *, decode: bool, prefetch_splits
     padded to >= 16 (``tl.dot``'s smallest M). A split decode that reads its first tile before the
     PDL wait (``prefetch_splits``) takes 32 keys per tile: more splits, each wholly read early
     (Llama-3-8B batch 1, context 512, in the model: 4218 vs 4278 µs a step with 64 keys). So does
-    a one-split grid of more than two programs a SM (``wide_grid``, ``_WIDE_GRID_KEYS``): at batch
-    256, context 640, 32/8 heads, ``probe`` on an H100, 120.3 vs 123.2 µs (head_dim 64) and 232.0
-    vs 235.3 µs (head_dim 128) a launch."""
+    a one-split grid of more than ``_WIDE_GRID_PER_SM`` programs a SM (``wide_grid``,
+    ``_WIDE_GRID_KEYS``): at batch 256, context 640, 32/8 heads, on an H100, 120.3 vs 123.2 µs
+    (head_dim 64) and 232.0 vs 235.3 µs (head_dim 128) a launch; at batch 64 (3.9 programs a SM)
+    the 1B step lost 4% with them."""
     big = head_dim > 128
     if decode:
         narrow = big or prefetch_splits or (wide_grid and _WIDE_GRID_KEYS == 32)
@@ -656,7 +657,9 @@ _MAX_SPLITS = 64
 _DECODE_WARPS = 4          # decode warps (in-model A/B on the H200: 2 and 8 lose on Llama-3.2-1B)
 _MIN_KEYS_PER_SPLIT = 128
 _PREFETCH_WIDE_TILE = 8192   # keys x head_dim of a tile too large to hold across the PDL wait in many waves
-_WIDE_GRID_KEYS = 32         # keys a tile of a one-split grid of more than two programs a SM (64: as the others)
+_WIDE_GRID_KEYS = 32         # keys a tile of a one-split grid of more than _WIDE_GRID_PER_SM programs a SM (64: as
+_WIDE_GRID_PER_SM = 8        # the others). In-model A/B on an H100 (µs a step, 64 -> 32 keys): batch 256 1B 3104 ->
+                             # 3084, 8B 13978 -> 13774; batch 64 (3.9 programs a SM) 1B 1683 -> 1751, 8B 7567 -> 7558
 
 
 def _prefetch_first_tile(num_seqs: int, kv_heads: int, num_splits: int, dim: int, group: int,
@@ -801,7 +804,7 @@ def _launch_decode(q, key_cache, value_cache, block_tables, seq_lens, scale, sli
     group = heads // kv_heads
     prefetch = (bool(inputs_ready and cache_ready) and rope_cache is not None
                 and _prefetch_first_tile(num_seqs, kv_heads, num_splits, dim, group, q.device))
-    wide = num_splits == 1 and num_seqs * kv_heads > 2 * _sm_count(q.device)
+    wide = num_splits == 1 and num_seqs * kv_heads > _WIDE_GRID_PER_SM * _sm_count(q.device)
     cfg = config or _pick_config(dim, triton.next_power_of_2(group), decode=True,
                                  prefetch_splits=prefetch and num_splits > 1, wide_grid=wide)
     if num_splits > 1:
