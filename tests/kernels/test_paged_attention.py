@@ -286,7 +286,7 @@ def test_first_tile_prefetch_only_where_it_pays():
 
 
 def test_wide_one_split_grids_take_32_key_tiles(monkeypatch):
-    """A one-split grid of more than ``_WIDE_GRID_PER_SM`` programs a SM (4 SMs on this CPU device:
+    """A one-split grid of more than ``_WIDE_GRID_PER_SM`` programs a SM (on the CPU device 4 SMs:
     36 sequences x 1 KV head) runs 32-key tiles, and gives the reference's output."""
     import importlib
     pa = importlib.import_module("graphdsl.runtime.kernels.paged_attention")   # (the package's attribute is the function)
@@ -294,7 +294,8 @@ def test_wide_one_split_grids_take_32_key_tiles(monkeypatch):
     real = pa._pick_config
     monkeypatch.setattr(pa, "_pick_config", lambda *a, **k: seen.append(k.get("wide_grid")) or real(*a, **k))
     assert real(64, 4, decode=True, wide_grid=True).block_n == 32 and real(64, 4, decode=True).block_n == 64
-    lens, _ = _grow([40 + 3 * i for i in range(36)], [])
+    seqs = pa._WIDE_GRID_PER_SM * pa._sm_count(torch.device(DEVICE)) + 4
+    lens, _ = _grow([40 + 3 * (i % 12) for i in range(seqs)], [])
     q, kc, vc, bt, sl, _ = make_case(lens, [1] * len(lens), 4, 1, 32, 16, torch.float32, seed=5)
     out = paged_attention_decode(q, kc, vc, bt, sl, scale=0.125, num_splits=1, out=_nan_like(q))
     assert_close(out, REF(q, kc, vc, bt, sl, scale=0.125), torch.float32)
