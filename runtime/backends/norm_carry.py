@@ -37,7 +37,7 @@ __all__ = ["NormCarry", "Site", "plan", "PRODUCERS", "CONSUMERS"]
 ENABLED = True       # False: every norm launches its own kernel (benchmarks/decode_ab.py's A/B)
 # producers' weight kinds whose sites are carried. In-model A/B on an H100 (µs a batch-1 step, carried vs
 # launched): Llama-3-8B int4 2586 vs 2684; bf16 5544 vs 5545 and Llama-3.2-1B 1110 vs 1115 (no gain: the
-# tensor-core GEMV's epilogue pays what the launch cost); fp8 3582 vs 3514 in one run, 3454 vs 3467 in another
+# tensor-core GEMV's epilogue pays what the launch cost); fp8 3599 vs 3469 (docs/quantization.md)
 KINDS = ("int4",)
 PRODUCERS = ("matmul", "quant_linear")
 CONSUMERS = ("matmul", "matmul_silu_mul", "quant_linear", "quant_linear_silu_mul")
@@ -112,8 +112,9 @@ class NormCarry:
 
     def __init__(self):
         self._plans: tuple = (None, {})          # (node list, its sites)
+        self._sites: dict = {}                   # the current run's sites (empty: none carried)
         self._active: dict = {}                  # normed tensor -> (GemvRmsIn, scaled, sum)
-        self._buffers: dict = {}                 # (slot, device, m, n, dtype) -> (scaled, partials)
+        self._buffers: dict = {}                 # (slot, device, m, n, dtype) -> (scaled, partials, sum aside)
 
     def start(self, nodes, enabled: bool) -> None:
         """A run of ``nodes`` begins; ``enabled`` False (a per-node hook) carries nothing."""
@@ -172,6 +173,7 @@ def _launch(be, site: Site, values: dict, attrs: dict, storage: dict, carry: Nor
     p, b = site.producer, site.norm
     ins = [values[t] for t in p.inputs]
     x = ins[0]
+    from .triton_backend import _interpreting, _kernel_unsupported
     if x.dim() != 2 or not (x.device.type == "cuda" or _interpreting()):
         return None
     quant = p.op == "quant_linear"
@@ -193,7 +195,6 @@ def _launch(be, site: Site, values: dict, attrs: dict, storage: dict, carry: Nor
         if not site.sum_aside or _overlap(aside, residual):    # (the last site on the slot: done with it)
             return None
         s_dst = aside           # the planner reused a dying input's memory: its readers get this buffer
-    from .triton_backend import _kernel_unsupported
     for c in site.consumers:
         cins = [scaled] + [values[t] for t in c.inputs[1:]]     # the rows are not made yet
         quant_c = c.op.startswith("quant")
@@ -217,7 +218,3 @@ def _kind(scheme) -> str:
     from ..kernels.gemv import W_FP8, W_INT4, W_INT4_ZP, W_INT8, weight_kind
     return {W_INT8: "int8", W_INT4: "int4", W_INT4_ZP: "int4", W_FP8: "fp8"}.get(weight_kind(scheme), "float")
 
-
-def _interpreting() -> bool:
-    import os
-    return os.environ.get("TRITON_INTERPRET") == "1"

@@ -24,6 +24,10 @@ rows, so the op is bound by the bytes of ``w`` and by how many of them are in fl
   ``s``: the row's adapter slot, ``< 0`` none; for SwiGLU tile rows map back to their gate or up
   row of ``B``) — in :func:`_finish`, so the K loop is the base engine's, and with split-K the
   program that finishes the tile adds it once.
+* **An RMSNorm carried between two GEMVs** (``rms_out`` / ``rms_in``, :class:`GemvRmsOut`,
+  :class:`GemvRmsIn`; used by ``runtime/backends/norm_carry.py``): a residual GEMV also stores
+  ``ŷ · weight`` and each row's sums of ``ŷ²`` per 32 columns, and the next GEMV, reading
+  ``ŷ · weight``, multiplies its sums by ``rsqrt(Σ ŷ² / N + eps)``, so the norm needs no launch.
 * **Quantized weights** (``scheme=``, the weight-only schemes of :mod:`graphdsl.quant`;
   ``WKIND``): int8 / fp8 codes are exact in fp16/bf16 and enter ``tl.dot`` as loaded, the row
   scale multiplying the float32 sums before the epilogue; one row runs CUDA-core FMAs instead —
@@ -721,7 +725,7 @@ def _gemv_kernel(
                 lora_p_ptr, lora_b_ptr, lora_idx_ptr, M, LORA_S, LORA_R, LORA_SPLITS, HAS_LORA, LORA_BLOCK_R,
                 LORA_BLOCK_SPLITS, rms_g, rms_scaled_ptr, rms_part_ptr, RMS_CHUNKS, RMS_OUT,
                 rin_part, rin_ptr, RIN_CHUNKS, rin_inv_n, rin_eps, RMS_IN, RIN_BLOCK,
-                    add_tile, RMS_EARLY)
+                add_tile, RMS_EARLY)
 
 
 def _prefetch_lines(kind: int, one_row: bool, block_k: int, k_split: int) -> int:
