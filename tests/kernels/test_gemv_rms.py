@@ -98,19 +98,26 @@ def test_rms_arguments_are_checked():
 
 
 # -- the backend's schedule: the tiny transformer block ---------------------------------------------
+def _norm_launches(monkeypatch) -> list:
+    """The names of the ``add_rms_norm`` nodes the Triton backend launches a kernel for, as they run."""
+    from graphdsl.runtime.backends import triton_backend
+    launched = []
+    real = triton_backend._LOWERINGS["add_rms_norm"]
+    monkeypatch.setitem(triton_backend._LOWERINGS, "add_rms_norm",
+                        lambda be, node, *a: launched.append(node.name) or real(be, node, *a))
+    return launched
+
+
 @pytest.mark.parametrize("num_tokens", [3, 20])
 def test_tiny_block_norms_ride_on_the_gemvs_up_to_16_rows(num_tokens, monkeypatch):
     """In fp16 with <= 16 rows each ``add_rms_norm`` after a projection (o, down: 2 a layer, the last
     one before the lm_head) launches nothing: its producer GEMV and its readers carry it; with more
     rows each launches its kernel. Both match the unfused torch reference. (fp16 weights are carried
     when ``KINDS`` names them; by default only int4 producers are, below.)"""
-    from graphdsl.runtime.backends import norm_carry, triton_backend
+    from graphdsl.runtime.backends import norm_carry
     from tests.helpers import tiny_block
     monkeypatch.setattr(norm_carry, "KINDS", ("float",))
-    launched = []
-    real = triton_backend._LOWERINGS["add_rms_norm"]
-    monkeypatch.setitem(triton_backend._LOWERINGS, "add_rms_norm",
-                        lambda be, node, *a: launched.append(node.name) or real(be, node, *a))
+    launched = _norm_launches(monkeypatch)
     dt = torch.float16
     w, feed = tiny_block.weights(2, dtype=dt), tiny_block.inputs(num_tokens, dtype=dt)
     net = tiny_block.build(2, dtype=dt)
@@ -128,13 +135,10 @@ def test_tiny_block_norms_ride_on_the_gemvs_up_to_16_rows(num_tokens, monkeypatc
 def test_a_per_node_hook_sees_every_norm_launch(monkeypatch):
     """Taps read every node's output, so a tapped run carries no norm (and the tapped normed value is
     the norm's own)."""
-    from graphdsl.runtime.backends import norm_carry, triton_backend
+    from graphdsl.runtime.backends import norm_carry
     from tests.helpers import tiny_block
     monkeypatch.setattr(norm_carry, "KINDS", ("float",))
-    launched = []
-    real = triton_backend._LOWERINGS["add_rms_norm"]
-    monkeypatch.setitem(triton_backend._LOWERINGS, "add_rms_norm",
-                        lambda be, node, *a: launched.append(node.name) or real(be, node, *a))
+    launched = _norm_launches(monkeypatch)
     dt = torch.float16
     eng = tiny_block.build(1, dtype=dt).build_engine(backend="triton", cache=False)
     eng.set_weights({k: v.to(DEV) for k, v in tiny_block.weights(1, dtype=dt).items()})
@@ -151,12 +155,9 @@ def test_tiny_llama_in_bfloat16_scores_alike_with_and_without_carried_norms(tmp_
     """A Llama checkpoint in bfloat16 on the Triton backend: 11 prompt rows carry every norm after a
     projection; the logits stay as close to transformers' as with each norm launched."""
     import graphdsl as gd
-    from graphdsl.runtime.backends import norm_carry, triton_backend
+    from graphdsl.runtime.backends import norm_carry
     from tests.models.hf_tiny import hf_logits, make_checkpoint
-    launched = []
-    real = triton_backend._LOWERINGS["add_rms_norm"]
-    monkeypatch.setitem(triton_backend._LOWERINGS, "add_rms_norm",
-                        lambda be, node, *a: launched.append(node.name) or real(be, node, *a))
+    launched = _norm_launches(monkeypatch)
     hf_model = make_checkpoint("llama", tmp_path)
     prompt = [1, 5, 9, 33, 2, 77, 100, 3, 8, 9, 10]
     ref = hf_logits(hf_model, prompt)
@@ -223,12 +224,8 @@ def test_by_default_only_int4_producers_carry_their_norm(quantization, carried, 
     faster); bf16 and fp8 ones launch it (no gain measured). A 2-layer Llama scoring 5 tokens: 4
     ``add_rms_norm``, the last one's rows gathered before the lm_head."""
     import graphdsl as gd
-    from graphdsl.runtime.backends import triton_backend
     from tests.models.hf_tiny import make_checkpoint
-    launched = []
-    real = triton_backend._LOWERINGS["add_rms_norm"]
-    monkeypatch.setitem(triton_backend._LOWERINGS, "add_rms_norm",
-                        lambda be, node, *a: launched.append(node.name) or real(be, node, *a))
+    launched = _norm_launches(monkeypatch)
     make_checkpoint("llama", tmp_path, intermediate_size=128)       # int4-g64 groups divide every K
     llm = gd.LLM(tmp_path, device=DEV, dtype="bfloat16", max_model_len=64, quantization=quantization)
     llm.model.configure_runtime(backend="triton", max_blocks_per_seq=4)
