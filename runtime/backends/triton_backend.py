@@ -96,6 +96,8 @@ class TritonBackend:
         self._gemv_workspace = None             # split-K partials + counters of the decode GEMVs
         self._run_nodes: list = []              # the node list of the current run (step_constant)
         self._storage: dict = {}                # the current run's arena views (tensor / node -> view)
+        self._values: dict = {}                 # the current run's tensor values (graph tensor -> torch tensor)
+        self._planes_ready: dict = {}           # GGUF node -> its rows' tensor-core A operand, made by the norm
         self._step_view = None                  # (a node list, its set, graph input -> in-place writers)
         from .norm_carry import NormCarry
         from .torch_backend import TorchBackend
@@ -116,6 +118,8 @@ class TritonBackend:
         when given, runs after each node (taps copy there, profiles record events there)."""
         self._run_nodes = nodes
         self._storage = storage
+        self._values = values
+        self._planes_ready = {}
         self.norms.start(nodes, enabled=after is None)   # a hook reads every node's output: none carried
         for node in nodes:
             self._run_one(node, values, attrs, storage)
@@ -238,11 +242,65 @@ def _fused(be: TritonBackend, node, ins, attrs, dsts):
     return dsts
 
 
+_NORM_PLANES = True   # a one-row add_rms_norm before Q4_K tensor-core GEMVs also makes their A operand
+
+
 def _add_rms_norm(be: TritonBackend, node, ins, attrs, dsts):
+    if _NORM_PLANES and _norm_planes(be, node, ins, attrs, dsts):
+        return dsts
     from ..codegen.ops import add_rms_norm_program
     k, data = be._kernel(node, add_rms_norm_program(attrs["eps"]), (4, 3), ins, dsts)
     k([ins[r] for r in data], dsts)
     return dsts
+
+
+def _norm_planes(be: TritonBackend, node, ins, attrs, dsts) -> bool:
+    """One row's ``add_rms_norm`` read next by GGUF projections whose Q4_K rows run on the tensor
+    cores: :func:`..kernels.gguf_mma.norm_planes` writes the normed row, the sum and their A operand
+    in one launch, and those projections skip their activation launch. The readers must be the
+    nodes right after the norm (views aside), so no other tensor-core GEMV rewrites the operand
+    buffer in between; a reader that does not take it reads the normed row as before."""
+    from graphdsl.quant import parse_scheme
+
+    from ..kernels.gguf_linear import mma_eligible
+    from ..kernels.gguf_mma import norm_planes
+    x, res, w = ins
+    out, s = dsts
+    k = x.shape[-1]
+    rows = [t for t in (x, res, out, s) if t.dim() == 2 and t.shape == (1, k) and t.is_contiguous()]
+    if len(rows) != 4 or k % 256 or x.dtype not in (torch.float16, torch.bfloat16) or not w.is_contiguous() \
+            or {t.dtype for t in (x, res, w, out, s)} != {x.dtype} or not (x.device.type == "cuda" or _interpreting()):
+        return False
+    takers = []
+    for reader in _next_readers(be, node):
+        if reader.op not in ("quant_linear", "quant_linear_silu_mul") or reader.inputs[0] is not node.outputs[0]:
+            continue
+        scheme = parse_scheme(reader.attrs["scheme"])
+        if not isinstance(scheme, (GGUFScheme, GGUFMixScheme)):
+            continue
+        n = reader.attrs["out_features"]
+        parts = zip([be._values[t] for t in reader.inputs[1:]], scheme.row_parts(n))
+        if any(qtype == "Q4_K" and mma_eligible(out, data, qtype) for data, (qtype, _, _) in parts):
+            takers.append(reader)
+    if not takers:
+        return False
+    planes = norm_planes(x, res, w, attrs["eps"], out, s, be.gemv_workspace.planes(x.device, k))
+    be._planes_ready.update(dict.fromkeys(takers, planes))
+    return True
+
+
+def _next_readers(be: TritonBackend, node) -> list:
+    """The nodes right after ``node`` in this run that read one of its outputs, up to the first
+    node (other than a view) that does not."""
+    nodes = be._run_nodes
+    at = nodes.index(node)
+    found = []
+    for n in nodes[at + 1:]:
+        if any(t in node.outputs for t in n.inputs):
+            found.append(n)
+        elif n.category is not OpCategory.VIEW:
+            break
+    return found
 
 
 def _silu_mul(be: TritonBackend, node, ins, attrs, dsts):
@@ -504,11 +562,12 @@ def _quant_linear(be: TritonBackend, node, ins, attrs, dsts):
              rms_in=be.norms.rms_in(node))
         return dsts
     _not_carried(be, node)
+    planes = be._planes_ready.pop(node, None)   # made by the norm before (_norm_planes)
     if gguf and silu and len(stored) == 1:     # one GGUF type: SwiGLU in the tensor-core GEMV's epilogue
         from ..kernels.gguf_linear import gguf_gemv, mma_eligible
         (qtype, _, _), = scheme.row_parts(n)
         if mma_eligible(x2, stored[0], qtype) and x2.stride(-1) == 1 and out2.stride(-1) == 1:
-            gguf_gemv(x2, stored[0], qtype, silu_mul=True, out=out2, workspace=be.gemv_workspace)
+            gguf_gemv(x2, stored[0], qtype, silu_mul=True, out=out2, workspace=be.gemv_workspace, planes=planes)
             return dsts
     prod = be.workspace(node, ins, attrs).view(-1, n) if silu else out2
     if gguf:                                   # GGUF blocks: their kernel once per row part
@@ -518,7 +577,7 @@ def _quant_linear(be: TritonBackend, node, ins, attrs, dsts):
         for data, (qtype, r0, r1) in zip(stored, scheme.row_parts(n)):
             if gemv_rows:                      # straight into the product's columns, the addend's slice added
                 gguf_gemv(x2, data, qtype, None if add2 is None else add2[..., r0:r1], out=prod[:, r0:r1],
-                          workspace=be.gemv_workspace)
+                          workspace=be.gemv_workspace, planes=planes if qtype == "Q4_K" else None)
             else:
                 prod[:, r0:r1].copy_(gguf_linear(x2, data, qtype))
         if gemv_rows:

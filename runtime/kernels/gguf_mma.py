@@ -45,7 +45,7 @@ import triton.language as tl
 from .pdl import pdl_launch, pdl_trigger, pdl_wait, prefetch_l2
 from .splitk import meet_rows
 
-__all__ = ["MMA_QTYPES", "MMA_MIN_ROWS", "gguf_gemv_mma", "activation_planes", "pick_mma_config"]
+__all__ = ["MMA_QTYPES", "MMA_MIN_ROWS", "gguf_gemv_mma", "activation_planes", "norm_planes", "pick_mma_config"]
 
 MMA_QTYPES = ("Q4_K",)
 MMA_MIN_ROWS = 2048             # fewer weight rows stay on the CUDA cores by default (gguf_linear.mma_eligible)
@@ -64,11 +64,26 @@ def _planes_kernel(x_ptr, a_ptr, xa_ptr, xs_ptr, K, USE_PDL: tl.constexpr):
     ``r % 8`` (rows ``r`` and ``r + 8`` compute the same ``xq``, keeping the high or low byte)."""
     pdl_wait(USE_PDL)
     b = tl.program_id(0)
+    x = tl.load(x_ptr + _column_inputs(b)).to(tl.float32)               # [1, 256]
+    _write_planes(x, b, a_ptr, xa_ptr, xs_ptr, K)
+
+
+@triton.jit
+def _column_inputs(b):
+    """``[1, 256]``: the input index of each column of super-block ``b``'s A operand (module docstring)."""
+    c = tl.arange(0, 256)[None, :]
+    j = c % 128
+    return b * 256 + 32 * (2 * (j // 32) + c // 128) + j % 32
+
+
+@triton.jit
+def _write_planes(x, b, a_ptr, xa_ptr, xs_ptr, K):
+    """Store super-block ``b``'s ``[16, 256]`` A columns, ``a_s`` and ``S_s`` of its 8 sub-blocks
+    from its inputs ``x [1, 256]`` (float32, in column order: :func:`_column_inputs`)."""
     r = tl.arange(0, 16)[:, None]
     c = tl.arange(0, 256)[None, :]
     j = c % 128
     sub = 2 * (j // 32) + c // 128                                       # the column's sub-block
-    x = tl.load(x_ptr + b * 256 + 32 * sub + j % 32).to(tl.float32)     # [1, 256]
     own = sub == r % 8
     amax = tl.max(tl.where(own, tl.abs(x), 0.0), axis=1)                # [16]
     inv = tl.where(amax > 0, 32639.0 / tl.maximum(amax, 1e-30), 0.0)   # |xq| <= 32639: h fits a byte
@@ -79,6 +94,29 @@ def _planes_kernel(x_ptr, a_ptr, xa_ptr, xs_ptr, K, USE_PDL: tl.constexpr):
     a = amax / 32639.0 + tl.sum(tl.where(own, x - x, 0.0), axis=1)      # NaN if the sub-block has a NaN or inf
     tl.store(xa_ptr + b * 8 + rr, a, mask=rr < 8)
     tl.store(xs_ptr + b * 8 + rr, a * tl.sum(xq, axis=1).to(tl.float32), mask=rr < 8)
+
+
+@triton.jit
+def _norm_planes_kernel(x_ptr, res_ptr, w_ptr, out_ptr, sum_ptr, a_ptr, xa_ptr, xs_ptr, K, eps,
+                        BLOCK_K: tl.constexpr, USE_PDL: tl.constexpr):
+    """``add_rms_norm`` of one row and the A operand of its normed values, in one launch: program
+    ``b`` reads the whole row ``s = x + residual`` (rounded to its dtype) for ``r = rsqrt(mean(s²) +
+    eps)``, stores super-block ``b``'s ``s`` and ``normed = w · (s · r)`` (each rounded as the
+    generated kernel rounds them) and that super-block's planes (:func:`_write_planes`)."""
+    pdl_wait(USE_PDL)
+    b = tl.program_id(0)
+    dt = out_ptr.dtype.element_ty
+    k = tl.arange(0, BLOCK_K)
+    ok = k < K
+    s_all = (tl.load(x_ptr + k, mask=ok, other=0.0).to(tl.float32)
+             + tl.load(res_ptr + k, mask=ok, other=0.0).to(tl.float32)).to(dt).to(tl.float32)
+    r = tl.rsqrt(tl.sum(s_all * s_all, axis=0) / K + eps)
+    cols = _column_inputs(b)
+    s = (tl.load(x_ptr + cols).to(tl.float32) + tl.load(res_ptr + cols).to(tl.float32)).to(dt)
+    normed = (tl.load(w_ptr + cols).to(tl.float32) * (s.to(tl.float32) * r).to(dt).to(tl.float32)).to(dt)
+    tl.store(sum_ptr + cols, s)
+    tl.store(out_ptr + cols, normed)
+    _write_planes(normed.to(tl.float32), b, a_ptr, xa_ptr, xs_ptr, K)
 
 
 @triton.jit
@@ -209,6 +247,18 @@ def activation_planes(x: torch.Tensor, planes: tuple[torch.Tensor, torch.Tensor,
     return planes
 
 
+def norm_planes(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float, out: torch.Tensor,
+                residual_out: torch.Tensor, planes: tuple[torch.Tensor, torch.Tensor, torch.Tensor]):
+    """``add_rms_norm`` of one row (``out = rms_norm(x + residual, weight)``, ``residual_out = x +
+    residual``; ``[K]`` or ``[1, K]``, fp16/bf16, K a multiple of 256) that also writes ``planes``
+    (:func:`activation_planes` of ``out``) — the launch before a Q4_K GEMV of the normed row made
+    by the norm's own. Returns ``planes``."""
+    k = x.shape[-1]
+    _norm_planes_kernel[(k // _SUPER,)](x, residual, weight, out, residual_out, *planes, k, float(eps),
+                                       BLOCK_K=triton.next_power_of_2(k), **pdl_launch(x.device))
+    return planes
+
+
 def pick_mma_config(n: int, k: int, sms: int) -> dict:
     """Launch of :func:`gguf_gemv_mma`. H100 sweep (``probe``; BLOCK_N 64/128, 4/8 warps, 2-4 stages,
     split 1-8) at the 8B shapes: 64 rows, 4 warps, 3 stages everywhere; the best splits (o 4, qkv 4,
@@ -222,12 +272,13 @@ def pick_mma_config(n: int, k: int, sms: int) -> dict:
 
 
 def gguf_gemv_mma(x: torch.Tensor, data: torch.Tensor, qtype: str, add: torch.Tensor | None, out: torch.Tensor,
-                  workspace, config: dict | None, sms: int, silu_mul: bool = False) -> torch.Tensor:
+                  workspace, config: dict | None, sms: int, silu_mul: bool = False, planes=None) -> torch.Tensor:
     """``out [1, N] = x [1, K] @ dequant(data).T (+ add)`` on the tensor cores (``qtype`` in
     :data:`MMA_QTYPES`, x fp16/bf16); the operands were checked by :func:`.gguf_linear.gguf_gemv`,
     which calls this. ``workspace``: a :class:`~.gemv.GemvWorkspace` (planes, split-K partials).
     ``silu_mul``: ``data`` holds ``[gate | up]`` (``2 N`` rows) and ``out [1, N]`` gets
-    ``silu(x @ gate.T) * (x @ up.T)``, no ``add``."""
+    ``silu(x @ gate.T) * (x @ up.T)``, no ``add``. ``planes``: x's A operand already made (by
+    :func:`norm_planes`), so no activation launch."""
     from .gemv import GemvWorkspace
     n, k = data.shape[0], x.shape[1]
     cfg = dict(config or pick_mma_config(n, k, sms))
@@ -236,7 +287,8 @@ def gguf_gemv_mma(x: torch.Tensor, data: torch.Tensor, qtype: str, add: torch.Te
     per = triton.cdiv(blocks, max(1, min(split, blocks)))
     split = triton.cdiv(blocks, per)                       # no empty slices
     ws = workspace or GemvWorkspace()
-    planes = activation_planes(x[0], ws.planes(x.device, k))
+    if planes is None:
+        planes = activation_planes(x[0], ws.planes(x.device, k))
     n_tiles = triton.cdiv(n, block_n)
     part, lock = ws.get(x.device, n_tiles, split, block_n) if split > 1 else (out, out)
     _q4k_kernel[(n_tiles, split)](

@@ -158,3 +158,47 @@ def test_mma_config_errors_name_what_is_wrong():
         gguf_gemv(_x(256, torch.float32, seed=1), data, "Q4_K", config=dict(MMA=True, BLOCK_N=16, SPLIT_K=1))
     with pytest.raises(GraphDSLError, match=r"config with MMA=True takes BLOCK_N, SPLIT_K.*got \['BLOCK_N', 'SB'"):
         gguf_gemv(_x(256, torch.bfloat16, seed=1), data, "Q4_K", config=dict(MMA=True, BLOCK_N=16, SB=1))
+
+
+@pytest.mark.parametrize("k", [512, 768])
+def test_norm_planes_is_add_rms_norm_and_the_planes_of_its_output(k):
+    """``norm_planes``: the sum and the normed row as ``add_rms_norm`` gives them (exactly on a GPU, the
+    normed row within a bf16 unit where its mean's summation order differs; within a few units
+    on the CPU interpreter, whose casts truncate), and the A operand of that normed row, bit for bit."""
+    from graphdsl.opdef import get_op
+    from graphdsl.runtime.kernels.gguf_mma import norm_planes
+    x, res = _x(k, torch.bfloat16, seed=20), _x(k, torch.bfloat16, seed=21)
+    w = (1 + 0.2 * _x(k, torch.float32, seed=22)).to(torch.bfloat16)[0]
+    out, s = torch.empty_like(x), torch.empty_like(x)
+    planes = norm_planes(x, res, w, 1e-5, out, s, GemvWorkspace().planes(x.device, k))
+    want_out, want_s = get_op("add_rms_norm").reference(x, res, w, eps=1e-5)
+    torch.testing.assert_close(s.float(), want_s.float(), rtol=0 if DEV == "cuda" else 2 ** -7, atol=0)
+    torch.testing.assert_close(out.float(), want_out.float(), rtol=2 ** -7 if DEV == "cuda" else 2 ** -5, atol=0)
+    for got, want in zip(planes, activation_planes(out[0])):
+        assert torch.equal(got, want)
+
+
+def test_gguf_q4k_model_takes_the_planes_from_its_norms(tmp_path, monkeypatch):
+    """A Q4_K model scoring one row on the tensor-core path (``MMA_MIN_ROWS`` lowered for the tiny
+    shapes): the ``add_rms_norm`` before qkv and gate/up also makes their A operand, so 3 of the 8
+    activation launches of 2 layers go (layer 0's qkv reads a plain RMSNorm, o and down the
+    attention and SwiGLU outputs); the logits stay those of the separate launches."""
+    import graphdsl as gd
+    import graphdsl.runtime.kernels.gguf_linear as kernels
+    import graphdsl.runtime.kernels.gguf_mma as mma
+    from graphdsl.runtime.backends import triton_backend
+    from tests.models.hf_tiny import make_checkpoint
+    monkeypatch.setattr(kernels, "MMA_MIN_ROWS", 1)
+    launches = []
+    real = mma.activation_planes
+    monkeypatch.setattr(mma, "activation_planes", lambda *a: launches.append(1) or real(*a))
+    make_checkpoint("llama", tmp_path, hidden_size=256, intermediate_size=512)
+    llm = gd.LLM(tmp_path, device=DEV, dtype="bfloat16", max_model_len=64, quantization="gguf-q4_k")
+    llm.model.configure_runtime(backend="triton", max_blocks_per_seq=4)
+    got = {}
+    for fused in (True, False):
+        monkeypatch.setattr(triton_backend, "_NORM_PLANES", fused)
+        launches.clear()
+        got[fused] = llm.score([7]).float().cpu()
+        assert len(launches) == (5 if fused else 8)
+    torch.testing.assert_close(got[True], got[False], rtol=0, atol=2e-2 * got[False].abs().max().item())
