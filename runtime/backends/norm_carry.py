@@ -32,7 +32,7 @@ from typing import NamedTuple
 
 import torch
 
-__all__ = ["NormCarry", "Site", "plan", "PRODUCERS", "CONSUMERS"]
+__all__ = ["NormCarry", "Site", "plan", "overlaps", "PRODUCERS", "CONSUMERS"]
 
 ENABLED = True       # False: every norm launches its own kernel (benchmarks/decode_ab.py's A/B)
 # producers' weight kinds whose sites are carried. In-model A/B on an H100 (µs a batch-1 step, carried vs
@@ -100,7 +100,8 @@ def _span(t: torch.Tensor) -> tuple[int, int]:
     return start, start + extent * t.element_size()
 
 
-def _overlap(a: torch.Tensor, b: torch.Tensor) -> bool:
+def overlaps(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether the memory ranges ``a`` and ``b`` span (first to last element) intersect."""
     (a0, a1), (b0, b1) = _span(a), _span(b)
     return a0 < b1 and b0 < a1
 
@@ -190,9 +191,9 @@ def _launch(be, site: Site, values: dict, attrs: dict, storage: dict, carry: Nor
     scaled, part, aside = carry._buffers_for(site.slot, x.device, m, n, x.dtype)
     s_dst = storage.get(b.outputs[1])
     if s_dst is None or tuple(s_dst.shape) != (m, n) or s_dst.dtype != x.dtype or s_dst.stride(-1) != 1 \
-            or any(_overlap(s_dst, t) for t in ins) or (_overlap(s_dst, residual) and (
+            or any(overlaps(s_dst, t) for t in ins) or (overlaps(s_dst, residual) and (
                 s_dst.data_ptr() != residual.data_ptr() or s_dst.stride() != residual.stride())):
-        if not site.sum_aside or _overlap(aside, residual):    # (the last site on the slot: done with it)
+        if not site.sum_aside or overlaps(aside, residual):    # (the last site on the slot: done with it)
             return None
         s_dst = aside           # the planner reused a dying input's memory: its readers get this buffer
     for c in site.consumers:

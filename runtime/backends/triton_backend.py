@@ -259,17 +259,21 @@ def _norm_planes(be: TritonBackend, node, ins, attrs, dsts) -> bool:
     cores: :func:`..kernels.gguf_mma.norm_planes` writes the normed row, the sum and their A operand
     in one launch, and those projections skip their activation launch. The readers must be the
     nodes right after the norm (views aside), so no other tensor-core GEMV rewrites the operand
-    buffer in between; a reader that does not take it reads the normed row as before."""
+    buffer in between; a reader that does not take it reads the normed row as before. The
+    outputs must not share memory with the inputs: every program reads the whole row."""
     from graphdsl.quant import parse_scheme
 
     from ..kernels.gguf_linear import mma_eligible
     from ..kernels.gguf_mma import norm_planes
+    from .norm_carry import overlaps
     x, res, w = ins
     out, s = dsts
     k = x.shape[-1]
     rows = [t for t in (x, res, out, s) if t.dim() == 2 and t.shape == (1, k) and t.is_contiguous()]
     if len(rows) != 4 or k % 256 or x.dtype not in (torch.float16, torch.bfloat16) or not w.is_contiguous() \
             or {t.dtype for t in (x, res, w, out, s)} != {x.dtype} or not (x.device.type == "cuda" or _interpreting()):
+        return False
+    if any(overlaps(o, i) for o in (out, s) for i in (x, res)):     # each program reads the whole row first
         return False
     takers = []
     for reader in _next_readers(be, node):
