@@ -98,6 +98,7 @@ class TritonBackend:
         self._storage: dict = {}                # the current run's arena views (tensor / node -> view)
         self._values: dict = {}                 # the current run's tensor values (graph tensor -> torch tensor)
         self._planes_ready: dict = {}           # GGUF node -> its rows' tensor-core A operand, made by the norm
+        self._gguf_next: tuple = (None, {})     # (a node list, norm node -> its GGUF readers right after it)
         self._step_view = None                  # (a node list, its set, graph input -> in-place writers)
         from .norm_carry import NormCarry
         from .torch_backend import TorchBackend
@@ -181,6 +182,21 @@ class TritonBackend:
                     written.setdefault(n.inputs[i], []).append(n)
             view = self._step_view = (nodes, set(nodes), written)
         return view[1], view[2]
+
+    def gguf_readers_next(self, node) -> list:
+        """The GGUF ``quant_linear`` nodes right after ``node`` in this run (views aside) that read
+        its first output as their rows; found once per node list."""
+        nodes, found = self._gguf_next
+        if nodes is not self._run_nodes:
+            found = {}
+            self._gguf_next = (self._run_nodes, found)
+        hit = found.get(node)
+        if hit is None:
+            from graphdsl.quant import parse_scheme
+            hit = found[node] = [r for r in _next_readers(self._run_nodes, node)
+                                 if r.op in ("quant_linear", "quant_linear_silu_mul") and r.inputs[0] is node.outputs[0]
+                                 and isinstance(parse_scheme(r.attrs["scheme"]), (GGUFScheme, GGUFMixScheme))]
+        return hit
 
     def workspace(self, node, ins, attrs) -> torch.Tensor:
         """``node``'s scratch, shaped by its op's workspace rule: the arena view the engine planned for
@@ -266,22 +282,20 @@ def _norm_planes(be: TritonBackend, node, ins, attrs, dsts) -> bool:
     from ..kernels.gguf_linear import mma_eligible
     from ..kernels.gguf_mma import norm_planes
     from .norm_carry import overlaps
+    readers = be.gguf_readers_next(node)
+    if not readers:
+        return False
     x, res, w = ins
     out, s = dsts
     k = x.shape[-1]
-    rows = [t for t in (x, res, out, s) if t.dim() == 2 and t.shape == (1, k) and t.is_contiguous()]
-    if len(rows) != 4 or k % 256 or x.dtype not in (torch.float16, torch.bfloat16) or not w.is_contiguous() \
+    if not all(t.shape == (1, k) and t.is_contiguous() for t in (x, res, out, s)) or k % 256 or x.dtype not in (torch.float16, torch.bfloat16) or not w.is_contiguous() \
             or {t.dtype for t in (x, res, w, out, s)} != {x.dtype} or not (x.device.type == "cuda" or _interpreting()):
         return False
     if any(overlaps(o, i) for o in (out, s) for i in (x, res)):     # each program reads the whole row first
         return False
     takers = []
-    for reader in _next_readers(be, node):
-        if reader.op not in ("quant_linear", "quant_linear_silu_mul") or reader.inputs[0] is not node.outputs[0]:
-            continue
+    for reader in readers:
         scheme = parse_scheme(reader.attrs["scheme"])
-        if not isinstance(scheme, (GGUFScheme, GGUFMixScheme)):
-            continue
         n = reader.attrs["out_features"]
         parts = zip([be._values[t] for t in reader.inputs[1:]], scheme.row_parts(n))
         if any(qtype == "Q4_K" and mma_eligible(out, data, qtype) for data, (qtype, _, _) in parts):
@@ -293,10 +307,9 @@ def _norm_planes(be: TritonBackend, node, ins, attrs, dsts) -> bool:
     return True
 
 
-def _next_readers(be: TritonBackend, node) -> list:
-    """The nodes right after ``node`` in this run that read one of its outputs, up to the first
+def _next_readers(nodes, node) -> list:
+    """The nodes right after ``node`` in ``nodes`` that read one of its outputs, up to the first
     node (other than a view) that does not."""
-    nodes = be._run_nodes
     at = nodes.index(node)
     found = []
     for n in nodes[at + 1:]:

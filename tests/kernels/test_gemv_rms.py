@@ -132,6 +132,22 @@ def test_tiny_block_norms_ride_on_the_gemvs_up_to_16_rows(num_tokens, monkeypatc
     assert launched == ([] if num_tokens <= 16 else norms)
 
 
+def test_a_consumer_leaving_the_gemv_after_its_norm_was_carried_is_an_error(monkeypatch):
+    """Should a reader of a carried norm not run as a GEMV after all, the run stops with an error
+    naming the node; it never multiplies the unscaled rows."""
+    from graphdsl.runtime.backends import norm_carry, triton_backend
+    from tests.helpers import tiny_block
+    monkeypatch.setattr(norm_carry, "KINDS", ("float",))
+    monkeypatch.setattr(triton_backend, "_gemv_rows", lambda *a: False)   # the producer still runs the GEMV
+    dt = torch.float16
+    eng = tiny_block.build(1, dtype=dt).build_engine(backend="triton", cache=False)
+    eng.set_weights({k: v.to(DEV) for k, v in tiny_block.weights(1, dtype=dt).items()})
+    feed = {k: v.to(DEV) for k, v in tiny_block.inputs(2, num_layers=1, dtype=dt).items()}
+    with pytest.raises(GraphDSLError, match=r"node 'matmul_silu_mul_\d+' \(matmul_silu_mul\): its input's RMSNorm "
+                                            r"was left to its GEMV .* but it does not run as one"):
+        eng.forward(dict(feed))
+
+
 def test_a_per_node_hook_sees_every_norm_launch(monkeypatch):
     """Taps read every node's output, so a tapped run carries no norm (and the tapped normed value is
     the norm's own)."""
