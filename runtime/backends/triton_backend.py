@@ -259,6 +259,7 @@ def _fused(be: TritonBackend, node, ins, attrs, dsts):
 
 
 _NORM_PLANES = True   # a one-row add_rms_norm before Q4_K tensor-core GEMVs also makes their A operand
+_SWIGLU_PLANES = True  # ... and a one-row GGUF gate/up GEMV's SwiGLU epilogue before them (down)
 
 
 def _add_rms_norm(be: TritonBackend, node, ins, attrs, dsts):
@@ -277,9 +278,6 @@ def _norm_planes(be: TritonBackend, node, ins, attrs, dsts) -> bool:
     nodes right after the norm (views aside), so no other tensor-core GEMV rewrites the operand
     buffer in between; a reader that does not take it reads the normed row as before. The
     outputs must not share memory with the inputs: every program reads the whole row."""
-    from graphdsl.quant import parse_scheme
-
-    from ..kernels.gguf_linear import mma_eligible
     from ..kernels.gguf_mma import norm_planes
     from .norm_carry import overlaps
     readers = be.gguf_readers_next(node)
@@ -293,18 +291,43 @@ def _norm_planes(be: TritonBackend, node, ins, attrs, dsts) -> bool:
         return False
     if any(overlaps(o, i) for o in (out, s) for i in (x, res)):     # each program reads the whole row first
         return False
-    takers = []
-    for reader in readers:
-        scheme = parse_scheme(reader.attrs["scheme"])
-        n = reader.attrs["out_features"]
-        parts = zip([be._values[t] for t in reader.inputs[1:]], scheme.row_parts(n))
-        if any(qtype == "Q4_K" and mma_eligible(out, data, qtype) for data, (qtype, _, _) in parts):
-            takers.append(reader)
+    takers = _planes_takers(be, readers, out)
     if not takers:
         return False
     planes = norm_planes(x, res, w, attrs["eps"], out, s, be.gemv_workspace.planes(x.device, k))
     be._planes_ready.update(dict.fromkeys(takers, planes))
     return True
+
+
+def _planes_takers(be: TritonBackend, readers, rows: torch.Tensor) -> list:
+    """The GGUF projections among ``readers`` that run a Q4_K row part of theirs on the tensor cores
+    for ``rows`` (``[1, K]``): those that read an A operand made for them."""
+    from graphdsl.quant import parse_scheme
+
+    from ..kernels.gguf_linear import mma_eligible
+    takers = []
+    for reader in readers:
+        scheme = parse_scheme(reader.attrs["scheme"])
+        parts = zip([be._values[t] for t in reader.inputs[1:]], scheme.row_parts(reader.attrs["out_features"]))
+        if any(qtype == "Q4_K" and mma_eligible(rows, data, qtype) for data, (qtype, _, _) in parts):
+            takers.append(reader)
+    return takers
+
+
+def _swiglu_planes(be: TritonBackend, node, out: torch.Tensor):
+    """For a one-row GGUF gate/up GEMV with SwiGLU whose output is read next by Q4_K projections on
+    the tensor cores (``down``): the A operand buffers its epilogue also fills
+    (:func:`..kernels.gguf_mma.gguf_gemv_mma`'s ``planes_out``), marked ready for those readers;
+    else None. As for :func:`_norm_planes`, the readers must be the nodes right after it."""
+    from ..kernels.gguf_mma import swiglu_planes_possible
+    if not _SWIGLU_PLANES or not swiglu_planes_possible(out.shape[-1]):
+        return None
+    takers = _planes_takers(be, be.gguf_readers_next(node), out)
+    if not takers:
+        return None
+    planes = be.gemv_workspace.planes(out.device, out.shape[-1])
+    be._planes_ready.update(dict.fromkeys(takers, planes))
+    return planes
 
 
 def _next_readers(nodes, node) -> list:
@@ -584,7 +607,8 @@ def _quant_linear(be: TritonBackend, node, ins, attrs, dsts):
         from ..kernels.gguf_linear import gguf_gemv, mma_eligible
         (qtype, _, _), = scheme.row_parts(n)
         if mma_eligible(x2, stored[0], qtype) and x2.stride(-1) == 1 and out2.stride(-1) == 1:
-            gguf_gemv(x2, stored[0], qtype, silu_mul=True, out=out2, workspace=be.gemv_workspace, planes=planes)
+            gguf_gemv(x2, stored[0], qtype, silu_mul=True, out=out2, workspace=be.gemv_workspace, planes=planes,
+                      planes_out=_swiglu_planes(be, node, out2))
             return dsts
     prod = be.workspace(node, ins, attrs).view(-1, n) if silu else out2
     if gguf:                                   # GGUF blocks: their kernel once per row part

@@ -225,7 +225,7 @@ def mma_eligible(x: torch.Tensor, data: torch.Tensor, qtype: str) -> bool:
 
 def gguf_gemv(x: torch.Tensor, data: torch.Tensor, qtype: str, add: torch.Tensor | None = None, *,
               silu_mul: bool = False, out: torch.Tensor | None = None, workspace=None,
-              config: dict | None = None, planes=None) -> torch.Tensor:
+              config: dict | None = None, planes=None, planes_out=None) -> torch.Tensor:
     """``x @ dequant(data).T (+ add)`` for ``x [M <= 16, K]`` and GGML blocks ``data [N, row_bytes]``
     of type ``qtype``, in one launch; the result has x's dtype. ``add``: a residual ``[M, N]`` or a
     bias ``[N]`` (unit inner stride), added in float32 before the store. ``out``: ``[M, N]`` with a
@@ -242,7 +242,9 @@ def gguf_gemv(x: torch.Tensor, data: torch.Tensor, qtype: str, add: torch.Tensor
     ``silu_mul`` (tensor-core path only, no ``add``): ``data`` holds ``[gate | up]`` (``2 I`` rows)
     and the result ``[1, I]`` is ``silu(x @ gate.T) * (x @ up.T)``, the ``silu_mul`` op fused.
     ``planes``: x's tensor-core A operand, already made (:func:`.gguf_mma.norm_planes`); the
-    tensor-core path then skips its activation launch (the CUDA-core path reads x itself)."""
+    tensor-core path then skips its activation launch (the CUDA-core path reads x itself).
+    ``planes_out`` (``silu_mul``): buffers that also receive the result's own A operand
+    (:func:`.gguf_mma.gguf_gemv_mma`), for the projection that reads it next."""
     from .gemv import GemvWorkspace
     k = _check(data, qtype, x)
     m, n = x.shape[0], data.shape[0]
@@ -263,7 +265,7 @@ def gguf_gemv(x: torch.Tensor, data: torch.Tensor, qtype: str, add: torch.Tensor
         raise GraphDSLError(f"gguf_gemv: add must be a bias [{n}] or a residual [{m}, {n}] with a unit inner "
                             f"stride, got {list(add.shape)} strides {add.stride()}")
     if config is None and (silu_mul or mma_eligible(x, data, qtype)) or config and config.get("MMA"):
-        return _mma(x, data, qtype, add, out, workspace, config, silu_mul, planes)
+        return _mma(x, data, qtype, add, out, workspace, config, silu_mul, planes, planes_out)
     values = KERNEL_QTYPES[qtype][0]
     cfg = dict(config or _pick_config(m, n, k, qtype, x.device))
     cfg.pop("MMA", None)
@@ -288,7 +290,7 @@ def gguf_gemv(x: torch.Tensor, data: torch.Tensor, qtype: str, add: torch.Tensor
     return out
 
 
-def _mma(x, data, qtype, add, out, workspace, config, silu_mul, planes=None):
+def _mma(x, data, qtype, add, out, workspace, config, silu_mul, planes=None, planes_out=None):
     """:func:`gguf_gemv` on the tensor cores (:mod:`.gguf_mma`), its ``config`` checked."""
     if not _mma_possible(x, data, qtype):
         raise GraphDSLError(f"gguf_gemv: config MMA=True needs one fp16/bf16 row, a type in {list(MMA_QTYPES)} "
@@ -300,7 +302,7 @@ def _mma(x, data, qtype, add, out, workspace, config, silu_mul, planes=None):
         if set(cfg) - _MMA_CONFIG_KEYS or {"BLOCK_N", "SPLIT_K"} - set(cfg):
             raise GraphDSLError(f"gguf_gemv: config with MMA=True takes BLOCK_N, SPLIT_K and optionally "
                                 f"{sorted(_MMA_CONFIG_KEYS - {'BLOCK_N', 'SPLIT_K'})}, got {sorted(cfg)}")
-    return gguf_gemv_mma(x, data, qtype, add, out, workspace, cfg, _num_sms(x.device), silu_mul, planes)
+    return gguf_gemv_mma(x, data, qtype, add, out, workspace, cfg, _num_sms(x.device), silu_mul, planes, planes_out)
 
 
 def gguf_dequantize(data: torch.Tensor, qtype: str, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:

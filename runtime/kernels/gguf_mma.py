@@ -5,7 +5,8 @@ nibble extraction, int->float tricks and FMAs, so it is bound by instruction iss
 (docs/gguf-kernels.md). Here the arithmetic goes to ``mma.sync`` (``tl.dot`` of int8 tiles) and the
 per-weight work is three bit operations per eight weights:
 
-* **Activations** (:func:`_planes_kernel`, one small launch per GEMV): per sub-block ``s`` of 32
+* **Activations** (:func:`_planes_kernel`, one small launch per GEMV, unless the kernel before made
+  them: :func:`norm_planes`, or a SwiGLU GEMV's epilogue, ``planes_out``): per sub-block ``s`` of 32
   inputs, 16-bit fixed point ``xq = round(x / a_s)``, ``a_s = max|x_s| / 32639``, split into a signed
   high and low byte, ``xq = 256 h + l`` (error at most ``a_s / 2`` an input: 2^-16 of the sub-block's
   largest, below the 16-bit activations' own rounding). They are written as the dot's A operand
@@ -42,10 +43,13 @@ import torch
 import triton
 import triton.language as tl
 
+from graphdsl.errors import GraphDSLError
+
 from .pdl import pdl_launch, pdl_trigger, pdl_wait, prefetch_l2
 from .splitk import meet_rows
 
-__all__ = ["MMA_QTYPES", "MMA_MIN_ROWS", "gguf_gemv_mma", "activation_planes", "norm_planes", "pick_mma_config"]
+__all__ = ["MMA_QTYPES", "MMA_MIN_ROWS", "gguf_gemv_mma", "activation_planes", "norm_planes", "pick_mma_config",
+           "swiglu_planes_possible"]
 
 MMA_QTYPES = ("Q4_K",)
 MMA_MIN_ROWS = 2048             # fewer weight rows stay on the CUDA cores by default (gguf_linear.mma_eligible)
@@ -55,6 +59,7 @@ _CONFIG_KEYS = {"BLOCK_N", "SPLIT_K", "num_warps", "num_stages"}
 # 128-byte lines of each row's first super-block asked of L2 before the PDL wait (pdl.prefetch_l2;
 # a super-block is 144 bytes), while the activation-planes launch before it runs; 0: none
 _PREFETCH_LINES = 2
+_BLOCK_N = 64                   # weight rows a tile (pick_mma_config)
 
 
 @triton.jit
@@ -94,6 +99,28 @@ def _write_planes(x, b, a_ptr, xa_ptr, xs_ptr, K):
     a = amax / 32639.0 + tl.sum(tl.where(own, x - x, 0.0), axis=1)      # NaN if the sub-block has a NaN or inf
     tl.store(xa_ptr + b * 8 + rr, a, mask=rr < 8)
     tl.store(xs_ptr + b * 8 + rr, a * tl.sum(xq, axis=1).to(tl.float32), mask=rr < 8)
+
+
+@triton.jit
+def _sub_block_planes(y, sub, a_ptr, xa_ptr, xs_ptr, K):
+    """Sub-block ``sub`` of a row's A operand (module docstring) from its 32 inputs ``y [32]``
+    (float32, in input order): its 32 columns of all 16 rows (the high / low bytes on rows
+    ``sub % 8`` / ``8 + sub % 8``, zeros on the others), ``a_s`` and ``S_s`` — what
+    :func:`write_planes` stores for these inputs."""
+    b = sub // 8
+    s = sub % 8
+    v = tl.arange(0, 32)
+    col = b * 256 + (s // 2) * 32 + (s % 2) * 128 + v                   # plane_columns, inverted
+    amax = tl.max(tl.abs(y), axis=0)
+    inv = tl.where(amax > 0, 32639.0 / tl.maximum(amax, 1e-30), 0.0)
+    xq = tl.floor(y * inv + 0.5).to(tl.int32)
+    h = (xq + 128) >> 8
+    r = tl.arange(0, 16)[:, None]
+    val = tl.where(r == s, h[None, :], tl.where(r == s + 8, (xq - 256 * h)[None, :], 0))
+    tl.store(a_ptr + r * K + col[None, :], val.to(tl.int8))
+    a = amax / 32639.0 + tl.sum(y - y, axis=0)                          # NaN if an input is not finite
+    tl.store(xa_ptr + sub, a)
+    tl.store(xs_ptr + sub, a * tl.sum(xq, axis=0).to(tl.float32))
 
 
 @triton.jit
@@ -160,6 +187,8 @@ def _q4k_kernel(
     USE_PDL: tl.constexpr, LATE_LAUNCH: tl.constexpr,   # (:mod:`.pdl`) the next kernel launches after the K loop
     SWIGLU: tl.constexpr = False,   # w is [2N, K] = [gate | up]; out = silu(x @ gate.T) * (x @ up.T)
     PREFETCH: tl.constexpr = 0,     # 128-byte lines a row asked of L2 before the PDL wait (pdl.prefetch_l2)
+    pa_ptr=None, pxa_ptr=None, pxs_ptr=None,   # PLANES: out's own A operand [16, N], a_s, S_s [N / 32]
+    PLANES: tl.constexpr = False,   # SWIGLU with 32 outputs a tile: also write out's A operand (_sub_block_planes)
 ):
     """out[n] = sum_k x[k] dequant(w)[n, k] (+ add[n]) for ``BLOCK_N`` rows over super-blocks
     ``[pid_s PER, (pid_s + 1) PER)`` (module docstring); rows past ``N`` read row ``N - 1``
@@ -207,12 +236,13 @@ def _q4k_kernel(
     if LATE_LAUNCH:
         pdl_trigger(USE_PDL)
     _finish(tl.sum(acc, axis=0), pid_n, pid_s, add_ptr, out_ptr, part_ptr, lock_ptr, N, SPLIT_K, BLOCK_N, SPLIT,
-            HAS_ADD, SWIGLU)
+            HAS_ADD, SWIGLU, pa_ptr, pxa_ptr, pxs_ptr, PLANES)
 
 
 @triton.jit
 def _finish(row, pid_n, pid_s, add_ptr, out_ptr, part_ptr, lock_ptr, N, SPLIT_K, BLOCK_N: tl.constexpr,
-            SPLIT: tl.constexpr, HAS_ADD: tl.constexpr, SWIGLU: tl.constexpr):
+            SPLIT: tl.constexpr, HAS_ADD: tl.constexpr, SWIGLU: tl.constexpr, pa_ptr, pxa_ptr, pxs_ptr,
+            PLANES: tl.constexpr):
     """The program's ``[BLOCK_N]`` row sums: with ``SPLIT`` stored as its slice's partial, the last
     slice to arrive summing them in slice order (:mod:`.splitk`); then ``+ add`` or, with ``SWIGLU``,
     ``silu(g) * u`` of each (gate, up) row pair, g and u rounded to the output dtype first and
@@ -227,6 +257,8 @@ def _finish(row, pid_n, pid_s, add_ptr, out_ptr, part_ptr, lock_ptr, N, SPLIT_K,
             y = (gate * tl.sigmoid(gate)).to(dt).to(tl.float32) * up.to(dt).to(tl.float32)
             cols = pid_n * HALF + tl.arange(0, HALF)
             tl.store(out_ptr + cols, y.to(dt), mask=cols < N)
+            if PLANES:                 # HALF = 32: the tile's outputs are sub-block pid_n of the row
+                _sub_block_planes(y.to(dt).to(tl.float32), pid_n, pa_ptr, pxa_ptr, pxs_ptr, N)
         else:
             cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
             y = tl.sum(tile, axis=1)
@@ -265,20 +297,24 @@ def pick_mma_config(n: int, k: int, sms: int) -> dict:
     gate 2, down 8) are those that bring the grid to about two programs per SM: K is split in two
     while the grid has fewer and each slice keeps at least 3 super-blocks (o: 4 slices of 4 took
     7.7 µs, 8 of 2 7.9)."""
-    tiles, blocks, split = triton.cdiv(n, 64), k // _SUPER, 1
+    tiles, blocks, split = triton.cdiv(n, _BLOCK_N), k // _SUPER, 1
     while tiles * split < 2 * sms and blocks // (split * 2) >= 3:
         split *= 2
-    return dict(BLOCK_N=64, SPLIT_K=split, num_warps=4, num_stages=3)
+    return dict(BLOCK_N=_BLOCK_N, SPLIT_K=split, num_warps=4, num_stages=3)
 
 
 def gguf_gemv_mma(x: torch.Tensor, data: torch.Tensor, qtype: str, add: torch.Tensor | None, out: torch.Tensor,
-                  workspace, config: dict | None, sms: int, silu_mul: bool = False, planes=None) -> torch.Tensor:
+                  workspace, config: dict | None, sms: int, silu_mul: bool = False, planes=None,
+                  planes_out=None) -> torch.Tensor:
     """``out [1, N] = x [1, K] @ dequant(data).T (+ add)`` on the tensor cores (``qtype`` in
     :data:`MMA_QTYPES`, x fp16/bf16); the operands were checked by :func:`.gguf_linear.gguf_gemv`,
     which calls this. ``workspace``: a :class:`~.gemv.GemvWorkspace` (planes, split-K partials).
     ``silu_mul``: ``data`` holds ``[gate | up]`` (``2 N`` rows) and ``out [1, N]`` gets
     ``silu(x @ gate.T) * (x @ up.T)``, no ``add``. ``planes``: x's A operand already made (by
-    :func:`norm_planes`), so no activation launch."""
+    :func:`norm_planes`), so no activation launch. ``planes_out`` (``silu_mul``, N a multiple of
+    256, :func:`swiglu_planes_possible`): buffers that also receive the output row's own A operand
+    (:func:`activation_planes` of ``out``, bit for bit), written by each tile's epilogue, so the
+    projection reading it (``down``) needs no activation launch either."""
     from .gemv import GemvWorkspace
     n, k = data.shape[0], x.shape[1]
     cfg = dict(config or pick_mma_config(n, k, sms))
@@ -295,5 +331,22 @@ def gguf_gemv_mma(x: torch.Tensor, data: torch.Tensor, qtype: str, add: torch.Te
         *planes, data, add if add is not None else out, out, part, lock, n // 2 if silu_mul else n, k,
         data.shape[1], per, split, BLOCK_N=block_n, SPLIT=split > 1, HAS_ADD=add is not None,
         EMULATE=os.environ.get("TRITON_INTERPRET") == "1", LATE_LAUNCH=n_tiles * split > sms, SWIGLU=silu_mul,
-        PREFETCH=_PREFETCH_LINES, **pdl_launch(x.device), **cfg)
+        PREFETCH=_PREFETCH_LINES, **_planes_args(planes_out, silu_mul, n, block_n), **pdl_launch(x.device), **cfg)
     return out
+
+
+def swiglu_planes_possible(n: int, block_n: int | None = None) -> bool:
+    """Whether a SwiGLU tensor-core GEMV of ``n`` outputs (``2 n`` weight rows) in tiles of ``block_n``
+    weight rows can write its output's A operand: each tile's ``block_n / 2`` outputs one 32-input
+    sub-block, and whole 256-input super-blocks (``block_n``: :func:`pick_mma_config`'s by default)."""
+    return (block_n or _BLOCK_N) == 64 and n % 256 == 0
+
+
+def _planes_args(planes_out, silu_mul: bool, n: int, block_n: int) -> dict:
+    if planes_out is None:
+        return {}
+    if not silu_mul or not swiglu_planes_possible(n // 2, block_n):
+        raise GraphDSLError(f"gguf_gemv_mma: planes_out needs silu_mul with BLOCK_N 64 and a multiple of 256 "
+                            f"outputs, got silu_mul={silu_mul}, BLOCK_N {block_n}, {n // 2 if silu_mul else n} outputs")
+    a, xa, xs = planes_out
+    return dict(pa_ptr=a, pxa_ptr=xa, pxs_ptr=xs, PLANES=True)

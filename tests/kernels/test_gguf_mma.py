@@ -127,6 +127,32 @@ def test_swiglu_epilogue_matches_silu_of_the_two_halves():
     torch.testing.assert_close(got.float().cpu(), ref_y, rtol=2e-2, atol=2e-2 * ref_y.abs().max().item())
 
 
+@pytest.mark.parametrize("split", [1, 3])
+def test_swiglu_epilogue_writes_the_planes_of_its_output(split):
+    """``planes_out``: each tile's epilogue (32 outputs, one sub-block) also writes the output row's
+    A operand — bit for bit what ``activation_planes`` makes of the stored row — and the output is
+    the same as without; a zero sub-block gives zeros, no NaN."""
+    from graphdsl.runtime.kernels.gguf_mma import swiglu_planes_possible
+    data, _ = random_gguf_weight("Q4_K", 2 * 512, 1024, seed=13)
+    data = data.to(DEV)
+    data[512 + 64:512 + 96] = 0                           # up rows of outputs 64..95: sub-block 2 all zero
+    x = _x(1024, torch.bfloat16, seed=14)
+    cfg = dict(MMA=True, BLOCK_N=64, SPLIT_K=split)
+    planes = GemvWorkspace().planes(x.device, 512)
+    for t in planes:
+        t.fill_(3)
+    got = gguf_gemv(x, data, "Q4_K", silu_mul=True, config=cfg, planes_out=planes)
+    assert torch.equal(got, gguf_gemv(x, data, "Q4_K", silu_mul=True, config=cfg))
+    for mine, want in zip(planes, activation_planes(got[0])):
+        assert torch.equal(mine, want)
+    assert planes[1][2] == 0 and planes[2][2] == 0 and not torch.isnan(planes[1]).any()
+    assert swiglu_planes_possible(512) and not swiglu_planes_possible(512, 32) and not swiglu_planes_possible(96)
+    with pytest.raises(GraphDSLError, match=r"planes_out needs silu_mul with BLOCK_N 64.*BLOCK_N 16"):
+        gguf_gemv(x, data, "Q4_K", silu_mul=True, config=dict(MMA=True, BLOCK_N=16, SPLIT_K=1), planes_out=planes)
+    with pytest.raises(GraphDSLError, match=r"planes_out needs silu_mul.*silu_mul=False"):
+        gguf_gemv(x, data, "Q4_K", config=cfg, planes_out=planes)
+
+
 @pytest.mark.parametrize("bad", [float("nan"), float("inf")])
 def test_a_non_finite_input_gives_nan_not_a_finite_sum(bad):
     """The fixed-point planes cannot hold a NaN or an infinity: the sub-block's ``a_s`` becomes NaN,
@@ -180,9 +206,10 @@ def test_norm_planes_is_add_rms_norm_and_the_planes_of_its_output(k):
 
 def test_gguf_q4k_model_takes_the_planes_from_its_norms(tmp_path, monkeypatch):
     """A Q4_K model scoring one row on the tensor-core path (``MMA_MIN_ROWS`` lowered for the tiny
-    shapes): the ``add_rms_norm`` before qkv and gate/up also makes their A operand, so 3 of the 8
-    activation launches of 2 layers go (layer 0's qkv reads a plain RMSNorm, o and down the
-    attention and SwiGLU outputs); the logits stay those of the separate launches."""
+    shapes): the ``add_rms_norm`` before qkv and gate/up also makes their A operand (3 of the 8
+    activation launches of 2 layers go: layer 0's qkv reads a plain RMSNorm, o and down the
+    attention and SwiGLU outputs), and so does the gate/up GEMV's SwiGLU epilogue before down (2
+    more go); the logits stay those of the separate launches."""
     import graphdsl as gd
     import graphdsl.runtime.kernels.gguf_linear as kernels
     import graphdsl.runtime.kernels.gguf_mma as mma
@@ -196,9 +223,12 @@ def test_gguf_q4k_model_takes_the_planes_from_its_norms(tmp_path, monkeypatch):
     llm = gd.LLM(tmp_path, device=DEV, dtype="bfloat16", max_model_len=64, quantization="gguf-q4_k")
     llm.model.configure_runtime(backend="triton", max_blocks_per_seq=4)
     got = {}
-    for fused in (True, False):
-        monkeypatch.setattr(triton_backend, "_NORM_PLANES", fused)
+    for norm, swiglu, want in ((True, True, 3), (True, False, 5), (False, True, 6), (False, False, 8)):
+        monkeypatch.setattr(triton_backend, "_NORM_PLANES", norm)
+        monkeypatch.setattr(triton_backend, "_SWIGLU_PLANES", swiglu)
         launches.clear()
-        got[fused] = llm.score([7]).float().cpu()
-        assert len(launches) == (5 if fused else 8)
-    torch.testing.assert_close(got[True], got[False], rtol=0, atol=2e-2 * got[False].abs().max().item())
+        got[norm, swiglu] = llm.score([7]).float().cpu()
+        assert len(launches) == want, (norm, swiglu)
+    base = got[False, False]
+    for key, logits in got.items():
+        torch.testing.assert_close(logits, base, rtol=0, atol=2e-2 * base.abs().max().item(), msg=str(key))
