@@ -510,7 +510,7 @@ class _Config(NamedTuple):
 
 
 def _pick_config(head_dim: int, group_pad: int, *, decode: bool, prefetch_splits: bool = False,
-                 wide_grid: bool = False) -> _Config:
+                 wide_grid: bool = False, one_tile: bool = False) -> _Config:
     """The one tile heuristic of both kernels (from ``benchmarks/attention.py --sweep`` on an H200,
     32/8 heads, head_dim 128, bf16). Prefill: 64 rows x 64 keys, 4 warps, 3 stages (275 TFLOP/s
     causal at 2048 tokens; 128x64/8 warps 268, 128x128/8 warps 275, 64x32 210); head_dim 256 takes
@@ -523,9 +523,17 @@ def _pick_config(head_dim: int, group_pad: int, *, decode: bool, prefetch_splits
     a one-split grid of more than ``_WIDE_GRID_PER_SM`` programs a SM (``wide_grid``,
     ``_WIDE_GRID_KEYS``): at batch 256, context 640, 32/8 heads, on an H100, 120.3 vs 123.2 µs
     (head_dim 64) and 232.0 vs 235.3 µs (head_dim 128) a launch; at batch 64 (3.9 programs a SM)
-    the 1B step lost 4% with them."""
+    the 1B step lost 4% with them. A split decode whose splits are one early-read tile each
+    (``one_tile``, :func:`_default_splits`) takes ``_SPLIT_TILE_KEYS`` keys, ``_SPLIT_STAGES``
+    stages and, at head_dim >= 128, ``_SPLIT_WARPS_WIDE`` warps: a sweep of the batch-1 launch
+    (context 512, 32/8 heads, 32 chained launches, H100) found 8 splits of 64 keys, 8 warps, 1
+    stage at 4.72 µs (head_dim 128) and 4 warps at 3.92 µs (head_dim 64), against 8.52 and
+    6.55 µs for 5 splits of 128 keys in 32-key tiles, 4 warps, 2 stages."""
     big = head_dim > 128
     if decode:
+        if one_tile and not big:
+            return _Config(block_m=max(16, group_pad), block_n=_SPLIT_TILE_KEYS, num_stages=_SPLIT_STAGES,
+                           num_warps=_SPLIT_WARPS_WIDE if head_dim >= 128 else _DECODE_WARPS)
         narrow = big or prefetch_splits or (wide_grid and _WIDE_GRID_KEYS == 32)
         return _Config(block_m=max(16, group_pad), block_n=32 if narrow else 64,
                        num_warps=_DECODE_WARPS, num_stages=2)
@@ -656,6 +664,13 @@ def _launch_prefill(q, key_cache, value_cache, block_tables, seq_lens, query_sta
 _MAX_SPLITS = 64
 _DECODE_WARPS = 4          # decode warps (in-model A/B on the H200: 2 and 8 lose on Llama-3.2-1B)
 _MIN_KEYS_PER_SPLIT = 128
+# one-tile splits (_default_splits, _pick_config's one_tile): when the grid has room, a decode with
+# its first tile read before the PDL wait splits the keys into tiles of _SPLIT_TILE_KEYS, one a split,
+# each launched with _SPLIT_STAGES stages and, at head_dim >= 128, _SPLIT_WARPS_WIDE warps
+_ONE_TILE_SPLITS = True
+_SPLIT_TILE_KEYS = 64
+_SPLIT_STAGES = 1
+_SPLIT_WARPS_WIDE = 8
 _PREFETCH_WIDE_TILE = 8192   # keys x head_dim of a tile too large to hold across the PDL wait in many waves
 _WIDE_GRID_KEYS = 32         # keys a tile of a one-split grid of more than _WIDE_GRID_PER_SM programs a SM (64: as
 _WIDE_GRID_PER_SM = 8        # the others). In-model A/B on an H100 (µs a step, 64 -> 32 keys): batch 256 1B 3104 ->
@@ -682,9 +697,14 @@ def _sm_count(device: torch.device) -> int:
 
 def _default_splits(num_seqs: int, kv_heads: int, max_keys: int, device: torch.device) -> int:
     """Enough splits for about two programs per SM, but no split shorter than 128 keys (the
-    longest possible context, from the block table's width, bounds this without reading seq_lens)."""
+    longest possible context, from the block table's width, bounds this without reading seq_lens);
+    or, where the grid has room for it, one ``_SPLIT_TILE_KEYS``-key tile a split (``_ONE_TILE_SPLITS``:
+    each split's keys are then all read before the PDL wait, see :func:`_pick_config`)."""
     sms = _sm_count(device)
     want = triton.cdiv(2 * sms, max(num_seqs * kv_heads, 1))
+    one_tile = triton.cdiv(max_keys, _SPLIT_TILE_KEYS)
+    if _ONE_TILE_SPLITS and one_tile <= min(want, _MAX_SPLITS):
+        return max(1, one_tile)
     return max(1, min(want, triton.cdiv(max_keys, _MIN_KEYS_PER_SPLIT), _MAX_SPLITS))
 
 
@@ -805,8 +825,11 @@ def _launch_decode(q, key_cache, value_cache, block_tables, seq_lens, scale, sli
     prefetch = (bool(inputs_ready and cache_ready) and rope_cache is not None
                 and _prefetch_first_tile(num_seqs, kv_heads, num_splits, dim, group, q.device))
     wide = num_splits == 1 and num_seqs * kv_heads > _WIDE_GRID_PER_SM * _sm_count(q.device)
+    max_keys = min(block_tables.shape[1] * block_size, sliding_window or block_tables.shape[1] * block_size)
+    one_tile = (_ONE_TILE_SPLITS and prefetch and num_splits > 1
+                and triton.cdiv(max_keys, num_splits) <= _SPLIT_TILE_KEYS)
     cfg = config or _pick_config(dim, triton.next_power_of_2(group), decode=True,
-                                 prefetch_splits=prefetch and num_splits > 1, wide_grid=wide)
+                                 prefetch_splits=prefetch and num_splits > 1, wide_grid=wide, one_tile=one_tile)
     if num_splits > 1:
         if workspace is None:
             workspace = decode_workspace(num_seqs, heads, kv_heads, dim, num_splits, q.device)

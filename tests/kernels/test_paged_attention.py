@@ -302,6 +302,44 @@ def test_wide_one_split_grids_take_32_key_tiles(monkeypatch):
     assert seen[-1] is True
 
 
+def test_one_tile_splits_where_the_grid_has_room(monkeypatch):
+    """Few sequences: the keys split into one ``_SPLIT_TILE_KEYS`` tile a split (read before the PDL
+    wait), launched with that tile, ``_SPLIT_STAGES`` stages and, at head_dim 128, the wide warp
+    count; where that many splits would crowd the grid, 128-key splits as before (the CPU device
+    counts 4 SMs: two programs a SM is 8 programs). The fused rope/cache decode with one-tile
+    splits gives the reference's output."""
+    import importlib
+    from graphdsl.functional.attention import RopeLayout
+    from graphdsl.runtime.kernels.paged_attention import DecodeRopeCache
+    pa = importlib.import_module("graphdsl.runtime.kernels.paged_attention")
+    cpu = torch.device("cpu")
+    assert pa._default_splits(1, 1, 6 * pa._SPLIT_TILE_KEYS, cpu) == 6              # 6 programs <= 8
+    assert pa._default_splits(1, 1, 9 * pa._SPLIT_TILE_KEYS, cpu) == 5              # 9 > 8: 128-key splits
+    assert pa._default_splits(1, 4, 592, cpu) == 2                                  # 4 heads x 10 > 8
+    monkeypatch.setattr(pa, "_ONE_TILE_SPLITS", False)
+    assert pa._default_splits(1, 1, 6 * pa._SPLIT_TILE_KEYS, cpu) == 3
+    monkeypatch.setattr(pa, "_ONE_TILE_SPLITS", True)
+    cfg = pa._pick_config(128, 4, decode=True, prefetch_splits=True, one_tile=True)
+    assert (cfg.block_n, cfg.num_stages, cfg.num_warps) == (pa._SPLIT_TILE_KEYS, pa._SPLIT_STAGES,
+                                                            pa._SPLIT_WARPS_WIDE)
+    assert pa._pick_config(64, 4, decode=True, prefetch_splits=True, one_tile=True).num_warps == pa._DECODE_WARPS
+    assert pa._pick_config(128, 4, decode=True, prefetch_splits=True).block_n == 32     # several tiles a split
+    seen = []
+    real = pa._pick_config
+    monkeypatch.setattr(pa, "_pick_config", lambda *a, **k: seen.append(k.get("one_tile")) or real(*a, **k))
+    lens = [300]
+    q, k, v, kc, vc, cos, sin, slots, bt, sl = _rope_case(lens, 4, 1, 64, torch.float32, 32)
+    lay = RopeLayout("neox")
+    kr, vr = kc.clone(), vc.clone()
+    want, _, _ = RCA_REF(q, k, v, kr, vr, cos, sin, slots, bt, sl, layout=lay, scale=0.125)
+    splits = pa.decode_num_splits(1, 1, bt.shape[1], 16, 0, q.device)
+    out = paged_attention_decode(q, kc, vc, bt, sl, scale=0.125, out=_nan_like(q), num_splits=splits,
+                                 rope_cache=DecodeRopeCache(k, v, cos, sin, slots, lay), inputs_ready=True,
+                                 cache_ready=True)
+    assert_close(out, want, torch.float32)
+    assert splits == 6 and seen[-1] is True                  # 21 blocks x 16 = 336 keys: six 64-key tiles
+
+
 # -- decode fused with RoPE + cache write (the rope_cache_attention op) ---------------------------
 RCA_REF = get_op("rope_cache_attention").reference
 
