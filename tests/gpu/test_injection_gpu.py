@@ -1,4 +1,4 @@
-"""Optimize rules on a real GPU (``pytest -m gpu tests/gpu/test_injection.py``): a Qwen2-MoE model of
+"""Optimize rules on a real GPU (``pytest -m gpu tests/gpu/test_injection_gpu.py``): a Qwen2-MoE model of
 real layer sizes (Qwen1.5-MoE-A2.7B, 3 layers, random weights) with its routed experts on the CPU
 (``moe-experts-cpu``) gives the all-GPU model's greedy tokens and logits, keeps the expert weights
 off the GPU, and decodes without CUDA graphs (the host op cannot be captured). A ``transfer_map``
