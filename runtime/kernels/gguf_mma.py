@@ -106,7 +106,7 @@ def _sub_block_planes(y, sub, a_ptr, xa_ptr, xs_ptr, K):
     """Sub-block ``sub`` of a row's A operand (module docstring) from its 32 inputs ``y [32]``
     (float32, in input order): its 32 columns of all 16 rows (the high / low bytes on rows
     ``sub % 8`` / ``8 + sub % 8``, zeros on the others), ``a_s`` and ``S_s`` — what
-    :func:`write_planes` stores for these inputs."""
+    :func:`_write_planes` stores for these inputs."""
     b = sub // 8
     s = sub % 8
     v = tl.arange(0, 32)
