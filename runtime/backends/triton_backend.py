@@ -97,7 +97,7 @@ class TritonBackend:
         self._run_nodes: list = []              # the node list of the current run (step_constant)
         self._storage: dict = {}                # the current run's arena views (tensor / node -> view)
         self._values: dict = {}                 # the current run's tensor values (graph tensor -> torch tensor)
-        self._planes_ready: dict = {}           # GGUF node -> its rows' tensor-core A operand, made by the norm
+        self._planes_ready: dict = {}           # GGUF node -> its rows' A operand, made by the kernel before it
         self._gguf_next: tuple = (None, {})     # (a node list, norm node -> its GGUF readers right after it)
         self._step_view = None                  # (a node list, its set, graph input -> in-place writers)
         from .norm_carry import NormCarry
@@ -286,7 +286,8 @@ def _norm_planes(be: TritonBackend, node, ins, attrs, dsts) -> bool:
     x, res, w = ins
     out, s = dsts
     k = x.shape[-1]
-    if not all(t.shape == (1, k) and t.is_contiguous() for t in (x, res, out, s)) or k % 256 or x.dtype not in (torch.float16, torch.bfloat16) or not w.is_contiguous() \
+    if not all(t.shape == (1, k) and t.is_contiguous() for t in (x, res, out, s)) or k % 256 \
+            or x.dtype not in (torch.float16, torch.bfloat16) or not w.is_contiguous() \
             or {t.dtype for t in (x, res, w, out, s)} != {x.dtype} or not (x.device.type == "cuda" or _interpreting()):
         return False
     if any(overlaps(o, i) for o in (out, s) for i in (x, res)):     # each program reads the whole row first
@@ -602,7 +603,7 @@ def _quant_linear(be: TritonBackend, node, ins, attrs, dsts):
              rms_in=be.norms.rms_in(node))
         return dsts
     _not_carried(be, node)
-    planes = be._planes_ready.pop(node, None)   # made by the norm before (_norm_planes)
+    planes = be._planes_ready.pop(node, None)   # made by the kernel before (_norm_planes, _swiglu_planes)
     if gguf and silu and len(stored) == 1:     # one GGUF type: SwiGLU in the tensor-core GEMV's epilogue
         from ..kernels.gguf_linear import gguf_gemv, mma_eligible
         (qtype, _, _), = scheme.row_parts(n)

@@ -110,7 +110,7 @@ def _sub_block_planes(y, sub, a_ptr, xa_ptr, xs_ptr, K):
     b = sub // 8
     s = sub % 8
     v = tl.arange(0, 32)
-    col = b * 256 + (s // 2) * 32 + (s % 2) * 128 + v                   # plane_columns, inverted
+    col = b * 256 + (s // 2) * 32 + (s % 2) * 128 + v                   # _column_inputs, inverted
     amax = tl.max(tl.abs(y), axis=0)
     inv = tl.where(amax > 0, 32639.0 / tl.maximum(amax, 1e-30), 0.0)
     xq = tl.floor(y * inv + 0.5).to(tl.int32)
