@@ -126,6 +126,15 @@ class RotaryEmbedding(Module):
         all but dynamic NTK, whose frequencies depend on the step's longest position."""
         return self.scaling.rope_type is not RopeType.DYNAMIC
 
+    def device_inv_freq(self, device: torch.device) -> tuple[torch.Tensor, float]:
+        """``(inv_freq, attention_scaling)`` as :meth:`cos_sin` uses them on ``device`` (made once
+        there): what a kernel computing the tables itself takes. Not for dynamic NTK, whose
+        frequencies depend on the step (:attr:`captures_tables` is False)."""
+        if not self.captures_tables:
+            raise GraphDSLError("RotaryEmbedding.device_inv_freq: dynamic NTK's frequencies depend on the step's "
+                                "longest position; use cos_sin(positions)")
+        return self._device_inv_freq(None, device)
+
     def _device_inv_freq(self, seq_len: int | None, device: torch.device) -> tuple[torch.Tensor, float]:
         """:meth:`inv_freq` on ``device``, kept per device (and per effective length for dynamic NTK):
         copying a fresh CPU table every step would make each decode step wait for the previous one."""

@@ -337,16 +337,21 @@ def _graph_runner(self: FlashCausalLM, engine):
 
 
 def _decode_prologue(rotary, block_size: int | None):
-    from graphdsl.runtime.serving.kv_cache import decode_slots
+    """The graph's prologue: RoPE tables and cache slots from the positions, in one launch
+    (:func:`~graphdsl.runtime.kernels.step_inputs.decode_step_inputs`; the same values as
+    ``rotary.cos_sin`` and :func:`~graphdsl.runtime.serving.kv_cache.decode_slots`, which took a
+    dozen torch launches: in-model A/B on an H100, µs a step, Llama-3.2-1B batch 1 1118 -> 1101,
+    batch 64 1687 -> 1667, Llama-3-8B batch 1 5585 -> 5562)."""
+    from graphdsl.runtime.kernels.step_inputs import decode_step_inputs
 
     def prologue(static: Mapping[str, torch.Tensor]) -> dict:
-        out = {}
+        positions = static["positions"]
+        args = {}
         if rotary is not None:
-            out["cos"], out["sin"] = rotary.cos_sin(static["positions"])
+            args["inv_freq"], args["scale"] = rotary.device_inv_freq(positions.device)
         if block_size is not None:
-            out["slot_mapping"] = decode_slots(static["positions"], static["block_tables"], static["seq_lens"],
-                                               block_size)
-        return out
+            args.update(block_tables=static["block_tables"], seq_lens=static["seq_lens"], block_size=block_size)
+        return decode_step_inputs(positions, **args)
     return prologue
 
 
