@@ -106,16 +106,18 @@ def decode_step_inputs(positions: torch.Tensor, *, inv_freq: torch.Tensor | None
             raise GraphDSLError(f"decode_step_inputs: block_tables must be an integer tensor [{rows}, width], got "
                                 f"{tuple(block_tables.shape)} {block_tables.dtype}")
         _check_rows("seq_lens", seq_lens, rows, dev)
-        _check_rows("block_tables' rows", block_tables[:, 0], rows, dev)
+        if block_tables.device != dev:
+            raise GraphDSLError(f"decode_step_inputs: block_tables must be on {dev} (positions' device), got "
+                                f"{block_tables.device}")
         if block_tables.stride(1) != 1:
             block_tables = block_tables.contiguous()
         bt, lens, width, stride_bt, bs = (block_tables, seq_lens.contiguous(), block_tables.shape[1],
                                           block_tables.stride(0), int(block_size))
         slot = out["slot_mapping"] = torch.empty_like(positions)
-    if rows:
-        cos = out.get("cos", inv)
+    if rows:                                    # (unused pointers: any tensor of the device)
         _step_inputs_kernel[(triton.cdiv(rows, _BLOCK_ROWS),)](
-            positions, inv, cos, out.get("sin", inv), bt, lens, slot, rows, half, width, stride_bt, float(scale), bs,
+            positions, inv, out.get("cos", inv), out.get("sin", inv), bt, lens, slot, rows, half, width, stride_bt,
+            float(scale), bs,
             ROPE=rope, SLOTS=slots, SCALED=scale != 1.0, BLOCK_R=_BLOCK_ROWS, BLOCK_H=triton.next_power_of_2(half),
             LIBDEVICE=type(_step_inputs_kernel).__name__ != "InterpretedFunction")
     return out
