@@ -1,6 +1,7 @@
 """Where a graph-replayed decode step's time goes: each kernel's share of the critical path.
 
     python benchmarks/decode_timeline.py --shape llama-3.2-1b [--context 512] [--steps 5] [--batch 1]
+                                         [--quantization int4]
 
 With programmatic dependent launch a kernel starts while its predecessor runs and then waits, so
 kernel *durations* overlap and do not add up to the step. What does add up is each kernel's
@@ -25,6 +26,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from common import device_line  # noqa: E402
 from llm import SHAPES, batch_decode  # noqa: E402
+from quant import _GGUFMix  # noqa: E402
 
 FAMILIES = ("_gemv_kernel", "_decode_kernel", "_rope_cache_kernel", "fused_kernel", "nvjet", "gemm",
             "_reshape_and_cache")
@@ -76,16 +78,20 @@ def main(argv=None) -> int:
     ap.add_argument("--context", type=int, default=512)
     ap.add_argument("--steps", type=int, default=5)
     ap.add_argument("--batch", type=int, default=1, help="sequences a step (each at --context)")
+    ap.add_argument("--quantization", default=None,
+                    help="LLM(quantization=...): int4, fp8, ..., or gguf-q4_k_m (quant.py's mix)")
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
         print("decode_timeline.py needs a CUDA GPU", file=sys.stderr)
         return 2
     import graphdsl as gd
-    llm, inputs = batch_decode(gd, args.shape, args.context, batch=args.batch)
+    with _GGUFMix():                      # --quantization gguf-q4_k_m: the Q4_K_M mix (quant.py)
+        llm, inputs = batch_decode(gd, args.shape, args.context, args.quantization, batch=args.batch)
     events = kernel_events(llm, inputs, args.steps)
     inc, dur, calls = increments(events)
     n = args.steps
-    print(f"## {args.shape} batch {args.batch}, ctx {args.context} — {device_line()}\n")
+    quant = f", {args.quantization}" if args.quantization else ""
+    print(f"## {args.shape}{quant} batch {args.batch}, ctx {args.context} — {device_line()}\n")
     print(f"sum of increments {sum(inc.values()) / n:.0f} µs/step over {len(events) / n:.0f} kernels/step\n")
     print("| kernel | calls/step | increment µs/step | increment µs/call | mean duration µs |")
     print("|---|---:|---:|---:|---:|")
