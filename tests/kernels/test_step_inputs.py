@@ -84,6 +84,10 @@ def test_bad_arguments_are_named():
         decode_step_inputs(positions, block_tables=tables, seq_lens=seq_lens[:3], block_size=16)
     with pytest.raises(GraphDSLError, match=r"block_tables must be on .* \(positions' device\), got meta"):
         decode_step_inputs(positions, block_tables=tables.to("meta"), seq_lens=seq_lens, block_size=16)
+    with pytest.raises(GraphDSLError, match=r"block_tables must be an integer tensor \[4, width\], got \(3, 3\)"):
+        decode_step_inputs(positions, block_tables=tables[:3], seq_lens=seq_lens, block_size=16)
+    with pytest.raises(GraphDSLError, match=r"seq_lens must be on .* \(positions' device\), got meta"):
+        decode_step_inputs(positions, block_tables=tables, seq_lens=seq_lens.to("meta"), block_size=16)
     with pytest.raises(GraphDSLError, match="block_size >= 1, got .*block_size=0"):
         decode_step_inputs(positions, block_tables=tables, seq_lens=seq_lens, block_size=0)
     with pytest.raises(GraphDSLError, match=r"inv_freq must be float32 \[half\]"):
