@@ -9,7 +9,7 @@ float32 matmul), then prints µs per call, the block bytes per call (weight bloc
 output), the GB/s they make and the % of the device-to-device copy bandwidth measured in the same
 run; and the bf16 cuBLAS GEMV of the same shape (its own bytes) for comparison. The table's launch
 is the CUDA-core one (``_pick_config``); for one row of a type the tensor cores take
-(``gguf_mma.MMA_QTYPES``: Q4_K) the last columns time that path (activation planes launch
+(``gguf_mma.MMA_QTYPES``: Q4_K; and Q6_K, ``gguf_mma_q6k``) the last columns time that path (activation planes launch
 included, ``pick_mma_config``) and its speedup over the CUDA-core launch.
 
 Timing is how decode runs them: one CUDA graph replays the GEMV over enough copies of the weight
@@ -38,15 +38,16 @@ _F16_FIELDS = {"Q4_0": (0, 2), "Q4_1": (0, 4), "Q8_0": (0, 2), "Q4_K": (0, 4), "
 
 
 def random_blocks(qtype: str, n: int, k: int, seed: int) -> torch.Tensor:
-    """Random GGML rows ``uint8 [n, row_bytes]`` on the GPU with small float16 scales."""
-    from graphdsl.runtime.gguf_blocks import GGUF_BLOCKS
+    """Random GGML rows on the GPU with small float16 scales, in the stored layout the kernels read
+    (``gguf_blocks.to_stored``: Q6_K padded to 224-byte blocks)."""
+    from graphdsl.runtime.gguf_blocks import GGUF_BLOCKS, to_stored
     per, size = GGUF_BLOCKS[qtype]
     g = torch.Generator(device="cuda").manual_seed(seed)
     data = torch.randint(0, 256, (n, k // per, size), generator=g, device="cuda", dtype=torch.uint8)
     lo, hi = _F16_FIELDS[qtype]
     scales = (torch.rand(n, k // per, (hi - lo) // 2, generator=g, device="cuda") - 0.5) * 0.02
     data[:, :, lo:hi] = scales.to(torch.float16).view(torch.uint8)
-    return data.reshape(n, -1)
+    return to_stored(data.reshape(n, -1), qtype)
 
 
 def replay_us(fn, copies: int) -> float:
@@ -61,10 +62,10 @@ def copies_for(nbytes: int) -> int:
 
 
 def check(x, data, qtype):
-    from graphdsl.runtime.gguf_blocks import dequantize_blocks
+    from graphdsl.runtime.gguf_blocks import dequantize_blocks, from_stored
     from graphdsl.runtime.kernels.gguf_linear import gguf_gemv
     k = x.shape[1]
-    want = x.float() @ dequantize_blocks(data, qtype, k).T
+    want = x.float() @ dequantize_blocks(from_stored(data, qtype), qtype, k).T
     got = gguf_gemv(x, data, qtype).float()
     err = (got - want).abs().max().item() / max(want.abs().max().item(), 1e-6)
     if err > 2e-2:
@@ -81,7 +82,9 @@ def sweep_configs(qtype: str, k: int):
 
 def main() -> None:
     from graphdsl.runtime.kernels.gguf_linear import _num_sms, _pick_config, gguf_gemv, gguf_linear
+    from graphdsl.runtime.gguf_blocks import row_bytes
     from graphdsl.runtime.kernels.gguf_mma import MMA_QTYPES, pick_mma_config
+    from graphdsl.runtime.kernels.gguf_mma_q6k import pick_q6k_config
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--rows", default="1", help="activation rows, comma-separated (<= 16)")
     ap.add_argument("--types", default=",".join(TYPES))
@@ -114,11 +117,12 @@ def main() -> None:
                 check(x, one, qtype)
                 cfg = {**_pick_config(m, n, k, qtype, x.device), **override}
                 us = replay_us(lambda: [gguf_gemv(x, d, qtype, config=cfg) for d in datas], len(datas))
-                nbytes = one.numel() + m * k * 2 + m * n * 2
+                nbytes = n * row_bytes(qtype, k) + m * k * 2 + m * n * 2      # the file's block bytes
                 gbs = nbytes / (us * 1e-6) / 1e9
                 tc = f"{'-':>7} {'-':>5} {'-':>6}"
-                if m == 1 and qtype in MMA_QTYPES:           # the tensor-core path (gguf_mma)
-                    tcfg = dict(MMA=True, **pick_mma_config(n, k, _num_sms(x.device)))
+                if m == 1 and (qtype in MMA_QTYPES or qtype == "Q6_K"):   # the tensor-core path
+                    pick = pick_q6k_config if qtype == "Q6_K" else pick_mma_config
+                    tcfg = dict(MMA=True, **pick(n, k, _num_sms(x.device)))
                     us_tc = replay_us(lambda: [gguf_gemv(x, d, qtype, config=tcfg) for d in datas], len(datas))
                     tc = f"{us_tc:7.1f} {100 * nbytes / (us_tc * 1e-6) / 1e9 / copy:4.0f}% {us / us_tc:5.2f}x"
                 print(f"{qtype:6} {name:8} {n:>5} x {k:<5} {m:>3} {nbytes / 1e6:7.1f} {us:8.1f} {gbs:7.0f} "

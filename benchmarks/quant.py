@@ -18,7 +18,8 @@
    first and last eighth, and every third layer between); random weights rounded onto those blocks.
    As ``LLM(file.gguf, quantization="gguf")`` would: a fused ``qkv_proj`` whose v part is Q6_K beside
    Q4_K q/k keeps both (``gguf-q4_k.5120+q6_k.1024``: two GEMVs), and ``lm_head`` (Q6_K in
-   llama.cpp) stays bf16; the roofline counts the bytes actually stored.
+   llama.cpp) stays bf16; the roofline counts the bytes actually stored
+   (GGUF blocks: the file's bytes, without the stored layout's Q6_K padding).
 3. The peer in the same run: transformers with the same config and random weights, torchao
    ``Int4WeightOnlyConfig(group_size=128)`` (tinygemm tile-packed layout), static cache,
    ``torch.compile(mode="reduce-overhead")`` (benchmarks/llm.py's ``measure_peer``).
@@ -245,17 +246,18 @@ class _GGUFMix:
 def gguf_kernel_rows(shape: str, copy: float) -> list[str]:
     """Per projection, Q4_K and Q6_K blocks: µs and GB/s of the batch-1 GGUF GEMV (``gguf_gemv``, what
     the engine runs for one row), timed as :func:`_graph_us` does."""
+    from graphdsl.runtime.gguf_blocks import row_bytes, to_stored
     from graphdsl.runtime.gguf_scheme import quantize_blocks
     from graphdsl.runtime.kernels.gemv import GemvWorkspace
     from graphdsl.runtime.kernels.gguf_linear import gguf_gemv
     ws, rows = GemvWorkspace(), []
     for qtype in ("Q4_K", "Q6_K"):
         for proj, (n, k) in _projections(shape).items():
-            copies = _copies([quantize_blocks(torch.randn(n, k, device="cuda"), qtype)])
+            copies = _copies([to_stored(quantize_blocks(torch.randn(n, k, device="cuda"), qtype), qtype)])
             x = torch.randn(1, k, device="cuda", dtype=torch.bfloat16)
             out = torch.empty(1, n, device="cuda", dtype=torch.bfloat16)
             us = _graph_us(lambda st: gguf_gemv(x, st[0], qtype, out=out, workspace=ws), copies)
-            rows.append(_row(f"gguf-{qtype.lower()}", proj, n, k, copies[0][0].numel(), us, copy))
+            rows.append(_row(f"gguf-{qtype.lower()}", proj, n, k, n * row_bytes(qtype, k), us, copy))   # file bytes
             del copies
             torch.cuda.empty_cache()
     return rows
@@ -263,10 +265,17 @@ def gguf_kernel_rows(shape: str, copy: float) -> list[str]:
 
 def stored_bytes(llm) -> int:
     """Bytes one decode step must read of the weights: every parameter as stored (a quantized one's
-    companions) but the embedding table; a tied lm_head counts the table once."""
+    companions) but the embedding table; a tied lm_head counts the table once. GGUF weights count
+    their file's block bytes: the stored layout's padding of Q6_K blocks (gguf_blocks.to_stored) is
+    the engine's choice, so it does not raise the roofline."""
+    from graphdsl.runtime.gguf_blocks import row_bytes
+    from graphdsl.runtime.gguf_scheme import GGUFMixScheme, GGUFScheme
     bound, total = llm.model._bound, 0
     for name, p in llm.model.named_parameters():
         if name == "model.embed_tokens.weight" and not llm.config.tie_word_embeddings:
+            continue
+        if isinstance(p.quant, (GGUFScheme, GGUFMixScheme)):
+            total += sum((r1 - r0) * row_bytes(q, p.shape[1]) for q, r0, r1 in p.quant.row_parts(p.shape[0]))
             continue
         for t in ([bound[c.name] for c in p.companions()] if p.quant is not None else [bound[name]]):
             total += t.numel() * t.element_size()

@@ -19,7 +19,7 @@ import torch
 from graphdsl.errors import GraphDSLError
 from graphdsl.layers.linear import ColumnParallelLinear, RowParallelLinear
 from graphdsl.layers.checkpoint import CheckpointSlot
-from graphdsl.runtime.gguf_blocks import GGUFBlockWeight
+from graphdsl.runtime.gguf_blocks import GGUFBlockWeight, to_stored
 from graphdsl.runtime.loaders.safetensors import check_weights
 
 from .base import FlashCausalLM
@@ -87,7 +87,7 @@ def load_weights(model: FlashCausalLM, tensors: Iterable[tuple[str, torch.Tensor
             ``_scale``, ...; pieces of packed parameters too), not their full-precision tensors.
         blocks: parameters marked ``gguf-<type>`` (:func:`~graphdsl.models.gguf_weights.keep_gguf_blocks`)
             whose GGUF block rows (:class:`~graphdsl.runtime.gguf_blocks.GGUFBlockWeight` tensors) are
-            copied into their ``_packed`` companion as they are. Any other block tensor is dequantized.
+            copied into their ``_packed`` companion as they are (Q6_K's padded: gguf_blocks.to_stored). Any other block tensor is dequantized.
     """
     dtype = dtype or model.dtype
     table = model.checkpoint_table()
@@ -147,7 +147,7 @@ def _place_blocks(out: dict, p, name: str, slot, tensor: GGUFBlockWeight) -> Non
             if tensor.qtype != qtype or b > r1:
                 raise GraphDSLError(f"checkpoint tensor {name!r} is {tensor.qtype} rows {a}..{b}, but {p.name!r} "
                                     f"({p.quant.name}) keeps {qtype} blocks in rows {r0}..{r1}")
-            out[c.name][a - r0:b - r0].copy_(tensor.data)
+            out[c.name][a - r0:b - r0].copy_(to_stored(tensor.data, qtype))
             return
 
 

@@ -8,6 +8,14 @@ kernels can all import it. :func:`dequantize_blocks` takes one tensor's rows as 
 file: a uint8 tensor ``[rows, bytes_per_row]`` (CPU or CUDA), each row ``K / values_per_block``
 consecutive blocks, and returns float32 ``[rows, K]``.
 
+**Stored layout.** A weight kept in blocks on the device (a ``gguf-<type>`` companion, what the
+kernels read) holds the file's blocks byte for byte, except that a type in
+:data:`STORED_BLOCK_BYTES` has each block padded with zeros to a 16-byte multiple: Q6_K's 210-byte
+blocks leave every odd block only 2-byte aligned, so its fields could only be loaded a byte at a
+time; at 224 bytes each field loads as 16-byte vectors (the tensor-core Q6_K GEMV,
+:mod:`graphdsl.runtime.kernels.gguf_mma_q6k`). :func:`to_stored` / :func:`from_stored` convert,
+:func:`stored_row_bytes` is a stored row's width.
+
 Block formats (little endian; ``d``, ``m``, ``dmin`` are float16; ``y`` is the output):
 
 - ``Q8_0`` (32 values, 34 B): ``d, q[32] int8`` → ``y = d·q``.
@@ -40,7 +48,8 @@ import torch
 
 from graphdsl.errors import GraphDSLError
 
-__all__ = ["GGUF_BLOCKS", "KERNEL_QTYPES", "GGUFBlockWeight", "dequantize_blocks", "row_bytes"]
+__all__ = ["GGUF_BLOCKS", "KERNEL_QTYPES", "STORED_BLOCK_BYTES", "GGUFBlockWeight", "dequantize_blocks", "row_bytes",
+           "stored_row_bytes", "to_stored", "from_stored"]
 
 
 GGUF_BLOCKS: dict[str, tuple[int, int]] = {   # name -> (values per block, bytes per block)
@@ -52,6 +61,8 @@ GGUF_BLOCKS: dict[str, tuple[int, int]] = {   # name -> (values per block, bytes
 
 # the block types with Triton kernels (runtime/kernels/gguf_tiles.py, gguf_linear.py)
 KERNEL_QTYPES = ("Q4_0", "Q4_1", "Q8_0", "Q4_K", "Q5_K", "Q6_K")
+# bytes a block of these types takes in the stored layout (the file's bytes, then zeros; module docstring)
+STORED_BLOCK_BYTES: dict[str, int] = {"Q6_K": 224}
 
 
 # The decoders below take ``b``: a uint8 torch tensor ``[n_blocks, bytes_per_block]`` (CPU or
@@ -202,6 +213,40 @@ def row_bytes(qtype: str, k: int) -> int:
     if k <= 0 or k % per:
         raise GraphDSLError(f"a {qtype} row needs a positive multiple of {per} values, got K={k}")
     return k // per * nbytes
+
+
+def stored_row_bytes(qtype: str, k: int) -> int:
+    """Bytes of one row of ``k`` values of ``qtype`` in the stored layout (module docstring)."""
+    nbytes = row_bytes(qtype, k)
+    return nbytes // GGUF_BLOCKS[qtype][1] * STORED_BLOCK_BYTES.get(qtype, GGUF_BLOCKS[qtype][1])
+
+
+def to_stored(data: torch.Tensor, qtype: str) -> torch.Tensor:
+    """File rows ``uint8 [rows, row_bytes]`` of ``qtype`` in the stored layout: each block padded with
+    zeros to :data:`STORED_BLOCK_BYTES` (a new tensor), or ``data`` itself for the other types."""
+    size = STORED_BLOCK_BYTES.get(qtype)
+    if size is None:
+        return data
+    nbytes = GGUF_BLOCKS[qtype][1]
+    if data.dtype != torch.uint8 or data.dim() != 2 or data.shape[1] % nbytes:
+        raise GraphDSLError(f"to_stored: data must be uint8 [rows, a multiple of {nbytes}] ({qtype} file blocks), got "
+                            f"{data.dtype} {list(data.shape)}")
+    rows, blocks = data.shape[0], data.shape[1] // nbytes
+    out = torch.zeros(rows, blocks, size, dtype=torch.uint8, device=data.device)
+    out[:, :, :nbytes] = data.reshape(rows, blocks, nbytes)
+    return out.reshape(rows, blocks * size)
+
+
+def from_stored(data: torch.Tensor, qtype: str) -> torch.Tensor:
+    """Stored rows (:func:`to_stored`) back to the file's blocks (a view's copy, or ``data`` itself)."""
+    size = STORED_BLOCK_BYTES.get(qtype)
+    if size is None:
+        return data
+    if data.dtype != torch.uint8 or data.dim() != 2 or data.shape[1] % size:
+        raise GraphDSLError(f"from_stored: data must be uint8 [rows, a multiple of {size}] (stored {qtype} blocks), "
+                            f"got {data.dtype} {list(data.shape)}")
+    rows, blocks = data.shape[0], data.shape[1] // size
+    return data.reshape(rows, blocks, size)[:, :, :GGUF_BLOCKS[qtype][1]].reshape(rows, -1)
 
 
 def dequantize_blocks(data: torch.Tensor, qtype: str, k: int) -> torch.Tensor:

@@ -4,10 +4,11 @@ and :class:`GGUFMixScheme` for a packed weight whose row ranges keep different t
 (``gguf-q4_k.5120+q6_k.1024``: one companion per part).
 
 A weight ``W [N, K]`` in scheme ``gguf-<type>`` stores one companion, ``<param>_packed``: uint8
-``[N, row_bytes(type, K)]``, each row its ``K`` values as consecutive GGML blocks, byte for byte as
-in a GGUF file (:mod:`graphdsl.runtime.gguf_blocks` has the layouts). ``dequantize`` is
-:func:`~graphdsl.runtime.gguf_blocks.dequantize_blocks` (the semantics of the GGUF kernels, and the
-CPU reference of ``quant_linear``). The language room cannot import the runtime, so this family
+``[N, stored_row_bytes(type, K)]``, each row its ``K`` values as consecutive GGML blocks in the
+stored layout: byte for byte as in a GGUF file, Q6_K's blocks padded to 224 bytes
+(:mod:`graphdsl.runtime.gguf_blocks` has the layouts; :func:`~graphdsl.runtime.gguf_blocks.to_stored`).
+``dequantize`` is :func:`~graphdsl.runtime.gguf_blocks.dequantize_blocks` of the file blocks (the
+semantics of the GGUF kernels, and the CPU reference of ``quant_linear``). The language room cannot import the runtime, so this family
 registers itself with :func:`graphdsl.quant.register_scheme` when ``graphdsl.runtime`` is imported.
 
 ``quantize`` writes the blocks from a float weight by plain round-to-nearest (per block, or per
@@ -24,7 +25,8 @@ import torch
 from graphdsl.errors import GraphDSLError
 from graphdsl.quant import Companion, QuantScheme, register_scheme
 
-from .gguf_blocks import GGUF_BLOCKS, KERNEL_QTYPES, dequantize_blocks, row_bytes
+from .gguf_blocks import (GGUF_BLOCKS, KERNEL_QTYPES, dequantize_blocks, from_stored, row_bytes, stored_row_bytes,
+                          to_stored)
 
 __all__ = ["GGUFScheme", "GGUFMixScheme", "gguf_scheme", "quantize_blocks"]
 
@@ -54,13 +56,13 @@ class GGUFScheme(QuantScheme):
                                 f"multiple of the {self.qtype} block of {self.block_values} values")
 
     def companions(self, out_features, in_features):
-        return (Companion("_packed", (out_features, row_bytes(self.qtype, in_features)), torch.uint8),)
+        return (Companion("_packed", (out_features, stored_row_bytes(self.qtype, in_features)), torch.uint8),)
 
     def dequantize(self, tensors, out_features, in_features, dtype):
-        return dequantize_blocks(tensors[0], self.qtype, in_features).to(dtype)
+        return dequantize_blocks(from_stored(tensors[0], self.qtype), self.qtype, in_features).to(dtype)
 
     def quantize(self, weight, dtype=None):
-        return [quantize_blocks(weight, self.qtype)]
+        return [to_stored(quantize_blocks(weight, self.qtype), self.qtype)]
 
     def row_parts(self, out_features: int) -> list[tuple[str, int, int]]:
         """``[(GGML type, first row, end row)]`` of the stored companions, in order."""
@@ -72,7 +74,7 @@ class GGUFMixScheme(QuantScheme):
     """A packed weight whose row ranges keep different GGML block types: ``parts`` is
     ``((type, rows), ...)`` top to bottom (a Q4_K_M ``qkv_proj``: ``(("Q4_K", q + k rows), ("Q6_K",
     v rows))``). Part ``i`` is stored as ``<param>_packed`` (``i == 0``) or ``<param>_packed<i>``,
-    uint8 ``[rows, row_bytes(type, in)]``; ``W`` is the parts' rows stacked. Named
+    uint8 ``[rows, stored_row_bytes(type, in)]``; ``W`` is the parts' rows stacked. Named
     ``gguf-q4_k.5120+q6_k.1024``."""
 
     parts: tuple[tuple[str, int], ...] = ()
@@ -104,15 +106,15 @@ class GGUFMixScheme(QuantScheme):
             GGUFScheme(q).check(name, shape)
 
     def companions(self, out_features, in_features):
-        return tuple(Companion(f"_packed{i or ''}", (r1 - r0, row_bytes(q, in_features)), torch.uint8)
+        return tuple(Companion(f"_packed{i or ''}", (r1 - r0, stored_row_bytes(q, in_features)), torch.uint8)
                      for i, (q, r0, r1) in enumerate(self.row_parts(out_features)))
 
     def dequantize(self, tensors, out_features, in_features, dtype):
-        return torch.cat([dequantize_blocks(t, q, in_features).to(dtype)
+        return torch.cat([dequantize_blocks(from_stored(t, q), q, in_features).to(dtype)
                           for t, (q, _, _) in zip(tensors, self.row_parts(out_features))])
 
     def quantize(self, weight, dtype=None):
-        return [quantize_blocks(weight[r0:r1], q) for q, r0, r1 in self.row_parts(weight.shape[0])]
+        return [to_stored(quantize_blocks(weight[r0:r1], q), q) for q, r0, r1 in self.row_parts(weight.shape[0])]
 
 
 def gguf_scheme(qtype: str | list[tuple[str, int]]) -> GGUFScheme | GGUFMixScheme:

@@ -940,6 +940,16 @@ class GemvWorkspace:
                                          torch.empty(k // 32, dtype=torch.float32, device=device))
         return bufs
 
+    def q6k_planes(self, device: torch.device, k: int):
+        """The int8 activation planes ``[16, k]`` and the ``[k / 16]`` float32 ``a_s`` of the one-row
+        Q6_K tensor-core GEMV (:func:`.gguf_mma_q6k.q6k_activation_planes`), one set per (device, k)."""
+        key = ("q6k_planes", str(device), k)
+        bufs = self._buffers.get(key)
+        if bufs is None:
+            bufs = self._buffers[key] = (torch.empty(16, k, dtype=torch.int8, device=device),
+                                         torch.empty(k // 16, dtype=torch.float32, device=device))
+        return bufs
+
     @property
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for bufs in self._buffers.values() for t in bufs)

@@ -21,10 +21,13 @@ by a matmul; the kernels never write the dequantized weight for decode.
   Measured on the H200 its tile-order stores make the dequantize pass cost several times the
   512-row matmul (docs/gguf-kernels.md): correct, not yet fast.
 
-One fp16/bf16 row of Q4_K over at least ``MMA_MIN_ROWS`` weight rows runs on the int8 tensor
-cores instead (:mod:`.gguf_mma`, :func:`mma_eligible`): on an H100 1.2-1.6x faster than the
-CUDA-core loop, which is instruction-bound (15-33% of copy bandwidth on the H200, about the bf16
-cuBLAS GEMV's time; docs/gguf-kernels.md has the tables and the next steps).
+One fp16/bf16 row of Q4_K or Q6_K over at least ``MMA_MIN_ROWS`` weight rows runs on the int8
+tensor cores instead (:mod:`.gguf_mma`, :mod:`.gguf_mma_q6k`, :func:`mma_eligible`): on an H100
+1.2-1.7x faster than the CUDA-core loop, which is instruction-bound (15-33% of copy bandwidth on
+the H200, about the bf16 cuBLAS GEMV's time; docs/gguf-kernels.md has the tables and the next steps).
+
+``data`` is in the stored layout (:func:`graphdsl.runtime.gguf_blocks.to_stored`: Q6_K blocks
+padded to 224 bytes; the other types as in the file).
 
 File shape (STYLE.md 11): the ``@triton.jit`` kernels, the launch heuristic :func:`_pick_config`,
 the public wrappers :func:`gguf_gemv`, :func:`gguf_dequantize`, :func:`gguf_linear`.
@@ -40,14 +43,17 @@ import triton.language as tl
 
 from graphdsl.errors import GraphDSLError
 
+from ..gguf_blocks import GGUF_BLOCKS
 from .gguf_mma import _CONFIG_KEYS as _MMA_CONFIG_KEYS
 from .gguf_mma import MMA_MIN_ROWS, MMA_QTYPES, gguf_gemv_mma
+from .gguf_mma_q6k import gguf_gemv_q6k
 from .gguf_tiles import KERNEL_QTYPES, decode_tile, row_codes, row_dot, row_total, row_zeros
 from .splitk import arrive, depart, meet_rows, sum_partials
 
 __all__ = ["gguf_linear", "gguf_gemv", "gguf_dequantize", "mma_eligible", "KERNEL_QTYPES", "MAX_GEMV_ROWS"]
 
 MAX_GEMV_ROWS = 16
+_Q6K_MMA = True       # one Q6_K row on the tensor cores by default (False: CUDA cores; decode_ab.py's A/B)
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
 
@@ -198,8 +204,9 @@ def _check(data: torch.Tensor, qtype: str, x: torch.Tensor | None = None) -> int
         raise GraphDSLError(f"gguf kernels: GGML type {qtype!r} has no kernel; supported: {list(KERNEL_QTYPES)}")
     values, nbytes = KERNEL_QTYPES[qtype]
     if data.dtype != torch.uint8 or data.dim() != 2 or not data.is_contiguous() or data.shape[1] % nbytes:
+        layout = " in the stored layout, gguf_blocks.to_stored" if nbytes != GGUF_BLOCKS[qtype][1] else ""
         raise GraphDSLError(f"gguf kernels: data must be contiguous uint8 [N, K / {values} * {nbytes}] ({qtype} "
-                            f"blocks), got {data.dtype} {list(data.shape)} contiguous={data.is_contiguous()}")
+                            f"blocks{layout}), got {data.dtype} {list(data.shape)} contiguous={data.is_contiguous()}")
     k = data.shape[1] // nbytes * values
     if x is not None and (x.dim() != 2 or x.shape[1] != k or x.dtype not in _DTYPES or x.stride(1) != 1):
         raise GraphDSLError(f"gguf kernels: x must be [M, {k}] in {[str(d) for d in _DTYPES]} with a contiguous "
@@ -210,17 +217,20 @@ def _check(data: torch.Tensor, qtype: str, x: torch.Tensor | None = None) -> int
 
 
 def _mma_possible(x: torch.Tensor, data: torch.Tensor, qtype: str) -> bool:
-    """The tensor-core kernel (:mod:`.gguf_mma`) takes one fp16/bf16 row of a type in ``MMA_QTYPES``
-    over 4-byte aligned blocks (it reads each block header as int32 words)."""
-    return x.shape[0] == 1 and qtype in MMA_QTYPES and x.dtype != torch.float32 and data.data_ptr() % 4 == 0
+    """The tensor-core kernels (:mod:`.gguf_mma` for the types in ``MMA_QTYPES``, :mod:`.gguf_mma_q6k`
+    for Q6_K) take one fp16/bf16 row over 4-byte aligned blocks (they read block headers as int32
+    words)."""
+    return (x.shape[0] == 1 and (qtype in MMA_QTYPES or qtype == "Q6_K") and x.dtype != torch.float32
+            and data.data_ptr() % 4 == 0)
 
 
 def mma_eligible(x: torch.Tensor, data: torch.Tensor, qtype: str) -> bool:
     """Whether :func:`gguf_gemv` runs ``x @ dequant(data).T`` on the tensor cores by default: when
     :func:`_mma_possible` and the weight has at least ``MMA_MIN_ROWS`` rows (on the H100 a 1024-row
     Q4_K GEMV took 6.4 µs on CUDA cores, 7.5 on the tensor cores with its activation launch; 4096
-    rows 12.8 against 11.0)."""
-    return _mma_possible(x, data, qtype) and data.shape[0] >= MMA_MIN_ROWS
+    rows 12.8 against 11.0; Q6_K's 1024 rows 6.6 against 6.7-8.5, 4096 rows 16.9 against 12.9)."""
+    return (_mma_possible(x, data, qtype) and data.shape[0] >= MMA_MIN_ROWS
+            and (qtype != "Q6_K" or _Q6K_MMA))
 
 
 def gguf_gemv(x: torch.Tensor, data: torch.Tensor, qtype: str, add: torch.Tensor | None = None, *,
@@ -251,7 +261,8 @@ def gguf_gemv(x: torch.Tensor, data: torch.Tensor, qtype: str, add: torch.Tensor
     if not 1 <= m <= MAX_GEMV_ROWS:
         raise GraphDSLError(f"gguf_gemv: x needs 1..{MAX_GEMV_ROWS} rows, got {m}")
     if silu_mul:
-        if not _mma_possible(x, data, qtype) or add is not None or n % 2 or (config and not config.get("MMA")):
+        if (qtype not in MMA_QTYPES or not _mma_possible(x, data, qtype) or add is not None or n % 2
+                or (config and not config.get("MMA"))):
             raise GraphDSLError(f"gguf_gemv: silu_mul runs on the tensor-core path only: one fp16/bf16 row of "
                                 f"{list(MMA_QTYPES)} with an even row count, no add and a config (if any) with MMA=True; got "
                                 f"{m} {x.dtype} rows, {qtype} [{n}, {k}], add={add is not None}, config={config}")
@@ -293,7 +304,7 @@ def gguf_gemv(x: torch.Tensor, data: torch.Tensor, qtype: str, add: torch.Tensor
 def _mma(x, data, qtype, add, out, workspace, config, silu_mul, planes=None, planes_out=None):
     """:func:`gguf_gemv` on the tensor cores (:mod:`.gguf_mma`), its ``config`` checked."""
     if not _mma_possible(x, data, qtype):
-        raise GraphDSLError(f"gguf_gemv: config MMA=True needs one fp16/bf16 row, a type in {list(MMA_QTYPES)} "
+        raise GraphDSLError(f"gguf_gemv: config MMA=True needs one fp16/bf16 row, a type in {list(MMA_QTYPES) + ['Q6_K']} "
                             f"and 4-byte aligned data, got {x.shape[0]} {x.dtype} rows of {qtype} at "
                             f"address {data.data_ptr():#x}")
     cfg = None
@@ -302,6 +313,11 @@ def _mma(x, data, qtype, add, out, workspace, config, silu_mul, planes=None, pla
         if set(cfg) - _MMA_CONFIG_KEYS or {"BLOCK_N", "SPLIT_K"} - set(cfg):
             raise GraphDSLError(f"gguf_gemv: config with MMA=True takes BLOCK_N, SPLIT_K and optionally "
                                 f"{sorted(_MMA_CONFIG_KEYS - {'BLOCK_N', 'SPLIT_K'})}, got {sorted(cfg)}")
+    if qtype == "Q6_K":
+        if planes is not None or planes_out is not None:
+            raise GraphDSLError("gguf_gemv: planes and planes_out are Q4_K's activation operands; the Q6_K "
+                                "tensor-core GEMV makes its own (gguf_mma_q6k)")
+        return gguf_gemv_q6k(x, data, add, out, workspace, cfg, _num_sms(x.device))
     return gguf_gemv_mma(x, data, qtype, add, out, workspace, cfg, _num_sms(x.device), silu_mul, planes, planes_out)
 
 

@@ -15,20 +15,24 @@ stores the tile at ``koff`` (dequantize), and the weight bytes are read once, in
 format is the one of :mod:`graphdsl.runtime.gguf_blocks` (the reference these tiles are tested against); the
 byte offsets used are written next to each load.
 
-Float16 fields are assembled from two byte loads (blocks of 18, 34 or 210 bytes leave them only
-2-byte aligned), then bitcast.
+The rows are in the stored layout (:func:`graphdsl.runtime.gguf_blocks.to_stored`): the file's
+blocks, Q6_K's padded from 210 to 224 bytes (:data:`_Q6K`). Float16 fields are assembled from two
+byte loads (blocks of 18 or 34 bytes leave them only 2-byte aligned), then bitcast.
 """
 from __future__ import annotations
 
 import triton
 import triton.language as tl
 
-from ..gguf_blocks import GGUF_BLOCKS, KERNEL_QTYPES as _NAMES
+from ..gguf_blocks import GGUF_BLOCKS, STORED_BLOCK_BYTES
+from ..gguf_blocks import KERNEL_QTYPES as _NAMES
 
 __all__ = ["KERNEL_QTYPES", "decode_tile", "row_codes", "row_dot", "row_total", "row_zeros"]
 
-# GGML types with a Triton tile decoder: name -> (values per block, bytes per block)
-KERNEL_QTYPES: dict[str, tuple[int, int]] = {name: GGUF_BLOCKS[name] for name in _NAMES}
+# GGML types with a Triton tile decoder: name -> (values per block, bytes per stored block)
+KERNEL_QTYPES: dict[str, tuple[int, int]] = {
+    name: (GGUF_BLOCKS[name][0], STORED_BLOCK_BYTES.get(name, GGUF_BLOCKS[name][1])) for name in _NAMES}
+_Q6K: tl.constexpr = tl.constexpr(KERNEL_QTYPES["Q6_K"][1])     # a stored Q6_K block's stride (224)
 
 
 @triton.jit
@@ -163,7 +167,7 @@ def _tile_q5_k(rows, n_ok, blk0, SB: tl.constexpr):
 
 @triton.jit
 def _tile_q6_k(rows, n_ok, blk0, SB: tl.constexpr):
-    """Q6_K, 210 B: ``ql[128] @0, qh[64] @128, scales[16] int8 @192, d f16 @208``. Value
+    """Q6_K, 210 B at a stride of ``_Q6K``: ``ql[128] @0, qh[64] @128, scales[16] int8 @192, d f16 @208``. Value
     ``128·hf + 32k + l`` (``k`` 0..3, ``l`` 0..31) is ``(ql[64hf + 32(k%2) + l] >> 4(k//2)) & 15 |
     ((qh[32hf + l] >> 2k) & 3) << 4``, minus 32, times ``d·scales[8hf + 2k + l//16]``.
 
@@ -174,7 +178,7 @@ def _tile_q6_k(rows, n_ok, blk0, SB: tl.constexpr):
     l1 = tl.arange(0, 16)
     b = tl.arange(0, 2)
     i = t % 8
-    sb = (blk0 + t // 8).to(tl.int64) * 210
+    sb = (blk0 + t // 8).to(tl.int64) * _Q6K
     msk = n_ok[:, None, None]
     ql = tl.load(rows[:, None, None] + (sb + 16 * i)[None, :, None] + l1[None, None, :],
                  mask=msk, other=0).to(tl.int32)                                # [BN, T, 16]
@@ -369,7 +373,7 @@ def _bytes_q6_k(rows, n_ok, blk0, SB: tl.constexpr):
     t = tl.arange(0, SB * 8)
     l1 = tl.arange(0, 16)
     i = t % 8
-    base = (blk0 + t // 8).to(tl.int64) * 210
+    base = (blk0 + t // 8).to(tl.int64) * _Q6K
     msk = n_ok[:, None, None]
     ql = tl.load(rows[:, None, None] + (base + 16 * i)[None, :, None] + l1[None, None, :], mask=msk, other=0)
     qh = tl.load(rows[:, None, None] + (base + 128 + 32 * (i // 4) + 16 * (i % 2))[None, :, None]
@@ -379,14 +383,14 @@ def _bytes_q6_k(rows, n_ok, blk0, SB: tl.constexpr):
 
 @triton.jit
 def _row_dot_q6_k(acc, ql, qh, rows, n_ok, blk0, x_ptr, SB: tl.constexpr):
-    """Q6_K (210 B): group ``i = 4hf + 2a + l2`` reads ``ql[16i + l1]``; its low nibble is ``k = a``
+    """Q6_K (210 B at a stride of ``_Q6K``): group ``i = 4hf + 2a + l2`` reads ``ql[16i + l1]``; its low nibble is ``k = a``
     (K ``128hf + 32a + 16l2 + l1``), high nibble ``k = a + 2`` (64 further), each with its own
     2 bits of ``qh`` and int8 scale (see :func:`_tile_q6_k`); ``ql``, ``qh`` from
     :func:`_bytes_q6_k`, ``acc [BN, SB * 8, 16]``."""
     t = tl.arange(0, SB * 8)
     l1 = tl.arange(0, 16)
     i = t % 8
-    base = (blk0 + t // 8).to(tl.int64) * 210
+    base = (blk0 + t // 8).to(tl.int64) * _Q6K
     ql = ql.to(tl.int32)                                                         # [BN, T, 16]
     qh = qh.to(tl.int32)
     sh = (2 * ((i // 2) % 2))[None, :, None]

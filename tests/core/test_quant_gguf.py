@@ -10,6 +10,7 @@ from graphdsl import Network, Parameter, Tensor
 from graphdsl import functional as F
 from graphdsl.errors import GraphDSLError
 from graphdsl.quant import online_scheme, parse_scheme
+from graphdsl.runtime.gguf_blocks import from_stored, to_stored
 from graphdsl.runtime.gguf_scheme import GGUFScheme, quantize_blocks
 
 TYPES = ["Q8_0", "Q4_0", "Q4_1", "Q4_K", "Q5_K", "Q6_K"]
@@ -19,9 +20,11 @@ BOUND = {"Q8_0": 0.005, "Q4_0": 0.13, "Q4_1": 0.07, "Q4_K": 0.07, "Q5_K": 0.035,
 
 
 def _gguf_py(data: torch.Tensor, qtype: str, n: int, k: int) -> torch.Tensor:
+    """gguf-py's decode of stored blocks (the scheme's companions: gguf_blocks.to_stored's layout)."""
     import gguf
+    file_rows = from_stored(data, qtype).contiguous().numpy()
     return torch.from_numpy(np.ascontiguousarray(
-        gguf.quants.dequantize(data.numpy(), gguf.GGMLQuantizationType[qtype]).reshape(n, k), dtype=np.float32))
+        gguf.quants.dequantize(file_rows, gguf.GGMLQuantizationType[qtype]).reshape(n, k), dtype=np.float32))
 
 
 @pytest.mark.parametrize("qtype", TYPES)
@@ -52,7 +55,7 @@ def test_cpu_engine_matches_dequantize_then_matmul(qtype, rows):
     with Network("q") as net:
         p = Parameter((n, k), torch.float32, name="proj.weight").quantize(s)
         net.mark_output(F.linear(Tensor("x", (rows, k), torch.float32), p, None, transpose_b=True), "y")
-    data = quantize_blocks(torch.randn(n, k, generator=g), qtype)
+    data = to_stored(quantize_blocks(torch.randn(n, k, generator=g), qtype), qtype)
     x = torch.randn(rows, k, generator=g)
     got = net.build_engine(device="cpu").forward({"x": x, "proj.weight_packed": data})["y"]
     torch.testing.assert_close(got, x @ _gguf_py(data, qtype, n, k).T, atol=1e-4, rtol=1e-4)
@@ -81,9 +84,10 @@ def test_mixed_parts_scheme():
     s = gguf_scheme([("Q4_K", 16), ("q4_k", 8), ("Q6_K", 8)])
     assert isinstance(s, GGUFMixScheme) and s.name == "gguf-q4_k.24+q6_k.8" and parse_scheme(s.name) == s
     assert gguf_scheme([("Q8_0", 4), ("Q8_0", 4)]) == GGUFScheme("Q8_0")
-    assert [(c.suffix, c.shape) for c in s.companions(32, 256)] == [("_packed", (24, 144)), ("_packed1", (8, 210))]
+    assert [(c.suffix, c.shape) for c in s.companions(32, 256)] == [("_packed", (24, 144)), ("_packed1", (8, 224))]
     w = torch.randn(32, 256, generator=torch.Generator().manual_seed(3))
     stored = s.quantize(w)
+    assert stored[1].reshape(8, 224)[:, 210:].abs().sum() == 0          # Q6_K stored: the file's bytes, then zeros
     want = torch.cat([_gguf_py(stored[0], "Q4_K", 24, 256), _gguf_py(stored[1], "Q6_K", 8, 256)])
     torch.testing.assert_close(s.dequantize(stored, 32, 256, torch.float32), want, atol=0, rtol=0)
     with Network("m") as net:

@@ -1,6 +1,8 @@
 """GGUF kernels (runtime/kernels/gguf_linear.py) on the GPU at Llama-3-8B projection shapes, per block
 type: the GEMV (1, 4, 16 rows), the dequantize kernel and the prefill path against the torch reference
-decoder (itself checked against gguf-py's numpy dequantize on the same real-size bytes).
+decoder (itself checked against gguf-py's numpy dequantize on the same real-size bytes). The kernels
+read the stored layout (gguf_blocks.to_stored: Q6_K padded to 224-byte blocks; one Q6_K row of at
+least 2048 weight rows runs on the tensor cores, gguf_mma_q6k).
 
 Run on the device machine: ``python3 -m pytest -m gpu tests/gpu/test_gguf_kernels.py``.
 """
@@ -14,7 +16,7 @@ pytestmark = pytest.mark.gpu
 if not torch.cuda.is_available():   # before the kernel imports: triton picks the interpreter at decoration
     pytest.skip("needs a CUDA GPU", allow_module_level=True)
 
-from graphdsl.runtime.gguf_blocks import dequantize_blocks  # noqa: E402
+from graphdsl.runtime.gguf_blocks import dequantize_blocks, to_stored  # noqa: E402
 from graphdsl.runtime.kernels.gguf_linear import gguf_dequantize, gguf_gemv, gguf_linear  # noqa: E402
 from tests.helpers.gguf_blocks import KERNEL_QTYPES, random_gguf_blocks  # noqa: E402
 
@@ -35,6 +37,7 @@ def qtype(request):
 def test_gemv_real_shapes(qtype, n, k):
     data = random_gguf_blocks(qtype, n, k, seed=n + k)
     w = dequantize_blocks(data, qtype, k)
+    data = to_stored(data, qtype)
     for m in (1, 4, 16):
         x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
         got = gguf_gemv(x, data, qtype)
@@ -47,6 +50,7 @@ def test_gemv_real_shapes(qtype, n, k):
 def test_dequantize_and_prefill_real_shapes(qtype, n, k):
     data = random_gguf_blocks(qtype, n, k, seed=3)
     w = dequantize_blocks(data, qtype, k)
+    data = to_stored(data, qtype)
     torch.testing.assert_close(gguf_dequantize(data, qtype, torch.float32), w, rtol=0, atol=0)
     torch.testing.assert_close(gguf_dequantize(data, qtype, torch.bfloat16), w.to(torch.bfloat16), rtol=0, atol=0)
     x = torch.randn(300, k, device="cuda", dtype=torch.bfloat16)

@@ -1,10 +1,11 @@
 """runtime/kernels/gguf_linear.py: GEMV / dequantize / linear on raw GGUF blocks vs the dequantize-then-matmul
-reference (gguf-py's numpy dequantize). Under the CPU interpreter here (small shapes), compiled on a GPU."""
+reference (gguf-py's numpy dequantize). Under the CPU interpreter here (small shapes), compiled on a GPU.
+The kernels read the stored layout (gguf_blocks.to_stored: Q6_K blocks padded to 224 bytes)."""
 import pytest
 import torch
 
 from graphdsl import GraphDSLError
-from graphdsl.runtime.gguf_blocks import dequantize_blocks
+from graphdsl.runtime.gguf_blocks import dequantize_blocks, from_stored, to_stored
 from graphdsl.runtime.kernels.gguf_tiles import KERNEL_QTYPES as BLOCKS
 from graphdsl.runtime.kernels.gguf_linear import _pick_config, _sb_for, gguf_dequantize, gguf_gemv, gguf_linear
 from tests.helpers.gguf_blocks import KERNEL_QTYPES, random_gguf_weight
@@ -15,7 +16,7 @@ DEV = "cuda" if torch.cuda.is_available() else "cpu"
 
 def _weight(qtype, n, k, seed=0):
     data, ref = random_gguf_weight(qtype, n, k, seed=seed)
-    return data.to(DEV), ref.to(DEV)
+    return to_stored(data, qtype).to(DEV), ref.to(DEV)
 
 
 def _x(m, k, dtype, seed):
@@ -32,7 +33,7 @@ def _close(out, x, ref, dtype):
 def test_dequantize_kernel_is_exact(qtype):
     data, ref = _weight(qtype, 19, 512, seed=1)
     torch.testing.assert_close(gguf_dequantize(data, qtype, torch.float32), ref, rtol=0, atol=0)
-    torch.testing.assert_close(dequantize_blocks(data, qtype, 512), ref, rtol=0, atol=0)
+    torch.testing.assert_close(dequantize_blocks(from_stored(data, qtype), qtype, 512), ref, rtol=0, atol=0)
 
 
 @pytest.mark.parametrize("qtype", KERNEL_QTYPES)
@@ -134,7 +135,8 @@ def test_errors_name_the_operand():
     data = torch.zeros(4, 144, dtype=torch.uint8)
     with pytest.raises(GraphDSLError, match=r"GGML type 'Q2_K' has no kernel; supported: \['Q4_0'"):
         gguf_gemv(torch.zeros(1, 256), data, "Q2_K")
-    with pytest.raises(GraphDSLError, match=r"data must be contiguous uint8 \[N, K / 256 \* 210\].*got torch.uint8 \[4, 144\]"):
+    with pytest.raises(GraphDSLError, match=r"data must be contiguous uint8 \[N, K / 256 \* 224\] \(Q6_K blocks in the "
+                                            r"stored layout, gguf_blocks.to_stored\), got torch.uint8 \[4, 144\]"):
         gguf_gemv(torch.zeros(1, 256), data, "Q6_K")
     with pytest.raises(GraphDSLError, match=r"x must be \[M, 256\].*got \[1, 128\]"):
         gguf_gemv(torch.zeros(1, 128), data, "Q4_K")

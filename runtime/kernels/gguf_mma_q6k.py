@@ -1,0 +1,200 @@
+"""One-row Q6_K GEMV on the int8 tensor cores: ``out = x @ dequant(W).T (+ add)``, ``x [1, K]``.
+
+The CUDA-core Q6_K loop (:func:`.gguf_tiles.row_dot`) is bound by its instructions and by loads
+that stay single bytes (a 210-byte block leaves every odd block 2-byte aligned): 23-27% of copy
+bandwidth on the H200 (docs/gguf-kernels.md). This path is :mod:`.gguf_mma`'s design for Q6_K,
+over the **stored layout's 224-byte blocks** (:func:`graphdsl.runtime.gguf_blocks.to_stored`: the
+210 file bytes, then 14 zero bytes), so every field starts 16-byte aligned and loads as vectors.
+
+Block (file order): ``ql[128] @0, qh[64] @128, scales[16] int8 @192, d f16 @208``. Half ``h`` of a
+super-block (values ``128 h + i``) reads ``ql[64 h:64 h + 64]`` and ``qh[32 h:32 h + 32]``; for
+``l < 32`` its four value planes are
+
+* ``i = l``:      ``ql[l] & 15``       with ``qh[l]`` bits 0-1 on top,
+* ``i = 32 + l``: ``ql[32 + l] & 15``  with bits 2-3,
+* ``i = 64 + l``: ``ql[l] >> 4``       with bits 4-5,
+* ``i = 96 + l``: ``ql[32 + l] >> 4``  with bits 6-7,
+
+each a 6-bit ``q``; the weight is ``d · sc[8 h + i // 16] · (q - 32)``.
+
+* **Weights**: each plane becomes signed bytes ``4 (q - 32) = ((q << 2) ^ 0x80)`` — the nibble
+  shifted to bits 2-5, the two high bits to bits 6-7 — four bytes per two shifts and two LOP3
+  (:func:`_plane`), the B operand of an int8 ``tl.dot`` with ``K = 32``.
+* **Activations** (:func:`_planes_kernel`, one small launch): per 16 inputs (a weight sub-block)
+  16-bit fixed point ``xq = round(x / a_s)``, ``a_s = max|x_s| / 32639``, split ``xq = 256 hi +
+  lo``, written as the A operand ``[16, K]`` int8, block diagonal by sub-block within each half:
+  row ``8 p + s`` holds the high (``p = 0``) or low byte of the inputs ``k`` with ``(k % 128) // 16
+  == s``, zeros elsewhere, so row ``8 p + s`` of a half's ``[16, BLOCK_N]`` product is sub-block
+  ``8 h + s``'s partial. Columns are in input order. A sub-block holding a NaN or an infinity gets
+  ``a_s`` NaN (every output NaN, never a silent finite value).
+* **Scales**: ``Σ_k x_k w_k = d sc_s a_s Σ xq (q − 32) = d sc_s a_s (64 V_hi + V_lo / 4)``, with
+  ``V`` the int32 dot of ``xq``'s bytes and ``4 (q − 32)`` (exact); the 16 rows are summed once
+  after the K loop. No ``S_s`` term: Q6_K has no minimum.
+
+Split-K, the epilogue, PDL and the L2 prefetch before the wait are :mod:`.gguf_mma`'s.
+"""
+from __future__ import annotations
+
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+from ..gguf_blocks import STORED_BLOCK_BYTES
+from .gguf_mma import _bytes, _finish, _rows16
+from .pdl import pdl_launch, pdl_trigger, pdl_wait, prefetch_l2
+
+__all__ = ["q6k_activation_planes", "gguf_gemv_q6k", "pick_q6k_config"]
+
+_STRIDE: tl.constexpr = tl.constexpr(STORED_BLOCK_BYTES["Q6_K"])    # bytes a stored Q6_K block (224)
+_SUPER = 256
+_CONFIG_KEYS = {"BLOCK_N", "SPLIT_K", "num_warps", "num_stages"}
+_PREFETCH_LINES = 2             # 128-byte lines of each row's first block asked of L2 before the PDL wait
+
+
+@triton.jit
+def _planes_kernel(x_ptr, a_ptr, xa_ptr, K, USE_PDL: tl.constexpr):
+    """Super-block ``program_id(0)`` of the row ``x [K]``: its ``[16, 256]`` A columns and the ``a_s``
+    of its 16 sub-blocks (module docstring)."""
+    pdl_wait(USE_PDL)
+    b = tl.program_id(0)
+    x = tl.load(x_ptr + b * 256 + tl.arange(0, 256)).to(tl.float32)
+    xs = tl.reshape(x, [16, 16])                                         # [sub-block, value]
+    amax = tl.max(tl.abs(xs), axis=1)
+    inv = tl.where(amax > 0, 32639.0 / tl.maximum(amax, 1e-30), 0.0)   # |xq| <= 32639: hi fits a byte
+    xq = tl.reshape(tl.floor(xs * inv[:, None] + 0.5).to(tl.int32), [1, 256])
+    hi = (xq + 128) >> 8                                                 # xq = 256 hi + lo, lo in [-128, 127]
+    r = tl.arange(0, 16)[:, None]
+    c = tl.arange(0, 256)[None, :]
+    own = (c % 128) // 16 == r % 8
+    val = tl.where(own, tl.where(r < 8, hi, xq - 256 * hi), 0)
+    tl.store(a_ptr + r * K + b * 256 + c, val.to(tl.int8))
+    a = amax / 32639.0 + tl.sum(xs - xs, axis=1)                         # NaN if a sub-block has a NaN or inf
+    tl.store(xa_ptr + b * 16 + tl.arange(0, 16), a)
+
+
+@triton.jit
+def _plane(ql, qh, I: tl.constexpr, EMULATE: tl.constexpr):
+    """Value plane ``I`` (module docstring) of a half's ``ql`` bytes (``ql[l]`` for planes 0 and 2,
+    ``ql[32 + l]`` for 1 and 3) and ``qh`` bytes ``[BLOCK_N, 32]`` as int8 ``4 (q - 32)``
+    (``EMULATE``: int32 arithmetic for the CPU interpreter, which runs no PTX)."""
+    if EMULATE:
+        lo = (ql.to(tl.int32) >> 4) if I >= 2 else (ql.to(tl.int32) & 15)
+        q = lo | (((qh.to(tl.int32) >> (2 * I)) & 3) << 4)
+        return (4 * q - 128).to(tl.int8)
+    # bits 2-5: the nibble (shl 2 for the low one, shr 2 for the high one); bits 6-7: qh bits 2I, 2I+1
+    # moved up by 6 - 2I; then bit 7 flipped: (q << 2) ^ 0x80 = 4 (q - 32) as a signed byte
+    if I == 0:
+        asm: tl.constexpr = "{ .reg .b32 t, u; shl.b32 t, $1, 2; shl.b32 u, $2, 6; "
+    elif I == 1:
+        asm: tl.constexpr = "{ .reg .b32 t, u; shl.b32 t, $1, 2; shl.b32 u, $2, 4; "
+    elif I == 2:
+        asm: tl.constexpr = "{ .reg .b32 t, u; shr.b32 t, $1, 2; shl.b32 u, $2, 2; "
+    else:
+        asm: tl.constexpr = "{ .reg .b32 t, u; shr.b32 t, $1, 2; mov.b32 u, $2; "
+    return tl.inline_asm_elementwise(
+        asm + "lop3.b32 u, u, 0xC0C0C0C0, 0x80808080, 0x6a; lop3.b32 $0, t, 0x3C3C3C3C, u, 0xea; }",
+        "=r,r,r", [ql, qh], dtype=tl.int8, is_pure=True, pack=4)
+
+
+@triton.jit
+def _q6k_kernel(
+    a_ptr, xa_ptr,           # activation planes [16, K] int8, a_s [K / 16] float32
+    w_ptr,                   # [N, ROW_BYTES] uint8 Q6_K blocks, stored layout (224 B)
+    add_ptr,                 # HAS_ADD: [N] residual row or bias, contiguous
+    out_ptr,                 # [N] output row
+    part_ptr, lock_ptr,      # SPLIT: [SPLIT_K, n_tiles, BLOCK_N] float32 partials, [n_tiles] counters
+    N, K, ROW_BYTES, PER,    # sizes (N: output columns); PER super-blocks per K slice
+    SPLIT_K,
+    BLOCK_N: tl.constexpr, SPLIT: tl.constexpr, HAS_ADD: tl.constexpr, EMULATE: tl.constexpr,
+    USE_PDL: tl.constexpr, LATE_LAUNCH: tl.constexpr,   # (:mod:`.pdl`) the next kernel launches after the K loop
+    PREFETCH: tl.constexpr = 0,
+):
+    """out[n] = sum_k x[k] dequant(w)[n, k] (+ add[n]) for ``BLOCK_N`` rows over super-blocks
+    ``[pid_s PER, (pid_s + 1) PER)``; rows past ``N`` read row ``N - 1`` (never stored)."""
+    pid_n = tl.program_id(0)
+    pid_s = tl.program_id(1)
+    rn = tl.minimum(pid_n * BLOCK_N + tl.arange(0, BLOCK_N), N - 1)
+    rows = w_ptr + rn.to(tl.int64) * ROW_BYTES
+    if PREFETCH > 0 and USE_PDL:
+        prefetch_l2(rows[:, None], pid_s * PER * _STRIDE, tl.minimum(pid_s * PER + PER, K // 256) * _STRIDE, PREFETCH,
+                    128)
+    pdl_wait(USE_PDL, not LATE_LAUNCH)
+    j = tl.arange(0, 32)
+    r = tl.arange(0, 16)
+    i4 = tl.arange(0, 4)
+    part_w = tl.where(r < 8, 64.0, 0.25)                  # 256 / 4 on the high bytes' rows, 1 / 4 on the low
+    acc = tl.zeros([16, BLOCK_N], tl.float32)
+    b_lo = pid_s * PER
+    b_hi = tl.minimum(b_lo + PER, K // 256)
+    for b in range(b_lo, b_hi):
+        blk = rows[:, None] + b * _STRIDE
+        words = (rows + b * _STRIDE).to(tl.pointer_type(tl.int32))
+        d = (tl.load(words + 52) & 0xFFFF).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
+        for h in tl.static_range(2):
+            ql0 = tl.load(blk + (64 * h + j)[None, :])
+            ql1 = tl.load(blk + (64 * h + 32 + j)[None, :])
+            qh = tl.load(blk + (128 + 32 * h + j)[None, :])
+            col = a_ptr + r[:, None] * K + (b * 256 + 128 * h + j)[None, :]
+            v = tl.dot(tl.load(col), tl.trans(_plane(ql0, qh, 0, EMULATE)), out_dtype=tl.int32)
+            v = tl.dot(tl.load(col + 32), tl.trans(_plane(ql1, qh, 1, EMULATE)), v, out_dtype=tl.int32)
+            v = tl.dot(tl.load(col + 64), tl.trans(_plane(ql0, qh, 2, EMULATE)), v, out_dtype=tl.int32)
+            v = tl.dot(tl.load(col + 96), tl.trans(_plane(ql1, qh, 3, EMULATE)), v, out_dtype=tl.int32)
+            s0 = _bytes(tl.load(words + 48 + 2 * h), i4)            # scales[8 h .. 8 h + 8) as [BLOCK_N, 4] x 2
+            s1 = _bytes(tl.load(words + 49 + 2 * h), i4)
+            sc = tl.reshape(tl.join(s0, s1), [BLOCK_N, 4, 2])
+            sc = tl.reshape(tl.permute(sc, (0, 2, 1)), [BLOCK_N, 8])
+            sc = ((sc ^ 128) - 128).to(tl.float32)                  # int8
+            xa = tl.load(xa_ptr + b * 16 + 8 * h + r % 8)
+            acc += v.to(tl.float32) * _rows16(d[:, None] * sc, BLOCK_N) * (xa * part_w)[:, None]
+    if LATE_LAUNCH:
+        pdl_trigger(USE_PDL)
+    _finish(tl.sum(acc, axis=0), pid_n, pid_s, add_ptr, out_ptr, part_ptr, lock_ptr, N, SPLIT_K, BLOCK_N, SPLIT,
+            HAS_ADD, False, None, None, None, False)
+
+
+def q6k_activation_planes(x: torch.Tensor, planes: tuple[torch.Tensor, torch.Tensor] | None = None):
+    """The A operand ``[16, K]`` int8 and per-16-input ``a_s`` ``[K / 16]`` float32 of the row ``x [K]``
+    (module docstring), written into ``planes`` when given."""
+    k = x.numel()
+    if planes is None:
+        planes = (torch.empty(16, k, dtype=torch.int8, device=x.device),
+                  torch.empty(k // 16, dtype=torch.float32, device=x.device))
+    _planes_kernel[(k // _SUPER,)](x, *planes, k, **pdl_launch(x.device))
+    return planes
+
+
+def pick_q6k_config(n: int, k: int, sms: int) -> dict:
+    """Launch of :func:`gguf_gemv_q6k`: :func:`.gguf_mma.pick_mma_config`'s rule (64 rows, 4 warps;
+    K split in two while the grid has fewer than two programs a SM and each slice keeps at least 3
+    super-blocks), 2 stages. H100 sweep (BLOCK_N 32/64/128, 4/8 warps, 2-4 stages, split 1-8; CUDA
+    graph over HBM-resident copies): that launch was the best or within 3% on o, qkv, gate and
+    down (down 29.8 µs against 49.8 on the CUDA cores)."""
+    tiles, blocks, split = triton.cdiv(n, 64), k // _SUPER, 1
+    while tiles * split < 2 * sms and blocks // (split * 2) >= 3:
+        split *= 2
+    return dict(BLOCK_N=64, SPLIT_K=split, num_warps=4, num_stages=2)
+
+
+def gguf_gemv_q6k(x: torch.Tensor, data: torch.Tensor, add: torch.Tensor | None, out: torch.Tensor,
+                  workspace, config: dict | None, sms: int) -> torch.Tensor:
+    """``out [1, N] = x [1, K] @ dequant(data).T (+ add)`` for stored Q6_K blocks (``data [N, K / 256 *
+    224]``), x fp16/bf16; operands checked by :func:`.gguf_linear.gguf_gemv`, which calls this.
+    ``workspace``: a :class:`~.gemv.GemvWorkspace` (activation planes, split-K partials)."""
+    from .gemv import GemvWorkspace
+    n, k = data.shape[0], x.shape[1]
+    cfg = dict(config or pick_q6k_config(n, k, sms))
+    block_n, split = cfg.pop("BLOCK_N"), cfg.pop("SPLIT_K")
+    blocks = k // _SUPER
+    per = triton.cdiv(blocks, max(1, min(split, blocks)))
+    split = triton.cdiv(blocks, per)
+    ws = workspace or GemvWorkspace()
+    planes = q6k_activation_planes(x[0], ws.q6k_planes(x.device, k))
+    n_tiles = triton.cdiv(n, block_n)
+    part, lock = ws.get(x.device, n_tiles, split, block_n) if split > 1 else (out, out)
+    _q6k_kernel[(n_tiles, split)](
+        *planes, data, add if add is not None else out, out, part, lock, n, k, data.shape[1], per, split,
+        BLOCK_N=block_n, SPLIT=split > 1, HAS_ADD=add is not None, EMULATE=os.environ.get("TRITON_INTERPRET") == "1",
+        LATE_LAUNCH=n_tiles * split > sms, PREFETCH=_PREFETCH_LINES, **pdl_launch(x.device), **cfg)
+    return out
