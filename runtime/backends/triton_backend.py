@@ -260,6 +260,7 @@ def _fused(be: TritonBackend, node, ins, attrs, dsts):
 
 _NORM_PLANES = True   # a one-row add_rms_norm before Q4_K tensor-core GEMVs also makes their A operand
 _SWIGLU_PLANES = True  # ... and a one-row GGUF gate/up GEMV's SwiGLU epilogue before them (down)
+_SWIGLU_PLANES_Q6K = True  # ... also in the Q6_K GEMV's format, for a Q6_K down on the tensor cores
 
 
 def _add_rms_norm(be: TritonBackend, node, ins, attrs, dsts):
@@ -300,9 +301,10 @@ def _norm_planes(be: TritonBackend, node, ins, attrs, dsts) -> bool:
     return True
 
 
-def _planes_takers(be: TritonBackend, readers, rows: torch.Tensor) -> list:
-    """The GGUF projections among ``readers`` that run a Q4_K row part of theirs on the tensor cores
-    for ``rows`` (``[1, K]``): those that read an A operand made for them."""
+def _planes_takers(be: TritonBackend, readers, rows: torch.Tensor, fmt: str = "Q4_K") -> list:
+    """The GGUF projections among ``readers`` that run a ``fmt`` (Q4_K, or Q6_K) row part of theirs
+    on the tensor cores for ``rows`` (``[1, K]``): those that read an A operand made for them in
+    that type's format."""
     from graphdsl.quant import parse_scheme
 
     from ..kernels.gguf_linear import mma_eligible
@@ -310,25 +312,37 @@ def _planes_takers(be: TritonBackend, readers, rows: torch.Tensor) -> list:
     for reader in readers:
         scheme = parse_scheme(reader.attrs["scheme"])
         parts = zip([be._values[t] for t in reader.inputs[1:]], scheme.row_parts(reader.attrs["out_features"]))
-        if any(qtype == "Q4_K" and mma_eligible(rows, data, qtype) for data, (qtype, _, _) in parts):
+        if any(qtype == fmt and mma_eligible(rows, data, qtype) for data, (qtype, _, _) in parts):
             takers.append(reader)
     return takers
 
 
 def _swiglu_planes(be: TritonBackend, node, out: torch.Tensor):
-    """For a one-row GGUF gate/up GEMV with SwiGLU whose output is read next by Q4_K projections on
-    the tensor cores (``down``): the A operand buffers its epilogue also fills
-    (:func:`..kernels.gguf_mma.gguf_gemv_mma`'s ``planes_out``), marked ready for those readers;
-    else None. As for :func:`_norm_planes`, the readers must be the nodes right after it."""
+    """For a one-row GGUF gate/up GEMV with SwiGLU whose output is read next by Q4_K (else Q6_K)
+    projections on the tensor cores (``down``): the A operand buffers, in that type's format, its
+    epilogue also fills (:func:`..kernels.gguf_mma.gguf_gemv_mma`'s ``planes_out``), marked ready
+    for those readers; else None. As for :func:`_norm_planes`, the readers must be the nodes right
+    after it."""
     from ..kernels.gguf_mma import swiglu_planes_possible
     if not _SWIGLU_PLANES or not swiglu_planes_possible(out.shape[-1]):
         return None
-    takers = _planes_takers(be, be.gguf_readers_next(node), out)
+    readers = be.gguf_readers_next(node)
+    takers = _planes_takers(be, readers, out)
+    planes = be.gemv_workspace.planes(out.device, out.shape[-1]) if takers else None
+    if not takers and _SWIGLU_PLANES_Q6K:
+        takers = _planes_takers(be, readers, out, "Q6_K")
+        planes = be.gemv_workspace.q6k_planes(out.device, out.shape[-1]) if takers else None
     if not takers:
         return None
-    planes = be.gemv_workspace.planes(out.device, out.shape[-1])
     be._planes_ready.update(dict.fromkeys(takers, planes))
     return planes
+
+
+def _planes_for(planes, qtype: str):
+    """``planes`` if they are in ``qtype``'s tensor-core format (three buffers: Q4_K's, two: Q6_K's)."""
+    if planes is not None and (qtype, len(planes)) in (("Q4_K", 3), ("Q6_K", 2)):
+        return planes
+    return None
 
 
 def _next_readers(nodes, node) -> list:
@@ -606,10 +620,12 @@ def _quant_linear(be: TritonBackend, node, ins, attrs, dsts):
     planes = be._planes_ready.pop(node, None)   # made by the kernel before (_norm_planes, _swiglu_planes)
     if gguf and silu and len(stored) == 1:     # one GGUF type: SwiGLU in the tensor-core GEMV's epilogue
         from ..kernels.gguf_linear import gguf_gemv, mma_eligible
+        from ..kernels.gguf_mma import MMA_QTYPES
         (qtype, _, _), = scheme.row_parts(n)
-        if mma_eligible(x2, stored[0], qtype) and x2.stride(-1) == 1 and out2.stride(-1) == 1:
-            gguf_gemv(x2, stored[0], qtype, silu_mul=True, out=out2, workspace=be.gemv_workspace, planes=planes,
-                      planes_out=_swiglu_planes(be, node, out2))
+        if qtype in MMA_QTYPES and mma_eligible(x2, stored[0], qtype) and x2.stride(-1) == 1 \
+                and out2.stride(-1) == 1:
+            gguf_gemv(x2, stored[0], qtype, silu_mul=True, out=out2, workspace=be.gemv_workspace,
+                      planes=_planes_for(planes, qtype), planes_out=_swiglu_planes(be, node, out2))
             return dsts
     prod = be.workspace(node, ins, attrs).view(-1, n) if silu else out2
     if gguf:                                   # GGUF blocks: their kernel once per row part
@@ -619,7 +635,7 @@ def _quant_linear(be: TritonBackend, node, ins, attrs, dsts):
         for data, (qtype, r0, r1) in zip(stored, scheme.row_parts(n)):
             if gemv_rows:                      # straight into the product's columns, the addend's slice added
                 gguf_gemv(x2, data, qtype, None if add2 is None else add2[..., r0:r1], out=prod[:, r0:r1],
-                          workspace=be.gemv_workspace, planes=planes if qtype == "Q4_K" else None)
+                          workspace=be.gemv_workspace, planes=_planes_for(planes, qtype))
             else:
                 prod[:, r0:r1].copy_(gguf_linear(x2, data, qtype))
         if gemv_rows:

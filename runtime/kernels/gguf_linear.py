@@ -251,10 +251,12 @@ def gguf_gemv(x: torch.Tensor, data: torch.Tensor, qtype: str, add: torch.Tensor
     "SPLIT_K": ..}`` (optionally ``num_warps``, ``num_stages``) sets the tensor-core launch.
     ``silu_mul`` (tensor-core path only, no ``add``): ``data`` holds ``[gate | up]`` (``2 I`` rows)
     and the result ``[1, I]`` is ``silu(x @ gate.T) * (x @ up.T)``, the ``silu_mul`` op fused.
-    ``planes``: x's tensor-core A operand, already made (:func:`.gguf_mma.norm_planes`); the
-    tensor-core path then skips its activation launch (the CUDA-core path reads x itself).
+    ``planes``: x's tensor-core A operand, already made (Q4_K: :func:`.gguf_mma.norm_planes`, three
+    buffers; Q6_K: a SwiGLU epilogue's ``planes_out``, two); the tensor-core path then skips its
+    activation launch (the CUDA-core path reads x itself).
     ``planes_out`` (``silu_mul``): buffers that also receive the result's own A operand
-    (:func:`.gguf_mma.gguf_gemv_mma`), for the projection that reads it next."""
+    (:func:`.gguf_mma.gguf_gemv_mma`; two buffers: the Q6_K format), for the projection that reads
+    it next."""
     from .gemv import GemvWorkspace
     k = _check(data, qtype, x)
     m, n = x.shape[0], data.shape[0]
@@ -313,11 +315,14 @@ def _mma(x, data, qtype, add, out, workspace, config, silu_mul, planes=None, pla
         if set(cfg) - _MMA_CONFIG_KEYS or {"BLOCK_N", "SPLIT_K"} - set(cfg):
             raise GraphDSLError(f"gguf_gemv: config with MMA=True takes BLOCK_N, SPLIT_K and optionally "
                                 f"{sorted(_MMA_CONFIG_KEYS - {'BLOCK_N', 'SPLIT_K'})}, got {sorted(cfg)}")
+    want = 2 if qtype == "Q6_K" else 3                    # the planes' format: gguf_mma_q6k's or gguf_mma's
+    if planes is not None and len(planes) != want:
+        raise GraphDSLError(f"gguf_gemv: planes for {qtype} are {want} buffers (its tensor-core GEMV's activation "
+                            f"operand), got {len(planes)}")
     if qtype == "Q6_K":
-        if planes is not None or planes_out is not None:
-            raise GraphDSLError("gguf_gemv: planes and planes_out are Q4_K's activation operands; the Q6_K "
-                                "tensor-core GEMV makes its own (gguf_mma_q6k)")
-        return gguf_gemv_q6k(x, data, add, out, workspace, cfg, _num_sms(x.device))
+        if planes_out is not None:
+            raise GraphDSLError("gguf_gemv: planes_out is written by a Q4_K SwiGLU GEMV's epilogue, not by Q6_K's")
+        return gguf_gemv_q6k(x, data, add, out, workspace, cfg, _num_sms(x.device), planes)
     return gguf_gemv_mma(x, data, qtype, add, out, workspace, cfg, _num_sms(x.device), silu_mul, planes, planes_out)
 
 

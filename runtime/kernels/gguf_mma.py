@@ -60,6 +60,7 @@ _CONFIG_KEYS = {"BLOCK_N", "SPLIT_K", "num_warps", "num_stages"}
 # a super-block is 144 bytes), while the activation-planes launch before it runs; 0: none
 _PREFETCH_LINES = 2
 _BLOCK_N = 64                   # weight rows a tile (pick_mma_config)
+_NORM_EARLY = True              # norm_planes: the weight read before the PDL wait, own inputs with the row
 
 
 @triton.jit
@@ -124,23 +125,49 @@ def _sub_block_planes(y, sub, a_ptr, xa_ptr, xs_ptr, K):
 
 
 @triton.jit
+def _q6k_columns_planes(y, j, a_ptr, xa_ptr, K):
+    """Inputs ``[32 j, 32 j + 32)`` of a row's A operand in the Q6_K GEMV's format
+    (:func:`.gguf_mma_q6k._planes_kernel`: columns in input order, 16-input sub-blocks) from their
+    values ``y [32]`` (float32): their 32 columns of all 16 rows and the two sub-blocks' ``a_s`` —
+    what that launch stores for these inputs."""
+    ys = tl.reshape(y, [2, 16])
+    amax = tl.max(tl.abs(ys), axis=1)
+    inv = tl.where(amax > 0, 32639.0 / tl.maximum(amax, 1e-30), 0.0)
+    xq = tl.reshape(tl.floor(ys * inv[:, None] + 0.5).to(tl.int32), [1, 32])
+    hi = (xq + 128) >> 8
+    r = tl.arange(0, 16)[:, None]
+    c = tl.arange(0, 32)[None, :]
+    own = ((32 * j) % 128 + c) // 16 == r % 8
+    tl.store(a_ptr + r * K + 32 * j + c, tl.where(own, tl.where(r < 8, hi, xq - 256 * hi), 0).to(tl.int8))
+    tl.store(xa_ptr + 2 * j + tl.arange(0, 2), amax / 32639.0 + tl.sum(ys - ys, axis=1))
+
+
+@triton.jit
 def _norm_planes_kernel(x_ptr, res_ptr, w_ptr, out_ptr, sum_ptr, a_ptr, xa_ptr, xs_ptr, K, eps,
-                        BLOCK_K: tl.constexpr, USE_PDL: tl.constexpr):
+                        BLOCK_K: tl.constexpr, USE_PDL: tl.constexpr, EARLY: tl.constexpr = True):
     """``add_rms_norm`` of one row and the A operand of its normed values, in one launch: program
     ``b`` reads the whole row ``s = x + residual`` (rounded to its dtype) for ``r = rsqrt(mean(s²) +
     eps)``, stores super-block ``b``'s ``s`` and ``normed = w · (s · r)`` (each rounded as the
-    generated kernel rounds them) and that super-block's planes (:func:`_write_planes`)."""
-    pdl_wait(USE_PDL)
+    generated kernel rounds them) and that super-block's planes (:func:`_write_planes`). With
+    ``EARLY`` the norm weight is read before the PDL wait (no kernel of a step writes it) and the
+    super-block's own inputs with the whole row, so the loads after the wait make one round trip."""
     b = tl.program_id(0)
+    cols = _column_inputs(b)
+    if EARLY:
+        wv = tl.load(w_ptr + cols).to(tl.float32)
+    pdl_wait(USE_PDL)
     dt = out_ptr.dtype.element_ty
     k = tl.arange(0, BLOCK_K)
     ok = k < K
+    if EARLY:
+        s = (tl.load(x_ptr + cols).to(tl.float32) + tl.load(res_ptr + cols).to(tl.float32)).to(dt)
     s_all = (tl.load(x_ptr + k, mask=ok, other=0.0).to(tl.float32)
              + tl.load(res_ptr + k, mask=ok, other=0.0).to(tl.float32)).to(dt).to(tl.float32)
     r = tl.rsqrt(tl.sum(s_all * s_all, axis=0) / K + eps)
-    cols = _column_inputs(b)
-    s = (tl.load(x_ptr + cols).to(tl.float32) + tl.load(res_ptr + cols).to(tl.float32)).to(dt)
-    normed = (tl.load(w_ptr + cols).to(tl.float32) * (s.to(tl.float32) * r).to(dt).to(tl.float32)).to(dt)
+    if not EARLY:
+        s = (tl.load(x_ptr + cols).to(tl.float32) + tl.load(res_ptr + cols).to(tl.float32)).to(dt)
+        wv = tl.load(w_ptr + cols).to(tl.float32)
+    normed = (wv * (s.to(tl.float32) * r).to(dt).to(tl.float32)).to(dt)
     tl.store(sum_ptr + cols, s)
     tl.store(out_ptr + cols, normed)
     _write_planes(normed.to(tl.float32), b, a_ptr, xa_ptr, xs_ptr, K)
@@ -189,6 +216,7 @@ def _q4k_kernel(
     PREFETCH: tl.constexpr = 0,     # 128-byte lines a row asked of L2 before the PDL wait (pdl.prefetch_l2)
     pa_ptr=None, pxa_ptr=None, pxs_ptr=None,   # PLANES: out's own A operand [16, N], a_s, S_s [N / 32]
     PLANES: tl.constexpr = False,   # SWIGLU with 32 outputs a tile: also write out's A operand (_sub_block_planes)
+    PLANES_Q6K: tl.constexpr = False,   # ... in the Q6_K GEMV's format instead (gguf_mma_q6k; pxs_ptr unused)
 ):
     """out[n] = sum_k x[k] dequant(w)[n, k] (+ add[n]) for ``BLOCK_N`` rows over super-blocks
     ``[pid_s PER, (pid_s + 1) PER)`` (module docstring); rows past ``N`` read row ``N - 1``
@@ -236,13 +264,13 @@ def _q4k_kernel(
     if LATE_LAUNCH:
         pdl_trigger(USE_PDL)
     _finish(tl.sum(acc, axis=0), pid_n, pid_s, add_ptr, out_ptr, part_ptr, lock_ptr, N, SPLIT_K, BLOCK_N, SPLIT,
-            HAS_ADD, SWIGLU, pa_ptr, pxa_ptr, pxs_ptr, PLANES)
+            HAS_ADD, SWIGLU, pa_ptr, pxa_ptr, pxs_ptr, PLANES, PLANES_Q6K)
 
 
 @triton.jit
 def _finish(row, pid_n, pid_s, add_ptr, out_ptr, part_ptr, lock_ptr, N, SPLIT_K, BLOCK_N: tl.constexpr,
             SPLIT: tl.constexpr, HAS_ADD: tl.constexpr, SWIGLU: tl.constexpr, pa_ptr, pxa_ptr, pxs_ptr,
-            PLANES: tl.constexpr):
+            PLANES: tl.constexpr, PLANES_Q6K: tl.constexpr = False):
     """The program's ``[BLOCK_N]`` row sums: with ``SPLIT`` stored as its slice's partial, the last
     slice to arrive summing them in slice order (:mod:`.splitk`); then ``+ add`` or, with ``SWIGLU``,
     ``silu(g) * u`` of each (gate, up) row pair, g and u rounded to the output dtype first and
@@ -258,7 +286,10 @@ def _finish(row, pid_n, pid_s, add_ptr, out_ptr, part_ptr, lock_ptr, N, SPLIT_K,
             cols = pid_n * HALF + tl.arange(0, HALF)
             tl.store(out_ptr + cols, y.to(dt), mask=cols < N)
             if PLANES:                 # HALF = 32: the tile's outputs are sub-block pid_n of the row
-                _sub_block_planes(y.to(dt).to(tl.float32), pid_n, pa_ptr, pxa_ptr, pxs_ptr, N)
+                if PLANES_Q6K:
+                    _q6k_columns_planes(y.to(dt).to(tl.float32), pid_n, pa_ptr, pxa_ptr, N)
+                else:
+                    _sub_block_planes(y.to(dt).to(tl.float32), pid_n, pa_ptr, pxa_ptr, pxs_ptr, N)
         else:
             cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
             y = tl.sum(tile, axis=1)
@@ -287,7 +318,7 @@ def norm_planes(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, e
     by the norm's own. Returns ``planes``."""
     k = x.shape[-1]
     _norm_planes_kernel[(k // _SUPER,)](x, residual, weight, out, residual_out, *planes, k, float(eps),
-                                       BLOCK_K=triton.next_power_of_2(k), **pdl_launch(x.device))
+                                       BLOCK_K=triton.next_power_of_2(k), EARLY=_NORM_EARLY, **pdl_launch(x.device))
     return planes
 
 
@@ -313,8 +344,9 @@ def gguf_gemv_mma(x: torch.Tensor, data: torch.Tensor, qtype: str, add: torch.Te
     ``silu(x @ gate.T) * (x @ up.T)``, no ``add``. ``planes``: x's A operand already made (by
     :func:`norm_planes`), so no activation launch. ``planes_out`` (``silu_mul``, N a multiple of
     256, :func:`swiglu_planes_possible`): buffers that also receive the output row's own A operand
-    (:func:`activation_planes` of ``out``, bit for bit), written by each tile's epilogue, so the
-    projection reading it (``down``) needs no activation launch either."""
+    (:func:`activation_planes` of ``out``, bit for bit; or, given two buffers, the Q6_K GEMV's
+    :func:`.gguf_mma_q6k.q6k_activation_planes`), written by each tile's epilogue, so the projection
+    reading it (``down``) needs no activation launch either."""
     from .gemv import GemvWorkspace
     n, k = data.shape[0], x.shape[1]
     cfg = dict(config or pick_mma_config(n, k, sms))
@@ -343,10 +375,15 @@ def swiglu_planes_possible(n: int, block_n: int | None = None) -> bool:
 
 
 def _planes_args(planes_out, silu_mul: bool, n: int, block_n: int) -> dict:
+    """Launch keywords for ``planes_out``: three buffers (A, ``a_s``, ``S_s``) are this module's
+    format, two (A, ``a_s``) the Q6_K GEMV's (:func:`.gguf_mma_q6k.q6k_activation_planes`)."""
     if planes_out is None:
         return {}
     if not silu_mul or not swiglu_planes_possible(n // 2, block_n):
         raise GraphDSLError(f"gguf_gemv_mma: planes_out needs silu_mul with BLOCK_N 64 and a multiple of 256 "
                             f"outputs, got silu_mul={silu_mul}, BLOCK_N {block_n}, {n // 2 if silu_mul else n} outputs")
+    if len(planes_out) == 2:
+        a, xa = planes_out
+        return dict(pa_ptr=a, pxa_ptr=xa, pxs_ptr=xa, PLANES=True, PLANES_Q6K=True)
     a, xa, xs = planes_out
     return dict(pa_ptr=a, pxa_ptr=xa, pxs_ptr=xs, PLANES=True)

@@ -178,10 +178,12 @@ def pick_q6k_config(n: int, k: int, sms: int) -> dict:
 
 
 def gguf_gemv_q6k(x: torch.Tensor, data: torch.Tensor, add: torch.Tensor | None, out: torch.Tensor,
-                  workspace, config: dict | None, sms: int) -> torch.Tensor:
+                  workspace, config: dict | None, sms: int, planes=None) -> torch.Tensor:
     """``out [1, N] = x [1, K] @ dequant(data).T (+ add)`` for stored Q6_K blocks (``data [N, K / 256 *
     224]``), x fp16/bf16; operands checked by :func:`.gguf_linear.gguf_gemv`, which calls this.
-    ``workspace``: a :class:`~.gemv.GemvWorkspace` (activation planes, split-K partials)."""
+    ``workspace``: a :class:`~.gemv.GemvWorkspace` (activation planes, split-K partials). ``planes``:
+    x's A operand and ``a_s`` already made (by a Q4_K SwiGLU GEMV's epilogue,
+    :func:`.gguf_mma.gguf_gemv_mma`'s ``planes_out``), so no activation launch."""
     from .gemv import GemvWorkspace
     n, k = data.shape[0], x.shape[1]
     cfg = dict(config or pick_q6k_config(n, k, sms))
@@ -190,7 +192,8 @@ def gguf_gemv_q6k(x: torch.Tensor, data: torch.Tensor, add: torch.Tensor | None,
     per = triton.cdiv(blocks, max(1, min(split, blocks)))
     split = triton.cdiv(blocks, per)
     ws = workspace or GemvWorkspace()
-    planes = q6k_activation_planes(x[0], ws.q6k_planes(x.device, k))
+    if planes is None:
+        planes = q6k_activation_planes(x[0], ws.q6k_planes(x.device, k))
     n_tiles = triton.cdiv(n, block_n)
     part, lock = ws.get(x.device, n_tiles, split, block_n) if split > 1 else (out, out)
     _q6k_kernel[(n_tiles, split)](

@@ -145,8 +145,76 @@ def test_errors_name_what_is_wrong():
                                             r"\['Q4_K'\].*Q6_K \[8, 256\]"):
         gguf_gemv(x, data, "Q6_K", silu_mul=True)
     planes = GemvWorkspace().planes(x.device, 256)
-    with pytest.raises(GraphDSLError, match=r"planes and planes_out are Q4_K's activation operands"):
+    with pytest.raises(GraphDSLError, match=r"planes for Q6_K are 2 buffers \(its tensor-core GEMV's activation "
+                                            r"operand\), got 3"):
         gguf_gemv(x, data, "Q6_K", config=dict(MMA=True, BLOCK_N=16, SPLIT_K=1), planes=planes)
     with pytest.raises(GraphDSLError, match=r"MMA=True needs one fp16/bf16 row, a type in \['Q4_K', 'Q6_K'\].*"
                                             r"got 1 torch.float32 rows of Q6_K"):
         gguf_gemv(x.float(), data, "Q6_K", config=dict(MMA=True, BLOCK_N=16, SPLIT_K=1))
+
+
+@pytest.mark.parametrize("split", [1, 3])
+def test_q4k_swiglu_epilogue_writes_the_q6k_planes_of_its_output(split):
+    """A Q4_K gate/up GEMV's SwiGLU epilogue given two buffers writes its output's A operand in this
+    kernel's format — bit for bit what ``q6k_activation_planes`` makes of the stored row, a zero
+    sub-block included — and a Q6_K GEMV reading them gives the bits of its own planes launch."""
+    data, _ = random_gguf_weight("Q4_K", 2 * 512, 1024, seed=14)
+    data = data.to(DEV)
+    data[512 + 64:512 + 96] = 0                           # up rows of outputs 64..95: sub-blocks 4, 5 all zero
+    x = _x(1024, torch.bfloat16, seed=15)
+    cfg = dict(MMA=True, BLOCK_N=64, SPLIT_K=split)
+    planes = GemvWorkspace().q6k_planes(x.device, 512)
+    for t in planes:
+        t.fill_(3)
+    got = gguf_gemv(x, data, "Q4_K", silu_mul=True, config=cfg, planes_out=planes)
+    assert torch.equal(got, gguf_gemv(x, data, "Q4_K", silu_mul=True, config=cfg))
+    for mine, want in zip(planes, q6k_activation_planes(got[0])):
+        assert torch.equal(mine, want)
+    assert planes[1][4] == 0 and planes[1][5] == 0 and not torch.isnan(planes[1]).any()
+    down, _ = _weight(64, 512, seed=16)
+    q6 = dict(MMA=True, BLOCK_N=16, SPLIT_K=2)
+    assert torch.equal(gguf_gemv(got, down, "Q6_K", config=q6, planes=planes), gguf_gemv(got, down, "Q6_K", config=q6))
+    with pytest.raises(GraphDSLError, match=r"planes for Q6_K are 2 buffers .*got 3"):
+        gguf_gemv(got, down, "Q6_K", config=q6, planes=GemvWorkspace().planes(x.device, 512))
+    with pytest.raises(GraphDSLError, match=r"planes_out is written by a Q4_K SwiGLU GEMV's epilogue"):
+        gguf_gemv(got, down, "Q6_K", config=q6, planes_out=planes)
+
+
+def test_backend_hands_a_q6k_down_the_planes_of_the_swiglu_epilogue(monkeypatch):
+    """gate|up in Q4_K (SwiGLU in its tensor-core epilogue) then down in Q6_K, one row, through the
+    Triton backend (``MMA_MIN_ROWS`` lowered to the test's shapes): the epilogue writes down's A
+    operand, so the Q6_K GEMV launches no planes kernel; the output is the same bits as with the
+    launch, and agrees with the torch backend."""
+    import graphdsl.runtime  # noqa: F401 - registers the gguf-* schemes
+    import graphdsl.runtime.kernels.gguf_linear as kernels
+    import graphdsl.runtime.kernels.gguf_mma_q6k as q6k
+    from graphdsl import Network, Parameter, Tensor
+    from graphdsl import functional as F
+    from graphdsl.quant import parse_scheme
+    from graphdsl.runtime.backends import triton_backend
+    monkeypatch.setattr(kernels, "MMA_MIN_ROWS", 1)
+    n, k = 256, 256
+    with Network("mlp") as net:
+        x = Tensor("x", (1, k), torch.bfloat16)
+        gu = Parameter((2 * n, k), torch.bfloat16, name="gate_up.weight").quantize(parse_scheme("gguf-q4_k"))
+        down = Parameter((k, n), torch.bfloat16, name="down.weight").quantize(parse_scheme("gguf-q6_k"))
+        g, u = F.split(F.linear(x, gu, None, transpose_b=True), 2, dim=-1)
+        net.mark_output(F.linear(F.silu(g) * u, down, None, transpose_b=True), "y")
+    gen = torch.Generator().manual_seed(17)
+    feed = {"x": torch.randn(1, k, generator=gen).to(DEV, torch.bfloat16),
+            **{c.name: t.to(DEV) for p in (gu, down)
+               for c, t in zip(p.companions(), p.quant.quantize(0.1 * torch.randn(*p.shape, generator=gen)))}}
+    engine = net.build_engine(device=DEV, backend="triton")
+    assert [nd.op for nd in engine.net.nodes] == ["quant_linear_silu_mul", "quant_linear"]
+    launches = []
+    real = q6k.q6k_activation_planes
+    monkeypatch.setattr(q6k, "q6k_activation_planes", lambda *a: launches.append(1) or real(*a))
+    got = {}
+    for on, want in ((True, 0), (False, 1)):
+        monkeypatch.setattr(triton_backend, "_SWIGLU_PLANES_Q6K", on)
+        launches.clear()
+        got[on] = engine.forward(feed)["y"].clone()
+        assert len(launches) == want, on
+    assert torch.equal(got[True], got[False])
+    ref = net.build_engine(device=DEV, backend="torch").forward(feed)["y"].float()
+    torch.testing.assert_close(got[True].float(), ref, rtol=3e-2, atol=3e-2 * ref.abs().max().item())
