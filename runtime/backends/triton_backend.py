@@ -234,12 +234,15 @@ class TritonBackend:
         specs = node.opdef.infer([Spec(tuple(x.shape), x.dtype) for x in ins], attrs)
         return torch.empty(specs[i].shape, dtype=specs[i].dtype, device=ins[0].device)
 
-    def _kernel(self, node, program, outputs, ins, dsts):
+    def _kernel(self, node, program, outputs, ins, dsts, own_inputs: bool = True):
+        """The generated kernel of ``program`` over ``ins``. ``own_inputs``: ``ins`` are the values of
+        ``node.inputs`` in order, so those the step never writes are read before the PDL wait."""
         key = (node, program, tuple((tuple(x.shape), x.stride(), x.dtype) for x in list(ins) + list(dsts)))
         hit = self._prepared.get(key)
         if hit is None:
             from ..codegen.fused import prepare_fused
-            hit = self._prepared[key] = prepare_fused(program, outputs, ins, dsts)
+            early = [i for i, t in enumerate(node.inputs) if self.step_constant(t)] if own_inputs else []
+            hit = self._prepared[key] = prepare_fused(program, outputs, ins, dsts, early)
             self.sources[node.name] = hit[0].source
         return hit
 
@@ -363,7 +366,7 @@ def _silu_mul(be: TritonBackend, node, ins, attrs, dsts):
     x = ins[0]
     half = x.shape[-1] // 2
     halves = [x[..., :half], x[..., half:]]
-    k, data = be._kernel(node, SILU_MUL_PROGRAM, (3,), halves, dsts)
+    k, data = be._kernel(node, SILU_MUL_PROGRAM, (3,), halves, dsts, own_inputs=False)
     k([halves[r] for r in data], dsts)
     return dsts
 

@@ -11,6 +11,10 @@ are merged on the host first, so a contiguous elementwise group runs as one flat
   every value before the reduction is a vector over the row, the reduction's result a scalar
   (sum/mean/max) or a vector (rms_norm/softmax).
 
+Every kernel waits for its predecessor (programmatic dependent launch, ``kernels/pdl.py``) after
+computing its indices; inputs the caller names ``early`` (tensors no kernel of the step writes: a
+norm's weight) are loaded before that wait, so their memory latency overlaps the previous kernel.
+
 Kernel sources are kept (``FusedKernel.source``) for dumps and cached by their hash, in memory and
 as files (Triton's JIT and interpreter both need a source file).
 """
@@ -37,6 +41,7 @@ __all__ = ["launch_config", "FusedKernel", "prepare_fused", "run_fused", "kernel
 
 MAX_ROW = 65536          # longest row a reduction kernel holds in registers
 _POINTWISE_BLOCK = 1024
+_EARLY_LOADS = True      # load the ``early`` inputs before the PDL wait (False: every load after it)
 
 
 def launch_config(C: int, reduction: bool) -> tuple[int, int]:
@@ -116,8 +121,10 @@ def _analyse(program, in_specs: list[Spec]) -> _Analysis:
 
 # -- source generation ------------------------------------------------------------------------------
 def kernel_source(program, outputs, specs: list[Spec], consts: dict, reduction: int | None,
-                  data_inputs: list[int], n_in: int, rank: int, reduced_outputs: set[int]) -> str:
-    """The Triton source of one fused kernel over an iteration space of ``rank`` dims."""
+                  data_inputs: list[int], n_in: int, rank: int, reduced_outputs: set[int],
+                  early: frozenset = frozenset()) -> str:
+    """The Triton source of one fused kernel over an iteration space of ``rank`` dims. Data inputs
+    in ``early`` are loaded before the PDL wait (no kernel of the step may write them)."""
     L = rank - 1
     ins = [f"in{r}_ptr" for r in data_inputs]
     outs = [f"out{j}_ptr" for j in range(len(outputs))]
@@ -145,7 +152,7 @@ def kernel_source(program, outputs, specs: list[Spec], consts: dict, reduction: 
         math_lines.append(f"    %{n_in + k} = {op}({a}{', ' + at if at else ''})")
     doc = ("    \"\"\"Fused group over rows x C" + (" ending in a row reduction" if reduction is not None else "")
            + ":\n\n" + "\n".join(math_lines) + "\n\n    returns " + ", ".join(f"%{r}" for r in outputs) + "\n    \"\"\"")
-    body = ["    pdl_wait(USE_PDL)"]
+    body = []
     if reduction is None:
         body += ["    pid = tl.program_id(0).to(tl.int64)", "    row = pid // NB",
                  "    cols = (pid % NB) * BLOCK + tl.arange(0, BLOCK)"]
@@ -166,8 +173,11 @@ def kernel_source(program, outputs, specs: list[Spec], consts: dict, reduction: 
         return " + ".join(terms) if terms else "0"
 
     vals: dict[int, Operand] = {}
+    loads = {r: f"    x{r} = tl.load(in{r}_ptr + ({offset(f'in{r}', True)}), mask=mask, other=0)" for r in data_inputs}
+    body += [loads[r] for r in data_inputs if r in early]          # before the wait: nothing writes them
+    body.append("    pdl_wait(USE_PDL)")
+    body += [loads[r] for r in data_inputs if r not in early]
     for r in data_inputs:
-        body.append(f"    x{r} = tl.load(in{r}_ptr + ({offset(f'in{r}', True)}), mask=mask, other=0)")
         vals[r] = Operand(f"x{r}", specs[r].dtype)
     for r, v in consts.items():
         vals[r] = Operand(_lit_text(v), specs[r].dtype, literal=v)
@@ -304,8 +314,10 @@ class FusedKernel:
         self.fn[self.grid](*inputs, *outputs, *self.args, BLOCK=self.block, num_warps=self.num_warps, **self.pdl)
 
 
-def prepare_fused(program, outputs, inputs: list[torch.Tensor], dsts: list[torch.Tensor]) -> tuple[FusedKernel, list[int]]:
-    """Generate (or fetch) the kernel for these concrete operands; returns it and the data-input refs."""
+def prepare_fused(program, outputs, inputs: list[torch.Tensor], dsts: list[torch.Tensor],
+                  early=()) -> tuple[FusedKernel, list[int]]:
+    """Generate (or fetch) the kernel for these concrete operands; returns it and the data-input refs.
+    ``early``: indices of ``inputs`` that no kernel of the step writes (read before the PDL wait)."""
     an = _analyse(program, [Spec(tuple(x.shape), x.dtype) for x in inputs])
     shape = list(an.shape) or [1]
     is_red = an.reduction is not None
@@ -321,7 +333,9 @@ def prepare_fused(program, outputs, inputs: list[torch.Tensor], dsts: list[torch
     rows = math.prod(cshape[:-1])
     block, warps = launch_config(C, is_red)
     nb = 1 if is_red else -(-C // block)
-    src = kernel_source(program, outputs, an.specs, an.consts, an.reduction, an.data_inputs, an.n_in, rank, reduced)
+    early = frozenset(early) & set(an.data_inputs) if _EARLY_LOADS else frozenset()
+    src = kernel_source(program, outputs, an.specs, an.consts, an.reduction, an.data_inputs, an.n_in, rank, reduced,
+                        early)
     fn = compile_source(src)
     args = list(cshape[:-1]) + [C, nb] + [s for st in cstrides for s in st]
     grid = (rows * nb if C > 0 else 0,)

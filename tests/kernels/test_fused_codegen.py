@@ -283,3 +283,42 @@ def test_kernel_source_does_not_depend_on_the_row_count():
         kernel, _ = prepare_fused(add_rms_norm_program(1e-5), (4, 3), [x, r, w], outs)
         sources.add(kernel.source)
     assert len(sources) == 1
+
+
+@pytest.mark.parametrize("computed_weight", [False, True])
+def test_inputs_no_kernel_writes_are_loaded_before_the_pdl_wait(computed_weight):
+    """A generated kernel loads the inputs no node of the step writes (the norm weight, a graph
+    input) before its PDL wait, so their memory latency overlaps the previous kernel; a value made
+    in the step (the matmul's output, a weight scaled in the graph) is loaded after the wait. The
+    result is the same either way."""
+    n = Dim("n")
+    with Network("early_loads") as net:
+        a = Tensor("a", (n, 32), torch.float32)
+        b = Tensor("b", (64, 32), torch.float32)
+        w = Tensor("w", (64,), torch.float32)
+        y = F.matmul(a, b, transpose_b=True)
+        net.mark_output(F.rms_norm(y, F.sigmoid(w) if computed_weight else w, eps=1e-5), "out")
+    eng = net.build_engine(backend="triton")
+    feed = {"a": torch.randn(3, 32), "b": torch.randn(64, 32), "w": torch.randn(64)}
+    got = eng.forward({k: v.to(DEV) for k, v in feed.items()})["out"].cpu()
+    y = feed["a"] @ feed["b"].T
+    weight = torch.sigmoid(feed["w"]) if computed_weight else feed["w"]
+    torch.testing.assert_close(got, y * torch.rsqrt(y.pow(2).mean(-1, keepdim=True) + 1e-5) * weight,
+                               rtol=1e-5, atol=1e-5)
+    (src,) = [s for s in eng.backend.sources.values() if "rms_norm" in s]
+    before, after = src.split("pdl_wait(USE_PDL)")
+    assert after.count("tl.load(") == (2 if computed_weight else 1)     # y (and the computed weight) after
+    assert before.count("tl.load(") == (0 if computed_weight else 1)    # the weight before
+
+
+def test_early_loads_off_puts_every_load_after_the_wait(monkeypatch):
+    """``fused._EARLY_LOADS = False`` (an A/B switch) generates every load after the wait."""
+    from graphdsl.runtime.codegen import fused
+    from graphdsl.runtime.codegen.ops import add_rms_norm_program
+    x, r, w = torch.randn(2, 64, device=DEV), torch.randn(2, 64, device=DEV), torch.randn(64, device=DEV)
+    outs = [torch.empty(2, 64, device=DEV), torch.empty(2, 64, device=DEV)]
+    on, _ = fused.prepare_fused(add_rms_norm_program(1e-5), (4, 3), [x, r, w], outs, early=[2])
+    monkeypatch.setattr(fused, "_EARLY_LOADS", False)
+    off, _ = fused.prepare_fused(add_rms_norm_program(1e-5), (4, 3), [x, r, w], outs, early=[2])
+    assert on.source.split("pdl_wait(USE_PDL)")[0].count("tl.load(") == 1
+    assert off.source.split("pdl_wait(USE_PDL)")[0].count("tl.load(") == 0
