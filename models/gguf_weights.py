@@ -3,7 +3,8 @@
 :func:`keep_gguf_blocks` marks each attention/MLP projection (a
 :class:`~graphdsl.layers.ColumnParallelLinear` / :class:`~graphdsl.layers.RowParallelLinear`, ``lm_head``
 excepted) with the scheme ``gguf-<type>`` of the file tensors that fill it, so it stores one companion
-``<weight>_packed`` (uint8 ``[out, row_bytes]``, the file's block rows) and ``F.linear`` records
+``<weight>_packed`` (uint8 ``[out, stored_row_bytes]``, the file's block rows in the stored layout:
+Q6_K's blocks padded to 224 bytes, :mod:`graphdsl.runtime.gguf_blocks`) and ``F.linear`` records
 ``quant_linear`` on it. The rule:
 
 * a weight filled by one file tensor keeps that tensor's block type, if it is one of the types the
