@@ -192,7 +192,8 @@ def _free(llm, ids) -> None:
 def _drop_engines(llm) -> None:
     """Forget the built engines (and their CUDA graphs) so the next step builds them again."""
     llm.model._engines.clear()
-    getattr(llm.model, "_graph_runners", {}).clear()
+    for runners in ("_graph_runners", "_prefill_runners"):
+        getattr(llm.model, runners, {}).clear()
 
 
 def _timed_first_steps(llm, gen, context: int) -> dict[str, float]:

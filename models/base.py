@@ -52,7 +52,8 @@ class FlashCausalLM(Module):
         object.__setattr__(self, "_bound", {})
         object.__setattr__(self, "_cache_spec", None)
         object.__setattr__(self, "_runtime", {"backend": None, "cuda_graphs": True, "max_blocks_per_seq": None})
-        object.__setattr__(self, "_graph_runners", {})
+        object.__setattr__(self, "_graph_runners", {})     # decode engine id -> CudaGraphRunner
+        object.__setattr__(self, "_prefill_runners", {})   # prefill engine id -> ShapeGraphRunner
         object.__setattr__(self, "_num_cache_blocks", 0)
         object.__setattr__(self, "_lora", None)
 
@@ -156,6 +157,7 @@ class FlashCausalLM(Module):
         object.__setattr__(self, "_num_cache_blocks", k0.shape[0])
         self._engines.clear()
         self._graph_runners.clear()
+        self._prefill_runners.clear()
 
     def configure_runtime(self, *, backend: str | None = None, cuda_graphs: bool = True,
                           max_blocks_per_seq: int | None = None) -> None:
@@ -164,7 +166,9 @@ class FlashCausalLM(Module):
         Args:
             backend: the engines' backend (default: ``triton`` on CUDA, ``torch`` on CPU).
             cuda_graphs: replay decode steps through CUDA graphs per batch bucket on CUDA (also off
-                with ``GRAPHDSL_CUDA_GRAPHS=0``); see :mod:`graphdsl.runtime.serving.cuda_graphs`.
+                with ``GRAPHDSL_CUDA_GRAPHS=0``), and with ``GRAPHDSL_PREFILL_GRAPHS=1`` prefill steps
+                of up to ``PREFILL_GRAPH_ROWS`` tokens per padded shape; see
+                :mod:`graphdsl.runtime.serving.cuda_graphs`.
             max_blocks_per_seq: the fixed ``block_tables`` width graphs pad to (default: every
                 block of the bound cache); a step with a wider table runs eagerly.
         """
@@ -177,6 +181,7 @@ class FlashCausalLM(Module):
         self._runtime.update(backend=backend, cuda_graphs=cuda_graphs, max_blocks_per_seq=max_blocks_per_seq)
         self._engines.clear()
         self._graph_runners.clear()
+        self._prefill_runners.clear()
 
     # -- LoRA ----------------------------------------------------------------------------------
     def enable_lora(self, *, max_loras: int = 4, max_lora_rank: int = 16):
@@ -282,6 +287,11 @@ def _execute(self: FlashCausalLM, phase: Phase, inputs: Mapping[str, torch.Tenso
     if tables and "cos" not in feed:
         feed["cos"], feed["sin"] = self.rotary.cos_sin(feed["positions"])
     step = {k: v for k, v in feed.items() if k in names}
+    if phase is Phase.PREFILL and not (extra_in or extra_out or runtime_params or "lora_indices" in step):
+        runner = _prefill_graphs(self, engine)
+        out = runner.run(step) if runner is not None else None
+        if out is not None:
+            return out["logits"].float() if float_logits else out["logits"]
     out = engine.forward(step, extra_out or None, runtime_params or None)
     return out["logits"].float() if float_logits else out["logits"]
 
@@ -333,6 +343,33 @@ def _graph_runner(self: FlashCausalLM, engine):
             prologue = _decode_prologue(self.rotary if rope else None, self._cache_spec.block_size if slots else None)
         runner = self._graph_runners[id(engine)] = CudaGraphRunner(engine, pads, prologue=prologue,
                                                                    epilogue=_decode_epilogue)
+    return runner
+
+
+PREFILL_GRAPH_ROWS = 512   # prefill steps of at most this many tokens replay CUDA graphs (ShapeGraphRunner)
+
+
+def prefill_graphs_enabled() -> bool:
+    """Prefill steps through :class:`~graphdsl.runtime.serving.cuda_graphs.ShapeGraphRunner` only with
+    ``GRAPHDSL_PREFILL_GRAPHS=1`` (and decode's CUDA graphs on): opt-in until its GPU tests
+    (``tests/gpu/test_cuda_graphs.py``) and a timing have run on a GPU (docs/performance.md)."""
+    return os.environ.get("GRAPHDSL_PREFILL_GRAPHS", "0").strip().lower() in ("1", "true", "on", "yes")
+
+
+def _prefill_graphs(self: FlashCausalLM, engine):
+    """The prefill engine's shape-keyed CUDA-graph runner, or None where graphs do not apply (as
+    for decode: off, not CUDA, not the triton backend, a host-synchronising module, placement
+    rules). The serving loop pads prefill steps to a few shapes (``prefill_pad``), so a shape
+    recurs; a short step's host launches (one per node) cost more than its device time."""
+    if not (cuda_graphs_enabled(self._runtime["cuda_graphs"]) and prefill_graphs_enabled()):
+        return None
+    if engine.device is None or engine.device.type != "cuda" or engine.backend.name != "triton" \
+            or getattr(engine, "partition", None) is not None or not self.graph_capturable():
+        return None
+    runner = self._prefill_runners.get(id(engine))
+    if runner is None or runner.engine is not engine:
+        from graphdsl.runtime.serving.cuda_graphs import ShapeGraphRunner
+        runner = self._prefill_runners[id(engine)] = ShapeGraphRunner(engine, max_rows=PREFILL_GRAPH_ROWS)
     return runner
 
 

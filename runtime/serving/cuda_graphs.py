@@ -1,4 +1,6 @@
-"""CUDA graphs for fixed-shape engine steps (decode): one captured graph per batch-size bucket.
+"""CUDA graphs for fixed-shape engine steps: decode, one captured graph per batch-size bucket
+(:class:`CudaGraphRunner`); prefill steps already padded to a few shapes, one graph per shape
+(:class:`ShapeGraphRunner`, at the end).
 
 A decode step's launch overhead (a few hundred small kernels) dominates small-batch latency;
 replaying a captured CUDA graph removes it. A graph fixes every shape and pointer, so:
@@ -45,9 +47,10 @@ import torch
 from graphdsl.errors import BindError, GraphDSLError
 from graphdsl.runtime.taps import taps_from_env
 
-__all__ = ["BUCKETS", "Pad", "bucket_for", "pad_batch", "CudaGraphRunner"]
+__all__ = ["BUCKETS", "Pad", "bucket_for", "pad_batch", "CudaGraphRunner", "ShapeGraphRunner"]
 
 BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
+_MAX_SEEN = 4096       # shape signatures a ShapeGraphRunner counts before it forgets them all
 
 
 @dataclass(frozen=True)
@@ -292,3 +295,90 @@ class CudaGraphRunner:
         made.extend(extra.values())
         names = self.engine.net.inputs
         return {k: v for k, v in {**static, **extra}.items() if k in names}
+
+
+class ShapeGraphRunner:
+    """Runs ``engine`` through CUDA graphs keyed by the exact shapes of its inputs: for steps the
+    caller has already padded to a few shapes (the serving loop's prefill steps, :mod:`.prefill_pad`),
+    whose host work — a launch per node, a couple of hundred nodes — costs more than the device
+    time of a short prompt.
+
+    * A shape signature runs eagerly the first ``capture_after`` times it is seen (the engine's plan
+      is specialised and its kernels compiled then; a shape seen once costs no capture), then is
+      captured as :class:`CudaGraphRunner` captures a bucket (a warm-up on a side stream, then the
+      captured call writing the warm-up's outputs), and replays from then on: the step's tensors
+      are copied into the graph's static inputs (one ``_foreach_copy_`` per dtype) and the outputs
+      returned as copies.
+    * Only steps of at most ``max_rows`` rows (the inputs' longest leading dim: a prefill's tokens)
+      are captured: past that the device time covers the host's launches anyway, and the graph
+      would hold a large arena.
+    * At most ``max_graphs`` graphs are kept, the least recently replayed dropped first (with the
+      arena views it held).
+
+    The replayed step computes what the eager step computes: same plan, kernels and pointers (the
+    engine's arena views are held by the graph), every input copied in. Steps with taps
+    (``$GRAPHDSL_TAPS``) run eagerly."""
+
+    def __init__(self, engine, *, max_rows: int = 512, max_graphs: int = 32, capture_after: int = 1):
+        for name, v, lo in (("max_rows", max_rows, 1), ("max_graphs", max_graphs, 1), ("capture_after", capture_after, 0)):
+            if not isinstance(v, int) or v < lo:
+                raise GraphDSLError(f"ShapeGraphRunner: {name} must be an int >= {lo}, got {v!r}")
+        self.engine = engine
+        self.max_rows, self.max_graphs, self.capture_after = max_rows, max_graphs, capture_after
+        self.graphs: dict[tuple, _Graph] = {}     # insertion order = least recently replayed first
+        self.seen: dict[tuple, int] = {}
+        self._pool = None
+
+    @staticmethod
+    def signature(inputs: Mapping[str, torch.Tensor]) -> tuple:
+        return tuple((k, tuple(x.shape), x.dtype, x.device) for k, x in sorted(inputs.items()))
+
+    def run(self, inputs: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor] | None:
+        """The step's outputs through a graph (copies), or None when the caller should run it
+        eagerly (a shape not yet captured, too many rows, taps, not CUDA)."""
+        if not self.capturable(inputs):
+            return None
+        sig = self.signature(inputs)
+        entry = self.graphs.pop(sig, None)
+        if entry is None:
+            if len(self.seen) >= _MAX_SEEN:           # unpadded steps: every step a new shape
+                self.seen.clear()
+            count = self.seen[sig] = self.seen.get(sig, 0) + 1
+            if count <= self.capture_after:
+                return None
+            static = {k: x.clone() for k, x in inputs.items()}
+            entry = self._capture(static)
+            while len(self.graphs) >= self.max_graphs:
+                self.graphs.pop(next(iter(self.graphs)))
+        else:
+            dsts, srcs = [], []
+            for k, x in inputs.items():
+                dsts.append(entry.inputs[k])
+                srcs.append(x)
+            torch._foreach_copy_(dsts, srcs)
+        self.graphs[sig] = entry
+        entry.graph.replay()
+        return {name: buf.clone() for name, buf in entry.outputs.items()}
+
+    def capturable(self, inputs: Mapping[str, torch.Tensor]) -> bool:
+        """CUDA inputs of at most ``max_rows`` rows (the longest leading dim), and no taps."""
+        rows = max((x.shape[0] for x in inputs.values() if x.dim()), default=0)
+        return (0 < rows <= self.max_rows and all(x.device.type == "cuda" for x in inputs.values())
+                and not taps_from_env())
+
+    def _capture(self, static: dict[str, torch.Tensor]) -> _Graph:
+        engine = self.engine
+        device = next(iter(static.values())).device
+        side = torch.cuda.Stream(device)
+        side.wait_stream(torch.cuda.current_stream(device))
+        with torch.cuda.stream(side):
+            outputs = engine.forward(static, taps={})
+        torch.cuda.current_stream(device).wait_stream(side)
+        if self._pool is None:
+            self._pool = torch.cuda.graph_pool_handle()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self._pool):
+            engine.forward(static, outputs, taps={})
+        plan = engine.last_plan
+        keep = list(plan.storage.values()) if plan is not None and plan.storage else []
+        return _Graph(graph, static, outputs, keep)

@@ -1,7 +1,9 @@
 """CUDA graphs for decode on a real GPU (run with ``pytest -m gpu``): a replayed bucket equals the
 eager step for several buckets and odd batch sizes (3, 5, 33), including later steps that only
 replay; greedy generation is the same with and without graphs; replay allocates nothing; and the
-decode step time with and without graphs is printed for a small model."""
+decode step time with and without graphs is printed for a small model. Prefill steps padded to
+their shapes (``prefill_pad``) replay per-shape graphs: equal to the eager step with new prompts of
+the same shape, in ``LLM.generate`` too; their step time is printed."""
 from __future__ import annotations
 
 import time
@@ -11,6 +13,7 @@ import torch
 
 import graphdsl as gd
 from graphdsl.layers import Phase
+from graphdsl.runtime.serving.prefill_pad import pad_prefill
 from tests.models.hf_tiny import make_checkpoint
 
 pytestmark = pytest.mark.gpu
@@ -137,4 +140,98 @@ def test_print_decode_step_time_with_and_without_graphs(tmp_path, monkeypatch):
                      f"({ms[False] / ms[True]:.1f}x)")
     print(f"\n[{torch.cuda.get_device_name()}] llama 8 layers, hidden 512, vocab 32000, bf16, context ~200:\n  "
           + "\n  ".join(lines))
+    assert all(v > 0 for v in ms.values())
+
+
+def _prefill(llm, lens, g):
+    """A prefill step of prompts of these lengths (cache blocks consecutive, the last row of each
+    projected), padded to its shapes as the serving loop pads it."""
+    tables, slots, pos, nxt = [], [], [], 0
+    for L in lens:
+        n = -(-L // BLOCK)
+        tables.append(list(range(nxt, nxt + n)))
+        nxt += n
+        slots += [tables[-1][p // BLOCK] * BLOCK + p % BLOCK for p in range(L)]
+        pos += range(L)
+    width = max(map(len, tables))
+    qsl = [0]
+    for L in lens:
+        qsl.append(qsl[-1] + L)
+    step = {"input_ids": torch.randint(0, llm.config.vocab_size, (qsl[-1],), generator=g),
+            "positions": torch.tensor(pos), "slot_mapping": torch.tensor(slots),
+            "block_tables": torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int32),
+            "seq_lens": torch.tensor(lens, dtype=torch.int32), "query_start_loc": torch.tensor(qsl, dtype=torch.int32),
+            "lm_head_indices": torch.tensor(qsl[1:]) - 1}
+    padded, _ = pad_prefill({k: v.to(DEV) for k, v in step.items()}, llm.model._runtime["max_blocks_per_seq"])
+    return padded
+
+
+def _run_prefill(llm, step, graphs: bool, monkeypatch):
+    monkeypatch.setenv("GRAPHDSL_PREFILL_GRAPHS", "1" if graphs else "0")
+    caches = llm.kv_cache.key_caches + llm.kv_cache.value_caches
+    before = [c.clone() for c in caches]
+    out = llm.model.execute(Phase.PREFILL, step)
+    written = [c.clone() for c in caches]
+    for c, b in zip(caches, before):
+        c.copy_(b)
+    return out, written
+
+
+def test_prefill_replay_equals_eager(tiny_llm, monkeypatch):
+    """Prompts of new lengths and tokens but the same padded shapes: the first step runs eagerly,
+    the second is captured, the rest replay; every one equals the eager step (logits and cache)."""
+    llm = tiny_llm
+    g = torch.Generator().manual_seed(11)
+    for lens in ([5, 11], [9, 7], [3, 13], [12, 4]):           # 16 tokens, 2 sequences, 2 blocks each at most
+        step = _prefill(llm, lens, g)
+        want, want_cache = _run_prefill(llm, step, False, monkeypatch)
+        got, got_cache = _run_prefill(llm, step, True, monkeypatch)
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+        for a, b in zip(got_cache, want_cache):
+            torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-6)
+        assert not all(torch.equal(a, b) for a, b in zip(want_cache, llm.kv_cache.key_caches))
+    (runner,) = llm.model._prefill_runners.values()
+    (entry,) = runner.graphs.values()
+    assert entry.graph is not None and entry.inputs["input_ids"].shape == (16,)
+
+
+def test_generate_with_prefill_graphs_gives_the_eager_tokens(tmp_path, monkeypatch):
+    """The same prompts generated twice (the second prefill replays the graph the first sighting
+    did not capture) give the tokens of prefill run eagerly."""
+    make_checkpoint("llama", tmp_path)
+    prompts = [[1, 5, 9, 33, 2, 77, 100, 3], [4, 5, 6], [7, 8, 9, 10, 11]]
+    params = gd.SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
+    outs = {}
+    for graphs in (False, True):
+        monkeypatch.setenv("GRAPHDSL_PREFILL_GRAPHS", "1" if graphs else "0")
+        llm = gd.LLM(tmp_path, device="cuda", dtype="float32", max_model_len=64)
+        outs[graphs] = [[o.outputs[0].token_ids for o in llm.generate(prompts, params)] for _ in range(3)]
+        assert bool(llm.model._prefill_runners) == graphs
+        assert not graphs or any(r.graphs for r in llm.model._prefill_runners.values())
+    assert outs[True] == outs[False] and outs[False][0] == outs[False][2]
+
+
+def test_print_prefill_step_time_with_and_without_graphs(tmp_path, monkeypatch):
+    """Not a pass/fail benchmark: prints ms per prefill step of short prompts, eager and replayed."""
+    make_checkpoint("llama", tmp_path, hidden_size=512, intermediate_size=1408, num_hidden_layers=8,
+                    num_attention_heads=8, num_key_value_heads=4, vocab_size=32000, max_position_embeddings=1024)
+    llm = gd.LLM(tmp_path, device="cuda", dtype="bfloat16", max_model_len=512, max_num_seqs=8, block_size=BLOCK)
+    g = torch.Generator().manual_seed(0)
+    lines = []
+    for tokens in (16, 128):
+        step = _prefill(llm, [tokens], g)
+        ms = {}
+        for graphs in (False, True):
+            monkeypatch.setenv("GRAPHDSL_PREFILL_GRAPHS", "1" if graphs else "0")
+            for _ in range(3):
+                llm.model.execute(Phase.PREFILL, step)
+            torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            for _ in range(20):
+                llm.model.execute(Phase.PREFILL, step)
+            torch.cuda.synchronize()
+            ms[graphs] = (time.perf_counter() - t0) / 20 * 1e3
+        lines.append(f"prefill step, {tokens} tokens: eager {ms[False]:.3f} ms, cuda graph {ms[True]:.3f} ms "
+                     f"({ms[False] / ms[True]:.1f}x)")
+    print(f"\n[{torch.cuda.get_device_name()}] llama 8 layers, hidden 512, vocab 32000, bf16:\n  " + "\n  ".join(lines))
     assert all(v > 0 for v in ms.values())

@@ -1,0 +1,112 @@
+"""ShapeGraphRunner's bookkeeping, on CPU with a stand-in for the CUDA graph: a shape signature runs
+eagerly until it has been seen ``capture_after`` times, is then captured and replays with each
+step's inputs copied in; too many rows, taps or CPU tensors run eagerly; at most ``max_graphs``
+graphs are kept, least recently replayed dropped first. (The real capture: tests/gpu/test_cuda_graphs.py.)"""
+import pytest
+import torch
+
+from graphdsl.errors import GraphDSLError
+from graphdsl.runtime.serving.cuda_graphs import ShapeGraphRunner, _Graph
+
+
+class _Engine:
+    """``out = 2 * x + y``, counting its calls."""
+
+    def __init__(self):
+        self.calls = 0
+
+    def forward(self, inputs, outputs=None, taps=None):
+        self.calls += 1
+        out = 2 * inputs["x"] + inputs["y"]
+        if outputs is not None:
+            outputs["out"].copy_(out)
+            return outputs
+        return {"out": out}
+
+
+class _Replay:
+    """Stands in for a captured graph: replaying runs the engine on the static buffers."""
+
+    def __init__(self, engine, static, outputs):
+        self.engine, self.static, self.outputs, self.replays = engine, static, outputs, 0
+
+    def replay(self):
+        self.replays += 1
+        self.engine.forward(self.static, self.outputs)
+
+
+class _CpuRunner(ShapeGraphRunner):
+    def capturable(self, inputs):            # the real one asks for CUDA tensors
+        rows = max(x.shape[0] for x in inputs.values())
+        return rows <= self.max_rows
+
+    def _capture(self, static):
+        outputs = self.engine.forward(static)
+        return _Graph(_Replay(self.engine, static, outputs), static, outputs)
+
+
+def _step(n, seed):
+    g = torch.Generator().manual_seed(seed)
+    return {"x": torch.randn(n, 4, generator=g), "y": torch.randn(n, 4, generator=g)}
+
+
+def test_a_shape_is_captured_on_its_second_step_and_replays_new_inputs_after():
+    runner = _CpuRunner(_Engine(), max_rows=8, max_graphs=2)
+    assert runner.run(_step(3, 0)) is None                      # first sight: the caller runs it eagerly
+    assert not runner.graphs
+    for seed in (1, 2, 3):                                      # captured at seed 1, replayed with new values
+        step = _step(3, seed)
+        got = runner.run(step)["out"]
+        torch.testing.assert_close(got, 2 * step["x"] + step["y"])
+    (entry,) = runner.graphs.values()
+    assert entry.graph.replays == 3
+    before = entry.outputs["out"].clone()
+    got.zero_()                                                 # outputs are copies: the static buffer is intact
+    assert torch.equal(entry.outputs["out"], before) and before.abs().sum() > 0
+
+
+def test_too_many_rows_run_eagerly_and_the_oldest_graph_goes_first():
+    runner = _CpuRunner(_Engine(), max_rows=8, max_graphs=2)
+    assert runner.run(_step(9, 0)) is None and runner.run(_step(9, 1)) is None and not runner.graphs
+    for n in (1, 2, 1, 3):                                      # each shape twice: 1 and 2 captured, 1 replayed
+        runner.run(_step(n, n))
+        runner.run(_step(n, n + 10))
+    assert len(runner.graphs) == 2
+    shapes = [dict((k, s) for k, s, _, _ in sig)["x"] for sig in runner.graphs]
+    assert shapes == [(1, 4), (3, 4)]                           # 2 was least recently replayed: dropped
+
+
+def test_capture_after_zero_captures_on_first_sight_and_bad_settings_are_refused():
+    runner = _CpuRunner(_Engine(), capture_after=0)
+    step = _step(2, 5)
+    torch.testing.assert_close(runner.run(step)["out"], 2 * step["x"] + step["y"])
+    for kw, msg in ((dict(max_rows=0), r"max_rows must be an int >= 1, got 0"),
+                    (dict(max_graphs="4"), r"max_graphs must be an int >= 1, got '4'"),
+                    (dict(capture_after=-1), r"capture_after must be an int >= 0, got -1")):
+        with pytest.raises(GraphDSLError, match=msg):
+            ShapeGraphRunner(_Engine(), **kw)
+
+
+def test_the_real_runner_runs_cpu_tensors_and_tapped_steps_eagerly(monkeypatch):
+    runner = ShapeGraphRunner(_Engine(), capture_after=0)
+    assert runner.run(_step(2, 0)) is None                      # CPU tensors: never captured
+    monkeypatch.setenv("GRAPHDSL_TAPS", "out")
+    assert not runner.capturable(_step(2, 0))
+    assert not runner.graphs and not runner.seen
+
+
+def test_prefill_graphs_are_opt_in_and_never_on_cpu(tmp_path, monkeypatch):
+    """``GRAPHDSL_PREFILL_GRAPHS`` is off unless set; set, a CPU model still prefills eagerly."""
+    import graphdsl as gd
+    from graphdsl.models.base import prefill_graphs_enabled
+    from tests.models.hf_tiny import make_checkpoint
+    monkeypatch.delenv("GRAPHDSL_PREFILL_GRAPHS", raising=False)
+    assert not prefill_graphs_enabled()
+    monkeypatch.setenv("GRAPHDSL_PREFILL_GRAPHS", "1")
+    assert prefill_graphs_enabled()
+    make_checkpoint("llama", tmp_path)
+    llm = gd.LLM(tmp_path, device="cpu", dtype="float32", max_model_len=32)
+    params = gd.SamplingParams(max_tokens=2, temperature=0, ignore_eos=True)
+    for _ in range(2):
+        llm.generate([[1, 2, 3]], params)
+    assert llm.model._prefill_runners == {}
