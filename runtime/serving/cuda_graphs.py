@@ -39,6 +39,7 @@ running a padded batch eagerly (how the CPU tests check that padding changes no 
 """
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass, field
 from typing import Mapping
 
@@ -51,6 +52,7 @@ __all__ = ["BUCKETS", "Pad", "bucket_for", "pad_batch", "CudaGraphRunner", "Shap
 
 BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 _MAX_SEEN = 4096       # shape signatures a ShapeGraphRunner counts before it forgets them all
+_log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -317,7 +319,8 @@ class ShapeGraphRunner:
 
     The replayed step computes what the eager step computes: same plan, kernels and pointers (the
     engine's arena views are held by the graph), every input copied in. Steps with taps
-    (``$GRAPHDSL_TAPS``) run eagerly."""
+    (``$GRAPHDSL_TAPS``) run eagerly, and so, after one logged warning, does a shape whose capture
+    failed (an op that synchronises with the host)."""
 
     def __init__(self, engine, *, max_rows: int = 512, max_graphs: int = 32, capture_after: int = 1):
         for name, v, lo in (("max_rows", max_rows, 1), ("max_graphs", max_graphs, 1), ("capture_after", capture_after, 0)):
@@ -347,15 +350,23 @@ class ShapeGraphRunner:
             if count <= self.capture_after:
                 return None
             static = {k: x.clone() for k, x in inputs.items()}
-            entry = self._capture(static)
+            try:
+                entry = self._capture(static)
+            except RuntimeError as e:                # a host sync inside the step: never capture this shape
+                self.seen[sig] = -(1 << 62)
+                _log.warning("ShapeGraphRunner: the step of shapes %s could not be captured, it runs eagerly "
+                             "from now on: %s", {k: list(x.shape) for k, x in inputs.items()}, e)
+                return None
             while len(self.graphs) >= self.max_graphs:
                 self.graphs.pop(next(iter(self.graphs)))
         else:
-            dsts, srcs = [], []
+            copies: dict = {}
             for k, x in inputs.items():
+                dsts, srcs = copies.setdefault(x.dtype, ([], []))
                 dsts.append(entry.inputs[k])
                 srcs.append(x)
-            torch._foreach_copy_(dsts, srcs)
+            for dsts, srcs in copies.values():
+                torch._foreach_copy_(dsts, srcs)
         self.graphs[sig] = entry
         entry.graph.replay()
         return {name: buf.clone() for name, buf in entry.outputs.items()}

@@ -110,3 +110,19 @@ def test_prefill_graphs_are_opt_in_and_never_on_cpu(tmp_path, monkeypatch):
     for _ in range(2):
         llm.generate([[1, 2, 3]], params)
     assert llm.model._prefill_runners == {}
+
+
+def test_a_shape_whose_capture_fails_runs_eagerly_after_one_warning(caplog):
+    class _Failing(_CpuRunner):
+        captures = 0
+
+        def _capture(self, static):
+            self.captures += 1
+            raise RuntimeError("operation not permitted when stream is capturing")
+
+    runner = _Failing(_Engine(), capture_after=0)
+    with caplog.at_level("WARNING"):
+        assert all(runner.run(_step(2, s)) is None for s in range(3))
+    assert runner.captures == 1 and not runner.graphs
+    (rec,) = [r for r in caplog.records if "could not be captured" in r.getMessage()]
+    assert "'x': [2, 4]" in rec.getMessage() and "stream is capturing" in rec.getMessage()
