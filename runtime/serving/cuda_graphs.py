@@ -266,13 +266,9 @@ class CudaGraphRunner:
         device = next(iter(static.values())).device
         if device.type != "cuda":
             raise GraphDSLError(f"CudaGraphRunner: CUDA graphs need CUDA inputs, got device {device}")
-        side = torch.cuda.Stream(device)
-        side.wait_stream(torch.cuda.current_stream(device))
-        with torch.cuda.stream(side):
-            # warm-up: specialise the plan, compile kernels (not the epilogue: it may update the inputs)
-            outputs = engine.forward(self._feed(static, []), taps=self.taps or {})
-            tap_buffers = dict(engine.tapped) if self.taps else {}
-        torch.cuda.current_stream(device).wait_stream(side)
+        # (not the epilogue in the warm-up: it may update the inputs)
+        outputs = _warm_up(engine, self._feed(static, []), device, self.taps or {})
+        tap_buffers = dict(engine.tapped) if self.taps else {}
         for name, buf in outputs.items():
             if buf.dim() == 0 or buf.shape[0] != bucket:
                 raise GraphDSLError(f"CudaGraphRunner: output '{name}' must be batch-major ([{bucket}, ...]), "
@@ -284,9 +280,7 @@ class CudaGraphRunner:
         with torch.cuda.graph(graph, pool=self._pool):
             engine.forward(self._feed(static, made), outputs, taps=tap_buffers)
             extra = dict(self.epilogue(static, outputs)) if self.epilogue is not None else {}
-        plan = engine.last_plan
-        keep = list(plan.storage.values()) if plan is not None and plan.storage else []
-        return _Graph(graph, static, {**outputs, **extra}, keep + made, taps=tap_buffers)
+        return _Graph(graph, static, {**outputs, **extra}, _arena_views(engine) + made, taps=tap_buffers)
 
     def _feed(self, static: dict, made: list) -> dict:
         """The engine's inputs: the static buffers and what the prologue computes from them (its
@@ -330,6 +324,7 @@ class ShapeGraphRunner:
         self.max_rows, self.max_graphs, self.capture_after = max_rows, max_graphs, capture_after
         self.graphs: dict[tuple, _Graph] = {}     # insertion order = least recently replayed first
         self.seen: dict[tuple, int] = {}
+        self.failed: set[tuple] = set()            # shapes whose capture raised: always eager
         self._pool = None
 
     @staticmethod
@@ -342,6 +337,8 @@ class ShapeGraphRunner:
         if not self.capturable(inputs):
             return None
         sig = self.signature(inputs)
+        if sig in self.failed:
+            return None
         entry = self.graphs.pop(sig, None)
         if entry is None:
             if len(self.seen) >= _MAX_SEEN:           # unpadded steps: every step a new shape
@@ -353,7 +350,7 @@ class ShapeGraphRunner:
             try:
                 entry = self._capture(static)
             except RuntimeError as e:                # a host sync inside the step: never capture this shape
-                self.seen[sig] = -(1 << 62)
+                self.failed.add(sig)
                 _log.warning("ShapeGraphRunner: the step of shapes %s could not be captured, it runs eagerly "
                              "from now on: %s", {k: list(x.shape) for k, x in inputs.items()}, e)
                 return None
@@ -379,17 +376,29 @@ class ShapeGraphRunner:
 
     def _capture(self, static: dict[str, torch.Tensor]) -> _Graph:
         engine = self.engine
-        device = next(iter(static.values())).device
-        side = torch.cuda.Stream(device)
-        side.wait_stream(torch.cuda.current_stream(device))
-        with torch.cuda.stream(side):
-            outputs = engine.forward(static, taps={})
-        torch.cuda.current_stream(device).wait_stream(side)
+        outputs = _warm_up(engine, static, next(iter(static.values())).device, {})
         if self._pool is None:
             self._pool = torch.cuda.graph_pool_handle()
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=self._pool):
             engine.forward(static, outputs, taps={})
-        plan = engine.last_plan
-        keep = list(plan.storage.values()) if plan is not None and plan.storage else []
-        return _Graph(graph, static, outputs, keep)
+        return _Graph(graph, static, outputs, _arena_views(engine))
+
+
+def _warm_up(engine, feed: dict, device, taps) -> dict[str, torch.Tensor]:
+    """The eager ``engine.forward`` before a capture, on a side stream: it specialises the shape plan,
+    compiles the Triton kernels and sizes the backend's workspaces. Returns its outputs (the
+    buffers the captured call then writes)."""
+    side = torch.cuda.Stream(device)
+    side.wait_stream(torch.cuda.current_stream(device))
+    with torch.cuda.stream(side):
+        outputs = engine.forward(feed, taps=taps)
+    torch.cuda.current_stream(device).wait_stream(side)
+    return outputs
+
+
+def _arena_views(engine) -> list:
+    """The arena views of the engine's last plan. A graph holds them, so a later, larger plan that
+    regrows the arena cannot free memory the graph still writes to."""
+    plan = engine.last_plan
+    return list(plan.storage.values()) if plan is not None and plan.storage else []
