@@ -95,14 +95,16 @@ def test_the_real_runner_runs_cpu_tensors_and_tapped_steps_eagerly(monkeypatch):
     assert not runner.graphs and not runner.seen
 
 
-def test_prefill_graphs_are_opt_in_and_never_on_cpu(tmp_path, monkeypatch):
-    """``GRAPHDSL_PREFILL_GRAPHS`` is off unless set; set, a CPU model still prefills eagerly."""
+def test_prefill_graphs_are_on_by_default_and_never_on_cpu(tmp_path, monkeypatch):
+    """``GRAPHDSL_PREFILL_GRAPHS`` is on unless set to 0; on, a CPU model still prefills eagerly."""
     import graphdsl as gd
     from graphdsl.models.base import prefill_graphs_enabled
     from tests.models.hf_tiny import make_checkpoint
-    monkeypatch.delenv("GRAPHDSL_PREFILL_GRAPHS", raising=False)
+    monkeypatch.setenv("GRAPHDSL_PREFILL_GRAPHS", "0")
     assert not prefill_graphs_enabled()
-    monkeypatch.setenv("GRAPHDSL_PREFILL_GRAPHS", "1")
+    monkeypatch.setenv("GRAPHDSL_PREFILL_GRAPHS", "off")
+    assert not prefill_graphs_enabled()
+    monkeypatch.delenv("GRAPHDSL_PREFILL_GRAPHS", raising=False)
     assert prefill_graphs_enabled()
     make_checkpoint("llama", tmp_path)
     llm = gd.LLM(tmp_path, device="cpu", dtype="float32", max_model_len=32)
