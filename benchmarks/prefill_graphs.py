@@ -1,12 +1,13 @@
 """Prefill steps of short prompts, eager against replayed CUDA graphs (``GRAPHDSL_PREFILL_GRAPHS``),
 and the time to the first token through ``LLM.generate`` both ways (random weights).
 
-    python benchmarks/prefill_graphs.py [--shape llama-3.2-1b] [--tokens 16 128 512] [--prompt 127]
+    python benchmarks/prefill_graphs.py [--shape llama-3.2-1b] [--tokens 16 128 512 2048] [--prompt 127]
 
-A prefill step runs eagerly by default: one host launch per node, about 210 nodes on the 1B shape,
-which costs more host time than the device needs for a short prompt (docs/performance.md, "The 1B
-prefill is bound by the host"). With ``GRAPHDSL_PREFILL_GRAPHS=1`` a step shape seen before replays
-a CUDA graph (``runtime/serving/cuda_graphs.ShapeGraphRunner``). Per token count: ms per
+A prefill step run eagerly pays one host launch per node, about 210 nodes on the 1B shape, which
+costs more host time than the device needs for a short prompt (docs/performance.md, "The 1B
+prefill is bound by the host"). By default (``GRAPHDSL_PREFILL_GRAPHS`` not 0) a step shape seen
+before, of at most ``PREFILL_GRAPH_ROWS`` tokens, replays a CUDA graph
+(``runtime/serving/cuda_graphs.ShapeGraphRunner``); this script sets the variable to 0 and 1 in turn. Per token count: ms per
 ``execute(Phase.PREFILL)`` call, wall clock with the device synchronised after 20 calls (host and
 device both count: that is what a serving step waits for), best of two interleaved rounds per mode.
 Then ``LLM.generate`` of one greedy token for one prompt of ``--prompt`` tokens: median of 6 calls
@@ -57,7 +58,7 @@ def _first_token_ms(llm, prompt: list[int]) -> float:
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--shape", default="llama-3.2-1b", choices=sorted(SHAPES))
-    ap.add_argument("--tokens", type=int, nargs="+", default=[16, 128, 512], help="prefill token counts")
+    ap.add_argument("--tokens", type=int, nargs="+", default=[16, 128, 512, 2048], help="prefill token counts")
     ap.add_argument("--prompt", type=int, default=127, help="prompt tokens of the LLM.generate figure")
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():

@@ -346,7 +346,7 @@ def _graph_runner(self: FlashCausalLM, engine):
     return runner
 
 
-PREFILL_GRAPH_ROWS = 512   # prefill steps of at most this many tokens replay CUDA graphs (ShapeGraphRunner)
+PREFILL_GRAPH_ROWS = 2048  # prefill steps of at most this many tokens replay CUDA graphs (ShapeGraphRunner)
 
 
 def prefill_graphs_enabled() -> bool:

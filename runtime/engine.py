@@ -61,6 +61,7 @@ class Engine:
         self._weights: dict[str, torch.Tensor] = {}
         self._plans: dict[tuple, ShapePlan] = {}
         self._arenas: dict[torch.device, torch.Tensor] = {}
+        self._arena_allocations: dict[torch.device, int] = {}   # arenas made per device (arena_id)
         self.last_plan: ShapePlan | None = None
         self.tapped: dict[str, torch.Tensor] = {}   # the last forward's taps (graphdsl.runtime.taps)
         self._tapsets: dict[tuple, TapSet] = {}
@@ -79,6 +80,12 @@ class Engine:
     @property
     def output_names(self) -> list[str]:
         return list(self.net.outputs)
+
+    def arena_id(self, device) -> int:
+        """An id of the memory arena the engine's plans use on ``device`` (0 before the first call):
+        it changes when a step whose plan needs more memory regrows the arena, so a holder of the
+        old arena's views (a captured CUDA graph) can tell its memory is no longer the engine's."""
+        return self._arena_allocations.get(torch.device(device), 0)
 
     @property
     def num_launches(self) -> int:
@@ -266,6 +273,7 @@ class Engine:
         arena = self._arenas.get(device)
         if arena is None or arena.numel() < need:
             arena = self._arenas[device] = torch.empty(need, dtype=torch.uint8, device=device)
+            self._arena_allocations[device] = self._arena_allocations.get(device, 0) + 1
         if plan.storage is None or plan.storage_arena != arena.data_ptr():
             by_name = {t.name: t for n in self.net.nodes for t in n.outputs}
             plan.storage = {}

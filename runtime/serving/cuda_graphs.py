@@ -133,6 +133,7 @@ class _Graph:
     keep: list = field(default_factory=list)   # arena views the captured kernels address
     extent: dict = field(default_factory=dict)  # input -> (rows, width) that may hold non-pad values
     taps: dict = field(default_factory=dict)    # tensor name -> static tap buffer the graph copies into
+    arena: int = 0                         # the engine's arena_id when captured (ShapeGraphRunner)
 
 
 class CudaGraphRunner:
@@ -306,8 +307,10 @@ class ShapeGraphRunner:
       are copied into the graph's static inputs (one ``_foreach_copy_`` per dtype) and the outputs
       returned as copies.
     * Only steps of at most ``max_rows`` rows (the inputs' longest leading dim: a prefill's tokens)
-      are captured: past that the device time covers the host's launches anyway, and the graph
-      would hold a large arena.
+      are captured: past that the device time covers the host's launches anyway.
+    * A graph holds the arena it was captured on. When a larger step regrows the engine's arena
+      (:meth:`~graphdsl.runtime.Engine.arena_id` changes), a graph of the old arena is captured
+      again the next time its shape comes, so old arenas are freed instead of piling up.
     * At most ``max_graphs`` graphs are kept, the least recently replayed dropped first (with the
       arena views it held).
 
@@ -316,7 +319,7 @@ class ShapeGraphRunner:
     (``$GRAPHDSL_TAPS``) run eagerly, and so, after one logged warning, does a shape whose capture
     failed (an op that synchronises with the host)."""
 
-    def __init__(self, engine, *, max_rows: int = 512, max_graphs: int = 32, capture_after: int = 1):
+    def __init__(self, engine, *, max_rows: int = 2048, max_graphs: int = 32, capture_after: int = 1):
         for name, v, lo in (("max_rows", max_rows, 1), ("max_graphs", max_graphs, 1), ("capture_after", capture_after, 0)):
             if not isinstance(v, int) or v < lo:
                 raise GraphDSLError(f"ShapeGraphRunner: {name} must be an int >= {lo}, got {v!r}")
@@ -340,6 +343,8 @@ class ShapeGraphRunner:
         if sig in self.failed:
             return None
         entry = self.graphs.pop(sig, None)
+        if entry is not None and entry.arena != self._arena(inputs):
+            entry = None                             # captured on an arena regrown since: capture again
         if entry is None:
             if len(self.seen) >= _MAX_SEEN:           # unpadded steps: every step a new shape
                 self.seen.clear()
@@ -374,6 +379,9 @@ class ShapeGraphRunner:
         return (0 < rows <= self.max_rows and all(x.device.type == "cuda" for x in inputs.values())
                 and not taps_from_env())
 
+    def _arena(self, inputs: Mapping[str, torch.Tensor]) -> int:
+        return self.engine.arena_id(next(iter(inputs.values())).device)
+
     def _capture(self, static: dict[str, torch.Tensor]) -> _Graph:
         engine = self.engine
         outputs = _warm_up(engine, static, next(iter(static.values())).device, {})
@@ -382,7 +390,7 @@ class ShapeGraphRunner:
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=self._pool):
             engine.forward(static, outputs, taps={})
-        return _Graph(graph, static, outputs, _arena_views(engine))
+        return _Graph(graph, static, outputs, _arena_views(engine), arena=self._arena(static))
 
 
 def _warm_up(engine, feed: dict, device, taps) -> dict[str, torch.Tensor]:

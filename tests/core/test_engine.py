@@ -203,3 +203,24 @@ def test_dtype_less_parameters_build_and_run():
         eng = net.build_engine()
         eng.set_weights({n: torch.randn(p.shape) for n, p in layer.named_parameters()})
         assert torch.isfinite(eng.forward({"x": torch.randn(3, 16)})["y"]).all()
+
+
+def test_arena_id_changes_only_when_a_larger_plan_regrows_the_arena():
+    """``arena_id`` is 0 before any call, stays while plans fit the arena, changes when one does not
+    (what a captured CUDA graph holding the old arena's views checks)."""
+    n = Dim("n")
+    with Network() as net:
+        h = F.matmul(Tensor("x", (n, 8), "float32"), Tensor("w", (8, 8), "float32"))
+        net.mark_output(F.matmul(h, Tensor("v", (8, 8), "float32")), "y")   # h lives in the arena
+    eng = net.build_engine(device="cpu")
+    eye = torch.eye(8)
+    assert eng.arena_id("cpu") == 0
+    eng.forward({"x": torch.ones(64, 8), "w": eye, "v": eye})
+    first = eng.arena_id("cpu")
+    assert first != 0
+    eng.forward({"x": torch.ones(8, 8), "w": eye, "v": eye})     # a smaller plan fits the same arena
+    assert eng.arena_id("cpu") == first
+    x = torch.randn(4096, 8)
+    y = eng.forward({"x": x, "w": eye, "v": 2 * eye})["y"]       # a larger one regrows it
+    assert eng.arena_id("cpu") != first
+    torch.testing.assert_close(y, 2 * x)

@@ -14,6 +14,10 @@ class _Engine:
 
     def __init__(self):
         self.calls = 0
+        self.arena = 1                      # what Engine.arena_id reports; a test regrows it
+
+    def arena_id(self, device):
+        return self.arena
 
     def forward(self, inputs, outputs=None, taps=None):
         self.calls += 1
@@ -42,7 +46,7 @@ class _CpuRunner(ShapeGraphRunner):
 
     def _capture(self, static):
         outputs = self.engine.forward(static)
-        return _Graph(_Replay(self.engine, static, outputs), static, outputs)
+        return _Graph(_Replay(self.engine, static, outputs), static, outputs, arena=self._arena(static))
 
 
 def _step(n, seed):
@@ -74,6 +78,30 @@ def test_too_many_rows_run_eagerly_and_the_oldest_graph_goes_first():
     assert len(runner.graphs) == 2
     shapes = [dict((k, s) for k, s, _, _ in sig)["x"] for sig in runner.graphs]
     assert shapes == [(1, 4), (3, 4)]                           # 2 was least recently replayed: dropped
+
+
+def test_a_graph_of_a_regrown_arena_is_captured_again_and_the_old_one_let_go():
+    """A larger step regrows the engine's arena; a graph captured on the old one holds it, so the
+    next step of that shape captures afresh (the old graph, and with it the old arena, is dropped)."""
+    import weakref
+    engine = _Engine()
+    runner = _CpuRunner(engine, max_rows=8)
+    runner.run(_step(2, 0))
+    runner.run(_step(2, 1))                                     # captured on arena 1
+    (old,) = runner.graphs.values()
+    gone = weakref.ref(old)
+    runner.run(_step(2, 2))
+    assert runner.graphs[next(iter(runner.graphs))] is old and old.graph.replays == 2
+    engine.arena = 2                                            # a larger plan regrew the arena
+    step = _step(2, 3)
+    torch.testing.assert_close(runner.run(step)["out"], 2 * step["x"] + step["y"])
+    (new,) = runner.graphs.values()
+    assert new is not old and new.arena == 2 and new.graph.replays == 1
+    del old
+    assert gone() is None                                       # nothing keeps the old graph (its arena views)
+    step = _step(2, 4)
+    torch.testing.assert_close(runner.run(step)["out"], 2 * step["x"] + step["y"])
+    assert next(iter(runner.graphs.values())) is new and new.graph.replays == 2
 
 
 def test_capture_after_zero_captures_on_first_sight_and_bad_settings_are_refused():
