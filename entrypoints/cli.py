@@ -186,7 +186,8 @@ def _load(args):
     print(f"loading {args.model} on {device} ...", file=sys.stderr, flush=True)
     llm = gd.LLM(args.model, device=device, dtype=args.dtype, max_model_len=args.max_model_len, max_num_seqs=1,
                  custom_module_map=args.custom_module_map, progress=True, quantization=args.quantization,
-                 tensor_parallel_size=_tp_size(args), optimize_rules=args.optimize_rules)
+                 tensor_parallel_size=_tp_size(args), optimize_rules=args.optimize_rules,
+                 cuda_graphs=not getattr(args, "enforce_eager", False))
     if llm.injection is not None:
         print(f"optimize rules: {len(llm.injection.matched)} modules matched", file=sys.stderr, flush=True)
     print(f"loaded {llm} in {time.monotonic() - t0:.1f}s", file=sys.stderr, flush=True)
@@ -439,7 +440,7 @@ def _serve(args) -> int:
     llm = gd.LLM(args.model, device=device, dtype=args.dtype, max_model_len=args.max_model_len,
                  max_num_seqs=args.max_num_seqs, custom_module_map=args.custom_module_map, progress=True,
                  quantization=args.quantization, tensor_parallel_size=_tp_size(args),
-                 optimize_rules=args.optimize_rules)
+                 optimize_rules=args.optimize_rules, cuda_graphs=not args.enforce_eager)
     if args.chat_template:
         if llm.tokenizer is None:
             raise SystemExit("graphdsl serve: --chat-template needs a model with a tokenizer")
@@ -541,6 +542,8 @@ def _add_runtime(p: argparse.ArgumentParser, model: bool = True) -> None:
         p.add_argument("--tensor-parallel-size", "--tp", type=_positive_int, default=None,
                        help="ranks of tensor parallelism (default: torchrun's WORLD_SIZE, else 1); without torchrun "
                             "the worker processes are spawned (docs/distributed.md)")
+        p.add_argument("--enforce-eager", action="store_true",
+                       help="run every step eagerly instead of replaying CUDA graphs (slower; for debugging)")
     p.add_argument("--quantization", type=_quantization_arg, default=None,
                    help="quantize the linear weights while loading: fp8, int8, int4 or a scheme name such as "
                         "int4-g64-zp or gguf-q8_0; gguf keeps a .gguf file's own blocks; a pre-quantized checkpoint "

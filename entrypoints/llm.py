@@ -98,8 +98,9 @@ class LLM:
         expert_parallel: with tensor parallelism, split MoE experts across ranks (each whole)
             instead of splitting every expert.
         progress: print loading progress on stderr.
-        cuda_graphs: replay decode steps through CUDA graphs on CUDA (``False``, or the environment
-            variable ``GRAPHDSL_CUDA_GRAPHS=0``, runs them eagerly, for debugging).
+        cuda_graphs: replay decode steps, and prefill steps of up to 2048 tokens, through CUDA
+            graphs on CUDA (``False``, or the environment variable ``GRAPHDSL_CUDA_GRAPHS=0``, runs
+            them eagerly, for debugging; ``GRAPHDSL_PREFILL_GRAPHS=0`` keeps only prefill eager).
         overlap: schedule and launch step N+1 before reading step N's tokens (``False``, or
             ``GRAPHDSL_OVERLAP=0``, reads each step's tokens first: same results, for debugging).
         quantization: quantize the linear weights (all but ``lm_head``) while loading: ``"fp8"``

@@ -66,3 +66,22 @@ def test_check_command(gguf, tmp_path, capsys):
     (tmp_path / "config.json").write_text('{"model_type": "falcon", "architectures": ["FalconForCausalLM"]}')
     assert main(["check", str(tmp_path)]) == 1
     assert "unknown model_type 'falcon'" in capsys.readouterr().out
+
+
+def test_enforce_eager_turns_cuda_graphs_off(gguf, capsys, monkeypatch):
+    """``--enforce-eager`` (vLLM's name) reaches ``LLM(cuda_graphs=False)``; without it graphs stay on."""
+    import graphdsl as gd
+    seen = []
+    real = gd.LLM
+
+    def spy(*args, **kw):
+        seen.append(kw.get("cuda_graphs"))
+        return real(*args, **kw)
+
+    monkeypatch.setattr(gd, "LLM", spy)
+    for extra in (["--enforce-eager"], []):
+        assert main(["generate", gguf, "--prompt", "hi", "--max-tokens", "2", "--device", "cpu",
+                     "--temperature", "0", *extra]) == 0
+    assert seen == [False, True]
+    sub = build_parser()._subparsers._group_actions[0].choices
+    assert "--enforce-eager" in sub["serve"].format_help()
