@@ -85,7 +85,8 @@ class Engine:
         """An id of the memory arena the engine's plans use on ``device`` (0 before the first call):
         it changes when a step whose plan needs more memory regrows the arena, so a holder of the
         old arena's views (a captured CUDA graph) can tell its memory is no longer the engine's."""
-        return self._arena_allocations.get(torch.device(device), 0)
+        device = torch.device(device)
+        return next((n for d, n in self._arena_allocations.items() if _same_device(d, device)), 0)
 
     @property
     def num_launches(self) -> int:

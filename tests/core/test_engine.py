@@ -224,3 +224,4 @@ def test_arena_id_changes_only_when_a_larger_plan_regrows_the_arena():
     y = eng.forward({"x": x, "w": eye, "v": 2 * eye})["y"]       # a larger one regrows it
     assert eng.arena_id("cpu") != first
     torch.testing.assert_close(y, 2 * x)
+    assert eng.arena_id(torch.device("cpu", 0)) == eng.arena_id("cpu")   # one device however it is named

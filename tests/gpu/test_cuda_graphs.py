@@ -235,3 +235,27 @@ def test_print_prefill_step_time_with_and_without_graphs(tmp_path, monkeypatch):
                      f"({ms[False] / ms[True]:.1f}x)")
     print(f"\n[{torch.cuda.get_device_name()}] llama 8 layers, hidden 512, vocab 32000, bf16:\n  " + "\n  ".join(lines))
     assert all(v > 0 for v in ms.values())
+
+
+def test_a_regrown_arena_recaptures_the_prefill_graphs_of_the_old_one(tiny_llm, monkeypatch):
+    """A longer prompt regrows the prefill engine's arena; the graph of a short shape captured on the
+    old arena is captured again the next time (the old arena is then let go), and still gives the
+    eager step's logits."""
+    llm = tiny_llm
+    g = torch.Generator().manual_seed(12)
+    short = lambda: _prefill(llm, [6, 10], g)              # noqa: E731 - 16 tokens, 2 sequences
+    first = short()
+    for _ in range(3):
+        _run_prefill(llm, first, True, monkeypatch)          # (seen,) captured, replayed
+    runner = next(iter(llm.model._prefill_runners.values()))
+    (sig,) = [k for k, v in runner.graphs.items()                # the model adds inputs (cos/sin) to the step
+              if all(v.inputs[n].shape == first[n].shape for n in ("input_ids", "block_tables", "seq_lens"))]
+    old = runner.graphs[sig]
+    before = runner.engine.arena_id(DEV)
+    _run_prefill(llm, _prefill(llm, [40, 24], g), True, monkeypatch)   # 64 tokens: a larger plan
+    assert runner.engine.arena_id(DEV) != before and old.arena == before
+    step = short()
+    want, _ = _run_prefill(llm, step, False, monkeypatch)
+    got, _ = _run_prefill(llm, step, True, monkeypatch)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    assert runner.graphs[sig] is not old and runner.graphs[sig].arena == runner.engine.arena_id(DEV)
