@@ -308,9 +308,9 @@ class ShapeGraphRunner:
       returned as copies.
     * Only steps of at most ``max_rows`` rows (the inputs' longest leading dim: a prefill's tokens)
       are captured: past that the device time covers the host's launches anyway.
-    * A graph holds the arena it was captured on. When a larger step regrows the engine's arena
-      (:meth:`~graphdsl.runtime.Engine.arena_id` changes), a graph of the old arena is captured
-      again the next time its shape comes, so old arenas are freed instead of piling up.
+    * A graph holds the arena it was captured on. When a larger step has regrown the engine's
+      arena (:meth:`~graphdsl.runtime.Engine.arena_id` changed), the next call drops every graph of
+      an older arena, which frees that arena; their shapes are captured again when they come.
     * At most ``max_graphs`` graphs are kept, the least recently replayed dropped first (with the
       arena views it held).
 
@@ -329,6 +329,7 @@ class ShapeGraphRunner:
         self.seen: dict[tuple, int] = {}
         self.failed: set[tuple] = set()            # shapes whose capture raised: always eager
         self._pool = None
+        self._arena_now = 0                        # the engine's arena_id at the last call
 
     @staticmethod
     def signature(inputs: Mapping[str, torch.Tensor]) -> tuple:
@@ -342,9 +343,11 @@ class ShapeGraphRunner:
         sig = self.signature(inputs)
         if sig in self.failed:
             return None
+        arena = self._arena(inputs)
+        if arena != self._arena_now:                 # regrown since: let the old arena go
+            self.graphs = {k: g for k, g in self.graphs.items() if g.arena == arena}
+            self._arena_now = arena
         entry = self.graphs.pop(sig, None)
-        if entry is not None and entry.arena != self._arena(inputs):
-            entry = None                             # captured on an arena regrown since: capture again
         if entry is None:
             if len(self.seen) >= _MAX_SEEN:           # unpadded steps: every step a new shape
                 self.seen.clear()

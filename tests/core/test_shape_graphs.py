@@ -81,24 +81,26 @@ def test_too_many_rows_run_eagerly_and_the_oldest_graph_goes_first():
 
 
 def test_a_graph_of_a_regrown_arena_is_captured_again_and_the_old_one_let_go():
-    """A larger step regrows the engine's arena; a graph captured on the old one holds it, so the
-    next step of that shape captures afresh (the old graph, and with it the old arena, is dropped)."""
+    """A larger step regrows the engine's arena; graphs captured on the old one hold it, so the
+    next call drops them all (any shape) and a dropped shape is captured afresh when it comes."""
     import weakref
     engine = _Engine()
     runner = _CpuRunner(engine, max_rows=8)
-    runner.run(_step(2, 0))
-    runner.run(_step(2, 1))                                     # captured on arena 1
-    (old,) = runner.graphs.values()
-    gone = weakref.ref(old)
+    for n in (2, 2, 3, 3):                                      # shapes 2 and 3 captured on arena 1
+        runner.run(_step(n, n))
+    old = next(g for g in runner.graphs.values() if g.inputs["x"].shape == (2, 4))
+    gone = [weakref.ref(g) for g in runner.graphs.values()]
     runner.run(_step(2, 2))
-    assert runner.graphs[next(iter(runner.graphs))] is old and old.graph.replays == 2
+    assert runner.graphs[next(reversed(runner.graphs))] is old and old.graph.replays == 2
     engine.arena = 2                                            # a larger plan regrew the arena
+    runner.run(_step(5, 0))                                     # any call: both old graphs go
+    assert not runner.graphs
     step = _step(2, 3)
     torch.testing.assert_close(runner.run(step)["out"], 2 * step["x"] + step["y"])
     (new,) = runner.graphs.values()
     assert new is not old and new.arena == 2 and new.graph.replays == 1
     del old
-    assert gone() is None                                       # nothing keeps the old graph (its arena views)
+    assert all(ref() is None for ref in gone)                   # nothing keeps the old graphs (their arena views)
     step = _step(2, 4)
     torch.testing.assert_close(runner.run(step)["out"], 2 * step["x"] + step["y"])
     assert next(iter(runner.graphs.values())) is new and new.graph.replays == 2
