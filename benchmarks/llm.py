@@ -15,7 +15,8 @@ Reports, on one device (see docs/performance.md for how each figure is defined):
 * end-to-end ``LLM.generate`` decode time per token (scheduler, sampling and host work included):
   prompts of ``CONTEXT - 1`` tokens, (generate ``E2E + 1`` tokens - generate 1 token) / ``E2E``
   (median of ``E2E_REPEATS`` such pairs), and its ratio to the engine step; at batch 1 also with seeded sampling (temperature, top-k, top-p,
-  presence and frequency penalties) against greedy;
+  presence and frequency penalties) against greedy; and the time to the first token: the median
+  of the "generate 1 token" calls (all prompts in one prefill step, then one token);
 * batch 256 against max(memory bound, compute bound), compute = 2 x parameters x batch / matmul rate;
 * prefill of 2048 tokens: ms, TFLOP/s and % of the matmul rate, FLOPs = 2 x (decoder-layer
   parameters) x tokens + 2 x vocab x hidden (the one projected row) + causal attention;
@@ -342,6 +343,7 @@ def measure_graphdsl(shape: str, *, hf: dict | None = None, device="cuda", dtype
     res["e2e"] = {}
     res["e2e_sampled"] = {}
     res["e2e_tokens"] = e2e_tokens
+    res["first_token"] = {}                  # batch -> median ms of LLM.generate(max_tokens=1): prefill + one token
     greedy = dict(temperature=0, ignore_eos=True)
     sampled = dict(temperature=0.8, top_k=50, top_p=0.9, presence_penalty=0.5, frequency_penalty=0.5, seed=0,
                    ignore_eos=True)
@@ -355,7 +357,7 @@ def measure_graphdsl(shape: str, *, hf: dict | None = None, device="cuda", dtype
         llm.max_num_batched_tokens = max(budget, b * context)
         for sp in (sp_short, sp_long):                         # warm: this batch's shapes and graphs
             llm.generate(prompts, sp)
-        per_steps = []
+        per_steps, shorts = [], []
         for _ in range(E2E_REPEATS):                           # one wall-clock pair is noisy: the median
             times = {}
             for name, sp in (("short", sp_short), ("long", sp_long)):
@@ -365,7 +367,10 @@ def measure_graphdsl(shape: str, *, hf: dict | None = None, device="cuda", dtype
                 _sync(device)
                 times[name] = time.perf_counter() - t0
             per_steps.append((times["long"] - times["short"]) / e2e_tokens)
+            shorts.append(times["short"])
         per_step = statistics.median(per_steps)
+        if key == "e2e":
+            res["first_token"][b] = statistics.median(shorts) * 1e3
         res[key][b] = per_step * 1e3
         llm.max_num_batched_tokens = budget
         _log(f"LLM.generate batch {b} ({key}): {per_step * 1e3:.3f} ms per decode step ({b / per_step:.0f} tokens/s)")
@@ -492,6 +497,9 @@ def table(res: dict, copy: float, mm: float, peer: dict | None, device: str) -> 
         lines.append(f"| LLM.generate greedy batch {b}, prompt {ctx - 1}, {n} tokens: ms/token (tokens/s) | {ms:.3f} "
                      f"({b / ms * 1e3:,.0f}) | {100 * decode_bytes(w, kv, b, ctx, expert_fraction(cfg, b)) / (copy * 1e9) * 1e3 / ms:.1f}% of "
                      f"roofline{vs} |")
+    for b, ms in res.get("first_token", {}).items():
+        lines.append(f"| LLM.generate greedy batch {b}, prompt {ctx - 1}, first token: ms (all prompts in one "
+                     f"prefill step, then one token) | {ms:.2f} | |")
     for b, ms in res.get("e2e_sampled", {}).items():
         g = res["e2e"].get(b)
         vs = f"{ms / g:.3f}x greedy" if g else ""

@@ -81,6 +81,8 @@ def test_runs_end_to_end_on_a_tiny_cpu_shape(bench):
                               compile_mode=None, context=24)
     text = bench.table(res, 100.0, 10.0, peer, "cpu")
     assert "| decode batch 3, ctx 24" in text and "| prefill 40 tokens" in text
+    assert set(res["first_token"]) == {2} and res["first_token"][2] > 0
+    assert "| LLM.generate greedy batch 2, prompt 23, first token: ms" in text
     assert "graphdsl/peer time ratio" in text and "cold build decode + prefill engines" in text
 
 
