@@ -305,9 +305,21 @@ def decode_pads(max_blocks_per_seq: int) -> dict:
             "block_tables": Pad(0, width=max_blocks_per_seq), "seq_lens": Pad(0), "lora_indices": Pad(-1)}
 
 
+def _env_on(name: str) -> bool:
+    """An on-by-default switch: off when ``$name`` is 0, false, off or no."""
+    return os.environ.get(name, "1").strip().lower() not in ("0", "false", "off", "no")
+
+
 def cuda_graphs_enabled(flag: bool) -> bool:
     """``flag`` unless ``GRAPHDSL_CUDA_GRAPHS=0`` turns graphs off."""
-    return flag and os.environ.get("GRAPHDSL_CUDA_GRAPHS", "1").strip().lower() not in ("0", "false", "off", "no")
+    return flag and _env_on("GRAPHDSL_CUDA_GRAPHS")
+
+
+def _graphs_apply(self: FlashCausalLM, engine) -> bool:
+    """Whether ``engine``'s steps may be captured: graphs on, a CUDA engine of the ``triton`` backend
+    (the others' ops synchronise with the host) and no host-synchronising module."""
+    return (cuda_graphs_enabled(self._runtime["cuda_graphs"]) and engine.device is not None
+            and engine.device.type == "cuda" and engine.backend.name == "triton" and self.graph_capturable())
 
 
 def _graph_runner(self: FlashCausalLM, engine):
@@ -316,11 +328,7 @@ def _graph_runner(self: FlashCausalLM, engine):
     the RoPE tables and the cache slots from the positions and block tables itself (its prologue);
     its epilogue takes the greedy next token (``next_tokens``) and advances the static inputs to the
     next decode step of the same rows (see :func:`_decode_epilogue`)."""
-    if not cuda_graphs_enabled(self._runtime["cuda_graphs"]):
-        return None
-    if engine.device is None or engine.device.type != "cuda" or engine.backend.name != "triton":
-        return None
-    if not self.graph_capturable():
+    if not _graphs_apply(self, engine):
         return None
     runner = self._graph_runners.get(id(engine))
     if getattr(engine, "partition", None) is not None:        # placement rules: one graph per CUDA part
@@ -354,7 +362,7 @@ def prefill_graphs_enabled() -> bool:
     ``GRAPHDSL_PREFILL_GRAPHS=0`` (and only while decode's CUDA graphs are on). On an H200 a 1B
     prefill of 16 tokens took 16.5 ms eagerly (host-bound launches) and 0.95 ms replayed
     (docs/performance.md, "Prefill graphs")."""
-    return os.environ.get("GRAPHDSL_PREFILL_GRAPHS", "1").strip().lower() not in ("0", "false", "off", "no")
+    return _env_on("GRAPHDSL_PREFILL_GRAPHS")
 
 
 def _prefill_graphs(self: FlashCausalLM, engine):
@@ -362,10 +370,7 @@ def _prefill_graphs(self: FlashCausalLM, engine):
     for decode: off, not CUDA, not the triton backend, a host-synchronising module, placement
     rules). The serving loop pads prefill steps to a few shapes (``prefill_pad``), so a shape
     recurs; a short step's host launches (one per node) cost more than its device time."""
-    if not (cuda_graphs_enabled(self._runtime["cuda_graphs"]) and prefill_graphs_enabled()):
-        return None
-    if engine.device is None or engine.device.type != "cuda" or engine.backend.name != "triton" \
-            or getattr(engine, "partition", None) is not None or not self.graph_capturable():
+    if not (prefill_graphs_enabled() and _graphs_apply(self, engine)) or getattr(engine, "partition", None):
         return None
     runner = self._prefill_runners.get(id(engine))
     if runner is None or runner.engine is not engine:

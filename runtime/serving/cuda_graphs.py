@@ -237,7 +237,7 @@ class CudaGraphRunner:
         """Copy the step into the static buffers with as few launches as the padding allows: full-width
         inputs go in one ``_foreach_copy_`` per dtype, and padding is rewritten only where an earlier
         step left values (``entry.extent``), so a step no wider than the last one fills nothing."""
-        copies: dict = {}
+        copies = []
         for name, x in inputs.items():
             dst, pad = entry.inputs[name], self.pads[name]
             if x.dtype != dst.dtype or x.device != dst.device or tuple(x.shape[2:]) != tuple(dst.shape[2:]) \
@@ -253,14 +253,11 @@ class CudaGraphRunner:
                 if width is None or w < width:
                     dst[:n, w:width].fill_(pad.value)
             else:
-                dsts, srcs = copies.setdefault(x.dtype, ([], []))
-                dsts.append(dst[:n])
-                srcs.append(x)
+                copies.append((dst[:n], x))
             if n < rows:
                 dst[n:rows].fill_(pad.value)
             entry.extent[name] = (n, w)
-        for dsts, srcs in copies.values():
-            torch._foreach_copy_(dsts, srcs)
+        _copy_by_dtype(copies)
 
     def _capture(self, bucket: int, static: dict[str, torch.Tensor]) -> _Graph:
         engine = self.engine
@@ -365,13 +362,7 @@ class ShapeGraphRunner:
             while len(self.graphs) >= self.max_graphs:
                 self.graphs.pop(next(iter(self.graphs)))
         else:
-            copies: dict = {}
-            for k, x in inputs.items():
-                dsts, srcs = copies.setdefault(x.dtype, ([], []))
-                dsts.append(entry.inputs[k])
-                srcs.append(x)
-            for dsts, srcs in copies.values():
-                torch._foreach_copy_(dsts, srcs)
+            _copy_by_dtype([(entry.inputs[k], x) for k, x in inputs.items()])
         self.graphs[sig] = entry
         entry.graph.replay()
         return {name: buf.clone() for name, buf in entry.outputs.items()}
@@ -394,6 +385,17 @@ class ShapeGraphRunner:
         with torch.cuda.graph(graph, pool=self._pool):
             engine.forward(static, outputs, taps={})
         return _Graph(graph, static, outputs, _arena_views(engine), arena=self._arena(static))
+
+
+def _copy_by_dtype(pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+    """``dst.copy_(src)`` for each pair, in one ``_foreach_copy_`` launch per source dtype."""
+    groups: dict = {}
+    for dst, src in pairs:
+        dsts, srcs = groups.setdefault(src.dtype, ([], []))
+        dsts.append(dst)
+        srcs.append(src)
+    for dsts, srcs in groups.values():
+        torch._foreach_copy_(dsts, srcs)
 
 
 def _warm_up(engine, feed: dict, device, taps) -> dict[str, torch.Tensor]:

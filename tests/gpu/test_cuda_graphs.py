@@ -112,17 +112,22 @@ def test_greedy_generate_same_with_and_without_graphs(family, tmp_path):
     assert outs[True] == outs[False]
 
 
-def _time_decode(llm, batch: int, steps: int = 50) -> float:
-    g = torch.Generator().manual_seed(0)
-    step = _step(llm, [200 + 7 * i for i in range(batch)], g)
+def _time_step(llm, phase, step, calls: int) -> float:
+    """ms per ``execute(phase, step)`` after three warm-up calls (the first sight of a shape runs
+    eagerly, the second captures)."""
     for _ in range(3):
-        llm.model.execute(Phase.DECODE, step)
+        llm.model.execute(phase, step)
     torch.cuda.synchronize()
     t0 = time.perf_counter()
-    for _ in range(steps):
-        llm.model.execute(Phase.DECODE, step)
+    for _ in range(calls):
+        llm.model.execute(phase, step)
     torch.cuda.synchronize()
-    return (time.perf_counter() - t0) / steps * 1e3
+    return (time.perf_counter() - t0) / calls * 1e3
+
+
+def _time_decode(llm, batch: int, steps: int = 50) -> float:
+    g = torch.Generator().manual_seed(0)
+    return _time_step(llm, Phase.DECODE, _step(llm, [200 + 7 * i for i in range(batch)], g), steps)
 
 
 def test_print_decode_step_time_with_and_without_graphs(tmp_path, monkeypatch):
@@ -223,14 +228,7 @@ def test_print_prefill_step_time_with_and_without_graphs(tmp_path, monkeypatch):
         ms = {}
         for graphs in (False, True):
             monkeypatch.setenv("GRAPHDSL_PREFILL_GRAPHS", "1" if graphs else "0")
-            for _ in range(3):
-                llm.model.execute(Phase.PREFILL, step)
-            torch.cuda.synchronize()
-            t0 = time.perf_counter()
-            for _ in range(20):
-                llm.model.execute(Phase.PREFILL, step)
-            torch.cuda.synchronize()
-            ms[graphs] = (time.perf_counter() - t0) / 20 * 1e3
+            ms[graphs] = _time_step(llm, Phase.PREFILL, step, 20)
         lines.append(f"prefill step, {tokens} tokens: eager {ms[False]:.3f} ms, cuda graph {ms[True]:.3f} ms "
                      f"({ms[False] / ms[True]:.1f}x)")
     print(f"\n[{torch.cuda.get_device_name()}] llama 8 layers, hidden 512, vocab 32000, bf16:\n  " + "\n  ".join(lines))
