@@ -4,6 +4,8 @@ with the bytes of logits it must read at least once.
 
     python benchmarks/sampling.py [--vocab 128256] [--rows 1 64 256]
 
+Rows whose sampled rows all have a top-k run ``kernels.topk_draw`` (two launches); they are timed
+again with ``torch.topk`` and the threshold kernel (``sampler.TOPK_DRAW = False``), marked so.
 GPU time is measured by replaying one captured call (so launch gaps do not count), host time by
 launching calls back to back. Each ``sample`` call also counts its tokens for the penalties and
 writes them into a next-step input buffer, as the serving loop's calls do. A sampler whose host time exceeds a decode step's GPU time stalls the
@@ -46,6 +48,7 @@ def main(argv=None) -> int:
     if not torch.cuda.is_available():
         print("benchmarks/sampling.py needs a CUDA GPU", file=sys.stderr)
         return 1
+    from graphdsl.runtime.serving import sampler
     from graphdsl.runtime.serving.sampler import PenaltyState, SamplingTensors, compute_logprobs, sample
     dev = torch.device("cuda")
     V = args.vocab
@@ -61,10 +64,13 @@ def main(argv=None) -> int:
         ids = torch.zeros(R, dtype=torch.int64, device=dev)
         # as the serving loop calls it: the draw also counts the tokens and writes the next inputs
         cases = [(name, lambda st, x: sample(x, st, ctr, penalties=pen if st.any_penalty else None, record=True,
-                                             into=ids))
+                                             into=ids), True)
                  for name in CASES]
-        cases.append(("compute_logprobs(5)", None))
-        for name, fn in cases:
+        # the rows with a top-k again, through torch.topk and the threshold kernel instead of kernels.topk_draw
+        cases += [(name, cases[0][1], False) for name in CASES if CASES[name].get("top_k")]
+        cases.append(("compute_logprobs(5)", None, True))
+        for name, fn, topk_draw in cases:
+            sampler.TOPK_DRAW = topk_draw
             kw = CASES.get(name, {})
             st = SamplingTensors.build(_rows(kw, R, "presence_penalty" in kw), dev)
             toks = torch.zeros(R, dtype=torch.int64, device=dev)
@@ -87,6 +93,8 @@ def main(argv=None) -> int:
             end.record()
             torch.cuda.synchronize()
             gpu_us = start.elapsed_time(end) / args.iters * 1e3
+            if not topk_draw:
+                name += " (torch.topk)"
             print(f"| {name} | {R} | {gpu_us:.1f} | {host_us:.1f} | {R * V * 4 / (gpu_us * 1e-6) / 1e9:.0f} |",
                   flush=True)
     print("(GPU time includes a clone of the logits per call for the sample cases: "

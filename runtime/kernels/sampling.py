@@ -61,6 +61,24 @@ def _mix(x):
 
 
 @triton.jit
+def _noise(idx, ctr, s_hi, s_lo):
+    """g(seed, counter, t) of the module docstring for the token ids ``idx`` (float32)."""
+    h = _mix((idx.to(tl.int64) + 0x9E3779B9) & 0xFFFFFFFF)
+    h = _mix(h ^ ctr)
+    h = _mix(h ^ s_hi)
+    h = _mix(h ^ s_lo)
+    u = ((h >> 9).to(tl.float32) + 0.5) * (1.0 / 8388608.0)
+    return -tl.log(-tl.log(u))
+
+
+@triton.jit
+def _row_seed(row, seed_ptr, ctr_ptr):
+    """Row ``row``'s ``(counter, seed's high word, seed's low word)`` as the noise takes them."""
+    seed = tl.load(seed_ptr + row)
+    return tl.load(ctr_ptr + row) & 0xFFFFFFFF, (seed >> 32) & 0xFFFFFFFF, seed & 0xFFFFFFFF
+
+
+@triton.jit
 def _gumbel_argmax_kernel(
     x_ptr,            # float32 [R, V] (row stride x_stride): processed logits (any float dtype without NOISE)
     x_stride,
@@ -84,10 +102,7 @@ def _gumbel_argmax_kernel(
         if MIXED:
             greedy = tl.load(temp_ptr + row) == 0.0
         thr = tl.load(thr_ptr + row)
-        seed = tl.load(seed_ptr + row)
-        s_lo = seed & 0xFFFFFFFF
-        s_hi = (seed >> 32) & 0xFFFFFFFF
-        ctr = tl.load(ctr_ptr + row) & 0xFFFFFFFF
+        ctr, s_hi, s_lo = _row_seed(row, seed_ptr, ctr_ptr)
     best = tl.full((), float("-inf"), tl.float32)
     best_i = tl.full((), 0, tl.int64) + sl * SLICE
     for start in range(sl * SLICE, tl.minimum(sl * SLICE + SLICE, V), BLOCK):
@@ -95,12 +110,7 @@ def _gumbel_argmax_kernel(
         inside = idx < V
         x = tl.load(x_ptr + row * x_stride + idx, mask=inside, other=float("-inf")).to(tl.float32)
         if NOISE:
-            h = _mix((idx.to(tl.int64) + 0x9E3779B9) & 0xFFFFFFFF)
-            h = _mix(h ^ ctr)
-            h = _mix(h ^ s_hi)
-            h = _mix(h ^ s_lo)
-            u = ((h >> 9).to(tl.float32) + 0.5) * (1.0 / 8388608.0)
-            g = -tl.log(-tl.log(u))
+            g = _noise(idx, ctr, s_hi, s_lo)
             score = tl.where(inside & (x >= thr), x + g, float("-inf"))
             if MIXED:
                 score = tl.where(greedy, x, score)
@@ -113,6 +123,32 @@ def _gumbel_argmax_kernel(
         best_i = tl.where(take, start + bidx.to(tl.int64), best_i)
     tl.store(best_ptr + row * S + sl, best)
     tl.store(arg_ptr + row * S + sl, best_i)
+
+
+@triton.jit
+def _row_penalties(row, temp_ptr, slot_ptr, rep_ptr, pres_ptr, freq_ptr, V):
+    """Row ``row``'s ``(1 / T or 1, slot, rho, presence, frequency, tokens below which the
+    penalties apply)``: the second-to-last is 0 without a slot."""
+    t = tl.load(temp_ptr + row)
+    slot = tl.load(slot_ptr + row)
+    return (1.0 / tl.where(t > 0, t, 1.0), slot, tl.load(rep_ptr + row), tl.load(pres_ptr + row),
+            tl.load(freq_ptr + row), tl.where(slot >= 0, V, 0))
+
+
+@triton.jit
+def _penalized(l_ptr, l_stride, row, idx, inside, inv_t, slot, rho, pres, freq, end_pen, counts_ptr, mask_ptr, V,
+               PENALTIES: tl.constexpr):
+    """x = penalised(l) / T over the tokens ``idx`` of row ``row`` (``_penalize_kernel``'s math;
+    float32, -inf outside the vocabulary)."""
+    l = tl.load(l_ptr + row * l_stride + idx, mask=inside, other=float("-inf")).to(tl.float32)
+    if PENALTIES:
+        on = idx < end_pen
+        s = tl.maximum(slot, 0)
+        cnt = tl.load(counts_ptr + s * V + idx, mask=on, other=0)
+        seen = (tl.load(mask_ptr + s * V + idx, mask=on, other=0) != 0) | (cnt > 0)
+        l = tl.where(on & seen, tl.where(l > 0, l / rho, l * rho), l)
+        l = tl.where(on, l - (freq * cnt.to(tl.float32) + pres * (cnt > 0).to(tl.float32)), l)
+    return l * inv_t
 
 
 @triton.jit
@@ -136,25 +172,36 @@ def _penalize_kernel(
     generated), minus freq * count_t + pres * [count_t > 0]; rows with T == 0 are not divided."""
     row = tl.program_id(0)
     sl = tl.program_id(1)
-    t = tl.load(temp_ptr + row)
-    inv_t = 1.0 / tl.where(t > 0, t, 1.0)
-    slot = tl.load(slot_ptr + row)
-    rho = tl.load(rep_ptr + row)
-    pres = tl.load(pres_ptr + row)
-    freq = tl.load(freq_ptr + row)
-    end_pen = tl.where(slot >= 0, V, 0)          # tokens below this get penalties (none without a slot)
+    inv_t, slot, rho, pres, freq, end_pen = _row_penalties(row, temp_ptr, slot_ptr, rep_ptr, pres_ptr, freq_ptr, V)
     for start in range(sl * SLICE, tl.minimum(sl * SLICE + SLICE, V), BLOCK):
         idx = start + tl.arange(0, BLOCK)
         inside = idx < V
-        l = tl.load(l_ptr + row * l_stride + idx, mask=inside, other=0.0).to(tl.float32)
-        if PENALTIES:
-            on = idx < end_pen
-            s = tl.maximum(slot, 0)
-            cnt = tl.load(counts_ptr + s * V + idx, mask=on, other=0)
-            seen = (tl.load(mask_ptr + s * V + idx, mask=on, other=0) != 0) | (cnt > 0)
-            l = tl.where(on & seen, tl.where(l > 0, l / rho, l * rho), l)
-            l = tl.where(on, l - (freq * cnt.to(tl.float32) + pres * (cnt > 0).to(tl.float32)), l)
-        tl.store(x_ptr + row * V + idx, l * inv_t, mask=inside)
+        x = _penalized(l_ptr, l_stride, row, idx, inside, inv_t, slot, rho, pres, freq, end_pen, counts_ptr,
+                       mask_ptr, V, PENALTIES)
+        tl.store(x_ptr + row * V + idx, x, mask=inside)
+
+
+@triton.jit
+def _threshold_of(v, j, W, min_p, k, p, EXTRA: tl.constexpr):
+    """thr = max(min-p cut, k-th largest, top-p cut) of one row from ``v``, its W largest x in
+    descending order (``v[j]``, -inf at ``j >= W``). Top-p keeps the tokens whose strictly larger
+    kept tokens hold < p of the kept mass: with e the kept probabilities in descending order and c
+    the exclusive prefix sums, J = #{j: c_j < p * sum(e)} and the cut is v[J - 1] (a tie group
+    straddling J - 1 is kept whole)."""
+    inside = j < W
+    m = tl.max(v, axis=0)
+    neg = float("-inf")
+    thr = tl.where(min_p > 0, m + tl.log(tl.maximum(min_p, 1e-30)), neg)
+    kth = tl.max(tl.where(j == tl.minimum(tl.maximum(k - 1, 0), W - 1), v, neg), axis=0)
+    thr = tl.where((k > 0) & (k <= W), tl.maximum(thr, kth), thr)
+    limit = tl.where(k > 0, k + EXTRA, W)
+    kept = inside & (v >= thr) & (j < limit)
+    e = tl.where(kept, tl.exp(v - m), 0.0)
+    c = tl.cumsum(e, axis=0) - e
+    z = tl.sum(e, axis=0)
+    J = tl.sum((kept & (c < p * z)).to(tl.int32), axis=0)
+    t_p = tl.max(tl.where(j == tl.maximum(J - 1, 0), v, neg), axis=0)
+    return tl.where(p < 1.0, tl.maximum(thr, t_p), thr)
 
 
 @triton.jit
@@ -168,30 +215,11 @@ def _threshold_kernel(
     EXTRA: tl.constexpr,   # ties past the k-th value counted into the top-p mass
     BLOCK_W: tl.constexpr,
 ):
-    """thr = max(min-p cut, k-th largest, top-p cut), from the sorted prefix. Top-p keeps the tokens
-    whose strictly larger kept tokens hold < p of the kept mass: with e the kept probabilities in
-    descending order and c the exclusive prefix sums, J = #{j: c_j < p * sum(e)} and the cut is
-    vals[J - 1] (a tie group straddling J - 1 is kept whole)."""
+    """thr of each row from its sorted prefix (``_threshold_of``)."""
     row = tl.program_id(0)
     j = tl.arange(0, BLOCK_W)
-    inside = j < W
-    v = tl.load(vals_ptr + row * W + j, mask=inside, other=float("-inf"))
-    m = tl.max(v, axis=0)
-    neg = float("-inf")
-    min_p = tl.load(min_p_ptr + row)
-    thr = tl.where(min_p > 0, m + tl.log(tl.maximum(min_p, 1e-30)), neg)
-    k = tl.load(k_ptr + row)
-    kth = tl.load(vals_ptr + row * W + tl.minimum(tl.maximum(k - 1, 0), W - 1))
-    thr = tl.where((k > 0) & (k <= W), tl.maximum(thr, kth), thr)
-    p = tl.load(p_ptr + row)
-    limit = tl.where(k > 0, k + EXTRA, W)
-    kept = inside & (v >= thr) & (j < limit)
-    e = tl.where(kept, tl.exp(v - m), 0.0)
-    c = tl.cumsum(e, axis=0) - e
-    z = tl.sum(e, axis=0)
-    J = tl.sum((kept & (c < p * z)).to(tl.int32), axis=0)
-    t_p = tl.load(vals_ptr + row * W + tl.maximum(J - 1, 0))
-    thr = tl.where(p < 1.0, tl.maximum(thr, t_p), thr)
+    v = tl.load(vals_ptr + row * W + j, mask=j < W, other=float("-inf"))
+    thr = _threshold_of(v, j, W, tl.load(min_p_ptr + row), tl.load(k_ptr + row), tl.load(p_ptr + row), EXTRA)
     tl.store(thr_ptr + row, thr)
 
 
@@ -269,12 +297,8 @@ def gumbel_argmax(x: torch.Tensor, thr: torch.Tensor, seed: torch.Tensor, counte
     return _finish(best, arg, V, ids=ids, record=record)
 
 
-def _finish(best, arg, V: int, *, advance=None, ids=None, record=None) -> torch.Tensor:
-    """``_argmax_finish_kernel`` over the slices' winners ``best``/``arg`` [R, S]."""
-    R, S = best.shape
-    if S == 1 and advance is None and ids is None and record is None:
-        return arg[:, 0]
-    out = torch.empty(R, dtype=torch.int64, device=best.device)
+def check_outputs(R: int, V: int, ids: torch.Tensor | None, record: tuple | None) -> None:
+    """The ``ids`` / ``record`` arguments of a draw (see :func:`gumbel_argmax`), or an error naming them."""
     for name, t, dt in (("ids", ids, torch.int64), ("record's slot", None if record is None else record[0],
                                                     torch.int64)):
         if t is not None and (t.shape != (R,) or t.dtype != dt or t.stride(0) != 1):
@@ -283,6 +307,15 @@ def _finish(best, arg, V: int, *, advance=None, ids=None, record=None) -> torch.
                                or not record[1].is_contiguous()):
         raise GraphDSLError(f"sampling: record's counts must be a contiguous int32 [slots, {V}], got "
                             f"{record[1].dtype} {list(record[1].shape)}")
+
+
+def _finish(best, arg, V: int, *, advance=None, ids=None, record=None) -> torch.Tensor:
+    """``_argmax_finish_kernel`` over the slices' winners ``best``/``arg`` [R, S]."""
+    R, S = best.shape
+    if S == 1 and advance is None and ids is None and record is None:
+        return arg[:, 0]
+    out = torch.empty(R, dtype=torch.int64, device=best.device)
+    check_outputs(R, V, ids, record)
     adv_ids, pos, lens = advance if advance is not None else (ids if ids is not None else out, out, out)
     slot, counts = record if record is not None else (out, out)
     _argmax_finish_kernel[(R,)](best, arg, S, out, adv_ids, pos, lens, slot, counts, V, ADVANCE=advance is not None,
@@ -317,14 +350,21 @@ def _argmax_finish_kernel(
     b = tl.load(best_ptr + row * S + j, mask=j < S, other=float("-inf"))
     pick = tl.argmax(b, axis=0)
     tok = tl.load(arg_ptr + row * S + pick)
-    tl.store(out_ptr + row, tok)
-    if ADVANCE or IDS:
-        tl.store(ids_ptr + row, tok)
+    _emit(row, tok, out_ptr, ids_ptr, slot_ptr, counts_ptr, V, ADVANCE or IDS, RECORD)
     if ADVANCE:
         n = tl.load(lens_ptr + row)
         step = (n > 0).to(tl.int32)
         tl.store(lens_ptr + row, n + step)
         tl.store(pos_ptr + row, tl.load(pos_ptr + row) + step.to(tl.int64))
+
+
+@triton.jit
+def _emit(row, tok, out_ptr, ids_ptr, slot_ptr, counts_ptr, V, IDS: tl.constexpr, RECORD: tl.constexpr):
+    """Row ``row`` drew ``tok``: ``out[row] = tok``; IDS: ``ids[row] = tok`` (the next step's input);
+    RECORD: ``counts[slot, tok] += 1`` where ``slot[row] >= 0`` (one row a slot, so no atomics)."""
+    tl.store(out_ptr + row, tok)
+    if IDS:
+        tl.store(ids_ptr + row, tok)
     if RECORD:
         slot = tl.load(slot_ptr + row)
         if slot >= 0:

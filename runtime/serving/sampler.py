@@ -20,11 +20,16 @@ Per row ``r`` of ``logits[R, V]`` (float32), in this order:
    logits and its positions, never on its batch neighbours.
 
 Steps 6-8 come down to one threshold per row (keep ``x >= thr``), computed from a sorted prefix:
-``torch.topk`` of the batch's largest k (no full-vocabulary sort), or the whole sorted row only
-when a row asks for top-p without a top-k of at most :data:`TOPK_SORT_LIMIT`. On CUDA, steps 2-5,
-the threshold and the draw are Triton kernels (:mod:`graphdsl.runtime.kernels.sampling`); on the
-CPU the same math in torch (bit-identical noise). (A Triton replacement of ``torch.topk`` that
-sorted 8192-token chunks with ``tl.sort`` was slower on an H100: 183 against ~60 µs a row.)
+each row's ``max top-k + TIES_COUNTED`` largest values (no full-vocabulary sort), or the whole
+sorted row only when a row asks for top-p without a top-k of at most :data:`TOPK_SORT_LIMIT`.
+On CUDA, a batch whose sampled rows all have a top-k (prefix width at most
+``kernels.topk_draw.MAX_WIDTH``) runs steps 2-9 in two Triton launches
+(:mod:`graphdsl.runtime.kernels.topk_draw`: each slice's largest values by a bitwise search, then
+per row the threshold and the draw over those candidates); other batches take ``torch.topk`` (or
+the sort) for the prefix and the kernels of :mod:`graphdsl.runtime.kernels.sampling` for
+penalties + temperature, the threshold and the draw. On the CPU the same math runs in torch
+(bit-identical noise). (A Triton replacement of ``torch.topk`` that sorted 8192-token chunks with
+``tl.sort`` was slower on an H100: 183 against ~60 µs a row.)
 
 Penalties read :class:`PenaltyState`: per request slot, the count of each generated token and a
 mask of prompt tokens, kept on the device (``record`` adds each step's tokens).
@@ -43,6 +48,7 @@ __all__ = ["SamplingTensors", "PenaltyState", "sample", "sample_reference", "com
 
 TOPK_SORT_LIMIT = 1024   # top-p rows with a top-k up to this use the top-k prefix, not a full sort
 TIES_COUNTED = 64        # tokens tied with the k-th value beyond it that count in the top-p mass
+TOPK_DRAW = True         # batches whose sampled rows all have a top-k: kernels.topk_draw (two launches)
 
 _FLOATS = ("temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty")
 _INTS = ("top_k", "seed", "slot")
@@ -68,6 +74,7 @@ class SamplingTensors:
     any_min_p: bool = False
     any_greedy: bool = True
     full_sort: bool = False          # some top-p row has no top-k <= TOPK_SORT_LIMIT
+    all_top_k: bool = False          # every sampled row has a top-k (the two-launch draw applies)
 
     @classmethod
     def build(cls, rows: list[dict], device) -> "SamplingTensors":
@@ -91,7 +98,8 @@ class SamplingTensors:
                    all_greedy=not sampled, any_penalty=any(r["slot"] >= 0 for r in rows),
                    max_top_k=max(topk, default=0), any_top_p=any(r["top_p"] < 1.0 for r in sampled),
                    any_min_p=any(r["min_p"] > 0 for r in sampled), any_greedy=len(sampled) < len(rows),
-                   full_sort=any(r["top_p"] < 1.0 and not 0 < r["top_k"] <= TOPK_SORT_LIMIT for r in sampled))
+                   full_sort=any(r["top_p"] < 1.0 and not 0 < r["top_k"] <= TOPK_SORT_LIMIT for r in sampled),
+                   all_top_k=bool(sampled) and all(r["top_k"] > 0 for r in sampled))
 
 
 class PenaltyState:
@@ -207,11 +215,17 @@ def _sample(logits, st, counters, penalties, banned, cuda: bool, record: bool = 
         l = l.masked_fill_(hits > 0, float("-inf"))
     use_pen = penalties is not None and st.any_penalty
     record = record and use_pen
-    from graphdsl.runtime.kernels import sampling as K
+    from graphdsl.runtime.kernels import sampling as K, topk_draw
     if cuda:
+        extra = dict(ids=into, record=(st.slot, penalties.counts) if record else None)
+        width = min(st.max_top_k + TIES_COUNTED, l.shape[1])
+        if TOPK_DRAW and st.all_top_k and width <= topk_draw.MAX_WIDTH:
+            return topk_draw.draw_top_k(l, st.temperature, st.slot, st.repetition_penalty, st.presence_penalty,
+                                        st.frequency_penalty, penalties.counts if use_pen else None,
+                                        penalties.prompt_mask if use_pen else None, width, st.min_p, st.top_k,
+                                        st.top_p, TIES_COUNTED, st.seed, counters, mixed=st.any_greedy, **extra)
         x = K.penalize(l, st.temperature, st.slot, st.repetition_penalty, st.presence_penalty, st.frequency_penalty,
                        penalties.counts if use_pen else None, penalties.prompt_mask if use_pen else None)
-        extra = dict(ids=into, record=(st.slot, penalties.counts) if record else None)
         if st.all_greedy:                    # greedy rows are not divided by their temperature
             return K.argmax(x, **extra)
         return K.gumbel_argmax(x, _threshold(x, st, K.threshold), st.seed, counters,
@@ -240,10 +254,11 @@ def sample(logits: torch.Tensor, st: SamplingTensors, counters: torch.Tensor, *,
     be changed in place. ``counters[r]`` is the position of the token being drawn; ``banned`` int64
     ``[R, B]`` (ids >= 0 are banned, -1 pads). ``record``: also count the drawn tokens in
     ``penalties`` (:meth:`PenaltyState.record`); ``into``: int64 ``[R]`` that also receives them (the
-    next decode step's ``input_ids``). No host synchronisation. On CUDA: the Triton kernels of
-    :mod:`graphdsl.runtime.kernels.sampling` (penalties + temperature in one launch, ``torch.topk``
-    of the batch's largest k, the threshold, the draw in two launches, whose last also does
-    ``record`` and ``into``); elsewhere the torch path."""
+    next decode step's ``input_ids``). No host synchronisation. On CUDA: rows that all have a
+    top-k (or are greedy) take the two launches of :mod:`graphdsl.runtime.kernels.topk_draw`; other
+    batches the Triton kernels of :mod:`graphdsl.runtime.kernels.sampling` (penalties + temperature
+    in one launch, ``torch.topk`` of the batch's largest k, the threshold, the draw in two
+    launches); the last launch also does ``record`` and ``into``. Elsewhere the torch path."""
     return _sample(logits, st, counters, penalties, banned, logits.device.type == "cuda", record, into)
 
 
