@@ -57,7 +57,8 @@ class Parameter(Tensor):
         key = (self.name, self.quant)
         if self._companions is None or self._companions[0] != key:
             out, inp = self.shape
-            made = [Parameter(c.shape, c.dtype if c.dtype is not None else self.dtype, self.shard_dim,
+            made = [Parameter(c.shape, c.dtype if c.dtype is not None else self.dtype,
+                              self.shard_dim if c.per_row else None,     # an input permutation is not sharded
                               name=f"{self.name}{c.suffix}") for c in self.quant.companions(out, inp)]
             self._companions = (key, made)
         return self._companions[1]

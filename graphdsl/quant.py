@@ -15,7 +15,10 @@ says how to read ``W`` back:
 * ``int4-g{32,64,128}`` (symmetric) / ``int4-g{..}-zp`` (zero points) — per group of ``g`` inputs,
   ``W = (q - z) * s`` with ``q`` in 0..15 packed two per byte (``packed[n, k // 2]``: even ``k`` in
   the low nibble, odd ``k`` in the high one), ``z = 8`` when symmetric else the companion
-  ``zero_point [out, in // g]``, ``s [out, in // g]``.
+  ``zero_point [out, in // g]``, ``s [out, in // g]``. ``-act`` (``int4-g128-zp-act``, GPTQ's
+  act-order): the groups take the inputs in the order of companion ``perm`` (int32 ``[in]``), the
+  codes' columns stored in that order; ``F.linear`` gathers ``x[..., perm]`` and runs the plain
+  scheme's ``quant_linear``.
 
 Schemes are frozen, hashable and named by a canonical string (:attr:`QuantScheme.name`, what
 graphs carry as the ``quant_linear`` op's ``scheme`` attribute, print and dump).
@@ -57,6 +60,7 @@ class Companion:
     suffix: str
     shape: tuple[int, ...]
     dtype: torch.dtype | None
+    per_row: bool = True     # dim 0 runs over the weight's output rows (False: over its inputs)
 
 
 class QuantScheme:
@@ -81,6 +85,15 @@ class QuantScheme:
         """The companions of ``weight [out, in]`` (scales in ``dtype``, default the weight's)."""
         raise GraphDSLError(f"quantization scheme {self.name!r} cannot quantize a weight online; "
                             "load a checkpoint already in this format")
+
+    #: the last companion is a permutation ``perm`` of the inputs: ``F.linear`` records
+    #: ``gather(x, -1, perm)`` and ``quant_linear`` of :attr:`kernel_scheme` on the other companions
+    permutes_input = False
+
+    @property
+    def kernel_scheme(self) -> "QuantScheme":
+        """The scheme ``quant_linear`` runs (the kernels' layout of the companions)."""
+        return self
 
     def linear(self, x: torch.Tensor, tensors: list[torch.Tensor], out_features: int,
                in_features: int) -> torch.Tensor:
@@ -163,13 +176,19 @@ _GROUPS = (32, 64, 128)
 @dataclass(frozen=True)
 class IntScheme(QuantScheme):
     """Integer weight-only: ``bits`` 8 (per-channel, symmetric) or 4 (groups of ``group_size``
-    inputs, symmetric or with zero points)."""
+    inputs, symmetric or with zero points). ``act_order`` (int4, GPTQ's ``desc_act``): the groups
+    gather inputs in another order, kept as companion ``_perm`` (int32 ``[in]``): the codes are
+    stored with their columns in that order, ``W[:, perm] = (q - z) * s`` over contiguous groups,
+    so ``x @ W.T = x[..., perm] @ W'.T`` runs the plain int4 kernels after one gather."""
 
     bits: int = 4
     group_size: int | None = 128
     zero_point: bool = False
+    act_order: bool = False
 
     def __post_init__(self):
+        if self.act_order and self.bits != 4:
+            raise GraphDSLError(f"act_order applies to int4 weights, got bits={self.bits}")
         if self.bits == 8:
             if self.group_size is not None or self.zero_point:
                 raise GraphDSLError(f"int8 weights are per-channel and symmetric; got group_size={self.group_size}, "
@@ -184,7 +203,15 @@ class IntScheme(QuantScheme):
     def name(self) -> str:
         if self.bits == 8:
             return "int8-channel"
-        return f"int4-g{self.group_size}{'-zp' if self.zero_point else ''}"
+        return f"int4-g{self.group_size}{'-zp' if self.zero_point else ''}{'-act' if self.act_order else ''}"
+
+    @property
+    def permutes_input(self) -> bool:
+        return self.act_order
+
+    @property
+    def kernel_scheme(self) -> "IntScheme":
+        return IntScheme(self.bits, self.group_size, self.zero_point) if self.act_order else self
 
     def groups(self, in_features: int) -> int:
         return 1 if self.group_size is None else in_features // self.group_size
@@ -201,9 +228,13 @@ class IntScheme(QuantScheme):
         packed = (Companion("_packed", (out_features, in_features), torch.int8) if self.bits == 8 else
                   Companion("_packed", (out_features, in_features // 2), torch.uint8))
         out = (packed, Companion("_scale", (out_features, g), None))
-        return out + ((Companion("_zero_point", (out_features, g), None),) if self.zero_point else ())
+        out += (Companion("_zero_point", (out_features, g), None),) if self.zero_point else ()
+        return out + ((Companion("_perm", (in_features,), torch.int32, per_row=False),) if self.act_order else ())
 
     def dequantize(self, tensors, out_features, in_features, dtype):
+        if self.act_order:
+            w = self.kernel_scheme.dequantize(tensors[:-1], out_features, in_features, dtype)
+            return torch.empty_like(w).index_copy_(1, tensors[-1].long(), w)
         if self.bits == 8:
             return (tensors[0].float() * tensors[1].float()).to(dtype)
         n, g = out_features, self.groups(in_features)
@@ -216,6 +247,9 @@ class IntScheme(QuantScheme):
         group ``sum_g s[n, g] * (x_g @ q_g.T - z[n, g] * sum(x_g))`` for a few rows (no dequantized
         ``W`` is written: the CPU reference stays near the bytes of the codes); more rows
         dequantize once and multiply."""
+        if self.act_order:
+            return self.kernel_scheme.linear(x.index_select(-1, tensors[-1].long()), tensors[:-1], out_features,
+                                             in_features)
         lead, xf = x.shape[:-1], x.reshape(-1, in_features).float()
         if self.bits == 8:
             y = (xf @ tensors[0].float().T) * tensors[1].float().reshape(1, -1)
@@ -232,6 +266,8 @@ class IntScheme(QuantScheme):
         return y.reshape(*lead, out_features).to(x.dtype)
 
     def quantize(self, weight, dtype=None):
+        if self.act_order:
+            return super().quantize(weight, dtype)      # the order comes from a GPTQ checkpoint
         dtype = dtype or weight.dtype
         w = weight.float()
         if self.bits == 8:
@@ -307,10 +343,10 @@ def _parse_int(name: str) -> QuantScheme:
     parts = name.split("-")
     if parts == ["int8", "channel"]:
         return IntScheme(8, None, False)
-    if parts[0] == "int4" and len(parts) in (2, 3) and parts[1][:1] == "g" and parts[1][1:].isdigit() \
-            and parts[2:] in ([], ["zp"]):
-        return IntScheme(4, int(parts[1][1:]), parts[2:] == ["zp"])
-    raise GraphDSLError(f"unknown integer scheme {name!r}: int8-channel or int4-g{{32,64,128}}[-zp]")
+    if parts[0] == "int4" and len(parts) in (2, 3, 4) and parts[1][:1] == "g" and parts[1][1:].isdigit() \
+            and parts[2:] in ([], ["zp"], ["act"], ["zp", "act"]):
+        return IntScheme(4, int(parts[1][1:]), "zp" in parts[2:], "act" in parts[2:])
+    raise GraphDSLError(f"unknown integer scheme {name!r}: int8-channel or int4-g{{32,64,128}}[-zp][-act]")
 
 
 register_scheme("fp8", _parse_fp8)

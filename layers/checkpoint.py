@@ -30,6 +30,7 @@ class CheckpointSlot:
     reorder: tuple[tuple[int, ...], tuple[int, ...]] | None = None
     source: tuple = ()
     held: bool = True
+    shared: bool = False   # several checkpoint tensors fill the whole parameter and must agree
 
     def place(self, tensor):
         """``tensor`` (of ``shape``) in the order and shape of ``param[index]``."""

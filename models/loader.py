@@ -57,7 +57,9 @@ def mark_checkpoint_quantization(model: FlashCausalLM, quantization) -> list[str
 
 def _quantized_table(table: dict[str, CheckpointSlot], params: dict) -> dict[str, CheckpointSlot]:
     """``table`` with each piece of a quantized weight replaced by its companions' pieces: rows
-    ``index`` of the weight are the same rows of every companion (all are ``[out, ...]``)."""
+    ``index`` of the weight are the same rows of every ``[out, ...]`` companion; a companion over
+    the inputs (``per_row`` false: an act-order permutation) is filled whole by every piece, which
+    must agree (``CheckpointSlot.shared``)."""
     out = {}
     for name, slot in table.items():
         p = params.get(slot.param)
@@ -70,7 +72,8 @@ def _quantized_table(table: dict[str, CheckpointSlot], params: dict) -> dict[str
                                 f"be whole rows, got index {slot.index}")
         rows, inputs = slot.shape
         for c_param, c in zip(p.companions(), p.quant.companions(rows, inputs)):
-            out[f"{name}{c.suffix}"] = CheckpointSlot(c_param.name, slot.index, c.shape)
+            out[f"{name}{c.suffix}"] = (CheckpointSlot(c_param.name, slot.index, c.shape) if c.per_row else
+                                        CheckpointSlot(c_param.name, (), c.shape, shared=True))
     return out
 
 
@@ -107,6 +110,7 @@ def load_weights(model: FlashCausalLM, tensors: Iterable[tuple[str, torch.Tensor
         for c in params[name].companions():
             out[c.name] = torch.zeros(tuple(c.shape), dtype=c.dtype, device=where.get(name, device))
     got: dict[str, tuple[int, ...]] = {}
+    shared: dict[str, str] = {}          # shared parameter -> the checkpoint tensor that filled it first
     expected = {name: slot.shape for name, slot in table.items()}
     line = _ProgressLine(sys.stderr) if progress else None
     for i, (name, tensor) in enumerate(tensors, 1):
@@ -125,7 +129,10 @@ def load_weights(model: FlashCausalLM, tensors: Iterable[tuple[str, torch.Tensor
                                 f"({params[slot.param].quant.name}) keeps them")
         if slot is not None and tuple(tensor.shape) == slot.shape and slot.held:
             target = out[slot.param][slot.index]
-            target.copy_(slot.place(_part(tensor, slot.source)).reshape(target.shape))
+            value = slot.place(_part(tensor, slot.source)).reshape(target.shape)
+            if slot.shared:
+                _check_shared(shared, slot.param, name, target, value)
+            target.copy_(value)
         if line is not None and line.due():
             line.show(f"loading weights: {i} tensors ({len(got)}/{len(expected)} matched names)")
     if line is not None:
@@ -134,6 +141,15 @@ def load_weights(model: FlashCausalLM, tensors: Iterable[tuple[str, torch.Tensor
     for name, source in tied.items():
         out[name] = out[source]
     return out
+
+
+def _check_shared(first: dict[str, str], param: str, name: str, target: torch.Tensor, value: torch.Tensor) -> None:
+    """A second checkpoint tensor filling the same whole ``param`` must hold the first one's values."""
+    if param not in first:
+        first[param] = name
+    elif not torch.equal(target, value.to(target.device, target.dtype)):
+        raise GraphDSLError(f"checkpoint tensors {first[param]!r} and {name!r} both fill {param!r} but differ: the "
+                            "pieces of one fused linear must share one input order (GPTQ act-order g_idx)")
 
 
 def _place_blocks(out: dict, p, name: str, slot, tensor: GGUFBlockWeight) -> None:

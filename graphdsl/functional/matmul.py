@@ -59,7 +59,11 @@ def linear(x, weight, bias=None, transpose_a: bool = False, transpose_b: bool = 
               f"quantized weight '{weight.name}' ({scheme.name}) is [out, in]: pass transpose_b=True, no transpose_a")
         from .quant import quant_linear
         out_f, in_f = weight.shape
-        out = quant_linear(x, *weight.companions(), scheme=scheme.name, out_features=out_f, in_features=in_f)
+        parts = weight.companions()
+        if scheme.permutes_input:       # act-order int4: the inputs in the groups' order first
+            from .movement import gather
+            x, parts = gather(x, -1, parts[-1]), parts[:-1]
+        out = quant_linear(x, *parts, scheme=scheme.kernel_scheme.name, out_features=out_f, in_features=in_f)
     else:
         out = matmul(x, weight, transpose_a=transpose_a, transpose_b=transpose_b)
     return out if bias is None else out + bias

@@ -22,8 +22,10 @@ Formats (``quant_method`` / ``format``) and the scheme each linear takes:
   holding input ``8r + i``; ``qzeros`` int32 ``[in/g, out/8]`` sequential; ``scales [in/g, out]``;
   ``g_idx [in]``. ``W = (q - z) * s`` with ``z = stored + 1`` for ``checkpoint_format`` ``gptq``
   (v1, what transformers/optimum convert on load) and ``z = stored`` for ``gptq_v2``; ``sym`` true →
-  ``int4-g{g}`` (every ``z`` must be 8), else ``int4-g{g}-zp``. Act-order (``desc_act``) is refused
-  unless ``g_idx`` is the trivial ``k // g``.
+  ``int4-g{g}`` (every ``z`` must be 8), else ``int4-g{g}-zp``. Act-order (``desc_act``): ``g_idx``
+  assigns inputs to groups in another order; the scheme takes ``-act`` (``int4-g128-zp-act``), the
+  codes' columns are stored in ``argsort(g_idx)`` order with that order as companion ``_perm``, and
+  q/k/v (gate/up) of one fused linear must share it (they share their input).
 
 Per-channel int4 (one group over all inputs) takes groups of 128 (64, 32) with the scale repeated,
 exactly. Anything else — other bit widths, group sizes, block or static-activation schemes — is a
@@ -33,7 +35,7 @@ from __future__ import annotations
 
 import re
 import sys
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Callable, Iterable, Iterator
 
 import torch
@@ -49,7 +51,7 @@ SUPPORTED = {
     ("compressed-tensors", "int-quantized"): "int4-g{32,64,128}[-zp], int8-channel",
     ("compressed-tensors", "float-quantized"): "fp8-channel, fp8-channel-dyn",
     ("awq", "gemm"): "int4-g{32,64,128}-zp",
-    ("gptq", "gptq"): "int4-g{32,64,128}[-zp]",
+    ("gptq", "gptq"): "int4-g{32,64,128}[-zp][-act]",
 }
 _GROUPS = (128, 64, 32)
 _AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)       # nibble i of an AWQ word holds column _AWQ_ORDER[i] of its 8
@@ -438,7 +440,8 @@ class _Gptq(CheckpointQuantization):
         where = f"quantized linear {module + '.qweight'!r} ({self.describe(module)})"
         if self.bits != 4:
             raise GraphDSLError(f"{where}: {self.bits}-bit GPTQ weights are not supported (4 bits)")
-        return _int4_scheme(where, None if self.group in (-1, None) else self.group, in_features, not self.sym)
+        scheme = _int4_scheme(where, None if self.group in (-1, None) else self.group, in_features, not self.sym)
+        return replace(scheme, act_order=True) if self.desc_act else scheme
 
     def _convert(self, module, scheme, got, n, k):
         where = f"quantized linear {module!r} ({self.describe(module)})"
@@ -449,19 +452,38 @@ class _Gptq(CheckpointQuantization):
         s = got["scales"]
         if tuple(s.shape) != (stored_g, n):
             raise GraphDSLError(f"{where}: {module + '.scales'!r} should be [{stored_g}, {n}], got {list(s.shape)}")
-        if "g_idx" in got:
-            gi = got["g_idx"].reshape(-1).long()
-            size = k if stored_g == 1 else k // stored_g
-            if gi.shape[0] != k or not torch.equal(gi, torch.arange(k) // size):
-                raise GraphDSLError(f"{where}: {module + '.g_idx'!r} is not the trivial k // group_size: act-order "
-                                    "(desc_act) checkpoints are not supported; re-quantize with desc_act=false")
+        perm = self._input_order(got.get("g_idx"), k, stored_g, f"{where}: {module + '.g_idx'!r}")
         codes = _nibbles(qw.T.contiguous()).contiguous()             # [n, k]: word r's nibble i is input 8r + i
+        if scheme.act_order:                                          # each group's inputs side by side
+            codes = codes[:, perm].contiguous()
         zeros = _nibbles(qz).T.float() + (0.0 if self.v2 else 1.0)    # [n, stored_g]
         scale = _per_group(s.T, n, g, f"{where}: {module + '.scales'!r}", stored_g)
         zeros = _per_group(zeros, n, g, f"{where}: {module + '.qzeros'!r}", stored_g)
+        order = [perm.to(torch.int32)] if scheme.act_order else []
         if not scheme.zero_point:
             if not bool((zeros == 8).all()):
                 raise GraphDSLError(f"{where}: {module + '.qzeros'!r} holds zero points other than 8 although "
                                     "sym=true (layout mismatch)")
-            return [pack_int4(codes), scale]
-        return [pack_int4(codes), scale, zeros]
+            return [pack_int4(codes), scale] + order
+        return [pack_int4(codes), scale, zeros] + order
+
+    def _input_order(self, g_idx, k: int, groups: int, what: str) -> torch.Tensor:
+        """The inputs in group order (``argsort(g_idx)``, stable): group ``j`` holds ``g_idx == j``,
+        each ``k / groups`` inputs. Without ``desc_act`` the order must be the trivial ``k // g``."""
+        size = k // groups
+        trivial = torch.arange(k) // size
+        if g_idx is None:
+            return torch.arange(k)
+        gi = g_idx.reshape(-1).long()
+        if gi.shape[0] != k:
+            raise GraphDSLError(f"{what} should have {k} entries (one group per input), got {gi.shape[0]}")
+        if not self.desc_act:
+            if not torch.equal(gi, trivial):
+                raise GraphDSLError(f"{what} is not the trivial k // group_size although quantization_config.desc_act "
+                                    "is false (act-order without the flag: set desc_act=true)")
+            return torch.arange(k)
+        if int(gi.min()) < 0 or int(gi.max()) >= groups or \
+                not bool((torch.bincount(gi, minlength=groups) == size).all()):
+            raise GraphDSLError(f"{what} must give each of the {groups} groups {size} inputs (act-order), got group "
+                                f"sizes {torch.bincount(gi.clamp(min=0)).tolist()[:8]}...")
+        return torch.argsort(gi, stable=True)

@@ -88,3 +88,29 @@ def test_fusion_report_shows_scheme():
         net.mark_output(F.linear(Tensor("x", (2, 64), torch.float32), p, None, transpose_b=True), "y")
     report = net.build_engine(device="cpu").fusion_report()
     assert "int8-channel x1" in report
+
+
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_act_order_gathers_the_inputs_then_runs_the_plain_scheme(backend):
+    """``int4-g32-zp-act``: W[:, perm] holds the groups; the graph gathers x[..., perm] and runs
+    ``quant_linear`` in ``int4-g32-zp`` on the other companions; the engine equals x @ W.T."""
+    s = parse_scheme("int4-g32-zp-act")
+    assert s.name == "int4-g32-zp-act" and s.kernel_scheme.name == "int4-g32-zp" and s.permutes_input
+    assert [c.suffix for c in s.companions(40, 128)][-1] == "_perm"
+    with pytest.raises(GraphDSLError, match=r"'int4-g32-zp-act' cannot quantize a weight online"):
+        s.quantize(torch.randn(40, 128))
+    with Network("q") as net:
+        p = Parameter((40, 128), torch.float32, name="proj.weight").quantize(s)
+        net.mark_output(F.linear(Tensor("x", (3, 128), torch.float32), p, None, transpose_b=True), "y")
+    text = str(net)
+    assert "gather(%x, %proj.weight_perm)" in text and "scheme=int4-g32-zp," in text
+    g = torch.Generator().manual_seed(4)
+    perm = torch.randperm(128, generator=g).to(torch.int32)
+    stored = s.kernel_scheme.quantize(torch.randn(40, 128, generator=g)) + [perm]
+    w = s.dequantize(stored, 40, 128, torch.float32)
+    torch.testing.assert_close(w[:, perm.long()], s.kernel_scheme.dequantize(stored[:-1], 40, 128, torch.float32))
+    x = torch.randn(3, 128, generator=g)
+    feed = {"x": x, **{c.name: t for c, t in zip(p.companions(), stored)}}
+    y = net.build_engine(device="cpu", backend=backend).forward(feed)["y"]
+    torch.testing.assert_close(y, x @ w.T, atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(s.linear(x, stored, 40, 128), x @ w.T, atol=1e-4, rtol=1e-4)

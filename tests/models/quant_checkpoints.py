@@ -171,28 +171,43 @@ def write_awq(model, directory, *, group: int, modules_to_not_convert=None):
     return ref
 
 
-def write_gptq(model, directory, *, group: int, sym: bool, v2: bool = False, act_order: bool = False,
+_SHARED_INPUT = {"q_proj": "qkv", "k_proj": "qkv", "v_proj": "qkv", "gate_proj": "gate_up", "up_proj": "gate_up"}
+
+
+def write_gptq(model, directory, *, group: int, sym: bool, v2: bool = False, act_order=False,
                bits: int = 4):
     """GPTQ checkpoint (``group`` -1: per channel); v1 stores ``zero - 1``, v2 the zero itself.
-    ``act_order`` writes a permuted ``g_idx`` (desc_act); ``bits`` other than 4 only changes the
-    config (to test the refusal)."""
+    ``act_order`` (desc_act): each group takes the inputs a random ``g_idx`` assigns it (one order
+    per input, shared by q/k/v and by gate/up as GPTQ's Hessian order is; ``"mismatched"``: one per
+    linear); ``"shuffled"`` writes a random ``g_idx`` the codes do not follow (a broken file);
+    ``bits`` other than 4 only changes the config (to test the refusal)."""
     ref = copy.deepcopy(model)
     refmods = dict(ref.named_modules())
-    tensors, skip = {}, set()
+    tensors, skip, orders = {}, set(), {}
+    gen = torch.Generator().manual_seed(0)
     for name, m in _linears(model):
         w = m.weight.detach().float()
         n, k = w.shape
         g = k if group == -1 else group
-        q, z, s = _rtn_int4(w, g, sym)
+        g_idx = torch.arange(k, dtype=torch.int32) // g
+        if act_order in (True, "mismatched"):
+            parent, _, leaf = name.rpartition(".")
+            key = (parent, _SHARED_INPUT.get(leaf, leaf) if act_order is True else leaf)
+            g_idx = orders.setdefault(key, g_idx[torch.randperm(k, generator=gen)])
+        order = torch.argsort(g_idx.long(), stable=True)             # group 0's inputs, group 1's, ...
+        q_o, z, s = _rtn_int4(w[:, order], g, sym)
+        q = torch.empty_like(q_o)
+        q[:, order] = q_o
         tensors[f"{name}.qweight"] = _words(q.T.reshape(k // 8, 8, n).permute(0, 2, 1))   # [k/8, n]
         tensors[f"{name}.qzeros"] = _words((z.T - (0 if v2 else 1)).reshape(k // g, n // 8, 8))  # [k/g, n/8]
         tensors[f"{name}.scales"] = s.T.contiguous()
-        g_idx = torch.arange(k, dtype=torch.int32) // g
-        tensors[f"{name}.g_idx"] = g_idx[torch.randperm(k)] if act_order else g_idx
+        tensors[f"{name}.g_idx"] = (g_idx[torch.randperm(k, generator=gen)] if act_order == "shuffled" else g_idx).clone()
         skip.add(f"{name}.weight")
         with torch.no_grad():
-            refmods[name].weight.copy_(_dequantize(q, z, s, g))
-    qc = {"quant_method": "gptq", "bits": bits, "group_size": group, "sym": sym, "desc_act": act_order,
+            deq = torch.empty(n, k)
+            deq[:, order] = _dequantize(q_o, z, s, g)
+            refmods[name].weight.copy_(deq)
+    qc = {"quant_method": "gptq", "bits": bits, "group_size": group, "sym": sym, "desc_act": bool(act_order),
           "checkpoint_format": "gptq_v2" if v2 else "gptq"}
     _save(model, directory, tensors, qc, skip)
     return ref

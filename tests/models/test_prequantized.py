@@ -50,6 +50,9 @@ CASES = [
     ("gptq-sym-g32", "llama", "gptq", dict(group=32, sym=True), {"int4-g32"}, False),
     ("gptq-asym-g128", "qwen2", "gptq", dict(group=128, sym=False), {"int4-g128-zp"}, False),
     ("gptq-v2-asym-channel", "llama", "gptq", dict(group=-1, sym=False, v2=True), {"int4-g128-zp"}, False),
+    ("gptq-act-order-sym-g32", "llama", "gptq", dict(group=32, sym=True, act_order=True), {"int4-g32-act"}, False),
+    ("gptq-act-order-asym-g64", "qwen2", "gptq", dict(group=64, sym=False, act_order=True), {"int4-g64-zp-act"},
+     False),
 ]
 WRITERS = {"ct": write_compressed_tensors, "awq": write_awq, "gptq": write_gptq}
 
@@ -95,10 +98,37 @@ def _load(path):
     return gd.LLM(path, device="cpu", max_model_len=64, max_num_seqs=1)
 
 
-def test_gptq_act_order_is_an_error(bases, tmp_path):
+def test_gptq_act_order_keeps_one_input_order_per_fused_linear(bases, tmp_path):
     write_gptq(bases["llama"], tmp_path / "q", group=32, sym=True, act_order=True)
-    with pytest.raises(GraphDSLError, match=r"'model.layers.0.mlp.down_proj' \(gptq int4 g32 sym desc_act\).*"
-                                            r"'model.layers.0.mlp.down_proj.g_idx' is not the trivial.*act-order"):
+    params = dict(_load(tmp_path / "q").model.named_parameters())
+    qkv = params["model.layers.0.self_attn.qkv_proj.weight"]
+    assert qkv.quant.name == "int4-g32-act" and [c.name.rpartition(".")[2] for c in qkv.companions()] == \
+        ["weight_packed", "weight_scale", "weight_perm"]
+
+
+def test_gptq_act_order_pieces_of_one_fused_linear_must_share_the_order(bases, tmp_path):
+    write_gptq(bases["llama"], tmp_path / "q", group=32, sym=True, act_order="mismatched")
+    with pytest.raises(GraphDSLError, match=r"checkpoint tensors 'model.layers.0.(self_attn.q|mlp.gate)_proj.weight_perm' "
+                                            r"and 'model.layers.0.(self_attn.[kv]|mlp.up)_proj.weight_perm' both fill "
+                                            r"'model.layers.0.(self_attn.qkv|mlp.gate_up)_proj.weight_perm' but differ: "
+                                            r"the pieces of one fused linear must share one input order"):
+        _load(tmp_path / "q")
+
+
+def test_gptq_g_idx_without_desc_act_or_with_unequal_groups_is_an_error(bases, tmp_path):
+    from safetensors.torch import load_file, save_file
+    write_gptq(bases["llama"], tmp_path / "q", group=32, sym=True, act_order="shuffled")
+    _patch_config(tmp_path / "q", desc_act=False)
+    with pytest.raises(GraphDSLError, match=r"'model.layers.0.mlp.down_proj.g_idx' is not the trivial k // "
+                                            r"group_size although quantization_config.desc_act is false"):
+        _load(tmp_path / "q")
+    _patch_config(tmp_path / "q", desc_act=True)
+    f = tmp_path / "q" / "model.safetensors"
+    t = load_file(f)
+    t["model.layers.0.mlp.down_proj.g_idx"][:3] = 0                    # group 0 takes three more inputs
+    save_file(t, f, metadata={"format": "pt"})
+    with pytest.raises(GraphDSLError, match=r"'model.layers.0.mlp.down_proj.g_idx' must give each of the \d+ groups "
+                                            r"32 inputs \(act-order\)"):
         _load(tmp_path / "q")
 
 
