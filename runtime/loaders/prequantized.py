@@ -9,6 +9,9 @@ Formats (``quant_method`` / ``format``) and the scheme each linear takes:
   ``weight_zero_point`` (asymmetric) int32 ``[ceil(out/8), groups]`` packs 8 output rows per word the
   same way. ``W = (q - zp) * s`` becomes ``int4-g{g}`` (``z = 8``) or ``int4-g{g}-zp`` with
   ``z = zp + 8``. int8: 4 bytes per word, ``q + 128`` each → ``int8-channel`` (symmetric only).
+* compressed-tensors ``actorder``: ``static`` / ``weight`` keep contiguous groups (nothing to do);
+  the older ``group`` / ``dynamic`` store ``weight_g_idx [in]`` like GPTQ's ``g_idx``, and int4 group
+  weights take the ``-act`` scheme as GPTQ act-order does (below).
 * ``compressed-tensors`` ``naive-quantized`` / ``int-quantized`` — ``weight`` int8 ``[out, in]``
   (int4 values in -8..7, or int8) with the same scales and zero points, unpacked.
 * ``compressed-tensors`` ``float-quantized`` — ``weight`` float8 e4m3 with a per-tensor or
@@ -41,7 +44,7 @@ from typing import Callable, Iterable, Iterator
 import torch
 
 from graphdsl.errors import GraphDSLError
-from graphdsl.quant import Fp8Scheme, IntScheme, QuantScheme, pack_int4
+from graphdsl.quant import Fp8Scheme, IntScheme, QuantScheme, pack_int4, unpack_int4
 
 __all__ = ["CheckpointQuantization", "read_checkpoint_quantization", "SUPPORTED"]
 
@@ -54,6 +57,8 @@ SUPPORTED = {
     ("gptq", "gptq"): "int4-g{32,64,128}[-zp][-act]",
 }
 _GROUPS = (128, 64, 32)
+_CT_STATIC_ORDER = ("static", "weight")     # compressed-tensors actorder with contiguous groups: no g_idx
+_CT_GROUP_ORDER = ("group", "dynamic")      # ... with a weight_g_idx per input (the -act schemes)
 _AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)       # nibble i of an AWQ word holds column _AWQ_ORDER[i] of its 8
 
 
@@ -242,7 +247,8 @@ class _CompressedTensors(CheckpointQuantization):
             groups.append(_CtGroup(tuple(g.get("targets") or ()), fmt, dict(g.get("weights") or {}),
                                    g.get("input_activations")))
         return cls(method="compressed-tensors", groups=tuple(groups), ignore=tuple(qc.get("ignore") or ()),
-                   leaves=("weight_packed", "weight", "weight_scale", "weight_zero_point", "weight_shape"),
+                   leaves=("weight_packed", "weight", "weight_scale", "weight_zero_point", "weight_shape",
+                           "weight_g_idx"),
                    optional=("weight_shape",),
                    refused={"input_scale": "static activation scales are not supported (dynamic per-token fp8 or "
                                            "weight-only schemes are)"})
@@ -268,10 +274,13 @@ class _CompressedTensors(CheckpointQuantization):
         where = f"quantized linear {module + '.weight'!r} ({self.describe(module)})"
         w, a = g.weights, g.activations
         bits, kind, strategy = w.get("num_bits"), w.get("type", "int"), w.get("strategy")
-        if strategy in ("block", "tensor_group") or w.get("actorder") not in (None, False, "static", "group"):
+        order = w.get("actorder")
+        if strategy in ("block", "tensor_group") or order not in (None, False) + _CT_STATIC_ORDER + _CT_GROUP_ORDER:
             raise GraphDSLError(f"{where}: weight strategy {strategy!r}"
-                                f"{'' if not w.get('actorder') else ', actorder ' + repr(w.get('actorder'))} "
-                                "is not supported")
+                                f"{'' if not order else ', actorder ' + repr(order)} is not supported")
+        if order in _CT_GROUP_ORDER and not (bits == 4 and kind == "int" and strategy == "group"):
+            raise GraphDSLError(f"{where}: actorder {order!r} (a weight_g_idx per input) applies to int4 group "
+                                f"weights, got {kind}{bits} strategy {strategy!r}")
         if kind == "float":
             if bits != 8 or g.fmt != "float-quantized" or strategy not in ("tensor", "channel"):
                 raise GraphDSLError(f"{where}: only float8 weights (float-quantized, per-tensor or per-channel) "
@@ -297,14 +306,16 @@ class _CompressedTensors(CheckpointQuantization):
             return IntScheme(8, None, False)
         if bits == 4:
             group = w.get("group_size") if strategy == "group" else None
-            return _int4_scheme(where, group, in_features, not sym)
+            scheme = _int4_scheme(where, group, in_features, not sym)
+            return replace(scheme, act_order=True) if order in _CT_GROUP_ORDER else scheme
         raise GraphDSLError(f"{where}: {bits}-bit integer weights are not supported (4 or 8 bits)")
 
     def _required(self, module):
         g = self._group(module)
         data = ("weight_packed", "weight_shape") if g.fmt == "pack-quantized" else ("weight",)
         zp = () if g.weights.get("symmetric", True) or g.weights.get("type") == "float" else ("weight_zero_point",)
-        return ("weight_scale",) + data + zp
+        order = ("weight_g_idx",) if g.weights.get("actorder") in _CT_GROUP_ORDER else ()
+        return ("weight_scale",) + data + zp + order
 
     def _convert(self, module, scheme, got, n, k):
         g = self._group(module)
@@ -334,6 +345,9 @@ class _CompressedTensors(CheckpointQuantization):
             if scheme.bits == 8:
                 return [q, scale]
             out = [pack_int4((q.to(torch.int16) + 8).to(torch.uint8)), scale]
+        if scheme.act_order:                   # each group's inputs side by side, that order kept as _perm
+            perm = _input_order(got["weight_g_idx"], k, groups, f"{where}: {module + '.weight_g_idx'!r}", True)
+            out[0] = pack_int4(unpack_int4(out[0])[:, perm])
         if scheme.zero_point:
             zp = got["weight_zero_point"]
             zname = f"{where}: {module + '.weight_zero_point'!r}"
@@ -343,7 +357,7 @@ class _CompressedTensors(CheckpointQuantization):
             else:
                 zp = zp.float() + 8
             out.append(_per_group(zp, n, groups, zname, stored))
-        return out
+        return out + ([perm.to(torch.int32)] if scheme.act_order else [])
 
 
 def _ct_match(module: str, target: str) -> bool:
@@ -452,7 +466,7 @@ class _Gptq(CheckpointQuantization):
         s = got["scales"]
         if tuple(s.shape) != (stored_g, n):
             raise GraphDSLError(f"{where}: {module + '.scales'!r} should be [{stored_g}, {n}], got {list(s.shape)}")
-        perm = self._input_order(got.get("g_idx"), k, stored_g, f"{where}: {module + '.g_idx'!r}")
+        perm = _input_order(got.get("g_idx"), k, stored_g, f"{where}: {module + '.g_idx'!r}", scheme.act_order)
         codes = _nibbles(qw.T.contiguous()).contiguous()             # [n, k]: word r's nibble i is input 8r + i
         if scheme.act_order:                                          # each group's inputs side by side
             codes = codes[:, perm].contiguous()
@@ -467,23 +481,23 @@ class _Gptq(CheckpointQuantization):
             return [pack_int4(codes), scale] + order
         return [pack_int4(codes), scale, zeros] + order
 
-    def _input_order(self, g_idx, k: int, groups: int, what: str) -> torch.Tensor:
-        """The inputs in group order (``argsort(g_idx)``, stable): group ``j`` holds ``g_idx == j``,
-        each ``k / groups`` inputs. Without ``desc_act`` the order must be the trivial ``k // g``."""
-        size = k // groups
-        trivial = torch.arange(k) // size
-        if g_idx is None:
-            return torch.arange(k)
-        gi = g_idx.reshape(-1).long()
-        if gi.shape[0] != k:
-            raise GraphDSLError(f"{what} should have {k} entries (one group per input), got {gi.shape[0]}")
-        if not self.desc_act:
-            if not torch.equal(gi, trivial):
-                raise GraphDSLError(f"{what} is not the trivial k // group_size although quantization_config.desc_act "
-                                    "is false (act-order without the flag: set desc_act=true)")
-            return torch.arange(k)
-        if int(gi.min()) < 0 or int(gi.max()) >= groups or \
-                not bool((torch.bincount(gi, minlength=groups) == size).all()):
-            raise GraphDSLError(f"{what} must give each of the {groups} groups {size} inputs (act-order), got group "
-                                f"sizes {torch.bincount(gi.clamp(min=0)).tolist()[:8]}...")
-        return torch.argsort(gi, stable=True)
+
+def _input_order(g_idx, k: int, groups: int, what: str, act_order: bool) -> torch.Tensor:
+    """The inputs in group order (``argsort(g_idx)``, stable): group ``j`` holds the inputs with
+    ``g_idx == j``, ``k / groups`` of them. Without act order, ``g_idx`` (when stored) must be the
+    trivial ``k // group_size``."""
+    size = k // groups
+    if g_idx is None:
+        return torch.arange(k)
+    gi = g_idx.reshape(-1).long()
+    if gi.shape[0] != k:
+        raise GraphDSLError(f"{what} should have {k} entries (one group per input), got {gi.shape[0]}")
+    if not act_order:
+        if not torch.equal(gi, torch.arange(k) // size):
+            raise GraphDSLError(f"{what} is not the trivial k // group_size although the config asks no act order "
+                                "(GPTQ desc_act / compressed-tensors actorder 'group')")
+        return torch.arange(k)
+    if int(gi.min()) < 0 or int(gi.max()) >= groups or not bool((torch.bincount(gi, minlength=groups) == size).all()):
+        raise GraphDSLError(f"{what} must give each of the {groups} groups {size} inputs (act-order), got group "
+                            f"sizes {torch.bincount(gi.clamp(min=0)).tolist()[:8]}...")
+    return torch.argsort(gi, stable=True)

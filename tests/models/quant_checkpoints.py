@@ -19,6 +19,7 @@ import os
 
 import torch
 
+from graphdsl.quant import pack_int4, unpack_int4
 from tests.models.hf_tiny import make_checkpoint
 
 __all__ = ["LINEARS", "base_model", "write_compressed_tensors", "write_awq", "write_gptq"]
@@ -60,10 +61,13 @@ def _save(model, directory, tensors: dict, quantization_config: dict, skip: set)
 
 # -- compressed-tensors ------------------------------------------------------------------------------
 def write_compressed_tensors(model, directory, *, fmt: str, weights: dict, input_activations: dict | None = None,
-                             ignore=("lm_head",), skip_modules=()):
+                             ignore=("lm_head",), skip_modules=(), act_order: bool = False):
     """Quantize ``model``'s decoder linears with compressed-tensors' compressor for ``fmt``
     (``pack-quantized`` / ``naive-quantized`` / ``int-quantized`` / ``float-quantized``) and
-    ``weights`` (its QuantizationArgs fields); return the dequantized reference model."""
+    ``weights`` (its QuantizationArgs fields); return the dequantized reference model.
+    ``act_order`` writes the older ``actorder: group`` layout (int4 groups; the library no longer
+    writes it): each group takes the inputs a random ``weight_g_idx`` assigns it (one order per
+    input, as for :func:`write_gptq`), compressed in group order and stored back in input order."""
     from compressed_tensors.compressors import BaseCompressor
     from compressed_tensors.quantization import QuantizationArgs, QuantizationScheme
     args = QuantizationArgs(**weights)
@@ -72,18 +76,40 @@ def write_compressed_tensors(model, directory, *, fmt: str, weights: dict, input
     comp = BaseCompressor.load_from_registry(fmt)
     ref = copy.deepcopy(model)
     refmods = dict(ref.named_modules())
-    tensors, skip = {}, set()
+    tensors, skip, orders = {}, set(), {}
+    gen = torch.Generator().manual_seed(0)
     for name, m in _linears(model):
         if name.rsplit(".", 1)[-1] in skip_modules:
             continue
         w = m.weight.detach().float()
-        state = {"weight": w.clone(), **_ct_qparams(w, args)}
-        stored = comp.compress(state, scheme)
+        n, k = w.shape
+        order = torch.arange(k)
+        if act_order:
+            parent, _, leaf = name.rpartition(".")
+            g_idx = orders.setdefault((parent, _SHARED_INPUT.get(leaf, leaf)),
+                                      (torch.arange(k, dtype=torch.int32) // args.group_size)[
+                                          torch.randperm(k, generator=gen)])
+            order = torch.argsort(g_idx.long(), stable=True)
+        wo = w[:, order]
+        stored = comp.compress({"weight": wo.clone(), **_ct_qparams(wo, args)}, scheme)
+        deq = torch.empty(n, k)
+        deq[:, order] = comp.decompress(dict(stored), scheme)["weight"].float()
+        if act_order:                                   # the codes back in input order, and the order
+            if fmt == "pack-quantized":
+                codes = torch.empty(n, k, dtype=torch.uint8)
+                codes[:, order] = unpack_int4(stored["weight_packed"].contiguous().view(torch.uint8))
+                stored["weight_packed"] = pack_int4(codes).view(torch.int32)
+            else:
+                q = torch.empty_like(stored["weight"])
+                q[:, order] = stored["weight"]
+                stored["weight"] = q
+            stored["weight_g_idx"] = g_idx.clone()
         tensors.update({f"{name}.{k}": v for k, v in stored.items()})
         skip.add(f"{name}.weight")
         with torch.no_grad():
-            refmods[name].weight.copy_(comp.decompress(dict(stored), scheme)["weight"].float())
-    group = {"targets": ["Linear"], "weights": args.model_dump(mode="json"),
+            refmods[name].weight.copy_(deq)
+    group = {"targets": ["Linear"], "weights": {**args.model_dump(mode="json"), **({"actorder": "group"} if act_order
+                                                                                   else {})},
              "input_activations": None if acts is None else acts.model_dump(mode="json"), "format": fmt}
     qc = {"quant_method": "compressed-tensors", "format": fmt, "config_groups": {"group_0": group},
           "ignore": list(ignore), "quantization_status": "compressed"}

@@ -50,6 +50,12 @@ CASES = [
     ("gptq-sym-g32", "llama", "gptq", dict(group=32, sym=True), {"int4-g32"}, False),
     ("gptq-asym-g128", "qwen2", "gptq", dict(group=128, sym=False), {"int4-g128-zp"}, False),
     ("gptq-v2-asym-channel", "llama", "gptq", dict(group=-1, sym=False, v2=True), {"int4-g128-zp"}, False),
+    ("ct-pack-int4-g32-actorder-weight", "llama", "ct",
+     dict(fmt="pack-quantized", weights=dict(_int(4, group=32), actorder="weight")), {"int4-g32"}, True),
+    ("ct-pack-int4-g32-actorder-group", "llama", "ct", dict(fmt="pack-quantized", weights=_int(4, group=32),
+                                                             act_order=True), {"int4-g32-act"}, False),
+    ("ct-naive-int4-g64-zp-actorder-group", "qwen2", "ct",
+     dict(fmt="naive-quantized", weights=_int(4, sym=False, group=64), act_order=True), {"int4-g64-zp-act"}, False),
     ("gptq-act-order-sym-g32", "llama", "gptq", dict(group=32, sym=True, act_order=True), {"int4-g32-act"}, False),
     ("gptq-act-order-asym-g64", "qwen2", "gptq", dict(group=64, sym=False, act_order=True), {"int4-g64-zp-act"},
      False),
@@ -120,7 +126,7 @@ def test_gptq_g_idx_without_desc_act_or_with_unequal_groups_is_an_error(bases, t
     write_gptq(bases["llama"], tmp_path / "q", group=32, sym=True, act_order="shuffled")
     _patch_config(tmp_path / "q", desc_act=False)
     with pytest.raises(GraphDSLError, match=r"'model.layers.0.mlp.down_proj.g_idx' is not the trivial k // "
-                                            r"group_size although quantization_config.desc_act is false"):
+                                            r"group_size although the config asks no act order"):
         _load(tmp_path / "q")
     _patch_config(tmp_path / "q", desc_act=True)
     f = tmp_path / "q" / "model.safetensors"
