@@ -72,6 +72,21 @@ def _noise(idx, ctr, s_hi, s_lo):
 
 
 @triton.jit
+def _gumbel_scores(x, idx, inside, thr, ctr, s_hi, s_lo):
+    """``x + g(t)`` for the kept tokens ``t = idx`` (``inside`` and ``x >= thr``), -inf elsewhere."""
+    return tl.where(inside & (x >= thr), x + _noise(idx, ctr, s_hi, s_lo), float("-inf"))
+
+
+@triton.jit
+def _running_best(best, best_i, score, start):
+    """``(best, best_i)`` after a block of scores for tokens ``start ...``: the block's first
+    maximum replaces them only when strictly larger, so earlier (lower) ids keep ties."""
+    bmax = tl.max(score, axis=0)
+    take = bmax > best
+    return tl.where(take, bmax, best), tl.where(take, start + tl.argmax(score, axis=0).to(tl.int64), best_i)
+
+
+@triton.jit
 def _row_seed(row, seed_ptr, ctr_ptr):
     """Row ``row``'s ``(counter, seed's high word, seed's low word)`` as the noise takes them."""
     seed = tl.load(seed_ptr + row)
@@ -110,17 +125,12 @@ def _gumbel_argmax_kernel(
         inside = idx < V
         x = tl.load(x_ptr + row * x_stride + idx, mask=inside, other=float("-inf")).to(tl.float32)
         if NOISE:
-            g = _noise(idx, ctr, s_hi, s_lo)
-            score = tl.where(inside & (x >= thr), x + g, float("-inf"))
+            score = _gumbel_scores(x, idx, inside, thr, ctr, s_hi, s_lo)
             if MIXED:
                 score = tl.where(greedy, x, score)
         else:
             score = x
-        bmax = tl.max(score, axis=0)
-        bidx = tl.argmax(score, axis=0)
-        take = bmax > best
-        best = tl.where(take, bmax, best)
-        best_i = tl.where(take, start + bidx.to(tl.int64), best_i)
+        best, best_i = _running_best(best, best_i, score, start)
     tl.store(best_ptr + row * S + sl, best)
     tl.store(arg_ptr + row * S + sl, best_i)
 

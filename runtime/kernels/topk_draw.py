@@ -32,7 +32,8 @@ import triton.language as tl
 
 from graphdsl.errors import GraphDSLError
 
-from .sampling import (_emit, _noise, _penalized, _row_penalties, _row_seed, _threshold_of, check_outputs)
+from .sampling import (_emit, _gumbel_scores, _penalized, _row_penalties, _row_seed, _running_best, _threshold_of,
+                       check_outputs)
 
 __all__ = ["draw_top_k", "MAX_WIDTH"]
 
@@ -138,13 +139,13 @@ def _row_kernel(
     desc = tl.sort(v, descending=True)
     thr = _threshold_of(desc, j, W, tl.load(min_p_ptr + row), tl.load(k_ptr + row), tl.load(p_ptr + row), EXTRA)
     ctr, s_hi, s_lo = _row_seed(row, seed_ptr, ctr_ptr)
-    score = tl.where((t < V) & (v >= thr), v + _noise(t, ctr, s_hi, s_lo), float("-inf"))
+    score = _gumbel_scores(v, t, t < V, thr, ctr, s_hi, s_lo)
     last = tl.min(tl.where(j < W, desc, float("inf")), axis=0)      # the row's W-th largest x
     fallback = (thr <= last) & (W < V)            # kept ties may lie outside the candidates
     if MIXED:
-        greedy = tl.load(temp_ptr + row) == 0.0
-        score = tl.where(greedy, tl.where(t < V, v, float("-inf")), score)
-        fallback = fallback & (tl.load(temp_ptr + row) != 0.0)
+        sampled = tl.load(temp_ptr + row) != 0.0
+        score = tl.where(sampled, score, tl.where(t < V, v, float("-inf")))
+        fallback = fallback & sampled
     tok = tl.min(tl.where(j == tl.argmax(score, axis=0), t, V), axis=0)
     if fallback:
         best = tl.full((), float("-inf"), tl.float32)
@@ -153,11 +154,7 @@ def _row_kernel(
             idx = start + tl.arange(0, BLOCK)
             inside = idx < V
             x = tl.load(x_ptr + row * V + idx, mask=inside, other=float("-inf"))
-            s = tl.where(inside & (x >= thr), x + _noise(idx, ctr, s_hi, s_lo), float("-inf"))
-            bmax = tl.max(s, axis=0)
-            better = bmax > best
-            best = tl.where(better, bmax, best)
-            tok = tl.where(better, start + tl.argmax(s, axis=0).to(tl.int64), tok)
+            best, tok = _running_best(best, tok, _gumbel_scores(x, idx, inside, thr, ctr, s_hi, s_lo), start)
     _emit(row, tok, out_ptr, ids_ptr, slot_ptr, counts_ptr, V, IDS, RECORD)
 
 
@@ -179,10 +176,10 @@ def draw_top_k(logits: torch.Tensor, temperature, slot, repetition, presence, fr
     ``PenaltyState``'s (None: no penalties); ``width`` = min(max top-k + ``extra``, V) <=
     :data:`MAX_WIDTH`; ``mixed``: some rows are greedy; ``ids`` and ``record`` as for
     ``gumbel_argmax``; ``slice_tokens`` overrides the slice size (a power of two; tests)."""
-    R, V = logits.shape
     if logits.dim() != 2 or logits.stride(1) != 1:
         raise GraphDSLError(f"draw_top_k: logits must be [R, V] with unit stride in V, got {tuple(logits.shape)} "
                             f"strides {tuple(logits.stride())}")
+    R, V = logits.shape
     if not 1 <= width <= min(V, MAX_WIDTH):
         raise GraphDSLError(f"draw_top_k: width must be in [1, min(V, {MAX_WIDTH})] = [1, {min(V, MAX_WIDTH)}], "
                             f"got {width}")

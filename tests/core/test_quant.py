@@ -72,6 +72,8 @@ def test_errors_name_tensor_and_scheme():
         Parameter((8, 96), name="l.weight").quantize("int4-g128")
     with pytest.raises(GraphDSLError, match="group_size must be one of"):
         IntScheme(4, 48)
+    with pytest.raises(GraphDSLError, match=r"act_order applies to int4 weights, got bits=8"):
+        IntScheme(8, None, False, True)
     with pytest.raises(GraphDSLError, match=r"quantization must be one of \['fp8', 'int8', 'int4', 'gguf'\].*'nf4'"):
         online_scheme("nf4")
     s = parse_scheme("int4-g32")

@@ -149,11 +149,18 @@ def test_sampler_takes_it_only_when_every_sampled_row_has_a_top_k(monkeypatch):
         assert torch.equal(got.cpu(), sample_reference(logits.clone(), st, ctr).cpu())
 
 
-def test_bad_width_is_named():
-    logits = torch.zeros(1, 100, device=DEV)
+def test_bad_arguments_are_named():
     st = SamplingTensors.build(_rows(1), DEV)
     ctr = torch.zeros(1, dtype=torch.int64, device=DEV)
+
+    def call(logits, width, **kw):
+        return draw_top_k(logits, st.temperature, st.slot, st.repetition_penalty, st.presence_penalty,
+                          st.frequency_penalty, None, None, width, st.min_p, st.top_k, st.top_p, TIES, st.seed, ctr,
+                          mixed=False, **kw)
     with pytest.raises(GraphDSLError, match=r"width must be in \[1, min\(V, 256\)\] = \[1, 100\], got 200"):
-        draw_top_k(logits, st.temperature, st.slot, st.repetition_penalty, st.presence_penalty,
-                   st.frequency_penalty, None, None, 200, st.min_p, st.top_k, st.top_p, TIES, st.seed, ctr,
-                   mixed=False)
+        call(torch.zeros(1, 100, device=DEV), 200)
+    with pytest.raises(GraphDSLError, match=r"logits must be \[R, V\] with unit stride in V, got \(1, 100\) "
+                                            r"strides \(200, 2\)"):
+        call(torch.zeros(1, 200, device=DEV)[:, ::2], 84)
+    with pytest.raises(GraphDSLError, match=r"40 slices of 256 candidates exceed 8192; raise slice_tokens \(got 256\)"):
+        call(torch.zeros(1, 10000, device=DEV), 200, slice_tokens=256)

@@ -83,13 +83,8 @@ def write_compressed_tensors(model, directory, *, fmt: str, weights: dict, input
             continue
         w = m.weight.detach().float()
         n, k = w.shape
-        order = torch.arange(k)
-        if act_order:
-            parent, _, leaf = name.rpartition(".")
-            g_idx = orders.setdefault((parent, _SHARED_INPUT.get(leaf, leaf)),
-                                      (torch.arange(k, dtype=torch.int32) // args.group_size)[
-                                          torch.randperm(k, generator=gen)])
-            order = torch.argsort(g_idx.long(), stable=True)
+        g_idx, order = (_group_order(orders, name, k, args.group_size, gen, "shared") if act_order
+                        else (None, torch.arange(k)))
         wo = w[:, order]
         stored = comp.compress({"weight": wo.clone(), **_ct_qparams(wo, args)}, scheme)
         deq = torch.empty(n, k)
@@ -200,6 +195,19 @@ def write_awq(model, directory, *, group: int, modules_to_not_convert=None):
 _SHARED_INPUT = {"q_proj": "qkv", "k_proj": "qkv", "v_proj": "qkv", "gate_proj": "gate_up", "up_proj": "gate_up"}
 
 
+def _group_order(orders: dict, name: str, k: int, group: int, gen, act_order: str | None):
+    """``(g_idx, order)`` of linear ``name``: the group of each of its ``k`` inputs (``k // group``,
+    or with ``act_order`` a random permutation of it: ``"shared"`` one per input, kept in ``orders``
+    for q/k/v and for gate/up as GPTQ's Hessian order is; ``"own"`` one per linear) and the inputs in
+    group order (group 0's inputs, then group 1's, ...)."""
+    g_idx = torch.arange(k, dtype=torch.int32) // group
+    if act_order is not None:
+        parent, _, leaf = name.rpartition(".")
+        key = (parent, _SHARED_INPUT.get(leaf, leaf) if act_order == "shared" else leaf)
+        g_idx = orders.setdefault(key, g_idx[torch.randperm(k, generator=gen)])
+    return g_idx, torch.argsort(g_idx.long(), stable=True)
+
+
 def write_gptq(model, directory, *, group: int, sym: bool, v2: bool = False, act_order=False,
                bits: int = 4):
     """GPTQ checkpoint (``group`` -1: per channel); v1 stores ``zero - 1``, v2 the zero itself.
@@ -215,12 +223,7 @@ def write_gptq(model, directory, *, group: int, sym: bool, v2: bool = False, act
         w = m.weight.detach().float()
         n, k = w.shape
         g = k if group == -1 else group
-        g_idx = torch.arange(k, dtype=torch.int32) // g
-        if act_order in (True, "mismatched"):
-            parent, _, leaf = name.rpartition(".")
-            key = (parent, _SHARED_INPUT.get(leaf, leaf) if act_order is True else leaf)
-            g_idx = orders.setdefault(key, g_idx[torch.randperm(k, generator=gen)])
-        order = torch.argsort(g_idx.long(), stable=True)             # group 0's inputs, group 1's, ...
+        g_idx, order = _group_order(orders, name, k, g, gen, {True: "shared", "mismatched": "own"}.get(act_order))
         q_o, z, s = _rtn_int4(w[:, order], g, sym)
         q = torch.empty_like(q_o)
         q[:, order] = q_o

@@ -136,6 +136,20 @@ def test_gptq_g_idx_without_desc_act_or_with_unequal_groups_is_an_error(bases, t
     with pytest.raises(GraphDSLError, match=r"'model.layers.0.mlp.down_proj.g_idx' must give each of the \d+ groups "
                                             r"32 inputs \(act-order\)"):
         _load(tmp_path / "q")
+    t["model.layers.0.mlp.down_proj.g_idx"] = t["model.layers.0.mlp.down_proj.g_idx"][:-8].clone()
+    save_file(t, f, metadata={"format": "pt"})
+    with pytest.raises(GraphDSLError, match=r"'model.layers.0.mlp.down_proj.g_idx' should have \d+ entries \(one "
+                                            r"group per input\), got \d+"):
+        _load(tmp_path / "q")
+
+
+def test_compressed_tensors_group_actorder_needs_int4_groups(bases, tmp_path):
+    pytest.importorskip("compressed_tensors")
+    write_compressed_tensors(bases["llama"], tmp_path / "q", fmt="pack-quantized", weights=_int(8))
+    _set_ct_weights(tmp_path / "q", actorder="group")
+    with pytest.raises(GraphDSLError, match=r"actorder 'group' \(a weight_g_idx per input\) applies to int4 group "
+                                            r"weights, got int8 strategy 'channel'"):
+        _load(tmp_path / "q")
 
 
 def test_gptq_desc_act_with_trivial_g_idx_loads(bases, tmp_path):
