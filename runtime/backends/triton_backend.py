@@ -14,7 +14,8 @@ Per node, by what the node is:
   (its split scratch kept like the decode's); ``moe_experts`` — the sparse grouped-GEMM experts
   (:mod:`graphdsl.runtime.kernels.moe`); ``quant_linear`` — the dequantize-in-GEMV/GEMM kernel
   (:mod:`graphdsl.runtime.kernels.quant_linear`; ``torch._scaled_mm`` for fp8 W8A8 prefill on
-  Hopper). On CPU without ``TRITON_INTERPRET=1`` these six run their torch references instead;
+  Hopper); ``embedding`` — one gather launch into the node's slot (:mod:`graphdsl.runtime.kernels.embedding`).
+  On CPU without ``TRITON_INTERPRET=1`` these run their torch references instead;
 * matmuls of weights ``[N, K]`` (``transpose_b``) by at most 16 fp16/bf16 rows — the decode GEMV
   (:mod:`graphdsl.runtime.kernels.gemv`), bias, residual or SwiGLU (``matmul_silu_mul``) in its
   epilogue; ``matmul_silu_mul`` at the row counts where it beats cuBLAS (64, 128; 256 with K ≤
@@ -247,6 +248,33 @@ class TritonBackend:
         return hit
 
 
+_TRITON_EMBEDDING = True   # False: the torch reference (index_select, then a copy into the slot; decode_ab's A/B)
+
+
+def _flat_ids(ids: torch.Tensor) -> torch.Tensor | None:
+    return ids.reshape(-1) if ids.is_contiguous() else None
+
+
+def _embedding_unsupported(ids: torch.Tensor, table: torch.Tensor) -> str | None:
+    from ..kernels.embedding import embedding_supported
+    if not _TRITON_EMBEDDING:
+        return "turned off (_TRITON_EMBEDDING)"
+    flat = _flat_ids(ids)
+    return "ids are not contiguous" if flat is None else embedding_supported(flat, table)
+
+
+def _embedding(be: TritonBackend, node, ins, attrs, dsts):
+    """``embedding``: one gather launch straight into the node's slot (:mod:`..kernels.embedding`)."""
+    from ..kernels.embedding import embedding
+    ids, table = ins
+    dst = dsts[0]
+    if dst.is_contiguous():
+        embedding(_flat_ids(ids), table, dst.view(-1, dst.shape[-1]))
+    else:
+        dst.copy_(embedding(_flat_ids(ids), table))
+    return [dst]
+
+
 def _single(be: TritonBackend, node, ins, attrs, dsts):
     n = len(ins)
     program = ((node.op, tuple(range(n)), tuple(sorted(attrs.items()))),)
@@ -429,6 +457,8 @@ def _kernel_unsupported(node, ins) -> str | None:
         if isinstance(scheme, (GGUFScheme, GGUFMixScheme)):
             return _gguf_unsupported(x, stored)
         return quant_linear_supported(x.reshape(-1, x.shape[-1]), scheme, stored)
+    if node.op == "embedding":
+        return _embedding_unsupported(*ins)
     if node.op == "moe_experts":
         from ..kernels.moe import moe_supported
         return moe_supported(*ins)
@@ -791,8 +821,8 @@ _LOWERINGS = {"fused": _fused, "add_rms_norm": _add_rms_norm, "silu_mul": _silu_
               "paged_attention": _paged_attention, "rope_cache_attention": _rope_cache_attention,
               "paged_mla_attention": _paged_mla_attention, "moe_experts": _moe_experts, "lora_apply": _lora_apply,
               "reshape_and_cache": _reshape_and_cache, "quant_linear": _quant_linear,
-              "quant_linear_silu_mul": _quant_linear, "quant_linear_add": _quant_linear}
+              "quant_linear_silu_mul": _quant_linear, "quant_linear_add": _quant_linear, "embedding": _embedding}
 _QUANT_OPS = ("quant_linear", "quant_linear_silu_mul", "quant_linear_add")
 # hand-written kernels; their torch references run on plain CPU
 _KERNEL_OPS = {"paged_attention", "rope_cache_attention", "reshape_and_cache", "paged_mla_attention", "moe_experts",
-               "lora_apply", *_QUANT_OPS}
+               "lora_apply", "embedding", *_QUANT_OPS}
