@@ -36,9 +36,9 @@ __all__ = ["NormCarry", "Site", "plan", "overlaps", "PRODUCERS", "CONSUMERS"]
 
 ENABLED = True       # False: every norm launches its own kernel (benchmarks/decode_ab.py's A/B)
 # producers' weight kinds whose sites are carried. In-model A/B on an H100 (µs a batch-1 step, carried vs
-# launched): Llama-3-8B int4 2586 vs 2684; bf16 5544 vs 5545 and Llama-3.2-1B 1110 vs 1115 (no gain: the
-# tensor-core GEMV's epilogue pays what the launch cost); fp8 3599 vs 3469 (docs/quantization.md)
-KINDS = ("int4",)
+# launched): Llama-3-8B int4 2586 vs 2684; bf16 5544 vs 5545 and Llama-3.2-1B 1110 vs 1115; fp8 3599 vs 3469
+# (docs/quantization.md). On three H200s, bf16: 8B 4086 vs 4117, 4019 vs 4073; 1B 860 vs 859, 854 vs 867, 859 vs 883
+KINDS = ("int4", "float")
 PRODUCERS = ("matmul", "quant_linear")
 CONSUMERS = ("matmul", "matmul_silu_mul", "quant_linear", "quant_linear_silu_mul")
 
