@@ -98,13 +98,18 @@ def main(argv=None) -> int:
     for f, v in sorted(inc.items(), key=lambda kv: -kv[1]):
         print(f"| `{f}` | {calls[f] / n:.0f} | {v / n:.1f} | {v / calls[f]:.2f} | {dur[f] / calls[f]:.2f} |")
     per_step = len(events) // n
-    layer = events[per_step // 2: per_step // 2 + 14]
-    t0 = layer[0]["ts"]
-    print("\none layer from the middle of the first step (µs from its first kernel):\n")
-    for e in layer:
+    _print_kernels("one layer from the middle of the first step", events[per_step // 2: per_step // 2 + 14])
+    _print_kernels("the first step's first kernels (before the first layer)", events[:6])
+    _print_kernels("the first step's last kernels (after the last layer)", events[per_step - 8: per_step])
+    return 0
+
+
+def _print_kernels(title: str, events: list[dict]) -> None:
+    t0 = events[0]["ts"]
+    print(f"\n{title} (µs from its first kernel):\n")
+    for e in events:
         print(f"    {family(e['name']):<20} start {e['ts'] - t0:7.1f}  end {e['ts'] + e['dur'] - t0:7.1f}"
               f"  duration {e['dur']:6.1f}")
-    return 0
 
 
 if __name__ == "__main__":
