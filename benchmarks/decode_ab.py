@@ -31,7 +31,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from common import bench_ms, copy_bandwidth_gbs, device_line  # noqa: E402
 from llm import SHAPES, batch_decode, decode_bytes, kv_bytes_per_token, weight_bytes  # noqa: E402
-from quant import _GGUFMix  # noqa: E402
+from quant import _ActOrder, _GGUFMix  # noqa: E402
 
 
 def main(argv=None) -> int:
@@ -43,7 +43,8 @@ def main(argv=None) -> int:
     ap.add_argument("--context", type=int, default=512)
     ap.add_argument("--batch", type=int, default=1, help="sequences a step (each at --context)")
     ap.add_argument("--quantization", default=None,
-                    help="LLM(quantization=...) for every variant: int4, fp8, ..., or gguf-q4_k_m (quant.py's mix)")
+                    help="LLM(quantization=...) for every variant: int4, fp8, ..., gguf-q4_k_m (quant.py's mix), "
+                         "or int4-g128-act (act-order int4 in a random input order)")
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
         print("decode_ab.py needs a CUDA GPU", file=sys.stderr)
@@ -63,7 +64,7 @@ def main(argv=None) -> int:
         os.environ.update(env, GRAPHDSL_DISABLE_PASSES=passes)
         for mod, attr, val in patches:
             setattr(mod, attr, val)
-        with _GGUFMix():                                 # --quantization gguf-q4_k_m: the Q4_K_M mix (quant.py)
+        with _GGUFMix(), _ActOrder():     # gguf-q4_k_m: the Q4_K_M mix; int4-g128-act: random act order (quant.py)
             llm, inputs = batch_decode(gd, args.shape, args.context, args.quantization, args.batch)
         llm.model.execute(Phase.DECODE, inputs, float_logits=False)   # build + capture under this variant's settings
         runs[v] = (llm, inputs, [])

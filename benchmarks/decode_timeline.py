@@ -26,7 +26,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from common import device_line  # noqa: E402
 from llm import SHAPES, batch_decode  # noqa: E402
-from quant import _GGUFMix  # noqa: E402
+from quant import _ActOrder, _GGUFMix  # noqa: E402
 
 FAMILIES = ("_gemv_kernel", "_decode_kernel", "_rope_cache_kernel", "fused_kernel", "nvjet", "gemm",
             "_reshape_and_cache")
@@ -85,7 +85,7 @@ def main(argv=None) -> int:
         print("decode_timeline.py needs a CUDA GPU", file=sys.stderr)
         return 2
     import graphdsl as gd
-    with _GGUFMix():                      # --quantization gguf-q4_k_m: the Q4_K_M mix (quant.py)
+    with _GGUFMix(), _ActOrder():         # gguf-q4_k_m: the Q4_K_M mix; int4-g128-act: random act order
         llm, inputs = batch_decode(gd, args.shape, args.context, args.quantization, batch=args.batch)
     events = kernel_events(llm, inputs, args.steps)
     inc, dur, calls = increments(events)

@@ -243,6 +243,30 @@ class _GGUFMix:
         self._mod._quantize_model = self._saved
 
 
+class _ActOrder:
+    """While active, act-order int4 schemes (``--quantization int4-g128-act``, GPTQ ``desc_act``'s
+    layout) quantize random weights online: each weight's inputs in a seeded random order (a
+    checkpoint's order comes from GPTQ's Hessian; a benchmark only needs some permutation), the
+    plain scheme's codes of ``W[:, perm]`` and ``perm`` as the last companion."""
+
+    def __enter__(self):
+        from graphdsl.quant import IntScheme
+        self._cls, self._saved = IntScheme, IntScheme.quantize
+        saved = self._saved
+
+        def quantize(scheme, weight, dtype=None):
+            if not scheme.act_order:
+                return saved(scheme, weight, dtype)
+            perm = torch.randperm(weight.shape[1], generator=torch.Generator().manual_seed(weight.shape[1]))
+            return saved(scheme.kernel_scheme, weight[:, perm.to(weight.device)], dtype) + \
+                [perm.to(torch.int32).to(weight.device)]
+        IntScheme.quantize = quantize
+        return self
+
+    def __exit__(self, *exc):
+        self._cls.quantize = self._saved
+
+
 def gguf_kernel_rows(shape: str, copy: float) -> list[str]:
     """Per projection, Q4_K and Q6_K blocks: µs and GB/s of the batch-1 GGUF GEMV (``gguf_gemv``, what
     the engine runs for one row), timed as :func:`_graph_us` does."""

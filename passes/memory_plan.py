@@ -7,7 +7,8 @@ when their live ranges do not overlap. A pointwise node may also write its outpu
 the same size whose life ends at that node (in-place reuse), which is safe for elementwise kernels.
 A node's *workspace* (scratch its op's workspace rule asks for, see :mod:`graphdsl.opdef`) is live
 during that node only. Placement is greedy by size (largest first, lowest fitting offset), aligned
-to 256 bytes.
+to 256 bytes. The rows of a last-dim ``gather`` by a 1-D index live as long as its result (a
+backend may read them through the index instead of the copy).
 """
 from __future__ import annotations
 
@@ -51,6 +52,15 @@ class MemoryPlan:
         return "\n".join(lines)
 
 
+def _read_through(node) -> bool:
+    """A gather of the last dim by a 1-D index (act-order int4's ``x[..., perm]``): its reader may
+    read ``x`` through the index instead of the gathered copy (``runtime/backends/gather_carry.py``),
+    so ``x`` must not be overwritten before the reader runs."""
+    if node.op != "gather" or len(node.inputs) != 2 or len(node.inputs[1].shape) != 1:
+        return False
+    return node.attrs.get("dim", 0) in (-1, len(node.inputs[0].shape) - 1)
+
+
 def _align(n: int) -> int:
     return (n + ALIGN - 1) // ALIGN * ALIGN
 
@@ -80,6 +90,10 @@ def plan_memory(net: Network, specs: dict[str, tuple[tuple[int, ...], torch.dtyp
             last_use[t] = step
     for t in outputs:                     # outputs reading arena storage are copied out at the end
         last_use[base.get(t, t)] = end
+    for step, node in enumerate(net.nodes):   # a last-dim gather's rows live while its result does
+        if _read_through(node):
+            x, out = base.get(node.inputs[0], node.inputs[0]), node.outputs[0]
+            last_use[x] = max(last_use.get(x, step), last_use.get(out, step))
 
     buffers: list[Buffer] = []
     owner: dict = {}                      # tensor -> Buffer

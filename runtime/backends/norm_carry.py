@@ -190,8 +190,9 @@ def _launch(be, site: Site, values: dict, attrs: dict, storage: dict, carry: Nor
         return None
     scaled, part, aside = carry._buffers_for(site.slot, x.device, m, n, x.dtype)
     s_dst = storage.get(b.outputs[1])
+    read = ins if be.gather_rows is None else ins + [be.gather_rows.x]    # act-order: x read through perm
     if s_dst is None or tuple(s_dst.shape) != (m, n) or s_dst.dtype != x.dtype or s_dst.stride(-1) != 1 \
-            or any(overlaps(s_dst, t) for t in ins) or (overlaps(s_dst, residual) and (
+            or any(overlaps(s_dst, t) for t in read) or (overlaps(s_dst, residual) and (
                 s_dst.data_ptr() != residual.data_ptr() or s_dst.stride() != residual.stride())):
         if not site.sum_aside or overlaps(aside, residual):    # (the last site on the slot: done with it)
             return None
@@ -207,8 +208,11 @@ def _launch(be, site: Site, values: dict, attrs: dict, storage: dict, carry: Nor
     rms_out = GemvRmsOut(g, scaled, part)
     if quant:
         stored = ins[1:]
+        rows, perm = be.gather_rows, None          # act-order: x read through the gather's index
+        if rows is not None:
+            x, perm = rows.x.reshape(-1, rows.x.shape[-1]), rows.index
         gemv(x, stored[0], residual, out=s_dst, workspace=be.gemv_workspace, scheme=scheme, scales=stored[1],
-             zeros=stored[2] if len(stored) > 2 else None, rms_out=rms_out)
+             zeros=stored[2] if len(stored) > 2 else None, rms_out=rms_out, perm=perm)
     else:
         gemv(x, w, residual, out=s_dst, workspace=be.gemv_workspace, rms_out=rms_out)
     return GemvRmsIn(part, n, float(attrs[b]["eps"])), scaled, s_dst

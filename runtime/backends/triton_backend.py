@@ -101,10 +101,13 @@ class TritonBackend:
         self._planes_ready: dict = {}           # GGUF node -> its rows' A operand, made by the kernel before it
         self._gguf_next: tuple = (None, {})     # (a node list, norm node -> its GGUF readers right after it)
         self._step_view = None                  # (a node list, its set, graph input -> in-place writers)
+        from .gather_carry import GatherCarry
         from .norm_carry import NormCarry
         from .torch_backend import TorchBackend
         self._reference = TorchBackend()
         self.norms = NormCarry()                # RMSNorms carried by the decode GEMVs around them
+        self.gathers = GatherCarry()            # act-order gathers carried by the int4 GEMV reading them
+        self.gather_rows = None                 # the running node's carried gather (gather_carry.Pending)
 
     # -- build time ----------------------------------------------------------------------------
     can_fuse = staticmethod(triton_can_fuse)
@@ -123,6 +126,7 @@ class TritonBackend:
         self._values = values
         self._planes_ready = {}
         self.norms.start(nodes, enabled=after is None)   # a hook reads every node's output: none carried
+        self.gathers.start(nodes, enabled=after is None)
         for node in nodes:
             self._run_one(node, values, attrs, storage)
             if after is not None:
@@ -131,6 +135,29 @@ class TritonBackend:
     def _run_one(self, node, values: dict, attrs: dict, storage: dict) -> None:
         ins = [values[t] for t in node.inputs]
         on_cpu = bool(ins) and ins[0].device.type == "cpu" and not _interpreting()
+        if node.op == "gather" and self.gathers.defer(node, values, storage):
+            return
+        rows = self.gathers.take(node)          # this node's rows are a gather not yet made
+        if rows is not None and (on_cpu or not _gemv_reads_rows(node, ins, attrs[node])
+                                 or self._writes_over(node, rows.x, storage)):
+            self.gathers.make(rows)
+            rows = None
+        self.gather_rows = rows
+        try:
+            self._lower(node, ins, on_cpu, values, attrs, storage)
+        finally:
+            self.gather_rows = None
+
+    @staticmethod
+    def _writes_over(node, x: torch.Tensor, storage: dict) -> bool:
+        """Whether ``node`` writes memory that ``x`` spans: a GEMV reading ``x`` itself must not write
+        there while other programs still read it (the planner keeps a gather's rows alive through its
+        reader, ``passes.memory_plan``; an engine planned otherwise makes the gather instead). A
+        carried norm's sum is kept off ``x`` by :mod:`.norm_carry` itself."""
+        from .norm_carry import overlaps
+        return any(storage.get(t) is not None and overlaps(storage[t], x) for t in node.outputs)
+
+    def _lower(self, node, ins, on_cpu: bool, values: dict, attrs: dict, storage: dict) -> None:
         if node.category is OpCategory.COLLECTIVE and not on_cpu and node.op in COLLECTIVE_LOWERINGS:
             dsts = [self._dst(t, storage, node, attrs[node], ins, i) for i, t in enumerate(node.outputs)]
             for t, r in zip(node.outputs, COLLECTIVE_LOWERINGS[node.op](self, node, ins, attrs[node], dsts)):
@@ -598,12 +625,14 @@ _XPACK_GATE_UP = True         # one int4 row of gate/up: its activation bytes ma
 _XPACK_MIN_WEIGHTS = 1 << 26  # ... for a weight of at least this many codes (8B gate_up: 117M; 1B's 34M lost)
 
 
-def _int4_xpack(be: TritonBackend, x: torch.Tensor, codes: torch.Tensor, scheme) -> torch.Tensor | None:
+def _int4_xpack(be: TritonBackend, x: torch.Tensor, codes: torch.Tensor, scheme,
+                perm: torch.Tensor | None = None) -> torch.Tensor | None:
     """One int4 row's activations packed for the GEMV's integer-dot loop (:mod:`..kernels.int4_acts`)
     into the backend's buffer for its K, or None where that does not pay or the one-row loop does
     not apply. On an H100 the Llama-3-8B gate/up GEMV went from 32.2 to 26.9 µs with the launch
     (wider tiles, two groups a step: 26.1 µs alone); the smaller projections, the 1B gate/up
-    among them (10.0 -> 11.3 µs), lost (docs/quantization.md)."""
+    among them (10.0 -> 11.3 µs), lost (docs/quantization.md). ``perm`` (act-order): the bytes of
+    ``x[:, perm]``, gathered as they are read."""
     from ..kernels.gemv import W_INT4, W_INT4_ZP, weight_kind
     from ..kernels.int4_acts import pack_int4_activations
     k = x.shape[-1]
@@ -618,7 +647,21 @@ def _int4_xpack(be: TritonBackend, x: torch.Tensor, codes: torch.Tensor, scheme)
     buf = be._workspaces.get(key)
     if buf is None:
         buf = be._workspaces[key] = torch.zeros(6, k // 8, dtype=torch.int32, device=x.device)
-    return pack_int4_activations(x, group, out=buf)
+    return pack_int4_activations(x, group, out=buf, perm=perm)
+
+
+def _gemv_reads_rows(node, ins, attrs) -> bool:
+    """Whether ``node`` (a carried gather's reader) runs as a decode GEMV on these operands, which
+    then reads its rows through the gather's index (``gemv(..., perm=)``; :mod:`.gather_carry`)."""
+    from graphdsl.quant import parse_scheme
+
+    from ..kernels.gemv import W_INT4, W_INT4_ZP, gemv_supported, weight_kind
+    if node.op not in _QUANT_OPS or _kernel_unsupported(node, ins) is not None:
+        return False
+    scheme = parse_scheme(attrs["scheme"])
+    codes = ins[2] if node.op == "quant_linear_add" else ins[1]
+    x = ins[0]
+    return weight_kind(scheme) in (W_INT4, W_INT4_ZP) and gemv_supported(x.reshape(-1, x.shape[-1]), codes, scheme)
 
 
 def _quant_linear(be: TritonBackend, node, ins, attrs, dsts):
@@ -644,10 +687,13 @@ def _quant_linear(be: TritonBackend, node, ins, attrs, dsts):
     add2 = None if add is None else (add if add.dim() == 1 else add.reshape(-1, n))
     gguf = isinstance(scheme, (GGUFScheme, GGUFMixScheme))
     if gemv_supported(x2, stored[0], scheme) and (x2.device.type == "cuda" or _interpreting()):
+        rows, perm = be.gather_rows, None          # act-order: read x through the gather's index
+        if rows is not None:
+            x2, perm = rows.x.reshape(-1, rows.x.shape[-1]), rows.index
+        xpack = _int4_xpack(be, x2, stored[0], scheme, perm) if silu and _XPACK_GATE_UP else None
         gemv(x2, stored[0], add2, silu_mul=silu, out=out2, workspace=be.gemv_workspace, scheme=scheme,
-             scales=stored[1], zeros=stored[2] if len(stored) > 2 else None,
-             xpack=_int4_xpack(be, x2, stored[0], scheme) if silu and _XPACK_GATE_UP else None,
-             rms_in=be.norms.rms_in(node))
+             scales=stored[1], zeros=stored[2] if len(stored) > 2 else None, xpack=xpack,
+             rms_in=be.norms.rms_in(node), perm=perm if xpack is None else None)
         return dsts
     _not_carried(be, node)
     planes = be._planes_ready.pop(node, None)   # made by the kernel before (_norm_planes, _swiglu_planes)

@@ -245,7 +245,8 @@ def _int4_rows(q_ptr, rn, N, W_ROW, G: tl.constexpr, C: tl.constexpr):
 
 @triton.jit
 def _int4_loads(x_ptr, s_ptr, z_ptr, q_rows, rw, rg, rn64, c, w_hi, stride_sn, S: tl.constexpr,
-                GROUP: tl.constexpr, ZERO_POINT: tl.constexpr, XPACK: tl.constexpr = False, W_X=0):
+                GROUP: tl.constexpr, ZERO_POINT: tl.constexpr, XPACK: tl.constexpr = False, W_X=0,
+                perm_ptr=None, PERM: tl.constexpr = False):
     """All that the step from word ``c`` reads, clamped to the slice's last ``S`` words (a prefetch
     past the slice re-reads them): the ``[BLOCK_N, G, C]`` words (unmasked, so 16-byte loads), the
     ``[BLOCK_N, G]`` scales and zero points (the scales again without ``ZERO_POINT``) and the eight
@@ -253,7 +254,8 @@ def _int4_loads(x_ptr, s_ptr, z_ptr, q_rows, rw, rg, rn64, c, w_hi, stride_sn, S
     Issued one step ahead of their use: a load inside the step would stall it by a memory latency.
     With ``XPACK`` the activations come packed (:mod:`.int4_acts`, planes of ``W_X`` words): the
     words' ``[G, C]`` ``he, ho, le, lo, xs`` (then ``he`` three times, unused: the branches must
-    return one shape; the groups' units come from :func:`_xpack_units`)."""
+    return one shape; the groups' units come from :func:`_xpack_units`). With ``PERM`` input ``k``
+    of the groups is ``x[perm[k]]`` (act-order), read through ``perm_ptr``."""
     c = tl.minimum(c, w_hi - S)
     w = tl.load(q_rows + (c + rw)[None, :, :])
     sg = rn64[:, None] * stride_sn + ((8 * c) // GROUP + rg)[None, :]
@@ -267,6 +269,11 @@ def _int4_loads(x_ptr, s_ptr, z_ptr, q_rows, rw, rg, rn64, c, w_hi, stride_sn, S
         he = tl.load(xq)
         return (w, sc, z, he, tl.load(xq + W_X), tl.load(xq + 2 * W_X), tl.load(xq + 3 * W_X),
                 tl.load(xq + 4 * W_X), he, he, he)
+    if PERM:
+        pp = perm_ptr + 8 * (c + rw)
+        return (w, sc, z, tl.load(x_ptr + tl.load(pp)), tl.load(x_ptr + tl.load(pp + 1)),
+                tl.load(x_ptr + tl.load(pp + 2)), tl.load(x_ptr + tl.load(pp + 3)), tl.load(x_ptr + tl.load(pp + 4)),
+                tl.load(x_ptr + tl.load(pp + 5)), tl.load(x_ptr + tl.load(pp + 6)), tl.load(x_ptr + tl.load(pp + 7)))
     xp = x_ptr + 8 * (c + rw)
     return (w, sc, z, tl.load(xp), tl.load(xp + 1), tl.load(xp + 2), tl.load(xp + 3), tl.load(xp + 4),
             tl.load(xp + 5), tl.load(xp + 6), tl.load(xp + 7))
@@ -283,7 +290,8 @@ def _xpack_units(x_ptr, W_X, c, w_hi, rg, S: tl.constexpr, GROUP: tl.constexpr):
 @triton.jit
 def _int4_row(x_ptr, q_ptr, s_ptr, z_ptr, rn, N, w_lo, w_hi, W_ROW, stride_sn, M12, M16, M0F,
               BLOCK_N: tl.constexpr, ZERO_POINT: tl.constexpr, GROUP: tl.constexpr, G: tl.constexpr,
-              INT_DOT: tl.constexpr, EMULATE: tl.constexpr, XPACK: tl.constexpr = False, W_X=0):
+              INT_DOT: tl.constexpr, EMULATE: tl.constexpr, XPACK: tl.constexpr = False, W_X=0,
+              perm_ptr=None, PERM: tl.constexpr = False):
     """One row (batch-1 decode): ``sum_k x[k] * (q[n, k] - z[n, g]) * s[n, g]`` over the words
     ``[w_lo, w_hi)`` of each weight row, on CUDA cores instead of ``tl.dot`` (whose operand-layout
     shuffle and int->float conversions bound the tensor-core path at one row). ``q_ptr``: int32
@@ -304,12 +312,14 @@ def _int4_row(x_ptr, q_ptr, s_ptr, z_ptr, rn, N, w_lo, w_hi, W_ROW, stride_sn, M
 
     ``XPACK``: ``x_ptr`` holds the activations already in the integer-dot loop's bytes
     (:func:`.int4_acts.pack_int4_activations`, ``W_X`` words a plane), made once by the kernel
-    before instead of by every program each step; the sums are the same bits."""
+    before instead of by every program each step; the sums are the same bits. ``PERM``: act-order,
+    input ``k`` of the groups is ``x[perm[k]]``."""
     C: tl.constexpr = GROUP // 8
     S: tl.constexpr = G * C
     rw, rg, rn64, q_rows = _int4_rows(q_ptr, rn, N, W_ROW, G, C)
     nw, ns, nz, n0, n1, n2, n3, n4, n5, n6, n7 = _int4_loads(x_ptr, s_ptr, z_ptr, q_rows, rw, rg, rn64, w_lo, w_hi,
-                                                             stride_sn, S, GROUP, ZERO_POINT, XPACK, W_X)
+                                                             stride_sn, S, GROUP, ZERO_POINT, XPACK, W_X, perm_ptr,
+                                                             PERM)
     if XPACK:
         na = _xpack_units(x_ptr, W_X, w_lo, w_hi, rg, S, GROUP)
     acc = tl.zeros([BLOCK_N, G, C], tl.float32)
@@ -323,7 +333,8 @@ def _int4_row(x_ptr, q_ptr, s_ptr, z_ptr, rn, N, w_lo, w_hi, W_ROW, stride_sn, M
             x0, x1, x2, x3 = n0.to(tl.float32), n1.to(tl.float32), n2.to(tl.float32), n3.to(tl.float32)
             x4, x5, x6, x7 = n4.to(tl.float32), n5.to(tl.float32), n6.to(tl.float32), n7.to(tl.float32)
         nw, ns, nz, n0, n1, n2, n3, n4, n5, n6, n7 = _int4_loads(x_ptr, s_ptr, z_ptr, q_rows, rw, rg, rn64, c + S,
-                                                                 w_hi, stride_sn, S, GROUP, ZERO_POINT, XPACK, W_X)
+                                                                 w_hi, stride_sn, S, GROUP, ZERO_POINT, XPACK, W_X,
+                                                                 perm_ptr, PERM)
         if XPACK:
             acc = _int4_dp4a_core(acc, w, sc, z, he, ho, le, lo, xs, a[None, :, None], M0F, ZERO_POINT, EMULATE)
         elif INT_DOT:
@@ -517,7 +528,8 @@ def _fp8_row_loop(x_ptr, q_ptr, rn, N, w_lo, w_hi, W_ROW, BLOCK_N: tl.constexpr,
 
 @triton.jit
 def _int4_k_loop(acc, x_rows, q_ptr, s_ptr, z_ptr, rn, n_ok, m_ok, k_lo, k_hi, K, stride_sn,
-                 ZERO_POINT: tl.constexpr, GROUP: tl.constexpr, BLOCK_K: tl.constexpr, DOT_F32: tl.constexpr):
+                 ZERO_POINT: tl.constexpr, GROUP: tl.constexpr, BLOCK_K: tl.constexpr, DOT_F32: tl.constexpr,
+                 perm_ptr=None, PERM: tl.constexpr = False):
     """``acc[n, m] += sum_k x[m, k] * (q[n, k] - z[n, g]) * s[n, g]`` over ``k_lo <= k < k_hi``,
     ``g = k // GROUP`` (``z = 8`` without zero points), ``q_ptr`` the codes as int16 words of four
     nibbles (word ``c`` holds ``k = 4c + i`` in bits ``4i..4i+3``).
@@ -531,7 +543,8 @@ def _int4_k_loop(acc, x_rows, q_ptr, s_ptr, z_ptr, rn, n_ok, m_ok, k_lo, k_hi, K
     unit in the last place there is 1). The dot takes ``M + q`` as it is (16-bit float arithmetic
     may itself go through conversions) and ``(M + z) * sum_k x[m, k]`` over the group is taken off
     the float32 partial: the products are exact and the float32 sums carry ~2^-17 of
-    ``sum |x|``, far below the 16-bit activations' own rounding."""
+    ``sum |x|``, far below the 16-bit activations' own rounding. ``PERM``: act-order, input ``k`` of
+    the groups is ``x[:, perm[k]]``."""
     STEP: tl.constexpr = BLOCK_K if BLOCK_K < GROUP else GROUP       # inputs per group step
     SUBS: tl.constexpr = BLOCK_K // STEP
     QUARTER: tl.constexpr = STEP // 4
@@ -559,7 +572,10 @@ def _int4_k_loop(acc, x_rows, q_ptr, s_ptr, z_ptr, rn, n_ok, m_ok, k_lo, k_hi, K
             part = tl.zeros_like(acc)
             xsum = tl.zeros([acc.shape[1]], tl.float32)
             for i in tl.static_range(4):
-                xi = tl.load(x_rows + (kb + 4 * rc + i)[None, :], mask=m_ok[:, None] & ok[None, :], other=0.0)
+                ki = kb + 4 * rc + i
+                if PERM:
+                    ki = tl.load(perm_ptr + ki, mask=ok, other=0)
+                xi = tl.load(x_rows + ki[None, :], mask=m_ok[:, None] & ok[None, :], other=0.0)
                 nib = (w >> (4 * i)) & 15
                 if DOT_F32:
                     part += tl.dot(nib.to(tl.float32) - z[:, None], tl.trans(xi.to(tl.float32)), input_precision="ieee")
@@ -607,6 +623,7 @@ def _gemv_kernel(
     LORA_S, LORA_R, LORA_SPLITS,  # slots, slot width, shrink K slices
     rms_w_ptr, rms_scaled_ptr, rms_part_ptr, RMS_CHUNKS,  # RMS_OUT: norm weight [N], y·weight [M, N], Σy² [M, chunks]
     rin_ptr, RIN_CHUNKS, rin_inv_n, rin_eps,              # RMS_IN: the producer's Σy² [M, chunks], 1 / n, eps
+    perm_ptr,       # PERM: int32 [K], input k of the int4 groups is x[:, perm[k]] (act-order); else unused
     HAS_LORA: tl.constexpr = False,     # add each row's LoRA term in the epilogue (_lora_term)
     LORA_BLOCK_R: tl.constexpr = 16,    # LORA_R padded to a power of two >= 16
     LORA_BLOCK_SPLITS: tl.constexpr = 2,  # LORA_SPLITS padded to a power of two >= 2
@@ -619,6 +636,7 @@ def _gemv_kernel(
     RMS_IN: tl.constexpr = False,       # scale each row's sums by its RMSNorm factor first (_finish; GemvRmsIn)
     RIN_BLOCK: tl.constexpr = 1,        # RIN_CHUNKS padded to a power of two
     RMS_EARLY: tl.constexpr = True,     # read the partials / residual of RMS_IN / RMS_OUT before the K loop
+    PERM: tl.constexpr = False,         # int4: the activations read through perm_ptr
 ):
     """out[m, n] = sum_k x[m, k] * w[n, k] (+ add[m, n]), float32 accumulation. With ``SWIGLU`` the
     tile's rows are the gate and up rows of ``BLOCK_N / 2`` output columns, interleaved (row ``2i``
@@ -666,7 +684,7 @@ def _gemv_kernel(
     if INT4 and ONE_ROW:
         row = _int4_row(x_ptr, w_ptr, s_ptr, z_ptr, rn, N2, w_lo, w_hi, W_ROW, stride_sn,
                         M12, M16, M0F, BLOCK_N, WKIND == 3, GROUP, BLOCK_K // GROUP, INT_DOT, EMULATE, XPACK,
-                        K // 8)
+                        K // 8, perm_ptr, PERM)
         acc = tl.where((rm == 0)[None, :], row[:, None], 0.0)
     elif WKIND == 4 and ONE_ROW:
         row = _fp8_row_loop(x_ptr, w_ptr, rn, N2, w_lo, w_hi, W_ROW, BLOCK_N,
@@ -674,7 +692,7 @@ def _gemv_kernel(
         acc = tl.where((rm == 0)[None, :], row[:, None], 0.0)
     elif INT4:
         acc = _int4_k_loop(acc, x_rows, w_ptr, s_ptr, z_ptr, rn, n_ok, m_ok, k_lo, k_hi, K, stride_sn,
-                           WKIND == 3, GROUP, BLOCK_K, DOT_F32)
+                           WKIND == 3, GROUP, BLOCK_K, DOT_F32, perm_ptr, PERM)
     else:
         w_rows = w_ptr + rn.to(tl.int64)[:, None] * K
         for k0 in range(k_lo, k_hi, BLOCK_K):
@@ -749,6 +767,15 @@ def _check_xpack(xpack: torch.Tensor, m: int, k: int, kind: int, group: int) -> 
     if tuple(xpack.shape) != want or xpack.dtype != torch.int32 or not xpack.is_contiguous():
         raise GraphDSLError(f"gemv: xpack must be a contiguous int32 {list(want)} (pack_int4_activations of x), got "
                             f"{xpack.dtype} {list(xpack.shape)}")
+
+
+def _check_perm(perm: torch.Tensor, k: int, kind: int, packed: bool, device: torch.device) -> None:
+    if kind not in (W_INT4, W_INT4_ZP) or packed:
+        raise GraphDSLError("gemv: perm is for int4 weights whose activations are not packed (an xpack holds them "
+                            f"in perm's order already), got weight kind {kind}, xpack given: {packed}")
+    if tuple(perm.shape) != (k,) or perm.dtype != torch.int32 or not perm.is_contiguous() or perm.device != device:
+        raise GraphDSLError(f"gemv: perm must be a contiguous int32 [{k}] on {device}, got {perm.dtype} "
+                            f"{list(perm.shape)} on {perm.device}")
 
 
 def _pow2(n: int) -> int:
@@ -1043,7 +1070,7 @@ def gemv(x: torch.Tensor, w: torch.Tensor, add: torch.Tensor | None = None, *, s
          config: dict | None = None, scheme=None, scales: torch.Tensor | None = None,
          zeros: torch.Tensor | None = None, lora: GemvLoRA | None = None,
          xpack: torch.Tensor | None = None, rms_out: GemvRmsOut | None = None,
-         rms_in: GemvRmsIn | None = None) -> torch.Tensor:
+         rms_in: GemvRmsIn | None = None, perm: torch.Tensor | None = None) -> torch.Tensor:
     """``x @ w.T (+ add)`` for ``x [M <= 16, K]`` and ``w [N, K]`` of one dtype (fp16/bf16); ``add``
     is a bias ``[N]`` or a residual ``[M, N]``. With ``silu_mul``, ``w`` is a packed ``[gate | up]``
     ``[2I, K]`` and the result is ``silu(x @ gate.T) * (x @ up.T)`` ``[M, I]`` (the ``silu_mul`` op
@@ -1067,7 +1094,12 @@ def gemv(x: torch.Tensor, w: torch.Tensor, add: torch.Tensor | None = None, *, s
     The result is the same bits as without.
 
     ``rms_out`` (:class:`GemvRmsOut`) / ``rms_in`` (:class:`GemvRmsIn`): the RMSNorm between this
-    GEMV and the next one carried by their epilogues instead of a launch of its own."""
+    GEMV and the next one carried by their epilogues instead of a launch of its own.
+
+    ``perm`` (int4 act-order, contiguous int32 ``[K]``): the product of ``x[:, perm]``, read through
+    ``perm`` instead of gathered first; the same bits as ``gemv(x[:, perm], ...)``. With ``xpack``
+    the packed bytes are already in that order (``pack_int4_activations(x, group, perm=perm)``) and
+    ``perm`` is not given again."""
     if not gemv_supported(x, w, scheme):
         want = "a contiguous w [N, K] of one dtype" if scheme is None else f"the codes of {scheme.name}"
         raise GraphDSLError(f"gemv: needs x [M<= {MAX_ROWS}, K] in {[str(d) for d in _DTYPES]} and {want}, got x "
@@ -1096,6 +1128,8 @@ def gemv(x: torch.Tensor, w: torch.Tensor, add: torch.Tensor | None = None, *, s
     if add is not None and add.stride(-1) != 1:
         raise GraphDSLError(f"gemv: add must have a contiguous last dim, got strides {add.stride()}")
     group = scheme.group_size if kind in (W_INT4, W_INT4_ZP) else 1
+    if perm is not None:
+        _check_perm(perm, k, kind, xpack is not None, x.device)
     if xpack is not None:
         _check_xpack(xpack, m, k, kind, group)
         config = config or _pick_xpack_config(n, k, group, x.device)
@@ -1143,6 +1177,7 @@ def gemv(x: torch.Tensor, w: torch.Tensor, add: torch.Tensor | None = None, *, s
         BLOCK_K=block_k, EVEN_K=k % block_k == 0, EVEN_N=cols % tile_cols == 0,
         DOT_F32=x.dtype == torch.bfloat16 and interpret, EMULATE=interpret,
         PREFETCH=0 if interpret else _prefetch_lines(kind, one_row, block_k, k_split), XPACK=xpack is not None,
+        perm_ptr=perm if perm is not None else out, PERM=perm is not None,
         **pdl_launch(x.device),
         **_lora_args(lora, out), **_rms_args(rms_out, rms_in, m, cols, k, block_n, silu_mul, out), **cfg)
     return out

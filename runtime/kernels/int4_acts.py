@@ -30,17 +30,25 @@ __all__ = ["pack_int4_activations", "pack_int4_activations_reference"]
 
 
 @triton.jit
-def _pack_kernel(x_ptr, out_ptr, W_X, GROUP: tl.constexpr, USE_PDL: tl.constexpr):
-    """Program ``g``: group ``g``'s ``GROUP / 8`` words."""
+def _input(x_ptr, perm_ptr, k, PERM: tl.constexpr):
+    """``x[k]`` (``x[perm[k]]`` with ``PERM``) as float32."""
+    if PERM:
+        k = tl.load(perm_ptr + k)
+    return tl.load(x_ptr + k).to(tl.float32)
+
+
+@triton.jit
+def _pack_kernel(x_ptr, perm_ptr, out_ptr, W_X, GROUP: tl.constexpr, PERM: tl.constexpr, USE_PDL: tl.constexpr):
+    """Program ``g``: group ``g``'s ``GROUP / 8`` words (of ``x[perm]`` with ``PERM``)."""
     g = tl.program_id(0)
     C: tl.constexpr = GROUP // 8
     c = g * C + tl.arange(0, C)
     pdl_wait(USE_PDL)
-    xp = x_ptr + 8 * c
-    x0, x1 = tl.load(xp).to(tl.float32), tl.load(xp + 1).to(tl.float32)
-    x2, x3 = tl.load(xp + 2).to(tl.float32), tl.load(xp + 3).to(tl.float32)
-    x4, x5 = tl.load(xp + 4).to(tl.float32), tl.load(xp + 5).to(tl.float32)
-    x6, x7 = tl.load(xp + 6).to(tl.float32), tl.load(xp + 7).to(tl.float32)
+    k = 8 * c
+    x0, x1 = _input(x_ptr, perm_ptr, k, PERM), _input(x_ptr, perm_ptr, k + 1, PERM)
+    x2, x3 = _input(x_ptr, perm_ptr, k + 2, PERM), _input(x_ptr, perm_ptr, k + 3, PERM)
+    x4, x5 = _input(x_ptr, perm_ptr, k + 4, PERM), _input(x_ptr, perm_ptr, k + 5, PERM)
+    x6, x7 = _input(x_ptr, perm_ptr, k + 6, PERM), _input(x_ptr, perm_ptr, k + 7, PERM)
     big = _max_nan(_max_nan(_max_nan(tl.abs(x0), tl.abs(x1)), _max_nan(tl.abs(x2), tl.abs(x3))),
                    _max_nan(_max_nan(tl.abs(x4), tl.abs(x5)), _max_nan(tl.abs(x6), tl.abs(x7))))
     amax = tl.max(big, axis=0) + tl.sum(big - big, axis=0)     # NaN if an input is not finite
@@ -67,19 +75,26 @@ def _check(x: torch.Tensor, group: int) -> int:
     return k
 
 
-def pack_int4_activations(x: torch.Tensor, group: int, out: torch.Tensor | None = None) -> torch.Tensor:
+def pack_int4_activations(x: torch.Tensor, group: int, out: torch.Tensor | None = None, *,
+                          perm: torch.Tensor | None = None) -> torch.Tensor:
     """``x`` (one row ``[K]`` or ``[1, K]``) as the int4 GEMV's activation bytes (module docstring)
-    for int4 groups of ``group`` inputs: int32 ``[6, K / 8]``, into ``out`` when given."""
+    for int4 groups of ``group`` inputs: int32 ``[6, K / 8]``, into ``out`` when given. ``perm``
+    (act-order, contiguous int32 ``[K]``): the bytes of ``x[perm]``, gathered as they are read."""
     k = _check(x, group)
     x = x.reshape(k)
+    if perm is not None and (tuple(perm.shape) != (k,) or perm.dtype != torch.int32 or not perm.is_contiguous()
+                             or perm.device != x.device):
+        raise GraphDSLError(f"pack_int4_activations: perm must be a contiguous int32 [{k}] on {x.device}, got "
+                            f"{perm.dtype} {list(perm.shape)} on {perm.device}")
     if out is None:
         out = torch.empty(6, k // 8, dtype=torch.int32, device=x.device)
     if tuple(out.shape) != (6, k // 8) or out.dtype != torch.int32 or not out.is_contiguous():
         raise GraphDSLError(f"pack_int4_activations: out must be a contiguous int32 [6, {k // 8}], got "
                             f"{out.dtype} {list(out.shape)}")
     if x.device.type != "cuda" and os.environ.get("TRITON_INTERPRET", "0") in ("", "0"):
-        return out.copy_(pack_int4_activations_reference(x, group))
-    _pack_kernel[(k // group,)](x, out, k // 8, GROUP=group, **pdl_launch(x.device), num_warps=1)
+        return out.copy_(pack_int4_activations_reference(x if perm is None else x[perm.long()], group))
+    _pack_kernel[(k // group,)](x, perm if perm is not None else x, out, k // 8, GROUP=group, PERM=perm is not None,
+                                **pdl_launch(x.device), num_warps=1)
     return out
 
 

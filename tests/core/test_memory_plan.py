@@ -75,6 +75,27 @@ def test_views_keep_their_base_alive():
     torch.testing.assert_close(net.build_engine().forward({"x": x})["o"], x.exp().reshape(6, 4) @ (-x))
 
 
+def test_a_last_dim_gathers_rows_live_through_its_reader():
+    """``gather(x, -1, perm)`` (act-order's): ``x`` stays live while the gathered copy does, so the
+    reader's output never takes ``x``'s bytes (a backend may read ``x`` through ``perm`` instead of
+    the copy); a gather along another dim does not extend its input's life."""
+    def net_of(dim):
+        with Network() as net:
+            x = Tensor("x", (4, 8), "float32")
+            perm = Tensor("perm", (8,) if dim else (4,), torch.int32)
+            rows = F.exp(x)
+            g = F.gather(rows, dim, perm)
+            net.mark_output(F.neg(F.matmul(g, Tensor("w", (8, 8), "float32"))), "o")
+        return net
+    for dim, extended in ((-1, True), (0, False)):
+        net = net_of(dim)
+        plan = plan_memory(net, {t.name: (t.shape, t.dtype) for t in net.tensors()})
+        _check_no_overlap(plan)
+        rows = next(b for b in plan.buffers if "exp_0" in b.tensors)
+        gathered = next(b for b in plan.buffers if any(t.startswith("gather") for t in b.tensors))
+        assert (rows.end >= gathered.end) == extended, (dim, rows, gathered)
+
+
 def test_node_workspace_is_live_during_its_node_only():
     """A workspace (OpDef.workspace) gets arena bytes that overlap neither the node's inputs nor
     its outputs, and may share bytes with tensors dead before or born after the node."""

@@ -283,3 +283,43 @@ def test_weight_prefetch_lines_per_kind(monkeypatch):
     assert G._prefetch_lines(G.W_INT8, False, 128, 4096) == 0
     monkeypatch.setattr(G, "_PREFETCH_STEPS", 0)
     assert G._prefetch_lines(G.W_FLOAT, False, 128, 4096) == 0
+
+
+@pytest.mark.parametrize("m,int_dot,xpack", [(1, True, False), (1, False, False), (1, True, True), (3, False, False),
+                                             (16, False, False)])
+@pytest.mark.parametrize("name", ["int4-g64", "int4-g128-zp"])
+def test_act_order_perm_read_in_the_loop_equals_gathering_first(name, m, int_dot, xpack):
+    """``gemv(x, ..., perm=p)`` (act-order int4: the groups take the inputs in ``p``'s order) is the
+    same bits as ``gemv(x[:, p], ...)``: the one-row loops (integer dot, float FMAs, packed bytes made
+    by ``pack_int4_activations(x, perm=p)``) and the 2-16 row ``tl.dot`` loop read ``x`` through ``p``."""
+    from graphdsl.runtime.kernels.int4_acts import pack_int4_activations
+    k, n, dtype = 256, 48, torch.bfloat16
+    s, stored, _ = _quantized(name, n, k, dtype, seed=m)
+    g = torch.Generator().manual_seed(11)
+    x = torch.randn(m, k, generator=g).to(DEV, dtype)
+    perm = torch.randperm(k, generator=g).to(torch.int32).to(DEV)
+    cfg = dict(BLOCK_N=16, BLOCK_K=128, SPLIT_K=2, num_warps=4, num_stages=2, INT_DOT=int_dot)
+    kw = dict(silu_mul=True, config=cfg, scheme=s, scales=stored[1], zeros=stored[2] if len(stored) > 2 else None)
+    gathered = x[:, perm.long()].contiguous()
+    if xpack:
+        want = gemv(x[:, perm.long()].contiguous(), stored[0], xpack=pack_int4_activations(gathered, s.group_size),
+                    workspace=GemvWorkspace(), **kw)
+        got = gemv(x, stored[0], xpack=pack_int4_activations(x, s.group_size, perm=perm), workspace=GemvWorkspace(),
+                   **kw)
+    else:
+        want = gemv(gathered, stored[0], workspace=GemvWorkspace(), **kw)
+        got = gemv(x, stored[0], perm=perm, workspace=GemvWorkspace(), **kw)
+    assert torch.equal(got, want)
+    ident = torch.arange(k, dtype=torch.int32, device=DEV)
+    assert not torch.equal(gemv(x, stored[0], perm=ident, workspace=GemvWorkspace(), **kw), got)
+
+
+def test_act_order_perm_is_checked():
+    s, stored, _ = _quantized("int4-g64", 16, 128, torch.bfloat16, seed=0)
+    x = torch.randn(1, 128).to(DEV, torch.bfloat16)
+    kw = dict(scheme=s, scales=stored[1])
+    with pytest.raises(GraphDSLError, match=r"gemv: perm must be a contiguous int32 \[128\] on .*, got torch.int64"):
+        gemv(x, stored[0], perm=torch.arange(128, device=DEV), **kw)
+    w = torch.randn(16, 128).to(DEV, torch.bfloat16)
+    with pytest.raises(GraphDSLError, match=r"gemv: perm is for int4 weights"):
+        gemv(x, w, perm=torch.arange(128, dtype=torch.int32, device=DEV))
