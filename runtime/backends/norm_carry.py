@@ -16,7 +16,9 @@ profiles read every node's output, and here ``y`` and the normed tensor are neve
 Conditions. Once per node list (:func:`plan`): the producer (``matmul`` of ``x @ w.T``, or
 ``quant_linear``) is immediately followed by the ``add_rms_norm`` that is its output's only reader;
 the normed output is read only by such projections (``matmul``, ``matmul_silu_mul``,
-``quant_linear``, ``quant_linear_silu_mul``) as their input rows, and neither is a graph output.
+``quant_linear``, ``quant_linear_silu_mul``) as their input rows — directly, or through an
+act-order gather that :mod:`.gather_carry` may carry (the norm's factor is per row, so it applies
+to gathered rows alike) — and neither is a graph output.
 Per run (:meth:`NormCarry.producer`), on the real tensors: every GEMV takes its operands, the norm
 keeps the dtype, and the sum's planned storage is the residual's or overlaps none of the
 producer's inputs (the producer writes it while its other programs still read them). A site's
@@ -35,6 +37,7 @@ import torch
 __all__ = ["NormCarry", "Site", "plan", "overlaps", "PRODUCERS", "CONSUMERS"]
 
 ENABLED = True       # False: every norm launches its own kernel (benchmarks/decode_ab.py's A/B)
+THROUGH_GATHERS = True   # False: no site whose consumers read through an act-order gather (the A/B)
 # producers' weight kinds whose sites are carried. In-model A/B on an H100 (µs a batch-1 step, carried vs
 # launched): Llama-3-8B int4 2586 vs 2684; bf16 5544 vs 5545 and Llama-3.2-1B 1110 vs 1115; fp8 3599 vs 3469
 # (docs/quantization.md). On three H200s, bf16: 8B 4086 vs 4117, 4019 vs 4073; 1B 860 vs 859, 854 vs 867, 859 vs 883
@@ -65,10 +68,12 @@ def plan(nodes) -> dict:
     """The sites of ``nodes`` (a run's node list): ``{norm node: Site}``, also keyed by producer."""
     if not nodes:
         return {}
+    from .gather_carry import plan as gather_plan
     net = nodes[0].net
     readers = net.consumers()
     outputs = set(getattr(net, "outputs", {}).values())
     index = {n: i for i, n in enumerate(nodes)}
+    gathers = gather_plan(nodes) if THROUGH_GATHERS else set()   # act-order: the reader after a gather
     sites, last_read = {}, [-1, -1]
     for i, p in enumerate(nodes[:-1]):
         b = nodes[i + 1]
@@ -78,10 +83,11 @@ def plan(nodes) -> dict:
         if readers.get(y) != [b] or y in outputs or b.inputs[0] is b.inputs[1] or y not in b.inputs[:2]:
             continue
         normed = b.outputs[0]
-        cons = readers.get(normed, [])
+        cons = [nodes[index[c] + 1] if c in gathers and c.inputs[0] is normed else c
+                for c in readers.get(normed, [])]
         if not cons or normed in outputs or any(
-                c.op not in CONSUMERS or c.inputs[0] is not normed or normed in c.inputs[1:] or not _plain_rows(c)
-                or c not in index for c in cons):
+                c.op not in CONSUMERS or (c.inputs[0] is not normed and c.inputs[0].producer not in gathers)
+                or normed in c.inputs[1:] or not _plain_rows(c) or c not in index for c in cons):
             continue
         slot = next((s for s in (0, 1) if last_read[s] < i), None)
         if slot is None:
@@ -161,8 +167,15 @@ class NormCarry:
         return True
 
     def rms_in(self, node):
-        """The :class:`~..kernels.gemv.GemvRmsIn` a consumer GEMV applies, or None."""
-        hit = self._active.get(node.inputs[0]) if node.inputs else None
+        """The :class:`~..kernels.gemv.GemvRmsIn` a consumer GEMV applies, or None. A consumer may
+        read the normed rows through an act-order gather (:mod:`.gather_carry`; the factor is per
+        row, so it applies to the gathered rows alike)."""
+        if not node.inputs:
+            return None
+        t = node.inputs[0]
+        hit = self._active.get(t)
+        if hit is None and t.producer is not None and t.producer.op == "gather":
+            hit = self._active.get(t.producer.inputs[0])
         return None if hit is None else hit[0]
 
 

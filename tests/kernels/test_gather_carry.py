@@ -70,6 +70,30 @@ def test_decode_sized_steps_launch_no_gather_and_keep_the_bits(act_order_checkpo
     assert llm.generate([ids], sp)[0].outputs[0].token_ids == tokens
 
 
+def test_the_norms_around_act_order_projections_are_carried(act_order_checkpoint, monkeypatch):
+    """The RMSNorm between an act-order producer (o, down) and act-order consumers (qkv, gate/up,
+    read through their gathers) rides on the GEMVs (runtime/backends/norm_carry.py): of the 2-layer
+    model's 4 ``add_rms_norm`` only the last (its rows gathered for the lm_head) launches. Reading
+    the normed rows through the permutation or through a gathered copy gives the same bits; with
+    every norm launched the logits move only by roundings."""
+    from graphdsl.runtime.backends import norm_carry
+    llm = _llm(act_order_checkpoint)
+    launched = []
+    real = triton_backend._LOWERINGS["add_rms_norm"]
+    monkeypatch.setitem(triton_backend._LOWERINGS, "add_rms_norm",
+                        lambda be, node, *a: launched.append(node.name) or real(be, node, *a))
+    ids = [3, 17, 42, 99, 5]
+    carried = llm.score(ids)
+    assert len(launched) == 1, launched
+    monkeypatch.setattr(gather_carry, "ENABLED", False)
+    assert torch.equal(llm.score(ids), carried)
+    monkeypatch.setattr(norm_carry, "ENABLED", False)
+    launched.clear()
+    unfused = llm.score(ids)
+    assert len(launched) == 4
+    torch.testing.assert_close(carried, unfused, atol=0.05 * unfused.abs().max().item(), rtol=0.05)
+
+
 def test_a_step_of_more_than_16_rows_makes_the_gather(act_order_checkpoint, monkeypatch):
     llm = _llm(act_order_checkpoint)
     ids = list(range(3, 23))                                          # 20 rows: not a decode GEMV
