@@ -22,7 +22,7 @@ def act_order_checkpoint(tmp_path_factory):
 
 def _llm(path):
     llm = gd.LLM(path, device=DEV, dtype="bfloat16", max_model_len=64, max_num_seqs=2, cuda_graphs=False)
-    llm.model.configure_runtime(backend="triton", max_blocks_per_seq=4)
+    llm.model.configure_runtime(backend="triton", cuda_graphs=False, max_blocks_per_seq=4)   # every step in Python
     return llm
 
 
