@@ -24,6 +24,14 @@ class GatedMLP(Module):
     def forward(self, x):
         return self.down_proj(F.activation(self.gate_up_proj(x), self.act))
 
+    def bind_weights(self, weights: dict, path: str) -> None:
+        """An act-order int4 ``down_proj`` (GPTQ ``desc_act``): its input order goes into the
+        gate/up rows (:func:`graphdsl.layers.quantize.fold_input_order`), so its rows need no gather."""
+        from .quantize import FOLD_INPUT_ORDER, fold_input_order
+        if FOLD_INPUT_ORDER and type(self.gate_up_proj) is MergedColumnParallelLinear \
+                and type(self.down_proj) is RowParallelLinear:
+            fold_input_order(self.gate_up_proj, self.down_proj, weights, parts=2)
+
 
 class MLP(Module):
     """``down_proj(act(up_proj(x)))``; ``act`` is a plain (not gated) :class:`graphdsl.functional.ActType`."""

@@ -17,7 +17,10 @@ from graphdsl.quant import IntScheme, QuantMethod, QuantScheme, online_scheme
 
 from .linear import ColumnParallelLinear, RowParallelLinear
 
-__all__ = ["quantize_linears", "quantize_weights"]
+__all__ = ["quantize_linears", "quantize_weights", "fold_input_order", "FOLD_INPUT_ORDER"]
+
+FOLD_INPUT_ORDER = True    # False: act-order down projections keep their gather (the A/B, and a reference)
+_PERM = "_perm"            # the act-order schemes' input-order companion (graphdsl.quant.IntScheme)
 
 
 def quantize_linears(model: Module, scheme: QuantScheme | str, *, skip: tuple[str, ...] = ("lm_head",)) -> list[str]:
@@ -65,3 +68,43 @@ def quantize_weights(model: Module, weights: Mapping[str, torch.Tensor], dtype: 
             out[c.name] = t
         del w
     return out
+
+
+def fold_input_order(producer: Module, consumer: Module, weights: dict, parts: int) -> torch.Tensor | None:
+    """Fold an act-order ``consumer``'s input order into its ``producer``'s output rows.
+
+    An act-order int4 weight (``int4-g{g}[-zp]-act``, GPTQ ``desc_act``) reads its inputs in the
+    order ``perm``: ``F.linear`` gathers ``x[..., perm]`` first. When ``x`` is made row by row from
+    ``parts`` equal blocks of the producer's output rows (a gated MLP: ``act(gate) * up``, row ``j``
+    of gate paired with row ``j`` of up), the producer can store those rows already in that order:
+    row ``j`` of each block becomes its row ``perm[j]``. The consumer then takes the plain scheme and
+    no gather is recorded; the products are the same. ``weights`` (a bind's name -> tensor dict)
+    gets new tensors (the producer's weight or its per-row companions, and its bias) and loses the
+    consumer's ``_perm``; the two modules' Parameters change scheme where needed, and they record
+    the orders (``row_order``, ``input_order``) for what adapts them later (LoRA). Returns ``perm``,
+    or None when there is nothing to fold (not act-order, or ``weights`` folded already)."""
+    w = consumer.weight
+    perm = weights.get(f"{w.name}{_PERM}")
+    if perm is None or w.quant is None or not (w.quant.permutes_input or getattr(consumer, "input_order", None)
+                                                is not None):
+        return None
+    p = producer.weight
+    n = perm.shape[0]
+    if tuple(p.shape)[0] != parts * n:
+        raise GraphDSLError(f"fold_input_order: {p.name} has {p.shape[0]} rows, expected {parts} x {n} for "
+                            f"{w.name}'s input order")
+    rows = torch.cat([perm.long() + i * n for i in range(parts)])
+    names = [p.name] if p.quant is None else [c.name for c, spec in zip(p.companions(),
+                                                                         p.quant.companions(*tuple(p.shape)))
+                                               if spec.per_row]
+    bias = getattr(producer, "bias", None)
+    names += [bias.name] if bias is not None else []
+    for name in names:
+        t = weights[name]
+        weights[name] = t.index_select(0, rows.to(t.device))
+    if w.quant.permutes_input:
+        w.quantize(w.quant.kernel_scheme)
+    del weights[f"{w.name}{_PERM}"]
+    object.__setattr__(producer, "row_order", rows.cpu())
+    object.__setattr__(consumer, "input_order", perm.long().cpu())
+    return perm

@@ -160,6 +160,13 @@ class LoRAManager:
             r, c = a.shape[0], part.part * r0
             packed[a_name][c:c + r] = a.to(self.dtype)
             packed[b_name][part.rows, c:c + r] = (b.float() * adapter.scaling_of(module)).to(self.dtype)
+        for path in {self._parts[k].path for k in self._parts}:      # orders folded at bind (act-order)
+            a_name, b_name = lora_weight_names(path)
+            m = self.model.get_submodule(path) if a_name in packed else None
+            if getattr(m, "input_order", None) is not None:
+                packed[a_name] = packed[a_name][:, m.input_order]
+            if getattr(m, "row_order", None) is not None:
+                packed[b_name] = packed[b_name][m.row_order]
         if self.device.type == "cuda":
             packed = {k: v.pin_memory() for k, v in packed.items()}
         return packed

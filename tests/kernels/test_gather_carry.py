@@ -52,19 +52,20 @@ def _spy(monkeypatch):
 
 @pytest.mark.parametrize("xpack_min", [triton_backend._XPACK_MIN_WEIGHTS, 1])
 def test_decode_sized_steps_launch_no_gather_and_keep_the_bits(act_order_checkpoint, monkeypatch, xpack_min):
-    """5 tokens (one prefill step) then greedy decode: every act-order projection (qkv, o, gate/up,
-    down) reads its rows through the permutation — with ``xpack_min`` 1 the one-row gate/up packs
-    them in that order — and the logits equal those of the run that launches each gather."""
+    """5 tokens (one prefill step) then greedy decode: every gathered act-order projection (qkv, o,
+    gate/up; down's order is folded into gate/up's rows at bind) reads its rows through the
+    permutation — with ``xpack_min`` 1 the one-row gate/up packs them in that order — and the
+    logits equal those of the run that launches each gather."""
     monkeypatch.setattr(triton_backend, "_XPACK_MIN_WEIGHTS", xpack_min)
     llm = _llm(act_order_checkpoint)
     ids = [3, 17, 42, 99, 5]
     seen = _spy(monkeypatch)
     carried = llm.score(ids)                  # 5 rows: no gate/up packing (one row only)
-    assert seen == {"made": 0, "perm": 2 * 4, "packed": 0}, seen        # 2 layers x 4 projections
+    assert seen == {"made": 0, "perm": 2 * 3, "packed": 0}, seen        # 2 layers x 3 gathered projections
     sp = gd.SamplingParams(max_tokens=3, temperature=0, ignore_eos=True)
     tokens = llm.generate([ids], sp)[0].outputs[0].token_ids            # prefill + 2 one-row steps
     packed = 2 * 2 if xpack_min == 1 else 0
-    assert seen == {"made": 0, "perm": 2 * 8 + 2 * 8 - packed, "packed": packed}, seen
+    assert seen == {"made": 0, "perm": 2 * 6 + 2 * 6 - packed, "packed": packed}, seen
     monkeypatch.setattr(gather_carry, "ENABLED", False)
     assert torch.equal(llm.score(ids), carried)
     assert llm.generate([ids], sp)[0].outputs[0].token_ids == tokens
@@ -99,7 +100,7 @@ def test_a_step_of_more_than_16_rows_makes_the_gather(act_order_checkpoint, monk
     ids = list(range(3, 23))                                          # 20 rows: not a decode GEMV
     seen = _spy(monkeypatch)
     got = llm.score(ids)
-    assert seen["made"] == 2 * 4 and seen["perm"] == 0, seen
+    assert seen["made"] == 2 * 3 and seen["perm"] == 0, seen
     monkeypatch.setattr(gather_carry, "ENABLED", False)
     assert torch.equal(llm.score(ids), got)
 

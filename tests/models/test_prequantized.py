@@ -52,13 +52,16 @@ CASES = [
     ("gptq-v2-asym-channel", "llama", "gptq", dict(group=-1, sym=False, v2=True), {"int4-g128-zp"}, False),
     ("ct-pack-int4-g32-actorder-weight", "llama", "ct",
      dict(fmt="pack-quantized", weights=dict(_int(4, group=32), actorder="weight")), {"int4-g32"}, True),
+    # act-order: down_proj's input order is folded into gate/up's rows at bind, so it takes the plain scheme
     ("ct-pack-int4-g32-actorder-group", "llama", "ct", dict(fmt="pack-quantized", weights=_int(4, group=32),
-                                                             act_order=True), {"int4-g32-act"}, False),
+                                                             act_order=True), {"int4-g32-act", "int4-g32"}, False),
     ("ct-naive-int4-g64-zp-actorder-group", "qwen2", "ct",
-     dict(fmt="naive-quantized", weights=_int(4, sym=False, group=64), act_order=True), {"int4-g64-zp-act"}, False),
-    ("gptq-act-order-sym-g32", "llama", "gptq", dict(group=32, sym=True, act_order=True), {"int4-g32-act"}, False),
-    ("gptq-act-order-asym-g64", "qwen2", "gptq", dict(group=64, sym=False, act_order=True), {"int4-g64-zp-act"},
-     False),
+     dict(fmt="naive-quantized", weights=_int(4, sym=False, group=64), act_order=True),
+     {"int4-g64-zp-act", "int4-g64-zp"}, False),
+    ("gptq-act-order-sym-g32", "llama", "gptq", dict(group=32, sym=True, act_order=True),
+     {"int4-g32-act", "int4-g32"}, False),
+    ("gptq-act-order-asym-g64", "qwen2", "gptq", dict(group=64, sym=False, act_order=True),
+     {"int4-g64-zp-act", "int4-g64-zp"}, False),
 ]
 WRITERS = {"ct": write_compressed_tensors, "awq": write_awq, "gptq": write_gptq}
 
@@ -110,6 +113,52 @@ def test_gptq_act_order_keeps_one_input_order_per_fused_linear(bases, tmp_path):
     qkv = params["model.layers.0.self_attn.qkv_proj.weight"]
     assert qkv.quant.name == "int4-g32-act" and [c.name.rpartition(".")[2] for c in qkv.companions()] == \
         ["weight_packed", "weight_scale", "weight_perm"]
+
+
+def _gathers(llm) -> int:
+    from graphdsl.layers import Phase
+    return sum(n.op == "gather" and n.attrs.get("dim") == -1 for n in llm.model.engine(Phase.DECODE).net.nodes)
+
+
+def test_gptq_act_order_down_projection_order_folds_into_gate_up(bases, tmp_path, monkeypatch):
+    """An act-order down_proj reads ``act(gate) * up`` in its input order: bind stores gate/up's rows
+    in that order instead (``layers.quantize.fold_input_order``), so down_proj takes the plain scheme
+    and its gather is gone (3 a layer, not 4); the logits are the same bits as without the fold."""
+    from graphdsl.layers import quantize
+    write_gptq(bases["llama"], tmp_path / "q", group=32, sym=False, act_order=True)
+    llm = _load(tmp_path / "q")
+    params = dict(llm.model.named_parameters())
+    down = params["model.layers.0.mlp.down_proj.weight"]
+    assert down.quant.name == "int4-g32-zp" and params["model.layers.0.mlp.gate_up_proj.weight"].quant.name == \
+        "int4-g32-zp-act"
+    assert "model.layers.0.mlp.down_proj.weight_perm" not in llm.model._bound
+    assert _gathers(llm) == 3 * 2
+    folded = llm.score(IDS)
+    monkeypatch.setattr(quantize, "FOLD_INPUT_ORDER", False)
+    plain = _load(tmp_path / "q")
+    assert _gathers(plain) == 4 * 2
+    assert torch.equal(plain.score(IDS), folded)
+
+
+def test_lora_on_a_folded_act_order_model_matches_the_unfolded_one(bases, tmp_path, monkeypatch):
+    """LoRA adapters of a model whose down_proj order was folded: down's A columns and gate/up's B
+    rows take the folded orders, so the adapted logits are those of the unfolded model."""
+    pytest.importorskip("peft")
+    from graphdsl.layers import quantize
+    from tests.models.test_lora import make_adapter
+    write_gptq(bases["llama"], tmp_path / "q", group=32, sym=False, act_order=True)
+    import copy
+    make_adapter(copy.deepcopy(bases["llama"]), tmp_path / "ad", seed=5)
+    req = gd.LoRARequest("ad", 1, str(tmp_path / "ad"))
+    runs = []
+    for fold in (True, False):
+        monkeypatch.setattr(quantize, "FOLD_INPUT_ORDER", fold)
+        llm = _load(tmp_path / "q")
+        llm.enable_lora(max_loras=1, max_lora_rank=4)
+        runs.append((llm.score(IDS, lora_request=req), llm.score(IDS)))
+    (lora_f, base_f), (lora_u, base_u) = runs
+    torch.testing.assert_close(lora_f, lora_u, atol=1e-5, rtol=1e-5)
+    assert torch.equal(base_f, base_u) and not torch.allclose(lora_f, base_f, atol=1e-2)
 
 
 def test_gptq_act_order_pieces_of_one_fused_linear_must_share_the_order(bases, tmp_path):
