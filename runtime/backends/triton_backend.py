@@ -695,6 +695,8 @@ def _quant_linear(be: TritonBackend, node, ins, attrs, dsts):
              scales=stored[1], zeros=stored[2] if len(stored) > 2 else None, xpack=xpack,
              rms_in=be.norms.rms_in(node), perm=perm if xpack is None else None)
         return dsts
+    if be.gather_rows is not None:                # (_gemv_reads_rows promised the GEMV: never, but safe)
+        be.gathers.make(be.gather_rows)
     _not_carried(be, node)
     planes = be._planes_ready.pop(node, None)   # made by the kernel before (_norm_planes, _swiglu_planes)
     if gguf and silu and len(stored) == 1:     # one GGUF type: SwiGLU in the tensor-core GEMV's epilogue
