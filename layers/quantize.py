@@ -85,8 +85,8 @@ def fold_input_order(producer: Module, consumer: Module, weights: dict, parts: i
     or None when there is nothing to fold (not act-order, or ``weights`` folded already)."""
     w = consumer.weight
     perm = weights.get(f"{w.name}{_PERM}")
-    if perm is None or w.quant is None or not (w.quant.permutes_input or getattr(consumer, "input_order", None)
-                                                is not None):
+    folded = getattr(consumer, "input_order", None) is not None       # an earlier bind of these modules
+    if perm is None or w.quant is None or not (w.quant.permutes_input or folded):
         return None
     p = producer.weight
     n = perm.shape[0]

@@ -160,7 +160,7 @@ class LoRAManager:
             r, c = a.shape[0], part.part * r0
             packed[a_name][c:c + r] = a.to(self.dtype)
             packed[b_name][part.rows, c:c + r] = (b.float() * adapter.scaling_of(module)).to(self.dtype)
-        for path in {self._parts[k].path for k in self._parts}:      # orders folded at bind (act-order)
+        for path in {part.path for part in self._parts.values()}:    # orders folded at bind (act-order)
             a_name, b_name = lora_weight_names(path)
             m = self.model.get_submodule(path) if a_name in packed else None
             if getattr(m, "input_order", None) is not None:
