@@ -37,8 +37,8 @@ import torch
 
 from .errors import GraphDSLError
 
-__all__ = ["QuantMethod", "Companion", "QuantScheme", "Fp8Scheme", "IntScheme", "parse_scheme", "register_scheme",
-           "registered_scheme_families", "online_scheme", "FP8_MAX"]
+__all__ = ["QuantMethod", "Companion", "PERM_SUFFIX", "QuantScheme", "Fp8Scheme", "IntScheme", "parse_scheme",
+           "register_scheme", "registered_scheme_families", "online_scheme", "FP8_MAX"]
 
 FP8_MAX = 448.0          # largest finite float8 e4m3fn
 
@@ -170,6 +170,7 @@ def quantize_fp8_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return (xf / sx).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn), sx
 
 
+PERM_SUFFIX = "_perm"     # the act-order int4 schemes' input-order companion (IntScheme.act_order)
 _GROUPS = (32, 64, 128)
 
 
@@ -229,7 +230,7 @@ class IntScheme(QuantScheme):
                   Companion("_packed", (out_features, in_features // 2), torch.uint8))
         out = (packed, Companion("_scale", (out_features, g), None))
         out += (Companion("_zero_point", (out_features, g), None),) if self.zero_point else ()
-        return out + ((Companion("_perm", (in_features,), torch.int32, per_row=False),) if self.act_order else ())
+        return out + ((Companion(PERM_SUFFIX, (in_features,), torch.int32, per_row=False),) if self.act_order else ())
 
     def dequantize(self, tensors, out_features, in_features, dtype):
         if self.act_order:

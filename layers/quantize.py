@@ -13,14 +13,13 @@ import torch
 
 from graphdsl import Module
 from graphdsl.errors import GraphDSLError
-from graphdsl.quant import IntScheme, QuantMethod, QuantScheme, online_scheme
+from graphdsl.quant import PERM_SUFFIX, IntScheme, QuantMethod, QuantScheme, online_scheme
 
 from .linear import ColumnParallelLinear, RowParallelLinear
 
 __all__ = ["quantize_linears", "quantize_weights", "fold_input_order", "FOLD_INPUT_ORDER"]
 
 FOLD_INPUT_ORDER = True    # False: act-order down projections keep their gather (the A/B, and a reference)
-_PERM = "_perm"            # the act-order schemes' input-order companion (graphdsl.quant.IntScheme)
 
 
 def quantize_linears(model: Module, scheme: QuantScheme | str, *, skip: tuple[str, ...] = ("lm_head",)) -> list[str]:
@@ -84,7 +83,7 @@ def fold_input_order(producer: Module, consumer: Module, weights: dict, parts: i
     the orders (``row_order``, ``input_order``) for what adapts them later (LoRA). Returns ``perm``,
     or None when there is nothing to fold (not act-order, or ``weights`` folded already)."""
     w = consumer.weight
-    perm = weights.get(f"{w.name}{_PERM}")
+    perm = weights.get(f"{w.name}{PERM_SUFFIX}")
     folded = getattr(consumer, "input_order", None) is not None       # an earlier bind of these modules
     if perm is None or w.quant is None or not (w.quant.permutes_input or folded):
         return None
@@ -104,7 +103,7 @@ def fold_input_order(producer: Module, consumer: Module, weights: dict, parts: i
         weights[name] = t.index_select(0, rows.to(t.device))
     if w.quant.permutes_input:
         w.quantize(w.quant.kernel_scheme)
-    del weights[f"{w.name}{_PERM}"]
+    del weights[f"{w.name}{PERM_SUFFIX}"]
     object.__setattr__(producer, "row_order", rows.cpu())
     object.__setattr__(consumer, "input_order", perm.long().cpu())
     return perm

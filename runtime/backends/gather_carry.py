@@ -23,10 +23,9 @@ from typing import NamedTuple
 
 import torch
 
-__all__ = ["GatherCarry", "Pending", "plan", "READERS"]
+__all__ = ["GatherCarry", "Pending", "plan"]
 
 ENABLED = True       # False: every act-order gather launches its own kernel (benchmarks/decode_ab.py's A/B)
-READERS = ("quant_linear", "quant_linear_silu_mul", "quant_linear_add")
 
 
 class Pending(NamedTuple):
@@ -42,6 +41,7 @@ def plan(nodes) -> set:
     (module docstring)."""
     if not nodes:
         return set()
+    from .triton_backend import _QUANT_OPS
     net = nodes[0].net
     readers = net.consumers()
     outputs = set(getattr(net, "outputs", {}).values())
@@ -54,7 +54,7 @@ def plan(nodes) -> set:
         if len(index.shape) != 1 or node.attrs.get("dim", 0) not in (-1, len(x.shape) - 1) or out in outputs:
             continue
         users = readers.get(out, [])
-        if users == [after] and after.op in READERS and after.inputs[0] is out and out not in after.inputs[1:]:
+        if users == [after] and after.op in _QUANT_OPS and after.inputs[0] is out and out not in after.inputs[1:]:
             carried.add(node)
     return carried
 

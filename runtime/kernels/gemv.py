@@ -244,6 +244,14 @@ def _int4_rows(q_ptr, rn, N, W_ROW, G: tl.constexpr, C: tl.constexpr):
 
 
 @triton.jit
+def _x_at(x_ptr, perm_ptr, k, PERM: tl.constexpr):
+    """``x[k]``, or ``x[perm[k]]`` with ``PERM`` (act-order int4: input ``k`` of the groups)."""
+    if PERM:
+        k = tl.load(perm_ptr + k)
+    return tl.load(x_ptr + k)
+
+
+@triton.jit
 def _int4_loads(x_ptr, s_ptr, z_ptr, q_rows, rw, rg, rn64, c, w_hi, stride_sn, S: tl.constexpr,
                 GROUP: tl.constexpr, ZERO_POINT: tl.constexpr, XPACK: tl.constexpr = False, W_X=0,
                 perm_ptr=None, PERM: tl.constexpr = False):
@@ -270,10 +278,11 @@ def _int4_loads(x_ptr, s_ptr, z_ptr, q_rows, rw, rg, rn64, c, w_hi, stride_sn, S
         return (w, sc, z, he, tl.load(xq + W_X), tl.load(xq + 2 * W_X), tl.load(xq + 3 * W_X),
                 tl.load(xq + 4 * W_X), he, he, he)
     if PERM:
-        pp = perm_ptr + 8 * (c + rw)
-        return (w, sc, z, tl.load(x_ptr + tl.load(pp)), tl.load(x_ptr + tl.load(pp + 1)),
-                tl.load(x_ptr + tl.load(pp + 2)), tl.load(x_ptr + tl.load(pp + 3)), tl.load(x_ptr + tl.load(pp + 4)),
-                tl.load(x_ptr + tl.load(pp + 5)), tl.load(x_ptr + tl.load(pp + 6)), tl.load(x_ptr + tl.load(pp + 7)))
+        k = 8 * (c + rw)
+        return (w, sc, z, _x_at(x_ptr, perm_ptr, k, True), _x_at(x_ptr, perm_ptr, k + 1, True),
+                _x_at(x_ptr, perm_ptr, k + 2, True), _x_at(x_ptr, perm_ptr, k + 3, True),
+                _x_at(x_ptr, perm_ptr, k + 4, True), _x_at(x_ptr, perm_ptr, k + 5, True),
+                _x_at(x_ptr, perm_ptr, k + 6, True), _x_at(x_ptr, perm_ptr, k + 7, True))
     xp = x_ptr + 8 * (c + rw)
     return (w, sc, z, tl.load(xp), tl.load(xp + 1), tl.load(xp + 2), tl.load(xp + 3), tl.load(xp + 4),
             tl.load(xp + 5), tl.load(xp + 6), tl.load(xp + 7))

@@ -23,7 +23,7 @@ import triton.language as tl
 
 from graphdsl.errors import GraphDSLError
 
-from .gemv import _bytes4, _fixed16, _max_nan
+from .gemv import _bytes4, _fixed16, _max_nan, _x_at
 from .pdl import pdl_launch, pdl_wait
 
 __all__ = ["pack_int4_activations", "pack_int4_activations_reference"]
@@ -32,9 +32,7 @@ __all__ = ["pack_int4_activations", "pack_int4_activations_reference"]
 @triton.jit
 def _input(x_ptr, perm_ptr, k, PERM: tl.constexpr):
     """``x[k]`` (``x[perm[k]]`` with ``PERM``) as float32."""
-    if PERM:
-        k = tl.load(perm_ptr + k)
-    return tl.load(x_ptr + k).to(tl.float32)
+    return _x_at(x_ptr, perm_ptr, k, PERM).to(tl.float32)
 
 
 @triton.jit
