@@ -88,6 +88,11 @@ def test_errors_name_the_operand():
         pack_int4_activations(x.expand(2, 256), 128)
     with pytest.raises(GraphDSLError, match=r"out must be a contiguous int32 \[6, 32\], got torch.int64 \[6, 32\]"):
         pack_int4_activations(x, 128, out=torch.zeros(6, 32, dtype=torch.int64, device=DEV))
+    with pytest.raises(GraphDSLError, match=r"perm must be a contiguous int32 \[256\] on .*, got torch.int64 \[256\]"):
+        pack_int4_activations(x, 128, perm=torch.arange(256, device=DEV))
+    with pytest.raises(GraphDSLError, match=r"gemv: perm is for int4 weights whose activations are not packed"):
+        gemv(x, stored[0], scheme=s, scales=stored[1], xpack=planes,
+             perm=torch.arange(256, dtype=torch.int32, device=DEV))
     float_loop = dict(BLOCK_N=32, BLOCK_K=128, SPLIT_K=1, num_warps=4, num_stages=2, INT_DOT=False)
     with pytest.raises(GraphDSLError, match=r"xpack needs the one-row integer-dot loop.*'INT_DOT': False"):
         gemv(x, stored[0], scheme=s, scales=stored[1], xpack=planes, config=float_loop)

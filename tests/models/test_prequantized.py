@@ -140,6 +140,18 @@ def test_gptq_act_order_down_projection_order_folds_into_gate_up(bases, tmp_path
     assert torch.equal(plain.score(IDS), folded)
 
 
+def test_folding_an_input_order_into_a_producer_of_the_wrong_height_is_an_error(bases, tmp_path):
+    from graphdsl.layers import quantize
+    write_gptq(bases["llama"], tmp_path / "q", group=32, sym=False, act_order=True)
+    llm = _load(tmp_path / "q")
+    layer = llm.model.model.layers[0]
+    weights = {"model.layers.0.self_attn.o_proj.weight_perm": torch.arange(128, dtype=torch.int32)}
+    object.__setattr__(layer.self_attn.o_proj, "input_order", torch.arange(128))   # as if folded before
+    with pytest.raises(GraphDSLError, match=r"fold_input_order: model.layers.0.mlp.gate_up_proj.weight has 512 rows, "
+                                            r"expected 2 x 128 for model.layers.0.self_attn.o_proj.weight's input order"):
+        quantize.fold_input_order(layer.mlp.gate_up_proj, layer.self_attn.o_proj, weights, parts=2)
+
+
 def test_lora_on_a_folded_act_order_model_matches_the_unfolded_one(bases, tmp_path, monkeypatch):
     """LoRA adapters of a model whose down_proj order was folded: down's A columns and gate/up's B
     rows take the folded orders, so the adapted logits are those of the unfolded model."""
