@@ -10,8 +10,8 @@ generated tokens (counts per request slot, kept on the device).
 ``argmax``: a row argmax spread over the GPU, optionally advancing decode inputs (the decode
 graph's greedy epilogue).
 
-``gumbel_argmax``: for row ``r`` of ``x[R, V]`` and ``thr[r]`` (its finishing launch can also write
-the tokens into the next step's inputs and count them for the penalties)::
+``gumbel_argmax``: for row ``r`` of ``x[R, V]`` and ``thr[r]`` (it can also write the tokens into
+the next step's inputs and count them for the penalties)::
 
     token[r] = argmax_{t : x[r, t] >= thr[r]}  x[r, t] + g(seed[r], counter[r], t)
     g = -log(-log(u)),  u = (hash32(seed, counter, t) >> 9 + 0.5) / 2**23   in (0, 1)
@@ -23,7 +23,8 @@ counter-based integer hash (:func:`hash_uniform` is the same function in torch):
 token depends only on the request's seed, the position being drawn (``counter``) and the token id,
 so a request's draws are independent of its batch neighbours and replay after a preemption.
 Ties in the score go to the lowest token id. Each row is cut into slices, one program per slice
-(so a batch of one still fills the GPU); the slices' winners are reduced by a small argmax.
+(so a batch of one still fills the GPU); the last slice of a row to finish (an arrival counter)
+reduces the slices' winners, so a draw is one launch.
 Integer arithmetic is done in int64 on values below 2**32, with products split in 16-bit halves
 so nothing overflows, in both implementations.
 """
@@ -34,6 +35,8 @@ import triton
 import triton.language as tl
 
 from graphdsl.errors import GraphDSLError
+
+from .pdl import pdl_launch, pdl_wait
 
 __all__ = ["gumbel_argmax", "hash_uniform", "gumbel_argmax_reference", "penalize", "threshold", "argmax"]
 
@@ -102,16 +105,33 @@ def _gumbel_argmax_kernel(
     ctr_ptr,          # int64 [R]: per-row RNG counter (the position being drawn)
     best_ptr,         # float32 [R, S]: best score of each slice of the row
     arg_ptr,          # int64 [R, S]: its token id (lowest on ties)
+    arrive_ptr,       # int32 [R]: arrival counters, zero between launches (the last slice resets its row's)
     V,                # vocabulary size
     SLICE,            # tokens per program (a multiple of BLOCK)
     S,                # slices per row
     temp_ptr,         # MIXED: float32 [R] temperatures; rows at 0 take the plain argmax of x
+    out_ptr,          # int64 [R]: the row's token, written
+    ids_ptr,          # int64 [R]: decode inputs written (ADVANCE, IDS) (else unused)
+    pos_ptr,          # int64 [R]
+    lens_ptr,         # int32 [R]
+    slot_ptr,         # RECORD: int64 [R] penalty slot of each row (< 0: none)
+    counts_ptr,       # RECORD: int32 [slots, V] generated-token counts
     NOISE: tl.constexpr,   # False: a plain argmax of x (thr, seed and counter unused)
     BLOCK: tl.constexpr,
+    BLOCK_S: tl.constexpr,  # S padded to a power of two
     MIXED: tl.constexpr = False,
+    ADVANCE: tl.constexpr = False,
+    IDS: tl.constexpr = False,
+    RECORD: tl.constexpr = False,
+    USE_PDL: tl.constexpr = False,
 ):
+    """Program ``(r, j)``: the best score of slice ``j`` of row ``r`` (``SLICE`` tokens) and its
+    lowest token id, stored as the slice's partial; the last slice of the row to arrive (an
+    acquire/release counter) picks the best partial, lowest slice first on ties, and emits the
+    token (:func:`_finish_row`)."""
     row = tl.program_id(0)
     sl = tl.program_id(1)
+    pdl_wait(USE_PDL)
     if NOISE:
         greedy = False
         if MIXED:
@@ -133,6 +153,11 @@ def _gumbel_argmax_kernel(
         best, best_i = _running_best(best, best_i, score, start)
     tl.store(best_ptr + row * S + sl, best)
     tl.store(arg_ptr + row * S + sl, best_i)
+    tl.debug_barrier()                  # the partial's stores come before the release
+    if tl.atomic_add(arrive_ptr + row, 1, sem="acq_rel") == S - 1:
+        _finish_row(row, best_ptr, arg_ptr, S, out_ptr, ids_ptr, pos_ptr, lens_ptr, slot_ptr, counts_ptr, V,
+                    ADVANCE, BLOCK_S, IDS, RECORD)
+        tl.atomic_xchg(arrive_ptr + row, 0, sem="relaxed")     # read again only by a later launch
 
 
 @triton.jit
@@ -233,10 +258,16 @@ def _threshold_kernel(
     tl.store(thr_ptr + row, thr)
 
 
+# blocks a program at least (benchmarks/decode_ab.py patches it): at 8, the batch-1 draw's programs
+# loaded their blocks one after another, 8.8 µs after the lm_head in the Llama-3.2-1B step against
+# 4.0 at 1 (H200, decode_timeline.py)
+_SLICE_BLOCKS = 1
+
+
 def _slices(R: int, V: int, block: int) -> tuple[int, int]:
-    """(tokens per program, programs per row): about 8 blocks a program at batch 1, whole rows at
-    large batch, so one launch fills the GPU either way."""
-    slice_ = block * max(8, triton.cdiv(triton.cdiv(V, block), max(1, 1024 // max(R, 1))))
+    """(tokens per program, programs per row): ``_SLICE_BLOCKS`` blocks a program at batch 1 (one
+    load a program), whole rows at large batch, so one launch fills the GPU either way."""
+    slice_ = block * max(_SLICE_BLOCKS, triton.cdiv(triton.cdiv(V, block), max(1, 1024 // max(R, 1))))
     return slice_, triton.cdiv(V, slice_)
 
 
@@ -287,24 +318,14 @@ def _check(x: torch.Tensor, thr: torch.Tensor, seed: torch.Tensor, counter: torc
 def gumbel_argmax(x: torch.Tensor, thr: torch.Tensor, seed: torch.Tensor, counter: torch.Tensor, *,
                   temperature: torch.Tensor | None = None, ids: torch.Tensor | None = None,
                   record: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
-    """The draw of the module docstring on ``x``'s device: int64 ``[R]``, in two launches (the
-    slices, then one program a row picking the best slice). ``temperature`` (float32 ``[R]``):
-    rows at 0 take the plain argmax of ``x`` instead. In the second launch, optionally:
-    ``ids`` (int64 ``[R]``) receives the tokens too (the next decode step's inputs), and
-    ``record = (slot [R] int64, counts [slots, V] int32)`` adds one to ``counts[slot[r], token[r]]``
-    for rows with ``slot[r] >= 0`` (each slot at most one row)."""
+    """The draw of the module docstring on ``x``'s device: int64 ``[R]``, in one launch (the
+    slices' programs, the last of a row to finish picking the best slice). ``temperature``
+    (float32 ``[R]``): rows at 0 take the plain argmax of ``x`` instead. Optionally ``ids`` (int64
+    ``[R]``) receives the tokens too (the next decode step's inputs), and ``record = (slot [R]
+    int64, counts [slots, V] int32)`` adds one to ``counts[slot[r], token[r]]`` for rows with
+    ``slot[r] >= 0`` (each slot at most one row)."""
     _check(x, thr, seed, counter)
-    R, V = x.shape
-    block = 1024
-    slice_, S = _slices(R, V, block)
-    best = torch.empty(R, S, dtype=torch.float32, device=x.device)
-    arg = torch.empty(R, S, dtype=torch.int64, device=x.device)
-    if R == 0:
-        return arg[:, 0]
-    _gumbel_argmax_kernel[(R, S)](x, x.stride(0), thr, seed, counter, best, arg, V, slice_, S,
-                                  x if temperature is None else temperature, NOISE=True, BLOCK=block,
-                                  MIXED=temperature is not None, num_warps=4)
-    return _finish(best, arg, V, ids=ids, record=record)
+    return _draw(x, noise=(thr, seed, counter), temperature=temperature, ids=ids, record=record)
 
 
 def check_outputs(R: int, V: int, ids: torch.Tensor | None, record: tuple | None) -> None:
@@ -319,47 +340,55 @@ def check_outputs(R: int, V: int, ids: torch.Tensor | None, record: tuple | None
                             f"{record[1].dtype} {list(record[1].shape)}")
 
 
-def _finish(best, arg, V: int, *, advance=None, ids=None, record=None) -> torch.Tensor:
-    """``_argmax_finish_kernel`` over the slices' winners ``best``/``arg`` [R, S]."""
-    R, S = best.shape
-    if S == 1 and advance is None and ids is None and record is None:
-        return arg[:, 0]
-    out = torch.empty(R, dtype=torch.int64, device=best.device)
+def _draw(x: torch.Tensor, *, noise: tuple | None = None, temperature=None, advance=None, ids=None,
+          record=None) -> torch.Tensor:
+    """One launch of ``_gumbel_argmax_kernel`` over ``x [R, V]`` (``noise = (thr, seed, counter)``,
+    None: a plain argmax): int64 ``[R]``; ``advance``, ``ids`` and ``record`` as the callers say."""
+    R, V = x.shape
+    out = torch.empty(R, dtype=torch.int64, device=x.device)
+    if R == 0:
+        return out
     check_outputs(R, V, ids, record)
+    block = 1024
+    slice_, S = _slices(R, V, block)
+    best = torch.empty(R, S, dtype=torch.float32, device=x.device)
+    arg = torch.empty(R, S, dtype=torch.int64, device=x.device)
+    thr, seed, counter = noise if noise is not None else (x, x, x)
     adv_ids, pos, lens = advance if advance is not None else (ids if ids is not None else out, out, out)
     slot, counts = record if record is not None else (out, out)
-    _argmax_finish_kernel[(R,)](best, arg, S, out, adv_ids, pos, lens, slot, counts, V, ADVANCE=advance is not None,
-                                BLOCK_S=max(2, triton.next_power_of_2(S)), IDS=ids is not None,
-                                RECORD=record is not None, num_warps=1)
+    _gumbel_argmax_kernel[(R, S)](x, x.stride(0), thr, seed, counter, best, arg, _arrivals(x.device, R), V, slice_,
+                                  S, x if temperature is None else temperature, out, adv_ids, pos, lens, slot, counts,
+                                  NOISE=noise is not None, BLOCK=block, BLOCK_S=max(2, triton.next_power_of_2(S)),
+                                  MIXED=temperature is not None, ADVANCE=advance is not None, IDS=ids is not None,
+                                  RECORD=record is not None, num_warps=4, **pdl_launch(x.device))
     return out
 
 
+_ARRIVALS: dict = {}
+
+
+def _arrivals(device: torch.device, rows: int) -> torch.Tensor:
+    """The draw's zeroed int32 arrival counters for ``rows`` rows on ``device``, made once and kept (a
+    captured CUDA graph holds their address; each launch leaves them at zero). Draws run one at a
+    time on a stream, as the engine's kernels do."""
+    key = (str(device), rows)
+    buf = _ARRIVALS.get(key)
+    if buf is None:
+        buf = _ARRIVALS[key] = torch.zeros(rows, dtype=torch.int32, device=device)
+    return buf
+
+
 @triton.jit
-def _argmax_finish_kernel(
-    best_ptr,         # float32 [R, S]: each slice's max
-    arg_ptr,          # int64 [R, S]: its lowest token id
-    S,
-    out_ptr,          # int64 [R]: the row's token, written
-    ids_ptr,          # int64 [R]: decode inputs written (ADVANCE, IDS) (else unused)
-    pos_ptr,          # int64 [R]
-    lens_ptr,         # int32 [R]
-    slot_ptr,         # RECORD: int64 [R] penalty slot of each row (< 0: none)
-    counts_ptr,       # RECORD: int32 [slots, V] generated-token counts
-    V,
-    ADVANCE: tl.constexpr,
-    BLOCK_S: tl.constexpr,
-    IDS: tl.constexpr = False,
-    RECORD: tl.constexpr = False,
-):
-    """token = the lowest id of the best slice. ADVANCE: the next decode step's inputs,
-    input_ids <- token, and positions, seq_lens + 1 where seq_lens > 0 (padding rows stay);
-    IDS: input_ids <- token only; RECORD: counts[slot, token] += 1 where slot >= 0 (one row a
-    slot, so no atomics)."""
-    row = tl.program_id(0)
+def _finish_row(row, best_ptr, arg_ptr, S, out_ptr, ids_ptr, pos_ptr, lens_ptr, slot_ptr, counts_ptr, V,
+                ADVANCE: tl.constexpr, BLOCK_S: tl.constexpr, IDS: tl.constexpr, RECORD: tl.constexpr):
+    """Row ``row``'s token = the lowest id of its best slice (partials ``best``/``arg`` ``[R, S]``,
+    written by other programs: read from L2). ADVANCE: the next decode step's inputs, input_ids <-
+    token, and positions, seq_lens + 1 where seq_lens > 0 (padding rows stay); IDS: input_ids <-
+    token only; RECORD: counts[slot, token] += 1 where slot >= 0 (one row a slot, so no atomics)."""
     j = tl.arange(0, BLOCK_S)
-    b = tl.load(best_ptr + row * S + j, mask=j < S, other=float("-inf"))
+    b = tl.load(best_ptr + row * S + j, mask=j < S, other=float("-inf"), cache_modifier=".cg")
     pick = tl.argmax(b, axis=0)
-    tok = tl.load(arg_ptr + row * S + pick)
+    tok = tl.load(arg_ptr + row * S + pick, cache_modifier=".cg")
     _emit(row, tok, out_ptr, ids_ptr, slot_ptr, counts_ptr, V, ADVANCE or IDS, RECORD)
     if ADVANCE:
         n = tl.load(lens_ptr + row)
@@ -384,11 +413,11 @@ def _emit(row, tok, out_ptr, ids_ptr, slot_ptr, counts_ptr, V, IDS: tl.constexpr
 
 def argmax(x: torch.Tensor, advance: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None, *,
            ids: torch.Tensor | None = None, record: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
-    """Row argmax of ``x`` [R, V] (float32, bfloat16 or float16; lowest id on ties) in two launches
-    that fill the GPU even at R = 1 (``torch.argmax`` reduces a row in one block). A 16-bit row
+    """Row argmax of ``x`` [R, V] (float32, bfloat16 or float16; lowest id on ties) in one launch
+    that fills the GPU even at R = 1 (``torch.argmax`` reduces a row in one block). A 16-bit row
     gives the token its float32 cast would: the cast is exact. ``advance = (input_ids, positions,
-    seq_lens)`` ([R] each, contiguous) also moves decode inputs to the next step, as the finish
-    kernel's docstring says (the decode graph's epilogue); ``ids`` and ``record`` as for
+    seq_lens)`` ([R] each, contiguous) also moves decode inputs to the next step, as
+    :func:`_finish_row` says (the decode graph's epilogue); ``ids`` and ``record`` as for
     :func:`gumbel_argmax`."""
     if x.dim() != 2 or x.dtype not in (torch.float32, torch.bfloat16, torch.float16) or x.stride(1) != 1:
         raise GraphDSLError(f"argmax: x must be a float32, bfloat16 or float16 [R, V] tensor with unit stride in V, "
@@ -402,13 +431,7 @@ def argmax(x: torch.Tensor, advance: tuple[torch.Tensor, torch.Tensor, torch.Ten
             if t.shape != (R,) or t.dtype != dt or t.stride(0) != 1:
                 raise GraphDSLError(f"argmax: advance's {name} must be a contiguous {dt} [{R}], got {t.dtype} "
                                     f"{list(t.shape)}")
-    block = 1024
-    slice_, S = _slices(R, V, block)
-    best = torch.empty(R, S, dtype=torch.float32, device=x.device)
-    arg = torch.empty(R, S, dtype=torch.int64, device=x.device)
-    _gumbel_argmax_kernel[(R, S)](x, x.stride(0), x, x, x, best, arg, V, slice_, S, x, NOISE=False, BLOCK=block,
-                                  num_warps=4)
-    return _finish(best, arg, V, advance=advance, ids=ids, record=record)
+    return _draw(x, advance=advance, ids=ids, record=record)
 
 
 # -- the same function in torch -------------------------------------------------------------------

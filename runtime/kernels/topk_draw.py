@@ -110,7 +110,7 @@ def _row_kernel(
     wv_ptr, wi_ptr,   # float32 / int64 [R, BLOCK_W] scratch: the row's W largest, token order
     min_p_ptr, k_ptr, p_ptr,                  # as kernels.sampling.threshold
     seed_ptr, ctr_ptr, temp_ptr,              # as kernels.sampling.gumbel_argmax
-    out_ptr, ids_ptr, slot_ptr, counts_ptr,   # as kernels.sampling._argmax_finish_kernel
+    out_ptr, ids_ptr, slot_ptr, counts_ptr,   # as kernels.sampling._gumbel_argmax_kernel
     V, W, NC,
     EXTRA: tl.constexpr,
     BLOCK_C: tl.constexpr,

@@ -264,8 +264,10 @@ class CudaGraphRunner:
         device = next(iter(static.values())).device
         if device.type != "cuda":
             raise GraphDSLError(f"CudaGraphRunner: CUDA graphs need CUDA inputs, got device {device}")
-        # (not the epilogue in the warm-up: it may update the inputs)
         outputs = _warm_up(engine, self._feed(static, []), device, self.taps or {})
+        if self.epilogue is not None:      # warmed on copies (it may update the inputs), so that what it
+            # allocates or compiles on first use (the draw's arrival counters) is not captured as work
+            self.epilogue({k: v.clone() for k, v in static.items()}, outputs)
         tap_buffers = dict(engine.tapped) if self.taps else {}
         for name, buf in outputs.items():
             if buf.dim() == 0 or buf.shape[0] != bucket:

@@ -123,6 +123,28 @@ def test_argmax_and_advance(R, V):
     assert pos.tolist() == [11 + i for i in range(R - 1)] + [9 + R] and lens.tolist() == [8] * (R - 1) + [0]
 
 
+@pytest.mark.parametrize("blocks", [1, 8])
+def test_one_launch_draw_leaves_its_arrival_counters_at_zero(monkeypatch, blocks):
+    """The last slice of a row to arrive picks the row's token and resets the row's counter, so a
+    later launch over the same counters (a replayed CUDA graph) draws right again: three launches
+    in a row, slices of one block (5 a row) or of eight (one a row), a tie across slices."""
+    from graphdsl.runtime.kernels import sampling
+    monkeypatch.setattr(sampling, "_SLICE_BLOCKS", blocks)
+    R, V = 3, 5000
+    for i in range(3):
+        g = torch.Generator().manual_seed(i)
+        x = torch.randn(R, V, generator=g).to(DEV)
+        x[1, 10] = x[1, 4500] = 40.0                                  # a tie across slices: the lower id
+        seed = torch.arange(R, dtype=torch.int64, device=DEV) + i
+        ctr = torch.full((R,), i, dtype=torch.int64, device=DEV)
+        thr = torch.full((R,), float("-inf"), device=DEV)
+        assert sampling.argmax(x).tolist() == x.argmax(dim=1).tolist() and x.argmax(dim=1)[1] == 10
+        assert torch.equal(sampling.gumbel_argmax(x, thr, seed, ctr).cpu(),
+                           sampling.gumbel_argmax_reference(x, thr, seed, ctr).cpu())
+    assert sampling._slices(R, V, 1024)[1] == (5 if blocks == 1 else 1)      # slices a row
+    assert all(int(c.abs().sum()) == 0 for c in sampling._ARRIVALS.values())
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_argmax_of_16_bit_logits_is_the_argmax_of_their_float32_cast(dtype):
     """The decode graph takes the greedy token from the logits in the model's dtype: the same token
@@ -179,7 +201,7 @@ def test_logprobs_kernel_ties_go_to_the_lowest_id():
 
 
 def test_draw_writes_next_inputs_and_counts_and_keeps_greedy_rows():
-    """The finishing launch writes the tokens into ``ids`` and counts them per penalty slot; rows at
+    """The draw writes the tokens into ``ids`` and counts them per penalty slot; rows at
     temperature 0 in a sampled batch take the plain argmax."""
     from graphdsl.runtime.kernels.sampling import argmax
     g = torch.Generator().manual_seed(3)
