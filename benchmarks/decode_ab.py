@@ -8,10 +8,14 @@ variant alike — separate processes differed by up to 10% with identical code o
 Each variant is a ``GRAPHDSL_DISABLE_PASSES`` value ("" = every pass), optionally followed by
 ``;NAME=VALUE`` environment settings (``"rope_cache_attention;GRAPHDSL_PDL=0"``) and
 ``;module:attr=VALUE`` patches of a module constant (a Python literal:
-``";graphdsl.runtime.kernels.paged_attention:_MIN_KEYS_PER_SPLIT=256"``), set while its engines are
-built and captured (a captured graph keeps the launches it was captured with). Prints each variant's
-median µs per step and % of the roofline (as in ``llm.py``; with ``--quantization`` the weights count
-as stored, as in ``quant.py``). The int4 GEMV's integer-dot row loop (the default) against its
+``";graphdsl.runtime.kernels.paged_attention:_MIN_KEYS_PER_SPLIT=256"``, or ``@module:attr``, an
+object of another module importable from the working directory, e.g. an older version of a
+function kept beside the benchmark), set while its engines are built and captured (a captured
+graph keeps the launches it was captured with). Prints each variant's median µs per step and % of
+the roofline (as in ``llm.py``; with ``--quantization`` the weights count as stored, as in
+``quant.py``). Two builds of the same code differ by up to ~0.6% (weights and arena at other
+addresses; docs/performance.md), more than the rounds' spread: to judge a smaller change, build
+each variant twice, the second with a dummy setting (``";AB_COPY=1"``). The int4 GEMV's integer-dot row loop (the default) against its
 float loop:
 
     python benchmarks/decode_ab.py --shape llama-3-8b --quantization int4 \
@@ -32,6 +36,14 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from common import bench_ms, copy_bandwidth_gbs, device_line  # noqa: E402
 from llm import SHAPES, batch_decode, decode_bytes, kv_bytes_per_token, weight_bytes  # noqa: E402
 from quant import _ActOrder, _GGUFMix  # noqa: E402
+
+
+def _value(text: str):
+    """A patch's value: ``@module:attr`` names an object of another module, anything else is a literal."""
+    if text.startswith("@"):
+        mod, attr = text[1:].split(":", 1)
+        return getattr(importlib.import_module(mod), attr)
+    return ast.literal_eval(text)
 
 
 def main(argv=None) -> int:
@@ -57,7 +69,7 @@ def main(argv=None) -> int:
         passes, *settings = v.split(";")
         pairs = [s.split("=", 1) for s in settings]
         env = {k: val for k, val in pairs if ":" not in k}
-        patches = [(importlib.import_module(k.split(":")[0]), k.split(":")[1], ast.literal_eval(val))
+        patches = [(importlib.import_module(k.split(":")[0]), k.split(":")[1], _value(val))
                    for k, val in pairs if ":" in k]
         saved = {k: os.environ.get(k) for k in env}
         saved_attrs = [(mod, attr, getattr(mod, attr)) for mod, attr, _ in patches]
