@@ -364,18 +364,20 @@ def _draw(x: torch.Tensor, *, noise: tuple | None = None, temperature=None, adva
     return out
 
 
-_ARRIVALS: dict = {}
+_ARRIVALS: dict[str, list[torch.Tensor]] = {}
 
 
 def _arrivals(device: torch.device, rows: int) -> torch.Tensor:
-    """The draw's zeroed int32 arrival counters for ``rows`` rows on ``device``, made once and kept (a
-    captured CUDA graph holds their address; each launch leaves them at zero). Draws run one at a
-    time on a stream, as the engine's kernels do."""
-    key = (str(device), rows)
-    buf = _ARRIVALS.get(key)
-    if buf is None:
-        buf = _ARRIVALS[key] = torch.zeros(rows, dtype=torch.int32, device=device)
-    return buf
+    """Zeroed int32 arrival counters for a draw of ``rows`` rows on ``device``: the first ``rows`` of
+    a kept buffer of at least 1024 (each launch leaves its counters at zero, so draws of any batch
+    share one; a bigger batch adds a bigger buffer, and none is freed: a captured CUDA graph holds
+    its address). Draws run one at a time on a stream, as the engine's kernels do."""
+    kept = _ARRIVALS.setdefault(str(device), [])
+    for buf in kept:
+        if buf.numel() >= rows:
+            return buf[:rows]
+    kept.append(torch.zeros(max(rows, 1024), dtype=torch.int32, device=device))
+    return kept[-1][:rows]
 
 
 @triton.jit

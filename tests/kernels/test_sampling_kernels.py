@@ -142,7 +142,8 @@ def test_one_launch_draw_leaves_its_arrival_counters_at_zero(monkeypatch, blocks
         assert torch.equal(sampling.gumbel_argmax(x, thr, seed, ctr).cpu(),
                            sampling.gumbel_argmax_reference(x, thr, seed, ctr).cpu())
     assert sampling._slices(R, V, 1024)[1] == (5 if blocks == 1 else 1)      # slices a row
-    assert all(int(c.abs().sum()) == 0 for c in sampling._ARRIVALS.values())
+    assert all(int(c.abs().sum()) == 0 for bufs in sampling._ARRIVALS.values() for c in bufs)
+    assert sampling._arrivals(x.device, 7).data_ptr() == sampling._arrivals(x.device, R).data_ptr()   # one buffer
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
