@@ -15,7 +15,8 @@ graph keeps the launches it was captured with). Prints each variant's median µs
 the roofline (as in ``llm.py``; with ``--quantization`` the weights count as stored, as in
 ``quant.py``). Two builds of the same code differ by up to ~0.6% (weights and arena at other
 addresses; docs/performance.md), more than the rounds' spread: to judge a smaller change, build
-each variant twice, the second with a dummy setting (``";AB_COPY=1"``). The int4 GEMV's integer-dot row loop (the default) against its
+each variant twice or more (``--builds 2``: the builds interleaved, the table showing each build's
+median and their mean). The int4 GEMV's integer-dot row loop (the default) against its
 float loop:
 
     python benchmarks/decode_ab.py --shape llama-3-8b --quantization int4 \
@@ -46,6 +47,36 @@ def _value(text: str):
     return ast.literal_eval(text)
 
 
+def _build(gd, variant: str, args):
+    """One model for ``variant`` (module docstring), built and its decode graph captured under the
+    variant's passes, environment and patches, which are undone afterwards: ``(llm, inputs)``."""
+    from graphdsl.layers import Phase
+    passes, *settings = variant.split(";")
+    pairs = [s.split("=", 1) for s in settings]
+    env = {k: val for k, val in pairs if ":" not in k}
+    patches = [(importlib.import_module(k.split(":")[0]), k.split(":")[1], _value(val))
+               for k, val in pairs if ":" in k]
+    saved = {k: os.environ.get(k) for k in env}
+    saved_attrs = [(mod, attr, getattr(mod, attr)) for mod, attr, _ in patches]
+    os.environ.update(env, GRAPHDSL_DISABLE_PASSES=passes)
+    for mod, attr, val in patches:
+        setattr(mod, attr, val)
+    try:
+        with _GGUFMix(), _ActOrder():     # gguf-q4_k_m: the Q4_K_M mix; int4-g128-act: random act order (quant.py)
+            llm, inputs = batch_decode(gd, args.shape, args.context, args.quantization, args.batch)
+        llm.model.execute(Phase.DECODE, inputs, float_logits=False)   # build + capture under these settings
+    finally:
+        for k, old in saved.items():
+            if old is None:
+                os.environ.pop(k)
+            else:
+                os.environ[k] = old
+        for mod, attr, old in saved_attrs:
+            setattr(mod, attr, old)
+        os.environ.pop("GRAPHDSL_DISABLE_PASSES", None)
+    return llm, inputs
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--shape", required=True, choices=sorted(SHAPES))
@@ -54,6 +85,8 @@ def main(argv=None) -> int:
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--context", type=int, default=512)
     ap.add_argument("--batch", type=int, default=1, help="sequences a step (each at --context)")
+    ap.add_argument("--builds", type=int, default=1,
+                    help="models built per variant (interleaved); the table gives the mean of their medians")
     ap.add_argument("--quantization", default=None,
                     help="LLM(quantization=...) for every variant: int4, fp8, ..., gguf-q4_k_m (quant.py's mix), "
                          "or int4-g128-act (act-order int4 in a random input order)")
@@ -64,34 +97,14 @@ def main(argv=None) -> int:
     import graphdsl as gd
     from graphdsl.layers import Phase
     copy = copy_bandwidth_gbs()
-    runs = {}
-    for v in args.variants:
-        passes, *settings = v.split(";")
-        pairs = [s.split("=", 1) for s in settings]
-        env = {k: val for k, val in pairs if ":" not in k}
-        patches = [(importlib.import_module(k.split(":")[0]), k.split(":")[1], _value(val))
-                   for k, val in pairs if ":" in k]
-        saved = {k: os.environ.get(k) for k in env}
-        saved_attrs = [(mod, attr, getattr(mod, attr)) for mod, attr, _ in patches]
-        os.environ.update(env, GRAPHDSL_DISABLE_PASSES=passes)
-        for mod, attr, val in patches:
-            setattr(mod, attr, val)
-        with _GGUFMix(), _ActOrder():     # gguf-q4_k_m: the Q4_K_M mix; int4-g128-act: random act order (quant.py)
-            llm, inputs = batch_decode(gd, args.shape, args.context, args.quantization, args.batch)
-        llm.model.execute(Phase.DECODE, inputs, float_logits=False)   # build + capture under this variant's settings
-        runs[v] = (llm, inputs, [])
-        for k, old in saved.items():
-            if old is None:
-                os.environ.pop(k)
-            else:
-                os.environ[k] = old
-        for mod, attr, old in saved_attrs:
-            setattr(mod, attr, old)
-    os.environ.pop("GRAPHDSL_DISABLE_PASSES", None)
+    runs = {}                          # (variant, build) -> (llm, inputs, times); builds interleaved
+    for b in range(args.builds):
+        for v in args.variants:
+            runs[v, b] = (*_build(gd, v, args), [])
     for _ in range(args.rounds):
-        for v, (llm, inputs, times) in runs.items():
+        for llm, inputs, times in runs.values():
             times.append(bench_ms(lambda: llm.model.execute(Phase.DECODE, inputs, float_logits=False), repeats=1))
-    llm0 = next(iter(runs.values()))[0]
+    llm0 = runs[args.variants[0], 0][0]
     if args.quantization:
         from quant import stored_bytes
         roof = (stored_bytes(llm0) + kv_bytes_per_token(llm0) * args.context * args.batch) / (copy * 1e9) * 1e3
@@ -101,12 +114,16 @@ def main(argv=None) -> int:
     print(f"## decode A/B, {args.shape}{', ' + args.quantization if args.quantization else ''}, batch {args.batch}, "
           f"ctx {args.context}, {args.rounds} interleaved rounds — "
           f"{device_line()}; copy {copy:.0f} GB/s, roofline {roof * 1e3:.0f} µs\n")
-    print("| disabled passes; environment | median µs/step | % of roofline | min | max |")
-    print("|---|---:|---:|---:|---:|")
-    for v, (_, _, times) in runs.items():
-        med = statistics.median(times)
-        print(f"| {v or '(none)'} | {med * 1e3:.0f} | {100 * roof / med:.1f}% | {min(times) * 1e3:.0f} | "
-              f"{max(times) * 1e3:.0f} |")
+    print("| disabled passes; environment | median µs/step | % of roofline | min | max |"
+          + (" median of each build |" if args.builds > 1 else ""))
+    print("|---|---:|---:|---:|---:|" + ("---|" if args.builds > 1 else ""))
+    for v in args.variants:
+        times = [runs[v, b][2] for b in range(args.builds)]
+        meds = [statistics.median(t) for t in times]
+        med = statistics.mean(meds)
+        row = (f"| {v or '(none)'} | {med * 1e3:.0f} | {100 * roof / med:.1f}% | {min(map(min, times)) * 1e3:.0f} | "
+               f"{max(map(max, times)) * 1e3:.0f} |")
+        print(row + (" " + ", ".join(f"{m * 1e3:.0f}" for m in meds) + " |" if args.builds > 1 else ""))
     return 0
 
 
