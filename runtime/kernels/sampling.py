@@ -37,6 +37,7 @@ import triton.language as tl
 from graphdsl.errors import GraphDSLError
 
 from .pdl import pdl_launch, pdl_wait
+from .splitk import arrive, depart
 
 __all__ = ["gumbel_argmax", "hash_uniform", "gumbel_argmax_reference", "penalize", "threshold", "argmax"]
 
@@ -153,11 +154,10 @@ def _gumbel_argmax_kernel(
         best, best_i = _running_best(best, best_i, score, start)
     tl.store(best_ptr + row * S + sl, best)
     tl.store(arg_ptr + row * S + sl, best_i)
-    tl.debug_barrier()                  # the partial's stores come before the release
-    if tl.atomic_add(arrive_ptr + row, 1, sem="acq_rel") == S - 1:
+    if arrive(arrive_ptr, row, S):      # the row's last slice (kernels/splitk.py's counter)
         _finish_row(row, best_ptr, arg_ptr, S, out_ptr, ids_ptr, pos_ptr, lens_ptr, slot_ptr, counts_ptr, V,
                     ADVANCE, BLOCK_S, IDS, RECORD)
-        tl.atomic_xchg(arrive_ptr + row, 0, sem="relaxed")     # read again only by a later launch
+        depart(arrive_ptr, row)
 
 
 @triton.jit
