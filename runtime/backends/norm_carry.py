@@ -42,6 +42,9 @@ THROUGH_GATHERS = True   # False: no site whose consumers read through an act-or
 # launched): Llama-3-8B int4 2586 vs 2684; bf16 5544 vs 5545 and Llama-3.2-1B 1110 vs 1115; fp8 3599 vs 3469
 # (docs/quantization.md). On three H200s, bf16: 8B 4086 vs 4117, 4019 vs 4073; 1B 860 vs 859, 854 vs 867, 859 vs 883
 KINDS = ("int4", "float")
+# one row: the producer also stores the normed rows as the packed activations of its int4 consumers
+# (GemvRmsOut.packed), which read them instead of making them (gemv xpack=); False for the A/B
+PACK = True
 PRODUCERS = ("matmul", "quant_linear")
 CONSUMERS = ("matmul", "matmul_silu_mul", "quant_linear", "quant_linear_silu_mul")
 
@@ -133,6 +136,13 @@ class NormCarry:
             self._plans = (nodes, plan(nodes))
         self._sites = self._plans[1]
 
+    def _packed_for(self, slot, device, n) -> torch.Tensor:
+        key = ("packed", slot, str(device), n)
+        buf = self._buffers.get(key)
+        if buf is None:
+            buf = self._buffers[key] = torch.zeros(6, n // 8, dtype=torch.int32, device=device)
+        return buf
+
     def _buffers_for(self, slot, device, m, n, dtype):
         from ..kernels.gemv import RMS_CHUNK
         key = (slot, str(device), m, n, dtype)
@@ -152,9 +162,8 @@ class NormCarry:
         launch = _launch(be, site, values, attrs, storage, self)
         if launch is None:
             return False
-        rms_in, scaled, s_dst = launch
-        self._active[site.norm.outputs[0]] = (rms_in, scaled, s_dst)
-        values[node.outputs[0]] = storage.get(node.outputs[0], s_dst)   # never written: its only reader is done
+        self._active[site.norm.outputs[0]] = launch
+        values[node.outputs[0]] = storage.get(node.outputs[0], launch.sum)   # never written: its only reader is done
         return True
 
     def norm(self, node, values: dict) -> bool:
@@ -163,8 +172,17 @@ class NormCarry:
         hit = self._active.get(node.outputs[0]) if node.op == "add_rms_norm" else None
         if hit is None:
             return False
-        values[node.outputs[0]], values[node.outputs[1]] = hit[1], hit[2]
+        values[node.outputs[0]], values[node.outputs[1]] = hit.scaled, hit.sum
         return True
+
+    def xpack(self, node, scheme):
+        """The packed activations (int32 ``[6, K / 8]``) the producer stored for ``node``, an int4
+        consumer reading the normed rows directly with this group, or None."""
+        hit = self._active.get(node.inputs[0]) if node.inputs else None
+        if hit is None or hit.packed is None or getattr(scheme, "group_size", None) != hit.group:
+            return None
+        from ..kernels.gemv import W_INT4, W_INT4_ZP, weight_kind
+        return hit.packed if weight_kind(scheme) in (W_INT4, W_INT4_ZP) else None
 
     def rms_in(self, node):
         """The :class:`~..kernels.gemv.GemvRmsIn` a consumer GEMV applies, or None. A consumer may
@@ -176,14 +194,41 @@ class NormCarry:
         hit = self._active.get(t)
         if hit is None and t.producer is not None and t.producer.op == "gather":
             hit = self._active.get(t.producer.inputs[0])
-        return None if hit is None else hit[0]
+        return None if hit is None else hit.rms_in
+
+
+class _Carried(NamedTuple):
+    """A launched site: the consumers' row scale, ``s · weight``, the sum, and the packed rows."""
+
+    rms_in: object            # GemvRmsIn
+    scaled: torch.Tensor
+    sum: torch.Tensor
+    packed: torch.Tensor | None
+    group: int
+
+
+def _pack_group(site: Site, values: dict, attrs: dict, k: int) -> int:
+    """The int4 group of the site's consumers that read the normed rows directly (not through a
+    gather), packed (:func:`.triton_backend.xpack_pays`), in the one-row loop's whole steps, if
+    they share one; else 0."""
+    from graphdsl.quant import parse_scheme
+
+    from ..kernels.gemv import W_INT4, W_INT4_ZP, weight_kind
+    from .triton_backend import xpack_pays
+    groups = set()
+    for c in site.consumers:
+        cs = parse_scheme(attrs[c]["scheme"]) if c.op.startswith("quant") else None
+        if c.inputs[0] is site.norm.outputs[0] and weight_kind(cs) in (W_INT4, W_INT4_ZP) \
+                and k % cs.group_size == 0 and xpack_pays(c.op == "quant_linear_silu_mul", values[c.inputs[1]]):
+            groups.add(cs.group_size)
+    return groups.pop() if len(groups) == 1 else 0
 
 
 def _launch(be, site: Site, values: dict, attrs: dict, storage: dict, carry: NormCarry):
-    """Check the run-time conditions and launch the producer; ``(rms_in, scaled, sum)`` or None."""
+    """Check the run-time conditions and launch the producer; a :class:`_Carried` or None."""
     from graphdsl.quant import parse_scheme
 
-    from ..kernels.gemv import GemvRmsIn, GemvRmsOut, gemv, gemv_supported
+    from ..kernels.gemv import GemvRmsIn, GemvRmsOut, gemv, gemv_supported, packs_rows
     p, b = site.producer, site.norm
     ins = [values[t] for t in p.inputs]
     x = ins[0]
@@ -218,7 +263,9 @@ def _launch(be, site: Site, values: dict, attrs: dict, storage: dict, carry: Nor
         if not gemv_supported(scaled, cins[1], cs) or (dst is not None and dst.stride(-1) != 1) \
                 or (quant_c and _kernel_unsupported(c, cins) is not None):
             return None
-    rms_out = GemvRmsOut(g, scaled, part)
+    group = _pack_group(site, values, attrs, n) if PACK and m == 1 else 0
+    packed = carry._packed_for(site.slot, x.device, n) if group and packs_rows(x, w, scheme, group) else None
+    rms_out = GemvRmsOut(g, scaled, part, packed, group if packed is not None else 0)
     if quant:
         stored = ins[1:]
         rows, perm = be.gather_rows, None          # act-order: x read through the gather's index
@@ -228,7 +275,7 @@ def _launch(be, site: Site, values: dict, attrs: dict, storage: dict, carry: Nor
              zeros=stored[2] if len(stored) > 2 else None, rms_out=rms_out, perm=perm)
     else:
         gemv(x, w, residual, out=s_dst, workspace=be.gemv_workspace, rms_out=rms_out)
-    return GemvRmsIn(part, n, float(attrs[b]["eps"])), scaled, s_dst
+    return _Carried(GemvRmsIn(part, n, float(attrs[b]["eps"])), scaled, s_dst, packed, rms_out.pack_group)
 
 
 def _kind(scheme) -> str:

@@ -625,20 +625,26 @@ _XPACK_GATE_UP = True         # one int4 row of gate/up: its activation bytes ma
 _XPACK_MIN_WEIGHTS = 1 << 26  # ... for a weight of at least this many codes (8B gate_up: 117M; 1B's 34M lost)
 
 
+def xpack_pays(silu: bool, codes: torch.Tensor) -> bool:
+    """Whether one int4 row of a projection reads its activations packed (``gemv(..., xpack=)``):
+    the gate/up GEMVs of at least ``_XPACK_MIN_WEIGHTS`` codes. On an H100 the Llama-3-8B gate/up
+    GEMV went from 32.2 to 26.9 µs with the pack launch (wider tiles, two groups a step: 26.1 µs
+    alone); the smaller projections, the 1B gate/up among them (10.0 -> 11.3 µs), lost
+    (docs/quantization.md) — on the H200 also with the bytes stored by the producer of a carried
+    norm instead of launched (:mod:`.norm_carry`): every int4 reader of such rows packed, 8B
+    2156 -> 2202 µs a step, 1B 640 -> 708."""
+    return silu and _XPACK_GATE_UP and codes.numel() * 2 >= _XPACK_MIN_WEIGHTS      # two int4 codes a byte
+
+
 def _int4_xpack(be: TritonBackend, x: torch.Tensor, codes: torch.Tensor, scheme,
                 perm: torch.Tensor | None = None) -> torch.Tensor | None:
     """One int4 row's activations packed for the GEMV's integer-dot loop (:mod:`..kernels.int4_acts`)
-    into the backend's buffer for its K, or None where that does not pay or the one-row loop does
-    not apply. On an H100 the Llama-3-8B gate/up GEMV went from 32.2 to 26.9 µs with the launch
-    (wider tiles, two groups a step: 26.1 µs alone); the smaller projections, the 1B gate/up
-    among them (10.0 -> 11.3 µs), lost (docs/quantization.md). ``perm`` (act-order): the bytes of
-    ``x[:, perm]``, gathered as they are read."""
+    by a launch into the backend's buffer for its K, or None where the one-row loop does not apply.
+    ``perm`` (act-order): the bytes of ``x[:, perm]``, gathered as they are read."""
     from ..kernels.gemv import W_INT4, W_INT4_ZP, weight_kind
     from ..kernels.int4_acts import pack_int4_activations
     k = x.shape[-1]
     if x.shape[0] != 1 or weight_kind(scheme) not in (W_INT4, W_INT4_ZP) or x.stride(-1) != 1:
-        return None
-    if codes.numel() * 2 < _XPACK_MIN_WEIGHTS:           # two int4 codes a byte
         return None
     group = scheme.group_size
     if k % max(group, 128):                               # the one-row loop's steps (_pick_quant_config)
@@ -690,7 +696,11 @@ def _quant_linear(be: TritonBackend, node, ins, attrs, dsts):
         rows, perm = be.gather_rows, None          # act-order: read x through the gather's index
         if rows is not None:
             x2, perm = rows.x.reshape(-1, rows.x.shape[-1]), rows.index
-        xpack = _int4_xpack(be, x2, stored[0], scheme, perm) if silu and _XPACK_GATE_UP else None
+        xpack = None
+        if xpack_pays(silu, stored[0]):            # the bytes stored by the producer, else made by a launch
+            xpack = be.norms.xpack(node, scheme) if rows is None else None
+            if xpack is None:
+                xpack = _int4_xpack(be, x2, stored[0], scheme, perm)
         gemv(x2, stored[0], add2, silu_mul=silu, out=out2, workspace=be.gemv_workspace, scheme=scheme,
              scales=stored[1], zeros=stored[2] if len(stored) > 2 else None, xpack=xpack,
              rms_in=be.norms.rms_in(node), perm=perm if xpack is None else None)

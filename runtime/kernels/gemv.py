@@ -78,7 +78,7 @@ from graphdsl.errors import GraphDSLError
 from .pdl import pdl_launch, pdl_trigger, pdl_wait, prefetch_l2
 from .splitk import arrive, depart, sum_partials
 
-__all__ = ["gemv", "gemv_supported", "GemvWorkspace", "GemvLoRA", "GemvRmsOut", "GemvRmsIn", "MAX_ROWS",
+__all__ = ["gemv", "gemv_supported", "packs_rows", "GemvWorkspace", "GemvLoRA", "GemvRmsOut", "GemvRmsIn", "MAX_ROWS",
            "weight_kind"]
 
 MAX_ROWS = 16
@@ -97,6 +97,10 @@ _QUANT_STAGES = 4
 # one int4 row through integer dot products (_int4_step_dp4a) instead of float FMAs (_int4_step_float):
 # faster on the H200 (benchmarks/quant.py --sweep; _pick_quant_config), False for the A/B
 _INT4_INT_DOT = True
+# the one-row int4 and fp8 loops read their activations as int64 words, four 16-bit inputs each, where
+# aligned (_int4_loads, _fp8_row_loop): fewer instructions in loops bound by them. In-model A/B (H200, µs a
+# batch-1 step, two builds each): int4 8B 2194 -> 2156, 1B 677 -> 640 (with the planes' stride below). False: the A/B
+_X_WIDE = True
 _CONFIG_KEYS = {"BLOCK_N", "BLOCK_K", "SPLIT_K", "num_warps", "num_stages", "INT_DOT"}
 # K steps of each program's weight slab prefetched into L2 before the PDL wait (pdl.prefetch_l2; 0: none):
 # fp16/bf16 weights, and the int4 / fp8 one-row loops by weight kind. In-model A/B on an H100
@@ -158,7 +162,8 @@ def _finish(acc, add_ptr, out_ptr, pid_n, rm, m_ok, N, stride_am, stride_om, HAS
             HAS_LORA: tl.constexpr, LORA_BLOCK_R: tl.constexpr, LORA_BLOCK_SPLITS: tl.constexpr,
             rms_g, rms_scaled_ptr, rms_part_ptr, RMS_CHUNKS, RMS_OUT: tl.constexpr,
             rin_part, rin_ptr, RIN_CHUNKS, rin_inv_n, rin_eps, RMS_IN: tl.constexpr, RIN_BLOCK: tl.constexpr,
-            add_tile, EARLY: tl.constexpr):
+            add_tile, EARLY: tl.constexpr, pack_ptr=None, PACK: tl.constexpr = False,
+            PACK_GROUP: tl.constexpr = 128):
     """Store the transposed output tile ``acc [BLOCK_N, BLOCK_M]`` of column tile ``pid_n``:
     ``out[m, n] = acc[n, m] + add`` or, with ``SWIGLU``, ``out[m, c] = silu(g) * u`` where rows
     ``2i, 2i + 1`` of the tile hold gate and up of column ``c = pid_n * BLOCK_N / 2 + i``. g and u
@@ -174,7 +179,10 @@ def _finish(acc, add_ptr, out_ptr, pid_n, rm, m_ok, N, stride_am, stride_om, HAS
     ``RMS_CHUNKS``) — what the next GEMV's ``RMS_IN`` reads. ``rms_g``: the norm weight of the
     tile's columns, read before the PDL wait; with ``EARLY`` the kernel read ``rin_part`` (the
     partials) and, with ``RMS_OUT``, ``add_tile`` (the residual) before its K loop, so their
-    latency hides behind it, else they are read here."""
+    latency hides behind it, else they are read here. ``PACK`` (with ``RMS_OUT``, one row): also
+    store row 0's ``ŷ · weight`` as the next int4 GEMV's packed activations (:func:`_pack_tile`,
+    groups of ``PACK_GROUP``; planes of ``N / 8`` words at ``pack_ptr``), so it needs no launch to
+    make them."""
     if RMS_IN:
         if not EARLY:
             rin_part = _rin_tile(rin_ptr, rm, m_ok, RIN_CHUNKS, RIN_BLOCK)
@@ -203,8 +211,11 @@ def _finish(acc, add_ptr, out_ptr, pid_n, rm, m_ok, N, stride_am, stride_om, HAS
     tl.store(out_ptr + rm[None, :] * stride_om + rn[:, None], y.to(out_ptr.dtype.element_ty), mask=mask)
     if RMS_OUT:
         yr = tl.where(mask, y.to(out_ptr.dtype.element_ty).to(tl.float32), 0.0)
-        tl.store(rms_scaled_ptr + rm[None, :] * N + rn[:, None],
-                 (yr * rms_g.to(tl.float32)[:, None]).to(out_ptr.dtype.element_ty), mask=mask)
+        scaled = (yr * rms_g.to(tl.float32)[:, None]).to(out_ptr.dtype.element_ty)
+        tl.store(rms_scaled_ptr + rm[None, :] * N + rn[:, None], scaled, mask=mask)
+        if PACK:
+            _pack_tile(tl.sum(tl.where((rm == 0)[None, :], scaled.to(tl.float32), 0.0), axis=1), pack_ptr, N // 8,
+                       pid_n, N, BLOCK_N, PACK_GROUP)
         CH: tl.constexpr = BLOCK_N // 32
         sq = tl.sum(tl.reshape(yr * yr, [CH, 32, BLOCK_M]), axis=1)
         ch = pid_n * CH + tl.arange(0, CH)
@@ -254,7 +265,7 @@ def _x_at(x_ptr, perm_ptr, k, PERM: tl.constexpr):
 @triton.jit
 def _int4_loads(x_ptr, s_ptr, z_ptr, q_rows, rw, rg, rn64, c, w_hi, stride_sn, S: tl.constexpr,
                 GROUP: tl.constexpr, ZERO_POINT: tl.constexpr, XPACK: tl.constexpr = False, W_X=0,
-                perm_ptr=None, PERM: tl.constexpr = False):
+                perm_ptr=None, PERM: tl.constexpr = False, X_WIDE: tl.constexpr = False):
     """All that the step from word ``c`` reads, clamped to the slice's last ``S`` words (a prefetch
     past the slice re-reads them): the ``[BLOCK_N, G, C]`` words (unmasked, so 16-byte loads), the
     ``[BLOCK_N, G]`` scales and zero points (the scales again without ``ZERO_POINT``) and the eight
@@ -263,7 +274,11 @@ def _int4_loads(x_ptr, s_ptr, z_ptr, q_rows, rw, rg, rn64, c, w_hi, stride_sn, S
     With ``XPACK`` the activations come packed (:mod:`.int4_acts`, planes of ``W_X`` words): the
     words' ``[G, C]`` ``he, ho, le, lo, xs`` (then ``he`` three times, unused: the branches must
     return one shape; the groups' units come from :func:`_xpack_units`). With ``PERM`` input ``k``
-    of the groups is ``x[perm[k]]`` (act-order), read through ``perm_ptr``."""
+    of the groups is ``x[perm[k]]`` (act-order), read through ``perm_ptr``. With ``X_WIDE`` (16-bit
+    activations at an 8-byte aligned address) a word's eight activations come as two int64 loads
+    (inputs ``8j .. 8j + 3`` and ``8j + 4 .. 8j + 7``, then the first six times, unused) instead of
+    eight 16-bit ones: the loop is bound by its instructions, and this takes six loads off each of
+    a thread's word columns a step (:func:`_x_lanes` unpacks them)."""
     c = tl.minimum(c, w_hi - S)
     w = tl.load(q_rows + (c + rw)[None, :, :])
     sg = rn64[:, None] * stride_sn + ((8 * c) // GROUP + rg)[None, :]
@@ -283,9 +298,25 @@ def _int4_loads(x_ptr, s_ptr, z_ptr, q_rows, rw, rg, rn64, c, w_hi, stride_sn, S
                 _x_at(x_ptr, perm_ptr, k + 2, True), _x_at(x_ptr, perm_ptr, k + 3, True),
                 _x_at(x_ptr, perm_ptr, k + 4, True), _x_at(x_ptr, perm_ptr, k + 5, True),
                 _x_at(x_ptr, perm_ptr, k + 6, True), _x_at(x_ptr, perm_ptr, k + 7, True))
-    xp = x_ptr + 8 * (c + rw)
-    return (w, sc, z, tl.load(xp), tl.load(xp + 1), tl.load(xp + 2), tl.load(xp + 3), tl.load(xp + 4),
-            tl.load(xp + 5), tl.load(xp + 6), tl.load(xp + 7))
+    if X_WIDE:
+        xq = x_ptr.to(tl.pointer_type(tl.int64)) + 2 * (c + rw)
+        lo = tl.load(xq)
+        return w, sc, z, lo, tl.load(xq + 1), lo, lo, lo, lo, lo, lo
+    else:
+        xp = x_ptr + 8 * (c + rw)
+        return (w, sc, z, tl.load(xp), tl.load(xp + 1), tl.load(xp + 2), tl.load(xp + 3), tl.load(xp + 4),
+                tl.load(xp + 5), tl.load(xp + 6), tl.load(xp + 7))
+
+
+@triton.jit
+def _x_lanes(v, DT: tl.constexpr):
+    """The four 16-bit floats (type ``DT``) of the int64 ``v``, lowest first, as float32."""
+    lo = v.to(tl.int32)
+    hi = (v >> 32).to(tl.int32)
+    return (lo.to(tl.int16).to(DT, bitcast=True).to(tl.float32),
+            (lo >> 16).to(tl.int16).to(DT, bitcast=True).to(tl.float32),
+            hi.to(tl.int16).to(DT, bitcast=True).to(tl.float32),
+            (hi >> 16).to(tl.int16).to(DT, bitcast=True).to(tl.float32))
 
 
 @triton.jit
@@ -300,7 +331,7 @@ def _xpack_units(x_ptr, W_X, c, w_hi, rg, S: tl.constexpr, GROUP: tl.constexpr):
 def _int4_row(x_ptr, q_ptr, s_ptr, z_ptr, rn, N, w_lo, w_hi, W_ROW, stride_sn, M12, M16, M0F,
               BLOCK_N: tl.constexpr, ZERO_POINT: tl.constexpr, GROUP: tl.constexpr, G: tl.constexpr,
               INT_DOT: tl.constexpr, EMULATE: tl.constexpr, XPACK: tl.constexpr = False, W_X=0,
-              perm_ptr=None, PERM: tl.constexpr = False):
+              perm_ptr=None, PERM: tl.constexpr = False, X_WIDE: tl.constexpr = False):
     """One row (batch-1 decode): ``sum_k x[k] * (q[n, k] - z[n, g]) * s[n, g]`` over the words
     ``[w_lo, w_hi)`` of each weight row, on CUDA cores instead of ``tl.dot`` (whose operand-layout
     shuffle and int->float conversions bound the tensor-core path at one row). ``q_ptr``: int32
@@ -322,13 +353,14 @@ def _int4_row(x_ptr, q_ptr, s_ptr, z_ptr, rn, N, w_lo, w_hi, W_ROW, stride_sn, M
     ``XPACK``: ``x_ptr`` holds the activations already in the integer-dot loop's bytes
     (:func:`.int4_acts.pack_int4_activations`, ``W_X`` words a plane), made once by the kernel
     before instead of by every program each step; the sums are the same bits. ``PERM``: act-order,
-    input ``k`` of the groups is ``x[perm[k]]``."""
+    input ``k`` of the groups is ``x[perm[k]]``. ``X_WIDE``: the activations read as int64 words
+    (:func:`_int4_loads`)."""
     C: tl.constexpr = GROUP // 8
     S: tl.constexpr = G * C
     rw, rg, rn64, q_rows = _int4_rows(q_ptr, rn, N, W_ROW, G, C)
     nw, ns, nz, n0, n1, n2, n3, n4, n5, n6, n7 = _int4_loads(x_ptr, s_ptr, z_ptr, q_rows, rw, rg, rn64, w_lo, w_hi,
                                                              stride_sn, S, GROUP, ZERO_POINT, XPACK, W_X, perm_ptr,
-                                                             PERM)
+                                                             PERM, X_WIDE)
     if XPACK:
         na = _xpack_units(x_ptr, W_X, w_lo, w_hi, rg, S, GROUP)
     acc = tl.zeros([BLOCK_N, G, C], tl.float32)
@@ -338,12 +370,15 @@ def _int4_row(x_ptr, q_ptr, s_ptr, z_ptr, rn, N, w_lo, w_hi, W_ROW, stride_sn, M
         if XPACK:
             he, ho, le, lo, xs, a = n0, n1, n2, n3, n4, na
             na = _xpack_units(x_ptr, W_X, c + S, w_hi, rg, S, GROUP)
+        elif X_WIDE:
+            x0, x1, x2, x3 = _x_lanes(n0, x_ptr.dtype.element_ty)
+            x4, x5, x6, x7 = _x_lanes(n1, x_ptr.dtype.element_ty)
         else:
             x0, x1, x2, x3 = n0.to(tl.float32), n1.to(tl.float32), n2.to(tl.float32), n3.to(tl.float32)
             x4, x5, x6, x7 = n4.to(tl.float32), n5.to(tl.float32), n6.to(tl.float32), n7.to(tl.float32)
         nw, ns, nz, n0, n1, n2, n3, n4, n5, n6, n7 = _int4_loads(x_ptr, s_ptr, z_ptr, q_rows, rw, rg, rn64, c + S,
                                                                  w_hi, stride_sn, S, GROUP, ZERO_POINT, XPACK, W_X,
-                                                                 perm_ptr, PERM)
+                                                                 perm_ptr, PERM, X_WIDE)
         if XPACK:
             acc = _int4_dp4a_core(acc, w, sc, z, he, ho, le, lo, xs, a[None, :, None], M0F, ZERO_POINT, EMULATE)
         elif INT_DOT:
@@ -433,6 +468,52 @@ def _fixed16(x, inv):
 
 
 @triton.jit
+def _group_amax(x0, x1, x2, x3, x4, x5, x6, x7, AXIS: tl.constexpr):
+    """``max |x|`` over the eight input vectors and along ``AXIS`` (a group's words), NaN if any
+    input is not finite: the scale of the packed activations (:mod:`.int4_acts`)."""
+    big = _max_nan(_max_nan(_max_nan(tl.abs(x0), tl.abs(x1)), _max_nan(tl.abs(x2), tl.abs(x3))),
+                   _max_nan(_max_nan(tl.abs(x4), tl.abs(x5)), _max_nan(tl.abs(x6), tl.abs(x7))))
+    return tl.max(big, axis=AXIS) + tl.sum(big - big, axis=AXIS)
+
+
+@triton.jit
+def _pack_store(out_ptr, W_X, c, x0, x1, x2, x3, x4, x5, x6, x7, amax, mask):
+    """Store words ``c`` of the packed activations (:mod:`.int4_acts`: planes of ``W_X`` int32)
+    made from their float32 inputs ``x0..x7`` (input ``8c + i``) and the groups' ``amax``
+    (broadcast against ``c``): planes 0..4. Plane 5 (``amax / 32767``) is the caller's."""
+    inv = tl.where(amax > 0, 32767.0 / tl.where(amax > 0, amax, 1.0), 0.0)   # (without a 1/0)
+    q0, q1, q2, q3 = _fixed16(x0, inv), _fixed16(x1, inv), _fixed16(x2, inv), _fixed16(x3, inv)
+    q4, q5, q6, q7 = _fixed16(x4, inv), _fixed16(x5, inv), _fixed16(x6, inv), _fixed16(x7, inv)
+    tl.store(out_ptr + c, _bytes4(q0 >> 8, q2 >> 8, q4 >> 8, q6 >> 8), mask=mask)
+    tl.store(out_ptr + W_X + c, _bytes4(q1 >> 8, q3 >> 8, q5 >> 8, q7 >> 8), mask=mask)
+    tl.store(out_ptr + 2 * W_X + c, _bytes4(q0, q2, q4, q6), mask=mask)
+    tl.store(out_ptr + 3 * W_X + c, _bytes4(q1, q3, q5, q7), mask=mask)
+    tl.store(out_ptr + 4 * W_X + c, q0 + q1 + q2 + q3 + q4 + q5 + q6 + q7, mask=mask)
+
+
+@triton.jit
+def _pack_tile(row, out_ptr, W_X, pid_n, N, BLOCK_N: tl.constexpr, GROUP: tl.constexpr):
+    """The packed activations (:mod:`.int4_acts`) of one row's ``BLOCK_N`` columns of tile
+    ``pid_n`` (``row``: float32 ``[BLOCK_N]``, whole groups of ``GROUP``), for the int4 GEMV that
+    reads them next (:class:`GemvRmsOut` ``packed``): the inputs of each word are split out of the
+    row by three halvings of ``[groups, words, 2, 2, 2]``."""
+    NG: tl.constexpr = BLOCK_N // GROUP
+    C: tl.constexpr = GROUP // 8
+    ev, od = tl.split(tl.reshape(row, [NG, C, 2, 2, 2]))       # inputs 8c + (0, 2, 4, 6) / (1, 3, 5, 7)
+    e0, e1 = tl.split(ev)
+    o0, o1 = tl.split(od)
+    x0, x4 = tl.split(e0)
+    x2, x6 = tl.split(e1)
+    x1, x5 = tl.split(o0)
+    x3, x7 = tl.split(o1)
+    amax = _group_amax(x0, x1, x2, x3, x4, x5, x6, x7, 1)
+    c = pid_n * (BLOCK_N // 8) + tl.arange(0, NG)[:, None] * C + tl.arange(0, C)[None, :]
+    _pack_store(out_ptr, W_X, c, x0, x1, x2, x3, x4, x5, x6, x7, amax[:, None], c < N // 8)
+    g = pid_n * NG + tl.arange(0, NG)
+    tl.store(out_ptr + 5 * W_X + g, (amax * (1.0 / 32767.0)).to(tl.int32, bitcast=True), mask=g < N // GROUP)
+
+
+@triton.jit
 def _int4_step_dp4a(acc, w, sc, z, x0, x1, x2, x3, x4, x5, x6, x7, M0F, ZERO_POINT: tl.constexpr,
                     EMULATE: tl.constexpr):
     """``acc`` plus one step of :func:`_int4_row` (arguments as :func:`_int4_step_float`), with
@@ -451,9 +532,7 @@ def _int4_step_dp4a(acc, w, sc, z, x0, x1, x2, x3, x4, x5, x6, x7, M0F, ZERO_POI
     sm_90 (one group a step), 2.5 SASS instructions a weight in the loop against the float loop's
     3.6 — alone no faster on the H200; with the loads a step ahead (:func:`_int4_loads`) faster.
     """
-    big = _max_nan(_max_nan(_max_nan(tl.abs(x0), tl.abs(x1)), _max_nan(tl.abs(x2), tl.abs(x3))),
-                   _max_nan(_max_nan(tl.abs(x4), tl.abs(x5)), _max_nan(tl.abs(x6), tl.abs(x7))))
-    amax = tl.max(big, axis=1) + tl.sum(big - big, axis=1)   # [G]; NaN if an input is not finite
+    amax = _group_amax(x0, x1, x2, x3, x4, x5, x6, x7, 1)     # [G]; NaN if an input is not finite
     inv = tl.where(amax > 0, 32767.0 / amax, 0.0)[:, None]
     q0 = _fixed16(x0, inv)
     q1 = _fixed16(x1, inv)
@@ -504,7 +583,8 @@ def _e4m3(top):
 
 
 @triton.jit
-def _fp8_row_loop(x_ptr, q_ptr, rn, N, w_lo, w_hi, W_ROW, BLOCK_N: tl.constexpr, C: tl.constexpr):
+def _fp8_row_loop(x_ptr, q_ptr, rn, N, w_lo, w_hi, W_ROW, BLOCK_N: tl.constexpr, C: tl.constexpr,
+                  X_WIDE: tl.constexpr = False):
     """One row: ``2^-120 · sum_k x[k] · q[n, k]`` over the words ``[w_lo, w_hi)`` of each row (the
     caller multiplies by ``2^120`` and the scales). ``q_ptr``: int32 words of four e4m3 codes
     (``k = 4c + i`` in byte ``i``). Each code becomes a float32 by shifts and one LOP3
@@ -523,11 +603,14 @@ def _fp8_row_loop(x_ptr, q_ptr, rn, N, w_lo, w_hi, W_ROW, BLOCK_N: tl.constexpr,
     for c in range(w_lo, w_hi, C):
         w = w_next
         w_next = _step_words(q_rows, c + C, w_hi, rc, C)
-        xp = x_ptr + 4 * (c + rc)
-        x0 = tl.load(xp).to(tl.float32)
-        x1 = tl.load(xp + 1).to(tl.float32)
-        x2 = tl.load(xp + 2).to(tl.float32)
-        x3 = tl.load(xp + 3).to(tl.float32)
+        if X_WIDE:          # a word's four 16-bit activations in one int64 load (x 8-byte aligned)
+            x0, x1, x2, x3 = _x_lanes(tl.load(x_ptr.to(tl.pointer_type(tl.int64)) + c + rc), x_ptr.dtype.element_ty)
+        else:
+            xp = x_ptr + 4 * (c + rc)
+            x0 = tl.load(xp).to(tl.float32)
+            x1 = tl.load(xp + 1).to(tl.float32)
+            x2 = tl.load(xp + 2).to(tl.float32)
+            x3 = tl.load(xp + 3).to(tl.float32)
         acc += _e4m3(w << 24) * x0[None, :]
         acc += _e4m3(w << 16) * x1[None, :]
         acc += _e4m3(w << 8) * x2[None, :]
@@ -646,6 +729,10 @@ def _gemv_kernel(
     RIN_BLOCK: tl.constexpr = 1,        # RIN_CHUNKS padded to a power of two
     RMS_EARLY: tl.constexpr = True,     # read the partials / residual of RMS_IN / RMS_OUT before the K loop
     PERM: tl.constexpr = False,         # int4: the activations read through perm_ptr
+    X_WIDE: tl.constexpr = False,       # one int4 / fp8 row: the 16-bit activations read as int64 words (aligned)
+    pack_ptr=None,                      # PACK: int32 [6, N / 8], the next int4 GEMV's packed activations
+    PACK: tl.constexpr = False,         # RMS_OUT, one row: also store row 0's y·weight packed (_pack_tile)
+    PACK_GROUP: tl.constexpr = 128,     # PACK: the int4 group of the GEMV that reads it
 ):
     """out[m, n] = sum_k x[m, k] * w[n, k] (+ add[m, n]), float32 accumulation. With ``SWIGLU`` the
     tile's rows are the gate and up rows of ``BLOCK_N / 2`` output columns, interleaved (row ``2i``
@@ -693,11 +780,11 @@ def _gemv_kernel(
     if INT4 and ONE_ROW:
         row = _int4_row(x_ptr, w_ptr, s_ptr, z_ptr, rn, N2, w_lo, w_hi, W_ROW, stride_sn,
                         M12, M16, M0F, BLOCK_N, WKIND == 3, GROUP, BLOCK_K // GROUP, INT_DOT, EMULATE, XPACK,
-                        K // 8, perm_ptr, PERM)
+                        W_ROW, perm_ptr, PERM, X_WIDE)
         acc = tl.where((rm == 0)[None, :], row[:, None], 0.0)
     elif WKIND == 4 and ONE_ROW:
         row = _fp8_row_loop(x_ptr, w_ptr, rn, N2, w_lo, w_hi, W_ROW, BLOCK_N,
-                            BLOCK_K // 4) * 1.329227995784916e36          # 2^120
+                            BLOCK_K // 4, X_WIDE) * 1.329227995784916e36          # 2^120
         acc = tl.where((rm == 0)[None, :], row[:, None], 0.0)
     elif INT4:
         acc = _int4_k_loop(acc, x_rows, w_ptr, s_ptr, z_ptr, rn, n_ok, m_ok, k_lo, k_hi, K, stride_sn,
@@ -744,7 +831,7 @@ def _gemv_kernel(
                     BLOCK_M, lora_p_ptr, lora_b_ptr, lora_idx_ptr, M, LORA_S, LORA_R, LORA_SPLITS, HAS_LORA,
                     LORA_BLOCK_R, LORA_BLOCK_SPLITS, rms_g, rms_scaled_ptr, rms_part_ptr, RMS_CHUNKS, RMS_OUT,
                     rin_part, rin_ptr, RIN_CHUNKS, rin_inv_n, rin_eps, RMS_IN, RIN_BLOCK,
-                    add_tile, RMS_EARLY)
+                    add_tile, RMS_EARLY, pack_ptr, PACK, PACK_GROUP)
     else:
         if WKIND == 1 or WKIND == 4:
             acc = acc * tl.load(s_ptr + rn.to(tl.int64) * stride_sn, mask=n_ok, other=0.0).to(tl.float32)[:, None]
@@ -752,7 +839,7 @@ def _gemv_kernel(
                 lora_p_ptr, lora_b_ptr, lora_idx_ptr, M, LORA_S, LORA_R, LORA_SPLITS, HAS_LORA, LORA_BLOCK_R,
                 LORA_BLOCK_SPLITS, rms_g, rms_scaled_ptr, rms_part_ptr, RMS_CHUNKS, RMS_OUT,
                 rin_part, rin_ptr, RIN_CHUNKS, rin_inv_n, rin_eps, RMS_IN, RIN_BLOCK,
-                add_tile, RMS_EARLY)
+                add_tile, RMS_EARLY, pack_ptr, PACK, PACK_GROUP)
 
 
 def _prefetch_lines(kind: int, one_row: bool, block_k: int, k_split: int) -> int:
@@ -1003,6 +1090,11 @@ class GemvRmsOut(NamedTuple):
     weight: torch.Tensor     # [N], y's dtype
     scaled: torch.Tensor     # [M, N] contiguous, y's dtype
     partials: torch.Tensor   # [M, cdiv(N, 32)] contiguous float32
+    # one row: ``scaled`` also as the packed activations of the int4 GEMV that reads it next
+    # (int32 [6, N / 8], .int4_acts; its ``xpack``) for int4 groups of ``pack_group`` inputs;
+    # the tiles must hold whole groups (:func:`packs_rows`)
+    packed: torch.Tensor | None = None
+    pack_group: int = 0
 
 
 class GemvRmsIn(NamedTuple):
@@ -1022,10 +1114,19 @@ def _rms_args(rms_out: GemvRmsOut | None, rms_in: GemvRmsIn | None, m: int, n: i
     """The kernel's RMS_OUT / RMS_IN arguments (pointers to ``out`` where unused), each checked."""
     args = dict(rms_w_ptr=out, rms_scaled_ptr=out, rms_part_ptr=out, RMS_CHUNKS=1, RMS_OUT=False,
                 rin_ptr=out, RIN_CHUNKS=1, rin_inv_n=1.0, rin_eps=0.0, RMS_IN=False, RIN_BLOCK=1,
-                RMS_EARLY=_RMS_EARLY)
+                RMS_EARLY=_RMS_EARLY, pack_ptr=out, PACK=False, PACK_GROUP=128)
     if rms_out is not None:
-        w, scaled, part = rms_out
+        w, scaled, part, packed, group = rms_out
         chunks = triton.cdiv(n, RMS_CHUNK)
+        if packed is not None:
+            if m != 1 or group < 8 or group & (group - 1) or block_n % group or n % group:
+                raise GraphDSLError(f"gemv: rms_out.packed needs one row and tiles of whole groups, got {m} rows, "
+                                    f"pack_group {group}, BLOCK_N {block_n}, N {n}")
+            if tuple(packed.shape) != (6, n // 8) or packed.dtype != torch.int32 or not packed.is_contiguous() \
+                    or packed.device != out.device:
+                raise GraphDSLError(f"gemv: rms_out.packed must be a contiguous int32 [6, {n // 8}] on {out.device}, "
+                                    f"got {packed.dtype} {list(packed.shape)} on {packed.device}")
+            args.update(pack_ptr=packed, PACK=True, PACK_GROUP=group)
         if silu_mul or block_n % RMS_CHUNK:
             raise GraphDSLError(f"gemv: rms_out needs a plain product in tiles of a multiple of {RMS_CHUNK} columns, "
                                 f"got silu_mul={silu_mul}, BLOCK_N {block_n}")
@@ -1072,6 +1173,19 @@ def gemv_supported(x: torch.Tensor, w: torch.Tensor, scheme=None) -> bool:
     if kind in (W_INT4, W_INT4_ZP):
         return w.dtype == torch.uint8 and 2 * w.shape[1] == x.shape[1] and x.shape[1] % scheme.group_size == 0
     return w.shape[1] == x.shape[1]
+
+
+def packs_rows(x: torch.Tensor, w: torch.Tensor, scheme, group: int) -> bool:
+    """Whether :func:`gemv` of these operands (no ``config``, no ``silu_mul``) can store its
+    :class:`GemvRmsOut` rows packed for int4 groups of ``group``: one row, and tiles of whole groups."""
+    if not gemv_supported(x, w, scheme) or x.shape[0] != 1 or group < 8 or group & (group - 1):
+        return False
+    kind = weight_kind(scheme)
+    m, k = x.shape
+    n = w.shape[0]
+    wgroup = scheme.group_size if kind in (W_INT4, W_INT4_ZP) else 1
+    cfg = _pick_config(m, n, k, x.device) if kind == W_FLOAT else _pick_quant_config(m, n, k, kind, wgroup, x.device)
+    return n % group == 0 and cfg["BLOCK_N"] % group == 0
 
 
 def gemv(x: torch.Tensor, w: torch.Tensor, add: torch.Tensor | None = None, *, silu_mul: bool = False,
@@ -1187,6 +1301,7 @@ def gemv(x: torch.Tensor, w: torch.Tensor, add: torch.Tensor | None = None, *, s
         DOT_F32=x.dtype == torch.bfloat16 and interpret, EMULATE=interpret,
         PREFETCH=0 if interpret else _prefetch_lines(kind, one_row, block_k, k_split), XPACK=xpack is not None,
         perm_ptr=perm if perm is not None else out, PERM=perm is not None,
+        X_WIDE=_X_WIDE and xpack is None and perm is None and x.stride(-1) == 1 and x.data_ptr() % 8 == 0,
         **pdl_launch(x.device),
         **_lora_args(lora, out), **_rms_args(rms_out, rms_in, m, cols, k, block_n, silu_mul, out), **cfg)
     return out

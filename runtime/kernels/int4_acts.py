@@ -10,8 +10,9 @@ Layout, int32 ``[6, K / 8]``: for word ``c`` (inputs ``8c .. 8c + 7``), plane 0 
 bytes of the even inputs ``8c, 8c + 2, 8c + 4, 8c + 6`` and plane 1 of the odd ones. Planes 2 and
 3 hold the low bytes of the same inputs, plane 4 the sum ``Σ_i xq[8c + i]``. Plane 5's first
 ``K / G`` words are the groups' ``a``, as float32 bits. The arithmetic is the loop's own
-(:func:`.gemv._fixed16`, the NaN-propagating maximum), so the GEMV's sums are the same bits with
-or without it.
+(:func:`.gemv._pack_store`, :func:`.gemv._group_amax`), so the GEMV's sums are the same bits with
+or without it; a residual GEMV carrying the next RMSNorm stores the same bytes in its epilogue
+(:class:`.gemv.GemvRmsOut` ``packed``).
 """
 from __future__ import annotations
 
@@ -23,7 +24,7 @@ import triton.language as tl
 
 from graphdsl.errors import GraphDSLError
 
-from .gemv import _bytes4, _fixed16, _max_nan, _x_at
+from .gemv import _group_amax, _pack_store, _x_at
 from .pdl import pdl_launch, pdl_wait
 
 __all__ = ["pack_int4_activations", "pack_int4_activations_reference"]
@@ -47,17 +48,8 @@ def _pack_kernel(x_ptr, perm_ptr, out_ptr, W_X, GROUP: tl.constexpr, PERM: tl.co
     x2, x3 = _input(x_ptr, perm_ptr, k + 2, PERM), _input(x_ptr, perm_ptr, k + 3, PERM)
     x4, x5 = _input(x_ptr, perm_ptr, k + 4, PERM), _input(x_ptr, perm_ptr, k + 5, PERM)
     x6, x7 = _input(x_ptr, perm_ptr, k + 6, PERM), _input(x_ptr, perm_ptr, k + 7, PERM)
-    big = _max_nan(_max_nan(_max_nan(tl.abs(x0), tl.abs(x1)), _max_nan(tl.abs(x2), tl.abs(x3))),
-                   _max_nan(_max_nan(tl.abs(x4), tl.abs(x5)), _max_nan(tl.abs(x6), tl.abs(x7))))
-    amax = tl.max(big, axis=0) + tl.sum(big - big, axis=0)     # NaN if an input is not finite
-    inv = tl.where(amax > 0, 32767.0 / tl.where(amax > 0, amax, 1.0), 0.0)   # (the GEMV's, without a 1/0)
-    q0, q1, q2, q3 = _fixed16(x0, inv), _fixed16(x1, inv), _fixed16(x2, inv), _fixed16(x3, inv)
-    q4, q5, q6, q7 = _fixed16(x4, inv), _fixed16(x5, inv), _fixed16(x6, inv), _fixed16(x7, inv)
-    tl.store(out_ptr + c, _bytes4(q0 >> 8, q2 >> 8, q4 >> 8, q6 >> 8))
-    tl.store(out_ptr + W_X + c, _bytes4(q1 >> 8, q3 >> 8, q5 >> 8, q7 >> 8))
-    tl.store(out_ptr + 2 * W_X + c, _bytes4(q0, q2, q4, q6))
-    tl.store(out_ptr + 3 * W_X + c, _bytes4(q1, q3, q5, q7))
-    tl.store(out_ptr + 4 * W_X + c, q0 + q1 + q2 + q3 + q4 + q5 + q6 + q7)
+    amax = _group_amax(x0, x1, x2, x3, x4, x5, x6, x7, 0)
+    _pack_store(out_ptr, W_X, c, x0, x1, x2, x3, x4, x5, x6, x7, amax, c >= 0)
     tl.store(out_ptr + 5 * W_X + g, (amax * (1.0 / 32767.0)).to(tl.int32, bitcast=True))
 
 

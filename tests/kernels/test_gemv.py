@@ -256,6 +256,27 @@ def test_int4_integer_dot_row_matches_a_float64_product(name, split, epilogue):
     assert (err <= bound + eps * want.abs() + 1e-3).all(), f"worst error {err.max():.3g} vs bound {bound.max():.3g}"
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("name,int_dot", [("int4-g64", True), ("int4-g64", False), ("fp8-channel", False)])
+def test_one_row_activations_read_as_int64_words_give_the_same_bits(name, int_dot, dtype, monkeypatch):
+    """The one-row int4 and fp8 loops read 16-bit activations four to an int64 word where ``x`` is
+    8-byte aligned (``X_WIDE``), one by one where it is not (a row starting one element in): the
+    same bits either way, and as with the wide reads turned off."""
+    import graphdsl.runtime.kernels.gemv as G
+    k, n = 256, 32
+    s, stored, _ = _quantized(name, n, k, dtype, seed=4)
+    x = torch.randn(1, k, generator=torch.Generator().manual_seed(5)).to(DEV, dtype)
+    shifted = torch.empty(1, k + 1, dtype=dtype, device=DEV)[:, 1:]
+    shifted.copy_(x)
+    assert x.data_ptr() % 8 == 0 and shifted.data_ptr() % 8 != 0
+    cfg = dict(BLOCK_N=16, BLOCK_K=64, SPLIT_K=2, num_warps=4, num_stages=2, INT_DOT=int_dot)
+    kw = dict(config=cfg, scheme=s, scales=stored[1], workspace=GemvWorkspace())
+    wide, narrow = gemv(x, stored[0], **kw), gemv(shifted, stored[0], **kw)
+    monkeypatch.setattr(G, "_X_WIDE", False)
+    assert torch.equal(wide, narrow) and torch.equal(wide, gemv(x, stored[0], **kw))
+    assert not torch.equal(wide, gemv(x.flip(-1).contiguous(), stored[0], **kw))
+
+
 def test_int4_integer_dot_row_gives_nan_for_a_nan_input():
     """A NaN activation must not vanish into the fixed-point scale (a max that skips NaN would)."""
     s, stored, _ = _quantized("int4-g64", 16, 128, torch.float16, seed=5)

@@ -85,6 +85,42 @@ def test_carried_norm_into_a_quantized_one_row_projection(scheme_name):
     torch.testing.assert_close(out.float(), plain.float(), rtol=3e-2, atol=6e-2)
 
 
+@pytest.mark.parametrize("n,group,split", [(256, 64, 2), (192, 64, 1), (256, 128, 1)])
+def test_a_one_row_producer_stores_its_int4_readers_packed_rows(n, group, split):
+    """With ``packed`` the residual GEMV also stores ``ŷ·w`` as the int4 GEMV's packed activations:
+    the bytes :func:`pack_int4_activations` makes of the stored rows (a last tile past ``N`` stores
+    no word), read by the int4 GEMV as those are."""
+    from graphdsl.runtime.kernels.int4_acts import pack_int4_activations
+    dtype = torch.bfloat16
+    x, w1, res, gw, w2 = _pair(1, n, 64, 64, dtype, n + group)
+    scaled = torch.empty_like(res)
+    part = torch.empty(1, n // RMS_CHUNK, device=DEV)
+    packed = torch.full((6, n // 8), -7, dtype=torch.int32, device=DEV)
+    cfg1 = dict(BLOCK_N=128, BLOCK_K=16, SPLIT_K=split, num_warps=4, num_stages=2)
+    gemv(x, w1, res, config=cfg1, rms_out=GemvRmsOut(gw, scaled, part, packed, group))
+    want = pack_int4_activations(scaled, group)
+    assert torch.equal(packed[:5], want[:5])
+    assert torch.equal(packed[5, :n // group], want[5, :n // group])
+    assert (packed[5, n // group:] == -7).all()              # past the groups: untouched
+    scheme = parse_scheme(f"int4-g{group}")
+    codes, scales = [t.to(DEV) for t in scheme.quantize(w2.float().cpu(), dtype)]
+    quant = dict(scheme=scheme, scales=scales, rms_in=GemvRmsIn(part, n, EPS))
+    assert torch.equal(gemv(scaled, codes, xpack=packed, **quant), gemv(scaled, codes, xpack=want, **quant))
+
+
+def test_packed_rows_need_one_row_and_whole_groups_a_tile():
+    x, w1, res, gw, _ = _pair(2, 128, 32, 16, torch.bfloat16, 3)
+    scaled, part = torch.empty_like(res), torch.empty(2, 4, device=DEV)
+    packed = torch.empty(6, 16, dtype=torch.int32, device=DEV)
+    cfg = dict(BLOCK_N=64, BLOCK_K=16, SPLIT_K=1)
+    with pytest.raises(GraphDSLError, match="rms_out.packed needs one row and tiles of whole groups, got 2 rows"):
+        gemv(x, w1, res, config=cfg, rms_out=GemvRmsOut(gw, scaled, part, packed, 64))
+    with pytest.raises(GraphDSLError, match="pack_group 128, BLOCK_N 64"):
+        gemv(x[:1], w1, res[:1], config=cfg, rms_out=GemvRmsOut(gw, scaled[:1], part[:1], packed, 128))
+    with pytest.raises(GraphDSLError, match=r"rms_out.packed must be a contiguous int32 \[6, 16\]"):
+        gemv(x[:1], w1, res[:1], config=cfg, rms_out=GemvRmsOut(gw, scaled[:1], part[:1], packed[:, :8], 64))
+
+
 def test_rms_arguments_are_checked():
     x, w1, res, gw, w2 = _pair(2, 64, 32, 16, torch.float16, 1)
     scaled, part = torch.empty_like(res), torch.empty(2, 2, device=DEV)
@@ -247,3 +283,32 @@ def test_by_default_int4_and_float_producers_carry_their_norm(quantization, carr
     llm.model.configure_runtime(backend="triton", max_blocks_per_seq=4)
     llm.score([1, 5, 9, 33, 2])
     assert len(launched) == 4 - carried
+
+
+def test_int4_gate_up_of_a_carried_norm_takes_the_rows_its_producer_packed(tmp_path, monkeypatch):
+    """A 2-layer int4 Llama decoding one row, gate/up reading packed rows (``_XPACK_MIN_WEIGHTS``
+    lowered to this model's size): each layer's o GEMV stores them with the carried norm and the
+    gate/up reads them, where without ``PACK`` a launch makes them — the logits of the two agree up
+    to rounding (the launches differ, so float32 sums may round differently; int4's own error is far
+    larger). The qkv GEMVs make their bytes in their loop either way."""
+    import graphdsl as gd
+    from graphdsl.runtime.backends import norm_carry, triton_backend
+    from tests.models.hf_tiny import make_checkpoint
+    make_checkpoint("llama", tmp_path, intermediate_size=128)
+    monkeypatch.setattr(triton_backend, "_XPACK_MIN_WEIGHTS", 1)
+    taken, launched = [], []
+    real, real_launch = norm_carry.NormCarry.xpack, triton_backend._int4_xpack
+    monkeypatch.setattr(norm_carry.NormCarry, "xpack",
+                        lambda self, node, scheme: (lambda p: taken.append(node.op) or p if p is not None else p)(
+                            real(self, node, scheme)))
+    monkeypatch.setattr(triton_backend, "_int4_xpack", lambda be, x, *a: launched.append(x.shape) or real_launch(be, x, *a))
+    got = {}
+    for pack in (True, False):
+        monkeypatch.setattr(norm_carry, "PACK", pack)
+        llm = gd.LLM(tmp_path, device=DEV, dtype="bfloat16", max_model_len=64, quantization="int4-g64")
+        llm.model.configure_runtime(backend="triton", max_blocks_per_seq=4)
+        taken.clear(), launched.clear()
+        got[pack] = llm.score([7]).float().cpu()
+        assert (taken, len(launched)) == ((["quant_linear_silu_mul"] * 2, 0) if pack else ([], 2))
+    err = ((got[True] - got[False]).abs().max() / got[False].abs().max()).item()
+    assert err < 2e-2, err
