@@ -9,6 +9,11 @@ and multiplies its float32 sums by ``rsqrt(Σ s² / N + eps)`` (:class:`~..kerne
 The ``add_rms_norm`` node then launches nothing. The product equals the unfused one up to where
 one bfloat16 rounding falls (``(ŝ·r)`` rounded before the weight multiply there, ``ŝ·w`` here).
 
+With one row, an int4 consumer that reads packed activations (``gemv(..., xpack=)``; the gate/up
+GEMVs of :func:`.triton_backend.xpack_pays`) gets them from the producer too: its epilogue also
+stores ``s · weight`` in their bytes (:class:`~..kernels.gemv.GemvRmsOut` ``packed``), so the
+consumer needs no pack launch (:meth:`NormCarry.xpack`; ``PACK``).
+
 This is a schedule of three graph nodes, not a graph rewrite: the graph and its dumps keep the
 three ops, more rows run them one by one as before, and so does a run with a per-node hook (taps,
 profiles read every node's output, and here ``y`` and the normed tensor are never written).
@@ -42,8 +47,9 @@ THROUGH_GATHERS = True   # False: no site whose consumers read through an act-or
 # launched): Llama-3-8B int4 2586 vs 2684; bf16 5544 vs 5545 and Llama-3.2-1B 1110 vs 1115; fp8 3599 vs 3469
 # (docs/quantization.md). On three H200s, bf16: 8B 4086 vs 4117, 4019 vs 4073; 1B 860 vs 859, 854 vs 867, 859 vs 883
 KINDS = ("int4", "float")
-# one row: the producer also stores the normed rows as the packed activations of its int4 consumers
-# (GemvRmsOut.packed), which read them instead of making them (gemv xpack=); False for the A/B
+# one row: the producer also stores the normed rows as the packed activations of its int4 consumers that
+# read packed rows (GemvRmsOut.packed; gemv xpack=) instead of a launch making them. In-model A/B (H200,
+# µs a batch-1 step): Llama-3-8B int4 2169 -> 2140. False for the A/B
 PACK = True
 PRODUCERS = ("matmul", "quant_linear")
 CONSUMERS = ("matmul", "matmul_silu_mul", "quant_linear", "quant_linear_silu_mul")

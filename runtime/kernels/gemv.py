@@ -36,8 +36,11 @@ rows, so the op is bound by the bytes of ``w`` and by how many of them are in fl
   magic-number nibble planes (:func:`_int4_k_loop`): no conversion instructions (1/8 of the FMA
   rate on Hopper) on the one-row paths. One int4 row takes integer dot products by default
   (``INT_DOT``, :func:`_int4_step_dp4a`: activations in 16-bit fixed point per group, four ``dp4a``
-  a word; faster on the H200 than the float loop); with ``xpack`` it reads those bytes made by
-  one launch before (:mod:`.int4_acts`) instead of making them. Launches: :func:`_pick_quant_config`,
+  a word; faster on the H200 than the float loop); with ``xpack`` it reads those bytes made
+  before (:mod:`.int4_acts`, or stored by the producer of a carried norm: :class:`GemvRmsOut`)
+  instead of making them. These loops are bound by their instructions: they read 16-bit
+  activations four to an int64 load (``X_WIDE``) and chain the ``dp4a`` of four words
+  (``benchmarks/loop_sass.py`` counts them). Launches: :func:`_pick_quant_config`,
   :func:`_pick_xpack_config`.
 * **PDL** (:mod:`.pdl`): on Hopper the kernel may launch while its predecessor finishes. A grid of
   more programs than SMs lets the next kernel launch only once its programs are past the K loop:
@@ -313,6 +316,9 @@ def _x_lanes(v, DT: tl.constexpr):
     """The four 16-bit floats (type ``DT``) of the int64 ``v``, lowest first, as float32."""
     lo = v.to(tl.int32)
     hi = (v >> 32).to(tl.int32)
+    if DT == tl.bfloat16:      # a bfloat16 is the top half of its float32: one shift or mask each
+        return ((lo << 16).to(tl.float32, bitcast=True), (lo & -65536).to(tl.float32, bitcast=True),
+                (hi << 16).to(tl.float32, bitcast=True), (hi & -65536).to(tl.float32, bitcast=True))
     return (lo.to(tl.int16).to(DT, bitcast=True).to(tl.float32),
             (lo >> 16).to(tl.int16).to(DT, bitcast=True).to(tl.float32),
             hi.to(tl.int16).to(DT, bitcast=True).to(tl.float32),
@@ -337,7 +343,8 @@ def _int4_row(x_ptr, q_ptr, s_ptr, z_ptr, rn, N, w_lo, w_hi, W_ROW, stride_sn, M
     shuffle and int->float conversions bound the tensor-core path at one row). ``q_ptr``: int32
     words of eight nibbles, ``W_ROW`` a row (word ``c`` holds ``k = 8c + i`` in bits ``4i..4i+3``).
     A step's math is :func:`_int4_step_dp4a` (``INT_DOT``: integer dot products) or
-    :func:`_int4_step_float` (float FMAs) into a ``[BLOCK_N, G, GROUP / 8]`` accumulator reduced
+    :func:`_int4_step_float` (float FMAs) into a ``[BLOCK_N, G, GROUP / 8]`` accumulator (a quarter
+    as wide with integer dots: :func:`_int4_dp4a_core` sums four words first) reduced
     once, at the end.
 
     The slice is walked ``G`` groups a step (``G * GROUP / 2`` contiguous bytes of each row: the
@@ -452,9 +459,14 @@ def _dp4a(a, b, c, SIGNED_B: tl.constexpr, EMULATE: tl.constexpr):
 
 
 @triton.jit
-def _bytes4(b0, b1, b2, b3):
-    """The low bytes of ``b0..b3`` as bytes 0..3 of one int32."""
-    return (b0 & 255) | ((b1 & 255) << 8) | ((b2 & 255) << 16) | (b3 << 24)
+def _byte_planes(q0, q2, q4, q6):
+    """``(high, low)``: bytes 1 and bytes 0 of the 16-bit fixed-point ``q0, q2, q4, q6`` (int32)
+    as bytes 0..3 of one int32 each — the signed high byte ``q >> 8`` and the low byte ``q & 255``
+    of ``q = 256 h + l`` are bytes 1 and 0 of its two's complement. (Four ``prmt`` instructions
+    make the same with fewer instructions in the loop; in the model it was no faster: H200, 8B int4
+    2102 vs 2104 µs a step.)"""
+    return (((q0 >> 8) & 255) | (((q2 >> 8) & 255) << 8) | (((q4 >> 8) & 255) << 16) | ((q6 >> 8) << 24),
+            (q0 & 255) | ((q2 & 255) << 8) | ((q4 & 255) << 16) | (q6 << 24))
 
 
 @triton.jit
@@ -464,10 +476,24 @@ def _max_nan(a, b):
 
 
 @triton.jit
-def _fixed16(x, inv):
-    """``round(x * inv)`` as an int32 for ``|x * inv| < 2^22``: added to ``1.5 * 2^23`` the float32's
-    low mantissa bits are the rounded integer (no conversion instruction)."""
-    return (x * inv + 12582912.0).to(tl.int32, bitcast=True) - 0x4B400000
+def _fixed16_bits(x, inv):
+    """``round(x * inv) + 0x4B400000`` as an int32 for ``|x * inv| < 2^15``: added to ``1.5 * 2^23``
+    the float32's low mantissa bits are the rounded integer (no conversion instruction). The
+    offset's low 16 bits are zero, so bytes 0 and 1 are those of the 16-bit integer, and eight of
+    these sum to the integers' sum plus ``0x5A000000`` (int32, wrapping): no subtraction per input."""
+    return (x * inv + 12582912.0).to(tl.int32, bitcast=True)
+
+
+@triton.jit
+def _fixed16_planes(x0, x1, x2, x3, x4, x5, x6, x7, inv):
+    """A word's eight inputs in 16-bit fixed point (``round(x * inv)``, ``|x * inv| <= 32767``) as
+    the integer-dot loop's bytes: ``(he, ho, le, lo, xs)``, the high (signed) and low bytes of the
+    even and of the odd inputs four to an int32, and the sum of the eight integers."""
+    r0, r1, r2, r3 = _fixed16_bits(x0, inv), _fixed16_bits(x1, inv), _fixed16_bits(x2, inv), _fixed16_bits(x3, inv)
+    r4, r5, r6, r7 = _fixed16_bits(x4, inv), _fixed16_bits(x5, inv), _fixed16_bits(x6, inv), _fixed16_bits(x7, inv)
+    he, le = _byte_planes(r0, r2, r4, r6)
+    ho, lo = _byte_planes(r1, r3, r5, r7)
+    return he, ho, le, lo, (r0 + r1 + r2 + r3) + (r4 + r5 + r6 + r7) - 0x5A000000
 
 
 @triton.jit
@@ -485,13 +511,12 @@ def _pack_store(out_ptr, W_X, c, x0, x1, x2, x3, x4, x5, x6, x7, amax, mask):
     made from their float32 inputs ``x0..x7`` (input ``8c + i``) and the groups' ``amax``
     (broadcast against ``c``): planes 0..4. Plane 5 (``amax / 32767``) is the caller's."""
     inv = tl.where(amax > 0, 32767.0 / tl.where(amax > 0, amax, 1.0), 0.0)   # (without a 1/0)
-    q0, q1, q2, q3 = _fixed16(x0, inv), _fixed16(x1, inv), _fixed16(x2, inv), _fixed16(x3, inv)
-    q4, q5, q6, q7 = _fixed16(x4, inv), _fixed16(x5, inv), _fixed16(x6, inv), _fixed16(x7, inv)
-    tl.store(out_ptr + c, _bytes4(q0 >> 8, q2 >> 8, q4 >> 8, q6 >> 8), mask=mask)
-    tl.store(out_ptr + W_X + c, _bytes4(q1 >> 8, q3 >> 8, q5 >> 8, q7 >> 8), mask=mask)
-    tl.store(out_ptr + 2 * W_X + c, _bytes4(q0, q2, q4, q6), mask=mask)
-    tl.store(out_ptr + 3 * W_X + c, _bytes4(q1, q3, q5, q7), mask=mask)
-    tl.store(out_ptr + 4 * W_X + c, q0 + q1 + q2 + q3 + q4 + q5 + q6 + q7, mask=mask)
+    he, ho, le, lo, xs = _fixed16_planes(x0, x1, x2, x3, x4, x5, x6, x7, inv)
+    tl.store(out_ptr + c, he, mask=mask)
+    tl.store(out_ptr + W_X + c, ho, mask=mask)
+    tl.store(out_ptr + 2 * W_X + c, le, mask=mask)
+    tl.store(out_ptr + 3 * W_X + c, lo, mask=mask)
+    tl.store(out_ptr + 4 * W_X + c, xs, mask=mask)
 
 
 @triton.jit
@@ -537,18 +562,8 @@ def _int4_step_dp4a(acc, w, sc, z, x0, x1, x2, x3, x4, x5, x6, x7, M0F, ZERO_POI
     """
     amax = _group_amax(x0, x1, x2, x3, x4, x5, x6, x7, 1)     # [G]; NaN if an input is not finite
     inv = tl.where(amax > 0, 32767.0 / amax, 0.0)[:, None]
-    q0 = _fixed16(x0, inv)
-    q1 = _fixed16(x1, inv)
-    q2 = _fixed16(x2, inv)
-    q3 = _fixed16(x3, inv)
-    q4 = _fixed16(x4, inv)
-    q5 = _fixed16(x5, inv)
-    q6 = _fixed16(x6, inv)
-    q7 = _fixed16(x7, inv)
-    xs = q0 + q1 + q2 + q3 + q4 + q5 + q6 + q7
-    return _int4_dp4a_core(acc, w, sc, z, _bytes4(q0 >> 8, q2 >> 8, q4 >> 8, q6 >> 8),
-                           _bytes4(q1 >> 8, q3 >> 8, q5 >> 8, q7 >> 8), _bytes4(q0, q2, q4, q6),
-                           _bytes4(q1, q3, q5, q7), xs, (amax * (1.0 / 32767.0))[None, :, None], M0F, ZERO_POINT,
+    he, ho, le, lo, xs = _fixed16_planes(x0, x1, x2, x3, x4, x5, x6, x7, inv)
+    return _int4_dp4a_core(acc, w, sc, z, he, ho, le, lo, xs, (amax * (1.0 / 32767.0))[None, :, None], M0F, ZERO_POINT,
                            EMULATE)
 
 
@@ -557,32 +572,62 @@ def _int4_dp4a_core(acc, w, sc, z, he, ho, le, lo, xs, a, M0F, ZERO_POINT: tl.co
     """The integer dot products of :func:`_int4_step_dp4a`: ``he``/``ho`` and ``le``/``lo`` the
     ``[G, C]`` high and low activation bytes of each word's even / odd inputs, ``xs`` their
     fixed-point sum, ``a`` the groups' fixed-point unit ``max|x_g| / 32767`` (broadcast against
-    ``[BLOCK_N, G, C]``). Four neighbouring words' integer sums are added before their one
-    conversion and multiply-add (each is below 2^23 in magnitude, so their sum converts with at most
-    2^-24 of its size lost): ``acc`` is ``[BLOCK_N, G, C / 4]``, a thread's four words being
-    neighbours in the compiled layout (no data moves between threads; the loop lost 5-7% of its
-    instructions)."""
+    ``[BLOCK_N, G, C]``).
+
+    Four neighbouring words (a quad, 32 inputs of one group) share one conversion and
+    multiply-add: the ``dp4a`` of their high bytes chain into one sum, those of their low bytes into
+    another (each ``dp4a`` takes the previous one as its addend), and ``256 · high + low`` is the
+    quad's integer dot product (below 2^24 in magnitude: exact in float32). ``acc`` is
+    ``[BLOCK_N, G, C / 4]``; a thread's four words are neighbours in the compiled layout, so the
+    quads' splits move no data (the loop: 22 instructions a word before, 16 after)."""
     we = w & M0F                    # nibbles 0, 2, 4, 6 (k = 8c, 8c+2, ...) as bytes
     wo = (w >> 4) & M0F             # nibbles 1, 3, 5, 7
-    v = _dp4a(we, he[None], tl.zeros_like(w), True, EMULATE)
-    v = _dp4a(wo, ho[None], v, True, EMULATE)
-    if ZERO_POINT:
-        v = v * 256
-    else:
-        v = v * 256 - 8 * xs[None]   # the symmetric zero point, joined where the high sums are scaled
-    v = _dp4a(we, le[None], v, False, EMULATE)
-    v = _dp4a(wo, lo[None], v, False, EMULATE)
+    e0, e1, e2, e3 = _quad3(we)
+    o0, o1, o2, o3 = _quad3(wo)
+    he0, he1, he2, he3 = _quad2(he)
+    ho0, ho1, ho2, ho3 = _quad2(ho)
+    le0, le1, le2, le3 = _quad2(le)
+    lo0, lo1, lo2, lo3 = _quad2(lo)
+    h = _dp4a_quad(e0, e1, e2, e3, he0, he1, he2, he3, tl.zeros_like(e0), True, EMULATE)
+    h = _dp4a_quad(o0, o1, o2, o3, ho0, ho1, ho2, ho3, h, True, EMULATE)
+    v = _dp4a_quad(e0, e1, e2, e3, le0, le1, le2, le3, h * 256, False, EMULATE)
+    v = _dp4a_quad(o0, o1, o2, o3, lo0, lo1, lo2, lo3, v, False, EMULATE)
+    x0, x1, x2, x3 = _quad2(xs)
+    xs4 = (x0 + x1) + (x2 + x3)     # [G, C / 4]: the quads' fixed-point sums
     sc = sc * a
-    BN: tl.constexpr = v.shape[0]
-    G: tl.constexpr = v.shape[1]
-    C4: tl.constexpr = v.shape[2] // 4
-    v = tl.sum(tl.reshape(v, [BN, G, C4, 4]), axis=3)
     if ZERO_POINT:
-        xs4 = tl.sum(tl.reshape(xs, [G, C4, 4]), axis=2)
         acc += (v.to(tl.float32) - z * xs4.to(tl.float32)[None]) * sc
     else:
-        acc += v.to(tl.float32) * sc
+        acc += (v - 8 * xs4[None]).to(tl.float32) * sc    # the symmetric zero point
     return acc
+
+
+@triton.jit
+def _dp4a_quad(w0, w1, w2, w3, x0, x1, x2, x3, acc, SIGNED: tl.constexpr, EMULATE: tl.constexpr):
+    """``acc + Σ_j dp4a(w_j, x_j)`` over a quad's four words (``x_j`` ``[G, C / 4]``, broadcast
+    over the rows of ``w_j``), each ``dp4a`` the next one's addend."""
+    acc = _dp4a(w0, x0[None], acc, SIGNED, EMULATE)
+    acc = _dp4a(w1, x1[None], acc, SIGNED, EMULATE)
+    acc = _dp4a(w2, x2[None], acc, SIGNED, EMULATE)
+    return _dp4a(w3, x3[None], acc, SIGNED, EMULATE)
+
+
+@triton.jit
+def _quad3(t):
+    """Words ``4j, 4j + 1, 4j + 2, 4j + 3`` of ``t [BLOCK_N, G, C]``, each ``[BLOCK_N, G, C / 4]``."""
+    a, b = tl.split(tl.reshape(t, [t.shape[0], t.shape[1], t.shape[2] // 4, 2, 2]))
+    t0, t2 = tl.split(a)
+    t1, t3 = tl.split(b)
+    return t0, t1, t2, t3
+
+
+@triton.jit
+def _quad2(t):
+    """Words ``4j .. 4j + 3`` of ``t [G, C]``, each ``[G, C / 4]``."""
+    a, b = tl.split(tl.reshape(t, [t.shape[0], t.shape[1] // 4, 2, 2]))
+    t0, t2 = tl.split(a)
+    t1, t3 = tl.split(b)
+    return t0, t1, t2, t3
 
 
 @triton.jit

@@ -101,7 +101,7 @@ def pack_int4_activations_reference(x: torch.Tensor, group: int, *, fused: bool 
         t = (xf.double() * inv.double()[:, None] + 12582912.0).float()
     else:
         t = xf * inv[:, None] + 12582912.0
-    y = t.view(torch.int32) - 0x4B400000                 # round half to even, as _fixed16
+    y = t.view(torch.int32) - 0x4B400000                 # round half to even, as gemv._fixed16_bits
     q = y.reshape(k // 8, 8).to(torch.int64)
 
     def bytes4(b0, b1, b2, b3):

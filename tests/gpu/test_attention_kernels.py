@@ -6,13 +6,11 @@ measured copy bandwidth, prefill TFLOP/s), using benchmarks/attention.py's helpe
 """
 from __future__ import annotations
 
-import importlib.util
-import pathlib
-
 import pytest
 import torch
 
 from graphdsl.opdef import get_op
+from tests.helpers import benchmarks
 
 pytestmark = pytest.mark.gpu
 
@@ -28,11 +26,7 @@ H, HK, D = 32, 8, 128
 
 
 def _bench_module():
-    path = pathlib.Path(__file__).resolve().parents[2] / "benchmarks" / "attention.py"
-    spec = importlib.util.spec_from_file_location("graphdsl_bench_attention", path)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    return benchmarks.load("attention")
 
 
 def _case(lens, news, dtype, block_size=16, seed=0):

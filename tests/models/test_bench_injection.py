@@ -1,22 +1,17 @@
 """benchmarks/injection.py end to end on a tiny Qwen2-MoE shape on the CPU: both runs load, decode,
 agree on greedy tokens, and the table prints; the benchmark's shape is the published one."""
-import importlib.util
 import math
-import pathlib
 import time
 
 import pytest
 
+from tests.helpers import benchmarks
 from tests.models.hf_tiny import make_config
 
 
 @pytest.fixture(scope="module")
 def bench():
-    path = pathlib.Path(__file__).resolve().parents[2] / "benchmarks" / "injection.py"
-    spec = importlib.util.spec_from_file_location("graphdsl_bench_injection_test", path)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    return benchmarks.load("injection")
 
 
 def _timer(fn):

@@ -1,6 +1,5 @@
 """benchmarks/llm.py (``graphdsl bench``): the shape table holds the published models, the byte and
 FLOP counts follow from it, and the whole measurement runs end to end on a tiny shape on the CPU."""
-import importlib.util
 import pathlib
 import time
 
@@ -9,17 +8,14 @@ import torch
 
 from graphdsl.models import build_config, resolve_model_class
 from graphdsl.entrypoints.cli import bench_script_path, build_parser
+from tests.helpers import benchmarks
 from tests.helpers.soak import TINY_LLAMA
 
 
 @pytest.fixture(scope="module")
 def bench():
-    path = pathlib.Path(__file__).resolve().parents[2] / "benchmarks" / "llm.py"
-    assert pathlib.Path(bench_script_path()) == path
-    spec = importlib.util.spec_from_file_location("graphdsl_bench_llm_test", path)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    assert pathlib.Path(bench_script_path()) == benchmarks.ROOT / "llm.py"
+    return benchmarks.load("llm")
 
 
 # total parameters as published on each model's card (embedding counted once when tied)
@@ -89,10 +85,7 @@ def test_runs_end_to_end_on_a_tiny_cpu_shape(bench):
 def test_decode_timeline_increments_add_up_to_the_critical_path():
     """benchmarks/decode_timeline.py: overlapping (PDL) kernels are charged only what they add past
     the latest end before them, so the increments sum to the last end minus the first."""
-    path = pathlib.Path(__file__).resolve().parents[2] / "benchmarks" / "decode_timeline.py"
-    spec = importlib.util.spec_from_file_location("graphdsl_bench_timeline_test", path)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
+    mod = benchmarks.load("decode_timeline")
     events = [{"name": "_gemv_kernel_0d1d(...)", "ts": 0.0, "dur": 10.0},
               {"name": "fused_kernel_abc", "ts": 2.0, "dur": 9.0},          # waits, ends 1 after the GEMV
               {"name": "_decode_kernel", "ts": 3.0, "dur": 5.0},            # ends inside: adds nothing

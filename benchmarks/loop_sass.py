@@ -1,0 +1,173 @@
+"""SASS instructions in the decode GEMV's K loop, compiled for a GPU architecture on any machine.
+
+A one-row GEMV loop near the memory roofline is bound by how many instructions it issues per
+weight byte, so this is the number to watch while changing it — and it needs no GPU: the script
+captures the launch :func:`graphdsl.runtime.kernels.gemv.gemv` would make for a projection of the
+Llama-3-8B shape (its arguments, specialisations and constexprs, with the SM count of an H100/H200),
+compiles that kernel with Triton for ``--arch`` (``ptxas`` and ``cuobjdump`` ship with Triton's
+NVIDIA backend), and counts the instructions between the loop's first instruction and its
+backward branch (the longest such loop in the kernel). Prints a table: instructions per K step
+and thread, weight bytes a thread reads per step, their ratio, the top opcodes.
+
+    python benchmarks/loop_sass.py [--arch 90] [--launch int4-qkv fp8-gate_up ...] [--no-x-wide]
+
+Timing still needs the device (``decode_ab.py``): ``docs/quantization.md`` "Fewer instructions in
+the one-row loops" lists changes that cut instructions and ones that did not make the model faster.
+"""
+from __future__ import annotations
+
+import argparse
+import collections
+import glob
+import os
+import re
+import subprocess
+import sys
+import tempfile
+
+import torch
+
+# (weight scheme, N, K, SwiGLU, packed activations): the Llama-3-8B projections' one-row launches
+LAUNCHES = {
+    "int4-qkv": ("int4-g128", 6144, 4096, False, False),
+    "int4-o": ("int4-g128", 4096, 4096, False, False),
+    "int4-gate_up": ("int4-g128", 28672, 4096, True, True),
+    "int4-down": ("int4-g128", 4096, 14336, False, False),
+    "fp8-qkv": ("fp8-channel", 6144, 4096, False, False),
+    "fp8-gate_up": ("fp8-channel", 28672, 4096, True, False),
+    "bf16-qkv": (None, 6144, 4096, False, False),
+}
+_SMS = 132
+
+
+def capture_launch(name: str, x_wide: bool = True):
+    """``(kernel, grid, args, kwargs)`` of the GEMV launch ``name`` (a key of ``LAUNCHES``), made
+    by ``gemv`` on CPU tensors with the kernel replaced by a recorder (nothing runs)."""
+    import graphdsl.runtime.kernels.gemv as G
+    from graphdsl.quant import parse_scheme
+    from graphdsl.runtime.kernels.int4_acts import pack_int4_activations_reference
+    scheme_name, n, k, silu, xpack = LAUNCHES[name]
+    scheme = parse_scheme(scheme_name) if scheme_name else None
+    x = torch.zeros(1, k, dtype=torch.bfloat16)
+    if scheme is None:
+        w, kw = torch.zeros(n, k, dtype=torch.bfloat16), {}
+    else:
+        stored = scheme.quantize(torch.zeros(n, k), torch.bfloat16)
+        w, kw = stored[0], dict(scheme=scheme, scales=stored[1], zeros=stored[2] if len(stored) > 2 else None)
+        if xpack:
+            kw["xpack"] = pack_int4_activations_reference(x[0], scheme.group_size)
+    seen = []
+
+    class _Recorder:
+        def __getitem__(self, grid):
+            return lambda *args, **kwargs: seen.append((grid, args, kwargs))
+
+    saved = G._gemv_kernel, G._num_sms, G._X_WIDE
+    G._gemv_kernel, G._num_sms, G._X_WIDE = _Recorder(), lambda device: _SMS, x_wide
+    try:
+        G.gemv(x, w, silu_mul=silu, **kw)
+    finally:
+        G._gemv_kernel, G._num_sms, G._X_WIDE = saved
+    (grid, args, kwargs), = seen
+    return G._gemv_kernel, grid, args, kwargs
+
+
+_DTYPES = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32", torch.int32: "i32",
+           torch.uint8: "u8", torch.int8: "i8", torch.int16: "i16", torch.float8_e4m3fn: "fp8e4nv"}
+
+
+def compile_launch(kernel, args, kwargs, arch: int):
+    """Compile ``kernel`` for ``sm_{arch}`` as Triton would specialise this launch: tensors as
+    pointers (16-byte aligned ones marked so), ints equal to 1 as constants, multiples of 16 marked."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+    options = {o: kwargs.pop(o) for o in ("num_warps", "num_stages", "launch_pdl") if o in kwargs}
+    names = [p.name for p in kernel.params]
+    values = dict(zip(names, args), **kwargs)
+    sig, constexprs, attrs = {}, {}, {}
+    for i, p in enumerate(kernel.params):
+        v = values.get(p.name, p.default)
+        if p.is_constexpr:
+            sig[p.name], constexprs[(i,)] = "constexpr", v
+        elif isinstance(v, torch.Tensor):
+            sig[p.name] = "*" + _DTYPES[v.dtype]
+            if v.data_ptr() % 16 == 0:
+                attrs[(i,)] = [["tt.divisibility", 16]]
+        elif isinstance(v, bool) or v is None:
+            sig[p.name], constexprs[(i,)] = "constexpr", v
+        elif isinstance(v, int):
+            if v == 1:
+                sig[p.name], constexprs[(i,)] = "constexpr", 1
+            else:
+                sig[p.name] = "i32" if -2 ** 31 <= v < 2 ** 31 else "i64"
+                if v % 16 == 0 and v != 0:
+                    attrs[(i,)] = [["tt.divisibility", 16]]
+        elif isinstance(v, float):
+            sig[p.name] = "fp32"
+        else:
+            raise TypeError(f"loop_sass: argument {p.name} of type {type(v).__name__} has no Triton signature")
+    src = ASTSource(fn=kernel, signature=sig, constexprs=constexprs, attrs=attrs)
+    return triton.compile(src, target=GPUTarget("cuda", arch, 32), options=options)
+
+
+def _cuobjdump() -> str:
+    import triton
+    found = glob.glob(os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump"))
+    if not found:
+        raise FileNotFoundError("loop_sass: Triton's NVIDIA backend has no cuobjdump next to its ptxas")
+    return found[0]
+
+
+def loop_instructions(cubin: bytes) -> tuple[int, collections.Counter]:
+    """``(count, opcodes)`` of the longest loop in the cubin's SASS: the instructions from a backward
+    branch's target to the branch."""
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(cubin)
+        f.flush()
+        text = subprocess.run([_cuobjdump(), "-sass", f.name], capture_output=True, text=True, check=True).stdout
+    lines = [(int(m.group(1), 16), m.group(2)) for m in re.finditer(r"/\*([0-9a-f]{4,})\*/\s+([^;]*);", text)]
+    best: list[str] = []
+    for addr, ins in lines:
+        m = re.search(r"BRA (0x[0-9a-f]+)", ins)
+        if m and int(m.group(1), 16) < addr:
+            body = [i for a, i in lines if int(m.group(1), 16) <= a <= addr]
+            best = body if len(body) > len(best) else best
+    ops = collections.Counter(re.sub(r"^@!?U?P\w+\s+", "", i).split()[0].split(".")[0] for i in best)
+    return len(best), ops
+
+
+def _step_bytes(name: str, kwargs: dict) -> int:
+    """Weight bytes a thread reads per K step of the launch."""
+    scheme_name = LAUNCHES[name][0]
+    bits = 16 if scheme_name is None else 4 if scheme_name.startswith("int4") else 8
+    threads = 32 * kwargs["num_warps"]
+    return kwargs["BLOCK_N"] * kwargs["BLOCK_K"] * bits // 8 // threads
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--arch", type=int, default=90, help="compute capability x10 (90: Hopper)")
+    ap.add_argument("--launch", nargs="+", default=[n for n in LAUNCHES if not n.startswith("bf16")],
+                    choices=sorted(LAUNCHES))
+    ap.add_argument("--no-x-wide", action="store_true", help="the activations read 16 bits at a time")
+    args = ap.parse_args(argv)
+    if os.environ.get("TRITON_INTERPRET") == "1":
+        print("loop_sass.py compiles the kernels for a GPU: unset TRITON_INTERPRET (the interpreter runs them "
+              "as Python instead)", file=sys.stderr)
+        return 2
+    print(f"## decode GEMV K loops, sm_{args.arch}, one row, Llama-3-8B projections\n")
+    print("| launch | BLOCK_N x BLOCK_K, split | instructions a step | weight bytes a thread | per byte | top opcodes |")
+    print("|---|---|---:|---:|---:|---|")
+    for name in args.launch:
+        kernel, grid, a, kw = capture_launch(name, x_wide=not args.no_x_wide)
+        shape = f"{kw['BLOCK_N']} x {kw['BLOCK_K']}, {grid[1]}"
+        nbytes = _step_bytes(name, kw)
+        count, ops = loop_instructions(compile_launch(kernel, a, dict(kw), args.arch).asm["cubin"])
+        top = ", ".join(f"{o} {c}" for o, c in ops.most_common(5))
+        print(f"| {name} | {shape} | {count} | {nbytes} | {count / nbytes:.2f} | {top} |", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

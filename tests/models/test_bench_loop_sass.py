@@ -1,0 +1,59 @@
+"""benchmarks/loop_sass.py: the decode GEMV's launch captured from ``gemv`` without running it, and
+its K loop compiled for Hopper and counted on a machine without a GPU."""
+import os
+import pathlib
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from tests.helpers import benchmarks
+
+
+@pytest.fixture(scope="module")
+def sass():
+    return benchmarks.load("loop_sass")
+
+
+def test_the_captured_launch_is_the_one_gemv_makes(sass):
+    """The int4 gate/up reads packed activations with SwiGLU; the qkv makes its bytes, reading its
+    activations as int64 words unless told not to. Nothing is launched and the kernel is restored."""
+    import graphdsl.runtime.kernels.gemv as G
+    kernel = G._gemv_kernel
+    _, grid, args, kw = sass.capture_launch("int4-gate_up")
+    assert kw["XPACK"] and kw["SWIGLU"] and kw["ONE_ROW"] and kw["WKIND"] == G.W_INT4
+    assert args[0].dtype == torch.int32 and tuple(args[0].shape) == (6, 4096 // 8)   # the packed planes
+    _, _, _, kw = sass.capture_launch("int4-qkv")
+    assert not kw["XPACK"] and kw["X_WIDE"] and kw["BLOCK_N"] == 256
+    assert not sass.capture_launch("int4-qkv", x_wide=False)[3]["X_WIDE"]
+    assert G._gemv_kernel is kernel and G._num_sms(torch.device("cpu")) == 4
+
+
+def test_the_int4_loop_is_counted_for_hopper(sass):
+    """Compiled for sm_90 with Triton's own ptxas (in a process of its own: a test run may have put
+    Triton in interpreter mode): the int4 loop of integer dot products (``IDP``, four per word of
+    eight weights) is found and counted."""
+    try:
+        sass._cuobjdump()
+    except FileNotFoundError:
+        pytest.skip("this Triton has no NVIDIA backend binaries")
+    root = pathlib.Path(__file__).resolve().parents[2]
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    run = subprocess.run([sys.executable, str(root / "benchmarks" / "loop_sass.py"), "--launch", "int4-qkv"],
+                         capture_output=True, text=True, env=env, cwd=root, timeout=300)
+    assert run.returncode == 0, run.stderr[-2000:]
+    row = [line for line in run.stdout.splitlines() if line.startswith("| int4-qkv")][0]
+    cells = [c.strip() for c in row.strip("|").split("|")]
+    count, nbytes = int(cells[2]), int(cells[3])
+    assert nbytes == 256 * 128 // 2 // 128                 # 256 rows x 128 int4 inputs over 128 threads
+    idp = int(cells[5].split("IDP ")[1].split(",")[0])
+    assert idp == nbytes                                   # four dp4a a 4-byte word of eight weights
+    assert idp < count < 8 * idp
+
+
+def test_interpreter_mode_is_refused_with_a_reason():
+    root = pathlib.Path(__file__).resolve().parents[2]
+    run = subprocess.run([sys.executable, str(root / "benchmarks" / "loop_sass.py")], capture_output=True, text=True,
+                         env=dict(os.environ, TRITON_INTERPRET="1"), cwd=root, timeout=120)
+    assert run.returncode == 2 and "unset TRITON_INTERPRET" in run.stderr
