@@ -577,9 +577,14 @@ def _int4_dp4a_core(acc, w, sc, z, he, ho, le, lo, xs, a, M0F, ZERO_POINT: tl.co
     Four neighbouring words (a quad, 32 inputs of one group) share one conversion and
     multiply-add: the ``dp4a`` of their high bytes chain into one sum, those of their low bytes into
     another (each ``dp4a`` takes the previous one as its addend), and ``256 · high + low`` is the
-    quad's integer dot product (below 2^24 in magnitude: exact in float32). ``acc`` is
-    ``[BLOCK_N, G, C / 4]``; a thread's four words are neighbours in the compiled layout, so the
-    quads' splits move no data (the loop: 22 instructions a word before, 16 after)."""
+    quad's integer dot product: below 2^24 in magnitude (``|q| <= 15``, 32 inputs of ``|xq| <=
+    32767``; with the symmetric zero point taken off, ``|q - 8| <= 8``), so exact in float32.
+    ``acc`` is ``[BLOCK_N, G, C / 4]``. A thread's four words are neighbours in the compiled
+    layout, so the weights' splits move no data; in the loop that makes its activation bytes the
+    compiler moves the bytes' quads through shared memory (a few barriers a step) and still issues
+    fewer instructions — 456 a step for the 8B qkv launch, against 640 before the chain, the
+    raw-bit bytes (:func:`_fixed16_bits`) and the bfloat16 lane split (:func:`_x_lanes`) — and
+    measured faster (docs/quantization.md, ``benchmarks/loop_sass.py``)."""
     we = w & M0F                    # nibbles 0, 2, 4, 6 (k = 8c, 8c+2, ...) as bytes
     wo = (w >> 4) & M0F             # nibbles 1, 3, 5, 7
     e0, e1, e2, e3 = _quad3(we)
