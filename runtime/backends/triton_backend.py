@@ -636,8 +636,7 @@ def xpack_pays(silu: bool, codes: torch.Tensor) -> bool:
     return silu and _XPACK_GATE_UP and codes.numel() * 2 >= _XPACK_MIN_WEIGHTS      # two int4 codes a byte
 
 
-def _int4_xpack(be: TritonBackend, x: torch.Tensor, codes: torch.Tensor, scheme,
-                perm: torch.Tensor | None = None) -> torch.Tensor | None:
+def _int4_xpack(be: TritonBackend, x: torch.Tensor, scheme, perm: torch.Tensor | None = None) -> torch.Tensor | None:
     """One int4 row's activations packed for the GEMV's integer-dot loop (:mod:`..kernels.int4_acts`)
     by a launch into the backend's buffer for its K, or None where the one-row loop does not apply.
     ``perm`` (act-order): the bytes of ``x[:, perm]``, gathered as they are read."""
@@ -700,7 +699,7 @@ def _quant_linear(be: TritonBackend, node, ins, attrs, dsts):
         if xpack_pays(silu, stored[0]):            # the bytes stored by the producer, else made by a launch
             xpack = be.norms.xpack(node, scheme) if rows is None else None
             if xpack is None:
-                xpack = _int4_xpack(be, x2, stored[0], scheme, perm)
+                xpack = _int4_xpack(be, x2, scheme, perm)
         gemv(x2, stored[0], add2, silu_mul=silu, out=out2, workspace=be.gemv_workspace, scheme=scheme,
              scales=stored[1], zeros=stored[2] if len(stored) > 2 else None, xpack=xpack,
              rms_in=be.norms.rms_in(node), perm=perm if xpack is None else None)

@@ -39,8 +39,8 @@ def _spy(monkeypatch):
         seen["perm"] += k.get("perm") is not None
         return gemv(*a, **k)
 
-    def spy_pack(be, x, codes, scheme, perm=None):
-        out = pack(be, x, codes, scheme, perm)
+    def spy_pack(be, x, scheme, perm=None):
+        out = pack(be, x, scheme, perm)
         seen["packed"] += out is not None and perm is not None
         return out
 

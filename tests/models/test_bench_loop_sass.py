@@ -57,3 +57,22 @@ def test_interpreter_mode_is_refused_with_a_reason():
     run = subprocess.run([sys.executable, str(root / "benchmarks" / "loop_sass.py")], capture_output=True, text=True,
                          env=dict(os.environ, TRITON_INTERPRET="1"), cwd=root, timeout=120)
     assert run.returncode == 2 and "unset TRITON_INTERPRET" in run.stderr
+
+
+def test_an_argument_with_no_triton_type_is_named():
+    """(In a process of its own, out of interpreter mode, as the compile needs.)"""
+    root = pathlib.Path(__file__).resolve().parents[2]
+    code = ("import sys; sys.path.insert(0, 'benchmarks'); import loop_sass as s\n"
+            "kernel, _, args, kw = s.capture_launch('int4-qkv')\n"
+            "args = list(args); args[[p.name for p in kernel.params].index('M')] = [1, 2]\n"
+            "s.compile_launch(kernel, args, dict(kw), 90)\n")
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, cwd=root, timeout=120)
+    assert run.returncode != 0
+    assert "TypeError: loop_sass: argument M of type list has no Triton signature" in run.stderr
+
+
+def test_a_triton_without_its_nvidia_binaries_is_named(sass, monkeypatch):
+    monkeypatch.setattr(sass.glob, "glob", lambda pattern: [])
+    with pytest.raises(FileNotFoundError, match="Triton's NVIDIA backend has no cuobjdump next to its ptxas"):
+        sass._cuobjdump()
