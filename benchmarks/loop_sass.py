@@ -35,6 +35,9 @@ LAUNCHES = {
     "int4-down": ("int4-g128", 4096, 14336, False, False),
     "fp8-qkv": ("fp8-channel", 6144, 4096, False, False),
     "fp8-gate_up": ("fp8-channel", 28672, 4096, True, False),
+    "fp8a8-qkv": ("fp8-channel-dyn", 6144, 4096, False, False),
+    "fp8a8-gate_up": ("fp8-channel-dyn", 28672, 4096, True, False),
+    "fp8a8-down": ("fp8-channel-dyn", 4096, 14336, False, False),
     "bf16-qkv": (None, 6144, 4096, False, False),
 }
 _SMS = 132

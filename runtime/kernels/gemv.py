@@ -93,7 +93,7 @@ _SPLIT_BELOW = 4           # split K when the tiles cover less than 1/_SPLIT_BEL
 _MIN_SPLIT_STEPS = 8       # ... into slices of at least this many K steps
 _DTYPES = (torch.float16, torch.bfloat16)
 # weight kinds (``WKIND``): plain fp16/bf16, then the weight-only schemes of graphdsl.quant
-W_FLOAT, W_INT8, W_INT4, W_INT4_ZP, W_FP8 = 0, 1, 2, 3, 4
+W_FLOAT, W_INT8, W_INT4, W_INT4_ZP, W_FP8, W_FP8_A8 = 0, 1, 2, 3, 4, 5
 # quantized tiles (benchmarks/quant.py --sweep, H200, weights from HBM): see _pick_quant_config
 _QUANT_BLOCK_N = 64
 _QUANT_STAGES = 4
@@ -113,6 +113,10 @@ _PREFETCH_STEPS = 2
 _PREFETCH_STEPS_QUANT = {W_INT4: 2, W_INT4_ZP: 2, W_FP8: 1}
 # a carried RMSNorm (GemvRmsIn / GemvRmsOut): its partials and residual read before the K loop, not after
 _RMS_EARLY = True
+# fp8 with dynamic activation scales (W8A8) through this GEMV (W_FP8_A8) rather than quant_linear's
+# dequantize-in-GEMM kernel (False: the A/B); _pick_a8_config's pipeline depth for 256-code K steps
+_A8_GEMV = True
+_A8_STAGES = 6
 
 
 @triton.jit
@@ -743,6 +747,37 @@ def _int4_k_loop(acc, x_rows, q_ptr, s_ptr, z_ptr, rn, n_ok, m_ok, k_lo, k_hi, K
 
 
 @triton.jit
+def _a8_row_scales(x_ptr, rm, M, K, stride_xm, KP: tl.constexpr):
+    """W8A8 (``W_FP8_A8``): the ``[BLOCK_M]`` per-row activation scales ``s = max(max_k |x[m, k]| / 448,
+    1e-12)`` and their reciprocals, as :func:`graphdsl.quant.quantize_fp8_rows` makes them (rows past
+    ``M``: ``1e-12``). One ``[KP]`` load a row (``KP``: ``K`` padded to a power of two), before the K
+    loop."""
+    kk = tl.arange(0, KP)
+    amax = tl.zeros(rm.shape, tl.float32)
+    for m in range(0, M):
+        v = tl.load(x_ptr + m * stride_xm + kk, mask=kk < K, other=0.0).to(tl.float32)
+        amax = tl.where(rm == m, tl.max(tl.abs(v), axis=0), amax)
+    s = tl.maximum(tl.math.div_rn(amax, tl.full(rm.shape, 448.0, tl.float32)), 1e-12)
+    return s, tl.math.div_rn(tl.full(rm.shape, 1.0, tl.float32), s)
+
+
+@triton.jit
+def _to_e4m3(v, EMULATE: tl.constexpr):
+    """``v`` (float32, ``|v| <= 448``) rounded to float8 e4m3 (to nearest, ties to even). The CPU
+    interpreter's own cast drops the carry when rounding up crosses a power of two, so there it is
+    rounded in float32 first: the 3-bit mantissa by adding half an ulp (plus the tie bit) to the raw
+    bits, the subnormals (``|v| < 2^-6``, steps of ``2^-9``) by adding and subtracting ``2^14``."""
+    if EMULATE:
+        bits = v.to(tl.int32, bitcast=True)
+        r = ((bits + 0x7FFFF + ((bits >> 20) & 1)) & -1048576).to(tl.float32, bitcast=True)
+        sub = tl.abs(v) < 0.015625
+        t = (tl.abs(v) + 16384.0) - 16384.0
+        t = tl.where(bits < 0, -t, t)                 # the sign kept, -0 included
+        v = tl.where(sub, t, r)
+    return v.to(tl.float8e4nv)
+
+
+@triton.jit
 def _gemv_kernel(
     x_ptr,          # [M, K] rows, last dim contiguous
     w_ptr,          # [N, K] weight, row-major contiguous (HF [out, in] layout); quantized: the codes
@@ -757,7 +792,7 @@ def _gemv_kernel(
     N2, W_ROW, K_SPLIT_W,        # one-row loops: weight rows, int32 words a row (K / 8 int4, K / 4 fp8), a slice
     stride_xm, stride_am, stride_om, stride_sn,
     M12, M16, M0F,               # 0xF000, 0xF0000: the int4 row loop's nibble masks (_f12, _f16); 0x0F0F0F0F
-    WKIND: tl.constexpr,         # W_FLOAT, W_INT8, W_INT4, W_INT4_ZP or W_FP8 (module constants)
+    WKIND: tl.constexpr,         # W_FLOAT, W_INT8, W_INT4, W_INT4_ZP, W_FP8 or W_FP8_A8 (module constants)
     GROUP: tl.constexpr,         # int4: inputs per scale (a divisor or a multiple of BLOCK_K)
     ONE_ROW: tl.constexpr,       # M == 1, int4 (BLOCK_K a multiple of GROUP, EVEN_K) or fp8 (EVEN_K): the CUDA-core
                                  # loops (_int4_row, _fp8_row_loop) over int32 words of W_ROW a row
@@ -795,6 +830,7 @@ def _gemv_kernel(
     pack_ptr=None,                      # PACK: int32 [6, N / 8], the next int4 GEMV's packed activations
     PACK: tl.constexpr = False,         # RMS_OUT, one row: also store row 0's y·weight packed (_pack_tile)
     PACK_GROUP: tl.constexpr = 128,     # PACK: the int4 group of the GEMV that reads it
+    A8_KP: tl.constexpr = 16,           # W_FP8_A8: K padded to a power of two (the row-scale pass's width)
 ):
     """out[m, n] = sum_k x[m, k] * w[n, k] (+ add[m, n]), float32 accumulation. With ``SWIGLU`` the
     tile's rows are the gate and up rows of ``BLOCK_N / 2`` output columns, interleaved (row ``2i``
@@ -822,7 +858,7 @@ def _gemv_kernel(
     if PREFETCH > 0 and USE_PDL:       # the slab's first lines into L2 while the previous kernel ends
         if ONE_ROW:
             prefetch_l2(w_ptr + tl.minimum(rn, N2 - 1).to(tl.int64)[:, None] * W_ROW, w_lo, w_hi, PREFETCH, 32)
-        elif WKIND == 0:
+        elif WKIND == 0 or WKIND == 5:
             prefetch_l2(w_ptr + tl.minimum(rn, N2 - 1).to(tl.int64)[:, None] * K, k_lo, k_hi, PREFETCH,
                          1024 // w_ptr.dtype.element_ty.primitive_bitwidth)
     if RMS_OUT:                        # the norm weight: no kernel of a step writes it
@@ -839,6 +875,8 @@ def _gemv_kernel(
                            other=0.0)
     else:
         add_tile = 0.0
+    if WKIND == 5:                     # W8A8: each row's activation scale, from all of its K inputs
+        a8_s, a8_inv = _a8_row_scales(x_ptr, rm, M, K, stride_xm, A8_KP)
     if INT4 and ONE_ROW:
         row = _int4_row(x_ptr, w_ptr, s_ptr, z_ptr, rn, N2, w_lo, w_hi, W_ROW, stride_sn,
                         M12, M16, M0F, BLOCK_N, WKIND == 3, GROUP, BLOCK_K // GROUP, INT_DOT, EMULATE, XPACK,
@@ -860,12 +898,21 @@ def _gemv_kernel(
                 a = tl.load(x_rows + kk[None, :], mask=m_ok[:, None], other=0.0)
             else:
                 w_ok = n_ok[:, None] & (kk < K)[None, :]
-                if WKIND == 4:      # fp8 has no literal zero for ``other``: zero masked lanes after the cast
+                if WKIND == 5:      # (read as bytes: masked lanes 0, a float8 zero)
+                    w = tl.load(w_rows + kk[None, :], mask=w_ok, other=0)
+                elif WKIND == 4:      # fp8 has no literal zero for ``other``: zero masked lanes after the cast
                     w = tl.where(w_ok, tl.load(w_rows + kk[None, :], mask=w_ok).to(tl.float32), 0.0)
                 else:
                     w = tl.load(w_rows + kk[None, :], mask=w_ok, other=0.0)
                 a = tl.load(x_rows + kk[None, :], mask=m_ok[:, None] & (kk < K)[None, :], other=0.0)
-            if DOT_F32:
+            if WKIND == 5:      # W8A8: the rows quantized as quantize_fp8_rows does, then e4m3 tensor cores
+                w = w.to(tl.float8e4nv, bitcast=True)            # (the codes come as bytes: w_ptr is uint8)
+                aq = _to_e4m3(a.to(tl.float32) * a8_inv[:, None], EMULATE)
+                if EMULATE:
+                    acc += tl.dot(w.to(tl.float32), tl.trans(aq.to(tl.float32)))
+                else:
+                    acc += tl.dot(w, tl.trans(aq))
+            elif DOT_F32:
                 acc += tl.dot(w.to(tl.float32), tl.trans(a.to(tl.float32)))
             else:
                 acc += tl.dot(w.to(a.dtype), tl.trans(a))     # int8 / fp8 e4m3 codes are exact in fp16/bf16
@@ -887,16 +934,20 @@ def _gemv_kernel(
         if arrive(lock_ptr, pid_n, SPLIT_K):
             acc = sum_partials(slab, pid_n, n_tiles, SPLIT_K, BLOCK_N, BLOCK_M, ONE_PART_ROW, rm)
             depart(lock_ptr, pid_n)
-            if WKIND == 1 or WKIND == 4:
+            if WKIND == 1 or WKIND == 4 or WKIND == 5:
                 acc = acc * tl.load(s_ptr + rn.to(tl.int64) * stride_sn, mask=n_ok, other=0.0).to(tl.float32)[:, None]
+            if WKIND == 5:
+                acc = acc * a8_s[None, :]
             _finish(acc, add_ptr, out_ptr, pid_n, rm, m_ok, N, stride_am, stride_om, HAS_ADD, SWIGLU, BLOCK_N,
                     BLOCK_M, lora_p_ptr, lora_b_ptr, lora_idx_ptr, M, LORA_S, LORA_R, LORA_SPLITS, HAS_LORA,
                     LORA_BLOCK_R, LORA_BLOCK_SPLITS, rms_g, rms_scaled_ptr, rms_part_ptr, RMS_CHUNKS, RMS_OUT,
                     rin_part, rin_ptr, RIN_CHUNKS, rin_inv_n, rin_eps, RMS_IN, RIN_BLOCK,
                     add_tile, RMS_EARLY, pack_ptr, PACK, PACK_GROUP)
     else:
-        if WKIND == 1 or WKIND == 4:
+        if WKIND == 1 or WKIND == 4 or WKIND == 5:
             acc = acc * tl.load(s_ptr + rn.to(tl.int64) * stride_sn, mask=n_ok, other=0.0).to(tl.float32)[:, None]
+        if WKIND == 5:
+            acc = acc * a8_s[None, :]
         _finish(acc, add_ptr, out_ptr, pid_n, rm, m_ok, N, stride_am, stride_om, HAS_ADD, SWIGLU, BLOCK_N, BLOCK_M,
                 lora_p_ptr, lora_b_ptr, lora_idx_ptr, M, LORA_S, LORA_R, LORA_SPLITS, HAS_LORA, LORA_BLOCK_R,
                 LORA_BLOCK_SPLITS, rms_g, rms_scaled_ptr, rms_part_ptr, RMS_CHUNKS, RMS_OUT,
@@ -908,8 +959,8 @@ def _prefetch_lines(kind: int, one_row: bool, block_k: int, k_split: int) -> int
     """128-byte lines a weight row that :func:`.pdl.prefetch_l2` asks for: the first ``_PREFETCH_STEPS``
     (the quantized one-row loops: ``_PREFETCH_STEPS_QUANT[kind]``) K steps of the slice, rounded up
     to a power of two (0: no prefetch; the other quantized paths take none)."""
-    if kind == W_FLOAT:
-        steps, bits = _PREFETCH_STEPS, 16
+    if kind in (W_FLOAT, W_FP8_A8):
+        steps, bits = _PREFETCH_STEPS, 16 if kind == W_FLOAT else 8
     elif one_row:
         steps, bits = _PREFETCH_STEPS_QUANT.get(kind, 0), 4 if kind in (W_INT4, W_INT4_ZP) else 8
     else:
@@ -978,6 +1029,23 @@ def _pick_config(m: int, n: int, k: int, device: torch.device) -> dict:
         if split > 1 and block_k > 128:  # split slices stream in 128-wide steps (1B down: 10.9 vs 11.4 µs)
             block_k = 128
     return dict(BLOCK_N=block_n, BLOCK_K=block_k, SPLIT_K=split, num_warps=4, num_stages=_STAGES)
+
+
+def _pick_a8_config(m: int, n: int, k: int, device: torch.device) -> dict:
+    """The launch for W8A8 fp8 (``W_FP8_A8``), from an H200 sweep of the Llama-3-8B projections (one
+    row, CUDA-graph replay, weights from HBM; ``probe``-style, see docs/quantization.md): 64-column
+    tiles; 256-code K steps six stages deep while the tiles fit one wave (qkv 10.55 µs; 512-code steps
+    at four stages 10.96), 128-code steps four deep beyond (gate_up 34.9 µs; five stages 36.1); K split
+    in two when the tiles cover at most half the SMs (o 8.2 µs against 9.4 unsplit with 512-code
+    steps, down 20.4 against 25.4)."""
+    sms = _num_sms(device)
+    block_n = 64
+    tiles = triton.cdiv(n, block_n)
+    block_k = 128 if tiles > sms else 256
+    block_k = max(32, min(block_k, _pow2(k)))
+    split = 2 if tiles <= sms // 2 and k // (2 * block_k) >= 2 else 1
+    return dict(BLOCK_N=block_n, BLOCK_K=block_k, SPLIT_K=split, num_warps=4,
+                num_stages=_A8_STAGES if block_k >= 256 else 4)
 
 
 def _pick_quant_config(m: int, n: int, k: int, wkind: int, group: int, device: torch.device) -> dict:
@@ -1057,9 +1125,10 @@ def _pick_xpack_config(n: int, k: int, group: int, device: torch.device) -> dict
 
 
 def weight_kind(scheme) -> int | None:
-    """``WKIND`` of a :mod:`graphdsl.quant` scheme the GEMV dequantizes (``None``: it cannot: fp8
-    with dynamic activation scales, int4 groups under 64 inputs — a nibble plane of a group must
-    give ``tl.dot`` 16 inputs —, foreign block formats; ``quant_linear``'s kernel takes those)."""
+    """``WKIND`` of a :mod:`graphdsl.quant` scheme the GEMV runs (``None``: it cannot: int4 groups
+    under 64 inputs — a nibble plane of a group must give ``tl.dot`` 16 inputs —, foreign block
+    formats; ``quant_linear``'s kernel takes those). fp8 with dynamic activation scales is
+    ``W_FP8_A8``: the rows are quantized in the kernel and multiply the codes on e4m3 tensor cores."""
     from graphdsl.quant import Fp8Scheme, IntScheme
     if scheme is None:
         return W_FLOAT
@@ -1069,8 +1138,8 @@ def weight_kind(scheme) -> int | None:
         if scheme.bits == 4 and scheme.group_size is not None and scheme.group_size % 64 == 0:
             return W_INT4_ZP if scheme.zero_point else W_INT4
         return None
-    if isinstance(scheme, Fp8Scheme) and not scheme.dynamic_activations:
-        return W_FP8
+    if isinstance(scheme, Fp8Scheme):
+        return (W_FP8_A8 if _A8_GEMV else None) if scheme.dynamic_activations else W_FP8
     return None
 
 
@@ -1319,6 +1388,7 @@ def gemv(x: torch.Tensor, w: torch.Tensor, add: torch.Tensor | None = None, *, s
         _check_xpack(xpack, m, k, kind, group)
         config = config or _pick_xpack_config(n, k, group, x.device)
     cfg = dict(config or (_pick_config(m, n, k, x.device) if kind == W_FLOAT
+                          else _pick_a8_config(m, n, k, x.device) if kind == W_FP8_A8
                           else _pick_quant_config(m, n, k, kind, group, x.device)))
     if config and (set(cfg) - _CONFIG_KEYS or {"BLOCK_N", "BLOCK_K", "SPLIT_K"} - set(cfg)):   # a caller's
         raise GraphDSLError(f"gemv: config takes BLOCK_N, BLOCK_K, SPLIT_K and optionally "
@@ -1345,6 +1415,8 @@ def gemv(x: torch.Tensor, w: torch.Tensor, add: torch.Tensor | None = None, *, s
     if xpack is not None and not (one_row and cfg.get("INT_DOT")):
         raise GraphDSLError(f"gemv: xpack needs the one-row integer-dot loop (BLOCK_K a multiple of the group "
                             f"{group} dividing K = {k}, INT_DOT), got the launch {dict(cfg, BLOCK_K=block_k)}")
+    if kind == W_FP8_A8:
+        w = w.view(torch.uint8)                                  # masked loads' 0 is a float8 zero
     per_word = 4 if kind == W_FP8 else 8                          # codes an int32 word holds (one-row loops)
     if lora is not None:
         _check_lora(lora, m, n, x.dtype)
@@ -1364,6 +1436,7 @@ def gemv(x: torch.Tensor, w: torch.Tensor, add: torch.Tensor | None = None, *, s
         PREFETCH=0 if interpret else _prefetch_lines(kind, one_row, block_k, k_split), XPACK=xpack is not None,
         perm_ptr=perm if perm is not None else out, PERM=perm is not None,
         X_WIDE=_X_WIDE and xpack is None and perm is None and x.stride(-1) == 1 and x.data_ptr() % 8 == 0,
+        A8_KP=_pow2(k) if kind == W_FP8_A8 else 16,
         **pdl_launch(x.device),
         **_lora_args(lora, out), **_rms_args(rms_out, rms_in, m, cols, k, block_n, silu_mul, out), **cfg)
     return out

@@ -1,9 +1,13 @@
 """Small-M GEMV (split-K, bias/residual epilogue) vs torch (under the CPU interpreter here, compiled on a GPU)."""
+import os
+
 import pytest
 import torch
+import triton
+import triton.language as tl
 
 from graphdsl import GraphDSLError
-from graphdsl.runtime.kernels.gemv import GemvWorkspace, _pick_config, gemv
+from graphdsl.runtime.kernels.gemv import GemvWorkspace, _pick_config, _to_e4m3, gemv
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 
@@ -344,3 +348,80 @@ def test_act_order_perm_is_checked():
     w = torch.randn(16, 128).to(DEV, torch.bfloat16)
     with pytest.raises(GraphDSLError, match=r"gemv: perm is for int4 weights"):
         gemv(x, w, perm=torch.arange(128, dtype=torch.int32, device=DEV))
+
+
+# -- fp8 with dynamic activation scales (W8A8): rows quantized in the kernel, e4m3 tensor cores ------
+@pytest.mark.parametrize("name", ["fp8-channel-dyn", "fp8-tensor-dyn"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("m,n,k,split,block_k,epilogue", [(1, 40, 256, 1, 64, None), (3, 40, 256, 2, 64, "residual"),
+                                                          (16, 48, 256, 1, 128, "silu_mul"), (2, 33, 200, 3, 32, None)])
+def test_w8a8_quantizes_each_row_as_the_scheme_and_multiplies_exactly(name, dtype, m, n, k, split, block_k, epilogue):
+    """``W_FP8_A8``: each row is quantized in the kernel as :func:`graphdsl.quant.quantize_fp8_rows`
+    quantizes it (its scale from the whole row, across every K slice; times the reciprocal; e4m3
+    rounding), and the e4m3 products are exact in float32 — so the result is the float64 product of
+    the reference's quantized rows and the codes, to float32 sums and the output's rounding. The
+    rows span five decades (codes down to the subnormals); with several rows one is all zeros (scale
+    1e-12, output the residual alone); K = 200 and N = 33 leave masked lanes, which must read as 0."""
+    from graphdsl.quant import parse_scheme, quantize_fp8_rows
+    s = parse_scheme(name)
+    gen = torch.Generator().manual_seed(m * 100 + k)
+    q, sw = s.quantize(torch.randn(n, k, generator=gen) * 0.05)
+    x = (torch.randn(m, k, generator=gen) * torch.logspace(-3, 2, k)[torch.randperm(k, generator=gen)]).to(dtype)
+    if m > 1:
+        x[1] = 0.0
+    add = torch.randn(m, n, generator=gen).to(dtype) if epilogue == "residual" else None
+    xq, sx = quantize_fp8_rows(x)
+    prod = (xq.double() @ q.double().T) * sx.double() * sw.double().reshape(1, -1)
+    eps = 2 ** -7 if dtype == torch.bfloat16 else 2 ** -10
+    cols = n // 2 if epilogue == "silu_mul" else n
+    if epilogue == "silu_mul":
+        g, u = prod[:, :cols].to(dtype).double(), prod[:, cols:].to(dtype).double()
+        want = torch.nn.functional.silu(g).to(dtype).double() * u
+    else:
+        want = prod + (0 if add is None else add.double())
+    out = torch.full((m, cols), float("nan"), dtype=dtype, device=DEV)
+    cfg = dict(BLOCK_N=16, BLOCK_K=block_k, SPLIT_K=split, num_warps=4, num_stages=2)
+    gemv(x.to(DEV), q.to(DEV), None if add is None else add.to(DEV), silu_mul=epilogue == "silu_mul", out=out,
+         config=cfg, workspace=GemvWorkspace(), scheme=s, scales=sw.to(DEV))
+    got = out.double().cpu()
+    assert torch.isfinite(got).all()
+    # SwiGLU: g and u may each round the other way from a float32 sum in another order, then silu(g)
+    torch.testing.assert_close(got, want, rtol=(5 if epilogue == "silu_mul" else 3) * eps,
+                               atol=1e-5 * want.abs().max().item())
+    if m > 1 and epilogue != "silu_mul":
+        assert torch.equal(got[1], (torch.zeros(n, dtype=torch.float64) if add is None else add[1].double()))
+
+
+@triton.jit
+def _cast_e4m3(v_ptr, o_ptr, n, EMULATE: tl.constexpr, BLOCK: tl.constexpr):
+    i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    tl.store(o_ptr + i, _to_e4m3(tl.load(v_ptr + i, mask=i < n, other=0.0), EMULATE), mask=i < n)
+
+
+def test_e4m3_rounding_matches_torch_on_every_boundary():
+    """The kernel's cast to e4m3 (the interpreter's: rounded in float32 first) against torch's: each
+    code's value, the midpoints between neighbouring codes (ties to even) and a float32 ulp either
+    side of them, across the subnormals, the normal binades and up to 448, both signs."""
+    codes = torch.arange(0, 0x7F, dtype=torch.int32).to(torch.uint8).view(torch.float8_e4m3fn).float()  # 0 .. 448
+    mids = (codes[1:] + codes[:-1]) / 2
+    ulp = lambda t, d: (t.view(torch.int32) + d).view(torch.float32)  # noqa: E731
+    v = torch.cat([codes, mids, ulp(mids, 1), ulp(mids, -1), torch.rand(4096, generator=torch.Generator().manual_seed(0)) * 448])
+    v = torch.cat([v, -v]).contiguous()
+    out = torch.empty(v.numel(), dtype=torch.float8_e4m3fn, device=DEV)
+    _cast_e4m3[(triton.cdiv(v.numel(), 1024),)](v.to(DEV), out, v.numel(),
+                                            EMULATE=os.environ.get("TRITON_INTERPRET") == "1", BLOCK=1024)
+    want = v.to(torch.float8_e4m3fn)
+    bad = (out.cpu().view(torch.uint8) != want.view(torch.uint8)).nonzero().flatten()
+    assert bad.numel() == 0, f"{bad.numel()} values cast differently, e.g. {v[bad[:4]].tolist()}"
+
+
+def test_w8a8_launch_from_the_sweep(monkeypatch):
+    """``_pick_a8_config`` on the Llama-3-8B projections (H200 sweep): 256-code steps six deep for a
+    wave of tiles, K split in two at half the SMs or fewer, 128-code steps four deep past a wave."""
+    import graphdsl.runtime.kernels.gemv as g
+    monkeypatch.setattr(g, "_num_sms", lambda device: 132)
+    pick = lambda n, k: g._pick_a8_config(1, n, k, torch.device("cpu"))  # noqa: E731
+    assert [(pick(n, k)["BLOCK_K"], pick(n, k)["SPLIT_K"], pick(n, k)["num_stages"])
+            for n, k in ((6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336))] == \
+        [(256, 1, 6), (256, 2, 6), (128, 1, 4), (256, 2, 6)]
+    assert pick(40, 64)["BLOCK_K"] == 64 and pick(40, 64)["SPLIT_K"] == 1           # short K
