@@ -164,10 +164,13 @@ class Fp8Scheme(QuantScheme):
 
 
 def quantize_fp8_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per-row float8 e4m3 quantization: ``x ≈ xq * sx``, ``sx = max|x_row| / 448`` (float32 ``[..., 1]``),
-    ``xq = round(x * (1 / sx))`` (the reciprocal once, as the decode GEMV's kernel multiplies by it)."""
+    """Per-row float8 e4m3 quantization: ``x ≈ xq * sx``, ``sx = max|x_row| / 448`` (float32 ``[..., 1]``,
+    a true division on every device: torch on CUDA multiplies by the reciprocal of a Python scalar
+    divisor, so the divisor is a tensor), ``xq = round(x · (1 / sx))`` (the reciprocal once, as vLLM's
+    dynamic fp8 quantization and the decode GEMV's kernel multiply by it)."""
     xf = x.float()
-    sx = (xf.abs().amax(dim=-1, keepdim=True) / FP8_MAX).clamp(min=1e-12)
+    amax = xf.abs().amax(dim=-1, keepdim=True)
+    sx = (amax / torch.full_like(amax, FP8_MAX)).clamp(min=1e-12)
     return (xf * sx.reciprocal()).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn), sx
 
 

@@ -749,9 +749,9 @@ def _int4_k_loop(acc, x_rows, q_ptr, s_ptr, z_ptr, rn, n_ok, m_ok, k_lo, k_hi, K
 @triton.jit
 def _a8_row_scales(x_ptr, rm, M, K, stride_xm, KP: tl.constexpr):
     """W8A8 (``W_FP8_A8``): the ``[BLOCK_M]`` per-row activation scales ``s = max(max_k |x[m, k]| / 448,
-    1e-12)`` and their reciprocals, as :func:`graphdsl.quant.quantize_fp8_rows` makes them (rows past
-    ``M``: ``1e-12``). One ``[KP]`` load a row (``KP``: ``K`` padded to a power of two), before the K
-    loop."""
+    1e-12)`` and their reciprocals, both correctly rounded, as :func:`graphdsl.quant.quantize_fp8_rows`
+    makes them (rows past ``M``: ``1e-12``). One ``[KP]`` load a row (``KP``: ``K`` padded to a power
+    of two), before the K loop."""
     kk = tl.arange(0, KP)
     amax = tl.zeros(rm.shape, tl.float32)
     for m in range(0, M):

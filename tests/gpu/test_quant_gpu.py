@@ -25,6 +25,31 @@ def test_kernel_real_shapes(name, m, n, k):
     torch.testing.assert_close(got, want, atol=2e-2 * want.abs().max().item(), rtol=2e-2)
 
 
+@pytest.mark.parametrize("m", [1, 7, 16])
+@pytest.mark.parametrize("n,k,silu", [(6144, 4096, False), (4096, 14336, False), (28672, 4096, True)])
+def test_w8a8_decode_gemv_real_shapes(m, n, k, silu):
+    """fp8 with dynamic activation scales at decode sizes: the GEMV quantizes the rows itself and
+    runs the e4m3 tensor cores, at the launch ``_pick_a8_config`` picks (K split, six stages) — the
+    float64 product of the reference's quantized rows and codes, to the bf16 output's rounding."""
+    from graphdsl.quant import parse_scheme, quantize_fp8_rows
+    from graphdsl.runtime.kernels.gemv import gemv
+    s = parse_scheme("fp8-channel-dyn")
+    g = torch.Generator(device="cuda").manual_seed(m)
+    q, sw = s.quantize(torch.randn(n, k, device="cuda", generator=g) * 0.02)
+    x = torch.randn(m, k, device="cuda", generator=g, dtype=torch.bfloat16)
+    xq, sx = quantize_fp8_rows(x)
+    prod = (xq.double() @ q.double().T) * sx.double() * sw.double().reshape(1, -1)
+    if silu:
+        gate, up = prod[:, : n // 2].bfloat16().double(), prod[:, n // 2:].bfloat16().double()
+        prod = torch.nn.functional.silu(gate).bfloat16().double() * up
+    got = gemv(x, q, silu_mul=silu, scheme=s, scales=sw).double()
+    # half a bf16 ulp (SwiGLU: g, u and silu(g) each rounded); and the e4m3 tensor cores sum an
+    # instruction's 32 products at reduced precision (about 1e-4 of the outputs' scale, H200), which
+    # moves a few percent of the outputs by a bf16 ulp: half an ulp of the largest (SwiGLU: one)
+    torch.testing.assert_close(got, prod, rtol=2 ** -6 if silu else 2 ** -8,
+                               atol=(2 ** -8 if silu else 2 ** -9) * prod.abs().max().item())
+
+
 def test_fp8_dynamic_prefill_through_scaled_mm():
     from graphdsl import Network, Parameter, Tensor
     from graphdsl import functional as F
@@ -52,10 +77,11 @@ def test_quantized_model_generates_like_torch_backend(quantization):
     llm = gd.LLM.from_config(hf, device="cuda", dtype="bfloat16", init_std=0.1, quantization=quantization,
                              max_model_len=128, max_num_seqs=2)
     ids = list(range(5, 37))
-    ours = llm.score(ids)
+    ours, short = llm.score(ids), llm.score(ids[:6])       # 6 rows: the decode GEMVs (W8A8 too)
     llm.model.configure_runtime(backend="torch", cuda_graphs=False)
-    ref = llm.score(ids)
+    ref, ref_short = llm.score(ids), llm.score(ids[:6])
     torch.testing.assert_close(ours, ref, atol=0.1 * ref.abs().max().item(), rtol=0.05)
+    torch.testing.assert_close(short, ref_short, atol=0.1 * ref_short.abs().max().item(), rtol=0.05)
 
 
 @pytest.mark.parametrize("writer", ["gptq", "ct"])
