@@ -142,6 +142,17 @@ def _quantized(name, n, k, dtype, seed):
     return s, stored, w
 
 
+def _epilogue_reference(prod, epilogue, add, dtype):
+    """The fused op's result from its product ``prod`` (float32 or float64): SwiGLU of the packed
+    ``[gate | up]`` halves, g, u and silu(g) rounded to ``dtype`` as the kernel rounds them, or
+    ``prod + add``."""
+    if epilogue == "silu_mul":
+        cols = prod.shape[1] // 2
+        g, u = prod[:, :cols].to(dtype).to(prod.dtype), prod[:, cols:].to(dtype).to(prod.dtype)
+        return torch.nn.functional.silu(g).to(dtype).to(prod.dtype) * u
+    return prod + (0 if add is None else add.to(prod.dtype))
+
+
 @pytest.mark.parametrize("name,block_n,block_k,split", _QUANT_CASES)
 @pytest.mark.parametrize("epilogue", [None, "residual", "silu_mul"])
 @pytest.mark.parametrize("m", [1, 3])
@@ -156,12 +167,7 @@ def test_quantized_weights_match_dequantize_then_matmul(name, block_n, block_k, 
     x = torch.randn(m, k, generator=torch.Generator().manual_seed(1)).to(DEV, dtype)
     add = torch.randn(m, n, generator=torch.Generator().manual_seed(2)).to(DEV, dtype) if epilogue == "residual" else None
     cols = n // 2 if epilogue == "silu_mul" else n
-    prod = x.float() @ w.T
-    if epilogue == "silu_mul":
-        g, u = prod[:, :cols].to(dtype).float(), prod[:, cols:].to(dtype).float()
-        want = torch.nn.functional.silu(g).to(dtype).float() * u
-    else:
-        want = prod + (0 if add is None else add.float())
+    want = _epilogue_reference(x.float() @ w.T, epilogue, add, dtype)
     out = torch.full((m, cols), float("nan"), dtype=dtype, device=DEV)
     cfg = dict(BLOCK_N=block_n, BLOCK_K=block_k, SPLIT_K=split, num_warps=4, num_stages=2)
     gemv(x, stored[0], add, silu_mul=epilogue == "silu_mul", out=out, config=cfg, workspace=GemvWorkspace(),
@@ -374,11 +380,7 @@ def test_w8a8_quantizes_each_row_as_the_scheme_and_multiplies_exactly(name, dtyp
     prod = (xq.double() @ q.double().T) * sx.double() * sw.double().reshape(1, -1)
     eps = 2 ** -7 if dtype == torch.bfloat16 else 2 ** -10
     cols = n // 2 if epilogue == "silu_mul" else n
-    if epilogue == "silu_mul":
-        g, u = prod[:, :cols].to(dtype).double(), prod[:, cols:].to(dtype).double()
-        want = torch.nn.functional.silu(g).to(dtype).double() * u
-    else:
-        want = prod + (0 if add is None else add.double())
+    want = _epilogue_reference(prod, epilogue, add, dtype)
     out = torch.full((m, cols), float("nan"), dtype=dtype, device=DEV)
     cfg = dict(BLOCK_N=16, BLOCK_K=block_k, SPLIT_K=split, num_warps=4, num_stages=2)
     gemv(x.to(DEV), q.to(DEV), None if add is None else add.to(DEV), silu_mul=epilogue == "silu_mul", out=out,
