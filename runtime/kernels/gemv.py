@@ -42,6 +42,11 @@ rows, so the op is bound by the bytes of ``w`` and by how many of them are in fl
   activations four to an int64 load (``X_WIDE``) and chain the ``dp4a`` of four words
   (``benchmarks/loop_sass.py`` counts them). Launches: :func:`_pick_quant_config`,
   :func:`_pick_xpack_config`.
+* **fp8 with dynamic activation scales** (W8A8, ``W_FP8_A8``): each row's scale
+  ``max|x_row| / 448`` first (:func:`_a8_row_scales`, the whole row read before the K loop), then
+  every K step rounds its activation tile times ``1 / scale`` to e4m3 (:func:`_to_e4m3`) and
+  multiplies it with the codes on the e4m3 tensor cores; the epilogue applies both scales. The
+  codes are :func:`graphdsl.quant.quantize_fp8_rows`' bit for bit. Launch: :func:`_pick_a8_config`.
 * **PDL** (:mod:`.pdl`): on Hopper the kernel may launch while its predecessor finishes. A grid of
   more programs than SMs lets the next kernel launch only once its programs are past the K loop:
   launched at the usual point (when its last wave starts), the next kernel's programs take each SM
@@ -92,7 +97,8 @@ _STAGES = 5                # software-pipeline depth
 _SPLIT_BELOW = 4           # split K when the tiles cover less than 1/_SPLIT_BELOW of the SMs ...
 _MIN_SPLIT_STEPS = 8       # ... into slices of at least this many K steps
 _DTYPES = (torch.float16, torch.bfloat16)
-# weight kinds (``WKIND``): plain fp16/bf16, then the weight-only schemes of graphdsl.quant
+# weight kinds (``WKIND``): plain fp16/bf16, then the schemes of graphdsl.quant (W_FP8_A8: fp8 with dynamic
+# activation scales, the only one that quantizes the activations too)
 W_FLOAT, W_INT8, W_INT4, W_INT4_ZP, W_FP8, W_FP8_A8 = 0, 1, 2, 3, 4, 5
 # quantized tiles (benchmarks/quant.py --sweep, H200, weights from HBM): see _pick_quant_config
 _QUANT_BLOCK_N = 64
