@@ -1309,7 +1309,17 @@ def gemv_supported(x: torch.Tensor, w: torch.Tensor, scheme=None) -> bool:
         return w.dtype == x.dtype and x.shape[1] == w.shape[1]
     if kind in (W_INT4, W_INT4_ZP):
         return w.dtype == torch.uint8 and 2 * w.shape[1] == x.shape[1] and x.shape[1] % scheme.group_size == 0
+    if kind == W_FP8_A8 and x.device.type == "cuda" and not _e4m3_dot(
+            x.device.index if x.device.index is not None else torch.cuda.current_device()):
+        return False
     return w.shape[1] == x.shape[1]
+
+
+@functools.lru_cache(maxsize=None)
+def _e4m3_dot(index: int) -> bool:
+    """Whether CUDA device ``index`` multiplies e4m3 on its tensor cores as the W8A8 path needs (Hopper
+    and newer; checked on an H200). Elsewhere ``quant_linear``'s kernel takes fp8 with dynamic scales."""
+    return torch.cuda.get_device_capability(index) >= (9, 0)
 
 
 def packs_rows(x: torch.Tensor, w: torch.Tensor, scheme, group: int) -> bool:

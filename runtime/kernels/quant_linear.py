@@ -3,8 +3,9 @@
 One kernel serves the weight-only schemes of :mod:`graphdsl.quant` (int8 per-channel, int4
 group-wise symmetric or with zero points, fp8 e4m3 per-tensor or per-channel) for prefill and for
 what the decode GEMV (:mod:`.gemv`, which dequantizes in registers with split-K, PDL and the
-SwiGLU / residual epilogues; :func:`quant_linear` hands it up to 16 fp16/bf16 rows) does not take:
-float32 rows, fp8 with dynamic activation scales:
+SwiGLU / residual epilogues; :func:`quant_linear` hands it up to 16 fp16/bf16 rows, fp8 with
+dynamic activation scales included) does not take: float32 rows, and fp8 with dynamic activation
+scales off Hopper or past 16 rows where ``torch._scaled_mm`` does not take them:
 
 * **Tiles.** Program ``(n, m)`` owns ``BLOCK_N`` output columns and ``BLOCK_M`` rows (padded with
   masked loads; decode uses ``BLOCK_M = 16``, the smallest ``tl.dot``; prefill larger tiles, so
