@@ -83,7 +83,7 @@ import triton.language as tl
 
 from graphdsl.errors import GraphDSLError
 
-from .pdl import pdl_launch, pdl_trigger, pdl_wait, prefetch_l2
+from .pdl import hopper, pdl_launch, pdl_trigger, pdl_wait, prefetch_l2
 from .splitk import arrive, depart, sum_partials
 
 __all__ = ["gemv", "gemv_supported", "packs_rows", "GemvWorkspace", "GemvLoRA", "GemvRmsOut", "GemvRmsIn", "MAX_ROWS",
@@ -768,6 +768,18 @@ def _a8_row_scales(x_ptr, rm, M, K, stride_xm, KP: tl.constexpr):
 
 
 @triton.jit
+def _scale_sums(acc, s_ptr, rn, n_ok, stride_sn, a8_s, WKIND: tl.constexpr):
+    """The per-channel / per-tensor weight scale of int8 and fp8 on the ``[BLOCK_N, BLOCK_M]`` float32
+    sums (``s_ptr``, ``stride_sn`` 0 for one scale), and for W8A8 each row's activation scale ``a8_s``
+    too; other kinds are scaled inside their K loops and pass through."""
+    if WKIND == 1 or WKIND == 4 or WKIND == 5:
+        acc = acc * tl.load(s_ptr + rn.to(tl.int64) * stride_sn, mask=n_ok, other=0.0).to(tl.float32)[:, None]
+    if WKIND == 5:
+        acc = acc * a8_s[None, :]
+    return acc
+
+
+@triton.jit
 def _to_e4m3(v, EMULATE: tl.constexpr):
     """``v`` (float32, ``|v| <= 448``) rounded to float8 e4m3 (to nearest, ties to even). The CPU
     interpreter's own cast drops the carry when rounding up crosses a power of two, so there it is
@@ -883,6 +895,8 @@ def _gemv_kernel(
         add_tile = 0.0
     if WKIND == 5:                     # W8A8: each row's activation scale, from all of its K inputs
         a8_s, a8_inv = _a8_row_scales(x_ptr, rm, M, K, stride_xm, A8_KP)
+    else:
+        a8_s = 1.0
     if INT4 and ONE_ROW:
         row = _int4_row(x_ptr, w_ptr, s_ptr, z_ptr, rn, N2, w_lo, w_hi, W_ROW, stride_sn,
                         M12, M16, M0F, BLOCK_N, WKIND == 3, GROUP, BLOCK_K // GROUP, INT_DOT, EMULATE, XPACK,
@@ -940,20 +954,14 @@ def _gemv_kernel(
         if arrive(lock_ptr, pid_n, SPLIT_K):
             acc = sum_partials(slab, pid_n, n_tiles, SPLIT_K, BLOCK_N, BLOCK_M, ONE_PART_ROW, rm)
             depart(lock_ptr, pid_n)
-            if WKIND == 1 or WKIND == 4 or WKIND == 5:
-                acc = acc * tl.load(s_ptr + rn.to(tl.int64) * stride_sn, mask=n_ok, other=0.0).to(tl.float32)[:, None]
-            if WKIND == 5:
-                acc = acc * a8_s[None, :]
+            acc = _scale_sums(acc, s_ptr, rn, n_ok, stride_sn, a8_s, WKIND)
             _finish(acc, add_ptr, out_ptr, pid_n, rm, m_ok, N, stride_am, stride_om, HAS_ADD, SWIGLU, BLOCK_N,
                     BLOCK_M, lora_p_ptr, lora_b_ptr, lora_idx_ptr, M, LORA_S, LORA_R, LORA_SPLITS, HAS_LORA,
                     LORA_BLOCK_R, LORA_BLOCK_SPLITS, rms_g, rms_scaled_ptr, rms_part_ptr, RMS_CHUNKS, RMS_OUT,
                     rin_part, rin_ptr, RIN_CHUNKS, rin_inv_n, rin_eps, RMS_IN, RIN_BLOCK,
                     add_tile, RMS_EARLY, pack_ptr, PACK, PACK_GROUP)
     else:
-        if WKIND == 1 or WKIND == 4 or WKIND == 5:
-            acc = acc * tl.load(s_ptr + rn.to(tl.int64) * stride_sn, mask=n_ok, other=0.0).to(tl.float32)[:, None]
-        if WKIND == 5:
-            acc = acc * a8_s[None, :]
+        acc = _scale_sums(acc, s_ptr, rn, n_ok, stride_sn, a8_s, WKIND)
         _finish(acc, add_ptr, out_ptr, pid_n, rm, m_ok, N, stride_am, stride_om, HAS_ADD, SWIGLU, BLOCK_N, BLOCK_M,
                 lora_p_ptr, lora_b_ptr, lora_idx_ptr, M, LORA_S, LORA_R, LORA_SPLITS, HAS_LORA, LORA_BLOCK_R,
                 LORA_BLOCK_SPLITS, rms_g, rms_scaled_ptr, rms_part_ptr, RMS_CHUNKS, RMS_OUT,
@@ -1309,17 +1317,10 @@ def gemv_supported(x: torch.Tensor, w: torch.Tensor, scheme=None) -> bool:
         return w.dtype == x.dtype and x.shape[1] == w.shape[1]
     if kind in (W_INT4, W_INT4_ZP):
         return w.dtype == torch.uint8 and 2 * w.shape[1] == x.shape[1] and x.shape[1] % scheme.group_size == 0
-    if kind == W_FP8_A8 and x.device.type == "cuda" and not _e4m3_dot(
+    if kind == W_FP8_A8 and x.device.type == "cuda" and not hopper(
             x.device.index if x.device.index is not None else torch.cuda.current_device()):
-        return False
+        return False            # no e4m3 tensor cores for W8A8 before Hopper: quant_linear's kernel takes it
     return w.shape[1] == x.shape[1]
-
-
-@functools.lru_cache(maxsize=None)
-def _e4m3_dot(index: int) -> bool:
-    """Whether CUDA device ``index`` multiplies e4m3 on its tensor cores as the W8A8 path needs (Hopper
-    and newer; checked on an H200). Elsewhere ``quant_linear``'s kernel takes fp8 with dynamic scales."""
-    return torch.cuda.get_device_capability(index) >= (9, 0)
 
 
 def packs_rows(x: torch.Tensor, w: torch.Tensor, scheme, group: int) -> bool:

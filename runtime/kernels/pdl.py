@@ -37,7 +37,7 @@ try:                                   # Triton >= 3.3 on NVIDIA
 except ImportError:                    # pragma: no cover - older Triton: PDL stays off
     gdc_launch_dependents = gdc_wait = None
 
-__all__ = ["pdl_wait", "pdl_trigger", "pdl_launch", "pdl_available", "prefetch_l2"]
+__all__ = ["pdl_wait", "pdl_trigger", "pdl_launch", "pdl_available", "prefetch_l2", "hopper"]
 
 
 @triton.jit
@@ -71,7 +71,8 @@ def prefetch_l2(w_rows, lo, hi, LINES: tl.constexpr, LINE: tl.constexpr):
 
 
 @functools.lru_cache(maxsize=None)
-def _hopper(index: int) -> bool:
+def hopper(index: int) -> bool:
+    """Whether CUDA device ``index`` is Hopper (sm_90) or newer, read once."""
     return torch.cuda.get_device_capability(index)[0] >= 9
 
 
@@ -93,7 +94,7 @@ def pdl_available(device) -> bool:
         return False
     if os.environ.get("GRAPHDSL_PDL", "1") == "0" or not _triton_has_pdl():
         return False
-    return _hopper(device.index if device.index is not None else torch.cuda.current_device())
+    return hopper(device.index if device.index is not None else torch.cuda.current_device())
 
 
 def pdl_launch(device) -> dict:
