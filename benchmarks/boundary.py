@@ -32,7 +32,7 @@ import triton
 import triton.language as tl
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from common import bench_ms, copy_bandwidth_gbs, device_line  # noqa: E402
+from common import copy_bandwidth_gbs, device_line, graph_ms  # noqa: E402
 
 from graphdsl.runtime.kernels.pdl import pdl_available, pdl_trigger, pdl_wait  # noqa: E402
 
@@ -57,14 +57,7 @@ def _link(x_ptr, y_ptr, N, OUT: tl.constexpr, ROW: tl.constexpr, READ: tl.conste
 
 def _graph_us(chain, links: int) -> float:
     """µs per link of ``chain()`` (``links`` dependent launches) replayed from one CUDA graph."""
-    chain()
-    torch.cuda.synchronize()
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        chain()
-    ms = bench_ms(g.replay, repeats=3, warmup_ms=20, rep_ms=100)
-    del g
-    return ms * 1e3 / links
+    return graph_ms(chain, warmup_ms=20, rep_ms=100) * 1e3 / links
 
 
 def link_chain(n: int, links: int, *, read: bool, pdl: bool, early: bool = False) -> float:

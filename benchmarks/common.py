@@ -29,6 +29,19 @@ def bench_ms(fn, *, repeats: int = 3, warmup_ms: int = 25, rep_ms: int = 200) ->
     return runs[len(runs) // 2]
 
 
+def graph_ms(fn, *, repeats: int = 3, warmup_ms: int = 25, rep_ms: int = 200) -> float:
+    """Milliseconds per replay of ``fn`` captured in one CUDA graph (:func:`bench_ms` of the replay),
+    after one call outside the graph so autotuners and allocations settle."""
+    fn()
+    torch.cuda.synchronize()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        fn()
+    ms = bench_ms(g.replay, repeats=repeats, warmup_ms=warmup_ms, rep_ms=rep_ms)
+    del g
+    return ms
+
+
 def generate_s(llm, prompt: list[int], new_tokens: int) -> float:
     """Wall seconds of ``llm.generate([prompt])`` making ``new_tokens`` greedy tokens (``ignore_eos``),
     the device synchronised before and after; per-token times are differences of two such calls."""

@@ -35,7 +35,7 @@ import time
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from common import bench_ms, copy_bandwidth_gbs, device_line, generate_s  # noqa: E402
+from common import bench_ms, copy_bandwidth_gbs, device_line, generate_s, graph_ms  # noqa: E402
 from llm import BLOCK, SHAPES, _decode_inputs, _free, _log, kv_bytes_per_token, measure_peer, random_kv  # noqa: E402
 
 CONTEXT = 512
@@ -63,14 +63,7 @@ def _graph_us(call, copies: list) -> float:
     def run():
         for st in copies:
             call(st)
-    run()
-    torch.cuda.synchronize()
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        run()
-    ms = bench_ms(g.replay, repeats=1, warmup_ms=10, rep_ms=60)
-    del g
-    return ms * 1e3 / len(copies)
+    return graph_ms(run, repeats=1, warmup_ms=10, rep_ms=60) * 1e3 / len(copies)
 
 
 def kernel_rows(shape: str, schemes: list[str], copy: float) -> list[str]:
