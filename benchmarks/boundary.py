@@ -11,7 +11,9 @@ CUDA graph and replayed, and prints µs per link:
   and with the trigger before the wait.
 * **row**: the same, but each program first reads the predecessor's whole output row (``n``
   bf16 values from L2, as a GEMV reads its activation row) and writes its slice of the next row,
-  so every link depends on every program of the one before, as in the model.
+  so every link depends on every program of the one before, as in the model; and the same with
+  the dependency kept by arrival counters instead of the PDL wait (:func:`_flag_link`: each link
+  launches at once and spins until every program of the one before has counted its stores).
 * **gemv**: the engine's decode GEMV (:func:`graphdsl.runtime.kernels.gemv.gemv`) chained on
   square ``[n, n]`` bf16 weights, a distinct weight per link (at least 256 MB in all, so every
   weight streams from HBM): µs a link against its bytes at the measured copy bandwidth. ``n`` =
@@ -55,6 +57,29 @@ def _link(x_ptr, y_ptr, N, OUT: tl.constexpr, ROW: tl.constexpr, READ: tl.conste
     tl.store(y_ptr + pid * OUT + o, (acc * 1e-3 + o).to(y_ptr.dtype.element_ty), mask=pid * OUT + o < N)
 
 
+@triton.jit
+def _flag_link(x_ptr, y_ptr, count_ptr, i, links, N, PROGRAMS, OUT: tl.constexpr, ROW: tl.constexpr):
+    """:func:`_link` of a ``row`` chain with the dependency kept by arrival counters instead of the PDL
+    wait: link ``i`` (but the first) spins until all ``PROGRAMS`` programs of link ``i - 1`` have
+    counted their stores (release/acquire), then stores its slice and counts itself. The next link
+    may launch at once (it never waits for this grid); program 0 zeroes the counter of link
+    ``i - 2``, whose readers are all past it (the first two links zero the last two counters, read
+    only by the previous replay)."""
+    pid = tl.program_id(0)
+    pdl_trigger(True)
+    if i > 0:
+        while tl.atomic_add(count_ptr + i - 1, 0, sem="acquire") < PROGRAMS:
+            pass
+    if pid == 0:
+        tl.atomic_xchg(count_ptr + (i + links - 2) % links, 0, sem="relaxed")
+    r = tl.arange(0, ROW)
+    acc = tl.sum(tl.load(x_ptr + r, mask=r < N, other=0.0, cache_modifier=".cg").to(tl.float32))
+    o = tl.arange(0, OUT)
+    tl.store(y_ptr + pid * OUT + o, (acc * 1e-3 + o).to(y_ptr.dtype.element_ty), mask=pid * OUT + o < N)
+    tl.debug_barrier()
+    tl.atomic_add(count_ptr + i, 1, sem="release")
+
+
 def _graph_us(chain, links: int) -> float:
     """µs per link of ``chain()`` (``links`` dependent launches) replayed from one CUDA graph."""
     return graph_ms(chain, warmup_ms=20, rep_ms=100) * 1e3 / links
@@ -71,6 +96,20 @@ def link_chain(n: int, links: int, *, read: bool, pdl: bool, early: bool = False
         for i in range(links):
             _link[(sms,)](rows[i % 2], rows[1 - i % 2], n, OUT=out, ROW=triton.next_power_of_2(n), READ=read,
                           USE_PDL=pdl, EARLY=early, **extra)
+    return _graph_us(chain, links)
+
+
+def flag_chain(n: int, links: int) -> float:
+    """µs per link of ``links`` :func:`_flag_link` kernels (one program per SM, PDL launches, no waits)."""
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    rows = [torch.zeros(n, device="cuda", dtype=torch.bfloat16) for _ in range(2)]
+    counts = torch.zeros(links, device="cuda", dtype=torch.int32)
+    out = triton.next_power_of_2(triton.cdiv(n, sms))
+
+    def chain():
+        for i in range(links):
+            _flag_link[(sms,)](rows[i % 2], rows[1 - i % 2], counts, i, links, n, sms, OUT=out,
+                               ROW=triton.next_power_of_2(n), launch_pdl=True)
     return _graph_us(chain, links)
 
 
@@ -115,6 +154,9 @@ def main(argv=None) -> int:
         for name, read, on, early in cases:
             us = link_chain(n, args.links, read=read, pdl=on, early=early)
             print(f"| {name} | {n} | {us:.2f} | | {us:.2f} |", flush=True)
+        if pdl:
+            us = flag_chain(n, args.links)
+            print(f"| row, arrival counters instead of the wait | {n} | {us:.2f} | | {us:.2f} |", flush=True)
         us, nbytes = gemv_chain(n, args.links)
         at_copy = nbytes / (copy * 1e9) * 1e6
         print(f"| decode GEMV [{n}, {n}] bf16{', PDL' if pdl else ''} | {n} | {us:.2f} | {at_copy:.2f} | "
