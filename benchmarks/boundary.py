@@ -131,11 +131,29 @@ def gemv_chain(n: int, links: int) -> tuple[float, int]:
     return us, nbytes
 
 
+def _at_least(low: int):
+    def parse(text: str) -> int:
+        try:
+            v = int(text)
+        except ValueError:
+            v = None
+        if v is None or v < low:
+            raise argparse.ArgumentTypeError(f"expected an integer >= {low}, got {text!r}")
+        return v
+    return parse
+
+
+def _sizes(text: str) -> list[int]:
+    return [_at_least(16)(part) for part in text.split(",")]
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--links", type=int, default=160, help="dependent launches a graph (about a Llama-3-8B step)")
-    ap.add_argument("--sizes", default="2048,4096", help="row lengths n (comma-separated)")
+    ap.add_argument("--links", type=_at_least(2), default=160,
+                    help="dependent launches a graph, at least 2 (160: about a Llama-3-8B step)")
+    ap.add_argument("--sizes", type=_sizes, default=[2048, 4096],
+                    help="row lengths n, comma-separated integers >= 16 (default 2048,4096)")
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
         print("boundary.py needs a CUDA GPU", file=sys.stderr)
@@ -146,7 +164,7 @@ def main(argv=None) -> int:
           f"{args.links} links a graph\n")
     print("| chain | n | µs a link | bytes a link at copy bandwidth, µs | boundary, µs |")
     print("|---|---:|---:|---:|---:|")
-    for n in (int(s) for s in args.sizes.split(",")):
+    for n in args.sizes:
         cases = [("empty, no PDL", False, False, False), ("row, no PDL", True, False, False)]
         if pdl:
             cases += [("empty, PDL", False, True, False), ("empty, PDL, trigger before the wait", False, True, True),

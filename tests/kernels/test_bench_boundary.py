@@ -1,5 +1,6 @@
 """benchmarks/boundary.py: the chained link kernel computes what its docstring says (under the
 interpreter), and the script refuses to run without a GPU instead of timing nothing."""
+import pytest
 import torch
 
 from tests.helpers import benchmarks
@@ -27,3 +28,13 @@ def test_without_a_gpu_it_exits_2(capsys, monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     assert bound.main(["--links", "4"]) == 2
     assert "needs a CUDA GPU" in capsys.readouterr().err
+
+
+def test_bad_arguments_are_named(capsys):
+    bound = benchmarks.load("boundary")
+    for argv, want in ((["--links", "1"], "--links: expected an integer >= 2, got '1'"),
+                       (["--sizes", "2048,x"], "--sizes: expected an integer >= 16, got 'x'")):
+        with pytest.raises(SystemExit) as e:
+            bound.main(argv)
+        assert e.value.code == 2
+        assert want in capsys.readouterr().err
