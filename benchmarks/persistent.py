@@ -223,8 +223,8 @@ def _stage(w_ptr, N, K, x_ptr, scale, y_ptr, yg_ptr, g_ptr, pid, G, w0, SWIGLU: 
 def _ahead(w_ptr, N, K, pid, G, UNIT: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
            STAGES: tl.constexpr, ON_GPU: tl.constexpr):
     """What a program does for its next projection before a barrier: the FMA loop loads its first
-    tile into registers; the pipelined loop asks L2 (``L2``: not under the interpreter) for its
-    first two K steps of its first ``BLOCK_N`` rows."""
+    tile into registers; the pipelined loop asks L2 (``ON_GPU``: not under the interpreter, which
+    runs no PTX) for the first two K steps of its first ``BLOCK_N`` rows."""
     if STAGES > 0:
         if ON_GPU:
             r0, r1 = _rows_of(pid, G, N, UNIT)
@@ -241,10 +241,10 @@ def _layers(h_ptr, hg_ptr, qkv_ptr, act_ptr, g1_ptr, g2_ptr, wqkv_ptr, wo_ptr, w
             BLOCK_K: tl.constexpr, STAGES: tl.constexpr, ON_GPU: tl.constexpr, NARROW: tl.constexpr,
             SYNC: tl.constexpr, TIMES: tl.constexpr):
     """``LAYERS`` layers of the module docstring's projections, one grid of ``G`` programs, four
-    barriers a layer (:func:`_barrier`: counters ``cnt [4 · LAYERS]``, zero at launch; ``SYNC``,
-    ``times``, ``TIMES``: its). ``hg``: ``h ⊙ g`` of the norm ahead
-    (bf16, made by the projection that last added to ``h``; at launch ``h ⊙ g₁``), so a normed
-    projection multiplies its sums by ``rsqrt(mean(h²) + eps)`` instead of its input. ``NARROW``
+    barriers a layer (:func:`_barrier`, whose ``SYNC``, ``times`` and ``TIMES`` these are; counters
+    ``cnt [4 · LAYERS]``, zero at launch). ``hg``: ``h ⊙ g`` of the norm ahead (bf16, made by the
+    projection that last added to ``h``; at launch ``h ⊙ g₁``), so a normed projection multiplies
+    its sums by ``rsqrt(mean(h²) + eps)`` instead of its input. ``NARROW``
     (0 or 1): the o and down projections, whose ``H`` rows give a program about one row tile,
     stream ``[BLOCK_N / 2, 2 · BLOCK_K]`` tiles instead (as many bytes a step, fewer rows masked)."""
     BN_O: tl.constexpr = BLOCK_N >> NARROW
