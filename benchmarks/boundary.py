@@ -34,7 +34,7 @@ import triton
 import triton.language as tl
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from common import copy_bandwidth_gbs, device_line, graph_ms  # noqa: E402
+from common import at_least, copy_bandwidth_gbs, device_line, graph_ms  # noqa: E402
 
 from graphdsl.runtime.kernels.pdl import pdl_available, pdl_trigger, pdl_wait  # noqa: E402
 
@@ -131,26 +131,14 @@ def gemv_chain(n: int, links: int) -> tuple[float, int]:
     return us, nbytes
 
 
-def _at_least(low: int):
-    def parse(text: str) -> int:
-        try:
-            v = int(text)
-        except ValueError:
-            v = None
-        if v is None or v < low:
-            raise argparse.ArgumentTypeError(f"expected an integer >= {low}, got {text!r}")
-        return v
-    return parse
-
-
 def _sizes(text: str) -> list[int]:
-    return [_at_least(16)(part) for part in text.split(",")]
+    return [at_least(16)(part) for part in text.split(",")]
 
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--links", type=_at_least(2), default=160,
+    ap.add_argument("--links", type=at_least(2), default=160,
                     help="dependent launches a graph, at least 2 (160: about a Llama-3-8B step)")
     ap.add_argument("--sizes", type=_sizes, default=[2048, 4096],
                     help="row lengths n, comma-separated integers >= 16 (default 2048,4096)")

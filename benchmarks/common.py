@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["bench_ms", "copy_bandwidth_gbs", "matmul_tflops", "device_line", "generate_s"]
+__all__ = ["bench_ms", "copy_bandwidth_gbs", "matmul_tflops", "device_line", "generate_s", "at_least"]
 
 
 def bench_ms(fn, *, repeats: int = 3, warmup_ms: int = 25, rep_ms: int = 200) -> float:
@@ -77,3 +77,18 @@ def matmul_tflops(n: int = 8192, device="cuda") -> float:
 def device_line() -> str:
     import triton
     return f"{torch.cuda.get_device_name()}; torch {torch.__version__}, triton {triton.__version__}"
+
+
+def at_least(low: int):
+    """An argparse ``type``: an integer ``>= low``, else an error naming the expected and given value."""
+    import argparse
+
+    def parse(text: str) -> int:
+        try:
+            v = int(text)
+        except ValueError:
+            v = None
+        if v is None or v < low:
+            raise argparse.ArgumentTypeError(f"expected an integer >= {low}, got {text!r}")
+        return v
+    return parse

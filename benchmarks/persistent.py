@@ -53,9 +53,10 @@ import triton
 import triton.language as tl
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from common import copy_bandwidth_gbs, device_line, graph_ms  # noqa: E402
+from common import at_least, copy_bandwidth_gbs, device_line, graph_ms  # noqa: E402
 
 from graphdsl.runtime.kernels.pdl import prefetch_l2  # noqa: E402
+from graphdsl.runtime.kernels.splitk import slice_ok  # noqa: E402
 
 # (hidden H, qkv rows Q + 2·KV, intermediate I) of Llama-3-8B and Llama-3.2-1B
 SHAPES = {"8b": (4096, 6144, 14336), "1b": (2048, 3072, 8192)}
@@ -70,7 +71,7 @@ def _tile(w_ptr, K, r0, r1, i, n_it, k_steps, BLOCK_N: tl.constexpr, BLOCK_K: tl
     c = i // k_steps
     rows = r0 + c * BLOCK_N + tl.arange(0, BLOCK_N)
     cols = (i - c * k_steps) * BLOCK_K + tl.arange(0, BLOCK_K)
-    ok = (rows < r1) & (tl.zeros_like(rows) + i < n_it)
+    ok = (rows < r1) & slice_ok(i, n_it, rows)
     return tl.load(w_ptr + rows.to(tl.int64)[:, None] * K + cols[None, :], mask=ok[:, None], other=0.0,
                    eviction_policy="evict_first")
 
@@ -393,12 +394,6 @@ def _config(text: str) -> tuple[int, int, int, int]:
     return bn, bk, warps, stages
 
 
-def _layers_arg(text: str) -> int:
-    if not text.isdigit() or int(text) < 1:
-        raise argparse.ArgumentTypeError(f"expected an integer >= 1, got {text!r}")
-    return int(text)
-
-
 def _ints(low: int, high: int | None = None):
     def parse(text: str) -> list[int]:
         try:
@@ -453,7 +448,7 @@ def _shapes(text: str) -> list[str]:
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--layers", type=_layers_arg, default=32, help="layers a step (default 32)")
+    ap.add_argument("--layers", type=at_least(1), default=32, help="layers a step (default 32)")
     ap.add_argument("--shapes", type=_shapes, default=["8b", "1b"], help="comma-separated: 8b, 1b")
     ap.add_argument("--configs", type=lambda s: [_config(c) for c in s.split(",")],
                     default=[(32, 512, 8, 0), (16, 256, 4, 5)],
