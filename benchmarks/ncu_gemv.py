@@ -38,6 +38,7 @@ METRICS = ("gpu__time_duration.sum", "dram__bytes_read.sum", "dram__throughput.a
            "smsp__issue_active.avg.pct_of_peak_sustained_active", "smsp__warps_active.avg.per_cycle_active",
            "launch__grid_size", "launch__registers_per_thread") + tuple(_STALL.format(s) for s in STALLS)
 _TO_US = {"ns": 1e-3, "nsecond": 1e-3, "us": 1.0, "usecond": 1.0, "ms": 1e3, "msecond": 1e3}
+_TO_BYTES = {"byte": 1, "Kbyte": 1e3, "Mbyte": 1e6, "Gbyte": 1e9}
 
 
 def case(text: str) -> tuple[str, str]:
@@ -87,7 +88,9 @@ def parse(text: str) -> dict[str, float]:
                     raise ValueError(f"ncu gave gpu__time_duration.sum in {unit!r}, expected one of {sorted(_TO_US)}")
                 v *= _TO_US[unit]
             elif name == "dram__bytes_read.sum":
-                v *= {"byte": 1, "Kbyte": 1e3, "Mbyte": 1e6, "Gbyte": 1e9}.get(unit, float("nan"))
+                if unit not in _TO_BYTES:
+                    raise ValueError(f"ncu gave dram__bytes_read.sum in {unit!r}, expected one of {sorted(_TO_BYTES)}")
+                v *= _TO_BYTES[unit]
             got[name] = v
     missing = [m for m in METRICS if m not in got]
     if missing:

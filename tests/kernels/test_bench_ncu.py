@@ -55,6 +55,8 @@ def test_parse_names_what_is_missing():
         ncu.parse("==PROF== ERR_NVGPUCTRPERM - no access to the performance counters\n")
     with pytest.raises(ValueError, match="in 'cycle'"):
         ncu.parse(_csv(ncu, _metrics(ncu), time_unit="cycle"))
+    with pytest.raises(ValueError, match="dram__bytes_read.sum in 'sector'"):
+        ncu.parse(_csv(ncu, _metrics(ncu), bytes_unit="sector"))
 
 
 def test_cases_are_checked_and_named():
