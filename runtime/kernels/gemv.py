@@ -1317,8 +1317,7 @@ def gemv_supported(x: torch.Tensor, w: torch.Tensor, scheme=None) -> bool:
         return w.dtype == x.dtype and x.shape[1] == w.shape[1]
     if kind in (W_INT4, W_INT4_ZP):
         return w.dtype == torch.uint8 and 2 * w.shape[1] == x.shape[1] and x.shape[1] % scheme.group_size == 0
-    if kind == W_FP8_A8 and x.device.type == "cuda" and not hopper(
-            x.device.index if x.device.index is not None else torch.cuda.current_device()):
+    if kind == W_FP8_A8 and x.device.type == "cuda" and not hopper(x.device):
         return False            # no e4m3 tensor cores for W8A8 before Hopper: quant_linear's kernel takes it
     return w.shape[1] == x.shape[1]
 

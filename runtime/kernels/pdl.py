@@ -70,10 +70,15 @@ def prefetch_l2(w_rows, lo, hi, LINES: tl.constexpr, LINE: tl.constexpr):
                               is_pure=False, pack=1)
 
 
+def hopper(device) -> bool:
+    """Whether CUDA ``device`` (the current one when it has no index) is Hopper (sm_90) or newer."""
+    device = torch.device(device)
+    return _capability_major(device.index if device.index is not None else torch.cuda.current_device()) >= 9
+
+
 @functools.lru_cache(maxsize=None)
-def hopper(index: int) -> bool:
-    """Whether CUDA device ``index`` is Hopper (sm_90) or newer, read once."""
-    return torch.cuda.get_device_capability(index)[0] >= 9
+def _capability_major(index: int) -> int:
+    return torch.cuda.get_device_capability(index)[0]
 
 
 @functools.lru_cache(maxsize=1)
@@ -94,7 +99,7 @@ def pdl_available(device) -> bool:
         return False
     if os.environ.get("GRAPHDSL_PDL", "1") == "0" or not _triton_has_pdl():
         return False
-    return hopper(device.index if device.index is not None else torch.cuda.current_device())
+    return hopper(device)
 
 
 def pdl_launch(device) -> dict:
