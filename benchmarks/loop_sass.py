@@ -7,9 +7,10 @@ Llama-3-8B shape (its arguments, specialisations and constexprs, with the SM cou
 compiles that kernel with Triton for ``--arch`` (``ptxas`` and ``cuobjdump`` ship with Triton's
 NVIDIA backend), and counts the instructions between the loop's first instruction and its
 backward branch (the longest such loop in the kernel). Prints a table: instructions per K step
-and thread, weight bytes a thread reads per step, their ratio, the top opcodes.
+and thread, weight bytes a thread reads per step, their ratio, the barriers (``BAR``: a layout
+conversion through shared memory, which makes every warp of the program wait), the top opcodes.
 
-    python benchmarks/loop_sass.py [--arch 90] [--launch int4-qkv fp8-gate_up ...] [--no-x-wide]
+    python benchmarks/loop_sass.py [--arch 90] [--launch int4-qkv fp8-gate_up ...] [--no-x-wide] [--no-quads]
 
 Timing still needs the device (``decode_ab.py``): ``docs/quantization.md`` "Fewer instructions in
 the one-row loops" lists changes that cut instructions and ones that did not make the model faster.
@@ -43,9 +44,10 @@ LAUNCHES = {
 _SMS = 132
 
 
-def capture_launch(name: str, x_wide: bool = True):
+def capture_launch(name: str, x_wide: bool = True, quads: bool = True):
     """``(kernel, grid, args, kwargs)`` of the GEMV launch ``name`` (a key of ``LAUNCHES``), made
-    by ``gemv`` on CPU tensors with the kernel replaced by a recorder (nothing runs)."""
+    by ``gemv`` on CPU tensors with the kernel replaced by a recorder (nothing runs). ``x_wide`` /
+    ``quads``: the launch with ``gemv``'s ``_X_WIDE`` / ``_QUADS`` set so."""
     import graphdsl.runtime.kernels.gemv as G
     from graphdsl.quant import parse_scheme
     from graphdsl.runtime.kernels.int4_acts import pack_int4_activations_reference
@@ -65,12 +67,12 @@ def capture_launch(name: str, x_wide: bool = True):
         def __getitem__(self, grid):
             return lambda *args, **kwargs: seen.append((grid, args, kwargs))
 
-    saved = G._gemv_kernel, G._num_sms, G._X_WIDE
-    G._gemv_kernel, G._num_sms, G._X_WIDE = _Recorder(), lambda device: _SMS, x_wide
+    saved = G._gemv_kernel, G._num_sms, G._X_WIDE, G._QUADS
+    G._gemv_kernel, G._num_sms, G._X_WIDE, G._QUADS = _Recorder(), lambda device: _SMS, x_wide, quads
     try:
         G.gemv(x, w, silu_mul=silu, **kw)
     finally:
-        G._gemv_kernel, G._num_sms, G._X_WIDE = saved
+        G._gemv_kernel, G._num_sms, G._X_WIDE, G._QUADS = saved
     (grid, args, kwargs), = seen
     return G._gemv_kernel, grid, args, kwargs
 
@@ -154,21 +156,24 @@ def main(argv=None) -> int:
     ap.add_argument("--launch", nargs="+", default=[n for n in LAUNCHES if not n.startswith("bf16")],
                     choices=sorted(LAUNCHES))
     ap.add_argument("--no-x-wide", action="store_true", help="the activations read 16 bits at a time")
+    ap.add_argument("--no-quads", action="store_true",
+                    help="int4: the scales and activations loaded as [BLOCK_N, G] / [G, C], not in the quads' layout")
     args = ap.parse_args(argv)
     if os.environ.get("TRITON_INTERPRET") == "1":
         print("loop_sass.py compiles the kernels for a GPU: unset TRITON_INTERPRET (the interpreter runs them "
               "as Python instead)", file=sys.stderr)
         return 2
     print(f"## decode GEMV K loops, sm_{args.arch}, one row, Llama-3-8B projections\n")
-    print("| launch | BLOCK_N x BLOCK_K, split | instructions a step | weight bytes a thread | per byte | top opcodes |")
-    print("|---|---|---:|---:|---:|---|")
+    print("| launch | BLOCK_N x BLOCK_K, split | instructions a step | weight bytes a thread | per byte | barriers "
+          "| top opcodes |")
+    print("|---|---|---:|---:|---:|---:|---|")
     for name in args.launch:
-        kernel, grid, a, kw = capture_launch(name, x_wide=not args.no_x_wide)
+        kernel, grid, a, kw = capture_launch(name, x_wide=not args.no_x_wide, quads=not args.no_quads)
         shape = f"{kw['BLOCK_N']} x {kw['BLOCK_K']}, {grid[1]}"
         nbytes = _step_bytes(name, kw)
         count, ops = loop_instructions(compile_launch(kernel, a, dict(kw), args.arch).asm["cubin"])
         top = ", ".join(f"{o} {c}" for o, c in ops.most_common(5))
-        print(f"| {name} | {shape} | {count} | {nbytes} | {count / nbytes:.2f} | {top} |", flush=True)
+        print(f"| {name} | {shape} | {count} | {nbytes} | {count / nbytes:.2f} | {ops['BAR']} | {top} |", flush=True)
     return 0
 
 

@@ -106,6 +106,12 @@ _QUANT_STAGES = 4
 # one int4 row through integer dot products (_int4_step_dp4a) instead of float FMAs (_int4_step_float):
 # faster on the H200 (benchmarks/quant.py --sweep; _pick_quant_config), False for the A/B
 _INT4_INT_DOT = True
+# one int4 row through integer dots: each step's scales and (X_WIDE) activations loaded in the shape and layout of
+# the accumulator's quads (_int4_loads SC_QUAD, _x_quad_loads), so the loop converts no layout through shared
+# memory (12 BAR.SYNC a step before, none after; sm_90 SASS, benchmarks/loop_sass.py). In-model A/B (H200, µs a
+# batch-1 step, two builds each): 8B int4 2080 -> 2041 (the scales alone, which clears the packed gate/up loop:
+# 2050), 1B int4 631 -> 620. False for the A/B
+_QUADS = True
 # the one-row int4 and fp8 loops read their activations as int64 words, four 16-bit inputs each, where
 # aligned (_int4_loads, _fp8_row_loop): fewer instructions in loops bound by them. In-model A/B (H200, µs a
 # batch-1 step, two builds each): int4 8B 2194 -> 2156, 1B 677 -> 640 (with the planes' stride below). False: the A/B
@@ -278,7 +284,8 @@ def _x_at(x_ptr, perm_ptr, k, PERM: tl.constexpr):
 @triton.jit
 def _int4_loads(x_ptr, s_ptr, z_ptr, q_rows, rw, rg, rn64, c, w_hi, stride_sn, S: tl.constexpr,
                 GROUP: tl.constexpr, ZERO_POINT: tl.constexpr, XPACK: tl.constexpr = False, W_X=0,
-                perm_ptr=None, PERM: tl.constexpr = False, X_WIDE: tl.constexpr = False):
+                perm_ptr=None, PERM: tl.constexpr = False, X_WIDE: tl.constexpr = False,
+                SC_QUAD: tl.constexpr = False):
     """All that the step from word ``c`` reads, clamped to the slice's last ``S`` words (a prefetch
     past the slice re-reads them): the ``[BLOCK_N, G, C]`` words (unmasked, so 16-byte loads), the
     ``[BLOCK_N, G]`` scales and zero points (the scales again without ``ZERO_POINT``) and the eight
@@ -291,10 +298,15 @@ def _int4_loads(x_ptr, s_ptr, z_ptr, q_rows, rw, rg, rn64, c, w_hi, stride_sn, S
     activations at an 8-byte aligned address) a word's eight activations come as two int64 loads
     (inputs ``8j .. 8j + 3`` and ``8j + 4 .. 8j + 7``, then the first six times, unused) instead of
     eight 16-bit ones: the loop is bound by its instructions, and this takes six loads off each of
-    a thread's word columns a step (:func:`_x_lanes` unpacks them)."""
+    a thread's word columns a step (:func:`_x_lanes` unpacks them). With ``SC_QUAD`` the scales and
+    zero points come ``[BLOCK_N, G, C / 4]``, each repeated for the four-word quads of the integer
+    dots' accumulator: loaded in its shape they are loaded in its layout, where ``[BLOCK_N, G]``
+    ones were moved into it through shared memory every step."""
     c = tl.minimum(c, w_hi - S)
     w = tl.load(q_rows + (c + rw)[None, :, :])
     sg = rn64[:, None] * stride_sn + ((8 * c) // GROUP + rg)[None, :]
+    if SC_QUAD:
+        sg = sg[:, :, None] + tl.zeros([1, 1, S // (4 * rg.shape[0])], tl.int64)   # [BLOCK_N, G, C / 4]
     sc = tl.load(s_ptr + sg)
     if ZERO_POINT:
         z = tl.load(z_ptr + sg)
@@ -319,6 +331,22 @@ def _int4_loads(x_ptr, s_ptr, z_ptr, q_rows, rw, rg, rn64, c, w_hi, stride_sn, S
         xp = x_ptr + 8 * (c + rw)
         return (w, sc, z, tl.load(xp), tl.load(xp + 1), tl.load(xp + 2), tl.load(xp + 3), tl.load(xp + 4),
                 tl.load(xp + 5), tl.load(xp + 6), tl.load(xp + 7))
+
+
+@triton.jit
+def _x_quad_loads(x_ptr, c, w_hi, rg, S: tl.constexpr):
+    """The activations of the step from word ``c`` (clamped as :func:`_int4_loads` clamps) for
+    :func:`_int4_step_dp4a_quads`, 16-bit at an 8-byte aligned address: for each word ``i`` of a
+    quad (word ``4j + i`` of each group), its eight inputs as two int64, ``[G, C / 4]`` each:
+    ``lo_0, hi_0, ..., lo_3, hi_3``. In the shape of the accumulator's quads, these small loads
+    are made in its layout; the ``[G, C]`` ones of :func:`_int4_step_dp4a`, split into quads
+    after their bytes were made, took shared-memory conversions every step. (The activations
+    :func:`_int4_loads` returns beside them go unused, and the compiler drops their loads.)"""
+    c = tl.minimum(c, w_hi - S)
+    CQ: tl.constexpr = S // (4 * rg.shape[0])
+    xq = x_ptr.to(tl.pointer_type(tl.int64)) + 2 * (c + rg[:, None] * (4 * CQ) + 4 * tl.arange(0, CQ)[None, :])
+    return (tl.load(xq), tl.load(xq + 1), tl.load(xq + 2), tl.load(xq + 3), tl.load(xq + 4),
+            tl.load(xq + 5), tl.load(xq + 6), tl.load(xq + 7))
 
 
 @triton.jit
@@ -347,7 +375,8 @@ def _xpack_units(x_ptr, W_X, c, w_hi, rg, S: tl.constexpr, GROUP: tl.constexpr):
 def _int4_row(x_ptr, q_ptr, s_ptr, z_ptr, rn, N, w_lo, w_hi, W_ROW, stride_sn, M12, M16, M0F,
               BLOCK_N: tl.constexpr, ZERO_POINT: tl.constexpr, GROUP: tl.constexpr, G: tl.constexpr,
               INT_DOT: tl.constexpr, EMULATE: tl.constexpr, XPACK: tl.constexpr = False, W_X=0,
-              perm_ptr=None, PERM: tl.constexpr = False, X_WIDE: tl.constexpr = False):
+              perm_ptr=None, PERM: tl.constexpr = False, X_WIDE: tl.constexpr = False,
+              QUADS: tl.constexpr = False):
     """One row (batch-1 decode): ``sum_k x[k] * (q[n, k] - z[n, g]) * s[n, g]`` over the words
     ``[w_lo, w_hi)`` of each weight row, on CUDA cores instead of ``tl.dot`` (whose operand-layout
     shuffle and int->float conversions bound the tensor-core path at one row). ``q_ptr``: int32
@@ -371,13 +400,19 @@ def _int4_row(x_ptr, q_ptr, s_ptr, z_ptr, rn, N, w_lo, w_hi, W_ROW, stride_sn, M
     (:func:`.int4_acts.pack_int4_activations`, ``W_X`` words a plane), made once by the kernel
     before instead of by every program each step; the sums are the same bits. ``PERM``: act-order,
     input ``k`` of the groups is ``x[perm[k]]``. ``X_WIDE``: the activations read as int64 words
-    (:func:`_int4_loads`)."""
+    (:func:`_int4_loads`). ``QUADS``: with integer dots, the scales (``SC_QUAD``) and the 16-bit
+    activations (``X_QUAD``: :func:`_x_quad_loads`, :func:`_int4_step_dp4a_quads`) loaded in the
+    accumulator's layout."""
     C: tl.constexpr = GROUP // 8
     S: tl.constexpr = G * C
+    SC_QUAD: tl.constexpr = QUADS and (XPACK or INT_DOT)
+    X_QUAD: tl.constexpr = QUADS and INT_DOT and X_WIDE and not XPACK
     rw, rg, rn64, q_rows = _int4_rows(q_ptr, rn, N, W_ROW, G, C)
     nw, ns, nz, n0, n1, n2, n3, n4, n5, n6, n7 = _int4_loads(x_ptr, s_ptr, z_ptr, q_rows, rw, rg, rn64, w_lo, w_hi,
                                                              stride_sn, S, GROUP, ZERO_POINT, XPACK, W_X, perm_ptr,
-                                                             PERM, X_WIDE)
+                                                             PERM, X_WIDE, SC_QUAD)
+    if X_QUAD:
+        n0, n1, n2, n3, n4, n5, n6, n7 = _x_quad_loads(x_ptr, w_lo, w_hi, rg, S)
     if XPACK:
         na = _xpack_units(x_ptr, W_X, w_lo, w_hi, rg, S, GROUP)
     if XPACK or INT_DOT:
@@ -386,10 +421,15 @@ def _int4_row(x_ptr, q_ptr, s_ptr, z_ptr, rn, N, w_lo, w_hi, W_ROW, stride_sn, M
         acc = tl.zeros([BLOCK_N, G, C], tl.float32)
     for c in range(w_lo, w_hi, S):
         w = nw
-        sc, z = ns.to(tl.float32)[:, :, None], nz.to(tl.float32)[:, :, None]
+        if SC_QUAD:
+            sc, z = ns.to(tl.float32), nz.to(tl.float32)
+        else:
+            sc, z = ns.to(tl.float32)[:, :, None], nz.to(tl.float32)[:, :, None]
         if XPACK:
             he, ho, le, lo, xs, a = n0, n1, n2, n3, n4, na
             na = _xpack_units(x_ptr, W_X, c + S, w_hi, rg, S, GROUP)
+        elif X_QUAD:
+            q0, q1, q2, q3, q4, q5, q6, q7 = n0, n1, n2, n3, n4, n5, n6, n7
         elif X_WIDE:
             x0, x1, x2, x3 = _x_lanes(n0, x_ptr.dtype.element_ty)
             x4, x5, x6, x7 = _x_lanes(n1, x_ptr.dtype.element_ty)
@@ -398,9 +438,15 @@ def _int4_row(x_ptr, q_ptr, s_ptr, z_ptr, rn, N, w_lo, w_hi, W_ROW, stride_sn, M
             x4, x5, x6, x7 = n4.to(tl.float32), n5.to(tl.float32), n6.to(tl.float32), n7.to(tl.float32)
         nw, ns, nz, n0, n1, n2, n3, n4, n5, n6, n7 = _int4_loads(x_ptr, s_ptr, z_ptr, q_rows, rw, rg, rn64, c + S,
                                                                  w_hi, stride_sn, S, GROUP, ZERO_POINT, XPACK, W_X,
-                                                                 perm_ptr, PERM, X_WIDE)
+                                                                 perm_ptr, PERM, X_WIDE, SC_QUAD)
+        if X_QUAD:
+            n0, n1, n2, n3, n4, n5, n6, n7 = _x_quad_loads(x_ptr, c + S, w_hi, rg, S)
         if XPACK:
-            acc = _int4_dp4a_core(acc, w, sc, z, he, ho, le, lo, xs, a[None, :, None], M0F, ZERO_POINT, EMULATE)
+            acc = _int4_dp4a_core(acc, w, sc, z, _quad2(he), _quad2(ho), _quad2(le), _quad2(lo), _quad_sum(xs),
+                                  a[None, :, None], M0F, ZERO_POINT, EMULATE)
+        elif X_QUAD:
+            acc = _int4_step_dp4a_quads(acc, w, sc, z, q0, q1, q2, q3, q4, q5, q6, q7, M0F, ZERO_POINT, EMULATE,
+                                        x_ptr.dtype.element_ty)
         elif INT_DOT:
             acc = _int4_step_dp4a(acc, w, sc, z, x0, x1, x2, x3, x4, x5, x6, x7, M0F, ZERO_POINT, EMULATE)
         else:
@@ -573,16 +619,61 @@ def _int4_step_dp4a(acc, w, sc, z, x0, x1, x2, x3, x4, x5, x6, x7, M0F, ZERO_POI
     amax = _group_amax(x0, x1, x2, x3, x4, x5, x6, x7, 1)     # [G]; NaN if an input is not finite
     inv = tl.where(amax > 0, 32767.0 / amax, 0.0)[:, None]
     he, ho, le, lo, xs = _fixed16_planes(x0, x1, x2, x3, x4, x5, x6, x7, inv)
-    return _int4_dp4a_core(acc, w, sc, z, he, ho, le, lo, xs, (amax * (1.0 / 32767.0))[None, :, None], M0F, ZERO_POINT,
-                           EMULATE)
+    return _int4_dp4a_core(acc, w, sc, z, _quad2(he), _quad2(ho), _quad2(le), _quad2(lo), _quad_sum(xs),
+                           (amax * (1.0 / 32767.0))[None, :, None], M0F, ZERO_POINT, EMULATE)
 
 
 @triton.jit
-def _int4_dp4a_core(acc, w, sc, z, he, ho, le, lo, xs, a, M0F, ZERO_POINT: tl.constexpr, EMULATE: tl.constexpr):
+def _quad_inputs(lo, hi, DT: tl.constexpr):
+    """A word's eight 16-bit inputs (type ``DT``) from its two int64 (:func:`_x_quad_loads`), as float32."""
+    x0, x1, x2, x3 = _x_lanes(lo, DT)
+    x4, x5, x6, x7 = _x_lanes(hi, DT)
+    return x0, x1, x2, x3, x4, x5, x6, x7
+
+
+@triton.jit
+def _word_amax(lo, hi, DT: tl.constexpr):
+    """``max |x|`` over a word's eight inputs, NaN if one is NaN (as :func:`_group_amax`)."""
+    x0, x1, x2, x3, x4, x5, x6, x7 = _quad_inputs(lo, hi, DT)
+    return _max_nan(_max_nan(_max_nan(tl.abs(x0), tl.abs(x1)), _max_nan(tl.abs(x2), tl.abs(x3))),
+                    _max_nan(_max_nan(tl.abs(x4), tl.abs(x5)), _max_nan(tl.abs(x6), tl.abs(x7))))
+
+
+@triton.jit
+def _int4_step_dp4a_quads(acc, w, sc, z, l0, h0, l1, h1, l2, h2, l3, h3, M0F, ZERO_POINT: tl.constexpr,
+                          EMULATE: tl.constexpr, DT: tl.constexpr):
+    """:func:`_int4_step_dp4a` on activations that come a quad's word at a time (:func:`_x_quad_loads`:
+    ``l_i, h_i`` the two int64 of word ``4j + i``, ``[G, C / 4]``), ``sc``/``z`` ``[BLOCK_N, G, C / 4]``:
+    the same fixed point, bytes and sums (the same bits). Each thread makes the bytes of its own
+    quads' 32 inputs — four times the inputs a thread made per word before (642 SASS instructions a
+    step for the 8B qkv launch against 456), with no shared-memory conversion between the bytes and
+    the ``dp4a`` (12 ``BAR.SYNC`` a step before): faster in the model (``_QUADS``)."""
+    big = _max_nan(_max_nan(_word_amax(l0, h0, DT), _word_amax(l1, h1, DT)),
+                   _max_nan(_word_amax(l2, h2, DT), _word_amax(l3, h3, DT)))
+    amax = tl.max(big, axis=1) + tl.sum(big - big, axis=1)       # [G]; NaN if an input is not finite
+    inv = tl.where(amax > 0, 32767.0 / amax, 0.0)[:, None]
+    he0, ho0, le0, lo0, xs0 = _fixed16_planes(*_quad_inputs(l0, h0, DT), inv)
+    he1, ho1, le1, lo1, xs1 = _fixed16_planes(*_quad_inputs(l1, h1, DT), inv)
+    he2, ho2, le2, lo2, xs2 = _fixed16_planes(*_quad_inputs(l2, h2, DT), inv)
+    he3, ho3, le3, lo3, xs3 = _fixed16_planes(*_quad_inputs(l3, h3, DT), inv)
+    return _int4_dp4a_core(acc, w, sc, z, (he0, he1, he2, he3), (ho0, ho1, ho2, ho3), (le0, le1, le2, le3),
+                           (lo0, lo1, lo2, lo3), (xs0 + xs1) + (xs2 + xs3), (amax * (1.0 / 32767.0))[None, :, None],
+                           M0F, ZERO_POINT, EMULATE)
+
+
+@triton.jit
+def _quad_sum(xs):
+    """``[G, C / 4]``: the sums of ``xs [G, C]`` over each quad of words."""
+    x0, x1, x2, x3 = _quad2(xs)
+    return (x0 + x1) + (x2 + x3)
+
+
+@triton.jit
+def _int4_dp4a_core(acc, w, sc, z, he, ho, le, lo, xs4, a, M0F, ZERO_POINT: tl.constexpr, EMULATE: tl.constexpr):
     """The integer dot products of :func:`_int4_step_dp4a`: ``he``/``ho`` and ``le``/``lo`` the
-    ``[G, C]`` high and low activation bytes of each word's even / odd inputs, ``xs`` their
-    fixed-point sum, ``a`` the groups' fixed-point unit ``max|x_g| / 32767`` (broadcast against
-    ``[BLOCK_N, G, C]``).
+    high and low activation bytes of each word's even / odd inputs, each a tuple of the four
+    ``[G, C / 4]`` words of a quad (:func:`_quad2`), ``xs4`` the quads' fixed-point sums, ``a`` the
+    groups' fixed-point unit ``max|x_g| / 32767`` (broadcast against ``[BLOCK_N, G, C / 4]``).
 
     Four neighbouring words (a quad, 32 inputs of one group) share one conversion and
     multiply-add: the ``dp4a`` of their high bytes chain into one sum, those of their low bytes into
@@ -590,25 +681,19 @@ def _int4_dp4a_core(acc, w, sc, z, he, ho, le, lo, xs, a, M0F, ZERO_POINT: tl.co
     quad's integer dot product: below 2^24 in magnitude (``|q| <= 15``, 32 inputs of ``|xq| <=
     32767``; with the symmetric zero point taken off, ``|q - 8| <= 8``), so exact in float32.
     ``acc`` is ``[BLOCK_N, G, C / 4]``. A thread's four words are neighbours in the compiled
-    layout, so the weights' splits move no data; in the loop that makes its activation bytes the
-    compiler moves the bytes' quads through shared memory (a few barriers a step) and still issues
-    fewer instructions — 456 a step for the 8B qkv launch, against 640 before the chain, the
-    raw-bit bytes (:func:`_fixed16_bits`) and the bfloat16 lane split (:func:`_x_lanes`) — and
-    measured faster (docs/quantization.md, ``benchmarks/loop_sass.py``)."""
+    layout, so the weights' splits move no data. Activation bytes made as ``[G, C]`` and split
+    into quads are moved through shared memory (a few barriers a step: 456 instructions a step for
+    the 8B qkv launch, against 640 before the chain, the raw-bit bytes (:func:`_fixed16_bits`) and
+    the bfloat16 lane split (:func:`_x_lanes`)); made a quad's word at a time
+    (:func:`_int4_step_dp4a_quads`) they are not (docs/quantization.md, ``benchmarks/loop_sass.py``)."""
     we = w & M0F                    # nibbles 0, 2, 4, 6 (k = 8c, 8c+2, ...) as bytes
     wo = (w >> 4) & M0F             # nibbles 1, 3, 5, 7
     e0, e1, e2, e3 = _quad3(we)
     o0, o1, o2, o3 = _quad3(wo)
-    he0, he1, he2, he3 = _quad2(he)
-    ho0, ho1, ho2, ho3 = _quad2(ho)
-    le0, le1, le2, le3 = _quad2(le)
-    lo0, lo1, lo2, lo3 = _quad2(lo)
-    h = _dp4a_quad(e0, e1, e2, e3, he0, he1, he2, he3, tl.zeros_like(e0), True, EMULATE)
-    h = _dp4a_quad(o0, o1, o2, o3, ho0, ho1, ho2, ho3, h, True, EMULATE)
-    v = _dp4a_quad(e0, e1, e2, e3, le0, le1, le2, le3, h * 256, False, EMULATE)
-    v = _dp4a_quad(o0, o1, o2, o3, lo0, lo1, lo2, lo3, v, False, EMULATE)
-    x0, x1, x2, x3 = _quad2(xs)
-    xs4 = (x0 + x1) + (x2 + x3)     # [G, C / 4]: the quads' fixed-point sums
+    h = _dp4a_quad(e0, e1, e2, e3, he[0], he[1], he[2], he[3], tl.zeros_like(e0), True, EMULATE)
+    h = _dp4a_quad(o0, o1, o2, o3, ho[0], ho[1], ho[2], ho[3], h, True, EMULATE)
+    v = _dp4a_quad(e0, e1, e2, e3, le[0], le[1], le[2], le[3], h * 256, False, EMULATE)
+    v = _dp4a_quad(o0, o1, o2, o3, lo[0], lo[1], lo[2], lo[3], v, False, EMULATE)
     sc = sc * a
     if ZERO_POINT:
         acc += (v.to(tl.float32) - z * xs4.to(tl.float32)[None]) * sc
@@ -849,6 +934,7 @@ def _gemv_kernel(
     PACK: tl.constexpr = False,         # RMS_OUT, one row: also store row 0's y·weight packed (_pack_tile)
     PACK_GROUP: tl.constexpr = 128,     # PACK: the int4 group of the GEMV that reads it
     A8_KP: tl.constexpr = 16,           # W_FP8_A8: K padded to a power of two (the row-scale pass's width)
+    QUADS: tl.constexpr = False,        # one int4 row, integer dots: operands loaded in the accumulator's layout
 ):
     """out[m, n] = sum_k x[m, k] * w[n, k] (+ add[m, n]), float32 accumulation. With ``SWIGLU`` the
     tile's rows are the gate and up rows of ``BLOCK_N / 2`` output columns, interleaved (row ``2i``
@@ -900,7 +986,7 @@ def _gemv_kernel(
     if INT4 and ONE_ROW:
         row = _int4_row(x_ptr, w_ptr, s_ptr, z_ptr, rn, N2, w_lo, w_hi, W_ROW, stride_sn,
                         M12, M16, M0F, BLOCK_N, WKIND == 3, GROUP, BLOCK_K // GROUP, INT_DOT, EMULATE, XPACK,
-                        W_ROW, perm_ptr, PERM, X_WIDE)
+                        W_ROW, perm_ptr, PERM, X_WIDE, QUADS)
         acc = tl.where((rm == 0)[None, :], row[:, None], 0.0)
     elif WKIND == 4 and ONE_ROW:
         row = _fp8_row_loop(x_ptr, w_ptr, rn, N2, w_lo, w_hi, W_ROW, BLOCK_N,
@@ -1452,7 +1538,7 @@ def gemv(x: torch.Tensor, w: torch.Tensor, add: torch.Tensor | None = None, *, s
         PREFETCH=0 if interpret else _prefetch_lines(kind, one_row, block_k, k_split), XPACK=xpack is not None,
         perm_ptr=perm if perm is not None else out, PERM=perm is not None,
         X_WIDE=_X_WIDE and xpack is None and perm is None and x.stride(-1) == 1 and x.data_ptr() % 8 == 0,
-        A8_KP=_pow2(k) if kind == W_FP8_A8 else 16,
+        A8_KP=_pow2(k) if kind == W_FP8_A8 else 16, QUADS=_QUADS,
         **pdl_launch(x.device),
         **_lora_args(lora, out), **_rms_args(rms_out, rms_in, m, cols, k, block_n, silu_mul, out), **cfg)
     return out

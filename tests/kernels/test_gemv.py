@@ -287,6 +287,28 @@ def test_one_row_activations_read_as_int64_words_give_the_same_bits(name, int_do
     assert not torch.equal(wide, gemv(x.flip(-1).contiguous(), stored[0], **kw))
 
 
+@pytest.mark.parametrize("xpack", [False, True])
+@pytest.mark.parametrize("name", ["int4-g64", "int4-g128-zp"])
+def test_int4_operands_in_the_quads_layout_give_the_same_bits(name, xpack, monkeypatch):
+    """The one-row integer-dot loops with the scales, zero points and activations loaded in the
+    accumulator's quad layout (``_QUADS``: :func:`_x_quad_loads`, :func:`_int4_step_dp4a_quads`) are
+    the same bits as with them loaded ``[BLOCK_N, G]`` / ``[G, C]`` and split into quads, with two
+    groups a step and the K split (each program's quads span the groups of its slice)."""
+    import graphdsl.runtime.kernels.gemv as G
+    from graphdsl.runtime.kernels.int4_acts import pack_int4_activations
+    k, n, dtype = 512, 48, torch.bfloat16
+    s, stored, w = _quantized(name, n, k, dtype, seed=8)
+    x = torch.randn(1, k, generator=torch.Generator().manual_seed(9)).to(DEV, dtype)
+    cfg = dict(BLOCK_N=16, BLOCK_K=2 * s.group_size, SPLIT_K=2, num_warps=4, num_stages=2, INT_DOT=True)
+    kw = dict(config=cfg, scheme=s, scales=stored[1], zeros=stored[2] if len(stored) > 2 else None,
+              xpack=pack_int4_activations(x, s.group_size) if xpack else None)
+    quads = gemv(x, stored[0], workspace=GemvWorkspace(), **kw)
+    monkeypatch.setattr(G, "_QUADS", False)
+    assert torch.equal(quads, gemv(x, stored[0], workspace=GemvWorkspace(), **kw))
+    ref = x.double().cpu() @ w.double().cpu().T
+    assert torch.allclose(quads.double().cpu(), ref, rtol=1e-2, atol=2e-2)
+
+
 def test_int4_integer_dot_row_gives_nan_for_a_nan_input():
     """A NaN activation must not vanish into the fixed-point scale (a max that skips NaN would)."""
     s, stored, _ = _quantized("int4-g64", 16, 128, torch.float16, seed=5)

@@ -47,9 +47,33 @@ def test_the_int4_loop_is_counted_for_hopper(sass):
     cells = [c.strip() for c in row.strip("|").split("|")]
     count, nbytes = int(cells[2]), int(cells[3])
     assert nbytes == 256 * 128 // 2 // 128                 # 256 rows x 128 int4 inputs over 128 threads
-    idp = int(cells[5].split("IDP ")[1].split(",")[0])
+    idp = int(cells[6].split("IDP ")[1].split(",")[0])
     assert idp == nbytes                                   # four dp4a a 4-byte word of eight weights
     assert idp < count < 8 * idp
+
+
+def _barriers(*flags):
+    """``{launch: BAR count}`` of the int4 qkv and packed gate/up loops, from a run of the script."""
+    root = pathlib.Path(__file__).resolve().parents[2]
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    run = subprocess.run([sys.executable, str(root / "benchmarks" / "loop_sass.py"), "--launch", "int4-qkv",
+                          "int4-gate_up", *flags], capture_output=True, text=True, env=env, cwd=root, timeout=300)
+    assert run.returncode == 0, run.stderr[-2000:]
+    rows = [[c.strip() for c in line.strip("|").split("|")] for line in run.stdout.splitlines()
+            if line.startswith("| int4-")]
+    return {cells[0]: int(cells[5]) for cells in rows}
+
+
+def test_the_int4_loops_convert_no_layout_through_shared_memory(sass):
+    """With the scales and activations loaded in the quads' layout (``gemv._QUADS``) neither int4
+    loop has a barrier; loaded as ``[BLOCK_N, G]`` / ``[G, C]`` both had (conversions each step)."""
+    try:
+        sass._cuobjdump()
+    except FileNotFoundError:
+        pytest.skip("this Triton has no NVIDIA backend binaries")
+    assert _barriers() == {"int4-qkv": 0, "int4-gate_up": 0}
+    before = _barriers("--no-quads")
+    assert before["int4-qkv"] > 0 and before["int4-gate_up"] > 0
 
 
 def test_interpreter_mode_is_refused_with_a_reason():
