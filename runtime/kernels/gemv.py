@@ -1158,7 +1158,9 @@ def _pick_quant_config(m: int, n: int, k: int, wkind: int, group: int, device: t
     programs a SM: qkv 9.2 µs at split 8, o 7.2 at 16, gate_up 30.2 at 2, down 15.6 at 16 (47%
     of copy on gate_up and down; the float loop with the same prefetch: 9.4, 7.5, 35.4, 18.4).
     Before the prefetch both loops ran at 10.0-11.0, 7.3-7.7, 33-34 and 17.4-18.0 µs: the
-    scale load inside the step stalled it by a memory latency.
+    scale load inside the step stalled it by a memory latency. With the step's operands loaded in
+    the accumulator's layout (``_QUADS``: :func:`_int4_step_dp4a_quads`) the same launches stayed
+    best in the model (128-row tiles, or up to four programs a SM, slower; docs/performance.md).
 
     int4, more rows (the ``tl.dot`` path): 128-row tiles, K split until there are about four
     programs per SM, 256-input steps while the split is at most 4 (else 128).
