@@ -646,7 +646,7 @@ def _int4_step_dp4a_quads(acc, w, sc, z, l0, h0, l1, h1, l2, h2, l3, h3, M0F, ZE
     ``l_i, h_i`` the two int64 of word ``4j + i``, ``[G, C / 4]``), ``sc``/``z`` ``[BLOCK_N, G, C / 4]``:
     the same fixed point, bytes and sums (the same bits). Each thread makes the bytes of its own
     quads' 32 inputs — four times the inputs a thread made per word before (642 SASS instructions a
-    step for the 8B qkv launch against 456), with no shared-memory conversion between the bytes and
+    step for the 8B qkv launch against 458), with no shared-memory conversion between the bytes and
     the ``dp4a`` (12 ``BAR.SYNC`` a step before): faster in the model (``_QUADS``)."""
     big = _max_nan(_max_nan(_word_amax(l0, h0, DT), _word_amax(l1, h1, DT)),
                    _max_nan(_word_amax(l2, h2, DT), _word_amax(l3, h3, DT)))
