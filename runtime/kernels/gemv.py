@@ -553,12 +553,23 @@ def _fixed16_planes(x0, x1, x2, x3, x4, x5, x6, x7, inv):
 
 
 @triton.jit
+def _abs_max8(x0, x1, x2, x3, x4, x5, x6, x7):
+    """Elementwise ``max |x|`` of the eight input vectors, NaN where one is NaN."""
+    return _max_nan(_max_nan(_max_nan(tl.abs(x0), tl.abs(x1)), _max_nan(tl.abs(x2), tl.abs(x3))),
+                    _max_nan(_max_nan(tl.abs(x4), tl.abs(x5)), _max_nan(tl.abs(x6), tl.abs(x7))))
+
+
+@triton.jit
+def _finite_max(big, AXIS: tl.constexpr):
+    """``max`` of ``big`` (non-negative) along ``AXIS``, NaN if any entry is not finite."""
+    return tl.max(big, axis=AXIS) + tl.sum(big - big, axis=AXIS)
+
+
+@triton.jit
 def _group_amax(x0, x1, x2, x3, x4, x5, x6, x7, AXIS: tl.constexpr):
     """``max |x|`` over the eight input vectors and along ``AXIS`` (a group's words), NaN if any
     input is not finite: the scale of the packed activations (:mod:`.int4_acts`)."""
-    big = _max_nan(_max_nan(_max_nan(tl.abs(x0), tl.abs(x1)), _max_nan(tl.abs(x2), tl.abs(x3))),
-                   _max_nan(_max_nan(tl.abs(x4), tl.abs(x5)), _max_nan(tl.abs(x6), tl.abs(x7))))
-    return tl.max(big, axis=AXIS) + tl.sum(big - big, axis=AXIS)
+    return _finite_max(_abs_max8(x0, x1, x2, x3, x4, x5, x6, x7), AXIS)
 
 
 @triton.jit
@@ -632,14 +643,6 @@ def _quad_inputs(lo, hi, DT: tl.constexpr):
 
 
 @triton.jit
-def _word_amax(lo, hi, DT: tl.constexpr):
-    """``max |x|`` over a word's eight inputs, NaN if one is NaN (as :func:`_group_amax`)."""
-    x0, x1, x2, x3, x4, x5, x6, x7 = _quad_inputs(lo, hi, DT)
-    return _max_nan(_max_nan(_max_nan(tl.abs(x0), tl.abs(x1)), _max_nan(tl.abs(x2), tl.abs(x3))),
-                    _max_nan(_max_nan(tl.abs(x4), tl.abs(x5)), _max_nan(tl.abs(x6), tl.abs(x7))))
-
-
-@triton.jit
 def _int4_step_dp4a_quads(acc, w, sc, z, l0, h0, l1, h1, l2, h2, l3, h3, M0F, ZERO_POINT: tl.constexpr,
                           EMULATE: tl.constexpr, DT: tl.constexpr):
     """:func:`_int4_step_dp4a` on activations that come a quad's word at a time (:func:`_x_quad_loads`:
@@ -648,9 +651,9 @@ def _int4_step_dp4a_quads(acc, w, sc, z, l0, h0, l1, h1, l2, h2, l3, h3, M0F, ZE
     quads' 32 inputs — four times the inputs a thread made per word before (642 SASS instructions a
     step for the 8B qkv launch against 458), with no shared-memory conversion between the bytes and
     the ``dp4a`` (12 ``BAR.SYNC`` a step before): faster in the model (``_QUADS``)."""
-    big = _max_nan(_max_nan(_word_amax(l0, h0, DT), _word_amax(l1, h1, DT)),
-                   _max_nan(_word_amax(l2, h2, DT), _word_amax(l3, h3, DT)))
-    amax = tl.max(big, axis=1) + tl.sum(big - big, axis=1)       # [G]; NaN if an input is not finite
+    big = _max_nan(_max_nan(_abs_max8(*_quad_inputs(l0, h0, DT)), _abs_max8(*_quad_inputs(l1, h1, DT))),
+                   _max_nan(_abs_max8(*_quad_inputs(l2, h2, DT)), _abs_max8(*_quad_inputs(l3, h3, DT))))
+    amax = _finite_max(big, 1)               # [G]; NaN if an input is not finite
     inv = tl.where(amax > 0, 32767.0 / amax, 0.0)[:, None]
     he0, ho0, le0, lo0, xs0 = _fixed16_planes(*_quad_inputs(l0, h0, DT), inv)
     he1, ho1, le1, lo1, xs1 = _fixed16_planes(*_quad_inputs(l1, h1, DT), inv)
