@@ -28,12 +28,13 @@ import tempfile
 
 import torch
 
-# (weight scheme, N, K, SwiGLU, packed activations): the Llama-3-8B projections' one-row launches
+# (weight scheme, N, K, SwiGLU, packed activations): the Llama-3-8B projections' one-row launches (int4 codes in
+# blocks, as a CUDA bind stores them: layers.quantize.store_int4_codes)
 LAUNCHES = {
-    "int4-qkv": ("int4-g128", 6144, 4096, False, False),
-    "int4-o": ("int4-g128", 4096, 4096, False, False),
-    "int4-gate_up": ("int4-g128", 28672, 4096, True, True),
-    "int4-down": ("int4-g128", 4096, 14336, False, False),
+    "int4-qkv": ("int4-g128-kb", 6144, 4096, False, False),
+    "int4-o": ("int4-g128-kb", 4096, 4096, False, False),
+    "int4-gate_up": ("int4-g128-kb", 28672, 4096, True, True),
+    "int4-down": ("int4-g128-kb", 4096, 14336, False, False),
     "fp8-qkv": ("fp8-channel", 6144, 4096, False, False),
     "fp8-gate_up": ("fp8-channel", 28672, 4096, True, False),
     "fp8a8-qkv": ("fp8-channel-dyn", 6144, 4096, False, False),

@@ -66,15 +66,26 @@ def _graph_us(call, copies: list) -> float:
     return graph_ms(run, repeats=1, warmup_ms=10, rep_ms=60) * 1e3 / len(copies)
 
 
+def _as_bound(scheme):
+    """The scheme a CUDA bind leaves a weight in: int4 codes in blocks of 128 inputs
+    (``layers.quantize.store_int4_codes``, unless ``INT4_BLOCKS`` is off)."""
+    from graphdsl.layers import quantize
+    from graphdsl.quant import IntScheme
+    if isinstance(scheme, IntScheme) and scheme.bits == 4:
+        return scheme.with_blocks(quantize.INT4_BLOCKS)
+    return scheme
+
+
 def kernel_rows(shape: str, schemes: list[str], copy: float) -> list[str]:
     """Per projection and scheme: µs and GB/s of the batch-1 decode GEMV the engine runs for
-    ``quant_linear`` (gate_up with its SwiGLU epilogue), timed as :func:`_graph_us` does; GB/s of
-    the stored weight bytes."""
+    ``quant_linear`` (gate_up with its SwiGLU epilogue; the codes in the layout a CUDA bind
+    stores, :func:`_as_bound`), timed as :func:`_graph_us` does; GB/s of the stored weight bytes
+    (int4's blocks: their padding too)."""
     from graphdsl.quant import online_scheme
     from graphdsl.runtime.kernels.gemv import GemvWorkspace, gemv
     ws, rows = GemvWorkspace(), []
     for name in schemes:
-        s = online_scheme(name)
+        s = _as_bound(online_scheme(name))
         for proj, (n, k) in _projections(shape).items():
             copies = _copies(s.quantize(torch.randn(n, k, device="cuda", dtype=torch.bfloat16)))
             x = torch.randn(1, k, device="cuda", dtype=torch.bfloat16)
@@ -86,7 +97,7 @@ def kernel_rows(shape: str, schemes: list[str], copy: float) -> list[str]:
             del copies
             torch.cuda.empty_cache()
         if s.name.startswith("int4"):
-            rows += gemlite_rows(shape, s, copy)
+            rows += gemlite_rows(shape, s.with_blocks(False), copy)
     return rows
 
 
@@ -136,7 +147,7 @@ def sweep(shape: str, schemes: list[str], copy: float, *, top: int = 3, int_dot_
     rows = []
     ws = GemvWorkspace()
     for name in schemes:
-        s = online_scheme(name)
+        s = _as_bound(online_scheme(name))
         for proj, (n, k) in _projections(shape).items():
             copies = _copies(s.quantize(torch.randn(n, k, device="cuda", dtype=torch.bfloat16)))
             nbytes = sum(t.numel() * t.element_size() for t in copies[0])

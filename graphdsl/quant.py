@@ -18,7 +18,10 @@ says how to read ``W`` back:
   ``zero_point [out, in // g]``, ``s [out, in // g]``. ``-act`` (``int4-g128-zp-act``, GPTQ's
   act-order): the groups take the inputs in the order of companion ``perm`` (int32 ``[in]``), the
   codes' columns stored in that order; ``F.linear`` gathers ``x[..., perm]`` and runs the plain
-  scheme's ``quant_linear``.
+  scheme's ``quant_linear``. ``-kb`` (``int4-g128-kb``, after any other suffix): the same bytes in
+  blocks of 128 inputs, ``packed [ceil(in / 128), out, 64]`` (:func:`int4_blocks`): a block's rows
+  lie next to one another, so a decode GEMV's step over many rows reads one contiguous piece of
+  memory. Models bound to a CUDA device store their int4 weights so (``FlashCausalLM.bind``).
 
 Schemes are frozen, hashable and named by a canonical string (:attr:`QuantScheme.name`, what
 graphs carry as the ``quant_linear`` op's ``scheme`` attribute, print and dump).
@@ -38,7 +41,8 @@ import torch
 from .errors import GraphDSLError
 
 __all__ = ["QuantMethod", "Companion", "PERM_SUFFIX", "QuantScheme", "Fp8Scheme", "IntScheme", "parse_scheme",
-           "register_scheme", "registered_scheme_families", "online_scheme", "FP8_MAX"]
+           "register_scheme", "registered_scheme_families", "online_scheme", "FP8_MAX", "INT4_BLOCK_BYTES",
+           "int4_blocks", "int4_unblocks"]
 
 FP8_MAX = 448.0          # largest finite float8 e4m3fn
 
@@ -184,16 +188,19 @@ class IntScheme(QuantScheme):
     inputs, symmetric or with zero points). ``act_order`` (int4, GPTQ's ``desc_act``): the groups
     gather inputs in another order, kept as companion ``_perm`` (int32 ``[in]``): the codes are
     stored with their columns in that order, ``W[:, perm] = (q - z) * s`` over contiguous groups,
-    so ``x @ W.T = x[..., perm] @ W'.T`` runs the plain int4 kernels after one gather."""
+    so ``x @ W.T = x[..., perm] @ W'.T`` runs the plain int4 kernels after one gather. ``blocked``
+    (int4): the codes stored in blocks of 128 inputs (:func:`int4_blocks`)."""
 
     bits: int = 4
     group_size: int | None = 128
     zero_point: bool = False
     act_order: bool = False
+    blocked: bool = False
 
     def __post_init__(self):
-        if self.act_order and self.bits != 4:
-            raise GraphDSLError(f"act_order applies to int4 weights, got bits={self.bits}")
+        for flag in ("act_order", "blocked"):
+            if getattr(self, flag) and self.bits != 4:
+                raise GraphDSLError(f"{flag} applies to int4 weights, got bits={self.bits}")
         if self.bits == 8:
             if self.group_size is not None or self.zero_point:
                 raise GraphDSLError(f"int8 weights are per-channel and symmetric; got group_size={self.group_size}, "
@@ -208,7 +215,8 @@ class IntScheme(QuantScheme):
     def name(self) -> str:
         if self.bits == 8:
             return "int8-channel"
-        return f"int4-g{self.group_size}{'-zp' if self.zero_point else ''}{'-act' if self.act_order else ''}"
+        return (f"int4-g{self.group_size}{'-zp' if self.zero_point else ''}{'-act' if self.act_order else ''}"
+                f"{'-kb' if self.blocked else ''}")
 
     @property
     def permutes_input(self) -> bool:
@@ -216,7 +224,11 @@ class IntScheme(QuantScheme):
 
     @property
     def kernel_scheme(self) -> "IntScheme":
-        return IntScheme(self.bits, self.group_size, self.zero_point) if self.act_order else self
+        return IntScheme(self.bits, self.group_size, self.zero_point, blocked=self.blocked) if self.act_order else self
+
+    def with_blocks(self, blocked: bool = True) -> "IntScheme":
+        """This scheme with its int4 codes stored in blocks (``blocked``) or row by row."""
+        return IntScheme(self.bits, self.group_size, self.zero_point, self.act_order, blocked)
 
     def groups(self, in_features: int) -> int:
         return 1 if self.group_size is None else in_features // self.group_size
@@ -231,6 +243,8 @@ class IntScheme(QuantScheme):
     def companions(self, out_features, in_features):
         g = self.groups(in_features)
         packed = (Companion("_packed", (out_features, in_features), torch.int8) if self.bits == 8 else
+                  Companion("_packed", (-(-in_features // 128), out_features, INT4_BLOCK_BYTES), torch.uint8,
+                            per_row=False) if self.blocked else
                   Companion("_packed", (out_features, in_features // 2), torch.uint8))
         out = (packed, Companion("_scale", (out_features, g), None))
         out += (Companion("_zero_point", (out_features, g), None),) if self.zero_point else ()
@@ -243,7 +257,7 @@ class IntScheme(QuantScheme):
         if self.bits == 8:
             return (tensors[0].float() * tensors[1].float()).to(dtype)
         n, g = out_features, self.groups(in_features)
-        q = unpack_int4(tensors[0]).reshape(n, g, self.group_size).float()
+        q = unpack_int4(self._rows(tensors[0], in_features)).reshape(n, g, self.group_size).float()
         q = q - (tensors[2].float()[..., None] if self.zero_point else 8.0)
         return (q * tensors[1].float()[..., None]).reshape(n, in_features).to(dtype)
 
@@ -262,7 +276,7 @@ class IntScheme(QuantScheme):
             y = xf @ self.dequantize(tensors, out_features, in_features, torch.float32).T
         else:
             n, g = out_features, self.groups(in_features)
-            q = unpack_int4(tensors[0]).float().reshape(n, g, self.group_size)
+            q = unpack_int4(self._rows(tensors[0], in_features)).float().reshape(n, g, self.group_size)
             xg = xf.reshape(-1, g, self.group_size)
             part = torch.einsum("mgk,ngk->mng", xg, q)
             zero = tensors[2].float() if self.zero_point else torch.full((1, 1), 8.0, device=part.device)
@@ -286,10 +300,44 @@ class IntScheme(QuantScheme):
             s = s.to(dtype).float()            # quantize against the scale actually stored
             z = torch.round(-lo / s).clamp(0, 15)
             q = torch.round(wg / s[..., None] + z[..., None]).clamp(0, 15)
-            return [pack_int4(q.reshape(n, k).to(torch.uint8)), s.to(dtype), z.to(dtype)]
+            return [self._stored(pack_int4(q.reshape(n, k).to(torch.uint8))), s.to(dtype), z.to(dtype)]
         s = (wg.abs().amax(-1) / 7.0).clamp(min=1e-12).to(dtype).float()
         q = (torch.round(wg / s[..., None]).clamp(-8, 7) + 8).reshape(n, k).to(torch.uint8)
-        return [pack_int4(q), s.to(dtype)]
+        return [self._stored(pack_int4(q)), s.to(dtype)]
+
+    def _stored(self, packed: torch.Tensor) -> torch.Tensor:
+        return int4_blocks(packed) if self.blocked else packed
+
+    def _rows(self, packed: torch.Tensor, in_features: int) -> torch.Tensor:
+        return int4_unblocks(packed, in_features) if self.blocked else packed
+
+
+INT4_BLOCK_BYTES = 64     # a block of int4 codes: 128 inputs of each row (IntScheme.blocked)
+
+
+def int4_blocks(packed: torch.Tensor) -> torch.Tensor:
+    """``[n, k // 2]`` int4 bytes (:func:`pack_int4`) -> ``[ceil(k / 128), n, 64]``: byte ``j`` of row
+    ``r`` at ``[j // 64, r, j % 64]`` (a last block short of 128 inputs padded with zero bytes)."""
+    if packed.dim() != 2 or packed.dtype != torch.uint8:
+        raise GraphDSLError(f"int4_blocks: packed must be a 2-D uint8 [out, in / 2] tensor, got "
+                            f"{list(packed.shape)} {packed.dtype}")
+    n, half = packed.shape
+    blocks = -(-half // INT4_BLOCK_BYTES)
+    out = torch.zeros(blocks, n, INT4_BLOCK_BYTES, dtype=torch.uint8, device=packed.device)
+    whole = half // INT4_BLOCK_BYTES
+    out[:whole] = packed[:, :whole * INT4_BLOCK_BYTES].reshape(n, whole, INT4_BLOCK_BYTES).transpose(0, 1)
+    if whole < blocks:
+        out[whole, :, :half - whole * INT4_BLOCK_BYTES] = packed[:, whole * INT4_BLOCK_BYTES:]
+    return out
+
+
+def int4_unblocks(blocks: torch.Tensor, in_features: int) -> torch.Tensor:
+    """Inverse of :func:`int4_blocks`: ``[ceil(in / 128), n, 64]`` -> ``[n, in // 2]`` bytes."""
+    half = in_features // 2
+    if blocks.dim() != 3 or blocks.shape[0] != -(-half // INT4_BLOCK_BYTES) or blocks.shape[2] != INT4_BLOCK_BYTES:
+        raise GraphDSLError(f"int4_unblocks: blocks must be [{-(-half // INT4_BLOCK_BYTES)}, out, "
+                            f"{INT4_BLOCK_BYTES}] for {in_features} inputs, got {list(blocks.shape)}")
+    return blocks.transpose(0, 1).reshape(blocks.shape[1], -1)[:, :half]
 
 
 def pack_int4(q: torch.Tensor) -> torch.Tensor:
@@ -348,10 +396,12 @@ def _parse_int(name: str) -> QuantScheme:
     parts = name.split("-")
     if parts == ["int8", "channel"]:
         return IntScheme(8, None, False)
+    blocked = parts[-1:] == ["kb"]
+    parts = parts[:-1] if blocked else parts
     if parts[0] == "int4" and len(parts) in (2, 3, 4) and parts[1][:1] == "g" and parts[1][1:].isdigit() \
             and parts[2:] in ([], ["zp"], ["act"], ["zp", "act"]):
-        return IntScheme(4, int(parts[1][1:]), "zp" in parts[2:], "act" in parts[2:])
-    raise GraphDSLError(f"unknown integer scheme {name!r}: int8-channel or int4-g{{32,64,128}}[-zp][-act]")
+        return IntScheme(4, int(parts[1][1:]), "zp" in parts[2:], "act" in parts[2:], blocked)
+    raise GraphDSLError(f"unknown integer scheme {name!r}: int8-channel or int4-g{{32,64,128}}[-zp][-act][-kb]")
 
 
 register_scheme("fp8", _parse_fp8)

@@ -17,6 +17,7 @@ from typing import Iterable
 import torch
 
 from graphdsl.errors import GraphDSLError
+from graphdsl.quant import IntScheme
 from graphdsl.layers.linear import ColumnParallelLinear, RowParallelLinear
 from graphdsl.layers.checkpoint import CheckpointSlot
 from graphdsl.runtime.gguf_blocks import GGUFBlockWeight, to_stored
@@ -95,6 +96,9 @@ def load_weights(model: FlashCausalLM, tensors: Iterable[tuple[str, torch.Tensor
     dtype = dtype or model.dtype
     table = model.checkpoint_table()
     params = dict(model.named_parameters())
+    for p in params.values():          # bound on CUDA before (store_int4_codes): checkpoints hold codes by rows
+        if isinstance(p.quant, IntScheme) and p.quant.blocked:
+            p.quantize(p.quant.with_blocks(False))
     tied = model.tied_parameters()
     where = model.parameter_devices()
     if quantized:

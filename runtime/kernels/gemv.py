@@ -40,8 +40,10 @@ rows, so the op is bound by the bytes of ``w`` and by how many of them are in fl
   before (:mod:`.int4_acts`, or stored by the producer of a carried norm: :class:`GemvRmsOut`)
   instead of making them. These loops are bound by their instructions: they read 16-bit
   activations four to an int64 load (``X_WIDE``) and chain the ``dp4a`` of four words
-  (``benchmarks/loop_sass.py`` counts them). Launches: :func:`_pick_quant_config`,
-  :func:`_pick_xpack_config`.
+  (``benchmarks/loop_sass.py`` counts them). int4 codes may come in blocks of 128 inputs
+  (``scheme.blocked``, ``w [K / 128, N, 64]``: ``KB``, :func:`_kb_words`), the layout a CUDA bind
+  stores: a step of many rows then reads one contiguous piece (8B int4 step 2068 -> 1943 µs on an
+  H200). Launches: :func:`_pick_quant_config`, :func:`_pick_xpack_config`.
 * **fp8 with dynamic activation scales** (W8A8, ``W_FP8_A8``): each row's scale
   ``max|x_row| / 448`` first (:func:`_a8_row_scales`, the whole row read before the K loop), then
   every K step rounds its activation tile times ``1 / scale`` to e4m3 (:func:`_to_e4m3`) and
@@ -82,6 +84,7 @@ import triton
 import triton.language as tl
 
 from graphdsl.errors import GraphDSLError
+from graphdsl.quant import INT4_BLOCK_BYTES
 
 from .pdl import hopper, pdl_launch, pdl_trigger, pdl_wait, prefetch_l2
 from .splitk import arrive, depart, sum_partials
@@ -264,13 +267,25 @@ def _step_words(q_rows, c, w_hi, rc, C: tl.constexpr):
 
 
 @triton.jit
-def _int4_rows(q_ptr, rn, N, W_ROW, G: tl.constexpr, C: tl.constexpr):
+def _int4_rows(q_ptr, rn, N, W_ROW, G: tl.constexpr, C: tl.constexpr, KB: tl.constexpr = False):
     """The int4 one-row loops' start, a step being ``G`` groups of ``C`` words of each row: the
     ``[G, C]`` word offsets of a step, the ``[G]`` group offsets, the rows as int64 indices (rows
-    past ``N`` read row ``N - 1``, never stored) and ``[BLOCK_N, 1, 1]`` pointers to their first word."""
+    past ``N`` read row ``N - 1``, never stored) and ``[BLOCK_N, 1, 1]`` pointers to their first word
+    (``KB``: in the first block, :func:`_kb_words`)."""
     rw = tl.arange(0, G)[:, None] * C + tl.arange(0, C)[None, :]
     rn64 = tl.minimum(rn, N - 1).to(tl.int64)
+    if KB:
+        return rw, tl.arange(0, G), rn64, q_ptr + rn64[:, None, None] * 16
     return rw, tl.arange(0, G), rn64, q_ptr + rn64[:, None, None] * W_ROW
+
+
+@triton.jit
+def _kb_words(kw, rows, UNIT: tl.constexpr):
+    """Where element ``kw`` of a row lies, counted from that row's ``UNIT`` elements in the first block,
+    for int4 codes stored in blocks (``scheme.blocked``, :func:`graphdsl.quant.int4_blocks`): each block
+    holds ``UNIT`` elements of every one of the ``rows`` rows (64 bytes: 16 int32 or 32 int16 words),
+    block after block, so block ``kw // UNIT`` starts ``rows * UNIT`` elements after the one before."""
+    return (kw // UNIT) * (rows * UNIT) + kw % UNIT
 
 
 @triton.jit
@@ -285,7 +300,7 @@ def _x_at(x_ptr, perm_ptr, k, PERM: tl.constexpr):
 def _int4_loads(x_ptr, s_ptr, z_ptr, q_rows, rw, rg, rn64, c, w_hi, stride_sn, S: tl.constexpr,
                 GROUP: tl.constexpr, ZERO_POINT: tl.constexpr, XPACK: tl.constexpr = False, W_X=0,
                 perm_ptr=None, PERM: tl.constexpr = False, X_WIDE: tl.constexpr = False,
-                SC_QUAD: tl.constexpr = False):
+                SC_QUAD: tl.constexpr = False, KB: tl.constexpr = False, KB_ROWS=1):
     """All that the step from word ``c`` reads, clamped to the slice's last ``S`` words (a prefetch
     past the slice re-reads them): the ``[BLOCK_N, G, C]`` words (unmasked, so 16-byte loads), the
     ``[BLOCK_N, G]`` scales and zero points (the scales again without ``ZERO_POINT``) and the eight
@@ -301,9 +316,13 @@ def _int4_loads(x_ptr, s_ptr, z_ptr, q_rows, rw, rg, rn64, c, w_hi, stride_sn, S
     a thread's word columns a step (:func:`_x_lanes` unpacks them). With ``SC_QUAD`` the scales and
     zero points come ``[BLOCK_N, G, C / 4]``, each repeated for the four-word quads of the integer
     dots' accumulator: loaded in its shape they are loaded in its layout, where ``[BLOCK_N, G]``
-    ones were moved into it through shared memory every step."""
+    ones were moved into it through shared memory every step. ``KB``: the words stored in blocks of
+    ``KB_ROWS`` rows (:func:`_kb_words`)."""
     c = tl.minimum(c, w_hi - S)
-    w = tl.load(q_rows + (c + rw)[None, :, :])
+    if KB:
+        w = tl.load(q_rows + _kb_words(c + rw, KB_ROWS, 16)[None, :, :])
+    else:
+        w = tl.load(q_rows + (c + rw)[None, :, :])
     sg = rn64[:, None] * stride_sn + ((8 * c) // GROUP + rg)[None, :]
     if SC_QUAD:
         sg = sg[:, :, None] + tl.zeros([1, 1, S // (4 * rg.shape[0])], tl.int64)   # [BLOCK_N, G, C / 4]
@@ -376,7 +395,7 @@ def _int4_row(x_ptr, q_ptr, s_ptr, z_ptr, rn, N, w_lo, w_hi, W_ROW, stride_sn, M
               BLOCK_N: tl.constexpr, ZERO_POINT: tl.constexpr, GROUP: tl.constexpr, G: tl.constexpr,
               INT_DOT: tl.constexpr, EMULATE: tl.constexpr, XPACK: tl.constexpr = False, W_X=0,
               perm_ptr=None, PERM: tl.constexpr = False, X_WIDE: tl.constexpr = False,
-              QUADS: tl.constexpr = False):
+              QUADS: tl.constexpr = False, KB: tl.constexpr = False):
     """One row (batch-1 decode): ``sum_k x[k] * (q[n, k] - z[n, g]) * s[n, g]`` over the words
     ``[w_lo, w_hi)`` of each weight row, on CUDA cores instead of ``tl.dot`` (whose operand-layout
     shuffle and int->float conversions bound the tensor-core path at one row). ``q_ptr``: int32
@@ -402,15 +421,16 @@ def _int4_row(x_ptr, q_ptr, s_ptr, z_ptr, rn, N, w_lo, w_hi, W_ROW, stride_sn, M
     input ``k`` of the groups is ``x[perm[k]]``. ``X_WIDE``: the activations read as int64 words
     (:func:`_int4_loads`). ``QUADS``: with integer dots, the scales (``SC_QUAD``) and the 16-bit
     activations (``X_QUAD``: :func:`_x_quad_loads`, :func:`_int4_step_dp4a_quads`) loaded in the
-    accumulator's layout."""
+    accumulator's layout. ``KB``: the words stored in blocks (``scheme.blocked``; the block's rows are
+    ``N``'s, the weight's)."""
     C: tl.constexpr = GROUP // 8
     S: tl.constexpr = G * C
     SC_QUAD: tl.constexpr = QUADS and (XPACK or INT_DOT)
     X_QUAD: tl.constexpr = QUADS and INT_DOT and X_WIDE and not XPACK
-    rw, rg, rn64, q_rows = _int4_rows(q_ptr, rn, N, W_ROW, G, C)
+    rw, rg, rn64, q_rows = _int4_rows(q_ptr, rn, N, W_ROW, G, C, KB)
     nw, ns, nz, n0, n1, n2, n3, n4, n5, n6, n7 = _int4_loads(x_ptr, s_ptr, z_ptr, q_rows, rw, rg, rn64, w_lo, w_hi,
                                                              stride_sn, S, GROUP, ZERO_POINT, XPACK, W_X, perm_ptr,
-                                                             PERM, X_WIDE, SC_QUAD)
+                                                             PERM, X_WIDE, SC_QUAD, KB, N)
     if X_QUAD:
         n0, n1, n2, n3, n4, n5, n6, n7 = _x_quad_loads(x_ptr, w_lo, w_hi, rg, S)
     if XPACK:
@@ -438,7 +458,7 @@ def _int4_row(x_ptr, q_ptr, s_ptr, z_ptr, rn, N, w_lo, w_hi, W_ROW, stride_sn, M
             x4, x5, x6, x7 = n4.to(tl.float32), n5.to(tl.float32), n6.to(tl.float32), n7.to(tl.float32)
         nw, ns, nz, n0, n1, n2, n3, n4, n5, n6, n7 = _int4_loads(x_ptr, s_ptr, z_ptr, q_rows, rw, rg, rn64, c + S,
                                                                  w_hi, stride_sn, S, GROUP, ZERO_POINT, XPACK, W_X,
-                                                                 perm_ptr, PERM, X_WIDE, SC_QUAD)
+                                                                 perm_ptr, PERM, X_WIDE, SC_QUAD, KB, N)
         if X_QUAD:
             n0, n1, n2, n3, n4, n5, n6, n7 = _x_quad_loads(x_ptr, c + S, w_hi, rg, S)
         if XPACK:
@@ -781,7 +801,7 @@ def _fp8_row_loop(x_ptr, q_ptr, rn, N, w_lo, w_hi, W_ROW, BLOCK_N: tl.constexpr,
 @triton.jit
 def _int4_k_loop(acc, x_rows, q_ptr, s_ptr, z_ptr, rn, n_ok, m_ok, k_lo, k_hi, K, stride_sn,
                  ZERO_POINT: tl.constexpr, GROUP: tl.constexpr, BLOCK_K: tl.constexpr, DOT_F32: tl.constexpr,
-                 perm_ptr=None, PERM: tl.constexpr = False):
+                 perm_ptr=None, PERM: tl.constexpr = False, KB: tl.constexpr = False, KB_ROWS=1):
     """``acc[n, m] += sum_k x[m, k] * (q[n, k] - z[n, g]) * s[n, g]`` over ``k_lo <= k < k_hi``,
     ``g = k // GROUP`` (``z = 8`` without zero points), ``q_ptr`` the codes as int16 words of four
     nibbles (word ``c`` holds ``k = 4c + i`` in bits ``4i..4i+3``).
@@ -802,7 +822,10 @@ def _int4_k_loop(acc, x_rows, q_ptr, s_ptr, z_ptr, rn, n_ok, m_ok, k_lo, k_hi, K
     QUARTER: tl.constexpr = STEP // 4
     rc = tl.arange(0, QUARTER)
     rn64 = rn.to(tl.int64)
-    q_rows = q_ptr + rn64[:, None] * (K // 4)
+    if KB:                                       # stored in blocks of KB_ROWS rows (_kb_words)
+        q_rows = q_ptr + rn64[:, None] * 32
+    else:
+        q_rows = q_ptr + rn64[:, None] * (K // 4)
     s_rows = s_ptr + rn64 * stride_sn
     z_rows = z_ptr + rn64 * stride_sn
     xdt = x_rows.dtype.element_ty
@@ -813,7 +836,11 @@ def _int4_k_loop(acc, x_rows, q_ptr, s_ptr, z_ptr, rn, n_ok, m_ok, k_lo, k_hi, K
         for j in tl.static_range(SUBS):
             kb = k0 + j * STEP
             ok = (kb + 4 * rc) < K                                       # whole groups: all or none
-            w = tl.load(q_rows + (kb // 4 + rc)[None, :], mask=n_ok[:, None] & ok[None, :], other=0)
+            if KB:
+                w = tl.load(q_rows + _kb_words(kb // 4 + rc, KB_ROWS, 32)[None, :], mask=n_ok[:, None] & ok[None, :],
+                            other=0)
+            else:
+                w = tl.load(q_rows + (kb // 4 + rc)[None, :], mask=n_ok[:, None] & ok[None, :], other=0)
             g = kb // GROUP
             g_ok = n_ok & ((rn * 0 + kb) < K)
             s = tl.load(s_rows + g, mask=g_ok, other=0.0).to(tl.float32)
@@ -938,6 +965,7 @@ def _gemv_kernel(
     PACK_GROUP: tl.constexpr = 128,     # PACK: the int4 group of the GEMV that reads it
     A8_KP: tl.constexpr = 16,           # W_FP8_A8: K padded to a power of two (the row-scale pass's width)
     QUADS: tl.constexpr = False,        # one int4 row, integer dots: operands loaded in the accumulator's layout
+    KB: tl.constexpr = False,           # int4 codes stored in blocks of 128 inputs (scheme.blocked, _kb_words)
 ):
     """out[m, n] = sum_k x[m, k] * w[n, k] (+ add[m, n]), float32 accumulation. With ``SWIGLU`` the
     tile's rows are the gate and up rows of ``BLOCK_N / 2`` output columns, interleaved (row ``2i``
@@ -963,7 +991,10 @@ def _gemv_kernel(
     w_lo = pid_k * K_SPLIT_W                        # the one-row loops' slice, in int32 words of W_ROW a row
     w_hi = tl.minimum(w_lo + K_SPLIT_W, W_ROW)
     if PREFETCH > 0 and USE_PDL:       # the slab's first lines into L2 while the previous kernel ends
-        if ONE_ROW:
+        if ONE_ROW and KB:             # the first block of the slice: its rows' lines lie side by side
+            prefetch_l2(w_ptr + tl.minimum(rn, N2 - 1).to(tl.int64)[:, None] * 16,
+                        (w_lo // 16) * N2 * 16, N2 * W_ROW + N2 * 16, 1, 32)
+        elif ONE_ROW:
             prefetch_l2(w_ptr + tl.minimum(rn, N2 - 1).to(tl.int64)[:, None] * W_ROW, w_lo, w_hi, PREFETCH, 32)
         elif WKIND == 0 or WKIND == 5:
             prefetch_l2(w_ptr + tl.minimum(rn, N2 - 1).to(tl.int64)[:, None] * K, k_lo, k_hi, PREFETCH,
@@ -989,7 +1020,7 @@ def _gemv_kernel(
     if INT4 and ONE_ROW:
         row = _int4_row(x_ptr, w_ptr, s_ptr, z_ptr, rn, N2, w_lo, w_hi, W_ROW, stride_sn,
                         M12, M16, M0F, BLOCK_N, WKIND == 3, GROUP, BLOCK_K // GROUP, INT_DOT, EMULATE, XPACK,
-                        W_ROW, perm_ptr, PERM, X_WIDE, QUADS)
+                        W_ROW, perm_ptr, PERM, X_WIDE, QUADS, KB)
         acc = tl.where((rm == 0)[None, :], row[:, None], 0.0)
     elif WKIND == 4 and ONE_ROW:
         row = _fp8_row_loop(x_ptr, w_ptr, rn, N2, w_lo, w_hi, W_ROW, BLOCK_N,
@@ -997,7 +1028,7 @@ def _gemv_kernel(
         acc = tl.where((rm == 0)[None, :], row[:, None], 0.0)
     elif INT4:
         acc = _int4_k_loop(acc, x_rows, w_ptr, s_ptr, z_ptr, rn, n_ok, m_ok, k_lo, k_hi, K, stride_sn,
-                           WKIND == 3, GROUP, BLOCK_K, DOT_F32, perm_ptr, PERM)
+                           WKIND == 3, GROUP, BLOCK_K, DOT_F32, perm_ptr, PERM, KB, N2)
     else:
         w_rows = w_ptr + rn.to(tl.int64)[:, None] * K
         for k0 in range(k_lo, k_hi, BLOCK_K):
@@ -1398,16 +1429,21 @@ def _lora_args(lora: GemvLoRA | None, dummy: torch.Tensor) -> dict:
 def gemv_supported(x: torch.Tensor, w: torch.Tensor, scheme=None) -> bool:
     """Whether :func:`gemv` takes these operands (the backend uses cuBLAS, or the quantized GEMM,
     otherwise). ``scheme``: ``w`` holds the codes of that :mod:`graphdsl.quant` scheme."""
-    if not (x.dim() == 2 and w.dim() == 2 and 1 <= x.shape[0] <= MAX_ROWS and x.dtype in _DTYPES
+    if not (x.dim() == 2 and w.dim() in (2, 3) and 1 <= x.shape[0] <= MAX_ROWS and x.dtype in _DTYPES
             and w.is_contiguous() and x.stride(1) == 1):
         return False
     kind = weight_kind(scheme)
     if kind is None:
         return False
+    if w.dim() == 3 and kind not in (W_INT4, W_INT4_ZP):
+        return False
     if kind == W_FLOAT:
         return w.dtype == x.dtype and x.shape[1] == w.shape[1]
     if kind in (W_INT4, W_INT4_ZP):
-        return w.dtype == torch.uint8 and 2 * w.shape[1] == x.shape[1] and x.shape[1] % scheme.group_size == 0
+        k = x.shape[1]
+        stored = (-(-k // 128), -1, INT4_BLOCK_BYTES) if scheme.blocked else (-1, k // 2)
+        return (w.dtype == torch.uint8 and w.dim() == len(stored) and k % scheme.group_size == 0
+                and all(s in (-1, d) for s, d in zip(stored, w.shape)))
     if kind == W_FP8_A8 and x.device.type == "cuda" and not hopper(x.device):
         return False            # no e4m3 tensor cores for W8A8 before Hopper: quant_linear's kernel takes it
     return w.shape[1] == x.shape[1]
@@ -1420,7 +1456,7 @@ def packs_rows(x: torch.Tensor, w: torch.Tensor, scheme, group: int) -> bool:
         return False
     kind = weight_kind(scheme)
     m, k = x.shape
-    n = w.shape[0]
+    n = w.shape[1] if w.dim() == 3 else w.shape[0]
     wgroup = scheme.group_size if kind in (W_INT4, W_INT4_ZP) else 1
     cfg = _pick_config(m, n, k, x.device) if kind == W_FLOAT else _pick_quant_config(m, n, k, kind, wgroup, x.device)
     return n % group == 0 and cfg["BLOCK_N"] % group == 0
@@ -1472,7 +1508,8 @@ def gemv(x: torch.Tensor, w: torch.Tensor, add: torch.Tensor | None = None, *, s
         raise GraphDSLError(f"gemv: scheme {scheme.name} needs contiguous scales"
                             + (" and zero points" if kind == W_INT4_ZP else ""))
     m, k = x.shape
-    n = w.shape[0]
+    blocked = w.dim() == 3                       # int4 codes in blocks (scheme.blocked): [blocks, N, 64]
+    n = w.shape[1] if blocked else w.shape[0]
     cols = n
     if silu_mul:
         if n % 2 or add is not None:
@@ -1543,7 +1580,7 @@ def gemv(x: torch.Tensor, w: torch.Tensor, add: torch.Tensor | None = None, *, s
         PREFETCH=0 if interpret else _prefetch_lines(kind, one_row, block_k, k_split), XPACK=xpack is not None,
         perm_ptr=perm if perm is not None else out, PERM=perm is not None,
         X_WIDE=_X_WIDE and xpack is None and perm is None and x.stride(-1) == 1 and x.data_ptr() % 8 == 0,
-        A8_KP=_pow2(k) if kind == W_FP8_A8 else 16, QUADS=_QUADS,
+        A8_KP=_pow2(k) if kind == W_FP8_A8 else 16, QUADS=_QUADS, KB=blocked,
         **pdl_launch(x.device),
         **_lora_args(lora, out), **_rms_args(rms_out, rms_in, m, cols, k, block_n, silu_mul, out), **cfg)
     return out

@@ -44,7 +44,7 @@ _DECODE_STAGES = 4
 @triton.jit
 def _quant_linear_kernel(
     x_ptr,          # [M, K] rows, last dim contiguous
-    q_ptr,          # [N, K] int8 / fp8 codes, or [N, K/2] int4 bytes (row-major, contiguous)
+    q_ptr,          # [N, K] int8 / fp8 codes, or [N, K/2] int4 bytes (row-major, contiguous; KB: in blocks)
     s_ptr,          # [N, G] scales (G = K / GROUP), or [1, 1] for per-tensor (stride_sn = 0)
     z_ptr,          # [N, G] zero points (KIND_INT4_ZP) or unused
     out_ptr,        # [M, N] output, last dim contiguous
@@ -56,6 +56,7 @@ def _quant_linear_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     EVEN_K: tl.constexpr,        # K % BLOCK_K == 0
     DOT_F32: tl.constexpr,       # multiply in float32 (float32 rows, or the CPU interpreter's bf16 dot)
+    KB: tl.constexpr = False,    # int4 bytes in blocks of 64 a row (scheme.blocked: graphdsl.quant.int4_blocks)
 ):
     """out[m, n] = sum_k x[m, k] * W[n, k], W[n, k] = (q[n, k] - z[n, k // GROUP]) * s[n, k // GROUP]
     (z = 8 for symmetric int4, 0 otherwise), float32 accumulation."""
@@ -80,8 +81,11 @@ def _quant_linear_kernel(
             a = tl.load(x_rows + kk[None, :], mask=m_ok[:, None] & k_ok[None, :], other=0.0)
         if KIND == 1 or KIND == 2:
             kh = k0 // 2 + rh
-            b = tl.load(q_ptr + rn64[:, None] * (K // 2) + kh[None, :], mask=n_ok[:, None] & (kh < K // 2)[None, :],
-                        other=0).to(tl.int32)
+            if KB:          # byte kh of row n at [kh // 64, n, kh % 64]
+                q_at = q_ptr + rn64[:, None] * 64 + ((kh // 64) * (N * 64) + kh % 64)[None, :]
+            else:
+                q_at = q_ptr + rn64[:, None] * (K // 2) + kh[None, :]
+            b = tl.load(q_at, mask=n_ok[:, None] & (kh < K // 2)[None, :], other=0).to(tl.int32)
             q = tl.interleave(b & 15, (b >> 4) & 15).to(tl.float32)
         else:
             # no ``other=``: fp8 has no literal zero here; masked lanes are zeroed after the cast
@@ -138,6 +142,9 @@ def quant_linear_supported(x: torch.Tensor, scheme: QuantScheme, stored: list[to
         return "stored tensors must be contiguous"
     if isinstance(scheme, IntScheme) and scheme.bits == 4 and x.shape[1] % 32:
         return f"int4 needs K % 32 == 0, got K={x.shape[1]}"
+    if isinstance(scheme, IntScheme) and scheme.bits == 4 and stored[0].dim() != (3 if scheme.blocked else 2):
+        return (f"{scheme.name} codes must be {'[blocks, N, 64]' if scheme.blocked else '[N, K / 2]'}, got "
+                f"{list(stored[0].shape)}")
     return None
 
 
@@ -178,5 +185,6 @@ def quant_linear(x: torch.Tensor, stored: list[torch.Tensor], scheme: QuantSchem
     _quant_linear_kernel[(triton.cdiv(n, bn), triton.cdiv(m, bm))](
         x, q, s, z, out, m, n, k, x.stride(0), s.stride(0) if s.shape[0] > 1 else 0, out.stride(0),
         KIND=kind, GROUPED=grouped, GROUP=group, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, EVEN_K=k % bk == 0,
-        DOT_F32=x.dtype == torch.float32 or (interp and x.dtype == torch.bfloat16), **cfg)
+        DOT_F32=x.dtype == torch.float32 or (interp and x.dtype == torch.bfloat16),
+        KB=isinstance(scheme, IntScheme) and scheme.blocked, **cfg)
     return out

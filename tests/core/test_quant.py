@@ -116,3 +116,33 @@ def test_act_order_gathers_the_inputs_then_runs_the_plain_scheme(backend):
     y = net.build_engine(device="cpu", backend=backend).forward(feed)["y"]
     torch.testing.assert_close(y, x @ w.T, atol=1e-4, rtol=1e-4)
     torch.testing.assert_close(s.linear(x, stored, 40, 128), x @ w.T, atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("k", [256, 192, 576])
+def test_int4_blocks_round_trip_and_the_blocked_schemes(k):
+    """``int4_blocks`` puts byte ``j`` of row ``r`` at ``[j // 64, r, j % 64]`` (a short last block
+    zero-padded) and ``int4_unblocks`` undoes it; a ``-kb`` scheme stores its codes so, reads the
+    same weight back and multiplies to the same values; the suffix parses and prints after the
+    others, and only int4 takes it."""
+    from graphdsl.quant import int4_blocks, int4_unblocks
+    packed = torch.randint(0, 256, (40, k // 2), dtype=torch.uint8, generator=torch.Generator().manual_seed(k))
+    blocks = int4_blocks(packed)
+    assert tuple(blocks.shape) == (-(-k // 128), 40, 64)
+    assert blocks[1, 7, 3] == packed[7, 67] and torch.equal(int4_unblocks(blocks, k), packed)
+    if k % 128:
+        assert not blocks[-1, :, (k // 2) % 64:].any()
+    rows, kb = parse_scheme("int4-g64-zp"), parse_scheme("int4-g64-zp-kb")
+    assert kb == rows.with_blocks() and kb.name == "int4-g64-zp-kb" and kb.with_blocks(False) == rows
+    assert parse_scheme("int4-g32-act-kb").kernel_scheme.name == "int4-g32-kb"
+    w = torch.randn(40, k)
+    a, b = rows.quantize(w), kb.quantize(w)
+    assert torch.equal(b[0], int4_blocks(a[0])) and all(torch.equal(x, y) for x, y in zip(a[1:], b[1:]))
+    assert torch.equal(kb.dequantize(b, 40, k, torch.float32), rows.dequantize(a, 40, k, torch.float32))
+    x = torch.randn(3, k)
+    assert torch.equal(kb.linear(x, b, 40, k), rows.linear(x, a, 40, k))
+    with pytest.raises(GraphDSLError, match=r"tensor 'w_packed' should be \[\d, 40, 64\] torch.uint8, got \[40, "):
+        kb.check_tensors("w", {"w_packed": a[0], "w_scale": a[1], "w_zero_point": a[2]}, 40, k)
+    with pytest.raises(GraphDSLError, match=r"int4_unblocks: blocks must be \[\d, out, 64\] for"):
+        int4_unblocks(packed, k)
+    with pytest.raises(GraphDSLError, match=r"blocked applies to int4 weights, got bits=8"):
+        IntScheme(8, None, False, blocked=True)

@@ -6,7 +6,8 @@ import torch
 
 pytestmark = pytest.mark.gpu
 
-SCHEMES = ["int8-channel", "int4-g128", "int4-g64-zp", "int4-g32", "fp8-channel", "fp8-tensor", "fp8-channel-dyn"]
+SCHEMES = ["int8-channel", "int4-g128", "int4-g64-zp", "int4-g32", "int4-g128-kb", "int4-g64-zp-kb", "fp8-channel",
+           "fp8-tensor", "fp8-channel-dyn"]
 
 
 @pytest.mark.parametrize("name", SCHEMES)
@@ -76,6 +77,8 @@ def test_quantized_model_generates_like_torch_backend(quantization):
               max_position_embeddings=256, rms_norm_eps=1e-5)
     llm = gd.LLM.from_config(hf, device="cuda", dtype="bfloat16", init_std=0.1, quantization=quantization,
                              max_model_len=128, max_num_seqs=2)
+    if quantization == "int4":        # a CUDA bind stores the codes in blocks (layers.quantize.store_int4_codes)
+        assert {p.quant.name for _, p in llm.model.named_parameters() if p.quant is not None} == {"int4-g128-kb"}
     ids = list(range(5, 37))
     ours, short = llm.score(ids), llm.score(ids[:6])       # 6 rows: the decode GEMVs (W8A8 too)
     llm.model.configure_runtime(backend="torch", cuda_graphs=False)
@@ -109,7 +112,7 @@ def test_act_order_checkpoint_on_cuda_scores_like_the_cpu(tmp_path, writer):
     ids = [3, 17, 42, 99, 5, 120, 64, 7]
     cpu = gd.LLM(tmp_path / "q", device="cpu", max_model_len=64, max_num_seqs=2).score(ids)
     llm = gd.LLM(tmp_path / "q", device="cuda", dtype="float32", max_model_len=64, max_num_seqs=2)
-    assert any(p.quant is not None and p.quant.name.endswith("-act") for _, p in llm.model.named_parameters())
+    assert any(p.quant is not None and p.quant.name.endswith("-act-kb") for _, p in llm.model.named_parameters())
     torch.testing.assert_close(llm.score(ids).cpu(), cpu, atol=2e-3, rtol=2e-3)
     sp = gd.SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
     graphs = llm.generate([ids], sp)[0].outputs[0].token_ids

@@ -309,6 +309,39 @@ def test_int4_operands_in_the_quads_layout_give_the_same_bits(name, xpack, monke
     assert torch.allclose(quads.double().cpu(), ref, rtol=1e-2, atol=2e-2)
 
 
+@pytest.mark.parametrize("m,int_dot,xpack,block_k", [(1, True, False, 128), (1, True, True, 256),
+                                                     (1, False, False, 128), (1, True, False, 64),
+                                                     (3, False, False, 128), (16, False, False, 64)])
+@pytest.mark.parametrize("name,k", [("int4-g64", 384), ("int4-g128-zp", 512), ("int4-g64-zp", 192)])
+def test_int4_codes_in_blocks_give_the_same_bits(name, k, m, int_dot, xpack, block_k):
+    """Codes stored in blocks of 128 inputs (``-kb``: :func:`graphdsl.quant.int4_blocks`, the layout
+    a CUDA bind gives int4 weights) multiply to the same bits as the row-major codes: the one-row
+    loops (integer dot, float FMAs, packed activation bytes), whose steps cross or stay inside a
+    block, and the 2-16 row ``tl.dot`` loop; with SwiGLU over packed gate/up rows and the K split.
+    ``k = 192`` leaves a short last block."""
+    from graphdsl.quant import int4_blocks
+    from graphdsl.runtime.kernels.int4_acts import pack_int4_activations
+    n, dtype = 48, torch.bfloat16
+    s, stored, w = _quantized(name, n, k, dtype, seed=m + block_k)
+    if k % block_k or block_k % s.group_size and s.group_size % block_k:
+        block_k = s.group_size
+    x = torch.randn(m, k, generator=torch.Generator().manual_seed(5)).to(DEV, dtype)
+    cfg = dict(BLOCK_N=16, BLOCK_K=block_k, SPLIT_K=2, num_warps=4, num_stages=2, INT_DOT=int_dot)
+    kw = dict(silu_mul=True, config=cfg, scales=stored[1], zeros=stored[2] if len(stored) > 2 else None,
+              xpack=pack_int4_activations(x, s.group_size) if xpack else None)
+    rows = gemv(x, stored[0], workspace=GemvWorkspace(), scheme=s, **kw)
+    blocks = int4_blocks(stored[0])
+    assert tuple(blocks.shape) == (-(-k // 128), n, 64)
+    got = gemv(x, blocks, workspace=GemvWorkspace(), scheme=s.with_blocks(), **kw)
+    assert torch.equal(got, rows)
+    ref = _epilogue_reference(x.double().cpu() @ w.double().cpu().T, "silu_mul", None, dtype)
+    torch.testing.assert_close(got.double().cpu(), ref, rtol=2e-2, atol=2e-2 * ref.abs().max().item())
+    with pytest.raises(GraphDSLError, match=r"the codes of " + s.name + r"-kb"):   # a layout and a scheme that differ
+        gemv(x, stored[0], scheme=s.with_blocks(), **kw)
+    with pytest.raises(GraphDSLError, match=r"the codes of " + s.name + r", got"):
+        gemv(x, blocks, scheme=s, **kw)
+
+
 def test_int4_integer_dot_row_gives_nan_for_a_nan_input():
     """A NaN activation must not vanish into the fixed-point scale (a max that skips NaN would)."""
     s, stored, _ = _quantized("int4-g64", 16, 128, torch.float16, seed=5)

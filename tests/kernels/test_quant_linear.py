@@ -8,7 +8,8 @@ from graphdsl.quant import parse_scheme
 from graphdsl.runtime.kernels.quant_linear import quant_linear
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
-SCHEMES = ["int8-channel", "int4-g32", "int4-g64-zp", "int4-g128", "fp8-tensor", "fp8-channel", "fp8-channel-dyn"]
+SCHEMES = ["int8-channel", "int4-g32", "int4-g64-zp", "int4-g128", "int4-g64-zp-kb", "int4-g128-kb", "fp8-tensor",
+           "fp8-channel", "fp8-channel-dyn"]
 
 
 @pytest.mark.parametrize("name", SCHEMES)
@@ -34,7 +35,7 @@ def test_odd_k_per_channel_and_prefill_tiles():
     torch.testing.assert_close(quant_linear(x, stored, s, 24), want, atol=1e-4, rtol=1e-4)
 
 
-@pytest.mark.parametrize("name", ["int4-g32-zp", "int4-g64-zp", "fp8-channel-dyn"])
+@pytest.mark.parametrize("name", ["int4-g32-zp", "int4-g64-zp", "int4-g64-kb", "fp8-channel-dyn"])
 def test_triton_backend_lowers_quant_linear(name, monkeypatch):
     """A graph with bias and a following op: the bias joins the projection (``quant_linear_add``), the
     Triton backend runs a kernel (the decode GEMV for weight-only schemes, the quantized GEMM for
@@ -66,7 +67,7 @@ def test_triton_backend_lowers_quant_linear(name, monkeypatch):
     torch.testing.assert_close(got.float(), want.float(), atol=2e-2 * want.float().abs().max().item(), rtol=2e-2)
 
 
-@pytest.mark.parametrize("name", ["int4-g32", "int4-g128-zp"])
+@pytest.mark.parametrize("name", ["int4-g32", "int4-g128-zp", "int4-g32-kb"])
 @pytest.mark.parametrize("block_k", [64, 256])
 def test_tiles_across_and_inside_groups(name, block_k):
     """A K tile holding several groups, or lying inside one, over several K steps."""
@@ -104,3 +105,22 @@ def test_quantized_gate_up_keeps_swiglu_in_the_epilogue(name, rows):
     got = engine.forward(feed)["y"]
     want = net.build_engine(device=DEVICE, backend="torch").forward(feed)["y"]
     torch.testing.assert_close(got.float(), want.float(), atol=3e-2 * want.float().abs().max().item(), rtol=3e-2)
+
+
+@pytest.mark.parametrize("m", [3, 40])
+def test_int4_codes_in_blocks_give_the_row_major_bits(m):
+    """The prefill tiles over codes stored in blocks of 128 inputs (``-kb``), with a short last block
+    (K = 224), are the same bits as over the row-major codes; a layout that is not the scheme's is
+    refused."""
+    from graphdsl import GraphDSLError
+    from graphdsl.quant import int4_blocks
+    s = parse_scheme("int4-g32-zp")
+    stored = [t.to(DEVICE) for t in s.quantize(torch.randn(40, 224, generator=torch.Generator().manual_seed(m)),
+                                               torch.float16)]
+    x = torch.randn(m, 224, generator=torch.Generator().manual_seed(7)).to(DEVICE, torch.float16)
+    cfg = dict(BLOCK_M=16, BLOCK_N=16, BLOCK_K=64, num_warps=4, num_stages=2)
+    rows = quant_linear(x, stored, s, 40, config=cfg)
+    blocked = [int4_blocks(stored[0]), *stored[1:]]
+    assert torch.equal(quant_linear(x, blocked, s.with_blocks(), 40, config=cfg), rows)
+    with pytest.raises(GraphDSLError, match=r"int4-g32-zp-kb codes must be \[blocks, N, 64\]"):
+        quant_linear(x, stored, s.with_blocks(), 40, config=cfg)
