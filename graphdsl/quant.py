@@ -337,7 +337,7 @@ def int4_unblocks(blocks: torch.Tensor, in_features: int) -> torch.Tensor:
     if blocks.dim() != 3 or blocks.shape[0] != -(-half // INT4_BLOCK_BYTES) or blocks.shape[2] != INT4_BLOCK_BYTES:
         raise GraphDSLError(f"int4_unblocks: blocks must be [{-(-half // INT4_BLOCK_BYTES)}, out, "
                             f"{INT4_BLOCK_BYTES}] for {in_features} inputs, got {list(blocks.shape)}")
-    return blocks.transpose(0, 1).reshape(blocks.shape[1], -1)[:, :half]
+    return blocks.transpose(0, 1).reshape(blocks.shape[1], -1)[:, :half].contiguous()
 
 
 def pack_int4(q: torch.Tensor) -> torch.Tensor:

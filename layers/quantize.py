@@ -117,10 +117,10 @@ def store_int4_codes(model: Module, weights: dict, blocked: bool, devices: tuple
     blocks of 128 inputs (``blocked``: ``-kb`` schemes, :func:`graphdsl.quant.int4_blocks`) or row
     by row, switching each Parameter's scheme to match; only codes on ``devices`` (types) change
     (the CPU reference would only unblock them again; elsewhere the scheme follows the codes'
-    layout). In blocks, one step of a decode GEMV over many rows
-    reads one contiguous piece of memory: the Llama-3-8B int4 decode step took 1944 µs instead of
-    2064 on an H200 (docs/quantization.md). Returns the names of the parameters changed. A bind
-    calls it last, after the hooks that reorder rows (:func:`fold_input_order`)."""
+    layout). In blocks, one step of a decode GEMV over many rows reads one contiguous piece of
+    memory: the Llama-3-8B int4 decode step took 1943 µs instead of 2068 on an H200
+    (docs/quantization.md). Returns the names of the parameters changed. A bind calls it last,
+    after the hooks that reorder rows (:func:`fold_input_order`)."""
     changed = []
     for name, p in model.named_parameters():
         q = p.quant
@@ -133,7 +133,6 @@ def store_int4_codes(model: Module, weights: dict, blocked: bool, devices: tuple
                 p.quantize(q.with_blocks(t.dim() == 3))
             continue
         weights[packed] = int4_blocks(t) if blocked else int4_unblocks(t, p.shape[1])
-        del t
         p.quantize(q.with_blocks(blocked))
         changed.append(name)
     return changed

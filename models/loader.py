@@ -17,9 +17,9 @@ from typing import Iterable
 import torch
 
 from graphdsl.errors import GraphDSLError
-from graphdsl.quant import IntScheme
 from graphdsl.layers.linear import ColumnParallelLinear, RowParallelLinear
 from graphdsl.layers.checkpoint import CheckpointSlot
+from graphdsl.quant import IntScheme
 from graphdsl.runtime.gguf_blocks import GGUFBlockWeight, to_stored
 from graphdsl.runtime.loaders.safetensors import check_weights
 

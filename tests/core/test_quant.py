@@ -129,6 +129,7 @@ def test_int4_blocks_round_trip_and_the_blocked_schemes(k):
     blocks = int4_blocks(packed)
     assert tuple(blocks.shape) == (-(-k // 128), 40, 64)
     assert blocks[1, 7, 3] == packed[7, 67] and torch.equal(int4_unblocks(blocks, k), packed)
+    assert int4_unblocks(blocks, k).is_contiguous()       # the kernels read rows of it
     if k % 128:
         assert not blocks[-1, :, (k // 2) % 64:].any()
     rows, kb = parse_scheme("int4-g64-zp"), parse_scheme("int4-g64-zp-kb")
