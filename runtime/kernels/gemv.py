@@ -1194,7 +1194,9 @@ def _pick_quant_config(m: int, n: int, k: int, wkind: int, group: int, device: t
     Before the prefetch both loops ran at 10.0-11.0, 7.3-7.7, 33-34 and 17.4-18.0 µs: the
     scale load inside the step stalled it by a memory latency. With the step's operands loaded in
     the accumulator's layout (``_QUADS``: :func:`_int4_step_dp4a_quads`) the same launches stayed
-    best in the model (128-row tiles, or up to four programs a SM, slower; docs/performance.md).
+    best in the model (128-row tiles, or up to four programs a SM, slower; docs/performance.md), and
+    again with the codes in blocks (``KB``: 8B step 1937 µs; within four a SM 1982, within one 2149,
+    128-row tiles 2127; docs/quantization.md).
 
     int4, more rows (the ``tl.dot`` path): 128-row tiles, K split until there are about four
     programs per SM, 256-input steps while the split is at most 4 (else 128).
