@@ -1478,7 +1478,8 @@ def gemv(x: torch.Tensor, w: torch.Tensor, add: torch.Tensor | None = None, *, s
     BLOCK_K, SPLIT_K, num_warps, num_stages``; benchmarks sweep it).
 
     Quantized weights (``scheme``, a weight-only :mod:`graphdsl.quant` scheme): ``w`` holds the codes
-    (``[N, K]`` int8 / fp8 e4m3, or ``[N, K/2]`` uint8 of two int4), ``scales`` the scales
+    (``[N, K]`` int8 / fp8 e4m3, or ``[N, K/2]`` uint8 of two int4; a ``-kb`` int4 scheme's in blocks,
+    ``[ceil(K/128), N, 64]``: :func:`graphdsl.quant.int4_blocks`), ``scales`` the scales
     (``[N, K/group]`` for int4, ``[N, 1]`` or ``[1, 1]`` per channel / tensor) and ``zeros`` int4's
     zero points: ``W = (q - z) * s`` dequantized in registers (:func:`_int4_k_loop`; 8-bit codes are
     exact in the activation dtype and the per-row scale multiplies the float32 sums).
