@@ -283,7 +283,8 @@ def _int4_rows(q_ptr, rn, N, W_ROW, G: tl.constexpr, C: tl.constexpr, KB: tl.con
 def _kb_words(kw, rows, UNIT: tl.constexpr):
     """Where element ``kw`` of a row lies, counted from that row's ``UNIT`` elements in the first block,
     for int4 codes stored in blocks (``scheme.blocked``, :func:`graphdsl.quant.int4_blocks`): each block
-    holds ``UNIT`` elements of every one of the ``rows`` rows (64 bytes: 16 int32 or 32 int16 words),
+    holds ``UNIT`` elements of every one of the ``rows`` rows (64 bytes: 16 int32 or 32 int16 words, or 64
+    bytes as bytes: :mod:`.quant_linear`),
     block after block, so block ``kw // UNIT`` starts ``rows * UNIT`` elements after the one before."""
     return (kw // UNIT) * (rows * UNIT) + kw % UNIT
 

@@ -33,6 +33,8 @@ import triton.language as tl
 from graphdsl.errors import GraphDSLError
 from graphdsl.quant import Fp8Scheme, IntScheme, QuantScheme, quantize_fp8_rows
 
+from .gemv import _kb_words
+
 __all__ = ["quant_linear", "quant_linear_supported", "KIND_INT8", "KIND_INT4", "KIND_INT4_ZP", "KIND_FP8"]
 
 KIND_INT8, KIND_INT4, KIND_INT4_ZP, KIND_FP8 = 0, 1, 2, 3
@@ -82,7 +84,7 @@ def _quant_linear_kernel(
         if KIND == 1 or KIND == 2:
             kh = k0 // 2 + rh
             if KB:          # byte kh of row n at [kh // 64, n, kh % 64]
-                q_at = q_ptr + rn64[:, None] * 64 + ((kh // 64) * (N * 64) + kh % 64)[None, :]
+                q_at = q_ptr + rn64[:, None] * 64 + _kb_words(kh, N, 64)[None, :]
             else:
                 q_at = q_ptr + rn64[:, None] * (K // 2) + kh[None, :]
             b = tl.load(q_at, mask=n_ok[:, None] & (kh < K // 2)[None, :], other=0).to(tl.int32)
