@@ -145,5 +145,8 @@ def test_int4_blocks_round_trip_and_the_blocked_schemes(k):
         kb.check_tensors("w", {"w_packed": a[0], "w_scale": a[1], "w_zero_point": a[2]}, 40, k)
     with pytest.raises(GraphDSLError, match=r"int4_unblocks: blocks must be \[\d, out, 64\] for"):
         int4_unblocks(packed, k)
+    with pytest.raises(GraphDSLError, match=r"int4_blocks: packed must be a 2-D uint8 \[out, in / 2\] tensor, got "
+                                            r"\[\d, 40, 64\] torch.uint8"):
+        int4_blocks(blocks)
     with pytest.raises(GraphDSLError, match=r"blocked applies to int4 weights, got bits=8"):
         IntScheme(8, None, False, blocked=True)
