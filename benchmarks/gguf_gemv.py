@@ -38,16 +38,19 @@ _F16_FIELDS = {"Q4_0": (0, 2), "Q4_1": (0, 4), "Q8_0": (0, 2), "Q4_K": (0, 4), "
 
 
 def random_blocks(qtype: str, n: int, k: int, seed: int) -> torch.Tensor:
-    """Random GGML rows on the GPU with small float16 scales, in the stored layout the kernels read
-    (``gguf_blocks.to_stored``: Q6_K padded to 224-byte blocks)."""
-    from graphdsl.runtime.gguf_blocks import GGUF_BLOCKS, to_stored
+    """Random GGML rows on the GPU with small float16 scales, in the layout a CUDA bind stores
+    (``gguf_blocks.to_stored``: Q6_K padded to 224-byte blocks; block-major unless
+    ``layers.quantize.GGUF_BLOCKS`` is off)."""
+    from graphdsl.layers import quantize
+    from graphdsl.runtime.gguf_blocks import GGUF_BLOCKS, block_major, to_stored
     per, size = GGUF_BLOCKS[qtype]
     g = torch.Generator(device="cuda").manual_seed(seed)
     data = torch.randint(0, 256, (n, k // per, size), generator=g, device="cuda", dtype=torch.uint8)
     lo, hi = _F16_FIELDS[qtype]
     scales = (torch.rand(n, k // per, (hi - lo) // 2, generator=g, device="cuda") - 0.5) * 0.02
     data[:, :, lo:hi] = scales.to(torch.float16).view(torch.uint8)
-    return to_stored(data.reshape(n, -1), qtype)
+    stored = to_stored(data.reshape(n, -1), qtype)
+    return block_major(stored, qtype) if quantize.GGUF_BLOCKS else stored
 
 
 def replay_us(fn, copies: int) -> float:
@@ -62,10 +65,11 @@ def copies_for(nbytes: int) -> int:
 
 
 def check(x, data, qtype):
-    from graphdsl.runtime.gguf_blocks import dequantize_blocks, from_stored
+    from graphdsl.runtime.gguf_blocks import dequantize_blocks, from_stored, row_major
     from graphdsl.runtime.kernels.gguf_linear import gguf_gemv
     k = x.shape[1]
-    want = x.float() @ dequantize_blocks(from_stored(data, qtype), qtype, k).T
+    rows = row_major(data, qtype) if data.dim() == 3 else data
+    want = x.float() @ dequantize_blocks(from_stored(rows, qtype), qtype, k).T
     got = gguf_gemv(x, data, qtype).float()
     err = (got - want).abs().max().item() / max(want.abs().max().item(), 1e-6)
     if err > 2e-2:

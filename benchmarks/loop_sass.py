@@ -29,7 +29,7 @@ import tempfile
 import torch
 
 # (weight scheme, N, K, SwiGLU, packed activations): the Llama-3-8B projections' one-row launches (int4 codes in
-# blocks, as a CUDA bind stores them: layers.quantize.store_int4_codes)
+# blocks, as a CUDA bind stores them: layers.quantize.store_codes_in_blocks)
 LAUNCHES = {
     "int4-qkv": ("int4-g128-kb", 6144, 4096, False, False),
     "int4-o": ("int4-g128-kb", 4096, 4096, False, False),

@@ -66,26 +66,17 @@ def _graph_us(call, copies: list) -> float:
     return graph_ms(run, repeats=1, warmup_ms=10, rep_ms=60) * 1e3 / len(copies)
 
 
-def _as_bound(scheme):
-    """The scheme a CUDA bind leaves a weight in: int4 codes in blocks of 128 inputs
-    (``layers.quantize.store_int4_codes``, unless ``INT4_BLOCKS`` is off)."""
-    from graphdsl.layers import quantize
-    from graphdsl.quant import IntScheme
-    if isinstance(scheme, IntScheme) and scheme.bits == 4:
-        return scheme.with_blocks(quantize.INT4_BLOCKS)
-    return scheme
-
-
 def kernel_rows(shape: str, schemes: list[str], copy: float) -> list[str]:
     """Per projection and scheme: µs and GB/s of the batch-1 decode GEMV the engine runs for
     ``quant_linear`` (gate_up with its SwiGLU epilogue; the codes in the layout a CUDA bind
-    stores, :func:`_as_bound`), timed as :func:`_graph_us` does; GB/s of the stored weight bytes
-    (int4's blocks: their padding too)."""
+    stores, ``layers.quantize.bound_scheme``), timed as :func:`_graph_us` does; GB/s of the stored
+    weight bytes (int4's blocks: their padding too)."""
+    from graphdsl.layers import quantize
     from graphdsl.quant import online_scheme
     from graphdsl.runtime.kernels.gemv import GemvWorkspace, gemv
     ws, rows = GemvWorkspace(), []
     for name in schemes:
-        s = _as_bound(online_scheme(name))
+        s = quantize.bound_scheme(online_scheme(name))
         for proj, (n, k) in _projections(shape).items():
             copies = _copies(s.quantize(torch.randn(n, k, device="cuda", dtype=torch.bfloat16)))
             x = torch.randn(1, k, device="cuda", dtype=torch.bfloat16)
@@ -142,12 +133,13 @@ def sweep(shape: str, schemes: list[str], copy: float, *, top: int = 3, int_dot_
     the heuristic's row), a quicker sweep."""
     import itertools
 
+    from graphdsl.layers import quantize
     from graphdsl.quant import online_scheme
     from graphdsl.runtime.kernels.gemv import W_INT4, W_INT4_ZP, GemvWorkspace, _pick_quant_config, gemv, weight_kind
     rows = []
     ws = GemvWorkspace()
     for name in schemes:
-        s = _as_bound(online_scheme(name))
+        s = quantize.bound_scheme(online_scheme(name))
         for proj, (n, k) in _projections(shape).items():
             copies = _copies(s.quantize(torch.randn(n, k, device="cuda", dtype=torch.bfloat16)))
             nbytes = sum(t.numel() * t.element_size() for t in copies[0])
@@ -273,15 +265,18 @@ class _ActOrder:
 
 def gguf_kernel_rows(shape: str, copy: float) -> list[str]:
     """Per projection, Q4_K and Q6_K blocks: µs and GB/s of the batch-1 GGUF GEMV (``gguf_gemv``, what
-    the engine runs for one row), timed as :func:`_graph_us` does."""
-    from graphdsl.runtime.gguf_blocks import row_bytes, to_stored
-    from graphdsl.runtime.gguf_scheme import quantize_blocks
+    the engine runs for one row; the blocks in the layout a CUDA bind stores,
+    ``layers.quantize.bound_scheme``), timed as :func:`_graph_us` does."""
+    from graphdsl.layers import quantize
+    from graphdsl.runtime.gguf_blocks import row_bytes
+    from graphdsl.runtime.gguf_scheme import GGUFScheme
     from graphdsl.runtime.kernels.gemv import GemvWorkspace
     from graphdsl.runtime.kernels.gguf_linear import gguf_gemv
     ws, rows = GemvWorkspace(), []
     for qtype in ("Q4_K", "Q6_K"):
+        scheme = quantize.bound_scheme(GGUFScheme(qtype))
         for proj, (n, k) in _projections(shape).items():
-            copies = _copies([to_stored(quantize_blocks(torch.randn(n, k, device="cuda"), qtype), qtype)])
+            copies = _copies(scheme.quantize(torch.randn(n, k, device="cuda")))
             x = torch.randn(1, k, device="cuda", dtype=torch.bfloat16)
             out = torch.empty(1, n, device="cuda", dtype=torch.bfloat16)
             us = _graph_us(lambda st: gguf_gemv(x, st[0], qtype, out=out, workspace=ws), copies)

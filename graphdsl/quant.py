@@ -90,6 +90,20 @@ class QuantScheme:
         raise GraphDSLError(f"quantization scheme {self.name!r} cannot quantize a weight online; "
                             "load a checkpoint already in this format")
 
+    #: the codes are stored in blocks along the inputs (a scheme with two layouts, :meth:`with_blocks`):
+    #: then the first companion is 3-D ``[blocks, out, bytes]``, block ``b`` of every row side by side
+    blocked = False
+
+    def with_blocks(self, blocked: bool = True) -> "QuantScheme":
+        """This scheme with its codes stored in blocks along the inputs (``blocked``) or row by row;
+        a scheme with one layout returns itself."""
+        return self
+
+    def in_layout(self, tensors: list[torch.Tensor], in_features: int) -> list[torch.Tensor]:
+        """``tensors``, this scheme's companions with the codes in either layout (blocked when the
+        first is 3-D), with the codes in this scheme's layout (the others as they are)."""
+        return list(tensors)
+
     #: the last companion is a permutation ``perm`` of the inputs: ``F.linear`` records
     #: ``gather(x, -1, perm)`` and ``quant_linear`` of :attr:`kernel_scheme` on the other companions
     permutes_input = False
@@ -227,8 +241,14 @@ class IntScheme(QuantScheme):
         return IntScheme(self.bits, self.group_size, self.zero_point, blocked=self.blocked) if self.act_order else self
 
     def with_blocks(self, blocked: bool = True) -> "IntScheme":
-        """This scheme with its int4 codes stored in blocks (``blocked``) or row by row."""
-        return IntScheme(self.bits, self.group_size, self.zero_point, self.act_order, blocked)
+        """This scheme with its int4 codes stored in blocks (``blocked``) or row by row (int8: itself)."""
+        return IntScheme(self.bits, self.group_size, self.zero_point, self.act_order, blocked) if self.bits == 4 else self
+
+    def in_layout(self, tensors, in_features):
+        packed = tensors[0]
+        if self.bits == 4 and (packed.dim() == 3) != self.blocked:
+            packed = self._stored(packed) if self.blocked else int4_unblocks(packed, in_features)
+        return [packed, *tensors[1:]]
 
     def groups(self, in_features: int) -> int:
         return 1 if self.group_size is None else in_features // self.group_size

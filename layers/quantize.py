@@ -13,16 +13,17 @@ import torch
 
 from graphdsl import Module
 from graphdsl.errors import GraphDSLError
-from graphdsl.quant import PERM_SUFFIX, IntScheme, QuantMethod, QuantScheme, int4_blocks, int4_unblocks, online_scheme
+from graphdsl.quant import PERM_SUFFIX, IntScheme, QuantMethod, QuantScheme, online_scheme
 
 from .linear import ColumnParallelLinear, RowParallelLinear
 
-__all__ = ["quantize_linears", "quantize_weights", "fold_input_order", "FOLD_INPUT_ORDER", "store_int4_codes",
-           "INT4_BLOCKS", "INT4_BLOCK_DEVICES"]
+__all__ = ["quantize_linears", "quantize_weights", "fold_input_order", "FOLD_INPUT_ORDER", "store_codes_in_blocks",
+           "bound_scheme", "INT4_BLOCKS", "GGUF_BLOCKS", "BLOCK_DEVICES"]
 
 FOLD_INPUT_ORDER = True    # False: act-order down projections keep their gather (the A/B, and a reference)
 INT4_BLOCKS = True         # False: a CUDA bind keeps int4 codes row by row (the A/B of FlashCausalLM.bind)
-INT4_BLOCK_DEVICES = ("cuda",)   # where a bind stores int4 codes in blocks (store_int4_codes' devices)
+GGUF_BLOCKS = True         # False: a CUDA bind keeps GGUF blocks row by row (the same A/B)
+BLOCK_DEVICES = ("cuda",)  # where a bind stores codes in blocks (store_codes_in_blocks' devices)
 
 
 def quantize_linears(model: Module, scheme: QuantScheme | str, *, skip: tuple[str, ...] = ("lm_head",)) -> list[str]:
@@ -112,27 +113,39 @@ def fold_input_order(producer: Module, consumer: Module, weights: dict, parts: i
     return perm
 
 
-def store_int4_codes(model: Module, weights: dict, blocked: bool, devices: tuple[str, ...] = ("cuda",)) -> list[str]:
-    """Store the codes of ``model``'s int4 weights in ``weights`` (a bind's name -> tensor dict) in
-    blocks of 128 inputs (``blocked``: ``-kb`` schemes, :func:`graphdsl.quant.int4_blocks`) or row
-    by row, switching each Parameter's scheme to match; only codes on ``devices`` (types) change
-    (the CPU reference would only unblock them again; elsewhere the scheme follows the codes'
-    layout). In blocks, one step of a decode GEMV over many rows reads one contiguous piece of
-    memory: the Llama-3-8B int4 decode step took 1943 µs instead of 2068 on an H200
+def bound_scheme(scheme: QuantScheme) -> QuantScheme:
+    """The scheme a bind on one of :data:`BLOCK_DEVICES` leaves a weight of ``scheme`` in: its codes
+    in blocks along the inputs where it has that layout and the knob (:data:`INT4_BLOCKS`,
+    :data:`GGUF_BLOCKS`) is on, else row by row."""
+    return scheme.with_blocks(GGUF_BLOCKS if scheme.name.startswith("gguf-") else INT4_BLOCKS)
+
+
+def store_codes_in_blocks(model: Module, weights: dict, devices: tuple[str, ...] = ("cuda",)) -> list[str]:
+    """Store the codes of ``model``'s weights whose scheme has two layouts (int4, GGUF blocks) in
+    ``weights`` (a bind's name -> tensor dict) in blocks along the inputs (``-kb`` schemes, block
+    ``b`` of every row side by side: :func:`graphdsl.quant.int4_blocks`,
+    :func:`graphdsl.runtime.gguf_blocks.block_major`) or row by row, as the knobs say
+    (:data:`INT4_BLOCKS`, :data:`GGUF_BLOCKS`), switching each Parameter's scheme to match. Only
+    codes on ``devices`` (types) change: the CPU reference would only unblock them again; elsewhere
+    the scheme follows the codes' layout (blocked when the first companion is 3-D). In blocks,
+    one step of a decode GEMV over many rows reads one contiguous piece of memory: on an H200 the
+    Llama-3-8B int4 decode step took 1943 µs instead of 2068, the Q4_K_M mix's 2687 instead of 2918
     (docs/quantization.md). Returns the names of the parameters changed. A bind calls it last,
     after the hooks that reorder rows (:func:`fold_input_order`)."""
     changed = []
     for name, p in model.named_parameters():
         q = p.quant
-        if not (isinstance(q, IntScheme) and q.bits == 4):
+        if q is None or q.with_blocks(True) == q.with_blocks(False):
+            continue                                       # one layout
+        names = [c.name for c in p.companions()]
+        if any(n not in weights for n in names):
             continue
-        packed = p.companions()[0].name
-        t = weights.get(packed)
-        if t is None or t.device.type not in devices or (t.dim() == 3) == blocked:
-            if t is not None and q.blocked != (t.dim() == 3):    # an earlier bind's scheme, these weights' layout
-                p.quantize(q.with_blocks(t.dim() == 3))
-            continue
-        weights[packed] = int4_blocks(t) if blocked else int4_unblocks(t, p.shape[1])
-        p.quantize(q.with_blocks(blocked))
-        changed.append(name)
+        tensors = [weights[n] for n in names]
+        now = tensors[0].dim() == 3
+        want = bound_scheme(q).blocked if tensors[0].device.type in devices else now
+        if q.with_blocks(want) != q:
+            p.quantize(q.with_blocks(want))
+        if want != now:
+            weights.update(zip(names, p.quant.in_layout(tensors, p.shape[1])))
+            changed.append(name)
     return changed

@@ -151,7 +151,7 @@ class FlashCausalLM(Module):
             if hook is not None:
                 hook(bound, path)
         from graphdsl.layers import quantize
-        quantize.store_int4_codes(self, bound, quantize.INT4_BLOCKS, quantize.INT4_BLOCK_DEVICES)    # CUDA: blocks
+        quantize.store_codes_in_blocks(self, bound, quantize.BLOCK_DEVICES)    # CUDA: blocks
         object.__setattr__(self, "_bound", bound)
         from .injection import normalize_device
         object.__setattr__(self, "_home", torch.device(normalize_device(device)) if device is not None else k0.device)

@@ -19,7 +19,6 @@ import torch
 from graphdsl.errors import GraphDSLError
 from graphdsl.layers.linear import ColumnParallelLinear, RowParallelLinear
 from graphdsl.layers.checkpoint import CheckpointSlot
-from graphdsl.quant import IntScheme
 from graphdsl.runtime.gguf_blocks import GGUFBlockWeight, to_stored
 from graphdsl.runtime.loaders.safetensors import check_weights
 
@@ -96,8 +95,8 @@ def load_weights(model: FlashCausalLM, tensors: Iterable[tuple[str, torch.Tensor
     dtype = dtype or model.dtype
     table = model.checkpoint_table()
     params = dict(model.named_parameters())
-    for p in params.values():          # bound on CUDA before (store_int4_codes): checkpoints hold codes by rows
-        if isinstance(p.quant, IntScheme) and p.quant.blocked:
+    for p in params.values():          # bound on CUDA before (store_codes_in_blocks): checkpoints hold codes by rows
+        if p.quant is not None and p.quant.blocked:
             p.quantize(p.quant.with_blocks(False))
     tied = model.tied_parameters()
     where = model.parameter_devices()

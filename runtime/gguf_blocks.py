@@ -16,6 +16,12 @@ time; at 224 bytes each field loads as 16-byte vectors (the tensor-core Q6_K GEM
 :mod:`graphdsl.runtime.kernels.gguf_mma_q6k`). :func:`to_stored` / :func:`from_stored` convert,
 :func:`stored_row_bytes` is a stored row's width.
 
+**Block-major layout.** A bind on CUDA stores the blocks ``[K / values_per_block, N, stored block
+bytes]``: block ``b`` of row ``r`` at ``[b, r]``, so block ``b`` of all rows lies side by side
+(:func:`block_major` / :func:`row_major`; the schemes' ``-kb`` suffix). A decode GEMV step over many
+rows then reads one contiguous piece instead of one block a row apart; the kernels address a
+block as ``row_stride · r + block_stride · b`` in either layout (:func:`strides`).
+
 Block formats (little endian; ``d``, ``m``, ``dmin`` are float16; ``y`` is the output):
 
 - ``Q8_0`` (32 values, 34 B): ``d, q[32] int8`` → ``y = d·q``.
@@ -49,7 +55,7 @@ import torch
 from graphdsl.errors import GraphDSLError
 
 __all__ = ["GGUF_BLOCKS", "KERNEL_QTYPES", "STORED_BLOCK_BYTES", "GGUFBlockWeight", "dequantize_blocks", "row_bytes",
-           "stored_row_bytes", "to_stored", "from_stored"]
+           "stored_row_bytes", "to_stored", "from_stored", "block_major", "row_major", "strides"]
 
 
 GGUF_BLOCKS: dict[str, tuple[int, int]] = {   # name -> (values per block, bytes per block)
@@ -247,6 +253,33 @@ def from_stored(data: torch.Tensor, qtype: str) -> torch.Tensor:
                             f"got {data.dtype} {list(data.shape)}")
     rows, blocks = data.shape[0], data.shape[1] // size
     return data.reshape(rows, blocks, size)[:, :, :GGUF_BLOCKS[qtype][1]].reshape(rows, -1)
+
+
+def block_major(data: torch.Tensor, qtype: str) -> torch.Tensor:
+    """Stored rows ``uint8 [N, stored_row_bytes]`` of ``qtype`` → ``[K / values_per_block, N, stored block
+    bytes]``, block ``b`` of row ``r`` at ``[b, r]`` (a new contiguous tensor; module docstring)."""
+    size = STORED_BLOCK_BYTES.get(qtype, GGUF_BLOCKS[qtype][1])
+    if data.dtype != torch.uint8 or data.dim() != 2 or data.shape[1] % size:
+        raise GraphDSLError(f"block_major: data must be uint8 [rows, a multiple of {size}] (stored {qtype} blocks), "
+                            f"got {data.dtype} {list(data.shape)}")
+    return data.reshape(data.shape[0], -1, size).transpose(0, 1).contiguous()
+
+
+def row_major(data: torch.Tensor, qtype: str) -> torch.Tensor:
+    """Inverse of :func:`block_major`: ``[blocks, N, stored block bytes]`` → stored rows ``[N, blocks · bytes]``."""
+    size = STORED_BLOCK_BYTES.get(qtype, GGUF_BLOCKS[qtype][1])
+    if data.dtype != torch.uint8 or data.dim() != 3 or data.shape[2] != size:
+        raise GraphDSLError(f"row_major: data must be uint8 [blocks, rows, {size}] (block-major {qtype} blocks), got "
+                            f"{data.dtype} {list(data.shape)}")
+    return data.transpose(0, 1).reshape(data.shape[1], -1).contiguous()
+
+
+def strides(data: torch.Tensor, qtype: str) -> tuple[int, int]:
+    """``(row_stride, block_stride)`` in bytes of the ``qtype`` blocks in ``data``: stored rows ``[N,
+    row bytes]`` (block ``b`` of row ``r`` at ``r · row_bytes + b · block_bytes``) or block-major
+    ``[blocks, N, block_bytes]`` (at ``r · block_bytes + b · N · block_bytes``)."""
+    size = STORED_BLOCK_BYTES.get(qtype, GGUF_BLOCKS[qtype][1])
+    return (size, data.shape[1] * size) if data.dim() == 3 else (data.shape[1], size)
 
 
 def dequantize_blocks(data: torch.Tensor, qtype: str, k: int) -> torch.Tensor:

@@ -11,6 +11,11 @@ stored layout: byte for byte as in a GGUF file, Q6_K's blocks padded to 224 byte
 semantics of the GGUF kernels, and the CPU reference of ``quant_linear``). The language room cannot import the runtime, so this family
 registers itself with :func:`graphdsl.quant.register_scheme` when ``graphdsl.runtime`` is imported.
 
+A ``-kb`` scheme (``gguf-q4_k-kb``, ``gguf-q4_k.5120+q6_k.1024-kb``; ``blocked``) holds the same
+blocks block-major, ``[K / values_per_block, N, stored block bytes]``
+(:func:`~graphdsl.runtime.gguf_blocks.block_major`): what a bind on CUDA stores
+(:func:`graphdsl.layers.quantize.store_codes_in_blocks`); checkpoints and loaders keep rows.
+
 ``quantize`` writes the blocks from a float weight by plain round-to-nearest (per block, or per
 sub-block with 6-bit (K types) / 8-bit (Q6_K) scales under a float16 super-block scale), not
 llama.cpp's error-minimising search: good enough for online use and random benchmark weights;
@@ -25,17 +30,19 @@ import torch
 from graphdsl.errors import GraphDSLError
 from graphdsl.quant import Companion, QuantScheme, register_scheme
 
-from .gguf_blocks import (GGUF_BLOCKS, KERNEL_QTYPES, dequantize_blocks, from_stored, row_bytes, stored_row_bytes,
-                          to_stored)
+from .gguf_blocks import (GGUF_BLOCKS, KERNEL_QTYPES, STORED_BLOCK_BYTES, block_major, dequantize_blocks, from_stored,
+                          row_bytes, row_major, stored_row_bytes, to_stored)
 
 __all__ = ["GGUFScheme", "GGUFMixScheme", "gguf_scheme", "quantize_blocks"]
 
 
 @dataclass(frozen=True)
 class GGUFScheme(QuantScheme):
-    """A weight kept in GGML block type ``qtype`` (``"Q4_K"``, ...; one of :data:`KERNEL_QTYPES`)."""
+    """A weight kept in GGML block type ``qtype`` (``"Q4_K"``, ...; one of :data:`KERNEL_QTYPES`);
+    ``blocked``: block-major (module docstring)."""
 
     qtype: str = "Q4_K"
+    blocked: bool = False
 
     def __post_init__(self):
         if self.qtype not in KERNEL_QTYPES:
@@ -43,7 +50,10 @@ class GGUFScheme(QuantScheme):
 
     @property
     def name(self) -> str:
-        return f"gguf-{self.qtype.lower()}"
+        return f"gguf-{self.qtype.lower()}{'-kb' if self.blocked else ''}"
+
+    def with_blocks(self, blocked: bool = True) -> "GGUFScheme":
+        return GGUFScheme(self.qtype, blocked)
 
     @property
     def block_values(self) -> int:
@@ -56,13 +66,16 @@ class GGUFScheme(QuantScheme):
                                 f"multiple of the {self.qtype} block of {self.block_values} values")
 
     def companions(self, out_features, in_features):
-        return (Companion("_packed", (out_features, stored_row_bytes(self.qtype, in_features)), torch.uint8),)
+        return (_packed("_packed", self.qtype, out_features, in_features, self.blocked),)
 
     def dequantize(self, tensors, out_features, in_features, dtype):
-        return dequantize_blocks(from_stored(tensors[0], self.qtype), self.qtype, in_features).to(dtype)
+        return _dequantize(tensors[0], self.qtype, in_features, dtype)
 
     def quantize(self, weight, dtype=None):
-        return [to_stored(quantize_blocks(weight, self.qtype), self.qtype)]
+        return [_stored(quantize_blocks(weight, self.qtype), self.qtype, self.blocked)]
+
+    def in_layout(self, tensors, in_features):
+        return [_layout(tensors[0], self.qtype, self.blocked)]
 
     def row_parts(self, out_features: int) -> list[tuple[str, int, int]]:
         """``[(GGML type, first row, end row)]`` of the stored companions, in order."""
@@ -74,10 +87,11 @@ class GGUFMixScheme(QuantScheme):
     """A packed weight whose row ranges keep different GGML block types: ``parts`` is
     ``((type, rows), ...)`` top to bottom (a Q4_K_M ``qkv_proj``: ``(("Q4_K", q + k rows), ("Q6_K",
     v rows))``). Part ``i`` is stored as ``<param>_packed`` (``i == 0``) or ``<param>_packed<i>``,
-    uint8 ``[rows, stored_row_bytes(type, in)]``; ``W`` is the parts' rows stacked. Named
-    ``gguf-q4_k.5120+q6_k.1024``."""
+    uint8 ``[rows, stored_row_bytes(type, in)]`` (``blocked``: block-major, module docstring); ``W``
+    is the parts' rows stacked. Named ``gguf-q4_k.5120+q6_k.1024``."""
 
     parts: tuple[tuple[str, int], ...] = ()
+    blocked: bool = False
 
     def __post_init__(self):
         if len(self.parts) < 2 or any(q not in KERNEL_QTYPES or not isinstance(r, int) or r <= 0
@@ -87,7 +101,10 @@ class GGUFMixScheme(QuantScheme):
 
     @property
     def name(self) -> str:
-        return "gguf-" + "+".join(f"{q.lower()}.{r}" for q, r in self.parts)
+        return "gguf-" + "+".join(f"{q.lower()}.{r}" for q, r in self.parts) + ("-kb" if self.blocked else "")
+
+    def with_blocks(self, blocked: bool = True) -> "GGUFMixScheme":
+        return GGUFMixScheme(self.parts, blocked)
 
     def row_parts(self, out_features: int) -> list[tuple[str, int, int]]:
         out, r0 = [], 0
@@ -106,15 +123,44 @@ class GGUFMixScheme(QuantScheme):
             GGUFScheme(q).check(name, shape)
 
     def companions(self, out_features, in_features):
-        return tuple(Companion(f"_packed{i or ''}", (r1 - r0, stored_row_bytes(q, in_features)), torch.uint8)
+        return tuple(_packed(f"_packed{i or ''}", q, r1 - r0, in_features, self.blocked)
                      for i, (q, r0, r1) in enumerate(self.row_parts(out_features)))
 
     def dequantize(self, tensors, out_features, in_features, dtype):
-        return torch.cat([dequantize_blocks(from_stored(t, q), q, in_features).to(dtype)
-                          for t, (q, _, _) in zip(tensors, self.row_parts(out_features))])
+        return torch.cat([_dequantize(t, q, in_features, dtype) for t, (q, _) in zip(tensors, self.parts)])
 
     def quantize(self, weight, dtype=None):
-        return [to_stored(quantize_blocks(weight[r0:r1], q), q) for q, r0, r1 in self.row_parts(weight.shape[0])]
+        return [_stored(quantize_blocks(weight[r0:r1], q), q, self.blocked)
+                for q, r0, r1 in self.row_parts(weight.shape[0])]
+
+    def in_layout(self, tensors, in_features):
+        return [_layout(t, q, self.blocked) for t, (q, _) in zip(tensors, self.parts)]
+
+
+def _packed(suffix: str, qtype: str, rows: int, in_features: int, blocked: bool) -> Companion:
+    """The companion of ``rows`` rows of ``qtype`` blocks: stored rows, or block-major (``blocked``)."""
+    if blocked:
+        size = STORED_BLOCK_BYTES.get(qtype, GGUF_BLOCKS[qtype][1])
+        return Companion(suffix, (in_features // GGUF_BLOCKS[qtype][0], rows, size), torch.uint8, per_row=False)
+    return Companion(suffix, (rows, stored_row_bytes(qtype, in_features)), torch.uint8)
+
+
+def _stored(file_rows: torch.Tensor, qtype: str, blocked: bool) -> torch.Tensor:
+    """File block rows in the stored layout, block-major if ``blocked``."""
+    data = to_stored(file_rows, qtype)
+    return block_major(data, qtype) if blocked else data
+
+
+def _layout(data: torch.Tensor, qtype: str, blocked: bool) -> torch.Tensor:
+    """Stored blocks in either layout (block-major when 3-D) → block-major (``blocked``) or rows."""
+    if (data.dim() == 3) == blocked:
+        return data
+    return block_major(data, qtype) if blocked else row_major(data, qtype)
+
+
+def _dequantize(data: torch.Tensor, qtype: str, in_features: int, dtype: torch.dtype) -> torch.Tensor:
+    rows = row_major(data, qtype) if data.dim() == 3 else data
+    return dequantize_blocks(from_stored(rows, qtype), qtype, in_features).to(dtype)
 
 
 def gguf_scheme(qtype: str | list[tuple[str, int]]) -> GGUFScheme | GGUFMixScheme:
@@ -136,13 +182,16 @@ def gguf_scheme(qtype: str | list[tuple[str, int]]) -> GGUFScheme | GGUFMixSchem
 
 def _parse(name: str) -> QuantScheme:
     body = name.split("-", 1)[1] if "-" in name else ""
+    blocked = body.endswith("-kb")
+    body = body[:-3] if blocked else body
     if body.upper() in KERNEL_QTYPES:
-        return GGUFScheme(body.upper())
+        return GGUFScheme(body.upper(), blocked)
     items = [p.split(".") for p in body.split("+")]
     if len(items) >= 2 and all(len(i) == 2 and i[0].upper() in KERNEL_QTYPES and i[1].isdigit() for i in items):
-        return GGUFMixScheme(tuple((q.upper(), int(r)) for q, r in items))
+        return GGUFMixScheme(tuple((q.upper(), int(r)) for q, r in items), blocked)
     raise GraphDSLError(f"unknown gguf scheme {name!r}: gguf-<type> with type one of "
-                        f"{[q.lower() for q in KERNEL_QTYPES]}, or row parts such as gguf-q4_k.5120+q6_k.1024")
+                        f"{[q.lower() for q in KERNEL_QTYPES]}, or row parts such as gguf-q4_k.5120+q6_k.1024, "
+                        f"either with -kb for block-major blocks")
 
 
 register_scheme("gguf", _parse)

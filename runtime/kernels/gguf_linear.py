@@ -2,7 +2,9 @@
 
 ``W`` is ``data``, uint8 ``[N, row_bytes]``: each of the N output rows is the row's K values as
 ``K / values_per_block`` consecutive GGML blocks, byte for byte as in the file (types:
-:data:`~.gguf_tiles.KERNEL_QTYPES`). The math is :func:`graphdsl.runtime.gguf_blocks.dequantize_blocks` followed
+:data:`~.gguf_tiles.KERNEL_QTYPES`); or the same blocks block-major, ``[K / values_per_block, N,
+block bytes]`` (:func:`graphdsl.runtime.gguf_blocks.block_major`, what a bind on CUDA stores), which
+every kernel here reads as well (:func:`.gguf_tiles.layout_args`). The math is :func:`graphdsl.runtime.gguf_blocks.dequantize_blocks` followed
 by a matmul; the kernels never write the dequantized weight for decode.
 
 * **Decode (``M <= 16`` rows): dequantize-in-GEMV.** Program ``(n, s)`` owns ``BLOCK_N`` rows and
@@ -47,10 +49,11 @@ from ..gguf_blocks import GGUF_BLOCKS
 from .gguf_mma import _CONFIG_KEYS as _MMA_CONFIG_KEYS
 from .gguf_mma import MMA_MIN_ROWS, MMA_QTYPES, gguf_gemv_mma
 from .gguf_mma_q6k import gguf_gemv_q6k
-from .gguf_tiles import KERNEL_QTYPES, decode_tile, row_codes, row_dot, row_total, row_zeros
+from .gguf_tiles import KERNEL_QTYPES, decode_tile, layout_args, row_codes, row_dot, row_total, row_zeros
 from .splitk import arrive, depart, meet_rows, sum_partials
 
-__all__ = ["gguf_linear", "gguf_gemv", "gguf_dequantize", "mma_eligible", "KERNEL_QTYPES", "MAX_GEMV_ROWS"]
+__all__ = ["gguf_linear", "gguf_gemv", "gguf_dequantize", "mma_eligible", "weight_rows", "KERNEL_QTYPES",
+           "MAX_GEMV_ROWS"]
 
 MAX_GEMV_ROWS = 16
 _Q6K_MMA = True       # one Q6_K row on the tensor cores by default (False: CUDA cores; decode_ab.py's A/B)
@@ -60,13 +63,13 @@ _DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 @triton.jit
 def _gguf_gemv_kernel(
     x_ptr,          # [M, K] activations, last dim contiguous
-    w_ptr,          # [N, ROW_BYTES] uint8 GGML blocks, row-major
+    w_ptr,          # uint8 GGML blocks: stored rows [N, row bytes], or block-major [blocks, N, BYTES] (KB)
     add_ptr,        # HAS_ADD: [M, N] residual (stride_am) or [N] bias (stride_am 0), last dim contiguous
     out_ptr,        # [M, N] output, last dim contiguous
     part_ptr,       # SPLIT: [SPLIT_K, n_tiles, BLOCK_N, BLOCK_M] float32 partials (one row: [.., BLOCK_N])
     lock_ptr,       # SPLIT: [n_tiles] int32 arrival counters, zero between launches
     M, N, K,        # sizes
-    row_bytes,      # bytes of one weight row
+    row_bytes,      # bytes from one weight row's first block to the next row's (gguf_tiles.layout_args)
     steps_per_split,  # SB-block steps per K slice
     SPLIT_K,        # K slices (programs along axis 1)
     stride_xm, stride_om, stride_am,   # row strides of x, out, add
@@ -80,6 +83,7 @@ def _gguf_gemv_kernel(
     HAS_ADD: tl.constexpr,
     DOT_F32: tl.constexpr,       # the CPU interpreter's dot mishandles bfloat16: multiply in float32
     PREFETCH: tl.constexpr = False,  # one row: load each step's code bytes a step ahead (row_codes)
+    KB: tl.constexpr = False, BYTES: tl.constexpr = 0, KB_STRIDE=0,   # the layout (gguf_tiles.layout_args)
 ):
     """out[m, n] = sum_k x[m, k] * dequant(w)[n, k] (+ add[m, n]), float32 accumulation; with
     ``SPLIT`` each program sums its K slice and the last to arrive per row tile adds the slices in
@@ -89,6 +93,7 @@ def _gguf_gemv_kernel(
     rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = rn < N
     rows = w_ptr + rn.to(tl.int64) * row_bytes
+    BS = KB_STRIDE if KB else BYTES                # bytes between a row's blocks
     n_steps = K // (VALUES * SB)
     s_lo = pid_k * steps_per_split
     s_hi = tl.minimum(s_lo + steps_per_split, n_steps)
@@ -99,7 +104,7 @@ def _gguf_gemv_kernel(
         acc = tl.zeros([BLOCK_N, BLOCK_M], tl.float32)
         for s in range(s_lo, s_hi):
             blk0 = s * SB
-            w, koff = decode_tile(rows, n_ok, blk0, QTYPE, SB)
+            w, koff = decode_tile(rows, n_ok, blk0, BS, QTYPE, SB)
             xt = tl.load(x_ptr + rm[None, :] * stride_xm + (blk0 * VALUES + koff)[:, None], mask=m_ok[None, :],
                          other=0.0)
             if DOT_F32:       # float32 rows are float32 math (a GPU's default tf32 keeps 10 mantissa bits)
@@ -119,14 +124,14 @@ def _gguf_gemv_kernel(
     else:
         vals = row_zeros(BLOCK_N, QTYPE, SB)
         if PREFETCH:            # the first step's code bytes
-            n0, n1 = row_codes(rows, n_ok, tl.maximum(tl.minimum(s_lo, s_hi - 1), 0) * SB, QTYPE, SB)
+            n0, n1 = row_codes(rows, n_ok, tl.maximum(tl.minimum(s_lo, s_hi - 1), 0) * SB, BS, QTYPE, SB)
         for s in range(s_lo, s_hi):
             if PREFETCH:        # this step's code bytes were loaded last step; load the next step's
                 b0, b1 = n0, n1
-                n0, n1 = row_codes(rows, n_ok, tl.minimum(s + 1, s_hi - 1) * SB, QTYPE, SB)
+                n0, n1 = row_codes(rows, n_ok, tl.minimum(s + 1, s_hi - 1) * SB, BS, QTYPE, SB)
             else:
-                b0, b1 = row_codes(rows, n_ok, s * SB, QTYPE, SB)
-            vals = row_dot(vals, b0, b1, rows, n_ok, s * SB, x_ptr, QTYPE, SB)
+                b0, b1 = row_codes(rows, n_ok, s * SB, BS, QTYPE, SB)
+            vals = row_dot(vals, b0, b1, rows, n_ok, s * SB, BS, x_ptr, QTYPE, SB)
         rm = tl.arange(0, 1)
         m_ok = rm < 1
         # [BLOCK_N, 1] (M == 1): the row sums, reduced once after the K loop, met across slices
@@ -140,17 +145,18 @@ def _gguf_gemv_kernel(
 
 @triton.jit
 def _gguf_dequant_kernel(
-    w_ptr,          # [N, ROW_BYTES] uint8 GGML blocks
+    w_ptr,          # uint8 GGML blocks, stored rows or block-major (KB; gguf_tiles.layout_args)
     out_ptr,        # [N, K] output, row-major
     N, K, row_bytes,
     QTYPE: tl.constexpr, VALUES: tl.constexpr, SB: tl.constexpr, BLOCK_N: tl.constexpr,
+    KB: tl.constexpr = False, BYTES: tl.constexpr = 0, KB_STRIDE=0,
 ):
     """out[n, k] = dequant(w)[n, k] for BLOCK_N rows and SB blocks per program."""
     pid_n = tl.program_id(0)
     blk0 = tl.program_id(1) * SB
     rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = rn < N
-    w, koff = decode_tile(w_ptr + rn.to(tl.int64) * row_bytes, n_ok, blk0, QTYPE, SB)
+    w, koff = decode_tile(w_ptr + rn.to(tl.int64) * row_bytes, n_ok, blk0, KB_STRIDE if KB else BYTES, QTYPE, SB)
     dst = out_ptr + rn.to(tl.int64)[:, None] * K + (blk0 * VALUES + koff)[None, :]
     tl.store(dst, w.to(out_ptr.dtype.element_ty), mask=n_ok[:, None])
 
@@ -203,17 +209,24 @@ def _check(data: torch.Tensor, qtype: str, x: torch.Tensor | None = None) -> int
     if qtype not in KERNEL_QTYPES:
         raise GraphDSLError(f"gguf kernels: GGML type {qtype!r} has no kernel; supported: {list(KERNEL_QTYPES)}")
     values, nbytes = KERNEL_QTYPES[qtype]
-    if data.dtype != torch.uint8 or data.dim() != 2 or not data.is_contiguous() or data.shape[1] % nbytes:
+    shaped = (data.dim() == 2 and data.shape[1] % nbytes == 0) or (data.dim() == 3 and data.shape[2] == nbytes)
+    if data.dtype != torch.uint8 or not shaped or not data.is_contiguous():
         layout = " in the stored layout, gguf_blocks.to_stored" if nbytes != GGUF_BLOCKS[qtype][1] else ""
         raise GraphDSLError(f"gguf kernels: data must be contiguous uint8 [N, K / {values} * {nbytes}] ({qtype} "
-                            f"blocks{layout}), got {data.dtype} {list(data.shape)} contiguous={data.is_contiguous()}")
-    k = data.shape[1] // nbytes * values
+                            f"blocks{layout}) or block-major [K / {values}, N, {nbytes}] (gguf_blocks.block_major), "
+                            f"got {data.dtype} {list(data.shape)} contiguous={data.is_contiguous()}")
+    k = (data.shape[0] if data.dim() == 3 else data.shape[1] // nbytes) * values
     if x is not None and (x.dim() != 2 or x.shape[1] != k or x.dtype not in _DTYPES or x.stride(1) != 1):
         raise GraphDSLError(f"gguf kernels: x must be [M, {k}] in {[str(d) for d in _DTYPES]} with a contiguous "
                             f"last dim, got {list(x.shape)} {x.dtype} strides {x.stride()}")
     if x is not None and x.device != data.device:
         raise GraphDSLError(f"gguf kernels: x is on {x.device}, data on {data.device}")
     return k
+
+
+def weight_rows(data: torch.Tensor) -> int:
+    """N, the weight rows of GGUF blocks ``data`` in either layout (stored rows or block-major)."""
+    return data.shape[1] if data.dim() == 3 else data.shape[0]
 
 
 def _mma_possible(x: torch.Tensor, data: torch.Tensor, qtype: str) -> bool:
@@ -229,15 +242,15 @@ def mma_eligible(x: torch.Tensor, data: torch.Tensor, qtype: str) -> bool:
     :func:`_mma_possible` and the weight has at least ``MMA_MIN_ROWS`` rows (on the H100 a 1024-row
     Q4_K GEMV took 6.4 µs on CUDA cores, 7.5 on the tensor cores with its activation launch; 4096
     rows 12.8 against 11.0; Q6_K's 1024 rows 6.6 against 6.7-8.5, 4096 rows 16.9 against 12.9)."""
-    return (_mma_possible(x, data, qtype) and data.shape[0] >= MMA_MIN_ROWS
+    return (_mma_possible(x, data, qtype) and weight_rows(data) >= MMA_MIN_ROWS
             and (qtype != "Q6_K" or _Q6K_MMA))
 
 
 def gguf_gemv(x: torch.Tensor, data: torch.Tensor, qtype: str, add: torch.Tensor | None = None, *,
               silu_mul: bool = False, out: torch.Tensor | None = None, workspace=None,
               config: dict | None = None, planes=None, planes_out=None) -> torch.Tensor:
-    """``x @ dequant(data).T (+ add)`` for ``x [M <= 16, K]`` and GGML blocks ``data [N, row_bytes]``
-    of type ``qtype``, in one launch; the result has x's dtype. ``add``: a residual ``[M, N]`` or a
+    """``x @ dequant(data).T (+ add)`` for ``x [M <= 16, K]`` and GGML blocks ``data`` of type
+    ``qtype`` (stored rows ``[N, row_bytes]`` or block-major ``[blocks, N, bytes]``), in one launch; the result has x's dtype. ``add``: a residual ``[M, N]`` or a
     bias ``[N]`` (unit inner stride), added in float32 before the store. ``out``: ``[M, N]`` with a
     unit inner stride (a column slice of a wider product works). ``workspace``: a
     :class:`~.gemv.GemvWorkspace` holding the split-K partials and counters (a private one per
@@ -259,7 +272,7 @@ def gguf_gemv(x: torch.Tensor, data: torch.Tensor, qtype: str, add: torch.Tensor
     it next."""
     from .gemv import GemvWorkspace
     k = _check(data, qtype, x)
-    m, n = x.shape[0], data.shape[0]
+    m, n = x.shape[0], weight_rows(data)
     if not 1 <= m <= MAX_GEMV_ROWS:
         raise GraphDSLError(f"gguf_gemv: x needs 1..{MAX_GEMV_ROWS} rows, got {m}")
     if silu_mul:
@@ -295,11 +308,12 @@ def gguf_gemv(x: torch.Tensor, data: torch.Tensor, qtype: str, add: torch.Tensor
     n_tiles = triton.cdiv(n, block_n)
     part, lock = (workspace or GemvWorkspace()).get(x.device, n_tiles, split, block_n) if split > 1 else (out, out)
     interp = os.environ.get("TRITON_INTERPRET") == "1"
+    row_stride, layout = layout_args(data, qtype)
     _gguf_gemv_kernel[(n_tiles, split)](
-        x, data, add if add is not None else out, out, part, lock, m, n, k, data.shape[1], per, split,
+        x, data, add if add is not None else out, out, part, lock, m, n, k, row_stride, per, split,
         x.stride(0), out.stride(0), 0 if add is None or add.dim() == 1 else add.stride(0),
         QTYPE=qtype, VALUES=values, SB=sb, BLOCK_N=block_n, BLOCK_M=MAX_GEMV_ROWS, USE_DOT=use_dot,
-        SPLIT=split > 1, HAS_ADD=add is not None, DOT_F32=interp or x.dtype == torch.float32, **cfg)
+        SPLIT=split > 1, HAS_ADD=add is not None, DOT_F32=interp or x.dtype == torch.float32, **layout, **cfg)
     return out
 
 
@@ -327,15 +341,17 @@ def _mma(x, data, qtype, add, out, workspace, config, silu_mul, planes=None, pla
 
 
 def gguf_dequantize(data: torch.Tensor, qtype: str, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
-    """The weight ``[N, K]`` in ``dtype`` from its GGML blocks ``data [N, row_bytes]`` (Triton; one pass)."""
+    """The weight ``[N, K]`` in ``dtype`` from its GGML blocks ``data`` (stored rows ``[N, row_bytes]``
+    or block-major; Triton, one pass)."""
     k = _check(data, qtype)
-    n = data.shape[0]
+    n = weight_rows(data)
     values = KERNEL_QTYPES[qtype][0]
     sb = _sb_for(k // values, 256 // values)
     out = torch.empty(n, k, dtype=dtype, device=data.device)
     block_n = 16
+    row_stride, layout = layout_args(data, qtype)
     _gguf_dequant_kernel[(triton.cdiv(n, block_n), k // values // sb)](
-        data, out, n, k, data.shape[1], QTYPE=qtype, VALUES=values, SB=sb, BLOCK_N=block_n, num_warps=4)
+        data, out, n, k, row_stride, QTYPE=qtype, VALUES=values, SB=sb, BLOCK_N=block_n, num_warps=4, **layout)
     return out
 
 
@@ -355,4 +371,4 @@ def gguf_linear(x: torch.Tensor, data: torch.Tensor, qtype: str, bias: torch.Ten
     else:
         _check(data, qtype, x2)
         out = torch.nn.functional.linear(x2, gguf_dequantize(data, qtype, x2.dtype), bias)
-    return out.reshape(*lead, data.shape[0])
+    return out.reshape(*lead, weight_rows(data))

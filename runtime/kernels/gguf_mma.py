@@ -45,11 +45,12 @@ import triton.language as tl
 
 from graphdsl.errors import GraphDSLError
 
+from .gguf_tiles import layout_args
 from .pdl import pdl_launch, pdl_trigger, pdl_wait, prefetch_l2
 from .splitk import meet_rows
 
 __all__ = ["MMA_QTYPES", "MMA_MIN_ROWS", "gguf_gemv_mma", "activation_planes", "norm_planes", "pick_mma_config",
-           "swiglu_planes_possible"]
+           "split_for", "swiglu_planes_possible"]
 
 MMA_QTYPES = ("Q4_K",)
 MMA_MIN_ROWS = 2048             # fewer weight rows stay on the CUDA cores by default (gguf_linear.mma_eligible)
@@ -60,6 +61,9 @@ _CONFIG_KEYS = {"BLOCK_N", "SPLIT_K", "num_warps", "num_stages"}
 # a super-block is 144 bytes), while the activation-planes launch before it runs; 0: none
 _PREFETCH_LINES = 2
 _BLOCK_N = 64                   # weight rows a tile (pick_mma_config)
+_STAGES = 3                     # pipeline stages of the K loop (pick_mma_config)
+_PROGRAMS_PER_SM = 2            # K is split until the grid has this many programs a SM (split_for) ...
+_MIN_SLICE = 3                  # ... while each slice keeps at least this many super-blocks
 _NORM_EARLY = True              # norm_planes: the weight read before the PDL wait, own inputs with the row
 
 
@@ -204,7 +208,7 @@ def _rows16(f, BLOCK_N: tl.constexpr):
 @triton.jit
 def _q4k_kernel(
     a_ptr, xa_ptr, xs_ptr,   # activation planes [16, K] int8, a_s and S_s [K / 32] float32
-    w_ptr,                   # [N, ROW_BYTES] uint8 Q4_K blocks
+    w_ptr,                   # uint8 Q4_K blocks: rows [N, ROW_BYTES], or block-major [K / 256, N, 144] (KB)
     add_ptr,                 # HAS_ADD: [N] residual row or bias, contiguous
     out_ptr,                 # [N] output row
     part_ptr, lock_ptr,      # SPLIT: [SPLIT_K, n_tiles, BLOCK_N] float32 partials, [n_tiles] counters
@@ -217,6 +221,7 @@ def _q4k_kernel(
     pa_ptr=None, pxa_ptr=None, pxs_ptr=None,   # PLANES: out's own A operand [16, N], a_s, S_s [N / 32]
     PLANES: tl.constexpr = False,   # SWIGLU with 32 outputs a tile: also write out's A operand (_sub_block_planes)
     PLANES_Q6K: tl.constexpr = False,   # ... in the Q6_K GEMV's format instead (gguf_mma_q6k; pxs_ptr unused)
+    KB: tl.constexpr = False, BYTES: tl.constexpr = 144, KB_STRIDE=0,   # block-major (gguf_tiles.layout_args)
 ):
     """out[n] = sum_k x[k] dequant(w)[n, k] (+ add[n]) for ``BLOCK_N`` rows over super-blocks
     ``[pid_s PER, (pid_s + 1) PER)`` (module docstring); rows past ``N`` read row ``N - 1``
@@ -230,8 +235,10 @@ def _q4k_kernel(
     else:
         rn = tl.minimum(pid_n * BLOCK_N + tl.arange(0, BLOCK_N), N - 1)
     rows = w_ptr + rn.to(tl.int64) * ROW_BYTES
+    BS = KB_STRIDE if KB else BYTES                        # bytes between a row's super-blocks
     if PREFETCH > 0 and USE_PDL:         # the slice's first code lines into L2 while the planes launch runs
-        prefetch_l2(rows[:, None], pid_s * PER * 144, tl.minimum(pid_s * PER + PER, K // 256) * 144, PREFETCH, 128)
+        end = pid_s * PER * BS + BYTES if KB else tl.minimum(pid_s * PER + PER, K // 256) * BYTES
+        prefetch_l2(rows[:, None], pid_s * PER * BS, end, PREFETCH, 128)
     pdl_wait(USE_PDL, not LATE_LAUNCH)
     rj = tl.arange(0, 128)
     r = tl.arange(0, 16)
@@ -241,7 +248,7 @@ def _q4k_kernel(
     b_lo = pid_s * PER
     b_hi = tl.minimum(b_lo + PER, K // 256)
     for b in range(b_lo, b_hi):
-        blk = rows + b * 144                               # d, dmin @0; scales[12] @4; qs[128] @16
+        blk = rows + b * BS                                # d, dmin @0; scales[12] @4; qs[128] @16
         codes = tl.load(blk[:, None] + (16 + rj)[None, :])
         a_lo = tl.load(a_ptr + r[:, None] * K + (b * 256 + rj)[None, :])
         a_hi = tl.load(a_ptr + r[:, None] * K + (b * 256 + 128 + rj)[None, :])
@@ -328,10 +335,18 @@ def pick_mma_config(n: int, k: int, sms: int) -> dict:
     gate 2, down 8) are those that bring the grid to about two programs per SM: K is split in two
     while the grid has fewer and each slice keeps at least 3 super-blocks (o: 4 slices of 4 took
     7.7 µs, 8 of 2 7.9)."""
-    tiles, blocks, split = triton.cdiv(n, _BLOCK_N), k // _SUPER, 1
-    while tiles * split < 2 * sms and blocks // (split * 2) >= 3:
+    return dict(BLOCK_N=_BLOCK_N, SPLIT_K=split_for(triton.cdiv(n, _BLOCK_N), k // _SUPER, sms), num_warps=4,
+                num_stages=_STAGES)
+
+
+def split_for(tiles: int, blocks: int, sms: int) -> int:
+    """K slices for a tensor-core GEMV of ``tiles`` row tiles over ``blocks`` super-blocks: doubled
+    while the grid has fewer than ``_PROGRAMS_PER_SM`` programs a SM and each slice keeps at least
+    ``_MIN_SLICE`` super-blocks (:func:`pick_mma_config`, :func:`.gguf_mma_q6k.pick_q6k_config`)."""
+    split = 1
+    while tiles * split < _PROGRAMS_PER_SM * sms and blocks // (split * 2) >= _MIN_SLICE:
         split *= 2
-    return dict(BLOCK_N=_BLOCK_N, SPLIT_K=split, num_warps=4, num_stages=3)
+    return split
 
 
 def gguf_gemv_mma(x: torch.Tensor, data: torch.Tensor, qtype: str, add: torch.Tensor | None, out: torch.Tensor,
@@ -348,7 +363,8 @@ def gguf_gemv_mma(x: torch.Tensor, data: torch.Tensor, qtype: str, add: torch.Te
     :func:`.gguf_mma_q6k.q6k_activation_planes`), written by each tile's epilogue, so the projection
     reading it (``down``) needs no activation launch either."""
     from .gemv import GemvWorkspace
-    n, k = data.shape[0], x.shape[1]
+    row_stride, layout = layout_args(data, qtype)
+    n, k = data.shape[1 if layout["KB"] else 0], x.shape[1]
     cfg = dict(config or pick_mma_config(n, k, sms))
     block_n, split = cfg.pop("BLOCK_N"), cfg.pop("SPLIT_K")
     blocks = k // _SUPER
@@ -361,9 +377,10 @@ def gguf_gemv_mma(x: torch.Tensor, data: torch.Tensor, qtype: str, add: torch.Te
     part, lock = ws.get(x.device, n_tiles, split, block_n) if split > 1 else (out, out)
     _q4k_kernel[(n_tiles, split)](
         *planes, data, add if add is not None else out, out, part, lock, n // 2 if silu_mul else n, k,
-        data.shape[1], per, split, BLOCK_N=block_n, SPLIT=split > 1, HAS_ADD=add is not None,
+        row_stride, per, split, BLOCK_N=block_n, SPLIT=split > 1, HAS_ADD=add is not None,
         EMULATE=os.environ.get("TRITON_INTERPRET") == "1", LATE_LAUNCH=n_tiles * split > sms, SWIGLU=silu_mul,
-        PREFETCH=_PREFETCH_LINES, **_planes_args(planes_out, silu_mul, n, block_n), **pdl_launch(x.device), **cfg)
+        PREFETCH=_PREFETCH_LINES, **_planes_args(planes_out, silu_mul, n, block_n), **pdl_launch(x.device), **layout,
+        **cfg)
     return out
 
 

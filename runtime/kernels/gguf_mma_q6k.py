@@ -42,7 +42,8 @@ import triton
 import triton.language as tl
 
 from ..gguf_blocks import STORED_BLOCK_BYTES
-from .gguf_mma import _bytes, _finish, _rows16
+from .gguf_mma import _bytes, _finish, _rows16, split_for
+from .gguf_tiles import layout_args
 from .pdl import pdl_launch, pdl_trigger, pdl_wait, prefetch_l2
 
 __all__ = ["q6k_activation_planes", "gguf_gemv_q6k", "pick_q6k_config"]
@@ -51,6 +52,8 @@ _STRIDE: tl.constexpr = tl.constexpr(STORED_BLOCK_BYTES["Q6_K"])    # bytes a st
 _SUPER = 256
 _CONFIG_KEYS = {"BLOCK_N", "SPLIT_K", "num_warps", "num_stages"}
 _PREFETCH_LINES = 2             # 128-byte lines of each row's first block asked of L2 before the PDL wait
+_BLOCK_N = 64                   # weight rows a tile (pick_q6k_config)
+_STAGES = 2                     # pipeline stages of the K loop (pick_q6k_config)
 
 
 @triton.jit
@@ -101,7 +104,7 @@ def _plane(ql, qh, I: tl.constexpr, EMULATE: tl.constexpr):
 @triton.jit
 def _q6k_kernel(
     a_ptr, xa_ptr,           # activation planes [16, K] int8, a_s [K / 16] float32
-    w_ptr,                   # [N, ROW_BYTES] uint8 Q6_K blocks, stored layout (224 B)
+    w_ptr,                   # uint8 stored Q6_K blocks (224 B): rows [N, ROW_BYTES], or block-major (KB)
     add_ptr,                 # HAS_ADD: [N] residual row or bias, contiguous
     out_ptr,                 # [N] output row
     part_ptr, lock_ptr,      # SPLIT: [SPLIT_K, n_tiles, BLOCK_N] float32 partials, [n_tiles] counters
@@ -110,6 +113,7 @@ def _q6k_kernel(
     BLOCK_N: tl.constexpr, SPLIT: tl.constexpr, HAS_ADD: tl.constexpr, EMULATE: tl.constexpr,
     USE_PDL: tl.constexpr, LATE_LAUNCH: tl.constexpr,   # (:mod:`.pdl`) the next kernel launches after the K loop
     PREFETCH: tl.constexpr = 0,
+    KB: tl.constexpr = False, BYTES: tl.constexpr = _STRIDE, KB_STRIDE=0,   # block-major (gguf_tiles.layout_args)
 ):
     """out[n] = sum_k x[k] dequant(w)[n, k] (+ add[n]) for ``BLOCK_N`` rows over super-blocks
     ``[pid_s PER, (pid_s + 1) PER)``; rows past ``N`` read row ``N - 1`` (never stored)."""
@@ -117,9 +121,10 @@ def _q6k_kernel(
     pid_s = tl.program_id(1)
     rn = tl.minimum(pid_n * BLOCK_N + tl.arange(0, BLOCK_N), N - 1)
     rows = w_ptr + rn.to(tl.int64) * ROW_BYTES
+    BS = KB_STRIDE if KB else BYTES                        # bytes between a row's super-blocks
     if PREFETCH > 0 and USE_PDL:
-        prefetch_l2(rows[:, None], pid_s * PER * _STRIDE, tl.minimum(pid_s * PER + PER, K // 256) * _STRIDE, PREFETCH,
-                    128)
+        end = pid_s * PER * BS + BYTES if KB else tl.minimum(pid_s * PER + PER, K // 256) * BYTES
+        prefetch_l2(rows[:, None], pid_s * PER * BS, end, PREFETCH, 128)
     pdl_wait(USE_PDL, not LATE_LAUNCH)
     j = tl.arange(0, 32)
     r = tl.arange(0, 16)
@@ -129,8 +134,8 @@ def _q6k_kernel(
     b_lo = pid_s * PER
     b_hi = tl.minimum(b_lo + PER, K // 256)
     for b in range(b_lo, b_hi):
-        blk = rows[:, None] + b * _STRIDE
-        words = (rows + b * _STRIDE).to(tl.pointer_type(tl.int32))
+        blk = rows[:, None] + b * BS
+        words = (rows + b * BS).to(tl.pointer_type(tl.int32))
         d = (tl.load(words + 52) & 0xFFFF).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
         for h in tl.static_range(2):
             ql0 = tl.load(blk + (64 * h + j)[None, :])
@@ -171,21 +176,20 @@ def pick_q6k_config(n: int, k: int, sms: int) -> dict:
     super-blocks), 2 stages. H100 sweep (BLOCK_N 32/64/128, 4/8 warps, 2-4 stages, split 1-8; CUDA
     graph over HBM-resident copies): that launch was the best or within 3% on o, qkv, gate and
     down (down 29.8 µs against 49.8 on the CUDA cores)."""
-    tiles, blocks, split = triton.cdiv(n, 64), k // _SUPER, 1
-    while tiles * split < 2 * sms and blocks // (split * 2) >= 3:
-        split *= 2
-    return dict(BLOCK_N=64, SPLIT_K=split, num_warps=4, num_stages=2)
+    return dict(BLOCK_N=_BLOCK_N, SPLIT_K=split_for(triton.cdiv(n, _BLOCK_N), k // _SUPER, sms), num_warps=4,
+                num_stages=_STAGES)
 
 
 def gguf_gemv_q6k(x: torch.Tensor, data: torch.Tensor, add: torch.Tensor | None, out: torch.Tensor,
                   workspace, config: dict | None, sms: int, planes=None) -> torch.Tensor:
     """``out [1, N] = x [1, K] @ dequant(data).T (+ add)`` for stored Q6_K blocks (``data [N, K / 256 *
-    224]``), x fp16/bf16; operands checked by :func:`.gguf_linear.gguf_gemv`, which calls this.
+    224]``, or block-major ``[K / 256, N, 224]``), x fp16/bf16; operands checked by :func:`.gguf_linear.gguf_gemv`, which calls this.
     ``workspace``: a :class:`~.gemv.GemvWorkspace` (activation planes, split-K partials). ``planes``:
     x's A operand and ``a_s`` already made (by a Q4_K SwiGLU GEMV's epilogue,
     :func:`.gguf_mma.gguf_gemv_mma`'s ``planes_out``), so no activation launch."""
     from .gemv import GemvWorkspace
-    n, k = data.shape[0], x.shape[1]
+    row_stride, layout = layout_args(data, "Q6_K")
+    n, k = data.shape[1 if layout["KB"] else 0], x.shape[1]
     cfg = dict(config or pick_q6k_config(n, k, sms))
     block_n, split = cfg.pop("BLOCK_N"), cfg.pop("SPLIT_K")
     blocks = k // _SUPER
@@ -197,7 +201,7 @@ def gguf_gemv_q6k(x: torch.Tensor, data: torch.Tensor, add: torch.Tensor | None,
     n_tiles = triton.cdiv(n, block_n)
     part, lock = ws.get(x.device, n_tiles, split, block_n) if split > 1 else (out, out)
     _q6k_kernel[(n_tiles, split)](
-        *planes, data, add if add is not None else out, out, part, lock, n, k, data.shape[1], per, split,
+        *planes, data, add if add is not None else out, out, part, lock, n, k, row_stride, per, split,
         BLOCK_N=block_n, SPLIT=split > 1, HAS_ADD=add is not None, EMULATE=os.environ.get("TRITON_INTERPRET") == "1",
-        LATE_LAUNCH=n_tiles * split > sms, PREFETCH=_PREFETCH_LINES, **pdl_launch(x.device), **cfg)
+        LATE_LAUNCH=n_tiles * split > sms, PREFETCH=_PREFETCH_LINES, **pdl_launch(x.device), **layout, **cfg)
     return out

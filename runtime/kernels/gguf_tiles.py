@@ -1,8 +1,10 @@
 """Triton tile decoders for GGUF block formats, read straight from the file's block bytes.
 
-Each ``_tile_<type>(rows, n_ok, blk0, SB)`` decodes, for ``BLOCK_N`` weight rows at once (``rows``:
+Each ``_tile_<type>(rows, n_ok, blk0, BS, SB)`` decodes, for ``BLOCK_N`` weight rows at once (``rows``:
 ``[BLOCK_N]`` uint8 pointers to the rows' first byte; ``n_ok``: which of them exist), the ``SB``
-consecutive blocks starting at block ``blk0`` of every row and returns
+consecutive blocks starting at block ``blk0`` of every row (block ``b`` of a row ``BS · b`` bytes
+after its first: the block bytes for stored rows, ``N`` times them block-major,
+:func:`graphdsl.runtime.gguf_blocks.strides`) and returns
 
 - ``w``: float32 ``[BLOCK_N, SB * values_per_block]``, the dequantized values in *tile order*: the
   order that falls out of loading the packed bytes contiguously and splitting each byte into its
@@ -16,7 +18,7 @@ format is the one of :mod:`graphdsl.runtime.gguf_blocks` (the reference these ti
 byte offsets used are written next to each load.
 
 The rows are in the stored layout (:func:`graphdsl.runtime.gguf_blocks.to_stored`): the file's
-blocks, Q6_K's padded from 210 to 224 bytes (:data:`_Q6K`). Float16 fields are assembled from two
+blocks, Q6_K's padded from 210 to 224 bytes (:data:`KERNEL_QTYPES` has the stored sizes). Float16 fields are assembled from two
 byte loads (blocks of 18 or 34 bytes leave them only 2-byte aligned), then bitcast.
 """
 from __future__ import annotations
@@ -26,13 +28,23 @@ import triton.language as tl
 
 from ..gguf_blocks import GGUF_BLOCKS, STORED_BLOCK_BYTES
 from ..gguf_blocks import KERNEL_QTYPES as _NAMES
+from ..gguf_blocks import strides
 
-__all__ = ["KERNEL_QTYPES", "decode_tile", "row_codes", "row_dot", "row_total", "row_zeros"]
+__all__ = ["KERNEL_QTYPES", "decode_tile", "row_codes", "row_dot", "row_total", "row_zeros", "layout_args"]
 
 # GGML types with a Triton tile decoder: name -> (values per block, bytes per stored block)
 KERNEL_QTYPES: dict[str, tuple[int, int]] = {
     name: (GGUF_BLOCKS[name][0], STORED_BLOCK_BYTES.get(name, GGUF_BLOCKS[name][1])) for name in _NAMES}
-_Q6K: tl.constexpr = tl.constexpr(KERNEL_QTYPES["Q6_K"][1])     # a stored Q6_K block's stride (224)
+
+
+def layout_args(data, qtype: str) -> tuple[int, dict]:
+    """A GGUF kernel's view of the blocks ``data`` of ``qtype`` (stored rows ``[N, row_bytes]`` or
+    block-major ``[blocks, N, bytes]``): the row stride in bytes, and the launch keywords ``KB``
+    (block-major), ``BYTES`` (a stored block's size) and ``KB_STRIDE`` (block-major: the bytes
+    between a row's blocks). A kernel's ``BS`` is ``KB_STRIDE if KB else BYTES``: a constant for
+    stored rows."""
+    row, blk = strides(data, qtype)
+    return row, dict(KB=data.dim() == 3, BYTES=KERNEL_QTYPES[qtype][1], KB_STRIDE=blk)
 
 
 @triton.jit
@@ -44,14 +56,14 @@ def _f16_at(ptr, mask):
 
 
 @triton.jit
-def _nibble_blocks(rows, n_ok, blk0, SB: tl.constexpr, BLOCK_BYTES: tl.constexpr, QS_AT: tl.constexpr):
+def _nibble_blocks(rows, n_ok, blk0, BS, SB: tl.constexpr, QS_AT: tl.constexpr):
     """The Q4_0 / Q4_1 nibble layout: block byte offsets ``[SB]``, the codes ``[BLOCK_N, SB, 16, 2]``
     (float32; value ``b`` is ``qs[b] & 15``, value ``b + 16`` is ``qs[b] >> 4``, ``qs`` at byte
-    ``QS_AT`` of each ``BLOCK_BYTES``-byte block) and their K offsets in the tile."""
+    ``QS_AT`` of each block) and their K offsets in the tile."""
     g = tl.arange(0, SB)
     b = tl.arange(0, 16)
     h = tl.arange(0, 2)
-    blk = (blk0 + g).to(tl.int64) * BLOCK_BYTES
+    blk = (blk0 + g).to(tl.int64) * BS
     byte = tl.load(rows[:, None, None] + (blk[:, None] + QS_AT + b[None, :])[None, :, :],
                    mask=n_ok[:, None, None], other=0).to(tl.int32)
     q = tl.join(byte & 15, byte >> 4).to(tl.float32)
@@ -60,19 +72,19 @@ def _nibble_blocks(rows, n_ok, blk0, SB: tl.constexpr, BLOCK_BYTES: tl.constexpr
 
 
 @triton.jit
-def _tile_q4_0(rows, n_ok, blk0, SB: tl.constexpr):
+def _tile_q4_0(rows, n_ok, blk0, BS, SB: tl.constexpr):
     """Q4_0, 18 B: ``d f16 @0, qs[16] @2``; value ``b`` is ``qs[b] & 15``, value ``b + 16`` is
     ``qs[b] >> 4``; ``y = d * (q - 8)``. Tile ``[BLOCK_N, SB, 16, 2]`` (block, byte, nibble)."""
-    blk, q, koff = _nibble_blocks(rows, n_ok, blk0, SB, 18, 2)                 # q: [BN, SB, 16, 2]
+    blk, q, koff = _nibble_blocks(rows, n_ok, blk0, BS, SB, 2)                 # q: [BN, SB, 16, 2]
     d = _f16_at(rows[:, None] + blk[None, :], n_ok[:, None])                    # [BN, SB]
     w = d[:, :, None, None] * (q - 8.0)
     return tl.reshape(w, [w.shape[0], SB * 32]), tl.reshape(koff, [SB * 32])
 
 
 @triton.jit
-def _tile_q4_1(rows, n_ok, blk0, SB: tl.constexpr):
+def _tile_q4_1(rows, n_ok, blk0, BS, SB: tl.constexpr):
     """Q4_1, 20 B: ``d f16 @0, m f16 @2, qs[16] @4``; nibbles as Q4_0; ``y = d * q + m``."""
-    blk, q, koff = _nibble_blocks(rows, n_ok, blk0, SB, 20, 4)
+    blk, q, koff = _nibble_blocks(rows, n_ok, blk0, BS, SB, 4)
     d = _f16_at(rows[:, None] + blk[None, :], n_ok[:, None])
     m = _f16_at(rows[:, None] + blk[None, :] + 2, n_ok[:, None])
     w = d[:, :, None, None] * q + m[:, :, None, None]
@@ -80,11 +92,11 @@ def _tile_q4_1(rows, n_ok, blk0, SB: tl.constexpr):
 
 
 @triton.jit
-def _tile_q8_0(rows, n_ok, blk0, SB: tl.constexpr):
+def _tile_q8_0(rows, n_ok, blk0, BS, SB: tl.constexpr):
     """Q8_0, 34 B: ``d f16 @0, q[32] int8 @2``; ``y = d * q``. Tile ``[BLOCK_N, SB, 32]`` in K order."""
     g = tl.arange(0, SB)
     j = tl.arange(0, 32)
-    blk = (blk0 + g).to(tl.int64) * 34
+    blk = (blk0 + g).to(tl.int64) * BS
     byte = tl.load(rows[:, None, None] + (blk[:, None] + 2 + j[None, :])[None, :, :],
                    mask=n_ok[:, None, None], other=0)
     q = byte.to(tl.int8, bitcast=True).to(tl.float32)
@@ -95,14 +107,14 @@ def _tile_q8_0(rows, n_ok, blk0, SB: tl.constexpr):
 
 
 @triton.jit
-def _k_scales_mins(rows, n_ok, blk0, SB: tl.constexpr, BLOCK_BYTES: tl.constexpr):
+def _k_scales_mins(rows, n_ok, blk0, BS, SB: tl.constexpr):
     """Q4_K/Q5_K: ``d·sc_j`` and ``dmin·mn_j`` of the 8 sub-blocks of ``SB`` super-blocks,
     ``[BLOCK_N, SB * 8]``. ``d @0, dmin @2`` (f16), ``scales[12] @4``: for ``j < 4``
     ``sc = s[j] & 63, mn = s[j+4] & 63``; for ``j >= 4`` ``sc = (s[j+4] & 15) | (s[j-4] >> 6) << 4``,
     ``mn = (s[j+4] >> 4) | (s[j] >> 6) << 4``."""
     u = tl.arange(0, SB * 8)
     j = u % 8
-    base = (blk0 + u // 8).to(tl.int64) * BLOCK_BYTES
+    base = (blk0 + u // 8).to(tl.int64) * BS
     lowj = j < 4
     p = rows[:, None] + base[None, :] + 4
     msk = n_ok[:, None]
@@ -117,14 +129,14 @@ def _k_scales_mins(rows, n_ok, blk0, SB: tl.constexpr, BLOCK_BYTES: tl.constexpr
 
 
 @triton.jit
-def _k_scaled(q, rows, n_ok, blk0, SB: tl.constexpr, BLOCK_BYTES: tl.constexpr):
+def _k_scaled(q, rows, n_ok, blk0, BS, SB: tl.constexpr):
     """Q4_K / Q5_K: the codes ``q [BN, SB*4, 32, 2]`` (32-byte chunk ``t``, byte ``l``, nibble ``h``;
     sub-block ``j = 2(t % 4) + h``) scaled ``d·sc[j]·q - dmin·m[j]``, as the tile ``[BN, SB*256]``
     and its K offsets ``64t + l + 32h``."""
     t = tl.arange(0, SB * 4)
     l = tl.arange(0, 32)
     h = tl.arange(0, 2)
-    scale, mins = _k_scales_mins(rows, n_ok, blk0, SB, BLOCK_BYTES)             # [BN, SB*8], j = 2c + h
+    scale, mins = _k_scales_mins(rows, n_ok, blk0, BS, SB)             # [BN, SB*8], j = 2c + h
     scale = tl.expand_dims(tl.reshape(scale, [scale.shape[0], SB * 4, 2]), 2)
     mins = tl.expand_dims(tl.reshape(mins, [mins.shape[0], SB * 4, 2]), 2)
     w = scale * q - mins
@@ -133,27 +145,27 @@ def _k_scaled(q, rows, n_ok, blk0, SB: tl.constexpr, BLOCK_BYTES: tl.constexpr):
 
 
 @triton.jit
-def _tile_q4_k(rows, n_ok, blk0, SB: tl.constexpr):
+def _tile_q4_k(rows, n_ok, blk0, BS, SB: tl.constexpr):
     """Q4_K, 144 B: ``qs[128] @16``; chunk ``c`` (64 values) is ``qs[32c : 32c + 32]``, low nibbles
     sub-block ``2c``, high nibbles ``2c + 1``; ``y = d·sc·q − dmin·mn``. Tile ``[BLOCK_N, SB*4, 32, 2]``
     (super-block·chunk ``t``, byte ``l``, nibble ``h``) at K offset ``64t + 32h + l``."""
     t = tl.arange(0, SB * 4)
     l = tl.arange(0, 32)
-    off = (blk0 + t // 4).to(tl.int64) * 144 + 16 + 32 * (t % 4)
+    off = (blk0 + t // 4).to(tl.int64) * BS + 16 + 32 * (t % 4)
     byte = tl.load(rows[:, None, None] + (off[:, None] + l[None, :])[None, :, :],
                    mask=n_ok[:, None, None], other=0).to(tl.int32)
     q = tl.join(byte & 15, byte >> 4).to(tl.float32)                            # [BN, T, 32, 2]
-    return _k_scaled(q, rows, n_ok, blk0, SB, 144)
+    return _k_scaled(q, rows, n_ok, blk0, BS, SB)
 
 
 @triton.jit
-def _tile_q5_k(rows, n_ok, blk0, SB: tl.constexpr):
+def _tile_q5_k(rows, n_ok, blk0, BS, SB: tl.constexpr):
     """Q5_K, 176 B: as Q4_K with ``qh[32] @16``, ``qs[128] @48``; the fifth bit of value ``l`` of
     sub-block ``j`` is bit ``j`` of ``qh[l]``."""
     t = tl.arange(0, SB * 4)
     l = tl.arange(0, 32)
     h = tl.arange(0, 2)
-    sb = (blk0 + t // 4).to(tl.int64) * 176
+    sb = (blk0 + t // 4).to(tl.int64) * BS
     msk = n_ok[:, None, None]
     byte = tl.load(rows[:, None, None] + (sb + 48 + 32 * (t % 4))[None, :, None] + l[None, None, :],
                    mask=msk, other=0).to(tl.int32)
@@ -162,12 +174,12 @@ def _tile_q5_k(rows, n_ok, blk0, SB: tl.constexpr):
     shift = (2 * (t % 4))[:, None, None] + h[None, None, :]                     # sub-block j = 2c + h
     high = (tl.expand_dims(qh, 3) >> shift) & 1
     q = (tl.join(byte & 15, byte >> 4) | (high << 4)).to(tl.float32)
-    return _k_scaled(q, rows, n_ok, blk0, SB, 176)
+    return _k_scaled(q, rows, n_ok, blk0, BS, SB)
 
 
 @triton.jit
-def _tile_q6_k(rows, n_ok, blk0, SB: tl.constexpr):
-    """Q6_K, 210 B at a stride of ``_Q6K``: ``ql[128] @0, qh[64] @128, scales[16] int8 @192, d f16 @208``. Value
+def _tile_q6_k(rows, n_ok, blk0, BS, SB: tl.constexpr):
+    """Q6_K, 210 B (stored in 224): ``ql[128] @0, qh[64] @128, scales[16] int8 @192, d f16 @208``. Value
     ``128·hf + 32k + l`` (``k`` 0..3, ``l`` 0..31) is ``(ql[64hf + 32(k%2) + l] >> 4(k//2)) & 15 |
     ((qh[32hf + l] >> 2k) & 3) << 4``, minus 32, times ``d·scales[8hf + 2k + l//16]``.
 
@@ -178,7 +190,7 @@ def _tile_q6_k(rows, n_ok, blk0, SB: tl.constexpr):
     l1 = tl.arange(0, 16)
     b = tl.arange(0, 2)
     i = t % 8
-    sb = (blk0 + t // 8).to(tl.int64) * _Q6K
+    sb = (blk0 + t // 8).to(tl.int64) * BS
     msk = n_ok[:, None, None]
     ql = tl.load(rows[:, None, None] + (sb + 16 * i)[None, :, None] + l1[None, None, :],
                  mask=msk, other=0).to(tl.int32)                                # [BN, T, 16]
@@ -198,22 +210,22 @@ def _tile_q6_k(rows, n_ok, blk0, SB: tl.constexpr):
 
 
 @triton.jit
-def decode_tile(rows, n_ok, blk0, QTYPE: tl.constexpr, SB: tl.constexpr):
+def decode_tile(rows, n_ok, blk0, BS, QTYPE: tl.constexpr, SB: tl.constexpr):
     """``(w [BLOCK_N, SB * values_per_block] float32, koff)`` of GGML type ``QTYPE`` (a name in
-    :data:`KERNEL_QTYPES`); see the module docstring."""
+    :data:`KERNEL_QTYPES`), blocks ``BS`` bytes apart; see the module docstring."""
     if QTYPE == "Q4_0":
-        w, koff = _tile_q4_0(rows, n_ok, blk0, SB)
+        w, koff = _tile_q4_0(rows, n_ok, blk0, BS, SB)
     elif QTYPE == "Q4_1":
-        w, koff = _tile_q4_1(rows, n_ok, blk0, SB)
+        w, koff = _tile_q4_1(rows, n_ok, blk0, BS, SB)
     elif QTYPE == "Q8_0":
-        w, koff = _tile_q8_0(rows, n_ok, blk0, SB)
+        w, koff = _tile_q8_0(rows, n_ok, blk0, BS, SB)
     elif QTYPE == "Q4_K":
-        w, koff = _tile_q4_k(rows, n_ok, blk0, SB)
+        w, koff = _tile_q4_k(rows, n_ok, blk0, BS, SB)
     elif QTYPE == "Q5_K":
-        w, koff = _tile_q5_k(rows, n_ok, blk0, SB)
+        w, koff = _tile_q5_k(rows, n_ok, blk0, BS, SB)
     else:
         tl.static_assert(QTYPE == "Q6_K", "decode_tile: unsupported GGML type")
-        w, koff = _tile_q6_k(rows, n_ok, blk0, SB)
+        w, koff = _tile_q6_k(rows, n_ok, blk0, BS, SB)
     return w, koff
 
 
@@ -246,21 +258,21 @@ def _xload(x_ptr, offs):
 
 
 @triton.jit
-def _bytes_q4(rows, n_ok, blk0, SB: tl.constexpr, BLOCK_BYTES: tl.constexpr, HAS_MIN: tl.constexpr):
+def _bytes_q4(rows, n_ok, blk0, BS, SB: tl.constexpr, HAS_MIN: tl.constexpr):
     """Q4_0 / Q4_1: the ``qs`` bytes ``[BN, SB, 16]`` of ``SB`` blocks from ``blk0``."""
-    blk = (blk0 + tl.arange(0, SB)).to(tl.int64) * BLOCK_BYTES
+    blk = (blk0 + tl.arange(0, SB)).to(tl.int64) * BS
     QS: tl.constexpr = 4 if HAS_MIN else 2
     return tl.load(rows[:, None, None] + (blk[:, None] + QS + tl.arange(0, 16)[None, :])[None, :, :],
                    mask=n_ok[:, None, None], other=0)
 
 
 @triton.jit
-def _row_dot_q4(acc, qs, rows, n_ok, blk0, x_ptr, SB: tl.constexpr, BLOCK_BYTES: tl.constexpr, HAS_MIN: tl.constexpr):
+def _row_dot_q4(acc, qs, rows, n_ok, blk0, BS, x_ptr, SB: tl.constexpr, HAS_MIN: tl.constexpr):
     """Q4_0 (18 B: ``d, qs[16]``, ``y = d(q - 8)``) and Q4_1 (20 B: ``d, m, qs[16]``, ``y = dq + m``);
     ``qs`` from :func:`_bytes_q4`, ``acc [BN, 1, 1]``."""
     g = tl.arange(0, SB)
     b = tl.arange(0, 16)
-    blk = (blk0 + g).to(tl.int64) * BLOCK_BYTES
+    blk = (blk0 + g).to(tl.int64) * BS
     byte = qs.to(tl.int32)                                                      # [BN, SB, 16]
     koff = (blk0 + g)[:, None] * 32 + b[None, :]                                # [SB, 16]
     x_lo = _xload(x_ptr, koff)
@@ -277,20 +289,20 @@ def _row_dot_q4(acc, qs, rows, n_ok, blk0, x_ptr, SB: tl.constexpr, BLOCK_BYTES:
 
 
 @triton.jit
-def _bytes_q8_0(rows, n_ok, blk0, SB: tl.constexpr):
+def _bytes_q8_0(rows, n_ok, blk0, BS, SB: tl.constexpr):
     """Q8_0: the ``q`` bytes ``[BN, SB, 32]`` of ``SB`` blocks from ``blk0``."""
-    blk = (blk0 + tl.arange(0, SB)).to(tl.int64) * 34
+    blk = (blk0 + tl.arange(0, SB)).to(tl.int64) * BS
     return tl.load(rows[:, None, None] + (blk[:, None] + 2 + tl.arange(0, 32)[None, :])[None, :, :],
                    mask=n_ok[:, None, None], other=0)
 
 
 @triton.jit
-def _row_dot_q8_0(acc, qs, rows, n_ok, blk0, x_ptr, SB: tl.constexpr):
+def _row_dot_q8_0(acc, qs, rows, n_ok, blk0, BS, x_ptr, SB: tl.constexpr):
     """Q8_0 (34 B: ``d, q[32] int8``): int8 ``q`` read as ``(byte ^ 0x80) - 128``; ``qs`` from
     :func:`_bytes_q8_0`, ``acc [BN, 1, 1]``."""
     g = tl.arange(0, SB)
     j = tl.arange(0, 32)
-    blk = (blk0 + g).to(tl.int64) * 34
+    blk = (blk0 + g).to(tl.int64) * BS
     byte = qs.to(tl.int32)
     xv = _xload(x_ptr, (blk0 + g)[:, None] * 32 + j[None, :])
     s = tl.sum(_i2f(byte ^ 0x80, 128.0) * xv[None], axis=2)
@@ -314,15 +326,14 @@ def _k_scale_pair(rows, n_ok, base, j):
 
 
 @triton.jit
-def _bytes_q45_k(rows, n_ok, blk0, SB: tl.constexpr, FIVE: tl.constexpr):
+def _bytes_q45_k(rows, n_ok, blk0, BS, SB: tl.constexpr, FIVE: tl.constexpr):
     """Q4_K / Q5_K: the ``qs`` bytes ``[BN, SB * 4, 32]`` (chunk ``t``, byte ``l``) of ``SB``
     super-blocks from ``blk0``, and Q5_K's ``qh [BN, SB * 4, 32]`` (``qh`` repeated per chunk; Q4_K:
     ``qs`` again)."""
-    BYTES: tl.constexpr = 176 if FIVE else 144
     QS: tl.constexpr = 48 if FIVE else 16
     t = tl.arange(0, SB * 4)
     l = tl.arange(0, 32)
-    base = (blk0 + t // 4).to(tl.int64) * BYTES
+    base = (blk0 + t // 4).to(tl.int64) * BS
     msk = n_ok[:, None, None]
     qs = tl.load(rows[:, None, None] + (base + QS + 32 * (t % 4))[None, :, None] + l[None, None, :], mask=msk, other=0)
     if FIVE:
@@ -333,15 +344,14 @@ def _bytes_q45_k(rows, n_ok, blk0, SB: tl.constexpr, FIVE: tl.constexpr):
 
 
 @triton.jit
-def _row_dot_q45_k(acc, qs, qh, rows, n_ok, blk0, x_ptr, SB: tl.constexpr, FIVE: tl.constexpr):
+def _row_dot_q45_k(acc, qs, qh, rows, n_ok, blk0, BS, x_ptr, SB: tl.constexpr, FIVE: tl.constexpr):
     """Q4_K (144 B) / Q5_K (176 B, ``FIVE``): chunk ``t`` (64 values) of byte row ``l``: low nibble
     is sub-block ``2c`` at K ``64t + l``, high nibble ``2c + 1`` at ``64t + 32 + l``; ``qs``, ``qh``
     from :func:`_bytes_q45_k`, ``acc [BN, 1, 1]``."""
-    BYTES: tl.constexpr = 176 if FIVE else 144
     t = tl.arange(0, SB * 4)
     l = tl.arange(0, 32)
     c = t % 4
-    base = (blk0 + t // 4).to(tl.int64) * BYTES                                  # [T]
+    base = (blk0 + t // 4).to(tl.int64) * BS                                  # [T]
     byte = qs.to(tl.int32)                                                      # [BN, T, 32]
     lo = byte & 15
     hi = byte >> 4
@@ -357,7 +367,7 @@ def _row_dot_q45_k(acc, qs, qh, rows, n_ok, blk0, x_ptr, SB: tl.constexpr, FIVE:
     s_hi = tl.sum(_i2f(hi, 0.0) * x_hi[None], axis=2)
     sc_lo, mn_lo = _k_scale_pair(rows, n_ok, base, 2 * c)
     sc_hi, mn_hi = _k_scale_pair(rows, n_ok, base, 2 * c + 1)
-    sb = (blk0 + tl.arange(0, SB)).to(tl.int64) * BYTES                          # d, dmin once per super-block
+    sb = (blk0 + tl.arange(0, SB)).to(tl.int64) * BS                          # d, dmin once per super-block
     d = _f16_at(rows[:, None] + sb[None, :], n_ok[:, None])                     # [BN, SB]
     dmin = _f16_at(rows[:, None] + sb[None, :] + 2, n_ok[:, None])
     ys = tl.reshape(sc_lo * s_lo + sc_hi * s_hi, [s_lo.shape[0], SB, 4])
@@ -367,13 +377,13 @@ def _row_dot_q45_k(acc, qs, qh, rows, n_ok, blk0, x_ptr, SB: tl.constexpr, FIVE:
 
 
 @triton.jit
-def _bytes_q6_k(rows, n_ok, blk0, SB: tl.constexpr):
+def _bytes_q6_k(rows, n_ok, blk0, BS, SB: tl.constexpr):
     """Q6_K: the ``ql`` and ``qh`` bytes ``[BN, SB * 8, 16]`` (group ``t``, byte ``l1``) of ``SB``
     super-blocks from ``blk0`` (layout: :func:`_row_dot_q6_k`)."""
     t = tl.arange(0, SB * 8)
     l1 = tl.arange(0, 16)
     i = t % 8
-    base = (blk0 + t // 8).to(tl.int64) * _Q6K
+    base = (blk0 + t // 8).to(tl.int64) * BS
     msk = n_ok[:, None, None]
     ql = tl.load(rows[:, None, None] + (base + 16 * i)[None, :, None] + l1[None, None, :], mask=msk, other=0)
     qh = tl.load(rows[:, None, None] + (base + 128 + 32 * (i // 4) + 16 * (i % 2))[None, :, None]
@@ -382,15 +392,15 @@ def _bytes_q6_k(rows, n_ok, blk0, SB: tl.constexpr):
 
 
 @triton.jit
-def _row_dot_q6_k(acc, ql, qh, rows, n_ok, blk0, x_ptr, SB: tl.constexpr):
-    """Q6_K (210 B at a stride of ``_Q6K``): group ``i = 4hf + 2a + l2`` reads ``ql[16i + l1]``; its low nibble is ``k = a``
+def _row_dot_q6_k(acc, ql, qh, rows, n_ok, blk0, BS, x_ptr, SB: tl.constexpr):
+    """Q6_K (210 B, stored in 224): group ``i = 4hf + 2a + l2`` reads ``ql[16i + l1]``; its low nibble is ``k = a``
     (K ``128hf + 32a + 16l2 + l1``), high nibble ``k = a + 2`` (64 further), each with its own
     2 bits of ``qh`` and int8 scale (see :func:`_tile_q6_k`); ``ql``, ``qh`` from
     :func:`_bytes_q6_k`, ``acc [BN, SB * 8, 16]``."""
     t = tl.arange(0, SB * 8)
     l1 = tl.arange(0, 16)
     i = t % 8
-    base = (blk0 + t // 8).to(tl.int64) * _Q6K
+    base = (blk0 + t // 8).to(tl.int64) * BS
     ql = ql.to(tl.int32)                                                         # [BN, T, 16]
     qh = qh.to(tl.int32)
     sh = (2 * ((i // 2) % 2))[None, :, None]
@@ -417,42 +427,42 @@ def row_zeros(BLOCK_N: tl.constexpr, QTYPE: tl.constexpr, SB: tl.constexpr):
 
 
 @triton.jit
-def row_codes(rows, n_ok, blk0, QTYPE: tl.constexpr, SB: tl.constexpr):
+def row_codes(rows, n_ok, blk0, BS, QTYPE: tl.constexpr, SB: tl.constexpr):
     """The code bytes :func:`row_dot` reads for the ``SB`` blocks from ``blk0`` — most of a step's
     bytes, so a loop can load the next step's before this one's math — as two uint8 tensors (the
     types with one give it twice)."""
     if QTYPE == "Q4_0" or QTYPE == "Q4_1":
-        b0 = _bytes_q4(rows, n_ok, blk0, SB, 18 if QTYPE == "Q4_0" else 20, QTYPE == "Q4_1")
+        b0 = _bytes_q4(rows, n_ok, blk0, BS, SB, QTYPE == "Q4_1")
         b1 = b0
     elif QTYPE == "Q8_0":
-        b0 = _bytes_q8_0(rows, n_ok, blk0, SB)
+        b0 = _bytes_q8_0(rows, n_ok, blk0, BS, SB)
         b1 = b0
     elif QTYPE == "Q4_K" or QTYPE == "Q5_K":
-        b0, b1 = _bytes_q45_k(rows, n_ok, blk0, SB, QTYPE == "Q5_K")
+        b0, b1 = _bytes_q45_k(rows, n_ok, blk0, BS, SB, QTYPE == "Q5_K")
     else:
         tl.static_assert(QTYPE == "Q6_K", "row_codes: unsupported GGML type")
-        b0, b1 = _bytes_q6_k(rows, n_ok, blk0, SB)
+        b0, b1 = _bytes_q6_k(rows, n_ok, blk0, BS, SB)
     return b0, b1
 
 
 @triton.jit
-def row_dot(acc, b0, b1, rows, n_ok, blk0, x_ptr, QTYPE: tl.constexpr, SB: tl.constexpr):
+def row_dot(acc, b0, b1, rows, n_ok, blk0, BS, x_ptr, QTYPE: tl.constexpr, SB: tl.constexpr):
     """``acc`` (:func:`row_zeros`) plus ``x[k] * dequant(w)[n, k]`` for the ``SB`` blocks from ``blk0`` of
-    the rows ``rows`` of GGML type ``QTYPE``, their code bytes ``b0``, ``b1`` from :func:`row_codes`;
+    the rows ``rows`` of GGML type ``QTYPE`` (blocks ``BS`` bytes apart), their code bytes ``b0``, ``b1`` from :func:`row_codes`;
     ``x_ptr`` points at the activation row's element 0. :func:`row_total` gives the rows' sums."""
     if QTYPE == "Q4_0":
-        acc = _row_dot_q4(acc, b0, rows, n_ok, blk0, x_ptr, SB, 18, False)
+        acc = _row_dot_q4(acc, b0, rows, n_ok, blk0, BS, x_ptr, SB, False)
     elif QTYPE == "Q4_1":
-        acc = _row_dot_q4(acc, b0, rows, n_ok, blk0, x_ptr, SB, 20, True)
+        acc = _row_dot_q4(acc, b0, rows, n_ok, blk0, BS, x_ptr, SB, True)
     elif QTYPE == "Q8_0":
-        acc = _row_dot_q8_0(acc, b0, rows, n_ok, blk0, x_ptr, SB)
+        acc = _row_dot_q8_0(acc, b0, rows, n_ok, blk0, BS, x_ptr, SB)
     elif QTYPE == "Q4_K":
-        acc = _row_dot_q45_k(acc, b0, b1, rows, n_ok, blk0, x_ptr, SB, False)
+        acc = _row_dot_q45_k(acc, b0, b1, rows, n_ok, blk0, BS, x_ptr, SB, False)
     elif QTYPE == "Q5_K":
-        acc = _row_dot_q45_k(acc, b0, b1, rows, n_ok, blk0, x_ptr, SB, True)
+        acc = _row_dot_q45_k(acc, b0, b1, rows, n_ok, blk0, BS, x_ptr, SB, True)
     else:
         tl.static_assert(QTYPE == "Q6_K", "row_dot: unsupported GGML type")
-        acc = _row_dot_q6_k(acc, b0, b1, rows, n_ok, blk0, x_ptr, SB)
+        acc = _row_dot_q6_k(acc, b0, b1, rows, n_ok, blk0, BS, x_ptr, SB)
     return acc
 
 

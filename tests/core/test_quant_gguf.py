@@ -101,3 +101,33 @@ def test_mixed_parts_scheme():
         Parameter((40, 256), name="qkv.weight").quantize(s)
     with pytest.raises(GraphDSLError, match=r"unknown gguf scheme 'gguf-q4_k.24\+q3_k.8'"):
         parse_scheme("gguf-q4_k.24+q3_k.8")
+
+
+def test_block_major_schemes_round_trip():
+    """``-kb`` schemes (what a CUDA bind stores): the same blocks block-major, ``[K / values, N, block
+    bytes]`` per part; names parse back; ``quantize`` / ``dequantize`` agree with the row layout's;
+    ``in_layout`` converts either layout to the scheme's; the CPU engine gives the same products."""
+    from graphdsl.runtime.gguf_blocks import block_major, row_major
+    from graphdsl.runtime.gguf_scheme import GGUFMixScheme
+    s = parse_scheme("gguf-q4_k.24+q6_k.8-kb")
+    assert s == GGUFMixScheme((("Q4_K", 24), ("Q6_K", 8)), blocked=True) and s.name == "gguf-q4_k.24+q6_k.8-kb"
+    assert s.with_blocks(False).name == "gguf-q4_k.24+q6_k.8" and s.with_blocks(False).with_blocks() == s
+    assert parse_scheme("gguf-q8_0-kb") == GGUFScheme("Q8_0", True) and GGUFScheme("Q8_0").blocked is False
+    assert [(c.shape, c.per_row) for c in s.companions(32, 512)] == [((2, 24, 144), False), ((2, 8, 224), False)]
+    w = torch.randn(32, 512, generator=torch.Generator().manual_seed(4))
+    rows, kb = s.with_blocks(False).quantize(w), s.quantize(w)
+    assert all(torch.equal(b, block_major(r, q)) and torch.equal(row_major(b, q), r)
+               for r, b, q in zip(rows, kb, ["Q4_K", "Q6_K"]))
+    assert torch.equal(kb[0][1, 5], rows[0][5, 144:288])                 # block 1 of row 5
+    want = s.with_blocks(False).dequantize(rows, 32, 512, torch.float32)
+    assert torch.equal(s.dequantize(kb, 32, 512, torch.float32), want)
+    assert all(torch.equal(a, b) for a, b in zip(s.in_layout(rows, 512), kb))
+    assert all(torch.equal(a, b) for a, b in zip(s.with_blocks(False).in_layout(kb, 512), rows))
+    with Network("m") as net:
+        p = Parameter((32, 512), torch.float32, name="qkv.weight").quantize(s)
+        net.mark_output(F.linear(Tensor("x", (3, 512), torch.float32), p, None, transpose_b=True), "y")
+    x = torch.randn(3, 512)
+    got = net.build_engine(device="cpu").forward({"x": x, "qkv.weight_packed": kb[0], "qkv.weight_packed1": kb[1]})["y"]
+    torch.testing.assert_close(got, x @ want.T, atol=1e-4, rtol=1e-4)
+    with pytest.raises(GraphDSLError, match=r"row_major: data must be uint8 \[blocks, rows, 144\]"):
+        row_major(rows[0], "Q4_K")

@@ -1,6 +1,6 @@
 """GGUF blocks kept quantized on the GPU: a tiny Llama GGUF (Q8_0 / Q4_0 / Q4_1 matrices) loaded with
 ``quantization="gguf"`` on CUDA scores and greedy-decodes (CUDA graphs, the GGUF GEMV) like the same
-file dequantized on load; and the benchmark's Q4_K_M mix (Q4_K / Q6_K, and qkv_proj keeping both)
+file dequantized on load (the blocks stored block-major, as a CUDA bind does); and the benchmark's Q4_K_M mix (Q4_K / Q6_K, and qkv_proj keeping both)
 decodes (GEMV) consistently with its prefill (dequantize + cuBLAS).
 
     python3 -m pytest -m gpu tests/gpu/test_gguf_quant_gpu.py
@@ -27,7 +27,8 @@ def test_kept_gguf_blocks_on_cuda(tmp_path):
                      quant={r"self_attn": Q.Q8_0, r"gate_proj|up_proj": Q.Q4_1, r"down_proj": Q.Q4_0})
     kw = dict(device="cuda", dtype="float32", max_model_len=64, max_num_seqs=2)
     llm = gd.LLM(str(path), quantization="gguf", **kw)
-    assert sum(p.quant is not None for _, p in llm.model.named_parameters()) == 8
+    kept = [p.quant.name for _, p in llm.model.named_parameters() if p.quant is not None]
+    assert len(kept) == 8 and all(k.endswith("-kb") for k in kept)     # a CUDA bind stores them block-major
     dense = gd.LLM(str(path), **kw)
     ref = dense.score(IDS)
     torch.testing.assert_close(llm.score(IDS), ref, atol=1e-3 * ref.abs().max().item(), rtol=1e-3)
@@ -50,7 +51,7 @@ def test_q4_k_m_mix_decode_agrees_with_prefill():
         llm = gd.LLM.from_config(cfg, device="cuda", dtype="float32", seed=0, max_model_len=64, max_num_seqs=1,
                                  quantization="gguf-q4_k_m", init_std=0.1)
     kinds = {p.quant.name for _, p in llm.model.named_parameters() if p.quant is not None}
-    assert kinds == {"gguf-q4_k", "gguf-q6_k", "gguf-q4_k.384+q6_k.128"}     # q|k Q4_K, v Q6_K
+    assert kinds == {"gguf-q4_k-kb", "gguf-q6_k-kb", "gguf-q4_k.384+q6_k.128-kb"}     # q|k Q4_K, v Q6_K; block-major
     prompt = [(7 * i + 3) % 128 for i in range(20)]
     toks = llm.generate([prompt], gd.SamplingParams(max_tokens=8, temperature=0, ignore_eos=True))[0].outputs[0].token_ids
     logits = llm.score(prompt + toks[:-1])

@@ -77,7 +77,7 @@ def test_quantized_model_generates_like_torch_backend(quantization):
               max_position_embeddings=256, rms_norm_eps=1e-5)
     llm = gd.LLM.from_config(hf, device="cuda", dtype="bfloat16", init_std=0.1, quantization=quantization,
                              max_model_len=128, max_num_seqs=2)
-    if quantization == "int4":        # a CUDA bind stores the codes in blocks (layers.quantize.store_int4_codes)
+    if quantization == "int4":        # a CUDA bind stores the codes in blocks (layers.quantize.store_codes_in_blocks)
         assert {p.quant.name for _, p in llm.model.named_parameters() if p.quant is not None} == {"int4-g128-kb"}
     ids = list(range(5, 37))
     ours, short = llm.score(ids), llm.score(ids[:6])       # 6 rows: the decode GEMVs (W8A8 too)

@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from graphdsl import GraphDSLError
-from graphdsl.runtime.gguf_blocks import dequantize_blocks, from_stored, to_stored
+from graphdsl.runtime.gguf_blocks import block_major, dequantize_blocks, from_stored, row_major, to_stored
 from graphdsl.runtime.kernels.gguf_tiles import KERNEL_QTYPES as BLOCKS
 from graphdsl.runtime.kernels.gguf_linear import _pick_config, _sb_for, gguf_dequantize, gguf_gemv, gguf_linear
 from tests.helpers.gguf_blocks import KERNEL_QTYPES, random_gguf_weight
@@ -106,6 +106,45 @@ def test_gemv_bfloat16_default_launch(qtype, m):
     _close(out, x, ref, torch.bfloat16)
 
 
+def _same(got, want):
+    """The same bits under the interpreter; compiled, within float32 rounding of the largest output
+    (test_block_major_blocks_give_the_same_bits)."""
+    if DEV == "cpu":
+        assert torch.equal(got, want)
+    else:
+        tol = 2 ** -20 if got.dtype == torch.float32 else 2 ** -7
+        torch.testing.assert_close(got, want, rtol=tol, atol=tol * want.abs().max().item())
+
+
+@pytest.mark.parametrize("qtype", KERNEL_QTYPES)
+def test_block_major_blocks_give_the_same_bits(qtype):
+    """The blocks stored block-major (``gguf_blocks.block_major``, what a CUDA bind stores: block ``b``
+    of every row side by side) give the row-major results: the one-row loop (with and without
+    prefetch, split-K), the tile + ``tl.dot`` rows, the default launch in bf16, the dequantize kernel
+    and ``gguf_linear``'s prefill; ``row_major`` restores the rows. Bit for bit under the interpreter;
+    compiled, the register layouts (which follow the addresses' known alignment) may order a sum
+    differently, so the GEMVs agree to float32 rounding there."""
+    n, k = 19, 1024
+    data, ref = _weight(qtype, n, k, seed=8)
+    kb = block_major(data, qtype)
+    nbytes = BLOCKS[qtype][1]
+    assert kb.shape == (k // BLOCKS[qtype][0], n, nbytes) and torch.equal(row_major(kb, qtype), data)
+    assert torch.equal(kb[1, 7], data[7, nbytes:2 * nbytes])              # block 1 of row 7
+    blocks = k // BLOCKS[qtype][0]
+    for m, cfg in [(1, dict(SB=_sb_for(blocks, 2), BLOCK_N=8, SPLIT_K=2, num_warps=2, num_stages=1)),
+                   (1, dict(SB=_sb_for(blocks, 2), BLOCK_N=8, SPLIT_K=1, num_warps=2, num_stages=1, PREFETCH=True)),
+                   (3, dict(SB=_sb_for(blocks, 4), BLOCK_N=16, SPLIT_K=2, num_warps=4, num_stages=1))]:
+        x = _x(m, k, torch.float32, seed=m)
+        got = gguf_gemv(x, kb, qtype, config=cfg)
+        _same(got, gguf_gemv(x, data, qtype, config=cfg))
+        _close(got, x, ref, torch.float32)
+    x = _x(1, k, torch.bfloat16, seed=9)
+    _same(gguf_gemv(x, kb, qtype), gguf_gemv(x, data, qtype))
+    assert torch.equal(gguf_dequantize(kb, qtype, torch.float32), ref)
+    x = _x(20, k, torch.float32, seed=10)
+    assert torch.equal(gguf_linear(x, kb, qtype), gguf_linear(x, data, qtype))
+
+
 @pytest.mark.parametrize("qtype", ["Q8_0", "Q5_K"])
 def test_linear_dispatches_gemv_and_prefill(qtype):
     """``gguf_linear``: leading dims and bias; 17+ rows go through dequantize + matmul."""
@@ -136,8 +175,11 @@ def test_errors_name_the_operand():
     with pytest.raises(GraphDSLError, match=r"GGML type 'Q2_K' has no kernel; supported: \['Q4_0'"):
         gguf_gemv(torch.zeros(1, 256), data, "Q2_K")
     with pytest.raises(GraphDSLError, match=r"data must be contiguous uint8 \[N, K / 256 \* 224\] \(Q6_K blocks in the "
-                                            r"stored layout, gguf_blocks.to_stored\), got torch.uint8 \[4, 144\]"):
+                                            r"stored layout, gguf_blocks.to_stored\) or block-major \[K / 256, N, 224\] "
+                                            r"\(gguf_blocks.block_major\), got torch.uint8 \[4, 144\]"):
         gguf_gemv(torch.zeros(1, 256), data, "Q6_K")
+    with pytest.raises(GraphDSLError, match=r"or block-major \[K / 256, N, 144\].*got torch.uint8 \[1, 4, 224\]"):
+        gguf_gemv(torch.zeros(1, 256), torch.zeros(1, 4, 224, dtype=torch.uint8), "Q4_K")
     with pytest.raises(GraphDSLError, match=r"x must be \[M, 256\].*got \[1, 128\]"):
         gguf_gemv(torch.zeros(1, 128), data, "Q4_K")
     with pytest.raises(GraphDSLError, match=r"config takes SB, BLOCK_N, SPLIT_K and optionally \['MMA', 'PREFETCH'.*"

@@ -220,7 +220,8 @@ def test_gguf_q4k_model_takes_the_planes_from_its_norms(tmp_path, monkeypatch):
     real = mma.activation_planes
     monkeypatch.setattr(mma, "activation_planes", lambda *a: launches.append(1) or real(*a))
     make_checkpoint("llama", tmp_path, hidden_size=256, intermediate_size=512)
-    llm = gd.LLM(tmp_path, device=DEV, dtype="bfloat16", max_model_len=64, quantization="gguf-q4_k")
+    # eager steps: a CUDA graph's warm-up and capture run the launches twice, its replays not at all
+    llm = gd.LLM(tmp_path, device=DEV, dtype="bfloat16", max_model_len=64, quantization="gguf-q4_k", cuda_graphs=False)
     llm.model.configure_runtime(backend="triton", max_blocks_per_seq=4)
     got = {}
     for norm, swiglu, want in ((True, True, 3), (True, False, 5), (False, True, 6), (False, False, 8)):
@@ -232,3 +233,22 @@ def test_gguf_q4k_model_takes_the_planes_from_its_norms(tmp_path, monkeypatch):
     base = got[False, False]
     for key, logits in got.items():
         torch.testing.assert_close(logits, base, rtol=0, atol=2e-2 * base.abs().max().item(), msg=str(key))
+
+
+@pytest.mark.parametrize("split", [1, 3])
+def test_block_major_blocks_give_the_same_bits(split):
+    """Q4_K blocks stored block-major (``gguf_blocks.block_major``: what a CUDA bind stores) through
+    the tensor-core GEMV: the same bits as the stored rows with a residual, and in the SwiGLU epilogue
+    with its output's planes (the halves' rows are rows ``r`` and ``N + r`` of the one tensor)."""
+    from graphdsl.runtime.gguf_blocks import block_major
+    data, _ = random_gguf_weight("Q4_K", 2 * 512, 1024, seed=15)
+    data = data.to(DEV)
+    kb = block_major(data, "Q4_K")
+    x = _x(1024, torch.bfloat16, seed=16)
+    res = _x(1024, torch.bfloat16, seed=17)
+    cfg = dict(MMA=True, BLOCK_N=64, SPLIT_K=split)
+    assert torch.equal(gguf_gemv(x, kb, "Q4_K", res, config=cfg), gguf_gemv(x, data, "Q4_K", res, config=cfg))
+    planes, planes_kb = GemvWorkspace().planes(x.device, 512), GemvWorkspace().planes(x.device, 512)
+    got = gguf_gemv(x, kb, "Q4_K", silu_mul=True, config=cfg, planes_out=planes_kb)
+    assert torch.equal(got, gguf_gemv(x, data, "Q4_K", silu_mul=True, config=cfg, planes_out=planes))
+    assert all(torch.equal(a, b) for a, b in zip(planes_kb, planes))

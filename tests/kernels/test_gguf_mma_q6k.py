@@ -218,3 +218,19 @@ def test_backend_hands_a_q6k_down_the_planes_of_the_swiglu_epilogue(monkeypatch)
     assert torch.equal(got[True], got[False])
     ref = net.build_engine(device=DEV, backend="torch").forward(feed)["y"].float()
     torch.testing.assert_close(got[True].float(), ref, rtol=3e-2, atol=3e-2 * ref.abs().max().item())
+
+
+@pytest.mark.parametrize("split", [1, 3])
+def test_block_major_blocks_give_the_same_bits(split):
+    """Stored Q6_K blocks block-major (``gguf_blocks.block_major``: what a CUDA bind stores) through
+    the tensor-core GEMV: the same bits as the stored rows, with a residual, over a partial row tile."""
+    from graphdsl.runtime.gguf_blocks import block_major
+    data, ref = _weight(83, 1024, seed=17)
+    kb = block_major(data, "Q6_K")
+    x = _x(1024, torch.bfloat16, seed=18)
+    res = _x(83, torch.bfloat16, seed=19)
+    cfg = dict(MMA=True, BLOCK_N=16, SPLIT_K=split)
+    got = gguf_gemv(x, kb, "Q6_K", res, config=cfg)
+    assert torch.equal(got, gguf_gemv(x, data, "Q6_K", res, config=cfg))
+    want = x.float().cpu() @ ref.T + res.float().cpu()
+    torch.testing.assert_close(got.float().cpu(), want, rtol=2e-2, atol=2e-2 * want.abs().max().item())

@@ -65,6 +65,32 @@ def test_kept_blocks_score_like_the_dequantized_file(quantized_gguf, caplog):
     assert llm.generate([IDS], params)[0].outputs[0].token_ids == dense.generate([IDS], params)[0].outputs[0].token_ids
 
 
+def test_a_bind_stores_the_blocks_block_major_with_the_same_logits(quantized_gguf, monkeypatch):
+    """Where a bind stores GGUF blocks block-major (``layers.quantize.store_codes_in_blocks``, on
+    CUDA; here on the CPU too), every kept weight takes the ``-kb`` scheme with ``[blocks, N, block
+    bytes]`` parts (a mixed qkv's each), the logits are the same bits, and binding the model again
+    row by row restores the plain schemes and rows."""
+    from graphdsl.layers import quantize
+    path = str(quantized_gguf / "q.gguf")
+    plain = gd.LLM(path, device="cpu", quantization="gguf", max_model_len=64, max_num_seqs=1)
+    monkeypatch.setattr(quantize, "BLOCK_DEVICES", ("cuda", "cpu"))
+    llm = gd.LLM(path, device="cpu", quantization="gguf", max_model_len=64, max_num_seqs=1)
+    params = dict(llm.model.named_parameters())
+    qkv = params["model.layers.0.self_attn.qkv_proj.weight"]
+    assert qkv.quant.name == "gguf-q8_0.96+q4_0.32-kb"
+    assert params["model.layers.0.mlp.down_proj.weight"].quant.name == "gguf-q4_0-kb"
+    bound = llm.model._bound
+    assert tuple(bound["model.layers.0.self_attn.qkv_proj.weight_packed"].shape) == (2, 96, 34)
+    assert tuple(bound["model.layers.0.self_attn.qkv_proj.weight_packed1"].shape) == (2, 32, 18)
+    assert "scheme=gguf-q8_0.96+q4_0.32-kb" in str(llm.model.engine(Phase.PREFILL).net)
+    assert torch.equal(llm.score(IDS), plain.score(IDS))
+    monkeypatch.setattr(quantize, "GGUF_BLOCKS", False)
+    changed = quantize.store_codes_in_blocks(llm.model, bound, ("cpu",))
+    assert len(changed) == 7 and qkv.quant.name == "gguf-q8_0.96+q4_0.32"
+    assert torch.equal(bound["model.layers.0.self_attn.qkv_proj.weight_packed1"],
+                       plain.model._bound["model.layers.0.self_attn.qkv_proj.weight_packed1"])
+
+
 def test_gguf_quantization_needs_a_gguf_file(quantized_gguf):
     with pytest.raises(GraphDSLError, match=r"quantization='gguf' keeps the blocks of a GGUF file, but the model is "
                                             r".*hf.*not a \.gguf file"):

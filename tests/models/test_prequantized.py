@@ -141,14 +141,14 @@ def test_gptq_act_order_down_projection_order_folds_into_gate_up(bases, tmp_path
 
 
 def test_a_bind_stores_int4_codes_in_blocks_with_the_same_logits(bases, tmp_path, monkeypatch):
-    """Where a bind stores int4 codes in blocks of 128 inputs (``layers.quantize.store_int4_codes``,
+    """Where a bind stores int4 codes in blocks of 128 inputs (``layers.quantize.store_codes_in_blocks``,
     on CUDA; here on the CPU too), every int4 projection takes the ``-kb`` scheme with ``[blocks, N,
     64]`` codes, after the act-order fold reordered gate/up's rows, and the logits are the same bits;
     binding the same model again row by row restores the plain schemes."""
     from graphdsl.layers import quantize
     write_gptq(bases["llama"], tmp_path / "q", group=32, sym=False, act_order=True)
     plain = _load(tmp_path / "q")
-    monkeypatch.setattr(quantize, "INT4_BLOCK_DEVICES", ("cuda", "cpu"))
+    monkeypatch.setattr(quantize, "BLOCK_DEVICES", ("cuda", "cpu"))
     llm = _load(tmp_path / "q")
     params = dict(llm.model.named_parameters())
     qkv, down = params["model.layers.0.self_attn.qkv_proj.weight"], params["model.layers.0.mlp.down_proj.weight"]
@@ -156,7 +156,8 @@ def test_a_bind_stores_int4_codes_in_blocks_with_the_same_logits(bases, tmp_path
     codes = llm.model._bound["model.layers.0.mlp.down_proj.weight_packed"]
     assert codes.dim() == 3 and codes.shape[2] == 64 and codes.shape[1] == down.shape[0]
     assert torch.equal(llm.score(IDS), plain.score(IDS))
-    assert quantize.store_int4_codes(llm.model, llm.model._bound, False, ("cpu",)) and down.quant.name == "int4-g32-zp"
+    monkeypatch.setattr(quantize, "INT4_BLOCKS", False)
+    assert quantize.store_codes_in_blocks(llm.model, llm.model._bound, ("cpu",)) and down.quant.name == "int4-g32-zp"
     assert llm.model._bound["model.layers.0.mlp.down_proj.weight_packed"].dim() == 2
 
 
