@@ -64,6 +64,10 @@ _BLOCK_N = 64                   # weight rows a tile (pick_mma_config)
 _STAGES = 3                     # pipeline stages of the K loop (pick_mma_config)
 _PROGRAMS_PER_SM = 2            # K is split until the grid has this many programs a SM (split_for) ...
 _MIN_SLICE = 3                  # ... while each slice keeps at least this many super-blocks
+# each K step's header words and activation scales loaded a step ahead: Triton pipelines only the
+# loads feeding the dots (codes, A operand), so these waited on L2 every step (H200, 8B Q4_K_M
+# decode_ab, two builds: 2734 -> 2714 µs; the same for the Q6_K GEMV's scales gained nothing, 2709)
+_AHEAD = True
 _NORM_EARLY = True              # norm_planes: the weight read before the PDL wait, own inputs with the row
 
 
@@ -222,6 +226,7 @@ def _q4k_kernel(
     PLANES: tl.constexpr = False,   # SWIGLU with 32 outputs a tile: also write out's A operand (_sub_block_planes)
     PLANES_Q6K: tl.constexpr = False,   # ... in the Q6_K GEMV's format instead (gguf_mma_q6k; pxs_ptr unused)
     KB: tl.constexpr = False, BYTES: tl.constexpr = 144, KB_STRIDE=0,   # block-major (gguf_tiles.layout_args)
+    AHEAD: tl.constexpr = False,    # load each step's headers and activation scales a step ahead (_head)
 ):
     """out[n] = sum_k x[k] dequant(w)[n, k] (+ add[n]) for ``BLOCK_N`` rows over super-blocks
     ``[pid_s PER, (pid_s + 1) PER)`` (module docstring); rows past ``N`` read row ``N - 1``
@@ -247,6 +252,8 @@ def _q4k_kernel(
     acc = tl.zeros([16, BLOCK_N], tl.float32)
     b_lo = pid_s * PER
     b_hi = tl.minimum(b_lo + PER, K // 256)
+    if AHEAD:
+        n0, n1, n2, n3, nxa, nxs = _head(rows, b_lo, BS, xa_ptr, xs_ptr, r)
     for b in range(b_lo, b_hi):
         blk = rows + b * BS                                # d, dmin @0; scales[12] @4; qs[128] @16
         codes = tl.load(blk[:, None] + (16 + rj)[None, :])
@@ -254,9 +261,12 @@ def _q4k_kernel(
         a_hi = tl.load(a_ptr + r[:, None] * K + (b * 256 + 128 + rj)[None, :])
         v = tl.dot(a_lo, tl.trans(_nibbles(codes, False, EMULATE)), out_dtype=tl.int32)
         v = tl.dot(a_hi, tl.trans(_nibbles(codes, True, EMULATE)), v, out_dtype=tl.int32)
-        words = blk.to(tl.pointer_type(tl.int32))
-        dd = tl.load(words)
-        b0, b1, b2 = _bytes(tl.load(words + 1), i4), _bytes(tl.load(words + 2), i4), _bytes(tl.load(words + 3), i4)
+        if AHEAD:                                          # this step's, loaded last step; then the next step's
+            dd, w1, w2, w3, xa, xs = n0, n1, n2, n3, nxa, nxs
+            n0, n1, n2, n3, nxa, nxs = _head(rows, tl.minimum(b + 1, b_hi - 1), BS, xa_ptr, xs_ptr, r)
+        else:
+            dd, w1, w2, w3, xa, xs = _head(rows, b, BS, xa_ptr, xs_ptr, r)
+        b0, b1, b2 = _bytes(w1, i4), _bytes(w2, i4), _bytes(w3, i4)
         d = (dd & 0xFFFF).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
         dmin = (dd >> 16).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
         # 6-bit scale / min of sub-block s: s < 4 from bytes s / s + 4, s >= 4 split over bytes s + 4 and s - 4 / s
@@ -265,13 +275,21 @@ def _q4k_kernel(
         mn = tl.reshape(tl.permute(tl.join(b1 & 63, (b2 >> 4) | ((b1 >> 6) << 4)), (0, 2, 1)), [BLOCK_N, 8])
         f1 = d[:, None] * sc.to(tl.float32)
         f2 = 8.0 * f1 - dmin[:, None] * mn.to(tl.float32)
-        xa = tl.load(xa_ptr + b * 8 + r % 8)
-        xs = tl.where(r < 8, tl.load(xs_ptr + b * 8 + r % 8), 0.0)
+        xs = tl.where(r < 8, xs, 0.0)
         acc += v.to(tl.float32) * _rows16(f1, BLOCK_N) * (xa * part_w)[:, None] + _rows16(f2, BLOCK_N) * xs[:, None]
     if LATE_LAUNCH:
         pdl_trigger(USE_PDL)
     _finish(tl.sum(acc, axis=0), pid_n, pid_s, add_ptr, out_ptr, part_ptr, lock_ptr, N, SPLIT_K, BLOCK_N, SPLIT,
             HAS_ADD, SWIGLU, pa_ptr, pxa_ptr, pxs_ptr, PLANES, PLANES_Q6K)
+
+
+@triton.jit
+def _head(rows, b, BS, xa_ptr, xs_ptr, r):
+    """Super-block ``b``'s header words of each row (``d, dmin``; ``scales[12]`` as three words) and
+    its activation scales ``a_s``, ``S_s`` on the 16 rows of the A operand (:func:`_q4k_kernel`)."""
+    words = (rows + b * BS).to(tl.pointer_type(tl.int32))
+    return (tl.load(words), tl.load(words + 1), tl.load(words + 2), tl.load(words + 3),
+            tl.load(xa_ptr + b * 8 + r % 8), tl.load(xs_ptr + b * 8 + r % 8))
 
 
 @triton.jit
@@ -380,7 +398,7 @@ def gguf_gemv_mma(x: torch.Tensor, data: torch.Tensor, qtype: str, add: torch.Te
         row_stride, per, split, BLOCK_N=block_n, SPLIT=split > 1, HAS_ADD=add is not None,
         EMULATE=os.environ.get("TRITON_INTERPRET") == "1", LATE_LAUNCH=n_tiles * split > sms, SWIGLU=silu_mul,
         PREFETCH=_PREFETCH_LINES, **_planes_args(planes_out, silu_mul, n, block_n), **pdl_launch(x.device), **layout,
-        **cfg)
+        AHEAD=_AHEAD, **cfg)
     return out
 
 

@@ -208,8 +208,9 @@ def test_gguf_q4k_model_takes_the_planes_from_its_norms(tmp_path, monkeypatch):
     """A Q4_K model scoring one row on the tensor-core path (``MMA_MIN_ROWS`` lowered for the tiny
     shapes): the ``add_rms_norm`` before qkv and gate/up also makes their A operand (3 of the 8
     activation launches of 2 layers go: layer 0's qkv reads a plain RMSNorm, o and down the
-    attention and SwiGLU outputs), and so does the gate/up GEMV's SwiGLU epilogue before down (2
-    more go); the logits stay those of the separate launches."""
+    attention and SwiGLU outputs), and so does the gate/up GEMV's SwiGLU epilogue before
+    down (2 more go); the logits stay those of the separate launches. Steps run eagerly: a CUDA
+    graph's warm-up and capture would run the launches twice and its replays not at all."""
     import graphdsl as gd
     import graphdsl.runtime.kernels.gguf_linear as kernels
     import graphdsl.runtime.kernels.gguf_mma as mma
@@ -220,9 +221,8 @@ def test_gguf_q4k_model_takes_the_planes_from_its_norms(tmp_path, monkeypatch):
     real = mma.activation_planes
     monkeypatch.setattr(mma, "activation_planes", lambda *a: launches.append(1) or real(*a))
     make_checkpoint("llama", tmp_path, hidden_size=256, intermediate_size=512)
-    # eager steps: a CUDA graph's warm-up and capture run the launches twice, its replays not at all
-    llm = gd.LLM(tmp_path, device=DEV, dtype="bfloat16", max_model_len=64, quantization="gguf-q4_k", cuda_graphs=False)
-    llm.model.configure_runtime(backend="triton", max_blocks_per_seq=4)
+    llm = gd.LLM(tmp_path, device=DEV, dtype="bfloat16", max_model_len=64, quantization="gguf-q4_k")
+    llm.model.configure_runtime(backend="triton", cuda_graphs=False, max_blocks_per_seq=4)
     got = {}
     for norm, swiglu, want in ((True, True, 3), (True, False, 5), (False, True, 6), (False, False, 8)):
         monkeypatch.setattr(triton_backend, "_NORM_PLANES", norm)
@@ -252,3 +252,20 @@ def test_block_major_blocks_give_the_same_bits(split):
     got = gguf_gemv(x, kb, "Q4_K", silu_mul=True, config=cfg, planes_out=planes_kb)
     assert torch.equal(got, gguf_gemv(x, data, "Q4_K", silu_mul=True, config=cfg, planes_out=planes))
     assert all(torch.equal(a, b) for a, b in zip(planes_kb, planes))
+
+
+def test_headers_a_step_ahead_give_the_same_bits(monkeypatch):
+    """``_AHEAD`` (each K step's header words and activation scales loaded a step earlier): the same
+    bits as loading them in their own step, over slices of one and of several steps."""
+    import graphdsl.runtime.kernels.gguf_mma as mma
+    data, ref = random_gguf_weight("Q4_K", 37, 1536, seed=20)
+    data = data.to(DEV)
+    x = _x(1536, torch.bfloat16, seed=21)
+    for split in (1, 2, 6):
+        cfg = dict(MMA=True, BLOCK_N=16, SPLIT_K=split)
+        monkeypatch.setattr(mma, "_AHEAD", True)
+        ahead = gguf_gemv(x, data, "Q4_K", config=cfg)
+        monkeypatch.setattr(mma, "_AHEAD", False)
+        assert torch.equal(ahead, gguf_gemv(x, data, "Q4_K", config=cfg)), split
+    want = x.float().cpu() @ ref.T
+    torch.testing.assert_close(ahead.float().cpu(), want, rtol=2e-2, atol=2e-2 * want.abs().max().item())
