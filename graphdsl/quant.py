@@ -242,7 +242,9 @@ class IntScheme(QuantScheme):
 
     def with_blocks(self, blocked: bool = True) -> "IntScheme":
         """This scheme with its int4 codes stored in blocks (``blocked``) or row by row (int8: itself)."""
-        return IntScheme(self.bits, self.group_size, self.zero_point, self.act_order, blocked) if self.bits == 4 else self
+        if self.bits != 4:
+            return self
+        return IntScheme(self.bits, self.group_size, self.zero_point, self.act_order, blocked)
 
     def in_layout(self, tensors, in_features):
         packed = tensors[0]

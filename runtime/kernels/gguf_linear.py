@@ -4,8 +4,9 @@
 ``K / values_per_block`` consecutive GGML blocks, byte for byte as in the file (types:
 :data:`~.gguf_tiles.KERNEL_QTYPES`); or the same blocks block-major, ``[K / values_per_block, N,
 block bytes]`` (:func:`graphdsl.runtime.gguf_blocks.block_major`, what a bind on CUDA stores), which
-every kernel here reads as well (:func:`.gguf_tiles.layout_args`). The math is :func:`graphdsl.runtime.gguf_blocks.dequantize_blocks` followed
-by a matmul; the kernels never write the dequantized weight for decode.
+every kernel here reads as well (:func:`.gguf_tiles.layout_args`). The math is
+:func:`graphdsl.runtime.gguf_blocks.dequantize_blocks` followed by a matmul; the kernels never
+write the dequantized weight for decode.
 
 * **Decode (``M <= 16`` rows): dequantize-in-GEMV.** Program ``(n, s)`` owns ``BLOCK_N`` rows and
   the ``s``-th of ``SPLIT_K`` slices of the blocks; per step it decodes ``SB`` blocks of each row
@@ -49,11 +50,11 @@ from ..gguf_blocks import GGUF_BLOCKS
 from .gguf_mma import _CONFIG_KEYS as _MMA_CONFIG_KEYS
 from .gguf_mma import MMA_MIN_ROWS, MMA_QTYPES, gguf_gemv_mma
 from .gguf_mma_q6k import gguf_gemv_q6k
-from .gguf_tiles import KERNEL_QTYPES, decode_tile, layout_args, row_codes, row_dot, row_total, row_zeros
+from .gguf_tiles import (KERNEL_QTYPES, decode_tile, layout_args, row_codes, row_dot, row_total, row_zeros,
+                         weight_rows)
 from .splitk import arrive, depart, meet_rows, sum_partials
 
-__all__ = ["gguf_linear", "gguf_gemv", "gguf_dequantize", "mma_eligible", "weight_rows", "KERNEL_QTYPES",
-           "MAX_GEMV_ROWS"]
+__all__ = ["gguf_linear", "gguf_gemv", "gguf_dequantize", "mma_eligible", "KERNEL_QTYPES", "MAX_GEMV_ROWS"]
 
 MAX_GEMV_ROWS = 16
 _Q6K_MMA = True       # one Q6_K row on the tensor cores by default (False: CUDA cores; decode_ab.py's A/B)
@@ -224,11 +225,6 @@ def _check(data: torch.Tensor, qtype: str, x: torch.Tensor | None = None) -> int
     return k
 
 
-def weight_rows(data: torch.Tensor) -> int:
-    """N, the weight rows of GGUF blocks ``data`` in either layout (stored rows or block-major)."""
-    return data.shape[1] if data.dim() == 3 else data.shape[0]
-
-
 def _mma_possible(x: torch.Tensor, data: torch.Tensor, qtype: str) -> bool:
     """The tensor-core kernels (:mod:`.gguf_mma` for the types in ``MMA_QTYPES``, :mod:`.gguf_mma_q6k`
     for Q6_K) take one fp16/bf16 row over 4-byte aligned blocks (they read block headers as int32
@@ -250,8 +246,8 @@ def gguf_gemv(x: torch.Tensor, data: torch.Tensor, qtype: str, add: torch.Tensor
               silu_mul: bool = False, out: torch.Tensor | None = None, workspace=None,
               config: dict | None = None, planes=None, planes_out=None) -> torch.Tensor:
     """``x @ dequant(data).T (+ add)`` for ``x [M <= 16, K]`` and GGML blocks ``data`` of type
-    ``qtype`` (stored rows ``[N, row_bytes]`` or block-major ``[blocks, N, bytes]``), in one launch; the result has x's dtype. ``add``: a residual ``[M, N]`` or a
-    bias ``[N]`` (unit inner stride), added in float32 before the store. ``out``: ``[M, N]`` with a
+    ``qtype`` (stored rows ``[N, row_bytes]`` or block-major ``[blocks, N, bytes]``), in one launch;
+    the result has x's dtype. ``add``: a residual ``[M, N]`` or a bias ``[N]`` (unit inner stride), added in float32 before the store. ``out``: ``[M, N]`` with a
     unit inner stride (a column slice of a wider product works). ``workspace``: a
     :class:`~.gemv.GemvWorkspace` holding the split-K partials and counters (a private one per
     call if omitted; an engine passes its own so a captured graph keeps the addresses).

@@ -45,7 +45,7 @@ import triton.language as tl
 
 from graphdsl.errors import GraphDSLError
 
-from .gguf_tiles import layout_args
+from .gguf_tiles import layout_args, weight_rows
 from .pdl import pdl_launch, pdl_trigger, pdl_wait, prefetch_l2
 from .splitk import meet_rows
 
@@ -382,7 +382,7 @@ def gguf_gemv_mma(x: torch.Tensor, data: torch.Tensor, qtype: str, add: torch.Te
     reading it (``down``) needs no activation launch either."""
     from .gemv import GemvWorkspace
     row_stride, layout = layout_args(data, qtype)
-    n, k = data.shape[1 if layout["KB"] else 0], x.shape[1]
+    n, k = weight_rows(data), x.shape[1]
     cfg = dict(config or pick_mma_config(n, k, sms))
     block_n, split = cfg.pop("BLOCK_N"), cfg.pop("SPLIT_K")
     blocks = k // _SUPER

@@ -43,7 +43,7 @@ import triton.language as tl
 
 from ..gguf_blocks import STORED_BLOCK_BYTES
 from .gguf_mma import _bytes, _finish, _rows16, split_for
-from .gguf_tiles import layout_args
+from .gguf_tiles import layout_args, weight_rows
 from .pdl import pdl_launch, pdl_trigger, pdl_wait, prefetch_l2
 
 __all__ = ["q6k_activation_planes", "gguf_gemv_q6k", "pick_q6k_config"]
@@ -183,13 +183,14 @@ def pick_q6k_config(n: int, k: int, sms: int) -> dict:
 def gguf_gemv_q6k(x: torch.Tensor, data: torch.Tensor, add: torch.Tensor | None, out: torch.Tensor,
                   workspace, config: dict | None, sms: int, planes=None) -> torch.Tensor:
     """``out [1, N] = x [1, K] @ dequant(data).T (+ add)`` for stored Q6_K blocks (``data [N, K / 256 *
-    224]``, or block-major ``[K / 256, N, 224]``), x fp16/bf16; operands checked by :func:`.gguf_linear.gguf_gemv`, which calls this.
-    ``workspace``: a :class:`~.gemv.GemvWorkspace` (activation planes, split-K partials). ``planes``:
-    x's A operand and ``a_s`` already made (by a Q4_K SwiGLU GEMV's epilogue,
-    :func:`.gguf_mma.gguf_gemv_mma`'s ``planes_out``), so no activation launch."""
+    224]``, or block-major ``[K / 256, N, 224]``), x fp16/bf16; operands checked by
+    :func:`.gguf_linear.gguf_gemv`, which calls this. ``workspace``: a :class:`~.gemv.GemvWorkspace`
+    (activation planes, split-K partials). ``planes``: x's A operand and ``a_s`` already made (by a
+    Q4_K SwiGLU GEMV's epilogue, :func:`.gguf_mma.gguf_gemv_mma`'s ``planes_out``), so no activation
+    launch."""
     from .gemv import GemvWorkspace
     row_stride, layout = layout_args(data, "Q6_K")
-    n, k = data.shape[1 if layout["KB"] else 0], x.shape[1]
+    n, k = weight_rows(data), x.shape[1]
     cfg = dict(config or pick_q6k_config(n, k, sms))
     block_n, split = cfg.pop("BLOCK_N"), cfg.pop("SPLIT_K")
     blocks = k // _SUPER

@@ -18,8 +18,9 @@ format is the one of :mod:`graphdsl.runtime.gguf_blocks` (the reference these ti
 byte offsets used are written next to each load.
 
 The rows are in the stored layout (:func:`graphdsl.runtime.gguf_blocks.to_stored`): the file's
-blocks, Q6_K's padded from 210 to 224 bytes (:data:`KERNEL_QTYPES` has the stored sizes). Float16 fields are assembled from two
-byte loads (blocks of 18 or 34 bytes leave them only 2-byte aligned), then bitcast.
+blocks, Q6_K's padded from 210 to 224 bytes (:data:`KERNEL_QTYPES` has the stored sizes), row by
+row or block-major. Float16 fields are assembled from two byte loads (blocks of 18 or 34 bytes
+leave them only 2-byte aligned), then bitcast.
 """
 from __future__ import annotations
 
@@ -30,7 +31,8 @@ from ..gguf_blocks import GGUF_BLOCKS, STORED_BLOCK_BYTES
 from ..gguf_blocks import KERNEL_QTYPES as _NAMES
 from ..gguf_blocks import strides
 
-__all__ = ["KERNEL_QTYPES", "decode_tile", "row_codes", "row_dot", "row_total", "row_zeros", "layout_args"]
+__all__ = ["KERNEL_QTYPES", "decode_tile", "row_codes", "row_dot", "row_total", "row_zeros", "layout_args",
+           "weight_rows"]
 
 # GGML types with a Triton tile decoder: name -> (values per block, bytes per stored block)
 KERNEL_QTYPES: dict[str, tuple[int, int]] = {
@@ -45,6 +47,11 @@ def layout_args(data, qtype: str) -> tuple[int, dict]:
     stored rows."""
     row, blk = strides(data, qtype)
     return row, dict(KB=data.dim() == 3, BYTES=KERNEL_QTYPES[qtype][1], KB_STRIDE=blk)
+
+
+def weight_rows(data) -> int:
+    """N, the weight rows of GGUF blocks ``data`` in either layout (stored rows or block-major)."""
+    return data.shape[1] if data.dim() == 3 else data.shape[0]
 
 
 @triton.jit

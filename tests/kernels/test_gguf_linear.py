@@ -175,8 +175,8 @@ def test_errors_name_the_operand():
     with pytest.raises(GraphDSLError, match=r"GGML type 'Q2_K' has no kernel; supported: \['Q4_0'"):
         gguf_gemv(torch.zeros(1, 256), data, "Q2_K")
     with pytest.raises(GraphDSLError, match=r"data must be contiguous uint8 \[N, K / 256 \* 224\] \(Q6_K blocks in the "
-                                            r"stored layout, gguf_blocks.to_stored\) or block-major \[K / 256, N, 224\] "
-                                            r"\(gguf_blocks.block_major\), got torch.uint8 \[4, 144\]"):
+                                            r"stored layout, gguf_blocks.to_stored\) or block-major "
+                                            r"\[K / 256, N, 224\] \(gguf_blocks.block_major\), got torch.uint8 \[4, 144\]"):
         gguf_gemv(torch.zeros(1, 256), data, "Q6_K")
     with pytest.raises(GraphDSLError, match=r"or block-major \[K / 256, N, 144\].*got torch.uint8 \[1, 4, 224\]"):
         gguf_gemv(torch.zeros(1, 256), torch.zeros(1, 4, 224, dtype=torch.uint8), "Q4_K")
