@@ -51,7 +51,9 @@ def case(text: str) -> tuple[str, str]:
 
 
 def launch(scheme: str, proj: str, calls: int = 4) -> None:
-    """``calls`` one-row ``gemv`` launches of ``proj`` with ``scheme`` weights (what ncu profiles)."""
+    """``calls`` one-row ``gemv`` launches of ``proj`` with ``scheme`` weights (what ncu profiles), the
+    codes in the layout a CUDA bind stores (``layers.quantize.bound_scheme``: int4 in blocks)."""
+    from graphdsl.layers.quantize import bound_scheme
     from graphdsl.quant import parse_scheme
     from graphdsl.runtime.kernels.gemv import GemvWorkspace, gemv
     n, k = SHAPES[proj]
@@ -62,7 +64,7 @@ def launch(scheme: str, proj: str, calls: int = 4) -> None:
     if SCHEMES[scheme] is None:
         w = w.to(torch.bfloat16)
     else:
-        sch = parse_scheme(SCHEMES[scheme])
+        sch = bound_scheme(parse_scheme(SCHEMES[scheme]))
         stored = sch.quantize(w, torch.bfloat16)
         w, kw = stored[0], dict(scheme=sch, scales=stored[1], zeros=stored[2] if len(stored) > 2 else None)
     ws = GemvWorkspace()
