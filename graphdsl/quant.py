@@ -42,7 +42,7 @@ from .errors import GraphDSLError
 
 __all__ = ["QuantMethod", "Companion", "PERM_SUFFIX", "QuantScheme", "Fp8Scheme", "IntScheme", "parse_scheme",
            "register_scheme", "registered_scheme_families", "online_scheme", "FP8_MAX", "INT4_BLOCK_BYTES",
-           "int4_blocks", "int4_unblocks"]
+           "int4_blocks", "int4_unblocks", "code_rows"]
 
 FP8_MAX = 448.0          # largest finite float8 e4m3fn
 
@@ -360,6 +360,12 @@ def int4_unblocks(blocks: torch.Tensor, in_features: int) -> torch.Tensor:
         raise GraphDSLError(f"int4_unblocks: blocks must be [{-(-half // INT4_BLOCK_BYTES)}, out, "
                             f"{INT4_BLOCK_BYTES}] for {in_features} inputs, got {list(blocks.shape)}")
     return blocks.transpose(0, 1).reshape(blocks.shape[1], -1)[:, :half].contiguous()
+
+
+def code_rows(codes: torch.Tensor) -> int:
+    """N, the output rows of a weight's codes (its first companion) in either layout: ``[N, ...]`` row
+    by row, ``[blocks, N, bytes]`` in blocks (:attr:`QuantScheme.blocked`)."""
+    return codes.shape[1] if codes.dim() == 3 else codes.shape[0]
 
 
 def pack_int4(q: torch.Tensor) -> torch.Tensor:

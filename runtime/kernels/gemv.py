@@ -84,7 +84,7 @@ import triton
 import triton.language as tl
 
 from graphdsl.errors import GraphDSLError
-from graphdsl.quant import INT4_BLOCK_BYTES
+from graphdsl.quant import INT4_BLOCK_BYTES, code_rows
 
 from .pdl import hopper, pdl_launch, pdl_trigger, pdl_wait, prefetch_l2
 from .splitk import arrive, depart, sum_partials
@@ -1459,7 +1459,7 @@ def packs_rows(x: torch.Tensor, w: torch.Tensor, scheme, group: int) -> bool:
         return False
     kind = weight_kind(scheme)
     m, k = x.shape
-    n = w.shape[1] if w.dim() == 3 else w.shape[0]
+    n = code_rows(w)
     wgroup = scheme.group_size if kind in (W_INT4, W_INT4_ZP) else 1
     cfg = _pick_config(m, n, k, x.device) if kind == W_FLOAT else _pick_quant_config(m, n, k, kind, wgroup, x.device)
     return n % group == 0 and cfg["BLOCK_N"] % group == 0
@@ -1513,7 +1513,7 @@ def gemv(x: torch.Tensor, w: torch.Tensor, add: torch.Tensor | None = None, *, s
                             + (" and zero points" if kind == W_INT4_ZP else ""))
     m, k = x.shape
     blocked = w.dim() == 3                       # int4 codes in blocks (scheme.blocked): [blocks, N, 64]
-    n = w.shape[1] if blocked else w.shape[0]
+    n = code_rows(w)
     cols = n
     if silu_mul:
         if n % 2 or add is not None:

@@ -45,13 +45,13 @@ import triton
 import triton.language as tl
 
 from graphdsl.errors import GraphDSLError
+from graphdsl.quant import code_rows
 
 from ..gguf_blocks import GGUF_BLOCKS
 from .gguf_mma import _CONFIG_KEYS as _MMA_CONFIG_KEYS
 from .gguf_mma import MMA_MIN_ROWS, MMA_QTYPES, gguf_gemv_mma
 from .gguf_mma_q6k import gguf_gemv_q6k
-from .gguf_tiles import (KERNEL_QTYPES, decode_tile, layout_args, row_codes, row_dot, row_total, row_zeros,
-                         weight_rows)
+from .gguf_tiles import KERNEL_QTYPES, decode_tile, layout_args, row_codes, row_dot, row_total, row_zeros
 from .splitk import arrive, depart, meet_rows, sum_partials
 
 __all__ = ["gguf_linear", "gguf_gemv", "gguf_dequantize", "mma_eligible", "KERNEL_QTYPES", "MAX_GEMV_ROWS"]
@@ -238,7 +238,7 @@ def mma_eligible(x: torch.Tensor, data: torch.Tensor, qtype: str) -> bool:
     :func:`_mma_possible` and the weight has at least ``MMA_MIN_ROWS`` rows (on the H100 a 1024-row
     Q4_K GEMV took 6.4 µs on CUDA cores, 7.5 on the tensor cores with its activation launch; 4096
     rows 12.8 against 11.0; Q6_K's 1024 rows 6.6 against 6.7-8.5, 4096 rows 16.9 against 12.9)."""
-    return (_mma_possible(x, data, qtype) and weight_rows(data) >= MMA_MIN_ROWS
+    return (_mma_possible(x, data, qtype) and code_rows(data) >= MMA_MIN_ROWS
             and (qtype != "Q6_K" or _Q6K_MMA))
 
 
@@ -268,7 +268,7 @@ def gguf_gemv(x: torch.Tensor, data: torch.Tensor, qtype: str, add: torch.Tensor
     it next."""
     from .gemv import GemvWorkspace
     k = _check(data, qtype, x)
-    m, n = x.shape[0], weight_rows(data)
+    m, n = x.shape[0], code_rows(data)
     if not 1 <= m <= MAX_GEMV_ROWS:
         raise GraphDSLError(f"gguf_gemv: x needs 1..{MAX_GEMV_ROWS} rows, got {m}")
     if silu_mul:
@@ -340,7 +340,7 @@ def gguf_dequantize(data: torch.Tensor, qtype: str, dtype: torch.dtype = torch.b
     """The weight ``[N, K]`` in ``dtype`` from its GGML blocks ``data`` (stored rows ``[N, row_bytes]``
     or block-major; Triton, one pass)."""
     k = _check(data, qtype)
-    n = weight_rows(data)
+    n = code_rows(data)
     values = KERNEL_QTYPES[qtype][0]
     sb = _sb_for(k // values, 256 // values)
     out = torch.empty(n, k, dtype=dtype, device=data.device)
@@ -367,4 +367,4 @@ def gguf_linear(x: torch.Tensor, data: torch.Tensor, qtype: str, bias: torch.Ten
     else:
         _check(data, qtype, x2)
         out = torch.nn.functional.linear(x2, gguf_dequantize(data, qtype, x2.dtype), bias)
-    return out.reshape(*lead, weight_rows(data))
+    return out.reshape(*lead, code_rows(data))

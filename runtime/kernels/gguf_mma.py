@@ -44,8 +44,9 @@ import triton
 import triton.language as tl
 
 from graphdsl.errors import GraphDSLError
+from graphdsl.quant import code_rows
 
-from .gguf_tiles import layout_args, weight_rows
+from .gguf_tiles import layout_args
 from .pdl import pdl_launch, pdl_trigger, pdl_wait, prefetch_l2
 from .splitk import meet_rows
 
@@ -382,7 +383,7 @@ def gguf_gemv_mma(x: torch.Tensor, data: torch.Tensor, qtype: str, add: torch.Te
     reading it (``down``) needs no activation launch either."""
     from .gemv import GemvWorkspace
     row_stride, layout = layout_args(data, qtype)
-    n, k = weight_rows(data), x.shape[1]
+    n, k = code_rows(data), x.shape[1]
     cfg = dict(config or pick_mma_config(n, k, sms))
     block_n, split = cfg.pop("BLOCK_N"), cfg.pop("SPLIT_K")
     blocks = k // _SUPER

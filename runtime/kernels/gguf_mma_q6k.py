@@ -41,9 +41,11 @@ import torch
 import triton
 import triton.language as tl
 
+from graphdsl.quant import code_rows
+
 from ..gguf_blocks import STORED_BLOCK_BYTES
 from .gguf_mma import _bytes, _finish, _rows16, split_for
-from .gguf_tiles import layout_args, weight_rows
+from .gguf_tiles import layout_args
 from .pdl import pdl_launch, pdl_trigger, pdl_wait, prefetch_l2
 
 __all__ = ["q6k_activation_planes", "gguf_gemv_q6k", "pick_q6k_config"]
@@ -190,7 +192,7 @@ def gguf_gemv_q6k(x: torch.Tensor, data: torch.Tensor, add: torch.Tensor | None,
     launch."""
     from .gemv import GemvWorkspace
     row_stride, layout = layout_args(data, "Q6_K")
-    n, k = weight_rows(data), x.shape[1]
+    n, k = code_rows(data), x.shape[1]
     cfg = dict(config or pick_q6k_config(n, k, sms))
     block_n, split = cfg.pop("BLOCK_N"), cfg.pop("SPLIT_K")
     blocks = k // _SUPER

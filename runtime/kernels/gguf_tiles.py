@@ -31,8 +31,7 @@ from ..gguf_blocks import GGUF_BLOCKS, STORED_BLOCK_BYTES
 from ..gguf_blocks import KERNEL_QTYPES as _NAMES
 from ..gguf_blocks import strides
 
-__all__ = ["KERNEL_QTYPES", "decode_tile", "row_codes", "row_dot", "row_total", "row_zeros", "layout_args",
-           "weight_rows"]
+__all__ = ["KERNEL_QTYPES", "decode_tile", "row_codes", "row_dot", "row_total", "row_zeros", "layout_args"]
 
 # GGML types with a Triton tile decoder: name -> (values per block, bytes per stored block)
 KERNEL_QTYPES: dict[str, tuple[int, int]] = {
@@ -47,11 +46,6 @@ def layout_args(data, qtype: str) -> tuple[int, dict]:
     stored rows."""
     row, blk = strides(data, qtype)
     return row, dict(KB=data.dim() == 3, BYTES=KERNEL_QTYPES[qtype][1], KB_STRIDE=blk)
-
-
-def weight_rows(data) -> int:
-    """N, the weight rows of GGUF blocks ``data`` in either layout (stored rows or block-major)."""
-    return data.shape[1] if data.dim() == 3 else data.shape[0]
 
 
 @triton.jit

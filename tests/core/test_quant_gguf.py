@@ -131,3 +131,6 @@ def test_block_major_schemes_round_trip():
     torch.testing.assert_close(got, x @ want.T, atol=1e-4, rtol=1e-4)
     with pytest.raises(GraphDSLError, match=r"row_major: data must be uint8 \[blocks, rows, 144\]"):
         row_major(rows[0], "Q4_K")
+    with pytest.raises(GraphDSLError, match=r"block_major: data must be uint8 \[rows, a multiple of 224\] \(stored "
+                                            r"Q6_K blocks\), got torch.uint8 \[8, 210\]"):
+        block_major(torch.zeros(8, 210, dtype=torch.uint8), "Q6_K")
