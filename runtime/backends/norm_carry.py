@@ -9,6 +9,13 @@ and multiplies its float32 sums by ``rsqrt(Σ s² / N + eps)`` (:class:`~..kerne
 The ``add_rms_norm`` node then launches nothing. The product equals the unfused one up to where
 one bfloat16 rounding falls (``(ŝ·r)`` rounded before the weight multiply there, ``ŝ·w`` here).
 
+The GGUF GEMVs carry it too, for one row (:func:`_gguf_producer`): a producer on the tensor cores
+(one Q4_K or Q6_K part) stores the same three things and, when a consumer runs a Q4_K part on the
+tensor cores, the A operand of ``s · weight`` (:class:`~..kernels.gemv.GemvRmsOut` ``planes``),
+which those consumers read instead of an activation launch (the backend's ``_planes_ready``); every
+part of a GGUF consumer, on either core, multiplies its sums by the factor. Then neither the
+norm's launch nor its planes' (``gguf_mma.norm_planes``) runs.
+
 With one row, an int4 consumer that reads packed activations (``gemv(..., xpack=)``; the gate/up
 GEMVs of :func:`.triton_backend.xpack_pays`) gets them from the producer too: its epilogue also
 stores ``s · weight`` in their bytes (:class:`~..kernels.gemv.GemvRmsOut` ``packed``), so the
@@ -46,8 +53,9 @@ THROUGH_GATHERS = True   # False: no site whose consumers read through an act-or
 # producers' weight kinds whose sites are carried. In-model A/B on an H100 (µs a batch-1 step, carried vs
 # launched): Llama-3-8B int4 2586 vs 2684; bf16 5544 vs 5545 and Llama-3.2-1B 1110 vs 1115; fp8 3599 vs 3469
 # (docs/quantization.md). On three H200s, bf16: 8B 4086 vs 4117, 4019 vs 4073; 1B 860 vs 859, 854 vs 867, 859 vs 883.
-# fp8 W8A8 (H200, two builds each): 8B 2820, 2803 carried vs 2713, 2712 launched
-KINDS = ("int4", "float")
+# fp8 W8A8 (H200, two builds each): 8B 2820, 2803 carried vs 2713, 2712 launched. "gguf": the GGUF tensor-core
+# producers (_gguf_producer; measured in docs/quantization.md)
+KINDS = ("int4", "float", "gguf")
 # one row: the producer also stores the normed rows as the packed activations of its int4 consumers that
 # read packed rows (GemvRmsOut.packed; gemv xpack=) instead of a launch making them. In-model A/B (H200,
 # µs a batch-1 step): Llama-3-8B int4 2169 -> 2140. False for the A/B
@@ -142,6 +150,17 @@ class NormCarry:
         if self._plans[0] is not nodes:
             self._plans = (nodes, plan(nodes))
         self._sites = self._plans[1]
+
+    def _planes_for(self, slot, device, n) -> tuple:
+        """The slot's Q4_K A operand buffers for rows of ``n`` (``GemvWorkspace.planes``' shapes; not
+        those: the producer may itself be reading an A operand of ``n`` inputs from there)."""
+        key = ("planes", slot, str(device), n)
+        bufs = self._buffers.get(key)
+        if bufs is None:
+            bufs = self._buffers[key] = (torch.empty(16, n, dtype=torch.int8, device=device),
+                                         torch.empty(n // 32, dtype=torch.float32, device=device),
+                                         torch.empty(n // 32, dtype=torch.float32, device=device))
+        return bufs
 
     def _packed_for(self, slot, device, n) -> torch.Tensor:
         key = ("packed", slot, str(device), n)
@@ -245,7 +264,9 @@ def _launch(be, site: Site, values: dict, attrs: dict, storage: dict, carry: Nor
     quant = p.op == "quant_linear"
     scheme = parse_scheme(attrs[p]["scheme"]) if quant else None
     w = ins[1]
-    if not gemv_supported(x, w, scheme) or _kind(scheme) not in KINDS:
+    gguf = _kind(scheme) == "gguf"
+    if gguf and not _gguf_producer(x, ins[1:], scheme, attrs[p]["out_features"]) or \
+            not gguf and not gemv_supported(x, w, scheme) or _kind(scheme) not in KINDS:
         return None
     m = x.shape[0]
     residual, g = values[b.inputs[1 - site.y_input]], values[b.inputs[2]]
@@ -267,9 +288,12 @@ def _launch(be, site: Site, values: dict, attrs: dict, storage: dict, carry: Nor
         quant_c = c.op.startswith("quant")
         cs = parse_scheme(attrs[c]["scheme"]) if quant_c else None
         dst = storage.get(c.outputs[0])
-        if not gemv_supported(scaled, cins[1], cs) or (dst is not None and dst.stride(-1) != 1) \
+        runs = _gguf_consumer(scaled, cins[1:], c.op) if _kind(cs) == "gguf" else gemv_supported(scaled, cins[1], cs)
+        if not runs or (dst is not None and dst.stride(-1) != 1) \
                 or (quant_c and _kernel_unsupported(c, cins) is not None):
             return None
+    if gguf:
+        return _launch_gguf(be, site, p, ins, scheme, residual, g, scaled, part, s_dst, attrs, carry)
     group = _pack_group(site, values, attrs, n) if PACK and m == 1 else 0
     packed = carry._packed_for(site.slot, x.device, n) if group and packs_rows(x, w, scheme, group) else None
     rms_out = GemvRmsOut(g, scaled, part, packed, group if packed is not None else 0)
@@ -286,8 +310,51 @@ def _launch(be, site: Site, values: dict, attrs: dict, storage: dict, carry: Nor
 
 
 def _kind(scheme) -> str:
-    """``"float"`` (fp16/bf16), ``"int8"``, ``"int4"`` or ``"fp8"`` (weight-only or W8A8): the GEMV's weight kind."""
+    """``"float"`` (fp16/bf16), ``"int8"``, ``"int4"``, ``"fp8"`` (weight-only or W8A8) or ``"gguf"``:
+    the GEMV's weight kind."""
+    from ..gguf_scheme import GGUFMixScheme, GGUFScheme
     from ..kernels.gemv import W_FP8, W_FP8_A8, W_INT4, W_INT4_ZP, W_INT8, weight_kind
+    if isinstance(scheme, (GGUFScheme, GGUFMixScheme)):
+        return "gguf"
     return {W_INT8: "int8", W_INT4: "int4", W_INT4_ZP: "int4", W_FP8: "fp8",
             W_FP8_A8: "fp8"}.get(weight_kind(scheme), "float")
+
+
+def _gguf_producer(x: torch.Tensor, stored: list, scheme, n: int) -> bool:
+    """Whether a GGUF projection of ``x`` can carry the norm: one fp16/bf16 row, one part, run on the
+    tensor cores (its epilogue writes the norm's operands), of whole super-blocks of outputs."""
+    from ..kernels.gguf_linear import mma_eligible
+    parts = scheme.row_parts(n)
+    if x.shape[0] != 1 or len(parts) != 1 or len(stored) != 1 or n % 256 or x.stride(-1) != 1:
+        return False
+    (qtype, _, _), = parts
+    return qtype in ("Q4_K", "Q6_K") and mma_eligible(x, stored[0], qtype)
+
+
+def _gguf_consumer(rows: torch.Tensor, stored: list, op: str) -> bool:
+    """Whether a GGUF projection reading ``rows`` runs its decode GEMVs on them (each part applies
+    the norm's factor; ``triton_backend._quant_linear``)."""
+    from ..kernels.gguf_linear import MAX_GEMV_ROWS
+    return op in ("quant_linear", "quant_linear_silu_mul") and 1 <= rows.shape[0] <= MAX_GEMV_ROWS \
+        and rows.stride(-1) == 1 and all(t.is_contiguous() for t in stored)
+
+
+def _launch_gguf(be, site: Site, p, ins: list, scheme, residual, g, scaled, part, s_dst, attrs, carry):
+    """Launch a GGUF producer with the norm in its tensor-core epilogue; with the A operand of
+    ``s · weight`` for the consumers that run a Q4_K part on the tensor cores (handed to them through
+    the backend's ``_planes_ready``)."""
+    from ..kernels.gemv import GemvRmsIn, GemvRmsOut
+    from ..kernels.gguf_linear import gguf_gemv
+    from .triton_backend import _planes_for, _planes_takers
+    n = residual.shape[-1]
+    from graphdsl.quant import parse_scheme
+    gguf = [c for c in site.consumers if c.op.startswith("quant") and _kind(parse_scheme(c.attrs["scheme"])) == "gguf"]
+    takers = _planes_takers(be, gguf, scaled)
+    planes = carry._planes_for(site.slot, scaled.device, n) if takers else None
+    (qtype, _, _), = scheme.row_parts(n)
+    gguf_gemv(ins[0], ins[1], qtype, residual, out=s_dst, workspace=be.gemv_workspace,
+              planes=_planes_for(be._planes_ready.pop(p, None), qtype),
+              rms_out=GemvRmsOut(g, scaled, part, planes=planes))
+    be._planes_ready.update(dict.fromkeys(takers, planes))
+    return _Carried(GemvRmsIn(part, n, float(attrs[site.norm]["eps"])), scaled, s_dst, None, 0)
 

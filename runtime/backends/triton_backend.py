@@ -706,8 +706,10 @@ def _quant_linear(be: TritonBackend, node, ins, attrs, dsts):
         return dsts
     if be.gather_rows is not None:                # (_gemv_reads_rows promised the GEMV: never, but safe)
         be.gathers.make(be.gather_rows)
-    _not_carried(be, node)
-    planes = be._planes_ready.pop(node, None)   # made by the kernel before (_norm_planes, _swiglu_planes)
+    rms_in = be.norms.rms_in(node) if gguf else None   # a carried norm's factor: every GGUF GEMV part applies it
+    if not gguf:
+        _not_carried(be, node)
+    planes = be._planes_ready.pop(node, None)   # made by the kernel before (_norm_planes, _swiglu_planes, a carry)
     if gguf and silu and len(stored) == 1:     # one GGUF type: SwiGLU in the tensor-core GEMV's epilogue
         from ..kernels.gguf_linear import gguf_gemv, mma_eligible
         from ..kernels.gguf_mma import MMA_QTYPES
@@ -715,17 +717,19 @@ def _quant_linear(be: TritonBackend, node, ins, attrs, dsts):
         if qtype in MMA_QTYPES and mma_eligible(x2, stored[0], qtype) and x2.stride(-1) == 1 \
                 and out2.stride(-1) == 1:
             gguf_gemv(x2, stored[0], qtype, silu_mul=True, out=out2, workspace=be.gemv_workspace,
-                      planes=_planes_for(planes, qtype), planes_out=_swiglu_planes(be, node, out2))
+                      planes=_planes_for(planes, qtype), planes_out=_swiglu_planes(be, node, out2), rms_in=rms_in)
             return dsts
     prod = be.workspace(node, ins, attrs).view(-1, n) if silu else out2
     if gguf:                                   # GGUF blocks: their kernel once per row part
         from ..kernels.gguf_linear import MAX_GEMV_ROWS, gguf_gemv, gguf_linear
         gemv_rows = 1 <= x2.shape[0] <= MAX_GEMV_ROWS and x2.stride(-1) == 1 and prod.stride(-1) == 1 \
             and (add2 is None or (add2.dtype == x2.dtype and add2.stride(-1) == 1))
+        if not gemv_rows:
+            _not_carried(be, node)
         for data, (qtype, r0, r1) in zip(stored, scheme.row_parts(n)):
             if gemv_rows:                      # straight into the product's columns, the addend's slice added
                 gguf_gemv(x2, data, qtype, None if add2 is None else add2[..., r0:r1], out=prod[:, r0:r1],
-                          workspace=be.gemv_workspace, planes=_planes_for(planes, qtype))
+                          workspace=be.gemv_workspace, planes=_planes_for(planes, qtype), rms_in=rms_in)
             else:
                 prod[:, r0:r1].copy_(gguf_linear(x2, data, qtype))
         if gemv_rows:

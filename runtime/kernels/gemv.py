@@ -170,11 +170,18 @@ def _lora_term(acc, p_ptr, b_ptr, idx_ptr, pid_n, M, N, LORA_S, LORA_R, LORA_SPL
 
 
 @triton.jit
-def _rin_tile(rin_ptr, rm, m_ok, RIN_CHUNKS, RIN_BLOCK: tl.constexpr):
+def rin_tile(rin_ptr, rm, m_ok, RIN_CHUNKS, RIN_BLOCK: tl.constexpr):
     """A consumer's ``[RIN_BLOCK, BLOCK_M]`` tile of its producer's partial sums (0 past the end)."""
     j = tl.arange(0, RIN_BLOCK)
     return tl.load(rin_ptr + rm[None, :] * RIN_CHUNKS + j[:, None], mask=(j < RIN_CHUNKS)[:, None] & m_ok[None, :],
                    other=0.0)
+
+
+@triton.jit
+def rms_factor(rin_part, rin_inv_n, rin_eps):
+    """The carried norm's ``[BLOCK_M]`` row factors ``rsqrt(Σ_j part[j, m] / n + eps)`` from a
+    :func:`rin_tile` (:class:`GemvRmsIn`; the GGUF GEMVs compute it the same way)."""
+    return tl.rsqrt(tl.sum(rin_part, axis=0) * rin_inv_n + rin_eps)
 
 
 @triton.jit
@@ -207,8 +214,8 @@ def _finish(acc, add_ptr, out_ptr, pid_n, rm, m_ok, N, stride_am, stride_om, HAS
     make them."""
     if RMS_IN:
         if not EARLY:
-            rin_part = _rin_tile(rin_ptr, rm, m_ok, RIN_CHUNKS, RIN_BLOCK)
-        acc = acc * tl.rsqrt(tl.sum(rin_part, axis=0) * rin_inv_n + rin_eps)[None, :]
+            rin_part = rin_tile(rin_ptr, rm, m_ok, RIN_CHUNKS, RIN_BLOCK)
+        acc = acc * rms_factor(rin_part, rin_inv_n, rin_eps)[None, :]
     if HAS_LORA:
         acc = _lora_term(acc, lora_p_ptr, lora_b_ptr, lora_idx_ptr, pid_n, M, N, LORA_S, LORA_R, LORA_SPLITS, SWIGLU,
                          BLOCK_N, BLOCK_M, LORA_BLOCK_R, LORA_BLOCK_SPLITS)
@@ -1006,7 +1013,7 @@ def _gemv_kernel(
         rms_g = 0.0
     pdl_wait(USE_PDL, not LATE_LAUNCH)
     if RMS_IN and RMS_EARLY:           # read now, used after the K loop (_finish)
-        rin_part = _rin_tile(rin_ptr, rm, m_ok, RIN_CHUNKS, RIN_BLOCK)
+        rin_part = rin_tile(rin_ptr, rm, m_ok, RIN_CHUNKS, RIN_BLOCK)
     else:
         rin_part = 0.0
     if RMS_OUT and RMS_EARLY and HAS_ADD:
@@ -1365,6 +1372,10 @@ class GemvRmsOut(NamedTuple):
     # the tiles must hold whole groups (:func:`packs_rows`)
     packed: torch.Tensor | None = None
     pack_group: int = 0
+    # one row, a GGUF tensor-core producer (:func:`.gguf_linear.gguf_gemv`): ``scaled`` also as the
+    # Q4_K tensor-core A operand of the GEMVs that read it next (three buffers: ``[16, N]`` int8,
+    # ``a_s`` and ``S_s`` ``[N / 32]`` float32, :func:`.gguf_mma.activation_planes` of ``scaled``)
+    planes: tuple | None = None
 
 
 class GemvRmsIn(NamedTuple):
@@ -1386,8 +1397,11 @@ def _rms_args(rms_out: GemvRmsOut | None, rms_in: GemvRmsIn | None, m: int, n: i
                 rin_ptr=out, RIN_CHUNKS=1, rin_inv_n=1.0, rin_eps=0.0, RMS_IN=False, RIN_BLOCK=1,
                 RMS_EARLY=_RMS_EARLY, pack_ptr=out, PACK=False, PACK_GROUP=128)
     if rms_out is not None:
-        w, scaled, part, packed, group = rms_out
-        chunks = triton.cdiv(n, RMS_CHUNK)
+        w, scaled, part, packed, group = rms_out[:5]
+        chunks = check_rms_out("gemv", rms_out, m, n, block_n, silu_mul, out)
+        if rms_out.planes is not None:
+            raise GraphDSLError("gemv: rms_out.planes (a Q4_K A operand) is written by the GGUF tensor-core GEMVs "
+                                "(gguf_linear.gguf_gemv), not by this GEMV")
         if packed is not None:
             if m != 1 or group < 8 or group & (group - 1) or block_n % group or n % group:
                 raise GraphDSLError(f"gemv: rms_out.packed needs one row and tiles of whole groups, got {m} rows, "
@@ -1397,24 +1411,38 @@ def _rms_args(rms_out: GemvRmsOut | None, rms_in: GemvRmsIn | None, m: int, n: i
                 raise GraphDSLError(f"gemv: rms_out.packed must be a contiguous int32 [6, {n // 8}] on {out.device}, "
                                     f"got {packed.dtype} {list(packed.shape)} on {packed.device}")
             args.update(pack_ptr=packed, PACK=True, PACK_GROUP=group)
-        if silu_mul or block_n % RMS_CHUNK:
-            raise GraphDSLError(f"gemv: rms_out needs a plain product in tiles of a multiple of {RMS_CHUNK} columns, "
-                                f"got silu_mul={silu_mul}, BLOCK_N {block_n}")
-        for name, t, shape, dtype in (("weight", w, (n,), out.dtype), ("scaled", scaled, (m, n), out.dtype),
-                                      ("partials", part, (m, chunks), torch.float32)):
-            if tuple(t.shape) != shape or t.dtype != dtype or not t.is_contiguous() or t.device != out.device:
-                raise GraphDSLError(f"gemv: rms_out.{name} must be a contiguous {list(shape)} {dtype} on "
-                                    f"{out.device}, got {list(t.shape)} {t.dtype} on {t.device}")
         args.update(rms_w_ptr=w, rms_scaled_ptr=scaled, rms_part_ptr=part, RMS_CHUNKS=chunks, RMS_OUT=True)
     if rms_in is not None:
-        part, rn, eps = rms_in
-        chunks = triton.cdiv(k, RMS_CHUNK)
-        if rn != k or tuple(part.shape) != (m, chunks) or part.dtype != torch.float32 or not part.is_contiguous():
-            raise GraphDSLError(f"gemv: rms_in needs n = K = {k} and contiguous partials [{m}, {chunks}] float32, got "
-                                f"n {rn}, partials {list(part.shape)} {part.dtype}")
-        args.update(rin_ptr=part, RIN_CHUNKS=chunks, rin_inv_n=1.0 / k, rin_eps=float(eps), RMS_IN=True,
-                    RIN_BLOCK=_pow2(chunks))
+        chunks = check_rms_in("gemv", rms_in, m, k)
+        args.update(rin_ptr=rms_in.partials, RIN_CHUNKS=chunks, rin_inv_n=1.0 / k, rin_eps=float(rms_in.eps),
+                    RMS_IN=True, RIN_BLOCK=_pow2(chunks))
     return args
+
+
+def check_rms_out(fn: str, rms_out: GemvRmsOut, m: int, n: int, block_n: int, silu_mul: bool,
+                  out: torch.Tensor) -> int:
+    """Check a producer's :class:`GemvRmsOut` against its product ``out [m, n]`` in tiles of ``block_n``
+    columns; returns the partial sums a row (``cdiv(n, 32)``)."""
+    chunks = triton.cdiv(n, RMS_CHUNK)
+    if silu_mul or block_n % RMS_CHUNK:
+        raise GraphDSLError(f"{fn}: rms_out needs a plain product in tiles of a multiple of {RMS_CHUNK} columns, "
+                            f"got silu_mul={silu_mul}, BLOCK_N {block_n}")
+    for name, t, shape, dtype in (("weight", rms_out.weight, (n,), out.dtype), ("scaled", rms_out.scaled, (m, n), out.dtype),
+                                  ("partials", rms_out.partials, (m, chunks), torch.float32)):
+        if tuple(t.shape) != shape or t.dtype != dtype or not t.is_contiguous() or t.device != out.device:
+            raise GraphDSLError(f"{fn}: rms_out.{name} must be a contiguous {list(shape)} {dtype} on "
+                                f"{out.device}, got {list(t.shape)} {t.dtype} on {t.device}")
+    return chunks
+
+
+def check_rms_in(fn: str, rms_in: GemvRmsIn, m: int, k: int) -> int:
+    """Check a consumer's :class:`GemvRmsIn` against its rows ``[m, k]``; returns the partial sums a row."""
+    part, rn, _ = rms_in
+    chunks = triton.cdiv(k, RMS_CHUNK)
+    if rn != k or tuple(part.shape) != (m, chunks) or part.dtype != torch.float32 or not part.is_contiguous():
+        raise GraphDSLError(f"{fn}: rms_in needs n = K = {k} and contiguous partials [{m}, {chunks}] float32, got "
+                            f"n {rn}, partials {list(part.shape)} {part.dtype}")
+    return chunks
 
 
 def _lora_args(lora: GemvLoRA | None, dummy: torch.Tensor) -> dict:

@@ -48,6 +48,7 @@ from graphdsl.errors import GraphDSLError
 from graphdsl.quant import code_rows
 
 from ..gguf_blocks import GGUF_BLOCKS
+from .gemv import check_rms_in, rin_tile, rms_factor
 from .gguf_mma import _CONFIG_KEYS as _MMA_CONFIG_KEYS
 from .gguf_mma import MMA_MIN_ROWS, MMA_QTYPES, gguf_gemv_mma
 from .gguf_mma_q6k import gguf_gemv_q6k
@@ -85,10 +86,14 @@ def _gguf_gemv_kernel(
     DOT_F32: tl.constexpr,       # the CPU interpreter's dot mishandles bfloat16: multiply in float32
     PREFETCH: tl.constexpr = False,  # one row: load each step's code bytes a step ahead (row_codes)
     KB: tl.constexpr = False, BYTES: tl.constexpr = 0, KB_STRIDE=0,   # the layout (gguf_tiles.layout_args)
+    rin_ptr=None, RIN_CHUNKS=1, rin_inv_n=1.0, rin_eps=0.0,   # RMS_IN: the producer's Σy² partials [M, chunks]
+    RMS_IN: tl.constexpr = False, RIN_BLOCK: tl.constexpr = 1,
 ):
     """out[m, n] = sum_k x[m, k] * dequant(w)[n, k] (+ add[m, n]), float32 accumulation; with
     ``SPLIT`` each program sums its K slice and the last to arrive per row tile adds the slices in
-    slice order and stores (:mod:`.splitk`)."""
+    slice order and stores (:mod:`.splitk`). ``RMS_IN``: x is a producer's ``y · weight`` whose
+    RMSNorm factor is still owed, so row ``m``'s sums are multiplied by it before the add
+    (:class:`~.gemv.GemvRmsIn`)."""
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -139,6 +144,8 @@ def _gguf_gemv_kernel(
         acc, last = meet_rows(row_total(vals), part_ptr, lock_ptr, pid_n, pid_k, SPLIT_K, BLOCK_N, SPLIT)
     if last:
         ok = n_ok[:, None] & m_ok[None, :]
+        if RMS_IN:
+            acc = acc * rms_factor(rin_tile(rin_ptr, rm, m_ok, RIN_CHUNKS, RIN_BLOCK), rin_inv_n, rin_eps)[None, :]
         if HAS_ADD:
             acc += tl.load(add_ptr + rm[None, :] * stride_am + rn[:, None], mask=ok, other=0.0).to(tl.float32)
         tl.store(out_ptr + rm[None, :] * stride_om + rn[:, None], acc.to(out_ptr.dtype.element_ty), mask=ok)
@@ -244,7 +251,7 @@ def mma_eligible(x: torch.Tensor, data: torch.Tensor, qtype: str) -> bool:
 
 def gguf_gemv(x: torch.Tensor, data: torch.Tensor, qtype: str, add: torch.Tensor | None = None, *,
               silu_mul: bool = False, out: torch.Tensor | None = None, workspace=None,
-              config: dict | None = None, planes=None, planes_out=None) -> torch.Tensor:
+              config: dict | None = None, planes=None, planes_out=None, rms_out=None, rms_in=None) -> torch.Tensor:
     """``x @ dequant(data).T (+ add)`` for ``x [M <= 16, K]`` and GGML blocks ``data`` of type
     ``qtype`` (stored rows ``[N, row_bytes]`` or block-major ``[blocks, N, bytes]``), in one launch;
     the result has x's dtype. ``add``: a residual ``[M, N]`` or a bias ``[N]`` (unit inner stride), added in float32 before the store. ``out``: ``[M, N]`` with a
@@ -265,7 +272,10 @@ def gguf_gemv(x: torch.Tensor, data: torch.Tensor, qtype: str, add: torch.Tensor
     activation launch (the CUDA-core path reads x itself).
     ``planes_out`` (``silu_mul``): buffers that also receive the result's own A operand
     (:func:`.gguf_mma.gguf_gemv_mma`; two buffers: the Q6_K format), for the projection that reads
-    it next."""
+    it next. ``rms_out`` (tensor-core path only: one row, no ``silu_mul``): the epilogue also
+    prepares the next RMSNorm (:class:`~.gemv.GemvRmsOut`, its ``planes`` the Q4_K A operand of
+    ``scaled``); ``rms_in``: x is such a ``scaled`` and the sums are multiplied by its norm's
+    factor (:class:`~.gemv.GemvRmsIn`), on either path."""
     from .gemv import GemvWorkspace
     k = _check(data, qtype, x)
     m, n = x.shape[0], code_rows(data)
@@ -287,7 +297,11 @@ def gguf_gemv(x: torch.Tensor, data: torch.Tensor, qtype: str, add: torch.Tensor
         raise GraphDSLError(f"gguf_gemv: add must be a bias [{n}] or a residual [{m}, {n}] with a unit inner "
                             f"stride, got {list(add.shape)} strides {add.stride()}")
     if config is None and (silu_mul or mma_eligible(x, data, qtype)) or config and config.get("MMA"):
-        return _mma(x, data, qtype, add, out, workspace, config, silu_mul, planes, planes_out)
+        return _mma(x, data, qtype, add, out, workspace, config, silu_mul, planes, planes_out, rms_out, rms_in)
+    if rms_out is not None:
+        raise GraphDSLError(f"gguf_gemv: rms_out is written by the tensor-core path only (one fp16/bf16 row of "
+                            f"{MMA_MIN_ROWS}+ weight rows of {list(MMA_QTYPES) + ['Q6_K']}), got {m} {x.dtype} rows of "
+                            f"{qtype} [{n}, {k}]")
     values = KERNEL_QTYPES[qtype][0]
     cfg = dict(config or _pick_config(m, n, k, qtype, x.device))
     cfg.pop("MMA", None)
@@ -309,11 +323,22 @@ def gguf_gemv(x: torch.Tensor, data: torch.Tensor, qtype: str, add: torch.Tensor
         x, data, add if add is not None else out, out, part, lock, m, n, k, row_stride, per, split,
         x.stride(0), out.stride(0), 0 if add is None or add.dim() == 1 else add.stride(0),
         QTYPE=qtype, VALUES=values, SB=sb, BLOCK_N=block_n, BLOCK_M=MAX_GEMV_ROWS, USE_DOT=use_dot,
-        SPLIT=split > 1, HAS_ADD=add is not None, DOT_F32=interp or x.dtype == torch.float32, **layout, **cfg)
+        SPLIT=split > 1, HAS_ADD=add is not None, DOT_F32=interp or x.dtype == torch.float32, **layout,
+        **_rms_in_args(rms_in, m, k), **cfg)
     return out
 
 
-def _mma(x, data, qtype, add, out, workspace, config, silu_mul, planes=None, planes_out=None):
+def _rms_in_args(rms_in, m: int, k: int) -> dict:
+    """The CUDA-core kernel's ``RMS_IN`` keywords for ``rms_in`` (:class:`~.gemv.GemvRmsIn`), checked."""
+    if rms_in is None:
+        return {}
+    chunks = check_rms_in("gguf_gemv", rms_in, m, k)
+    return dict(rin_ptr=rms_in.partials, RIN_CHUNKS=chunks, rin_inv_n=1.0 / k, rin_eps=float(rms_in.eps), RMS_IN=True,
+                RIN_BLOCK=triton.next_power_of_2(chunks))
+
+
+def _mma(x, data, qtype, add, out, workspace, config, silu_mul, planes=None, planes_out=None, rms_out=None,
+         rms_in=None):
     """:func:`gguf_gemv` on the tensor cores (:mod:`.gguf_mma`), its ``config`` checked."""
     if not _mma_possible(x, data, qtype):
         raise GraphDSLError(f"gguf_gemv: config MMA=True needs one fp16/bf16 row, a type in {list(MMA_QTYPES) + ['Q6_K']} "
@@ -332,8 +357,9 @@ def _mma(x, data, qtype, add, out, workspace, config, silu_mul, planes=None, pla
     if qtype == "Q6_K":
         if planes_out is not None:
             raise GraphDSLError("gguf_gemv: planes_out is written by a Q4_K SwiGLU GEMV's epilogue, not by Q6_K's")
-        return gguf_gemv_q6k(x, data, add, out, workspace, cfg, _num_sms(x.device), planes)
-    return gguf_gemv_mma(x, data, qtype, add, out, workspace, cfg, _num_sms(x.device), silu_mul, planes, planes_out)
+        return gguf_gemv_q6k(x, data, add, out, workspace, cfg, _num_sms(x.device), planes, rms_out, rms_in)
+    return gguf_gemv_mma(x, data, qtype, add, out, workspace, cfg, _num_sms(x.device), silu_mul, planes, planes_out,
+                         rms_out, rms_in)
 
 
 def gguf_dequantize(data: torch.Tensor, qtype: str, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:

@@ -46,6 +46,7 @@ import triton.language as tl
 from graphdsl.errors import GraphDSLError
 from graphdsl.quant import code_rows
 
+from .gemv import rin_tile, rms_factor
 from .gguf_tiles import layout_args
 from .pdl import pdl_launch, pdl_trigger, pdl_wait, prefetch_l2
 from .splitk import meet_rows
@@ -228,6 +229,10 @@ def _q4k_kernel(
     PLANES_Q6K: tl.constexpr = False,   # ... in the Q6_K GEMV's format instead (gguf_mma_q6k; pxs_ptr unused)
     KB: tl.constexpr = False, BYTES: tl.constexpr = 144, KB_STRIDE=0,   # block-major (gguf_tiles.layout_args)
     AHEAD: tl.constexpr = False,    # load each step's headers and activation scales a step ahead (_head)
+    rin_ptr=None, RIN_CHUNKS=1, rin_inv_n=1.0, rin_eps=0.0,   # RMS_IN: the producer's Σy² partials, 1 / K, eps
+    RMS_IN: tl.constexpr = False, RIN_BLOCK: tl.constexpr = 1,   # the sums times the carried norm's factor (GemvRmsIn)
+    g_ptr=None, scaled_ptr=None, rpart_ptr=None,   # RMS_OUT: norm weight [N], y · weight [N], Σy² [N / 32]
+    RMS_OUT: tl.constexpr = False,  # also the next norm's operands (_carry_norm; GemvRmsOut; PLANES: its A operand)
 ):
     """out[n] = sum_k x[k] dequant(w)[n, k] (+ add[n]) for ``BLOCK_N`` rows over super-blocks
     ``[pid_s PER, (pid_s + 1) PER)`` (module docstring); rows past ``N`` read row ``N - 1``
@@ -245,7 +250,9 @@ def _q4k_kernel(
     if PREFETCH > 0 and USE_PDL:         # the slice's first code lines into L2 while the planes launch runs
         end = pid_s * PER * BS + BYTES if KB else tl.minimum(pid_s * PER + PER, K // 256) * BYTES
         prefetch_l2(rows[:, None], pid_s * PER * BS, end, PREFETCH, 128)
+    g = _norm_weight(g_ptr, pid_n, N, BLOCK_N, RMS_OUT)
     pdl_wait(USE_PDL, not LATE_LAUNCH)
+    rs = _rms_in_factor(rin_ptr, RIN_CHUNKS, rin_inv_n, rin_eps, RMS_IN, RIN_BLOCK)
     rj = tl.arange(0, 128)
     r = tl.arange(0, 16)
     i4 = tl.arange(0, 4)
@@ -281,7 +288,8 @@ def _q4k_kernel(
     if LATE_LAUNCH:
         pdl_trigger(USE_PDL)
     _finish(tl.sum(acc, axis=0), pid_n, pid_s, add_ptr, out_ptr, part_ptr, lock_ptr, N, SPLIT_K, BLOCK_N, SPLIT,
-            HAS_ADD, SWIGLU, pa_ptr, pxa_ptr, pxs_ptr, PLANES, PLANES_Q6K)
+            HAS_ADD, SWIGLU, pa_ptr, pxa_ptr, pxs_ptr, PLANES, PLANES_Q6K, rs, RMS_IN, g, scaled_ptr, rpart_ptr,
+            RMS_OUT)
 
 
 @triton.jit
@@ -294,16 +302,71 @@ def _head(rows, b, BS, xa_ptr, xs_ptr, r):
 
 
 @triton.jit
+def _norm_weight(g_ptr, pid_n, N, BLOCK_N: tl.constexpr, RMS_OUT: tl.constexpr):
+    """With ``RMS_OUT`` the norm weight of the tile's ``BLOCK_N`` output columns (read before the
+    PDL wait: no kernel of a step writes it), else 0."""
+    if RMS_OUT:
+        cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        g = tl.load(g_ptr + cols, mask=cols < N, other=0.0).to(tl.float32)
+    else:
+        g = 0.0
+    return g
+
+
+@triton.jit
+def _rms_in_factor(rin_ptr, RIN_CHUNKS, rin_inv_n, rin_eps, RMS_IN: tl.constexpr, RIN_BLOCK: tl.constexpr):
+    """With ``RMS_IN`` the carried norm's row factor ``rsqrt(Σ_j part[j] / n + eps)`` as a ``[1]``
+    tensor (:class:`~.gemv.GemvRmsIn`, as the bf16 GEMV computes it), else 1. Read right after the
+    PDL wait by every program, so its latency hides behind the K loop."""
+    if RMS_IN:
+        rm = tl.arange(0, 1)
+        rs = rms_factor(rin_tile(rin_ptr, rm, rm < 1, RIN_CHUNKS, RIN_BLOCK), rin_inv_n, rin_eps)
+    else:
+        rs = 1.0
+    return rs
+
+
+@triton.jit
+def _carry_norm(y, g, pid_n, N, scaled_ptr, rpart_ptr, pa_ptr, pxa_ptr, pxs_ptr, BLOCK_N: tl.constexpr,
+                PLANES: tl.constexpr, dt: tl.constexpr):
+    """A producer's share of the next RMSNorm (:class:`~.gemv.GemvRmsOut`) for its tile's sums ``y
+    [BLOCK_N]`` (the residual added): ``ŷ · g`` rounded (``ŷ``: y rounded to ``dt``), the sums of
+    ``ŷ²`` over each 32 columns, and with ``PLANES`` the Q4_K A operand of ``ŷ · g``, one sub-block
+    per 32 columns (:func:`_sub_block_planes`; N a multiple of 256). The consumers multiply their
+    sums by the row's factor ``r``: the operand of ``ŷ · g · r`` is this one with ``a_s`` scaled by ``r``."""
+    cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    ok = cols < N
+    yr = tl.where(ok, y.to(dt).to(tl.float32), 0.0)
+    scaled = (yr * g).to(dt)
+    tl.store(scaled_ptr + cols, scaled, mask=ok)
+    CH: tl.constexpr = BLOCK_N // 32
+    ch = pid_n * CH + tl.arange(0, CH)
+    tl.store(rpart_ptr + ch, tl.sum(tl.reshape(yr * yr, [CH, 32]), axis=1), mask=ch * 32 < N)
+    if PLANES:
+        chunks = tl.reshape(scaled.to(tl.float32), [CH, 32])
+        which = tl.arange(0, CH)[:, None]
+        for i in tl.static_range(CH):
+            _sub_block_planes(tl.sum(tl.where(which == i, chunks, 0.0), axis=0), pid_n * CH + i, pa_ptr, pxa_ptr,
+                              pxs_ptr, N)
+
+
+@triton.jit
 def _finish(row, pid_n, pid_s, add_ptr, out_ptr, part_ptr, lock_ptr, N, SPLIT_K, BLOCK_N: tl.constexpr,
             SPLIT: tl.constexpr, HAS_ADD: tl.constexpr, SWIGLU: tl.constexpr, pa_ptr, pxa_ptr, pxs_ptr,
-            PLANES: tl.constexpr, PLANES_Q6K: tl.constexpr = False):
+            PLANES: tl.constexpr, PLANES_Q6K: tl.constexpr = False, rs=1.0, RMS_IN: tl.constexpr = False, g=0.0,
+            scaled_ptr=None, rpart_ptr=None, RMS_OUT: tl.constexpr = False):
     """The program's ``[BLOCK_N]`` row sums: with ``SPLIT`` stored as its slice's partial, the last
-    slice to arrive summing them in slice order (:mod:`.splitk`); then ``+ add`` or, with ``SWIGLU``,
-    ``silu(g) * u`` of each (gate, up) row pair, g and u rounded to the output dtype first and
-    ``silu(g)`` after, as the matmul and ``silu_mul`` kernels it replaces round them; the store."""
+    slice to arrive summing them in slice order (:mod:`.splitk`); with ``RMS_IN`` times the carried
+    norm's factor ``rs``; then ``+ add`` or, with ``SWIGLU``, ``silu(g) * u`` of each (gate, up)
+    row pair, g and u rounded to the output dtype first and ``silu(g)`` after, as the matmul and
+    ``silu_mul`` kernels it replaces round them; the store. ``PLANES`` with ``SWIGLU``: the output's
+    own A operand too; ``RMS_OUT`` (no ``SWIGLU``): the next norm's operands (:func:`_carry_norm`,
+    with ``PLANES`` theirs)."""
     tile, last = meet_rows(row, part_ptr, lock_ptr, pid_n, pid_s, SPLIT_K, BLOCK_N, SPLIT)
     if last:
         dt = out_ptr.dtype.element_ty
+        if RMS_IN:
+            tile = tile * rs
         if SWIGLU:
             HALF: tl.constexpr = BLOCK_N // 2
             gate, up = tl.split(tl.reshape(tl.sum(tile, axis=1), [HALF, 2]))
@@ -322,6 +385,8 @@ def _finish(row, pid_n, pid_s, add_ptr, out_ptr, part_ptr, lock_ptr, N, SPLIT_K,
             if HAS_ADD:
                 y += tl.load(add_ptr + cols, mask=cols < N, other=0.0).to(tl.float32)
             tl.store(out_ptr + cols, y.to(dt), mask=cols < N)
+            if RMS_OUT:
+                _carry_norm(y, g, pid_n, N, scaled_ptr, rpart_ptr, pa_ptr, pxa_ptr, pxs_ptr, BLOCK_N, PLANES, dt)
 
 
 def activation_planes(x: torch.Tensor, planes: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None):
@@ -370,7 +435,7 @@ def split_for(tiles: int, blocks: int, sms: int) -> int:
 
 def gguf_gemv_mma(x: torch.Tensor, data: torch.Tensor, qtype: str, add: torch.Tensor | None, out: torch.Tensor,
                   workspace, config: dict | None, sms: int, silu_mul: bool = False, planes=None,
-                  planes_out=None) -> torch.Tensor:
+                  planes_out=None, rms_out=None, rms_in=None) -> torch.Tensor:
     """``out [1, N] = x [1, K] @ dequant(data).T (+ add)`` on the tensor cores (``qtype`` in
     :data:`MMA_QTYPES`, x fp16/bf16); the operands were checked by :func:`.gguf_linear.gguf_gemv`,
     which calls this. ``workspace``: a :class:`~.gemv.GemvWorkspace` (planes, split-K partials).
@@ -380,7 +445,9 @@ def gguf_gemv_mma(x: torch.Tensor, data: torch.Tensor, qtype: str, add: torch.Te
     256, :func:`swiglu_planes_possible`): buffers that also receive the output row's own A operand
     (:func:`activation_planes` of ``out``, bit for bit; or, given two buffers, the Q6_K GEMV's
     :func:`.gguf_mma_q6k.q6k_activation_planes`), written by each tile's epilogue, so the projection
-    reading it (``down``) needs no activation launch either."""
+    reading it (``down``) needs no activation launch either. ``rms_out`` / ``rms_in``: a carried
+    RMSNorm (:class:`~.gemv.GemvRmsOut` — its ``planes`` the Q4_K A operand of ``scaled`` — and
+    :class:`~.gemv.GemvRmsIn`; :func:`rms_args`)."""
     from .gemv import GemvWorkspace
     row_stride, layout = layout_args(data, qtype)
     n, k = code_rows(data), x.shape[1]
@@ -399,8 +466,43 @@ def gguf_gemv_mma(x: torch.Tensor, data: torch.Tensor, qtype: str, add: torch.Te
         row_stride, per, split, BLOCK_N=block_n, SPLIT=split > 1, HAS_ADD=add is not None,
         EMULATE=os.environ.get("TRITON_INTERPRET") == "1", LATE_LAUNCH=n_tiles * split > sms, SWIGLU=silu_mul,
         PREFETCH=_PREFETCH_LINES, **_planes_args(planes_out, silu_mul, n, block_n), **pdl_launch(x.device), **layout,
-        AHEAD=_AHEAD, **cfg)
+        AHEAD=_AHEAD, **rms_args("gguf_gemv", rms_out, rms_in, n // 2 if silu_mul else n, k, block_n, silu_mul, out),
+        **cfg)
     return out
+
+
+def rms_args(fn: str, rms_out, rms_in, n: int, k: int, block_n: int, silu_mul: bool, out: torch.Tensor) -> dict:
+    """Launch keywords of a carried RMSNorm for the one-row tensor-core GEMVs (this module's and
+    :mod:`.gguf_mma_q6k`'s), each checked: ``rms_out`` (:class:`~.gemv.GemvRmsOut`, no ``packed``;
+    ``planes``, if any, three buffers for ``N`` a multiple of 256) and ``rms_in``
+    (:class:`~.gemv.GemvRmsIn`)."""
+    from .gemv import check_rms_in, check_rms_out
+    args = {}
+    if rms_out is not None:
+        check_rms_out(fn, rms_out, 1, n, block_n, silu_mul, out)
+        if rms_out.packed is not None or n % block_n:
+            raise GraphDSLError(f"{fn}: rms_out on the tensor cores takes no packed int4 rows and whole tiles of "
+                                f"{block_n} columns, got packed={rms_out.packed is not None}, N {n}")
+        args.update(g_ptr=rms_out.weight, scaled_ptr=rms_out.scaled, rpart_ptr=rms_out.partials, RMS_OUT=True)
+        if rms_out.planes is not None:
+            _check_planes(fn, "rms_out.planes", rms_out.planes, n, out.device)
+            a, xa, xs = rms_out.planes
+            args.update(pa_ptr=a, pxa_ptr=xa, pxs_ptr=xs, PLANES=True)
+    if rms_in is not None:
+        chunks = check_rms_in(fn, rms_in, 1, k)
+        args.update(rin_ptr=rms_in.partials, RIN_CHUNKS=chunks, rin_inv_n=1.0 / k, rin_eps=float(rms_in.eps),
+                    RMS_IN=True, RIN_BLOCK=triton.next_power_of_2(chunks))
+    return args
+
+
+def _check_planes(fn: str, name: str, planes, n: int, device) -> None:
+    """``planes`` must be the Q4_K A operand buffers of an ``n``-input row (n a multiple of 256)."""
+    want = ((16, n), torch.int8), ((n // 32,), torch.float32), ((n // 32,), torch.float32)
+    if n % _SUPER or len(planes) != 3 or any(tuple(t.shape) != shape or t.dtype != dtype or not t.is_contiguous()
+                                             or t.device != device for t, (shape, dtype) in zip(planes, want)):
+        raise GraphDSLError(f"{fn}: {name} must be the Q4_K A operand of a row of {n} inputs (a multiple of "
+                            f"{_SUPER}): contiguous int8 [16, {n}], float32 [{n // 32}] x 2 on {device}; got "
+                            f"{[(t.dtype, list(t.shape)) for t in planes]}")
 
 
 def swiglu_planes_possible(n: int, block_n: int | None = None) -> bool:

@@ -44,7 +44,7 @@ import triton.language as tl
 from graphdsl.quant import code_rows
 
 from ..gguf_blocks import STORED_BLOCK_BYTES
-from .gguf_mma import _bytes, _finish, _rows16, split_for
+from .gguf_mma import _bytes, _finish, _norm_weight, _rms_in_factor, _rows16, rms_args, split_for
 from .gguf_tiles import layout_args
 from .pdl import pdl_launch, pdl_trigger, pdl_wait, prefetch_l2
 
@@ -116,6 +116,10 @@ def _q6k_kernel(
     USE_PDL: tl.constexpr, LATE_LAUNCH: tl.constexpr,   # (:mod:`.pdl`) the next kernel launches after the K loop
     PREFETCH: tl.constexpr = 0,
     KB: tl.constexpr = False, BYTES: tl.constexpr = _STRIDE, KB_STRIDE=0,   # block-major (gguf_tiles.layout_args)
+    rin_ptr=None, RIN_CHUNKS=1, rin_inv_n=1.0, rin_eps=0.0,   # a carried RMSNorm (gguf_mma._q4k_kernel's)
+    RMS_IN: tl.constexpr = False, RIN_BLOCK: tl.constexpr = 1,
+    g_ptr=None, scaled_ptr=None, rpart_ptr=None, RMS_OUT: tl.constexpr = False,
+    pa_ptr=None, pxa_ptr=None, pxs_ptr=None, PLANES: tl.constexpr = False,   # RMS_OUT: the Q4_K A operand too
 ):
     """out[n] = sum_k x[k] dequant(w)[n, k] (+ add[n]) for ``BLOCK_N`` rows over super-blocks
     ``[pid_s PER, (pid_s + 1) PER)``; rows past ``N`` read row ``N - 1`` (never stored)."""
@@ -127,7 +131,9 @@ def _q6k_kernel(
     if PREFETCH > 0 and USE_PDL:
         end = pid_s * PER * BS + BYTES if KB else tl.minimum(pid_s * PER + PER, K // 256) * BYTES
         prefetch_l2(rows[:, None], pid_s * PER * BS, end, PREFETCH, 128)
+    g = _norm_weight(g_ptr, pid_n, N, BLOCK_N, RMS_OUT)
     pdl_wait(USE_PDL, not LATE_LAUNCH)
+    rs = _rms_in_factor(rin_ptr, RIN_CHUNKS, rin_inv_n, rin_eps, RMS_IN, RIN_BLOCK)
     j = tl.arange(0, 32)
     r = tl.arange(0, 16)
     i4 = tl.arange(0, 4)
@@ -158,7 +164,7 @@ def _q6k_kernel(
     if LATE_LAUNCH:
         pdl_trigger(USE_PDL)
     _finish(tl.sum(acc, axis=0), pid_n, pid_s, add_ptr, out_ptr, part_ptr, lock_ptr, N, SPLIT_K, BLOCK_N, SPLIT,
-            HAS_ADD, False, None, None, None, False)
+            HAS_ADD, False, pa_ptr, pxa_ptr, pxs_ptr, PLANES, False, rs, RMS_IN, g, scaled_ptr, rpart_ptr, RMS_OUT)
 
 
 def q6k_activation_planes(x: torch.Tensor, planes: tuple[torch.Tensor, torch.Tensor] | None = None):
@@ -183,13 +189,13 @@ def pick_q6k_config(n: int, k: int, sms: int) -> dict:
 
 
 def gguf_gemv_q6k(x: torch.Tensor, data: torch.Tensor, add: torch.Tensor | None, out: torch.Tensor,
-                  workspace, config: dict | None, sms: int, planes=None) -> torch.Tensor:
+                  workspace, config: dict | None, sms: int, planes=None, rms_out=None, rms_in=None) -> torch.Tensor:
     """``out [1, N] = x [1, K] @ dequant(data).T (+ add)`` for stored Q6_K blocks (``data [N, K / 256 *
     224]``, or block-major ``[K / 256, N, 224]``), x fp16/bf16; operands checked by
     :func:`.gguf_linear.gguf_gemv`, which calls this. ``workspace``: a :class:`~.gemv.GemvWorkspace`
     (activation planes, split-K partials). ``planes``: x's A operand and ``a_s`` already made (by a
     Q4_K SwiGLU GEMV's epilogue, :func:`.gguf_mma.gguf_gemv_mma`'s ``planes_out``), so no activation
-    launch."""
+    launch. ``rms_out`` / ``rms_in``: a carried RMSNorm, as :func:`.gguf_mma.gguf_gemv_mma`'s."""
     from .gemv import GemvWorkspace
     row_stride, layout = layout_args(data, "Q6_K")
     n, k = code_rows(data), x.shape[1]
@@ -206,5 +212,6 @@ def gguf_gemv_q6k(x: torch.Tensor, data: torch.Tensor, add: torch.Tensor | None,
     _q6k_kernel[(n_tiles, split)](
         *planes, data, add if add is not None else out, out, part, lock, n, k, row_stride, per, split,
         BLOCK_N=block_n, SPLIT=split > 1, HAS_ADD=add is not None, EMULATE=os.environ.get("TRITON_INTERPRET") == "1",
-        LATE_LAUNCH=n_tiles * split > sms, PREFETCH=_PREFETCH_LINES, **pdl_launch(x.device), **layout, **cfg)
+        LATE_LAUNCH=n_tiles * split > sms, PREFETCH=_PREFETCH_LINES, **pdl_launch(x.device), **layout,
+        **rms_args("gguf_gemv", rms_out, rms_in, n, k, block_n, False, out), **cfg)
     return out

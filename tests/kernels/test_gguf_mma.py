@@ -210,13 +210,15 @@ def test_gguf_q4k_model_takes_the_planes_from_its_norms(tmp_path, monkeypatch):
     activation launches of 2 layers go: layer 0's qkv reads a plain RMSNorm, o and down the
     attention and SwiGLU outputs), and so does the gate/up GEMV's SwiGLU epilogue before
     down (2 more go); the logits stay those of the separate launches. Steps run eagerly: a CUDA
-    graph's warm-up and capture would run the launches twice and its replays not at all."""
+    graph's warm-up and capture would run the launches twice and its replays not at all. The norms
+    are launched here, not carried by the GEMVs (``test_gguf_norm_carry.py`` carries them)."""
     import graphdsl as gd
     import graphdsl.runtime.kernels.gguf_linear as kernels
     import graphdsl.runtime.kernels.gguf_mma as mma
-    from graphdsl.runtime.backends import triton_backend
+    from graphdsl.runtime.backends import norm_carry, triton_backend
     from tests.models.hf_tiny import make_checkpoint
     monkeypatch.setattr(kernels, "MMA_MIN_ROWS", 1)
+    monkeypatch.setattr(norm_carry, "KINDS", ("int4", "float"))
     launches = []
     real = mma.activation_planes
     monkeypatch.setattr(mma, "activation_planes", lambda *a: launches.append(1) or real(*a))
