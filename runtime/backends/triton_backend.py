@@ -549,7 +549,7 @@ def _paged_attention(be: TritonBackend, node, ins, attrs, dsts):
     splits, workspace = _decode_workspace(be, q, key_cache, block_tables, attrs["sliding_window"])
     paged_attention_decode(q, key_cache, value_cache, block_tables, seq_lens, num_splits=splits,
                            workspace=workspace, inputs_ready=all(be.step_constant(node.inputs[i]) for i in (3, 4)),
-                           **common)
+                           planes=_attention_planes(be, node, dsts[0]), **common)
     return dsts
 
 
@@ -583,8 +583,49 @@ def _rope_cache_attention(be: TritonBackend, node, ins, attrs, dsts):
                            num_splits=splits, workspace=workspace,
                            rope_cache=DecodeRopeCache(k, v, cos, sin, slot_mapping, attrs["layout"]),
                            inputs_ready=all(be.step_constant(node.inputs[i]) for i in (5, 6, 7, 8, 9)),
-                           cache_ready=all(be.written_only_by(node.inputs[i], node) for i in (3, 4)))
+                           cache_ready=all(be.written_only_by(node.inputs[i], node) for i in (3, 4)),
+                           planes=_attention_planes(be, node, dsts[0]))
     return [dsts[0], key_cache, value_cache]
+
+
+_ATTENTION_PLANES = True   # a one-row decode attention before Q4_K tensor-core GEMVs (o) also makes their A operand
+
+
+def _attention_planes(be: TritonBackend, node, out: torch.Tensor):
+    """For one decode row whose attention output is read next (through views) by GGUF projections
+    that run a Q4_K part on the tensor cores (``o_proj``): the A operand buffers the attention's
+    epilogue also fills (``paged_attention_decode(..., planes=)``), marked ready for them; else
+    None. As for :func:`_norm_planes`, the readers must be the nodes right after it."""
+    from ..kernels.paged_attention import planes_possible
+    if not _ATTENTION_PLANES or out.shape[0] != 1 or not out.is_contiguous() \
+            or not planes_possible(out.shape[-2], out.shape[-1]):
+        return None
+    row = out.reshape(1, -1)
+    takers = _planes_takers(be, _readers_through_views(be._run_nodes, node), row)
+    if not takers:
+        return None
+    planes = be.gemv_workspace.planes(out.device, row.shape[1])
+    be._planes_ready.update(dict.fromkeys(takers, planes))
+    return planes
+
+
+def _readers_through_views(nodes, node) -> list:
+    """The GGUF projections right after ``node`` in ``nodes`` whose rows are its first output, read
+    directly or through view nodes (a reshape of the heads into one row), up to the first other
+    node that does not read them."""
+    from graphdsl.quant import parse_scheme
+    seen, found = {node.outputs[0]}, []
+    for n in nodes[nodes.index(node) + 1:]:
+        if not any(t in seen for t in n.inputs):
+            if n.category is not OpCategory.VIEW:
+                break
+            continue
+        if n.category is OpCategory.VIEW:
+            seen.update(n.outputs)
+        elif n.op in ("quant_linear", "quant_linear_silu_mul") and n.inputs[0] in seen \
+                and isinstance(parse_scheme(n.attrs["scheme"]), (GGUFScheme, GGUFMixScheme)):
+            found.append(n)
+    return found
 
 
 def _reshape_and_cache(be: TritonBackend, node, ins, attrs, dsts):

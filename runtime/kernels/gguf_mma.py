@@ -52,7 +52,7 @@ from .pdl import pdl_launch, pdl_trigger, pdl_wait, prefetch_l2
 from .splitk import meet_rows
 
 __all__ = ["MMA_QTYPES", "MMA_MIN_ROWS", "gguf_gemv_mma", "activation_planes", "norm_planes", "pick_mma_config",
-           "split_for", "swiglu_planes_possible"]
+           "split_for", "swiglu_planes_possible", "sub_blocks_planes"]
 
 MMA_QTYPES = ("Q4_K",)
 MMA_MIN_ROWS = 2048             # fewer weight rows stay on the CUDA cores by default (gguf_linear.mma_eligible)
@@ -115,23 +115,31 @@ def _write_planes(x, b, a_ptr, xa_ptr, xs_ptr, K):
 @triton.jit
 def _sub_block_planes(y, sub, a_ptr, xa_ptr, xs_ptr, K):
     """Sub-block ``sub`` of a row's A operand (module docstring) from its 32 inputs ``y [32]``
-    (float32, in input order): its 32 columns of all 16 rows (the high / low bytes on rows
-    ``sub % 8`` / ``8 + sub % 8``, zeros on the others), ``a_s`` and ``S_s`` — what
-    :func:`_write_planes` stores for these inputs."""
-    b = sub // 8
+    (float32, in input order): :func:`sub_blocks_planes` of one sub-block."""
+    sub_blocks_planes(tl.reshape(y, [1, 32]), sub, tl.full([1], 1, tl.int1), a_ptr, xa_ptr, xs_ptr, K)
+
+
+@triton.jit
+def sub_blocks_planes(y, sub0, ok, a_ptr, xa_ptr, xs_ptr, K):
+    """Sub-blocks ``sub0 + i`` (``ok[i]``) of a row's A operand (module docstring) from their inputs
+    ``y [S, 32]`` (float32, row ``i`` the 32 inputs of sub-block ``sub0 + i`` in input order): their
+    32 columns of all 16 rows (the high / low bytes on rows ``sub % 8`` / ``8 + sub % 8``, zeros on
+    the others), ``a_s`` and ``S_s`` — what :func:`_write_planes` stores for these inputs."""
+    S: tl.constexpr = y.shape[0]
+    sub = sub0 + tl.arange(0, S)
     s = sub % 8
-    v = tl.arange(0, 32)
-    col = b * 256 + (s // 2) * 32 + (s % 2) * 128 + v                   # _column_inputs, inverted
-    amax = tl.max(tl.abs(y), axis=0)
+    col = ((sub // 8) * 256 + (s // 2) * 32 + (s % 2) * 128)[:, None] + tl.arange(0, 32)[None, :]   # _column_inputs, inverted
+    amax = tl.max(tl.abs(y), axis=1)
     inv = tl.where(amax > 0, 32639.0 / tl.maximum(amax, 1e-30), 0.0)
-    xq = tl.floor(y * inv + 0.5).to(tl.int32)
+    xq = tl.floor(y * inv[:, None] + 0.5).to(tl.int32)
     h = (xq + 128) >> 8
-    r = tl.arange(0, 16)[:, None]
-    val = tl.where(r == s, h[None, :], tl.where(r == s + 8, (xq - 256 * h)[None, :], 0))
-    tl.store(a_ptr + r * K + col[None, :], val.to(tl.int8))
-    a = amax / 32639.0 + tl.sum(y - y, axis=0)                          # NaN if an input is not finite
-    tl.store(xa_ptr + sub, a)
-    tl.store(xs_ptr + sub, a * tl.sum(xq, axis=0).to(tl.float32))
+    r = tl.arange(0, 16)[None, :, None]
+    own = s[:, None, None]
+    val = tl.where(r == own, h[:, None, :], tl.where(r == own + 8, (xq - 256 * h)[:, None, :], 0))
+    tl.store(a_ptr + r * K + col[:, None, :], val.to(tl.int8), mask=ok[:, None, None])
+    a = amax / 32639.0 + tl.sum(y - y, axis=1)                          # NaN if an input is not finite
+    tl.store(xa_ptr + sub, a, mask=ok)
+    tl.store(xs_ptr + sub, a * tl.sum(xq, axis=1).to(tl.float32), mask=ok)
 
 
 @triton.jit
@@ -343,11 +351,8 @@ def _carry_norm(y, g, pid_n, N, scaled_ptr, rpart_ptr, pa_ptr, pxa_ptr, pxs_ptr,
     ch = pid_n * CH + tl.arange(0, CH)
     tl.store(rpart_ptr + ch, tl.sum(tl.reshape(yr * yr, [CH, 32]), axis=1), mask=ch * 32 < N)
     if PLANES:
-        chunks = tl.reshape(scaled.to(tl.float32), [CH, 32])
-        which = tl.arange(0, CH)[:, None]
-        for i in tl.static_range(CH):
-            _sub_block_planes(tl.sum(tl.where(which == i, chunks, 0.0), axis=0), pid_n * CH + i, pa_ptr, pxa_ptr,
-                              pxs_ptr, N)
+        sub_blocks_planes(tl.reshape(scaled.to(tl.float32), [CH, 32]), pid_n * CH, ch * 32 < N, pa_ptr, pxa_ptr,
+                          pxs_ptr, N)
 
 
 @triton.jit

@@ -63,6 +63,7 @@ import triton.language as tl
 from graphdsl.errors import GraphDSLError
 from graphdsl.functional.attention import RopeLayout
 
+from .gguf_mma import sub_blocks_planes
 from .pdl import pdl_launch, pdl_wait
 from .rope import rope_coeffs
 
@@ -285,7 +286,7 @@ def _prefill_kernel(
 @triton.jit
 def _combine_splits(part_acc_ptr, part_ml_ptr, out_ptr, seq, kvh, used, num_seqs, stride_ot, stride_oh,
                     NUM_HEADS: tl.constexpr, GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr,
-                    NUM_SPLITS: tl.constexpr, CHUNK: tl.constexpr):
+                    NUM_SPLITS: tl.constexpr, CHUNK: tl.constexpr, pa_ptr, pxa_ptr, pxs_ptr, PLANES: tl.constexpr):
     """For the query heads of KV head ``kvh`` at once: ``M = max_j m_j``, ``w_j = 2^(m_j - M)``,
     ``out = sum_j w_j acc_j / sum_j w_j l_j`` over the ``used`` splits, ``CHUNK`` splits per step
     with the running max rescaled between steps (one step, so one round of loads, up to ``CHUNK``
@@ -316,6 +317,21 @@ def _combine_splits(part_acc_ptr, part_ml_ptr, out_ptr, seq, kvh, used, num_seqs
     o = o / tl.where(den == 0.0, 1.0, den)[:, None]
     tl.store(out_ptr + seq.to(tl.int64) * stride_ot + head[:, None] * stride_oh + dims[None, :],
              o.to(out_ptr.dtype.element_ty), mask=g_ok[:, None])
+    _heads_planes(o, kvh, pa_ptr, pxa_ptr, pxs_ptr, out_ptr.dtype.element_ty, NUM_HEADS, GROUP, HEAD_DIM, PLANES)
+
+
+@triton.jit
+def _heads_planes(o, kvh, pa_ptr, pxa_ptr, pxs_ptr, dt: tl.constexpr, NUM_HEADS: tl.constexpr,
+                  GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, PLANES: tl.constexpr):
+    """With ``PLANES`` (one sequence): the Q4_K tensor-core A operand (:mod:`.gguf_mma`) of the output
+    heads of KV head ``kvh`` (``o [rows, HEAD_DIM]``, rows past ``GROUP`` padding), as the GEMV
+    reading the output row next (``o_proj``) would make it: its activation launch goes."""
+    if PLANES:
+        ROWS: tl.constexpr = o.shape[0]
+        PER: tl.constexpr = HEAD_DIM // 32                     # sub-blocks a head
+        y = tl.reshape(o.to(dt).to(tl.float32), [ROWS * PER, 32])
+        i = tl.arange(0, ROWS * PER)
+        sub_blocks_planes(y, kvh * GROUP * PER, i // PER < GROUP, pa_ptr, pxa_ptr, pxs_ptr, NUM_HEADS * HEAD_DIM)
 
 
 @triton.jit
@@ -403,6 +419,8 @@ def _decode_kernel(
     DOT_PREC: tl.constexpr,    # tl.dot input_precision
     DOT_F32: tl.constexpr,     # upcast dot operands to float32 (interpreter only, see _mm)
     USE_PDL: tl.constexpr,     # launched with programmatic dependent launch (kernels/pdl.py)
+    pa_ptr=None, pxa_ptr=None, pxs_ptr=None,   # PLANES: the output row's Q4_K A operand [16, H·D], a_s, S_s
+    PLANES: tl.constexpr = False,   # one sequence: also write those (_heads_planes), for the GEMV after
 ):
     """Program ``(kvh, s, j)``: keys ``[lo, L)`` with ``lo = max(0, L - window)`` (0 without a
     window) are cut into ``T = cdiv(L - lo, BLOCK_N)`` tiles; split ``j`` takes tiles
@@ -484,6 +502,8 @@ def _decode_kernel(
             o = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
             tl.store(out_ptr + seq.to(tl.int64) * stride_ot + head[:, None] * stride_oh + dims[None, :],
                      o.to(out_ptr.dtype.element_ty), mask=head_ok[:, None])
+            _heads_planes(o, kvh, pa_ptr, pxa_ptr, pxs_ptr, out_ptr.dtype.element_ty, NUM_HEADS, GROUP, HEAD_DIM,
+                          PLANES)
         elif NUM_SPLITS > 1:
             row = (seq * NUM_HEADS + head).to(tl.int64) * NUM_SPLITS + split
             tl.store(part_acc_ptr + row[:, None] * HEAD_DIM + dims[None, :], acc, mask=head_ok[:, None])
@@ -494,7 +514,8 @@ def _decode_kernel(
             arrived = tl.atomic_add(counter, 1, sem="acq_rel")
             if arrived == used - 1:
                 _combine_splits(part_acc_ptr, part_ml_ptr, out_ptr, seq, kvh, used, num_seqs, stride_ot,
-                                stride_oh, NUM_HEADS, GROUP, GROUP_PAD, HEAD_DIM, NUM_SPLITS, CHUNK)
+                                stride_oh, NUM_HEADS, GROUP, GROUP_PAD, HEAD_DIM, NUM_SPLITS, CHUNK, pa_ptr, pxa_ptr,
+                                pxs_ptr, PLANES)
                 tl.atomic_xchg(counter, 0, sem="relaxed")   # read again only by a later launch
 
 
@@ -800,7 +821,7 @@ def _check_workspace(fn: str, workspace, want: tuple, device) -> DecodeWorkspace
 
 def _launch_decode(q, key_cache, value_cache, block_tables, seq_lens, scale, sliding_window, soft_cap,
                    out, num_splits, config: _Config | None = None, workspace=None, rope_cache=None,
-                   inputs_ready: bool = False, cache_ready: bool = False, alibi_slopes=None):
+                   inputs_ready: bool = False, cache_ready: bool = False, alibi_slopes=None, planes=None):
     fn = "paged_attention_decode"
     heads, kv_heads, dim, block_size = _check_common(
         fn, q, key_cache, value_cache, block_tables, seq_lens, scale, sliding_window, soft_cap, alibi_slopes, out,
@@ -815,6 +836,7 @@ def _launch_decode(q, key_cache, value_cache, block_tables, seq_lens, scale, sli
         _fail(fn, "num_splits", "None or an int in [1, 256]", repr(num_splits))
     if rope_cache is not None:
         _check_rope_cache(fn, rope_cache, q, key_cache, kv_heads, dim)
+    planes_args = _planes_args(fn, planes, num_seqs, heads * dim, dim, q.device)
     if out is None:
         out = torch.empty_like(q, memory_format=torch.contiguous_format)
     if num_seqs == 0:
@@ -857,9 +879,31 @@ def _launch_decode(q, key_cache, value_cache, block_tables, seq_lens, scale, sli
         USE_CAP=soft_cap > 0, USE_WINDOW=sliding_window > 0, USE_ALIBI=alibi_slopes is not None,
         INPUTS_READY=bool(inputs_ready),
         PREFETCH=prefetch, **rope_meta,
-        **_dot_args(q.dtype, _decode_kernel), **pdl_launch(q.device),
+        **_dot_args(q.dtype, _decode_kernel), **pdl_launch(q.device), **planes_args,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     return out
+
+
+def planes_possible(heads: int, dim: int) -> bool:
+    """Whether a one-sequence decode of ``heads`` heads of ``dim`` can write its output row's Q4_K
+    A operand (``planes=``): whole 256-input super-blocks, heads of whole 32-input sub-blocks."""
+    return (heads * dim) % 256 == 0 and dim % 32 == 0
+
+
+def _planes_args(fn: str, planes, num_seqs: int, k: int, dim: int, device) -> dict:
+    """Launch keywords for ``planes`` (the output row's Q4_K A operand, :mod:`.gguf_mma`), checked:
+    one sequence, a row of whole super-blocks, heads of whole 32-input sub-blocks."""
+    if planes is None:
+        return {}
+    want = ((16, k), torch.int8), ((k // 32,), torch.float32), ((k // 32,), torch.float32)
+    if num_seqs != 1 or not planes_possible(k // dim, dim) or len(planes) != 3 or any(
+            tuple(t.shape) != shape or t.dtype != dtype or not t.is_contiguous() or t.device != device
+            for t, (shape, dtype) in zip(planes, want)):
+        _fail(fn, "planes", f"for one sequence, heads x head_dim a multiple of 256 and head_dim of 32: the Q4_K A "
+                            f"operand (contiguous int8 [16, {k}], float32 [{k // 32}] x 2 on {device})",
+              f"{num_seqs} sequences, head_dim {dim}, {[(t.dtype, list(t.shape)) for t in planes]}")
+    a, xa, xs = planes
+    return dict(pa_ptr=a, pxa_ptr=xa, pxs_ptr=xs, PLANES=True)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -882,7 +926,7 @@ def paged_attention_decode(q, key_cache, value_cache, block_tables, seq_lens, *,
                            sliding_window: int = 0, soft_cap: float = 0.0, out=None,
                            num_splits: int | None = None, workspace: DecodeWorkspace | None = None,
                            rope_cache: DecodeRopeCache | None = None, inputs_ready: bool = False,
-                           cache_ready: bool = False, alibi_slopes: torch.Tensor | None = None):
+                           cache_ready: bool = False, alibi_slopes: torch.Tensor | None = None, planes=None):
     """One query per sequence (``q [num_seqs, num_heads, head_dim]``, position ``seq_lens[s] - 1``)
     over the paged caches, split-K over ``num_splits`` partitions of the context (a heuristic from
     the SM count and the block table's width when omitted), in one launch. ``alibi_slopes``:
@@ -895,10 +939,13 @@ def paged_attention_decode(q, key_cache, value_cache, block_tables, seq_lens, *,
     launched just before writes, so with PDL they are read before waiting for that kernel.
     ``cache_ready`` (with ``rope_cache`` and ``inputs_ready``): no kernel launched before writes the
     caches either (this launch writes the step's key and value), so each split also reads its
-    first key/value tile before the wait. Returns ``out``."""
+    first key/value tile before the wait. ``planes`` (one sequence): three buffers that also receive
+    the output row's (``[1, num_heads · head_dim]``) Q4_K tensor-core A operand
+    (:func:`.gguf_mma.activation_planes` of it, bit for bit), for a GGUF GEMV reading the row next.
+    Returns ``out``."""
     return _launch_decode(q, key_cache, value_cache, block_tables, seq_lens, scale, sliding_window,
                           soft_cap, out, num_splits, workspace=workspace, rope_cache=rope_cache,
-                          inputs_ready=inputs_ready, cache_ready=cache_ready, alibi_slopes=alibi_slopes)
+                          inputs_ready=inputs_ready, cache_ready=cache_ready, alibi_slopes=alibi_slopes, planes=planes)
 
 
 def paged_attention(q, key_cache, value_cache, block_tables, seq_lens, query_start_loc=None, *,

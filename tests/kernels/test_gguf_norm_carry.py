@@ -141,14 +141,14 @@ def test_a_gguf_model_carries_its_norms_in_the_gemvs(tmp_path, monkeypatch):
     """A Q4_K model scoring one row on the tensor-core path (``MMA_MIN_ROWS`` lowered for the tiny
     shapes), steps eager. Launched, the three ``add_rms_norm`` before Q4_K projections (layer 0's
     post-attention norm, layer 1's two) each run ``norm_planes``; carried, none does — the GEMVs
-    reading the normed rows take the producer's A operand, so the activation launches stay the three
-    the norms never made (layer 0's qkv after the embedding's plain RMSNorm, the two o projections
-    reading the attention) — and the logits stay those of the launched norms within the rounding
-    the carry moves."""
+    reading the normed rows take the producer's A operand. Of the activation launches the norms
+    never made, the two o projections' go in decode steps when the attention writes their operand
+    (the same tokens and logprobs, bit for bit); layer 0's qkv, after the embedding's plain RMSNorm,
+    stays. The logits stay those of the launched norms within the rounding the carry moves."""
     import graphdsl as gd
     import graphdsl.runtime.kernels.gguf_linear as kernels
     import graphdsl.runtime.kernels.gguf_mma as mma
-    from graphdsl.runtime.backends import norm_carry
+    from graphdsl.runtime.backends import norm_carry, triton_backend
     from tests.models.hf_tiny import make_checkpoint
     monkeypatch.setattr(kernels, "MMA_MIN_ROWS", 1)
     planes, norms = [], []
@@ -159,11 +159,59 @@ def test_a_gguf_model_carries_its_norms_in_the_gemvs(tmp_path, monkeypatch):
     llm = gd.LLM(tmp_path, device=DEV, dtype="bfloat16", max_model_len=64, quantization="gguf-q4_k")
     llm.model.configure_runtime(backend="triton", cuda_graphs=False, max_blocks_per_seq=4)
     got = {}
-    for kinds, want_planes, want_norms in ((("int4", "float"), 3, 3), (("int4", "float", "gguf"), 3, 0)):
+    launched, carried = ("int4", "float"), ("int4", "float", "gguf")
+    for kinds, want in ((launched, (3, 3)), (carried, (3, 0))):     # one prompt row: no decode attention
         monkeypatch.setattr(norm_carry, "KINDS", kinds)
         planes.clear()
         norms.clear()
         got[kinds] = llm.score([7]).float().cpu()
-        assert (len(planes), len(norms)) == (want_planes, want_norms), kinds
-    launched, carried = got.values()
-    torch.testing.assert_close(carried, launched, rtol=0, atol=3e-2 * launched.abs().max().item())
+        assert (len(planes), len(norms)) == want, kinds
+    torch.testing.assert_close(got[carried], got[launched], rtol=0, atol=3e-2 * got[launched].abs().max().item())
+    params = gd.SamplingParams(max_tokens=3, temperature=0, ignore_eos=True, logprobs=0)
+    given = []
+    real_given = triton_backend._attention_planes
+    monkeypatch.setattr(triton_backend, "_attention_planes", lambda *a: (lambda p: given.append(p is not None) or p)(
+        real_given(*a)))
+    tokens, launches = {}, {}
+    for attention in (False, True):
+        monkeypatch.setattr(triton_backend, "_ATTENTION_PLANES", attention)
+        planes.clear()
+        given.clear()
+        out = llm.generate([[7]], params)[0].outputs[0]
+        tokens[attention] = (out.token_ids, [lp[t].logprob for lp, t in zip(out.logprobs, out.token_ids)])
+        launches[attention] = len(planes)
+    made = sum(given)               # decode attentions that wrote o's operand: each an activation launch less
+    assert made >= 2 and launches[False] - launches[True] == made, (launches, made)
+    assert tokens[True] == tokens[False]            # the attention's operand is the launch's, bit for bit
+
+
+@pytest.mark.parametrize("splits", [1, 4])
+def test_decode_attention_writes_the_planes_of_its_output_row(splits):
+    """``paged_attention_decode(..., planes=)``: one sequence, GQA (8 query heads on 2 KV heads,
+    head_dim 64; a group of 4 pads no rows, so 3 KV heads of a 6-head group pad the combine's rows
+    below): the A operand of the output row, bit for bit what ``activation_planes`` makes of it,
+    whether one split stores it or the last of several combines it; the output is unchanged."""
+    from graphdsl.runtime.kernels.paged_attention import paged_attention_decode
+    g = torch.Generator().manual_seed(30)
+    for heads, kv_heads in ((8, 2), (12, 2)):
+        dim, block, blocks = 64, 16, 8
+        q = torch.randn(1, heads, dim, generator=g).to(DEV, torch.bfloat16)
+        kc = torch.randn(blocks, block, kv_heads, dim, generator=g).to(DEV, torch.bfloat16)
+        vc = torch.randn(blocks, block, kv_heads, dim, generator=g).to(DEV, torch.bfloat16)
+        tables = torch.arange(blocks, dtype=torch.int32, device=DEV)[None]
+        lens = torch.tensor([100], dtype=torch.int32, device=DEV)
+        kw = dict(scale=dim ** -0.5, num_splits=splits)
+        plain = paged_attention_decode(q, kc, vc, tables, lens, **kw)
+        k = heads * dim
+        if k % 256:
+            continue
+        planes = GemvWorkspace().planes(torch.device(DEV), k)
+        for t in planes:
+            t.fill_(3)
+        got = paged_attention_decode(q, kc, vc, tables, lens, planes=planes, **kw)
+        assert torch.equal(got, plain)
+        for mine, want in zip(planes, activation_planes(got.reshape(-1))):
+            assert torch.equal(mine, want)
+    with pytest.raises(GraphDSLError, match=r"planes.*for one sequence.*got 2 sequences"):
+        paged_attention_decode(q.expand(2, -1, -1).contiguous(), kc, vc, tables.expand(2, -1).contiguous(),
+                               lens.expand(2).contiguous(), planes=planes, **kw)
