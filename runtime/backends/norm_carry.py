@@ -343,13 +343,15 @@ def _launch_gguf(be, site: Site, p, ins: list, scheme, residual, g, scaled, part
     """Launch a GGUF producer with the norm in its tensor-core epilogue; with the A operand of
     ``s · weight`` for the consumers that run a Q4_K part on the tensor cores (handed to them through
     the backend's ``_planes_ready``)."""
+    from graphdsl.quant import parse_scheme
+
     from ..kernels.gemv import GemvRmsIn, GemvRmsOut
     from ..kernels.gguf_linear import gguf_gemv
     from .triton_backend import _planes_for, _planes_takers
     n = residual.shape[-1]
-    from graphdsl.quant import parse_scheme
-    gguf = [c for c in site.consumers if c.op.startswith("quant") and _kind(parse_scheme(c.attrs["scheme"])) == "gguf"]
-    takers = _planes_takers(be, gguf, scaled)
+    readers = [c for c in site.consumers
+               if c.op.startswith("quant") and _kind(parse_scheme(c.attrs["scheme"])) == "gguf"]
+    takers = _planes_takers(be, readers, scaled)
     planes = carry._planes_for(site.slot, scaled.device, n) if takers else None
     (qtype, _, _), = scheme.row_parts(n)
     gguf_gemv(ins[0], ins[1], qtype, residual, out=s_dst, workspace=be.gemv_workspace,

@@ -1427,7 +1427,8 @@ def check_rms_out(fn: str, rms_out: GemvRmsOut, m: int, n: int, block_n: int, si
     if silu_mul or block_n % RMS_CHUNK:
         raise GraphDSLError(f"{fn}: rms_out needs a plain product in tiles of a multiple of {RMS_CHUNK} columns, "
                             f"got silu_mul={silu_mul}, BLOCK_N {block_n}")
-    for name, t, shape, dtype in (("weight", rms_out.weight, (n,), out.dtype), ("scaled", rms_out.scaled, (m, n), out.dtype),
+    for name, t, shape, dtype in (("weight", rms_out.weight, (n,), out.dtype),
+                                  ("scaled", rms_out.scaled, (m, n), out.dtype),
                                   ("partials", rms_out.partials, (m, chunks), torch.float32)):
         if tuple(t.shape) != shape or t.dtype != dtype or not t.is_contiguous() or t.device != out.device:
             raise GraphDSLError(f"{fn}: rms_out.{name} must be a contiguous {list(shape)} {dtype} on "

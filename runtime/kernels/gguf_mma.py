@@ -128,7 +128,8 @@ def sub_blocks_planes(y, sub0, ok, a_ptr, xa_ptr, xs_ptr, K):
     S: tl.constexpr = y.shape[0]
     sub = sub0 + tl.arange(0, S)
     s = sub % 8
-    col = ((sub // 8) * 256 + (s // 2) * 32 + (s % 2) * 128)[:, None] + tl.arange(0, 32)[None, :]   # _column_inputs, inverted
+    first = (sub // 8) * 256 + (s // 2) * 32 + (s % 2) * 128          # _column_inputs, inverted
+    col = first[:, None] + tl.arange(0, 32)[None, :]
     amax = tl.max(tl.abs(y), axis=1)
     inv = tl.where(amax > 0, 32639.0 / tl.maximum(amax, 1e-30), 0.0)
     xq = tl.floor(y * inv[:, None] + 0.5).to(tl.int32)
