@@ -154,12 +154,11 @@ class NormCarry:
     def _planes_for(self, slot, device, n) -> tuple:
         """The slot's Q4_K A operand buffers for rows of ``n`` (``GemvWorkspace.planes``' shapes; not
         those: the producer may itself be reading an A operand of ``n`` inputs from there)."""
+        from ..kernels.gguf_mma import empty_planes
         key = ("planes", slot, str(device), n)
         bufs = self._buffers.get(key)
         if bufs is None:
-            bufs = self._buffers[key] = (torch.empty(16, n, dtype=torch.int8, device=device),
-                                         torch.empty(n // 32, dtype=torch.float32, device=device),
-                                         torch.empty(n // 32, dtype=torch.float32, device=device))
+            bufs = self._buffers[key] = empty_planes(n, device)
         return bufs
 
     def _packed_for(self, slot, device, n) -> torch.Tensor:

@@ -1332,12 +1332,11 @@ class GemvWorkspace:
         """The int8 activation planes ``[16, k]`` and two ``[k / 32]`` float32 vectors of the one-row
         GGUF tensor-core GEMV (:func:`.gguf_mma.activation_planes`), one set per (device, k): each
         GEMV rewrites them before reading, one at a time on a stream."""
+        from .gguf_mma import empty_planes
         key = ("planes", str(device), k)
         bufs = self._buffers.get(key)
         if bufs is None:
-            bufs = self._buffers[key] = (torch.empty(16, k, dtype=torch.int8, device=device),
-                                         torch.empty(k // 32, dtype=torch.float32, device=device),
-                                         torch.empty(k // 32, dtype=torch.float32, device=device))
+            bufs = self._buffers[key] = empty_planes(k, device)
         return bufs
 
     def q6k_planes(self, device: torch.device, k: int):

@@ -51,7 +51,8 @@ from .gguf_tiles import layout_args
 from .pdl import pdl_launch, pdl_trigger, pdl_wait, prefetch_l2
 from .splitk import meet_rows
 
-__all__ = ["MMA_QTYPES", "MMA_MIN_ROWS", "gguf_gemv_mma", "activation_planes", "norm_planes", "pick_mma_config",
+__all__ = ["MMA_QTYPES", "MMA_MIN_ROWS", "gguf_gemv_mma", "activation_planes", "empty_planes", "norm_planes",
+           "pick_mma_config",
            "split_for", "swiglu_planes_possible", "sub_blocks_planes"]
 
 MMA_QTYPES = ("Q4_K",)
@@ -395,14 +396,20 @@ def _finish(row, pid_n, pid_s, add_ptr, out_ptr, part_ptr, lock_ptr, N, SPLIT_K,
                 _carry_norm(y, g, pid_n, N, scaled_ptr, rpart_ptr, pa_ptr, pxa_ptr, pxs_ptr, BLOCK_N, PLANES, dt)
 
 
+def empty_planes(k: int, device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Uninitialised buffers for the A operand of a row of ``k`` inputs: ``[16, k]`` int8, ``a_s`` and
+    ``S_s`` ``[k / 32]`` float32 (module docstring)."""
+    return (torch.empty(_ROWS, k, dtype=torch.int8, device=device),
+            torch.empty(k // 32, dtype=torch.float32, device=device),
+            torch.empty(k // 32, dtype=torch.float32, device=device))
+
+
 def activation_planes(x: torch.Tensor, planes: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None):
     """The A operand ``[16, K]`` int8 and per-sub-block ``a_s``, ``S_s`` ``[K / 32]`` float32 of the row
     ``x [K]`` (module docstring), written into ``planes`` when given (a workspace's buffers)."""
     k = x.numel()
     if planes is None:
-        planes = (torch.empty(_ROWS, k, dtype=torch.int8, device=x.device),
-                  torch.empty(k // 32, dtype=torch.float32, device=x.device),
-                  torch.empty(k // 32, dtype=torch.float32, device=x.device))
+        planes = empty_planes(k, x.device)
     _planes_kernel[(k // _SUPER,)](x, *planes, k, **pdl_launch(x.device))
     return planes
 
