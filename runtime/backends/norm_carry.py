@@ -263,9 +263,10 @@ def _launch(be, site: Site, values: dict, attrs: dict, storage: dict, carry: Nor
     quant = p.op == "quant_linear"
     scheme = parse_scheme(attrs[p]["scheme"]) if quant else None
     w = ins[1]
-    gguf = _kind(scheme) == "gguf"
-    if gguf and not _gguf_producer(x, ins[1:], scheme, attrs[p]["out_features"]) or \
-            not gguf and not gemv_supported(x, w, scheme) or _kind(scheme) not in KINDS:
+    kind = _kind(scheme)
+    runs = _gguf_producer(x, ins[1:], scheme, attrs[p]["out_features"]) if kind == "gguf" \
+        else gemv_supported(x, w, scheme)
+    if not runs or kind not in KINDS:
         return None
     m = x.shape[0]
     residual, g = values[b.inputs[1 - site.y_input]], values[b.inputs[2]]
@@ -291,7 +292,7 @@ def _launch(be, site: Site, values: dict, attrs: dict, storage: dict, carry: Nor
         if not runs or (dst is not None and dst.stride(-1) != 1) \
                 or (quant_c and _kernel_unsupported(c, cins) is not None):
             return None
-    if gguf:
+    if kind == "gguf":
         return _launch_gguf(be, site, p, ins, scheme, residual, g, scaled, part, s_dst, attrs, carry)
     group = _pack_group(site, values, attrs, n) if PACK and m == 1 else 0
     packed = carry._packed_for(site.slot, x.device, n) if group and packs_rows(x, w, scheme, group) else None

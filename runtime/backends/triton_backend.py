@@ -213,7 +213,8 @@ class TritonBackend:
 
     def gguf_readers_next(self, node) -> list:
         """The GGUF ``quant_linear`` nodes right after ``node`` in this run (views aside) that read
-        its first output as their rows; found once per node list."""
+        its first output, or a view of it (the attention's heads reshaped into one row), as their
+        rows; found once per node list."""
         nodes, found = self._gguf_next
         if nodes is not self._run_nodes:
             found = {}
@@ -221,8 +222,9 @@ class TritonBackend:
         hit = found.get(node)
         if hit is None:
             from graphdsl.quant import parse_scheme
-            hit = found[node] = [r for r in _next_readers(self._run_nodes, node)
-                                 if r.op in ("quant_linear", "quant_linear_silu_mul") and r.inputs[0] is node.outputs[0]
+            readers, rows = _next_readers(self._run_nodes, node, node.outputs[0])
+            hit = found[node] = [r for r in readers
+                                 if r.op in ("quant_linear", "quant_linear_silu_mul") and r.inputs[0] in rows
                                  and isinstance(parse_scheme(r.attrs["scheme"]), (GGUFScheme, GGUFMixScheme))]
         return hit
 
@@ -403,17 +405,20 @@ def _planes_for(planes, qtype: str):
     return None
 
 
-def _next_readers(nodes, node) -> list:
-    """The nodes right after ``node`` in ``nodes`` that read one of its outputs, up to the first
-    node (other than a view) that does not."""
-    at = nodes.index(node)
-    found = []
-    for n in nodes[at + 1:]:
-        if any(t in node.outputs for t in n.inputs):
+def _next_readers(nodes, node, output) -> tuple[list, set]:
+    """The nodes right after ``node`` in ``nodes`` that read one of its outputs or a view of one, up
+    to the first node (other than a view) that does not; and ``output`` (one of them) with its views."""
+    live, rows, found = set(node.outputs), {output}, []
+    for n in nodes[nodes.index(node) + 1:]:
+        if any(t in live for t in n.inputs):
             found.append(n)
+            if n.category is OpCategory.VIEW:
+                live.update(n.outputs)
+                if any(t in rows for t in n.inputs):
+                    rows.update(n.outputs)
         elif n.category is not OpCategory.VIEW:
             break
-    return found
+    return found, rows
 
 
 def _silu_mul(be: TritonBackend, node, ins, attrs, dsts):
@@ -601,31 +606,12 @@ def _attention_planes(be: TritonBackend, node, out: torch.Tensor):
             or not planes_possible(out.shape[-2], out.shape[-1]):
         return None
     row = out.reshape(1, -1)
-    takers = _planes_takers(be, _readers_through_views(be._run_nodes, node), row)
+    takers = _planes_takers(be, be.gguf_readers_next(node), row)
     if not takers:
         return None
     planes = be.gemv_workspace.planes(out.device, row.shape[1])
     be._planes_ready.update(dict.fromkeys(takers, planes))
     return planes
-
-
-def _readers_through_views(nodes, node) -> list:
-    """The GGUF projections right after ``node`` in ``nodes`` whose rows are its first output, read
-    directly or through view nodes (a reshape of the heads into one row), up to the first other
-    node that does not read them."""
-    from graphdsl.quant import parse_scheme
-    seen, found = {node.outputs[0]}, []
-    for n in nodes[nodes.index(node) + 1:]:
-        if not any(t in seen for t in n.inputs):
-            if n.category is not OpCategory.VIEW:
-                break
-            continue
-        if n.category is OpCategory.VIEW:
-            seen.update(n.outputs)
-        elif n.op in ("quant_linear", "quant_linear_silu_mul") and n.inputs[0] in seen \
-                and isinstance(parse_scheme(n.attrs["scheme"]), (GGUFScheme, GGUFMixScheme)):
-            found.append(n)
-    return found
 
 
 def _reshape_and_cache(be: TritonBackend, node, ins, attrs, dsts):

@@ -1412,9 +1412,7 @@ def _rms_args(rms_out: GemvRmsOut | None, rms_in: GemvRmsIn | None, m: int, n: i
             args.update(pack_ptr=packed, PACK=True, PACK_GROUP=group)
         args.update(rms_w_ptr=w, rms_scaled_ptr=scaled, rms_part_ptr=part, RMS_CHUNKS=chunks, RMS_OUT=True)
     if rms_in is not None:
-        chunks = check_rms_in("gemv", rms_in, m, k)
-        args.update(rin_ptr=rms_in.partials, RIN_CHUNKS=chunks, rin_inv_n=1.0 / k, rin_eps=float(rms_in.eps),
-                    RMS_IN=True, RIN_BLOCK=_pow2(chunks))
+        args.update(rms_in_args("gemv", rms_in, m, k))
     return args
 
 
@@ -1435,14 +1433,16 @@ def check_rms_out(fn: str, rms_out: GemvRmsOut, m: int, n: int, block_n: int, si
     return chunks
 
 
-def check_rms_in(fn: str, rms_in: GemvRmsIn, m: int, k: int) -> int:
-    """Check a consumer's :class:`GemvRmsIn` against its rows ``[m, k]``; returns the partial sums a row."""
-    part, rn, _ = rms_in
+def rms_in_args(fn: str, rms_in: GemvRmsIn, m: int, k: int) -> dict:
+    """A consumer's ``RMS_IN`` launch keywords (``rin_ptr``, ``RIN_CHUNKS``, ``rin_inv_n``, ``rin_eps``,
+    ``RIN_BLOCK``; this GEMV's and the GGUF ones'), ``rms_in`` checked against its rows ``[m, k]``."""
+    part, rn, eps = rms_in
     chunks = triton.cdiv(k, RMS_CHUNK)
     if rn != k or tuple(part.shape) != (m, chunks) or part.dtype != torch.float32 or not part.is_contiguous():
         raise GraphDSLError(f"{fn}: rms_in needs n = K = {k} and contiguous partials [{m}, {chunks}] float32, got "
                             f"n {rn}, partials {list(part.shape)} {part.dtype}")
-    return chunks
+    return dict(rin_ptr=part, RIN_CHUNKS=chunks, rin_inv_n=1.0 / k, rin_eps=float(eps), RMS_IN=True,
+                RIN_BLOCK=_pow2(chunks))
 
 
 def _lora_args(lora: GemvLoRA | None, dummy: torch.Tensor) -> dict:

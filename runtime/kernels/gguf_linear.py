@@ -48,7 +48,7 @@ from graphdsl.errors import GraphDSLError
 from graphdsl.quant import code_rows
 
 from ..gguf_blocks import GGUF_BLOCKS
-from .gemv import check_rms_in, rin_tile, rms_factor
+from .gemv import rin_tile, rms_factor, rms_in_args
 from .gguf_mma import _CONFIG_KEYS as _MMA_CONFIG_KEYS
 from .gguf_mma import MMA_MIN_ROWS, MMA_QTYPES, gguf_gemv_mma
 from .gguf_mma_q6k import gguf_gemv_q6k
@@ -324,17 +324,8 @@ def gguf_gemv(x: torch.Tensor, data: torch.Tensor, qtype: str, add: torch.Tensor
         x.stride(0), out.stride(0), 0 if add is None or add.dim() == 1 else add.stride(0),
         QTYPE=qtype, VALUES=values, SB=sb, BLOCK_N=block_n, BLOCK_M=MAX_GEMV_ROWS, USE_DOT=use_dot,
         SPLIT=split > 1, HAS_ADD=add is not None, DOT_F32=interp or x.dtype == torch.float32, **layout,
-        **_rms_in_args(rms_in, m, k), **cfg)
+        **({} if rms_in is None else rms_in_args("gguf_gemv", rms_in, m, k)), **cfg)
     return out
-
-
-def _rms_in_args(rms_in, m: int, k: int) -> dict:
-    """The CUDA-core kernel's ``RMS_IN`` keywords for ``rms_in`` (:class:`~.gemv.GemvRmsIn`), checked."""
-    if rms_in is None:
-        return {}
-    chunks = check_rms_in("gguf_gemv", rms_in, m, k)
-    return dict(rin_ptr=rms_in.partials, RIN_CHUNKS=chunks, rin_inv_n=1.0 / k, rin_eps=float(rms_in.eps), RMS_IN=True,
-                RIN_BLOCK=triton.next_power_of_2(chunks))
 
 
 def _mma(x, data, qtype, add, out, workspace, config, silu_mul, planes=None, planes_out=None, rms_out=None,

@@ -52,8 +52,7 @@ from .pdl import pdl_launch, pdl_trigger, pdl_wait, prefetch_l2
 from .splitk import meet_rows
 
 __all__ = ["MMA_QTYPES", "MMA_MIN_ROWS", "gguf_gemv_mma", "activation_planes", "empty_planes", "norm_planes",
-           "pick_mma_config",
-           "split_for", "swiglu_planes_possible", "sub_blocks_planes"]
+           "pick_mma_config", "split_for", "swiglu_planes_possible", "sub_blocks_planes"]
 
 MMA_QTYPES = ("Q4_K",)
 MMA_MIN_ROWS = 2048             # fewer weight rows stay on the CUDA cores by default (gguf_linear.mma_eligible)
@@ -342,7 +341,7 @@ def _carry_norm(y, g, pid_n, N, scaled_ptr, rpart_ptr, pa_ptr, pxa_ptr, pxs_ptr,
     """A producer's share of the next RMSNorm (:class:`~.gemv.GemvRmsOut`) for its tile's sums ``y
     [BLOCK_N]`` (the residual added): ``ŷ · g`` rounded (``ŷ``: y rounded to ``dt``), the sums of
     ``ŷ²`` over each 32 columns, and with ``PLANES`` the Q4_K A operand of ``ŷ · g``, one sub-block
-    per 32 columns (:func:`_sub_block_planes`; N a multiple of 256). The consumers multiply their
+    per 32 columns (:func:`sub_blocks_planes`; N a multiple of 256). The consumers multiply their
     sums by the row's factor ``r``: the operand of ``ŷ · g · r`` is this one with ``a_s`` scaled by ``r``."""
     cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     ok = cols < N
@@ -489,7 +488,7 @@ def rms_args(fn: str, rms_out, rms_in, n: int, k: int, block_n: int, silu_mul: b
     :mod:`.gguf_mma_q6k`'s), each checked: ``rms_out`` (:class:`~.gemv.GemvRmsOut`, no ``packed``;
     ``planes``, if any, three buffers for ``N`` a multiple of 256) and ``rms_in``
     (:class:`~.gemv.GemvRmsIn`)."""
-    from .gemv import check_rms_in, check_rms_out
+    from .gemv import check_rms_out, rms_in_args
     args = {}
     if rms_out is not None:
         check_rms_out(fn, rms_out, 1, n, block_n, silu_mul, out)
@@ -502,9 +501,7 @@ def rms_args(fn: str, rms_out, rms_in, n: int, k: int, block_n: int, silu_mul: b
             a, xa, xs = rms_out.planes
             args.update(pa_ptr=a, pxa_ptr=xa, pxs_ptr=xs, PLANES=True)
     if rms_in is not None:
-        chunks = check_rms_in(fn, rms_in, 1, k)
-        args.update(rin_ptr=rms_in.partials, RIN_CHUNKS=chunks, rin_inv_n=1.0 / k, rin_eps=float(rms_in.eps),
-                    RMS_IN=True, RIN_BLOCK=triton.next_power_of_2(chunks))
+        args.update(rms_in_args(fn, rms_in, 1, k))
     return args
 
 
