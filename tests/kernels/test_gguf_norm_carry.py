@@ -9,7 +9,7 @@ import torch
 
 from graphdsl import GraphDSLError
 from graphdsl.opdef import get_op
-from graphdsl.runtime.kernels.gemv import GemvRmsIn, GemvRmsOut, GemvWorkspace
+from graphdsl.runtime.kernels.gemv import GemvRmsIn, GemvRmsOut, GemvWorkspace, gemv
 from graphdsl.runtime.kernels.gguf_linear import gguf_gemv
 from graphdsl.runtime.kernels.gguf_mma import activation_planes
 from graphdsl.runtime.gguf_blocks import to_stored
@@ -133,6 +133,11 @@ def test_errors_name_the_argument():
                   rms_out=good._replace(partials=part[:, :4]))
     with pytest.raises(GraphDSLError, match=r"whole tiles of 64 columns.*N 256|tiles of a multiple of 32"):
         gguf_gemv(x, q4, "Q4_K", res, config=dict(MMA=True, BLOCK_N=16, SPLIT_K=1), rms_out=good)
+    with pytest.raises(GraphDSLError, match=r"no packed int4 rows and whole tiles of 64 columns, got packed=True"):
+        gguf_gemv(x, q4, "Q4_K", res, config=dict(MMA=True, BLOCK_N=64, SPLIT_K=1),
+                  rms_out=good._replace(packed=torch.zeros(6, n // 8, dtype=torch.int32, device=DEV), pack_group=128))
+    with pytest.raises(GraphDSLError, match=r"gemv: rms_out.planes \(a Q4_K A operand\) is written by the GGUF"):
+        gemv(x, torch.zeros(n, k, dtype=torch.bfloat16, device=DEV), res, rms_out=good)
     with pytest.raises(GraphDSLError, match=r"rms_in needs n = K = 512.*got n 256"):
         gguf_gemv(x, q4, "Q4_K", config=dict(MMA=True, BLOCK_N=64, SPLIT_K=1), rms_in=GemvRmsIn(part, n, EPS))
 
