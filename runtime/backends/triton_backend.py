@@ -650,6 +650,7 @@ def _lora_apply(be: TritonBackend, node, ins, attrs, dsts):
 
 _XPACK_GATE_UP = True         # one int4 row of gate/up: its activation bytes made by one launch before the GEMV
 _XPACK_MIN_WEIGHTS = 1 << 26  # ... for a weight of at least this many codes (8B gate_up: 117M; 1B's 34M lost)
+_PARTS_BESIDE = True          # a mixed GGUF weight's CUDA-core row parts run beside its first part (_parts_beside)
 
 
 def xpack_pays(silu: bool, codes: torch.Tensor) -> bool:
@@ -753,10 +754,13 @@ def _quant_linear(be: TritonBackend, node, ins, attrs, dsts):
             and (add2 is None or (add2.dtype == x2.dtype and add2.stride(-1) == 1))
         if not gemv_rows:
             _not_carried(be, node)
-        for data, (qtype, r0, r1) in zip(stored, scheme.row_parts(n)):
+        parts = list(zip(stored, scheme.row_parts(n)))
+        beside = gemv_rows and _parts_beside(x2, parts)
+        for i, (data, (qtype, r0, r1)) in enumerate(parts):
             if gemv_rows:                      # straight into the product's columns, the addend's slice added
                 gguf_gemv(x2, data, qtype, None if add2 is None else add2[..., r0:r1], out=prod[:, r0:r1],
-                          workspace=be.gemv_workspace, planes=_planes_for(planes, qtype), rms_in=rms_in)
+                          workspace=be.gemv_workspace, planes=_planes_for(planes, qtype), rms_in=rms_in,
+                          early_launch=beside and i == 0, beside=beside and i > 0)
             else:
                 prod[:, r0:r1].copy_(gguf_linear(x2, data, qtype))
         if gemv_rows:
@@ -772,6 +776,18 @@ def _quant_linear(be: TritonBackend, node, ins, attrs, dsts):
     elif add2 is not None:
         out2.add_(add2)
     return dsts
+
+
+def _parts_beside(x: torch.Tensor, parts) -> bool:
+    """Whether the row parts of a mixed-type GGUF weight run side by side (``gguf_gemv``'s
+    ``early_launch`` / ``beside``): under PDL, the parts after the first on the CUDA cores. Each part
+    reads the same input and writes its own columns, so none waits for another; in a Q4_K_M layer
+    the Q6_K ``v`` rows then stream while the Q4_K ``q``/``k`` rows do, not after them
+    (``_PARTS_BESIDE``)."""
+    from ..kernels.gguf_linear import mma_eligible
+    from ..kernels.pdl import pdl_available
+    return (_PARTS_BESIDE and len(parts) > 1 and pdl_available(x.device)
+            and not any(mma_eligible(x, data, qtype) for data, (qtype, _, _) in parts[1:]))
 
 
 def _scaled_mm_rows(x: torch.Tensor, n: int) -> bool:

@@ -170,11 +170,17 @@ def _lora_term(acc, p_ptr, b_ptr, idx_ptr, pid_n, M, N, LORA_S, LORA_R, LORA_SPL
 
 
 @triton.jit
-def rin_tile(rin_ptr, rm, m_ok, RIN_CHUNKS, RIN_BLOCK: tl.constexpr):
-    """A consumer's ``[RIN_BLOCK, BLOCK_M]`` tile of its producer's partial sums (0 past the end)."""
+def rin_tile(rin_ptr, rm, m_ok, RIN_CHUNKS, RIN_BLOCK: tl.constexpr, CG: tl.constexpr = False):
+    """A consumer's ``[RIN_BLOCK, BLOCK_M]`` tile of its producer's partial sums (0 past the end);
+    ``CG``: read from L2, past the SM's L1."""
     j = tl.arange(0, RIN_BLOCK)
-    return tl.load(rin_ptr + rm[None, :] * RIN_CHUNKS + j[:, None], mask=(j < RIN_CHUNKS)[:, None] & m_ok[None, :],
-                   other=0.0)
+    p = rin_ptr + rm[None, :] * RIN_CHUNKS + j[:, None]
+    ok = (j < RIN_CHUNKS)[:, None] & m_ok[None, :]
+    if CG:
+        t = tl.load(p, mask=ok, other=0.0, cache_modifier=".cg")
+    else:
+        t = tl.load(p, mask=ok, other=0.0)
+    return t
 
 
 @triton.jit
@@ -1319,8 +1325,10 @@ class GemvWorkspace:
     def __init__(self):
         self._buffers: dict = {}
 
-    def get(self, device: torch.device, n_tiles: int, split: int, block_n: int):
-        key = (str(device), n_tiles, split, block_n)
+    def get(self, device: torch.device, n_tiles: int, split: int, block_n: int, beside: bool = False):
+        """``(partials, counters)`` for a launch of ``n_tiles`` x ``split`` programs; ``beside``: a GEMV that
+        runs beside another (:func:`.gguf_linear.gguf_gemv`) gets buffers no sequential launch shares."""
+        key = (str(device), n_tiles, split, block_n, beside)
         bufs = self._buffers.get(key)
         if bufs is None:
             bufs = self._buffers[key] = (

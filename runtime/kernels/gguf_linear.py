@@ -52,6 +52,7 @@ from .gemv import rin_tile, rms_factor, rms_in_args
 from .gguf_mma import _CONFIG_KEYS as _MMA_CONFIG_KEYS
 from .gguf_mma import MMA_MIN_ROWS, MMA_QTYPES, gguf_gemv_mma
 from .gguf_mma_q6k import gguf_gemv_q6k
+from .pdl import pdl_launch, pdl_trigger, pdl_wait
 from .gguf_tiles import KERNEL_QTYPES, decode_tile, layout_args, row_codes, row_dot, row_total, row_zeros
 from .splitk import arrive, depart, meet_rows, sum_partials
 
@@ -88,12 +89,20 @@ def _gguf_gemv_kernel(
     KB: tl.constexpr = False, BYTES: tl.constexpr = 0, KB_STRIDE=0,   # the layout (gguf_tiles.layout_args)
     rin_ptr=None, RIN_CHUNKS=1, rin_inv_n=1.0, rin_eps=0.0,   # RMS_IN: the producer's Σy² partials [M, chunks]
     RMS_IN: tl.constexpr = False, RIN_BLOCK: tl.constexpr = 1,
+    USE_PDL: tl.constexpr = False, LATE_LAUNCH: tl.constexpr = False,   # (:mod:`.pdl`) the next launches after the loop
+    BESIDE: tl.constexpr = False,   # runs beside the kernel launched before it (gguf_gemv's beside)
 ):
     """out[m, n] = sum_k x[m, k] * dequant(w)[n, k] (+ add[m, n]), float32 accumulation; with
     ``SPLIT`` each program sums its K slice and the last to arrive per row tile adds the slices in
     slice order and stores (:mod:`.splitk`). ``RMS_IN``: x is a producer's ``y · weight`` whose
     RMSNorm factor is still owed, so row ``m``'s sums are multiplied by it before the add
-    (:class:`~.gemv.GemvRmsIn`)."""
+    (:class:`~.gemv.GemvRmsIn`). ``BESIDE``: no wait before the first read (its inputs were complete
+    when it launched) and none of them from L1, the next kernel let in at once, and the wait for
+    the kernel before it last, so that kernel's successor sees both finished."""
+    if BESIDE:
+        pdl_trigger(USE_PDL)
+    else:
+        pdl_wait(USE_PDL, not LATE_LAUNCH)
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -111,8 +120,11 @@ def _gguf_gemv_kernel(
         for s in range(s_lo, s_hi):
             blk0 = s * SB
             w, koff = decode_tile(rows, n_ok, blk0, BS, QTYPE, SB)
-            xt = tl.load(x_ptr + rm[None, :] * stride_xm + (blk0 * VALUES + koff)[:, None], mask=m_ok[None, :],
-                         other=0.0)
+            xp = x_ptr + rm[None, :] * stride_xm + (blk0 * VALUES + koff)[:, None]
+            if BESIDE:
+                xt = tl.load(xp, mask=m_ok[None, :], other=0.0, cache_modifier=".cg")
+            else:
+                xt = tl.load(xp, mask=m_ok[None, :], other=0.0)
             if DOT_F32:       # float32 rows are float32 math (a GPU's default tf32 keeps 10 mantissa bits)
                 acc += tl.dot(w, xt.to(tl.float32), input_precision="ieee")
             else:
@@ -137,18 +149,27 @@ def _gguf_gemv_kernel(
                 n0, n1 = row_codes(rows, n_ok, tl.minimum(s + 1, s_hi - 1) * SB, BS, QTYPE, SB)
             else:
                 b0, b1 = row_codes(rows, n_ok, s * SB, BS, QTYPE, SB)
-            vals = row_dot(vals, b0, b1, rows, n_ok, s * SB, BS, x_ptr, QTYPE, SB)
+            vals = row_dot(vals, b0, b1, rows, n_ok, s * SB, BS, x_ptr, QTYPE, SB, BESIDE)
         rm = tl.arange(0, 1)
         m_ok = rm < 1
         # [BLOCK_N, 1] (M == 1): the row sums, reduced once after the K loop, met across slices
         acc, last = meet_rows(row_total(vals), part_ptr, lock_ptr, pid_n, pid_k, SPLIT_K, BLOCK_N, SPLIT)
+    if LATE_LAUNCH and not BESIDE:
+        pdl_trigger(USE_PDL)
     if last:
         ok = n_ok[:, None] & m_ok[None, :]
         if RMS_IN:
-            acc = acc * rms_factor(rin_tile(rin_ptr, rm, m_ok, RIN_CHUNKS, RIN_BLOCK), rin_inv_n, rin_eps)[None, :]
+            acc = acc * rms_factor(rin_tile(rin_ptr, rm, m_ok, RIN_CHUNKS, RIN_BLOCK, BESIDE), rin_inv_n,
+                                   rin_eps)[None, :]
         if HAS_ADD:
-            acc += tl.load(add_ptr + rm[None, :] * stride_am + rn[:, None], mask=ok, other=0.0).to(tl.float32)
+            if BESIDE:
+                a = tl.load(add_ptr + rm[None, :] * stride_am + rn[:, None], mask=ok, other=0.0, cache_modifier=".cg")
+            else:
+                a = tl.load(add_ptr + rm[None, :] * stride_am + rn[:, None], mask=ok, other=0.0)
+            acc += a.to(tl.float32)
         tl.store(out_ptr + rm[None, :] * stride_om + rn[:, None], acc.to(out_ptr.dtype.element_ty), mask=ok)
+    if BESIDE:
+        pdl_wait(USE_PDL, False)
 
 
 @triton.jit
@@ -251,7 +272,8 @@ def mma_eligible(x: torch.Tensor, data: torch.Tensor, qtype: str) -> bool:
 
 def gguf_gemv(x: torch.Tensor, data: torch.Tensor, qtype: str, add: torch.Tensor | None = None, *,
               silu_mul: bool = False, out: torch.Tensor | None = None, workspace=None,
-              config: dict | None = None, planes=None, planes_out=None, rms_out=None, rms_in=None) -> torch.Tensor:
+              config: dict | None = None, planes=None, planes_out=None, rms_out=None, rms_in=None,
+              early_launch: bool = False, beside: bool = False) -> torch.Tensor:
     """``x @ dequant(data).T (+ add)`` for ``x [M <= 16, K]`` and GGML blocks ``data`` of type
     ``qtype`` (stored rows ``[N, row_bytes]`` or block-major ``[blocks, N, bytes]``), in one launch;
     the result has x's dtype. ``add``: a residual ``[M, N]`` or a bias ``[N]`` (unit inner stride), added in float32 before the store. ``out``: ``[M, N]`` with a
@@ -275,7 +297,17 @@ def gguf_gemv(x: torch.Tensor, data: torch.Tensor, qtype: str, add: torch.Tensor
     it next. ``rms_out`` (tensor-core path only: one row, no ``silu_mul``): the epilogue also
     prepares the next RMSNorm (:class:`~.gemv.GemvRmsOut`, its ``planes`` the Q4_K A operand of
     ``scaled``); ``rms_in``: x is such a ``scaled`` and the sums are multiplied by its norm's
-    factor (:class:`~.gemv.GemvRmsIn`), on either path."""
+    factor (:class:`~.gemv.GemvRmsIn`), on either path.
+
+    Two GEMVs of one input with no data between them (the row parts of a mixed-type weight) can
+    run side by side under PDL (:mod:`.pdl`): the first with ``early_launch`` lets the next kernel
+    launch right after its wait, even with more programs than SMs; the second, with ``beside``
+    (CUDA-core path only), then launches while the first runs. It does not wait before reading —
+    the first passed its wait before letting it in, so the kernels before both are finished — and
+    reads its inputs from L2, not L1; it waits for the first at its very end, so the kernel after
+    it, which waits for it, finds both finished. The caller keeps the contract: a ``beside`` GEMV
+    reads nothing the GEMV before it writes, and writes nothing it reads. Its split-K scratch is
+    its own (``GemvWorkspace.get(..., beside=True)``). Without PDL both are plain launches."""
     from .gemv import GemvWorkspace
     k = _check(data, qtype, x)
     m, n = x.shape[0], code_rows(data)
@@ -297,7 +329,11 @@ def gguf_gemv(x: torch.Tensor, data: torch.Tensor, qtype: str, add: torch.Tensor
         raise GraphDSLError(f"gguf_gemv: add must be a bias [{n}] or a residual [{m}, {n}] with a unit inner "
                             f"stride, got {list(add.shape)} strides {add.stride()}")
     if config is None and (silu_mul or mma_eligible(x, data, qtype)) or config and config.get("MMA"):
-        return _mma(x, data, qtype, add, out, workspace, config, silu_mul, planes, planes_out, rms_out, rms_in)
+        if beside:
+            raise GraphDSLError(f"gguf_gemv: beside runs on the CUDA-core path only, got the tensor-core path for "
+                                f"{m} {x.dtype} row(s) of {qtype} [{n}, {k}] (config={config})")
+        return _mma(x, data, qtype, add, out, workspace, config, silu_mul, planes, planes_out, rms_out, rms_in,
+                    early_launch)
     if rms_out is not None:
         raise GraphDSLError(f"gguf_gemv: rms_out is written by the tensor-core path only (one fp16/bf16 row of "
                             f"{MMA_MIN_ROWS}+ weight rows of {list(MMA_QTYPES) + ['Q6_K']}), got {m} {x.dtype} rows of "
@@ -316,20 +352,23 @@ def gguf_gemv(x: torch.Tensor, data: torch.Tensor, qtype: str, add: torch.Tensor
     per = triton.cdiv(steps, max(1, min(split, steps)))
     split = triton.cdiv(steps, per)                        # no empty slices
     n_tiles = triton.cdiv(n, block_n)
-    part, lock = (workspace or GemvWorkspace()).get(x.device, n_tiles, split, block_n) if split > 1 else (out, out)
+    part, lock = ((workspace or GemvWorkspace()).get(x.device, n_tiles, split, block_n, beside=beside)
+                  if split > 1 else (out, out))
     interp = os.environ.get("TRITON_INTERPRET") == "1"
     row_stride, layout = layout_args(data, qtype)
+    pdl = pdl_launch(x.device)
     _gguf_gemv_kernel[(n_tiles, split)](
         x, data, add if add is not None else out, out, part, lock, m, n, k, row_stride, per, split,
         x.stride(0), out.stride(0), 0 if add is None or add.dim() == 1 else add.stride(0),
         QTYPE=qtype, VALUES=values, SB=sb, BLOCK_N=block_n, BLOCK_M=MAX_GEMV_ROWS, USE_DOT=use_dot,
         SPLIT=split > 1, HAS_ADD=add is not None, DOT_F32=interp or x.dtype == torch.float32, **layout,
-        **({} if rms_in is None else rms_in_args("gguf_gemv", rms_in, m, k)), **cfg)
+        **({} if rms_in is None else rms_in_args("gguf_gemv", rms_in, m, k)),
+        LATE_LAUNCH=n_tiles * split > _num_sms(x.device) and not early_launch, BESIDE=beside, **pdl, **cfg)
     return out
 
 
 def _mma(x, data, qtype, add, out, workspace, config, silu_mul, planes=None, planes_out=None, rms_out=None,
-         rms_in=None):
+         rms_in=None, early_launch=False):
     """:func:`gguf_gemv` on the tensor cores (:mod:`.gguf_mma`), its ``config`` checked."""
     if not _mma_possible(x, data, qtype):
         raise GraphDSLError(f"gguf_gemv: config MMA=True needs one fp16/bf16 row, a type in {list(MMA_QTYPES) + ['Q6_K']} "
@@ -348,9 +387,10 @@ def _mma(x, data, qtype, add, out, workspace, config, silu_mul, planes=None, pla
     if qtype == "Q6_K":
         if planes_out is not None:
             raise GraphDSLError("gguf_gemv: planes_out is written by a Q4_K SwiGLU GEMV's epilogue, not by Q6_K's")
-        return gguf_gemv_q6k(x, data, add, out, workspace, cfg, _num_sms(x.device), planes, rms_out, rms_in)
+        return gguf_gemv_q6k(x, data, add, out, workspace, cfg, _num_sms(x.device), planes, rms_out, rms_in,
+                             early_launch)
     return gguf_gemv_mma(x, data, qtype, add, out, workspace, cfg, _num_sms(x.device), silu_mul, planes, planes_out,
-                         rms_out, rms_in)
+                         rms_out, rms_in, early_launch)
 
 
 def gguf_dequantize(data: torch.Tensor, qtype: str, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:

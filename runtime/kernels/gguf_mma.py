@@ -447,7 +447,7 @@ def split_for(tiles: int, blocks: int, sms: int) -> int:
 
 def gguf_gemv_mma(x: torch.Tensor, data: torch.Tensor, qtype: str, add: torch.Tensor | None, out: torch.Tensor,
                   workspace, config: dict | None, sms: int, silu_mul: bool = False, planes=None,
-                  planes_out=None, rms_out=None, rms_in=None) -> torch.Tensor:
+                  planes_out=None, rms_out=None, rms_in=None, early_launch: bool = False) -> torch.Tensor:
     """``out [1, N] = x [1, K] @ dequant(data).T (+ add)`` on the tensor cores (``qtype`` in
     :data:`MMA_QTYPES`, x fp16/bf16); the operands were checked by :func:`.gguf_linear.gguf_gemv`,
     which calls this. ``workspace``: a :class:`~.gemv.GemvWorkspace` (planes, split-K partials).
@@ -459,7 +459,8 @@ def gguf_gemv_mma(x: torch.Tensor, data: torch.Tensor, qtype: str, add: torch.Te
     :func:`.gguf_mma_q6k.q6k_activation_planes`), written by each tile's epilogue, so the projection
     reading it (``down``) needs no activation launch either. ``rms_out`` / ``rms_in``: a carried
     RMSNorm (:class:`~.gemv.GemvRmsOut` — its ``planes`` the Q4_K A operand of ``scaled`` — and
-    :class:`~.gemv.GemvRmsIn`; :func:`rms_args`)."""
+    :class:`~.gemv.GemvRmsIn`; :func:`rms_args`). ``early_launch``: the next kernel launches right after
+    the PDL wait, however large the grid (:func:`.gguf_linear.gguf_gemv`'s ``beside``)."""
     from .gemv import GemvWorkspace
     row_stride, layout = layout_args(data, qtype)
     n, k = code_rows(data), x.shape[1]
@@ -476,7 +477,8 @@ def gguf_gemv_mma(x: torch.Tensor, data: torch.Tensor, qtype: str, add: torch.Te
     _q4k_kernel[(n_tiles, split)](
         *planes, data, add if add is not None else out, out, part, lock, n // 2 if silu_mul else n, k,
         row_stride, per, split, BLOCK_N=block_n, SPLIT=split > 1, HAS_ADD=add is not None,
-        EMULATE=os.environ.get("TRITON_INTERPRET") == "1", LATE_LAUNCH=n_tiles * split > sms, SWIGLU=silu_mul,
+        EMULATE=os.environ.get("TRITON_INTERPRET") == "1", LATE_LAUNCH=n_tiles * split > sms and not early_launch,
+        SWIGLU=silu_mul,
         PREFETCH=_PREFETCH_LINES, **_planes_args(planes_out, silu_mul, n, block_n), **pdl_launch(x.device), **layout,
         AHEAD=_AHEAD, **rms_args("gguf_gemv", rms_out, rms_in, n // 2 if silu_mul else n, k, block_n, silu_mul, out),
         **cfg)

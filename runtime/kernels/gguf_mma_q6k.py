@@ -189,13 +189,15 @@ def pick_q6k_config(n: int, k: int, sms: int) -> dict:
 
 
 def gguf_gemv_q6k(x: torch.Tensor, data: torch.Tensor, add: torch.Tensor | None, out: torch.Tensor,
-                  workspace, config: dict | None, sms: int, planes=None, rms_out=None, rms_in=None) -> torch.Tensor:
+                  workspace, config: dict | None, sms: int, planes=None, rms_out=None, rms_in=None,
+                  early_launch: bool = False) -> torch.Tensor:
     """``out [1, N] = x [1, K] @ dequant(data).T (+ add)`` for stored Q6_K blocks (``data [N, K / 256 *
     224]``, or block-major ``[K / 256, N, 224]``), x fp16/bf16; operands checked by
     :func:`.gguf_linear.gguf_gemv`, which calls this. ``workspace``: a :class:`~.gemv.GemvWorkspace`
     (activation planes, split-K partials). ``planes``: x's A operand and ``a_s`` already made (by a
     Q4_K SwiGLU GEMV's epilogue, :func:`.gguf_mma.gguf_gemv_mma`'s ``planes_out``), so no activation
-    launch. ``rms_out`` / ``rms_in``: a carried RMSNorm, as :func:`.gguf_mma.gguf_gemv_mma`'s."""
+    launch. ``rms_out`` / ``rms_in``: a carried RMSNorm, ``early_launch`` the next kernel let in at its
+    wait, as :func:`.gguf_mma.gguf_gemv_mma`'s."""
     from .gemv import GemvWorkspace
     row_stride, layout = layout_args(data, "Q6_K")
     n, k = code_rows(data), x.shape[1]
@@ -212,6 +214,6 @@ def gguf_gemv_q6k(x: torch.Tensor, data: torch.Tensor, add: torch.Tensor | None,
     _q6k_kernel[(n_tiles, split)](
         *planes, data, add if add is not None else out, out, part, lock, n, k, row_stride, per, split,
         BLOCK_N=block_n, SPLIT=split > 1, HAS_ADD=add is not None, EMULATE=os.environ.get("TRITON_INTERPRET") == "1",
-        LATE_LAUNCH=n_tiles * split > sms, PREFETCH=_PREFETCH_LINES, **pdl_launch(x.device), **layout,
+        LATE_LAUNCH=n_tiles * split > sms and not early_launch, PREFETCH=_PREFETCH_LINES, **pdl_launch(x.device), **layout,
         **rms_args("gguf_gemv", rms_out, rms_in, n, k, block_n, False, out), **cfg)
     return out

@@ -254,8 +254,13 @@ def _i2f(q, OFFSET: tl.constexpr):
 
 
 @triton.jit
-def _xload(x_ptr, offs):
-    return tl.load(x_ptr + offs).to(tl.float32)
+def _xload(x_ptr, offs, CG: tl.constexpr = False):
+    """float32 activations; ``CG``: read from L2, past the SM's L1 (:func:`row_dot`)."""
+    if CG:
+        x = tl.load(x_ptr + offs, cache_modifier=".cg")
+    else:
+        x = tl.load(x_ptr + offs)
+    return x.to(tl.float32)
 
 
 @triton.jit
@@ -268,7 +273,8 @@ def _bytes_q4(rows, n_ok, blk0, BS, SB: tl.constexpr, HAS_MIN: tl.constexpr):
 
 
 @triton.jit
-def _row_dot_q4(acc, qs, rows, n_ok, blk0, BS, x_ptr, SB: tl.constexpr, HAS_MIN: tl.constexpr):
+def _row_dot_q4(acc, qs, rows, n_ok, blk0, BS, x_ptr, SB: tl.constexpr, HAS_MIN: tl.constexpr,
+                CG: tl.constexpr = False):
     """Q4_0 (18 B: ``d, qs[16]``, ``y = d(q - 8)``) and Q4_1 (20 B: ``d, m, qs[16]``, ``y = dq + m``);
     ``qs`` from :func:`_bytes_q4`, ``acc [BN, 1, 1]``."""
     g = tl.arange(0, SB)
@@ -276,8 +282,8 @@ def _row_dot_q4(acc, qs, rows, n_ok, blk0, BS, x_ptr, SB: tl.constexpr, HAS_MIN:
     blk = (blk0 + g).to(tl.int64) * BS
     byte = qs.to(tl.int32)                                                      # [BN, SB, 16]
     koff = (blk0 + g)[:, None] * 32 + b[None, :]                                # [SB, 16]
-    x_lo = _xload(x_ptr, koff)
-    x_hi = _xload(x_ptr, koff + 16)
+    x_lo = _xload(x_ptr, koff, CG)
+    x_hi = _xload(x_ptr, koff + 16, CG)
     d = _f16_at(rows[:, None] + blk[None, :], n_ok[:, None])                    # [BN, SB]
     if HAS_MIN:
         s = tl.sum(_i2f(byte & 15, 0.0) * x_lo[None] + _i2f(byte >> 4, 0.0) * x_hi[None], axis=2)
@@ -298,14 +304,14 @@ def _bytes_q8_0(rows, n_ok, blk0, BS, SB: tl.constexpr):
 
 
 @triton.jit
-def _row_dot_q8_0(acc, qs, rows, n_ok, blk0, BS, x_ptr, SB: tl.constexpr):
+def _row_dot_q8_0(acc, qs, rows, n_ok, blk0, BS, x_ptr, SB: tl.constexpr, CG: tl.constexpr = False):
     """Q8_0 (34 B: ``d, q[32] int8``): int8 ``q`` read as ``(byte ^ 0x80) - 128``; ``qs`` from
     :func:`_bytes_q8_0`, ``acc [BN, 1, 1]``."""
     g = tl.arange(0, SB)
     j = tl.arange(0, 32)
     blk = (blk0 + g).to(tl.int64) * BS
     byte = qs.to(tl.int32)
-    xv = _xload(x_ptr, (blk0 + g)[:, None] * 32 + j[None, :])
+    xv = _xload(x_ptr, (blk0 + g)[:, None] * 32 + j[None, :], CG)
     s = tl.sum(_i2f(byte ^ 0x80, 128.0) * xv[None], axis=2)
     d = _f16_at(rows[:, None] + blk[None, :], n_ok[:, None])
     return acc + tl.sum(d * s, axis=1)[:, None, None]
@@ -345,7 +351,8 @@ def _bytes_q45_k(rows, n_ok, blk0, BS, SB: tl.constexpr, FIVE: tl.constexpr):
 
 
 @triton.jit
-def _row_dot_q45_k(acc, qs, qh, rows, n_ok, blk0, BS, x_ptr, SB: tl.constexpr, FIVE: tl.constexpr):
+def _row_dot_q45_k(acc, qs, qh, rows, n_ok, blk0, BS, x_ptr, SB: tl.constexpr, FIVE: tl.constexpr,
+                   CG: tl.constexpr = False):
     """Q4_K (144 B) / Q5_K (176 B, ``FIVE``): chunk ``t`` (64 values) of byte row ``l``: low nibble
     is sub-block ``2c`` at K ``64t + l``, high nibble ``2c + 1`` at ``64t + 32 + l``; ``qs``, ``qh``
     from :func:`_bytes_q45_k`, ``acc [BN, 1, 1]``."""
@@ -362,8 +369,8 @@ def _row_dot_q45_k(acc, qs, qh, rows, n_ok, blk0, BS, x_ptr, SB: tl.constexpr, F
         lo = lo | (((qh >> sh) & 1) << 4)
         hi = hi | (((qh >> (sh + 1)) & 1) << 4)
     koff = (blk0 * 256 + 64 * t)[:, None] + l[None, :]                          # [T, 32]
-    x_lo = _xload(x_ptr, koff)
-    x_hi = _xload(x_ptr, koff + 32)
+    x_lo = _xload(x_ptr, koff, CG)
+    x_hi = _xload(x_ptr, koff + 32, CG)
     s_lo = tl.sum(_i2f(lo, 0.0) * x_lo[None], axis=2)                           # [BN, T]
     s_hi = tl.sum(_i2f(hi, 0.0) * x_hi[None], axis=2)
     sc_lo, mn_lo = _k_scale_pair(rows, n_ok, base, 2 * c)
@@ -393,7 +400,7 @@ def _bytes_q6_k(rows, n_ok, blk0, BS, SB: tl.constexpr):
 
 
 @triton.jit
-def _row_dot_q6_k(acc, ql, qh, rows, n_ok, blk0, BS, x_ptr, SB: tl.constexpr):
+def _row_dot_q6_k(acc, ql, qh, rows, n_ok, blk0, BS, x_ptr, SB: tl.constexpr, CG: tl.constexpr = False):
     """Q6_K (210 B, stored in 224): group ``i = 4hf + 2a + l2`` reads ``ql[16i + l1]``; its low nibble is ``k = a``
     (K ``128hf + 32a + 16l2 + l1``), high nibble ``k = a + 2`` (64 further), each with its own
     2 bits of ``qh`` and int8 scale (see :func:`_tile_q6_k`); ``ql``, ``qh`` from
@@ -414,7 +421,8 @@ def _row_dot_q6_k(acc, ql, qh, rows, n_ok, blk0, BS, x_ptr, SB: tl.constexpr):
     d = _f16_at(rows[:, None] + (base + 208)[None, :], n_ok[:, None])           # [BN, T]: d of t's block
     s0 = (d * sc0.to(tl.float32))[:, :, None]
     s1 = (d * sc1.to(tl.float32))[:, :, None]
-    return acc + s0 * _i2f(q0, 32.0) * _xload(x_ptr, koff)[None] + s1 * _i2f(q1, 32.0) * _xload(x_ptr, koff + 64)[None]
+    return (acc + s0 * _i2f(q0, 32.0) * _xload(x_ptr, koff, CG)[None]
+            + s1 * _i2f(q1, 32.0) * _xload(x_ptr, koff + 64, CG)[None])
 
 
 @triton.jit
@@ -447,23 +455,26 @@ def row_codes(rows, n_ok, blk0, BS, QTYPE: tl.constexpr, SB: tl.constexpr):
 
 
 @triton.jit
-def row_dot(acc, b0, b1, rows, n_ok, blk0, BS, x_ptr, QTYPE: tl.constexpr, SB: tl.constexpr):
+def row_dot(acc, b0, b1, rows, n_ok, blk0, BS, x_ptr, QTYPE: tl.constexpr, SB: tl.constexpr,
+            CG: tl.constexpr = False):
     """``acc`` (:func:`row_zeros`) plus ``x[k] * dequant(w)[n, k]`` for the ``SB`` blocks from ``blk0`` of
     the rows ``rows`` of GGML type ``QTYPE`` (blocks ``BS`` bytes apart), their code bytes ``b0``, ``b1`` from :func:`row_codes`;
-    ``x_ptr`` points at the activation row's element 0. :func:`row_total` gives the rows' sums."""
+    ``x_ptr`` points at the activation row's element 0. :func:`row_total` gives the rows' sums.
+    ``CG``: x is read from L2, never from the SM's L1 (a GEMV launched beside its predecessor reads
+    an input no wait has made visible to it: :func:`.gguf_linear.gguf_gemv`'s ``beside``)."""
     if QTYPE == "Q4_0":
-        acc = _row_dot_q4(acc, b0, rows, n_ok, blk0, BS, x_ptr, SB, False)
+        acc = _row_dot_q4(acc, b0, rows, n_ok, blk0, BS, x_ptr, SB, False, CG)
     elif QTYPE == "Q4_1":
-        acc = _row_dot_q4(acc, b0, rows, n_ok, blk0, BS, x_ptr, SB, True)
+        acc = _row_dot_q4(acc, b0, rows, n_ok, blk0, BS, x_ptr, SB, True, CG)
     elif QTYPE == "Q8_0":
-        acc = _row_dot_q8_0(acc, b0, rows, n_ok, blk0, BS, x_ptr, SB)
+        acc = _row_dot_q8_0(acc, b0, rows, n_ok, blk0, BS, x_ptr, SB, CG)
     elif QTYPE == "Q4_K":
-        acc = _row_dot_q45_k(acc, b0, b1, rows, n_ok, blk0, BS, x_ptr, SB, False)
+        acc = _row_dot_q45_k(acc, b0, b1, rows, n_ok, blk0, BS, x_ptr, SB, False, CG)
     elif QTYPE == "Q5_K":
-        acc = _row_dot_q45_k(acc, b0, b1, rows, n_ok, blk0, BS, x_ptr, SB, True)
+        acc = _row_dot_q45_k(acc, b0, b1, rows, n_ok, blk0, BS, x_ptr, SB, True, CG)
     else:
         tl.static_assert(QTYPE == "Q6_K", "row_dot: unsupported GGML type")
-        acc = _row_dot_q6_k(acc, b0, b1, rows, n_ok, blk0, BS, x_ptr, SB)
+        acc = _row_dot_q6_k(acc, b0, b1, rows, n_ok, blk0, BS, x_ptr, SB, CG)
     return acc
 
 

@@ -57,3 +57,36 @@ def test_q4_k_m_mix_decode_agrees_with_prefill():
     logits = llm.score(prompt + toks[:-1])
     assert torch.isfinite(logits).all()
     assert logits[len(prompt) - 1:].argmax(-1).tolist() == toks
+
+
+def test_q4_k_m_v_rows_beside_give_the_same_tokens(monkeypatch):
+    """Under PDL and CUDA graphs, the mixed ``qkv_proj``'s Q6_K ``v`` rows launched beside its Q4_K
+    ``q``/``k`` rows on the tensor cores (``triton_backend._PARTS_BESIDE``) give the greedy tokens and
+    logprobs of the parts one after another, bit for bit, batch 1 and batch 2."""
+    import pathlib
+    import sys
+    sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[2] / "benchmarks"))
+    import quant
+    from graphdsl.runtime.backends import triton_backend
+    from graphdsl.runtime.kernels import gguf_linear
+    cfg = dict(model_type="llama", architectures=["LlamaForCausalLM"], hidden_size=256, intermediate_size=512,
+               num_hidden_layers=8, num_attention_heads=4, num_key_value_heads=2, head_dim=64, vocab_size=128,
+               max_position_embeddings=256, rms_norm_eps=1e-5)
+    monkeypatch.setattr(gguf_linear, "MMA_MIN_ROWS", 256)      # q|k's 384 rows on the tensor cores, v's 128 not
+    calls = []
+    real = gguf_linear.gguf_gemv
+    monkeypatch.setattr(gguf_linear, "gguf_gemv", lambda *a, **kw: calls.append(kw.get("beside", False)) or real(*a, **kw))
+    params = gd.SamplingParams(max_tokens=12, temperature=0, ignore_eos=True, logprobs=0)
+    prompts = [[(5 * i + 1) % 128 for i in range(9)], [3, 17, 42]]
+    got = {}
+    for side in (False, True):
+        monkeypatch.setattr(triton_backend, "_PARTS_BESIDE", side)
+        with quant._GGUFMix():
+            llm = gd.LLM.from_config(cfg, device="cuda", dtype="bfloat16", seed=0, max_model_len=64, max_num_seqs=2,
+                                     quantization="gguf-q4_k_m", init_std=0.1)
+        calls.clear()
+        got[side] = [[(o.outputs[0].token_ids, [lp[t].logprob for lp, t in zip(o.outputs[0].logprobs,
+                                                                               o.outputs[0].token_ids)])
+                      for o in llm.generate(ps, params)] for ps in ([prompts[0]], prompts)]
+        assert any(calls) == side
+    assert got[True] == got[False]
