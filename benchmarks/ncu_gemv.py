@@ -4,7 +4,9 @@
 
 Each case is ``scheme:projection`` — ``bf16``, ``int4`` (g128) or ``fp8`` (per channel) weights of a
 projection of ``benchmarks/gemv.py``'s ``SHAPES`` (gate/up with its SwiGLU epilogue) — at one row, the
-launch ``gemv`` picks, the activations made in the loop (no packed ``xpack``). The script runs
+launch ``gemv`` picks, the activations made in the loop (no packed ``xpack``); or ``q4_k`` / ``q6_k``
+GGUF blocks (random, block-major as a CUDA bind stores them) on the tensor-core GEMV
+(``gguf_gemv``'s launch), its activation operand made beforehand as the model's producers make it. The script runs
 itself under ``ncu`` once per case (``--clock-control none``: the clocks the model runs at; the
 fourth launch is profiled, caches flushed before it, so the weights stream from HBM) and prints a
 table: time, DRAM bytes per µs and percent of the DRAM peak, the share of cycles each scheduler
@@ -30,7 +32,9 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from gemv import SHAPES  # noqa: E402
 
-SCHEMES = {"bf16": None, "int4": "int4-g128", "fp8": "fp8-channel"}
+SCHEMES = {"bf16": None, "int4": "int4-g128", "fp8": "fp8-channel", "q4_k": "Q4_K", "q6_k": "Q6_K"}
+GGUF = ("q4_k", "q6_k")
+KERNELS = {"q4_k": "_q4k_kernel", "q6_k": "_q6k_kernel"}     # the profiled kernel (default: _gemv_kernel)
 STALLS = ("long_scoreboard", "barrier", "short_scoreboard", "wait", "math_pipe_throttle", "lg_throttle",
           "mio_throttle", "not_selected", "dispatch_stall", "no_instruction")
 _STALL = "smsp__average_warps_issue_stalled_{}_per_issue_active.ratio"
@@ -59,6 +63,8 @@ def launch(scheme: str, proj: str, calls: int = 4) -> None:
     n, k = SHAPES[proj]
     torch.manual_seed(0)
     x = torch.randn(1, k, device="cuda").to(torch.bfloat16)
+    if scheme in GGUF:
+        return _launch_gguf(SCHEMES[scheme], proj, x, calls)
     w = torch.randn(n, k, device="cuda") * 0.02
     kw = {}
     if SCHEMES[scheme] is None:
@@ -70,6 +76,24 @@ def launch(scheme: str, proj: str, calls: int = 4) -> None:
     ws = GemvWorkspace()
     for _ in range(calls):
         gemv(x, w, silu_mul=proj.endswith("gate_up"), workspace=ws, **kw)
+    torch.cuda.synchronize()
+
+
+def _launch_gguf(qtype: str, proj: str, x: torch.Tensor, calls: int) -> None:
+    """``calls`` one-row tensor-core ``gguf_gemv`` launches of ``proj`` in ``qtype`` blocks, the A
+    operand of ``x`` made once before them (the model's norms and epilogues write it)."""
+    from gguf_gemv import random_blocks
+    from graphdsl.runtime.kernels.gemv import GemvWorkspace
+    from graphdsl.runtime.kernels.gguf_linear import gguf_gemv
+    from graphdsl.runtime.kernels.gguf_mma import activation_planes
+    from graphdsl.runtime.kernels.gguf_mma_q6k import q6k_activation_planes
+    n, k = SHAPES[proj]
+    data = random_blocks(qtype, n, k, seed=0)
+    planes = q6k_activation_planes(x[0]) if qtype == "Q6_K" else activation_planes(x[0])
+    silu = proj.endswith("gate_up") and qtype == "Q4_K"      # the SwiGLU epilogue is the Q4_K GEMV's
+    ws = GemvWorkspace()
+    for _ in range(calls):
+        gguf_gemv(x, data, qtype, silu_mul=silu, workspace=ws, planes=planes, config=None)
     torch.cuda.synchronize()
 
 
@@ -111,7 +135,8 @@ def row(label: str, m: dict[str, float]) -> str:
 
 
 def profile(ncu: str, scheme: str, proj: str) -> dict[str, float]:
-    cmd = [ncu, "--clock-control", "none", "--kernel-name", "regex:_gemv_kernel", "--launch-skip", "3",
+    cmd = [ncu, "--clock-control", "none", "--kernel-name", "regex:" + KERNELS.get(scheme, "_gemv_kernel"),
+           "--launch-skip", "3",
            "--launch-count", "1", "--page", "raw", "--csv", "--metrics", ",".join(METRICS),
            sys.executable, os.path.abspath(__file__), "--child", f"{scheme}:{proj}"]
     out = subprocess.run(cmd, capture_output=True, text=True, timeout=300)

@@ -65,7 +65,8 @@ _PREFETCH_LINES = 2
 _BLOCK_N = 64                   # weight rows a tile (pick_mma_config)
 _STAGES = 3                     # pipeline stages of the K loop (pick_mma_config)
 _PROGRAMS_PER_SM = 2            # K is split until the grid has this many programs a SM (split_for) ...
-_MIN_SLICE = 3                  # ... while each slice keeps at least this many super-blocks
+_MIN_SLICE = 2                  # ... while each slice keeps at least this many super-blocks (3 before: H200,
+                                # decode_ab two builds, 8B Q4_K_M 2508 -> 2487 µs, its o split 4 -> 8; 1B 762 -> 738)
 # each K step's header words and activation scales loaded a step ahead: Triton pipelines only the
 # loads feeding the dots (codes, A operand), so these waited on L2 every step (H200, 8B Q4_K_M
 # decode_ab, two builds: 2734 -> 2714 µs; the same for the Q6_K GEMV's scales gained nothing, 2709)
@@ -429,8 +430,9 @@ def pick_mma_config(n: int, k: int, sms: int) -> dict:
     """Launch of :func:`gguf_gemv_mma`. H100 sweep (``probe``; BLOCK_N 64/128, 4/8 warps, 2-4 stages,
     split 1-8) at the 8B shapes: 64 rows, 4 warps, 3 stages everywhere; the best splits (o 4, qkv 4,
     gate 2, down 8) are those that bring the grid to about two programs per SM: K is split in two
-    while the grid has fewer and each slice keeps at least 3 super-blocks (o: 4 slices of 4 took
-    7.7 µs, 8 of 2 7.9)."""
+    while the grid has fewer and each slice keeps at least ``_MIN_SLICE`` super-blocks. Alone on the
+    H100 the o took 7.7 µs in 4 slices of 4, 7.9 in 8 of 2; in the model on an H200 slices of 2
+    (o in 8; the 1B's o, qkv and down split twice as far) made the step faster, so 2 it is."""
     return dict(BLOCK_N=_BLOCK_N, SPLIT_K=split_for(triton.cdiv(n, _BLOCK_N), k // _SUPER, sms), num_warps=4,
                 num_stages=_STAGES)
 

@@ -62,6 +62,8 @@ def test_parse_names_what_is_missing():
 def test_cases_are_checked_and_named():
     ncu = benchmarks.load("ncu_gemv")
     assert ncu.case("fp8:1b.o") == ("fp8", "1b.o")
+    assert ncu.case("q6_k:8b.down") == ("q6_k", "8b.down")          # GGUF blocks on the tensor cores
+    assert ncu.KERNELS["q4_k"] == "_q4k_kernel" and "int4" not in ncu.KERNELS
     with pytest.raises(argparse.ArgumentTypeError, match="got 'int3:8b.down'"):
         ncu.case("int3:8b.down")
     with pytest.raises(argparse.ArgumentTypeError, match="got 'int4:8b.up'"):
