@@ -15,7 +15,9 @@ included, ``pick_mma_config``) and its speedup over the CUDA-core launch.
 Timing is how decode runs them: one CUDA graph replays the GEMV over enough copies of the weight
 to overflow L2 (every launch reads its blocks from HBM), time per launch = replay time / copies.
 ``--sweep`` also times a grid of launch configs per type and shape and prints the best (to tune
-``_pick_config``). ``--prefill`` adds a table of ``gguf_linear`` at 512 rows (dequantize + cuBLAS)
+``_pick_config``); for the one-row tensor-core path it sweeps that GEMV's launches too (row tiles,
+warps, pipeline stages, K slices; the A operand made beforehand, as the model's producers make it:
+to tune ``pick_mma_config`` / ``pick_q6k_config``). ``--prefill`` adds a table of ``gguf_linear`` at 512 rows (dequantize + cuBLAS)
 against the bf16 matmul.
 """
 from __future__ import annotations
@@ -84,6 +86,37 @@ def sweep_configs(qtype: str, k: int):
         yield dict(SB=sb, BLOCK_N=bn, SPLIT_K=split, num_warps=warps, num_stages=1, PREFETCH=ahead)
 
 
+def sweep_mma_configs():
+    """The tensor-core GEMV launches ``--sweep`` times: 32/64/128-row tiles, 4/8 warps, 2-4 pipeline
+    stages, 1-8 K slices (``gguf_gemv``'s ``config={"MMA": True, ...}``)."""
+    for bn, warps, stages, split in itertools.product((32, 64, 128), (4, 8), (2, 3, 4), (1, 2, 4, 8)):
+        yield dict(MMA=True, BLOCK_N=bn, SPLIT_K=split, num_warps=warps, num_stages=stages)
+
+
+def sweep_mma(x, datas, qtype: str, nbytes: int, copy: float) -> None:
+    """Time :func:`sweep_mma_configs` on one row of ``qtype`` (A operand given) and print the best three."""
+    from graphdsl.quant import code_rows
+    from graphdsl.runtime.kernels.gemv import GemvWorkspace
+    from graphdsl.runtime.kernels.gguf_linear import gguf_gemv
+    from graphdsl.runtime.kernels.gguf_mma import activation_planes
+    from graphdsl.runtime.kernels.gguf_mma_q6k import q6k_activation_planes
+    planes = q6k_activation_planes(x[0]) if qtype == "Q6_K" else activation_planes(x[0])
+    ws = GemvWorkspace()
+    out = torch.empty(1, code_rows(datas[0]), dtype=x.dtype, device=x.device)
+    results = []
+    for c in sweep_mma_configs():
+        try:
+            t = replay_us(lambda: [gguf_gemv(x, d, qtype, out=out, workspace=ws, config=c, planes=planes)
+                                   for d in datas], len(datas))
+        except Exception as e:  # a launch the compiler rejects (registers, shared memory)
+            print(f"    {c}: {type(e).__name__}", flush=True)
+            continue
+        results.append((t, c))
+    for t, c in sorted(results, key=lambda r: r[0])[:3]:
+        print(f"    tensor-core sweep {qtype}: {t:7.1f} µs {100 * nbytes / (t * 1e-6) / 1e9 / copy:5.0f}%  {c}",
+              flush=True)
+
+
 def main() -> None:
     from graphdsl.runtime.kernels.gguf_linear import _num_sms, _pick_config, gguf_gemv, gguf_linear
     from graphdsl.runtime.gguf_blocks import row_bytes
@@ -146,6 +179,8 @@ def main() -> None:
                         print(f"    sweep {qtype} {name}: {t:7.1f} µs {100 * nbytes / (t * 1e-6) / 1e9 / copy:5.0f}%  {c}",
                               flush=True)
                     best_rows.append((qtype, name, results[0]))
+                    if qtype in MMA_QTYPES or qtype == "Q6_K":
+                        sweep_mma(x, datas, qtype, nbytes, copy)
                 del datas, one
                 torch.cuda.empty_cache()
         del wb
