@@ -96,7 +96,7 @@ def test_a_q4_k_m_model_runs_its_v_rows_beside(monkeypatch):
     sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[2] / "benchmarks"))
     import quant
     cfg = dict(model_type="llama", architectures=["LlamaForCausalLM"], hidden_size=256, intermediate_size=512,
-               num_hidden_layers=8, num_attention_heads=4, num_key_value_heads=2, head_dim=64, vocab_size=128,
+               num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2, head_dim=64, vocab_size=128,
                max_position_embeddings=256, rms_norm_eps=1e-5)
     with quant._GGUFMix():
         llm = gd.LLM.from_config(cfg, device=DEV, dtype="bfloat16", seed=0, max_model_len=64, max_num_seqs=1,
