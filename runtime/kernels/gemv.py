@@ -174,13 +174,8 @@ def rin_tile(rin_ptr, rm, m_ok, RIN_CHUNKS, RIN_BLOCK: tl.constexpr, CG: tl.cons
     """A consumer's ``[RIN_BLOCK, BLOCK_M]`` tile of its producer's partial sums (0 past the end);
     ``CG``: read from L2, past the SM's L1."""
     j = tl.arange(0, RIN_BLOCK)
-    p = rin_ptr + rm[None, :] * RIN_CHUNKS + j[:, None]
-    ok = (j < RIN_CHUNKS)[:, None] & m_ok[None, :]
-    if CG:
-        t = tl.load(p, mask=ok, other=0.0, cache_modifier=".cg")
-    else:
-        t = tl.load(p, mask=ok, other=0.0)
-    return t
+    return tl.load(rin_ptr + rm[None, :] * RIN_CHUNKS + j[:, None], mask=(j < RIN_CHUNKS)[:, None] & m_ok[None, :],
+                   other=0.0, cache_modifier=".cg" if CG else "")
 
 
 @triton.jit

@@ -120,11 +120,8 @@ def _gguf_gemv_kernel(
         for s in range(s_lo, s_hi):
             blk0 = s * SB
             w, koff = decode_tile(rows, n_ok, blk0, BS, QTYPE, SB)
-            xp = x_ptr + rm[None, :] * stride_xm + (blk0 * VALUES + koff)[:, None]
-            if BESIDE:
-                xt = tl.load(xp, mask=m_ok[None, :], other=0.0, cache_modifier=".cg")
-            else:
-                xt = tl.load(xp, mask=m_ok[None, :], other=0.0)
+            xt = tl.load(x_ptr + rm[None, :] * stride_xm + (blk0 * VALUES + koff)[:, None], mask=m_ok[None, :],
+                         other=0.0, cache_modifier=".cg" if BESIDE else "")
             if DOT_F32:       # float32 rows are float32 math (a GPU's default tf32 keeps 10 mantissa bits)
                 acc += tl.dot(w, xt.to(tl.float32), input_precision="ieee")
             else:
@@ -162,11 +159,8 @@ def _gguf_gemv_kernel(
             acc = acc * rms_factor(rin_tile(rin_ptr, rm, m_ok, RIN_CHUNKS, RIN_BLOCK, BESIDE), rin_inv_n,
                                    rin_eps)[None, :]
         if HAS_ADD:
-            if BESIDE:
-                a = tl.load(add_ptr + rm[None, :] * stride_am + rn[:, None], mask=ok, other=0.0, cache_modifier=".cg")
-            else:
-                a = tl.load(add_ptr + rm[None, :] * stride_am + rn[:, None], mask=ok, other=0.0)
-            acc += a.to(tl.float32)
+            acc += tl.load(add_ptr + rm[None, :] * stride_am + rn[:, None], mask=ok, other=0.0,
+                           cache_modifier=".cg" if BESIDE else "").to(tl.float32)
         tl.store(out_ptr + rm[None, :] * stride_om + rn[:, None], acc.to(out_ptr.dtype.element_ty), mask=ok)
     if BESIDE:
         pdl_wait(USE_PDL, False)

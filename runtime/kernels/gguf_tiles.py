@@ -256,11 +256,7 @@ def _i2f(q, OFFSET: tl.constexpr):
 @triton.jit
 def _xload(x_ptr, offs, CG: tl.constexpr = False):
     """float32 activations; ``CG``: read from L2, past the SM's L1 (:func:`row_dot`)."""
-    if CG:
-        x = tl.load(x_ptr + offs, cache_modifier=".cg")
-    else:
-        x = tl.load(x_ptr + offs)
-    return x.to(tl.float32)
+    return tl.load(x_ptr + offs, cache_modifier=".cg" if CG else "").to(tl.float32)
 
 
 @triton.jit
