@@ -8,6 +8,7 @@ from graphdsl import GraphDSLError
 from graphdsl.runtime.gguf_blocks import from_stored, stored_row_bytes, to_stored
 from graphdsl.runtime.kernels.gemv import GemvWorkspace
 from graphdsl.runtime.kernels.gguf_linear import gguf_gemv
+import graphdsl.runtime.kernels.gguf_mma_q6k as kernels_q6k
 from graphdsl.runtime.kernels.gguf_mma_q6k import gguf_gemv_q6k, pick_q6k_config, q6k_activation_planes
 from tests.helpers.gguf_blocks import random_gguf_weight
 
@@ -63,11 +64,14 @@ def test_planes_hold_each_16_input_sub_block_in_16_bit_fixed_point():
     assert xa[1] == 0 and not torch.isnan(xa).any()
 
 
+@pytest.mark.parametrize("scale_dot", [True, False])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("split", [1, 3])
-def test_tensor_core_gemv_matches_dequantize_then_matmul(dtype, split):
+def test_tensor_core_gemv_matches_dequantize_then_matmul(dtype, split, scale_dot, monkeypatch):
     """Odd N (a partial row tile), K of 4 super-blocks split unevenly (3 asked: slices of 2), a
-    float32 output to see the sums' own precision: within 1e-4 of the largest output."""
+    float32 output to see the sums' own precision: within 1e-4 of the largest output; the scales and
+    ``d`` read through the selector dots (the default) or by plain loads."""
+    monkeypatch.setattr(kernels_q6k, "_SCALE_DOT", scale_dot)
     data, ref = _weight(19, 1024, seed=3)
     x = _x(1024, dtype, seed=4)
     out = torch.empty(1, 19, dtype=torch.float32, device=DEV)
