@@ -65,8 +65,9 @@ _PREFETCH_LINES = 2
 _BLOCK_N = 64                   # weight rows a tile (pick_mma_config)
 _STAGES = 3                     # pipeline stages of the K loop (pick_mma_config)
 _PROGRAMS_PER_SM = 2            # K is split until the grid has this many programs a SM (split_for) ...
-_MIN_SLICE = 2                  # ... while each slice keeps at least this many super-blocks (3 before: H200,
-                                # decode_ab two builds, 8B Q4_K_M 2508 -> 2487 µs, its o split 4 -> 8; 1B 762 -> 738)
+_MIN_SLICE = 1                  # ... while each slice keeps at least this many super-blocks (H200, decode_ab two
+                                # builds: 3 -> 2, 8B Q4_K_M 2508 -> 2487 µs, its o split 4 -> 8, 1B 762 -> 738;
+                                # 2 -> 1, the 1B's o and qkv split 8: 1B 729 -> 725, no 8B grid changes)
 # each K step's header words and activation scales loaded a step ahead: Triton pipelines only the
 # loads feeding the dots (codes, A operand), so these waited on L2 every step (H200, 8B Q4_K_M
 # decode_ab, two builds: 2734 -> 2714 µs; the same for the Q6_K GEMV's scales gained nothing, 2709)
@@ -432,7 +433,8 @@ def pick_mma_config(n: int, k: int, sms: int) -> dict:
     gate 2, down 8) are those that bring the grid to about two programs per SM: K is split in two
     while the grid has fewer and each slice keeps at least ``_MIN_SLICE`` super-blocks. Alone on the
     H100 the o took 7.7 µs in 4 slices of 4, 7.9 in 8 of 2; in the model on an H200 slices of 2
-    (o in 8; the 1B's o, qkv and down split twice as far) made the step faster, so 2 it is."""
+    (o in 8; the 1B's o, qkv and down split twice as far) made the step faster, and slices of one
+    (the 1B's o and qkv in 8) a little faster again, so 1 it is."""
     return dict(BLOCK_N=_BLOCK_N, SPLIT_K=split_for(triton.cdiv(n, _BLOCK_N), k // _SUPER, sms), num_warps=4,
                 num_stages=_STAGES)
 

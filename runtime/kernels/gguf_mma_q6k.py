@@ -232,8 +232,8 @@ def q6k_activation_planes(x: torch.Tensor, planes: tuple[torch.Tensor, torch.Ten
 
 def pick_q6k_config(n: int, k: int, sms: int) -> dict:
     """Launch of :func:`gguf_gemv_q6k`: :func:`.gguf_mma.pick_mma_config`'s rule (64 rows, 4 warps;
-    K split in two while the grid has fewer than two programs a SM and each slice keeps at least 3
-    super-blocks), 2 stages. H100 sweep (BLOCK_N 32/64/128, 4/8 warps, 2-4 stages, split 1-8; CUDA
+    K split in two while the grid has fewer than two programs a SM and each slice keeps at least
+    ``gguf_mma._MIN_SLICE`` super-blocks), 2 stages (3 measured no faster in the model on an H200). H100 sweep (BLOCK_N 32/64/128, 4/8 warps, 2-4 stages, split 1-8; CUDA
     graph over HBM-resident copies): that launch was the best or within 3% on o, qkv, gate and
     down (down 29.8 µs against 49.8 on the CUDA cores)."""
     return dict(BLOCK_N=_BLOCK_N, SPLIT_K=split_for(triton.cdiv(n, _BLOCK_N), k // _SUPER, sms), num_warps=4,

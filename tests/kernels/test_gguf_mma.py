@@ -165,13 +165,14 @@ def test_a_non_finite_input_gives_nan_not_a_finite_sum(bad):
 
 
 def test_pick_mma_config_from_the_sweep():
-    """About two programs per SM, slices of at least two super-blocks (H100 sweep: qkv 4, gate 2, down
-    8 slices of 64-row tiles; the o's 8 slices of 2 from an in-model A/B on an H200)."""
+    """About two programs per SM, slices of at least one super-block (H100 sweep: qkv 4, gate 2, down
+    8 slices of 64-row tiles; the o's 8 slices of 2, and the 1B o's 8 slices of 1, from in-model A/Bs
+    on an H200)."""
     splits = {name: pick_mma_config(n, k, 132)["SPLIT_K"]
               for name, (n, k) in {"o": (4096, 4096), "qkv": (6144, 4096), "gate": (14336, 4096),
-                                   "down": (4096, 14336), "1b.down": (2048, 8192)}.items()}
-    assert splits == {"o": 8, "qkv": 4, "gate": 2, "down": 8, "1b.down": 16}
-    assert pick_mma_config(64, 1024, 132)["SPLIT_K"] == 2         # slices keep 2 super-blocks
+                                   "down": (4096, 14336), "1b.down": (2048, 8192), "1b.o": (2048, 2048)}.items()}
+    assert splits == {"o": 8, "qkv": 4, "gate": 2, "down": 8, "1b.down": 16, "1b.o": 8}
+    assert pick_mma_config(64, 1024, 132)["SPLIT_K"] == 4         # slices of one super-block
 
 
 def test_mma_config_errors_name_what_is_wrong():
