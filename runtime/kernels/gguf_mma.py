@@ -72,6 +72,9 @@ _MIN_SLICE = 1                  # ... while each slice keeps at least this many 
 # loads feeding the dots (codes, A operand), so these waited on L2 every step (H200, 8B Q4_K_M
 # decode_ab, two builds: 2734 -> 2714 µs; the same for the Q6_K GEMV's scales gained nothing, 2709)
 _AHEAD = True
+# the accumulator keeps one row per sub-block: the high and low bytes' int32 sums joined as
+# 256 V_h + V_l before the float scales (half the float work a step), instead of 16 rows
+_PAIR = True
 _NORM_EARLY = True              # norm_planes: the weight read before the PDL wait, own inputs with the row
 
 
@@ -223,6 +226,13 @@ def _rows16(f, BLOCK_N: tl.constexpr):
 
 
 @triton.jit
+def _pair_rows(v, BLOCK_N: tl.constexpr):
+    """``(v[0:8], v[8:16])`` of an accumulator-layout ``v [16, BLOCK_N]``: rows ``s`` and ``8 + s`` of
+    an ``mma`` tile sit in the same thread, so this moves no data."""
+    return tl.split(tl.permute(tl.reshape(v, [2, 8, BLOCK_N]), (1, 2, 0)))
+
+
+@triton.jit
 def _q4k_kernel(
     a_ptr, xa_ptr, xs_ptr,   # activation planes [16, K] int8, a_s and S_s [K / 32] float32
     w_ptr,                   # uint8 Q4_K blocks: rows [N, ROW_BYTES], or block-major [K / 256, N, 144] (KB)
@@ -240,6 +250,7 @@ def _q4k_kernel(
     PLANES_Q6K: tl.constexpr = False,   # ... in the Q6_K GEMV's format instead (gguf_mma_q6k; pxs_ptr unused)
     KB: tl.constexpr = False, BYTES: tl.constexpr = 144, KB_STRIDE=0,   # block-major (gguf_tiles.layout_args)
     AHEAD: tl.constexpr = False,    # load each step's headers and activation scales a step ahead (_head)
+    PAIR: tl.constexpr = False,     # each sub-block's high and low rows joined in int32 before the scales (_PAIR)
     rin_ptr=None, RIN_CHUNKS=1, rin_inv_n=1.0, rin_eps=0.0,   # RMS_IN: the producer's Σy² partials, 1 / K, eps
     RMS_IN: tl.constexpr = False, RIN_BLOCK: tl.constexpr = 1,   # the sums times the carried norm's factor (GemvRmsIn)
     g_ptr=None, scaled_ptr=None, rpart_ptr=None,   # RMS_OUT: norm weight [N], y · weight [N], Σy² [N / 32]
@@ -268,11 +279,16 @@ def _q4k_kernel(
     r = tl.arange(0, 16)
     i4 = tl.arange(0, 4)
     part_w = tl.where(r < 8, 16.0, 1.0 / 16.0)            # 256 / 16 on the high bytes' rows, 1 / 16 on the low
-    acc = tl.zeros([16, BLOCK_N], tl.float32)
+    if PAIR:
+        rs_ = tl.arange(0, 8)                              # sub-blocks: the accumulator's 8 rows
+        acc = tl.zeros([8, BLOCK_N], tl.float32)
+    else:
+        rs_ = r
+        acc = tl.zeros([16, BLOCK_N], tl.float32)
     b_lo = pid_s * PER
     b_hi = tl.minimum(b_lo + PER, K // 256)
     if AHEAD:
-        n0, n1, n2, n3, nxa, nxs = _head(rows, b_lo, BS, xa_ptr, xs_ptr, r)
+        n0, n1, n2, n3, nxa, nxs = _head(rows, b_lo, BS, xa_ptr, xs_ptr, rs_)
     for b in range(b_lo, b_hi):
         blk = rows + b * BS                                # d, dmin @0; scales[12] @4; qs[128] @16
         codes = tl.load(blk[:, None] + (16 + rj)[None, :])
@@ -282,9 +298,9 @@ def _q4k_kernel(
         v = tl.dot(a_hi, tl.trans(_nibbles(codes, True, EMULATE)), v, out_dtype=tl.int32)
         if AHEAD:                                          # this step's, loaded last step; then the next step's
             dd, w1, w2, w3, xa, xs = n0, n1, n2, n3, nxa, nxs
-            n0, n1, n2, n3, nxa, nxs = _head(rows, tl.minimum(b + 1, b_hi - 1), BS, xa_ptr, xs_ptr, r)
+            n0, n1, n2, n3, nxa, nxs = _head(rows, tl.minimum(b + 1, b_hi - 1), BS, xa_ptr, xs_ptr, rs_)
         else:
-            dd, w1, w2, w3, xa, xs = _head(rows, b, BS, xa_ptr, xs_ptr, r)
+            dd, w1, w2, w3, xa, xs = _head(rows, b, BS, xa_ptr, xs_ptr, rs_)
         b0, b1, b2 = _bytes(w1, i4), _bytes(w2, i4), _bytes(w3, i4)
         d = (dd & 0xFFFF).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
         dmin = (dd >> 16).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
@@ -294,8 +310,13 @@ def _q4k_kernel(
         mn = tl.reshape(tl.permute(tl.join(b1 & 63, (b2 >> 4) | ((b1 >> 6) << 4)), (0, 2, 1)), [BLOCK_N, 8])
         f1 = d[:, None] * sc.to(tl.float32)
         f2 = 8.0 * f1 - dmin[:, None] * mn.to(tl.float32)
-        xs = tl.where(r < 8, xs, 0.0)
-        acc += v.to(tl.float32) * _rows16(f1, BLOCK_N) * (xa * part_w)[:, None] + _rows16(f2, BLOCK_N) * xs[:, None]
+        if PAIR:                                           # 256 V_h + V_l < 2^31: exact in int32
+            vh, vl = _pair_rows(v, BLOCK_N)
+            acc += ((vh * 256 + vl).to(tl.float32) * tl.trans(f1) * (xa * (1.0 / 16.0))[:, None]
+                    + tl.trans(f2) * xs[:, None])
+        else:
+            xs = tl.where(r < 8, xs, 0.0)
+            acc += v.to(tl.float32) * _rows16(f1, BLOCK_N) * (xa * part_w)[:, None] + _rows16(f2, BLOCK_N) * xs[:, None]
     if LATE_LAUNCH:
         pdl_trigger(USE_PDL)
     _finish(tl.sum(acc, axis=0), pid_n, pid_s, add_ptr, out_ptr, part_ptr, lock_ptr, N, SPLIT_K, BLOCK_N, SPLIT,
@@ -484,7 +505,7 @@ def gguf_gemv_mma(x: torch.Tensor, data: torch.Tensor, qtype: str, add: torch.Te
         EMULATE=os.environ.get("TRITON_INTERPRET") == "1", LATE_LAUNCH=n_tiles * split > sms and not early_launch,
         SWIGLU=silu_mul,
         PREFETCH=_PREFETCH_LINES, **_planes_args(planes_out, silu_mul, n, block_n), **pdl_launch(x.device), **layout,
-        AHEAD=_AHEAD, **rms_args("gguf_gemv", rms_out, rms_in, n // 2 if silu_mul else n, k, block_n, silu_mul, out),
+        AHEAD=_AHEAD, PAIR=_PAIR, **rms_args("gguf_gemv", rms_out, rms_in, n // 2 if silu_mul else n, k, block_n, silu_mul, out),
         **cfg)
     return out
 

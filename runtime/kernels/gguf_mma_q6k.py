@@ -48,7 +48,7 @@ import triton.language as tl
 from graphdsl.quant import code_rows
 
 from ..gguf_blocks import STORED_BLOCK_BYTES
-from .gguf_mma import _bytes, _finish, _norm_weight, _rms_in_factor, _rows16, rms_args, split_for
+from .gguf_mma import _bytes, _finish, _norm_weight, _pair_rows, _rms_in_factor, _rows16, rms_args, split_for
 from .gguf_tiles import layout_args
 from .pdl import pdl_launch, pdl_trigger, pdl_wait, prefetch_l2
 
@@ -64,6 +64,7 @@ _STAGES = 2                     # pipeline stages of the K loop (pick_q6k_config
 # (_selector): their loads feed dots, so Triton pipelines them with the codes; otherwise plain loads
 # each step, unpacked and moved into that layout by shuffles (_step_scales)
 _SCALE_DOT = True
+_PAIR = True                    # with _SCALE_DOT: one accumulator row a sub-block (gguf_mma._PAIR)
 
 
 @triton.jit
@@ -149,6 +150,7 @@ def _q6k_kernel(
     g_ptr=None, scaled_ptr=None, rpart_ptr=None, RMS_OUT: tl.constexpr = False,
     pa_ptr=None, pxa_ptr=None, pxs_ptr=None, PLANES: tl.constexpr = False,   # RMS_OUT: the Q4_K A operand too
     SCALE_DOT: tl.constexpr = False,   # scales and d through selector dots (_SCALE_DOT)
+    PAIR: tl.constexpr = False,        # SCALE_DOT: one accumulator row a sub-block (gguf_mma._PAIR)
 ):
     """out[n] = sum_k x[k] dequant(w)[n, k] (+ add[n]) for ``BLOCK_N`` rows over super-blocks
     ``[pid_s PER, (pid_s + 1) PER)``; rows past ``N`` read row ``N - 1`` (never stored)."""
@@ -167,7 +169,12 @@ def _q6k_kernel(
     r = tl.arange(0, 16)
     i4 = tl.arange(0, 4)
     part_w = tl.where(r < 8, 64.0, 0.25)                  # 256 / 4 on the high bytes' rows, 1 / 4 on the low
-    acc = tl.zeros([16, BLOCK_N], tl.float32)
+    if PAIR:
+        acc = tl.zeros([8, BLOCK_N], tl.float32)
+        rq = tl.arange(0, 8)
+    else:
+        acc = tl.zeros([16, BLOCK_N], tl.float32)
+        rq = r
     b_lo = pid_s * PER
     b_hi = tl.minimum(b_lo + PER, K // 256)
     if SCALE_DOT:                                          # bytes 192.. of a block: scales[16], d, padding
@@ -175,8 +182,8 @@ def _q6k_kernel(
         sel_hi = _selector(r, j, 17, False)
         sel_h0 = _selector(r, j, 0, True)
         sel_h1 = _selector(r, j, 8, True)
-        nxa0 = tl.load(xa_ptr + b_lo * 16 + r % 8)         # the activation scales a step ahead
-        nxa1 = tl.load(xa_ptr + b_lo * 16 + 8 + r % 8)
+        nxa0 = tl.load(xa_ptr + b_lo * 16 + rq % 8)        # the activation scales a step ahead
+        nxa1 = tl.load(xa_ptr + b_lo * 16 + 8 + rq % 8)
     for b in range(b_lo, b_hi):
         blk = rows[:, None] + b * BS
         words = (rows + b * BS).to(tl.pointer_type(tl.int32))
@@ -184,12 +191,15 @@ def _q6k_kernel(
             tail = tl.trans(tl.load(blk + (192 + j)[None, :]).to(tl.int8, bitcast=True))
             d_lo = tl.dot(sel_lo, tail, out_dtype=tl.int32)
             d_hi = tl.dot(sel_hi, tail, out_dtype=tl.int32)
+            if PAIR:                                       # rows s and 8 + s hold the same bytes
+                d_lo, _ = _pair_rows(d_lo, BLOCK_N)
+                d_hi, _ = _pair_rows(d_hi, BLOCK_N)
             d16 = ((d_hi & 255) << 8) | (d_lo & 255)
             d16 = d16.to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)   # d at [r, n]
             xa0, xa1 = nxa0, nxa1
             nb = tl.minimum(b + 1, b_hi - 1)
-            nxa0 = tl.load(xa_ptr + nb * 16 + r % 8)
-            nxa1 = tl.load(xa_ptr + nb * 16 + 8 + r % 8)
+            nxa0 = tl.load(xa_ptr + nb * 16 + rq % 8)
+            nxa1 = tl.load(xa_ptr + nb * 16 + 8 + rq % 8)
         else:
             d = (tl.load(words + 52) & 0xFFFF).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
         for h in tl.static_range(2):
@@ -203,12 +213,17 @@ def _q6k_kernel(
             v = tl.dot(tl.load(col + 96), tl.trans(_plane(ql1, qh, 3, EMULATE)), v, out_dtype=tl.int32)
             if SCALE_DOT:
                 if h == 0:
-                    sc = tl.dot(sel_h0, tail, out_dtype=tl.int32).to(tl.float32)   # scales[8 h + r % 8]
+                    sc = tl.dot(sel_h0, tail, out_dtype=tl.int32)   # scales[8 h + r % 8]
                     xa = xa0
                 else:
-                    sc = tl.dot(sel_h1, tail, out_dtype=tl.int32).to(tl.float32)
+                    sc = tl.dot(sel_h1, tail, out_dtype=tl.int32)
                     xa = xa1
-                acc += v.to(tl.float32) * (d16 * sc) * (xa * part_w)[:, None]
+                if PAIR:                                   # 256 V_h + V_l < 2^31: exact in int32
+                    sc, _ = _pair_rows(sc, BLOCK_N)
+                    vh, vl = _pair_rows(v, BLOCK_N)
+                    acc += (vh * 256 + vl).to(tl.float32) * (d16 * sc.to(tl.float32)) * (xa * 0.25)[:, None]
+                else:
+                    acc += v.to(tl.float32) * (d16 * sc.to(tl.float32)) * (xa * part_w)[:, None]
             else:
                 xa = tl.load(xa_ptr + b * 16 + 8 * h + r % 8)
                 sc = _step_scales(words, h, i4, BLOCK_N)
@@ -266,7 +281,7 @@ def gguf_gemv_q6k(x: torch.Tensor, data: torch.Tensor, add: torch.Tensor | None,
     _q6k_kernel[(n_tiles, split)](
         *planes, data, add if add is not None else out, out, part, lock, n, k, row_stride, per, split,
         BLOCK_N=block_n, SPLIT=split > 1, HAS_ADD=add is not None, EMULATE=os.environ.get("TRITON_INTERPRET") == "1",
-        LATE_LAUNCH=n_tiles * split > sms and not early_launch, PREFETCH=_PREFETCH_LINES, SCALE_DOT=_SCALE_DOT,
+        LATE_LAUNCH=n_tiles * split > sms and not early_launch, PREFETCH=_PREFETCH_LINES, SCALE_DOT=_SCALE_DOT, PAIR=_SCALE_DOT and _PAIR,
         **pdl_launch(x.device), **layout,
         **rms_args("gguf_gemv", rms_out, rms_in, n, k, block_n, False, out), **cfg)
     return out

@@ -4,6 +4,7 @@ import pytest
 import torch
 
 from graphdsl import GraphDSLError
+from graphdsl.runtime.gguf_blocks import dequantize_blocks
 from graphdsl.runtime.kernels.gemv import GemvWorkspace
 from graphdsl.runtime.kernels.gguf_linear import gguf_gemv
 from graphdsl.runtime.kernels.gguf_mma import activation_planes, gguf_gemv_mma, pick_mma_config
@@ -256,6 +257,27 @@ def test_block_major_blocks_give_the_same_bits(split):
     got = gguf_gemv(x, kb, "Q4_K", silu_mul=True, config=cfg, planes_out=planes_kb)
     assert torch.equal(got, gguf_gemv(x, data, "Q4_K", silu_mul=True, config=cfg, planes_out=planes))
     assert all(torch.equal(a, b) for a, b in zip(planes_kb, planes))
+
+
+@pytest.mark.parametrize("pair", [True, False])
+def test_joined_rows_are_exact_at_the_extremes(pair, monkeypatch):
+    """``_PAIR`` (each sub-block's high and low byte sums joined as ``256 V_h + V_l`` in int32 before
+    the float scales) and the 16-row accumulator both match the reference, also with every code at
+    its extreme (``q = 0``: the signed byte -128) and every input at the row's largest magnitude,
+    where the int32 sums are largest."""
+    import graphdsl.runtime.kernels.gguf_mma as mma
+    monkeypatch.setattr(mma, "_PAIR", pair)
+    data, _ = random_gguf_weight("Q4_K", 21, 768, seed=30)
+    data = data.reshape(21, 3, 144).clone()
+    data[:, :, 16:] = 0                                  # every nibble q = 0
+    data = data.reshape(21, -1)
+    ref = dequantize_blocks(data, "Q4_K", 768)
+    for x in (_x(768, torch.bfloat16, seed=31), torch.full((1, 768), -3.0, dtype=torch.bfloat16).to(DEV)):
+        out = torch.empty(1, 21, dtype=torch.float32, device=DEV)
+        gguf_gemv_mma(x, data.to(DEV), "Q4_K", None, out, None, dict(BLOCK_N=16, SPLIT_K=2, num_warps=4,
+                                                                     num_stages=2), 4)
+        want = x.double().cpu() @ ref.double().T
+        torch.testing.assert_close(out.cpu().double(), want, rtol=0, atol=1e-4 * want.abs().max().item())
 
 
 def test_headers_a_step_ahead_give_the_same_bits(monkeypatch):

@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from graphdsl import GraphDSLError
-from graphdsl.runtime.gguf_blocks import from_stored, stored_row_bytes, to_stored
+from graphdsl.runtime.gguf_blocks import dequantize_blocks, from_stored, stored_row_bytes, to_stored
 from graphdsl.runtime.kernels.gemv import GemvWorkspace
 from graphdsl.runtime.kernels.gguf_linear import gguf_gemv
 import graphdsl.runtime.kernels.gguf_mma_q6k as kernels_q6k
@@ -64,20 +64,39 @@ def test_planes_hold_each_16_input_sub_block_in_16_bit_fixed_point():
     assert xa[1] == 0 and not torch.isnan(xa).any()
 
 
-@pytest.mark.parametrize("scale_dot", [True, False])
+@pytest.mark.parametrize("scale_dot,pair", [(True, True), (True, False), (False, False)])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("split", [1, 3])
-def test_tensor_core_gemv_matches_dequantize_then_matmul(dtype, split, scale_dot, monkeypatch):
+def test_tensor_core_gemv_matches_dequantize_then_matmul(dtype, split, scale_dot, pair, monkeypatch):
     """Odd N (a partial row tile), K of 4 super-blocks split unevenly (3 asked: slices of 2), a
     float32 output to see the sums' own precision: within 1e-4 of the largest output; the scales and
-    ``d`` read through the selector dots (the default) or by plain loads."""
+    ``d`` read through the selector dots (the default) or by plain loads; one accumulator row a
+    sub-block (``_PAIR``, the default) or sixteen."""
     monkeypatch.setattr(kernels_q6k, "_SCALE_DOT", scale_dot)
+    monkeypatch.setattr(kernels_q6k, "_PAIR", pair)
     data, ref = _weight(19, 1024, seed=3)
     x = _x(1024, dtype, seed=4)
     out = torch.empty(1, 19, dtype=torch.float32, device=DEV)
     gguf_gemv_q6k(x, data, None, out, None, dict(BLOCK_N=16, SPLIT_K=split, num_warps=4, num_stages=2), 4)
     want = x.float().cpu() @ ref.T
     torch.testing.assert_close(out.cpu(), want, rtol=0, atol=1e-4 * want.abs().max().item())
+
+
+def test_extreme_codes_and_inputs_stay_exact():
+    """Every code at its extreme (``q = 0``: the signed byte -128, ``qh`` and ``ql`` zero) and every
+    input at the row's largest magnitude, where the joined int32 sums ``256 V_h + V_l`` are largest:
+    still within 1e-4 of the float64 reference."""
+    data, _ = random_gguf_weight("Q6_K", 21, 512, seed=40)
+    data = data.reshape(21, 2, 210).clone()
+    data[:, :, :192] = 0
+    data = data.reshape(21, -1)
+    ref = dequantize_blocks(data, "Q6_K", 512)
+    x = torch.full((1, 512), 5.0, dtype=torch.bfloat16).to(DEV)
+    out = torch.empty(1, 21, dtype=torch.float32, device=DEV)
+    gguf_gemv_q6k(x, to_stored(data, "Q6_K").to(DEV), None, out, None,
+                  dict(BLOCK_N=16, SPLIT_K=1, num_warps=4, num_stages=2), 4)
+    want = x.double().cpu() @ ref.double().T
+    torch.testing.assert_close(out.cpu().double(), want, rtol=0, atol=1e-4 * want.abs().max().item())
 
 
 def test_into_a_column_slice_with_the_residual_and_counters_left_at_zero():
