@@ -24,8 +24,11 @@ per-weight work is three bit operations per eight weights:
   (:func:`_nibbles`). Two int8 dots give ``V [16, BLOCK_N]`` (int32, exact).
 * **Scales**: for row ``n`` and sub-block ``s`` (``d``, ``dmin`` and the 6-bit ``sc``, ``m`` of the
   block header), ``sum_k x_k w_k = d sc_s (a_s (256 V_h + V_l) / 16 + 8 S_s) - dmin m_s S_s``: each
-  accumulator row takes ``V`` times ``d sc_s a_s`` (x 16 or / 16) plus, on the ``h`` rows, the
-  ``S_s`` term; the 16 rows are summed once, after the K loop.
+  sub-block's two rows of ``V`` (``h`` and ``l``, in the same thread of an ``mma`` tile) are joined
+  as ``256 V_h + V_l`` in int32 (below 2^27: exact), so the accumulator keeps one float row a
+  sub-block, ``[8, BLOCK_N]``, which takes that times ``d sc_s a_s / 16`` plus the ``S_s`` term;
+  the 8 rows are summed once, after the K loop (``_PAIR``; H200, decode_ab two builds: 8B Q4_K_M
+  2469 -> 2448 µs).
 
 Split-K slices meet in the launch (:mod:`.splitk`), the last program adding the residual or bias.
 Both launches use programmatic dependent launch (:mod:`.pdl`): each starts while its predecessor

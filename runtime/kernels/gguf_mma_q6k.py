@@ -28,8 +28,10 @@ each a 6-bit ``q``; the weight is ``d · sc[8 h + i // 16] · (q - 32)``.
   ``8 h + s``'s partial. Columns are in input order. A sub-block holding a NaN or an infinity gets
   ``a_s`` NaN (every output NaN, never a silent finite value).
 * **Scales**: ``Σ_k x_k w_k = d sc_s a_s Σ xq (q − 32) = d sc_s a_s (64 V_hi + V_lo / 4)``, with
-  ``V`` the int32 dot of ``xq``'s bytes and ``4 (q − 32)`` (exact); the 16 rows are summed once
-  after the K loop. No ``S_s`` term: Q6_K has no minimum. The block's last 32 bytes (``scales``,
+  ``V`` the int32 dot of ``xq``'s bytes and ``4 (q − 32)`` (exact), joined as ``256 V_hi + V_lo``
+  in int32 (below 2^26) so the accumulator keeps one row a sub-block (``_PAIR``, as
+  :mod:`.gguf_mma`'s); its rows are summed once after the K loop. No ``S_s`` term: Q6_K has no
+  minimum. The block's last 32 bytes (``scales``,
   ``d``, padding) load as one ``[BLOCK_N, 32]`` tile and reach the accumulator's ``[16, BLOCK_N]``
   layout through four more int8 dots with 0/1 selectors (:func:`_selector`: ``scales[8 h + r % 8]``
   for each half, ``d``'s two bytes), exact; since they feed dots, Triton pipelines those loads with
