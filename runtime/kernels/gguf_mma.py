@@ -313,7 +313,7 @@ def _q4k_kernel(
         mn = tl.reshape(tl.permute(tl.join(b1 & 63, (b2 >> 4) | ((b1 >> 6) << 4)), (0, 2, 1)), [BLOCK_N, 8])
         f1 = d[:, None] * sc.to(tl.float32)
         f2 = 8.0 * f1 - dmin[:, None] * mn.to(tl.float32)
-        if PAIR:                                           # 256 V_h + V_l < 2^31: exact in int32
+        if PAIR:                                           # |256 V_h + V_l| < 2^27: exact in int32
             vh, vl = _pair_rows(v, BLOCK_N)
             acc += ((vh * 256 + vl).to(tl.float32) * tl.trans(f1) * (xa * (1.0 / 16.0))[:, None]
                     + tl.trans(f2) * xs[:, None])

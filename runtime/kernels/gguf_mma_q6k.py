@@ -31,11 +31,11 @@ each a 6-bit ``q``; the weight is ``d · sc[8 h + i // 16] · (q - 32)``.
   ``V`` the int32 dot of ``xq``'s bytes and ``4 (q − 32)`` (exact), joined as ``256 V_hi + V_lo``
   in int32 (below 2^26) so the accumulator keeps one row a sub-block (``_PAIR``, as
   :mod:`.gguf_mma`'s); its rows are summed once after the K loop. No ``S_s`` term: Q6_K has no
-  minimum. The block's last 32 bytes (``scales``,
-  ``d``, padding) load as one ``[BLOCK_N, 32]`` tile and reach the accumulator's ``[16, BLOCK_N]``
-  layout through four more int8 dots with 0/1 selectors (:func:`_selector`: ``scales[8 h + r % 8]``
-  for each half, ``d``'s two bytes), exact; since they feed dots, Triton pipelines those loads with
-  the codes (H200, decode_ab two builds: 8B Q4_K_M 2489 -> 2483 µs, 1B 735 -> 728; ``_SCALE_DOT``).
+  minimum. The block's last 32 bytes (``scales``, ``d``, padding) load as one ``[BLOCK_N, 32]``
+  tile and reach the accumulator's layout through four more int8 dots with 0/1 selectors
+  (:func:`_selector`: ``scales[8 h + r % 8]`` for each half, ``d``'s two bytes), exact; since they
+  feed dots, Triton pipelines those loads with the codes (H200, decode_ab two builds: 8B Q4_K_M
+  2489 -> 2483 µs, 1B 735 -> 728; ``_SCALE_DOT``).
 
 Split-K, the epilogue, PDL and the L2 prefetch before the wait are :mod:`.gguf_mma`'s.
 """
@@ -220,7 +220,7 @@ def _q6k_kernel(
                 else:
                     sc = tl.dot(sel_h1, tail, out_dtype=tl.int32)
                     xa = xa1
-                if PAIR:                                   # 256 V_h + V_l < 2^31: exact in int32
+                if PAIR:                                   # |256 V_h + V_l| < 2^26: exact in int32
                     sc, _ = _pair_rows(sc, BLOCK_N)
                     vh, vl = _pair_rows(v, BLOCK_N)
                     acc += (vh * 256 + vl).to(tl.float32) * (d16 * sc.to(tl.float32)) * (xa * 0.25)[:, None]
