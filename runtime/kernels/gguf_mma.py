@@ -283,15 +283,15 @@ def _q4k_kernel(
     i4 = tl.arange(0, 4)
     part_w = tl.where(r < 8, 16.0, 1.0 / 16.0)            # 256 / 16 on the high bytes' rows, 1 / 16 on the low
     if PAIR:
-        rs_ = tl.arange(0, 8)                              # sub-blocks: the accumulator's 8 rows
+        arow = tl.arange(0, 8)                             # the accumulator's rows: one a sub-block
         acc = tl.zeros([8, BLOCK_N], tl.float32)
     else:
-        rs_ = r
+        arow = r
         acc = tl.zeros([16, BLOCK_N], tl.float32)
     b_lo = pid_s * PER
     b_hi = tl.minimum(b_lo + PER, K // 256)
     if AHEAD:
-        n0, n1, n2, n3, nxa, nxs = _head(rows, b_lo, BS, xa_ptr, xs_ptr, rs_)
+        n0, n1, n2, n3, nxa, nxs = _head(rows, b_lo, BS, xa_ptr, xs_ptr, arow)
     for b in range(b_lo, b_hi):
         blk = rows + b * BS                                # d, dmin @0; scales[12] @4; qs[128] @16
         codes = tl.load(blk[:, None] + (16 + rj)[None, :])
@@ -301,9 +301,9 @@ def _q4k_kernel(
         v = tl.dot(a_hi, tl.trans(_nibbles(codes, True, EMULATE)), v, out_dtype=tl.int32)
         if AHEAD:                                          # this step's, loaded last step; then the next step's
             dd, w1, w2, w3, xa, xs = n0, n1, n2, n3, nxa, nxs
-            n0, n1, n2, n3, nxa, nxs = _head(rows, tl.minimum(b + 1, b_hi - 1), BS, xa_ptr, xs_ptr, rs_)
+            n0, n1, n2, n3, nxa, nxs = _head(rows, tl.minimum(b + 1, b_hi - 1), BS, xa_ptr, xs_ptr, arow)
         else:
-            dd, w1, w2, w3, xa, xs = _head(rows, b, BS, xa_ptr, xs_ptr, rs_)
+            dd, w1, w2, w3, xa, xs = _head(rows, b, BS, xa_ptr, xs_ptr, arow)
         b0, b1, b2 = _bytes(w1, i4), _bytes(w2, i4), _bytes(w3, i4)
         d = (dd & 0xFFFF).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
         dmin = (dd >> 16).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)

@@ -173,10 +173,10 @@ def _q6k_kernel(
     part_w = tl.where(r < 8, 64.0, 0.25)                  # 256 / 4 on the high bytes' rows, 1 / 4 on the low
     if PAIR:
         acc = tl.zeros([8, BLOCK_N], tl.float32)
-        rq = tl.arange(0, 8)
+        arow = tl.arange(0, 8)
     else:
         acc = tl.zeros([16, BLOCK_N], tl.float32)
-        rq = r
+        arow = r
     b_lo = pid_s * PER
     b_hi = tl.minimum(b_lo + PER, K // 256)
     if SCALE_DOT:                                          # bytes 192.. of a block: scales[16], d, padding
@@ -184,8 +184,8 @@ def _q6k_kernel(
         sel_hi = _selector(r, j, 17, False)
         sel_h0 = _selector(r, j, 0, True)
         sel_h1 = _selector(r, j, 8, True)
-        nxa0 = tl.load(xa_ptr + b_lo * 16 + rq % 8)        # the activation scales a step ahead
-        nxa1 = tl.load(xa_ptr + b_lo * 16 + 8 + rq % 8)
+        nxa0 = tl.load(xa_ptr + b_lo * 16 + arow % 8)        # the activation scales a step ahead
+        nxa1 = tl.load(xa_ptr + b_lo * 16 + 8 + arow % 8)
     for b in range(b_lo, b_hi):
         blk = rows[:, None] + b * BS
         words = (rows + b * BS).to(tl.pointer_type(tl.int32))
@@ -200,8 +200,8 @@ def _q6k_kernel(
             d16 = d16.to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)   # d at [r, n]
             xa0, xa1 = nxa0, nxa1
             nb = tl.minimum(b + 1, b_hi - 1)
-            nxa0 = tl.load(xa_ptr + nb * 16 + rq % 8)
-            nxa1 = tl.load(xa_ptr + nb * 16 + 8 + rq % 8)
+            nxa0 = tl.load(xa_ptr + nb * 16 + arow % 8)
+            nxa1 = tl.load(xa_ptr + nb * 16 + 8 + arow % 8)
         else:
             d = (tl.load(words + 52) & 0xFFFF).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
         for h in tl.static_range(2):
