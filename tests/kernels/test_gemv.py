@@ -88,6 +88,20 @@ def test_fp8_one_row_launch_from_the_sweeps(monkeypatch):
     assert launch(4096, 14336) == (64, 256, 8)         # down: 1792-input slices
 
 
+def test_int4_one_row_launch_fills_two_programs_a_sm(monkeypatch):
+    """The int4 one-row launch splits K into as many slices as keep the grid within two programs a
+    SM, any count (not only powers of two), so the SMs get even shares: the Llama-3-8B qkv in 11
+    slices (264 programs, where 8 left 72 of 132 SMs one program), the Llama-3.2-1B down in 33
+    requested (the launch makes 32 two-step slices of its 64 steps, 256 programs, where 16 gave 128)."""
+    import graphdsl.runtime.kernels.gemv as g
+    monkeypatch.setattr(g, "_num_sms", lambda device: 132)
+    split = lambda n, k: g._pick_quant_config(1, n, k, g.W_INT4, 128, torch.device("cpu"))["SPLIT_K"]  # noqa: E731
+    assert [split(6144, 4096), split(4096, 4096), split(28672, 4096), split(4096, 14336)] == [11, 16, 2, 16]
+    assert [split(3072, 2048), split(2048, 2048), split(16384, 2048), split(2048, 8192)] == [16, 16, 4, 33]
+    assert split(256 * 300, 4096) == 1                 # more tiles than two a SM: unsplit
+    assert split(256, 256) == 2                        # never a slice without a 128-input step
+
+
 def test_gemv_rejects_what_it_cannot_run():
     x = torch.randn(17, 8, dtype=torch.float16)
     with pytest.raises(GraphDSLError, match=r"gemv: needs x \[M<= 16, K\].*got x \[17, 8\]"):
