@@ -18,7 +18,11 @@ to overflow L2 (every launch reads its blocks from HBM), time per launch = repla
 ``_pick_config``); for the one-row tensor-core path it sweeps that GEMV's launches too (row tiles,
 warps, pipeline stages, K slices; the A operand made beforehand, as the model's producers make it:
 to tune ``pick_mma_config`` / ``pick_q6k_config``). ``--prefill`` adds a table of ``gguf_linear`` at 512 rows (dequantize + cuBLAS)
-against the bf16 matmul.
+against the bf16 matmul. ``--busiest-sm`` prints only one table: the one-row tensor-core GEMVs
+(Q4_K, Q6_K; one K slice, the A operand given) over ``N = tiles x 64`` rows for tile counts just
+under, at and just over multiples of the SM count, with the time per SM's worth of tiles: a
+one-row GEMV runs as long as its busiest SM, so a few tiles past a multiple cost a whole program
+more on those SMs (docs/quantization.md).
 """
 from __future__ import annotations
 
@@ -117,6 +121,39 @@ def sweep_mma(x, datas, qtype: str, nbytes: int, copy: float) -> None:
               flush=True)
 
 
+def busiest_sm_tiles(sms: int) -> list[int]:
+    """Tile counts for ``--busiest-sm``: one to four programs a SM, a few tiles either side of three,
+    and the Llama-3-8B gate/up's 448 (28672 rows)."""
+    return sorted({sms, sms + sms // 2, 2 * sms, 3 * sms - 10, 3 * sms, 3 * sms + 10, 448, 4 * sms - 10, 4 * sms})
+
+
+def busiest_sm() -> None:
+    """``--busiest-sm``: one-row Q4_K and Q6_K tensor-core GEMVs of ``tiles x 64`` rows, K 4096, one
+    slice, A operand given; µs a launch and µs per SM's worth of tiles (module docstring)."""
+    from graphdsl.runtime.kernels.gemv import GemvWorkspace
+    from graphdsl.runtime.kernels.gguf_linear import gguf_gemv
+    from graphdsl.runtime.kernels.gguf_mma import activation_planes
+    from graphdsl.runtime.kernels.gguf_mma_q6k import q6k_activation_planes
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    k = 4096
+    x = torch.randn(1, k, device="cuda", dtype=torch.bfloat16)
+    print(f"\n| type | tiles of 64 rows | programs a SM | µs | µs per {sms} tiles |\n|---|---:|---:|---:|---:|")
+    for qtype in ("Q4_K", "Q6_K"):
+        planes = q6k_activation_planes(x[0]) if qtype == "Q6_K" else activation_planes(x[0])
+        cfg = dict(MMA=True, BLOCK_N=64, SPLIT_K=1, num_warps=4, num_stages=2 if qtype == "Q6_K" else 3)
+        for tiles in busiest_sm_tiles(sms):
+            n = tiles * 64
+            one = random_blocks(qtype, n, k, seed=0)
+            datas = [one] + [random_blocks(qtype, n, k, seed=i) for i in range(1, copies_for(one.numel()))]
+            out = torch.empty(1, n, dtype=x.dtype, device="cuda")
+            ws = GemvWorkspace()
+            us = replay_us(lambda: [gguf_gemv(x, d, qtype, out=out, workspace=ws, config=cfg, planes=planes)
+                                    for d in datas], len(datas))
+            print(f"| {qtype} | {tiles} | {tiles / sms:.2f} | {us:.2f} | {us / tiles * sms:.2f} |", flush=True)
+            del datas, one
+            torch.cuda.empty_cache()
+
+
 def main() -> None:
     from graphdsl.runtime.kernels.gguf_linear import _num_sms, _pick_config, gguf_gemv, gguf_linear
     from graphdsl.runtime.gguf_blocks import row_bytes
@@ -129,7 +166,13 @@ def main() -> None:
     ap.add_argument("--sweep", action="store_true")
     ap.add_argument("--prefill", action="store_true")
     ap.add_argument("--config", default=None, help='JSON merged into every launch, e.g. \'{"USE_DOT": true, "BLOCK_N": 32}\'')
+    ap.add_argument("--busiest-sm", action="store_true",
+                    help="only the table of tensor-core GEMV times against the programs a SM (module docstring)")
     args = ap.parse_args()
+    if args.busiest_sm:
+        print(device_line())
+        busiest_sm()
+        return
     override = json.loads(args.config) if args.config else {}
     rows = [int(r) for r in args.rows.split(",")]
     types = args.types.split(",")

@@ -24,3 +24,11 @@ def test_the_tensor_core_sweep_covers_the_rule_and_runs():
     for c in (cfgs[0], cfgs[-1]):            # 32-row tiles, one slice; 128-row tiles, 8 warps, 4 stages, 8 slices
         got = gguf_gemv(x, data, "Q4_K", config=c).float()
         torch.testing.assert_close(got, want, rtol=0, atol=1e-3 * want.abs().max().item())
+
+
+def test_busiest_sm_tiles_bracket_the_multiples_of_the_sms():
+    """``--busiest-sm`` times one to four programs a SM and tiles just under, at and just over three
+    a SM, where one tile more adds a program to ten SMs."""
+    tiles = benchmarks.load("gguf_gemv").busiest_sm_tiles(132)
+    assert tiles == sorted(tiles) and tiles[0] == 132 and tiles[-1] == 4 * 132
+    assert {3 * 132 - 10, 3 * 132, 3 * 132 + 10} <= set(tiles)
