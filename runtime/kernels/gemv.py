@@ -1202,13 +1202,13 @@ def _pick_quant_config(m: int, n: int, k: int, wkind: int, group: int, device: t
     issued one step ahead (:func:`_int4_loads`), 256-row tiles, one group a step (``BLOCK_K`` =
     the group, at least 128: wider steps were slower), K split into as many slices as keep the grid
     within ``_INT4_PROGRAMS_PER_SM`` (two) programs a SM — any count, not only powers of two, so
-    the grid fills the SMs evenly: a one-row GEMV runs as long as its busiest SM (``probe``, H200:
-    a Q4_K GEMV of 396 tiles 19.7 µs, of 406 tiles 23.1), and with slices of powers of two the 8B
-    qkv ran 192 programs (60 SMs with two, 72 with one) and the 1B down 128 (H200, decode_ab two
-    builds: 8B int4 1942, 1941 -> 1916, 1918 µs with the qkv in 11 slices; 1B 606, 604 -> 584,
-    585 with the down in 32). The sweeps of powers of two before that: qkv 9.2 µs at split 8, o
-    7.2 at 16, gate_up 30.2 at 2, down 15.6 at 16 (47% of copy on gate_up and down; the float loop
-    with the same prefetch: 9.4, 7.5, 35.4, 18.4).
+    the grid fills the SMs evenly: a one-row GEMV runs as long as its busiest SM (H200,
+    ``benchmarks/gguf_gemv.py --busiest-sm``: a Q4_K GEMV of 396 tiles 19.7 µs, of 406 tiles 23.1),
+    and with slices of powers of two the 8B qkv ran 192 programs (60 SMs with two, 72 with one) and
+    the 1B down 128 (H200, decode_ab two builds: 8B int4 1942, 1941 -> 1916, 1918 µs with the qkv
+    in 11 slices; 1B 606, 604 -> 584, 585 with the down in 32). The sweeps of powers of two before
+    that: qkv 9.2 µs at split 8, o 7.2 at 16, gate_up 30.2 at 2, down 15.6 at 16 (47% of copy on
+    gate_up and down; the float loop with the same prefetch: 9.4, 7.5, 35.4, 18.4).
     Before the prefetch both loops ran at 10.0-11.0, 7.3-7.7, 33-34 and 17.4-18.0 µs: the
     scale load inside the step stalled it by a memory latency. With the step's operands loaded in
     the accumulator's layout (``_QUADS``: :func:`_int4_step_dp4a_quads`) the same launches stayed
