@@ -508,8 +508,8 @@ def gguf_gemv_mma(x: torch.Tensor, data: torch.Tensor, qtype: str, add: torch.Te
         EMULATE=os.environ.get("TRITON_INTERPRET") == "1", LATE_LAUNCH=n_tiles * split > sms and not early_launch,
         SWIGLU=silu_mul,
         PREFETCH=_PREFETCH_LINES, **_planes_args(planes_out, silu_mul, n, block_n), **pdl_launch(x.device), **layout,
-        AHEAD=_AHEAD, PAIR=_PAIR, **rms_args("gguf_gemv", rms_out, rms_in, n // 2 if silu_mul else n, k, block_n, silu_mul, out),
-        **cfg)
+        AHEAD=_AHEAD, PAIR=_PAIR,
+        **rms_args("gguf_gemv", rms_out, rms_in, n // 2 if silu_mul else n, k, block_n, silu_mul, out), **cfg)
     return out
 
 

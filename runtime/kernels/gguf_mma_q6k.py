@@ -250,9 +250,10 @@ def q6k_activation_planes(x: torch.Tensor, planes: tuple[torch.Tensor, torch.Ten
 def pick_q6k_config(n: int, k: int, sms: int) -> dict:
     """Launch of :func:`gguf_gemv_q6k`: :func:`.gguf_mma.pick_mma_config`'s rule (64 rows, 4 warps;
     K split in two while the grid has fewer than two programs a SM and each slice keeps at least
-    ``gguf_mma._MIN_SLICE`` super-blocks), 2 stages (3 measured no faster in the model on an H200). H100 sweep (BLOCK_N 32/64/128, 4/8 warps, 2-4 stages, split 1-8; CUDA
-    graph over HBM-resident copies): that launch was the best or within 3% on o, qkv, gate and
-    down (down 29.8 µs against 49.8 on the CUDA cores)."""
+    ``gguf_mma._MIN_SLICE`` super-blocks), 2 stages (3 measured no faster in the model on an H200).
+    H100 sweep (BLOCK_N 32/64/128, 4/8 warps, 2-4 stages, split 1-8; CUDA graph over HBM-resident
+    copies): that launch was the best or within 3% on o, qkv, gate and down (down 29.8 µs against
+    49.8 on the CUDA cores)."""
     return dict(BLOCK_N=_BLOCK_N, SPLIT_K=split_for(triton.cdiv(n, _BLOCK_N), k // _SUPER, sms), num_warps=4,
                 num_stages=_STAGES)
 
@@ -283,7 +284,7 @@ def gguf_gemv_q6k(x: torch.Tensor, data: torch.Tensor, add: torch.Tensor | None,
     _q6k_kernel[(n_tiles, split)](
         *planes, data, add if add is not None else out, out, part, lock, n, k, row_stride, per, split,
         BLOCK_N=block_n, SPLIT=split > 1, HAS_ADD=add is not None, EMULATE=os.environ.get("TRITON_INTERPRET") == "1",
-        LATE_LAUNCH=n_tiles * split > sms and not early_launch, PREFETCH=_PREFETCH_LINES, SCALE_DOT=_SCALE_DOT, PAIR=_SCALE_DOT and _PAIR,
-        **pdl_launch(x.device), **layout,
+        LATE_LAUNCH=n_tiles * split > sms and not early_launch, PREFETCH=_PREFETCH_LINES, SCALE_DOT=_SCALE_DOT,
+        PAIR=_SCALE_DOT and _PAIR, **pdl_launch(x.device), **layout,
         **rms_args("gguf_gemv", rms_out, rms_in, n, k, block_n, False, out), **cfg)
     return out
