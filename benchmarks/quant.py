@@ -288,14 +288,16 @@ def gguf_kernel_rows(shape: str, copy: float) -> list[str]:
 
 def stored_bytes(llm) -> int:
     """Bytes one decode step must read of the weights: every parameter as stored (a quantized one's
-    companions) but the embedding table; a tied lm_head counts the table once. GGUF weights count
-    their file's block bytes: the stored layout's padding of Q6_K blocks (gguf_blocks.to_stored) is
-    the engine's choice, so it does not raise the roofline."""
+    companions) but the embedding table, of which a step reads one row; the lm_head counts once,
+    tied or not (a tied model lists the table under both names, and counting both overstated the
+    Llama-3.2-1B roofline by its 525 MB). GGUF weights count their file's block bytes: the stored
+    layout's padding of Q6_K blocks (gguf_blocks.to_stored) is the engine's choice, so it does not
+    raise the roofline."""
     from graphdsl.runtime.gguf_blocks import row_bytes
     from graphdsl.runtime.gguf_scheme import GGUFMixScheme, GGUFScheme
     bound, total = llm.model._bound, 0
     for name, p in llm.model.named_parameters():
-        if name == "model.embed_tokens.weight" and not llm.config.tie_word_embeddings:
+        if name == "model.embed_tokens.weight":
             continue
         if isinstance(p.quant, (GGUFScheme, GGUFMixScheme)):
             total += sum((r1 - r0) * row_bytes(q, p.shape[1]) for q, r0, r1 in p.quant.row_parts(p.shape[0]))

@@ -1,0 +1,50 @@
+"""benchmarks/quant.py: the roofline's weight bytes are what a decode step reads, the lm_head once
+whether or not it is tied to the embedding table, a quantized weight as its stored companions."""
+import math
+
+import pytest
+
+import graphdsl as gd
+from tests.helpers import benchmarks
+
+
+@pytest.fixture(scope="module")
+def quant():
+    import sys
+    sys.path.insert(0, str(benchmarks.ROOT))          # quant.py imports llm.py beside it
+    try:
+        return benchmarks.load("quant")
+    finally:
+        sys.path.remove(str(benchmarks.ROOT))
+
+
+def _llm(tie: bool, quantization=None):
+    cfg = dict(model_type="llama", architectures=["LlamaForCausalLM"], hidden_size=128, intermediate_size=256,
+               num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, vocab_size=1000,
+               max_position_embeddings=256, rms_norm_eps=1e-5, rope_theta=10000.0, tie_word_embeddings=tie,
+               torch_dtype="bfloat16")
+    return gd.LLM.from_config(cfg, device="cpu", dtype="bfloat16", seed=0, max_model_len=64, max_num_seqs=1,
+                              quantization=quantization)
+
+
+def _layer_bytes(llm) -> int:
+    bound = llm.model._bound
+    return sum(bound[n].numel() * bound[n].element_size() for n, _ in llm.model.named_parameters()
+               if n not in ("model.embed_tokens.weight", "lm_head.weight"))
+
+
+def test_a_tied_lm_head_counts_once(quant):
+    tied, untied = _llm(True), _llm(False)
+    head = 1000 * 128 * 2
+    assert quant.stored_bytes(untied) == _layer_bytes(untied) + head
+    assert quant.stored_bytes(tied) == quant.stored_bytes(untied)
+
+
+def test_quantized_weights_count_their_stored_companions(quant):
+    bf16, int8 = _llm(True), _llm(True, "int8")
+    proj = sum(math.prod(p.shape) for n, p in bf16.model.named_parameters() if n.endswith("proj.weight"))
+    rows = sum(p.shape[0] for n, p in bf16.model.named_parameters() if n.endswith("proj.weight"))
+    # int8 per channel: one byte a code and a scale a row in place of two bytes a weight
+    saved = quant.stored_bytes(bf16) - quant.stored_bytes(int8)
+    scale_bytes = proj - saved
+    assert scale_bytes > 0 and scale_bytes % rows == 0 and scale_bytes // rows in (2, 4)
