@@ -231,13 +231,16 @@ def random_kv(llm) -> None:
         v.normal_()
 
 
+DECODE_MAX_MODEL_LEN = 2049   # batch_decode's block-table width: llm.py's (decode_ab.py can vary it)
+
+
 def batch_decode(gd, shape: str, context: int, quantization: str | None = None, batch: int = 1) -> tuple:
     """``(llm, inputs)`` for timing decode steps of ``batch`` sequences of ``shape`` at ``context``
     (what ``decode_ab.py`` and ``decode_timeline.py`` time): ``llm.py``'s block-table width
-    (max_model_len 2049), a pool of one context's blocks a sequence and one spare, a random KV cache;
+    (max_model_len ``DECODE_MAX_MODEL_LEN``), a pool of one context's blocks a sequence and one spare, a random KV cache;
     weights quantized online with ``quantization`` (``LLM``'s argument) if given."""
-    llm = _make_llm(gd, SHAPES[shape], "cuda", "bfloat16", 2049, batch, (batch + 1) * (context // BLOCK + 2),
-                    quantization)
+    llm = _make_llm(gd, SHAPES[shape], "cuda", "bfloat16", DECODE_MAX_MODEL_LEN, batch,
+                    (batch + 1) * (context // BLOCK + 2), quantization)
     random_kv(llm)
     inputs, _ = _decode_inputs(llm, batch, context, torch.Generator(device="cuda").manual_seed(0))
     return llm, inputs
