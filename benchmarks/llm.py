@@ -237,8 +237,9 @@ DECODE_MAX_MODEL_LEN = 2049   # batch_decode's block-table width: llm.py's (deco
 def batch_decode(gd, shape: str, context: int, quantization: str | None = None, batch: int = 1) -> tuple:
     """``(llm, inputs)`` for timing decode steps of ``batch`` sequences of ``shape`` at ``context``
     (what ``decode_ab.py`` and ``decode_timeline.py`` time): ``llm.py``'s block-table width
-    (max_model_len ``DECODE_MAX_MODEL_LEN``), a pool of one context's blocks a sequence and one spare, a random KV cache;
-    weights quantized online with ``quantization`` (``LLM``'s argument) if given."""
+    (max_model_len ``DECODE_MAX_MODEL_LEN``), a pool of one context's blocks a sequence and one
+    spare, a random KV cache; weights quantized online with ``quantization`` (``LLM``'s argument)
+    if given."""
     llm = _make_llm(gd, SHAPES[shape], "cuda", "bfloat16", DECODE_MAX_MODEL_LEN, batch,
                     (batch + 1) * (context // BLOCK + 2), quantization)
     random_kv(llm)
