@@ -7,6 +7,7 @@ import pytest
 
 import graphdsl as gd
 from tests.helpers import benchmarks
+from tests.helpers.soak import TINY_LLAMA
 
 
 @pytest.fixture(scope="module")
@@ -19,12 +20,8 @@ def quant():
 
 
 def _llm(tie: bool, quantization=None):
-    cfg = dict(model_type="llama", architectures=["LlamaForCausalLM"], hidden_size=128, intermediate_size=256,
-               num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, vocab_size=1000,
-               max_position_embeddings=256, rms_norm_eps=1e-5, rope_theta=10000.0, tie_word_embeddings=tie,
-               torch_dtype="bfloat16")
-    return gd.LLM.from_config(cfg, device="cpu", dtype="bfloat16", seed=0, max_model_len=64, max_num_seqs=1,
-                              quantization=quantization)
+    return gd.LLM.from_config(dict(TINY_LLAMA, tie_word_embeddings=tie), device="cpu", dtype="bfloat16", seed=0,
+                              max_model_len=64, max_num_seqs=1, quantization=quantization)
 
 
 def _layer_bytes(llm) -> int:
@@ -35,7 +32,7 @@ def _layer_bytes(llm) -> int:
 
 def test_a_tied_lm_head_counts_once(quant):
     tied, untied = _llm(True), _llm(False)
-    head = 1000 * 128 * 2
+    head = TINY_LLAMA["vocab_size"] * TINY_LLAMA["hidden_size"] * 2      # bfloat16
     assert quant.stored_bytes(untied) == _layer_bytes(untied) + head
     assert quant.stored_bytes(tied) == quant.stored_bytes(untied)
 
