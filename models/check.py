@@ -2,7 +2,9 @@
 
 Reads ``config.json`` (or GGUF metadata) and the tensor headers, then reports every problem at
 once: an unknown architecture (with the supported list), config fields graphdsl does not implement
-(quantization, unsupported rope types, activations), and weights the model would not find.
+(unsupported rope types, activations, quantization formats), and weights the model would not find.
+A pre-quantized checkpoint's stored tensors are matched by name as the loader converts them
+(:meth:`~graphdsl.runtime.loaders.prequantized.CheckpointQuantization.check_names`).
 """
 from __future__ import annotations
 
@@ -12,15 +14,13 @@ from dataclasses import dataclass, field
 from graphdsl.errors import GraphDSLError
 from graphdsl.runtime.loaders.checkpoint import CheckpointFormat, checkpoint_format, has_tokenizer
 
+from graphdsl.runtime.loaders.prequantized import read_checkpoint_quantization
+
 from .config import ModelConfig, build_config, read_hf_config
+from .loader import mark_checkpoint_quantization
 from .registry import load_custom_module_map, resolve_model_class
 
 __all__ = ["ModelCheck", "check_model"]
-
-# config.json fields that change the math and that graphdsl does not implement yet
-_UNSUPPORTED_FIELDS = {
-    "quantization_config": "quantized checkpoints (quant_method {value[quant_method]!r}) are not supported yet",
-}
 
 
 @dataclass
@@ -66,10 +66,11 @@ def check_model(path: str | os.PathLike, custom_module_map: str | os.PathLike | 
         hf = read_hf_config(path)
     report = ModelCheck(path, hf.get("model_type"), list(hf.get("architectures") or []))
     _check_tokenizer(report, ckpt if gguf else None)
-    for key, why in _UNSUPPORTED_FIELDS.items():
-        value = hf.get(key)
-        if value:
-            report.problems.append(why.format(value=value if isinstance(value, dict) else {"quant_method": value}))
+    try:
+        stored = None if gguf else read_checkpoint_quantization(hf)
+    except GraphDSLError as e:
+        report.problems.append(str(e))
+        stored = None
     try:
         cls = resolve_model_class(hf.get("model_type"), hf.get("architectures") or ())
         report.model_class = cls.__name__
@@ -93,6 +94,17 @@ def check_model(path: str | os.PathLike, custom_module_map: str | os.PathLike | 
     got = _gguf_shapes(ckpt) if gguf else _safetensors_shapes(path)
     got = {model.checkpoint_name(n): s for n, s in got.items()}
     got = {n: s for n, s in got.items() if not model.is_ignored_checkpoint_name(n)}
+    if stored is not None:
+        try:
+            quantized = mark_checkpoint_quantization(model, stored)
+        except GraphDSLError as e:
+            report.problems.append(str(e))
+            return report
+        got, problems = stored.check_names(got)
+        report.problems.extend(problems)
+        schemes = sorted({p.quant.name for n, p in model.named_parameters() if n in quantized})
+        report.notes.append(f"pre-quantized ({stored.method}): {len(quantized)} linear weights load in "
+                            f"{', '.join(schemes) or 'no scheme'}")
     from graphdsl.runtime.loaders.safetensors import WeightReport
     weights = WeightReport.compare(expected, got)
     if not weights.ok:

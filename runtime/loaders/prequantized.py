@@ -121,31 +121,78 @@ class CheckpointQuantization:
         one arrives. A quantized tensor of a module that is no linear graphdsl quantizes (an MoE
         expert, say) is an error naming it."""
         pending: dict[str, dict[str, torch.Tensor]] = {}
+        seen = set()
         for name, t in tensors:
             name = rename(name)
-            module, _, leaf = name.rpartition(".")
-            chosen = self._chosen.get(module)
-            if chosen is not None and chosen[0] is not None:
-                if leaf in self.refused:
-                    raise GraphDSLError(f"checkpoint tensor {name!r} ({self.describe(module)}): {self.refused[leaf]}")
-                if leaf in self.leaves:
-                    got = pending.setdefault(module, {})
-                    got[leaf] = t
-                    if all(p in got for p in self._required(module)):
-                        yield from self._emit(module, pending.pop(module), dtype)
-                    continue
-            elif leaf in self.leaves and leaf != "weight":
-                why = (f"the quantization_config leaves {module!r} unquantized" if chosen is not None else
-                       f"{module!r} is not a linear graphdsl loads quantized (the attention and MLP projections are; "
-                       "MoE expert stacks and embeddings are not yet)")
-                raise GraphDSLError(f"checkpoint tensor {name!r} is stored quantized ({self.method}), but {why}")
+            module, leaf, error = self._role(name)
+            if error is not None:
+                raise GraphDSLError(error)
+            if module is not None:
+                seen.add(module)
+                got = pending.setdefault(module, {})
+                got[leaf] = t
+                if all(p in got for p in self._required(module)):
+                    yield from self._emit(module, pending.pop(module), dtype)
+                continue
             yield name, (t.to(dtype) if t.is_floating_point() and t.dtype != dtype else t)
-        for module, got in pending.items():
-            missing = [p for p in self._required(module) if p not in got and p not in self.optional]
-            if missing:
-                raise GraphDSLError(f"quantized linear {module!r} ({self.describe(module)}): the checkpoint lacks "
-                                    f"{[f'{module}.{p}' for p in missing]}")
-            yield from self._emit(module, got, dtype)
+        for module, (scheme, _, _) in self._chosen.items():
+            if scheme is not None and (module in pending or module not in seen):
+                error = self._missing(module, pending.get(module, {}))
+                if error is not None:
+                    raise GraphDSLError(error)
+                if module in pending:
+                    yield from self._emit(module, pending[module], dtype)
+
+    def check_names(self, shapes: dict[str, tuple[int, ...]]) -> tuple[dict[str, tuple[int, ...]], list[str]]:
+        """What :meth:`convert` would say of a checkpoint from its tensor names alone (``graphdsl
+        check``): ``shapes`` (checkpoint name, renamed, -> shape) with each quantized module's stored
+        tensors replaced by ``<module>.weight`` of its logical ``[out, in]`` shape, and the errors
+        :meth:`convert` would raise (refused or missing tensors, quantized tensors of a module left
+        unquantized). Call after :meth:`scheme_for` has seen every linear; the stored tensors'
+        shapes are checked only when they convert."""
+        out, problems, pending = {}, [], {}
+        for name, shape in shapes.items():
+            module, leaf, error = self._role(name)
+            if error is not None:
+                problems.append(error)
+            elif module is not None:
+                pending.setdefault(module, {})[leaf] = shape
+            else:
+                out[name] = shape
+        for module, (scheme, out_features, in_features) in self._chosen.items():
+            if scheme is None:
+                continue
+            error = self._missing(module, pending.get(module, {}))
+            if error is not None:
+                problems.append(error)
+            if module in pending:
+                out[f"{module}.weight"] = (out_features, in_features)
+        return out, problems
+
+    def _role(self, name: str) -> tuple[str | None, str, str | None]:
+        """``(module, leaf, error)`` of checkpoint tensor ``name``: ``module`` set when the tensor is
+        one that a quantized module stores, ``error`` when the tensor cannot load."""
+        module, _, leaf = name.rpartition(".")
+        chosen = self._chosen.get(module)
+        if chosen is not None and chosen[0] is not None:
+            if leaf in self.refused:
+                return None, leaf, f"checkpoint tensor {name!r} ({self.describe(module)}): {self.refused[leaf]}"
+            if leaf in self.leaves:
+                return module, leaf, None
+        elif leaf in self.leaves and leaf != "weight":
+            why = (f"the quantization_config leaves {module!r} unquantized" if chosen is not None else
+                   f"{module!r} is not a linear graphdsl loads quantized (the attention and MLP projections are; "
+                   "MoE expert stacks and embeddings are not yet)")
+            return None, leaf, f"checkpoint tensor {name!r} is stored quantized ({self.method}), but {why}"
+        return None, leaf, None
+
+    def _missing(self, module: str, got) -> str | None:
+        """The error for a quantized module whose stored tensors ``got`` (by leaf) lack a required one."""
+        missing = [p for p in self._required(module) if p not in got and p not in self.optional]
+        if missing:
+            return (f"quantized linear {module!r} ({self.describe(module)}): the checkpoint lacks "
+                    f"{[f'{module}.{p}' for p in missing]}")
+        return None
 
     def _emit(self, module, got, dtype):
         scheme, out_features, in_features = self._chosen[module]

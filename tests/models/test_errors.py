@@ -1,5 +1,6 @@
 """Bad inputs give one clear GraphDSLError naming what is wrong, expected and actual."""
 import json
+import re
 
 import pytest
 import torch
@@ -66,12 +67,24 @@ def test_check_model_reports_unsupported_features(ckpt, tmp_path):
     cfg = json.loads((d / "config.json").read_text())
     cfg["rope_parameters"] = {"rope_type": "longrope", "rope_theta": 10000.0, "short_factor": [1.0],
                               "long_factor": [1.0]}
-    cfg["quantization_config"] = {"quant_method": "awq", "bits": 4}
     (d / "config.json").write_text(json.dumps(cfg))
     report = check_model(d)
-    text = str(report)
-    assert not report.ok and "'awq'" in text and "rope type 'longrope' is not supported" in text
+    assert not report.ok and "rope type 'longrope' is not supported" in str(report)
     with pytest.raises(GraphDSLError, match="longrope"):
+        gd.LLM(d, device="cpu")
+
+
+def test_a_quantization_config_over_full_precision_weights_names_the_missing_tensors(ckpt, tmp_path):
+    d = _copy(ckpt, tmp_path / "m")
+    cfg = json.loads((d / "config.json").read_text())
+    cfg["quantization_config"] = {"quant_method": "awq", "bits": 4, "group_size": 32}
+    (d / "config.json").write_text(json.dumps(cfg))
+    want = (r"quantized linear 'model.layers.0.self_attn.q_proj' \(awq gemm int4 g32\): the checkpoint lacks "
+            r"\['model.layers.0.self_attn.q_proj.qweight', 'model.layers.0.self_attn.q_proj.qzeros', "
+            r"'model.layers.0.self_attn.q_proj.scales'\]")
+    report = check_model(d)
+    assert not report.ok and re.search(want, str(report)), str(report)
+    with pytest.raises(GraphDSLError, match=want):
         gd.LLM(d, device="cpu")
 
 

@@ -315,6 +315,38 @@ def test_missing_quantized_tensor_is_an_error(bases, tmp_path):
         _load(tmp_path / "q")
 
 
+@pytest.mark.parametrize("writer,kw,scheme", [("awq", dict(group=32), "int4-g32-zp"),
+                                               ("gptq", dict(group=32, sym=True, act_order=True), "int4-g32-act"),
+                                               ("ct", dict(fmt="pack-quantized", weights=_int(8)), "int8-channel")])
+def test_check_model_reads_a_prequantized_checkpoint_as_the_loader_does(bases, tmp_path, writer, kw, scheme):
+    """``graphdsl check`` (``check_model``) passes a checkpoint ``LLM`` loads, naming its schemes, and
+    reports what the loader would refuse: a missing stored tensor, a quantized tensor of a module the
+    config leaves unquantized (here: every tensor of an lm_head written as if quantized)."""
+    from safetensors.torch import load_file, save_file
+
+    from graphdsl.models import check_model
+    if writer == "ct":
+        pytest.importorskip("compressed_tensors")
+    _write(bases, tmp_path, "llama", writer, kw)
+    report = check_model(tmp_path / "q")
+    assert report.ok, str(report)
+    assert any("8 linear weights load in" in n and scheme in n for n in report.notes), report.notes
+    f = tmp_path / "q" / "model.safetensors"
+    tensors = load_file(f)
+    down = "model.layers.1.mlp.down_proj"
+    stored = sorted(n for n in tensors if n.startswith(down + "."))
+    leaf = next(n for n in stored if n.rpartition(".")[2] in ("qzeros", "scales", "weight_scale"))
+    del tensors[leaf]
+    tensors["lm_head." + leaf.rpartition(".")[2]] = torch.zeros(1)
+    save_file(tensors, f, metadata={"format": "pt"})
+    report = check_model(tmp_path / "q")
+    problems = "\n".join(report.problems)
+    assert f"quantized linear {down!r}" in problems and f"the checkpoint lacks [{leaf!r}]" in problems, problems
+    assert "'lm_head." in problems and "is stored quantized" in problems, problems
+    with pytest.raises(GraphDSLError, match="the checkpoint lacks|is stored quantized"):
+        _load(tmp_path / "q")
+
+
 def test_awq_modules_to_not_convert_stay_full_precision(bases, tmp_path):
     ref = write_awq(bases["llama"], tmp_path / "q", group=64, modules_to_not_convert=["mlp"])
     llm = _load(tmp_path / "q")
