@@ -28,6 +28,10 @@ def _positive(name: str, **values):
 class ColumnParallelLinear(Module):
     """``y = x @ W.T (+ b)``, ``W: [out_features, in_features]`` split along ``out`` under TP."""
 
+    #: online quantization (:func:`graphdsl.layers.quantize.quantize_linears`) may store this weight in
+    #: a scheme; False keeps it in the model dtype (MoE routers and gates, as vLLM keeps them)
+    online_quantized = True
+
     def __init__(self, in_features: int, out_features: int, bias: bool = False, dtype=None):
         super().__init__()
         _positive(type(self).__name__, in_features=in_features, out_features=out_features)
@@ -44,6 +48,8 @@ class ColumnParallelLinear(Module):
 
 class RowParallelLinear(Module):
     """``y = x @ W.T (+ b)``, ``W`` split along ``in`` under TP (partial sums all-reduced)."""
+
+    online_quantized = True     # as ColumnParallelLinear's
 
     def __init__(self, in_features: int, out_features: int, bias: bool = False, dtype=None):
         super().__init__()

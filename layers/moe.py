@@ -42,7 +42,9 @@ class Router(ReplicatedLinear):
     """The router projection ``[num_experts, hidden]``, with DeepSeek-V3's per-expert
     ``e_score_correction_bias`` (float32) when ``correction_bias``. ``float32_logits``: multiply
     ``x.float() @ weight.float()`` (DeepSeek keeps the router in float32) instead of in the model
-    dtype."""
+    dtype. Online quantization leaves it in the model dtype: its logits choose the experts."""
+
+    online_quantized = False
 
     def __init__(self, hidden_size: int, num_experts: int, dtype=None, *, correction_bias: bool = False,
                  float32_logits: bool = False):
@@ -141,6 +143,7 @@ class MoE(Module):
             self.shared_expert = GatedMLP(hidden_size, shared_intermediate_size, act=act, dtype=dtype)
         if shared_expert_gate:
             self.shared_expert_gate = ReplicatedLinear(hidden_size, 1, False, dtype)
+            self.shared_expert_gate.online_quantized = False       # one output row: nothing to save
         self.has_shared, self.has_shared_gate = bool(shared_intermediate_size), shared_expert_gate
 
     def routing_weights(self, x):

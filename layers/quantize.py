@@ -2,8 +2,8 @@
 full-precision weights into the scheme's stored tensors (the companions ``F.linear`` reads).
 
 Only the projections of :mod:`graphdsl.layers.linear` are quantized (attention, MLP, and whatever
-else is built from them); embeddings, norms, MoE expert stacks and, by default, ``lm_head`` stay
-in the model dtype.
+else is built from them); embeddings, norms, MoE expert stacks, MoE routers and shared-expert gates
+(``online_quantized = False``) and, by default, ``lm_head`` stay in the model dtype.
 """
 from __future__ import annotations
 
@@ -27,7 +27,8 @@ BLOCK_DEVICES = ("cuda",)  # where a bind stores codes in blocks (store_codes_in
 
 
 def quantize_linears(model: Module, scheme: QuantScheme | str, *, skip: tuple[str, ...] = ("lm_head",)) -> list[str]:
-    """Set ``scheme`` on every linear weight of ``model`` but the modules at paths in ``skip``;
+    """Set ``scheme`` on every linear weight of ``model`` but the modules at paths in ``skip`` and
+    those that keep their precision (``online_quantized`` false: MoE routers and gates);
     return the quantized parameter names. The bare method ``"int4"`` takes groups of 128, or 64 / 32
     for a weight whose input count 128 does not divide. A weight the scheme cannot hold (an input count not a
     multiple of the group) is an error naming it and the scheme."""
@@ -36,7 +37,7 @@ def quantize_linears(model: Module, scheme: QuantScheme | str, *, skip: tuple[st
     dict(model.named_parameters())                      # name every parameter first
     names = []
     for path, m in model.named_modules():
-        if isinstance(m, (ColumnParallelLinear, RowParallelLinear)) and path not in skip:
+        if isinstance(m, (ColumnParallelLinear, RowParallelLinear)) and path not in skip and m.online_quantized:
             m.weight.quantize(_int4_group(scheme, m.in_features) if adapt else scheme)
             names.append(m.weight.name)
     return names

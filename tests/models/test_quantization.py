@@ -76,6 +76,20 @@ def _fp8_rows(module, args):
     return ((xq.float() * sx).to(args[0].dtype),)
 
 
+def test_online_quantization_keeps_moe_routers_and_gates_in_the_model_dtype(tmp_path):
+    """The router's logits choose the experts and the shared-expert gate has one row: like vLLM,
+    online quantization leaves both (and the expert stacks) unquantized; the attention and the
+    shared expert's projections take the scheme."""
+    make_checkpoint("qwen2_moe", tmp_path)
+    llm = gd.LLM(tmp_path, device="cpu", quantization="int8", max_model_len=64, max_num_seqs=1)
+    schemes = {n: p.quant.name if p.quant is not None else None for n, p in llm.model.named_parameters()}
+    layer = "model.layers.0.mlp."
+    assert schemes[layer + "gate.weight"] is None and schemes[layer + "shared_expert_gate.weight"] is None
+    assert schemes[layer + "shared_expert.down_proj.weight"] == "int8-channel"
+    assert schemes["model.layers.0.self_attn.qkv_proj.weight"] == "int8-channel"
+    assert llm.generate([IDS], gd.SamplingParams(max_tokens=2, temperature=0))[0].outputs[0].token_ids
+
+
 def test_scheme_the_weights_cannot_hold_is_an_error(checkpoint):
     with pytest.raises(GraphDSLError, match=r"int4-g128.*'model.layers.0.self_attn.qkv_proj.weight' has 64 "
                                             r"inputs.*group size 128"):
