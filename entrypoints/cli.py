@@ -537,7 +537,8 @@ def _add_runtime(p: argparse.ArgumentParser, model: bool = True) -> None:
     p.add_argument("--device", type=_device_arg, default=None, help="cpu, cuda, cuda:N (default: cuda when available)")
     if model:
         p.add_argument("--dtype", default=None, choices=["float32", "float16", "bfloat16"],
-                       help="compute dtype (default: float32 on CPU, the checkpoint's on CUDA)")
+                       help="compute dtype (default: float32 on CPU; on CUDA the checkpoint's, bfloat16 for a float32 "
+                            "checkpoint or a GGUF file)")
         p.add_argument("--max-model-len", type=_positive_int, default=None, help="longest prompt + output in tokens")
         p.add_argument("--tensor-parallel-size", "--tp", type=_positive_int, default=None,
                        help="ranks of tensor parallelism (default: torchrun's WORLD_SIZE, else 1); without torchrun "
@@ -660,7 +661,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--port", type=_positive_int, default=8000, help="port (default 8000)")
     p.add_argument("--max-num-seqs", type=_positive_int, default=16, help="requests running together (default 16)")
     p.add_argument("--served-model-name", type=_text_arg, default=None,
-                   help="the model name clients send (default: the MODEL argument as given)")
+                   help="the model name clients send (default: the MODEL file or folder name)")
     p.add_argument("--api-key", type=_text_arg, default=None, help="require 'Authorization: Bearer KEY'")
     p.add_argument("--chat-template", type=_existing_file_arg, default=None,
                    help="a Jinja chat template file to use instead of the model's")
