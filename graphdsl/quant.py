@@ -454,8 +454,23 @@ def online_scheme(method) -> QuantScheme:
     if method == QuantMethod.GGUF.value:
         raise GraphDSLError("quantization='gguf' keeps the block types of a GGUF file: it names no single scheme "
                             "(use it with a .gguf checkpoint, or name a block type such as gguf-q4_k)")
+    methods = [m.value for m in QuantMethod]
     try:
-        return parse_scheme(method)
-    except GraphDSLError:
-        raise GraphDSLError(f"quantization must be one of {[m.value for m in QuantMethod]} or a scheme name "
-                            f"(e.g. int4-g64-zp), got {method!r}") from None
+        scheme = parse_scheme(method)
+    except GraphDSLError as e:
+        hint = ""
+        if method != method.lower():
+            try:
+                online_scheme(method.lower())
+                hint = f"; did you mean {method.lower()!r}? (names are lower case)"
+            except GraphDSLError:
+                pass
+        raise GraphDSLError(f"quantization must be one of {methods} or a scheme name (e.g. int4-g64-zp), got "
+                            f"{method!r}: {e}{hint}") from None
+    if getattr(scheme, "act_order", False):
+        raise GraphDSLError(f"quantization={method!r}: act-order schemes read their input order from a GPTQ "
+                            "checkpoint and cannot be made online; name the scheme without -act")
+    if scheme.blocked:
+        raise GraphDSLError(f"quantization={method!r}: -kb is the layout graphdsl stores int4 codes in on CUDA, "
+                            "chosen at bind; name the scheme without -kb")
+    return scheme

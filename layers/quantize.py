@@ -38,19 +38,19 @@ def quantize_linears(model: Module, scheme: QuantScheme | str, *, skip: tuple[st
     names = []
     for path, m in model.named_modules():
         if isinstance(m, (ColumnParallelLinear, RowParallelLinear)) and path not in skip and m.online_quantized:
-            m.weight.quantize(_int4_group(scheme, m.in_features) if adapt else scheme)
+            m.weight.quantize(_int4_group(scheme, m) if adapt else scheme)
             names.append(m.weight.name)
     return names
 
 
-def _int4_group(scheme: IntScheme, in_features: int) -> IntScheme:
+def _int4_group(scheme: IntScheme, m: Module) -> IntScheme:
     """The bare ``int4`` method: groups of 128 where they divide the inputs, else the largest of 64
-    and 32 that does (SmolLM2's 576 inputs take 64); else ``scheme`` (whose check then names the
-    weight)."""
+    and 32 that does (SmolLM2's 576 inputs take 64); an error naming the weight when none does."""
     for g in (128, 64, 32):
-        if in_features % g == 0:
+        if m.in_features % g == 0:
             return IntScheme(4, g, scheme.zero_point)
-    return scheme
+    raise GraphDSLError(f"quantization='int4': parameter {m.weight.name!r} has {m.in_features} inputs, which no int4 "
+                        "group size (128, 64 or 32) divides; quantize this model with int8 or fp8")
 
 
 def quantize_weights(model: Module, weights: Mapping[str, torch.Tensor], dtype: torch.dtype | None = None) \

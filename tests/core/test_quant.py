@@ -76,6 +76,16 @@ def test_errors_name_tensor_and_scheme():
         IntScheme(8, None, False, True)
     with pytest.raises(GraphDSLError, match=r"quantization must be one of \['fp8', 'int8', 'int4', 'gguf'\].*'nf4'"):
         online_scheme("nf4")
+    # the parser's own reason is kept, a name in the wrong case gets its lower-case spelling, and
+    # the schemes online quantization cannot make (act-order, the CUDA block layout) are refused early
+    with pytest.raises(GraphDSLError, match=r"got 'int4-g16': int4 group_size must be one of \[32, 64, 128\], got 16"):
+        online_scheme("int4-g16")
+    with pytest.raises(GraphDSLError, match=r"did you mean 'int4-g64-zp'\?"):
+        online_scheme("INT4-g64-ZP")
+    with pytest.raises(GraphDSLError, match=r"quantization='int4-g64-act': act-order schemes .* GPTQ checkpoint"):
+        online_scheme("int4-g64-act")
+    with pytest.raises(GraphDSLError, match=r"quantization='int4-g128-kb': -kb is the layout"):
+        online_scheme("int4-g128-kb")
     s = parse_scheme("int4-g32")
     bad = {"l.weight_packed": torch.zeros(8, 64, dtype=torch.uint8), "l.weight_scale": torch.zeros(8, 3)}
     with pytest.raises(GraphDSLError, match=r"'l.weight' \(int4-g32\): tensor 'l.weight_packed' should be \[8, 32\]"):

@@ -96,6 +96,14 @@ def test_scheme_the_weights_cannot_hold_is_an_error(checkpoint):
         gd.LLM(checkpoint[0], device="cpu", quantization="int4-g128")
 
 
+
+def test_bare_int4_names_the_weight_no_group_size_divides(tmp_path):
+    make_checkpoint("llama", tmp_path, intermediate_size=200)
+    with pytest.raises(GraphDSLError, match=r"quantization='int4': parameter 'model.layers.0.mlp.down_proj.weight' "
+                                            r"has 200 inputs, which no int4 group size \(128, 64 or 32\) divides"):
+        gd.LLM(tmp_path, device="cpu", quantization="int4")
+
+
 def test_unknown_quantization_is_an_error(checkpoint):
     with pytest.raises(GraphDSLError, match=r"quantization must be one of \['fp8', 'int8', 'int4', 'gguf'\].*'nf4'"):
         gd.LLM(checkpoint[0], device="cpu", quantization="nf4")
