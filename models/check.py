@@ -91,7 +91,8 @@ def check_model(path: str | os.PathLike, custom_module_map: str | os.PathLike | 
             report.problems.append(str(e))
             return report
     expected = {n: s.shape for n, s in model.checkpoint_table().items()}
-    got = _gguf_shapes(ckpt) if gguf else _safetensors_shapes(path)
+    headers = {} if gguf else _safetensors_headers(path)
+    got = _gguf_shapes(ckpt) if gguf else {n: shape for n, (shape, _) in headers.items()}
     got = {model.checkpoint_name(n): s for n, s in got.items()}
     got = {n: s for n, s in got.items() if not model.is_ignored_checkpoint_name(n)}
     if stored is not None:
@@ -101,10 +102,14 @@ def check_model(path: str | os.PathLike, custom_module_map: str | os.PathLike | 
             report.problems.append(str(e))
             return report
         got, problems = stored.check_names(got)
+        if not problems:
+            problems = _convert_headers(stored, headers, model)
         report.problems.extend(problems)
-        schemes = sorted({p.quant.name for n, p in model.named_parameters() if n in quantized})
-        report.notes.append(f"pre-quantized ({stored.method}): {len(quantized)} linear weights load in "
-                            f"{', '.join(schemes) or 'no scheme'}")
+        if not problems:
+            schemes = sorted({p.quant.name for n, p in model.named_parameters() if n in quantized})
+            report.notes.append(f"pre-quantized ({stored.method}): {len(quantized)} linear weights load in "
+                                f"{', '.join(schemes) or 'no scheme'} (stored values such as g_idx are checked "
+                                "when they load)")
     from graphdsl.runtime.loaders.safetensors import WeightReport
     weights = WeightReport.compare(expected, got)
     if not weights.ok:
@@ -126,21 +131,47 @@ def _check_tokenizer(report: ModelCheck, gguf_ckpt) -> None:
         report.problems.append(f"tokenizer: {e}")
 
 
-def _safetensors_shapes(path: str) -> dict[str, tuple[int, ...]]:
+def _convert_headers(stored, headers: dict, model) -> list[str]:
+    """The loader's conversion of a pre-quantized checkpoint run over its tensor headers (meta
+    tensors: shapes and dtypes, no values), so a stored tensor of the wrong shape or dtype is found
+    without reading it; a check that needs the values (g_idx, weight_shape) stops it quietly."""
+    import torch
+    meta = ((n, torch.empty(shape, dtype=dtype, device="meta")) for n, (shape, dtype) in headers.items()
+            if dtype is not None)
+    try:
+        for _ in stored.convert(meta, torch.float32, model.checkpoint_name):
+            pass
+    except GraphDSLError as e:
+        return [str(e)]
+    except (NotImplementedError, RuntimeError):       # a meta tensor asked for its values
+        pass
+    return []
+
+
+_SAFETENSORS_DTYPES = {"F64": "float64", "F32": "float32", "F16": "float16", "BF16": "bfloat16", "I64": "int64",
+                       "I32": "int32", "I16": "int16", "I8": "int8", "U8": "uint8", "BOOL": "bool",
+                       "F8_E4M3": "float8_e4m3fn", "F8_E5M2": "float8_e5m2"}
+
+
+def _safetensors_headers(path: str) -> dict[str, tuple[tuple[int, ...], object]]:
+    """``{name: (shape, torch dtype or None when torch has none)}`` of every tensor, from the headers."""
+    import torch
     from safetensors import safe_open
 
     from graphdsl.runtime.loaders.safetensors import safetensors_files
-    shapes = {}
+    headers = {}
     for file, names in safetensors_files(path):
         try:
             with safe_open(file, framework="pt") as f:
                 for name in names or f.keys():
-                    shapes[name] = tuple(f.get_slice(name).get_shape())
+                    sl = f.get_slice(name)
+                    dtype = getattr(torch, _SAFETENSORS_DTYPES.get(sl.get_dtype(), ""), None)
+                    headers[name] = (tuple(sl.get_shape()), dtype)
         except GraphDSLError:
             raise
         except Exception as e:
             raise GraphDSLError(f"{file!r} is not a readable safetensors file: {str(e).splitlines()[0]}") from None
-    return shapes
+    return headers
 
 
 def _gguf_shapes(ckpt) -> dict[str, tuple[int, ...]]:

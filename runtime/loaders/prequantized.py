@@ -166,6 +166,9 @@ class CheckpointQuantization:
             if error is not None:
                 problems.append(error)
             if module in pending:
+                if f"{module}.weight" in out:          # a full-precision copy beside the stored tensors
+                    problems.append(f"checkpoint tensor {module + '.weight'!r} is unexpected: {module!r} is stored "
+                                    f"quantized ({self.describe(module)})")
                 out[f"{module}.weight"] = (out_features, in_features)
         return out, problems
 
@@ -202,6 +205,11 @@ class CheckpointQuantization:
             if tuple(t.shape) != c.shape:
                 raise GraphDSLError(f"quantized linear {module!r} ({self.describe(module)} as {scheme.name}): "
                                     f"tensor {full!r} converts to {list(t.shape)}, expected {list(c.shape)}")
+            if t.dtype in (torch.float16, torch.bfloat16, torch.float32) and not _meta(t) \
+                    and not bool(torch.isfinite(t).all()):
+                raise GraphDSLError(f"quantized linear {module!r} ({self.describe(module)}): its {c.suffix[1:]} "
+                                    f"({full!r}) holds {int((~torch.isfinite(t)).sum())} values that are NaN or "
+                                    "infinite; the checkpoint is damaged")
             yield full, t.to(c.dtype or dtype).contiguous()
 
     def _required(self, module: str) -> tuple[str, ...]:
@@ -259,10 +267,30 @@ def _nibbles(t: torch.Tensor) -> torch.Tensor:
     return torch.stack([b & 15, b >> 4], dim=-1).reshape(t.shape[0], -1)
 
 
+def _meta(t: torch.Tensor) -> bool:
+    """Whether ``t`` is a header only (``graphdsl check`` converts meta tensors: shapes and dtypes are
+    checked, the checks of stored values are left to the load)."""
+    return t.device.type == "meta"
+
+
 def _check_int(t: torch.Tensor, shape: tuple, what: str, dtype=torch.int32) -> torch.Tensor:
     if tuple(t.shape) != tuple(shape) or t.dtype != dtype:
         raise GraphDSLError(f"{what} should be {list(shape)} {dtype}, got {list(t.shape)} {t.dtype}")
     return t
+
+
+def _typed(d: dict, key: str, kind: type, default, where: str, *, alias: str | None = None):
+    """``d[key]`` (or ``d[alias]``; ``default`` when absent or null), refused unless a ``kind`` (a
+    bool is no int here): config.json values of the wrong JSON type would be misread ("false" as true)."""
+    name, v = key, d.get(key)
+    if v is None and alias is not None:
+        name, v = alias, d.get(alias)
+    if v is None:
+        return default
+    if not isinstance(v, kind) or (kind is int and isinstance(v, bool)):
+        want = {bool: "true or false", int: "an integer"}.get(kind, kind.__name__)
+        raise GraphDSLError(f"config.json: {where}.{name} must be {want}, got {v!r}")
+    return v
 
 
 # -- compressed-tensors ----------------------------------------------------------------------------
@@ -291,8 +319,12 @@ class _CompressedTensors(CheckpointQuantization):
                 raise GraphDSLError(f"quantization_config.config_groups.{gname}: compressed-tensors format {fmt!r} is "
                                     f"not supported (supported: pack-quantized, naive-quantized, int-quantized, "
                                     f"float-quantized)")
-            groups.append(_CtGroup(tuple(g.get("targets") or ()), fmt, dict(g.get("weights") or {}),
-                                   g.get("input_activations")))
+            weights = dict(g.get("weights") or {})
+            where = f"quantization_config.config_groups.{gname}.weights"
+            _typed(weights, "num_bits", int, None, where)
+            _typed(weights, "group_size", int, None, where)
+            _typed(weights, "symmetric", bool, True, where)
+            groups.append(_CtGroup(tuple(g.get("targets") or ()), fmt, weights, g.get("input_activations")))
         return cls(method="compressed-tensors", groups=tuple(groups), ignore=tuple(qc.get("ignore") or ()),
                    leaves=("weight_packed", "weight", "weight_scale", "weight_zero_point", "weight_shape",
                            "weight_g_idx"),
@@ -367,7 +399,8 @@ class _CompressedTensors(CheckpointQuantization):
     def _convert(self, module, scheme, got, n, k):
         g = self._group(module)
         where = f"quantized linear {module!r} ({self.describe(module)})"
-        if "weight_shape" in got and [int(x) for x in got["weight_shape"].tolist()] != [n, k]:
+        if "weight_shape" in got and not _meta(got["weight_shape"]) and \
+                [int(x) for x in got["weight_shape"].tolist()] != [n, k]:
             raise GraphDSLError(f"{where}: {module + '.weight_shape'!r} is {got['weight_shape'].tolist()}, the model "
                                 f"expects [{n}, {k}]")
         scale_name = f"{module}.weight_scale"
@@ -423,13 +456,14 @@ class _Awq(CheckpointQuantization):
 
     @classmethod
     def parse(cls, qc):
-        bits = qc.get("bits", qc.get("w_bit", 4))
-        group = qc.get("group_size", qc.get("q_group_size", 128))
+        where = "quantization_config"
+        bits = _typed(qc, "bits", int, 4, where, alias="w_bit")
+        group = _typed(qc, "group_size", int, 128, where, alias="q_group_size")
         version = str(qc.get("version") or qc.get("format") or "gemm").lower()     # transformers: format; legacy: version
         if version != "gemm" or str(qc.get("backend", "")).lower() == "llm-awq":
             raise GraphDSLError(f"quantization_config: AutoAWQ version/format {version!r} (backend "
                                 f"{qc.get('backend')!r}) is not supported (only the GEMM layout)")
-        if not qc.get("zero_point", True):
+        if not _typed(qc, "zero_point", bool, True, where):
             raise GraphDSLError("quantization_config: AutoAWQ with zero_point=false is not supported")
         return cls(method="awq", leaves=("qweight", "qzeros", "scales"), bits=bits, group=group,
                    skip=tuple(qc.get("modules_to_not_convert") or ()))
@@ -486,9 +520,11 @@ class _Gptq(CheckpointQuantization):
         if fmt not in ("gptq", "gptq_v2"):
             raise GraphDSLError(f"quantization_config: GPTQ checkpoint_format {fmt!r} is not supported "
                                 "(gptq, gptq_v2)")
+        where = "quantization_config"
         return cls(method="gptq", leaves=("qweight", "qzeros", "scales", "g_idx"), optional=("g_idx",),
-                   bits=qc.get("bits", 4), group=qc.get("group_size", 128), sym=bool(qc.get("sym", True)),
-                   v2=fmt == "gptq_v2", desc_act=bool(qc.get("desc_act", False)), lm_head=bool(qc.get("lm_head", False)),
+                   bits=_typed(qc, "bits", int, 4, where), group=_typed(qc, "group_size", int, 128, where),
+                   sym=_typed(qc, "sym", bool, True, where), v2=fmt == "gptq_v2",
+                   desc_act=_typed(qc, "desc_act", bool, False, where), lm_head=_typed(qc, "lm_head", bool, False, where),
                    skip=tuple(qc.get("modules_to_not_convert") or ()))
 
     def describe(self, module):
@@ -522,7 +558,7 @@ class _Gptq(CheckpointQuantization):
         zeros = _per_group(zeros, n, g, f"{where}: {module + '.qzeros'!r}", stored_g)
         order = [perm.to(torch.int32)] if scheme.act_order else []
         if not scheme.zero_point:
-            if not bool((zeros == 8).all()):
+            if not _meta(zeros) and not bool((zeros == 8).all()):
                 raise GraphDSLError(f"{where}: {module + '.qzeros'!r} holds zero points other than 8 although "
                                     "sym=true (layout mismatch)")
             return [pack_int4(codes), scale] + order
@@ -539,6 +575,8 @@ def _input_order(g_idx, k: int, groups: int, what: str, act_order: bool) -> torc
     gi = g_idx.reshape(-1).long()
     if gi.shape[0] != k:
         raise GraphDSLError(f"{what} should have {k} entries (one group per input), got {gi.shape[0]}")
+    if _meta(gi):
+        return torch.arange(k, device=gi.device)
     if not act_order:
         if not torch.equal(gi, torch.arange(k) // size):
             raise GraphDSLError(f"{what} is not the trivial k // group_size although the config asks no act order "

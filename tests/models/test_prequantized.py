@@ -347,6 +347,62 @@ def test_check_model_reads_a_prequantized_checkpoint_as_the_loader_does(bases, t
         _load(tmp_path / "q")
 
 
+def test_check_model_finds_stored_tensors_of_the_wrong_shape_or_dtype_from_the_headers(bases, tmp_path):
+    """The loader's conversion runs over the tensor headers (meta tensors), so ``graphdsl check``
+    reports what ``LLM`` would: a qweight cut short, an int64 qweight, a plain weight beside the
+    stored ones; with the same message as the load."""
+    from safetensors.torch import load_file, save_file
+
+    from graphdsl.models import check_model
+    o = "model.layers.0.self_attn.o_proj"
+    cases = {"short": lambda t: t.__setitem__(f"{o}.qweight", t[f"{o}.qweight"][:, :-1].clone()),
+             "int64": lambda t: t.__setitem__(f"{o}.qweight", t[f"{o}.qweight"].long()),
+             "copy": lambda t: t.__setitem__(f"{o}.weight", torch.zeros(64, 64))}
+    for name, damage in cases.items():
+        d = tmp_path / name
+        write_awq(bases["llama"], d, group=32)
+        tensors = load_file(d / "model.safetensors")
+        damage(tensors)
+        save_file(tensors, d / "model.safetensors", metadata={"format": "pt"})
+        report = check_model(d)
+        assert not report.ok and not any("linear weights load in" in n for n in report.notes), (name, str(report))
+        with pytest.raises(GraphDSLError) as load:
+            _load(d)
+        if name == "copy":
+            assert f"'{o}.weight' is unexpected" in report.problems[0] and f"{o}.weight" in str(load.value)
+        else:
+            assert report.problems == [str(load.value)], (name, report.problems, str(load.value))
+
+
+def test_config_values_of_the_wrong_json_type_are_refused(bases, tmp_path):
+    """``"desc_act": "false"`` must not load as act-order, nor ``"group_size": "32"`` be reported as an
+    unsupported group size: a value of the wrong type is an error naming the key."""
+    write_gptq(bases["llama"], tmp_path / "q", group=32, sym=True)
+    _patch_config(tmp_path / "q", desc_act="false")
+    with pytest.raises(GraphDSLError, match=r"quantization_config.desc_act must be true or false, got 'false'"):
+        _load(tmp_path / "q")
+    _patch_config(tmp_path / "q", desc_act=None, group_size="32")
+    with pytest.raises(GraphDSLError, match=r"quantization_config.group_size must be an integer, got '32'"):
+        _load(tmp_path / "q")
+    write_awq(bases["llama"], tmp_path / "a", group=32)
+    _patch_config(tmp_path / "a", zero_point=1)
+    with pytest.raises(GraphDSLError, match=r"quantization_config.zero_point must be true or false, got 1"):
+        _load(tmp_path / "a")
+
+
+def test_non_finite_scales_are_refused_when_loading(bases, tmp_path):
+    from safetensors.torch import load_file, save_file
+    write_gptq(bases["llama"], tmp_path / "q", group=32, sym=True)
+    f = tmp_path / "q" / "model.safetensors"
+    tensors = load_file(f)
+    tensors["model.layers.1.self_attn.v_proj.scales"][0, :3] = float("nan")
+    save_file(tensors, f, metadata={"format": "pt"})
+    with pytest.raises(GraphDSLError, match=r"quantized linear 'model.layers.1.self_attn.v_proj' \(gptq int4 g32 "
+                                            r"sym\): its scale \('model.layers.1.self_attn.v_proj.weight_scale'\) "
+                                            r"holds 3 values that are NaN or infinite"):
+        _load(tmp_path / "q")
+
+
 def test_awq_modules_to_not_convert_stay_full_precision(bases, tmp_path):
     ref = write_awq(bases["llama"], tmp_path / "q", group=64, modules_to_not_convert=["mlp"])
     llm = _load(tmp_path / "q")
