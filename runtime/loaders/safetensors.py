@@ -221,15 +221,29 @@ class WeightReport:
         lines = []
         if self.missing:
             lines.append(f"{len(self.missing)} missing (expected by the model, not in checkpoint):")
-            lines += [f"  {n}: expected shape {list(s)}" for n, s in self.missing]
+            lines += _first([f"  {n}: expected shape {list(s)}" for n, s in self.missing])
         if self.unexpected:
             lines.append(f"{len(self.unexpected)} unexpected (in checkpoint, not in the model):")
-            lines += [f"  {n}: shape {list(s)}" for n, s in self.unexpected]
+            lines += _first([f"  {n}: shape {list(s)}" for n, s in self.unexpected])
         if self.wrong_shape:
             lines.append(f"{len(self.wrong_shape)} with wrong shape:")
-            lines += [f"  {n}: expected shape {list(e)}, got {list(g)}"
-                      for n, e, g in self.wrong_shape]
+            lines += _first([f"  {n}: expected shape {list(e)}, got {list(g)}" for n, e, g in self.wrong_shape])
+        stored = [n for n, _ in self.unexpected if n.rpartition(".")[2] in _QUANTIZED_LEAVES]
+        if stored:
+            lines.append(f"hint: the checkpoint holds quantized tensors ({stored[0]!r}, ...) that the model does not "
+                         "expect: a pre-quantized checkpoint needs the quantization_config of its config.json "
+                         "(compressed-tensors, AWQ or GPTQ)")
         return "\n".join(lines) if lines else "weights match"
+
+
+_LISTED = 40          # names a WeightReport lists of each kind before "... and N more"
+# tensor leaves pre-quantized checkpoints store (AWQ / GPTQ, compressed-tensors)
+_QUANTIZED_LEAVES = {"qweight", "qzeros", "scales", "g_idx", "weight_packed", "weight_scale", "weight_zero_point",
+                     "weight_shape", "weight_g_idx"}
+
+
+def _first(lines: list[str]) -> list[str]:
+    return lines if len(lines) <= _LISTED else lines[:_LISTED] + [f"  ... and {len(lines) - _LISTED} more"]
 
 
 def check_weights(expected: dict[str, tuple[int, ...]], got: dict[str, tuple[int, ...]]) -> None:

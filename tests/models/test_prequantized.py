@@ -403,6 +403,19 @@ def test_non_finite_scales_are_refused_when_loading(bases, tmp_path):
         _load(tmp_path / "q")
 
 
+def test_quantized_tensors_without_a_quantization_config_get_a_hint(bases, tmp_path):
+    write_awq(bases["llama"], tmp_path / "q", group=32)
+    with open(tmp_path / "q" / "config.json") as f:
+        config = json.load(f)
+    config.pop("quantization_config")
+    with open(tmp_path / "q" / "config.json", "w") as f:
+        json.dump(config, f)
+    with pytest.raises(GraphDSLError, match=r"(?s)42 unexpected.*\.\.\. and 2 more.*hint: the checkpoint holds "
+                                            r"quantized tensors \('model\.layers.*qweight', \.\.\.\).*needs the "
+                                            r"quantization_config"):
+        _load(tmp_path / "q")
+
+
 def test_awq_modules_to_not_convert_stay_full_precision(bases, tmp_path):
     ref = write_awq(bases["llama"], tmp_path / "q", group=64, modules_to_not_convert=["mlp"])
     llm = _load(tmp_path / "q")
