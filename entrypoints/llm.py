@@ -8,7 +8,10 @@ like vLLM's (:class:`RequestOutput` holding ``n`` :class:`CompletionOutput`).
 """
 from __future__ import annotations
 
+import collections
 import itertools
+import logging
+import math
 import os
 from dataclasses import dataclass
 from typing import Iterable, Iterator, Sequence
@@ -42,13 +45,17 @@ __all__ = ["LLM", "RequestOutput", "CompletionOutput", "LoRARequest"]
 
 @dataclass(eq=False)
 class _Sample:
-    """One sample being generated: its scheduler request, streamed text and logprobs."""
+    """One sample being generated: its scheduler request, streamed text and logprobs. ``searched``:
+    how much of ``text`` no stop string may end in (text searched already, or made by the first
+    ``min_tokens`` tokens)."""
 
     index: int
     params: SamplingParams
     decoder: object = None
     text: str = ""
+    searched: int = 0
     stop_string_hit: bool = False
+    flushed: bool = False
     req: Request | None = None
     logprobs: list | None = None
     cumulative_logprob: float | None = None
@@ -77,7 +84,8 @@ class LLM:
         device: ``"cpu"``, ``"cuda"``, ``"cuda:1"``...; default CUDA when available.
         dtype: ``"float32"``, ``"float16"``, ``"bfloat16"`` or a torch dtype; default float32 on
             CPU, the checkpoint's dtype on CUDA.
-        max_model_len: longest sequence (prompt + output); default ``min(max_position_embeddings, 2048)``.
+        max_model_len: longest sequence (prompt + output, at least 2); default
+            ``min(max_position_embeddings, 2048)``.
         max_num_seqs: requests running together; with ``max_model_len`` it sizes the KV cache.
         max_num_batched_tokens: tokens one model step may hold (decode tokens plus prompt chunks;
             longer prompts are prefilled in chunks); default 2048.
@@ -126,6 +134,10 @@ class LLM:
                  expert_parallel: bool = False, progress: bool = False, cuda_graphs: bool = True,
                  overlap: bool = True, quantization: str | None = None,
                  optimize_rules=None):
+        if not isinstance(model, (str, os.PathLike)):
+            raise GraphDSLError(f"LLM: model must be the path (a str or os.PathLike) of a HF model directory or a "
+                                f".gguf file, got {type(model).__name__} {model!r:.80}")
+        _check_bools(cuda_graphs=cuda_graphs, overlap=overlap, progress=progress)
         _check_sizes(tensor_parallel_size, max_num_seqs, block_size, max_model_len, max_num_batched_tokens,
                      num_kv_blocks)
         _check_fraction(kv_cache_memory_fraction)
@@ -160,6 +172,12 @@ class LLM:
             raise GraphDSLError(f"from_config: seed must be an int, got {seed!r}")
         if isinstance(init_std, bool) or not isinstance(init_std, (int, float)) or not init_std > 0:
             raise GraphDSLError(f"from_config: init_std must be a float > 0, got {init_std!r}")
+        _check_bools(cuda_graphs=cuda_graphs, overlap=overlap)
+        stored = hf_config.get("quantization_config") or hf_config.get("compression_config")
+        if stored:
+            method = stored.get("quant_method") if isinstance(stored, dict) else stored
+            raise GraphDSLError(f"from_config: hf_config has a quantization_config ({method!r}), but random weights "
+                                "are full precision; drop the key, or quantize them online with quantization=")
         _check_sizes(tensor_parallel_size, max_num_seqs, block_size, max_model_len, max_num_batched_tokens,
                      num_kv_blocks)
         _check_fraction(kv_cache_memory_fraction)
@@ -350,9 +368,17 @@ class LLM:
         self.eos_token_ids = eos
 
     def __repr__(self):
+        q = self.quantization
         return (f"LLM({type(self.model).__name__}, layers={self.config.num_hidden_layers}, "
                 f"hidden={self.config.hidden_size}, dtype={self.dtype}, device={self.device}, "
-                f"max_model_len={self.max_model_len}, {self.kv_cache})")
+                f"{f'quantization={q}, ' if q else ''}max_model_len={self.max_model_len}, {self.kv_cache})")
+
+    @property
+    def quantization(self) -> str | None:
+        """The schemes the model's weights are stored in, with counts (``"int4-g64 x90, int4-g128
+        x30"``: online, pre-quantized or GGUF blocks alike); None when every weight is full precision."""
+        counts = collections.Counter(p.quant.name for _, p in self.model.named_parameters() if p.quant is not None)
+        return ", ".join(f"{name} x{n}" for name, n in counts.most_common()) or None
 
     # -- scoring -----------------------------------------------------------------------------
     def score(self, token_ids: Sequence[int], *, lora_request: LoRARequest | None = None) -> torch.Tensor:
@@ -362,7 +388,7 @@ class LLM:
         lora = self._lora_name(lora_request, "score: lora_request")
         n, sid = len(ids), ("score", next(self._ids))
         if not self.blocks.can_allocate(n):
-            raise GraphDSLError(f"score: {n} tokens need {self.blocks.blocks_needed(n)} KV blocks, "
+            raise GraphDSLError(f"score: {_count(n, 'token')} need {_count(self.blocks.blocks_needed(n), 'KV block')}, "
                                 f"only {self.blocks.num_free_blocks} are free")
         self.blocks.allocate(sid, n)
         try:
@@ -382,24 +408,28 @@ class LLM:
         return torch.tensor(values, dtype=dtype, device=self.device)
 
     # -- generation --------------------------------------------------------------------------
-    def generate(self, prompts, params: SamplingParams | Sequence[SamplingParams] | dict | None = None, *,
+    def generate(self, prompts, sampling_params: SamplingParams | Sequence[SamplingParams] | dict | None = None, *,
                  use_chat_template: bool = False,
                  lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None) -> list[RequestOutput]:
         """Complete each prompt. ``prompts``: a string, a list of strings, a list of token ids, or a
-        list of token-id lists; ``params``: one :class:`SamplingParams` for all or one per prompt;
-        ``lora_request``: one :class:`LoRARequest` for all, or one (or None: the base model) per
-        prompt — one batch mixes adapters. Returns one :class:`RequestOutput` per prompt, in order,
-        each with ``params.n`` samples."""
-        groups = self._make_prompts(prompts, params, use_chat_template)
+        list of token-id lists; ``sampling_params``: one :class:`SamplingParams` (or dict) for all or
+        one per prompt; ``lora_request``: one :class:`LoRARequest` for all, or one (or None: the base
+        model) per prompt — one batch mixes adapters. Returns one :class:`RequestOutput` per prompt,
+        in order, each with ``sampling_params.n`` samples."""
+        groups = self._make_prompts(prompts, sampling_params, use_chat_template)
         self._attach_loras(groups, lora_request)
         for _ in self._run(groups):
             pass
         return [self._output(g) for g in groups]
 
-    def stream(self, prompt, params: SamplingParams | dict | None = None, *,
+    def stream(self, prompt, sampling_params: SamplingParams | dict | None = None, *,
                use_chat_template: bool = False, lora_request: LoRARequest | None = None) -> Iterator[str]:
-        """Yield the completion of one prompt (its first sample) piece by piece as tokens arrive."""
-        groups = self._make_prompts([prompt] if isinstance(prompt, str) else [list(prompt)], params,
+        """Yield the completion of one prompt (a string or a list of token ids; its first sample)
+        piece by piece as tokens arrive: the pieces join to ``generate``'s text."""
+        if not isinstance(prompt, (str, list, tuple)):
+            raise GraphDSLError(f"stream: prompt must be one prompt, a string or a list of int token ids, "
+                                f"got {type(prompt).__name__}")
+        groups = self._make_prompts([prompt] if isinstance(prompt, str) else [list(prompt)], sampling_params,
                                     use_chat_template)
         self._attach_loras(groups, lora_request)
         if self.tokenizer is None:
@@ -414,11 +444,17 @@ class LLM:
                 yield text[emitted:]
                 emitted = len(text)
 
-    def chat(self, messages: list[dict], params: SamplingParams | dict | None = None) -> RequestOutput:
-        """Answer a chat (``[{"role": ..., "content": ...}, ...]``) with the model's chat template."""
+    def chat(self, messages: list[dict], sampling_params: SamplingParams | dict | None = None) -> RequestOutput:
+        """Answer a chat (a non-empty ``[{"role": str, "content": str}, ...]``) with the model's chat
+        template."""
+        if not isinstance(messages, list) or not messages or not all(
+                isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)
+                for m in messages):
+            raise GraphDSLError('chat: messages must be a non-empty list of {"role": str, "content": str} dicts, '
+                                f"got {messages!r:.120}")
         tok = self._tokenizer_or_error("chat")
         prompt = tok.apply_chat_template(messages, add_generation_prompt=True)
-        out = self.generate([tok.encode(prompt, add_special_tokens=False)], params)[0]   # the template has BOS
+        out = self.generate([tok.encode(prompt, add_special_tokens=False)], sampling_params)[0]   # the template has BOS
         out.prompt = prompt
         return out
 
@@ -441,21 +477,27 @@ class LLM:
                                 "(pass token ids instead)")
         return self.tokenizer
 
-    def _make_prompts(self, prompts, params, use_chat_template: bool) -> list[_Prompt]:
+    def _make_prompts(self, prompts, sampling_params, use_chat_template: bool) -> list[_Prompt]:
         if isinstance(prompts, str) or (isinstance(prompts, (list, tuple)) and prompts
                                         and all(isinstance(t, int) for t in prompts)):
             prompts = [prompts]
         if not isinstance(prompts, (list, tuple)) or not prompts:
             raise GraphDSLError(f"prompts must be a non-empty list of strings or token-id lists, got {prompts!r}")
-        if params is None:
-            params = self.get_default_sampling_params()
-        plist = list(params) if isinstance(params, (list, tuple)) else [params] * len(prompts)
+        params = self.get_default_sampling_params() if sampling_params is None else sampling_params
+        several = isinstance(params, (list, tuple))
+        plist = list(params) if several else [params] * len(prompts)
         if len(plist) != len(prompts):
             raise GraphDSLError(f"got {len(plist)} SamplingParams for {len(prompts)} prompts; pass one or one per prompt")
         plist = [SamplingParams.model_validate(p) if isinstance(p, dict) else p for p in plist]
+        vocab = self.config.vocab_size
         for i, p in enumerate(plist):
+            where = f"sampling_params[{i}]" if several else "sampling_params"
             if not isinstance(p, SamplingParams):
-                raise GraphDSLError(f"params[{i}] must be a SamplingParams or dict, got {type(p).__name__}")
+                raise GraphDSLError(f"{where} must be a SamplingParams or dict, got {type(p).__name__}")
+            bad = [t for t in p.stop_token_ids if t >= vocab]
+            if bad:
+                raise GraphDSLError(f"{where}.stop_token_ids must be token ids in [0, {vocab}) (the model's "
+                                    f"vocabulary), got {bad[:8]} outside it")
         groups = []
         for i, (prompt, p) in enumerate(zip(prompts, plist)):
             text = None
@@ -491,8 +533,8 @@ class LLM:
             raise GraphDSLError(f"{what} is empty: give at least one token")
         limit = self.max_model_len if allow_full else self.max_model_len - 1
         if len(ids) > limit:
-            raise GraphDSLError(f"{what} has {len(ids)} tokens, more than max_model_len={self.max_model_len} allows "
-                                f"({limit}{'' if allow_full else ', leaving room for one generated token'}); "
+            raise GraphDSLError(f"{what} has {_count(len(ids), 'token')}, more than max_model_len={self.max_model_len} "
+                                f"allows ({limit}{'' if allow_full else ', leaving room for one generated token'}); "
                                 "shorten it or raise max_model_len")
         vocab = self.config.vocab_size
         bad = [t for t in ids if not 0 <= t < vocab]
@@ -591,36 +633,57 @@ class LLM:
 
     def _accept(self, sched: Scheduler, s: _Sample, ev: TokenEvent) -> None:
         """Record the token's logprobs, stream it into the text, and end the request when a stop
-        string appears (checked once ``min_tokens`` tokens exist)."""
+        string appears. As in vLLM: the EOS or stop token id that ends a request is not text; a
+        stop string must end in text made after the first ``min_tokens`` tokens (it may begin
+        before); the last token's text leaves out a character its bytes did not finish."""
         if ev.logprobs is not None and s.logprobs is not None:
             s.logprobs.append(ev.logprobs)
             s.cumulative_logprob += ev.logprobs[ev.token_id].logprob
-        if (ev.finished and s.req.finish_reason == "stop") or s.decoder is None:   # eos / stop id: not text
+        if s.decoder is None or s.stop_string_hit:
             return
-        s.text += s.decoder.push(ev.token_id)
-        if not s.params.stop or len(s.req.output_ids) <= s.params.min_tokens:
+        if not (ev.finished and s.req.finish_reason == "stop"):
+            s.text += s.decoder.push(ev.token_id)
+        if ev.finished:
+            self._flush(s)
+        if ev.index < s.params.min_tokens:
+            s.searched = len(s.text)
             return
-        hit = [(s.text.find(x), x) for x in s.params.stop if x in s.text]
+        hit = []
+        for x in s.params.stop:                  # a match ends in text not searched yet (vLLM's window)
+            at = s.text.find(x, max(s.searched - len(x) + 1, 0))
+            if at >= 0:
+                hit.append((at, x))
+        s.searched = len(s.text)
         if hit:
             at, stop = min(hit)
             s.text = s.text[:at]
             s.stop_string_hit = True
-            if s.req.status is RequestStatus.FINISHED:           # its last token (length) completed the string
+            if s.req.status is RequestStatus.FINISHED:           # its last token completed the string
                 s.req.finish_reason, s.req.stop_reason = "stop", stop
             else:
                 sched.finish(s.req, "stop", stop)
 
     def _text(self, s: _Sample) -> str:
-        """The sample's text: the full decode, unless a stop string cut it."""
-        if self.tokenizer is not None and not s.stop_string_hit:
-            return self.tokenizer.decode(s.req.output_ids, skip_special_tokens=True)
+        """The sample's text so far; all of it once its request is finished ("" without a tokenizer)."""
+        if s.req is not None and s.req.status is RequestStatus.FINISHED:
+            self._flush(s)                 # a request ended without a last token (abort) keeps its held text
         return s.text
+
+    @staticmethod
+    def _flush(s: _Sample) -> None:
+        """Add the text the decoder still holds, less a character the last token left unfinished."""
+        if s.decoder is not None and not s.flushed and not s.stop_string_hit:
+            s.text += s.decoder.flush(drop_incomplete=True)
+        s.flushed = True
 
     def _output(self, g: _Prompt) -> RequestOutput:
         outs = [CompletionOutput(s.index, self._text(s), list(s.req.output_ids), s.cumulative_logprob, s.logprobs,
                                  s.req.finish_reason or "length", s.req.stop_reason) for s in g.samples]
         first = g.samples[0].req
-        return RequestOutput(g.request_id, g.prompt, g.prompt_ids, outs, first.prompt_logprobs,
+        prompt_logprobs = first.prompt_logprobs
+        if prompt_logprobs is None and g.params.prompt_logprobs is not None:
+            prompt_logprobs = [None]                             # a one-token prompt: nothing predicts it
+        return RequestOutput(g.request_id, g.prompt, g.prompt_ids, outs, prompt_logprobs,
                              finished=all(s.req.status is RequestStatus.FINISHED for s in g.samples))
 
 
@@ -634,6 +697,21 @@ def _check_sizes(tensor_parallel_size, max_num_seqs, block_size, max_model_len, 
                     ("num_kv_blocks", 1 if num_kv_blocks is None else num_kv_blocks)):
         if isinstance(v, bool) or not isinstance(v, int) or v < 1:
             raise GraphDSLError(f"LLM: {name} must be a positive int, got {v!r}")
+    if max_model_len == 1:
+        raise GraphDSLError("LLM: max_model_len must be at least 2 (a request holds at least one prompt token and "
+                            "one generated token), got 1")
+
+
+def _check_bools(**flags) -> None:
+    """Checked before anything loads: ``LLM(cuda_graphs="no")`` names its argument at once."""
+    for name, v in flags.items():
+        if not isinstance(v, bool):
+            raise GraphDSLError(f"LLM: {name} must be a bool (True or False), got {v!r}")
+
+
+def _count(n: int, noun: str) -> str:
+    """``1 token``, ``2 tokens``."""
+    return f"{n} {noun}{'' if n == 1 else 's'}"
 
 
 def _check_tp(tensor_parallel_size: int, kv_cache_memory_fraction, expert_parallel, quantization=None,
@@ -701,6 +779,15 @@ def _quantize_model(model: FlashCausalLM, quantization):
         return None
     scheme = online_scheme(quantization)
     quantize_linears(model, quantization)
+    dense = {n: p for n, p in model.named_parameters() if ".experts." in f".{n}" and p.quant is None
+             and len(p.shape) == 3}
+    if dense:
+        total = sum(math.prod(p.shape) for _, p in model.named_parameters())
+        share = sum(math.prod(p.shape) for p in dense.values()) / max(total, 1)
+        logging.getLogger("graphdsl.quant").warning(
+            "quantization=%r: the %d MoE expert stacks (%.0f%% of the weights) stay in the model dtype: online "
+            "quantization stores only the attention and dense MLP projections (docs/quantization.md)",
+            quantization, len(dense), 100 * share)
     return scheme
 
 

@@ -15,13 +15,16 @@ GGUF vocabularies (``tokenizer.ggml.*``) are rebuilt as ``tokenizers`` models:
   reproduces llama.cpp's "merge the highest-scoring adjacent pair" loop.
 
 :class:`StreamDecoder` turns a token stream into text increments: it re-decodes a short window of
-recent ids and only emits text once it no longer ends in an incomplete UTF-8 sequence (U+FFFD),
-so multi-byte characters split across tokens come out whole.
+recent ids and only emits text once the tokens' bytes no longer end inside a multi-byte UTF-8
+character, so characters split across tokens come out whole, and a genuine U+FFFD passes.
 """
 from __future__ import annotations
 
+import codecs
 import json
 import os
+import re
+import weakref
 from datetime import datetime
 from typing import Any, Iterable
 
@@ -387,8 +390,14 @@ class StreamDecoder:
 
     Keeps ``prefix_offset`` (start of a short context window, so tokenizers that strip a leading
     space decode the new token's space correctly) and ``read_offset`` (ids already emitted).
-    Text that ends in U+FFFD is held back: the token ended inside a multi-byte character.
-    ``"".join(pushes) + flush()`` equals ``tokenizer.decode(all_ids)``.
+    Text whose bytes end inside a multi-byte UTF-8 character (a byte-level BPE or byte-fallback
+    token holding only its first bytes) is held back until the character's last byte arrives; a
+    U+FFFD the tokens spell out whole (its three bytes) is text like any other. For a decoder that
+    builds no text from bytes nothing is ever incomplete; one it cannot read holds back text that
+    ends in U+FFFD. ``"".join(pushes) + flush()`` equals ``tokenizer.decode(all_ids)`` (except
+    where a run of byte-fallback tokens holds invalid bytes: ``decode`` turns the whole run into
+    U+FFFD, the stream only the invalid bytes); ``flush(drop_incomplete=True)`` leaves an incomplete
+    trailing character out instead of ending in U+FFFD (vLLM's final text). ``flush`` ends the stream.
     """
 
     def __init__(self, tokenizer: Tokenizer, *, skip_special_tokens: bool = True) -> None:
@@ -398,15 +407,25 @@ class StreamDecoder:
         self.prefix_offset = 0
         self.read_offset = 0
         self.text = ""
+        self._bytes = _token_bytes(tokenizer)
 
     def _decode(self, ids: list[int]) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=self.skip_special_tokens)
 
+    def _incomplete(self, end: int) -> int:
+        """How many bytes at the end of ``ids[:end]``'s text start a character not finished yet
+        (0 to 3); 0 when the decoder builds no text from bytes or cannot be read."""
+        if self._bytes is None:
+            return 0
+        return self._bytes.incomplete(self.ids, end, self.skip_special_tokens)
+
     def push(self, token_id: int) -> str:
         self.ids.append(int(token_id))
+        if self._incomplete(len(self.ids)):
+            return ""
         prefix = self._decode(self.ids[self.prefix_offset:self.read_offset])
         full = self._decode(self.ids[self.prefix_offset:])
-        if len(full) > len(prefix) and not full.endswith("\ufffd"):
+        if len(full) > len(prefix) and (self._bytes is not None or not full.endswith("\ufffd")):
             new = full[len(prefix):]
             self.prefix_offset = self.read_offset
             self.read_offset = len(self.ids)
@@ -414,11 +433,126 @@ class StreamDecoder:
             return new
         return ""
 
-    def flush(self) -> str:
-        """Text still held back (e.g. a trailing incomplete character, as U+FFFD)."""
+    def flush(self, *, drop_incomplete: bool = False) -> str:
+        """Text still held back: with a trailing incomplete character as U+FFFD (what
+        ``tokenizer.decode`` gives), or without it when ``drop_incomplete``."""
+        tail = self._incomplete(len(self.ids)) if drop_incomplete else 0
+        end, rest = len(self.ids), ""
+        if tail:
+            end, rest = self._before_tail(tail)
         prefix = self._decode(self.ids[self.prefix_offset:self.read_offset])
-        full = self._decode(self.ids[self.prefix_offset:])
-        new = full[len(prefix):]
+        full = self._decode(self.ids[self.prefix_offset:end])
+        new = full[len(prefix):] + rest
         self.prefix_offset = self.read_offset = len(self.ids)
         self.text += new
         return new
+
+    def _before_tail(self, tail: int) -> tuple[int, str]:
+        """``(end, rest)``: the held ids ``ids[:end]`` end on a character boundary, and ``rest`` is
+        the complete text of ``ids[end:]`` before the last ``tail`` bytes (a byte-level token may
+        hold a space and the first byte of a character)."""
+        got, end = b"", len(self.ids)
+        while end > self.read_offset:
+            end -= 1
+            got = self._bytes.of(self.ids[end], self.skip_special_tokens) + got
+            if len(got) >= tail and not self._incomplete(end):
+                break
+        return end, got[:-tail].decode("utf-8", errors="replace")
+
+
+_BYTE_TOKEN = re.compile(r"<0x([0-9A-Fa-f]{2})>")
+
+
+def _byte_level_chars() -> dict[str, int]:
+    """GPT-2's byte-level alphabet: the printable stand-in character of each byte -> the byte."""
+    keep = {*range(ord("!"), ord("~") + 1), *range(0xA1, 0xAD), *range(0xAE, 0x100)}
+    out, extra = {}, 0
+    for b in range(256):
+        if b in keep:
+            out[chr(b)] = b
+        else:
+            out[chr(256 + extra)] = b
+            extra += 1
+    return out
+
+
+_BYTE_LEVEL_CHARS = _byte_level_chars()
+
+
+class _TokenBytes:
+    """The bytes each token decodes to, for the two decoders of ``tokenizers`` that build text from
+    bytes: ``ByteLevel`` (GPT-2's stand-in alphabet; a token with a character outside it is its
+    own UTF-8, as that decoder does) and ``ByteFallback`` (``<0xE6>`` is one byte; other tokens are
+    text, ``\u2581`` a space). Skipped special tokens are no bytes."""
+
+    def __init__(self, backend, byte_level: bool):
+        self.backend, self.byte_level = backend, byte_level
+        self.special = {i for i, t in backend.get_added_tokens_decoder().items() if t.special}
+        self._cache: dict[int, bytes] = {}
+
+    def of(self, token_id: int, skip_special_tokens: bool) -> bytes:
+        if skip_special_tokens and token_id in self.special:
+            return b""
+        got = self._cache.get(token_id)
+        if got is None:
+            got = self._cache[token_id] = self._bytes(self.backend.id_to_token(token_id) or "")
+        return got
+
+    def _bytes(self, token: str) -> bytes:
+        if self.byte_level:
+            try:
+                return bytes(_BYTE_LEVEL_CHARS[c] for c in token)
+            except KeyError:
+                return token.encode("utf-8")
+        m = _BYTE_TOKEN.fullmatch(token)
+        return bytes([int(m.group(1), 16)]) if m else token.replace("\u2581", " ").encode("utf-8")
+
+    def incomplete(self, ids: list[int], end: int, skip_special_tokens: bool) -> int:
+        """How many of the last bytes of ``ids[:end]`` start a character still missing bytes."""
+        tail = b""
+        while end > 0 and len(tail) < 4:           # a UTF-8 character has at most four bytes
+            end -= 1
+            tail = self.of(ids[end], skip_special_tokens) + tail
+        decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
+        decoder.decode(tail, final=False)
+        return len(decoder.getstate()[0])
+
+
+_TOKEN_BYTES: "weakref.WeakKeyDictionary[Tokenizer, _TokenBytes | _NoBytes | None]" = weakref.WeakKeyDictionary()
+
+
+def _token_bytes(tokenizer: Tokenizer) -> "_TokenBytes | _NoBytes | None":
+    """``tokenizer``'s token bytes (cached per tokenizer); :class:`_NoBytes` for a decoder that
+    builds no text from bytes; None when the decoder cannot be read."""
+    if tokenizer not in _TOKEN_BYTES:
+        _TOKEN_BYTES[tokenizer] = _read_token_bytes(tokenizer.backend)
+    return _TOKEN_BYTES[tokenizer]
+
+
+def _read_token_bytes(backend) -> "_TokenBytes | _NoBytes | None":
+    decoder = getattr(backend, "decoder", None)
+    if decoder is None:
+        return _NoBytes()
+    try:
+        spec = json.loads(decoder.__getstate__())
+    except Exception:  # noqa: BLE001 - a decoder without a JSON state: fall back to the U+FFFD rule
+        return None
+    kinds = _decoder_types(spec)
+    if "ByteLevel" in kinds or "ByteFallback" in kinds:
+        return _TokenBytes(backend, byte_level="ByteLevel" in kinds)
+    return _NoBytes()
+
+
+class _NoBytes:
+    """A decoder that builds no text from bytes: no character is ever incomplete."""
+
+    def incomplete(self, ids: list[int], end: int, skip_special_tokens: bool) -> int:
+        return 0
+
+
+def _decoder_types(spec) -> set[str]:
+    """The ``type`` of a serialized ``tokenizers`` decoder and of those in its ``Sequence``."""
+    if not isinstance(spec, dict):
+        return set()
+    inner = spec.get("decoders") or []
+    return {spec.get("type")} | set().union(*(_decoder_types(d) for d in inner))

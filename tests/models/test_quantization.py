@@ -76,12 +76,16 @@ def _fp8_rows(module, args):
     return ((xq.float() * sx).to(args[0].dtype),)
 
 
-def test_online_quantization_keeps_moe_routers_and_gates_in_the_model_dtype(tmp_path):
+def test_online_quantization_keeps_moe_routers_and_gates_in_the_model_dtype(tmp_path, caplog):
     """The router's logits choose the experts and the shared-expert gate has one row: like vLLM,
-    online quantization leaves both (and the expert stacks) unquantized; the attention and the
-    shared expert's projections take the scheme."""
+    online quantization leaves both (and the expert stacks, with a warning saying how much of the
+    model that is) unquantized; the attention and the shared expert's projections take the scheme."""
     make_checkpoint("qwen2_moe", tmp_path)
-    llm = gd.LLM(tmp_path, device="cpu", quantization="int8", max_model_len=64, max_num_seqs=1)
+    with caplog.at_level("WARNING", logger="graphdsl.quant"):
+        llm = gd.LLM(tmp_path, device="cpu", quantization="int8", max_model_len=64, max_num_seqs=1)
+    assert any("MoE expert stacks" in r.getMessage() and "% of the weights) stay in the model dtype" in r.getMessage()
+               for r in caplog.records), caplog.text
+    assert "quantization=int8-channel x" in repr(llm)
     schemes = {n: p.quant.name if p.quant is not None else None for n, p in llm.model.named_parameters()}
     layer = "model.layers.0.mlp."
     assert schemes[layer + "gate.weight"] is None and schemes[layer + "shared_expert_gate.weight"] is None
@@ -95,6 +99,22 @@ def test_scheme_the_weights_cannot_hold_is_an_error(checkpoint):
                                             r"inputs.*group size 128"):
         gd.LLM(checkpoint[0], device="cpu", quantization="int4-g128")
 
+
+
+def test_the_llm_says_which_schemes_its_weights_are_stored_in(checkpoint):
+    llm = gd.LLM(checkpoint[0], device="cpu", quantization="int4", max_model_len=64, max_num_seqs=1)
+    assert llm.quantization == "int4-g64 x6, int4-g32 x2" and "quantization=int4-g64 x6, int4-g32 x2," in repr(llm)
+    full = gd.LLM(checkpoint[0], device="cpu", max_model_len=64, max_num_seqs=1)
+    assert full.quantization is None and "quantization" not in repr(full)
+
+
+def test_from_config_refuses_a_quantization_config():
+    hf = dict(model_type="llama", architectures=["LlamaForCausalLM"], hidden_size=64, intermediate_size=128,
+              num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=2, vocab_size=128,
+              quantization_config={"quant_method": "awq", "bits": 4})
+    with pytest.raises(GraphDSLError, match=r"from_config: hf_config has a quantization_config \('awq'\), but random "
+                                            r"weights are full precision"):
+        gd.LLM.from_config(hf, device="cpu")
 
 
 def test_bare_int4_names_the_weight_no_group_size_divides(tmp_path):
