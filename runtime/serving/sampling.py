@@ -1,26 +1,34 @@
 """``SamplingParams``: per-request generation settings, shaped like vLLM's.
 
-Every field is validated on construction and on assignment; a bad value raises
-:class:`GraphDSLError` naming the field, the allowed range and the value. The math these settings
-select (penalties, temperature, min-p, top-k, top-p, the seeded draw) is in
+Every field is validated on construction and on assignment, the checks between fields
+(``min_tokens <= max_tokens``, the seed range for ``n`` samples) included; a bad value raises
+:class:`GraphDSLError` naming the field, the allowed range and the value, and a refused assignment
+leaves the object as it was. Types are strict: integer fields take ``int`` only (not ``bool``,
+``str`` or ``float``), float fields take finite ``int`` or ``float`` (not ``bool`` or ``str``),
+``ignore_eos`` takes a ``bool``, and ``stop`` / ``stop_token_ids`` take a list or tuple of
+``str`` / ``int``; a single ``stop`` string (as vLLM accepts) is stored as a one-element list. The
+math these settings select (penalties, temperature, min-p, top-k, top-p, the seeded draw) is in
 :mod:`graphdsl.runtime.serving.sampler`, which runs it on the device.
 
 ``n`` parallel samples share the prompt's KV blocks; sample ``i`` of a seeded request draws with
-``seed + i``. ``logprobs`` / ``prompt_logprobs`` ask for the top-N raw logprobs per generated /
-prompt token (:mod:`graphdsl.runtime.serving.outputs`). ``min_tokens`` keeps EOS and
-``stop_token_ids`` from being drawn, and stop strings from matching, before that many tokens.
+``seed + i``, and the sampler keeps seeds as int64, so ``seed`` and ``seed + n - 1`` must both fit
+one. ``logprobs`` / ``prompt_logprobs`` ask for the top-N raw logprobs per generated / prompt token
+(:mod:`graphdsl.runtime.serving.outputs`). ``min_tokens`` keeps EOS and ``stop_token_ids`` from
+being drawn, and stop strings from matching, before that many tokens.
 """
 from __future__ import annotations
 
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import (BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator,
+                      model_validator)
 
 from graphdsl.errors import GraphDSLError
 
 __all__ = ["SamplingParams", "MAX_LOGPROBS"]
 
 MAX_LOGPROBS = 20        # the most top logprobs a request may ask for (vLLM's and OpenAI's cap)
+_SEED_MIN, _SEED_MAX = -2**63, 2**63 - 1     # the sampler's seeds are int64
 
 # Readable allowed ranges, used in error messages (pydantic's own constraints enforce them).
 _ALLOWED = {
@@ -38,7 +46,8 @@ _ALLOWED = {
     "prompt_logprobs": f"None or an integer in [0, {MAX_LOGPROBS}] (top logprobs per prompt token)",
     "stop": "a list of non-empty strings",
     "stop_token_ids": "a list of integers >= 0",
-    "seed": "an integer or None",
+    "seed": "an integer or None, with -2**63 <= seed and seed + n - 1 <= 2**63 - 1 "
+            "(sample i of n draws with seed + i, an int64)",
     "ignore_eos": "a bool",
 }
 
@@ -47,20 +56,25 @@ def _readable(e: ValidationError) -> GraphDSLError:
     lines = []
     for err in e.errors():
         loc = err.get("loc", ())
-        field = str(loc[0]) if loc else "?"
+        if not loc:                    # a check between fields: its message is already written out
+            lines.append(str(err.get("ctx", {}).get("error", err.get("msg", ""))))
+            continue
+        field = str(loc[0])
         where = field + "".join(f"[{p}]" for p in loc[1:])
         if err.get("type") == "extra_forbidden":
             lines.append(f"unknown field {field!r}; allowed fields: {sorted(_ALLOWED)}")
             continue
         allowed = _ALLOWED.get(field, err.get("msg", ""))
-        lines.append(f"{where} must be {allowed}, got {err.get('input')!r}")
+        why = " (floats must be finite)" if err.get("type") == "finite_number" else ""
+        lines.append(f"{where} must be {allowed}, got {err.get('input')!r}{why}")
     return GraphDSLError("invalid SamplingParams: " + "; ".join(lines))
 
 
 class SamplingParams(BaseModel):
-    """Per-request generation settings (validated on construction and on assignment)."""
+    """Per-request generation settings (validated, strictly typed, on construction and on assignment)."""
 
-    model_config = ConfigDict(extra="forbid", validate_assignment=True, strict=False)
+    # strict: no coercion (a bool is no int, a str no number, 0 or 1 no bool); an int is taken for a float.
+    model_config = ConfigDict(extra="forbid", validate_assignment=True, strict=True, allow_inf_nan=False)
 
     n: int = Field(1, ge=1)
     max_tokens: int = Field(16, ge=1)
@@ -84,21 +98,45 @@ class SamplingParams(BaseModel):
             super().__init__(**data)
         except ValidationError as e:
             raise _readable(e) from None
-        if any(s == "" for s in self.stop):
-            raise GraphDSLError(f"invalid SamplingParams: stop must be {_ALLOWED['stop']}, "
-                                f"got {self.stop!r}")
-        if any(t < 0 for t in self.stop_token_ids):
-            raise GraphDSLError(f"invalid SamplingParams: stop_token_ids must be "
-                                f"{_ALLOWED['stop_token_ids']}, got {self.stop_token_ids!r}")
-        if self.min_tokens > self.max_tokens:
-            raise GraphDSLError(f"invalid SamplingParams: min_tokens must be {_ALLOWED['min_tokens']}"
-                                f"={self.max_tokens}, got {self.min_tokens}")
 
     def __setattr__(self, name: str, value: Any) -> None:
-        try:
-            super().__setattr__(name, value)
-        except ValidationError as e:
-            raise _readable(e) from None
+        if not name.startswith("_"):
+            # Check a whole new object first, so a refused value is never stored: pydantic's own
+            # assignment stores the value before the checks between fields run, and keeps it if they fail.
+            type(self)(**{**self.__dict__, name: value})
+        super().__setattr__(name, value)
+
+    @field_validator("stop", "stop_token_ids", mode="before")
+    @classmethod
+    def _as_list(cls, value: Any, info: ValidationInfo) -> Any:
+        if info.field_name == "stop" and isinstance(value, str):
+            return [value]
+        return list(value) if isinstance(value, tuple) else value
+
+    @field_validator("stop")
+    @classmethod
+    def _no_empty_stop(cls, value: list[str]) -> list[str]:
+        if any(s == "" for s in value):
+            raise ValueError("an empty stop string")
+        return value
+
+    @field_validator("stop_token_ids")
+    @classmethod
+    def _no_negative_ids(cls, value: list[int]) -> list[int]:
+        if any(t < 0 for t in value):
+            raise ValueError("a negative token id")
+        return value
+
+    @model_validator(mode="after")
+    def _between_fields(self) -> "SamplingParams":
+        problems = []
+        if self.min_tokens > self.max_tokens:
+            problems.append(f"min_tokens must be {_ALLOWED['min_tokens']}={self.max_tokens}, got {self.min_tokens}")
+        if self.seed is not None and not (_SEED_MIN <= self.seed and self.seed + self.n - 1 <= _SEED_MAX):
+            problems.append(f"seed must be {_ALLOWED['seed']}, got {self.seed} with n={self.n}")
+        if problems:
+            raise ValueError("; ".join(problems))
+        return self
 
     @classmethod
     def model_validate(cls, obj: Any, **kwargs: Any) -> "SamplingParams":
