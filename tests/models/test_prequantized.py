@@ -107,6 +107,17 @@ def _load(path):
     return gd.LLM(path, device="cpu", max_model_len=64, max_num_seqs=1)
 
 
+def _edit_tensors(path, edit) -> dict:
+    """Rewrite ``path``'s ``model.safetensors`` with ``edit(tensors)`` applied (it changes the dict in
+    place); returns the edited tensors."""
+    from safetensors.torch import load_file, save_file
+    f = os.path.join(path, "model.safetensors")
+    tensors = load_file(f)
+    edit(tensors)
+    save_file(tensors, f, metadata={"format": "pt"})
+    return tensors
+
+
 def test_gptq_act_order_keeps_one_input_order_per_fused_linear(bases, tmp_path):
     write_gptq(bases["llama"], tmp_path / "q", group=32, sym=True, act_order=True)
     params = dict(_load(tmp_path / "q").model.named_parameters())
@@ -304,12 +315,8 @@ def test_fused_pieces_in_different_schemes_are_an_error(bases, tmp_path):
 
 
 def test_missing_quantized_tensor_is_an_error(bases, tmp_path):
-    from safetensors.torch import load_file, save_file
     write_awq(bases["llama"], tmp_path / "q", group=32)
-    f = tmp_path / "q" / "model.safetensors"
-    tensors = load_file(f)
-    del tensors["model.layers.1.mlp.down_proj.qzeros"]
-    save_file(tensors, f, metadata={"format": "pt"})
+    _edit_tensors(tmp_path / "q", lambda t: t.pop("model.layers.1.mlp.down_proj.qzeros"))
     with pytest.raises(GraphDSLError, match=r"quantized linear 'model.layers.1.mlp.down_proj' \(awq gemm int4 g32\): "
                                             r"the checkpoint lacks \['model.layers.1.mlp.down_proj.qzeros'\]"):
         _load(tmp_path / "q")
@@ -322,8 +329,6 @@ def test_check_model_reads_a_prequantized_checkpoint_as_the_loader_does(bases, t
     """``graphdsl check`` (``check_model``) passes a checkpoint ``LLM`` loads, naming its schemes, and
     reports what the loader would refuse: a missing stored tensor, a quantized tensor of a module the
     config leaves unquantized (here: every tensor of an lm_head written as if quantized)."""
-    from safetensors.torch import load_file, save_file
-
     from graphdsl.models import check_model
     if writer == "ct":
         pytest.importorskip("compressed_tensors")
@@ -331,14 +336,16 @@ def test_check_model_reads_a_prequantized_checkpoint_as_the_loader_does(bases, t
     report = check_model(tmp_path / "q")
     assert report.ok, str(report)
     assert any("8 linear weights load in" in n and scheme in n for n in report.notes), report.notes
-    f = tmp_path / "q" / "model.safetensors"
-    tensors = load_file(f)
     down = "model.layers.1.mlp.down_proj"
-    stored = sorted(n for n in tensors if n.startswith(down + "."))
-    leaf = next(n for n in stored if n.rpartition(".")[2] in ("qzeros", "scales", "weight_scale"))
-    del tensors[leaf]
-    tensors["lm_head." + leaf.rpartition(".")[2]] = torch.zeros(1)
-    save_file(tensors, f, metadata={"format": "pt"})
+    removed = []
+
+    def damage(tensors):
+        stored = sorted(n for n in tensors if n.startswith(down + "."))
+        removed.append(next(n for n in stored if n.rpartition(".")[2] in ("qzeros", "scales", "weight_scale")))
+        del tensors[removed[0]]
+        tensors["lm_head." + removed[0].rpartition(".")[2]] = torch.zeros(1)
+    _edit_tensors(tmp_path / "q", damage)
+    leaf = removed[0]
     report = check_model(tmp_path / "q")
     problems = "\n".join(report.problems)
     assert f"quantized linear {down!r}" in problems and f"the checkpoint lacks [{leaf!r}]" in problems, problems
@@ -351,8 +358,6 @@ def test_check_model_finds_stored_tensors_of_the_wrong_shape_or_dtype_from_the_h
     """The loader's conversion runs over the tensor headers (meta tensors), so ``graphdsl check``
     reports what ``LLM`` would: a qweight cut short, an int64 qweight, a plain weight beside the
     stored ones; with the same message as the load."""
-    from safetensors.torch import load_file, save_file
-
     from graphdsl.models import check_model
     o = "model.layers.0.self_attn.o_proj"
     cases = {"short": lambda t: t.__setitem__(f"{o}.qweight", t[f"{o}.qweight"][:, :-1].clone()),
@@ -361,9 +366,7 @@ def test_check_model_finds_stored_tensors_of_the_wrong_shape_or_dtype_from_the_h
     for name, damage in cases.items():
         d = tmp_path / name
         write_awq(bases["llama"], d, group=32)
-        tensors = load_file(d / "model.safetensors")
-        damage(tensors)
-        save_file(tensors, d / "model.safetensors", metadata={"format": "pt"})
+        _edit_tensors(d, damage)
         report = check_model(d)
         assert not report.ok and not any("linear weights load in" in n for n in report.notes), (name, str(report))
         with pytest.raises(GraphDSLError) as load:
@@ -391,12 +394,8 @@ def test_config_values_of_the_wrong_json_type_are_refused(bases, tmp_path):
 
 
 def test_non_finite_scales_are_refused_when_loading(bases, tmp_path):
-    from safetensors.torch import load_file, save_file
     write_gptq(bases["llama"], tmp_path / "q", group=32, sym=True)
-    f = tmp_path / "q" / "model.safetensors"
-    tensors = load_file(f)
-    tensors["model.layers.1.self_attn.v_proj.scales"][0, :3] = float("nan")
-    save_file(tensors, f, metadata={"format": "pt"})
+    _edit_tensors(tmp_path / "q", lambda t: t["model.layers.1.self_attn.v_proj.scales"][0, :3].fill_(float("nan")))
     with pytest.raises(GraphDSLError, match=r"quantized linear 'model.layers.1.self_attn.v_proj' \(gptq int4 g32 "
                                             r"sym\): its scale \('model.layers.1.self_attn.v_proj.weight_scale'\) "
                                             r"holds 3 values that are NaN or infinite"):
