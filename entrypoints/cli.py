@@ -421,6 +421,46 @@ def _lora_arg(text: str) -> tuple[str, str]:
     return name, path
 
 
+def _port_arg(value: str) -> int:
+    """``serve --port``: a TCP port to listen on (0, an ephemeral port, is refused: clients could not
+    know where to connect)."""
+    try:
+        n = int(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a TCP port, an integer in [1, 65535], got {value!r}") from None
+    if not 1 <= n <= 65535:
+        raise argparse.ArgumentTypeError(f"expected a TCP port, an integer in [1, 65535], got {n}")
+    return n
+
+
+def _host_arg(value: str) -> str:
+    """``serve --host``: an address or a host name that resolves (checked before the model loads)."""
+    import socket
+    try:
+        socket.getaddrinfo(value, None, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+    except (socket.gaierror, UnicodeError) as e:
+        why = e.strerror if isinstance(e, socket.gaierror) else str(e)
+        raise argparse.ArgumentTypeError(f"{value!r} is not an address to listen on ({why}); give an IP address "
+                                         "such as 127.0.0.1 or 0.0.0.0, or a host name that resolves") from None
+    return value
+
+
+def _listen(parser: argparse.ArgumentParser, host: str, port: int):
+    """Bind the server's socket before the model loads, so an address in use or not on this machine
+    is a usage error now rather than a traceback minutes later; uvicorn listens on it."""
+    import socket
+    family, kind, proto, _, addr = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM,
+                                                      flags=socket.AI_PASSIVE)[0]
+    sock = socket.socket(family, kind, proto)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind(addr)
+    except OSError as e:
+        sock.close()
+        parser.error(f"argument --host/--port: cannot listen on {host}:{port}: {e.strerror or e}")
+    return sock
+
+
 def _serve(args) -> int:
     try:
         import uvicorn
@@ -433,6 +473,7 @@ def _serve(args) -> int:
 
     import graphdsl as gd
     from graphdsl.runtime.device import default_device
+    sock = _listen(args.command_parser, args.host, args.port)
     if args.threads:
         torch.set_num_threads(args.threads)
     device = args.device or default_device()
@@ -452,8 +493,9 @@ def _serve(args) -> int:
             llm.load_lora(lora_name, lora_path)
     name = args.served_model_name or os.path.basename(os.path.normpath(args.model))
     app = build_app(llm, served_model_name=name, api_key=args.api_key)
-    print(f"serving {name!r} on http://{args.host}:{args.port}/v1 ({llm})", file=sys.stderr, flush=True)
-    uvicorn.run(app, host=args.host, port=args.port, log_level="warning")
+    host = f"[{args.host}]" if ":" in args.host else args.host
+    print(f"serving {name!r} on http://{host}:{args.port}/v1 ({llm})", file=sys.stderr, flush=True)
+    uvicorn.Server(uvicorn.Config(app, host=args.host, port=args.port, log_level="warning")).run(sockets=[sock])
     return 0
 
 
@@ -657,8 +699,8 @@ def build_parser() -> argparse.ArgumentParser:
                              "/v1/completions, /v1/chat/completions (streaming as server-sent events), /v1/models, "
                              "/health, /metrics. Concurrent requests share one continuous batch.")
     _add_runtime(p)
-    p.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
-    p.add_argument("--port", type=_positive_int, default=8000, help="port (default 8000)")
+    p.add_argument("--host", type=_host_arg, default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
+    p.add_argument("--port", type=_port_arg, default=8000, help="TCP port, 1-65535 (default 8000)")
     p.add_argument("--max-num-seqs", type=_positive_int, default=16, help="requests running together (default 16)")
     p.add_argument("--served-model-name", type=_text_arg, default=None,
                    help="the model name clients send (default: the MODEL file or folder name)")

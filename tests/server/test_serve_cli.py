@@ -1,0 +1,75 @@
+"""``graphdsl serve``'s --host and --port: refused by name before the model loads (a port out of
+range, a host that does not resolve, an address this machine cannot listen on), and "serving on"
+printed only once the socket uvicorn will serve from is bound."""
+from __future__ import annotations
+
+import socket
+
+import pytest
+
+uvicorn = pytest.importorskip("uvicorn")
+
+from graphdsl.entrypoints.cli import main  # noqa: E402
+from tests.models.gguf_tiny import build_tiny_gguf  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def gguf(tmp_path_factory):
+    return str(build_tiny_gguf(tmp_path_factory.mktemp("serve_cli"))[0])
+
+
+def _no_weights(monkeypatch):
+    def refuse(*a, **k):
+        raise AssertionError("weights were loaded before --host/--port were checked")
+    monkeypatch.setattr("graphdsl.entrypoints.llm.load_weights", refuse)
+
+
+def _run(argv) -> int:
+    try:
+        return main(argv)
+    except SystemExit as e:
+        return e.code
+
+
+@pytest.mark.parametrize("flag,value,says", [
+    ("--port", "70000", "argument --port: expected a TCP port, an integer in [1, 65535], got 70000"),
+    ("--port", "65536", "got 65536"),
+    ("--port", "-1", "got -1"),
+    ("--port", "0", "got 0"),
+    ("--host", "999.1.1.1", "argument --host: '999.1.1.1' is not an address to listen on"),
+    ("--host", "no-such-host.invalid", "argument --host: 'no-such-host.invalid' is not an address"),
+    ("--host", "192.0.2.1", "argument --host/--port: cannot listen on 192.0.2.1:"),     # TEST-NET-1: not ours
+])
+def test_bad_host_or_port_is_named_before_the_model_loads(gguf, flag, value, says, capsys, monkeypatch):
+    _no_weights(monkeypatch)
+    assert _run(["serve", gguf, flag, value]) == 2
+    err = capsys.readouterr().err
+    assert says in err and "Traceback" not in err and "serving" not in err, err
+
+
+def test_a_port_in_use_is_named_before_the_model_loads(gguf, capsys, monkeypatch):
+    _no_weights(monkeypatch)
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        assert _run(["serve", gguf, "--port", str(port)]) == 2
+    err = capsys.readouterr().err
+    assert f"cannot listen on 127.0.0.1:{port}: Address already in use" in err and "serving" not in err, err
+
+
+def test_serving_is_announced_once_the_socket_is_bound(gguf, capsys, monkeypatch):
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    seen = {}
+
+    def run(server, sockets=None):
+        seen["err"] = capsys.readouterr().err
+        seen["addr"] = [sock.getsockname() for sock in sockets]
+        for sock in sockets:
+            sock.close()
+    monkeypatch.setattr(uvicorn.Server, "run", run)
+    assert _run(["serve", gguf, "--device", "cpu", "--port", str(port), "--max-model-len", "64"]) == 0
+    assert seen["addr"] == [("127.0.0.1", port)]
+    assert f"on http://127.0.0.1:{port}/v1" in seen["err"]
