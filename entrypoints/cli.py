@@ -369,10 +369,11 @@ def _profile(args) -> int:
     max_len = max(context, args.prompt_tokens) + 1
     if args.shape:
         llm = gd.LLM.from_config(_bench_shapes()[args.shape], device=device, dtype=args.dtype or "bfloat16",
-                                 seed=0, max_model_len=max_len, max_num_seqs=1, cuda_graphs=False)
+                                 seed=0, max_model_len=max_len, max_num_seqs=1, cuda_graphs=False,
+                                 quantization=args.quantization)
     else:
         llm = gd.LLM(args.model, device=device, dtype=args.dtype, max_model_len=max_len, max_num_seqs=1,
-                     cuda_graphs=False, custom_module_map=args.custom_module_map)
+                     cuda_graphs=False, custom_module_map=args.custom_module_map, quantization=args.quantization)
     reports = profile_model(llm, prompt_tokens=args.prompt_tokens, context=context, iters=args.iters)
     for rep in reports.values():
         print(rep.table(args.top) + "\n")
@@ -691,6 +692,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--iters", type=_positive_int, default=5, help="timed repetitions per step (default 5)")
     p.add_argument("--top", type=_positive_int, default=25, help="rows printed per table (default 25)")
     p.add_argument("--out", type=_dir_arg, default=None, help="write traces, charts and profile.html here")
+    p.add_argument("--quantization", type=_quantization_arg, default=None,
+                   help="profile the model quantized as --quantization loads it elsewhere (fp8, int8, int4, a "
+                        "scheme name, or gguf for a .gguf file's own blocks)")
     p.add_argument("--threads", type=_positive_int, default=None, help="torch CPU threads (default: torch's choice)")
     _add_module_map(p)
 

@@ -24,6 +24,13 @@ def test_profile_cli_writes_tables_and_files(tmp_path, capsys):
     assert "<h2>prefill of 8 tokens</h2>" in (out / "profile.html").read_text()
 
 
+def test_profile_cli_profiles_the_quantized_model(tmp_path, capsys):
+    make_checkpoint("llama", tmp_path / "m")
+    assert main(["profile", str(tmp_path / "m"), "--device", "cpu", "--prompt-tokens", "8", "--iters", "1",
+                 "--top", "50", "--quantization", "int8"]) == 0
+    assert "quant_linear" in capsys.readouterr().out
+
+
 def test_profile_model_rows_equal_launches(tmp_path):
     import graphdsl as gd
     from graphdsl.entrypoints.profile import profile_model
