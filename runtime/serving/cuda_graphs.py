@@ -378,13 +378,20 @@ class ShapeGraphRunner:
     def _arena(self, inputs: Mapping[str, torch.Tensor]) -> int:
         return self.engine.arena_id(next(iter(inputs.values())).device)
 
+    def _graph_pool(self):
+        """The memory pool the next capture shares with the kept graphs: a fresh one when none is
+        kept. Once every graph of a pool is gone (the arena regrew) the allocator counts the pool
+        unused and refuses a capture into it ("use_count > 0" internal assert), and the shape would
+        then run eagerly for good; the old pool's memory is freed with it."""
+        if self._pool is None or not self.graphs:
+            self._pool = torch.cuda.graph_pool_handle()
+        return self._pool
+
     def _capture(self, static: dict[str, torch.Tensor]) -> _Graph:
         engine = self.engine
         outputs = _warm_up(engine, static, next(iter(static.values())).device, {})
-        if self._pool is None:
-            self._pool = torch.cuda.graph_pool_handle()
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self._pool):
+        with torch.cuda.graph(graph, pool=self._graph_pool()):
             engine.forward(static, outputs, taps={})
         return _Graph(graph, static, outputs, _arena_views(engine), arena=self._arena(static))
 

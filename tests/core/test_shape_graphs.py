@@ -106,6 +106,18 @@ def test_a_graph_of_a_regrown_arena_is_captured_again_and_the_old_one_let_go():
     assert next(iter(runner.graphs.values())) is new and new.graph.replays == 2
 
 
+def test_a_capture_after_every_graph_was_dropped_takes_a_fresh_memory_pool(monkeypatch):
+    """The pool of graphs that are all gone is one the allocator will not capture into again."""
+    handles = iter(range(100, 200))
+    monkeypatch.setattr(torch.cuda, "graph_pool_handle", lambda: next(handles))
+    runner = ShapeGraphRunner(_Engine())
+    first = runner._graph_pool()
+    runner.graphs[("shape",)] = object()                        # a graph holds the pool: shared
+    assert runner._graph_pool() == first
+    runner.graphs.clear()                                        # the arena regrew: all dropped
+    assert runner._graph_pool() == first + 1
+
+
 def test_capture_after_zero_captures_on_first_sight_and_bad_settings_are_refused():
     runner = _CpuRunner(_Engine(), capture_after=0)
     step = _step(2, 5)

@@ -257,3 +257,30 @@ def test_a_regrown_arena_recaptures_the_prefill_graphs_of_the_old_one(tiny_llm, 
     got, _ = _run_prefill(llm, step, True, monkeypatch)
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
     assert runner.graphs[sig] is not old and runner.graphs[sig].arena == runner.engine.arena_id(DEV)
+
+
+def test_prefill_graphs_capture_again_after_the_arena_regrows(tiny_llm, monkeypatch):
+    """A larger step regrows the engine's arena and drops every prefill graph, with them the last
+    users of their memory pool; a shape seen again is captured into a fresh pool. (Into the old
+    one the capture failed on the allocator's "use_count > 0" assert, and the shape then ran
+    eagerly for good: 24-31 shapes a `benchmarks/serve.py` run on an H200.)"""
+    llm = tiny_llm
+    monkeypatch.setenv("GRAPHDSL_PREFILL_GRAPHS", "1")
+    g = torch.Generator().manual_seed(5)
+    caches = [c.clone() for c in llm.kv_cache.key_caches + llm.kv_cache.value_caches]
+    for _ in range(2):                                            # 16 tokens, 2 sequences: captured
+        llm.model.execute(Phase.PREFILL, _prefill(llm, [6, 10], g))
+    (runner,) = llm.model._prefill_runners.values()
+    assert runner.graphs and not runner.failed
+    arena = runner.engine.arena_id(DEV)
+    llm.model.execute(Phase.PREFILL, _prefill(llm, [60] * 30, g))    # first sight: eager, regrows the arena
+    assert runner.engine.arena_id(DEV) != arena, "the 1800-token step did not regrow the arena"
+    for lens in ([7, 9], [8, 8]):                                 # the 16-token shape: captured again, replayed
+        step = _prefill(llm, lens, g)
+        want, _ = _run_prefill(llm, step, False, monkeypatch)
+        got, _ = _run_prefill(llm, step, True, monkeypatch)
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    assert not runner.failed
+    assert [e.inputs["input_ids"].shape for e in runner.graphs.values()] == [(16,)]
+    for c, b in zip(llm.kv_cache.key_caches + llm.kv_cache.value_caches, caches):
+        c.copy_(b)
