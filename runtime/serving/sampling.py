@@ -146,6 +146,17 @@ class SamplingParams(BaseModel):
             raise GraphDSLError(f"SamplingParams.model_validate expects a dict, got {obj!r}")
         return cls(**obj)
 
+    @classmethod
+    def model_validate_json(cls, json_data: str | bytes, **kwargs: Any) -> "SamplingParams":
+        """From a JSON object's text, validated as the constructor validates (same errors)."""
+        import json
+        try:
+            obj = json.loads(json_data)
+        except (TypeError, ValueError) as e:
+            raise GraphDSLError(f"SamplingParams.model_validate_json expects a JSON object's text, got "
+                                f"{json_data!r:.80} ({e})") from None
+        return cls.model_validate(obj)
+
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0

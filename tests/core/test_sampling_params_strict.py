@@ -182,3 +182,15 @@ def test_model_validate_is_strict_too():
     assert SamplingParams.model_validate({"stop": "\n", "seed": I64_MIN}).stop == ["\n"]
     with pytest.raises(GraphDSLError, match=r"max_tokens must be an integer >= 1, got '10'"):
         SamplingParams.model_validate({"max_tokens": "10"})
+
+
+def test_model_validate_json_refuses_with_the_constructors_errors():
+    from graphdsl.errors import GraphDSLError
+    from graphdsl.runtime.serving.sampling import SamplingParams
+    assert SamplingParams.model_validate_json('{"temperature": 0, "stop": "x"}').stop == ["x"]
+    with pytest.raises(GraphDSLError, match=r"invalid SamplingParams: temperature must be a float >= 0"):
+        SamplingParams.model_validate_json('{"temperature": "hot"}')
+    with pytest.raises(GraphDSLError, match=r"model_validate_json expects a JSON object's text"):
+        SamplingParams.model_validate_json("{not json")
+    with pytest.raises(GraphDSLError, match=r"model_validate expects a dict, got \[1\]"):
+        SamplingParams.model_validate_json("[1]")

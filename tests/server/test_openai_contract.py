@@ -306,3 +306,22 @@ def test_routing_errors_have_openai_shape(client):
     r = client.get("/v1/completions")
     err = _error(r, 405, None)
     assert "/v1/completions does not take GET" in err["message"] and r.headers["allow"] == "POST"
+
+
+def test_chat_content_as_text_parts_is_the_joined_text_and_other_parts_are_refused(client):
+    """OpenAI's content parts: text parts read as their text joined by newlines (the same answer as
+    that string), an image part is a 400 naming the message, as is content of another shape."""
+    def ask(content):
+        return client.post("/v1/chat/completions", json={"model": NAME, "max_tokens": 6, "temperature": 0,
+                                                         "messages": [{"role": "user", "content": content}]})
+    parts = ask([{"type": "text", "text": "What is the capital"}, {"type": "text", "text": "of France?"}])
+    joined = ask("What is the capital\nof France?")
+    assert parts.status_code == joined.status_code == 200, parts.text
+    assert parts.json()["choices"][0]["message"] == joined.json()["choices"][0]["message"]
+    image = ask([{"type": "text", "text": "What is this?"}, {"type": "image_url", "image_url": {"url": "x"}}])
+    assert image.status_code == 400 and image.json()["error"]["param"] == "messages"
+    assert "messages[0].content holds parts of type ['image_url']" in image.json()["error"]["message"]
+    for bad in (5, [], [{"type": "text"}]):
+        r = ask(bad)
+        assert r.status_code == 400 and "messages[0].content must be a string or a non-empty list" in \
+            r.json()["error"]["message"], r.text
