@@ -445,13 +445,9 @@ class LLM:
                 emitted = len(text)
 
     def chat(self, messages: list[dict], sampling_params: SamplingParams | dict | None = None) -> RequestOutput:
-        """Answer a chat (a non-empty ``[{"role": str, "content": str}, ...]``) with the model's chat
-        template."""
-        if not isinstance(messages, list) or not messages or not all(
-                isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)
-                for m in messages):
-            raise GraphDSLError('chat: messages must be a non-empty list of {"role": str, "content": str} dicts, '
-                                f"got {messages!r:.120}")
+        """Answer a chat (a non-empty ``[{"role": str, "content": ...}, ...]``, content as
+        :func:`chat_messages` reads it) with the model's chat template."""
+        messages = chat_messages(messages, "chat: messages")
         tok = self._tokenizer_or_error("chat")
         prompt = tok.apply_chat_template(messages, add_generation_prompt=True)
         out = self.generate([tok.encode(prompt, add_special_tokens=False)], sampling_params)[0]   # the template has BOS
@@ -685,6 +681,31 @@ class LLM:
             prompt_logprobs = [None]                             # a one-token prompt: nothing predicts it
         return RequestOutput(g.request_id, g.prompt, g.prompt_ids, outs, prompt_logprobs,
                              finished=all(s.req.status is RequestStatus.FINISHED for s in g.samples))
+
+
+def chat_messages(messages, what: str = "messages") -> list[dict[str, str]]:
+    """``[{"role", "content"}]`` with each content as text: a string, or OpenAI's list of content
+    parts of which only text parts (``{"type": "text", "text": str}``) are read, joined with newlines
+    (no images or audio here). Anything else is an error naming ``what`` and the message."""
+    if not isinstance(messages, list) or not messages or not all(
+            isinstance(m, dict) and isinstance(m.get("role"), str) for m in messages):
+        raise GraphDSLError(f'{what} must be a non-empty list of {{"role": str, "content": str or a list of text '
+                            f"parts}} dicts, got {messages!r:.120}")
+    out = []
+    for i, m in enumerate(messages):
+        content = m.get("content")
+        if isinstance(content, list) and content and all(isinstance(p, dict) for p in content):
+            other = sorted({str(p.get("type")) for p in content if p.get("type") != "text"})
+            if other:
+                raise GraphDSLError(f'{what}[{i}].content holds parts of type {other}; only text parts '
+                                    '({"type": "text", "text": str}) are read')
+            if all(isinstance(p.get("text"), str) for p in content):
+                content = "\n".join(p["text"] for p in content)
+        if not isinstance(content, str):
+            raise GraphDSLError(f'{what}[{i}].content must be a string or a non-empty list of {{"type": "text", '
+                                f'"text": str}} parts, got {str(content)[:120]}')
+        out.append({"role": m["role"], "content": content})
+    return out
 
 
 def _check_sizes(tensor_parallel_size, max_num_seqs, block_size, max_model_len, max_num_batched_tokens,

@@ -34,6 +34,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from graphdsl.errors import GraphDSLError
+from graphdsl.entrypoints.llm import chat_messages
 from graphdsl.runtime.serving.loop import ServingLoop
 from graphdsl.runtime.serving.sampling import SamplingParams
 from graphdsl.runtime.serving.scheduler import RequestStatus
@@ -341,24 +342,6 @@ def _check_room(body: dict, chat: bool, prompt_len: int, params: SamplingParams,
                             f"the {'messages' if chat else 'prompt'}", _max_tokens_field(body, chat))
 
 
-def _message_text(message: dict, i: int) -> str:
-    """A chat message's text: ``content`` as a string, or OpenAI's list of content parts of which
-    only ``{"type": "text", "text": ...}`` ones are taken (joined with newlines; this server reads no
-    images or audio)."""
-    content = message.get("content")
-    if isinstance(content, str):
-        return content
-    if isinstance(content, list) and content and all(isinstance(p, dict) for p in content):
-        other = sorted({str(p.get("type")) for p in content if p.get("type") != "text"})
-        if other:
-            raise ApiError(400, f"messages[{i}].content holds parts of type {other}; this server takes text parts "
-                                "only ({\"type\": \"text\", \"text\": str})", "messages")
-        if all(isinstance(p.get("text"), str) for p in content):
-            return "\n".join(p["text"] for p in content)
-    raise ApiError(400, f"messages[{i}].content must be a string or a non-empty list of {{\"type\": \"text\", "
-                        f"\"text\": str}} parts, got {str(content)[:120]}", "messages")
-
-
 def _check_body(body: Any, chat: bool) -> dict:
     if not isinstance(body, dict):
         raise ApiError(400, "the request body must be a JSON object")
@@ -499,15 +482,13 @@ def build_app(llm, *, served_model_name: str, api_key: str | None = None):
     def _prompt_ids(body: dict, chat: bool) -> tuple[list[int], str | None]:
         tok = llm.tokenizer
         if chat:
-            msgs = body.get("messages")
-            if not isinstance(msgs, list) or not msgs or not all(
-                    isinstance(m, dict) and isinstance(m.get("role"), str) for m in msgs):
-                raise ApiError(400, "messages must be a non-empty list of {\"role\": str, \"content\": str or "
-                                    f"a list of text parts}}, got {str(msgs)[:120]}", "messages")
+            try:
+                msgs = chat_messages(body.get("messages"))
+            except GraphDSLError as e:
+                raise ApiError(400, str(e), "messages") from None
             if tok is None:
                 raise ApiError(400, "this model has no tokenizer, so it cannot take chat messages", "messages")
-            text = tok.apply_chat_template([{"role": m["role"], "content": _message_text(m, i)}
-                                            for i, m in enumerate(msgs)], add_generation_prompt=True)
+            text = tok.apply_chat_template(msgs, add_generation_prompt=True)
             return tok.encode(text, add_special_tokens=False), text
         prompt = body.get("prompt")
         if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):

@@ -204,8 +204,17 @@ def test_stream_refuses_what_is_not_a_prompt(llm, prompt):
 @pytest.mark.parametrize("messages", [[], None, "hi", [{"role": "user"}], [{"content": "hi"}],
                                       [{"role": "user", "content": None}]])
 def test_chat_refuses_an_empty_or_malformed_conversation(llm, messages):
-    with pytest.raises(GraphDSLError, match=r'chat: messages must be a non-empty list of \{"role": str'):
+    with pytest.raises(GraphDSLError, match=r'chat: messages(\[0\]\.content)? must be (a non-empty list of \{"role": '
+                                            r'str|a string or a non-empty list of \{"type": "text")'):
         llm.chat(messages, greedy(2))
+
+
+def test_chat_reads_openai_text_parts_and_refuses_other_parts(llm):
+    parts = [{"role": "user", "content": [{"type": "text", "text": "a b"}, {"type": "text", "text": "c"}]}]
+    text = [{"role": "user", "content": "a b\nc"}]
+    assert llm.chat(parts, greedy(3)).outputs[0].token_ids == llm.chat(text, greedy(3)).outputs[0].token_ids
+    with pytest.raises(GraphDSLError, match=r"chat: messages\[0\]\.content holds parts of type \['image_url'\]"):
+        llm.chat([{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}], greedy(2))
 
 
 def test_prompt_logprobs_of_a_one_token_prompt(llm):
