@@ -46,7 +46,7 @@ import torch
 from graphdsl.errors import GraphDSLError
 from graphdsl.quant import Fp8Scheme, IntScheme, QuantScheme, pack_int4, unpack_int4
 
-__all__ = ["CheckpointQuantization", "read_checkpoint_quantization", "SUPPORTED"]
+__all__ = ["CheckpointQuantization", "read_checkpoint_quantization", "SUPPORTED", "STORED_LEAVES"]
 
 SUPPORTED = {
     ("compressed-tensors", "pack-quantized"): "int4-g{32,64,128}[-zp], int8-channel",
@@ -60,6 +60,14 @@ _GROUPS = (128, 64, 32)
 _CT_STATIC_ORDER = ("static", "weight")     # compressed-tensors actorder with contiguous groups: no g_idx
 _CT_GROUP_ORDER = ("group", "dynamic")      # ... with a weight_g_idx per input (the -act schemes)
 _AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)       # nibble i of an AWQ word holds column _AWQ_ORDER[i] of its 8
+
+
+# the tensor leaves a quantized module stores, per format (``CheckpointQuantization.leaves``)
+_CT_LEAVES = ("weight_packed", "weight", "weight_scale", "weight_zero_point", "weight_shape", "weight_g_idx")
+_AWQ_LEAVES = ("qweight", "qzeros", "scales")
+_GPTQ_LEAVES = ("qweight", "qzeros", "scales", "g_idx")
+#: leaves that only a quantized module stores (a plain ``weight`` is not one)
+STORED_LEAVES = frozenset(_CT_LEAVES + _AWQ_LEAVES + _GPTQ_LEAVES) - {"weight"}
 
 
 def read_checkpoint_quantization(hf_config: dict) -> "CheckpointQuantization | None":
@@ -326,8 +334,7 @@ class _CompressedTensors(CheckpointQuantization):
             _typed(weights, "symmetric", bool, True, where)
             groups.append(_CtGroup(tuple(g.get("targets") or ()), fmt, weights, g.get("input_activations")))
         return cls(method="compressed-tensors", groups=tuple(groups), ignore=tuple(qc.get("ignore") or ()),
-                   leaves=("weight_packed", "weight", "weight_scale", "weight_zero_point", "weight_shape",
-                           "weight_g_idx"),
+                   leaves=_CT_LEAVES,
                    optional=("weight_shape",),
                    refused={"input_scale": "static activation scales are not supported (dynamic per-token fp8 or "
                                            "weight-only schemes are)"})
@@ -465,7 +472,7 @@ class _Awq(CheckpointQuantization):
                                 f"{qc.get('backend')!r}) is not supported (only the GEMM layout)")
         if not _typed(qc, "zero_point", bool, True, where):
             raise GraphDSLError("quantization_config: AutoAWQ with zero_point=false is not supported")
-        return cls(method="awq", leaves=("qweight", "qzeros", "scales"), bits=bits, group=group,
+        return cls(method="awq", leaves=_AWQ_LEAVES, bits=bits, group=group,
                    skip=tuple(qc.get("modules_to_not_convert") or ()))
 
     def describe(self, module):
@@ -521,7 +528,7 @@ class _Gptq(CheckpointQuantization):
             raise GraphDSLError(f"quantization_config: GPTQ checkpoint_format {fmt!r} is not supported "
                                 "(gptq, gptq_v2)")
         where = "quantization_config"
-        return cls(method="gptq", leaves=("qweight", "qzeros", "scales", "g_idx"), optional=("g_idx",),
+        return cls(method="gptq", leaves=_GPTQ_LEAVES, optional=("g_idx",),
                    bits=_typed(qc, "bits", int, 4, where), group=_typed(qc, "group_size", int, 128, where),
                    sym=_typed(qc, "sym", bool, True, where), v2=fmt == "gptq_v2",
                    desc_act=_typed(qc, "desc_act", bool, False, where), lm_head=_typed(qc, "lm_head", bool, False, where),

@@ -27,6 +27,8 @@ import torch
 
 from graphdsl.errors import GraphDSLError
 
+from .prequantized import STORED_LEAVES
+
 __all__ = ["iter_safetensors", "iter_safetensors_lazy", "LazyTensor", "ReadStats", "safetensors_files",
            "WeightReport", "check_weights"]
 
@@ -228,7 +230,7 @@ class WeightReport:
         if self.wrong_shape:
             lines.append(f"{len(self.wrong_shape)} with wrong shape:")
             lines += _first([f"  {n}: expected shape {list(e)}, got {list(g)}" for n, e, g in self.wrong_shape])
-        stored = [n for n, _ in self.unexpected if n.rpartition(".")[2] in _QUANTIZED_LEAVES]
+        stored = [n for n, _ in self.unexpected if n.rpartition(".")[2] in STORED_LEAVES]
         if stored:
             lines.append(f"hint: the checkpoint holds quantized tensors ({stored[0]!r}, ...) that the model does not "
                          "expect: a pre-quantized checkpoint needs the quantization_config of its config.json "
@@ -237,9 +239,6 @@ class WeightReport:
 
 
 _LISTED = 40          # names a WeightReport lists of each kind before "... and N more"
-# tensor leaves pre-quantized checkpoints store (AWQ / GPTQ, compressed-tensors)
-_QUANTIZED_LEAVES = {"qweight", "qzeros", "scales", "g_idx", "weight_packed", "weight_scale", "weight_zero_point",
-                     "weight_shape", "weight_g_idx"}
 
 
 def _first(lines: list[str]) -> list[str]:
