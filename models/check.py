@@ -4,7 +4,8 @@ Reads ``config.json`` (or GGUF metadata) and the tensor headers, then reports ev
 once: an unknown architecture (with the supported list), config fields graphdsl does not implement
 (unsupported rope types, activations, quantization formats), and weights the model would not find.
 A pre-quantized checkpoint's stored tensors are matched by name as the loader converts them
-(:meth:`~graphdsl.runtime.loaders.prequantized.CheckpointQuantization.check_names`).
+(:meth:`~graphdsl.runtime.loaders.prequantized.CheckpointQuantization.check_names`), then run
+through the loader's conversion as headers (meta tensors: shapes and dtypes, not values).
 """
 from __future__ import annotations
 
@@ -13,7 +14,6 @@ from dataclasses import dataclass, field
 
 from graphdsl.errors import GraphDSLError
 from graphdsl.runtime.loaders.checkpoint import CheckpointFormat, checkpoint_format, has_tokenizer
-
 from graphdsl.runtime.loaders.prequantized import read_checkpoint_quantization
 
 from .config import ModelConfig, build_config, read_hf_config
