@@ -31,9 +31,9 @@ def broadcast_shapes(shapes: list[tuple], op: str) -> tuple:
             if isinstance(ext, int) and ext == 1:
                 ext = e
                 continue
-            eq = same_extent(ext, e)
-            check(eq is not False, op, "shapes " + " and ".join(shape_str(x) for x in shapes)
-                  + f" do not broadcast (axis {axis}: {ext} vs {e})")
+            if same_extent(ext, e) is False:       # the message only when it is raised: plans call this per node
+                check(False, op, "shapes " + " and ".join(shape_str(x) for x in shapes)
+                      + f" do not broadcast (axis {axis}: {ext} vs {e})")
         out.append(ext)
     return tuple(out)
 

@@ -11,8 +11,12 @@ has a new signature and pays for specialising (and the caches grow without bound
   attention never reads them and they touch no real row (every other op is row-wise);
 * sequences ``S`` → the next power of two: padding sequences have no tokens
   (``query_start_loc`` repeats ``N``), ``seq_lens`` 0 and block-table rows of 0;
-* block-table width → the next power of two (at most the model's ``max_blocks_per_seq``),
-  padded with block 0 as decode's CUDA graphs do;
+* block-table width → the model's ``max_blocks_per_seq`` when that is at most :data:`WIDTH_FLOOR`
+  blocks (one width for every step), else the next power of two of at least ``WIDTH_FLOOR`` and at
+  most ``max_blocks_per_seq``; padded with block 0 as decode's CUDA graphs do. The attention reads a
+  sequence's table only up to its ``seq_lens``, so a wider table costs only its zeros, while every
+  width is one more shape signature: a new plan (~80-100 ms on the 8B shape, H200) and a new
+  prefill graph (``ShapeGraphRunner``);
 * projected rows (``lm_head_indices``, ``H``) → the next power of two, padding rows projecting
   token 0; the caller keeps the first ``H`` rows of the logits;
 * ``lora_indices`` (optional, LoRA steps) → padded with -1: padding tokens use no adapter.
@@ -23,10 +27,11 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["STANDARD_INPUTS", "token_bucket", "pad_prefill"]
+__all__ = ["STANDARD_INPUTS", "WIDTH_FLOOR", "token_bucket", "pad_prefill"]
 
 STANDARD_INPUTS = frozenset({"input_ids", "positions", "slot_mapping", "block_tables", "seq_lens",
                              "query_start_loc", "lm_head_indices"})
+WIDTH_FLOOR = 512   # blocks: a padded block table is at least this wide (or the model's width, if smaller)
 
 
 def token_bucket(n: int, minimum: int = 16) -> int:
@@ -56,7 +61,7 @@ def pad_prefill(inputs: dict[str, torch.Tensor], max_width: int) -> tuple[dict[s
     h = inputs["lm_head_indices"].shape[0]
     tokens, seqs, heads = token_bucket(n), _pow2(s), _pow2(h)
     bt = inputs["block_tables"]
-    width = max(bt.shape[1], min(_pow2(bt.shape[1]), max_width))
+    width = max(bt.shape[1], min(max(_pow2(bt.shape[1]), WIDTH_FLOOR), max_width))
     if width != bt.shape[1]:
         bt = torch.cat([bt, bt.new_zeros(bt.shape[0], width - bt.shape[1])], 1)
     qsl = inputs["query_start_loc"]

@@ -1,7 +1,7 @@
 """runtime/serving/prefill_pad.py: the buckets and the padded tensors."""
 import torch
 
-from graphdsl.runtime.serving.prefill_pad import STANDARD_INPUTS, pad_prefill, token_bucket
+from graphdsl.runtime.serving.prefill_pad import STANDARD_INPUTS, WIDTH_FLOOR, pad_prefill, token_bucket
 
 
 def test_token_buckets_pad_at_most_an_eighth():
@@ -26,15 +26,32 @@ def test_pad_prefill_values():
     assert out["positions"].tolist() == [0, 1, 2, 7, 8] + [0] * 11
     assert out["slot_mapping"].tolist() == [10, 11, 12, 40, 41] + [-1] * 11      # no cache writes
     assert out["seq_lens"].tolist() == [3, 9] and out["query_start_loc"].tolist() == [0, 3, 5]
-    assert out["block_tables"].tolist() == [[1, 0, 0, 0], [4, 5, 6, 0]] and out["block_tables"].dtype == i32
+    assert out["block_tables"].tolist() == [[1] + [0] * 7, [4, 5, 6] + [0] * 5]    # the model's width (8)
+    assert out["block_tables"].dtype == i32
     assert out["lm_head_indices"].tolist() == [2, 4, 4, 0]
     three = {**inputs, "seq_lens": torch.tensor([3, 1, 1], dtype=i32), "query_start_loc": torch.tensor([0, 3, 4, 5], dtype=i32),
              "block_tables": torch.tensor([[1], [2], [3]], dtype=i32)}
     out, _ = pad_prefill(three, max_width=8)
     assert out["seq_lens"].tolist() == [3, 1, 1, 0] and out["query_start_loc"].tolist() == [0, 3, 4, 5, 5]
-    assert out["block_tables"].tolist() == [[1], [2], [3], [0]]
+    assert out["block_tables"].tolist() == [[1] + [0] * 7, [2] + [0] * 7, [3] + [0] * 7, [0] * 8]
     wide = {**inputs, "block_tables": torch.zeros(2, 5, dtype=i32)}
     assert pad_prefill(wide, max_width=6)[0]["block_tables"].shape == (2, 6)      # capped at the model's width
+
+
+def test_block_table_widths_are_few():
+    """Every width up to WIDTH_FLOOR pads to one table width; past it, powers of two."""
+    def width(w, max_width):
+        step = {"input_ids": torch.zeros(3, dtype=torch.int64), "positions": torch.zeros(3, dtype=torch.int64),
+                "slot_mapping": torch.zeros(3, dtype=torch.int64), "seq_lens": torch.tensor([3], dtype=torch.int32),
+                "block_tables": torch.ones(1, w, dtype=torch.int32), "query_start_loc": torch.tensor([0, 3], dtype=torch.int32),
+                "lm_head_indices": torch.tensor([2])}
+        bt = pad_prefill(step, max_width)[0]["block_tables"]
+        assert bt[0, :w].tolist() == [1] * w and not bt[0, w:].any()
+        return bt.shape[1]
+    assert {width(w, 96) for w in range(1, 97)} == {96}                   # max_model_len 1536, block 16
+    assert {width(w, 8192) for w in (1, 7, 300, 512)} == {WIDTH_FLOOR}
+    assert [width(w, 8192) for w in (513, 1024, 1025, 5000)] == [1024, 1024, 2048, 8192]
+    assert width(513, 600) == 600 and width(600, 600) == 600
 
 
 def test_pad_prefill_lora_indices_pad_with_no_adapter():
