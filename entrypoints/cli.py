@@ -492,6 +492,9 @@ def _serve(args) -> int:
         llm.enable_lora(max_loras=args.max_loras, max_lora_rank=args.max_lora_rank)
         for lora_name, lora_path in args.lora:
             llm.load_lora(lora_name, lora_path)
+    if args.warmup or (args.warmup is None and torch.device(device).type == "cuda"):
+        print("warming up (--no-warmup skips this) ...", file=sys.stderr, flush=True)
+        print(f"warmed up in {llm.warmup().seconds:.1f}s", file=sys.stderr, flush=True)
     name = args.served_model_name or os.path.basename(os.path.normpath(args.model))
     app = build_app(llm, served_model_name=name, api_key=args.api_key)
     host = f"[{args.host}]" if ":" in args.host else args.host
@@ -716,6 +719,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-loras", type=_positive_int, default=4,
                    help="LoRA adapters on the GPU at once (default 4)")
     p.add_argument("--max-lora-rank", type=_positive_int, default=16, help="largest LoRA rank accepted (default 16)")
+    p.add_argument("--warmup", action=argparse.BooleanOptionalAction, default=None,
+                   help="before serving, run each decode batch bucket and the largest prefill step once, so the "
+                        "first requests do not pay Triton compiles and CUDA-graph captures (default: on CUDA)")
 
     p = _command(sub, "cache", _cache, help="list or clear the on-disk engine cache",
                  description="List the cached engine builds (key, size, date, network name) or delete them. "

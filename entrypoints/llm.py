@@ -466,6 +466,15 @@ class LLM:
             raise GraphDSLError(f"the checkpoint's recommended sampling settings {self.generation_config} are not "
                                 f"valid ({e}); pass SamplingParams explicitly") from None
 
+    def warmup(self, *, stream=True):
+        """Run the step shapes a server meets before its first request does (Triton compiles, plans,
+        decode CUDA graphs, the sampler's kernels; :mod:`graphdsl.entrypoints.warmup`), printing a
+        line per stage on ``stream`` (True: stderr; None: quiet). ``graphdsl serve`` calls it on
+        CUDA. Returns a
+        :class:`~graphdsl.entrypoints.warmup.WarmupReport`."""
+        from .warmup import warm_up
+        return warm_up(self, stream=stream)
+
     # -- internals ---------------------------------------------------------------------------
     def _tokenizer_or_error(self, what: str):
         if self.tokenizer is None:

@@ -1,6 +1,7 @@
 """``graphdsl serve``'s --host and --port: refused by name before the model loads (a port out of
 range, a host that does not resolve, an address this machine cannot listen on), and "serving on"
-printed only once the socket uvicorn will serve from is bound."""
+printed only once the socket uvicorn will serve from is bound; the start-up warm-up (on CUDA by
+default, ``--warmup`` / ``--no-warmup``) runs before it."""
 from __future__ import annotations
 
 import socket
@@ -58,7 +59,8 @@ def test_a_port_in_use_is_named_before_the_model_loads(gguf, capsys, monkeypatch
     assert f"cannot listen on 127.0.0.1:{port}: Address already in use" in err and "serving" not in err, err
 
 
-def test_serving_is_announced_once_the_socket_is_bound(gguf, capsys, monkeypatch):
+def _serve_until_uvicorn(gguf, capsys, monkeypatch, *extra) -> dict:
+    """Run ``graphdsl serve`` on the CPU up to uvicorn's start; what stderr held then, the sockets."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
@@ -70,6 +72,23 @@ def test_serving_is_announced_once_the_socket_is_bound(gguf, capsys, monkeypatch
         for sock in sockets:
             sock.close()
     monkeypatch.setattr(uvicorn.Server, "run", run)
-    assert _run(["serve", gguf, "--device", "cpu", "--port", str(port), "--max-model-len", "64"]) == 0
+    assert _run(["serve", gguf, "--device", "cpu", "--port", str(port), "--max-model-len", "64", *extra]) == 0
+    seen["port"] = port
+    return seen
+
+
+def test_serving_is_announced_once_the_socket_is_bound(gguf, capsys, monkeypatch):
+    seen = _serve_until_uvicorn(gguf, capsys, monkeypatch)
+    port = seen["port"]
     assert seen["addr"] == [("127.0.0.1", port)]
     assert f"on http://127.0.0.1:{port}/v1" in seen["err"]
+
+
+@pytest.mark.parametrize("flag,warms", [((), False), (("--no-warmup",), False), (("--warmup",), True)])
+def test_warmup_runs_before_serving_when_asked(gguf, capsys, monkeypatch, flag, warms):
+    """On the CPU the default is no warm-up (nothing to compile or capture); --warmup forces it."""
+    err = _serve_until_uvicorn(gguf, capsys, monkeypatch, "--max-num-seqs", "2", *flag)["err"]
+    assert ("warm-up 1/3: prefill of 63 tokens in 2 prompts" in err) == warms, err
+    assert ("warmed up in" in err) == warms
+    if warms:
+        assert err.index("warmed up in") < err.index("serving ")

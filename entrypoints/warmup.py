@@ -1,0 +1,90 @@
+"""Warm-up: run the step shapes a server will meet before the first request does.
+
+The first step of each shape pays for what later steps of it reuse: Triton compiles a kernel for
+each new specialisation (seconds each with a cold cache), the engine plans the shape (~80 ms on
+the 8B shape), a decode batch bucket captures its CUDA graph, the sampler's kernels compile on
+the first sampled step. In a server those costs land on the first requests: on an H200 with a
+cold Triton cache, the first 8 s of ``benchmarks/serve.py`` at 16 clients gave 197 output tokens/s
+and a TTFT p50 of 1.5 s, against ~1,900 tokens/s and 44 ms once warm. :func:`warm_up` pays them
+at start-up instead, as vLLM does with its profile run and graph capture, through
+``LLM.generate`` itself (so every path a request takes is the one warmed):
+
+1. the largest step: ``min(max_num_batched_tokens, max_model_len - 1)`` tokens in
+   ``max_num_seqs`` prompts (each projecting a row), which also grows the prefill engine's arena
+   to its size for good (a later regrowth would drop every prefill graph, ``ShapeGraphRunner``);
+2. each decode batch bucket ``b`` up to the one holding ``max_num_seqs``: ``b`` prompts of 17
+   tokens, 3 new tokens each, half of them greedy and half seeded sampling with temperature, top-k,
+   top-p and both penalties (the sampler's kernels), so the decode graph of ``b`` rows is captured
+   and the prefill steps of ``17 b`` tokens (buckets divisible by 16 and not) are planned.
+
+Requests are ordinary requests: their KV blocks are freed when they finish, and later outputs do
+not depend on the warm-up (``tests/models/test_warmup.py``)."""
+from __future__ import annotations
+
+import sys
+import time
+from dataclasses import dataclass, field
+
+from graphdsl.runtime.serving.cuda_graphs import BUCKETS, bucket_for
+from graphdsl.runtime.serving.sampling import SamplingParams
+
+__all__ = ["WarmupReport", "warm_up"]
+
+_PROMPT = 17              # tokens of a decode-bucket prompt (17 b: token buckets with and without 16 | N)
+_NEW_TOKENS = 3           # per decode-bucket request: a prefill-sampled token, then decode steps
+
+
+@dataclass
+class WarmupReport:
+    """What :func:`warm_up` ran: ``stages`` as ``(label, seconds)`` and the total ``seconds``."""
+
+    stages: list[tuple[str, float]] = field(default_factory=list)
+    seconds: float = 0.0
+
+    def __str__(self) -> str:
+        return f"warmed up {len(self.stages)} stages in {self.seconds:.1f}s: " + \
+            ", ".join(f"{label} {s:.1f}s" for label, s in self.stages)
+
+
+def decode_buckets(max_num_seqs: int) -> list[int]:
+    """The decode batch buckets a loop of ``max_num_seqs`` sequences replays: every bucket up to the
+    one holding ``max_num_seqs`` (past the largest, decode runs eagerly: up to the largest)."""
+    top = bucket_for(max_num_seqs) or BUCKETS[-1]
+    return [b for b in BUCKETS if b <= top]
+
+
+def _ids(n: int, vocab: int, salt: int) -> list[int]:
+    """``n`` token ids spread over the vocabulary (no special meaning; distinct per ``salt``)."""
+    return [(salt * 7919 + i * 104729) % vocab for i in range(n)]
+
+
+def warm_up(llm, *, stream=True) -> WarmupReport:
+    """Run the stages of the module docstring through ``llm.generate``; one line per stage on
+    ``stream`` (True: ``sys.stderr`` at the time of the call; None or False: quiet). Returns a
+    :class:`WarmupReport`."""
+    if stream is True:
+        stream = sys.stderr
+    vocab = llm.model.config.vocab_size
+    longest = max(1, min(llm.max_num_batched_tokens, llm.max_model_len - 1))
+    seqs = min(llm.max_num_seqs, longest)
+    lens = [longest // seqs + (i < longest % seqs) for i in range(seqs)]
+    stages = [(f"prefill of {longest} tokens in {seqs} prompts", [_ids(n, vocab, 0) for n in lens],
+               SamplingParams(max_tokens=1, temperature=0))]
+    sampled = dict(temperature=0.8, top_k=50, top_p=0.9, presence_penalty=0.5, frequency_penalty=0.5)
+    plen = max(1, min(_PROMPT, llm.max_model_len - _NEW_TOKENS))
+    new = max(1, min(_NEW_TOKENS, llm.max_model_len - plen))
+    for b in decode_buckets(llm.max_num_seqs):
+        prompts = [_ids(plen, vocab, 1 + i) for i in range(b)]
+        params = [SamplingParams(max_tokens=new, ignore_eos=True,
+                                 **(dict(temperature=0) if i % 2 == 0 else dict(sampled, seed=i))) for i in range(b)]
+        stages.append((f"decode batch {b}", prompts, params))
+    report = WarmupReport()
+    t0 = time.monotonic()
+    for k, (label, prompts, params) in enumerate(stages, 1):
+        t = time.monotonic()
+        llm.generate(prompts, params)
+        report.stages.append((label, time.monotonic() - t))
+        if stream:
+            print(f"warm-up {k}/{len(stages)}: {label} {report.stages[-1][1]:.1f}s", file=stream, flush=True)
+    report.seconds = time.monotonic() - t0
+    return report

@@ -1,0 +1,41 @@
+"""LLM.warmup on a GPU (run with ``pytest -m gpu``): afterwards every decode bucket up to
+max_num_seqs replays a captured graph, the engines' arenas no longer grow, and a batch of
+requests of the warmed shapes makes no new decode plan; the warm-up's time and the first batch's
+time after it are printed."""
+from __future__ import annotations
+
+import time
+
+import pytest
+import torch
+
+import graphdsl as gd
+from graphdsl.layers import Phase
+
+pytestmark = pytest.mark.gpu
+
+if not torch.cuda.is_available():
+    pytest.skip("needs a CUDA GPU", allow_module_level=True)
+
+CONFIG = dict(model_type="llama", hidden_size=256, intermediate_size=512, num_hidden_layers=2, num_attention_heads=4,
+              num_key_value_heads=2, vocab_size=1000, max_position_embeddings=512)
+
+
+def test_warmup_captures_every_decode_bucket_and_sizes_the_arenas():
+    llm = gd.LLM.from_config(CONFIG, device="cuda", dtype="bfloat16", seed=0, max_model_len=256, max_num_seqs=6,
+                             max_num_batched_tokens=128)
+    report = llm.warmup(stream=None)
+    (runner,) = llm.model._graph_runners.values()
+    assert sorted(runner.graphs) == [1, 2, 4, 8]
+    decode = llm.model.engine(Phase.DECODE)
+    plans = len(decode._plans)
+    arenas = {id(e): e.arena_id(torch.device("cuda")) for e in (decode, llm.model.engine(Phase.PREFILL))}
+    t = time.perf_counter()
+    outs = llm.generate([[7 + i] * (5 + 3 * i) for i in range(6)], gd.SamplingParams(max_tokens=8, temperature=0,
+                                                                                   ignore_eos=True))
+    first = time.perf_counter() - t
+    assert [len(o.outputs[0].token_ids) for o in outs] == [8] * 6
+    assert len(decode._plans) == plans                   # every decode bucket was planned by the warm-up
+    assert {id(e): e.arena_id(torch.device("cuda")) for e in (decode, llm.model.engine(Phase.PREFILL))} == arenas
+    assert sorted(runner.graphs) == [1, 2, 4, 8]
+    print(f"\n{report}; first batch after it {first * 1e3:.1f} ms")

@@ -1,0 +1,68 @@
+"""LLM.warmup (entrypoints/warmup.py): its stages, that it leaves nothing behind, and that later
+outputs do not depend on it. The GPU side (every decode bucket captured, no plan made afterwards)
+is tests/gpu/test_warmup_gpu.py."""
+import io
+
+import pytest
+
+import graphdsl as gd
+from graphdsl.entrypoints.warmup import WarmupReport, decode_buckets
+from graphdsl.runtime.serving.cuda_graphs import BUCKETS
+
+CONFIG = dict(model_type="llama", hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+              num_key_value_heads=2, vocab_size=300, max_position_embeddings=256)
+
+
+def make(**kw):
+    return gd.LLM.from_config(CONFIG, device="cpu", dtype="float32", seed=3, **kw)
+
+
+def requests():
+    prompts = [[5, 6, 7, 8], [9, 10], [11, 12, 13, 14, 15, 16]]
+    params = [gd.SamplingParams(max_tokens=6, ignore_eos=True, temperature=0),
+              gd.SamplingParams(max_tokens=6, ignore_eos=True, temperature=0.9, top_k=20, top_p=0.9, seed=11,
+                                presence_penalty=0.5, frequency_penalty=0.3),
+              gd.SamplingParams(max_tokens=6, ignore_eos=True, temperature=0.7, seed=5, logprobs=2)]
+    return prompts, params
+
+
+def outputs(llm):
+    return [(o.outputs[0].token_ids, o.outputs[0].cumulative_logprob) for o in llm.generate(*requests())]
+
+
+def test_decode_buckets_reach_the_bucket_holding_max_num_seqs():
+    assert decode_buckets(1) == [1]
+    assert decode_buckets(4) == [1, 2, 4]
+    assert decode_buckets(5) == [1, 2, 4, 8]
+    assert decode_buckets(10_000) == list(BUCKETS)       # past the largest bucket decode runs eagerly
+
+
+def test_warmup_runs_its_stages_and_leaves_the_pool_free():
+    llm = make(max_model_len=96, max_num_seqs=3, max_num_batched_tokens=40)
+    log = io.StringIO()
+    report = llm.warmup(stream=log)
+    assert isinstance(report, WarmupReport)
+    assert [label for label, _ in report.stages] == ["prefill of 40 tokens in 3 prompts", "decode batch 1", "decode batch 2",
+                                                     "decode batch 4"]
+    assert report.seconds >= sum(s for _, s in report.stages) > 0
+    lines = log.getvalue().splitlines()
+    assert [line.split(":")[0] for line in lines] == [f"warm-up {k}/4" for k in range(1, 5)]
+    assert "\r" not in log.getvalue()                        # plain lines: clean in a log file
+    assert llm.blocks.num_free_blocks == llm.blocks.num_blocks
+    assert str(report).startswith("warmed up 4 stages in ")
+
+
+def test_outputs_after_warmup_equal_a_fresh_llm():
+    cold = outputs(make(max_model_len=64, max_num_seqs=2))
+    warm = make(max_model_len=64, max_num_seqs=2)
+    warm.warmup(stream=None)
+    assert outputs(warm) == cold
+
+
+@pytest.mark.parametrize("max_model_len", [2, 5])
+def test_warmup_fits_a_short_context(max_model_len):
+    llm = make(max_model_len=max_model_len, max_num_seqs=2)
+    report = llm.warmup(stream=None)
+    n = max_model_len - 1
+    assert report.stages[0][0] == f"prefill of {n} tokens in {min(n, 2)} prompts"
+    assert llm.blocks.num_free_blocks == llm.blocks.num_blocks
