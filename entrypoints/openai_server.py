@@ -359,11 +359,30 @@ def _check_body(body: Any, chat: bool) -> dict:
     n = body.get("n")
     if n is not None and not 1 <= n <= MAX_N:
         raise ApiError(400, f"n must be an integer in [1, {MAX_N}], got {n}", "n")
-    opts = body.get("stream_options")
-    if opts is not None and not isinstance(opts, dict):
+    _check_stream_options(body.get("stream_options"), body.get("stream"))
+    return body
+
+
+_STREAM_OPTIONS = {"include_usage": "the usage object in a last chunk", "include_obfuscation": "ignored"}
+
+
+def _check_stream_options(opts, stream) -> None:
+    """``stream_options`` as OpenAI takes it: an object of booleans ``include_usage`` and
+    ``include_obfuscation`` (its padding field is not sent; the chunks' content is the same), only
+    with ``stream: true`` (as vLLM). vLLM's ``continuous_usage_stats`` is not implemented."""
+    if opts is None:
+        return
+    if not isinstance(opts, dict):
         raise ApiError(400, f"stream_options must be an object like {{\"include_usage\": true}}, got {opts!r}",
                        "stream_options")
-    return body
+    if not stream:
+        raise ApiError(400, "stream_options is only allowed when stream is true", "stream_options")
+    for key, v in opts.items():
+        if key not in _STREAM_OPTIONS:
+            raise ApiError(400, f"unknown field stream_options.{key}; allowed: {sorted(_STREAM_OPTIONS)}",
+                           f"stream_options.{key}")
+        if not isinstance(v, bool):
+            raise ApiError(400, f"stream_options.{key} must be a boolean, got {v!r}", f"stream_options.{key}")
 
 
 # -- response shapes -------------------------------------------------------------------------

@@ -239,6 +239,24 @@ def test_unknown_fields_are_named(client, endpoint, name):
     assert err["message"].startswith(f"unknown field {name!r}; allowed fields: [") and "'min_tokens'" in err["message"]
 
 
+@pytest.mark.parametrize("endpoint,opts,stream,param,says", [
+    ("completions", {"include_usage": True, "x": 1}, True, "stream_options.x", "unknown field stream_options.x; allowed"),
+    ("chat", {"continuous_usage_stats": True}, True, "stream_options.continuous_usage_stats", "unknown field"),
+    ("chat", {"include_usage": "yes"}, True, "stream_options.include_usage", "must be a boolean, got 'yes'"),
+    ("completions", {"include_usage": True}, False, "stream_options", "only allowed when stream is true"),
+    ("completions", [True], True, "stream_options", "must be an object"),
+])
+def test_stream_options_are_checked(client, endpoint, opts, stream, param, says):
+    path, body = _body(endpoint, stream=stream, stream_options=opts)
+    assert says in _error(client.post(path, json=body), 400, param)["message"]
+
+
+def test_stream_options_obfuscation_is_accepted(client):
+    path, body = _body("chat", stream=True, stream_options={"include_usage": True, "include_obfuscation": False})
+    chunks = _chunks(client.post(path, json=body))
+    assert chunks[-1]["usage"]["completion_tokens"] == 2 and chunks[-1]["choices"] == []
+
+
 def test_the_openai_client_is_served(llm, client):
     api = openai.OpenAI(base_url="http://testserver/v1", api_key="none", http_client=client, max_retries=0)
     msgs = [{"role": "user", "content": "Hi"}]
