@@ -499,6 +499,10 @@ class LLM:
             where = f"sampling_params[{i}]" if several else "sampling_params"
             if not isinstance(p, SamplingParams):
                 raise GraphDSLError(f"{where} must be a SamplingParams or dict, got {type(p).__name__}")
+            try:         # a checked snapshot: its lists may have been changed in place since (stop.append)
+                p = plist[i] = SamplingParams.model_validate(p.model_dump())
+            except GraphDSLError as e:
+                raise GraphDSLError(f"{where}: {e}") from None
             bad = [t for t in p.stop_token_ids if t >= vocab]
             if bad:
                 raise GraphDSLError(f"{where}.stop_token_ids must be token ids in [0, {vocab}) (the model's "

@@ -195,6 +195,31 @@ def test_stop_token_ids_outside_the_vocabulary_are_refused(llm):
     assert len(last.token_ids) >= 1
 
 
+def test_lists_changed_in_place_are_checked_when_the_params_are_used(llm):
+    sp = greedy(4, stop=["zzz"])
+    sp.stop.append("")                                   # assignment checks; an in-place change does not
+    with pytest.raises(GraphDSLError, match=r"^sampling_params: invalid SamplingParams: stop must be a list of "
+                                            r"non-empty strings, got \['zzz', ''\]"):
+        llm.generate("hello", sp)
+    sp = greedy(4)
+    sp.stop_token_ids.append(-1)
+    with pytest.raises(GraphDSLError, match=r"sampling_params\[1\]: .*stop_token_ids must be a list of integers >= 0"):
+        llm.generate(["hello", "there"], [greedy(4), sp])
+    with pytest.raises(GraphDSLError, match="stop_token_ids"):
+        list(llm.stream("hello", sp))
+
+
+def test_a_request_keeps_the_params_it_was_given(llm):
+    """The request holds a snapshot: changing the caller's object while a stream runs changes nothing."""
+    sp = greedy(8)
+    want = llm.generate("hello there", sp)[0].outputs[0].text
+    pieces = llm.stream("hello there", sp)
+    first = next(pieces)
+    sp.stop.append(want[-1])
+    sp.max_tokens = 2
+    assert first + "".join(pieces) == want
+
+
 @pytest.mark.parametrize("prompt", [None, 5, {"prompt": "hi"}])
 def test_stream_refuses_what_is_not_a_prompt(llm, prompt):
     with pytest.raises(GraphDSLError, match="stream: prompt must be one prompt"):
