@@ -384,7 +384,8 @@ def _profile(args) -> int:
 
 def _check(args) -> int:
     from graphdsl.models.check import check_model
-    report = check_model(args.model, custom_module_map=args.custom_module_map, optimize_rules=args.optimize_rules)
+    report = check_model(args.model, custom_module_map=args.custom_module_map, optimize_rules=args.optimize_rules,
+                         quantization=args.quantization)
     print(report)
     return 0 if report.ok else 1
 
@@ -660,6 +661,9 @@ def build_parser() -> argparse.ArgumentParser:
                  description="Read MODEL's config and tensor headers (no weights loaded) and list every "
                              "unsupported architecture, config feature and weight mismatch; exit 1 if any.")
     p.add_argument("model", type=_model_arg, help="HF model directory, .gguf file, or 'smollm2'")
+    p.add_argument("--quantization", type=_quantization_arg, default=None,
+                   help="also check that this online quantization (fp8, int8, int4, a scheme name, or gguf for a "
+                        ".gguf file's own blocks) holds every linear weight, and name the schemes they would load in")
     _add_module_map(p)
 
     p = _command(sub, "diff", _diff, help="compare every module with HF transformers; name the first divergent op",

@@ -8,7 +8,6 @@ like vLLM's (:class:`RequestOutput` holding ``n`` :class:`CompletionOutput`).
 """
 from __future__ import annotations
 
-import collections
 import itertools
 import logging
 import math
@@ -19,7 +18,7 @@ from typing import Iterable, Iterator, Sequence
 import torch
 
 from graphdsl.errors import GraphDSLError
-from graphdsl.layers import Phase, quantize_linears, quantize_weights
+from graphdsl.layers import Phase, quantize_linears, quantize_weights, scheme_counts
 from graphdsl.models.executor import ModelExecutor
 from graphdsl.quant import QuantMethod, online_scheme
 from graphdsl.runtime.device import check_device, default_device
@@ -377,8 +376,7 @@ class LLM:
     def quantization(self) -> str | None:
         """The schemes the model's weights are stored in, with counts (``"int4-g64 x90, int4-g128
         x30"``: online, pre-quantized or GGUF blocks alike); None when every weight is full precision."""
-        counts = collections.Counter(p.quant.name for _, p in self.model.named_parameters() if p.quant is not None)
-        return ", ".join(f"{name} x{n}" for name, n in counts.most_common()) or None
+        return scheme_counts(self.model)
 
     # -- scoring -----------------------------------------------------------------------------
     def score(self, token_ids: Sequence[int], *, lora_request: LoRARequest | None = None) -> torch.Tensor:

@@ -13,11 +13,11 @@ from .mla import MLAttention
 from .mlp import MLP, GatedMLP
 from .moe import FusedExperts, MoE, Router, Scoring, TopkMethod
 from .norm import GemmaRMSNorm, LayerNorm, RMSNorm
-from .quantize import quantize_linears, quantize_weights
+from .quantize import quantize_linears, quantize_weights, scheme_counts
 from .rotary import RopeScaling, RopeType, RotaryEmbedding
 
 __all__ = ["ColumnParallelLinear", "RowParallelLinear", "MergedColumnParallelLinear", "QKVParallelLinear",
            "QKVLayout", "ReplicatedLinear", "RMSNorm", "GemmaRMSNorm", "LayerNorm", "VocabParallelEmbedding",
            "RotaryEmbedding", "RopeType", "RopeScaling", "Attention", "MLAttention", "alibi_slopes", "GatedMLP",
            "MLP", "MoE", "Router", "TopkMethod", "FusedExperts", "Scoring", "ForwardContext", "KVCacheSpec",
-           "Phase", "CheckpointSlot", "checkpoint_layout", "quantize_linears", "quantize_weights"]
+           "Phase", "CheckpointSlot", "checkpoint_layout", "quantize_linears", "quantize_weights", "scheme_counts"]

@@ -7,6 +7,7 @@ else is built from them); embeddings, norms, MoE expert stacks, MoE routers and 
 """
 from __future__ import annotations
 
+import collections
 from typing import Mapping
 
 import torch
@@ -17,7 +18,7 @@ from graphdsl.quant import PERM_SUFFIX, IntScheme, QuantMethod, QuantScheme, onl
 
 from .linear import ColumnParallelLinear, RowParallelLinear
 
-__all__ = ["quantize_linears", "quantize_weights", "fold_input_order", "FOLD_INPUT_ORDER", "store_codes_in_blocks",
+__all__ = ["quantize_linears", "scheme_counts", "quantize_weights", "fold_input_order", "FOLD_INPUT_ORDER", "store_codes_in_blocks",
            "bound_scheme", "INT4_BLOCKS", "GGUF_BLOCKS", "BLOCK_DEVICES"]
 
 FOLD_INPUT_ORDER = True    # False: act-order down projections keep their gather (the A/B, and a reference)
@@ -41,6 +42,13 @@ def quantize_linears(model: Module, scheme: QuantScheme | str, *, skip: tuple[st
             m.weight.quantize(_int4_group(scheme, m) if adapt else scheme)
             names.append(m.weight.name)
     return names
+
+
+def scheme_counts(model: Module) -> str | None:
+    """The schemes ``model``'s parameters are stored in, with counts, most common first
+    (``"int4-g64 x90, int4-g128 x30"``); None when every parameter is full precision."""
+    counts = collections.Counter(p.quant.name for _, p in model.named_parameters() if p.quant is not None)
+    return ", ".join(f"{name} x{n}" for name, n in counts.most_common()) or None
 
 
 def _int4_group(scheme: IntScheme, m: Module) -> IntScheme:

@@ -47,10 +47,12 @@ class ModelCheck:
 
 
 def check_model(path: str | os.PathLike, custom_module_map: str | os.PathLike | None = None,
-                optimize_rules=None) -> ModelCheck:
+                optimize_rules=None, quantization=None) -> ModelCheck:
     """Check a HF model directory or a ``.gguf`` file; returns a :class:`ModelCheck` (never raises
     for an unsupported model, only for an unreadable path). ``optimize_rules`` are applied to the
-    module tree first, so the weights are checked against the injected modules."""
+    module tree first, so the weights are checked against the injected modules. ``quantization``
+    (as ``LLM`` takes it) also checks that the scheme holds every linear weight, and notes the
+    schemes they would load in."""
     path = os.fspath(path)
     if custom_module_map is not None:
         load_custom_module_map(custom_module_map)
@@ -114,7 +116,34 @@ def check_model(path: str | os.PathLike, custom_module_map: str | os.PathLike | 
     weights = WeightReport.compare(expected, got)
     if not weights.ok:
         report.problems.append("weights:\n    " + str(weights).replace("\n", "\n    "))
+    if quantization is not None:
+        _check_online_quantization(report, model, quantization, stored, gguf)
     return report
+
+
+def _check_online_quantization(report: ModelCheck, model, quantization, stored, gguf: bool) -> None:
+    """What ``LLM(..., quantization=)`` would refuse, as problems; the schemes it would store, as a note."""
+    from graphdsl.layers import quantize_linears, scheme_counts
+    from graphdsl.quant import QuantMethod
+    if stored is not None:
+        report.problems.append(f"quantization={quantization!r}: the checkpoint is already quantized ({stored.method}, "
+                               "config.json's quantization_config); it loads quantized without --quantization")
+        return
+    if quantization in (QuantMethod.GGUF, QuantMethod.GGUF.value):
+        if gguf:
+            report.notes.append("quantization='gguf': the file's quantized blocks are kept as they are stored")
+        else:
+            report.problems.append("quantization='gguf' keeps the blocks of a .gguf file, and this is not one; "
+                                   "quantize with a scheme instead (fp8, int8, int4, gguf-q8_0, ...)")
+        return
+    try:
+        quantize_linears(model, quantization)
+    except GraphDSLError as e:
+        report.problems.append(str(e))
+        return
+    dense = sum(1 for n, p in model.named_parameters() if ".experts." in f".{n}" and p.quant is None and len(p.shape) == 3)
+    report.notes.append(f"quantization={quantization!r}: the linear weights load in {scheme_counts(model) or 'no scheme'}"
+                        + (f"; {dense} MoE expert stacks stay in the model dtype" if dense else ""))
 
 
 def _check_tokenizer(report: ModelCheck, gguf_ckpt) -> None:

@@ -4,6 +4,7 @@ import io
 import pytest
 
 from graphdsl.entrypoints.cli import build_parser, main
+from graphdsl.errors import GraphDSLError
 from tests.models.gguf_tiny import build_tiny_gguf
 
 
@@ -66,6 +67,29 @@ def test_check_command(gguf, tmp_path, capsys):
     (tmp_path / "config.json").write_text('{"model_type": "falcon", "architectures": ["FalconForCausalLM"]}')
     assert main(["check", str(tmp_path)]) == 1
     assert "unknown model_type 'falcon'" in capsys.readouterr().out
+
+
+def test_check_quantization_names_what_llm_would_load(gguf, tmp_path, capsys):
+    """``check --quantization`` notes the schemes ``LLM(quantization=)`` stores (the same words as
+    ``llm.quantization``), and reports a scheme a weight cannot hold as ``LLM`` refuses it."""
+    import graphdsl as gd
+    assert main(["check", gguf, "--quantization", "int4"]) == 0
+    loads = gd.LLM(gguf, device="cpu", max_model_len=32, max_num_seqs=1, quantization="int4").quantization
+    assert f"note: quantization='int4': the linear weights load in {loads}" in capsys.readouterr().out
+    assert main(["check", gguf, "--quantization", "int4-g128"]) == 1
+    out = capsys.readouterr().out
+    with pytest.raises(GraphDSLError) as refused:
+        gd.LLM(gguf, device="cpu", max_model_len=32, max_num_seqs=1, quantization="int4-g128")
+    assert f"unsupported: {refused.value}" in out and "not a multiple of the group size 128" in out
+    assert main(["check", gguf, "--quantization", "gguf"]) == 0
+    assert "blocks are kept as they are stored" in capsys.readouterr().out
+    from tests.models.hf_tiny import make_checkpoint
+    make_checkpoint("llama", tmp_path)                   # full precision, not a .gguf file
+    assert main(["check", str(tmp_path), "--quantization", "gguf"]) == 1
+    assert "quantization='gguf' keeps the blocks of a .gguf file, and this is not one" in capsys.readouterr().out
+    with pytest.raises(SystemExit) as usage:
+        main(["check", gguf, "--quantization", "int3"])
+    assert usage.value.code == 2 and "argument --quantization: quantization must be one of" in capsys.readouterr().err
 
 
 def test_enforce_eager_turns_cuda_graphs_off(gguf, capsys, monkeypatch):
