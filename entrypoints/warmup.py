@@ -12,7 +12,11 @@ at start-up instead, as vLLM does with its profile run and graph capture, throug
 1. the largest step: ``min(max_num_batched_tokens, max_model_len - 1)`` tokens in
    ``max_num_seqs`` prompts (each projecting a row), which also grows the prefill engine's arena
    to its size for good (a later regrowth would drop every prefill graph, ``ShapeGraphRunner``);
-2. each decode batch bucket ``b`` up to the one holding ``max_num_seqs``: ``b`` prompts of 17
+2. where the loop pads prefill steps to buckets (CUDA, ``prefill_pad``): a prompt of each token
+   bucket up to that step, twice, so every bucket's plan is made and its prefill graph captured
+   (a step's signature is its token bucket: the loop pads sequences and projected rows to one
+   count). Each costs ~0.1 s on the 8B shape, once;
+3. each decode batch bucket ``b`` up to the one holding ``max_num_seqs``: ``b`` prompts of 17
    tokens, 3 new tokens each, half of them greedy and half seeded sampling with temperature, top-k,
    top-p and both penalties (the sampler's kernels), so the decode graph of ``b`` rows is captured
    and the prefill steps of ``17 b`` tokens (buckets divisible by 16 and not) are planned.
@@ -26,6 +30,8 @@ import time
 from dataclasses import dataclass, field
 
 from graphdsl.runtime.serving.cuda_graphs import BUCKETS, bucket_for
+from graphdsl.runtime.serving.loop import prefill_buckets_enabled
+from graphdsl.runtime.serving.prefill_pad import token_buckets
 from graphdsl.runtime.serving.sampling import SamplingParams
 
 __all__ = ["WarmupReport", "warm_up"]
@@ -71,6 +77,10 @@ def warm_up(llm, *, stream=True) -> WarmupReport:
     stages = [(f"prefill of {longest} tokens in {seqs} prompts", [_ids(n, vocab, 0) for n in lens],
                SamplingParams(max_tokens=1, temperature=0))]
     sampled = dict(temperature=0.8, top_k=50, top_p=0.9, presence_penalty=0.5, frequency_penalty=0.5)
+    if prefill_buckets_enabled(llm.device):
+        buckets = token_buckets(longest)
+        prompts = [_ids(min(b, longest), vocab, 2 + k) for k, b in enumerate(buckets) for _ in range(2)]
+        stages.append((f"prefill graphs of {len(buckets)} token buckets", prompts, None))
     plen = max(1, min(_PROMPT, llm.max_model_len - _NEW_TOKENS))
     new = max(1, min(_NEW_TOKENS, llm.max_model_len - plen))
     for b in decode_buckets(llm.max_num_seqs):
@@ -82,7 +92,11 @@ def warm_up(llm, *, stream=True) -> WarmupReport:
     t0 = time.monotonic()
     for k, (label, prompts, params) in enumerate(stages, 1):
         t = time.monotonic()
-        llm.generate(prompts, params)
+        if params is None:                   # one prompt at a time: each step holds one bucket's tokens
+            for ids in prompts:
+                llm.generate([ids], SamplingParams(max_tokens=1, temperature=0))
+        else:
+            llm.generate(prompts, params)
         report.stages.append((label, time.monotonic() - t))
         if stream:
             print(f"warm-up {k}/{len(stages)}: {label} {report.stages[-1][1]:.1f}s", file=stream, flush=True)

@@ -357,6 +357,7 @@ def _graph_runner(self: FlashCausalLM, engine):
 
 
 PREFILL_GRAPH_ROWS = 2048  # prefill steps of at most this many tokens replay CUDA graphs (ShapeGraphRunner)
+PREFILL_GRAPHS = 64        # prefill graphs kept: every token bucket up to 2048 tokens (57, prefill_pad) and a few more
 
 
 def prefill_graphs_enabled() -> bool:
@@ -377,7 +378,8 @@ def _prefill_graphs(self: FlashCausalLM, engine):
     runner = self._prefill_runners.get(id(engine))
     if runner is None or runner.engine is not engine:
         from graphdsl.runtime.serving.cuda_graphs import ShapeGraphRunner
-        runner = self._prefill_runners[id(engine)] = ShapeGraphRunner(engine, max_rows=PREFILL_GRAPH_ROWS)
+        runner = self._prefill_runners[id(engine)] = ShapeGraphRunner(engine, max_rows=PREFILL_GRAPH_ROWS,
+                                                                            max_graphs=PREFILL_GRAPHS)
     return runner
 
 

@@ -312,6 +312,10 @@ class ShapeGraphRunner:
       an older arena, which frees that arena; their shapes are captured again when they come.
     * At most ``max_graphs`` graphs are kept, the least recently replayed dropped first (with the
       arena views it held).
+    * Graphs write outputs of the same shape and dtype into one shared buffer (a prefill step's
+      logits ``[rows, vocab]`` are the same for every token bucket once the rows are padded to the
+      loop's sequence count): replays run one after another on one stream and :meth:`run` returns
+      copies, so a graph's memory is its static inputs, not a logits buffer each.
 
     The replayed step computes what the eager step computes: same plan, kernels and pointers (the
     engine's arena views are held by the graph), every input copied in. Steps with taps
@@ -325,6 +329,7 @@ class ShapeGraphRunner:
         self.engine = engine
         self.max_rows, self.max_graphs, self.capture_after = max_rows, max_graphs, capture_after
         self.graphs: dict[tuple, _Graph] = {}     # insertion order = least recently replayed first
+        self.outputs: dict[tuple, torch.Tensor] = {}   # (name, shape, dtype, device) -> the graphs' shared buffer
         self.seen: dict[tuple, int] = {}
         self.failed: set[tuple] = set()            # shapes whose capture raised: always eager
         self._pool = None
@@ -390,6 +395,8 @@ class ShapeGraphRunner:
     def _capture(self, static: dict[str, torch.Tensor]) -> _Graph:
         engine = self.engine
         outputs = _warm_up(engine, static, next(iter(static.values())).device, {})
+        outputs = {name: self.outputs.setdefault((name, tuple(x.shape), x.dtype, x.device), x)
+                   for name, x in outputs.items()}
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=self._graph_pool()):
             engine.forward(static, outputs, taps={})

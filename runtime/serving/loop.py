@@ -383,7 +383,7 @@ class ServingLoop:
             inputs["lora_indices"] = self._lora_indices(batch.chunks)
         padded = self.prefill_buckets and set(inputs) - {"lora_indices"} == STANDARD_INPUTS
         if padded:
-            inputs, projected = pad_prefill(inputs, self.executor.max_blocks_per_seq)
+            inputs, projected = pad_prefill(inputs, self.executor.max_blocks_per_seq, self.scheduler.max_num_seqs)
         logits = self.executor.execute("prefill", inputs)
         if padded:
             logits = logits[:projected]

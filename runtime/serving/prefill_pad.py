@@ -9,25 +9,32 @@ has a new signature and pays for specialising (and the caches grow without bound
   1/8 padding, eight buckets an octave): padding tokens have id 0, position 0 and cache slot -1
   (no cache write) and belong to no sequence (``query_start_loc``'s last entry stays ``N``), so
   attention never reads them and they touch no real row (every other op is row-wise);
-* sequences ``S`` → the next power of two: padding sequences have no tokens
-  (``query_start_loc`` repeats ``N``), ``seq_lens`` 0 and block-table rows of 0;
+* sequences ``S`` → the next power of two, and at least ``seq_bucket`` (the serving loop passes
+  the power of two holding ``max_num_seqs``, so every step of a loop has one sequence count):
+  padding sequences have no tokens (``query_start_loc`` repeats ``N``), ``seq_lens`` 0 and
+  block-table rows of 0; the attention's programs for them exit at once;
 * block-table width → the model's ``max_blocks_per_seq`` when that is at most :data:`WIDTH_FLOOR`
   blocks (one width for every step), else the next power of two of at least ``WIDTH_FLOOR`` and at
   most ``max_blocks_per_seq``; padded with block 0 as decode's CUDA graphs do. The attention reads a
   sequence's table only up to its ``seq_lens``, so a wider table costs only its zeros, while every
   width is one more shape signature: a new plan (~80-100 ms on the 8B shape, H200) and a new
   prefill graph (``ShapeGraphRunner``);
-* projected rows (``lm_head_indices``, ``H``) → the next power of two, padding rows projecting
-  token 0; the caller keeps the first ``H`` rows of the logits;
+* projected rows (``lm_head_indices``, ``H``) → the next power of two, and at least the padded
+  sequence count (so the rows follow the sequences unless prompt logprobs project more), padding
+  rows projecting token 0; the caller keeps the first ``H`` rows of the logits. Up to a few hundred
+  rows the lm_head's weight read, not its rows, sets its time;
 * ``lora_indices`` (optional, LoRA steps) → padded with -1: padding tokens use no adapter.
 
-A real row's values do not depend on the padding (the tests compare padded and unpadded steps).
+So within a serving loop the signature of a step is, nearly always, its token bucket alone: a
+server meets at most 57 of them up to 2048 tokens, and ``LLM.warmup`` plans and captures them all
+before the first request. A real row's values do not depend on the padding (the tests compare
+padded and unpadded steps).
 """
 from __future__ import annotations
 
 import torch
 
-__all__ = ["STANDARD_INPUTS", "WIDTH_FLOOR", "token_bucket", "pad_prefill"]
+__all__ = ["STANDARD_INPUTS", "WIDTH_FLOOR", "token_bucket", "token_buckets", "pad_prefill"]
 
 STANDARD_INPUTS = frozenset({"input_ids", "positions", "slot_mapping", "block_tables", "seq_lens",
                              "query_start_loc", "lm_head_indices"})
@@ -42,6 +49,16 @@ def token_bucket(n: int, minimum: int = 16) -> int:
     return -(-n // step) * step
 
 
+def token_buckets(up_to: int) -> list[int]:
+    """Every bucket :func:`token_bucket` gives for ``1..up_to`` tokens, ascending."""
+    out, n = [], 1
+    while n <= up_to:
+        b = token_bucket(n)
+        out.append(b)
+        n = b + 1
+    return out
+
+
 def _pow2(n: int) -> int:
     return 1 if n <= 1 else 1 << (n - 1).bit_length()
 
@@ -53,13 +70,15 @@ def _extend(x: torch.Tensor, rows: int, value) -> torch.Tensor:
     return torch.cat([x, pad])
 
 
-def pad_prefill(inputs: dict[str, torch.Tensor], max_width: int) -> tuple[dict[str, torch.Tensor], int]:
+def pad_prefill(inputs: dict[str, torch.Tensor], max_width: int,
+                seq_bucket: int = 1) -> tuple[dict[str, torch.Tensor], int]:
     """``(padded inputs, H)``: ``inputs`` (exactly :data:`STANDARD_INPUTS`, and optionally
-    ``lora_indices``) padded to their buckets
+    ``lora_indices``) padded to their buckets, sequences to at least ``seq_bucket``
     (module docstring); ``H`` is the number of real projected rows. Device-side ops only."""
     n, s = inputs["input_ids"].shape[0], inputs["seq_lens"].shape[0]
     h = inputs["lm_head_indices"].shape[0]
-    tokens, seqs, heads = token_bucket(n), _pow2(s), _pow2(h)
+    tokens, seqs = token_bucket(n), max(_pow2(s), _pow2(seq_bucket))
+    heads = max(_pow2(h), seqs)
     bt = inputs["block_tables"]
     width = max(bt.shape[1], min(max(_pow2(bt.shape[1]), WIDTH_FLOOR), max_width))
     if width != bt.shape[1]:

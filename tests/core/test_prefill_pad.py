@@ -63,3 +63,24 @@ def test_pad_prefill_lora_indices_pad_with_no_adapter():
     out, _ = pad_prefill(inputs, max_width=8)
     assert out["lora_indices"].tolist() == [1, 1, 1] + [-1] * 13 and out["lora_indices"].dtype == i32
     assert "lora_indices" not in pad_prefill({k: v for k, v in inputs.items() if k != "lora_indices"}, 8)[0]
+
+
+def test_a_seq_bucket_pads_sequences_and_projected_rows_to_one_count():
+    """The serving loop passes its max_num_seqs: every step then has that many sequences (rounded up
+    to a power of two) and as many projected rows, unless more rows are projected (prompt logprobs)."""
+    i32 = torch.int32
+    step = {"input_ids": torch.arange(5), "positions": torch.arange(5), "slot_mapping": torch.arange(5),
+            "seq_lens": torch.tensor([3, 2], dtype=i32), "block_tables": torch.tensor([[1], [2]], dtype=i32),
+            "query_start_loc": torch.tensor([0, 3, 5], dtype=i32), "lm_head_indices": torch.tensor([2, 4])}
+    out, heads = pad_prefill(step, max_width=4, seq_bucket=5)
+    assert heads == 2
+    assert out["seq_lens"].tolist() == [3, 2] + [0] * 6 and out["query_start_loc"].tolist() == [0, 3, 5] + [5] * 6
+    assert out["block_tables"].tolist() == [[1, 0, 0, 0], [2, 0, 0, 0]] + [[0] * 4] * 6
+    assert out["lm_head_indices"].tolist() == [2, 4] + [0] * 6
+    every_row = {**step, "lm_head_indices": torch.arange(5)}       # prompt logprobs: more rows than sequences
+    assert pad_prefill(every_row, max_width=4, seq_bucket=2)[0]["lm_head_indices"].shape == (8,)
+    shapes = {tuple((k, tuple(v.shape)) for k, v in sorted(pad_prefill(
+        {**step, "seq_lens": torch.tensor([5] * s, dtype=i32)[:s], "block_tables": torch.ones(s, 1, dtype=i32),
+         "query_start_loc": torch.tensor([0] + [5] * s, dtype=i32), "lm_head_indices": torch.arange(s)},
+        max_width=4, seq_bucket=8)[0].items())) for s in (1, 3, 8)}
+    assert len(shapes) == 1                                          # one signature for 1, 3 or 8 sequences

@@ -2,12 +2,15 @@
 outputs do not depend on it. The GPU side (every decode bucket captured, no plan made afterwards)
 is tests/gpu/test_warmup_gpu.py."""
 import io
+import random
 
 import pytest
 
 import graphdsl as gd
 from graphdsl.entrypoints.warmup import WarmupReport, decode_buckets
+from graphdsl.layers import Phase
 from graphdsl.runtime.serving.cuda_graphs import BUCKETS
+from graphdsl.runtime.serving.prefill_pad import token_buckets
 
 CONFIG = dict(model_type="llama", hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
               num_key_value_heads=2, vocab_size=300, max_position_embeddings=256)
@@ -65,4 +68,23 @@ def test_warmup_fits_a_short_context(max_model_len):
     report = llm.warmup(stream=None)
     n = max_model_len - 1
     assert report.stages[0][0] == f"prefill of {n} tokens in {min(n, 2)} prompts"
+    assert llm.blocks.num_free_blocks == llm.blocks.num_blocks
+
+
+def test_with_prefill_buckets_every_step_after_warmup_reuses_a_plan(monkeypatch):
+    """Where the loop pads prefill steps (CUDA; here forced on the CPU), a step's shape signature is its
+    token bucket alone (sequences and projected rows padded to the loop's count), and the warm-up plans
+    every bucket: afterwards requests of any lengths and batch mixes make no new prefill plan."""
+    monkeypatch.setenv("GRAPHDSL_PREFILL_BUCKETS", "1")
+    llm = make(max_model_len=96, max_num_seqs=3, max_num_batched_tokens=40)
+    report = llm.warmup(stream=None)
+    buckets = token_buckets(40)
+    assert report.stages[1][0] == f"prefill graphs of {len(buckets)} token buckets"
+    prefill = llm.model.engine(Phase.PREFILL)
+    assert len(prefill._plans) == len(buckets)
+    rng = random.Random(0)
+    for _ in range(6):
+        prompts = [[rng.randrange(1, 300) for _ in range(rng.randint(1, 60))] for _ in range(rng.randint(1, 5))]
+        llm.generate(prompts, gd.SamplingParams(max_tokens=rng.randint(1, 4), temperature=0, ignore_eos=True))
+    assert len(prefill._plans) == len(buckets)
     assert llm.blocks.num_free_blocks == llm.blocks.num_blocks
