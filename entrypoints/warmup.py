@@ -9,13 +9,14 @@ and a TTFT p50 of 1.5 s, against ~1,900 tokens/s and 44 ms once warm. :func:`war
 at start-up instead, as vLLM does with its profile run and graph capture, through
 ``LLM.generate`` itself (so every path a request takes is the one warmed):
 
-1. the largest step: ``min(max_num_batched_tokens, max_model_len - 1)`` tokens in
-   ``max_num_seqs`` prompts (each projecting a row), which also grows the prefill engine's arena
-   to its size for good (a later regrowth would drop every prefill graph, ``ShapeGraphRunner``);
-2. where the loop pads prefill steps to buckets (CUDA, ``prefill_pad``): a prompt of each token
-   bucket up to that step, twice, so every bucket's plan is made and its prefill graph captured
-   (a step's signature is its token bucket: the loop pads sequences and projected rows to one
-   count). Each costs ~0.1 s on the 8B shape, once;
+1. the largest step: ``max_num_batched_tokens`` tokens (or what ``max_num_seqs`` prompts of
+   ``max_model_len - 1`` tokens hold, if less) in ``max_num_seqs`` prompts, which also grows the
+   prefill engine's arena to its size for good (a later regrowth would drop every prefill graph,
+   ``ShapeGraphRunner``);
+2. where the loop pads prefill steps to buckets (CUDA, ``prefill_pad``): a step of each token
+   bucket up to that step (one prompt, or as few as hold it), twice, so every bucket's plan is
+   made and its prefill graph captured (a step's signature is its token bucket: the loop pads
+   sequences and projected rows to one count). Each costs ~0.1 s on the 8B shape, once;
 3. each decode batch bucket ``b`` up to the one holding ``max_num_seqs``: ``b`` prompts of 17
    tokens, 3 new tokens each, half of them greedy and half seeded sampling with temperature, top-k,
    top-p and both penalties (the sampler's kernels), so the decode graph of ``b`` rows is captured
@@ -64,6 +65,11 @@ def _ids(n: int, vocab: int, salt: int) -> list[int]:
     return [(salt * 7919 + i * 104729) % vocab for i in range(n)]
 
 
+def _prompts(tokens: int, count: int, vocab: int, salt: int) -> list[list[int]]:
+    """``count`` prompts of ``tokens`` tokens together, as even as can be."""
+    return [_ids(tokens // count + (i < tokens % count), vocab, salt * 1000 + i) for i in range(count)]
+
+
 def warm_up(llm, *, stream=True) -> WarmupReport:
     """Run the stages of the module docstring through ``llm.generate``; one line per stage on
     ``stream`` (True: ``sys.stderr`` at the time of the call; None or False: quiet). Returns a
@@ -71,16 +77,17 @@ def warm_up(llm, *, stream=True) -> WarmupReport:
     if stream is True:
         stream = sys.stderr
     vocab = llm.model.config.vocab_size
-    longest = max(1, min(llm.max_num_batched_tokens, llm.max_model_len - 1))
-    seqs = min(llm.max_num_seqs, longest)
-    lens = [longest // seqs + (i < longest % seqs) for i in range(seqs)]
-    stages = [(f"prefill of {longest} tokens in {seqs} prompts", [_ids(n, vocab, 0) for n in lens],
+    longest = max(1, llm.max_model_len - 1)                       # the longest prompt
+    largest = min(llm.max_num_batched_tokens, llm.max_num_seqs * longest)    # the most tokens a step holds
+    seqs = min(llm.max_num_seqs, largest)
+    stages = [(f"prefill of {largest} tokens in {seqs} prompts", _prompts(largest, seqs, vocab, 0),
                SamplingParams(max_tokens=1, temperature=0))]
     sampled = dict(temperature=0.8, top_k=50, top_p=0.9, presence_penalty=0.5, frequency_penalty=0.5)
     if prefill_buckets_enabled(llm.device):
-        buckets = token_buckets(longest)
-        prompts = [_ids(min(b, longest), vocab, 2 + k) for k, b in enumerate(buckets) for _ in range(2)]
-        stages.append((f"prefill graphs of {len(buckets)} token buckets", prompts, None))
+        buckets = token_buckets(largest)
+        steps = [_prompts(min(b, largest), -(-min(b, largest) // longest), vocab, 2 + k)
+                 for k, b in enumerate(buckets) for _ in range(2)]
+        stages.append((f"prefill graphs of {len(buckets)} token buckets", steps, None))
     plen = max(1, min(_PROMPT, llm.max_model_len - _NEW_TOKENS))
     new = max(1, min(_NEW_TOKENS, llm.max_model_len - plen))
     for b in decode_buckets(llm.max_num_seqs):
@@ -92,9 +99,9 @@ def warm_up(llm, *, stream=True) -> WarmupReport:
     t0 = time.monotonic()
     for k, (label, prompts, params) in enumerate(stages, 1):
         t = time.monotonic()
-        if params is None:                   # one prompt at a time: each step holds one bucket's tokens
-            for ids in prompts:
-                llm.generate([ids], SamplingParams(max_tokens=1, temperature=0))
+        if params is None:                   # one step at a time: each holds one bucket's tokens
+            for step in prompts:
+                llm.generate(step, SamplingParams(max_tokens=1, temperature=0))
         else:
             llm.generate(prompts, params)
         report.stages.append((label, time.monotonic() - t))

@@ -66,25 +66,26 @@ def test_outputs_after_warmup_equal_a_fresh_llm():
 def test_warmup_fits_a_short_context(max_model_len):
     llm = make(max_model_len=max_model_len, max_num_seqs=2)
     report = llm.warmup(stream=None)
-    n = max_model_len - 1
-    assert report.stages[0][0] == f"prefill of {n} tokens in {min(n, 2)} prompts"
+    assert report.stages[0][0] == f"prefill of {2 * (max_model_len - 1)} tokens in 2 prompts"   # 2 full prompts
     assert llm.blocks.num_free_blocks == llm.blocks.num_blocks
 
 
-def test_with_prefill_buckets_every_step_after_warmup_reuses_a_plan(monkeypatch):
+@pytest.mark.parametrize("max_model_len,budget", [(96, 40), (24, 60)])     # one prompt fills a step; three do
+def test_with_prefill_buckets_every_step_after_warmup_reuses_a_plan(monkeypatch, max_model_len, budget):
     """Where the loop pads prefill steps (CUDA; here forced on the CPU), a step's shape signature is its
     token bucket alone (sequences and projected rows padded to the loop's count), and the warm-up plans
     every bucket: afterwards requests of any lengths and batch mixes make no new prefill plan."""
     monkeypatch.setenv("GRAPHDSL_PREFILL_BUCKETS", "1")
-    llm = make(max_model_len=96, max_num_seqs=3, max_num_batched_tokens=40)
+    llm = make(max_model_len=max_model_len, max_num_seqs=3, max_num_batched_tokens=budget)
     report = llm.warmup(stream=None)
-    buckets = token_buckets(40)
+    buckets = token_buckets(budget)
     assert report.stages[1][0] == f"prefill graphs of {len(buckets)} token buckets"
     prefill = llm.model.engine(Phase.PREFILL)
     assert len(prefill._plans) == len(buckets)
     rng = random.Random(0)
     for _ in range(6):
-        prompts = [[rng.randrange(1, 300) for _ in range(rng.randint(1, 60))] for _ in range(rng.randint(1, 5))]
+        prompts = [[rng.randrange(1, 300) for _ in range(rng.randint(1, max_model_len - 5))]
+                   for _ in range(rng.randint(1, 5))]
         llm.generate(prompts, gd.SamplingParams(max_tokens=rng.randint(1, 4), temperature=0, ignore_eos=True))
     assert len(prefill._plans) == len(buckets)
     assert llm.blocks.num_free_blocks == llm.blocks.num_blocks

@@ -88,7 +88,7 @@ def test_serving_is_announced_once_the_socket_is_bound(gguf, capsys, monkeypatch
 def test_warmup_runs_before_serving_when_asked(gguf, capsys, monkeypatch, flag, warms):
     """On the CPU the default is no warm-up (nothing to compile or capture); --warmup forces it."""
     err = _serve_until_uvicorn(gguf, capsys, monkeypatch, "--max-num-seqs", "2", *flag)["err"]
-    assert ("warm-up 1/3: prefill of 63 tokens in 2 prompts" in err) == warms, err
+    assert ("warm-up 1/3: prefill of 126 tokens in 2 prompts" in err) == warms, err
     assert ("warmed up in" in err) == warms
     if warms:
         assert err.index("warmed up in") < err.index("serving ")
