@@ -337,7 +337,10 @@ def _diff(args) -> int:
     if args.threads:
         torch.set_num_threads(args.threads)
     llm = gd.LLM(args.model, device="cpu", dtype=torch.float32, max_num_seqs=1, cuda_graphs=False,
-                 custom_module_map=args.custom_module_map)
+                 custom_module_map=args.custom_module_map, quantization=args.quantization)
+    if args.quantization is not None:
+        print(f"graphdsl side quantized: {llm.quantization}; each row's error includes what quantization costs it",
+              flush=True)
     report = diff_model(args.model, args.prompt, token_ids=args.token_ids, tolerance=args.tolerance,
                         reference=args.reference, llm=llm)
     print(report)
@@ -678,6 +681,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--token-ids", type=_token_ids_arg, default=None, help="token ids instead of a prompt: 1,2,3")
     p.add_argument("--tolerance", type=_positive_float, default=1e-3,
                    help="max relative error above which a module diverges (default 1e-3)")
+    p.add_argument("--quantization", type=_quantization_arg, default=None,
+                   help="quantize graphdsl's side as LLM(quantization=) does (fp8, int8, int4, a scheme name), so "
+                        "each module's error against the full-precision reference shows what quantization costs it")
     p.add_argument("--threads", type=_positive_int, default=None, help="torch CPU threads (default: torch's choice)")
     _add_module_map(p)
 

@@ -72,6 +72,20 @@ def test_diff_cli(llama, capsys, monkeypatch):
     assert "<-- over tolerance" in out
 
 
+def test_diff_cli_quantization(llama, capsys):
+    """``--quantization`` quantizes graphdsl's side online: against the full-precision reference the
+    first divergence over a tight tolerance is the first quantized projection, and a loose tolerance
+    passes (so the rows measure quantization, nothing else)."""
+    path, _ = llama
+    assert main(["diff", path, "--token-ids", "3,17,42,5", "--quantization", "int8", "--tolerance", "1e-6"]) == 1
+    out = capsys.readouterr().out
+    assert out.startswith("graphdsl side quantized: int8-channel x")
+    first = out[out.index("first divergence: "):]
+    assert "(quant_linear)" in first and "module model.layers.0.self_attn.qkv_proj" in first, first
+    assert main(["diff", path, "--token-ids", "3,17,42,5", "--quantization", "int8", "--tolerance", "0.2"]) == 0
+    assert "no divergence" in capsys.readouterr().out
+
+
 def test_diff_cli_rejects_bad_arguments(llama, capsys, tmp_path):
     path, _ = llama
     with pytest.raises(SystemExit):
