@@ -273,9 +273,20 @@ _UNSUPPORTED = {
     "functions": (lambda v, b: not v, "there are no function calls; leave it out"),
     "function_call": (lambda v, b: v is None or v == "none",
                       "there are no function calls; send \"none\" or leave it out"),
+    "parallel_tool_calls": (lambda v, b: v is None or not b.get("tools"), "there are no tool calls; leave it out"),
+    "store": (lambda v, b: not v, "completions are not stored; send false or leave it out"),
+    "metadata": (lambda v, b: not v or not b.get("store"), "completions are not stored; leave it out"),
+    "service_tier": (lambda v, b: v in (None, "auto", "default"), "there is one tier; send \"auto\" or leave it out"),
+    "modalities": (lambda v, b: v in (None, ["text"]), "only text is generated; send [\"text\"] or leave it out"),
+    "audio": (lambda v, b: v is None, "only text is generated; leave it out"),
+    "prediction": (lambda v, b: v is None, "there are no predicted outputs; leave it out"),
+    "reasoning_effort": (lambda v, b: v is None, "the model's reasoning is not configurable; leave it out"),
+    "web_search_options": (lambda v, b: v is None, "there is no web search; leave it out"),
 }
 _UNSUPPORTED_IN = {False: ("echo", "best_of", "suffix", "logit_bias"),
-                   True: ("logit_bias", "response_format", "tools", "tool_choice", "functions", "function_call")}
+                   True: ("logit_bias", "response_format", "tools", "tool_choice", "functions", "function_call",
+                          "parallel_tool_calls", "store", "metadata", "service_tier", "modalities", "audio",
+                          "prediction", "reasoning_effort", "web_search_options")}
 
 # Type checks made before SamplingParams (whose messages speak of its fields, not the request's).
 _INT, _BOOL = "an integer", "true or false"

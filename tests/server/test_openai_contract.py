@@ -202,6 +202,9 @@ _UNSUPPORTED = [
     ("chat", "response_format", {"type": "json_schema", "json_schema": {"name": "x", "schema": {}}}),
     ("chat", "tools", [{"type": "function", "function": {"name": "f"}}]), ("chat", "tool_choice", "auto"),
     ("chat", "functions", [{"name": "f"}]), ("chat", "function_call", "auto"),
+    ("chat", "store", True), ("chat", "service_tier", "flex"), ("chat", "modalities", ["text", "audio"]),
+    ("chat", "audio", {"voice": "alloy", "format": "wav"}), ("chat", "reasoning_effort", "low"),
+    ("chat", "prediction", {"type": "content", "content": "x"}), ("chat", "web_search_options", {}),
 ]
 
 
@@ -224,6 +227,8 @@ def test_unimplemented_openai_fields_are_refused_by_name(client, endpoint, name,
     ("completions", {"n": 2, "best_of": 2}),
     ("chat", {"response_format": {"type": "text"}, "tools": [], "tool_choice": "none", "logit_bias": {},
               "user": "u1", "max_completion_tokens": 2}),
+    ("chat", {"parallel_tool_calls": True, "store": False, "metadata": {"k": "v"}, "service_tier": "auto",
+              "modalities": ["text"]}),
 ])
 def test_neutral_values_of_unimplemented_fields_are_accepted(client, endpoint, extra):
     path, body = _body(endpoint, **extra)
