@@ -19,6 +19,7 @@ import torch
 
 from graphdsl.errors import GraphDSLError
 from graphdsl.layers import Phase, quantize_linears, quantize_weights, scheme_counts
+from graphdsl.layers.quantize import dense_expert_stacks
 from graphdsl.models.executor import ModelExecutor
 from graphdsl.quant import QuantMethod, online_scheme
 from graphdsl.runtime.device import check_device, default_device
@@ -811,8 +812,7 @@ def _quantize_model(model: FlashCausalLM, quantization):
         return None
     scheme = online_scheme(quantization)
     quantize_linears(model, quantization)
-    dense = {n: p for n, p in model.named_parameters() if ".experts." in f".{n}" and p.quant is None
-             and len(p.shape) == 3}
+    dense = dense_expert_stacks(model)
     if dense:
         total = sum(math.prod(p.shape) for _, p in model.named_parameters())
         share = sum(math.prod(p.shape) for p in dense.values()) / max(total, 1)

@@ -18,8 +18,8 @@ from graphdsl.quant import PERM_SUFFIX, IntScheme, QuantMethod, QuantScheme, onl
 
 from .linear import ColumnParallelLinear, RowParallelLinear
 
-__all__ = ["quantize_linears", "scheme_counts", "quantize_weights", "fold_input_order", "FOLD_INPUT_ORDER", "store_codes_in_blocks",
-           "bound_scheme", "INT4_BLOCKS", "GGUF_BLOCKS", "BLOCK_DEVICES"]
+__all__ = ["quantize_linears", "scheme_counts", "dense_expert_stacks", "quantize_weights", "fold_input_order",
+           "FOLD_INPUT_ORDER", "store_codes_in_blocks", "bound_scheme", "INT4_BLOCKS", "GGUF_BLOCKS", "BLOCK_DEVICES"]
 
 FOLD_INPUT_ORDER = True    # False: act-order down projections keep their gather (the A/B, and a reference)
 INT4_BLOCKS = True         # False: a CUDA bind keeps int4 codes row by row (the A/B of FlashCausalLM.bind)
@@ -49,6 +49,12 @@ def scheme_counts(model: Module) -> str | None:
     (``"int4-g64 x90, int4-g128 x30"``); None when every parameter is full precision."""
     counts = collections.Counter(p.quant.name for _, p in model.named_parameters() if p.quant is not None)
     return ", ".join(f"{name} x{n}" for name, n in counts.most_common()) or None
+
+
+def dense_expert_stacks(model: Module) -> dict:
+    """``{name: parameter}`` of the MoE expert stacks (``[experts, ...]`` weights under ``.experts.``)
+    that stay full precision: online quantization stores only the attention and dense MLP projections."""
+    return {n: p for n, p in model.named_parameters() if ".experts." in f".{n}" and p.quant is None and len(p.shape) == 3}
 
 
 def _int4_group(scheme: IntScheme, m: Module) -> IntScheme:

@@ -123,7 +123,7 @@ def check_model(path: str | os.PathLike, custom_module_map: str | os.PathLike | 
 
 def _check_online_quantization(report: ModelCheck, model, quantization, stored, gguf: bool) -> None:
     """What ``LLM(..., quantization=)`` would refuse, as problems; the schemes it would store, as a note."""
-    from graphdsl.layers import quantize_linears, scheme_counts
+    from graphdsl.layers.quantize import dense_expert_stacks, quantize_linears, scheme_counts
     from graphdsl.quant import QuantMethod
     if stored is not None:
         report.problems.append(f"quantization={quantization!r}: the checkpoint is already quantized ({stored.method}, "
@@ -141,7 +141,7 @@ def _check_online_quantization(report: ModelCheck, model, quantization, stored, 
     except GraphDSLError as e:
         report.problems.append(str(e))
         return
-    dense = sum(1 for n, p in model.named_parameters() if ".experts." in f".{n}" and p.quant is None and len(p.shape) == 3)
+    dense = len(dense_expert_stacks(model))
     report.notes.append(f"quantization={quantization!r}: the linear weights load in {scheme_counts(model) or 'no scheme'}"
                         + (f"; {dense} MoE expert stacks stay in the model dtype" if dense else ""))
 
