@@ -21,7 +21,7 @@ from graphdsl.errors import GraphDSLError
 from graphdsl.layers import Phase, quantize_linears, quantize_weights, scheme_counts
 from graphdsl.layers.quantize import dense_expert_stacks
 from graphdsl.models.executor import ModelExecutor
-from graphdsl.quant import QuantMethod, online_scheme
+from graphdsl.quant import online_scheme
 from graphdsl.runtime.device import check_device, default_device
 from graphdsl.runtime.loaders.checkpoint import CheckpointFormat, checkpoint_format
 from graphdsl.runtime.loaders.generation_config import gguf_generation_config, read_generation_config
@@ -35,7 +35,8 @@ from graphdsl.runtime.serving.scheduler import Request, RequestStatus, Scheduler
 from graphdsl.models.base import FlashCausalLM
 from graphdsl.models.config import ModelConfig, build_config, read_hf_config
 from graphdsl.models.gguf_weights import keep_gguf_blocks
-from graphdsl.models.loader import load_weights, mark_checkpoint_quantization
+from graphdsl.models.loader import (load_weights, mark_checkpoint_quantization, refuse_online_over_stored,
+                                    wants_gguf_blocks)
 from graphdsl.models.injection import apply_rules, check_placements
 from graphdsl.models.lora import LoRARequest
 from graphdsl.models.registry import load_custom_module_map, resolve_model_class
@@ -222,7 +223,7 @@ class LLM:
                 hf = read_hf_config(path)
             self.generation_config = (gguf_generation_config(ckpt.metadata, path) if gguf
                                       else read_generation_config(path))
-            keep_blocks = _keeps_gguf_blocks(opts["quantization"], path if not gguf else None)
+            keep_blocks = wants_gguf_blocks(opts["quantization"], path if not gguf else None, "LLM: ")
             config, model_obj, dtype = self._architecture(hf, device, dtype, opts["max_model_len"], tp, opts)
             stored = None if gguf else _checkpoint_quantization(model_obj, hf, opts["quantization"], tp)
             scheme = None if keep_blocks else _quantize_model(model_obj, opts["quantization"])
@@ -243,7 +244,7 @@ class LLM:
         else:
             _, hf, seed, std = source
             self.generation_config = {}
-            _keeps_gguf_blocks(opts["quantization"], "a config (LLM.from_config)")
+            wants_gguf_blocks(opts["quantization"], "a config (LLM.from_config)", "LLM: ")
             config, model_obj, dtype = self._architecture(dict(hf), device, dtype, opts["max_model_len"], tp, opts)
             scheme = _quantize_model(model_obj, opts["quantization"])
             weights = _random_weights(model_obj, device, dtype, seed, std)
@@ -469,8 +470,7 @@ class LLM:
         """Run the step shapes a server meets before its first request does (Triton compiles, plans,
         decode CUDA graphs, the sampler's kernels; :mod:`graphdsl.entrypoints.warmup`), printing a
         line per stage on ``stream`` (True: stderr; None: quiet). ``graphdsl serve`` calls it on
-        CUDA. Returns a
-        :class:`~graphdsl.entrypoints.warmup.WarmupReport`."""
+        CUDA. Returns a :class:`~graphdsl.entrypoints.warmup.WarmupReport`."""
         from .warmup import warm_up
         return warm_up(self, stream=stream)
 
@@ -829,26 +829,12 @@ def _checkpoint_quantization(model: FlashCausalLM, hf: dict, quantization, tp):
     stored = read_checkpoint_quantization(hf)
     if stored is None:
         return None
-    if quantization is not None:
-        raise GraphDSLError(f"LLM: quantization={quantization!r} given, but the checkpoint is already quantized "
-                            f"({stored.method}, config.json's quantization_config): leave quantization unset")
+    refuse_online_over_stored(quantization, stored, "LLM: ")
     if tp is not None:
         raise GraphDSLError(f"LLM: a pre-quantized ({stored.method}) checkpoint does not load with "
                             "tensor_parallel_size > 1 yet (quantized weights are not sharded)")
     mark_checkpoint_quantization(model, stored)
     return stored
-
-
-def _keeps_gguf_blocks(quantization, not_gguf: str | None) -> bool:
-    """Whether ``quantization`` is ``"gguf"`` (keep a GGUF file's blocks); an error when the model
-    (``not_gguf``: what it is) is not a GGUF file."""
-    if quantization not in (QuantMethod.GGUF, QuantMethod.GGUF.value):
-        return False
-    if not_gguf is not None:
-        raise GraphDSLError(f"LLM: quantization='gguf' keeps the blocks of a GGUF file, but the model is {not_gguf!r}, "
-                            "not a .gguf file: load a .gguf file, or quantize online with a scheme "
-                            "(fp8, int8, int4, gguf-q8_0, gguf-q4_k, ...)")
-    return True
 
 
 def _iter_dir(path: str, dtype, lazy: bool = False) -> Iterable[tuple[str, torch.Tensor]]:

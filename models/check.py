@@ -17,7 +17,7 @@ from graphdsl.runtime.loaders.checkpoint import CheckpointFormat, checkpoint_for
 from graphdsl.runtime.loaders.prequantized import read_checkpoint_quantization
 
 from .config import ModelConfig, build_config, read_hf_config
-from .loader import mark_checkpoint_quantization
+from .loader import mark_checkpoint_quantization, refuse_online_over_stored, wants_gguf_blocks
 from .registry import load_custom_module_map, resolve_model_class
 
 __all__ = ["ModelCheck", "check_model"]
@@ -124,19 +124,11 @@ def check_model(path: str | os.PathLike, custom_module_map: str | os.PathLike | 
 def _check_online_quantization(report: ModelCheck, model, quantization, stored, gguf: bool) -> None:
     """What ``LLM(..., quantization=)`` would refuse, as problems; the schemes it would store, as a note."""
     from graphdsl.layers.quantize import dense_expert_stacks, quantize_linears, scheme_counts
-    from graphdsl.quant import QuantMethod
-    if stored is not None:
-        report.problems.append(f"quantization={quantization!r}: the checkpoint is already quantized ({stored.method}, "
-                               "config.json's quantization_config); it loads quantized without --quantization")
-        return
-    if quantization in (QuantMethod.GGUF, QuantMethod.GGUF.value):
-        if gguf:
-            report.notes.append("quantization='gguf': the file's quantized blocks are kept as they are stored")
-        else:
-            report.problems.append("quantization='gguf' keeps the blocks of a .gguf file, and this is not one; "
-                                   "quantize with a scheme instead (fp8, int8, int4, gguf-q8_0, ...)")
-        return
     try:
+        refuse_online_over_stored(quantization, stored)
+        if wants_gguf_blocks(quantization, None if gguf else report.path):
+            report.notes.append("quantization='gguf': the file's quantized blocks are kept as they are stored")
+            return
         quantize_linears(model, quantization)
     except GraphDSLError as e:
         report.problems.append(str(e))

@@ -25,7 +25,28 @@ from graphdsl.runtime.loaders.safetensors import check_weights
 from .base import FlashCausalLM
 from .gguf_weights import rows_of_slot
 
-__all__ = ["load_weights", "mark_checkpoint_quantization"]
+__all__ = ["load_weights", "mark_checkpoint_quantization", "wants_gguf_blocks", "refuse_online_over_stored"]
+
+
+def wants_gguf_blocks(quantization, not_gguf: str | None, prefix: str = "") -> bool:
+    """Whether ``quantization`` is ``"gguf"`` (keep a GGUF file's blocks); an error (its message
+    after ``prefix``) when the model (``not_gguf``: what it is) is not a GGUF file."""
+    from graphdsl.quant import QuantMethod
+    if quantization not in (QuantMethod.GGUF, QuantMethod.GGUF.value):
+        return False
+    if not_gguf is not None:
+        raise GraphDSLError(f"{prefix}quantization='gguf' keeps the blocks of a GGUF file, but the model is "
+                            f"{not_gguf!r}, not a .gguf file: load a .gguf file, or quantize online with a scheme "
+                            "(fp8, int8, int4, gguf-q8_0, gguf-q4_k, ...)")
+    return True
+
+
+def refuse_online_over_stored(quantization, stored, prefix: str = "") -> None:
+    """An error (its message after ``prefix``) when an online ``quantization`` is asked of a
+    pre-quantized checkpoint (``stored``: its :class:`CheckpointQuantization`, or None)."""
+    if quantization is not None and stored is not None:
+        raise GraphDSLError(f"{prefix}quantization={quantization!r} given, but the checkpoint is already quantized "
+                            f"({stored.method}, config.json's quantization_config): leave quantization unset")
 
 
 def mark_checkpoint_quantization(model: FlashCausalLM, quantization) -> list[str]:

@@ -86,7 +86,7 @@ def test_check_quantization_names_what_llm_would_load(gguf, tmp_path, capsys):
     from tests.models.hf_tiny import make_checkpoint
     make_checkpoint("llama", tmp_path)                   # full precision, not a .gguf file
     assert main(["check", str(tmp_path), "--quantization", "gguf"]) == 1
-    assert "quantization='gguf' keeps the blocks of a .gguf file, and this is not one" in capsys.readouterr().out
+    assert "quantization='gguf' keeps the blocks of a GGUF file, but the model is" in capsys.readouterr().out
     with pytest.raises(SystemExit) as usage:
         main(["check", gguf, "--quantization", "int3"])
     assert usage.value.code == 2 and "argument --quantization: quantization must be one of" in capsys.readouterr().err

@@ -337,7 +337,7 @@ def test_check_model_reads_a_prequantized_checkpoint_as_the_loader_does(bases, t
     assert report.ok, str(report)
     assert any("8 linear weights load in" in n and scheme in n for n in report.notes), report.notes
     again = check_model(tmp_path / "q", quantization="int8")         # LLM refuses this pair too
-    assert not again.ok and "quantization='int8': the checkpoint is already quantized" in again.problems[-1]
+    assert not again.ok and "quantization='int8' given, but the checkpoint is already quantized" in again.problems[-1]
     down = "model.layers.1.mlp.down_proj"
     removed = []
 
