@@ -73,6 +73,17 @@ class _Prompt:
     samples: list[_Sample]
     lora: str | None = None
 
+    def add_to(self, sched: Scheduler) -> list[_Sample]:
+        """Add each sample as a scheduler request (sample ``k`` seeded ``seed + k``; samples after the
+        first share the first's prompt blocks); returns the samples, each holding its ``req``."""
+        p = self.params
+        for s in self.samples:
+            seed = None if p.seed is None else p.seed + s.index
+            parent = self.samples[0].req if s.index else None
+            s.req = sched.add_request((self.request_id, s.index), self.prompt_ids, p, parent=parent, seed=seed,
+                                      lora=self.lora)
+        return self.samples
+
 
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
@@ -619,12 +630,7 @@ class LLM:
         loop = ServingLoop(self._executor, sched, overlap=self.overlap, logprob_decoder=name)
         by_req = {}
         for g in groups:
-            p = g.params
-            for s in g.samples:
-                seed = None if p.seed is None else p.seed + s.index
-                parent = g.samples[0].req if s.index else None
-                s.req = sched.add_request((g.request_id, s.index), g.prompt_ids, p, parent=parent, seed=seed,
-                                          lora=g.lora)
+            for s in g.add_to(sched):
                 by_req[id(s.req)] = s
         try:
             while loop.has_work():

@@ -194,12 +194,7 @@ class AsyncEngine:
                     self._by_req.pop(id(s.req), None)
 
     def _add(self, t: _Tracked) -> None:
-        g, p = t.group, t.group.params
-        for s in g.samples:
-            seed = None if p.seed is None else p.seed + s.index
-            parent = g.samples[0].req if s.index else None
-            s.req = self.sched.add_request((g.request_id, s.index), g.prompt_ids, p, parent=parent, seed=seed,
-                                           lora=g.lora)
+        for s in t.group.add_to(self.sched):
             self._by_req[id(s.req)] = (t, s)
 
     def _event(self, ev) -> None:
