@@ -915,7 +915,7 @@ class _TPExecutor:
         except Exception as e:
             raise d.failed(e) from e
 
-    def decode_graph(self, n: int, lora: bool = False):
+    def decode_graph(self, n: int, lora: bool = False, width: int | None = None):
         return None
 
 

@@ -20,7 +20,10 @@ at start-up instead, as vLLM does with its profile run and graph capture, throug
 3. each decode batch bucket ``b`` up to the one holding ``max_num_seqs``: ``b`` prompts of 17
    tokens, 3 new tokens each, half of them greedy and half seeded sampling with temperature, top-k,
    top-p and both penalties (the sampler's kernels), so the decode graph of ``b`` rows is captured
-   and the prefill steps of ``17 b`` tokens (buckets divisible by 16 and not) are planned.
+   and the prefill steps of ``17 b`` tokens (buckets divisible by 16 and not) are planned;
+4. where a bucket also has decode graphs of wider block tables (the narrowest serves short
+   contexts, ``CudaGraphRunner`` widths): for each wider one, ``b`` greedy prompts just too long
+   for the next narrower table, 3 new tokens each, so that graph is planned and captured too.
 
 Requests are ordinary requests: their KV blocks are freed when they finish, and later outputs do
 not depend on the warm-up (``tests/models/test_warmup.py``)."""
@@ -70,6 +73,22 @@ def _prompts(tokens: int, count: int, vocab: int, salt: int) -> list[list[int]]:
     return [_ids(tokens // count + (i < tokens % count), vocab, salt * 1000 + i) for i in range(count)]
 
 
+def _wider_tables(llm, rows: int, vocab: int) -> list[tuple[list, SamplingParams]]:
+    """Stage 4's ``(prompts, params)`` calls for the decode bucket of ``rows``: per block-table width
+    of its graphs past the narrowest, ``rows`` prompts one block-table width too long for the next
+    narrower (the decode rows then need ``narrower + 1`` blocks)."""
+    widths = getattr(llm._executor, "decode_widths", lambda n: ())(rows)
+    block = llm._executor.block_size
+    calls = []
+    for narrower, width in zip(widths, widths[1:]):
+        plen = narrower * block
+        if plen + _NEW_TOKENS > llm.max_model_len:
+            break
+        prompts = [_ids(plen, vocab, 50 + i) for i in range(rows)]
+        calls.append((prompts, SamplingParams(max_tokens=_NEW_TOKENS, ignore_eos=True, temperature=0)))
+    return calls
+
+
 def warm_up(llm, *, stream=True) -> WarmupReport:
     """Run the stages of the module docstring through ``llm.generate``; one line per stage on
     ``stream`` (True: ``sys.stderr`` at the time of the call; None or False: quiet). Returns a
@@ -80,29 +99,30 @@ def warm_up(llm, *, stream=True) -> WarmupReport:
     longest = max(1, llm.max_model_len - 1)                       # the longest prompt
     largest = min(llm.max_num_batched_tokens, llm.max_num_seqs * longest)    # the most tokens a step holds
     seqs = min(llm.max_num_seqs, largest)
-    stages = [(f"prefill of {largest} tokens in {seqs} prompts", _prompts(largest, seqs, vocab, 0),
-               SamplingParams(max_tokens=1, temperature=0))]
+    one = SamplingParams(max_tokens=1, temperature=0)
+    stages = [(f"prefill of {largest} tokens in {seqs} prompts", [(_prompts(largest, seqs, vocab, 0), one)])]
     sampled = dict(temperature=0.8, top_k=50, top_p=0.9, presence_penalty=0.5, frequency_penalty=0.5)
-    if prefill_buckets_enabled(llm.device):
+    if prefill_buckets_enabled(llm.device):       # one step a call: each holds one bucket's tokens
         buckets = token_buckets(largest)
-        steps = [_prompts(min(b, largest), -(-min(b, largest) // longest), vocab, 2 + k)
+        steps = [(_prompts(min(b, largest), -(-min(b, largest) // longest), vocab, 2 + k), one)
                  for k, b in enumerate(buckets) for _ in range(2)]
-        stages.append((f"prefill graphs of {len(buckets)} token buckets", steps, None))
+        stages.append((f"prefill graphs of {len(buckets)} token buckets", steps))
     plen = max(1, min(_PROMPT, llm.max_model_len - _NEW_TOKENS))
     new = max(1, min(_NEW_TOKENS, llm.max_model_len - plen))
+    wider = []
     for b in decode_buckets(llm.max_num_seqs):
         prompts = [_ids(plen, vocab, 1 + i) for i in range(b)]
         params = [SamplingParams(max_tokens=new, ignore_eos=True,
                                  **(dict(temperature=0) if i % 2 == 0 else dict(sampled, seed=i))) for i in range(b)]
-        stages.append((f"decode batch {b}", prompts, params))
+        stages.append((f"decode batch {b}", [(prompts, params)]))
+        wider += _wider_tables(llm, b, vocab)
+    if wider:
+        stages.append((f"{len(wider)} decode graphs of wider block tables", wider))
     report = WarmupReport()
     t0 = time.monotonic()
-    for k, (label, prompts, params) in enumerate(stages, 1):
+    for k, (label, calls) in enumerate(stages, 1):
         t = time.monotonic()
-        if params is None:                   # one step at a time: each holds one bucket's tokens
-            for step in prompts:
-                llm.generate(step, SamplingParams(max_tokens=1, temperature=0))
-        else:
+        for prompts, params in calls:
             llm.generate(prompts, params)
         report.stages.append((label, time.monotonic() - t))
         if stream:

@@ -352,8 +352,27 @@ def _graph_runner(self: FlashCausalLM, engine):
             pads["positions"] = all_pads["positions"]
             prologue = _decode_prologue(self.rotary if rope else None, self._cache_spec.block_size if slots else None)
         runner = self._graph_runners[id(engine)] = CudaGraphRunner(engine, pads, prologue=prologue,
-                                                                   epilogue=_decode_epilogue)
+                                                                   epilogue=_decode_epilogue,
+                                                                   widths=_decode_widths(self, engine))
     return runner
+
+
+_DECODE_WIDTHS = True    # decode graphs at narrower block tables where the attention's grid shrinks
+
+
+def _decode_widths(self: FlashCausalLM, engine):
+    """``fn(bucket) -> widths``: the block-table widths the decode graphs of ``bucket`` rows are
+    captured at (:func:`~graphdsl.runtime.kernels.paged_attention.decode_widths`, over the
+    sliding windows of the engine's paged attentions), or None (one width, the model's) when the
+    engine has no such attention, or another kind whose grid the rule does not know (MLA)."""
+    ops = [n for n in engine.net.nodes if n.op in ("paged_attention", "rope_cache_attention")]
+    if not _DECODE_WIDTHS or not ops or any(n.op == "paged_mla_attention" for n in engine.net.nodes):
+        return None
+    from graphdsl.runtime.kernels.paged_attention import decode_widths
+    spec = self._cache_spec
+    windows = sorted({int(n.attrs.get("sliding_window") or 0) for n in ops})
+    width = self._runtime["max_blocks_per_seq"] or self._num_cache_blocks
+    return lambda bucket: decode_widths(bucket, spec.num_kv_heads, width, spec.block_size, windows, engine.device)
 
 
 PREFILL_GRAPH_ROWS = 2048  # prefill steps of at most this many tokens replay CUDA graphs (ShapeGraphRunner)

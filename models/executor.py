@@ -27,10 +27,11 @@ class _BucketGraph:
 
     runner: object
     rows: int
+    width: int
     inputs: dict
 
     def replay(self, n: int) -> tuple[torch.Tensor, torch.Tensor]:
-        out = self.runner.replay(self.rows)
+        out = self.runner.replay(self.rows, self.width)
         return out["logits"][:n], out["next_tokens"][:n]
 
 
@@ -55,11 +56,12 @@ class ModelExecutor:
             raise LoRAError("a request names a LoRA adapter, but the model has no LoRA slots (load_lora first)")
         return self.model.lora.slots_for(names)
 
-    def decode_graph(self, n: int, lora: bool = False):
-        """The decode graph of the smallest bucket holding ``n`` rows, or None (no graphs here, the
-        batch is larger than the largest bucket, or the model feeds extra inputs per step). With
-        ``lora`` it is the LoRA engine's, whose static inputs also hold ``lora_indices`` (the slot
-        of each row, -1 on padding rows)."""
+    def decode_graph(self, n: int, lora: bool = False, width: int | None = None):
+        """The decode graph of the smallest bucket holding ``n`` rows and the narrowest block-table
+        width of it holding ``width`` blocks (None: the widest), or None (no graphs here, the batch
+        is larger than the largest bucket, or the model feeds extra inputs per step). With ``lora``
+        it is the LoRA engine's, whose static inputs also hold ``lora_indices`` (the slot of each
+        row, -1 on padding rows)."""
         model = self.model
         engine = model.engine(Phase.DECODE, lora=lora)
         runner = _graph_runner(model, engine)
@@ -72,6 +74,16 @@ class ModelExecutor:
         bucket = bucket_for(n, runner.buckets)
         if bucket is None:
             return None
+        wide = runner.width_for(bucket, width)
         like = {"input_ids": ((), torch.int64), "positions": ((), torch.int64), "seq_lens": ((), torch.int32),
-                "block_tables": ((self.max_blocks_per_seq,), torch.int32), "lora_indices": ((), torch.int32)}
-        return _BucketGraph(runner, bucket, runner.static_inputs(bucket, like, self.device))
+                "block_tables": ((wide,), torch.int32), "lora_indices": ((), torch.int32)}
+        return _BucketGraph(runner, bucket, wide, runner.static_inputs(bucket, like, self.device, wide))
+
+    def decode_widths(self, n: int) -> tuple[int, ...]:
+        """The block-table widths the decode graphs of the bucket holding ``n`` rows are captured at
+        (ascending; ``()`` when decode runs without graphs)."""
+        runner = _graph_runner(self.model, self.model.engine(Phase.DECODE))
+        bucket = bucket_for(n, runner.buckets) if runner is not None else None
+        if bucket is None or not hasattr(runner, "widths"):
+            return ()
+        return runner.widths(bucket)

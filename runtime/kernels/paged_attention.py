@@ -68,7 +68,7 @@ from .pdl import pdl_launch, pdl_wait
 from .rope import rope_coeffs
 
 __all__ = ["paged_attention", "paged_attention_prefill", "paged_attention_decode", "decode_num_splits",
-           "decode_workspace", "DecodeWorkspace", "DecodeRopeCache"]
+           "decode_widths", "decode_workspace", "DecodeWorkspace", "DecodeRopeCache"]
 
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
@@ -737,6 +737,49 @@ def decode_num_splits(num_seqs: int, kv_heads: int, max_blocks: int, block_size:
     if sliding_window:
         max_keys = min(max_keys, sliding_window)
     return _default_splits(num_seqs, kv_heads, max_keys, device)
+
+
+WIDTH_FLOOR_KEYS = 512   # the narrowest block table decode_widths offers, in keys
+
+
+def _grid_of(num_seqs: int, kv_heads: int, max_blocks: int, block_size: int, sliding_window: int,
+             device) -> tuple[int, bool]:
+    """``(splits, one_tile)``: the decode grid's split count at this block-table width and whether
+    each split is one ``_SPLIT_TILE_KEYS``-key tile (read before the PDL wait)."""
+    splits = decode_num_splits(num_seqs, kv_heads, max_blocks, block_size, sliding_window, device)
+    keys = max_blocks * block_size
+    keys = min(keys, sliding_window) if sliding_window else keys
+    return splits, _ONE_TILE_SPLITS and splits > 1 and triton.cdiv(keys, splits) <= _SPLIT_TILE_KEYS
+
+
+def decode_widths(num_seqs: int, kv_heads: int, max_blocks: int, block_size: int, sliding_windows, device,
+                  floor_keys: int | None = None) -> tuple[int, ...]:
+    """The block-table widths worth a decode graph of their own at ``num_seqs`` rows, ascending and
+    ending with ``max_blocks``.
+
+    The decode grid is sized to the table's width, the longest context it could meet: ``(kv_heads,
+    num_seqs, splits)`` programs, of which a step at context ``L`` uses ``cdiv(L, keys a split)``
+    splits; the others launch, wait and exit. At one row and a 2049-token table that is 33 splits
+    where context 512 uses 8, and a 512-key table gave the Llama-3-8B step 1.2% (H200;
+    docs/performance.md). Candidates are ``floor_keys / block_size`` blocks doubled up to
+    ``max_blocks`` (``floor_keys`` None: :data:`WIDTH_FLOOR_KEYS`); a narrower one is kept when, for some attention of the model (one per entry of
+    ``sliding_windows``, 0 for none), it turns the splits into one-tile splits or at most halves
+    them against the next wider width kept, so rows and widths that launch the same grid share a
+    graph."""
+    floor = max(1, -(-(WIDTH_FLOOR_KEYS if floor_keys is None else floor_keys) // block_size))
+    windows = tuple(sliding_windows) or (0,)
+    grid = lambda w: [_grid_of(num_seqs, kv_heads, w, block_size, win, device) for win in windows]  # noqa: E731
+    candidates = []
+    while floor < max_blocks:
+        candidates.append(floor)
+        floor *= 2
+    kept, wider = [max_blocks], grid(max_blocks)
+    for w in reversed(candidates):
+        mine = grid(w)
+        if any((one and not one_w) or 2 * s <= s_w for (s, one), (s_w, one_w) in zip(mine, wider)):
+            kept.append(w)
+            wider = mine
+    return tuple(sorted(kept))
 
 
 def _combine_chunk(num_splits: int, group: int, head_dim: int) -> int:

@@ -12,6 +12,12 @@ replaying a captured CUDA graph removes it. A graph fixes every shape and pointe
   nothing and returns zeros, ids/positions/cos/sin/block-table rows 0) and optionally a fixed
   width for dim 1 (``block_tables`` is padded to the model's max blocks per sequence, so its shape
   never changes between steps);
+* **widths** — optionally a bucket also has graphs at narrower widths of its one fixed-width input
+  (``widths(bucket)``, ascending, ending with the :class:`Pad`'s): a step runs the graph of the
+  narrowest width holding its table. The decode attention sizes its grid to the table's width (the
+  longest context it could meet), so short contexts launch fewer programs through a narrower graph
+  (:func:`~graphdsl.runtime.kernels.paged_attention.decode_widths` says which widths change it).
+  Graphs are keyed ``(bucket, width)`` (width None without a fixed-width input);
 * **static buffers** — per bucket, input buffers the step's tensors are copied into and the output
   buffers the graph writes; results are returned as copies of the first ``n`` rows;
 * **capture** — one eager warm-up ``engine.forward`` on a side stream (specialises the engine's
@@ -149,10 +155,12 @@ class CudaGraphRunner:
             the padded ones by device-side torch ops (no host synchronisation); it is captured
             into the graph, so its work costs no launches of its own (the RoPE tables from the
             positions, for decode). Padded inputs the engine does not take are the prologue's.
+        widths: optional ``fn(bucket) -> widths``: the widths of the one fixed-width input that
+            ``bucket`` has graphs at (module docstring); default: its :class:`Pad` width alone.
     """
 
     def __init__(self, engine, pads: Mapping[str, Pad], *, buckets=BUCKETS, prologue=None, epilogue=None,
-                 taps=None):
+                 taps=None, widths=None):
         if list(buckets) != sorted(set(buckets)) or not buckets or buckets[0] < 1:
             raise GraphDSLError(f"CudaGraphRunner: buckets must be ascending positive ints, got {buckets!r}")
         for name, fn in (("prologue", prologue), ("epilogue", epilogue)):
@@ -161,9 +169,16 @@ class CudaGraphRunner:
         self.engine = engine
         self.pads = dict(pads)
         self.prologue, self.epilogue = prologue, epilogue
-        self._static: dict[int, dict[str, torch.Tensor]] = {}
+        self._static: dict[tuple, dict[str, torch.Tensor]] = {}
         self.buckets = tuple(buckets)
-        self.graphs: dict[int, _Graph] = {}
+        self.graphs: dict[tuple[int, int | None], _Graph] = {}    # (bucket, width) -> graph
+        wide = [k for k, p in self.pads.items() if p.width is not None]
+        if widths is not None and (len(wide) != 1 or not callable(widths)):
+            raise GraphDSLError(f"CudaGraphRunner: widths needs a callable and exactly one input with a fixed "
+                                f"width, got {widths!r} and {wide}")
+        self._wide = wide[0] if len(wide) == 1 else None      # the input whose width may narrow
+        self._widths_fn = widths
+        self._widths: dict[int, tuple[int, ...]] = {}
         self._pool = None
         self.taps = list(taps_from_env() if taps is None else ([taps] if isinstance(taps, str) else taps))
         self.tapped: dict[str, torch.Tensor] = {}   # the last replay's static tap buffers
@@ -177,69 +192,119 @@ class CudaGraphRunner:
         return all(p.width is None or (inputs[k].dim() == 2 and inputs[k].shape[1] <= p.width)
                    for k, p in self.pads.items())
 
+    def widths(self, bucket: int) -> tuple[int, ...]:
+        """The widths ``bucket`` has graphs at, ascending (``()`` without a fixed-width input)."""
+        if self._wide is None:
+            return ()
+        out = self._widths.get(bucket)
+        if out is None:
+            top = self.pads[self._wide].width
+            got = tuple(self._widths_fn(bucket)) if self._widths_fn is not None else (top,)
+            if list(got) != sorted(set(got)) or any(isinstance(w, bool) or not isinstance(w, int) or not 0 < w <= top
+                                                    for w in got):
+                raise GraphDSLError(f"CudaGraphRunner: widths({bucket}) must be ascending ints in [1, {top}], "
+                                    f"got {got!r}")
+            out = self._widths[bucket] = tuple(w for w in got if w < top) + (top,)
+        return out
+
+    def width_for(self, bucket: int, width: int | None = None) -> int | None:
+        """The narrowest width of ``bucket``'s graphs holding ``width`` columns (None: the widest;
+        None without a fixed-width input)."""
+        widths = self.widths(bucket)
+        if not widths:
+            return None
+        if width is None:
+            return widths[-1]
+        for w in widths:
+            if w >= width:
+                return w
+        raise BindError(f"input '{self._wide}': expected at most {widths[-1]} columns (its fixed padded width), "
+                        f"got {width}")
+
+    def _pads_at(self, width: int | None) -> dict[str, Pad]:
+        if self._wide is None or width == self.pads[self._wide].width:
+            return self.pads
+        return {**self.pads, self._wide: Pad(self.pads[self._wide].value, width)}
+
     def run(self, inputs: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        """One step: pad into the bucket's static inputs, replay (capturing on first use), and
-        return copies of the outputs' first ``n`` rows."""
+        """One step: pad into the static inputs of the bucket (and the narrowest width holding the
+        step), replay (capturing on first use), and return copies of the outputs' first ``n`` rows."""
         n = _batch(inputs, self.pads)
         bucket = bucket_for(n, self.buckets) if n >= 1 else None
         if bucket is None:
             raise BindError(f"CudaGraphRunner: batch size must be in [1, {self.buckets[-1]}], got {n}")
-        entry = self.graphs.get(bucket)
+        width = None
+        if self._wide is not None:
+            _check_width(self._wide, inputs[self._wide], self.pads[self._wide])
+            width = self.width_for(bucket, inputs[self._wide].shape[1])
+        pads = self._pads_at(width)
+        entry = self.graphs.get((bucket, width))
         if entry is None:
-            static = pad_batch(inputs, self.pads, bucket)
-            entry = self.graphs[bucket] = self._capture(bucket, static)
-            entry.extent = {name: (n, x.shape[1] if self.pads[name].width is not None else None)
+            static = pad_batch(inputs, pads, bucket)
+            entry = self.graphs[(bucket, width)] = self._capture(bucket, static)
+            entry.extent = {name: (n, x.shape[1] if pads[name].width is not None else None)
                             for name, x in inputs.items()}
         else:
-            self._load(entry, inputs, n)
+            self._load(entry, inputs, n, pads)
         entry.graph.replay()
         self.tapped = entry.taps
         return {name: buf[:n].clone() for name, buf in entry.outputs.items()}
 
     def static_inputs(self, bucket: int, like: Mapping[str, tuple[tuple[int, ...], torch.dtype]],
-                      device) -> dict[str, torch.Tensor]:
-        """The bucket's static input buffers, made on first use filled with their pad values:
+                      device, width: int | None = None) -> dict[str, torch.Tensor]:
+        """The static input buffers of the graph of ``bucket`` at ``width`` (one of
+        :meth:`widths`; None: the widest), made on first use filled with their pad values:
         ``like[name] = (shape of one row, dtype)``. The caller writes them in place; :meth:`replay`
         runs the graph over what they hold."""
-        if bucket not in self.buckets:
-            raise GraphDSLError(f"CudaGraphRunner: bucket must be one of {self.buckets}, got {bucket}")
-        entry = self.graphs.get(bucket)
+        key = self._key(bucket, width)
+        entry = self.graphs.get(key)
         if entry is not None:
             return entry.inputs
-        static = self._static.get(bucket)
+        static = self._static.get(key)
         if static is None:
             static = {}
-            for name, pad in self.pads.items():
+            for name, pad in self._pads_at(key[1]).items():
                 row, dtype = like[name]
                 shape = (bucket, *row)
                 if pad.width is not None:
                     shape = (bucket, pad.width, *row[1:])
                 static[name] = torch.full(shape, pad.value, dtype=dtype, device=device)
-            self._static[bucket] = static
+            self._static[key] = static
         return static
 
-    def replay(self, bucket: int) -> dict[str, torch.Tensor]:
-        """Run the bucket's graph over its static inputs (capturing it on first use) and return its
-        output buffers themselves (``[bucket, ...]``, valid until the next replay)."""
-        entry = self.graphs.get(bucket)
+    def _key(self, bucket: int, width: int | None) -> tuple[int, int | None]:
+        if bucket not in self.buckets:
+            raise GraphDSLError(f"CudaGraphRunner: bucket must be one of {self.buckets}, got {bucket}")
+        key = (bucket, self.width_for(bucket, width))
+        if width is not None and key[1] != width:
+            raise GraphDSLError(f"CudaGraphRunner: width must be one of {self.widths(bucket)} for bucket {bucket}, "
+                                f"got {width}")
+        return key
+
+    def replay(self, bucket: int, width: int | None = None) -> dict[str, torch.Tensor]:
+        """Run the graph of ``bucket`` at ``width`` (None: the widest) over its static inputs
+        (capturing it on first use) and return its output buffers themselves (``[bucket, ...]``,
+        valid until the next replay)."""
+        key = self._key(bucket, width)
+        entry = self.graphs.get(key)
         if entry is None:
-            static = self._static.pop(bucket, None)
+            static = self._static.pop(key, None)
             if static is None:
-                raise GraphDSLError(f"CudaGraphRunner.replay: bucket {bucket} has no static inputs; "
-                                    "call static_inputs first")
-            entry = self.graphs[bucket] = self._capture(bucket, static)
+                raise GraphDSLError(f"CudaGraphRunner.replay: bucket {bucket} (width {key[1]}) has no static "
+                                    "inputs; call static_inputs first")
+            entry = self.graphs[key] = self._capture(bucket, static)
         entry.extent = {}        # the caller wrote the buffers: a later run() refills all padding
         entry.graph.replay()
         self.tapped = entry.taps
         return entry.outputs
 
-    def _load(self, entry: _Graph, inputs, n: int) -> None:
+    def _load(self, entry: _Graph, inputs, n: int, pads: Mapping[str, Pad]) -> None:
         """Copy the step into the static buffers with as few launches as the padding allows: full-width
         inputs go in one ``_foreach_copy_`` per dtype, and padding is rewritten only where an earlier
         step left values (``entry.extent``), so a step no wider than the last one fills nothing."""
         copies = []
         for name, x in inputs.items():
-            dst, pad = entry.inputs[name], self.pads[name]
+            dst, pad = entry.inputs[name], pads[name]
             if x.dtype != dst.dtype or x.device != dst.device or tuple(x.shape[2:]) != tuple(dst.shape[2:]) \
                     or (pad.width is None and x.shape[1:] != dst.shape[1:]):
                 raise BindError(f"input '{name}': expected [n, {', '.join(map(str, dst.shape[1:]))}] "

@@ -43,7 +43,8 @@ __all__ = ["StepExecutor", "DecodeGraph", "ServingLoop", "overlap_enabled", "pre
 
 
 class DecodeGraph(Protocol):
-    """A captured decode step for up to ``rows`` requests. ``inputs`` are its static buffers
+    """A captured decode step for up to ``rows`` requests whose KV blocks fit ``width`` block-table
+    columns. ``inputs`` are its static buffers
     (``input_ids``, ``positions``, ``seq_lens`` [rows], ``block_tables`` [rows, width]; a LoRA
     graph also ``lora_indices`` [rows]); rows past the batch hold padding (``seq_lens`` 0, slot
     -1). ``replay(n)`` runs it and returns ``(logits [n, vocab], argmax [n] int64)`` (the logits in
@@ -52,6 +53,7 @@ class DecodeGraph(Protocol):
     rows (``input_ids <- argmax``, ``positions`` and ``seq_lens`` + 1 on real rows)."""
 
     rows: int
+    width: int
     inputs: dict[str, torch.Tensor]
 
     def replay(self, n: int) -> tuple[torch.Tensor, torch.Tensor]: ...
@@ -66,9 +68,11 @@ class StepExecutor(Protocol):
     def execute(self, phase: str, inputs: dict[str, torch.Tensor]) -> torch.Tensor:
         """Run one step eagerly (``phase`` "prefill" or "decode"); float32 logits."""
 
-    def decode_graph(self, n: int, lora: bool = False) -> DecodeGraph | None:
-        """A CUDA-graph decode step with room for ``n`` rows, or None (eager decode); ``lora``: of
-        the LoRA engine, its inputs also holding ``lora_indices`` [rows]."""
+    def decode_graph(self, n: int, lora: bool = False, width: int | None = None) -> DecodeGraph | None:
+        """A CUDA-graph decode step with room for ``n`` rows of at least ``width`` KV blocks each
+        (None: ``max_blocks_per_seq``), or None (eager decode); ``lora``: of the LoRA engine, its
+        inputs also holding ``lora_indices`` [rows]. A graph of a narrower block table is faster
+        at short contexts (the attention launches fewer programs)."""
 
     def lora_slots(self, names: list[str | None]) -> list[int]:
         """The LoRA slot of each adapter name (-1 for None), loading adapters into slots as needed."""
@@ -254,10 +258,9 @@ class ServingLoop:
     def _decode(self, batch: StepBatch):
         reqs = [c.request for c in batch.chunks]
         rows = self._rows
-        if rows is not None and rows.launched and rows.requests == reqs:
-            self._grow_tables(rows, batch.chunks)
-        else:
-            rows = self._rows = self._build_rows(batch)
+        same = rows is not None and rows.launched and rows.requests == reqs
+        if not (same and self._grow_tables(rows, batch.chunks)):   # new rows, or a row outgrew the graph's
+            rows = self._rows = self._build_rows(batch)              # block table: a wider graph takes over
         n = len(reqs)
         bufs = rows.bufs
         if rows.graph is not None:
@@ -299,18 +302,19 @@ class ServingLoop:
         n = len(reqs)
         ex = self.executor
         lora = any(r.lora is not None for r in reqs)
-        graph = ex.decode_graph(n, lora=True) if lora else ex.decode_graph(n)
+        blocks = self.scheduler.blocks
+        need = max(len(blocks.block_table(r.request_id)) for r in reqs)
+        graph = ex.decode_graph(n, lora=True, width=need) if lora else ex.decode_graph(n, width=need)
         width = ex.max_blocks_per_seq
         if graph is not None:
             bufs = graph.inputs
-            rows_cap = graph.rows
+            rows_cap, width = graph.rows, graph.width
         else:
             rows_cap = n
             bufs = {"input_ids": torch.zeros(n, dtype=torch.int64, device=self.device),
                     "positions": torch.zeros(n, dtype=torch.int64, device=self.device),
                     "seq_lens": torch.zeros(n, dtype=torch.int32, device=self.device),
                     "block_tables": torch.zeros(n, width, dtype=torch.int32, device=self.device)}
-        blocks = self.scheduler.blocks
         ids, pos, lens, tables = [], [], [], []
         for c in batch.chunks:
             req = c.request
@@ -320,7 +324,8 @@ class ServingLoop:
             t = blocks.block_table(req.request_id)
             if len(t) > width:
                 raise GraphDSLError(f"serving loop: request {req.request_id!r} holds {len(t)} blocks, more than "
-                                    f"max_blocks_per_seq={width}")
+                                    f"the decode block table's width {width} (max_blocks_per_seq="
+                                    f"{ex.max_blocks_per_seq})")
             tables += t + [0] * (width - len(t))
         pad = rows_cap - n
         host = to_device(self.device, {"input_ids": (ids + [0] * pad, torch.int64),
@@ -339,10 +344,14 @@ class ServingLoop:
         st = self._sampling_tensors(reqs)
         return _Rows(reqs, bufs, graph, st, self._ban_table(reqs), lora_slots=lora_slots)
 
-    def _grow_tables(self, rows: _Rows, chunks: list[Chunk]) -> None:
-        """Write the block-table entry of every row whose new token starts a KV block."""
+    def _grow_tables(self, rows: _Rows, chunks: list[Chunk]) -> bool:
+        """Write the block-table entry of every row whose new token starts a KV block; False (nothing
+        written) when such an entry lies past the rows' block table (a narrower graph's)."""
         bs = self.executor.block_size
         blocks = self.scheduler.blocks
+        width = rows.bufs["block_tables"].shape[1]
+        if any(c.start // bs >= width for c in chunks):
+            return False
         r_idx, c_idx, vals = [], [], []
         for r, c in enumerate(chunks):
             if c.start % bs == 0:
@@ -353,6 +362,7 @@ class ServingLoop:
             idx = to_device(self.device, {"r": (r_idx, torch.int64), "c": (c_idx, torch.int64),
                                           "v": (vals, torch.int32)})
             rows.bufs["block_tables"].index_put_((idx["r"], idx["c"]), idx["v"])
+        return True
 
     # -- prefill -----------------------------------------------------------------------------
     def _prefill(self, batch: StepBatch):

@@ -77,8 +77,8 @@ def test_replay_equals_eager(tiny_llm, n, monkeypatch):
     (runner,) = llm.model._graph_runners.values()
     assert runner.prologue is not None and not {"cos", "sin"} & set(runner.pads)   # RoPE tables inside the graph
     bucket = next(b for b in runner.buckets if b >= n)
-    assert bucket in runner.graphs
-    assert runner.graphs[bucket].inputs["block_tables"].shape == (bucket, 8)   # fixed width: 64 / 8
+    assert (bucket, 8) in runner.graphs           # the model's width: 64 / 8 (too narrow to narrow further)
+    assert runner.graphs[(bucket, 8)].inputs["block_tables"].shape == (bucket, 8)
 
 
 def test_replay_allocates_nothing(tiny_llm, monkeypatch):
@@ -87,10 +87,10 @@ def test_replay_allocates_nothing(tiny_llm, monkeypatch):
     monkeypatch.setenv("GRAPHDSL_CUDA_GRAPHS", "1")
     llm.model.execute(Phase.DECODE, _step(llm, [5, 9, 20], g))          # bucket 4 captured (or reused)
     (runner,) = llm.model._graph_runners.values()
-    entry = runner.graphs[4]
+    entry = runner.graphs[(4, 8)]
     step = _step(llm, [7, 3, 30], g)
     step["cos"], step["sin"] = llm.model.rotary.cos_sin(step["positions"])   # as models/base._execute adds them
-    runner._load(entry, {k: step[k] for k in runner.pads}, 3)
+    runner._load(entry, {k: step[k] for k in runner.pads}, 3, runner.pads)
     torch.cuda.synchronize()
     before = torch.cuda.memory_allocated()
     entry.graph.replay()
@@ -284,3 +284,53 @@ def test_prefill_graphs_capture_again_after_the_arena_regrows(tiny_llm, monkeypa
     assert [e.inputs["input_ids"].shape for e in runner.graphs.values()] == [(16,)]
     for c, b in zip(llm.kv_cache.key_caches + llm.kv_cache.value_caches, caches):
         c.copy_(b)
+
+
+@pytest.fixture
+def long_llm(monkeypatch):
+    """A tiny model with a 1024-token table (128 blocks of 8) whose decode graphs narrow from 8
+    blocks up (``WIDTH_FLOOR_KEYS`` 64 for the test)."""
+    import importlib
+    pa = importlib.import_module("graphdsl.runtime.kernels.paged_attention")
+    monkeypatch.setattr(pa, "WIDTH_FLOOR_KEYS", 64)
+    config = dict(model_type="llama", hidden_size=128, intermediate_size=256, num_hidden_layers=2,
+                  num_attention_heads=4, num_key_value_heads=2, vocab_size=512, max_position_embeddings=1024)
+    return gd.LLM.from_config(config, device="cuda", dtype="float32", seed=0, max_model_len=1024, max_num_seqs=4,
+                              block_size=BLOCK)
+
+
+def test_narrower_block_tables_replay_their_own_graphs(long_llm, monkeypatch):
+    """A decode step's table picks the narrowest graph of its bucket holding it (fewer attention
+    programs at short contexts); each equals the eager step."""
+    llm = long_llm
+    g = torch.Generator().manual_seed(11)
+    for c in llm.kv_cache.key_caches + llm.kv_cache.value_caches:
+        c.copy_(torch.randn(c.shape, generator=g))
+    for lens in ([40], [200], [900], [30, 500], [60]):
+        step = _step(llm, lens, g)
+        want, want_cache = _run(llm, step, False, monkeypatch)
+        got, got_cache = _run(llm, step, True, monkeypatch)
+        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+        for a, b in zip(got_cache, want_cache):
+            torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+    (runner,) = llm.model._graph_runners.values()
+    widths = runner.widths(1)
+    assert len(widths) > 2 and widths[-1] == 128, widths
+    for (bucket, width), entry in runner.graphs.items():
+        assert entry.inputs["block_tables"].shape == (bucket, width)
+    assert {w for b, w in runner.graphs if b == 1} == {runner.width_for(1, -(-L // BLOCK)) for L in (40, 200, 900)}
+
+
+def test_generate_moves_across_block_table_widths(long_llm, monkeypatch):
+    """Greedy generation whose contexts cross several graph widths (the loop moves its rows to a
+    wider graph as they grow) gives the tokens of eager decode, with the overlap on."""
+    llm = long_llm
+    params = gd.SamplingParams(max_tokens=150, temperature=0, ignore_eos=True)
+    prompts = [[3 + i] * (40 + 50 * i) for i in range(3)]
+    monkeypatch.setenv("GRAPHDSL_CUDA_GRAPHS", "0")
+    want = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
+    monkeypatch.setenv("GRAPHDSL_CUDA_GRAPHS", "1")
+    got = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
+    assert got == want
+    (runner,) = llm.model._graph_runners.values()
+    assert len({w for b, w in runner.graphs if b == 4}) >= 2, sorted(runner.graphs)

@@ -66,7 +66,8 @@ def test_mixed_batch_through_cuda_graphs_equals_solo(llm_with_adapters, monkeypa
     replays = []
     real = CudaGraphRunner.replay
     monkeypatch.setattr(CudaGraphRunner, "replay",
-                        lambda self, bucket: replays.append(self.engine is lora_engine) or real(self, bucket))
+                        lambda self, bucket, width=None: replays.append(self.engine is lora_engine)
+                        or real(self, bucket, width))
     prompts = [[1, 2, 3, 4, 5], [9, 8, 7], [4, 4, 4, 4], [11, 12, 13, 14, 15, 16]]
     loras = ["a", "b", "c", None]
     params = gd.SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)

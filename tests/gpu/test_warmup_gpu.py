@@ -26,7 +26,7 @@ def test_warmup_captures_every_decode_bucket_and_sizes_the_arenas():
                              max_num_batched_tokens=128)
     report = llm.warmup(stream=None)
     (runner,) = llm.model._graph_runners.values()
-    assert sorted(runner.graphs) == [1, 2, 4, 8]
+    assert sorted(runner.graphs) == [(1, 16), (2, 16), (4, 16), (8, 16)]
     decode = llm.model.engine(Phase.DECODE)
     plans = len(decode._plans)
     arenas = {id(e): e.arena_id(torch.device("cuda")) for e in (decode, llm.model.engine(Phase.PREFILL))}
@@ -37,5 +37,25 @@ def test_warmup_captures_every_decode_bucket_and_sizes_the_arenas():
     assert [len(o.outputs[0].token_ids) for o in outs] == [8] * 6
     assert len(decode._plans) == plans                   # every decode bucket was planned by the warm-up
     assert {id(e): e.arena_id(torch.device("cuda")) for e in (decode, llm.model.engine(Phase.PREFILL))} == arenas
-    assert sorted(runner.graphs) == [1, 2, 4, 8]
+    assert sorted(runner.graphs) == [(1, 16), (2, 16), (4, 16), (8, 16)]
     print(f"\n{report}; first batch after it {first * 1e3:.1f} ms")
+
+
+def test_warmup_captures_the_wider_block_tables_too(monkeypatch):
+    """Where decode graphs narrow their block table at short contexts, the warm-up also captures
+    each bucket's wider tables: later requests whose contexts cross them plan and capture nothing."""
+    import importlib
+    pa = importlib.import_module("graphdsl.runtime.kernels.paged_attention")
+    monkeypatch.setattr(pa, "WIDTH_FLOOR_KEYS", 64)
+    llm = gd.LLM.from_config(CONFIG, device="cuda", dtype="bfloat16", seed=0, max_model_len=512, max_num_seqs=2,
+                             max_num_batched_tokens=1024, block_size=8)
+    report = llm.warmup(stream=None)
+    assert any("wider block tables" in label for label, _ in report.stages), report
+    (runner,) = llm.model._graph_runners.values()
+    want = {(b, w) for b in (1, 2) for w in runner.widths(b)}
+    assert len(runner.widths(1)) > 2 and set(runner.graphs) == want
+    decode = llm.model.engine(Phase.DECODE)
+    plans = len(decode._plans)
+    outs = llm.generate([[5] * 30, [6] * 300], gd.SamplingParams(max_tokens=150, temperature=0, ignore_eos=True))
+    assert [len(o.outputs[0].token_ids) for o in outs] == [150, 150]
+    assert len(decode._plans) == plans and set(runner.graphs) == want

@@ -7,6 +7,7 @@ window and soft-cap, in float32/float16/bfloat16. On CPU the kernels run under T
 """
 from __future__ import annotations
 
+import importlib
 import os
 
 import torch
@@ -447,3 +448,40 @@ def test_decode_workspace_and_rope_cache_errors_name_the_argument():
     with pytest.raises(GraphDSLError, match=r"rope_cache.slot_mapping must be a contiguous \[2\] int32/int64"):
         paged_attention_decode(q, kc, vc, bt, sl, scale=0.1,
                                rope_cache=DecodeRopeCache(k, v, cos, sin, slots.float(), RopeLayout.NEOX))
+
+
+def test_decode_widths_keep_the_tables_that_shrink_the_grid(monkeypatch):
+    """The block-table widths worth a decode graph of their own (H200's 132 SMs): a narrower table
+    is kept where it makes one-tile splits or halves them against the next wider kept, per
+    attention window; the rows and tables that launch one grid share a width."""
+    pa = importlib.import_module("graphdsl.runtime.kernels.paged_attention")
+    monkeypatch.setattr(pa, "_sm_count", lambda device: 132)
+    cpu = torch.device("cpu")
+    widths = {n: pa.decode_widths(n, 8, 129, 16, (0,), cpu) for n in (1, 2, 4, 8, 64)}
+    assert widths == {1: (32, 64, 129), 2: (32, 64, 129), 4: (32, 129), 8: (129,), 64: (129,)}
+    for n, ws in widths.items():
+        grids = [pa._grid_of(n, 8, w, 16, 0, cpu) for w in ws]
+        assert all(a != b for a, b in zip(grids, grids[1:])), (n, grids)
+    assert pa._grid_of(1, 8, 32, 16, 0, cpu) == (8, True) and pa._grid_of(1, 8, 129, 16, 0, cpu) == (33, True)
+    assert pa.decode_widths(1, 8, 2048, 16, (0,), cpu) == (32, 64, 128, 2048)   # long tables keep their grid
+    assert pa.decode_widths(1, 8, 129, 16, (256,), cpu) == (129,)    # a window of 256 keys: one grid for all
+    assert pa.decode_widths(1, 8, 129, 16, (0, 256), cpu) == (32, 64, 129)
+    assert pa.decode_widths(1, 8, 129, 16, (0,), cpu, floor_keys=2048) == (129,)
+    assert pa.decode_widths(1, 8, 32, 16, (0,), cpu) == (32,)
+
+
+@pytest.mark.parametrize("narrow", [3, 5])
+def test_decode_through_a_narrower_table_is_the_same(narrow):
+    """A table only as wide as the sequences' blocks (fewer splits) gives the wide table's output."""
+    g = torch.Generator().manual_seed(narrow)
+    heads, kv_heads, dim, bs = 4, 2, 32, 8
+    kc = torch.randn(24, bs, kv_heads, dim, generator=g)
+    vc = torch.randn(24, bs, kv_heads, dim, generator=g)
+    lens = torch.tensor([narrow * bs - 3, 9], dtype=torch.int32)
+    tables = torch.zeros(2, 12, dtype=torch.int32)
+    tables[0, :narrow] = torch.tensor([5, 1, 17, 9, 2][:narrow])
+    tables[1, :2] = torch.tensor([11, 4])
+    q = torch.randn(2, heads, dim, generator=g)
+    wide = paged_attention_decode(q, kc, vc, tables, lens, scale=dim ** -0.5)
+    thin = paged_attention_decode(q, kc, vc, tables[:, :narrow].contiguous(), lens, scale=dim ** -0.5)
+    torch.testing.assert_close(thin, wide, rtol=1e-5, atol=1e-5)

@@ -68,10 +68,38 @@ def test_runner_load_equals_fresh_padding_whatever_the_previous_steps():
                    {k: (3, 2 if k == "bt" else None) for k in pads})
     for n, w in ((5, 6), (2, 1), (8, 3), (1, 4), (1, 4), (6, 2), (4, 6), (3, 5)):
         x = step(n, w)
-        runner._load(entry, x, n)
+        runner._load(entry, x, n, pads)
         want = pad_batch(x, pads, 8)
         for k in pads:
             assert torch.equal(entry.inputs[k], want[k]), (n, w, k)
+
+
+def test_runner_widths_narrow_the_one_fixed_width_input():
+    """Graphs of a bucket at narrower widths of its block table: a step takes the narrowest holding
+    its table; the static buffers have that width; bad widths are refused by name."""
+    pads = {"ids": Pad(0), "bt": Pad(0, width=6)}
+    runner = CudaGraphRunner(object(), pads, widths=lambda b: (2, 4) if b == 1 else ())
+    assert runner.widths(1) == (2, 4, 6) and runner.widths(2) == (6,)
+    assert [runner.width_for(1, w) for w in (1, 2, 3, 5, 6, None)] == [2, 2, 4, 6, 6, 6]
+    assert runner.width_for(2, 1) == 6
+    with pytest.raises(BindError, match="input 'bt': expected at most 6 columns"):
+        runner.width_for(1, 7)
+    like = {"ids": ((), torch.int64), "bt": ((6,), torch.int32)}
+    static = runner.static_inputs(1, like, "cpu", 4)
+    assert static["bt"].shape == (1, 4) and static["ids"].shape == (1,)
+    assert runner.static_inputs(1, like, "cpu", 4) is static
+    assert runner.static_inputs(1, like, "cpu")["bt"].shape == (1, 6)       # None: the widest
+    with pytest.raises(GraphDSLError, match=r"width must be one of \(2, 4, 6\) for bucket 1, got 3"):
+        runner.static_inputs(1, like, "cpu", 3)
+    with pytest.raises(GraphDSLError, match=r"bucket must be one of .*, got 3"):
+        runner.static_inputs(3, like, "cpu")
+    assert CudaGraphRunner(object(), pads).widths(1) == (6,)
+    assert CudaGraphRunner(object(), {"ids": Pad(0)}).width_for(1) is None
+    with pytest.raises(GraphDSLError, match="widths needs a callable and exactly one input with a fixed width"):
+        CudaGraphRunner(object(), {"ids": Pad(0)}, widths=lambda b: (1,))
+    for bad in ((4, 2), (2, 7), (0, 3), (2.0,)):
+        with pytest.raises(GraphDSLError, match=r"widths\(1\) must be ascending ints in \[1, 6\]"):
+            CudaGraphRunner(object(), pads, widths=lambda b, bad=bad: bad).widths(1)
 
 
 def test_env_switch(monkeypatch):
