@@ -902,7 +902,7 @@ class _TPExecutor:
         self.device, self.vocab_size = local.device, local.vocab_size
         self.block_size, self.max_blocks_per_seq = local.block_size, local.max_blocks_per_seq
 
-    def execute(self, phase: str, inputs: dict[str, torch.Tensor]) -> torch.Tensor:
+    def execute(self, phase: str, inputs: dict[str, torch.Tensor], rows: int | None = None) -> torch.Tensor:
         d = self.driver
         if d.closed or d.broken is not None:
             raise GraphDSLError(f"LLM: the tensor-parallel group is {'closed' if d.closed else 'broken'} "
@@ -911,7 +911,7 @@ class _TPExecutor:
             if d.pool is not None:
                 d.pool.check()
             d.channel.send(phase, inputs)
-            return self.local.execute(phase, inputs)
+            return self.local.execute(phase, inputs, rows)
         except Exception as e:
             raise d.failed(e) from e
 

@@ -43,12 +43,13 @@ class ModelExecutor:
         self.vocab_size = model.config.vocab_size
         self.block_size, self.max_blocks_per_seq = block_size, max_blocks_per_seq
 
-    def execute(self, phase: str, inputs: dict[str, torch.Tensor]) -> torch.Tensor:
+    def execute(self, phase: str, inputs: dict[str, torch.Tensor], rows: int | None = None) -> torch.Tensor:
         feed = dict(inputs)
         if phase == "decode":
             feed.pop("query_start_loc", None)
             feed.pop("lm_head_indices", None)
-        return self.model.execute(_PHASES[phase], feed)
+        logits = self.model.execute(_PHASES[phase], feed, float_logits=False)
+        return (logits if rows is None else logits[:rows]).float()     # cast only the rows asked for
 
     def lora_slots(self, names: list[str | None]) -> list[int]:
         if self.model.lora is None:

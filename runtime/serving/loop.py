@@ -65,8 +65,9 @@ class StepExecutor(Protocol):
     block_size: int
     max_blocks_per_seq: int
 
-    def execute(self, phase: str, inputs: dict[str, torch.Tensor]) -> torch.Tensor:
-        """Run one step eagerly (``phase`` "prefill" or "decode"); float32 logits."""
+    def execute(self, phase: str, inputs: dict[str, torch.Tensor], rows: int | None = None) -> torch.Tensor:
+        """Run one step eagerly (``phase`` "prefill" or "decode"); float32 logits of its first
+        ``rows`` rows (None: all; a padded step's rows past them are not cast)."""
 
     def decode_graph(self, n: int, lora: bool = False, width: int | None = None) -> DecodeGraph | None:
         """A CUDA-graph decode step with room for ``n`` rows of at least ``width`` KV blocks each
@@ -394,9 +395,7 @@ class ServingLoop:
         padded = self.prefill_buckets and set(inputs) - {"lora_indices"} == STANDARD_INPUTS
         if padded:
             inputs, projected = pad_prefill(inputs, self.executor.max_blocks_per_seq, self.scheduler.max_num_seqs)
-        logits = self.executor.execute("prefill", inputs)
-        if padded:
-            logits = logits[:projected]
+        logits = self.executor.execute("prefill", inputs, rows=projected if padded else None)
         prompt_rows = []
         for c, row0 in prompt_spans:
             req = c.request

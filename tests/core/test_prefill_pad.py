@@ -32,8 +32,8 @@ def test_pad_prefill_values():
     three = {**inputs, "seq_lens": torch.tensor([3, 1, 1], dtype=i32), "query_start_loc": torch.tensor([0, 3, 4, 5], dtype=i32),
              "block_tables": torch.tensor([[1], [2], [3]], dtype=i32)}
     out, _ = pad_prefill(three, max_width=8)
-    assert out["seq_lens"].tolist() == [3, 1, 1, 0] and out["query_start_loc"].tolist() == [0, 3, 4, 5, 5]
-    assert out["block_tables"].tolist() == [[1] + [0] * 7, [2] + [0] * 7, [3] + [0] * 7, [0] * 8]
+    assert out["seq_lens"].tolist() == [0, 3, 1, 1] and out["query_start_loc"].tolist() == [0, 0, 3, 4, 5]
+    assert out["block_tables"].tolist() == [[0] * 8, [1] + [0] * 7, [2] + [0] * 7, [3] + [0] * 7]   # padding first
     wide = {**inputs, "block_tables": torch.zeros(2, 5, dtype=i32)}
     assert pad_prefill(wide, max_width=6)[0]["block_tables"].shape == (2, 6)      # capped at the model's width
 
@@ -74,8 +74,8 @@ def test_a_seq_bucket_pads_sequences_and_projected_rows_to_one_count():
             "query_start_loc": torch.tensor([0, 3, 5], dtype=i32), "lm_head_indices": torch.tensor([2, 4])}
     out, heads = pad_prefill(step, max_width=4, seq_bucket=5)
     assert heads == 2
-    assert out["seq_lens"].tolist() == [3, 2] + [0] * 6 and out["query_start_loc"].tolist() == [0, 3, 5] + [5] * 6
-    assert out["block_tables"].tolist() == [[1, 0, 0, 0], [2, 0, 0, 0]] + [[0] * 4] * 6
+    assert out["seq_lens"].tolist() == [0] * 6 + [3, 2] and out["query_start_loc"].tolist() == [0] * 6 + [0, 3, 5]
+    assert out["block_tables"].tolist() == [[0] * 4] * 6 + [[1, 0, 0, 0], [2, 0, 0, 0]]
     assert out["lm_head_indices"].tolist() == [2, 4] + [0] * 6
     every_row = {**step, "lm_head_indices": torch.arange(5)}       # prompt logprobs: more rows than sequences
     assert pad_prefill(every_row, max_width=4, seq_bucket=2)[0]["lm_head_indices"].shape == (8,)

@@ -41,16 +41,17 @@ class FakeModel:
             self.graphs[(rows, wide)] = FakeGraph(self, rows, wide)
         return self.graphs[(rows, wide)]
 
-    def execute(self, phase, t):
+    def execute(self, phase, t, rows=None):
         self.cache[t["slot_mapping"]] = t["input_ids"]
         n = t["input_ids"].shape[0]
         if phase == "decode":
-            rows, seq_of = range(n), list(range(n))
+            heads, seq_of = range(n), list(range(n))
         else:
-            rows, qsl = t["lm_head_indices"].tolist(), t["query_start_loc"].tolist()
-            seq_of = {i: next(s for s in range(len(qsl) - 1) if qsl[s] <= i < qsl[s + 1]) for i in rows}
+            heads, qsl = t["lm_head_indices"].tolist(), t["query_start_loc"].tolist()
+            seq_of = {i: next(s for s in range(len(qsl) - 1) if qsl[s] <= i < qsl[s + 1]) for i in heads}
+        heads = heads if rows is None else heads[:rows]
         out, bs = [], self.block_size
-        for i in rows:
+        for i in heads:
             table = t["block_tables"][seq_of[i]]
             L = int(t["positions"][i]) + 1
             ctx = [int(self.cache[table[p // bs] * bs + p % bs]) for p in range(L)]

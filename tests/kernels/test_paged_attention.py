@@ -485,3 +485,22 @@ def test_decode_through_a_narrower_table_is_the_same(narrow):
     wide = paged_attention_decode(q, kc, vc, tables, lens, scale=dim ** -0.5)
     thin = paged_attention_decode(q, kc, vc, tables[:, :narrow].contiguous(), lens, scale=dim ** -0.5)
     torch.testing.assert_close(thin, wide, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("front", [True, False])
+def test_prefill_with_empty_padding_sequences(front):
+    """Sequences with no tokens (a padded prefill step's, at the front or the end) change no output."""
+    lens, news = _grow([12, 30], [12, 4])
+    q, kc, vc, bt, sl, qsl = make_case(lens, news, 4, 2, 64, 16, torch.float32, seed=5)
+    want = paged_attention_prefill(q, kc, vc, bt, sl, qsl, scale=0.125)
+    pad = 6
+    zeros = torch.zeros(pad, bt.shape[1], dtype=bt.dtype, device=bt.device)
+    psl = torch.zeros(pad, dtype=sl.dtype, device=sl.device)
+    if front:
+        bt2, sl2 = torch.cat([zeros, bt]), torch.cat([psl, sl])
+        qsl2 = torch.cat([torch.zeros(pad, dtype=qsl.dtype, device=qsl.device), qsl])
+    else:
+        bt2, sl2 = torch.cat([bt, zeros]), torch.cat([sl, psl])
+        qsl2 = torch.cat([qsl, qsl[-1:].expand(pad)])
+    got = paged_attention_prefill(q, kc, vc, bt2, sl2, qsl2, scale=0.125)
+    torch.testing.assert_close(got, want, rtol=0, atol=0)

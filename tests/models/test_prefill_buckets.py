@@ -34,3 +34,24 @@ def test_padded_prefill_equals_unpadded(family, tmp_path, monkeypatch):
     signatures = {tuple(k[1]) for k in llm.model.engine(Phase.PREFILL)._plans}
     token_counts = {dict((n, s) for n, s, _ in sig)["input_ids"][0] for sig in signatures}
     assert all(n % 16 == 0 or n in (18, 20, 22, 24, 26, 28, 30) for n in token_counts), token_counts
+
+
+def test_padded_prefill_casts_only_the_projected_rows(tmp_path, monkeypatch):
+    """A padded prefill projects pow2(max_num_seqs) rows at least; only the real ones become float32
+    logits (at 256 rows of a 128256-token vocabulary the cast alone wrote 131 MB a step)."""
+    from graphdsl.models.executor import ModelExecutor
+    make_checkpoint("llama", tmp_path)
+    seen = []
+    real = ModelExecutor.execute
+
+    def spy(self, phase, inputs, rows=None):
+        out = real(self, phase, inputs, rows)
+        if phase == "prefill":
+            seen.append((inputs["lm_head_indices"].shape[0], rows, tuple(out.shape), out.dtype))
+        return out
+    monkeypatch.setattr(ModelExecutor, "execute", spy)
+    monkeypatch.setenv("GRAPHDSL_PREFILL_BUCKETS", "1")
+    llm = gd.LLM(tmp_path, device="cpu", dtype="float32", max_model_len=64, max_num_seqs=16)
+    llm.generate(PROMPTS[:2], gd.SamplingParams(max_tokens=2, temperature=0, ignore_eos=True))
+    assert seen and all(heads == 16 and rows == 2 and shape[0] == 2 and dtype == torch.float32
+                        for heads, rows, shape, dtype in seen), seen
