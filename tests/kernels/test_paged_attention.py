@@ -504,3 +504,20 @@ def test_prefill_with_empty_padding_sequences(front):
         qsl2 = torch.cat([qsl, qsl[-1:].expand(pad)])
     got = paged_attention_prefill(q, kc, vc, bt2, sl2, qsl2, scale=0.125)
     torch.testing.assert_close(got, want, rtol=0, atol=0)
+
+
+def test_prefill_finds_sequences_by_vector_load_as_by_binary_search(monkeypatch):
+    """A program's sequence, found in one load of query_start_loc (up to _SEQ_VEC_MAX sequences) or
+    by binary search past it: the same outputs, with empty sequences among the others."""
+    pa = importlib.import_module("graphdsl.runtime.kernels.paged_attention")
+    lens, news = _grow([5, 9, 3, 12, 7, 4, 30, 2, 6, 11], [5, 1, 3, 4, 7, 2, 9, 2, 6, 1])
+    q, kc, vc, bt, sl, qsl = make_case(lens, news, 4, 2, 32, 8, torch.float32, seed=9)
+    qsl2 = torch.cat([qsl[:4], qsl[3:4].expand(2), qsl[4:]])      # two empty sequences after the third
+    bt2 = torch.cat([bt[:3], torch.zeros_like(bt[:2]), bt[3:]])
+    sl2 = torch.cat([sl[:3], torch.zeros_like(sl[:2]), sl[3:]])
+    outs = []
+    for cap in (1024, 0):
+        monkeypatch.setattr(pa, "_SEQ_VEC_MAX", cap)
+        outs.append(paged_attention_prefill(q, kc, vc, bt2, sl2, qsl2, scale=0.2))
+    torch.testing.assert_close(outs[0], outs[1], rtol=0, atol=0)
+    assert_close(outs[0], REF(q, kc, vc, bt, sl, qsl, scale=0.2), torch.float32)
