@@ -59,6 +59,17 @@ def _run(llm, step, graphs: bool, monkeypatch):
     return out, written
 
 
+def _replay_equals_eager(run, llm, step, monkeypatch, tol=1e-4, cache_tol=1e-5):
+    """``run(llm, step, graphs, monkeypatch) -> (logits, caches)`` with graphs equals it without."""
+    want, want_cache = run(llm, step, False, monkeypatch)
+    got, got_cache = run(llm, step, True, monkeypatch)
+    assert got.shape == want.shape
+    torch.testing.assert_close(got, want, rtol=tol, atol=tol)
+    for a, b in zip(got_cache, want_cache):
+        torch.testing.assert_close(a, b, rtol=cache_tol, atol=cache_tol)
+    return want, want_cache
+
+
 @pytest.mark.parametrize("n", [1, 2, 3, 5, 8, 33])
 def test_replay_equals_eager(tiny_llm, n, monkeypatch):
     llm = tiny_llm
@@ -67,13 +78,8 @@ def test_replay_equals_eager(tiny_llm, n, monkeypatch):
         c.copy_(torch.randn(c.shape, generator=g))
     for rep in range(3):      # first call captures; later ones only replay with new inputs
         lens = torch.randint(1, 64, (n,), generator=g).tolist()
-        step = _step(llm, lens, g)
-        want, want_cache = _run(llm, step, False, monkeypatch)
-        got, got_cache = _run(llm, step, True, monkeypatch)
-        assert got.shape == want.shape == (n, llm.config.vocab_size)
-        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
-        for a, b in zip(got_cache, want_cache):
-            torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+        want, _ = _replay_equals_eager(_run, llm, _step(llm, lens, g), monkeypatch)
+        assert want.shape == (n, llm.config.vocab_size)
     (runner,) = llm.model._graph_runners.values()
     assert runner.prologue is not None and not {"cos", "sin"} & set(runner.pads)   # RoPE tables inside the graph
     bucket = next(b for b in runner.buckets if b >= n)
@@ -188,12 +194,7 @@ def test_prefill_replay_equals_eager(tiny_llm, monkeypatch):
     llm = tiny_llm
     g = torch.Generator().manual_seed(11)
     for lens in ([5, 11], [9, 7], [3, 13], [12, 4]):           # 16 tokens, 2 sequences, 2 blocks each at most
-        step = _prefill(llm, lens, g)
-        want, want_cache = _run_prefill(llm, step, False, monkeypatch)
-        got, got_cache = _run_prefill(llm, step, True, monkeypatch)
-        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
-        for a, b in zip(got_cache, want_cache):
-            torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-6)
+        _, want_cache = _replay_equals_eager(_run_prefill, llm, _prefill(llm, lens, g), monkeypatch, 1e-5, 1e-6)
         assert not all(torch.equal(a, b) for a, b in zip(want_cache, llm.kv_cache.key_caches))
     (runner,) = llm.model._prefill_runners.values()
     (entry,) = runner.graphs.values()
@@ -307,12 +308,7 @@ def test_narrower_block_tables_replay_their_own_graphs(long_llm, monkeypatch):
     for c in llm.kv_cache.key_caches + llm.kv_cache.value_caches:
         c.copy_(torch.randn(c.shape, generator=g))
     for lens in ([40], [200], [900], [30, 500], [60]):
-        step = _step(llm, lens, g)
-        want, want_cache = _run(llm, step, False, monkeypatch)
-        got, got_cache = _run(llm, step, True, monkeypatch)
-        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
-        for a, b in zip(got_cache, want_cache):
-            torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+        _replay_equals_eager(_run, llm, _step(llm, lens, g), monkeypatch)
     (runner,) = llm.model._graph_runners.values()
     widths = runner.widths(1)
     assert len(widths) > 2 and widths[-1] == 128, widths
