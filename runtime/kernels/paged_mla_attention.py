@@ -104,6 +104,7 @@ def _mla_kernel(
         first = tl.load(qsl_ptr + seq).to(tl.int32)
         n_new = tl.load(qsl_ptr + seq + 1).to(tl.int32) - first
         pos = tl.load(seq_lens_ptr + seq).to(tl.int32) - n_new + (tok - first)
+        pos = tl.where(tok - first < n_new, pos, -1)   # a padding token past the last sequence: no keys
     else:
         seq = tok
         pos = tl.load(seq_lens_ptr + seq).to(tl.int32) - 1

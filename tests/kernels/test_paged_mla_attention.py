@@ -102,3 +102,17 @@ def test_argument_errors_name_the_argument():
     with pytest.raises(GraphDSLError, match=r"workspace must be an MLAWorkspace"):
         paged_mla_attention(q[:1], kc, vc, bt, sl, scale=1.0, value_dim=32, num_splits=2,
                             workspace=mla_workspace(1, 4, 32, 3, DEVICE))
+
+
+def test_prefill_padding_tokens_past_the_last_sequence_read_nothing():
+    """A padded prefill step's extra tokens (past ``query_start_loc[-1]``) belong to no sequence:
+    they attend over no key (zeros), where they once continued the last sequence past its context
+    and read its block table beyond the row."""
+    lens, news = [9, 40], [9, 6]
+    q, kc, vc, bt, sl, qsl = make_case(lens, news, 4, 32, 16, 16, torch.float32)
+    kw = dict(scale=0.3, value_dim=32)
+    want = paged_mla_attention(q, kc, vc, bt, sl, qsl, **kw)
+    padded = torch.cat([q, torch.randn(40, *q.shape[1:], device=q.device)])     # 40 tokens of padding
+    got = paged_mla_attention(padded, kc, vc, bt[:, :3], sl, qsl, **kw)           # the rows' own blocks only
+    torch.testing.assert_close(got[:q.shape[0]], want, rtol=0, atol=0)
+    assert torch.equal(got[q.shape[0]:], torch.zeros_like(got[q.shape[0]:]))
