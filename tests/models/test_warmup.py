@@ -89,3 +89,20 @@ def test_with_prefill_buckets_every_step_after_warmup_reuses_a_plan(monkeypatch,
         llm.generate(prompts, gd.SamplingParams(max_tokens=rng.randint(1, 4), temperature=0, ignore_eos=True))
     assert len(prefill._plans) == len(buckets)
     assert llm.blocks.num_free_blocks == llm.blocks.num_blocks
+
+
+def test_wider_block_tables_get_prompts_one_table_too_long_for_the_narrower():
+    """Stage 4: for each decode graph width past a bucket's narrowest, prompts whose decode rows need
+    one block more than the next narrower table holds; none past max_model_len."""
+    from types import SimpleNamespace
+
+    from graphdsl.entrypoints.warmup import _wider_tables
+    executor = SimpleNamespace(block_size=16, decode_widths=lambda n: (32, 64, 129) if n <= 2 else (129,))
+    llm = SimpleNamespace(_executor=executor, max_model_len=2049)
+    calls = _wider_tables(llm, 2, 1000)
+    assert [[len(p) for p in prompts] for prompts, _ in calls] == [[512, 512], [1024, 1024]]
+    assert all(sp.max_tokens == 3 and sp.temperature == 0 and sp.ignore_eos for _, sp in calls)
+    assert all(-(-(len(p[0]) + 1) // 16) == w + 1 for (p, _), w in zip(calls, (32, 64)))   # one block past
+    assert _wider_tables(llm, 4, 1000) == []
+    assert len(_wider_tables(SimpleNamespace(_executor=executor, max_model_len=1000), 1, 1000)) == 1
+    assert _wider_tables(SimpleNamespace(_executor=SimpleNamespace(block_size=16), max_model_len=99), 1, 9) == []
