@@ -918,6 +918,9 @@ class _TPExecutor:
     def decode_graph(self, n: int, lora: bool = False, width: int | None = None):
         return None
 
+    def decode_widths(self, n: int) -> tuple[int, ...]:
+        return ()
+
 
 class _Follower:
     """A worker rank's shard: runs the steps rank 0 announces."""

@@ -77,7 +77,7 @@ def _wider_tables(llm, rows: int, vocab: int) -> list[tuple[list, SamplingParams
     """Stage 4's ``(prompts, params)`` calls for the decode bucket of ``rows``: per block-table width
     of its graphs past the narrowest, ``rows`` prompts one block-table width too long for the next
     narrower (the decode rows then need ``narrower + 1`` blocks)."""
-    widths = getattr(llm._executor, "decode_widths", lambda n: ())(rows)
+    widths = llm._executor.decode_widths(rows)
     block = llm._executor.block_size
     calls = []
     for narrower, width in zip(widths, widths[1:]):

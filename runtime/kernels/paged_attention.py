@@ -740,14 +740,22 @@ def _default_splits(num_seqs: int, kv_heads: int, max_keys: int, device: torch.d
     return max(1, min(want, triton.cdiv(max_keys, _MIN_KEYS_PER_SPLIT), _MAX_SPLITS))
 
 
+def _table_keys(max_blocks: int, block_size: int, sliding_window: int) -> int:
+    """The most keys a decode can read through a table ``max_blocks`` wide (a window caps them)."""
+    keys = max_blocks * block_size
+    return min(keys, sliding_window) if sliding_window else keys
+
+
+def _one_tile(max_keys: int, num_splits: int) -> bool:
+    """Whether ``num_splits`` splits of ``max_keys`` keys are one ``_SPLIT_TILE_KEYS``-key tile each."""
+    return _ONE_TILE_SPLITS and num_splits > 1 and triton.cdiv(max_keys, num_splits) <= _SPLIT_TILE_KEYS
+
+
 def decode_num_splits(num_seqs: int, kv_heads: int, max_blocks: int, block_size: int, sliding_window: int,
                       device: torch.device) -> int:
     """The split count :func:`paged_attention_decode` picks when ``num_splits`` is omitted: it depends
     on shapes only (the block table's width bounds the context), so a caller can size ``workspace``."""
-    max_keys = max_blocks * block_size
-    if sliding_window:
-        max_keys = min(max_keys, sliding_window)
-    return _default_splits(num_seqs, kv_heads, max_keys, device)
+    return _default_splits(num_seqs, kv_heads, _table_keys(max_blocks, block_size, sliding_window), device)
 
 
 WIDTH_FLOOR_KEYS = 512   # the narrowest block table decode_widths offers, in keys
@@ -758,9 +766,7 @@ def _grid_of(num_seqs: int, kv_heads: int, max_blocks: int, block_size: int, sli
     """``(splits, one_tile)``: the decode grid's split count at this block-table width and whether
     each split is one ``_SPLIT_TILE_KEYS``-key tile (read before the PDL wait)."""
     splits = decode_num_splits(num_seqs, kv_heads, max_blocks, block_size, sliding_window, device)
-    keys = max_blocks * block_size
-    keys = min(keys, sliding_window) if sliding_window else keys
-    return splits, _ONE_TILE_SPLITS and splits > 1 and triton.cdiv(keys, splits) <= _SPLIT_TILE_KEYS
+    return splits, _one_tile(_table_keys(max_blocks, block_size, sliding_window), splits)
 
 
 def decode_widths(num_seqs: int, kv_heads: int, max_blocks: int, block_size: int, sliding_windows, device,
@@ -901,9 +907,7 @@ def _launch_decode(q, key_cache, value_cache, block_tables, seq_lens, scale, sli
     prefetch = (bool(inputs_ready and cache_ready) and rope_cache is not None
                 and _prefetch_first_tile(num_seqs, kv_heads, num_splits, dim, group, q.device))
     wide = num_splits == 1 and num_seqs * kv_heads > _WIDE_GRID_PER_SM * _sm_count(q.device)
-    max_keys = min(block_tables.shape[1] * block_size, sliding_window or block_tables.shape[1] * block_size)
-    one_tile = (_ONE_TILE_SPLITS and prefetch and num_splits > 1
-                and triton.cdiv(max_keys, num_splits) <= _SPLIT_TILE_KEYS)
+    one_tile = prefetch and _one_tile(_table_keys(block_tables.shape[1], block_size, sliding_window), num_splits)
     cfg = config or _pick_config(dim, triton.next_power_of_2(group), decode=True,
                                  prefetch_splits=prefetch and num_splits > 1, wide_grid=wide, one_tile=one_tile)
     if num_splits > 1:

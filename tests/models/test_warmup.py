@@ -105,4 +105,5 @@ def test_wider_block_tables_get_prompts_one_table_too_long_for_the_narrower():
     assert all(-(-(len(p[0]) + 1) // 16) == w + 1 for (p, _), w in zip(calls, (32, 64)))   # one block past
     assert _wider_tables(llm, 4, 1000) == []
     assert len(_wider_tables(SimpleNamespace(_executor=executor, max_model_len=1000), 1, 1000)) == 1
-    assert _wider_tables(SimpleNamespace(_executor=SimpleNamespace(block_size=16), max_model_len=99), 1, 9) == []
+    no_graphs = SimpleNamespace(block_size=16, decode_widths=lambda n: ())
+    assert _wider_tables(SimpleNamespace(_executor=no_graphs, max_model_len=99), 1, 9) == []
