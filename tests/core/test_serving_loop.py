@@ -213,3 +213,21 @@ def test_seeded_sampling_is_the_same_through_narrower_graphs():
         _drive(loop)
         outs.append([r.output_ids for r in reqs])
     assert outs[0] == outs[1]
+
+
+def test_a_graph_narrower_than_a_rows_table_is_refused_by_name():
+    """An executor whose graph cannot hold a row's blocks is an error naming the request and the
+    widths, never a silent write to a wrong cache slot."""
+    from graphdsl.errors import GraphDSLError
+    from tests.helpers.fake_model import FakeGraph
+
+    class Narrow(FakeModel):
+        def decode_graph(self, n, lora=False, width=None):
+            return FakeGraph(self, 1 << (n - 1).bit_length(), 1)
+    blocks = BlockManager(64, 4)
+    sched = Scheduler(blocks, max_num_seqs=8, max_num_batched_tokens=32, max_model_len=64)
+    loop = ServingLoop(Narrow(blocks, 64), sched)
+    sched.add_request("long", list(range(1, 10)), SamplingParams(max_tokens=3, temperature=0))
+    with pytest.raises(GraphDSLError, match=r"request 'long' holds 3 blocks, more than the decode block "
+                                            r"table's width 1 \(max_blocks_per_seq=16\)"):
+        _drive(loop)

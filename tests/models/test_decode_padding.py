@@ -97,6 +97,8 @@ def test_runner_widths_narrow_the_one_fixed_width_input():
     assert CudaGraphRunner(object(), {"ids": Pad(0)}).width_for(1) is None
     with pytest.raises(GraphDSLError, match="widths needs a callable and exactly one input with a fixed width"):
         CudaGraphRunner(object(), {"ids": Pad(0)}, widths=lambda b: (1,))
+    with pytest.raises(GraphDSLError, match=r"replay: bucket 2 \(width 6\) has no static inputs; call static_inputs"):
+        runner.replay(2)
     for bad in ((4, 2), (2, 7), (0, 3), (2.0,)):
         with pytest.raises(GraphDSLError, match=r"widths\(1\) must be ascending ints in \[1, 6\]"):
             CudaGraphRunner(object(), pads, widths=lambda b, bad=bad: bad).widths(1)
