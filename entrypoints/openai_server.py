@@ -3,9 +3,11 @@
 One engine thread owns a long-lived :class:`~graphdsl.runtime.serving.scheduler.Scheduler` and
 :class:`~graphdsl.runtime.serving.loop.ServingLoop`; HTTP handlers (FastAPI on uvicorn, one
 asyncio loop) hand it requests through a thread-safe queue and receive per-token deltas through
-asyncio queues (``loop.call_soon_threadsafe``). Every request joins the same continuous batch;
-nothing serialises generation. A client that disconnects aborts its request, whose KV blocks go
-back to the pool at the engine's next step. Text, stop strings and logprobs are handled by the
+asyncio queues. Every request joins the same continuous batch;
+nothing serialises generation. The deltas of one engine step reach the asyncio loop in one
+``call_soon_threadsafe`` (each such call wakes the loop through a socket write), and a stream sends
+every delta waiting in its queue as one write. A client that disconnects aborts its request, whose
+KV blocks go back to the pool at the engine's next step. Text, stop strings and logprobs are handled by the
 same code as ``LLM.generate`` (``LLM._accept`` / ``LLM._output``).
 
 Endpoints: ``GET /health``, ``GET /v1/models``, ``POST /v1/completions``,
@@ -22,6 +24,7 @@ answer 500 from then on).
 """
 
 import asyncio
+import bisect
 import itertools
 import json
 import queue
@@ -65,6 +68,7 @@ class _Tracked:
     group: Any                     # entrypoints.llm._Prompt
     out: asyncio.Queue
     aloop: asyncio.AbstractEventLoop
+    stream: bool = True            # deltas wanted (False: only the result, as one response)
     sent: dict = field(default_factory=dict)     # sample index -> characters of text sent
     finished: set = field(default_factory=set)   # indexes of the samples whose last event was handled
     start: float = field(default_factory=time.monotonic)
@@ -72,19 +76,20 @@ class _Tracked:
 
 
 class _Histogram:
+    """A Prometheus histogram: observations counted in the first bucket whose bound holds them
+    (one bisection a token), made cumulative when printed."""
+
     def __init__(self, buckets):
-        self.buckets, self.counts, self.sum, self.n = buckets, [0] * len(buckets), 0.0, 0
+        self.buckets, self.counts, self.sum, self.n = buckets, [0] * (len(buckets) + 1), 0.0, 0
 
     def observe(self, v: float) -> None:
         self.sum += v
         self.n += 1
-        for i, b in enumerate(self.buckets):
-            if v <= b:
-                self.counts[i] += 1
+        self.counts[bisect.bisect_left(self.buckets, v)] += 1
 
     def lines(self, name: str) -> list[str]:
         out = [f"# TYPE {name} histogram"]
-        out += [f'{name}_bucket{{le="{b}"}} {c}' for b, c in zip(self.buckets, self.counts)]
+        out += [f'{name}_bucket{{le="{b}"}} {c}' for b, c in zip(self.buckets, itertools.accumulate(self.counts))]
         return out + [f'{name}_bucket{{le="+Inf"}} {self.n}', f"{name}_sum {self.sum}", f"{name}_count {self.n}"]
 
 
@@ -105,12 +110,13 @@ class AsyncEngine:
         self.ttft, self.itl = _Histogram(_TTFT_BUCKETS), _Histogram(_ITL_BUCKETS)
         self.max_running_seen = 0
         self.error: BaseException | None = None
+        self._outbox: list[tuple[_Tracked, tuple]] = []   # items for the asyncio side, sent by _flush
         self._thread = threading.Thread(target=self._run, name="graphdsl-engine", daemon=True)
         self._thread.start()
 
     # called from the asyncio side
-    def submit(self, group, aloop: asyncio.AbstractEventLoop) -> _Tracked:
-        t = _Tracked(group, asyncio.Queue(), aloop)
+    def submit(self, group, aloop: asyncio.AbstractEventLoop, stream: bool = True) -> _Tracked:
+        t = _Tracked(group, asyncio.Queue(), aloop, stream)
         self._commands.put(("add", t))
         if self.error is not None:          # the engine stopped meanwhile: nobody will take the command
             t.out.put_nowait(("error", self.error_message))
@@ -147,6 +153,7 @@ class AsyncEngine:
                         self._event(ev)
                     if self._by_req and not self.loop.has_work():
                         self._settle()
+                self._flush()
         except BaseException as e:  # noqa: BLE001 - logged, reported to every waiting request, then the thread ends
             self._stop(e)
 
@@ -166,11 +173,28 @@ class AsyncEngine:
             if kind == "add":
                 held[id(t)] = t
         for t in held.values():
-            t.aloop.call_soon_threadsafe(t.out.put_nowait, ("error", self.error_message))
+            self._post(t, ("error", self.error_message))
             try:
                 self._do(("abort", t))
             except Exception:  # noqa: BLE001 - the scheduler may be what broke; the error is already reported
                 pass
+        self._flush()
+
+    def _post(self, t: _Tracked, item: tuple) -> None:
+        """Queue ``item`` for ``t``'s stream; :meth:`_flush` hands it over."""
+        self._outbox.append((t, item))
+
+    def _flush(self) -> None:
+        """Hand the queued items to their asyncio loops, in order: one ``call_soon_threadsafe`` a
+        loop (a socket write that wakes it), not one an item."""
+        if not self._outbox:
+            return
+        items, self._outbox = self._outbox, []
+        by_loop: dict[Any, list] = {}
+        for t, item in items:
+            by_loop.setdefault(t.aloop, []).append((t.out, item))
+        for aloop, batch in by_loop.items():
+            aloop.call_soon_threadsafe(_put_all, batch)
 
     def _do(self, cmd) -> None:
         kind, t = cmd
@@ -179,13 +203,13 @@ class AsyncEngine:
                 self._add(t)
             except GraphDSLError as e:           # e.g. more KV blocks than the pool has: the request's fault
                 self._do(("abort", t))
-                t.aloop.call_soon_threadsafe(t.out.put_nowait, ("bad", str(e)))
+                self._post(t, ("bad", str(e)))
             except Exception as e:  # noqa: BLE001 - a bug met while adding this request fails it alone
                 print(f"graphdsl serve: request {t.group.request_id} failed while being added; the engine "
                       "keeps serving:", file=sys.stderr, flush=True)
                 traceback.print_exception(e, file=sys.stderr)
                 self._do(("abort", t))
-                t.aloop.call_soon_threadsafe(t.out.put_nowait, ("error", f"{type(e).__name__}: {e}"))
+                self._post(t, ("error", f"{type(e).__name__}: {e}"))
         elif kind == "abort":
             for s in t.group.samples:
                 if s.req is not None and s.req.status is not RequestStatus.FINISHED:
@@ -215,24 +239,25 @@ class AsyncEngine:
         self._deliver(t, s, ev.token_id, ev.logprobs, last)
 
     def _deliver(self, t: _Tracked, s, token: int | None, logprobs, last: bool) -> None:
-        """Send sample ``s``'s new text (held back while a stop string may be forming); on its last
-        event mark it finished, and once every sample of the request is, send the result."""
+        """Send sample ``s``'s new text (held back while a stop string may be forming) to a stream;
+        on its last event mark it finished, and once every sample of the request is, send the
+        result."""
         llm = self.llm
-        hold = max((len(x) for x in s.params.stop), default=1) - 1
-        text = llm._text(s) if last else s.text[:max(len(s.text) - hold, 0)]
-        sent = t.sent.get(s.index, 0)
-        delta = text[sent:] if len(text) > sent else ""
-        t.sent[s.index] = max(sent, len(text))
-        put = t.aloop.call_soon_threadsafe
-        finish = (s.req.finish_reason or "length") if last else None
-        put(t.out.put_nowait, ("delta", s.index, delta, token, logprobs, finish))
+        if t.stream:
+            hold = max((len(x) for x in s.params.stop), default=1) - 1
+            text = llm._text(s) if last else s.text[:max(len(s.text) - hold, 0)]
+            sent = t.sent.get(s.index, 0)
+            delta = text[sent:] if len(text) > sent else ""
+            t.sent[s.index] = max(sent, len(text))
+            finish = (s.req.finish_reason or "length") if last else None
+            self._post(t, ("delta", s.index, delta, token, logprobs, finish))
         if not last:
             return
         self._by_req.pop(id(s.req), None)
         t.finished.add(s.index)
         if len(t.finished) == len(t.group.samples):
             self.finished_requests += 1
-            put(t.out.put_nowait, ("done", llm._output(t.group)))
+            self._post(t, ("done", llm._output(t.group)))
 
     def _settle(self) -> None:
         """The loop is idle, so no event will come for the samples still tracked (their requests
@@ -240,6 +265,12 @@ class AsyncEngine:
         for t, s in list(self._by_req.values()):
             if s.req.status is RequestStatus.FINISHED:
                 self._deliver(t, s, None, None, True)
+
+
+def _put_all(batch: list[tuple[asyncio.Queue, tuple]]) -> None:
+    """On the asyncio loop: put each item in its queue."""
+    for q, item in batch:
+        q.put_nowait(item)
 
 
 # -- request parsing ---------------------------------------------------------------------------
@@ -543,7 +574,7 @@ def build_app(llm, *, served_model_name: str, api_key: str | None = None):
         if engine.error is not None:
             raise ApiError(500, engine.error_message, kind="server_error")
         rid = f"{'chatcmpl' if chat else 'cmpl'}-{group.request_id}"
-        tracked = engine.submit(group, asyncio.get_running_loop())
+        tracked = engine.submit(group, asyncio.get_running_loop(), stream=bool(body.get("stream")))
         budget = _max_tokens_field(body, chat)
         if body.get("stream"):
             usage = bool((body.get("stream_options") or {}).get("include_usage"))
@@ -578,50 +609,63 @@ def build_app(llm, *, served_model_name: str, api_key: str | None = None):
                 "model": model, "choices": choices, "usage": _usage(result)}
 
     async def _stream(request: Request, tracked: _Tracked, rid: str, chat: bool, include_usage: bool, budget: str):
-        obj = "chat.completion.chunk" if chat else "text_completion"
+        """Server-sent events of ``tracked``'s deltas: every item waiting in its queue goes out as one
+        write. A client that disconnects cancels this generator (Starlette listens for it), which
+        aborts the request; a stream with nothing to send for 0.5 s also checks by itself."""
         top = tracked.group.params.logprobs
         first = set()
         offsets: dict[int, int] = {}          # sample index -> text_offset of its next token
+        out = tracked.out
+        # every chunk shares id, object, created and model; only choices (and usage) differ
+        head = json.dumps({"id": rid, "object": "chat.completion.chunk" if chat else "text_completion",
+                           "created": int(time.time()), "model": tracked.group.lora or served_model_name})[:-1]
 
         def chunk(choices, usage=None) -> str:
-            d = {"id": rid, "object": obj, "created": int(time.time()), "model": tracked.group.lora or served_model_name,
-                 "choices": choices}
-            if include_usage:
-                d["usage"] = usage
-            return f"data: {json.dumps(d)}\n\n"
+            tail = f', "usage": {json.dumps(usage)}' if include_usage else ""
+            return f"data: {head}, \"choices\": {json.dumps(choices)}{tail}}}\n\n"
+
+        def event(item) -> str:
+            _, index, delta, token, lps, finish = item
+            lp = None
+            if top is not None and lps is not None:
+                lp = _chosen_logprobs([token], [lps], top, chat, offsets.get(index, 0))
+                offsets[index] = offsets.get(index, 0) + len(lps[token].decoded_token or "")
+            fr = None if finish is None else ("stop" if finish == "stop" else "length")
+            if chat:
+                d = {"content": delta}
+                if index not in first:
+                    d["role"] = "assistant"
+                    first.add(index)
+                return chunk([{"index": index, "delta": d, "logprobs": lp, "finish_reason": fr}])
+            return chunk([{"index": index, "text": delta, "logprobs": lp, "finish_reason": fr}])
         try:
             while True:
-                if await request.is_disconnected():
-                    engine.abort(tracked)
-                    return
-                try:
-                    item = await asyncio.wait_for(tracked.out.get(), timeout=0.5)
-                except asyncio.TimeoutError:
-                    continue
-                if item[0] in ("error", "bad"):
-                    err = ApiError(500, item[1], kind="server_error") if item[0] == "error" else \
-                        ApiError(400, item[1], budget)
-                    yield f"data: {json.dumps(err.body())}\n\n"
-                    return
-                if item[0] == "done":
-                    if include_usage:
-                        yield chunk([], _usage(item[1]))
-                    yield "data: [DONE]\n\n"
-                    return
-                _, index, delta, token, lps, finish = item
-                lp = None
-                if top is not None and lps is not None:
-                    lp = _chosen_logprobs([token], [lps], top, chat, offsets.get(index, 0))
-                    offsets[index] = offsets.get(index, 0) + len(lps[token].decoded_token or "")
-                fr = None if finish is None else ("stop" if finish == "stop" else "length")
-                if chat:
-                    d = {"content": delta}
-                    if index not in first:
-                        d["role"] = "assistant"
-                        first.add(index)
-                    yield chunk([{"index": index, "delta": d, "logprobs": lp, "finish_reason": fr}])
+                if out.empty():
+                    try:
+                        items = [await asyncio.wait_for(out.get(), timeout=0.5)]
+                    except asyncio.TimeoutError:
+                        if await request.is_disconnected():
+                            engine.abort(tracked)
+                            return
+                        continue
                 else:
-                    yield chunk([{"index": index, "text": delta, "logprobs": lp, "finish_reason": fr}])
+                    items = []
+                while not out.empty():
+                    items.append(out.get_nowait())
+                text = []
+                for item in items:
+                    if item[0] in ("error", "bad"):
+                        err = ApiError(500, item[1], kind="server_error") if item[0] == "error" else \
+                            ApiError(400, item[1], budget)
+                        yield "".join(text) + f"data: {json.dumps(err.body())}\n\n"
+                        return
+                    if item[0] == "done":
+                        if include_usage:
+                            text.append(chunk([], _usage(item[1])))
+                        yield "".join(text) + "data: [DONE]\n\n"
+                        return
+                    text.append(event(item))
+                yield "".join(text)
         except (asyncio.CancelledError, GeneratorExit):
             engine.abort(tracked)
             raise

@@ -27,9 +27,9 @@ def test_lora_adapters_are_served_as_models(tmp_path):
     groups = []
     submit = engine.submit
 
-    def spy(group, aloop: asyncio.AbstractEventLoop):
+    def spy(group, aloop: asyncio.AbstractEventLoop, **kw):
         groups.append(group)
-        return submit(group, aloop)
+        return submit(group, aloop, **kw)
     engine.submit = spy
     prompt = [3, 17, 42, 99, 5]
     with TestClient(app) as client:
