@@ -3,12 +3,13 @@
 One engine thread owns a long-lived :class:`~graphdsl.runtime.serving.scheduler.Scheduler` and
 :class:`~graphdsl.runtime.serving.loop.ServingLoop`; HTTP handlers (FastAPI on uvicorn, one
 asyncio loop) hand it requests through a thread-safe queue and receive per-token deltas through
-asyncio queues. Every request joins the same continuous batch;
-nothing serialises generation. The deltas of one engine step reach the asyncio loop in one
-``call_soon_threadsafe`` (each such call wakes the loop through a socket write), and a stream sends
-every delta waiting in its queue as one write. A client that disconnects aborts its request, whose
-KV blocks go back to the pool at the engine's next step. Text, stop strings and logprobs are handled by the
-same code as ``LLM.generate`` (``LLM._accept`` / ``LLM._output``).
+asyncio queues. Every request joins the same continuous batch; nothing serialises generation.
+The deltas of one engine step reach the asyncio loop in one ``call_soon_threadsafe`` (each such
+call wakes the loop through a socket write), and a stream sends every delta waiting in its queue
+as one write; a request that does not stream gets its result alone. A client that disconnects
+aborts its request, whose KV blocks go back to the pool at the engine's next step. Text, stop
+strings and logprobs are handled by the same code as ``LLM.generate`` (``LLM._accept`` /
+``LLM._output``).
 
 Endpoints: ``GET /health``, ``GET /v1/models``, ``POST /v1/completions``,
 ``POST /v1/chat/completions`` (``stream`` as server-sent events ending in ``data: [DONE]``),
