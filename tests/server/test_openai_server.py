@@ -139,6 +139,24 @@ def test_disconnect_aborts_and_frees_blocks(server):
     assert llm.blocks.num_free_blocks == llm.blocks.num_blocks and not engine.sched.running
 
 
+def test_disconnect_before_the_first_token_aborts_too(server):
+    """A client that hangs up while its stream waits for a token (no write to fail yet): Starlette's
+    disconnect listener cancels the stream, and the request stops long before its 200 tokens."""
+    base, llm, engine = server
+    before = engine.generated_tokens
+    body = {"model": NAME, "prompt": "Tell me a long story about a knight.", "max_tokens": 200, "temperature": 0,
+            "stream": True, "ignore_eos": True}
+    with httpx.stream("POST", base + "/v1/completions", json=body, headers={"Authorization": f"Bearer {KEY}"},
+                      timeout=60) as r:
+        assert r.status_code == 200                              # headers only; hang up before any event
+    for _ in range(200):
+        if llm.blocks.num_free_blocks == llm.blocks.num_blocks and not engine.sched.running:
+            break
+        time.sleep(0.05)
+    assert llm.blocks.num_free_blocks == llm.blocks.num_blocks and not engine.sched.running
+    assert engine.generated_tokens - before < 200
+
+
 def test_concurrent_requests_share_the_batch(server, client):
     base, _, engine = server
     results = [None] * 4
