@@ -42,6 +42,8 @@ import torch
 
 from graphdsl.errors import GraphDSLError
 
+from .scheduler import host_ints
+
 __all__ = ["SamplingTensors", "PenaltyState", "sample", "sample_reference", "compute_logprobs",
            "compute_logprobs_reference", "TOPK_SORT_LIMIT",
            "TIES_COUNTED"]
@@ -129,7 +131,7 @@ class PenaltyState:
 
 
 def _to_device(values: list[int], device: torch.device) -> torch.Tensor:
-    t = torch.tensor(values, dtype=torch.int64)
+    t = host_ints(values, torch.int64)
     return t.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else t.to(device)
 
 

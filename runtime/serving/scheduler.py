@@ -36,6 +36,7 @@ have had alone. ``tests/core/test_scheduler.py`` checks this against one-by-one 
 """
 from __future__ import annotations
 
+import array
 import enum
 import itertools
 import random
@@ -176,6 +177,17 @@ class StepBatch:
         return out
 
 
+_ARRAY_CODES = {torch.int64: "q", torch.int32: "i"}
+
+
+def host_ints(values, dtype: torch.dtype) -> torch.Tensor:
+    """A CPU tensor of the Python ints ``values`` (``int64`` or ``int32``), made through an
+    ``array.array``: about 4x faster than ``torch.tensor(list)`` (2000 ints: 31 against 112 µs),
+    which matters on a serving loop's host path (every prefill step, every change of rows)."""
+    arr = array.array(_ARRAY_CODES[dtype], values)
+    return torch.frombuffer(arr, dtype=dtype) if arr else torch.empty(0, dtype=dtype)
+
+
 def to_device(device, fields: dict[str, tuple[list[int], torch.dtype]],
               shapes: dict[str, tuple[int, ...]] | None = None) -> dict[str, torch.Tensor]:
     """One host-to-device copy per dtype: the lists are packed into one buffer, each starting at
@@ -189,12 +201,13 @@ def to_device(device, fields: dict[str, tuple[list[int], torch.dtype]],
         if not names:
             continue
         align = 16 // torch.empty((), dtype=dt).element_size()
-        packed, offsets = [], {}
+        packed, offsets = array.array(_ARRAY_CODES[dt]), {}
         for k in names:
             offsets[k] = len(packed)
             vals = fields[k][0]
-            packed += vals + [0] * (-len(vals) % align)
-        buf = torch.tensor(packed, dtype=dt)
+            packed.extend(vals)
+            packed.extend(bytes(-len(vals) % align))     # zeros up to the next 16-byte boundary
+        buf = torch.frombuffer(packed, dtype=dt) if packed else torch.empty(0, dtype=dt)
         if device.type == "cuda":
             buf = buf.pin_memory().to(device, non_blocking=True)
         else:
