@@ -1,7 +1,7 @@
 """Serving benchmark: the OpenAI server (``graphdsl serve``'s app, in this process on uvicorn) under
 concurrent streaming clients, random weights of a real shape.
 
-    python benchmarks/serve.py --shape llama-3-8b [--clients 1 16 64 256] [--seconds 20]
+    python benchmarks/serve.py --shape llama-3-8b [--clients 1 16 64 256] [--seconds 20] [--max-num-seqs N]
 
 Each of ``C`` clients (in client processes of their own, at most 16 a process) sends streaming
 ``/v1/completions`` requests one after another, waiting an
@@ -101,7 +101,14 @@ def main(argv=None) -> int:
     ap.add_argument("--shape", default="llama-3-8b", choices=sorted(SHAPES))
     ap.add_argument("--clients", type=int, nargs="+", default=[1, 16, 64, 256])
     ap.add_argument("--seconds", type=float, default=20.0, help="sending time per concurrency level")
+    ap.add_argument("--max-num-seqs", type=int, default=None,
+                    help="the server's running-request limit (default: the largest --clients); prefill steps "
+                         "are padded to its power of two, so a larger one costs each prefill step more")
     args = ap.parse_args(argv)
+    if args.max_num_seqs is not None and args.max_num_seqs < 1:
+        ap.error(f"--max-num-seqs must be a positive integer, got {args.max_num_seqs}")
+    if min(args.clients) < 1:
+        ap.error(f"--clients must be positive integers, got {args.clients}")
     if not torch.cuda.is_available():
         print("benchmarks/serve.py needs a CUDA GPU", file=sys.stderr)
         return 1
@@ -111,7 +118,7 @@ def main(argv=None) -> int:
     from graphdsl.entrypoints.openai_server import build_app
     hf = SHAPES[args.shape]
     llm = gd.LLM.from_config(hf, device="cuda", dtype="bfloat16", seed=0, max_model_len=1536,
-                             max_num_seqs=max(args.clients), kv_cache_memory_fraction=0.8)
+                             max_num_seqs=args.max_num_seqs or max(args.clients), kv_cache_memory_fraction=0.8)
     warm = llm.warmup(stream=None)     # what `graphdsl serve` does on CUDA before it listens
     # LLM.generate's per-token time at batch 1 (prompt 511, (257 - 1 tokens) / 256), the ITL reference
     ids = [random.Random(0).randrange(hf["vocab_size"]) for _ in range(511)]
@@ -129,7 +136,7 @@ def main(argv=None) -> int:
         time.sleep(0.05)
     url = f"http://127.0.0.1:{port}/v1/completions"
     print(f"{device_line()}; {args.shape} random weights; LLM.generate {gen_ms:.3f} ms/token at batch 1; "
-          f"start-up warm-up {warm.seconds:.1f} s", flush=True)
+          f"max_num_seqs {llm.max_num_seqs}; start-up warm-up {warm.seconds:.1f} s", flush=True)
     rows = []
     for c in args.clients:
         r = _run(url, c, args.seconds, hf["vocab_size"], c)

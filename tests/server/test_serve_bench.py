@@ -2,6 +2,7 @@
 run in a process of their own, and every token they count is a first token or an inter-token gap."""
 from __future__ import annotations
 
+import re
 import socket
 import sys
 import threading
@@ -54,3 +55,12 @@ def test_clients_in_their_own_process_count_every_token(serve):
     assert len(r["ttft"]) >= 2                                  # each client finished at least one request
     assert r["tokens"] == len(r["ttft"]) + len(r["itl"]) >= 2 * 32   # 32-256 tokens a request
     assert r["tokens_s"] > 0 and all(x > 0 for x in r["itl"])
+
+
+@pytest.mark.parametrize("argv, message", [(["--max-num-seqs", "0"], "--max-num-seqs must be a positive integer, got 0"),
+                                           (["--clients", "16", "0"], r"--clients must be positive integers, got \[16, 0\]")])
+def test_bad_arguments_are_refused_by_name(serve, argv, message, capsys):
+    with pytest.raises(SystemExit) as e:
+        serve.main(argv)
+    assert e.value.code == 2
+    assert re.search(message, capsys.readouterr().err)
