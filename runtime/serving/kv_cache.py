@@ -15,6 +15,7 @@ only writes positions past the shared prefix, which live in blocks of its own.
 """
 from __future__ import annotations
 
+import array
 import math
 import numbers
 import os
@@ -152,7 +153,9 @@ class BlockManager:
         self.block_size = _positive_int("block_size", block_size)
         # a stack popped from the end: lowest ids are handed out first
         self._free: list[int] = list(range(num_blocks - 1, -1, -1))
-        self._tables: dict[Hashable, list[int]] = {}
+        # tables as int32 arrays: the serving loop copies whole tables into step inputs each time the
+        # batch changes, and an array slice is one memcpy where a list is a conversion an entry
+        self._tables: dict[Hashable, array.array] = {}
         self._lens: dict[Hashable, int] = {}
         self._refs: dict[int, int] = {}          # block -> number of sequences holding it, when > 1
 
@@ -215,7 +218,7 @@ class BlockManager:
         shared = table[:n_tokens // self.block_size]
         for b in shared:
             self._refs[b] = self._refs.get(b, 1) + 1
-        self._tables[child], self._lens[child] = list(shared), n_tokens
+        self._tables[child], self._lens[child] = array.array("i", shared), n_tokens
         return list(shared)
 
     def free(self, seq_id: Hashable) -> None:
@@ -233,6 +236,11 @@ class BlockManager:
 
     def block_table(self, seq_id: Hashable) -> list[int]:
         return list(self._table(seq_id))
+
+    def block_table_array(self, seq_id: Hashable) -> array.array:
+        """The sequence's table itself, an int32 ``array.array`` (no copy: read it, do not change
+        it; it grows in place as the sequence does)."""
+        return self._table(seq_id)
 
     def num_tokens(self, seq_id: Hashable) -> int:
         self._table(seq_id)
@@ -256,7 +264,7 @@ class BlockManager:
                 f"block_size={self.block_size}, {len(self._tables)} sequences)")
 
     # -- internals
-    def _table(self, seq_id: Hashable) -> list[int]:
+    def _table(self, seq_id: Hashable) -> array.array:
         try:
             return self._tables[seq_id]
         except KeyError:
@@ -275,7 +283,7 @@ class BlockManager:
                 f"{what} at block_size {self.block_size}, but only {len(self._free)} of "
                 f"{self.num_blocks} are free",
                 needed=n_blocks, free=len(self._free), total=self.num_blocks)
-        table = self._tables.setdefault(seq_id, [])
+        table = self._tables.setdefault(seq_id, array.array("i"))
         for _ in range(n_blocks):
             table.append(self._free.pop())
 

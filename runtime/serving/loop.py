@@ -37,7 +37,7 @@ from .outputs import Logprob
 from .sampler import PenaltyState, SamplingTensors, compute_logprobs, sample
 from .kv_cache import decode_slots
 from .prefill_pad import STANDARD_INPUTS, pad_prefill
-from .scheduler import Chunk, Request, RequestStatus, Scheduler, StepBatch, TokenEvent, to_device
+from .scheduler import Chunk, Request, RequestStatus, Scheduler, StepBatch, TokenEvent, padded_rows, to_device
 
 __all__ = ["StepExecutor", "DecodeGraph", "ServingLoop", "overlap_enabled", "prefill_buckets_enabled"]
 
@@ -304,7 +304,7 @@ class ServingLoop:
         ex = self.executor
         lora = any(r.lora is not None for r in reqs)
         blocks = self.scheduler.blocks
-        need = max(len(blocks.block_table(r.request_id)) for r in reqs)
+        need = max(len(blocks.block_table_array(r.request_id)) for r in reqs)
         graph = ex.decode_graph(n, lora=True, width=need) if lora else ex.decode_graph(n, width=need)
         width = ex.max_blocks_per_seq
         if graph is not None:
@@ -322,17 +322,17 @@ class ServingLoop:
             ids.append(req.token_ids[c.start] if c.start < req.num_known else 0)
             pos.append(c.start)
             lens.append(c.end)
-            t = blocks.block_table(req.request_id)
+            t = blocks.block_table_array(req.request_id)
             if len(t) > width:
                 raise GraphDSLError(f"serving loop: request {req.request_id!r} holds {len(t)} blocks, more than "
                                     f"the decode block table's width {width} (max_blocks_per_seq="
                                     f"{ex.max_blocks_per_seq})")
-            tables += t + [0] * (width - len(t))
+            tables.append(t)
         pad = rows_cap - n
         host = to_device(self.device, {"input_ids": (ids + [0] * pad, torch.int64),
                                        "positions": (pos + [0] * pad, torch.int64),
                                        "seq_lens": (lens + [0] * pad, torch.int32),
-                                       "block_tables": (tables + [0] * (pad * width), torch.int32)},
+                                       "block_tables": (padded_rows(tables, width, rows_cap), torch.int32)},
                          shapes={"block_tables": (rows_cap, width)})
         for k in ("input_ids", "positions", "seq_lens", "block_tables"):
             bufs[k].copy_(host[k], non_blocking=True)
@@ -358,7 +358,7 @@ class ServingLoop:
             if c.start % bs == 0:
                 r_idx.append(r)
                 c_idx.append(c.start // bs)
-                vals.append(blocks.block_table(c.request.request_id)[c.start // bs])
+                vals.append(blocks.block_table_array(c.request.request_id)[c.start // bs])
         if r_idx:
             idx = to_device(self.device, {"r": (r_idx, torch.int64), "c": (c_idx, torch.int64),
                                           "v": (vals, torch.int32)})

@@ -42,7 +42,7 @@ import torch
 
 from graphdsl.errors import GraphDSLError
 
-from .scheduler import host_ints
+from .scheduler import to_device
 
 __all__ = ["SamplingTensors", "PenaltyState", "sample", "sample_reference", "compute_logprobs",
            "compute_logprobs_reference", "TOPK_SORT_LIMIT",
@@ -81,22 +81,16 @@ class SamplingTensors:
     @classmethod
     def build(cls, rows: list[dict], device) -> "SamplingTensors":
         """``rows[i]``: temperature, top_k, top_p, min_p, presence_penalty, frequency_penalty,
-        repetition_penalty, seed, slot. Two host-to-device copies (pinned, non-blocking on CUDA)."""
+        repetition_penalty, seed, slot. One host-to-device copy (:func:`.scheduler.to_device`)."""
         device = torch.device(device)
         missing = [k for k in _FLOATS + _INTS if rows and k not in rows[0]]
         if missing:
             raise GraphDSLError(f"SamplingTensors.build: rows need the keys {missing}")
-        # one row per field, so each field is a contiguous [R] view
-        f = torch.tensor([[float(r[k]) for r in rows] for k in _FLOATS], dtype=torch.float32).reshape(6, len(rows))
-        i = torch.tensor([[int(r[k]) for r in rows] for k in _INTS], dtype=torch.int64).reshape(3, len(rows))
-        if device.type == "cuda":
-            f, i = f.pin_memory().to(device, non_blocking=True), i.pin_memory().to(device, non_blocking=True)
-        else:
-            f, i = f.to(device), i.to(device)
+        t = to_device(device, {**{k: ([r[k] for r in rows], torch.float32) for k in _FLOATS},
+                               **{k: ([r[k] for r in rows], torch.int64) for k in _INTS}})
         sampled = [r for r in rows if r["temperature"] > 0]
         topk = [int(r["top_k"]) for r in sampled if r["top_k"] > 0]
-        return cls(temperature=f[0], top_p=f[1], min_p=f[2], presence_penalty=f[3],
-                   frequency_penalty=f[4], repetition_penalty=f[5], top_k=i[0], seed=i[1], slot=i[2],
+        return cls(**t,
                    all_greedy=not sampled, any_penalty=any(r["slot"] >= 0 for r in rows),
                    max_top_k=max(topk, default=0), any_top_p=any(r["top_p"] < 1.0 for r in sampled),
                    any_min_p=any(r["min_p"] > 0 for r in sampled), any_greedy=len(sampled) < len(rows),
@@ -117,7 +111,7 @@ class PenaltyState:
         """Overwrite the slot's rows from host token lists (no host sync)."""
         if not 0 <= slot < self.counts.shape[0]:
             raise GraphDSLError(f"PenaltyState.reset: slot must be in [0, {self.counts.shape[0]}), got {slot}")
-        ids = _to_device(prompt_ids + output_ids, self.device)
+        ids = to_device(self.device, {"ids": (prompt_ids + output_ids, torch.int64)})["ids"]
         self.counts[slot].zero_()
         self.prompt_mask[slot].zero_()
         self.prompt_mask[slot].index_fill_(0, ids[:len(prompt_ids)], True)
@@ -128,11 +122,6 @@ class PenaltyState:
     def record(self, slots: torch.Tensor, tokens: torch.Tensor) -> None:
         """``counts[slots[r], tokens[r]] += 1`` for rows with ``slots[r] >= 0`` (device only)."""
         self.counts.index_put_((slots.clamp(min=0), tokens), (slots >= 0).to(torch.int32), accumulate=True)
-
-
-def _to_device(values: list[int], device: torch.device) -> torch.Tensor:
-    t = host_ints(values, torch.int64)
-    return t.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else t.to(device)
 
 
 _LOGIT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -220,6 +209,8 @@ def _sample(logits, st, counters, penalties, banned, cuda: bool, record: bool = 
     from graphdsl.runtime.kernels import sampling as K, topk_draw
     if cuda:
         extra = dict(ids=into, record=(st.slot, penalties.counts) if record else None)
+        if st.all_greedy and not use_pen:    # nothing to penalise or scale: the argmax of the logits as they are
+            return K.argmax(l, **extra)
         width = min(st.max_top_k + TIES_COUNTED, l.shape[1])
         if TOPK_DRAW and st.all_top_k and width <= topk_draw.MAX_WIDTH:
             return topk_draw.draw_top_k(l, st.temperature, st.slot, st.repetition_penalty, st.presence_penalty,

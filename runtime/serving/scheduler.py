@@ -154,15 +154,14 @@ class StepBatch:
             slots += blocks.slot_mapping(rid, c.start, c.end)
             qsl.append(qsl[-1] + c.end - c.start)
             lens.append(c.end)
-            tables.append(blocks.block_table(rid))
+            tables.append(blocks.block_table_array(rid))
             if c.samples:
                 heads.append(qsl[-1] - 1)
         width = max(len(t) for t in tables)
-        flat_tables = [b for t in tables for b in t + [0] * (width - len(t))]
-        return to_device(device, {"input_ids": (ids, torch.int64), "positions": (list(pos), torch.int64),
+        return to_device(device, {"input_ids": (ids, torch.int64), "positions": (pos, torch.int64),
                                   "slot_mapping": (slots, torch.int64), "lm_head_indices": (heads, torch.int64),
-                                  "block_tables": (flat_tables, torch.int32), "seq_lens": (lens, torch.int32),
-                                  "query_start_loc": (qsl, torch.int32)},
+                                  "block_tables": (padded_rows(tables, width), torch.int32),
+                                  "seq_lens": (lens, torch.int32), "query_start_loc": (qsl, torch.int32)},
                          shapes={"block_tables": (len(tables), width)})
 
     def pending_inputs(self) -> list[tuple[int, Request, int]]:
@@ -177,45 +176,52 @@ class StepBatch:
         return out
 
 
-_ARRAY_CODES = {torch.int64: "q", torch.int32: "i"}
+_ARRAY_CODES = {torch.int64: "q", torch.int32: "i", torch.float32: "f"}
+_ALIGN = 16          # bytes: each field of a to_device copy starts on this boundary
 
 
-def host_ints(values, dtype: torch.dtype) -> torch.Tensor:
-    """A CPU tensor of the Python ints ``values`` (``int64`` or ``int32``), made through an
-    ``array.array``: about 4x faster than ``torch.tensor(list)`` (2000 ints: 31 against 112 µs),
-    which matters on a serving loop's host path (every prefill step, every change of rows)."""
-    arr = array.array(_ARRAY_CODES[dtype], values)
-    return torch.frombuffer(arr, dtype=dtype) if arr else torch.empty(0, dtype=dtype)
+def padded_rows(rows: list[array.array], width: int, total_rows: int | None = None) -> array.array:
+    """``rows`` (block tables, int32 ``array.array`` s: :meth:`BlockManager.block_table_array`) as
+    one flat int32 array of ``total_rows`` (default ``len(rows)``) rows of ``width``, each padded
+    with 0. A row is one memcpy; the same tables as Python lists cost a conversion an entry (256
+    rows x 96 blocks: ~600 µs of an H200 host's time a step)."""
+    out = array.array("i", bytes(4 * width * (len(rows) if total_rows is None else total_rows)))
+    for r, row in enumerate(rows):
+        out[r * width:r * width + len(row)] = row
+    return out
 
 
-def to_device(device, fields: dict[str, tuple[list[int], torch.dtype]],
+def to_device(device, fields: dict[str, tuple[Sequence, torch.dtype]],
               shapes: dict[str, tuple[int, ...]] | None = None) -> dict[str, torch.Tensor]:
-    """One host-to-device copy per dtype: the lists are packed into one buffer, each starting at
-    a 16-byte boundary (kernels may assume aligned pointers), and handed out as views. On CUDA the
-    buffer is staged in pinned memory and copied without blocking the host."""
+    """One host-to-device copy for all of ``fields`` (name -> (Python numbers or an ``array.array``
+    of the dtype's type code; ``int64`` / ``int32`` / ``float32``)): each list is packed through an
+    ``array.array`` (about 4x faster than ``torch.tensor(list)``) into one buffer, starting on a
+    16-byte boundary (kernels may assume aligned pointers), and handed out as views of the device
+    copy, shaped by ``shapes``. On CUDA
+    the buffer is staged in pinned memory and copied without blocking the host. (A pinned ring
+    reused across copies instead was no faster on an H200 host: docs/serving.md, session 34.)"""
     shapes = shapes or {}
     device = torch.device(device)
+    pieces, layout, nbytes = [], [], 0
+    for name, (values, dtype) in fields.items():
+        if not (isinstance(values, array.array) and values.typecode == _ARRAY_CODES[dtype]):
+            values = array.array(_ARRAY_CODES[dtype], values)
+        data = memoryview(values).cast("B")
+        pieces.append((nbytes, data))
+        layout.append((name, nbytes, len(data), dtype))
+        nbytes += -(-len(data) // _ALIGN) * _ALIGN
+    raw = bytearray(max(nbytes, _ALIGN))
+    for off, data in pieces:
+        raw[off:off + len(data)] = data
+    buf = torch.frombuffer(raw, dtype=torch.uint8)
+    if device.type == "cuda":
+        buf = buf.pin_memory().to(device, non_blocking=True)
+    else:
+        buf = buf.to(device)
     out = {}
-    for dt in (torch.int64, torch.int32):
-        names = [k for k, (_, d) in fields.items() if d is dt]
-        if not names:
-            continue
-        align = 16 // torch.empty((), dtype=dt).element_size()
-        packed, offsets = array.array(_ARRAY_CODES[dt]), {}
-        for k in names:
-            offsets[k] = len(packed)
-            vals = fields[k][0]
-            packed.extend(vals)
-            packed.extend(bytes(-len(vals) % align))     # zeros up to the next 16-byte boundary
-        buf = torch.frombuffer(packed, dtype=dt) if packed else torch.empty(0, dtype=dt)
-        if device.type == "cuda":
-            buf = buf.pin_memory().to(device, non_blocking=True)
-        else:
-            buf = buf.to(device)
-        for k in names:
-            n = len(fields[k][0])
-            view = buf[offsets[k]:offsets[k] + n]
-            out[k] = view.view(shapes[k]) if k in shapes else view
+    for name, off, size, dtype in layout:
+        view = buf[off:off + size].view(dtype)
+        out[name] = view.view(shapes[name]) if name in shapes else view
     return out
 
 

@@ -261,3 +261,27 @@ def test_sampler_records_and_writes_inputs_like_the_reference():
     assert all(torch.equal(a, b) for a, b in zip(out[True], out[False]))
     assert out[True][0].tolist() == out[True][1].tolist()
     assert int(out[True][2].sum()) == 2 + R                       # the reset's two tokens, one per row
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_an_all_greedy_batch_is_one_argmax_launch(dtype, monkeypatch):
+    """Greedy rows without penalties need no penalty/temperature pass: the kernel path takes the
+    argmax of the logits as given (one launch, not two), the tokens the reference draws, a ban
+    respected and ``into`` (the next decode inputs) filled."""
+    from graphdsl.runtime.kernels import sampling as K
+
+    def no_pass(*a, **k):
+        raise AssertionError("an all-greedy batch without penalties launched the penalty pass")
+    g = torch.Generator().manual_seed(3)
+    R, V = 5, 3001
+    logits = (torch.randn(R, V, generator=g) * 3).to(DEV, dtype)
+    st = SamplingTensors.build(_rows(R, temperature=0.0), DEV)
+    ctr = torch.arange(R, dtype=torch.int64, device=DEV)
+    top = int(logits[0].float().argmax())
+    banned = torch.tensor([[top], [-1], [-1], [-1], [-1]], dtype=torch.int64, device=DEV)
+    into = torch.full((R,), -1, dtype=torch.int64, device=DEV)
+    ref = sample_reference(logits.float(), st, ctr, banned=banned)
+    monkeypatch.setattr(K, "penalize", no_pass)
+    got = _sample(logits.clone(), st, ctr, None, banned, True, into=into)
+    assert torch.equal(got.cpu(), ref.cpu()) and torch.equal(into.cpu(), got.cpu())
+    assert int(got[0]) != top
