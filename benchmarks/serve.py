@@ -2,6 +2,7 @@
 concurrent streaming clients, random weights of a real shape.
 
     python benchmarks/serve.py --shape llama-3-8b [--clients 1 16 64 256] [--seconds 20] [--max-num-seqs N]
+                               [--api-processes N]
 
 Each of ``C`` clients (in client processes of their own, at most 16 a process) sends streaming
 ``/v1/completions`` requests one after another, waiting an
@@ -101,12 +102,17 @@ def main(argv=None) -> int:
     ap.add_argument("--shape", default="llama-3-8b", choices=sorted(SHAPES))
     ap.add_argument("--clients", type=int, nargs="+", default=[1, 16, 64, 256])
     ap.add_argument("--seconds", type=float, default=20.0, help="sending time per concurrency level")
+    ap.add_argument("--api-processes", type=int, default=0,
+                    help="serve HTTP from this many processes of its own, as `graphdsl serve --api-processes` "
+                         "(default 0: a uvicorn thread in the engine's process)")
     ap.add_argument("--max-num-seqs", type=int, default=None,
                     help="the server's running-request limit (default: the largest --clients); prefill steps "
                          "are padded to its power of two, so a larger one costs each prefill step more")
     args = ap.parse_args(argv)
     if args.max_num_seqs is not None and args.max_num_seqs < 1:
         ap.error(f"--max-num-seqs must be a positive integer, got {args.max_num_seqs}")
+    if args.api_processes < 0:
+        ap.error(f"--api-processes must be 0 or a positive integer, got {args.api_processes}")
     if min(args.clients) < 1:
         ap.error(f"--clients must be positive integers, got {args.clients}")
     if not torch.cuda.is_available():
@@ -126,17 +132,23 @@ def main(argv=None) -> int:
     for n in (1, 257, 1, 257):
         times[n] = generate_s(llm, ids, n)
     gen_ms = (times[257] - times[1]) / 256 * 1e3
-    app = build_app(llm, served_model_name="bench")
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
-    threading.Thread(target=server.run, daemon=True).start()
-    while not server.started:
-        time.sleep(0.05)
+    sock = socket.socket()
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind(("127.0.0.1", 0))
+    port = sock.getsockname()[1]
+    if args.api_processes:
+        from graphdsl.entrypoints.api_processes import start_api_processes
+        server = start_api_processes(llm, args.api_processes, sock, served_model_name="bench")
+        server.wait_ready()
+    else:
+        server = uvicorn.Server(uvicorn.Config(build_app(llm, served_model_name="bench"), log_level="warning"))
+        threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True).start()
+        while not server.started:
+            time.sleep(0.05)
     url = f"http://127.0.0.1:{port}/v1/completions"
+    http = f"{args.api_processes} API processes" if args.api_processes else "HTTP in the engine's process"
     print(f"{device_line()}; {args.shape} random weights; LLM.generate {gen_ms:.3f} ms/token at batch 1; "
-          f"max_num_seqs {llm.max_num_seqs}; start-up warm-up {warm.seconds:.1f} s", flush=True)
+          f"max_num_seqs {llm.max_num_seqs}; {http}; start-up warm-up {warm.seconds:.1f} s", flush=True)
     rows = []
     for c in args.clients:
         r = _run(url, c, args.seconds, hf["vocab_size"], c)
@@ -152,8 +164,12 @@ def main(argv=None) -> int:
     print("\n".join(rows))
     print(warm)
     print(json.dumps({"generate_ms_per_token": gen_ms, "warmup_s": warm.seconds}))
-    server.should_exit = True
+    if args.api_processes:
+        server.close()
+    else:
+        server.should_exit = True
     return 0
+
 
 
 if __name__ == "__main__":

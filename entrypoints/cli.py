@@ -500,9 +500,13 @@ def _serve(args) -> int:
         print("warming up (--no-warmup skips this) ...", file=sys.stderr, flush=True)
         print(f"warmed up in {llm.warmup().seconds:.1f}s", file=sys.stderr, flush=True)
     name = args.served_model_name or os.path.basename(os.path.normpath(args.model))
-    app = build_app(llm, served_model_name=name, api_key=args.api_key)
     host = f"[{args.host}]" if ":" in args.host else args.host
     print(f"serving {name!r} on http://{host}:{args.port}/v1 ({llm})", file=sys.stderr, flush=True)
+    if args.api_processes:
+        from graphdsl.entrypoints.api_processes import start_api_processes
+        start_api_processes(llm, args.api_processes, sock, served_model_name=name, api_key=args.api_key).wait()
+        return 0
+    app = build_app(llm, served_model_name=name, api_key=args.api_key)
     uvicorn.Server(uvicorn.Config(app, host=args.host, port=args.port, log_level="warning")).run(sockets=[sock])
     return 0
 
@@ -732,6 +736,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--warmup", action=argparse.BooleanOptionalAction, default=None,
                    help="before serving, run each decode batch bucket and the largest prefill step once, so the "
                         "first requests do not pay Triton compiles and CUDA-graph captures (default: on CUDA)")
+    p.add_argument("--api-processes", type=_positive_int, default=None, metavar="N",
+                   help="run the HTTP side (parsing, tokenizing, streaming) in N processes of its own, the engine "
+                        "in this one, so the two do not take turns on one interpreter lock (default: one process)")
 
     p = _command(sub, "cache", _cache, help="list or clear the on-disk engine cache",
                  description="List the cached engine builds (key, size, date, network name) or delete them. "

@@ -9,7 +9,9 @@ call wakes the loop through a socket write), and a stream sends every delta wait
 as one write; a request that does not stream gets its result alone. A client that disconnects
 aborts its request, whose KV blocks go back to the pool at the engine's next step. Text, stop
 strings and logprobs are handled by the same code as ``LLM.generate`` (``LLM._accept`` /
-``LLM._output``).
+``LLM._output``). With ``graphdsl serve --api-processes N`` the same app runs in N processes of its
+own over a client of the engine thread (:mod:`.api_processes`); the handlers use only what both
+give (:func:`make_app`).
 
 Endpoints: ``GET /health``, ``GET /v1/models``, ``POST /v1/completions``,
 ``POST /v1/chat/completions`` (``stream`` as server-sent events ending in ``data: [DONE]``),
@@ -43,7 +45,7 @@ from graphdsl.runtime.serving.loop import ServingLoop
 from graphdsl.runtime.serving.sampling import SamplingParams
 from graphdsl.runtime.serving.scheduler import RequestStatus
 
-__all__ = ["AsyncEngine", "build_app", "ApiError"]
+__all__ = ["AsyncEngine", "build_app", "make_app", "ApiError"]
 
 _TTFT_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
 _ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0)
@@ -64,16 +66,41 @@ class ApiError(Exception):
 # -- the engine thread -------------------------------------------------------------------------
 @dataclass(eq=False)
 class _Tracked:
-    """A request the engine thread is running: its prompt group and where its deltas go."""
+    """A request the engine thread is running: its prompt group and where its deltas go (``sink``:
+    an asyncio loop of this process, or the pipe to an API process, :mod:`.api_processes`)."""
 
     group: Any                     # entrypoints.llm._Prompt
-    out: asyncio.Queue
-    aloop: asyncio.AbstractEventLoop
+    out: asyncio.Queue | None      # the handler's queue (None: the request of an API process)
+    sink: Any                      # has deliver([(tracked, item), ...]), called from the engine thread
     stream: bool = True            # deltas wanted (False: only the result, as one response)
+    rid: int | None = None         # the API process's number for the request
     sent: dict = field(default_factory=dict)     # sample index -> characters of text sent
     finished: set = field(default_factory=set)   # indexes of the samples whose last event was handled
     start: float = field(default_factory=time.monotonic)
     last: float | None = None
+
+    @property
+    def params(self) -> SamplingParams:
+        return self.group.params
+
+    @property
+    def lora(self) -> str | None:
+        return self.group.lora
+
+    @property
+    def request_id(self) -> str:
+        return self.group.request_id
+
+
+class _LoopSink:
+    """Hands items to the handlers' queues on an asyncio loop of this process: one
+    ``call_soon_threadsafe`` a batch (each wakes the loop through a socket write)."""
+
+    def __init__(self, aloop):
+        self.aloop = aloop
+
+    def deliver(self, items: list) -> None:
+        self.aloop.call_soon_threadsafe(_put_all, [(t.out, item) for t, item in items])
 
 
 class _Histogram:
@@ -111,17 +138,49 @@ class AsyncEngine:
         self.ttft, self.itl = _Histogram(_TTFT_BUCKETS), _Histogram(_ITL_BUCKETS)
         self.max_running_seen = 0
         self.error: BaseException | None = None
-        self._outbox: list[tuple[_Tracked, tuple]] = []   # items for the asyncio side, sent by _flush
+        self._outbox: list[tuple[_Tracked, tuple]] = []   # items for the handlers, sent by _flush
+        self._sinks: dict[Any, _LoopSink] = {}             # asyncio loop -> its sink
+        self.on_stop: list = []            # fn(message) called when the engine stops (API processes' bridges)
         self._thread = threading.Thread(target=self._run, name="graphdsl-engine", daemon=True)
         self._thread.start()
 
     # called from the asyncio side
     def submit(self, group, aloop: asyncio.AbstractEventLoop, stream: bool = True) -> _Tracked:
-        t = _Tracked(group, asyncio.Queue(), aloop, stream)
+        sink = self._sinks.get(aloop)
+        if sink is None:
+            sink = self._sinks[aloop] = _LoopSink(aloop)
+        return self.submit_tracked(_Tracked(group, asyncio.Queue(), sink, stream))
+
+    def submit_tracked(self, t: _Tracked) -> _Tracked:
+        """Hand ``t`` to the engine thread (any thread may call this)."""
         self._commands.put(("add", t))
         if self.error is not None:          # the engine stopped meanwhile: nobody will take the command
-            t.out.put_nowait(("error", self.error_message))
+            t.sink.deliver([(t, ("error", self.error_message))])
         return t
+
+    async def open(self, ids: list[int], text: str | None, params: SamplingParams, lora: str | None,
+                   stream: bool) -> _Tracked:
+        """Start a request of prompt ``ids`` from a handler on the running loop; a prompt or a
+        setting the model refuses raises :class:`GraphDSLError` (nothing started)."""
+        group = self.llm._make_prompts([ids], params, False)[0]
+        group.prompt, group.lora = text, lora
+        return self.submit(group, asyncio.get_running_loop(), stream=stream)
+
+    def metrics_lines(self) -> list[str]:
+        """``/metrics``' Prometheus text, a line an item."""
+        st = self.stats()
+        lines = ["# TYPE graphdsl_requests_running gauge", f"graphdsl_requests_running {st['running']}",
+                 "# TYPE graphdsl_requests_waiting gauge", f"graphdsl_requests_waiting {st['waiting']}",
+                 "# TYPE graphdsl_kv_cache_usage_ratio gauge", f"graphdsl_kv_cache_usage_ratio {st['kv_usage']:.4f}",
+                 "# TYPE graphdsl_generated_tokens_total counter",
+                 f"graphdsl_generated_tokens_total {self.generated_tokens}",
+                 "# TYPE graphdsl_requests_finished_total counter",
+                 f"graphdsl_requests_finished_total {self.finished_requests}"]
+        return lines + self.ttft.lines("graphdsl_time_to_first_token_seconds") + \
+            self.itl.lines("graphdsl_inter_token_latency_seconds")
+
+    async def metrics(self) -> list[str]:
+        return self.metrics_lines()
 
     def abort(self, tracked: _Tracked) -> None:
         self._commands.put(("abort", tracked))
@@ -165,6 +224,8 @@ class AsyncEngine:
         print(f"graphdsl serve: the engine thread stopped on {type(e).__name__}: {e}; every request fails with "
               "500 and /health answers 500 from now on (restart the server)", file=sys.stderr, flush=True)
         traceback.print_exception(e, file=sys.stderr)
+        for fn in self.on_stop:
+            fn(self.error_message)
         held = {id(t): t for t, _ in self._by_req.values()}
         while True:
             try:
@@ -186,16 +247,16 @@ class AsyncEngine:
         self._outbox.append((t, item))
 
     def _flush(self) -> None:
-        """Hand the queued items to their asyncio loops, in order: one ``call_soon_threadsafe`` a
-        loop (a socket write that wakes it), not one an item."""
+        """Hand the queued items to their sinks, in order: one hand-over a sink (an asyncio loop's
+        wake-up, or one message to an API process), not one an item."""
         if not self._outbox:
             return
         items, self._outbox = self._outbox, []
-        by_loop: dict[Any, list] = {}
+        by_sink: dict[Any, list] = {}
         for t, item in items:
-            by_loop.setdefault(t.aloop, []).append((t.out, item))
-        for aloop, batch in by_loop.items():
-            aloop.call_soon_threadsafe(_put_all, batch)
+            by_sink.setdefault(t.sink, []).append((t, item))
+        for sink, batch in by_sink.items():
+            sink.deliver(batch)
 
     def _do(self, cmd) -> None:
         kind, t = cmd
@@ -453,13 +514,21 @@ def _usage(result) -> dict:
 
 # -- the app -------------------------------------------------------------------------------------
 def build_app(llm, *, served_model_name: str, api_key: str | None = None):
-    """The FastAPI application serving ``llm`` under ``served_model_name``."""
+    """The FastAPI application serving ``llm`` under ``served_model_name``, its engine thread in
+    this process (``app.state.engine``)."""
+    return make_app(llm, AsyncEngine(llm), served_model_name=served_model_name, api_key=api_key)
+
+
+def make_app(llm, engine, *, served_model_name: str, api_key: str | None = None):
+    """The FastAPI application over ``engine``: an :class:`AsyncEngine` in this process, or an API
+    process's client of one (:class:`~graphdsl.entrypoints.api_processes.RemoteEngine`). ``llm``
+    answers what the handlers ask of the model before a request starts: ``tokenizer``,
+    ``max_model_len`` and ``list_loras()`` (an ``LLM``, or an API process's snapshot of them)."""
     from fastapi import FastAPI, Request
     from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
     from starlette.exceptions import HTTPException
 
     app = FastAPI(title="graphdsl", docs_url=None, redoc_url=None)
-    engine = AsyncEngine(llm)
     app.state.engine = engine
     created = int(time.time())
 
@@ -524,16 +593,7 @@ def build_app(llm, *, served_model_name: str, api_key: str | None = None):
 
     @app.get("/metrics")
     async def metrics():
-        st = engine.stats()
-        lines = ["# TYPE graphdsl_requests_running gauge", f"graphdsl_requests_running {st['running']}",
-                 "# TYPE graphdsl_requests_waiting gauge", f"graphdsl_requests_waiting {st['waiting']}",
-                 "# TYPE graphdsl_kv_cache_usage_ratio gauge", f"graphdsl_kv_cache_usage_ratio {st['kv_usage']:.4f}",
-                 "# TYPE graphdsl_generated_tokens_total counter",
-                 f"graphdsl_generated_tokens_total {engine.generated_tokens}",
-                 "# TYPE graphdsl_requests_finished_total counter",
-                 f"graphdsl_requests_finished_total {engine.finished_requests}"]
-        lines += engine.ttft.lines("graphdsl_time_to_first_token_seconds")
-        lines += engine.itl.lines("graphdsl_inter_token_latency_seconds")
+        lines = await engine.metrics()
         return PlainTextResponse("\n".join(lines) + "\n", media_type="text/plain; version=0.0.4")
 
     def _prompt_ids(body: dict, chat: bool) -> tuple[list[int], str | None]:
@@ -565,17 +625,15 @@ def build_app(llm, *, served_model_name: str, api_key: str | None = None):
         lora = _model(body)
         ids, text = _prompt_ids(body, chat)
         params = _sampling(body, chat=chat, prompt_len=len(ids), max_model_len=llm.max_model_len)
-        try:
-            group = llm._make_prompts([ids], params, False)[0]
-        except GraphDSLError as e:
-            raise ApiError(400, str(e), "messages" if chat else "prompt") from None
-        _check_room(body, chat, len(ids), params, llm.max_model_len)
-        group.prompt = text
-        group.lora = lora
+        if len(ids) < llm.max_model_len:     # a prompt the context cannot hold is refused as such by open()
+            _check_room(body, chat, len(ids), params, llm.max_model_len)
         if engine.error is not None:
             raise ApiError(500, engine.error_message, kind="server_error")
-        rid = f"{'chatcmpl' if chat else 'cmpl'}-{group.request_id}"
-        tracked = engine.submit(group, asyncio.get_running_loop(), stream=bool(body.get("stream")))
+        try:
+            tracked = await engine.open(ids, text, params, lora, bool(body.get("stream")))
+        except GraphDSLError as e:
+            raise ApiError(400, str(e), "messages" if chat else "prompt") from None
+        rid = f"{'chatcmpl' if chat else 'cmpl'}-{tracked.request_id}"
         budget = _max_tokens_field(body, chat)
         if body.get("stream"):
             usage = bool((body.get("stream_options") or {}).get("include_usage"))
@@ -615,13 +673,13 @@ def build_app(llm, *, served_model_name: str, api_key: str | None = None):
         for the disconnect beside the response) or fails its next write, which closes it; either
         way the request is aborted. (No timeout on the wait: ``asyncio.wait_for`` costs ~9 µs a
         token, a sixth of the stream's own time.)"""
-        top = tracked.group.params.logprobs
+        top = tracked.params.logprobs
         first = set()
         offsets: dict[int, int] = {}          # sample index -> text_offset of its next token
         out = tracked.out
         # every chunk shares id, object, created and model; only choices (and usage) differ
         head = json.dumps({"id": rid, "object": "chat.completion.chunk" if chat else "text_completion",
-                           "created": int(time.time()), "model": tracked.group.lora or served_model_name})[:-1]
+                           "created": int(time.time()), "model": tracked.lora or served_model_name})[:-1]
 
         def chunk(choices, usage=None) -> str:
             tail = f', "usage": {json.dumps(usage)}' if include_usage else ""

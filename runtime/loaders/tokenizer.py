@@ -102,6 +102,11 @@ class Tokenizer:
         self.source = source
         self._template = None
 
+    def __getstate__(self) -> dict:
+        """Pickled without the compiled chat template (made again on first use): ``graphdsl serve
+        --api-processes`` sends the tokenizer to its API processes."""
+        return {**self.__dict__, "_template": None}
+
     # ------------------------------------------------------------------ construction
     @classmethod
     def from_pretrained(cls, model_dir: str | os.PathLike) -> "Tokenizer":

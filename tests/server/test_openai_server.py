@@ -14,33 +14,41 @@ uvicorn = pytest.importorskip("uvicorn")
 httpx = pytest.importorskip("httpx")
 
 import graphdsl as gd  # noqa: E402
+from graphdsl.entrypoints.api_processes import start_api_processes  # noqa: E402
 from graphdsl.entrypoints.openai_server import build_app  # noqa: E402
-from tests.server.smollm2 import smollm2_llm  # noqa: E402
+from tests.server.smollm2 import smollm2_llm, wait_healthy  # noqa: E402
 
 NAME = "smollm2"
 KEY = "sekret"
 
 
-@pytest.fixture(scope="module")
-def server():
+@pytest.fixture(scope="module", params=["one process", "api process"])
+def server(request):
+    """The server on SmolLM2, its HTTP side in this process (a uvicorn thread) or in an API process
+    of its own (``--api-processes 1``); the engine thread runs here either way."""
     llm = smollm2_llm()
-    app = build_app(llm, served_model_name=NAME, api_key=KEY)
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    srv = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
-    th = threading.Thread(target=srv.run, daemon=True)
-    th.start()
+    sock = socket.socket()
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind(("127.0.0.1", 0))
+    port = sock.getsockname()[1]
+    if request.param == "one process":
+        app = build_app(llm, served_model_name=NAME, api_key=KEY)
+        engine = app.state.engine
+        srv = uvicorn.Server(uvicorn.Config(app, log_level="warning"))
+        th = threading.Thread(target=srv.run, kwargs={"sockets": [sock]}, daemon=True)
+        th.start()
+    else:
+        procs = start_api_processes(llm, 1, sock, served_model_name=NAME, api_key=KEY)
+        engine = procs.engine
     base = f"http://127.0.0.1:{port}"
-    for _ in range(200):
-        try:
-            if httpx.get(f"{base}/health").status_code == 200:
-                break
-        except httpx.TransportError:
-            time.sleep(0.05)
-    yield base, llm, app.state.engine
-    srv.should_exit = True
-    th.join(timeout=10)
+    wait_healthy(base)
+    yield base, llm, engine
+    if request.param == "one process":
+        srv.should_exit = True
+        th.join(timeout=10)
+    else:
+        procs.close()
+    sock.close()
 
 
 @pytest.fixture(scope="module")

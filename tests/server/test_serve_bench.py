@@ -58,7 +58,9 @@ def test_clients_in_their_own_process_count_every_token(serve):
 
 
 @pytest.mark.parametrize("argv, message", [(["--max-num-seqs", "0"], "--max-num-seqs must be a positive integer, got 0"),
-                                           (["--clients", "16", "0"], r"--clients must be positive integers, got \[16, 0\]")])
+                                           (["--clients", "16", "0"], r"--clients must be positive integers, got \[16, 0\]"),
+                                           (["--api-processes", "-1"],
+                                            "--api-processes must be 0 or a positive integer, got -1")])
 def test_bad_arguments_are_refused_by_name(serve, argv, message, capsys):
     with pytest.raises(SystemExit) as e:
         serve.main(argv)

@@ -92,3 +92,55 @@ def test_warmup_runs_before_serving_when_asked(gguf, capsys, monkeypatch, flag, 
     assert ("warmed up in" in err) == warms
     if warms:
         assert err.index("warmed up in") < err.index("serving ")
+
+
+@pytest.mark.parametrize("value", ["0", "-2", "two"])
+def test_bad_api_processes_is_named_before_the_model_loads(gguf, value, capsys, monkeypatch):
+    _no_weights(monkeypatch)
+    assert _run(["serve", gguf, "--api-processes", value]) == 2
+    err = capsys.readouterr().err
+    assert "argument --api-processes: expected an integer >= 1" in err and "Traceback" not in err, err
+
+
+def test_api_processes_serve_the_model(gguf, capsys, monkeypatch):
+    """``--api-processes 2``: two HTTP processes on the one socket, the engine in this process; a
+    completion through them is the one ``LLM.generate`` gives, and closing them ends ``serve``."""
+    import os
+    import threading
+
+    import httpx
+
+    from tests.server.smollm2 import wait_healthy
+
+    import graphdsl as gd
+    import graphdsl.entrypoints.api_processes as AP
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    started = {}
+    real = AP.start_api_processes
+
+    def spy(*a, **k):
+        started["procs"] = real(*a, **k)
+        return started["procs"]
+    monkeypatch.setattr(AP, "start_api_processes", spy)
+    result = {}
+    th = threading.Thread(target=lambda: result.setdefault("rc", _run(
+        ["serve", gguf, "--device", "cpu", "--port", str(port), "--max-model-len", "64", "--api-processes", "2"])))
+    th.start()
+    base = f"http://127.0.0.1:{port}"
+    try:
+        wait_healthy(base)
+        body = {"model": os.path.basename(gguf), "prompt": [1, 2, 3], "max_tokens": 5, "temperature": 0}
+        outs = [httpx.post(f"{base}/v1/completions", json=body, timeout=60) for _ in range(4)]
+        assert [o.status_code for o in outs] == [200] * 4, [o.text for o in outs]
+        want = gd.LLM(gguf, device="cpu", max_model_len=64).generate(
+            [[1, 2, 3]], gd.SamplingParams(max_tokens=5, temperature=0))[0].outputs[0].text
+        assert {o.json()["choices"][0]["text"] for o in outs} == {want}
+        assert len(started["procs"].processes) == 2
+    finally:
+        if "procs" in started:
+            started["procs"].close()
+        th.join(timeout=30)
+    assert result.get("rc") == 0
+    assert "2 API processes started" in capsys.readouterr().err
