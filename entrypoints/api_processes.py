@@ -26,6 +26,8 @@ from __future__ import annotations
 import asyncio
 import itertools
 import multiprocessing
+import os
+import signal
 import sys
 import threading
 from dataclasses import dataclass
@@ -148,7 +150,10 @@ class RemoteEngine:
             try:
                 message = self.conn.recv()
             except (EOFError, OSError):
+                # the engine's process is gone: fail what is waiting, then stop serving (uvicorn's
+                # graceful shutdown on SIGTERM) rather than answer 500 for ever
                 self._aloop.call_soon_threadsafe(self._dispatch, ("fatal", "the engine process is gone"))
+                os.kill(os.getpid(), signal.SIGTERM)
                 return
             self._aloop.call_soon_threadsafe(self._dispatch, message)
 
@@ -264,11 +269,15 @@ class ApiProcesses:
             self.close()
 
     def close(self) -> None:
+        """End the API processes: SIGTERM (uvicorn's graceful shutdown), SIGKILL after 10 s."""
         for p in self.processes:
             if p.is_alive():
                 p.terminate()
         for p in self.processes:
             p.join(timeout=10)
+            if p.is_alive():
+                p.kill()
+                p.join()
 
 
 def start_api_processes(llm, count: int, sock, *, served_model_name: str,

@@ -81,3 +81,29 @@ def test_refused_prompt_failing_engine_and_lost_api_process(llm, capsys):
         procs.close()
         sock.close()
     assert "the engine thread stopped on RuntimeError: boom in step" in capsys.readouterr().err
+
+
+def test_an_api_process_whose_engine_is_gone_fails_what_waits_and_stops(monkeypatch):
+    """The engine's end of the pipe closes (its process died): a waiting request gets the error, and
+    the API process asks itself to stop (SIGTERM: uvicorn's graceful shutdown)."""
+    import asyncio
+    import multiprocessing
+    import os
+    import signal
+
+    from graphdsl.entrypoints import api_processes as AP
+    killed = []
+    monkeypatch.setattr(AP.os, "kill", lambda pid, sig: killed.append((pid, sig)))
+    engine_end, api_end = multiprocessing.Pipe()
+
+    async def run():
+        remote = AP.RemoteEngine(api_end)
+        task = asyncio.ensure_future(remote.open([1, 2, 3], None, None, None, True))
+        await asyncio.sleep(0.1)
+        assert engine_end.recv()[0] == "add"              # the request reached the pipe
+        engine_end.close()
+        tracked = await asyncio.wait_for(task, 10)
+        return remote, await asyncio.wait_for(tracked.out.get(), 10)
+    remote, item = asyncio.run(run())
+    assert item == ("error", "the engine process is gone") and remote.error == "the engine process is gone"
+    assert killed == [(os.getpid(), signal.SIGTERM)]
