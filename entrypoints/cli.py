@@ -501,11 +501,18 @@ def _serve(args) -> int:
         print(f"warmed up in {llm.warmup().seconds:.1f}s", file=sys.stderr, flush=True)
     name = args.served_model_name or os.path.basename(os.path.normpath(args.model))
     host = f"[{args.host}]" if ":" in args.host else args.host
-    print(f"serving {name!r} on http://{host}:{args.port}/v1 ({llm})", file=sys.stderr, flush=True)
     if args.api_processes:
         from graphdsl.entrypoints.api_processes import start_api_processes
-        start_api_processes(llm, args.api_processes, sock, served_model_name=name, api_key=args.api_key).wait()
+        procs = start_api_processes(llm, args.api_processes, sock, served_model_name=name, api_key=args.api_key)
+        try:
+            procs.wait_ready()          # announced once a process listens (each imports torch first: seconds)
+        except BaseException:
+            procs.close()
+            raise
+        print(f"serving {name!r} on http://{host}:{args.port}/v1 ({llm})", file=sys.stderr, flush=True)
+        procs.wait()
         return 0
+    print(f"serving {name!r} on http://{host}:{args.port}/v1 ({llm})", file=sys.stderr, flush=True)
     app = build_app(llm, served_model_name=name, api_key=args.api_key)
     uvicorn.Server(uvicorn.Config(app, host=args.host, port=args.port, log_level="warning")).run(sockets=[sock])
     return 0

@@ -143,4 +143,5 @@ def test_api_processes_serve_the_model(gguf, capsys, monkeypatch):
             started["procs"].close()
         th.join(timeout=30)
     assert result.get("rc") == 0
-    assert "2 API processes started" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert "2 API processes started" in err and err.index("API processes started") < err.index("serving ")
