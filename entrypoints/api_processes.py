@@ -17,7 +17,7 @@ item), ...])`` (one message an engine step and API process: ``("ok", request_id)
 ``("refused", message)`` answer an add, then the request's deltas, result or error, as the handlers
 of one process get them), ``("reply", qid, value)`` and ``("fatal", message)`` when the engine
 stops. A request's prompt is checked by the model's own rules on the engine side
-(``LLM._make_prompts``) before the handler answers, so a refused prompt is still a 400. An API
+(``AsyncEngine.make_group``) before the handler answers, so a refused prompt is still a 400. An API
 process that goes away has its requests aborted; an engine that stops fails every request and makes
 ``/health`` answer 500, as in one process.
 """
@@ -81,11 +81,10 @@ def _bridge(engine: AsyncEngine, conn) -> None:
         if kind == "add":
             _, rid, ids, text, params, lora, stream = message
             try:
-                group = engine.llm._make_prompts([ids], params, False)[0]
+                group = engine.make_group(ids, text, params, lora)
             except GraphDSLError as e:
                 sink.send(("items", [(rid, ("refused", str(e)))]))
                 continue
-            group.prompt, group.lora = text, lora
             t = _Tracked(group, None, sink, stream, rid=rid)
             sink.live[rid] = t
             sink.send(("items", [(rid, ("ok", group.request_id))]))     # before any item of the request

@@ -158,13 +158,18 @@ class AsyncEngine:
             t.sink.deliver([(t, ("error", self.error_message))])
         return t
 
-    async def open(self, ids: list[int], text: str | None, params: SamplingParams, lora: str | None,
-                   stream: bool) -> _Tracked:
-        """Start a request of prompt ``ids`` from a handler on the running loop; a prompt or a
-        setting the model refuses raises :class:`GraphDSLError` (nothing started)."""
+    def make_group(self, ids: list[int], text: str | None, params: SamplingParams, lora: str | None):
+        """The prompt group of a request (any thread); a prompt or a setting the model refuses
+        raises :class:`GraphDSLError`, as ``LLM.generate`` would."""
         group = self.llm._make_prompts([ids], params, False)[0]
         group.prompt, group.lora = text, lora
-        return self.submit(group, asyncio.get_running_loop(), stream=stream)
+        return group
+
+    async def open(self, ids: list[int], text: str | None, params: SamplingParams, lora: str | None,
+                   stream: bool) -> _Tracked:
+        """Start a request of prompt ``ids`` from a handler on the running loop (nothing is started
+        when :meth:`make_group` refuses it)."""
+        return self.submit(self.make_group(ids, text, params, lora), asyncio.get_running_loop(), stream=stream)
 
     def metrics_lines(self) -> list[str]:
         """``/metrics``' Prometheus text, a line an item."""

@@ -197,21 +197,20 @@ def to_device(device, fields: dict[str, tuple[Sequence, torch.dtype]],
     of the dtype's type code; ``int64`` / ``int32`` / ``float32``)): each list is packed through an
     ``array.array`` (about 4x faster than ``torch.tensor(list)``) into one buffer, starting on a
     16-byte boundary (kernels may assume aligned pointers), and handed out as views of the device
-    copy, shaped by ``shapes``. On CUDA
-    the buffer is staged in pinned memory and copied without blocking the host. (A pinned ring
-    reused across copies instead was no faster on an H200 host: docs/serving.md, session 34.)"""
+    copy, shaped by ``shapes``. On CUDA the buffer is staged in pinned memory and copied without
+    blocking the host. (A pinned ring reused across copies was no faster on an H200 host:
+    docs/serving.md, session 34.)"""
     shapes = shapes or {}
     device = torch.device(device)
-    pieces, layout, nbytes = [], [], 0
+    layout, nbytes = [], 0                  # (name, byte offset, bytes, dtype)
     for name, (values, dtype) in fields.items():
         if not (isinstance(values, array.array) and values.typecode == _ARRAY_CODES[dtype]):
             values = array.array(_ARRAY_CODES[dtype], values)
         data = memoryview(values).cast("B")
-        pieces.append((nbytes, data))
-        layout.append((name, nbytes, len(data), dtype))
+        layout.append((name, nbytes, data, dtype))
         nbytes += -(-len(data) // _ALIGN) * _ALIGN
     raw = bytearray(max(nbytes, _ALIGN))
-    for off, data in pieces:
+    for _, off, data, _ in layout:
         raw[off:off + len(data)] = data
     buf = torch.frombuffer(raw, dtype=torch.uint8)
     if device.type == "cuda":
@@ -219,8 +218,8 @@ def to_device(device, fields: dict[str, tuple[Sequence, torch.dtype]],
     else:
         buf = buf.to(device)
     out = {}
-    for name, off, size, dtype in layout:
-        view = buf[off:off + size].view(dtype)
+    for name, off, data, dtype in layout:
+        view = buf[off:off + len(data)].view(dtype)
         out[name] = view.view(shapes[name]) if name in shapes else view
     return out
 

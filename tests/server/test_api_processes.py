@@ -107,3 +107,24 @@ def test_an_api_process_whose_engine_is_gone_fails_what_waits_and_stops(monkeypa
     remote, item = asyncio.run(run())
     assert item == ("error", "the engine process is gone") and remote.error == "the engine process is gone"
     assert killed == [(os.getpid(), signal.SIGTERM)]
+
+
+def test_start_and_wait_ready_refuse_by_name(llm):
+    from graphdsl.entrypoints.api_processes import ApiProcesses
+    from graphdsl.errors import GraphDSLError
+    with pytest.raises(GraphDSLError, match=r"start_api_processes: count must be a positive integer, got 0"):
+        start_api_processes(llm, 0, None, served_model_name=NAME)
+
+    class _Proc:
+        def __init__(self, alive, exitcode=None):
+            self.alive, self.exitcode = alive, exitcode
+
+        def is_alive(self):
+            return self.alive
+    with socket.socket() as s:                  # bound, never listening: nothing accepts
+        s.bind(("127.0.0.1", 0))
+        addr = s.getsockname()
+        with pytest.raises(GraphDSLError, match=r"the API processes ended before listening \(exit codes \[3\]\)"):
+            ApiProcesses(None, [_Proc(False, 3)], addr).wait_ready(5)
+        with pytest.raises(GraphDSLError, match=rf"no API process listened on \('127.0.0.1', {addr[1]}\) within 0 s"):
+            ApiProcesses(None, [_Proc(True)], addr).wait_ready(0.3)
