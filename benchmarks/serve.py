@@ -1,5 +1,6 @@
-"""Serving benchmark: the OpenAI server (``graphdsl serve``'s app, in this process on uvicorn) under
-concurrent streaming clients, random weights of a real shape.
+"""Serving benchmark: the OpenAI server (``graphdsl serve``'s app, in its API processes as ``serve``
+runs it on CUDA, or with ``--api-processes 0`` on uvicorn in this process) under concurrent streaming
+clients, random weights of a real shape.
 
     python benchmarks/serve.py --shape llama-3-8b [--clients 1 16 64 256] [--seconds 20] [--max-num-seqs N]
                                [--api-processes N]
@@ -30,6 +31,8 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from common import device_line, generate_s  # noqa: E402
 from llm import SHAPES  # noqa: E402
+
+from graphdsl.entrypoints.cli import DEFAULT_CUDA_API_PROCESSES  # noqa: E402
 
 
 def _pct(xs, q):
@@ -102,9 +105,9 @@ def main(argv=None) -> int:
     ap.add_argument("--shape", default="llama-3-8b", choices=sorted(SHAPES))
     ap.add_argument("--clients", type=int, nargs="+", default=[1, 16, 64, 256])
     ap.add_argument("--seconds", type=float, default=20.0, help="sending time per concurrency level")
-    ap.add_argument("--api-processes", type=int, default=0,
-                    help="serve HTTP from this many processes of its own, as `graphdsl serve --api-processes` "
-                         "(default 0: a uvicorn thread in the engine's process)")
+    ap.add_argument("--api-processes", type=int, default=DEFAULT_CUDA_API_PROCESSES,
+                    help="serve HTTP from this many processes of its own, as `graphdsl serve --api-processes`; 0: a "
+                         f"uvicorn thread in the engine's process (default {DEFAULT_CUDA_API_PROCESSES}, serve's on CUDA)")
     ap.add_argument("--max-num-seqs", type=int, default=None,
                     help="the server's running-request limit (default: the largest --clients); prefill steps "
                          "are padded to its power of two, so a larger one costs each prefill step more")

@@ -70,6 +70,17 @@ def _positive_int(value: str) -> int:
     return n
 
 
+def _count_arg(value: str) -> int:
+    """An integer >= 0 (a count where 0 means none)."""
+    try:
+        n = int(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {value!r}") from None
+    if n < 0:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {n}")
+    return n
+
+
 def _quantization_arg(value: str) -> str:
     from graphdsl.errors import GraphDSLError
     from graphdsl.quant import QuantMethod, online_scheme
@@ -466,6 +477,20 @@ def _listen(parser: argparse.ArgumentParser, host: str, port: int):
     return sock
 
 
+DEFAULT_CUDA_API_PROCESSES = 1      # serve's --api-processes on CUDA when not given
+
+
+def api_process_count(given: int | None, device) -> int:
+    """``serve --api-processes``: the count given, else :data:`DEFAULT_CUDA_API_PROCESSES` on CUDA
+    (on an H200 a small model served 2-3x the tokens/s at 64+ clients with the HTTP side apart;
+    docs/serving.md) and 0 on the CPU, whose steps are long enough that sharing the interpreter
+    lock costs little and a process more costs its start-up (it imports torch)."""
+    import torch
+    if given is not None:
+        return given
+    return DEFAULT_CUDA_API_PROCESSES if torch.device(device).type == "cuda" else 0
+
+
 def _serve(args) -> int:
     try:
         import uvicorn
@@ -501,9 +526,10 @@ def _serve(args) -> int:
         print(f"warmed up in {llm.warmup().seconds:.1f}s", file=sys.stderr, flush=True)
     name = args.served_model_name or os.path.basename(os.path.normpath(args.model))
     host = f"[{args.host}]" if ":" in args.host else args.host
-    if args.api_processes:
+    api_processes = api_process_count(args.api_processes, device)
+    if api_processes:
         from graphdsl.entrypoints.api_processes import start_api_processes
-        procs = start_api_processes(llm, args.api_processes, sock, served_model_name=name, api_key=args.api_key)
+        procs = start_api_processes(llm, api_processes, sock, served_model_name=name, api_key=args.api_key)
         try:
             procs.wait_ready()          # announced once a process listens (each imports torch first: seconds)
         except BaseException:
@@ -743,9 +769,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--warmup", action=argparse.BooleanOptionalAction, default=None,
                    help="before serving, run each decode batch bucket and the largest prefill step once, so the "
                         "first requests do not pay Triton compiles and CUDA-graph captures (default: on CUDA)")
-    p.add_argument("--api-processes", type=_positive_int, default=None, metavar="N",
+    p.add_argument("--api-processes", type=_count_arg, default=None, metavar="N",
                    help="run the HTTP side (parsing, tokenizing, streaming) in N processes of its own, the engine "
-                        "in this one, so the two do not take turns on one interpreter lock (default: one process)")
+                        "in this one, so the two do not take turns on one interpreter lock; 0 serves HTTP from a "
+                        f"thread of the engine's process (default: {DEFAULT_CUDA_API_PROCESSES} on CUDA, 0 on the CPU)")
 
     p = _command(sub, "cache", _cache, help="list or clear the on-disk engine cache",
                  description="List the cached engine builds (key, size, date, network name) or delete them. "

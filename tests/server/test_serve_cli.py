@@ -94,54 +94,54 @@ def test_warmup_runs_before_serving_when_asked(gguf, capsys, monkeypatch, flag, 
         assert err.index("warmed up in") < err.index("serving ")
 
 
-@pytest.mark.parametrize("value", ["0", "-2", "two"])
+@pytest.mark.parametrize("value", ["-2", "two", "1.5"])
 def test_bad_api_processes_is_named_before_the_model_loads(gguf, value, capsys, monkeypatch):
     _no_weights(monkeypatch)
     assert _run(["serve", gguf, "--api-processes", value]) == 2
     err = capsys.readouterr().err
-    assert "argument --api-processes: expected an integer >= 1" in err and "Traceback" not in err, err
+    assert "argument --api-processes: expected an integer >= 0" in err and "Traceback" not in err, err
+
+
+@pytest.mark.parametrize("given, device, want", [(None, "cuda", 1), (None, "cuda:1", 1), (None, "cpu", 0),
+                                                 (0, "cuda", 0), (3, "cpu", 3)])
+def test_api_processes_default_to_one_on_cuda_and_none_on_the_cpu(given, device, want):
+    from graphdsl.entrypoints.cli import DEFAULT_CUDA_API_PROCESSES, api_process_count
+    assert DEFAULT_CUDA_API_PROCESSES == 1
+    assert api_process_count(given, device) == want
+
+
+@pytest.mark.parametrize("flag", [(), ("--api-processes", "0")])
+def test_cpu_serves_http_from_the_engines_process_unless_asked(gguf, capsys, monkeypatch, flag):
+    """On the CPU (and with ``--api-processes 0`` anywhere) no API process is started: uvicorn runs
+    in this process."""
+    import graphdsl.entrypoints.api_processes as AP
+
+    def refuse(*a, **k):
+        raise AssertionError("start_api_processes called")
+    monkeypatch.setattr(AP, "start_api_processes", refuse)
+    err = _serve_until_uvicorn(gguf, capsys, monkeypatch, "--max-num-seqs", "2", *flag)["err"]
+    assert "API process" not in err and "serving " in err, err
 
 
 def test_api_processes_serve_the_model(gguf, capsys, monkeypatch):
     """``--api-processes 2``: two HTTP processes on the one socket, the engine in this process; a
     completion through them is the one ``LLM.generate`` gives, and closing them ends ``serve``."""
     import os
-    import threading
 
     import httpx
 
-    from tests.server.smollm2 import wait_healthy
+    from tests.server.smollm2 import ServeInThread
 
     import graphdsl as gd
-    import graphdsl.entrypoints.api_processes as AP
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    started = {}
-    real = AP.start_api_processes
-
-    def spy(*a, **k):
-        started["procs"] = real(*a, **k)
-        return started["procs"]
-    monkeypatch.setattr(AP, "start_api_processes", spy)
-    result = {}
-    th = threading.Thread(target=lambda: result.setdefault("rc", _run(
-        ["serve", gguf, "--device", "cpu", "--port", str(port), "--max-model-len", "64", "--api-processes", "2"])))
-    th.start()
-    base = f"http://127.0.0.1:{port}"
-    try:
-        wait_healthy(base)
+    serve = ServeInThread(monkeypatch, [gguf, "--device", "cpu", "--max-model-len", "64", "--api-processes", "2"])
+    with serve:
         body = {"model": os.path.basename(gguf), "prompt": [1, 2, 3], "max_tokens": 5, "temperature": 0}
-        outs = [httpx.post(f"{base}/v1/completions", json=body, timeout=60) for _ in range(4)]
+        outs = [httpx.post(f"{serve.base}/v1/completions", json=body, timeout=60) for _ in range(4)]
         assert [o.status_code for o in outs] == [200] * 4, [o.text for o in outs]
         want = gd.LLM(gguf, device="cpu", max_model_len=64).generate(
             [[1, 2, 3]], gd.SamplingParams(max_tokens=5, temperature=0))[0].outputs[0].text
         assert {o.json()["choices"][0]["text"] for o in outs} == {want}
-        assert len(started["procs"].processes) == 2
-    finally:
-        if "procs" in started:
-            started["procs"].close()
-        th.join(timeout=30)
-    assert result.get("rc") == 0
+        assert len(serve.started) == 1 and len(serve.started[0].processes) == 2
+    assert serve.close() == 0
     err = capsys.readouterr().err
     assert "2 API processes started" in err and err.index("API processes started") < err.index("serving ")
