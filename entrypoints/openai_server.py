@@ -78,6 +78,10 @@ class _Tracked:
     finished: set = field(default_factory=set)   # indexes of the samples whose last event was handled
     start: float = field(default_factory=time.monotonic)
     last: float | None = None
+    hold: int = field(init=False)  # characters of streamed text held back while a stop string may be forming
+
+    def __post_init__(self):
+        self.hold = max((len(x) for x in self.group.params.stop), default=1) - 1
 
     @property
     def params(self) -> SamplingParams:
@@ -311,11 +315,12 @@ class AsyncEngine:
         result."""
         llm = self.llm
         if t.stream:
-            hold = max((len(x) for x in s.params.stop), default=1) - 1
-            text = llm._text(s) if last else s.text[:max(len(s.text) - hold, 0)]
+            text = llm._text(s) if last else s.text
+            end = len(text) if last else len(text) - t.hold
             sent = t.sent.get(s.index, 0)
-            delta = text[sent:] if len(text) > sent else ""
-            t.sent[s.index] = max(sent, len(text))
+            delta = ""
+            if end > sent:
+                delta, t.sent[s.index] = text[sent:end], end
             finish = (s.req.finish_reason or "length") if last else None
             self._post(t, ("delta", s.index, delta, token, logprobs, finish))
         if not last:

@@ -238,14 +238,13 @@ class ServingLoop:
 
     def _pending_ids(self, batch: StepBatch) -> list[tuple[int, int]]:
         """``(index in input_ids, row in the previous step's tokens)`` of tokens still on the device."""
-        out = []
-        for at, req, _ in batch.pending_inputs():
-            prev = self._flight
-            row = prev.row_of.get(id(req)) if prev is not None else None
+        pending = batch.pending_inputs()
+        row_of = self._flight.row_of if self._flight is not None else {}
+        out = [(at, row_of.get(id(req))) for at, req in pending]
+        for (_, row), (_, req) in zip(out, pending):
             if row is None:
                 raise GraphDSLError(f"serving loop: request {req.request_id!r} needs a token that no step in "
                                     "flight produced (internal error)")
-            out.append((at, row))
         return out
 
     def _fill_pending(self, input_ids: torch.Tensor, pending: list[tuple[int, int]]) -> None:
@@ -416,13 +415,16 @@ class ServingLoop:
 
     # -- sampling state ----------------------------------------------------------------------
     def _sampling_tensors(self, reqs: list[Request]) -> SamplingTensors:
-        rows = []
-        for r in reqs:
-            p = r.params
-            rows.append(dict(temperature=p.temperature, top_k=max(p.top_k, 0), top_p=p.top_p, min_p=p.min_p,
-                             presence_penalty=p.presence_penalty, frequency_penalty=p.frequency_penalty,
-                             repetition_penalty=p.repetition_penalty, seed=r.seed, slot=self._slot(r)))
-        return SamplingTensors.build(rows, self.device)
+        return SamplingTensors.build([r.sampling_row or self._sampling_row(r) for r in reqs], self.device)
+
+    def _sampling_row(self, r: Request) -> dict:
+        """``r``'s row of :class:`SamplingTensors`, kept on the request until its penalty slot is
+        released (its settings and seed do not change while it runs)."""
+        p = r.params
+        r.sampling_row = dict(temperature=p.temperature, top_k=max(p.top_k, 0), top_p=p.top_p, min_p=p.min_p,
+                              presence_penalty=p.presence_penalty, frequency_penalty=p.frequency_penalty,
+                              repetition_penalty=p.repetition_penalty, seed=r.seed, slot=self._slot(r))
+        return r.sampling_row
 
     def _slot(self, req: Request) -> int:
         """The request's row in the penalty tables (-1 when it uses no penalty); a new slot is
@@ -449,6 +451,7 @@ class ServingLoop:
             if req.status is not RequestStatus.RUNNING:
                 del owners[slot]
                 del self._slots[id(req)]
+                req.sampling_row = None
                 self._free_slots.append(slot)
                 if self._rows is not None and req in self._rows.requests:
                     self._rows = None

@@ -36,6 +36,7 @@ mask of prompt tokens, kept on the device (``record`` adds each step's tokens).
 """
 from __future__ import annotations
 
+import operator
 from dataclasses import dataclass
 
 import torch
@@ -54,6 +55,8 @@ TOPK_DRAW = True         # batches whose sampled rows all have a top-k: kernels.
 
 _FLOATS = ("temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty")
 _INTS = ("top_k", "seed", "slot")
+_FIELDS = _FLOATS + _INTS
+_ROW = operator.itemgetter(*_FIELDS)
 
 
 @dataclass
@@ -81,21 +84,27 @@ class SamplingTensors:
     @classmethod
     def build(cls, rows: list[dict], device) -> "SamplingTensors":
         """``rows[i]``: temperature, top_k, top_p, min_p, presence_penalty, frequency_penalty,
-        repetition_penalty, seed, slot. One host-to-device copy (:func:`.scheduler.to_device`)."""
+        repetition_penalty, seed, slot. One host-to-device copy (:func:`.scheduler.to_device`);
+        the rows are read into columns in C (``itemgetter``), since the loop builds these for up
+        to hundreds of rows a step."""
         device = torch.device(device)
-        missing = [k for k in _FLOATS + _INTS if rows and k not in rows[0]]
+        missing = [k for k in _FIELDS if rows and k not in rows[0]]
         if missing:
             raise GraphDSLError(f"SamplingTensors.build: rows need the keys {missing}")
-        t = to_device(device, {**{k: ([r[k] for r in rows], torch.float32) for k in _FLOATS},
-                               **{k: ([r[k] for r in rows], torch.int64) for k in _INTS}})
-        sampled = [r for r in rows if r["temperature"] > 0]
-        topk = [int(r["top_k"]) for r in sampled if r["top_k"] > 0]
-        return cls(**t,
-                   all_greedy=not sampled, any_penalty=any(r["slot"] >= 0 for r in rows),
-                   max_top_k=max(topk, default=0), any_top_p=any(r["top_p"] < 1.0 for r in sampled),
-                   any_min_p=any(r["min_p"] > 0 for r in sampled), any_greedy=len(sampled) < len(rows),
-                   full_sort=any(r["top_p"] < 1.0 and not 0 < r["top_k"] <= TOPK_SORT_LIMIT for r in sampled),
-                   all_top_k=bool(sampled) and all(r["top_k"] > 0 for r in sampled))
+        cols = dict(zip(_FIELDS, zip(*map(_ROW, rows)))) if rows else {k: () for k in _FIELDS}
+        t = to_device(device, {**{k: (cols[k], torch.float32) for k in _FLOATS},
+                               **{k: (cols[k], torch.int64) for k in _INTS}})
+        temps = cols["temperature"]
+        flags = dict(all_greedy=max(temps, default=0) <= 0, any_greedy=min(temps, default=1) <= 0,
+                     any_penalty=max(cols["slot"], default=-1) >= 0)
+        if not flags["all_greedy"]:
+            sampled = [(k, p, m) for temp, k, p, m in zip(temps, cols["top_k"], cols["top_p"], cols["min_p"])
+                       if temp > 0]
+            flags.update(max_top_k=max((int(k) for k, _, _ in sampled if k > 0), default=0),
+                         any_top_p=any(p < 1.0 for _, p, _ in sampled), any_min_p=any(m > 0 for _, _, m in sampled),
+                         full_sort=any(p < 1.0 and not 0 < k <= TOPK_SORT_LIMIT for k, p, _ in sampled),
+                         all_top_k=all(k > 0 for k, _, _ in sampled))
+        return cls(**t, **flags)
 
 
 class PenaltyState:

@@ -79,6 +79,7 @@ class Request:
     prompt_logprobs: list | None = None   # filled by the serving loop when params.prompt_logprobs is set
     prompt_lp_done: int = 1               # prompt positions whose logprobs are computed (0 has none)
     lora: str | None = None               # the LoRA adapter it runs with (None: the base model)
+    sampling_row: dict | None = None      # the serving loop's SamplingTensors row (cached; None: make it again)
 
     @property
     def token_ids(self) -> list[int]:
@@ -144,17 +145,23 @@ class StepBatch:
         ``lm_head_indices`` (int64: the last token of each sampling chunk, in chunk order).
         Pending tokens (not yet known on the host) are given as 0: :meth:`pending_inputs` says where."""
         ids, pos, slots, qsl, lens, heads, tables = [], [], [], [0], [], [], []
+        bs = blocks.block_size
         for c in self.chunks:
-            req = c.request
-            rid = req.request_id
-            known = min(c.end, req.num_known)
-            ids += req.tokens(c.start, known) if known > c.start else []
-            ids += [0] * (c.end - max(known, c.start))
-            pos += range(c.start, c.end)
-            slots += blocks.slot_mapping(rid, c.start, c.end)
-            qsl.append(qsl[-1] + c.end - c.start)
-            lens.append(c.end)
-            tables.append(blocks.block_table_array(rid))
+            req, start, end = c.request, c.start, c.end
+            table = blocks.block_table_array(req.request_id)
+            known = min(end, len(req.prompt_ids) + len(req.output_ids))
+            if end - start == 1:                 # a decode row (most rows of a mixed step): no lists made
+                ids.append(req.tokens(start, end)[0] if known > start else 0)
+                pos.append(start)
+                slots.append(table[start // bs] * bs + start % bs)
+            else:
+                ids += req.tokens(start, known) if known > start else []
+                ids += [0] * (end - max(known, start))
+                pos += range(start, end)
+                slots += blocks.slot_mapping(req.request_id, start, end)
+            qsl.append(qsl[-1] + end - start)
+            lens.append(end)
+            tables.append(table)
             if c.samples:
                 heads.append(qsl[-1] - 1)
         width = max(len(t) for t in tables)
@@ -164,14 +171,15 @@ class StepBatch:
                                   "seq_lens": (lens, torch.int32), "query_start_loc": (qsl, torch.int32)},
                          shapes={"block_tables": (len(tables), width)})
 
-    def pending_inputs(self) -> list[tuple[int, Request, int]]:
-        """``(index in input_ids, request, index of the token among its generated ones)`` for every
-        scheduled token whose value is still on the device."""
+    def pending_inputs(self) -> list[tuple[int, Request]]:
+        """``(index in input_ids, request)`` for every scheduled token whose value is still on the
+        device (sampled by a step whose result the host has not read yet)."""
         out, at = [], 0
         for c in self.chunks:
             req = c.request
-            for p in range(max(c.start, req.num_known), c.end):
-                out.append((at + p - c.start, req, p - len(req.prompt_ids)))
+            known = len(req.prompt_ids) + len(req.output_ids)
+            if c.end > known:
+                out += [(at + p - c.start, req) for p in range(max(c.start, known), c.end)]
             at += c.end - c.start
         return out
 
@@ -303,10 +311,6 @@ class Scheduler:
         self._ids.discard(request.request_id)
 
     # -- one step ----------------------------------------------------------------------------
-    def _done_generating(self, req: Request) -> bool:
-        """All its tokens are sampled (some maybe pending): nothing more to compute."""
-        return req.num_generated >= req.params.max_tokens or req.num_tokens >= self.max_model_len
-
     def schedule(self) -> StepBatch:
         """The next step's chunks. May be empty while every request waits for pending tokens."""
         budget = self.max_num_batched_tokens
@@ -314,12 +318,15 @@ class Scheduler:
         scheduled: set[int] = set()
         preempted: set[int] = set()
         blocks = self.blocks
-        for req in list(self.running):
+        max_len = self.max_model_len
+        for req in list(self.running):       # every running request, every step: its lengths read once
             if budget == 0:
                 break
-            if id(req) in preempted or self._done_generating(req):
-                continue
-            n = min(req.num_tokens - req.num_computed, budget)
+            generated = len(req.output_ids) + req.num_pending
+            total = len(req.prompt_ids) + generated
+            if id(req) in preempted or generated >= req.params.max_tokens or total >= max_len:
+                continue                     # preempted, or every token sampled (some maybe pending)
+            n = min(total - req.num_computed, budget)
             grow = req.num_computed + n - blocks.num_tokens(req.request_id)
             while grow > 0 and not blocks.try_append(req.request_id, grow):
                 victims = [r for r in self.running if id(r) not in scheduled and r is not req]

@@ -11,8 +11,8 @@ from transformers.generation.logits_process import (MinPLogitsWarper, Repetition
                                                     TopKLogitsWarper, TopPLogitsWarper)
 
 from graphdsl.errors import GraphDSLError
-from graphdsl.runtime.serving.sampler import (PenaltyState, SamplingTensors, _threshold, compute_logprobs,
-                                              sample_reference)
+from graphdsl.runtime.serving.sampler import (TOPK_SORT_LIMIT, PenaltyState, SamplingTensors, _threshold,
+                                              compute_logprobs, sample_reference)
 
 V = 200
 
@@ -155,3 +155,30 @@ def test_errors_name_the_argument():
         sample_reference(torch.zeros(1, V), st, torch.zeros(2, dtype=torch.int64))
     with pytest.raises(GraphDSLError, match="SamplingTensors hold 1 rows, logits 2"):
         sample_reference(torch.zeros(2, V), st, torch.zeros(2, dtype=torch.int64))
+
+
+def test_build_reads_rows_into_columns_and_summaries_as_written():
+    """``SamplingTensors.build`` reads the rows in C (``itemgetter``) and derives its summaries from
+    the columns; random batches (greedy, sampled, mixed, empty) against each summary's definition."""
+    import random
+    rng = random.Random(0)
+    for trial in range(200):
+        rows = [dict(temperature=rng.choice([0.0, 0.0, 0.7, 1.3]), top_k=rng.choice([0, 0, 5, 2000]),
+                     top_p=rng.choice([1.0, 0.9]), min_p=rng.choice([0.0, 0.05]),
+                     presence_penalty=rng.choice([0.0, 0.5]), frequency_penalty=0.25, repetition_penalty=1.1,
+                     seed=rng.randrange(2 ** 40), slot=rng.choice([-1, -1, 3]))
+                for _ in range(rng.randrange(0, 6))]
+        st = SamplingTensors.build(rows, "cpu")
+        sampled = [r for r in rows if r["temperature"] > 0]
+        assert st.all_greedy == (not sampled) and st.any_greedy == (len(sampled) < len(rows))
+        assert st.any_penalty == any(r["slot"] >= 0 for r in rows)
+        assert st.max_top_k == max((r["top_k"] for r in sampled if r["top_k"] > 0), default=0)
+        assert st.any_top_p == any(r["top_p"] < 1.0 for r in sampled)
+        assert st.any_min_p == any(r["min_p"] > 0 for r in sampled)
+        assert st.full_sort == any(r["top_p"] < 1.0 and not 0 < r["top_k"] <= TOPK_SORT_LIMIT for r in sampled)
+        assert st.all_top_k == (bool(sampled) and all(r["top_k"] > 0 for r in sampled))
+        for k in ("temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty"):
+            assert getattr(st, k).dtype == torch.float32
+            assert getattr(st, k).tolist() == pytest.approx([r[k] for r in rows]), (trial, k)
+        for k in ("top_k", "seed", "slot"):
+            assert getattr(st, k).dtype == torch.int64 and getattr(st, k).tolist() == [r[k] for r in rows], (trial, k)
