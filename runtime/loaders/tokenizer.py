@@ -243,9 +243,10 @@ class Tokenizer:
 
     def decode(self, ids: Iterable[int], skip_special_tokens: bool = True) -> str:
         ids = [int(i) for i in ids]
-        bad = [i for i in ids if not 0 <= i < self.vocab_size]
-        if bad:
-            raise GraphDSLError(f"decode: ids outside the vocabulary [0, {self.vocab_size}): {bad[:8]}")
+        n = self.vocab_size
+        if ids and (min(ids) < 0 or max(ids) >= n):
+            bad = [i for i in ids if not 0 <= i < n]
+            raise GraphDSLError(f"decode: ids outside the vocabulary [0, {n}): {bad[:8]}")
         return self.backend.decode(ids, skip_special_tokens=skip_special_tokens)
 
     # ------------------------------------------------------------------ chat
@@ -413,9 +414,11 @@ class StreamDecoder:
         self.read_offset = 0
         self.text = ""
         self._bytes = _token_bytes(tokenizer)
+        self._vocab = tokenizer.vocab_size
 
     def _decode(self, ids: list[int]) -> str:
-        return self.tokenizer.decode(ids, skip_special_tokens=self.skip_special_tokens)
+        """The text of ``ids`` (checked as :meth:`push` took them: no second check a window)."""
+        return self.tokenizer.backend.decode(ids, skip_special_tokens=self.skip_special_tokens)
 
     def _incomplete(self, end: int) -> int:
         """How many bytes at the end of ``ids[:end]``'s text start a character not finished yet
@@ -425,7 +428,10 @@ class StreamDecoder:
         return self._bytes.incomplete(self.ids, end, self.skip_special_tokens)
 
     def push(self, token_id: int) -> str:
-        self.ids.append(int(token_id))
+        token_id = int(token_id)
+        if not 0 <= token_id < self._vocab:
+            raise GraphDSLError(f"StreamDecoder.push: token id {token_id} is outside the vocabulary [0, {self._vocab})")
+        self.ids.append(token_id)
         if self._incomplete(len(self.ids)):
             return ""
         prefix = self._decode(self.ids[self.prefix_offset:self.read_offset])
@@ -465,6 +471,7 @@ class StreamDecoder:
         return end, got[:-tail].decode("utf-8", errors="replace")
 
 
+_UTF8_DECODER = codecs.getincrementaldecoder("utf-8")
 _BYTE_TOKEN = re.compile(r"<0x([0-9A-Fa-f]{2})>")
 
 
@@ -513,12 +520,15 @@ class _TokenBytes:
         return bytes([int(m.group(1), 16)]) if m else token.replace("\u2581", " ").encode("utf-8")
 
     def incomplete(self, ids: list[int], end: int, skip_special_tokens: bool) -> int:
-        """How many of the last bytes of ``ids[:end]`` start a character still missing bytes."""
+        """How many of the last bytes of ``ids[:end]`` start a character still missing bytes. An
+        ASCII last byte ends every character (most tokens of most text): 0 without decoding."""
         tail = b""
         while end > 0 and len(tail) < 4:           # a UTF-8 character has at most four bytes
             end -= 1
             tail = self.of(ids[end], skip_special_tokens) + tail
-        decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
+            if tail and tail[-1] < 0x80:
+                return 0
+        decoder = _UTF8_DECODER(errors="replace")
         decoder.decode(tail, final=False)
         return len(decoder.getstate()[0])
 

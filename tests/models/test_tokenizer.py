@@ -369,3 +369,36 @@ def test_gguf_file_spm_tokenizer_matches_transformers_gguf(tmp_path):
         ids = ours.encode(text)
         assert ids == ref.encode(text), (text, ids, ref.encode(text))
         assert ours.decode(ids) == ref.decode(ids, skip_special_tokens=True), text
+
+
+def test_incomplete_tail_bytes_match_an_incremental_utf8_decoder():
+    """``_TokenBytes.incomplete`` (an ASCII last byte answers 0 at once) against a UTF-8 incremental
+    decoder over every prefix of random token sequences of the SPM byte-fallback tokenizer: ASCII,
+    multi-byte characters cut anywhere, stray continuation and invalid lead bytes."""
+    import codecs
+    import random
+
+    from graphdsl.runtime.loaders.tokenizer import _token_bytes
+    tok = Tokenizer.from_gguf(spm_metadata())
+    tb = _token_bytes(tok)
+    vocab = tok.vocab_size
+    byte_ids = [tok.token_to_id(f"<0x{b:02X}>") for b in range(256)]
+    assert None not in byte_ids
+    rng = random.Random(0)
+    for _ in range(300):
+        ids = [rng.choice(byte_ids) if rng.random() < 0.7 else rng.randrange(vocab) for _ in range(rng.randrange(1, 9))]
+        for end in range(1, len(ids) + 1):
+            tail = b"".join(tb.of(i, True) for i in ids[:end])[-4:]
+            dec = codecs.getincrementaldecoder("utf-8")(errors="replace")
+            dec.decode(tail, final=False)
+            assert tb.incomplete(ids, end, True) == len(dec.getstate()[0]), (ids[:end], tail)
+
+
+def test_stream_decoder_refuses_an_id_outside_the_vocabulary():
+    tok = Tokenizer.from_gguf(spm_metadata())
+    sd = StreamDecoder(tok)
+    with pytest.raises(GraphDSLError, match=rf"StreamDecoder.push: token id {tok.vocab_size} is outside the "
+                                            rf"vocabulary \[0, {tok.vocab_size}\)"):
+        sd.push(tok.vocab_size)
+    with pytest.raises(GraphDSLError, match="token id -1 is outside"):
+        sd.push(-1)
