@@ -60,25 +60,22 @@ def _device_arg(value: str):
         raise argparse.ArgumentTypeError(str(e).removeprefix("--device=")) from None
 
 
-def _positive_int(value: str) -> int:
-    try:
-        n = int(value)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected an integer >= 1, got {value!r}") from None
-    if n < 1:
-        raise argparse.ArgumentTypeError(f"expected an integer >= 1, got {n}")
-    return n
+def _int_at_least(least: int):
+    """An argparse type: an integer >= ``least``, refused by its value otherwise."""
+    def parse(value: str) -> int:
+        try:
+            n = int(value)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected an integer >= {least}, got {value!r}") from None
+        if n < least:
+            raise argparse.ArgumentTypeError(f"expected an integer >= {least}, got {n}")
+        return n
+    parse.__name__ = "integer"           # argparse names the type in its "invalid ... value" fallback
+    return parse
 
 
-def _count_arg(value: str) -> int:
-    """An integer >= 0 (a count where 0 means none)."""
-    try:
-        n = int(value)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {value!r}") from None
-    if n < 0:
-        raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {n}")
-    return n
+_positive_int = _int_at_least(1)
+_count_arg = _int_at_least(0)          # a count where 0 means none
 
 
 def _quantization_arg(value: str) -> str:
