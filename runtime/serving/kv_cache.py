@@ -191,17 +191,22 @@ class BlockManager:
         self._lens[seq_id] = total
         return list(self._tables[seq_id])
 
-    def try_append(self, seq_id: Hashable, n_new_tokens: int) -> bool:
-        """Grow ``seq_id`` by ``n_new_tokens`` (an int >= 0) if the free blocks allow; False (and no
-        change) otherwise. The scheduler's per-step fast path: no table copy, no exception."""
-        table = self._table(seq_id)
-        total = self._lens[seq_id] + n_new_tokens
-        need = -(-total // self.block_size) - len(table)
+    def try_grow_to(self, seq_id: Hashable, n_tokens: int) -> bool:
+        """Make ``seq_id`` hold at least ``n_tokens`` tokens, adding blocks as needed, if the free
+        blocks allow: True when it holds them (already, or now), False (and no change) otherwise.
+        The scheduler's per-step fast path: one call a running request, no table copy, no exception."""
+        have = self._lens.get(seq_id)
+        if have is None:
+            self._table(seq_id)                   # raises, naming the unknown sequence
+        if n_tokens <= have:
+            return True
+        table = self._tables[seq_id]
+        need = -(-n_tokens // self.block_size) - len(table)
         if need > len(self._free):
             return False
         for _ in range(need):
             table.append(self._free.pop())
-        self._lens[seq_id] = total
+        self._lens[seq_id] = n_tokens
         return True
 
     def fork(self, parent: Hashable, child: Hashable, n_tokens: int) -> list[int]:

@@ -327,8 +327,7 @@ class Scheduler:
             if id(req) in preempted or generated >= req.params.max_tokens or total >= max_len:
                 continue                     # preempted, or every token sampled (some maybe pending)
             n = min(total - req.num_computed, budget)
-            grow = req.num_computed + n - blocks.num_tokens(req.request_id)
-            while grow > 0 and not blocks.try_append(req.request_id, grow):
+            while not blocks.try_grow_to(req.request_id, req.num_computed + n):
                 victims = [r for r in self.running if id(r) not in scheduled and r is not req]
                 victim = max(victims, key=lambda r: r.arrival) if victims else req
                 self._preempt(victim)

@@ -78,6 +78,19 @@ def test_allocate_append_free_accounting():
     assert m.append("empty", 1) == [4]
 
 
+def test_try_grow_to_holds_at_least_n_tokens_or_changes_nothing():
+    m = BlockManager(num_blocks=4, block_size=4)
+    m.allocate("a", 5)                           # blocks 0, 1
+    assert m.try_grow_to("a", 3) and m.num_tokens("a") == 5       # already holds them: no change
+    assert m.try_grow_to("a", 8) and m.block_table("a") == [0, 1] and m.num_tokens("a") == 8
+    assert m.try_grow_to("a", 9) and m.block_table("a") == [0, 1, 2] and m.num_tokens("a") == 9
+    assert not m.try_grow_to("a", 17)            # 5 blocks, 4 in the pool: nothing taken
+    assert m.block_table("a") == [0, 1, 2] and m.num_tokens("a") == 9 and m.num_free_blocks == 1
+    assert m.try_grow_to("a", 16) and m.num_free_blocks == 0
+    with pytest.raises(GraphDSLError, match="unknown sequence 'b'"):
+        m.try_grow_to("b", 1)
+
+
 def test_slot_mapping_formula():
     m = BlockManager(num_blocks=8, block_size=4)
     m.allocate("x", 1)
