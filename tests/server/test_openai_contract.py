@@ -348,3 +348,23 @@ def test_chat_content_as_text_parts_is_the_joined_text_and_other_parts_are_refus
         r = ask(bad)
         assert r.status_code == 400 and "messages[0].content must be a string or a non-empty list" in \
             r.json()["error"]["message"], r.text
+
+
+@pytest.mark.parametrize("chat", [False, True])
+def test_a_streamed_choice_is_what_json_dumps_writes(chat):
+    """``_choice_json`` formats the common token (no logprobs, not the last) around its encoded text;
+    every form must be byte for byte ``json.dumps`` of the choice's dict."""
+    import random
+
+    from graphdsl.entrypoints.openai_server import _choice_json
+    rng = random.Random(0)
+    alphabet = ['a', ' ', '"', '\\', '\n', '\t', '\x00', '\x1f', 'é', '€', '😀', '\u2028', '{', '}', ':', ',']
+    for _ in range(300):
+        delta = "".join(rng.choice(alphabet) for _ in range(rng.randrange(0, 8)))
+        index, role = rng.randrange(0, 130), rng.random() < 0.5
+        lp = rng.choice([None, None, {"content": [{"token": delta, "logprob": -0.5}]}])
+        fr = rng.choice([None, None, "stop", "length"])
+        d = ({"content": delta, "role": "assistant"} if role else {"content": delta}) if chat else None
+        want = json.dumps({"index": index, "delta": d, "logprobs": lp, "finish_reason": fr} if chat else
+                          {"index": index, "text": delta, "logprobs": lp, "finish_reason": fr})
+        assert _choice_json(index, delta, chat, role and chat, lp, fr) == want
