@@ -11,7 +11,10 @@ exponential (Poisson) think time between them; prompts are random token ids with
 random lengths (log-normal, median ~200 tokens) and outputs of 32-256 tokens (``ignore_eos``).
 Reported per concurrency: output tokens/s, time to first token and inter-token latency (p50 and
 p99, from the arrival times of the server-sent events), and at 1 client the ratio of ITL p50 to
-``LLM.generate``'s per-token time on the same model. The model is warmed up first as ``graphdsl
+``LLM.generate``'s per-token time on the same model; and what the two sides of the server used
+over the level's window (clients' ramp-up and drain included), from /proc: the engine thread's CPU
+time as a share of the wall (1.00: it never waited), and the HTTP side's in cores (the API
+processes together, or uvicorn's thread). The model is warmed up first as ``graphdsl
 serve`` warms it (``LLM.warmup``: each decode bucket and the largest prefill step), and the
 header line says how long that took.
 """
@@ -87,6 +90,18 @@ def _shares(clients: int, procs: int) -> list[tuple[int, int]]:
     return [(sum(counts[:p]), n) for p, n in enumerate(counts)]
 
 
+def _cpu_s(pid: int, tid: int | None = None) -> float:
+    """CPU time (user + system, seconds) of process ``pid``, or of its thread ``tid``, from /proc
+    (0.0 where there is no such entry: not Linux, or it has ended)."""
+    path = f"/proc/{pid}/task/{tid}/stat" if tid is not None else f"/proc/{pid}/stat"
+    try:
+        with open(path) as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+    except OSError:
+        return 0.0
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
 def _run(url, clients, seconds, vocab, seed):
     """``clients`` streaming clients in their own processes (at most 16 clients a process, half the
     cores), so their HTTP and SSE parsing does not share the server's interpreter lock, as real
@@ -143,27 +158,38 @@ def main(argv=None) -> int:
         from graphdsl.entrypoints.api_processes import start_api_processes
         server = start_api_processes(llm, args.api_processes, sock, served_model_name="bench")
         server.wait_ready()
+        engine = server.engine
+        http_cpu = lambda: sum(_cpu_s(p.pid) for p in server.processes)      # noqa: E731
     else:
-        server = uvicorn.Server(uvicorn.Config(build_app(llm, served_model_name="bench"), log_level="warning"))
-        threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True).start()
+        app = build_app(llm, served_model_name="bench")
+        engine = app.state.engine
+        server = uvicorn.Server(uvicorn.Config(app, log_level="warning"))
+        http_thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
+        http_thread.start()
         while not server.started:
             time.sleep(0.05)
+        http_cpu = lambda: _cpu_s(os.getpid(), http_thread.native_id)          # noqa: E731
+    engine_cpu = lambda: _cpu_s(os.getpid(), engine._thread.native_id)        # noqa: E731
     url = f"http://127.0.0.1:{port}/v1/completions"
     http = f"{args.api_processes} API processes" if args.api_processes else "HTTP in the engine's process"
     print(f"{device_line()}; {args.shape} random weights; LLM.generate {gen_ms:.3f} ms/token at batch 1; "
           f"max_num_seqs {llm.max_num_seqs}; {http}; start-up warm-up {warm.seconds:.1f} s", flush=True)
     rows = []
     for c in args.clients:
+        t0, e0, h0 = time.monotonic(), engine_cpu(), http_cpu()
         r = _run(url, c, args.seconds, hf["vocab_size"], c)
+        wall = time.monotonic() - t0
+        busy = f"{(engine_cpu() - e0) / wall:.2f} | {(http_cpu() - h0) / wall:.2f}"
         itl50 = _pct(r["itl"], 0.5) * 1e3
         rows.append(f"| {c} | {r['tokens_s']:,.0f} | {_pct(r['ttft'], 0.5) * 1e3:.1f} | {_pct(r['ttft'], 0.99) * 1e3:.1f} "
-                    f"| {itl50:.2f} | {_pct(r['itl'], 0.99) * 1e3:.2f} | {len(r['ttft'])} |")
+                    f"| {itl50:.2f} | {_pct(r['itl'], 0.99) * 1e3:.2f} | {len(r['ttft'])} | {busy} |")
         print(rows[-1], flush=True)
         if c == 1:
             print(f"1 client: ITL p50 {itl50:.3f} ms = {itl50 / gen_ms:.3f}x LLM.generate's {gen_ms:.3f} ms/token",
                   flush=True)
-    print("\n| clients | output tokens/s | TTFT p50 ms | TTFT p99 ms | ITL p50 ms | ITL p99 ms | requests |")
-    print("|---:|---:|---:|---:|---:|---:|---:|")
+    print("\n| clients | output tokens/s | TTFT p50 ms | TTFT p99 ms | ITL p50 ms | ITL p99 ms | requests "
+          "| engine thread CPU | HTTP CPU |")
+    print("|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
     print("\n".join(rows))
     print(warm)
     print(json.dumps({"generate_ms_per_token": gen_ms, "warmup_s": warm.seconds}))

@@ -66,3 +66,34 @@ def test_bad_arguments_are_refused_by_name(serve, argv, message, capsys):
         serve.main(argv)
     assert e.value.code == 2
     assert re.search(message, capsys.readouterr().err)
+
+
+def test_cpu_seconds_of_a_process_and_of_one_of_its_threads(serve):
+    """``_cpu_s`` reads /proc: a thread that spins for 0.3 s of wall shows up to that much CPU, the
+    process at least as much, a sleeping thread almost none; a pid that does not exist reads 0."""
+    import os
+    if not os.path.exists("/proc/self/stat"):
+        pytest.skip("needs Linux /proc")
+    stop = threading.Event()
+
+    def spin():
+        while not stop.is_set():
+            pass
+    sleeper = threading.Thread(target=stop.wait)
+    spinner = threading.Thread(target=spin)
+    sleeper.start()
+    spinner.start()
+    try:
+        s0, p0 = serve._cpu_s(os.getpid(), sleeper.native_id), serve._cpu_s(os.getpid())
+        t0 = serve._cpu_s(os.getpid(), spinner.native_id)
+        time.sleep(0.3)
+        spun = serve._cpu_s(os.getpid(), spinner.native_id) - t0
+        slept = serve._cpu_s(os.getpid(), sleeper.native_id) - s0
+        whole = serve._cpu_s(os.getpid()) - p0
+    finally:
+        stop.set()
+        spinner.join()
+        sleeper.join()
+    assert 0.05 <= spun <= 0.45, spun                 # it shares the interpreter lock with this thread
+    assert whole >= spun - 0.02 and slept <= 0.02, (whole, spun, slept)
+    assert serve._cpu_s(2 ** 22 + 12345) == 0.0
