@@ -32,7 +32,7 @@ from graphdsl.runtime.serving.outputs import CompletionOutput, RequestOutput
 from graphdsl.runtime.serving.sampling import SamplingParams
 from graphdsl.runtime.serving.scheduler import Request, RequestStatus, Scheduler, TokenEvent
 
-from graphdsl.models.base import FlashCausalLM
+from graphdsl.models.base import FlashCausalLM, _env_on
 from graphdsl.models.config import ModelConfig, build_config, read_hf_config
 from graphdsl.models.gguf_weights import keep_gguf_blocks
 from graphdsl.models.loader import (load_weights, mark_checkpoint_quantization, refuse_online_over_stored,
@@ -343,7 +343,7 @@ class LLM:
         if tp is not None:
             from graphdsl.models.tensor_parallel import kv_heads_per_rank
             kv_heads = kv_heads_per_rank(model, tp.world_size)
-            cuda_graphs = cuda_graphs and os.environ.get("GRAPHDSL_TP_CUDA_GRAPHS", "0") == "1"
+            cuda_graphs = cuda_graphs and _env_on("GRAPHDSL_TP_CUDA_GRAPHS")
         self.tensor_parallel = tp
         self.max_model_len = max_model_len or min(cfg.max_position_embeddings, 2048)
         self.max_num_seqs, self.block_size = max_num_seqs, block_size
@@ -777,29 +777,25 @@ def _check_fraction(kv_cache_memory_fraction) -> None:
 
 def _random_weights(model: FlashCausalLM, device: torch.device, dtype: torch.dtype, seed: int,
                     std: float) -> dict[str, torch.Tensor]:
-    """``{parameter: tensor}`` drawn on ``device``: 1-D ``*norm*`` weights 1, other 1-D tensors
-    (biases) 0, the rest ~ N(0, std); tied parameters share their source's tensor."""
+    """``{parameter: tensor}`` loaded from a random checkpoint drawn on ``device``: every tensor of
+    ``model.checkpoint_table()`` whole, from a generator seeded by ``seed`` and the tensor's name —
+    1-D ``*norm*`` tensors 1, other 1-D tensors (biases) 0, the rest ~ N(0, std) — then loaded as a
+    checkpoint is (merged linears assembled, tied parameters shared). A tensor-parallel rank draws
+    the same whole tensors and keeps its slices, so the ranks of any world size hold the
+    single-process model's weights (``benchmarks/tp.py`` compares their greedy tokens)."""
+    import zlib
     gen = torch.Generator(device=device)
-    gen.manual_seed(seed)
-    tied = model.tied_parameters()
-    where = model.parameter_devices()
-    out: dict[str, torch.Tensor] = {}
-    for name, p in model.named_parameters():
-        if name in tied:
-            continue
-        t = torch.empty(tuple(p.shape), dtype=p.dtype or dtype, device=device)
-        if t.dim() == 1:
-            module = name.rsplit(".", 1)[0].rsplit(".", 1)[-1]
-            t.fill_(1.0 if "norm" in module else 0.0)
-        elif t.is_floating_point():
-            t.normal_(0.0, std, generator=gen)
-        else:
-            raise GraphDSLError(f"from_config: parameter {name!r} has non-floating dtype {t.dtype}; "
-                                "random weights cover float parameters only")
-        out[name] = t.to(where[name]) if name in where else t
-    for name, source in tied.items():
-        out[name] = out[source]
-    return out
+
+    def tensors():
+        for name, slot in model.checkpoint_table().items():
+            t = torch.empty(slot.shape, dtype=dtype, device=device)
+            if t.dim() == 1:
+                t.fill_(1.0 if "norm" in name.rsplit(".", 2)[-2] else 0.0)
+            else:
+                gen.manual_seed((seed * 0x9E3779B1 + zlib.crc32(name.encode())) % (1 << 63))
+                t.normal_(0.0, std, generator=gen)
+            yield name, t
+    return load_weights(model, tensors(), device=device, dtype=dtype)
 
 
 def _pick_dtype(dtype, device: torch.device, config: ModelConfig) -> torch.dtype:
@@ -878,7 +874,7 @@ class _Driver:
         finally:
             if self.pool is not None:        # the group is ours (not torchrun's): leave it
                 self.pool.close(timeout_s=10.0 if self.broken is None else 0.1)
-                _destroy_group()
+                _destroy_group(wait_s=_LEAVE_GROUP_S if self.broken is None else _LEAVE_BROKEN_GROUP_S)
 
 
 def _close_at_exit(llm: "LLM") -> None:
@@ -887,10 +883,37 @@ def _close_at_exit(llm: "LLM") -> None:
     weakref.finalize(llm, llm._tp.close)
 
 
-def _destroy_group() -> None:
+# How long close() waits for the process group's teardown, and when a rank died. On two H200s,
+# once decode graphs (GRAPHDSL_TP_CUDA_GRAPHS=1) had captured NCCL collectives, the teardown never
+# returned, whichever rank left first: close() hung for good before this bound.
+_LEAVE_GROUP_S = 30.0
+_LEAVE_BROKEN_GROUP_S = 5.0
+
+
+def _destroy_group(wait_s: float) -> None:
+    """Leave the default process group (and drop the all-reduce buffers made over it), waiting at
+    most ``wait_s`` seconds: a teardown that needs a dead or stuck rank is left to the process's
+    exit, with a warning, instead of hanging ``close()``."""
+    import threading
+
     import torch.distributed as dist
-    if dist.is_initialized():
-        dist.destroy_process_group()
+
+    from graphdsl.runtime.distributed import release_collective_buffers
+    if not dist.is_initialized():
+        return
+    release_collective_buffers()
+    done = threading.Event()
+
+    def leave():
+        try:
+            dist.destroy_process_group()
+        finally:
+            done.set()
+    threading.Thread(target=leave, name="graphdsl-tp-leave", daemon=True).start()
+    if not done.wait(wait_s):
+        import warnings
+        warnings.warn(f"LLM.close: leaving the tensor-parallel process group took over {wait_s:.0f}s; "
+                      "left to the process's exit", RuntimeWarning, stacklevel=3)
 
 
 class _TPExecutor:

@@ -1,8 +1,9 @@
 """graphdsl.runtime.distributed — tensor parallelism's runtime: process groups (NCCL on GPU, gloo
 on CPU), collective lowerings onto the engine's buffers, and the step channel that lets rank 0
 drive worker ranks (spawned by ``LLM(tensor_parallel_size=N)`` or started by ``torchrun``)."""
+from .collectives import release_collective_buffers
 from .group import DistContext, backend_for, init_distributed, launched_by_torchrun, torchrun_env
 from .workers import StepChannel, WorkerError, WorkerPool
 
 __all__ = ["DistContext", "backend_for", "init_distributed", "launched_by_torchrun", "torchrun_env", "StepChannel",
-           "WorkerError", "WorkerPool"]
+           "WorkerError", "WorkerPool", "release_collective_buffers"]

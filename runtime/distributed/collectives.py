@@ -4,11 +4,14 @@ into it when the gathered dim is the leading one, ``reduce_scatter`` scatters in
 are NCCL calls on the current stream; the torch references (:mod:`graphdsl.functional.collective`)
 stay the semantics and the CPU path.
 
-Small all-reduces may take the one-shot path instead (``GRAPHDSL_ALLREDUCE=symm_mem``): the input is
-copied into a torch symmetric-memory buffer every rank maps, and each rank sums all ranks' buffers
-with peer-to-peer loads in one kernel (``symm_mem.one_shot_all_reduce_copy_out``) — one launch and
-one barrier instead of NCCL's ring or tree steps; no NVLink multicast involved. Messages above
-``GRAPHDSL_ONESHOT_MAX_BYTES`` (default 512 KiB) stay on NCCL."""
+Small CUDA all-reduces may take the one-shot path instead (``GRAPHDSL_ALLREDUCE=symm_mem``; the
+default, ``nccl``, sends them all to NCCL): the input is copied into a torch symmetric-memory buffer
+every rank maps, and each rank sums all ranks' buffers with peer-to-peer loads in one kernel
+(``symm_mem.one_shot_all_reduce_copy_out``) — one launch instead of NCCL's ring or tree steps; no
+NVLink multicast involved. On two H200s it gave the Llama-3-8B shape's TP2 decode (with decode
+graphs) 2.868 ms a token against 3.024 with NCCL; it is not the default because a second
+tensor-parallel ``LLM`` in the same process hung in the buffer's rendezvous there
+(docs/distributed.md). Messages above ``GRAPHDSL_ONESHOT_MAX_BYTES`` (default 512 KiB) stay on NCCL."""
 from __future__ import annotations
 
 import os
@@ -17,7 +20,7 @@ import torch
 
 from graphdsl.errors import GraphDSLError
 
-__all__ = ["COLLECTIVE_LOWERINGS"]
+__all__ = ["COLLECTIVE_LOWERINGS", "release_collective_buffers"]
 
 
 def _dist(world_size: int):
@@ -31,9 +34,18 @@ def _dist(world_size: int):
 _SYMM_BUFFERS: dict = {}          # (device, dtype, group name) -> rendezvoused symmetric buffer
 
 
+def release_collective_buffers() -> None:
+    """Drop the symmetric buffers rendezvoused over the current group (before it is destroyed: a
+    later group of the same name must rendezvous its own)."""
+    _SYMM_BUFFERS.clear()
+
+
 def _one_shot_limit() -> int:
     """Bytes up to which all-reduces take the one-shot path (0: never)."""
-    if os.environ.get("GRAPHDSL_ALLREDUCE", "nccl").strip().lower() != "symm_mem":
+    mode = os.environ.get("GRAPHDSL_ALLREDUCE", "nccl").strip().lower()
+    if mode not in ("symm_mem", "nccl"):
+        raise GraphDSLError(f"GRAPHDSL_ALLREDUCE must be 'symm_mem' or 'nccl', got {mode!r}")
+    if mode != "symm_mem":
         return 0
     return int(os.environ.get("GRAPHDSL_ONESHOT_MAX_BYTES", 512 * 1024))
 

@@ -1,5 +1,7 @@
 """Run a function on W ranks as torchrun would (one spawned process per rank, torchrun's environment
-variables set), collecting rank 0's result. Used by the tensor-parallel tests and the GPU tests."""
+variables set), collecting rank 0's result; or once in a fresh process (``in_fresh_process``), so that a
+test's tensor-parallel ``LLM`` meets no process group or symmetric-memory buffers another test left.
+Used by the tensor-parallel tests and the GPU tests."""
 from __future__ import annotations
 
 import multiprocessing as mp
@@ -54,3 +56,33 @@ def run_ranks(world_size: int, fn, *args, timeout_s: float = 240.0):
             if p.is_alive():
                 p.kill()
     return got[0]
+
+
+def _fresh_main(fn, args, env, results) -> None:
+    os.environ.update(env)
+    try:
+        results.put(("ok", pickle.dumps(fn(*args))))
+    except BaseException:
+        results.put(("error", traceback.format_exc()))
+
+
+def in_fresh_process(fn, *args, env: dict | None = None, timeout_s: float = 240.0):
+    """``fn(*args)`` in a spawned process with ``env`` added to its environment; returns its value,
+    raises with its traceback if it failed, or when it gave nothing within ``timeout_s``. A process that
+    does not exit within a minute of answering is killed."""
+    ctx = mp.get_context("spawn")
+    results = ctx.Queue()
+    p = ctx.Process(target=_fresh_main, args=(fn, args, dict(env or {}), results), daemon=False)
+    p.start()
+    try:
+        status, value = results.get(timeout=timeout_s)
+    except Exception:
+        raise AssertionError(f"{getattr(fn, '__name__', fn)} gave no result within {timeout_s:.0f}s") from None
+    finally:
+        p.join(60.0)
+        if p.is_alive():
+            p.kill()
+            p.join(5.0)
+    if status != "ok":
+        raise AssertionError(f"{getattr(fn, '__name__', fn)} failed in its process:\n{value}")
+    return pickle.loads(value)

@@ -183,15 +183,23 @@ def test_llm_spawns_workers_and_a_worker_crash_names_the_rank(ckpts, references)
     assert not dist.is_initialized()
 
 
-def test_from_config_shards_random_weights_per_rank():
-    """The benchmarks' path: each rank draws only its shard; the run is whole (shapes, steps)."""
+def test_from_config_ranks_hold_slices_of_the_single_process_weights():
+    """The benchmarks' path: every rank draws the random checkpoint whole and keeps its slices, so
+    TP2 is the single-process model split (``benchmarks/tp.py`` compares greedy tokens; when each
+    rank drew only its own shard, TP2 was another model and its tokens differed from the first)."""
     from tests.models.hf_tiny import make_config
     hf = make_config("llama").to_dict()
-    with gd.LLM.from_config(hf, device="cpu", tensor_parallel_size=2, num_kv_blocks=16) as llm:
+    sp = gd.SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+    with gd.LLM.from_config(hf, device="cpu", seed=3, num_kv_blocks=16) as one:
+        logits, tokens = one.score(IDS), one.generate([IDS], sp)[0].outputs[0].token_ids
+        whole = one.model._bound["model.layers.0.self_attn.qkv_proj.weight"]
+    with gd.LLM.from_config(hf, device="cpu", seed=3, tensor_parallel_size=2, num_kv_blocks=16) as llm:
         assert tuple(llm.model.model.layers[0].self_attn.qkv_proj.weight.shape) == (64, 64)
         assert llm.kv_cache.key_caches[0].shape[2] == 1
-        out = llm.generate([IDS], gd.SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True))
-        assert len(out[0].outputs[0].token_ids) == 3 and llm.score(IDS).shape == (len(IDS), hf["vocab_size"])
+        torch.testing.assert_close(llm.score(IDS), logits, rtol=1e-4, atol=1e-4)
+        assert llm.generate([IDS], sp)[0].outputs[0].token_ids == tokens
+    with gd.LLM.from_config(hf, device="cpu", seed=4, num_kv_blocks=16) as other:
+        assert not torch.equal(other.model._bound["model.layers.0.self_attn.qkv_proj.weight"], whole)  # seeded
 
 
 def test_llm_close_ends_workers(ckpts):

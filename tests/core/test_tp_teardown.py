@@ -1,0 +1,133 @@
+"""Tensor parallelism's teardown and all-reduce switch, without a process group: ``close()`` ends
+the workers, then leaves the group, and a teardown that never ends (on two H200s, NCCL's, once decode
+graphs had captured collectives) is abandoned with a warning instead of hanging ``close()``;
+``GRAPHDSL_ALLREDUCE`` picks NCCL by default, the one-shot path on request, and refuses other values."""
+from __future__ import annotations
+
+import importlib.util
+import os
+import sys
+import threading
+
+import pytest
+
+from graphdsl.entrypoints import llm as llm_mod
+from graphdsl.errors import GraphDSLError
+from graphdsl.runtime.distributed import collectives
+
+
+class _Channel:
+    def __init__(self, calls):
+        self.calls = calls
+
+    def stop(self):
+        self.calls.append("stop")
+
+
+class _Pool:
+    def __init__(self, calls):
+        self.calls = calls
+
+    def close(self, timeout_s):
+        self.calls.append(("join workers", timeout_s))
+
+
+def _driver(calls, broken=None):
+    d = llm_mod._Driver.__new__(llm_mod._Driver)
+    d.ctx, d.pool, d.channel = None, _Pool(calls), _Channel(calls)
+    d.broken, d.closed = broken, False
+    return d
+
+
+def test_close_ends_the_workers_then_leaves_the_group_with_a_bound(monkeypatch):
+    calls = []
+    monkeypatch.setattr(llm_mod, "_destroy_group", lambda wait_s: calls.append(("leave group", wait_s)))
+    d = _driver(calls)
+    d.close()
+    d.close()                                       # a second close does nothing
+    assert calls == ["stop", ("join workers", 10.0), ("leave group", llm_mod._LEAVE_GROUP_S)]
+
+
+def test_close_of_a_broken_group_does_not_announce_and_waits_less(monkeypatch):
+    calls = []
+    monkeypatch.setattr(llm_mod, "_destroy_group", lambda wait_s: calls.append(("leave group", wait_s)))
+    _driver(calls, broken=RuntimeError("worker died")).close()
+    assert calls == [("join workers", 0.1), ("leave group", llm_mod._LEAVE_BROKEN_GROUP_S)]
+
+
+def test_a_teardown_that_never_ends_is_abandoned_with_a_warning(monkeypatch):
+    import torch.distributed as dist
+    release = threading.Event()
+    entered = threading.Event()
+
+    def stuck():
+        entered.set()
+        release.wait(30)
+    monkeypatch.setattr(dist, "is_initialized", lambda: True)
+    monkeypatch.setattr(dist, "destroy_process_group", stuck)
+    collectives._SYMM_BUFFERS[("dev", "dtype", "0")] = object()
+    try:
+        with pytest.warns(RuntimeWarning, match="leaving the tensor-parallel process group took over"):
+            llm_mod._destroy_group(wait_s=0.2)
+        assert entered.is_set()
+        assert not collectives._SYMM_BUFFERS          # the one-shot buffers of the old group are dropped
+    finally:
+        release.set()
+
+
+def test_a_teardown_that_ends_returns_without_a_warning(monkeypatch, recwarn):
+    import torch.distributed as dist
+    left = []
+    monkeypatch.setattr(dist, "is_initialized", lambda: True)
+    monkeypatch.setattr(dist, "destroy_process_group", lambda: left.append(True))
+    llm_mod._destroy_group(wait_s=5.0)
+    assert left == [True] and not [w for w in recwarn if w.category is RuntimeWarning]
+
+
+def test_allreduce_path_switch(monkeypatch):
+    monkeypatch.delenv("GRAPHDSL_ALLREDUCE", raising=False)
+    monkeypatch.delenv("GRAPHDSL_ONESHOT_MAX_BYTES", raising=False)
+    assert collectives._one_shot_limit() == 0                   # NCCL by default
+    monkeypatch.setenv("GRAPHDSL_ALLREDUCE", "Symm_Mem")
+    assert collectives._one_shot_limit() == 512 * 1024
+    monkeypatch.setenv("GRAPHDSL_ALLREDUCE", "nccl")
+    assert collectives._one_shot_limit() == 0
+    monkeypatch.setenv("GRAPHDSL_ALLREDUCE", "symm_mem")
+    monkeypatch.setenv("GRAPHDSL_ONESHOT_MAX_BYTES", "4096")
+    assert collectives._one_shot_limit() == 4096
+    monkeypatch.setenv("GRAPHDSL_ALLREDUCE", "multimem")
+    with pytest.raises(GraphDSLError, match=r"GRAPHDSL_ALLREDUCE must be 'symm_mem' or 'nccl', got 'multimem'"):
+        collectives._one_shot_limit()
+
+
+def _tp_bench():
+    path = os.path.join(os.path.dirname(__file__), "..", "..", "benchmarks")
+    sys.path.insert(0, path)
+    try:
+        spec = importlib.util.spec_from_file_location("tp_bench", os.path.join(path, "tp.py"))
+        mod = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(mod)
+        return mod
+    finally:
+        sys.path.remove(path)
+
+
+def test_tp_bench_names_where_greedy_tokens_part():
+    same = _tp_bench()._same_tokens
+    assert same([1, 2, 3], [1, 2, 3]) == "yes (3)"
+    assert same([1, 9, 3], [1, 2, 3]) == "no: from token 1 of 3"
+    assert same([1, 2], [1, 2, 3]) == "no: from token 2 of 3"
+    assert same([1, 2, 3], None) == "—"
+
+
+def test_in_fresh_process_runs_apart_with_its_env_and_reports_failures():
+    """The GPU tests' isolation helper: another process, the env given, a failure's traceback."""
+    from tests.helpers.tp_ranks import in_fresh_process
+    pid, value = in_fresh_process(_pid_and_env, "GRAPHDSL_PROBE_VALUE", env={"GRAPHDSL_PROBE_VALUE": "7"})
+    assert pid != os.getpid() and value == "7" and "GRAPHDSL_PROBE_VALUE" not in os.environ
+    with pytest.raises(AssertionError, match=r"(?s)_pid_and_env failed in its process.*KeyError"):
+        in_fresh_process(_pid_and_env, None)
+
+
+def _pid_and_env(name):
+    return os.getpid(), os.environ[name] if name is not None else {}[name]
