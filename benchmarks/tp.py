@@ -1,16 +1,20 @@
 """Tensor-parallel batch-1 decode: Llama-3-8B shape at TP1 and TP2, and a Llama-3-70B shape (80 layers,
 random weights) at TP2, in ms/token and as % of each rank's roofline.
 
-    python3 benchmarks/tp.py [--tp 2] [--shapes llama-3-8b llama-3-70b] [--tokens 128] [--no-graphs]
+    python3 benchmarks/tp.py [--tp 2] [--shapes llama-3-8b llama-3-70b] [--tokens 128]
+                             [--allreduce symm_mem nccl] [--eager]
 
 Decode time per token = (time to generate ``16 + tokens`` tokens − time to generate 16) / tokens,
 through ``LLM.generate`` (the serving loop, step announcement to the workers included), median of
-three. TP>1 runs twice: decode steps eager, and replayed through CUDA graphs that capture the
-collectives (``GRAPHDSL_TP_CUDA_GRAPHS=1``; ``--no-graphs`` skips those rows). Set
-``GRAPHDSL_ALLREDUCE=symm_mem`` to time the one-shot all-reduce instead of NCCL's. Roofline per
-rank = (the rank's weights except its embedding shard + its KV cache at the mean context) ÷ measured device-to-device copy bandwidth; collectives are not in the roofline, so the %
-shows what they and the step announcement cost. NVLink multicast stays off
-(``NCCL_NVLS_ENABLE=0``, ``TORCH_SYMM_MEM_DISABLE_MULTICAST=1``, set here before torch loads).
+three. TP>1 rows replay decode CUDA graphs that capture the collectives (the default), once per
+all-reduce path of ``--allreduce`` (``GRAPHDSL_ALLREDUCE``: the one-shot symmetric-memory kernel or
+NCCL); ``--eager`` adds rows with decode graphs off (``GRAPHDSL_TP_CUDA_GRAPHS=0``). Each TP>1 row
+of a shape measured at TP1 too says whether its greedy tokens (the ``16 + tokens`` of the timed
+call) equal TP1's. Roofline per rank = (the rank's weights except its embedding shard + its KV cache
+at the mean context) ÷ measured device-to-device copy bandwidth; collectives are not in the
+roofline, so the % shows what they and the step announcement cost. Each configuration runs in a
+fresh process (``--timeout`` bounds it) and its row prints as soon as it is measured. NVLink multicast stays off (``NCCL_NVLS_ENABLE=0``,
+``TORCH_SYMM_MEM_DISABLE_MULTICAST=1``, set here before torch loads).
 """
 from __future__ import annotations
 
@@ -20,9 +24,11 @@ os.environ["NCCL_NVLS_ENABLE"] = "0"
 os.environ["TORCH_SYMM_MEM_DISABLE_MULTICAST"] = "1"
 
 import argparse  # noqa: E402
+import json  # noqa: E402
 import math  # noqa: E402
 import statistics  # noqa: E402
 import sys  # noqa: E402
+import time  # noqa: E402
 
 import torch  # noqa: E402
 
@@ -48,35 +54,70 @@ def rank_bytes(llm, context: int) -> int:
     return weights + context * kv_per_token
 
 
-def decode_ms(llm, tokens: int) -> float:
+def decode_ms(llm, tokens: int) -> tuple[float, list[int]]:
+    """Median ms/token over three differences, and the greedy tokens of a ``WARM + tokens`` call."""
+    import graphdsl as gd
     prompt = [(7 * i + 3) % 1000 + 10 for i in range(PROMPT)]
     generate_s(llm, prompt, WARM + tokens)           # build + capture
     times = [(generate_s(llm, prompt, WARM + tokens) - generate_s(llm, prompt, WARM)) * 1e3 / tokens
              for _ in range(3)]
-    return statistics.median(times)
+    sp = gd.SamplingParams(max_tokens=WARM + tokens, temperature=0.0, ignore_eos=True)
+    return statistics.median(times), list(llm.generate([prompt], sp)[0].outputs[0].token_ids)
 
 
-def measure(shape: str, tp: int, tokens: int, graphs: bool, copy: float) -> dict:
+def measure(shape: str, tp: int, tokens: int, graphs: bool, allreduce: str, copy: float, report=print) -> None:
+    """One configuration, in this process (``--row``): build, time, ``report`` the row (a ``ROW``
+    line of JSON), close."""
     import graphdsl as gd
-    saved = os.environ.get("GRAPHDSL_TP_CUDA_GRAPHS")
-    os.environ["GRAPHDSL_TP_CUDA_GRAPHS"] = "1" if graphs else "0"
+    os.environ.update({"GRAPHDSL_TP_CUDA_GRAPHS": "1" if graphs else "0",     # read here and inherited
+                       "GRAPHDSL_ALLREDUCE": allreduce})                         # by the workers
+    llm = gd.LLM.from_config(SHAPES[shape], device="cuda", dtype="bfloat16", seed=0,
+                             max_model_len=PROMPT + WARM + tokens + 16, max_num_seqs=1, tensor_parallel_size=tp)
     try:
-        llm = gd.LLM.from_config(SHAPES[shape], device="cuda", dtype="bfloat16", seed=0,
-                                 max_model_len=PROMPT + WARM + tokens + 16, max_num_seqs=1,
-                                 tensor_parallel_size=tp)
-        try:
-            ms = decode_ms(llm, tokens)
-            roof_ms = rank_bytes(llm, PROMPT + WARM + tokens // 2) / (copy * 1e9) * 1e3
-        finally:
-            llm.close()
-            del llm
-            torch.cuda.empty_cache()
+        ms, ids = decode_ms(llm, tokens)
+        roof_ms = rank_bytes(llm, PROMPT + WARM + tokens // 2) / (copy * 1e9) * 1e3
+        report("ROW " + json.dumps({"shape": shape, "tp": tp, "graphs": graphs or tp == 1,
+                                    "allreduce": allreduce if tp > 1 else "—", "ms": ms, "roof_ms": roof_ms,
+                                    "ids": ids}), flush=True)
     finally:
-        if saved is None:
-            os.environ.pop("GRAPHDSL_TP_CUDA_GRAPHS", None)
-        else:
-            os.environ["GRAPHDSL_TP_CUDA_GRAPHS"] = saved
-    return {"shape": shape, "tp": tp, "graphs": graphs or tp == 1, "ms": ms, "roof_ms": roof_ms}
+        llm.close()
+
+
+def measure_in_child(shape: str, tp: int, tokens: int, graphs: bool, allreduce: str, copy: float,
+                     timeout_s: float) -> dict:
+    """:func:`measure` in a fresh process, so that no configuration inherits another's process group
+    or symmetric-memory buffers (a second tensor-parallel ``LLM`` in one process is not what this
+    times), and a configuration that fails or hangs still leaves the others' rows."""
+    import signal
+    import subprocess
+    row = json.dumps([shape, tp, tokens, graphs, allreduce, copy])
+    child = subprocess.Popen([sys.executable, os.path.abspath(__file__), "--row", row], stdout=subprocess.PIPE,
+                             text=True, start_new_session=True)
+    try:
+        out, _ = child.communicate(timeout=timeout_s)
+        why = f"exit code {child.returncode}"
+    except subprocess.TimeoutExpired:
+        os.killpg(child.pid, signal.SIGKILL)        # its worker ranks too
+        out, _ = child.communicate()
+        why = f"no result within {timeout_s:.0f}s"
+    except BaseException:                           # interrupted: leave no ranks behind
+        os.killpg(child.pid, signal.SIGKILL)
+        raise
+    lines = [ln for ln in out.splitlines() if ln.startswith("ROW ")]
+    if lines:                                       # measured, even if the teardown after it failed
+        return json.loads(lines[-1][4:])
+    print(f"{shape} TP{tp} graphs={graphs} {allreduce}: failed ({why})", file=sys.stderr, flush=True)
+    return {"shape": shape, "tp": tp, "graphs": graphs, "allreduce": allreduce, "ms": float("nan"),
+            "roof_ms": float("nan"), "ids": []}
+
+
+def _same_tokens(ids: list[int], ref: list[int] | None) -> str:
+    if ref is None or not ids:
+        return "—"
+    if ids == ref:
+        return f"yes ({len(ref)})"
+    first = next((i for i, (a, b) in enumerate(zip(ids, ref)) if a != b), min(len(ids), len(ref)))
+    return f"no: from token {first} of {len(ref)}"
 
 
 def main(argv=None) -> int:
@@ -84,30 +125,38 @@ def main(argv=None) -> int:
     ap.add_argument("--tp", type=int, default=2)
     ap.add_argument("--shapes", nargs="+", default=["llama-3-8b", "llama-3-70b"], choices=sorted(SHAPES))
     ap.add_argument("--tokens", type=int, default=128)
-    ap.add_argument("--no-graphs", dest="graphs", action="store_false",
-                    help="skip the TP>1 rows with decode CUDA graphs capturing the collectives")
+    ap.add_argument("--allreduce", nargs="+", default=["symm_mem", "nccl"], choices=["symm_mem", "nccl"],
+                    help="all-reduce paths to time at TP>1 (GRAPHDSL_ALLREDUCE)")
+    ap.add_argument("--eager", action="store_true", help="also time TP>1 with decode CUDA graphs off")
+    ap.add_argument("--timeout", type=float, default=300.0, help="seconds one configuration may take")
+    ap.add_argument("--row", help=argparse.SUPPRESS)     # internal: one configuration, in a child process
     args = ap.parse_args(argv)
+    if args.row is not None:
+        measure(*json.loads(args.row))
+        return 0
     if torch.cuda.device_count() < args.tp:
         print(f"tp.py needs {args.tp} CUDA GPUs, found {torch.cuda.device_count()}", file=sys.stderr)
         return 2
     copy = copy_bandwidth_gbs()
-    rows = []
+    print(f"# tensor-parallel batch-1 decode — {device_line()}; copy {copy:.0f} GB/s per GPU", flush=True)
+    print("| shape | TP | decode CUDA graphs | all-reduce | ms/token | roofline ms/token (per rank) | % of roofline "
+          "| vs TP1 | greedy tokens equal to TP1 |")
+    print("|---|---|---|---|---|---|---|---|---|", flush=True)
     for shape in args.shapes:
-        runs = ([(1, True)] if shape == "llama-3-8b" else []) + [(args.tp, False)] + ([(args.tp, True)] if args.graphs else [])
-        for tp, graphs in runs:
-            try:
-                rows.append(measure(shape, tp, args.tokens, graphs, copy))
-            except Exception as e:           # one failing configuration still leaves the others' rows
-                print(f"{shape} TP{tp} graphs={graphs}: failed: {type(e).__name__}: {str(e)[:300]}", file=sys.stderr)
-                rows.append({"shape": shape, "tp": tp, "graphs": graphs, "ms": float("nan"), "roof_ms": float("nan")})
-    print(f"# tensor-parallel batch-1 decode — {device_line()}; copy {copy:.0f} GB/s per GPU")
-    print("| shape | TP | decode CUDA graphs | ms/token | roofline ms/token (per rank) | % of roofline | vs TP1 |")
-    print("|---|---|---|---|---|---|---|")
-    base = {r["shape"]: r["ms"] for r in rows if r["tp"] == 1}
-    for r in rows:
-        rel = f"{r['ms'] / base[r['shape']]:.2f}x" if r["shape"] in base else "—"
-        print(f"| {r['shape']} | {r['tp']} | {'yes' if r['graphs'] else 'no'} | {r['ms']:.2f} | {r['roof_ms']:.2f} | "
-              f"{100 * r['roof_ms'] / r['ms']:.0f}% | {rel} |")
+        runs = [(1, True, "nccl")] if shape == "llama-3-8b" else []
+        runs += [(args.tp, True, ar) for ar in args.allreduce]
+        runs += [(args.tp, False, ar) for ar in args.allreduce[:1]] if args.eager else []
+        base = None
+        for tp, graphs, ar in runs:
+            t0 = time.perf_counter()
+            r = measure_in_child(shape, tp, args.tokens, graphs, ar, copy, args.timeout)
+            print(f"{shape} TP{tp} graphs={graphs} {ar}: {time.perf_counter() - t0:.0f}s", file=sys.stderr, flush=True)
+            if tp == 1:
+                base = r
+            rel = f"{r['ms'] / base['ms']:.2f}x" if base is not None else "—"
+            same = _same_tokens(r["ids"], base["ids"] if base is not None and tp > 1 else None)
+            print(f"| {shape} | {tp} | {'yes' if r['graphs'] else 'no'} | {r['allreduce']} | {r['ms']:.3f} | "
+                  f"{r['roof_ms']:.3f} | {100 * r['roof_ms'] / r['ms']:.1f}% | {rel} | {same} |", flush=True)
     return 0
 
 
