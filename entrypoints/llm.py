@@ -281,6 +281,7 @@ class LLM:
         ctx = init_distributed(rank, ws, device)
         if rank != 0:       # a worker: follow rank 0's steps, then leave the script (torchrun owns the group)
             StepChannel(ctx).serve(self._local_executor.execute)
+            self.model.release_graphs()
             raise SystemExit(0)
         self._tp = _Driver(ctx, None)
         self._executor = _TPExecutor(self._local_executor, self._tp)
@@ -308,6 +309,8 @@ class LLM:
         at interpreter exit). The LLM cannot run steps afterwards."""
         tp = getattr(self, "_tp", None)
         if tp is not None:
+            if not tp.closed:
+                self.model.release_graphs()      # before the group: NCCL's teardown waits for graphs that captured it
             tp.close()
 
     def __enter__(self):
@@ -885,7 +888,9 @@ def _close_at_exit(llm: "LLM") -> None:
 
 # How long close() waits for the process group's teardown, and when a rank died. On two H200s,
 # once decode graphs (GRAPHDSL_TP_CUDA_GRAPHS=1) had captured NCCL collectives, the teardown never
-# returned, whichever rank left first: close() hung for good before this bound.
+# returned, whichever rank left first: close() hung for good before this bound. (NCCL's teardown
+# waits until every graph that captured the communicator is destroyed; the ranks now drop their
+# graphs first, LLM.close and _Follower.close, which has not run on GPUs yet.)
 _LEAVE_GROUP_S = 30.0
 _LEAVE_BROKEN_GROUP_S = 5.0
 
@@ -953,6 +958,10 @@ class _Follower:
 
     def run_step(self, phase: str, inputs: dict[str, torch.Tensor]):
         return self.llm._local_executor.execute(phase, inputs)
+
+    def close(self) -> None:
+        """Serving ended: drop the shard's CUDA graphs before the worker leaves the group."""
+        self.llm.model.release_graphs()
 
 
 def _tp_follower(rank: int, world_size: int, source: tuple, device_type: str, opts: dict) -> _Follower:

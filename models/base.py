@@ -12,6 +12,7 @@ inside the engine (one plan per shape signature).
 """
 from __future__ import annotations
 
+import gc
 import os
 import re
 import weakref
@@ -162,6 +163,19 @@ class FlashCausalLM(Module):
         self._engines.clear()
         self._graph_runners.clear()
         self._prefill_runners.clear()
+
+    def release_graphs(self) -> None:
+        """Drop every captured CUDA graph (the decode and prefill runners), once the device is done
+        with them; later steps capture afresh. A graph that captured NCCL collectives holds a
+        reference on the communicator that only the graph's destruction drops, and NCCL's teardown
+        waits for it: tensor parallelism calls this before leaving its process group."""
+        if not (self._graph_runners or self._prefill_runners):
+            return
+        if torch.cuda.is_available() and torch.cuda.is_initialized():
+            torch.cuda.synchronize()
+        self._graph_runners.clear()
+        self._prefill_runners.clear()
+        gc.collect()                 # graphs in reference cycles go now, not at some later collection
 
     def configure_runtime(self, *, backend: str | None = None, cuda_graphs: bool = True,
                           max_blocks_per_seq: int | None = None) -> None:

@@ -108,6 +108,8 @@ def _worker_main(rank: int, world_size: int, port: int, build: Callable, build_a
         store.set(f"ready/{rank}", "1")
         ctx = init_distributed(rank, world_size, follower.device, store=dist.PrefixStore("pg", store))
         StepChannel(ctx).serve(follower.run_step)
+        if hasattr(follower, "close"):
+            follower.close()
         dist.destroy_process_group()
     except BaseException as e:   # reported to rank 0 with the traceback, then a failing exit code
         errors.put((rank, f"{type(e).__name__}: {e}", traceback.format_exc()))
@@ -118,7 +120,8 @@ class WorkerPool:
     """Ranks ``1..world_size-1`` as processes started with ``spawn``.
 
     ``build(rank, world_size, *build_args)`` runs in each worker and returns its follower: an object
-    with ``device`` and ``run_step(phase, inputs)``. The caller (rank 0) builds its own shard, then
+    with ``device`` and ``run_step(phase, inputs)``, and optionally ``close()``, called when serving
+    ends, before the worker leaves the process group. The caller (rank 0) builds its own shard, then
     calls :meth:`join` to wait for the workers and form the process group.
     """
 

@@ -131,3 +131,39 @@ def test_in_fresh_process_runs_apart_with_its_env_and_reports_failures():
 
 def _pid_and_env(name):
     return os.getpid(), os.environ[name] if name is not None else {}[name]
+
+
+def test_close_drops_the_graphs_before_leaving_the_group():
+    """NCCL's teardown waits until every graph that captured the communicator is destroyed, so the
+    LLM drops its captured graphs before its group goes (once)."""
+    calls = []
+
+    class Model:
+        def release_graphs(self):
+            calls.append("release graphs")
+
+    class Driver:
+        closed = False
+
+        def close(self):
+            calls.append("leave group")
+            self.closed = True
+
+    llm = llm_mod.LLM.__new__(llm_mod.LLM)
+    llm.model, llm._tp = Model(), Driver()
+    llm.close()
+    llm.close()
+    assert calls == ["release graphs", "leave group", "leave group"]   # the driver's own close is idempotent
+
+
+def test_release_graphs_empties_both_runner_tables():
+    import torch
+    from tests.models.hf_tiny import make_config
+    from graphdsl.models.config import build_config
+    from graphdsl.models.registry import resolve_model_class
+    config = build_config(make_config("llama").to_dict())
+    model = resolve_model_class(config.model_type, config.architectures)(config, torch.float32)
+    model._graph_runners[1], model._prefill_runners[2] = object(), object()
+    model.release_graphs()
+    assert model._graph_runners == {} and model._prefill_runners == {}
+    model.release_graphs()                                             # nothing to drop: a no-op

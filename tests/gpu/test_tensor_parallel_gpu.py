@@ -5,8 +5,9 @@ The collectives' NCCL lowerings (triton backend, into the engine's buffers) agai
 definitions; whole models (llama, qwen2-MoE, a KV-heads-<-ranks llama) at TP2 against TP1 —
 logits and greedy tokens, float32 so the different summation order stays far below the tolerance —
 eagerly and with decode CUDA graphs capturing the collectives (``GRAPHDSL_TP_CUDA_GRAPHS=1``), over
-NCCL and the one-shot all-reduce (``GRAPHDSL_ALLREDUCE=symm_mem``), each run in a fresh process; and
-a dead worker surfacing as an error naming its rank."""
+NCCL and the one-shot all-reduce (``GRAPHDSL_ALLREDUCE=symm_mem``), each run in a fresh process;
+``close()`` returning once graphs have captured collectives; and a dead worker surfacing as an error
+naming its rank."""
 from __future__ import annotations
 
 import os
@@ -126,6 +127,30 @@ def test_tp2_one_shot_allreduce_matches_tp1(ckpts):
                                                                "GRAPHDSL_TP_CUDA_GRAPHS": graphs})
         torch.testing.assert_close(got_logits, logits, rtol=1e-3, atol=1e-3)
         assert got_tokens == tokens, graphs
+
+
+def _close_seconds_after_graphs(path: str) -> float:
+    import time
+    import warnings
+    import graphdsl as gd
+    llm = gd.LLM(path, device="cuda", dtype="float32", tensor_parallel_size=2, num_kv_blocks=32)
+    llm.generate([IDS], gd.SamplingParams(max_tokens=NEW, temperature=0.0, ignore_eos=True))
+    procs = list(llm._tp.pool.procs)
+    t0 = time.monotonic()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", RuntimeWarning)       # an abandoned teardown warns: fail on it
+        llm.close()
+    import torch.distributed as dist
+    assert all(p.exitcode == 0 for p in procs) and not dist.is_initialized()
+    return time.monotonic() - t0
+
+
+def test_close_after_graphs_captured_collectives_returns(ckpts):
+    """NCCL's teardown waits for every graph that captured the communicator to be destroyed: before
+    the ranks dropped their graphs first, close() never returned (two H200s)."""
+    from tests.helpers.tp_ranks import in_fresh_process
+    seconds = in_fresh_process(_close_seconds_after_graphs, ckpts["llama"], env={"GRAPHDSL_TP_CUDA_GRAPHS": "1"})
+    assert seconds < 20
 
 
 def test_dead_worker_is_an_error_naming_its_rank(ckpts):
