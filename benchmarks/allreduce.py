@@ -3,9 +3,13 @@ lower ``all_reduce`` to (``GRAPHDSL_ALLREDUCE=symm_mem``), through the engine's 
 
     python3 benchmarks/allreduce.py [--world 2] [--kib 8 16 32 64 128 256 512]
 
-Per size: µs per all-reduce (median of CUDA-event timings of 200 back-to-back calls, 5 rounds) and
-bus bandwidth ``2 (W - 1) / W · bytes / time``. Decode all-reduces are ``hidden_size × 2`` bytes per
-token (16 KiB for an 8B model at batch 1). NVLink multicast stays off (set here before torch loads).
+Per size and path, µs per all-reduce two ways: *eager*, the median of CUDA-event timings of 200
+back-to-back calls from Python (5 rounds; for small messages this is the host's launch rate, not the
+GPUs'), and *graph*, 64 calls captured in one CUDA graph and replayed (median of 5 rounds of 20
+replays) — what a decode step's all-reduces cost, since decode graphs capture them. Bus bandwidth
+``2 (W - 1) / W · bytes / time`` from the graph time. Decode all-reduces are ``hidden_size × 2``
+bytes per token (8 KiB for an 8B model at batch 1). NVLink multicast stays off (set here before
+torch loads).
 """
 from __future__ import annotations
 
@@ -38,6 +42,35 @@ def _time_us(fn, iters: int = 200, rounds: int = 5) -> float:
     return statistics.median(out)
 
 
+def _graph_us(fn, per_graph: int = 64, replays: int = 20, rounds: int = 5) -> float:
+    """µs per ``fn()`` with ``per_graph`` calls captured in one CUDA graph (warmed on a side stream
+    first, as capture requires), replayed; the graph is dropped before returning (a graph that
+    captured NCCL calls holds the communicator until it is destroyed)."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        fn()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(per_graph):
+            fn()
+    graph.replay()
+    torch.cuda.synchronize()
+    out = []
+    for _ in range(rounds):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        for _ in range(replays):
+            graph.replay()
+        b.record()
+        torch.cuda.synchronize()
+        out.append(a.elapsed_time(b) * 1e3 / (replays * per_graph))
+    del graph
+    torch.cuda.synchronize()
+    return statistics.median(out)
+
+
 def _rank(rank: int, world: int, sizes_kib: list[int]):
     from graphdsl.runtime.distributed import collectives, init_distributed
     ctx = init_distributed(rank, world, torch.device("cuda", rank))
@@ -50,10 +83,11 @@ def _rank(rank: int, world: int, sizes_kib: list[int]):
         for mode in ("nccl", "symm_mem"):
             os.environ["GRAPHDSL_ALLREDUCE"] = mode
             os.environ["GRAPHDSL_ONESHOT_MAX_BYTES"] = str(max(sizes_kib) * 1024)
-            times[mode] = _time_us(lambda: lower(None, None, [x], {"world_size": world}, [dst]))
-        ref = x.clone()
-        torch.distributed.all_reduce(ref)
-        torch.testing.assert_close(dst, ref)
+            call = lambda: lower(None, None, [x], {"world_size": world}, [dst])  # noqa: E731
+            times[mode] = (_time_us(call), _graph_us(call))
+            ref = x.clone()
+            torch.distributed.all_reduce(ref)
+            torch.testing.assert_close(dst, ref)
         rows.append((kib, times["nccl"], times["symm_mem"]))
     torch.distributed.barrier()
     return rows
@@ -71,11 +105,13 @@ def main(argv=None) -> int:
     rows = run_ranks(args.world, _rank, args.kib, timeout_s=600)
     w = args.world
     print(f"# all-reduce, {w} GPUs ({torch.cuda.get_device_name()}), bf16")
-    print("| KiB | NCCL µs | one-shot µs | NCCL bus GB/s | one-shot bus GB/s | one-shot speed-up |")
-    print("|---|---|---|---|---|---|")
-    for kib, nccl, one in rows:
+    print("| KiB | NCCL µs, eager | one-shot µs, eager | NCCL µs, graph | one-shot µs, graph | NCCL bus GB/s, graph "
+          "| one-shot bus GB/s, graph | one-shot speed-up, graph |")
+    print("|---|---|---|---|---|---|---|---|")
+    for kib, (nccl_e, nccl_g), (one_e, one_g) in rows:
         bus = 2 * (w - 1) / w * kib * 1024 / 1e3
-        print(f"| {kib} | {nccl:.1f} | {one:.1f} | {bus / nccl:.1f} | {bus / one:.1f} | {nccl / one:.2f}x |")
+        print(f"| {kib} | {nccl_e:.1f} | {one_e:.1f} | {nccl_g:.2f} | {one_g:.2f} | {bus / nccl_g:.1f} | "
+              f"{bus / one_g:.1f} | {nccl_g / one_g:.2f}x |")
     return 0
 
 
