@@ -6,7 +6,7 @@ random weights) at TP2, in ms/token and as % of each rank's roofline.
 
 Decode time per token = (time to generate ``16 + tokens`` tokens − time to generate 16) / tokens,
 through ``LLM.generate`` (the serving loop, step announcement to the workers included), median of
-three. TP>1 rows replay decode CUDA graphs that capture the collectives (the default), once per
+three; beside it the engine step alone (the step executor back to back at the mean context). TP>1 rows replay decode CUDA graphs that capture the collectives (the default), once per
 all-reduce path of ``--allreduce`` (``GRAPHDSL_ALLREDUCE``: the one-shot symmetric-memory kernel or
 NCCL); ``--eager`` adds rows with decode graphs off (``GRAPHDSL_TP_CUDA_GRAPHS=0``). Each TP>1 row
 of a shape measured at TP1 too says whether its greedy tokens (the ``16 + tokens`` of the timed
@@ -34,7 +34,7 @@ import torch  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from common import copy_bandwidth_gbs, device_line, generate_s  # noqa: E402
-from llm import SHAPES  # noqa: E402
+from llm import SHAPES, _decode_inputs  # noqa: E402
 
 SHAPES = dict(SHAPES)
 SHAPES["llama-3-70b"] = dict(SHAPES["llama-3-8b"], hidden_size=8192, intermediate_size=28672, num_hidden_layers=80,
@@ -65,6 +65,24 @@ def decode_ms(llm, tokens: int) -> tuple[float, list[int]]:
     return statistics.median(times), list(llm.generate([prompt], sp)[0].outputs[0].token_ids)
 
 
+def engine_step_ms(llm, context: int, steps: int = 50) -> float:
+    """ms of one batch-1 decode step run through the step executor alone, back to back (no
+    scheduler, sampler or detokenizer; at TP>1 the step's announcement to the workers included)."""
+    inputs, ids = _decode_inputs(llm, 1, context, torch.Generator(device=llm.device).manual_seed(0))
+    try:
+        for _ in range(5):
+            llm._executor.execute("decode", inputs, 1)
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        for _ in range(steps):
+            llm._executor.execute("decode", inputs, 1)
+        torch.cuda.synchronize()
+        return (time.perf_counter() - t0) * 1e3 / steps
+    finally:
+        for sid in ids:
+            llm.blocks.free(sid)
+
+
 def measure(shape: str, tp: int, tokens: int, graphs: bool, allreduce: str, copy: float, report=print) -> None:
     """One configuration, in this process (``--row``): build, time, ``report`` the row (a ``ROW``
     line of JSON), close."""
@@ -75,10 +93,12 @@ def measure(shape: str, tp: int, tokens: int, graphs: bool, allreduce: str, copy
                              max_model_len=PROMPT + WARM + tokens + 16, max_num_seqs=1, tensor_parallel_size=tp)
     try:
         ms, ids = decode_ms(llm, tokens)
-        roof_ms = rank_bytes(llm, PROMPT + WARM + tokens // 2) / (copy * 1e9) * 1e3
+        context = PROMPT + WARM + tokens // 2
+        step = engine_step_ms(llm, context)
+        roof_ms = rank_bytes(llm, context) / (copy * 1e9) * 1e3
         report("ROW " + json.dumps({"shape": shape, "tp": tp, "graphs": graphs or tp == 1,
-                                    "allreduce": allreduce if tp > 1 else "—", "ms": ms, "roof_ms": roof_ms,
-                                    "ids": ids}), flush=True)
+                                    "allreduce": allreduce if tp > 1 else "—", "ms": ms, "step_ms": step,
+                                    "roof_ms": roof_ms, "ids": ids}), flush=True)
     finally:
         llm.close()
 
@@ -108,7 +128,7 @@ def measure_in_child(shape: str, tp: int, tokens: int, graphs: bool, allreduce: 
         return json.loads(lines[-1][4:])
     print(f"{shape} TP{tp} graphs={graphs} {allreduce}: failed ({why})", file=sys.stderr, flush=True)
     return {"shape": shape, "tp": tp, "graphs": graphs, "allreduce": allreduce, "ms": float("nan"),
-            "roof_ms": float("nan"), "ids": []}
+            "step_ms": float("nan"), "roof_ms": float("nan"), "ids": []}
 
 
 def _same_tokens(ids: list[int], ref: list[int] | None) -> str:
@@ -139,9 +159,9 @@ def main(argv=None) -> int:
         return 2
     copy = copy_bandwidth_gbs()
     print(f"# tensor-parallel batch-1 decode — {device_line()}; copy {copy:.0f} GB/s per GPU", flush=True)
-    print("| shape | TP | decode CUDA graphs | all-reduce | ms/token | roofline ms/token (per rank) | % of roofline "
-          "| vs TP1 | greedy tokens equal to TP1 |")
-    print("|---|---|---|---|---|---|---|---|---|", flush=True)
+    print("| shape | TP | decode CUDA graphs | all-reduce | ms/token | engine step ms | roofline ms/token (per rank) "
+          "| % of roofline | vs TP1 | greedy tokens equal to TP1 |")
+    print("|---|---|---|---|---|---|---|---|---|---|", flush=True)
     for shape in args.shapes:
         runs = [(1, True, "nccl")] if shape == "llama-3-8b" else []
         runs += [(args.tp, True, ar) for ar in args.allreduce]
@@ -156,7 +176,8 @@ def main(argv=None) -> int:
             rel = f"{r['ms'] / base['ms']:.2f}x" if base is not None else "—"
             same = _same_tokens(r["ids"], base["ids"] if base is not None and tp > 1 else None)
             print(f"| {shape} | {tp} | {'yes' if r['graphs'] else 'no'} | {r['allreduce']} | {r['ms']:.3f} | "
-                  f"{r['roof_ms']:.3f} | {100 * r['roof_ms'] / r['ms']:.1f}% | {rel} | {same} |", flush=True)
+                  f"{r['step_ms']:.3f} | {r['roof_ms']:.3f} | {100 * r['roof_ms'] / r['ms']:.1f}% | {rel} | {same} |",
+                  flush=True)
     return 0
 
 
