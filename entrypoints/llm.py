@@ -153,7 +153,7 @@ class LLM:
         _check_sizes(tensor_parallel_size, max_num_seqs, block_size, max_model_len, max_num_batched_tokens,
                      num_kv_blocks)
         _check_fraction(kv_cache_memory_fraction)
-        _check_tp(tensor_parallel_size, kv_cache_memory_fraction, expert_parallel, quantization, optimize_rules)
+        _check_tp(tensor_parallel_size, expert_parallel, quantization, optimize_rules)
         device = check_device(device, "LLM: device") or default_device()
         if custom_module_map is not None:
             load_custom_module_map(custom_module_map)
@@ -174,10 +174,12 @@ class LLM:
         """A model of ``hf_config``'s architecture (a HF ``config.json`` as a dict) with random
         weights made directly on ``device``: matrices and embeddings ~ N(0, ``init_std``), norm
         weights 1, biases 0. No checkpoint, no tokenizer (prompts are token ids) — for benchmarks
-        of real shapes and for tests. Same ``seed``, same weights on the same device. Under tensor
-        parallelism each rank draws its own shard (the whole model is never made; the shards are
-        not slices of the single-process model's weights). Parameters ``optimize_rules`` place on the
-        host are drawn on ``device`` and moved."""
+        of real shapes and for tests. Same ``seed``, same weights on the same device. Each
+        checkpoint tensor is drawn whole from a generator seeded by ``seed`` and its name, then
+        loaded as a checkpoint is; under tensor parallelism every rank draws them and keeps its
+        slices (one tensor at a time: the whole model is never held), so the ranks hold the
+        single-process model's weights. Parameters ``optimize_rules`` place on the host are drawn on
+        ``device`` and moved."""
         if not isinstance(hf_config, dict):
             raise GraphDSLError(f"from_config: hf_config must be a dict (a HF config.json), got {type(hf_config).__name__}")
         if isinstance(seed, bool) or not isinstance(seed, int):
@@ -193,7 +195,7 @@ class LLM:
         _check_sizes(tensor_parallel_size, max_num_seqs, block_size, max_model_len, max_num_batched_tokens,
                      num_kv_blocks)
         _check_fraction(kv_cache_memory_fraction)
-        _check_tp(tensor_parallel_size, kv_cache_memory_fraction, expert_parallel, quantization, optimize_rules)
+        _check_tp(tensor_parallel_size, expert_parallel, quantization, optimize_rules)
         device = check_device(device, "LLM.from_config: device") or default_device()
         self = cls.__new__(cls)
         opts = dict(dtype=dtype, max_model_len=max_model_len, max_num_seqs=max_num_seqs,
@@ -263,6 +265,7 @@ class LLM:
                 weights = quantize_weights(model_obj, weights, dtype)
             self.gguf = False
         self._setup(config, model_obj, weights, tokenizer, device=device, dtype=dtype, tp=tp,
+                    agree=opts.get("agree"),
                     **{k: opts[k] for k in ("max_model_len", "max_num_seqs", "max_num_batched_tokens",
                                             "kv_cache_memory_fraction", "num_kv_blocks", "block_size", "cuda_graphs",
                                             "overlap")})
@@ -277,8 +280,8 @@ class LLM:
         device = torch.device("cuda", local) if device.type == "cuda" else device
         if device.type == "cuda":
             torch.cuda.set_device(device)
-        self._build(source, device, TensorParallel(rank, ws), opts)
-        ctx = init_distributed(rank, ws, device)
+        ctx = init_distributed(rank, ws, device)       # torchrun's ranks live and die together: join first
+        self._build(source, device, TensorParallel(rank, ws), dict(opts, agree=lambda key, v: _min_over(ctx, v)))
         if rank != 0:       # a worker: follow rank 0's steps, then leave the script (torchrun owns the group)
             StepChannel(ctx).serve(self._local_executor.execute)
             self.model.release_graphs()
@@ -295,7 +298,7 @@ class LLM:
             device = torch.device("cuda", 0) if device.type == "cuda" else device
             if device.type == "cuda":
                 torch.cuda.set_device(device)
-            self._build(source, device, TensorParallel(0, world_size), opts)
+            self._build(source, device, TensorParallel(0, world_size), dict(opts, agree=pool.agree))
             ctx = pool.join(device)
         except BaseException:
             pool.close(timeout_s=0.1)
@@ -338,7 +341,9 @@ class LLM:
 
     def _setup(self, config: ModelConfig, model: FlashCausalLM, weights, tokenizer, *, device, dtype, max_model_len,
                max_num_seqs, max_num_batched_tokens, kv_cache_memory_fraction, num_kv_blocks, block_size,
-               cuda_graphs: bool, overlap: bool, tp=None) -> None:
+               cuda_graphs: bool, overlap: bool, tp=None, agree=None) -> None:
+        """``agree(key, value)``, under tensor parallelism: the least ``value`` over the ranks (every
+        rank must hold as many KV blocks as the others)."""
         self.config, self.model, self.tokenizer = config, model, tokenizer
         self.device, self.dtype = device, dtype
         cfg = config
@@ -357,6 +362,8 @@ class LLM:
             num_blocks = PagedKVCache.blocks_for_memory(kv_cache_memory_fraction, cfg.num_hidden_layers,
                                                         kv_heads, cfg.head_dim, block_size=block_size,
                                                         dtype=dtype, device=device)
+            if tp is not None:           # each rank's free memory differs: all hold the fewest blocks
+                num_blocks = agree("kv_blocks", num_blocks)
         else:
             num_blocks = PagedKVCache.blocks_for(self.max_model_len, max_num_seqs, block_size)
         self.kv_cache = PagedKVCache(cfg.num_hidden_layers, kv_heads, cfg.head_dim,
@@ -756,8 +763,7 @@ def _count(n: int, noun: str) -> str:
     return f"{n} {noun}{'' if n == 1 else 's'}"
 
 
-def _check_tp(tensor_parallel_size: int, kv_cache_memory_fraction, expert_parallel, quantization=None,
-              optimize_rules=None) -> None:
+def _check_tp(tensor_parallel_size: int, expert_parallel, quantization=None, optimize_rules=None) -> None:
     if tensor_parallel_size > 1 and optimize_rules is not None:
         raise GraphDSLError("LLM: optimize_rules are not supported with tensor_parallel_size > 1 yet (injected modules "
                             "and device placements are not sharded): use one of them")
@@ -766,9 +772,6 @@ def _check_tp(tensor_parallel_size: int, kv_cache_memory_fraction, expert_parall
                             "(quantized weights are not sharded): use one of them")
     if not isinstance(expert_parallel, bool):
         raise GraphDSLError(f"LLM: expert_parallel must be a bool, got {expert_parallel!r}")
-    if tensor_parallel_size > 1 and kv_cache_memory_fraction is not None:
-        raise GraphDSLError("LLM: kv_cache_memory_fraction is not supported with tensor_parallel_size > 1 yet (every "
-                            "rank must hold the same number of blocks): pass num_kv_blocks or max_num_seqs")
 
 
 def _check_fraction(kv_cache_memory_fraction) -> None:
@@ -880,6 +883,14 @@ class _Driver:
                 _destroy_group(wait_s=_LEAVE_GROUP_S if self.broken is None else _LEAVE_BROKEN_GROUP_S)
 
 
+def _min_over(ctx, value: int) -> int:
+    """The least ``value`` over the ranks of ``ctx``'s group (its host group: gloo, CPU tensors)."""
+    import torch.distributed as dist
+    t = torch.tensor([int(value)], dtype=torch.int64)
+    dist.all_reduce(t, op=dist.ReduceOp.MIN, group=ctx.control)
+    return int(t.item())
+
+
 def _close_at_exit(llm: "LLM") -> None:
     """Close ``llm``'s tensor-parallel group when it is garbage-collected or at interpreter exit."""
     import weakref
@@ -922,8 +933,10 @@ def _destroy_group(wait_s: float) -> None:
 
 
 class _TPExecutor:
-    """Rank 0's step executor: announces each step to the workers, then runs its own shard. Decode
-    steps run eagerly (no CUDA graphs: the step must be announced first)."""
+    """Rank 0's step executor: announces each step to the workers, then runs its own shard. The
+    serving loop gets no decode graph of its own from it (the step must be announced first, so the
+    loop's in-place graph path is not taken); each rank's ``model.execute`` may still replay its own
+    decode graph, collectives captured, with ``GRAPHDSL_TP_CUDA_GRAPHS=1``."""
 
     def __init__(self, local: ModelExecutor, driver: _Driver):
         self.local, self.driver = local, driver
@@ -964,7 +977,7 @@ class _Follower:
         self.llm.model.release_graphs()
 
 
-def _tp_follower(rank: int, world_size: int, source: tuple, device_type: str, opts: dict) -> _Follower:
+def _tp_follower(rank: int, world_size: int, source: tuple, device_type: str, opts: dict, *, agree) -> _Follower:
     """Build rank ``rank``'s shard in a spawned worker (``WorkerPool``'s build function)."""
     from graphdsl.layers.tensor_parallel import TensorParallel
     if opts.get("custom_module_map") is not None:
@@ -976,7 +989,7 @@ def _tp_follower(rank: int, world_size: int, source: tuple, device_type: str, op
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // world_size))
     llm = LLM.__new__(LLM)
     llm._tp = None
-    llm._build(source, device, TensorParallel(rank, world_size), dict(opts, progress=False))
+    llm._build(source, device, TensorParallel(rank, world_size), dict(opts, progress=False, agree=agree))
     return _Follower(llm)
 
 

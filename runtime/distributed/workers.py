@@ -99,12 +99,33 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+def agree_min(store, rank: int, world_size: int, key: str, value: int, *, timeout_s: float,
+              check: Callable[[], None] | None = None) -> int:
+    """The least ``value`` over the ranks, through ``store`` (before the process group exists):
+    each rank sets ``{key}/{rank}``, then waits for every rank's, calling ``check`` (which raises
+    for a dead peer) while it waits."""
+    store.set(f"{key}/{rank}", str(int(value)))
+    keys = [f"{key}/{r}" for r in range(world_size)]
+    deadline = time.monotonic() + timeout_s
+    while not store.check(keys):
+        if check is not None:
+            check()
+        if time.monotonic() > deadline:
+            missing = [k for k in keys if not store.check([k])]
+            raise WorkerError(f"tensor-parallel ranks did not agree on {key!r} within {timeout_s:.0f}s: {missing}")
+        time.sleep(0.01)
+    return min(int(store.get(k)) for k in keys)
+
+
 def _worker_main(rank: int, world_size: int, port: int, build: Callable, build_args: tuple, errors) -> None:
     """A worker process: build the shard, mark ready, join the group, serve steps, leave cleanly."""
+    import functools
+
     import torch.distributed as dist
     try:
         store = dist.TCPStore("127.0.0.1", port, world_size, is_master=False)
-        follower = build(rank, world_size, *build_args)          # loads this rank's weights
+        agree = functools.partial(_agree_as_worker, store, rank, world_size)
+        follower = build(rank, world_size, *build_args, agree=agree)          # loads this rank's weights
         store.set(f"ready/{rank}", "1")
         ctx = init_distributed(rank, world_size, follower.device, store=dist.PrefixStore("pg", store))
         StepChannel(ctx).serve(follower.run_step)
@@ -116,12 +137,19 @@ def _worker_main(rank: int, world_size: int, port: int, build: Callable, build_a
         os._exit(1)
 
 
+def _agree_as_worker(store, rank: int, world_size: int, key: str, value: int) -> int:
+    timeout = float(os.environ.get("GRAPHDSL_DIST_TIMEOUT_S", 600))
+    return agree_min(store, rank, world_size, key, value, timeout_s=timeout)
+
+
 class WorkerPool:
     """Ranks ``1..world_size-1`` as processes started with ``spawn``.
 
-    ``build(rank, world_size, *build_args)`` runs in each worker and returns its follower: an object
-    with ``device`` and ``run_step(phase, inputs)``, and optionally ``close()``, called when serving
-    ends, before the worker leaves the process group. The caller (rank 0) builds its own shard, then
+    ``build(rank, world_size, *build_args, agree=fn)`` runs in each worker and returns its follower:
+    an object with ``device`` and ``run_step(phase, inputs)``, and optionally ``close()``, called when
+    serving ends, before the worker leaves the process group. ``agree(key, value)`` returns the least
+    ``value`` over the ranks (each calls it with the same ``key``; rank 0 through :meth:`agree`): how
+    ranks that size something from their own free memory settle on one size before the group forms. The caller (rank 0) builds its own shard, then
     calls :meth:`join` to wait for the workers and form the process group.
     """
 
@@ -154,6 +182,12 @@ class WorkerPool:
                 raise WorkerError(f"tensor-parallel workers not ready after {timeout_s:.0f}s: {waiting}")
             time.sleep(0.05)
         return init_distributed(0, self.world_size, device, store=dist.PrefixStore("pg", self.store))
+
+    def agree(self, key: str, value: int) -> int:
+        """Rank 0's side of the workers' ``agree``: the least ``value`` over the ranks (a worker that
+        fails meanwhile is raised as :class:`WorkerError`)."""
+        timeout = float(os.environ.get("GRAPHDSL_DIST_TIMEOUT_S", 600))
+        return agree_min(self.store, 0, self.world_size, key, value, timeout_s=timeout, check=self.check)
 
     def check(self) -> None:
         """Raise :class:`WorkerError` naming the first worker that failed or exited."""

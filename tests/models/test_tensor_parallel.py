@@ -202,6 +202,58 @@ def test_from_config_ranks_hold_slices_of_the_single_process_weights():
         assert not torch.equal(other.model._bound["model.layers.0.self_attn.qkv_proj.weight"], whole)  # seeded
 
 
+def test_kv_cache_memory_fraction_gives_every_rank_the_fewest_blocks(ckpts, references):
+    """Each rank sizes its cache from its own free memory; the ranks then hold the least count."""
+    logits, tokens = references(ckpts["llama"])
+    with gd.LLM(ckpts["llama"], device="cpu", tensor_parallel_size=2, kv_cache_memory_fraction=0.001) as llm:
+        store = llm._tp.pool.store
+        counts = [int(store.get(f"kv_blocks/{r}")) for r in range(2)]
+        assert llm.blocks.num_blocks == min(counts) and llm.kv_cache.key_caches[0].shape[0] == min(counts)
+        sp = gd.SamplingParams(max_tokens=NEW, temperature=0.0, ignore_eos=True)
+        assert llm.generate([IDS], sp)[0].outputs[0].token_ids == tokens
+
+
+def _fraction_under_torchrun(rank: int, world: int, path: str):
+    try:
+        llm = gd.LLM(path, device="cpu", tensor_parallel_size=world, kv_cache_memory_fraction=0.001)
+    except SystemExit:                   # a worker rank, done once rank 0 closed its LLM
+        return None
+    blocks = llm.blocks.num_blocks
+    sp = gd.SamplingParams(max_tokens=NEW, temperature=0.0, ignore_eos=True)
+    out = llm.generate([IDS], sp)[0].outputs[0].token_ids
+    llm.close()
+    return blocks, out
+
+
+def test_kv_cache_memory_fraction_under_torchrun(ckpts, references):
+    _, tokens = references(ckpts["llama"])
+    blocks, out = run_ranks(2, _fraction_under_torchrun, ckpts["llama"])
+    assert blocks >= 1 and out == tokens
+
+
+def test_agree_min_through_a_store():
+    from torch.distributed import TCPStore
+    from graphdsl.runtime.distributed.workers import WorkerError, agree_min
+    from tests.helpers.tp_ranks import _free_port
+    port = _free_port()
+    store = TCPStore("127.0.0.1", port, 3, is_master=True, wait_for_workers=False)
+    got = {}
+    threads = [threading.Thread(target=lambda r, v: got.__setitem__(r, agree_min(store, r, 3, "k", v, timeout_s=10)),
+                                args=(r, v)) for r, v in ((0, 5), (1, 3), (2, 9))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(20)
+    assert got == {0: 3, 1: 3, 2: 3}
+    with pytest.raises(WorkerError, match=r"did not agree on 'late' within 0s: \['late/1'\]"):
+        agree_min(store, 0, 2, "late", 4, timeout_s=0.05)
+
+    def dead():
+        raise WorkerError("worker rank 1 died")
+    with pytest.raises(WorkerError, match="worker rank 1 died"):
+        agree_min(store, 0, 2, "dead", 4, timeout_s=10, check=dead)
+
+
 def test_llm_close_ends_workers(ckpts):
     llm = gd.LLM(ckpts["odd"], device="cpu", tensor_parallel_size=2, num_kv_blocks=16)
     procs = list(llm._tp.pool.procs)
@@ -253,8 +305,6 @@ def test_unsupported_layers_and_arguments_are_errors():
         TensorParallel(2, 2)
     with pytest.raises(GraphDSLError, match="tensor_parallel_size must be a positive int, got 0"):
         gd.LLM.from_config({}, device="cpu", tensor_parallel_size=0)
-    with pytest.raises(GraphDSLError, match="kv_cache_memory_fraction is not supported with tensor_parallel_size"):
-        gd.LLM.from_config({}, device="cpu", tensor_parallel_size=2, kv_cache_memory_fraction=0.5)
     with pytest.raises(GraphDSLError, match=r"quantization='int8' is not supported with tensor_parallel_size > 1"):
         gd.LLM.from_config({}, device="cpu", tensor_parallel_size=2, quantization="int8")
 
