@@ -312,9 +312,7 @@ class LLM:
         at interpreter exit). The LLM cannot run steps afterwards."""
         tp = getattr(self, "_tp", None)
         if tp is not None:
-            if not tp.closed:
-                self.model.release_graphs()      # before the group: NCCL's teardown waits for graphs that captured it
-            tp.close()
+            _close_group(self.model, tp)
 
     def __enter__(self):
         return self
@@ -891,10 +889,18 @@ def _min_over(ctx, value: int) -> int:
     return int(t.item())
 
 
+def _close_group(model: FlashCausalLM, tp: _Driver) -> None:
+    """Drop ``model``'s CUDA graphs, then close the group (once): NCCL's teardown waits for every
+    graph that captured the communicator to be destroyed."""
+    if not tp.closed:
+        model.release_graphs()
+    tp.close()
+
+
 def _close_at_exit(llm: "LLM") -> None:
     """Close ``llm``'s tensor-parallel group when it is garbage-collected or at interpreter exit."""
     import weakref
-    weakref.finalize(llm, llm._tp.close)
+    weakref.finalize(llm, _close_group, llm.model, llm._tp)
 
 
 # How long close() waits for the process group's teardown, and when a rank died. On two H200s,

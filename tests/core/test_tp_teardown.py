@@ -156,6 +156,29 @@ def test_close_drops_the_graphs_before_leaving_the_group():
     assert calls == ["release graphs", "leave group", "leave group"]   # the driver's own close is idempotent
 
 
+def test_an_llm_dropped_without_close_also_drops_its_graphs_first():
+    import gc
+    calls = []
+
+    class Model:
+        def release_graphs(self):
+            calls.append("release graphs")
+
+    class Driver:
+        closed = False
+
+        def close(self):
+            calls.append("leave group")
+            self.closed = True
+
+    llm = llm_mod.LLM.__new__(llm_mod.LLM)
+    llm.model, llm._tp = Model(), Driver()
+    llm_mod._close_at_exit(llm)
+    del llm
+    gc.collect()
+    assert calls == ["release graphs", "leave group"]
+
+
 def test_release_graphs_empties_both_runner_tables():
     import torch
     from tests.models.hf_tiny import make_config
