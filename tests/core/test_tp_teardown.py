@@ -133,11 +133,8 @@ def _pid_and_env(name):
     return os.getpid(), os.environ[name] if name is not None else {}[name]
 
 
-def test_close_drops_the_graphs_before_leaving_the_group():
-    """NCCL's teardown waits until every graph that captured the communicator is destroyed, so the
-    LLM drops its captured graphs before its group goes (once)."""
-    calls = []
-
+def _llm_recording(calls):
+    """An LLM whose model and group only record what teardown asks of them."""
     class Model:
         def release_graphs(self):
             calls.append("release graphs")
@@ -151,6 +148,14 @@ def test_close_drops_the_graphs_before_leaving_the_group():
 
     llm = llm_mod.LLM.__new__(llm_mod.LLM)
     llm.model, llm._tp = Model(), Driver()
+    return llm
+
+
+def test_close_drops_the_graphs_before_leaving_the_group():
+    """NCCL's teardown waits until every graph that captured the communicator is destroyed, so the
+    LLM drops its captured graphs before its group goes (once)."""
+    calls = []
+    llm = _llm_recording(calls)
     llm.close()
     llm.close()
     assert calls == ["release graphs", "leave group", "leave group"]   # the driver's own close is idempotent
@@ -159,20 +164,7 @@ def test_close_drops_the_graphs_before_leaving_the_group():
 def test_an_llm_dropped_without_close_also_drops_its_graphs_first():
     import gc
     calls = []
-
-    class Model:
-        def release_graphs(self):
-            calls.append("release graphs")
-
-    class Driver:
-        closed = False
-
-        def close(self):
-            calls.append("leave group")
-            self.closed = True
-
-    llm = llm_mod.LLM.__new__(llm_mod.LLM)
-    llm.model, llm._tp = Model(), Driver()
+    llm = _llm_recording(calls)
     llm_mod._close_at_exit(llm)
     del llm
     gc.collect()
