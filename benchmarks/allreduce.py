@@ -28,6 +28,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 
 
 def _time_us(fn, iters: int = 200, rounds: int = 5) -> float:
+    """µs per ``fn()``: the median over ``rounds`` of ``iters`` back-to-back calls (CUDA events)."""
     fn()
     torch.cuda.synchronize()
     out = []
@@ -55,20 +56,10 @@ def _graph_us(fn, per_graph: int = 64, replays: int = 20, rounds: int = 5) -> fl
     with torch.cuda.graph(graph):
         for _ in range(per_graph):
             fn()
-    graph.replay()
-    torch.cuda.synchronize()
-    out = []
-    for _ in range(rounds):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        for _ in range(replays):
-            graph.replay()
-        b.record()
-        torch.cuda.synchronize()
-        out.append(a.elapsed_time(b) * 1e3 / (replays * per_graph))
+    us = _time_us(graph.replay, iters=replays, rounds=rounds) / per_graph
     del graph
     torch.cuda.synchronize()
-    return statistics.median(out)
+    return us
 
 
 def _rank(rank: int, world: int, sizes_kib: list[int]):
