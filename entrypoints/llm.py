@@ -32,7 +32,7 @@ from graphdsl.runtime.serving.outputs import CompletionOutput, RequestOutput
 from graphdsl.runtime.serving.sampling import SamplingParams
 from graphdsl.runtime.serving.scheduler import Request, RequestStatus, Scheduler, TokenEvent
 
-from graphdsl.models.base import FlashCausalLM, _env_on
+from graphdsl.models.base import FlashCausalLM
 from graphdsl.models.config import ModelConfig, build_config, read_hf_config
 from graphdsl.models.gguf_weights import keep_gguf_blocks
 from graphdsl.models.loader import (load_weights, mark_checkpoint_quantization, refuse_online_over_stored,
@@ -349,7 +349,7 @@ class LLM:
         if tp is not None:
             from graphdsl.models.tensor_parallel import kv_heads_per_rank
             kv_heads = kv_heads_per_rank(model, tp.world_size)
-            cuda_graphs = cuda_graphs and _env_on("GRAPHDSL_TP_CUDA_GRAPHS")
+            cuda_graphs = cuda_graphs and tp_cuda_graphs_enabled()
         self.tensor_parallel = tp
         self.max_model_len = max_model_len or min(cfg.max_position_embeddings, 2048)
         self.max_num_seqs, self.block_size = max_num_seqs, block_size
@@ -879,6 +879,13 @@ class _Driver:
             if self.pool is not None:        # the group is ours (not torchrun's): leave it
                 self.pool.close(timeout_s=10.0 if self.broken is None else 0.1)
                 _destroy_group(wait_s=_LEAVE_GROUP_S if self.broken is None else _LEAVE_BROKEN_GROUP_S)
+
+
+def tp_cuda_graphs_enabled() -> bool:
+    """Whether tensor-parallel ranks replay decode CUDA graphs: only with ``GRAPHDSL_TP_CUDA_GRAPHS=1``
+    until leaving the process group after graphs captured collectives is shown not to hang on GPUs
+    (docs/distributed.md, "Known problems")."""
+    return os.environ.get("GRAPHDSL_TP_CUDA_GRAPHS", "0").strip() == "1"
 
 
 def _min_over(ctx, value: int) -> int:

@@ -149,8 +149,9 @@ class WorkerPool:
     an object with ``device`` and ``run_step(phase, inputs)``, and optionally ``close()``, called when
     serving ends, before the worker leaves the process group. ``agree(key, value)`` returns the least
     ``value`` over the ranks (each calls it with the same ``key``; rank 0 through :meth:`agree`): how
-    ranks that size something from their own free memory settle on one size before the group forms. The caller (rank 0) builds its own shard, then
-    calls :meth:`join` to wait for the workers and form the process group.
+    ranks that size something from their own free memory settle on one size before the group forms.
+    The caller (rank 0) builds its own shard, then calls :meth:`join` to wait for the workers and
+    form the process group.
     """
 
     def __init__(self, world_size: int, build: Callable, build_args: tuple = ()):

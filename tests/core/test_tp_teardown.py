@@ -182,3 +182,12 @@ def test_release_graphs_empties_both_runner_tables():
     model.release_graphs()
     assert model._graph_runners == {} and model._prefill_runners == {}
     model.release_graphs()                                             # nothing to drop: a no-op
+
+
+def test_tp_decode_graphs_stay_opt_in(monkeypatch):
+    monkeypatch.delenv("GRAPHDSL_TP_CUDA_GRAPHS", raising=False)
+    assert not llm_mod.tp_cuda_graphs_enabled()
+    monkeypatch.setenv("GRAPHDSL_TP_CUDA_GRAPHS", "1")
+    assert llm_mod.tp_cuda_graphs_enabled()
+    monkeypatch.setenv("GRAPHDSL_TP_CUDA_GRAPHS", "0")
+    assert not llm_mod.tp_cuda_graphs_enabled()
