@@ -281,7 +281,7 @@ class LLM:
         if device.type == "cuda":
             torch.cuda.set_device(device)
         ctx = init_distributed(rank, ws, device)       # torchrun's ranks live and die together: join first
-        self._build(source, device, TensorParallel(rank, ws), dict(opts, agree=lambda key, v: _min_over(ctx, v)))
+        self._build(source, device, TensorParallel(rank, ws), dict(opts, agree=ctx.agree_min))
         if rank != 0:       # a worker: follow rank 0's steps, then leave the script (torchrun owns the group)
             StepChannel(ctx).serve(self._local_executor.execute)
             self.model.release_graphs()
@@ -886,14 +886,6 @@ def tp_cuda_graphs_enabled() -> bool:
     until leaving the process group after graphs captured collectives is shown not to hang on GPUs
     (docs/distributed.md, "Known problems")."""
     return os.environ.get("GRAPHDSL_TP_CUDA_GRAPHS", "0").strip() == "1"
-
-
-def _min_over(ctx, value: int) -> int:
-    """The least ``value`` over the ranks of ``ctx``'s group (its host group: gloo, CPU tensors)."""
-    import torch.distributed as dist
-    t = torch.tensor([int(value)], dtype=torch.int64)
-    dist.all_reduce(t, op=dist.ReduceOp.MIN, group=ctx.control)
-    return int(t.item())
 
 
 def _close_group(model: FlashCausalLM, tp: _Driver) -> None:

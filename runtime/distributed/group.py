@@ -33,6 +33,14 @@ class DistContext:
     def is_driver(self) -> bool:
         return self.rank == 0
 
+    def agree_min(self, key: str, value: int) -> int:
+        """The least ``value`` over the ranks, over the host group (gloo, CPU tensors): the group's
+        form of :class:`~.workers.WorkerPool`'s ``agree`` (``key`` names the quantity, unused here)."""
+        import torch.distributed as dist
+        t = torch.tensor([int(value)], dtype=torch.int64)
+        dist.all_reduce(t, op=dist.ReduceOp.MIN, group=self.control)
+        return int(t.item())
+
 
 def backend_for(device: torch.device) -> str:
     """``"nccl"`` for CUDA devices, ``"gloo"`` otherwise."""
