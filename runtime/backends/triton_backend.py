@@ -26,7 +26,9 @@ Per node, by what the node is:
   ``matmul_silu_mul_lora``) add the adapter term inside the same GEMV after one shrink launch, or
   through one more cuBLAS ``addmm`` for many rows (:func:`_lora_matmul`);
 * collectives (``all_reduce``, ``all_gather``, ``reduce_scatter``) on CUDA — NCCL through
-  ``torch.distributed`` straight into the node's slot (:mod:`graphdsl.runtime.distributed.collectives`);
+  ``torch.distributed`` straight into the node's slot, or small all-reduces in one Triton launch
+  over peer-mapped buffers (:mod:`graphdsl.runtime.distributed.collectives`), which also runs the
+  ``add_rms_norm`` after one (:mod:`.allreduce_norm`);
 * anything else — the op's torch reference, copied into its slot (views alias their source).
 
 Kernels are prepared once per node and operand signature (shapes, strides, dtypes) and cached.
@@ -101,6 +103,7 @@ class TritonBackend:
         self._planes_ready: dict = {}           # GGUF node -> its rows' A operand, made by the kernel before it
         self._gguf_next: tuple = (None, {})     # (a node list, norm node -> its GGUF readers right after it)
         self._step_view = None                  # (a node list, its set, graph input -> in-place writers)
+        from .allreduce_norm import AllReduceNorm
         from .gather_carry import GatherCarry
         from .norm_carry import NormCarry
         from .torch_backend import TorchBackend
@@ -108,6 +111,7 @@ class TritonBackend:
         self.norms = NormCarry()                # RMSNorms carried by the decode GEMVs around them
         self.gathers = GatherCarry()            # act-order gathers carried by the int4 GEMV reading them
         self.gather_rows = None                 # the running node's carried gather (gather_carry.Pending)
+        self.reduce_norms = AllReduceNorm()     # tensor-parallel all-reduces that also add and normalise
 
     # -- build time ----------------------------------------------------------------------------
     can_fuse = staticmethod(triton_can_fuse)
@@ -127,6 +131,7 @@ class TritonBackend:
         self._planes_ready = {}
         self.norms.start(nodes, enabled=after is None)   # a hook reads every node's output: none carried
         self.gathers.start(nodes, enabled=after is None)
+        self.reduce_norms.start(nodes, enabled=after is None)
         for node in nodes:
             self._run_one(node, values, attrs, storage)
             if after is not None:
@@ -159,6 +164,8 @@ class TritonBackend:
 
     def _lower(self, node, ins, on_cpu: bool, values: dict, attrs: dict, storage: dict) -> None:
         if node.category is OpCategory.COLLECTIVE and not on_cpu and node.op in COLLECTIVE_LOWERINGS:
+            if node.op == "all_reduce" and self.reduce_norms.launch(self, node, ins, values, attrs, storage):
+                return
             dsts = [self._dst(t, storage, node, attrs[node], ins, i) for i, t in enumerate(node.outputs)]
             for t, r in zip(node.outputs, COLLECTIVE_LOWERINGS[node.op](self, node, ins, attrs[node], dsts)):
                 values[t] = r
@@ -170,7 +177,8 @@ class TritonBackend:
         if on_cpu and (node.op in _LOWERINGS or self._lone_fusable(node)):
             raise GraphDSLError(f"backend 'triton' runs on CUDA, or on CPU with TRITON_INTERPRET=1; node "
                                 f"'{node.name}' ({node.op}) got CPU tensors (use backend='torch' on CPU)")
-        if self.norms.norm(node, values) or self.norms.producer(self, node, values, attrs, storage):
+        if self.reduce_norms.done(node) or self.norms.norm(node, values) \
+                or self.norms.producer(self, node, values, attrs, storage):
             return
         lower = _LOWERINGS.get(node.op)
         if lower is None and node.category is OpCategory.MATMUL:

@@ -5,13 +5,18 @@ are NCCL calls on the current stream; the torch references (:mod:`graphdsl.funct
 stay the semantics and the CPU path.
 
 Small CUDA all-reduces may take the one-shot path instead (``GRAPHDSL_ALLREDUCE=symm_mem``; the
-default, ``nccl``, sends them all to NCCL): the input is copied into a torch symmetric-memory buffer
-every rank maps, and each rank sums all ranks' buffers with peer-to-peer loads in one kernel
-(``symm_mem.one_shot_all_reduce_copy_out``) — one launch instead of NCCL's ring or tree steps; no
-NVLink multicast involved. On two H200s it gave the Llama-3-8B shape's TP2 decode (with decode
-graphs) 2.868 ms a token against 3.024 with NCCL; it is not the default because a second
-tensor-parallel ``LLM`` in the same process hung in the buffer's rendezvous there
-(docs/distributed.md). Messages above ``GRAPHDSL_ONESHOT_MAX_BYTES`` (default 512 KiB) stay on NCCL."""
+default, ``nccl``, sends them all to NCCL): every rank pushes its rows into peer-mapped buffers
+(torch symmetric memory) and sums what the others pushed, in one Triton launch with one flag
+exchange (:mod:`..kernels.allreduce`); no NVLink multicast involved. When the all-reduce's only
+reader is the ``add_rms_norm`` right after it (a tensor-parallel layer's o or down projection), the
+same launch adds the residual and normalises (:func:`norm_after`, :func:`all_reduce_add_rms_norm`),
+and the norm launches nothing. Messages above ``GRAPHDSL_ONESHOT_MAX_BYTES`` (default 512 KiB),
+other dtypes or shapes stay on NCCL. (torch's own ``one_shot_all_reduce_copy_out`` took this path
+before: on two H200s the Llama-3-8B shape's TP2 decode, with decode graphs, 2.868 ms a token
+against 3.024 with NCCL; docs/distributed.md. The Triton path has not run on two GPUs yet.) It is
+not the default because a second tensor-parallel ``LLM`` in the same process hung in the
+buffers' rendezvous there.
+"""
 from __future__ import annotations
 
 import os
@@ -20,7 +25,7 @@ import torch
 
 from graphdsl.errors import GraphDSLError
 
-__all__ = ["COLLECTIVE_LOWERINGS", "release_collective_buffers"]
+__all__ = ["COLLECTIVE_LOWERINGS", "release_collective_buffers", "norm_after", "all_reduce_add_rms_norm"]
 
 
 def _dist(world_size: int):
@@ -31,7 +36,7 @@ def _dist(world_size: int):
     return dist
 
 
-_SYMM_BUFFERS: dict = {}          # (device, dtype, group name) -> rendezvoused symmetric buffer
+_SYMM_BUFFERS: dict = {}          # (device, dtype, group name) -> the group's PeerBuffers
 
 
 def release_collective_buffers() -> None:
@@ -50,19 +55,78 @@ def _one_shot_limit() -> int:
     return int(os.environ.get("GRAPHDSL_ONESHOT_MAX_BYTES", 512 * 1024))
 
 
-def _symm_buffer(dist, device: torch.device, dtype: torch.dtype, limit: int) -> tuple[torch.Tensor, str]:
-    """The symmetric buffer of ``dtype`` on ``device`` (made and rendezvoused on first use: every
-    rank reaches its first all-reduce together, so the collective rendezvous lines up)."""
+def _peers(dist, device: torch.device, dtype: torch.dtype, limit: int):
+    """The group's :class:`~..kernels.allreduce.PeerBuffers` for ``dtype`` on ``device``, made and
+    rendezvoused on first use (every rank reaches its first all-reduce together, so the
+    collective rendezvous lines up): a data buffer of two slots of ``W`` regions of ``limit``
+    bytes, and an int32 flag array zeroed before the rendezvous (so no rank's first flag can
+    land before a peer has cleared its array)."""
     import torch.distributed._symmetric_memory as symm_mem
+
+    from ..kernels.allreduce import MAX_ROWS, PeerBuffers
     group = dist.group.WORLD.group_name
     key = (device, dtype, group)
-    buf = _SYMM_BUFFERS.get(key)
-    if buf is None:
-        elem = torch.empty((), dtype=dtype).element_size()
-        buf = symm_mem.empty(limit // elem, dtype=dtype, device=device)
-        symm_mem.rendezvous(buf, group)
-        _SYMM_BUFFERS[key] = buf
-    return buf, group
+    peers = _SYMM_BUFFERS.get(key)
+    if peers is None:
+        world = dist.get_world_size()
+        region = limit // torch.empty((), dtype=dtype).element_size()
+        data = symm_mem.empty(2 * world * region, dtype=dtype, device=device)
+        flags = symm_mem.empty(world * MAX_ROWS, dtype=torch.int32, device=device)
+        flags.zero_()
+        torch.cuda.synchronize(device)
+        ptrs = []
+        for t in (data, flags):
+            h = symm_mem.rendezvous(t, group)
+            base = t.data_ptr() - h.buffer_ptrs[h.rank]          # the tensor's offset in its allocation
+            ptrs.append(torch.tensor([p + base for p in h.buffer_ptrs], dtype=torch.int64, device=device))
+        peers = PeerBuffers(ptrs[0], ptrs[1], torch.zeros(MAX_ROWS, dtype=torch.int32, device=device),
+                            dist.get_rank(), world, region, dtype)
+        peers._keep = (data, flags)
+        _SYMM_BUFFERS[key] = peers
+    return peers
+
+
+def _rows(t: torch.Tensor) -> torch.Tensor | None:
+    """``t`` as ``[rows, last dim]`` (a view), or None when its rows are not evenly strided."""
+    if t.dim() == 0 or t.stride(-1) != 1:
+        return None
+    if t.dim() == 1:
+        return t.view(1, -1)
+    try:
+        return t.view(-1, t.shape[-1])
+    except RuntimeError:
+        return None
+
+
+def _flat_rows(t: torch.Tensor) -> torch.Tensor | None:
+    """``t``'s elements as rows the one-shot kernel takes, for a sum that does not care about rows:
+    its own rows, or (contiguous, rows too wide for one program) rows of 4096."""
+    from ..kernels.allreduce import MAX_WIDTH
+    rows = _rows(t)
+    if rows is not None and rows.shape[1] <= MAX_WIDTH:
+        return rows
+    if t.is_contiguous() and t.numel() % 4096 == 0:
+        return t.view(-1, 4096)
+    return None
+
+
+def _device_ok(x: torch.Tensor) -> bool:
+    """The one-shot path runs on CUDA tensors (peer-mapped memory)."""
+    return x.is_cuda
+
+
+def _one_shot_ok(x: torch.Tensor, *others: torch.Tensor, rows=_rows) -> bool:
+    """Whether the one-shot path takes ``x`` (and ``others`` of its shape and dtype) as ``rows``
+    gives them."""
+    from ..kernels.allreduce import MAX_ROWS, MAX_WIDTH
+    limit = _one_shot_limit()
+    if not (limit and _device_ok(x) and x.dtype in (torch.bfloat16, torch.float16, torch.float32)
+            and x.numel() * x.element_size() <= limit):
+        return False
+    r = rows(x)
+    return (r is not None and r.shape[0] <= MAX_ROWS and r.shape[1] <= MAX_WIDTH
+            and all(o.shape == x.shape and o.dtype == x.dtype and rows(o) is not None
+                    and rows(o).shape == r.shape for o in others))
 
 
 def _all_reduce(be, node, ins, attrs, dsts):
@@ -71,17 +135,51 @@ def _all_reduce(be, node, ins, attrs, dsts):
         return [dst.copy_(x) if dst is not None else x.clone()]
     if dst is None:
         dst = torch.empty_like(x)
-    limit = _one_shot_limit()
-    if (limit and x.is_cuda and x.dtype in (torch.bfloat16, torch.float32) and dst.is_contiguous()
-            and x.numel() * x.element_size() <= limit):
-        buf, group = _symm_buffer(_dist(attrs["world_size"]), x.device, x.dtype, limit)
-        torch.ops.symm_mem.one_shot_all_reduce_copy_out(buf[:x.numel()], x.contiguous().view(-1), "sum", group,
-                                                        dst.view(-1))
+    if _one_shot_ok(x, dst, rows=_flat_rows):
+        from ..kernels.allreduce import one_shot_all_reduce
+        peers = _peers(_dist(attrs["world_size"]), x.device, x.dtype, _one_shot_limit())
+        one_shot_all_reduce(_flat_rows(x), peers, _flat_rows(dst))
         return [dst]
     if dst.data_ptr() != x.data_ptr():
         dst.copy_(x)
     _dist(attrs["world_size"]).all_reduce(dst)
     return [dst]
+
+
+def norm_after(nodes) -> dict:
+    """``{all_reduce node: (add_rms_norm node, index of the norm's input it feeds)}`` for each
+    all-reduce of ``nodes`` (a run's node list) that the next node normalises and nothing else
+    reads: the pairs :func:`all_reduce_add_rms_norm` may run as one launch."""
+    if not nodes:
+        return {}
+    net = nodes[0].net
+    readers = net.consumers()
+    outputs = set(getattr(net, "outputs", {}).values())
+    pairs = {}
+    for a, b in zip(nodes, nodes[1:]):
+        if a.op != "all_reduce" or b.op != "add_rms_norm" or a.attrs.get("world_size", 1) == 1:
+            continue
+        y = a.outputs[0]
+        if readers.get(y) != [b] or y in outputs or b.inputs[0] is b.inputs[1] or y not in b.inputs[:2]:
+            continue
+        pairs[a] = (b, b.inputs.index(y))
+    return pairs
+
+
+def all_reduce_add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float,
+                            out: torch.Tensor, sum_out: torch.Tensor, world_size: int) -> bool:
+    """``sum_out = all_reduce(x) + residual``, ``out = rms_norm(sum_out, weight, eps)`` in one
+    one-shot launch, when that path takes these tensors; False (nothing done) otherwise. Each
+    program reads its row of ``x`` and ``residual`` before it writes that row of the outputs, so an
+    output may share an input's memory row for row (the caller checks that it shares no more)."""
+    if world_size == 1 or not _one_shot_ok(x, residual, out, sum_out) or weight.dtype != x.dtype \
+            or not weight.is_contiguous() or weight.shape != x.shape[-1:]:
+        return False
+    from ..kernels.allreduce import one_shot_all_reduce
+    peers = _peers(_dist(world_size), x.device, x.dtype, _one_shot_limit())
+    one_shot_all_reduce(_rows(x), peers, _rows(out), residual=_rows(residual), weight=weight,
+                        sum_out=_rows(sum_out), eps=eps)
+    return True
 
 
 def _all_gather(be, node, ins, attrs, dsts):
