@@ -37,7 +37,6 @@ queue, which is how the tests check its arithmetic.
 """
 from __future__ import annotations
 
-import argparse
 import functools
 import itertools
 import os
@@ -48,9 +47,9 @@ import triton
 import triton.language as tl
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from common import at_least, copy_bandwidth_gbs, device_line, graph_ms  # noqa: E402
-from persistent import (EPS, SHAPES, Layers, _config, _ints, _poll, _shapes, _store,  # noqa: E402
-                        engine_chain, resident)
+from common import graph_ms  # noqa: E402
+from persistent import (EPS, SHAPES, Layers, _ints, _poll, _store, chain_arguments, resident,  # noqa: E402
+                        shape_rows, start_table)
 
 from graphdsl.runtime.kernels.pdl import prefetch_l2  # noqa: E402
 
@@ -199,11 +198,7 @@ def run_queue(lay: Layers, programs: int, block_n: int, block_k: int, warps: int
     On a GPU the grid must be resident at once (a tile may wait for any earlier one): more programs
     than fit raise ``ValueError``; so do block sizes that do not divide the shape."""
     h, q, inter = lay.shape
-    if h % (block_k << narrow) or inter % (block_k << narrow):
-        raise ValueError(f"BLOCK_K must divide the hidden size {h} and the intermediate size {inter}, got "
-                         f"{block_k} (x{1 << narrow} for o and down)")
-    if (block_n >> narrow) < 2:
-        raise ValueError(f"BLOCK_N must be at least {2 << narrow}, got {block_n}")
+    lay.check_tiles(block_n, block_k, narrow)
     if stages < 1:
         raise ValueError(f"the queue runs the pipelined tl.dot loop: STAGES must be at least 1, got {stages}")
     if ahead < 1 or ahead & (ahead - 1) or (lay.h.is_cuda and ahead * block_k < 64):
@@ -225,16 +220,8 @@ def run_queue(lay: Layers, programs: int, block_n: int, block_k: int, warps: int
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--layers", type=at_least(1), default=32, help="layers a step (default 32)")
-    ap.add_argument("--shapes", type=_shapes, default=["8b", "1b"], help="comma-separated: 8b, 1b")
-    ap.add_argument("--configs", type=lambda s: [_config(c) for c in s.split(",")],
-                    default=[(64, 256, 4, 5), (32, 256, 4, 5)],
-                    help="tiles and loops, comma-separated BLOCK_NxBLOCK_KxWARPSxSTAGES (default 64x256x4x5,32x256x4x5)")
-    ap.add_argument("--per-sm", type=_ints(1), default=[1], help="programs a SM, comma-separated (default 1)")
-    ap.add_argument("--narrow", type=_ints(0, 1), default=[0, 1],
-                    help="0 and/or 1: o and down in [BLOCK_N/2, 2 BLOCK_K] tiles (default 0,1)")
+    ap = chain_arguments(__doc__, [(64, 256, 4, 5), (32, 256, 4, 5)],
+                         "tiles and loops, comma-separated BLOCK_NxBLOCK_KxWARPSxSTAGES", [0, 1])
     ap.add_argument("--backoff", type=_ints(0), default=[0], help="ns of nanosleep between polls, comma-separated "
                                                                    "(default 0)")
     ap.add_argument("--ahead", type=_ints(1), default=[2],
@@ -242,24 +229,12 @@ def main(argv=None) -> int:
     ap.add_argument("--without-waits", action="store_true",
                     help="also time each configuration with its waits left out (the queue alone; results wrong)")
     args = ap.parse_args(argv)
-    if not torch.cuda.is_available():
-        print("dataflow.py needs a CUDA GPU", file=sys.stderr)
+    started = start_table("dataflow.py", args.layers)
+    if started is None:
         return 2
-    sms = torch.cuda.get_device_properties(0).multi_processor_count
-    copy = copy_bandwidth_gbs()
-    print(device_line() + f"; copy bandwidth {copy:.0f} GB/s; {sms} SMs; {args.layers} layers a step\n")
-    print("| shape | chain | µs a layer | bytes at copy bandwidth, µs | % of copy | over bytes, µs |")
-    print("|---|---|---:|---:|---:|---:|")
+    sms, copy = started
     for name in args.shapes:
-        lay = Layers(SHAPES[name], args.layers, "cuda")
-        at_copy = lay.nbytes() / (copy * 1e9) * 1e6
-
-        def row(label, us):
-            print(f"| {name} | {label} | {us:.1f} | {at_copy:.1f} | {100 * at_copy / us:.1f} | {us - at_copy:.1f} |",
-                  flush=True)
-        row("engine GEMVs, a launch each (PDL)", graph_ms(engine_chain(lay)) * 1e3 / args.layers)
-        small = Layers(SHAPES[name], 2, "cuda")
-        want = small.reference()
+        lay, row, small, want = shape_rows(name, args.layers, copy)
         done = torch.zeros(4 * args.layers + 1, dtype=torch.int32, device="cuda")
         for per_sm, narrow, (bn, bk, warps, stages), backoff, ahead in itertools.product(
                 args.per_sm, args.narrow, args.configs, args.backoff, args.ahead):

@@ -317,6 +317,16 @@ class Layers:
         self.h.copy_(self.h0)
         self.hg.copy_((self.h0 * self.g1.float()).bfloat16())
 
+    def check_tiles(self, block_n: int, block_k: int, narrow: int) -> None:
+        """``ValueError`` unless ``BLOCK_K`` (times 2 for the o and down projections with ``narrow``)
+        divides the hidden and intermediate sizes and ``BLOCK_N`` leaves at least two rows a tile."""
+        h, _, inter = self.shape
+        if h % (block_k << narrow) or inter % (block_k << narrow):
+            raise ValueError(f"BLOCK_K must divide the hidden size {h} and the intermediate size {inter}, got "
+                             f"{block_k} (x{1 << narrow} for the narrow projections)")
+        if (block_n >> narrow) < 2:
+            raise ValueError(f"BLOCK_N must be at least {2 << narrow}, got {block_n}")
+
     def persistent(self, programs: int, block_n: int, block_k: int, warps: int, stages: int = 0, *,
                    narrow: int = 0, sync: int = 1, times: torch.Tensor | None = None) -> None:
         """Launch :func:`_layers` once (counters zeroed first); ``stages`` > 0: the pipelined
@@ -325,11 +335,7 @@ class Layers:
         readings. On a GPU the grid must be resident at once (every barrier waits for all of
         it): more programs than fit raise ``ValueError``."""
         h, q, inter = self.shape
-        if h % (block_k << narrow) or inter % (block_k << narrow):
-            raise ValueError(f"BLOCK_K must divide the hidden size {h} and the intermediate size {inter}, got "
-                             f"{block_k} (x{1 << narrow} for the narrow projections)")
-        if (block_n >> narrow) < 2:
-            raise ValueError(f"BLOCK_N must be at least {2 << narrow}, got {block_n}")
+        self.check_tiles(block_n, block_k, narrow)
         args = (self.h, self.hg, self.qkv, self.act, self.g1, self.g2, self.wqkv, self.wo, self.wgu, self.wd,
                 self.counts, self.counts if times is None else times, self.layers, EPS)
         meta = dict(H=h, QKV=q, INTER=inter, BLOCK_N=block_n, BLOCK_K=block_k, STAGES=stages, ON_GPU=self.h.is_cuda,
@@ -445,20 +451,55 @@ def _shapes(text: str) -> list[str]:
     return names
 
 
-def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+def start_table(script: str, layers: int):
+    """Say what ``script`` runs on and print its table's header: ``(SMs, copy GB/s)``, or None
+    (after saying so on stderr) without a CUDA GPU."""
+    if not torch.cuda.is_available():
+        print(f"{script} needs a CUDA GPU", file=sys.stderr)
+        return None
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    copy = copy_bandwidth_gbs()
+    print(device_line() + f"; copy bandwidth {copy:.0f} GB/s; {sms} SMs; {layers} layers a step\n")
+    print("| shape | chain | µs a layer | bytes at copy bandwidth, µs | % of copy | over bytes, µs |")
+    print("|---|---|---:|---:|---:|---:|")
+    return sms, copy
+
+
+def shape_rows(name: str, layers: int, copy: float):
+    """Shape ``name``'s :class:`Layers`, a printer of its rows ``row(label, µs a layer)`` (the
+    engine's chain's row printed first), and two layers with their float32 reference to check a
+    loop against before it is timed."""
+    lay = Layers(SHAPES[name], layers, "cuda")
+    at_copy = lay.nbytes() / (copy * 1e9) * 1e6
+
+    def row(label, us):
+        print(f"| {name} | {label} | {us:.1f} | {at_copy:.1f} | {100 * at_copy / us:.1f} | {us - at_copy:.1f} |",
+              flush=True)
+    row("engine GEMVs, a launch each (PDL)", graph_ms(engine_chain(lay)) * 1e3 / layers)
+    small = Layers(SHAPES[name], 2, "cuda")
+    return lay, row, small, small.reference()
+
+
+def chain_arguments(doc: str, configs: list, configs_help: str, narrow: list) -> argparse.ArgumentParser:
+    """The arguments persistent.py and dataflow.py share: ``--layers``, ``--shapes``, ``--configs``
+    (``configs`` by default), ``--per-sm`` and ``--narrow`` (``narrow`` by default)."""
+    ap = argparse.ArgumentParser(description=doc.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--layers", type=at_least(1), default=32, help="layers a step (default 32)")
     ap.add_argument("--shapes", type=_shapes, default=["8b", "1b"], help="comma-separated: 8b, 1b")
-    ap.add_argument("--configs", type=lambda s: [_config(c) for c in s.split(",")],
-                    default=[(32, 512, 8, 0), (16, 256, 4, 5)],
-                    help="persistent loops, comma-separated BLOCK_NxBLOCK_KxWARPS[xSTAGES]: with STAGES the "
-                         "pipelined tl.dot loop that deep, without it the register FMA loop "
-                         "(default 32x512x8,16x256x4x5)")
+    ap.add_argument("--configs", type=lambda s: [_config(c) for c in s.split(",")], default=configs,
+                    help=configs_help + " (default " + ",".join("x".join(str(v) for v in c if v) for c in configs) + ")")
     ap.add_argument("--per-sm", type=_ints(1), default=[1],
                     help="programs a SM, comma-separated (default 1; all must be resident at once)")
-    ap.add_argument("--narrow", type=_ints(0, 1), default=[1],
-                    help="0 and/or 1: the o and down projections in [BLOCK_N/2, 2 BLOCK_K] tiles (default 1)")
+    ap.add_argument("--narrow", type=_ints(0, 1), default=narrow,
+                    help="0 and/or 1: the o and down projections in [BLOCK_N/2, 2 BLOCK_K] tiles (default "
+                         + ",".join(map(str, narrow)) + ")")
+    return ap
+
+
+def main(argv=None) -> int:
+    ap = chain_arguments(__doc__, [(32, 512, 8, 0), (16, 256, 4, 5)],
+                         "persistent loops, comma-separated BLOCK_NxBLOCK_KxWARPS[xSTAGES]: with STAGES the "
+                         "pipelined tl.dot loop that deep, without it the register FMA loop", [1])
     ap.add_argument("--without-barriers", action="store_true",
                     help="also time each loop with the barriers left out (the streams alone; results wrong)")
     ap.add_argument("--poll", type=_polls, default=[2],
@@ -467,24 +508,12 @@ def main(argv=None) -> int:
                     help="also read the timer at every barrier and print how the programs arrive and leave")
     args = ap.parse_args(argv)
     spreads = []
-    if not torch.cuda.is_available():
-        print("persistent.py needs a CUDA GPU", file=sys.stderr)
+    started = start_table("persistent.py", args.layers)
+    if started is None:
         return 2
-    sms = torch.cuda.get_device_properties(0).multi_processor_count
-    copy = copy_bandwidth_gbs()
-    print(device_line() + f"; copy bandwidth {copy:.0f} GB/s; {sms} SMs; {args.layers} layers a step\n")
-    print("| shape | chain | µs a layer | bytes at copy bandwidth, µs | % of copy | over bytes, µs |")
-    print("|---|---|---:|---:|---:|---:|")
+    sms, copy = started
     for name in args.shapes:
-        lay = Layers(SHAPES[name], args.layers, "cuda")
-        at_copy = lay.nbytes() / (copy * 1e9) * 1e6
-
-        def row(label, us):
-            print(f"| {name} | {label} | {us:.1f} | {at_copy:.1f} | {100 * at_copy / us:.1f} | {us - at_copy:.1f} |",
-                  flush=True)
-        row("engine GEMVs, a launch each (PDL)", graph_ms(engine_chain(lay)) * 1e3 / args.layers)
-        small = Layers(SHAPES[name], 2, "cuda")
-        want = small.reference()
+        lay, row, small, want = shape_rows(name, args.layers, copy)
         for per_sm, narrow, (bn, bk, warps, stages), poll in itertools.product(args.per_sm, args.narrow,
                                                                                args.configs, args.poll):
             loop = f"tl.dot {stages} stages" if stages else "FMA"

@@ -12,3 +12,22 @@ def load(name: str) -> types.ModuleType:
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
     return mod
+
+
+def exits_without_gpu(name: str, argv: list[str], capsys, monkeypatch) -> None:
+    """``benchmarks/<name>.py``'s ``main(argv)`` on a machine without CUDA returns 2 and says it
+    needs a CUDA GPU."""
+    import torch
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert load(name).main(argv) == 2
+    assert "needs a CUDA GPU" in capsys.readouterr().err
+
+
+def refusal(name: str, argv: list[str], capsys) -> str:
+    """What ``benchmarks/<name>.py``'s argument parser says on stderr when it refuses ``argv``
+    (exit status 2, checked)."""
+    import pytest
+    with pytest.raises(SystemExit) as e:
+        load(name).main(argv)
+    assert e.value.code == 2
+    return capsys.readouterr().err

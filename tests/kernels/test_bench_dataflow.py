@@ -50,10 +50,7 @@ def test_bad_tiles_are_refused(kwargs, want):
 
 
 def test_without_a_gpu_it_exits_2(capsys, monkeypatch):
-    mod = benchmarks.load("dataflow")
-    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
-    assert mod.main(["--layers", "2"]) == 2
-    assert "needs a CUDA GPU" in capsys.readouterr().err
+    benchmarks.exits_without_gpu("dataflow", ["--layers", "2"], capsys, monkeypatch)
 
 
 @pytest.mark.parametrize("argv, want", [
@@ -62,8 +59,4 @@ def test_without_a_gpu_it_exits_2(capsys, monkeypatch):
     (["--shapes", "70b"], "expected names from ['1b', '8b'], got '70b'"),
 ])
 def test_bad_arguments_are_named(argv, want, capsys):
-    mod = benchmarks.load("dataflow")
-    with pytest.raises(SystemExit) as e:
-        mod.main(argv)
-    assert e.value.code == 2
-    assert want in capsys.readouterr().err
+    assert want in benchmarks.refusal("dataflow", argv, capsys)

@@ -30,10 +30,7 @@ def test_rows_are_shared_in_whole_units():
 
 
 def test_without_a_gpu_it_exits_2(capsys, monkeypatch):
-    mod = benchmarks.load("persistent")
-    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
-    assert mod.main(["--layers", "2"]) == 2
-    assert "needs a CUDA GPU" in capsys.readouterr().err
+    benchmarks.exits_without_gpu("persistent", ["--layers", "2"], capsys, monkeypatch)
 
 
 @pytest.mark.parametrize("argv, want", [
@@ -46,11 +43,7 @@ def test_without_a_gpu_it_exits_2(capsys, monkeypatch):
     (["--poll", "spin"], "expected names from ['atomic', 'load'], got 'spin'"),
 ])
 def test_bad_arguments_are_named(argv, want, capsys):
-    mod = benchmarks.load("persistent")
-    with pytest.raises(SystemExit) as e:
-        mod.main(argv)
-    assert e.value.code == 2
-    assert want in capsys.readouterr().err
+    assert want in benchmarks.refusal("persistent", argv, capsys)
 
 
 def test_barrier_spread_reads_arrivals_and_departures():
