@@ -10,13 +10,13 @@ from __future__ import annotations
 import pytest
 import torch
 
-from graphdsl.runtime.kernels.allreduce import local_peers, one_shot_all_reduce
-from tests.helpers.allreduce_ranks import run_in_turn
-
 pytestmark = pytest.mark.gpu
 
-if not torch.cuda.is_available():
-    pytest.skip("needs a CUDA GPU", allow_module_level=True)
+if not torch.cuda.is_available():      # before the kernel imports: without CUDA, tests/kernels' conftest must
+    pytest.skip("needs a CUDA GPU", allow_module_level=True)   # set TRITON_INTERPRET before they decorate
+
+from graphdsl.runtime.kernels.allreduce import local_peers, one_shot_all_reduce  # noqa: E402
+from tests.helpers.allreduce_ranks import run_in_turn  # noqa: E402
 
 DEV = torch.device("cuda")
 
