@@ -11,7 +11,8 @@ exchange (:mod:`..kernels.allreduce`); no NVLink multicast involved. When the al
 reader is the ``add_rms_norm`` right after it (a tensor-parallel layer's o or down projection), the
 same launch adds the residual and normalises (:func:`norm_after`, :func:`all_reduce_add_rms_norm`),
 and the norm launches nothing. Messages above ``GRAPHDSL_ONESHOT_MAX_BYTES`` (default 512 KiB),
-other dtypes or shapes stay on NCCL. (torch's own ``one_shot_all_reduce_copy_out`` took this path
+other dtypes, and rows of another width than the group's first one-shot call stay on NCCL (every
+rank decides alike: the ranks' calls have the same shapes in the same order). (torch's own ``one_shot_all_reduce_copy_out`` took this path
 before: on two H200s the Llama-3-8B shape's TP2 decode, with decode graphs, 2.868 ms a token
 against 3.024 with NCCL; docs/distributed.md. The Triton path has not run on two GPUs yet.) It is
 not the default because a second tensor-parallel ``LLM`` in the same process hung in the
@@ -138,8 +139,9 @@ def _all_reduce(be, node, ins, attrs, dsts):
     if _one_shot_ok(x, dst, rows=_flat_rows):
         from ..kernels.allreduce import one_shot_all_reduce
         peers = _peers(_dist(attrs["world_size"]), x.device, x.dtype, _one_shot_limit())
-        one_shot_all_reduce(_flat_rows(x), peers, _flat_rows(dst))
-        return [dst]
+        if peers.takes(_flat_rows(x).shape[1]):
+            one_shot_all_reduce(_flat_rows(x), peers, _flat_rows(dst))
+            return [dst]
     if dst.data_ptr() != x.data_ptr():
         dst.copy_(x)
     _dist(attrs["world_size"]).all_reduce(dst)
@@ -177,6 +179,8 @@ def all_reduce_add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: tor
         return False
     from ..kernels.allreduce import one_shot_all_reduce
     peers = _peers(_dist(world_size), x.device, x.dtype, _one_shot_limit())
+    if not peers.takes(x.shape[-1]):
+        return False
     one_shot_all_reduce(_rows(x), peers, _rows(out), residual=_rows(residual), weight=weight,
                         sum_out=_rows(sum_out), eps=eps)
     return True

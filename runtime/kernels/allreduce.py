@@ -20,7 +20,10 @@ device pointers of all ranks' buffers, ``buf_ptrs [W]``, and of their flag array
 
 Two slots make one exchange a call enough: a rank writes slot ``s`` again at call ``e + 2`` only
 after call ``e + 1``'s flags from every peer, which each peer sends only once its call ``e`` (its
-last read of slot ``s``) has finished. No NVLink multicast, no ``multimem`` instructions.
+last read of slot ``s``) has finished. That holds program by program, so every call of a group
+must give row ``p`` the same place: the buffers take one row width, the first call's
+(:attr:`PeerBuffers.width`); calls may differ in their number of rows. No NVLink multicast, no
+``multimem`` instructions.
 
 Under the CPU interpreter the release and acquire are atomics on the same addresses (tests run
 the ranks one after another, seeding the flags of those not run yet).
@@ -48,7 +51,8 @@ class PeerBuffers:
     rank's ``epoch`` counters (int32 ``[MAX_ROWS]``, zero at first), its ``rank`` and the
     ``region`` (elements) of one ``(slot, source rank)`` area. Every rank's buffer holds
     ``2 · W · region`` elements of ``dtype``; the flags start at zero on every rank before any
-    rank's first call."""
+    rank's first call. ``width``: the row width of every call, set by the first (module
+    docstring)."""
 
     buf_ptrs: torch.Tensor
     flag_ptrs: torch.Tensor
@@ -57,6 +61,11 @@ class PeerBuffers:
     world_size: int
     region: int
     dtype: torch.dtype
+    width: int | None = None
+
+    def takes(self, width: int) -> bool:
+        """Whether a call with rows of ``width`` may use these buffers."""
+        return self.width is None or self.width == width
 
 
 @triton.jit
@@ -150,8 +159,12 @@ def one_shot_all_reduce(x: torch.Tensor, peers: PeerBuffers, out: torch.Tensor, 
     if m > MAX_ROWS or h > MAX_WIDTH or m * h > peers.region:
         raise ValueError(f"one_shot_all_reduce: {m} rows of {h} exceed the buffers (at most {MAX_ROWS} rows, "
                          f"{MAX_WIDTH} a row, {peers.region} elements in all)")
+    if not peers.takes(h):
+        raise ValueError(f"one_shot_all_reduce: these buffers take rows of {peers.width} (their first call's), "
+                         f"got rows of {h}")
     if m == 0:
         return
+    peers.width = h
     res, s, w = (residual, sum_out, weight) if norm else (x, out, x)
     block = triton.next_power_of_2(h)
     _one_shot_kernel[(m,)](x, out, res, s, w, peers.buf_ptrs, peers.flag_ptrs, peers.epoch, h, peers.region,

@@ -76,3 +76,18 @@ def test_bad_calls_are_refused(kwargs, want):
     out = torch.empty(x.shape, dtype=torch.bfloat16) if x.dim() == 2 else torch.empty(2, 8, dtype=torch.bfloat16)
     with pytest.raises(ValueError, match=want):
         one_shot_all_reduce(x, peers[0], out, **kwargs)
+
+
+def test_the_buffers_keep_their_first_row_width():
+    """Row p must sit in the same place in every call (the two slots' safety holds program by
+    program), so a call with rows of another width is refused; fewer or more rows are fine."""
+    torch.manual_seed(3)
+    peers = local_peers(2, 4 * 64, torch.bfloat16, DEV)
+    for rows in (2, 4, 1):
+        xs = [torch.randn(rows, 32).bfloat16().to(DEV) for _ in range(2)]
+        outs = [out for out, _ in run_in_turn(peers, xs)]
+        torch.testing.assert_close(outs[0].float(), xs[0].float() + xs[1].float(), rtol=2 ** -7, atol=1e-6)
+    assert peers[0].width == 32 and peers[0].takes(32) and not peers[0].takes(64)
+    with pytest.raises(ValueError, match="these buffers take rows of 32 \\(their first call's\\), got rows of 64"):
+        one_shot_all_reduce(torch.zeros(1, 64, dtype=torch.bfloat16, device=DEV), peers[0],
+                            torch.empty(1, 64, dtype=torch.bfloat16, device=DEV))

@@ -117,3 +117,24 @@ def test_which_tensors_take_the_one_shot_path(monkeypatch):
     assert not c._one_shot_ok(torch.zeros(2, 4096, dtype=bf), torch.zeros(2, 4096, dtype=torch.float32))
     monkeypatch.setenv("GRAPHDSL_ALLREDUCE", "nccl")
     assert not c._one_shot_ok(torch.zeros(2, 4096, dtype=bf))
+
+
+def test_rows_of_another_width_than_the_groups_first_are_declined(monkeypatch):
+    """The buffers keep their first call's row width; the fused launch declines other widths (the
+    engine then runs the all-reduce and the norm apart), and touches nothing."""
+    from graphdsl.runtime.distributed import collectives
+    from graphdsl.runtime.kernels.allreduce import local_peers
+    peers = local_peers(1, 64 * H, torch.bfloat16, DEV)[0]
+    peers.width = 2 * H
+    monkeypatch.setattr(collectives, "_device_ok", lambda x: True)
+    monkeypatch.setattr(collectives, "_dist", lambda world_size: object())
+    monkeypatch.setattr(collectives, "_peers", lambda *a: peers)
+    monkeypatch.setenv("GRAPHDSL_ALLREDUCE", "symm_mem")
+    x, res = (torch.ones(2, H, dtype=torch.bfloat16, device=DEV) for _ in range(2))
+    w = torch.ones(H, dtype=torch.bfloat16, device=DEV)
+    out, s = torch.zeros_like(x), torch.zeros_like(x)
+    assert not collectives.all_reduce_add_rms_norm(x, res, w, 1e-5, out, s, 2)
+    assert int(out.abs().sum()) == 0 and int(peers.epoch.sum()) == 0
+    peers.width = H
+    assert collectives.all_reduce_add_rms_norm(x, res, w, 1e-5, out, s, 2)
+    assert torch.equal(s, torch.full_like(x, 2.0)) and int(peers.epoch[:2].sum()) == 2
