@@ -12,11 +12,12 @@ reader is the ``add_rms_norm`` right after it (a tensor-parallel layer's o or do
 same launch adds the residual and normalises (:func:`norm_after`, :func:`all_reduce_add_rms_norm`),
 and the norm launches nothing. Messages above ``GRAPHDSL_ONESHOT_MAX_BYTES`` (default 512 KiB),
 other dtypes, and rows of another width than the group's first one-shot call stay on NCCL (every
-rank decides alike: the ranks' calls have the same shapes in the same order). (torch's own ``one_shot_all_reduce_copy_out`` took this path
-before: on two H200s the Llama-3-8B shape's TP2 decode, with decode graphs, 2.868 ms a token
-against 3.024 with NCCL; docs/distributed.md. The Triton path has not run on two GPUs yet.) It is
-not the default because a second tensor-parallel ``LLM`` in the same process hung in the
-buffers' rendezvous there.
+rank decides alike: the ranks' calls have the same shapes in the same order).
+
+torch's own ``one_shot_all_reduce_copy_out`` took this path before: on two H200s the Llama-3-8B
+shape's TP2 decode, with decode graphs, 2.868 ms a token against 3.024 with NCCL
+(docs/distributed.md). The Triton path has not run on two GPUs yet. It is not the default because a
+second tensor-parallel ``LLM`` in the same process hung in the buffers' rendezvous there.
 """
 from __future__ import annotations
 

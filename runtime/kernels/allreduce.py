@@ -155,7 +155,8 @@ def one_shot_all_reduce(x: torch.Tensor, peers: PeerBuffers, out: torch.Tensor, 
         raise ValueError(f"one_shot_all_reduce: every tensor must be {peers.dtype}, got "
                          f"{[t.dtype for t in tensors + ([weight] if norm else [])]}")
     if any(t.shape != (m, h) or t.stride(-1) != 1 for t in tensors):
-        raise ValueError("one_shot_all_reduce: x, out (and residual, sum_out) must be [rows, width] with contiguous rows")
+        raise ValueError("one_shot_all_reduce: x, out (and residual, sum_out) must be [rows, width] with "
+                         "contiguous rows")
     if m > MAX_ROWS or h > MAX_WIDTH or m * h > peers.region:
         raise ValueError(f"one_shot_all_reduce: {m} rows of {h} exceed the buffers (at most {MAX_ROWS} rows, "
                          f"{MAX_WIDTH} a row, {peers.region} elements in all)")

@@ -39,7 +39,8 @@ def _block(world_size: int, *, s_output: bool = True, y_output: bool = False, se
 
 def _weights(seed=0):
     gen = torch.Generator().manual_seed(seed)
-    return {"w1": (torch.randn(H, H, generator=gen) / 8).bfloat16(), "w2": (torch.randn(H, H, generator=gen) / 8).bfloat16(),
+    return {"w1": (torch.randn(H, H, generator=gen) / 8).bfloat16(),
+            "w2": (torch.randn(H, H, generator=gen) / 8).bfloat16(),
             "g": (1 + 0.1 * torch.randn(H, generator=gen)).bfloat16()}
 
 
