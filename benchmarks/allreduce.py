@@ -10,6 +10,11 @@ replays) — what a decode step's all-reduces cost, since decode graphs capture 
 ``2 (W - 1) / W · bytes / time`` from the graph time. Decode all-reduces are ``hidden_size × 2``
 bytes per token (8 KiB for an 8B model at batch 1). NVLink multicast stays off (set here before
 torch loads).
+
+A second table times what a tensor-parallel layer runs after its o and down projections, rows of
+4096 (``kib / 8`` tokens), graph-replayed: the all-reduce and then the ``add_rms_norm`` kernel
+(NCCL, or the one-shot path), against the one-shot launch that also adds and normalises
+(``collectives.all_reduce_add_rms_norm``, checked against the first).
 """
 from __future__ import annotations
 
@@ -81,7 +86,38 @@ def _rank(rank: int, world: int, sizes_kib: list[int]):
             torch.testing.assert_close(dst, ref)
         rows.append((kib, times["nccl"], times["symm_mem"]))
     torch.distributed.barrier()
-    return rows
+    return rows, _with_norm(ctx.device, world, [k for k in sizes_kib if k % 8 == 0])
+
+
+def _with_norm(device, world: int, sizes_kib: list[int]) -> list:
+    """µs (graph) of all-reduce + ``add_rms_norm`` launched apart (NCCL, one-shot) and fused, per
+    size of rows of 4096; the fused outputs are checked against the one-shot-then-norm ones."""
+    from graphdsl.runtime.codegen.ops import add_rms_norm
+    from graphdsl.runtime.distributed import collectives
+    lower = collectives.COLLECTIVE_LOWERINGS["all_reduce"]
+    out = []
+    for kib in sizes_kib:
+        m = kib * 512 // 4096
+        x = torch.randn(m, 4096, dtype=torch.bfloat16, device=device)
+        res = torch.randn_like(x)
+        w = (1 + 0.1 * torch.randn(4096, device=device)).bfloat16()
+        y, normed, s = torch.empty_like(x), torch.empty_like(x), torch.empty_like(x)
+        fused_normed, fused_s = torch.empty_like(x), torch.empty_like(x)
+
+        def apart():
+            lower(None, None, [x], {"world_size": world}, [y])
+            add_rms_norm(y, res, w, eps=1e-5, out=normed, residual_out=s)
+
+        def fused():
+            assert collectives.all_reduce_add_rms_norm(x, res, w, 1e-5, fused_normed, fused_s, world)
+        times = []
+        for mode, fn in (("nccl", apart), ("symm_mem", apart), ("symm_mem", fused)):
+            os.environ["GRAPHDSL_ALLREDUCE"] = mode
+            times.append(_graph_us(fn))
+        torch.testing.assert_close(fused_s, s, rtol=0, atol=0)
+        torch.testing.assert_close(fused_normed.float(), normed.float(), rtol=2 ** -7, atol=1e-3)
+        out.append((kib, m, *times))
+    return out
 
 
 def main(argv=None) -> int:
@@ -93,7 +129,7 @@ def main(argv=None) -> int:
         print(f"allreduce.py needs {args.world} CUDA GPUs", file=sys.stderr)
         return 2
     from tests.helpers.tp_ranks import run_ranks
-    rows = run_ranks(args.world, _rank, args.kib, timeout_s=600)
+    rows, normed = run_ranks(args.world, _rank, args.kib, timeout_s=600)
     w = args.world
     print(f"# all-reduce, {w} GPUs ({torch.cuda.get_device_name()}), bf16")
     print("| KiB | NCCL µs, eager | one-shot µs, eager | NCCL µs, graph | one-shot µs, graph | NCCL bus GB/s, graph "
@@ -103,6 +139,12 @@ def main(argv=None) -> int:
         bus = 2 * (w - 1) / w * kib * 1024 / 1e3
         print(f"| {kib} | {nccl_e:.1f} | {one_e:.1f} | {nccl_g:.2f} | {one_g:.2f} | {bus / nccl_g:.1f} | "
               f"{bus / one_g:.1f} | {nccl_g / one_g:.2f}x |")
+    print(f"\n# all-reduce + add + RMSNorm, rows of 4096, {w} GPUs, bf16, µs a pair (CUDA graph)")
+    print("| KiB | rows | NCCL, then the norm kernel | one-shot, then the norm kernel | one-shot with the norm, "
+          "one launch | fused vs NCCL |")
+    print("|---|---|---|---|---|---|")
+    for kib, m, nccl, apart, fused in normed:
+        print(f"| {kib} | {m} | {nccl:.2f} | {apart:.2f} | {fused:.2f} | {nccl / fused:.2f}x |")
     return 0
 
 

@@ -100,16 +100,18 @@ def _rows(t: torch.Tensor) -> torch.Tensor | None:
         return None
 
 
-def _flat_rows(t: torch.Tensor) -> torch.Tensor | None:
-    """``t``'s elements as rows the one-shot kernel takes, for a sum that does not care about rows:
-    its own rows, or (contiguous, rows too wide for one program) rows of 4096."""
+def _flat_rows(t: torch.Tensor, width: int | None = None) -> torch.Tensor | None:
+    """``t``'s elements as rows of ``width`` for a sum that does not care about rows (a group's
+    one-shot buffers keep one row width): contiguous ``t`` in rows of ``width``, or ``t``'s own rows
+    when they are that wide; None otherwise. ``width`` None (the group's first call): ``t``'s own
+    rows when one program holds one, else rows of 4096."""
     from ..kernels.allreduce import MAX_WIDTH
     rows = _rows(t)
-    if rows is not None and rows.shape[1] <= MAX_WIDTH:
-        return rows
-    if t.is_contiguous() and t.numel() % 4096 == 0:
-        return t.view(-1, 4096)
-    return None
+    if width is None:
+        width = rows.shape[1] if rows is not None and rows.shape[1] <= MAX_WIDTH else 4096
+    if t.is_contiguous() and t.numel() % width == 0:
+        return t.view(-1, width)
+    return rows if rows is not None and rows.shape[1] == width else None
 
 
 def _device_ok(x: torch.Tensor) -> bool:
@@ -138,10 +140,11 @@ def _all_reduce(be, node, ins, attrs, dsts):
     if dst is None:
         dst = torch.empty_like(x)
     if _one_shot_ok(x, dst, rows=_flat_rows):
-        from ..kernels.allreduce import one_shot_all_reduce
+        from ..kernels.allreduce import MAX_ROWS, one_shot_all_reduce
         peers = _peers(_dist(attrs["world_size"]), x.device, x.dtype, _one_shot_limit())
-        if peers.takes(_flat_rows(x).shape[1]):
-            one_shot_all_reduce(_flat_rows(x), peers, _flat_rows(dst))
+        xr, dr = _flat_rows(x, peers.width), _flat_rows(dst, peers.width)
+        if xr is not None and dr is not None and xr.shape == dr.shape and xr.shape[0] <= MAX_ROWS:
+            one_shot_all_reduce(xr, peers, dr)
             return [dst]
     if dst.data_ptr() != x.data_ptr():
         dst.copy_(x)

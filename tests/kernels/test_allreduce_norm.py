@@ -111,6 +111,10 @@ def test_which_tensors_take_the_one_shot_path(monkeypatch):
     assert not c._one_shot_ok(wide) and c._one_shot_ok(wide, rows=c._flat_rows)
     assert c._flat_rows(wide).shape == (8, 4096)
     assert c._flat_rows(torch.zeros(3, 40000, dtype=bf)[:, :32768]) is None      # rows too wide, not contiguous
+    # once a group's buffers hold rows of some width, a plain sum is cut into rows of that width
+    assert c._flat_rows(torch.zeros(8192, dtype=bf), 4096).shape == (2, 4096)
+    assert c._flat_rows(torch.zeros(3, 2048, dtype=bf), 4096) is None            # 6144 elements: no whole rows
+    assert c._flat_rows(torch.zeros(4, 40, dtype=bf)[:, :32], 32).shape == (4, 32)   # own rows, strided
     assert not c._one_shot_ok(torch.zeros(2, 4096, dtype=torch.int32))
     assert not c._one_shot_ok(torch.zeros(512, 1024, dtype=bf))                  # 1 MiB > the 512 KiB limit
     monkeypatch.setenv("GRAPHDSL_ONESHOT_MAX_BYTES", str(2 << 20))
@@ -139,3 +143,21 @@ def test_rows_of_another_width_than_the_groups_first_are_declined(monkeypatch):
     peers.width = H
     assert collectives.all_reduce_add_rms_norm(x, res, w, 1e-5, out, s, 2)
     assert torch.equal(s, torch.full_like(x, 2.0)) and int(peers.epoch[:2].sum()) == 2
+
+
+def test_plain_all_reduces_of_several_sizes_keep_the_one_shot_path(monkeypatch):
+    """benchmarks/allreduce.py's 1-D messages of 8-32 KiB, then a [3, 4096] step: all in rows of the
+    group's first width (4096), none sent to NCCL (the patched group has no all_reduce to fall to)."""
+    from graphdsl.runtime.distributed import collectives
+    from graphdsl.runtime.kernels.allreduce import local_peers
+    peers = local_peers(1, 64 * 4096, torch.bfloat16, DEV)[0]
+    monkeypatch.setattr(collectives, "_device_ok", lambda x: True)
+    monkeypatch.setattr(collectives, "_dist", lambda world_size: object())
+    monkeypatch.setattr(collectives, "_peers", lambda *a: peers)
+    monkeypatch.setenv("GRAPHDSL_ALLREDUCE", "symm_mem")
+    for x in (torch.randn(4096), torch.randn(8192), torch.randn(16384), torch.randn(3, 4096)):
+        x = x.bfloat16().to(DEV)
+        dst = torch.empty_like(x)
+        assert collectives._all_reduce(None, None, [x], {"world_size": 2}, [dst])[0] is dst
+        assert torch.equal(dst, x)                     # one simulated rank: the sum is x
+    assert peers.width == 4096 and peers.epoch[:4].tolist() == [4, 3, 2, 1]
