@@ -61,6 +61,12 @@ def torchrun_env() -> tuple[int, int, int]:
                             f"`torchrun --nproc-per-node N ...`") from None
 
 
+def dist_timeout_s() -> float:
+    """Seconds a collective or a rendezvous may wait for the other ranks: ``GRAPHDSL_DIST_TIMEOUT_S``,
+    default 600."""
+    return float(os.environ.get("GRAPHDSL_DIST_TIMEOUT_S", 600))
+
+
 def init_distributed(rank: int, world_size: int, device: torch.device, *, store=None,
                      timeout_s: float | None = None) -> DistContext:
     """Join (or reuse) the default process group as ``rank`` of ``world_size`` on ``device``.
@@ -76,7 +82,7 @@ def init_distributed(rank: int, world_size: int, device: torch.device, *, store=
         if device.index is None:
             device = torch.device("cuda", rank % max(1, torch.cuda.device_count()))
         torch.cuda.set_device(device)
-    timeout = datetime.timedelta(seconds=timeout_s or float(os.environ.get("GRAPHDSL_DIST_TIMEOUT_S", 600)))
+    timeout = datetime.timedelta(seconds=timeout_s or dist_timeout_s())
     if dist.is_initialized():
         if dist.get_world_size() != world_size or dist.get_rank() != rank:
             raise GraphDSLError(f"torch.distributed is already initialised as rank {dist.get_rank()} of "

@@ -28,7 +28,7 @@ import torch
 
 from graphdsl.errors import GraphDSLError
 
-from .group import DistContext, init_distributed
+from .group import DistContext, dist_timeout_s, init_distributed
 
 __all__ = ["StepChannel", "WorkerPool", "WorkerError"]
 
@@ -138,8 +138,7 @@ def _worker_main(rank: int, world_size: int, port: int, build: Callable, build_a
 
 
 def _agree_as_worker(store, rank: int, world_size: int, key: str, value: int) -> int:
-    timeout = float(os.environ.get("GRAPHDSL_DIST_TIMEOUT_S", 600))
-    return agree_min(store, rank, world_size, key, value, timeout_s=timeout)
+    return agree_min(store, rank, world_size, key, value, timeout_s=dist_timeout_s())
 
 
 class WorkerPool:
@@ -187,8 +186,7 @@ class WorkerPool:
     def agree(self, key: str, value: int) -> int:
         """Rank 0's side of the workers' ``agree``: the least ``value`` over the ranks (a worker that
         fails meanwhile is raised as :class:`WorkerError`)."""
-        timeout = float(os.environ.get("GRAPHDSL_DIST_TIMEOUT_S", 600))
-        return agree_min(self.store, 0, self.world_size, key, value, timeout_s=timeout, check=self.check)
+        return agree_min(self.store, 0, self.world_size, key, value, timeout_s=dist_timeout_s(), check=self.check)
 
     def check(self) -> None:
         """Raise :class:`WorkerError` naming the first worker that failed or exited."""
