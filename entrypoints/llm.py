@@ -874,11 +874,13 @@ class _Driver:
         self.closed = True
         try:
             if self.broken is None:
-                self.channel.stop()
+                self.channel.stop()              # the workers start leaving the group on it
         finally:
-            if self.pool is not None:        # the group is ours (not torchrun's): leave it
+            if self.pool is not None:            # the group is ours (not torchrun's): leave it with them
+                from graphdsl.runtime.distributed import start_leaving
+                left = start_leaving()
                 self.pool.close(timeout_s=10.0 if self.broken is None else 0.1)
-                _destroy_group(wait_s=_LEAVE_GROUP_S if self.broken is None else _LEAVE_BROKEN_GROUP_S)
+                _wait_left(left, _LEAVE_GROUP_S if self.broken is None else _LEAVE_BROKEN_GROUP_S)
 
 
 def tp_cuda_graphs_enabled() -> bool:
@@ -904,34 +906,18 @@ def _close_at_exit(llm: "LLM") -> None:
 
 # How long close() waits for the process group's teardown, and when a rank died. On two H200s,
 # once decode graphs (GRAPHDSL_TP_CUDA_GRAPHS=1) had captured NCCL collectives, the teardown never
-# returned, whichever rank left first: close() hung for good before this bound. (NCCL's teardown
-# waits until every graph that captured the communicator is destroyed; the ranks now drop their
-# graphs first, LLM.close and _Follower.close, which has not run on GPUs yet.)
+# returned until the ranks dropped their graphs first (LLM.close and _Follower.close); and while
+# rank 0 waited for its workers to exit before leaving itself, the workers' teardown waited for it,
+# until they were killed (start_leaving: every rank leaves at once).
 _LEAVE_GROUP_S = 30.0
 _LEAVE_BROKEN_GROUP_S = 5.0
 
 
-def _destroy_group(wait_s: float) -> None:
-    """Leave the default process group (and drop the all-reduce buffers made over it), waiting at
-    most ``wait_s`` seconds: a teardown that needs a dead or stuck rank is left to the process's
-    exit, with a warning, instead of hanging ``close()``."""
-    import threading
-
-    import torch.distributed as dist
-
-    from graphdsl.runtime.distributed import release_collective_buffers
-    if not dist.is_initialized():
-        return
-    release_collective_buffers()
-    done = threading.Event()
-
-    def leave():
-        try:
-            dist.destroy_process_group()
-        finally:
-            done.set()
-    threading.Thread(target=leave, name="graphdsl-tp-leave", daemon=True).start()
-    if not done.wait(wait_s):
+def _wait_left(left, wait_s: float) -> None:
+    """Wait at most ``wait_s`` seconds for the group's teardown (``left``, from ``start_leaving``):
+    one that needs a dead or stuck rank is left to the process's exit, with a warning, instead of
+    hanging ``close()``."""
+    if not left.wait(wait_s):
         import warnings
         warnings.warn(f"LLM.close: leaving the tensor-parallel process group took over {wait_s:.0f}s; "
                       "left to the process's exit", RuntimeWarning, stacklevel=3)

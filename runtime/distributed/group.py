@@ -15,7 +15,7 @@ import torch
 
 from graphdsl.errors import GraphDSLError
 
-__all__ = ["DistContext", "backend_for", "init_distributed", "launched_by_torchrun", "torchrun_env"]
+__all__ = ["DistContext", "backend_for", "init_distributed", "launched_by_torchrun", "torchrun_env", "start_leaving"]
 
 _TORCHRUN_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
 
@@ -92,3 +92,32 @@ def init_distributed(rank: int, world_size: int, device: torch.device, *, store=
         dist.init_process_group(backend_for(device), rank=rank, world_size=world_size, timeout=timeout, **kw)
     control = dist.new_group(backend="gloo", timeout=timeout) if backend_for(device) != "gloo" else dist.group.WORLD
     return DistContext(rank, world_size, device, control)
+
+
+def start_leaving():
+    """Start leaving the default process group, in a thread, and return a ``threading.Event`` set
+    once it is left (at once when there is no group). The group's symmetric all-reduce buffers are
+    dropped first (a later group of the same name must rendezvous its own).
+
+    Every rank must be leaving at the same time: NCCL's teardown of a communicator waits for its
+    peers, so a rank that first waited for the others to exit, and left only then, deadlocked with
+    them (on two H200s the workers were killed after their 10 s). The caller bounds the wait; a
+    teardown that needs a dead or stuck rank is left to the process's exit."""
+    import threading
+
+    import torch.distributed as dist
+
+    from .collectives import release_collective_buffers
+    done = threading.Event()
+    if not dist.is_initialized():
+        done.set()
+        return done
+    release_collective_buffers()
+
+    def leave():
+        try:
+            dist.destroy_process_group()
+        finally:
+            done.set()
+    threading.Thread(target=leave, name="graphdsl-tp-leave", daemon=True).start()
+    return done

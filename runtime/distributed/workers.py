@@ -28,7 +28,7 @@ import torch
 
 from graphdsl.errors import GraphDSLError
 
-from .group import DistContext, dist_timeout_s, init_distributed
+from .group import DistContext, dist_timeout_s, init_distributed, start_leaving
 
 __all__ = ["StepChannel", "WorkerPool", "WorkerError"]
 
@@ -117,6 +117,9 @@ def agree_min(store, rank: int, world_size: int, key: str, value: int, *, timeou
     return min(int(store.get(k)) for k in keys)
 
 
+_LEAVE_S = 30.0      # a worker's wait for the group's teardown, as rank 0's (LLM.close)
+
+
 def _worker_main(rank: int, world_size: int, port: int, build: Callable, build_args: tuple, errors) -> None:
     """A worker process: build the shard, mark ready, join the group, serve steps, leave cleanly."""
     import functools
@@ -131,7 +134,9 @@ def _worker_main(rank: int, world_size: int, port: int, build: Callable, build_a
         StepChannel(ctx).serve(follower.run_step)
         if hasattr(follower, "close"):
             follower.close()
-        dist.destroy_process_group()
+        if not start_leaving().wait(_LEAVE_S):        # rank 0 leaves at the same time
+            errors.put((rank, f"leaving the process group took over {_LEAVE_S:.0f}s", ""))
+            os._exit(3)
     except BaseException as e:   # reported to rank 0 with the traceback, then a failing exit code
         errors.put((rank, f"{type(e).__name__}: {e}", traceback.format_exc()))
         os._exit(1)

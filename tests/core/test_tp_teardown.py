@@ -1,5 +1,5 @@
-"""Tensor parallelism's teardown and all-reduce switch, without a process group: ``close()`` ends
-the workers, then leaves the group, and a teardown that never ends (on two H200s, NCCL's, once decode
+"""Tensor parallelism's teardown and all-reduce switch, without a process group: ``close()`` leaves
+the group while the workers leave it, and a teardown that never ends (on two H200s, NCCL's, once decode
 graphs had captured collectives) is abandoned with a warning instead of hanging ``close()``;
 ``GRAPHDSL_ALLREDUCE`` picks NCCL by default, the one-shot path on request, and refuses other values."""
 from __future__ import annotations
@@ -39,24 +39,49 @@ def _driver(calls, broken=None):
     return d
 
 
-def test_close_ends_the_workers_then_leaves_the_group_with_a_bound(monkeypatch):
+def _recording_leave(monkeypatch, calls, ends=True):
+    """``start_leaving`` that records its start; its event is set when ``ends``."""
+    import graphdsl.runtime.distributed as distributed
+    waits = []
+
+    class Left(threading.Event):
+        def wait(self, timeout=None):
+            waits.append(timeout)
+            return super().wait(0.0)
+
+    def start():
+        calls.append("start leaving")
+        left = Left()
+        if ends:
+            left.set()
+        return left
+    monkeypatch.setattr(distributed, "start_leaving", start)
+    return waits
+
+
+def test_close_leaves_the_group_while_the_workers_leave_it(monkeypatch, recwarn):
+    """Rank 0 starts leaving before it waits for the workers to exit: NCCL's teardown waits for the
+    peers, so leaving only after they had exited deadlocked until they were killed (two H200s)."""
     calls = []
-    monkeypatch.setattr(llm_mod, "_destroy_group", lambda wait_s: calls.append(("leave group", wait_s)))
+    waits = _recording_leave(monkeypatch, calls)
     d = _driver(calls)
     d.close()
     d.close()                                       # a second close does nothing
-    assert calls == ["stop", ("join workers", 10.0), ("leave group", llm_mod._LEAVE_GROUP_S)]
+    assert calls == ["stop", "start leaving", ("join workers", 10.0)]
+    assert waits == [llm_mod._LEAVE_GROUP_S] and not [w for w in recwarn if w.category is RuntimeWarning]
 
 
 def test_close_of_a_broken_group_does_not_announce_and_waits_less(monkeypatch):
     calls = []
-    monkeypatch.setattr(llm_mod, "_destroy_group", lambda wait_s: calls.append(("leave group", wait_s)))
-    _driver(calls, broken=RuntimeError("worker died")).close()
-    assert calls == [("join workers", 0.1), ("leave group", llm_mod._LEAVE_BROKEN_GROUP_S)]
+    waits = _recording_leave(monkeypatch, calls, ends=False)
+    with pytest.warns(RuntimeWarning, match="leaving the tensor-parallel process group took over 5s"):
+        _driver(calls, broken=RuntimeError("worker died")).close()
+    assert calls == ["start leaving", ("join workers", 0.1)] and waits == [llm_mod._LEAVE_BROKEN_GROUP_S]
 
 
 def test_a_teardown_that_never_ends_is_abandoned_with_a_warning(monkeypatch):
     import torch.distributed as dist
+    from graphdsl.runtime.distributed import start_leaving
     release = threading.Event()
     entered = threading.Event()
 
@@ -68,7 +93,7 @@ def test_a_teardown_that_never_ends_is_abandoned_with_a_warning(monkeypatch):
     collectives._SYMM_BUFFERS[("dev", "dtype", "0")] = object()
     try:
         with pytest.warns(RuntimeWarning, match="leaving the tensor-parallel process group took over"):
-            llm_mod._destroy_group(wait_s=0.2)
+            llm_mod._wait_left(start_leaving(), wait_s=0.2)
         assert entered.is_set()
         assert not collectives._SYMM_BUFFERS          # the one-shot buffers of the old group are dropped
     finally:
@@ -77,11 +102,19 @@ def test_a_teardown_that_never_ends_is_abandoned_with_a_warning(monkeypatch):
 
 def test_a_teardown_that_ends_returns_without_a_warning(monkeypatch, recwarn):
     import torch.distributed as dist
+    from graphdsl.runtime.distributed import start_leaving
     left = []
     monkeypatch.setattr(dist, "is_initialized", lambda: True)
     monkeypatch.setattr(dist, "destroy_process_group", lambda: left.append(True))
-    llm_mod._destroy_group(wait_s=5.0)
+    llm_mod._wait_left(start_leaving(), wait_s=5.0)
     assert left == [True] and not [w for w in recwarn if w.category is RuntimeWarning]
+
+
+def test_without_a_group_leaving_is_done_at_once(monkeypatch):
+    import torch.distributed as dist
+    from graphdsl.runtime.distributed import start_leaving
+    monkeypatch.setattr(dist, "is_initialized", lambda: False)
+    assert start_leaving().is_set()
 
 
 def test_allreduce_path_switch(monkeypatch):
@@ -118,6 +151,9 @@ def test_tp_bench_names_where_greedy_tokens_part():
     assert same([1, 9, 3], [1, 2, 3]) == "no: from token 1 of 3"
     assert same([1, 2], [1, 2, 3]) == "no: from token 2 of 3"
     assert same([1, 2, 3], None) == "—"
+    assert same([1, 9, 3], [1, 2, 3], [2.0, 0.01, 1.0]) == \
+        "no: from token 1 of 3 (TP1's top two 0.0100 apart there; 0% of TP1's tokens had them closer)"
+    assert same([1, 2, 9], [1, 2, 3], [0.5, 0.1, 1.0]).endswith("67% of TP1's tokens had them closer)")
 
 
 def test_in_fresh_process_runs_apart_with_its_env_and_reports_failures():
