@@ -2,7 +2,7 @@
 random weights) at TP2, in ms/token and as % of each rank's roofline.
 
     python3 benchmarks/tp.py [--tp 2] [--shapes llama-3-8b llama-3-70b] [--tokens 128]
-                             [--allreduce symm_mem nccl] [--eager]
+                             [--allreduce symm_mem nccl] [--eager] [--dtype float32]
 
 Decode time per token = (time to generate ``16 + tokens`` tokens − time to generate 16) / tokens,
 through ``LLM.generate`` (the serving loop, step announcement to the workers included), median of
@@ -10,7 +10,9 @@ three; beside it the engine step alone (the step executor back to back at the me
 all-reduce path of ``--allreduce`` (``GRAPHDSL_ALLREDUCE``: the one-shot symmetric-memory kernel or
 NCCL); ``--eager`` adds rows with decode graphs off (``GRAPHDSL_TP_CUDA_GRAPHS=0``). Each TP>1 row
 of a shape measured at TP1 too says whether its greedy tokens (the ``16 + tokens`` of the timed
-call) equal TP1's. Roofline per rank = (the rank's weights except its embedding shard + its KV cache
+call) equal TP1's, and if not, how close TP1's top two candidates were where they part (random
+weights give near-flat logits; in bf16 the ranks' partial sums round differently from TP1's whole
+ones; ``--dtype float32`` shrinks that rounding). Roofline per rank = (the rank's weights except its embedding shard + its KV cache
 at the mean context) ÷ measured device-to-device copy bandwidth; collectives are not in the
 roofline, so the % shows what they and the step announcement cost. Each configuration runs in a
 fresh process (``--timeout`` bounds it) and its row prints as soon as it is measured. NVLink multicast stays off (``NCCL_NVLS_ENABLE=0``,
@@ -54,15 +56,21 @@ def rank_bytes(llm, context: int) -> int:
     return weights + context * kv_per_token
 
 
-def decode_ms(llm, tokens: int) -> tuple[float, list[int]]:
-    """Median ms/token over three differences, and the greedy tokens of a ``WARM + tokens`` call."""
+def decode_ms(llm, tokens: int) -> tuple[float, list[int], list[float]]:
+    """Median ms/token over three differences; the greedy tokens of a ``WARM + tokens`` call, and at
+    each token how far apart (in logprob) its top two candidates were."""
     import graphdsl as gd
     prompt = [(7 * i + 3) % 1000 + 10 for i in range(PROMPT)]
     generate_s(llm, prompt, WARM + tokens)           # build + capture
     times = [(generate_s(llm, prompt, WARM + tokens) - generate_s(llm, prompt, WARM)) * 1e3 / tokens
              for _ in range(3)]
-    sp = gd.SamplingParams(max_tokens=WARM + tokens, temperature=0.0, ignore_eos=True)
-    return statistics.median(times), list(llm.generate([prompt], sp)[0].outputs[0].token_ids)
+    sp = gd.SamplingParams(max_tokens=WARM + tokens, temperature=0.0, ignore_eos=True, logprobs=2)
+    out = llm.generate([prompt], sp)[0].outputs[0]
+    gaps = []
+    for position in out.logprobs:
+        top = sorted((lp.logprob for lp in position.values()), reverse=True)
+        gaps.append(top[0] - top[1])
+    return statistics.median(times), list(out.token_ids), gaps
 
 
 def engine_step_ms(llm, context: int, steps: int = 50) -> float:
@@ -83,34 +91,35 @@ def engine_step_ms(llm, context: int, steps: int = 50) -> float:
             llm.blocks.free(sid)
 
 
-def measure(shape: str, tp: int, tokens: int, graphs: bool, allreduce: str, copy: float, report=print) -> None:
+def measure(shape: str, tp: int, tokens: int, graphs: bool, allreduce: str, copy: float, dtype: str = "bfloat16",
+            report=print) -> None:
     """One configuration, in this process (``--row``): build, time, ``report`` the row (a ``ROW``
     line of JSON), close."""
     import graphdsl as gd
     os.environ.update({"GRAPHDSL_TP_CUDA_GRAPHS": "1" if graphs else "0",     # read here and inherited
                        "GRAPHDSL_ALLREDUCE": allreduce})                         # by the workers
-    llm = gd.LLM.from_config(SHAPES[shape], device="cuda", dtype="bfloat16", seed=0,
+    llm = gd.LLM.from_config(SHAPES[shape], device="cuda", dtype=dtype, seed=0,
                              max_model_len=PROMPT + WARM + tokens + 16, max_num_seqs=1, tensor_parallel_size=tp)
     try:
-        ms, ids = decode_ms(llm, tokens)
+        ms, ids, gaps = decode_ms(llm, tokens)
         context = PROMPT + WARM + tokens // 2
         step = engine_step_ms(llm, context)
         roof_ms = rank_bytes(llm, context) / (copy * 1e9) * 1e3
         report("ROW " + json.dumps({"shape": shape, "tp": tp, "graphs": graphs or tp == 1,
                                     "allreduce": allreduce if tp > 1 else "—", "ms": ms, "step_ms": step,
-                                    "roof_ms": roof_ms, "ids": ids}), flush=True)
+                                    "roof_ms": roof_ms, "ids": ids, "gaps": gaps}), flush=True)
     finally:
         llm.close()
 
 
-def measure_in_child(shape: str, tp: int, tokens: int, graphs: bool, allreduce: str, copy: float,
+def measure_in_child(shape: str, tp: int, tokens: int, graphs: bool, allreduce: str, copy: float, dtype: str,
                      timeout_s: float) -> dict:
     """:func:`measure` in a fresh process, so that no configuration inherits another's process group
     or symmetric-memory buffers (a second tensor-parallel ``LLM`` in one process is not what this
     times), and a configuration that fails or hangs still leaves the others' rows."""
     import signal
     import subprocess
-    row = json.dumps([shape, tp, tokens, graphs, allreduce, copy])
+    row = json.dumps([shape, tp, tokens, graphs, allreduce, copy, dtype])
     child = subprocess.Popen([sys.executable, os.path.abspath(__file__), "--row", row], stdout=subprocess.PIPE,
                              text=True, start_new_session=True)
     try:
@@ -128,16 +137,23 @@ def measure_in_child(shape: str, tp: int, tokens: int, graphs: bool, allreduce: 
         return json.loads(lines[-1][4:])
     print(f"{shape} TP{tp} graphs={graphs} {allreduce}: failed ({why})", file=sys.stderr, flush=True)
     return {"shape": shape, "tp": tp, "graphs": graphs, "allreduce": allreduce, "ms": float("nan"),
-            "step_ms": float("nan"), "roof_ms": float("nan"), "ids": []}
+            "step_ms": float("nan"), "roof_ms": float("nan"), "ids": [], "gaps": []}
 
 
-def _same_tokens(ids: list[int], ref: list[int] | None) -> str:
+def _same_tokens(ids: list[int], ref: list[int] | None, ref_gaps: list[float] | None = None) -> str:
+    """Whether greedy ``ids`` equal ``ref`` (TP1's); if not, from which token, and how far apart TP1's
+    top two candidates were there (a near tie that rounding may flip, or a real difference)."""
     if ref is None or not ids:
         return "—"
     if ids == ref:
         return f"yes ({len(ref)})"
     first = next((i for i, (a, b) in enumerate(zip(ids, ref)) if a != b), min(len(ids), len(ref)))
-    return f"no: from token {first} of {len(ref)}"
+    why = ""
+    if ref_gaps and first < len(ref_gaps):
+        smaller = sum(g < ref_gaps[first] for g in ref_gaps) / len(ref_gaps)
+        why = (f" (TP1's top two {ref_gaps[first]:.4f} apart there; {100 * smaller:.0f}% of TP1's tokens"
+               " had them closer)")
+    return f"no: from token {first} of {len(ref)}{why}"
 
 
 def main(argv=None) -> int:
@@ -148,6 +164,8 @@ def main(argv=None) -> int:
     ap.add_argument("--allreduce", nargs="+", default=["symm_mem", "nccl"], choices=["symm_mem", "nccl"],
                     help="all-reduce paths to time at TP>1 (GRAPHDSL_ALLREDUCE)")
     ap.add_argument("--eager", action="store_true", help="also time TP>1 with decode CUDA graphs off")
+    ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"],
+                    help="the model's dtype (float32 shows whether TP's tokens part from TP1's by rounding alone)")
     ap.add_argument("--timeout", type=float, default=300.0, help="seconds one configuration may take")
     ap.add_argument("--row", help=argparse.SUPPRESS)     # internal: one configuration, in a child process
     args = ap.parse_args(argv)
@@ -158,7 +176,7 @@ def main(argv=None) -> int:
         print(f"tp.py needs {args.tp} CUDA GPUs, found {torch.cuda.device_count()}", file=sys.stderr)
         return 2
     copy = copy_bandwidth_gbs()
-    print(f"# tensor-parallel batch-1 decode — {device_line()}; copy {copy:.0f} GB/s per GPU", flush=True)
+    print(f"# tensor-parallel batch-1 decode, {args.dtype} — {device_line()}; copy {copy:.0f} GB/s per GPU", flush=True)
     print("| shape | TP | decode CUDA graphs | all-reduce | ms/token | engine step ms | roofline ms/token (per rank) "
           "| % of roofline | vs TP1 | greedy tokens equal to TP1 |")
     print("|---|---|---|---|---|---|---|---|---|---|", flush=True)
@@ -169,12 +187,13 @@ def main(argv=None) -> int:
         base = None
         for tp, graphs, ar in runs:
             t0 = time.perf_counter()
-            r = measure_in_child(shape, tp, args.tokens, graphs, ar, copy, args.timeout)
+            r = measure_in_child(shape, tp, args.tokens, graphs, ar, copy, args.dtype, args.timeout)
             print(f"{shape} TP{tp} graphs={graphs} {ar}: {time.perf_counter() - t0:.0f}s", file=sys.stderr, flush=True)
             if tp == 1:
                 base = r
             rel = f"{r['ms'] / base['ms']:.2f}x" if base is not None else "—"
-            same = _same_tokens(r["ids"], base["ids"] if base is not None and tp > 1 else None)
+            same = _same_tokens(r["ids"], base["ids"] if base is not None and tp > 1 else None,
+                                base["gaps"] if base is not None else None)
             print(f"| {shape} | {tp} | {'yes' if r['graphs'] else 'no'} | {r['allreduce']} | {r['ms']:.3f} | "
                   f"{r['step_ms']:.3f} | {r['roof_ms']:.3f} | {100 * r['roof_ms'] / r['ms']:.1f}% | {rel} | {same} |",
                   flush=True)
