@@ -283,8 +283,9 @@ class LLM:
         ctx = init_distributed(rank, ws, device)       # torchrun's ranks live and die together: join first
         self._build(source, device, TensorParallel(rank, ws), dict(opts, agree=ctx.agree_min))
         if rank != 0:       # a worker: follow rank 0's steps, then leave the script (torchrun owns the group)
-            StepChannel(ctx).serve(self._local_executor.execute)
-            self.model.release_graphs()
+            follower = _Follower(self)
+            StepChannel(ctx).serve(follower)
+            follower.close()
             raise SystemExit(0)
         self._tp = _Driver(ctx, None)
         self._executor = _TPExecutor(self._local_executor, self._tp)
@@ -858,6 +859,20 @@ class _Driver:
         self.broken: BaseException | None = None
         self.closed = False
 
+    def announced(self, announce, run):
+        """``announce(channel)`` to the workers, then ``run()`` here; a failure (a worker died, a
+        collective broke) marks the group broken and is raised as its cause."""
+        if self.closed or self.broken is not None:
+            raise GraphDSLError(f"LLM: the tensor-parallel group is {'closed' if self.closed else 'broken'} "
+                                f"({self.broken or 'close() was called'}); make a new LLM")
+        try:
+            if self.pool is not None:
+                self.pool.check()
+            announce(self.channel)
+            return run()
+        except Exception as e:
+            raise self.failed(e) from e
+
     def failed(self, e: BaseException) -> BaseException:
         """The error to raise for ``e`` from a step: a worker's death when that is the cause."""
         if self.pool is not None:
@@ -884,10 +899,9 @@ class _Driver:
 
 
 def tp_cuda_graphs_enabled() -> bool:
-    """Whether tensor-parallel ranks replay decode CUDA graphs: only with ``GRAPHDSL_TP_CUDA_GRAPHS=1``
-    until leaving the process group after graphs captured collectives is shown not to hang on GPUs
-    (docs/distributed.md, "Known problems")."""
-    return os.environ.get("GRAPHDSL_TP_CUDA_GRAPHS", "0").strip() == "1"
+    """Whether tensor-parallel ranks replay decode CUDA graphs, their collectives captured: yes
+    unless ``GRAPHDSL_TP_CUDA_GRAPHS=0`` (eager decode steps, each announced with its inputs)."""
+    return os.environ.get("GRAPHDSL_TP_CUDA_GRAPHS", "1").strip() != "0"
 
 
 def _close_group(model: FlashCausalLM, tp: _Driver) -> None:
@@ -924,10 +938,10 @@ def _wait_left(left, wait_s: float) -> None:
 
 
 class _TPExecutor:
-    """Rank 0's step executor: announces each step to the workers, then runs its own shard. The
-    serving loop gets no decode graph of its own from it (the step must be announced first, so the
-    loop's in-place graph path is not taken); each rank's ``model.execute`` may still replay its own
-    decode graph, collectives captured, with ``GRAPHDSL_TP_CUDA_GRAPHS=1``."""
+    """Rank 0's step executor: announces each step to the workers, then runs its own shard. With
+    decode CUDA graphs (the default; ``GRAPHDSL_TP_CUDA_GRAPHS=0`` turns them off) it hands the serving loop rank 0's decode
+    graph (:class:`_TPDecodeGraph`), so a steady decode step is one announcement and one replay on
+    every rank, as at one rank; otherwise each step's inputs travel whole and run eagerly."""
 
     def __init__(self, local: ModelExecutor, driver: _Driver):
         self.local, self.driver = local, driver
@@ -935,36 +949,65 @@ class _TPExecutor:
         self.block_size, self.max_blocks_per_seq = local.block_size, local.max_blocks_per_seq
 
     def execute(self, phase: str, inputs: dict[str, torch.Tensor], rows: int | None = None) -> torch.Tensor:
-        d = self.driver
-        if d.closed or d.broken is not None:
-            raise GraphDSLError(f"LLM: the tensor-parallel group is {'closed' if d.closed else 'broken'} "
-                                f"({d.broken or 'close() was called'}); make a new LLM")
-        try:
-            if d.pool is not None:
-                d.pool.check()
-            d.channel.send(phase, inputs)
-            return self.local.execute(phase, inputs, rows)
-        except Exception as e:
-            raise d.failed(e) from e
+        return self.driver.announced(lambda ch: ch.send(phase, inputs),
+                                     lambda: self.local.execute(phase, inputs, rows))
 
     def decode_graph(self, n: int, lora: bool = False, width: int | None = None):
-        return None
+        """Rank 0's decode graph for ``n`` rows (as :meth:`ModelExecutor.decode_graph`), or None
+        (graphs off; LoRA does not run under tensor parallelism)."""
+        local = None if lora else self.local.decode_graph(n, width=width)
+        return None if local is None else _TPDecodeGraph(local, self.driver)
 
     def decode_widths(self, n: int) -> tuple[int, ...]:
-        return ()
+        return self.local.decode_widths(n)
+
+
+class _TPDecodeGraph:
+    """Rank 0's decode graph of one bucket and width, as the serving loop's ``DecodeGraph``: each
+    replay first sends the workers the graph's key and rank 0's static inputs (the loop wrote them:
+    new rows, grown block tables, sampled tokens), then replays here; each worker replays its own
+    graph of the same key over those inputs (:meth:`_Follower.replay_graph`)."""
+
+    def __init__(self, local, driver: _Driver):
+        from graphdsl.runtime.serving.cuda_graphs import packed_inputs
+        self.local, self.driver = local, driver
+        self.rows, self.width, self.inputs = local.rows, local.width, local.inputs
+        self._packed = packed_inputs(self.inputs)
+
+    def replay(self, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.driver.announced(lambda ch: ch.send_graph(self.rows, self.width, self._packed),
+                                     lambda: self.local.replay(n))
 
 
 class _Follower:
-    """A worker rank's shard: runs the steps rank 0 announces."""
+    """A worker rank's shard: runs the steps rank 0 announces (``StepChannel.serve``)."""
 
     def __init__(self, llm: "LLM"):
         self.llm, self.device = llm, llm.device
+        self._graphs: dict[tuple[int, int], object] = {}
 
     def run_step(self, phase: str, inputs: dict[str, torch.Tensor]):
         return self.llm._local_executor.execute(phase, inputs)
 
+    def replay_graph(self, rows: int, width: int, load) -> None:
+        """Replay this rank's decode graph of ``rows`` rows at ``width`` after ``load(buffer)`` has
+        filled its packed static inputs with rank 0's."""
+        from graphdsl.runtime.serving.cuda_graphs import packed_inputs
+        entry = self._graphs.get((rows, width))
+        if entry is None:
+            graph = self.llm._local_executor.decode_graph(rows, width=width)
+            if graph is None or (graph.rows, graph.width) != (rows, width):
+                got = None if graph is None else (graph.rows, graph.width)
+                raise GraphDSLError(f"tensor-parallel worker: rank 0 replays the decode graph of {rows} rows at "
+                                    f"width {width}, this rank has {got} (the ranks' graph settings differ)")
+            entry = self._graphs[(rows, width)] = (graph, packed_inputs(graph.inputs))
+        graph, packed = entry
+        load(packed)
+        graph.replay(rows)
+
     def close(self) -> None:
         """Serving ended: drop the shard's CUDA graphs before the worker leaves the group."""
+        self._graphs.clear()
         self.llm.model.release_graphs()
 
 

@@ -4,8 +4,9 @@ into it when the gathered dim is the leading one, ``reduce_scatter`` scatters in
 are NCCL calls on the current stream; the torch references (:mod:`graphdsl.functional.collective`)
 stay the semantics and the CPU path.
 
-Small CUDA all-reduces may take the one-shot path instead (``GRAPHDSL_ALLREDUCE=symm_mem``; the
-default, ``nccl``, sends them all to NCCL): every rank pushes its rows into peer-mapped buffers
+Small CUDA all-reduces may take the one-shot path instead (``GRAPHDSL_ALLREDUCE``: ``symm_mem``
+always, ``auto`` when the ranks' GPUs reach each other's memory; the default, ``nccl``, sends them
+all to NCCL): every rank pushes its rows into peer-mapped buffers
 (torch symmetric memory) and sums what the others pushed, in one Triton launch with one flag
 exchange (:mod:`..kernels.allreduce`); no NVLink multicast involved. When the all-reduce's only
 reader is the ``add_rms_norm`` right after it (a tensor-parallel layer's o or down projection), the
@@ -21,6 +22,7 @@ second tensor-parallel ``LLM`` in the same process hung in the buffers' rendezvo
 """
 from __future__ import annotations
 
+import functools
 import os
 
 import torch
@@ -48,13 +50,35 @@ def release_collective_buffers() -> None:
 
 
 def _one_shot_limit() -> int:
-    """Bytes up to which all-reduces take the one-shot path (0: never)."""
+    """Bytes up to which all-reduces take the one-shot path (0: never). ``GRAPHDSL_ALLREDUCE``:
+    ``nccl`` (default) never; ``auto`` when every rank runs on a GPU of this host that can reach the
+    others' memory (:func:`_peers_reachable`); ``symm_mem`` always. (Not the default: a second
+    tensor-parallel ``LLM`` in one process hangs in the buffers' rendezvous, docs/distributed.md.)"""
     mode = os.environ.get("GRAPHDSL_ALLREDUCE", "nccl").strip().lower()
-    if mode not in ("symm_mem", "nccl"):
-        raise GraphDSLError(f"GRAPHDSL_ALLREDUCE must be 'symm_mem' or 'nccl', got {mode!r}")
-    if mode != "symm_mem":
+    if mode not in ("auto", "symm_mem", "nccl"):
+        raise GraphDSLError(f"GRAPHDSL_ALLREDUCE must be 'auto', 'symm_mem' or 'nccl', got {mode!r}")
+    if mode == "nccl" or (mode == "auto" and not _peers_reachable()):
         return 0
     return int(os.environ.get("GRAPHDSL_ONESHOT_MAX_BYTES", 512 * 1024))
+
+
+def _peers_reachable() -> bool:
+    """Whether the default group's ranks all run on this host, rank ``r`` on GPU ``r`` as
+    ``LLM(tensor_parallel_size=N)`` and a one-host ``torchrun`` place them, with every GPU able to
+    read and write the others' memory (peer access: NVLink, or PCIe P2P)."""
+    import torch.distributed as dist
+    if not (dist.is_available() and dist.is_initialized() and torch.cuda.is_available()):
+        return False
+    world = dist.get_world_size()
+    local = os.environ.get("LOCAL_WORLD_SIZE")
+    if (local is not None and int(local) != world) or world > torch.cuda.device_count():
+        return False
+    return _all_peer_access(world)
+
+
+@functools.lru_cache(maxsize=None)
+def _all_peer_access(world: int) -> bool:
+    return all(torch.cuda.can_device_access_peer(i, j) for i in range(world) for j in range(world) if i != j)
 
 
 def _peers(dist, device: torch.device, dtype: torch.dtype, limit: int):

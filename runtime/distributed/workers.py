@@ -3,7 +3,10 @@
 :class:`StepChannel` — every model step rank 0 runs is announced to the other ranks first: a small
 header (the phase and the inputs' names, shapes and dtypes) over the host (gloo) group, then the
 input tensors themselves, packed into one flat tensor per dtype, by ``broadcast`` over the default
-group (NCCL on GPU: no host copy).
+group (NCCL on GPU: no host copy). A decode step that replays CUDA graphs is announced shorter
+(:meth:`StepChannel.send_graph`): the graph's bucket and width, then rank 0's static inputs of that
+graph in one broadcast straight into the workers' (a header and one broadcast a step; the graphs'
+collectives were captured on every rank alike).
 Workers run :meth:`StepChannel.serve`: receive a step, run it on their shard (its collectives meet
 rank 0's), repeat, until rank 0 sends ``stop``. Only rank 0 samples, so every rank runs the same
 steps whatever the sampling settings.
@@ -16,6 +19,7 @@ after that. During serving, a step whose collectives fail (a peer died) is re-ra
 """
 from __future__ import annotations
 
+import functools
 import math
 import multiprocessing as mp
 import os
@@ -59,18 +63,35 @@ class StepChannel:
             flat = torch.cat([inputs[n].reshape(-1).to(self.ctx.device) for n in group])
             dist.broadcast(flat, src=0)
 
+    def send_graph(self, rows: int, width: int, packed: torch.Tensor) -> None:
+        """Rank 0: tell the workers to replay their decode CUDA graph of ``rows`` rows at block-table
+        ``width`` over ``packed``, rank 0's static inputs of that graph (one byte buffer, see
+        :func:`~graphdsl.runtime.serving.cuda_graphs.packed_inputs`), broadcast into theirs: one
+        header and one broadcast a step, however many inputs the graph has."""
+        import torch.distributed as dist
+        self._bcast_header(("graph", rows, width, packed.numel()))
+        dist.broadcast(packed, src=0)
+
     def stop(self) -> None:
         """Rank 0: end the workers' :meth:`serve` loops."""
         self._bcast_header(("stop",))
 
-    def serve(self, run: Callable[[str, dict[str, torch.Tensor]], object]) -> int:
-        """Workers: receive steps and ``run(phase, inputs)`` them until ``stop``; returns the steps run."""
+    def serve(self, follower) -> int:
+        """Workers: follow rank 0's steps until ``stop``; returns the steps run. ``follower`` runs
+        them: ``follower.run_step(phase, inputs)`` for a step sent with :meth:`send`, and
+        ``follower.replay_graph(rows, width, load)`` for one sent with :meth:`send_graph`, where
+        ``load(buffer)`` fills the graph's packed static inputs with rank 0's."""
         import torch.distributed as dist
         steps = 0
         while True:
             header = self._bcast_header(None)
             if header[0] == "stop":
                 return steps
+            if header[0] == "graph":
+                _, rows, width, nbytes = header
+                follower.replay_graph(rows, width, functools.partial(_receive_packed, nbytes))
+                steps += 1
+                continue
             _, phase, specs = header
             shapes = {name: (shape, dtype) for name, shape, dtype in specs}
             inputs = {}
@@ -80,8 +101,17 @@ class StepChannel:
                 dist.broadcast(flat, src=0)
                 for n, part in zip(group, flat.split(sizes)):
                     inputs[n] = part.view(shapes[n][0])
-            run(phase, inputs)
+            follower.run_step(phase, inputs)
             steps += 1
+
+
+def _receive_packed(nbytes: int, buffer: torch.Tensor) -> None:
+    """A worker's side of :meth:`StepChannel.send_graph`: rank 0's packed inputs into ``buffer``."""
+    import torch.distributed as dist
+    if buffer.numel() != nbytes:       # the ranks' graphs differ: a bug, not a user error
+        raise GraphDSLError(f"decode graph inputs: rank 0 sent {nbytes} bytes, this rank's graph holds "
+                            f"{buffer.numel()}")
+    dist.broadcast(buffer, src=0)
 
 
 def _by_dtype(names: list[str], specs: dict) -> dict:
@@ -122,8 +152,6 @@ _LEAVE_S = 30.0      # a worker's wait for the group's teardown, as rank 0's (LL
 
 def _worker_main(rank: int, world_size: int, port: int, build: Callable, build_args: tuple, errors) -> None:
     """A worker process: build the shard, mark ready, join the group, serve steps, leave cleanly."""
-    import functools
-
     import torch.distributed as dist
     try:
         store = dist.TCPStore("127.0.0.1", port, world_size, is_master=False)
@@ -131,7 +159,7 @@ def _worker_main(rank: int, world_size: int, port: int, build: Callable, build_a
         follower = build(rank, world_size, *build_args, agree=agree)          # loads this rank's weights
         store.set(f"ready/{rank}", "1")
         ctx = init_distributed(rank, world_size, follower.device, store=dist.PrefixStore("pg", store))
-        StepChannel(ctx).serve(follower.run_step)
+        StepChannel(ctx).serve(follower)
         if hasattr(follower, "close"):
             follower.close()
         if not start_leaving().wait(_LEAVE_S):        # rank 0 leaves at the same time
@@ -150,8 +178,9 @@ class WorkerPool:
     """Ranks ``1..world_size-1`` as processes started with ``spawn``.
 
     ``build(rank, world_size, *build_args, agree=fn)`` runs in each worker and returns its follower:
-    an object with ``device`` and ``run_step(phase, inputs)``, and optionally ``close()``, called when
-    serving ends, before the worker leaves the process group. ``agree(key, value)`` returns the least
+    an object with ``device``, what :meth:`StepChannel.serve` calls (``run_step`` and
+    ``replay_graph``), and optionally ``close()``, called when serving ends, before the worker
+    leaves the process group. ``agree(key, value)`` returns the least
     ``value`` over the ranks (each calls it with the same ``key``; rank 0 through :meth:`agree`): how
     ranks that size something from their own free memory settle on one size before the group forms.
     The caller (rank 0) builds its own shard, then calls :meth:`join` to wait for the workers and

@@ -46,6 +46,7 @@ running a padded batch eagerly (how the CPU tests check that padding changes no 
 from __future__ import annotations
 
 import logging
+import math
 from dataclasses import dataclass, field
 from typing import Mapping
 
@@ -54,7 +55,7 @@ import torch
 from graphdsl.errors import BindError, GraphDSLError
 from graphdsl.runtime.taps import taps_from_env
 
-__all__ = ["BUCKETS", "Pad", "bucket_for", "pad_batch", "CudaGraphRunner", "ShapeGraphRunner"]
+__all__ = ["BUCKETS", "Pad", "bucket_for", "pad_batch", "packed_inputs", "CudaGraphRunner", "ShapeGraphRunner"]
 
 BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 _MAX_SEEN = 4096       # shape signatures a ShapeGraphRunner counts before it forgets them all
@@ -255,20 +256,25 @@ class CudaGraphRunner:
         """The static input buffers of the graph of ``bucket`` at ``width`` (one of
         :meth:`widths`; None: the widest), made on first use filled with their pad values:
         ``like[name] = (shape of one row, dtype)``. The caller writes them in place; :meth:`replay`
-        runs the graph over what they hold."""
+        runs the graph over what they hold. They are views of one buffer (:func:`packed_inputs`
+        gives it whole), so a tensor-parallel rank 0 sends all of them to the other ranks in one
+        broadcast."""
         key = self._key(bucket, width)
         entry = self.graphs.get(key)
         if entry is not None:
             return entry.inputs
         static = self._static.get(key)
         if static is None:
-            static = {}
+            specs = {}
             for name, pad in self._pads_at(key[1]).items():
                 row, dtype = like[name]
                 shape = (bucket, *row)
                 if pad.width is not None:
                     shape = (bucket, pad.width, *row[1:])
-                static[name] = torch.full(shape, pad.value, dtype=dtype, device=device)
+                specs[name] = (shape, dtype)
+            static = _packed_buffers(specs, device)
+            for name, pad in self._pads_at(key[1]).items():
+                static[name].fill_(pad.value)
             self._static[key] = static
         return static
 
@@ -466,6 +472,34 @@ class ShapeGraphRunner:
         with torch.cuda.graph(graph, pool=self._graph_pool()):
             engine.forward(static, outputs, taps={})
         return _Graph(graph, static, outputs, _arena_views(engine), arena=self._arena(static))
+
+
+_ALIGN = 16     # bytes: every view of a packed buffer starts at a multiple of this
+
+
+def _packed_buffers(specs: Mapping[str, tuple[tuple[int, ...], torch.dtype]], device) -> dict[str, torch.Tensor]:
+    """``{name: tensor of specs[name] = (shape, dtype)}``, all views of one byte buffer, in order."""
+    offsets, total = {}, 0
+    for name, (shape, dtype) in specs.items():
+        offsets[name] = total
+        nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+        total += -(-nbytes // _ALIGN) * _ALIGN
+    storage = torch.empty(max(total, _ALIGN), dtype=torch.uint8, device=device)
+    out = {}
+    for name, (shape, dtype) in specs.items():
+        nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+        out[name] = storage[offsets[name]:offsets[name] + nbytes].view(dtype).view(shape)
+    return out
+
+
+def packed_inputs(static: Mapping[str, torch.Tensor]) -> torch.Tensor:
+    """The one byte buffer under the static inputs ``static`` (from :meth:`CudaGraphRunner.static_inputs`):
+    copying it copies them all."""
+    first = next(iter(static.values()))
+    storage = first.untyped_storage()
+    if any(t.untyped_storage().data_ptr() != storage.data_ptr() for t in static.values()):
+        raise GraphDSLError("packed_inputs: the static inputs are not views of one buffer")
+    return torch.empty(0, dtype=torch.uint8, device=first.device).set_(storage, 0, (storage.nbytes(),))
 
 
 def _copy_by_dtype(pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> None:

@@ -1,7 +1,8 @@
 """Tensor parallelism's teardown and all-reduce switch, without a process group: ``close()`` leaves
 the group while the workers leave it, and a teardown that never ends (on two H200s, NCCL's, once decode
 graphs had captured collectives) is abandoned with a warning instead of hanging ``close()``;
-``GRAPHDSL_ALLREDUCE`` picks NCCL by default, the one-shot path on request, and refuses other values."""
+``GRAPHDSL_ALLREDUCE`` picks NCCL by default, the one-shot path on request (always, or where the
+GPUs reach each other), and refuses other values; decode graphs are on by default."""
 from __future__ import annotations
 
 import importlib.util
@@ -120,17 +121,44 @@ def test_without_a_group_leaving_is_done_at_once(monkeypatch):
 def test_allreduce_path_switch(monkeypatch):
     monkeypatch.delenv("GRAPHDSL_ALLREDUCE", raising=False)
     monkeypatch.delenv("GRAPHDSL_ONESHOT_MAX_BYTES", raising=False)
+    monkeypatch.setattr(collectives, "_peers_reachable", lambda: True)
     assert collectives._one_shot_limit() == 0                   # NCCL by default
-    monkeypatch.setenv("GRAPHDSL_ALLREDUCE", "Symm_Mem")
-    assert collectives._one_shot_limit() == 512 * 1024
+    monkeypatch.setenv("GRAPHDSL_ALLREDUCE", "auto")
+    monkeypatch.setattr(collectives, "_peers_reachable", lambda: False)
+    assert collectives._one_shot_limit() == 0                   # auto, without peer access: NCCL
+    monkeypatch.setattr(collectives, "_peers_reachable", lambda: True)
+    assert collectives._one_shot_limit() == 512 * 1024          # auto, every GPU reaches the others
     monkeypatch.setenv("GRAPHDSL_ALLREDUCE", "nccl")
     assert collectives._one_shot_limit() == 0
-    monkeypatch.setenv("GRAPHDSL_ALLREDUCE", "symm_mem")
+    monkeypatch.setattr(collectives, "_peers_reachable", lambda: False)
+    monkeypatch.setenv("GRAPHDSL_ALLREDUCE", "Symm_Mem")
+    assert collectives._one_shot_limit() == 512 * 1024          # asked for: taken without the check
     monkeypatch.setenv("GRAPHDSL_ONESHOT_MAX_BYTES", "4096")
     assert collectives._one_shot_limit() == 4096
     monkeypatch.setenv("GRAPHDSL_ALLREDUCE", "multimem")
-    with pytest.raises(GraphDSLError, match=r"GRAPHDSL_ALLREDUCE must be 'symm_mem' or 'nccl', got 'multimem'"):
+    with pytest.raises(GraphDSLError, match=r"GRAPHDSL_ALLREDUCE must be 'auto', 'symm_mem' or 'nccl', got 'multimem'"):
         collectives._one_shot_limit()
+
+
+def test_peers_are_not_reachable_without_a_group_or_off_this_host(monkeypatch):
+    import torch
+    import torch.distributed as dist
+    assert not collectives._peers_reachable()                    # no process group here
+    monkeypatch.setattr(dist, "is_initialized", lambda: True)
+    monkeypatch.setattr(dist, "get_world_size", lambda: 2)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    monkeypatch.setattr(collectives, "_all_peer_access", lambda world: True)
+    monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)
+    assert collectives._peers_reachable()
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "1")                  # torchrun over two hosts
+    assert not collectives._peers_reachable()
+    monkeypatch.delenv("LOCAL_WORLD_SIZE")
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)   # more ranks than GPUs here
+    assert not collectives._peers_reachable()
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    monkeypatch.setattr(collectives, "_all_peer_access", lambda world: False)   # no P2P between them
+    assert not collectives._peers_reachable()
 
 
 def _tp_bench():
@@ -220,10 +248,10 @@ def test_release_graphs_empties_both_runner_tables():
     model.release_graphs()                                             # nothing to drop: a no-op
 
 
-def test_tp_decode_graphs_stay_opt_in(monkeypatch):
+def test_tp_decode_graphs_are_on_unless_turned_off(monkeypatch):
     monkeypatch.delenv("GRAPHDSL_TP_CUDA_GRAPHS", raising=False)
-    assert not llm_mod.tp_cuda_graphs_enabled()
-    monkeypatch.setenv("GRAPHDSL_TP_CUDA_GRAPHS", "1")
     assert llm_mod.tp_cuda_graphs_enabled()
     monkeypatch.setenv("GRAPHDSL_TP_CUDA_GRAPHS", "0")
     assert not llm_mod.tp_cuda_graphs_enabled()
+    monkeypatch.setenv("GRAPHDSL_TP_CUDA_GRAPHS", "1")
+    assert llm_mod.tp_cuda_graphs_enabled()

@@ -58,7 +58,9 @@ def run_ranks(world_size: int, fn, *args, timeout_s: float = 240.0):
     return got[0]
 
 
-def _fresh_main(fn, args, env, results) -> None:
+def _fresh_main(fn, args, env, results, timeout_s: float) -> None:
+    import faulthandler
+    faulthandler.dump_traceback_later(max(1.0, timeout_s - 5), exit=True)   # a hang shows where
     os.environ.update(env)
     try:
         results.put(("ok", pickle.dumps(fn(*args))))
@@ -72,7 +74,7 @@ def in_fresh_process(fn, *args, env: dict | None = None, timeout_s: float = 240.
     does not exit within a minute of answering is killed."""
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
-    p = ctx.Process(target=_fresh_main, args=(fn, args, dict(env or {}), results), daemon=False)
+    p = ctx.Process(target=_fresh_main, args=(fn, args, dict(env or {}), results, timeout_s), daemon=False)
     p.start()
     try:
         status, value = results.get(timeout=timeout_s)
