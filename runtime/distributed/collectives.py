@@ -15,10 +15,11 @@ and the norm launches nothing. Messages above ``GRAPHDSL_ONESHOT_MAX_BYTES`` (de
 other dtypes, and rows of another width than the group's first one-shot call stay on NCCL (every
 rank decides alike: the ranks' calls have the same shapes in the same order).
 
-torch's own ``one_shot_all_reduce_copy_out`` took this path before: on two H200s the Llama-3-8B
-shape's TP2 decode, with decode graphs, 2.868 ms a token against 3.024 with NCCL
-(docs/distributed.md). The Triton path has not run on two GPUs yet. It is not the default because a
-second tensor-parallel ``LLM`` in the same process hung in the buffers' rendezvous there.
+On two H200s the Llama-3-8B shape's TP2 decode takes 2.588 ms a token this way against 2.975 with
+NCCL (docs/distributed.md; torch's ``one_shot_all_reduce_copy_out``, which this replaced, 2.868). It
+is not the default because a second tensor-parallel ``LLM`` in the same process hangs in the
+buffers' rendezvous (torch keeps the first group's rendezvous store under the name the second
+group gets again).
 """
 from __future__ import annotations
 
