@@ -6,17 +6,19 @@ random weights) at TP2, in ms/token and as % of each rank's roofline.
 
 Decode time per token = (time to generate ``16 + tokens`` tokens − time to generate 16) / tokens,
 through ``LLM.generate`` (the serving loop, step announcement to the workers included), median of
-three; beside it the engine step alone (the step executor back to back at the mean context). TP>1 rows replay decode CUDA graphs that capture the collectives (the default), once per
-all-reduce path of ``--allreduce`` (``GRAPHDSL_ALLREDUCE``: the one-shot symmetric-memory kernel or
-NCCL); ``--eager`` adds rows with decode graphs off (``GRAPHDSL_TP_CUDA_GRAPHS=0``). Each TP>1 row
-of a shape measured at TP1 too says whether its greedy tokens (the ``16 + tokens`` of the timed
-call) equal TP1's, and if not, how close TP1's top two candidates were where they part (random
-weights give near-flat logits; in bf16 the ranks' partial sums round differently from TP1's whole
-ones; ``--dtype float32`` shrinks that rounding). Roofline per rank = (the rank's weights except its embedding shard + its KV cache
-at the mean context) ÷ measured device-to-device copy bandwidth; collectives are not in the
-roofline, so the % shows what they and the step announcement cost. Each configuration runs in a
-fresh process (``--timeout`` bounds it) and its row prints as soon as it is measured. NVLink multicast stays off (``NCCL_NVLS_ENABLE=0``,
-``TORCH_SYMM_MEM_DISABLE_MULTICAST=1``, set here before torch loads).
+three; beside it the engine step alone (the step executor back to back at the mean context). TP>1
+rows replay decode CUDA graphs that capture the collectives (the default), once per all-reduce path
+of ``--allreduce`` (``GRAPHDSL_ALLREDUCE``: the one-shot symmetric-memory kernel or NCCL);
+``--eager`` adds rows with decode graphs off (``GRAPHDSL_TP_CUDA_GRAPHS=0``). Each TP>1 row of a
+shape measured at TP1 too says whether its greedy tokens (the ``16 + tokens`` of the timed call)
+equal TP1's, and if not, how close TP1's top two candidates were where they part (random weights
+give near-flat logits; in bf16 the ranks' partial sums round differently from TP1's whole ones;
+``--dtype float32`` shrinks that rounding). Roofline per rank = (the rank's weights except its
+embedding shard + its KV cache at the mean context) ÷ measured device-to-device copy bandwidth;
+collectives are not in the roofline, so the % shows what they and the step announcement cost. Each
+configuration runs in a fresh process (``--timeout`` bounds it) and its row prints as soon as it is
+measured. NVLink multicast stays off (``NCCL_NVLS_ENABLE=0``, ``TORCH_SYMM_MEM_DISABLE_MULTICAST=1``,
+set here before torch loads).
 """
 from __future__ import annotations
 
@@ -176,7 +178,8 @@ def main(argv=None) -> int:
         print(f"tp.py needs {args.tp} CUDA GPUs, found {torch.cuda.device_count()}", file=sys.stderr)
         return 2
     copy = copy_bandwidth_gbs()
-    print(f"# tensor-parallel batch-1 decode, {args.dtype} — {device_line()}; copy {copy:.0f} GB/s per GPU", flush=True)
+    print(f"# tensor-parallel batch-1 decode, {args.dtype} — {device_line()}; copy {copy:.0f} GB/s per GPU",
+          flush=True)
     print("| shape | TP | decode CUDA graphs | all-reduce | ms/token | engine step ms | roofline ms/token (per rank) "
           "| % of roofline | vs TP1 | greedy tokens equal to TP1 |")
     print("|---|---|---|---|---|---|---|---|---|---|", flush=True)

@@ -939,9 +939,10 @@ def _wait_left(left, wait_s: float) -> None:
 
 class _TPExecutor:
     """Rank 0's step executor: announces each step to the workers, then runs its own shard. With
-    decode CUDA graphs (the default; ``GRAPHDSL_TP_CUDA_GRAPHS=0`` turns them off) it hands the serving loop rank 0's decode
-    graph (:class:`_TPDecodeGraph`), so a steady decode step is one announcement and one replay on
-    every rank, as at one rank; otherwise each step's inputs travel whole and run eagerly."""
+    decode CUDA graphs (the default; ``GRAPHDSL_TP_CUDA_GRAPHS=0`` turns them off) it hands the
+    serving loop rank 0's decode graph (:class:`_TPDecodeGraph`), so a steady decode step is one
+    announcement and one replay on every rank, as at one rank; otherwise each step's inputs travel
+    whole and run eagerly."""
 
     def __init__(self, local: ModelExecutor, driver: _Driver):
         self.local, self.driver = local, driver

@@ -5,5 +5,5 @@ from .collectives import release_collective_buffers
 from .group import DistContext, backend_for, init_distributed, launched_by_torchrun, start_leaving, torchrun_env
 from .workers import StepChannel, WorkerError, WorkerPool
 
-__all__ = ["DistContext", "backend_for", "init_distributed", "launched_by_torchrun", "torchrun_env", "start_leaving", "StepChannel",
-           "WorkerError", "WorkerPool", "release_collective_buffers"]
+__all__ = ["DistContext", "backend_for", "init_distributed", "launched_by_torchrun", "torchrun_env", "start_leaving",
+           "StepChannel", "WorkerError", "WorkerPool", "release_collective_buffers"]

@@ -79,6 +79,7 @@ def _peers_reachable() -> bool:
 
 @functools.lru_cache(maxsize=None)
 def _all_peer_access(world: int) -> bool:
+    """Whether each of GPUs ``0..world-1`` can access every other's memory (asked once a process)."""
     return all(torch.cuda.can_device_access_peer(i, j) for i in range(world) for j in range(world) if i != j)
 
 

@@ -479,17 +479,14 @@ _ALIGN = 16     # bytes: every view of a packed buffer starts at a multiple of t
 
 def _packed_buffers(specs: Mapping[str, tuple[tuple[int, ...], torch.dtype]], device) -> dict[str, torch.Tensor]:
     """``{name: tensor of specs[name] = (shape, dtype)}``, all views of one byte buffer, in order."""
-    offsets, total = {}, 0
+    places, total = {}, 0
     for name, (shape, dtype) in specs.items():
-        offsets[name] = total
         nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+        places[name] = (total, nbytes)
         total += -(-nbytes // _ALIGN) * _ALIGN
     storage = torch.empty(max(total, _ALIGN), dtype=torch.uint8, device=device)
-    out = {}
-    for name, (shape, dtype) in specs.items():
-        nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
-        out[name] = storage[offsets[name]:offsets[name] + nbytes].view(dtype).view(shape)
-    return out
+    return {name: storage[at:at + nbytes].view(specs[name][1]).view(specs[name][0])
+            for name, (at, nbytes) in places.items()}
 
 
 def packed_inputs(static: Mapping[str, torch.Tensor]) -> torch.Tensor:

@@ -144,7 +144,8 @@ def _close_seconds_after_graphs(path: str) -> float:
     seconds = time.monotonic() - t0
     codes = [p.exitcode for p in procs]
     assert codes == [0] * len(procs) and not dist.is_initialized(), \
-        f"workers' exit codes {codes} (0 each expected), group still initialised: {dist.is_initialized()}, {seconds:.1f}s"
+        f"workers' exit codes {codes} (0 each expected), group still initialised: {dist.is_initialized()}, " \
+        f"{seconds:.1f}s"
     return seconds
 
 
