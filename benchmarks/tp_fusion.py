@@ -194,18 +194,15 @@ def _symm_site(h: int, dtype, device) -> Site:
     """This rank's :class:`Site` over torch symmetric memory of the default group."""
     import torch.distributed as dist
     import torch.distributed._symmetric_memory as symm_mem
+
+    from graphdsl.runtime.distributed.collectives import peer_pointers
     group = dist.group.WORLD.group_name
-    world, rank = dist.get_world_size(), dist.get_rank()
-    buf = symm_mem.empty(2 * world * h, dtype=dtype, device=device)
+    buf = symm_mem.empty(2 * dist.get_world_size() * h, dtype=dtype, device=device)
     cnt = symm_mem.empty(1, dtype=torch.int32, device=device)
     cnt.zero_()
     torch.cuda.synchronize(device)
-    ptrs = []
-    for t in (buf, cnt):
-        handle = symm_mem.rendezvous(t, group)
-        base = t.data_ptr() - handle.buffer_ptrs[handle.rank]
-        ptrs.append(torch.tensor([q + base for q in handle.buffer_ptrs], dtype=torch.int64, device=device))
-    return Site(ptrs[0], ptrs[1], rank, world, h, (buf, cnt))
+    return Site(peer_pointers(buf, group), peer_pointers(cnt, group), dist.get_rank(), dist.get_world_size(), h,
+                (buf, cnt))
 
 
 class Layer:

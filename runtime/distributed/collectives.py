@@ -30,7 +30,8 @@ import torch
 
 from graphdsl.errors import GraphDSLError
 
-__all__ = ["COLLECTIVE_LOWERINGS", "release_collective_buffers", "norm_after", "all_reduce_add_rms_norm"]
+__all__ = ["COLLECTIVE_LOWERINGS", "release_collective_buffers", "norm_after", "all_reduce_add_rms_norm",
+           "peer_pointers"]
 
 
 def _dist(world_size: int):
@@ -102,16 +103,22 @@ def _peers(dist, device: torch.device, dtype: torch.dtype, limit: int):
         flags = symm_mem.empty(world * MAX_ROWS, dtype=torch.int32, device=device)
         flags.zero_()
         torch.cuda.synchronize(device)
-        ptrs = []
-        for t in (data, flags):
-            h = symm_mem.rendezvous(t, group)
-            base = t.data_ptr() - h.buffer_ptrs[h.rank]          # the tensor's offset in its allocation
-            ptrs.append(torch.tensor([p + base for p in h.buffer_ptrs], dtype=torch.int64, device=device))
+        ptrs = [peer_pointers(t, group) for t in (data, flags)]
         peers = PeerBuffers(ptrs[0], ptrs[1], torch.zeros(MAX_ROWS, dtype=torch.int32, device=device),
                             dist.get_rank(), world, region, dtype)
         peers._keep = (data, flags)
         _SYMM_BUFFERS[key] = peers
     return peers
+
+
+def peer_pointers(t: torch.Tensor, group: str) -> torch.Tensor:
+    """Every rank's address of symmetric tensor ``t`` (from ``torch.distributed._symmetric_memory.empty``;
+    int64 ``[W]`` on ``t``'s device, rank order), rendezvoused over process group ``group`` (a
+    collective: every rank calls it with its own ``t``)."""
+    import torch.distributed._symmetric_memory as symm_mem
+    h = symm_mem.rendezvous(t, group)
+    base = t.data_ptr() - h.buffer_ptrs[h.rank]          # the tensor's offset in its allocation
+    return torch.tensor([p + base for p in h.buffer_ptrs], dtype=torch.int64, device=t.device)
 
 
 def _rows(t: torch.Tensor) -> torch.Tensor | None:
