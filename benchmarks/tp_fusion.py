@@ -206,7 +206,7 @@ def _symm_site(h: int, dtype, device) -> Site:
 
 
 class Layer:
-    """One rank's TP2 layer stand-in: o, gate|up, down and qkv slices, two norms and the buffers."""
+    """One rank's TP layer stand-in: its o, gate|up, down and qkv slices (random) and two norm weights."""
 
     def __init__(self, world: int, device, seed: int):
         g = torch.Generator(device=device).manual_seed(seed)
