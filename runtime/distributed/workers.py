@@ -163,11 +163,18 @@ def _worker_main(rank: int, world_size: int, port: int, build: Callable, build_a
         if hasattr(follower, "close"):
             follower.close()
         if not start_leaving().wait(_LEAVE_S):        # rank 0 leaves at the same time
-            errors.put((rank, f"leaving the process group took over {_LEAVE_S:.0f}s", ""))
-            os._exit(3)
+            _exit_reporting(errors, (rank, f"leaving the process group took over {_LEAVE_S:.0f}s", ""), 3)
     except BaseException as e:   # reported to rank 0 with the traceback, then a failing exit code
-        errors.put((rank, f"{type(e).__name__}: {e}", traceback.format_exc()))
-        os._exit(1)
+        _exit_reporting(errors, (rank, f"{type(e).__name__}: {e}", traceback.format_exc()), 1)
+
+
+def _exit_reporting(errors, report: tuple, code: int) -> None:
+    """Put ``report`` on the error queue, wait until it has left this process (``os._exit`` would
+    otherwise drop what the queue's feeder thread has not sent yet), then exit with ``code``."""
+    errors.put(report)
+    errors.close()
+    errors.join_thread()
+    os._exit(code)
 
 
 def _agree_as_worker(store, rank: int, world_size: int, key: str, value: int) -> int:

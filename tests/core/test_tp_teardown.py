@@ -255,3 +255,41 @@ def test_tp_decode_graphs_are_on_unless_turned_off(monkeypatch):
     assert not llm_mod.tp_cuda_graphs_enabled()
     monkeypatch.setenv("GRAPHDSL_TP_CUDA_GRAPHS", "1")
     assert llm_mod.tp_cuda_graphs_enabled()
+
+
+class _StuckLeaver:
+    """A worker's follower (CPU, no model) whose process cannot leave the group: its teardown's
+    event never fires, as when NCCL's teardown waits for a peer that is gone."""
+
+    device = __import__("torch").device("cpu")
+
+    def run_step(self, phase, inputs):
+        pass
+
+    def replay_graph(self, rows, width, load):
+        pass
+
+    def close(self):
+        import graphdsl.runtime.distributed.workers as workers
+        workers.start_leaving = threading.Event         # never set
+        workers._LEAVE_S = 0.2
+
+
+def _stuck_leaver(rank, world_size, *, agree):
+    return _StuckLeaver()
+
+
+def test_a_worker_that_cannot_leave_the_group_exits_failing_and_says_why():
+    import torch
+    from graphdsl.runtime.distributed import StepChannel, WorkerPool, start_leaving
+    pool = WorkerPool(2, _stuck_leaver)
+    try:
+        ctx = pool.join(torch.device("cpu"), timeout_s=60)
+        StepChannel(ctx).stop()
+        left = start_leaving()
+        pool.close(timeout_s=30)
+        assert left.wait(30)
+    finally:
+        pool.close(timeout_s=1)
+    assert pool.procs[0].exitcode == 3
+    assert "worker rank 1 failed: leaving the process group took over 0s" in pool._why(1, 3)
