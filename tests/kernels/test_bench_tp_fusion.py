@@ -59,3 +59,10 @@ def test_without_a_gpu_it_exits_2(capsys, monkeypatch):
 def test_bad_sizes_are_refused(argv, capsys):
     err = benchmarks.refusal("tp_fusion", argv, capsys)
     assert "--world must be at least 2 and --layers at least 1, got" in err
+
+
+def test_with_too_few_gpus_it_exits_2(capsys, monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    assert benchmarks.load("tp_fusion").main(["--world", "2"]) == 2
+    assert "tp_fusion.py needs 2 CUDA GPUs, found 1" in capsys.readouterr().err
