@@ -8,7 +8,6 @@ touch the GPU stream.
 from __future__ import annotations
 
 import datetime
-import itertools
 import os
 from dataclasses import dataclass
 
@@ -16,8 +15,7 @@ import torch
 
 from graphdsl.errors import GraphDSLError
 
-__all__ = ["DistContext", "backend_for", "init_distributed", "launched_by_torchrun", "torchrun_env", "start_leaving",
-           "next_group_generation"]
+__all__ = ["DistContext", "backend_for", "init_distributed", "launched_by_torchrun", "torchrun_env", "start_leaving"]
 
 _TORCHRUN_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
 
@@ -69,39 +67,14 @@ def dist_timeout_s() -> float:
     return float(os.environ.get("GRAPHDSL_DIST_TIMEOUT_S", 600))
 
 
-_GENERATIONS = itertools.count()
-_NAMES_A_GENERATION = 100        # group names a generation may use: the default group's, then new_group's
-
-
-def next_group_generation() -> int:
-    """A number no earlier process group of this process was formed under (0, 1, 2, ...).
-
-    Every rank of one group must form it under the same generation: ``LLM(tensor_parallel_size=N)``
-    hands rank 0's to the workers it starts; under torchrun every process counts its own, the ranks
-    forming their groups in the same order."""
-    return next(_GENERATIONS)
-
-
-def _name_groups_from(generation: int) -> None:
-    """Make the next default group's name ``str(100 · generation)`` (the groups made after it
-    count on from there), so a group formed after an earlier one was destroyed never takes that
-    one's name. torch names the default group after a counter that its teardown resets to 0, and
-    keeps per-name state for the life of the process: the symmetric-memory rendezvous store
-    (``enable_symm_mem_for_group`` registers a name once), so a second group named "0" would
-    rendezvous the one-shot all-reduce's buffers over the first group's store and wait forever."""
-    from torch.distributed import distributed_c10d as c10d
-    c10d._world.group_count = _NAMES_A_GENERATION * generation
-
-
 def init_distributed(rank: int, world_size: int, device: torch.device, *, store=None,
-                     timeout_s: float | None = None, generation: int | None = None) -> DistContext:
+                     timeout_s: float | None = None) -> DistContext:
     """Join (or reuse) the default process group as ``rank`` of ``world_size`` on ``device``.
 
     ``store``: a ``torch.distributed.Store`` to rendezvous through (default: torchrun's ``env://``).
     On CUDA the device becomes the current one and the group is NCCL; on CPU, gloo. ``timeout_s``
     bounds every collective (default ``GRAPHDSL_DIST_TIMEOUT_S`` or 600 s), so a lost rank ends in
-    an error instead of a hang. ``generation`` (every rank the same; default
-    :func:`next_group_generation`) names a group this call forms (:func:`_name_groups_from`).
+    an error instead of a hang.
     """
     import torch.distributed as dist
     device = torch.device(device)
@@ -116,7 +89,6 @@ def init_distributed(rank: int, world_size: int, device: torch.device, *, store=
                                 f"{dist.get_world_size()}, not rank {rank} of {world_size}")
     else:
         kw = {"store": store} if store is not None else {"init_method": "env://"}
-        _name_groups_from(next_group_generation() if generation is None else generation)
         dist.init_process_group(backend_for(device), rank=rank, world_size=world_size, timeout=timeout, **kw)
     control = dist.new_group(backend="gloo", timeout=timeout) if backend_for(device) != "gloo" else dist.group.WORLD
     return DistContext(rank, world_size, device, control)

@@ -32,7 +32,7 @@ import torch
 
 from graphdsl.errors import GraphDSLError
 
-from .group import DistContext, dist_timeout_s, init_distributed, next_group_generation, start_leaving
+from .group import DistContext, dist_timeout_s, init_distributed, start_leaving
 
 __all__ = ["StepChannel", "WorkerPool", "WorkerError"]
 
@@ -150,8 +150,7 @@ def agree_min(store, rank: int, world_size: int, key: str, value: int, *, timeou
 _LEAVE_S = 30.0      # a worker's wait for the group's teardown, as rank 0's (LLM.close)
 
 
-def _worker_main(rank: int, world_size: int, port: int, generation: int, build: Callable, build_args: tuple,
-                 errors) -> None:
+def _worker_main(rank: int, world_size: int, port: int, build: Callable, build_args: tuple, errors) -> None:
     """A worker process: build the shard, mark ready, join the group, serve steps, leave cleanly."""
     import torch.distributed as dist
     try:
@@ -159,8 +158,7 @@ def _worker_main(rank: int, world_size: int, port: int, generation: int, build: 
         agree = functools.partial(_agree_as_worker, store, rank, world_size)
         follower = build(rank, world_size, *build_args, agree=agree)          # loads this rank's weights
         store.set(f"ready/{rank}", "1")
-        ctx = init_distributed(rank, world_size, follower.device, store=dist.PrefixStore("pg", store),
-                               generation=generation)
+        ctx = init_distributed(rank, world_size, follower.device, store=dist.PrefixStore("pg", store))
         StepChannel(ctx).serve(follower)
         if hasattr(follower, "close"):
             follower.close()
@@ -205,9 +203,8 @@ class WorkerPool:
         self.store = dist.TCPStore("127.0.0.1", self.port, world_size, is_master=True, wait_for_workers=False)
         spawn = mp.get_context("spawn")
         self.errors = spawn.Queue()
-        self.generation = next_group_generation()       # the group's names, rank 0's and the workers'
         self.procs = [spawn.Process(target=_worker_main, name=f"graphdsl-tp-rank{r}", daemon=True,
-                                    args=(r, world_size, self.port, self.generation, build, build_args, self.errors))
+                                    args=(r, world_size, self.port, build, build_args, self.errors))
                       for r in range(1, world_size)]
         for p in self.procs:
             p.start()
@@ -225,8 +222,7 @@ class WorkerPool:
                 waiting = [k for k in keys if not self.store.check([k])]
                 raise WorkerError(f"tensor-parallel workers not ready after {timeout_s:.0f}s: {waiting}")
             time.sleep(0.05)
-        return init_distributed(0, self.world_size, device, store=dist.PrefixStore("pg", self.store),
-                                generation=self.generation)
+        return init_distributed(0, self.world_size, device, store=dist.PrefixStore("pg", self.store))
 
     def agree(self, key: str, value: int) -> int:
         """Rank 0's side of the workers' ``agree``: the least ``value`` over the ranks (a worker that
