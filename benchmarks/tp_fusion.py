@@ -190,19 +190,17 @@ def local_sites(world: int, h: int, dtype, device) -> list[Site]:
     return [Site(buf_ptrs, cnt_ptrs, r, world, h, (bufs, cnts)) for r in range(world)]
 
 
-def _symm_site(h: int, dtype, device) -> Site:
-    """This rank's :class:`Site` over torch symmetric memory of the default group."""
+def _peer_site(h: int, dtype, device) -> Site:
+    """This rank's :class:`Site` over buffers mapped into every rank of the default group
+    (:func:`graphdsl.runtime.distributed.ipc.peer_pointers`, as the one-shot all-reduce's)."""
     import torch.distributed as dist
-    import torch.distributed._symmetric_memory as symm_mem
 
-    from graphdsl.runtime.distributed.collectives import peer_pointers
-    group = dist.group.WORLD.group_name
-    buf = symm_mem.empty(2 * dist.get_world_size() * h, dtype=dtype, device=device)
-    cnt = symm_mem.empty(1, dtype=torch.int32, device=device)
-    cnt.zero_()
+    from graphdsl.runtime.distributed.ipc import peer_pointers
+    rank, world = dist.get_rank(), dist.get_world_size()
+    buf = torch.empty(2 * world * h, dtype=dtype, device=device)
+    cnt = torch.zeros(1, dtype=torch.int32, device=device)
     torch.cuda.synchronize(device)
-    return Site(peer_pointers(buf, group), peer_pointers(cnt, group), dist.get_rank(), dist.get_world_size(), h,
-                (buf, cnt))
+    return Site(peer_pointers(buf, rank, world), peer_pointers(cnt, rank, world), rank, world, h, (buf, cnt))
 
 
 class Layer:
@@ -267,7 +265,7 @@ def _rank_main(rank: int, world: int, layers: int, results) -> None:
     ctx = init_distributed(rank, world, torch.device("cuda", rank))
     dev = ctx.device
     nets = [Layer(world, dev, seed=1000 * i + rank) for i in range(layers)]
-    sites = [_symm_site(HIDDEN, torch.bfloat16, dev) for _ in range(2)]
+    sites = [_peer_site(HIDDEN, torch.bfloat16, dev) for _ in range(2)]
     peers = _peers(dist, dev, torch.bfloat16, HIDDEN * 2 * 64)
     bf = dict(dtype=torch.bfloat16, device=dev)
     x0 = (torch.randn(HEADS_DIM // world, generator=torch.Generator(device=dev).manual_seed(7), device=dev)).to(**bf)

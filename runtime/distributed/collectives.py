@@ -4,22 +4,21 @@ into it when the gathered dim is the leading one, ``reduce_scatter`` scatters in
 are NCCL calls on the current stream; the torch references (:mod:`graphdsl.functional.collective`)
 stay the semantics and the CPU path.
 
-Small CUDA all-reduces may take the one-shot path instead (``GRAPHDSL_ALLREDUCE``: ``symm_mem``
-always, ``auto`` when the ranks' GPUs reach each other's memory; the default, ``nccl``, sends them
-all to NCCL): every rank pushes its rows into peer-mapped buffers
-(torch symmetric memory) and sums what the others pushed, in one Triton launch with one flag
-exchange (:mod:`..kernels.allreduce`); no NVLink multicast involved. When the all-reduce's only
-reader is the ``add_rms_norm`` right after it (a tensor-parallel layer's o or down projection), the
-same launch adds the residual and normalises (:func:`norm_after`, :func:`all_reduce_add_rms_norm`),
-and the norm launches nothing. Messages above ``GRAPHDSL_ONESHOT_MAX_BYTES`` (default 512 KiB),
-other dtypes, and rows of another width than the group's first one-shot call stay on NCCL (every
-rank decides alike: the ranks' calls have the same shapes in the same order).
+Small CUDA all-reduces take the one-shot path instead (``GRAPHDSL_ALLREDUCE``: ``auto``, the
+default, where every rank's GPU is on this host and reaches the others' memory; ``symm_mem``
+always; ``nccl`` never): every rank pushes its rows into buffers mapped into every rank's process
+(CUDA IPC handles, :mod:`.ipc`) and sums what the others pushed, in one Triton launch with one
+flag exchange (:mod:`..kernels.allreduce`); no NVLink multicast involved. When the all-reduce's
+only reader is the ``add_rms_norm`` right after it (a tensor-parallel layer's o or down
+projection), the same launch adds the residual and normalises (:func:`norm_after`,
+:func:`all_reduce_add_rms_norm`), and the norm launches nothing. Messages above
+``GRAPHDSL_ONESHOT_MAX_BYTES`` (default 512 KiB), other dtypes, rows of another width than the
+group's first one-shot call, and groups whose ranks cannot map each other's buffers stay on NCCL
+(every rank decides alike: the ranks' calls have the same shapes in the same order, and the
+buffer exchange carries each rank's failure).
 
 On two H200s the Llama-3-8B shape's TP2 decode takes 2.588 ms a token this way against 2.975 with
-NCCL (docs/distributed.md; torch's ``one_shot_all_reduce_copy_out``, which this replaced, 2.868). It
-is not the default because a second tensor-parallel ``LLM`` in the same process hangs in the
-buffers' rendezvous (torch keeps the first group's rendezvous store under the name the second
-group gets again).
+NCCL (docs/distributed.md; torch's ``one_shot_all_reduce_copy_out``, which this replaced, 2.868).
 """
 from __future__ import annotations
 
@@ -30,8 +29,7 @@ import torch
 
 from graphdsl.errors import GraphDSLError
 
-__all__ = ["COLLECTIVE_LOWERINGS", "release_collective_buffers", "norm_after", "all_reduce_add_rms_norm",
-           "peer_pointers"]
+__all__ = ["COLLECTIVE_LOWERINGS", "release_collective_buffers", "norm_after", "all_reduce_add_rms_norm"]
 
 
 def _dist(world_size: int):
@@ -42,21 +40,22 @@ def _dist(world_size: int):
     return dist
 
 
-_SYMM_BUFFERS: dict = {}          # (device, dtype, group name) -> the group's PeerBuffers
+_PEER_BUFFERS: dict = {}          # (device, dtype, group name) -> the group's PeerBuffers (None: NCCL)
 
 
 def release_collective_buffers() -> None:
-    """Drop the symmetric buffers rendezvoused over the current group (before it is destroyed: a
-    later group of the same name must rendezvous its own)."""
-    _SYMM_BUFFERS.clear()
+    """Drop the one-shot buffers of the current group and unmap the peers' (before the group is
+    destroyed: a later group exchanges its own)."""
+    from .ipc import close_all
+    _PEER_BUFFERS.clear()
+    close_all()
 
 
 def _one_shot_limit() -> int:
     """Bytes up to which all-reduces take the one-shot path (0: never). ``GRAPHDSL_ALLREDUCE``:
-    ``nccl`` (default) never; ``auto`` when every rank runs on a GPU of this host that can reach the
-    others' memory (:func:`_peers_reachable`); ``symm_mem`` always. (Not the default: a second
-    tensor-parallel ``LLM`` in one process hangs in the buffers' rendezvous, docs/distributed.md.)"""
-    mode = os.environ.get("GRAPHDSL_ALLREDUCE", "nccl").strip().lower()
+    ``auto`` (default) when every rank runs on a GPU of this host that can reach the others'
+    memory (:func:`_peers_reachable`); ``symm_mem`` always; ``nccl`` never."""
+    mode = os.environ.get("GRAPHDSL_ALLREDUCE", "auto").strip().lower()
     if mode not in ("auto", "symm_mem", "nccl"):
         raise GraphDSLError(f"GRAPHDSL_ALLREDUCE must be 'auto', 'symm_mem' or 'nccl', got {mode!r}")
     if mode == "nccl" or (mode == "auto" and not _peers_reachable()):
@@ -86,39 +85,36 @@ def _all_peer_access(world: int) -> bool:
 
 def _peers(dist, device: torch.device, dtype: torch.dtype, limit: int):
     """The group's :class:`~..kernels.allreduce.PeerBuffers` for ``dtype`` on ``device``, made and
-    rendezvoused on first use (every rank reaches its first all-reduce together, so the
-    collective rendezvous lines up): a data buffer of two slots of ``W`` regions of ``limit``
-    bytes, and an int32 flag array zeroed before the rendezvous (so no rank's first flag can
-    land before a peer has cleared its array)."""
-    import torch.distributed._symmetric_memory as symm_mem
-
+    exchanged on first use (every rank reaches its first all-reduce together, so the exchange, a
+    collective, lines up): a data buffer of two slots of ``W`` regions of ``limit`` bytes, and an
+    int32 flag array zeroed before the exchange (so no rank's first flag can land before a peer
+    has cleared its array), each rank's mapped into every rank (:mod:`.ipc`). None, on every
+    rank, when some rank cannot map the others' memory: then the group's all-reduces stay on NCCL
+    (said once, as a warning)."""
     from ..kernels.allreduce import MAX_ROWS, PeerBuffers
+    from .ipc import IPCUnavailable, peer_pointers
     group = dist.group.WORLD.group_name
     key = (device, dtype, group)
-    peers = _SYMM_BUFFERS.get(key)
-    if peers is None:
-        world = dist.get_world_size()
-        region = limit // torch.empty((), dtype=dtype).element_size()
-        data = symm_mem.empty(2 * world * region, dtype=dtype, device=device)
-        flags = symm_mem.empty(world * MAX_ROWS, dtype=torch.int32, device=device)
-        flags.zero_()
+    if key in _PEER_BUFFERS:
+        return _PEER_BUFFERS[key]
+    world, rank = dist.get_world_size(), dist.get_rank()
+    region = limit // torch.empty((), dtype=dtype).element_size()
+    data = torch.empty(2 * world * region, dtype=dtype, device=device)
+    flags = torch.zeros(world * MAX_ROWS, dtype=torch.int32, device=device)
+    if device.type == "cuda":
         torch.cuda.synchronize(device)
-        ptrs = [peer_pointers(t, group) for t in (data, flags)]
-        peers = PeerBuffers(ptrs[0], ptrs[1], torch.zeros(MAX_ROWS, dtype=torch.int32, device=device),
-                            dist.get_rank(), world, region, dtype)
-        peers._keep = (data, flags)
-        _SYMM_BUFFERS[key] = peers
+    try:
+        ptrs = [peer_pointers(t, rank, world) for t in (data, flags)]
+    except IPCUnavailable as e:
+        import warnings
+        warnings.warn(f"one-shot all-reduce unavailable, all-reduces stay on NCCL: {e}", stacklevel=2)
+        _PEER_BUFFERS[key] = None
+        return None
+    peers = PeerBuffers(ptrs[0], ptrs[1], torch.zeros(MAX_ROWS, dtype=torch.int32, device=device), rank, world,
+                        region, dtype)
+    peers._keep = (data, flags)
+    _PEER_BUFFERS[key] = peers
     return peers
-
-
-def peer_pointers(t: torch.Tensor, group: str) -> torch.Tensor:
-    """Every rank's address of symmetric tensor ``t`` (from ``torch.distributed._symmetric_memory.empty``;
-    int64 ``[W]`` on ``t``'s device, rank order), rendezvoused over process group ``group`` (a
-    collective: every rank calls it with its own ``t``)."""
-    import torch.distributed._symmetric_memory as symm_mem
-    h = symm_mem.rendezvous(t, group)
-    base = t.data_ptr() - h.buffer_ptrs[h.rank]          # the tensor's offset in its allocation
-    return torch.tensor([p + base for p in h.buffer_ptrs], dtype=torch.int64, device=t.device)
 
 
 def _rows(t: torch.Tensor) -> torch.Tensor | None:
@@ -175,7 +171,7 @@ def _all_reduce(be, node, ins, attrs, dsts):
     if _one_shot_ok(x, dst, rows=_flat_rows):
         from ..kernels.allreduce import MAX_ROWS, one_shot_all_reduce
         peers = _peers(_dist(attrs["world_size"]), x.device, x.dtype, _one_shot_limit())
-        xr, dr = _flat_rows(x, peers.width), _flat_rows(dst, peers.width)
+        xr, dr = (None, None) if peers is None else (_flat_rows(x, peers.width), _flat_rows(dst, peers.width))
         if xr is not None and dr is not None and xr.shape == dr.shape and xr.shape[0] <= MAX_ROWS:
             one_shot_all_reduce(xr, peers, dr)
             return [dst]
@@ -216,7 +212,7 @@ def all_reduce_add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: tor
         return False
     from ..kernels.allreduce import one_shot_all_reduce
     peers = _peers(_dist(world_size), x.device, x.dtype, _one_shot_limit())
-    if not peers.takes(x.shape[-1]):
+    if peers is None or not peers.takes(x.shape[-1]):
         return False
     one_shot_all_reduce(_rows(x), peers, _rows(out), residual=_rows(residual), weight=weight,
                         sum_out=_rows(sum_out), eps=eps)

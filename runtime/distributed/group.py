@@ -96,8 +96,8 @@ def init_distributed(rank: int, world_size: int, device: torch.device, *, store=
 
 def start_leaving():
     """Start leaving the default process group, in a thread, and return a ``threading.Event`` set
-    once it is left (at once when there is no group). The group's symmetric all-reduce buffers are
-    dropped first (a later group of the same name must rendezvous its own).
+    once it is left (at once when there is no group). The group's one-shot all-reduce buffers are
+    dropped and the peers' unmapped first (a later group exchanges its own).
 
     Every rank must be leaving at the same time: NCCL's teardown of a communicator waits for its
     peers, so a rank that first waited for the others to exit, and left only then, deadlocked with

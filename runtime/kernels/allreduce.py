@@ -1,7 +1,7 @@
 """A one-shot all-reduce over peer-mapped buffers, optionally with the residual add and RMSNorm that
 follow it in a tensor-parallel decoder layer, in one launch.
 
-Each of the ``W`` ranks holds one buffer that every rank can address (torch symmetric memory: the
+Each of the ``W`` ranks holds one buffer that every rank can address (mapped by CUDA IPC handles, :mod:`..distributed.ipc`: the
 device pointers of all ranks' buffers, ``buf_ptrs [W]``, and of their flag arrays, ``flag_ptrs
 [W]``). A call reduces ``x [M, H]``; program ``p`` owns row ``p``:
 

@@ -1,8 +1,8 @@
 """Tensor parallelism's teardown and all-reduce switch, without a process group: ``close()`` leaves
 the group while the workers leave it, and a teardown that never ends (on two H200s, NCCL's, once decode
 graphs had captured collectives) is abandoned with a warning instead of hanging ``close()``;
-``GRAPHDSL_ALLREDUCE`` picks NCCL by default, the one-shot path on request (always, or where the
-GPUs reach each other), and refuses other values; decode graphs are on by default."""
+``GRAPHDSL_ALLREDUCE`` picks the one-shot path by default where the GPUs reach each other (``auto``),
+always on request, NCCL on request, and refuses other values; decode graphs are on by default."""
 from __future__ import annotations
 
 import importlib.util
@@ -91,12 +91,12 @@ def test_a_teardown_that_never_ends_is_abandoned_with_a_warning(monkeypatch):
         release.wait(30)
     monkeypatch.setattr(dist, "is_initialized", lambda: True)
     monkeypatch.setattr(dist, "destroy_process_group", stuck)
-    collectives._SYMM_BUFFERS[("dev", "dtype", "0")] = object()
+    collectives._PEER_BUFFERS[("dev", "dtype", "0")] = object()
     try:
         with pytest.warns(RuntimeWarning, match="leaving the tensor-parallel process group took over"):
             llm_mod._wait_left(start_leaving(), wait_s=0.2)
         assert entered.is_set()
-        assert not collectives._SYMM_BUFFERS          # the one-shot buffers of the old group are dropped
+        assert not collectives._PEER_BUFFERS          # the one-shot buffers of the old group are dropped
     finally:
         release.set()
 
@@ -122,9 +122,10 @@ def test_allreduce_path_switch(monkeypatch):
     monkeypatch.delenv("GRAPHDSL_ALLREDUCE", raising=False)
     monkeypatch.delenv("GRAPHDSL_ONESHOT_MAX_BYTES", raising=False)
     monkeypatch.setattr(collectives, "_peers_reachable", lambda: True)
-    assert collectives._one_shot_limit() == 0                   # NCCL by default
-    monkeypatch.setenv("GRAPHDSL_ALLREDUCE", "auto")
+    assert collectives._one_shot_limit() == 512 * 1024          # auto by default: the GPUs reach each other
     monkeypatch.setattr(collectives, "_peers_reachable", lambda: False)
+    assert collectives._one_shot_limit() == 0                   # auto, without peer access: NCCL
+    monkeypatch.setenv("GRAPHDSL_ALLREDUCE", "auto")
     assert collectives._one_shot_limit() == 0                   # auto, without peer access: NCCL
     monkeypatch.setattr(collectives, "_peers_reachable", lambda: True)
     assert collectives._one_shot_limit() == 512 * 1024          # auto, every GPU reaches the others

@@ -1,0 +1,121 @@
+"""The one-shot all-reduce's buffer exchange (``runtime/distributed/ipc.py``) without GPUs: the
+handles travel through a stand-in ``all_gather_object``, the driver's open is a stand-in too. Each
+rank gets its own address and the peers' mapped ones plus offsets; a rank that cannot share or map
+its buffer makes every rank give up, naming it, and then the group's all-reduces stay on NCCL
+(``collectives._peers`` says so once, as a warning)."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from graphdsl.runtime.distributed import collectives, ipc
+
+
+class _Ranks:
+    """``all_gather_object`` for one rank of a group whose other ranks' contributions are given:
+    each call fills the list with the next round's entries, this rank's own in its place."""
+
+    def __init__(self, rank, rounds):
+        self.rank, self.rounds, self.sent = rank, list(rounds), []
+
+    def __call__(self, out, obj):
+        self.sent.append(obj)
+        entries = list(self.rounds.pop(0))
+        entries[self.rank] = obj
+        out[:] = entries
+
+
+def _opened():
+    calls = []
+
+    def opener(handle, device):
+        calls.append(handle)
+        return {b"A" * 64: 1 << 40, b"C" * 64: 2 << 40}[handle]
+    return opener, calls
+
+
+def test_each_rank_gets_its_own_address_and_the_peers_mapped_ones(monkeypatch):
+    t = torch.zeros(8)
+    monkeypatch.setattr(ipc, "_share", lambda x: (b"B" * 64, 256))
+    opener, calls = _opened()
+    gather = _Ranks(1, [[("ok", b"A" * 64, 512), None, ("ok", b"C" * 64, 0)], [None, None, None]])
+    ptrs = ipc.peer_pointers(t, 1, 3, gather=gather, opener=opener)
+    assert ptrs.tolist() == [(1 << 40) + 512, t.data_ptr(), 2 << 40]
+    assert calls == [b"A" * 64, b"C" * 64]              # only the peers' handles are opened
+    assert gather.sent == [("ok", b"B" * 64, 256), None]
+
+
+def test_a_rank_that_cannot_share_makes_every_rank_give_up(monkeypatch):
+    monkeypatch.setattr(ipc, "_share", lambda x: (b"B" * 64, 0))
+    opener, calls = _opened()
+    gather = _Ranks(0, [[None, ("error", "cuIpcGetMemHandle failed on cuda:1 (CUresult 1)", 0)]])
+    with pytest.raises(ipc.IPCUnavailable, match=r"rank 1: cuIpcGetMemHandle failed"):
+        ipc.peer_pointers(torch.zeros(4), 0, 2, gather=gather, opener=opener)
+    assert calls == []
+
+
+def test_a_rank_that_cannot_map_makes_every_rank_give_up(monkeypatch):
+    """Rank 0 mapped its peer's buffer; rank 1 could not map rank 0's: both must leave the
+    one-shot path, or rank 0 would wait for flags rank 1 never raises."""
+    monkeypatch.setattr(ipc, "_share", lambda x: (b"B" * 64, 0))
+    opener, _ = _opened()
+    gather = _Ranks(0, [[None, ("ok", b"A" * 64, 0)], [None, "cuIpcOpenMemHandle failed on cuda:1 (CUresult 201)"]])
+    with pytest.raises(ipc.IPCUnavailable, match=r"rank 1: cuIpcOpenMemHandle failed"):
+        ipc.peer_pointers(torch.zeros(4), 0, 2, gather=gather, opener=opener)
+
+
+def test_without_the_driver_sharing_is_refused_not_crashed(monkeypatch):
+    def missing():
+        raise ipc.IPCUnavailable("the CUDA driver library libcuda.so.1 could not be loaded (test)")
+    monkeypatch.setattr(ipc, "_driver", missing)
+    gather = _Ranks(0, [[None, ("ok", b"A" * 64, 0)]])
+    with pytest.raises(ipc.IPCUnavailable, match=r"rank 0: the CUDA driver library"):
+        ipc.peer_pointers(torch.zeros(4), 0, 2, gather=gather)
+    assert gather.sent[0][0] == "error"                  # the failure travelled to the peers
+
+
+class _Dist:
+    class group:
+        class WORLD:
+            group_name = "0"
+
+    @staticmethod
+    def get_world_size():
+        return 2
+
+    @staticmethod
+    def get_rank():
+        return 0
+
+
+def test_the_group_falls_back_to_nccl_once_when_buffers_cannot_be_mapped(monkeypatch):
+    calls = []
+
+    def refuse(t, rank, world):
+        calls.append(t.numel())
+        raise ipc.IPCUnavailable("rank 1: cuIpcOpenMemHandle failed on cuda:1 (CUresult 201)")
+    monkeypatch.setattr(ipc, "peer_pointers", refuse)
+    monkeypatch.setattr(collectives, "_PEER_BUFFERS", {})
+    with pytest.warns(UserWarning, match=r"stay on NCCL: rank 1: cuIpcOpenMemHandle"):
+        assert collectives._peers(_Dist, torch.device("cpu"), torch.bfloat16, 1024) is None
+    assert collectives._peers(_Dist, torch.device("cpu"), torch.bfloat16, 1024) is None    # decided once
+    assert len(calls) == 1
+
+
+def test_release_unmaps_what_was_opened(monkeypatch):
+    closed = []
+    monkeypatch.setattr(ipc, "_driver", lambda: (None, None, None, closed.append))
+    monkeypatch.setattr(ipc, "_OPENED", {})
+    monkeypatch.setattr(torch.cuda, "device", lambda d: _NoDevice())
+    ipc._OPENED[("cuda:0", b"A" * 64)] = 1 << 40
+    ipc._OPENED[("cuda:0", b"C" * 64)] = 2 << 40
+    collectives.release_collective_buffers()
+    assert sorted(closed) == [1 << 40, 2 << 40] and ipc._OPENED == {}
+
+
+class _NoDevice:
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *a):
+        return False
