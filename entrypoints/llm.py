@@ -420,7 +420,13 @@ class LLM:
                       "lm_head_indices": t(list(range(n)), torch.int64)}
             if lora is not None:
                 inputs["lora_indices"] = t(self.model.lora.slots_for([lora]) * n, torch.int32)
-            return self._executor.execute("prefill", inputs)
+            logits = self._executor.execute("prefill", inputs)
+            verify = getattr(self._executor, "verify_step", None)       # tensor parallel: a worker may die meanwhile
+            if verify is not None:
+                if logits.is_cuda:
+                    torch.cuda.synchronize(logits.device)
+                verify()
+            return logits
         finally:
             self.blocks.free(sid)
 
@@ -858,6 +864,31 @@ class _Driver:
         self.ctx, self.pool, self.channel = ctx, pool, StepChannel(ctx)
         self.broken: BaseException | None = None
         self.closed = False
+        if pool is not None:
+            import threading
+            threading.Thread(target=self._watch, name="graphdsl-tp-watch", daemon=True).start()
+
+    def _watch(self, every_s: float = 0.2) -> None:
+        """While the group is open, look at the workers every ``every_s``: when one has died, mark
+        the group broken and release this rank's one-shot all-reduces waiting for it
+        (:func:`~graphdsl.runtime.distributed.collectives.release_waiters`), so a step in flight
+        ends and the worker's death is raised (:meth:`_TPExecutor.verify_step`) instead of rank 0
+        spinning on a flag that never comes. (NCCL's collectives end on their own timeout.)"""
+        import time
+        while not self.closed:
+            time.sleep(every_s)
+            if self.closed or not any(p.exitcode is not None for p in self.pool.procs):
+                continue
+            self._break(self.broken or self.pool.failure() or GraphDSLError("a tensor-parallel worker died"))
+            return
+
+    def _break(self, e: BaseException) -> None:
+        """Mark the group broken by ``e``, and release this rank's one-shot all-reduces that may be
+        waiting for a peer that will not come (their sums are dropped with the step)."""
+        self.broken = e
+        if torch.cuda.is_available():
+            from graphdsl.runtime.distributed.collectives import release_waiters
+            release_waiters()
 
     def announced(self, announce, run):
         """``announce(channel)`` to the workers, then ``run()`` here; a failure (a worker died, a
@@ -878,9 +909,9 @@ class _Driver:
         if self.pool is not None:
             why = self.pool.failure()
             if why is not None:
-                self.broken = why
+                self._break(why)
                 return why
-        self.broken = e
+        self._break(e)
         return e
 
     def close(self) -> None:
@@ -961,6 +992,12 @@ class _TPExecutor:
 
     def decode_widths(self, n: int) -> tuple[int, ...]:
         return self.local.decode_widths(n)
+
+    def verify_step(self) -> None:
+        """Raise when a worker died while the steps whose tokens just reached the host ran: their
+        all-reduces may have been released without the worker's part (:meth:`_Driver._watch`)."""
+        if self.driver.broken is not None:
+            raise GraphDSLError(f"LLM: a tensor-parallel step failed, its tokens are dropped: {self.driver.broken}")
 
 
 class _TPDecodeGraph:

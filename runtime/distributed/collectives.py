@@ -29,7 +29,8 @@ import torch
 
 from graphdsl.errors import GraphDSLError
 
-__all__ = ["COLLECTIVE_LOWERINGS", "release_collective_buffers", "norm_after", "all_reduce_add_rms_norm"]
+__all__ = ["COLLECTIVE_LOWERINGS", "release_collective_buffers", "release_waiters", "norm_after",
+           "all_reduce_add_rms_norm"]
 
 
 def _dist(world_size: int):
@@ -49,6 +50,21 @@ def release_collective_buffers() -> None:
     from .ipc import close_all
     _PEER_BUFFERS.clear()
     close_all()
+
+
+def release_waiters() -> None:
+    """Let every one-shot all-reduce of this process that waits for a peer go on (a peer died, so
+    its flags will never come): this rank's flags are raised to the largest value, from a stream of
+    their own, so the kernel spinning on them ends. Its sums are then garbage; the caller has marked
+    the group broken, and the step's results are dropped (``_TPExecutor.verify_step``)."""
+    for peers in list(_PEER_BUFFERS.values()):
+        if peers is None:
+            continue
+        flags = peers._keep[1]
+        side = torch.cuda.Stream(flags.device)
+        with torch.cuda.stream(side):
+            flags.fill_(2 ** 31 - 1)
+        side.synchronize()
 
 
 def _one_shot_limit() -> int:

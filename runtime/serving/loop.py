@@ -78,6 +78,9 @@ class StepExecutor(Protocol):
     def lora_slots(self, names: list[str | None]) -> list[int]:
         """The LoRA slot of each adapter name (-1 for None), loading adapters into slots as needed."""
 
+    # Optional: ``verify_step()``, called once a step's tokens have reached the host, raises when
+    # they cannot be trusted (rank 0 of a tensor-parallel group whose worker died meanwhile).
+
 
 def overlap_enabled(flag: bool) -> bool:
     """``flag`` unless ``GRAPHDSL_OVERLAP=0`` turns the overlap off."""
@@ -498,6 +501,9 @@ class ServingLoop:
     def _collect(self, flight: _Flight) -> list[TokenEvent]:
         if flight.event is not None:
             flight.event.synchronize()
+        verify = getattr(self.executor, "verify_step", None)
+        if verify is not None:
+            verify()
         tokens = flight.host.tolist()
         chunks = flight.batch.sampling_chunks
         events = self.scheduler.update(flight.batch, tokens)

@@ -294,3 +294,71 @@ def test_a_worker_that_cannot_leave_the_group_exits_failing_and_says_why():
         pool.close(timeout_s=1)
     assert pool.procs[0].exitcode == 3
     assert "worker rank 1 failed: leaving the process group took over 0s" in pool._why(1, 3)
+
+
+class _Proc:
+    def __init__(self):
+        self.exitcode = None
+
+
+class _WatchedPool:
+    def __init__(self):
+        self.procs = [_Proc()]
+
+    def failure(self):
+        from graphdsl.runtime.distributed import WorkerError
+        return WorkerError("tensor-parallel worker rank 1 died (killed by signal 9)")
+
+
+def _watched_driver(monkeypatch):
+    import torch
+    released = []
+    monkeypatch.setattr(collectives, "release_waiters", lambda: released.append("released"))
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    d = llm_mod._Driver.__new__(llm_mod._Driver)
+    d.ctx, d.pool, d.channel, d.broken, d.closed = None, _WatchedPool(), None, None, False
+    return d, released
+
+
+def test_a_worker_dying_mid_step_releases_rank_0s_waiting_all_reduces(monkeypatch):
+    """With the one-shot all-reduce a dead worker's flags never come: rank 0's kernel would spin
+    for good. The watch marks the group broken, releases the waiting kernels once, and the loop then
+    drops the step's tokens and raises the worker's death."""
+    d, released = _watched_driver(monkeypatch)
+    watch = threading.Thread(target=d._watch, args=(0.01,))
+    watch.start()
+    d.pool.procs[0].exitcode = -9
+    watch.join(5)
+    assert not watch.is_alive() and released == ["released"]
+    assert "worker rank 1 died" in str(d.broken)
+    ex = llm_mod._TPExecutor.__new__(llm_mod._TPExecutor)
+    ex.driver = d
+    with pytest.raises(GraphDSLError, match=r"tensor-parallel step failed, its tokens are dropped: .*rank 1 died"):
+        ex.verify_step()
+
+
+def test_a_closing_group_is_not_watched(monkeypatch):
+    d, released = _watched_driver(monkeypatch)
+    d.closed = True                       # close() marks it closed before the workers exit
+    d.pool.procs[0].exitcode = 0
+    d._watch(0.01)
+    assert released == [] and d.broken is None
+
+
+def test_the_serving_loop_verifies_a_step_before_reading_its_tokens():
+    from graphdsl.runtime.serving.kv_cache import BlockManager
+    from graphdsl.runtime.serving.loop import ServingLoop
+    from graphdsl.runtime.serving.sampling import SamplingParams
+    from graphdsl.runtime.serving.scheduler import Scheduler
+    from tests.helpers.fake_model import FakeModel
+
+    class _Failing(FakeModel):
+        def verify_step(self):
+            raise GraphDSLError("a worker died")
+    blocks = BlockManager(16, 4)
+    sched = Scheduler(blocks, max_num_seqs=2, max_num_batched_tokens=16, max_model_len=32)
+    loop = ServingLoop(_Failing(blocks, 32), sched, overlap=False)
+    req = sched.add_request(0, [1, 2, 3], SamplingParams(max_tokens=4, temperature=0))
+    with pytest.raises(GraphDSLError, match="a worker died"):
+        loop.step()
+    assert req.output_ids == []

@@ -8,7 +8,7 @@ eagerly and with decode CUDA graphs capturing the collectives (``GRAPHDSL_TP_CUD
 NCCL and the one-shot all-reduce (``GRAPHDSL_ALLREDUCE=symm_mem``), each run in a fresh process;
 two tensor-parallel LLMs one after the other in one process, on either path;
 ``close()`` returning once graphs have captured collectives; and a dead worker surfacing as an error
-naming its rank."""
+naming its rank, between steps and inside a one-shot step."""
 from __future__ import annotations
 
 import os
@@ -183,6 +183,52 @@ def test_dead_worker_is_an_error_naming_its_rank(ckpts, allreduce):
     from tests.helpers.tp_ranks import in_fresh_process
     said = in_fresh_process(_dead_worker_error, ckpts["llama"], env={"GRAPHDSL_ALLREDUCE": allreduce}, timeout_s=150)
     assert "worker rank 1 died" in said
+
+
+def _worker_dies_inside_a_step(path: str) -> tuple[str, float]:
+    """Greedy decode at TP2; at the third graph step the worker is stopped before rank 0 announces
+    the step (so it never runs its share) and killed once announced: rank 0's one-shot all-reduce
+    then waits for flags that never come, until the watch releases it."""
+    import os
+    import signal
+    import time
+
+    import graphdsl as gd
+    from graphdsl.entrypoints import llm as llm_mod
+    from graphdsl.errors import GraphDSLError
+    llm = gd.LLM(path, device="cuda", dtype="float32", tensor_parallel_size=2, num_kv_blocks=32)
+    pid = llm._tp.pool.procs[0].pid
+    calls = []
+
+    def replay(self, n):
+        calls.append(n)
+        if len(calls) != 3:
+            return self.driver.announced(lambda ch: ch.send_graph(self.rows, self.width, self._packed),
+                                         lambda: self.local.replay(n))
+        os.kill(pid, signal.SIGSTOP)
+        return self.driver.announced(lambda ch: ch.send_graph(self.rows, self.width, self._packed),
+                                     lambda: (os.kill(pid, signal.SIGKILL), self.local.replay(n))[1])
+    llm_mod._TPDecodeGraph.replay = replay
+    start = time.monotonic()
+    try:
+        llm.generate([IDS], gd.SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True))
+        said = "no error"
+    except GraphDSLError as e:
+        said = str(e)
+    finally:
+        llm.close()
+    return said, time.monotonic() - start
+
+
+def test_a_worker_dying_inside_a_one_shot_step_is_an_error_not_a_hang(ckpts):
+    """The one-shot kernel on rank 0 spins on the dead worker's flags; rank 0's watch marks the
+    group broken and raises its flags, the step ends, and its tokens are dropped with an error that
+    names the worker."""
+    from tests.helpers.tp_ranks import in_fresh_process
+    said, seconds = in_fresh_process(_worker_dies_inside_a_step, ckpts["llama"], timeout_s=150,
+                                     env={"GRAPHDSL_ALLREDUCE": "symm_mem", "GRAPHDSL_TP_CUDA_GRAPHS": "1"})
+    assert "worker rank 1 died" in said
+    assert seconds < 60
 
 
 _MIXED = [([3, 17, 42, 99, 7, 150, 11, 64], dict(max_tokens=40, temperature=0.0)),
