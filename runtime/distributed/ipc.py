@@ -7,9 +7,9 @@ PCIe peer access). This is what the one-shot all-reduce (:mod:`..kernels.allredu
 rows through.
 
 It replaces torch's symmetric memory for that purpose. torch's rendezvous keeps process-wide state
-(the group name's store, and sequence numbers of its store exchanges), so after one
-tensor-parallel ``LLM`` was closed, rank 0 and the fresh workers of the next one disagreed and the
-rendezvous never ended (two H200s). Here the exchange is one collective of the current group with
+(the group name's store, and more: a fresh group name did not help), so after one tensor-parallel
+``LLM`` was closed, rank 0 and the fresh workers of the next one disagreed and the rendezvous never
+ended (two H200s). Here the exchange is one collective of the current group with
 nothing kept between groups: a group's opened handles are closed when it is released
 (:func:`close_all`).
 
