@@ -875,12 +875,17 @@ class _Driver:
         ends and the worker's death is raised (:meth:`_TPExecutor.verify_step`) instead of rank 0
         spinning on a flag that never comes. (NCCL's collectives end on their own timeout.)"""
         import time
+
+        from graphdsl.runtime.distributed import WorkerError
         while not self.closed:
             time.sleep(every_s)
-            if self.closed or not any(p.exitcode is not None for p in self.pool.procs):
-                continue
-            self._break(self.broken or self.pool.failure() or GraphDSLError("a tensor-parallel worker died"))
-            return
+            if self.closed:
+                return
+            try:
+                self.pool.check()
+            except WorkerError as e:
+                self._break(self.broken or e)
+                return
 
     def _break(self, e: BaseException) -> None:
         """Mark the group broken by ``e``, and release this rank's one-shot all-reduces that may be

@@ -135,6 +135,7 @@ class ServingLoop:
     def __init__(self, executor: StepExecutor, scheduler: Scheduler, *, overlap: bool = True,
                  logprob_decoder=None):
         self.executor, self.scheduler = executor, scheduler
+        self._verify = getattr(executor, "verify_step", None)     # optional (StepExecutor)
         self.device = torch.device(executor.device)
         self.overlap = overlap_enabled(overlap)
         self.prefill_buckets = prefill_buckets_enabled(self.device)
@@ -501,9 +502,8 @@ class ServingLoop:
     def _collect(self, flight: _Flight) -> list[TokenEvent]:
         if flight.event is not None:
             flight.event.synchronize()
-        verify = getattr(self.executor, "verify_step", None)
-        if verify is not None:
-            verify()
+        if self._verify is not None:
+            self._verify()
         tokens = flight.host.tolist()
         chunks = flight.batch.sampling_chunks
         events = self.scheduler.update(flight.batch, tokens)

@@ -305,9 +305,10 @@ class _WatchedPool:
     def __init__(self):
         self.procs = [_Proc()]
 
-    def failure(self):
+    def check(self):
         from graphdsl.runtime.distributed import WorkerError
-        return WorkerError("tensor-parallel worker rank 1 died (killed by signal 9)")
+        if self.procs[0].exitcode is not None:
+            raise WorkerError("tensor-parallel worker rank 1 died (killed by signal 9)")
 
 
 def _watched_driver(monkeypatch):
