@@ -209,10 +209,11 @@ _UNSUPPORTED = [
 
 
 def _body(endpoint: str, **extra) -> tuple[str, dict]:
+    """A 2-token request, greedy so that its length is 2 (a sample can end the turn at once)."""
     if endpoint == "chat":
         return "/v1/chat/completions", {"model": NAME, "messages": [{"role": "user", "content": "Hi"}],
-                                        "max_tokens": 2, **extra}
-    return "/v1/completions", {"model": NAME, "prompt": "Hi", "max_tokens": 2, **extra}
+                                        "max_tokens": 2, "temperature": 0, **extra}
+    return "/v1/completions", {"model": NAME, "prompt": "Hi", "max_tokens": 2, "temperature": 0, **extra}
 
 
 @pytest.mark.parametrize("endpoint,name,value", _UNSUPPORTED, ids=[f"{e}-{n}-{v}" for e, n, v in _UNSUPPORTED])
@@ -265,10 +266,14 @@ def test_stream_options_obfuscation_is_accepted(client):
 def test_the_openai_client_is_served(llm, client):
     api = openai.OpenAI(base_url="http://testserver/v1", api_key="none", http_client=client, max_retries=0)
     msgs = [{"role": "user", "content": "Hi"}]
-    assert api.chat.completions.create(model=NAME, messages=msgs, max_tokens=2).choices[0].message.content
-    assert "".join(c.choices[0].delta.content or "" for c in
-                   api.chat.completions.create(model=NAME, messages=msgs, max_completion_tokens=2, stream=True))
-    assert api.completions.create(model=NAME, prompt="Hi", max_tokens=2, user="me").choices[0].text
+    # greedy: at the default temperature 1.0 a 2-token sample can be the end-of-turn token, whose
+    # text is empty (CI met it once)
+    whole = api.chat.completions.create(model=NAME, messages=msgs, max_tokens=2, temperature=0)
+    assert whole.choices[0].message.content
+    streamed = api.chat.completions.create(model=NAME, messages=msgs, max_completion_tokens=2, stream=True,
+                                           temperature=0)
+    assert "".join(c.choices[0].delta.content or "" for c in streamed) == whole.choices[0].message.content
+    assert api.completions.create(model=NAME, prompt="Hi", max_tokens=2, user="me", temperature=0).choices[0].text
     extras = {"top_k": 5, "min_p": 0.1, "repetition_penalty": 1.1, "min_tokens": 2, "stop_token_ids": [2],
               "ignore_eos": True}
     r = api.completions.create(model=NAME, prompt="Hi", max_tokens=3, seed=4, extra_body=extras)
