@@ -79,7 +79,8 @@ def capture_launch(name: str, x_wide: bool = True, quads: bool = True):
 
 
 _DTYPES = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32", torch.int32: "i32",
-           torch.uint8: "u8", torch.int8: "i8", torch.int16: "i16", torch.float8_e4m3fn: "fp8e4nv"}
+           torch.uint8: "u8", torch.int8: "i8", torch.int16: "i16", torch.int64: "i64",
+           torch.float8_e4m3fn: "fp8e4nv"}
 
 
 def compile_launch(kernel, args, kwargs, arch: int):

@@ -78,7 +78,7 @@ def _gemv_kernel(x_ptr, w_ptr, y_ptr, N, K, BLOCK_N: tl.constexpr, BLOCK_K: tl.c
 
 @triton.jit
 def _count(ptr, ON_GPU: tl.constexpr):
-    """Add 1 to the int32 at ``ptr`` (any rank's memory), release at system scope."""
+    """Add 1 to the int64 at ``ptr`` (any rank's memory), release at system scope."""
     if ON_GPU:
         tl.atomic_add(ptr, 1, sem="release", scope="sys")
     else:
@@ -102,7 +102,7 @@ def _push_gemv_kernel(x_ptr, w_ptr, buf_ptrs, cnt_ptrs, epoch_ptr, N, K, REGION,
         tl.store(dst + (slot * W + RANK) * REGION + rows, y.to(x_ptr.dtype.element_ty), mask=rows < N)
     tl.debug_barrier()                          # the whole tile is out before the counts
     for q in tl.static_range(W):
-        _count(tl.load(cnt_ptrs + q).to(tl.pointer_type(tl.int32)), ON_GPU)
+        _count(tl.load(cnt_ptrs + q).to(tl.pointer_type(tl.int64)), ON_GPU)
     tl.store(epoch_ptr + p, e)
 
 
@@ -116,7 +116,7 @@ def _norm_gemv_kernel(buf_ptrs, cnt_ptrs, epoch_ptr, res_ptr, sum_ptr, nw_ptr, s
     dt = res_ptr.dtype.element_ty
     e = tl.load(epoch_ptr + p) + 1
     slot = e % 2
-    _wait_for(tl.load(cnt_ptrs + RANK).to(tl.pointer_type(tl.int32)), e * TILES * W, ON_GPU)
+    _wait_for(tl.load(cnt_ptrs + RANK).to(tl.pointer_type(tl.int64)), e * TILES * W, ON_GPU)
     own = tl.load(buf_ptrs + RANK).to(tl.pointer_type(dt))
     cols = tl.arange(0, BLOCK_H)
     ok = cols < H
@@ -147,8 +147,8 @@ class Site:
                  keep: tuple):
         device = buf_ptrs.device
         self.buf_ptrs, self.cnt_ptrs, self.rank, self.world, self.region = buf_ptrs, cnt_ptrs, rank, world, region
-        self.produced = torch.zeros(4096, dtype=torch.int32, device=device)
-        self.consumed = torch.zeros(4096, dtype=torch.int32, device=device)
+        self.produced = torch.zeros(4096, dtype=torch.int64, device=device)
+        self.consumed = torch.zeros(4096, dtype=torch.int64, device=device)
         self.keep = keep             # the buffers the pointers point into
 
 
@@ -184,7 +184,7 @@ def local_sites(world: int, h: int, dtype, device) -> list[Site]:
     """``world`` ranks' :class:`Site` over buffers of this process (ranks run one after another
     under the interpreter, as the tests do)."""
     bufs = [torch.zeros(2 * world * h, dtype=dtype, device=device) for _ in range(world)]
-    cnts = [torch.zeros(1, dtype=torch.int32, device=device) for _ in range(world)]
+    cnts = [torch.zeros(1, dtype=torch.int64, device=device) for _ in range(world)]
     buf_ptrs = torch.tensor([b.data_ptr() for b in bufs], dtype=torch.int64, device=device)
     cnt_ptrs = torch.tensor([c.data_ptr() for c in cnts], dtype=torch.int64, device=device)
     return [Site(buf_ptrs, cnt_ptrs, r, world, h, (bufs, cnts)) for r in range(world)]
@@ -198,7 +198,7 @@ def _peer_site(h: int, dtype, device) -> Site:
     from graphdsl.runtime.distributed.ipc import peer_pointers
     rank, world = dist.get_rank(), dist.get_world_size()
     buf = torch.empty(2 * world * h, dtype=dtype, device=device)
-    cnt = torch.zeros(1, dtype=torch.int32, device=device)
+    cnt = torch.zeros(1, dtype=torch.int64, device=device)
     torch.cuda.synchronize(device)
     return Site(peer_pointers(buf, rank, world), peer_pointers(cnt, rank, world), rank, world, h, (buf, cnt))
 

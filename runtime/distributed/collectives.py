@@ -63,7 +63,7 @@ def release_waiters() -> None:
         flags = peers._keep[1]
         side = torch.cuda.Stream(flags.device)
         with torch.cuda.stream(side):
-            flags.fill_(2 ** 31 - 1)
+            flags.fill_(2 ** 63 - 1)
         side.synchronize()
 
 
@@ -103,7 +103,7 @@ def _peers(dist, device: torch.device, dtype: torch.dtype, limit: int):
     """The group's :class:`~..kernels.allreduce.PeerBuffers` for ``dtype`` on ``device``, made and
     exchanged on first use (every rank reaches its first all-reduce together, so the exchange, a
     collective, lines up): a data buffer of two slots of ``W`` regions of ``limit`` bytes, and an
-    int32 flag array zeroed before the exchange (so no rank's first flag can land before a peer
+    int64 flag array zeroed before the exchange (so no rank's first flag can land before a peer
     has cleared its array), each rank's mapped into every rank (:mod:`.ipc`). None, on every
     rank, when some rank cannot map the others' memory: then the group's all-reduces stay on NCCL
     (said once, as a warning)."""
@@ -116,7 +116,7 @@ def _peers(dist, device: torch.device, dtype: torch.dtype, limit: int):
     world, rank = dist.get_world_size(), dist.get_rank()
     region = limit // torch.empty((), dtype=dtype).element_size()
     data = torch.empty(2 * world * region, dtype=dtype, device=device)
-    flags = torch.zeros(world * MAX_ROWS, dtype=torch.int32, device=device)
+    flags = torch.zeros(world * MAX_ROWS, dtype=torch.int64, device=device)
     if device.type == "cuda":
         torch.cuda.synchronize(device)
     try:
@@ -126,7 +126,7 @@ def _peers(dist, device: torch.device, dtype: torch.dtype, limit: int):
         warnings.warn(f"one-shot all-reduce unavailable, all-reduces stay on NCCL: {e}", stacklevel=2)
         _PEER_BUFFERS[key] = None
         return None
-    peers = PeerBuffers(ptrs[0], ptrs[1], torch.zeros(MAX_ROWS, dtype=torch.int32, device=device), rank, world,
+    peers = PeerBuffers(ptrs[0], ptrs[1], torch.zeros(MAX_ROWS, dtype=torch.int64, device=device), rank, world,
                         region, dtype)
     peers._keep = (data, flags)
     _PEER_BUFFERS[key] = peers

@@ -6,7 +6,10 @@ device pointers of all ranks' buffers, ``buf_ptrs [W]``, and of their flag array
 [W]``). A call reduces ``x [M, H]``; program ``p`` owns row ``p``:
 
 1. ``e = epoch[p] + 1`` (a counter in this rank's memory, one a program, advanced by every call, so
-   all ranks agree on it without talking) picks slot ``e mod 2`` of every buffer.
+   all ranks agree on it without talking) picks slot ``e mod 2`` of every buffer. Epochs and flags
+   are int64: at the 8B TP2 decode's 25,600 calls a second an int32 epoch would wrap within a day,
+   and a wrapped epoch passes every flag test at once (the sums of a server running that long would
+   silently be wrong).
 2. It **pushes** its row into region ``[slot, RANK, p]`` of every rank's buffer (its own included):
    stores, not loads, cross the link, so nothing waits on a remote read.
 3. After a CTA barrier it writes ``e`` into ``flags[RANK, p]`` of every other rank with a
@@ -47,8 +50,8 @@ MAX_WIDTH = 16384          # elements a row (one program holds a row)
 @dataclass
 class PeerBuffers:
     """One rank's view of the peer-mapped memory of a group: ``buf_ptrs`` / ``flag_ptrs`` (int64
-    ``[W]`` on the device: each rank's data buffer and int32 flag array ``[W, MAX_ROWS]``), this
-    rank's ``epoch`` counters (int32 ``[MAX_ROWS]``, zero at first), its ``rank`` and the
+    ``[W]`` on the device: each rank's data buffer and int64 flag array ``[W, MAX_ROWS]``), this
+    rank's ``epoch`` counters (int64 ``[MAX_ROWS]``, zero at first), its ``rank`` and the
     ``region`` (elements) of one ``(slot, source rank)`` area. Every rank's buffer holds
     ``2 · W · region`` elements of ``dtype``; the flags start at zero on every rank before any
     rank's first call. ``width``: the row width of every call, set by the first (module
@@ -70,10 +73,10 @@ class PeerBuffers:
 
 @triton.jit
 def _signal(ptr, value, ON_GPU: tl.constexpr):
-    """Write ``value`` to the int32 at ``ptr`` (another rank's memory) with release semantics at
+    """Write ``value`` to the int64 at ``ptr`` (another rank's memory) with release semantics at
     system scope: everything this CTA stored before its barrier is visible to whoever reads it."""
     if ON_GPU:
-        tl.inline_asm_elementwise("st.release.sys.global.b32 [$1], $2;\n\tmov.u32 $0, 0;", "=r,l,r", [ptr, value],
+        tl.inline_asm_elementwise("st.release.sys.global.b64 [$1], $2;\n\tmov.u32 $0, 0;", "=r,l,l", [ptr, value],
                                   dtype=tl.int32, is_pure=False, pack=1)
     else:
         tl.atomic_xchg(ptr, value, sem="release")
@@ -81,9 +84,9 @@ def _signal(ptr, value, ON_GPU: tl.constexpr):
 
 @triton.jit
 def _wait_for(ptr, value, ON_GPU: tl.constexpr):
-    """Spin until the int32 at ``ptr`` reaches ``value`` (acquire, system scope)."""
+    """Spin until the int64 at ``ptr`` reaches ``value`` (acquire, system scope)."""
     if ON_GPU:
-        while tl.inline_asm_elementwise("ld.acquire.sys.global.b32 $0, [$1];", "=r,l", [ptr], dtype=tl.int32,
+        while tl.inline_asm_elementwise("ld.acquire.sys.global.b64 $0, [$1];", "=l,l", [ptr], dtype=tl.int64,
                                         is_pure=False, pack=1) < value:
             pass
     else:
@@ -112,8 +115,8 @@ def _one_shot_kernel(x_ptr, out_ptr, res_ptr, sum_ptr, w_ptr, buf_ptrs, flag_ptr
     tl.debug_barrier()                                # every thread's rows are out before the flags
     for q in tl.static_range(W):
         if q != RANK:
-            _signal(tl.load(flag_ptrs + q).to(tl.pointer_type(tl.int32)) + RANK * FLAG_ROWS + p, e, ON_GPU)
-    flags = tl.load(flag_ptrs + RANK).to(tl.pointer_type(tl.int32))
+            _signal(tl.load(flag_ptrs + q).to(tl.pointer_type(tl.int64)) + RANK * FLAG_ROWS + p, e, ON_GPU)
+    flags = tl.load(flag_ptrs + RANK).to(tl.pointer_type(tl.int64))
     for q in tl.static_range(W):
         if q != RANK:
             _wait_for(flags + q * FLAG_ROWS + p, e, ON_GPU)
@@ -180,12 +183,12 @@ def local_peers(world_size: int, region: int, dtype: torch.dtype, device) -> lis
     device): the ranks of a test, run one after another under the interpreter or side by side on
     streams of one GPU. The buffers are kept alive by the returned objects (``_keep``)."""
     bufs = [torch.zeros(2 * world_size * region, dtype=dtype, device=device) for _ in range(world_size)]
-    flags = [torch.zeros(world_size * MAX_ROWS, dtype=torch.int32, device=device) for _ in range(world_size)]
+    flags = [torch.zeros(world_size * MAX_ROWS, dtype=torch.int64, device=device) for _ in range(world_size)]
     buf_ptrs = torch.tensor([b.data_ptr() for b in bufs], dtype=torch.int64, device=device)
     flag_ptrs = torch.tensor([f.data_ptr() for f in flags], dtype=torch.int64, device=device)
     out = []
     for r in range(world_size):
-        peers = PeerBuffers(buf_ptrs, flag_ptrs, torch.zeros(MAX_ROWS, dtype=torch.int32, device=device), r,
+        peers = PeerBuffers(buf_ptrs, flag_ptrs, torch.zeros(MAX_ROWS, dtype=torch.int64, device=device), r,
                             world_size, region, dtype)
         peers._keep = (bufs, flags)
         out.append(peers)

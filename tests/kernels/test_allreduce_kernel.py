@@ -31,6 +31,27 @@ def test_sum_over_ranks_for_three_calls(world, rows, width):
         assert me.epoch[:rows].tolist() == [3] * rows and int(me.epoch[rows:].abs().sum()) == 0
 
 
+def test_epochs_past_two_to_the_31_keep_summing():
+    """A long-running server: after 2^31 calls (a day of 8B TP2 decode) the epochs go on counting
+    and every call still waits for its peers' rows (an int32 epoch would wrap negative, take a slot
+    of -1 and pass every flag test at once)."""
+    torch.manual_seed(3)
+    world, rows, width = 2, 2, 32
+    peers = local_peers(world, rows * width, torch.bfloat16, DEV)
+    start = 2 ** 31 - 2
+    for me in peers:
+        me.epoch.fill_(start)
+        me._keep[1][0].fill_(start)          # every flag where the last call left it
+        me._keep[1][1].fill_(start)
+    for call in range(3):
+        xs = [torch.randn(rows, width).bfloat16().to(DEV) for _ in range(world)]
+        want = torch.stack([x.float() for x in xs]).sum(0)
+        for out, _ in run_in_turn(peers, xs):
+            torch.testing.assert_close(out.float(), want, rtol=2 ** -7, atol=1e-6)
+    for me in peers:
+        assert me.epoch[:rows].tolist() == [start + 3] * rows
+
+
 def test_residual_add_and_rms_norm_match_the_reference():
     """sum_out = Σ x + residual and out = rms_norm(sum_out, weight) as graphdsl's reference rounds
     them, on every rank."""
