@@ -2,13 +2,15 @@
 random weights) at TP2, in ms/token and as % of each rank's roofline.
 
     python3 benchmarks/tp.py [--tp 2] [--shapes llama-3-8b llama-3-70b] [--tokens 128]
-                             [--allreduce symm_mem nccl] [--eager] [--dtype float32]
+                             [--allreduce symm_mem nccl carry] [--eager] [--dtype float32]
 
 Decode time per token = (time to generate ``16 + tokens`` tokens − time to generate 16) / tokens,
 through ``LLM.generate`` (the serving loop, step announcement to the workers included), median of
 three; beside it the engine step alone (the step executor back to back at the mean context). TP>1
 rows replay decode CUDA graphs that capture the collectives (the default), once per all-reduce path
-of ``--allreduce`` (``GRAPHDSL_ALLREDUCE``: the one-shot symmetric-memory kernel or NCCL);
+of ``--allreduce`` (``GRAPHDSL_ALLREDUCE``: the one-shot kernel over peer-mapped buffers or NCCL;
+``carry``: the one-shot path with ``GRAPHDSL_TP_CARRY=1``, the all-reduce and norm carried by the
+decode GEMVs around them, runtime/backends/tp_carry.py);
 ``--eager`` adds rows with decode graphs off (``GRAPHDSL_TP_CUDA_GRAPHS=0``). Each TP>1 row of a
 shape measured at TP1 too says whether its greedy tokens (the ``16 + tokens`` of the timed call)
 equal TP1's, and if not, how close TP1's top two candidates were where they part (random weights
@@ -99,7 +101,8 @@ def measure(shape: str, tp: int, tokens: int, graphs: bool, allreduce: str, copy
     line of JSON), close."""
     import graphdsl as gd
     os.environ.update({"GRAPHDSL_TP_CUDA_GRAPHS": "1" if graphs else "0",     # read here and inherited
-                       "GRAPHDSL_ALLREDUCE": allreduce})                         # by the workers
+                       "GRAPHDSL_ALLREDUCE": "symm_mem" if allreduce == "carry" else allreduce,   # by the workers
+                       "GRAPHDSL_TP_CARRY": "1" if allreduce == "carry" else "0"})
     llm = gd.LLM.from_config(SHAPES[shape], device="cuda", dtype=dtype, seed=0,
                              max_model_len=PROMPT + WARM + tokens + 16, max_num_seqs=1, tensor_parallel_size=tp)
     try:
@@ -163,8 +166,8 @@ def main(argv=None) -> int:
     ap.add_argument("--tp", type=int, default=2)
     ap.add_argument("--shapes", nargs="+", default=["llama-3-8b", "llama-3-70b"], choices=sorted(SHAPES))
     ap.add_argument("--tokens", type=int, default=128)
-    ap.add_argument("--allreduce", nargs="+", default=["symm_mem", "nccl"], choices=["symm_mem", "nccl"],
-                    help="all-reduce paths to time at TP>1 (GRAPHDSL_ALLREDUCE)")
+    ap.add_argument("--allreduce", nargs="+", default=["symm_mem", "nccl"], choices=["symm_mem", "nccl", "carry"],
+                    help="all-reduce paths to time at TP>1 (GRAPHDSL_ALLREDUCE; carry: GRAPHDSL_TP_CARRY=1 too)")
     ap.add_argument("--eager", action="store_true", help="also time TP>1 with decode CUDA graphs off")
     ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"],
                     help="the model's dtype (float32 shows whether TP's tokens part from TP1's by rounding alone)")

@@ -8,7 +8,9 @@ the same size whose life ends at that node (in-place reuse), which is safe for e
 A node's *workspace* (scratch its op's workspace rule asks for, see :mod:`graphdsl.opdef`) is live
 during that node only. Placement is greedy by size (largest first, lowest fitting offset), aligned
 to 256 bytes. The rows of a last-dim ``gather`` by a 1-D index live as long as its result (a
-backend may read them through the index instead of the copy).
+backend may read them through the index instead of the copy). The inputs of an ``add_rms_norm`` of
+an ``all_reduce``'s result live through the node after it (a backend may do the norm inside that
+node's GEMV, whose other programs write its output meanwhile).
 """
 from __future__ import annotations
 
@@ -61,6 +63,14 @@ def _read_through(node) -> bool:
     return node.attrs.get("dim", 0) in (-1, len(node.inputs[0].shape) - 1)
 
 
+def _norm_carried_into_next(node) -> bool:
+    """An ``add_rms_norm`` of an ``all_reduce``'s result: a tensor-parallel backend may do the sum
+    and the norm inside the next node, a GEMV (``runtime/backends/tp_carry.py``), so its inputs
+    must not be overwritten before that node has run."""
+    return node.op == "add_rms_norm" and any(t.producer is not None and t.producer.op == "all_reduce"
+                                             for t in node.inputs)
+
+
 def _align(n: int) -> int:
     return (n + ALIGN - 1) // ALIGN * ALIGN
 
@@ -94,6 +104,10 @@ def plan_memory(net: Network, specs: dict[str, tuple[tuple[int, ...], torch.dtyp
         if _read_through(node):
             x, out = base.get(node.inputs[0], node.inputs[0]), node.outputs[0]
             last_use[x] = max(last_use.get(x, step), last_use.get(out, step))
+        if _norm_carried_into_next(node) and step + 1 < end:
+            for t in node.inputs:
+                root = base.get(t, t)
+                last_use[root] = max(last_use.get(root, step), step + 1)
 
     buffers: list[Buffer] = []
     owner: dict = {}                      # tensor -> Buffer

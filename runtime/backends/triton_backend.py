@@ -28,7 +28,8 @@ Per node, by what the node is:
 * collectives (``all_reduce``, ``all_gather``, ``reduce_scatter``) on CUDA — NCCL through
   ``torch.distributed`` straight into the node's slot, or small all-reduces in one Triton launch
   over peer-mapped buffers (:mod:`graphdsl.runtime.distributed.collectives`), which also runs the
-  ``add_rms_norm`` after one (:mod:`.allreduce_norm`);
+  ``add_rms_norm`` after one (:mod:`.allreduce_norm`), or, with ``GRAPHDSL_TP_CARRY=1``, leaves
+  both to the decode GEMVs around them (:mod:`.tp_carry`);
 * anything else — the op's torch reference, copied into its slot (views alias their source).
 
 Kernels are prepared once per node and operand signature (shapes, strides, dtypes) and cached.
@@ -107,11 +108,13 @@ class TritonBackend:
         from .gather_carry import GatherCarry
         from .norm_carry import NormCarry
         from .torch_backend import TorchBackend
+        from .tp_carry import TPCarry
         self._reference = TorchBackend()
         self.norms = NormCarry()                # RMSNorms carried by the decode GEMVs around them
         self.gathers = GatherCarry()            # act-order gathers carried by the int4 GEMV reading them
         self.gather_rows = None                 # the running node's carried gather (gather_carry.Pending)
         self.reduce_norms = AllReduceNorm()     # tensor-parallel all-reduces that also add and normalise
+        self.tp_carry = TPCarry()               # tensor-parallel all-reduces + norms carried by the GEMVs around them
 
     # -- build time ----------------------------------------------------------------------------
     can_fuse = staticmethod(triton_can_fuse)
@@ -132,6 +135,7 @@ class TritonBackend:
         self.norms.start(nodes, enabled=after is None)   # a hook reads every node's output: none carried
         self.gathers.start(nodes, enabled=after is None)
         self.reduce_norms.start(nodes, enabled=after is None)
+        self.tp_carry.start(nodes, after is None)
         for node in nodes:
             self._run_one(node, values, attrs, storage)
             if after is not None:
@@ -163,6 +167,8 @@ class TritonBackend:
         return any(storage.get(t) is not None and overlaps(storage[t], x) for t in node.outputs)
 
     def _lower(self, node, ins, on_cpu: bool, values: dict, attrs: dict, storage: dict) -> None:
+        if self.tp_carry.done(node):            # an all-reduce or norm the GEMVs around it carry
+            return
         if node.category is OpCategory.COLLECTIVE and not on_cpu and node.op in COLLECTIVE_LOWERINGS:
             if node.op == "all_reduce" and self.reduce_norms.launch(self, node, ins, values, attrs, storage):
                 return
@@ -178,7 +184,8 @@ class TritonBackend:
             raise GraphDSLError(f"backend 'triton' runs on CUDA, or on CPU with TRITON_INTERPRET=1; node "
                                 f"'{node.name}' ({node.op}) got CPU tensors (use backend='torch' on CPU)")
         if self.reduce_norms.done(node) or self.norms.norm(node, values) \
-                or self.norms.producer(self, node, values, attrs, storage):
+                or self.norms.producer(self, node, values, attrs, storage) \
+                or self.tp_carry.producer(self, node, values, attrs, storage):
             return
         lower = _LOWERINGS.get(node.op)
         if lower is None and node.category is OpCategory.MATMUL:
@@ -820,6 +827,9 @@ def _not_carried(be: TritonBackend, node) -> None:
     if be.norms.rms_in(node) is not None:
         raise GraphDSLError(f"node '{node.name}' ({node.op}): its input's RMSNorm was left to its GEMV "
                             f"(runtime/backends/norm_carry.py), but it does not run as one")
+    if be.tp_carry.tp_in(node) is not None:
+        raise GraphDSLError(f"node '{node.name}' ({node.op}): its input's all-reduce and RMSNorm were left to its "
+                            f"GEMV (runtime/backends/tp_carry.py), but it does not run as one")
 
 
 def _matmul_silu_mul(be: TritonBackend, node, ins, attrs, a, b, dst) -> torch.Tensor:
@@ -831,7 +841,7 @@ def _matmul_silu_mul(be: TritonBackend, node, ins, attrs, a, b, dst) -> torch.Te
         if _gemv_rows(ins[0], ins[1], dst):
             from ..kernels.gemv import gemv
             return gemv(ins[0], ins[1], silu_mul=True, out=dst, workspace=be.gemv_workspace,
-                        rms_in=be.norms.rms_in(node))
+                        rms_in=be.norms.rms_in(node), tp_in=be.tp_carry.tp_in(node))
         if swiglu_gemm_supported(ins[0], ins[1], dst) and launch_for(*ins[0].shape) is not None:
             return swiglu_gemm(ins[0], ins[1], out=dst)
     _not_carried(be, node)
@@ -912,7 +922,8 @@ def _matmul(be: TritonBackend, node, ins, attrs, dsts):
         add = ins[2] if node.op == "matmul_add" else None
         if add is None or (add.dtype == dst.dtype and add.stride(-1) == 1):
             from ..kernels.gemv import gemv
-            gemv(ins[0], ins[1], add, out=dst, workspace=be.gemv_workspace, rms_in=be.norms.rms_in(node))
+            gemv(ins[0], ins[1], add, out=dst, workspace=be.gemv_workspace, rms_in=be.norms.rms_in(node),
+                 tp_in=be.tp_carry.tp_in(node))
             return [dst]
     _not_carried(be, node)
     if node.op == "matmul_add":

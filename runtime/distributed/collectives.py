@@ -30,7 +30,7 @@ import torch
 from graphdsl.errors import GraphDSLError
 
 __all__ = ["COLLECTIVE_LOWERINGS", "release_collective_buffers", "release_waiters", "norm_after",
-           "all_reduce_add_rms_norm"]
+           "all_reduce_add_rms_norm", "carry_buffers", "carry_takes"]
 
 
 def _dist(world_size: int):
@@ -42,6 +42,7 @@ def _dist(world_size: int):
 
 
 _PEER_BUFFERS: dict = {}          # (device, dtype, group name) -> the group's PeerBuffers (None: NCCL)
+_CARRY_BUFFERS: dict = {}         # (device, dtype, group name, width) -> the group's CarryBuffers (None: not mapped)
 
 
 def release_collective_buffers() -> None:
@@ -49,22 +50,31 @@ def release_collective_buffers() -> None:
     destroyed: a later group exchanges its own)."""
     from .ipc import close_all
     _PEER_BUFFERS.clear()
+    _CARRY_BUFFERS.clear()
     close_all()
 
 
 def release_waiters() -> None:
-    """Let every one-shot all-reduce of this process that waits for a peer go on (a peer died, so
-    its flags will never come): this rank's flags are raised to the largest value, from a stream of
-    their own, so the kernel spinning on them ends. Its sums are then garbage; the caller has marked
-    the group broken, and the step's results are dropped (``_TPExecutor.verify_step``)."""
+    """Let every one-shot all-reduce and carried GEMV of this process that waits for a peer go on (a
+    peer died, so its flags or columns will never come): this rank's flags and counters are raised
+    far past any call's, from a stream of their own, so the kernel spinning on them ends. Its sums
+    are then garbage; the caller has marked the group broken, and the step's results are dropped
+    (``_TPExecutor.verify_step``)."""
     for peers in list(_PEER_BUFFERS.values()):
         if peers is None:
             continue
-        flags = peers._keep[1]
-        side = torch.cuda.Stream(flags.device)
-        with torch.cuda.stream(side):
-            flags.fill_(2 ** 63 - 1)
-        side.synchronize()
+        _raise_from_side(peers._keep[1], 2 ** 63 - 1)
+    for bufs in list(_CARRY_BUFFERS.values()):
+        if bufs is not None:            # counted with adds: leave the live peers' adds room
+            _raise_from_side(bufs.counter, 2 ** 62)
+
+
+def _raise_from_side(t: torch.Tensor, value: int) -> None:
+    """``t.fill_(value)`` from a stream of its own, waited for (the step's stream is stuck)."""
+    side = torch.cuda.Stream(t.device)
+    with torch.cuda.stream(side):
+        t.fill_(value)
+    side.synchronize()
 
 
 def _one_shot_limit() -> int:
@@ -131,6 +141,44 @@ def _peers(dist, device: torch.device, dtype: torch.dtype, limit: int):
     peers._keep = (data, flags)
     _PEER_BUFFERS[key] = peers
     return peers
+
+
+def carry_takes(t: torch.Tensor) -> bool:
+    """Whether an all-reduce of ``t`` (a TP site's rows) may be carried by the GEMVs around it
+    (:mod:`..backends.tp_carry`): where and as the one-shot path would take it."""
+    return _one_shot_ok(t)
+
+
+def carry_buffers(world_size: int, device: torch.device, dtype: torch.dtype, width: int):
+    """The group's :class:`~..kernels.tp_carry.CarryBuffers` for rows of ``width`` (up to
+    ``tp_carry.MAX_ROWS`` of them a call), made and exchanged on first use like :func:`_peers`'
+    (every rank reaches its first carried site together): a data buffer of two slots of ``W``
+    regions and an int64 counter zeroed before the exchange. None, on every rank, when some rank
+    cannot map the others' memory (the sites then run as before)."""
+    from ..backends.tp_carry import MAX_ROWS
+    from ..kernels.tp_carry import CarryBuffers
+    from .ipc import IPCUnavailable, peer_pointers
+    dist = _dist(world_size)
+    key = (device, dtype, dist.group.WORLD.group_name, width)
+    if key in _CARRY_BUFFERS:
+        return _CARRY_BUFFERS[key]
+    world, rank = dist.get_world_size(), dist.get_rank()
+    region = MAX_ROWS * width
+    data = torch.zeros(2 * world * region, dtype=dtype, device=device)
+    counter = torch.zeros(2, dtype=torch.int64, device=device)
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    try:
+        ptrs = [peer_pointers(t, rank, world) for t in (data, counter)]
+    except IPCUnavailable as e:
+        import warnings
+        warnings.warn(f"carried all-reduce unavailable, TP sites run as before: {e}", stacklevel=2)
+        _CARRY_BUFFERS[key] = None
+        return None
+    bufs = CarryBuffers(ptrs[0], ptrs[1], data, counter, torch.zeros(2, dtype=torch.int64, device=device), rank,
+                        world, region)
+    _CARRY_BUFFERS[key] = bufs
+    return bufs
 
 
 def _rows(t: torch.Tensor) -> torch.Tensor | None:

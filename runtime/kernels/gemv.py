@@ -88,9 +88,10 @@ from graphdsl.quant import INT4_BLOCK_BYTES, code_rows
 
 from .pdl import hopper, pdl_launch, pdl_trigger, pdl_wait, prefetch_l2
 from .splitk import arrive, depart, sum_partials
+from .tp_carry import GemvPush, GemvTPIn, carry_args, push_tile, sum_norm_rows
 
-__all__ = ["gemv", "gemv_supported", "packs_rows", "GemvWorkspace", "GemvLoRA", "GemvRmsOut", "GemvRmsIn", "MAX_ROWS",
-           "weight_kind"]
+__all__ = ["gemv", "gemv_supported", "packs_rows", "GemvWorkspace", "GemvLoRA", "GemvRmsOut", "GemvRmsIn", "GemvPush",
+           "GemvTPIn", "MAX_ROWS", "weight_kind"]
 
 MAX_ROWS = 16
 # _pick_config's constants (benchmarks/decode_ab.py patches them for in-model A/B; on the H200 each
@@ -193,7 +194,9 @@ def _finish(acc, add_ptr, out_ptr, pid_n, rm, m_ok, N, stride_am, stride_om, HAS
             rms_g, rms_scaled_ptr, rms_part_ptr, RMS_CHUNKS, RMS_OUT: tl.constexpr,
             rin_part, rin_ptr, RIN_CHUNKS, rin_inv_n, rin_eps, RMS_IN: tl.constexpr, RIN_BLOCK: tl.constexpr,
             add_tile, EARLY: tl.constexpr, pack_ptr=None, PACK: tl.constexpr = False,
-            PACK_GROUP: tl.constexpr = 128):
+            PACK_GROUP: tl.constexpr = 128, push_ptrs=None, cnt_ptrs=None, calls_ptr=None, TP_REGION=0,
+            PUSH: tl.constexpr = False, TP_W: tl.constexpr = 1, TP_RANK: tl.constexpr = 0,
+            ON_GPU: tl.constexpr = False):
     """Store the transposed output tile ``acc [BLOCK_N, BLOCK_M]`` of column tile ``pid_n``:
     ``out[m, n] = acc[n, m] + add`` or, with ``SWIGLU``, ``out[m, c] = silu(g) * u`` where rows
     ``2i, 2i + 1`` of the tile hold gate and up of column ``c = pid_n * BLOCK_N / 2 + i``. g and u
@@ -212,7 +215,8 @@ def _finish(acc, add_ptr, out_ptr, pid_n, rm, m_ok, N, stride_am, stride_om, HAS
     latency hides behind it, else they are read here. ``PACK`` (with ``RMS_OUT``, one row): also
     store row 0's ``ŷ · weight`` as the next int4 GEMV's packed activations (:func:`_pack_tile`,
     groups of ``PACK_GROUP``; planes of ``N / 8`` words at ``pack_ptr``), so it needs no launch to
-    make them."""
+    make them. ``PUSH`` (a plain product): the tile goes to every rank's carry buffer instead of
+    ``out`` (:func:`.tp_carry.push_tile`)."""
     if RMS_IN:
         if not EARLY:
             rin_part = rin_tile(rin_ptr, rm, m_ok, RIN_CHUNKS, RIN_BLOCK)
@@ -238,7 +242,11 @@ def _finish(acc, add_ptr, out_ptr, pid_n, rm, m_ok, N, stride_am, stride_om, HAS
         else:
             a = tl.load(add_ptr + rm[None, :] * stride_am + rn[:, None], mask=mask, other=0.0)
         y += a.to(tl.float32)
-    tl.store(out_ptr + rm[None, :] * stride_om + rn[:, None], y.to(out_ptr.dtype.element_ty), mask=mask)
+    if PUSH:
+        push_tile(y, mask, rm, rn, pid_n, N, out_ptr, push_ptrs, cnt_ptrs, calls_ptr, TP_REGION, BLOCK_N, TP_W, TP_RANK,
+                  ON_GPU)
+    else:
+        tl.store(out_ptr + rm[None, :] * stride_om + rn[:, None], y.to(out_ptr.dtype.element_ty), mask=mask)
     if RMS_OUT:
         yr = tl.where(mask, y.to(out_ptr.dtype.element_ty).to(tl.float32), 0.0)
         scaled = (yr * rms_g.to(tl.float32)[:, None]).to(out_ptr.dtype.element_ty)
@@ -975,6 +983,15 @@ def _gemv_kernel(
     A8_KP: tl.constexpr = 16,           # W_FP8_A8: K padded to a power of two (the row-scale pass's width)
     QUADS: tl.constexpr = False,        # one int4 row, integer dots: operands loaded in the accumulator's layout
     KB: tl.constexpr = False,           # int4 codes stored in blocks of 128 inputs (scheme.blocked, _kb_words)
+    # a tensor-parallel all-reduce carried by the GEMVs around it (.tp_carry): PUSH, the producer's tiles to every
+    # rank's buffer (push_ptrs, cnt_ptrs: int64 [TP_W] pointers); TP_IN, the consumer's rows made first from the
+    # ranks' partials in its own buffer (tp_buf_ptr, tp_cnt_ptr), the residual, the norm weight (sum to tp_sum_ptr);
+    # calls_ptr: this rank's int64 [2] call numbers; TP_REGION: elements of a (slot, rank) region
+    push_ptrs=None, cnt_ptrs=None, calls_ptr=None, TP_REGION=0, PUSH: tl.constexpr = False,
+    tp_buf_ptr=None, tp_cnt_ptr=None, tp_res_ptr=None, tp_g_ptr=None, tp_sum_ptr=None, tp_stride_rm=0,
+    tp_stride_sm=0, tp_eps=0.0, TP_IN: tl.constexpr = False, TP_W: tl.constexpr = 1, TP_RANK: tl.constexpr = 0,
+    TP_BLOCK: tl.constexpr = 16,        # TP_IN: K padded to a power of two (a program holds a row)
+    ON_GPU: tl.constexpr = False,       # PUSH / TP_IN: system-scope release / acquire (else the interpreter's atomics)
 ):
     """out[m, n] = sum_k x[m, k] * w[n, k] (+ add[m, n]), float32 accumulation. With ``SWIGLU`` the
     tile's rows are the gate and up rows of ``BLOCK_N / 2`` output columns, interleaved (row ``2i``
@@ -1013,6 +1030,10 @@ def _gemv_kernel(
     else:
         rms_g = 0.0
     pdl_wait(USE_PDL, not LATE_LAUNCH)
+    if TP_IN:                          # the rows: every rank's partials summed, + residual, normalised
+        sum_norm_rows(x_ptr, stride_xm, M, K, tp_buf_ptr, tp_cnt_ptr, calls_ptr, tp_res_ptr, tp_stride_rm, tp_g_ptr,
+                      tp_sum_ptr, tp_stride_sm, tp_eps, TP_REGION, (pid_n == 0) & (pid_k == 0), TP_W, TP_BLOCK,
+                      ON_GPU)
     if RMS_IN and RMS_EARLY:           # read now, used after the K loop (_finish)
         rin_part = rin_tile(rin_ptr, rm, m_ok, RIN_CHUNKS, RIN_BLOCK)
     else:
@@ -1088,14 +1109,16 @@ def _gemv_kernel(
                     BLOCK_M, lora_p_ptr, lora_b_ptr, lora_idx_ptr, M, LORA_S, LORA_R, LORA_SPLITS, HAS_LORA,
                     LORA_BLOCK_R, LORA_BLOCK_SPLITS, rms_g, rms_scaled_ptr, rms_part_ptr, RMS_CHUNKS, RMS_OUT,
                     rin_part, rin_ptr, RIN_CHUNKS, rin_inv_n, rin_eps, RMS_IN, RIN_BLOCK,
-                    add_tile, RMS_EARLY, pack_ptr, PACK, PACK_GROUP)
+                    add_tile, RMS_EARLY, pack_ptr, PACK, PACK_GROUP, push_ptrs, cnt_ptrs, calls_ptr, TP_REGION, PUSH,
+                    TP_W, TP_RANK, ON_GPU)
     else:
         acc = _scale_sums(acc, s_ptr, rn, n_ok, stride_sn, a8_s, WKIND)
         _finish(acc, add_ptr, out_ptr, pid_n, rm, m_ok, N, stride_am, stride_om, HAS_ADD, SWIGLU, BLOCK_N, BLOCK_M,
                 lora_p_ptr, lora_b_ptr, lora_idx_ptr, M, LORA_S, LORA_R, LORA_SPLITS, HAS_LORA, LORA_BLOCK_R,
                 LORA_BLOCK_SPLITS, rms_g, rms_scaled_ptr, rms_part_ptr, RMS_CHUNKS, RMS_OUT,
                 rin_part, rin_ptr, RIN_CHUNKS, rin_inv_n, rin_eps, RMS_IN, RIN_BLOCK,
-                add_tile, RMS_EARLY, pack_ptr, PACK, PACK_GROUP)
+                add_tile, RMS_EARLY, pack_ptr, PACK, PACK_GROUP, push_ptrs, cnt_ptrs, calls_ptr, TP_REGION, PUSH, TP_W,
+                TP_RANK, ON_GPU)
 
 
 def _prefetch_lines(kind: int, one_row: bool, block_k: int, k_split: int) -> int:
@@ -1508,7 +1531,8 @@ def gemv(x: torch.Tensor, w: torch.Tensor, add: torch.Tensor | None = None, *, s
          config: dict | None = None, scheme=None, scales: torch.Tensor | None = None,
          zeros: torch.Tensor | None = None, lora: GemvLoRA | None = None,
          xpack: torch.Tensor | None = None, rms_out: GemvRmsOut | None = None,
-         rms_in: GemvRmsIn | None = None, perm: torch.Tensor | None = None) -> torch.Tensor:
+         rms_in: GemvRmsIn | None = None, perm: torch.Tensor | None = None, push: GemvPush | None = None,
+         tp_in: GemvTPIn | None = None) -> torch.Tensor:
     """``x @ w.T (+ add)`` for ``x [M <= 16, K]`` and ``w [N, K]`` of one dtype (fp16/bf16); ``add``
     is a bias ``[N]`` or a residual ``[M, N]``. With ``silu_mul``, ``w`` is a packed ``[gate | up]``
     ``[2I, K]`` and the result is ``silu(x @ gate.T) * (x @ up.T)`` ``[M, I]`` (the ``silu_mul`` op
@@ -1538,7 +1562,13 @@ def gemv(x: torch.Tensor, w: torch.Tensor, add: torch.Tensor | None = None, *, s
     ``perm`` (int4 act-order, contiguous int32 ``[K]``): the product of ``x[:, perm]``, read through
     ``perm`` instead of gathered first; the same bits as ``gemv(x[:, perm], ...)``. With ``xpack``
     the packed bytes are already in that order (``pack_int4_activations(x, group, perm=perm)``) and
-    ``perm`` is not given again."""
+    ``perm`` is not given again.
+
+    ``push`` (:class:`.tp_carry.GemvPush`) / ``tp_in`` (:class:`.tp_carry.GemvTPIn`): a
+    tensor-parallel all-reduce carried by this GEMV and the next (:mod:`.tp_carry`). With ``push``
+    the product goes to every rank's carry buffer, not ``out`` (a plain product: no ``add``,
+    ``silu_mul``, ``rms_out`` or ``lora``); with ``tp_in`` the kernel first makes its rows ``x``
+    (scratch it writes) from the ranks' partials, the residual and the norm."""
     if not gemv_supported(x, w, scheme):
         want = "a contiguous w [N, K] of one dtype" if scheme is None else f"the codes of {scheme.name}"
         raise GraphDSLError(f"gemv: needs x [M<= {MAX_ROWS}, K] in {[str(d) for d in _DTYPES]} and {want}, got x "
@@ -1606,6 +1636,10 @@ def gemv(x: torch.Tensor, w: torch.Tensor, add: torch.Tensor | None = None, *, s
     per_word = 4 if kind == W_FP8 else 8                          # codes an int32 word holds (one-row loops)
     if lora is not None:
         _check_lora(lora, m, n, x.dtype)
+    if push is not None and (add is not None or silu_mul or rms_out is not None or lora is not None):
+        raise GraphDSLError("gemv: push takes a plain product (no add, silu_mul, rms_out or lora)")
+    if tp_in is not None and (xpack is not None or rms_in is not None):
+        raise GraphDSLError("gemv: tp_in makes the rows itself (no xpack or rms_in)")
     stride_am = 0 if add is None or add.dim() == 1 else add.stride(0)
     interpret = os.environ.get("TRITON_INTERPRET") == "1"
     s_t = scales if scales is not None else out
@@ -1624,5 +1658,6 @@ def gemv(x: torch.Tensor, w: torch.Tensor, add: torch.Tensor | None = None, *, s
         X_WIDE=_X_WIDE and xpack is None and perm is None and x.stride(-1) == 1 and x.data_ptr() % 8 == 0,
         A8_KP=_pow2(k) if kind == W_FP8_A8 else 16, QUADS=_QUADS, KB=blocked,
         **pdl_launch(x.device),
-        **_lora_args(lora, out), **_rms_args(rms_out, rms_in, m, cols, k, block_n, silu_mul, out), **cfg)
+        **_lora_args(lora, out), **_rms_args(rms_out, rms_in, m, cols, k, block_n, silu_mul, out),
+        **carry_args(push, tp_in, x, out, x.is_cuda), **cfg)
     return out

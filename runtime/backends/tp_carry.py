@@ -1,0 +1,166 @@
+"""A tensor-parallel layer's all-reduce, residual add and RMSNorm carried by the decode GEMVs around
+them: the all-reduce and the norm launch nothing.
+
+In a TP decoder layer the row-parallel o or down projection ``p`` makes a partial row, ``all_reduce``
+sums the ranks', ``add_rms_norm`` adds the residual and normalises, and the next projection ``c``
+(qkv, gate|up, the LM head) reads the normed row. With every rank's GEMVs in reach of each other
+(the one-shot all-reduce's conditions, :mod:`..distributed.collectives`), ``p``'s GEMV pushes its
+tiles into every rank's carry buffer and ``c``'s GEMV sums them, adds, normalises and runs
+(:mod:`..kernels.tp_carry`): a launch less, and no kernel boundary between the last tile's arrival
+and the next GEMV. The norm's outputs land where the memory plan put them (``c`` writes the normed
+rows and, one program, the sum), so every later reader finds them as before; the all-reduce's
+output is never written (its only reader is the norm).
+
+Like :mod:`.norm_carry` this is a schedule of four graph nodes, not a rewrite: dumps keep the
+ops, a run with a per-node hook (taps, profiles) runs them one by one, and so does a run where any
+condition fails. Conditions, once per node list (:func:`plan`): ``p`` (``x @ w.T``) → its only
+reader ``all_reduce`` → its only reader ``add_rms_norm`` → ``c`` (``matmul`` / ``matmul_silu_mul``,
+``x @ w.T``) reading the normed rows as its input, four nodes in a row, neither the partial nor the
+normed rows a graph output. The memory plan keeps the norm's inputs alive through ``c``
+(``passes/memory_plan.py``). Per run (:meth:`TPCarry.producer`): both GEMVs take their operands
+(fp16/bf16, at most :data:`MAX_ROWS` rows of at most :data:`MAX_WIDTH`), the one-shot path takes a message of this size, the
+group's carry buffers are mapped, and no output ``c`` writes shares memory with what ``c`` reads.
+
+``GRAPHDSL_TP_CARRY`` (``0`` default, ``1`` on): measured on no GPU yet, so off until it is
+(``benchmarks/tp.py``, ``tests/gpu/test_tensor_parallel_gpu.py``).
+"""
+from __future__ import annotations
+
+import os
+from typing import NamedTuple
+
+import torch
+
+from .norm_carry import _plain_rows, overlaps
+
+__all__ = ["TPCarry", "Site", "plan", "enabled", "MAX_ROWS", "MAX_WIDTH"]
+
+MAX_ROWS = 4          # rows a carried site takes: every consumer program normalises every row first
+MAX_WIDTH = 8192      # row width a carried site takes: a consumer program holds a whole row in registers
+CONSUMERS = ("matmul", "matmul_silu_mul")
+
+
+def enabled() -> bool:
+    """``GRAPHDSL_TP_CARRY``: ``1`` carries, ``0`` (default) does not."""
+    v = os.environ.get("GRAPHDSL_TP_CARRY", "0").strip()
+    if v not in ("0", "1"):
+        from graphdsl.errors import GraphDSLError
+        raise GraphDSLError(f"GRAPHDSL_TP_CARRY must be '0' or '1', got {v!r}")
+    return v == "1"
+
+
+class Site(NamedTuple):
+    """One carried all-reduce: ``producer`` → ``reduce`` → ``norm`` → ``consumer``."""
+
+    producer: object          # graph Node: x @ w.T, row-parallel
+    reduce: object            # all_reduce of its output
+    norm: object              # add_rms_norm of the sum
+    y_input: int              # the norm's input (0 or 1) that is the sum
+    consumer: object          # the GEMV reading the normed rows first
+
+
+def plan(nodes) -> dict:
+    """The sites of ``nodes`` (a run's node list): ``{node: Site}`` for each site's four nodes."""
+    if not nodes:
+        return {}
+    net = nodes[0].net
+    readers = net.consumers()
+    outputs = set(getattr(net, "outputs", {}).values())
+    sites = {}
+    for p, a, b, c in zip(nodes, nodes[1:], nodes[2:], nodes[3:]):
+        if p.op != "matmul" or not _plain_rows(p) or a.op != "all_reduce" or a.attrs.get("world_size", 1) == 1 \
+                or b.op != "add_rms_norm" or c.op not in CONSUMERS or not _plain_rows(c):
+            continue
+        y, total, normed = p.outputs[0], a.outputs[0], b.outputs[0]
+        if a.inputs[0] is not y or readers.get(y) != [a] or readers.get(total) != [b] or y in outputs \
+                or total in outputs or normed in outputs or b.inputs[0] is b.inputs[1] or total not in b.inputs[:2]:
+            continue
+        if c.inputs[0] is not normed or normed in c.inputs[1:]:
+            continue
+        site = Site(p, a, b, b.inputs.index(total), c)
+        for n in (p, a, b, c):
+            sites[n] = site
+    return sites
+
+
+class TPCarry:
+    """A backend's carried all-reduces during one run: :meth:`producer` launches a site's producer
+    with the push (or declines), :meth:`done` tells whether an all-reduce or norm node is already
+    taken care of, :meth:`tp_in` gives the consumer its sum + norm."""
+
+    def __init__(self):
+        self._plans: tuple = (None, {})
+        self._sites: dict = {}
+        self._active: dict = {}                 # consumer node -> GemvTPIn
+        self._done: set = set()                 # the all-reduce and norm nodes of launched sites
+
+    def start(self, nodes, enabled_now: bool) -> None:
+        """A run of ``nodes`` begins; ``enabled_now`` False (a per-node hook) carries nothing."""
+        self._active, self._done = {}, set()
+        if not (enabled_now and enabled()):
+            self._sites = {}
+            return
+        if self._plans[0] is not nodes:
+            self._plans = (nodes, plan(nodes))
+        self._sites = self._plans[1]
+
+    def producer(self, be, node, values: dict, attrs: dict, storage: dict) -> bool:
+        """Launch ``node`` as a site's producer with the push, if it is one and every condition
+        holds on these tensors; False leaves the site's nodes to run one by one."""
+        site = self._sites.get(node)
+        if site is None or site.producer is not node:
+            return False
+        tp_in = _launch(be, site, values, attrs, storage)
+        if tp_in is None:
+            return False
+        self._active[site.consumer] = tp_in
+        self._done.update((site.reduce, site.norm))
+        return True
+
+    def done(self, node) -> bool:
+        """Whether ``node`` (an ``all_reduce`` or ``add_rms_norm``) is carried by a launched site."""
+        return node in self._done
+
+    def tp_in(self, node):
+        """The :class:`~..kernels.tp_carry.GemvTPIn` a consumer GEMV applies, or None."""
+        return self._active.get(node)
+
+
+def _launch(be, site: Site, values: dict, attrs: dict, storage: dict):
+    """Check the run-time conditions and launch the producer with the push; the consumer's
+    :class:`~..kernels.tp_carry.GemvTPIn` (its rows, the norm's outputs, set in ``values``), or None."""
+    from ..distributed.collectives import carry_buffers, carry_takes
+    from ..kernels.gemv import GemvPush, GemvTPIn, gemv, gemv_supported
+    from .triton_backend import _interpreting
+    p, a, b, c = site.producer, site.reduce, site.norm, site.consumer
+    x, w = values[p.inputs[0]], values[p.inputs[1]]
+    if x.dim() != 2 or not (x.device.type == "cuda" or _interpreting()) or not gemv_supported(x, w) \
+            or x.shape[0] > MAX_ROWS:
+        return None
+    m, n = x.shape[0], w.shape[0]
+    if n > MAX_WIDTH:
+        return None
+    residual, g = values[b.inputs[1 - site.y_input]], values[b.inputs[2]]
+    if residual.shape != (m, n) or residual.dtype != x.dtype or residual.stride(-1) != 1 or g.shape != (n,) \
+            or g.dtype != x.dtype or not g.is_contiguous() or b.outputs[0].dtype != x.dtype \
+            or not carry_takes(residual):
+        return None
+    normed, s = (be._dst(t, storage, b, attrs[b], [residual, residual, g], i) for i, t in enumerate(b.outputs))
+    cw = values[c.inputs[1]]
+    out = storage.get(c.outputs[0])
+    if normed is None or s is None or not normed.is_contiguous() or s.stride(-1) != 1 \
+            or not gemv_supported(normed, cw) or (out is not None and out.stride(-1) != 1):
+        return None
+    read = [residual, g, cw]
+    written = [normed, s] + ([out] if out is not None else [])
+    if any(overlaps(o, t) for o in written for t in read) or any(
+            overlaps(o1, o2) for i, o1 in enumerate(written) for o2 in written[i + 1:]):
+        return None
+    bufs = carry_buffers(attrs[a]["world_size"], x.device, x.dtype, n)
+    if bufs is None or not bufs.rows_fit(m, n):
+        return None
+    y = be._dst(p.outputs[0], storage, p, attrs[p], [x, w], 0)       # never written: the tiles go to the peers
+    gemv(x, w, out=y, workspace=be.gemv_workspace, push=GemvPush(bufs))
+    values[p.outputs[0]] = values[a.outputs[0]] = y
+    values[b.outputs[0]], values[b.outputs[1]] = normed, s
+    return GemvTPIn(bufs, residual, g, s, float(attrs[b]["eps"]))
