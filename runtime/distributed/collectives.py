@@ -118,7 +118,6 @@ def _peers(dist, device: torch.device, dtype: torch.dtype, limit: int):
     rank, when some rank cannot map the others' memory: then the group's all-reduces stay on NCCL
     (said once, as a warning)."""
     from ..kernels.allreduce import MAX_ROWS, PeerBuffers
-    from .ipc import IPCUnavailable, peer_pointers
     group = dist.group.WORLD.group_name
     key = (device, dtype, group)
     if key in _PEER_BUFFERS:
@@ -127,13 +126,8 @@ def _peers(dist, device: torch.device, dtype: torch.dtype, limit: int):
     region = limit // torch.empty((), dtype=dtype).element_size()
     data = torch.empty(2 * world * region, dtype=dtype, device=device)
     flags = torch.zeros(world * MAX_ROWS, dtype=torch.int64, device=device)
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-    try:
-        ptrs = [peer_pointers(t, rank, world) for t in (data, flags)]
-    except IPCUnavailable as e:
-        import warnings
-        warnings.warn(f"one-shot all-reduce unavailable, all-reduces stay on NCCL: {e}", stacklevel=2)
+    ptrs = _map_everywhere((data, flags), rank, world, "one-shot all-reduce unavailable, all-reduces stay on NCCL")
+    if ptrs is None:
         _PEER_BUFFERS[key] = None
         return None
     peers = PeerBuffers(ptrs[0], ptrs[1], torch.zeros(MAX_ROWS, dtype=torch.int64, device=device), rank, world,
@@ -141,6 +135,22 @@ def _peers(dist, device: torch.device, dtype: torch.dtype, limit: int):
     peers._keep = (data, flags)
     _PEER_BUFFERS[key] = peers
     return peers
+
+
+def _map_everywhere(tensors, rank: int, world: int, unavailable: str):
+    """Each of ``tensors`` (this rank's, just made) mapped into every rank: a list of int64 ``[W]``
+    pointer tensors (:func:`.ipc.peer_pointers`, a collective), or None on every rank when some
+    rank cannot share or map (said once, as a warning starting with ``unavailable``)."""
+    from .ipc import IPCUnavailable, peer_pointers
+    device = tensors[0].device
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)      # zeroed before any peer can write
+    try:
+        return [peer_pointers(t, rank, world) for t in tensors]
+    except IPCUnavailable as e:
+        import warnings
+        warnings.warn(f"{unavailable}: {e}", stacklevel=3)
+        return None
 
 
 def carry_takes(t: torch.Tensor) -> bool:
@@ -157,7 +167,6 @@ def carry_buffers(world_size: int, device: torch.device, dtype: torch.dtype, wid
     cannot map the others' memory (the sites then run as before)."""
     from ..backends.tp_carry import MAX_ROWS
     from ..kernels.tp_carry import CarryBuffers
-    from .ipc import IPCUnavailable, peer_pointers
     dist = _dist(world_size)
     key = (device, dtype, dist.group.WORLD.group_name, width)
     if key in _CARRY_BUFFERS:
@@ -166,13 +175,8 @@ def carry_buffers(world_size: int, device: torch.device, dtype: torch.dtype, wid
     region = MAX_ROWS * width
     data = torch.zeros(2 * world * region, dtype=dtype, device=device)
     counter = torch.zeros(2, dtype=torch.int64, device=device)
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-    try:
-        ptrs = [peer_pointers(t, rank, world) for t in (data, counter)]
-    except IPCUnavailable as e:
-        import warnings
-        warnings.warn(f"carried all-reduce unavailable, TP sites run as before: {e}", stacklevel=2)
+    ptrs = _map_everywhere((data, counter), rank, world, "carried all-reduce unavailable, TP sites run as before")
+    if ptrs is None:
         _CARRY_BUFFERS[key] = None
         return None
     bufs = CarryBuffers(ptrs[0], ptrs[1], data, counter, torch.zeros(2, dtype=torch.int64, device=device), rank,

@@ -119,3 +119,34 @@ class _NoDevice:
 
     def __exit__(self, *a):
         return False
+
+
+def test_carry_buffers_are_mapped_once_or_refused_once(monkeypatch):
+    """The carried all-reduce's buffers (runtime/backends/tp_carry.py) take the same exchange: mapped
+    once per group and row width, with a data buffer of two slots of W regions of MAX_ROWS rows and a
+    zeroed int64 counter; a rank that cannot map makes every rank run the sites as before, said once."""
+    from graphdsl.runtime.backends.tp_carry import MAX_ROWS
+    sent = []
+
+    def share(t, rank, world):
+        sent.append((t.dtype, t.numel(), int(t.abs().sum())))
+        return torch.tensor([t.data_ptr()] * world, dtype=torch.int64)
+    monkeypatch.setattr(ipc, "peer_pointers", share)
+    monkeypatch.setattr(collectives, "_dist", lambda world_size: _Dist)
+    monkeypatch.setattr(collectives, "_CARRY_BUFFERS", {})
+    bufs = collectives.carry_buffers(2, torch.device("cpu"), torch.bfloat16, 64)
+    assert collectives.carry_buffers(2, torch.device("cpu"), torch.bfloat16, 64) is bufs
+    assert sent == [(torch.bfloat16, 2 * 2 * MAX_ROWS * 64, 0), (torch.int64, 2, 0)]
+    assert (bufs.rank, bufs.world_size, bufs.region) == (0, 2, MAX_ROWS * 64) and bufs.calls.tolist() == [0, 0]
+    assert bufs.rows_fit(MAX_ROWS, 64) and not bufs.rows_fit(MAX_ROWS + 1, 64)
+
+    def refuse(t, rank, world):
+        sent.append("refused")
+        raise ipc.IPCUnavailable("rank 1: cuIpcOpenMemHandle failed on cuda:1 (CUresult 201)")
+    monkeypatch.setattr(ipc, "peer_pointers", refuse)
+    with pytest.warns(UserWarning, match=r"carried all-reduce unavailable, TP sites run as before: rank 1"):
+        assert collectives.carry_buffers(2, torch.device("cpu"), torch.bfloat16, 128) is None
+    assert collectives.carry_buffers(2, torch.device("cpu"), torch.bfloat16, 128) is None     # decided once
+    assert sent[2:] == ["refused"]
+    collectives.release_collective_buffers()
+    assert collectives._CARRY_BUFFERS == {}
