@@ -154,11 +154,11 @@ def _check_bufs(fn: str, bufs: CarryBuffers, m: int, n: int, dtype: torch.dtype,
 
 def carry_args(push: GemvPush | None, tp_in: GemvTPIn | None, x: torch.Tensor, out: torch.Tensor,
                on_gpu: bool) -> dict:
-    """The GEMV kernel's ``PUSH`` / ``TP_IN`` keywords (unused pointers are ``out``): ``push`` checked
-    against the product ``out [m, n]``, ``tp_in`` against the rows ``x [m, k]`` it makes."""
-    args = dict(push_ptrs=out, cnt_ptrs=out, calls_ptr=out, TP_REGION=0, PUSH=False, tp_buf_ptr=out, tp_cnt_ptr=out,
-                tp_res_ptr=out, tp_g_ptr=out, tp_sum_ptr=out, tp_stride_rm=0, tp_stride_sm=0, tp_eps=0.0, TP_IN=False,
-                TP_W=1, TP_RANK=0, TP_BLOCK=16, ON_GPU=on_gpu)
+    """The GEMV kernel's ``PUSH`` / ``TP_IN`` keywords (unused pointers None: no launch arguments),
+    ``push`` checked against the product ``out [m, n]``, ``tp_in`` against the rows ``x [m, k]``."""
+    args = dict(push_ptrs=None, cnt_ptrs=None, calls_ptr=None, TP_REGION=0, PUSH=False, tp_buf_ptr=None,
+                tp_cnt_ptr=None, tp_res_ptr=None, tp_g_ptr=None, tp_sum_ptr=None, tp_stride_rm=0, tp_stride_sm=0,
+                tp_eps=0.0, TP_IN=False, TP_W=1, TP_RANK=0, TP_BLOCK=16, ON_GPU=on_gpu)
     if push is not None and tp_in is not None:
         raise ValueError("gemv: push and tp_in belong to two GEMVs (the row-parallel producer, the column-parallel "
                          "consumer), not to one")
