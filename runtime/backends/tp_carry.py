@@ -18,8 +18,9 @@ reader ``all_reduce`` → its only reader ``add_rms_norm`` → ``c`` (``matmul``
 ``x @ w.T``) reading the normed rows as its input, four nodes in a row, neither the partial nor the
 normed rows a graph output. The memory plan keeps the norm's inputs alive through ``c``
 (``passes/memory_plan.py``). Per run (:meth:`TPCarry.producer`): both GEMVs take their operands
-(fp16/bf16, at most :data:`MAX_ROWS` rows of at most :data:`MAX_WIDTH`), the one-shot path takes a message of this size, the
-group's carry buffers are mapped, and no output ``c`` writes shares memory with what ``c`` reads.
+(fp16/bf16, at most :data:`MAX_ROWS` rows of at most :data:`MAX_WIDTH`), the one-shot path takes a
+message of this size, the group's carry buffers are mapped, and no output ``c`` writes shares
+memory with what ``c`` reads.
 
 ``GRAPHDSL_TP_CARRY`` (``0`` default, ``1`` on): measured on no GPU yet, so off until it is
 (``benchmarks/tp.py``, ``tests/gpu/test_tensor_parallel_gpu.py``).
@@ -28,8 +29,6 @@ from __future__ import annotations
 
 import os
 from typing import NamedTuple
-
-import torch
 
 from .norm_carry import _plain_rows, overlaps
 
