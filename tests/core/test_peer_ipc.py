@@ -150,3 +150,22 @@ def test_carry_buffers_are_mapped_once_or_refused_once(monkeypatch):
     assert sent[2:] == ["refused"]
     collectives.release_collective_buffers()
     assert collectives._CARRY_BUFFERS == {}
+
+
+def test_a_dead_peer_releases_both_kinds_of_waiters(monkeypatch):
+    """``release_waiters`` raises the one-shot flags past any call (2⁶³ − 1: they are stored, not added
+    to) and the carried GEMVs' counters far past any call's columns (2⁶², so the live peers' adds
+    still fit in 64 bits)."""
+    from graphdsl.runtime.kernels.allreduce import local_peers
+    from graphdsl.runtime.kernels.tp_carry import local_carry_buffers
+    raised = []
+    monkeypatch.setattr(collectives, "_raise_from_side", lambda t, value: raised.append((t, value)))
+    peers = local_peers(2, 64, torch.bfloat16, "cpu")[0]
+    flags = torch.zeros(8, dtype=torch.int64)
+    peers._keep = (None, flags)                  # as _peers keeps them: this rank's data and flags
+    bufs = local_carry_buffers(2, 64, torch.bfloat16, "cpu")[0]
+    monkeypatch.setattr(collectives, "_PEER_BUFFERS", {"a": peers, "b": None})
+    monkeypatch.setattr(collectives, "_CARRY_BUFFERS", {"c": bufs, "d": None})
+    collectives.release_waiters()
+    assert [(t.data_ptr(), v) for t, v in raised] == [(flags.data_ptr(), 2 ** 63 - 1),
+                                                      (bufs.counter.data_ptr(), 2 ** 62)]
