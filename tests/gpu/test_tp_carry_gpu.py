@@ -61,7 +61,7 @@ def test_ranks_at_once_over_many_calls(world):
         normed = (g.float() * (sf * torch.rsqrt(sf.pow(2).mean(-1, keepdim=True) + EPS)).bfloat16().float()).bfloat16()
         for r in range(world):
             assert torch.equal(sums[r], s), (call, r)
-            torch.testing.assert_close(rows[r].float(), normed.float(), rtol=2 ** -7, atol=1e-2)
+            torch.testing.assert_close(rows[r].float(), normed.float(), rtol=2 ** -6, atol=1e-2)
             want = gemv(rows[r], w2[r], silu_mul=True)
             assert torch.equal(outs[r], want), (call, r)
     for b in bufs:
