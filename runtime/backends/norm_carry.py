@@ -46,7 +46,7 @@ from typing import NamedTuple
 
 import torch
 
-__all__ = ["NormCarry", "Site", "plan", "overlaps", "PRODUCERS", "CONSUMERS"]
+__all__ = ["NormCarry", "Site", "plan", "overlaps", "readers_and_outputs", "PRODUCERS", "CONSUMERS"]
 
 ENABLED = True       # False: every norm launches its own kernel (benchmarks/decode_ab.py's A/B)
 THROUGH_GATHERS = True   # False: no site whose consumers read through an act-order gather (the A/B)
@@ -82,14 +82,19 @@ def _plain_rows(node) -> bool:
     return bool(node.attrs.get("transpose_b")) and not node.attrs.get("transpose_a")
 
 
+def readers_and_outputs(nodes) -> tuple[dict, set]:
+    """For a run's node list: ``{tensor: the nodes reading it}`` and the set of graph outputs of
+    its network (what a schedule of several nodes must leave alone)."""
+    net = nodes[0].net
+    return net.consumers(), set(getattr(net, "outputs", {}).values())
+
+
 def plan(nodes) -> dict:
     """The sites of ``nodes`` (a run's node list): ``{norm node: Site}``, also keyed by producer."""
     if not nodes:
         return {}
     from .gather_carry import plan as gather_plan
-    net = nodes[0].net
-    readers = net.consumers()
-    outputs = set(getattr(net, "outputs", {}).values())
+    readers, outputs = readers_and_outputs(nodes)
     index = {n: i for i, n in enumerate(nodes)}
     gathers = gather_plan(nodes) if THROUGH_GATHERS else set()   # act-order: the reader after a gather
     sites, last_read = {}, [-1, -1]

@@ -30,7 +30,7 @@ from __future__ import annotations
 import os
 from typing import NamedTuple
 
-from .norm_carry import _plain_rows, overlaps
+from .norm_carry import _plain_rows, overlaps, readers_and_outputs
 
 __all__ = ["TPCarry", "Site", "plan", "enabled", "MAX_ROWS", "MAX_WIDTH"]
 
@@ -62,9 +62,7 @@ def plan(nodes) -> dict:
     """The sites of ``nodes`` (a run's node list): ``{node: Site}`` for each site's four nodes."""
     if not nodes:
         return {}
-    net = nodes[0].net
-    readers = net.consumers()
-    outputs = set(getattr(net, "outputs", {}).values())
+    readers, outputs = readers_and_outputs(nodes)
     sites = {}
     for p, a, b, c in zip(nodes, nodes[1:], nodes[2:], nodes[3:]):
         if p.op != "matmul" or not _plain_rows(p) or a.op != "all_reduce" or a.attrs.get("world_size", 1) == 1 \

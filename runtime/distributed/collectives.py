@@ -255,9 +255,8 @@ def norm_after(nodes) -> dict:
     reads: the pairs :func:`all_reduce_add_rms_norm` may run as one launch."""
     if not nodes:
         return {}
-    net = nodes[0].net
-    readers = net.consumers()
-    outputs = set(getattr(net, "outputs", {}).values())
+    from ..backends.norm_carry import readers_and_outputs
+    readers, outputs = readers_and_outputs(nodes)
     pairs = {}
     for a, b in zip(nodes, nodes[1:]):
         if a.op != "all_reduce" or b.op != "add_rms_norm" or a.attrs.get("world_size", 1) == 1:

@@ -68,13 +68,11 @@ def test_the_four_nodes_of_a_tp_site_are_planned(swiglu):
     assert [nodes.index(n) for n in four] == list(range(nodes.index(site.producer), nodes.index(site.producer) + 4))
 
 
-@pytest.mark.parametrize("kw", [dict(normed_output=True), dict(y_output=True)])
-def test_a_site_whose_rows_are_outputs_is_not_planned(kw):
-    assert _sites(_block(2, **kw))[2] == {}
-
-
-def test_no_sites_without_an_all_reduce():
-    assert _sites(_block(1))[2] == {}
+@pytest.mark.parametrize("world, kw", [(2, dict(normed_output=True)), (2, dict(y_output=True)), (1, {})])
+def test_no_site_where_its_rows_are_outputs_or_nothing_is_reduced(world, kw):
+    """The partial or the normed rows read outside the four nodes (a graph output), or no
+    all-reduce at all: nothing to carry."""
+    assert _sites(_block(world, **kw))[2] == {}
 
 
 @pytest.mark.parametrize("swiglu", [False, True])
