@@ -13,12 +13,15 @@ output is never written (its only reader is the norm).
 
 Like :mod:`.norm_carry` this is a schedule of four graph nodes, not a rewrite: dumps keep the
 ops, a run with a per-node hook (taps, profiles) runs them one by one, and so does a run where any
-condition fails. Conditions, once per node list (:func:`plan`): ``p`` (``x @ w.T``) → its only
-reader ``all_reduce`` → its only reader ``add_rms_norm`` → ``c`` (``matmul`` / ``matmul_silu_mul``,
-``x @ w.T``) reading the normed rows as its input, four nodes in a row, neither the partial nor the
-normed rows a graph output. The memory plan keeps the norm's inputs alive through ``c``
+condition fails. Conditions, once per node list (:func:`plan`): ``p`` (``x @ w.T``: ``matmul`` or
+``quant_linear``) → its only reader ``all_reduce`` → its only reader ``add_rms_norm`` → ``c``
+(``matmul`` / ``matmul_silu_mul`` / ``quant_linear`` / ``quant_linear_silu_mul``) reading the
+normed rows as its input, four nodes in a row, neither the partial nor the normed rows a graph
+output. The memory plan keeps the norm's inputs alive through ``c``
 (``passes/memory_plan.py``). Per run (:meth:`TPCarry.producer`): both GEMVs take their operands
-(fp16/bf16, at most :data:`MAX_ROWS` rows of at most :data:`MAX_WIDTH`), the one-shot path takes a
+(fp16/bf16 rows, at most :data:`MAX_ROWS` of at most :data:`MAX_WIDTH`; plain or weight-only
+quantized weights, not GGUF blocks; the producer's rows not read through an act-order gather;
+an int4 consumer then reads its rows, not packed activations), the one-shot path takes a
 message of this size, the group's carry buffers are mapped, and no output ``c`` writes shares
 memory with what ``c`` reads.
 
@@ -36,7 +39,8 @@ __all__ = ["TPCarry", "Site", "plan", "enabled", "MAX_ROWS", "MAX_WIDTH"]
 
 MAX_ROWS = 4          # rows a carried site takes: every consumer program normalises every row first
 MAX_WIDTH = 8192      # row width a carried site takes: a consumer program holds a whole row in registers
-CONSUMERS = ("matmul", "matmul_silu_mul")
+PRODUCERS = ("matmul", "quant_linear")
+CONSUMERS = ("matmul", "matmul_silu_mul", "quant_linear", "quant_linear_silu_mul")
 
 
 def enabled() -> bool:
@@ -65,7 +69,7 @@ def plan(nodes) -> dict:
     readers, outputs = readers_and_outputs(nodes)
     sites = {}
     for p, a, b, c in zip(nodes, nodes[1:], nodes[2:], nodes[3:]):
-        if p.op != "matmul" or not _plain_rows(p) or a.op != "all_reduce" or a.attrs.get("world_size", 1) == 1 \
+        if p.op not in PRODUCERS or not _plain_rows(p) or a.op != "all_reduce" or a.attrs.get("world_size", 1) == 1 \
                 or b.op != "add_rms_norm" or c.op not in CONSUMERS or not _plain_rows(c):
             continue
         y, total, normed = p.outputs[0], a.outputs[0], b.outputs[0]
@@ -127,14 +131,17 @@ def _launch(be, site: Site, values: dict, attrs: dict, storage: dict):
     """Check the run-time conditions and launch the producer with the push; the consumer's
     :class:`~..kernels.tp_carry.GemvTPIn` (its rows, the norm's outputs, set in ``values``), or None."""
     from ..distributed.collectives import carry_buffers, carry_takes
-    from ..kernels.gemv import GemvPush, GemvTPIn, gemv, gemv_supported
+    from ..kernels.gemv import GemvPush, GemvTPIn, gemv
     from .triton_backend import _interpreting
     p, a, b, c = site.producer, site.reduce, site.norm, site.consumer
-    x, w = values[p.inputs[0]], values[p.inputs[1]]
-    if x.dim() != 2 or not (x.device.type == "cuda" or _interpreting()) or not gemv_supported(x, w) \
-            or x.shape[0] > MAX_ROWS:
+    x = values[p.inputs[0]]
+    if x.dim() != 2 or not (x.device.type == "cuda" or _interpreting()) or x.shape[0] > MAX_ROWS \
+            or be.gather_rows is not None:           # (act-order: the producer reads x through a gather)
         return None
-    m, n = x.shape[0], w.shape[0]
+    weights = _gemv_weights(p, x, values, attrs)
+    if weights is None:
+        return None
+    m, n = x.shape[0], weights[1]
     if n > MAX_WIDTH:
         return None
     residual, g = values[b.inputs[1 - site.y_input]], values[b.inputs[2]]
@@ -143,12 +150,11 @@ def _launch(be, site: Site, values: dict, attrs: dict, storage: dict):
             or not carry_takes(residual):
         return None
     normed, s = (be._dst(t, storage, b, attrs[b], [residual, residual, g], i) for i, t in enumerate(b.outputs))
-    cw = values[c.inputs[1]]
     out = storage.get(c.outputs[0])
     if normed is None or s is None or not normed.is_contiguous() or s.stride(-1) != 1 \
-            or not gemv_supported(normed, cw) or (out is not None and out.stride(-1) != 1):
+            or _gemv_weights(c, normed, values, attrs) is None or (out is not None and out.stride(-1) != 1):
         return None
-    read = [residual, g, cw]
+    read = [residual, g] + [values[t] for t in c.inputs[1:]]
     written = [normed, s] + ([out] if out is not None else [])
     if any(overlaps(o, t) for o in written for t in read) or any(
             overlaps(o1, o2) for i, o1 in enumerate(written) for o2 in written[i + 1:]):
@@ -156,8 +162,29 @@ def _launch(be, site: Site, values: dict, attrs: dict, storage: dict):
     bufs = carry_buffers(attrs[a]["world_size"], x.device, x.dtype, n)
     if bufs is None or not bufs.rows_fit(m, n):
         return None
-    y = be._dst(p.outputs[0], storage, p, attrs[p], [x, w], 0)       # never written: the tiles go to the peers
-    gemv(x, w, out=y, workspace=be.gemv_workspace, push=GemvPush(bufs))
+    y = be._dst(p.outputs[0], storage, p, attrs[p], [values[t] for t in p.inputs], 0)   # never written:
+    gemv(x, weights[0], out=y, workspace=be.gemv_workspace, push=GemvPush(bufs), **weights[2])   # tiles go out
     values[p.outputs[0]] = values[a.outputs[0]] = y
     values[b.outputs[0]], values[b.outputs[1]] = normed, s
     return GemvTPIn(bufs, residual, g, s, float(attrs[b]["eps"]))
+
+
+def _gemv_weights(node, x, values: dict, attrs: dict):
+    """``(weight, output columns, gemv keywords)`` of a carried site's projection reading rows ``x``
+    through the decode GEMV (a plain or weight-only quantized weight; GGUF blocks and layers the GEMV
+    does not take: None)."""
+    from graphdsl.quant import code_rows, parse_scheme
+
+    from ..gguf_scheme import GGUFMixScheme, GGUFScheme
+    from ..kernels.gemv import gemv_supported
+    from .triton_backend import _kernel_unsupported
+    w = values[node.inputs[1]]
+    if not node.op.startswith("quant"):
+        return (w, w.shape[0], {}) if gemv_supported(x, w) else None
+    scheme = parse_scheme(attrs[node]["scheme"])
+    stored = [values[t] for t in node.inputs[1:]]
+    if isinstance(scheme, (GGUFScheme, GGUFMixScheme)) or not gemv_supported(x, w, scheme) \
+            or _kernel_unsupported(node, [x] + stored) is not None:
+        return None
+    kw = dict(scheme=scheme, scales=stored[1], zeros=stored[2] if len(stored) > 2 else None)
+    return w, code_rows(w), kw

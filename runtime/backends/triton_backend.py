@@ -738,14 +738,14 @@ def _quant_linear(be: TritonBackend, node, ins, attrs, dsts):
         rows, perm = be.gather_rows, None          # act-order: read x through the gather's index
         if rows is not None:
             x2, perm = rows.x.reshape(-1, rows.x.shape[-1]), rows.index
-        xpack = None
-        if xpack_pays(silu, stored[0]):            # the bytes stored by the producer, else made by a launch
+        xpack, tp_in = None, be.tp_carry.tp_in(node)    # (a carried all-reduce: the GEMV makes its rows)
+        if xpack_pays(silu, stored[0]) and tp_in is None:   # the bytes stored by the producer, else a launch
             xpack = be.norms.xpack(node, scheme) if rows is None else None
             if xpack is None:
                 xpack = _int4_xpack(be, x2, scheme, perm)
         gemv(x2, stored[0], add2, silu_mul=silu, out=out2, workspace=be.gemv_workspace, scheme=scheme,
              scales=stored[1], zeros=stored[2] if len(stored) > 2 else None, xpack=xpack,
-             rms_in=be.norms.rms_in(node), perm=perm if xpack is None else None)
+             rms_in=be.norms.rms_in(node), perm=perm if xpack is None else None, tp_in=tp_in)
         return dsts
     if be.gather_rows is not None:                # (_gemv_reads_rows promised the GEMV: never, but safe)
         be.gathers.make(be.gather_rows)

@@ -94,3 +94,35 @@ def test_bad_carries_are_refused():
         gemv(rows, torch.zeros(N_OUT, H, **BF), tp_in=GemvTPIn(bufs[0], res[:, :32], res[0], res, EPS))
     with pytest.raises(ValueError, match="weight must be a contiguous \\[64\\]"):
         gemv(rows, torch.zeros(N_OUT, H, **BF), tp_in=GemvTPIn(bufs[0], res, res[0, :32], res, EPS))
+
+
+@pytest.mark.parametrize("scheme", ["int4-g64", "int4-g64-zp", "int8-channel", "fp8-channel"])
+@pytest.mark.parametrize("m", [1, 2])
+def test_quantized_producers_and_consumers(scheme, m):
+    """Weight-only quantized projections on both sides (the rows of a one-row int4 consumer are read
+    by its integer-dot loop): the carried chain still gives the one-shot chain's bits."""
+    from graphdsl.quant import parse_scheme
+    s = parse_scheme(scheme)
+    world, k_in = 2, 64
+    torch.manual_seed(11)
+    q1 = [[t.to(DEV) for t in s.quantize(torch.randn(H, k_in) * 0.1, torch.bfloat16)] for _ in range(world)]
+    q2 = [[t.to(DEV) for t in s.quantize(torch.randn(2 * N_OUT, H) * 0.1, torch.bfloat16)] for _ in range(world)]
+
+    def kw(q):
+        return dict(scheme=s, scales=q[1], zeros=q[2] if len(q) > 2 else None)
+    g = torch.rand(H).add(0.5).to(**BF)
+    peers = local_peers(world, 4 * H, torch.bfloat16, DEV)
+    bufs = local_carry_buffers(world, 4 * H, torch.bfloat16, DEV)
+    for call in range(2):
+        xs = [torch.randn(m, k_in).to(**BF) for _ in range(world)]
+        res = torch.randn(m, H).to(**BF)
+        ys = [gemv(x, q[0], **kw(q)) for x, q in zip(xs, q1)]
+        sums = [torch.empty_like(res) for _ in range(world)]
+        normed = run_in_turn(peers, ys, residual=res, weight=g, sum_out=sums, eps=EPS)
+        want = [gemv(n, q[0], silu_mul=True, **kw(q)) for (n, _), q in zip(normed, q2)]
+        for x, q, b in zip(xs, q1, bufs):
+            gemv(x, q[0], push=GemvPush(b), **kw(q))
+        for r, (q, b) in enumerate(zip(q2, bufs)):
+            rows, s_got = torch.empty(m, H, **BF), torch.empty(m, H, **BF)
+            out = gemv(rows, q[0], silu_mul=True, tp_in=GemvTPIn(b, res, g, s_got, EPS), **kw(q))
+            assert torch.equal(s_got, sums[r]) and torch.equal(out, want[r]), (call, r)
