@@ -239,7 +239,7 @@ class LLM:
             keep_blocks = wants_gguf_blocks(opts["quantization"], path if not gguf else None, "LLM: ")
             config, model_obj, dtype = self._architecture(hf, device, dtype, opts["max_model_len"], tp, opts)
             stored = None if gguf else _checkpoint_quantization(model_obj, hf, opts["quantization"], tp)
-            scheme = None if keep_blocks else _quantize_model(model_obj, opts["quantization"])
+            scheme = None if keep_blocks else _quantize_model(model_obj, opts["quantization"], tp)
             blocks = keep_gguf_blocks(model_obj, ckpt.block_types()) if keep_blocks else {}
             if gguf:
                 tensors = (ckpt.iter_tensors_lazy(dtype, device=device) if tp is not None else
@@ -259,7 +259,7 @@ class LLM:
             self.generation_config = {}
             wants_gguf_blocks(opts["quantization"], "a config (LLM.from_config)", "LLM: ")
             config, model_obj, dtype = self._architecture(dict(hf), device, dtype, opts["max_model_len"], tp, opts)
-            scheme = _quantize_model(model_obj, opts["quantization"])
+            scheme = _quantize_model(model_obj, opts["quantization"], tp)
             weights = _random_weights(model_obj, device, dtype, seed, std)
             if scheme is not None:
                 weights = quantize_weights(model_obj, weights, dtype)
@@ -772,9 +772,11 @@ def _check_tp(tensor_parallel_size: int, expert_parallel, quantization=None, opt
     if tensor_parallel_size > 1 and optimize_rules is not None:
         raise GraphDSLError("LLM: optimize_rules are not supported with tensor_parallel_size > 1 yet (injected modules "
                             "and device placements are not sharded): use one of them")
-    if tensor_parallel_size > 1 and quantization is not None:
-        raise GraphDSLError(f"LLM: quantization={quantization!r} is not supported with tensor_parallel_size > 1 yet "
-                            "(quantized weights are not sharded): use one of them")
+    from graphdsl.quant import QuantMethod
+    if tensor_parallel_size > 1 and quantization in (QuantMethod.GGUF, QuantMethod.GGUF.value):
+        raise GraphDSLError("LLM: quantization='gguf' (keep a GGUF file's blocks) is not supported with "
+                            "tensor_parallel_size > 1 yet (the blocks are not sharded): quantize online instead "
+                            "(int4, int8, fp8, gguf-q4_k, ...), which quantizes each rank's shard")
     if not isinstance(expert_parallel, bool):
         raise GraphDSLError(f"LLM: expert_parallel must be a bool, got {expert_parallel!r}")
 
@@ -819,12 +821,20 @@ def _pick_dtype(dtype, device: torch.device, config: ModelConfig) -> torch.dtype
     raise GraphDSLError(f"dtype must be one of {sorted(_DTYPES)} (or a matching torch dtype), got {dtype!r}")
 
 
-def _quantize_model(model: FlashCausalLM, quantization):
-    """Mark ``model``'s linears with the online scheme of ``quantization`` (None: leave them)."""
+def _quantize_model(model: FlashCausalLM, quantization, tp=None):
+    """Mark ``model``'s linears with the online scheme of ``quantization`` (None: leave them). Under
+    tensor parallelism ``model`` is already ``tp``'s shard: each rank quantizes its own slices (a
+    row-parallel layer's groups and per-row scales then cover its share of the inputs)."""
     if quantization is None:
         return None
     scheme = online_scheme(quantization)
-    quantize_linears(model, quantization)
+    try:
+        quantize_linears(model, quantization)
+    except GraphDSLError as e:
+        if tp is None or tp.world_size == 1:
+            raise
+        raise GraphDSLError(f"{e} (a rank's shard at tensor_parallel_size={tp.world_size}: row-parallel layers "
+                            f"hold 1/{tp.world_size} of the inputs)") from None
     dense = dense_expert_stacks(model)
     if dense:
         total = sum(math.prod(p.shape) for _, p in model.named_parameters())

@@ -202,6 +202,29 @@ def test_from_config_ranks_hold_slices_of_the_single_process_weights():
         assert not torch.equal(other.model._bound["model.layers.0.self_attn.qkv_proj.weight"], whole)  # seeded
 
 
+@pytest.mark.parametrize("quantization, tol", [("int4-g64", 1e-4), ("int8", 2e-2), ("fp8", 5e-2)])
+def test_online_quantization_quantizes_each_ranks_shard(quantization, tol):
+    """``quantization=`` with ``tensor_parallel_size=2``: every rank quantizes its own slices. Groups
+    of 64 lie inside every shard, so int4-g64 is the single-process quantized model split; int8's and
+    fp8's per-row scales of a row-parallel shard cover its half of the inputs (finer than one
+    process's), so logits differ within their rounding and the greedy tokens agree."""
+    from graphdsl.layers.quantize import scheme_counts
+    from tests.models.hf_tiny import make_config
+    hf = make_config("llama", hidden_size=128, intermediate_size=256).to_dict()
+    sp = gd.SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+    kw = dict(device="cpu", seed=3, num_kv_blocks=16, quantization=quantization)
+    with gd.LLM.from_config(hf, **kw) as one:
+        logits, tokens, counts = one.score(IDS), one.generate([IDS], sp)[0].outputs[0].token_ids, \
+            scheme_counts(one.model)
+    with gd.LLM.from_config(hf, tensor_parallel_size=2, **kw) as two:
+        assert scheme_counts(two.model) == counts
+        torch.testing.assert_close(two.score(IDS), logits, rtol=tol, atol=tol * logits.abs().max().item())
+        assert two.generate([IDS], sp)[0].outputs[0].token_ids == tokens
+    with pytest.raises(GraphDSLError, match=r"'model.layers.0.self_attn.o_proj.weight' has 64 inputs, not a multiple "
+                                            r"of the group size 128 \(a rank's shard at tensor_parallel_size=2"):
+        gd.LLM.from_config(hf, tensor_parallel_size=2, **dict(kw, quantization="int4-g128"))
+
+
 def test_kv_cache_memory_fraction_gives_every_rank_the_fewest_blocks(ckpts, references):
     """Each rank sizes its cache from its own free memory; the ranks then hold the least count."""
     logits, tokens = references(ckpts["llama"])
@@ -305,8 +328,9 @@ def test_unsupported_layers_and_arguments_are_errors():
         TensorParallel(2, 2)
     with pytest.raises(GraphDSLError, match="tensor_parallel_size must be a positive int, got 0"):
         gd.LLM.from_config({}, device="cpu", tensor_parallel_size=0)
-    with pytest.raises(GraphDSLError, match=r"quantization='int8' is not supported with tensor_parallel_size > 1"):
-        gd.LLM.from_config({}, device="cpu", tensor_parallel_size=2, quantization="int8")
+    with pytest.raises(GraphDSLError, match=r"quantization='gguf' \(keep a GGUF file's blocks\) is not supported "
+                       r"with tensor_parallel_size > 1"):
+        gd.LLM.from_config({}, device="cpu", tensor_parallel_size=2, quantization="gguf")
 
 
 # -- the command line under torchrun (each rank runs `graphdsl generate`; GGUF weights sliced) -------
