@@ -130,11 +130,12 @@ def test_tp2_one_shot_allreduce_matches_tp1(ckpts):
         assert got_tokens == tokens, graphs
 
 
-def _carried_here(path: str):
+def _carried_here(path: str, quantization=None):
     """bf16 TP2 logits, greedy tokens and rank 0's carried calls (``calls`` of its carry buffers)."""
     import graphdsl as gd
     from graphdsl.runtime.distributed import collectives
-    llm = gd.LLM(path, device="cuda", dtype="bfloat16", tensor_parallel_size=2, num_kv_blocks=32)
+    llm = gd.LLM(path, device="cuda", dtype="bfloat16", tensor_parallel_size=2, num_kv_blocks=32,
+                 quantization=quantization)
     try:
         sp = gd.SamplingParams(max_tokens=NEW, temperature=0.0, ignore_eos=True)
         logits, tokens = llm.score(IDS).cpu(), llm.generate([IDS], sp)[0].outputs[0].token_ids
@@ -144,16 +145,16 @@ def _carried_here(path: str):
         llm.close()
 
 
-@pytest.mark.parametrize("graphs", ["0", "1"])
-def test_tp2_carried_allreduce_equals_the_one_shot_path(ckpts, graphs):
+@pytest.mark.parametrize("graphs, quantization", [("0", None), ("1", None), ("1", "int8")])
+def test_tp2_carried_allreduce_equals_the_one_shot_path(ckpts, graphs, quantization):
     """GRAPHDSL_TP_CARRY=1: the all-reduce, residual add and norm done by the GEMVs around them give
     what the one-shot launch gives (bf16, so the decode GEMVs run; the norm's sum of squares may add
     in another order), with its calls counted on the device (the prompt's rows run as before),
-    eagerly and replayed from graphs."""
+    eagerly and replayed from graphs; also with int8 weights (``quant_linear`` on both sides)."""
     from tests.helpers.tp_ranks import in_fresh_process
     env = dict(GRAPHDSL_TP_CUDA_GRAPHS=graphs, GRAPHDSL_ALLREDUCE="symm_mem")
-    want = in_fresh_process(_carried_here, ckpts["llama"], env=dict(env, GRAPHDSL_TP_CARRY="0"))
-    got = in_fresh_process(_carried_here, ckpts["llama"], env=dict(env, GRAPHDSL_TP_CARRY="1"))
+    want = in_fresh_process(_carried_here, ckpts["llama"], quantization, env=dict(env, GRAPHDSL_TP_CARRY="0"))
+    got = in_fresh_process(_carried_here, ckpts["llama"], quantization, env=dict(env, GRAPHDSL_TP_CARRY="1"))
     torch.testing.assert_close(got[0].float(), want[0].float(), rtol=2e-2, atol=2e-2)
     assert got[1] == want[1]
     assert want[2] == [] and len(got[2]) == 1 and got[2][0][0] == got[2][0][1] > 0, got[2]
