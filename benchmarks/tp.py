@@ -3,6 +3,7 @@ random weights) at TP2, in ms/token and as % of each rank's roofline.
 
     python3 benchmarks/tp.py [--tp 2] [--shapes llama-3-8b llama-3-70b] [--tokens 128]
                              [--allreduce symm_mem nccl carry] [--eager] [--dtype float32]
+                             [--quantization int4]
 
 Decode time per token = (time to generate ``16 + tokens`` tokens − time to generate 16) / tokens,
 through ``LLM.generate`` (the serving loop, step announcement to the workers included), median of
@@ -15,7 +16,8 @@ decode GEMVs around them, runtime/backends/tp_carry.py);
 shape measured at TP1 too says whether its greedy tokens (the ``16 + tokens`` of the timed call)
 equal TP1's, and if not, how close TP1's top two candidates were where they part (random weights
 give near-flat logits; in bf16 the ranks' partial sums round differently from TP1's whole ones;
-``--dtype float32`` shrinks that rounding). Roofline per rank = (the rank's weights except its
+``--dtype float32`` shrinks that rounding; ``--quantization`` quantizes every row's weights online,
+each rank its own slices). Roofline per rank = (the rank's weights as stored, except its
 embedding shard + its KV cache at the mean context) ÷ measured device-to-device copy bandwidth;
 collectives are not in the roofline, so the % shows what they and the step announcement cost. Each
 configuration runs in a fresh process (``--timeout`` bounds it) and its row prints as soon as it is
@@ -31,7 +33,6 @@ os.environ["TORCH_SYMM_MEM_DISABLE_MULTICAST"] = "1"
 
 import argparse  # noqa: E402
 import json  # noqa: E402
-import math  # noqa: E402
 import statistics  # noqa: E402
 import sys  # noqa: E402
 import time  # noqa: E402
@@ -41,6 +42,7 @@ import torch  # noqa: E402
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from common import copy_bandwidth_gbs, device_line, generate_s  # noqa: E402
 from llm import SHAPES, _decode_inputs  # noqa: E402
+from quant import stored_bytes  # noqa: E402
 
 SHAPES = dict(SHAPES)
 SHAPES["llama-3-70b"] = dict(SHAPES["llama-3-8b"], hidden_size=8192, intermediate_size=28672, num_hidden_layers=80,
@@ -50,11 +52,9 @@ WARM = 16
 
 
 def rank_bytes(llm, context: int) -> int:
-    """Bytes rank 0 reads per decode token: its parameters but the embedding shard, and its KV
-    cache at ``context`` tokens."""
-    elem = torch.empty((), dtype=llm.dtype).element_size()
-    weights = sum(math.prod(p.shape) * elem for name, p in llm.model.named_parameters()
-                  if name != "model.embed_tokens.weight")
+    """Bytes rank 0 reads per decode token: its parameters as stored (a quantized one's codes and
+    scales) but the embedding shard, and its KV cache at ``context`` tokens."""
+    weights = stored_bytes(llm)
     kv = llm.kv_cache.key_caches[0]
     kv_per_token = 2 * len(llm.kv_cache.key_caches) * kv.shape[2] * kv.shape[3] * kv.element_size()
     return weights + context * kv_per_token
@@ -96,14 +96,14 @@ def engine_step_ms(llm, context: int, steps: int = 50) -> float:
 
 
 def measure(shape: str, tp: int, tokens: int, graphs: bool, allreduce: str, copy: float, dtype: str = "bfloat16",
-            report=print) -> None:
+            quantization: str | None = None, report=print) -> None:
     """One configuration, in this process (``--row``): build, time, ``report`` the row (a ``ROW``
     line of JSON), close."""
     import graphdsl as gd
     os.environ.update({"GRAPHDSL_TP_CUDA_GRAPHS": "1" if graphs else "0",     # read here and inherited
                        "GRAPHDSL_ALLREDUCE": "symm_mem" if allreduce == "carry" else allreduce,   # by the workers
                        "GRAPHDSL_TP_CARRY": "1" if allreduce == "carry" else "0"})
-    llm = gd.LLM.from_config(SHAPES[shape], device="cuda", dtype=dtype, seed=0,
+    llm = gd.LLM.from_config(SHAPES[shape], device="cuda", dtype=dtype, seed=0, quantization=quantization,
                              max_model_len=PROMPT + WARM + tokens + 16, max_num_seqs=1, tensor_parallel_size=tp)
     try:
         ms, ids, gaps = decode_ms(llm, tokens)
@@ -118,13 +118,13 @@ def measure(shape: str, tp: int, tokens: int, graphs: bool, allreduce: str, copy
 
 
 def measure_in_child(shape: str, tp: int, tokens: int, graphs: bool, allreduce: str, copy: float, dtype: str,
-                     timeout_s: float) -> dict:
+                     quantization: str | None, timeout_s: float) -> dict:
     """:func:`measure` in a fresh process, so that no configuration inherits another's process group
     or symmetric-memory buffers (a second tensor-parallel ``LLM`` in one process is not what this
     times), and a configuration that fails or hangs still leaves the others' rows."""
     import signal
     import subprocess
-    row = json.dumps([shape, tp, tokens, graphs, allreduce, copy, dtype])
+    row = json.dumps([shape, tp, tokens, graphs, allreduce, copy, dtype, quantization])
     child = subprocess.Popen([sys.executable, os.path.abspath(__file__), "--row", row], stdout=subprocess.PIPE,
                              text=True, start_new_session=True)
     try:
@@ -171,6 +171,8 @@ def main(argv=None) -> int:
     ap.add_argument("--eager", action="store_true", help="also time TP>1 with decode CUDA graphs off")
     ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"],
                     help="the model's dtype (float32 shows whether TP's tokens part from TP1's by rounding alone)")
+    ap.add_argument("--quantization", choices=["int4", "int8", "fp8"],
+                    help="quantize the weights online (LLM's quantization=; each rank its own slices)")
     ap.add_argument("--timeout", type=float, default=300.0, help="seconds one configuration may take")
     ap.add_argument("--row", help=argparse.SUPPRESS)     # internal: one configuration, in a child process
     args = ap.parse_args(argv)
@@ -181,7 +183,8 @@ def main(argv=None) -> int:
         print(f"tp.py needs {args.tp} CUDA GPUs, found {torch.cuda.device_count()}", file=sys.stderr)
         return 2
     copy = copy_bandwidth_gbs()
-    print(f"# tensor-parallel batch-1 decode, {args.dtype} — {device_line()}; copy {copy:.0f} GB/s per GPU",
+    what = args.dtype + (f", weights {args.quantization}" if args.quantization else "")
+    print(f"# tensor-parallel batch-1 decode, {what} — {device_line()}; copy {copy:.0f} GB/s per GPU",
           flush=True)
     print("| shape | TP | decode CUDA graphs | all-reduce | ms/token | engine step ms | roofline ms/token (per rank) "
           "| % of roofline | vs TP1 | greedy tokens equal to TP1 |")
@@ -193,7 +196,7 @@ def main(argv=None) -> int:
         base = None
         for tp, graphs, ar in runs:
             t0 = time.perf_counter()
-            r = measure_in_child(shape, tp, args.tokens, graphs, ar, copy, args.dtype, args.timeout)
+            r = measure_in_child(shape, tp, args.tokens, graphs, ar, copy, args.dtype, args.quantization, args.timeout)
             print(f"{shape} TP{tp} graphs={graphs} {ar}: {time.perf_counter() - t0:.0f}s", file=sys.stderr, flush=True)
             if tp == 1:
                 base = r
