@@ -226,9 +226,9 @@ class _GGUFMix:
         from graphdsl.models.gguf_weights import keep_gguf_blocks
         self._mod, self._saved = llm_mod, llm_mod._quantize_model
 
-        def mark(model, quantization):
+        def mark(model, quantization, tp=None):
             if quantization != self.NAME:
-                return self._saved(model, quantization)
+                return self._saved(model, quantization, tp)
             kept = keep_gguf_blocks(model, q4_k_m_types(model.config.num_hidden_layers))
             _log(f"{self.NAME}: {len(kept)} linear weights in GGUF blocks ({sorted(set(kept.values()))})")
             return self.NAME
