@@ -880,8 +880,8 @@ class _Driver:
 
     def _watch(self, every_s: float = 0.2) -> None:
         """While the group is open, look at the workers every ``every_s``: when one has died, mark
-        the group broken and release this rank's one-shot all-reduces waiting for it
-        (:func:`~graphdsl.runtime.distributed.collectives.release_waiters`), so a step in flight
+        the group broken and release this rank's one-shot all-reduces and carried GEMVs waiting for
+        it (:func:`~graphdsl.runtime.distributed.collectives.release_waiters`), so a step in flight
         ends and the worker's death is raised (:meth:`_TPExecutor.verify_step`) instead of rank 0
         spinning on a flag that never comes. (NCCL's collectives end on their own timeout.)"""
         import time
@@ -898,8 +898,8 @@ class _Driver:
                 return
 
     def _break(self, e: BaseException) -> None:
-        """Mark the group broken by ``e``, and release this rank's one-shot all-reduces that may be
-        waiting for a peer that will not come (their sums are dropped with the step)."""
+        """Mark the group broken by ``e``, and release this rank's one-shot all-reduces and carried
+        GEMVs that may be waiting for a peer that will not come (their sums are dropped with the step)."""
         self.broken = e
         if torch.cuda.is_available():
             from graphdsl.runtime.distributed.collectives import release_waiters

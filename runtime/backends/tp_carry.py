@@ -25,7 +25,8 @@ an int4 consumer then reads its rows, not packed activations), the one-shot path
 message of this size, the group's carry buffers are mapped, and no output ``c`` writes shares
 memory with what ``c`` reads.
 
-``GRAPHDSL_TP_CARRY`` (``0`` default, ``1`` on): measured on no GPU yet, so off until it is
+``GRAPHDSL_TP_CARRY`` (``0`` default, ``1`` on; read when a backend first runs a node list):
+measured on no GPU yet, so off until it is
 (``benchmarks/tp.py``, ``tests/gpu/test_tensor_parallel_gpu.py``).
 """
 from __future__ import annotations
@@ -98,11 +99,11 @@ class TPCarry:
     def start(self, nodes, enabled_now: bool) -> None:
         """A run of ``nodes`` begins; ``enabled_now`` False (a per-node hook) carries nothing."""
         self._active, self._done = {}, set()
-        if not (enabled_now and enabled()):
+        if not enabled_now:
             self._sites = {}
             return
-        if self._plans[0] is not nodes:
-            self._plans = (nodes, plan(nodes))
+        if self._plans[0] is not nodes:          # the setting is read once per node list, not every run
+            self._plans = (nodes, plan(nodes) if enabled() else {})
         self._sites = self._plans[1]
 
     def producer(self, be, node, values: dict, attrs: dict, storage: dict) -> bool:
