@@ -94,6 +94,19 @@ def test_bad_carries_are_refused():
         gemv(rows, torch.zeros(N_OUT, H, **BF), tp_in=GemvTPIn(bufs[0], res[:, :32], res[0], res, EPS))
     with pytest.raises(ValueError, match="weight must be a contiguous \\[64\\]"):
         gemv(rows, torch.zeros(N_OUT, H, **BF), tp_in=GemvTPIn(bufs[0], res, res[0, :32], res, EPS))
+    with pytest.raises(ValueError, match="sum_out must be \\[1, 64\\]"):
+        gemv(rows, torch.zeros(N_OUT, H, **BF), tp_in=GemvTPIn(bufs[0], res, res[0], res[:, :32], EPS))
+    res2 = torch.zeros(2, H, **BF)
+    with pytest.raises(ValueError, match="the rows it makes \\(x\\) must be contiguous"):
+        gemv(torch.zeros(2, 2 * H, **BF)[:, :H], torch.zeros(N_OUT, H, **BF),
+             tp_in=GemvTPIn(bufs[0], res2, res[0], res2, EPS))
+    tp_in = GemvTPIn(bufs[0], res, res[0], res, EPS)
+    with pytest.raises(ValueError, match="push and tp_in belong to two GEMVs"):
+        gemv(rows, torch.zeros(H, H, **BF), push=GemvPush(bufs[0]), tp_in=tp_in)
+    from graphdsl.runtime.kernels.gemv import GemvRmsIn
+    with pytest.raises(Exception, match="tp_in makes the rows itself \\(no xpack or rms_in\\)"):
+        gemv(rows, torch.zeros(N_OUT, H, **BF), tp_in=tp_in,
+             rms_in=GemvRmsIn(torch.zeros(1, 2, dtype=torch.float32, device=DEV), H, EPS))
 
 
 @pytest.mark.parametrize("scheme", ["int4-g64", "int4-g64-zp", "int8-channel", "fp8-channel"])
