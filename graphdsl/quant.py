@@ -405,9 +405,11 @@ def parse_scheme(name: str) -> QuantScheme:
     family = str(name).split("-", 1)[0]
     parse = _FAMILIES.get(family)
     if parse is None:
-        raise GraphDSLError(f"unknown quantization scheme {name!r}: families {registered_scheme_families()} "
-                            "(e.g. fp8-channel-dyn, int8-channel, int4-g128, int4-g64-zp; gguf-q4_k once "
-                            "graphdsl.runtime is imported)")
+        families = registered_scheme_families()
+        gguf = ("gguf-q4_k" if "gguf" in families
+                else "gguf-q4_k once graphdsl.runtime, which registers the GGUF block types, is imported")
+        raise GraphDSLError(f"unknown quantization scheme {name!r}: families {families} "
+                            f"(e.g. fp8-channel-dyn, int8-channel, int4-g128, int4-g64-zp, {gguf})")
     return parse(name)
 
 
@@ -465,8 +467,8 @@ def online_scheme(method) -> QuantScheme:
                 hint = f"; did you mean {method.lower()!r}? (names are lower case)"
             except GraphDSLError:
                 pass
-        raise GraphDSLError(f"quantization must be one of {methods} or a scheme name (e.g. int4-g64-zp), got "
-                            f"{method!r}: {e}{hint}") from None
+        raise GraphDSLError(f"quantization must be one of {methods} or a scheme name, got {method!r} "
+                            f"({e}){hint}") from None
     if getattr(scheme, "act_order", False):
         raise GraphDSLError(f"quantization={method!r}: act-order schemes read their input order from a GPTQ "
                             "checkpoint and cannot be made online; name the scheme without -act")
