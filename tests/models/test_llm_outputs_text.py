@@ -257,6 +257,16 @@ def test_llm_model_must_be_a_path(model):
         gd.LLM(model)
 
 
+def test_the_clis_smollm2_name_is_explained_not_reported_missing(tmp_path, monkeypatch):
+    with pytest.raises(GraphDSLError, match=r"model='SmolLM2' is the CLI's name .* LLM\(graphdsl.entrypoints.cli"
+                                            r".smollm2_path\(\)\)"):
+        gd.LLM("SmolLM2")
+    monkeypatch.chdir(tmp_path)                 # a directory of that name is taken as the path it is
+    (tmp_path / "smollm2").mkdir()
+    with pytest.raises(GraphDSLError, match=r"'smollm2' is a directory without config.json"):
+        gd.LLM("smollm2")
+
+
 @pytest.mark.parametrize("kw,match", [
     (dict(cuda_graphs="no"), "cuda_graphs must be a bool"),
     (dict(overlap=1), "overlap must be a bool"),
