@@ -18,7 +18,7 @@ from typing import Iterable, Iterator, Sequence
 import torch
 
 from graphdsl.errors import GraphDSLError
-from graphdsl.layers import Phase, quantize_linears, quantize_weights, scheme_counts
+from graphdsl.layers import quantize_linears, quantize_weights, scheme_counts
 from graphdsl.layers.quantize import dense_expert_stacks
 from graphdsl.models.executor import ModelExecutor
 from graphdsl.quant import online_scheme
@@ -40,6 +40,8 @@ from graphdsl.models.loader import (load_weights, mark_checkpoint_quantization, 
 from graphdsl.models.injection import apply_rules, check_placements
 from graphdsl.models.lora import LoRARequest
 from graphdsl.models.registry import load_custom_module_map, resolve_model_class
+
+from .tp_driver import Driver, Follower, TPExecutor, close_at_exit, close_group, tp_cuda_graphs_enabled
 
 __all__ = ["LLM", "RequestOutput", "CompletionOutput", "LoRARequest"]
 
@@ -286,13 +288,13 @@ class LLM:
         ctx = init_distributed(rank, ws, device)       # torchrun's ranks live and die together: join first
         self._build(source, device, TensorParallel(rank, ws), dict(opts, agree=ctx.agree_min))
         if rank != 0:       # a worker: follow rank 0's steps, then leave the script (torchrun owns the group)
-            follower = _Follower(self)
+            follower = Follower(self)
             StepChannel(ctx).serve(follower)
             follower.close()
             raise SystemExit(0)
-        self._tp = _Driver(ctx, None)
-        self._executor = _TPExecutor(self._local_executor, self._tp)
-        _close_at_exit(self)
+        self._tp = Driver(ctx, None)
+        self._executor = TPExecutor(self._local_executor, self._tp)
+        close_at_exit(self)
 
     def _start_workers(self, source, device, world_size, opts) -> None:
         from graphdsl.layers.tensor_parallel import TensorParallel
@@ -307,16 +309,16 @@ class LLM:
         except BaseException:
             pool.close(timeout_s=0.1)
             raise
-        self._tp = _Driver(ctx, pool)
-        self._executor = _TPExecutor(self._local_executor, self._tp)
-        _close_at_exit(self)
+        self._tp = Driver(ctx, pool)
+        self._executor = TPExecutor(self._local_executor, self._tp)
+        close_at_exit(self)
 
     def close(self) -> None:
         """End tensor-parallel workers and leave the process group (a no-op for one process; also
         at interpreter exit). The LLM cannot run steps afterwards."""
         tp = getattr(self, "_tp", None)
         if tp is not None:
-            _close_group(self.model, tp)
+            close_group(self.model, tp)
 
     def __enter__(self):
         return self
@@ -868,206 +870,7 @@ def _iter_dir(path: str, dtype, lazy: bool = False) -> Iterable[tuple[str, torch
     return iter_safetensors_lazy(path, dtype=dtype) if lazy else iter_safetensors(path, dtype=dtype)
 
 
-# -- tensor parallelism: rank 0 drives, workers follow ------------------------------------------------
-class _Driver:
-    """Rank 0's side: the step channel, the worker pool it owns (None under torchrun), and state."""
-
-    def __init__(self, ctx, pool):
-        from graphdsl.runtime.distributed import StepChannel
-        self.ctx, self.pool, self.channel = ctx, pool, StepChannel(ctx)
-        self.broken: BaseException | None = None
-        self.closed = False
-        if pool is not None:
-            import threading
-            threading.Thread(target=self._watch, name="graphdsl-tp-watch", daemon=True).start()
-
-    def _watch(self, every_s: float = 0.2) -> None:
-        """While the group is open, look at the workers every ``every_s``: when one has died, mark
-        the group broken and release this rank's one-shot all-reduces and carried GEMVs waiting for
-        it (:func:`~graphdsl.runtime.distributed.collectives.release_waiters`), so a step in flight
-        ends and the worker's death is raised (:meth:`_TPExecutor.verify_step`) instead of rank 0
-        spinning on a flag that never comes. (NCCL's collectives end on their own timeout.)"""
-        import time
-
-        from graphdsl.runtime.distributed import WorkerError
-        while not self.closed:
-            time.sleep(every_s)
-            if self.closed:
-                return
-            try:
-                self.pool.check()
-            except WorkerError as e:
-                self._break(self.broken or e)
-                return
-
-    def _break(self, e: BaseException) -> None:
-        """Mark the group broken by ``e``, and release this rank's one-shot all-reduces and carried
-        GEMVs that may be waiting for a peer that will not come (their sums are dropped with the step)."""
-        self.broken = e
-        if torch.cuda.is_available():
-            from graphdsl.runtime.distributed.collectives import release_waiters
-            release_waiters()
-
-    def announced(self, announce, run):
-        """``announce(channel)`` to the workers, then ``run()`` here; a failure (a worker died, a
-        collective broke) marks the group broken and is raised as its cause."""
-        if self.closed or self.broken is not None:
-            raise GraphDSLError(f"LLM: the tensor-parallel group is {'closed' if self.closed else 'broken'} "
-                                f"({self.broken or 'close() was called'}); make a new LLM")
-        try:
-            if self.pool is not None:
-                self.pool.check()
-            announce(self.channel)
-            return run()
-        except Exception as e:
-            raise self.failed(e) from e
-
-    def failed(self, e: BaseException) -> BaseException:
-        """The error to raise for ``e`` from a step: a worker's death when that is the cause."""
-        if self.pool is not None:
-            why = self.pool.failure()
-            if why is not None:
-                self._break(why)
-                return why
-        self._break(e)
-        return e
-
-    def close(self) -> None:
-        if self.closed:
-            return
-        self.closed = True
-        try:
-            if self.broken is None:
-                self.channel.stop()              # the workers start leaving the group on it
-        finally:
-            if self.pool is not None:            # the group is ours (not torchrun's): leave it with them
-                from graphdsl.runtime.distributed import start_leaving
-                left = start_leaving()
-                self.pool.close(timeout_s=10.0 if self.broken is None else 0.1)
-                _wait_left(left, _LEAVE_GROUP_S if self.broken is None else _LEAVE_BROKEN_GROUP_S)
-
-
-def tp_cuda_graphs_enabled() -> bool:
-    """Whether tensor-parallel ranks replay decode CUDA graphs, their collectives captured: yes
-    unless ``GRAPHDSL_TP_CUDA_GRAPHS=0`` (eager decode steps, each announced with its inputs)."""
-    return os.environ.get("GRAPHDSL_TP_CUDA_GRAPHS", "1").strip() != "0"
-
-
-def _close_group(model: FlashCausalLM, tp: _Driver) -> None:
-    """Drop ``model``'s CUDA graphs, then close the group (once): NCCL's teardown waits for every
-    graph that captured the communicator to be destroyed."""
-    if not tp.closed:
-        model.release_graphs()
-    tp.close()
-
-
-def _close_at_exit(llm: "LLM") -> None:
-    """Close ``llm``'s tensor-parallel group when it is garbage-collected or at interpreter exit."""
-    import weakref
-    weakref.finalize(llm, _close_group, llm.model, llm._tp)
-
-
-# How long close() waits for the process group's teardown, and when a rank died. On two H200s,
-# once decode graphs (GRAPHDSL_TP_CUDA_GRAPHS=1) had captured NCCL collectives, the teardown never
-# returned until the ranks dropped their graphs first (LLM.close and _Follower.close); and while
-# rank 0 waited for its workers to exit before leaving itself, the workers' teardown waited for it,
-# until they were killed (start_leaving: every rank leaves at once).
-_LEAVE_GROUP_S = 30.0
-_LEAVE_BROKEN_GROUP_S = 5.0
-
-
-def _wait_left(left, wait_s: float) -> None:
-    """Wait at most ``wait_s`` seconds for the group's teardown (``left``, from ``start_leaving``):
-    one that needs a dead or stuck rank is left to the process's exit, with a warning, instead of
-    hanging ``close()``."""
-    if not left.wait(wait_s):
-        import warnings
-        warnings.warn(f"LLM.close: leaving the tensor-parallel process group took over {wait_s:.0f}s; "
-                      "left to the process's exit", RuntimeWarning, stacklevel=3)
-
-
-class _TPExecutor:
-    """Rank 0's step executor: announces each step to the workers, then runs its own shard. With
-    decode CUDA graphs (the default; ``GRAPHDSL_TP_CUDA_GRAPHS=0`` turns them off) it hands the
-    serving loop rank 0's decode graph (:class:`_TPDecodeGraph`), so a steady decode step is one
-    announcement and one replay on every rank, as at one rank; otherwise each step's inputs travel
-    whole and run eagerly."""
-
-    def __init__(self, local: ModelExecutor, driver: _Driver):
-        self.local, self.driver = local, driver
-        self.device, self.vocab_size = local.device, local.vocab_size
-        self.block_size, self.max_blocks_per_seq = local.block_size, local.max_blocks_per_seq
-
-    def execute(self, phase: str, inputs: dict[str, torch.Tensor], rows: int | None = None) -> torch.Tensor:
-        return self.driver.announced(lambda ch: ch.send(phase, inputs),
-                                     lambda: self.local.execute(phase, inputs, rows))
-
-    def decode_graph(self, n: int, lora: bool = False, width: int | None = None):
-        """Rank 0's decode graph for ``n`` rows (as :meth:`ModelExecutor.decode_graph`), or None
-        (graphs off; LoRA does not run under tensor parallelism)."""
-        local = None if lora else self.local.decode_graph(n, width=width)
-        return None if local is None else _TPDecodeGraph(local, self.driver)
-
-    def decode_widths(self, n: int) -> tuple[int, ...]:
-        return self.local.decode_widths(n)
-
-    def verify_step(self) -> None:
-        """Raise when a worker died while the steps whose tokens just reached the host ran: their
-        all-reduces may have been released without the worker's part (:meth:`_Driver._watch`)."""
-        if self.driver.broken is not None:
-            raise GraphDSLError(f"LLM: a tensor-parallel step failed, its tokens are dropped: {self.driver.broken}")
-
-
-class _TPDecodeGraph:
-    """Rank 0's decode graph of one bucket and width, as the serving loop's ``DecodeGraph``: each
-    replay first sends the workers the graph's key and rank 0's static inputs (the loop wrote them:
-    new rows, grown block tables, sampled tokens), then replays here; each worker replays its own
-    graph of the same key over those inputs (:meth:`_Follower.replay_graph`)."""
-
-    def __init__(self, local, driver: _Driver):
-        from graphdsl.runtime.serving.cuda_graphs import packed_inputs
-        self.local, self.driver = local, driver
-        self.rows, self.width, self.inputs = local.rows, local.width, local.inputs
-        self._packed = packed_inputs(self.inputs)
-
-    def replay(self, n: int) -> tuple[torch.Tensor, torch.Tensor]:
-        return self.driver.announced(lambda ch: ch.send_graph(self.rows, self.width, self._packed),
-                                     lambda: self.local.replay(n))
-
-
-class _Follower:
-    """A worker rank's shard: runs the steps rank 0 announces (``StepChannel.serve``)."""
-
-    def __init__(self, llm: "LLM"):
-        self.llm, self.device = llm, llm.device
-        self._graphs: dict[tuple[int, int], object] = {}
-
-    def run_step(self, phase: str, inputs: dict[str, torch.Tensor]):
-        return self.llm._local_executor.execute(phase, inputs)
-
-    def replay_graph(self, rows: int, width: int, load) -> None:
-        """Replay this rank's decode graph of ``rows`` rows at ``width`` after ``load(buffer)`` has
-        filled its packed static inputs with rank 0's."""
-        from graphdsl.runtime.serving.cuda_graphs import packed_inputs
-        entry = self._graphs.get((rows, width))
-        if entry is None:
-            graph = self.llm._local_executor.decode_graph(rows, width=width)
-            if graph is None or (graph.rows, graph.width) != (rows, width):
-                got = None if graph is None else (graph.rows, graph.width)
-                raise GraphDSLError(f"tensor-parallel worker: rank 0 replays the decode graph of {rows} rows at "
-                                    f"width {width}, this rank has {got} (the ranks' graph settings differ)")
-            entry = self._graphs[(rows, width)] = (graph, packed_inputs(graph.inputs))
-        graph, packed = entry
-        load(packed)
-        graph.replay(rows)
-
-    def close(self) -> None:
-        """Serving ended: drop the shard's CUDA graphs before the worker leaves the group."""
-        self._graphs.clear()
-        self.llm.model.release_graphs()
-
-
-def _tp_follower(rank: int, world_size: int, source: tuple, device_type: str, opts: dict, *, agree) -> _Follower:
+def _tp_follower(rank: int, world_size: int, source: tuple, device_type: str, opts: dict, *, agree) -> Follower:
     """Build rank ``rank``'s shard in a spawned worker (``WorkerPool``'s build function)."""
     from graphdsl.layers.tensor_parallel import TensorParallel
     if opts.get("custom_module_map") is not None:
@@ -1080,7 +883,7 @@ def _tp_follower(rank: int, world_size: int, source: tuple, device_type: str, op
     llm = LLM.__new__(LLM)
     llm._tp = None
     llm._build(source, device, TensorParallel(rank, world_size), dict(opts, progress=False, agree=agree))
-    return _Follower(llm)
+    return Follower(llm)
 
 
 def _load_tokenizer(gguf_ckpt, path: str):

@@ -59,7 +59,7 @@ def release_waiters() -> None:
     peer died, so its flags or columns will never come): this rank's flags and counters are raised
     far past any call's, from a stream of their own, so the kernel spinning on them ends. Its sums
     are then garbage; the caller has marked the group broken, and the step's results are dropped
-    (``_TPExecutor.verify_step``)."""
+    (``TPExecutor.verify_step`` in ``graphdsl.entrypoints.tp_driver``)."""
     for peers in list(_PEER_BUFFERS.values()):
         if peers is None:
             continue

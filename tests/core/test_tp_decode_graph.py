@@ -1,14 +1,14 @@
 """Tensor-parallel decode graphs, without GPUs: rank 0 announces a graph replay as its key and its
 static inputs in one packed buffer (:meth:`StepChannel.send_graph`, over gloo here), a worker loads
-them into its own graph's buffer and replays it (:class:`_Follower`); rank 0's loop-facing graph
-announces before it replays (:class:`_TPDecodeGraph`). The GPU test replays real graphs on two GPUs
-(tests/gpu/test_tensor_parallel_gpu.py)."""
+them into its own graph's buffer and replays it (``tp_driver.Follower``); rank 0's loop-facing
+graph announces before it replays (``tp_driver.TPDecodeGraph``). The GPU test replays real graphs
+on two GPUs (tests/gpu/test_tensor_parallel_gpu.py)."""
 from __future__ import annotations
 
 import pytest
 import torch
 
-from graphdsl.entrypoints import llm as llm_mod
+from graphdsl.entrypoints import tp_driver
 from graphdsl.errors import GraphDSLError
 from graphdsl.runtime.serving.cuda_graphs import _packed_buffers, packed_inputs
 
@@ -102,7 +102,7 @@ class _Local:
 
 
 def _driver(calls):
-    d = llm_mod._Driver.__new__(llm_mod._Driver)
+    d = tp_driver.Driver.__new__(tp_driver.Driver)
     d.ctx, d.pool, d.channel = None, None, _Channel(calls)
     d.broken, d.closed = None, False
     return d
@@ -111,7 +111,7 @@ def _driver(calls):
 def test_rank_0s_graph_announces_then_replays_and_a_closed_group_refuses():
     calls = []
     d = _driver(calls)
-    graph = llm_mod._TPDecodeGraph(_Local(calls), d)
+    graph = tp_driver.TPDecodeGraph(_Local(calls), d)
     assert graph.inputs["block_tables"].shape == (4, 3) and (graph.rows, graph.width) == (4, 3)
     assert graph.replay(2) == ("logits", "greedy")
     assert calls == [("announce", 4, 3, 128), ("replay", 2)]
@@ -127,7 +127,7 @@ def test_a_failed_announcement_marks_the_group_broken():
         def send_graph(self, *a):
             raise RuntimeError("peer gone")
     d.channel = Broken()
-    graph = llm_mod._TPDecodeGraph(_Local([]), d)
+    graph = tp_driver.TPDecodeGraph(_Local([]), d)
     with pytest.raises(RuntimeError, match="peer gone"):
         graph.replay(1)
     with pytest.raises(GraphDSLError, match="tensor-parallel group is broken"):
@@ -144,7 +144,7 @@ class _Executor:
 
 
 def _follower(executor):
-    f = llm_mod._Follower.__new__(llm_mod._Follower)
+    f = tp_driver.Follower.__new__(tp_driver.Follower)
     f.llm = type("L", (), {"_local_executor": executor})()
     f._graphs = {}
     return f
@@ -182,5 +182,5 @@ def test_without_graphs_rank_0_hands_the_loop_none():
 
         def decode_widths(self, n):
             return ()
-    ex = llm_mod._TPExecutor(NoGraphs(), _driver([]))
+    ex = tp_driver.TPExecutor(NoGraphs(), _driver([]))
     assert ex.decode_graph(1) is None and ex.decode_graph(1, lora=True) is None and ex.decode_widths(1) == ()

@@ -13,6 +13,7 @@ import threading
 import pytest
 
 from graphdsl.entrypoints import llm as llm_mod
+from graphdsl.entrypoints import tp_driver
 from graphdsl.errors import GraphDSLError
 from graphdsl.runtime.distributed import collectives
 
@@ -34,7 +35,7 @@ class _Pool:
 
 
 def _driver(calls, broken=None):
-    d = llm_mod._Driver.__new__(llm_mod._Driver)
+    d = tp_driver.Driver.__new__(tp_driver.Driver)
     d.ctx, d.pool, d.channel = None, _Pool(calls), _Channel(calls)
     d.broken, d.closed = broken, False
     return d
@@ -69,7 +70,7 @@ def test_close_leaves_the_group_while_the_workers_leave_it(monkeypatch, recwarn)
     d.close()
     d.close()                                       # a second close does nothing
     assert calls == ["stop", "start leaving", ("join workers", 10.0)]
-    assert waits == [llm_mod._LEAVE_GROUP_S] and not [w for w in recwarn if w.category is RuntimeWarning]
+    assert waits == [tp_driver.LEAVE_GROUP_S] and not [w for w in recwarn if w.category is RuntimeWarning]
 
 
 def test_close_of_a_broken_group_does_not_announce_and_waits_less(monkeypatch):
@@ -77,7 +78,7 @@ def test_close_of_a_broken_group_does_not_announce_and_waits_less(monkeypatch):
     waits = _recording_leave(monkeypatch, calls, ends=False)
     with pytest.warns(RuntimeWarning, match="leaving the tensor-parallel process group took over 5s"):
         _driver(calls, broken=RuntimeError("worker died")).close()
-    assert calls == ["start leaving", ("join workers", 0.1)] and waits == [llm_mod._LEAVE_BROKEN_GROUP_S]
+    assert calls == ["start leaving", ("join workers", 0.1)] and waits == [tp_driver.LEAVE_BROKEN_GROUP_S]
 
 
 def test_a_teardown_that_never_ends_is_abandoned_with_a_warning(monkeypatch):
@@ -94,7 +95,7 @@ def test_a_teardown_that_never_ends_is_abandoned_with_a_warning(monkeypatch):
     collectives._PEER_BUFFERS[("dev", "dtype", "0")] = object()
     try:
         with pytest.warns(RuntimeWarning, match="leaving the tensor-parallel process group took over"):
-            llm_mod._wait_left(start_leaving(), wait_s=0.2)
+            tp_driver.wait_left(start_leaving(), wait_s=0.2)
         assert entered.is_set()
         assert not collectives._PEER_BUFFERS          # the one-shot buffers of the old group are dropped
     finally:
@@ -107,7 +108,7 @@ def test_a_teardown_that_ends_returns_without_a_warning(monkeypatch, recwarn):
     left = []
     monkeypatch.setattr(dist, "is_initialized", lambda: True)
     monkeypatch.setattr(dist, "destroy_process_group", lambda: left.append(True))
-    llm_mod._wait_left(start_leaving(), wait_s=5.0)
+    tp_driver.wait_left(start_leaving(), wait_s=5.0)
     assert left == [True] and not [w for w in recwarn if w.category is RuntimeWarning]
 
 
@@ -230,7 +231,7 @@ def test_an_llm_dropped_without_close_also_drops_its_graphs_first():
     import gc
     calls = []
     llm = _llm_recording(calls)
-    llm_mod._close_at_exit(llm)
+    tp_driver.close_at_exit(llm)
     del llm
     gc.collect()
     assert calls == ["release graphs", "leave group"]
@@ -251,11 +252,11 @@ def test_release_graphs_empties_both_runner_tables():
 
 def test_tp_decode_graphs_are_on_unless_turned_off(monkeypatch):
     monkeypatch.delenv("GRAPHDSL_TP_CUDA_GRAPHS", raising=False)
-    assert llm_mod.tp_cuda_graphs_enabled()
+    assert tp_driver.tp_cuda_graphs_enabled()
     monkeypatch.setenv("GRAPHDSL_TP_CUDA_GRAPHS", "0")
-    assert not llm_mod.tp_cuda_graphs_enabled()
+    assert not tp_driver.tp_cuda_graphs_enabled()
     monkeypatch.setenv("GRAPHDSL_TP_CUDA_GRAPHS", "1")
-    assert llm_mod.tp_cuda_graphs_enabled()
+    assert tp_driver.tp_cuda_graphs_enabled()
 
 
 class _StuckLeaver:
@@ -316,7 +317,7 @@ def _watched_driver(monkeypatch):
     released = []
     monkeypatch.setattr(collectives, "release_waiters", lambda: released.append("released"))
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-    d = llm_mod._Driver.__new__(llm_mod._Driver)
+    d = tp_driver.Driver.__new__(tp_driver.Driver)
     d.ctx, d.pool, d.channel, d.broken, d.closed = None, _WatchedPool(), None, None, False
     return d, released
 
@@ -332,7 +333,7 @@ def test_a_worker_dying_mid_step_releases_rank_0s_waiting_all_reduces(monkeypatc
     watch.join(5)
     assert not watch.is_alive() and released == ["released"]
     assert "worker rank 1 died" in str(d.broken)
-    ex = llm_mod._TPExecutor.__new__(llm_mod._TPExecutor)
+    ex = tp_driver.TPExecutor.__new__(tp_driver.TPExecutor)
     ex.driver = d
     with pytest.raises(GraphDSLError, match=r"tensor-parallel step failed, its tokens are dropped: .*rank 1 died"):
         ex.verify_step()

@@ -219,13 +219,13 @@ def _worker_dies_inside_a_step(path: str) -> tuple[str, float]:
     """Greedy decode at TP2; the worker is killed the moment rank 0 has announced the third graph
     step, before rank 0 replays its own graph: whatever part of the step the worker had reached,
     rank 0 must not wait for it for good (a one-shot all-reduce spinning on its flags is released
-    by rank 0's watch, :meth:`_Driver._break`)."""
+    by rank 0's watch, :meth:`Driver._break`)."""
     import os
     import signal
     import time
 
     import graphdsl as gd
-    from graphdsl.entrypoints import llm as llm_mod
+    from graphdsl.entrypoints import tp_driver
     from graphdsl.errors import GraphDSLError
     llm = gd.LLM(path, device="cuda", dtype="float32", tensor_parallel_size=2, num_kv_blocks=32)
     pid = llm._tp.pool.procs[0].pid
@@ -236,7 +236,7 @@ def _worker_dies_inside_a_step(path: str) -> tuple[str, float]:
         kill = len(calls) == 3
         return self.driver.announced(lambda ch: ch.send_graph(self.rows, self.width, self._packed),
                                      lambda: (kill and os.kill(pid, signal.SIGKILL), self.local.replay(n))[1])
-    llm_mod._TPDecodeGraph.replay = replay
+    tp_driver.TPDecodeGraph.replay = replay
     start = time.monotonic()
     try:
         llm.generate([IDS], gd.SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True))
@@ -270,14 +270,14 @@ def _loop_graph_tokens(path: str, tp: int):
     tables grow past their first block), and how many decode steps rank 0 replayed as
     tensor-parallel graphs."""
     import graphdsl as gd
-    from graphdsl.entrypoints import llm as llm_mod
+    from graphdsl.entrypoints import tp_driver
     replays = []
-    original = llm_mod._TPDecodeGraph.replay
+    original = tp_driver.TPDecodeGraph.replay
 
     def counted(self, n):
         replays.append(n)
         return original(self, n)
-    llm_mod._TPDecodeGraph.replay = counted
+    tp_driver.TPDecodeGraph.replay = counted
     llm = gd.LLM(path, device="cuda", dtype="float32", tensor_parallel_size=tp, num_kv_blocks=64)
     try:
         outs = llm.generate([p for p, _ in _MIXED], [gd.SamplingParams(ignore_eos=True, **kw) for _, kw in _MIXED])
