@@ -183,6 +183,37 @@ def test_llm_spawns_workers_and_a_worker_crash_names_the_rank(ckpts, references)
     assert not dist.is_initialized()
 
 
+@pytest.mark.parametrize("kill_at", [1, 3])
+def test_a_worker_killed_the_moment_a_step_is_announced_is_an_error_not_a_hang(ckpts, kill_at, monkeypatch):
+    """The CPU twin of the GPU test of that name: the worker is killed right after rank 0 has
+    announced a step (the prefill at 1, a decode step at 3), before rank 0 runs its own shard, whose
+    collectives then have no peer. The step fails, the error names the worker, and nothing waits
+    for the collectives' timeout; the group is broken and the LLM closes."""
+    import os
+    import signal
+
+    from graphdsl.entrypoints import tp_driver
+    llm = gd.LLM(ckpts["llama"], device="cpu", tensor_parallel_size=2, num_kv_blocks=16)
+    try:
+        pid, calls = llm._tp.pool.procs[0].pid, []
+        announced = tp_driver.Driver.announced
+
+        def kill_after_announcing(self, announce, run):
+            calls.append(1)
+            if len(calls) != kill_at:
+                return announced(self, announce, run)
+            return announced(self, announce, lambda: (os.kill(pid, signal.SIGKILL), run())[1])
+        monkeypatch.setattr(tp_driver.Driver, "announced", kill_after_announcing)
+        t0 = time.monotonic()
+        with pytest.raises(GraphDSLError, match=r"worker rank 1 died \(killed by signal 9\)"):
+            llm.generate([IDS], gd.SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True))
+        assert time.monotonic() - t0 < 30 and len(calls) >= kill_at
+        with pytest.raises(GraphDSLError, match="tensor-parallel group is broken"):
+            llm.score(IDS)
+    finally:
+        llm.close()
+
+
 def test_from_config_ranks_hold_slices_of_the_single_process_weights():
     """The benchmarks' path: every rank draws the random checkpoint whole and keeps its slices, so
     TP2 is the single-process model split (``benchmarks/tp.py`` compares greedy tokens; when each
