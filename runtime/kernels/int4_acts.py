@@ -1,6 +1,6 @@
 """One decode row's activations in the bytes of the int4 GEMV's integer-dot loop, made once.
 
-The one-row int4 GEMV (:func:`.gemv._int4_step_dp4a`) turns each group of ``G`` inputs into 16-bit
+The one-row int4 GEMV (:func:`.gemv_loops._int4_step_dp4a`) turns each group of ``G`` inputs into 16-bit
 fixed point, ``x ≈ a · xq`` with ``a = max|x_g| / 32767`` and ``xq = round(x / a)``, and packs
 the bytes for ``dp4a``. Every program does this for every step of its K slice, so the same bytes
 are made once per program. Here one small launch makes them once for the row, and the GEMV reads
@@ -10,7 +10,7 @@ Layout, int32 ``[6, K / 8]``: for word ``c`` (inputs ``8c .. 8c + 7``), plane 0 
 bytes of the even inputs ``8c, 8c + 2, 8c + 4, 8c + 6`` and plane 1 of the odd ones. Planes 2 and
 3 hold the low bytes of the same inputs, plane 4 the sum ``Σ_i xq[8c + i]``. Plane 5's first
 ``K / G`` words are the groups' ``a``, as float32 bits. The arithmetic is the loop's own
-(:func:`.gemv._pack_store`, :func:`.gemv._group_amax`), so the GEMV's sums are the same bits with
+(:func:`.gemv_loops._pack_store`, :func:`.gemv_loops._group_amax`), so the GEMV's sums are the same bits with
 or without it; a residual GEMV carrying the next RMSNorm stores the same bytes in its epilogue
 (:class:`.gemv.GemvRmsOut` ``packed``).
 """
@@ -24,7 +24,7 @@ import triton.language as tl
 
 from graphdsl.errors import GraphDSLError
 
-from .gemv import _group_amax, _pack_store, _x_at
+from .gemv_loops import _group_amax, _pack_store, _x_at
 from .pdl import pdl_launch, pdl_wait
 
 __all__ = ["pack_int4_activations", "pack_int4_activations_reference"]
@@ -101,7 +101,7 @@ def pack_int4_activations_reference(x: torch.Tensor, group: int, *, fused: bool 
         t = (xf.double() * inv.double()[:, None] + 12582912.0).float()
     else:
         t = xf * inv[:, None] + 12582912.0
-    y = t.view(torch.int32) - 0x4B400000                 # round half to even, as gemv._fixed16_bits
+    y = t.view(torch.int32) - 0x4B400000                 # round half to even, as gemv_loops._fixed16_bits
     q = y.reshape(k // 8, 8).to(torch.int64)
 
     def bytes4(b0, b1, b2, b3):

@@ -33,7 +33,7 @@ import triton.language as tl
 from graphdsl.errors import GraphDSLError
 from graphdsl.quant import Fp8Scheme, IntScheme, QuantScheme, quantize_fp8_rows
 
-from .gemv import _kb_words
+from .gemv_loops import _kb_words
 
 __all__ = ["quant_linear", "quant_linear_supported", "KIND_INT8", "KIND_INT4", "KIND_INT4_ZP", "KIND_FP8"]
 
