@@ -2,14 +2,15 @@
 helpers its kernel calls: the math of one K step per weight kind, apart from the tiling, split-K,
 epilogue and launch rules, which stay in :mod:`.gemv`.
 
-* **int4, one row, float** (:func:`_int4_row`, :func:`_int4_step_float`): a nibble OR-ed into the
-  mantissa of 1.0 (``M12``/``M16`` magic numbers, :func:`_f12`, :func:`_f16`) is ``1 + q / 2^k`` in
-  float, so ``Σ s·(q − z)·x`` costs an OR and an FMA a weight, with the magic offsets taken off
-  per group.
+* **int4, one row, float** (:func:`_int4_row`, :func:`_int4_step_float`): a nibble shifted to bits
+  12..15 or 16..19 and OR-ed into the mantissa of 1.0 (:func:`_f12`, :func:`_f16`; ``M12`` /
+  ``M16`` their masks) is ``1 + q · 2^-p`` exactly, so with the activations pre-scaled by ``2^p``
+  a weight costs about 1.5 integer operations and one FMA, the ``Σ 2^p x`` and zero-point terms
+  taken off per group and word.
 * **int4, one row, integer dots** (:func:`_int4_step_dp4a`, :func:`_int4_step_dp4a_quads`,
   :func:`_int4_dp4a_core`, :func:`_dp4a`): each group's activations in 16-bit fixed point
-  (``x ≈ a · amax / 2^15``, :func:`_fixed16_planes`, round half to even), split into byte planes, and
-  four ``dp4a`` a 32-bit word of codes; the group scale multiplies the integer sum once. The
+  (``round(x · inv)``, ``|x · inv| ≤ 32767``, :func:`_fixed16_planes`) as high and low byte planes,
+  and four ``dp4a`` a 32-bit word of codes; the group scale multiplies the integer sum once. The
   bytes may be made before (:func:`_pack_tile` / :func:`_pack_store` in a producer's epilogue,
   :mod:`.int4_acts`) and read here (:func:`_xpack_units`).
 * **int4 codes in blocks of 128 inputs** (:func:`_kb_words`, the layout a CUDA bind stores) and
@@ -18,7 +19,8 @@ epilogue and launch rules, which stay in :mod:`.gemv`.
 * **fp8, one row** (:func:`_fp8_row_loop`, :func:`_e4m3`): e4m3 codes shifted into float32 bits.
 
 The bits these loops give are checked against :mod:`graphdsl.quant`'s torch references by
-``tests/kernels/test_quant_linear.py``, ``test_int4_acts.py`` and ``test_gemv.py`` (interpreter; ``tests/gpu/`` on the GPU).
+``tests/kernels/test_quant_linear.py``, ``test_int4_acts.py`` and ``test_gemv.py`` (interpreter;
+``tests/gpu/`` on the GPU).
 """
 from __future__ import annotations
 
