@@ -55,7 +55,8 @@ import torch
 from graphdsl.errors import BindError, GraphDSLError
 from graphdsl.runtime.taps import taps_from_env
 
-__all__ = ["BUCKETS", "Pad", "bucket_for", "pad_batch", "packed_inputs", "CudaGraphRunner", "ShapeGraphRunner"]
+__all__ = ["BUCKETS", "Pad", "bucket_for", "pad_batch", "packed_inputs", "capture_stream", "CudaGraphRunner",
+           "ShapeGraphRunner"]
 
 BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 _MAX_SEEN = 4096       # shape signatures a ShapeGraphRunner counts before it forgets them all
@@ -348,7 +349,7 @@ class CudaGraphRunner:
             self._pool = torch.cuda.graph_pool_handle()
         graph = torch.cuda.CUDAGraph()
         made: list = []
-        with torch.cuda.graph(graph, pool=self._pool):
+        with torch.cuda.graph(graph, pool=self._pool, stream=capture_stream(device)):
             engine.forward(self._feed(static, made), outputs, taps=tap_buffers)
             extra = dict(self.epilogue(static, outputs)) if self.epilogue is not None else {}
         return _Graph(graph, static, {**outputs, **extra}, _arena_views(engine) + made, taps=tap_buffers)
@@ -465,11 +466,12 @@ class ShapeGraphRunner:
 
     def _capture(self, static: dict[str, torch.Tensor]) -> _Graph:
         engine = self.engine
-        outputs = _warm_up(engine, static, next(iter(static.values())).device, {})
+        device = next(iter(static.values())).device
+        outputs = _warm_up(engine, static, device, {})
         outputs = {name: self.outputs.setdefault((name, tuple(x.shape), x.dtype, x.device), x)
                    for name, x in outputs.items()}
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self._graph_pool()):
+        with torch.cuda.graph(graph, pool=self._graph_pool(), stream=capture_stream(device)):
             engine.forward(static, outputs, taps={})
         return _Graph(graph, static, outputs, _arena_views(engine), arena=self._arena(static))
 
@@ -508,6 +510,24 @@ def _copy_by_dtype(pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
         srcs.append(src)
     for dsts, srcs in groups.values():
         torch._foreach_copy_(dsts, srcs)
+
+
+_CAPTURE_STREAMS: dict[int, torch.cuda.Stream] = {}
+
+
+def capture_stream(device) -> torch.cuda.Stream:
+    """The stream every capture on CUDA ``device`` runs on (one a device, made on first use).
+    ``torch.cuda.graph`` without ``stream=`` captures on a single stream it makes on whichever device
+    is current at its first use, and entering that stream makes its device current. A model split
+    over two GPUs (a ``transfer_map``) then captured its second GPU's part on the first GPU's
+    stream: those kernels ran on the first GPU over the second's memory, which gave wrong tokens
+    through peer access and an illegal address without it (two H200s, session 42)."""
+    device = torch.device(device)
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    stream = _CAPTURE_STREAMS.get(index)
+    if stream is None:
+        stream = _CAPTURE_STREAMS[index] = torch.cuda.Stream(index)
+    return stream
 
 
 def _warm_up(engine, feed: dict, device, taps) -> dict[str, torch.Tensor]:

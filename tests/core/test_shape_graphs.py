@@ -170,3 +170,21 @@ def test_a_shape_whose_capture_fails_runs_eagerly_after_one_warning(caplog):
     assert runner.captures == 1 and not runner.graphs
     (rec,) = [r for r in caplog.records if "could not be captured" in r.getMessage()]
     assert "'x': [2, 4]" in rec.getMessage() and "stream is capturing" in rec.getMessage()
+
+
+def test_captures_run_on_a_stream_of_the_captured_device(monkeypatch):
+    """One capture stream a device: torch.cuda.graph's own default is one stream of whichever device
+    was current first, which put a second GPU's captured kernels on the first GPU (a model split
+    over two GPUs gave wrong tokens, then an illegal address; two H200s)."""
+    from graphdsl.runtime.serving import cuda_graphs
+
+    class Stream:
+        def __init__(self, index):
+            self.index = index
+    monkeypatch.setattr(torch.cuda, "Stream", Stream)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(cuda_graphs, "_CAPTURE_STREAMS", {})
+    second = cuda_graphs.capture_stream(torch.device("cuda", 1))
+    first = cuda_graphs.capture_stream("cuda")
+    assert (second.index, first.index) == (1, 0)
+    assert cuda_graphs.capture_stream("cuda:1") is second and cuda_graphs.capture_stream("cuda:0") is first
