@@ -652,16 +652,24 @@ class LLM:
         for g in groups:
             for s in g.add_to(sched):
                 by_req[id(s.req)] = s
+        ended = False
         try:
             while loop.has_work():
                 for ev in loop.step():
                     self._accept(sched, by_req[id(ev.request)], ev)
                     yield ev
+            ended = True
         finally:
             for s in by_req.values():
                 if s.req.status is not RequestStatus.FINISHED:
                     sched.finish(s.req, "abort")
-            loop.drain()
+            try:
+                loop.drain()
+            except GraphDSLError:
+                if ended:
+                    raise
+                # the error that stopped the loop is on its way out; the step in flight, which can
+                # never end (a tensor-parallel worker died inside it), is dropped with it
             self.num_preemptions += sched.num_preemptions
             self.num_steps += loop.num_steps
 

@@ -174,6 +174,18 @@ class TPExecutor:
         if self.driver.broken is not None:
             raise GraphDSLError(f"LLM: a tensor-parallel step failed, its tokens are dropped: {self.driver.broken}")
 
+    def wait_step(self, event) -> None:
+        """Wait for a step's CUDA ``event`` as ``event.synchronize()`` does, but raise (as
+        :meth:`verify_step`) once the group is broken: a step whose NCCL collectives wait for a dead
+        worker ends only at NCCL's timeout (``GRAPHDSL_DIST_TIMEOUT_S``, 600 s), so a blocking wait
+        would hold rank 0 there; on two H200s it did, in the serving loop's drain after the step
+        that found the worker dead had raised. Polls the event, yielding the GIL between polls to
+        the watch thread that marks the group broken (:meth:`Driver._watch`)."""
+        import time
+        while not event.query():
+            self.verify_step()
+            time.sleep(0)
+
 
 class TPDecodeGraph:
     """Rank 0's decode graph of one bucket and width, as the serving loop's ``DecodeGraph``: each

@@ -80,6 +80,9 @@ class StepExecutor(Protocol):
 
     # Optional: ``verify_step()``, called once a step's tokens have reached the host, raises when
     # they cannot be trusted (rank 0 of a tensor-parallel group whose worker died meanwhile).
+    # Optional: ``wait_step(event)``, waits for a step's CUDA event in place of
+    # ``event.synchronize()`` and raises when the step can never end (a collective in it waits for
+    # a tensor-parallel worker that died).
 
 
 def overlap_enabled(flag: bool) -> bool:
@@ -136,6 +139,7 @@ class ServingLoop:
                  logprob_decoder=None):
         self.executor, self.scheduler = executor, scheduler
         self._verify = getattr(executor, "verify_step", None)     # optional (StepExecutor)
+        self._wait = getattr(executor, "wait_step", None)         # optional (StepExecutor)
         self.device = torch.device(executor.device)
         self.overlap = overlap_enabled(overlap)
         self.prefill_buckets = prefill_buckets_enabled(self.device)
@@ -501,7 +505,10 @@ class ServingLoop:
     # -- collecting --------------------------------------------------------------------------
     def _collect(self, flight: _Flight) -> list[TokenEvent]:
         if flight.event is not None:
-            flight.event.synchronize()
+            if self._wait is not None:
+                self._wait(flight.event)
+            else:
+                flight.event.synchronize()
         if self._verify is not None:
             self._verify()
         tokens = flight.host.tolist()

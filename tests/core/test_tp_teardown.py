@@ -81,6 +81,78 @@ def test_close_of_a_broken_group_does_not_announce_and_waits_less(monkeypatch):
     assert calls == ["start leaving", ("join workers", 0.1)] and waits == [tp_driver.LEAVE_BROKEN_GROUP_S]
 
 
+class _Event:
+    """A step's CUDA event that ends after ``polls`` queries (never, for None)."""
+
+    def __init__(self, polls=None):
+        self.polls, self.queries = polls, 0
+
+    def query(self):
+        self.queries += 1
+        return self.polls is not None and self.queries > self.polls
+
+    def synchronize(self):                       # what a blocking wait would do: never return
+        raise AssertionError("a blocking wait on a step that never ends hangs rank 0")
+
+
+def _executor(driver):
+    ex = tp_driver.TPExecutor.__new__(tp_driver.TPExecutor)
+    ex.driver = driver
+    return ex
+
+
+def test_waiting_for_a_step_gives_up_once_a_worker_dies():
+    """A step whose collectives wait for a dead worker never ends (NCCL's only at its 600 s timeout):
+    rank 0 stops waiting for it as soon as the watch thread has marked the group broken."""
+    import time
+    from graphdsl.runtime.distributed import WorkerError
+    calls = []
+    driver = _driver(calls)
+    timer = threading.Timer(0.05, lambda: setattr(driver, "broken", WorkerError("worker rank 1 died (killed by signal 9)")))
+    start = time.monotonic()
+    timer.start()
+    with pytest.raises(GraphDSLError, match=r"its tokens are dropped: worker rank 1 died \(killed by signal 9\)"):
+        _executor(driver).wait_step(_Event())
+    assert time.monotonic() - start < 5.0
+
+
+def test_waiting_for_a_step_that_ends_returns():
+    event = _Event(polls=3)
+    _executor(_driver([])).wait_step(event)
+    assert event.queries == 4
+
+
+def test_a_step_that_failed_is_raised_not_the_drain_of_the_step_in_flight(monkeypatch):
+    """When a step fails (a worker died), the step still in flight can never end: its drain's own
+    error must not replace the one that says why."""
+    from graphdsl.runtime.distributed import WorkerError
+    drained = []
+
+    class Loop:
+        def __init__(self, *a, **kw):
+            pass
+
+        def has_work(self):
+            return True
+
+        def step(self):
+            raise WorkerError("worker rank 1 died (killed by signal 9)")
+
+        def drain(self):
+            drained.append(True)
+            raise GraphDSLError("LLM: a tensor-parallel step failed, its tokens are dropped: ...")
+
+    monkeypatch.setattr(llm_mod, "ServingLoop", Loop)
+    llm = llm_mod.LLM.__new__(llm_mod.LLM)
+    llm.tokenizer, llm._executor, llm.overlap = None, None, True
+    llm.num_preemptions = llm.num_steps = 0
+    monkeypatch.setattr(llm, "_scheduler", lambda: type("S", (), {"num_preemptions": 0})(), raising=False)
+    Loop.num_steps = 0
+    with pytest.raises(WorkerError, match="worker rank 1 died"):
+        list(llm._run([]))
+    assert drained == [True]
+
+
 def test_a_teardown_that_never_ends_is_abandoned_with_a_warning(monkeypatch):
     import torch.distributed as dist
     from graphdsl.runtime.distributed import start_leaving
