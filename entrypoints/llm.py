@@ -22,7 +22,7 @@ from graphdsl.layers import quantize_linears, quantize_weights, scheme_counts
 from graphdsl.layers.quantize import dense_expert_stacks
 from graphdsl.models.executor import ModelExecutor
 from graphdsl.quant import online_scheme
-from graphdsl.runtime.device import check_device, default_device
+from graphdsl.runtime.device import check_device, default_device, on_device
 from graphdsl.runtime.loaders.checkpoint import CheckpointFormat, checkpoint_format
 from graphdsl.runtime.loaders.generation_config import gguf_generation_config, read_generation_config
 from graphdsl.runtime.loaders.prequantized import read_checkpoint_quantization
@@ -217,7 +217,8 @@ class LLM:
         the ranks torchrun started, or worker processes spawned and owned here."""
         self._tp = None
         if world_size == 1:
-            self._build(source, device, None, opts)
+            with on_device(device):                 # kernels and captures go to the current GPU
+                self._build(source, device, None, opts)
             return
         from graphdsl.runtime.distributed import launched_by_torchrun
         if launched_by_torchrun():
@@ -425,7 +426,8 @@ class LLM:
                       "lm_head_indices": t(list(range(n)), torch.int64)}
             if lora is not None:
                 inputs["lora_indices"] = t(self.model.lora.slots_for([lora]) * n, torch.int32)
-            logits = self._executor.execute("prefill", inputs)
+            with on_device(self.device):
+                logits = self._executor.execute("prefill", inputs)
             verify = getattr(self._executor, "verify_step", None)       # tensor parallel: a worker may die meanwhile
             if verify is not None:
                 if logits.is_cuda:
@@ -503,7 +505,8 @@ class LLM:
         line per stage on ``stream`` (True: stderr; None: quiet). ``graphdsl serve`` calls it on
         CUDA. Returns a :class:`~graphdsl.entrypoints.warmup.WarmupReport`."""
         from .warmup import warm_up
-        return warm_up(self, stream=stream)
+        with on_device(self.device):
+            return warm_up(self, stream=stream)
 
     # -- internals ---------------------------------------------------------------------------
     def _tokenizer_or_error(self, what: str):
@@ -655,7 +658,9 @@ class LLM:
         ended = False
         try:
             while loop.has_work():
-                for ev in loop.step():
+                with on_device(self.device):        # per step: the caller's code runs between yields
+                    events = loop.step()
+                for ev in events:
                     self._accept(sched, by_req[id(ev.request)], ev)
                     yield ev
             ended = True
@@ -664,7 +669,8 @@ class LLM:
                 if s.req.status is not RequestStatus.FINISHED:
                     sched.finish(s.req, "abort")
             try:
-                loop.drain()
+                with on_device(self.device):
+                    loop.drain()
             except GraphDSLError:
                 if ended:
                     raise

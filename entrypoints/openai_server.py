@@ -145,6 +145,11 @@ class AsyncEngine:
         self._outbox: list[tuple[_Tracked, tuple]] = []   # items for the handlers, sent by _flush
         self._sinks: dict[Any, _LoopSink] = {}             # asyncio loop -> its sink
         self.on_stop: list = []            # fn(message) called when the engine stops (API processes' bridges)
+        import torch                       # (API processes import this module without torch)
+        device = llm.device                # the thread steps on the LLM's GPU (each thread has its own current one)
+        if device.type == "cuda" and device.index is None and torch.cuda.is_available():
+            device = torch.device("cuda", torch.cuda.current_device())
+        self._device = device
         self._thread = threading.Thread(target=self._run, name="graphdsl-engine", daemon=True)
         self._thread.start()
 
@@ -207,6 +212,9 @@ class AsyncEngine:
     # the engine thread
     def _run(self) -> None:
         try:
+            if self._device.type == "cuda":
+                import torch
+                torch.cuda.set_device(self._device)
             while True:
                 idle = not self.loop.has_work()
                 try:

@@ -15,7 +15,8 @@ from typing import Mapping
 import torch
 
 from graphdsl.errors import GraphDSLError
-from graphdsl.runtime.partitioned import PartitionedEngine, on_device, part_device
+from graphdsl.runtime.device import on_device
+from graphdsl.runtime.partitioned import PartitionedEngine, part_device
 from graphdsl.runtime.serving.cuda_graphs import BUCKETS, CudaGraphRunner, Pad
 
 __all__ = ["PartitionedGraphRunner"]

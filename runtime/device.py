@@ -8,13 +8,14 @@ before any work starts, naming the value and what this machine has.
 """
 from __future__ import annotations
 
+import contextlib
 import re
 
 import torch
 
 from graphdsl.errors import GraphDSLError
 
-__all__ = ["check_device", "default_device", "machine_devices"]
+__all__ = ["check_device", "default_device", "machine_devices", "on_device"]
 
 _FORMS = "'cpu', 'cuda' or 'cuda:N'"
 _SPEC = re.compile(r"(cpu|cuda)(?::(\d+))?")
@@ -23,6 +24,15 @@ _SPEC = re.compile(r"(cpu|cuda)(?::(\d+))?")
 def default_device() -> torch.device:
     """CUDA when this machine has it, else the CPU."""
     return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
+
+def on_device(dev: torch.device):
+    """Make ``dev`` the current CUDA device for a block; a no-op for the host and for ``cuda`` without
+    an index (the current one). Triton kernels, CUDA graph captures and events go to the current
+    device whatever their tensors' device, and each thread has its own: work for ``cuda:1`` launched
+    while GPU 0 is current runs on GPU 0 over GPU 1's memory (wrong results through peer access, an
+    illegal address without it)."""
+    return torch.cuda.device(dev) if dev.type == "cuda" and dev.index is not None else contextlib.nullcontext()
 
 
 def machine_devices() -> str:

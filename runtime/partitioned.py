@@ -11,7 +11,6 @@ weight on another device is an error, never a silent copy (a copied KV cache wou
 """
 from __future__ import annotations
 
-import contextlib
 from pathlib import Path
 from typing import Mapping
 
@@ -20,13 +19,9 @@ import torch
 from graphdsl.errors import BindError
 from graphdsl.passes.partition import Partition
 
-__all__ = ["PartitionedEngine", "part_device", "on_device"]
+from .device import on_device
 
-
-def on_device(dev: torch.device):
-    """Make ``dev`` the current CUDA device while a part runs (kernels launch on the current
-    device); a no-op for the host."""
-    return torch.cuda.device(dev) if dev.type == "cuda" else contextlib.nullcontext()
+__all__ = ["PartitionedEngine", "part_device"]
 
 
 def part_device(label: str) -> torch.device:

@@ -1,5 +1,6 @@
 """Device arguments are checked in one place (graphdsl.runtime.device.check_device), up front, by
-LLM, LLM.from_config, build_engine and the CLI; errors name the value and what this machine has."""
+LLM, LLM.from_config, build_engine and the CLI; errors name the value and what this machine has.
+An LLM on an indexed GPU makes it current around its work (kernels launch on the current device)."""
 import pytest
 import torch
 
@@ -74,3 +75,60 @@ def test_llm_checks_the_device_before_reading_the_checkpoint(value, tmp_path):
         gd.LLM(tmp_path / "does-not-exist", device=value)       # the device error comes first
     with pytest.raises(GraphDSLError, match=r"LLM.from_config: device="):
         gd.LLM.from_config({"model_type": "llama"}, device=value)
+
+
+def test_each_step_of_generate_runs_with_the_llms_gpu_current(monkeypatch):
+    """Kernels launch on the current device: an LLM on ``cuda:1`` makes it current around each step
+    (not across the yields, where the caller's code runs)."""
+    import contextlib
+
+    from graphdsl.entrypoints import llm as llm_mod
+    state = {"inside": 0}
+    seen = []
+
+    @contextlib.contextmanager
+    def on_device(dev):
+        state["inside"] += 1
+        seen.append(dev)
+        try:
+            yield
+        finally:
+            state["inside"] -= 1
+
+    class Loop:
+        steps = 0
+
+        def __init__(self, *a, **kw):
+            pass
+
+        def has_work(self):
+            return Loop.steps < 2
+
+        def step(self):
+            assert state["inside"] == 1
+            Loop.steps += 1
+            return []
+
+        def drain(self):
+            assert state["inside"] == 1
+            return []
+
+    monkeypatch.setattr(llm_mod, "on_device", on_device)
+    monkeypatch.setattr(llm_mod, "ServingLoop", Loop)
+    llm = llm_mod.LLM.__new__(llm_mod.LLM)
+    llm.tokenizer, llm._executor, llm.overlap, llm.device = None, None, True, torch.device("cuda", 1)
+    llm.num_preemptions = llm.num_steps = 0
+    monkeypatch.setattr(llm, "_scheduler", lambda: type("S", (), {"num_preemptions": 0})(), raising=False)
+    Loop.num_steps = 0
+    assert list(llm._run([])) == []
+    assert seen == [torch.device("cuda", 1)] * 3 and state["inside"] == 0      # two steps and the drain
+
+
+def test_on_device_switches_only_to_an_indexed_gpu():
+    import contextlib
+
+    from graphdsl.runtime.device import on_device
+    assert isinstance(on_device(torch.device("cpu")), contextlib.nullcontext)
+    assert isinstance(on_device(torch.device("cuda")), contextlib.nullcontext)     # the current one already
+    guard = on_device(torch.device("cuda", 1))
+    assert isinstance(guard, torch.cuda.device) and guard.idx == 1

@@ -125,6 +125,7 @@ def test_waiting_for_a_step_that_ends_returns():
 def test_a_step_that_failed_is_raised_not_the_drain_of_the_step_in_flight(monkeypatch):
     """When a step fails (a worker died), the step still in flight can never end: its drain's own
     error must not replace the one that says why."""
+    import torch
     from graphdsl.runtime.distributed import WorkerError
     drained = []
 
@@ -144,7 +145,7 @@ def test_a_step_that_failed_is_raised_not_the_drain_of_the_step_in_flight(monkey
 
     monkeypatch.setattr(llm_mod, "ServingLoop", Loop)
     llm = llm_mod.LLM.__new__(llm_mod.LLM)
-    llm.tokenizer, llm._executor, llm.overlap = None, None, True
+    llm.tokenizer, llm._executor, llm.overlap, llm.device = None, None, True, torch.device("cpu")
     llm.num_preemptions = llm.num_steps = 0
     monkeypatch.setattr(llm, "_scheduler", lambda: type("S", (), {"num_preemptions": 0})(), raising=False)
     Loop.num_steps = 0

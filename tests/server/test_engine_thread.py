@@ -83,3 +83,19 @@ def test_latency_histogram_counts_each_value_in_every_bucket_that_holds_it():
         h.observe(v)
     assert h.lines("x") == ["# TYPE x histogram", 'x_bucket{le="0.001"} 2', 'x_bucket{le="0.01"} 3',
                             'x_bucket{le="0.1"} 4', 'x_bucket{le="+Inf"} 5', "x_sum 0.5535", "x_count 5"]
+
+
+def test_the_engine_thread_makes_the_llms_gpu_its_current_one(monkeypatch):
+    """Each thread has its own current CUDA device, and kernels launch on it: an LLM on ``cuda:1``
+    stepped from a fresh thread (current device 0) would run its kernels on GPU 0."""
+    import torch
+    llm = gd.LLM.from_config(TINY_LLAMA, device="cpu", max_model_len=64, max_num_seqs=2)
+    made = []
+    monkeypatch.setattr(torch.cuda, "set_device", lambda d: made.append((threading.current_thread().name, d)))
+    llm.device = torch.device("cuda", 1)           # only the thread's device is looked at here
+    engine = AsyncEngine(llm)
+    deadline = time.monotonic() + 10
+    while not made and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert made == [("graphdsl-engine", torch.device("cuda", 1))]
+    assert engine.error is None
