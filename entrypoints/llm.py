@@ -431,11 +431,24 @@ class LLM:
             verify = getattr(self._executor, "verify_step", None)       # tensor parallel: a worker may die meanwhile
             if verify is not None:
                 if logits.is_cuda:
-                    torch.cuda.synchronize(logits.device)
+                    self._wait_for(logits.device)
                 verify()
             return logits
         finally:
             self.blocks.free(sid)
+
+    def _wait_for(self, device: torch.device) -> None:
+        """Wait for the work queued on ``device`` as the serving loop waits for a step: through the
+        executor's ``wait_step`` where it has one (tensor parallel: a step whose collective waits for
+        a dead worker never ends, and a blocking wait would hold this process there)."""
+        wait = getattr(self._executor, "wait_step", None)
+        if wait is None:
+            torch.cuda.synchronize(device)
+            return
+        with on_device(device):
+            done = torch.cuda.Event()
+            done.record()
+        wait(done)
 
     def _tensor(self, values, dtype) -> torch.Tensor:
         return torch.tensor(values, dtype=dtype, device=self.device)

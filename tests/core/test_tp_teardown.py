@@ -154,6 +154,43 @@ def test_a_step_that_failed_is_raised_not_the_drain_of_the_step_in_flight(monkey
     assert drained == [True]
 
 
+def test_score_waits_for_its_step_as_the_loop_does(monkeypatch):
+    """``score`` of a tensor-parallel LLM waits through the executor too: a blocking
+    ``torch.cuda.synchronize`` would hold rank 0 while a dead worker's collective never ends."""
+    import torch
+
+    import graphdsl as gd
+    from tests.helpers.soak import TINY_LLAMA
+    llm = gd.LLM.from_config(TINY_LLAMA, device="cpu", max_model_len=64, max_num_seqs=2)
+    recorded = []
+
+    class Event:
+        def record(self):
+            recorded.append(self)
+
+    class Logits:
+        is_cuda, device = True, torch.device("cpu")     # the device guard takes the host as a no-op
+
+    class Executor:
+        def execute(self, phase, inputs, rows=None):
+            return Logits()
+
+        def wait_step(self, event):
+            assert recorded == [event]
+            raise GraphDSLError("LLM: a tensor-parallel step failed, its tokens are dropped: worker rank 1 died")
+
+        def verify_step(self):
+            raise AssertionError("the wait raises first")
+
+    monkeypatch.setattr(torch.cuda, "Event", Event)
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda *a: pytest.fail("a blocking wait"))
+    llm._executor = Executor()
+    free = llm.blocks.num_free_blocks
+    with pytest.raises(GraphDSLError, match="worker rank 1 died"):
+        llm.score([3, 1, 4, 1, 5])
+    assert llm.blocks.num_free_blocks == free                  # its KV blocks went back
+
+
 def test_a_teardown_that_never_ends_is_abandoned_with_a_warning(monkeypatch):
     import torch.distributed as dist
     from graphdsl.runtime.distributed import start_leaving
