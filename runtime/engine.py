@@ -21,6 +21,7 @@ from graphdsl.opdef import OpCategory, RuntimeParam, Spec
 from graphdsl.passes.fused_ops import FUSED_OPS
 from graphdsl.passes.memory_plan import MemoryPlan, plan_memory
 
+from .device import on_device
 from .taps import TapSet, resolve_taps, taps_from_env
 
 __all__ = ["Engine", "ShapePlan"]
@@ -167,7 +168,8 @@ class Engine:
             copy, self.tapped = tapset.copier(values, buffers)
             if tapset.tensors:          # no hook for an empty selection (a hook makes the backend run every node)
                 hook = copy if after is None else _chain(copy, after)
-        self.backend.run(nodes, values, plan.attrs, storage, after=hook)
+        with on_device(device):                 # Triton launches on the current GPU, not the tensors'
+            self.backend.run(nodes, values, plan.attrs, storage, after=hook)
         if self.dump_dir is not None and len(getattr(self.backend, "sources", ())) != self._kernels_dumped:
             self._dump_kernels(self.dump_dir)
         for name, t in self.net.outputs.items():

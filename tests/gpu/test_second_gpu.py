@@ -1,7 +1,8 @@
-"""An LLM on the second GPU (``pytest -m gpu``, two GPUs: ``nvidia-h200-x2``) while the first is
-the current device: Triton kernels, CUDA graph captures and events go to the calling thread's
-current device, so the LLM must make its own current around its work (``runtime.device.on_device``)
-and the server's engine thread too. Each gives the tokens the same model gives on the first GPU."""
+"""An engine and an LLM on the second GPU (``pytest -m gpu``, two GPUs: ``nvidia-h200-x2``) while
+the first is the current device. Triton kernels, CUDA graph captures and events go to the calling
+thread's current device, so the engine and the LLM make their own current around their work
+(``runtime.device.on_device``), and so does the server's engine thread: each gives what the same
+model gives on the first GPU."""
 from __future__ import annotations
 
 import threading
@@ -28,6 +29,23 @@ def _tokens(llm):
 
 def _llm(device):
     return tiny_llm(device, num_kv_blocks=64, max_num_seqs=8, max_num_batched_tokens=256)
+
+
+def test_an_engine_on_the_second_gpu_runs_there():
+    from graphdsl import Network, Parameter, Tensor
+    from graphdsl import functional as F
+    with Network("mlp") as net:
+        w = Parameter((256, 512), torch.bfloat16, name="w")
+        net.mark_output(F.silu(F.linear(Tensor("x", (4, 512), torch.bfloat16), w, None, transpose_b=True)), "y")
+    torch.cuda.set_device(0)
+    g = torch.Generator(device="cuda:1").manual_seed(0)
+    feed = {"x": torch.randn(4, 512, device="cuda:1", generator=g, dtype=torch.bfloat16),
+            "w": 0.05 * torch.randn(256, 512, device="cuda:1", generator=g, dtype=torch.bfloat16)}
+    got = net.build_engine(device="cuda:1", backend="triton").forward(feed)["y"]
+    want = net.build_engine(device="cuda:1", backend="torch").forward(feed)["y"]
+    torch.cuda.synchronize(1)
+    assert got.device == torch.device("cuda", 1) and torch.cuda.current_device() == 0
+    torch.testing.assert_close(got.float(), want.float(), rtol=2e-2, atol=2e-2)
 
 
 def test_an_llm_on_the_second_gpu_gives_the_first_gpus_tokens():
