@@ -22,7 +22,7 @@ from graphdsl.layers import quantize_linears, quantize_weights, scheme_counts
 from graphdsl.layers.quantize import dense_expert_stacks
 from graphdsl.models.executor import ModelExecutor
 from graphdsl.quant import online_scheme
-from graphdsl.runtime.device import check_device, default_device, on_device
+from graphdsl.runtime.device import check_device, default_device, machine_devices, on_device
 from graphdsl.runtime.loaders.checkpoint import CheckpointFormat, checkpoint_format
 from graphdsl.runtime.loaders.generation_config import gguf_generation_config, read_generation_config
 from graphdsl.runtime.loaders.prequantized import read_checkpoint_quantization
@@ -224,6 +224,7 @@ class LLM:
         if launched_by_torchrun():
             self._start_torchrun(source, device, world_size, opts)
         else:
+            _check_worker_gpus(device, world_size)
             self._start_workers(source, device, world_size, opts)
 
     def _build(self, source: tuple, device: torch.device, tp, opts: dict) -> None:
@@ -811,6 +812,21 @@ def _check_tp(tensor_parallel_size: int, expert_parallel, quantization=None, opt
                             "(int4, int8, fp8, gguf-q4_k, ...), which quantizes each rank's shard")
     if not isinstance(expert_parallel, bool):
         raise GraphDSLError(f"LLM: expert_parallel must be a bool, got {expert_parallel!r}")
+
+
+def _check_worker_gpus(device: torch.device, world_size: int) -> None:
+    """The ranks this process spawns take GPUs 0..N-1 (rank r on ``cuda:r``): refuse, before anything
+    loads, a world larger than the GPUs there are and a device index the ranks would not use."""
+    if device.type != "cuda":
+        return
+    have = torch.cuda.device_count()
+    if world_size > have:
+        raise GraphDSLError(f"LLM: tensor_parallel_size={world_size} needs {world_size} GPUs (rank r runs on "
+                            f"cuda:r), but this machine has {have} ({machine_devices()})")
+    if device.index not in (None, 0):
+        raise GraphDSLError(f"LLM: device={str(device)!r} with tensor_parallel_size={world_size}: the ranks run on "
+                            f"cuda:0..cuda:{world_size - 1} (rank r on cuda:r); pass device='cuda' and choose "
+                            "the GPUs with CUDA_VISIBLE_DEVICES")
 
 
 def _check_fraction(kv_cache_memory_fraction) -> None:

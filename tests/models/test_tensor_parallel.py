@@ -364,6 +364,25 @@ def test_unsupported_layers_and_arguments_are_errors():
         gd.LLM.from_config({}, device="cpu", tensor_parallel_size=2, quantization="gguf")
 
 
+def test_spawned_ranks_need_their_gpus_and_take_them_from_zero(monkeypatch):
+    """Refused before anything loads: more ranks than GPUs (the worker on the missing GPU would fail
+    while loading, naming an invalid device ordinal), and a device index the ranks would not use."""
+    import torch
+
+    from graphdsl.entrypoints import llm as llm_mod
+    from graphdsl.runtime.distributed import WorkerPool
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    monkeypatch.setattr(llm_mod, "check_device", lambda d, what: torch.device(d))
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    monkeypatch.setattr(WorkerPool, "__init__", lambda *a, **kw: pytest.fail("workers started"))
+    with pytest.raises(GraphDSLError, match=r"tensor_parallel_size=4 needs 4 GPUs \(rank r runs on cuda:r\), "
+                                            r"but this machine has 2"):
+        gd.LLM.from_config({}, device="cuda", tensor_parallel_size=4)
+    with pytest.raises(GraphDSLError, match=r"device='cuda:1' with tensor_parallel_size=2: the ranks run on "
+                                            r"cuda:0..cuda:1 \(rank r on cuda:r\); pass device='cuda'"):
+        gd.LLM.from_config({}, device="cuda:1", tensor_parallel_size=2)
+
+
 # -- the command line under torchrun (each rank runs `graphdsl generate`; GGUF weights sliced) -------
 def _cli(rank: int, world: int, path: str):
     import contextlib
