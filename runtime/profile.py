@@ -35,6 +35,8 @@ import torch
 from graphdsl.errors import GraphDSLError
 from graphdsl.opdef import OpCategory
 
+from .device import on_device
+
 __all__ = ["KernelRow", "ProfileReport", "Ceilings", "measure_ceilings", "profile_engine"]
 
 
@@ -298,7 +300,16 @@ def _traced_samples(engine, inputs, runtime_params, hold: int, iters: int, shape
 
 def profile_engine(engine, inputs: dict, *, warmup: int = 2, iters: int = 5, ceilings: Ceilings | None = None,
                    runtime_params=None, name: str | None = None) -> ProfileReport:
-    """Profile one step of ``engine`` on ``inputs`` (see the module docstring)."""
+    """Profile one step of ``engine`` on ``inputs`` (see the module docstring), with the inputs' GPU
+    current: the timing events and the hold kernel go to the current device, as the launches do."""
+    where = next((v.device for v in inputs.values() if isinstance(v, torch.Tensor)), torch.device("cpu"))
+    with on_device(where):
+        return _profile_engine(engine, inputs, warmup=warmup, iters=iters, ceilings=ceilings,
+                               runtime_params=runtime_params, name=name)
+
+
+def _profile_engine(engine, inputs: dict, *, warmup: int, iters: int, ceilings: Ceilings | None,
+                    runtime_params, name: str | None) -> ProfileReport:
     if isinstance(iters, bool) or not isinstance(iters, int) or iters < 1:
         raise GraphDSLError(f"profile: iters must be an int >= 1, got {iters!r}")
     if isinstance(warmup, bool) or not isinstance(warmup, int) or warmup < 0:

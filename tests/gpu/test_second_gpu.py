@@ -41,11 +41,14 @@ def test_an_engine_on_the_second_gpu_runs_there():
     g = torch.Generator(device="cuda:1").manual_seed(0)
     feed = {"x": torch.randn(4, 512, device="cuda:1", generator=g, dtype=torch.bfloat16),
             "w": 0.05 * torch.randn(256, 512, device="cuda:1", generator=g, dtype=torch.bfloat16)}
-    got = net.build_engine(device="cuda:1", backend="triton").forward(feed)["y"]
+    engine = net.build_engine(device="cuda:1", backend="triton")
+    got = engine.forward(feed)["y"]
     want = net.build_engine(device="cuda:1", backend="torch").forward(feed)["y"]
     torch.cuda.synchronize(1)
     assert got.device == torch.device("cuda", 1) and torch.cuda.current_device() == 0
     torch.testing.assert_close(got.float(), want.float(), rtol=2e-2, atol=2e-2)
+    report = engine.profile(feed, iters=2)                    # its events on the engine's GPU too
+    assert report.rows and all(r.ms > 0 for r in report.rows) and report.step_ms > 0
 
 
 def test_an_llm_on_the_second_gpu_gives_the_first_gpus_tokens():
