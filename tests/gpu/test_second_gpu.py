@@ -5,7 +5,6 @@ thread's current device, so the engine and the LLM make their own current around
 model gives on the first GPU."""
 from __future__ import annotations
 
-import threading
 import time
 
 import pytest
@@ -82,4 +81,4 @@ def test_the_servers_engine_thread_steps_on_the_llms_gpu():
         time.sleep(0.01)
     kind, result = t.out.get_nowait()[:2]
     assert kind == "done" and result.outputs[0].token_ids == want
-    assert threading.current_thread() is threading.main_thread() and torch.cuda.current_device() == 0
+    assert torch.cuda.current_device() == 0            # the thread's set_device is its own
