@@ -79,7 +79,7 @@ def test_llm_checks_the_device_before_reading_the_checkpoint(value, tmp_path):
 
 def test_each_step_of_generate_runs_with_the_llms_gpu_current(monkeypatch):
     """Kernels launch on the current device: an LLM on ``cuda:1`` makes it current around each step
-    (not across the yields, where the caller's code runs)."""
+    of its loop and the final drain, and gives it back after each."""
     import contextlib
 
     from graphdsl.entrypoints import llm as llm_mod
