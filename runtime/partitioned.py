@@ -19,8 +19,6 @@ import torch
 from graphdsl.errors import BindError
 from graphdsl.passes.partition import Partition
 
-from .device import on_device
-
 __all__ = ["PartitionedEngine", "part_device"]
 
 
@@ -76,8 +74,7 @@ class PartitionedEngine:
         for part, engine in zip(self.partition.parts, self.engines):
             feed = self.part_feed(part.index, values)
             mine = {k: v for k, v in params.items() if k in engine.runtime_param_names}
-            with on_device(part_device(part.device)):
-                values.update(engine.forward(feed, None, mine or None))
+            values.update(engine.forward(feed, None, mine or None))     # on its part's GPU (Engine.forward)
         result = {}
         for name, t in self.net.outputs.items():
             value = values[t.name]
