@@ -112,8 +112,11 @@ def tp_cuda_graphs_enabled() -> bool:
 
 def close_group(model: FlashCausalLM, tp: Driver) -> None:
     """Drop ``model``'s CUDA graphs, then close the group (once): NCCL's teardown waits for every
-    graph that captured the communicator to be destroyed."""
-    if not tp.closed:
+    graph that captured the communicator to be destroyed. A broken group keeps its graphs: dropping
+    them waits for the device, whose last step may hold an NCCL collective waiting for the dead
+    rank until NCCL's own timeout (on two H200s ``close()`` hung there for minutes); that group's
+    teardown is left to the process's exit anyway (:data:`LEAVE_BROKEN_GROUP_S`)."""
+    if not tp.closed and tp.broken is None:
         model.release_graphs()
     tp.close()
 

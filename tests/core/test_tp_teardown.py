@@ -317,6 +317,7 @@ def _llm_recording(calls):
 
     class Driver:
         closed = False
+        broken = None
 
         def close(self):
             calls.append("leave group")
@@ -335,6 +336,16 @@ def test_close_drops_the_graphs_before_leaving_the_group():
     llm.close()
     llm.close()
     assert calls == ["release graphs", "leave group", "leave group"]   # the driver's own close is idempotent
+
+
+def test_a_broken_group_leaves_without_waiting_for_its_graphs():
+    """Dropping the graphs synchronizes the device, and after a worker's death its last step may
+    hold an NCCL collective that waits for the dead rank for good: close() leaves the group at once."""
+    calls = []
+    llm = _llm_recording(calls)
+    llm._tp.broken = RuntimeError("worker rank 1 died")
+    llm.close()
+    assert calls == ["leave group"]
 
 
 def test_an_llm_dropped_without_close_also_drops_its_graphs_first():
