@@ -99,7 +99,7 @@ class Driver:
         finally:
             if self.pool is not None:            # the group is ours (not torchrun's): leave it with them
                 from graphdsl.runtime.distributed import start_leaving
-                left = start_leaving()
+                left = start_leaving(broken=self.broken is not None)
                 self.pool.close(timeout_s=10.0 if self.broken is None else 0.1)
                 wait_left(left, LEAVE_GROUP_S if self.broken is None else LEAVE_BROKEN_GROUP_S)
 

@@ -45,13 +45,14 @@ _PEER_BUFFERS: dict = {}          # (device, dtype, group name) -> the group's P
 _CARRY_BUFFERS: dict = {}         # (device, dtype, group name, width) -> the group's CarryBuffers (None: not mapped)
 
 
-def release_collective_buffers() -> None:
+def release_collective_buffers(unmap: bool = True) -> None:
     """Drop the one-shot buffers of the current group and unmap the peers' (before the group is
-    destroyed: a later group exchanges its own)."""
+    destroyed: a later group exchanges its own); a broken group's are only forgotten
+    (:func:`~graphdsl.runtime.distributed.ipc.close_all`)."""
     from .ipc import close_all
     _PEER_BUFFERS.clear()
     _CARRY_BUFFERS.clear()
-    close_all()
+    close_all(unmap)
 
 
 def release_waiters() -> None:

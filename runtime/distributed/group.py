@@ -94,10 +94,11 @@ def init_distributed(rank: int, world_size: int, device: torch.device, *, store=
     return DistContext(rank, world_size, device, control)
 
 
-def start_leaving():
+def start_leaving(broken: bool = False):
     """Start leaving the default process group, in a thread, and return a ``threading.Event`` set
     once it is left (at once when there is no group). The group's one-shot all-reduce buffers are
-    dropped and the peers' unmapped first (a later group exchanges its own).
+    dropped and the peers' unmapped first (a later group exchanges its own); a ``broken`` group's
+    are not unmapped, which would wait for a device that may be stuck on the dead rank.
 
     Every rank must be leaving at the same time: NCCL's teardown of a communicator waits for its
     peers, so a rank that first waited for the others to exit, and left only then, deadlocked with
@@ -112,7 +113,7 @@ def start_leaving():
     if not dist.is_initialized():
         done.set()
         return done
-    release_collective_buffers()
+    release_collective_buffers(unmap=not broken)
 
     def leave():
         try:

@@ -129,8 +129,13 @@ def peer_pointers(t: torch.Tensor, rank: int, world_size: int, *, gather=None, o
     return torch.tensor(ptrs, dtype=torch.int64, device=t.device)
 
 
-def close_all() -> None:
-    """Unmap every peer allocation this process mapped (the group is being released)."""
+def close_all(unmap: bool = True) -> None:
+    """Unmap every peer allocation this process mapped (the group is being released). With
+    ``unmap=False`` (a broken group) only forget them: unmapping waits for the device, whose last
+    step may hold an NCCL collective waiting for a dead peer until NCCL's timeout (two H200s:
+    ``close()`` hung there); those mappings live until the process exits."""
+    if not unmap:
+        _OPENED.clear()
     if not _OPENED:
         return
     close = _driver()[3]

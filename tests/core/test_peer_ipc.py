@@ -113,6 +113,17 @@ def test_release_unmaps_what_was_opened(monkeypatch):
     assert sorted(closed) == [1 << 40, 2 << 40] and ipc._OPENED == {}
 
 
+def test_a_broken_group_forgets_its_mappings_without_unmapping(monkeypatch):
+    """Unmapping waits for the device, whose last step may hold an NCCL collective waiting for the
+    dead peer (two H200s: close() hung there): a broken group's mappings are only forgotten."""
+    closed = []
+    monkeypatch.setattr(ipc, "_driver", lambda: (None, None, None, closed.append))
+    monkeypatch.setattr(ipc, "_OPENED", {("cuda:0", b"A" * 64): 1 << 40})
+    monkeypatch.setattr(torch.cuda, "device", lambda d: _NoDevice())
+    collectives.release_collective_buffers(unmap=False)
+    assert closed == [] and ipc._OPENED == {}
+
+
 class _NoDevice:
     def __enter__(self):
         return self

@@ -51,8 +51,8 @@ def _recording_leave(monkeypatch, calls, ends=True):
             waits.append(timeout)
             return super().wait(0.0)
 
-    def start():
-        calls.append("start leaving")
+    def start(broken=False):
+        calls.append("start leaving" + (" a broken group" if broken else ""))
         left = Left()
         if ends:
             left.set()
@@ -78,7 +78,7 @@ def test_close_of_a_broken_group_does_not_announce_and_waits_less(monkeypatch):
     waits = _recording_leave(monkeypatch, calls, ends=False)
     with pytest.warns(RuntimeWarning, match="leaving the tensor-parallel process group took over 5s"):
         _driver(calls, broken=RuntimeError("worker died")).close()
-    assert calls == ["start leaving", ("join workers", 0.1)] and waits == [tp_driver.LEAVE_BROKEN_GROUP_S]
+    assert calls == ["start leaving a broken group", ("join workers", 0.1)] and waits == [tp_driver.LEAVE_BROKEN_GROUP_S]
 
 
 class _Event:
