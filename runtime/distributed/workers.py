@@ -148,11 +148,31 @@ def agree_min(store, rank: int, world_size: int, key: str, value: int, *, timeou
 
 
 _LEAVE_S = 30.0      # a worker's wait for the group's teardown, as rank 0's (LLM.close)
+_ORPHAN_EXIT = 4     # a worker's exit code once rank 0's process is gone
 
 
-def _worker_main(rank: int, world_size: int, port: int, build: Callable, build_args: tuple, errors) -> None:
-    """A worker process: build the shard, mark ready, join the group, serve steps, leave cleanly."""
+def exit_with_parent(parent_pid: int, every_s: float = 0.5) -> None:
+    """Start a thread that ends this process (exit code 4) once ``parent_pid`` is no longer its
+    parent: rank 0's process was killed or crashed without closing its ``LLM``. A daemon worker
+    outlives such a parent (multiprocessing ends daemons only at a clean exit), and would otherwise
+    hold its GPU memory while it waits for rank 0 until ``GRAPHDSL_DIST_TIMEOUT_S``, or for good
+    while it is still loading. Polls ``os.getppid()``; ``prctl(PR_SET_PDEATHSIG)`` would instead
+    fire when the spawning *thread* ends (an LLM may be built in a thread that then returns)."""
+    import threading
+
+    def watch():
+        while os.getppid() == parent_pid:
+            time.sleep(every_s)
+        os._exit(_ORPHAN_EXIT)
+    threading.Thread(target=watch, name="graphdsl-tp-parent-watch", daemon=True).start()
+
+
+def _worker_main(rank: int, world_size: int, port: int, build: Callable, build_args: tuple, errors,
+                 parent_pid: int) -> None:
+    """A worker process: build the shard, mark ready, join the group, serve steps, leave cleanly;
+    exit at once if rank 0's process goes (:func:`exit_with_parent`)."""
     import torch.distributed as dist
+    exit_with_parent(parent_pid)
     try:
         store = dist.TCPStore("127.0.0.1", port, world_size, is_master=False)
         agree = functools.partial(_agree_as_worker, store, rank, world_size)
@@ -191,7 +211,7 @@ class WorkerPool:
     ``value`` over the ranks (each calls it with the same ``key``; rank 0 through :meth:`agree`): how
     ranks that size something from their own free memory settle on one size before the group forms.
     The caller (rank 0) builds its own shard, then calls :meth:`join` to wait for the workers and
-    form the process group.
+    form the process group. A worker whose rank-0 process is gone exits by itself (exit code 4).
     """
 
     def __init__(self, world_size: int, build: Callable, build_args: tuple = ()):
@@ -204,7 +224,7 @@ class WorkerPool:
         spawn = mp.get_context("spawn")
         self.errors = spawn.Queue()
         self.procs = [spawn.Process(target=_worker_main, name=f"graphdsl-tp-rank{r}", daemon=True,
-                                    args=(r, world_size, self.port, build, build_args, self.errors))
+                                    args=(r, world_size, self.port, build, build_args, self.errors, os.getpid()))
                       for r in range(1, world_size)]
         for p in self.procs:
             p.start()

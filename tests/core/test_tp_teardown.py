@@ -485,3 +485,57 @@ def test_the_serving_loop_verifies_a_step_before_reading_its_tokens():
     with pytest.raises(GraphDSLError, match="a worker died"):
         loop.step()
     assert req.output_ids == []
+
+
+def _loading_forever(rank, world_size, *, agree):
+    import time
+    while True:                                   # a shard that takes long to load
+        time.sleep(1)
+
+
+def _rank0_then_killed(pids):
+    """Rank 0's process: start a worker, say its pid, then wait (the test kills it with SIGKILL)."""
+    import time
+    from graphdsl.runtime.distributed import WorkerPool
+    pool = WorkerPool(2, _loading_forever)
+    pids.put(pool.procs[0].pid)
+    time.sleep(600)
+
+
+def _gone(pid: int) -> bool:
+    """Whether ``pid`` has exited (a zombie no one reaps counts as gone)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] in ("Z", "X")
+    except FileNotFoundError:
+        return True
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc"), reason="reads /proc")
+def test_a_worker_exits_when_rank_0s_process_is_killed():
+    """multiprocessing ends daemon workers only when rank 0 exits cleanly; a rank 0 killed (or
+    crashed) must not leave a worker holding its GPU memory while it loads or waits for steps."""
+    import multiprocessing as mp
+    import signal
+    import time
+    ctx = mp.get_context("spawn")
+    pids = ctx.Queue()
+    rank0 = ctx.Process(target=_rank0_then_killed, args=(pids,))
+    rank0.start()
+    worker = None
+    try:
+        worker = pids.get(timeout=120)
+        time.sleep(1.0)                              # the worker is running (loading its shard)
+        assert not _gone(worker)
+        os.kill(rank0.pid, signal.SIGKILL)
+        rank0.join(10)
+        deadline = time.monotonic() + 30
+        while not _gone(worker) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert _gone(worker), "the worker outlived its rank 0"
+    finally:
+        if rank0.is_alive():
+            rank0.kill()
+        if worker is not None and not _gone(worker):
+            os.kill(worker, signal.SIGKILL)
+
