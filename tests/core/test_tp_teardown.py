@@ -502,15 +502,6 @@ def _rank0_then_killed(pids):
     time.sleep(600)
 
 
-def _gone(pid: int) -> bool:
-    """Whether ``pid`` has exited (a zombie no one reaps counts as gone)."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] in ("Z", "X")
-    except FileNotFoundError:
-        return True
-
-
 @pytest.mark.skipif(not os.path.isdir("/proc"), reason="reads /proc")
 def test_a_worker_exits_when_rank_0s_process_is_killed():
     """multiprocessing ends daemon workers only when rank 0 exits cleanly; a rank 0 killed (or
@@ -518,6 +509,8 @@ def test_a_worker_exits_when_rank_0s_process_is_killed():
     import multiprocessing as mp
     import signal
     import time
+
+    from tests.helpers.tp_ranks import process_gone
     ctx = mp.get_context("spawn")
     pids = ctx.Queue()
     rank0 = ctx.Process(target=_rank0_then_killed, args=(pids,))
@@ -526,16 +519,16 @@ def test_a_worker_exits_when_rank_0s_process_is_killed():
     try:
         worker = pids.get(timeout=120)
         time.sleep(1.0)                              # the worker is running (loading its shard)
-        assert not _gone(worker)
+        assert not process_gone(worker)
         os.kill(rank0.pid, signal.SIGKILL)
         rank0.join(10)
         deadline = time.monotonic() + 30
-        while not _gone(worker) and time.monotonic() < deadline:
+        while not process_gone(worker) and time.monotonic() < deadline:
             time.sleep(0.1)
-        assert _gone(worker), "the worker outlived its rank 0"
+        assert process_gone(worker), "the worker outlived its rank 0"
     finally:
         if rank0.is_alive():
             rank0.kill()
-        if worker is not None and not _gone(worker):
+        if worker is not None and not process_gone(worker):
             os.kill(worker, signal.SIGKILL)
 

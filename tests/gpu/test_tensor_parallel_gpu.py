@@ -8,7 +8,7 @@ eagerly and with decode CUDA graphs capturing the collectives (``GRAPHDSL_TP_CUD
 NCCL and the one-shot all-reduce (``GRAPHDSL_ALLREDUCE=symm_mem``), each run in a fresh process;
 two tensor-parallel LLMs one after the other in one process, on either path;
 ``close()`` returning once graphs have captured collectives; and a dead worker surfacing as an error
-naming its rank, between steps and inside a one-shot step."""
+naming its rank, between steps and inside a one-shot step; a killed rank 0 leaving no worker."""
 from __future__ import annotations
 
 import os
@@ -323,3 +323,43 @@ def test_a_second_tp_llm_in_one_process_after_close(ckpts, allreduce):
     first, second = in_fresh_process(_two_llms_one_after_the_other, ckpts["llama"], timeout_s=150,
                                      env={"GRAPHDSL_ALLREDUCE": allreduce})
     assert first == second == list(tokens)
+
+
+def _serve_until_killed(path: str, pids) -> None:
+    """Rank 0 of a TP2 LLM: say the worker's pid, then decode until the test kills this process."""
+    import graphdsl as gd
+    llm = gd.LLM(path, device="cuda", dtype="float32", tensor_parallel_size=2, num_kv_blocks=32)
+    sp = gd.SamplingParams(max_tokens=64, temperature=0.0, ignore_eos=True)
+    llm.generate([IDS], sp)
+    pids.put(llm._tp.pool.procs[0].pid)
+    while True:
+        llm.generate([IDS], sp)
+
+
+def test_a_worker_exits_when_its_rank_0_is_killed(ckpts):
+    """A rank 0 killed mid-decode (SIGKILL, the OOM killer) must not leave its worker holding GPU 1
+    until NCCL's timeout: the worker sees its parent gone and exits (``workers.exit_with_parent``)."""
+    import multiprocessing as mp
+    import signal
+    import time
+
+    from tests.helpers.tp_ranks import process_gone
+    ctx = mp.get_context("spawn")
+    pids = ctx.Queue()
+    rank0 = ctx.Process(target=_serve_until_killed, args=(ckpts["llama"], pids))
+    rank0.start()
+    worker = None
+    try:
+        worker = pids.get(timeout=150)
+        time.sleep(1.0)                               # steps in flight on both ranks
+        os.kill(rank0.pid, signal.SIGKILL)
+        rank0.join(10)
+        deadline = time.monotonic() + 20
+        while not process_gone(worker) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert process_gone(worker), "the worker outlived its rank 0"
+    finally:
+        if rank0.is_alive():
+            rank0.kill()
+        if worker is not None and not process_gone(worker):
+            os.kill(worker, signal.SIGKILL)

@@ -17,6 +17,15 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+def process_gone(pid: int) -> bool:
+    """Whether process ``pid`` has exited (Linux; a zombie no one reaps counts as gone)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] in ("Z", "X")
+    except FileNotFoundError:
+        return True
+
+
 def _rank_main(rank: int, world_size: int, port: int, fn, args, results, timeout_s: float) -> None:
     import faulthandler
     faulthandler.dump_traceback_later(max(1.0, timeout_s - 5), exit=True)   # a hung rank shows where
