@@ -50,7 +50,8 @@ def generate_s(llm, prompt: list[int], new_tokens: int) -> float:
     import graphdsl as gd
     torch.cuda.synchronize()
     t0 = time.perf_counter()
-    llm.generate([prompt], gd.SamplingParams(max_tokens=new_tokens, temperature=0.0, ignore_eos=True))
+    llm.generate([prompt], gd.SamplingParams(max_tokens=new_tokens, temperature=0.0, ignore_eos=True),
+                 use_tqdm=False)
     torch.cuda.synchronize()
     return time.perf_counter() - t0
 

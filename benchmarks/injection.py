@@ -49,7 +49,7 @@ def measure(hf: dict, rules, *, device: str = "cuda", dtype: str = "bfloat16", c
     load_s = time.monotonic() - t0
     resident = (torch.cuda.memory_allocated() - base) if cuda else 0
     params = gd.SamplingParams(max_tokens=tokens, temperature=0.0, ignore_eos=True)
-    out_tokens = llm.generate([[1, 2, 3, 4, 5, 6, 7, 8]], params)[0].outputs[0].token_ids
+    out_tokens = llm.generate([[1, 2, 3, 4, 5, 6, 7, 8]], params, use_tqdm=False)[0].outputs[0].token_ids
     random_kv(llm)
     gen = torch.Generator(device=device).manual_seed(0)
     inputs, _ = _decode_inputs(llm, 1, context, gen)

@@ -360,14 +360,14 @@ def measure_graphdsl(shape: str, *, hf: dict | None = None, device="cuda", dtype
         # all prompts in one prefill step, so the long run is that step + e2e_tokens decode steps of batch b
         llm.max_num_batched_tokens = max(budget, b * context)
         for sp in (sp_short, sp_long):                         # warm: this batch's shapes and graphs
-            llm.generate(prompts, sp)
+            llm.generate(prompts, sp, use_tqdm=False)
         per_steps, shorts = [], []
         for _ in range(E2E_REPEATS):                           # one wall-clock pair is noisy: the median
             times = {}
             for name, sp in (("short", sp_short), ("long", sp_long)):
                 _sync(device)
                 t0 = time.perf_counter()
-                llm.generate(prompts, sp)
+                llm.generate(prompts, sp, use_tqdm=False)
                 _sync(device)
                 times[name] = time.perf_counter() - t0
             per_steps.append((times["long"] - times["short"]) / e2e_tokens)

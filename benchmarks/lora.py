@@ -44,7 +44,7 @@ def _lora_bytes(llm, used: int) -> int:
 def _generate_s(llm, prompts, params, loras) -> float:
     torch.cuda.synchronize()
     t0 = time.perf_counter()
-    llm.generate(prompts, params, lora_request=loras)
+    llm.generate(prompts, params, lora_request=loras, use_tqdm=False)
     torch.cuda.synchronize()
     return time.perf_counter() - t0
 

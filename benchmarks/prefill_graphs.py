@@ -49,7 +49,7 @@ def _first_token_ms(llm, prompt: list[int]) -> float:
     for _ in range(8):
         torch.cuda.synchronize()
         t0 = time.perf_counter()
-        llm.generate([prompt], params)
+        llm.generate([prompt], params, use_tqdm=False)
         torch.cuda.synchronize()
         times.append((time.perf_counter() - t0) * 1e3)
     return statistics.median(times[2:])

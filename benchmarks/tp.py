@@ -69,7 +69,7 @@ def decode_ms(llm, tokens: int) -> tuple[float, list[int], list[float]]:
     times = [(generate_s(llm, prompt, WARM + tokens) - generate_s(llm, prompt, WARM)) * 1e3 / tokens
              for _ in range(3)]
     sp = gd.SamplingParams(max_tokens=WARM + tokens, temperature=0.0, ignore_eos=True, logprobs=2)
-    out = llm.generate([prompt], sp)[0].outputs[0]
+    out = llm.generate([prompt], sp, use_tqdm=False)[0].outputs[0]
     gaps = []
     for position in out.logprobs:
         top = sorted((lp.logprob for lp in position.values()), reverse=True)

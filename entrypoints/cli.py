@@ -307,7 +307,8 @@ def _dump_into(args, out: str) -> int:
         f.write(repr(llm.model) + "\n")
     ids = llm.tokenizer.encode(args.prompt) if llm.tokenizer is not None else [1, 2, 3]
     import graphdsl as gd
-    llm.generate([ids], gd.SamplingParams(max_tokens=2, temperature=0, ignore_eos=True))   # builds both engines
+    llm.generate([ids], gd.SamplingParams(max_tokens=2, temperature=0, ignore_eos=True),   # builds both engines
+                 use_tqdm=False)
     for phase in Phase:
         engine = llm.model.engine(phase)
         engine.dump(os.path.join(out, phase.value))

@@ -12,6 +12,8 @@ import itertools
 import logging
 import math
 import os
+import sys
+import time
 from dataclasses import dataclass
 from typing import Iterable, Iterator, Sequence
 
@@ -26,6 +28,7 @@ from graphdsl.runtime.device import check_device, default_device, machine_device
 from graphdsl.runtime.loaders.checkpoint import CheckpointFormat, checkpoint_format
 from graphdsl.runtime.loaders.generation_config import gguf_generation_config, read_generation_config
 from graphdsl.runtime.loaders.prequantized import read_checkpoint_quantization
+from graphdsl.runtime.progress import ProgressLine
 from graphdsl.runtime.serving.kv_cache import BlockManager, PagedKVCache
 from graphdsl.runtime.serving.loop import ServingLoop
 from graphdsl.runtime.serving.outputs import CompletionOutput, RequestOutput
@@ -457,16 +460,24 @@ class LLM:
     # -- generation --------------------------------------------------------------------------
     def generate(self, prompts, sampling_params: SamplingParams | Sequence[SamplingParams] | dict | None = None, *,
                  use_chat_template: bool = False,
-                 lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None) -> list[RequestOutput]:
+                 lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
+                 use_tqdm: bool = True) -> list[RequestOutput]:
         """Complete each prompt. ``prompts``: a string, a list of strings, a list of token ids, or a
         list of token-id lists; ``sampling_params``: one :class:`SamplingParams` (or dict) for all or
         one per prompt; ``lora_request``: one :class:`LoRARequest` for all, or one (or None: the base
-        model) per prompt — one batch mixes adapters. Returns one :class:`RequestOutput` per prompt,
-        in order, each with ``sampling_params.n`` samples."""
+        model) per prompt — one batch mixes adapters; ``use_tqdm`` (vLLM's name): a progress line on
+        stderr for a call that runs over a second — prompts done, input and output tokens/s — redrawn
+        on a terminal, a plain line every 10 s into a pipe or file. Returns one
+        :class:`RequestOutput` per prompt, in order, each with ``sampling_params.n`` samples."""
+        _check_bools(use_tqdm=use_tqdm)
         groups = self._make_prompts(prompts, sampling_params, use_chat_template)
         self._attach_loras(groups, lora_request)
-        for _ in self._run(groups):
-            pass
+        progress = _GenerateProgress(groups) if use_tqdm else None
+        for ev in self._run(groups):
+            if progress is not None:
+                progress.token(ev)
+        if progress is not None:
+            progress.done()
         return [self._output(g) for g in groups]
 
     def stream(self, prompt, sampling_params: SamplingParams | dict | None = None, *,
@@ -491,13 +502,16 @@ class LLM:
                 yield text[emitted:]
                 emitted = len(text)
 
-    def chat(self, messages: list[dict], sampling_params: SamplingParams | dict | None = None) -> RequestOutput:
+    def chat(self, messages: list[dict], sampling_params: SamplingParams | dict | None = None, *,
+             use_tqdm: bool = True) -> RequestOutput:
         """Answer a chat (a non-empty ``[{"role": str, "content": ...}, ...]``, content as
-        :func:`chat_messages` reads it) with the model's chat template."""
+        :func:`chat_messages` reads it) with the model's chat template (``use_tqdm`` as in
+        :meth:`generate`)."""
         messages = chat_messages(messages, "chat: messages")
         tok = self._tokenizer_or_error("chat")
         prompt = tok.apply_chat_template(messages, add_generation_prompt=True)
-        out = self.generate([tok.encode(prompt, add_special_tokens=False)], sampling_params)[0]   # the template has BOS
+        out = self.generate([tok.encode(prompt, add_special_tokens=False)], sampling_params,   # the template has BOS
+                            use_tqdm=use_tqdm)[0]
         out.prompt = prompt
         return out
 
@@ -747,6 +761,40 @@ class LLM:
             prompt_logprobs = [None]                             # a one-token prompt: nothing predicts it
         return RequestOutput(g.request_id, g.prompt, g.prompt_ids, outs, prompt_logprobs,
                              finished=all(s.req.status is RequestStatus.FINISHED for s in g.samples))
+
+
+class _GenerateProgress:
+    """``generate``'s progress line: prompts whose every sample has finished, the input tokens of
+    those prompts and every output token so far, each per second since the call began. Silent for
+    a call that ends within a second (:class:`~graphdsl.runtime.progress.ProgressLine`)."""
+
+    def __init__(self, groups: list[_Prompt]):
+        self.left = {g.request_id: len(g.samples) for g in groups}
+        self.finished: set = set()
+        self.total, self.prompts, self.input_tokens, self.output_tokens = len(groups), 0, 0, 0
+        self.line = ProgressLine(sys.stderr, quiet_s=1.0)
+
+    def token(self, ev: TokenEvent) -> None:
+        """Count ``ev``, and its request if it has ended (by this token or a stop string in it)."""
+        self.output_tokens += 1
+        req = ev.request
+        if req.status is RequestStatus.FINISHED and req.request_id not in self.finished:
+            self.finished.add(req.request_id)
+            rid = req.request_id[0]
+            self.left[rid] -= 1
+            if self.left[rid] == 0:
+                self.prompts += 1
+                self.input_tokens += len(req.prompt_ids)
+        if self.line.due():
+            self.line.show(self._text())
+
+    def _text(self) -> str:
+        seconds = max(time.monotonic() - self.line.t0, 1e-9)
+        return (f"Processed prompts: {self.prompts}/{self.total} (input {self.input_tokens / seconds:.0f} tok/s, "
+                f"output {self.output_tokens / seconds:.0f} tok/s)")
+
+    def done(self) -> None:
+        self.line.done(self._text(), always=False)
 
 
 def chat_messages(messages, what: str = "messages") -> list[dict[str, str]]:

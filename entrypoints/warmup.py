@@ -123,7 +123,7 @@ def warm_up(llm, *, stream=True) -> WarmupReport:
     for k, (label, calls) in enumerate(stages, 1):
         t = time.monotonic()
         for prompts, params in calls:
-            llm.generate(prompts, params)
+            llm.generate(prompts, params, use_tqdm=False)
         report.stages.append((label, time.monotonic() - t))
         if stream:
             print(f"warm-up {k}/{len(stages)}: {label} {report.stages[-1][1]:.1f}s", file=stream, flush=True)

@@ -11,7 +11,6 @@ match no slot are not read at all. Shapes are checked as tensors arrive, and at 
 from __future__ import annotations
 
 import sys
-import time
 from typing import Iterable
 
 import torch
@@ -21,6 +20,7 @@ from graphdsl.layers.linear import ColumnParallelLinear, RowParallelLinear
 from graphdsl.layers.checkpoint import CheckpointSlot
 from graphdsl.runtime.gguf_blocks import GGUFBlockWeight, to_stored
 from graphdsl.runtime.loaders.safetensors import check_weights
+from graphdsl.runtime.progress import ProgressLine
 
 from .base import FlashCausalLM
 from .gguf_weights import rows_of_slot
@@ -136,7 +136,7 @@ def load_weights(model: FlashCausalLM, tensors: Iterable[tuple[str, torch.Tensor
     got: dict[str, tuple[int, ...]] = {}
     shared: dict[str, str] = {}          # shared parameter -> the checkpoint tensor that filled it first
     expected = {name: slot.shape for name, slot in table.items()}
-    line = _ProgressLine(sys.stderr) if progress else None
+    line = ProgressLine(sys.stderr) if progress else None
     for i, (name, tensor) in enumerate(tensors, 1):
         name = model.checkpoint_name(name)
         if model.is_ignored_checkpoint_name(name):
@@ -198,31 +198,3 @@ def _part(tensor, source: tuple) -> torch.Tensor:
     return tensor.read(source)
 
 
-class _ProgressLine:
-    """One status line on ``stream``: redrawn in place (carriage return) a few times a second on a
-    terminal; on anything else (a pipe, a log file) a plain line every ``plain_every`` seconds, so
-    logs hold whole lines and no ``\\r`` fragments."""
-
-    def __init__(self, stream, *, tty_every: float = 0.2, plain_every: float = 10.0):
-        self.stream = stream
-        isatty = getattr(stream, "isatty", None)
-        self.tty = bool(isatty and isatty())
-        self.every = tty_every if self.tty else plain_every
-        self.t0 = self.last = time.monotonic()
-
-    def due(self) -> bool:
-        """True when the next :meth:`show` would not come too soon after the last one."""
-        return time.monotonic() - self.last >= self.every
-
-    def show(self, text: str) -> None:
-        """Show ``text`` with the elapsed time."""
-        now = self.last = time.monotonic()
-        msg = f"{text} {now - self.t0:.1f}s"
-        if self.tty:
-            print(f"\r{msg}", end="", file=self.stream, flush=True)
-        else:
-            print(msg, file=self.stream, flush=True)
-
-    def done(self, text: str) -> None:
-        msg = f"{text} in {time.monotonic() - self.t0:.1f}s"
-        print(f"\r{msg}\033[K" if self.tty else msg, file=self.stream, flush=True)

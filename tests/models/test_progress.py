@@ -1,9 +1,11 @@
-"""Loading progress on stderr: redrawn in place on a terminal, whole lines (no carriage returns)
-when stderr is a pipe or a file."""
+"""Progress on stderr (loading weights, ``LLM.generate``): redrawn in place on a terminal, whole
+lines (no carriage returns) when stderr is a pipe or a file."""
 import io
 
+import pytest
+
 import graphdsl as gd
-from graphdsl.models import loader
+from graphdsl.runtime.progress import ProgressLine
 from tests.models.gguf_tiny import build_tiny_gguf
 
 
@@ -13,7 +15,7 @@ class _Terminal(io.StringIO):
 
 
 def _show_three(stream, **kw):
-    line = loader._ProgressLine(stream, tty_every=0.0, plain_every=0.0, **kw)
+    line = ProgressLine(stream, tty_every=0.0, plain_every=0.0, **kw)
     for i in range(3):
         assert line.due()
         line.show(f"step {i}")
@@ -33,7 +35,7 @@ def test_redrawn_in_place_on_a_terminal():
 
 
 def test_plain_lines_are_rate_limited():
-    line = loader._ProgressLine(io.StringIO())
+    line = ProgressLine(io.StringIO())
     assert line.every == 10.0 and not line.due()
 
 
@@ -43,3 +45,61 @@ def test_llm_load_into_a_pipe_has_no_carriage_return(tmp_path, monkeypatch):
     monkeypatch.setattr("sys.stderr", err)
     gd.LLM(path, device="cpu", progress=True)
     assert "loading weights:" in err.getvalue() and "\r" not in err.getvalue()
+
+
+def test_progress_line_keeps_quick_work_silent():
+    """Nothing is due before ``quiet_s``, and ``done(always=False)`` says nothing for work that never
+    showed; shown once, the end is said."""
+    out = io.StringIO()
+    line = ProgressLine(out, tty_every=0.0, plain_every=0.0, quiet_s=60.0)
+    assert not line.due()
+    line.done("quick", always=False)
+    assert out.getvalue() == ""
+    line.show("slow")
+    line.done("slow", always=False)
+    assert [s.split(" ")[0] for s in out.getvalue().splitlines()] == ["slow", "slow"]
+
+
+def _tiny_llm(tmp_path):
+    path, _ = build_tiny_gguf(tmp_path)
+    return gd.LLM(path, device="cpu")
+
+
+def test_generate_progress_counts_prompts_when_all_their_samples_end(tmp_path, monkeypatch):
+    """``generate``'s progress line (every event shown here) counts a prompt once all ``n`` of its
+    samples have ended, adds its prompt tokens then, and counts every output token; into a pipe it
+    has whole lines only."""
+    from graphdsl.entrypoints import llm as llm_mod
+    llm = _tiny_llm(tmp_path)
+    seen = []
+
+    class Every(llm_mod._GenerateProgress):
+        def __init__(self, groups):
+            super().__init__(groups)
+            self.line = ProgressLine(err, tty_every=0.0, plain_every=0.0)
+            seen.append(self)
+    err = io.StringIO()
+    monkeypatch.setattr(llm_mod, "_GenerateProgress", Every)
+    prompts = [[1, 5, 9], [2, 6], [3, 7, 11, 13]]
+    params = [gd.SamplingParams(max_tokens=m, n=n, temperature=0.0 if n == 1 else 0.7, seed=3, ignore_eos=True)
+              for m, n in ((3, 1), (6, 2), (2, 1))]
+    outs = llm.generate(prompts, params)
+    p = seen[0]
+    assert p.prompts == 3 and p.input_tokens == 9
+    assert p.output_tokens == sum(len(c.token_ids) for o in outs for c in o.outputs) == 3 + 12 + 2
+    text = err.getvalue()
+    assert "\r" not in text
+    counts = [int(s.split("Processed prompts: ")[1].split("/")[0]) for s in text.splitlines()]
+    assert counts == sorted(counts) and counts[-1] == 3 and text.splitlines()[-1].split(")")[1].startswith(" in ")
+    assert len(text.splitlines()) == p.output_tokens + 1            # one line an event, then the end
+
+
+def test_generate_is_silent_when_quick_or_asked(tmp_path, capsys):
+    llm = _tiny_llm(tmp_path)
+    sp = gd.SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True)
+    llm.generate([[1, 2, 3]], sp, use_tqdm=False)            # builds the engines
+    capsys.readouterr()
+    llm.generate([[1, 2, 3]], sp)
+    assert capsys.readouterr().err == ""
+    with pytest.raises(gd.GraphDSLError, match=r"use_tqdm must be a bool \(True or False\), got 'no'"):
+        llm.generate([[1, 2, 3]], sp, use_tqdm="no")
