@@ -227,6 +227,7 @@ class LLM:
         if launched_by_torchrun():
             self._start_torchrun(source, device, world_size, opts)
         else:
+            _check_no_group(world_size)
             _check_worker_gpus(device, world_size)
             self._start_workers(source, device, world_size, opts)
 
@@ -860,6 +861,19 @@ def _check_tp(tensor_parallel_size: int, expert_parallel, quantization=None, opt
                             "(int4, int8, fp8, gguf-q4_k, ...), which quantizes each rank's shard")
     if not isinstance(expert_parallel, bool):
         raise GraphDSLError(f"LLM: expert_parallel must be a bool, got {expert_parallel!r}")
+
+
+def _check_no_group(world_size: int) -> None:
+    """The ranks this process spawns form a process group of their own: refuse, before anything
+    loads, while this process still holds one. Joining it (as before) would wait for ranks that are
+    not in it: a tensor-parallel ``LLM`` not closed yet, or one whose group could not be left after
+    a worker died (``close()`` leaves that teardown to the process's exit)."""
+    import torch.distributed as dist
+    if dist.is_available() and dist.is_initialized():
+        raise GraphDSLError(f"LLM: tensor_parallel_size={world_size}: this process still holds a torch.distributed "
+                            f"process group (world size {dist.get_world_size()}), and the ranks this LLM spawns form "
+                            "one of their own. Close the earlier tensor-parallel LLM first (llm.close()); if its "
+                            "worker died, its group cannot be left: start a new process")
 
 
 def _check_worker_gpus(device: torch.device, world_size: int) -> None:

@@ -383,6 +383,21 @@ def test_spawned_ranks_need_their_gpus_and_take_them_from_zero(monkeypatch):
         gd.LLM.from_config({}, device="cuda:1", tensor_parallel_size=2)
 
 
+def test_spawned_ranks_refuse_a_process_group_still_held(monkeypatch):
+    """A group this process still holds (an LLM not closed, or one abandoned after a worker died)
+    is refused before anything loads: rank 0 used to join it, waiting for ranks that are not in it."""
+    import torch.distributed as dist
+
+    from graphdsl.runtime.distributed import WorkerPool
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    monkeypatch.setattr(dist, "is_initialized", lambda: True)
+    monkeypatch.setattr(dist, "get_world_size", lambda group=None: 2)
+    monkeypatch.setattr(WorkerPool, "__init__", lambda *a, **kw: pytest.fail("workers started"))
+    with pytest.raises(GraphDSLError, match=r"tensor_parallel_size=2: this process still holds a torch.distributed "
+                                            r"process group \(world size 2\).*llm.close\(\).*start a new process"):
+        gd.LLM.from_config({}, device="cpu", tensor_parallel_size=2)
+
+
 # -- the command line under torchrun (each rank runs `graphdsl generate`; GGUF weights sliced) -------
 def _cli(rank: int, world: int, path: str):
     import contextlib
