@@ -506,29 +506,5 @@ def _rank0_then_killed(pids):
 def test_a_worker_exits_when_rank_0s_process_is_killed():
     """multiprocessing ends daemon workers only when rank 0 exits cleanly; a rank 0 killed (or
     crashed) must not leave a worker holding its GPU memory while it loads or waits for steps."""
-    import multiprocessing as mp
-    import signal
-    import time
-
-    from tests.helpers.tp_ranks import process_gone
-    ctx = mp.get_context("spawn")
-    pids = ctx.Queue()
-    rank0 = ctx.Process(target=_rank0_then_killed, args=(pids,))
-    rank0.start()
-    worker = None
-    try:
-        worker = pids.get(timeout=120)
-        time.sleep(1.0)                              # the worker is running (loading its shard)
-        assert not process_gone(worker)
-        os.kill(rank0.pid, signal.SIGKILL)
-        rank0.join(10)
-        deadline = time.monotonic() + 30
-        while not process_gone(worker) and time.monotonic() < deadline:
-            time.sleep(0.1)
-        assert process_gone(worker), "the worker outlived its rank 0"
-    finally:
-        if rank0.is_alive():
-            rank0.kill()
-        if worker is not None and not process_gone(worker):
-            os.kill(worker, signal.SIGKILL)
-
+    from tests.helpers.tp_ranks import worker_outlives_killed_rank0
+    assert not worker_outlives_killed_rank0(_rank0_then_killed, (), ready_s=120, gone_within_s=30)

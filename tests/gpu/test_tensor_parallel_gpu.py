@@ -339,27 +339,5 @@ def _serve_until_killed(path: str, pids) -> None:
 def test_a_worker_exits_when_its_rank_0_is_killed(ckpts):
     """A rank 0 killed mid-decode (SIGKILL, the OOM killer) must not leave its worker holding GPU 1
     until NCCL's timeout: the worker sees its parent gone and exits (``workers.exit_with_parent``)."""
-    import multiprocessing as mp
-    import signal
-    import time
-
-    from tests.helpers.tp_ranks import process_gone
-    ctx = mp.get_context("spawn")
-    pids = ctx.Queue()
-    rank0 = ctx.Process(target=_serve_until_killed, args=(ckpts["llama"], pids))
-    rank0.start()
-    worker = None
-    try:
-        worker = pids.get(timeout=150)
-        time.sleep(1.0)                               # steps in flight on both ranks
-        os.kill(rank0.pid, signal.SIGKILL)
-        rank0.join(10)
-        deadline = time.monotonic() + 20
-        while not process_gone(worker) and time.monotonic() < deadline:
-            time.sleep(0.1)
-        assert process_gone(worker), "the worker outlived its rank 0"
-    finally:
-        if rank0.is_alive():
-            rank0.kill()
-        if worker is not None and not process_gone(worker):
-            os.kill(worker, signal.SIGKILL)
+    from tests.helpers.tp_ranks import worker_outlives_killed_rank0
+    assert not worker_outlives_killed_rank0(_serve_until_killed, (ckpts["llama"],), ready_s=150, gone_within_s=20)

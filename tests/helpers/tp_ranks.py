@@ -26,6 +26,34 @@ def process_gone(pid: int) -> bool:
         return True
 
 
+def worker_outlives_killed_rank0(target, args: tuple, *, ready_s: float, gone_within_s: float) -> bool:
+    """Start ``target(*args, pids)`` as rank 0 in a spawned process (it puts its worker's pid on
+    ``pids``), SIGKILL it a second after that pid arrives, and say whether the worker is still
+    alive ``gone_within_s`` later (a stray worker is then killed)."""
+    import signal
+    import time
+    ctx = mp.get_context("spawn")
+    pids = ctx.Queue()
+    rank0 = ctx.Process(target=target, args=(*args, pids))
+    rank0.start()
+    worker = None
+    try:
+        worker = pids.get(timeout=ready_s)
+        time.sleep(1.0)                              # the worker is running (loading, or steps in flight)
+        assert not process_gone(worker), "the worker died before its rank 0 was killed"
+        os.kill(rank0.pid, signal.SIGKILL)
+        rank0.join(10)
+        deadline = time.monotonic() + gone_within_s
+        while not process_gone(worker) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        return not process_gone(worker)
+    finally:
+        if rank0.is_alive():
+            rank0.kill()
+        if worker is not None and not process_gone(worker):
+            os.kill(worker, signal.SIGKILL)
+
+
 def _rank_main(rank: int, world_size: int, port: int, fn, args, results, timeout_s: float) -> None:
     import faulthandler
     faulthandler.dump_traceback_later(max(1.0, timeout_s - 5), exit=True)   # a hung rank shows where
