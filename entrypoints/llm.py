@@ -474,11 +474,13 @@ class LLM:
         groups = self._make_prompts(prompts, sampling_params, use_chat_template)
         self._attach_loras(groups, lora_request)
         progress = _GenerateProgress(groups) if use_tqdm else None
-        for ev in self._run(groups):
+        try:
+            for ev in self._run(groups):
+                if progress is not None:
+                    progress.token(ev)
+        finally:                           # also when a step fails: the line ends before the error shows
             if progress is not None:
-                progress.token(ev)
-        if progress is not None:
-            progress.done()
+                progress.done()
         return [self._output(g) for g in groups]
 
     def stream(self, prompt, sampling_params: SamplingParams | dict | None = None, *,

@@ -103,3 +103,29 @@ def test_generate_is_silent_when_quick_or_asked(tmp_path, capsys):
     assert capsys.readouterr().err == ""
     with pytest.raises(gd.GraphDSLError, match=r"use_tqdm must be a bool \(True or False\), got 'no'"):
         llm.generate([[1, 2, 3]], sp, use_tqdm="no")
+
+
+def test_a_failing_generate_ends_its_progress_line_first(tmp_path, monkeypatch):
+    """A step that raises ends the shown line (on a terminal, redrawn in place) before the error
+    travels, so the traceback does not start on the progress line."""
+    from graphdsl.entrypoints import llm as llm_mod
+    llm = _tiny_llm(tmp_path)
+    err = _Terminal()
+
+    class Every(llm_mod._GenerateProgress):
+        def __init__(self, groups):
+            super().__init__(groups)
+            self.line = ProgressLine(err, tty_every=0.0, plain_every=0.0)
+    monkeypatch.setattr(llm_mod, "_GenerateProgress", Every)
+    run = llm_mod.LLM._run
+
+    def failing(self, groups):
+        for k, ev in enumerate(run(self, groups)):
+            if k == 2:
+                raise RuntimeError("a step failed")
+            yield ev
+    monkeypatch.setattr(llm_mod.LLM, "_run", failing)
+    with pytest.raises(RuntimeError, match="a step failed"):
+        llm.generate([[1, 2, 3]], gd.SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True))
+    text = err.getvalue()
+    assert text.count("\r") == 3 and text.endswith("\n") and "Processed prompts: 0/1" in text.rsplit("\r", 1)[1]
