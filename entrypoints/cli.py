@@ -402,6 +402,12 @@ def _check(args) -> int:
     return 0 if report.ok else 1
 
 
+def _env(args) -> int:
+    from graphdsl.entrypoints.collect_env import env_report
+    print(env_report())
+    return 0
+
+
 def _cache(args) -> int:
     from datetime import datetime
 
@@ -778,6 +784,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("action", choices=["list", "clear"], help="list the entries, or delete them all")
     p.add_argument("--dir", type=_dir_arg, default=None,
                    help="cache directory (default: $GRAPHDSL_CACHE_DIR or ~/.cache/graphdsl)")
+
+    _command(sub, "env", _env, help="print versions, devices and GRAPHDSL_* settings for a bug report",
+             description="Print graphdsl's version, Python, the packages it uses, the devices torch sees, every "
+                         "GRAPHDSL_* environment variable (its value, or its default) with what it does, set "
+                         "GRAPHDSL_* names graphdsl does not read (a typo), and the CUDA, NCCL, torch and Triton "
+                         "variables set: paste it into a bug report.")
 
     p = _command(sub, "bench", _bench,
                  help="benchmark a real model shape with random weights against the device's ceilings and transformers",

@@ -19,6 +19,7 @@ from typing import Iterable, Iterator, Sequence
 
 import torch
 
+from graphdsl.env import warn_unknown_env_vars
 from graphdsl.errors import GraphDSLError
 from graphdsl.layers import quantize_linears, quantize_weights, scheme_counts
 from graphdsl.layers.quantize import dense_expert_stacks
@@ -218,6 +219,7 @@ class LLM:
     def _start(self, source: tuple, device: torch.device, world_size: int, opts: dict) -> None:
         """Build the model: in this process (world size 1), or as rank 0 of ``world_size`` ranks —
         the ranks torchrun started, or worker processes spawned and owned here."""
+        warn_unknown_env_vars()                     # a misspelt GRAPHDSL_* switch would do nothing, silently
         self._tp = None
         if world_size == 1:
             with on_device(device):                 # kernels and captures go to the current GPU

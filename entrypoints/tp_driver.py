@@ -9,11 +9,11 @@ step to the worker ranks and then runs its own shard; the workers follow.
 """
 from __future__ import annotations
 
-import os
 from typing import TYPE_CHECKING
 
 import torch
 
+from graphdsl.env import env_flag
 from graphdsl.errors import GraphDSLError
 
 if TYPE_CHECKING:
@@ -107,7 +107,7 @@ class Driver:
 def tp_cuda_graphs_enabled() -> bool:
     """Whether tensor-parallel ranks replay decode CUDA graphs, their collectives captured: yes
     unless ``GRAPHDSL_TP_CUDA_GRAPHS=0`` (eager decode steps, each announced with its inputs)."""
-    return os.environ.get("GRAPHDSL_TP_CUDA_GRAPHS", "1").strip() != "0"
+    return env_flag("GRAPHDSL_TP_CUDA_GRAPHS", True)
 
 
 def close_group(model: FlashCausalLM, tp: Driver) -> None:

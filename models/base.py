@@ -13,7 +13,6 @@ inside the engine (one plan per shape signature).
 from __future__ import annotations
 
 import gc
-import os
 import re
 import weakref
 from typing import Iterable, Mapping
@@ -22,6 +21,7 @@ import torch
 
 from graphdsl import Module, Network
 from graphdsl import functional as F
+from graphdsl.env import env_flag
 from graphdsl.errors import GraphDSLError
 from graphdsl.layers import CheckpointSlot, ForwardContext, KVCacheSpec, Phase, checkpoint_layout
 
@@ -323,14 +323,9 @@ def decode_pads(max_blocks_per_seq: int) -> dict:
             "block_tables": Pad(0, width=max_blocks_per_seq), "seq_lens": Pad(0), "lora_indices": Pad(-1)}
 
 
-def _env_on(name: str) -> bool:
-    """An on-by-default switch: off when ``$name`` is 0, false, off or no."""
-    return os.environ.get(name, "1").strip().lower() not in ("0", "false", "off", "no")
-
-
 def cuda_graphs_enabled(flag: bool) -> bool:
     """``flag`` unless ``GRAPHDSL_CUDA_GRAPHS=0`` turns graphs off."""
-    return flag and _env_on("GRAPHDSL_CUDA_GRAPHS")
+    return flag and env_flag("GRAPHDSL_CUDA_GRAPHS", True)
 
 
 def _graphs_apply(self: FlashCausalLM, engine) -> bool:
@@ -407,7 +402,7 @@ def prefill_graphs_enabled() -> bool:
     ``GRAPHDSL_PREFILL_GRAPHS=0`` (and only while decode's CUDA graphs are on). On an H200 a 1B
     prefill of 16 tokens took 16.5 ms eagerly (host-bound launches) and 0.95 ms replayed
     (docs/performance.md, "Prefill graphs")."""
-    return _env_on("GRAPHDSL_PREFILL_GRAPHS")
+    return env_flag("GRAPHDSL_PREFILL_GRAPHS", True)
 
 
 def _prefill_graphs(self: FlashCausalLM, engine):

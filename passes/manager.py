@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Iterable
 
+from graphdsl.env import env_flag
 from graphdsl.errors import GraphDSLError
 from graphdsl.network import Network, Node
 
@@ -189,7 +190,7 @@ class PassManager:
                                                                               "GRAPHDSL_DISABLE_PASSES"))
         self.enabled = [p.name for p in PIPELINE if p.name in enabled and p.name not in off]
         if lint is None:
-            lint = "PYTEST_CURRENT_TEST" in os.environ or os.environ.get("GRAPHDSL_LINT", "") == "1"
+            lint = env_flag("GRAPHDSL_LINT", "PYTEST_CURRENT_TEST" in os.environ)
         self.lint = lint
         self.can_fuse = can_fuse or default_can_fuse
 

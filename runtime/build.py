@@ -14,6 +14,7 @@ from pathlib import Path
 
 import torch
 
+from graphdsl.env import env_flag
 from graphdsl.errors import GraphDSLError
 from graphdsl.network import Network
 from graphdsl.passes.manager import PassManager
@@ -47,7 +48,7 @@ def _resolve_cache(cache, backend: str, device) -> EngineCache | None:
         return cache
     if cache is not None and not isinstance(cache, bool):
         raise GraphDSLError(f"build_engine: cache must be None, True, False or an EngineCache, got {cache!r}")
-    if os.environ.get("GRAPHDSL_ENGINE_CACHE", "").strip().lower() in ("0", "false", "off", "no"):
+    if not env_flag("GRAPHDSL_ENGINE_CACHE", True):
         return None
     if cache is None:
         cache = _target_is_cuda(backend, device)

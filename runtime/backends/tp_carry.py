@@ -32,8 +32,9 @@ path's there (``tests/gpu/test_tensor_parallel_gpu.py``).
 """
 from __future__ import annotations
 
-import os
 from typing import NamedTuple
+
+from graphdsl.env import env_flag
 
 from .norm_carry import _plain_rows, overlaps, readers_and_outputs
 
@@ -46,12 +47,8 @@ CONSUMERS = ("matmul", "matmul_silu_mul", "quant_linear", "quant_linear_silu_mul
 
 
 def enabled() -> bool:
-    """``GRAPHDSL_TP_CARRY``: ``1`` carries, ``0`` (default) does not."""
-    v = os.environ.get("GRAPHDSL_TP_CARRY", "0").strip()
-    if v not in ("0", "1"):
-        from graphdsl.errors import GraphDSLError
-        raise GraphDSLError(f"GRAPHDSL_TP_CARRY must be '0' or '1', got {v!r}")
-    return v == "1"
+    """``GRAPHDSL_TP_CARRY``: on carries, off (the default) does not."""
+    return env_flag("GRAPHDSL_TP_CARRY", False)
 
 
 class Site(NamedTuple):

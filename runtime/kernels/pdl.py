@@ -32,6 +32,8 @@ import torch
 import triton
 import triton.language as tl
 
+from graphdsl.env import env_flag
+
 try:                                   # Triton >= 3.3 on NVIDIA
     from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 except ImportError:                    # pragma: no cover - older Triton: PDL stays off
@@ -97,7 +99,7 @@ def pdl_available(device) -> bool:
     device = torch.device(device)
     if device.type != "cuda" or os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
         return False
-    if os.environ.get("GRAPHDSL_PDL", "1") == "0" or not _triton_has_pdl():
+    if not env_flag("GRAPHDSL_PDL", True) or not _triton_has_pdl():
         return False
     return hopper(device)
 

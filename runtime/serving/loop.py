@@ -25,12 +25,12 @@ persistent buffers, which also computes ``slot_mapping`` from them and the greed
 """
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass, field
 from typing import Protocol
 
 import torch
 
+from graphdsl.env import env_flag
 from graphdsl.errors import GraphDSLError
 
 from .outputs import Logprob
@@ -87,16 +87,13 @@ class StepExecutor(Protocol):
 
 def overlap_enabled(flag: bool) -> bool:
     """``flag`` unless ``GRAPHDSL_OVERLAP=0`` turns the overlap off."""
-    return flag and os.environ.get("GRAPHDSL_OVERLAP", "1").strip().lower() not in ("0", "false", "off", "no")
+    return flag and env_flag("GRAPHDSL_OVERLAP", True)
 
 
 def prefill_buckets_enabled(device: torch.device) -> bool:
     """Pad prefill steps to shape buckets: on CUDA unless ``GRAPHDSL_PREFILL_BUCKETS=0``; elsewhere
     only with ``GRAPHDSL_PREFILL_BUCKETS=1``."""
-    flag = os.environ.get("GRAPHDSL_PREFILL_BUCKETS", "").strip().lower()
-    if flag in ("0", "false", "off", "no"):
-        return False
-    return flag in ("1", "true", "on", "yes") or device.type == "cuda"
+    return env_flag("GRAPHDSL_PREFILL_BUCKETS", device.type == "cuda")
 
 
 @dataclass

@@ -299,8 +299,8 @@ def test_tp_bench_names_where_greedy_tokens_part():
 def test_in_fresh_process_runs_apart_with_its_env_and_reports_failures():
     """The GPU tests' isolation helper: another process, the env given, a failure's traceback."""
     from tests.helpers.tp_ranks import in_fresh_process
-    pid, value = in_fresh_process(_pid_and_env, "GRAPHDSL_PROBE_VALUE", env={"GRAPHDSL_PROBE_VALUE": "7"})
-    assert pid != os.getpid() and value == "7" and "GRAPHDSL_PROBE_VALUE" not in os.environ
+    pid, value = in_fresh_process(_pid_and_env, "GRAPHDSL_TEST_PROBE_VALUE", env={"GRAPHDSL_TEST_PROBE_VALUE": "7"})
+    assert pid != os.getpid() and value == "7" and "GRAPHDSL_TEST_PROBE_VALUE" not in os.environ
     with pytest.raises(AssertionError, match=r"(?s)_pid_and_env failed in its process.*KeyError"):
         in_fresh_process(_pid_and_env, None)
 

@@ -2,7 +2,7 @@
 (benchmarks/llm.py's shapes), one prefill and one batch-1 decode step; the per-kernel times must
 sum to within 5% of the step timed without per-kernel events, and every launch must have a row.
 
-    GRAPHDSL_PROFILE_SHAPE=llama-3-8b python3 -m pytest -m gpu tests/gpu/test_profile_gpu.py -s
+    GRAPHDSL_TEST_PROFILE_SHAPE=llama-3-8b python3 -m pytest -m gpu tests/gpu/test_profile_gpu.py -s
 
 (default shape: llama-3.2-1b). ``-s`` prints both tables.
 """
@@ -26,7 +26,7 @@ if not torch.cuda.is_available():
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "benchmarks"))
 from llm import SHAPES  # noqa: E402
 
-SHAPE = os.environ.get("GRAPHDSL_PROFILE_SHAPE", "llama-3.2-1b")
+SHAPE = os.environ.get("GRAPHDSL_TEST_PROFILE_SHAPE", "llama-3.2-1b")
 
 
 @pytest.fixture(scope="module")
