@@ -60,13 +60,11 @@ def test_an_unset_or_empty_switch_is_its_default_and_a_bad_one_is_named(monkeypa
 
 
 def test_switches_that_used_to_ignore_a_spelling_now_take_it(monkeypatch):
-    """``GRAPHDSL_TP_CUDA_GRAPHS=false`` and ``GRAPHDSL_PDL=off`` were read as on (only ``0`` was off)."""
+    """``GRAPHDSL_TP_CUDA_GRAPHS=false`` was read as on (only ``0`` was off), and a misspelt
+    ``GRAPHDSL_OVERLAP`` value left the overlap on without a word."""
     from graphdsl.entrypoints.tp_driver import tp_cuda_graphs_enabled
-    from graphdsl.runtime.kernels.pdl import pdl_available
     monkeypatch.setenv("GRAPHDSL_TP_CUDA_GRAPHS", "false")
     assert not tp_cuda_graphs_enabled()
-    monkeypatch.setenv("GRAPHDSL_PDL", "off")
-    assert not pdl_available("cpu")                          # (off on a CPU anyway; the value parses)
     monkeypatch.setenv("GRAPHDSL_OVERLAP", "of")
     from graphdsl.runtime.serving.loop import overlap_enabled
     with pytest.raises(GraphDSLError, match="GRAPHDSL_OVERLAP must be one of"):
