@@ -5,7 +5,8 @@ on/off switch.
 the values set; docs/debugging.md holds the same table). :func:`env_flag` reads a switch:
 ``1``/``true``/``on``/``yes`` or ``0``/``false``/``off``/``no`` (any case), unset or empty for the
 default; any other value is an error naming the variable, the accepted values and the value given,
-where a misspelt value used to leave the switch at its default without a word.
+where a misspelt value used to leave the switch at its default without a word. :func:`env_number`
+reads a number the same way (a bad one was a bare ``ValueError``).
 :func:`unknown_env_vars` lists set ``GRAPHDSL_*`` names that no code reads (a misspelt name), each with
 the closest known one; ``LLM`` warns of them once a process (:func:`warn_unknown_env_vars`).
 """
@@ -17,7 +18,7 @@ from typing import NamedTuple
 
 from .errors import GraphDSLError
 
-__all__ = ["EnvVar", "ENV_VARS", "env_flag", "unknown_env_vars", "warn_unknown_env_vars"]
+__all__ = ["EnvVar", "ENV_VARS", "env_flag", "env_number", "unknown_env_vars", "warn_unknown_env_vars"]
 
 
 class EnvVar(NamedTuple):
@@ -80,6 +81,24 @@ def env_flag(name: str, default: bool) -> bool:
         return False
     raise GraphDSLError(f"{name} must be one of {'/'.join(_ON)} (on) or {'/'.join(_OFF)} (off), "
                         f"got {os.environ[name]!r}")
+
+
+def env_number(name: str, default: float, *, integer: bool = False, minimum: float = 0.0) -> float:
+    """The number ``$name`` (one of :data:`ENV_VARS`; an int with ``integer``), at least ``minimum``:
+    ``default`` when unset or empty; anything else is an error naming the variable and the value."""
+    if name not in ENV_VARS:
+        raise GraphDSLError(f"env_number: {name!r} is not a graphdsl environment variable (graphdsl/env.py)")
+    raw = os.environ.get(name, "").strip()
+    if not raw:
+        return default
+    kind = "an integer" if integer else "a number"
+    try:
+        value = int(raw) if integer else float(raw)
+    except ValueError:
+        value = None
+    if value is None or not value >= minimum:
+        raise GraphDSLError(f"{name} must be {kind} >= {minimum:g}, got {os.environ[name]!r}")
+    return value
 
 
 def unknown_env_vars(environ=None) -> list[tuple[str, str | None]]:

@@ -27,6 +27,7 @@ import os
 
 import torch
 
+from graphdsl.env import env_number
 from graphdsl.errors import GraphDSLError
 
 __all__ = ["COLLECTIVE_LOWERINGS", "release_collective_buffers", "release_waiters", "norm_after",
@@ -87,7 +88,7 @@ def _one_shot_limit() -> int:
         raise GraphDSLError(f"GRAPHDSL_ALLREDUCE must be 'auto', 'symm_mem' or 'nccl', got {mode!r}")
     if mode == "nccl" or (mode == "auto" and not _peers_reachable()):
         return 0
-    return int(os.environ.get("GRAPHDSL_ONESHOT_MAX_BYTES", 512 * 1024))
+    return int(env_number("GRAPHDSL_ONESHOT_MAX_BYTES", 512 * 1024, integer=True))
 
 
 def _peers_reachable() -> bool:

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
+from graphdsl.env import env_number
 from graphdsl.errors import GraphDSLError
 
 __all__ = ["DistContext", "backend_for", "init_distributed", "launched_by_torchrun", "torchrun_env", "start_leaving"]
@@ -64,7 +65,7 @@ def torchrun_env() -> tuple[int, int, int]:
 def dist_timeout_s() -> float:
     """Seconds a collective or a rendezvous may wait for the other ranks: ``GRAPHDSL_DIST_TIMEOUT_S``,
     default 600."""
-    return float(os.environ.get("GRAPHDSL_DIST_TIMEOUT_S", 600))
+    return env_number("GRAPHDSL_DIST_TIMEOUT_S", 600.0, minimum=1.0)
 
 
 def init_distributed(rank: int, world_size: int, device: torch.device, *, store=None,

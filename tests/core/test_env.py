@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from graphdsl.env import ENV_VARS, env_flag, unknown_env_vars, warn_unknown_env_vars
+from graphdsl.env import ENV_VARS, env_flag, env_number, unknown_env_vars, warn_unknown_env_vars
 from graphdsl.errors import GraphDSLError
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -57,6 +57,24 @@ def test_an_unset_or_empty_switch_is_its_default_and_a_bad_one_is_named(monkeypa
         env_flag("GRAPHDSL_PDL", True)
     with pytest.raises(GraphDSLError, match="'GRAPHDSL_NOPE' is not a graphdsl environment variable"):
         env_flag("GRAPHDSL_NOPE", True)
+
+
+def test_a_number_is_read_or_named(monkeypatch):
+    """A bad number was a bare ValueError from deep in the collectives' setup."""
+    from graphdsl.runtime.distributed.group import dist_timeout_s
+    monkeypatch.delenv("GRAPHDSL_DIST_TIMEOUT_S", raising=False)
+    assert dist_timeout_s() == 600.0
+    monkeypatch.setenv("GRAPHDSL_DIST_TIMEOUT_S", " 90.5 ")
+    assert dist_timeout_s() == 90.5
+    for bad in ("10m", "0", "-5", "nan"):
+        monkeypatch.setenv("GRAPHDSL_DIST_TIMEOUT_S", bad)
+        with pytest.raises(GraphDSLError, match=rf"GRAPHDSL_DIST_TIMEOUT_S must be a number >= 1, got '{bad}'"):
+            dist_timeout_s()
+    monkeypatch.setenv("GRAPHDSL_ONESHOT_MAX_BYTES", "512K")
+    with pytest.raises(GraphDSLError, match=r"GRAPHDSL_ONESHOT_MAX_BYTES must be an integer >= 0, got '512K'"):
+        env_number("GRAPHDSL_ONESHOT_MAX_BYTES", 0, integer=True)
+    monkeypatch.setenv("GRAPHDSL_ONESHOT_MAX_BYTES", "0")
+    assert env_number("GRAPHDSL_ONESHOT_MAX_BYTES", 7, integer=True) == 0
 
 
 def test_switches_that_used_to_ignore_a_spelling_now_take_it(monkeypatch):
