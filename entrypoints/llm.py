@@ -219,7 +219,8 @@ class LLM:
     def _start(self, source: tuple, device: torch.device, world_size: int, opts: dict) -> None:
         """Build the model: in this process (world size 1), or as rank 0 of ``world_size`` ranks —
         the ranks torchrun started, or worker processes spawned and owned here."""
-        warn_unknown_env_vars()                     # a misspelt GRAPHDSL_* switch would do nothing, silently
+        warn_unknown_env_vars(stacklevel=3)         # a misspelt GRAPHDSL_* switch would do nothing, silently
+                                                    # (the warning names the line calling LLM(...) or from_config)
         self._tp = None
         if world_size == 1:
             with on_device(device):                 # kernels and captures go to the current GPU

@@ -117,12 +117,13 @@ def unknown_env_vars(environ=None) -> list[tuple[str, str | None]]:
 _WARNED: set[str] = set()
 
 
-def warn_unknown_env_vars() -> None:
-    """Warn (once a name, a process) of each set ``GRAPHDSL_*`` variable that nothing reads."""
+def warn_unknown_env_vars(stacklevel: int = 2) -> None:
+    """Warn (once a name, a process) of each set ``GRAPHDSL_*`` variable that nothing reads; the
+    warning names the line ``stacklevel`` frames above this call (2: the caller's caller)."""
     import warnings
     for name, close in unknown_env_vars():
         if name not in _WARNED:
             _WARNED.add(name)
             hint = f"; did you mean {close}?" if close else ""
             warnings.warn(f"{name} is set, but graphdsl reads no such environment variable{hint} "
-                          "(`graphdsl env` lists those it reads)", UserWarning, stacklevel=3)
+                          "(`graphdsl env` lists those it reads)", UserWarning, stacklevel=stacklevel + 1)

@@ -121,3 +121,15 @@ def test_graphdsl_env_reports_versions_devices_and_settings(monkeypatch, capsys)
     assert "GRAPHDSL_OVERLAPP='0'  (did you mean GRAPHDSL_OVERLAP?)" in out
     assert "  NCCL_NVLS_ENABLE=0" in out
     assert ("CUDA GPUs: none visible" in out) != torch.cuda.is_available()
+
+
+def test_llm_warns_of_a_misspelt_name_at_the_users_line(tmp_path, monkeypatch):
+    import graphdsl as gd
+    import graphdsl.env as E
+    from tests.models.hf_tiny import make_checkpoint
+    make_checkpoint("llama", tmp_path / "m")
+    monkeypatch.setattr(E, "_WARNED", set())
+    monkeypatch.setenv("GRAPHDSL_CUDA_GRAPH", "0")
+    with pytest.warns(UserWarning, match="did you mean GRAPHDSL_CUDA_GRAPHS") as seen:
+        gd.LLM(str(tmp_path / "m"), device="cpu", num_kv_blocks=4)
+    assert [w.filename for w in seen if "GRAPHDSL_CUDA_GRAPH " in str(w.message)] == [__file__]
