@@ -1,6 +1,6 @@
 """``graphdsl env``: what a bug report needs, in one paste (vLLM's ``collect-env``): graphdsl's
 version and where it runs from, Python and the platform, the packages it uses (installed or not),
-the devices torch sees, every ``GRAPHDSL_*`` variable with its value or default and meaning
+the devices torch sees, where the engine and kernel caches are and what they hold, every ``GRAPHDSL_*`` variable with its value or default and meaning
 (:data:`graphdsl.env.ENV_VARS`), set ``GRAPHDSL_*`` names nothing reads, and the other variables that
 change a run (CUDA, NCCL, torch, Triton, threads)."""
 from __future__ import annotations
@@ -41,6 +41,20 @@ def _devices() -> list[str]:
     return lines
 
 
+def _caches() -> list[str]:
+    """Where the engine and kernel caches are and what they hold (a stale one is a suspect)."""
+    from graphdsl.runtime.engine_cache import EngineCache
+    cache = EngineCache()
+    entries = cache.entries()
+    lines = [f"engine cache: {cache.dir} ({len(entries)} entries, {sum(e.size for e in entries) / 2**20:.1f} MiB; "
+             "`graphdsl cache clear` empties it)"]
+    from graphdsl.runtime.codegen.fused import kernel_cache_dir
+    kernels = kernel_cache_dir()
+    count = sum(1 for _ in kernels.glob("*.py")) if kernels.is_dir() else 0
+    lines.append(f"kernel cache: {kernels} ({count} generated kernel file(s))")
+    return lines
+
+
 def env_report(environ=None) -> str:
     """The report as text (``environ``: the variables to report; default ``os.environ``)."""
     import graphdsl
@@ -50,6 +64,7 @@ def env_report(environ=None) -> str:
            f"CPU cores: {os.cpu_count()}", "", "packages:"]
     out += [f"  {name:<20} {_version(name)}" for name in PACKAGES]
     out += ["", "devices:"] + [f"  {line}" for line in _devices()]
+    out += ["", "caches:"] + [f"  {line}" for line in _caches()]
     out += ["", "GRAPHDSL_* variables (set: value; unset: -, with the default):"]
     width = max(map(len, ENV_VARS))
     for name, var in ENV_VARS.items():

@@ -37,7 +37,7 @@ from graphdsl.opdef import OpCategory, Spec, get_op
 from ..kernels.pdl import pdl_launch
 from .lowering import PRELUDE, ROW_REDUCTIONS, Operand, compute_type, lower_pointwise, tl_dtype
 
-__all__ = ["launch_config", "FusedKernel", "prepare_fused", "run_fused", "kernel_source", "MAX_ROW"]
+__all__ = ["launch_config", "FusedKernel", "prepare_fused", "run_fused", "kernel_source", "MAX_ROW", "kernel_cache_dir"]
 
 MAX_ROW = 65536          # longest row a reduction kernel holds in registers
 _POINTWISE_BLOCK = 1024
@@ -237,8 +237,14 @@ def _reduction_lines(op: str, ref: int, args: list[Operand], out: torch.dtype, a
 _KERNELS: dict[str, object] = {}
 
 
+def kernel_cache_dir() -> Path:
+    """Where generated kernel sources are written and imported from: ``$GRAPHDSL_KERNEL_CACHE``, else
+    ``graphdsl-kernels-<uid>`` in the temp directory."""
+    return Path(os.environ.get("GRAPHDSL_KERNEL_CACHE") or Path(tempfile.gettempdir()) / f"graphdsl-kernels-{os.getuid()}")
+
+
 def _cache_dir() -> Path:
-    d = Path(os.environ.get("GRAPHDSL_KERNEL_CACHE") or Path(tempfile.gettempdir()) / f"graphdsl-kernels-{os.getuid()}")
+    d = kernel_cache_dir()
     d.mkdir(parents=True, exist_ok=True)
     return d
 

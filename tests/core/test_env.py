@@ -105,8 +105,12 @@ def test_a_misspelt_name_is_found_with_the_name_meant(monkeypatch):
         warn_unknown_env_vars()                              # once a name, a process
 
 
-def test_graphdsl_env_reports_versions_devices_and_settings(monkeypatch, capsys):
+def test_graphdsl_env_reports_versions_devices_and_settings(monkeypatch, capsys, tmp_path):
     from graphdsl.entrypoints.cli import main
+    (tmp_path / "kernels").mkdir()
+    (tmp_path / "kernels" / "fused_0.py").write_text("")
+    monkeypatch.setenv("GRAPHDSL_CACHE_DIR", str(tmp_path / "engines"))
+    monkeypatch.setenv("GRAPHDSL_KERNEL_CACHE", str(tmp_path / "kernels"))
     monkeypatch.setenv("GRAPHDSL_OVERLAP", "0")
     monkeypatch.setenv("GRAPHDSL_OVERLAPP", "0")
     monkeypatch.setenv("NCCL_NVLS_ENABLE", "0")
@@ -121,6 +125,8 @@ def test_graphdsl_env_reports_versions_devices_and_settings(monkeypatch, capsys)
     assert "GRAPHDSL_OVERLAPP='0'  (did you mean GRAPHDSL_OVERLAP?)" in out
     assert "  NCCL_NVLS_ENABLE=0" in out
     assert ("CUDA GPUs: none visible" in out) != torch.cuda.is_available()
+    assert f"engine cache: {tmp_path / 'engines'} (0 entries, 0.0 MiB;" in out
+    assert f"kernel cache: {tmp_path / 'kernels'} (1 generated kernel file(s))" in out
 
 
 def test_llm_warns_of_a_misspelt_name_at_the_users_line(tmp_path, monkeypatch):
