@@ -1,8 +1,9 @@
 """``graphdsl env``: what a bug report needs, in one paste (vLLM's ``collect-env``): graphdsl's
 version and where it runs from, Python and the platform, the packages it uses (installed or not),
-the devices torch sees, where the engine and kernel caches are and what they hold, every ``GRAPHDSL_*`` variable with its value or default and meaning
-(:data:`graphdsl.env.ENV_VARS`), set ``GRAPHDSL_*`` names nothing reads, and the other variables that
-change a run (CUDA, NCCL, torch, Triton, threads)."""
+the devices torch sees, where the engine and kernel caches are and what they hold, every
+``GRAPHDSL_*`` variable with its value or default and meaning (:data:`graphdsl.env.ENV_VARS`), set
+``GRAPHDSL_*`` names nothing reads, and the other variables that change a run (CUDA, NCCL, torch,
+Triton, threads)."""
 from __future__ import annotations
 
 import os

@@ -777,7 +777,7 @@ class _GenerateProgress:
     def __init__(self, groups: list[_Prompt]):
         self.left = {g.request_id: len(g.samples) for g in groups}
         self.finished: set = set()
-        self.total, self.prompts, self.input_tokens, self.output_tokens = len(groups), 0, 0, 0
+        self.prompts, self.input_tokens, self.output_tokens = 0, 0, 0
         self.line = ProgressLine(sys.stderr, quiet_s=1.0)
 
     def token(self, ev: TokenEvent) -> None:
@@ -796,7 +796,7 @@ class _GenerateProgress:
 
     def _text(self) -> str:
         seconds = max(time.monotonic() - self.line.t0, 1e-9)
-        return (f"Processed prompts: {self.prompts}/{self.total} (input {self.input_tokens / seconds:.0f} tok/s, "
+        return (f"Processed prompts: {self.prompts}/{len(self.left)} (input {self.input_tokens / seconds:.0f} tok/s, "
                 f"output {self.output_tokens / seconds:.0f} tok/s)")
 
     def done(self) -> None:
