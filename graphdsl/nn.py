@@ -39,13 +39,17 @@ class Parameter(Tensor):
         self._companions = None
 
     def quantize(self, scheme) -> "Parameter":
-        """Store this ``[out, in]`` weight in quantization ``scheme`` (a :class:`~graphdsl.quant.QuantScheme`
-        or its name; ``None`` undoes it). Its data then lives in companion parameters named
-        ``<name><suffix>`` (:meth:`companions`), which ``F.linear`` reads through ``quant_linear``."""
+        """Store this ``[out, in]`` weight, or ``[experts, out, in]`` stack of expert weights, in
+        quantization ``scheme`` (a :class:`~graphdsl.quant.QuantScheme` or its name; ``None`` undoes
+        it). Its data then lives in companion parameters named ``<name><suffix>`` (:meth:`companions`),
+        which ``F.linear`` reads through ``quant_linear`` (a stack: ``quant_moe_experts``)."""
         from .quant import QuantScheme, parse_scheme
         if scheme is not None:
             scheme = scheme if isinstance(scheme, QuantScheme) else parse_scheme(scheme)
-            scheme.check(self.name, tuple(self.shape))
+            if len(self.shape) == 3:
+                scheme.check_stack(self.name, tuple(self.shape))
+            else:
+                scheme.check(self.name, tuple(self.shape))
         self.quant, self._companions = scheme, None
         return self
 
@@ -56,10 +60,11 @@ class Parameter(Tensor):
             return []
         key = (self.name, self.quant)
         if self._companions is None or self._companions[0] != key:
-            out, inp = self.shape
+            specs = (self.quant.stack_companions(*self.shape) if len(self.shape) == 3 else
+                     self.quant.companions(*self.shape))
             made = [Parameter(c.shape, c.dtype if c.dtype is not None else self.dtype,
                               self.shard_dim if c.per_row else None,     # an input permutation is not sharded
-                              name=f"{self.name}{c.suffix}") for c in self.quant.companions(out, inp)]
+                              name=f"{self.name}{c.suffix}") for c in specs]
             self._companions = (key, made)
         return self._companions[1]
 

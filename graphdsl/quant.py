@@ -125,6 +125,39 @@ class QuantScheme:
             raise GraphDSLError(f"quantization scheme {self.name!r}: parameter {name!r} must be a 2-D "
                                 f"[out, in] weight of int sizes, got shape {list(shape)}")
 
+    #: a stack of expert weights ``[experts, out, in]`` can take this scheme: every companion runs
+    #: over the output rows, so a stack's companions are the experts' companions stacked
+    stackable = False
+
+    def check_stack(self, name: str, shape: tuple) -> None:
+        """Raise unless a stack of expert weights called ``name`` of logical ``shape`` ``[experts,
+        out, in]`` can take this scheme (MoE expert stacks, :class:`~graphdsl.layers.FusedExperts`)."""
+        if not self.stackable:
+            raise GraphDSLError(f"quantization scheme {self.name!r} cannot store the expert stack {name!r}: stacks "
+                                "take fp8-channel, int8-channel and int4-g{32,64,128}[-zp]")
+        if len(shape) != 3 or not all(isinstance(d, int) for d in shape):
+            raise GraphDSLError(f"quantization scheme {self.name!r}: expert stack {name!r} must be a 3-D "
+                                f"[experts, out, in] weight of int sizes, got shape {list(shape)}")
+        self.check(name, tuple(shape[1:]))
+
+    def stack_companions(self, experts: int, out_features: int, in_features: int) -> tuple[Companion, ...]:
+        """The stored tensors of a stack of ``experts`` weights: each expert's companions, stacked
+        along a new first dim (``[experts, *shape]``)."""
+        return tuple(Companion(c.suffix, (experts,) + c.shape, c.dtype, c.per_row)
+                     for c in self.companions(out_features, in_features))
+
+    def quantize_stack(self, weights: torch.Tensor, dtype: torch.dtype | None = None) -> list[torch.Tensor]:
+        """The companions of a stack ``weights [experts, out, in]``, quantized one expert at a time
+        (one expert's float32 copy alive at once)."""
+        parts = [self.quantize(w, dtype) for w in weights]
+        return [torch.stack(ts) for ts in zip(*parts)]
+
+    def dequantize_stack(self, tensors: list[torch.Tensor], out_features: int, in_features: int,
+                         dtype: torch.dtype) -> torch.Tensor:
+        """``W [experts, out, in]`` in ``dtype`` from a stack's companions (:meth:`stack_companions` order)."""
+        return torch.stack([self.dequantize([t[e] for t in tensors], out_features, in_features, dtype)
+                            for e in range(tensors[0].shape[0])])
+
     def check_tensors(self, name: str, tensors: Mapping[str, torch.Tensor], out_features: int,
                       in_features: int) -> list[torch.Tensor]:
         """The companions of parameter ``name`` from ``tensors`` (keyed by full name), checked
@@ -153,6 +186,10 @@ class Fp8Scheme(QuantScheme):
 
     per_channel: bool = True
     dynamic_activations: bool = False
+
+    @property
+    def stackable(self) -> bool:
+        return self.per_channel and not self.dynamic_activations
 
     @property
     def name(self) -> str:
@@ -235,6 +272,10 @@ class IntScheme(QuantScheme):
     @property
     def permutes_input(self) -> bool:
         return self.act_order
+
+    @property
+    def stackable(self) -> bool:
+        return not (self.act_order or self.blocked)
 
     @property
     def kernel_scheme(self) -> "IntScheme":

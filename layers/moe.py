@@ -63,8 +63,12 @@ class FusedExperts(Module):
 
     ``forward(x [T, H], routing [T, E]) = Σ_e routing[:, e] * mlp_e(x)``, where ``routing`` has at
     most ``top_k`` non-zeros a row (None: any number). ``sources`` names each expert's checkpoint
-    tensors (``experts.{e}.{gate,up,down}.weight``).
+    tensors (``experts.{e}.{gate,up,down}.weight``). With both stacks quantized
+    (:meth:`~graphdsl.Parameter.quantize`, online quantization), ``forward`` records
+    ``quant_moe_experts`` on their companions instead of ``moe_experts``.
     """
+
+    online_quantized = True     # online quantization stores the stacks in its scheme (one process, not TP)
 
     def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int, act=F.ActType.SWIGLU,
                  dtype=None, sources: tuple[str, str, str] = ("gate_proj", "up_proj", "down_proj"),
@@ -81,7 +85,15 @@ class FusedExperts(Module):
         self.down_proj = Parameter((num_experts, hidden_size, intermediate_size), dtype, shard_dim=2)
 
     def forward(self, x, routing):
-        return F.moe_experts(x, routing, self.gate_up_proj, self.down_proj, act=self.act, top_k=self.top_k)
+        up, down = self.gate_up_proj, self.down_proj
+        if up.quant is None and down.quant is None:
+            return F.moe_experts(x, routing, up, down, act=self.act, top_k=self.top_k)
+        if up.quant is None or down.quant is None:
+            raise GraphDSLError(f"FusedExperts: {up.name} ({up.quant or 'not quantized'}) and {down.name} "
+                                f"({down.quant or 'not quantized'}) must both be quantized or neither")
+        return F.quant_moe_experts(x, routing, *up.companions(), *down.companions(), gate_up_scheme=up.quant.name,
+                                   down_scheme=down.quant.name, experts=self.num_experts, hidden=self.hidden_size,
+                                   intermediate=self.intermediate_size, act=self.act, top_k=self.top_k)
 
     def checkpoint_slots(self):
         gate, up, down = self.sources

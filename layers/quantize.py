@@ -1,9 +1,11 @@
 """Online quantization of a module tree: mark its linear weights with a scheme, then turn loaded
 full-precision weights into the scheme's stored tensors (the companions ``F.linear`` reads).
 
-Only the projections of :mod:`graphdsl.layers.linear` are quantized (attention, MLP, and whatever
-else is built from them); embeddings, norms, MoE expert stacks, MoE routers and shared-expert gates
-(``online_quantized = False``) and, by default, ``lm_head`` stay in the model dtype.
+The projections of :mod:`graphdsl.layers.linear` (attention, MLP, and whatever else is built from
+them) and the MoE expert stacks of :class:`~graphdsl.layers.FusedExperts` (each expert's weights in
+the scheme, stacked) are quantized; embeddings, norms, MoE routers and shared-expert gates, experts
+run on the host or sharded over ranks (``online_quantized = False``) and, by default, ``lm_head``
+stay in the model dtype.
 """
 from __future__ import annotations
 
@@ -17,6 +19,7 @@ from graphdsl.errors import GraphDSLError
 from graphdsl.quant import PERM_SUFFIX, IntScheme, QuantMethod, QuantScheme, online_scheme
 
 from .linear import ColumnParallelLinear, RowParallelLinear
+from .moe import FusedExperts
 
 __all__ = ["quantize_linears", "scheme_counts", "dense_expert_stacks", "quantize_weights", "fold_input_order",
            "FOLD_INPUT_ORDER", "store_codes_in_blocks", "bound_scheme", "INT4_BLOCKS", "GGUF_BLOCKS", "BLOCK_DEVICES"]
@@ -28,19 +31,29 @@ BLOCK_DEVICES = ("cuda",)  # where a bind stores codes in blocks (store_codes_in
 
 
 def quantize_linears(model: Module, scheme: QuantScheme | str, *, skip: tuple[str, ...] = ("lm_head",)) -> list[str]:
-    """Set ``scheme`` on every linear weight of ``model`` but the modules at paths in ``skip`` and
-    those that keep their precision (``online_quantized`` false: MoE routers and gates);
-    return the quantized parameter names. The bare method ``"int4"`` takes groups of 128, or 64 / 32
-    for a weight whose input count 128 does not divide. A weight the scheme cannot hold (an input count not a
-    multiple of the group) is an error naming it and the scheme."""
+    """Set ``scheme`` on every linear weight and MoE expert stack of ``model`` but the modules at
+    paths in ``skip`` and those that keep their precision (``online_quantized`` false: MoE routers
+    and gates, host or sharded experts; stacks under a scheme they cannot take, such as fp8 with
+    dynamic activation scales); return the quantized parameter names. The bare method
+    ``"int4"`` takes groups of 128, or 64 / 32 for a weight whose input count 128 does not divide. A
+    weight the scheme cannot hold (an input count not a multiple of the group) is an error naming it
+    and the scheme."""
     adapt = scheme in (QuantMethod.INT4, QuantMethod.INT4.value)
     scheme = online_scheme(scheme)
     dict(model.named_parameters())                      # name every parameter first
     names = []
     for path, m in model.named_modules():
-        if isinstance(m, (ColumnParallelLinear, RowParallelLinear)) and path not in skip and m.online_quantized:
-            m.weight.quantize(_int4_group(scheme, m) if adapt else scheme)
-            names.append(m.weight.name)
+        if path in skip or not getattr(m, "online_quantized", False):
+            continue
+        if isinstance(m, (ColumnParallelLinear, RowParallelLinear)):
+            weights = [m.weight]
+        elif isinstance(m, FusedExperts) and scheme.stackable:
+            weights = [m.gate_up_proj, m.down_proj]
+        else:
+            continue
+        for w in weights:
+            w.quantize(_int4_group(scheme, w) if adapt else scheme)
+            names.append(w.name)
     return names
 
 
@@ -57,13 +70,15 @@ def dense_expert_stacks(model: Module) -> dict:
     return {n: p for n, p in model.named_parameters() if ".experts." in f".{n}" and p.quant is None and len(p.shape) == 3}
 
 
-def _int4_group(scheme: IntScheme, m: Module) -> IntScheme:
-    """The bare ``int4`` method: groups of 128 where they divide the inputs, else the largest of 64
-    and 32 that does (SmolLM2's 576 inputs take 64); an error naming the weight when none does."""
+def _int4_group(scheme: IntScheme, weight) -> IntScheme:
+    """The bare ``int4`` method: groups of 128 where they divide the inputs (a weight's last dim),
+    else the largest of 64 and 32 that does (SmolLM2's 576 inputs take 64); an error naming the
+    weight when none does."""
+    inputs = weight.shape[-1]
     for g in (128, 64, 32):
-        if m.in_features % g == 0:
+        if inputs % g == 0:
             return IntScheme(4, g, scheme.zero_point)
-    raise GraphDSLError(f"quantization='int4': parameter {m.weight.name!r} has {m.in_features} inputs, which no int4 "
+    raise GraphDSLError(f"quantization='int4': parameter {weight.name!r} has {inputs} inputs, which no int4 "
                         "group size (128, 64 or 32) divides; quantize this model with int8 or fp8")
 
 
@@ -82,7 +97,9 @@ def quantize_weights(model: Module, weights: Mapping[str, torch.Tensor], dtype: 
         if tuple(w.shape) != tuple(p.shape):
             raise GraphDSLError(f"quantize_weights: parameter {name!r} ({p.quant.name}) should be {list(p.shape)}, "
                                 f"got {list(w.shape)}")
-        for c, t in zip(p.companions(), p.quant.quantize(w, dtype or w.dtype)):
+        stored = (p.quant.quantize_stack(w, dtype or w.dtype) if len(p.shape) == 3 else
+                  p.quant.quantize(w, dtype or w.dtype))
+        for c, t in zip(p.companions(), stored):
             out[c.name] = t
         del w
     return out
@@ -150,8 +167,8 @@ def store_codes_in_blocks(model: Module, weights: dict, devices: tuple[str, ...]
     changed = []
     for name, p in model.named_parameters():
         q = p.quant
-        if q is None or q.with_blocks(True) == q.with_blocks(False):
-            continue                                       # one layout
+        if q is None or len(p.shape) != 2 or q.with_blocks(True) == q.with_blocks(False):
+            continue                                       # one layout (expert stacks: rows)
         names = [c.name for c in p.companions()]
         if any(n not in weights for n in names):
             continue

@@ -76,6 +76,7 @@ class CPUExperts(FusedExperts):
 
     cuda_graph_safe = False
     weight_device = "cpu"
+    online_quantized = False     # the host GEMMs read full-precision stacks
 
     def __init__(self, key: str, config, orig_module, *, device: str | None = None, generate_device: str | None = None,
                  prefill_device: str | None = None, out_device: str | None = None, generate_op: str = "torch",

@@ -7,7 +7,7 @@ from .attention import RopeLayout, paged_attention, paged_mla_attention, reshape
 from .collective import all_gather, all_reduce, reduce_scatter
 from .lora import lora_apply
 from .matmul import bmm, linear, matmul
-from .moe import moe_experts
+from .moe import moe_experts, quant_moe_experts
 from .movement import (cat, embedding, expand, gather, getitem, index_mask, permute, reshape, slice, split,
                        squeeze, transfer, transpose, unsqueeze)
 from .pointwise import (ActType, activation, add, cast, div, eq, exp, ge, gelu, gelu_tanh, gt, le, lt, mul,
@@ -22,7 +22,7 @@ __all__ = [
     # reductions and row ops
     "sum", "mean", "max", "softmax", "argmax", "topk", "rms_norm", "layer_norm",
     # matmul
-    "matmul", "bmm", "linear", "moe_experts", "lora_apply", "quant_linear",
+    "matmul", "bmm", "linear", "moe_experts", "quant_moe_experts", "lora_apply", "quant_linear",
     # views and data movement
     "reshape", "permute", "transpose", "unsqueeze", "squeeze", "slice", "expand", "split", "cat", "gather",
     "embedding", "getitem", "index_mask", "transfer",

@@ -12,7 +12,8 @@ Per node, by what the node is:
   writing the cache; ``reshape_and_cache`` — the Triton cache-write kernel, in place;
   ``paged_mla_attention`` — :func:`~graphdsl.runtime.kernels.paged_mla_attention.paged_mla_attention`
   (its split scratch kept like the decode's); ``moe_experts`` — the sparse grouped-GEMM experts
-  (:mod:`graphdsl.runtime.kernels.moe`); ``quant_linear`` — the dequantize-in-GEMV/GEMM kernel
+  (:mod:`graphdsl.runtime.kernels.moe`), ``quant_moe_experts`` the same kernels over quantized
+  stacks; ``quant_linear`` — the dequantize-in-GEMV/GEMM kernel
   (:mod:`graphdsl.runtime.kernels.quant_linear`; ``torch._scaled_mm`` for fp8 W8A8 prefill on
   Hopper); ``embedding`` — one gather launch into the node's slot (:mod:`graphdsl.runtime.kernels.embedding`).
   On CPU without ``TRITON_INTERPRET=1`` these run their torch references instead;
@@ -509,6 +510,10 @@ def _kernel_unsupported(node, ins) -> str | None:
     if node.op == "moe_experts":
         from ..kernels.moe import moe_supported
         return moe_supported(*ins)
+    if node.op == "quant_moe_experts":
+        from ..kernels.moe import quant_moe_supported
+        schemes, stacks = _quant_moe_operands(node, ins)
+        return quant_moe_supported(ins[0], ins[1], schemes, stacks)
     if node.op == "lora_apply":
         from ..kernels.lora import lora_supported
         return lora_supported(*ins)
@@ -645,6 +650,26 @@ def _moe_experts(be: TritonBackend, node, ins, attrs, dsts):
     x, routing, gate_up, down = ins
     top_k = attrs["top_k"] or gate_up.shape[0]
     moe_experts(x, routing, gate_up, down, top_k=top_k, geglu=attrs["act"] is ActType.GEGLU, out=dsts[0])
+    return dsts
+
+
+def _quant_moe_operands(node, ins) -> tuple[tuple, tuple[list, list]]:
+    """A ``quant_moe_experts`` node's ``(gate/up scheme, down scheme)`` and its two stacks'
+    stored tensors (the inputs after ``x`` and ``routing``, gate/up's companions first)."""
+    from graphdsl.quant import parse_scheme
+    a = node.attrs
+    up, down = parse_scheme(a["gate_up_scheme"]), parse_scheme(a["down_scheme"])
+    n = len(up.stack_companions(a["experts"], 2 * a["intermediate"], a["hidden"]))
+    return (up, down), (list(ins[2:2 + n]), list(ins[2 + n:]))
+
+
+def _quant_moe_experts(be: TritonBackend, node, ins, attrs, dsts):
+    from graphdsl.functional import ActType
+
+    from ..kernels.moe import quant_moe_experts
+    schemes, (up, down) = _quant_moe_operands(node, ins)
+    quant_moe_experts(ins[0], ins[1], up, down, schemes=schemes, top_k=attrs["top_k"] or attrs["experts"],
+                      geglu=attrs["act"] is ActType.GEGLU, out=dsts[0])
     return dsts
 
 
@@ -942,10 +967,11 @@ def _matmul(be: TritonBackend, node, ins, attrs, dsts):
 
 _LOWERINGS = {"fused": _fused, "add_rms_norm": _add_rms_norm, "silu_mul": _silu_mul, "rope_cache": _rope_cache,
               "paged_attention": _paged_attention, "rope_cache_attention": _rope_cache_attention,
-              "paged_mla_attention": _paged_mla_attention, "moe_experts": _moe_experts, "lora_apply": _lora_apply,
+              "paged_mla_attention": _paged_mla_attention, "moe_experts": _moe_experts,
+              "quant_moe_experts": _quant_moe_experts, "lora_apply": _lora_apply,
               "reshape_and_cache": _reshape_and_cache, "quant_linear": _quant_linear,
               "quant_linear_silu_mul": _quant_linear, "quant_linear_add": _quant_linear, "embedding": _embedding}
 _QUANT_OPS = ("quant_linear", "quant_linear_silu_mul", "quant_linear_add")
 # hand-written kernels; their torch references run on plain CPU
 _KERNEL_OPS = {"paged_attention", "rope_cache_attention", "reshape_and_cache", "paged_mla_attention", "moe_experts",
-               "lora_apply", "embedding", *_QUANT_OPS}
+               "quant_moe_experts", "lora_apply", "embedding", *_QUANT_OPS}

@@ -19,8 +19,18 @@ computed, so decode reads ``k / E`` of the expert weights instead of all of them
 3. **Down** (:func:`_down_kernel`): ``y[p] = routing weight(p) · h[p] @ down_eᵀ`` in float32.
 4. ``out = Σ_k y.view(T, k, H)`` (torch), cast to the input dtype.
 
-File shape (STYLE.md 11): the three ``@triton.jit`` kernels, the align step, the launcher that picks
-tiles with one heuristic (:func:`_pick_config`) and checks its arguments, the public wrapper.
+**Quantized stacks** (:func:`quant_moe_experts`; weight-only schemes, ``QuantScheme.stackable``):
+the same two kernels read each weight tile as codes and apply the scales to partial sums, so every
+product is exact before the float32 accumulation (the activations are the dot's other operand):
+
+* per channel (``int8-channel``, ``fp8-channel``): ``acc = Σ_k a_k · q[n, k]``, then ``acc · s[n]``;
+* int4 in groups of ``g`` (``int4-g{g}[-zp]``, two codes a byte, even ``k`` in the low nibble):
+  each K step lies in one group (``BLOCK_K`` divides ``g``), ``acc += (Σ_k a_k · (q[n, k] - z)) · s[n, k // g]``
+  with ``z = 8`` or the stored zero point.
+
+File shape (STYLE.md 11): the weight-tile helper and the three ``@triton.jit`` kernels, the align
+step, the launcher that picks tiles with one heuristic (:func:`_pick_config`) and checks its
+arguments, the public wrappers.
 """
 from __future__ import annotations
 
@@ -32,32 +42,88 @@ import triton
 import triton.language as tl
 
 from graphdsl.errors import GraphDSLError
+from graphdsl.quant import Fp8Scheme, IntScheme, QuantScheme
 
+from . import moe_gemv
+from .moe_gemv import _act
 from .paged_attention import _mm
 
-__all__ = ["moe_experts", "moe_align", "moe_supported", "MoeConfig"]
+__all__ = ["moe_experts", "quant_moe_experts", "moe_align", "moe_supported", "quant_moe_supported", "MoeConfig"]
 
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+DENSE, PER_CHANNEL, INT4 = 0, 1, 2      # how a stack's weight tiles are stored (the kernels' QUANT)
 
 
 @triton.jit
-def _act(g, u, GEGLU: tl.constexpr):
-    """``silu(g) · u`` or ``gelu_tanh(g) · u`` (float32)."""
-    if GEGLU:
-        z = 0.7978845608028654 * (g + 0.044715 * g * g * g)
-        return 0.5 * g * (2.0 * tl.sigmoid(2.0 * z)) * u     # 1 + tanh(z) = 2 sigmoid(2z)
-    return g * tl.sigmoid(g) * u
+def _a_tile(rows_ptr, row_ok, k0, K, BLOCK_K: tl.constexpr, QUANT: tl.constexpr):
+    """One K step of the activations, ``(a, a2)``: ``a = A[:, k0:k0 + BLOCK_K]`` (``a2`` the same),
+    or for int4 codes (``QUANT == 2``, a byte holding inputs ``2j`` and ``2j + 1``) the step's even
+    and odd inputs, each ``[BLOCK_M, BLOCK_K / 2]``, so the weight bytes load whole."""
+    if QUANT == 2:
+        kk = k0 + 2 * tl.arange(0, BLOCK_K // 2)
+        m = row_ok[:, None] & (kk < K)[None, :]
+        a = tl.load(rows_ptr + kk[None, :], mask=m, other=0.0)
+        a2 = tl.load(rows_ptr + kk[None, :] + 1, mask=m, other=0.0)
+    else:
+        kk = k0 + tl.arange(0, BLOCK_K)
+        a = tl.load(rows_ptr + kk[None, :], mask=row_ok[:, None] & (kk < K)[None, :], other=0.0)
+        a2 = a
+    return a, a2
+
+
+@triton.jit
+def _w_step(acc, a, a2, w_e, s_e, z_e, n, n_ok, swn, ssn, k0, K, BLOCK_K: tl.constexpr,
+            QUANT: tl.constexpr, GROUP: tl.constexpr, ZP: tl.constexpr, DOT_PREC: tl.constexpr,
+            DOT_F32: tl.constexpr):
+    """``acc + A_step @ W[n, k0:k0 + BLOCK_K]ᵀ`` for one K step (``a, a2`` from :func:`_a_tile`),
+    ``W`` read as its stack stores it (module docstring): the weights (``DENSE``), per-channel codes
+    (``PER_CHANNEL``: the scale left to the caller, after the loop) or int4 bytes, whose low and high
+    nibbles less the zero point multiply the even and odd inputs, scaled by the step's group scale
+    (``INT4``)."""
+    rows = n[None, :].to(tl.int64) * swn
+    if QUANT == 2:         # (one return at the end: Triton compiles what follows a return in a static if)
+        j = k0 // 2 + tl.arange(0, BLOCK_K // 2)
+        mask = n_ok[None, :] & (j < K // 2)[:, None]
+        byte = tl.load(w_e + rows + j[:, None], mask=mask, other=0).to(tl.int32)       # [BLOCK_K / 2, BLOCK_N]
+        g = k0 // GROUP
+        if ZP:             # (a masked byte's value multiplies a zero input or lands in an unstored column)
+            z = tl.load(z_e + n.to(tl.int64) * ssn + g, mask=n_ok, other=0.0).to(tl.float32)[None, :]
+            lo = ((byte & 15).to(tl.float32) - z).to(a.dtype)
+            hi = ((byte >> 4).to(tl.float32) - z).to(a.dtype)
+        else:
+            lo = ((byte & 15) - 8).to(tl.float32).to(a.dtype)      # (int -> bf16 directly: NaN in the interpreter)
+            hi = ((byte >> 4) - 8).to(tl.float32).to(a.dtype)
+        s = tl.load(s_e + n.to(tl.int64) * ssn + g, mask=n_ok, other=0.0).to(tl.float32)
+        acc = acc + (_mm(a, lo, DOT_PREC, DOT_F32) + _mm(a2, hi, DOT_PREC, DOT_F32)) * s[None, :]
+    else:
+        kk = k0 + tl.arange(0, BLOCK_K)
+        w = tl.load(w_e + rows + kk[:, None], mask=n_ok[None, :] & (kk < K)[:, None], other=0.0)
+        if QUANT == 1:
+            w = w.to(tl.float32).to(a.dtype)
+        acc = acc + _mm(a, w, DOT_PREC, DOT_F32)
+    return acc
+
+
+@triton.jit
+def _channel_scale(acc, s_e, n, n_ok, ssn, QUANT: tl.constexpr):
+    """``acc · s[n]`` for per-channel codes (``QUANT == 1``); ``acc`` otherwise."""
+    if QUANT == 1:
+        s = tl.load(s_e + n.to(tl.int64) * ssn, mask=n_ok, other=0.0).to(tl.float32)
+        acc = acc * s[None, :]
+    return acc
 
 
 @triton.jit
 def _gate_up_kernel(
     x_ptr, sx,                 # tokens [T, H] (inner stride 1), row stride
-    w_ptr, swe, swn,           # gate_up [E, 2I, H] (inner stride 1): expert and row strides
+    w_ptr, swe, swn,           # gate_up [E, 2I, H] or its codes (inner stride 1): expert and row strides
+    s_ptr, z_ptr, sse, ssn,    # scales and zero points [E, 2I, G] (quantized stacks): expert and row strides
     h_ptr,                     # out: act(gate)·up per pair [P, I], contiguous
     rows_ptr, blk_e_ptr,       # align: pair index per padded row, expert per block
     P, H, I, E, TOP_K: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     GEGLU: tl.constexpr, DOT_PREC: tl.constexpr, DOT_F32: tl.constexpr,   # DOT_F32: interpreter only
+    QUANT: tl.constexpr = 0, GROUP: tl.constexpr = 1, ZP: tl.constexpr = False,
 ):
     """h[p, n] = act(x[p // k] · gate_e[n], x[p // k] · up_e[n]) for the pairs of block ``b``."""
     b, pid_n = tl.program_id(0), tl.program_id(1)
@@ -69,20 +135,19 @@ def _gate_up_kernel(
     tok = tl.where(valid, rows // TOP_K, 0)
     n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = n < I
-    k = tl.arange(0, BLOCK_K)
     w_e = w_ptr + e.to(tl.int64) * swe
+    s_e, z_e = s_ptr + e.to(tl.int64) * sse, z_ptr + e.to(tl.int64) * sse
     acc_g = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     acc_u = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    x_rows = x_ptr + tok[:, None].to(tl.int64) * sx
     for k0 in range(0, H, BLOCK_K):
-        kk = k0 + k
-        k_ok = kk < H
-        a = tl.load(x_ptr + tok[:, None].to(tl.int64) * sx + kk[None, :], mask=valid[:, None] & k_ok[None, :],
-                    other=0.0)
-        wg = tl.load(w_e + n[None, :].to(tl.int64) * swn + kk[:, None], mask=n_ok[None, :] & k_ok[:, None], other=0.0)
-        wu = tl.load(w_e + (n[None, :] + I).to(tl.int64) * swn + kk[:, None], mask=n_ok[None, :] & k_ok[:, None],
-                     other=0.0)
-        acc_g += _mm(a, wg, DOT_PREC, DOT_F32)
-        acc_u += _mm(a, wu, DOT_PREC, DOT_F32)
+        a, a2 = _a_tile(x_rows, valid, k0, H, BLOCK_K, QUANT)
+        acc_g = _w_step(acc_g, a, a2, w_e, s_e, z_e, n, n_ok, swn, ssn, k0, H, BLOCK_K, QUANT, GROUP, ZP, DOT_PREC,
+                        DOT_F32)
+        acc_u = _w_step(acc_u, a, a2, w_e, s_e, z_e, n + I, n_ok, swn, ssn, k0, H, BLOCK_K, QUANT, GROUP, ZP,
+                        DOT_PREC, DOT_F32)
+    acc_g = _channel_scale(acc_g, s_e, n, n_ok, ssn, QUANT)
+    acc_u = _channel_scale(acc_u, s_e, n + I, n_ok, ssn, QUANT)
     h = _act(acc_g, acc_u, GEGLU)
     tl.store(h_ptr + rows[:, None].to(tl.int64) * I + n[None, :], h.to(h_ptr.dtype.element_ty),
              mask=valid[:, None] & n_ok[None, :])
@@ -91,13 +156,14 @@ def _gate_up_kernel(
 @triton.jit
 def _down_kernel(
     h_ptr,                     # act(gate)·up per pair [P, I], contiguous
-    w_ptr, swe, swn,           # down [E, H, I] (inner stride 1): expert and row strides
+    w_ptr, swe, swn,           # down [E, H, I] or its codes (inner stride 1): expert and row strides
+    s_ptr, z_ptr, sse, ssn,    # scales and zero points [E, H, G] (quantized stacks): expert and row strides
     wt_ptr,                    # routing weight per pair [P], float32
     y_ptr,                     # out: weighted expert outputs per pair [P, H], float32
     rows_ptr, blk_e_ptr,
     P, H, I, E,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DOT_PREC: tl.constexpr,
-    DOT_F32: tl.constexpr,
+    DOT_F32: tl.constexpr, QUANT: tl.constexpr = 0, GROUP: tl.constexpr = 1, ZP: tl.constexpr = False,
 ):
     """y[p, n] = weight(p) · h[p] · down_e[n] for the pairs of block ``b``."""
     b, pid_n = tl.program_id(0), tl.program_id(1)
@@ -109,15 +175,15 @@ def _down_kernel(
     safe = tl.where(valid, rows, 0).to(tl.int64)
     n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = n < H
-    k = tl.arange(0, BLOCK_K)
     w_e = w_ptr + e.to(tl.int64) * swe
+    s_e, z_e = s_ptr + e.to(tl.int64) * sse, z_ptr + e.to(tl.int64) * sse
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    h_rows = h_ptr + safe[:, None] * I
     for k0 in range(0, I, BLOCK_K):
-        kk = k0 + k
-        k_ok = kk < I
-        a = tl.load(h_ptr + safe[:, None] * I + kk[None, :], mask=valid[:, None] & k_ok[None, :], other=0.0)
-        w = tl.load(w_e + n[None, :].to(tl.int64) * swn + kk[:, None], mask=n_ok[None, :] & k_ok[:, None], other=0.0)
-        acc += _mm(a, w, DOT_PREC, DOT_F32)
+        a, a2 = _a_tile(h_rows, valid, k0, I, BLOCK_K, QUANT)
+        acc = _w_step(acc, a, a2, w_e, s_e, z_e, n, n_ok, swn, ssn, k0, I, BLOCK_K, QUANT, GROUP, ZP, DOT_PREC,
+                      DOT_F32)
+    acc = _channel_scale(acc, s_e, n, n_ok, ssn, QUANT)
     wt = tl.load(wt_ptr + safe, mask=valid, other=0.0)
     tl.store(y_ptr + safe[:, None] * H + n[None, :], acc * wt[:, None], mask=valid[:, None] & n_ok[None, :])
 
@@ -223,6 +289,57 @@ def moe_supported(x: torch.Tensor, routing: torch.Tensor, gate_up: torch.Tensor,
     return None
 
 
+@dataclass(frozen=True)
+class _Stack:
+    """One expert stack as the kernels read it: ``codes [E, N, ...]`` (the weights themselves when
+    ``quant`` is ``DENSE``) and, for quantized stacks, ``scale`` and ``zero`` ``[E, N, G]`` (the codes
+    again where there are none: never read)."""
+
+    codes: torch.Tensor
+    scale: torch.Tensor
+    zero: torch.Tensor
+    quant: int = DENSE
+    group: int = 1
+    zero_point: bool = False
+
+    @classmethod
+    def of(cls, scheme: QuantScheme | None, stored) -> "_Stack":
+        """The stack of a dense weight (``scheme`` None, ``stored`` the tensor) or of a scheme's
+        stacked companions (``stored`` a list, :meth:`QuantScheme.stack_companions` order)."""
+        if scheme is None:
+            return cls(stored, stored, stored)
+        if isinstance(scheme, IntScheme) and scheme.bits == 4:
+            zero = stored[2] if scheme.zero_point else stored[1]
+            return cls(stored[0], stored[1], zero, INT4, scheme.group_size, scheme.zero_point)
+        return cls(stored[0], stored[1], stored[1], PER_CHANNEL)
+
+    def args(self) -> tuple:
+        """The kernels' ``w_ptr, swe, swn, s_ptr, z_ptr, sse, ssn``."""
+        return (self.codes, self.codes.stride(0), self.codes.stride(1), self.scale, self.zero, self.scale.stride(0),
+                self.scale.stride(1))
+
+    def consts(self, block_k: int) -> dict:
+        """``QUANT``, ``GROUP``, ``ZP`` and the K step: an int4 step lies inside one group."""
+        return dict(QUANT=self.quant, GROUP=self.group, ZP=self.zero_point,
+                    BLOCK_K=min(block_k, self.group) if self.quant == INT4 else block_k)
+
+
+def quant_moe_supported(x: torch.Tensor, routing: torch.Tensor, schemes: tuple[QuantScheme, QuantScheme],
+                        stacks: tuple[list, list]) -> str | None:
+    """Why :func:`quant_moe_experts` cannot take these operands (None: it can)."""
+    if x.dtype not in _DTYPES or x.dim() != 2 or routing.dim() != 2 or x.stride(-1) != 1:
+        return f"x {x.dtype} {list(x.shape)} strides {x.stride()}"
+    for scheme, stored in zip(schemes, stacks):
+        if not (isinstance(scheme, (IntScheme, Fp8Scheme)) and scheme.stackable):
+            return f"scheme {scheme.name}"
+        if isinstance(scheme, Fp8Scheme) and x.device.type == "cuda" \
+                and torch.cuda.get_device_capability(x.device) < (8, 9):
+            return "fp8 codes before sm_89"
+        if any(not t.is_contiguous() for t in stored):
+            return "non-contiguous stored tensors"
+    return None
+
+
 def moe_experts(x: torch.Tensor, routing: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, *,
                 top_k: int, geglu: bool = False, out: torch.Tensor | None = None,
                 config: MoeConfig | None = None) -> torch.Tensor:
@@ -239,31 +356,70 @@ def moe_experts(x: torch.Tensor, routing: torch.Tensor, gate_up: torch.Tensor, d
         raise GraphDSLError(f"moe_experts: shapes x {list(x.shape)}, routing {list(routing.shape)}, gate_up "
                             f"{list(gate_up.shape)}, down {list(down.shape)} do not fit [T, H], [T, E], [E, 2I, H], "
                             "[E, H, I]")
+    return _run(x, routing, _Stack.of(None, gate_up), _Stack.of(None, down), e, inter, top_k, geglu, out, config,
+                "moe_experts")
+
+
+def quant_moe_experts(x: torch.Tensor, routing: torch.Tensor, gate_up: list[torch.Tensor],
+                      down: list[torch.Tensor], *, schemes: tuple[QuantScheme, QuantScheme], top_k: int,
+                      geglu: bool = False, out: torch.Tensor | None = None,
+                      config: MoeConfig | None = None, gemv: bool | None = None) -> torch.Tensor:
+    """:func:`moe_experts` over stacks stored in weight-only ``schemes`` (gate/up's, down's):
+    ``gate_up`` and ``down`` are their stacked companions (module docstring). ``gemv``: run the
+    one-pair-a-row kernels of :mod:`.moe_gemv` (True) or the grouped ones (False); None: the
+    first up to ``moe_gemv.MAX_PAIRS`` pairs for the stacks' kind of codes."""
+    why = quant_moe_supported(x, routing, schemes, (gate_up, down))
+    if why is not None:
+        raise GraphDSLError(f"quant_moe_experts: unsupported operands ({why})")
+    t, hidden = x.shape
+    e, two_i = gate_up[0].shape[:2]
+    inter = two_i // 2
+    want_up = schemes[0].stack_companions(e, two_i, hidden)
+    want_down = schemes[1].stack_companions(e, hidden, inter)
+    for name, want, got in (("gate_up", want_up, gate_up), ("down", want_down, down)):
+        if len(want) != len(got) or any(tuple(g.shape) != c.shape for c, g in zip(want, got)) or routing.shape != (t, e):
+            raise GraphDSLError(f"quant_moe_experts: {name} stored {[list(g.shape) for g in got]} do not fit "
+                                f"{[list(c.shape) for c in want]} for x {list(x.shape)}, routing {list(routing.shape)}")
+    up, dn = _Stack.of(schemes[0], gate_up), _Stack.of(schemes[1], down)
+    if gemv is None:
+        gemv = t * top_k <= min(moe_gemv.MAX_PAIRS[up.quant], moe_gemv.MAX_PAIRS[dn.quant]) and config is None
+    return _run(x, routing, up, dn, e, inter, top_k, geglu, out, config, "quant_moe_experts", gemv)
+
+
+def _run(x, routing, up: _Stack, down: _Stack, e: int, inter: int, top_k: int, geglu: bool, out, config,
+         op: str, gemv: bool = False) -> torch.Tensor:
+    """Align the pairs, launch gate/up then down (grouped, or ``gemv``: one pair a program row),
+    sum each token's ``top_k`` outputs into ``out``."""
     if not isinstance(top_k, int) or not 1 <= top_k <= e:
-        raise GraphDSLError(f"moe_experts: top_k must be an int in [1, {e}], got {top_k!r}")
+        raise GraphDSLError(f"{op}: top_k must be an int in [1, {e}], got {top_k!r}")
+    t, hidden = x.shape
     if out is None:
         out = torch.empty_like(x)
     if t == 0:
         return out
     weights, ids = routing.float().topk(top_k, dim=-1)
+    interp = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+    if gemv:
+        y = moe_gemv.gemv_experts(x, ids, weights, up, down, inter, top_k, geglu, interp)
+        out.copy_(y.view(t, top_k, hidden).sum(1))
+        return out
     pairs = t * top_k
     cfg = config or _pick_config(pairs, x.dtype)
-    interp = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
     rows, block_expert = moe_align(ids, e, cfg.block_m)
     h = torch.empty((pairs, inter), dtype=x.dtype, device=x.device)
     y = torch.empty((pairs, hidden), dtype=torch.float32, device=x.device)
     num_blocks = block_expert.numel()
     common = dict(BLOCK_M=cfg.block_m, DOT_PREC="ieee" if x.dtype == torch.float32 else "tf32", DOT_F32=interp)
 
-    def launch(kcfg):
+    def launch(kcfg, stack: _Stack):
         bn, bk, warps, stages = kcfg
-        return dict(BLOCK_N=bn, BLOCK_K=bk, num_warps=warps, num_stages=1 if interp else stages, **common)
+        return dict(BLOCK_N=bn, num_warps=warps, num_stages=1 if interp else stages, **stack.consts(bk), **common)
 
     _gate_up_kernel[(num_blocks, triton.cdiv(inter, cfg.up[0]))](
-        x, x.stride(0), gate_up, gate_up.stride(0), gate_up.stride(1), h, rows, block_expert,
-        pairs, hidden, inter, e, TOP_K=top_k, GEGLU=geglu, **launch(cfg.up))
+        x, x.stride(0), *up.args(), h, rows, block_expert,
+        pairs, hidden, inter, e, TOP_K=top_k, GEGLU=geglu, **launch(cfg.up, up))
     _down_kernel[(num_blocks, triton.cdiv(hidden, cfg.down[0]))](
-        h, down, down.stride(0), down.stride(1), weights.reshape(-1).contiguous(), y, rows, block_expert,
-        pairs, hidden, inter, e, **launch(cfg.down))
+        h, *down.args(), weights.reshape(-1).contiguous(), y, rows, block_expert,
+        pairs, hidden, inter, e, **launch(cfg.down, down))
     out.copy_(y.view(t, top_k, hidden).sum(1))
     return out

@@ -1409,6 +1409,46 @@ def test_quant_linear_symbolic_rows(scheme):
                        scheme="int4-g32-zp", out_features=24, in_features=64)
 
 
+@pytest.mark.parametrize("schemes", [("int4-g32-zp", "int8-channel"), ("fp8-channel", "int4-g32")])
+def test_quant_moe_experts_symbolic_tokens(schemes):
+    """``quant_moe_experts`` over symbolic tokens against a per-token loop over each token's chosen
+    experts on the dequantized stacks; a stored tensor of the wrong shape is named."""
+    from graphdsl.quant import parse_scheme
+    E, H, I = 4, 64, 32
+    up_s, down_s = (parse_scheme(n) for n in schemes)
+    g = torch.Generator().manual_seed(4)
+    up = up_s.quantize_stack(torch.randn(E, 2 * I, H, generator=g) * 0.3, torch.float32)
+    down = down_s.quantize_stack(torch.randn(E, H, I, generator=g) * 0.3, torch.float32)
+    stored = up + down
+    with Network() as net:
+        ins = [Tensor(f"w{i}", tuple(t.shape), t.dtype) for i, t in enumerate(stored)]
+        n = Dim("n")
+        y = F.quant_moe_experts(Tensor("x", (n, H), torch.float32), Tensor("routing", (n, E), torch.float32), *ins,
+                                gate_up_scheme=schemes[0], down_scheme=schemes[1], experts=E, hidden=H,
+                                intermediate=I, top_k=2)
+        net.mark_output(y, "y")
+    engine = net.build_engine()
+    w_up = up_s.dequantize_stack(up, 2 * I, H, torch.float32)
+    w_down = down_s.dequantize_stack(down, H, I, torch.float32)
+    for t in (1, 5):
+        x, scores = torch.randn(t, H, generator=g), torch.rand(t, E, generator=g)
+        top = scores.topk(2, dim=-1).indices
+        routing = torch.zeros_like(scores).scatter(1, top, scores.gather(1, top))
+        got = engine.forward({"x": x, "routing": routing, **{f"w{i}": w for i, w in enumerate(stored)}})["y"]
+        want = torch.zeros_like(x)
+        for r in range(t):
+            for e in routing[r].nonzero().flatten().tolist():
+                a, b = (w_up[e] @ x[r]).chunk(2)
+                want[r] += routing[r, e] * (w_down[e] @ (torch.nn.functional.silu(a) * b))
+        assert_close(got, want, 10.0, f"{schemes} tokens={t}")
+    bad = [Tensor(f"b{i}", tuple(t.shape), t.dtype) for i, t in enumerate(stored)]
+    bad[-2] = Tensor("short", (E, H, I // 4), torch.uint8)
+    with pytest.raises(ShapeError, match=r"quant_moe_experts: down stored tensor '_packed' should be "
+                                         r"\[4, 64, (32|16)\] torch\.u?int8, got \[4, 64, 8\] torch\.uint8"):
+        F.quant_moe_experts(Tensor("x", (2, H), torch.float32), Tensor("routing", (2, E), torch.float32), *bad,
+                            gate_up_scheme=schemes[0], down_scheme=schemes[1], experts=E, hidden=H, intermediate=I)
+
+
 # ---------------------------------------------------------------------------------------------
 # collectives (world size 1 on CPU; larger worlds need torchrun)
 # ---------------------------------------------------------------------------------------------

@@ -160,3 +160,69 @@ def test_int4_blocks_round_trip_and_the_blocked_schemes(k):
         int4_blocks(blocks)
     with pytest.raises(GraphDSLError, match=r"blocked applies to int4 weights, got bits=8"):
         IntScheme(8, None, False, blocked=True)
+
+
+STACKABLE = ["int4-g32", "int4-g64-zp", "int8-channel", "fp8-channel"]
+
+
+@pytest.mark.parametrize("name", STACKABLE)
+def test_expert_stack_companions_and_round_trip(name):
+    """A stack ``[experts, out, in]`` stores each expert's companions stacked; quantizing the
+    stack equals quantizing each expert, and so does reading it back."""
+    s = parse_scheme(name)
+    w = torch.randn(3, 40, 128, generator=torch.Generator().manual_seed(2))
+    p = Parameter((3, 40, 128), torch.float32, name="experts.gate_up_proj").quantize(name)
+    stored = s.quantize_stack(w)
+    assert [tuple(t.shape) for t in stored] == [tuple(c.shape) for c in p.companions()] == \
+        [(3,) + c.shape for c in s.companions(40, 128)]
+    assert [c.name for c in p.companions()] == [f"experts.gate_up_proj{c.suffix}" for c in s.companions(40, 128)]
+    for e in range(3):
+        assert all(torch.equal(a[e], b) for a, b in zip(stored, s.quantize(w[e])))
+    back = s.dequantize_stack(stored, 40, 128, torch.float32)
+    assert back.shape == w.shape and torch.equal(back[1], s.dequantize([t[1] for t in stored], 40, 128, torch.float32))
+    assert (back - w).abs().max() / w.abs().max() < TOL[name.split("-")[0]]
+
+
+@pytest.mark.parametrize("name", ["fp8-channel-dyn", "fp8-tensor", "int4-g32-act", "int4-g32-kb"])
+def test_a_stack_refuses_a_scheme_it_cannot_take(name):
+    with pytest.raises(GraphDSLError, match=rf"scheme '{name}' cannot store the expert stack 'experts.down_proj'"):
+        Parameter((4, 16, 64), name="experts.down_proj").quantize(name)
+    with pytest.raises(GraphDSLError, match=r"expert stack 'e.w' must be a 3-D \[experts, out, in\]"):
+        parse_scheme("int8-channel").check_stack("e.w", (4, 16))
+    with pytest.raises(GraphDSLError, match=r"'e.w' has 48 inputs, not a multiple of the group size 32"):
+        Parameter((2, 16, 48), name="e.w").quantize("int4-g32")
+
+
+def test_quantized_experts_record_quant_moe_experts(tmp_path):
+    """``FusedExperts`` with both stacks quantized records ``quant_moe_experts`` (the schemes in its
+    attributes, printed and dumped); the CPU engine equals the dense op on the dequantized stacks."""
+    from graphdsl.layers import FusedExperts
+    experts, hidden, inter = 4, 64, 32
+    m = FusedExperts(experts, hidden, inter, dtype=torch.float32, top_k=2)
+    m.gate_up_proj.quantize("int4-g32-zp")
+    m.down_proj.quantize("int8-channel")
+    dict(m.named_parameters())
+    with Network("moe") as net:
+        x, routing = Tensor("x", (3, hidden), torch.float32), Tensor("routing", (3, experts), torch.float32)
+        net.mark_output(m(x, routing), "y")
+    text = str(net)
+    assert "= quant_moe_experts(%x, %routing, %gate_up_proj_packed" in text and "= moe_experts(" not in text
+    assert "gate_up_scheme=int4-g32-zp" in text and "down_scheme=int8-channel" in text
+    net.dump(tmp_path / "g.json")
+    assert Network.load(tmp_path / "g.json") == net
+    g = torch.Generator().manual_seed(3)
+    w_up, w_down = torch.randn(experts, 2 * inter, hidden, generator=g), torch.randn(experts, hidden, inter, generator=g)
+    up, down = m.gate_up_proj.quant.quantize_stack(w_up), m.down_proj.quant.quantize_stack(w_down)
+    scores = torch.randn(3, experts, generator=g).softmax(-1)
+    top, ids = scores.topk(2, -1)
+    feed = {"x": torch.randn(3, hidden, generator=g), "routing": torch.zeros_like(scores).scatter_(1, ids, top),
+            **{c.name: t for c, t in zip(m.gate_up_proj.companions() + m.down_proj.companions(), up + down)}}
+    y = net.build_engine(device="cpu", backend="torch").forward(feed)["y"]
+    want = F.moe_experts.opdef.reference(feed["x"], feed["routing"],
+                                          m.gate_up_proj.quant.dequantize_stack(up, 2 * inter, hidden, torch.float32),
+                                          m.down_proj.quant.dequantize_stack(down, hidden, inter, torch.float32))
+    torch.testing.assert_close(y, want, atol=1e-5, rtol=1e-5)
+    m.down_proj.quantize(None)
+    with Network("half") as half, pytest.raises(GraphDSLError, match="must both be quantized or neither"):
+        m(Tensor("x", (3, hidden), torch.float32), Tensor("routing", (3, experts), torch.float32))
+    del half

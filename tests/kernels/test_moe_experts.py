@@ -2,8 +2,9 @@
 
 Routing like the MoE layer's (top-k of a softmax, zeros elsewhere; some rows sharing experts,
 some experts unused), SwiGLU and GeGLU, decode-sized (16-row blocks) and prefill-sized (64-row
-blocks) pair counts, odd sizes that leave partial tiles, float32 and bfloat16. On CPU under
-Triton's interpreter; at real sizes on the GPU.
+blocks) pair counts, odd sizes that leave partial tiles, float32 and bfloat16; the same kernels over
+quantized stacks (``quant_moe_experts``) vs that op's reference (the stacks dequantized). On CPU
+under Triton's interpreter; at real sizes on the GPU.
 """
 from __future__ import annotations
 
@@ -19,10 +20,12 @@ import pytest  # noqa: E402
 from graphdsl.errors import GraphDSLError  # noqa: E402
 from graphdsl.functional import ActType  # noqa: E402
 from graphdsl.opdef import get_op  # noqa: E402
-from graphdsl.runtime.kernels.moe import moe_align, moe_experts  # noqa: E402
+from graphdsl.quant import parse_scheme  # noqa: E402
+from graphdsl.runtime.kernels.moe import moe_align, moe_experts, quant_moe_experts  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 REF = get_op("moe_experts").reference
+QREF = get_op("quant_moe_experts").reference
 TOL = {torch.float32: 1e-5, torch.bfloat16: 2e-2}
 
 
@@ -99,6 +102,74 @@ def test_mixtral_size_on_gpu(tokens):
             g, u = (x[rows].float() @ gate_up[e].float().T).chunk(2, -1)
             want[rows] += routing[rows, e, None] * ((torch.nn.functional.silu(g) * u) @ down[e].float().T)
     assert (got - want).abs().max().item() <= 2e-2 * want.abs().max().item()
+
+
+def _quantized(scheme, tokens, experts, hidden, inter, top_k, dtype, seed=0):
+    """A case with both stacks quantized in ``scheme`` (scales in ``dtype``): ``(args, kwargs, want)``."""
+    x, routing, gate_up, down = _case(tokens, experts, hidden, inter, top_k, torch.float32, seed)
+    s = parse_scheme(scheme)
+    up, dn = s.quantize_stack(gate_up, dtype), s.quantize_stack(down, dtype)
+    x = x.to(dtype)
+    want = QREF(x, routing, *up, *dn, gate_up_scheme=scheme, down_scheme=scheme, experts=experts, hidden=hidden,
+                intermediate=inter)
+    return (x, routing, up, dn), dict(schemes=(s, s), top_k=top_k), want
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("scheme", ["int8-channel", "fp8-channel", "int4-g32", "int4-g64-zp"])
+@pytest.mark.parametrize("tokens,experts,hidden,inter,top_k", [
+    (1, 8, 128, 64, 2),        # decode: one token, two experts
+    (37, 4, 64, 128, 2),       # > 64 pairs: prefill-sized blocks
+])
+@pytest.mark.parametrize("gemv", [False, True], ids=["grouped", "gemv"])
+def test_quantized_stacks_match_the_dequantized_reference(scheme, tokens, experts, hidden, inter, top_k, dtype, gemv):
+    """Both paths (the grouped tensor-core kernels, the one-pair-a-row ones of ``moe_gemv``) at
+    decode and prefill sizes, whichever the pair count would pick."""
+    if scheme.startswith("fp8") and DEVICE == "cuda" and torch.cuda.get_device_capability() < (8, 9):
+        pytest.skip("fp8 codes need sm_89+")
+    args, kw, want = _quantized(scheme, tokens, experts, hidden, inter, top_k, dtype)
+    got = quant_moe_experts(*args, **kw, gemv=gemv)
+    assert got.dtype == dtype and got.shape == (tokens, hidden)
+    scale = want.float().abs().max().item()
+    assert (got.float() - want.float()).abs().max().item() <= TOL[dtype] * max(scale, 1.0)
+
+
+@pytest.mark.parametrize("gemv", [False, True], ids=["grouped", "gemv"])
+def test_quantized_stacks_read_only_the_chosen_experts(gemv):
+    """An expert no token chose may hold NaN scales: the kernels never read them."""
+    args, kw, want = _quantized("int4-g32", 3, 6, 64, 64, 2, torch.float32, seed=1)
+    routing = args[1]
+    unused = sorted(set(range(6)) - set(routing.nonzero()[:, 1].tolist()))
+    assert unused
+    for stack in (args[2], args[3]):
+        stack[1][unused] = float("nan")
+    got = quant_moe_experts(*args, **kw, gemv=gemv)
+    assert not got.isnan().any()
+    assert (got - want).abs().max().item() <= 1e-5 * max(want.abs().max().item(), 1.0)
+
+
+def test_quantized_stacks_refuse_what_the_kernels_cannot_read():
+    args, kw, _ = _quantized("int8-channel", 2, 4, 64, 64, 2, torch.float32)
+    with pytest.raises(GraphDSLError, match=r"unsupported operands \(scheme fp8-channel-dyn\)"):
+        quant_moe_experts(*args, **dict(kw, schemes=(parse_scheme("fp8-channel-dyn"),) * 2))
+    x, routing, up, dn = args
+    with pytest.raises(GraphDSLError, match=r"down stored \[\[4, 64, 32\], \[4, 64, 1\]\] do not fit "
+                                            r"\[\[4, 64, 64\], \[4, 64, 1\]\]"):
+        quant_moe_experts(x, routing, up, [dn[0][:, :, :32].contiguous(), dn[1]], **kw)
+    with pytest.raises(GraphDSLError, match=r"top_k must be an int in \[1, 4\], got 5"):
+        quant_moe_experts(*args, **dict(kw, top_k=5))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("scheme", ["int4-g128", "int8-channel", "fp8-channel"])
+@pytest.mark.parametrize("tokens,gemv", [(1, True), (1, False), (300, False)])
+def test_quantized_mixtral_size_on_gpu(scheme, tokens, gemv):
+    """Mixtral-8x7B's experts stored in ``scheme``, bfloat16 activations, vs the op's reference."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    args, kw, want = _quantized(scheme, tokens, 8, 4096, 14336, 2, torch.bfloat16)
+    got = quant_moe_experts(*args, **kw, gemv=gemv).float()
+    assert (got - want.float()).abs().max().item() <= 2e-2 * want.float().abs().max().item()
 
 
 @pytest.mark.parametrize("tokens,experts,top_k,block_m", [(1, 8, 2, 16), (7, 64, 6, 16), (30, 4, 2, 16),

@@ -6,6 +6,7 @@ import torch
 
 import graphdsl as gd
 from graphdsl.errors import GraphDSLError
+from graphdsl.layers import Phase
 from graphdsl.quant import parse_scheme
 from tests.models.hf_tiny import hf_logits, make_checkpoint
 
@@ -51,6 +52,10 @@ def _dequantized_transformers(hf, llm, s):
             if p.quant is None:
                 continue
             stored = [bound[c.name] for c in p.companions()]
+            if len(p.shape) == 3:       # an expert stack: transformers 5 holds the same [E, out, in] stack
+                dict(model.named_parameters())[name].copy_(p.quant.dequantize_stack(stored, *p.shape[1:],
+                                                                                   torch.float32))
+                continue
             w = p.quant.dequantize(stored, *p.shape, torch.float32)
             layer = name.rsplit(".", 2)[0]
             mod = dict(model.named_modules())
@@ -76,22 +81,56 @@ def _fp8_rows(module, args):
     return ((xq.float() * sx).to(args[0].dtype),)
 
 
+@pytest.mark.parametrize("family", ["mixtral", "qwen2_moe"])
+@pytest.mark.parametrize("quantization,stack_schemes", [("int8", {"int8-channel"}), ("int4", {"int4-g64", "int4-g32"}),
+                                                        ("fp8", {"fp8-channel"}), ("int4-g32-zp", {"int4-g32-zp"})])
+def test_quantized_moe_scores_like_dequantized_transformers(family, quantization, stack_schemes, tmp_path):
+    """The expert stacks take the scheme too (each expert's weights quantized, stacked; the model
+    records ``quant_moe_experts``); the logits equal transformers' with every quantized weight,
+    stacks included, replaced by what the engine stores."""
+    hf = make_checkpoint(family, tmp_path, **({"shared_expert_intermediate_size": 64} if family == "qwen2_moe" else {}))
+    llm = gd.LLM(tmp_path, device="cpu", quantization=quantization, max_model_len=64, max_num_seqs=1)
+    stacks = {n: p.quant.name for n, p in llm.model.named_parameters() if len(p.shape) == 3}
+    assert stacks and all(s is not None for s in stacks.values()), stacks
+    assert set(stacks.values()) == stack_schemes     # bare int4: g64 for the 64 hidden inputs, g32 for the 32
+    ops = {n.op for n in llm.model.engine(Phase.PREFILL).net.nodes}
+    assert "quant_moe_experts" in ops and "moe_experts" not in ops
+    ref = _dequantized_transformers(hf, llm, parse_scheme(next(iter(stack_schemes))))
+    torch.testing.assert_close(llm.score(IDS), ref, atol=2e-4, rtol=2e-4)
+    full = gd.LLM(tmp_path, device="cpu", max_model_len=64, max_num_seqs=1).score(IDS)
+    assert not torch.allclose(llm.score(IDS), full, atol=2e-4), "quantization changed nothing"
+
+
 def test_online_quantization_keeps_moe_routers_and_gates_in_the_model_dtype(tmp_path, caplog):
     """The router's logits choose the experts and the shared-expert gate has one row: like vLLM,
-    online quantization leaves both (and the expert stacks, with a warning saying how much of the
-    model that is) unquantized; the attention and the shared expert's projections take the scheme."""
+    online quantization leaves both unquantized; the attention, the shared expert's projections and
+    the expert stacks take the scheme, and nothing is warned of."""
     make_checkpoint("qwen2_moe", tmp_path)
     with caplog.at_level("WARNING", logger="graphdsl.quant"):
         llm = gd.LLM(tmp_path, device="cpu", quantization="int8", max_model_len=64, max_num_seqs=1)
-    assert any("MoE expert stacks" in r.getMessage() and "% of the weights) stay in the model dtype" in r.getMessage()
-               for r in caplog.records), caplog.text
+    assert not any("MoE expert stacks" in r.getMessage() for r in caplog.records), caplog.text
     assert "quantization=int8-channel x" in repr(llm)
     schemes = {n: p.quant.name if p.quant is not None else None for n, p in llm.model.named_parameters()}
     layer = "model.layers.0.mlp."
     assert schemes[layer + "gate.weight"] is None and schemes[layer + "shared_expert_gate.weight"] is None
     assert schemes[layer + "shared_expert.down_proj.weight"] == "int8-channel"
+    assert schemes[layer + "experts.gate_up_proj"] == schemes[layer + "experts.down_proj"] == "int8-channel"
     assert schemes["model.layers.0.self_attn.qkv_proj.weight"] == "int8-channel"
     assert llm.generate([IDS], gd.SamplingParams(max_tokens=2, temperature=0))[0].outputs[0].token_ids
+
+
+def test_a_scheme_stacks_cannot_take_leaves_them_in_the_model_dtype_with_a_warning(tmp_path, caplog):
+    """fp8 with dynamic activation scales is not a weight-only scheme: the linears take it, the
+    expert stacks stay in the model dtype, and the warning says how much of the model that is."""
+    make_checkpoint("mixtral", tmp_path)
+    with caplog.at_level("WARNING", logger="graphdsl.quant"):
+        llm = gd.LLM(tmp_path, device="cpu", quantization="fp8-channel-dyn", max_model_len=64, max_num_seqs=1)
+    warned = [r.getMessage() for r in caplog.records if "MoE expert stacks" in r.getMessage()]
+    assert len(warned) == 1 and "the 4 MoE expert stacks (" in warned[0] and "stay in the model dtype" in warned[0]
+    assert "weight-only" in warned[0]
+    schemes = {n: p.quant for n, p in llm.model.named_parameters()}
+    assert schemes["model.layers.0.mlp.experts.gate_up_proj"] is None
+    assert schemes["model.layers.0.self_attn.qkv_proj.weight"].name == "fp8-channel-dyn"
 
 
 def test_scheme_the_weights_cannot_hold_is_an_error(checkpoint):
