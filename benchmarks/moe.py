@@ -1,11 +1,15 @@
 """Sparse MoE experts (runtime/kernels/moe.py) at real sizes: µs per call (replayed from a CUDA
 graph, as decode runs it) and GB/s of the chosen experts' weights, against the measured copy
-bandwidth; ``--sweep`` tries launch configs.
+bandwidth; ``--sweep`` tries launch configs; ``--schemes`` adds the stacks stored quantized
+(``quant_moe_experts``), each row with its speed against bf16's at the same token count (with
+``--sweep``, the launch configs are then swept for those schemes, not for bf16).
 
     python benchmarks/moe.py [--shape mixtral|deepseek-v2-lite|qwen2-moe] [--tokens 1 8 64] [--sweep]
+                             [--schemes int4-g128 int8-channel fp8-channel]
 
-Bytes per call = the distinct experts the tokens chose x 3 x hidden x intermediate x 2 (bf16):
-the least any kernel must read. Routing is uniform at random (as with random weights).
+Bytes per call = the distinct experts the tokens chose x their stored bytes (bf16: 3 x hidden x
+intermediate x 2; a scheme: its codes, scales and zero points): the least any kernel must read.
+Routing is uniform at random (as with random weights).
 """
 from __future__ import annotations
 
@@ -42,52 +46,95 @@ def _case(tokens, e, k, h, i, gen):
     return (x, routing, gate_up, down), used * 3 * h * i * 2
 
 
+def _quantized(scheme: str, ops, used: int):
+    """``(call, bytes)``: :func:`quant_moe_experts` over ``ops``' stacks stored in ``scheme``, and the
+    stored bytes of ``used`` experts."""
+    from graphdsl.quant import parse_scheme
+    from graphdsl.runtime.kernels.moe import quant_moe_experts
+    x, routing, gate_up, down = ops
+    s = parse_scheme(scheme)
+    up, dn = s.quantize_stack(gate_up), s.quantize_stack(down)
+    per_expert = sum(t[0].numel() * t.element_size() for t in up + dn)
+    return (lambda k, cfg=None, gemv=None: quant_moe_experts(x, routing, up, dn, schemes=(s, s), top_k=k, config=cfg,
+                                                          gemv=gemv)), used * per_expert
+
+
+def _picks_gemv(scheme: str, pairs: int) -> bool:
+    """Whether :func:`quant_moe_experts` runs ``pairs`` of ``scheme`` one pair a program row by default."""
+    from graphdsl.quant import IntScheme, parse_scheme
+    from graphdsl.runtime.kernels import moe_gemv
+    s = parse_scheme(scheme)
+    return pairs <= moe_gemv.MAX_PAIRS[2 if isinstance(s, IntScheme) and s.bits == 4 else 1]
+
+
 def main(argv=None) -> int:
-    from graphdsl.runtime.kernels.moe import MoeConfig, _pick_config, moe_experts
+    from graphdsl.runtime.kernels.moe import _pick_config, moe_experts
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--shape", default="mixtral", choices=sorted(SHAPES))
     ap.add_argument("--tokens", type=int, nargs="+", default=[1, 8, 64])
     ap.add_argument("--sweep", action="store_true", help="try launch configs (gate/up, then down)")
+    ap.add_argument("--schemes", nargs="*", default=[], help="also time the stacks stored in these schemes")
     args = ap.parse_args(argv)
     e, k, h, i = SHAPES[args.shape]
     copy = copy_bandwidth_gbs()
     gen = torch.Generator(device="cuda").manual_seed(0)
-    print(f"{args.shape}: {e} experts, top-{k}, hidden {h}, intermediate {i}, bf16 on {device_line()}; "
+    print(f"{args.shape}: {e} experts, top-{k}, hidden {h}, intermediate {i}, bf16 activations on {device_line()}; "
           f"copy {copy:.0f} GB/s\n")
-    print("| tokens | config | µs | GB/s | % of copy |\n|---:|---|---:|---:|---:|")
+    if args.schemes:
+        print("| tokens | weights | kernels | µs | GB/s | % of copy | x bf16 speed |\n"
+              "|---:|---|---|---:|---:|---:|---:|")
+        for t in args.tokens:
+            ops, nbytes = _case(t, e, k, h, i, gen)
+            base = _graph_us(lambda: moe_experts(*ops, top_k=k))
+            print(f"| {t} | bf16 | grouped | {base:.1f} | {nbytes / base / 1e3:.0f} | "
+                  f"{100 * nbytes / base / 1e3 / copy:.1f}% | 1.00 |", flush=True)
+            for scheme in args.schemes:
+                call, qbytes = _quantized(scheme, ops, nbytes // (3 * h * i * 2))
+                picked = _picks_gemv(scheme, t * k)
+                for gemv in (True, False):
+                    us = _graph_us(lambda: call(k, gemv=gemv))
+                    path = ("one pair a row" if gemv else "grouped") + (" (default)" if gemv == picked else "")
+                    print(f"| {t} | {scheme} | {path} | {us:.1f} | {qbytes / us / 1e3:.0f} | "
+                          f"{100 * qbytes / us / 1e3 / copy:.1f}% | {base / us:.2f} |", flush=True)
+        if not args.sweep:
+            return 0
+        print()
+    tiles = list(itertools.product((32, 64, 128), (64, 128, 256), (4, 8), (2, 3, 5)))
+    print("| tokens | weights | config | µs | GB/s | % of copy |\n|---:|---|---|---:|---:|---:|")
     for t in args.tokens:
         ops, nbytes = _case(t, e, k, h, i, gen)
-        base = _pick_config(t * k)
-        configs = [base]
-        if args.sweep:
-            tiles = list(itertools.product((32, 64, 128), (64, 128, 256), (4, 8), (3, 4, 5)))
-            configs += [MoeConfig(base.block_m, up, base.down) for up in tiles]
-        best = None
-        for cfg in configs:
-            try:
-                ms = _graph_us(lambda: moe_experts(*ops, top_k=k, config=cfg)) / 1e3
-            except Exception as exc:   # a config the compiler rejects (shared memory)
-                print(f"| {t} | {cfg} | failed: {type(exc).__name__}: {str(exc)[:120]} | | |", file=sys.stderr)
-                continue
-            if best is None or ms < best[0]:
-                best = (ms, cfg)
-            if cfg is base or not args.sweep:
-                print(f"| {t} | default {cfg} | {ms * 1e3:.1f} | {nbytes / ms / 1e6:.0f} | "
-                      f"{100 * nbytes / ms / 1e6 / copy:.1f}% |", flush=True)
-        if args.sweep:
-            up = best[1].up
-            for down in itertools.product((32, 64, 128), (64, 128, 256), (4, 8), (3, 4, 5)):
-                cfg = MoeConfig(base.block_m, up, down)
-                try:
-                    ms = _graph_us(lambda: moe_experts(*ops, top_k=k, config=cfg)) / 1e3
-                except Exception:
-                    continue
-                if ms < best[0]:
-                    best = (ms, cfg)
-            ms, cfg = best
-            print(f"| {t} | best {cfg} | {ms * 1e3:.1f} | {nbytes / ms / 1e6:.0f} | "
-                  f"{100 * nbytes / ms / 1e6 / copy:.1f}% |", flush=True)
+        runs = [] if args.schemes else [("bf16", lambda cfg: moe_experts(*ops, top_k=k, config=cfg), nbytes)]
+        for scheme in args.schemes:
+            call, qbytes = _quantized(scheme, ops, nbytes // (3 * h * i * 2))
+            runs.append((scheme, lambda cfg, call=call: call(k, cfg), qbytes))
+        for name, run, size in runs:
+            for label, (ms, cfg) in _configs(run, _pick_config(t * k), tiles if args.sweep else None):
+                print(f"| {t} | {name} | {label} {cfg} | {ms * 1e3:.1f} | {size / ms / 1e6:.0f} | "
+                      f"{100 * size / ms / 1e6 / copy:.1f}% |", flush=True)
     return 0
+
+
+def _configs(run, base, tiles):
+    """``[("default", (ms, config))]``, and with ``tiles`` the best of gate/up's tiles, then of
+    down's with that gate/up, as ``("best", ...)``."""
+    from graphdsl.runtime.kernels.moe import MoeConfig
+
+    def ms(cfg):
+        try:
+            return _graph_us(lambda: run(cfg)) / 1e3
+        except Exception as exc:   # a config the compiler rejects (shared memory)
+            print(f"| {cfg} | failed: {type(exc).__name__}: {str(exc)[:120]} |", file=sys.stderr)
+            return float("inf")
+
+    rows = [("default", (ms(base), base))]
+    if tiles is None:
+        return rows
+    best = rows[0][1]
+    for which in ("up", "down"):
+        for tile in tiles:
+            cfg = MoeConfig(base.block_m, tile, best[1].down) if which == "up" else MoeConfig(base.block_m, best[1].up, tile)
+            best = min(best, (ms(cfg), cfg), key=lambda r: r[0])
+    return rows + [("best", best)]
 
 
 if __name__ == "__main__":

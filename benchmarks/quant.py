@@ -10,8 +10,9 @@
    gemlite's GEMV on the same codes (``--schemes`` with int4 and gemlite installed).
 2. ``LLM.from_config(shape, quantization=...)`` (random weights), batch 1 at 512 tokens of context:
    the engine's decode step (CUDA graph) and ``LLM.generate`` ms/token, each as % of the quantized
-   roofline = (every stored tensor but the embedding table + the KV cache read) / copy bandwidth;
-   bf16 for reference.
+   roofline = (every stored tensor but the embedding table + the KV cache read) / copy bandwidth,
+   MoE expert stacks at the share a one-token step reads (``top_k / experts``: ``--shape
+   mixtral-8x7b``, whose stacks take the scheme too); bf16 for reference.
    ``gguf-q4_k_m`` (in ``--schemes``) is a llama.cpp Q4_K_M-style mix kept in GGUF blocks (the
    rule of llama.cpp's ``llama_tensor_get_type`` for ``LLAMA_FTYPE_MOSTLY_Q4_K_M``): every attention
    and MLP matrix Q4_K, but ``attn_v`` and ``ffn_down`` Q6_K in the layers of ``use_more_bits`` (the
@@ -292,9 +293,13 @@ def stored_bytes(llm) -> int:
     tied or not (a tied model lists the table under both names, and counting both overstated the
     Llama-3.2-1B roofline by its 525 MB). GGUF weights count their file's block bytes: the stored
     layout's padding of Q6_K blocks (gguf_blocks.to_stored) is the engine's choice, so it does not
-    raise the roofline."""
+    raise the roofline. MoE expert stacks count ``top_k / experts`` of their bytes: a one-token
+    step reads its chosen experts only."""
+    from graphdsl.layers import FusedExperts
     from graphdsl.runtime.gguf_blocks import row_bytes
     from graphdsl.runtime.gguf_scheme import GGUFMixScheme, GGUFScheme
+    share = {f"{path}.{w}": m.top_k / m.num_experts for path, m in llm.model.named_modules()
+             if isinstance(m, FusedExperts) and m.top_k for w in ("gate_up_proj", "down_proj")}
     bound, total = llm.model._bound, 0
     for name, p in llm.model.named_parameters():
         if name == "model.embed_tokens.weight":
@@ -302,8 +307,9 @@ def stored_bytes(llm) -> int:
         if isinstance(p.quant, (GGUFScheme, GGUFMixScheme)):
             total += sum((r1 - r0) * row_bytes(q, p.shape[1]) for q, r0, r1 in p.quant.row_parts(p.shape[0]))
             continue
-        for t in ([bound[c.name] for c in p.companions()] if p.quant is not None else [bound[name]]):
-            total += t.numel() * t.element_size()
+        nbytes = sum(t.numel() * t.element_size()
+                     for t in ([bound[c.name] for c in p.companions()] if p.quant is not None else [bound[name]]))
+        total += round(nbytes * share.get(name, 1.0))
     return total
 
 

@@ -44,3 +44,33 @@ def test_quantized_weights_count_their_stored_companions(quant):
     # int8 per channel: a byte a code and one bfloat16 scale a row, in place of two bytes a weight;
     # the embedding and the (tied) lm_head stay bfloat16
     assert quant.stored_bytes(bf16) - quant.stored_bytes(int8) == proj - 2 * rows
+
+
+def test_expert_stacks_count_the_share_one_token_reads(quant):
+    """A one-token step reads ``top_k`` of the experts: the roofline counts that share of each
+    stack, quantized or not (a Mixtral-like tiny model, 2 of 8 experts)."""
+    from tests.models.hf_tiny import make_config
+    cfg = make_config("mixtral").to_dict()
+    llm = {q: gd.LLM.from_config(cfg, device="cpu", dtype="bfloat16", seed=0, max_model_len=64, max_num_seqs=1,
+                                 quantization=q) for q in (None, "int8")}
+    bound = llm[None].model._bound
+    stacks = {n: p for n, p in llm[None].model.named_parameters() if ".experts." in n}
+    assert len(stacks) == 4
+    full = sum(bound[n].numel() * bound[n].element_size() for n in bound
+               if n in dict(llm[None].model.named_parameters()) and n != "model.embed_tokens.weight")
+    stack_bytes = sum(math.prod(p.shape) * 2 for p in stacks.values())
+    assert quant.stored_bytes(llm[None]) == full - stack_bytes + stack_bytes // 4
+    # int8: per expert a byte a code and a bfloat16 scale a row, a quarter of it read
+    codes = sum(math.prod(p.shape) + 2 * p.shape[0] * p.shape[1] for p in stacks.values())
+    q = llm["int8"].model
+    dense = sum(llm["int8"].model._bound[c.name].numel() * llm["int8"].model._bound[c.name].element_size()
+                for n, p in q.named_parameters() if n in stacks for c in p.companions())
+    assert dense == codes
+    assert quant.stored_bytes(llm["int8"]) - codes // 4 == \
+        quant.stored_bytes(llm[None]) - stack_bytes // 4 - _linear_savings(llm[None])
+
+
+def _linear_savings(llm) -> int:
+    """Bytes int8 per channel saves on the linears (not the stacks): a byte a weight less one scale a row."""
+    ps = [p for n, p in llm.model.named_parameters() if n.endswith("proj.weight") and ".experts." not in n]
+    return sum(math.prod(p.shape) - 2 * p.shape[0] for p in ps)
