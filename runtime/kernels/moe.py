@@ -28,6 +28,9 @@ product is exact before the float32 accumulation (the activations are the dot's 
   each K step lies in one group (``BLOCK_K`` divides ``g``), ``acc += (Σ_k a_k · (q[n, k] - z)) · s[n, k // g]``
   with ``z = 8`` or the stored zero point.
 
+int4 stacks at few pairs run :mod:`.moe_gemv`'s one-pair-a-row kernels instead (``quant_moe_experts``'s
+``gemv``): the nibbles converted in registers for the tensor cores are the slow part here.
+
 File shape (STYLE.md 11): the weight-tile helper and the three ``@triton.jit`` kernels, the align
 step, the launcher that picks tiles with one heuristic (:func:`_pick_config`) and checks its
 arguments, the public wrappers.
