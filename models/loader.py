@@ -18,6 +18,7 @@ import torch
 from graphdsl.errors import GraphDSLError
 from graphdsl.layers.linear import ColumnParallelLinear, RowParallelLinear
 from graphdsl.layers.checkpoint import CheckpointSlot
+from graphdsl.layers.moe import FusedExperts
 from graphdsl.runtime.gguf_blocks import GGUFBlockWeight, to_stored
 from graphdsl.runtime.loaders.safetensors import check_weights
 from graphdsl.runtime.progress import ProgressLine
@@ -50,16 +51,23 @@ def refuse_online_over_stored(quantization, stored, prefix: str = "") -> None:
 
 
 def mark_checkpoint_quantization(model: FlashCausalLM, quantization) -> list[str]:
-    """Give every linear weight of ``model`` the scheme a pre-quantized checkpoint stores it in
-    (``quantization``: a :class:`~graphdsl.runtime.loaders.prequantized.CheckpointQuantization`);
-    return the quantized parameter names. The checkpoint linears packed into one parameter (q/k/v
-    into ``qkv_proj``, gate/up) must agree on the scheme, else an error names each piece's."""
+    """Give every linear weight and MoE expert stack of ``model`` the scheme a pre-quantized
+    checkpoint stores it in (``quantization``: a
+    :class:`~graphdsl.runtime.loaders.prequantized.CheckpointQuantization`); return the quantized
+    parameter names. The checkpoint linears packed into one parameter (q/k/v into ``qkv_proj``,
+    gate/up, every expert's pieces of a stack) must agree on the scheme, else an error names each
+    piece's; a stack stored quantized must be one that holds codes (not run on the host) in a
+    scheme stacks take."""
     table = model.checkpoint_table()
     dict(model.named_parameters())                      # name every parameter first
-    linears = {m.weight.name: m for _, m in model.named_modules() if isinstance(m, (ColumnParallelLinear, RowParallelLinear))}
+    params = {m.weight.name: m.weight for _, m in model.named_modules()
+              if isinstance(m, (ColumnParallelLinear, RowParallelLinear))}
+    stacks = {p.name: m for _, m in model.named_modules() if isinstance(m, FusedExperts)
+              for p in (m.gate_up_proj, m.down_proj)}
+    params.update((name, getattr(m, name.rsplit(".", 1)[-1])) for name, m in stacks.items())
     pieces: dict[str, list[tuple[str, object]]] = {}
     for name, slot in table.items():
-        if slot.param in linears and name.endswith(".weight") and slot.param.endswith(".weight"):
+        if slot.param in params and name.endswith(".weight") and (slot.param.endswith(".weight") or slot.param in stacks):
             module = name[: -len(".weight")]
             pieces.setdefault(slot.param, []).append(
                 (name, quantization.scheme_for(module, slot.shape[0], slot.shape[1])))
@@ -70,9 +78,15 @@ def mark_checkpoint_quantization(model: FlashCausalLM, quantization) -> list[str
             each = ", ".join(f"{n}: {s.name if s is not None else 'unquantized'}" for n, s in got)
             raise GraphDSLError(f"parameter {param!r} packs checkpoint linears stored in different quantization schemes "
                                 f"({each}); they must agree")
-        if got[0][1] is not None:
-            linears[param].weight.quantize(got[0][1])
-            names.append(param)
+        scheme = got[0][1]
+        if scheme is None:
+            continue
+        if param in stacks and not stacks[param].online_quantized:
+            raise GraphDSLError(f"the checkpoint stores the experts of {param!r} quantized ({scheme.name}), but "
+                                f"{type(stacks[param]).__name__} reads full-precision stacks; load it without "
+                                "the rule that moves them")
+        params[param].quantize(scheme)
+        names.append(param)
     return names
 
 
@@ -87,8 +101,9 @@ def _quantized_table(table: dict[str, CheckpointSlot], params: dict) -> dict[str
         if p is None or p.quant is None:
             out[name] = slot
             continue
-        if slot.reorder is not None or slot.source or len(slot.index) > 1 or \
-                (slot.index and not isinstance(slot.index[0], slice)):
+        index = slot.index[1:] if len(p.shape) == 3 and slot.index and isinstance(slot.index[0], int) else \
+            slot.index                                  # an expert stack's piece: expert e, then its rows
+        if slot.reorder is not None or slot.source or len(index) > 1 or (index and not isinstance(index[0], slice)):
             raise GraphDSLError(f"checkpoint tensor {name!r}: a quantized ({p.quant.name}) piece of {slot.param!r} must "
                                 f"be whole rows, got index {slot.index}")
         rows, inputs = slot.shape

@@ -126,8 +126,8 @@ class CheckpointQuantization:
         checkpoint renames, first) with each quantized module's tensors replaced by our companions
         ``<module>.weight<suffix>``, and other floating-point tensors cast to ``dtype``. Call after
         :meth:`scheme_for` has seen every linear. A module's tensors are held only until its last
-        one arrives. A quantized tensor of a module that is no linear graphdsl quantizes (an MoE
-        expert, say) is an error naming it."""
+        one arrives. A quantized tensor of a module that is no linear graphdsl quantizes (an
+        embedding, say) is an error naming it."""
         pending: dict[str, dict[str, torch.Tensor]] = {}
         seen = set()
         for name, t in tensors:
@@ -192,8 +192,8 @@ class CheckpointQuantization:
                 return module, leaf, None
         elif leaf in self.leaves and leaf != "weight":
             why = (f"the quantization_config leaves {module!r} unquantized" if chosen is not None else
-                   f"{module!r} is not a linear graphdsl loads quantized (the attention and MLP projections are; "
-                   "MoE expert stacks and embeddings are not yet)")
+                   f"{module!r} is not a linear graphdsl loads quantized (the attention and MLP projections and "
+                   "the MoE experts are; embeddings and routers are not)")
             return None, leaf, f"checkpoint tensor {name!r} is stored quantized ({self.method}), but {why}"
         return None, leaf, None
 

@@ -41,6 +41,33 @@ def _linears(model):
             for i in range(model.config.num_hidden_layers) for leaf in LINEARS]
 
 
+def _pieces(model, ref):
+    """``(checkpoint module name, weight [n, k], put, stored name)`` of every linear
+    :func:`write_compressed_tensors` quantizes: the attention and MLP projections of each layer and,
+    in an MoE layer, each expert's gate, up and down (transformers 5 holds them as one
+    ``experts.gate_up_proj [E, 2I, H]`` and ``experts.down_proj [E, H, I]``, and saves them per
+    expert, as these names). ``put(w)`` writes the dequantized weight into ``ref``; ``stored`` is
+    the state-dict entry the piece's quantized tensors replace."""
+    mods, refmods = dict(model.named_modules()), dict(ref.named_modules())
+    out = []
+    for i in range(model.config.num_hidden_layers):
+        for leaf in LINEARS:
+            name = f"model.layers.{i}.{leaf}"
+            if name in mods:
+                out.append((name, mods[name].weight.detach().float(), refmods[name].weight.copy_, f"{name}.weight"))
+        experts = f"model.layers.{i}.mlp.experts"
+        if experts not in mods or not hasattr(mods[experts], "gate_up_proj"):
+            continue
+        up, down = mods[experts].gate_up_proj.detach().float(), mods[experts].down_proj.detach().float()
+        r_up, r_down = refmods[experts].gate_up_proj, refmods[experts].down_proj
+        inter = up.shape[1] // 2
+        for e in range(up.shape[0]):
+            out += [(f"{experts}.{e}.gate_proj", up[e, :inter], r_up[e, :inter].copy_, f"{experts}.gate_up_proj"),
+                    (f"{experts}.{e}.up_proj", up[e, inter:], r_up[e, inter:].copy_, f"{experts}.gate_up_proj"),
+                    (f"{experts}.{e}.down_proj", down[e], r_down[e].copy_, f"{experts}.down_proj")]
+    return out
+
+
 def _save(model, directory, tensors: dict, quantization_config: dict, skip: set) -> None:
     """Write ``tensors`` (the quantized linears' stored tensors) and every other tensor of ``model``,
     and ``config.json`` with ``quantization_config``."""
@@ -75,13 +102,11 @@ def write_compressed_tensors(model, directory, *, fmt: str, weights: dict, input
     scheme = QuantizationScheme(targets=["Linear"], weights=args, input_activations=acts)
     comp = BaseCompressor.load_from_registry(fmt)
     ref = copy.deepcopy(model)
-    refmods = dict(ref.named_modules())
     tensors, skip, orders = {}, set(), {}
     gen = torch.Generator().manual_seed(0)
-    for name, m in _linears(model):
+    for name, w, put, stored_as in _pieces(model, ref):
         if name.rsplit(".", 1)[-1] in skip_modules:
             continue
-        w = m.weight.detach().float()
         n, k = w.shape
         g_idx, order = (_group_order(orders, name, k, args.group_size, gen, "shared") if act_order
                         else (None, torch.arange(k)))
@@ -100,9 +125,9 @@ def write_compressed_tensors(model, directory, *, fmt: str, weights: dict, input
                 stored["weight"] = q
             stored["weight_g_idx"] = g_idx.clone()
         tensors.update({f"{name}.{k}": v for k, v in stored.items()})
-        skip.add(f"{name}.weight")
+        skip.add(stored_as)
         with torch.no_grad():
-            refmods[name].weight.copy_(deq)
+            put(deq)
     group = {"targets": ["Linear"], "weights": {**args.model_dump(mode="json"), **({"actorder": "group"} if act_order
                                                                                    else {})},
              "input_activations": None if acts is None else acts.model_dump(mode="json"), "format": fmt}

@@ -91,6 +91,43 @@ def test_prequantized_checkpoint_scores_like_transformers(bases, tmp_path, case)
     assert not torch.allclose(ours, full, atol=1e-3), "the checkpoint's quantization changed nothing"
 
 
+MOE_CASES = [("int4-g32", dict(fmt="pack-quantized", weights=_int(4, group=32))),
+             ("int4-g32-zp", dict(fmt="pack-quantized", weights=_int(4, sym=False, group=32))),
+             ("int8-channel", dict(fmt="pack-quantized", weights=_int(8))),
+             ("fp8-channel", dict(fmt="float-quantized", weights=dict(num_bits=8, type="float", strategy="channel")))]
+
+
+@pytest.mark.parametrize("scheme,kw", MOE_CASES, ids=[c[0] for c in MOE_CASES])
+def test_compressed_tensors_moe_keeps_its_expert_stacks_quantized(tmp_path, scheme, kw):
+    """A compressed-tensors Qwen3-MoE (every expert's gate, up and down quantized, as checkpoints
+    such as Qwen3-30B-A3B w4a16 store them; the router ignored): each stack loads in the stored
+    scheme (``quant_moe_experts``) and the model scores like transformers running the dequantized
+    weights."""
+    pytest.importorskip("compressed_tensors")
+    base = base_model("qwen3_moe", tmp_path / "base")
+    ref = write_compressed_tensors(base, tmp_path / "q", ignore=("lm_head", "re:.*mlp.gate$"), **kw)
+    llm = _load(tmp_path / "q")
+    stacks = {n: p.quant.name if p.quant is not None else None for n, p in llm.model.named_parameters()
+              if ".experts." in f".{n}"}
+    assert stacks == {"model.layers.0.mlp.experts.gate_up_proj": scheme, "model.layers.0.mlp.experts.down_proj": scheme}
+    assert llm.model.get_submodule("model.layers.0.mlp.gate").weight.quant is None
+    assert "quant_moe_experts" in {n.op for n in llm.model.engine(gd.layers.Phase.PREFILL).net.nodes}
+    torch.testing.assert_close(llm.score(IDS), hf_logits(ref, IDS), atol=2e-4, rtol=2e-4)
+
+
+def test_quantized_experts_the_model_runs_on_the_host_are_refused(tmp_path):
+    """CPUExperts multiplies full-precision stacks: a checkpoint storing them quantized is an error
+    naming the stack, not a model that silently reads codes as weights."""
+    pytest.importorskip("compressed_tensors")
+    write_compressed_tensors(base_model("qwen3_moe", tmp_path / "base"), tmp_path / "q",
+                             ignore=("lm_head", "re:.*mlp.gate$"), fmt="pack-quantized", weights=_int(8))
+    rules = [{"match": {"name": r"^model\.layers\.\d+\.mlp\.experts$"},
+              "replace": {"class": "graphdsl.models.cpu_experts.CPUExperts", "kwargs": {"generate_device": "cpu"}}}]
+    with pytest.raises(GraphDSLError, match=r"stores the experts of 'model.layers.0.mlp.experts.gate_up_proj' "
+                                            r"quantized \(int8-channel\), but CPUExperts reads full-precision"):
+        gd.LLM(tmp_path / "q", device="cpu", max_model_len=64, max_num_seqs=1, optimize_rules=rules)
+
+
 def _patch_config(path, **changes):
     with open(os.path.join(path, "config.json")) as f:
         config = json.load(f)
