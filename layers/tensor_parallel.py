@@ -314,19 +314,15 @@ def _shard_attention(m: Attention, tp: TensorParallel) -> None:
 
 class _TPExperts(_SlotsFromTable, FusedExperts):
     """Experts, each split tensor-parallel over its intermediate size; partial outputs all-reduced.
-    Their shards stay in the model dtype under online quantization (not built for shards yet)."""
-
-    online_quantized = False
+    Online quantization stores a rank's shard of each stack (the down stack's groups and scales
+    over its share of the inputs)."""
 
     def forward(self, x, routing):
         return F.all_reduce(super().forward(x, routing), world_size=self.tp.world_size)
 
 
 class _EPExperts(_SlotsFromTable, FusedExperts):
-    """Experts ``[first, first + num_experts)`` held whole; their weighted outputs all-reduced.
-    In the model dtype under online quantization, as :class:`_TPExperts`."""
-
-    online_quantized = False
+    """Experts ``[first, first + num_experts)`` held whole; their weighted outputs all-reduced."""
 
     def forward(self, x, routing):
         mine = F.slice(routing, dim=-1, start=self.first_expert, end=self.first_expert + self.num_experts)

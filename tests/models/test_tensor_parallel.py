@@ -256,6 +256,28 @@ def test_online_quantization_quantizes_each_ranks_shard(quantization, tol):
         gd.LLM.from_config(hf, tensor_parallel_size=2, **dict(kw, quantization="int4-g128"))
 
 
+@pytest.mark.parametrize("expert_parallel", [False, True], ids=["tp", "ep"])
+def test_online_quantization_stores_each_ranks_expert_stacks(expert_parallel):
+    """A Qwen2-MoE quantized ``int4-g64`` at ``tensor_parallel_size=2``: each rank stores its experts
+    quantized — its half of every expert's intermediate rows (tensor parallel; groups of 64 lie
+    inside the shard) or its half of the experts whole (expert parallel) — so the split model is
+    the single-process quantized one: same logits, same greedy tokens."""
+    from tests.models.hf_tiny import make_config
+    hf = make_config("qwen2_moe", hidden_size=128, intermediate_size=256, moe_intermediate_size=128,
+                     shared_expert_intermediate_size=128).to_dict()
+    sp = gd.SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+    kw = dict(device="cpu", seed=3, num_kv_blocks=16, quantization="int4-g64")
+    with gd.LLM.from_config(hf, **kw) as one:
+        logits, tokens = one.score(IDS), one.generate([IDS], sp)[0].outputs[0].token_ids
+        assert one.model._bound["model.layers.0.mlp.experts.down_proj_scale"].shape == (4, 128, 2)
+    with gd.LLM.from_config(hf, tensor_parallel_size=2, expert_parallel=expert_parallel, **kw) as two:
+        stack = two.model.model.layers[0].mlp.experts.down_proj
+        assert stack.quant.name == "int4-g64"
+        assert two.model._bound[f"{stack.name}_scale"].shape == ((2, 128, 2) if expert_parallel else (4, 128, 1))
+        torch.testing.assert_close(two.score(IDS), logits, rtol=1e-4, atol=1e-4 * logits.abs().max().item())
+        assert two.generate([IDS], sp)[0].outputs[0].token_ids == tokens
+
+
 def test_kv_cache_memory_fraction_gives_every_rank_the_fewest_blocks(ckpts, references):
     """Each rank sizes its cache from its own free memory; the ranks then hold the least count."""
     logits, tokens = references(ckpts["llama"])
