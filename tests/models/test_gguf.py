@@ -313,6 +313,24 @@ def test_mixtral_as_llama_with_experts(tmp_path):
     assert (llm.score(ids) - ref).abs().max().item() <= 1e-4 * ref.abs().max().item()
 
 
+def test_gguf_blocks_kept_say_the_expert_stacks_are_not(tmp_path, caplog):
+    """``quantization='gguf'`` keeps a file's linear blocks but dequantizes MoE experts (no GGUF
+    grouped kernel): on an MoE model that is most of the weights, so one warning says how much
+    and what stores them quantized instead."""
+    import graphdsl as gd
+    torch.manual_seed(3)
+    cfg = transformers.MixtralConfig(vocab_size=96, hidden_size=64, intermediate_size=32, num_hidden_layers=2,
+                                     num_attention_heads=4, num_key_value_heads=2, num_local_experts=8,
+                                     num_experts_per_tok=2, max_position_embeddings=256, rms_norm_eps=1e-5)
+    path = tmp_path / "mixtral.gguf"
+    hf_model_to_gguf(path, transformers.MixtralForCausalLM(cfg).eval(), "llama", tokenizer_meta=_tok_meta(96))
+    with caplog.at_level("WARNING", logger="graphdsl.gguf"):
+        gd.LLM(str(path), device="cpu", max_model_len=64, quantization="gguf")
+    said = [r.getMessage() for r in caplog.records if "MoE expert stacks" in r.getMessage()]
+    assert len(said) == 1 and "the 4 MoE expert stacks (" in said[0] and "are dequantized" in said[0]
+    assert "quantization='int4'" in said[0]
+
+
 @pytest.mark.parametrize("arch", ["gemma", "gemma2"])
 def test_gemma_logits_through_llm(tmp_path, arch):
     """llama.cpp's Gemma GGUFs: norm weights stored as ``1 + w``, gemma2's four norms a layer and its
