@@ -252,7 +252,7 @@ class LLM:
                                       else read_generation_config(path))
             keep_blocks = wants_gguf_blocks(opts["quantization"], path if not gguf else None, "LLM: ")
             config, model_obj, dtype = self._architecture(hf, device, dtype, opts["max_model_len"], tp, opts)
-            stored = None if gguf else _checkpoint_quantization(model_obj, hf, opts["quantization"], tp)
+            stored = None if gguf else _checkpoint_quantization(model_obj, hf, opts["quantization"], tp, path)
             scheme = None if keep_blocks else _quantize_model(model_obj, opts["quantization"], tp)
             blocks = keep_gguf_blocks(model_obj, ckpt.block_types()) if keep_blocks else {}
             if gguf:
@@ -962,9 +962,11 @@ def _quantize_model(model: FlashCausalLM, quantization, tp=None):
     return scheme
 
 
-def _checkpoint_quantization(model: FlashCausalLM, hf: dict, quantization, tp):
+def _checkpoint_quantization(model: FlashCausalLM, hf: dict, quantization, tp, path: str):
     """A pre-quantized checkpoint's quantization (``config.json``'s ``quantization_config``), with
-    ``model``'s linears marked in the stored schemes; None for a full-precision checkpoint."""
+    ``model``'s linears marked in the stored schemes (its module patterns matched against the
+    names of the checkpoint at ``path``); None for a full-precision checkpoint."""
+    from graphdsl.runtime.loaders.safetensors import tensor_names
     stored = read_checkpoint_quantization(hf)
     if stored is None:
         return None
@@ -972,7 +974,7 @@ def _checkpoint_quantization(model: FlashCausalLM, hf: dict, quantization, tp):
     if tp is not None:
         raise GraphDSLError(f"LLM: a pre-quantized ({stored.method}) checkpoint does not load with "
                             "tensor_parallel_size > 1 yet (quantized weights are not sharded)")
-    mark_checkpoint_quantization(model, stored)
+    mark_checkpoint_quantization(model, stored, tensor_names(path))
     return stored
 
 

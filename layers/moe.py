@@ -68,7 +68,7 @@ class FusedExperts(Module):
     ``quant_moe_experts`` on their companions instead of ``moe_experts``.
     """
 
-    online_quantized = True     # online quantization stores the stacks in its scheme (one process, not TP)
+    online_quantized = True     # online quantization stores the stacks in its scheme (CPUExperts: False)
 
     def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int, act=F.ActType.SWIGLU,
                  dtype=None, sources: tuple[str, str, str] = ("gate_proj", "up_proj", "down_proj"),

@@ -99,7 +99,7 @@ def check_model(path: str | os.PathLike, custom_module_map: str | os.PathLike | 
     got = {n: s for n, s in got.items() if not model.is_ignored_checkpoint_name(n)}
     if stored is not None:
         try:
-            quantized = mark_checkpoint_quantization(model, stored)
+            quantized = mark_checkpoint_quantization(model, stored, headers)
         except GraphDSLError as e:
             report.problems.append(str(e))
             return report

@@ -50,14 +50,20 @@ def refuse_online_over_stored(quantization, stored, prefix: str = "") -> None:
                             f"({stored.method}, config.json's quantization_config): leave quantization unset")
 
 
-def mark_checkpoint_quantization(model: FlashCausalLM, quantization) -> list[str]:
+def mark_checkpoint_quantization(model: FlashCausalLM, quantization, checkpoint_names: Iterable[str] = ()) -> list[str]:
     """Give every linear weight and MoE expert stack of ``model`` the scheme a pre-quantized
     checkpoint stores it in (``quantization``: a
     :class:`~graphdsl.runtime.loaders.prequantized.CheckpointQuantization`); return the quantized
-    parameter names. The checkpoint linears packed into one parameter (q/k/v into ``qkv_proj``,
-    gate/up, every expert's pieces of a stack) must agree on the scheme, else an error names each
-    piece's; a stack stored quantized must be one that holds codes (not run on the host) in a
-    scheme stacks take."""
+    parameter names. ``checkpoint_names``: the checkpoint's tensor names, so the config's module
+    patterns match the modules as the checkpoint names them (Mixtral's ``block_sparse_moe.gate``
+    is graphdsl's ``mlp.gate``). The checkpoint linears packed into one parameter (q/k/v into
+    ``qkv_proj``, gate/up, every expert's pieces of a stack) must agree on the scheme, else an
+    error names each piece's; a stack stored quantized must be one that holds codes (not run on the
+    host) in a scheme stacks take."""
+    for name in checkpoint_names:
+        ours = model.checkpoint_name(name)
+        if ours != name:
+            quantization.originals[ours.rpartition(".")[0]] = name.rpartition(".")[0]
     table = model.checkpoint_table()
     dict(model.named_parameters())                      # name every parameter first
     params = {m.weight.name: m.weight for _, m in model.named_modules()

@@ -109,10 +109,17 @@ class CheckpointQuantization:
     optional: tuple[str, ...] = ()
     refused: dict = field(default_factory=dict)
     _chosen: dict = field(default_factory=dict)
+    #: graphdsl's module name -> the checkpoint's (before the model's renames): the config's module
+    #: patterns (``ignore``, ``targets``, ``modules_to_not_convert``) are written against the latter
+    originals: dict = field(default_factory=dict)
 
     def describe(self, module: str) -> str:
         """How the checkpoint stores ``module`` (for messages)."""
         return self.method
+
+    def source_module(self, module: str) -> str:
+        """The checkpoint's name of graphdsl's ``module`` (itself when not renamed or not known)."""
+        return self.originals.get(module, module)
 
     def scheme_for(self, module: str, out_features: int, in_features: int) -> QuantScheme | None:
         """Our scheme for the HF linear ``module`` of ``[out, in]`` (None: stored in full precision)."""
@@ -349,6 +356,7 @@ class _CompressedTensors(CheckpointQuantization):
                 f"{'' if w.get('symmetric', True) else ' asymmetric'}")
 
     def _group(self, module: str) -> _CtGroup | None:
+        module = self.source_module(module)
         if any(_ct_match(module, t) for t in self.ignore):
             return None
         return next((g for g in self.groups if any(t == "Linear" or _ct_match(module, t) for t in g.targets)), None)
@@ -479,7 +487,8 @@ class _Awq(CheckpointQuantization):
         return f"awq gemm int{self.bits} g{self.group}"
 
     def _scheme(self, module, in_features):
-        if module.split(".")[-1] == "lm_head" or any(s in module for s in self.skip):
+        source = self.source_module(module)
+        if module.split(".")[-1] == "lm_head" or any(s in source for s in self.skip):
             return None
         where = f"quantized linear {module + '.qweight'!r} ({self.describe(module)})"
         if self.bits != 4:
@@ -539,7 +548,8 @@ class _Gptq(CheckpointQuantization):
                 f"{' desc_act' if self.desc_act else ''}")
 
     def _scheme(self, module, in_features):
-        if (module.split(".")[-1] == "lm_head" and not self.lm_head) or any(s in module for s in self.skip):
+        source = self.source_module(module)
+        if (module.split(".")[-1] == "lm_head" and not self.lm_head) or any(s in source for s in self.skip):
             return None
         where = f"quantized linear {module + '.qweight'!r} ({self.describe(module)})"
         if self.bits != 4:

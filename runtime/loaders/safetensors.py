@@ -62,6 +62,21 @@ def safetensors_files(path: str | os.PathLike) -> list[tuple[str, list[str] | No
         + (f" (it has {found})" if found else " (no .safetensors files at all)"))
 
 
+def tensor_names(path: str | os.PathLike) -> list[str]:
+    """Every tensor name of the checkpoint at ``path`` (the index's, or each file's header)."""
+    from safetensors import safe_open
+    out = []
+    for file, names in safetensors_files(path):
+        if names is None:
+            try:
+                with safe_open(file, framework="pt") as f:
+                    names = list(f.keys())
+            except Exception as e:
+                raise GraphDSLError(f"{file!r} is not a readable safetensors file: {_why(e)}") from None
+        out += names
+    return out
+
+
 def _read_index(index: str) -> list[tuple[str, list[str] | None]]:
     try:
         with open(index, encoding="utf-8") as f:

@@ -16,13 +16,14 @@ from __future__ import annotations
 import copy
 import json
 import os
+import re
 
 import torch
 
 from graphdsl.quant import pack_int4, unpack_int4
 from tests.models.hf_tiny import make_checkpoint
 
-__all__ = ["LINEARS", "base_model", "write_compressed_tensors", "write_awq", "write_gptq"]
+__all__ = ["LINEARS", "base_model", "write_compressed_tensors", "write_awq", "write_gptq", "mixtral_names"]
 
 LINEARS = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj",
            "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj")
@@ -68,14 +69,16 @@ def _pieces(model, ref):
     return out
 
 
-def _save(model, directory, tensors: dict, quantization_config: dict, skip: set) -> None:
-    """Write ``tensors`` (the quantized linears' stored tensors) and every other tensor of ``model``,
-    and ``config.json`` with ``quantization_config``."""
+def _save(model, directory, tensors: dict, quantization_config: dict, skip: set, rename=None) -> None:
+    """Write ``tensors`` (the quantized linears' stored tensors) and every other tensor of ``model``
+    (every name through ``rename``, when given), and ``config.json`` with ``quantization_config``."""
     from safetensors.torch import save_file
     out = {k: v.detach().clone().contiguous() for k, v in model.state_dict().items() if k not in skip}
     if model.config.tie_word_embeddings:
         out.pop("lm_head.weight", None)
     out.update({k: v.contiguous() for k, v in tensors.items()})
+    if rename is not None:
+        out = {rename(k): v for k, v in out.items()}
     os.makedirs(directory, exist_ok=True)
     save_file(out, os.path.join(directory, "model.safetensors"), metadata={"format": "pt"})
     model.config.save_pretrained(directory)
@@ -87,11 +90,21 @@ def _save(model, directory, tensors: dict, quantization_config: dict, skip: set)
 
 
 # -- compressed-tensors ------------------------------------------------------------------------------
+def mixtral_names(name: str) -> str:
+    """transformers 5's Mixtral names as Mixtral checkpoints store them (``block_sparse_moe``, the
+    experts' ``w1``/``w3``/``w2``), for a ``rename`` of :func:`write_compressed_tensors`."""
+    name = name.replace(".mlp.gate.", ".block_sparse_moe.gate.")
+    for ours, theirs in (("gate_proj", "w1"), ("up_proj", "w3"), ("down_proj", "w2")):
+        name = re.sub(rf"\.mlp\.experts\.(\d+)\.{ours}\.", rf".block_sparse_moe.experts.\1.{theirs}.", name)
+    return name
+
+
 def write_compressed_tensors(model, directory, *, fmt: str, weights: dict, input_activations: dict | None = None,
-                             ignore=("lm_head",), skip_modules=(), act_order: bool = False):
+                             ignore=("lm_head",), skip_modules=(), act_order: bool = False, rename=None):
     """Quantize ``model``'s decoder linears with compressed-tensors' compressor for ``fmt``
     (``pack-quantized`` / ``naive-quantized`` / ``int-quantized`` / ``float-quantized``) and
-    ``weights`` (its QuantizationArgs fields); return the dequantized reference model.
+    ``weights`` (its QuantizationArgs fields); return the dequantized reference model. ``rename``
+    maps every written tensor name (a family's on-disk names: :func:`mixtral_names`).
     ``act_order`` writes the older ``actorder: group`` layout (int4 groups; the library no longer
     writes it): each group takes the inputs a random ``weight_g_idx`` assigns it (one order per
     input, as for :func:`write_gptq`), compressed in group order and stored back in input order."""
@@ -133,7 +146,7 @@ def write_compressed_tensors(model, directory, *, fmt: str, weights: dict, input
              "input_activations": None if acts is None else acts.model_dump(mode="json"), "format": fmt}
     qc = {"quant_method": "compressed-tensors", "format": fmt, "config_groups": {"group_0": group},
           "ignore": list(ignore), "quantization_status": "compressed"}
-    _save(model, directory, tensors, qc, skip)
+    _save(model, directory, tensors, qc, skip, rename)
     return ref
 
 

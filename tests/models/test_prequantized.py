@@ -12,7 +12,7 @@ import torch
 import graphdsl as gd
 from graphdsl.errors import GraphDSLError
 from tests.models.hf_tiny import hf_logits
-from tests.models.quant_checkpoints import base_model, write_awq, write_compressed_tensors, write_gptq
+from tests.models.quant_checkpoints import base_model, mixtral_names, write_awq, write_compressed_tensors, write_gptq
 
 IDS = [3, 17, 42, 99, 5, 120, 64, 7]
 
@@ -113,6 +113,26 @@ def test_compressed_tensors_moe_keeps_its_expert_stacks_quantized(tmp_path, sche
     assert llm.model.get_submodule("model.layers.0.mlp.gate").weight.quant is None
     assert "quant_moe_experts" in {n.op for n in llm.model.engine(gd.layers.Phase.PREFILL).net.nodes}
     torch.testing.assert_close(llm.score(IDS), hf_logits(ref, IDS), atol=2e-4, rtol=2e-4)
+
+
+def test_config_patterns_match_the_checkpoint_s_own_module_names(tmp_path):
+    """llm-compressor's Mixtral checkpoints ignore the router as ``re:.*block_sparse_moe.gate$``,
+    the name on disk; graphdsl calls it ``mlp.gate``. The pattern is matched against the
+    checkpoint's name, so the router loads in full precision and the experts quantized."""
+    pytest.importorskip("compressed_tensors")
+    base = base_model("mixtral", tmp_path / "base")
+    ref = write_compressed_tensors(base, tmp_path / "q", fmt="pack-quantized", weights=_int(4, group=32),
+                                   ignore=("lm_head", "re:.*block_sparse_moe.gate$"), rename=mixtral_names)
+    assert "model.layers.0.block_sparse_moe.experts.3.w2.weight_packed" in _tensor_names(tmp_path / "q")
+    llm = _load(tmp_path / "q")
+    assert llm.model.get_submodule("model.layers.0.mlp.gate").weight.quant is None
+    assert llm.model.get_submodule("model.layers.0.mlp.experts").down_proj.quant.name == "int4-g32"
+    torch.testing.assert_close(llm.score(IDS), hf_logits(ref, IDS), atol=2e-4, rtol=2e-4)
+
+
+def _tensor_names(path) -> set:
+    from graphdsl.runtime.loaders.safetensors import tensor_names
+    return set(tensor_names(path))
 
 
 def test_quantized_experts_the_model_runs_on_the_host_are_refused(tmp_path):
