@@ -90,9 +90,15 @@ def quant_moe_experts(x, routing, *stored, gate_up_scheme: str = "", down_scheme
     """:func:`moe_experts` with the stacks ``gate_up [E, 2I, H]`` and ``down [E, H, I]`` stored in
     quantization schemes: ``stored`` holds the gate/up stack's companions then the down stack's
     (:meth:`~graphdsl.quant.QuantScheme.stack_companions`: each expert's companions stacked). The
-    reference dequantizes both stacks to float32 and computes every expert densely in float32; the
-    result is in ``x``'s dtype."""
+    reference dequantizes to float32 the experts some token routes to (an expert with a zero
+    routing column adds exactly zero) and computes them densely in float32; the result is in
+    ``x``'s dtype."""
     _, _, up_t, down_t = _split_stacks(stored, gate_up_scheme, down_scheme, experts, hidden, intermediate)
-    gate_up = parse_scheme(gate_up_scheme).dequantize_stack(list(up_t), 2 * intermediate, hidden, torch.float32)
-    down = parse_scheme(down_scheme).dequantize_stack(list(down_t), hidden, intermediate, torch.float32)
-    return moe_experts.opdef.reference(x.float(), routing, gate_up, down, act=act).to(x.dtype)
+    used = routing.ne(0).any(0).nonzero().flatten()
+    if used.numel() == 0:
+        return torch.zeros_like(x)
+    pick = [t.index_select(0, used.to(t.device)) for t in up_t], [t.index_select(0, used.to(t.device)) for t in down_t]
+    gate_up = parse_scheme(gate_up_scheme).dequantize_stack(pick[0], 2 * intermediate, hidden, torch.float32)
+    down = parse_scheme(down_scheme).dequantize_stack(pick[1], hidden, intermediate, torch.float32)
+    return moe_experts.opdef.reference(x.float(), routing.index_select(1, used), gate_up, down,
+                                       act=act).to(x.dtype)

@@ -226,3 +226,20 @@ def test_quantized_experts_record_quant_moe_experts(tmp_path):
     with Network("half") as half, pytest.raises(GraphDSLError, match="must both be quantized or neither"):
         m(Tensor("x", (3, hidden), torch.float32), Tensor("routing", (3, experts), torch.float32))
     del half
+
+
+def test_the_quantized_experts_reference_reads_only_routed_experts():
+    """The CPU reference dequantizes only the experts some token routes to (a real MoE model has
+    many more experts than a step uses): an unrouted expert's damaged scales change nothing."""
+    s = parse_scheme("int4-g32")
+    g = torch.Generator().manual_seed(5)
+    up, down = s.quantize_stack(torch.randn(4, 64, 64, generator=g)), s.quantize_stack(torch.randn(4, 64, 32, generator=g))
+    x, routing = torch.randn(3, 64, generator=g), torch.zeros(3, 4)
+    routing[:, 1], routing[0, 3] = 0.7, 0.3
+    kw = dict(gate_up_scheme="int4-g32", down_scheme="int4-g32", experts=4, hidden=64, intermediate=32)
+    ref = F.quant_moe_experts.opdef.reference
+    want = ref(x, routing, *up, *down, **kw)
+    up[1][[0, 2]] = float("nan")
+    got = ref(x, routing, *up, *down, **kw)
+    assert torch.equal(got, want) and torch.isfinite(got).all()
+    assert torch.equal(ref(x[:0], routing[:0], *up, *down, **kw), x[:0])
