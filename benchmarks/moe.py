@@ -75,6 +75,9 @@ def main(argv=None) -> int:
     ap.add_argument("--sweep", action="store_true", help="try launch configs (gate/up, then down)")
     ap.add_argument("--schemes", nargs="*", default=[], help="also time the stacks stored in these schemes")
     args = ap.parse_args(argv)
+    if not torch.cuda.is_available():
+        print("moe.py needs a CUDA GPU", file=sys.stderr)
+        return 2
     e, k, h, i = SHAPES[args.shape]
     copy = copy_bandwidth_gbs()
     gen = torch.Generator(device="cuda").manual_seed(0)
