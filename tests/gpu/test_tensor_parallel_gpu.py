@@ -94,6 +94,20 @@ def test_tp2_matches_tp1(ckpts, name, kw):
     assert got_tokens == tokens
 
 
+@pytest.mark.parametrize("expert_parallel", [False, True], ids=["tp", "ep"])
+def test_tp2_quantized_expert_stacks_match_tp1(ckpts, expert_parallel):
+    """int8 expert stacks on two GPUs (the quantized grouped kernels after the split): expert
+    parallel holds whole experts, so it is the one-GPU quantized model; tensor parallel's down
+    stack takes per-row scales over each rank's half of the inputs, so its logits agree within
+    int8's rounding."""
+    logits, tokens = _run(ckpts["qwen2_moe"], 1, quantization="int8")
+    got, got_tokens = _run(ckpts["qwen2_moe"], 2, quantization="int8", expert_parallel=expert_parallel)
+    tol = 1e-3 if expert_parallel else 2e-2
+    torch.testing.assert_close(got, logits, rtol=tol, atol=tol * logits.abs().max().item())
+    if expert_parallel:
+        assert got_tokens == tokens
+
+
 def _torchrun_rank(rank: int, world: int, path: str):
     import graphdsl as gd
     try:
