@@ -956,8 +956,8 @@ def _quantize_model(model: FlashCausalLM, quantization, tp=None):
         share = sum(math.prod(p.shape) for p in dense.values()) / max(total, 1)
         logging.getLogger("graphdsl.quant").warning(
             "quantization=%r: the %d MoE expert stacks (%.0f%% of the weights) stay in the model dtype: stacks "
-            "take fp8, int8 and int4 weight-only schemes, and experts run on the host (CPUExperts) are not "
-            "quantized (docs/quantization.md)",
+            "take fp8, int8 and int4 weight-only schemes, experts run on the host (CPUExperts) int8 and int4 "
+            "(docs/quantization.md)",
             quantization, len(dense), 100 * share)
     return scheme
 

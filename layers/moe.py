@@ -68,7 +68,13 @@ class FusedExperts(Module):
     ``quant_moe_experts`` on their companions instead of ``moe_experts``.
     """
 
-    online_quantized = True     # online quantization stores the stacks in its scheme (CPUExperts: False)
+    online_quantized = True     # online quantization stores the stacks in its scheme
+    runs_schemes = "fp8-channel, int8-channel and int4-g{32,64,128}[-zp] stacks"      # for messages
+
+    def takes_scheme(self, scheme) -> bool:
+        """Whether this module runs stacks stored in ``scheme`` (a module that runs them elsewhere
+        may take fewer)."""
+        return scheme.stackable
 
     def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int, act=F.ActType.SWIGLU,
                  dtype=None, sources: tuple[str, str, str] = ("gate_proj", "up_proj", "down_proj"),

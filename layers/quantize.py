@@ -4,8 +4,8 @@ full-precision weights into the scheme's stored tensors (the companions ``F.line
 The projections of :mod:`graphdsl.layers.linear` (attention, MLP, and whatever else is built from
 them) and the MoE expert stacks of :class:`~graphdsl.layers.FusedExperts` (each expert's weights in
 the scheme, stacked; under tensor parallelism a rank's shards) are quantized; embeddings, norms, MoE
-routers and shared-expert gates, experts run on the host (``online_quantized = False``) and, by
-default, ``lm_head`` stay in the model dtype.
+routers and shared-expert gates, stacks in a scheme their module does not run (``takes_scheme``:
+fp8 for experts on the host) and, by default, ``lm_head`` stay in the model dtype.
 """
 from __future__ import annotations
 
@@ -33,8 +33,8 @@ BLOCK_DEVICES = ("cuda",)  # where a bind stores codes in blocks (store_codes_in
 def quantize_linears(model: Module, scheme: QuantScheme | str, *, skip: tuple[str, ...] = ("lm_head",)) -> list[str]:
     """Set ``scheme`` on every linear weight and MoE expert stack of ``model`` but the modules at
     paths in ``skip`` and those that keep their precision (``online_quantized`` false: MoE routers
-    and gates, host experts; stacks under a scheme they cannot take, such as fp8 with
-    dynamic activation scales); return the quantized parameter names. The bare method
+    and gates; stacks under a scheme their module does not take, ``FusedExperts.takes_scheme``:
+    fp8 with dynamic activation scales, fp8 on the host); return the quantized parameter names. The bare method
     ``"int4"`` takes groups of 128, or 64 / 32 for a weight whose input count 128 does not divide. A
     weight the scheme cannot hold (an input count not a multiple of the group) is an error naming it
     and the scheme."""
@@ -47,7 +47,7 @@ def quantize_linears(model: Module, scheme: QuantScheme | str, *, skip: tuple[st
             continue
         if isinstance(m, (ColumnParallelLinear, RowParallelLinear)):
             weights = [m.weight]
-        elif isinstance(m, FusedExperts) and scheme.stackable:
+        elif isinstance(m, FusedExperts) and m.takes_scheme(scheme):
             weights = [m.gate_up_proj, m.down_proj]
         else:
             continue

@@ -96,10 +96,10 @@ class FlashCausalLM(Module):
         return any(re.search(p, name) for p in self.ignored_checkpoint_names)
 
     def parameter_devices(self) -> dict[str, str]:
-        """``{parameter: device}`` for parameters placed off the model's device: by an injected
-        module's ``weight_device`` (e.g. :class:`~graphdsl.models.cpu_experts.CPUExperts` on the
-        host), or by an optimize rule's placement of their module (``generate_device``, a
-        ``transfer_map``)."""
+        """``{parameter: device}`` for parameters placed off the model's device (a quantized
+        weight's companions with it): by an injected module's ``weight_device`` (e.g.
+        :class:`~graphdsl.models.cpu_experts.CPUExperts` on the host), or by an optimize rule's
+        placement of their module (``generate_device``, a ``transfer_map``)."""
         from .injection import placement_of
         out = {}
         for path, m in self.named_modules():
@@ -107,8 +107,12 @@ class FlashCausalLM(Module):
             if dev is None and m._parameters:
                 p = placement_of(self, path)
                 dev = None if p is None else p.generate
-            if dev is not None:
-                out.update({f"{path}.{leaf}": dev for leaf in m._parameters})
+            if dev is None:
+                continue
+            for leaf, p in m._parameters.items():
+                out[f"{path}.{leaf}"] = dev
+                if getattr(p, "quant", None) is not None:       # a quantized weight lives in its companions
+                    out.update((c.name, dev) for c in p.companions())
         return out
 
     def layer_devices(self, home) -> list[str]:

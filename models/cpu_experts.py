@@ -16,6 +16,12 @@ loader puts them there: :attr:`CPUExperts.weight_device`). The math is :func:`gr
 
 computed per expert over the tokens routed to it (gather, two GEMMs, scatter-add in float32).
 The op synchronises with the host, so models using it run decode without CUDA graphs.
+
+Under ``quantization="int8"`` or ``"int4"`` (online, or a pre-quantized checkpoint in those schemes)
+the host holds the stacks' codes, a half or a quarter of the memory, and multiplies bf16/fp16
+activations through torch's CPU weight-only kernels (``torch._weight_int8pack_mm``,
+``torch._weight_int4pack_mm_for_cpu``: ``W = (q - 8) · s + z`` per group, so a stored zero point ``zp``
+becomes ``z = (8 - zp) · s``); float32 activations multiply each chosen expert's dequantized weights.
 """
 from __future__ import annotations
 
@@ -29,6 +35,7 @@ from graphdsl import functional as F
 from graphdsl.errors import GraphDSLError
 from graphdsl.opdef import get_op
 from graphdsl.layers import FusedExperts
+from graphdsl.quant import IntScheme, QuantScheme
 
 from .injection import Placement
 
@@ -76,7 +83,11 @@ class CPUExperts(FusedExperts):
 
     cuda_graph_safe = False
     weight_device = "cpu"
-    online_quantized = False     # the host GEMMs read full-precision stacks
+    runs_schemes = "int8-channel and int4-g{32,64,128}[-zp] stacks"
+
+    def takes_scheme(self, scheme: QuantScheme) -> bool:
+        """int8 and int4 stacks (torch has CPU kernels for them); fp8 stays in the model dtype."""
+        return isinstance(scheme, IntScheme) and scheme.stackable
 
     def __init__(self, key: str, config, orig_module, *, device: str | None = None, generate_device: str | None = None,
                  prefill_device: str | None = None, out_device: str | None = None, generate_op: str = "torch",
@@ -107,10 +118,13 @@ class CPUExperts(FusedExperts):
         return cpu_moe_experts(x, routing, store=self.store_key, act=self.act, top_k=self.top_k)
 
     def bind_weights(self, weights: dict, path: str) -> None:
-        """Take this module's stacked weights (``{path}.gate_up_proj``, ``{path}.down_proj``) from the
-        bound weights, on the host."""
-        gate_up, down = weights[f"{path}.gate_up_proj"], weights[f"{path}.down_proj"]
-        object.__setattr__(self, "host_weights", (gate_up.to("cpu"), down.to("cpu")))
+        """Take this module's stacked weights (``{path}.gate_up_proj``, ``{path}.down_proj``, or a
+        quantized stack's companions) from the bound weights, on the host."""
+        stacks = []
+        for p in (self.gate_up_proj, self.down_proj):
+            names = [c.name for c in p.companions()] if p.quant is not None else [p.name]
+            stacks.append(HostStack(p.quant, [weights[n].to("cpu") for n in names], tuple(p.shape[1:])))
+        object.__setattr__(self, "host_weights", tuple(stacks))
 
     def run(self, x: torch.Tensor, routing: torch.Tensor, act, top_k) -> torch.Tensor:
         """The op's body: route on ``x``'s device, compute on the host, return on ``x``'s device."""
@@ -123,7 +137,7 @@ class CPUExperts(FusedExperts):
         out = torch.zeros(xh.shape, dtype=torch.float32)
         flat = ids.reshape(-1)
         order = torch.argsort(flat, stable=True)
-        counts = torch.bincount(flat, minlength=gate_up.shape[0]).tolist()
+        counts = torch.bincount(flat, minlength=gate_up.experts).tolist()
         start = 0
         for e, n in enumerate(counts):
             if n == 0:
@@ -132,12 +146,61 @@ class CPUExperts(FusedExperts):
             start += n
             tok = sel // k
             h = xh[tok].to(gate_up.dtype)
-            gate, up = (h @ gate_up[e].mT).chunk(2, dim=-1)
+            gate, up = gate_up.mm(e, h).chunk(2, dim=-1)
             a = torch.nn.functional.silu(gate) if act is F.ActType.SWIGLU else \
                 torch.nn.functional.gelu(gate, approximate="tanh")
-            y = (a * up) @ down[e].mT
+            y = down.mm(e, (a * up).to(down.dtype))
             out.index_add_(0, tok, y.float() * w.reshape(-1)[sel].unsqueeze(-1))
         return out.to(dtype=x.dtype).to(x.device)
 
     def extra_repr(self) -> str:
         return super().extra_repr() + ", device=cpu"
+
+
+class HostStack:
+    """One expert stack on the host and ``mm(e, h) = h @ W_eᵀ`` for expert ``e``: the weights
+    themselves (``scheme`` None), or int8 / int4 codes (:class:`~graphdsl.quant.IntScheme` stacks)
+    through torch's CPU weight-only kernels when ``h`` is bf16 or fp16, else (float32) each call's
+    expert dequantized by the scheme (exact to the op's reference)."""
+
+    def __init__(self, scheme: IntScheme | None, tensors: list[torch.Tensor], shape: tuple[int, int]):
+        self.scheme, self.tensors, (self.rows, self.inputs) = scheme, tensors, shape
+        self.experts = tensors[0].shape[0]
+        self.dtype = tensors[0].dtype if scheme is None else tensors[1].dtype      # the scales': the model's
+        self.kernel = None
+        if scheme is not None and self.dtype in (torch.bfloat16, torch.float16):
+            self.kernel = self._int8() if scheme.bits == 8 else self._int4()
+
+    def _int8(self) -> tuple:
+        codes, scales = self.tensors
+        return codes, scales.reshape(self.experts, self.rows)
+
+    def _int4(self) -> tuple | None:
+        """Per expert, the codes in the CPU int4 kernel's tiles and its ``[groups, rows, 2]``
+        (scale, zero) in the activations' dtype; None when the kernel cannot take the shape."""
+        from graphdsl.quant import unpack_int4
+        codes, scales = self.tensors[:2]
+        zp = self.tensors[2].float() if self.scheme.zero_point else 8.0
+        packed, sz = [], []
+        try:
+            for e in range(self.experts):
+                q = unpack_int4(codes[e]).to(torch.int32)
+                packed.append(torch._convert_weight_to_int4pack_for_cpu(q, 2))
+                s = scales[e].float()
+                z = (8.0 - (zp[e] if self.scheme.zero_point else zp)) * s
+                sz.append(torch.stack([s.T, z.T], -1).to(self.dtype).contiguous())
+        except RuntimeError:           # a shape the packed layout does not take: dequantize per call
+            return None
+        return packed, sz
+
+    def mm(self, e: int, h: torch.Tensor) -> torch.Tensor:
+        if self.scheme is None:
+            return h @ self.tensors[0][e].mT
+        if self.kernel is not None and h.dtype == self.dtype:
+            if self.scheme.bits == 8:
+                codes, scales = self.kernel
+                return torch._weight_int8pack_mm(h, codes[e], scales[e])
+            packed, sz = self.kernel
+            return torch._weight_int4pack_mm_for_cpu(h, packed[e], self.scheme.group_size, sz[e])
+        w = self.scheme.dequantize([t[e] for t in self.tensors], self.rows, self.inputs, torch.float32)
+        return (h.float() @ w.T).to(h.dtype)

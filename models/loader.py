@@ -87,10 +87,9 @@ def mark_checkpoint_quantization(model: FlashCausalLM, quantization, checkpoint_
         scheme = got[0][1]
         if scheme is None:
             continue
-        if param in stacks and not stacks[param].online_quantized:
-            raise GraphDSLError(f"the checkpoint stores the experts of {param!r} quantized ({scheme.name}), but "
-                                f"{type(stacks[param]).__name__} reads full-precision stacks; load it without "
-                                "the rule that moves them")
+        if param in stacks and not stacks[param].takes_scheme(scheme):
+            raise GraphDSLError(f"the checkpoint stores the experts of {param!r} quantized ({scheme.name}), which "
+                                f"{type(stacks[param]).__name__} does not run (it runs {stacks[param].runs_schemes})")
         params[param].quantize(scheme)
         names.append(param)
     return names

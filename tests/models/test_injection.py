@@ -72,6 +72,43 @@ def test_cpu_experts_equal_fused_experts(family):
     assert _greedy(base) == _greedy(cpu)
 
 
+@pytest.mark.parametrize("quantization", ["int8", "int4-g32", "int4-g32-zp"])
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_cpu_experts_hold_int8_and_int4_codes(quantization, dtype):
+    """Under online int8 / int4 the host keeps the stacks' codes (a half / a quarter of their bytes)
+    and equals the quantized fused experts: exactly in float32 (each chosen expert dequantized), and
+    through torch's CPU weight-only kernels within bf16's rounding."""
+    hf = make_config("mixtral", intermediate_size=64).to_dict()
+    kw = dict(device="cpu", dtype=dtype, max_model_len=64, seed=3, quantization=quantization)
+    base = gd.LLM.from_config(hf, **kw)
+    cpu = gd.LLM.from_config(hf, optimize_rules=CPU_RULES, **kw)
+    experts = cpu.model.model.layers[0].mlp.experts
+    assert type(experts).__name__ == "CPUExperts" and experts.gate_up_proj.quant.name.startswith(quantization[:4])
+    up = experts.host_weights[0]
+    assert up.tensors[0].dtype in (torch.int8, torch.uint8) and up.tensors[0].device.type == "cpu"
+    assert (up.kernel is not None) == (dtype == "bfloat16")
+    ids = [1, 7, 3, 11, 2, 9, 4]
+    want, got = base.score(ids), cpu.score(ids)
+    tol = 1e-5 if dtype == "float32" else 3e-2
+    torch.testing.assert_close(got, want, rtol=tol, atol=tol * want.abs().max().item())
+
+
+def test_cpu_experts_keep_fp8_stacks_in_the_model_dtype(caplog):
+    """No CPU kernel reads fp8 codes: under fp8 the host stacks stay full precision, with the warning."""
+    hf = make_config("mixtral").to_dict()
+    with caplog.at_level("WARNING", logger="graphdsl.quant"):
+        cpu = gd.LLM.from_config(hf, device="cpu", dtype="float32", max_model_len=64, seed=3, quantization="fp8",
+                                 optimize_rules=CPU_RULES)
+    assert cpu.model.model.layers[0].mlp.experts.gate_up_proj.quant is None
+    assert any("MoE expert stacks" in r.getMessage() for r in caplog.records)
+    assert cpu.model.model.layers[0].self_attn.qkv_proj.weight.quant.name == "fp8-channel"
+
+
+CPU_RULES = [{"match": {"name": r"\.experts$", "class": "graphdsl.layers.FusedExperts"},
+              "replace": {"class": "graphdsl.models.cpu_experts.CPUExperts", "kwargs": {"generate_device": "cpu"}},
+              "recursive": False}]
+
+
 # -- malformed rules: each names the rule index, the field and the value -------------------------
 _BAD = [
     ([{"match": {"name": "x"}, "replce": {}}], "optimize rule 0: field 'replce'", "not a known key"),

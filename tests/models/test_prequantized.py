@@ -135,16 +135,34 @@ def _tensor_names(path) -> set:
     return set(tensor_names(path))
 
 
-def test_quantized_experts_the_model_runs_on_the_host_are_refused(tmp_path):
-    """CPUExperts multiplies full-precision stacks: a checkpoint storing them quantized is an error
-    naming the stack, not a model that silently reads codes as weights."""
+def test_int8_experts_load_onto_the_host(tmp_path):
+    """A compressed-tensors int8 Qwen3-MoE with its experts moved to the host (CPUExperts): the
+    codes are placed there (the companions follow their stack's device) and it scores like
+    transformers on the dequantized weights."""
+    pytest.importorskip("compressed_tensors")
+    ref = write_compressed_tensors(base_model("qwen3_moe", tmp_path / "base"), tmp_path / "q",
+                                   ignore=("lm_head", "re:.*mlp.gate$"), fmt="pack-quantized", weights=_int(8))
+    rules = [{"match": {"name": r"^model\.layers\.\d+\.mlp\.experts$"},
+              "replace": {"class": "graphdsl.models.cpu_experts.CPUExperts", "kwargs": {"generate_device": "cpu"}}}]
+    llm = gd.LLM(tmp_path / "q", device="cpu", max_model_len=64, max_num_seqs=1, optimize_rules=rules)
+    experts = llm.model.get_submodule("model.layers.0.mlp.experts")
+    assert type(experts).__name__ == "CPUExperts" and experts.down_proj.quant.name == "int8-channel"
+    assert llm.model.parameter_devices()["model.layers.0.mlp.experts.down_proj_scale"] == "cpu"
+    torch.testing.assert_close(llm.score(IDS), hf_logits(ref, IDS), atol=2e-4, rtol=2e-4)
+
+
+def test_quantized_experts_the_host_cannot_run_are_refused(tmp_path):
+    """CPUExperts runs int8 and int4 stacks (torch's CPU kernels), not fp8: a checkpoint storing
+    them so is an error naming the stack, not a model that silently reads codes as weights."""
     pytest.importorskip("compressed_tensors")
     write_compressed_tensors(base_model("qwen3_moe", tmp_path / "base"), tmp_path / "q",
-                             ignore=("lm_head", "re:.*mlp.gate$"), fmt="pack-quantized", weights=_int(8))
+                             ignore=("lm_head", "re:.*mlp.gate$"), fmt="float-quantized",
+                             weights=dict(num_bits=8, type="float", strategy="channel"))
     rules = [{"match": {"name": r"^model\.layers\.\d+\.mlp\.experts$"},
               "replace": {"class": "graphdsl.models.cpu_experts.CPUExperts", "kwargs": {"generate_device": "cpu"}}}]
     with pytest.raises(GraphDSLError, match=r"stores the experts of 'model.layers.0.mlp.experts.gate_up_proj' "
-                                            r"quantized \(int8-channel\), but CPUExperts reads full-precision"):
+                                            r"quantized \(fp8-channel\), which CPUExperts does not run \(it runs "
+                                            r"int8-channel and int4"):
         gd.LLM(tmp_path / "q", device="cpu", max_model_len=64, max_num_seqs=1, optimize_rules=rules)
 
 
