@@ -50,7 +50,7 @@ def main(argv=None) -> int:
         h = torch.randn(rows, hidden).bfloat16()
         base = None
         for name, st in stacks.items():
-            mb = sum(t[0].numel() * t.element_size() for t in st.tensors) / 1e6
+            mb = st.nbytes() / st.experts / 1e6
             us = _us(lambda: st.mm(1, h))
             base = base or us
             print(f"| {rows} | {name} | {mb:.3g} | {us:.0f} | {base / us:.2f} |", flush=True)

@@ -170,6 +170,8 @@ class HostStack:
         self.kernel = None
         if scheme is not None and self.dtype in (torch.bfloat16, torch.float16):
             self.kernel = self._int8() if scheme.bits == 8 else self._int4()
+            if self.kernel is not None and scheme.bits == 4:
+                self.tensors = []          # the kernel's tiles hold the codes: keep one copy
 
     def _int8(self) -> tuple:
         codes, scales = self.tensors
@@ -193,14 +195,21 @@ class HostStack:
             return None
         return packed, sz
 
+    def nbytes(self) -> int:
+        """Host bytes the stack holds."""
+        held = list(self.tensors) + [t for part in (self.kernel or ()) for t in
+                                     (part if isinstance(part, list) else [part])]
+        return sum({t.data_ptr(): t.numel() * t.element_size() for t in held}.values())
+
     def mm(self, e: int, h: torch.Tensor) -> torch.Tensor:
         if self.scheme is None:
             return h @ self.tensors[0][e].mT
-        if self.kernel is not None and h.dtype == self.dtype:
+        if self.kernel is not None:
+            x = h.to(self.dtype)
             if self.scheme.bits == 8:
                 codes, scales = self.kernel
-                return torch._weight_int8pack_mm(h, codes[e], scales[e])
+                return torch._weight_int8pack_mm(x, codes[e], scales[e]).to(h.dtype)
             packed, sz = self.kernel
-            return torch._weight_int4pack_mm_for_cpu(h, packed[e], self.scheme.group_size, sz[e])
+            return torch._weight_int4pack_mm_for_cpu(x, packed[e], self.scheme.group_size, sz[e]).to(h.dtype)
         w = self.scheme.dequantize([t[e] for t in self.tensors], self.rows, self.inputs, torch.float32)
         return (h.float() @ w.T).to(h.dtype)

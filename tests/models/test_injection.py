@@ -1,5 +1,6 @@
 """Optimize rules (graphdsl.models.injection): kept modules change nothing, an injected module changes
 exactly what it replaces, CPU experts equal the fused ones, and every malformed rule names itself."""
+import math
 import warnings
 
 import pytest
@@ -85,7 +86,10 @@ def test_cpu_experts_hold_int8_and_int4_codes(quantization, dtype):
     experts = cpu.model.model.layers[0].mlp.experts
     assert type(experts).__name__ == "CPUExperts" and experts.gate_up_proj.quant.name.startswith(quantization[:4])
     up = experts.host_weights[0]
-    assert up.tensors[0].dtype in (torch.int8, torch.uint8) and up.tensors[0].device.type == "cpu"
+    dense = base.model._bound["model.layers.0.mlp.experts.gate_up_proj_scale"].element_size()   # the model dtype's
+    codes = up.rows * up.inputs * up.experts * (1 if quantization == "int8" else 0.5)
+    assert codes <= up.nbytes() < 2 * codes, "the host holds one copy of the codes (and their scales)"
+    assert up.nbytes() < math.prod(experts.gate_up_proj.shape) * dense
     assert (up.kernel is not None) == (dtype == "bfloat16")
     ids = [1, 7, 3, 11, 2, 9, 4]
     want, got = base.score(ids), cpu.score(ids)
