@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import itertools
 import logging
-import math
 import os
 import sys
 import time
@@ -22,7 +21,7 @@ import torch
 from graphdsl.env import warn_unknown_env_vars
 from graphdsl.errors import GraphDSLError
 from graphdsl.layers import quantize_linears, quantize_weights, scheme_counts
-from graphdsl.layers.quantize import dense_expert_stacks
+from graphdsl.layers.quantize import dense_expert_share
 from graphdsl.models.executor import ModelExecutor
 from graphdsl.quant import online_scheme
 from graphdsl.runtime.device import check_device, default_device, machine_devices, on_device
@@ -950,15 +949,13 @@ def _quantize_model(model: FlashCausalLM, quantization, tp=None):
             raise
         raise GraphDSLError(f"{e} (a rank's shard at tensor_parallel_size={tp.world_size}: row-parallel layers "
                             f"hold 1/{tp.world_size} of the inputs)") from None
-    dense = dense_expert_stacks(model)
+    dense, share = dense_expert_share(model)
     if dense:
-        total = sum(math.prod(p.shape) for _, p in model.named_parameters())
-        share = sum(math.prod(p.shape) for p in dense.values()) / max(total, 1)
         logging.getLogger("graphdsl.quant").warning(
             "quantization=%r: the %d MoE expert stacks (%.0f%% of the weights) stay in the model dtype: stacks "
             "take fp8, int8 and int4 weight-only schemes, experts run on the host (CPUExperts) int8 and int4 "
             "(docs/quantization.md)",
-            quantization, len(dense), 100 * share)
+            quantization, dense, 100 * share)
     return scheme
 
 

@@ -10,6 +10,7 @@ fp8 for experts on the host) and, by default, ``lm_head`` stay in the model dtyp
 from __future__ import annotations
 
 import collections
+import math
 from typing import Mapping
 
 import torch
@@ -21,7 +22,7 @@ from graphdsl.quant import PERM_SUFFIX, IntScheme, QuantMethod, QuantScheme, onl
 from .linear import ColumnParallelLinear, RowParallelLinear
 from .moe import FusedExperts
 
-__all__ = ["quantize_linears", "scheme_counts", "dense_expert_stacks", "quantize_weights", "fold_input_order",
+__all__ = ["quantize_linears", "scheme_counts", "dense_expert_share", "quantize_weights", "fold_input_order",
            "FOLD_INPUT_ORDER", "store_codes_in_blocks", "bound_scheme", "INT4_BLOCKS", "GGUF_BLOCKS", "BLOCK_DEVICES"]
 
 FOLD_INPUT_ORDER = True    # False: act-order down projections keep their gather (the A/B, and a reference)
@@ -64,10 +65,14 @@ def scheme_counts(model: Module) -> str | None:
     return ", ".join(f"{name} x{n}" for name, n in counts.most_common()) or None
 
 
-def dense_expert_stacks(model: Module) -> dict:
-    """``{name: parameter}`` of the MoE expert stacks (``[experts, ...]`` weights under ``.experts.``)
-    that stay full precision: online quantization stores only the attention and dense MLP projections."""
-    return {n: p for n, p in model.named_parameters() if ".experts." in f".{n}" and p.quant is None and len(p.shape) == 3}
+def dense_expert_share(model: Module) -> tuple[int, float]:
+    """``(count, share)`` of the MoE expert stacks (``[experts, ...]`` weights under ``.experts.``)
+    left in full precision, and the fraction of all of ``model``'s weights they hold (for the
+    warnings that say how much of an MoE model a quantization leaves dense)."""
+    params = dict(model.named_parameters())
+    dense = [p for n, p in params.items() if ".experts." in f".{n}" and p.quant is None and len(p.shape) == 3]
+    total = sum(math.prod(p.shape) for p in params.values())
+    return len(dense), sum(math.prod(p.shape) for p in dense) / max(total, 1)
 
 
 def _int4_group(scheme: IntScheme, weight) -> IntScheme:

@@ -123,7 +123,7 @@ def check_model(path: str | os.PathLike, custom_module_map: str | os.PathLike | 
 
 def _check_online_quantization(report: ModelCheck, model, quantization, stored, gguf: bool) -> None:
     """What ``LLM(..., quantization=)`` would refuse, as problems; the schemes it would store, as a note."""
-    from graphdsl.layers.quantize import dense_expert_stacks, quantize_linears, scheme_counts
+    from graphdsl.layers.quantize import dense_expert_share, quantize_linears, scheme_counts
     try:
         refuse_online_over_stored(quantization, stored)
         if wants_gguf_blocks(quantization, None if gguf else report.path):
@@ -133,7 +133,7 @@ def _check_online_quantization(report: ModelCheck, model, quantization, stored, 
     except GraphDSLError as e:
         report.problems.append(str(e))
         return
-    dense = len(dense_expert_stacks(model))
+    dense, _ = dense_expert_share(model)
     report.notes.append(f"quantization={quantization!r}: the linear weights load in {scheme_counts(model) or 'no scheme'}"
                         + (f"; {dense} MoE expert stacks stay in the model dtype" if dense else ""))
 

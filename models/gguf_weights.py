@@ -23,7 +23,6 @@ their ``_packed`` companions (``blocks=`` the returned names) and dequantizes ev
 from __future__ import annotations
 
 import logging
-import math
 from typing import Mapping
 
 from graphdsl.layers import ColumnParallelLinear, RowParallelLinear
@@ -101,12 +100,10 @@ def keep_gguf_blocks(model: FlashCausalLM, tensor_types: Mapping[str, str], *,
 def _warn_dense_experts(model: FlashCausalLM) -> None:
     """One warning when ``model`` has MoE expert stacks: the file's expert blocks are dequantized
     (no GGUF grouped kernel yet), and on an MoE model they are most of the weights."""
-    from graphdsl.layers.quantize import dense_expert_stacks
-    stacks = dense_expert_stacks(model)
+    from graphdsl.layers.quantize import dense_expert_share
+    stacks, share = dense_expert_share(model)
     if not stacks:
         return
-    total = sum(math.prod(p.shape) for _, p in model.named_parameters())
-    share = sum(math.prod(p.shape) for p in stacks.values()) / max(total, 1)
     _log.warning("quantization='gguf': the %d MoE expert stacks (%.0f%% of the weights) are dequantized to the model "
                  "dtype: GGUF expert blocks are not kept yet; quantization='int4' (or 'int8', 'fp8') stores them "
-                 "quantized again instead (docs/quantization.md)", len(stacks), 100 * share)
+                 "quantized again instead (docs/quantization.md)", stacks, 100 * share)

@@ -70,7 +70,7 @@ def mark_checkpoint_quantization(model: FlashCausalLM, quantization, checkpoint_
               if isinstance(m, (ColumnParallelLinear, RowParallelLinear))}
     stacks = {p.name: m for _, m in model.named_modules() if isinstance(m, FusedExperts)
               for p in (m.gate_up_proj, m.down_proj)}
-    params.update((name, getattr(m, name.rsplit(".", 1)[-1])) for name, m in stacks.items())
+    params.update((p.name, p) for m in stacks.values() for p in (m.gate_up_proj, m.down_proj))
     pieces: dict[str, list[tuple[str, object]]] = {}
     for name, slot in table.items():
         if slot.param in params and name.endswith(".weight") and (slot.param.endswith(".weight") or slot.param in stacks):

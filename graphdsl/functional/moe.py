@@ -52,7 +52,7 @@ def moe_experts(x, routing, gate_up, down, *, act=ActType.SWIGLU, top_k=None):
     return (y * routing.permute(1, 0).unsqueeze(-1).to(y)).sum(0)
 
 
-def _split_stacks(stored, gate_up_scheme: str, down_scheme: str, experts: int, hidden: int, intermediate: int):
+def split_stacks(stored, gate_up_scheme: str, down_scheme: str, experts: int, hidden: int, intermediate: int):
     """``(gate_up specs, down specs, gate_up tensors, down tensors)``: the stored tensors of the two
     stacks split by their schemes' companion counts."""
     up = parse_scheme(gate_up_scheme).stack_companions(experts, 2 * intermediate, hidden)
@@ -70,7 +70,7 @@ def _quant_moe_rule(x: Spec, routing: Spec, *stored: Spec, gate_up_scheme: str, 
     for a, b, what in ((x.shape[0], routing.shape[0], "tokens of x and routing"), (routing.shape[1], experts, "experts"),
                        (x.shape[1], hidden, "hidden of x and the stacks")):
         check(same_extent(a, b) is not False, op, f"{what} differ: {a} vs {b}")
-    up, down, up_t, down_t = _split_stacks(stored, gate_up_scheme, down_scheme, experts, hidden, intermediate)
+    up, down, up_t, down_t = split_stacks(stored, gate_up_scheme, down_scheme, experts, hidden, intermediate)
     check(len(stored) == len(up) + len(down), op,
           f"schemes {gate_up_scheme} and {down_scheme} store {len(up)} + {len(down)} tensors, got {len(stored)}")
     for which, specs, got in (("gate_up", up, up_t), ("down", down, down_t)):
@@ -93,7 +93,7 @@ def quant_moe_experts(x, routing, *stored, gate_up_scheme: str = "", down_scheme
     reference dequantizes to float32 the experts some token routes to (an expert with a zero
     routing column adds exactly zero) and computes them densely in float32; the result is in
     ``x``'s dtype."""
-    _, _, up_t, down_t = _split_stacks(stored, gate_up_scheme, down_scheme, experts, hidden, intermediate)
+    _, _, up_t, down_t = split_stacks(stored, gate_up_scheme, down_scheme, experts, hidden, intermediate)
     used = routing.ne(0).any(0).nonzero().flatten()
     if used.numel() == 0:
         return torch.zeros_like(x)

@@ -656,11 +656,12 @@ def _moe_experts(be: TritonBackend, node, ins, attrs, dsts):
 def _quant_moe_operands(node, ins) -> tuple[tuple, tuple[list, list]]:
     """A ``quant_moe_experts`` node's ``(gate/up scheme, down scheme)`` and its two stacks'
     stored tensors (the inputs after ``x`` and ``routing``, gate/up's companions first)."""
+    from graphdsl.functional.moe import split_stacks
     from graphdsl.quant import parse_scheme
     a = node.attrs
-    up, down = parse_scheme(a["gate_up_scheme"]), parse_scheme(a["down_scheme"])
-    n = len(up.stack_companions(a["experts"], 2 * a["intermediate"], a["hidden"]))
-    return (up, down), (list(ins[2:2 + n]), list(ins[2 + n:]))
+    *_, up, down = split_stacks(list(ins[2:]), a["gate_up_scheme"], a["down_scheme"], a["experts"], a["hidden"],
+                                a["intermediate"])
+    return (parse_scheme(a["gate_up_scheme"]), parse_scheme(a["down_scheme"])), (up, down)
 
 
 def _quant_moe_experts(be: TritonBackend, node, ins, attrs, dsts):

@@ -48,7 +48,7 @@ from graphdsl.errors import GraphDSLError
 from graphdsl.quant import Fp8Scheme, IntScheme, QuantScheme
 
 from . import moe_gemv
-from .moe_gemv import _act
+from .moe_gemv import _act, _channel_scale
 from .paged_attention import _mm
 
 __all__ = ["moe_experts", "quant_moe_experts", "moe_align", "moe_supported", "quant_moe_supported", "MoeConfig"]
@@ -104,15 +104,6 @@ def _w_step(acc, a, a2, w_e, s_e, z_e, n, n_ok, swn, ssn, k0, K, BLOCK_K: tl.con
         if QUANT == 1:
             w = w.to(tl.float32).to(a.dtype)
         acc = acc + _mm(a, w, DOT_PREC, DOT_F32)
-    return acc
-
-
-@triton.jit
-def _channel_scale(acc, s_e, n, n_ok, ssn, QUANT: tl.constexpr):
-    """``acc · s[n]`` for per-channel codes (``QUANT == 1``); ``acc`` otherwise."""
-    if QUANT == 1:
-        s = tl.load(s_e + n.to(tl.int64) * ssn, mask=n_ok, other=0.0).to(tl.float32)
-        acc = acc * s[None, :]
     return acc
 
 

@@ -85,7 +85,8 @@ def _codes_step(acc, xa, xb, w_e, s_e, z_e, n, n_ok, swn, ssn, k0, K, BLOCK_K: t
 
 @triton.jit
 def _channel_scale(acc, s_e, n, n_ok, ssn, QUANT: tl.constexpr):
-    """``acc · s[n]`` for per-channel codes (``QUANT == 1``); ``acc`` otherwise."""
+    """``acc · s[n]`` for per-channel codes (``QUANT == 1``; ``acc [..., BLOCK_N]``, one pair's row
+    or a block's rows); ``acc`` otherwise."""
     if QUANT == 1:
         acc = acc * tl.load(s_e + n.to(tl.int64) * ssn, mask=n_ok, other=0.0).to(tl.float32)
     return acc
