@@ -1447,6 +1447,17 @@ def test_quant_moe_experts_symbolic_tokens(schemes):
                                          r"\[4, 64, (32|16)\] torch\.u?int8, got \[4, 64, 8\] torch\.uint8"):
         F.quant_moe_experts(Tensor("x", (2, H), torch.float32), Tensor("routing", (2, E), torch.float32), *bad,
                             gate_up_scheme=schemes[0], down_scheme=schemes[1], experts=E, hidden=H, intermediate=I)
+    x2, r2 = Tensor("x", (2, H), torch.float32), Tensor("routing", (2, E), torch.float32)
+    kw = dict(gate_up_scheme=schemes[0], down_scheme=schemes[1], experts=E, hidden=H, intermediate=I)
+    with pytest.raises(ShapeError, match=rf"schemes {schemes[0]} and {schemes[1]} store \d+ \+ \d+ tensors, got "
+                                         rf"{len(stored) - 1}"):
+        F.quant_moe_experts(x2, r2, *ins[:-1], **kw)
+    with pytest.raises(ShapeError, match=r"experts differ: 4 vs 5"):
+        F.quant_moe_experts(x2, r2, *ins, **dict(kw, experts=5))
+    with pytest.raises(ShapeError, match=r"top_k must be None or an int in \[1, 4\], got 7"):
+        F.quant_moe_experts(x2, r2, *ins, **kw, top_k=7)
+    with pytest.raises(ShapeError, match=r"act must be a gated ActType"):
+        F.quant_moe_experts(x2, r2, *ins, **kw, act=F.ActType.SILU)
 
 
 # ---------------------------------------------------------------------------------------------

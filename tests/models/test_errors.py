@@ -149,6 +149,15 @@ def test_corrupt_safetensors(ckpt, tmp_path):
         gd.LLM(d, device="cpu")
 
 
+def test_tensor_names_of_a_corrupt_file_name_the_file(tmp_path):
+    """The names pre-quantized configs' patterns are matched against come from the headers: a file
+    that has none is an error naming it, not a raw safetensors exception."""
+    from graphdsl.runtime.loaders.safetensors import tensor_names
+    (tmp_path / "model.safetensors").write_bytes(b"not a safetensors file at all")
+    with pytest.raises(GraphDSLError, match=r"'.*model.safetensors' is not a readable safetensors file"):
+        tensor_names(tmp_path)
+
+
 def test_corrupt_gguf(tmp_path):
     bad = tmp_path / "bad.gguf"
     bad.write_bytes(b"GGUF" + b"\x00" * 3 + b"garbage")
