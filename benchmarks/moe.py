@@ -59,12 +59,13 @@ def _quantized(scheme: str, ops, used: int):
                                                           gemv=gemv)), used * per_expert
 
 
-def _picks_gemv(scheme: str, pairs: int) -> bool:
+def _picks_gemv(scheme: str, pairs: int, experts: int) -> bool:
     """Whether :func:`quant_moe_experts` runs ``pairs`` of ``scheme`` one pair a program row by default."""
-    from graphdsl.quant import IntScheme, parse_scheme
+    from graphdsl.quant import Fp8Scheme, IntScheme, parse_scheme
     from graphdsl.runtime.kernels import moe_gemv
     s = parse_scheme(scheme)
-    return pairs <= moe_gemv.MAX_PAIRS[2 if isinstance(s, IntScheme) and s.bits == 4 else 1]
+    kind = "fp8" if isinstance(s, Fp8Scheme) else "int4" if isinstance(s, IntScheme) and s.bits == 4 else "int8"
+    return pairs <= moe_gemv.MAX_PAIRS_PER_EXPERT[kind] * experts
 
 
 def main(argv=None) -> int:
@@ -93,7 +94,7 @@ def main(argv=None) -> int:
                   f"{100 * nbytes / base / 1e3 / copy:.1f}% | 1.00 |", flush=True)
             for scheme in args.schemes:
                 call, qbytes = _quantized(scheme, ops, nbytes // (3 * h * i * 2))
-                picked = _picks_gemv(scheme, t * k)
+                picked = _picks_gemv(scheme, t * k, e)
                 for gemv in (True, False):
                     us = _graph_us(lambda: call(k, gemv=gemv))
                     path = ("one pair a row" if gemv else "grouped") + (" (default)" if gemv == picked else "")
@@ -111,7 +112,8 @@ def main(argv=None) -> int:
             call, qbytes = _quantized(scheme, ops, nbytes // (3 * h * i * 2))
             runs.append((scheme, lambda cfg, call=call: call(k, cfg), qbytes))
         for name, run, size in runs:
-            for label, (ms, cfg) in _configs(run, _pick_config(t * k), tiles if args.sweep else None):
+            base = _pick_config(t * k, int4=name.startswith("int4"))
+            for label, (ms, cfg) in _configs(run, base, tiles if args.sweep else None):
                 print(f"| {t} | {name} | {label} {cfg} | {ms * 1e3:.1f} | {size / ms / 1e6:.0f} | "
                       f"{100 * size / ms / 1e6 / copy:.1f}% |", flush=True)
     return 0

@@ -81,23 +81,27 @@ def _w_step(acc, a, a2, w_e, s_e, z_e, n, n_ok, swn, ssn, k0, K, BLOCK_K: tl.con
     """``acc + A_step @ W[n, k0:k0 + BLOCK_K]ᵀ`` for one K step (``a, a2`` from :func:`_a_tile`),
     ``W`` read as its stack stores it (module docstring): the weights (``DENSE``), per-channel codes
     (``PER_CHANNEL``: the scale left to the caller, after the loop) or int4 bytes, whose low and high
-    nibbles less the zero point multiply the even and odd inputs, scaled by the step's group scale
-    (``INT4``)."""
+    nibbles, dequantized with the step's group scale and zero point, multiply the even and odd
+    inputs (``INT4``)."""
     rows = n[None, :].to(tl.int64) * swn
     if QUANT == 2:         # (one return at the end: Triton compiles what follows a return in a static if)
         j = k0 // 2 + tl.arange(0, BLOCK_K // 2)
         mask = n_ok[None, :] & (j < K // 2)[:, None]
         byte = tl.load(w_e + rows + j[:, None], mask=mask, other=0).to(tl.int32)       # [BLOCK_K / 2, BLOCK_N]
         g = k0 // GROUP
+        s = tl.load(s_e + n.to(tl.int64) * ssn + g, mask=n_ok, other=0.0).to(tl.float32)[None, :]
         if ZP:             # (a masked byte's value multiplies a zero input or lands in an unstored column)
             z = tl.load(z_e + n.to(tl.int64) * ssn + g, mask=n_ok, other=0.0).to(tl.float32)[None, :]
-            lo = ((byte & 15).to(tl.float32) - z).to(a.dtype)
-            hi = ((byte >> 4).to(tl.float32) - z).to(a.dtype)
         else:
-            lo = ((byte & 15) - 8).to(tl.float32).to(a.dtype)      # (int -> bf16 directly: NaN in the interpreter)
-            hi = ((byte >> 4) - 8).to(tl.float32).to(a.dtype)
-        s = tl.load(s_e + n.to(tl.int64) * ssn + g, mask=n_ok, other=0.0).to(tl.float32)
-        acc = acc + (_mm(a, lo, DOT_PREC, DOT_F32) + _mm(a2, hi, DOT_PREC, DOT_F32)) * s[None, :]
+            z = 8.0
+        # the tile dequantized as the scheme's reference dequantizes, (q - z) · s in float32 rounded to the
+        # operands' dtype, so the two dots chain into the accumulator (a partial sum scaled after each dot
+        # kept a second accumulator live beside each of gate/up's)
+        base = z + 8388608.0   # a nibble OR-ed into the bits of 2^23 is 2^23 + q exactly: no I2F conversion
+        lo = ((((byte & 15) | 0x4B000000).to(tl.float32, bitcast=True) - base) * s).to(a.dtype)
+        hi = ((((byte >> 4) | 0x4B000000).to(tl.float32, bitcast=True) - base) * s).to(a.dtype)
+        acc = acc + _mm(a, lo, DOT_PREC, DOT_F32)
+        acc = acc + _mm(a2, hi, DOT_PREC, DOT_F32)
     else:
         kk = k0 + tl.arange(0, BLOCK_K)
         w = tl.load(w_e + rows + kk[:, None], mask=n_ok[None, :] & (kk < K)[:, None], other=0.0)
@@ -261,14 +265,18 @@ class MoeConfig:
     down: tuple[int, int, int, int]
 
 
-def _pick_config(pairs: int, dtype: torch.dtype = torch.bfloat16) -> MoeConfig:
+def _pick_config(pairs: int, dtype: torch.dtype = torch.bfloat16, int4: bool = False) -> MoeConfig:
     """16 rows a block for decode-sized batches (the weights dominate: long K steps, deep pipelines;
     the H200 sweep of benchmarks/moe.py at Mixtral's size, one token: 254 -> 222 µs), 64 for prefill.
-    float32 operands take twice the shared memory a stage: half the K step."""
+    float32 operands take twice the shared memory a stage: half the K step. int4 stacks at prefill
+    sizes take narrower tiles with longer K steps, so each program dequantizes fewer codes a step
+    (H200, Mixtral's experts at 512 tokens: 7800 µs in the bf16 launch, 3727 in this one; bf16 1435)."""
     if pairs <= 64:
         if dtype == torch.float32:
             return MoeConfig(16, (32, 128, 4, 4), (64, 128, 4, 3))
         return MoeConfig(16, (32, 256, 4, 5), (64, 256, 4, 4))
+    if int4:
+        return MoeConfig(64, (64, 128, 4, 4), (64, 128, 4, 4))
     return MoeConfig(64, (128, 64, 4, 3), (128, 64, 4, 3))
 
 
@@ -360,8 +368,9 @@ def quant_moe_experts(x: torch.Tensor, routing: torch.Tensor, gate_up: list[torc
                       config: MoeConfig | None = None, gemv: bool | None = None) -> torch.Tensor:
     """:func:`moe_experts` over stacks stored in weight-only ``schemes`` (gate/up's, down's):
     ``gate_up`` and ``down`` are their stacked companions (module docstring). ``gemv``: run the
-    one-pair-a-row kernels of :mod:`.moe_gemv` (True) or the grouped ones (False); None: the
-    first up to ``moe_gemv.MAX_PAIRS`` pairs for the stacks' kind of codes."""
+    one-pair-a-row kernels of :mod:`.moe_gemv` (True) or the grouped ones (False); None: one pair a
+    row while the pairs number at most ``moe_gemv.MAX_PAIRS_PER_EXPERT`` (of the stacks' kind of
+    codes) times the experts."""
     why = quant_moe_supported(x, routing, schemes, (gate_up, down))
     if why is not None:
         raise GraphDSLError(f"quant_moe_experts: unsupported operands ({why})")
@@ -376,7 +385,8 @@ def quant_moe_experts(x: torch.Tensor, routing: torch.Tensor, gate_up: list[torc
                                 f"{[list(c.shape) for c in want]} for x {list(x.shape)}, routing {list(routing.shape)}")
     up, dn = _Stack.of(schemes[0], gate_up), _Stack.of(schemes[1], down)
     if gemv is None:
-        gemv = t * top_k <= min(moe_gemv.MAX_PAIRS[up.quant], moe_gemv.MAX_PAIRS[dn.quant]) and config is None
+        per_expert = min(moe_gemv.MAX_PAIRS_PER_EXPERT[moe_gemv.code_kind(st)] for st in (up, dn))
+        gemv = config is None and t * top_k <= per_expert * e
     return _run(x, routing, up, dn, e, inter, top_k, geglu, out, config, "quant_moe_experts", gemv)
 
 
@@ -394,11 +404,10 @@ def _run(x, routing, up: _Stack, down: _Stack, e: int, inter: int, top_k: int, g
     weights, ids = routing.float().topk(top_k, dim=-1)
     interp = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
     if gemv:
-        y = moe_gemv.gemv_experts(x, ids, weights, up, down, inter, top_k, geglu, interp)
-        out.copy_(y.view(t, top_k, hidden).sum(1))
+        out.copy_(moe_gemv.gemv_experts(x, ids, weights, up, down, inter, top_k, geglu, interp))
         return out
     pairs = t * top_k
-    cfg = config or _pick_config(pairs, x.dtype)
+    cfg = config or _pick_config(pairs, x.dtype, up.quant == INT4)
     rows, block_expert = moe_align(ids, e, cfg.block_m)
     h = torch.empty((pairs, inter), dtype=x.dtype, device=x.device)
     y = torch.empty((pairs, hidden), dtype=torch.float32, device=x.device)

@@ -1,7 +1,7 @@
 """Quantized MoE experts at decode sizes: one (token, expert) pair a program row, no tensor cores.
 
 :func:`graphdsl.runtime.kernels.moe.quant_moe_experts` sends few pairs here (``P = T·k`` up to
-:data:`MAX_PAIRS` for a kind of codes). Each program reads expert ``e = ids[p]``'s codes for
+:data:`MAX_PAIRS_PER_EXPERT` times the experts for a kind of codes). Each program reads expert ``e = ids[p]``'s codes for
 ``BLOCK_N`` output rows once, as a decode GEMV does, and multiplies them by pair ``p``'s input row
 with float32 FMAs and a sum along K:
 
@@ -14,6 +14,17 @@ summed, then times ``s[n]``; int4 bytes whose low and high nibbles, less the zer
 the even and odd inputs, each K step one group, its sum times the group's scale. Pairs that share
 an expert read its codes once each (few pairs share one at decode; the grouped kernels, which read
 a shared expert once, take more pairs). No align step: ``ids`` comes straight from the top-k.
+
+int4 stacks (groups of 64 or 128) and fp8 stacks with 16-bit activations take the dense decode
+GEMV's one-row loops instead (:func:`_gate_up_words_kernel`, :func:`_down_words_kernel`, each
+program running :func:`_word_rows` on its pair's expert): the codes as int32 words — eight nibbles,
+each group's activations in 16-bit fixed point against four ``dp4a`` a word
+(:func:`.gemv_loops._int4_row`); four e4m3 codes turned into float32 bits by shifts
+(:func:`.gemv_loops._fp8_row_loop`) —, the next step's words loaded before this one's math; gate
+and up rows interleaved in a tile (one stream feeds both halves of the activation), down's K split
+into slices whose float32 partials ``y [S, P, H]`` are summed, in slice order, with the top-k sum.
+The float loop above converts every code to float (``I2F``, an eighth of the FMA rate on Hopper):
+H200, Mixtral's int4 experts at one token, 198.5 µs.
 """
 from __future__ import annotations
 
@@ -21,16 +32,19 @@ import torch
 import triton
 import triton.language as tl
 
+from .gemv_loops import _fp8_row_loop, _int4_row
 from .paged_attention import _sm_count
 
-__all__ = ["gemv_experts", "MAX_PAIRS"]
+__all__ = ["gemv_experts", "MAX_PAIRS_PER_EXPERT", "code_kind", "words_step"]
 
-# the most pairs each kind of codes (the kernels' QUANT: 1 per channel, 2 int4) takes here by default.
-# H200, Mixtral-8x7B's experts (benchmarks/moe.py), µs here against the grouped kernels: int4-g128 at
-# 1 token (2 pairs) 198.5 vs 363.8, at 8 tokens (16 pairs) 865.5 vs 977.7; fp8 per channel 181.5 vs
-# 149.6 and 730.8 vs 423.3, so per-channel codes stay grouped (``gemv=True`` still runs them here).
-# Between 16 and 128 int4 pairs nothing was measured: 32 keeps the shared experts' repeated reads few.
-MAX_PAIRS = {1: 0, 2: 32}
+# the most pairs an expert, on average, each kind of codes (:func:`code_kind`) takes here by default: a pair
+# reads its expert's codes alone, so a stack of E experts runs here up to E times this many pairs; more run the
+# grouped kernels, which read a shared expert once. H200 (benchmarks/moe.py), µs here against the grouped kernels:
+# Mixtral-8x7B (8 experts, top-2) int4-g128 at 2 pairs 91.2 vs 320.7, 16 pairs 403.2 vs 691.1, 32 pairs 760.6 vs
+# 848.4, 64 pairs 1435.5 vs 1099.8; fp8 per channel at 2 pairs 111.4 vs 150.6, 4 pairs 182.1 vs 210.4, 8 pairs
+# 360.1 vs 319.5; DeepSeek-V2-Lite (64 experts, top-6) int4 at 384 pairs 438.5 vs 645.0, 768 pairs 840.7 vs
+# 806.1; fp8 at 6 pairs 37.3 vs 41.2, 48 pairs 132.4 vs 123.5. int8 codes have no word loop here.
+MAX_PAIRS_PER_EXPERT = {"int8": 0, "fp8": 0.5, "int4": 4}
 
 
 @triton.jit
@@ -144,6 +158,100 @@ def _down_kernel(
     tl.store(y_ptr + p.to(tl.int64) * H + n, acc, mask=n_ok)
 
 
+@triton.jit
+def _word_rows(x_row, w_e, s_e, z_e, rn, N, w_lo, w_hi, W_ROW, ssn, M12, M16, M0F, BLOCK_N: tl.constexpr,
+               FP8: tl.constexpr, STEP: tl.constexpr, GROUP: tl.constexpr, ZP: tl.constexpr, EMULATE: tl.constexpr,
+               X_WIDE: tl.constexpr):
+    """``Σ_k x[k] · W[n, k]`` over the words ``[w_lo, w_hi)`` of rows ``rn`` (float32 ``[BLOCK_N]``,
+    scales applied; rows past ``N`` read row ``N - 1``, never stored): the dense one-row loop of
+    the stack's codes, ``STEP`` inputs a step — int4 (:func:`.gemv_loops._int4_row`, integer dots) or
+    fp8 (:func:`.gemv_loops._fp8_row_loop`, its ``2^-120`` and the row scale taken off after)."""
+    if FP8:
+        s = tl.load(s_e + tl.minimum(rn, N - 1).to(tl.int64) * ssn).to(tl.float32)
+        row = _fp8_row_loop(x_row, w_e, rn, N, w_lo, w_hi, W_ROW, BLOCK_N, STEP // 4, X_WIDE) \
+            * (1.329227995784916e36 * s)                  # 2^120
+    else:
+        row = _int4_row(x_row, w_e, s_e, z_e, rn, N, w_lo, w_hi, W_ROW, ssn, M12, M16, M0F, BLOCK_N, ZP, GROUP,
+                        STEP // GROUP, True, EMULATE, False, 0, x_row, False, X_WIDE, True)
+    return row
+
+
+@triton.jit
+def _gate_up_words_kernel(
+    x_ptr, sx,                 # tokens [T, H] 16-bit, row stride (8-byte aligned rows with X_WIDE)
+    w_ptr, swe, W_ROW,         # gate_up codes as int32 words [E, 2I, H / (8 or 4)]: expert stride, words a row
+    s_ptr, z_ptr, sse, ssn,    # scales and zero points [E, 2I, groups]: expert and row strides
+    h_ptr,                     # out: act(gate)·up per pair [P, I], contiguous
+    ids_ptr,                   # expert of each pair [P]
+    I, M12, M16, M0F,          # the int4 loop's nibble masks (gemv's kernel takes the same)
+    TOP_K: tl.constexpr, BLOCK_N: tl.constexpr, FP8: tl.constexpr, STEP: tl.constexpr, GROUP: tl.constexpr,
+    ZP: tl.constexpr, GEGLU: tl.constexpr, EMULATE: tl.constexpr, X_WIDE: tl.constexpr,
+):
+    """``h[p, c] = act(gate_e[c] · x[t], up_e[c] · x[t])`` for ``BLOCK_N / 2`` columns ``c``: the tile's
+    rows are gate row ``c`` and up row ``I + c`` in turn, one stream of words for both."""
+    p, pid_n = tl.program_id(0), tl.program_id(1)
+    e = tl.load(ids_ptr + p).to(tl.int64)
+    r = tl.arange(0, BLOCK_N)
+    rn = pid_n * (BLOCK_N // 2) + r // 2 + (r % 2) * I
+    row = _word_rows(x_ptr + (p // TOP_K).to(tl.int64) * sx, w_ptr + e * swe, s_ptr + e * sse, z_ptr + e * sse, rn,
+                     2 * I, 0, W_ROW, W_ROW, ssn, M12, M16, M0F, BLOCK_N, FP8, STEP, GROUP, ZP, EMULATE, X_WIDE)
+    g, u = tl.split(tl.reshape(row, [BLOCK_N // 2, 2]))
+    c = pid_n * (BLOCK_N // 2) + tl.arange(0, BLOCK_N // 2)
+    tl.store(h_ptr + p.to(tl.int64) * I + c, _act(g, u, GEGLU).to(h_ptr.dtype.element_ty), mask=c < I)
+
+
+@triton.jit
+def _down_words_kernel(
+    h_ptr,                     # act(gate)·up per pair [P, I] 16-bit, contiguous
+    w_ptr, swe, W_ROW,         # down codes as int32 words [E, H, I / (8 or 4)]
+    s_ptr, z_ptr, sse, ssn,    # scales and zero points [E, H, groups]
+    wt_ptr,                    # routing weight per pair [P], float32
+    y_ptr,                     # out: each K slice's weighted partial per pair [S, P, H], float32
+    ids_ptr,
+    P, H, I, SLICE_W, M12, M16, M0F,       # SLICE_W: words of a K slice (whole steps)
+    BLOCK_N: tl.constexpr, FP8: tl.constexpr, STEP: tl.constexpr, GROUP: tl.constexpr, ZP: tl.constexpr,
+    EMULATE: tl.constexpr, X_WIDE: tl.constexpr,
+):
+    """``y[s, p, n] = weight(p) · Σ_{k in slice s} h[p, k] · down_e[n, k]``."""
+    p, pid_n, pid_k = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    e = tl.load(ids_ptr + p).to(tl.int64)
+    rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    w_lo = pid_k * SLICE_W
+    row = _word_rows(h_ptr + p.to(tl.int64) * I, w_ptr + e * swe, s_ptr + e * sse, z_ptr + e * sse, rn, H, w_lo,
+                     tl.minimum(w_lo + SLICE_W, W_ROW), W_ROW, ssn, M12, M16, M0F, BLOCK_N, FP8, STEP, GROUP, ZP,
+                     EMULATE, X_WIDE)
+    tl.store(y_ptr + (pid_k * P + p).to(tl.int64) * H + rn, row * tl.load(wt_ptr + p), mask=rn < H)
+
+
+_WORDS_PER_SM = 2          # the dense one-row GEMVs' programs a SM, which down's K split fills
+
+
+def code_kind(stack) -> str:
+    """``"int4"``, ``"int8"`` or ``"fp8"``: the kind of codes of a quantized ``moe._Stack``."""
+    if stack.quant == 2:
+        return "int4"
+    return "fp8" if stack.codes.dtype == torch.float8_e4m3fn else "int8"
+
+
+def words_step(stack, x_dtype: torch.dtype, k: int) -> int | None:
+    """The K step (inputs) of the word loop for ``stack`` (a ``moe._Stack``) over ``k`` inputs of
+    ``x_dtype``, or None when it cannot take them: int4 in groups of 64 or 128 (whole groups a step
+    of at least 128 inputs), fp8 (256 inputs a step), the step dividing ``k``; 16-bit activations.
+    int8 codes have no one-row loop (the dense GEMV runs them on the tensor cores)."""
+    kind = code_kind(stack)
+    step = {"int4": max(stack.group, 128), "fp8": 256}.get(kind)
+    if step is None or (kind == "int4" and stack.group % 64) or k % step \
+            or x_dtype not in (torch.float16, torch.bfloat16):
+        return None
+    return step
+
+
+def _words_block_n(stack, down: bool) -> int:
+    """Rows a program of the word loop: the dense one-row GEMVs' tiles (``gemv._pick_quant_config``:
+    int4 256; fp8 32 for gate/up's many rows, 64 for down's fewer, whose K is split)."""
+    return 256 if stack.quant == 2 else 64 if down else 32
+
+
 def _block_n(pairs: int, rows: int, device: torch.device) -> int:
     """The widest of 128, 64, 32 and 16 rows a program that still gives every SM four programs
     (latency is hidden by programs in flight: the loop has no pipeline stages), else 16."""
@@ -155,24 +263,60 @@ def _block_n(pairs: int, rows: int, device: torch.device) -> int:
 
 def gemv_experts(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, up, down, inter: int, top_k: int,
                  geglu: bool, interp: bool) -> torch.Tensor:
-    """``y [P, H]`` float32: each pair's weighted expert output (module docstring); ``ids``,
-    ``weights`` ``[T, k]`` from the routing's top-k; ``up``, ``down`` the stacks as
-    ``moe._Stack`` (codes, scales, zero points, kind, group)."""
+    """``[T, H]`` float32: each token's sum of its pairs' weighted expert outputs (module docstring);
+    ``ids``, ``weights`` ``[T, k]`` from the routing's top-k; ``up``, ``down`` the stacks as
+    ``moe._Stack`` (codes, scales, zero points, kind, group). Each stack takes the word loop when
+    :func:`words_step` allows, else the float loop."""
     t, hidden = x.shape
     pairs = t * top_k
     flat_ids = ids.reshape(-1).contiguous()
+    flat_w = weights.reshape(-1).contiguous()
     h = torch.empty((pairs, inter), dtype=x.dtype, device=x.device)
-    y = torch.empty((pairs, hidden), dtype=torch.float32, device=x.device)
+    masks = (0xF000, 0xF0000, 0x0F0F0F0F)
+    stages = 1 if interp else 2
+
+    def words(stack, step, block_n):
+        codes = stack.codes.view(torch.int32)                    # int4: input 8c + i in bits 4i..; fp8: 4c + i, byte i
+        return dict(w_ptr=codes, swe=codes.stride(0), W_ROW=codes.stride(1), s_ptr=stack.scale, z_ptr=stack.zero,
+                    sse=stack.scale.stride(0), ssn=stack.scale.stride(1), FP8=stack.quant != 2, STEP=step,
+                    GROUP=stack.group, ZP=stack.zero_point, EMULATE=interp, BLOCK_N=block_n, num_warps=4,
+                    num_stages=stages)
 
     def consts(stack, rows):
         return dict(BLOCK_N=_block_n(pairs, rows, x.device), BLOCK_K=stack.group if stack.quant == 2 else 128,
-                    QUANT=stack.quant, GROUP=stack.group, ZP=stack.zero_point, num_warps=4,
-                    num_stages=1 if interp else 2)
+                    QUANT=stack.quant, GROUP=stack.group, ZP=stack.zero_point, num_warps=4, num_stages=stages)
 
-    cu = consts(up, inter)
-    _gate_up_kernel[(pairs, triton.cdiv(inter, cu["BLOCK_N"]))](
-        x, x.stride(0), *up.args(), h, flat_ids, hidden, inter, TOP_K=top_k, GEGLU=geglu, **cu)
-    cd = consts(down, hidden)
-    _down_kernel[(pairs, triton.cdiv(hidden, cd["BLOCK_N"]))](
-        h, *down.args(), weights.reshape(-1).contiguous(), y, flat_ids, hidden, inter, **cd)
-    return y
+    step = words_step(up, x.dtype, hidden)
+    if step:
+        bn = _words_block_n(up, False)
+        _gate_up_words_kernel[(pairs, triton.cdiv(2 * inter, bn))](
+            x, x.stride(0), h_ptr=h, ids_ptr=flat_ids, I=inter, M12=masks[0], M16=masks[1], M0F=masks[2], TOP_K=top_k,
+            GEGLU=geglu, X_WIDE=_x_wide(x), **words(up, step, bn))
+    else:
+        cu = consts(up, inter)
+        _gate_up_kernel[(pairs, triton.cdiv(inter, cu["BLOCK_N"]))](
+            x, x.stride(0), *up.args(), h, flat_ids, hidden, inter, TOP_K=top_k, GEGLU=geglu, **cu)
+    step = words_step(down, x.dtype, inter)
+    if step:
+        bn = _words_block_n(down, True)
+        tiles = triton.cdiv(hidden, bn)
+        steps = inter // step
+        split = max(1, min(steps, _WORDS_PER_SM * _sm_count(x.device) // (pairs * tiles)))
+        slice_steps = triton.cdiv(steps, split)
+        split = triton.cdiv(steps, slice_steps)                  # no empty slices
+        y = torch.empty((split, pairs, hidden), dtype=torch.float32, device=x.device)
+        _down_words_kernel[(pairs, tiles, split)](
+            h, y_ptr=y, wt_ptr=flat_w, ids_ptr=flat_ids, P=pairs, H=hidden, I=inter, SLICE_W=slice_steps * step // (8 if down.quant == 2 else 4),
+            M12=masks[0], M16=masks[1], M0F=masks[2], X_WIDE=_x_wide(h), **words(down, step, bn))
+    else:
+        y = torch.empty((1, pairs, hidden), dtype=torch.float32, device=x.device)
+        cd = consts(down, hidden)
+        _down_kernel[(pairs, triton.cdiv(hidden, cd["BLOCK_N"]))](
+            h, *down.args(), flat_w, y, flat_ids, hidden, inter, **cd)
+    return y.view(-1, t, top_k, hidden).sum((0, 2))
+
+
+def _x_wide(x: torch.Tensor) -> bool:
+    """Whether every row of the 16-bit ``x`` starts 8-byte aligned: the word loop then reads four
+    activations an int64 (``X_WIDE``)."""
+    return x.stride(-1) == 1 and x.data_ptr() % 8 == 0 and (x.stride(0) * x.element_size()) % 8 == 0

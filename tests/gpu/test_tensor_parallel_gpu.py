@@ -96,16 +96,15 @@ def test_tp2_matches_tp1(ckpts, name, kw):
 
 @pytest.mark.parametrize("expert_parallel", [False, True], ids=["tp", "ep"])
 def test_tp2_quantized_expert_stacks_match_tp1(ckpts, expert_parallel):
-    """int8 expert stacks on two GPUs (the quantized grouped kernels after the split): expert
-    parallel holds whole experts, so it is the one-GPU quantized model; tensor parallel's down
-    stack takes per-row scales over each rank's half of the inputs, so its logits agree within
-    int8's rounding."""
-    logits, tokens = _run(ckpts["qwen2_moe"], 1, quantization="int8")
-    got, got_tokens = _run(ckpts["qwen2_moe"], 2, quantization="int8", expert_parallel=expert_parallel)
-    tol = 1e-3 if expert_parallel else 2e-2
-    torch.testing.assert_close(got, logits, rtol=tol, atol=tol * logits.abs().max().item())
-    if expert_parallel:
-        assert got_tokens == tokens
+    """int8 expert stacks on two GPUs (the quantized grouped kernels after the split) against one
+    GPU. Each rank quantizes its own shards, and a row-parallel linear's per-row scales then cover
+    its half of the inputs: tensor parallel's down stack, and with either split the attention's o
+    projection and every other row-parallel linear (expert parallel holds the routed experts
+    whole, not the rest). So the logits agree within int8's rounding, not to float32's (an H200 pair, session
+    45: expert parallel 0.035 at most against logits up to 4.1)."""
+    logits, _ = _run(ckpts["qwen2_moe"], 1, quantization="int8")
+    got, _ = _run(ckpts["qwen2_moe"], 2, quantization="int8", expert_parallel=expert_parallel)
+    torch.testing.assert_close(got, logits, rtol=2e-2, atol=2e-2 * logits.abs().max().item())
 
 
 def _torchrun_rank(rank: int, world: int, path: str):

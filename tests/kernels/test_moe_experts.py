@@ -134,6 +134,85 @@ def test_quantized_stacks_match_the_dequantized_reference(scheme, tokens, expert
     assert (got.float() - want.float()).abs().max().item() <= TOL[dtype] * max(scale, 1.0)
 
 
+class _Launches:
+    """A Triton kernel that records the name of every launch (``kernel[grid](...)``)."""
+
+    def __init__(self, kernel, name, seen):
+        self.kernel, self.name, self.seen = kernel, name, seen
+
+    def __getitem__(self, grid):
+        self.seen.append((self.name, tuple(grid)))
+        return self.kernel[grid]
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("scheme", ["int4-g128", "int4-g64-zp", "fp8-channel"])
+@pytest.mark.parametrize("tokens", [1, 3])
+def test_stacks_run_the_word_loop(scheme, dtype, tokens, monkeypatch):
+    """int4 stacks in groups of 64 or 128 and fp8 stacks with 16-bit activations run the dense
+    GEMV's one-row loops, one pair a program: gate and up rows interleaved in a tile, down's K split
+    into slices (int4 at one token: four on the interpreter's four SMs) whose partials sum with the
+    top-k. Within the float loop's tolerance of the reference, and of the float loop itself."""
+    if scheme.startswith("fp8") and DEVICE == "cuda" and torch.cuda.get_device_capability() < (8, 9):
+        pytest.skip("fp8 codes need sm_89+")
+    from graphdsl.runtime.kernels import moe_gemv
+    seen = []
+    for name in ("_gate_up_words_kernel", "_down_words_kernel", "_gate_up_kernel", "_down_kernel"):
+        monkeypatch.setattr(moe_gemv, name, _Launches(getattr(moe_gemv, name), name, seen))
+    args, kw, want = _quantized(scheme, tokens, 8, 256, 512, 2, dtype)
+    got = quant_moe_experts(*args, **kw, gemv=True)
+    assert [n for n, _ in seen] == ["_gate_up_words_kernel", "_down_words_kernel"]
+    if scheme.startswith("int4") and DEVICE == "cpu":
+        assert seen[1][1] == ((2, 1, 4) if tokens == 1 else (6, 1, 1))     # (pairs, tiles, K slices)
+    scale = want.float().abs().max().item()
+    assert (got.float() - want.float()).abs().max().item() <= 1e-2 * scale
+    monkeypatch.setattr(moe_gemv, "words_step", lambda *a: None)
+    floats = quant_moe_experts(*args, **kw, gemv=True)
+    assert [n for n, _ in seen[2:]] == ["_gate_up_kernel", "_down_kernel"]
+    assert (got.float() - floats.float()).abs().max().item() <= 1e-2 * scale
+
+
+@pytest.mark.parametrize("scheme,tokens,experts,one_pair", [
+    ("int4-g128", 16, 8, True), ("int4-g128", 17, 8, False), ("int4-g128", 20, 12, True),
+    ("fp8-channel", 2, 8, True), ("fp8-channel", 3, 8, False), ("int8-channel", 1, 8, False)])
+def test_default_path_follows_the_pairs_an_expert(scheme, tokens, experts, one_pair, monkeypatch):
+    """Stacks run one pair a program row up to ``MAX_PAIRS_PER_EXPERT`` of their kind of codes (int4
+    4, fp8 0.5, int8 none) times the experts (top-2: int4 16 tokens of 8 experts, 20 of 12; fp8 2
+    tokens of 8), the grouped kernels beyond."""
+    if scheme.startswith("fp8") and DEVICE == "cuda" and torch.cuda.get_device_capability() < (8, 9):
+        pytest.skip("fp8 codes need sm_89+")
+    from graphdsl.runtime.kernels import moe, moe_gemv
+    seen = []
+    for mod, name in ((moe_gemv, "_gate_up_words_kernel"), (moe_gemv, "_gate_up_kernel"), (moe, "_gate_up_kernel")):
+        monkeypatch.setattr(mod, name, _Launches(getattr(mod, name), f"{mod.__name__.rsplit('.', 1)[1]}.{name}", seen))
+    args, kw, want = _quantized(scheme, tokens, experts, 256, 256, 2, torch.bfloat16)
+    got = quant_moe_experts(*args, **kw)
+    one = "moe_gemv._gate_up_words_kernel" if scheme != "int8-channel" else "moe_gemv._gate_up_kernel"
+    assert [n for n, _ in seen] == ([one] if one_pair else ["moe._gate_up_kernel"])
+    assert (got.float() - want.float()).abs().max().item() <= 2e-2 * want.float().abs().max().item()
+
+
+def test_word_loop_takes_only_what_it_can_read():
+    """``words_step``: int4 groups of 64 / 128 and fp8 whose steps divide K, 16-bit activations; the
+    rest (groups of 32, K not a multiple of the step, float32 rows, int8 codes) stay on the float loop."""
+    from graphdsl.runtime.kernels.moe import _Stack
+    from graphdsl.runtime.kernels.moe_gemv import code_kind, words_step
+
+    def stack(name):
+        s = parse_scheme(name)
+        return _Stack.of(s, [torch.empty(c.shape, dtype=c.dtype or torch.bfloat16)
+                             for c in s.stack_companions(2, 256, 256)])
+    assert [code_kind(stack(n)) for n in ("int4-g32", "int8-channel", "fp8-channel")] == ["int4", "int8", "fp8"]
+    assert words_step(stack("int4-g128"), torch.bfloat16, 4096) == 128
+    assert words_step(stack("int4-g64-zp"), torch.float16, 256) == 128
+    assert words_step(stack("fp8-channel"), torch.bfloat16, 4096) == 256
+    assert words_step(stack("int4-g64"), torch.bfloat16, 192) is None
+    assert words_step(stack("fp8-channel"), torch.bfloat16, 384) is None
+    assert words_step(stack("int4-g32"), torch.bfloat16, 4096) is None
+    assert words_step(stack("int4-g128"), torch.float32, 4096) is None
+    assert words_step(stack("int8-channel"), torch.bfloat16, 4096) is None
+
+
 @pytest.mark.parametrize("gemv", [False, True], ids=["grouped", "gemv"])
 def test_quantized_stacks_read_only_the_chosen_experts(gemv):
     """An expert no token chose may hold NaN scales: the kernels never read them."""
