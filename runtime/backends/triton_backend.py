@@ -15,8 +15,9 @@ Per node, by what the node is:
   (:mod:`graphdsl.runtime.kernels.moe`), ``quant_moe_experts`` the same kernels over quantized
   stacks; ``quant_linear`` — the dequantize-in-GEMV/GEMM kernel
   (:mod:`graphdsl.runtime.kernels.quant_linear`; ``torch._scaled_mm`` for fp8 W8A8 prefill on
-  Hopper); ``embedding`` — one gather launch into the node's slot (:mod:`graphdsl.runtime.kernels.embedding`).
-  On CPU without ``TRITON_INTERPRET=1`` these run their torch references instead;
+  Hopper); ``embedding`` — one gather launch into the node's slot (:mod:`graphdsl.runtime.kernels.embedding`);
+  ``topk`` along the last dim of rows up to 4096 long — one launch writing both outputs
+  (:mod:`graphdsl.runtime.kernels.row_topk`; the MoE routing). On CPU without ``TRITON_INTERPRET=1`` these run their torch references instead;
 * matmuls of weights ``[N, K]`` (``transpose_b``) by at most 16 fp16/bf16 rows — the decode GEMV
   (:mod:`graphdsl.runtime.kernels.gemv`), bias, residual or SwiGLU (``matmul_silu_mul``) in its
   epilogue; ``matmul_silu_mul`` at the row counts where it beats cuBLAS (64, 128; 256 with K ≤
@@ -320,6 +321,20 @@ def _embedding(be: TritonBackend, node, ins, attrs, dsts):
     return [dst]
 
 
+def _topk(be: TritonBackend, node, ins, attrs, dsts):
+    """``topk`` along the last dim: one launch writing both outputs into their slots
+    (:mod:`..kernels.row_topk`); outputs in other layouts are written through a copy."""
+    from ..kernels.row_topk import row_topk
+    values, indices = dsts
+    if values.is_contiguous() and indices.is_contiguous():
+        row_topk(ins[0], node.attrs["k"], values, indices)
+    else:
+        got = row_topk(ins[0], node.attrs["k"])
+        values.copy_(got[0])
+        indices.copy_(got[1])
+    return [values, indices]
+
+
 def _single(be: TritonBackend, node, ins, attrs, dsts):
     n = len(ins)
     program = ((node.op, tuple(range(n)), tuple(sorted(attrs.items()))),)
@@ -507,6 +522,12 @@ def _kernel_unsupported(node, ins) -> str | None:
         return quant_linear_supported(x.reshape(-1, x.shape[-1]), scheme, stored)
     if node.op == "embedding":
         return _embedding_unsupported(*ins)
+    if node.op == "topk":
+        from ..kernels.row_topk import row_topk_supported
+        x = ins[0]
+        if node.attrs["dim"] not in (-1, x.dim() - 1):
+            return f"dim {node.attrs['dim']} (the last only)"
+        return row_topk_supported(x, node.attrs["k"])
     if node.op == "moe_experts":
         from ..kernels.moe import moe_supported
         return moe_supported(*ins)
@@ -971,8 +992,9 @@ _LOWERINGS = {"fused": _fused, "add_rms_norm": _add_rms_norm, "silu_mul": _silu_
               "paged_mla_attention": _paged_mla_attention, "moe_experts": _moe_experts,
               "quant_moe_experts": _quant_moe_experts, "lora_apply": _lora_apply,
               "reshape_and_cache": _reshape_and_cache, "quant_linear": _quant_linear,
-              "quant_linear_silu_mul": _quant_linear, "quant_linear_add": _quant_linear, "embedding": _embedding}
+              "quant_linear_silu_mul": _quant_linear, "quant_linear_add": _quant_linear, "embedding": _embedding,
+              "topk": _topk}
 _QUANT_OPS = ("quant_linear", "quant_linear_silu_mul", "quant_linear_add")
 # hand-written kernels; their torch references run on plain CPU
 _KERNEL_OPS = {"paged_attention", "rope_cache_attention", "reshape_and_cache", "paged_mla_attention", "moe_experts",
-               "quant_moe_experts", "lora_apply", "embedding", *_QUANT_OPS}
+               "quant_moe_experts", "lora_apply", "embedding", "topk", *_QUANT_OPS}

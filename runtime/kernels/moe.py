@@ -17,19 +17,24 @@ computed, so decode reads ``k / E`` of the expert weights instead of all of them
    rows by expert ``e``'s gate and up rows ``n·BLOCK_N ...``, float32 accumulation, and stores
    ``act(gate) · up`` (SwiGLU or tanh-GeGLU) for each pair: ``h [P, I]`` in the input dtype.
 3. **Down** (:func:`_down_kernel`): ``y[p] = routing weight(p) · h[p] @ down_eᵀ`` in float32.
-4. ``out = Σ_k y.view(T, k, H)`` (torch), cast to the input dtype.
+4. ``out = Σ_k y.view(T, k, H)``, cast to the input dtype (``moe_gemv.finish``: one launch).
+
+The pairs come from each token's ``k`` largest routing weights (:mod:`.row_topk` on the device,
+one launch).
 
 **Quantized stacks** (:func:`quant_moe_experts`; weight-only schemes, ``QuantScheme.stackable``):
-the same two kernels read each weight tile as codes and apply the scales to partial sums, so every
-product is exact before the float32 accumulation (the activations are the dot's other operand):
+the same two kernels read each weight tile as codes (the activations are the dot's other operand):
 
-* per channel (``int8-channel``, ``fp8-channel``): ``acc = Σ_k a_k · q[n, k]``, then ``acc · s[n]``;
+* per channel (``int8-channel``, ``fp8-channel``): the codes are exact in the operands' dtype,
+  ``acc = Σ_k a_k · q[n, k]``, then ``acc · s[n]`` after the K loop;
 * int4 in groups of ``g`` (``int4-g{g}[-zp]``, two codes a byte, even ``k`` in the low nibble):
-  each K step lies in one group (``BLOCK_K`` divides ``g``), ``acc += (Σ_k a_k · (q[n, k] - z)) · s[n, k // g]``
-  with ``z = 8`` or the stored zero point.
+  each K step lies in one group (``BLOCK_K`` divides ``g``) and its tile is dequantized first,
+  ``w = (q[n, k] - z) · s[n, k // g]`` in float32 rounded to the operands' dtype — the weights the
+  scheme's reference dequantizes to — with ``z = 8`` or the stored zero point, so the even and
+  odd inputs' dots chain into one accumulator.
 
-int4 stacks at few pairs run :mod:`.moe_gemv`'s one-pair-a-row kernels instead (``quant_moe_experts``'s
-``gemv``): the nibbles converted in registers for the tensor cores are the slow part here.
+At decode sizes (``quant_moe_experts``'s ``gemv``) int4 and fp8 stacks run :mod:`.moe_gemv`'s
+one-pair-a-row kernels instead: the dense decode GEMV's one-row loops, several times faster there.
 
 File shape (STYLE.md 11): the weight-tile helper and the three ``@triton.jit`` kernels, the align
 step, the launcher that picks tiles with one heuristic (:func:`_pick_config`) and checks its
@@ -50,6 +55,7 @@ from graphdsl.quant import Fp8Scheme, IntScheme, QuantScheme
 from . import moe_gemv
 from .moe_gemv import _act, _channel_scale
 from .paged_attention import _mm
+from .row_topk import row_topk, row_topk_supported
 
 __all__ = ["moe_experts", "quant_moe_experts", "moe_align", "moe_supported", "quant_moe_supported", "MoeConfig"]
 
@@ -401,11 +407,17 @@ def _run(x, routing, up: _Stack, down: _Stack, e: int, inter: int, top_k: int, g
         out = torch.empty_like(x)
     if t == 0:
         return out
-    weights, ids = routing.float().topk(top_k, dim=-1)
     interp = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
     if gemv:
-        out.copy_(moe_gemv.gemv_experts(x, ids, weights, up, down, inter, top_k, geglu, interp))
-        return out
+        return moe_gemv.gemv_experts(x, routing if routing.stride(-1) == 1 else routing.contiguous(), up, down,
+                                     inter, top_k, geglu, interp, out)
+    if routing.device.type == "cuda" or interp:       # one launch (row_topk), not torch's select and sort
+        routing = routing if routing.is_contiguous() else routing.contiguous()
+        weights, ids = row_topk(routing, top_k) if row_topk_supported(routing, top_k) is None \
+            else routing.topk(top_k, dim=-1)
+    else:
+        weights, ids = routing.topk(top_k, dim=-1)
+    weights = weights.float()
     pairs = t * top_k
     cfg = config or _pick_config(pairs, x.dtype, up.quant == INT4)
     rows, block_expert = moe_align(ids, e, cfg.block_m)
@@ -424,5 +436,4 @@ def _run(x, routing, up: _Stack, down: _Stack, e: int, inter: int, top_k: int, g
     _down_kernel[(num_blocks, triton.cdiv(hidden, cfg.down[0]))](
         h, *down.args(), weights.reshape(-1).contiguous(), y, rows, block_expert,
         pairs, hidden, inter, e, **launch(cfg.down, down))
-    out.copy_(y.view(t, top_k, hidden).sum(1))
-    return out
+    return moe_gemv.finish(y.view(1, pairs, hidden), out, top_k)

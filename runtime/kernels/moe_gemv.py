@@ -1,30 +1,32 @@
 """Quantized MoE experts at decode sizes: one (token, expert) pair a program row, no tensor cores.
 
 :func:`graphdsl.runtime.kernels.moe.quant_moe_experts` sends few pairs here (``P = T·k`` up to
-:data:`MAX_PAIRS_PER_EXPERT` times the experts for a kind of codes). Each program reads expert ``e = ids[p]``'s codes for
-``BLOCK_N`` output rows once, as a decode GEMV does, and multiplies them by pair ``p``'s input row
-with float32 FMAs and a sum along K:
+:data:`MAX_PAIRS_PER_EXPERT` times the experts for a kind of codes). Each program finds its pair's
+expert ``e`` and routing weight in the routing row itself (:func:`_choice`: no top-k launch, no
+align step), reads expert ``e``'s codes for ``BLOCK_N`` output rows once, as a decode GEMV does,
+and multiplies them by pair ``p``'s input row:
 
-* gate/up (:func:`_gate_up_kernel`): ``h[p, n] = act(Σ_k x[t, k] · gate_e[n, k], Σ_k x[t, k] · up_e[n, k])``
-  for token ``t = p // k``;
-* down (:func:`_down_kernel`): ``y[p, n] = weight(p) · Σ_k h[p, k] · down_e[n, k]`` in float32.
+* gate/up: ``h[p, n] = act(Σ_k x[t, k] · gate_e[n, k], Σ_k x[t, k] · up_e[n, k])`` for token
+  ``t = p // k``;
+* down: ``y[s, p, n] = weight(p) · Σ_{k in slice s} h[p, k] · down_e[n, k]`` in float32;
+* finish (:func:`_finish_kernel`): ``out[t] = Σ_s Σ_j y[s, t·k + j]`` in a fixed order, cast.
 
-The codes are read as the grouped kernels read them (``moe`` module docstring): per-channel codes
-summed, then times ``s[n]``; int4 bytes whose low and high nibbles, less the zero point, multiply
-the even and odd inputs, each K step one group, its sum times the group's scale. Pairs that share
-an expert read its codes once each (few pairs share one at decode; the grouped kernels, which read
-a shared expert once, take more pairs). No align step: ``ids`` comes straight from the top-k.
-
-int4 stacks (groups of 64 or 128) and fp8 stacks with 16-bit activations take the dense decode
-GEMV's one-row loops instead (:func:`_gate_up_words_kernel`, :func:`_down_words_kernel`, each
-program running :func:`_word_rows` on its pair's expert): the codes as int32 words — eight nibbles,
-each group's activations in 16-bit fixed point against four ``dp4a`` a word
+int4 stacks (groups of 64 or 128) and fp8 stacks with 16-bit activations run the dense decode
+GEMV's one-row loops (:func:`_gate_up_words_kernel`, :func:`_down_words_kernel`, each program
+running :func:`_word_rows` on its pair's expert): the codes as int32 words — eight nibbles, each
+group's activations in 16-bit fixed point against four ``dp4a`` a word
 (:func:`.gemv_loops._int4_row`); four e4m3 codes turned into float32 bits by shifts
 (:func:`.gemv_loops._fp8_row_loop`) —, the next step's words loaded before this one's math; gate
 and up rows interleaved in a tile (one stream feeds both halves of the activation), down's K split
-into slices whose float32 partials ``y [S, P, H]`` are summed, in slice order, with the top-k sum.
-The float loop above converts every code to float (``I2F``, an eighth of the FMA rate on Hopper):
-H200, Mixtral's int4 experts at one token, 198.5 µs.
+into slices. The rest (int4 groups of 32, int8 codes, float32 activations) run a float loop of the
+same shape (:func:`_gate_up_kernel`, :func:`_down_kernel`), the codes read as the grouped kernels
+read them: per-channel codes summed, then times ``s[n]``; int4 bytes whose low and high nibbles,
+less the zero point, multiply the even and odd inputs, each K step one group, its sum times the
+group's scale. It converts every code to float (``I2F``, an eighth of the FMA rate on Hopper):
+Mixtral's int4 experts at one token took 198.5 µs there against 95.6 in the word loop (H200).
+
+Pairs that share an expert read its codes once each; the grouped kernels, which read a shared
+expert once, take more pairs.
 """
 from __future__ import annotations
 
@@ -35,7 +37,7 @@ import triton.language as tl
 from .gemv_loops import _fp8_row_loop, _int4_row
 from .paged_attention import _sm_count
 
-__all__ = ["gemv_experts", "MAX_PAIRS_PER_EXPERT", "code_kind", "words_step"]
+__all__ = ["gemv_experts", "finish", "MAX_PAIRS_PER_EXPERT", "code_kind", "words_step"]
 
 # the most pairs an expert, on average, each kind of codes (:func:`code_kind`) takes here by default: a pair
 # reads its expert's codes alone, so a stack of E experts runs here up to E times this many pairs; more run the
@@ -54,6 +56,26 @@ def _act(g, u, GEGLU: tl.constexpr):
         z = 0.7978845608028654 * (g + 0.044715 * g * g * g)
         return 0.5 * g * (2.0 * tl.sigmoid(2.0 * z)) * u     # 1 + tanh(z) = 2 sigmoid(2z)
     return g * tl.sigmoid(g) * u
+
+
+@triton.jit
+def _choice(r_ptr, sr, p, E, TOP_K: tl.constexpr, E_PAD: tl.constexpr):
+    """Pair ``p``'s expert and routing weight, ``(e, w)``: token ``t = p // TOP_K``'s ``(p % TOP_K)``-th
+    largest routing weight and its index (the lowest index among equal weights), found by
+    ``TOP_K`` rounds of max over the ``E`` weights of ``routing[t]`` — the top-k this launch needs,
+    with no launch of its own. A NaN weight picks an expert in range and carries the NaN."""
+    lanes = tl.arange(0, E_PAD)
+    r = tl.load(r_ptr + (p // TOP_K).to(tl.int64) * sr + lanes, mask=lanes < E, other=float("-inf")).to(tl.float32)
+    j = p % TOP_K
+    e = 0
+    w = 0.0
+    for i in tl.static_range(TOP_K):
+        m = tl.max(r, axis=0)
+        idx = tl.minimum(tl.min(tl.where(r == m, lanes, E_PAD), axis=0), E - 1)
+        e = tl.where(i == j, idx, e)
+        w = tl.where(i == j, m, w)
+        r = tl.where(lanes == idx, float("-inf"), r)
+    return e.to(tl.int64), w
 
 
 @triton.jit
@@ -112,12 +134,12 @@ def _gate_up_kernel(
     w_ptr, swe, swn,           # gate_up codes [E, 2I, ...]: expert and row strides
     s_ptr, z_ptr, sse, ssn,    # scales and zero points [E, 2I, G]: expert and row strides
     h_ptr,                     # out: act(gate)·up per pair [P, I], contiguous
-    ids_ptr,                   # expert of each pair [P]
-    H, I, TOP_K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GEGLU: tl.constexpr,
+    r_ptr, sr, E,              # routing [T, E] (inner stride 1), row stride, experts (_choice)
+    H, I, TOP_K: tl.constexpr, E_PAD: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GEGLU: tl.constexpr,
     QUANT: tl.constexpr, GROUP: tl.constexpr, ZP: tl.constexpr,
 ):
     p, pid_n = tl.program_id(0), tl.program_id(1)
-    e = tl.load(ids_ptr + p).to(tl.int64)
+    e, _ = _choice(r_ptr, sr, p, E, TOP_K, E_PAD)
     n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = n < I
     w_e, s_e, z_e = w_ptr + e * swe, s_ptr + e * sse, z_ptr + e * sse
@@ -138,14 +160,13 @@ def _down_kernel(
     h_ptr,                     # act(gate)·up per pair [P, I], contiguous
     w_ptr, swe, swn,           # down codes [E, H, ...]: expert and row strides
     s_ptr, z_ptr, sse, ssn,    # scales and zero points [E, H, G]
-    wt_ptr,                    # routing weight per pair [P], float32
-    y_ptr,                     # out: weighted expert outputs per pair [P, H], float32
-    ids_ptr,
-    H, I, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, QUANT: tl.constexpr, GROUP: tl.constexpr,
-    ZP: tl.constexpr,
+    y_ptr,                     # out: weighted expert outputs per pair [1, P, H], float32
+    r_ptr, sr, E,              # routing [T, E]
+    H, I, TOP_K: tl.constexpr, E_PAD: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    QUANT: tl.constexpr, GROUP: tl.constexpr, ZP: tl.constexpr,
 ):
     p, pid_n = tl.program_id(0), tl.program_id(1)
-    e = tl.load(ids_ptr + p).to(tl.int64)
+    e, wt = _choice(r_ptr, sr, p, E, TOP_K, E_PAD)
     n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = n < H
     w_e, s_e, z_e = w_ptr + e * swe, s_ptr + e * sse, z_ptr + e * sse
@@ -154,7 +175,7 @@ def _down_kernel(
     for k0 in range(0, I, BLOCK_K):
         xa, xb = _row_step(h_row, k0, I, BLOCK_K, QUANT)
         acc = _codes_step(acc, xa, xb, w_e, s_e, z_e, n, n_ok, swn, ssn, k0, I, BLOCK_K, QUANT, GROUP, ZP)
-    acc = _channel_scale(acc, s_e, n, n_ok, ssn, QUANT) * tl.load(wt_ptr + p)
+    acc = _channel_scale(acc, s_e, n, n_ok, ssn, QUANT) * wt
     tl.store(y_ptr + p.to(tl.int64) * H + n, acc, mask=n_ok)
 
 
@@ -182,15 +203,15 @@ def _gate_up_words_kernel(
     w_ptr, swe, W_ROW,         # gate_up codes as int32 words [E, 2I, H / (8 or 4)]: expert stride, words a row
     s_ptr, z_ptr, sse, ssn,    # scales and zero points [E, 2I, groups]: expert and row strides
     h_ptr,                     # out: act(gate)·up per pair [P, I], contiguous
-    ids_ptr,                   # expert of each pair [P]
+    r_ptr, sr, E,              # routing [T, E] (inner stride 1), row stride, experts (_choice)
     I, M12, M16, M0F,          # the int4 loop's nibble masks (gemv's kernel takes the same)
-    TOP_K: tl.constexpr, BLOCK_N: tl.constexpr, FP8: tl.constexpr, STEP: tl.constexpr, GROUP: tl.constexpr,
+    TOP_K: tl.constexpr, E_PAD: tl.constexpr, BLOCK_N: tl.constexpr, FP8: tl.constexpr, STEP: tl.constexpr, GROUP: tl.constexpr,
     ZP: tl.constexpr, GEGLU: tl.constexpr, EMULATE: tl.constexpr, X_WIDE: tl.constexpr,
 ):
     """``h[p, c] = act(gate_e[c] · x[t], up_e[c] · x[t])`` for ``BLOCK_N / 2`` columns ``c``: the tile's
     rows are gate row ``c`` and up row ``I + c`` in turn, one stream of words for both."""
     p, pid_n = tl.program_id(0), tl.program_id(1)
-    e = tl.load(ids_ptr + p).to(tl.int64)
+    e, _ = _choice(r_ptr, sr, p, E, TOP_K, E_PAD)
     r = tl.arange(0, BLOCK_N)
     rn = pid_n * (BLOCK_N // 2) + r // 2 + (r % 2) * I
     row = _word_rows(x_ptr + (p // TOP_K).to(tl.int64) * sx, w_ptr + e * swe, s_ptr + e * sse, z_ptr + e * sse, rn,
@@ -205,22 +226,35 @@ def _down_words_kernel(
     h_ptr,                     # act(gate)·up per pair [P, I] 16-bit, contiguous
     w_ptr, swe, W_ROW,         # down codes as int32 words [E, H, I / (8 or 4)]
     s_ptr, z_ptr, sse, ssn,    # scales and zero points [E, H, groups]
-    wt_ptr,                    # routing weight per pair [P], float32
     y_ptr,                     # out: each K slice's weighted partial per pair [S, P, H], float32
-    ids_ptr,
+    r_ptr, sr, E,              # routing [T, E]
     P, H, I, SLICE_W, M12, M16, M0F,       # SLICE_W: words of a K slice (whole steps)
-    BLOCK_N: tl.constexpr, FP8: tl.constexpr, STEP: tl.constexpr, GROUP: tl.constexpr, ZP: tl.constexpr,
+    TOP_K: tl.constexpr, E_PAD: tl.constexpr, BLOCK_N: tl.constexpr, FP8: tl.constexpr, STEP: tl.constexpr, GROUP: tl.constexpr, ZP: tl.constexpr,
     EMULATE: tl.constexpr, X_WIDE: tl.constexpr,
 ):
     """``y[s, p, n] = weight(p) · Σ_{k in slice s} h[p, k] · down_e[n, k]``."""
     p, pid_n, pid_k = tl.program_id(0), tl.program_id(1), tl.program_id(2)
-    e = tl.load(ids_ptr + p).to(tl.int64)
+    e, wt = _choice(r_ptr, sr, p, E, TOP_K, E_PAD)
     rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     w_lo = pid_k * SLICE_W
     row = _word_rows(h_ptr + p.to(tl.int64) * I, w_ptr + e * swe, s_ptr + e * sse, z_ptr + e * sse, rn, H, w_lo,
                      tl.minimum(w_lo + SLICE_W, W_ROW), W_ROW, ssn, M12, M16, M0F, BLOCK_N, FP8, STEP, GROUP, ZP,
                      EMULATE, X_WIDE)
-    tl.store(y_ptr + (pid_k * P + p).to(tl.int64) * H + rn, row * tl.load(wt_ptr + p), mask=rn < H)
+    tl.store(y_ptr + (pid_k * P + p).to(tl.int64) * H + rn, row * wt, mask=rn < H)
+
+
+@triton.jit
+def _finish_kernel(y_ptr, out_ptr, so, T, H, S: tl.constexpr, TOP_K: tl.constexpr, BLOCK: tl.constexpr):
+    """``out[t, n] = Σ_s Σ_j y[s, t·TOP_K + j, n]`` in a fixed order (slices outer, choices inner),
+    cast to ``out``'s dtype: the sum and the cast in one launch."""
+    t, pid = tl.program_id(0), tl.program_id(1)
+    n = pid * BLOCK + tl.arange(0, BLOCK)
+    ok = n < H
+    acc = tl.zeros((BLOCK,), tl.float32)
+    for s in tl.static_range(S):
+        for j in tl.static_range(TOP_K):
+            acc += tl.load(y_ptr + ((s * T + t) * TOP_K + j).to(tl.int64) * H + n, mask=ok, other=0.0)
+    tl.store(out_ptr + t.to(tl.int64) * so + n, acc.to(out_ptr.dtype.element_ty), mask=ok)
 
 
 _WORDS_PER_SM = 2          # the dense one-row GEMVs' programs a SM, which down's K split fills
@@ -261,18 +295,19 @@ def _block_n(pairs: int, rows: int, device: torch.device) -> int:
     return 16
 
 
-def gemv_experts(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, up, down, inter: int, top_k: int,
-                 geglu: bool, interp: bool) -> torch.Tensor:
-    """``[T, H]`` float32: each token's sum of its pairs' weighted expert outputs (module docstring);
-    ``ids``, ``weights`` ``[T, k]`` from the routing's top-k; ``up``, ``down`` the stacks as
-    ``moe._Stack`` (codes, scales, zero points, kind, group). Each stack takes the word loop when
-    :func:`words_step` allows, else the float loop."""
+def gemv_experts(x: torch.Tensor, routing: torch.Tensor, up, down, inter: int, top_k: int, geglu: bool,
+                 interp: bool, out: torch.Tensor) -> torch.Tensor:
+    """``out [T, H]`` (``x``'s dtype) ``= Σ_j routing[t, e_j] · mlp_{e_j}(x[t])`` over each token's
+    ``top_k`` largest routing weights (module docstring), each kernel finding its pair's expert
+    (:func:`_choice`); ``up``, ``down`` the stacks as ``moe._Stack`` (codes, scales, zero points,
+    kind, group). Each stack takes the word loop when :func:`words_step` allows, else the float
+    loop; the partials' sum and cast are one more launch (:func:`_finish_kernel`)."""
     t, hidden = x.shape
+    e = routing.shape[1]
     pairs = t * top_k
-    flat_ids = ids.reshape(-1).contiguous()
-    flat_w = weights.reshape(-1).contiguous()
     h = torch.empty((pairs, inter), dtype=x.dtype, device=x.device)
-    masks = (0xF000, 0xF0000, 0x0F0F0F0F)
+    masks = dict(M12=0xF000, M16=0xF0000, M0F=0x0F0F0F0F)
+    route = dict(r_ptr=routing, sr=routing.stride(0), E=e, TOP_K=top_k, E_PAD=triton.next_power_of_2(e))
     stages = 1 if interp else 2
 
     def words(stack, step, block_n):
@@ -280,22 +315,22 @@ def gemv_experts(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, up, 
         return dict(w_ptr=codes, swe=codes.stride(0), W_ROW=codes.stride(1), s_ptr=stack.scale, z_ptr=stack.zero,
                     sse=stack.scale.stride(0), ssn=stack.scale.stride(1), FP8=stack.quant != 2, STEP=step,
                     GROUP=stack.group, ZP=stack.zero_point, EMULATE=interp, BLOCK_N=block_n, num_warps=4,
-                    num_stages=stages)
+                    num_stages=stages, **masks, **route)
 
     def consts(stack, rows):
         return dict(BLOCK_N=_block_n(pairs, rows, x.device), BLOCK_K=stack.group if stack.quant == 2 else 128,
-                    QUANT=stack.quant, GROUP=stack.group, ZP=stack.zero_point, num_warps=4, num_stages=stages)
+                    QUANT=stack.quant, GROUP=stack.group, ZP=stack.zero_point, num_warps=4, num_stages=stages,
+                    **route)
 
     step = words_step(up, x.dtype, hidden)
     if step:
         bn = _words_block_n(up, False)
         _gate_up_words_kernel[(pairs, triton.cdiv(2 * inter, bn))](
-            x, x.stride(0), h_ptr=h, ids_ptr=flat_ids, I=inter, M12=masks[0], M16=masks[1], M0F=masks[2], TOP_K=top_k,
-            GEGLU=geglu, X_WIDE=_x_wide(x), **words(up, step, bn))
+            x, x.stride(0), h_ptr=h, I=inter, GEGLU=geglu, X_WIDE=_x_wide(x), **words(up, step, bn))
     else:
         cu = consts(up, inter)
         _gate_up_kernel[(pairs, triton.cdiv(inter, cu["BLOCK_N"]))](
-            x, x.stride(0), *up.args(), h, flat_ids, hidden, inter, TOP_K=top_k, GEGLU=geglu, **cu)
+            x, x.stride(0), *up.args(), h, H=hidden, I=inter, GEGLU=geglu, **cu)
     step = words_step(down, x.dtype, inter)
     if step:
         bn = _words_block_n(down, True)
@@ -306,14 +341,26 @@ def gemv_experts(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, up, 
         split = triton.cdiv(steps, slice_steps)                  # no empty slices
         y = torch.empty((split, pairs, hidden), dtype=torch.float32, device=x.device)
         _down_words_kernel[(pairs, tiles, split)](
-            h, y_ptr=y, wt_ptr=flat_w, ids_ptr=flat_ids, P=pairs, H=hidden, I=inter, SLICE_W=slice_steps * step // (8 if down.quant == 2 else 4),
-            M12=masks[0], M16=masks[1], M0F=masks[2], X_WIDE=_x_wide(h), **words(down, step, bn))
+            h, y_ptr=y, P=pairs, H=hidden, I=inter, SLICE_W=slice_steps * step // (8 if down.quant == 2 else 4),
+            X_WIDE=_x_wide(h), **words(down, step, bn))
     else:
         y = torch.empty((1, pairs, hidden), dtype=torch.float32, device=x.device)
         cd = consts(down, hidden)
-        _down_kernel[(pairs, triton.cdiv(hidden, cd["BLOCK_N"]))](
-            h, *down.args(), flat_w, y, flat_ids, hidden, inter, **cd)
-    return y.view(-1, t, top_k, hidden).sum((0, 2))
+        _down_kernel[(pairs, triton.cdiv(hidden, cd["BLOCK_N"]))](h, *down.args(), y, H=hidden, I=inter, **cd)
+    return finish(y, out, top_k)
+
+
+def finish(y: torch.Tensor, out: torch.Tensor, top_k: int) -> torch.Tensor:
+    """``out [T, H] = Σ_s Σ_j y[s, t·top_k + j]`` cast to ``out``'s dtype, one launch
+    (:func:`_finish_kernel`); ``y [S, P, H]`` float32, contiguous."""
+    t, hidden = out.shape
+    dst = out if out.stride(-1) == 1 else torch.empty(out.shape, dtype=out.dtype, device=out.device)
+    _finish_kernel[(t, triton.cdiv(hidden, _FINISH_BLOCK))](y, dst, dst.stride(0), t, hidden, S=y.shape[0],
+                                                            TOP_K=top_k, BLOCK=_FINISH_BLOCK)
+    return out if dst is out else out.copy_(dst)
+
+
+_FINISH_BLOCK = 1024
 
 
 def _x_wide(x: torch.Tensor) -> bool:

@@ -165,19 +165,19 @@ def test_stacks_run_the_word_loop(scheme, dtype, tokens, monkeypatch):
     if scheme.startswith("int4") and DEVICE == "cpu":
         assert seen[1][1] == ((2, 1, 4) if tokens == 1 else (6, 1, 1))     # (pairs, tiles, K slices)
     scale = want.float().abs().max().item()
-    assert (got.float() - want.float()).abs().max().item() <= 1e-2 * scale
+    assert (got.float() - want.float()).abs().max().item() <= 2e-2 * scale     # two ulps of a 16-bit output
     monkeypatch.setattr(moe_gemv, "words_step", lambda *a: None)
     floats = quant_moe_experts(*args, **kw, gemv=True)
     assert [n for n, _ in seen[2:]] == ["_gate_up_kernel", "_down_kernel"]
-    assert (got.float() - floats.float()).abs().max().item() <= 1e-2 * scale
+    assert (got.float() - floats.float()).abs().max().item() <= 2e-2 * scale
 
 
 @pytest.mark.parametrize("scheme,tokens,experts,one_pair", [
-    ("int4-g128", 16, 8, True), ("int4-g128", 17, 8, False), ("int4-g128", 20, 12, True),
+    ("int4-g128", 4, 2, True), ("int4-g128", 5, 2, False), ("int4-g128", 6, 3, True),
     ("fp8-channel", 2, 8, True), ("fp8-channel", 3, 8, False), ("int8-channel", 1, 8, False)])
 def test_default_path_follows_the_pairs_an_expert(scheme, tokens, experts, one_pair, monkeypatch):
     """Stacks run one pair a program row up to ``MAX_PAIRS_PER_EXPERT`` of their kind of codes (int4
-    4, fp8 0.5, int8 none) times the experts (top-2: int4 16 tokens of 8 experts, 20 of 12; fp8 2
+    4, fp8 0.5, int8 none) times the experts (top-2: int4 4 tokens of 2 experts, 6 of 3; fp8 2
     tokens of 8), the grouped kernels beyond."""
     if scheme.startswith("fp8") and DEVICE == "cuda" and torch.cuda.get_device_capability() < (8, 9):
         pytest.skip("fp8 codes need sm_89+")
@@ -190,6 +190,29 @@ def test_default_path_follows_the_pairs_an_expert(scheme, tokens, experts, one_p
     one = "moe_gemv._gate_up_words_kernel" if scheme != "int8-channel" else "moe_gemv._gate_up_kernel"
     assert [n for n, _ in seen] == ([one] if one_pair else ["moe._gate_up_kernel"])
     assert (got.float() - want.float()).abs().max().item() <= 2e-2 * want.float().abs().max().item()
+
+
+@pytest.mark.parametrize("scheme", ["int4-g128", "int4-g32"])
+def test_one_pair_kernels_find_each_tokens_top_k(scheme):
+    """The one-pair kernels take each token's top-k from the routing themselves (no top-k launch):
+    a routing whose rows sit in a wider buffer (row stride 11 for 8 experts), chosen experts in
+    any columns, three of a token's weights equal, and an output that is a column slice of a
+    wider tensor, against the reference."""
+    args, kw, want = _quantized(scheme, 3, 8, 256, 256, 3, torch.bfloat16, seed=2)
+    x, routing, up, dn = args
+    buf = torch.zeros(3, 11, dtype=routing.dtype, device=routing.device)
+    buf[:, :8] = routing
+    buf[2, :8] = 0.0
+    buf[2, [1, 4, 6]] = 1.0 / 3                               # ties among the chosen: any order sums the same
+    routing = buf[:, :8]
+    assert routing.stride(0) == 11
+    want = QREF(x, routing, *up, *dn, gate_up_scheme=scheme, down_scheme=scheme, experts=8, hidden=256,
+                intermediate=256)
+    wide = torch.full((3, 300), float("nan"), dtype=x.dtype, device=x.device)
+    got = quant_moe_experts(x, routing, up, dn, **kw, gemv=True, out=wide[:, 10:266])
+    assert got.data_ptr() == wide[:, 10:266].data_ptr()
+    assert (got.float() - want.float()).abs().max().item() <= 2e-2 * want.float().abs().max().item()
+    assert wide[:, :10].isnan().all() and wide[:, 266:].isnan().all()
 
 
 def test_word_loop_takes_only_what_it_can_read():
