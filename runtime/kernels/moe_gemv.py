@@ -63,7 +63,7 @@ def _choice(r_ptr, sr, p, E, TOP_K: tl.constexpr, E_PAD: tl.constexpr):
     """Pair ``p``'s expert and routing weight, ``(e, w)``: token ``t = p // TOP_K``'s ``(p % TOP_K)``-th
     largest routing weight and its index (the lowest index among equal weights), found by
     ``TOP_K`` rounds of max over the ``E`` weights of ``routing[t]`` — the top-k this launch needs,
-    with no launch of its own. A NaN weight picks an expert in range and carries the NaN."""
+    with no launch of its own. The index stays in ``[0, E)`` whatever the weights (NaN included)."""
     lanes = tl.arange(0, E_PAD)
     r = tl.load(r_ptr + (p // TOP_K).to(tl.int64) * sr + lanes, mask=lanes < E, other=float("-inf")).to(tl.float32)
     j = p % TOP_K
@@ -205,8 +205,8 @@ def _gate_up_words_kernel(
     h_ptr,                     # out: act(gate)·up per pair [P, I], contiguous
     r_ptr, sr, E,              # routing [T, E] (inner stride 1), row stride, experts (_choice)
     I, M12, M16, M0F,          # the int4 loop's nibble masks (gemv's kernel takes the same)
-    TOP_K: tl.constexpr, E_PAD: tl.constexpr, BLOCK_N: tl.constexpr, FP8: tl.constexpr, STEP: tl.constexpr, GROUP: tl.constexpr,
-    ZP: tl.constexpr, GEGLU: tl.constexpr, EMULATE: tl.constexpr, X_WIDE: tl.constexpr,
+    TOP_K: tl.constexpr, E_PAD: tl.constexpr, BLOCK_N: tl.constexpr, FP8: tl.constexpr, STEP: tl.constexpr,
+    GROUP: tl.constexpr, ZP: tl.constexpr, GEGLU: tl.constexpr, EMULATE: tl.constexpr, X_WIDE: tl.constexpr,
 ):
     """``h[p, c] = act(gate_e[c] · x[t], up_e[c] · x[t])`` for ``BLOCK_N / 2`` columns ``c``: the tile's
     rows are gate row ``c`` and up row ``I + c`` in turn, one stream of words for both."""
@@ -229,8 +229,8 @@ def _down_words_kernel(
     y_ptr,                     # out: each K slice's weighted partial per pair [S, P, H], float32
     r_ptr, sr, E,              # routing [T, E]
     P, H, I, SLICE_W, M12, M16, M0F,       # SLICE_W: words of a K slice (whole steps)
-    TOP_K: tl.constexpr, E_PAD: tl.constexpr, BLOCK_N: tl.constexpr, FP8: tl.constexpr, STEP: tl.constexpr, GROUP: tl.constexpr, ZP: tl.constexpr,
-    EMULATE: tl.constexpr, X_WIDE: tl.constexpr,
+    TOP_K: tl.constexpr, E_PAD: tl.constexpr, BLOCK_N: tl.constexpr, FP8: tl.constexpr, STEP: tl.constexpr,
+    GROUP: tl.constexpr, ZP: tl.constexpr, EMULATE: tl.constexpr, X_WIDE: tl.constexpr,
 ):
     """``y[s, p, n] = weight(p) · Σ_{k in slice s} h[p, k] · down_e[n, k]``."""
     p, pid_n, pid_k = tl.program_id(0), tl.program_id(1), tl.program_id(2)
@@ -251,7 +251,7 @@ def _finish_kernel(y_ptr, out_ptr, so, T, H, S: tl.constexpr, TOP_K: tl.constexp
     n = pid * BLOCK + tl.arange(0, BLOCK)
     ok = n < H
     acc = tl.zeros((BLOCK,), tl.float32)
-    for s in tl.static_range(S):
+    for s in range(S):
         for j in tl.static_range(TOP_K):
             acc += tl.load(y_ptr + ((s * T + t) * TOP_K + j).to(tl.int64) * H + n, mask=ok, other=0.0)
     tl.store(out_ptr + t.to(tl.int64) * so + n, acc.to(out_ptr.dtype.element_ty), mask=ok)
