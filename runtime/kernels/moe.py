@@ -411,12 +411,9 @@ def _run(x, routing, up: _Stack, down: _Stack, e: int, inter: int, top_k: int, g
     if gemv:
         return moe_gemv.gemv_experts(x, routing if routing.stride(-1) == 1 else routing.contiguous(), up, down,
                                      inter, top_k, geglu, interp, out)
-    if routing.device.type == "cuda" or interp:       # one launch (row_topk), not torch's select and sort
-        routing = routing if routing.is_contiguous() else routing.contiguous()
-        weights, ids = row_topk(routing, top_k) if row_topk_supported(routing, top_k) is None \
-            else routing.topk(top_k, dim=-1)
-    else:
-        weights, ids = routing.topk(top_k, dim=-1)
+    routing = routing.contiguous()          # one launch (row_topk), not torch's select and sort
+    weights, ids = row_topk(routing, top_k) if row_topk_supported(routing, top_k) is None \
+        else routing.topk(top_k, dim=-1)
     weights = weights.float()
     pairs = t * top_k
     cfg = config or _pick_config(pairs, x.dtype, up.quant == INT4)
