@@ -17,6 +17,9 @@ epilogue and launch rules, which stay in :mod:`.gemv`.
   act-order gathers of the activations (:func:`_x_at`).
 * **int4, several rows** (:func:`_int4_k_loop`): 16-bit magic-number nibble planes into ``tl.dot``.
 * **fp8, one row** (:func:`_fp8_row_loop`, :func:`_e4m3`): e4m3 codes shifted into float32 bits.
+* **int8, one row** (:func:`_int8_row_loop`, :func:`_u8`): codes as the mantissa of a float32 in
+  [1, 2) (the MoE experts' one-pair kernels, :mod:`.moe_gemv`; the dense GEMV takes int8 on the
+  tensor cores).
 
 The bits these loops give are checked against :mod:`graphdsl.quant`'s torch references by
 ``tests/kernels/test_quant_linear.py``, ``test_int4_acts.py`` and ``test_gemv.py`` (interpreter;
@@ -547,6 +550,22 @@ def _e4m3(top):
 
 
 @triton.jit
+def _word_inputs(x_ptr, c, rc, X_WIDE: tl.constexpr):
+    """The four float32 activations of words ``c + rc`` of four codes each (word ``j`` holds inputs
+    ``4j .. 4j + 3``): with ``X_WIDE`` (16-bit activations at an 8-byte aligned address) one int64
+    load a word, else four loads."""
+    if X_WIDE:
+        x0, x1, x2, x3 = _x_lanes(tl.load(x_ptr.to(tl.pointer_type(tl.int64)) + c + rc), x_ptr.dtype.element_ty)
+    else:
+        xp = x_ptr + 4 * (c + rc)
+        x0 = tl.load(xp).to(tl.float32)
+        x1 = tl.load(xp + 1).to(tl.float32)
+        x2 = tl.load(xp + 2).to(tl.float32)
+        x3 = tl.load(xp + 3).to(tl.float32)
+    return x0, x1, x2, x3
+
+
+@triton.jit
 def _fp8_row_loop(x_ptr, q_ptr, rn, N, w_lo, w_hi, W_ROW, BLOCK_N: tl.constexpr, C: tl.constexpr,
                   X_WIDE: tl.constexpr = False):
     """One row: ``2^-120 · sum_k x[k] · q[n, k]`` over the words ``[w_lo, w_hi)`` of each row (the
@@ -567,18 +586,42 @@ def _fp8_row_loop(x_ptr, q_ptr, rn, N, w_lo, w_hi, W_ROW, BLOCK_N: tl.constexpr,
     for c in range(w_lo, w_hi, C):
         w = w_next
         w_next = _step_words(q_rows, c + C, w_hi, rc, C)
-        if X_WIDE:          # a word's four 16-bit activations in one int64 load (x 8-byte aligned)
-            x0, x1, x2, x3 = _x_lanes(tl.load(x_ptr.to(tl.pointer_type(tl.int64)) + c + rc), x_ptr.dtype.element_ty)
-        else:
-            xp = x_ptr + 4 * (c + rc)
-            x0 = tl.load(xp).to(tl.float32)
-            x1 = tl.load(xp + 1).to(tl.float32)
-            x2 = tl.load(xp + 2).to(tl.float32)
-            x3 = tl.load(xp + 3).to(tl.float32)
+        x0, x1, x2, x3 = _word_inputs(x_ptr, c, rc, X_WIDE)
         acc += _e4m3(w << 24) * x0[None, :]
         acc += _e4m3(w << 16) * x1[None, :]
         acc += _e4m3(w << 8) * x2[None, :]
         acc += _e4m3(w) * x3[None, :]          # byte 3: its low bits below 24 come out of the mask
+    return tl.sum(acc, axis=1)
+
+
+@triton.jit
+def _u8(v, MASK):
+    """``1 + u · 2^-8`` for ``u = b ^ 0x80`` — an int8 code ``b`` plus 128 — when ``v`` holds ``b`` in bits
+    15..22: the byte as the top mantissa bits of a float32 in [1, 2), its sign bit flipped by the
+    same LOP3 (``MASK`` is ``0x7F8000`` passed as a kernel argument, as :func:`_f12`'s)."""
+    return ((v & MASK) ^ 0x3FC00000).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _int8_row_loop(x_ptr, q_ptr, rn, N, w_lo, w_hi, W_ROW, M8, BLOCK_N: tl.constexpr, C: tl.constexpr,
+                   X_WIDE: tl.constexpr = False):
+    """One row: ``2^-8 · sum_k x[k] · q[n, k]`` over the words ``[w_lo, w_hi)`` of each row (the
+    caller multiplies by ``2^8`` and the scales). ``q_ptr``: int32 words of four int8 codes (``k =
+    4c + i`` in byte ``i``). Each code is shifted to bits 15..22 and made ``f = 1 + (q + 128) / 256``
+    by one LOP3 (:func:`_u8`), no conversion instruction, then one FMA; ``f · x`` sums to ``x +
+    (q + 128) x / 256``, so each step takes off ``1.5 · Σ x`` of its words (float32 sums stay near
+    the result's size). Words are ``C`` a step, the next step's loaded before this one's math, as
+    :func:`_fp8_row_loop`'s."""
+    rc = tl.arange(0, C)
+    q_rows = q_ptr + tl.minimum(rn, N - 1).to(tl.int64)[:, None] * W_ROW    # rows past N read row N - 1
+    w_next = _step_words(q_rows, w_lo, w_hi, rc, C)
+    acc = tl.zeros([BLOCK_N, C], tl.float32)
+    for c in range(w_lo, w_hi, C):
+        w = w_next
+        w_next = _step_words(q_rows, c + C, w_hi, rc, C)
+        x0, x1, x2, x3 = _word_inputs(x_ptr, c, rc, X_WIDE)
+        acc += _u8(w << 15, M8) * x0[None, :] + _u8(w << 7, M8) * x1[None, :] + _u8(w >> 1, M8) * x2[None, :] \
+            + _u8(w >> 9, M8) * x3[None, :] - (1.5 * (x0 + x1 + x2 + x3))[None, :]
     return tl.sum(acc, axis=1)
 
 

@@ -11,14 +11,15 @@ and multiplies them by pair ``p``'s input row:
 * down: ``y[s, p, n] = weight(p) · Σ_{k in slice s} h[p, k] · down_e[n, k]`` in float32;
 * finish (:func:`_finish_kernel`): ``out[t] = Σ_s Σ_j y[s, t·k + j]`` in a fixed order, cast.
 
-int4 stacks (groups of 64 or 128) and fp8 stacks with 16-bit activations run the dense decode
+int4 stacks (groups of 64 or 128), fp8 and int8 stacks with 16-bit activations run the decode
 GEMV's one-row loops (:func:`_gate_up_words_kernel`, :func:`_down_words_kernel`, each program
 running :func:`_word_rows` on its pair's expert): the codes as int32 words — eight nibbles, each
 group's activations in 16-bit fixed point against four ``dp4a`` a word
 (:func:`.gemv_loops._int4_row`); four e4m3 codes turned into float32 bits by shifts
-(:func:`.gemv_loops._fp8_row_loop`) —, the next step's words loaded before this one's math; gate
+(:func:`.gemv_loops._fp8_row_loop`); four int8 codes made the mantissas of floats in [1, 2)
+(:func:`.gemv_loops._int8_row_loop`) —, the next step's words loaded before this one's math; gate
 and up rows interleaved in a tile (one stream feeds both halves of the activation), down's K split
-into slices. The rest (int4 groups of 32, int8 codes, float32 activations) run a float loop of the
+into slices. The rest (int4 groups of 32, float32 activations) run a float loop of the
 same shape (:func:`_gate_up_kernel`, :func:`_down_kernel`), the codes read as the grouped kernels
 read them: per-channel codes summed, then times ``s[n]``; int4 bytes whose low and high nibbles,
 less the zero point, multiply the even and odd inputs, each K step one group, its sum times the
@@ -34,7 +35,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .gemv_loops import _fp8_row_loop, _int4_row
+from .gemv_loops import _fp8_row_loop, _int4_row, _int8_row_loop
 from .paged_attention import _sm_count
 
 __all__ = ["gemv_experts", "finish", "MAX_PAIRS_PER_EXPERT", "code_kind", "words_step"]
@@ -45,7 +46,8 @@ __all__ = ["gemv_experts", "finish", "MAX_PAIRS_PER_EXPERT", "code_kind", "words
 # Mixtral-8x7B (8 experts, top-2) int4-g128 at 2 pairs 91.2 vs 320.7, 16 pairs 403.2 vs 691.1, 32 pairs 760.6 vs
 # 848.4, 64 pairs 1435.5 vs 1099.8; fp8 per channel at 2 pairs 111.4 vs 150.6, 4 pairs 182.1 vs 210.4, 8 pairs
 # 360.1 vs 319.5; DeepSeek-V2-Lite (64 experts, top-6) int4 at 384 pairs 438.5 vs 645.0, 768 pairs 840.7 vs
-# 806.1; fp8 at 6 pairs 37.3 vs 41.2, 48 pairs 132.4 vs 123.5. int8 codes have no word loop here.
+# 806.1; fp8 at 6 pairs 37.3 vs 41.2, 48 pairs 132.4 vs 123.5. int8's word loop is not timed on a GPU yet: its
+# stacks run grouped by default until it is (``gemv=True`` runs it).
 MAX_PAIRS_PER_EXPERT = {"int8": 0, "fp8": 0.5, "int4": 4}
 
 
@@ -180,20 +182,25 @@ def _down_kernel(
 
 
 @triton.jit
-def _word_rows(x_row, w_e, s_e, z_e, rn, N, w_lo, w_hi, W_ROW, ssn, M12, M16, M0F, BLOCK_N: tl.constexpr,
-               FP8: tl.constexpr, STEP: tl.constexpr, GROUP: tl.constexpr, ZP: tl.constexpr, EMULATE: tl.constexpr,
+def _word_rows(x_row, w_e, s_e, z_e, rn, N, w_lo, w_hi, W_ROW, ssn, M12, M16, M0F, M8, BLOCK_N: tl.constexpr,
+               CODES: tl.constexpr, STEP: tl.constexpr, GROUP: tl.constexpr, ZP: tl.constexpr, EMULATE: tl.constexpr,
                X_WIDE: tl.constexpr):
     """``Σ_k x[k] · W[n, k]`` over the words ``[w_lo, w_hi)`` of rows ``rn`` (float32 ``[BLOCK_N]``,
-    scales applied; rows past ``N`` read row ``N - 1``, never stored): the dense one-row loop of
-    the stack's codes, ``STEP`` inputs a step — int4 (:func:`.gemv_loops._int4_row`, integer dots) or
-    fp8 (:func:`.gemv_loops._fp8_row_loop`, its ``2^-120`` and the row scale taken off after)."""
-    if FP8:
-        s = tl.load(s_e + tl.minimum(rn, N - 1).to(tl.int64) * ssn).to(tl.float32)
-        row = _fp8_row_loop(x_row, w_e, rn, N, w_lo, w_hi, W_ROW, BLOCK_N, STEP // 4, X_WIDE) \
-            * (1.329227995784916e36 * s)                  # 2^120
-    else:
+    scales applied; rows past ``N`` read row ``N - 1``, never stored): the one-row loop of the
+    stack's codes (``CODES``, :data:`_WORD_CODES`), ``STEP`` inputs a step — int4
+    (:func:`.gemv_loops._int4_row`, integer dots), int8 (:func:`.gemv_loops._int8_row_loop`, its
+    ``2^-8`` taken off after) or fp8 (:func:`.gemv_loops._fp8_row_loop`, its ``2^-120``), then the
+    row scale."""
+    if CODES == 0:
         row = _int4_row(x_row, w_e, s_e, z_e, rn, N, w_lo, w_hi, W_ROW, ssn, M12, M16, M0F, BLOCK_N, ZP, GROUP,
                         STEP // GROUP, True, EMULATE, False, 0, x_row, False, X_WIDE, True)
+    else:
+        s = tl.load(s_e + tl.minimum(rn, N - 1).to(tl.int64) * ssn).to(tl.float32)
+        if CODES == 1:
+            row = _int8_row_loop(x_row, w_e, rn, N, w_lo, w_hi, W_ROW, M8, BLOCK_N, STEP // 4, X_WIDE) * (256.0 * s)
+        else:
+            row = _fp8_row_loop(x_row, w_e, rn, N, w_lo, w_hi, W_ROW, BLOCK_N, STEP // 4, X_WIDE) \
+                * (1.329227995784916e36 * s)              # 2^120
     return row
 
 
@@ -204,8 +211,8 @@ def _gate_up_words_kernel(
     s_ptr, z_ptr, sse, ssn,    # scales and zero points [E, 2I, groups]: expert and row strides
     h_ptr,                     # out: act(gate)·up per pair [P, I], contiguous
     r_ptr, sr, E,              # routing [T, E] (inner stride 1), row stride, experts (_choice)
-    I, M12, M16, M0F,          # the int4 loop's nibble masks (gemv's kernel takes the same)
-    TOP_K: tl.constexpr, E_PAD: tl.constexpr, BLOCK_N: tl.constexpr, FP8: tl.constexpr, STEP: tl.constexpr,
+    I, M12, M16, M0F, M8,      # the loops' masks, passed as arguments (gemv's kernel takes the same)
+    TOP_K: tl.constexpr, E_PAD: tl.constexpr, BLOCK_N: tl.constexpr, CODES: tl.constexpr, STEP: tl.constexpr,
     GROUP: tl.constexpr, ZP: tl.constexpr, GEGLU: tl.constexpr, EMULATE: tl.constexpr, X_WIDE: tl.constexpr,
 ):
     """``h[p, c] = act(gate_e[c] · x[t], up_e[c] · x[t])`` for ``BLOCK_N / 2`` columns ``c``: the tile's
@@ -215,7 +222,8 @@ def _gate_up_words_kernel(
     r = tl.arange(0, BLOCK_N)
     rn = pid_n * (BLOCK_N // 2) + r // 2 + (r % 2) * I
     row = _word_rows(x_ptr + (p // TOP_K).to(tl.int64) * sx, w_ptr + e * swe, s_ptr + e * sse, z_ptr + e * sse, rn,
-                     2 * I, 0, W_ROW, W_ROW, ssn, M12, M16, M0F, BLOCK_N, FP8, STEP, GROUP, ZP, EMULATE, X_WIDE)
+                     2 * I, 0, W_ROW, W_ROW, ssn, M12, M16, M0F, M8, BLOCK_N, CODES, STEP, GROUP, ZP, EMULATE,
+                     X_WIDE)
     g, u = tl.split(tl.reshape(row, [BLOCK_N // 2, 2]))
     c = pid_n * (BLOCK_N // 2) + tl.arange(0, BLOCK_N // 2)
     tl.store(h_ptr + p.to(tl.int64) * I + c, _act(g, u, GEGLU).to(h_ptr.dtype.element_ty), mask=c < I)
@@ -228,8 +236,8 @@ def _down_words_kernel(
     s_ptr, z_ptr, sse, ssn,    # scales and zero points [E, H, groups]
     y_ptr,                     # out: each K slice's weighted partial per pair [S, P, H], float32
     r_ptr, sr, E,              # routing [T, E]
-    P, H, I, SLICE_W, M12, M16, M0F,       # SLICE_W: words of a K slice (whole steps)
-    TOP_K: tl.constexpr, E_PAD: tl.constexpr, BLOCK_N: tl.constexpr, FP8: tl.constexpr, STEP: tl.constexpr,
+    P, H, I, SLICE_W, M12, M16, M0F, M8,   # SLICE_W: words of a K slice (whole steps)
+    TOP_K: tl.constexpr, E_PAD: tl.constexpr, BLOCK_N: tl.constexpr, CODES: tl.constexpr, STEP: tl.constexpr,
     GROUP: tl.constexpr, ZP: tl.constexpr, EMULATE: tl.constexpr, X_WIDE: tl.constexpr,
 ):
     """``y[s, p, n] = weight(p) · Σ_{k in slice s} h[p, k] · down_e[n, k]``."""
@@ -238,8 +246,8 @@ def _down_words_kernel(
     rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     w_lo = pid_k * SLICE_W
     row = _word_rows(h_ptr + p.to(tl.int64) * I, w_ptr + e * swe, s_ptr + e * sse, z_ptr + e * sse, rn, H, w_lo,
-                     tl.minimum(w_lo + SLICE_W, W_ROW), W_ROW, ssn, M12, M16, M0F, BLOCK_N, FP8, STEP, GROUP, ZP,
-                     EMULATE, X_WIDE)
+                     tl.minimum(w_lo + SLICE_W, W_ROW), W_ROW, ssn, M12, M16, M0F, M8, BLOCK_N, CODES, STEP, GROUP,
+                     ZP, EMULATE, X_WIDE)
     tl.store(y_ptr + (pid_k * P + p).to(tl.int64) * H + rn, row * wt, mask=rn < H)
 
 
@@ -270,19 +278,22 @@ def code_kind(stack) -> str:
 def words_step(stack, x_dtype: torch.dtype, k: int) -> int | None:
     """The K step (inputs) of the word loop for ``stack`` (a ``moe._Stack``) over ``k`` inputs of
     ``x_dtype``, or None when it cannot take them: int4 in groups of 64 or 128 (whole groups a step
-    of at least 128 inputs), fp8 (256 inputs a step), the step dividing ``k``; 16-bit activations.
-    int8 codes have no one-row loop (the dense GEMV runs them on the tensor cores)."""
+    of at least 128 inputs), int8 and fp8 (256 inputs a step), the step dividing ``k``; 16-bit
+    activations."""
     kind = code_kind(stack)
-    step = {"int4": max(stack.group, 128), "fp8": 256}.get(kind)
-    if step is None or (kind == "int4" and stack.group % 64) or k % step \
-            or x_dtype not in (torch.float16, torch.bfloat16):
+    step = max(stack.group, 128) if kind == "int4" else 256
+    if (kind == "int4" and stack.group % 64) or k % step or x_dtype not in (torch.float16, torch.bfloat16):
         return None
     return step
 
 
+# the word loops' ``CODES`` constexpr for each kind of codes
+_WORD_CODES = {"int4": 0, "int8": 1, "fp8": 2}
+
+
 def _words_block_n(stack, down: bool) -> int:
     """Rows a program of the word loop: the dense one-row GEMVs' tiles (``gemv._pick_quant_config``:
-    int4 256; fp8 32 for gate/up's many rows, 64 for down's fewer, whose K is split)."""
+    int4 256; fp8 32 for gate/up's many rows, 64 for down's fewer, whose K is split; int8 as fp8)."""
     return 256 if stack.quant == 2 else 64 if down else 32
 
 
@@ -306,15 +317,15 @@ def gemv_experts(x: torch.Tensor, routing: torch.Tensor, up, down, inter: int, t
     e = routing.shape[1]
     pairs = t * top_k
     h = torch.empty((pairs, inter), dtype=x.dtype, device=x.device)
-    masks = dict(M12=0xF000, M16=0xF0000, M0F=0x0F0F0F0F)
+    masks = dict(M12=0xF000, M16=0xF0000, M0F=0x0F0F0F0F, M8=0x7F8000)
     route = dict(r_ptr=routing, sr=routing.stride(0), E=e, TOP_K=top_k, E_PAD=triton.next_power_of_2(e))
     stages = 1 if interp else 2
 
     def words(stack, step, block_n):
-        codes = stack.codes.view(torch.int32)                    # int4: input 8c + i in bits 4i..; fp8: 4c + i, byte i
+        codes = stack.codes.view(torch.int32)           # int4: input 8c + i in bits 4i..; int8, fp8: 4c + i, byte i
         return dict(w_ptr=codes, swe=codes.stride(0), W_ROW=codes.stride(1), s_ptr=stack.scale, z_ptr=stack.zero,
-                    sse=stack.scale.stride(0), ssn=stack.scale.stride(1), FP8=stack.quant != 2, STEP=step,
-                    GROUP=stack.group, ZP=stack.zero_point, EMULATE=interp, BLOCK_N=block_n, num_warps=4,
+                    sse=stack.scale.stride(0), ssn=stack.scale.stride(1), CODES=_WORD_CODES[code_kind(stack)],
+                    STEP=step, GROUP=stack.group, ZP=stack.zero_point, EMULATE=interp, BLOCK_N=block_n, num_warps=4,
                     num_stages=stages, **masks, **route)
 
     def consts(stack, rows):

@@ -146,11 +146,11 @@ class _Launches:
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-@pytest.mark.parametrize("scheme", ["int4-g128", "int4-g64-zp", "fp8-channel"])
+@pytest.mark.parametrize("scheme", ["int4-g128", "int4-g64-zp", "fp8-channel", "int8-channel"])
 @pytest.mark.parametrize("tokens", [1, 3])
 def test_stacks_run_the_word_loop(scheme, dtype, tokens, monkeypatch):
-    """int4 stacks in groups of 64 or 128 and fp8 stacks with 16-bit activations run the dense
-    GEMV's one-row loops, one pair a program: gate and up rows interleaved in a tile, down's K split
+    """int4 stacks in groups of 64 or 128, fp8 and int8 stacks with 16-bit activations run the
+    one-row word loops, one pair a program: gate and up rows interleaved in a tile, down's K split
     into slices (int4 at one token: four on the interpreter's four SMs) whose partials sum with the
     top-k. Within the float loop's tolerance of the reference, and of the float loop itself."""
     if scheme.startswith("fp8") and DEVICE == "cuda" and torch.cuda.get_device_capability() < (8, 9):
@@ -216,8 +216,8 @@ def test_one_pair_kernels_find_each_tokens_top_k(scheme):
 
 
 def test_word_loop_takes_only_what_it_can_read():
-    """``words_step``: int4 groups of 64 / 128 and fp8 whose steps divide K, 16-bit activations; the
-    rest (groups of 32, K not a multiple of the step, float32 rows, int8 codes) stay on the float loop."""
+    """``words_step``: int4 groups of 64 / 128, fp8 and int8 whose steps divide K, 16-bit activations;
+    the rest (groups of 32, K not a multiple of the step, float32 rows) stay on the float loop."""
     from graphdsl.runtime.kernels.moe import _Stack
     from graphdsl.runtime.kernels.moe_gemv import code_kind, words_step
 
@@ -233,7 +233,8 @@ def test_word_loop_takes_only_what_it_can_read():
     assert words_step(stack("fp8-channel"), torch.bfloat16, 384) is None
     assert words_step(stack("int4-g32"), torch.bfloat16, 4096) is None
     assert words_step(stack("int4-g128"), torch.float32, 4096) is None
-    assert words_step(stack("int8-channel"), torch.bfloat16, 4096) is None
+    assert words_step(stack("int8-channel"), torch.bfloat16, 4096) == 256
+    assert words_step(stack("int8-channel"), torch.float32, 4096) is None
 
 
 @pytest.mark.parametrize("gemv", [False, True], ids=["grouped", "gemv"])
