@@ -579,19 +579,7 @@ def _fp8_row_loop(x_ptr, q_ptr, rn, N, w_lo, w_hi, W_ROW, BLOCK_N: tl.constexpr,
     8.5 -> 10.1 µs, down 20.5 -> 24.8 —, and streaming the words through the loop pipeliner, as
     :func:`_int4_row` tells, 3 stages: qkv 11.2 -> 12.2, o 8.5 -> 9.5, gate_up 35.6 -> 37.8, down
     20.5 -> 22.1.)"""
-    rc = tl.arange(0, C)
-    q_rows = q_ptr + tl.minimum(rn, N - 1).to(tl.int64)[:, None] * W_ROW    # rows past N read row N - 1
-    w_next = _step_words(q_rows, w_lo, w_hi, rc, C)
-    acc = tl.zeros([BLOCK_N, C], tl.float32)
-    for c in range(w_lo, w_hi, C):
-        w = w_next
-        w_next = _step_words(q_rows, c + C, w_hi, rc, C)
-        x0, x1, x2, x3 = _word_inputs(x_ptr, c, rc, X_WIDE)
-        acc += _e4m3(w << 24) * x0[None, :]
-        acc += _e4m3(w << 16) * x1[None, :]
-        acc += _e4m3(w << 8) * x2[None, :]
-        acc += _e4m3(w) * x3[None, :]          # byte 3: its low bits below 24 come out of the mask
-    return tl.sum(acc, axis=1)
+    return _code_word_loop(x_ptr, q_ptr, rn, N, w_lo, w_hi, W_ROW, 0, BLOCK_N, C, X_WIDE, False)
 
 
 @triton.jit
@@ -612,6 +600,15 @@ def _int8_row_loop(x_ptr, q_ptr, rn, N, w_lo, w_hi, W_ROW, M8, BLOCK_N: tl.const
     (q + 128) x / 256``, so each step takes off ``1.5 · Σ x`` of its words (float32 sums stay near
     the result's size). Words are ``C`` a step, the next step's loaded before this one's math, as
     :func:`_fp8_row_loop`'s."""
+    return _code_word_loop(x_ptr, q_ptr, rn, N, w_lo, w_hi, W_ROW, M8, BLOCK_N, C, X_WIDE, True)
+
+
+@triton.jit
+def _code_word_loop(x_ptr, q_ptr, rn, N, w_lo, w_hi, W_ROW, M8, BLOCK_N: tl.constexpr, C: tl.constexpr,
+                    X_WIDE: tl.constexpr, INT8: tl.constexpr):
+    """The loop of :func:`_fp8_row_loop` and :func:`_int8_row_loop` (``INT8``): ``[BLOCK_N, C]`` float32
+    sums of each row's words ``[w_lo, w_hi)``, ``C`` a step, the next step's words loaded before this
+    one's math, reduced along the words at the end."""
     rc = tl.arange(0, C)
     q_rows = q_ptr + tl.minimum(rn, N - 1).to(tl.int64)[:, None] * W_ROW    # rows past N read row N - 1
     w_next = _step_words(q_rows, w_lo, w_hi, rc, C)
@@ -620,8 +617,14 @@ def _int8_row_loop(x_ptr, q_ptr, rn, N, w_lo, w_hi, W_ROW, M8, BLOCK_N: tl.const
         w = w_next
         w_next = _step_words(q_rows, c + C, w_hi, rc, C)
         x0, x1, x2, x3 = _word_inputs(x_ptr, c, rc, X_WIDE)
-        acc += _u8(w << 15, M8) * x0[None, :] + _u8(w << 7, M8) * x1[None, :] + _u8(w >> 1, M8) * x2[None, :] \
-            + _u8(w >> 9, M8) * x3[None, :] - (1.5 * (x0 + x1 + x2 + x3))[None, :]
+        if INT8:
+            acc += _u8(w << 15, M8) * x0[None, :] + _u8(w << 7, M8) * x1[None, :] + _u8(w >> 1, M8) * x2[None, :] \
+                + _u8(w >> 9, M8) * x3[None, :] - (1.5 * (x0 + x1 + x2 + x3))[None, :]
+        else:
+            acc += _e4m3(w << 24) * x0[None, :]
+            acc += _e4m3(w << 16) * x1[None, :]
+            acc += _e4m3(w << 8) * x2[None, :]
+            acc += _e4m3(w) * x3[None, :]          # byte 3: its low bits below 24 come out of the mask
     return tl.sum(acc, axis=1)
 
 
