@@ -47,25 +47,26 @@ def _case(tokens, e, k, h, i, gen):
 
 
 def _quantized(scheme: str, ops, used: int):
-    """``(call, bytes)``: :func:`quant_moe_experts` over ``ops``' stacks stored in ``scheme``, and the
-    stored bytes of ``used`` experts."""
+    """``(call, bytes, stacks)``: :func:`quant_moe_experts` over ``ops``' stacks stored in ``scheme``,
+    the stored bytes of ``used`` experts, and the (gate/up, down) stacked companions."""
     from graphdsl.quant import parse_scheme
     from graphdsl.runtime.kernels.moe import quant_moe_experts
     x, routing, gate_up, down = ops
     s = parse_scheme(scheme)
     up, dn = s.quantize_stack(gate_up), s.quantize_stack(down)
     per_expert = sum(t[0].numel() * t.element_size() for t in up + dn)
-    return (lambda k, cfg=None, gemv=None: quant_moe_experts(x, routing, up, dn, schemes=(s, s), top_k=k, config=cfg,
-                                                          gemv=gemv)), used * per_expert
+    call = (lambda k, cfg=None, gemv=None: quant_moe_experts(x, routing, up, dn, schemes=(s, s), top_k=k, config=cfg,
+                                                          gemv=gemv))
+    return call, used * per_expert, (up, dn)
 
 
-def _picks_gemv(scheme: str, pairs: int, experts: int) -> bool:
+def _picks_gemv(scheme: str, stacks, pairs: int, experts: int) -> bool:
     """Whether :func:`quant_moe_experts` runs ``pairs`` of ``scheme`` one pair a program row by default."""
-    from graphdsl.quant import Fp8Scheme, IntScheme, parse_scheme
-    from graphdsl.runtime.kernels import moe_gemv
+    from graphdsl.quant import parse_scheme
+    from graphdsl.runtime.kernels.moe import _Stack
+    from graphdsl.runtime.kernels.moe_gemv import one_pair_by_default
     s = parse_scheme(scheme)
-    kind = "fp8" if isinstance(s, Fp8Scheme) else "int4" if isinstance(s, IntScheme) and s.bits == 4 else "int8"
-    return pairs <= moe_gemv.MAX_PAIRS_PER_EXPERT[kind] * experts
+    return one_pair_by_default(*(_Stack.of(s, st) for st in stacks), pairs, experts)
 
 
 def main(argv=None) -> int:
@@ -93,8 +94,8 @@ def main(argv=None) -> int:
             print(f"| {t} | bf16 | grouped | {base:.1f} | {nbytes / base / 1e3:.0f} | "
                   f"{100 * nbytes / base / 1e3 / copy:.1f}% | 1.00 |", flush=True)
             for scheme in args.schemes:
-                call, qbytes = _quantized(scheme, ops, nbytes // (3 * h * i * 2))
-                picked = _picks_gemv(scheme, t * k, e)
+                call, qbytes, stacks = _quantized(scheme, ops, nbytes // (3 * h * i * 2))
+                picked = _picks_gemv(scheme, stacks, t * k, e)
                 for gemv in (True, False):
                     us = _graph_us(lambda: call(k, gemv=gemv))
                     path = ("one pair a row" if gemv else "grouped") + (" (default)" if gemv == picked else "")
@@ -109,7 +110,7 @@ def main(argv=None) -> int:
         ops, nbytes = _case(t, e, k, h, i, gen)
         runs = [] if args.schemes else [("bf16", lambda cfg: moe_experts(*ops, top_k=k, config=cfg), nbytes)]
         for scheme in args.schemes:
-            call, qbytes = _quantized(scheme, ops, nbytes // (3 * h * i * 2))
+            call, qbytes, _ = _quantized(scheme, ops, nbytes // (3 * h * i * 2))
             runs.append((scheme, lambda cfg, call=call: call(k, cfg), qbytes))
         for name, run, size in runs:
             base = _pick_config(t * k, int4=name.startswith("int4"))

@@ -391,8 +391,7 @@ def quant_moe_experts(x: torch.Tensor, routing: torch.Tensor, gate_up: list[torc
                                 f"{[list(c.shape) for c in want]} for x {list(x.shape)}, routing {list(routing.shape)}")
     up, dn = _Stack.of(schemes[0], gate_up), _Stack.of(schemes[1], down)
     if gemv is None:
-        per_expert = min(moe_gemv.MAX_PAIRS_PER_EXPERT[moe_gemv.code_kind(st)] for st in (up, dn))
-        gemv = config is None and t * top_k <= per_expert * e
+        gemv = config is None and moe_gemv.one_pair_by_default(up, dn, t * top_k, e)
     return _run(x, routing, up, dn, e, inter, top_k, geglu, out, config, "quant_moe_experts", gemv)
 
 

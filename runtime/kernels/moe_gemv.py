@@ -38,7 +38,7 @@ import triton.language as tl
 from .gemv_loops import _fp8_row_loop, _int4_row, _int8_row_loop
 from .paged_attention import _sm_count
 
-__all__ = ["gemv_experts", "finish", "MAX_PAIRS_PER_EXPERT", "code_kind", "words_step"]
+__all__ = ["gemv_experts", "finish", "MAX_PAIRS_PER_EXPERT", "code_kind", "one_pair_by_default", "words_step"]
 
 # the most pairs an expert, on average, each kind of codes (:func:`code_kind`) takes here by default: a pair
 # reads its expert's codes alone, so a stack of E experts runs here up to E times this many pairs; more run the
@@ -273,6 +273,13 @@ def code_kind(stack) -> str:
     if stack.quant == 2:
         return "int4"
     return "fp8" if stack.codes.dtype == torch.float8_e4m3fn else "int8"
+
+
+def one_pair_by_default(up, down, pairs: int, experts: int) -> bool:
+    """Whether ``pairs`` (token, expert) pairs over stacks ``up`` and ``down`` (``moe._Stack``) of
+    ``experts`` experts run here by default: at most :data:`MAX_PAIRS_PER_EXPERT` (the smaller of
+    the two stacks' kinds of codes) times the experts."""
+    return pairs <= min(MAX_PAIRS_PER_EXPERT[code_kind(st)] for st in (up, down)) * experts
 
 
 def words_step(stack, x_dtype: torch.dtype, k: int) -> int | None:
