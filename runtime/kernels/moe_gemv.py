@@ -137,8 +137,8 @@ def _gate_up_kernel(
     s_ptr, z_ptr, sse, ssn,    # scales and zero points [E, 2I, G]: expert and row strides
     h_ptr,                     # out: act(gate)·up per pair [P, I], contiguous
     r_ptr, sr, E,              # routing [T, E] (inner stride 1), row stride, experts (_choice)
-    H, I, TOP_K: tl.constexpr, E_PAD: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GEGLU: tl.constexpr,
-    QUANT: tl.constexpr, GROUP: tl.constexpr, ZP: tl.constexpr,
+    H, I, TOP_K: tl.constexpr, E_PAD: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    GEGLU: tl.constexpr, QUANT: tl.constexpr, GROUP: tl.constexpr, ZP: tl.constexpr,
 ):
     p, pid_n = tl.program_id(0), tl.program_id(1)
     e, _ = _choice(r_ptr, sr, p, E, TOP_K, E_PAD)
