@@ -46,9 +46,9 @@ __all__ = ["gemv_experts", "finish", "MAX_PAIRS_PER_EXPERT", "code_kind", "one_p
 # Mixtral-8x7B (8 experts, top-2) int4-g128 at 2 pairs 91.2 vs 320.7, 16 pairs 403.2 vs 691.1, 32 pairs 760.6 vs
 # 848.4, 64 pairs 1435.5 vs 1099.8; fp8 per channel at 2 pairs 111.4 vs 150.6, 4 pairs 182.1 vs 210.4, 8 pairs
 # 360.1 vs 319.5; DeepSeek-V2-Lite (64 experts, top-6) int4 at 384 pairs 438.5 vs 645.0, 768 pairs 840.7 vs
-# 806.1; fp8 at 6 pairs 37.3 vs 41.2, 48 pairs 132.4 vs 123.5. int8's word loop is not timed on a GPU yet: its
-# stacks run grouped by default until it is (``gemv=True`` runs it).
-MAX_PAIRS_PER_EXPERT = {"int8": 0, "fp8": 0.5, "int4": 4}
+# 806.1; fp8 at 6 pairs 37.3 vs 41.2, 48 pairs 132.4 vs 123.5; int8 per channel at Mixtral's 2 pairs 103.0 vs 141.5,
+# 4 pairs 170.5 vs 201.1, 8 pairs 337.2 vs 313.7, DeepSeek's 6 pairs 27.1 vs 31.5, 48 pairs 153.2 vs 114.5.
+MAX_PAIRS_PER_EXPERT = {"int8": 0.5, "fp8": 0.5, "int4": 4}
 
 
 @triton.jit
@@ -298,10 +298,16 @@ def words_step(stack, x_dtype: torch.dtype, k: int) -> int | None:
 _WORD_CODES = {"int4": 0, "int8": 1, "fp8": 2}
 
 
-def _words_block_n(stack, down: bool) -> int:
+def _words_block_n(stack, down: bool, underfilled: bool = False) -> int:
     """Rows a program of the word loop: the dense one-row GEMVs' tiles (``gemv._pick_quant_config``:
-    int4 256; fp8 32 for gate/up's many rows, 64 for down's fewer, whose K is split; int8 as fp8)."""
-    return 256 if stack.quant == 2 else 64 if down else 32
+    int4 256; fp8 32 for gate/up's many rows, 64 for down's fewer, whose K is split; int8 as fp8).
+    int4 gate/up takes 128 rows where 256-row tiles leave SMs without a program (``underfilled``):
+    H200, DeepSeek-V2-Lite's experts at one token (6 pairs x 11 tiles on 132 SMs) 26.6 -> 23.6 µs;
+    where they fill the SMs 256 stays (Mixtral, one token: 83.9 against 85.5 µs; 8 tokens 413.6
+    against 453.0)."""
+    if stack.quant == 2:
+        return 128 if underfilled and not down else 256
+    return 64 if down else 32
 
 
 def _block_n(pairs: int, rows: int, device: torch.device) -> int:
@@ -342,7 +348,7 @@ def gemv_experts(x: torch.Tensor, routing: torch.Tensor, up, down, inter: int, t
 
     step = words_step(up, x.dtype, hidden)
     if step:
-        bn = _words_block_n(up, False)
+        bn = _words_block_n(up, False, pairs * triton.cdiv(2 * inter, 256) < _sm_count(x.device))
         _gate_up_words_kernel[(pairs, triton.cdiv(2 * inter, bn))](
             x, x.stride(0), h_ptr=h, I=inter, GEGLU=geglu, X_WIDE=_x_wide(x), **words(up, step, bn))
     else:

@@ -174,11 +174,12 @@ def test_stacks_run_the_word_loop(scheme, dtype, tokens, monkeypatch):
 
 @pytest.mark.parametrize("scheme,tokens,experts,one_pair", [
     ("int4-g128", 4, 2, True), ("int4-g128", 5, 2, False), ("int4-g128", 6, 3, True),
-    ("fp8-channel", 2, 8, True), ("fp8-channel", 3, 8, False), ("int8-channel", 1, 8, False)])
+    ("fp8-channel", 2, 8, True), ("fp8-channel", 3, 8, False), ("int8-channel", 2, 8, True),
+    ("int8-channel", 3, 8, False)])
 def test_default_path_follows_the_pairs_an_expert(scheme, tokens, experts, one_pair, monkeypatch):
     """Stacks run one pair a program row up to ``MAX_PAIRS_PER_EXPERT`` of their kind of codes (int4
-    4, fp8 0.5, int8 none) times the experts (top-2: int4 4 tokens of 2 experts, 6 of 3; fp8 2
-    tokens of 8), the grouped kernels beyond."""
+    4, fp8 and int8 0.5) times the experts (top-2: int4 4 tokens of 2 experts, 6 of 3; fp8 and int8
+    2 tokens of 8), the grouped kernels beyond."""
     if scheme.startswith("fp8") and DEVICE == "cuda" and torch.cuda.get_device_capability() < (8, 9):
         pytest.skip("fp8 codes need sm_89+")
     from graphdsl.runtime.kernels import moe, moe_gemv
@@ -187,8 +188,24 @@ def test_default_path_follows_the_pairs_an_expert(scheme, tokens, experts, one_p
         monkeypatch.setattr(mod, name, _Launches(getattr(mod, name), f"{mod.__name__.rsplit('.', 1)[1]}.{name}", seen))
     args, kw, want = _quantized(scheme, tokens, experts, 256, 256, 2, torch.bfloat16)
     got = quant_moe_experts(*args, **kw)
-    one = "moe_gemv._gate_up_words_kernel" if scheme != "int8-channel" else "moe_gemv._gate_up_kernel"
-    assert [n for n, _ in seen] == ([one] if one_pair else ["moe._gate_up_kernel"])
+    assert [n for n, _ in seen] == (["moe_gemv._gate_up_words_kernel"] if one_pair else ["moe._gate_up_kernel"])
+    assert (got.float() - want.float()).abs().max().item() <= 2e-2 * want.float().abs().max().item()
+
+
+@pytest.mark.parametrize("inter", [128, 512])
+def test_int4_gate_up_tiles_narrow_where_the_grid_leaves_sms_idle(inter, monkeypatch):
+    """int4 gate/up word tiles hold 256 rows unless pairs x 256-row tiles leave an SM without a
+    program (the interpreter's grid counts 4 SMs: 2 pairs x 1 tile of inter 128 take 128-row
+    tiles, 2 pairs x 4 tiles of inter 512 keep 256; an H200's 132 SMs narrow both)."""
+    from graphdsl.runtime.kernels import moe_gemv
+    from graphdsl.runtime.kernels.paged_attention import _sm_count
+    rows = 128 if 2 * (2 * inter // 256) < _sm_count(torch.device(DEVICE)) else 256
+    seen = []
+    name = "_gate_up_words_kernel"
+    monkeypatch.setattr(moe_gemv, name, _Launches(getattr(moe_gemv, name), name, seen))
+    args, kw, want = _quantized("int4-g128", 1, 4, 256, inter, 2, torch.bfloat16)
+    got = quant_moe_experts(*args, **kw, gemv=True)
+    assert seen == [(name, (2, 2 * inter // rows))]
     assert (got.float() - want.float()).abs().max().item() <= 2e-2 * want.float().abs().max().item()
 
 
