@@ -5,7 +5,7 @@ bandwidth; ``--sweep`` tries launch configs; ``--schemes`` adds the stacks store
 ``--sweep``, the launch configs are then swept for those schemes, not for bf16).
 
     python benchmarks/moe.py [--shape mixtral|deepseek-v2-lite|qwen2-moe] [--tokens 1 8 64] [--sweep]
-                             [--schemes int4-g128 int8-channel fp8-channel]
+                             [--schemes int4-g128 int8-channel fp8-channel gguf-q4_k/gguf-q6_k]
 
 Bytes per call = the distinct experts the tokens chose x their stored bytes (bf16: 3 x hidden x
 intermediate x 2; a scheme: its codes, scales and zero points): the least any kernel must read.
@@ -46,27 +46,31 @@ def _case(tokens, e, k, h, i, gen):
     return (x, routing, gate_up, down), used * 3 * h * i * 2
 
 
-def _quantized(scheme: str, ops, used: int):
-    """``(call, bytes, stacks)``: :func:`quant_moe_experts` over ``ops``' stacks stored in ``scheme``,
-    the stored bytes of ``used`` experts, and the (gate/up, down) stacked companions."""
+def _schemes(scheme: str) -> tuple:
+    """The (gate/up, down) schemes of ``scheme``: one name for both stacks, or ``up/down``
+    (``gguf-q4_k/gguf-q6_k``: a Q4_K_M file's experts)."""
     from graphdsl.quant import parse_scheme
+    up, _, down = scheme.partition("/")
+    return parse_scheme(up), parse_scheme(down or up)
+
+
+def _quantized(scheme: str, ops, used: int):
+    """``(call, bytes, stacks)``: :func:`quant_moe_experts` over ``ops``' stacks stored in ``scheme``
+    (:func:`_schemes`), the stored bytes of ``used`` experts, and the (gate/up, down) stacked companions."""
     from graphdsl.runtime.kernels.moe import quant_moe_experts
     x, routing, gate_up, down = ops
-    s = parse_scheme(scheme)
-    up, dn = s.quantize_stack(gate_up), s.quantize_stack(down)
+    su, sd = _schemes(scheme)
+    up, dn = su.quantize_stack(gate_up), sd.quantize_stack(down)
     per_expert = sum(t[0].numel() * t.element_size() for t in up + dn)
-    call = (lambda k, cfg=None, gemv=None: quant_moe_experts(x, routing, up, dn, schemes=(s, s), top_k=k, config=cfg,
-                                                          gemv=gemv))
+    call = (lambda k, cfg=None, gemv=None: quant_moe_experts(x, routing, up, dn, schemes=(su, sd), top_k=k,
+                                                          config=cfg, gemv=gemv))
     return call, used * per_expert, (up, dn)
 
 
 def _picks_gemv(scheme: str, stacks, pairs: int, experts: int) -> bool:
     """Whether :func:`quant_moe_experts` runs ``pairs`` of ``scheme`` one pair a program row by default."""
-    from graphdsl.quant import parse_scheme
-    from graphdsl.runtime.kernels.moe import _Stack
-    from graphdsl.runtime.kernels.moe_gemv import one_pair_by_default
-    s = parse_scheme(scheme)
-    return one_pair_by_default(*(_Stack.of(s, st) for st in stacks), pairs, experts)
+    from graphdsl.runtime.kernels.moe import _Stack, one_pair_by_default
+    return one_pair_by_default(*(_Stack.of(s, st) for s, st in zip(_schemes(scheme), stacks)), pairs, experts)
 
 
 def main(argv=None) -> int:
@@ -110,6 +114,9 @@ def main(argv=None) -> int:
         ops, nbytes = _case(t, e, k, h, i, gen)
         runs = [] if args.schemes else [("bf16", lambda cfg: moe_experts(*ops, top_k=k, config=cfg), nbytes)]
         for scheme in args.schemes:
+            if scheme.startswith("gguf"):
+                print(f"({scheme}: GGUF stacks take no grouped launch config; not swept)")
+                continue
             call, qbytes, _ = _quantized(scheme, ops, nbytes // (3 * h * i * 2))
             runs.append((scheme, lambda cfg, call=call: call(k, cfg), qbytes))
         for name, run, size in runs:

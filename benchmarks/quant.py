@@ -201,9 +201,14 @@ def _use_more_bits(i: int, n: int) -> bool:
     return i < n // 8 or i >= 7 * n // 8 or (i - n // 8) % 3 == 2
 
 
-def q4_k_m_types(num_layers: int) -> dict[str, str]:
-    """``{HF tensor name: GGML type}`` of a Llama's attention/MLP matrices in llama.cpp's Q4_K_M mix."""
+def q4_k_m_types(num_layers: int, experts: dict[str, str] | None = None) -> dict[str, str]:
+    """``{HF tensor name: GGML type}`` of a Llama's attention/MLP matrices in llama.cpp's Q4_K_M mix;
+    ``experts`` (``{checkpoint name: stack parameter}`` of an MoE model's expert pieces) adds them:
+    gate/up Q4_K, down as the dense down of its layer."""
     types = {}
+    for name, param in (experts or {}).items():
+        i = int(name.split(".layers.")[1].split(".")[0])
+        types[name] = "Q6_K" if param.endswith("down_proj") and _use_more_bits(i, num_layers) else "Q4_K"
     for i in range(num_layers):
         more = "Q6_K" if _use_more_bits(i, num_layers) else "Q4_K"
         for proj in ("q_proj", "k_proj", "o_proj"):
@@ -230,8 +235,9 @@ class _GGUFMix:
         def mark(model, quantization, tp=None):
             if quantization != self.NAME:
                 return self._saved(model, quantization, tp)
-            kept = keep_gguf_blocks(model, q4_k_m_types(model.config.num_hidden_layers))
-            _log(f"{self.NAME}: {len(kept)} linear weights in GGUF blocks ({sorted(set(kept.values()))})")
+            experts = {n: slot.param for n, slot in model.checkpoint_table().items() if ".experts." in slot.param}
+            kept = keep_gguf_blocks(model, q4_k_m_types(model.config.num_hidden_layers, experts))
+            _log(f"{self.NAME}: {len(kept)} weights (linears, expert stacks) in GGUF blocks ({sorted(set(kept.values()))})")
             return self.NAME
         llm_mod._quantize_model = mark
         return self

@@ -134,7 +134,7 @@ class QuantScheme:
         out, in]`` can take this scheme (MoE expert stacks, :class:`~graphdsl.layers.FusedExperts`)."""
         if not self.stackable:
             raise GraphDSLError(f"quantization scheme {self.name!r} cannot store the expert stack {name!r}: stacks "
-                                "take fp8-channel, int8-channel and int4-g{32,64,128}[-zp]")
+                                "take fp8-channel, int8-channel, int4-g{32,64,128}[-zp] and gguf-<type>")
         if len(shape) != 3 or not all(isinstance(d, int) for d in shape):
             raise GraphDSLError(f"quantization scheme {self.name!r}: expert stack {name!r} must be a 3-D "
                                 f"[experts, out, in] weight of int sizes, got shape {list(shape)}")

@@ -69,7 +69,7 @@ class FusedExperts(Module):
     """
 
     online_quantized = True     # online quantization stores the stacks in its scheme
-    runs_schemes = "fp8-channel, int8-channel and int4-g{32,64,128}[-zp] stacks"      # for messages
+    runs_schemes = "fp8-channel, int8-channel, int4-g{32,64,128}[-zp] and gguf-<type> stacks"    # for messages
 
     def takes_scheme(self, scheme) -> bool:
         """Whether this module runs stacks stored in ``scheme`` (a module that runs them elsewhere

@@ -13,21 +13,27 @@ Q6_K's blocks padded to 224 bytes, :mod:`graphdsl.runtime.gguf_blocks`) and ``F.
   type keeps it; parts of different types (a Q4_K_M file's Q6_K ``attn_v`` beside Q4_K q/k) keep
   theirs side by side: :class:`~graphdsl.runtime.gguf_scheme.GGUFMixScheme`
   (``gguf-q4_k.5120+q6_k.1024``), one stored tensor and one kernel launch per run of rows of a type;
+* an MoE expert stack (:class:`~graphdsl.layers.FusedExperts`' ``gate_up_proj``, ``down_proj``)
+  whose experts' pieces all have one type keeps it (``gguf-<type>``: uint8 ``[experts, out,
+  stored_row_bytes]``, run by :mod:`graphdsl.runtime.kernels.moe_gguf`); the two stacks of a layer
+  keep their blocks together or not at all (gate/up Q4_K beside down Q6_K is kept; gate and up in
+  different types, or one stack in a float type, leaves both dequantized);
 * a weight with a part in a float type (F32/F16/BF16) or a type without a kernel, or packed by a
   reorder or a column slice, is dequantized to the model dtype, and one log line lists every weight
-  that was; embeddings, norms, ``lm_head`` and MoE expert stacks always are.
+  that was; embeddings, norms and ``lm_head`` always are.
 
 :func:`~graphdsl.models.loader.load_weights` then copies the block rows of the marked weights into
 their ``_packed`` companions (``blocks=`` the returned names) and dequantizes everything else.
 """
 from __future__ import annotations
 
+import dataclasses
 import logging
 from typing import Mapping
 
-from graphdsl.layers import ColumnParallelLinear, RowParallelLinear
+from graphdsl.layers import ColumnParallelLinear, FusedExperts, RowParallelLinear
 from graphdsl.runtime.gguf_blocks import KERNEL_QTYPES
-from graphdsl.runtime.gguf_scheme import gguf_scheme
+from graphdsl.runtime.gguf_scheme import GGUFScheme, gguf_scheme
 
 from .base import FlashCausalLM
 
@@ -64,6 +70,9 @@ def keep_gguf_blocks(model: FlashCausalLM, tensor_types: Mapping[str, str], *,
         sources.setdefault(slot.param, []).append((name, slot))
     types = {model.checkpoint_name(k): v for k, v in tensor_types.items()}
     kept, dense = {}, {}
+    for _, m in model.named_modules():             # the expert stacks first: most of an MoE model's weights
+        if isinstance(m, FusedExperts):
+            _keep_stacks(m, sources, types, kept, dense)
     for path, m in model.named_modules():
         if not isinstance(m, (ColumnParallelLinear, RowParallelLinear)) or path in skip:
             continue
@@ -91,19 +100,58 @@ def keep_gguf_blocks(model: FlashCausalLM, tensor_types: Mapping[str, str], *,
     if dense:
         shown = ", ".join(f"{n} ({w})" for n, w in list(dense.items())[:4])
         more = f" and {len(dense) - 4} more" if len(dense) > 4 else ""
-        _log.warning("quantization='gguf': %d of %d linear weights keep their GGUF blocks; %d are dequantized: "
-                     "%s%s", len(kept), len(kept) + len(dense), len(dense), shown, more)
+        _log.warning("quantization='gguf': %d of %d weights (linears, expert stacks) keep their GGUF blocks; %d are "
+                     "dequantized: %s%s", len(kept), len(kept) + len(dense), len(dense), shown, more)
     _warn_dense_experts(model)
     return kept
 
 
+def _expert_rows(slot) -> bool:
+    """Whether ``slot`` fills whole rows of one expert of a stack (index ``(e, rows)`` or ``(e,)``)."""
+    index = tuple(slot.index)
+    if not index or not isinstance(index[0], int):
+        return False
+    return rows_of_slot(dataclasses.replace(slot, index=index[1:])) is not None
+
+
+def _stack_type(p, parts: list, types: Mapping[str, str]) -> tuple[str | None, str | None]:
+    """``(GGML type, None)`` when every expert piece of stack ``p`` is in one type with a kernel and
+    fills whole rows, else ``(None, why not)``."""
+    found = {types.get(name) for name, _ in parts}
+    if not parts or None in found:
+        return None, "not a block matrix in the file"
+    if len(found) > 1:
+        return None, f"its pieces are in different block types ({', '.join(sorted(found))})"
+    (qtype,) = found
+    if qtype not in KERNEL_QTYPES:
+        return None, f"{qtype} in the file" if qtype in _FLOAT_TYPES else f"{qtype}: no GGUF kernel"
+    if any(not _expert_rows(slot) or slot.shape[-1] != p.shape[2] for _, slot in parts):
+        return None, "packed by a reorder or a column slice"
+    return qtype, None
+
+
+def _keep_stacks(m: FusedExperts, sources: dict, types: Mapping[str, str], kept: dict, dense: dict) -> None:
+    """Mark both expert stacks of ``m`` ``gguf-<type>`` when both can keep their blocks and ``m``
+    runs such stacks (:meth:`~graphdsl.layers.FusedExperts.takes_scheme`); else record why not."""
+    stacks = (m.gate_up_proj, m.down_proj)
+    found = [_stack_type(p, sources.get(p.name, []), types) for p in stacks]
+    whys = [why or (None if m.takes_scheme(GGUFScheme(q)) else f"{type(m).__name__} runs {m.runs_schemes}")
+            for q, why in found]
+    for p, (qtype, _), why, other in zip(stacks, found, whys, reversed(whys)):
+        if why is None and other is None:
+            p.quantize(GGUFScheme(qtype))
+            kept[p.name] = p.quant.name
+        else:
+            dense[p.name] = why or "its layer's other expert stack is dequantized"
+
+
 def _warn_dense_experts(model: FlashCausalLM) -> None:
-    """One warning when ``model`` has MoE expert stacks: the file's expert blocks are dequantized
-    (no GGUF grouped kernel yet), and on an MoE model they are most of the weights."""
+    """One warning when MoE expert stacks stay dequantized (their blocks could not be kept: the
+    reasons are in the log line before): on an MoE model they are most of the weights."""
     from graphdsl.layers.quantize import dense_expert_share
     stacks, share = dense_expert_share(model)
     if not stacks:
         return
-    _log.warning("quantization='gguf': the %d MoE expert stacks (%.0f%% of the weights) are dequantized to the model "
-                 "dtype: GGUF expert blocks are not kept yet; quantization='int4' (or 'int8', 'fp8') stores them "
-                 "quantized again instead (docs/quantization.md)", stacks, 100 * share)
+    _log.warning("quantization='gguf': %d MoE expert stacks (%.0f%% of the weights) are dequantized to the model "
+                 "dtype; quantization='int4' (or 'int8', 'fp8') stores them quantized again instead "
+                 "(docs/quantization.md)", stacks, 100 * share)

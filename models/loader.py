@@ -10,6 +10,7 @@ match no slot are not read at all. Shapes are checked as tensors arrive, and at 
 """
 from __future__ import annotations
 
+import dataclasses
 import sys
 from typing import Iterable
 
@@ -201,13 +202,17 @@ def _place_blocks(out: dict, p, name: str, slot, tensor: GGUFBlockWeight) -> Non
     stored part that holds them; a block type other than that part's is an error naming both."""
     if tuple(tensor.shape) != slot.shape or not slot.held:
         return                                             # a wrong shape is reported by check_weights
-    a, b, _ = rows_of_slot(slot).indices(p.shape[0])
-    for c, (qtype, r0, r1) in zip(p.companions(), p.quant.row_parts(p.shape[0])):
+    stack = len(p.shape) == 3                              # an expert stack: slot.index is (expert, rows...)
+    rows = rows_of_slot(dataclasses.replace(slot, index=slot.index[1:]) if stack else slot)
+    n = p.shape[-2]
+    a, b, _ = rows.indices(n)
+    for c, (qtype, r0, r1) in zip(p.companions(), p.quant.row_parts(n)):
         if r0 <= a < r1:
             if tensor.qtype != qtype or b > r1:
                 raise GraphDSLError(f"checkpoint tensor {name!r} is {tensor.qtype} rows {a}..{b}, but {p.name!r} "
                                     f"({p.quant.name}) keeps {qtype} blocks in rows {r0}..{r1}")
-            out[c.name][a - r0:b - r0].copy_(to_stored(tensor.data, qtype))
+            target = out[c.name][slot.index[0]] if stack else out[c.name]
+            target[a - r0:b - r0].copy_(to_stored(tensor.data, qtype))
             return
 
 

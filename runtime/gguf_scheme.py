@@ -56,6 +56,12 @@ class GGUFScheme(QuantScheme):
         return GGUFScheme(self.qtype, blocked)
 
     @property
+    def stackable(self) -> bool:
+        """Expert stacks keep their rows' blocks row by row (``[experts, N, stored_row_bytes]``:
+        :mod:`graphdsl.runtime.kernels.moe_gguf`), never block-major."""
+        return not self.blocked
+
+    @property
     def block_values(self) -> int:
         return GGUF_BLOCKS[self.qtype][0]
 

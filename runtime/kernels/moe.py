@@ -35,6 +35,8 @@ the same two kernels read each weight tile as codes (the activations are the dot
 
 At decode sizes (``quant_moe_experts``'s ``gemv``) int4 and fp8 stacks run :mod:`.moe_gemv`'s
 one-pair-a-row kernels instead: the dense decode GEMV's one-row loops, several times faster there.
+Stacks kept in a GGUF file's blocks (``gguf-<type>``, both stacks) run :mod:`.moe_gguf`'s kernels
+of the same two shapes, which decode the blocks as the dense GGUF kernels do.
 
 File shape (STYLE.md 11): the weight-tile helper and the three ``@triton.jit`` kernels, the align
 step, the launcher that picks tiles with one heuristic (:func:`_pick_config`) and checks its
@@ -52,15 +54,17 @@ import triton.language as tl
 from graphdsl.errors import GraphDSLError
 from graphdsl.quant import Fp8Scheme, IntScheme, QuantScheme
 
-from . import moe_gemv
+from ..gguf_scheme import GGUFScheme
+from . import moe_gemv, moe_gguf
 from .moe_gemv import _act, _channel_scale
 from .paged_attention import _mm
 from .row_topk import row_topk, row_topk_supported
 
-__all__ = ["moe_experts", "quant_moe_experts", "moe_align", "moe_supported", "quant_moe_supported", "MoeConfig"]
+__all__ = ["moe_experts", "quant_moe_experts", "moe_align", "moe_supported", "quant_moe_supported", "MoeConfig",
+           "one_pair_by_default"]
 
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32)
-DENSE, PER_CHANNEL, INT4 = 0, 1, 2      # how a stack's weight tiles are stored (the kernels' QUANT)
+DENSE, PER_CHANNEL, INT4, GGUF = 0, 1, 2, 3     # how a stack's weight tiles are stored (the kernels' QUANT)
 
 
 @triton.jit
@@ -239,7 +243,7 @@ def moe_align(ids: torch.Tensor, num_experts: int, block_m: int) -> tuple[torch.
     flat = ids.reshape(-1)
     p, dev = flat.numel(), flat.device
     num_blocks = triton.cdiv(p, block_m) + min(num_experts, p)
-    interp = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+    interp = _interpreting()
     if (dev.type == "cuda" or interp) and 0 < p <= _ALIGN_KERNEL_MAX_PAIRS and num_experts <= 512:
         rows = torch.empty(num_blocks * block_m, dtype=torch.int32, device=dev)
         block_expert = torch.empty(num_blocks, dtype=torch.int32, device=dev)
@@ -309,6 +313,7 @@ class _Stack:
     quant: int = DENSE
     group: int = 1
     zero_point: bool = False
+    qtype: str = ""            # GGUF: the GGML block type of ``codes [E, N, row bytes]``
 
     @classmethod
     def of(cls, scheme: QuantScheme | None, stored) -> "_Stack":
@@ -316,6 +321,8 @@ class _Stack:
         stacked companions (``stored`` a list, :meth:`QuantScheme.stack_companions` order)."""
         if scheme is None:
             return cls(stored, stored, stored)
+        if isinstance(scheme, GGUFScheme):
+            return cls(stored[0], stored[0], stored[0], GGUF, qtype=scheme.qtype)
         if isinstance(scheme, IntScheme) and scheme.bits == 4:
             zero = stored[2] if scheme.zero_point else stored[1]
             return cls(stored[0], stored[1], zero, INT4, scheme.group_size, scheme.zero_point)
@@ -337,8 +344,11 @@ def quant_moe_supported(x: torch.Tensor, routing: torch.Tensor, schemes: tuple[Q
     """Why :func:`quant_moe_experts` cannot take these operands (None: it can)."""
     if x.dtype not in _DTYPES or x.dim() != 2 or routing.dim() != 2 or x.stride(-1) != 1:
         return f"x {x.dtype} {list(x.shape)} strides {x.stride()}"
+    gguf = [isinstance(scheme, GGUFScheme) for scheme in schemes]
+    if any(gguf) and not all(gguf):
+        return f"schemes {schemes[0].name} and {schemes[1].name}: GGUF stacks run with GGUF stacks only"
     for scheme, stored in zip(schemes, stacks):
-        if not (isinstance(scheme, (IntScheme, Fp8Scheme)) and scheme.stackable):
+        if not (isinstance(scheme, (IntScheme, Fp8Scheme, GGUFScheme)) and scheme.stackable):
             return f"scheme {scheme.name}"
         if isinstance(scheme, Fp8Scheme) and x.device.type == "cuda" \
                 and torch.cuda.get_device_capability(x.device) < (8, 9):
@@ -368,6 +378,15 @@ def moe_experts(x: torch.Tensor, routing: torch.Tensor, gate_up: torch.Tensor, d
                 "moe_experts")
 
 
+def one_pair_by_default(up: _Stack, down: _Stack, pairs: int, experts: int) -> bool:
+    """Whether :func:`quant_moe_experts` runs ``pairs`` (token, expert) pairs over quantized stacks
+    ``up`` and ``down`` of ``experts`` experts one pair a program row by default (GGUF stacks:
+    :func:`.moe_gguf.one_pair_by_default`; the others :func:`.moe_gemv.one_pair_by_default`)."""
+    if up.quant == GGUF:
+        return moe_gguf.one_pair_by_default(pairs, experts)
+    return moe_gemv.one_pair_by_default(up, down, pairs, experts)
+
+
 def quant_moe_experts(x: torch.Tensor, routing: torch.Tensor, gate_up: list[torch.Tensor],
                       down: list[torch.Tensor], *, schemes: tuple[QuantScheme, QuantScheme], top_k: int,
                       geglu: bool = False, out: torch.Tensor | None = None,
@@ -375,8 +394,8 @@ def quant_moe_experts(x: torch.Tensor, routing: torch.Tensor, gate_up: list[torc
     """:func:`moe_experts` over stacks stored in weight-only ``schemes`` (gate/up's, down's):
     ``gate_up`` and ``down`` are their stacked companions (module docstring). ``gemv``: run the
     one-pair-a-row kernels of :mod:`.moe_gemv` (True) or the grouped ones (False); None: one pair a
-    row while the pairs number at most ``moe_gemv.MAX_PAIRS_PER_EXPERT`` (of the stacks' kind of
-    codes) times the experts."""
+    row as :func:`one_pair_by_default` says (``config``, the grouped launch's, does not apply to GGUF
+    stacks)."""
     why = quant_moe_supported(x, routing, schemes, (gate_up, down))
     if why is not None:
         raise GraphDSLError(f"quant_moe_experts: unsupported operands ({why})")
@@ -391,8 +410,20 @@ def quant_moe_experts(x: torch.Tensor, routing: torch.Tensor, gate_up: list[torc
                                 f"{[list(c.shape) for c in want]} for x {list(x.shape)}, routing {list(routing.shape)}")
     up, dn = _Stack.of(schemes[0], gate_up), _Stack.of(schemes[1], down)
     if gemv is None:
-        gemv = config is None and moe_gemv.one_pair_by_default(up, dn, t * top_k, e)
+        gemv = (config is None or up.quant == GGUF) and one_pair_by_default(up, dn, t * top_k, e)
+    if up.quant == GGUF:
+        if not isinstance(top_k, int) or not 1 <= top_k <= e:
+            raise GraphDSLError(f"quant_moe_experts: top_k must be an int in [1, {e}], got {top_k!r}")
+        out = torch.empty_like(x) if out is None else out
+        if t == 0:
+            return out
+        return moe_gguf.gguf_experts(x, routing if routing.stride(-1) == 1 else routing.contiguous(), up, dn, inter,
+                                     top_k, geglu, _interpreting(), out, gemv)
     return _run(x, routing, up, dn, e, inter, top_k, geglu, out, config, "quant_moe_experts", gemv)
+
+
+def _interpreting() -> bool:
+    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 
 
 def _run(x, routing, up: _Stack, down: _Stack, e: int, inter: int, top_k: int, geglu: bool, out, config,
@@ -406,7 +437,7 @@ def _run(x, routing, up: _Stack, down: _Stack, e: int, inter: int, top_k: int, g
         out = torch.empty_like(x)
     if t == 0:
         return out
-    interp = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+    interp = _interpreting()
     if gemv:
         return moe_gemv.gemv_experts(x, routing if routing.stride(-1) == 1 else routing.contiguous(), up, down,
                                      inter, top_k, geglu, interp, out)

@@ -229,13 +229,19 @@ class GGUFCheckpoint:
                 for n, t in self._tensors.items()}
 
     def block_types(self) -> dict[str, str]:
-        """``{HF name: GGML type name}`` of the 2-D weights that map one to one onto an HF tensor
-        (what ``iter_tensors(keep_quantized=True)`` yields as :class:`GGUFBlockWeight` when the type
-        is in :data:`KEPT_QTYPES`; stacked experts and joined halves are not listed)."""
+        """``{HF name: GGML type name}`` of the 2-D weights that map one to one onto an HF tensor,
+        and of each expert of a stacked expert tensor (``model.layers.{i}.mlp.experts.{e}.{proj}.weight``,
+        as :meth:`iter_tensors` names them): what ``iter_tensors(keep_quantized=True)`` yields as
+        :class:`GGUFBlockWeight` when the type is in :data:`KEPT_QTYPES` (joined halves are not listed)."""
         arch = self._check_arch()
         out = {}
         for name, t in self._tensors.items():
             m = _LAYER_RE.match(name)
+            if m and m.group(2) in _EXPERT_NAMES and len(t.shape) == 3:
+                proj = _EXPERT_NAMES[m.group(2)]
+                out.update((f"model.layers.{m.group(1)}.mlp.experts.{e}.{proj}.weight", t.tensor_type.name)
+                           for e in range(int(t.shape[2])))
+                continue
             if len(t.shape) != 2 or (m and m.group(2) in _NOT_KEPT) or name == "token_embd.weight":
                 continue
             hf = hf_name(name, arch)

@@ -83,7 +83,9 @@ def hf_model_to_gguf(path, model, arch: str, *, quant: dict[str, Any] | None = N
                      skip: tuple[str, ...] = ()) -> dict[str, torch.Tensor]:
     """Write ``model`` (a HF *ForCausalLM) as llama.cpp would; returns the HF state dict written.
 
-    ``quant`` maps a regex over HF names to a GGMLQuantizationType (first match wins; default F32).
+    ``quant`` maps a regex over HF names to a GGMLQuantizationType (first match wins; default F32);
+    transformers' fused expert stacks match as ``model.layers.{i}.mlp.experts.gate_up_proj`` (gate and
+    up both) and ``...down_proj``.
     q/k weights are permuted for the ``llama`` architecture only, and Gemma's norm weights stored
     as ``1 + w``, as llama.cpp does.
     """
@@ -128,12 +130,17 @@ def hf_model_to_gguf(path, model, arch: str, *, quant: dict[str, Any] | None = N
         m = re.match(r"model\.layers\.(\d+)\.mlp\.experts\.(gate_up_proj|down_proj)$", name)
         if m:  # transformers' fused experts [E, 2I, H] (gate rows first) / [E, H, I]
             blk = f"blk.{m.group(1)}"
+            qtype = next((q for pat, q in (quant or {}).items() if re.search(pat, name)), None)
+
+            def stored(a: torch.Tensor):
+                data = np.ascontiguousarray(a.contiguous().numpy(), dtype=np.float32)
+                return (data, None) if qtype is None else (quants.quantize(data, qtype), qtype)
             if m.group(2) == "gate_up_proj":
                 gate, up = t.chunk(2, dim=1)
-                tensors[f"{blk}.ffn_gate_exps.weight"] = (gate.contiguous().numpy(), None)
-                tensors[f"{blk}.ffn_up_exps.weight"] = (up.contiguous().numpy(), None)
+                tensors[f"{blk}.ffn_gate_exps.weight"] = stored(gate)
+                tensors[f"{blk}.ffn_up_exps.weight"] = stored(up)
             else:
-                tensors[f"{blk}.ffn_down_exps.weight"] = (t.contiguous().numpy(), None)
+                tensors[f"{blk}.ffn_down_exps.weight"] = stored(t)
             continue
         data = t.numpy()
         if name.endswith("shared_expert_gate.weight"):

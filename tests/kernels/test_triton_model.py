@@ -232,3 +232,33 @@ def test_quantized_experts_on_triton_backend_match_the_reference_engine(quantiza
     params = gd.SamplingParams(max_tokens=4, temperature=0, ignore_eos=True)
     assert llm.generate([prompt], params)[0].outputs[0].token_ids == ref.generate([prompt], params)[0].outputs[0].token_ids
     assert "quant_moe_experts" in {n.op for n in llm.model.engine(Phase.DECODE).net.nodes}
+
+
+def test_gguf_experts_on_triton_backend_match_the_reference_engine(tmp_path, monkeypatch):
+    """A Mixtral GGUF whose experts stay in their blocks (gate/up Q8_0, down Q4_0): the Triton
+    backend runs :mod:`~graphdsl.runtime.kernels.moe_gguf` over them (grouped for the prompt's 22
+    pairs, one pair a program row for a decode step's 2), and its logits and greedy tokens equal
+    the torch reference engine's on the same blocks."""
+    from gguf import GGMLQuantizationType as Q
+
+    import graphdsl.runtime.kernels.moe_gguf as moe_gguf
+    from tests.models.test_gguf_quantization import _tiny_mixtral_gguf
+    paths = []
+    kernel = moe_gguf.gguf_experts
+    monkeypatch.setattr(moe_gguf, "gguf_experts", lambda *a: paths.append(a[-1]) or kernel(*a))
+    path = tmp_path / "mixtral.gguf"
+    _tiny_mixtral_gguf(path, {r"experts\.gate_up_proj": Q.Q8_0, r"experts\.down_proj": Q.Q4_0})
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    ref = gd.LLM(str(path), device=device, dtype="float32", quantization="gguf", max_model_len=64)
+    ref.model.configure_runtime(backend="torch", max_blocks_per_seq=4)
+    llm = gd.LLM(str(path), device=device, dtype="float32", quantization="gguf", max_model_len=64)
+    llm.model.configure_runtime(backend="triton", max_blocks_per_seq=4)
+    prompt = [1, 5, 9, 33, 2, 77, 90, 3, 8, 9, 10]
+    want = ref.score(prompt).cpu()
+    assert not paths
+    got = llm.score(prompt).cpu()
+    assert paths and set(paths) == {False}
+    assert (got - want).abs().max() <= 1e-4 * want.abs().max()
+    params = gd.SamplingParams(max_tokens=3, temperature=0, ignore_eos=True)
+    assert llm.generate([prompt], params)[0].outputs[0].token_ids == ref.generate([prompt], params)[0].outputs[0].token_ids
+    assert True in paths

@@ -313,10 +313,10 @@ def test_mixtral_as_llama_with_experts(tmp_path):
     assert (llm.score(ids) - ref).abs().max().item() <= 1e-4 * ref.abs().max().item()
 
 
-def test_gguf_blocks_kept_say_the_expert_stacks_are_not(tmp_path, caplog):
-    """``quantization='gguf'`` keeps a file's linear blocks but dequantizes MoE experts (no GGUF
-    grouped kernel): on an MoE model that is most of the weights, so one warning says how much
-    and what stores them quantized instead."""
+def test_gguf_blocks_kept_say_float_expert_stacks_are_not(tmp_path, caplog):
+    """``quantization='gguf'`` dequantizes MoE experts stored in a float type (F32 here): on an MoE
+    model that is most of the weights, so one warning says how much and what stores them quantized
+    instead (experts in block types keep them: tests/models/test_gguf_quantization.py)."""
     import graphdsl as gd
     torch.manual_seed(3)
     cfg = transformers.MixtralConfig(vocab_size=96, hidden_size=64, intermediate_size=32, num_hidden_layers=2,
@@ -327,7 +327,8 @@ def test_gguf_blocks_kept_say_the_expert_stacks_are_not(tmp_path, caplog):
     with caplog.at_level("WARNING", logger="graphdsl.gguf"):
         gd.LLM(str(path), device="cpu", max_model_len=64, quantization="gguf")
     said = [r.getMessage() for r in caplog.records if "MoE expert stacks" in r.getMessage()]
-    assert len(said) == 1 and "the 4 MoE expert stacks (" in said[0] and "are dequantized" in said[0]
+    assert len(said) == 1 and ": 4 MoE expert stacks (" in said[0] and "are dequantized" in said[0]
+    assert "model.layers.0.mlp.experts.gate_up_proj (F32 in the file)" in caplog.text
     assert "quantization='int4'" in said[0]
 
 

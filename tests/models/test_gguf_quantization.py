@@ -45,7 +45,7 @@ def test_kept_blocks_score_like_the_dequantized_file(quantized_gguf, caplog):
                     "model.layers.1.mlp.down_proj.weight": "gguf-q4_0"}
     # layer 1's o_proj is F32 in the file: dequantized, and said so
     msg = " ".join(r.getMessage() for r in caplog.records)
-    assert "7 of 8 linear weights keep their GGUF blocks" in msg
+    assert "7 of 8 weights (linears, expert stacks) keep their GGUF blocks" in msg
     assert "model.layers.1.self_attn.o_proj.weight (F32 in the file)" in msg
     bound = llm.model._bound
     packed = bound["model.layers.1.self_attn.qkv_proj.weight_packed"]
@@ -113,3 +113,79 @@ def test_block_weights_need_block_tensors(quantized_gguf):
     with pytest.raises(GraphDSLError, match=r"checkpoint tensor 'model.layers.0.self_attn.q_proj.weight' is not in "
                                             r"GGUF blocks, but .*qkv_proj.weight' \(gguf-q8_0.96\+q4_0.32\) keeps them"):
         load_weights(model, ckpt.iter_tensors(), device="cpu", blocks=blocks)
+
+
+def _tiny_mixtral_gguf(path, quant):
+    import transformers
+
+    from tests.helpers.gguf_files import hf_model_to_gguf
+    from tests.models.test_gguf import _tok_meta
+    torch.manual_seed(4)
+    cfg = transformers.MixtralConfig(vocab_size=96, hidden_size=64, intermediate_size=32, num_hidden_layers=2,
+                                     num_attention_heads=4, num_key_value_heads=2, num_local_experts=8,
+                                     num_experts_per_tok=2, max_position_embeddings=256, rms_norm_eps=1e-5)
+    model = transformers.MixtralForCausalLM(cfg).eval()
+    with torch.no_grad():
+        for p in model.parameters():
+            p.normal_(0, 0.2)
+    hf_model_to_gguf(path, model, "llama", tokenizer_meta=_tok_meta(96), quant=quant)
+
+
+def test_expert_stacks_keep_their_blocks(tmp_path, caplog):
+    """A Mixtral file's experts in Q8_0 (gate, up) and Q4_0 (down) stay in those blocks: each
+    stack is uint8 ``[experts, rows, row bytes]``, the graph records ``quant_moe_experts`` on
+    them, and the model scores like the same file dequantized on load; no warning says experts
+    are dequantized."""
+    from gguf import GGMLQuantizationType as Q
+    path = tmp_path / "mixtral.gguf"
+    _tiny_mixtral_gguf(path, {r"experts\.gate_up_proj": Q.Q8_0, r"experts\.down_proj": Q.Q4_0, r"self_attn": Q.Q8_0})
+    with caplog.at_level(logging.WARNING, logger="graphdsl.gguf"):
+        llm = gd.LLM(str(path), device="cpu", quantization="gguf", max_model_len=64, max_num_seqs=1)
+    assert "MoE expert stacks" not in caplog.text
+    kept = {n: p.quant.name for n, p in llm.model.named_parameters() if ".experts." in n and p.quant is not None}
+    assert kept == {f"model.layers.{i}.mlp.experts.{s}": q for i in range(2)
+                    for s, q in (("gate_up_proj", "gguf-q8_0"), ("down_proj", "gguf-q4_0"))}
+    bound = llm.model._bound
+    assert tuple(bound["model.layers.1.mlp.experts.gate_up_proj_packed"].shape) == (8, 64, 64 // 32 * 34)
+    assert tuple(bound["model.layers.1.mlp.experts.down_proj_packed"].shape) == (8, 64, 32 // 32 * 18)
+    assert "model.layers.1.mlp.experts.down_proj" not in bound
+    graph = str(llm.model.engine(Phase.PREFILL).net)
+    assert "gate_up_scheme=gguf-q8_0" in graph and "down_scheme=gguf-q4_0" in graph
+    ours = llm.score(IDS)
+    dense = gd.LLM(str(path), device="cpu", max_model_len=64, max_num_seqs=1)
+    ref = dense.score(IDS)
+    torch.testing.assert_close(ours, ref, atol=1e-4 * ref.abs().max().item(), rtol=1e-4)
+
+
+def test_expert_stacks_in_mixed_types_are_dequantized_together(tmp_path, caplog):
+    """gate in Q8_0 beside up in Q4_0 cannot be one stack's blocks: that layer's gate/up stack is
+    dequantized, and its down stack with it (a layer's two stacks keep their blocks together); the
+    log line says why for each."""
+    from gguf import GGMLQuantizationType as Q
+    path = tmp_path / "mixtral.gguf"
+    _tiny_mixtral_gguf(path, {r"experts\.gate_up_proj": Q.Q8_0, r"experts\.down_proj": Q.Q4_0, r"self_attn": Q.Q8_0})
+    # layer 0's up experts as Q4_0: the file read back and written again with that one tensor changed
+    from gguf import GGUFReader, quants
+
+    from tests.helpers.gguf_files import write_gguf
+    reader = GGUFReader(str(path))
+    tensors = {}
+    for t in reader.tensors:
+        data = quants.dequantize(t.data, t.tensor_type) if t.tensor_type != Q.F32 else t.data
+        qtype = None if t.tensor_type == Q.F32 else t.tensor_type
+        if t.name == "blk.0.ffn_up_exps.weight":
+            qtype = Q.Q4_0
+        tensors[t.name] = (quants.quantize(data, qtype), qtype) if qtype is not None else (data, None)
+    meta = {f.name: f.contents() for f in reader.fields.values() if not f.name.startswith("GGUF.")}
+    mixed = tmp_path / "mixed.gguf"
+    write_gguf(mixed, "llama", {k: v for k, v in meta.items() if k != "general.architecture"}, tensors)
+    with caplog.at_level(logging.WARNING, logger="graphdsl.gguf"):
+        llm = gd.LLM(str(mixed), device="cpu", quantization="gguf", max_model_len=64, max_num_seqs=1)
+    params = dict(llm.model.named_parameters())
+    assert params["model.layers.0.mlp.experts.gate_up_proj"].quant is None
+    assert params["model.layers.0.mlp.experts.down_proj"].quant is None
+    assert params["model.layers.1.mlp.experts.gate_up_proj"].quant.name == "gguf-q8_0"
+    assert "model.layers.0.mlp.experts.gate_up_proj (its pieces are in different block types (Q4_0, " \
+           "Q8_0))" in caplog.text
+    assert "model.layers.0.mlp.experts.down_proj (its layer's other expert stack is dequantized)" in caplog.text
+    assert "2 MoE expert stacks (" in caplog.text

@@ -1,0 +1,237 @@
+"""Sparse MoE experts over expert stacks kept in a GGUF file's own blocks (``gguf-<type>`` stacks).
+
+A stack is uint8 ``codes [E, N, row_bytes]``: expert ``e``'s ``N`` weight rows, each its ``K``
+inputs as consecutive GGML blocks in the stored layout (:mod:`graphdsl.runtime.gguf_blocks`; Q6_K's
+padded to 224 bytes), the types of :data:`.gguf_tiles.KERNEL_QTYPES`. The math is
+:func:`graphdsl.runtime.kernels.moe.quant_moe_experts`'s with ``W_e = dequant(codes[e])``:
+
+    out[t] = Σ_j routing[t, e_j] · down_e · act(gate_e x[t], up_e x[t])
+
+over each token's ``k`` largest routing weights. Both kernels families read the blocks through the
+decoders the dense GGUF kernels use (:mod:`.gguf_tiles`), offset to the expert's rows:
+
+* **few pairs** (decode; :func:`one_pair_by_default`): one (token, expert) pair a program row, as
+  :mod:`.moe_gemv` — each program finds its pair's expert and weight in the routing row
+  (``moe_gemv._choice``), then runs the one-row loop of :func:`.gguf_tiles.row_dot` over its
+  ``BLOCK_N`` rows: gate/up with gate row ``c`` and up row ``I + c`` side by side in a tile, down
+  with its K split into slices that :func:`.moe_gemv.finish` sums with the ``k`` choices;
+* **more pairs** (prefill): the pairs grouped by expert (:func:`.moe.moe_align`), a block of
+  ``BLOCK_M`` pairs times ``BLOCK_N`` rows a program, each K step ``SB`` blocks decoded into a
+  float32 tile (:func:`.gguf_tiles.decode_tile`, values in tile order), the activations gathered at
+  the tile's K offsets, one ``tl.dot`` in the activations' dtype.
+
+Neither path writes a dequantized weight. File shape (STYLE.md 11): the four ``@triton.jit``
+kernels, the launch choices, the launcher :func:`gguf_experts`.
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from .gguf_tiles import KERNEL_QTYPES, decode_tile, row_codes, row_dot, row_total, row_zeros
+from .moe_gemv import _act, _choice, finish
+from .paged_attention import _mm, _sm_count
+
+__all__ = ["gguf_experts", "one_pair_by_default", "MAX_PAIRS_PER_EXPERT"]
+
+# pairs an expert, on average, that the one-pair kernels take by default (a pair reads its expert's blocks
+# alone; the grouped kernels read a shared expert's blocks once a block of pairs)
+MAX_PAIRS_PER_EXPERT = 1
+
+
+@triton.jit
+def _pair_gate_up_kernel(
+    x_ptr, sx,                 # tokens [T, H] (inner stride 1), row stride
+    w_ptr, swe, row_bytes,     # gate_up blocks [E, 2I, row_bytes] uint8: expert stride, bytes a row
+    h_ptr,                     # out: act(gate)·up per pair [P, I], contiguous
+    r_ptr, sr, E,              # routing [T, E] (inner stride 1), row stride, experts (moe_gemv._choice)
+    H, I, TOP_K: tl.constexpr, E_PAD: tl.constexpr, BLOCK_N: tl.constexpr,
+    QTYPE: tl.constexpr, VALUES: tl.constexpr, SB: tl.constexpr, BYTES: tl.constexpr, GEGLU: tl.constexpr,
+):
+    """``h[p, c] = act(gate_e[c] · x[t], up_e[c] · x[t])`` for ``BLOCK_N / 2`` columns ``c``: the tile's
+    rows are gate row ``c`` and up row ``I + c`` in turn."""
+    p, pid_n = tl.program_id(0), tl.program_id(1)
+    e, _ = _choice(r_ptr, sr, p, E, TOP_K, E_PAD)
+    r = tl.arange(0, BLOCK_N)
+    c = pid_n * (BLOCK_N // 2) + r // 2
+    ok = c < I
+    rows = w_ptr + e * swe + (c + (r % 2) * I).to(tl.int64) * row_bytes
+    x_row = x_ptr + (p // TOP_K).to(tl.int64) * sx
+    acc = row_zeros(BLOCK_N, QTYPE, SB)
+    for s in range(0, H // (VALUES * SB)):
+        b0, b1 = row_codes(rows, ok, s * SB, BYTES, QTYPE, SB)
+        acc = row_dot(acc, b0, b1, rows, ok, s * SB, BYTES, x_row, QTYPE, SB)
+    g, u = tl.split(tl.reshape(row_total(acc), [BLOCK_N // 2, 2]))
+    cols = pid_n * (BLOCK_N // 2) + tl.arange(0, BLOCK_N // 2)
+    tl.store(h_ptr + p.to(tl.int64) * I + cols, _act(g, u, GEGLU).to(h_ptr.dtype.element_ty), mask=cols < I)
+
+
+@triton.jit
+def _pair_down_kernel(
+    h_ptr,                     # act(gate)·up per pair [P, I], contiguous
+    w_ptr, swe, row_bytes,     # down blocks [E, H, row_bytes] uint8
+    y_ptr,                     # out: each K slice's weighted partial per pair [S, P, H], float32
+    r_ptr, sr, E,              # routing [T, E]
+    P, H, I, SLICE,            # SLICE: SB-block steps a K slice
+    TOP_K: tl.constexpr, E_PAD: tl.constexpr, BLOCK_N: tl.constexpr,
+    QTYPE: tl.constexpr, VALUES: tl.constexpr, SB: tl.constexpr, BYTES: tl.constexpr,
+):
+    """``y[s, p, n] = weight(p) · Σ_{k in slice s} h[p, k] · down_e[n, k]``."""
+    p, pid_n, pid_k = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    e, wt = _choice(r_ptr, sr, p, E, TOP_K, E_PAD)
+    n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    ok = n < H
+    rows = w_ptr + e * swe + n.to(tl.int64) * row_bytes
+    h_row = h_ptr + p.to(tl.int64) * I
+    acc = row_zeros(BLOCK_N, QTYPE, SB)
+    s_lo = pid_k * SLICE
+    for s in range(s_lo, tl.minimum(s_lo + SLICE, I // (VALUES * SB))):
+        b0, b1 = row_codes(rows, ok, s * SB, BYTES, QTYPE, SB)
+        acc = row_dot(acc, b0, b1, rows, ok, s * SB, BYTES, h_row, QTYPE, SB)
+    tl.store(y_ptr + (pid_k * P + p).to(tl.int64) * H + n, row_total(acc) * wt, mask=ok)
+
+
+@triton.jit
+def _tile_dot(acc, a_rows, a_ok, w_rows, w_ok, blk0, BYTES: tl.constexpr, QTYPE: tl.constexpr,
+              VALUES: tl.constexpr, SB: tl.constexpr, DOT_PREC: tl.constexpr, DOT_F32: tl.constexpr):
+    """``acc + A[:, K step] @ dequant(W)[rows, K step]ᵀ`` for the ``SB`` blocks from ``blk0``: the
+    weight tile decoded (values in tile order, :func:`.gguf_tiles.decode_tile`), the activations
+    ``a_rows`` (``[BLOCK_M]`` row pointers) gathered at the same K offsets."""
+    w, koff = decode_tile(w_rows, w_ok, blk0, BYTES, QTYPE, SB)              # [BLOCK_N, SB·VALUES]
+    a = tl.load(a_rows[:, None] + (blk0 * VALUES + koff)[None, :], mask=a_ok[:, None], other=0.0)
+    return acc + _mm(a, tl.trans(w.to(a.dtype)), DOT_PREC, DOT_F32)
+
+
+@triton.jit
+def _grouped_gate_up_kernel(
+    x_ptr, sx,                 # tokens [T, H] (inner stride 1), row stride
+    w_ptr, swe, row_bytes,     # gate_up blocks [E, 2I, row_bytes] uint8
+    h_ptr,                     # out: act(gate)·up per pair [P, I], contiguous
+    rows_ptr, blk_e_ptr,       # moe_align: pair index per padded row, expert per block
+    P, H, I, E, TOP_K: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, QTYPE: tl.constexpr, VALUES: tl.constexpr, SB: tl.constexpr,
+    BYTES: tl.constexpr, GEGLU: tl.constexpr, DOT_PREC: tl.constexpr, DOT_F32: tl.constexpr,
+):
+    """h[p, n] = act(x[p // k] · gate_e[n], x[p // k] · up_e[n]) for the pairs of block ``b``."""
+    b, pid_n = tl.program_id(0), tl.program_id(1)
+    e = tl.load(blk_e_ptr + b)
+    if e >= E:
+        return
+    pairs = tl.load(rows_ptr + b * BLOCK_M + tl.arange(0, BLOCK_M))
+    valid = pairs < P
+    x_rows = x_ptr + tl.where(valid, pairs // TOP_K, 0).to(tl.int64) * sx
+    n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_ok = n < I
+    gate = w_ptr + e.to(tl.int64) * swe + n.to(tl.int64) * row_bytes
+    up = w_ptr + e.to(tl.int64) * swe + (n + I).to(tl.int64) * row_bytes
+    acc_g = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    acc_u = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for s in range(0, H // (VALUES * SB)):
+        acc_g = _tile_dot(acc_g, x_rows, valid, gate, n_ok, s * SB, BYTES, QTYPE, VALUES, SB, DOT_PREC, DOT_F32)
+        acc_u = _tile_dot(acc_u, x_rows, valid, up, n_ok, s * SB, BYTES, QTYPE, VALUES, SB, DOT_PREC, DOT_F32)
+    h = _act(acc_g, acc_u, GEGLU)
+    tl.store(h_ptr + pairs[:, None].to(tl.int64) * I + n[None, :], h.to(h_ptr.dtype.element_ty),
+             mask=valid[:, None] & n_ok[None, :])
+
+
+@triton.jit
+def _grouped_down_kernel(
+    h_ptr,                     # act(gate)·up per pair [P, I], contiguous
+    w_ptr, swe, row_bytes,     # down blocks [E, H, row_bytes] uint8
+    wt_ptr,                    # routing weight per pair [P], float32
+    y_ptr,                     # out: weighted expert outputs per pair [P, H], float32
+    rows_ptr, blk_e_ptr,
+    P, H, I, E,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, QTYPE: tl.constexpr, VALUES: tl.constexpr, SB: tl.constexpr,
+    BYTES: tl.constexpr, DOT_PREC: tl.constexpr, DOT_F32: tl.constexpr,
+):
+    """y[p, n] = weight(p) · h[p] · down_e[n] for the pairs of block ``b``."""
+    b, pid_n = tl.program_id(0), tl.program_id(1)
+    e = tl.load(blk_e_ptr + b)
+    if e >= E:
+        return
+    pairs = tl.load(rows_ptr + b * BLOCK_M + tl.arange(0, BLOCK_M))
+    valid = pairs < P
+    safe = tl.where(valid, pairs, 0).to(tl.int64)
+    n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_ok = n < H
+    rows = w_ptr + e.to(tl.int64) * swe + n.to(tl.int64) * row_bytes
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for s in range(0, I // (VALUES * SB)):
+        acc = _tile_dot(acc, h_ptr + safe * I, valid, rows, n_ok, s * SB, BYTES, QTYPE, VALUES, SB, DOT_PREC, DOT_F32)
+    wt = tl.load(wt_ptr + safe, mask=valid, other=0.0)
+    tl.store(y_ptr + safe[:, None] * H + n[None, :], acc * wt[:, None], mask=valid[:, None] & n_ok[None, :])
+
+
+_PAIR_VALUES = 512        # values a one-pair step (the dense one-row GGUF GEMV's: gguf_linear._pick_config)
+_PAIR_ROWS = 8            # rows a one-pair program (ditto)
+_PAIR_PROGRAMS_PER_SM = 4  # down's K is split until its grid gives every SM this many programs
+
+
+def _sb(qtype: str, k: int, values: int) -> int:
+    """Blocks a step: the largest power of two with at most ``values`` values that divides the
+    blocks of ``k`` inputs (a step never straddles a row's end)."""
+    per = KERNEL_QTYPES[qtype][0]
+    blocks, sb = k // per, 1
+    while (sb * 2) * per <= values and blocks % (sb * 2) == 0:
+        sb *= 2
+    return sb
+
+
+def one_pair_by_default(pairs: int, experts: int) -> bool:
+    """Whether ``pairs`` (token, expert) pairs over ``experts`` experts take the one-pair kernels by
+    default: at most :data:`MAX_PAIRS_PER_EXPERT` a expert on average."""
+    return pairs <= MAX_PAIRS_PER_EXPERT * experts
+
+
+def gguf_experts(x: torch.Tensor, routing: torch.Tensor, up, down, inter: int, top_k: int, geglu: bool,
+                 interp: bool, out: torch.Tensor, gemv: bool) -> torch.Tensor:
+    """``out [T, H]`` (``x``'s dtype) over the GGUF stacks ``up`` (``[E, 2I, ...]``) and ``down``
+    (``[E, H, ...]``), given as ``moe._Stack`` (``codes``, ``qtype``): one pair a program row
+    (``gemv``) or grouped by expert (module docstring)."""
+    from .moe import moe_align
+    from .row_topk import row_topk, row_topk_supported
+    t, hidden = x.shape
+    e = routing.shape[1]
+    pairs = t * top_k
+    h = torch.empty((pairs, inter), dtype=x.dtype, device=x.device)
+
+    def blocks(stack, k: int, values: int) -> dict:
+        codes = stack.codes
+        return dict(w_ptr=codes, swe=codes.stride(0), row_bytes=codes.stride(1), QTYPE=stack.qtype,
+                    VALUES=KERNEL_QTYPES[stack.qtype][0], SB=_sb(stack.qtype, k, values),
+                    BYTES=KERNEL_QTYPES[stack.qtype][1])
+
+    if gemv:
+        route = dict(r_ptr=routing, sr=routing.stride(0), E=e, TOP_K=top_k, E_PAD=triton.next_power_of_2(e))
+        warps = dict(num_warps=2, num_stages=1)
+        _pair_gate_up_kernel[(pairs, triton.cdiv(2 * inter, _PAIR_ROWS))](
+            x, x.stride(0), h_ptr=h, H=hidden, I=inter, BLOCK_N=_PAIR_ROWS, GEGLU=geglu,
+            **blocks(up, hidden, _PAIR_VALUES), **route, **warps)
+        dn = blocks(down, inter, _PAIR_VALUES)
+        steps = inter // (dn["VALUES"] * dn["SB"])
+        tiles = triton.cdiv(hidden, _PAIR_ROWS)
+        split = max(1, min(steps, _PAIR_PROGRAMS_PER_SM * _sm_count(x.device) // (pairs * tiles)))
+        slice_steps = triton.cdiv(steps, split)
+        split = triton.cdiv(steps, slice_steps)                  # no empty slices
+        y = torch.empty((split, pairs, hidden), dtype=torch.float32, device=x.device)
+        _pair_down_kernel[(pairs, tiles, split)](
+            h, y_ptr=y, P=pairs, H=hidden, I=inter, SLICE=slice_steps, BLOCK_N=_PAIR_ROWS, **dn, **route, **warps)
+        return finish(y, out, top_k)
+    routing = routing.contiguous()
+    weights, ids = row_topk(routing, top_k) if row_topk_supported(routing, top_k) is None \
+        else routing.topk(top_k, dim=-1)
+    block_m = 16 if pairs <= 64 else 64
+    rows, block_expert = moe_align(ids, e, block_m)
+    y = torch.empty((pairs, hidden), dtype=torch.float32, device=x.device)
+    common = dict(BLOCK_M=block_m, BLOCK_N=32, DOT_PREC="ieee" if x.dtype == torch.float32 else "tf32",
+                  DOT_F32=interp, num_warps=4, num_stages=1 if interp else 2)
+    num_blocks = block_expert.numel()
+    _grouped_gate_up_kernel[(num_blocks, triton.cdiv(inter, common["BLOCK_N"]))](
+        x, x.stride(0), h_ptr=h, rows_ptr=rows, blk_e_ptr=block_expert, P=pairs, H=hidden, I=inter, E=e,
+        TOP_K=top_k, GEGLU=geglu, **blocks(up, hidden, 256), **common)
+    _grouped_down_kernel[(num_blocks, triton.cdiv(hidden, common["BLOCK_N"]))](
+        h, wt_ptr=weights.float().reshape(-1).contiguous(), y_ptr=y, rows_ptr=rows, blk_e_ptr=block_expert, P=pairs,
+        H=hidden, I=inter, E=e, **blocks(down, inter, 256), **common)
+    return finish(y.view(1, pairs, hidden), out, top_k)
