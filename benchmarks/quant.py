@@ -237,7 +237,8 @@ class _GGUFMix:
                 return self._saved(model, quantization, tp)
             experts = {n: slot.param for n, slot in model.checkpoint_table().items() if ".experts." in slot.param}
             kept = keep_gguf_blocks(model, q4_k_m_types(model.config.num_hidden_layers, experts))
-            _log(f"{self.NAME}: {len(kept)} weights (linears, expert stacks) in GGUF blocks ({sorted(set(kept.values()))})")
+            _log(f"{self.NAME}: {len(kept)} weights (linears, expert stacks) in GGUF blocks "
+                 f"({sorted(set(kept.values()))})")
             return self.NAME
         llm_mod._quantize_model = mark
         return self

@@ -335,6 +335,17 @@ def _topk(be: TritonBackend, node, ins, attrs, dsts):
     return [values, indices]
 
 
+def _index_mask(be: TritonBackend, node, ins, attrs, dsts):
+    """``index_mask``: one launch (:func:`..kernels.row_topk.index_mask`)."""
+    from ..kernels.row_topk import index_mask
+    out = dsts[0]
+    if out.is_contiguous():
+        index_mask(ins[0], node.attrs["size"], out)
+    else:
+        out.copy_(index_mask(ins[0], node.attrs["size"]))
+    return dsts
+
+
 def _single(be: TritonBackend, node, ins, attrs, dsts):
     n = len(ins)
     program = ((node.op, tuple(range(n)), tuple(sorted(attrs.items()))),)
@@ -522,6 +533,9 @@ def _kernel_unsupported(node, ins) -> str | None:
         return quant_linear_supported(x.reshape(-1, x.shape[-1]), scheme, stored)
     if node.op == "embedding":
         return _embedding_unsupported(*ins)
+    if node.op == "index_mask":
+        from ..kernels.row_topk import index_mask_supported
+        return index_mask_supported(ins[0], node.attrs["size"])
     if node.op == "topk":
         from ..kernels.row_topk import row_topk_supported
         x = ins[0]
@@ -993,8 +1007,8 @@ _LOWERINGS = {"fused": _fused, "add_rms_norm": _add_rms_norm, "silu_mul": _silu_
               "quant_moe_experts": _quant_moe_experts, "lora_apply": _lora_apply,
               "reshape_and_cache": _reshape_and_cache, "quant_linear": _quant_linear,
               "quant_linear_silu_mul": _quant_linear, "quant_linear_add": _quant_linear, "embedding": _embedding,
-              "topk": _topk}
+              "topk": _topk, "index_mask": _index_mask}
 _QUANT_OPS = ("quant_linear", "quant_linear_silu_mul", "quant_linear_add")
 # hand-written kernels; their torch references run on plain CPU
 _KERNEL_OPS = {"paged_attention", "rope_cache_attention", "reshape_and_cache", "paged_mla_attention", "moe_experts",
-               "quant_moe_experts", "lora_apply", "embedding", "topk", *_QUANT_OPS}
+               "quant_moe_experts", "lora_apply", "embedding", "topk", "index_mask", *_QUANT_OPS}

@@ -1,5 +1,6 @@
-"""runtime/kernels/row_topk.py against torch.topk (CPU: Triton's interpreter; GPU: the kernel), and
-the Triton backend's ``topk`` lowering inside a graph (the MoE routing's top-k)."""
+"""runtime/kernels/row_topk.py against torch.topk and the ``index_mask`` op's reference (CPU: Triton's
+interpreter; GPU: the kernels), and the Triton backend's ``topk`` and ``index_mask`` lowerings inside a
+graph (the MoE routing's top-k and its dense mask)."""
 from __future__ import annotations
 
 import os
@@ -12,7 +13,7 @@ if not torch.cuda.is_available():
 import pytest  # noqa: E402
 
 from graphdsl.errors import GraphDSLError  # noqa: E402
-from graphdsl.runtime.kernels.row_topk import row_topk  # noqa: E402
+from graphdsl.runtime.kernels.row_topk import index_mask, row_topk  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
@@ -85,3 +86,51 @@ def test_the_triton_backend_lowers_topk_to_the_kernel(monkeypatch):
     torch.testing.assert_close(got["v"].cpu(), want["v"].cpu(), rtol=1e-6, atol=0)   # the softmax's last bits
     for name in ("i", "gv", "gi", "cv"):
         assert torch.equal(got[name].cpu(), want[name].cpu()), name
+
+
+@pytest.mark.parametrize("dtype", [torch.int64, torch.int32])
+@pytest.mark.parametrize("shape,size", [((5, 2), 8), ((3, 6), 64), ((2, 3, 4), 160), ((1, 1), 1)])
+def test_index_mask_equals_the_reference(shape, size, dtype):
+    from graphdsl.opdef import get_op
+    g = torch.Generator().manual_seed(size)
+    rows = int(torch.tensor(shape[:-1]).prod())
+    ids = torch.stack([torch.randperm(size, generator=g)[:shape[-1]] for _ in range(rows)]).reshape(shape)
+    ids = ids.to(dtype).to(DEVICE)
+    got = index_mask(ids, size)
+    assert got.dtype == torch.bool and got.shape == (*shape[:-1], size)
+    assert torch.equal(got.cpu(), get_op("index_mask").reference(ids.cpu(), size=size))
+
+
+def test_index_mask_marks_repeats_once_and_refuses_what_it_cannot_take():
+    ids = torch.tensor([[3, 3, 0], [7, 1, 7]], device=DEVICE)
+    out = torch.ones(2, 8, dtype=torch.bool, device=DEVICE)
+    assert index_mask(ids, 8, out) is out
+    assert out.cpu().nonzero().tolist() == [[0, 0], [0, 3], [1, 1], [1, 7]]
+    with pytest.raises(GraphDSLError, match=r"unsupported operands \(ids torch.float32 \[2, 3\]"):
+        index_mask(ids.float(), 8)
+    with pytest.raises(GraphDSLError, match=r"unsupported operands \(3 indices a row into 5000"):
+        index_mask(ids, 5000)
+    with pytest.raises(GraphDSLError, match=r"out must be a contiguous \[2, 8\] torch.bool tensor"):
+        index_mask(ids, 8, torch.empty(2, 8, dtype=torch.int8, device=DEVICE))
+
+
+def test_the_triton_backend_lowers_a_routing_mask_to_the_kernel(monkeypatch):
+    """A routing's ``index_mask`` (top-2 of 8 scores, then the chosen scores kept) runs one kernel
+    launch and equals the torch backend."""
+    from graphdsl import Dim, Network, Tensor
+    from graphdsl import functional as F
+    from graphdsl.runtime.kernels import row_topk as rt
+    calls = []
+    real = rt.index_mask
+    monkeypatch.setattr(rt, "index_mask", lambda ids, size, *a: calls.append((tuple(ids.shape), size)) or
+                        real(ids, size, *a))
+    with Network() as net:
+        x = Tensor("x", (Dim("n"), 8), torch.float32)
+        scores = F.softmax(x, -1)
+        _, ids = F.topk(scores, k=2, dim=-1)
+        net.mark_output(F.where(F.index_mask(ids, 8), scores, scores * 0.0), "w")
+    feed = {"x": torch.randn(5, 8, generator=torch.Generator().manual_seed(4)).to(DEVICE)}
+    got = net.build_engine(device=DEVICE, backend="triton").forward(feed)
+    want = net.build_engine(device=DEVICE, backend="torch").forward(feed)
+    assert calls == [((5, 2), 8)]
+    torch.testing.assert_close(got["w"].cpu(), want["w"].cpu(), rtol=1e-6, atol=0)
