@@ -311,8 +311,11 @@ def stored_bytes(llm) -> int:
     for name, p in llm.model.named_parameters():
         if name == "model.embed_tokens.weight":
             continue
-        if isinstance(p.quant, (GGUFScheme, GGUFMixScheme)):
-            total += sum((r1 - r0) * row_bytes(q, p.shape[1]) for q, r0, r1 in p.quant.row_parts(p.shape[0]))
+        if isinstance(p.quant, (GGUFScheme, GGUFMixScheme)):       # a weight [N, K] or a stack [E, N, K]
+            n, k = p.shape[-2:]
+            nbytes = (p.shape[0] if len(p.shape) == 3 else 1) * sum(
+                (r1 - r0) * row_bytes(q, k) for q, r0, r1 in p.quant.row_parts(n))
+            total += round(nbytes * share.get(name, 1.0))
             continue
         nbytes = sum(t.numel() * t.element_size()
                      for t in ([bound[c.name] for c in p.companions()] if p.quant is not None else [bound[name]]))

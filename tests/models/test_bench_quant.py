@@ -74,3 +74,20 @@ def _linear_savings(llm) -> int:
     """Bytes int8 per channel saves on the linears (not the stacks): a byte a weight less one scale a row."""
     ps = [p for n, p in llm.model.named_parameters() if n.endswith("proj.weight") and ".experts." not in n]
     return sum(math.prod(p.shape) - 2 * p.shape[0] for p in ps)
+
+
+def test_gguf_expert_stacks_count_their_file_blocks(quant):
+    """Expert stacks in GGUF blocks (online ``gguf-q8_0``: 34 bytes a block of 32) count their
+    experts' block bytes, the one-token share of them (2 of 8 experts), like the linears' blocks."""
+    from tests.models.hf_tiny import make_config
+    cfg = make_config("mixtral").to_dict()
+    llm = {q: gd.LLM.from_config(cfg, device="cpu", dtype="bfloat16", seed=0, max_model_len=64, max_num_seqs=1,
+                                 quantization=q) for q in (None, "gguf-q8_0")}
+    kept = {n: p for n, p in llm["gguf-q8_0"].model.named_parameters() if p.quant is not None}
+    assert sum(".experts." in n for n in kept) == 4
+    change = 0
+    for n, p in kept.items():
+        experts, (rows, k) = (p.shape[0] if len(p.shape) == 3 else 1), p.shape[-2:]
+        share = 4 if ".experts." in n else 1                   # a quarter of a stack's bytes is read
+        change += experts * rows * (k // 32 * 34 - 2 * k) // share
+    assert quant.stored_bytes(llm["gguf-q8_0"]) == quant.stored_bytes(llm[None]) + change
