@@ -73,8 +73,29 @@ def _picks_gemv(scheme: str, stacks, pairs: int, experts: int) -> bool:
     return one_pair_by_default(*(_Stack.of(s, st) for s, st in zip(_schemes(scheme), stacks)), pairs, experts)
 
 
+def _paths(scheme: str, call, k: int, pairs: int, picked: bool) -> list[tuple[str, float]]:
+    """``[(path, µs)]``: one pair a row, grouped, and for GGUF stacks their two grouped ways (the
+    tile kernels; the stacks dequantized whole, ``moe_gguf.DEQUANTIZE_PAIRS``), the default marked."""
+    from graphdsl.runtime.kernels import moe_gguf
+    if not scheme.startswith("gguf"):
+        return [(("one pair a row" if gemv else "grouped") + (" (default)" if gemv == picked else ""),
+                 _graph_us(lambda: call(k, gemv=gemv))) for gemv in (True, False)]
+    whole = not picked and moe_gguf.DEQUANTIZE_PAIRS is not None and pairs >= moe_gguf.DEQUANTIZE_PAIRS
+    rows = [("one pair a row" + (" (default)" if picked else ""), _graph_us(lambda: call(k, gemv=True))),
+            ("grouped tiles" + (" (default)" if not picked and not whole else ""),
+             _graph_us(lambda: call(k, moe_gguf.grouped_config(pairs), gemv=False)))]
+    saved, moe_gguf.DEQUANTIZE_PAIRS = moe_gguf.DEQUANTIZE_PAIRS, 0
+    try:
+        rows.append(("grouped, stacks dequantized whole" + (" (default)" if whole else ""),
+                     _graph_us(lambda: call(k, gemv=False))))
+    finally:
+        moe_gguf.DEQUANTIZE_PAIRS = saved
+    return rows
+
+
 def main(argv=None) -> int:
     from graphdsl.runtime.kernels.moe import _pick_config, moe_experts
+    from graphdsl.runtime.kernels.moe_gguf import grouped_config
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--shape", default="mixtral", choices=sorted(SHAPES))
     ap.add_argument("--tokens", type=int, nargs="+", default=[1, 8, 64])
@@ -99,29 +120,25 @@ def main(argv=None) -> int:
                   f"{100 * nbytes / base / 1e3 / copy:.1f}% | 1.00 |", flush=True)
             for scheme in args.schemes:
                 call, qbytes, stacks = _quantized(scheme, ops, nbytes // (3 * h * i * 2))
-                picked = _picks_gemv(scheme, stacks, t * k, e)
-                for gemv in (True, False):
-                    us = _graph_us(lambda: call(k, gemv=gemv))
-                    path = ("one pair a row" if gemv else "grouped") + (" (default)" if gemv == picked else "")
+                for path, us in _paths(scheme, call, k, t * k, _picks_gemv(scheme, stacks, t * k, e)):
                     print(f"| {t} | {scheme} | {path} | {us:.1f} | {qbytes / us / 1e3:.0f} | "
                           f"{100 * qbytes / us / 1e3 / copy:.1f}% | {base / us:.2f} |", flush=True)
         if not args.sweep:
             return 0
         print()
     tiles = list(itertools.product((32, 64, 128), (64, 128, 256), (4, 8), (2, 3, 5)))
+    gguf_tiles = list(itertools.product((16, 32, 64), (256,), (4, 8), (1, 2)))   # GGUF: (.., values a K step, ..)
     print("| tokens | weights | config | µs | GB/s | % of copy |\n|---:|---|---|---:|---:|---:|")
     for t in args.tokens:
         ops, nbytes = _case(t, e, k, h, i, gen)
         runs = [] if args.schemes else [("bf16", lambda cfg: moe_experts(*ops, top_k=k, config=cfg), nbytes)]
         for scheme in args.schemes:
-            if scheme.startswith("gguf"):
-                print(f"({scheme}: GGUF stacks take no grouped launch config; not swept)")
-                continue
             call, qbytes, _ = _quantized(scheme, ops, nbytes // (3 * h * i * 2))
-            runs.append((scheme, lambda cfg, call=call: call(k, cfg), qbytes))
+            runs.append((scheme, lambda cfg, call=call: call(k, cfg, gemv=False), qbytes))
         for name, run, size in runs:
-            base = _pick_config(t * k, int4=name.startswith("int4"))
-            for label, (ms, cfg) in _configs(run, base, tiles if args.sweep else None):
+            gguf = name.startswith("gguf")
+            base = grouped_config(t * k) if gguf else _pick_config(t * k, int4=name.startswith("int4"))
+            for label, (ms, cfg) in _configs(run, base, (gguf_tiles if gguf else tiles) if args.sweep else None):
                 print(f"| {t} | {name} | {label} {cfg} | {ms * 1e3:.1f} | {size / ms / 1e6:.0f} | "
                       f"{100 * size / ms / 1e6 / copy:.1f}% |", flush=True)
     return 0
@@ -129,7 +146,7 @@ def main(argv=None) -> int:
 
 def _configs(run, base, tiles):
     """``[("default", (ms, config))]``, and with ``tiles`` the best of gate/up's tiles, then of
-    down's with that gate/up, as ``("best", ...)``."""
+    down's with that gate/up, then of 16 to 128 rows a block with both, as ``("best", ...)``."""
     from graphdsl.runtime.kernels.moe import MoeConfig
 
     def ms(cfg):
@@ -147,6 +164,9 @@ def _configs(run, base, tiles):
         for tile in tiles:
             cfg = MoeConfig(base.block_m, tile, best[1].down) if which == "up" else MoeConfig(base.block_m, best[1].up, tile)
             best = min(best, (ms(cfg), cfg), key=lambda r: r[0])
+    for block_m in (16, 32, 64, 128):
+        cfg = MoeConfig(block_m, best[1].up, best[1].down)
+        best = min(best, (ms(cfg), cfg), key=lambda r: r[0])
     return rows + [("best", best)]
 
 

@@ -394,8 +394,8 @@ def quant_moe_experts(x: torch.Tensor, routing: torch.Tensor, gate_up: list[torc
     """:func:`moe_experts` over stacks stored in weight-only ``schemes`` (gate/up's, down's):
     ``gate_up`` and ``down`` are their stacked companions (module docstring). ``gemv``: run the
     one-pair-a-row kernels of :mod:`.moe_gemv` (True) or the grouped ones (False); None: one pair a
-    row as :func:`one_pair_by_default` says (``config``, the grouped launch's, does not apply to GGUF
-    stacks)."""
+    row as :func:`one_pair_by_default` says (GGUF stacks: ``config`` is the tile kernels' launch,
+    :func:`.moe_gguf.grouped_config`)."""
     why = quant_moe_supported(x, routing, schemes, (gate_up, down))
     if why is not None:
         raise GraphDSLError(f"quant_moe_experts: unsupported operands ({why})")
@@ -410,7 +410,7 @@ def quant_moe_experts(x: torch.Tensor, routing: torch.Tensor, gate_up: list[torc
                                 f"{[list(c.shape) for c in want]} for x {list(x.shape)}, routing {list(routing.shape)}")
     up, dn = _Stack.of(schemes[0], gate_up), _Stack.of(schemes[1], down)
     if gemv is None:
-        gemv = (config is None or up.quant == GGUF) and one_pair_by_default(up, dn, t * top_k, e)
+        gemv = config is None and one_pair_by_default(up, dn, t * top_k, e)
     if up.quant == GGUF:
         if not isinstance(top_k, int) or not 1 <= top_k <= e:
             raise GraphDSLError(f"quant_moe_experts: top_k must be an int in [1, {e}], got {top_k!r}")
@@ -418,7 +418,7 @@ def quant_moe_experts(x: torch.Tensor, routing: torch.Tensor, gate_up: list[torc
         if t == 0:
             return out
         return moe_gguf.gguf_experts(x, routing if routing.stride(-1) == 1 else routing.contiguous(), up, dn, inter,
-                                     top_k, geglu, _interpreting(), out, gemv)
+                                     top_k, geglu, _interpreting(), out, gemv, config)
     return _run(x, routing, up, dn, e, inter, top_k, geglu, out, config, "quant_moe_experts", gemv)
 
 

@@ -33,7 +33,8 @@ from .gguf_tiles import KERNEL_QTYPES, decode_tile, row_codes, row_dot, row_tota
 from .moe_gemv import _act, _choice, finish
 from .paged_attention import _mm, _sm_count
 
-__all__ = ["gguf_experts", "one_pair_by_default", "MAX_PAIRS_PER_EXPERT"]
+__all__ = ["gguf_experts", "one_pair_by_default", "grouped_config", "dequantized", "MAX_PAIRS_PER_EXPERT",
+           "DEQUANTIZE_PAIRS"]
 
 # pairs an expert, on average, that the one-pair kernels take by default (a pair reads its expert's blocks
 # alone; the grouped kernels read a shared expert's blocks once a block of pairs)
@@ -128,8 +129,11 @@ def _grouped_gate_up_kernel(
     acc_g = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     acc_u = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for s in range(0, H // (VALUES * SB)):
-        acc_g = _tile_dot(acc_g, x_rows, valid, gate, n_ok, s * SB, BYTES, QTYPE, VALUES, SB, DOT_PREC, DOT_F32)
-        acc_u = _tile_dot(acc_u, x_rows, valid, up, n_ok, s * SB, BYTES, QTYPE, VALUES, SB, DOT_PREC, DOT_F32)
+        wg, koff = decode_tile(gate, n_ok, s * SB, BYTES, QTYPE, SB)         # gate and up: one tile order
+        wu, _ = decode_tile(up, n_ok, s * SB, BYTES, QTYPE, SB)
+        a = tl.load(x_rows[:, None] + (s * SB * VALUES + koff)[None, :], mask=valid[:, None], other=0.0)
+        acc_g += _mm(a, tl.trans(wg.to(a.dtype)), DOT_PREC, DOT_F32)
+        acc_u += _mm(a, tl.trans(wu.to(a.dtype)), DOT_PREC, DOT_F32)
     h = _act(acc_g, acc_u, GEGLU)
     tl.store(h_ptr + pairs[:, None].to(tl.int64) * I + n[None, :], h.to(h_ptr.dtype.element_ty),
              mask=valid[:, None] & n_ok[None, :])
@@ -179,18 +183,40 @@ def _sb(qtype: str, k: int, values: int) -> int:
     return sb
 
 
+# pairs from which the grouped path dequantizes both stacks whole into the activations' dtype (one launch each,
+# gguf_linear.gguf_dequantize) and runs the bf16 experts' grouped kernels (moe.moe_experts) on them, instead of
+# decoding tiles inside the grouped kernels; None: never
+DEQUANTIZE_PAIRS: int | None = None
+
+
+def grouped_config(pairs: int):
+    """The tile kernels' launch, a ``moe.MoeConfig`` whose per-kernel tuples are ``(BLOCK_N, values a
+    K step, num_warps, num_stages)``: 16 pairs a block for decode-sized counts, 64 beyond."""
+    from .moe import MoeConfig
+    return MoeConfig(16 if pairs <= 64 else 64, (32, 256, 4, 2), (32, 256, 4, 2))
+
+
 def one_pair_by_default(pairs: int, experts: int) -> bool:
     """Whether ``pairs`` (token, expert) pairs over ``experts`` experts take the one-pair kernels by
     default: at most :data:`MAX_PAIRS_PER_EXPERT` a expert on average."""
     return pairs <= MAX_PAIRS_PER_EXPERT * experts
 
 
+def dequantized(stack, dtype: torch.dtype) -> torch.Tensor:
+    """A GGUF ``moe._Stack``'s weights ``[E, N, K]`` in ``dtype``: its ``E·N`` block rows dequantized
+    in one launch (:func:`.gguf_linear.gguf_dequantize`)."""
+    from .gguf_linear import gguf_dequantize
+    e, n, row = stack.codes.shape
+    return gguf_dequantize(stack.codes.view(e * n, row), stack.qtype, dtype).view(e, n, -1)
+
+
 def gguf_experts(x: torch.Tensor, routing: torch.Tensor, up, down, inter: int, top_k: int, geglu: bool,
-                 interp: bool, out: torch.Tensor, gemv: bool) -> torch.Tensor:
+                 interp: bool, out: torch.Tensor, gemv: bool, config=None) -> torch.Tensor:
     """``out [T, H]`` (``x``'s dtype) over the GGUF stacks ``up`` (``[E, 2I, ...]``) and ``down``
     (``[E, H, ...]``), given as ``moe._Stack`` (``codes``, ``qtype``): one pair a program row
-    (``gemv``) or grouped by expert (module docstring)."""
-    from .moe import moe_align
+    (``gemv``) or grouped by expert (module docstring; from :data:`DEQUANTIZE_PAIRS` pairs the
+    stacks dequantized whole). ``config``: the tile kernels' launch (:func:`grouped_config`)."""
+    from .moe import moe_align, moe_experts
     from .row_topk import row_topk, row_topk_supported
     t, hidden = x.shape
     e = routing.shape[1]
@@ -219,19 +245,27 @@ def gguf_experts(x: torch.Tensor, routing: torch.Tensor, up, down, inter: int, t
         _pair_down_kernel[(pairs, tiles, split)](
             h, y_ptr=y, P=pairs, H=hidden, I=inter, SLICE=slice_steps, BLOCK_N=_PAIR_ROWS, **dn, **route, **warps)
         return finish(y, out, top_k)
+    if config is None and DEQUANTIZE_PAIRS is not None and pairs >= DEQUANTIZE_PAIRS:
+        return moe_experts(x, routing, dequantized(up, x.dtype), dequantized(down, x.dtype), top_k=top_k,
+                           geglu=geglu, out=out)
     routing = routing.contiguous()
     weights, ids = row_topk(routing, top_k) if row_topk_supported(routing, top_k) is None \
         else routing.topk(top_k, dim=-1)
-    block_m = 16 if pairs <= 64 else 64
-    rows, block_expert = moe_align(ids, e, block_m)
+    cfg = config or grouped_config(pairs)
+    rows, block_expert = moe_align(ids, e, cfg.block_m)
     y = torch.empty((pairs, hidden), dtype=torch.float32, device=x.device)
-    common = dict(BLOCK_M=block_m, BLOCK_N=32, DOT_PREC="ieee" if x.dtype == torch.float32 else "tf32",
-                  DOT_F32=interp, num_warps=4, num_stages=1 if interp else 2)
+    common = dict(BLOCK_M=cfg.block_m, DOT_PREC="ieee" if x.dtype == torch.float32 else "tf32", DOT_F32=interp)
+
+    def launch(kcfg, stack, k: int) -> dict:
+        bn, values, warps, stages = kcfg
+        return dict(BLOCK_N=bn, num_warps=warps, num_stages=1 if interp else stages, **blocks(stack, k, values),
+                    **common)
+
     num_blocks = block_expert.numel()
-    _grouped_gate_up_kernel[(num_blocks, triton.cdiv(inter, common["BLOCK_N"]))](
+    _grouped_gate_up_kernel[(num_blocks, triton.cdiv(inter, cfg.up[0]))](
         x, x.stride(0), h_ptr=h, rows_ptr=rows, blk_e_ptr=block_expert, P=pairs, H=hidden, I=inter, E=e,
-        TOP_K=top_k, GEGLU=geglu, **blocks(up, hidden, 256), **common)
-    _grouped_down_kernel[(num_blocks, triton.cdiv(hidden, common["BLOCK_N"]))](
+        TOP_K=top_k, GEGLU=geglu, **launch(cfg.up, up, hidden))
+    _grouped_down_kernel[(num_blocks, triton.cdiv(hidden, cfg.down[0]))](
         h, wt_ptr=weights.float().reshape(-1).contiguous(), y_ptr=y, rows_ptr=rows, blk_e_ptr=block_expert, P=pairs,
-        H=hidden, I=inter, E=e, **blocks(down, inter, 256), **common)
+        H=hidden, I=inter, E=e, **launch(cfg.down, down, inter))
     return finish(y.view(1, pairs, hidden), out, top_k)

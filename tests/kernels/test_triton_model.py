@@ -245,7 +245,7 @@ def test_gguf_experts_on_triton_backend_match_the_reference_engine(tmp_path, mon
     from tests.models.test_gguf_quantization import _tiny_mixtral_gguf
     paths = []
     kernel = moe_gguf.gguf_experts
-    monkeypatch.setattr(moe_gguf, "gguf_experts", lambda *a: paths.append(a[-1]) or kernel(*a))
+    monkeypatch.setattr(moe_gguf, "gguf_experts", lambda *a: paths.append(a[9]) or kernel(*a))
     path = tmp_path / "mixtral.gguf"
     _tiny_mixtral_gguf(path, {r"experts\.gate_up_proj": Q.Q8_0, r"experts\.down_proj": Q.Q4_0})
     device = "cuda" if torch.cuda.is_available() else "cpu"
