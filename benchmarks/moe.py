@@ -73,24 +73,10 @@ def _picks_gemv(scheme: str, stacks, pairs: int, experts: int) -> bool:
     return one_pair_by_default(*(_Stack.of(s, st) for s, st in zip(_schemes(scheme), stacks)), pairs, experts)
 
 
-def _paths(scheme: str, call, k: int, pairs: int, picked: bool) -> list[tuple[str, float]]:
-    """``[(path, µs)]``: one pair a row, grouped, and for GGUF stacks their two grouped ways (the
-    tile kernels; the stacks dequantized whole, ``moe_gguf.DEQUANTIZE_PAIRS``), the default marked."""
-    from graphdsl.runtime.kernels import moe_gguf
-    if not scheme.startswith("gguf"):
-        return [(("one pair a row" if gemv else "grouped") + (" (default)" if gemv == picked else ""),
-                 _graph_us(lambda: call(k, gemv=gemv))) for gemv in (True, False)]
-    whole = not picked and moe_gguf.DEQUANTIZE_PAIRS is not None and pairs >= moe_gguf.DEQUANTIZE_PAIRS
-    rows = [("one pair a row" + (" (default)" if picked else ""), _graph_us(lambda: call(k, gemv=True))),
-            ("grouped tiles" + (" (default)" if not picked and not whole else ""),
-             _graph_us(lambda: call(k, moe_gguf.grouped_config(pairs), gemv=False)))]
-    saved, moe_gguf.DEQUANTIZE_PAIRS = moe_gguf.DEQUANTIZE_PAIRS, 0
-    try:
-        rows.append(("grouped, stacks dequantized whole" + (" (default)" if whole else ""),
-                     _graph_us(lambda: call(k, gemv=False))))
-    finally:
-        moe_gguf.DEQUANTIZE_PAIRS = saved
-    return rows
+def _paths(scheme: str, call, k: int, picked: bool) -> list[tuple[str, float]]:
+    """``[(path, µs)]``: one pair a program row, then grouped, the default marked."""
+    return [(("one pair a row" if gemv else "grouped") + (" (default)" if gemv == picked else ""),
+             _graph_us(lambda: call(k, gemv=gemv))) for gemv in (True, False)]
 
 
 def main(argv=None) -> int:
@@ -120,7 +106,7 @@ def main(argv=None) -> int:
                   f"{100 * nbytes / base / 1e3 / copy:.1f}% | 1.00 |", flush=True)
             for scheme in args.schemes:
                 call, qbytes, stacks = _quantized(scheme, ops, nbytes // (3 * h * i * 2))
-                for path, us in _paths(scheme, call, k, t * k, _picks_gemv(scheme, stacks, t * k, e)):
+                for path, us in _paths(scheme, call, k, _picks_gemv(scheme, stacks, t * k, e)):
                     print(f"| {t} | {scheme} | {path} | {us:.1f} | {qbytes / us / 1e3:.0f} | "
                           f"{100 * qbytes / us / 1e3 / copy:.1f}% | {base / us:.2f} |", flush=True)
         if not args.sweep:

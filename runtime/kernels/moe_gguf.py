@@ -33,8 +33,7 @@ from .gguf_tiles import KERNEL_QTYPES, decode_tile, row_codes, row_dot, row_tota
 from .moe_gemv import _act, _choice, finish
 from .paged_attention import _mm, _sm_count
 
-__all__ = ["gguf_experts", "one_pair_by_default", "grouped_config", "dequantized", "MAX_PAIRS_PER_EXPERT",
-           "DEQUANTIZE_PAIRS"]
+__all__ = ["gguf_experts", "one_pair_by_default", "grouped_config", "MAX_PAIRS_PER_EXPERT"]
 
 # pairs an expert, on average, that the one-pair kernels take by default (a pair reads its expert's blocks
 # alone; the grouped kernels read a shared expert's blocks once a block of pairs)
@@ -183,17 +182,16 @@ def _sb(qtype: str, k: int, values: int) -> int:
     return sb
 
 
-# pairs from which the grouped path dequantizes both stacks whole into the activations' dtype (one launch each,
-# gguf_linear.gguf_dequantize) and runs the bf16 experts' grouped kernels (moe.moe_experts) on them, instead of
-# decoding tiles inside the grouped kernels; None: never
-DEQUANTIZE_PAIRS: int | None = None
-
-
 def grouped_config(pairs: int):
     """The tile kernels' launch, a ``moe.MoeConfig`` whose per-kernel tuples are ``(BLOCK_N, values a
-    K step, num_warps, num_stages)``: 16 pairs a block for decode-sized counts, 64 beyond."""
+    K step, num_warps, num_stages)``: 16 pairs a block and 32-row tiles for decode-sized counts; 64
+    pairs a block and 64-row tiles beyond (the H200 sweep of ``benchmarks/moe.py --sweep`` at
+    Mixtral's size, 512 tokens, Q4_K gate/up and Q6_K down: 22764 µs with 32-row tiles, 12374 with
+    these)."""
     from .moe import MoeConfig
-    return MoeConfig(16 if pairs <= 64 else 64, (32, 256, 4, 2), (32, 256, 4, 2))
+    if pairs <= 64:
+        return MoeConfig(16, (32, 256, 4, 2), (32, 256, 4, 2))
+    return MoeConfig(64, (64, 256, 4, 2), (64, 256, 4, 1))
 
 
 def one_pair_by_default(pairs: int, experts: int) -> bool:
@@ -202,21 +200,13 @@ def one_pair_by_default(pairs: int, experts: int) -> bool:
     return pairs <= MAX_PAIRS_PER_EXPERT * experts
 
 
-def dequantized(stack, dtype: torch.dtype) -> torch.Tensor:
-    """A GGUF ``moe._Stack``'s weights ``[E, N, K]`` in ``dtype``: its ``E·N`` block rows dequantized
-    in one launch (:func:`.gguf_linear.gguf_dequantize`)."""
-    from .gguf_linear import gguf_dequantize
-    e, n, row = stack.codes.shape
-    return gguf_dequantize(stack.codes.view(e * n, row), stack.qtype, dtype).view(e, n, -1)
-
-
 def gguf_experts(x: torch.Tensor, routing: torch.Tensor, up, down, inter: int, top_k: int, geglu: bool,
                  interp: bool, out: torch.Tensor, gemv: bool, config=None) -> torch.Tensor:
     """``out [T, H]`` (``x``'s dtype) over the GGUF stacks ``up`` (``[E, 2I, ...]``) and ``down``
     (``[E, H, ...]``), given as ``moe._Stack`` (``codes``, ``qtype``): one pair a program row
-    (``gemv``) or grouped by expert (module docstring; from :data:`DEQUANTIZE_PAIRS` pairs the
-    stacks dequantized whole). ``config``: the tile kernels' launch (:func:`grouped_config`)."""
-    from .moe import moe_align, moe_experts
+    (``gemv``) or grouped by expert (module docstring). ``config``: the grouped kernels' launch
+    (:func:`grouped_config`)."""
+    from .moe import moe_align
     from .row_topk import row_topk, row_topk_supported
     t, hidden = x.shape
     e = routing.shape[1]
@@ -245,9 +235,6 @@ def gguf_experts(x: torch.Tensor, routing: torch.Tensor, up, down, inter: int, t
         _pair_down_kernel[(pairs, tiles, split)](
             h, y_ptr=y, P=pairs, H=hidden, I=inter, SLICE=slice_steps, BLOCK_N=_PAIR_ROWS, **dn, **route, **warps)
         return finish(y, out, top_k)
-    if config is None and DEQUANTIZE_PAIRS is not None and pairs >= DEQUANTIZE_PAIRS:
-        return moe_experts(x, routing, dequantized(up, x.dtype), dequantized(down, x.dtype), top_k=top_k,
-                           geglu=geglu, out=out)
     routing = routing.contiguous()
     weights, ids = row_topk(routing, top_k) if row_topk_supported(routing, top_k) is None \
         else routing.topk(top_k, dim=-1)

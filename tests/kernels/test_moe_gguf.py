@@ -70,21 +70,6 @@ def test_gguf_stacks_match_the_dequantized_reference(up_scheme, down_scheme, tok
     _close(quant_moe_experts(*args, **kw, gemv=gemv), want, dtype)
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_gguf_prefill_through_the_dequantized_stacks(dtype, monkeypatch):
-    """From ``DEQUANTIZE_PAIRS`` pairs the grouped path dequantizes both stacks whole (one launch
-    each) and runs the dense experts' kernels on them: the same results."""
-    from graphdsl.runtime.kernels import gguf_linear
-    launches = []
-    real = gguf_linear.gguf_dequantize
-    monkeypatch.setattr(gguf_linear, "gguf_dequantize", lambda d, q, t: launches.append((tuple(d.shape), q)) or
-                        real(d, q, t))
-    monkeypatch.setattr(moe_gguf, "DEQUANTIZE_PAIRS", 64)
-    args, kw, want = _case(37, 4, 256, 256, 2, dtype, "gguf-q4_k", "gguf-q6_k")
-    _close(quant_moe_experts(*args, **kw), want, dtype)
-    assert launches == [((4 * 512, 144), "Q4_K"), ((4 * 256, 224), "Q6_K")]
-
-
 def test_gguf_grouped_launch_takes_a_config():
     """``config`` sets the tile kernels' rows a block, rows a program and values a K step."""
     from graphdsl.runtime.kernels.moe import MoeConfig
