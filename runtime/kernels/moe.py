@@ -56,7 +56,7 @@ from graphdsl.quant import Fp8Scheme, IntScheme, QuantScheme
 
 from ..gguf_scheme import GGUFScheme
 from . import moe_gemv, moe_gguf
-from .moe_gemv import _act, _channel_scale
+from .moe_gemv import _act, _block_of_pairs, _channel_scale
 from .paged_attention import _mm
 from .row_topk import row_topk, row_topk_supported
 
@@ -134,15 +134,10 @@ def _gate_up_kernel(
     QUANT: tl.constexpr = 0, GROUP: tl.constexpr = 1, ZP: tl.constexpr = False,
 ):
     """h[p, n] = act(x[p // k] · gate_e[n], x[p // k] · up_e[n]) for the pairs of block ``b``."""
-    b, pid_n = tl.program_id(0), tl.program_id(1)
-    e = tl.load(blk_e_ptr + b)
+    e, rows, valid, n, n_ok = _block_of_pairs(rows_ptr, blk_e_ptr, P, I, BLOCK_M, BLOCK_N)
     if e >= E:
         return
-    rows = tl.load(rows_ptr + b * BLOCK_M + tl.arange(0, BLOCK_M))
-    valid = rows < P
     tok = tl.where(valid, rows // TOP_K, 0)
-    n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    n_ok = n < I
     w_e = w_ptr + e.to(tl.int64) * swe
     s_e, z_e = s_ptr + e.to(tl.int64) * sse, z_ptr + e.to(tl.int64) * sse
     acc_g = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
@@ -174,15 +169,10 @@ def _down_kernel(
     DOT_F32: tl.constexpr, QUANT: tl.constexpr = 0, GROUP: tl.constexpr = 1, ZP: tl.constexpr = False,
 ):
     """y[p, n] = weight(p) · h[p] · down_e[n] for the pairs of block ``b``."""
-    b, pid_n = tl.program_id(0), tl.program_id(1)
-    e = tl.load(blk_e_ptr + b)
+    e, rows, valid, n, n_ok = _block_of_pairs(rows_ptr, blk_e_ptr, P, H, BLOCK_M, BLOCK_N)
     if e >= E:
         return
-    rows = tl.load(rows_ptr + b * BLOCK_M + tl.arange(0, BLOCK_M))
-    valid = rows < P
     safe = tl.where(valid, rows, 0).to(tl.int64)
-    n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    n_ok = n < H
     w_e = w_ptr + e.to(tl.int64) * swe
     s_e, z_e = s_ptr + e.to(tl.int64) * sse, z_ptr + e.to(tl.int64) * sse
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)

@@ -61,6 +61,18 @@ def _act(g, u, GEGLU: tl.constexpr):
 
 
 @triton.jit
+def _block_of_pairs(rows_ptr, blk_e_ptr, P, N, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """A grouped program's share (the grouped kernels of :mod:`.moe` and :mod:`.moe_gguf`, which take
+    their shared helpers from here), ``(e, pairs, valid, n, n_ok)``: block ``program_id(0)``'s expert
+    (``E`` past the last block: the program exits) and ``BLOCK_M`` pair indices (``P``: padding), and
+    its ``BLOCK_N`` output columns ``program_id(1) · BLOCK_N ...`` of ``N``."""
+    b = tl.program_id(0)
+    pairs = tl.load(rows_ptr + b * BLOCK_M + tl.arange(0, BLOCK_M))
+    n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    return tl.load(blk_e_ptr + b), pairs, pairs < P, n, n < N
+
+
+@triton.jit
 def _choice(r_ptr, sr, p, E, TOP_K: tl.constexpr, E_PAD: tl.constexpr):
     """Pair ``p``'s expert and routing weight, ``(e, w)``: token ``t = p // TOP_K``'s ``(p % TOP_K)``-th
     largest routing weight and its index (the lowest index among equal weights), found by

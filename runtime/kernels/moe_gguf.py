@@ -30,7 +30,7 @@ import triton
 import triton.language as tl
 
 from .gguf_tiles import KERNEL_QTYPES, decode_tile, row_codes, row_dot, row_total, row_zeros
-from .moe_gemv import _act, _choice, finish
+from .moe_gemv import _act, _block_of_pairs, _choice, finish
 from .paged_attention import _mm, _sm_count
 
 __all__ = ["gguf_experts", "one_pair_by_default", "grouped_config", "MAX_PAIRS_PER_EXPERT"]
@@ -114,15 +114,10 @@ def _grouped_gate_up_kernel(
     BYTES: tl.constexpr, GEGLU: tl.constexpr, DOT_PREC: tl.constexpr, DOT_F32: tl.constexpr,
 ):
     """h[p, n] = act(x[p // k] · gate_e[n], x[p // k] · up_e[n]) for the pairs of block ``b``."""
-    b, pid_n = tl.program_id(0), tl.program_id(1)
-    e = tl.load(blk_e_ptr + b)
+    e, pairs, valid, n, n_ok = _block_of_pairs(rows_ptr, blk_e_ptr, P, I, BLOCK_M, BLOCK_N)
     if e >= E:
         return
-    pairs = tl.load(rows_ptr + b * BLOCK_M + tl.arange(0, BLOCK_M))
-    valid = pairs < P
     x_rows = x_ptr + tl.where(valid, pairs // TOP_K, 0).to(tl.int64) * sx
-    n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    n_ok = n < I
     gate = w_ptr + e.to(tl.int64) * swe + n.to(tl.int64) * row_bytes
     up = w_ptr + e.to(tl.int64) * swe + (n + I).to(tl.int64) * row_bytes
     acc_g = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
@@ -150,15 +145,10 @@ def _grouped_down_kernel(
     BYTES: tl.constexpr, DOT_PREC: tl.constexpr, DOT_F32: tl.constexpr,
 ):
     """y[p, n] = weight(p) · h[p] · down_e[n] for the pairs of block ``b``."""
-    b, pid_n = tl.program_id(0), tl.program_id(1)
-    e = tl.load(blk_e_ptr + b)
+    e, pairs, valid, n, n_ok = _block_of_pairs(rows_ptr, blk_e_ptr, P, H, BLOCK_M, BLOCK_N)
     if e >= E:
         return
-    pairs = tl.load(rows_ptr + b * BLOCK_M + tl.arange(0, BLOCK_M))
-    valid = pairs < P
     safe = tl.where(valid, pairs, 0).to(tl.int64)
-    n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    n_ok = n < H
     rows = w_ptr + e.to(tl.int64) * swe + n.to(tl.int64) * row_bytes
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for s in range(0, I // (VALUES * SB)):

@@ -288,19 +288,26 @@ def test_moe_config_tensors_and_logits(tmp_path, arch):
         torch.testing.assert_close(rebuilt.eval()(ids).logits, model(ids).logits, rtol=0, atol=0)
 
 
+def tiny_mixtral(seed: int, spread: bool = True):
+    """A 2-layer Mixtral of 8 experts (hidden 64, intermediate 32); ``spread``: weights N(0, 0.2)."""
+    torch.manual_seed(seed)
+    cfg = transformers.MixtralConfig(vocab_size=96, hidden_size=64, intermediate_size=32, num_hidden_layers=2,
+                                     num_attention_heads=4, num_key_value_heads=2, num_local_experts=8,
+                                     num_experts_per_tok=2, max_position_embeddings=256, rms_norm_eps=1e-5)
+    model = transformers.MixtralForCausalLM(cfg).eval()
+    if spread:
+        with torch.no_grad():
+            for p in model.parameters():
+                p.normal_(0, 0.2)
+    return model
+
+
 def test_mixtral_as_llama_with_experts(tmp_path):
     """llama.cpp converts Mixtral as a ``llama`` GGUF with ``expert_count``: config, names (the
     Mixtral model's ``checkpoint_renames`` leave GGUF's ``mlp.experts.{e}.gate_proj`` alone) and
     logits through ``gd.LLM`` match the transformers model."""
     import graphdsl as gd
-    torch.manual_seed(2)
-    cfg = transformers.MixtralConfig(vocab_size=96, hidden_size=64, intermediate_size=32, num_hidden_layers=2,
-                                     num_attention_heads=4, num_key_value_heads=2, num_local_experts=8,
-                                     num_experts_per_tok=2, max_position_embeddings=256, rms_norm_eps=1e-5)
-    model = transformers.MixtralForCausalLM(cfg).eval()
-    with torch.no_grad():
-        for p in model.parameters():
-            p.normal_(0, 0.2)
+    model = tiny_mixtral(2)
     path = tmp_path / "mixtral.gguf"
     hf_model_to_gguf(path, model, "llama", tokenizer_meta=_tok_meta(96))
     hf = GGUFCheckpoint(path).hf_config()
@@ -318,12 +325,8 @@ def test_gguf_blocks_kept_say_float_expert_stacks_are_not(tmp_path, caplog):
     model that is most of the weights, so one warning says how much and what stores them quantized
     instead (experts in block types keep them: tests/models/test_gguf_quantization.py)."""
     import graphdsl as gd
-    torch.manual_seed(3)
-    cfg = transformers.MixtralConfig(vocab_size=96, hidden_size=64, intermediate_size=32, num_hidden_layers=2,
-                                     num_attention_heads=4, num_key_value_heads=2, num_local_experts=8,
-                                     num_experts_per_tok=2, max_position_embeddings=256, rms_norm_eps=1e-5)
     path = tmp_path / "mixtral.gguf"
-    hf_model_to_gguf(path, transformers.MixtralForCausalLM(cfg).eval(), "llama", tokenizer_meta=_tok_meta(96))
+    hf_model_to_gguf(path, tiny_mixtral(3, spread=False), "llama", tokenizer_meta=_tok_meta(96))
     with caplog.at_level("WARNING", logger="graphdsl.gguf"):
         gd.LLM(str(path), device="cpu", max_model_len=64, quantization="gguf")
     said = [r.getMessage() for r in caplog.records if "MoE expert stacks" in r.getMessage()]

@@ -116,19 +116,9 @@ def test_block_weights_need_block_tensors(quantized_gguf):
 
 
 def _tiny_mixtral_gguf(path, quant):
-    import transformers
-
     from tests.helpers.gguf_files import hf_model_to_gguf
-    from tests.models.test_gguf import _tok_meta
-    torch.manual_seed(4)
-    cfg = transformers.MixtralConfig(vocab_size=96, hidden_size=64, intermediate_size=32, num_hidden_layers=2,
-                                     num_attention_heads=4, num_key_value_heads=2, num_local_experts=8,
-                                     num_experts_per_tok=2, max_position_embeddings=256, rms_norm_eps=1e-5)
-    model = transformers.MixtralForCausalLM(cfg).eval()
-    with torch.no_grad():
-        for p in model.parameters():
-            p.normal_(0, 0.2)
-    hf_model_to_gguf(path, model, "llama", tokenizer_meta=_tok_meta(96), quant=quant)
+    from tests.models.test_gguf import _tok_meta, tiny_mixtral
+    hf_model_to_gguf(path, tiny_mixtral(4), "llama", tokenizer_meta=_tok_meta(96), quant=quant)
 
 
 def test_expert_stacks_keep_their_blocks(tmp_path, caplog):
