@@ -373,7 +373,7 @@ def one_pair_by_default(up: _Stack, down: _Stack, pairs: int, experts: int) -> b
     ``up`` and ``down`` of ``experts`` experts one pair a program row by default (GGUF stacks:
     :func:`.moe_gguf.one_pair_by_default`; the others :func:`.moe_gemv.one_pair_by_default`)."""
     if up.quant == GGUF:
-        return moe_gguf.one_pair_by_default(pairs, experts)
+        return moe_gguf.one_pair_by_default(pairs, experts, up.qtype)
     return moe_gemv.one_pair_by_default(up, down, pairs, experts)
 
 

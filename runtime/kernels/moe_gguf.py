@@ -35,9 +35,12 @@ from .paged_attention import _mm, _sm_count
 
 __all__ = ["gguf_experts", "one_pair_by_default", "grouped_config", "MAX_PAIRS_PER_EXPERT"]
 
-# pairs an expert, on average, that the one-pair kernels take by default (a pair reads its expert's blocks
-# alone; the grouped kernels read a shared expert's blocks once a block of pairs)
-MAX_PAIRS_PER_EXPERT = 1
+# pairs an expert, on average, that the one-pair kernels take by default, by the gate/up stack's type (a pair
+# reads its expert's blocks alone; the grouped kernels read a shared expert's blocks once a block of pairs). H200,
+# Mixtral's experts (benchmarks/moe.py), µs one pair a row against grouped: Q4_K gate/up and Q6_K down at 8 pairs
+# 681.5 vs 1655.1, 16 pairs 1313.2 vs 1759.7, 32 pairs 2586.8 vs 2458.3; Q8_0 at 8 pairs 932.0 vs 1087.8, 16 pairs
+# 1818.9 vs 1149.3. The other 32-value types are taken as Q8_0, Q5_K as Q4_K (not timed).
+MAX_PAIRS_PER_EXPERT = {"Q4_K": 2, "Q5_K": 2, "Q6_K": 2, "Q4_0": 1, "Q4_1": 1, "Q8_0": 1}
 
 
 @triton.jit
@@ -184,10 +187,11 @@ def grouped_config(pairs: int):
     return MoeConfig(64, (64, 256, 4, 2), (64, 256, 4, 1))
 
 
-def one_pair_by_default(pairs: int, experts: int) -> bool:
-    """Whether ``pairs`` (token, expert) pairs over ``experts`` experts take the one-pair kernels by
-    default: at most :data:`MAX_PAIRS_PER_EXPERT` a expert on average."""
-    return pairs <= MAX_PAIRS_PER_EXPERT * experts
+def one_pair_by_default(pairs: int, experts: int, qtype: str) -> bool:
+    """Whether ``pairs`` (token, expert) pairs over ``experts`` experts whose gate/up stack is in
+    ``qtype`` take the one-pair kernels by default: at most :data:`MAX_PAIRS_PER_EXPERT` an expert
+    on average."""
+    return pairs <= MAX_PAIRS_PER_EXPERT[qtype] * experts
 
 
 def gguf_experts(x: torch.Tensor, routing: torch.Tensor, up, down, inter: int, top_k: int, geglu: bool,

@@ -101,9 +101,12 @@ def test_gguf_stacks_read_only_the_chosen_experts(gemv):
     _close(got, want, torch.float32)
 
 
-def test_default_path_follows_the_pairs_an_expert(monkeypatch):
-    """One pair a program row up to MAX_PAIRS_PER_EXPERT pairs an expert, grouped beyond."""
-    args, kw, want = _case(2, 4, 256, 256, 2, torch.float32, "gguf-q8_0", "gguf-q8_0")
+@pytest.mark.parametrize("up_scheme,tokens,one_pair", [("gguf-q4_k", 4, True), ("gguf-q4_k", 5, False),
+                                                      ("gguf-q8_0", 2, True), ("gguf-q8_0", 3, False)])
+def test_default_path_follows_the_pairs_an_expert(up_scheme, tokens, one_pair, monkeypatch):
+    """One pair a program row up to ``MAX_PAIRS_PER_EXPERT`` pairs an expert for the gate/up
+    stack's type (top-2 of 4 experts: Q4_K 2, so up to 4 tokens; Q8_0 1, up to 2), grouped beyond."""
+    args, kw, want = _case(tokens, 4, 256, 256, 2, torch.float32, up_scheme, "gguf-q8_0")
     seen = []
     real = moe_gguf.gguf_experts
 
@@ -112,11 +115,8 @@ def test_default_path_follows_the_pairs_an_expert(monkeypatch):
         return real(*a, **k)
 
     monkeypatch.setattr(moe_gguf, "gguf_experts", spy)
-    monkeypatch.setattr(moe_gguf, "MAX_PAIRS_PER_EXPERT", 1)
-    _close(quant_moe_experts(*args, **kw), want, torch.float32)          # 4 pairs, 4 experts
-    monkeypatch.setattr(moe_gguf, "MAX_PAIRS_PER_EXPERT", 0.5)
     _close(quant_moe_experts(*args, **kw), want, torch.float32)
-    assert seen == [True, False]
+    assert seen == [one_pair]
 
 
 def test_gguf_stacks_refuse_what_the_kernels_cannot_read():
