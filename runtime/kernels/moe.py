@@ -401,14 +401,6 @@ def quant_moe_experts(x: torch.Tensor, routing: torch.Tensor, gate_up: list[torc
     up, dn = _Stack.of(schemes[0], gate_up), _Stack.of(schemes[1], down)
     if gemv is None:
         gemv = config is None and one_pair_by_default(up, dn, t * top_k, e)
-    if up.quant == GGUF:
-        if not isinstance(top_k, int) or not 1 <= top_k <= e:
-            raise GraphDSLError(f"quant_moe_experts: top_k must be an int in [1, {e}], got {top_k!r}")
-        out = torch.empty_like(x) if out is None else out
-        if t == 0:
-            return out
-        return moe_gguf.gguf_experts(x, routing if routing.stride(-1) == 1 else routing.contiguous(), up, dn, inter,
-                                     top_k, geglu, _interpreting(), out, gemv, config)
     return _run(x, routing, up, dn, e, inter, top_k, geglu, out, config, "quant_moe_experts", gemv)
 
 
@@ -418,8 +410,8 @@ def _interpreting() -> bool:
 
 def _run(x, routing, up: _Stack, down: _Stack, e: int, inter: int, top_k: int, geglu: bool, out, config,
          op: str, gemv: bool = False) -> torch.Tensor:
-    """Align the pairs, launch gate/up then down (grouped, or ``gemv``: one pair a program row),
-    sum each token's ``top_k`` outputs into ``out``."""
+    """Align the pairs, launch gate/up then down (grouped, or ``gemv``: one pair a program row; GGUF
+    stacks: :func:`.moe_gguf.gguf_experts`), sum each token's ``top_k`` outputs into ``out``."""
     if not isinstance(top_k, int) or not 1 <= top_k <= e:
         raise GraphDSLError(f"{op}: top_k must be an int in [1, {e}], got {top_k!r}")
     t, hidden = x.shape
@@ -428,9 +420,11 @@ def _run(x, routing, up: _Stack, down: _Stack, e: int, inter: int, top_k: int, g
     if t == 0:
         return out
     interp = _interpreting()
+    route = routing if routing.stride(-1) == 1 else routing.contiguous()     # rows may sit apart, not entries
+    if up.quant == GGUF:                    # both stacks in GGUF blocks (quant_moe_supported)
+        return moe_gguf.gguf_experts(x, route, up, down, inter, top_k, geglu, interp, out, gemv, config)
     if gemv:
-        return moe_gemv.gemv_experts(x, routing if routing.stride(-1) == 1 else routing.contiguous(), up, down,
-                                     inter, top_k, geglu, interp, out)
+        return moe_gemv.gemv_experts(x, route, up, down, inter, top_k, geglu, interp, out)
     routing = routing.contiguous()          # one launch (row_topk), not torch's select and sort
     weights, ids = row_topk(routing, top_k) if row_topk_supported(routing, top_k) is None \
         else routing.topk(top_k, dim=-1)
