@@ -1,6 +1,7 @@
 """Sparse MoE experts (runtime/kernels/moe.py) at real sizes: µs per call (replayed from a CUDA
 graph, as decode runs it) and GB/s of the chosen experts' weights, against the measured copy
-bandwidth; ``--sweep`` tries launch configs; ``--schemes`` adds the stacks stored quantized
+bandwidth; ``--sweep`` tries the grouped kernels' launch configs (for GGUF stacks, their tile
+kernels': rows a program, values a K step, warps, stages); ``--schemes`` adds the stacks stored quantized
 (``quant_moe_experts``), each row with its speed against bf16's at the same token count (with
 ``--sweep``, the launch configs are then swept for those schemes, not for bf16).
 
