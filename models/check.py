@@ -94,7 +94,7 @@ def check_model(path: str | os.PathLike, custom_module_map: str | os.PathLike | 
             return report
     expected = {n: s.shape for n, s in model.checkpoint_table().items()}
     headers = {} if gguf else _safetensors_headers(path)
-    got = _gguf_shapes(ckpt) if gguf else {n: shape for n, (shape, _) in headers.items()}
+    got = ckpt.hf_shapes() if gguf else {n: shape for n, (shape, _) in headers.items()}
     got = {model.checkpoint_name(n): s for n, s in got.items()}
     got = {n: s for n, s in got.items() if not model.is_ignored_checkpoint_name(n)}
     if stored is not None:
@@ -193,9 +193,3 @@ def _safetensors_headers(path: str) -> dict[str, tuple[tuple[int, ...], object]]
         except Exception as e:
             raise GraphDSLError(f"{file!r} is not a readable safetensors file: {str(e).splitlines()[0]}") from None
     return headers
-
-
-def _gguf_shapes(ckpt) -> dict[str, tuple[int, ...]]:
-    from graphdsl.runtime.loaders.gguf import hf_name
-    return {hf_name(n, ckpt.architecture) or n: shape for n, (_, shape) in ckpt.tensor_info().items()
-            if n != "rope_freqs.weight"}

@@ -228,6 +228,37 @@ class GGUFCheckpoint:
         return {n: (t.tensor_type.name, tuple(int(s) for s in reversed(t.shape.tolist())))
                 for n, t in self._tensors.items()}
 
+    def hf_shapes(self) -> dict[str, tuple[int, ...]]:
+        """``{HF name: shape}`` of every tensor :meth:`iter_tensors` yields, from the headers alone
+        (no tensor is read): stacked experts ``[E, ...]`` as each expert's, DeepSeek's ``attn_k_b`` /
+        ``attn_v_b`` halves as the ``kv_b_proj`` they join into, llama.cpp's 1-D shared-expert gate as
+        ``[1, hidden]``; names without an HF mapping stay as they are (``graphdsl check`` reports them)."""
+        arch = self._check_arch()
+        out: dict[str, tuple[int, ...]] = {}
+        halves: dict[str, dict[str, tuple[int, ...]]] = {}
+        for name, (_, shape) in self.tensor_info().items():
+            if name in _SKIPPED:
+                continue
+            m = _LAYER_RE.match(name)
+            part = m.group(2) if m else None
+            if part in _EXPERT_NAMES and len(shape) == 3:
+                out.update((f"model.layers.{m.group(1)}.mlp.experts.{e}.{_EXPERT_NAMES[part]}.weight", shape[1:])
+                           for e in range(shape[0]))
+            elif part in ("attn_k_b", "attn_v_b"):
+                pair = halves.setdefault(m.group(1), {})
+                pair[part] = shape
+                if len(pair) == 2:      # [heads, rank, nope] and [heads, v, rank] -> [heads * (nope + v), rank]
+                    k_b, v_b = pair["attn_k_b"], pair["attn_v_b"]
+                    out[f"model.layers.{m.group(1)}.self_attn.kv_b_proj.weight"] = (k_b[0] * (k_b[2] + v_b[1]),
+                                                                                   k_b[1])
+            elif part == "exp_probs_b":
+                out[f"model.layers.{m.group(1)}.mlp.gate.e_score_correction_bias"] = shape
+            elif part == "ffn_gate_inp_shexp" and len(shape) == 1:
+                out[hf_name(name, arch) or name] = (1, shape[0])
+            else:
+                out[hf_name(name, arch) or name] = shape
+        return out
+
     def block_types(self) -> dict[str, str]:
         """``{HF name: GGML type name}`` of the 2-D weights that map one to one onto an HF tensor,
         and of each expert of a stacked expert tensor (``model.layers.{i}.mlp.experts.{e}.{proj}.weight``,

@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from graphdsl.errors import GraphDSLError
+from graphdsl.models import check_model
 from graphdsl.runtime.loaders.gguf import SUPPORTED_QTYPES, GGUFCheckpoint, dequantize
 from tests.helpers.gguf_files import hf_model_to_gguf, write_gguf
 
@@ -275,6 +276,8 @@ def test_moe_config_tensors_and_logits(tmp_path, arch):
     if arch == "qwen2moe":
         assert cfg["mlp_only_layers"] == [1] and cfg["shared_expert_intermediate_size"] == 64
     got = dict(ck.iter_tensors(torch.float32))
+    assert ck.hf_shapes() == {n: tuple(t.shape) for n, t in got.items()}      # what graphdsl check compares
+    assert check_model(path).ok, str(check_model(path))
     assert "model.layers.0.mlp.experts.3.down_proj.weight" in got
     assert got["model.layers.0.mlp.experts.2.gate_proj.weight"].shape == (32, 64)
     fused = _fuse_experts(got, 4)
@@ -311,6 +314,7 @@ def test_mixtral_as_llama_with_experts(tmp_path):
     path = tmp_path / "mixtral.gguf"
     hf_model_to_gguf(path, model, "llama", tokenizer_meta=_tok_meta(96))
     hf = GGUFCheckpoint(path).hf_config()
+    assert check_model(path).ok, str(check_model(path))            # the stacked experts, as their experts
     assert (hf["model_type"], hf["architectures"]) == ("mixtral", ["MixtralForCausalLM"])
     assert (hf["num_local_experts"], hf["num_experts_per_tok"], hf["intermediate_size"]) == (8, 2, 32)
     llm = gd.LLM(str(path), device="cpu", max_model_len=64)
@@ -350,6 +354,9 @@ def test_gemma_logits_through_llm(tmp_path, arch):
     if arch == "gemma2":
         assert (hf["sliding_window"], hf["attn_logit_softcapping"], hf["final_logit_softcapping"],
                 hf["query_pre_attn_scalar"]) == (8, 4.0, 6.0, 32)
+    ck = GGUFCheckpoint(path)
+    assert ck.hf_shapes() == {n: tuple(t.shape) for n, t in ck.iter_tensors(torch.float32)}
+    assert check_model(path).ok, str(check_model(path))
     llm = gd.LLM(str(path), device="cpu", max_model_len=64)
     ids = [3, 17, 42, 5, 88, 9, 60, 61, 2, 7, 11, 13]        # longer than gemma2's window of 8
     with torch.no_grad():
@@ -369,6 +376,9 @@ def test_bloom_logits_through_llm(tmp_path):
     hf = GGUFCheckpoint(path).hf_config()
     assert (hf["model_type"], hf["num_attention_heads"]) == ("bloom", 4)
     assert hf["layer_norm_epsilon"] == pytest.approx(1e-5)   # a float32 in the file
+    ck = GGUFCheckpoint(path)
+    assert ck.hf_shapes() == {n: tuple(t.shape) for n, t in ck.iter_tensors(torch.float32)}
+    assert check_model(path).ok, str(check_model(path))
     llm = gd.LLM(str(path), device="cpu", max_model_len=64)
     ids = [3, 17, 42, 5, 88, 9, 60, 61, 2, 7, 11, 13]
     with torch.no_grad():
@@ -403,6 +413,9 @@ def test_deepseek2_logits_through_llm(tmp_path, family, q_lora_rank, split_kv_b)
     assert hf["routed_scaling_factor"] == pytest.approx(hc.routed_scaling_factor)
     assert hf["topk_method"] == ("noaux_tc" if family == "deepseek_v3" else "group_limited_greedy")
     assert hf["rope_scaling"]["mscale_all_dim"] == pytest.approx(0.707, rel=1e-6)
+    ck = GGUFCheckpoint(path)
+    assert ck.hf_shapes() == {n: tuple(t.shape) for n, t in ck.iter_tensors(torch.float32)}
+    assert check_model(path).ok, str(check_model(path))
     llm = gd.LLM(str(path), device="cpu", max_model_len=64)
     ids = [3, 17, 42, 5, 88, 9, 60, 61, 2, 7, 11, 13]
     with torch.no_grad():
