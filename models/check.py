@@ -117,17 +117,26 @@ def check_model(path: str | os.PathLike, custom_module_map: str | os.PathLike | 
     if not weights.ok:
         report.problems.append("weights:\n    " + str(weights).replace("\n", "\n    "))
     if quantization is not None:
-        _check_online_quantization(report, model, quantization, stored, gguf)
+        _check_online_quantization(report, model, quantization, stored, ckpt if gguf else None)
     return report
 
 
-def _check_online_quantization(report: ModelCheck, model, quantization, stored, gguf: bool) -> None:
-    """What ``LLM(..., quantization=)`` would refuse, as problems; the schemes it would store, as a note."""
+def _check_online_quantization(report: ModelCheck, model, quantization, stored, gguf_ckpt) -> None:
+    """What ``LLM(..., quantization=)`` would refuse, as problems; the schemes it would store, as a note
+    (``quantization='gguf'``: the file's blocks each weight keeps, by the loader's own rule; the
+    weights it dequantizes and why are logged as when loading)."""
     from graphdsl.layers.quantize import dense_expert_share, quantize_linears, scheme_counts
+
+    from .gguf_weights import keep_gguf_blocks
     try:
         refuse_online_over_stored(quantization, stored)
-        if wants_gguf_blocks(quantization, None if gguf else report.path):
-            report.notes.append("quantization='gguf': the file's quantized blocks are kept as they are stored")
+        if wants_gguf_blocks(quantization, None if gguf_ckpt is not None else report.path):
+            kept = keep_gguf_blocks(model, gguf_ckpt.block_types())
+            dense, _ = dense_expert_share(model)
+            keeps = (f"{len(kept)} weights keep the file's blocks ({scheme_counts(model)})" if kept else
+                     "no weight keeps the file's blocks (the log names each and why)")
+            report.notes.append(f"quantization='gguf': {keeps}"
+                                + (f"; {dense} MoE expert stacks are dequantized" if dense else ""))
             return
         quantize_linears(model, quantization)
     except GraphDSLError as e:

@@ -81,8 +81,8 @@ def test_check_quantization_names_what_llm_would_load(gguf, tmp_path, capsys):
     with pytest.raises(GraphDSLError) as refused:
         gd.LLM(gguf, device="cpu", max_model_len=32, max_num_seqs=1, quantization="int4-g128")
     assert f"unsupported: {refused.value}" in out and "not a multiple of the group size 128" in out
-    assert main(["check", gguf, "--quantization", "gguf"]) == 0
-    assert "blocks are kept as they are stored" in capsys.readouterr().out
+    assert main(["check", gguf, "--quantization", "gguf"]) == 0           # an F32 file: nothing to keep
+    assert "note: quantization='gguf': no weight keeps the file's blocks" in capsys.readouterr().out
     from tests.models.hf_tiny import make_checkpoint
     make_checkpoint("llama", tmp_path)                   # full precision, not a .gguf file
     assert main(["check", str(tmp_path), "--quantization", "gguf"]) == 1

@@ -132,6 +132,10 @@ def test_expert_stacks_keep_their_blocks(tmp_path, caplog):
     with caplog.at_level(logging.WARNING, logger="graphdsl.gguf"):
         llm = gd.LLM(str(path), device="cpu", quantization="gguf", max_model_len=64, max_num_seqs=1)
     assert "MoE expert stacks" not in caplog.text
+    from graphdsl.models import check_model
+    report = check_model(path, quantization="gguf")        # graphdsl check --quantization gguf: the same rule
+    assert report.ok and report.notes == ["quantization='gguf': 8 weights keep the file's blocks "
+                                          "(gguf-q8_0 x6, gguf-q4_0 x2)"], str(report)
     kept = {n: p.quant.name for n, p in llm.model.named_parameters() if ".experts." in n and p.quant is not None}
     assert kept == {f"model.layers.{i}.mlp.experts.{s}": q for i in range(2)
                     for s, q in (("gate_up_proj", "gguf-q8_0"), ("down_proj", "gguf-q4_0"))}
@@ -179,3 +183,5 @@ def test_expert_stacks_in_mixed_types_are_dequantized_together(tmp_path, caplog)
            "Q8_0))" in caplog.text
     assert "model.layers.0.mlp.experts.down_proj (its layer's other expert stack is dequantized)" in caplog.text
     assert "2 MoE expert stacks (" in caplog.text
+    from graphdsl.models import check_model
+    assert "; 2 MoE expert stacks are dequantized" in check_model(mixed, quantization="gguf").notes[0]
