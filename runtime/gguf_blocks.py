@@ -66,7 +66,7 @@ GGUF_BLOCKS: dict[str, tuple[int, int]] = {   # name -> (values per block, bytes
 }
 
 # the block types with Triton kernels (runtime/kernels/gguf_tiles.py, gguf_linear.py)
-KERNEL_QTYPES = ("Q4_0", "Q4_1", "Q8_0", "Q4_K", "Q5_K", "Q6_K")
+KERNEL_QTYPES = ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q4_K", "Q5_K", "Q6_K")
 # bytes a block of these types takes in the stored layout (the file's bytes, then zeros; module docstring)
 STORED_BLOCK_BYTES: dict[str, int] = {"Q6_K": 224}
 

@@ -1,5 +1,5 @@
-"""GGUF block types as quantization schemes: ``gguf-q4_0``, ``gguf-q4_1``, ``gguf-q8_0``,
-``gguf-q4_k``, ``gguf-q5_k``, ``gguf-q6_k`` (the types with Triton kernels, :data:`KERNEL_QTYPES`),
+"""GGUF block types as quantization schemes: ``gguf-q4_0``, ``gguf-q4_1``, ``gguf-q5_0``, ``gguf-q5_1``,
+``gguf-q8_0``, ``gguf-q4_k``, ``gguf-q5_k``, ``gguf-q6_k`` (the types with Triton kernels, :data:`KERNEL_QTYPES`),
 and :class:`GGUFMixScheme` for a packed weight whose row ranges keep different types
 (``gguf-q4_k.5120+q6_k.1024``: one companion per part).
 
@@ -240,6 +240,30 @@ def _enc_q4_1(x):
     return torch.cat([db, mb, _pack_nibbles(q[:, :16], q[:, 16:])], 1)
 
 
+def _qh_bytes(q: torch.Tensor) -> torch.Tensor:
+    """Q5_0 / Q5_1: the fifth bits of ``q [n, 32]`` (values 0..31) as the little-endian u32 ``qh``,
+    bit ``j`` for value ``j``: ``[n, 4]`` bytes."""
+    bits = (q.to(torch.int64) >> 4) & 1
+    word = (bits << torch.arange(32, device=q.device)).sum(1)
+    return torch.stack([(word >> (8 * i)) & 255 for i in range(4)], 1).to(torch.uint8)
+
+
+def _enc_q5_0(x):
+    # as Q4_0: d = (the value of largest magnitude) / -16, so that value lands on -16 exactly
+    big = x.gather(1, x.abs().argmax(1, keepdim=True))[:, 0]
+    d, db = _f16_bytes(big / -16.0)
+    q = (torch.round(_safe_div(x, d[:, None])) + 16).clamp(0, 31)
+    return torch.cat([db, _qh_bytes(q), _pack_nibbles(q[:, :16], q[:, 16:])], 1)
+
+
+def _enc_q5_1(x):
+    lo, hi = x.amin(1), x.amax(1)
+    d, db = _f16_bytes((hi - lo) / 31.0)
+    m, mb = _f16_bytes(lo)
+    q = torch.round(_safe_div(x - m[:, None], d[:, None])).clamp(0, 31)
+    return torch.cat([db, mb, _qh_bytes(q), _pack_nibbles(q[:, :16], q[:, 16:])], 1)
+
+
 def _k_super(x, levels: int):
     """Q4_K/Q5_K scales: per sub-block of 32, ``y = d·sc·q - dmin·mn`` with ``q`` in 0..levels and
     ``sc, mn`` 6-bit; returns (d, dmin f16 bytes, sc, mn uint8 ``[n, 8]``, q ``[n, 8, 32]``)."""
@@ -293,8 +317,8 @@ def _enc_q6_k(x):
     return torch.cat([ql.reshape(n, 128), qh.reshape(n, 64), sc.to(torch.int8).view(torch.uint8), db], 1)
 
 
-_ENCODERS = {"Q8_0": _enc_q8_0, "Q4_0": _enc_q4_0, "Q4_1": _enc_q4_1, "Q4_K": _enc_q4_k, "Q5_K": _enc_q5_k,
-             "Q6_K": _enc_q6_k}
+_ENCODERS = {"Q8_0": _enc_q8_0, "Q4_0": _enc_q4_0, "Q4_1": _enc_q4_1, "Q5_0": _enc_q5_0, "Q5_1": _enc_q5_1,
+             "Q4_K": _enc_q4_k, "Q5_K": _enc_q5_k, "Q6_K": _enc_q6_k}
 
 
 def quantize_blocks(weight: torch.Tensor, qtype: str) -> torch.Tensor:

@@ -93,6 +93,33 @@ def _tile_q4_1(rows, n_ok, blk0, BS, SB: tl.constexpr):
 
 
 @triton.jit
+def _fifth_bits(rows, n_ok, blk, QH_AT: tl.constexpr):
+    """Q5_0 / Q5_1: the little-endian u32 ``qh`` at byte ``QH_AT`` of blocks ``blk`` (byte offsets
+    ``[SB]``) as the fifth bit of each value, ``[BLOCK_N, SB, 16, 2]`` (value ``b`` takes bit ``b``,
+    value ``b + 16`` bit ``b + 16``), int32."""
+    byte = tl.load(rows[:, None, None] + (blk[:, None] + QH_AT + tl.arange(0, 4)[None, :])[None, :, :],
+                   mask=n_ok[:, None, None], other=0).to(tl.int32)              # [BN, SB, 4]
+    qh = tl.sum(byte << (8 * tl.arange(0, 4))[None, None, :], axis=2)          # the four bytes' bits do not overlap
+    at = tl.arange(0, 16)[:, None] + 16 * tl.arange(0, 2)[None, :]             # [16, 2]
+    return (qh[:, :, None, None] >> at[None, None, :, :]) & 1
+
+
+@triton.jit
+def _tile_q5(rows, n_ok, blk0, BS, SB: tl.constexpr, HAS_MIN: tl.constexpr):
+    """Q5_0, 22 B: ``d f16 @0, qh u32 @2, qs[16] @6``, ``y = d * (q - 16)``; Q5_1 (``HAS_MIN``), 24 B:
+    ``d @0, m @2, qh @4, qs @8``, ``y = d * q + m``; ``q`` is the Q4 nibble plus 16 times its fifth
+    bit. Tile ``[BLOCK_N, SB, 16, 2]`` as Q4_0's."""
+    blk, q, koff = _nibble_blocks(rows, n_ok, blk0, BS, SB, 8 if HAS_MIN else 6)
+    q = q + 16.0 * _fifth_bits(rows, n_ok, blk, 4 if HAS_MIN else 2).to(tl.float32)
+    d = _f16_at(rows[:, None] + blk[None, :], n_ok[:, None])
+    if HAS_MIN:
+        w = d[:, :, None, None] * q + _f16_at(rows[:, None] + blk[None, :] + 2, n_ok[:, None])[:, :, None, None]
+    else:
+        w = d[:, :, None, None] * (q - 16.0)
+    return tl.reshape(w, [w.shape[0], SB * 32]), tl.reshape(koff, [SB * 32])
+
+
+@triton.jit
 def _tile_q8_0(rows, n_ok, blk0, BS, SB: tl.constexpr):
     """Q8_0, 34 B: ``d f16 @0, q[32] int8 @2``; ``y = d * q``. Tile ``[BLOCK_N, SB, 32]`` in K order."""
     g = tl.arange(0, SB)
@@ -218,6 +245,8 @@ def decode_tile(rows, n_ok, blk0, BS, QTYPE: tl.constexpr, SB: tl.constexpr):
         w, koff = _tile_q4_0(rows, n_ok, blk0, BS, SB)
     elif QTYPE == "Q4_1":
         w, koff = _tile_q4_1(rows, n_ok, blk0, BS, SB)
+    elif QTYPE == "Q5_0" or QTYPE == "Q5_1":
+        w, koff = _tile_q5(rows, n_ok, blk0, BS, SB, QTYPE == "Q5_1")
     elif QTYPE == "Q8_0":
         w, koff = _tile_q8_0(rows, n_ok, blk0, BS, SB)
     elif QTYPE == "Q4_K":
@@ -287,6 +316,46 @@ def _row_dot_q4(acc, qs, rows, n_ok, blk0, BS, x_ptr, SB: tl.constexpr, HAS_MIN:
         y = d * s + m * tl.sum(x_lo + x_hi, axis=1)[None, :]
     else:
         s = tl.sum(_i2f(byte & 15, 8.0) * x_lo[None] + _i2f(byte >> 4, 8.0) * x_hi[None], axis=2)
+        y = d * s
+    return acc + tl.sum(y, axis=1)[:, None, None]
+
+
+@triton.jit
+def _bytes_q5(rows, n_ok, blk0, BS, SB: tl.constexpr, HAS_MIN: tl.constexpr):
+    """Q5_0 / Q5_1: the ``qs`` bytes ``[BN, SB, 16]`` and the ``qh`` bytes ``[BN, SB, 4]`` of ``SB``
+    blocks from ``blk0``."""
+    blk = (blk0 + tl.arange(0, SB)).to(tl.int64) * BS
+    QH: tl.constexpr = 4 if HAS_MIN else 2
+    qs = tl.load(rows[:, None, None] + (blk[:, None] + QH + 4 + tl.arange(0, 16)[None, :])[None, :, :],
+                 mask=n_ok[:, None, None], other=0)
+    qh = tl.load(rows[:, None, None] + (blk[:, None] + QH + tl.arange(0, 4)[None, :])[None, :, :],
+                 mask=n_ok[:, None, None], other=0)
+    return qs, qh
+
+
+@triton.jit
+def _row_dot_q5(acc, qs, qh, rows, n_ok, blk0, BS, x_ptr, SB: tl.constexpr, HAS_MIN: tl.constexpr,
+                CG: tl.constexpr = False):
+    """Q5_0 (``y = d(q - 16)``) and Q5_1 (``y = dq + m``): :func:`_row_dot_q4` with each nibble's
+    fifth bit from the block's ``qh`` (bit ``b`` for value ``b``, bit ``b + 16`` for value ``b + 16``);
+    ``qs, qh`` from :func:`_bytes_q5`."""
+    g = tl.arange(0, SB)
+    b = tl.arange(0, 16)
+    blk = (blk0 + g).to(tl.int64) * BS
+    byte = qs.to(tl.int32)                                                      # [BN, SB, 16]
+    high = tl.sum(qh.to(tl.int32) << (8 * tl.arange(0, 4))[None, None, :], axis=2)[:, :, None]   # [BN, SB, 1]
+    lo = (byte & 15) | (((high >> b[None, None, :]) & 1) << 4)
+    hi = (byte >> 4) | (((high >> (b + 16)[None, None, :]) & 1) << 4)
+    koff = (blk0 + g)[:, None] * 32 + b[None, :]                                # [SB, 16]
+    x_lo = _xload(x_ptr, koff, CG)
+    x_hi = _xload(x_ptr, koff + 16, CG)
+    d = _f16_at(rows[:, None] + blk[None, :], n_ok[:, None])                    # [BN, SB]
+    if HAS_MIN:
+        s = tl.sum(_i2f(lo, 0.0) * x_lo[None] + _i2f(hi, 0.0) * x_hi[None], axis=2)
+        m = _f16_at(rows[:, None] + blk[None, :] + 2, n_ok[:, None])
+        y = d * s + m * tl.sum(x_lo + x_hi, axis=1)[None, :]
+    else:
+        s = tl.sum(_i2f(lo, 16.0) * x_lo[None] + _i2f(hi, 16.0) * x_hi[None], axis=2)
         y = d * s
     return acc + tl.sum(y, axis=1)[:, None, None]
 
@@ -439,6 +508,8 @@ def row_codes(rows, n_ok, blk0, BS, QTYPE: tl.constexpr, SB: tl.constexpr):
     if QTYPE == "Q4_0" or QTYPE == "Q4_1":
         b0 = _bytes_q4(rows, n_ok, blk0, BS, SB, QTYPE == "Q4_1")
         b1 = b0
+    elif QTYPE == "Q5_0" or QTYPE == "Q5_1":
+        b0, b1 = _bytes_q5(rows, n_ok, blk0, BS, SB, QTYPE == "Q5_1")
     elif QTYPE == "Q8_0":
         b0 = _bytes_q8_0(rows, n_ok, blk0, BS, SB)
         b1 = b0
@@ -462,6 +533,8 @@ def row_dot(acc, b0, b1, rows, n_ok, blk0, BS, x_ptr, QTYPE: tl.constexpr, SB: t
         acc = _row_dot_q4(acc, b0, rows, n_ok, blk0, BS, x_ptr, SB, False, CG)
     elif QTYPE == "Q4_1":
         acc = _row_dot_q4(acc, b0, rows, n_ok, blk0, BS, x_ptr, SB, True, CG)
+    elif QTYPE == "Q5_0" or QTYPE == "Q5_1":
+        acc = _row_dot_q5(acc, b0, b1, rows, n_ok, blk0, BS, x_ptr, SB, QTYPE == "Q5_1", CG)
     elif QTYPE == "Q8_0":
         acc = _row_dot_q8_0(acc, b0, rows, n_ok, blk0, BS, x_ptr, SB, CG)
     elif QTYPE == "Q4_K":

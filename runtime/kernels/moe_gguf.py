@@ -40,7 +40,7 @@ __all__ = ["gguf_experts", "one_pair_by_default", "grouped_config", "MAX_PAIRS_P
 # Mixtral's experts (benchmarks/moe.py), µs one pair a row against grouped: Q4_K gate/up and Q6_K down at 8 pairs
 # 681.5 vs 1655.1, 16 pairs 1313.2 vs 1759.7, 32 pairs 2586.8 vs 2458.3; Q8_0 at 8 pairs 932.0 vs 1087.8, 16 pairs
 # 1818.9 vs 1149.3. The other 32-value types are taken as Q8_0, Q5_K as Q4_K (not timed).
-MAX_PAIRS_PER_EXPERT = {"Q4_K": 2, "Q5_K": 2, "Q6_K": 2, "Q4_0": 1, "Q4_1": 1, "Q8_0": 1}
+MAX_PAIRS_PER_EXPERT = {"Q4_K": 2, "Q5_K": 2, "Q6_K": 2, "Q4_0": 1, "Q4_1": 1, "Q5_0": 1, "Q5_1": 1, "Q8_0": 1}
 
 
 @triton.jit

@@ -13,10 +13,11 @@ from graphdsl.quant import online_scheme, parse_scheme
 from graphdsl.runtime.gguf_blocks import from_stored, to_stored
 from graphdsl.runtime.gguf_scheme import GGUFScheme, quantize_blocks
 
-TYPES = ["Q8_0", "Q4_0", "Q4_1", "Q4_K", "Q5_K", "Q6_K"]
+TYPES = ["Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q4_K", "Q5_K", "Q6_K"]
 # round-to-nearest error bound relative to the row's largest |w|: half a step of the coarsest scale
-# (Q4_0: llama.cpp's d = max / -8 clips the opposite sign at 7/8 of the max)
-BOUND = {"Q8_0": 0.005, "Q4_0": 0.13, "Q4_1": 0.07, "Q4_K": 0.07, "Q5_K": 0.035, "Q6_K": 0.02}
+# (Q4_0 / Q5_0: llama.cpp's d = max / -8 or -16 clips the opposite sign at 7/8 or 15/16 of the max)
+BOUND = {"Q8_0": 0.005, "Q4_0": 0.13, "Q4_1": 0.07, "Q5_0": 0.07, "Q5_1": 0.035, "Q4_K": 0.07, "Q5_K": 0.035,
+         "Q6_K": 0.02}
 
 
 def _gguf_py(data: torch.Tensor, qtype: str, n: int, k: int) -> torch.Tensor:

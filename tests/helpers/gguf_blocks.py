@@ -1,6 +1,6 @@
 """Random GGUF weights as raw block bytes, for the GGUF kernel tests (CPU and GPU tiers).
 
-Quantized with the ``gguf`` package where it can (Q4_0, Q4_1, Q8_0); the K formats, which gguf-py
+Quantized with the ``gguf`` package where it can (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0); the K formats, which gguf-py
 cannot quantize, get random bytes with sane float16 super-block scales. Either way the reference
 values come from ``gguf.quants.dequantize`` (numpy), independent of graphdsl.
 """
@@ -11,7 +11,7 @@ import torch
 
 __all__ = ["KERNEL_QTYPES", "random_gguf_weight", "random_gguf_blocks"]
 
-KERNEL_QTYPES = ("Q4_0", "Q4_1", "Q8_0", "Q4_K", "Q5_K", "Q6_K")
+KERNEL_QTYPES = ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q4_K", "Q5_K", "Q6_K")
 # byte offset of the float16 super-block scale fields of the K formats
 _K_SCALES = {"Q4_0": (0, 2), "Q4_1": (0, 4), "Q8_0": (0, 2), "Q5_0": (0, 2), "Q5_1": (0, 4),
              "Q4_K": (0, 4), "Q5_K": (0, 4), "Q6_K": (208, 210), "Q2_K": (80, 84), "Q3_K": (108, 110)}

@@ -1,8 +1,8 @@
 """runtime/kernels/moe_gguf.py: MoE expert stacks kept in GGUF blocks vs the quant_moe_experts op's
 reference (the stacks' blocks dequantized to float32, every routed expert computed densely).
 
-Every block type with a Triton decoder, super-block (256 values) and 32-value types, a Q4_K_M-style
-pair of stacks (gate/up Q4_K, down Q6_K), both paths (one pair a program row; grouped by expert) at
+Every block type with a Triton decoder, super-block (256 values) and 32-value types, Q4_K_M-style
+pairs of stacks (gate/up Q4_K, down Q6_K; down Q5_0 where its inputs are no multiple of 256), both paths (one pair a program row; grouped by expert) at
 decode and prefill pair counts, float32 and bfloat16 activations. On CPU under Triton's
 interpreter; at Mixtral's size on the GPU.
 """
@@ -61,6 +61,8 @@ def _close(got, want, dtype):
     ("gguf-q5_k", "gguf-q4_k"),
     ("gguf-q8_0", "gguf-q4_0"),      # 32-value blocks
     ("gguf-q4_1", "gguf-q8_0"),
+    ("gguf-q4_k", "gguf-q5_0"),      # DeepSeek-V2-Lite's Q4_K_M experts (down's 1408 inputs: no K type)
+    ("gguf-q5_1", "gguf-q5_0"),
 ])
 @pytest.mark.parametrize("tokens,gemv", [(1, True), (1, False), (37, False)],
                          ids=["one_pair", "grouped_decode", "grouped_prefill"])
