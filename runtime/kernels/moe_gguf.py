@@ -7,7 +7,7 @@ padded to 224 bytes), the types of :data:`.gguf_tiles.KERNEL_QTYPES`. The math i
 
     out[t] = Σ_j routing[t, e_j] · down_e · act(gate_e x[t], up_e x[t])
 
-over each token's ``k`` largest routing weights. Both kernels families read the blocks through the
+over each token's ``k`` largest routing weights. Both kernel families read the blocks through the
 decoders the dense GGUF kernels use (:mod:`.gguf_tiles`), offset to the expert's rows:
 
 * **few pairs** (decode; :func:`one_pair_by_default`): one (token, expert) pair a program row, as
@@ -29,6 +29,7 @@ import torch
 import triton
 import triton.language as tl
 
+from .gguf_linear import _sb_for
 from .gguf_tiles import KERNEL_QTYPES, decode_tile, row_codes, row_dot, row_total, row_zeros
 from .moe_gemv import _act, _block_of_pairs, _choice, finish
 from .paged_attention import _mm, _sm_count
@@ -165,16 +166,6 @@ _PAIR_ROWS = 8            # rows a one-pair program (ditto)
 _PAIR_PROGRAMS_PER_SM = 4  # down's K is split until its grid gives every SM this many programs
 
 
-def _sb(qtype: str, k: int, values: int) -> int:
-    """Blocks a step: the largest power of two with at most ``values`` values that divides the
-    blocks of ``k`` inputs (a step never straddles a row's end)."""
-    per = KERNEL_QTYPES[qtype][0]
-    blocks, sb = k // per, 1
-    while (sb * 2) * per <= values and blocks % (sb * 2) == 0:
-        sb *= 2
-    return sb
-
-
 def grouped_config(pairs: int):
     """The tile kernels' launch, a ``moe.MoeConfig`` whose per-kernel tuples are ``(BLOCK_N, values a
     K step, num_warps, num_stages)``: 16 pairs a block and 32-row tiles for decode-sized counts; 64
@@ -208,9 +199,10 @@ def gguf_experts(x: torch.Tensor, routing: torch.Tensor, up, down, inter: int, t
     h = torch.empty((pairs, inter), dtype=x.dtype, device=x.device)
 
     def blocks(stack, k: int, values: int) -> dict:
-        codes = stack.codes
+        """The launch's stack arguments: ``SB`` blocks a step, at most ``values`` values, dividing the row."""
+        codes, per = stack.codes, KERNEL_QTYPES[stack.qtype][0]
         return dict(w_ptr=codes, swe=codes.stride(0), row_bytes=codes.stride(1), QTYPE=stack.qtype,
-                    VALUES=KERNEL_QTYPES[stack.qtype][0], SB=_sb(stack.qtype, k, values),
+                    VALUES=per, SB=_sb_for(k // per, max(1, values // per)),
                     BYTES=KERNEL_QTYPES[stack.qtype][1])
 
     if gemv:
