@@ -16,7 +16,9 @@
    ``gguf-q4_k_m`` (in ``--schemes``) is a llama.cpp Q4_K_M-style mix kept in GGUF blocks (the
    rule of llama.cpp's ``llama_tensor_get_type`` for ``LLAMA_FTYPE_MOSTLY_Q4_K_M``): every attention
    and MLP matrix Q4_K, but ``attn_v`` and ``ffn_down`` Q6_K in the layers of ``use_more_bits`` (the
-   first and last eighth, and every third layer between); random weights rounded onto those blocks.
+   first and last eighth, and every third layer between); MoE experts' gate/up Q4_K and down as the
+   layer's ``ffn_down``; a matrix whose inputs are no multiple of 256 Q5_0 for Q4_K and Q8_0 for Q6_K
+   (llama.cpp's fallback: DeepSeek-V2-Lite's experts); random weights rounded onto those blocks.
    As ``LLM(file.gguf, quantization="gguf")`` would: a fused ``qkv_proj`` whose v part is Q6_K beside
    Q4_K q/k keeps both (``gguf-q4_k.5120+q6_k.1024``: two GEMVs), and ``lm_head`` (Q6_K in
    llama.cpp) stays bf16; the roofline counts the bytes actually stored
@@ -220,6 +222,17 @@ def q4_k_m_types(num_layers: int, experts: dict[str, str] | None = None) -> dict
     return types
 
 
+# llama.cpp's types for a row whose inputs are no multiple of 256 (its ``convert_incompatible_tensor``)
+_NO_SUPER_BLOCK = {"Q4_K": "Q5_0", "Q5_K": "Q5_1", "Q6_K": "Q8_0"}
+
+
+def with_fallbacks(types: dict[str, str], inputs: dict[str, int]) -> dict[str, str]:
+    """``types`` with each K type whose tensor's ``inputs`` (``{name: K}``) are no multiple of 256
+    replaced as llama.cpp replaces it (DeepSeek-V2-Lite's experts: down over 1408 inputs, Q5_0 or
+    Q8_0)."""
+    return {n: _NO_SUPER_BLOCK.get(q, q) if inputs.get(n, 0) % 256 else q for n, q in types.items()}
+
+
 class _GGUFMix:
     """While active, ``LLM.from_config(..., quantization="gguf-q4_k_m")`` marks the linears with the
     Q4_K_M mix through the same rule as a GGUF file (:func:`graphdsl.models.gguf_weights.keep_gguf_blocks`),
@@ -235,8 +248,10 @@ class _GGUFMix:
         def mark(model, quantization, tp=None):
             if quantization != self.NAME:
                 return self._saved(model, quantization, tp)
-            experts = {n: slot.param for n, slot in model.checkpoint_table().items() if ".experts." in slot.param}
-            kept = keep_gguf_blocks(model, q4_k_m_types(model.config.num_hidden_layers, experts))
+            table = model.checkpoint_table()
+            experts = {n: slot.param for n, slot in table.items() if ".experts." in slot.param}
+            types = q4_k_m_types(model.config.num_hidden_layers, experts)
+            kept = keep_gguf_blocks(model, with_fallbacks(types, {n: slot.shape[-1] for n, slot in table.items()}))
             _log(f"{self.NAME}: {len(kept)} weights (linears, expert stacks) in GGUF blocks "
                  f"({sorted(set(kept.values()))})")
             return self.NAME

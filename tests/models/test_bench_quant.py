@@ -91,3 +91,25 @@ def test_gguf_expert_stacks_count_their_file_blocks(quant):
         share = 4 if ".experts." in n else 1                   # a quarter of a stack's bytes is read
         change += experts * rows * (k // 32 * 34 - 2 * k) // share
     assert quant.stored_bytes(llm["gguf-q8_0"]) == quant.stored_bytes(llm[None]) + change
+
+
+def test_q4_k_m_mix_falls_back_where_rows_hold_no_super_block(quant):
+    """The benchmark's Q4_K_M mix gives a matrix whose inputs are no multiple of 256 llama.cpp's
+    fallback type (Q4_K -> Q5_0, Q6_K -> Q8_0): a Mixtral of hidden 256 and experts 96 wide keeps
+    gate/up in Q4_K and its experts' down in Q5_0 or Q8_0, by layer."""
+    import torch
+
+    from tests.models.hf_tiny import make_config
+    cfg = dict(make_config("mixtral").to_dict(), hidden_size=256, intermediate_size=96, num_attention_heads=4,
+               num_key_value_heads=2, head_dim=64)
+    with quant._GGUFMix():
+        llm = gd.LLM.from_config(cfg, device="cpu", dtype="float32", seed=0, max_model_len=32, max_num_seqs=1,
+                                 quantization="gguf-q4_k_m")
+    schemes = {n: p.quant.name for n, p in llm.model.named_parameters() if ".experts." in n}
+    layers = cfg["num_hidden_layers"]
+    assert schemes == {f"model.layers.{i}.mlp.experts.{s}": q for i in range(layers) for s, q in (
+        ("gate_up_proj", "gguf-q4_k"),
+        ("down_proj", "gguf-q8_0" if quant._use_more_bits(i, layers) else "gguf-q5_0"))}
+    assert quant.with_fallbacks({"a": "Q6_K", "b": "Q4_K", "c": "Q4_K"}, {"a": 1408, "b": 1408, "c": 2048}) == \
+        {"a": "Q8_0", "b": "Q5_0", "c": "Q4_K"}
+    assert torch.isfinite(llm.score([1, 2, 3])).all()
