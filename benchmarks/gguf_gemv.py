@@ -38,9 +38,10 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from common import bench_ms, copy_bandwidth_gbs, device_line  # noqa: E402
 
 SHAPES = {"8b.o": (4096, 4096), "8b.qkv": (6144, 4096), "8b.gate": (14336, 4096), "8b.down": (4096, 14336)}
-TYPES = ("Q4_0", "Q4_1", "Q8_0", "Q4_K", "Q5_K", "Q6_K")
+TYPES = ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q4_K", "Q5_K", "Q6_K")
 # float16 scale fields (byte range in a block) set to small values in the random blocks
-_F16_FIELDS = {"Q4_0": (0, 2), "Q4_1": (0, 4), "Q8_0": (0, 2), "Q4_K": (0, 4), "Q5_K": (0, 4), "Q6_K": (208, 210)}
+_F16_FIELDS = {"Q4_0": (0, 2), "Q4_1": (0, 4), "Q5_0": (0, 2), "Q5_1": (0, 4), "Q8_0": (0, 2), "Q4_K": (0, 4),
+               "Q5_K": (0, 4), "Q6_K": (208, 210)}
 
 
 def random_blocks(qtype: str, n: int, k: int, seed: int) -> torch.Tensor:
