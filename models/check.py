@@ -17,6 +17,7 @@ from graphdsl.runtime.loaders.checkpoint import CheckpointFormat, checkpoint_for
 from graphdsl.runtime.loaders.prequantized import read_checkpoint_quantization
 
 from .config import ModelConfig, build_config, read_hf_config
+from .gguf_weights import keep_gguf_blocks
 from .loader import mark_checkpoint_quantization, refuse_online_over_stored, wants_gguf_blocks
 from .registry import load_custom_module_map, resolve_model_class
 
@@ -126,8 +127,6 @@ def _check_online_quantization(report: ModelCheck, model, quantization, stored, 
     (``quantization='gguf'``: the file's blocks each weight keeps, by the loader's own rule; the
     weights it dequantizes and why are logged as when loading)."""
     from graphdsl.layers.quantize import dense_expert_share, quantize_linears, scheme_counts
-
-    from .gguf_weights import keep_gguf_blocks
     try:
         refuse_online_over_stored(quantization, stored)
         if wants_gguf_blocks(quantization, None if gguf_ckpt is not None else report.path):

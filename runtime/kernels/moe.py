@@ -404,6 +404,15 @@ def quant_moe_experts(x: torch.Tensor, routing: torch.Tensor, gate_up: list[torc
     return _run(x, routing, up, dn, e, inter, top_k, geglu, out, config, "quant_moe_experts", gemv)
 
 
+def choices(routing: torch.Tensor, top_k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(weights float32, ids)`` ``[T, top_k]``: each token's ``top_k`` largest routing weights, in
+    one launch (:mod:`.row_topk`) where it takes the rows, else ``torch.topk``."""
+    routing = routing.contiguous()
+    weights, ids = row_topk(routing, top_k) if row_topk_supported(routing, top_k) is None \
+        else routing.topk(top_k, dim=-1)
+    return weights.float(), ids
+
+
 def _interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 
@@ -425,10 +434,7 @@ def _run(x, routing, up: _Stack, down: _Stack, e: int, inter: int, top_k: int, g
         return moe_gguf.gguf_experts(x, route, up, down, inter, top_k, geglu, interp, out, gemv, config)
     if gemv:
         return moe_gemv.gemv_experts(x, route, up, down, inter, top_k, geglu, interp, out)
-    routing = routing.contiguous()          # one launch (row_topk), not torch's select and sort
-    weights, ids = row_topk(routing, top_k) if row_topk_supported(routing, top_k) is None \
-        else routing.topk(top_k, dim=-1)
-    weights = weights.float()
+    weights, ids = choices(routing, top_k)
     pairs = t * top_k
     cfg = config or _pick_config(pairs, x.dtype, up.quant == INT4)
     rows, block_expert = moe_align(ids, e, cfg.block_m)

@@ -191,8 +191,7 @@ def gguf_experts(x: torch.Tensor, routing: torch.Tensor, up, down, inter: int, t
     (``[E, H, ...]``), given as ``moe._Stack`` (``codes``, ``qtype``): one pair a program row
     (``gemv``) or grouped by expert (module docstring). ``config``: the grouped kernels' launch
     (:func:`grouped_config`)."""
-    from .moe import moe_align
-    from .row_topk import row_topk, row_topk_supported
+    from .moe import choices, moe_align
     t, hidden = x.shape
     e = routing.shape[1]
     pairs = t * top_k
@@ -221,9 +220,7 @@ def gguf_experts(x: torch.Tensor, routing: torch.Tensor, up, down, inter: int, t
         _pair_down_kernel[(pairs, tiles, split)](
             h, y_ptr=y, P=pairs, H=hidden, I=inter, SLICE=slice_steps, BLOCK_N=_PAIR_ROWS, **dn, **route, **warps)
         return finish(y, out, top_k)
-    routing = routing.contiguous()
-    weights, ids = row_topk(routing, top_k) if row_topk_supported(routing, top_k) is None \
-        else routing.topk(top_k, dim=-1)
+    weights, ids = choices(routing, top_k)
     cfg = config or grouped_config(pairs)
     rows, block_expert = moe_align(ids, e, cfg.block_m)
     y = torch.empty((pairs, hidden), dtype=torch.float32, device=x.device)
@@ -239,6 +236,6 @@ def gguf_experts(x: torch.Tensor, routing: torch.Tensor, up, down, inter: int, t
         x, x.stride(0), h_ptr=h, rows_ptr=rows, blk_e_ptr=block_expert, P=pairs, H=hidden, I=inter, E=e,
         TOP_K=top_k, GEGLU=geglu, **launch(cfg.up, up, hidden))
     _grouped_down_kernel[(num_blocks, triton.cdiv(hidden, cfg.down[0]))](
-        h, wt_ptr=weights.float().reshape(-1).contiguous(), y_ptr=y, rows_ptr=rows, blk_e_ptr=block_expert, P=pairs,
+        h, wt_ptr=weights.reshape(-1).contiguous(), y_ptr=y, rows_ptr=rows, blk_e_ptr=block_expert, P=pairs,
         H=hidden, I=inter, E=e, **launch(cfg.down, down, inter))
     return finish(y.view(1, pairs, hidden), out, top_k)

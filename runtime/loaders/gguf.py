@@ -150,6 +150,13 @@ _ARCH_LAYER_NAMES = {"gemma2": {"ffn_norm": "pre_feedforward_layernorm"},
                                    "ffn_down_shexp": "mlp.shared_experts.down_proj"}}
 # stacked experts [E, ...] -> one HF tensor per expert: mlp.experts.{e}.{proj}.weight
 _EXPERT_NAMES = {"ffn_gate_exps": "gate_proj", "ffn_up_exps": "up_proj", "ffn_down_exps": "down_proj"}
+
+
+def _expert_name(layer: str, e: int, part: str) -> str:
+    """The HF name of expert ``e``'s matrix of a stacked ``ffn_{gate,up,down}_exps`` tensor ``part``."""
+    return f"model.layers.{layer}.mlp.experts.{e}.{_EXPERT_NAMES[part]}.weight"
+
+
 _LAYER_RE = re.compile(r"^blk\.(\d+)\.([a-z_]+)\.(weight|bias)$")
 # rewritten on load beyond whole rows (transposed and joined): always dequantized
 _NOT_KEPT = ("attn_k_b", "attn_v_b")
@@ -242,8 +249,7 @@ class GGUFCheckpoint:
             m = _LAYER_RE.match(name)
             part = m.group(2) if m else None
             if part in _EXPERT_NAMES and len(shape) == 3:
-                out.update((f"model.layers.{m.group(1)}.mlp.experts.{e}.{_EXPERT_NAMES[part]}.weight", shape[1:])
-                           for e in range(shape[0]))
+                out.update((_expert_name(m.group(1), e, part), shape[1:]) for e in range(shape[0]))
             elif part in ("attn_k_b", "attn_v_b"):
                 pair = halves.setdefault(m.group(1), {})
                 pair[part] = shape
@@ -269,8 +275,7 @@ class GGUFCheckpoint:
         for name, t in self._tensors.items():
             m = _LAYER_RE.match(name)
             if m and m.group(2) in _EXPERT_NAMES and len(t.shape) == 3:
-                proj = _EXPERT_NAMES[m.group(2)]
-                out.update((f"model.layers.{m.group(1)}.mlp.experts.{e}.{proj}.weight", t.tensor_type.name)
+                out.update((_expert_name(m.group(1), e, m.group(2)), t.tensor_type.name)
                            for e in range(int(t.shape[2])))
                 continue
             if len(t.shape) != 2 or (m and m.group(2) in _NOT_KEPT) or name == "token_embd.weight":
@@ -485,9 +490,8 @@ class GGUFCheckpoint:
                 yield f"model.layers.{m.group(1)}.mlp.gate.e_score_correction_bias", w.to(dtype)
                 continue
             if m and m.group(2) in _EXPERT_NAMES:
-                proj = _EXPERT_NAMES[m.group(2)]
                 for e in range(w.shape[0]):
-                    yield (f"model.layers.{m.group(1)}.mlp.experts.{e}.{proj}.weight",
+                    yield (_expert_name(m.group(1), e, m.group(2)),
                            _blocks(qname, shape, w[e]) if keep else w[e].to(dtype).contiguous())
                 continue
             if m and m.group(2) == "ffn_gate_inp_shexp" and w.dim() == 1:
