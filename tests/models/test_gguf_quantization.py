@@ -185,3 +185,22 @@ def test_expert_stacks_in_mixed_types_are_dequantized_together(tmp_path, caplog)
     assert "2 MoE expert stacks (" in caplog.text
     from graphdsl.models import check_model
     assert "; 2 MoE expert stacks are dequantized" in check_model(mixed, quantization="gguf").notes[0]
+
+
+def test_expert_stacks_of_a_module_that_does_not_run_blocks_are_dequantized(tmp_path, caplog):
+    """Experts injected onto the host (``CPUExperts``, which runs int8/int4 codes only) take the
+    file's expert blocks dequantized, the log saying why; the model scores like the file dequantized."""
+    from gguf import GGMLQuantizationType as Q
+
+    from tests.models.test_injection import EXPERTS_CPU
+    path = tmp_path / "mixtral.gguf"
+    _tiny_mixtral_gguf(path, {r"experts\.gate_up_proj": Q.Q8_0, r"experts\.down_proj": Q.Q4_0, r"self_attn": Q.Q8_0})
+    with caplog.at_level(logging.WARNING, logger="graphdsl.gguf"):
+        llm = gd.LLM(str(path), device="cpu", quantization="gguf", max_model_len=64, max_num_seqs=1,
+                     optimize_rules=EXPERTS_CPU)
+    experts = llm.model.model.layers[0].mlp.experts
+    assert type(experts).__name__ == "CPUExperts" and experts.gate_up_proj.quant is None
+    assert ("model.layers.0.mlp.experts.gate_up_proj (CPUExperts runs int8-channel and int4-g{32,64,128}[-zp] "
+            "stacks)") in caplog.text
+    ref = gd.LLM(str(path), device="cpu", max_model_len=64, max_num_seqs=1).score(IDS)
+    torch.testing.assert_close(llm.score(IDS), ref, atol=1e-4 * ref.abs().max().item(), rtol=1e-4)
