@@ -63,6 +63,9 @@ class MLAttention(Module):
         self.kv_a_proj_with_mqa = ReplicatedLinear(hidden_size, kv_lora_rank + qk_rope_head_dim, bias, dtype)
         self.kv_a_layernorm = RMSNorm(kv_lora_rank, norm_eps, dtype)
         self.kv_b_proj = ColumnParallelLinear(kv_lora_rank, num_heads * (qk_nope_head_dim + v_head_dim), False, dtype)
+        # its weight is absorbed into the attention's matmuls (forward), never run as a linear: online
+        # quantization leaves it in the model dtype (a layer's 2.1 M of DeepSeek-V2-Lite's 15.7 B weights)
+        self.kv_b_proj.online_quantized = False
         self.o_proj = RowParallelLinear(num_heads * v_head_dim, hidden_size, bias, dtype)
         object.__setattr__(self, "rotary", rotary)   # shared across layers, not a child
 

@@ -57,8 +57,10 @@ def _dequantized_transformers(hf, llm, s):
                                                                                    torch.float32))
                 continue
             w = p.quant.dequantize(stored, *p.shape, torch.float32)
-            layer = name.rsplit(".", 2)[0]
             mod = dict(model.named_modules())
+            if name.rsplit(".", 1)[0] not in mod and ".shared_expert." in name:   # DeepSeek's: shared_experts
+                name = name.replace(".shared_expert.", ".shared_experts.")
+            layer = name.rsplit(".", 2)[0]
             if name.endswith("qkv_proj.weight"):
                 parts = [mod[f"{layer}.{x}"] for x in ("q_proj", "k_proj", "v_proj")]
             elif name.endswith("gate_up_proj.weight"):
@@ -81,13 +83,14 @@ def _fp8_rows(module, args):
     return ((xq.float() * sx).to(args[0].dtype),)
 
 
-@pytest.mark.parametrize("family", ["mixtral", "qwen2_moe"])
+@pytest.mark.parametrize("family", ["mixtral", "qwen2_moe", "deepseek_v2"])
 @pytest.mark.parametrize("quantization,stack_schemes", [("int8", {"int8-channel"}), ("int4", {"int4-g64", "int4-g32"}),
                                                         ("fp8", {"fp8-channel"}), ("int4-g32-zp", {"int4-g32-zp"})])
 def test_quantized_moe_scores_like_dequantized_transformers(family, quantization, stack_schemes, tmp_path):
     """The expert stacks take the scheme too (each expert's weights quantized, stacked; the model
     records ``quant_moe_experts``); the logits equal transformers' with every quantized weight,
-    stacks included, replaced by what the engine stores."""
+    stacks included, replaced by what the engine stores. DeepSeek's ``kv_b_proj``, absorbed into
+    its attention's matmuls, stays in the model dtype."""
     hf = make_checkpoint(family, tmp_path, **({"shared_expert_intermediate_size": 64} if family == "qwen2_moe" else {}))
     llm = gd.LLM(tmp_path, device="cpu", quantization=quantization, max_model_len=64, max_num_seqs=1)
     stacks = {n: p.quant.name for n, p in llm.model.named_parameters() if len(p.shape) == 3}
@@ -95,6 +98,9 @@ def test_quantized_moe_scores_like_dequantized_transformers(family, quantization
     assert set(stacks.values()) == stack_schemes     # bare int4: g64 for the 64 hidden inputs, g32 for the 32
     ops = {n.op for n in llm.model.engine(Phase.PREFILL).net.nodes}
     assert "quant_moe_experts" in ops and "moe_experts" not in ops
+    if family == "deepseek_v2":
+        assert all(p.quant is None for n, p in llm.model.named_parameters() if "kv_b_proj" in n)
+        assert dict(llm.model.named_parameters())["model.layers.0.self_attn.o_proj.weight"].quant is not None
     ref = _dequantized_transformers(hf, llm, parse_scheme(next(iter(stack_schemes))))
     torch.testing.assert_close(llm.score(IDS), ref, atol=2e-4, rtol=2e-4)
     full = gd.LLM(tmp_path, device="cpu", max_model_len=64, max_num_seqs=1).score(IDS)
