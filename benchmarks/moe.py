@@ -74,10 +74,31 @@ def _picks_gemv(scheme: str, stacks, pairs: int, experts: int) -> bool:
     return one_pair_by_default(*(_Stack.of(s, st) for s, st in zip(_schemes(scheme), stacks)), pairs, experts)
 
 
-def _paths(scheme: str, call, k: int, picked: bool) -> list[tuple[str, float]]:
-    """``[(path, µs)]``: one pair a program row, then grouped, the default marked."""
-    return [(("one pair a row" if gemv else "grouped") + (" (default)" if gemv == picked else ""),
-             _graph_us(lambda: call(k, gemv=gemv))) for gemv in (True, False)]
+def _tensor_cores(scheme: str, stacks, ops) -> bool:
+    """Whether the one-pair path runs ``scheme``'s GGUF stacks on the int8 tensor cores (``moe_gguf_mma``)."""
+    from graphdsl.runtime.kernels import moe_gguf
+    from graphdsl.runtime.kernels.moe import _Stack
+    x, _, gate_up, down = ops
+    up, dn = (_Stack.of(s, st) for s, st in zip(_schemes(scheme), stacks))
+    return (bool(up.qtype) and moe_gguf.MMA
+            and moe_gguf.mma_eligible(up, dn, gate_up.shape[2], down.shape[2], x.dtype))
+
+
+def _paths(scheme: str, call, k: int, picked: bool, tensor_cores: bool) -> list[tuple[str, float]]:
+    """``[(path, µs)]``: one pair a program row (with ``tensor_cores``, on the int8 tensor cores and
+    then on the CUDA cores, ``moe_gguf.MMA`` off), then grouped, the default marked."""
+    from graphdsl.runtime.kernels import moe_gguf
+    rows = []
+    for gemv in (True, False):
+        label = ("one pair a row" if gemv else "grouped") + (", int8 tensor cores" if gemv and tensor_cores else "")
+        rows.append((label + (" (default)" if gemv == picked else ""), _graph_us(lambda: call(k, gemv=gemv))))
+        if gemv and tensor_cores:
+            moe_gguf.MMA = False
+            try:
+                rows.append(("one pair a row, CUDA cores", _graph_us(lambda: call(k, gemv=True))))
+            finally:
+                moe_gguf.MMA = True
+    return rows
 
 
 def main(argv=None) -> int:
@@ -107,7 +128,8 @@ def main(argv=None) -> int:
                   f"{100 * nbytes / base / 1e3 / copy:.1f}% | 1.00 |", flush=True)
             for scheme in args.schemes:
                 call, qbytes, stacks = _quantized(scheme, ops, nbytes // (3 * h * i * 2))
-                for path, us in _paths(scheme, call, k, _picks_gemv(scheme, stacks, t * k, e)):
+                for path, us in _paths(scheme, call, k, _picks_gemv(scheme, stacks, t * k, e),
+                                       _tensor_cores(scheme, stacks, ops)):
                     print(f"| {t} | {scheme} | {path} | {us:.1f} | {qbytes / us / 1e3:.0f} | "
                           f"{100 * qbytes / us / 1e3 / copy:.1f}% | {base / us:.2f} |", flush=True)
         if not args.sweep:

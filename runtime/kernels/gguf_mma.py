@@ -278,6 +278,23 @@ def _q4k_kernel(
     g = _norm_weight(g_ptr, pid_n, N, BLOCK_N, RMS_OUT)
     pdl_wait(USE_PDL, not LATE_LAUNCH)
     rs = _rms_in_factor(rin_ptr, RIN_CHUNKS, rin_inv_n, rin_eps, RMS_IN, RIN_BLOCK)
+    b_lo = pid_s * PER
+    sums = q4k_sums(rows, BS, b_lo, tl.minimum(b_lo + PER, K // 256), a_ptr, xa_ptr, xs_ptr, K, BLOCK_N, EMULATE,
+                    AHEAD, PAIR)
+    if LATE_LAUNCH:
+        pdl_trigger(USE_PDL)
+    _finish(sums, pid_n, pid_s, add_ptr, out_ptr, part_ptr, lock_ptr, N, SPLIT_K, BLOCK_N, SPLIT,
+            HAS_ADD, SWIGLU, pa_ptr, pxa_ptr, pxs_ptr, PLANES, PLANES_Q6K, rs, RMS_IN, g, scaled_ptr, rpart_ptr,
+            RMS_OUT)
+
+
+@triton.jit
+def q4k_sums(rows, BS, b_lo, b_hi, a_ptr, xa_ptr, xs_ptr, K, BLOCK_N: tl.constexpr, EMULATE: tl.constexpr,
+             AHEAD: tl.constexpr, PAIR: tl.constexpr):
+    """``[BLOCK_N]`` float32: ``Σ_k x[k] dequant(W)[n, k]`` over super-blocks ``[b_lo, b_hi)`` of the Q4_K
+    rows ``rows`` (``BLOCK_N`` row pointers, ``BS`` bytes between a row's super-blocks) against the A
+    operand ``a_ptr [16, K]`` and its ``a_s``, ``S_s`` (module docstring) — :func:`_q4k_kernel`'s K
+    loop, shared with the MoE experts' (:mod:`.moe_gguf_mma`)."""
     rj = tl.arange(0, 128)
     r = tl.arange(0, 16)
     i4 = tl.arange(0, 4)
@@ -288,8 +305,6 @@ def _q4k_kernel(
     else:
         arow = r
         acc = tl.zeros([16, BLOCK_N], tl.float32)
-    b_lo = pid_s * PER
-    b_hi = tl.minimum(b_lo + PER, K // 256)
     if AHEAD:
         n0, n1, n2, n3, nxa, nxs = _head(rows, b_lo, BS, xa_ptr, xs_ptr, arow)
     for b in range(b_lo, b_hi):
@@ -320,11 +335,7 @@ def _q4k_kernel(
         else:
             xs = tl.where(r < 8, xs, 0.0)
             acc += v.to(tl.float32) * _rows16(f1, BLOCK_N) * (xa * part_w)[:, None] + _rows16(f2, BLOCK_N) * xs[:, None]
-    if LATE_LAUNCH:
-        pdl_trigger(USE_PDL)
-    _finish(tl.sum(acc, axis=0), pid_n, pid_s, add_ptr, out_ptr, part_ptr, lock_ptr, N, SPLIT_K, BLOCK_N, SPLIT,
-            HAS_ADD, SWIGLU, pa_ptr, pxa_ptr, pxs_ptr, PLANES, PLANES_Q6K, rs, RMS_IN, g, scaled_ptr, rpart_ptr,
-            RMS_OUT)
+    return tl.sum(acc, axis=0)
 
 
 @triton.jit

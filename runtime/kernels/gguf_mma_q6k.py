@@ -75,7 +75,13 @@ def _planes_kernel(x_ptr, a_ptr, xa_ptr, K, USE_PDL: tl.constexpr):
     of its 16 sub-blocks (module docstring)."""
     pdl_wait(USE_PDL)
     b = tl.program_id(0)
-    x = tl.load(x_ptr + b * 256 + tl.arange(0, 256)).to(tl.float32)
+    write_q6k_planes(tl.load(x_ptr + b * 256 + tl.arange(0, 256)).to(tl.float32), b, a_ptr, xa_ptr, K)
+
+
+@triton.jit
+def write_q6k_planes(x, b, a_ptr, xa_ptr, K):
+    """Store super-block ``b``'s ``[16, 256]`` A columns and its 16 sub-blocks' ``a_s`` from its inputs
+    ``x [256]`` (float32, in input order; module docstring)."""
     xs = tl.reshape(x, [16, 16])                                         # [sub-block, value]
     amax = tl.max(tl.abs(xs), axis=1)
     inv = tl.where(amax > 0, 32639.0 / tl.maximum(amax, 1e-30), 0.0)   # |xq| <= 32639: hi fits a byte
@@ -167,6 +173,22 @@ def _q6k_kernel(
     g = _norm_weight(g_ptr, pid_n, N, BLOCK_N, RMS_OUT)
     pdl_wait(USE_PDL, not LATE_LAUNCH)
     rs = _rms_in_factor(rin_ptr, RIN_CHUNKS, rin_inv_n, rin_eps, RMS_IN, RIN_BLOCK)
+    b_lo = pid_s * PER
+    sums = q6k_sums(rows, BS, b_lo, tl.minimum(b_lo + PER, K // 256), a_ptr, xa_ptr, K, BLOCK_N, EMULATE, SCALE_DOT,
+                    PAIR)
+    if LATE_LAUNCH:
+        pdl_trigger(USE_PDL)
+    _finish(sums, pid_n, pid_s, add_ptr, out_ptr, part_ptr, lock_ptr, N, SPLIT_K, BLOCK_N, SPLIT,
+            HAS_ADD, False, pa_ptr, pxa_ptr, pxs_ptr, PLANES, False, rs, RMS_IN, g, scaled_ptr, rpart_ptr, RMS_OUT)
+
+
+@triton.jit
+def q6k_sums(rows, BS, b_lo, b_hi, a_ptr, xa_ptr, K, BLOCK_N: tl.constexpr, EMULATE: tl.constexpr,
+             SCALE_DOT: tl.constexpr, PAIR: tl.constexpr):
+    """``[BLOCK_N]`` float32: ``Σ_k x[k] dequant(W)[n, k]`` over super-blocks ``[b_lo, b_hi)`` of the
+    stored Q6_K rows ``rows`` (``BLOCK_N`` row pointers, ``BS`` bytes between a row's blocks) against
+    the A operand ``a_ptr [16, K]`` and its ``a_s`` (module docstring) — :func:`_q6k_kernel`'s K loop,
+    shared with the MoE experts' (:mod:`.moe_gguf_mma`)."""
     j = tl.arange(0, 32)
     r = tl.arange(0, 16)
     i4 = tl.arange(0, 4)
@@ -177,8 +199,6 @@ def _q6k_kernel(
     else:
         acc = tl.zeros([16, BLOCK_N], tl.float32)
         arow = r
-    b_lo = pid_s * PER
-    b_hi = tl.minimum(b_lo + PER, K // 256)
     if SCALE_DOT:                                          # bytes 192.. of a block: scales[16], d, padding
         sel_lo = _selector(r, j, 16, False)
         sel_hi = _selector(r, j, 17, False)
@@ -230,10 +250,7 @@ def _q6k_kernel(
                 xa = tl.load(xa_ptr + b * 16 + 8 * h + r % 8)
                 sc = _step_scales(words, h, i4, BLOCK_N)
                 acc += v.to(tl.float32) * _rows16(d[:, None] * sc, BLOCK_N) * (xa * part_w)[:, None]
-    if LATE_LAUNCH:
-        pdl_trigger(USE_PDL)
-    _finish(tl.sum(acc, axis=0), pid_n, pid_s, add_ptr, out_ptr, part_ptr, lock_ptr, N, SPLIT_K, BLOCK_N, SPLIT,
-            HAS_ADD, False, pa_ptr, pxa_ptr, pxs_ptr, PLANES, False, rs, RMS_IN, g, scaled_ptr, rpart_ptr, RMS_OUT)
+    return tl.sum(acc, axis=0)
 
 
 def q6k_activation_planes(x: torch.Tensor, planes: tuple[torch.Tensor, torch.Tensor] | None = None):

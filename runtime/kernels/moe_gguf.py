@@ -14,7 +14,9 @@ decoders the dense GGUF kernels use (:mod:`.gguf_tiles`), offset to the expert's
   :mod:`.moe_gemv` — each program finds its pair's expert and weight in the routing row
   (``moe_gemv._choice``), then runs the one-row loop of :func:`.gguf_tiles.row_dot` over its
   ``BLOCK_N`` rows: gate/up with gate row ``c`` and up row ``I + c`` side by side in a tile, down
-  with its K split into slices that :func:`.moe_gemv.finish` sums with the ``k`` choices;
+  with its K split into slices that :func:`.moe_gemv.finish` sums with the ``k`` choices (Q4_K and
+  Q6_K stacks under fp16/bf16 activations take the same path on the int8 tensor cores instead:
+  :mod:`.moe_gguf_mma`, unless ``MMA`` is off);
 * **more pairs** (prefill): the pairs grouped by expert (:func:`.moe.moe_align`), a block of
   ``BLOCK_M`` pairs times ``BLOCK_N`` rows a program, each K step ``SB`` blocks decoded into a
   float32 tile (:func:`.gguf_tiles.decode_tile`, values in tile order), the activations gathered at
@@ -32,6 +34,7 @@ import triton.language as tl
 from .gguf_linear import _sb_for
 from .gguf_tiles import KERNEL_QTYPES, decode_tile, row_codes, row_dot, row_total, row_zeros
 from .moe_gemv import _act, _block_of_pairs, _choice, finish
+from .moe_gguf_mma import eligible as mma_eligible, mma_experts
 from .paged_attention import _mm, _sm_count
 
 __all__ = ["gguf_experts", "one_pair_by_default", "grouped_config", "MAX_PAIRS_PER_EXPERT"]
@@ -41,6 +44,8 @@ __all__ = ["gguf_experts", "one_pair_by_default", "grouped_config", "MAX_PAIRS_P
 # Mixtral's experts (benchmarks/moe.py), µs one pair a row against grouped: Q4_K gate/up and Q6_K down at 8 pairs
 # 681.5 vs 1655.1, 16 pairs 1313.2 vs 1759.7, 32 pairs 2586.8 vs 2458.3; Q8_0 at 8 pairs 932.0 vs 1087.8, 16 pairs
 # 1818.9 vs 1149.3. The other 32-value types are taken as Q8_0, Q5_K as Q4_K (not timed).
+# the one-pair path on the int8 tensor cores (.moe_gguf_mma) where it takes the stacks; False: the CUDA-core loop
+MMA = True
 MAX_PAIRS_PER_EXPERT = {"Q4_K": 2, "Q5_K": 2, "Q6_K": 2, "Q4_0": 1, "Q4_1": 1, "Q5_0": 1, "Q5_1": 1, "Q8_0": 1}
 
 
@@ -204,6 +209,8 @@ def gguf_experts(x: torch.Tensor, routing: torch.Tensor, up, down, inter: int, t
                     VALUES=per, SB=_sb_for(k // per, max(1, values // per)),
                     BYTES=KERNEL_QTYPES[stack.qtype][1])
 
+    if gemv and MMA and mma_eligible(up, down, hidden, inter, x.dtype):
+        return mma_experts(x, routing, up, down, inter, top_k, geglu, out)
     if gemv:
         route = dict(r_ptr=routing, sr=routing.stride(0), E=e, TOP_K=top_k, E_PAD=triton.next_power_of_2(e))
         warps = dict(num_warps=2, num_stages=1)

@@ -2,7 +2,8 @@
 reference (the stacks' blocks dequantized to float32, every routed expert computed densely).
 
 Every block type with a Triton decoder, super-block (256 values) and 32-value types, Q4_K_M-style
-pairs of stacks (gate/up Q4_K, down Q6_K; down Q5_0 where its inputs are no multiple of 256), both paths (one pair a program row; grouped by expert) at
+pairs of stacks (gate/up Q4_K, down Q6_K; down Q5_0 where its inputs are no multiple of 256), both paths (one pair a program row, on
+the CUDA cores or, for Q4_K / Q6_K, the int8 tensor cores; grouped by expert) at
 decode and prefill pair counts, float32 and bfloat16 activations. On CPU under Triton's
 interpreter; at Mixtral's size on the GPU.
 """
@@ -29,7 +30,7 @@ QREF = get_op("quant_moe_experts").reference
 # bfloat16: the grouped kernels round the decoded weights to bfloat16 for the tensor cores (as the int4 stacks'
 # do) and the one-pair ones keep them in float32; both store h in bfloat16. Measured under the interpreter, the
 # grouped path's largest error is 3 bfloat16 steps of an output near 1 (0.0234), the one-pair path's one (0.0078).
-TOL = {torch.float32: 1e-5, torch.bfloat16: 3e-2}
+TOL = {torch.float32: 1e-5, torch.bfloat16: 3e-2, torch.float16: 4e-3}
 
 
 def _case(tokens, experts, hidden, inter, top_k, dtype, up_scheme, down_scheme, seed=0, act=ActType.SWIGLU):
@@ -121,6 +122,67 @@ def test_default_path_follows_the_pairs_an_expert(up_scheme, tokens, one_pair, m
     assert seen == [one_pair]
 
 
+def _spy_launches(monkeypatch, module, name):
+    """Grids of ``module.name``'s launches, recorded as they run."""
+    grids, real = [], getattr(module, name)
+
+    class Spy:
+        def __getitem__(self, grid):
+            grids.append(grid)
+            return real[grid]
+
+    monkeypatch.setattr(module, name, Spy())
+    return grids
+
+
+@pytest.mark.parametrize("up_scheme,down_scheme,dtype", [
+    ("gguf-q4_k", "gguf-q6_k", torch.bfloat16),     # a Q4_K_M file's experts
+    ("gguf-q4_k", "gguf-q4_k", torch.float16),
+    ("gguf-q6_k", "gguf-q6_k", torch.bfloat16),
+    ("gguf-q6_k", "gguf-q4_k", torch.float16),
+])
+def test_gguf_tensor_core_pairs_match_the_reference(up_scheme, down_scheme, dtype, monkeypatch):
+    """Q4_K / Q6_K stacks under 16-bit activations take the int8 tensor-core kernels
+    (``moe_gguf_mma``) one pair a program row, within the CUDA-core path's tolerance (the 16-bit
+    fixed-point activations add at most 2^-16 of a sub-block's largest input); 3 tokens, top-2."""
+    from graphdsl.runtime.kernels import moe_gguf_mma
+    grids = _spy_launches(monkeypatch, moe_gguf_mma, "_down_kernel")
+    args, kw, want = _case(3, 4, 512, 256, 2, dtype, up_scheme, down_scheme)
+    _close(quant_moe_experts(*args, **kw, gemv=True), want, dtype)
+    assert grids == [(6, 8, 1)]                          # 6 pairs x 8 tiles of 64 rows, K in one slice
+
+
+def test_gguf_tensor_core_down_split_geglu_and_unread_experts(monkeypatch):
+    """Down's K in slices (1024 inputs: 4 super-blocks, split as on a 132-SM GPU), GeGLU, top-3 of 6,
+    and unused experts' blocks all 0xFF (NaN scales) that no program reads."""
+    from graphdsl.runtime.kernels import moe_gguf_mma
+    grids = _spy_launches(monkeypatch, moe_gguf_mma, "_down_kernel")
+    monkeypatch.setattr(moe_gguf_mma, "_sm_count", lambda device: 132)
+    args, kw, want = _case(2, 6, 256, 1024, 3, torch.bfloat16, "gguf-q4_k", "gguf-q6_k", seed=3, act=ActType.GEGLU)
+    unused = sorted(set(range(6)) - set(args[1].nonzero()[:, 1].tolist()))
+    assert unused
+    for stack in (args[2], args[3]):
+        stack[0][unused] = 0xFF
+    got = quant_moe_experts(*args, **kw, gemv=True)
+    assert not got.isnan().any()
+    _close(got, want, torch.bfloat16)
+    (p, tiles, split), = grids
+    assert (p, tiles, split) == (6, 4, 4)
+
+
+@pytest.mark.parametrize("dtype,mma,taken", [(torch.float32, True, False), (torch.bfloat16, False, False),
+                                            (torch.bfloat16, True, True)])
+def test_gguf_tensor_core_pairs_only_where_eligible(dtype, mma, taken, monkeypatch):
+    """float32 activations (their 16-bit fixed point would lose bits) and ``MMA`` off keep the
+    CUDA-core loop, as do 32-value types (the other tests)."""
+    from graphdsl.runtime.kernels import moe_gguf_mma
+    grids = _spy_launches(monkeypatch, moe_gguf_mma, "_gate_up_kernel")
+    monkeypatch.setattr(moe_gguf, "MMA", mma)
+    args, kw, want = _case(1, 4, 256, 256, 2, dtype, "gguf-q4_k", "gguf-q6_k")
+    _close(quant_moe_experts(*args, **kw, gemv=True), want, dtype)
+    assert bool(grids) == taken
+
+
 def test_gguf_stacks_refuse_what_the_kernels_cannot_read():
     args, kw, _ = _case(2, 4, 256, 256, 2, torch.float32, "gguf-q4_k", "gguf-q4_k")
     with pytest.raises(GraphDSLError, match=r"schemes gguf-q4_k and int8-channel: GGUF stacks run with GGUF "
@@ -137,11 +199,14 @@ def test_block_major_schemes_cannot_store_stacks():
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("tokens,gemv", [(1, True), (1, False), (300, False)])
-def test_gguf_mixtral_size_on_gpu(tokens, gemv):
-    """Mixtral-8x7B's experts as a Q4_K_M file keeps them (gate/up Q4_K, down Q6_K), bfloat16."""
+@pytest.mark.parametrize("tokens,gemv,mma", [(1, True, True), (1, True, False), (1, False, False),
+                                             (300, False, False)])
+def test_gguf_mixtral_size_on_gpu(tokens, gemv, mma, monkeypatch):
+    """Mixtral-8x7B's experts as a Q4_K_M file keeps them (gate/up Q4_K, down Q6_K), bfloat16; the
+    one-pair path on the tensor cores and on the CUDA cores."""
     if not torch.cuda.is_available():
         pytest.skip("needs a CUDA GPU")
+    monkeypatch.setattr(moe_gguf, "MMA", mma)
     args, kw, want = _case(tokens, 8, 4096, 14336, 2, torch.bfloat16, "gguf-q4_k", "gguf-q6_k")
     got = quant_moe_experts(*args, **kw, gemv=gemv).float()
     assert (got - want.float()).abs().max().item() <= 2e-2 * want.float().abs().max().item()
