@@ -69,9 +69,11 @@ def _quantized(scheme: str, ops, used: int):
 
 
 def _picks_gemv(scheme: str, stacks, pairs: int, experts: int) -> bool:
-    """Whether :func:`quant_moe_experts` runs ``pairs`` of ``scheme`` one pair a program row by default."""
+    """Whether :func:`quant_moe_experts` runs ``pairs`` of ``scheme`` one pair a program row by default
+    (bf16 activations)."""
     from graphdsl.runtime.kernels.moe import _Stack, one_pair_by_default
-    return one_pair_by_default(*(_Stack.of(s, st) for s, st in zip(_schemes(scheme), stacks)), pairs, experts)
+    return one_pair_by_default(*(_Stack.of(s, st) for s, st in zip(_schemes(scheme), stacks)), pairs, experts,
+                               torch.bfloat16)
 
 
 def _tensor_cores(scheme: str, stacks, ops) -> bool:

@@ -368,12 +368,13 @@ def moe_experts(x: torch.Tensor, routing: torch.Tensor, gate_up: torch.Tensor, d
                 "moe_experts")
 
 
-def one_pair_by_default(up: _Stack, down: _Stack, pairs: int, experts: int) -> bool:
+def one_pair_by_default(up: _Stack, down: _Stack, pairs: int, experts: int, dtype: torch.dtype) -> bool:
     """Whether :func:`quant_moe_experts` runs ``pairs`` (token, expert) pairs over quantized stacks
-    ``up`` and ``down`` of ``experts`` experts one pair a program row by default (GGUF stacks:
-    :func:`.moe_gguf.one_pair_by_default`; the others :func:`.moe_gemv.one_pair_by_default`)."""
+    ``up`` and ``down`` of ``experts`` experts under ``dtype`` activations one pair a program row by
+    default (GGUF stacks: :func:`.moe_gguf.one_pair_by_default`; the others
+    :func:`.moe_gemv.one_pair_by_default`)."""
     if up.quant == GGUF:
-        return moe_gguf.one_pair_by_default(pairs, experts, up.qtype)
+        return moe_gguf.one_pair_by_default(up, down, pairs, experts, dtype)
     return moe_gemv.one_pair_by_default(up, down, pairs, experts)
 
 
@@ -400,7 +401,7 @@ def quant_moe_experts(x: torch.Tensor, routing: torch.Tensor, gate_up: list[torc
                                 f"{[list(c.shape) for c in want]} for x {list(x.shape)}, routing {list(routing.shape)}")
     up, dn = _Stack.of(schemes[0], gate_up), _Stack.of(schemes[1], down)
     if gemv is None:
-        gemv = config is None and one_pair_by_default(up, dn, t * top_k, e)
+        gemv = config is None and one_pair_by_default(up, dn, t * top_k, e, x.dtype)
     return _run(x, routing, up, dn, e, inter, top_k, geglu, out, config, "quant_moe_experts", gemv)
 
 

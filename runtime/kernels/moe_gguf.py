@@ -37,7 +37,7 @@ from .moe_gemv import _act, _block_of_pairs, _choice, finish
 from .moe_gguf_mma import eligible as mma_eligible, mma_experts
 from .paged_attention import _mm, _sm_count
 
-__all__ = ["gguf_experts", "one_pair_by_default", "grouped_config", "MAX_PAIRS_PER_EXPERT"]
+__all__ = ["gguf_experts", "one_pair_by_default", "grouped_config", "MAX_PAIRS_PER_EXPERT", "MAX_PAIRS_PER_EXPERT_MMA"]
 
 # pairs an expert, on average, that the one-pair kernels take by default, by the gate/up stack's type (a pair
 # reads its expert's blocks alone; the grouped kernels read a shared expert's blocks once a block of pairs). H200,
@@ -47,6 +47,10 @@ __all__ = ["gguf_experts", "one_pair_by_default", "grouped_config", "MAX_PAIRS_P
 # the one-pair path on the int8 tensor cores (.moe_gguf_mma) where it takes the stacks; False: the CUDA-core loop
 MMA = True
 MAX_PAIRS_PER_EXPERT = {"Q4_K": 2, "Q5_K": 2, "Q6_K": 2, "Q4_0": 1, "Q4_1": 1, "Q5_0": 1, "Q5_1": 1, "Q8_0": 1}
+# ... and where the one-pair path runs on the tensor cores (.moe_gguf_mma). H200, Mixtral's experts, Q4_K gate/up and
+# Q6_K down, µs one pair a row against grouped: 2 pairs 107.7 vs 718.8, 16 pairs 599.2 vs 1805.8, 32 pairs 1110.7 vs
+# 2444.7 (64 tokens grouped: 2707)
+MAX_PAIRS_PER_EXPERT_MMA = 6
 
 
 @triton.jit
@@ -183,11 +187,16 @@ def grouped_config(pairs: int):
     return MoeConfig(64, (64, 256, 4, 2), (64, 256, 4, 1))
 
 
-def one_pair_by_default(pairs: int, experts: int, qtype: str) -> bool:
-    """Whether ``pairs`` (token, expert) pairs over ``experts`` experts whose gate/up stack is in
-    ``qtype`` take the one-pair kernels by default: at most :data:`MAX_PAIRS_PER_EXPERT` an expert
-    on average."""
-    return pairs <= MAX_PAIRS_PER_EXPERT[qtype] * experts
+def one_pair_by_default(up, down, pairs: int, experts: int, dtype: torch.dtype) -> bool:
+    """Whether ``pairs`` (token, expert) pairs over the GGUF stacks ``up`` and ``down``
+    (``moe._Stack``) of ``experts`` experts, under ``dtype`` activations, take the one-pair kernels
+    by default: at most :data:`MAX_PAIRS_PER_EXPERT_MMA` an expert on average where they run on
+    the tensor cores (:func:`.moe_gguf_mma.eligible`), else :data:`MAX_PAIRS_PER_EXPERT` for the
+    gate/up stack's type."""
+    hidden, inter = down.codes.shape[1], up.codes.shape[1] // 2
+    if MMA and mma_eligible(up, down, hidden, inter, dtype):
+        return pairs <= MAX_PAIRS_PER_EXPERT_MMA * experts
+    return pairs <= MAX_PAIRS_PER_EXPERT[up.qtype] * experts
 
 
 def gguf_experts(x: torch.Tensor, routing: torch.Tensor, up, down, inter: int, top_k: int, geglu: bool,
