@@ -49,8 +49,8 @@ MMA = True
 MAX_PAIRS_PER_EXPERT = {"Q4_K": 2, "Q5_K": 2, "Q6_K": 2, "Q4_0": 1, "Q4_1": 1, "Q5_0": 1, "Q5_1": 1, "Q8_0": 1}
 # ... and where the one-pair path runs on the tensor cores (.moe_gguf_mma). H200, Mixtral's experts, Q4_K gate/up and
 # Q6_K down, µs one pair a row against grouped: 2 pairs 107.7 vs 718.8, 16 pairs 599.2 vs 1805.8, 32 pairs 1110.7 vs
-# 2444.7 (64 tokens grouped: 2707)
-MAX_PAIRS_PER_EXPERT_MMA = 6
+# 2444.7, 48 pairs 1633.1 vs 2661.2, 64 pairs 2144.1 vs 2903.4, 96 pairs 3192.6 vs 2397.1
+MAX_PAIRS_PER_EXPERT_MMA = 8
 
 
 @triton.jit
