@@ -46,6 +46,7 @@ import os
 import torch
 
 from graphdsl.errors import GraphDSLError
+from graphdsl.functional.attention import RopeLayout
 from graphdsl.network import Node
 from graphdsl.opdef import OpCategory, Spec, get_op
 
@@ -482,6 +483,17 @@ def _rope_cache(be: TritonBackend, node, ins, attrs, dsts):
         kernel = be._prepared[key] = prepare_rope_cache(*operands, attrs["layout"])
     kernel(*operands)
     return [dsts[0], ins[3], ins[4]]
+
+
+def _rope(be: TritonBackend, node, ins, attrs, dsts):
+    """``rope`` not fused with a cache write (MLA's ``q_pe``, ``k_pe``): one launch, or the torch
+    reference for operands the kernel does not take (:func:`~..kernels.rope.rope_unsupported`)."""
+    from ..kernels.rope import rope, rope_unsupported
+    q, k, cos, sin = ins
+    if rope_unsupported(q, k, cos, sin, *dsts) is not None:
+        be._reference.run([node], be._values, {node: attrs}, be._storage)
+        return [be._values[t] for t in node.outputs]
+    return list(rope(q, k, cos, sin, *dsts, layout=attrs.get("layout", RopeLayout.NEOX)))
 
 
 _KERNEL_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
@@ -1007,7 +1019,7 @@ _LOWERINGS = {"fused": _fused, "add_rms_norm": _add_rms_norm, "silu_mul": _silu_
               "quant_moe_experts": _quant_moe_experts, "lora_apply": _lora_apply,
               "reshape_and_cache": _reshape_and_cache, "quant_linear": _quant_linear,
               "quant_linear_silu_mul": _quant_linear, "quant_linear_add": _quant_linear, "embedding": _embedding,
-              "topk": _topk, "index_mask": _index_mask}
+              "topk": _topk, "index_mask": _index_mask, "rope": _rope}
 _QUANT_OPS = ("quant_linear", "quant_linear_silu_mul", "quant_linear_add")
 # hand-written kernels; their torch references run on plain CPU
 _KERNEL_OPS = {"paged_attention", "rope_cache_attention", "reshape_and_cache", "paged_mla_attention", "moe_experts",

@@ -16,20 +16,10 @@ from graphdsl.errors import GraphDSLError
 from graphdsl.functional.attention import RopeLayout
 
 from ..kernels.pdl import pdl_launch, pdl_wait
-from ..kernels.rope import rope_coeffs
+from ..kernels.rope import rope_coeffs, rotate_tile
 from .fused import launch_config
 
 __all__ = ["rope_cache", "prepare_rope_cache", "RopeCacheKernel"]
-
-
-@triton.jit
-def _rotate(x_ptr, tok_off, head_stride, h, d, partner, c, ss, H: tl.constexpr, D: tl.constexpr):
-    """x' = x * c + x[partner] * ss over an [H, D] tile (:func:`~..kernels.rope.rope_coeffs`)."""
-    m = (h[:, None] < H) & (d[None, :] < D)
-    base = x_ptr + tok_off + h[:, None] * head_stride
-    x = tl.load(base + d[None, :], mask=m, other=0.0).to(tl.float32)
-    xp = tl.load(base + partner[None, :], mask=m, other=0.0).to(tl.float32)
-    return x * c[None, :] + xp * ss[None, :], m
 
 
 @triton.jit
@@ -102,9 +92,9 @@ def _rope_cache_pairs(q_ptr, k_ptr, kc_ptr, cos_ptr, sin_ptr, qo_ptr, t, slot, q
                       GPTJ: tl.constexpr, BLOCK_HK: tl.constexpr, BLOCK_D: tl.constexpr):
     """General layout (GPT-J pairs, or a partial rotary dim): each element reads its partner."""
     partner, c, ss = rope_coeffs(cos_ptr + t * cs_st, sin_ptr + t * cs_st, BLOCK_D, HALF, GPTJ)
-    qr, mq = _rotate(q_ptr, t * q_st, q_sh, hq, d, partner, c, ss, HQ, D)
+    qr, mq = rotate_tile(q_ptr, t * q_st, q_sh, hq, d, partner, c, ss, HQ, D)
     tl.store(qo_ptr + t * (HQ * D) + hq[:, None] * D + d[None, :], qr.to(qo_ptr.dtype.element_ty), mask=mq)
-    kr, mk = _rotate(k_ptr, t * k_st, k_sh, hk, d, partner, c, ss, HK, D)
+    kr, mk = rotate_tile(k_ptr, t * k_st, k_sh, hk, d, partner, c, ss, HK, D)
     mk = mk & ((tl.zeros([BLOCK_HK, BLOCK_D], tl.int64) + slot) >= 0)
     tl.store(kc_ptr + slot * (HK * D) + hk[:, None] * D + d[None, :], kr.to(kc_ptr.dtype.element_ty), mask=mk)
 

@@ -16,13 +16,13 @@ from tests.models.hf_tiny import hf_greedy, hf_logits, make_checkpoint
 
 # family: (prefill attention op, decode attention op, kernels that must have run). mistral: sliding
 # window; gemma2: + soft caps; bloom: ALiBi, no RoPE (so no rope_cache fusion in decode);
-# deepseek_v2: latent attention over the compressed cache, sparse routed experts
+# deepseek_v2: latent attention over the compressed cache, sparse routed experts, its decoupled RoPE in one launch
 FAMILIES = {
     "llama": ("paged_attention", "rope_cache_attention", ("paged_attention_prefill", "paged_attention_decode")),
     "mistral": ("paged_attention", "rope_cache_attention", ("paged_attention_prefill", "paged_attention_decode")),
     "gemma2": ("paged_attention", "rope_cache_attention", ("paged_attention_prefill", "paged_attention_decode")),
     "bloom": ("paged_attention", "paged_attention", ("paged_attention_prefill", "paged_attention_decode")),
-    "deepseek_v2": ("paged_mla_attention", "paged_mla_attention", ("paged_mla_attention", "moe_experts")),
+    "deepseek_v2": ("paged_mla_attention", "paged_mla_attention", ("paged_mla_attention", "moe_experts", "rope")),
 }
 # fewer experts under the interpreter (the routing records a few ops per expert)
 OVERRIDES = {"deepseek_v2": dict(num_hidden_layers=2, n_routed_experts=4, num_experts_per_tok=2, n_group=2,
@@ -34,7 +34,7 @@ def test_tiny_model_on_triton_backend_matches_hf(family, tmp_path, monkeypatch):
     import importlib
     prefill_op, decode_op, kernels = FAMILIES[family]
     calls = dict.fromkeys(kernels + ("reshape_and_cache",), 0)
-    for module in ("paged_attention", "paged_mla_attention", "cache_write", "moe"):
+    for module in ("paged_attention", "paged_mla_attention", "cache_write", "moe", "rope"):
         mod = importlib.import_module(f"graphdsl.runtime.kernels.{module}")   # the module, not the function
         for name in calls:
             if hasattr(mod, name):
