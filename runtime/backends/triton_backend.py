@@ -496,6 +496,13 @@ def _rope(be: TritonBackend, node, ins, attrs, dsts):
     return list(rope(q, k, cos, sin, *dsts, layout=attrs.get("layout", RopeLayout.NEOX)))
 
 
+def _cat(be: TritonBackend, node, ins, attrs, dsts):
+    """``cat`` straight into its slot (``torch.cat(out=)``, one launch): the reference's result was
+    copied there, a second launch (MLA's two cats a layer)."""
+    torch.cat(ins, dim=attrs.get("dim", 0), out=dsts[0])      # one dtype (the op's shape rule)
+    return [dsts[0]]
+
+
 _KERNEL_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
 
@@ -1019,7 +1026,7 @@ _LOWERINGS = {"fused": _fused, "add_rms_norm": _add_rms_norm, "silu_mul": _silu_
               "quant_moe_experts": _quant_moe_experts, "lora_apply": _lora_apply,
               "reshape_and_cache": _reshape_and_cache, "quant_linear": _quant_linear,
               "quant_linear_silu_mul": _quant_linear, "quant_linear_add": _quant_linear, "embedding": _embedding,
-              "topk": _topk, "index_mask": _index_mask, "rope": _rope}
+              "topk": _topk, "index_mask": _index_mask, "rope": _rope, "cat": _cat}
 _QUANT_OPS = ("quant_linear", "quant_linear_silu_mul", "quant_linear_add")
 # hand-written kernels; their torch references run on plain CPU
 _KERNEL_OPS = {"paged_attention", "rope_cache_attention", "reshape_and_cache", "paged_mla_attention", "moe_experts",

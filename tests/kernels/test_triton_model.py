@@ -100,6 +100,40 @@ def test_cache_write_and_attention_nodes_lower_to_kernels(prefill):
     assert not torch.equal(results["triton"][1], caches[0])        # the cache really was written
 
 
+def test_rope_and_cat_nodes_lower_to_one_launch_each(monkeypatch):
+    """MLA's decode pieces as graph nodes — a ``rope`` of strided slices (not fused with a cache
+    write) and a ``cat`` — run the rope kernel and ``torch.cat`` straight into the planned slot,
+    equal to the torch backend's references."""
+    from graphdsl import Dim, Network, Tensor
+    from graphdsl import functional as F
+    import importlib
+    rope_mod = importlib.import_module("graphdsl.runtime.kernels.rope")
+    ropes, cats = [], []
+    real_rope, real_cat = rope_mod.rope, torch.cat
+    monkeypatch.setattr(rope_mod, "rope", lambda *a, **k: ropes.append(1) or real_rope(*a, **k))
+    dev = "cuda" if torch.cuda.is_available() else "cpu"
+    n = Dim("n")
+    with Network("mla_pieces") as net:
+        q = Tensor("q", (n, 4, 48), "float32")
+        k = Tensor("k", (n, 1, 48), "float32")
+        cos, sin = Tensor("cos", (n, 8), "float32"), Tensor("sin", (n, 8), "float32")
+        _, q_pe = F.split(q, [32, 16], -1)
+        _, k_pe = F.split(k, [32, 16], -1)
+        q_pe, k_pe = F.rope(q_pe, k_pe, cos, sin)
+        net.mark_output(F.cat([q_pe * 2.0, k_pe.reshape(-1, 1, 16) + 1.0], 1), "out")
+    g = torch.Generator().manual_seed(0)
+    feed = {"q": torch.randn(3, 4, 48, generator=g), "k": torch.randn(3, 1, 48, generator=g),
+            "cos": torch.randn(3, 8, generator=g), "sin": torch.randn(3, 8, generator=g)}
+    results = {}
+    for backend in ("torch", "triton"):
+        monkeypatch.setattr(torch, "cat", lambda *a, **kw: cats.append(backend if "out" in kw else None)
+                            or real_cat(*a, **kw))
+        eng = net.build_engine(backend=backend, passes=[])
+        results[backend] = eng.forward({name: t.to(dev) for name, t in feed.items()})["out"].cpu()
+    torch.testing.assert_close(results["triton"], results["torch"], rtol=1e-6, atol=1e-6)
+    assert ropes == [1] and "triton" in cats
+
+
 @pytest.mark.parametrize("lens_in_graph", [False, True])
 def test_decode_reads_step_inputs_before_the_pdl_wait_only_when_no_kernel_writes_them(lens_in_graph, monkeypatch):
     """``inputs_ready`` (seq_lens and the RoPE inputs read before the PDL wait) is passed only for
