@@ -1,7 +1,8 @@
 """Sparse MoE experts (runtime/kernels/moe.py) at real sizes: µs per call (replayed from a CUDA
 graph, as decode runs it) and GB/s of the chosen experts' weights, against the measured copy
 bandwidth; ``--sweep`` tries the grouped kernels' launch configs (for GGUF stacks, their tile
-kernels': rows a program, values a K step, warps, stages); ``--schemes`` adds the stacks stored quantized
+kernels': rows a program, values a K step, warps, stages; Q4_K / Q6_K ones, ``moe_gguf_mma``'s with 32-value
+steps); ``--schemes`` adds the stacks stored quantized
 (``quant_moe_experts``), each row with its speed against bf16's at the same token count (with
 ``--sweep``, the launch configs are then swept for those schemes, not for bf16).
 
@@ -106,6 +107,7 @@ def _paths(scheme: str, call, k: int, picked: bool, tensor_cores: bool) -> list[
 def main(argv=None) -> int:
     from graphdsl.runtime.kernels.moe import _pick_config, moe_experts
     from graphdsl.runtime.kernels.moe_gguf import grouped_config
+    from graphdsl.runtime.kernels.moe_gguf_mma import grouped_config as plane_grouped_config
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--shape", default="mixtral", choices=sorted(SHAPES))
     ap.add_argument("--tokens", type=int, nargs="+", default=[1, 8, 64])
@@ -139,17 +141,24 @@ def main(argv=None) -> int:
         print()
     tiles = list(itertools.product((32, 64, 128), (64, 128, 256), (4, 8), (2, 3, 5)))
     gguf_tiles = list(itertools.product((16, 32, 64), (256,), (4, 8), (1, 2)))   # GGUF: (.., values a K step, ..)
+    plane_tiles = list(itertools.product((32, 64, 128), (32,), (4, 8), (2, 3)))   # GGUF on moe_gguf_mma: planes
     print("| tokens | weights | config | µs | GB/s | % of copy |\n|---:|---|---|---:|---:|---:|")
     for t in args.tokens:
         ops, nbytes = _case(t, e, k, h, i, gen)
-        runs = [] if args.schemes else [("bf16", lambda cfg: moe_experts(*ops, top_k=k, config=cfg), nbytes)]
+        runs = [] if args.schemes else [("bf16", lambda cfg: moe_experts(*ops, top_k=k, config=cfg), nbytes, False)]
         for scheme in args.schemes:
-            call, qbytes, _ = _quantized(scheme, ops, nbytes // (3 * h * i * 2))
-            runs.append((scheme, lambda cfg, call=call: call(k, cfg, gemv=False), qbytes))
-        for name, run, size in runs:
+            call, qbytes, stacks = _quantized(scheme, ops, nbytes // (3 * h * i * 2))
+            runs.append((scheme, lambda cfg, call=call: call(k, cfg, gemv=False), qbytes,
+                         _tensor_cores(scheme, stacks, ops)))
+        for name, run, size, planes in runs:
             gguf = name.startswith("gguf")
-            base = grouped_config(t * k) if gguf else _pick_config(t * k, int4=name.startswith("int4"))
-            for label, (ms, cfg) in _configs(run, base, (gguf_tiles if gguf else tiles) if args.sweep else None):
+            if planes:
+                base, sweep = plane_grouped_config(t * k), plane_tiles
+            elif gguf:
+                base, sweep = grouped_config(t * k), gguf_tiles
+            else:
+                base, sweep = _pick_config(t * k, int4=name.startswith("int4")), tiles
+            for label, (ms, cfg) in _configs(run, base, sweep if args.sweep else None):
                 print(f"| {t} | {name} | {label} {cfg} | {ms * 1e3:.1f} | {size / ms / 1e6:.0f} | "
                       f"{100 * size / ms / 1e6 / copy:.1f}% |", flush=True)
     return 0

@@ -34,7 +34,7 @@ import triton.language as tl
 from .gguf_linear import _sb_for
 from .gguf_tiles import KERNEL_QTYPES, decode_tile, row_codes, row_dot, row_total, row_zeros
 from .moe_gemv import _act, _block_of_pairs, _choice, finish
-from .moe_gguf_mma import eligible as mma_eligible, mma_experts
+from .moe_gguf_mma import eligible as mma_eligible, grouped_experts as mma_grouped, mma_experts
 from .paged_attention import _mm, _sm_count
 
 __all__ = ["gguf_experts", "one_pair_by_default", "grouped_config", "MAX_PAIRS_PER_EXPERT", "MAX_PAIRS_PER_EXPERT_MMA"]
@@ -44,7 +44,8 @@ __all__ = ["gguf_experts", "one_pair_by_default", "grouped_config", "MAX_PAIRS_P
 # Mixtral's experts (benchmarks/moe.py), µs one pair a row against grouped: Q4_K gate/up and Q6_K down at 8 pairs
 # 681.5 vs 1655.1, 16 pairs 1313.2 vs 1759.7, 32 pairs 2586.8 vs 2458.3; Q8_0 at 8 pairs 932.0 vs 1087.8, 16 pairs
 # 1818.9 vs 1149.3. The other 32-value types are taken as Q8_0, Q5_K as Q4_K (not timed).
-# the one-pair path on the int8 tensor cores (.moe_gguf_mma) where it takes the stacks; False: the CUDA-core loop
+# the .moe_gguf_mma kernels where they take the stacks (one pair a row on the int8 tensor cores; grouped, a plane of
+# weights at a time dequantized in registers); False: the CUDA-core loop and the float32 tile kernels below
 MMA = True
 MAX_PAIRS_PER_EXPERT = {"Q4_K": 2, "Q5_K": 2, "Q6_K": 2, "Q4_0": 1, "Q4_1": 1, "Q5_0": 1, "Q5_1": 1, "Q8_0": 1}
 # ... and where the one-pair path runs on the tensor cores (.moe_gguf_mma). H200, Mixtral's experts, Q4_K gate/up and
@@ -204,7 +205,7 @@ def gguf_experts(x: torch.Tensor, routing: torch.Tensor, up, down, inter: int, t
     """``out [T, H]`` (``x``'s dtype) over the GGUF stacks ``up`` (``[E, 2I, ...]``) and ``down``
     (``[E, H, ...]``), given as ``moe._Stack`` (``codes``, ``qtype``): one pair a program row
     (``gemv``) or grouped by expert (module docstring). ``config``: the grouped kernels' launch
-    (:func:`grouped_config`)."""
+    (:func:`grouped_config`; :func:`.moe_gguf_mma.grouped_config` where those kernels run)."""
     from .moe import choices, moe_align
     t, hidden = x.shape
     e = routing.shape[1]
@@ -236,8 +237,10 @@ def gguf_experts(x: torch.Tensor, routing: torch.Tensor, up, down, inter: int, t
         _pair_down_kernel[(pairs, tiles, split)](
             h, y_ptr=y, P=pairs, H=hidden, I=inter, SLICE=slice_steps, BLOCK_N=_PAIR_ROWS, **dn, **route, **warps)
         return finish(y, out, top_k)
-    weights, ids = choices(routing, top_k)
+    if MMA and mma_eligible(up, down, hidden, inter, x.dtype):
+        return mma_grouped(x, routing, up, down, inter, top_k, geglu, out, config)
     cfg = config or grouped_config(pairs)
+    weights, ids = choices(routing, top_k)
     rows, block_expert = moe_align(ids, e, cfg.block_m)
     y = torch.empty((pairs, hidden), dtype=torch.float32, device=x.device)
     common = dict(BLOCK_M=cfg.block_m, DOT_PREC="ieee" if x.dtype == torch.float32 else "tf32", DOT_F32=interp)

@@ -21,8 +21,17 @@ bit operations per four weights, the arithmetic in ``mma.sync``) offset to each 
   times the pair's routing weight, into ``y [S, P, H]`` float32; :func:`.moe_gemv.finish` sums the
   slices and the ``k`` choices of each token.
 
-Taken by :func:`.moe_gguf.gguf_experts` for the one-pair path when :func:`eligible` (both stacks
-Q4_K or Q6_K, ``H`` and ``I`` multiples of 256, fp16/bf16 activations).
+**Grouped by expert** (prefill; :func:`grouped_experts`): the pairs in blocks of ``BLOCK_M`` of one
+expert (``moe.moe_align``), as :mod:`.moe_gguf`'s tile kernels, but a K step is one 32-value plane
+of the blocks, not a whole super-block decoded to a float32 tile (whose ``[BLOCK_N, 256]`` tiles
+spilled): the plane's ``[BLOCK_N, 32]`` codes and its sub-blocks' scales (Q4_K: ``w = d·sc·q −
+dmin·m``; Q6_K: ``w = d·sc·(q − 32)``, two 16-value sub-blocks a plane) become weights in the
+activations' dtype in registers, and one ``tl.dot`` takes them with the activations of the plane's
+32 inputs — contiguous in ``x`` (Q4_K's low nibbles of a 32-byte chunk are one sub-block, the high
+ones the next), so no gather by K offset.
+
+Taken by :func:`.moe_gguf.gguf_experts` when :func:`eligible` (both stacks Q4_K or Q6_K, ``H`` and
+``I`` multiples of 256, fp16/bf16 activations).
 """
 from __future__ import annotations
 
@@ -32,12 +41,14 @@ import torch
 import triton
 import triton.language as tl
 
+from graphdsl.errors import GraphDSLError
+
 from .gguf_mma import _column_inputs, _q6k_columns_planes, _sub_block_planes, _write_planes, q4k_sums, split_for
 from .gguf_mma_q6k import q6k_sums, write_q6k_planes
-from .moe_gemv import _act, _choice, finish
-from .paged_attention import _sm_count
+from .moe_gemv import _act, _block_of_pairs, _choice, finish
+from .paged_attention import _mm, _sm_count
 
-__all__ = ["MMA_QTYPES", "eligible", "mma_experts"]
+__all__ = ["MMA_QTYPES", "eligible", "mma_experts", "grouped_experts", "grouped_config"]
 
 MMA_QTYPES = ("Q4_K", "Q6_K")
 _BYTES = {"Q4_K": 144, "Q6_K": 224}     # a (stored) super-block's bytes
@@ -164,3 +175,171 @@ def mma_experts(x: torch.Tensor, routing: torch.Tensor, up, down, inter: int, to
         BLOCK_N=_BLOCK_N, QTYPE=down.qtype, SC=_SCALES[down.qtype], EMULATE=emulate, **route,
         num_warps=4, num_stages=1 if emulate else _STAGES[down.qtype])
     return finish(y, out, top_k)
+
+
+# ----------------------------------------------------------------------------------------------- grouped
+@triton.jit
+def _word_f16(w, HIGH: tl.constexpr):
+    """float32 of the low (or ``HIGH``) float16 of the int32 words ``w``."""
+    return ((w >> 16) if HIGH else (w & 0xFFFF)).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
+
+
+@triton.jit
+def _q4k_scale_min(dd, w1, w2, w3, j):
+    """``(d·sc_j, dmin·m_j)`` of Q4_K sub-block ``j`` (0..7) from a super-block's header words (``d, dmin``;
+    ``scales[12]`` as three words): 6-bit ``sc, m``; ``j < 4`` bytes ``j``, ``j + 4``; else split over
+    bytes ``j + 4`` and ``j − 4`` (:mod:`.gguf_tiles`' ``_k_scales_mins``)."""
+    sh = 8 * (j % 4)
+    b1, b2, b3 = (w1 >> sh) & 255, (w2 >> sh) & 255, (w3 >> sh) & 255
+    low = j < 4
+    sc = tl.where(low, b1 & 63, (b3 & 15) | ((b1 >> 6) << 4)).to(tl.float32)
+    mn = tl.where(low, b2 & 63, (b3 >> 4) | ((b2 >> 6) << 4)).to(tl.float32)
+    return _word_f16(dd, False) * sc, _word_f16(dd, True) * mn
+
+
+@triton.jit
+def _q4k_planes(rows, kc):
+    """The Q4_K rows' weights of 64-input chunk ``kc`` (32 code bytes of super-block ``kc // 4``) as two
+    float32 ``[BLOCK_N, 32]`` planes: inputs ``64 kc + l`` (the low nibbles, sub-block ``2 (kc % 4)``)
+    and ``64 kc + 32 + l`` (the high ones, the next sub-block)."""
+    j = tl.arange(0, 32)
+    blk = rows + (kc // 4) * 144                            # d, dmin @0; scales[12] @4; qs[128] @16
+    words = blk.to(tl.pointer_type(tl.int32))
+    dd, w1, w2, w3 = tl.load(words), tl.load(words + 1), tl.load(words + 2), tl.load(words + 3)
+    codes = tl.load(blk[:, None] + (16 + 32 * (kc % 4) + j)[None, :]).to(tl.int32)
+    s0, m0 = _q4k_scale_min(dd, w1, w2, w3, 2 * (kc % 4))
+    s1, m1 = _q4k_scale_min(dd, w1, w2, w3, 2 * (kc % 4) + 1)
+    return ((codes & 15).to(tl.float32) * s0[:, None] - m0[:, None],
+            (codes >> 4).to(tl.float32) * s1[:, None] - m1[:, None])
+
+
+@triton.jit
+def _q6k_plane(rows, kp):
+    """The stored Q6_K rows' weights (224-byte blocks: ``ql[128] @0, qh[64] @128, scales[16] int8 @192,
+    d @208``) of 32-input plane ``kp`` (inputs ``32 kp + l``: super-block ``kp // 8``, half ``h``, plane
+    ``pl`` of the half) as float32 ``[BLOCK_N, 32]``: ``q`` from ``ql``'s nibble ``pl // 2`` and
+    ``qh``'s bits ``2 pl``, ``2 pl + 1``; ``w = d·sc·(q − 32)``, ``sc`` the first 16 inputs' or the
+    second's."""
+    j = tl.arange(0, 32)
+    blk = rows + (kp // 8) * 224
+    h, pl = (kp // 4) % 2, kp % 4
+    ql = tl.load(blk[:, None] + (64 * h + 32 * (pl % 2) + j)[None, :]).to(tl.int32)
+    qh = tl.load(blk[:, None] + (128 + 32 * h + j)[None, :]).to(tl.int32)
+    q = ((ql >> (4 * (pl // 2))) & 15) | (((qh >> (2 * pl)) & 3) << 4)
+    words = (blk + 192).to(tl.pointer_type(tl.int32))       # the 16 int8 scales as four words, then d
+    sw = tl.load(words + 2 * h + pl // 2)                   # scales 8 h + 2 pl, + 1: bytes 2 (pl % 2), + 1
+    sh = 16 * (pl % 2)
+    sc0 = (((sw >> sh) & 255) ^ 128) - 128
+    sc1 = (((sw >> (sh + 8)) & 255) ^ 128) - 128
+    d = _word_f16(tl.load(words + 4), False)
+    sc = tl.where(j[None, :] < 16, sc0[:, None], sc1[:, None]).to(tl.float32)
+    return (q - 32).to(tl.float32) * (d[:, None] * sc)
+
+
+@triton.jit
+def _plane_dot(acc, a_rows, a_ok, w, k0, DOT_PREC: tl.constexpr, DOT_F32: tl.constexpr):
+    """``acc + A[:, k0:k0 + 32] @ wᵀ``: the activations (``[BLOCK_M]`` row pointers) of 32 inputs against
+    a ``[BLOCK_N, 32]`` weight plane rounded to their dtype."""
+    a = tl.load(a_rows[:, None] + (k0 + tl.arange(0, 32))[None, :], mask=a_ok[:, None], other=0.0)
+    return acc + _mm(a, tl.trans(w.to(a.dtype)), DOT_PREC, DOT_F32)
+
+
+@triton.jit
+def _rows_dot(acc, a_rows, a_ok, rows, K, QTYPE: tl.constexpr, DOT_PREC: tl.constexpr, DOT_F32: tl.constexpr):
+    """``acc + A @ dequant(W)ᵀ`` over all ``K`` inputs of the ``QTYPE`` rows ``rows``, a plane a step."""
+    if QTYPE == "Q4_K":
+        for kc in range(0, K // 64):
+            w0, w1 = _q4k_planes(rows, kc)
+            acc = _plane_dot(acc, a_rows, a_ok, w0, 64 * kc, DOT_PREC, DOT_F32)
+            acc = _plane_dot(acc, a_rows, a_ok, w1, 64 * kc + 32, DOT_PREC, DOT_F32)
+    else:
+        for kp in range(0, K // 32):
+            acc = _plane_dot(acc, a_rows, a_ok, _q6k_plane(rows, kp), 32 * kp, DOT_PREC, DOT_F32)
+    return acc
+
+
+@triton.jit
+def _grouped_gate_up_kernel(
+    x_ptr, sx,                 # tokens [T, H] (inner stride 1), row stride
+    w_ptr, swe, row_bytes,     # gate_up blocks [E, 2I, row_bytes] uint8
+    h_ptr,                     # out: act(gate)·up per pair [P, I], contiguous
+    rows_ptr, blk_e_ptr,       # moe_align: pair index per padded row, expert per block
+    P, H, I, E, TOP_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, QTYPE: tl.constexpr,
+    GEGLU: tl.constexpr, DOT_PREC: tl.constexpr, DOT_F32: tl.constexpr,
+):
+    """h[p, n] = act(x[p // k] · gate_e[n], x[p // k] · up_e[n]) for the pairs of block ``program_id(0)``."""
+    e, pairs, valid, n, n_ok = _block_of_pairs(rows_ptr, blk_e_ptr, P, I, BLOCK_M, BLOCK_N)
+    if e >= E:
+        return
+    x_rows = x_ptr + tl.where(valid, pairs // TOP_K, 0).to(tl.int64) * sx
+    gate = w_ptr + e.to(tl.int64) * swe + tl.minimum(n, I - 1).to(tl.int64) * row_bytes   # past I: never stored
+    up = gate + I.to(tl.int64) * row_bytes
+    acc_g = _rows_dot(tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32), x_rows, valid, gate, H, QTYPE, DOT_PREC, DOT_F32)
+    acc_u = _rows_dot(tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32), x_rows, valid, up, H, QTYPE, DOT_PREC, DOT_F32)
+    h = _act(acc_g, acc_u, GEGLU)
+    tl.store(h_ptr + pairs[:, None].to(tl.int64) * I + n[None, :], h.to(h_ptr.dtype.element_ty),
+             mask=valid[:, None] & n_ok[None, :])
+
+
+@triton.jit
+def _grouped_down_kernel(
+    h_ptr,                     # act(gate)·up per pair [P, I], contiguous
+    w_ptr, swe, row_bytes,     # down blocks [E, H, row_bytes] uint8
+    wt_ptr,                    # routing weight per pair [P], float32
+    y_ptr,                     # out: weighted expert outputs per pair [P, H], float32
+    rows_ptr, blk_e_ptr, P, H, I, E,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, QTYPE: tl.constexpr, DOT_PREC: tl.constexpr,
+    DOT_F32: tl.constexpr,
+):
+    """y[p, n] = weight(p) · h[p] · down_e[n] for the pairs of block ``program_id(0)``."""
+    e, pairs, valid, n, n_ok = _block_of_pairs(rows_ptr, blk_e_ptr, P, H, BLOCK_M, BLOCK_N)
+    if e >= E:
+        return
+    safe = tl.where(valid, pairs, 0).to(tl.int64)
+    rows = w_ptr + e.to(tl.int64) * swe + tl.minimum(n, H - 1).to(tl.int64) * row_bytes
+    acc = _rows_dot(tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32), h_ptr + safe * I, valid, rows, I, QTYPE,
+                    DOT_PREC, DOT_F32)
+    wt = tl.load(wt_ptr + safe, mask=valid, other=0.0)
+    tl.store(y_ptr + safe[:, None] * H + n[None, :], acc * wt[:, None], mask=valid[:, None] & n_ok[None, :])
+
+
+def grouped_config(pairs: int):
+    """The grouped kernels' launch, a ``moe.MoeConfig`` (per kernel ``(BLOCK_N, 32, num_warps,
+    num_stages)``: a K step is one 32-value plane): 64 pairs a block and 64-row tiles of 4 warps, 2
+    stages (no spills compiled for sm_90: 128 registers for gate/up, 80 for down); 16 pairs a block
+    for a few."""
+    from .moe import MoeConfig
+    return MoeConfig(16 if pairs <= 64 else 64, (64, 32, 4, 2), (64, 32, 4, 2))
+
+
+def grouped_experts(x: torch.Tensor, routing: torch.Tensor, up, down, inter: int, top_k: int, geglu: bool,
+                    out: torch.Tensor, config=None) -> torch.Tensor:
+    """``out [T, H]`` over the GGUF stacks (:func:`eligible`), the pairs grouped by expert (module
+    docstring; ``config``: :func:`grouped_config`'s by default, a K step of other than 32 values is an
+    error). Launches: routing top-k and alignment, gate/up, down, the sum of the choices."""
+    from .moe import choices, moe_align
+    t, hidden = x.shape
+    e = routing.shape[1]
+    pairs = t * top_k
+    cfg = config or grouped_config(pairs)
+    for name, kcfg in (("up", cfg.up), ("down", cfg.down)):
+        if kcfg[1] != 32:
+            raise GraphDSLError(f"grouped_experts: config.{name} must step 32 values (one plane), got {kcfg}")
+    weights, ids = choices(routing, top_k)
+    rows, block_expert = moe_align(ids, e, cfg.block_m)
+    num_blocks = block_expert.numel()
+    interp = os.environ.get("TRITON_INTERPRET") == "1"
+    common = dict(BLOCK_M=cfg.block_m, DOT_PREC="ieee" if x.dtype == torch.float32 else "tf32", DOT_F32=interp)
+
+    def launch(kcfg) -> dict:
+        return dict(BLOCK_N=kcfg[0], num_warps=kcfg[2], num_stages=1 if interp else kcfg[3], **common)
+
+    h = torch.empty((pairs, inter), dtype=x.dtype, device=x.device)
+    _grouped_gate_up_kernel[(num_blocks, triton.cdiv(inter, cfg.up[0]))](
+        x, x.stride(0), up.codes, up.codes.stride(0), up.codes.stride(1), h, rows, block_expert,
+        P=pairs, H=hidden, I=inter, E=e, TOP_K=top_k, QTYPE=up.qtype, GEGLU=geglu, **launch(cfg.up))
+    y = torch.empty((pairs, hidden), dtype=torch.float32, device=x.device)
+    _grouped_down_kernel[(num_blocks, triton.cdiv(hidden, cfg.down[0]))](
+        h, down.codes, down.codes.stride(0), down.codes.stride(1), weights.reshape(-1).contiguous(), y, rows,
+        block_expert, P=pairs, H=hidden, I=inter, E=e, QTYPE=down.qtype, **launch(cfg.down))
+    return finish(y.view(1, pairs, hidden), out, top_k)
