@@ -48,10 +48,10 @@ __all__ = ["gguf_experts", "one_pair_by_default", "grouped_config", "MAX_PAIRS_P
 # weights at a time dequantized in registers); False: the CUDA-core loop and the float32 tile kernels below
 MMA = True
 MAX_PAIRS_PER_EXPERT = {"Q4_K": 2, "Q5_K": 2, "Q6_K": 2, "Q4_0": 1, "Q4_1": 1, "Q5_0": 1, "Q5_1": 1, "Q8_0": 1}
-# ... and where the one-pair path runs on the tensor cores (.moe_gguf_mma). H200, Mixtral's experts, Q4_K gate/up and
-# Q6_K down, µs one pair a row against grouped: 2 pairs 107.7 vs 718.8, 16 pairs 599.2 vs 1805.8, 32 pairs 1110.7 vs
-# 2444.7, 48 pairs 1633.1 vs 2661.2, 64 pairs 2144.1 vs 2903.4, 96 pairs 3192.6 vs 2397.1
-MAX_PAIRS_PER_EXPERT_MMA = 8
+# ... and where both paths run .moe_gguf_mma's kernels. H200, Mixtral's experts, Q4_K gate/up and Q6_K down, µs one
+# pair a row against grouped: 8 pairs 319.2 vs 1284.6, 16 pairs 603.9 vs 1287.3, 32 pairs 1113.4 vs 1396.4, 64
+# pairs 2158.2 vs 1505.3
+MAX_PAIRS_PER_EXPERT_MMA = 4
 
 
 @triton.jit

@@ -306,9 +306,13 @@ def _grouped_down_kernel(
 def grouped_config(pairs: int):
     """The grouped kernels' launch, a ``moe.MoeConfig`` (per kernel ``(BLOCK_N, 32, num_warps,
     num_stages)``: a K step is one 32-value plane): 64 pairs a block and 64-row tiles of 4 warps, 2
-    stages (no spills compiled for sm_90: 128 registers for gate/up, 80 for down); 16 pairs a block
-    for a few."""
+    stages (compiled for sm_90 without spills: 128 registers for gate/up, 80 for down; Mixtral's
+    experts at 64 tokens 1620 µs on an H200); beyond 512 pairs 128 pairs a block, gate/up in
+    128-row tiles and 3 stages (the H200 sweep of ``benchmarks/moe.py --sweep`` at Mixtral's size,
+    512 tokens: 3756 µs in the 64-pair launch, 3129 in this one); 16 pairs a block for a few."""
     from .moe import MoeConfig
+    if pairs > 512:
+        return MoeConfig(128, (128, 32, 4, 3), (64, 32, 4, 3))
     return MoeConfig(16 if pairs <= 64 else 64, (64, 32, 4, 2), (64, 32, 4, 2))
 
 

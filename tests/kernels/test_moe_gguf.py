@@ -107,12 +107,12 @@ def test_gguf_stacks_read_only_the_chosen_experts(gemv):
 @pytest.mark.parametrize("up_scheme,down_scheme,dtype,tokens,one_pair", [
     ("gguf-q4_k", "gguf-q8_0", torch.float32, 4, True), ("gguf-q4_k", "gguf-q8_0", torch.float32, 5, False),
     ("gguf-q8_0", "gguf-q8_0", torch.float32, 2, True), ("gguf-q8_0", "gguf-q8_0", torch.float32, 3, False),
-    ("gguf-q4_k", "gguf-q6_k", torch.bfloat16, 16, True), ("gguf-q4_k", "gguf-q6_k", torch.bfloat16, 17, False),
+    ("gguf-q4_k", "gguf-q6_k", torch.bfloat16, 8, True), ("gguf-q4_k", "gguf-q6_k", torch.bfloat16, 9, False),
     ("gguf-q4_k", "gguf-q8_0", torch.bfloat16, 5, False)])
 def test_default_path_follows_the_pairs_an_expert(up_scheme, down_scheme, dtype, tokens, one_pair, monkeypatch):
     """One pair a program row up to ``MAX_PAIRS_PER_EXPERT`` pairs an expert for the gate/up
     stack's type (top-2 of 4 experts: Q4_K 2, so up to 4 tokens; Q8_0 1, up to 2), or
-    ``MAX_PAIRS_PER_EXPERT_MMA`` (8: up to 16 tokens) where that path runs on the tensor cores
+    ``MAX_PAIRS_PER_EXPERT_MMA`` (4: up to 8 tokens) where that path runs on the tensor cores
     (Q4_K / Q6_K stacks, 16-bit activations); grouped beyond."""
     args, kw, want = _case(tokens, 4, 256, 256, 2, dtype, up_scheme, down_scheme)
     seen = []
