@@ -53,7 +53,8 @@ from .gguf_mma import _CONFIG_KEYS as _MMA_CONFIG_KEYS
 from .gguf_mma import MMA_MIN_ROWS, MMA_QTYPES, gguf_gemv_mma
 from .gguf_mma_q6k import gguf_gemv_q6k
 from .pdl import pdl_launch, pdl_trigger, pdl_wait
-from .gguf_tiles import KERNEL_QTYPES, decode_tile, layout_args, row_codes, row_dot, row_total, row_zeros
+from .gguf_tiles import (KERNEL_QTYPES, decode_tile, layout_args, q4k_planes, q6k_plane, row_codes, row_dot, row_total,
+                         row_zeros)
 from .splitk import arrive, depart, meet_rows, sum_partials
 
 __all__ = ["gguf_linear", "gguf_gemv", "gguf_dequantize", "mma_eligible", "KERNEL_QTYPES", "MAX_GEMV_ROWS"]
@@ -172,18 +173,39 @@ def _gguf_dequant_kernel(
     out_ptr,        # [N, K] output, row-major
     N, K, row_bytes,
     QTYPE: tl.constexpr, VALUES: tl.constexpr, SB: tl.constexpr, BLOCK_N: tl.constexpr,
-    KB: tl.constexpr = False, BYTES: tl.constexpr = 0, KB_STRIDE=0,
+    KB: tl.constexpr = False, BYTES: tl.constexpr = 0, KB_STRIDE=0, PLANES: tl.constexpr = True,
 ):
-    """out[n, k] = dequant(w)[n, k] for BLOCK_N rows and SB blocks per program."""
+    """out[n, k] = dequant(w)[n, k] for BLOCK_N rows and SB blocks per program. With ``PLANES`` Q4_K and
+    Q6_K decode a 32-value plane at a time, already in K order (:func:`.gguf_tiles.q4k_planes`), and
+    store each plane's contiguous values a row; the other types store their tile at its K offsets
+    (scattered 2-byte stores)."""
     pid_n = tl.program_id(0)
     blk0 = tl.program_id(1) * SB
     rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = rn < N
-    w, koff = decode_tile(w_ptr + rn.to(tl.int64) * row_bytes, n_ok, blk0, KB_STRIDE if KB else BYTES, QTYPE, SB)
-    dst = out_ptr + rn.to(tl.int64)[:, None] * K + (blk0 * VALUES + koff)[None, :]
-    tl.store(dst, w.to(out_ptr.dtype.element_ty), mask=n_ok[:, None])
+    BS = KB_STRIDE if KB else BYTES
+    dt = out_ptr.dtype.element_ty
+    if PLANES and (QTYPE == "Q4_K" or QTYPE == "Q6_K"):
+        rows = w_ptr + tl.minimum(rn, N - 1).to(tl.int64) * row_bytes       # the planes' loads carry no mask
+        dst = out_ptr + rn.to(tl.int64)[:, None] * K + tl.arange(0, 32)[None, :]
+        for i in tl.static_range(8 * SB):                                   # 32-value planes, in K order
+            if QTYPE == "Q4_K":
+                if i % 2 == 0:
+                    w0, w1 = q4k_planes(rows, blk0 * 4 + i // 2, BS)
+                    w = w0
+                else:
+                    w = w1
+            else:
+                w = q6k_plane(rows, blk0 * 8 + i, BS)
+            tl.store(dst + (blk0 * 256 + 32 * i), w.to(dt), mask=n_ok[:, None])
+    else:
+        w, koff = decode_tile(w_ptr + rn.to(tl.int64) * row_bytes, n_ok, blk0, BS, QTYPE, SB)
+        dst = out_ptr + rn.to(tl.int64)[:, None] * K + (blk0 * VALUES + koff)[None, :]
+        tl.store(dst, w.to(dt), mask=n_ok[:, None])
 
 
+# Q4_K / Q6_K dequantized a 32-value plane at a time, stored contiguously (False: the tile at its K offsets; A/B)
+_DEQUANT_PLANES = True
 # the launch keys gguf_gemv's ``config`` takes (a typo is an error, not a silently ignored key)
 _CONFIG_KEYS = {"SB", "BLOCK_N", "SPLIT_K", "num_warps", "num_stages", "USE_DOT", "PREFETCH", "MMA"}
 
@@ -398,7 +420,8 @@ def gguf_dequantize(data: torch.Tensor, qtype: str, dtype: torch.dtype = torch.b
     block_n = 16
     row_stride, layout = layout_args(data, qtype)
     _gguf_dequant_kernel[(triton.cdiv(n, block_n), k // values // sb)](
-        data, out, n, k, row_stride, QTYPE=qtype, VALUES=values, SB=sb, BLOCK_N=block_n, num_warps=4, **layout)
+        data, out, n, k, row_stride, QTYPE=qtype, VALUES=values, SB=sb, BLOCK_N=block_n, num_warps=4,
+        PLANES=_DEQUANT_PLANES, **layout)
     return out
 
 

@@ -31,7 +31,8 @@ from ..gguf_blocks import GGUF_BLOCKS, STORED_BLOCK_BYTES
 from ..gguf_blocks import KERNEL_QTYPES as _NAMES
 from ..gguf_blocks import strides
 
-__all__ = ["KERNEL_QTYPES", "decode_tile", "row_codes", "row_dot", "row_total", "row_zeros", "layout_args"]
+__all__ = ["KERNEL_QTYPES", "decode_tile", "row_codes", "row_dot", "row_total", "row_zeros", "layout_args", "q4k_planes",
+           "q6k_plane"]
 
 # GGML types with a Triton tile decoder: name -> (values per block, bytes per stored block)
 KERNEL_QTYPES: dict[str, tuple[int, int]] = {
@@ -257,6 +258,72 @@ def decode_tile(rows, n_ok, blk0, BS, QTYPE: tl.constexpr, SB: tl.constexpr):
         tl.static_assert(QTYPE == "Q6_K", "decode_tile: unsupported GGML type")
         w, koff = _tile_q6_k(rows, n_ok, blk0, BS, SB)
     return w, koff
+
+
+# --------------------------------------------------------------------------- 32-value planes in K order
+# A K-type super-block decoded a 32-value plane at a time, straight into K order: Q4_K's 32-byte chunk
+# holds one sub-block in its low nibbles and the next in its high ones; a Q6_K half holds four planes.
+# Small enough to keep in registers beside a matmul's accumulator (the MoE plane kernels,
+# moe_gguf_mma), and stored contiguously by the dequantize kernel.
+
+
+@triton.jit
+def _word_f16(w, HIGH: tl.constexpr):
+    """float32 of the low (or ``HIGH``) float16 of the int32 words ``w``."""
+    return ((w >> 16) if HIGH else (w & 0xFFFF)).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
+
+
+@triton.jit
+def _q4k_scale_min(dd, w1, w2, w3, j):
+    """``(d·sc_j, dmin·m_j)`` of Q4_K sub-block ``j`` (0..7) from a super-block's header words (``d, dmin``;
+    ``scales[12]`` as three words): 6-bit ``sc, m``; ``j < 4`` bytes ``j``, ``j + 4``; else split over
+    bytes ``j + 4`` and ``j − 4`` (:mod:`.gguf_tiles`' ``_k_scales_mins``)."""
+    sh = 8 * (j % 4)
+    b1, b2, b3 = (w1 >> sh) & 255, (w2 >> sh) & 255, (w3 >> sh) & 255
+    low = j < 4
+    sc = tl.where(low, b1 & 63, (b3 & 15) | ((b1 >> 6) << 4)).to(tl.float32)
+    mn = tl.where(low, b2 & 63, (b3 >> 4) | ((b2 >> 6) << 4)).to(tl.float32)
+    return _word_f16(dd, False) * sc, _word_f16(dd, True) * mn
+
+
+@triton.jit
+def q4k_planes(rows, kc, BS):
+    """The Q4_K rows' weights of 64-input chunk ``kc`` (32 code bytes of super-block ``kc // 4``, ``BS``
+    bytes between a row's super-blocks) as two float32 ``[BLOCK_N, 32]`` planes in K order: inputs
+    ``64 kc + l`` (the low nibbles, sub-block ``2 (kc % 4)``) and ``64 kc + 32 + l`` (the high ones,
+    the next sub-block). Loads carry no mask: every row pointer must be a row's."""
+    j = tl.arange(0, 32)
+    blk = rows + (kc // 4) * BS                             # d, dmin @0; scales[12] @4; qs[128] @16
+    words = blk.to(tl.pointer_type(tl.int32))
+    dd, w1, w2, w3 = tl.load(words), tl.load(words + 1), tl.load(words + 2), tl.load(words + 3)
+    codes = tl.load(blk[:, None] + (16 + 32 * (kc % 4) + j)[None, :]).to(tl.int32)
+    s0, m0 = _q4k_scale_min(dd, w1, w2, w3, 2 * (kc % 4))
+    s1, m1 = _q4k_scale_min(dd, w1, w2, w3, 2 * (kc % 4) + 1)
+    return ((codes & 15).to(tl.float32) * s0[:, None] - m0[:, None],
+            (codes >> 4).to(tl.float32) * s1[:, None] - m1[:, None])
+
+
+@triton.jit
+def q6k_plane(rows, kp, BS):
+    """The stored Q6_K rows' weights (224-byte blocks: ``ql[128] @0, qh[64] @128, scales[16] int8 @192,
+    d @208``; ``BS`` bytes between a row's blocks) of 32-input plane ``kp`` (inputs ``32 kp + l``:
+    super-block ``kp // 8``, half ``h``, plane ``pl`` of the half) as float32 ``[BLOCK_N, 32]`` in K
+    order: ``q`` from ``ql``'s nibble ``pl // 2`` and ``qh``'s bits ``2 pl``, ``2 pl + 1``;
+    ``w = d·sc·(q − 32)``, ``sc`` the first 16 inputs' or the second's. Loads carry no mask."""
+    j = tl.arange(0, 32)
+    blk = rows + (kp // 8) * BS
+    h, pl = (kp // 4) % 2, kp % 4
+    ql = tl.load(blk[:, None] + (64 * h + 32 * (pl % 2) + j)[None, :]).to(tl.int32)
+    qh = tl.load(blk[:, None] + (128 + 32 * h + j)[None, :]).to(tl.int32)
+    q = ((ql >> (4 * (pl // 2))) & 15) | (((qh >> (2 * pl)) & 3) << 4)
+    words = (blk + 192).to(tl.pointer_type(tl.int32))       # the 16 int8 scales as four words, then d
+    sw = tl.load(words + 2 * h + pl // 2)                   # scales 8 h + 2 pl, + 1: bytes 2 (pl % 2), + 1
+    sh = 16 * (pl % 2)
+    sc0 = (((sw >> sh) & 255) ^ 128) - 128
+    sc1 = (((sw >> (sh + 8)) & 255) ^ 128) - 128
+    d = _word_f16(tl.load(words + 4), False)
+    sc = tl.where(j[None, :] < 16, sc0[:, None], sc1[:, None]).to(tl.float32)
+    return (q - 32).to(tl.float32) * (d[:, None] * sc)
 
 
 # --------------------------------------------------------------------------- one activation row

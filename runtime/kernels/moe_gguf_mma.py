@@ -45,6 +45,7 @@ from graphdsl.errors import GraphDSLError
 
 from .gguf_mma import _column_inputs, _q6k_columns_planes, _sub_block_planes, _write_planes, q4k_sums, split_for
 from .gguf_mma_q6k import q6k_sums, write_q6k_planes
+from .gguf_tiles import q4k_planes, q6k_plane
 from .moe_gemv import _act, _block_of_pairs, _choice, finish
 from .paged_attention import _mm, _sm_count
 
@@ -179,64 +180,6 @@ def mma_experts(x: torch.Tensor, routing: torch.Tensor, up, down, inter: int, to
 
 # ----------------------------------------------------------------------------------------------- grouped
 @triton.jit
-def _word_f16(w, HIGH: tl.constexpr):
-    """float32 of the low (or ``HIGH``) float16 of the int32 words ``w``."""
-    return ((w >> 16) if HIGH else (w & 0xFFFF)).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
-
-
-@triton.jit
-def _q4k_scale_min(dd, w1, w2, w3, j):
-    """``(d·sc_j, dmin·m_j)`` of Q4_K sub-block ``j`` (0..7) from a super-block's header words (``d, dmin``;
-    ``scales[12]`` as three words): 6-bit ``sc, m``; ``j < 4`` bytes ``j``, ``j + 4``; else split over
-    bytes ``j + 4`` and ``j − 4`` (:mod:`.gguf_tiles`' ``_k_scales_mins``)."""
-    sh = 8 * (j % 4)
-    b1, b2, b3 = (w1 >> sh) & 255, (w2 >> sh) & 255, (w3 >> sh) & 255
-    low = j < 4
-    sc = tl.where(low, b1 & 63, (b3 & 15) | ((b1 >> 6) << 4)).to(tl.float32)
-    mn = tl.where(low, b2 & 63, (b3 >> 4) | ((b2 >> 6) << 4)).to(tl.float32)
-    return _word_f16(dd, False) * sc, _word_f16(dd, True) * mn
-
-
-@triton.jit
-def _q4k_planes(rows, kc):
-    """The Q4_K rows' weights of 64-input chunk ``kc`` (32 code bytes of super-block ``kc // 4``) as two
-    float32 ``[BLOCK_N, 32]`` planes: inputs ``64 kc + l`` (the low nibbles, sub-block ``2 (kc % 4)``)
-    and ``64 kc + 32 + l`` (the high ones, the next sub-block)."""
-    j = tl.arange(0, 32)
-    blk = rows + (kc // 4) * 144                            # d, dmin @0; scales[12] @4; qs[128] @16
-    words = blk.to(tl.pointer_type(tl.int32))
-    dd, w1, w2, w3 = tl.load(words), tl.load(words + 1), tl.load(words + 2), tl.load(words + 3)
-    codes = tl.load(blk[:, None] + (16 + 32 * (kc % 4) + j)[None, :]).to(tl.int32)
-    s0, m0 = _q4k_scale_min(dd, w1, w2, w3, 2 * (kc % 4))
-    s1, m1 = _q4k_scale_min(dd, w1, w2, w3, 2 * (kc % 4) + 1)
-    return ((codes & 15).to(tl.float32) * s0[:, None] - m0[:, None],
-            (codes >> 4).to(tl.float32) * s1[:, None] - m1[:, None])
-
-
-@triton.jit
-def _q6k_plane(rows, kp):
-    """The stored Q6_K rows' weights (224-byte blocks: ``ql[128] @0, qh[64] @128, scales[16] int8 @192,
-    d @208``) of 32-input plane ``kp`` (inputs ``32 kp + l``: super-block ``kp // 8``, half ``h``, plane
-    ``pl`` of the half) as float32 ``[BLOCK_N, 32]``: ``q`` from ``ql``'s nibble ``pl // 2`` and
-    ``qh``'s bits ``2 pl``, ``2 pl + 1``; ``w = d·sc·(q − 32)``, ``sc`` the first 16 inputs' or the
-    second's."""
-    j = tl.arange(0, 32)
-    blk = rows + (kp // 8) * 224
-    h, pl = (kp // 4) % 2, kp % 4
-    ql = tl.load(blk[:, None] + (64 * h + 32 * (pl % 2) + j)[None, :]).to(tl.int32)
-    qh = tl.load(blk[:, None] + (128 + 32 * h + j)[None, :]).to(tl.int32)
-    q = ((ql >> (4 * (pl // 2))) & 15) | (((qh >> (2 * pl)) & 3) << 4)
-    words = (blk + 192).to(tl.pointer_type(tl.int32))       # the 16 int8 scales as four words, then d
-    sw = tl.load(words + 2 * h + pl // 2)                   # scales 8 h + 2 pl, + 1: bytes 2 (pl % 2), + 1
-    sh = 16 * (pl % 2)
-    sc0 = (((sw >> sh) & 255) ^ 128) - 128
-    sc1 = (((sw >> (sh + 8)) & 255) ^ 128) - 128
-    d = _word_f16(tl.load(words + 4), False)
-    sc = tl.where(j[None, :] < 16, sc0[:, None], sc1[:, None]).to(tl.float32)
-    return (q - 32).to(tl.float32) * (d[:, None] * sc)
-
-
-@triton.jit
 def _plane_dot(acc, a_rows, a_ok, w, k0, DOT_PREC: tl.constexpr, DOT_F32: tl.constexpr):
     """``acc + A[:, k0:k0 + 32] @ wᵀ``: the activations (``[BLOCK_M]`` row pointers) of 32 inputs against
     a ``[BLOCK_N, 32]`` weight plane rounded to their dtype."""
@@ -249,12 +192,12 @@ def _rows_dot(acc, a_rows, a_ok, rows, K, QTYPE: tl.constexpr, DOT_PREC: tl.cons
     """``acc + A @ dequant(W)ᵀ`` over all ``K`` inputs of the ``QTYPE`` rows ``rows``, a plane a step."""
     if QTYPE == "Q4_K":
         for kc in range(0, K // 64):
-            w0, w1 = _q4k_planes(rows, kc)
+            w0, w1 = q4k_planes(rows, kc, 144)
             acc = _plane_dot(acc, a_rows, a_ok, w0, 64 * kc, DOT_PREC, DOT_F32)
             acc = _plane_dot(acc, a_rows, a_ok, w1, 64 * kc + 32, DOT_PREC, DOT_F32)
     else:
         for kp in range(0, K // 32):
-            acc = _plane_dot(acc, a_rows, a_ok, _q6k_plane(rows, kp), 32 * kp, DOT_PREC, DOT_F32)
+            acc = _plane_dot(acc, a_rows, a_ok, q6k_plane(rows, kp, 224), 32 * kp, DOT_PREC, DOT_F32)
     return acc
 
 

@@ -36,6 +36,20 @@ def test_dequantize_kernel_is_exact(qtype):
     torch.testing.assert_close(dequantize_blocks(from_stored(data, qtype), qtype, 512), ref, rtol=0, atol=0)
 
 
+@pytest.mark.parametrize("qtype", ["Q4_K", "Q6_K"])
+def test_dequantize_planes_and_tiles_give_the_same_bits(qtype, monkeypatch):
+    """Q4_K / Q6_K dequantized a 32-value plane at a time (stored contiguously, the default) or as the
+    tile at its K offsets (``_DEQUANT_PLANES`` off): the same bits, row-major and block-major."""
+    import graphdsl.runtime.kernels.gguf_linear as gl
+    data, ref = _weight(qtype, 19, 512, seed=3)
+    for blocks in (data, block_major(data, qtype)):
+        got = {}
+        for planes in (True, False):
+            monkeypatch.setattr(gl, "_DEQUANT_PLANES", planes)
+            got[planes] = gguf_dequantize(blocks, qtype, torch.float32)
+        assert torch.equal(got[True], ref) and torch.equal(got[False], ref)
+
+
 @pytest.mark.parametrize("qtype", KERNEL_QTYPES)
 @pytest.mark.parametrize("m,split", [(1, 1), (1, 2), (5, 1), (5, 2)])
 def test_gemv_matches_dequantize_then_matmul(qtype, m, split):
