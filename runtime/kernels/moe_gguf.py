@@ -31,10 +31,14 @@ import torch
 import triton
 import triton.language as tl
 
+from graphdsl.errors import GraphDSLError
+
 from .gguf_linear import _sb_for
 from .gguf_tiles import KERNEL_QTYPES, decode_tile, row_codes, row_dot, row_total, row_zeros
 from .moe_gemv import _act, _block_of_pairs, _choice, finish
-from .moe_gguf_mma import eligible as mma_eligible, grouped_experts as mma_grouped, mma_experts
+from .moe_gguf_mma import eligible as mma_eligible
+from .moe_gguf_mma import grouped_config as planes_config
+from .moe_gguf_mma import mma_experts, rows_dot
 from .paged_attention import _mm, _sm_count
 
 __all__ = ["gguf_experts", "one_pair_by_default", "grouped_config", "MAX_PAIRS_PER_EXPERT", "MAX_PAIRS_PER_EXPERT_MMA"]
@@ -126,22 +130,31 @@ def _grouped_gate_up_kernel(
     P, H, I, E, TOP_K: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, QTYPE: tl.constexpr, VALUES: tl.constexpr, SB: tl.constexpr,
     BYTES: tl.constexpr, GEGLU: tl.constexpr, DOT_PREC: tl.constexpr, DOT_F32: tl.constexpr,
+    PLANES: tl.constexpr = False,   # a 32-value plane a K step (.moe_gguf_mma.rows_dot): Q4_K / Q6_K
 ):
     """h[p, n] = act(x[p // k] · gate_e[n], x[p // k] · up_e[n]) for the pairs of block ``b``."""
     e, pairs, valid, n, n_ok = _block_of_pairs(rows_ptr, blk_e_ptr, P, I, BLOCK_M, BLOCK_N)
     if e >= E:
         return
     x_rows = x_ptr + tl.where(valid, pairs // TOP_K, 0).to(tl.int64) * sx
-    gate = w_ptr + e.to(tl.int64) * swe + n.to(tl.int64) * row_bytes
-    up = w_ptr + e.to(tl.int64) * swe + (n + I).to(tl.int64) * row_bytes
-    acc_g = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    acc_u = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for s in range(0, H // (VALUES * SB)):
-        wg, koff = decode_tile(gate, n_ok, s * SB, BYTES, QTYPE, SB)         # gate and up: one tile order
-        wu, _ = decode_tile(up, n_ok, s * SB, BYTES, QTYPE, SB)
-        a = tl.load(x_rows[:, None] + (s * SB * VALUES + koff)[None, :], mask=valid[:, None], other=0.0)
-        acc_g += _mm(a, tl.trans(wg.to(a.dtype)), DOT_PREC, DOT_F32)
-        acc_u += _mm(a, tl.trans(wu.to(a.dtype)), DOT_PREC, DOT_F32)
+    if PLANES:                             # the planes' loads carry no mask: rows past I read row I - 1
+        gate = w_ptr + e.to(tl.int64) * swe + tl.minimum(n, I - 1).to(tl.int64) * row_bytes
+        up = gate + I.to(tl.int64) * row_bytes
+        acc_g = rows_dot(tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32), x_rows, valid, gate, H, QTYPE, DOT_PREC,
+                         DOT_F32)
+        acc_u = rows_dot(tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32), x_rows, valid, up, H, QTYPE, DOT_PREC,
+                         DOT_F32)
+    else:
+        gate = w_ptr + e.to(tl.int64) * swe + n.to(tl.int64) * row_bytes
+        up = w_ptr + e.to(tl.int64) * swe + (n + I).to(tl.int64) * row_bytes
+        acc_g = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        acc_u = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        for s in range(0, H // (VALUES * SB)):
+            wg, koff = decode_tile(gate, n_ok, s * SB, BYTES, QTYPE, SB)     # gate and up: one tile order
+            wu, _ = decode_tile(up, n_ok, s * SB, BYTES, QTYPE, SB)
+            a = tl.load(x_rows[:, None] + (s * SB * VALUES + koff)[None, :], mask=valid[:, None], other=0.0)
+            acc_g += _mm(a, tl.trans(wg.to(a.dtype)), DOT_PREC, DOT_F32)
+            acc_u += _mm(a, tl.trans(wu.to(a.dtype)), DOT_PREC, DOT_F32)
     h = _act(acc_g, acc_u, GEGLU)
     tl.store(h_ptr + pairs[:, None].to(tl.int64) * I + n[None, :], h.to(h_ptr.dtype.element_ty),
              mask=valid[:, None] & n_ok[None, :])
@@ -156,17 +169,22 @@ def _grouped_down_kernel(
     rows_ptr, blk_e_ptr,
     P, H, I, E,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, QTYPE: tl.constexpr, VALUES: tl.constexpr, SB: tl.constexpr,
-    BYTES: tl.constexpr, DOT_PREC: tl.constexpr, DOT_F32: tl.constexpr,
+    BYTES: tl.constexpr, DOT_PREC: tl.constexpr, DOT_F32: tl.constexpr, PLANES: tl.constexpr = False,
 ):
     """y[p, n] = weight(p) · h[p] · down_e[n] for the pairs of block ``b``."""
     e, pairs, valid, n, n_ok = _block_of_pairs(rows_ptr, blk_e_ptr, P, H, BLOCK_M, BLOCK_N)
     if e >= E:
         return
     safe = tl.where(valid, pairs, 0).to(tl.int64)
-    rows = w_ptr + e.to(tl.int64) * swe + n.to(tl.int64) * row_bytes
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for s in range(0, I // (VALUES * SB)):
-        acc = _tile_dot(acc, h_ptr + safe * I, valid, rows, n_ok, s * SB, BYTES, QTYPE, VALUES, SB, DOT_PREC, DOT_F32)
+    if PLANES:
+        rows = w_ptr + e.to(tl.int64) * swe + tl.minimum(n, H - 1).to(tl.int64) * row_bytes
+        acc = rows_dot(acc, h_ptr + safe * I, valid, rows, I, QTYPE, DOT_PREC, DOT_F32)
+    else:
+        rows = w_ptr + e.to(tl.int64) * swe + n.to(tl.int64) * row_bytes
+        for s in range(0, I // (VALUES * SB)):
+            acc = _tile_dot(acc, h_ptr + safe * I, valid, rows, n_ok, s * SB, BYTES, QTYPE, VALUES, SB, DOT_PREC,
+                            DOT_F32)
     wt = tl.load(wt_ptr + safe, mask=valid, other=0.0)
     tl.store(y_ptr + safe[:, None] * H + n[None, :], acc * wt[:, None], mask=valid[:, None] & n_ok[None, :])
 
@@ -237,13 +255,17 @@ def gguf_experts(x: torch.Tensor, routing: torch.Tensor, up, down, inter: int, t
         _pair_down_kernel[(pairs, tiles, split)](
             h, y_ptr=y, P=pairs, H=hidden, I=inter, SLICE=slice_steps, BLOCK_N=_PAIR_ROWS, **dn, **route, **warps)
         return finish(y, out, top_k)
-    if MMA and mma_eligible(up, down, hidden, inter, x.dtype):
-        return mma_grouped(x, routing, up, down, inter, top_k, geglu, out, config)
-    cfg = config or grouped_config(pairs)
+    planes = MMA and mma_eligible(up, down, hidden, inter, x.dtype)
+    cfg = config or (planes_config(pairs) if planes else grouped_config(pairs))
+    for name, kcfg in (("up", cfg.up), ("down", cfg.down)):
+        if planes and kcfg[1] != 32:
+            raise GraphDSLError(f"gguf_experts: Q4_K / Q6_K stacks step one 32-value plane, so config.{name} must "
+                                f"take 32 values a K step, got {kcfg}")
     weights, ids = choices(routing, top_k)
     rows, block_expert = moe_align(ids, e, cfg.block_m)
     y = torch.empty((pairs, hidden), dtype=torch.float32, device=x.device)
-    common = dict(BLOCK_M=cfg.block_m, DOT_PREC="ieee" if x.dtype == torch.float32 else "tf32", DOT_F32=interp)
+    common = dict(BLOCK_M=cfg.block_m, DOT_PREC="ieee" if x.dtype == torch.float32 else "tf32", DOT_F32=interp,
+                  PLANES=planes)
 
     def launch(kcfg, stack, k: int) -> dict:
         bn, values, warps, stages = kcfg

@@ -21,8 +21,9 @@ bit operations per four weights, the arithmetic in ``mma.sync``) offset to each 
   times the pair's routing weight, into ``y [S, P, H]`` float32; :func:`.moe_gemv.finish` sums the
   slices and the ``k`` choices of each token.
 
-**Grouped by expert** (prefill; :func:`grouped_experts`): the pairs in blocks of ``BLOCK_M`` of one
-expert (``moe.moe_align``), as :mod:`.moe_gguf`'s tile kernels, but a K step is one 32-value plane
+**Grouped by expert** (prefill; :func:`rows_dot`, the K loop of :mod:`.moe_gguf`'s grouped kernels
+with ``PLANES``): the pairs in blocks of ``BLOCK_M`` of one expert (``moe.moe_align``), as for the
+other types, but a K step is one 32-value plane
 of the blocks, not a whole super-block decoded to a float32 tile (whose ``[BLOCK_N, 256]`` tiles
 spilled): the plane's ``[BLOCK_N, 32]`` codes and its sub-blocks' scales (Q4_K: ``w = d·sc·q −
 dmin·m``; Q6_K: ``w = d·sc·(q − 32)``, two 16-value sub-blocks a plane) become weights in the
@@ -41,15 +42,13 @@ import torch
 import triton
 import triton.language as tl
 
-from graphdsl.errors import GraphDSLError
-
 from .gguf_mma import _column_inputs, _q6k_columns_planes, _sub_block_planes, _write_planes, q4k_sums, split_for
 from .gguf_mma_q6k import q6k_sums, write_q6k_planes
 from .gguf_tiles import q4k_planes, q6k_plane
-from .moe_gemv import _act, _block_of_pairs, _choice, finish
+from .moe_gemv import _act, _choice, finish
 from .paged_attention import _mm, _sm_count
 
-__all__ = ["MMA_QTYPES", "eligible", "mma_experts", "grouped_experts", "grouped_config"]
+__all__ = ["MMA_QTYPES", "eligible", "mma_experts", "rows_dot", "grouped_config"]
 
 MMA_QTYPES = ("Q4_K", "Q6_K")
 _BYTES = {"Q4_K": 144, "Q6_K": 224}     # a (stored) super-block's bytes
@@ -188,8 +187,10 @@ def _plane_dot(acc, a_rows, a_ok, w, k0, DOT_PREC: tl.constexpr, DOT_F32: tl.con
 
 
 @triton.jit
-def _rows_dot(acc, a_rows, a_ok, rows, K, QTYPE: tl.constexpr, DOT_PREC: tl.constexpr, DOT_F32: tl.constexpr):
-    """``acc + A @ dequant(W)ᵀ`` over all ``K`` inputs of the ``QTYPE`` rows ``rows``, a plane a step."""
+def rows_dot(acc, a_rows, a_ok, rows, K, QTYPE: tl.constexpr, DOT_PREC: tl.constexpr, DOT_F32: tl.constexpr):
+    """``acc + A @ dequant(W)ᵀ`` over all ``K`` inputs of the ``QTYPE`` (Q4_K or Q6_K, stored rows) rows
+    ``rows``, a plane a step (module docstring): the K loop of :mod:`.moe_gguf`'s grouped kernels
+    with ``PLANES``."""
     if QTYPE == "Q4_K":
         for kc in range(0, K // 64):
             w0, w1 = q4k_planes(rows, kc, 144)
@@ -199,51 +200,6 @@ def _rows_dot(acc, a_rows, a_ok, rows, K, QTYPE: tl.constexpr, DOT_PREC: tl.cons
         for kp in range(0, K // 32):
             acc = _plane_dot(acc, a_rows, a_ok, q6k_plane(rows, kp, 224), 32 * kp, DOT_PREC, DOT_F32)
     return acc
-
-
-@triton.jit
-def _grouped_gate_up_kernel(
-    x_ptr, sx,                 # tokens [T, H] (inner stride 1), row stride
-    w_ptr, swe, row_bytes,     # gate_up blocks [E, 2I, row_bytes] uint8
-    h_ptr,                     # out: act(gate)·up per pair [P, I], contiguous
-    rows_ptr, blk_e_ptr,       # moe_align: pair index per padded row, expert per block
-    P, H, I, E, TOP_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, QTYPE: tl.constexpr,
-    GEGLU: tl.constexpr, DOT_PREC: tl.constexpr, DOT_F32: tl.constexpr,
-):
-    """h[p, n] = act(x[p // k] · gate_e[n], x[p // k] · up_e[n]) for the pairs of block ``program_id(0)``."""
-    e, pairs, valid, n, n_ok = _block_of_pairs(rows_ptr, blk_e_ptr, P, I, BLOCK_M, BLOCK_N)
-    if e >= E:
-        return
-    x_rows = x_ptr + tl.where(valid, pairs // TOP_K, 0).to(tl.int64) * sx
-    gate = w_ptr + e.to(tl.int64) * swe + tl.minimum(n, I - 1).to(tl.int64) * row_bytes   # past I: never stored
-    up = gate + I.to(tl.int64) * row_bytes
-    acc_g = _rows_dot(tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32), x_rows, valid, gate, H, QTYPE, DOT_PREC, DOT_F32)
-    acc_u = _rows_dot(tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32), x_rows, valid, up, H, QTYPE, DOT_PREC, DOT_F32)
-    h = _act(acc_g, acc_u, GEGLU)
-    tl.store(h_ptr + pairs[:, None].to(tl.int64) * I + n[None, :], h.to(h_ptr.dtype.element_ty),
-             mask=valid[:, None] & n_ok[None, :])
-
-
-@triton.jit
-def _grouped_down_kernel(
-    h_ptr,                     # act(gate)·up per pair [P, I], contiguous
-    w_ptr, swe, row_bytes,     # down blocks [E, H, row_bytes] uint8
-    wt_ptr,                    # routing weight per pair [P], float32
-    y_ptr,                     # out: weighted expert outputs per pair [P, H], float32
-    rows_ptr, blk_e_ptr, P, H, I, E,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, QTYPE: tl.constexpr, DOT_PREC: tl.constexpr,
-    DOT_F32: tl.constexpr,
-):
-    """y[p, n] = weight(p) · h[p] · down_e[n] for the pairs of block ``program_id(0)``."""
-    e, pairs, valid, n, n_ok = _block_of_pairs(rows_ptr, blk_e_ptr, P, H, BLOCK_M, BLOCK_N)
-    if e >= E:
-        return
-    safe = tl.where(valid, pairs, 0).to(tl.int64)
-    rows = w_ptr + e.to(tl.int64) * swe + tl.minimum(n, H - 1).to(tl.int64) * row_bytes
-    acc = _rows_dot(tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32), h_ptr + safe * I, valid, rows, I, QTYPE,
-                    DOT_PREC, DOT_F32)
-    wt = tl.load(wt_ptr + safe, mask=valid, other=0.0)
-    tl.store(y_ptr + safe[:, None] * H + n[None, :], acc * wt[:, None], mask=valid[:, None] & n_ok[None, :])
 
 
 def grouped_config(pairs: int):
@@ -257,36 +213,3 @@ def grouped_config(pairs: int):
     if pairs > 512:
         return MoeConfig(128, (128, 32, 4, 3), (64, 32, 4, 3))
     return MoeConfig(16 if pairs <= 64 else 64, (64, 32, 4, 2), (64, 32, 4, 2))
-
-
-def grouped_experts(x: torch.Tensor, routing: torch.Tensor, up, down, inter: int, top_k: int, geglu: bool,
-                    out: torch.Tensor, config=None) -> torch.Tensor:
-    """``out [T, H]`` over the GGUF stacks (:func:`eligible`), the pairs grouped by expert (module
-    docstring; ``config``: :func:`grouped_config`'s by default, a K step of other than 32 values is an
-    error). Launches: routing top-k and alignment, gate/up, down, the sum of the choices."""
-    from .moe import choices, moe_align
-    t, hidden = x.shape
-    e = routing.shape[1]
-    pairs = t * top_k
-    cfg = config or grouped_config(pairs)
-    for name, kcfg in (("up", cfg.up), ("down", cfg.down)):
-        if kcfg[1] != 32:
-            raise GraphDSLError(f"grouped_experts: config.{name} must step 32 values (one plane), got {kcfg}")
-    weights, ids = choices(routing, top_k)
-    rows, block_expert = moe_align(ids, e, cfg.block_m)
-    num_blocks = block_expert.numel()
-    interp = os.environ.get("TRITON_INTERPRET") == "1"
-    common = dict(BLOCK_M=cfg.block_m, DOT_PREC="ieee" if x.dtype == torch.float32 else "tf32", DOT_F32=interp)
-
-    def launch(kcfg) -> dict:
-        return dict(BLOCK_N=kcfg[0], num_warps=kcfg[2], num_stages=1 if interp else kcfg[3], **common)
-
-    h = torch.empty((pairs, inter), dtype=x.dtype, device=x.device)
-    _grouped_gate_up_kernel[(num_blocks, triton.cdiv(inter, cfg.up[0]))](
-        x, x.stride(0), up.codes, up.codes.stride(0), up.codes.stride(1), h, rows, block_expert,
-        P=pairs, H=hidden, I=inter, E=e, TOP_K=top_k, QTYPE=up.qtype, GEGLU=geglu, **launch(cfg.up))
-    y = torch.empty((pairs, hidden), dtype=torch.float32, device=x.device)
-    _grouped_down_kernel[(num_blocks, triton.cdiv(hidden, cfg.down[0]))](
-        h, down.codes, down.codes.stride(0), down.codes.stride(1), weights.reshape(-1).contiguous(), y, rows,
-        block_expert, P=pairs, H=hidden, I=inter, E=e, QTYPE=down.qtype, **launch(cfg.down))
-    return finish(y.view(1, pairs, hidden), out, top_k)

@@ -175,26 +175,40 @@ def test_gguf_tensor_core_down_split_geglu_and_unread_experts(monkeypatch):
     assert (p, tiles, split) == (6, 4, 4)
 
 
+def _spy_planes(monkeypatch, name):
+    """Column tiles of ``moe_gguf.name``'s launches that ran the plane loop (``PLANES``)."""
+    tiles, real = [], getattr(moe_gguf, name)
+
+    class Spy:
+        def __getitem__(self, grid):
+            def launch(*a, **k):
+                if k.get("PLANES"):
+                    tiles.append(grid[1])
+                return real[grid](*a, **k)
+            return launch
+
+    monkeypatch.setattr(moe_gguf, name, Spy())
+    return tiles
+
+
 @pytest.mark.parametrize("up_scheme,down_scheme,dtype", [("gguf-q4_k", "gguf-q6_k", torch.bfloat16),
                                                       ("gguf-q6_k", "gguf-q4_k", torch.float16)])
 def test_gguf_grouped_planes_match_the_reference(up_scheme, down_scheme, dtype, monkeypatch):
-    """Grouped by expert, Q4_K / Q6_K stacks under 16-bit activations take ``moe_gguf_mma``'s plane
-    kernels (a 32-value plane of weights dequantized in registers a K step): 37 tokens, top-2 of 4,
-    blocks of 16 pairs with padding, GeGLU."""
-    from graphdsl.runtime.kernels import moe_gguf_mma
-    grids = _spy_launches(monkeypatch, moe_gguf_mma, "_grouped_down_kernel")
+    """Grouped by expert, Q4_K / Q6_K stacks under 16-bit activations take the plane loop
+    (``moe_gguf_mma.rows_dot``: a 32-value plane of weights dequantized in registers a K step): 37
+    tokens, top-2 of 4, blocks of 16 pairs with padding, GeGLU."""
+    launches = _spy_planes(monkeypatch, "_grouped_down_kernel")
     args, kw, want = _case(37, 4, 512, 256, 2, dtype, up_scheme, down_scheme, seed=4, act=ActType.GEGLU)
     _close(quant_moe_experts(*args, **kw, gemv=False), want, dtype)
-    assert grids and grids[0][1] == 512 // 64            # down's 512 rows in 64-row tiles
+    assert launches == [512 // 64]                      # down's 512 rows in 64-row tiles, on the plane loop
 
 
 def test_gguf_grouped_planes_take_a_config_and_skip_unused_experts(monkeypatch):
     """``config`` sets the plane kernels' rows a block, rows a program, warps and stages; a K step of
     other than one plane (32 values) is refused; experts no token chose (blocks all 0xFF: NaN
     scales) are never read."""
-    from graphdsl.runtime.kernels import moe_gguf_mma
     from graphdsl.runtime.kernels.moe import MoeConfig
-    grids = _spy_launches(monkeypatch, moe_gguf_mma, "_grouped_gate_up_kernel")
+    launches = _spy_planes(monkeypatch, "_grouped_gate_up_kernel")
     args, kw, want = _case(2, 6, 256, 512, 2, torch.bfloat16, "gguf-q4_k", "gguf-q6_k", seed=5)
     unused = sorted(set(range(6)) - set(args[1].nonzero()[:, 1].tolist()))
     assert unused
@@ -203,8 +217,8 @@ def test_gguf_grouped_planes_take_a_config_and_skip_unused_experts(monkeypatch):
     got = quant_moe_experts(*args, **kw, config=MoeConfig(32, (32, 32, 8, 1), (128, 32, 4, 3)))
     assert not got.isnan().any()
     _close(got, want, torch.bfloat16)
-    assert grids and grids[0][1] == 512 // 32
-    with pytest.raises(GraphDSLError, match=r"config.up must step 32 values \(one plane\), got \(64, 256, 4, 2\)"):
+    assert launches == [512 // 32]
+    with pytest.raises(GraphDSLError, match=r"config.up must take 32 values a K step, got \(64, 256, 4, 2\)"):
         quant_moe_experts(*args, **kw, config=MoeConfig(16, (64, 256, 4, 2), (64, 32, 4, 2)))
 
 
