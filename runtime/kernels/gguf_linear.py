@@ -175,10 +175,11 @@ def _gguf_dequant_kernel(
     QTYPE: tl.constexpr, VALUES: tl.constexpr, SB: tl.constexpr, BLOCK_N: tl.constexpr,
     KB: tl.constexpr = False, BYTES: tl.constexpr = 0, KB_STRIDE=0, PLANES: tl.constexpr = True,
 ):
-    """out[n, k] = dequant(w)[n, k] for BLOCK_N rows and SB blocks per program. With ``PLANES`` Q4_K and
-    Q6_K decode a 32-value plane at a time, already in K order (:func:`.gguf_tiles.q4k_planes`), and
-    store each plane's contiguous values a row; the other types store their tile at its K offsets
-    (scattered 2-byte stores)."""
+    """out[n, k] = dequant(w)[n, k] for BLOCK_N rows and SB blocks per program, stored in K order with
+    ``PLANES``: Q4_K and Q6_K decode a 32-value plane at a time, already in K order
+    (:func:`.gguf_tiles.q4k_planes`), the other types their tile (:func:`.gguf_tiles.decode_tile`)
+    permuted into K order in registers (Q8_0's is already). Without, the tile is stored at its K
+    offsets (2-byte stores scattered over the row)."""
     pid_n = tl.program_id(0)
     blk0 = tl.program_id(1) * SB
     rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -200,11 +201,18 @@ def _gguf_dequant_kernel(
             tl.store(dst + (blk0 * 256 + 32 * i), w.to(dt), mask=n_ok[:, None])
     else:
         w, koff = decode_tile(w_ptr + rn.to(tl.int64) * row_bytes, n_ok, blk0, BS, QTYPE, SB)
+        if PLANES and QTYPE != "Q8_0":   # the tile's (block, byte, nibble) order to K's (block, nibble, byte)
+            if QTYPE == "Q5_K":
+                w = tl.permute(tl.reshape(w, [BLOCK_N, SB * 4, 32, 2]), (0, 1, 3, 2))
+            else:                        # Q4_0, Q4_1, Q5_0, Q5_1
+                w = tl.permute(tl.reshape(w, [BLOCK_N, SB, 16, 2]), (0, 1, 3, 2))
+            w = tl.reshape(w, [BLOCK_N, SB * VALUES])
+            koff = tl.arange(0, SB * VALUES)
         dst = out_ptr + rn.to(tl.int64)[:, None] * K + (blk0 * VALUES + koff)[None, :]
         tl.store(dst, w.to(dt), mask=n_ok[:, None])
 
 
-# Q4_K / Q6_K dequantized a 32-value plane at a time, stored contiguously (False: the tile at its K offsets; A/B)
+# the dequantize kernel's stores in K order, contiguous (False: each tile at its K offsets; A/B)
 _DEQUANT_PLANES = True
 # the launch keys gguf_gemv's ``config`` takes (a typo is an error, not a silently ignored key)
 _CONFIG_KEYS = {"SB", "BLOCK_N", "SPLIT_K", "num_warps", "num_stages", "USE_DOT", "PREFETCH", "MMA"}

@@ -36,10 +36,11 @@ def test_dequantize_kernel_is_exact(qtype):
     torch.testing.assert_close(dequantize_blocks(from_stored(data, qtype), qtype, 512), ref, rtol=0, atol=0)
 
 
-@pytest.mark.parametrize("qtype", ["Q4_K", "Q6_K"])
-def test_dequantize_planes_and_tiles_give_the_same_bits(qtype, monkeypatch):
-    """Q4_K / Q6_K dequantized a 32-value plane at a time (stored contiguously, the default) or as the
-    tile at its K offsets (``_DEQUANT_PLANES`` off): the same bits, row-major and block-major."""
+@pytest.mark.parametrize("qtype", KERNEL_QTYPES)
+def test_dequantize_in_k_order_and_at_tile_offsets_give_the_same_bits(qtype, monkeypatch):
+    """The dequantize kernel storing K order contiguously (the default: Q4_K / Q6_K a 32-value plane
+    at a time, the others their tile permuted in registers) or each tile at its K offsets
+    (``_DEQUANT_PLANES`` off): the same bits, row-major and block-major."""
     import graphdsl.runtime.kernels.gguf_linear as gl
     data, ref = _weight(qtype, 19, 512, seed=3)
     for blocks in (data, block_major(data, qtype)):
