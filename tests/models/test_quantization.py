@@ -58,9 +58,10 @@ def _dequantized_transformers(hf, llm, s):
                 continue
             w = p.quant.dequantize(stored, *p.shape, torch.float32)
             mod = dict(model.named_modules())
-            if name.rsplit(".", 1)[0] not in mod and ".shared_expert." in name:   # DeepSeek's: shared_experts
-                name = name.replace(".shared_expert.", ".shared_experts.")
             layer = name.rsplit(".", 2)[0]
+            if layer not in mod and layer.replace(".shared_expert", ".shared_experts") in mod:   # DeepSeek's name
+                name = name.replace(".shared_expert.", ".shared_experts.")
+                layer = name.rsplit(".", 2)[0]
             if name.endswith("qkv_proj.weight"):
                 parts = [mod[f"{layer}.{x}"] for x in ("q_proj", "k_proj", "v_proj")]
             elif name.endswith("gate_up_proj.weight"):
