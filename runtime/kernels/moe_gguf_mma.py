@@ -1,6 +1,7 @@
-"""MoE experts kept in GGUF Q4_K / Q6_K blocks, one (token, expert) pair a program row, on the int8 tensor cores.
+"""MoE experts kept in GGUF Q4_K / Q6_K blocks on the tensor cores: one (token, expert) pair a program row
+on the int8 ones (decode), and the plane loop of the grouped kernels (prefill).
 
-The decode path of :mod:`.moe_gguf` runs :func:`.gguf_tiles.row_dot` on the CUDA cores, bound by its
+The CUDA-core decode path of :mod:`.moe_gguf` runs :func:`.gguf_tiles.row_dot` on the CUDA cores, bound by its
 instructions (about six a weight) rather than by the blocks' bytes; this is the dense one-row
 tensor-core GEMVs' loop (:func:`.gguf_mma.q4k_sums`, :func:`.gguf_mma_q6k.q6k_sums`: two or three
 bit operations per four weights, the arithmetic in ``mma.sync``) offset to each pair's expert:
@@ -23,9 +24,8 @@ bit operations per four weights, the arithmetic in ``mma.sync``) offset to each 
 
 **Grouped by expert** (prefill; :func:`rows_dot`, the K loop of :mod:`.moe_gguf`'s grouped kernels
 with ``PLANES``): the pairs in blocks of ``BLOCK_M`` of one expert (``moe.moe_align``), as for the
-other types, but a K step is one 32-value plane
-of the blocks, not a whole super-block decoded to a float32 tile (whose ``[BLOCK_N, 256]`` tiles
-spilled): the plane's ``[BLOCK_N, 32]`` codes and its sub-blocks' scales (Q4_K: ``w = d·sc·q −
+other types, but a K step is one 32-value plane of the blocks, not a whole super-block decoded to
+a float32 tile (whose ``[BLOCK_N, 256]`` tiles spilled): the plane's ``[BLOCK_N, 32]`` codes and its sub-blocks' scales (Q4_K: ``w = d·sc·q −
 dmin·m``; Q6_K: ``w = d·sc·(q − 32)``, two 16-value sub-blocks a plane) become weights in the
 activations' dtype in registers, and one ``tl.dot`` takes them with the activations of the plane's
 32 inputs — contiguous in ``x`` (Q4_K's low nibbles of a 32-byte chunk are one sub-block, the high

@@ -132,6 +132,19 @@ def test_rope_and_cat_nodes_lower_to_one_launch_each(monkeypatch):
         results[backend] = eng.forward({name: t.to(dev) for name, t in feed.items()})["out"].cpu()
     torch.testing.assert_close(results["triton"], results["torch"], rtol=1e-6, atol=1e-6)
     assert ropes == [1] and "triton" in cats
+    with Network("rope_strided") as net:               # a q whose last dim is not contiguous: the reference
+        q = F.permute(Tensor("q", (n, 16, 4), "float32"), [0, 2, 1])
+        q2, k2 = F.rope(q, Tensor("k", (n, 1, 16), "float32"), Tensor("cos", (n, 8), "float32"),
+                        Tensor("sin", (n, 8), "float32"))
+        net.mark_output(q2 * 1.0, "q")
+        net.mark_output(k2 * 1.0, "k")
+    feed = {"q": torch.randn(3, 16, 4, generator=g), "k": torch.randn(3, 1, 16, generator=g),
+            "cos": torch.randn(3, 8, generator=g), "sin": torch.randn(3, 8, generator=g)}
+    got = [net.build_engine(backend=b, passes=[]).forward({name: t.to(dev) for name, t in feed.items()})
+           for b in ("torch", "triton")]
+    for name in ("q", "k"):
+        torch.testing.assert_close(got[1][name].cpu(), got[0][name].cpu(), rtol=1e-6, atol=1e-6)
+    assert ropes == [1]
 
 
 @pytest.mark.parametrize("lens_in_graph", [False, True])
