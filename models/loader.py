@@ -60,15 +60,18 @@ def mark_checkpoint_quantization(model: FlashCausalLM, quantization, checkpoint_
     is graphdsl's ``mlp.gate``). The checkpoint linears packed into one parameter (q/k/v into
     ``qkv_proj``, gate/up, every expert's pieces of a stack) must agree on the scheme, else an
     error names each piece's; a stack stored quantized must be one that holds codes (not run on the
-    host) in a scheme stacks take."""
+    host) in a scheme stacks take. A linear whose weight the model holds in its dtype
+    (``online_quantized`` false, e.g. MLA's ``kv_b_proj``, absorbed into the attention) keeps no
+    scheme: its stored tensors are dequantized as they load (``quantization.dense``)."""
     for name in checkpoint_names:
         ours = model.checkpoint_name(name)
         if ours != name:
             quantization.originals[ours.rpartition(".")[0]] = name.rpartition(".")[0]
     table = model.checkpoint_table()
     dict(model.named_parameters())                      # name every parameter first
-    params = {m.weight.name: m.weight for _, m in model.named_modules()
-              if isinstance(m, (ColumnParallelLinear, RowParallelLinear))}
+    linears = {m.weight.name: m for _, m in model.named_modules()
+               if isinstance(m, (ColumnParallelLinear, RowParallelLinear))}
+    params = {name: m.weight for name, m in linears.items()}
     stacks = {p.name: m for _, m in model.named_modules() if isinstance(m, FusedExperts)
               for p in (m.gate_up_proj, m.down_proj)}
     params.update((p.name, p) for m in stacks.values() for p in (m.gate_up_proj, m.down_proj))
@@ -91,6 +94,9 @@ def mark_checkpoint_quantization(model: FlashCausalLM, quantization, checkpoint_
         if param in stacks and not stacks[param].takes_scheme(scheme):
             raise GraphDSLError(f"the checkpoint stores the experts of {param!r} quantized ({scheme.name}), which "
                                 f"{type(stacks[param]).__name__} does not run (it runs {stacks[param].runs_schemes})")
+        if param in linears and not linears[param].online_quantized:    # held in the model dtype (MLA's kv_b_proj)
+            quantization.dense.update(name[: -len(".weight")] for name, _ in got)
+            continue
         params[param].quantize(scheme)
         names.append(param)
     return names

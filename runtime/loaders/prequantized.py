@@ -112,6 +112,9 @@ class CheckpointQuantization:
     #: graphdsl's module name -> the checkpoint's (before the model's renames): the config's module
     #: patterns (``ignore``, ``targets``, ``modules_to_not_convert``) are written against the latter
     originals: dict = field(default_factory=dict)
+    #: quantized linears whose weight the model holds in its dtype (a weight used outside a linear,
+    #: MLA's ``kv_b_proj``): their companions are dequantized as they load, into ``<module>.weight``
+    dense: set = field(default_factory=set)
 
     def describe(self, module: str) -> str:
         """How the checkpoint stores ``module`` (for messages)."""
@@ -215,6 +218,7 @@ class CheckpointQuantization:
     def _emit(self, module, got, dtype):
         scheme, out_features, in_features = self._chosen[module]
         stored = self._convert(module, scheme, got, out_features, in_features)
+        out = []
         for c, t in zip(scheme.companions(out_features, in_features), stored):
             full = f"{module}.weight{c.suffix}"
             if tuple(t.shape) != c.shape:
@@ -225,7 +229,13 @@ class CheckpointQuantization:
                 raise GraphDSLError(f"quantized linear {module!r} ({self.describe(module)}): its {c.suffix[1:]} "
                                     f"({full!r}) holds {int((~torch.isfinite(t)).sum())} values that are NaN or "
                                     "infinite; the checkpoint is damaged")
-            yield full, t.to(c.dtype or dtype).contiguous()
+            out.append((full, t.to(c.dtype or dtype).contiguous()))
+        if module in self.dense and not any(_meta(t) for _, t in out):
+            yield f"{module}.weight", scheme.dequantize([t for _, t in out], out_features, in_features, dtype)
+        elif module in self.dense:                       # shapes only (check): the dense weight's
+            yield f"{module}.weight", torch.empty(out_features, in_features, dtype=dtype, device="meta")
+        else:
+            yield from out
 
     def _required(self, module: str) -> tuple[str, ...]:
         return tuple(p for p in self.leaves)

@@ -27,6 +27,9 @@ __all__ = ["LINEARS", "base_model", "write_compressed_tensors", "write_awq", "wr
 
 LINEARS = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj",
            "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj")
+# more linears compressed-tensors quantizes where a family has them: MLA's projections, DeepSeek's shared experts
+MORE_LINEARS = ("self_attn.kv_a_proj_with_mqa", "self_attn.kv_b_proj", "mlp.shared_experts.gate_proj",
+                "mlp.shared_experts.up_proj", "mlp.shared_experts.down_proj")
 # hidden 128, intermediate 256: every linear's input count takes groups of 32, 64 and 128
 GEOMETRY = dict(hidden_size=128, intermediate_size=256, num_attention_heads=4, num_key_value_heads=2)
 
@@ -52,7 +55,7 @@ def _pieces(model, ref):
     mods, refmods = dict(model.named_modules()), dict(ref.named_modules())
     out = []
     for i in range(model.config.num_hidden_layers):
-        for leaf in LINEARS:
+        for leaf in LINEARS + MORE_LINEARS:
             name = f"model.layers.{i}.{leaf}"
             if name in mods:
                 out.append((name, mods[name].weight.detach().float(), refmods[name].weight.copy_, f"{name}.weight"))

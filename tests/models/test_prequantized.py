@@ -11,7 +11,7 @@ import torch
 
 import graphdsl as gd
 from graphdsl.errors import GraphDSLError
-from tests.models.hf_tiny import hf_logits
+from tests.models.hf_tiny import hf_logits, make_checkpoint
 from tests.models.quant_checkpoints import base_model, mixtral_names, write_awq, write_compressed_tensors, write_gptq
 
 IDS = [3, 17, 42, 99, 5, 120, 64, 7]
@@ -112,6 +112,26 @@ def test_compressed_tensors_moe_keeps_its_expert_stacks_quantized(tmp_path, sche
     assert stacks == {"model.layers.0.mlp.experts.gate_up_proj": scheme, "model.layers.0.mlp.experts.down_proj": scheme}
     assert llm.model.get_submodule("model.layers.0.mlp.gate").weight.quant is None
     assert "quant_moe_experts" in {n.op for n in llm.model.engine(gd.layers.Phase.PREFILL).net.nodes}
+    torch.testing.assert_close(llm.score(IDS), hf_logits(ref, IDS), atol=2e-4, rtol=2e-4)
+
+
+@pytest.mark.parametrize("scheme,kw", [MOE_CASES[0], MOE_CASES[2]], ids=[MOE_CASES[0][0], MOE_CASES[2][0]])
+def test_compressed_tensors_deepseek_dequantizes_the_absorbed_kv_b_proj(tmp_path, scheme, kw):
+    """A compressed-tensors DeepSeek-V2 with every linear quantized, MLA's ``kv_b_proj`` included
+    (what llm-compressor's default ``Linear`` targets store): ``kv_b_proj``'s weight is absorbed into
+    the attention's matmuls, so its stored tensors are dequantized as they load; the other linears,
+    the shared experts and the expert stacks keep the stored scheme; the logits equal transformers'
+    on the dequantized weights. (Quantized, ``kv_b_proj`` failed to bind: the attention missed its
+    plain weight.)"""
+    pytest.importorskip("compressed_tensors")
+    base = make_checkpoint("deepseek_v2", tmp_path / "base", hidden_size=128, intermediate_size=256)   # MLA: kv = q heads
+    ref = write_compressed_tensors(base, tmp_path / "q", ignore=("lm_head", "re:.*mlp.gate$"), **kw)
+    llm = _load(tmp_path / "q")
+    schemes = {n: p.quant.name if p.quant is not None else None for n, p in llm.model.named_parameters()}
+    assert schemes["model.layers.0.self_attn.kv_b_proj.weight"] is None
+    assert schemes["model.layers.0.self_attn.o_proj.weight"] == scheme
+    assert schemes["model.layers.1.mlp.shared_expert.down_proj.weight"] == scheme
+    assert schemes["model.layers.1.mlp.experts.gate_up_proj"] == scheme
     torch.testing.assert_close(llm.score(IDS), hf_logits(ref, IDS), atol=2e-4, rtol=2e-4)
 
 
