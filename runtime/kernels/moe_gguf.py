@@ -20,7 +20,9 @@ decoders the dense GGUF kernels use (:mod:`.gguf_tiles`), offset to the expert's
 * **more pairs** (prefill): the pairs grouped by expert (:func:`.moe.moe_align`), a block of
   ``BLOCK_M`` pairs times ``BLOCK_N`` rows a program, each K step ``SB`` blocks decoded into a
   float32 tile (:func:`.gguf_tiles.decode_tile`, values in tile order), the activations gathered at
-  the tile's K offsets, one ``tl.dot`` in the activations' dtype.
+  the tile's K offsets, one ``tl.dot`` in the activations' dtype; with ``PLANES`` (Q4_K / Q6_K
+  stacks, fp16/bf16 activations, unless ``MMA`` is off) a K step is one 32-value plane decoded in
+  registers in K order instead (:func:`.moe_gguf_mma.rows_dot`: no spills, no gather).
 
 Neither path writes a dequantized weight. File shape (STYLE.md 11): the four ``@triton.jit``
 kernels, the launch choices, the launcher :func:`gguf_experts`.
