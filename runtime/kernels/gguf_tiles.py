@@ -31,8 +31,8 @@ from ..gguf_blocks import GGUF_BLOCKS, STORED_BLOCK_BYTES
 from ..gguf_blocks import KERNEL_QTYPES as _NAMES
 from ..gguf_blocks import strides
 
-__all__ = ["KERNEL_QTYPES", "decode_tile", "row_codes", "row_dot", "row_total", "row_zeros", "layout_args", "q4k_planes",
-           "q6k_plane"]
+__all__ = ["KERNEL_QTYPES", "decode_tile", "row_codes", "row_dot", "row_total", "row_zeros", "layout_args",
+           "q4k_planes", "q6k_plane", "q8_0_plane"]
 
 # GGML types with a Triton tile decoder: name -> (values per block, bytes per stored block)
 KERNEL_QTYPES: dict[str, tuple[int, int]] = {
@@ -287,20 +287,38 @@ def _q4k_scale_min(dd, w1, w2, w3, j):
 
 
 @triton.jit
-def q4k_planes(rows, kc, BS):
+def q4k_planes(rows, kc, BS, FIVE: tl.constexpr = False):
     """The Q4_K rows' weights of 64-input chunk ``kc`` (32 code bytes of super-block ``kc // 4``, ``BS``
     bytes between a row's super-blocks) as two float32 ``[BLOCK_N, 32]`` planes in K order: inputs
     ``64 kc + l`` (the low nibbles, sub-block ``2 (kc % 4)``) and ``64 kc + 32 + l`` (the high ones,
-    the next sub-block). Loads carry no mask: every row pointer must be a row's."""
+    the next sub-block). ``FIVE``: Q5_K (176 B: ``qh[32] @16``, ``qs @48``), value ``l`` of sub-block
+    ``j`` adding 16 times bit ``j`` of ``qh[l]``. Loads carry no mask: every row pointer must be a row's."""
     j = tl.arange(0, 32)
-    blk = rows + (kc // 4) * BS                             # d, dmin @0; scales[12] @4; qs[128] @16
+    c = kc % 4
+    blk = rows + (kc // 4) * BS                             # d, dmin @0; scales[12] @4; qs[128] @16 (Q5_K @48)
     words = blk.to(tl.pointer_type(tl.int32))
     dd, w1, w2, w3 = tl.load(words), tl.load(words + 1), tl.load(words + 2), tl.load(words + 3)
-    codes = tl.load(blk[:, None] + (16 + 32 * (kc % 4) + j)[None, :]).to(tl.int32)
-    s0, m0 = _q4k_scale_min(dd, w1, w2, w3, 2 * (kc % 4))
-    s1, m1 = _q4k_scale_min(dd, w1, w2, w3, 2 * (kc % 4) + 1)
-    return ((codes & 15).to(tl.float32) * s0[:, None] - m0[:, None],
-            (codes >> 4).to(tl.float32) * s1[:, None] - m1[:, None])
+    codes = tl.load(blk[:, None] + ((48 if FIVE else 16) + 32 * c + j)[None, :]).to(tl.int32)
+    lo, hi = codes & 15, codes >> 4
+    if FIVE:
+        qh = tl.load(blk[:, None] + (16 + j)[None, :]).to(tl.int32)
+        lo = lo | (((qh >> (2 * c)) & 1) << 4)
+        hi = hi | (((qh >> (2 * c + 1)) & 1) << 4)
+    s0, m0 = _q4k_scale_min(dd, w1, w2, w3, 2 * c)
+    s1, m1 = _q4k_scale_min(dd, w1, w2, w3, 2 * c + 1)
+    return lo.to(tl.float32) * s0[:, None] - m0[:, None], hi.to(tl.float32) * s1[:, None] - m1[:, None]
+
+
+@triton.jit
+def q8_0_plane(rows, kp, BS):
+    """The Q8_0 rows' weights of block ``kp`` (34 B: ``d f16 @0, q[32] int8 @2``; ``BS`` bytes between a
+    row's blocks) as float32 ``[BLOCK_N, 32]``: ``w = d·q``. ``d`` from two byte loads (blocks of 34
+    bytes leave it 2-byte aligned at best). Loads carry no mask."""
+    j = tl.arange(0, 32)
+    blk = rows + kp * BS
+    d = (tl.load(blk).to(tl.uint16) | (tl.load(blk + 1).to(tl.uint16) << 8)).to(tl.float16, bitcast=True)
+    q = tl.load(blk[:, None] + (2 + j)[None, :]).to(tl.int8, bitcast=True).to(tl.float32)
+    return q * d.to(tl.float32)[:, None]
 
 
 @triton.jit

@@ -20,9 +20,10 @@ decoders the dense GGUF kernels use (:mod:`.gguf_tiles`), offset to the expert's
 * **more pairs** (prefill): the pairs grouped by expert (:func:`.moe.moe_align`), a block of
   ``BLOCK_M`` pairs times ``BLOCK_N`` rows a program, each K step ``SB`` blocks decoded into a
   float32 tile (:func:`.gguf_tiles.decode_tile`, values in tile order), the activations gathered at
-  the tile's K offsets, one ``tl.dot`` in the activations' dtype; with ``PLANES`` (Q4_K / Q6_K
-  stacks, fp16/bf16 activations, unless ``MMA`` is off) a K step is one 32-value plane decoded in
-  registers in K order instead (:func:`.moe_gguf_mma.rows_dot`: no spills, no gather).
+  the tile's K offsets, one ``tl.dot`` in the activations' dtype; with ``PLANES`` (Q4_K, Q5_K,
+  Q6_K and Q8_0 stacks, fp16/bf16 activations, unless ``MMA`` is off) a K step is one 32-value
+  plane decoded in registers in K order instead (:func:`.moe_gguf_mma.rows_dot`: no spills, no
+  gather).
 
 Neither path writes a dequantized weight. File shape (STYLE.md 11): the four ``@triton.jit``
 kernels, the launch choices, the launcher :func:`gguf_experts`.
@@ -40,7 +41,7 @@ from .gguf_tiles import KERNEL_QTYPES, decode_tile, row_codes, row_dot, row_tota
 from .moe_gemv import _act, _block_of_pairs, _choice, finish
 from .moe_gguf_mma import eligible as mma_eligible
 from .moe_gguf_mma import grouped_config as planes_config
-from .moe_gguf_mma import mma_experts, rows_dot
+from .moe_gguf_mma import mma_experts, planes_eligible, rows_dot
 from .paged_attention import _mm, _sm_count
 
 __all__ = ["gguf_experts", "one_pair_by_default", "grouped_config", "MAX_PAIRS_PER_EXPERT", "MAX_PAIRS_PER_EXPERT_MMA"]
@@ -132,7 +133,7 @@ def _grouped_gate_up_kernel(
     P, H, I, E, TOP_K: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, QTYPE: tl.constexpr, VALUES: tl.constexpr, SB: tl.constexpr,
     BYTES: tl.constexpr, GEGLU: tl.constexpr, DOT_PREC: tl.constexpr, DOT_F32: tl.constexpr,
-    PLANES: tl.constexpr = False,   # a 32-value plane a K step (.moe_gguf_mma.rows_dot): Q4_K / Q6_K
+    PLANES: tl.constexpr = False,   # a 32-value plane a K step (.moe_gguf_mma.rows_dot; its PLANE_QTYPES)
 ):
     """h[p, n] = act(x[p // k] · gate_e[n], x[p // k] · up_e[n]) for the pairs of block ``b``."""
     e, pairs, valid, n, n_ok = _block_of_pairs(rows_ptr, blk_e_ptr, P, I, BLOCK_M, BLOCK_N)
@@ -257,12 +258,12 @@ def gguf_experts(x: torch.Tensor, routing: torch.Tensor, up, down, inter: int, t
         _pair_down_kernel[(pairs, tiles, split)](
             h, y_ptr=y, P=pairs, H=hidden, I=inter, SLICE=slice_steps, BLOCK_N=_PAIR_ROWS, **dn, **route, **warps)
         return finish(y, out, top_k)
-    planes = MMA and mma_eligible(up, down, hidden, inter, x.dtype)
+    planes = MMA and planes_eligible(up, down, hidden, inter, x.dtype)
     cfg = config or (planes_config(pairs) if planes else grouped_config(pairs))
     for name, kcfg in (("up", cfg.up), ("down", cfg.down)):
         if planes and kcfg[1] != 32:
-            raise GraphDSLError(f"gguf_experts: Q4_K / Q6_K stacks step one 32-value plane, so config.{name} must "
-                                f"take 32 values a K step, got {kcfg}")
+            raise GraphDSLError(f"gguf_experts: {up.qtype} / {down.qtype} stacks step one 32-value plane, so "
+                                f"config.{name} must take 32 values a K step, got {kcfg}")
     weights, ids = choices(routing, top_k)
     rows, block_expert = moe_align(ids, e, cfg.block_m)
     y = torch.empty((pairs, hidden), dtype=torch.float32, device=x.device)

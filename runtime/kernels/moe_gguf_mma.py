@@ -1,5 +1,5 @@
-"""MoE experts kept in GGUF Q4_K / Q6_K blocks on the tensor cores: one (token, expert) pair a program row
-on the int8 ones (decode), and the plane loop of the grouped kernels (prefill).
+"""MoE experts kept in GGUF blocks on the tensor cores: Q4_K / Q6_K one (token, expert) pair a program row
+on the int8 ones (decode); Q4_K, Q5_K, Q6_K, Q8_0 in the plane loop of the grouped kernels (prefill).
 
 The CUDA-core decode path of :mod:`.moe_gguf` runs :func:`.gguf_tiles.row_dot` on the CUDA cores, bound by its
 instructions (about six a weight) rather than by the blocks' bytes; this is the dense one-row
@@ -25,14 +25,15 @@ bit operations per four weights, the arithmetic in ``mma.sync``) offset to each 
 **Grouped by expert** (prefill; :func:`rows_dot`, the K loop of :mod:`.moe_gguf`'s grouped kernels
 with ``PLANES``): the pairs in blocks of ``BLOCK_M`` of one expert (``moe.moe_align``), as for the
 other types, but a K step is one 32-value plane of the blocks, not a whole super-block decoded to
-a float32 tile (whose ``[BLOCK_N, 256]`` tiles spilled): the plane's ``[BLOCK_N, 32]`` codes and its sub-blocks' scales (Q4_K: ``w = d·sc·q −
-dmin·m``; Q6_K: ``w = d·sc·(q − 32)``, two 16-value sub-blocks a plane) become weights in the
-activations' dtype in registers, and one ``tl.dot`` takes them with the activations of the plane's
-32 inputs — contiguous in ``x`` (Q4_K's low nibbles of a 32-byte chunk are one sub-block, the high
-ones the next), so no gather by K offset.
+a float32 tile (whose ``[BLOCK_N, 256]`` tiles spilled): the plane's ``[BLOCK_N, 32]`` codes and
+its scales (Q4_K / Q5_K: ``w = d·sc·q − dmin·m``; Q6_K: ``w = d·sc·(q − 32)``, two 16-value
+sub-blocks a plane; Q8_0: ``w = d·q``, a block a plane) become weights in the activations' dtype in
+registers, and one ``tl.dot`` takes them with the activations of the plane's 32 inputs — contiguous
+in ``x`` (a K-type's low nibbles of a 32-byte chunk are one sub-block, the high ones the next), so
+no gather by K offset. Taken for :data:`PLANE_QTYPES` (:func:`planes_eligible`).
 
-Taken by :func:`.moe_gguf.gguf_experts` when :func:`eligible` (both stacks Q4_K or Q6_K, ``H`` and
-``I`` multiples of 256, fp16/bf16 activations).
+The one-pair path is taken by :func:`.moe_gguf.gguf_experts` when :func:`eligible` (both stacks
+Q4_K or Q6_K, ``H`` and ``I`` multiples of 256, fp16/bf16 activations).
 """
 from __future__ import annotations
 
@@ -44,11 +45,11 @@ import triton.language as tl
 
 from .gguf_mma import _column_inputs, _q6k_columns_planes, _sub_block_planes, _write_planes, q4k_sums, split_for
 from .gguf_mma_q6k import q6k_sums, write_q6k_planes
-from .gguf_tiles import q4k_planes, q6k_plane
+from .gguf_tiles import KERNEL_QTYPES, q4k_planes, q6k_plane, q8_0_plane
 from .moe_gemv import _act, _choice, finish
 from .paged_attention import _mm, _sm_count
 
-__all__ = ["MMA_QTYPES", "eligible", "mma_experts", "rows_dot", "grouped_config"]
+__all__ = ["MMA_QTYPES", "PLANE_QTYPES", "eligible", "planes_eligible", "mma_experts", "rows_dot", "grouped_config"]
 
 MMA_QTYPES = ("Q4_K", "Q6_K")
 _BYTES = {"Q4_K": 144, "Q6_K": 224}     # a (stored) super-block's bytes
@@ -140,6 +141,19 @@ def eligible(up, down, hidden: int, inter: int, dtype: torch.dtype) -> bool:
             and down.codes.stride(1) == inter // 256 * _BYTES[down.qtype])
 
 
+PLANE_QTYPES = ("Q4_K", "Q5_K", "Q6_K", "Q8_0")      # the grouped plane loop's (rows_dot)
+
+
+def planes_eligible(up, down, hidden: int, inter: int, dtype: torch.dtype) -> bool:
+    """Whether :mod:`.moe_gguf`'s grouped kernels take these stacks (``moe._Stack``) a plane a step
+    (:func:`rows_dot`): both in :data:`PLANE_QTYPES`, rows of whole stored blocks, fp16/bf16."""
+    def whole(stack, k: int) -> bool:
+        values, nbytes = KERNEL_QTYPES[stack.qtype]
+        return k % values == 0 and stack.codes.stride(1) == k // values * nbytes
+    return (up.qtype in PLANE_QTYPES and down.qtype in PLANE_QTYPES and dtype in (torch.float16, torch.bfloat16)
+            and whole(up, hidden) and whole(down, inter))
+
+
 def _planes(rows: int, k: int, qtype: str, device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Uninitialised A operands of ``rows`` rows of ``k`` inputs in ``qtype``'s format (``S_s`` unused for Q6_K)."""
     return (torch.empty(rows, 16, k, dtype=torch.int8, device=device),
@@ -188,17 +202,21 @@ def _plane_dot(acc, a_rows, a_ok, w, k0, DOT_PREC: tl.constexpr, DOT_F32: tl.con
 
 @triton.jit
 def rows_dot(acc, a_rows, a_ok, rows, K, QTYPE: tl.constexpr, DOT_PREC: tl.constexpr, DOT_F32: tl.constexpr):
-    """``acc + A @ dequant(W)ᵀ`` over all ``K`` inputs of the ``QTYPE`` (Q4_K or Q6_K, stored rows) rows
-    ``rows``, a plane a step (module docstring): the K loop of :mod:`.moe_gguf`'s grouped kernels
+    """``acc + A @ dequant(W)ᵀ`` over all ``K`` inputs of the ``QTYPE`` (:data:`PLANE_QTYPES`, stored
+    rows) rows ``rows``, a plane a step (module docstring): the K loop of :mod:`.moe_gguf`'s grouped kernels
     with ``PLANES``."""
-    if QTYPE == "Q4_K":
+    if QTYPE == "Q4_K" or QTYPE == "Q5_K":
         for kc in range(0, K // 64):
-            w0, w1 = q4k_planes(rows, kc, 144)
+            w0, w1 = q4k_planes(rows, kc, 144 if QTYPE == "Q4_K" else 176, QTYPE == "Q5_K")
             acc = _plane_dot(acc, a_rows, a_ok, w0, 64 * kc, DOT_PREC, DOT_F32)
             acc = _plane_dot(acc, a_rows, a_ok, w1, 64 * kc + 32, DOT_PREC, DOT_F32)
-    else:
+    elif QTYPE == "Q6_K":
         for kp in range(0, K // 32):
             acc = _plane_dot(acc, a_rows, a_ok, q6k_plane(rows, kp, 224), 32 * kp, DOT_PREC, DOT_F32)
+    else:
+        tl.static_assert(QTYPE == "Q8_0", "rows_dot: Q4_K, Q5_K, Q6_K or Q8_0")
+        for kp in range(0, K // 32):
+            acc = _plane_dot(acc, a_rows, a_ok, q8_0_plane(rows, kp, 34), 32 * kp, DOT_PREC, DOT_F32)
     return acc
 
 

@@ -192,11 +192,13 @@ def _spy_planes(monkeypatch, name):
 
 
 @pytest.mark.parametrize("up_scheme,down_scheme,dtype", [("gguf-q4_k", "gguf-q6_k", torch.bfloat16),
-                                                      ("gguf-q6_k", "gguf-q4_k", torch.float16)])
+                                                      ("gguf-q6_k", "gguf-q4_k", torch.float16),
+                                                      ("gguf-q5_k", "gguf-q6_k", torch.bfloat16),   # Q5_K_M's
+                                                      ("gguf-q8_0", "gguf-q8_0", torch.float16)])
 def test_gguf_grouped_planes_match_the_reference(up_scheme, down_scheme, dtype, monkeypatch):
-    """Grouped by expert, Q4_K / Q6_K stacks under 16-bit activations take the plane loop
-    (``moe_gguf_mma.rows_dot``: a 32-value plane of weights dequantized in registers a K step): 37
-    tokens, top-2 of 4, blocks of 16 pairs with padding, GeGLU."""
+    """Grouped by expert, Q4_K / Q5_K / Q6_K / Q8_0 stacks under 16-bit activations take the plane
+    loop (``moe_gguf_mma.rows_dot``: a 32-value plane of weights dequantized in registers a K step):
+    37 tokens, top-2 of 4, blocks of 16 pairs with padding, GeGLU."""
     launches = _spy_planes(monkeypatch, "_grouped_down_kernel")
     args, kw, want = _case(37, 4, 512, 256, 2, dtype, up_scheme, down_scheme, seed=4, act=ActType.GEGLU)
     _close(quant_moe_experts(*args, **kw, gemv=False), want, dtype)
@@ -220,6 +222,14 @@ def test_gguf_grouped_planes_take_a_config_and_skip_unused_experts(monkeypatch):
     assert launches == [512 // 32]
     with pytest.raises(GraphDSLError, match=r"config.up must take 32 values a K step, got \(64, 256, 4, 2\)"):
         quant_moe_experts(*args, **kw, config=MoeConfig(16, (64, 256, 4, 2), (64, 32, 4, 2)))
+
+
+def test_gguf_grouped_planes_only_for_their_types(monkeypatch):
+    """Q4_0 stacks (a type the plane loop does not decode) keep the float32 tiles grouped."""
+    launches = _spy_planes(monkeypatch, "_grouped_down_kernel")
+    args, kw, want = _case(5, 4, 256, 256, 2, torch.bfloat16, "gguf-q4_0", "gguf-q4_0", seed=6)
+    _close(quant_moe_experts(*args, **kw, gemv=False), want, torch.bfloat16)
+    assert launches == []
 
 
 @pytest.mark.parametrize("dtype,mma,taken", [(torch.float32, True, False), (torch.bfloat16, False, False),
