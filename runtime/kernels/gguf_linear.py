@@ -173,10 +173,10 @@ def _gguf_dequant_kernel(
     out_ptr,        # [N, K] output, row-major
     N, K, row_bytes,
     QTYPE: tl.constexpr, VALUES: tl.constexpr, SB: tl.constexpr, BLOCK_N: tl.constexpr,
-    KB: tl.constexpr = False, BYTES: tl.constexpr = 0, KB_STRIDE=0, PLANES: tl.constexpr = True,
+    KB: tl.constexpr = False, BYTES: tl.constexpr = 0, KB_STRIDE=0, K_ORDER: tl.constexpr = True,
 ):
     """out[n, k] = dequant(w)[n, k] for BLOCK_N rows and SB blocks per program, stored in K order with
-    ``PLANES``: Q4_K and Q6_K decode a 32-value plane at a time, already in K order
+    ``K_ORDER``: Q4_K and Q6_K decode a 32-value plane at a time, already in K order
     (:func:`.gguf_tiles.q4k_planes`), the other types their tile (:func:`.gguf_tiles.decode_tile`)
     permuted into K order in registers (Q8_0's is already). Without, the tile is stored at its K
     offsets (2-byte stores scattered over the row)."""
@@ -186,7 +186,7 @@ def _gguf_dequant_kernel(
     n_ok = rn < N
     BS = KB_STRIDE if KB else BYTES
     dt = out_ptr.dtype.element_ty
-    if PLANES and (QTYPE == "Q4_K" or QTYPE == "Q6_K"):
+    if K_ORDER and (QTYPE == "Q4_K" or QTYPE == "Q6_K"):
         rows = w_ptr + tl.minimum(rn, N - 1).to(tl.int64) * row_bytes       # the planes' loads carry no mask
         dst = out_ptr + rn.to(tl.int64)[:, None] * K + tl.arange(0, 32)[None, :]
         for i in tl.static_range(8 * SB):                                   # 32-value planes, in K order
@@ -201,7 +201,7 @@ def _gguf_dequant_kernel(
             tl.store(dst + (blk0 * 256 + 32 * i), w.to(dt), mask=n_ok[:, None])
     else:
         w, koff = decode_tile(w_ptr + rn.to(tl.int64) * row_bytes, n_ok, blk0, BS, QTYPE, SB)
-        if PLANES and QTYPE != "Q8_0":   # the tile's (block, byte, nibble) order to K's (block, nibble, byte)
+        if K_ORDER and QTYPE != "Q8_0":   # the tile's (block, byte, nibble) order to K's (block, nibble, byte)
             if QTYPE == "Q5_K":
                 w = tl.permute(tl.reshape(w, [BLOCK_N, SB * 4, 32, 2]), (0, 1, 3, 2))
             else:                        # Q4_0, Q4_1, Q5_0, Q5_1
@@ -213,7 +213,7 @@ def _gguf_dequant_kernel(
 
 
 # the dequantize kernel's stores in K order, contiguous (False: each tile at its K offsets; A/B)
-_DEQUANT_PLANES = True
+_DEQUANT_K_ORDER = True
 # the launch keys gguf_gemv's ``config`` takes (a typo is an error, not a silently ignored key)
 _CONFIG_KEYS = {"SB", "BLOCK_N", "SPLIT_K", "num_warps", "num_stages", "USE_DOT", "PREFETCH", "MMA"}
 
@@ -429,7 +429,7 @@ def gguf_dequantize(data: torch.Tensor, qtype: str, dtype: torch.dtype = torch.b
     row_stride, layout = layout_args(data, qtype)
     _gguf_dequant_kernel[(triton.cdiv(n, block_n), k // values // sb)](
         data, out, n, k, row_stride, QTYPE=qtype, VALUES=values, SB=sb, BLOCK_N=block_n, num_warps=4,
-        PLANES=_DEQUANT_PLANES, **layout)
+        K_ORDER=_DEQUANT_K_ORDER, **layout)
     return out
 
 

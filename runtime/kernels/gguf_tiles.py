@@ -50,10 +50,14 @@ def layout_args(data, qtype: str) -> tuple[int, dict]:
 
 
 @triton.jit
-def _f16_at(ptr, mask):
-    """float32 of the little-endian float16 at byte pointers ``ptr`` (any shape)."""
-    lo = tl.load(ptr, mask=mask, other=0).to(tl.uint16)
-    hi = tl.load(ptr + 1, mask=mask, other=0).to(tl.uint16)
+def _f16_at(ptr, mask=None):
+    """float32 of the little-endian float16 at byte pointers ``ptr`` (any shape; ``mask``: which to read)."""
+    if mask is None:
+        lo = tl.load(ptr).to(tl.uint16)
+        hi = tl.load(ptr + 1).to(tl.uint16)
+    else:
+        lo = tl.load(ptr, mask=mask, other=0).to(tl.uint16)
+        hi = tl.load(ptr + 1, mask=mask, other=0).to(tl.uint16)
     return (lo | (hi << 8)).to(tl.float16, bitcast=True).to(tl.float32)
 
 
@@ -316,9 +320,8 @@ def q8_0_plane(rows, kp, BS):
     bytes leave it 2-byte aligned at best). Loads carry no mask."""
     j = tl.arange(0, 32)
     blk = rows + kp * BS
-    d = (tl.load(blk).to(tl.uint16) | (tl.load(blk + 1).to(tl.uint16) << 8)).to(tl.float16, bitcast=True)
     q = tl.load(blk[:, None] + (2 + j)[None, :]).to(tl.int8, bitcast=True).to(tl.float32)
-    return q * d.to(tl.float32)[:, None]
+    return q * _f16_at(blk)[:, None]
 
 
 @triton.jit

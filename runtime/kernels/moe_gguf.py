@@ -143,10 +143,10 @@ def _grouped_gate_up_kernel(
     if PLANES:                             # the planes' loads carry no mask: rows past I read row I - 1
         gate = w_ptr + e.to(tl.int64) * swe + tl.minimum(n, I - 1).to(tl.int64) * row_bytes
         up = gate + I.to(tl.int64) * row_bytes
-        acc_g = rows_dot(tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32), x_rows, valid, gate, H, QTYPE, DOT_PREC,
-                         DOT_F32)
-        acc_u = rows_dot(tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32), x_rows, valid, up, H, QTYPE, DOT_PREC,
-                         DOT_F32)
+        acc_g = rows_dot(tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32), x_rows, valid, gate, H, QTYPE, BYTES,
+                         DOT_PREC, DOT_F32)
+        acc_u = rows_dot(tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32), x_rows, valid, up, H, QTYPE, BYTES,
+                         DOT_PREC, DOT_F32)
     else:
         gate = w_ptr + e.to(tl.int64) * swe + n.to(tl.int64) * row_bytes
         up = w_ptr + e.to(tl.int64) * swe + (n + I).to(tl.int64) * row_bytes
@@ -182,7 +182,7 @@ def _grouped_down_kernel(
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     if PLANES:
         rows = w_ptr + e.to(tl.int64) * swe + tl.minimum(n, H - 1).to(tl.int64) * row_bytes
-        acc = rows_dot(acc, h_ptr + safe * I, valid, rows, I, QTYPE, DOT_PREC, DOT_F32)
+        acc = rows_dot(acc, h_ptr + safe * I, valid, rows, I, QTYPE, BYTES, DOT_PREC, DOT_F32)
     else:
         rows = w_ptr + e.to(tl.int64) * swe + n.to(tl.int64) * row_bytes
         for s in range(0, I // (VALUES * SB)):

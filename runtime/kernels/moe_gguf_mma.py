@@ -52,7 +52,6 @@ from .paged_attention import _mm, _sm_count
 __all__ = ["MMA_QTYPES", "PLANE_QTYPES", "eligible", "planes_eligible", "mma_experts", "rows_dot", "grouped_config"]
 
 MMA_QTYPES = ("Q4_K", "Q6_K")
-_BYTES = {"Q4_K": 144, "Q6_K": 224}     # a (stored) super-block's bytes
 _SCALES = {"Q4_K": 32, "Q6_K": 16}      # inputs an activation scale a_s
 _BLOCK_N = 64                           # weight rows a program: 32 gate/up outputs, one Q4_K sub-block of h
 _STAGES = {"Q4_K": 3, "Q6_K": 2}        # the dense GEMVs' pipeline depths (pick_mma_config, pick_q6k_config)
@@ -132,26 +131,28 @@ def _down_kernel(
     tl.store(y_ptr + (pid_s * P + pp) * H + n, sums * wt, mask=n < H)
 
 
+def _stacks_of(qtypes, up, down, hidden: int, inter: int, dtype: torch.dtype) -> bool:
+    """Both stacks (``moe._Stack``) in ``qtypes``, their rows whole stored blocks of ``hidden`` /
+    ``inter`` inputs, fp16/bf16 activations."""
+    def whole(stack, k: int) -> bool:
+        values, nbytes = KERNEL_QTYPES[stack.qtype]
+        return k % values == 0 and stack.codes.stride(1) == k // values * nbytes
+    return (up.qtype in qtypes and down.qtype in qtypes and dtype in (torch.float16, torch.bfloat16)
+            and whole(up, hidden) and whole(down, inter))
+
+
 def eligible(up, down, hidden: int, inter: int, dtype: torch.dtype) -> bool:
-    """Whether :func:`mma_experts` takes these stacks (``moe._Stack``): both in :data:`MMA_QTYPES`
-    with rows of whole stored super-blocks, ``hidden`` and ``inter`` multiples of 256, fp16/bf16."""
-    return (up.qtype in MMA_QTYPES and down.qtype in MMA_QTYPES and hidden % 256 == 0 and inter % 256 == 0
-            and dtype in (torch.float16, torch.bfloat16)
-            and up.codes.stride(1) == hidden // 256 * _BYTES[up.qtype]
-            and down.codes.stride(1) == inter // 256 * _BYTES[down.qtype])
+    """Whether :func:`mma_experts` takes these stacks: both in :data:`MMA_QTYPES` (:func:`_stacks_of`)."""
+    return _stacks_of(MMA_QTYPES, up, down, hidden, inter, dtype)
 
 
 PLANE_QTYPES = ("Q4_K", "Q5_K", "Q6_K", "Q8_0")      # the grouped plane loop's (rows_dot)
 
 
 def planes_eligible(up, down, hidden: int, inter: int, dtype: torch.dtype) -> bool:
-    """Whether :mod:`.moe_gguf`'s grouped kernels take these stacks (``moe._Stack``) a plane a step
-    (:func:`rows_dot`): both in :data:`PLANE_QTYPES`, rows of whole stored blocks, fp16/bf16."""
-    def whole(stack, k: int) -> bool:
-        values, nbytes = KERNEL_QTYPES[stack.qtype]
-        return k % values == 0 and stack.codes.stride(1) == k // values * nbytes
-    return (up.qtype in PLANE_QTYPES and down.qtype in PLANE_QTYPES and dtype in (torch.float16, torch.bfloat16)
-            and whole(up, hidden) and whole(down, inter))
+    """Whether :mod:`.moe_gguf`'s grouped kernels take these stacks a plane a step (:func:`rows_dot`):
+    both in :data:`PLANE_QTYPES` (:func:`_stacks_of`)."""
+    return _stacks_of(PLANE_QTYPES, up, down, hidden, inter, dtype)
 
 
 def _planes(rows: int, k: int, qtype: str, device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -201,22 +202,23 @@ def _plane_dot(acc, a_rows, a_ok, w, k0, DOT_PREC: tl.constexpr, DOT_F32: tl.con
 
 
 @triton.jit
-def rows_dot(acc, a_rows, a_ok, rows, K, QTYPE: tl.constexpr, DOT_PREC: tl.constexpr, DOT_F32: tl.constexpr):
+def rows_dot(acc, a_rows, a_ok, rows, K, QTYPE: tl.constexpr, BS: tl.constexpr, DOT_PREC: tl.constexpr,
+             DOT_F32: tl.constexpr):
     """``acc + A @ dequant(W)ᵀ`` over all ``K`` inputs of the ``QTYPE`` (:data:`PLANE_QTYPES`, stored
-    rows) rows ``rows``, a plane a step (module docstring): the K loop of :mod:`.moe_gguf`'s grouped kernels
+    rows, ``BS`` bytes a block) rows ``rows``, a plane a step (module docstring): the K loop of :mod:`.moe_gguf`'s grouped kernels
     with ``PLANES``."""
     if QTYPE == "Q4_K" or QTYPE == "Q5_K":
         for kc in range(0, K // 64):
-            w0, w1 = q4k_planes(rows, kc, 144 if QTYPE == "Q4_K" else 176, QTYPE == "Q5_K")
+            w0, w1 = q4k_planes(rows, kc, BS, QTYPE == "Q5_K")
             acc = _plane_dot(acc, a_rows, a_ok, w0, 64 * kc, DOT_PREC, DOT_F32)
             acc = _plane_dot(acc, a_rows, a_ok, w1, 64 * kc + 32, DOT_PREC, DOT_F32)
     elif QTYPE == "Q6_K":
         for kp in range(0, K // 32):
-            acc = _plane_dot(acc, a_rows, a_ok, q6k_plane(rows, kp, 224), 32 * kp, DOT_PREC, DOT_F32)
+            acc = _plane_dot(acc, a_rows, a_ok, q6k_plane(rows, kp, BS), 32 * kp, DOT_PREC, DOT_F32)
     else:
         tl.static_assert(QTYPE == "Q8_0", "rows_dot: Q4_K, Q5_K, Q6_K or Q8_0")
         for kp in range(0, K // 32):
-            acc = _plane_dot(acc, a_rows, a_ok, q8_0_plane(rows, kp, 34), 32 * kp, DOT_PREC, DOT_F32)
+            acc = _plane_dot(acc, a_rows, a_ok, q8_0_plane(rows, kp, BS), 32 * kp, DOT_PREC, DOT_F32)
     return acc
 
 

@@ -47,14 +47,19 @@ def rope_coeffs(cos_ptr, sin_ptr, HEAD_DIM: tl.constexpr, HALF: tl.constexpr, GP
 
 
 @triton.jit
-def rotate_tile(x_ptr, tok_off, head_stride, h, d, partner, c, ss, H: tl.constexpr, D: tl.constexpr):
+def rotate_tile(x_ptr, tok_off, head_stride, h, d, partner, c, ss, H: tl.constexpr, D: tl.constexpr,
+                ROT: tl.constexpr = 0):
     """``(x', mask)``: ``x' = x * c + x[partner] * ss`` over a token's ``[H, D]`` heads (``h``, ``d``:
-    the tile's head and dim indices; :func:`rope_coeffs`), float32."""
+    the tile's head and dim indices; :func:`rope_coeffs`), float32. ``ROT > 0``: dims ``>= ROT`` are
+    ``x`` itself (an infinity there stays one, not ``inf * 0``)."""
     m = (h[:, None] < H) & (d[None, :] < D)
     base = x_ptr + tok_off + h[:, None] * head_stride
     x = tl.load(base + d[None, :], mask=m, other=0.0).to(tl.float32)
     xp = tl.load(base + partner[None, :], mask=m, other=0.0).to(tl.float32)
-    return x * c[None, :] + xp * ss[None, :], m
+    out = x * c[None, :] + xp * ss[None, :]
+    if ROT > 0:
+        out = tl.where(d[None, :] < ROT, out, x)
+    return out, m
 
 
 @triton.jit
@@ -72,12 +77,10 @@ def _rope_kernel(
     d = tl.arange(0, BLOCK_D)
     partner, c, ss = rope_coeffs(cos_ptr + t * cs_st, sin_ptr + t * cs_st, BLOCK_D, HALF, GPTJ)
     hq = tl.arange(0, BLOCK_HQ)
-    xq, mq = rotate_tile(q_ptr, t * q_st, q_sh, hq, d, partner, c, ss, HQ, D)
-    xq = tl.where(d[None, :] < 2 * HALF, xq, tl.load(q_ptr + t * q_st + hq[:, None] * q_sh + d[None, :], mask=mq))
+    xq, mq = rotate_tile(q_ptr, t * q_st, q_sh, hq, d, partner, c, ss, HQ, D, 2 * HALF)
     tl.store(qo_ptr + t * (HQ * D) + hq[:, None] * D + d[None, :], xq.to(qo_ptr.dtype.element_ty), mask=mq)
     hk = tl.arange(0, BLOCK_HK)
-    xk, mk = rotate_tile(k_ptr, t * k_st, k_sh, hk, d, partner, c, ss, HK, D)
-    xk = tl.where(d[None, :] < 2 * HALF, xk, tl.load(k_ptr + t * k_st + hk[:, None] * k_sh + d[None, :], mask=mk))
+    xk, mk = rotate_tile(k_ptr, t * k_st, k_sh, hk, d, partner, c, ss, HK, D, 2 * HALF)
     tl.store(ko_ptr + t * (HK * D) + hk[:, None] * D + d[None, :], xk.to(ko_ptr.dtype.element_ty), mask=mk)
 
 

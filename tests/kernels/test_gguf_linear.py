@@ -40,13 +40,13 @@ def test_dequantize_kernel_is_exact(qtype):
 def test_dequantize_in_k_order_and_at_tile_offsets_give_the_same_bits(qtype, monkeypatch):
     """The dequantize kernel storing K order contiguously (the default: Q4_K / Q6_K a 32-value plane
     at a time, the others their tile permuted in registers) or each tile at its K offsets
-    (``_DEQUANT_PLANES`` off): the same bits, row-major and block-major."""
+    (``_DEQUANT_K_ORDER`` off): the same bits, row-major and block-major."""
     import graphdsl.runtime.kernels.gguf_linear as gl
     data, ref = _weight(qtype, 19, 512, seed=3)
     for blocks in (data, block_major(data, qtype)):
         got = {}
         for planes in (True, False):
-            monkeypatch.setattr(gl, "_DEQUANT_PLANES", planes)
+            monkeypatch.setattr(gl, "_DEQUANT_K_ORDER", planes)
             got[planes] = gguf_dequantize(blocks, qtype, torch.float32)
         assert torch.equal(got[True], ref) and torch.equal(got[False], ref)
 
