@@ -844,12 +844,13 @@ def _quant_linear(be: TritonBackend, node, ins, attrs, dsts):
             return dsts
     prod = be.workspace(node, ins, attrs).view(-1, n) if silu else out2
     if gguf:                                   # GGUF blocks: their kernel once per row part
-        from ..kernels.gguf_linear import MAX_GEMV_ROWS, gguf_gemv, gguf_linear
-        gemv_rows = 1 <= x2.shape[0] <= MAX_GEMV_ROWS and x2.stride(-1) == 1 and prod.stride(-1) == 1 \
-            and (add2 is None or (add2.dtype == x2.dtype and add2.stride(-1) == 1))
+        from ..kernels.gguf_linear import gemv_rows as most_rows
+        from ..kernels.gguf_linear import gguf_gemv, gguf_linear
+        parts = list(zip(stored, scheme.row_parts(n)))
+        gemv_rows = 1 <= x2.shape[0] <= min(most_rows(q) for _, (q, _, _) in parts) and x2.stride(-1) == 1 \
+            and prod.stride(-1) == 1 and (add2 is None or (add2.dtype == x2.dtype and add2.stride(-1) == 1))
         if not gemv_rows:
             _not_carried(be, node)
-        parts = list(zip(stored, scheme.row_parts(n)))
         beside = gemv_rows and _parts_beside(x2, parts)
         for i, (data, (qtype, r0, r1)) in enumerate(parts):
             if gemv_rows:                      # straight into the product's columns, the addend's slice added

@@ -730,14 +730,16 @@ class GemvWorkspace:
     def __init__(self):
         self._buffers: dict = {}
 
-    def get(self, device: torch.device, n_tiles: int, split: int, block_n: int, beside: bool = False):
-        """``(partials, counters)`` for a launch of ``n_tiles`` x ``split`` programs; ``beside``: a GEMV that
-        runs beside another (:func:`.gguf_linear.gguf_gemv`) gets buffers no sequential launch shares."""
-        key = (str(device), n_tiles, split, block_n, beside)
+    def get(self, device: torch.device, n_tiles: int, split: int, block_n: int, beside: bool = False,
+            rows: int = MAX_ROWS):
+        """``(partials, counters)`` for a launch of ``n_tiles`` x ``split`` programs of ``block_n`` x
+        ``rows`` tiles; ``beside``: a GEMV that runs beside another (:func:`.gguf_linear.gguf_gemv`)
+        gets buffers no sequential launch shares."""
+        key = (str(device), n_tiles, split, block_n, beside, rows)
         bufs = self._buffers.get(key)
         if bufs is None:
             bufs = self._buffers[key] = (
-                torch.empty(split * n_tiles * block_n * MAX_ROWS, dtype=torch.float32, device=device),
+                torch.empty(split * n_tiles * block_n * rows, dtype=torch.float32, device=device),
                 torch.zeros(n_tiles, dtype=torch.int32, device=device))
         return bufs
 

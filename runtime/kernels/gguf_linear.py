@@ -8,21 +8,25 @@ every kernel here reads as well (:func:`.gguf_tiles.layout_args`). The math is
 :func:`graphdsl.runtime.gguf_blocks.dequantize_blocks` followed by a matmul; the kernels never
 write the dequantized weight for decode.
 
-* **Decode (``M <= 16`` rows): dequantize-in-GEMV.** Program ``(n, s)`` owns ``BLOCK_N`` rows and
-  the ``s``-th of ``SPLIT_K`` slices of the blocks; per step it decodes ``SB`` blocks of each row
-  (:func:`.gguf_tiles.decode_tile`: one contiguous pass over the bytes, values in tile order) and
-  gathers the matching activations, then ``tl.dot``\\ s the tile (cast to the activation dtype)
-  with the ``[SB·values, 16]`` activation slice. With one row (``M == 1``, the decode case that
-  matters most) it skips the tile: :func:`.gguf_tiles.row_dot` multiplies each nibble plane with its
-  contiguous activation slice into an accumulator reduced after the K loop (Q6_K scales each
-  value; the other types sum per sub-block and scale the sums).
+* **Decode (``M <=`` :func:`gemv_rows`: 16 rows, 64 for :data:`~.gguf_tiles.PLANE_QTYPES`):
+  dequantize-in-GEMV.** Program ``(n, s)`` owns ``BLOCK_N`` rows and the ``s``-th of ``SPLIT_K``
+  slices of the blocks. Several rows of a plane type (``PLANES``, :func:`_planes_step`) decode one
+  32-value plane of the rows at a time in K order and ``tl.dot`` it with the rows' 32 contiguous
+  inputs; Q4_K and Q6_K planes in fp16/bf16 straight from the code bytes by packed PTX
+  (``q4k_planes_dt``, ``q6k_plane_dt``: ``2^k + q`` in a mantissa, two values an instruction).
+  Otherwise a step decodes ``SB`` blocks of each row (:func:`.gguf_tiles.decode_tile`: one
+  contiguous pass over the bytes, values in tile order) and gathers the matching activations, then
+  ``tl.dot``\\ s the tile (cast to the activation dtype) with the ``[SB·values, 16]`` activation
+  slice. With one row (``M == 1``, the decode case that matters most) it skips the tile:
+  :func:`.gguf_tiles.row_dot` multiplies each nibble plane with its contiguous activation slice into
+  an accumulator reduced after the K loop (Q6_K scales each value; the other types sum per
+  sub-block and scale the sums).
   Split-K slices meet in the same launch (:mod:`.splitk`: the last program per row tile sums
   the partials in slice order, deterministic), which adds the residual or bias and stores into
   the caller's ``out`` — a column slice of a fused projection's product works.
-* **Prefill (``M > 16``): dequantize then cuBLAS.** :func:`gguf_dequantize` writes the weight in
-  the activation dtype (one pass over the bytes) and ``torch.nn.functional.linear`` multiplies.
-  Measured on the H200 its tile-order stores make the dequantize pass cost several times the
-  512-row matmul (docs/gguf-kernels.md): correct, not yet fast.
+* **Prefill (more rows): dequantize then cuBLAS.** :func:`gguf_dequantize` writes the weight in
+  the activation dtype (one pass over the bytes, stored in K order) and
+  ``torch.nn.functional.linear`` multiplies (docs/gguf-kernels.md has the H200 tables).
 
 One fp16/bf16 row of Q4_K or Q6_K over at least ``MMA_MIN_ROWS`` weight rows runs on the int8
 tensor cores instead (:mod:`.gguf_mma`, :mod:`.gguf_mma_q6k`, :func:`mma_eligible`): on an H100
@@ -53,15 +57,65 @@ from .gguf_mma import _CONFIG_KEYS as _MMA_CONFIG_KEYS
 from .gguf_mma import MMA_MIN_ROWS, MMA_QTYPES, gguf_gemv_mma
 from .gguf_mma_q6k import gguf_gemv_q6k
 from .pdl import pdl_launch, pdl_trigger, pdl_wait
-from .gguf_tiles import (KERNEL_QTYPES, decode_tile, layout_args, q4k_planes, q6k_plane, row_codes, row_dot, row_total,
-                         row_zeros)
+from .gguf_tiles import (KERNEL_QTYPES, PLANE_QTYPES, decode_tile, layout_args, q4k_planes, q4k_planes_dt, q6k_plane,
+                         q6k_plane_dt, q8_0_plane, row_codes, row_dot, row_total, row_zeros)
 from .splitk import arrive, depart, meet_rows, sum_partials
 
-__all__ = ["gguf_linear", "gguf_gemv", "gguf_dequantize", "mma_eligible", "KERNEL_QTYPES", "MAX_GEMV_ROWS"]
+__all__ = ["gguf_linear", "gguf_gemv", "gguf_dequantize", "mma_eligible", "gemv_rows", "KERNEL_QTYPES", "MAX_GEMV_ROWS",
+           "MAX_PLANE_ROWS"]
 
-MAX_GEMV_ROWS = 16
+MAX_GEMV_ROWS = 16    # rows gguf_gemv takes for any type
+MAX_PLANE_ROWS = 64   # the most it takes for a PLANE_QTYPES weight (a plane a dot; gemv_rows); beyond, gguf_linear
+                      # dequantizes + cuBLAS
+_PLANE_ROWS = True    # several rows of a PLANE_QTYPES weight a plane a dot (False: the decoded tile; A/B)
+_FAST_PLANES = True   # their Q4_K / Q6_K planes decoded in fp16/bf16 by packed PTX (False: float32 math; A/B)
 _Q6K_MMA = True       # one Q6_K row on the tensor cores by default (False: CUDA cores; decode_ab.py's A/B)
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+
+
+@triton.jit
+def _dot_tile(acc, w, xt, DOT_F32: tl.constexpr):
+    """``acc + w @ xt``: float32 rows in float32 math (a GPU's default tf32 keeps 10 mantissa bits; the
+    interpreter's dot mishandles bfloat16), else the weights rounded to the activations' dtype."""
+    if DOT_F32:
+        return acc + tl.dot(w, xt.to(tl.float32), input_precision="ieee")
+    return acc + tl.dot(w.to(xt.dtype), xt)
+
+
+@triton.jit
+def _planes_step(acc, rows, blk0, BS, x_cols, m_ok, QTYPE: tl.constexpr, SB: tl.constexpr, DOT_F32: tl.constexpr,
+                 BESIDE: tl.constexpr, FAST: tl.constexpr):
+    """``acc [BLOCK_N, BLOCK_M] + dequant(W) @ xᵀ`` over blocks ``blk0 .. blk0 + SB`` of the rows ``rows``, a
+    32-value plane at a time in K order (:func:`.gguf_tiles.q4k_planes`, ``q6k_plane``, ``q8_0_plane``;
+    with ``FAST`` on a GPU, Q4_K and Q6_K in the activations' fp16/bf16 by packed PTX,
+    ``q4k_planes_dt`` / ``q6k_plane_dt``), each ``tl.dot`` with the plane's 32 contiguous inputs of
+    every activation row (``x_cols``: the rows' pointers ``[1, BLOCK_M]``)."""
+    j = tl.arange(0, 32)
+    if QTYPE == "Q4_K" or QTYPE == "Q5_K":
+        for c in tl.static_range(4 * SB):
+            kc = blk0 * 4 + c
+            if QTYPE == "Q4_K" and not DOT_F32 and FAST:
+                w0, w1 = q4k_planes_dt(rows, kc, BS, x_cols.dtype.element_ty)
+            else:
+                w0, w1 = q4k_planes(rows, kc, BS, QTYPE == "Q5_K")
+            for h in tl.static_range(2):
+                xt = tl.load(x_cols + (64 * kc + 32 * h + j)[:, None], mask=m_ok[None, :], other=0.0,
+                             cache_modifier=".cg" if BESIDE else "")
+                acc = _dot_tile(acc, w0 if h == 0 else w1, xt, DOT_F32)
+    else:
+        for p in tl.static_range(8 * SB if QTYPE == "Q6_K" else SB):
+            kp = blk0 * (8 if QTYPE == "Q6_K" else 1) + p
+            if QTYPE == "Q6_K" and not DOT_F32 and FAST:
+                w = q6k_plane_dt(rows, blk0 + p // 8, p % 8, BS, x_cols.dtype.element_ty)
+            elif QTYPE == "Q6_K":
+                w = q6k_plane(rows, kp, BS)
+            else:
+                tl.static_assert(QTYPE == "Q8_0", "_planes_step: Q4_K, Q5_K, Q6_K or Q8_0")
+                w = q8_0_plane(rows, kp, BS)
+            xt = tl.load(x_cols + (32 * kp + j)[:, None], mask=m_ok[None, :], other=0.0,
+                         cache_modifier=".cg" if BESIDE else "")
+            acc = _dot_tile(acc, w, xt, DOT_F32)
+    return acc
 
 
 @triton.jit
@@ -83,6 +137,8 @@ def _gguf_gemv_kernel(
     BLOCK_N: tl.constexpr,       # weight rows per program
     BLOCK_M: tl.constexpr,       # activation rows padded (dot path)
     USE_DOT: tl.constexpr,       # M > 1: tl.dot; M == 1: elementwise
+    PLANES: tl.constexpr,        # USE_DOT: a 32-value plane a dot (_planes_step; PLANE_QTYPES), not a decoded tile
+    FAST: tl.constexpr,          # PLANES: Q4_K / Q6_K planes decoded in the activations' dtype by packed PTX
     SPLIT: tl.constexpr,         # SPLIT_K > 1: the slices meet in this launch (:mod:`.splitk`)
     HAS_ADD: tl.constexpr,
     DOT_F32: tl.constexpr,       # the CPU interpreter's dot mishandles bfloat16: multiply in float32
@@ -118,15 +174,18 @@ def _gguf_gemv_kernel(
     rt = tl.arange(0, BLOCK_N)
     if USE_DOT:
         acc = tl.zeros([BLOCK_N, BLOCK_M], tl.float32)
-        for s in range(s_lo, s_hi):
-            blk0 = s * SB
-            w, koff = decode_tile(rows, n_ok, blk0, BS, QTYPE, SB)
-            xt = tl.load(x_ptr + rm[None, :] * stride_xm + (blk0 * VALUES + koff)[:, None], mask=m_ok[None, :],
-                         other=0.0, cache_modifier=".cg" if BESIDE else "")
-            if DOT_F32:       # float32 rows are float32 math (a GPU's default tf32 keeps 10 mantissa bits)
-                acc += tl.dot(w, xt.to(tl.float32), input_precision="ieee")
-            else:
-                acc += tl.dot(w.to(xt.dtype), xt)
+        if PLANES:            # the planes' loads carry no mask: rows past N read row N - 1
+            prow = w_ptr + tl.minimum(rn, N - 1).to(tl.int64) * row_bytes
+            for s in range(s_lo, s_hi):
+                acc = _planes_step(acc, prow, s * SB, BS, x_ptr + rm[None, :] * stride_xm, m_ok, QTYPE, SB,
+                                   DOT_F32, BESIDE, FAST)
+        else:
+            for s in range(s_lo, s_hi):
+                blk0 = s * SB
+                w, koff = decode_tile(rows, n_ok, blk0, BS, QTYPE, SB)
+                xt = tl.load(x_ptr + rm[None, :] * stride_xm + (blk0 * VALUES + koff)[:, None], mask=m_ok[None, :],
+                             other=0.0, cache_modifier=".cg" if BESIDE else "")
+                acc = _dot_tile(acc, w, xt, DOT_F32)
         if SPLIT:
             n_tiles = tl.num_programs(0)
             slab = part_ptr + rt[:, None] * BLOCK_M + rm[None, :]
@@ -176,32 +235,34 @@ def _gguf_dequant_kernel(
     KB: tl.constexpr = False, BYTES: tl.constexpr = 0, KB_STRIDE=0, K_ORDER: tl.constexpr = True,
 ):
     """out[n, k] = dequant(w)[n, k] for BLOCK_N rows and SB blocks per program, stored in K order with
-    ``K_ORDER``: Q4_K and Q6_K decode a 32-value plane at a time, already in K order
-    (:func:`.gguf_tiles.q4k_planes`), the other types their tile (:func:`.gguf_tiles.decode_tile`)
-    permuted into K order in registers (Q8_0's is already). Without, the tile is stored at its K
-    offsets (2-byte stores scattered over the row)."""
+    ``K_ORDER``: Q4_K, Q6_K and Q8_0 decode a 32-value plane at a time, already in K order
+    (:func:`.gguf_tiles.q4k_planes`, ``q6k_plane``, ``q8_0_plane``), the other types their tile
+    (:func:`.gguf_tiles.decode_tile`) permuted into K order in registers. Without, the tile is stored
+    at its K offsets (2-byte stores scattered over the row)."""
     pid_n = tl.program_id(0)
     blk0 = tl.program_id(1) * SB
     rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = rn < N
     BS = KB_STRIDE if KB else BYTES
     dt = out_ptr.dtype.element_ty
-    if K_ORDER and (QTYPE == "Q4_K" or QTYPE == "Q6_K"):
+    if K_ORDER and (QTYPE == "Q4_K" or QTYPE == "Q6_K" or QTYPE == "Q8_0"):
         rows = w_ptr + tl.minimum(rn, N - 1).to(tl.int64) * row_bytes       # the planes' loads carry no mask
         dst = out_ptr + rn.to(tl.int64)[:, None] * K + tl.arange(0, 32)[None, :]
-        for i in tl.static_range(8 * SB):                                   # 32-value planes, in K order
+        for i in tl.static_range(SB if QTYPE == "Q8_0" else 8 * SB):        # 32-value planes, in K order
             if QTYPE == "Q4_K":
                 if i % 2 == 0:
                     w0, w1 = q4k_planes(rows, blk0 * 4 + i // 2, BS)
                     w = w0
                 else:
                     w = w1
-            else:
+            elif QTYPE == "Q6_K":
                 w = q6k_plane(rows, blk0 * 8 + i, BS)
-            tl.store(dst + (blk0 * 256 + 32 * i), w.to(dt), mask=n_ok[:, None])
+            else:
+                w = q8_0_plane(rows, blk0 + i, BS)
+            tl.store(dst + (blk0 * VALUES + 32 * i), w.to(dt), mask=n_ok[:, None])
     else:
         w, koff = decode_tile(w_ptr + rn.to(tl.int64) * row_bytes, n_ok, blk0, BS, QTYPE, SB)
-        if K_ORDER and QTYPE != "Q8_0":   # the tile's (block, byte, nibble) order to K's (block, nibble, byte)
+        if K_ORDER:                       # the tile's (block, byte, nibble) order to K's (block, nibble, byte)
             if QTYPE == "Q5_K":
                 w = tl.permute(tl.reshape(w, [BLOCK_N, SB * 4, 32, 2]), (0, 1, 3, 2))
             else:                        # Q4_0, Q4_1, Q5_0, Q5_1
@@ -215,7 +276,19 @@ def _gguf_dequant_kernel(
 # the dequantize kernel's stores in K order, contiguous (False: each tile at its K offsets; A/B)
 _DEQUANT_K_ORDER = True
 # the launch keys gguf_gemv's ``config`` takes (a typo is an error, not a silently ignored key)
-_CONFIG_KEYS = {"SB", "BLOCK_N", "SPLIT_K", "num_warps", "num_stages", "USE_DOT", "PREFETCH", "MMA"}
+_CONFIG_KEYS = {"SB", "BLOCK_N", "SPLIT_K", "num_warps", "num_stages", "USE_DOT", "PREFETCH", "MMA", "PLANES"}
+
+
+def gemv_rows(qtype: str) -> int:
+    """The most activation rows :func:`gguf_gemv` takes for a ``qtype`` weight (more: dequantize +
+    cuBLAS): :data:`MAX_PLANE_ROWS` for Q4_K and Q6_K (their planes decoded by packed PTX), 32 for
+    the other :data:`~.gguf_tiles.PLANE_QTYPES`, :data:`MAX_GEMV_ROWS` for the rest. H200, the 8B
+    projections (``benchmarks/gguf_gemv.py --many``, docs/gguf-kernels.md): at 64 rows the Q4_K / Q6_K
+    planes took 21-67 µs against 22-88 for dequantize + cuBLAS; Q5_K's float32 planes 30.3 against
+    23.4 on the o projection (4096 x 4096), where at 32 rows they won everywhere (22.7 against 24.9)."""
+    if qtype not in PLANE_QTYPES or not _PLANE_ROWS:
+        return MAX_GEMV_ROWS
+    return MAX_PLANE_ROWS if qtype in ("Q4_K", "Q6_K") else 32
 
 
 def _sb_for(n_blocks: int, want: int) -> int:
@@ -241,20 +314,26 @@ def _pick_config(m: int, n: int, k: int, qtype: str, device: torch.device) -> di
     """Launch for ``[m, k] @ dequant([n, k]).T``. One row (H200 sweep of ``benchmarks/gguf_gemv.py
     --sweep`` at 8B shapes): 512 values a step (16 blocks of 32 or two super-blocks), 8 rows a
     program, 2 warps (4 for Q6_K, whose step holds more integer work); the split of K hardly
-    mattered there. More rows: 256 values a step and 32-row ``tl.dot`` tiles. K is split until the
-    grid has about four programs per SM, keeping at least 2 steps a slice."""
+    mattered there. More rows: 256 values a step; a plane type a plane a dot (``PLANES``) in 64-row
+    tiles, 128 beyond 32 activation rows, 2 stages (H200, 8B shapes, Q4_K / Q6_K: 128-row tiles
+    took 21-62 µs at 64 rows against 24-67, 16-52 at 16 rows against 15-43; the ``--many --sweep``
+    grid of tiles, warps, stages and slices gained little elsewhere), the other types 32-row
+    decoded tiles. K is split until the grid has about four programs per SM, keeping at least 2
+    steps a slice."""
     values = KERNEL_QTYPES[qtype][0]
     n_blocks = k // values
     one = m == 1
+    planes = not one and qtype in PLANE_QTYPES and _PLANE_ROWS
     sb = _sb_for(n_blocks, (512 if one else 256) // values)
-    block_n = 8 if one else 32
+    block_n = 8 if one else (128 if m > 32 else 64) if planes else 32
     warps = 4 if (not one or qtype == "Q6_K") else 2
     tiles = triton.cdiv(n, block_n)
     steps = n_blocks // sb
     split = 1
     while tiles * split < 4 * _num_sms(device) and steps // (split * 2) >= 2:
         split *= 2
-    return dict(SB=sb, BLOCK_N=block_n, SPLIT_K=split, num_warps=warps, num_stages=1)
+    return dict(SB=sb, BLOCK_N=block_n, SPLIT_K=split, num_warps=warps, num_stages=2 if planes else 1,
+                **({"PLANES": True} if planes else {}))
 
 
 def _check(data: torch.Tensor, qtype: str, x: torch.Tensor | None = None) -> int:
@@ -298,14 +377,16 @@ def gguf_gemv(x: torch.Tensor, data: torch.Tensor, qtype: str, add: torch.Tensor
               silu_mul: bool = False, out: torch.Tensor | None = None, workspace=None,
               config: dict | None = None, planes=None, planes_out=None, rms_out=None, rms_in=None,
               early_launch: bool = False, beside: bool = False) -> torch.Tensor:
-    """``x @ dequant(data).T (+ add)`` for ``x [M <= 16, K]`` and GGML blocks ``data`` of type
+    """``x @ dequant(data).T (+ add)`` for ``x [M, K]`` (``M <=`` :func:`gemv_rows`) and GGML blocks ``data`` of type
     ``qtype`` (stored rows ``[N, row_bytes]`` or block-major ``[blocks, N, bytes]``), in one launch;
     the result has x's dtype. ``add``: a residual ``[M, N]`` or a bias ``[N]`` (unit inner stride), added in float32 before the store. ``out``: ``[M, N]`` with a
     unit inner stride (a column slice of a wider product works). ``workspace``: a
     :class:`~.gemv.GemvWorkspace` holding the split-K partials and counters (a private one per
     call if omitted; an engine passes its own so a captured graph keeps the addresses).
     ``config`` overrides the launch (``SB, BLOCK_N, SPLIT_K, num_warps, num_stages``, optionally
-    ``USE_DOT`` to take the tile + ``tl.dot`` path with one row, ``PREFETCH`` to load one row's
+    ``USE_DOT`` to take the tile + ``tl.dot`` path with one row, ``PLANES`` (several rows of a
+    :data:`~.gguf_tiles.PLANE_QTYPES` weight; the default there) a plane a dot instead of the decoded
+    tile, required beyond 16 rows, ``PREFETCH`` to load one row's
     code bytes a step ahead — off by default: on the H200 it gained on short Q4_K GEMVs only, 4-7%,
     docs/gguf-kernels.md; benchmarks sweep both). One fp16/bf16 row of a type in
     :data:`~.gguf_mma.MMA_QTYPES` runs on the int8 tensor cores (:mod:`.gguf_mma`) unless ``config``
@@ -335,8 +416,8 @@ def gguf_gemv(x: torch.Tensor, data: torch.Tensor, qtype: str, add: torch.Tensor
     from .gemv import GemvWorkspace
     k = _check(data, qtype, x)
     m, n = x.shape[0], code_rows(data)
-    if not 1 <= m <= MAX_GEMV_ROWS:
-        raise GraphDSLError(f"gguf_gemv: x needs 1..{MAX_GEMV_ROWS} rows, got {m}")
+    if not 1 <= m <= gemv_rows(qtype):
+        raise GraphDSLError(f"gguf_gemv: x needs 1..{gemv_rows(qtype)} rows for {qtype} (gemv_rows), got {m}")
     if silu_mul:
         if (qtype not in MMA_QTYPES or not _mma_possible(x, data, qtype) or add is not None or n % 2
                 or (config and not config.get("MMA"))):
@@ -370,13 +451,21 @@ def gguf_gemv(x: torch.Tensor, data: torch.Tensor, qtype: str, add: torch.Tensor
                             f"{sorted(_CONFIG_KEYS - {'SB', 'BLOCK_N', 'SPLIT_K'})}, got {sorted(cfg)}")
     sb, block_n, split = cfg.pop("SB"), cfg.pop("BLOCK_N"), cfg.pop("SPLIT_K")
     use_dot = cfg.pop("USE_DOT", m > 1)
+    planes_dot = cfg.pop("PLANES", False)
     if (k // values) % sb:
         raise GraphDSLError(f"gguf_gemv: SB={sb} blocks a step must divide the {k // values} blocks of a row")
+    if planes_dot and (qtype not in PLANE_QTYPES or not use_dot):
+        raise GraphDSLError(f"gguf_gemv: config PLANES=True needs a type in {list(PLANE_QTYPES)} and the tl.dot path "
+                            f"(USE_DOT, the default beyond one row), got {qtype} with USE_DOT={use_dot}")
+    if m > MAX_GEMV_ROWS and not planes_dot:
+        raise GraphDSLError(f"gguf_gemv: more than {MAX_GEMV_ROWS} rows ({m}) run a plane a dot only: config "
+                            f"PLANES=True, got {config}")
+    block_m = max(MAX_GEMV_ROWS, triton.next_power_of_2(m)) if use_dot else MAX_GEMV_ROWS
     steps = k // values // sb
     per = triton.cdiv(steps, max(1, min(split, steps)))
     split = triton.cdiv(steps, per)                        # no empty slices
     n_tiles = triton.cdiv(n, block_n)
-    part, lock = ((workspace or GemvWorkspace()).get(x.device, n_tiles, split, block_n, beside=beside)
+    part, lock = ((workspace or GemvWorkspace()).get(x.device, n_tiles, split, block_n, beside=beside, rows=block_m)
                   if split > 1 else (out, out))
     interp = os.environ.get("TRITON_INTERPRET") == "1"
     row_stride, layout = layout_args(data, qtype)
@@ -384,7 +473,8 @@ def gguf_gemv(x: torch.Tensor, data: torch.Tensor, qtype: str, add: torch.Tensor
     _gguf_gemv_kernel[(n_tiles, split)](
         x, data, add if add is not None else out, out, part, lock, m, n, k, row_stride, per, split,
         x.stride(0), out.stride(0), 0 if add is None or add.dim() == 1 else add.stride(0),
-        QTYPE=qtype, VALUES=values, SB=sb, BLOCK_N=block_n, BLOCK_M=MAX_GEMV_ROWS, USE_DOT=use_dot,
+        QTYPE=qtype, VALUES=values, SB=sb, BLOCK_N=block_n, BLOCK_M=block_m, USE_DOT=use_dot, PLANES=planes_dot,
+        FAST=_FAST_PLANES and not interp,
         SPLIT=split > 1, HAS_ADD=add is not None, DOT_F32=interp or x.dtype == torch.float32, **layout,
         **({} if rms_in is None else rms_in_args("gguf_gemv", rms_in, m, k)),
         LATE_LAUNCH=n_tiles * split > _num_sms(x.device) and not early_launch, BESIDE=beside, **pdl, **cfg)
@@ -435,7 +525,7 @@ def gguf_dequantize(data: torch.Tensor, qtype: str, dtype: torch.dtype = torch.b
 
 def gguf_linear(x: torch.Tensor, data: torch.Tensor, qtype: str, bias: torch.Tensor | None = None) -> torch.Tensor:
     """``x @ dequant(data).T (+ bias)`` for ``x [..., K]``: the GEMV kernel for at most
-    :data:`MAX_GEMV_ROWS` rows, else dequantize to x's dtype and matmul."""
+    :func:`gemv_rows` rows, else dequantize to x's dtype and matmul."""
     k = _check(data, qtype)
     if x.shape[-1] != k:
         raise GraphDSLError(f"gguf_linear: x's last dim must be K={k} (the {qtype} weight's), got {list(x.shape)}")
@@ -443,7 +533,7 @@ def gguf_linear(x: torch.Tensor, data: torch.Tensor, qtype: str, bias: torch.Ten
     x2 = x.reshape(-1, k)
     if x2.stride(1) != 1:
         x2 = x2.contiguous()
-    if 1 <= x2.shape[0] <= MAX_GEMV_ROWS:
+    if 1 <= x2.shape[0] <= gemv_rows(qtype):
         bias = bias if bias is None or bias.stride(-1) == 1 else bias.contiguous()
         out = gguf_gemv(x2, data, qtype, None if bias is None else bias.to(x2.dtype))
     else:

@@ -32,11 +32,13 @@ from ..gguf_blocks import KERNEL_QTYPES as _NAMES
 from ..gguf_blocks import strides
 
 __all__ = ["KERNEL_QTYPES", "decode_tile", "row_codes", "row_dot", "row_total", "row_zeros", "layout_args",
-           "q4k_planes", "q6k_plane", "q8_0_plane"]
+           "q4k_planes", "q4k_planes_dt", "q6k_plane", "q6k_plane_dt", "q8_0_plane", "PLANE_QTYPES"]
 
 # GGML types with a Triton tile decoder: name -> (values per block, bytes per stored block)
 KERNEL_QTYPES: dict[str, tuple[int, int]] = {
     name: (GGUF_BLOCKS[name][0], STORED_BLOCK_BYTES.get(name, GGUF_BLOCKS[name][1])) for name in _NAMES}
+# the types with a 32-value plane decoder in K order (q4k_planes, q6k_plane, q8_0_plane)
+PLANE_QTYPES = ("Q4_K", "Q5_K", "Q6_K", "Q8_0")
 
 
 def layout_args(data, qtype: str) -> tuple[int, dict]:
@@ -313,6 +315,57 @@ def q4k_planes(rows, kc, BS, FIVE: tl.constexpr = False):
     return lo.to(tl.float32) * s0[:, None] - m0[:, None], hi.to(tl.float32) * s1[:, None] - m1[:, None]
 
 
+def _nibble_fma_asm(magic: str, op: str, high: bool) -> str:
+    """:func:`_nibble_fma`'s PTX for one packed type and the low (or ``high``) nibbles: ``$2`` four code
+    bytes, ``$3, $4`` the scales and ``$5, $6`` the negated mins (two values a register); ``$0, $1``
+    the four values."""
+    shift = " shr.b32 a, a, 4; shr.b32 b, b, 4;" if high else ""
+    half = " lop3.b32 t, {src}, 0x000F000F, k, 0xEA; sub.rn.%s t, t, k; fma.rn.%s {dst}, t, {s}, {m};" % (op, op)
+    return ("{ .reg .b32 a, b, t, k, z; mov.b32 k, %s; mov.b32 z, 0;" % magic
+            + " prmt.b32 a, $2, z, 0x4140; prmt.b32 b, $2, z, 0x4342;" + shift
+            + half.format(src="a", dst="$0", s="$3", m="$5") + half.format(src="b", dst="$1", s="$4", m="$6") + " }")
+
+
+# 2^7 + q (bf16) and 2^10 + q (fp16): exact for 4-bit q; low nibbles, high nibbles
+_NIBBLES_BF16 = tl.constexpr((_nibble_fma_asm("0x43004300", "bf16x2", False), _nibble_fma_asm("0x43004300", "bf16x2", True)))
+_NIBBLES_FP16 = tl.constexpr((_nibble_fma_asm("0x64006400", "f16x2", False), _nibble_fma_asm("0x64006400", "f16x2", True)))
+
+
+@triton.jit
+def _nibble_fma(codes, s, m, HIGH: tl.constexpr, DT: tl.constexpr):
+    """``s·q − m`` in ``DT`` (bf16 / fp16) for the low (or ``HIGH``) nibbles ``q`` of the code bytes
+    ``codes`` (uint8), four bytes an instance of packed PTX: each nibble ORed into the mantissa of
+    ``2^7`` (bf16) or ``2^10`` (fp16) — the value ``2^k + q``, exact — the ``2^k`` subtracted
+    (exact), then one ``fma`` (one rounding) with the scale and the negated min; two values an
+    instruction. ``s, m``: tensors in ``DT`` of ``codes``' shape."""
+    if DT.is_bf16():
+        w = tl.inline_asm_elementwise(_NIBBLES_BF16[HIGH], "=r,=r,r,r,r,r,r", [codes, s, -m], dtype=tl.bfloat16,
+                                      is_pure=True, pack=4)
+    else:
+        w = tl.inline_asm_elementwise(_NIBBLES_FP16[HIGH], "=r,=r,r,r,r,r,r", [codes, s, -m], dtype=tl.float16,
+                                      is_pure=True, pack=4)
+    return w
+
+
+@triton.jit
+def q4k_planes_dt(rows, kc, BS, DT: tl.constexpr):
+    """:func:`q4k_planes` (Q4_K only) straight in the activations' dtype ``DT`` (bf16 / fp16): the
+    nibbles to values by :func:`_nibble_fma`, packed PTX — GPU only (the CPU interpreter, which runs
+    no PTX, takes :func:`q4k_planes`). The scale and min rounded to ``DT`` first, then one rounding
+    of ``s·q − m``: within the dtype's rounding of the float32 planes rounded once."""
+    j = tl.arange(0, 32)
+    c = kc % 4
+    blk = rows + (kc // 4) * BS
+    words = blk.to(tl.pointer_type(tl.int32))
+    dd, w1, w2, w3 = tl.load(words), tl.load(words + 1), tl.load(words + 2), tl.load(words + 3)
+    codes = tl.load(blk[:, None] + (16 + 32 * c + j)[None, :])
+    s0, m0 = _q4k_scale_min(dd, w1, w2, w3, 2 * c)
+    s1, m1 = _q4k_scale_min(dd, w1, w2, w3, 2 * c + 1)
+    z = tl.zeros_like(codes).to(DT)
+    return (_nibble_fma(codes, z + s0.to(DT)[:, None], z + m0.to(DT)[:, None], False, DT),
+            _nibble_fma(codes, z + s1.to(DT)[:, None], z + m1.to(DT)[:, None], True, DT))
+
+
 @triton.jit
 def q8_0_plane(rows, kp, BS):
     """The Q8_0 rows' weights of block ``kp`` (34 B: ``d f16 @0, q[32] int8 @2``; ``BS`` bytes between a
@@ -322,6 +375,50 @@ def q8_0_plane(rows, kp, BS):
     blk = rows + kp * BS
     q = tl.load(blk[:, None] + (2 + j)[None, :]).to(tl.int8, bitcast=True).to(tl.float32)
     return q * _f16_at(blk)[:, None]
+
+
+def _q6k_values_asm(magic: str, less: str, op: str, pl: int) -> str:
+    """:func:`q6k_plane_dt`'s PTX for plane ``pl`` (0..3) of a half: ``$2`` four ``ql`` bytes, ``$3`` four
+    ``qh`` bytes, ``$4, $5`` the scales (two values a register); ``$0, $1`` four values
+    ``s·(q − 32)``, ``q = (ql >> 4 (pl // 2)) & 15 | ((qh >> 2 pl) & 3) << 4`` byte by byte."""
+    hi = f"shl.b32 b, $3, {4 - 2 * pl};" if pl < 2 else ("mov.b32 b, $3;" if pl == 2 else "shr.b32 b, $3, 2;")
+    lo = "mov.b32 a, $2;" if pl < 2 else "shr.b32 a, $2, 4;"
+    return ("{ .reg .b32 a, b, q, k, c, z; " + f"mov.b32 k, {magic}; mov.b32 c, {less}; mov.b32 z, 0; " + lo + " " + hi
+            + " and.b32 q, a, 0x0F0F0F0F; lop3.b32 q, b, 0x30303030, q, 0xEA;"     # (b & 0x30..) | q
+            + " prmt.b32 a, q, z, 0x4140; prmt.b32 b, q, z, 0x4342; or.b32 a, a, k; or.b32 b, b, k;"
+            + f" sub.rn.{op} a, a, c; sub.rn.{op} b, b, c; mul.rn.{op} $0, a, $4; mul.rn.{op} $1, b, $5; }}")
+
+
+_Q6K_BF16 = tl.constexpr(tuple(_q6k_values_asm("0x43004300", "0x43204320", "bf16x2", pl) for pl in range(4)))
+_Q6K_FP16 = tl.constexpr(tuple(_q6k_values_asm("0x64006400", "0x64206420", "f16x2", pl) for pl in range(4)))
+
+
+@triton.jit
+def q6k_plane_dt(rows, sb, P: tl.constexpr, BS, DT: tl.constexpr):
+    """:func:`q6k_plane` of plane ``P`` (0..7) of super-block ``sb`` straight in the activations' dtype
+    ``DT`` (bf16 / fp16): the codes to ``2^k + q`` (exact), ``2^k + 32`` subtracted (exact), times
+    ``d·sc`` rounded to ``DT`` (one rounding), four values an instance of packed PTX — GPU only (the
+    CPU interpreter takes :func:`q6k_plane`)."""
+    j = tl.arange(0, 32)
+    blk = rows + sb * BS
+    h: tl.constexpr = P // 4
+    pl: tl.constexpr = P % 4
+    ql = tl.load(blk[:, None] + (64 * h + 32 * (pl % 2) + j)[None, :])
+    qh = tl.load(blk[:, None] + (128 + 32 * h + j)[None, :])
+    words = (blk + 192).to(tl.pointer_type(tl.int32))
+    sw = tl.load(words + 2 * h + pl // 2)
+    sh: tl.constexpr = 16 * (pl % 2)
+    sc0 = (((sw >> sh) & 255) ^ 128) - 128
+    sc1 = (((sw >> (sh + 8)) & 255) ^ 128) - 128
+    d = _word_f16(tl.load(words + 4), False)
+    s = tl.where(j[None, :] < 16, (d * sc0.to(tl.float32))[:, None], (d * sc1.to(tl.float32))[:, None]).to(DT)
+    if DT.is_bf16():
+        w = tl.inline_asm_elementwise(_Q6K_BF16[pl], "=r,=r,r,r,r,r", [ql, qh, s], dtype=tl.bfloat16,
+                                      is_pure=True, pack=4)
+    else:
+        w = tl.inline_asm_elementwise(_Q6K_FP16[pl], "=r,=r,r,r,r,r", [ql, qh, s], dtype=tl.float16,
+                                      is_pure=True, pack=4)
+    return w
 
 
 @triton.jit

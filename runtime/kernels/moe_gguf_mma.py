@@ -45,7 +45,7 @@ import triton.language as tl
 
 from .gguf_mma import _column_inputs, _q6k_columns_planes, _sub_block_planes, _write_planes, q4k_sums, split_for
 from .gguf_mma_q6k import q6k_sums, write_q6k_planes
-from .gguf_tiles import KERNEL_QTYPES, q4k_planes, q6k_plane, q8_0_plane
+from .gguf_tiles import KERNEL_QTYPES, PLANE_QTYPES, q4k_planes, q6k_plane, q8_0_plane
 from .moe_gemv import _act, _choice, finish
 from .paged_attention import _mm, _sm_count
 
@@ -144,9 +144,6 @@ def _stacks_of(qtypes, up, down, hidden: int, inter: int, dtype: torch.dtype) ->
 def eligible(up, down, hidden: int, inter: int, dtype: torch.dtype) -> bool:
     """Whether :func:`mma_experts` takes these stacks: both in :data:`MMA_QTYPES` (:func:`_stacks_of`)."""
     return _stacks_of(MMA_QTYPES, up, down, hidden, inter, dtype)
-
-
-PLANE_QTYPES = ("Q4_K", "Q5_K", "Q6_K", "Q8_0")      # the grouped plane loop's (rows_dot)
 
 
 def planes_eligible(up, down, hidden: int, inter: int, dtype: torch.dtype) -> bool:

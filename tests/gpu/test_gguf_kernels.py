@@ -1,5 +1,5 @@
 """GGUF kernels (runtime/kernels/gguf_linear.py) on the GPU at Llama-3-8B projection shapes, per block
-type: the GEMV (1, 4, 16 rows), the dequantize kernel and the prefill path against the torch reference
+type: the GEMV (1, 4, 16 rows; 17, 40, 64 for the plane types), the dequantize kernel and the prefill path against the torch reference
 decoder (itself checked against gguf-py's numpy dequantize on the same real-size bytes). The kernels
 read the stored layout (gguf_blocks.to_stored: Q6_K padded to 224-byte blocks; one Q6_K row of at
 least 2048 weight rows runs on the tensor cores, gguf_mma_q6k).
@@ -17,7 +17,7 @@ if not torch.cuda.is_available():   # before the kernel imports: triton picks th
     pytest.skip("needs a CUDA GPU", allow_module_level=True)
 
 from graphdsl.runtime.gguf_blocks import dequantize_blocks, to_stored  # noqa: E402
-from graphdsl.runtime.kernels.gguf_linear import gguf_dequantize, gguf_gemv, gguf_linear  # noqa: E402
+from graphdsl.runtime.kernels.gguf_linear import gemv_rows, gguf_dequantize, gguf_gemv, gguf_linear  # noqa: E402
 from tests.helpers.gguf_blocks import KERNEL_QTYPES, random_gguf_blocks  # noqa: E402
 
 SHAPES = [(4096, 4096), (6144, 4096), (14336, 4096), (4096, 14336)]
@@ -38,12 +38,37 @@ def test_gemv_real_shapes(qtype, n, k):
     data = random_gguf_blocks(qtype, n, k, seed=n + k)
     w = dequantize_blocks(data, qtype, k)
     data = to_stored(data, qtype)
-    for m in (1, 4, 16):
+    for m in (1, 4, 16, 17, 40, 64):
+        if m > gemv_rows(qtype):
+            continue
         x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
         got = gguf_gemv(x, data, qtype)
         want = x.float() @ w.T
         assert got.dtype == torch.bfloat16 and not torch.isnan(got).any()
         assert rel_err(got, want) < 1e-2, (qtype, n, k, m)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("m", [2, 16, 33])
+def test_planes_decoded_by_packed_ptx_match_the_float32_planes(qtype, dtype, m, monkeypatch):
+    """Several rows of Q4_K / Q6_K decode their planes in the activations' dtype by packed PTX
+    (``_FAST_PLANES``: ``2^k + q`` in the mantissa, ``2^k`` subtracted, one fma): the same sums as
+    the float32 decode to the dtype's rounding of the scales, both within 1e-2 of the reference."""
+    import graphdsl.runtime.kernels.gguf_linear as gl
+    if qtype not in ("Q4_K", "Q6_K"):
+        pytest.skip("packed-PTX planes: Q4_K and Q6_K")
+    n, k = 4096 + 64 * 3 + 19, 4096          # a partial row tile
+    data = random_gguf_blocks(qtype, n, k, seed=m)
+    w = dequantize_blocks(data, qtype, k)
+    data = to_stored(data, qtype)
+    x = torch.randn(m, k, device="cuda", dtype=dtype)
+    want = x.float() @ w.T
+    got = {}
+    for fast in (True, False):
+        monkeypatch.setattr(gl, "_FAST_PLANES", fast)
+        got[fast] = gguf_gemv(x, data, qtype)
+        assert got[fast].dtype == dtype and rel_err(got[fast], want) < 1e-2, (fast, rel_err(got[fast], want))
+    assert rel_err(got[True], got[False]) < 4e-3
 
 
 @pytest.mark.parametrize("n,k", SHAPES[:2])

@@ -7,6 +7,7 @@ import torch
 from graphdsl import GraphDSLError
 from graphdsl.runtime.gguf_blocks import block_major, dequantize_blocks, from_stored, row_major, to_stored
 from graphdsl.runtime.kernels.gguf_tiles import KERNEL_QTYPES as BLOCKS
+from graphdsl.runtime.kernels.gguf_tiles import PLANE_QTYPES
 from graphdsl.runtime.kernels.gguf_linear import _pick_config, _sb_for, gguf_dequantize, gguf_gemv, gguf_linear
 from tests.helpers.gguf_blocks import KERNEL_QTYPES, random_gguf_weight
 
@@ -61,6 +62,39 @@ def test_gemv_matches_dequantize_then_matmul(qtype, m, split):
     out = gguf_gemv(x, data, qtype, config=cfg)
     assert out.shape == (m, 19) and out.dtype == torch.float32
     _close(out, x, ref, torch.float32)
+
+
+@pytest.mark.parametrize("qtype", PLANE_QTYPES)
+@pytest.mark.parametrize("m,split", [(2, 1), (17, 2), (32, 3), (40, 1), (64, 2)])
+def test_several_rows_a_plane_a_dot_match_dequantize_then_matmul(qtype, m, split):
+    """The plane types' GEMV of 2..64 rows (``PLANES``: a 32-value plane decoded in K order, one
+    ``tl.dot`` with the rows' 32 inputs; Q5_K and Q8_0 up to 32 rows, ``gemv_rows``): odd N, split-K
+    (uneven), row-major and block-major blocks (the same sums); the decoded-tile path of the same
+    rows agrees to float32 rounding."""
+    from graphdsl.runtime.kernels.gguf_linear import gemv_rows
+    data, ref = _weight(qtype, 19, 768, seed=5)
+    x = _x(m, 768, torch.float32, seed=m)
+    cfg = dict(SB=256 // BLOCKS[qtype][0], BLOCK_N=16, SPLIT_K=split, num_warps=4, num_stages=1, PLANES=True)
+    assert gemv_rows(qtype) == (64 if qtype in ("Q4_K", "Q6_K") else 32)
+    if m > gemv_rows(qtype):
+        with pytest.raises(GraphDSLError, match=rf"x needs 1..32 rows for {qtype} \(gemv_rows\), got {m}"):
+            gguf_gemv(x, data, qtype, config=cfg)
+        return
+    out = gguf_gemv(x, data, qtype, config=cfg)
+    assert out.shape == (m, 19)
+    _close(out, x, ref, torch.float32)
+    _same(gguf_gemv(x, block_major(data, qtype), qtype, config=cfg), out)
+    if m <= 16:
+        _close(gguf_gemv(x, data, qtype, config={**cfg, "PLANES": False}), x, ref, torch.float32)
+
+
+@pytest.mark.parametrize("qtype", ["Q4_K", "Q6_K"])
+def test_several_rows_default_launch_in_bfloat16(qtype):
+    """The default launch of 24 bf16 rows takes the plane path and matches the reference."""
+    data, ref = _weight(qtype, 40, 512, seed=6)
+    x = _x(24, 512, torch.bfloat16, seed=7)
+    assert _pick_config(24, 40, 512, qtype, x.device).get("PLANES")
+    _close(gguf_gemv(x, data, qtype), x, ref, torch.bfloat16)
 
 
 @pytest.mark.parametrize("qtype", KERNEL_QTYPES)
@@ -160,15 +194,23 @@ def test_block_major_blocks_give_the_same_bits(qtype):
     assert torch.equal(gguf_linear(x, kb, qtype), gguf_linear(x, data, qtype))
 
 
-@pytest.mark.parametrize("qtype", ["Q8_0", "Q5_K"])
-def test_linear_dispatches_gemv_and_prefill(qtype):
-    """``gguf_linear``: leading dims and bias; 17+ rows go through dequantize + matmul."""
+@pytest.mark.parametrize("qtype", ["Q8_0", "Q5_K", "Q4_1"])
+def test_linear_dispatches_gemv_and_prefill(qtype, monkeypatch):
+    """``gguf_linear``: leading dims and bias; the GEMV up to ``gemv_rows`` (16 rows; Q5_K and Q8_0 32,
+    a plane a dot), dequantize + matmul beyond."""
+    import graphdsl.runtime.kernels.gguf_linear as gl
     data, ref = _weight(qtype, 24, 256, seed=4)
     bias = torch.randn(24).to(DEV)
-    for shape in [(2, 256), (3, 7, 256)]:
+    most = {"Q8_0": 32, "Q5_K": 32, "Q4_1": 16}[qtype]
+    assert gl.gemv_rows(qtype) == most
+    calls, real = [], gl.gguf_dequantize
+    monkeypatch.setattr(gl, "gguf_dequantize", lambda *a, **kw: calls.append(1) or real(*a, **kw))
+    for shape in [(2, 256), (3, 7, 256), (5, 6, 256), (most + 1, 256)]:
+        calls.clear()
         x = _x(int(torch.tensor(shape[:-1]).prod()), 256, torch.float32, seed=len(shape)).reshape(shape)
         out = gguf_linear(x, data, qtype, bias)
         assert out.shape == (*shape[:-1], 24)
+        assert bool(calls) == (x.numel() // 256 > most), (shape, calls)
         _close(out.reshape(-1, 24) - bias, x.reshape(-1, 256), ref, torch.float32)
 
 
@@ -180,8 +222,12 @@ def test_pick_config_splits_small_grids(monkeypatch):
     assert (c["SB"], c["BLOCK_N"], c["SPLIT_K"], c["num_warps"]) == (2, 8, 2, 2)
     c = _pick_config(1, 14336, 4096, "Q8_0", cpu)          # 1792 tiles >= 4 per SM
     assert (c["SB"], c["SPLIT_K"]) == (16, 1)
-    c = _pick_config(4, 4096, 14336, "Q6_K", cpu)
-    assert (c["SB"], c["BLOCK_N"], c["num_warps"]) == (1, 32, 4)
+    c = _pick_config(4, 4096, 14336, "Q6_K", cpu)            # several rows of a plane type: a plane a dot
+    assert (c["SB"], c["BLOCK_N"], c["num_warps"], c.get("PLANES")) == (1, 64, 4, True)
+    c = _pick_config(48, 4096, 4096, "Q4_K", cpu)             # beyond 32 rows: 128-row plane tiles
+    assert (c["BLOCK_N"], c.get("PLANES")) == (128, True)
+    c = _pick_config(4, 4096, 14336, "Q4_0", cpu)            # of the others: the decoded tile
+    assert (c["SB"], c["BLOCK_N"], c["num_warps"], c.get("PLANES")) == (8, 32, 4, None)
     assert _sb_for(3, 8) == 1 and _sb_for(56, 8) == 8 and _sb_for(12, 8) == 4
 
 
@@ -197,11 +243,19 @@ def test_errors_name_the_operand():
         gguf_gemv(torch.zeros(1, 256), torch.zeros(1, 4, 224, dtype=torch.uint8), "Q4_K")
     with pytest.raises(GraphDSLError, match=r"x must be \[M, 256\].*got \[1, 128\]"):
         gguf_gemv(torch.zeros(1, 128), data, "Q4_K")
-    with pytest.raises(GraphDSLError, match=r"config takes SB, BLOCK_N, SPLIT_K and optionally \['MMA', 'PREFETCH'.*"
+    with pytest.raises(GraphDSLError, match=r"config takes SB, BLOCK_N, SPLIT_K and optionally \['MMA', 'PLANES', 'PREFETCH'.*"
                                             r"got \['BLOCK_N', 'PREFECTH', 'SB', 'SPLIT_K'\]"):
         gguf_gemv(torch.zeros(1, 256), torch.zeros(4, 144, dtype=torch.uint8), "Q4_K",
                   config=dict(SB=1, BLOCK_N=8, SPLIT_K=1, PREFECTH=True))
-    with pytest.raises(GraphDSLError, match=r"x needs 1..16 rows, got 17"):
-        gguf_gemv(torch.zeros(17, 256), data, "Q4_K")
+    with pytest.raises(GraphDSLError, match=r"x needs 1..64 rows for Q4_K \(gemv_rows\), got 65"):
+        gguf_gemv(torch.zeros(65, 256), data, "Q4_K")
+    with pytest.raises(GraphDSLError, match=r"x needs 1..16 rows for Q4_0 \(gemv_rows\), got 17"):
+        gguf_gemv(torch.zeros(17, 256), torch.zeros(4, 144, dtype=torch.uint8), "Q4_0")
+    with pytest.raises(GraphDSLError, match=r"config PLANES=True needs a type in \['Q4_K', 'Q5_K', 'Q6_K', 'Q8_0'\] "
+                                            r"and the tl.dot path .*got Q4_0 with USE_DOT=True"):
+        gguf_gemv(torch.zeros(2, 256), torch.zeros(4, 144, dtype=torch.uint8), "Q4_0",
+                  config=dict(SB=1, BLOCK_N=16, SPLIT_K=1, PLANES=True))
+    with pytest.raises(GraphDSLError, match=r"more than 16 rows \(17\) run a plane a dot only: config PLANES=True"):
+        gguf_gemv(torch.zeros(17, 256), data[:, :144].contiguous(), "Q4_K", config=dict(SB=1, BLOCK_N=16, SPLIT_K=1))
     with pytest.raises(GraphDSLError, match=r"last dim must be K=256 \(the Q4_K weight's\), got \[2, 3\]"):
         gguf_linear(torch.zeros(2, 3), data, "Q4_K")

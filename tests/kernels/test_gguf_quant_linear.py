@@ -11,11 +11,13 @@ from graphdsl.runtime.gguf_scheme import quantize_blocks
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
 
-@pytest.mark.parametrize("qtype,rows", [("Q4_K", 1), ("Q6_K", 3), ("Q4_1", 20), ("Q4_K+Q6_K", 2)])
+@pytest.mark.parametrize("qtype,rows", [("Q4_K", 1), ("Q6_K", 3), ("Q4_1", 20), ("Q4_K+Q6_K", 2), ("Q4_K+Q6_K", 20),
+                                        ("Q4_K+Q6_K", 50), ("Q5_K", 40), ("Q4_K", 70)])
 def test_triton_backend_runs_the_gguf_kernel(qtype, rows, monkeypatch):
     """``Q4_K+Q6_K``: the packed gate|up keeps gate rows in Q4_K and up rows in Q6_K (one GEMV each);
     with its two stored tensors and no bias it fuses into ``quant_linear_silu_mul`` (the backend's
-    SwiGLU epilogue step after the GGUF kernels)."""
+    SwiGLU epilogue step after the GGUF kernels). Up to 16 rows every type runs its GEMV, up to 32
+    Q5_K and Q8_0 do, up to 64 Q4_K and Q6_K (``gemv_rows``), beyond dequantize + matmul."""
     from graphdsl import Network, Parameter, Tensor
     from graphdsl import functional as F
     from graphdsl.runtime.gguf_scheme import gguf_scheme
@@ -45,8 +47,10 @@ def test_triton_backend_runs_the_gguf_kernel(qtype, rows, monkeypatch):
         monkeypatch.setattr(kernels, name, lambda x, d, q, *a, _f=real, _n=name, **kw:
                             calls.append((_n, q)) or _f(x, d, q, *a, **kw))
     got = engine.forward(feed)["y"]
-    kernel = "gguf_gemv" if rows <= 16 else "gguf_linear"
-    assert calls == [(kernel, q) for q in types + ["Q8_0"]], calls
+    most = {"Q4_K": 64, "Q6_K": 64, "Q5_K": 32, "Q8_0": 32, "Q4_1": 16}
+    gate_up = "gguf_gemv" if rows <= min(most[q] for q in types) else "gguf_linear"
+    down = "gguf_gemv" if rows <= most["Q8_0"] else "gguf_linear"
+    assert calls == [(gate_up, q) for q in types] + [(down, "Q8_0")], calls
     want = net.build_engine(device=DEVICE, backend="torch").forward(feed)["y"]
     torch.testing.assert_close(got.float(), want.float(), atol=3e-2 * want.float().abs().max().item(), rtol=3e-2)
 
