@@ -2,6 +2,7 @@
 
     python benchmarks/gguf_gemv.py [--rows 1] [--types Q4_K,Q6_K] [--shapes 8b.o] [--sweep] [--prefill]
                                    [--config '{"USE_DOT": true, "BLOCK_N": 32}']
+    python benchmarks/gguf_gemv.py --many --rows 2,8,16,17,32,64,128 [--sweep]
 
 For each GGML block type and weight shape ``[N, K]`` (8B: o 4096x4096, qkv 6144x4096, gate/up
 14336x4096, down 4096x14336): checks ``gguf_gemv`` against the torch reference (dequantize, then a
@@ -22,7 +23,9 @@ against the bf16 matmul. ``--busiest-sm`` prints only one table: the one-row ten
 (Q4_K, Q6_K; one K slice, the A operand given) over ``N = tiles x 64`` rows for tile counts just
 under, at and just over multiples of the SM count, with the time per SM's worth of tiles: a
 one-row GEMV runs as long as its busiest SM, so a few tiles past a multiple cost a whole program
-more on those SMs (docs/quantization.md).
+more on those SMs (docs/quantization.md). ``--many`` prints only the table of several rows
+(:func:`many_rows`: batched decode and short prefills, the plane-a-dot GEMV against the decoded
+tile and dequantize + cuBLAS).
 """
 from __future__ import annotations
 
@@ -155,18 +158,88 @@ def busiest_sm() -> None:
             torch.cuda.empty_cache()
 
 
+def sweep_plane_configs(qtype: str, k: int):
+    """The plane-a-dot launches ``--many --sweep`` times: 32/64/128-row tiles, 4/8 warps, 2-3 stages,
+    1-4 K slices, a step of 256 values."""
+    from graphdsl.runtime.kernels.gguf_linear import KERNEL_QTYPES
+    for bn, warps, stages, split in itertools.product((32, 64, 128), (4, 8), (2, 3), (1, 2, 4)):
+        yield dict(SB=256 // KERNEL_QTYPES[qtype][0], BLOCK_N=bn, SPLIT_K=split, num_warps=warps,
+                   num_stages=stages, PLANES=True)
+
+
+def many_rows(rows: list[int], types: list[str], shapes: list[str], sweep: bool, copy: float) -> None:
+    """``--many``: GGUF linears of several rows (batched decode, short prefills), µs a call: the default
+    (``gguf_linear``: the GEMV up to ``gemv_rows``, else dequantize + cuBLAS), the plane-a-dot GEMV
+    and the decoded-tile GEMV (both forced where they apply), dequantize + cuBLAS, and the bf16
+    matmul of the same shape; weights from HBM (CUDA-graph replay over copies, :func:`replay_us`).
+    With ``--sweep``, the best three plane launches per row."""
+    from graphdsl.runtime.gguf_blocks import row_bytes
+    from graphdsl.runtime.kernels.gemv import GemvWorkspace
+    from graphdsl.runtime.kernels.gguf_linear import (MAX_GEMV_ROWS, PLANE_QTYPES, _pick_config, gemv_rows,
+                                                      gguf_dequantize, gguf_gemv, gguf_linear)
+    print(f"\n| type | shape | rows | default µs | % copy | planes µs | tile µs | dequantize + cuBLAS µs | bf16 µs |"
+          f"\n|---|---|---:|---:|---:|---:|---:|---:|---:|")
+    for name in shapes:
+        n, k = SHAPES[name]
+        wb = [torch.randn(n, k, device="cuda", dtype=torch.bfloat16) for _ in range(copies_for(n * k * 2))]
+        for qtype in types:
+            one = random_blocks(qtype, n, k, seed=0)
+            datas = [one] + [random_blocks(qtype, n, k, seed=i) for i in range(1, copies_for(one.numel()))]
+            ws = GemvWorkspace()
+            for m in rows:
+                x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+                out = torch.empty(m, n, device="cuda", dtype=torch.bfloat16)
+                if m <= gemv_rows(qtype):
+                    check(x, one, qtype)
+
+                def timed(f):
+                    return replay_us(lambda: [f(d) for d in datas], len(datas))
+
+                default = timed(lambda d: gguf_linear(x, d, qtype))
+                nbytes = n * row_bytes(qtype, k) + m * k * 2 + m * n * 2
+                planes = tile = "-"
+                if 1 < m and qtype in PLANE_QTYPES:
+                    cfg = {**_pick_config(m, n, k, qtype, x.device), "PLANES": True}
+                    planes = f"{timed(lambda d: gguf_gemv(x, d, qtype, out=out, workspace=ws, config=cfg)):.1f}"
+                if 1 < m <= MAX_GEMV_ROWS:
+                    cfg = {**_pick_config(m, n, k, qtype, x.device), "PLANES": False, "BLOCK_N": 32,
+                           "num_stages": 1}
+                    tile = f"{timed(lambda d: gguf_gemv(x, d, qtype, out=out, workspace=ws, config=cfg)):.1f}"
+                deq = timed(lambda d: torch.nn.functional.linear(x, gguf_dequantize(d, qtype, x.dtype)))
+                bf16 = replay_us(lambda: [x @ w.T for w in wb], len(wb))
+                print(f"| {qtype} | {name} | {m} | {default:.1f} | {100 * nbytes / (default * 1e-6) / 1e9 / copy:.0f}% | "
+                      f"{planes} | {tile} | {deq:.1f} | {bf16:.1f} |", flush=True)
+                if sweep and 1 < m and qtype in PLANE_QTYPES:
+                    results = []
+                    for c in sweep_plane_configs(qtype, k):
+                        try:
+                            results.append((timed(lambda d: gguf_gemv(x, d, qtype, out=out, workspace=ws,
+                                                                      config=c)), c))
+                        except Exception as e:  # a launch the compiler rejects (registers, shared memory)
+                            print(f"    {c}: {type(e).__name__}", flush=True)
+                    for t, c in sorted(results, key=lambda r: r[0])[:3]:
+                        print(f"    plane sweep {qtype} {name} {m} rows: {t:7.1f} µs  {c}", flush=True)
+            del datas, one
+            torch.cuda.empty_cache()
+        del wb
+        torch.cuda.empty_cache()
+
+
 def main() -> None:
     from graphdsl.runtime.kernels.gguf_linear import _num_sms, _pick_config, gguf_gemv, gguf_linear
     from graphdsl.runtime.gguf_blocks import row_bytes
     from graphdsl.runtime.kernels.gguf_mma import MMA_QTYPES, pick_mma_config
     from graphdsl.runtime.kernels.gguf_mma_q6k import pick_q6k_config
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--rows", default="1", help="activation rows, comma-separated (<= 16)")
+    ap.add_argument("--rows", default="1", help="activation rows, comma-separated (<= 16; any with --many)")
     ap.add_argument("--types", default=",".join(TYPES))
     ap.add_argument("--shapes", default=",".join(SHAPES))
     ap.add_argument("--sweep", action="store_true")
     ap.add_argument("--prefill", action="store_true")
     ap.add_argument("--config", default=None, help='JSON merged into every launch, e.g. \'{"USE_DOT": true, "BLOCK_N": 32}\'')
+    ap.add_argument("--many", action="store_true",
+                    help="only the table of several rows (--rows, up to 64 and beyond): the plane GEMV, the decoded "
+                         "tile, dequantize + cuBLAS and bf16 (many_rows)")
     ap.add_argument("--busiest-sm", action="store_true",
                     help="only the table of tensor-core GEMV times against the programs a SM (module docstring)")
     args = ap.parse_args()
@@ -178,6 +251,12 @@ def main() -> None:
     rows = [int(r) for r in args.rows.split(",")]
     types = args.types.split(",")
     shapes = args.shapes.split(",")
+    if args.many:
+        print(device_line())
+        copy = copy_bandwidth_gbs()
+        print(f"copy bandwidth: {copy:.0f} GB/s (device-to-device, read + write)")
+        many_rows(rows, types, shapes, args.sweep, copy)
+        return
 
     print(device_line())
     copy = copy_bandwidth_gbs()

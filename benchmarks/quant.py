@@ -1,7 +1,7 @@
 """Quantized decode: kernels and the 8B Llama shape end to end, beside torchao int4 + torch.compile.
 
     python benchmarks/quant.py [--shape llama-3-8b] [--schemes int4 fp8 int8 gguf-q4_k_m] [--gguf-cuda-cores]
-                               [--no-peer] [--out t.md]
+                               [--batches 8 32 64] [--gguf-tiles] [--no-peer] [--out t.md]
 
 1. The batch-1 decode GEMV the engine runs for ``quant_linear``, on the shape's projections (gate_up
    with its SwiGLU epilogue), one CUDA graph replaying it over >= 256 MB of weight copies so every
@@ -13,7 +13,9 @@
    511-token prompt (the prompt's prefill: the time a user waits), the first two as % of the quantized
    roofline = (every stored tensor but the embedding table + the KV cache read) / copy bandwidth,
    MoE expert stacks at the share a one-token step reads (``top_k / experts``: ``--shape
-   mixtral-8x7b``, whose stacks take the scheme too); bf16 for reference.
+   mixtral-8x7b``, whose stacks take the scheme too); bf16 for reference. ``--batches``: the engine
+   step at those batch sizes as well (batched decode), each against the roofline with its
+   sequences' KV.
    ``gguf-q4_k_m`` (in ``--schemes``) is a llama.cpp Q4_K_M-style mix kept in GGUF blocks (the
    rule of llama.cpp's ``llama_tensor_get_type`` for ``LLAMA_FTYPE_MOSTLY_Q4_K_M``): every attention
    and MLP matrix Q4_K, but ``attn_v`` and ``ffn_down`` Q6_K in the layers of ``use_more_bits`` (the
@@ -339,15 +341,18 @@ def stored_bytes(llm) -> int:
     return total
 
 
-def e2e(shape: str, quantization: str | None, copy: float, gen_tokens: int = 64) -> dict:
+def e2e(shape: str, quantization: str | None, copy: float, gen_tokens: int = 64, batches: tuple = ()) -> dict:
+    """One model's row: load, the batch-1 engine step and ``LLM.generate``; the engine step at each of
+    ``batches`` too (``steps``: batch -> ms, against the roofline with that many sequences' KV)."""
     import graphdsl as gd
     from graphdsl.layers import Phase
     max_len = CONTEXT + gen_tokens + 1
+    most = max((1, *batches))
     t0 = time.perf_counter()
     with _GGUFMix():
         llm = gd.LLM.from_config(SHAPES[shape], device="cuda", dtype="bfloat16", seed=0, max_model_len=max_len,
-                                 max_num_seqs=1, num_kv_blocks=2 * math.ceil(max_len / BLOCK) + 2, block_size=BLOCK,
-                                 quantization=quantization)
+                                 max_num_seqs=most, num_kv_blocks=(most + 1) * math.ceil(max_len / BLOCK) + 2,
+                                 block_size=BLOCK, quantization=quantization)
     load_s = time.perf_counter() - t0
     random_kv(llm)
     wbytes = stored_bytes(llm)
@@ -357,6 +362,11 @@ def e2e(shape: str, quantization: str | None, copy: float, gen_tokens: int = 64)
     inputs, ids = _decode_inputs(llm, 1, CONTEXT, gen)
     step_ms = bench_ms(lambda: llm.model.execute(Phase.DECODE, inputs, float_logits=False))
     _free(llm, ids)
+    steps = {}
+    for b in batches:
+        inputs, ids = _decode_inputs(llm, b, CONTEXT, gen)
+        steps[b] = bench_ms(lambda: llm.model.execute(Phase.DECODE, inputs, float_logits=False))
+        _free(llm, ids)
     prompt = torch.randint(0, llm.config.vocab_size, (CONTEXT - 1,), generator=torch.Generator().manual_seed(0)).tolist()
     generate_s(llm, prompt, gen_tokens)                   # build and warm every engine and graph
     runs, firsts = [], []
@@ -364,24 +374,38 @@ def e2e(shape: str, quantization: str | None, copy: float, gen_tokens: int = 64)
         firsts.append(generate_s(llm, prompt, 1) * 1e3)   # the prompt's prefill and one token
         runs.append((generate_s(llm, prompt, gen_tokens + 1) - firsts[-1] / 1e3) / gen_tokens * 1e3)
     res = dict(name=quantization or "bf16", load_s=load_s, weight_gb=wbytes / 1e9, kv_gb=kv / 1e9, roof_ms=roof_ms,
-               step_ms=step_ms, gen_ms=sorted(runs)[1], first_ms=sorted(firsts)[1])
+               step_ms=step_ms, gen_ms=sorted(runs)[1], first_ms=sorted(firsts)[1], steps=steps,
+               roofs={b: (wbytes + kv * b) / copy / 1e6 for b in batches})
     _log(f"{res}")
     del llm
     torch.cuda.empty_cache()
     return res
 
 
-def e2e_cuda_cores(shape: str, copy: float) -> dict:
+def e2e_cuda_cores(shape: str, copy: float, batches: tuple = ()) -> dict:
     """:func:`e2e` of ``gguf-q4_k_m`` with the tensor-core GEMV out of reach (``MMA_MIN_ROWS``
     raised), every GGUF GEMV on the CUDA cores: the A/B of ``runtime/kernels/gguf_mma.py``."""
     import graphdsl.runtime.kernels.gguf_linear as gl
     keep = gl.MMA_MIN_ROWS
     gl.MMA_MIN_ROWS = 1 << 40
     try:
-        res = e2e(shape, _GGUFMix.NAME, copy)
+        res = e2e(shape, _GGUFMix.NAME, copy, batches=batches)
     finally:
         gl.MMA_MIN_ROWS = keep
     res["name"] += " (CUDA-core GEMVs)"
+    return res
+
+
+def e2e_tiles(shape: str, copy: float, batches: tuple = ()) -> dict:
+    """:func:`e2e` of ``gguf-q4_k_m`` with several GGUF rows on the decoded tile up to 16 and dequantize
+    + cuBLAS beyond (``gguf_linear._PLANE_ROWS`` off): the A/B of the plane-a-dot GEMV at ``batches``."""
+    import graphdsl.runtime.kernels.gguf_linear as gl
+    gl._PLANE_ROWS = False
+    try:
+        res = e2e(shape, _GGUFMix.NAME, copy, batches=batches)
+    finally:
+        gl._PLANE_ROWS = True
+    res["name"] += " (several rows: decoded tiles, dequantize + cuBLAS)"
     return res
 
 
@@ -401,8 +425,14 @@ def main(argv=None) -> int:
     ap.add_argument("--int-dot-only", action="store_true", help="with --sweep: int4's INT_DOT launches only")
     ap.add_argument("--gguf-cuda-cores", action="store_true",
                     help="with gguf-q4_k_m: also its end-to-end run with every GEMV on the CUDA cores (A/B)")
+    ap.add_argument("--gguf-tiles", action="store_true",
+                    help="with gguf-q4_k_m: also its run with several rows on the decoded tiles and dequantize + "
+                         "cuBLAS, not a plane a dot (A/B; with --batches)")
+    ap.add_argument("--batches", nargs="*", type=int, default=[],
+                    help="also the engine decode step at these batch sizes (e.g. 8 32 64: batched decode)")
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
+    extra = tuple(b for b in args.batches if b > 1)
     copy = copy_bandwidth_gbs()
     lines = [f"device: {device_line()}; copy bandwidth {copy:.0f} GB/s; shape {args.shape}, batch 1, "
              f"context {CONTEXT}", ""]
@@ -420,15 +450,20 @@ def main(argv=None) -> int:
         print("\n".join(lines))
         return 0
     lines += ["| model | weights GB | roofline ms | engine step ms | % roofline | LLM.generate ms/token | % roofline "
-              f"| first token ms (prompt {CONTEXT - 1}) |", "|---|---|---|---|---|---|---|---|"]
+              f"| first token ms (prompt {CONTEXT - 1}) |" + "".join(f" step ms, batch {b} (% roofline) |" for b in extra),
+              "|---|---|---|---|---|---|---|---|" + "---|" * len(extra)]
     runs = [None] + list(args.schemes)
     if args.gguf_cuda_cores and _GGUFMix.NAME in args.schemes:
         runs.append("cuda-cores")
+    if args.gguf_tiles and _GGUFMix.NAME in args.schemes:
+        runs.append("tiles")
+    special = {"cuda-cores": e2e_cuda_cores, "tiles": e2e_tiles}
     for q in runs:
-        r = e2e_cuda_cores(args.shape, copy) if q == "cuda-cores" else e2e(args.shape, q, copy)
+        r = special[q](args.shape, copy, extra) if q in special else e2e(args.shape, q, copy, batches=extra)
         lines.append(f"| graphdsl {r['name']} | {r['weight_gb']:.2f} | {r['roof_ms']:.3f} | {r['step_ms']:.3f} | "
                      f"{100 * r['roof_ms'] / r['step_ms']:.0f}% | {r['gen_ms']:.3f} | {100 * r['roof_ms'] / r['gen_ms']:.0f}% "
-                     f"| {r['first_ms']:.2f} |")
+                     f"| {r['first_ms']:.2f} |" + "".join(f" {r['steps'][b]:.3f} ({100 * r['roofs'][b] / r['steps'][b]:.0f}%) |"
+                                                          for b in extra))
         print(lines[-1], flush=True)
     if not args.no_peer:
         try:
