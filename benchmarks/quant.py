@@ -382,30 +382,24 @@ def e2e(shape: str, quantization: str | None, copy: float, gen_tokens: int = 64,
     return res
 
 
-def e2e_cuda_cores(shape: str, copy: float, batches: tuple = ()) -> dict:
-    """:func:`e2e` of ``gguf-q4_k_m`` with the tensor-core GEMV out of reach (``MMA_MIN_ROWS``
-    raised), every GGUF GEMV on the CUDA cores: the A/B of ``runtime/kernels/gguf_mma.py``."""
+# the Q4_K_M A/B runs: run name -> (gguf_linear switch, value, label). "cuda-cores": every GGUF GEMV on the CUDA cores
+# (the tensor-core GEMV out of reach: the A/B of gguf_mma.py); "tiles": several rows on the decoded tiles up to 16
+# and dequantize + cuBLAS beyond (the A/B of the plane-a-dot GEMV, with --batches)
+_AB_RUNS = {"cuda-cores": ("MMA_MIN_ROWS", 1 << 40, "CUDA-core GEMVs"),
+            "tiles": ("_PLANE_ROWS", False, "several rows: decoded tiles, dequantize + cuBLAS")}
+
+
+def e2e_switched(run: str, shape: str, copy: float, batches: tuple = ()) -> dict:
+    """:func:`e2e` of ``gguf-q4_k_m`` with the ``gguf_linear`` switch of ``_AB_RUNS[run]`` set (and put back)."""
     import graphdsl.runtime.kernels.gguf_linear as gl
-    keep = gl.MMA_MIN_ROWS
-    gl.MMA_MIN_ROWS = 1 << 40
+    attr, value, label = _AB_RUNS[run]
+    keep = getattr(gl, attr)
+    setattr(gl, attr, value)
     try:
         res = e2e(shape, _GGUFMix.NAME, copy, batches=batches)
     finally:
-        gl.MMA_MIN_ROWS = keep
-    res["name"] += " (CUDA-core GEMVs)"
-    return res
-
-
-def e2e_tiles(shape: str, copy: float, batches: tuple = ()) -> dict:
-    """:func:`e2e` of ``gguf-q4_k_m`` with several GGUF rows on the decoded tile up to 16 and dequantize
-    + cuBLAS beyond (``gguf_linear._PLANE_ROWS`` off): the A/B of the plane-a-dot GEMV at ``batches``."""
-    import graphdsl.runtime.kernels.gguf_linear as gl
-    gl._PLANE_ROWS = False
-    try:
-        res = e2e(shape, _GGUFMix.NAME, copy, batches=batches)
-    finally:
-        gl._PLANE_ROWS = True
-    res["name"] += " (several rows: decoded tiles, dequantize + cuBLAS)"
+        setattr(gl, attr, keep)
+    res["name"] += f" ({label})"
     return res
 
 
@@ -457,9 +451,8 @@ def main(argv=None) -> int:
         runs.append("cuda-cores")
     if args.gguf_tiles and _GGUFMix.NAME in args.schemes:
         runs.append("tiles")
-    special = {"cuda-cores": e2e_cuda_cores, "tiles": e2e_tiles}
     for q in runs:
-        r = special[q](args.shape, copy, extra) if q in special else e2e(args.shape, q, copy, batches=extra)
+        r = e2e_switched(q, args.shape, copy, extra) if q in _AB_RUNS else e2e(args.shape, q, copy, batches=extra)
         lines.append(f"| graphdsl {r['name']} | {r['weight_gb']:.2f} | {r['roof_ms']:.3f} | {r['step_ms']:.3f} | "
                      f"{100 * r['roof_ms'] / r['step_ms']:.0f}% | {r['gen_ms']:.3f} | {100 * r['roof_ms'] / r['gen_ms']:.0f}% "
                      f"| {r['first_ms']:.2f} |" + "".join(f" {r['steps'][b]:.3f} ({100 * r['roofs'][b] / r['steps'][b]:.0f}%) |"
