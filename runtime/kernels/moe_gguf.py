@@ -36,6 +36,7 @@ import triton.language as tl
 
 from graphdsl.errors import GraphDSLError
 
+from . import gguf_linear   # its _FAST_PLANES switch: one for the dense and the expert plane loops
 from .gguf_linear import _sb_for
 from .gguf_tiles import KERNEL_QTYPES, decode_tile, row_codes, row_dot, row_total, row_zeros
 from .moe_gemv import _act, _block_of_pairs, _choice, finish
@@ -44,7 +45,8 @@ from .moe_gguf_mma import grouped_config as planes_config
 from .moe_gguf_mma import mma_experts, planes_eligible, rows_dot
 from .paged_attention import _mm, _sm_count
 
-__all__ = ["gguf_experts", "one_pair_by_default", "grouped_config", "MAX_PAIRS_PER_EXPERT", "MAX_PAIRS_PER_EXPERT_MMA"]
+__all__ = ["gguf_experts", "one_pair_by_default", "grouped_config", "MAX_PAIRS_PER_EXPERT", "MAX_PAIRS_PER_EXPERT_MMA",
+           "MAX_PAIRS_PER_EXPERT_PLANES"]
 
 # pairs an expert, on average, that the one-pair kernels take by default, by the gate/up stack's type (a pair
 # reads its expert's blocks alone; the grouped kernels read a shared expert's blocks once a block of pairs). H200,
@@ -59,6 +61,10 @@ MAX_PAIRS_PER_EXPERT = {"Q4_K": 2, "Q5_K": 2, "Q6_K": 2, "Q4_0": 1, "Q4_1": 1, "
 # pair a row against grouped: 8 pairs 319.2 vs 1284.6, 16 pairs 603.9 vs 1287.3, 32 pairs 1113.4 vs 1396.4, 64
 # pairs 2158.2 vs 1505.3
 MAX_PAIRS_PER_EXPERT_MMA = 4
+# ... and where only the grouped kernels run them (a plane at a time: .moe_gguf_mma.planes_eligible, e.g. Q5_K gate/up
+# and Q6_K down, Q8_0). H200, Mixtral's experts, bf16, µs one pair a row (CUDA cores) against grouped planes: Q5_K /
+# Q6_K 2 pairs 223.7 vs 752.0, 16 pairs 1589.1 vs 1477.2; Q8_0 16 pairs 1825.9 vs 1515.1
+MAX_PAIRS_PER_EXPERT_PLANES = 1
 
 
 @triton.jit
@@ -134,6 +140,7 @@ def _grouped_gate_up_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, QTYPE: tl.constexpr, VALUES: tl.constexpr, SB: tl.constexpr,
     BYTES: tl.constexpr, GEGLU: tl.constexpr, DOT_PREC: tl.constexpr, DOT_F32: tl.constexpr,
     PLANES: tl.constexpr = False,   # a 32-value plane a K step (.moe_gguf_mma.rows_dot; its PLANE_QTYPES)
+    FAST: tl.constexpr = False,     # PLANES: Q4_K / Q6_K planes decoded by packed PTX (rows_dot's FAST)
 ):
     """h[p, n] = act(x[p // k] · gate_e[n], x[p // k] · up_e[n]) for the pairs of block ``b``."""
     e, pairs, valid, n, n_ok = _block_of_pairs(rows_ptr, blk_e_ptr, P, I, BLOCK_M, BLOCK_N)
@@ -144,9 +151,9 @@ def _grouped_gate_up_kernel(
         gate = w_ptr + e.to(tl.int64) * swe + tl.minimum(n, I - 1).to(tl.int64) * row_bytes
         up = gate + I.to(tl.int64) * row_bytes
         acc_g = rows_dot(tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32), x_rows, valid, gate, H, QTYPE, BYTES,
-                         DOT_PREC, DOT_F32)
+                         DOT_PREC, DOT_F32, FAST)
         acc_u = rows_dot(tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32), x_rows, valid, up, H, QTYPE, BYTES,
-                         DOT_PREC, DOT_F32)
+                         DOT_PREC, DOT_F32, FAST)
     else:
         gate = w_ptr + e.to(tl.int64) * swe + n.to(tl.int64) * row_bytes
         up = w_ptr + e.to(tl.int64) * swe + (n + I).to(tl.int64) * row_bytes
@@ -173,6 +180,7 @@ def _grouped_down_kernel(
     P, H, I, E,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, QTYPE: tl.constexpr, VALUES: tl.constexpr, SB: tl.constexpr,
     BYTES: tl.constexpr, DOT_PREC: tl.constexpr, DOT_F32: tl.constexpr, PLANES: tl.constexpr = False,
+    FAST: tl.constexpr = False,
 ):
     """y[p, n] = weight(p) · h[p] · down_e[n] for the pairs of block ``b``."""
     e, pairs, valid, n, n_ok = _block_of_pairs(rows_ptr, blk_e_ptr, P, H, BLOCK_M, BLOCK_N)
@@ -182,7 +190,7 @@ def _grouped_down_kernel(
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     if PLANES:
         rows = w_ptr + e.to(tl.int64) * swe + tl.minimum(n, H - 1).to(tl.int64) * row_bytes
-        acc = rows_dot(acc, h_ptr + safe * I, valid, rows, I, QTYPE, BYTES, DOT_PREC, DOT_F32)
+        acc = rows_dot(acc, h_ptr + safe * I, valid, rows, I, QTYPE, BYTES, DOT_PREC, DOT_F32, FAST)
     else:
         rows = w_ptr + e.to(tl.int64) * swe + n.to(tl.int64) * row_bytes
         for s in range(0, I // (VALUES * SB)):
@@ -213,11 +221,14 @@ def one_pair_by_default(up, down, pairs: int, experts: int, dtype: torch.dtype) 
     """Whether ``pairs`` (token, expert) pairs over the GGUF stacks ``up`` and ``down``
     (``moe._Stack``) of ``experts`` experts, under ``dtype`` activations, take the one-pair kernels
     by default: at most :data:`MAX_PAIRS_PER_EXPERT_MMA` an expert on average where they run on
-    the tensor cores (:func:`.moe_gguf_mma.eligible`), else :data:`MAX_PAIRS_PER_EXPERT` for the
-    gate/up stack's type."""
+    the tensor cores (:func:`.moe_gguf_mma.eligible`), :data:`MAX_PAIRS_PER_EXPERT_PLANES` where
+    only the grouped ones run a plane at a time (:func:`.moe_gguf_mma.planes_eligible`), else
+    :data:`MAX_PAIRS_PER_EXPERT` for the gate/up stack's type."""
     hidden, inter = down.codes.shape[1], up.codes.shape[1] // 2
     if MMA and mma_eligible(up, down, hidden, inter, dtype):
         return pairs <= MAX_PAIRS_PER_EXPERT_MMA * experts
+    if MMA and planes_eligible(up, down, hidden, inter, dtype):
+        return pairs <= MAX_PAIRS_PER_EXPERT_PLANES * experts
     return pairs <= MAX_PAIRS_PER_EXPERT[up.qtype] * experts
 
 
@@ -268,7 +279,7 @@ def gguf_experts(x: torch.Tensor, routing: torch.Tensor, up, down, inter: int, t
     rows, block_expert = moe_align(ids, e, cfg.block_m)
     y = torch.empty((pairs, hidden), dtype=torch.float32, device=x.device)
     common = dict(BLOCK_M=cfg.block_m, DOT_PREC="ieee" if x.dtype == torch.float32 else "tf32", DOT_F32=interp,
-                  PLANES=planes)
+                  PLANES=planes, FAST=planes and not interp and gguf_linear._FAST_PLANES)
 
     def launch(kcfg, stack, k: int) -> dict:
         bn, values, warps, stages = kcfg

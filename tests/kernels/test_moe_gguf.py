@@ -108,12 +108,16 @@ def test_gguf_stacks_read_only_the_chosen_experts(gemv):
     ("gguf-q4_k", "gguf-q8_0", torch.float32, 4, True), ("gguf-q4_k", "gguf-q8_0", torch.float32, 5, False),
     ("gguf-q8_0", "gguf-q8_0", torch.float32, 2, True), ("gguf-q8_0", "gguf-q8_0", torch.float32, 3, False),
     ("gguf-q4_k", "gguf-q6_k", torch.bfloat16, 8, True), ("gguf-q4_k", "gguf-q6_k", torch.bfloat16, 9, False),
-    ("gguf-q4_k", "gguf-q8_0", torch.bfloat16, 5, False)])
+    ("gguf-q4_k", "gguf-q8_0", torch.bfloat16, 5, False),
+    ("gguf-q5_k", "gguf-q6_k", torch.bfloat16, 2, True), ("gguf-q5_k", "gguf-q6_k", torch.bfloat16, 3, False),
+    ("gguf-q5_k", "gguf-q6_k", torch.float32, 4, True)])
 def test_default_path_follows_the_pairs_an_expert(up_scheme, down_scheme, dtype, tokens, one_pair, monkeypatch):
     """One pair a program row up to ``MAX_PAIRS_PER_EXPERT`` pairs an expert for the gate/up
     stack's type (top-2 of 4 experts: Q4_K 2, so up to 4 tokens; Q8_0 1, up to 2), or
     ``MAX_PAIRS_PER_EXPERT_MMA`` (4: up to 8 tokens) where that path runs on the tensor cores
-    (Q4_K / Q6_K stacks, 16-bit activations); grouped beyond."""
+    (Q4_K / Q6_K stacks, 16-bit activations), ``MAX_PAIRS_PER_EXPERT_PLANES`` (1) where only the
+    grouped kernels run a plane at a time (Q5_K gate/up, 16-bit activations; under float32 it keeps
+    Q5_K's 2); grouped beyond."""
     args, kw, want = _case(tokens, 4, 256, 256, 2, dtype, up_scheme, down_scheme)
     seen = []
     real = moe_gguf.gguf_experts
