@@ -170,15 +170,17 @@ def sweep_plane_configs(qtype: str, k: int):
 def many_rows(rows: list[int], types: list[str], shapes: list[str], sweep: bool, copy: float) -> None:
     """``--many``: GGUF linears of several rows (batched decode, short prefills), µs a call: the default
     (``gguf_linear``: the GEMV up to ``gemv_rows``, else dequantize + cuBLAS), the plane-a-dot GEMV
-    and the decoded-tile GEMV (both forced where they apply), dequantize + cuBLAS, and the bf16
-    matmul of the same shape; weights from HBM (CUDA-graph replay over copies, :func:`replay_us`).
-    With ``--sweep``, the best three plane launches per row."""
+    (forced where it applies; for Q4_K / Q6_K also with the float32 plane decode instead of the
+    packed-PTX one, ``_FAST_PLANES`` off), the decoded-tile GEMV (up to 16 rows), dequantize +
+    cuBLAS, and the bf16 matmul of the same shape; weights from HBM (CUDA-graph replay over copies,
+    :func:`replay_us`). With ``--sweep``, the best three plane launches per row."""
+    import graphdsl.runtime.kernels.gguf_linear as gl
     from graphdsl.runtime.gguf_blocks import row_bytes
     from graphdsl.runtime.kernels.gemv import GemvWorkspace
     from graphdsl.runtime.kernels.gguf_linear import (MAX_GEMV_ROWS, PLANE_QTYPES, _pick_config, gemv_rows,
                                                       gguf_dequantize, gguf_gemv, gguf_linear)
-    print(f"\n| type | shape | rows | default µs | % copy | planes µs | tile µs | dequantize + cuBLAS µs | bf16 µs |"
-          f"\n|---|---|---:|---:|---:|---:|---:|---:|---:|")
+    print(f"\n| type | shape | rows | default µs | % copy | planes µs | float32 planes µs | tile µs "
+          f"| dequantize + cuBLAS µs | bf16 µs |\n|---|---|---:|---:|---:|---:|---:|---:|---:|---:|")
     for name in shapes:
         n, k = SHAPES[name]
         wb = [torch.randn(n, k, device="cuda", dtype=torch.bfloat16) for _ in range(copies_for(n * k * 2))]
@@ -197,10 +199,16 @@ def many_rows(rows: list[int], types: list[str], shapes: list[str], sweep: bool,
 
                 default = timed(lambda d: gguf_linear(x, d, qtype))
                 nbytes = n * row_bytes(qtype, k) + m * k * 2 + m * n * 2
-                planes = tile = "-"
+                planes = f32 = tile = "-"
                 if 1 < m and qtype in PLANE_QTYPES:
                     cfg = {**_pick_config(m, n, k, qtype, x.device), "PLANES": True}
                     planes = f"{timed(lambda d: gguf_gemv(x, d, qtype, out=out, workspace=ws, config=cfg)):.1f}"
+                    if qtype in ("Q4_K", "Q6_K"):      # the planes' float32 decode (A/B of the packed PTX)
+                        gl._FAST_PLANES = False
+                        try:
+                            f32 = f"{timed(lambda d: gguf_gemv(x, d, qtype, out=out, workspace=ws, config=cfg)):.1f}"
+                        finally:
+                            gl._FAST_PLANES = True
                 if 1 < m <= MAX_GEMV_ROWS:
                     cfg = {**_pick_config(m, n, k, qtype, x.device), "PLANES": False, "BLOCK_N": 32,
                            "num_stages": 1}
@@ -208,7 +216,7 @@ def many_rows(rows: list[int], types: list[str], shapes: list[str], sweep: bool,
                 deq = timed(lambda d: torch.nn.functional.linear(x, gguf_dequantize(d, qtype, x.dtype)))
                 bf16 = replay_us(lambda: [x @ w.T for w in wb], len(wb))
                 print(f"| {qtype} | {name} | {m} | {default:.1f} | {100 * nbytes / (default * 1e-6) / 1e9 / copy:.0f}% | "
-                      f"{planes} | {tile} | {deq:.1f} | {bf16:.1f} |", flush=True)
+                      f"{planes} | {f32} | {tile} | {deq:.1f} | {bf16:.1f} |", flush=True)
                 if sweep and 1 < m and qtype in PLANE_QTYPES:
                     results = []
                     for c in sweep_plane_configs(qtype, k):

@@ -89,8 +89,10 @@ def _tensor_cores(scheme: str, stacks, ops) -> bool:
 
 def _paths(scheme: str, call, k: int, picked: bool, tensor_cores: bool) -> list[tuple[str, float]]:
     """``[(path, µs)]``: one pair a program row (with ``tensor_cores``, on the int8 tensor cores and
-    then on the CUDA cores, ``moe_gguf.MMA`` off), then grouped, the default marked."""
-    from graphdsl.runtime.kernels import moe_gguf
+    then on the CUDA cores, ``moe_gguf.MMA`` off), then grouped (for Q4_K / Q6_K stacks, which the
+    grouped plane kernels decode by packed PTX, also with the float32 decode, ``gguf_linear._FAST_PLANES``
+    off), the default marked."""
+    from graphdsl.runtime.kernels import gguf_linear, moe_gguf
     rows = []
     for gemv in (True, False):
         label = ("one pair a row" if gemv else "grouped") + (", int8 tensor cores" if gemv and tensor_cores else "")
@@ -101,6 +103,12 @@ def _paths(scheme: str, call, k: int, picked: bool, tensor_cores: bool) -> list[
                 rows.append(("one pair a row, CUDA cores", _graph_us(lambda: call(k, gemv=True))))
             finally:
                 moe_gguf.MMA = True
+        if not gemv and tensor_cores:           # Q4_K / Q6_K stacks: their planes' decode A/B
+            gguf_linear._FAST_PLANES = False
+            try:
+                rows.append(("grouped, float32 plane decode", _graph_us(lambda: call(k, gemv=False))))
+            finally:
+                gguf_linear._FAST_PLANES = True
     return rows
 
 
