@@ -48,15 +48,15 @@ def test_gemv_real_shapes(qtype, n, k):
         assert rel_err(got, want) < 1e-2, (qtype, n, k, m)
 
 
+@pytest.mark.parametrize("packed", ["Q4_K", "Q6_K"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("m", [2, 16, 33])
-def test_planes_decoded_by_packed_ptx_match_the_float32_planes(qtype, dtype, m, monkeypatch):
+def test_planes_decoded_by_packed_ptx_match_the_float32_planes(packed, dtype, m, monkeypatch):
     """Several rows of Q4_K / Q6_K decode their planes in the activations' dtype by packed PTX
     (``_FAST_PLANES``: ``2^k + q`` in the mantissa, ``2^k`` subtracted, one fma): the same sums as
     the float32 decode to the dtype's rounding of the scales, both within 1e-2 of the reference."""
     import graphdsl.runtime.kernels.gguf_linear as gl
-    if qtype not in ("Q4_K", "Q6_K"):
-        pytest.skip("packed-PTX planes: Q4_K and Q6_K")
+    qtype = packed
     n, k = 4096 + 64 * 3 + 19, 4096          # a partial row tile
     data = random_gguf_blocks(qtype, n, k, seed=m)
     w = dequantize_blocks(data, qtype, k)
