@@ -327,8 +327,8 @@ def _nibble_fma_asm(magic: str, op: str, high: bool) -> str:
 
 
 # 2^7 + q (bf16) and 2^10 + q (fp16): exact for 4-bit q; low nibbles, high nibbles
-_NIBBLES_BF16 = tl.constexpr((_nibble_fma_asm("0x43004300", "bf16x2", False), _nibble_fma_asm("0x43004300", "bf16x2", True)))
-_NIBBLES_FP16 = tl.constexpr((_nibble_fma_asm("0x64006400", "f16x2", False), _nibble_fma_asm("0x64006400", "f16x2", True)))
+_NIBBLES_BF16 = tl.constexpr(tuple(_nibble_fma_asm("0x43004300", "bf16x2", high) for high in (False, True)))
+_NIBBLES_FP16 = tl.constexpr(tuple(_nibble_fma_asm("0x64006400", "f16x2", high) for high in (False, True)))
 
 
 @triton.jit

@@ -1,6 +1,7 @@
 """GGUF kernels (runtime/kernels/gguf_linear.py) on the GPU at Llama-3-8B projection shapes, per block
-type: the GEMV (1, 4, 16 rows; 17, 40, 64 for the plane types), the dequantize kernel and the prefill path against the torch reference
-decoder (itself checked against gguf-py's numpy dequantize on the same real-size bytes). The kernels
+type: the GEMV (1, 4, 16 rows; 17, 40, 64 for the plane types), the dequantize kernel and the
+prefill path against the torch reference decoder (itself checked against gguf-py's numpy dequantize
+on the same real-size bytes); the packed-PTX planes of Q4_K / Q6_K against the float32 ones. The kernels
 read the stored layout (gguf_blocks.to_stored: Q6_K padded to 224-byte blocks; one Q6_K row of at
 least 2048 weight rows runs on the tensor cores, gguf_mma_q6k).
 
