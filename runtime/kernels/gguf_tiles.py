@@ -315,20 +315,28 @@ def q4k_planes(rows, kc, BS, FIVE: tl.constexpr = False):
     return lo.to(tl.float32) * s0[:, None] - m0[:, None], hi.to(tl.float32) * s1[:, None] - m1[:, None]
 
 
-def _nibble_fma_asm(magic: str, op: str, high: bool) -> str:
-    """:func:`_nibble_fma`'s PTX for one packed type and the low (or ``high``) nibbles: ``$2`` four code
-    bytes, ``$3, $4`` the scales and ``$5, $6`` the negated mins (two values a register); ``$0, $1``
-    the four values."""
+# packed fp16/bf16 constants (two lanes a register): 2^k and its negation, the magic of the codes' values; 1.0, -0.0
+_PACKED = {"bf16x2": dict(magic="0x43004300", neg="0xC300C300", neg_q6="0xC320C320", one="0x3F803F80"),
+           "f16x2": dict(magic="0x64006400", neg="0xE400E400", neg_q6="0xE420E420", one="0x3C003C00")}
+
+
+def _nibble_fma_asm(op: str, high: bool) -> str:
+    """:func:`_nibble_fma`'s PTX for one packed type (``bf16x2`` / ``f16x2``) and the low (or ``high``)
+    nibbles: ``$2`` four code bytes, ``$3, $4`` the scales and ``$5, $6`` the negated mins (two values
+    a register); ``$0, $1`` the four values. Only ``fma`` arithmetic (``x·1 − 2^k`` for the
+    subtraction, exact): ``sub`` / ``mul`` on ``bf16x2`` need sm_90, ``fma`` sm_80."""
+    c = _PACKED[op]
     shift = " shr.b32 a, a, 4; shr.b32 b, b, 4;" if high else ""
-    half = " lop3.b32 t, {src}, 0x000F000F, k, 0xEA; sub.rn.%s t, t, k; fma.rn.%s {dst}, t, {s}, {m};" % (op, op)
-    return ("{ .reg .b32 a, b, t, k, z; mov.b32 k, %s; mov.b32 z, 0;" % magic
+    half = " lop3.b32 t, {src}, 0x000F000F, k, 0xEA; fma.rn.%s t, t, o, n; fma.rn.%s {dst}, t, {s}, {m};" % (op, op)
+    return ("{ .reg .b32 a, b, t, k, n, o, z; mov.b32 k, %s; mov.b32 n, %s; mov.b32 o, %s; mov.b32 z, 0;"
+            % (c["magic"], c["neg"], c["one"])
             + " prmt.b32 a, $2, z, 0x4140; prmt.b32 b, $2, z, 0x4342;" + shift
             + half.format(src="a", dst="$0", s="$3", m="$5") + half.format(src="b", dst="$1", s="$4", m="$6") + " }")
 
 
 # 2^7 + q (bf16) and 2^10 + q (fp16): exact for 4-bit q; low nibbles, high nibbles
-_NIBBLES_BF16 = tl.constexpr(tuple(_nibble_fma_asm("0x43004300", "bf16x2", high) for high in (False, True)))
-_NIBBLES_FP16 = tl.constexpr(tuple(_nibble_fma_asm("0x64006400", "f16x2", high) for high in (False, True)))
+_NIBBLES_BF16 = tl.constexpr(tuple(_nibble_fma_asm("bf16x2", high) for high in (False, True)))
+_NIBBLES_FP16 = tl.constexpr(tuple(_nibble_fma_asm("f16x2", high) for high in (False, True)))
 
 
 @triton.jit
@@ -377,20 +385,25 @@ def q8_0_plane(rows, kp, BS):
     return q * _f16_at(blk)[:, None]
 
 
-def _q6k_values_asm(magic: str, less: str, op: str, pl: int) -> str:
-    """:func:`q6k_plane_dt`'s PTX for plane ``pl`` (0..3) of a half: ``$2`` four ``ql`` bytes, ``$3`` four
-    ``qh`` bytes, ``$4, $5`` the scales (two values a register); ``$0, $1`` four values
-    ``s·(q − 32)``, ``q = (ql >> 4 (pl // 2)) & 15 | ((qh >> 2 pl) & 3) << 4`` byte by byte."""
+def _q6k_values_asm(op: str, pl: int) -> str:
+    """:func:`q6k_plane_dt`'s PTX (``bf16x2`` / ``f16x2``) for plane ``pl`` (0..3) of a half: ``$2`` four
+    ``ql`` bytes, ``$3`` four ``qh`` bytes, ``$4, $5`` the scales (two values a register); ``$0, $1``
+    four values ``s·(q − 32)``, ``q = (ql >> 4 (pl // 2)) & 15 | ((qh >> 2 pl) & 3) << 4`` byte by
+    byte; ``fma`` arithmetic only (as :func:`_nibble_fma_asm`; ``+ (−0)`` for the product)."""
+    c = _PACKED[op]
     hi = f"shl.b32 b, $3, {4 - 2 * pl};" if pl < 2 else ("mov.b32 b, $3;" if pl == 2 else "shr.b32 b, $3, 2;")
     lo = "mov.b32 a, $2;" if pl < 2 else "shr.b32 a, $2, 4;"
-    return ("{ .reg .b32 a, b, q, k, c, z; " + f"mov.b32 k, {magic}; mov.b32 c, {less}; mov.b32 z, 0; " + lo + " " + hi
+    return ("{ .reg .b32 a, b, q, k, n, o, z, m0; "
+            + f"mov.b32 k, {c['magic']}; mov.b32 n, {c['neg_q6']}; mov.b32 o, {c['one']}; mov.b32 z, 0; "
+            + "mov.b32 m0, 0x80008000; " + lo + " " + hi
             + " and.b32 q, a, 0x0F0F0F0F; lop3.b32 q, b, 0x30303030, q, 0xEA;"     # (b & 0x30..) | q
             + " prmt.b32 a, q, z, 0x4140; prmt.b32 b, q, z, 0x4342; or.b32 a, a, k; or.b32 b, b, k;"
-            + f" sub.rn.{op} a, a, c; sub.rn.{op} b, b, c; mul.rn.{op} $0, a, $4; mul.rn.{op} $1, b, $5; }}")
+            + f" fma.rn.{op} a, a, o, n; fma.rn.{op} b, b, o, n;"
+            + f" fma.rn.{op} $0, a, $4, m0; fma.rn.{op} $1, b, $5, m0; }}")
 
 
-_Q6K_BF16 = tl.constexpr(tuple(_q6k_values_asm("0x43004300", "0x43204320", "bf16x2", pl) for pl in range(4)))
-_Q6K_FP16 = tl.constexpr(tuple(_q6k_values_asm("0x64006400", "0x64206420", "f16x2", pl) for pl in range(4)))
+_Q6K_BF16 = tl.constexpr(tuple(_q6k_values_asm("bf16x2", pl) for pl in range(4)))
+_Q6K_FP16 = tl.constexpr(tuple(_q6k_values_asm("f16x2", pl) for pl in range(4)))
 
 
 @triton.jit
