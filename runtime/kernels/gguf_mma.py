@@ -200,19 +200,21 @@ def _norm_planes_kernel(x_ptr, res_ptr, w_ptr, out_ptr, sum_ptr, a_ptr, xa_ptr, 
     _write_planes(normed.to(tl.float32), b, a_ptr, xa_ptr, xs_ptr, K)
 
 
+# _nibbles' PTX, low then high nibbles: the nibble into the byte's top half, its top bit flipped ((t & 0xF0) ^ 0x80)
+_NIBBLES_ASM = tl.constexpr(("{ .reg .b32 t; shl.b32 t, $1, 4; lop3.b32 $0, t, 0xF0F0F0F0, 0x80808080, 0x6a; }",
+                             "lop3.b32 $0, $1, 0xF0F0F0F0, 0x80808080, 0x6a;"))
+
+
 @triton.jit
 def _nibbles(c, HIGH: tl.constexpr, EMULATE: tl.constexpr):
     """The low (or ``HIGH``) nibbles ``q`` of the code bytes ``c`` as int8 ``16 (q - 8)``: the nibble
     in the top half of the byte, its top bit flipped; four bytes per instruction (``EMULATE``: int32
-    arithmetic, for the CPU interpreter, which runs no PTX)."""
+    arithmetic, for the CPU interpreter, which runs no PTX; ``tests/kernels/test_packed_ptx.py``
+    runs the PTX through an interpreter against it)."""
     if EMULATE:
         q = (c.to(tl.int32) >> 4) & 15 if HIGH else c.to(tl.int32) & 15
         return ((q ^ 8) << 28 >> 24).to(tl.int8)
-    if HIGH:
-        return tl.inline_asm_elementwise("lop3.b32 $0, $1, 0xF0F0F0F0, 0x80808080, 0x6a;", "=r,r", [c],
-                                         dtype=tl.int8, is_pure=True, pack=4)
-    return tl.inline_asm_elementwise("{ .reg .b32 t; shl.b32 t, $1, 4; lop3.b32 $0, t, 0xF0F0F0F0, 0x80808080, 0x6a; }",
-                                     "=r,r", [c], dtype=tl.int8, is_pure=True, pack=4)
+    return tl.inline_asm_elementwise(_NIBBLES_ASM[HIGH], "=r,r", [c], dtype=tl.int8, is_pure=True, pack=4)
 
 
 @triton.jit

@@ -96,28 +96,26 @@ def write_q6k_planes(x, b, a_ptr, xa_ptr, K):
     tl.store(xa_ptr + b * 16 + tl.arange(0, 16), a)
 
 
+# _plane's PTX for plane I: bits 2-5 the nibble (shl 2 for the low one, shr 2 for the high one); bits 6-7 qh bits 2I,
+# 2I+1 moved up by 6 - 2I; then bit 7 flipped: (q << 2) ^ 0x80 = 4 (q - 32) as a signed byte
+_PLANE_ASM = tl.constexpr(tuple(
+    "{ .reg .b32 t, u; " + shifts
+    + " lop3.b32 u, u, 0xC0C0C0C0, 0x80808080, 0x6a; lop3.b32 $0, t, 0x3C3C3C3C, u, 0xea; }"
+    for shifts in ("shl.b32 t, $1, 2; shl.b32 u, $2, 6;", "shl.b32 t, $1, 2; shl.b32 u, $2, 4;",
+                   "shr.b32 t, $1, 2; shl.b32 u, $2, 2;", "shr.b32 t, $1, 2; mov.b32 u, $2;")))
+
+
 @triton.jit
 def _plane(ql, qh, I: tl.constexpr, EMULATE: tl.constexpr):
     """Value plane ``I`` (module docstring) of a half's ``ql`` bytes (``ql[l]`` for planes 0 and 2,
     ``ql[32 + l]`` for 1 and 3) and ``qh`` bytes ``[BLOCK_N, 32]`` as int8 ``4 (q - 32)``
-    (``EMULATE``: int32 arithmetic for the CPU interpreter, which runs no PTX)."""
+    (``EMULATE``: int32 arithmetic for the CPU interpreter, which runs no PTX; ``_PLANE_ASM`` runs
+    through a PTX interpreter against it in ``tests/kernels/test_packed_ptx.py``)."""
     if EMULATE:
         lo = (ql.to(tl.int32) >> 4) if I >= 2 else (ql.to(tl.int32) & 15)
         q = lo | (((qh.to(tl.int32) >> (2 * I)) & 3) << 4)
         return (4 * q - 128).to(tl.int8)
-    # bits 2-5: the nibble (shl 2 for the low one, shr 2 for the high one); bits 6-7: qh bits 2I, 2I+1
-    # moved up by 6 - 2I; then bit 7 flipped: (q << 2) ^ 0x80 = 4 (q - 32) as a signed byte
-    if I == 0:
-        asm: tl.constexpr = "{ .reg .b32 t, u; shl.b32 t, $1, 2; shl.b32 u, $2, 6; "
-    elif I == 1:
-        asm: tl.constexpr = "{ .reg .b32 t, u; shl.b32 t, $1, 2; shl.b32 u, $2, 4; "
-    elif I == 2:
-        asm: tl.constexpr = "{ .reg .b32 t, u; shr.b32 t, $1, 2; shl.b32 u, $2, 2; "
-    else:
-        asm: tl.constexpr = "{ .reg .b32 t, u; shr.b32 t, $1, 2; mov.b32 u, $2; "
-    return tl.inline_asm_elementwise(
-        asm + "lop3.b32 u, u, 0xC0C0C0C0, 0x80808080, 0x6a; lop3.b32 $0, t, 0x3C3C3C3C, u, 0xea; }",
-        "=r,r,r", [ql, qh], dtype=tl.int8, is_pure=True, pack=4)
+    return tl.inline_asm_elementwise(_PLANE_ASM[I], "=r,r,r", [ql, qh], dtype=tl.int8, is_pure=True, pack=4)
 
 
 @triton.jit

@@ -1,8 +1,10 @@
-"""The packed-PTX snippets that decode Q4_K nibbles and Q6_K codes into fp16/bf16 weights
-(``gguf_tiles._nibble_fma_asm``, ``_q6k_values_asm``: the strings the GPU compiles) run on CPU through
-a small PTX interpreter (``tests/helpers/ptx_emu.py``): byte selection, masks, shifts, the ``2^k + q``
+"""The packed-PTX snippets of the GGUF kernels run on CPU through a small PTX interpreter
+(``tests/helpers/ptx_emu.py``), the very strings the GPU compiles: the planes of several rows
+(``gguf_tiles._nibble_fma_asm``, ``_q6k_values_asm``: byte selection, masks, shifts, the ``2^k + q``
 magic and the fma arithmetic give ``s·q − m`` (Q4_K) and ``s·(q − 32)`` (Q6_K) rounded once to the
-lane's type, for every lane of the four packed values."""
+lane's type, every lane of the four packed values), and the one-row tensor-core GEMVs' int8 operands
+(``gguf_mma._NIBBLES_ASM``, ``gguf_mma_q6k._PLANE_ASM``) against their kernels' ``EMULATE`` branches,
+which the CPU tests of those kernels run."""
 import random
 
 import pytest
@@ -58,3 +60,32 @@ def test_the_kernels_compile_these_strings():
     assert T._NIBBLES_FP16.value == tuple(T._nibble_fma_asm("f16x2", h) for h in (False, True))
     assert T._Q6K_BF16.value == tuple(T._q6k_values_asm("bf16x2", pl) for pl in range(4))
     assert T._Q6K_FP16.value == tuple(T._q6k_values_asm("f16x2", pl) for pl in range(4))
+
+
+def _signed(b: int) -> int:
+    return b - 256 if b > 127 else b
+
+
+@pytest.mark.parametrize("high", [False, True])
+def test_q4k_tensor_core_nibbles_match_their_cpu_emulation(high):
+    """``gguf_mma._nibbles``' PTX (the one-row tensor-core GEMV's Q4_K operand): each byte's low (or
+    high) nibble ``q`` as the int8 ``16 (q - 8)`` its ``EMULATE`` branch computes, all 256 bytes."""
+    from graphdsl.runtime.kernels.gguf_mma import _NIBBLES_ASM
+    for first in range(0, 256, 4):
+        codes = [first, first + 1, first + 2, first + 3]
+        out, = run(_NIBBLES_ASM.value[high], 1, [_word(codes)])
+        q = [(c >> 4) if high else (c & 15) for c in codes]
+        assert [_signed((out >> (8 * i)) & 255) for i in range(4)] == [16 * (v - 8) for v in q], codes
+
+
+@pytest.mark.parametrize("plane", range(4))
+def test_q6k_tensor_core_planes_match_their_cpu_emulation(plane):
+    """``gguf_mma_q6k._plane``'s PTX (the one-row Q6_K tensor-core operand): plane ``I``'s 6-bit code
+    ``q`` of each (ql, qh) byte pair as the int8 ``4 (q - 32)`` of its ``EMULATE`` branch."""
+    from graphdsl.runtime.kernels.gguf_mma_q6k import _PLANE_ASM
+    rng = random.Random(plane)
+    for case in range(300):
+        ql, qh = _bytes(rng, {0: 0x00, 1: 0xFF}.get(case, -1)), _bytes(rng, {0: 0xFF, 1: 0x00}.get(case, -1))
+        out, = run(_PLANE_ASM.value[plane], 1, [_word(ql), _word(qh)])
+        q = [((ql[i] >> 4) if plane >= 2 else (ql[i] & 15)) | (((qh[i] >> (2 * plane)) & 3) << 4) for i in range(4)]
+        assert [_signed((out >> (8 * i)) & 255) for i in range(4)] == [4 * v - 128 for v in q], (ql, qh)
