@@ -170,7 +170,7 @@ def sweep_plane_configs(qtype: str, k: int):
 def many_rows(rows: list[int], types: list[str], shapes: list[str], sweep: bool, copy: float) -> None:
     """``--many``: GGUF linears of several rows (batched decode, short prefills), µs a call: the default
     (``gguf_linear``: the GEMV up to ``gemv_rows``, else dequantize + cuBLAS), the plane-a-dot GEMV
-    (forced where it applies; for Q4_K / Q6_K also with the float32 plane decode instead of the
+    (forced up to ``gemv_rows``; for Q4_K / Q6_K also with the float32 plane decode instead of the
     packed-PTX one, ``_FAST_PLANES`` off), the decoded-tile GEMV (up to 16 rows), dequantize +
     cuBLAS, and the bf16 matmul of the same shape; weights from HBM (CUDA-graph replay over copies,
     :func:`replay_us`). With ``--sweep``, the best three plane launches per row."""
@@ -200,7 +200,8 @@ def many_rows(rows: list[int], types: list[str], shapes: list[str], sweep: bool,
                 default = timed(lambda d: gguf_linear(x, d, qtype))
                 nbytes = n * row_bytes(qtype, k) + m * k * 2 + m * n * 2
                 planes = f32 = tile = "-"
-                if 1 < m and qtype in PLANE_QTYPES:
+                planes_ok = qtype in PLANE_QTYPES and 1 < m <= gemv_rows(qtype)    # (beyond: refused)
+                if planes_ok:
                     cfg = {**_pick_config(m, n, k, qtype, x.device), "PLANES": True}
                     planes = f"{timed(lambda d: gguf_gemv(x, d, qtype, out=out, workspace=ws, config=cfg)):.1f}"
                     if qtype in ("Q4_K", "Q6_K"):      # the planes' float32 decode (A/B of the packed PTX)
@@ -217,7 +218,7 @@ def many_rows(rows: list[int], types: list[str], shapes: list[str], sweep: bool,
                 bf16 = replay_us(lambda: [x @ w.T for w in wb], len(wb))
                 print(f"| {qtype} | {name} | {m} | {default:.1f} | {100 * nbytes / (default * 1e-6) / 1e9 / copy:.0f}% | "
                       f"{planes} | {f32} | {tile} | {deq:.1f} | {bf16:.1f} |", flush=True)
-                if sweep and 1 < m and qtype in PLANE_QTYPES:
+                if sweep and planes_ok:
                     results = []
                     for c in sweep_plane_configs(qtype, k):
                         try:
