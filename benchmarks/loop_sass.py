@@ -11,6 +11,13 @@ and thread, weight bytes a thread reads per step, their ratio, the barriers (``B
 conversion through shared memory, which makes every warp of the program wait), the top opcodes.
 
     python benchmarks/loop_sass.py [--arch 90] [--launch int4-qkv fp8-gate_up ...] [--no-x-wide] [--no-quads]
+    python benchmarks/loop_sass.py --gguf Q4_K:14336:4096:16 Q6_K:4096:4096:32 [--float32-planes]
+
+``--gguf TYPE:N:K:ROWS ...`` counts instead the K loop of ``gguf_linear.gguf_gemv``'s launch for
+``ROWS`` bf16 activation rows of a block-major GGUF weight (several rows: the plane-a-dot loop), per
+super-block step: instructions, weights a thread, their ratio, the ``HGMMA`` and the
+``WARPGROUP.ARRIVE`` / ``DEPBAR`` pairs around them (one a ``HGMMA``: each waited for), ``BAR.SYNC``; ``--float32-planes`` with the float32 plane decode instead of
+the packed PTX (``gguf_linear._FAST_PLANES`` off).
 
 Timing still needs the device (``decode_ab.py``): ``docs/quantization.md`` "Fewer instructions in
 the one-row loops" lists changes that cut instructions and ones that did not make the model faster.
@@ -152,6 +159,53 @@ def _step_bytes(name: str, kwargs: dict) -> int:
     return kwargs["BLOCK_N"] * kwargs["BLOCK_K"] * bits // 8 // threads
 
 
+def capture_gguf(qtype: str, n: int, k: int, rows: int):
+    """``(kernel, grid, args, kwargs)`` of ``gguf_gemv``'s launch for ``rows`` bf16 rows of a block-major
+    ``qtype [n, k]`` weight, recorded from CPU tensors (nothing runs; the kernel is restored)."""
+    import graphdsl.runtime.kernels.gguf_linear as GL
+    from graphdsl.runtime.kernels.gguf_tiles import KERNEL_QTYPES
+    per, nb = KERNEL_QTYPES[qtype]
+    seen = []
+
+    class _Recorder:
+        def __getitem__(self, grid):
+            return lambda *args, **kwargs: seen.append((grid, args, kwargs))
+
+    saved = GL._gguf_gemv_kernel, GL._num_sms
+    GL._gguf_gemv_kernel, GL._num_sms = _Recorder(), lambda device: _SMS
+    try:
+        GL.gguf_gemv(torch.zeros(rows, k, dtype=torch.bfloat16), torch.zeros(k // per, n, nb, dtype=torch.uint8), qtype)
+    finally:
+        GL._gguf_gemv_kernel, GL._num_sms = saved
+    (grid, args, kwargs), = seen
+    return GL._gguf_gemv_kernel, grid, args, kwargs
+
+
+def gguf_main(specs: list[str], arch: int, float32_planes: bool) -> int:
+    """``--gguf``: the table of the several-row GGUF GEMV loops (module docstring)."""
+    import graphdsl.runtime.kernels.gguf_linear as GL
+    print(f"## GGUF GEMV K loops of several rows, sm_{arch}, bf16, block-major blocks"
+          f"{', float32 plane decode' if float32_planes else ''}\n")
+    print("| launch | BLOCK_N x rows, split | instructions a step | weights a thread | per weight | HGMMA "
+          "| WARPGROUP arrive/wait pairs | BAR.SYNC | top opcodes |")
+    print("|---|---|---:|---:|---:|---:|---:|---:|---|")
+    keep = GL._FAST_PLANES
+    GL._FAST_PLANES = not float32_planes
+    try:
+        for spec in specs:
+            qtype, n, k, rows = spec.split(":")
+            kernel, grid, a, kw = capture_gguf(qtype, int(n), int(k), int(rows))
+            count, ops = loop_instructions(compile_launch(kernel, a, dict(kw), arch).asm["cubin"])
+            weights = kw["BLOCK_N"] * kw["SB"] * kw["VALUES"] // (32 * kw["num_warps"])
+            top = ", ".join(f"{o} {c}" for o, c in ops.most_common(5))
+            print(f"| {spec} | {kw['BLOCK_N']} x {kw['BLOCK_M']}, {grid[1]} | {count} | {weights} | "
+                  f"{count / weights:.2f} | {ops['HGMMA']} | {ops['WARPGROUP'] // 2} | {ops['BAR']} | {top} |",
+                  flush=True)
+    finally:
+        GL._FAST_PLANES = keep
+    return 0
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--arch", type=int, default=90, help="compute capability x10 (90: Hopper)")
@@ -160,11 +214,16 @@ def main(argv=None) -> int:
     ap.add_argument("--no-x-wide", action="store_true", help="the activations read 16 bits at a time")
     ap.add_argument("--no-quads", action="store_true",
                     help="int4: the scales and activations loaded as [BLOCK_N, G] / [G, C], not in the quads' layout")
+    ap.add_argument("--gguf", nargs="+", metavar="TYPE:N:K:ROWS",
+                    help="count gguf_gemv's several-row loops instead (module docstring)")
+    ap.add_argument("--float32-planes", action="store_true", help="--gguf: the float32 plane decode")
     args = ap.parse_args(argv)
     if os.environ.get("TRITON_INTERPRET") == "1":
         print("loop_sass.py compiles the kernels for a GPU: unset TRITON_INTERPRET (the interpreter runs them "
               "as Python instead)", file=sys.stderr)
         return 2
+    if args.gguf:
+        return gguf_main(args.gguf, args.arch, args.float32_planes)
     print(f"## decode GEMV K loops, sm_{args.arch}, one row, Llama-3-8B projections\n")
     print("| launch | BLOCK_N x BLOCK_K, split | instructions a step | weight bytes a thread | per byte | barriers "
           "| top opcodes |")

@@ -100,3 +100,35 @@ def test_a_triton_without_its_nvidia_binaries_is_named(sass, monkeypatch):
     monkeypatch.setattr(sass.glob, "glob", lambda pattern: [])
     with pytest.raises(FileNotFoundError, match="Triton's NVIDIA backend has no cuobjdump next to its ptxas"):
         sass._cuobjdump()
+
+
+def test_the_gguf_launch_is_the_one_gguf_gemv_makes(sass):
+    """``--gguf``: 16 bf16 rows of a block-major Q4_K weight take the plane-a-dot loop; nothing runs and
+    the kernel is restored."""
+    import graphdsl.runtime.kernels.gguf_linear as GL
+    kernel = GL._gguf_gemv_kernel
+    _, grid, args, kw = sass.capture_gguf("Q4_K", 14336, 4096, 16)
+    assert kw["PLANES"] and kw["USE_DOT"] and kw["BLOCK_M"] == 16 and kw["KB"] and grid[0] == 14336 // kw["BLOCK_N"]
+    assert GL._gguf_gemv_kernel is kernel
+
+
+def test_the_packed_ptx_planes_take_fewer_instructions_a_weight(sass):
+    """Compiled for sm_90: the Q4_K plane loop of 16 rows with the packed-PTX decode issues fewer
+    instructions a weight than with the float32 decode (``--float32-planes``)."""
+    try:
+        sass._cuobjdump()
+    except FileNotFoundError:
+        pytest.skip("this Triton has no NVIDIA backend binaries")
+    root = pathlib.Path(__file__).resolve().parents[2]
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    per_weight = {}
+    for flags in ((), ("--float32-planes",)):
+        run = subprocess.run([sys.executable, str(root / "benchmarks" / "loop_sass.py"), "--gguf",
+                              "Q4_K:14336:4096:16", *flags], capture_output=True, text=True, env=env, cwd=root,
+                             timeout=300)
+        assert run.returncode == 0, run.stderr[-2000:]
+        row = [line for line in run.stdout.splitlines() if line.startswith("| Q4_K:14336:4096:16")][0]
+        cells = [c.strip() for c in row.strip("|").split("|")]
+        assert int(cells[3]) == 64 * 256 // 128                # 64 rows x a super-block over 128 threads
+        per_weight[flags] = float(cells[4])
+    assert per_weight[()] < 0.85 * per_weight[("--float32-planes",)], per_weight
