@@ -30,21 +30,27 @@ def test_the_captured_launch_is_the_one_gemv_makes(sass):
     assert G._gemv_kernel is kernel and G._num_sms(torch.device("cpu")) == 4
 
 
-def test_the_int4_loop_is_counted_for_hopper(sass):
-    """Compiled for sm_90 with Triton's own ptxas (in a process of its own: a test run may have put
-    Triton in interpreter mode): the int4 loop of integer dot products (``IDP``, four per word of
-    eight weights) is found and counted."""
+def _table(sass, prefix: str, *args) -> list[list[str]]:
+    """The cells of the table rows starting ``| prefix`` that ``benchmarks/loop_sass.py args`` prints (in
+    a process of its own: a test run may have put Triton in interpreter mode); skips where this
+    Triton has no NVIDIA backend binaries."""
     try:
         sass._cuobjdump()
     except FileNotFoundError:
         pytest.skip("this Triton has no NVIDIA backend binaries")
     root = pathlib.Path(__file__).resolve().parents[2]
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    run = subprocess.run([sys.executable, str(root / "benchmarks" / "loop_sass.py"), "--launch", "int4-qkv"],
+    run = subprocess.run([sys.executable, str(root / "benchmarks" / "loop_sass.py"), *args],
                          capture_output=True, text=True, env=env, cwd=root, timeout=300)
     assert run.returncode == 0, run.stderr[-2000:]
-    row = [line for line in run.stdout.splitlines() if line.startswith("| int4-qkv")][0]
-    cells = [c.strip() for c in row.strip("|").split("|")]
+    return [[c.strip() for c in line.strip("|").split("|")] for line in run.stdout.splitlines()
+            if line.startswith("| " + prefix)]
+
+
+def test_the_int4_loop_is_counted_for_hopper(sass):
+    """Compiled for sm_90 with Triton's own ptxas: the int4 loop of integer dot products (``IDP``,
+    four per word of eight weights) is found and counted."""
+    cells, = _table(sass, "int4-qkv", "--launch", "int4-qkv")
     count, nbytes = int(cells[2]), int(cells[3])
     assert nbytes == 256 * 128 // 2 // 128                 # 256 rows x 128 int4 inputs over 128 threads
     idp = int(cells[6].split("IDP ")[1].split(",")[0])
@@ -52,27 +58,17 @@ def test_the_int4_loop_is_counted_for_hopper(sass):
     assert idp < count < 8 * idp
 
 
-def _barriers(*flags):
+def _barriers(sass, *flags):
     """``{launch: BAR count}`` of the int4 qkv and packed gate/up loops, from a run of the script."""
-    root = pathlib.Path(__file__).resolve().parents[2]
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    run = subprocess.run([sys.executable, str(root / "benchmarks" / "loop_sass.py"), "--launch", "int4-qkv",
-                          "int4-gate_up", *flags], capture_output=True, text=True, env=env, cwd=root, timeout=300)
-    assert run.returncode == 0, run.stderr[-2000:]
-    rows = [[c.strip() for c in line.strip("|").split("|")] for line in run.stdout.splitlines()
-            if line.startswith("| int4-")]
+    rows = _table(sass, "int4-", "--launch", "int4-qkv", "int4-gate_up", *flags)
     return {cells[0]: int(cells[5]) for cells in rows}
 
 
 def test_the_int4_loops_convert_no_layout_through_shared_memory(sass):
     """With the scales and activations loaded in the quads' layout (``gemv._QUADS``) neither int4
     loop has a barrier; loaded as ``[BLOCK_N, G]`` / ``[G, C]`` both had (conversions each step)."""
-    try:
-        sass._cuobjdump()
-    except FileNotFoundError:
-        pytest.skip("this Triton has no NVIDIA backend binaries")
-    assert _barriers() == {"int4-qkv": 0, "int4-gate_up": 0}
-    before = _barriers("--no-quads")
+    assert _barriers(sass) == {"int4-qkv": 0, "int4-gate_up": 0}
+    before = _barriers(sass, "--no-quads")
     assert before["int4-qkv"] > 0 and before["int4-gate_up"] > 0
 
 
@@ -115,20 +111,9 @@ def test_the_gguf_launch_is_the_one_gguf_gemv_makes(sass):
 def test_the_packed_ptx_planes_take_fewer_instructions_a_weight(sass):
     """Compiled for sm_90: the Q4_K plane loop of 16 rows with the packed-PTX decode issues fewer
     instructions a weight than with the float32 decode (``--float32-planes``)."""
-    try:
-        sass._cuobjdump()
-    except FileNotFoundError:
-        pytest.skip("this Triton has no NVIDIA backend binaries")
-    root = pathlib.Path(__file__).resolve().parents[2]
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     per_weight = {}
     for flags in ((), ("--float32-planes",)):
-        run = subprocess.run([sys.executable, str(root / "benchmarks" / "loop_sass.py"), "--gguf",
-                              "Q4_K:14336:4096:16", *flags], capture_output=True, text=True, env=env, cwd=root,
-                             timeout=300)
-        assert run.returncode == 0, run.stderr[-2000:]
-        row = [line for line in run.stdout.splitlines() if line.startswith("| Q4_K:14336:4096:16")][0]
-        cells = [c.strip() for c in row.strip("|").split("|")]
+        cells, = _table(sass, "Q4_K:14336:4096:16", "--gguf", "Q4_K:14336:4096:16", *flags)
         assert int(cells[3]) == 64 * 256 // 128                # 64 rows x a super-block over 128 threads
         per_weight[flags] = float(cells[4])
     assert per_weight[()] < 0.85 * per_weight[("--float32-planes",)], per_weight
