@@ -149,12 +149,16 @@ class RemoteEngine:
             try:
                 message = self.conn.recv()
             except (EOFError, OSError):
-                # the engine's process is gone: fail what is waiting, then stop serving (uvicorn's
-                # graceful shutdown on SIGTERM) rather than answer 500 for ever
-                self._aloop.call_soon_threadsafe(self._dispatch, ("fatal", "the engine process is gone"))
-                os.kill(os.getpid(), signal.SIGTERM)
+                self._aloop.call_soon_threadsafe(self._engine_gone)
                 return
             self._aloop.call_soon_threadsafe(self._dispatch, message)
+
+    def _engine_gone(self) -> None:
+        """The engine's process is gone: fail what is waiting, then stop serving (uvicorn's graceful
+        shutdown on SIGTERM) rather than answer 500 for ever — both on the event loop, in that order,
+        so no waiter resumes before the stop is asked for."""
+        self._dispatch(("fatal", "the engine process is gone"))
+        os.kill(os.getpid(), signal.SIGTERM)
 
     def _dispatch(self, message) -> None:
         kind = message[0]
