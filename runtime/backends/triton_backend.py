@@ -844,22 +844,21 @@ def _quant_linear(be: TritonBackend, node, ins, attrs, dsts):
             return dsts
     prod = be.workspace(node, ins, attrs).view(-1, n) if silu else out2
     if gguf:                                   # GGUF blocks: their kernel once per row part
-        from ..kernels.gguf_linear import gemv_rows as most_rows
-        from ..kernels.gguf_linear import gguf_gemv, gguf_linear
+        from ..kernels.gguf_linear import gemv_rows, gguf_gemv, gguf_linear
         parts = list(zip(stored, scheme.row_parts(n)))
-        gemv_rows = 1 <= x2.shape[0] <= min(most_rows(q) for _, (q, _, _) in parts) and x2.stride(-1) == 1 \
+        on_gemv = 1 <= x2.shape[0] <= min(gemv_rows(q) for _, (q, _, _) in parts) and x2.stride(-1) == 1 \
             and prod.stride(-1) == 1 and (add2 is None or (add2.dtype == x2.dtype and add2.stride(-1) == 1))
-        if not gemv_rows:
+        if not on_gemv:
             _not_carried(be, node)
-        beside = gemv_rows and _parts_beside(x2, parts)
+        beside = on_gemv and _parts_beside(x2, parts)
         for i, (data, (qtype, r0, r1)) in enumerate(parts):
-            if gemv_rows:                      # straight into the product's columns, the addend's slice added
+            if on_gemv:                        # straight into the product's columns, the addend's slice added
                 gguf_gemv(x2, data, qtype, None if add2 is None else add2[..., r0:r1], out=prod[:, r0:r1],
                           workspace=be.gemv_workspace, planes=_planes_for(planes, qtype), rms_in=rms_in,
                           early_launch=beside and i == 0, beside=beside and i > 0)
             else:
                 prod[:, r0:r1].copy_(gguf_linear(x2, data, qtype))
-        if gemv_rows:
+        if on_gemv:
             add2 = None
     elif isinstance(scheme, Fp8Scheme) and scheme.dynamic_activations and _scaled_mm_rows(x2, n):
         xq, sx = quantize_fp8_rows(x2)

@@ -57,8 +57,8 @@ from .gguf_mma import _CONFIG_KEYS as _MMA_CONFIG_KEYS
 from .gguf_mma import MMA_MIN_ROWS, MMA_QTYPES, gguf_gemv_mma
 from .gguf_mma_q6k import gguf_gemv_q6k
 from .pdl import pdl_launch, pdl_trigger, pdl_wait
-from .gguf_tiles import (KERNEL_QTYPES, PLANE_QTYPES, decode_tile, layout_args, q4k_planes, q4k_planes_dt, q6k_plane,
-                         q6k_plane_dt, q8_0_plane, row_codes, row_dot, row_total, row_zeros)
+from .gguf_tiles import (KERNEL_QTYPES, PLANE_QTYPES, decode_tile, k_planes, layout_args, q4k_planes, q6k_plane,
+                         q6k_plane_of, q8_0_plane, row_codes, row_dot, row_total, row_zeros)
 from .splitk import arrive, depart, meet_rows, sum_partials
 
 __all__ = ["gguf_linear", "gguf_gemv", "gguf_dequantize", "mma_eligible", "gemv_rows", "KERNEL_QTYPES", "MAX_GEMV_ROWS",
@@ -91,13 +91,11 @@ def _planes_step(acc, rows, blk0, BS, x_cols, m_ok, QTYPE: tl.constexpr, SB: tl.
     ``q4k_planes_dt`` / ``q6k_plane_dt``), each ``tl.dot`` with the plane's 32 contiguous inputs of
     every activation row (``x_cols``: the rows' pointers ``[1, BLOCK_M]``)."""
     j = tl.arange(0, 32)
+    dt = x_cols.dtype.element_ty
     if QTYPE == "Q4_K" or QTYPE == "Q5_K":
         for c in tl.static_range(4 * SB):
             kc = blk0 * 4 + c
-            if QTYPE == "Q4_K" and not DOT_F32 and FAST:
-                w0, w1 = q4k_planes_dt(rows, kc, BS, x_cols.dtype.element_ty)
-            else:
-                w0, w1 = q4k_planes(rows, kc, BS, QTYPE == "Q5_K")
+            w0, w1 = k_planes(rows, kc, BS, QTYPE == "Q5_K", FAST and not DOT_F32, dt)
             for h in tl.static_range(2):
                 xt = tl.load(x_cols + (64 * kc + 32 * h + j)[:, None], mask=m_ok[None, :], other=0.0,
                              cache_modifier=".cg" if BESIDE else "")
@@ -105,10 +103,8 @@ def _planes_step(acc, rows, blk0, BS, x_cols, m_ok, QTYPE: tl.constexpr, SB: tl.
     else:
         for p in tl.static_range(8 * SB if QTYPE == "Q6_K" else SB):
             kp = blk0 * (8 if QTYPE == "Q6_K" else 1) + p
-            if QTYPE == "Q6_K" and not DOT_F32 and FAST:
-                w = q6k_plane_dt(rows, blk0 + p // 8, p % 8, BS, x_cols.dtype.element_ty)
-            elif QTYPE == "Q6_K":
-                w = q6k_plane(rows, kp, BS)
+            if QTYPE == "Q6_K":
+                w = q6k_plane_of(rows, blk0 + p // 8, p % 8, BS, FAST and not DOT_F32, dt)
             else:
                 tl.static_assert(QTYPE == "Q8_0", "_planes_step: Q4_K, Q5_K, Q6_K or Q8_0")
                 w = q8_0_plane(rows, kp, BS)

@@ -32,7 +32,8 @@ from ..gguf_blocks import KERNEL_QTYPES as _NAMES
 from ..gguf_blocks import strides
 
 __all__ = ["KERNEL_QTYPES", "decode_tile", "row_codes", "row_dot", "row_total", "row_zeros", "layout_args",
-           "q4k_planes", "q4k_planes_dt", "q6k_plane", "q6k_plane_dt", "q8_0_plane", "PLANE_QTYPES"]
+           "q4k_planes", "q4k_planes_dt", "q6k_plane", "q6k_plane_dt", "q8_0_plane", "k_planes", "q6k_plane_of",
+           "PLANE_QTYPES"]
 
 # GGML types with a Triton tile decoder: name -> (values per block, bytes per stored block)
 KERNEL_QTYPES: dict[str, tuple[int, int]] = {
@@ -455,6 +456,28 @@ def q6k_plane(rows, kp, BS):
     d = _word_f16(tl.load(words + 4), False)
     sc = tl.where(j[None, :] < 16, sc0[:, None], sc1[:, None]).to(tl.float32)
     return (q - 32).to(tl.float32) * (d[:, None] * sc)
+
+
+@triton.jit
+def k_planes(rows, kc, BS, FIVE: tl.constexpr, FAST: tl.constexpr, DT: tl.constexpr):
+    """:func:`q4k_planes` (``FIVE``: Q5_K) of chunk ``kc``; with ``FAST`` (a GPU, Q4_K) straight in
+    ``DT`` by packed PTX (:func:`q4k_planes_dt`): the one choice the plane loops make."""
+    if FAST and not FIVE:
+        w0, w1 = q4k_planes_dt(rows, kc, BS, DT)
+    else:
+        w0, w1 = q4k_planes(rows, kc, BS, FIVE)
+    return w0, w1
+
+
+@triton.jit
+def q6k_plane_of(rows, sb, P: tl.constexpr, BS, FAST: tl.constexpr, DT: tl.constexpr):
+    """Plane ``P`` (0..7) of super-block ``sb``: :func:`q6k_plane`, or with ``FAST`` (a GPU)
+    :func:`q6k_plane_dt`."""
+    if FAST:
+        w = q6k_plane_dt(rows, sb, P, BS, DT)
+    else:
+        w = q6k_plane(rows, sb * 8 + P, BS)
+    return w
 
 
 # --------------------------------------------------------------------------- one activation row

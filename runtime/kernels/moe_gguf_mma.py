@@ -45,7 +45,7 @@ import triton.language as tl
 
 from .gguf_mma import _column_inputs, _q6k_columns_planes, _sub_block_planes, _write_planes, q4k_sums, split_for
 from .gguf_mma_q6k import q6k_sums, write_q6k_planes
-from .gguf_tiles import KERNEL_QTYPES, PLANE_QTYPES, q4k_planes, q4k_planes_dt, q6k_plane, q6k_plane_dt, q8_0_plane
+from .gguf_tiles import KERNEL_QTYPES, PLANE_QTYPES, k_planes, q6k_plane_of, q8_0_plane
 from .moe_gemv import _act, _choice, finish
 from .paged_attention import _mm, _sm_count
 
@@ -206,24 +206,17 @@ def rows_dot(acc, a_rows, a_ok, rows, K, QTYPE: tl.constexpr, BS: tl.constexpr, 
     :mod:`.moe_gguf`'s grouped kernels with ``PLANES``. ``FAST`` (a GPU, fp16/bf16 activations): Q4_K
     and Q6_K planes decoded in the activations' dtype by packed PTX (:func:`.gguf_tiles.q4k_planes_dt`,
     :func:`.gguf_tiles.q6k_plane_dt`), as the dense GEMV of several rows does."""
-    if QTYPE == "Q4_K" and FAST:
+    dt = a_rows.dtype.element_ty
+    if QTYPE == "Q4_K" or QTYPE == "Q5_K":
         for kc in range(0, K // 64):
-            w0, w1 = q4k_planes_dt(rows, kc, BS, a_rows.dtype.element_ty)
+            w0, w1 = k_planes(rows, kc, BS, QTYPE == "Q5_K", FAST, dt)
             acc = _plane_dot(acc, a_rows, a_ok, w0, 64 * kc, DOT_PREC, DOT_F32)
             acc = _plane_dot(acc, a_rows, a_ok, w1, 64 * kc + 32, DOT_PREC, DOT_F32)
-    elif QTYPE == "Q4_K" or QTYPE == "Q5_K":
-        for kc in range(0, K // 64):
-            w0, w1 = q4k_planes(rows, kc, BS, QTYPE == "Q5_K")
-            acc = _plane_dot(acc, a_rows, a_ok, w0, 64 * kc, DOT_PREC, DOT_F32)
-            acc = _plane_dot(acc, a_rows, a_ok, w1, 64 * kc + 32, DOT_PREC, DOT_F32)
-    elif QTYPE == "Q6_K" and FAST:
+    elif QTYPE == "Q6_K":
         for sb in range(0, K // 256):
             for p in tl.static_range(8):
-                acc = _plane_dot(acc, a_rows, a_ok, q6k_plane_dt(rows, sb, p, BS, a_rows.dtype.element_ty),
-                                 256 * sb + 32 * p, DOT_PREC, DOT_F32)
-    elif QTYPE == "Q6_K":
-        for kp in range(0, K // 32):
-            acc = _plane_dot(acc, a_rows, a_ok, q6k_plane(rows, kp, BS), 32 * kp, DOT_PREC, DOT_F32)
+                acc = _plane_dot(acc, a_rows, a_ok, q6k_plane_of(rows, sb, p, BS, FAST, dt), 256 * sb + 32 * p,
+                                 DOT_PREC, DOT_F32)
     else:
         tl.static_assert(QTYPE == "Q8_0", "rows_dot: Q4_K, Q5_K, Q6_K or Q8_0")
         for kp in range(0, K // 32):
