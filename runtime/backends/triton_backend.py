@@ -427,7 +427,7 @@ def _swiglu_planes(be: TritonBackend, node, out: torch.Tensor):
     for those readers; else None. As for :func:`_norm_planes`, the readers must be the nodes right
     after it."""
     from ..kernels.gguf_mma import swiglu_planes_possible
-    if not _SWIGLU_PLANES or not swiglu_planes_possible(out.shape[-1]):
+    if not _SWIGLU_PLANES or out.shape[0] != 1 or not swiglu_planes_possible(out.shape[-1]):
         return None
     readers = be.gguf_readers_next(node)
     takers = _planes_takers(be, readers, out)

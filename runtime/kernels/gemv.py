@@ -764,6 +764,16 @@ class GemvWorkspace:
                                          torch.empty(k // 16, dtype=torch.float32, device=device))
         return bufs
 
+    def rows_planes(self, device: torch.device, k: int):
+        """The A operands ``[k / 32, 16, 32]`` int8 and ``a_ms``, ``S_ms`` ``[k / 32, 8]`` of up to 8 rows of
+        the several-row Q4_K tensor-core GEMV (:func:`.gguf_mma_rows.rows_planes`), one set per (device, k)."""
+        from .gguf_mma_rows import empty_rows_planes
+        key = ("rows_planes", str(device), k)
+        bufs = self._buffers.get(key)
+        if bufs is None:
+            bufs = self._buffers[key] = empty_rows_planes(k, device)
+        return bufs
+
     @property
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for bufs in self._buffers.values() for t in bufs)

@@ -32,6 +32,8 @@ One fp16/bf16 row of Q4_K or Q6_K over at least ``MMA_MIN_ROWS`` weight rows run
 tensor cores instead (:mod:`.gguf_mma`, :mod:`.gguf_mma_q6k`, :func:`mma_eligible`): on an H100
 1.2-1.7x faster than the CUDA-core loop, which is instruction-bound (15-33% of copy bandwidth on
 the H200, about the bf16 cuBLAS GEMV's time; docs/gguf-kernels.md has the tables and the next steps).
+So do 2..8 rows of Q4_K (:mod:`.gguf_mma_rows`: a sub-block a dot, the rows on the dot's other
+operand; ``_MMA_ROWS``).
 
 ``data`` is in the stored layout (:func:`graphdsl.runtime.gguf_blocks.to_stored`: Q6_K blocks
 padded to 224 bytes; the other types as in the file).
@@ -56,6 +58,8 @@ from .gemv import rin_tile, rms_factor, rms_in_args
 from .gguf_mma import _CONFIG_KEYS as _MMA_CONFIG_KEYS
 from .gguf_mma import MMA_MIN_ROWS, MMA_QTYPES, gguf_gemv_mma
 from .gguf_mma_q6k import gguf_gemv_q6k
+from .gguf_mma_rows import CONFIG_KEYS as _ROWS_CONFIG_KEYS
+from .gguf_mma_rows import MMA_ROWS, gguf_gemv_mma_rows
 from .pdl import pdl_launch, pdl_trigger, pdl_wait
 from .gguf_tiles import (KERNEL_QTYPES, PLANE_QTYPES, decode_tile, k_planes, layout_args, q4k_planes, q6k_plane,
                          q6k_plane_of, q8_0_plane, row_codes, row_dot, row_total, row_zeros)
@@ -70,6 +74,7 @@ MAX_PLANE_ROWS = 64   # the most it takes for a PLANE_QTYPES weight (a plane a d
 _PLANE_ROWS = True    # several rows of a PLANE_QTYPES weight a plane a dot (False: the decoded tile; A/B)
 _FAST_PLANES = True   # their Q4_K / Q6_K planes decoded in fp16/bf16 by packed PTX (False: float32 math; A/B)
 _Q6K_MMA = True       # one Q6_K row on the tensor cores by default (False: CUDA cores; decode_ab.py's A/B)
+_MMA_ROWS = True      # 2..8 rows of Q4_K on the tensor cores by default (gguf_mma_rows; False: a plane a dot; A/B)
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
 
@@ -360,13 +365,21 @@ def _mma_possible(x: torch.Tensor, data: torch.Tensor, qtype: str) -> bool:
             and data.data_ptr() % 4 == 0)
 
 
+def _rows_possible(x: torch.Tensor, data: torch.Tensor, qtype: str) -> bool:
+    """The several-row tensor-core kernel (:mod:`.gguf_mma_rows`) takes 2..``MMA_ROWS`` fp16/bf16 rows
+    (unit inner stride) of Q4_K over 4-byte aligned blocks."""
+    return (2 <= x.shape[0] <= MMA_ROWS and qtype == "Q4_K" and x.dtype != torch.float32 and x.stride(-1) == 1
+            and data.data_ptr() % 4 == 0)
+
+
 def mma_eligible(x: torch.Tensor, data: torch.Tensor, qtype: str) -> bool:
     """Whether :func:`gguf_gemv` runs ``x @ dequant(data).T`` on the tensor cores by default: when
-    :func:`_mma_possible` and the weight has at least ``MMA_MIN_ROWS`` rows (on the H100 a 1024-row
-    Q4_K GEMV took 6.4 µs on CUDA cores, 7.5 on the tensor cores with its activation launch; 4096
-    rows 12.8 against 11.0; Q6_K's 1024 rows 6.6 against 6.7-8.5, 4096 rows 16.9 against 12.9)."""
-    return (_mma_possible(x, data, qtype) and code_rows(data) >= MMA_MIN_ROWS
-            and (qtype != "Q6_K" or _Q6K_MMA))
+    :func:`_mma_possible` (one row) or, with ``_MMA_ROWS``, :func:`_rows_possible` (2..8 rows), and the
+    weight has at least ``MMA_MIN_ROWS`` rows (on the H100 a 1024-row Q4_K GEMV took 6.4 µs on CUDA
+    cores, 7.5 on the tensor cores with its activation launch; 4096 rows 12.8 against 11.0; Q6_K's
+    1024 rows 6.6 against 6.7-8.5, 4096 rows 16.9 against 12.9)."""
+    return ((_mma_possible(x, data, qtype) or _MMA_ROWS and _rows_possible(x, data, qtype))
+            and code_rows(data) >= MMA_MIN_ROWS and (qtype != "Q6_K" or _Q6K_MMA))
 
 
 def gguf_gemv(x: torch.Tensor, data: torch.Tensor, qtype: str, add: torch.Tensor | None = None, *,
@@ -414,12 +427,14 @@ def gguf_gemv(x: torch.Tensor, data: torch.Tensor, qtype: str, add: torch.Tensor
     m, n = x.shape[0], code_rows(data)
     if not 1 <= m <= gemv_rows(qtype):
         raise GraphDSLError(f"gguf_gemv: x needs 1..{gemv_rows(qtype)} rows for {qtype} (gemv_rows), got {m}")
+    rows_mma = m > 1 and (config.get("MMA", False) if config else (silu_mul or mma_eligible(x, data, qtype)))
     if silu_mul:
-        if (qtype not in MMA_QTYPES or not _mma_possible(x, data, qtype) or add is not None or n % 2
-                or (config and not config.get("MMA"))):
-            raise GraphDSLError(f"gguf_gemv: silu_mul runs on the tensor-core path only: one fp16/bf16 row of "
-                                f"{list(MMA_QTYPES)} with an even row count, no add and a config (if any) with MMA=True; got "
-                                f"{m} {x.dtype} rows, {qtype} [{n}, {k}], add={add is not None}, config={config}")
+        if (qtype not in MMA_QTYPES or not (_mma_possible(x, data, qtype) or _rows_possible(x, data, qtype))
+                or add is not None or n % 2 or (config and not config.get("MMA"))):
+            raise GraphDSLError(f"gguf_gemv: silu_mul runs on the tensor-core paths only: 1..{MMA_ROWS} fp16/bf16 "
+                                f"rows of {list(MMA_QTYPES)} with an even row count, no add and a config (if any) with "
+                                f"MMA=True; got {m} {x.dtype} rows, {qtype} [{n}, {k}], add={add is not None}, "
+                                f"config={config}")
         n //= 2
     if out is None:
         out = torch.empty(m, n, dtype=x.dtype, device=x.device)
@@ -429,6 +444,9 @@ def gguf_gemv(x: torch.Tensor, data: torch.Tensor, qtype: str, add: torch.Tensor
     if add is not None and (tuple(add.shape) not in ((n,), (m, n)) or add.stride(-1) != 1):
         raise GraphDSLError(f"gguf_gemv: add must be a bias [{n}] or a residual [{m}, {n}] with a unit inner "
                             f"stride, got {list(add.shape)} strides {add.stride()}")
+    if rows_mma:
+        return _mma_rows(x, data, qtype, add, out, workspace, config, silu_mul, planes, planes_out, rms_out, rms_in,
+                         early_launch, beside)
     if config is None and (silu_mul or mma_eligible(x, data, qtype)) or config and config.get("MMA"):
         if beside:
             raise GraphDSLError(f"gguf_gemv: beside runs on the CUDA-core path only, got the tensor-core path for "
@@ -501,6 +519,30 @@ def _mma(x, data, qtype, add, out, workspace, config, silu_mul, planes=None, pla
                              early_launch)
     return gguf_gemv_mma(x, data, qtype, add, out, workspace, cfg, _num_sms(x.device), silu_mul, planes, planes_out,
                          rms_out, rms_in, early_launch)
+
+
+def _mma_rows(x, data, qtype, add, out, workspace, config, silu_mul, planes, planes_out, rms_out, rms_in,
+              early_launch, beside):
+    """:func:`gguf_gemv` of 2..8 rows on the tensor cores (:mod:`.gguf_mma_rows`), its arguments checked:
+    the one-row operands (``planes``, ``planes_out``, ``rms_out``) and ``beside`` are the one-row and
+    CUDA-core paths' only."""
+    m, k = x.shape
+    if not _rows_possible(x, data, qtype):
+        raise GraphDSLError(f"gguf_gemv: config MMA=True with several rows needs 2..{MMA_ROWS} fp16/bf16 rows of Q4_K "
+                            f"(unit inner stride) and 4-byte aligned data, got {m} {x.dtype} rows of {qtype} at "
+                            f"address {data.data_ptr():#x}")
+    given = [name for name, v in (("planes", planes), ("planes_out", planes_out), ("rms_out", rms_out)) if v is not None]
+    if given or beside:
+        raise GraphDSLError(f"gguf_gemv: {', '.join(given + ['beside'] * beside)} take one row (or the CUDA-core path); "
+                            f"got {m} rows of {qtype} on the tensor cores")
+    cfg = None
+    if config:
+        cfg = {key: v for key, v in config.items() if key != "MMA"}
+        if set(cfg) - _ROWS_CONFIG_KEYS or {"BLOCK_N", "SPLIT_K"} - set(cfg):
+            raise GraphDSLError(f"gguf_gemv: config with MMA=True and several rows takes BLOCK_N, SPLIT_K and "
+                                f"optionally {sorted(_ROWS_CONFIG_KEYS - {'BLOCK_N', 'SPLIT_K'})}, got {sorted(cfg)}")
+    return gguf_gemv_mma_rows(x, data, add, out, workspace, cfg, _num_sms(x.device), silu_mul, early_launch,
+                              None if rms_in is None else rms_in_args("gguf_gemv", rms_in, m, k))
 
 
 def gguf_dequantize(data: torch.Tensor, qtype: str, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:

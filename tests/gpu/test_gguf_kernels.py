@@ -1,5 +1,6 @@
 """GGUF kernels (runtime/kernels/gguf_linear.py) on the GPU at Llama-3-8B projection shapes, per block
-type: the GEMV (1, 4, 16 rows; 17, 40, 64 for the plane types), the dequantize kernel and the
+type: the GEMV (1, 4, 8, 16 rows — 4 and 8 of Q4_K on the several-row tensor-core kernel; 17, 40, 64
+for the plane types), the dequantize kernel and the
 prefill path against the torch reference decoder (itself checked against gguf-py's numpy dequantize
 on the same real-size bytes); the packed-PTX planes of Q4_K / Q6_K against the float32 ones. The kernels
 read the stored layout (gguf_blocks.to_stored: Q6_K padded to 224-byte blocks; one Q6_K row of at
@@ -39,7 +40,7 @@ def test_gemv_real_shapes(qtype, n, k):
     data = random_gguf_blocks(qtype, n, k, seed=n + k)
     w = dequantize_blocks(data, qtype, k)
     data = to_stored(data, qtype)
-    for m in (1, 4, 16, 17, 40, 64):
+    for m in (1, 4, 8, 16, 17, 40, 64):
         if m > gemv_rows(qtype):
             continue
         x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)

@@ -179,9 +179,9 @@ def test_pick_mma_config_from_the_sweep():
 def test_mma_config_errors_name_what_is_wrong():
     data, _ = random_gguf_weight("Q4_K", 8, 256, seed=1)
     data = data.to(DEV)
-    with pytest.raises(GraphDSLError, match=r"silu_mul runs on the tensor-core path only.*add=True"):
+    with pytest.raises(GraphDSLError, match=r"silu_mul runs on the tensor-core paths only.*add=True"):
         gguf_gemv(_x(256, torch.bfloat16, seed=1), data, "Q4_K", torch.zeros(4, device=DEV), silu_mul=True)
-    with pytest.raises(GraphDSLError, match=r"silu_mul runs on the tensor-core path only.*got 1 torch.float32 rows"):
+    with pytest.raises(GraphDSLError, match=r"silu_mul runs on the tensor-core paths only.*got 1 torch.float32 rows"):
         gguf_gemv(_x(256, torch.float32, seed=1), data, "Q4_K", silu_mul=True)
     with pytest.raises(GraphDSLError, match=r"MMA=True needs one fp16/bf16 row.*got 1 torch.float32 rows of Q4_K"):
         gguf_gemv(_x(256, torch.float32, seed=1), data, "Q4_K", config=dict(MMA=True, BLOCK_N=16, SPLIT_K=1))

@@ -1,0 +1,268 @@
+"""Two to eight rows of a Q4_K GEMV on the int8 tensor cores: ``out [M, N] = x [M, K] @ dequant(W).T (+ add)``.
+
+The one-row kernel (:mod:`.gguf_mma`) lays a row's 8 sub-blocks block-diagonally on the 16 rows of
+the dot's activation operand; with M rows that would multiply its dots by M. Here each 32-input
+sub-block ``s`` is its own ``tl.dot`` (``mma.sync``: 32 weight rows, under the 64 of a ``wgmma``),
+so a tile's dots cost what the one-row kernel's do for up to 8 rows:
+
+* **Activations** (:func:`_rows_planes_kernel`, one launch per GEMV): per row ``m`` and sub-block
+  ``s``, the one-row kernel's 16-bit fixed point ``xq = round(x / a_ms)``, ``a_ms = max|x_ms| /
+  32639``, ``xq = 256 h + l``. Sub-block ``s``'s operand is ``[16, 32]`` int8, stored contiguously
+  (``[K / 32, 16, 32]``): row ``m`` the high bytes ``h`` of activation row ``m``, row ``8 + m`` the
+  low bytes ``l`` (zeros for ``m >= M``); the dot reads it transposed, as its B operand ``[32, 16]``.
+  Also ``a_ms / 16`` and ``S_ms = a_ms Σ xq`` (``[K / 32, 8]``); a sub-block holding a NaN or an
+  infinity gets ``a_ms`` NaN, so that row's outputs are NaN.
+* **Weights**: a super-block's 128 code bytes of ``BLOCK_N`` rows load as four ``[BLOCK_N, 32]``
+  tiles; the low nibbles of tile ``g`` are sub-block ``2 g``, the high ones ``2 g + 1``, as signed
+  bytes ``16 (q - 8)`` (:func:`.gguf_mma._nibbles`): the dot's A operand. It gives ``V [BLOCK_N,
+  16]`` (int32, exact). The weights on A, not B, put 2 weight rows in a thread of the ``mma``
+  tile (as B, 4 columns), so each thread unpacks half as many scales (sm_90: 589 SASS instructions
+  a super-block step against 747, 510 since the epilogue became two fma; H200, 8 rows of the 8B
+  gate: 22.5 µs against 26.1 at their best launches).
+* **Scales**: columns ``m`` and ``8 + m`` of an ``mma`` tile sit in one thread, joined as ``256 V_h +
+  V_l`` (below 2^27: exact); with the header's ``d``, ``dmin``, 6-bit ``sc_s``, ``m_s`` of each weight
+  row (:func:`_scale_min_words`: four bytes an instruction)
+
+      Σ_k x_mk w_nk = d sc_s (a_ms (256 V_h + V_l) / 16 + 8 S_ms) - dmin m_s S_ms   (sub-block s)
+
+  accumulates in float32 ``[BLOCK_N, 8]`` — the one-row kernel's arithmetic per activation row.
+
+Split-K slices meet in the launch (:mod:`.splitk`); the last adds the residual or bias, or with
+``SWIGLU`` (``W = [gate | up]``, tile rows ``2 i, 2 i + 1`` the gate and up rows of output ``i``)
+stores ``silu(gate) * up``, rounded as the one-row epilogue rounds it; ``RMS_IN`` multiplies each
+row's sums by its carried norm's factor first. Both launches use programmatic dependent launch
+(:mod:`.pdl`).
+"""
+from __future__ import annotations
+
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+from .gemv import rin_tile, rms_factor
+from .gguf_mma import _SUPER, _nibbles
+from .gguf_tiles import layout_args
+from .pdl import pdl_launch, pdl_trigger, pdl_wait
+from .splitk import arrive, depart, sum_partials
+
+__all__ = ["MMA_ROWS", "CONFIG_KEYS", "gguf_gemv_mma_rows", "rows_planes", "empty_rows_planes", "pick_rows_config",
+           "split_for_rows"]
+
+MMA_ROWS = 8                    # activation rows a launch takes: the A operand's 16 rows are (high, low) x 8
+CONFIG_KEYS = {"BLOCK_N", "SPLIT_K", "num_warps", "num_stages"}
+_BLOCK_N = 32                   # weight rows a tile (pick_rows_config)
+_STAGES = 2                     # pipeline stages of the K loop
+_PROGRAMS_PER_SM = 12           # K is split until the grid has this many programs a SM (split_for_rows) ...
+_MIN_SLICE = 2                  # ... while each slice keeps at least this many super-blocks
+
+
+@triton.jit
+def _rows_planes_kernel(x_ptr, stride_xm, M, a_ptr, xa_ptr, xs_ptr, USE_PDL: tl.constexpr):
+    """Super-block ``program_id(0)`` of the rows ``x [M, K]``: its 8 sub-blocks' ``[16, 32]`` A operands
+    and each row's ``a_ms``, ``S_ms`` (module docstring)."""
+    pdl_wait(USE_PDL)
+    b = tl.program_id(0)
+    m = tl.arange(0, 8)[:, None, None]
+    s = tl.arange(0, 8)[None, :, None]
+    c = tl.arange(0, 32)[None, None, :]
+    x = tl.load(x_ptr + m * stride_xm + b * 256 + s * 32 + c, mask=m < M, other=0.0).to(tl.float32)
+    amax = tl.max(tl.abs(x), axis=2)                                    # [8 rows, 8 sub-blocks]
+    inv = tl.where(amax > 0, 32639.0 / tl.maximum(amax, 1e-30), 0.0)   # |xq| <= 32639: h fits a byte
+    xq = tl.floor(x * inv[:, :, None] + 0.5).to(tl.int32)
+    h = (xq + 128) >> 8                                                 # xq = 256 h + l, l in [-128, 127]
+    a_sub = a_ptr + ((b * 8 + s) * 16 + m) * 32 + c                    # row m of sub-block s's operand
+    tl.store(a_sub, h.to(tl.int8))
+    tl.store(a_sub + 8 * 32, (xq - 256 * h).to(tl.int8))
+    a = amax / 32639.0 + tl.sum(x - x, axis=2)                          # NaN if the sub-block has a NaN or inf
+    at = (b * 8 + tl.arange(0, 8)[None, :]) * 8 + tl.arange(0, 8)[:, None]
+    tl.store(xa_ptr + at, a * (1.0 / 16.0))                             # a_ms / 16: the nibbles are 16 (q - 8)
+    tl.store(xs_ptr + at, a * tl.sum(xq, axis=2).to(tl.float32))
+
+
+@triton.jit
+def _scale_min_words(w1, w2, w3):
+    """A Q4_K header's 6-bit scales and mins (``scales[12]`` as three int32 words ``w1, w2, w3``: bytes
+    0-3, 4-7, 8-11) as four words of one value a byte: the scales of sub-blocks 0-3 (the low 6 bits of
+    bytes 0-3) and 4-7 (the low nibbles of bytes 8-11 with the top 2 bits of bytes 0-3), the mins
+    likewise from bytes 4-7 and the high nibbles of 8-11."""
+    sc_lo = w1 & 0x3F3F3F3F
+    mn_lo = w2 & 0x3F3F3F3F
+    sc_hi = (w3 & 0x0F0F0F0F) | ((w1 >> 2) & 0x30303030)
+    mn_hi = ((w3 >> 4) & 0x0F0F0F0F) | ((w2 >> 2) & 0x30303030)
+    return sc_lo, sc_hi, mn_lo, mn_hi
+
+
+@triton.jit
+def _byte(w, i: tl.constexpr):
+    """Byte ``i`` of the int32 words ``w`` as float32."""
+    return ((w >> (8 * i)) & 255).to(tl.float32)
+
+
+@triton.jit
+def q4k_rows_sums(rows, BS, b_lo, b_hi, a_ptr, xa_ptr, xs_ptr, BLOCK_N: tl.constexpr, EMULATE: tl.constexpr):
+    """``[BLOCK_N, 8]`` float32: ``Σ_k x[m, k] dequant(W)[n, k]`` over super-blocks ``[b_lo, b_hi)`` of the
+    Q4_K rows ``rows`` (``BLOCK_N`` row pointers, ``BS`` bytes between a row's super-blocks) against
+    the rows' operands and ``a_ms / 16``, ``S_ms`` (module docstring): each sub-block's weights are the
+    dot's A operand ``[BLOCK_N, 32]``, the rows' operand its B ``[32, 16]``."""
+    c = tl.arange(0, 32)
+    r = tl.arange(0, 16)
+    m = tl.arange(0, 8)
+    acc = tl.zeros([BLOCK_N, 8], tl.float32)
+    for b in range(b_lo, b_hi):
+        blk = rows + b * BS                                # d, dmin @0; scales[12] @4; qs[128] @16
+        words = blk.to(tl.pointer_type(tl.int32))
+        dd, w1, w2, w3 = tl.load(words), tl.load(words + 1), tl.load(words + 2), tl.load(words + 3)
+        d = (dd & 0xFFFF).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
+        dmin = (dd >> 16).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
+        sc_lo, sc_hi, mn_lo, mn_hi = _scale_min_words(w1, w2, w3)
+        for g in tl.static_range(4):
+            codes = tl.load(blk[:, None] + (16 + 32 * g + c)[None, :])            # [BLOCK_N, 32]
+            for hi in tl.static_range(2):
+                s = 2 * g + hi
+                a = tl.load(a_ptr + ((b * 8 + s) * 16 + r[None, :]) * 32 + c[:, None])   # [32, 16]
+                v = tl.dot(_nibbles(codes, hi == 1, EMULATE), a, out_dtype=tl.int32)    # [BLOCK_N, 16]
+                vh, vl = tl.split(tl.permute(tl.reshape(v, [BLOCK_N, 2, 8]), (0, 2, 1)))
+                f1 = d * _byte(sc_lo if s < 4 else sc_hi, s % 4)
+                f2 = 8.0 * f1 - dmin * _byte(mn_lo if s < 4 else mn_hi, s % 4)
+                xa = tl.load(xa_ptr + (b * 8 + s) * 8 + m)
+                xs = tl.load(xs_ptr + (b * 8 + s) * 8 + m)
+                acc += (vh * 256 + vl).to(tl.float32) * (f1[:, None] * xa[None, :])   # two fma, no add
+                acc += f2[:, None] * xs[None, :]
+    return acc
+
+
+@triton.jit
+def _q4k_rows_kernel(
+    a_ptr, xa_ptr, xs_ptr,   # activation operands [K / 32, 16, 32] int8, a_ms and S_ms [K / 32, 8] float32
+    w_ptr,                   # uint8 Q4_K blocks: rows [N, ROW_BYTES], or block-major [K / 256, N, 144] (KB)
+    add_ptr,                 # HAS_ADD: [M, N] residual (stride_am) or [N] bias (stride_am 0), last dim contiguous
+    out_ptr,                 # [M, N] output, last dim contiguous
+    part_ptr, lock_ptr,      # SPLIT: [SPLIT_K, n_tiles, BLOCK_N, 8] float32 partials, [n_tiles] counters
+    M, N, ROW_BYTES, PER,    # sizes (N: output columns); PER super-blocks per K slice
+    SPLIT_K, BLOCKS, stride_om, stride_am,
+    BLOCK_N: tl.constexpr, SPLIT: tl.constexpr, HAS_ADD: tl.constexpr, EMULATE: tl.constexpr,
+    USE_PDL: tl.constexpr, LATE_LAUNCH: tl.constexpr,   # (:mod:`.pdl`) the next kernel launches after the K loop
+    SWIGLU: tl.constexpr = False,   # w is [2N, K] = [gate | up]; out = silu(x @ gate.T) * (x @ up.T)
+    KB: tl.constexpr = False, BYTES: tl.constexpr = 144, KB_STRIDE=0,   # block-major (gguf_tiles.layout_args)
+    rin_ptr=None, RIN_CHUNKS=1, rin_inv_n=1.0, rin_eps=0.0,   # RMS_IN: the producer's Σy² partials [M, chunks]
+    RMS_IN: tl.constexpr = False, RIN_BLOCK: tl.constexpr = 1,   # the sums times the carried norm's factor (GemvRmsIn)
+):
+    """out[m, n] = Σ_k x[m, k] dequant(w)[n, k] (+ add) for ``BLOCK_N`` weight rows and every activation
+    row over super-blocks ``[pid_s PER, (pid_s + 1) PER)`` (module docstring); weight rows past the
+    last read it (never stored), so the code loads carry no mask."""
+    pid_n = tl.program_id(0)
+    pid_s = tl.program_id(1)
+    rt = tl.arange(0, BLOCK_N)
+    if SWIGLU:
+        rn = tl.minimum(pid_n * (BLOCK_N // 2) + rt // 2, N - 1) + (rt % 2) * N
+    else:
+        rn = tl.minimum(pid_n * BLOCK_N + rt, N - 1)
+    rows = w_ptr + rn.to(tl.int64) * ROW_BYTES
+    BS = KB_STRIDE if KB else BYTES                        # bytes between a row's super-blocks
+    pdl_wait(USE_PDL, not LATE_LAUNCH)
+    b_lo = pid_s * PER
+    tile = q4k_rows_sums(rows, BS, b_lo, tl.minimum(b_lo + PER, BLOCKS), a_ptr, xa_ptr, xs_ptr, BLOCK_N, EMULATE)
+    if LATE_LAUNCH:
+        pdl_trigger(USE_PDL)
+    rm = tl.arange(0, 8)
+    if SPLIT:
+        n_tiles = tl.num_programs(0)
+        slab = part_ptr + rt[:, None] * 8 + rm[None, :]
+        tl.store(slab + (pid_s * n_tiles + pid_n).to(tl.int64) * (BLOCK_N * 8), tile)
+        last = arrive(lock_ptr, pid_n, SPLIT_K)
+        if last:
+            tile = sum_partials(slab, pid_n, n_tiles, SPLIT_K, BLOCK_N, 8, False, rm)
+            depart(lock_ptr, pid_n)
+    else:
+        last = pid_s == 0
+    if last:
+        dt = out_ptr.dtype.element_ty
+        if RMS_IN:
+            tile = tile * rms_factor(rin_tile(rin_ptr, rm, rm < M, RIN_CHUNKS, RIN_BLOCK), rin_inv_n, rin_eps)[None, :]
+        if SWIGLU:
+            HALF: tl.constexpr = BLOCK_N // 2
+            gate, up = tl.split(tl.permute(tl.reshape(tile, [HALF, 2, 8]), (0, 2, 1)))
+            gate = gate.to(dt).to(tl.float32)
+            y = (gate * tl.sigmoid(gate)).to(dt).to(tl.float32) * up.to(dt).to(tl.float32)
+            cols = pid_n * HALF + tl.arange(0, HALF)
+        else:
+            cols = pid_n * BLOCK_N + rt
+            y = tile
+        ok = (cols < N)[:, None] & (rm < M)[None, :]
+        if HAS_ADD:
+            y += tl.load(add_ptr + rm[None, :] * stride_am + cols[:, None], mask=ok, other=0.0).to(tl.float32)
+        tl.store(out_ptr + rm[None, :] * stride_om + cols[:, None], y.to(dt), mask=ok)
+
+
+def empty_rows_planes(k: int, device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Uninitialised buffers for the A operands of up to 8 rows of ``k`` inputs: ``[k / 32, 16, 32]`` int8,
+    ``a_ms`` and ``S_ms`` ``[k / 32, 8]`` float32 (module docstring)."""
+    return (torch.empty(k // 32, 16, 32, dtype=torch.int8, device=device),
+            torch.empty(k // 32, 8, dtype=torch.float32, device=device),
+            torch.empty(k // 32, 8, dtype=torch.float32, device=device))
+
+
+def rows_planes(x: torch.Tensor, planes: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None):
+    """The A operands and ``a_ms``, ``S_ms`` of the rows ``x [M, K]`` (M <= 8, unit inner stride; module
+    docstring), written into ``planes`` when given (a workspace's buffers)."""
+    m, k = x.shape
+    if planes is None:
+        planes = empty_rows_planes(k, x.device)
+    _rows_planes_kernel[(k // _SUPER,)](x, x.stride(0), m, *planes, **pdl_launch(x.device))
+    return planes
+
+
+def pick_rows_config(n: int, k: int, sms: int) -> dict:
+    """Launch of :func:`gguf_gemv_mma_rows`: tiles of 32 weight rows in 2 warps, 2 stages, K split by
+    :func:`split_for_rows`. H200, 8 rows of the 8B gate (14336 x 4096), µs: 34.8 unsplit (448
+    programs), 22.5 in 4 slices (``benchmarks/gguf_gemv.py --many --sweep``)."""
+    return dict(BLOCK_N=_BLOCK_N, SPLIT_K=split_for_rows(triton.cdiv(n, _BLOCK_N), k // _SUPER, sms), num_warps=2,
+                num_stages=_STAGES)
+
+
+def split_for_rows(tiles: int, blocks: int, sms: int) -> int:
+    """K slices for ``tiles`` row tiles over ``blocks`` super-blocks: doubled while the grid has fewer
+    than ``_PROGRAMS_PER_SM`` programs a SM and each slice keeps at least ``_MIN_SLICE`` super-blocks.
+    A program of 32 rows holds few bytes in flight, so the SMs need many of them at once. H200, 8 rows,
+    µs by slices (``gguf_gemv.py --many --sweep``): 8B o 11.0 in 8 (slices of 2), 12.8 in 16; qkv
+    13.5 in 8, 16.0 in 16; gate 22.5 in 4, 25.7 in 8; down 28.2 in 8, 23.3 in 16 (slices of 3.5)."""
+    split = 1
+    while tiles * split < _PROGRAMS_PER_SM * sms and blocks // (split * 2) >= _MIN_SLICE:
+        split *= 2
+    return split
+
+
+def gguf_gemv_mma_rows(x: torch.Tensor, data: torch.Tensor, add: torch.Tensor | None, out: torch.Tensor,
+                       workspace, config: dict | None, sms: int, silu_mul: bool = False,
+                       early_launch: bool = False, rms_in_args: dict | None = None) -> torch.Tensor:
+    """``out [M, N] = x [M, K] @ dequant(data).T (+ add)`` for 2..8 fp16/bf16 rows of a Q4_K weight on the
+    tensor cores; the operands were checked by :func:`.gguf_linear.gguf_gemv`, which calls this.
+    ``workspace``: a :class:`~.gemv.GemvWorkspace` (operands, split-K partials). ``silu_mul``: ``data``
+    holds ``[gate | up]`` (``2 N`` rows) and ``out`` gets ``silu(x @ gate.T) * (x @ up.T)``, no
+    ``add``. ``early_launch``: the next kernel launches right after the PDL wait (a row part run
+    beside the next: :func:`.gguf_linear.gguf_gemv`). ``rms_in_args``: the launch keywords of a carried
+    norm's factor (:func:`.gemv.rms_in_args`; x is a producer's ``y · weight``, each row's sums
+    multiplied by its factor before the epilogue)."""
+    from .gemv import GemvWorkspace
+    row_stride, layout = layout_args(data, "Q4_K")
+    m, k = x.shape
+    n = out.shape[1]
+    rows_n = 2 * n if silu_mul else n
+    cfg = dict(config or pick_rows_config(rows_n, k, sms))
+    block_n, split = cfg.pop("BLOCK_N"), cfg.pop("SPLIT_K")
+    blocks = k // _SUPER
+    per = triton.cdiv(blocks, max(1, min(split, blocks)))
+    split = triton.cdiv(blocks, per)                       # no empty slices
+    ws = workspace or GemvWorkspace()
+    planes = rows_planes(x, ws.rows_planes(x.device, k))
+    n_tiles = triton.cdiv(rows_n, block_n)
+    part, lock = ws.get(x.device, n_tiles, split, block_n, rows=MMA_ROWS) if split > 1 else (out, out)
+    _q4k_rows_kernel[(n_tiles, split)](
+        *planes, data, add if add is not None else out, out, part, lock, m, n, row_stride, per, split, blocks,
+        out.stride(0), 0 if add is None or add.dim() == 1 else add.stride(0),
+        BLOCK_N=block_n, SPLIT=split > 1, HAS_ADD=add is not None, EMULATE=os.environ.get("TRITON_INTERPRET") == "1",
+        LATE_LAUNCH=n_tiles * split > sms and not early_launch, SWIGLU=silu_mul, **layout, **pdl_launch(x.device),
+        **(rms_in_args or {}), **cfg)
+    return out
