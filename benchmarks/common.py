@@ -42,15 +42,17 @@ def graph_ms(fn, *, repeats: int = 3, warmup_ms: int = 25, rep_ms: int = 200) ->
     return ms
 
 
-def generate_s(llm, prompt: list[int], new_tokens: int) -> float:
+def generate_s(llm, prompt: list[int] | list[list[int]], new_tokens: int) -> float:
     """Wall seconds of ``llm.generate([prompt])`` making ``new_tokens`` greedy tokens (``ignore_eos``),
-    the device synchronised before and after; per-token times are differences of two such calls."""
+    the device synchronised before and after; per-token times are differences of two such calls.
+    ``prompt`` may be a list of prompts: one batch of that many sequences."""
     import time
 
     import graphdsl as gd
+    prompts = [prompt] if prompt and isinstance(prompt[0], int) else prompt
     torch.cuda.synchronize()
     t0 = time.perf_counter()
-    llm.generate([prompt], gd.SamplingParams(max_tokens=new_tokens, temperature=0.0, ignore_eos=True),
+    llm.generate(prompts, gd.SamplingParams(max_tokens=new_tokens, temperature=0.0, ignore_eos=True),
                  use_tqdm=False)
     torch.cuda.synchronize()
     return time.perf_counter() - t0

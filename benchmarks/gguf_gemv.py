@@ -167,6 +167,13 @@ def sweep_plane_configs(qtype: str, k: int):
                    num_stages=stages, PLANES=True)
 
 
+def sweep_rows_configs():
+    """The several-row tensor-core launches ``--many --sweep`` times: 16- and 32-row tiles of 1 or 2
+    warps, 2-3 stages, 1-16 K slices."""
+    for bn, warps, stages, split in itertools.product((16, 32), (1, 2), (2, 3), (1, 2, 4, 8, 16)):
+        yield dict(MMA=True, BLOCK_N=bn, SPLIT_K=split, num_warps=warps, num_stages=stages)
+
+
 def many_rows(rows: list[int], types: list[str], shapes: list[str], sweep: bool, copy: float) -> None:
     """``--many``: GGUF linears of several rows (batched decode, short prefills), µs a call: the default
     (``gguf_linear``: the GEMV up to ``gemv_rows``, else dequantize + cuBLAS), the plane-a-dot GEMV
@@ -177,10 +184,11 @@ def many_rows(rows: list[int], types: list[str], shapes: list[str], sweep: bool,
     import graphdsl.runtime.kernels.gguf_linear as gl
     from graphdsl.runtime.gguf_blocks import row_bytes
     from graphdsl.runtime.kernels.gemv import GemvWorkspace
-    from graphdsl.runtime.kernels.gguf_linear import (MAX_GEMV_ROWS, PLANE_QTYPES, _pick_config, gemv_rows,
+    from graphdsl.runtime.kernels.gguf_linear import (MAX_GEMV_ROWS, PLANE_QTYPES, _num_sms, _pick_config, gemv_rows,
                                                       gguf_dequantize, gguf_gemv, gguf_linear)
-    print(f"\n| type | shape | rows | default µs | % copy | planes µs | float32 planes µs | tile µs "
-          f"| dequantize + cuBLAS µs | bf16 µs |\n|---|---|---:|---:|---:|---:|---:|---:|---:|---:|")
+    from graphdsl.runtime.kernels.gguf_mma_rows import MMA_ROWS, pick_rows_config
+    print(f"\n| type | shape | rows | default µs | % copy | tensor-core rows µs | planes µs | float32 planes µs "
+          f"| tile µs | dequantize + cuBLAS µs | bf16 µs |\n|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
     for name in shapes:
         n, k = SHAPES[name]
         wb = [torch.randn(n, k, device="cuda", dtype=torch.bfloat16) for _ in range(copies_for(n * k * 2))]
@@ -199,7 +207,11 @@ def many_rows(rows: list[int], types: list[str], shapes: list[str], sweep: bool,
 
                 default = timed(lambda d: gguf_linear(x, d, qtype))
                 nbytes = n * row_bytes(qtype, k) + m * k * 2 + m * n * 2
-                planes = f32 = tile = "-"
+                planes = f32 = tile = mrows = "-"
+                rows_ok = qtype == "Q4_K" and 2 <= m <= MMA_ROWS
+                if rows_ok:            # the several-row tensor-core kernel (gguf_mma_rows)
+                    cfg = {"MMA": True, **pick_rows_config(n, k, _num_sms(x.device))}
+                    mrows = f"{timed(lambda d: gguf_gemv(x, d, qtype, out=out, workspace=ws, config=cfg)):.1f}"
                 planes_ok = qtype in PLANE_QTYPES and 1 < m <= gemv_rows(qtype)    # (beyond: refused)
                 if planes_ok:
                     cfg = {**_pick_config(m, n, k, qtype, x.device), "PLANES": True}
@@ -217,17 +229,18 @@ def many_rows(rows: list[int], types: list[str], shapes: list[str], sweep: bool,
                 deq = timed(lambda d: torch.nn.functional.linear(x, gguf_dequantize(d, qtype, x.dtype)))
                 bf16 = replay_us(lambda: [x @ w.T for w in wb], len(wb))
                 print(f"| {qtype} | {name} | {m} | {default:.1f} | {100 * nbytes / (default * 1e-6) / 1e9 / copy:.0f}% | "
-                      f"{planes} | {f32} | {tile} | {deq:.1f} | {bf16:.1f} |", flush=True)
-                if sweep and planes_ok:
+                      f"{mrows} | {planes} | {f32} | {tile} | {deq:.1f} | {bf16:.1f} |", flush=True)
+                if sweep and (planes_ok or rows_ok):
                     results = []
-                    for c in sweep_plane_configs(qtype, k):
+                    for c in (sweep_rows_configs() if rows_ok else sweep_plane_configs(qtype, k)):
                         try:
                             results.append((timed(lambda d: gguf_gemv(x, d, qtype, out=out, workspace=ws,
                                                                       config=c)), c))
                         except Exception as e:  # a launch the compiler rejects (registers, shared memory)
                             print(f"    {c}: {type(e).__name__}", flush=True)
                     for t, c in sorted(results, key=lambda r: r[0])[:3]:
-                        print(f"    plane sweep {qtype} {name} {m} rows: {t:7.1f} µs  {c}", flush=True)
+                        print(f"    {'rows' if rows_ok else 'plane'} sweep {qtype} {name} {m} rows: {t:7.1f} µs  {c}",
+                              flush=True)
             del datas, one
             torch.cuda.empty_cache()
         del wb

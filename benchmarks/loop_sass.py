@@ -14,8 +14,8 @@ conversion through shared memory, which makes every warp of the program wait), t
     python benchmarks/loop_sass.py --gguf Q4_K:14336:4096:16 Q6_K:4096:4096:32 [--float32-planes]
 
 ``--gguf TYPE:N:K:ROWS ...`` counts instead the K loop of ``gguf_linear.gguf_gemv``'s launch for
-``ROWS`` bf16 activation rows of a block-major GGUF weight (several rows: the plane-a-dot loop), per
-super-block step: instructions, weights a thread, their ratio, the ``HGMMA`` and the
+``ROWS`` bf16 activation rows of a block-major GGUF weight (several rows: the plane-a-dot loop; 2-8
+rows of Q4_K: the several-row tensor-core loop, ``gguf_mma_rows``), per super-block step: instructions, weights a thread, their ratio, the ``HGMMA`` and the
 ``WARPGROUP.ARRIVE`` / ``DEPBAR`` pairs around them (one a ``HGMMA``: each waited for), ``BAR.SYNC``; ``--float32-planes`` with the float32 plane decode instead of
 the packed PTX (``gguf_linear._FAST_PLANES`` off).
 
@@ -161,24 +161,31 @@ def _step_bytes(name: str, kwargs: dict) -> int:
 
 def capture_gguf(qtype: str, n: int, k: int, rows: int):
     """``(kernel, grid, args, kwargs)`` of ``gguf_gemv``'s launch for ``rows`` bf16 rows of a block-major
-    ``qtype [n, k]`` weight, recorded from CPU tensors (nothing runs; the kernel is restored)."""
+    ``qtype [n, k]`` weight — the plane-a-dot GEMV, or for 2-8 rows of Q4_K the several-row tensor-core
+    GEMV (:mod:`~graphdsl.runtime.kernels.gguf_mma_rows`; its activation launch left out) — recorded
+    from CPU tensors (nothing runs; the kernels are restored)."""
     import graphdsl.runtime.kernels.gguf_linear as GL
+    import graphdsl.runtime.kernels.gguf_mma_rows as GR
     from graphdsl.runtime.kernels.gguf_tiles import KERNEL_QTYPES
     per, nb = KERNEL_QTYPES[qtype]
     seen = []
 
     class _Recorder:
-        def __getitem__(self, grid):
-            return lambda *args, **kwargs: seen.append((grid, args, kwargs))
+        def __init__(self, kernel, keep: bool):
+            self.kernel, self.keep = kernel, keep
 
-    saved = GL._gguf_gemv_kernel, GL._num_sms
-    GL._gguf_gemv_kernel, GL._num_sms = _Recorder(), lambda device: _SMS
+        def __getitem__(self, grid):
+            return lambda *args, **kwargs: self.keep and seen.append((self.kernel, grid, args, kwargs))
+
+    saved = GL._gguf_gemv_kernel, GL._num_sms, GR._q4k_rows_kernel, GR._rows_planes_kernel
+    GL._gguf_gemv_kernel, GL._num_sms = _Recorder(saved[0], True), lambda device: _SMS
+    GR._q4k_rows_kernel, GR._rows_planes_kernel = _Recorder(saved[2], True), _Recorder(saved[3], False)
     try:
         GL.gguf_gemv(torch.zeros(rows, k, dtype=torch.bfloat16), torch.zeros(k // per, n, nb, dtype=torch.uint8), qtype)
     finally:
-        GL._gguf_gemv_kernel, GL._num_sms = saved
-    (grid, args, kwargs), = seen
-    return GL._gguf_gemv_kernel, grid, args, kwargs
+        GL._gguf_gemv_kernel, GL._num_sms, GR._q4k_rows_kernel, GR._rows_planes_kernel = saved
+    (kernel, grid, args, kwargs), = seen
+    return kernel, grid, args, kwargs
 
 
 def gguf_main(specs: list[str], arch: int, float32_planes: bool) -> int:
@@ -196,9 +203,10 @@ def gguf_main(specs: list[str], arch: int, float32_planes: bool) -> int:
             qtype, n, k, rows = spec.split(":")
             kernel, grid, a, kw = capture_gguf(qtype, int(n), int(k), int(rows))
             count, ops = loop_instructions(compile_launch(kernel, a, dict(kw), arch).asm["cubin"])
-            weights = kw["BLOCK_N"] * kw["SB"] * kw["VALUES"] // (32 * kw["num_warps"])
+            values = kw.get("SB", 1) * kw.get("VALUES", 256)           # a step: SB blocks, or one super-block
+            weights = kw["BLOCK_N"] * values // (32 * kw["num_warps"])
             top = ", ".join(f"{o} {c}" for o, c in ops.most_common(5))
-            print(f"| {spec} | {kw['BLOCK_N']} x {kw['BLOCK_M']}, {grid[1]} | {count} | {weights} | "
+            print(f"| {spec} | {kw['BLOCK_N']} x {kw.get('BLOCK_M', 8)}, {grid[1]} | {count} | {weights} | "
                   f"{count / weights:.2f} | {ops['HGMMA']} | {ops['WARPGROUP'] // 2} | {ops['BAR']} | {top} |",
                   flush=True)
     finally:

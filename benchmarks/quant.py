@@ -367,15 +367,21 @@ def e2e(shape: str, quantization: str | None, copy: float, gen_tokens: int = 64,
         inputs, ids = _decode_inputs(llm, b, CONTEXT, gen)
         steps[b] = bench_ms(lambda: llm.model.execute(Phase.DECODE, inputs, float_logits=False))
         _free(llm, ids)
-    prompt = torch.randint(0, llm.config.vocab_size, (CONTEXT - 1,), generator=torch.Generator().manual_seed(0)).tolist()
-    generate_s(llm, prompt, gen_tokens)                   # build and warm every engine and graph
-    runs, firsts = [], []
-    for _ in range(3):
-        firsts.append(generate_s(llm, prompt, 1) * 1e3)   # the prompt's prefill and one token
-        runs.append((generate_s(llm, prompt, gen_tokens + 1) - firsts[-1] / 1e3) / gen_tokens * 1e3)
+    pgen = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(0, llm.config.vocab_size, (CONTEXT - 1,), generator=pgen).tolist() for _ in range(most)]
+    gen_ms, firsts = {}, []
+    for b in (1, *batches):                               # batch 1 first: its prefill times are the first-token figure
+        generate_s(llm, prompts[:b], gen_tokens)          # build and warm every engine and graph of this batch
+        runs = []
+        for _ in range(3):
+            first = generate_s(llm, prompts[:b], 1)       # the prompts' prefill and one token
+            if b == 1:
+                firsts.append(first * 1e3)
+            runs.append((generate_s(llm, prompts[:b], gen_tokens + 1) - first) / gen_tokens * 1e3)
+        gen_ms[b] = sorted(runs)[1]
     res = dict(name=quantization or "bf16", load_s=load_s, weight_gb=wbytes / 1e9, kv_gb=kv / 1e9, roof_ms=roof_ms,
-               step_ms=step_ms, gen_ms=sorted(runs)[1], first_ms=sorted(firsts)[1], steps=steps,
-               roofs={b: (wbytes + kv * b) / copy / 1e6 for b in batches})
+               step_ms=step_ms, gen_ms=gen_ms[1], first_ms=sorted(firsts)[1], steps=steps,
+               gen_steps={b: gen_ms[b] for b in batches}, roofs={b: (wbytes + kv * b) / copy / 1e6 for b in batches})
     _log(f"{res}")
     del llm
     torch.cuda.empty_cache()
@@ -384,8 +390,10 @@ def e2e(shape: str, quantization: str | None, copy: float, gen_tokens: int = 64,
 
 # the Q4_K_M A/B runs: run name -> (gguf_linear switch, value, label). "cuda-cores": every GGUF GEMV on the CUDA cores
 # (the tensor-core GEMV out of reach: the A/B of gguf_mma.py); "tiles": several rows on the decoded tiles up to 16
-# and dequantize + cuBLAS beyond (the A/B of the plane-a-dot GEMV, with --batches)
+# and dequantize + cuBLAS beyond (the A/B of the plane-a-dot GEMV, with --batches); "planes": 2-8 Q4_K rows a plane
+# a dot (the A/B of gguf_mma_rows.py, with --batches)
 _AB_RUNS = {"cuda-cores": ("MMA_MIN_ROWS", 1 << 40, "CUDA-core GEMVs"),
+            "planes": ("_MMA_ROWS", False, "2-8 rows a plane a dot, not the tensor-core rows kernel"),
             "tiles": ("_PLANE_ROWS", False, "several rows: decoded tiles, dequantize + cuBLAS")}
 
 
@@ -422,6 +430,9 @@ def main(argv=None) -> int:
     ap.add_argument("--gguf-tiles", action="store_true",
                     help="with gguf-q4_k_m: also its run with several rows on the decoded tiles and dequantize + "
                          "cuBLAS, not a plane a dot (A/B; with --batches)")
+    ap.add_argument("--gguf-planes", action="store_true",
+                    help="with gguf-q4_k_m: also its run with 2-8 rows a plane a dot instead of the several-row "
+                         "tensor-core kernel (A/B; with --batches)")
     ap.add_argument("--batches", nargs="*", type=int, default=[],
                     help="also the engine decode step at these batch sizes (e.g. 8 32 64: batched decode)")
     ap.add_argument("--out", default=None)
@@ -444,19 +455,22 @@ def main(argv=None) -> int:
         print("\n".join(lines))
         return 0
     lines += ["| model | weights GB | roofline ms | engine step ms | % roofline | LLM.generate ms/token | % roofline "
-              f"| first token ms (prompt {CONTEXT - 1}) |" + "".join(f" step ms, batch {b} (% roofline) |" for b in extra),
-              "|---|---|---|---|---|---|---|---|" + "---|" * len(extra)]
+              f"| first token ms (prompt {CONTEXT - 1}) |"
+              + "".join(f" step ms, batch {b} (% roofline) | LLM.generate ms/step, batch {b} |" for b in extra),
+              "|---|---|---|---|---|---|---|---|" + "---|---|" * len(extra)]
     runs = [None] + list(args.schemes)
     if args.gguf_cuda_cores and _GGUFMix.NAME in args.schemes:
         runs.append("cuda-cores")
     if args.gguf_tiles and _GGUFMix.NAME in args.schemes:
         runs.append("tiles")
+    if args.gguf_planes and _GGUFMix.NAME in args.schemes:
+        runs.append("planes")
     for q in runs:
         r = e2e_switched(q, args.shape, copy, extra) if q in _AB_RUNS else e2e(args.shape, q, copy, batches=extra)
         lines.append(f"| graphdsl {r['name']} | {r['weight_gb']:.2f} | {r['roof_ms']:.3f} | {r['step_ms']:.3f} | "
                      f"{100 * r['roof_ms'] / r['step_ms']:.0f}% | {r['gen_ms']:.3f} | {100 * r['roof_ms'] / r['gen_ms']:.0f}% "
-                     f"| {r['first_ms']:.2f} |" + "".join(f" {r['steps'][b]:.3f} ({100 * r['roofs'][b] / r['steps'][b]:.0f}%) |"
-                                                          for b in extra))
+                     f"| {r['first_ms']:.2f} |" + "".join(f" {r['steps'][b]:.3f} ({100 * r['roofs'][b] / r['steps'][b]:.0f}%) "
+                                                          f"| {r['gen_steps'][b]:.3f} |" for b in extra))
         print(lines[-1], flush=True)
     if not args.no_peer:
         try:

@@ -117,3 +117,16 @@ def test_the_packed_ptx_planes_take_fewer_instructions_a_weight(sass):
         assert int(cells[3]) == 64 * 256 // 128                # 64 rows x a super-block over 128 threads
         per_weight[flags] = float(cells[4])
     assert per_weight[()] < 0.85 * per_weight[("--float32-planes",)], per_weight
+
+
+def test_two_to_eight_q4k_rows_are_counted_on_the_rows_kernel(sass):
+    """``--gguf`` with 8 rows of Q4_K captures the several-row tensor-core GEMV (its K loop of
+    ``mma.sync`` dots, no ``HGMMA``), 32 weight rows of a super-block over 64 threads; the kernels are
+    restored."""
+    import graphdsl.runtime.kernels.gguf_mma_rows as GR
+    kernel = GR._q4k_rows_kernel
+    got, grid, _, kw = sass.capture_gguf("Q4_K", 14336, 4096, 8)
+    assert got is kernel and GR._q4k_rows_kernel is kernel and kw["KB"] and grid[0] == 14336 // kw["BLOCK_N"]
+    cells, = _table(sass, "Q4_K:14336:4096:8", "--gguf", "Q4_K:14336:4096:8")
+    assert cells[1].startswith("32 x 8") and int(cells[3]) == 32 * 256 // 64
+    assert cells[5] == "0" and int(cells[7]) <= 2          # no wgmma waits; no layout conversion a dot
