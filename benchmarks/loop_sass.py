@@ -177,13 +177,13 @@ def capture_gguf(qtype: str, n: int, k: int, rows: int):
         def __getitem__(self, grid):
             return lambda *args, **kwargs: self.keep and seen.append((self.kernel, grid, args, kwargs))
 
-    saved = GL._gguf_gemv_kernel, GL._num_sms, GR._q4k_rows_kernel, GR._rows_planes_kernel
+    saved = GL._gguf_gemv_kernel, GL._num_sms, GR._rows_kernel, GR._rows_planes_kernel
     GL._gguf_gemv_kernel, GL._num_sms = _Recorder(saved[0], True), lambda device: _SMS
-    GR._q4k_rows_kernel, GR._rows_planes_kernel = _Recorder(saved[2], True), _Recorder(saved[3], False)
+    GR._rows_kernel, GR._rows_planes_kernel = _Recorder(saved[2], True), _Recorder(saved[3], False)
     try:
         GL.gguf_gemv(torch.zeros(rows, k, dtype=torch.bfloat16), torch.zeros(k // per, n, nb, dtype=torch.uint8), qtype)
     finally:
-        GL._gguf_gemv_kernel, GL._num_sms, GR._q4k_rows_kernel, GR._rows_planes_kernel = saved
+        GL._gguf_gemv_kernel, GL._num_sms, GR._rows_kernel, GR._rows_planes_kernel = saved
     (kernel, grid, args, kwargs), = seen
     return kernel, grid, args, kwargs
 

@@ -390,10 +390,11 @@ def e2e(shape: str, quantization: str | None, copy: float, gen_tokens: int = 64,
 
 # the Q4_K_M A/B runs: run name -> (gguf_linear switch, value, label). "cuda-cores": every GGUF GEMV on the CUDA cores
 # (the tensor-core GEMV out of reach: the A/B of gguf_mma.py); "tiles": several rows on the decoded tiles up to 16
-# and dequantize + cuBLAS beyond (the A/B of the plane-a-dot GEMV, with --batches); "planes": 2-8 Q4_K rows a plane
-# a dot (the A/B of gguf_mma_rows.py, with --batches)
+# and dequantize + cuBLAS beyond (the A/B of the plane-a-dot GEMV, with --batches); "planes" / "q6k-planes": 2-8 rows
+# (of Q6_K only) a plane a dot (the A/Bs of gguf_mma_rows.py, with --batches)
 _AB_RUNS = {"cuda-cores": ("MMA_MIN_ROWS", 1 << 40, "CUDA-core GEMVs"),
             "planes": ("_MMA_ROWS", False, "2-8 rows a plane a dot, not the tensor-core rows kernel"),
+            "q6k-planes": ("_MMA_ROWS_Q6K", False, "2-8 rows of Q6_K a plane a dot"),
             "tiles": ("_PLANE_ROWS", False, "several rows: decoded tiles, dequantize + cuBLAS")}
 
 
@@ -431,8 +432,8 @@ def main(argv=None) -> int:
                     help="with gguf-q4_k_m: also its run with several rows on the decoded tiles and dequantize + "
                          "cuBLAS, not a plane a dot (A/B; with --batches)")
     ap.add_argument("--gguf-planes", action="store_true",
-                    help="with gguf-q4_k_m: also its run with 2-8 rows a plane a dot instead of the several-row "
-                         "tensor-core kernel (A/B; with --batches)")
+                    help="with gguf-q4_k_m: also its runs with 2-8 rows a plane a dot instead of the several-row "
+                         "tensor-core kernel, for every type and for Q6_K only (A/B; with --batches)")
     ap.add_argument("--batches", nargs="*", type=int, default=[],
                     help="also the engine decode step at these batch sizes (e.g. 8 32 64: batched decode)")
     ap.add_argument("--out", default=None)
@@ -464,7 +465,7 @@ def main(argv=None) -> int:
     if args.gguf_tiles and _GGUFMix.NAME in args.schemes:
         runs.append("tiles")
     if args.gguf_planes and _GGUFMix.NAME in args.schemes:
-        runs.append("planes")
+        runs += ["planes", "q6k-planes"]
     for q in runs:
         r = e2e_switched(q, args.shape, copy, extra) if q in _AB_RUNS else e2e(args.shape, q, copy, batches=extra)
         lines.append(f"| graphdsl {r['name']} | {r['weight_gb']:.2f} | {r['roof_ms']:.3f} | {r['step_ms']:.3f} | "

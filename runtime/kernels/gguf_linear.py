@@ -32,8 +32,8 @@ One fp16/bf16 row of Q4_K or Q6_K over at least ``MMA_MIN_ROWS`` weight rows run
 tensor cores instead (:mod:`.gguf_mma`, :mod:`.gguf_mma_q6k`, :func:`mma_eligible`): on an H100
 1.2-1.7x faster than the CUDA-core loop, which is instruction-bound (15-33% of copy bandwidth on
 the H200, about the bf16 cuBLAS GEMV's time; docs/gguf-kernels.md has the tables and the next steps).
-So do 2..8 rows of Q4_K (:mod:`.gguf_mma_rows`: a sub-block a dot, the rows on the dot's other
-operand; ``_MMA_ROWS``).
+So do 2..8 rows of Q4_K and Q6_K (:mod:`.gguf_mma_rows`: a sub-block a dot, the rows on the dot's
+other operand; ``_MMA_ROWS``).
 
 ``data`` is in the stored layout (:func:`graphdsl.runtime.gguf_blocks.to_stored`: Q6_K blocks
 padded to 224 bytes; the other types as in the file).
@@ -74,7 +74,8 @@ MAX_PLANE_ROWS = 64   # the most it takes for a PLANE_QTYPES weight (a plane a d
 _PLANE_ROWS = True    # several rows of a PLANE_QTYPES weight a plane a dot (False: the decoded tile; A/B)
 _FAST_PLANES = True   # their Q4_K / Q6_K planes decoded in fp16/bf16 by packed PTX (False: float32 math; A/B)
 _Q6K_MMA = True       # one Q6_K row on the tensor cores by default (False: CUDA cores; decode_ab.py's A/B)
-_MMA_ROWS = True      # 2..8 rows of Q4_K on the tensor cores by default (gguf_mma_rows; False: a plane a dot; A/B)
+_MMA_ROWS = True      # 2..8 rows of Q4_K / Q6_K on the tensor cores by default (gguf_mma_rows; False: a plane a dot)
+_MMA_ROWS_Q6K = True  # ... Q6_K among them (False: Q6_K a plane a dot; quant.py's A/B)
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
 
@@ -367,9 +368,9 @@ def _mma_possible(x: torch.Tensor, data: torch.Tensor, qtype: str) -> bool:
 
 def _rows_possible(x: torch.Tensor, data: torch.Tensor, qtype: str) -> bool:
     """The several-row tensor-core kernel (:mod:`.gguf_mma_rows`) takes 2..``MMA_ROWS`` fp16/bf16 rows
-    (unit inner stride) of Q4_K over 4-byte aligned blocks."""
-    return (2 <= x.shape[0] <= MMA_ROWS and qtype == "Q4_K" and x.dtype != torch.float32 and x.stride(-1) == 1
-            and data.data_ptr() % 4 == 0)
+    (unit inner stride) of Q4_K or Q6_K over 4-byte aligned blocks."""
+    return (2 <= x.shape[0] <= MMA_ROWS and (qtype == "Q4_K" or qtype == "Q6_K" and _MMA_ROWS_Q6K)
+            and x.dtype != torch.float32 and x.stride(-1) == 1 and data.data_ptr() % 4 == 0)
 
 
 def mma_eligible(x: torch.Tensor, data: torch.Tensor, qtype: str) -> bool:
@@ -401,8 +402,10 @@ def gguf_gemv(x: torch.Tensor, data: torch.Tensor, qtype: str, add: torch.Tensor
     :data:`~.gguf_mma.MMA_QTYPES` runs on the int8 tensor cores (:mod:`.gguf_mma`) unless ``config``
     picks a CUDA-core launch (:func:`mma_eligible`); ``config={"MMA": True, "BLOCK_N": ..,
     "SPLIT_K": ..}`` (optionally ``num_warps``, ``num_stages``) sets the tensor-core launch.
-    ``silu_mul`` (tensor-core path only, no ``add``): ``data`` holds ``[gate | up]`` (``2 I`` rows)
-    and the result ``[1, I]`` is ``silu(x @ gate.T) * (x @ up.T)``, the ``silu_mul`` op fused.
+    ``silu_mul`` (tensor-core paths only: 1..8 fp16/bf16 rows of Q4_K, no ``add``): ``data`` holds
+    ``[gate | up]`` (``2 I`` rows) and the result ``[M, I]`` is ``silu(x @ gate.T) * (x @ up.T)``,
+    the ``silu_mul`` op fused. 2..8 fp16/bf16 rows of Q4_K or Q6_K run on the tensor cores too
+    (:mod:`.gguf_mma_rows`, :func:`mma_eligible`), or with ``config={"MMA": True, ...}``.
     ``planes``: x's tensor-core A operand, already made (Q4_K: :func:`.gguf_mma.norm_planes`, three
     buffers; Q6_K: a SwiGLU epilogue's ``planes_out``, two); the tensor-core path then skips its
     activation launch (the CUDA-core path reads x itself).
@@ -528,20 +531,21 @@ def _mma_rows(x, data, qtype, add, out, workspace, config, silu_mul, planes, pla
     CUDA-core paths' only."""
     m, k = x.shape
     if not _rows_possible(x, data, qtype):
-        raise GraphDSLError(f"gguf_gemv: config MMA=True with several rows needs 2..{MMA_ROWS} fp16/bf16 rows of Q4_K "
-                            f"(unit inner stride) and 4-byte aligned data, got {m} {x.dtype} rows of {qtype} at "
-                            f"address {data.data_ptr():#x}")
-    given = [name for name, v in (("planes", planes), ("planes_out", planes_out), ("rms_out", rms_out)) if v is not None]
+        raise GraphDSLError(f"gguf_gemv: config MMA=True with several rows needs 2..{MMA_ROWS} fp16/bf16 rows of "
+                            f"Q4_K or Q6_K (unit inner stride) and 4-byte aligned data, got {m} {x.dtype} rows of "
+                            f"{qtype} at address {data.data_ptr():#x}")
+    given = [name for name, v in (("planes", planes), ("planes_out", planes_out), ("rms_out", rms_out))
+             if v is not None]
     if given or beside:
-        raise GraphDSLError(f"gguf_gemv: {', '.join(given + ['beside'] * beside)} take one row (or the CUDA-core path); "
-                            f"got {m} rows of {qtype} on the tensor cores")
+        raise GraphDSLError(f"gguf_gemv: {', '.join(given + ['beside'] * beside)} take one row (or the CUDA-core "
+                            f"path); got {m} rows of {qtype} on the tensor cores")
     cfg = None
     if config:
         cfg = {key: v for key, v in config.items() if key != "MMA"}
         if set(cfg) - _ROWS_CONFIG_KEYS or {"BLOCK_N", "SPLIT_K"} - set(cfg):
             raise GraphDSLError(f"gguf_gemv: config with MMA=True and several rows takes BLOCK_N, SPLIT_K and "
                                 f"optionally {sorted(_ROWS_CONFIG_KEYS - {'BLOCK_N', 'SPLIT_K'})}, got {sorted(cfg)}")
-    return gguf_gemv_mma_rows(x, data, add, out, workspace, cfg, _num_sms(x.device), silu_mul, early_launch,
+    return gguf_gemv_mma_rows(x, data, qtype, add, out, workspace, cfg, _num_sms(x.device), silu_mul, early_launch,
                               None if rms_in is None else rms_in_args("gguf_gemv", rms_in, m, k))
 
 

@@ -1,4 +1,4 @@
-"""Two to eight rows of a Q4_K GEMV on the int8 tensor cores: ``out [M, N] = x [M, K] @ dequant(W).T (+ add)``.
+"""Two to eight rows of a Q4_K or Q6_K GEMV on the int8 tensor cores: ``out [M, N] = x [M, K] @ dequant(W).T (+ add)``.
 
 The one-row kernel (:mod:`.gguf_mma`) lays a row's 8 sub-blocks block-diagonally on the 16 rows of
 the dot's activation operand; with M rows that would multiply its dots by M. Here each 32-input
@@ -26,6 +26,10 @@ so a tile's dots cost what the one-row kernel's do for up to 8 rows:
       Σ_k x_mk w_nk = d sc_s (a_ms (256 V_h + V_l) / 16 + 8 S_ms) - dmin m_s S_ms   (sub-block s)
 
   accumulates in float32 ``[BLOCK_N, 8]`` — the one-row kernel's arithmetic per activation row.
+* **Q6_K** (:func:`q6k_rows_sums`, the stored 224-byte blocks): the same operands of the rows; each
+  32-value plane of the weights (:func:`.gguf_mma_q6k._plane`: ``4 (q - 32)``) is dotted twice, with
+  the rows' operand masked to its first and its last 16 inputs — one int8 weight scale each — and
+  ``Σ = d sc_j a_ms (256 V_h + V_l) / 4`` (no minimum).
 
 Split-K slices meet in the launch (:mod:`.splitk`); the last adds the residual or bias, or with
 ``SWIGLU`` (``W = [gate | up]``, tile rows ``2 i, 2 i + 1`` the gate and up rows of output ``i``)
@@ -43,6 +47,7 @@ import triton.language as tl
 
 from .gemv import rin_tile, rms_factor
 from .gguf_mma import _SUPER, _nibbles
+from .gguf_mma_q6k import _plane
 from .gguf_tiles import layout_args
 from .pdl import pdl_launch, pdl_trigger, pdl_wait
 from .splitk import arrive, depart, sum_partials
@@ -134,18 +139,64 @@ def q4k_rows_sums(rows, BS, b_lo, b_hi, a_ptr, xa_ptr, xs_ptr, BLOCK_N: tl.const
 
 
 @triton.jit
-def _q4k_rows_kernel(
-    a_ptr, xa_ptr, xs_ptr,   # activation operands [K / 32, 16, 32] int8, a_ms and S_ms [K / 32, 8] float32
-    w_ptr,                   # uint8 Q4_K blocks: rows [N, ROW_BYTES], or block-major [K / 256, N, 144] (KB)
+def _signed_byte(w, i: tl.constexpr):
+    """Byte ``i`` of the int32 words ``w`` as a signed int8 value, in float32."""
+    return ((w << (24 - 8 * i)) >> 24).to(tl.float32)
+
+
+@triton.jit
+def q6k_rows_sums(rows, BS, b_lo, b_hi, a_ptr, xa_ptr, BLOCK_N: tl.constexpr, EMULATE: tl.constexpr):
+    """``[BLOCK_N, 8]`` float32: ``Σ_k x[m, k] dequant(W)[n, k]`` over super-blocks ``[b_lo, b_hi)`` of the
+    stored Q6_K rows ``rows`` (224-byte blocks: ``ql[128]``, ``qh[64]``, ``scales[16]`` int8, ``d``;
+    :mod:`.gguf_mma_q6k`'s layout) against the rows' operands (:func:`rows_planes`: the Q4_K format,
+    32 inputs a sub-block). Value plane ``P`` of half ``h`` (inputs ``128 h + 32 P + l``) is one
+    32-input operand ``4 (q - 32)`` (:func:`.gguf_mma_q6k._plane`), dotted twice with the rows'
+    operand masked to its first and last 16 inputs, one weight scale each:
+    ``Σ = d sc_j a_ms (256 V_h + V_l) / 4``."""
+    c = tl.arange(0, 32)
+    r = tl.arange(0, 16)
+    m = tl.arange(0, 8)
+    first = (c < 16)[:, None]                              # the operand's rows: inputs l < 16 of the plane
+    acc = tl.zeros([BLOCK_N, 8], tl.float32)
+    for b in range(b_lo, b_hi):
+        blk = rows[:, None] + b * BS
+        words = (rows + b * BS).to(tl.pointer_type(tl.int32))
+        d4 = 4.0 * (tl.load(words + 52) & 0xFFFF).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
+        for h in tl.static_range(2):
+            ql0 = tl.load(blk + (64 * h + c)[None, :])
+            ql1 = tl.load(blk + (64 * h + 32 + c)[None, :])
+            qh = tl.load(blk + (128 + 32 * h + c)[None, :])
+            sw0 = tl.load(words + 48 + 2 * h)              # scales[8 h .. 8 h + 4)
+            sw1 = tl.load(words + 49 + 2 * h)              # scales[8 h + 4 .. 8 h + 8)
+            for P in tl.static_range(4):
+                s = b * 8 + 4 * h + P                      # the rows' 32-input sub-block
+                w = _plane(ql0 if P % 2 == 0 else ql1, qh, P, EMULATE)                    # [BLOCK_N, 32]
+                xa = tl.load(xa_ptr + s * 8 + m)           # a_ms / 16
+                for j in tl.static_range(2):               # sub-block 2 P + j of the half: scales[8 h + 2 P + j]
+                    # the operand [32, 16] loaded masked (zeros), so the load feeds the dot straight
+                    a = tl.load(a_ptr + (s * 16 + r[None, :]) * 32 + c[:, None], mask=first if j == 0 else ~first,
+                                other=0)
+                    v = tl.dot(w, a, out_dtype=tl.int32)
+                    vh, vl = tl.split(tl.permute(tl.reshape(v, [BLOCK_N, 2, 8]), (0, 2, 1)))
+                    f = d4 * _signed_byte(sw0 if P < 2 else sw1, (2 * P + j) % 4)
+                    acc += (vh * 256 + vl).to(tl.float32) * (f[:, None] * xa[None, :])
+    return acc
+
+
+@triton.jit
+def _rows_kernel(
+    a_ptr, xa_ptr, xs_ptr,   # activation operands [K / 32, 16, 32] int8, a_ms / 16 and S_ms [K / 32, 8] float32
+    w_ptr,                   # uint8 Q4_K / stored Q6_K blocks: rows [N, ROW_BYTES], or block-major (KB)
     add_ptr,                 # HAS_ADD: [M, N] residual (stride_am) or [N] bias (stride_am 0), last dim contiguous
     out_ptr,                 # [M, N] output, last dim contiguous
     part_ptr, lock_ptr,      # SPLIT: [SPLIT_K, n_tiles, BLOCK_N, 8] float32 partials, [n_tiles] counters
     M, N, ROW_BYTES, PER,    # sizes (N: output columns); PER super-blocks per K slice
     SPLIT_K, BLOCKS, stride_om, stride_am,
+    QTYPE: tl.constexpr,     # "Q4_K" or "Q6_K"
     BLOCK_N: tl.constexpr, SPLIT: tl.constexpr, HAS_ADD: tl.constexpr, EMULATE: tl.constexpr,
     USE_PDL: tl.constexpr, LATE_LAUNCH: tl.constexpr,   # (:mod:`.pdl`) the next kernel launches after the K loop
     SWIGLU: tl.constexpr = False,   # w is [2N, K] = [gate | up]; out = silu(x @ gate.T) * (x @ up.T)
-    KB: tl.constexpr = False, BYTES: tl.constexpr = 144, KB_STRIDE=0,   # block-major (gguf_tiles.layout_args)
+    KB: tl.constexpr = False, BYTES: tl.constexpr = 144, KB_STRIDE=0,   # the layout (gguf_tiles.layout_args)
     rin_ptr=None, RIN_CHUNKS=1, rin_inv_n=1.0, rin_eps=0.0,   # RMS_IN: the producer's Σy² partials [M, chunks]
     RMS_IN: tl.constexpr = False, RIN_BLOCK: tl.constexpr = 1,   # the sums times the carried norm's factor (GemvRmsIn)
 ):
@@ -163,7 +214,10 @@ def _q4k_rows_kernel(
     BS = KB_STRIDE if KB else BYTES                        # bytes between a row's super-blocks
     pdl_wait(USE_PDL, not LATE_LAUNCH)
     b_lo = pid_s * PER
-    tile = q4k_rows_sums(rows, BS, b_lo, tl.minimum(b_lo + PER, BLOCKS), a_ptr, xa_ptr, xs_ptr, BLOCK_N, EMULATE)
+    if QTYPE == "Q6_K":
+        tile = q6k_rows_sums(rows, BS, b_lo, tl.minimum(b_lo + PER, BLOCKS), a_ptr, xa_ptr, BLOCK_N, EMULATE)
+    else:
+        tile = q4k_rows_sums(rows, BS, b_lo, tl.minimum(b_lo + PER, BLOCKS), a_ptr, xa_ptr, xs_ptr, BLOCK_N, EMULATE)
     if LATE_LAUNCH:
         pdl_trigger(USE_PDL)
     rm = tl.arange(0, 8)
@@ -234,19 +288,19 @@ def split_for_rows(tiles: int, blocks: int, sms: int) -> int:
     return split
 
 
-def gguf_gemv_mma_rows(x: torch.Tensor, data: torch.Tensor, add: torch.Tensor | None, out: torch.Tensor,
+def gguf_gemv_mma_rows(x: torch.Tensor, data: torch.Tensor, qtype: str, add: torch.Tensor | None, out: torch.Tensor,
                        workspace, config: dict | None, sms: int, silu_mul: bool = False,
                        early_launch: bool = False, rms_in_args: dict | None = None) -> torch.Tensor:
-    """``out [M, N] = x [M, K] @ dequant(data).T (+ add)`` for 2..8 fp16/bf16 rows of a Q4_K weight on the
-    tensor cores; the operands were checked by :func:`.gguf_linear.gguf_gemv`, which calls this.
-    ``workspace``: a :class:`~.gemv.GemvWorkspace` (operands, split-K partials). ``silu_mul``: ``data``
-    holds ``[gate | up]`` (``2 N`` rows) and ``out`` gets ``silu(x @ gate.T) * (x @ up.T)``, no
-    ``add``. ``early_launch``: the next kernel launches right after the PDL wait (a row part run
-    beside the next: :func:`.gguf_linear.gguf_gemv`). ``rms_in_args``: the launch keywords of a carried
+    """``out [M, N] = x [M, K] @ dequant(data).T (+ add)`` for 2..8 fp16/bf16 rows of a Q4_K or (stored)
+    Q6_K weight on the tensor cores; the operands were checked by :func:`.gguf_linear.gguf_gemv`, which
+    calls this. ``workspace``: a :class:`~.gemv.GemvWorkspace` (operands, split-K partials).
+    ``silu_mul`` (Q4_K): ``data`` holds ``[gate | up]`` (``2 N`` rows) and ``out`` gets ``silu(x @
+    gate.T) * (x @ up.T)``, no ``add``. ``early_launch``: the next kernel launches right after the PDL
+    wait (a row part run beside the next: :func:`.gguf_linear.gguf_gemv`). ``rms_in_args``: the launch keywords of a carried
     norm's factor (:func:`.gemv.rms_in_args`; x is a producer's ``y · weight``, each row's sums
     multiplied by its factor before the epilogue)."""
     from .gemv import GemvWorkspace
-    row_stride, layout = layout_args(data, "Q4_K")
+    row_stride, layout = layout_args(data, qtype)
     m, k = x.shape
     n = out.shape[1]
     rows_n = 2 * n if silu_mul else n
@@ -259,10 +313,11 @@ def gguf_gemv_mma_rows(x: torch.Tensor, data: torch.Tensor, add: torch.Tensor | 
     planes = rows_planes(x, ws.rows_planes(x.device, k))
     n_tiles = triton.cdiv(rows_n, block_n)
     part, lock = ws.get(x.device, n_tiles, split, block_n, rows=MMA_ROWS) if split > 1 else (out, out)
-    _q4k_rows_kernel[(n_tiles, split)](
+    _rows_kernel[(n_tiles, split)](
         *planes, data, add if add is not None else out, out, part, lock, m, n, row_stride, per, split, blocks,
         out.stride(0), 0 if add is None or add.dim() == 1 else add.stride(0),
-        BLOCK_N=block_n, SPLIT=split > 1, HAS_ADD=add is not None, EMULATE=os.environ.get("TRITON_INTERPRET") == "1",
-        LATE_LAUNCH=n_tiles * split > sms and not early_launch, SWIGLU=silu_mul, **layout, **pdl_launch(x.device),
+        QTYPE=qtype, BLOCK_N=block_n, SPLIT=split > 1, HAS_ADD=add is not None,
+        EMULATE=os.environ.get("TRITON_INTERPRET") == "1", LATE_LAUNCH=n_tiles * split > sms and not early_launch,
+        SWIGLU=silu_mul, **layout, **pdl_launch(x.device),
         **(rms_in_args or {}), **cfg)
     return out

@@ -58,9 +58,30 @@ def test_rows_gemv_matches_dequantize_then_matmul(m, split, dtype, block_n):
     x = _x(m, 1024, dtype, seed=3)
     out = torch.empty(m, 19, dtype=torch.float32, device=DEV)
     cfg = {key: v for key, v in _cfg(split, block_n).items() if key != "MMA"}
-    gguf_linear.gguf_gemv_mma_rows(x, data.to(DEV), None, out, None, cfg, 4)
+    gguf_linear.gguf_gemv_mma_rows(x, data.to(DEV), "Q4_K", None, out, None, cfg, 4)
     want = x.float().cpu() @ ref.T
     torch.testing.assert_close(out.cpu(), want, rtol=0, atol=1e-4 * want.abs().max().item())
+
+
+@pytest.mark.parametrize("m,split,dtype", [(3, 1, torch.bfloat16), (8, 3, torch.float16)])
+def test_q6k_rows_gemv_matches_gguf_py_values(m, split, dtype):
+    """Q6_K in the stored 224-byte layout, odd N, K of 4 super-blocks (3 slices asked: slices of 2), a
+    float32 output: within 1e-4 of the largest output of gguf-py's dequantized weight times x; a
+    residual and block-major blocks through ``gguf_gemv`` give the same bits as stored rows."""
+    from graphdsl.runtime.gguf_blocks import block_major
+    data, ref = random_gguf_weight("Q6_K", 19, 1024, seed=4)
+    data = to_stored(data, "Q6_K").to(DEV)
+    x = _x(m, 1024, dtype, seed=5)
+    out = torch.empty(m, 19, dtype=torch.float32, device=DEV)
+    cfg = {key: v for key, v in _cfg(split).items() if key != "MMA"}
+    gguf_linear.gguf_gemv_mma_rows(x, data, "Q6_K", None, out, None, cfg, 4)
+    want = x.float().cpu() @ ref.T
+    torch.testing.assert_close(out.cpu(), want, rtol=0, atol=1e-4 * want.abs().max().item())
+    res = _x(m, 19, dtype, seed=6)
+    rows = gguf_gemv(x, data, "Q6_K", res, config=_cfg(split))
+    assert torch.equal(gguf_gemv(x, block_major(data, "Q6_K"), "Q6_K", res, config=_cfg(split)), rows)
+    torch.testing.assert_close(rows.float().cpu(), want + res.float().cpu(), rtol=0,
+                               atol=1e-2 * want.abs().max().item())
 
 
 @pytest.mark.parametrize("split", [1, 2])
@@ -113,24 +134,29 @@ def test_rows_carried_norm_factor_scales_each_row():
 
 
 def test_gguf_gemv_takes_the_rows_kernel_for_2_to_8_q4k_rows(monkeypatch):
-    """By default 2..8 fp16/bf16 rows of a Q4_K weight of at least ``MMA_MIN_ROWS`` rows run the rows
-    kernel; one row, 9 rows, Q6_K, float32 rows and the ``_MMA_ROWS`` switch off do not."""
+    """By default 2..8 fp16/bf16 rows of a Q4_K or Q6_K weight of at least ``MMA_MIN_ROWS`` rows run the
+    rows kernel; one row, 9 rows, Q5_K, float32 rows and the switches off (``_MMA_ROWS_Q6K`` for Q6_K,
+    ``_MMA_ROWS``) do not."""
     calls = []
-    monkeypatch.setattr(gguf_linear, "gguf_gemv_mma_rows", lambda x, *a, **kw: calls.append(x.shape[0]) or a[2])
+    monkeypatch.setattr(gguf_linear, "gguf_gemv_mma_rows", lambda x, *a, **kw: calls.append((x.shape[0], a[1])) or a[3])
     monkeypatch.setattr(gguf_linear, "MMA_MIN_ROWS", 32)
     q4k, _ = random_gguf_weight("Q4_K", 32, 256, seed=1)
     q6k, _ = random_gguf_weight("Q6_K", 32, 256, seed=1)
-    q4k, q6k = q4k.to(DEV), to_stored(q6k, "Q6_K").to(DEV)
+    q5k, _ = random_gguf_weight("Q5_K", 32, 256, seed=1)
+    q4k, q5k, q6k = q4k.to(DEV), q5k.to(DEV), to_stored(q6k, "Q6_K").to(DEV)
     for m in (2, 8):
         gguf_gemv(_x(m, 256, torch.bfloat16, 1), q4k, "Q4_K")
         assert mma_eligible(_x(m, 256, torch.bfloat16, 1), q4k, "Q4_K")
-    assert calls == [2, 8]
-    gguf_gemv(_x(9, 256, torch.bfloat16, 1), q4k, "Q4_K")
     gguf_gemv(_x(4, 256, torch.bfloat16, 1), q6k, "Q6_K")
+    assert calls == [(2, "Q4_K"), (8, "Q4_K"), (4, "Q6_K")]
+    gguf_gemv(_x(9, 256, torch.bfloat16, 1), q4k, "Q4_K")
+    gguf_gemv(_x(4, 256, torch.bfloat16, 1), q5k, "Q5_K")
     gguf_gemv(_x(4, 256, torch.float32, 1), q4k, "Q4_K")
+    monkeypatch.setattr(gguf_linear, "_MMA_ROWS_Q6K", False)
+    gguf_gemv(_x(4, 256, torch.bfloat16, 1), q6k, "Q6_K")
     monkeypatch.setattr(gguf_linear, "_MMA_ROWS", False)
     gguf_gemv(_x(4, 256, torch.bfloat16, 1), q4k, "Q4_K")
-    assert calls == [2, 8]
+    assert len(calls) == 3
 
 
 def test_rows_kernel_refuses_what_it_cannot_take():
@@ -141,7 +167,7 @@ def test_rows_kernel_refuses_what_it_cannot_take():
     x = _x(4, 256, torch.bfloat16, seed=2)
     with pytest.raises(GraphDSLError, match=r"planes take one row .* 4 rows"):
         gguf_gemv(x, data, "Q4_K", config=_cfg(), planes=GemvWorkspace().planes(x.device, 256))
-    with pytest.raises(GraphDSLError, match=r"2\.\.8 fp16/bf16 rows of Q4_K .* got 9"):
+    with pytest.raises(GraphDSLError, match=r"2\.\.8 fp16/bf16 rows of Q4_K or Q6_K .* got 9"):
         gguf_gemv(_x(9, 256, torch.bfloat16, 2), data, "Q4_K", config=_cfg())
     with pytest.raises(GraphDSLError, match=r"takes BLOCK_N, SPLIT_K .* got \['BLOCK_N'\]"):
         gguf_gemv(x, data, "Q4_K", config=dict(MMA=True, BLOCK_N=16))
@@ -149,22 +175,24 @@ def test_rows_kernel_refuses_what_it_cannot_take():
         gguf_gemv(_x(9, 256, torch.bfloat16, 2), data, "Q4_K", silu_mul=True)
 
 
-def test_batched_decode_of_a_q4k_model_runs_the_rows_kernel(tmp_path, monkeypatch):
-    """A Q4_K model decoding 3 sequences at once (``MMA_MIN_ROWS`` lowered for the tiny shapes): its
-    projections and the gate/up with SwiGLU run the rows kernel, and each token's log-probability
-    matches the run with 2..8 rows a plane a dot (``_MMA_ROWS`` off), token for token, within what
-    the bf16 activations between the layers round to (0.1: on this tiny random model a batched and
-    a solo run of the same kernels differ by up to 0.064 on the CPU, the planes path by 0.07 on a GPU)."""
+@pytest.mark.parametrize("scheme", ["gguf-q4_k", "gguf-q6_k"])
+def test_batched_decode_of_a_gguf_model_runs_the_rows_kernel(tmp_path, monkeypatch, scheme):
+    """A Q4_K (Q6_K) model decoding 3 sequences at once (``MMA_MIN_ROWS`` lowered for the tiny shapes):
+    its projections run the rows kernel (Q4_K's gate/up with its SwiGLU epilogue), and each token's
+    log-probability matches the run with 2..8 rows a plane a dot (``_MMA_ROWS`` off), token for token,
+    within what the bf16 activations between the layers round to (0.1: on this tiny random model a
+    batched and a solo run of the same kernels differ by up to 0.064 on the CPU, the planes path by
+    0.07 on a GPU)."""
     import graphdsl as gd
     from tests.models.hf_tiny import make_checkpoint
     monkeypatch.setattr(gguf_linear, "MMA_MIN_ROWS", 1)
     calls = []
     real = gguf_linear.gguf_gemv_mma_rows
     monkeypatch.setattr(gguf_linear, "gguf_gemv_mma_rows",
-                        lambda x, *a, **kw: calls.append((x.shape[0], kw.get("silu_mul", a[6] if len(a) > 6 else False)))
+                        lambda x, *a, **kw: calls.append((x.shape[0], kw.get("silu_mul", len(a) > 7 and a[7])))
                         or real(x, *a, **kw))
     make_checkpoint("llama", tmp_path, hidden_size=256, intermediate_size=512)
-    llm = gd.LLM(tmp_path, device=DEV, dtype="bfloat16", max_model_len=64, quantization="gguf-q4_k")
+    llm = gd.LLM(tmp_path, device=DEV, dtype="bfloat16", max_model_len=64, quantization=scheme)
     llm.model.configure_runtime(backend="triton", cuda_graphs=False, max_blocks_per_seq=4)
     params = gd.SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True, logprobs=0)
     prompts = [[5, 9, 2], [7, 1], [3, 3, 8, 4]]
@@ -175,7 +203,7 @@ def test_batched_decode_of_a_q4k_model_runs_the_rows_kernel(tmp_path, monkeypatc
         runs[rows] = llm.generate(prompts, params, use_tqdm=False)
         assert bool(calls) == rows and all(m == 3 for m, _ in calls)
         if rows:
-            assert any(silu for _, silu in calls) and not all(silu for _, silu in calls)
+            assert any(silu for _, silu in calls) == (scheme == "gguf-q4_k") and not all(silu for _, silu in calls)
     for got, want in zip(runs[True], runs[False]):
         a, b = got.outputs[0], want.outputs[0]
         assert a.token_ids == b.token_ids

@@ -124,9 +124,9 @@ def test_two_to_eight_q4k_rows_are_counted_on_the_rows_kernel(sass):
     ``mma.sync`` dots, no ``HGMMA``), 32 weight rows of a super-block over 64 threads; the kernels are
     restored."""
     import graphdsl.runtime.kernels.gguf_mma_rows as GR
-    kernel = GR._q4k_rows_kernel
+    kernel = GR._rows_kernel
     got, grid, _, kw = sass.capture_gguf("Q4_K", 14336, 4096, 8)
-    assert got is kernel and GR._q4k_rows_kernel is kernel and kw["KB"] and grid[0] == 14336 // kw["BLOCK_N"]
+    assert got is kernel and GR._rows_kernel is kernel and kw["KB"] and grid[0] == 14336 // kw["BLOCK_N"]
     cells, = _table(sass, "Q4_K:14336:4096:8", "--gguf", "Q4_K:14336:4096:8")
     assert cells[1].startswith("32 x 8") and int(cells[3]) == 32 * 256 // 64
     assert cells[5] == "0" and int(cells[7]) <= 2          # no wgmma waits; no layout conversion a dot
