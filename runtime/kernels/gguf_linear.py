@@ -63,7 +63,7 @@ from .gguf_mma_rows import MMA_ROWS, gguf_gemv_mma_rows
 from .pdl import pdl_launch, pdl_trigger, pdl_wait
 from .gguf_tiles import (KERNEL_QTYPES, PLANE_QTYPES, decode_tile, k_planes, layout_args, q4k_planes, q6k_plane,
                          q6k_plane_of, q8_0_plane, row_codes, row_dot, row_total, row_zeros)
-from .splitk import arrive, depart, meet_rows, sum_partials
+from .splitk import meet_rows, meet_tile
 
 __all__ = ["gguf_linear", "gguf_gemv", "gguf_dequantize", "mma_eligible", "gemv_rows", "KERNEL_QTYPES", "MAX_GEMV_ROWS",
            "MAX_PLANE_ROWS"]
@@ -173,7 +173,6 @@ def _gguf_gemv_kernel(
     s_hi = tl.minimum(s_lo + steps_per_split, n_steps)
     rm = tl.arange(0, BLOCK_M)
     m_ok = rm < M
-    rt = tl.arange(0, BLOCK_N)
     if USE_DOT:
         acc = tl.zeros([BLOCK_N, BLOCK_M], tl.float32)
         if PLANES:            # the planes' loads carry no mask: rows past N read row N - 1
@@ -188,16 +187,7 @@ def _gguf_gemv_kernel(
                 xt = tl.load(x_ptr + rm[None, :] * stride_xm + (blk0 * VALUES + koff)[:, None], mask=m_ok[None, :],
                              other=0.0, cache_modifier=".cg" if BESIDE else "")
                 acc = _dot_tile(acc, w, xt, DOT_F32)
-        if SPLIT:
-            n_tiles = tl.num_programs(0)
-            slab = part_ptr + rt[:, None] * BLOCK_M + rm[None, :]
-            tl.store(slab + (pid_k * n_tiles + pid_n).to(tl.int64) * (BLOCK_N * BLOCK_M), acc)
-            last = arrive(lock_ptr, pid_n, SPLIT_K)
-            if last:
-                acc = sum_partials(slab, pid_n, n_tiles, SPLIT_K, BLOCK_N, BLOCK_M, False, rm)
-                depart(lock_ptr, pid_n)
-        else:
-            last = pid_k == 0
+        acc, last = meet_tile(acc, part_ptr, lock_ptr, pid_n, pid_k, SPLIT_K, BLOCK_N, BLOCK_M, SPLIT)
     else:
         vals = row_zeros(BLOCK_N, QTYPE, SB)
         if PREFETCH:            # the first step's code bytes
@@ -505,12 +495,7 @@ def _mma(x, data, qtype, add, out, workspace, config, silu_mul, planes=None, pla
         raise GraphDSLError(f"gguf_gemv: config MMA=True needs one fp16/bf16 row, a type in {list(MMA_QTYPES) + ['Q6_K']} "
                             f"and 4-byte aligned data, got {x.shape[0]} {x.dtype} rows of {qtype} at "
                             f"address {data.data_ptr():#x}")
-    cfg = None
-    if config:
-        cfg = {key: v for key, v in config.items() if key != "MMA"}
-        if set(cfg) - _MMA_CONFIG_KEYS or {"BLOCK_N", "SPLIT_K"} - set(cfg):
-            raise GraphDSLError(f"gguf_gemv: config with MMA=True takes BLOCK_N, SPLIT_K and optionally "
-                                f"{sorted(_MMA_CONFIG_KEYS - {'BLOCK_N', 'SPLIT_K'})}, got {sorted(cfg)}")
+    cfg = _mma_config(config, _MMA_CONFIG_KEYS, "")
     want = 2 if qtype == "Q6_K" else 3                    # the planes' format: gguf_mma_q6k's or gguf_mma's
     if planes is not None and len(planes) != want:
         raise GraphDSLError(f"gguf_gemv: planes for {qtype} are {want} buffers (its tensor-core GEMV's activation "
@@ -522,6 +507,17 @@ def _mma(x, data, qtype, add, out, workspace, config, silu_mul, planes=None, pla
                              early_launch)
     return gguf_gemv_mma(x, data, qtype, add, out, workspace, cfg, _num_sms(x.device), silu_mul, planes, planes_out,
                          rms_out, rms_in, early_launch)
+
+
+def _mma_config(config: dict | None, keys: set, what: str) -> dict | None:
+    """A caller's tensor-core launch (``MMA`` dropped), checked against the kernel's ``keys``."""
+    if not config:
+        return None
+    cfg = {key: v for key, v in config.items() if key != "MMA"}
+    if set(cfg) - keys or {"BLOCK_N", "SPLIT_K"} - set(cfg):
+        raise GraphDSLError(f"gguf_gemv: config with MMA=True{what} takes BLOCK_N, SPLIT_K and optionally "
+                            f"{sorted(keys - {'BLOCK_N', 'SPLIT_K'})}, got {sorted(cfg)}")
+    return cfg
 
 
 def _mma_rows(x, data, qtype, add, out, workspace, config, silu_mul, planes, planes_out, rms_out, rms_in,
@@ -539,12 +535,7 @@ def _mma_rows(x, data, qtype, add, out, workspace, config, silu_mul, planes, pla
     if given or beside:
         raise GraphDSLError(f"gguf_gemv: {', '.join(given + ['beside'] * beside)} take one row (or the CUDA-core "
                             f"path); got {m} rows of {qtype} on the tensor cores")
-    cfg = None
-    if config:
-        cfg = {key: v for key, v in config.items() if key != "MMA"}
-        if set(cfg) - _ROWS_CONFIG_KEYS or {"BLOCK_N", "SPLIT_K"} - set(cfg):
-            raise GraphDSLError(f"gguf_gemv: config with MMA=True and several rows takes BLOCK_N, SPLIT_K and "
-                                f"optionally {sorted(_ROWS_CONFIG_KEYS - {'BLOCK_N', 'SPLIT_K'})}, got {sorted(cfg)}")
+    cfg = _mma_config(config, _ROWS_CONFIG_KEYS, " and several rows")
     return gguf_gemv_mma_rows(x, data, qtype, add, out, workspace, cfg, _num_sms(x.device), silu_mul, early_launch,
                               None if rms_in is None else rms_in_args("gguf_gemv", rms_in, m, k))
 

@@ -476,6 +476,13 @@ def pick_mma_config(n: int, k: int, sms: int) -> dict:
                 num_stages=_STAGES)
 
 
+def slices(blocks: int, split: int) -> tuple[int, int]:
+    """``(per, split)``: ``blocks`` super-blocks in slices of ``per`` for about ``split`` slices asked, no
+    slice empty (the tensor-core GEMVs' K split)."""
+    per = triton.cdiv(blocks, max(1, min(split, blocks)))
+    return per, triton.cdiv(blocks, per)
+
+
 def split_for(tiles: int, blocks: int, sms: int) -> int:
     """K slices for a tensor-core GEMV of ``tiles`` row tiles over ``blocks`` super-blocks: doubled
     while the grid has fewer than ``_PROGRAMS_PER_SM`` programs a SM and each slice keeps at least
@@ -507,9 +514,7 @@ def gguf_gemv_mma(x: torch.Tensor, data: torch.Tensor, qtype: str, add: torch.Te
     n, k = code_rows(data), x.shape[1]
     cfg = dict(config or pick_mma_config(n, k, sms))
     block_n, split = cfg.pop("BLOCK_N"), cfg.pop("SPLIT_K")
-    blocks = k // _SUPER
-    per = triton.cdiv(blocks, max(1, min(split, blocks)))
-    split = triton.cdiv(blocks, per)                       # no empty slices
+    per, split = slices(k // _SUPER, split)
     ws = workspace or GemvWorkspace()
     if planes is None:
         planes = activation_planes(x[0], ws.planes(x.device, k))

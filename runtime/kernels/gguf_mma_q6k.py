@@ -50,7 +50,8 @@ import triton.language as tl
 from graphdsl.quant import code_rows
 
 from ..gguf_blocks import STORED_BLOCK_BYTES
-from .gguf_mma import _bytes, _finish, _norm_weight, _pair_rows, _rms_in_factor, _rows16, rms_args, split_for
+from .gguf_mma import (_bytes, _finish, _norm_weight, _pair_rows, _rms_in_factor, _rows16, rms_args, slices,
+                       split_for)
 from .gguf_tiles import layout_args
 from .pdl import pdl_launch, pdl_trigger, pdl_wait, prefetch_l2
 
@@ -288,9 +289,7 @@ def gguf_gemv_q6k(x: torch.Tensor, data: torch.Tensor, add: torch.Tensor | None,
     n, k = code_rows(data), x.shape[1]
     cfg = dict(config or pick_q6k_config(n, k, sms))
     block_n, split = cfg.pop("BLOCK_N"), cfg.pop("SPLIT_K")
-    blocks = k // _SUPER
-    per = triton.cdiv(blocks, max(1, min(split, blocks)))
-    split = triton.cdiv(blocks, per)
+    per, split = slices(k // _SUPER, split)
     ws = workspace or GemvWorkspace()
     if planes is None:
         planes = q6k_activation_planes(x[0], ws.q6k_planes(x.device, k))

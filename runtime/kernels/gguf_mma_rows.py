@@ -17,8 +17,8 @@ so a tile's dots cost what the one-row kernel's do for up to 8 rows:
   bytes ``16 (q - 8)`` (:func:`.gguf_mma._nibbles`): the dot's A operand. It gives ``V [BLOCK_N,
   16]`` (int32, exact). The weights on A, not B, put 2 weight rows in a thread of the ``mma``
   tile (as B, 4 columns), so each thread unpacks half as many scales (sm_90: 589 SASS instructions
-  a super-block step against 747, 510 since the epilogue became two fma; H200, 8 rows of the 8B
-  gate: 22.5 µs against 26.1 at their best launches).
+  a super-block step against 747, 556 since ``a_ms / 16`` is stored; H200, 8 rows of the 8B gate:
+  22.5 µs against 26.1 at their best launches).
 * **Scales**: columns ``m`` and ``8 + m`` of an ``mma`` tile sit in one thread, joined as ``256 V_h +
   V_l`` (below 2^27: exact); with the header's ``d``, ``dmin``, 6-bit ``sc_s``, ``m_s`` of each weight
   row (:func:`_scale_min_words`: four bytes an instruction)
@@ -46,11 +46,11 @@ import triton
 import triton.language as tl
 
 from .gemv import rin_tile, rms_factor
-from .gguf_mma import _SUPER, _nibbles
+from .gguf_mma import _SUPER, _nibbles, slices
 from .gguf_mma_q6k import _plane
 from .gguf_tiles import layout_args
 from .pdl import pdl_launch, pdl_trigger, pdl_wait
-from .splitk import arrive, depart, sum_partials
+from .splitk import meet_tile
 
 __all__ = ["MMA_ROWS", "CONFIG_KEYS", "gguf_gemv_mma_rows", "rows_planes", "empty_rows_planes", "pick_rows_config",
            "split_for_rows"]
@@ -133,8 +133,9 @@ def q4k_rows_sums(rows, BS, b_lo, b_hi, a_ptr, xa_ptr, xs_ptr, BLOCK_N: tl.const
                 f2 = 8.0 * f1 - dmin * _byte(mn_lo if s < 4 else mn_hi, s % 4)
                 xa = tl.load(xa_ptr + (b * 8 + s) * 8 + m)
                 xs = tl.load(xs_ptr + (b * 8 + s) * 8 + m)
-                acc += (vh * 256 + vl).to(tl.float32) * (f1[:, None] * xa[None, :])   # two fma, no add
-                acc += f2[:, None] * xs[None, :]
+                # the step's term first, then one add to the accumulator: two fma on it instead issue 510 SASS
+                # instructions a step against 556, but each waits on the last (H200, 8 rows: 2-4% slower)
+                acc += (vh * 256 + vl).to(tl.float32) * (f1[:, None] * xa[None, :]) + f2[:, None] * xs[None, :]
     return acc
 
 
@@ -220,17 +221,8 @@ def _rows_kernel(
         tile = q4k_rows_sums(rows, BS, b_lo, tl.minimum(b_lo + PER, BLOCKS), a_ptr, xa_ptr, xs_ptr, BLOCK_N, EMULATE)
     if LATE_LAUNCH:
         pdl_trigger(USE_PDL)
+    tile, last = meet_tile(tile, part_ptr, lock_ptr, pid_n, pid_s, SPLIT_K, BLOCK_N, 8, SPLIT)
     rm = tl.arange(0, 8)
-    if SPLIT:
-        n_tiles = tl.num_programs(0)
-        slab = part_ptr + rt[:, None] * 8 + rm[None, :]
-        tl.store(slab + (pid_s * n_tiles + pid_n).to(tl.int64) * (BLOCK_N * 8), tile)
-        last = arrive(lock_ptr, pid_n, SPLIT_K)
-        if last:
-            tile = sum_partials(slab, pid_n, n_tiles, SPLIT_K, BLOCK_N, 8, False, rm)
-            depart(lock_ptr, pid_n)
-    else:
-        last = pid_s == 0
     if last:
         dt = out_ptr.dtype.element_ty
         if RMS_IN:
@@ -281,7 +273,7 @@ def split_for_rows(tiles: int, blocks: int, sms: int) -> int:
     than ``_PROGRAMS_PER_SM`` programs a SM and each slice keeps at least ``_MIN_SLICE`` super-blocks.
     A program of 32 rows holds few bytes in flight, so the SMs need many of them at once. H200, 8 rows,
     µs by slices (``gguf_gemv.py --many --sweep``): 8B o 11.0 in 8 (slices of 2), 12.8 in 16; qkv
-    13.5 in 8, 16.0 in 16; gate 22.5 in 4, 25.7 in 8; down 28.2 in 8, 23.3 in 16 (slices of 3.5)."""
+    13.5 in 8, 16.0 in 16; gate 22.5 in 4, 25.7 in 8; down 28.2 in 8, 23.3 in 16 asked (14 slices of 4)."""
     split = 1
     while tiles * split < _PROGRAMS_PER_SM * sms and blocks // (split * 2) >= _MIN_SLICE:
         split *= 2
@@ -307,8 +299,7 @@ def gguf_gemv_mma_rows(x: torch.Tensor, data: torch.Tensor, qtype: str, add: tor
     cfg = dict(config or pick_rows_config(rows_n, k, sms))
     block_n, split = cfg.pop("BLOCK_N"), cfg.pop("SPLIT_K")
     blocks = k // _SUPER
-    per = triton.cdiv(blocks, max(1, min(split, blocks)))
-    split = triton.cdiv(blocks, per)                       # no empty slices
+    per, split = slices(blocks, split)
     ws = workspace or GemvWorkspace()
     planes = rows_planes(x, ws.rows_planes(x.device, k))
     n_tiles = triton.cdiv(rows_n, block_n)

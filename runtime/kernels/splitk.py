@@ -65,6 +65,27 @@ def sum_partials(slab, pid_n, n_tiles, SPLIT_K, BLOCK_N: tl.constexpr, BLOCK_M: 
 
 
 @triton.jit
+def meet_tile(tile, part_ptr, lock_ptr, pid_n, pid_s, SPLIT_K, BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr,
+              SPLIT: tl.constexpr):
+    """The meeting of a GEMV's slices for a ``[BLOCK_N, BLOCK_M]`` tile of sums (column tile ``pid_n``,
+    slice ``pid_s``; several activation rows). Returns ``(tile, last)``: with ``SPLIT`` the tile is
+    stored as the slice's partial and the last slice to arrive gets their sum in slice order (the
+    others get ``last`` False); without, the tile itself and True."""
+    if SPLIT:
+        n_tiles = tl.num_programs(0)
+        rm = tl.arange(0, BLOCK_M)
+        slab = part_ptr + tl.arange(0, BLOCK_N)[:, None] * BLOCK_M + rm[None, :]
+        tl.store(slab + (pid_s * n_tiles + pid_n).to(tl.int64) * (BLOCK_N * BLOCK_M), tile)
+        last = arrive(lock_ptr, pid_n, SPLIT_K)
+        if last:
+            tile = sum_partials(slab, pid_n, n_tiles, SPLIT_K, BLOCK_N, BLOCK_M, False, rm)
+            depart(lock_ptr, pid_n)
+    else:
+        last = pid_s == 0
+    return tile, last
+
+
+@triton.jit
 def meet_rows(row, part_ptr, lock_ptr, pid_n, pid_s, SPLIT_K, BLOCK_N: tl.constexpr, SPLIT: tl.constexpr):
     """The one-row meeting of a GEMV's slices: ``row`` is this program's ``[BLOCK_N]`` sums of
     column tile ``pid_n`` over slice ``pid_s``. Returns ``(tile, last)``: with ``SPLIT`` the row is
