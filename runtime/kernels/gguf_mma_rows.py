@@ -55,7 +55,7 @@ from .splitk import meet_tile
 __all__ = ["MMA_ROWS", "CONFIG_KEYS", "gguf_gemv_mma_rows", "rows_planes", "empty_rows_planes", "pick_rows_config",
            "split_for_rows"]
 
-MMA_ROWS = 8                    # activation rows a launch takes: the A operand's 16 rows are (high, low) x 8
+MMA_ROWS = 8                    # activation rows a launch takes: the rows' operand holds (high, low) bytes x 8
 CONFIG_KEYS = {"BLOCK_N", "SPLIT_K", "num_warps", "num_stages"}
 _BLOCK_N = 32                   # weight rows a tile (pick_rows_config)
 _STAGES = 2                     # pipeline stages of the K loop
@@ -65,8 +65,8 @@ _MIN_SLICE = 2                  # ... while each slice keeps at least this many 
 
 @triton.jit
 def _rows_planes_kernel(x_ptr, stride_xm, M, a_ptr, xa_ptr, xs_ptr, USE_PDL: tl.constexpr):
-    """Super-block ``program_id(0)`` of the rows ``x [M, K]``: its 8 sub-blocks' ``[16, 32]`` A operands
-    and each row's ``a_ms``, ``S_ms`` (module docstring)."""
+    """Super-block ``program_id(0)`` of the rows ``x [M, K]``: its 8 sub-blocks' ``[16, 32]`` operands
+    and each row's ``a_ms / 16``, ``S_ms`` (module docstring)."""
     pdl_wait(USE_PDL)
     b = tl.program_id(0)
     m = tl.arange(0, 8)[:, None, None]
