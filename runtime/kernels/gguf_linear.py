@@ -59,7 +59,7 @@ from .gguf_mma import _CONFIG_KEYS as _MMA_CONFIG_KEYS
 from .gguf_mma import MMA_MIN_ROWS, MMA_QTYPES, gguf_gemv_mma
 from .gguf_mma_q6k import gguf_gemv_q6k
 from .gguf_mma_rows import CONFIG_KEYS as _ROWS_CONFIG_KEYS
-from .gguf_mma_rows import MMA_ROWS, gguf_gemv_mma_rows
+from .gguf_mma_rows import MMA_ROWS, ROWS_BY_DEFAULT, gguf_gemv_mma_rows
 from .pdl import pdl_launch, pdl_trigger, pdl_wait
 from .gguf_tiles import (KERNEL_QTYPES, PLANE_QTYPES, decode_tile, k_planes, layout_args, q4k_planes, q6k_plane,
                          q6k_plane_of, q8_0_plane, row_codes, row_dot, row_total, row_zeros)
@@ -357,19 +357,21 @@ def _mma_possible(x: torch.Tensor, data: torch.Tensor, qtype: str) -> bool:
 
 
 def _rows_possible(x: torch.Tensor, data: torch.Tensor, qtype: str) -> bool:
-    """The several-row tensor-core kernel (:mod:`.gguf_mma_rows`) takes 2..``MMA_ROWS`` fp16/bf16 rows
-    (unit inner stride) of Q4_K or Q6_K over 4-byte aligned blocks."""
+    """The several-row tensor-core kernel (:mod:`.gguf_mma_rows`) takes 2..``MMA_ROWS`` (16) fp16/bf16
+    rows (unit inner stride) of Q4_K or Q6_K over 4-byte aligned blocks."""
     return (2 <= x.shape[0] <= MMA_ROWS and (qtype == "Q4_K" or qtype == "Q6_K" and _MMA_ROWS_Q6K)
             and x.dtype != torch.float32 and x.stride(-1) == 1 and data.data_ptr() % 4 == 0)
 
 
 def mma_eligible(x: torch.Tensor, data: torch.Tensor, qtype: str) -> bool:
     """Whether :func:`gguf_gemv` runs ``x @ dequant(data).T`` on the tensor cores by default: when
-    :func:`_mma_possible` (one row) or, with ``_MMA_ROWS``, :func:`_rows_possible` (2..8 rows), and the
+    :func:`_mma_possible` (one row) or, with ``_MMA_ROWS``, :func:`_rows_possible` up to
+    ``ROWS_BY_DEFAULT`` (8) rows, and the
     weight has at least ``MMA_MIN_ROWS`` rows (on the H100 a 1024-row Q4_K GEMV took 6.4 µs on CUDA
     cores, 7.5 on the tensor cores with its activation launch; 4096 rows 12.8 against 11.0; Q6_K's
     1024 rows 6.6 against 6.7-8.5, 4096 rows 16.9 against 12.9)."""
-    return ((_mma_possible(x, data, qtype) or _MMA_ROWS and _rows_possible(x, data, qtype))
+    return ((_mma_possible(x, data, qtype)
+             or _MMA_ROWS and x.shape[0] <= ROWS_BY_DEFAULT and _rows_possible(x, data, qtype))
             and code_rows(data) >= MMA_MIN_ROWS and (qtype != "Q6_K" or _Q6K_MMA))
 
 

@@ -1,4 +1,4 @@
-"""Two to eight rows of a Q4_K or Q6_K GEMV on the int8 tensor cores: ``out [M, N] = x [M, K] @ dequant(W).T (+ add)``.
+"""Two to sixteen rows of a Q4_K or Q6_K GEMV on the int8 tensor cores: ``out [M, N] = x [M, K] @ dequant(W).T (+ add)``.
 
 The one-row kernel (:mod:`.gguf_mma`) lays a row's 8 sub-blocks block-diagonally on the 16 rows of
 the dot's activation operand; with M rows that would multiply its dots by M. Here each 32-input
@@ -26,6 +26,9 @@ so a tile's dots cost what the one-row kernel's do for up to 8 rows:
       Σ_k x_mk w_nk = d sc_s (a_ms (256 V_h + V_l) / 16 + 8 S_ms) - dmin m_s S_ms   (sub-block s)
 
   accumulates in float32 ``[BLOCK_N, 8]`` — the one-row kernel's arithmetic per activation row.
+* **9-16 rows** hold two groups of 8 in the rows' operand (``[32, 32]``: each group's high then low
+  bytes, so the pairs stay in one thread): twice the dots and the scaling, the weights decoded
+  once. Not the default yet (``ROWS_BY_DEFAULT``): untimed.
 * **Q6_K** (:func:`q6k_rows_sums`, the stored 224-byte blocks): the same operands of the rows; each
   32-value plane of the weights (:func:`.gguf_mma_q6k._plane`: ``4 (q - 32)``) is dotted twice, with
   the rows' operand masked to its first and its last 16 inputs — one int8 weight scale each — and
@@ -52,10 +55,12 @@ from .gguf_tiles import layout_args
 from .pdl import pdl_launch, pdl_trigger, pdl_wait
 from .splitk import meet_tile
 
-__all__ = ["MMA_ROWS", "CONFIG_KEYS", "gguf_gemv_mma_rows", "rows_planes", "empty_rows_planes", "pick_rows_config",
+__all__ = ["MMA_ROWS", "ROWS_BY_DEFAULT", "CONFIG_KEYS", "gguf_gemv_mma_rows", "rows_planes", "empty_rows_planes", "pick_rows_config",
            "split_for_rows"]
 
-MMA_ROWS = 8                    # activation rows a launch takes: the rows' operand holds (high, low) bytes x 8
+MMA_ROWS = 16                   # activation rows a launch takes: the rows' operand holds (high, low) bytes x 8 x 2
+ROWS_BY_DEFAULT = 8             # gguf_gemv takes the kernel by default up to this many rows (gguf_linear.mma_eligible;
+                                # 9-16 rows, two groups of 8 in the rows' operand, not timed yet: config MMA=True)
 CONFIG_KEYS = {"BLOCK_N", "SPLIT_K", "num_warps", "num_stages"}
 _BLOCK_N = 32                   # weight rows a tile (pick_rows_config)
 _STAGES = 2                     # pipeline stages of the K loop
@@ -64,24 +69,24 @@ _MIN_SLICE = 2                  # ... while each slice keeps at least this many 
 
 
 @triton.jit
-def _rows_planes_kernel(x_ptr, stride_xm, M, a_ptr, xa_ptr, xs_ptr, USE_PDL: tl.constexpr):
-    """Super-block ``program_id(0)`` of the rows ``x [M, K]``: its 8 sub-blocks' ``[16, 32]`` operands
-    and each row's ``a_ms / 16``, ``S_ms`` (module docstring)."""
+def _rows_planes_kernel(x_ptr, stride_xm, M, a_ptr, xa_ptr, xs_ptr, R: tl.constexpr, USE_PDL: tl.constexpr):
+    """Super-block ``program_id(0)`` of the rows ``x [M, K]``: its 8 sub-blocks' ``[2 R, 32]`` operands
+    and each row's ``a_ms / 16``, ``S_ms`` (module docstring; ``R`` rows, 8 or 16)."""
     pdl_wait(USE_PDL)
     b = tl.program_id(0)
-    m = tl.arange(0, 8)[:, None, None]
+    m = tl.arange(0, R)[:, None, None]
     s = tl.arange(0, 8)[None, :, None]
     c = tl.arange(0, 32)[None, None, :]
     x = tl.load(x_ptr + m * stride_xm + b * 256 + s * 32 + c, mask=m < M, other=0.0).to(tl.float32)
-    amax = tl.max(tl.abs(x), axis=2)                                    # [8 rows, 8 sub-blocks]
+    amax = tl.max(tl.abs(x), axis=2)                                    # [R rows, 8 sub-blocks]
     inv = tl.where(amax > 0, 32639.0 / tl.maximum(amax, 1e-30), 0.0)   # |xq| <= 32639: h fits a byte
     xq = tl.floor(x * inv[:, :, None] + 0.5).to(tl.int32)
     h = (xq + 128) >> 8                                                 # xq = 256 h + l, l in [-128, 127]
-    a_sub = a_ptr + ((b * 8 + s) * 16 + m) * 32 + c                    # row m of sub-block s's operand
+    a_sub = a_ptr + ((b * 8 + s) * 2 * R + 16 * (m // 8) + m % 8) * 32 + c   # row m's high bytes in sub-block s
     tl.store(a_sub, h.to(tl.int8))
     tl.store(a_sub + 8 * 32, (xq - 256 * h).to(tl.int8))
     a = amax / 32639.0 + tl.sum(x - x, axis=2)                          # NaN if the sub-block has a NaN or inf
-    at = (b * 8 + tl.arange(0, 8)[None, :]) * 8 + tl.arange(0, 8)[:, None]
+    at = (b * 8 + tl.arange(0, 8)[None, :]) * R + tl.arange(0, R)[:, None]
     tl.store(xa_ptr + at, a * (1.0 / 16.0))                             # a_ms / 16: the nibbles are 16 (q - 8)
     tl.store(xs_ptr + at, a * tl.sum(xq, axis=2).to(tl.float32))
 
@@ -106,15 +111,24 @@ def _byte(w, i: tl.constexpr):
 
 
 @triton.jit
-def q4k_rows_sums(rows, BS, b_lo, b_hi, a_ptr, xa_ptr, xs_ptr, BLOCK_N: tl.constexpr, EMULATE: tl.constexpr):
+def _pair(v, BLOCK_N: tl.constexpr, R: tl.constexpr):
+    """``(V_h, V_l)`` ``[BLOCK_N, R]`` of a product ``v [BLOCK_N, 2 R]`` whose columns are, per 8 rows, their
+    high then their low bytes (columns ``c`` and ``c + 8`` of an ``mma`` tile sit in one thread)."""
+    hi, lo = tl.split(tl.permute(tl.reshape(v, [BLOCK_N, R // 8, 2, 8]), (0, 1, 3, 2)))
+    return tl.reshape(hi, [BLOCK_N, R]), tl.reshape(lo, [BLOCK_N, R])
+
+
+@triton.jit
+def q4k_rows_sums(rows, BS, b_lo, b_hi, a_ptr, xa_ptr, xs_ptr, BLOCK_N: tl.constexpr, EMULATE: tl.constexpr,
+                  R: tl.constexpr):
     """``[BLOCK_N, 8]`` float32: ``Σ_k x[m, k] dequant(W)[n, k]`` over super-blocks ``[b_lo, b_hi)`` of the
     Q4_K rows ``rows`` (``BLOCK_N`` row pointers, ``BS`` bytes between a row's super-blocks) against
     the rows' operands and ``a_ms / 16``, ``S_ms`` (module docstring): each sub-block's weights are the
     dot's A operand ``[BLOCK_N, 32]``, the rows' operand its B ``[32, 16]``."""
     c = tl.arange(0, 32)
-    r = tl.arange(0, 16)
-    m = tl.arange(0, 8)
-    acc = tl.zeros([BLOCK_N, 8], tl.float32)
+    r = tl.arange(0, 2 * R)
+    m = tl.arange(0, R)
+    acc = tl.zeros([BLOCK_N, R], tl.float32)
     for b in range(b_lo, b_hi):
         blk = rows + b * BS                                # d, dmin @0; scales[12] @4; qs[128] @16
         words = blk.to(tl.pointer_type(tl.int32))
@@ -126,13 +140,13 @@ def q4k_rows_sums(rows, BS, b_lo, b_hi, a_ptr, xa_ptr, xs_ptr, BLOCK_N: tl.const
             codes = tl.load(blk[:, None] + (16 + 32 * g + c)[None, :])            # [BLOCK_N, 32]
             for hi in tl.static_range(2):
                 s = 2 * g + hi
-                a = tl.load(a_ptr + ((b * 8 + s) * 16 + r[None, :]) * 32 + c[:, None])   # [32, 16]
-                v = tl.dot(_nibbles(codes, hi == 1, EMULATE), a, out_dtype=tl.int32)    # [BLOCK_N, 16]
-                vh, vl = tl.split(tl.permute(tl.reshape(v, [BLOCK_N, 2, 8]), (0, 2, 1)))
+                a = tl.load(a_ptr + ((b * 8 + s) * 2 * R + r[None, :]) * 32 + c[:, None])   # [32, 2 R]
+                v = tl.dot(_nibbles(codes, hi == 1, EMULATE), a, out_dtype=tl.int32)    # [BLOCK_N, 2 R]
+                vh, vl = _pair(v, BLOCK_N, R)
                 f1 = d * _byte(sc_lo if s < 4 else sc_hi, s % 4)
                 f2 = 8.0 * f1 - dmin * _byte(mn_lo if s < 4 else mn_hi, s % 4)
-                xa = tl.load(xa_ptr + (b * 8 + s) * 8 + m)
-                xs = tl.load(xs_ptr + (b * 8 + s) * 8 + m)
+                xa = tl.load(xa_ptr + (b * 8 + s) * R + m)
+                xs = tl.load(xs_ptr + (b * 8 + s) * R + m)
                 # the step's term first, then one add to the accumulator: two fma on it instead issue 510 SASS
                 # instructions a step against 556, but each waits on the last (H200, 8 rows: 2-4% slower)
                 acc += (vh * 256 + vl).to(tl.float32) * (f1[:, None] * xa[None, :]) + f2[:, None] * xs[None, :]
@@ -146,7 +160,8 @@ def _signed_byte(w, i: tl.constexpr):
 
 
 @triton.jit
-def q6k_rows_sums(rows, BS, b_lo, b_hi, a_ptr, xa_ptr, BLOCK_N: tl.constexpr, EMULATE: tl.constexpr):
+def q6k_rows_sums(rows, BS, b_lo, b_hi, a_ptr, xa_ptr, BLOCK_N: tl.constexpr, EMULATE: tl.constexpr,
+                  R: tl.constexpr):
     """``[BLOCK_N, 8]`` float32: ``Σ_k x[m, k] dequant(W)[n, k]`` over super-blocks ``[b_lo, b_hi)`` of the
     stored Q6_K rows ``rows`` (224-byte blocks: ``ql[128]``, ``qh[64]``, ``scales[16]`` int8, ``d``;
     :mod:`.gguf_mma_q6k`'s layout) against the rows' operands (:func:`rows_planes`: the Q4_K format,
@@ -155,10 +170,10 @@ def q6k_rows_sums(rows, BS, b_lo, b_hi, a_ptr, xa_ptr, BLOCK_N: tl.constexpr, EM
     operand masked to its first and last 16 inputs, one weight scale each:
     ``Σ = d sc_j a_ms (256 V_h + V_l) / 4``."""
     c = tl.arange(0, 32)
-    r = tl.arange(0, 16)
-    m = tl.arange(0, 8)
+    r = tl.arange(0, 2 * R)
+    m = tl.arange(0, R)
     first = (c < 16)[:, None]                              # the operand's rows: inputs l < 16 of the plane
-    acc = tl.zeros([BLOCK_N, 8], tl.float32)
+    acc = tl.zeros([BLOCK_N, R], tl.float32)
     for b in range(b_lo, b_hi):
         blk = rows[:, None] + b * BS
         words = (rows + b * BS).to(tl.pointer_type(tl.int32))
@@ -172,13 +187,13 @@ def q6k_rows_sums(rows, BS, b_lo, b_hi, a_ptr, xa_ptr, BLOCK_N: tl.constexpr, EM
             for P in tl.static_range(4):
                 s = b * 8 + 4 * h + P                      # the rows' 32-input sub-block
                 w = _plane(ql0 if P % 2 == 0 else ql1, qh, P, EMULATE)                    # [BLOCK_N, 32]
-                xa = tl.load(xa_ptr + s * 8 + m)           # a_ms / 16
+                xa = tl.load(xa_ptr + s * R + m)           # a_ms / 16
                 for j in tl.static_range(2):               # sub-block 2 P + j of the half: scales[8 h + 2 P + j]
                     # the operand [32, 16] loaded masked (zeros), so the load feeds the dot straight
-                    a = tl.load(a_ptr + (s * 16 + r[None, :]) * 32 + c[:, None], mask=first if j == 0 else ~first,
+                    a = tl.load(a_ptr + (s * 2 * R + r[None, :]) * 32 + c[:, None], mask=first if j == 0 else ~first,
                                 other=0)
                     v = tl.dot(w, a, out_dtype=tl.int32)
-                    vh, vl = tl.split(tl.permute(tl.reshape(v, [BLOCK_N, 2, 8]), (0, 2, 1)))
+                    vh, vl = _pair(v, BLOCK_N, R)
                     f = d4 * _signed_byte(sw0 if P < 2 else sw1, (2 * P + j) % 4)
                     acc += (vh * 256 + vl).to(tl.float32) * (f[:, None] * xa[None, :])
     return acc
@@ -186,14 +201,15 @@ def q6k_rows_sums(rows, BS, b_lo, b_hi, a_ptr, xa_ptr, BLOCK_N: tl.constexpr, EM
 
 @triton.jit
 def _rows_kernel(
-    a_ptr, xa_ptr, xs_ptr,   # activation operands [K / 32, 16, 32] int8, a_ms / 16 and S_ms [K / 32, 8] float32
+    a_ptr, xa_ptr, xs_ptr,   # activation operands [K / 32, 2 R, 32] int8, a_ms / 16 and S_ms [K / 32, R] float32
     w_ptr,                   # uint8 Q4_K / stored Q6_K blocks: rows [N, ROW_BYTES], or block-major (KB)
     add_ptr,                 # HAS_ADD: [M, N] residual (stride_am) or [N] bias (stride_am 0), last dim contiguous
     out_ptr,                 # [M, N] output, last dim contiguous
-    part_ptr, lock_ptr,      # SPLIT: [SPLIT_K, n_tiles, BLOCK_N, 8] float32 partials, [n_tiles] counters
+    part_ptr, lock_ptr,      # SPLIT: [SPLIT_K, n_tiles, BLOCK_N, R] float32 partials, [n_tiles] counters
     M, N, ROW_BYTES, PER,    # sizes (N: output columns); PER super-blocks per K slice
     SPLIT_K, BLOCKS, stride_om, stride_am,
     QTYPE: tl.constexpr,     # "Q4_K" or "Q6_K"
+    R: tl.constexpr,         # activation rows the operands hold: 8, or 16 (MMA_ROWS)
     BLOCK_N: tl.constexpr, SPLIT: tl.constexpr, HAS_ADD: tl.constexpr, EMULATE: tl.constexpr,
     USE_PDL: tl.constexpr, LATE_LAUNCH: tl.constexpr,   # (:mod:`.pdl`) the next kernel launches after the K loop
     SWIGLU: tl.constexpr = False,   # w is [2N, K] = [gate | up]; out = silu(x @ gate.T) * (x @ up.T)
@@ -216,20 +232,21 @@ def _rows_kernel(
     pdl_wait(USE_PDL, not LATE_LAUNCH)
     b_lo = pid_s * PER
     if QTYPE == "Q6_K":
-        tile = q6k_rows_sums(rows, BS, b_lo, tl.minimum(b_lo + PER, BLOCKS), a_ptr, xa_ptr, BLOCK_N, EMULATE)
+        tile = q6k_rows_sums(rows, BS, b_lo, tl.minimum(b_lo + PER, BLOCKS), a_ptr, xa_ptr, BLOCK_N, EMULATE, R)
     else:
-        tile = q4k_rows_sums(rows, BS, b_lo, tl.minimum(b_lo + PER, BLOCKS), a_ptr, xa_ptr, xs_ptr, BLOCK_N, EMULATE)
+        tile = q4k_rows_sums(rows, BS, b_lo, tl.minimum(b_lo + PER, BLOCKS), a_ptr, xa_ptr, xs_ptr, BLOCK_N, EMULATE,
+                             R)
     if LATE_LAUNCH:
         pdl_trigger(USE_PDL)
-    tile, last = meet_tile(tile, part_ptr, lock_ptr, pid_n, pid_s, SPLIT_K, BLOCK_N, 8, SPLIT)
-    rm = tl.arange(0, 8)
+    tile, last = meet_tile(tile, part_ptr, lock_ptr, pid_n, pid_s, SPLIT_K, BLOCK_N, R, SPLIT)
+    rm = tl.arange(0, R)
     if last:
         dt = out_ptr.dtype.element_ty
         if RMS_IN:
             tile = tile * rms_factor(rin_tile(rin_ptr, rm, rm < M, RIN_CHUNKS, RIN_BLOCK), rin_inv_n, rin_eps)[None, :]
         if SWIGLU:
             HALF: tl.constexpr = BLOCK_N // 2
-            gate, up = tl.split(tl.permute(tl.reshape(tile, [HALF, 2, 8]), (0, 2, 1)))
+            gate, up = tl.split(tl.permute(tl.reshape(tile, [HALF, 2, R]), (0, 2, 1)))
             gate = gate.to(dt).to(tl.float32)
             y = (gate * tl.sigmoid(gate)).to(dt).to(tl.float32) * up.to(dt).to(tl.float32)
             cols = pid_n * HALF + tl.arange(0, HALF)
@@ -243,21 +260,28 @@ def _rows_kernel(
 
 
 def empty_rows_planes(k: int, device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Uninitialised buffers for the A operands of up to 8 rows of ``k`` inputs: ``[k / 32, 16, 32]`` int8,
-    ``a_ms`` and ``S_ms`` ``[k / 32, 8]`` float32 (module docstring)."""
-    return (torch.empty(k // 32, 16, 32, dtype=torch.int8, device=device),
-            torch.empty(k // 32, 8, dtype=torch.float32, device=device),
-            torch.empty(k // 32, 8, dtype=torch.float32, device=device))
+    """Uninitialised buffers for the operands of up to ``MMA_ROWS`` rows of ``k`` inputs: ``[k / 32, 32,
+    32]`` int8, ``a_ms / 16`` and ``S_ms`` ``[k / 32, 16]`` float32 (module docstring). The operands of
+    8 rows fill their first half as ``[k / 32, 16, 32]`` and ``[k / 32, 8]``."""
+    return (torch.empty(k // 32, 2 * MMA_ROWS, 32, dtype=torch.int8, device=device),
+            torch.empty(k // 32, MMA_ROWS, dtype=torch.float32, device=device),
+            torch.empty(k // 32, MMA_ROWS, dtype=torch.float32, device=device))
 
 
-def rows_planes(x: torch.Tensor, planes: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None):
-    """The A operands and ``a_ms``, ``S_ms`` of the rows ``x [M, K]`` (M <= 8, unit inner stride; module
-    docstring), written into ``planes`` when given (a workspace's buffers)."""
+def rows_planes(x: torch.Tensor, planes: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None) -> tuple:
+    """The operands and ``a_ms / 16``, ``S_ms`` of the rows ``x [M, K]`` (M <= ``MMA_ROWS``, unit inner
+    stride; module docstring), for 8 rows (M <= 8) or 16, written into ``planes`` when given (a
+    workspace's buffers)."""
     m, k = x.shape
     if planes is None:
         planes = empty_rows_planes(k, x.device)
-    _rows_planes_kernel[(k // _SUPER,)](x, x.stride(0), m, *planes, **pdl_launch(x.device))
+    _rows_planes_kernel[(k // _SUPER,)](x, x.stride(0), m, *planes, R=_rows_for(m), **pdl_launch(x.device))
     return planes
+
+
+def _rows_for(m: int) -> int:
+    """The operands' rows for ``m`` activation rows: 8, or 16 past 8."""
+    return 8 if m <= 8 else 16
 
 
 def pick_rows_config(n: int, k: int, sms: int) -> dict:
@@ -283,7 +307,7 @@ def split_for_rows(tiles: int, blocks: int, sms: int) -> int:
 def gguf_gemv_mma_rows(x: torch.Tensor, data: torch.Tensor, qtype: str, add: torch.Tensor | None, out: torch.Tensor,
                        workspace, config: dict | None, sms: int, silu_mul: bool = False,
                        early_launch: bool = False, rms_in_args: dict | None = None) -> torch.Tensor:
-    """``out [M, N] = x [M, K] @ dequant(data).T (+ add)`` for 2..8 fp16/bf16 rows of a Q4_K or (stored)
+    """``out [M, N] = x [M, K] @ dequant(data).T (+ add)`` for 2..16 fp16/bf16 rows of a Q4_K or (stored)
     Q6_K weight on the tensor cores; the operands were checked by :func:`.gguf_linear.gguf_gemv`, which
     calls this. ``workspace``: a :class:`~.gemv.GemvWorkspace` (operands, split-K partials).
     ``silu_mul`` (Q4_K): ``data`` holds ``[gate | up]`` (``2 N`` rows) and ``out`` gets ``silu(x @
@@ -303,11 +327,12 @@ def gguf_gemv_mma_rows(x: torch.Tensor, data: torch.Tensor, qtype: str, add: tor
     ws = workspace or GemvWorkspace()
     planes = rows_planes(x, ws.rows_planes(x.device, k))
     n_tiles = triton.cdiv(rows_n, block_n)
-    part, lock = ws.get(x.device, n_tiles, split, block_n, rows=MMA_ROWS) if split > 1 else (out, out)
+    rr = _rows_for(m)
+    part, lock = ws.get(x.device, n_tiles, split, block_n, rows=rr) if split > 1 else (out, out)
     _rows_kernel[(n_tiles, split)](
         *planes, data, add if add is not None else out, out, part, lock, m, n, row_stride, per, split, blocks,
         out.stride(0), 0 if add is None or add.dim() == 1 else add.stride(0),
-        QTYPE=qtype, BLOCK_N=block_n, SPLIT=split > 1, HAS_ADD=add is not None,
+        QTYPE=qtype, R=rr, BLOCK_N=block_n, SPLIT=split > 1, HAS_ADD=add is not None,
         EMULATE=os.environ.get("TRITON_INTERPRET") == "1", LATE_LAUNCH=n_tiles * split > sms and not early_launch,
         SWIGLU=silu_mul, **layout, **pdl_launch(x.device),
         **(rms_in_args or {}), **cfg)

@@ -34,8 +34,9 @@ def test_rows_planes_hold_each_rows_sub_blocks_in_16_bit_fixed_point():
     x[1, 32:64] = 0                                      # row 1, sub-block 1
     x[2, 300] = float("nan")                             # row 2, sub-block 9
     a, xa, xs = (t.cpu() for t in rows_planes(x))
-    xa = xa * 16
-    assert a.shape == (k // 32, 16, 32) and xa.shape == xs.shape == (k // 32, 8)
+    n = k // 32                                          # 8 rows: the buffers' first half
+    a, xa, xs = a.reshape(-1)[:n * 16 * 32].reshape(n, 16, 32), xa.reshape(-1)[:n * 8].reshape(n, 8) * 16, \
+        xs.reshape(-1)[:n * 8].reshape(n, 8)
     h, lo = a[:, :8].long(), a[:, 8:].long()
     assert (h[:, m:] == 0).all() and (lo[:, m:] == 0).all() and (xa[:, m:] == 0).all()
     xq = (256 * h + lo)[:, :m]                           # [sub-blocks, rows, 32]
@@ -61,6 +62,26 @@ def test_rows_gemv_matches_dequantize_then_matmul(m, split, dtype, block_n):
     gguf_linear.gguf_gemv_mma_rows(x, data.to(DEV), "Q4_K", None, out, None, cfg, 4)
     want = x.float().cpu() @ ref.T
     torch.testing.assert_close(out.cpu(), want, rtol=0, atol=1e-4 * want.abs().max().item())
+
+
+@pytest.mark.parametrize("qtype,m", [("Q4_K", 9), ("Q4_K", 16), ("Q6_K", 12)])
+def test_nine_to_sixteen_rows_hold_two_groups_of_eight(qtype, m):
+    """9-16 rows (``config MMA=True``; not the default yet): the rows' operands hold two groups of 8
+    rows; the sums match the float32 reference within 1e-4 of the largest output, split-K included,
+    and with SwiGLU (Q4_K) each output row matches the 8-row kernel's on the same rows."""
+    data, ref = random_gguf_weight(qtype, 2 * 24, 512, seed=21)
+    data = (to_stored(data, qtype) if qtype == "Q6_K" else data).to(DEV)
+    x = _x(m, 512, torch.bfloat16, seed=22)
+    out = torch.empty(m, 48, dtype=torch.float32, device=DEV)
+    gguf_linear.gguf_gemv_mma_rows(x, data, qtype, None, out, None, dict(BLOCK_N=16, SPLIT_K=2, num_warps=2,
+                                                                         num_stages=2), 4)
+    want = x.float().cpu() @ ref.T
+    torch.testing.assert_close(out.cpu(), want, rtol=0, atol=1e-4 * want.abs().max().item())
+    if qtype == "Q4_K":
+        both = gguf_gemv(x, data, qtype, silu_mul=True, config=_cfg(2))
+        halves = torch.cat([gguf_gemv(x[:8], data, qtype, silu_mul=True, config=_cfg(2)),
+                            gguf_gemv(x[8:], data, qtype, silu_mul=True, config=_cfg(2))])
+        torch.testing.assert_close(both.float(), halves.float(), rtol=2 ** -7, atol=1e-3 * halves.abs().max().item())
 
 
 @pytest.mark.parametrize("m,split,dtype", [(3, 1, torch.bfloat16), (8, 3, torch.float16)])
@@ -135,8 +156,8 @@ def test_rows_carried_norm_factor_scales_each_row():
 
 def test_gguf_gemv_takes_the_rows_kernel_for_2_to_8_q4k_rows(monkeypatch):
     """By default 2..8 fp16/bf16 rows of a Q4_K or Q6_K weight of at least ``MMA_MIN_ROWS`` rows run the
-    rows kernel; one row, 9 rows, Q5_K, float32 rows and the switches off (``_MMA_ROWS_Q6K`` for Q6_K,
-    ``_MMA_ROWS``) do not."""
+    rows kernel; one row, 9 rows (``ROWS_BY_DEFAULT``), Q5_K, float32 rows and the switches off
+    (``_MMA_ROWS_Q6K`` for Q6_K, ``_MMA_ROWS``) do not."""
     calls = []
     monkeypatch.setattr(gguf_linear, "gguf_gemv_mma_rows", lambda x, *a, **kw: calls.append((x.shape[0], a[1])) or a[3])
     monkeypatch.setattr(gguf_linear, "MMA_MIN_ROWS", 32)
@@ -167,12 +188,12 @@ def test_rows_kernel_refuses_what_it_cannot_take():
     x = _x(4, 256, torch.bfloat16, seed=2)
     with pytest.raises(GraphDSLError, match=r"planes take one row .* 4 rows"):
         gguf_gemv(x, data, "Q4_K", config=_cfg(), planes=GemvWorkspace().planes(x.device, 256))
-    with pytest.raises(GraphDSLError, match=r"2\.\.8 fp16/bf16 rows of Q4_K or Q6_K .* got 9"):
-        gguf_gemv(_x(9, 256, torch.bfloat16, 2), data, "Q4_K", config=_cfg())
+    with pytest.raises(GraphDSLError, match=r"2\.\.16 fp16/bf16 rows of Q4_K or Q6_K .* got 17"):
+        gguf_gemv(_x(17, 256, torch.bfloat16, 2), data, "Q4_K", config=_cfg())
     with pytest.raises(GraphDSLError, match=r"takes BLOCK_N, SPLIT_K .* got \['BLOCK_N'\]"):
         gguf_gemv(x, data, "Q4_K", config=dict(MMA=True, BLOCK_N=16))
-    with pytest.raises(GraphDSLError, match=r"silu_mul runs on the tensor-core paths only: 1\.\.8 .* got 9"):
-        gguf_gemv(_x(9, 256, torch.bfloat16, 2), data, "Q4_K", silu_mul=True)
+    with pytest.raises(GraphDSLError, match=r"silu_mul runs on the tensor-core paths only: 1\.\.16 .* got 17"):
+        gguf_gemv(_x(17, 256, torch.bfloat16, 2), data, "Q4_K", silu_mul=True)
 
 
 @pytest.mark.parametrize("scheme", ["gguf-q4_k", "gguf-q6_k"])
