@@ -435,7 +435,8 @@ def main(argv=None) -> int:
                     help="with gguf-q4_k_m: also its runs with 2-8 rows a plane a dot instead of the several-row "
                          "tensor-core kernel, for every type and for Q6_K only (A/B; with --batches)")
     ap.add_argument("--batches", nargs="*", type=int, default=[],
-                    help="also the engine decode step at these batch sizes (e.g. 8 32 64: batched decode)")
+                    help="also the engine decode step and LLM.generate ms a step at these batch sizes (e.g. 8 32 "
+                         "64: batched decode)")
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
     extra = tuple(b for b in args.batches if b > 1)

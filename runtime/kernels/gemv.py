@@ -765,8 +765,8 @@ class GemvWorkspace:
         return bufs
 
     def rows_planes(self, device: torch.device, k: int):
-        """The A operands ``[k / 32, 16, 32]`` int8 and ``a_ms``, ``S_ms`` ``[k / 32, 8]`` of up to 8 rows of
-        the several-row Q4_K tensor-core GEMV (:func:`.gguf_mma_rows.rows_planes`), one set per (device, k)."""
+        """The rows' operands and ``a_ms / 16``, ``S_ms`` of the several-row Q4_K / Q6_K tensor-core GEMV
+        (:func:`.gguf_mma_rows.empty_rows_planes`: room for 16 rows), one set per (device, k)."""
         from .gguf_mma_rows import empty_rows_planes
         key = ("rows_planes", str(device), k)
         bufs = self._buffers.get(key)

@@ -394,10 +394,10 @@ def gguf_gemv(x: torch.Tensor, data: torch.Tensor, qtype: str, add: torch.Tensor
     :data:`~.gguf_mma.MMA_QTYPES` runs on the int8 tensor cores (:mod:`.gguf_mma`) unless ``config``
     picks a CUDA-core launch (:func:`mma_eligible`); ``config={"MMA": True, "BLOCK_N": ..,
     "SPLIT_K": ..}`` (optionally ``num_warps``, ``num_stages``) sets the tensor-core launch.
-    ``silu_mul`` (tensor-core paths only: 1..8 fp16/bf16 rows of Q4_K, no ``add``): ``data`` holds
+    ``silu_mul`` (tensor-core paths only: 1..16 fp16/bf16 rows of Q4_K, no ``add``): ``data`` holds
     ``[gate | up]`` (``2 I`` rows) and the result ``[M, I]`` is ``silu(x @ gate.T) * (x @ up.T)``,
-    the ``silu_mul`` op fused. 2..8 fp16/bf16 rows of Q4_K or Q6_K run on the tensor cores too
-    (:mod:`.gguf_mma_rows`, :func:`mma_eligible`), or with ``config={"MMA": True, ...}``.
+    the ``silu_mul`` op fused. 2..8 fp16/bf16 rows of Q4_K or Q6_K run on the tensor cores too by
+    default (:mod:`.gguf_mma_rows`, :func:`mma_eligible`), 2..16 with ``config={"MMA": True, ...}``.
     ``planes``: x's tensor-core A operand, already made (Q4_K: :func:`.gguf_mma.norm_planes`, three
     buffers; Q6_K: a SwiGLU epilogue's ``planes_out``, two); the tensor-core path then skips its
     activation launch (the CUDA-core path reads x itself).
@@ -524,7 +524,7 @@ def _mma_config(config: dict | None, keys: set, what: str) -> dict | None:
 
 def _mma_rows(x, data, qtype, add, out, workspace, config, silu_mul, planes, planes_out, rms_out, rms_in,
               early_launch, beside):
-    """:func:`gguf_gemv` of 2..8 rows on the tensor cores (:mod:`.gguf_mma_rows`), its arguments checked:
+    """:func:`gguf_gemv` of 2..16 rows on the tensor cores (:mod:`.gguf_mma_rows`), its arguments checked:
     the one-row operands (``planes``, ``planes_out``, ``rms_out``) and ``beside`` are the one-row and
     CUDA-core paths' only."""
     m, k = x.shape

@@ -121,10 +121,10 @@ def _pair(v, BLOCK_N: tl.constexpr, R: tl.constexpr):
 @triton.jit
 def q4k_rows_sums(rows, BS, b_lo, b_hi, a_ptr, xa_ptr, xs_ptr, BLOCK_N: tl.constexpr, EMULATE: tl.constexpr,
                   R: tl.constexpr):
-    """``[BLOCK_N, 8]`` float32: ``Σ_k x[m, k] dequant(W)[n, k]`` over super-blocks ``[b_lo, b_hi)`` of the
+    """``[BLOCK_N, R]`` float32: ``Σ_k x[m, k] dequant(W)[n, k]`` over super-blocks ``[b_lo, b_hi)`` of the
     Q4_K rows ``rows`` (``BLOCK_N`` row pointers, ``BS`` bytes between a row's super-blocks) against
     the rows' operands and ``a_ms / 16``, ``S_ms`` (module docstring): each sub-block's weights are the
-    dot's A operand ``[BLOCK_N, 32]``, the rows' operand its B ``[32, 16]``."""
+    dot's A operand ``[BLOCK_N, 32]``, the rows' operand its B ``[32, 2 R]``."""
     c = tl.arange(0, 32)
     r = tl.arange(0, 2 * R)
     m = tl.arange(0, R)
@@ -162,7 +162,7 @@ def _signed_byte(w, i: tl.constexpr):
 @triton.jit
 def q6k_rows_sums(rows, BS, b_lo, b_hi, a_ptr, xa_ptr, BLOCK_N: tl.constexpr, EMULATE: tl.constexpr,
                   R: tl.constexpr):
-    """``[BLOCK_N, 8]`` float32: ``Σ_k x[m, k] dequant(W)[n, k]`` over super-blocks ``[b_lo, b_hi)`` of the
+    """``[BLOCK_N, R]`` float32: ``Σ_k x[m, k] dequant(W)[n, k]`` over super-blocks ``[b_lo, b_hi)`` of the
     stored Q6_K rows ``rows`` (224-byte blocks: ``ql[128]``, ``qh[64]``, ``scales[16]`` int8, ``d``;
     :mod:`.gguf_mma_q6k`'s layout) against the rows' operands (:func:`rows_planes`: the Q4_K format,
     32 inputs a sub-block). Value plane ``P`` of half ``h`` (inputs ``128 h + 32 P + l``) is one
@@ -312,9 +312,9 @@ def gguf_gemv_mma_rows(x: torch.Tensor, data: torch.Tensor, qtype: str, add: tor
     calls this. ``workspace``: a :class:`~.gemv.GemvWorkspace` (operands, split-K partials).
     ``silu_mul`` (Q4_K): ``data`` holds ``[gate | up]`` (``2 N`` rows) and ``out`` gets ``silu(x @
     gate.T) * (x @ up.T)``, no ``add``. ``early_launch``: the next kernel launches right after the PDL
-    wait (a row part run beside the next: :func:`.gguf_linear.gguf_gemv`). ``rms_in_args``: the launch keywords of a carried
-    norm's factor (:func:`.gemv.rms_in_args`; x is a producer's ``y · weight``, each row's sums
-    multiplied by its factor before the epilogue)."""
+    wait (a row part run beside the next: :func:`.gguf_linear.gguf_gemv`). ``rms_in_args``: the launch
+    keywords of a carried norm's factor (:func:`.gemv.rms_in_args`; x is a producer's ``y · weight``,
+    each row's sums multiplied by its factor before the epilogue)."""
     from .gemv import GemvWorkspace
     row_stride, layout = layout_args(data, qtype)
     m, k = x.shape
