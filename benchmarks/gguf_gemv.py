@@ -168,10 +168,10 @@ def sweep_plane_configs(qtype: str, k: int):
 
 
 def sweep_rows_configs():
-    """The several-row tensor-core launches ``--many --sweep`` times: 16- and 32-row tiles of 1 or 2
-    warps, 2-3 stages, 1-16 K slices."""
-    for bn, warps, stages, split in itertools.product((16, 32), (1, 2), (2, 3), (1, 2, 4, 8, 16)):
-        yield dict(MMA=True, BLOCK_N=bn, SPLIT_K=split, num_warps=warps, num_stages=stages)
+    """The several-row tensor-core launches ``--many --sweep`` times: 32- and 64-row tiles of 2 or 4
+    warps, 2 stages, 1-16 K slices (the sweeps behind ``gguf_mma_rows.pick_rows_config``)."""
+    for bn, warps, split in itertools.product((32, 64), (2, 4), (1, 2, 4, 8, 16)):
+        yield dict(MMA=True, BLOCK_N=bn, SPLIT_K=split, num_warps=warps, num_stages=2)
 
 
 def many_rows(rows: list[int], types: list[str], shapes: list[str], sweep: bool, copy: float) -> None:
@@ -210,7 +210,7 @@ def many_rows(rows: list[int], types: list[str], shapes: list[str], sweep: bool,
                 planes = f32 = tile = mrows = "-"
                 rows_ok = qtype in ("Q4_K", "Q6_K") and 2 <= m <= MMA_ROWS
                 if rows_ok:            # the several-row tensor-core kernel (gguf_mma_rows)
-                    cfg = {"MMA": True, **pick_rows_config(n, k, _num_sms(x.device))}
+                    cfg = {"MMA": True, **pick_rows_config(n, k, _num_sms(x.device), m)}
                     mrows = f"{timed(lambda d: gguf_gemv(x, d, qtype, out=out, workspace=ws, config=cfg)):.1f}"
                 planes_ok = qtype in PLANE_QTYPES and 1 < m <= gemv_rows(qtype)    # (beyond: refused)
                 if planes_ok:

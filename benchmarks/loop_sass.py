@@ -11,11 +11,11 @@ and thread, weight bytes a thread reads per step, their ratio, the barriers (``B
 conversion through shared memory, which makes every warp of the program wait), the top opcodes.
 
     python benchmarks/loop_sass.py [--arch 90] [--launch int4-qkv fp8-gate_up ...] [--no-x-wide] [--no-quads]
-    python benchmarks/loop_sass.py --gguf Q4_K:14336:4096:16 Q6_K:4096:4096:32 [--float32-planes]
+    python benchmarks/loop_sass.py --gguf Q4_K:14336:4096:32 Q6_K:4096:4096:32 [--float32-planes]
 
 ``--gguf TYPE:N:K:ROWS ...`` counts instead the K loop of ``gguf_linear.gguf_gemv``'s launch for
-``ROWS`` bf16 activation rows of a block-major GGUF weight (several rows: the plane-a-dot loop; 2-8
-rows of Q4_K: the several-row tensor-core loop, ``gguf_mma_rows``), per super-block step: instructions, weights a thread, their ratio, the ``HGMMA`` and the
+``ROWS`` bf16 activation rows of a block-major GGUF weight (several rows: the plane-a-dot loop; 2-16
+rows of Q4_K or Q6_K: the several-row tensor-core loop, ``gguf_mma_rows``), per super-block step: instructions, weights a thread, their ratio, the ``HGMMA`` and the
 ``WARPGROUP.ARRIVE`` / ``DEPBAR`` pairs around them (one a ``HGMMA``: each waited for), ``BAR.SYNC``; ``--float32-planes`` with the float32 plane decode instead of
 the packed PTX (``gguf_linear._FAST_PLANES`` off).
 
@@ -161,7 +161,7 @@ def _step_bytes(name: str, kwargs: dict) -> int:
 
 def capture_gguf(qtype: str, n: int, k: int, rows: int):
     """``(kernel, grid, args, kwargs)`` of ``gguf_gemv``'s launch for ``rows`` bf16 rows of a block-major
-    ``qtype [n, k]`` weight — the plane-a-dot GEMV, or for 2-8 rows of Q4_K the several-row tensor-core
+    ``qtype [n, k]`` weight — the plane-a-dot GEMV, or for 2-16 rows of Q4_K or Q6_K the several-row tensor-core
     GEMV (:mod:`~graphdsl.runtime.kernels.gguf_mma_rows`; its activation launch left out) — recorded
     from CPU tensors (nothing runs; the kernels are restored)."""
     import graphdsl.runtime.kernels.gguf_linear as GL
@@ -206,7 +206,7 @@ def gguf_main(specs: list[str], arch: int, float32_planes: bool) -> int:
             values = kw.get("SB", 1) * kw.get("VALUES", 256)           # a step: SB blocks, or one super-block
             weights = kw["BLOCK_N"] * values // (32 * kw["num_warps"])
             top = ", ".join(f"{o} {c}" for o, c in ops.most_common(5))
-            print(f"| {spec} | {kw['BLOCK_N']} x {kw.get('BLOCK_M', 8)}, {grid[1]} | {count} | {weights} | "
+            print(f"| {spec} | {kw['BLOCK_N']} x {kw.get('BLOCK_M', kw.get('R'))}, {grid[1]} | {count} | {weights} | "
                   f"{count / weights:.2f} | {ops['HGMMA']} | {ops['WARPGROUP'] // 2} | {ops['BAR']} | {top} |",
                   flush=True)
     finally:

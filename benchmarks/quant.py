@@ -390,11 +390,11 @@ def e2e(shape: str, quantization: str | None, copy: float, gen_tokens: int = 64,
 
 # the Q4_K_M A/B runs: run name -> (gguf_linear switch, value, label). "cuda-cores": every GGUF GEMV on the CUDA cores
 # (the tensor-core GEMV out of reach: the A/B of gguf_mma.py); "tiles": several rows on the decoded tiles up to 16
-# and dequantize + cuBLAS beyond (the A/B of the plane-a-dot GEMV, with --batches); "planes" / "q6k-planes": 2-8 rows
+# and dequantize + cuBLAS beyond (the A/B of the plane-a-dot GEMV, with --batches); "planes" / "q6k-planes": 2-16 rows
 # (of Q6_K only) a plane a dot (the A/Bs of gguf_mma_rows.py, with --batches)
 _AB_RUNS = {"cuda-cores": ("MMA_MIN_ROWS", 1 << 40, "CUDA-core GEMVs"),
-            "planes": ("_MMA_ROWS", False, "2-8 rows a plane a dot, not the tensor-core rows kernel"),
-            "q6k-planes": ("_MMA_ROWS_Q6K", False, "2-8 rows of Q6_K a plane a dot"),
+            "planes": ("_MMA_ROWS", False, "2-16 rows a plane a dot, not the tensor-core rows kernel"),
+            "q6k-planes": ("_MMA_ROWS_Q6K", False, "2-16 rows of Q6_K a plane a dot"),
             "tiles": ("_PLANE_ROWS", False, "several rows: decoded tiles, dequantize + cuBLAS")}
 
 

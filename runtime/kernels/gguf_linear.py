@@ -32,7 +32,7 @@ One fp16/bf16 row of Q4_K or Q6_K over at least ``MMA_MIN_ROWS`` weight rows run
 tensor cores instead (:mod:`.gguf_mma`, :mod:`.gguf_mma_q6k`, :func:`mma_eligible`): on an H100
 1.2-1.7x faster than the CUDA-core loop, which is instruction-bound (15-33% of copy bandwidth on
 the H200, about the bf16 cuBLAS GEMV's time; docs/gguf-kernels.md has the tables and the next steps).
-So do 2..8 rows of Q4_K and Q6_K (:mod:`.gguf_mma_rows`: a sub-block a dot, the rows on the dot's
+So do 2..16 rows of Q4_K and Q6_K (:mod:`.gguf_mma_rows`: a sub-block a dot, the rows on the dot's
 other operand; ``_MMA_ROWS``).
 
 ``data`` is in the stored layout (:func:`graphdsl.runtime.gguf_blocks.to_stored`: Q6_K blocks
@@ -74,7 +74,7 @@ MAX_PLANE_ROWS = 64   # the most it takes for a PLANE_QTYPES weight (a plane a d
 _PLANE_ROWS = True    # several rows of a PLANE_QTYPES weight a plane a dot (False: the decoded tile; A/B)
 _FAST_PLANES = True   # their Q4_K / Q6_K planes decoded in fp16/bf16 by packed PTX (False: float32 math; A/B)
 _Q6K_MMA = True       # one Q6_K row on the tensor cores by default (False: CUDA cores; decode_ab.py's A/B)
-_MMA_ROWS = True      # 2..8 rows of Q4_K / Q6_K on the tensor cores by default (gguf_mma_rows; False: a plane a dot)
+_MMA_ROWS = True      # 2..16 rows of Q4_K / Q6_K on the tensor cores by default (gguf_mma_rows; False: a plane a dot)
 _MMA_ROWS_Q6K = True  # ... Q6_K among them (False: Q6_K a plane a dot; quant.py's A/B)
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
@@ -366,7 +366,7 @@ def _rows_possible(x: torch.Tensor, data: torch.Tensor, qtype: str) -> bool:
 def mma_eligible(x: torch.Tensor, data: torch.Tensor, qtype: str) -> bool:
     """Whether :func:`gguf_gemv` runs ``x @ dequant(data).T`` on the tensor cores by default: when
     :func:`_mma_possible` (one row) or, with ``_MMA_ROWS``, :func:`_rows_possible` up to
-    ``ROWS_BY_DEFAULT`` (8) rows, and the
+    ``ROWS_BY_DEFAULT`` (16) rows, and the
     weight has at least ``MMA_MIN_ROWS`` rows (on the H100 a 1024-row Q4_K GEMV took 6.4 µs on CUDA
     cores, 7.5 on the tensor cores with its activation launch; 4096 rows 12.8 against 11.0; Q6_K's
     1024 rows 6.6 against 6.7-8.5, 4096 rows 16.9 against 12.9)."""
@@ -396,8 +396,8 @@ def gguf_gemv(x: torch.Tensor, data: torch.Tensor, qtype: str, add: torch.Tensor
     "SPLIT_K": ..}`` (optionally ``num_warps``, ``num_stages``) sets the tensor-core launch.
     ``silu_mul`` (tensor-core paths only: 1..16 fp16/bf16 rows of Q4_K, no ``add``): ``data`` holds
     ``[gate | up]`` (``2 I`` rows) and the result ``[M, I]`` is ``silu(x @ gate.T) * (x @ up.T)``,
-    the ``silu_mul`` op fused. 2..8 fp16/bf16 rows of Q4_K or Q6_K run on the tensor cores too by
-    default (:mod:`.gguf_mma_rows`, :func:`mma_eligible`), 2..16 with ``config={"MMA": True, ...}``.
+    the ``silu_mul`` op fused. 2..16 fp16/bf16 rows of Q4_K or Q6_K run on the tensor cores too by
+    default (:mod:`.gguf_mma_rows`, :func:`mma_eligible`).
     ``planes``: x's tensor-core A operand, already made (Q4_K: :func:`.gguf_mma.norm_planes`, three
     buffers; Q6_K: a SwiGLU epilogue's ``planes_out``, two); the tensor-core path then skips its
     activation launch (the CUDA-core path reads x itself).

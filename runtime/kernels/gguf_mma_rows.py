@@ -5,34 +5,37 @@ the dot's activation operand; with M rows that would multiply its dots by M. Her
 sub-block ``s`` is its own ``tl.dot`` (``mma.sync``: 32 weight rows, under the 64 of a ``wgmma``),
 so a tile's dots cost what the one-row kernel's do for up to 8 rows:
 
-* **Activations** (:func:`_rows_planes_kernel`, one launch per GEMV): per row ``m`` and sub-block
-  ``s``, the one-row kernel's 16-bit fixed point ``xq = round(x / a_ms)``, ``a_ms = max|x_ms| /
-  32639``, ``xq = 256 h + l``. Sub-block ``s``'s operand is ``[16, 32]`` int8, stored contiguously
-  (``[K / 32, 16, 32]``): row ``m`` the high bytes ``h`` of activation row ``m``, row ``8 + m`` the
-  low bytes ``l`` (zeros for ``m >= M``); the dot reads it transposed, as its B operand ``[32, 16]``.
-  Also ``a_ms / 16`` and ``S_ms = a_ms Σ xq`` (``[K / 32, 8]``); a sub-block holding a NaN or an
-  infinity gets ``a_ms`` NaN, so that row's outputs are NaN.
+* **Activations** (:func:`_rows_planes_kernel`, one launch per GEMV): per row ``m`` and super-block
+  (256 inputs) one scale ``a_m = max|x| / 32639`` and 16-bit fixed point ``xq = round(x / a_m) = 256 h
+  + l``. Sub-block ``s``'s operand is ``[2 R, 32]`` int8, stored contiguously (``[K / 32, 2 R, 32]``,
+  ``R`` = 8, 16, ...): per group of 8 rows, row ``m``'s high bytes ``h`` then its low bytes ``l``
+  (zeros for ``m >= M``); the dot reads it transposed, as its B operand ``[32, 2 R]``. Also ``a_m``
+  (for each of the block's sub-blocks) and ``S_ms = a_m Σ_{k in s} xq`` (``[K / 32, R]``); a block
+  holding a NaN or an infinity gets ``a_m`` NaN, so that row's outputs are NaN.
 * **Weights**: a super-block's 128 code bytes of ``BLOCK_N`` rows load as four ``[BLOCK_N, 32]``
-  tiles; the low nibbles of tile ``g`` are sub-block ``2 g``, the high ones ``2 g + 1``, as signed
-  bytes ``16 (q - 8)`` (:func:`.gguf_mma._nibbles`): the dot's A operand. It gives ``V [BLOCK_N,
-  16]`` (int32, exact). The weights on A, not B, put 2 weight rows in a thread of the ``mma``
-  tile (as B, 4 columns), so each thread unpacks half as many scales (sm_90: 589 SASS instructions
-  a super-block step against 747, 556 since ``a_ms / 16`` is stored; H200, 8 rows of the 8B gate:
-  22.5 µs against 26.1 at their best launches).
-* **Scales**: columns ``m`` and ``8 + m`` of an ``mma`` tile sit in one thread, joined as ``256 V_h +
-  V_l`` (below 2^27: exact); with the header's ``d``, ``dmin``, 6-bit ``sc_s``, ``m_s`` of each weight
-  row (:func:`_scale_min_words`: four bytes an instruction)
+  tiles; the low nibbles of tile ``g`` are sub-block ``2 g``, the high ones ``2 g + 1``, as int8 ``q``
+  (0..15, :func:`_codes`: one or two instructions a word): the dot's A operand. It gives ``V
+  [BLOCK_N, 2 R]`` (int32, exact). The weights on A, not B, put 2 weight rows in a thread of the
+  ``mma`` tile (as B, 4 columns), so each thread unpacks half as many scales (H200, 8 rows of the 8B
+  gate: 22.5 µs against 26.1 at their best launches).
+* **Scales**: columns ``m`` and ``8 + m`` of an ``mma`` tile sit in one thread. As ``a_m`` is the
+  block's, each row's 6-bit ``sc_s`` (:func:`_scale_min_words`: four bytes an instruction) multiplies
+  the high and the low sums as integers, which add up over the 8 sub-blocks (``|V| < 2^16``, ``Σ_s
+  sc_s |V| < 2^25``); the mins are float32 per sub-block:
 
-      Σ_k x_mk w_nk = d sc_s (a_ms (256 V_h + V_l) / 16 + 8 S_ms) - dmin m_s S_ms   (sub-block s)
+      Σ_k x_mk w_nk = d a_m (256 Σ_s sc_s V_h + Σ_s sc_s V_l) - dmin Σ_s m_s S_ms   (a super-block)
 
-  accumulates in float32 ``[BLOCK_N, 8]`` — the one-row kernel's arithmetic per activation row.
-* **9-16 rows** hold two groups of 8 in the rows' operand (``[32, 32]``: each group's high then low
-  bytes, so the pairs stay in one thread): twice the dots and the scaling, the weights decoded
-  once. Not the default yet (``ROWS_BY_DEFAULT``): untimed.
+  so a sub-block costs each accumulator element two integer multiply-adds and one fma; sm_90 issues
+  422 SASS instructions a super-block step for 8 rows and 567 for 16 (session 49's float32 sums a
+  sub-block, a scale per sub-block and row: 556 and 811).
+* **9-16 rows** hold two groups of 8 in the rows' operand (``[32, 32]``), so the pairs stay in one
+  thread: twice the dots and the scaling, the weights decoded once.
 * **Q6_K** (:func:`q6k_rows_sums`, the stored 224-byte blocks): the same operands of the rows; each
   32-value plane of the weights (:func:`.gguf_mma_q6k._plane`: ``4 (q - 32)``) is dotted twice, with
-  the rows' operand masked to its first and its last 16 inputs — one int8 weight scale each — and
-  ``Σ = d sc_j a_ms (256 V_h + V_l) / 4`` (no minimum).
+  the rows' operand masked to its first and its last 16 inputs, and each int8 weight scale
+  ``sc_j`` multiplies its sums as integers (``16 · 128 · 128 · 128 · 16 = 2^29`` at most): ``Σ = d a_m (256
+  Σ_j sc_j V_h + Σ_j sc_j V_l) / 4`` (no minimum; 479 and 687 instructions a step for 8 and 16 rows,
+  against 654 and 1018).
 
 Split-K slices meet in the launch (:mod:`.splitk`); the last adds the residual or bias, or with
 ``SWIGLU`` (``W = [gate | up]``, tile rows ``2 i, 2 i + 1`` the gate and up rows of output ``i``)
@@ -49,7 +52,7 @@ import triton
 import triton.language as tl
 
 from .gemv import rin_tile, rms_factor
-from .gguf_mma import _SUPER, _nibbles, slices
+from .gguf_mma import _SUPER, slices
 from .gguf_mma_q6k import _plane
 from .gguf_tiles import layout_args
 from .pdl import pdl_launch, pdl_trigger, pdl_wait
@@ -59,36 +62,50 @@ __all__ = ["MMA_ROWS", "ROWS_BY_DEFAULT", "CONFIG_KEYS", "gguf_gemv_mma_rows", "
            "split_for_rows"]
 
 MMA_ROWS = 16                   # activation rows a launch takes: the rows' operand holds (high, low) bytes x 8 x 2
-ROWS_BY_DEFAULT = 8             # gguf_gemv takes the kernel by default up to this many rows (gguf_linear.mma_eligible;
-                                # 9-16 rows, two groups of 8 in the rows' operand, not timed yet: config MMA=True)
+ROWS_BY_DEFAULT = 16            # gguf_gemv takes the kernel by default up to this many rows (gguf_linear.mma_eligible)
 CONFIG_KEYS = {"BLOCK_N", "SPLIT_K", "num_warps", "num_stages"}
-_BLOCK_N = 32                   # weight rows a tile (pick_rows_config)
+# the launch by the rows the operands hold (pick_rows_config): weight rows a tile, warps, and the programs a SM
+# that K is split towards (split_for_rows)
+_TILES = {8: (32, 2, 12), 16: (64, 4, 3)}
+_WIDE_PROGRAMS_PER_SM = 4       # 64-row tiles take 2 warps, not 4, past this many programs a SM
 _STAGES = 2                     # pipeline stages of the K loop
-_PROGRAMS_PER_SM = 12           # K is split until the grid has this many programs a SM (split_for_rows) ...
-_MIN_SLICE = 2                  # ... while each slice keeps at least this many super-blocks
+_MIN_SLICE = 2                  # K slices keep at least this many super-blocks (split_for_rows)
 
 
 @triton.jit
 def _rows_planes_kernel(x_ptr, stride_xm, M, a_ptr, xa_ptr, xs_ptr, R: tl.constexpr, USE_PDL: tl.constexpr):
     """Super-block ``program_id(0)`` of the rows ``x [M, K]``: its 8 sub-blocks' ``[2 R, 32]`` operands
-    and each row's ``a_ms / 16``, ``S_ms`` (module docstring; ``R`` rows, 8 or 16)."""
+    and each row's ``a_m``, ``S_ms`` (module docstring; ``R`` rows, 8 or 16)."""
     pdl_wait(USE_PDL)
     b = tl.program_id(0)
     m = tl.arange(0, R)[:, None, None]
     s = tl.arange(0, 8)[None, :, None]
     c = tl.arange(0, 32)[None, None, :]
     x = tl.load(x_ptr + m * stride_xm + b * 256 + s * 32 + c, mask=m < M, other=0.0).to(tl.float32)
-    amax = tl.max(tl.abs(x), axis=2)                                    # [R rows, 8 sub-blocks]
+    amax = tl.max(tl.max(tl.abs(x), axis=2), axis=1)                    # [R rows]: one scale a super-block
     inv = tl.where(amax > 0, 32639.0 / tl.maximum(amax, 1e-30), 0.0)   # |xq| <= 32639: h fits a byte
-    xq = tl.floor(x * inv[:, :, None] + 0.5).to(tl.int32)
+    xq = tl.floor(x * inv[:, None, None] + 0.5).to(tl.int32)
     h = (xq + 128) >> 8                                                 # xq = 256 h + l, l in [-128, 127]
     a_sub = a_ptr + ((b * 8 + s) * 2 * R + 16 * (m // 8) + m % 8) * 32 + c   # row m's high bytes in sub-block s
     tl.store(a_sub, h.to(tl.int8))
     tl.store(a_sub + 8 * 32, (xq - 256 * h).to(tl.int8))
-    a = amax / 32639.0 + tl.sum(x - x, axis=2)                          # NaN if the sub-block has a NaN or inf
+    a = amax[:, None] / 32639.0 + tl.sum(tl.sum(x - x, axis=2), axis=1)[:, None] + tl.zeros([R, 8], tl.float32)
     at = (b * 8 + tl.arange(0, 8)[None, :]) * R + tl.arange(0, R)[:, None]
-    tl.store(xa_ptr + at, a * (1.0 / 16.0))                             # a_ms / 16: the nibbles are 16 (q - 8)
+    tl.store(xa_ptr + at, a)
     tl.store(xs_ptr + at, a * tl.sum(xq, axis=2).to(tl.float32))
+
+
+_CODES_ASM = tl.constexpr(("and.b32 $0, $1, 0x0F0F0F0F;",
+                           "{ .reg .b32 t; shr.b32 t, $1, 4; and.b32 $0, t, 0x0F0F0F0F; }"))
+
+
+@triton.jit
+def _codes(c, HIGH: tl.constexpr, EMULATE: tl.constexpr):
+    """The low (or ``HIGH``) nibbles ``q`` of the code bytes ``c`` as int8 ``q`` (0..15), four bytes an
+    instruction (``EMULATE``: int32 arithmetic, for the CPU interpreter, which runs no PTX)."""
+    if EMULATE:
+        return ((c.to(tl.int32) >> 4) & 15 if HIGH else c.to(tl.int32) & 15).to(tl.int8)
+    return tl.inline_asm_elementwise(_CODES_ASM[HIGH], "=r,r", [c], dtype=tl.int8, is_pure=True, pack=4)
 
 
 @triton.jit
@@ -123,7 +140,7 @@ def q4k_rows_sums(rows, BS, b_lo, b_hi, a_ptr, xa_ptr, xs_ptr, BLOCK_N: tl.const
                   R: tl.constexpr):
     """``[BLOCK_N, R]`` float32: ``Σ_k x[m, k] dequant(W)[n, k]`` over super-blocks ``[b_lo, b_hi)`` of the
     Q4_K rows ``rows`` (``BLOCK_N`` row pointers, ``BS`` bytes between a row's super-blocks) against
-    the rows' operands and ``a_ms / 16``, ``S_ms`` (module docstring): each sub-block's weights are the
+    the rows' operands and ``a_m``, ``S_ms`` (module docstring): each sub-block's weights are the
     dot's A operand ``[BLOCK_N, 32]``, the rows' operand its B ``[32, 2 R]``."""
     c = tl.arange(0, 32)
     r = tl.arange(0, 2 * R)
@@ -136,27 +153,23 @@ def q4k_rows_sums(rows, BS, b_lo, b_hi, a_ptr, xa_ptr, xs_ptr, BLOCK_N: tl.const
         d = (dd & 0xFFFF).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
         dmin = (dd >> 16).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
         sc_lo, sc_hi, mn_lo, mn_hi = _scale_min_words(w1, w2, w3)
+        ph = tl.zeros([BLOCK_N, R], tl.int32)             # Σ_s sc_s V_h and Σ_s sc_s V_l: one activation scale
+        pl = tl.zeros([BLOCK_N, R], tl.int32)             # a block, so the sub-blocks' sums add up as integers
         for g in tl.static_range(4):
             codes = tl.load(blk[:, None] + (16 + 32 * g + c)[None, :])            # [BLOCK_N, 32]
             for hi in tl.static_range(2):
                 s = 2 * g + hi
                 a = tl.load(a_ptr + ((b * 8 + s) * 2 * R + r[None, :]) * 32 + c[:, None])   # [32, 2 R]
-                v = tl.dot(_nibbles(codes, hi == 1, EMULATE), a, out_dtype=tl.int32)    # [BLOCK_N, 2 R]
+                v = tl.dot(_codes(codes, hi == 1, EMULATE), a, out_dtype=tl.int32)      # [BLOCK_N, 2 R]
                 vh, vl = _pair(v, BLOCK_N, R)
-                f1 = d * _byte(sc_lo if s < 4 else sc_hi, s % 4)
-                f2 = 8.0 * f1 - dmin * _byte(mn_lo if s < 4 else mn_hi, s % 4)
-                xa = tl.load(xa_ptr + (b * 8 + s) * R + m)
+                sc = ((sc_lo if s < 4 else sc_hi) >> (8 * (s % 4))) & 255
+                ph += vh * sc[:, None]
+                pl += vl * sc[:, None]
                 xs = tl.load(xs_ptr + (b * 8 + s) * R + m)
-                # the step's term first, then one add to the accumulator: two fma on it instead issue 510 SASS
-                # instructions a step against 556, but each waits on the last (H200, 8 rows: 2-4% slower)
-                acc += (vh * 256 + vl).to(tl.float32) * (f1[:, None] * xa[None, :]) + f2[:, None] * xs[None, :]
+                acc -= (dmin * _byte(mn_lo if s < 4 else mn_hi, s % 4))[:, None] * xs[None, :]
+        xa = tl.load(xa_ptr + b * 8 * R + m)                # a_m, the same for the block's 8 sub-blocks
+        acc += (ph.to(tl.float32) * 256.0 + pl.to(tl.float32)) * (d[:, None] * xa[None, :])
     return acc
-
-
-@triton.jit
-def _signed_byte(w, i: tl.constexpr):
-    """Byte ``i`` of the int32 words ``w`` as a signed int8 value, in float32."""
-    return ((w << (24 - 8 * i)) >> 24).to(tl.float32)
 
 
 @triton.jit
@@ -168,7 +181,7 @@ def q6k_rows_sums(rows, BS, b_lo, b_hi, a_ptr, xa_ptr, BLOCK_N: tl.constexpr, EM
     32 inputs a sub-block). Value plane ``P`` of half ``h`` (inputs ``128 h + 32 P + l``) is one
     32-input operand ``4 (q - 32)`` (:func:`.gguf_mma_q6k._plane`), dotted twice with the rows'
     operand masked to its first and last 16 inputs, one weight scale each:
-    ``Σ = d sc_j a_ms (256 V_h + V_l) / 4``."""
+    ``Σ = d a_m Σ_j sc_j (256 V_h + V_l) / 4``."""
     c = tl.arange(0, 32)
     r = tl.arange(0, 2 * R)
     m = tl.arange(0, R)
@@ -177,7 +190,9 @@ def q6k_rows_sums(rows, BS, b_lo, b_hi, a_ptr, xa_ptr, BLOCK_N: tl.constexpr, EM
     for b in range(b_lo, b_hi):
         blk = rows[:, None] + b * BS
         words = (rows + b * BS).to(tl.pointer_type(tl.int32))
-        d4 = 4.0 * (tl.load(words + 52) & 0xFFFF).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
+        d4 = 0.25 * (tl.load(words + 52) & 0xFFFF).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
+        ph = tl.zeros([BLOCK_N, R], tl.int32)             # Σ_j sc_j V_h and Σ_j sc_j V_l (one activation scale a
+        pl = tl.zeros([BLOCK_N, R], tl.int32)             # block): |V| <= 16 * 128 * 128, 16 scales |sc| <= 128: <= 2^29
         for h in tl.static_range(2):
             ql0 = tl.load(blk + (64 * h + c)[None, :])
             ql1 = tl.load(blk + (64 * h + 32 + c)[None, :])
@@ -187,21 +202,23 @@ def q6k_rows_sums(rows, BS, b_lo, b_hi, a_ptr, xa_ptr, BLOCK_N: tl.constexpr, EM
             for P in tl.static_range(4):
                 s = b * 8 + 4 * h + P                      # the rows' 32-input sub-block
                 w = _plane(ql0 if P % 2 == 0 else ql1, qh, P, EMULATE)                    # [BLOCK_N, 32]
-                xa = tl.load(xa_ptr + s * R + m)           # a_ms / 16
                 for j in tl.static_range(2):               # sub-block 2 P + j of the half: scales[8 h + 2 P + j]
                     # the operand [32, 16] loaded masked (zeros), so the load feeds the dot straight
                     a = tl.load(a_ptr + (s * 2 * R + r[None, :]) * 32 + c[:, None], mask=first if j == 0 else ~first,
                                 other=0)
                     v = tl.dot(w, a, out_dtype=tl.int32)
                     vh, vl = _pair(v, BLOCK_N, R)
-                    f = d4 * _signed_byte(sw0 if P < 2 else sw1, (2 * P + j) % 4)
-                    acc += (vh * 256 + vl).to(tl.float32) * (f[:, None] * xa[None, :])
+                    sc = ((sw0 if P < 2 else sw1) << (24 - 8 * ((2 * P + j) % 4))) >> 24     # scales[8 h + 2 P + j], signed
+                    ph += vh * sc[:, None]
+                    pl += vl * sc[:, None]
+        xa = tl.load(xa_ptr + b * 8 * R + m)                # a_m, the same for the block's 8 sub-blocks
+        acc += (ph.to(tl.float32) * 256.0 + pl.to(tl.float32)) * (d4[:, None] * xa[None, :])
     return acc
 
 
 @triton.jit
 def _rows_kernel(
-    a_ptr, xa_ptr, xs_ptr,   # activation operands [K / 32, 2 R, 32] int8, a_ms / 16 and S_ms [K / 32, R] float32
+    a_ptr, xa_ptr, xs_ptr,   # activation operands [K / 32, 2 R, 32] int8, a_m and S_ms [K / 32, R] float32
     w_ptr,                   # uint8 Q4_K / stored Q6_K blocks: rows [N, ROW_BYTES], or block-major (KB)
     add_ptr,                 # HAS_ADD: [M, N] residual (stride_am) or [N] bias (stride_am 0), last dim contiguous
     out_ptr,                 # [M, N] output, last dim contiguous
@@ -261,7 +278,7 @@ def _rows_kernel(
 
 def empty_rows_planes(k: int, device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Uninitialised buffers for the operands of up to ``MMA_ROWS`` rows of ``k`` inputs: ``[k / 32, 32,
-    32]`` int8, ``a_ms / 16`` and ``S_ms`` ``[k / 32, 16]`` float32 (module docstring). The operands of
+    32]`` int8, ``a_m`` and ``S_ms`` ``[k / 32, 16]`` float32 (module docstring). The operands of
     8 rows fill their first half as ``[k / 32, 16, 32]`` and ``[k / 32, 8]``."""
     return (torch.empty(k // 32, 2 * MMA_ROWS, 32, dtype=torch.int8, device=device),
             torch.empty(k // 32, MMA_ROWS, dtype=torch.float32, device=device),
@@ -269,7 +286,7 @@ def empty_rows_planes(k: int, device) -> tuple[torch.Tensor, torch.Tensor, torch
 
 
 def rows_planes(x: torch.Tensor, planes: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None) -> tuple:
-    """The operands and ``a_ms / 16``, ``S_ms`` of the rows ``x [M, K]`` (M <= ``MMA_ROWS``, unit inner
+    """The operands and ``a_m``, ``S_ms`` of the rows ``x [M, K]`` (M <= ``MMA_ROWS``, unit inner
     stride; module docstring), for 8 rows (M <= 8) or 16, written into ``planes`` when given (a
     workspace's buffers)."""
     m, k = x.shape
@@ -284,22 +301,29 @@ def _rows_for(m: int) -> int:
     return 8 if m <= 8 else 16
 
 
-def pick_rows_config(n: int, k: int, sms: int) -> dict:
-    """Launch of :func:`gguf_gemv_mma_rows`: tiles of 32 weight rows in 2 warps, 2 stages, K split by
-    :func:`split_for_rows`. H200, 8 rows of the 8B gate (14336 x 4096), µs: 34.8 unsplit (448
-    programs), 22.5 in 4 slices (``benchmarks/gguf_gemv.py --many --sweep``)."""
-    return dict(BLOCK_N=_BLOCK_N, SPLIT_K=split_for_rows(triton.cdiv(n, _BLOCK_N), k // _SUPER, sms), num_warps=2,
-                num_stages=_STAGES)
+def pick_rows_config(n: int, k: int, sms: int, m: int = 8) -> dict:
+    """Launch of :func:`gguf_gemv_mma_rows` for ``m`` activation rows (``_TILES``): up to 8 rows, tiles of
+    32 weight rows in 2 warps; 9-16 rows, 64 in 4 warps, or 2 when the grid has more than
+    ``_WIDE_PROGRAMS_PER_SM`` programs a SM; 2 stages; K split by :func:`split_for_rows`. H200,
+    ``benchmarks/gguf_gemv.py --many --sweep``, µs: 8 rows of the 8B gate
+    (14336 x 4096) 34.8 unsplit (448 programs), 21.1 in 4 slices; 16 rows of it 32.2 in 32-row
+    tiles (4 slices), 29.2 in 64-row tiles of 4 warps (2 slices); 16 rows of the 8B down 33.4 against
+    28.3, of a Q6_K down 40.7 against 31.7; of qkv (768 programs) 18.8 in 4 warps, 14.6 in 2."""
+    block_n, warps, per_sm = _TILES[_rows_for(m)]
+    split = split_for_rows(triton.cdiv(n, block_n), k // _SUPER, sms, per_sm)
+    if warps == 4 and triton.cdiv(n, block_n) * split > _WIDE_PROGRAMS_PER_SM * sms:
+        warps = 2
+    return dict(BLOCK_N=block_n, SPLIT_K=split, num_warps=warps, num_stages=_STAGES)
 
 
-def split_for_rows(tiles: int, blocks: int, sms: int) -> int:
+def split_for_rows(tiles: int, blocks: int, sms: int, per_sm: int = _TILES[8][2]) -> int:
     """K slices for ``tiles`` row tiles over ``blocks`` super-blocks: doubled while the grid has fewer
-    than ``_PROGRAMS_PER_SM`` programs a SM and each slice keeps at least ``_MIN_SLICE`` super-blocks.
-    A program of 32 rows holds few bytes in flight, so the SMs need many of them at once. H200, 8 rows,
-    µs by slices (``gguf_gemv.py --many --sweep``): 8B o 11.0 in 8 (slices of 2), 12.8 in 16; qkv
+    than ``per_sm`` programs a SM and each slice keeps at least ``_MIN_SLICE`` super-blocks. A
+    program of 32 rows holds few bytes in flight, so the SMs need many of them at once. H200, 8 rows,
+    session 49's float32 sums, µs by slices (``gguf_gemv.py --many --sweep``): 8B o 11.0 in 8 (slices of 2), 12.8 in 16; qkv
     13.5 in 8, 16.0 in 16; gate 22.5 in 4, 25.7 in 8; down 28.2 in 8, 23.3 in 16 asked (14 slices of 4)."""
     split = 1
-    while tiles * split < _PROGRAMS_PER_SM * sms and blocks // (split * 2) >= _MIN_SLICE:
+    while tiles * split < per_sm * sms and blocks // (split * 2) >= _MIN_SLICE:
         split *= 2
     return split
 
@@ -320,7 +344,7 @@ def gguf_gemv_mma_rows(x: torch.Tensor, data: torch.Tensor, qtype: str, add: tor
     m, k = x.shape
     n = out.shape[1]
     rows_n = 2 * n if silu_mul else n
-    cfg = dict(config or pick_rows_config(rows_n, k, sms))
+    cfg = dict(config or pick_rows_config(rows_n, k, sms, m))
     block_n, split = cfg.pop("BLOCK_N"), cfg.pop("SPLIT_K")
     blocks = k // _SUPER
     per, split = slices(blocks, split)

@@ -3,7 +3,7 @@
 (``gguf_tiles._nibble_fma_asm``, ``_q6k_values_asm``: byte selection, masks, shifts, the ``2^k + q``
 magic and the fma arithmetic give ``s·q − m`` (Q4_K) and ``s·(q − 32)`` (Q6_K) rounded once to the
 lane's type, every lane of the four packed values), and the one-row tensor-core GEMVs' int8 operands
-(``gguf_mma._NIBBLES_ASM``, ``gguf_mma_q6k._PLANE_ASM``) against their kernels' ``EMULATE`` branches,
+(``gguf_mma._NIBBLES_ASM``, ``gguf_mma_q6k._PLANE_ASM``, ``gguf_mma_rows._CODES_ASM``) against their kernels' ``EMULATE`` branches,
 which the CPU tests of those kernels run."""
 import random
 
@@ -76,6 +76,17 @@ def test_q4k_tensor_core_nibbles_match_their_cpu_emulation(high):
         out, = run(_NIBBLES_ASM.value[high], 1, [_word(codes)])
         q = [(c >> 4) if high else (c & 15) for c in codes]
         assert [_signed((out >> (8 * i)) & 255) for i in range(4)] == [16 * (v - 8) for v in q], codes
+
+
+@pytest.mark.parametrize("high", [False, True])
+def test_q4k_rows_kernel_codes_match_their_cpu_emulation(high):
+    """``gguf_mma_rows._codes``' PTX (the several-row tensor-core GEMV's Q4_K operand): each byte's low
+    (or high) nibble ``q`` as the int8 ``q`` its ``EMULATE`` branch computes, all 256 bytes."""
+    from graphdsl.runtime.kernels.gguf_mma_rows import _CODES_ASM
+    for first in range(0, 256, 4):
+        codes = [first, first + 1, first + 2, first + 3]
+        out, = run(_CODES_ASM.value[high], 1, [_word(codes)])
+        assert [(out >> (8 * i)) & 255 for i in range(4)] == [(c >> 4) if high else (c & 15) for c in codes], codes
 
 
 @pytest.mark.parametrize("plane", range(4))

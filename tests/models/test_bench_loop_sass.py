@@ -99,34 +99,37 @@ def test_a_triton_without_its_nvidia_binaries_is_named(sass, monkeypatch):
 
 
 def test_the_gguf_launch_is_the_one_gguf_gemv_makes(sass):
-    """``--gguf``: 16 bf16 rows of a block-major Q4_K weight take the plane-a-dot loop; nothing runs and
-    the kernel is restored."""
+    """``--gguf``: 32 bf16 rows of a block-major Q4_K weight take the plane-a-dot loop (2-16 take the
+    rows kernel); nothing runs and the kernel is restored."""
     import graphdsl.runtime.kernels.gguf_linear as GL
     kernel = GL._gguf_gemv_kernel
-    _, grid, args, kw = sass.capture_gguf("Q4_K", 14336, 4096, 16)
-    assert kw["PLANES"] and kw["USE_DOT"] and kw["BLOCK_M"] == 16 and kw["KB"] and grid[0] == 14336 // kw["BLOCK_N"]
+    _, grid, args, kw = sass.capture_gguf("Q4_K", 14336, 4096, 32)
+    assert kw["PLANES"] and kw["USE_DOT"] and kw["BLOCK_M"] == 32 and kw["KB"] and grid[0] == 14336 // kw["BLOCK_N"]
     assert GL._gguf_gemv_kernel is kernel
 
 
 def test_the_packed_ptx_planes_take_fewer_instructions_a_weight(sass):
-    """Compiled for sm_90: the Q4_K plane loop of 16 rows with the packed-PTX decode issues fewer
+    """Compiled for sm_90: the Q4_K plane loop of 32 rows with the packed-PTX decode issues fewer
     instructions a weight than with the float32 decode (``--float32-planes``)."""
     per_weight = {}
     for flags in ((), ("--float32-planes",)):
-        cells, = _table(sass, "Q4_K:14336:4096:16", "--gguf", "Q4_K:14336:4096:16", *flags)
+        cells, = _table(sass, "Q4_K:14336:4096:32", "--gguf", "Q4_K:14336:4096:32", *flags)
         assert int(cells[3]) == 64 * 256 // 128                # 64 rows x a super-block over 128 threads
         per_weight[flags] = float(cells[4])
     assert per_weight[()] < 0.85 * per_weight[("--float32-planes",)], per_weight
 
 
-def test_two_to_eight_q4k_rows_are_counted_on_the_rows_kernel(sass):
-    """``--gguf`` with 8 rows of Q4_K captures the several-row tensor-core GEMV (its K loop of
-    ``mma.sync`` dots, no ``HGMMA``), 32 weight rows of a super-block over 64 threads; the kernels are
-    restored."""
+def test_two_to_sixteen_q4k_rows_are_counted_on_the_rows_kernel(sass):
+    """``--gguf`` with 8 (16) rows of Q4_K captures the several-row tensor-core GEMV (its K loop of
+    ``mma.sync`` dots, no ``HGMMA``), 32 (64) weight rows of a super-block over 64 (128) threads; the
+    kernels are restored. The integer sums a super-block keep the 8-row step under 480 instructions
+    (the float32 sums a sub-block of session 49 took 556)."""
     import graphdsl.runtime.kernels.gguf_mma_rows as GR
     kernel = GR._rows_kernel
     got, grid, _, kw = sass.capture_gguf("Q4_K", 14336, 4096, 8)
     assert got is kernel and GR._rows_kernel is kernel and kw["KB"] and grid[0] == 14336 // kw["BLOCK_N"]
-    cells, = _table(sass, "Q4_K:14336:4096:8", "--gguf", "Q4_K:14336:4096:8")
-    assert cells[1].startswith("32 x 8") and int(cells[3]) == 32 * 256 // 64
-    assert cells[5] == "0" and int(cells[7]) <= 2          # no wgmma waits; no layout conversion a dot
+    eight, sixteen = _table(sass, "Q4_K:14336:4096:", "--gguf", "Q4_K:14336:4096:8", "Q4_K:14336:4096:16")
+    assert eight[1].startswith("32 x 8") and int(eight[3]) == 32 * 256 // 64 and int(eight[2]) < 480
+    assert sixteen[1].startswith("64 x 16") and int(sixteen[3]) == 64 * 256 // 128
+    for cells in (eight, sixteen):
+        assert cells[5] == "0" and int(cells[7]) <= 2          # no wgmma waits; no layout conversion a dot
