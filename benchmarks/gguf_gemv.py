@@ -208,7 +208,7 @@ def many_rows(rows: list[int], types: list[str], shapes: list[str], sweep: bool,
                 default = timed(lambda d: gguf_linear(x, d, qtype))
                 nbytes = n * row_bytes(qtype, k) + m * k * 2 + m * n * 2
                 planes = f32 = tile = mrows = "-"
-                rows_ok = qtype in ("Q4_K", "Q6_K") and 2 <= m <= MMA_ROWS
+                rows_ok = qtype in ("Q4_K", "Q5_K", "Q6_K") and 2 <= m <= MMA_ROWS
                 if rows_ok:            # the several-row tensor-core kernel (gguf_mma_rows)
                     cfg = {"MMA": True, **pick_rows_config(n, k, _num_sms(x.device), m)}
                     mrows = f"{timed(lambda d: gguf_gemv(x, d, qtype, out=out, workspace=ws, config=cfg)):.1f}"

@@ -76,6 +76,7 @@ _FAST_PLANES = True   # their Q4_K / Q6_K planes decoded in fp16/bf16 by packed 
 _Q6K_MMA = True       # one Q6_K row on the tensor cores by default (False: CUDA cores; decode_ab.py's A/B)
 _MMA_ROWS = True      # 2..16 rows of Q4_K / Q6_K on the tensor cores by default (gguf_mma_rows; False: a plane a dot)
 _MMA_ROWS_Q6K = True  # ... Q6_K among them (False: Q6_K a plane a dot; quant.py's A/B)
+_MMA_ROWS_Q5K = False # ... Q5_K among them by default: not yet, untimed (config MMA=True takes it)
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
 
@@ -358,20 +359,21 @@ def _mma_possible(x: torch.Tensor, data: torch.Tensor, qtype: str) -> bool:
 
 def _rows_possible(x: torch.Tensor, data: torch.Tensor, qtype: str) -> bool:
     """The several-row tensor-core kernel (:mod:`.gguf_mma_rows`) takes 2..``MMA_ROWS`` (16) fp16/bf16
-    rows (unit inner stride) of Q4_K or Q6_K over 4-byte aligned blocks."""
-    return (2 <= x.shape[0] <= MMA_ROWS and (qtype == "Q4_K" or qtype == "Q6_K" and _MMA_ROWS_Q6K)
+    rows (unit inner stride) of Q4_K, Q5_K or Q6_K over 4-byte aligned blocks."""
+    return (2 <= x.shape[0] <= MMA_ROWS and (qtype in ("Q4_K", "Q5_K") or qtype == "Q6_K" and _MMA_ROWS_Q6K)
             and x.dtype != torch.float32 and x.stride(-1) == 1 and data.data_ptr() % 4 == 0)
 
 
 def mma_eligible(x: torch.Tensor, data: torch.Tensor, qtype: str) -> bool:
     """Whether :func:`gguf_gemv` runs ``x @ dequant(data).T`` on the tensor cores by default: when
     :func:`_mma_possible` (one row) or, with ``_MMA_ROWS``, :func:`_rows_possible` up to
-    ``ROWS_BY_DEFAULT`` (16) rows, and the
+    ``ROWS_BY_DEFAULT`` (16) rows (Q5_K only with ``_MMA_ROWS_Q5K``: untimed), and the
     weight has at least ``MMA_MIN_ROWS`` rows (on the H100 a 1024-row Q4_K GEMV took 6.4 µs on CUDA
     cores, 7.5 on the tensor cores with its activation launch; 4096 rows 12.8 against 11.0; Q6_K's
     1024 rows 6.6 against 6.7-8.5, 4096 rows 16.9 against 12.9)."""
     return ((_mma_possible(x, data, qtype)
-             or _MMA_ROWS and x.shape[0] <= ROWS_BY_DEFAULT and _rows_possible(x, data, qtype))
+             or _MMA_ROWS and x.shape[0] <= ROWS_BY_DEFAULT and (qtype != "Q5_K" or _MMA_ROWS_Q5K)
+             and _rows_possible(x, data, qtype))
             and code_rows(data) >= MMA_MIN_ROWS and (qtype != "Q6_K" or _Q6K_MMA))
 
 
@@ -397,7 +399,7 @@ def gguf_gemv(x: torch.Tensor, data: torch.Tensor, qtype: str, add: torch.Tensor
     ``silu_mul`` (tensor-core paths only: 1..16 fp16/bf16 rows of Q4_K, no ``add``): ``data`` holds
     ``[gate | up]`` (``2 I`` rows) and the result ``[M, I]`` is ``silu(x @ gate.T) * (x @ up.T)``,
     the ``silu_mul`` op fused. 2..16 fp16/bf16 rows of Q4_K or Q6_K run on the tensor cores too by
-    default (:mod:`.gguf_mma_rows`, :func:`mma_eligible`).
+    default (:mod:`.gguf_mma_rows`, :func:`mma_eligible`), of Q5_K with ``config={"MMA": True, ...}``.
     ``planes``: x's tensor-core A operand, already made (Q4_K: :func:`.gguf_mma.norm_planes`, three
     buffers; Q6_K: a SwiGLU epilogue's ``planes_out``, two); the tensor-core path then skips its
     activation launch (the CUDA-core path reads x itself).
@@ -530,7 +532,7 @@ def _mma_rows(x, data, qtype, add, out, workspace, config, silu_mul, planes, pla
     m, k = x.shape
     if not _rows_possible(x, data, qtype):
         raise GraphDSLError(f"gguf_gemv: config MMA=True with several rows needs 2..{MMA_ROWS} fp16/bf16 rows of "
-                            f"Q4_K or Q6_K (unit inner stride) and 4-byte aligned data, got {m} {x.dtype} rows of "
+                            f"Q4_K, Q5_K or Q6_K (unit inner stride) and 4-byte aligned data, got {m} {x.dtype} rows of "
                             f"{qtype} at address {data.data_ptr():#x}")
     given = [name for name, v in (("planes", planes), ("planes_out", planes_out), ("rms_out", rms_out))
              if v is not None]

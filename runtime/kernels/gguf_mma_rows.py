@@ -1,4 +1,4 @@
-"""Two to sixteen rows of a Q4_K or Q6_K GEMV on the int8 tensor cores: ``out [M, N] = x [M, K] @ dequant(W).T (+ add)``.
+"""Two to sixteen rows of a Q4_K, Q5_K or Q6_K GEMV on the int8 tensor cores: ``out = x @ dequant(W).T (+ add)``.
 
 The one-row kernel (:mod:`.gguf_mma`) lays a row's 8 sub-blocks block-diagonally on the 16 rows of
 the dot's activation operand; with M rows that would multiply its dots by M. Here each 32-input
@@ -28,6 +28,10 @@ so a tile's dots cost what the one-row kernel's do for up to 8 rows:
   so a sub-block costs each accumulator element two integer multiply-adds and one fma; sm_90 issues
   422 SASS instructions a super-block step for 8 rows and 567 for 16 (session 49's float32 sums a
   sub-block, a scale per sub-block and row: 556 and 811).
+* **Q5_K** (176-byte blocks: ``qs`` at byte 48 after ``qh[32]``): as Q4_K, each code ``q`` (0..31) taking
+  bit ``s`` of its ``qh`` byte as its fifth (:func:`_codes5`; sm_90: 487 SASS instructions a step for
+  8 rows, 632 for 16, against 1581 for the plane loop). Not ``gguf_gemv``'s default yet (untimed):
+  ``config={"MMA": True, ...}``, or ``gguf_linear._MMA_ROWS_Q5K``.
 * **9-16 rows** hold two groups of 8 in the rows' operand (``[32, 32]``), so the pairs stay in one
   thread: twice the dots and the scaling, the weights decoded once.
 * **Q6_K** (:func:`q6k_rows_sums`, the stored 224-byte blocks): the same operands of the rows; each
@@ -108,6 +112,28 @@ def _codes(c, HIGH: tl.constexpr, EMULATE: tl.constexpr):
     return tl.inline_asm_elementwise(_CODES_ASM[HIGH], "=r,r", [c], dtype=tl.int8, is_pure=True, pack=4)
 
 
+def _fifth_bit_asm(s: int) -> str:
+    """PTX for :func:`_codes5`: sub-block ``s``'s 4-bit codes (low nibbles for even ``s``, high for odd)
+    with bit ``s`` of the ``qh`` bytes as their fifth bit, four bytes a word."""
+    nib = "and.b32 u, $1, 0x0F0F0F0F;" if s % 2 == 0 else "shr.b32 u, $1, 4; and.b32 u, u, 0x0F0F0F0F;"
+    move = f"shl.b32 t, $2, {4 - s};" if s < 4 else "mov.b32 t, $2;" if s == 4 else f"shr.b32 t, $2, {s - 4};"
+    return "{ .reg .b32 t, u; " + nib + " " + move + " and.b32 t, t, 0x10101010; or.b32 $0, u, t; }"
+
+
+_CODES5_ASM = tl.constexpr(tuple(_fifth_bit_asm(s) for s in range(8)))
+
+
+@triton.jit
+def _codes5(c, qh, S: tl.constexpr, EMULATE: tl.constexpr):
+    """Q5_K's 5-bit codes ``q`` (0..31) of sub-block ``S`` as int8: the low (even ``S``) or high nibbles of
+    the code bytes ``c`` and bit ``S`` of the ``qh`` bytes (``EMULATE``: int32 arithmetic, for the CPU
+    interpreter)."""
+    if EMULATE:
+        nib = (c.to(tl.int32) >> (4 * (S % 2))) & 15
+        return (nib | (((qh.to(tl.int32) >> S) & 1) << 4)).to(tl.int8)
+    return tl.inline_asm_elementwise(_CODES5_ASM[S], "=r,r,r", [c, qh], dtype=tl.int8, is_pure=True, pack=4)
+
+
 @triton.jit
 def _scale_min_words(w1, w2, w3):
     """A Q4_K header's 6-bit scales and mins (``scales[12]`` as three int32 words ``w1, w2, w3``: bytes
@@ -137,11 +163,12 @@ def _pair(v, BLOCK_N: tl.constexpr, R: tl.constexpr):
 
 @triton.jit
 def q4k_rows_sums(rows, BS, b_lo, b_hi, a_ptr, xa_ptr, xs_ptr, BLOCK_N: tl.constexpr, EMULATE: tl.constexpr,
-                  R: tl.constexpr):
+                  R: tl.constexpr, Q5: tl.constexpr = False):
     """``[BLOCK_N, R]`` float32: ``Σ_k x[m, k] dequant(W)[n, k]`` over super-blocks ``[b_lo, b_hi)`` of the
     Q4_K rows ``rows`` (``BLOCK_N`` row pointers, ``BS`` bytes between a row's super-blocks) against
     the rows' operands and ``a_m``, ``S_ms`` (module docstring): each sub-block's weights are the
-    dot's A operand ``[BLOCK_N, 32]``, the rows' operand its B ``[32, 2 R]``."""
+    dot's A operand ``[BLOCK_N, 32]``, the rows' operand its B ``[32, 2 R]``. ``Q5``: Q5_K rows (176-byte
+    blocks, ``qh[32]`` at byte 16 giving each code its fifth bit, :func:`_codes5`; ``|V| < 2^17``)."""
     c = tl.arange(0, 32)
     r = tl.arange(0, 2 * R)
     m = tl.arange(0, R)
@@ -155,12 +182,15 @@ def q4k_rows_sums(rows, BS, b_lo, b_hi, a_ptr, xa_ptr, xs_ptr, BLOCK_N: tl.const
         sc_lo, sc_hi, mn_lo, mn_hi = _scale_min_words(w1, w2, w3)
         ph = tl.zeros([BLOCK_N, R], tl.int32)             # Σ_s sc_s V_h and Σ_s sc_s V_l: one activation scale
         pl = tl.zeros([BLOCK_N, R], tl.int32)             # a block, so the sub-blocks' sums add up as integers
+        if Q5:
+            qh = tl.load(blk[:, None] + (16 + c)[None, :])                       # [BLOCK_N, 32]: Q5_K's fifth bits
         for g in tl.static_range(4):
-            codes = tl.load(blk[:, None] + (16 + 32 * g + c)[None, :])            # [BLOCK_N, 32]
+            codes = tl.load(blk[:, None] + ((48 if Q5 else 16) + 32 * g + c)[None, :])   # [BLOCK_N, 32]
             for hi in tl.static_range(2):
                 s = 2 * g + hi
                 a = tl.load(a_ptr + ((b * 8 + s) * 2 * R + r[None, :]) * 32 + c[:, None])   # [32, 2 R]
-                v = tl.dot(_codes(codes, hi == 1, EMULATE), a, out_dtype=tl.int32)      # [BLOCK_N, 2 R]
+                w = _codes5(codes, qh, 2 * g + hi, EMULATE) if Q5 else _codes(codes, hi == 1, EMULATE)
+                v = tl.dot(w, a, out_dtype=tl.int32)                                   # [BLOCK_N, 2 R]
                 vh, vl = _pair(v, BLOCK_N, R)
                 sc = ((sc_lo if s < 4 else sc_hi) >> (8 * (s % 4))) & 255
                 ph += vh * sc[:, None]
@@ -192,7 +222,7 @@ def q6k_rows_sums(rows, BS, b_lo, b_hi, a_ptr, xa_ptr, BLOCK_N: tl.constexpr, EM
         words = (rows + b * BS).to(tl.pointer_type(tl.int32))
         d4 = 0.25 * (tl.load(words + 52) & 0xFFFF).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
         ph = tl.zeros([BLOCK_N, R], tl.int32)             # Σ_j sc_j V_h and Σ_j sc_j V_l (one activation scale a
-        pl = tl.zeros([BLOCK_N, R], tl.int32)             # block): |V| <= 16 * 128 * 128, 16 scales |sc| <= 128: <= 2^29
+        pl = tl.zeros([BLOCK_N, R], tl.int32)             # block): |V| <= 16 * 128 * 128, 16 |sc| <= 128: <= 2^29
         for h in tl.static_range(2):
             ql0 = tl.load(blk + (64 * h + c)[None, :])
             ql1 = tl.load(blk + (64 * h + 32 + c)[None, :])
@@ -225,7 +255,7 @@ def _rows_kernel(
     part_ptr, lock_ptr,      # SPLIT: [SPLIT_K, n_tiles, BLOCK_N, R] float32 partials, [n_tiles] counters
     M, N, ROW_BYTES, PER,    # sizes (N: output columns); PER super-blocks per K slice
     SPLIT_K, BLOCKS, stride_om, stride_am,
-    QTYPE: tl.constexpr,     # "Q4_K" or "Q6_K"
+    QTYPE: tl.constexpr,     # "Q4_K", "Q5_K" or "Q6_K"
     R: tl.constexpr,         # activation rows the operands hold: 8, or 16 (MMA_ROWS)
     BLOCK_N: tl.constexpr, SPLIT: tl.constexpr, HAS_ADD: tl.constexpr, EMULATE: tl.constexpr,
     USE_PDL: tl.constexpr, LATE_LAUNCH: tl.constexpr,   # (:mod:`.pdl`) the next kernel launches after the K loop
@@ -252,7 +282,7 @@ def _rows_kernel(
         tile = q6k_rows_sums(rows, BS, b_lo, tl.minimum(b_lo + PER, BLOCKS), a_ptr, xa_ptr, BLOCK_N, EMULATE, R)
     else:
         tile = q4k_rows_sums(rows, BS, b_lo, tl.minimum(b_lo + PER, BLOCKS), a_ptr, xa_ptr, xs_ptr, BLOCK_N, EMULATE,
-                             R)
+                             R, QTYPE == "Q5_K")
     if LATE_LAUNCH:
         pdl_trigger(USE_PDL)
     tile, last = meet_tile(tile, part_ptr, lock_ptr, pid_n, pid_s, SPLIT_K, BLOCK_N, R, SPLIT)
@@ -331,7 +361,7 @@ def split_for_rows(tiles: int, blocks: int, sms: int, per_sm: int = _TILES[8][2]
 def gguf_gemv_mma_rows(x: torch.Tensor, data: torch.Tensor, qtype: str, add: torch.Tensor | None, out: torch.Tensor,
                        workspace, config: dict | None, sms: int, silu_mul: bool = False,
                        early_launch: bool = False, rms_in_args: dict | None = None) -> torch.Tensor:
-    """``out [M, N] = x [M, K] @ dequant(data).T (+ add)`` for 2..16 fp16/bf16 rows of a Q4_K or (stored)
+    """``out [M, N] = x [M, K] @ dequant(data).T (+ add)`` for 2..16 fp16/bf16 rows of a Q4_K, Q5_K or (stored)
     Q6_K weight on the tensor cores; the operands were checked by :func:`.gguf_linear.gguf_gemv`, which
     calls this. ``workspace``: a :class:`~.gemv.GemvWorkspace` (operands, split-K partials).
     ``silu_mul`` (Q4_K): ``data`` holds ``[gate | up]`` (``2 N`` rows) and ``out`` gets ``silu(x @

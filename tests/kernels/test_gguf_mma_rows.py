@@ -108,6 +108,28 @@ def test_q6k_rows_gemv_matches_gguf_py_values(m, split, dtype):
                                atol=1e-2 * want.abs().max().item())
 
 
+@pytest.mark.parametrize("m,split,dtype", [(2, 1, torch.bfloat16), (13, 3, torch.float16)])
+def test_q5k_rows_gemv_matches_gguf_py_values(m, split, dtype):
+    """Q5_K (``config MMA=True``; not the default until timed), odd N, K of 4 super-blocks (3 slices
+    asked: slices of 2), a float32 output: within 1e-4 of the largest output of gguf-py's dequantized
+    weight times x, every code's fifth bit included; a residual and block-major blocks through
+    ``gguf_gemv`` give the same bits as stored rows."""
+    from graphdsl.runtime.gguf_blocks import block_major
+    data, ref = random_gguf_weight("Q5_K", 19, 1024, seed=7)
+    data = data.to(DEV)
+    x = _x(m, 1024, dtype, seed=8)
+    out = torch.empty(m, 19, dtype=torch.float32, device=DEV)
+    cfg = {key: v for key, v in _cfg(split).items() if key != "MMA"}
+    gguf_linear.gguf_gemv_mma_rows(x, data, "Q5_K", None, out, None, cfg, 4)
+    want = x.float().cpu() @ ref.T
+    torch.testing.assert_close(out.cpu(), want, rtol=0, atol=1e-4 * want.abs().max().item())
+    res = _x(m, 19, dtype, seed=9)
+    rows = gguf_gemv(x, data, "Q5_K", res, config=_cfg(split))
+    assert torch.equal(gguf_gemv(x, block_major(data, "Q5_K"), "Q5_K", res, config=_cfg(split)), rows)
+    torch.testing.assert_close(rows.float().cpu(), want + res.float().cpu(), rtol=0,
+                               atol=1e-2 * want.abs().max().item())
+
+
 @pytest.mark.parametrize("split", [1, 2])
 def test_rows_gemv_into_a_column_slice_with_the_residual_and_block_major_blocks(split):
     """``gguf_gemv`` with ``MMA=True`` and 4 rows writes a column slice of a wider product with the
@@ -158,9 +180,9 @@ def test_rows_carried_norm_factor_scales_each_row():
 
 
 def test_gguf_gemv_takes_the_rows_kernel_for_2_to_16_q4k_rows(monkeypatch):
-    """By default 2..16 fp16/bf16 rows of a Q4_K or Q6_K weight of at least ``MMA_MIN_ROWS`` rows run the
-    rows kernel; one row, 17 rows (``ROWS_BY_DEFAULT``), Q5_K, float32 rows and the switches off
-    (``_MMA_ROWS_Q6K`` for Q6_K, ``_MMA_ROWS``) do not."""
+    """By default 2..16 fp16/bf16 rows of a Q4_K or Q6_K weight of at least ``MMA_MIN_ROWS`` rows run
+    the rows kernel; one row, 17 rows (``ROWS_BY_DEFAULT``), Q5_K (``_MMA_ROWS_Q5K`` off: untimed),
+    float32 rows and the switches off (``_MMA_ROWS_Q6K`` for Q6_K, ``_MMA_ROWS``) do not."""
     calls = []
     monkeypatch.setattr(gguf_linear, "gguf_gemv_mma_rows", lambda x, *a, **kw: calls.append((x.shape[0], a[1])) or a[3])
     monkeypatch.setattr(gguf_linear, "MMA_MIN_ROWS", 32)
@@ -175,6 +197,10 @@ def test_gguf_gemv_takes_the_rows_kernel_for_2_to_16_q4k_rows(monkeypatch):
     assert calls == [(2, "Q4_K"), (8, "Q4_K"), (16, "Q4_K"), (12, "Q6_K")]
     gguf_gemv(_x(17, 256, torch.bfloat16, 1), q4k, "Q4_K")
     gguf_gemv(_x(4, 256, torch.bfloat16, 1), q5k, "Q5_K")
+    assert not mma_eligible(_x(4, 256, torch.bfloat16, 1), q5k, "Q5_K")
+    monkeypatch.setattr(gguf_linear, "_MMA_ROWS_Q5K", True)
+    assert mma_eligible(_x(4, 256, torch.bfloat16, 1), q5k, "Q5_K")
+    monkeypatch.setattr(gguf_linear, "_MMA_ROWS_Q5K", False)
     gguf_gemv(_x(4, 256, torch.float32, 1), q4k, "Q4_K")
     monkeypatch.setattr(gguf_linear, "_MMA_ROWS_Q6K", False)
     gguf_gemv(_x(4, 256, torch.bfloat16, 1), q6k, "Q6_K")
@@ -191,7 +217,7 @@ def test_rows_kernel_refuses_what_it_cannot_take():
     x = _x(4, 256, torch.bfloat16, seed=2)
     with pytest.raises(GraphDSLError, match=r"planes take one row .* 4 rows"):
         gguf_gemv(x, data, "Q4_K", config=_cfg(), planes=GemvWorkspace().planes(x.device, 256))
-    with pytest.raises(GraphDSLError, match=r"2\.\.16 fp16/bf16 rows of Q4_K or Q6_K .* got 17"):
+    with pytest.raises(GraphDSLError, match=r"2\.\.16 fp16/bf16 rows of Q4_K, Q5_K or Q6_K .* got 17"):
         gguf_gemv(_x(17, 256, torch.bfloat16, 2), data, "Q4_K", config=_cfg())
     with pytest.raises(GraphDSLError, match=r"takes BLOCK_N, SPLIT_K .* got \['BLOCK_N'\]"):
         gguf_gemv(x, data, "Q4_K", config=dict(MMA=True, BLOCK_N=16))
@@ -199,18 +225,19 @@ def test_rows_kernel_refuses_what_it_cannot_take():
         gguf_gemv(_x(17, 256, torch.bfloat16, 2), data, "Q4_K", silu_mul=True)
 
 
-@pytest.mark.parametrize("scheme", ["gguf-q4_k", "gguf-q6_k"])
+@pytest.mark.parametrize("scheme", ["gguf-q4_k", "gguf-q6_k", "gguf-q5_k"])
 def test_batched_decode_of_a_gguf_model_runs_the_rows_kernel(tmp_path, monkeypatch, scheme):
-    """A Q4_K (Q6_K) model decoding 3 sequences at once (``MMA_MIN_ROWS`` lowered for the tiny shapes):
-    its projections run the rows kernel (Q4_K's gate/up with its SwiGLU epilogue), the prefill of their
-    9 prompt tokens too (padded to 16 rows on a GPU), and each token's log-probability matches the run with 2..16 rows a plane a dot
-    (``_MMA_ROWS`` off), token for token,
+    """A Q4_K (Q6_K; Q5_K with ``_MMA_ROWS_Q5K`` on) model decoding 3 sequences at once (``MMA_MIN_ROWS``
+    lowered for the tiny shapes): its projections run the rows kernel (Q4_K's gate/up with its SwiGLU
+    epilogue), the prefill of their 9 prompt tokens too (padded to 16 rows on a GPU), and each token's
+    log-probability matches the run with 2..16 rows a plane a dot (``_MMA_ROWS`` off), token for token,
     within 0.05. float16 activations: the planes path rounds each dequantized weight to the activation
     type, and with bfloat16 the two correct paths differed by up to 0.033 on the CPU and 0.12 on a GPU
     (float16 on the CPU: 0.006)."""
     import graphdsl as gd
     from tests.models.hf_tiny import make_checkpoint
     monkeypatch.setattr(gguf_linear, "MMA_MIN_ROWS", 1)
+    monkeypatch.setattr(gguf_linear, "_MMA_ROWS_Q5K", True)
     calls = []
     real = gguf_linear.gguf_gemv_mma_rows
     monkeypatch.setattr(gguf_linear, "gguf_gemv_mma_rows",

@@ -2,9 +2,10 @@
 (``tests/helpers/ptx_emu.py``), the very strings the GPU compiles: the planes of several rows
 (``gguf_tiles._nibble_fma_asm``, ``_q6k_values_asm``: byte selection, masks, shifts, the ``2^k + q``
 magic and the fma arithmetic give ``s·q − m`` (Q4_K) and ``s·(q − 32)`` (Q6_K) rounded once to the
-lane's type, every lane of the four packed values), and the one-row tensor-core GEMVs' int8 operands
-(``gguf_mma._NIBBLES_ASM``, ``gguf_mma_q6k._PLANE_ASM``, ``gguf_mma_rows._CODES_ASM``) against their kernels' ``EMULATE`` branches,
-which the CPU tests of those kernels run."""
+lane's type, every lane of the four packed values), and the tensor-core GEMVs' int8 operands
+(``gguf_mma._NIBBLES_ASM``, ``gguf_mma_q6k._PLANE_ASM``, ``gguf_mma_rows._CODES_ASM``,
+``_CODES5_ASM``) against their kernels' ``EMULATE`` branches, which the CPU tests of those kernels
+run."""
 import random
 
 import pytest
@@ -87,6 +88,20 @@ def test_q4k_rows_kernel_codes_match_their_cpu_emulation(high):
         codes = [first, first + 1, first + 2, first + 3]
         out, = run(_CODES_ASM.value[high], 1, [_word(codes)])
         assert [(out >> (8 * i)) & 255 for i in range(4)] == [(c >> 4) if high else (c & 15) for c in codes], codes
+
+
+@pytest.mark.parametrize("sub", range(8))
+def test_q5k_rows_kernel_codes_match_their_cpu_emulation(sub):
+    """``gguf_mma_rows._codes5``' PTX (the several-row GEMV's Q5_K operand of sub-block ``sub``): the low
+    (even ``sub``) or high nibble of each code byte with bit ``sub`` of its ``qh`` byte as the fifth
+    bit, as the int8 ``q`` (0..31) its ``EMULATE`` branch computes."""
+    from graphdsl.runtime.kernels.gguf_mma_rows import _CODES5_ASM
+    rng = random.Random(sub)
+    for case in range(300):
+        codes, qh = _bytes(rng, {0: 0x00, 1: 0xFF}.get(case, -1)), _bytes(rng, {0: 0xFF, 1: 0x00}.get(case, -1))
+        out, = run(_CODES5_ASM.value[sub], 1, [_word(codes), _word(qh)])
+        want = [((c >> 4) if sub % 2 else (c & 15)) | (((h >> sub) & 1) << 4) for c, h in zip(codes, qh)]
+        assert [(out >> (8 * i)) & 255 for i in range(4)] == want, (codes, qh)
 
 
 @pytest.mark.parametrize("plane", range(4))
