@@ -87,45 +87,25 @@ def test_nine_to_sixteen_rows_hold_two_groups_of_eight(qtype, m):
         torch.testing.assert_close(both.float(), halves.float(), rtol=2 ** -7, atol=1e-3 * halves.abs().max().item())
 
 
-@pytest.mark.parametrize("m,split,dtype", [(3, 1, torch.bfloat16), (8, 3, torch.float16)])
-def test_q6k_rows_gemv_matches_gguf_py_values(m, split, dtype):
-    """Q6_K in the stored 224-byte layout, odd N, K of 4 super-blocks (3 slices asked: slices of 2), a
-    float32 output: within 1e-4 of the largest output of gguf-py's dequantized weight times x; a
+@pytest.mark.parametrize("qtype,m,split,dtype", [("Q6_K", 3, 1, torch.bfloat16), ("Q6_K", 8, 3, torch.float16),
+                                                  ("Q5_K", 2, 1, torch.bfloat16), ("Q5_K", 13, 3, torch.float16)])
+def test_q6k_and_q5k_rows_gemv_match_gguf_py_values(qtype, m, split, dtype):
+    """Q6_K in the stored 224-byte layout, and Q5_K (``config MMA=True``; not the default until timed),
+    odd N, K of 4 super-blocks (3 slices asked: slices of 2), a float32 output: within 1e-4 of the
+    largest output of gguf-py's dequantized weight times x (Q5_K: every code's fifth bit included); a
     residual and block-major blocks through ``gguf_gemv`` give the same bits as stored rows."""
     from graphdsl.runtime.gguf_blocks import block_major
-    data, ref = random_gguf_weight("Q6_K", 19, 1024, seed=4)
-    data = to_stored(data, "Q6_K").to(DEV)
+    data, ref = random_gguf_weight(qtype, 19, 1024, seed=4 if qtype == "Q6_K" else 7)
+    data = to_stored(data, qtype).to(DEV)
     x = _x(m, 1024, dtype, seed=5)
     out = torch.empty(m, 19, dtype=torch.float32, device=DEV)
     cfg = {key: v for key, v in _cfg(split).items() if key != "MMA"}
-    gguf_linear.gguf_gemv_mma_rows(x, data, "Q6_K", None, out, None, cfg, 4)
+    gguf_linear.gguf_gemv_mma_rows(x, data, qtype, None, out, None, cfg, 4)
     want = x.float().cpu() @ ref.T
     torch.testing.assert_close(out.cpu(), want, rtol=0, atol=1e-4 * want.abs().max().item())
     res = _x(m, 19, dtype, seed=6)
-    rows = gguf_gemv(x, data, "Q6_K", res, config=_cfg(split))
-    assert torch.equal(gguf_gemv(x, block_major(data, "Q6_K"), "Q6_K", res, config=_cfg(split)), rows)
-    torch.testing.assert_close(rows.float().cpu(), want + res.float().cpu(), rtol=0,
-                               atol=1e-2 * want.abs().max().item())
-
-
-@pytest.mark.parametrize("m,split,dtype", [(2, 1, torch.bfloat16), (13, 3, torch.float16)])
-def test_q5k_rows_gemv_matches_gguf_py_values(m, split, dtype):
-    """Q5_K (``config MMA=True``; not the default until timed), odd N, K of 4 super-blocks (3 slices
-    asked: slices of 2), a float32 output: within 1e-4 of the largest output of gguf-py's dequantized
-    weight times x, every code's fifth bit included; a residual and block-major blocks through
-    ``gguf_gemv`` give the same bits as stored rows."""
-    from graphdsl.runtime.gguf_blocks import block_major
-    data, ref = random_gguf_weight("Q5_K", 19, 1024, seed=7)
-    data = data.to(DEV)
-    x = _x(m, 1024, dtype, seed=8)
-    out = torch.empty(m, 19, dtype=torch.float32, device=DEV)
-    cfg = {key: v for key, v in _cfg(split).items() if key != "MMA"}
-    gguf_linear.gguf_gemv_mma_rows(x, data, "Q5_K", None, out, None, cfg, 4)
-    want = x.float().cpu() @ ref.T
-    torch.testing.assert_close(out.cpu(), want, rtol=0, atol=1e-4 * want.abs().max().item())
-    res = _x(m, 19, dtype, seed=9)
-    rows = gguf_gemv(x, data, "Q5_K", res, config=_cfg(split))
-    assert torch.equal(gguf_gemv(x, block_major(data, "Q5_K"), "Q5_K", res, config=_cfg(split)), rows)
+    rows = gguf_gemv(x, data, qtype, res, config=_cfg(split))
+    assert torch.equal(gguf_gemv(x, block_major(data, qtype), qtype, res, config=_cfg(split)), rows)
     torch.testing.assert_close(rows.float().cpu(), want + res.float().cpu(), rtol=0,
                                atol=1e-2 * want.abs().max().item())
 
