@@ -432,7 +432,7 @@ def main(argv=None) -> int:
                     help="with gguf-q4_k_m: also its run with several rows on the decoded tiles and dequantize + "
                          "cuBLAS, not a plane a dot (A/B; with --batches)")
     ap.add_argument("--gguf-planes", action="store_true",
-                    help="with gguf-q4_k_m: also its runs with 2-8 rows a plane a dot instead of the several-row "
+                    help="with gguf-q4_k_m: also its runs with 2-16 rows a plane a dot instead of the several-row "
                          "tensor-core kernel, for every type and for Q6_K only (A/B; with --batches)")
     ap.add_argument("--batches", nargs="*", type=int, default=[],
                     help="also the engine decode step and LLM.generate ms a step at these batch sizes (e.g. 8 32 "

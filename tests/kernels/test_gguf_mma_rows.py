@@ -1,4 +1,4 @@
-"""runtime/kernels/gguf_mma_rows.py: 2..8 rows of a Q4_K GEMV on the int8 tensor cores — the rows'
+"""runtime/kernels/gguf_mma_rows.py: 2..16 rows of a Q4_K, Q5_K or Q6_K GEMV on the int8 tensor cores — the rows'
 A operands and the sums against the dequantize-then-matmul reference (CPU interpreter here, compiled
 on a GPU), the SwiGLU and carried-norm epilogues, and ``gguf_gemv``'s choice of it."""
 import pytest
