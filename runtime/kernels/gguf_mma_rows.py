@@ -26,11 +26,11 @@ so a tile's dots cost what the one-row kernel's do for up to 8 rows:
       Σ_k x_mk w_nk = d a_m (256 Σ_s sc_s V_h + Σ_s sc_s V_l) - dmin Σ_s m_s S_ms   (a super-block)
 
   so a sub-block costs each accumulator element two integer multiply-adds and one fma; sm_90 issues
-  422 SASS instructions a super-block step for 8 rows and 567 for 16 (session 49's float32 sums a
-  sub-block, a scale per sub-block and row: 556 and 811).
+  422 SASS instructions a super-block step for 8 rows and 567 for 16 in 32-row tiles of 2 warps
+  (session 49's float32 sums a sub-block, a scale per sub-block and row: 556 and 811).
 * **Q5_K** (176-byte blocks: ``qs`` at byte 48 after ``qh[32]``): as Q4_K, each code ``q`` (0..31) taking
   bit ``s`` of its ``qh`` byte as its fifth (:func:`_codes5`; sm_90: 487 SASS instructions a step for
-  8 rows, 632 for 16, against 1581 for the plane loop). Not ``gguf_gemv``'s default yet (untimed):
+  8 rows, 685 for 16, against 1581 for the plane loop). Not ``gguf_gemv``'s default yet (untimed):
   ``config={"MMA": True, ...}``, or ``gguf_linear._MMA_ROWS_Q5K``.
 * **9-16 rows** hold two groups of 8 in the rows' operand (``[32, 32]``), so the pairs stay in one
   thread: twice the dots and the scaling, the weights decoded once.
