@@ -88,7 +88,7 @@ def main(argv=None) -> int:
     ap.add_argument("--builds", type=int, default=1,
                     help="models built per variant (interleaved); the table gives the mean of their medians")
     ap.add_argument("--quantization", default=None,
-                    help="LLM(quantization=...) for every variant: int4, fp8, ..., gguf-q4_k_m (quant.py's mix), "
+                    help="LLM(quantization=...) for every variant: int4, fp8, ..., gguf-q4_k_m or gguf-q5_k_m (quant.py's mixes), "
                          "or int4-g128-act (act-order int4 in a random input order)")
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():

@@ -79,7 +79,7 @@ def main(argv=None) -> int:
     ap.add_argument("--steps", type=int, default=5)
     ap.add_argument("--batch", type=int, default=1, help="sequences a step (each at --context)")
     ap.add_argument("--quantization", default=None,
-                    help="LLM(quantization=...): int4, fp8, ..., or gguf-q4_k_m (quant.py's mix)")
+                    help="LLM(quantization=...): int4, fp8, ..., gguf-q4_k_m or gguf-q5_k_m (quant.py's mixes)")
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
         print("decode_timeline.py needs a CUDA GPU", file=sys.stderr)

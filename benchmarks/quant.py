@@ -2,6 +2,7 @@
 
     python benchmarks/quant.py [--shape llama-3-8b] [--schemes int4 fp8 int8 gguf-q4_k_m] [--gguf-cuda-cores]
                                [--batches 8 32 64] [--gguf-tiles] [--no-peer] [--out t.md]
+    python benchmarks/quant.py --schemes gguf-q5_k_m --batches 2 8 16 --gguf-q5k-rows --no-peer --no-kernels
 
 1. The batch-1 decode GEMV the engine runs for ``quant_linear``, on the shape's projections (gate_up
    with its SwiGLU epilogue), one CUDA graph replaying it over >= 256 MB of weight copies so every
@@ -16,7 +17,8 @@
    mixtral-8x7b``, whose stacks take the scheme too); bf16 for reference. ``--batches``: the engine
    step at those batch sizes as well (batched decode), each against the roofline with its
    sequences' KV.
-   ``gguf-q4_k_m`` (in ``--schemes``) is a llama.cpp Q4_K_M-style mix kept in GGUF blocks (the
+   ``gguf-q4_k_m`` (in ``--schemes``; ``gguf-q5_k_m`` the same with Q5_K for Q4_K, llama.cpp's
+   Q5_K_M) is a llama.cpp Q4_K_M-style mix kept in GGUF blocks (the
    rule of llama.cpp's ``llama_tensor_get_type`` for ``LLAMA_FTYPE_MOSTLY_Q4_K_M``): every attention
    and MLP matrix Q4_K, but ``attn_v`` and ``ffn_down`` Q6_K in the layers of ``use_more_bits`` (the
    first and last eighth, and every third layer between); MoE experts' gate/up Q4_K and down as the
@@ -202,25 +204,25 @@ def sweep(shape: str, schemes: list[str], copy: float, *, top: int = 3, int_dot_
 
 
 def _use_more_bits(i: int, n: int) -> bool:
-    """llama.cpp's ``use_more_bits``: the layers a Q4_K_M file gives Q6_K attn_v / ffn_down."""
+    """llama.cpp's ``use_more_bits``: the layers a Q4_K_M (Q5_K_M) file gives Q6_K attn_v / ffn_down."""
     return i < n // 8 or i >= 7 * n // 8 or (i - n // 8) % 3 == 2
 
 
-def q4_k_m_types(num_layers: int, experts: dict[str, str] | None = None) -> dict[str, str]:
-    """``{HF tensor name: GGML type}`` of a Llama's attention/MLP matrices in llama.cpp's Q4_K_M mix;
-    ``experts`` (``{checkpoint name: stack parameter}`` of an MoE model's expert pieces) adds them:
-    gate/up Q4_K, down as the dense down of its layer."""
+def k_mix_types(num_layers: int, experts: dict[str, str] | None = None, base: str = "Q4_K") -> dict[str, str]:
+    """``{HF tensor name: GGML type}`` of a Llama's attention/MLP matrices in llama.cpp's Q4_K_M mix
+    (``base`` Q5_K: its Q5_K_M mix, the same rule); ``experts`` (``{checkpoint name: stack parameter}``
+    of an MoE model's expert pieces) adds them: gate/up ``base``, down as the dense down of its layer."""
     types = {}
     for name, param in (experts or {}).items():
         i = int(name.split(".layers.")[1].split(".")[0])
-        types[name] = "Q6_K" if param.endswith("down_proj") and _use_more_bits(i, num_layers) else "Q4_K"
+        types[name] = "Q6_K" if param.endswith("down_proj") and _use_more_bits(i, num_layers) else base
     for i in range(num_layers):
-        more = "Q6_K" if _use_more_bits(i, num_layers) else "Q4_K"
+        more = "Q6_K" if _use_more_bits(i, num_layers) else base
         for proj in ("q_proj", "k_proj", "o_proj"):
-            types[f"model.layers.{i}.self_attn.{proj}.weight"] = "Q4_K"
+            types[f"model.layers.{i}.self_attn.{proj}.weight"] = base
         types[f"model.layers.{i}.self_attn.v_proj.weight"] = more
-        types[f"model.layers.{i}.mlp.gate_proj.weight"] = "Q4_K"
-        types[f"model.layers.{i}.mlp.up_proj.weight"] = "Q4_K"
+        types[f"model.layers.{i}.mlp.gate_proj.weight"] = base
+        types[f"model.layers.{i}.mlp.up_proj.weight"] = base
         types[f"model.layers.{i}.mlp.down_proj.weight"] = more
     return types
 
@@ -237,11 +239,13 @@ def with_fallbacks(types: dict[str, str], inputs: dict[str, int]) -> dict[str, s
 
 
 class _GGUFMix:
-    """While active, ``LLM.from_config(..., quantization="gguf-q4_k_m")`` marks the linears with the
-    Q4_K_M mix through the same rule as a GGUF file (:func:`graphdsl.models.gguf_weights.keep_gguf_blocks`),
-    and the random weights are rounded onto those blocks (``quantize_weights``)."""
+    """While active, ``LLM.from_config(..., quantization="gguf-q4_k_m")`` (``"gguf-q5_k_m"``) marks the
+    linears with the Q4_K_M (Q5_K_M) mix through the same rule as a GGUF file
+    (:func:`graphdsl.models.gguf_weights.keep_gguf_blocks`), and the random weights are rounded onto
+    those blocks (``quantize_weights``)."""
 
     NAME = "gguf-q4_k_m"
+    BASES = {NAME: "Q4_K", "gguf-q5_k_m": "Q5_K"}      # mix -> its type but for the Q6_K attn_v / ffn_down
 
     def __enter__(self):
         import graphdsl.entrypoints.llm as llm_mod
@@ -249,15 +253,15 @@ class _GGUFMix:
         self._mod, self._saved = llm_mod, llm_mod._quantize_model
 
         def mark(model, quantization, tp=None):
-            if quantization != self.NAME:
+            if quantization not in self.BASES:
                 return self._saved(model, quantization, tp)
             table = model.checkpoint_table()
             experts = {n: slot.param for n, slot in table.items() if ".experts." in slot.param}
-            types = q4_k_m_types(model.config.num_hidden_layers, experts)
+            types = k_mix_types(model.config.num_hidden_layers, experts, self.BASES[quantization])
             kept = keep_gguf_blocks(model, with_fallbacks(types, {n: slot.shape[-1] for n, slot in table.items()}))
-            _log(f"{self.NAME}: {len(kept)} weights (linears, expert stacks) in GGUF blocks "
+            _log(f"{quantization}: {len(kept)} weights (linears, expert stacks) in GGUF blocks "
                  f"({sorted(set(kept.values()))})")
-            return self.NAME
+            return quantization
         llm_mod._quantize_model = mark
         return self
 
@@ -391,21 +395,24 @@ def e2e(shape: str, quantization: str | None, copy: float, gen_tokens: int = 64,
 # the Q4_K_M A/B runs: run name -> (gguf_linear switch, value, label). "cuda-cores": every GGUF GEMV on the CUDA cores
 # (the tensor-core GEMV out of reach: the A/B of gguf_mma.py); "tiles": several rows on the decoded tiles up to 16
 # and dequantize + cuBLAS beyond (the A/B of the plane-a-dot GEMV, with --batches); "planes" / "q6k-planes": 2-16 rows
-# (of Q6_K only) a plane a dot (the A/Bs of gguf_mma_rows.py, with --batches)
+# (of Q6_K only) a plane a dot (the A/Bs of gguf_mma_rows.py, with --batches); "q5k-rows": the Q5_K_M mix with its
+# 2-16 Q5_K rows on the tensor-core rows kernel, not yet the default (--gguf-q5k-rows)
 _AB_RUNS = {"cuda-cores": ("MMA_MIN_ROWS", 1 << 40, "CUDA-core GEMVs"),
             "planes": ("_MMA_ROWS", False, "2-16 rows a plane a dot, not the tensor-core rows kernel"),
             "q6k-planes": ("_MMA_ROWS_Q6K", False, "2-16 rows of Q6_K a plane a dot"),
-            "tiles": ("_PLANE_ROWS", False, "several rows: decoded tiles, dequantize + cuBLAS")}
+            "tiles": ("_PLANE_ROWS", False, "several rows: decoded tiles, dequantize + cuBLAS"),
+            "q5k-rows": ("_MMA_ROWS_Q5K", True, "2-16 rows of Q5_K on the tensor-core rows kernel")}
 
 
 def e2e_switched(run: str, shape: str, copy: float, batches: tuple = ()) -> dict:
-    """:func:`e2e` of ``gguf-q4_k_m`` with the ``gguf_linear`` switch of ``_AB_RUNS[run]`` set (and put back)."""
+    """:func:`e2e` of ``gguf-q4_k_m`` (``q5k-rows``: ``gguf-q5_k_m``) with the ``gguf_linear`` switch of
+    ``_AB_RUNS[run]`` set (and put back)."""
     import graphdsl.runtime.kernels.gguf_linear as gl
     attr, value, label = _AB_RUNS[run]
     keep = getattr(gl, attr)
     setattr(gl, attr, value)
     try:
-        res = e2e(shape, _GGUFMix.NAME, copy, batches=batches)
+        res = e2e(shape, "gguf-q5_k_m" if run == "q5k-rows" else _GGUFMix.NAME, copy, batches=batches)
     finally:
         setattr(gl, attr, keep)
     res["name"] += f" ({label})"
@@ -434,6 +441,9 @@ def main(argv=None) -> int:
     ap.add_argument("--gguf-planes", action="store_true",
                     help="with gguf-q4_k_m: also its runs with 2-16 rows a plane a dot instead of the several-row "
                          "tensor-core kernel, for every type and for Q6_K only (A/B; with --batches)")
+    ap.add_argument("--gguf-q5k-rows", action="store_true",
+                    help="with gguf-q5_k_m: also its run with 2-16 rows of Q5_K on the tensor-core rows kernel "
+                         "(not yet the default: the A/B that would make it so; with --batches)")
     ap.add_argument("--batches", nargs="*", type=int, default=[],
                     help="also the engine decode step and LLM.generate ms a step at these batch sizes (e.g. 8 32 "
                          "64: batched decode)")
@@ -445,13 +455,13 @@ def main(argv=None) -> int:
              f"context {CONTEXT}", ""]
     if not args.no_kernels:
         lines += ["| scheme | projection | µs | GB/s | % of copy |", "|---|---|---|---|---|"]
-        lines += kernel_rows(args.shape, [s for s in args.schemes if s != _GGUFMix.NAME], copy)
+        lines += kernel_rows(args.shape, [s for s in args.schemes if s not in _GGUFMix.BASES], copy)
         if _GGUFMix.NAME in args.schemes:
             lines += gguf_kernel_rows(args.shape, copy)
         lines += [""]
     if args.sweep:
         lines += ["| scheme | projection | decode GEMV config | µs | % of copy |", "|---|---|---|---|---|"]
-        lines += sweep(args.shape, [s for s in args.schemes if s != _GGUFMix.NAME], copy,
+        lines += sweep(args.shape, [s for s in args.schemes if s not in _GGUFMix.BASES], copy,
                        int_dot_only=args.int_dot_only) + [""]
     if args.no_e2e:
         print("\n".join(lines))
@@ -467,6 +477,8 @@ def main(argv=None) -> int:
         runs.append("tiles")
     if args.gguf_planes and _GGUFMix.NAME in args.schemes:
         runs += ["planes", "q6k-planes"]
+    if args.gguf_q5k_rows and "gguf-q5_k_m" in args.schemes:
+        runs.append("q5k-rows")
     for q in runs:
         r = e2e_switched(q, args.shape, copy, extra) if q in _AB_RUNS else e2e(args.shape, q, copy, batches=extra)
         lines.append(f"| graphdsl {r['name']} | {r['weight_gb']:.2f} | {r['roof_ms']:.3f} | {r['step_ms']:.3f} | "

@@ -113,3 +113,27 @@ def test_q4_k_m_mix_falls_back_where_rows_hold_no_super_block(quant):
     assert quant.with_fallbacks({"a": "Q6_K", "b": "Q4_K", "c": "Q4_K"}, {"a": 1408, "b": 1408, "c": 2048}) == \
         {"a": "Q8_0", "b": "Q5_0", "c": "Q4_K"}
     assert torch.isfinite(llm.score([1, 2, 3])).all()
+
+
+def test_q5_k_m_mix_is_the_q4_k_m_rule_with_q5_k(quant):
+    """``gguf-q5_k_m`` marks a Llama as llama.cpp's Q5_K_M: every attention and MLP matrix Q5_K but
+    ``attn_v`` and ``ffn_down`` Q6_K in the layers of ``use_more_bits`` (of 4 layers: 2 and 3; a fused
+    qkv then holds both types), and the model scores."""
+    import torch
+
+    from tests.models.hf_tiny import make_config
+    cfg = dict(make_config("llama").to_dict(), hidden_size=256, intermediate_size=512, num_attention_heads=4,
+               num_key_value_heads=2, head_dim=64, num_hidden_layers=4)
+    with quant._GGUFMix():
+        llm = gd.LLM.from_config(cfg, device="cpu", dtype="float32", seed=0, max_model_len=32, max_num_seqs=1,
+                                 quantization="gguf-q5_k_m")
+    schemes = {n: p.quant.name for n, p in llm.model.named_parameters() if getattr(p, "quant", None) is not None}
+    assert [quant._use_more_bits(i, 4) for i in range(4)] == [False, False, True, True]
+    for i in range(4):
+        more = quant._use_more_bits(i, 4)
+        assert schemes[f"model.layers.{i}.self_attn.qkv_proj.weight"] == (
+            "gguf-q5_k.384+q6_k.128" if more else "gguf-q5_k")
+        assert schemes[f"model.layers.{i}.mlp.down_proj.weight"] == ("gguf-q6_k" if more else "gguf-q5_k")
+        assert schemes[f"model.layers.{i}.self_attn.o_proj.weight"] == "gguf-q5_k"
+        assert schemes[f"model.layers.{i}.mlp.gate_up_proj.weight"] == "gguf-q5_k"
+    assert torch.isfinite(llm.score([1, 2, 3])).all()
