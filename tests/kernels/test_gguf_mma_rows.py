@@ -69,7 +69,7 @@ def test_rows_gemv_matches_dequantize_then_matmul(m, split, dtype, block_n):
 
 @pytest.mark.parametrize("qtype,m", [("Q4_K", 9), ("Q4_K", 16), ("Q6_K", 12)])
 def test_nine_to_sixteen_rows_hold_two_groups_of_eight(qtype, m):
-    """9-16 rows (``config MMA=True``; not the default yet): the rows' operands hold two groups of 8
+    """9-16 rows (the default up to ``ROWS_BY_DEFAULT``): the rows' operands hold two groups of 8
     rows; the sums match the float32 reference within 1e-4 of the largest output, split-K included,
     and with SwiGLU (Q4_K) each output row matches the 8-row kernel's on the same rows."""
     data, ref = random_gguf_weight(qtype, 2 * 24, 512, seed=21)
