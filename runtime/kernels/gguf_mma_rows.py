@@ -174,7 +174,7 @@ def q4k_rows_sums(rows, BS, b_lo, b_hi, a_ptr, xa_ptr, xs_ptr, BLOCK_N: tl.const
     m = tl.arange(0, R)
     acc = tl.zeros([BLOCK_N, R], tl.float32)
     for b in range(b_lo, b_hi):
-        blk = rows + b * BS                                # d, dmin @0; scales[12] @4; qs[128] @16
+        blk = rows + b * BS                                # d, dmin @0; scales[12] @4; qs[128] @16 (Q5_K: qh, qs @48)
         words = blk.to(tl.pointer_type(tl.int32))
         dd, w1, w2, w3 = tl.load(words), tl.load(words + 1), tl.load(words + 2), tl.load(words + 3)
         d = (dd & 0xFFFF).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
@@ -189,6 +189,7 @@ def q4k_rows_sums(rows, BS, b_lo, b_hi, a_ptr, xa_ptr, xs_ptr, BLOCK_N: tl.const
             for hi in tl.static_range(2):
                 s = 2 * g + hi
                 a = tl.load(a_ptr + ((b * 8 + s) * 2 * R + r[None, :]) * 32 + c[:, None])   # [32, 2 R]
+                # the sub-block as an expression: the name s is no constexpr here, and _codes5 indexes its PTX by it
                 w = _codes5(codes, qh, 2 * g + hi, EMULATE) if Q5 else _codes(codes, hi == 1, EMULATE)
                 v = tl.dot(w, a, out_dtype=tl.int32)                                   # [BLOCK_N, 2 R]
                 vh, vl = _pair(v, BLOCK_N, R)
