@@ -532,8 +532,8 @@ def _mma_rows(x, data, qtype, add, out, workspace, config, silu_mul, planes, pla
     m, k = x.shape
     if not _rows_possible(x, data, qtype):
         raise GraphDSLError(f"gguf_gemv: config MMA=True with several rows needs 2..{MMA_ROWS} fp16/bf16 rows of "
-                            f"Q4_K, Q5_K or Q6_K (unit inner stride) and 4-byte aligned data, got {m} {x.dtype} rows of "
-                            f"{qtype} at address {data.data_ptr():#x}")
+                            f"Q4_K, Q5_K or Q6_K (unit inner stride) and 4-byte aligned data, got {m} {x.dtype} "
+                            f"rows of {qtype} at address {data.data_ptr():#x}")
     given = [name for name, v in (("planes", planes), ("planes_out", planes_out), ("rms_out", rms_out))
              if v is not None]
     if given or beside:
