@@ -10,8 +10,9 @@ float32 matmul), then prints µs per call, the block bytes per call (weight bloc
 output), the GB/s they make and the % of the device-to-device copy bandwidth measured in the same
 run; and the bf16 cuBLAS GEMV of the same shape (its own bytes) for comparison. The table's launch
 is the CUDA-core one (``_pick_config``); for one row of a type the tensor cores take
-(``gguf_mma.MMA_QTYPES``: Q4_K; and Q6_K, ``gguf_mma_q6k``) the last columns time that path (activation planes launch
-included, ``pick_mma_config``) and its speedup over the CUDA-core launch.
+(``gguf_mma.MMA_QTYPES``: Q4_K; and Q6_K, ``gguf_mma_q6k``; Q5_K on the rows kernel, ``gguf_mma_rows``) the last
+columns time that path (activation planes launch included, ``pick_mma_config`` / ``pick_rows_config``) and its
+speedup over the CUDA-core launch.
 
 Timing is how decode runs them: one CUDA graph replays the GEMV over enough copies of the weight
 to overflow L2 (every launch reads its blocks from HBM), time per launch = replay time / copies.
@@ -252,6 +253,7 @@ def main() -> None:
     from graphdsl.runtime.gguf_blocks import row_bytes
     from graphdsl.runtime.kernels.gguf_mma import MMA_QTYPES, pick_mma_config
     from graphdsl.runtime.kernels.gguf_mma_q6k import pick_q6k_config
+    from graphdsl.runtime.kernels.gguf_mma_rows import pick_rows_config
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--rows", default="1", help="activation rows, comma-separated (<= 16; any with --many)")
     ap.add_argument("--types", default=",".join(TYPES))
@@ -302,8 +304,8 @@ def main() -> None:
                 nbytes = n * row_bytes(qtype, k) + m * k * 2 + m * n * 2      # the file's block bytes
                 gbs = nbytes / (us * 1e-6) / 1e9
                 tc = f"{'-':>7} {'-':>5} {'-':>6}"
-                if m == 1 and (qtype in MMA_QTYPES or qtype == "Q6_K"):   # the tensor-core path
-                    pick = pick_q6k_config if qtype == "Q6_K" else pick_mma_config
+                if m == 1 and (qtype in MMA_QTYPES or qtype in ("Q6_K", "Q5_K")):   # the tensor-core path
+                    pick = {"Q6_K": pick_q6k_config, "Q5_K": pick_rows_config}.get(qtype, pick_mma_config)
                     tcfg = dict(MMA=True, **pick(n, k, _num_sms(x.device)))
                     us_tc = replay_us(lambda: [gguf_gemv(x, d, qtype, config=tcfg) for d in datas], len(datas))
                     tc = f"{us_tc:7.1f} {100 * nbytes / (us_tc * 1e-6) / 1e9 / copy:4.0f}% {us / us_tc:5.2f}x"

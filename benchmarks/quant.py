@@ -2,7 +2,7 @@
 
     python benchmarks/quant.py [--shape llama-3-8b] [--schemes int4 fp8 int8 gguf-q4_k_m] [--gguf-cuda-cores]
                                [--batches 8 32 64] [--gguf-tiles] [--no-peer] [--out t.md]
-    python benchmarks/quant.py --schemes gguf-q5_k_m --batches 2 8 16 --gguf-q5k-rows --no-peer --no-kernels
+    python benchmarks/quant.py --schemes gguf-q5_k_m --batches 2 8 16 --gguf-q5k-off --no-peer --no-kernels
 
 1. The batch-1 decode GEMV the engine runs for ``quant_linear``, on the shape's projections (gate_up
    with its SwiGLU epilogue), one CUDA graph replaying it over >= 256 MB of weight copies so every
@@ -392,29 +392,35 @@ def e2e(shape: str, quantization: str | None, copy: float, gen_tokens: int = 64,
     return res
 
 
-# the Q4_K_M A/B runs: run name -> (gguf_linear switch, value, label). "cuda-cores": every GGUF GEMV on the CUDA cores
+# the Q4_K_M A/B runs: run name -> (gguf_linear switch, or "triton_backend.<switch>", value, label). "cuda-cores": every GGUF GEMV on the CUDA cores
 # (the tensor-core GEMV out of reach: the A/B of gguf_mma.py); "tiles": several rows on the decoded tiles up to 16
 # and dequantize + cuBLAS beyond (the A/B of the plane-a-dot GEMV, with --batches); "planes" / "q6k-planes": 2-16 rows
-# (of Q6_K only) a plane a dot (the A/Bs of gguf_mma_rows.py, with --batches); "q5k-rows": the Q5_K_M mix with its
-# 2-16 Q5_K rows on the tensor-core rows kernel, not yet the default (--gguf-q5k-rows)
+# (of Q6_K only) a plane a dot (the A/Bs of gguf_mma_rows.py, with --batches); "q5k-off": the Q5_K_M mix with its
+# Q5_K rows off the tensor-core rows kernel: one row on the CUDA cores, 2-16 a plane a dot (--gguf-q5k-off);
+# "norm-rows-off": every rows GEMV making its own operands (--gguf-norm-rows-off)
 _AB_RUNS = {"cuda-cores": ("MMA_MIN_ROWS", 1 << 40, "CUDA-core GEMVs"),
             "planes": ("_MMA_ROWS", False, "2-16 rows a plane a dot, not the tensor-core rows kernel"),
             "q6k-planes": ("_MMA_ROWS_Q6K", False, "2-16 rows of Q6_K a plane a dot"),
             "tiles": ("_PLANE_ROWS", False, "several rows: decoded tiles, dequantize + cuBLAS"),
-            "q5k-rows": ("_MMA_ROWS_Q5K", True, "2-16 rows of Q5_K on the tensor-core rows kernel")}
+            "q5k-off": ("_MMA_ROWS_Q5K", False, "Q5_K off the rows kernel: one row on the CUDA cores, 2-16 a "
+                                                "plane a dot"),
+            "norm-rows-off": ("triton_backend._NORM_ROWS_PLANES", False,
+                              "each rows GEMV making its operands, not the RMSNorm before it")}
 
 
 def e2e_switched(run: str, shape: str, copy: float, batches: tuple = ()) -> dict:
-    """:func:`e2e` of ``gguf-q4_k_m`` (``q5k-rows``: ``gguf-q5_k_m``) with the ``gguf_linear`` switch of
+    """:func:`e2e` of ``gguf-q4_k_m`` (``q5k-off``: ``gguf-q5_k_m``) with the ``gguf_linear`` switch of
     ``_AB_RUNS[run]`` set (and put back)."""
+    import graphdsl.runtime.backends.triton_backend as tb
     import graphdsl.runtime.kernels.gguf_linear as gl
     attr, value, label = _AB_RUNS[run]
-    keep = getattr(gl, attr)
-    setattr(gl, attr, value)
+    mod, attr = (tb, attr.split(".")[1]) if attr.startswith("triton_backend.") else (gl, attr)
+    keep = getattr(mod, attr)
+    setattr(mod, attr, value)
     try:
-        res = e2e(shape, "gguf-q5_k_m" if run == "q5k-rows" else _GGUFMix.NAME, copy, batches=batches)
+        res = e2e(shape, "gguf-q5_k_m" if run == "q5k-off" else _GGUFMix.NAME, copy, batches=batches)
     finally:
-        setattr(gl, attr, keep)
+        setattr(mod, attr, keep)
     res["name"] += f" ({label})"
     return res
 
@@ -441,9 +447,12 @@ def main(argv=None) -> int:
     ap.add_argument("--gguf-planes", action="store_true",
                     help="with gguf-q4_k_m: also its runs with 2-16 rows a plane a dot instead of the several-row "
                          "tensor-core kernel, for every type and for Q6_K only (A/B; with --batches)")
-    ap.add_argument("--gguf-q5k-rows", action="store_true",
-                    help="with gguf-q5_k_m: also its run with 2-16 rows of Q5_K on the tensor-core rows kernel "
-                         "(not yet the default: the A/B that would make it so; with --batches)")
+    ap.add_argument("--gguf-q5k-off", action="store_true",
+                    help="with gguf-q5_k_m: also its run with Q5_K off the tensor-core rows kernel (one row on the "
+                         "CUDA cores, 2-16 rows a plane a dot: the A/B of the default)")
+    ap.add_argument("--gguf-norm-rows-off", action="store_true",
+                    help="with gguf-q4_k_m: also its run with each 2-16-row tensor-core GEMV making its own operands, "
+                         "not the RMSNorm before qkv and gate/up (the A/B of norm_rows_planes; with --batches)")
     ap.add_argument("--batches", nargs="*", type=int, default=[],
                     help="also the engine decode step and LLM.generate ms a step at these batch sizes (e.g. 8 32 "
                          "64: batched decode)")
@@ -477,8 +486,10 @@ def main(argv=None) -> int:
         runs.append("tiles")
     if args.gguf_planes and _GGUFMix.NAME in args.schemes:
         runs += ["planes", "q6k-planes"]
-    if args.gguf_q5k_rows and "gguf-q5_k_m" in args.schemes:
-        runs.append("q5k-rows")
+    if args.gguf_norm_rows_off and _GGUFMix.NAME in args.schemes:
+        runs.append("norm-rows-off")
+    if args.gguf_q5k_off and "gguf-q5_k_m" in args.schemes:
+        runs.append("q5k-off")
     for q in runs:
         r = e2e_switched(q, args.shape, copy, extra) if q in _AB_RUNS else e2e(args.shape, q, copy, batches=extra)
         lines.append(f"| graphdsl {r['name']} | {r['weight_gb']:.2f} | {r['roof_ms']:.3f} | {r['step_ms']:.3f} | "

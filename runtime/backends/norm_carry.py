@@ -360,7 +360,7 @@ def _launch_gguf(be, site: Site, p, ins: list, scheme, residual, g, scaled, part
     planes = carry._planes_for(site.slot, scaled.device, n) if takers else None
     (qtype, _, _), = scheme.row_parts(n)
     gguf_gemv(ins[0], ins[1], qtype, residual, out=s_dst, workspace=be.gemv_workspace,
-              planes=_planes_for(be._planes_ready.pop(p, None), qtype),
+              planes=_planes_for(be._planes_ready.pop(p, None), ins[0], ins[1], qtype),
               rms_out=GemvRmsOut(g, scaled, part, planes=planes))
     be._planes_ready.update(dict.fromkeys(takers, planes))
     return _Carried(GemvRmsIn(part, n, float(attrs[site.norm]["eps"])), scaled, s_dst, None, 0)

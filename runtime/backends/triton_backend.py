@@ -364,6 +364,7 @@ def _fused(be: TritonBackend, node, ins, attrs, dsts):
 _NORM_PLANES = True   # a one-row add_rms_norm before Q4_K tensor-core GEMVs also makes their A operand
 _SWIGLU_PLANES = True  # ... and a one-row GGUF gate/up GEMV's SwiGLU epilogue before them (down)
 _SWIGLU_PLANES_Q6K = True  # ... also in the Q6_K GEMV's format, for a Q6_K down on the tensor cores
+_NORM_ROWS_PLANES = True  # an add_rms_norm before GGUF GEMVs on the rows kernel makes their operands (quant.py's A/B)
 
 
 def _add_rms_norm(be: TritonBackend, node, ins, attrs, dsts):
@@ -376,46 +377,56 @@ def _add_rms_norm(be: TritonBackend, node, ins, attrs, dsts):
 
 
 def _norm_planes(be: TritonBackend, node, ins, attrs, dsts) -> bool:
-    """One row's ``add_rms_norm`` read next by GGUF projections whose Q4_K rows run on the tensor
-    cores: :func:`..kernels.gguf_mma.norm_planes` writes the normed row, the sum and their A operand
-    in one launch, and those projections skip their activation launch. The readers must be the
-    nodes right after the norm (views aside), so no other tensor-core GEMV rewrites the operand
-    buffer in between; a reader that does not take it reads the normed row as before. The
-    outputs must not share memory with the inputs: every program reads the whole row."""
+    """An ``add_rms_norm`` read next by GGUF projections that run on the tensor cores: for one row
+    whose Q4_K parts do, :func:`..kernels.gguf_mma.norm_planes` writes the normed row, the sum and
+    their A operand in one launch; for 1..16 rows whose parts run the rows kernel (one row: Q5_K's),
+    :func:`..kernels.gguf_mma_rows.norm_rows_planes` writes the rows' operands (shared by every
+    part: Q4_K, Q5_K and Q6_K read one format). Those projections skip their activation launch.
+    The readers must be the nodes right after the norm (views aside), so no other tensor-core GEMV
+    rewrites the operand buffer in between; a reader that does not take it reads the normed row
+    as before. The outputs must not share memory with the inputs: every program reads a whole row."""
     from ..kernels.gguf_mma import norm_planes
+    from ..kernels.gguf_mma_rows import MMA_ROWS, norm_rows_planes
     from .norm_carry import overlaps
     readers = be.gguf_readers_next(node)
     if not readers:
         return False
     x, res, w = ins
     out, s = dsts
-    k = x.shape[-1]
-    if not all(t.shape == (1, k) and t.is_contiguous() for t in (x, res, out, s)) or k % 256 \
-            or x.dtype not in (torch.float16, torch.bfloat16) or not w.is_contiguous() \
+    m, k = x.shape if x.dim() == 2 else (0, 0)
+    if not 1 <= m <= MMA_ROWS or not all(t.shape == (m, k) and t.is_contiguous() for t in (x, res, out, s)) \
+            or k % 256 or x.dtype not in (torch.float16, torch.bfloat16) or not w.is_contiguous() \
             or {t.dtype for t in (x, res, w, out, s)} != {x.dtype} or not (x.device.type == "cuda" or _interpreting()):
         return False
-    if any(overlaps(o, i) for o in (out, s) for i in (x, res)):     # each program reads the whole row first
+    if any(overlaps(o, i) for o in (out, s) for i in (x, res)):     # each program reads a whole row first
         return False
-    takers = _planes_takers(be, readers, out)
+    one_row = _planes_takers(be, readers, out) if m == 1 else []       # parts on Q4_K's one-row kernel
+    takers = one_row or (_planes_takers(be, readers, out, "rows") if _NORM_ROWS_PLANES else [])   # the rows kernel
     if not takers:
         return False
-    planes = norm_planes(x, res, w, attrs["eps"], out, s, be.gemv_workspace.planes(x.device, k))
+    if one_row:
+        planes = norm_planes(x, res, w, attrs["eps"], out, s, be.gemv_workspace.planes(x.device, k))
+    else:
+        planes = norm_rows_planes(x, res, w, attrs["eps"], out, s, be.gemv_workspace.rows_planes(x.device, k))
     be._planes_ready.update(dict.fromkeys(takers, planes))
     return True
 
 
 def _planes_takers(be: TritonBackend, readers, rows: torch.Tensor, fmt: str = "Q4_K") -> list:
     """The GGUF projections among ``readers`` that run a ``fmt`` (Q4_K, or Q6_K) row part of theirs
-    on the tensor cores for ``rows`` (``[1, K]``): those that read an A operand made for them in
-    that type's format."""
+    on the one-row tensor-core GEMV for ``rows`` (``[1, K]``), or with ``fmt`` "rows" any part on the
+    rows kernel (:func:`..kernels.gguf_linear.on_rows_kernel`): those that read an A operand made for
+    them in that format."""
     from graphdsl.quant import parse_scheme
 
-    from ..kernels.gguf_linear import mma_eligible
+    from ..kernels.gguf_linear import mma_eligible, on_rows_kernel
     takers = []
     for reader in readers:
         scheme = parse_scheme(reader.attrs["scheme"])
         parts = zip([be._values[t] for t in reader.inputs[1:]], scheme.row_parts(reader.attrs["out_features"]))
-        if any(qtype == fmt and mma_eligible(rows, data, qtype) for data, (qtype, _, _) in parts):
+        if any(on_rows_kernel(rows, data, qtype) if fmt == "rows" else
+               qtype == fmt and mma_eligible(rows, data, qtype) and not on_rows_kernel(rows, data, qtype)
+               for data, (qtype, _, _) in parts):
             takers.append(reader)
     return takers
 
@@ -441,9 +452,16 @@ def _swiglu_planes(be: TritonBackend, node, out: torch.Tensor):
     return planes
 
 
-def _planes_for(planes, qtype: str):
-    """``planes`` if they are in ``qtype``'s tensor-core format (three buffers: Q4_K's, two: Q6_K's)."""
-    if planes is not None and (qtype, len(planes)) in (("Q4_K", 3), ("Q6_K", 2)):
+def _planes_for(planes, x: torch.Tensor, data: torch.Tensor, qtype: str):
+    """``planes`` if they are what ``qtype``'s tensor-core GEMV of the rows ``x`` reads (one row: three
+    buffers for Q4_K, two for Q6_K; on the rows kernel: the rows' operands, any type)."""
+    from ..kernels.gguf_linear import on_rows_kernel
+    from ..kernels.gguf_mma_rows import is_rows_planes
+    if planes is None:
+        return None
+    if is_rows_planes(planes):
+        return planes if on_rows_kernel(x, data, qtype) else None
+    if x.shape[0] == 1 and (qtype, len(planes)) in (("Q4_K", 3), ("Q6_K", 2)) and not on_rows_kernel(x, data, qtype):
         return planes
     return None
 
@@ -834,13 +852,14 @@ def _quant_linear(be: TritonBackend, node, ins, attrs, dsts):
         _not_carried(be, node)
     planes = be._planes_ready.pop(node, None)   # made by the kernel before (_norm_planes, _swiglu_planes, a carry)
     if gguf and silu and len(stored) == 1:     # one GGUF type: SwiGLU in the tensor-core GEMV's epilogue
-        from ..kernels.gguf_linear import gguf_gemv, mma_eligible
-        from ..kernels.gguf_mma import MMA_QTYPES
+        from ..kernels.gguf_linear import SWIGLU_QTYPES, gguf_gemv, mma_eligible, on_rows_kernel
         (qtype, _, _), = scheme.row_parts(n)
-        if qtype in MMA_QTYPES and mma_eligible(x2, stored[0], qtype) and x2.stride(-1) == 1 \
-                and out2.stride(-1) == 1:
+        if qtype in SWIGLU_QTYPES and mma_eligible(x2, stored[0], qtype) and x2.stride(-1) == 1 \
+                and out2.stride(-1) == 1:           # (the one-row kernel's epilogue also writes down's operand)
             gguf_gemv(x2, stored[0], qtype, silu_mul=True, out=out2, workspace=be.gemv_workspace,
-                      planes=_planes_for(planes, qtype), planes_out=_swiglu_planes(be, node, out2), rms_in=rms_in)
+                      planes=_planes_for(planes, x2, stored[0], qtype),
+                      planes_out=None if on_rows_kernel(x2, stored[0], qtype) else _swiglu_planes(be, node, out2),
+                      rms_in=rms_in)
             return dsts
     prod = be.workspace(node, ins, attrs).view(-1, n) if silu else out2
     if gguf:                                   # GGUF blocks: their kernel once per row part
@@ -854,7 +873,7 @@ def _quant_linear(be: TritonBackend, node, ins, attrs, dsts):
         for i, (data, (qtype, r0, r1)) in enumerate(parts):
             if on_gemv:                        # straight into the product's columns, the addend's slice added
                 gguf_gemv(x2, data, qtype, None if add2 is None else add2[..., r0:r1], out=prod[:, r0:r1],
-                          workspace=be.gemv_workspace, planes=_planes_for(planes, qtype), rms_in=rms_in,
+                          workspace=be.gemv_workspace, planes=_planes_for(planes, x2, data, qtype), rms_in=rms_in,
                           early_launch=beside and i == 0, beside=beside and i > 0)
             else:
                 prod[:, r0:r1].copy_(gguf_linear(x2, data, qtype))

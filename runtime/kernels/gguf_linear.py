@@ -59,14 +59,14 @@ from .gguf_mma import _CONFIG_KEYS as _MMA_CONFIG_KEYS
 from .gguf_mma import MMA_MIN_ROWS, MMA_QTYPES, gguf_gemv_mma
 from .gguf_mma_q6k import gguf_gemv_q6k
 from .gguf_mma_rows import CONFIG_KEYS as _ROWS_CONFIG_KEYS
-from .gguf_mma_rows import MMA_ROWS, ROWS_BY_DEFAULT, gguf_gemv_mma_rows
+from .gguf_mma_rows import MMA_ROWS, ROWS_BY_DEFAULT, gguf_gemv_mma_rows, is_rows_planes
 from .pdl import pdl_launch, pdl_trigger, pdl_wait
 from .gguf_tiles import (KERNEL_QTYPES, PLANE_QTYPES, decode_tile, k_planes, layout_args, q4k_planes, q6k_plane,
                          q6k_plane_of, q8_0_plane, row_codes, row_dot, row_total, row_zeros)
 from .splitk import meet_rows, meet_tile
 
-__all__ = ["gguf_linear", "gguf_gemv", "gguf_dequantize", "mma_eligible", "gemv_rows", "KERNEL_QTYPES", "MAX_GEMV_ROWS",
-           "MAX_PLANE_ROWS"]
+__all__ = ["gguf_linear", "gguf_gemv", "gguf_dequantize", "mma_eligible", "on_rows_kernel", "gemv_rows",
+           "KERNEL_QTYPES", "MAX_GEMV_ROWS", "MAX_PLANE_ROWS", "SWIGLU_QTYPES"]
 
 MAX_GEMV_ROWS = 16    # rows gguf_gemv takes for any type
 MAX_PLANE_ROWS = 64   # the most it takes for a PLANE_QTYPES weight (a plane a dot; gemv_rows); beyond, gguf_linear
@@ -76,7 +76,10 @@ _FAST_PLANES = True   # their Q4_K / Q6_K planes decoded in fp16/bf16 by packed 
 _Q6K_MMA = True       # one Q6_K row on the tensor cores by default (False: CUDA cores; decode_ab.py's A/B)
 _MMA_ROWS = True      # 2..16 rows of Q4_K / Q6_K on the tensor cores by default (gguf_mma_rows; False: a plane a dot)
 _MMA_ROWS_Q6K = True  # ... Q6_K among them (False: Q6_K a plane a dot; quant.py's A/B)
-_MMA_ROWS_Q5K = False # ... Q5_K among them by default: not yet, untimed (config MMA=True takes it)
+_MMA_ROWS_Q5K = True  # ... Q5_K among them, and its one row (False: one row on the CUDA cores, 2-16 a plane a dot;
+                      # quant.py's A/B)
+_ONE_ROW_ON_ROWS = ("Q5_K",)   # types with no one-row tensor-core kernel: their one row runs the rows kernel
+SWIGLU_QTYPES = ("Q4_K", "Q5_K")   # types whose tensor-core GEMVs take silu_mul
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
 
@@ -359,15 +362,17 @@ def _mma_possible(x: torch.Tensor, data: torch.Tensor, qtype: str) -> bool:
 
 def _rows_possible(x: torch.Tensor, data: torch.Tensor, qtype: str) -> bool:
     """The several-row tensor-core kernel (:mod:`.gguf_mma_rows`) takes 2..``MMA_ROWS`` (16) fp16/bf16
-    rows (unit inner stride) of Q4_K, Q5_K or Q6_K over 4-byte aligned blocks."""
-    return (2 <= x.shape[0] <= MMA_ROWS and (qtype in ("Q4_K", "Q5_K") or qtype == "Q6_K" and _MMA_ROWS_Q6K)
+    rows (unit inner stride) of Q4_K, Q5_K or Q6_K over 4-byte aligned blocks; one row of a type with
+    no one-row tensor-core kernel (``_ONE_ROW_ON_ROWS``: Q5_K)."""
+    low = 1 if qtype in _ONE_ROW_ON_ROWS else 2
+    return (low <= x.shape[0] <= MMA_ROWS and (qtype in ("Q4_K", "Q5_K") or qtype == "Q6_K" and _MMA_ROWS_Q6K)
             and x.dtype != torch.float32 and x.stride(-1) == 1 and data.data_ptr() % 4 == 0)
 
 
 def mma_eligible(x: torch.Tensor, data: torch.Tensor, qtype: str) -> bool:
     """Whether :func:`gguf_gemv` runs ``x @ dequant(data).T`` on the tensor cores by default: when
     :func:`_mma_possible` (one row) or, with ``_MMA_ROWS``, :func:`_rows_possible` up to
-    ``ROWS_BY_DEFAULT`` (16) rows (Q5_K only with ``_MMA_ROWS_Q5K``: untimed), and the
+    ``ROWS_BY_DEFAULT`` (16) rows (Q5_K with ``_MMA_ROWS_Q5K``, one row included), and the
     weight has at least ``MMA_MIN_ROWS`` rows (on the H100 a 1024-row Q4_K GEMV took 6.4 µs on CUDA
     cores, 7.5 on the tensor cores with its activation launch; 4096 rows 12.8 against 11.0; Q6_K's
     1024 rows 6.6 against 6.7-8.5, 4096 rows 16.9 against 12.9)."""
@@ -375,6 +380,13 @@ def mma_eligible(x: torch.Tensor, data: torch.Tensor, qtype: str) -> bool:
              or _MMA_ROWS and x.shape[0] <= ROWS_BY_DEFAULT and (qtype != "Q5_K" or _MMA_ROWS_Q5K)
              and _rows_possible(x, data, qtype))
             and code_rows(data) >= MMA_MIN_ROWS and (qtype != "Q6_K" or _Q6K_MMA))
+
+
+def on_rows_kernel(x: torch.Tensor, data: torch.Tensor, qtype: str) -> bool:
+    """Whether :func:`gguf_gemv` runs ``x @ dequant(data).T`` on the rows kernel (:mod:`.gguf_mma_rows`) by
+    default, which reads the rows' operands (:func:`.gguf_mma_rows.norm_rows_planes` can make them):
+    :func:`mma_eligible` with 2..16 rows, or one row of Q5_K."""
+    return (x.shape[0] > 1 or qtype in _ONE_ROW_ON_ROWS) and mma_eligible(x, data, qtype)
 
 
 def gguf_gemv(x: torch.Tensor, data: torch.Tensor, qtype: str, add: torch.Tensor | None = None, *,
@@ -396,13 +408,15 @@ def gguf_gemv(x: torch.Tensor, data: torch.Tensor, qtype: str, add: torch.Tensor
     :data:`~.gguf_mma.MMA_QTYPES` runs on the int8 tensor cores (:mod:`.gguf_mma`) unless ``config``
     picks a CUDA-core launch (:func:`mma_eligible`); ``config={"MMA": True, "BLOCK_N": ..,
     "SPLIT_K": ..}`` (optionally ``num_warps``, ``num_stages``) sets the tensor-core launch.
-    ``silu_mul`` (tensor-core paths only: 1..16 fp16/bf16 rows of Q4_K, no ``add``): ``data`` holds
+    ``silu_mul`` (tensor-core paths only: 1..16 fp16/bf16 rows of Q4_K or Q5_K, no ``add``): ``data`` holds
     ``[gate | up]`` (``2 I`` rows) and the result ``[M, I]`` is ``silu(x @ gate.T) * (x @ up.T)``,
-    the ``silu_mul`` op fused. 2..16 fp16/bf16 rows of Q4_K or Q6_K run on the tensor cores too by
-    default (:mod:`.gguf_mma_rows`, :func:`mma_eligible`), of Q5_K with ``config={"MMA": True, ...}``.
+    the ``silu_mul`` op fused. 2..16 fp16/bf16 rows of Q4_K, Q5_K or Q6_K run on the tensor cores too by
+    default (:mod:`.gguf_mma_rows`, :func:`mma_eligible`), and so does one row of Q5_K, which has no
+    one-row tensor-core kernel.
     ``planes``: x's tensor-core A operand, already made (Q4_K: :func:`.gguf_mma.norm_planes`, three
-    buffers; Q6_K: a SwiGLU epilogue's ``planes_out``, two); the tensor-core path then skips its
-    activation launch (the CUDA-core path reads x itself).
+    buffers; Q6_K: a SwiGLU epilogue's ``planes_out``, two; 2..16 rows: the rows' operands,
+    :func:`.gguf_mma_rows.norm_rows_planes`); the tensor-core path then skips its activation launch
+    (the CUDA-core path reads x itself).
     ``planes_out`` (``silu_mul``): buffers that also receive the result's own A operand
     (:func:`.gguf_mma.gguf_gemv_mma`; two buffers: the Q6_K format), for the projection that reads
     it next. ``rms_out`` (tensor-core path only: one row, no ``silu_mul``): the epilogue also
@@ -424,13 +438,14 @@ def gguf_gemv(x: torch.Tensor, data: torch.Tensor, qtype: str, add: torch.Tensor
     m, n = x.shape[0], code_rows(data)
     if not 1 <= m <= gemv_rows(qtype):
         raise GraphDSLError(f"gguf_gemv: x needs 1..{gemv_rows(qtype)} rows for {qtype} (gemv_rows), got {m}")
-    rows_mma = m > 1 and (config.get("MMA", False) if config else (silu_mul or mma_eligible(x, data, qtype)))
+    rows_mma = (m > 1 or qtype in _ONE_ROW_ON_ROWS) and (config.get("MMA", False) if config
+                                                          else (silu_mul or mma_eligible(x, data, qtype)))
     if silu_mul:
-        if (qtype not in MMA_QTYPES or not (_mma_possible(x, data, qtype) or _rows_possible(x, data, qtype))
+        if (qtype not in SWIGLU_QTYPES or not (_mma_possible(x, data, qtype) or _rows_possible(x, data, qtype))
                 or add is not None or n % 2 or (config and not config.get("MMA"))):
             raise GraphDSLError(f"gguf_gemv: silu_mul runs on the tensor-core paths only: 1..{MMA_ROWS} fp16/bf16 "
-                                f"rows of {list(MMA_QTYPES)} with an even row count, no add and a config (if any) with "
-                                f"MMA=True; got {m} {x.dtype} rows, {qtype} [{n}, {k}], add={add is not None}, "
+                                f"rows of {list(SWIGLU_QTYPES)} with an even row count, no add and a config (if any) "
+                                f"with MMA=True; got {m} {x.dtype} rows, {qtype} [{n}, {k}], add={add is not None}, "
                                 f"config={config}")
         n //= 2
     if out is None:
@@ -501,7 +516,7 @@ def _mma(x, data, qtype, add, out, workspace, config, silu_mul, planes=None, pla
                             f"address {data.data_ptr():#x}")
     cfg = _mma_config(config, _MMA_CONFIG_KEYS, "")
     want = 2 if qtype == "Q6_K" else 3                    # the planes' format: gguf_mma_q6k's or gguf_mma's
-    if planes is not None and len(planes) != want:
+    if planes is not None and (len(planes) != want or is_rows_planes(planes)):
         raise GraphDSLError(f"gguf_gemv: planes for {qtype} are {want} buffers (its tensor-core GEMV's activation "
                             f"operand), got {len(planes)}")
     if qtype == "Q6_K":
@@ -526,22 +541,26 @@ def _mma_config(config: dict | None, keys: set, what: str) -> dict | None:
 
 def _mma_rows(x, data, qtype, add, out, workspace, config, silu_mul, planes, planes_out, rms_out, rms_in,
               early_launch, beside):
-    """:func:`gguf_gemv` of 2..16 rows on the tensor cores (:mod:`.gguf_mma_rows`), its arguments checked:
-    the one-row operands (``planes``, ``planes_out``, ``rms_out``) and ``beside`` are the one-row and
-    CUDA-core paths' only."""
+    """:func:`gguf_gemv` of 2..16 rows (Q5_K: 1..16) on the tensor cores (:mod:`.gguf_mma_rows`), its arguments checked:
+    ``planes`` must be the rows' operands (:func:`.gguf_mma_rows.norm_rows_planes`); ``planes_out``,
+    ``rms_out`` and ``beside`` are the one-row and CUDA-core paths' only."""
     m, k = x.shape
     if not _rows_possible(x, data, qtype):
         raise GraphDSLError(f"gguf_gemv: config MMA=True with several rows needs 2..{MMA_ROWS} fp16/bf16 rows of "
-                            f"Q4_K, Q5_K or Q6_K (unit inner stride) and 4-byte aligned data, got {m} {x.dtype} "
+                            f"Q4_K, Q5_K or Q6_K (Q5_K: 1..{MMA_ROWS}; unit inner stride) and 4-byte aligned data, "
+                            f"got {m} {x.dtype} "
                             f"rows of {qtype} at address {data.data_ptr():#x}")
-    given = [name for name, v in (("planes", planes), ("planes_out", planes_out), ("rms_out", rms_out))
-             if v is not None]
+    if planes is not None and not (is_rows_planes(planes) and planes[0].shape[0] == k // 32):
+        raise GraphDSLError(f"gguf_gemv: planes for {m} rows are the rows' operands of K={k} inputs "
+                            f"(empty_rows_planes: [{k // 32}, 32, 32] int8 first), got {len(planes)} buffers, the "
+                            f"first {list(planes[0].shape)}")
+    given = [name for name, v in (("planes_out", planes_out), ("rms_out", rms_out)) if v is not None]
     if given or beside:
         raise GraphDSLError(f"gguf_gemv: {', '.join(given + ['beside'] * beside)} take one row (or the CUDA-core "
                             f"path); got {m} rows of {qtype} on the tensor cores")
     cfg = _mma_config(config, _ROWS_CONFIG_KEYS, " and several rows")
     return gguf_gemv_mma_rows(x, data, qtype, add, out, workspace, cfg, _num_sms(x.device), silu_mul, early_launch,
-                              None if rms_in is None else rms_in_args("gguf_gemv", rms_in, m, k))
+                              None if rms_in is None else rms_in_args("gguf_gemv", rms_in, m, k), planes)
 
 
 def gguf_dequantize(data: torch.Tensor, qtype: str, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:

@@ -1,11 +1,13 @@
-"""Two to sixteen rows of a Q4_K, Q5_K or Q6_K GEMV on the int8 tensor cores: ``out = x @ dequant(W).T (+ add)``.
+"""Two to sixteen rows of a Q4_K, Q5_K or Q6_K GEMV (one row of Q5_K too) on the int8 tensor cores: ``out = x @
+dequant(W).T (+ add)``.
 
 The one-row kernel (:mod:`.gguf_mma`) lays a row's 8 sub-blocks block-diagonally on the 16 rows of
 the dot's activation operand; with M rows that would multiply its dots by M. Here each 32-input
 sub-block ``s`` is its own ``tl.dot`` (``mma.sync``: 32 weight rows, under the 64 of a ``wgmma``),
 so a tile's dots cost what the one-row kernel's do for up to 8 rows:
 
-* **Activations** (:func:`_rows_planes_kernel`, one launch per GEMV): per row ``m`` and super-block
+* **Activations** (:func:`_rows_planes_kernel`, one launch per GEMV, or the RMSNorm before it,
+  :func:`norm_rows_planes`): per row ``m`` and super-block
   (256 inputs) one scale ``a_m = max|x| / 32639`` and 16-bit fixed point ``xq = round(x / a_m) = 256 h
   + l``. Sub-block ``s``'s operand is ``[2 R, 32]`` int8, stored contiguously (``[K / 32, 2 R, 32]``,
   ``R`` = 8, 16, ...): per group of 8 rows, row ``m``'s high bytes ``h`` then its low bytes ``l``
@@ -30,8 +32,9 @@ so a tile's dots cost what the one-row kernel's do for up to 8 rows:
   (session 49's float32 sums a sub-block, a scale per sub-block and row: 556 and 811).
 * **Q5_K** (176-byte blocks: ``qs`` at byte 48 after ``qh[32]``): as Q4_K, each code ``q`` (0..31) taking
   bit ``s`` of its ``qh`` byte as its fifth (:func:`_codes5`; sm_90: 487 SASS instructions a step for
-  8 rows, 685 for 16, against 1581 for the plane loop). Not ``gguf_gemv``'s default yet (untimed):
-  ``config={"MMA": True, ...}``, or ``gguf_linear._MMA_ROWS_Q5K``.
+  8 rows, 685 for 16, against 1581 for the plane loop). Q5_K has no one-row tensor-core kernel, so
+  its one row runs here too (the operands' other 7 rows zeros): H200, the 8B gate 23.6 µs at 2 rows
+  against 53.3 a plane a dot (``gguf_linear._MMA_ROWS_Q5K`` switches both off).
 * **9-16 rows** hold two groups of 8 in the rows' operand (``[32, 32]``), so the pairs stay in one
   thread: twice the dots and the scaling, the weights decoded once.
 * **Q6_K** (:func:`q6k_rows_sums`, the stored 224-byte blocks): the same operands of the rows; each
@@ -62,8 +65,8 @@ from .gguf_tiles import layout_args
 from .pdl import pdl_launch, pdl_trigger, pdl_wait
 from .splitk import meet_tile
 
-__all__ = ["MMA_ROWS", "ROWS_BY_DEFAULT", "CONFIG_KEYS", "gguf_gemv_mma_rows", "rows_planes", "empty_rows_planes", "pick_rows_config",
-           "split_for_rows"]
+__all__ = ["MMA_ROWS", "ROWS_BY_DEFAULT", "CONFIG_KEYS", "gguf_gemv_mma_rows", "rows_planes", "empty_rows_planes",
+           "norm_rows_planes", "is_rows_planes", "pick_rows_config", "split_for_rows"]
 
 MMA_ROWS = 16                   # activation rows a launch takes: the rows' operand holds (high, low) bytes x 8 x 2
 ROWS_BY_DEFAULT = 16            # gguf_gemv takes the kernel by default up to this many rows (gguf_linear.mma_eligible)
@@ -97,6 +100,52 @@ def _rows_planes_kernel(x_ptr, stride_xm, M, a_ptr, xa_ptr, xs_ptr, R: tl.conste
     at = (b * 8 + tl.arange(0, 8)[None, :]) * R + tl.arange(0, R)[:, None]
     tl.store(xa_ptr + at, a)
     tl.store(xs_ptr + at, a * tl.sum(xq, axis=2).to(tl.float32))
+
+
+@triton.jit
+def _norm_rows_planes_kernel(x_ptr, res_ptr, w_ptr, out_ptr, sum_ptr, a_ptr, xa_ptr, xs_ptr, M, K, eps,
+                             R: tl.constexpr, BLOCK_K: tl.constexpr, USE_PDL: tl.constexpr):
+    """``add_rms_norm`` of row ``m = program_id(1)`` of ``x, residual [M, K]`` (contiguous) and the rows'
+    operands of super-block ``b = program_id(0)`` of its normed values, in one launch: the program reads
+    the whole row ``s = x + residual`` (rounded to its dtype) for ``r = rsqrt(mean(s²) + eps)``, stores its
+    super-block's ``s`` and ``normed = w · (s · r)`` rounded as the generated kernel (and
+    :func:`.gguf_mma._norm_planes_kernel`) rounds them, and row ``m``'s bytes, ``a_m`` and ``S_ms`` of the
+    super-block as :func:`_rows_planes_kernel` makes them from ``normed``. Programs ``m >= M`` (up to
+    ``R``) store the zeros of the rows past M. The norm weight is read before the PDL wait: no kernel of
+    a step writes it."""
+    b = tl.program_id(0)
+    m = tl.program_id(1)
+    lim = K * (m < M).to(tl.int32)                                     # no input past M
+    sub = tl.arange(0, 8)[:, None]
+    c = tl.arange(0, 32)[None, :]
+    cols = b * 256 + sub * 32 + c                                      # [8 sub-blocks, 32]
+    wv = tl.load(w_ptr + cols).to(tl.float32)
+    pdl_wait(USE_PDL)
+    dt = out_ptr.dtype.element_ty
+    k = tl.arange(0, BLOCK_K)
+    row = m.to(tl.int64) * K
+    ok = k < lim
+    s_all = (tl.load(x_ptr + row + k, mask=ok, other=0.0).to(tl.float32)
+             + tl.load(res_ptr + row + k, mask=ok, other=0.0).to(tl.float32)).to(dt).to(tl.float32)
+    r = tl.rsqrt(tl.sum(s_all * s_all, axis=0) / K + eps)
+    mine = cols < lim
+    s = (tl.load(x_ptr + row + cols, mask=mine, other=0.0).to(tl.float32)
+         + tl.load(res_ptr + row + cols, mask=mine, other=0.0).to(tl.float32)).to(dt)
+    normed = (wv * (s.to(tl.float32) * r).to(dt).to(tl.float32)).to(dt)
+    tl.store(sum_ptr + row + cols, s, mask=mine)
+    tl.store(out_ptr + row + cols, normed, mask=mine)
+    y = normed.to(tl.float32)                                          # zeros past M
+    amax = tl.max(tl.max(tl.abs(y), axis=1), axis=0)
+    inv = tl.where(amax > 0, 32639.0 / tl.maximum(amax, 1e-30), 0.0)
+    xq = tl.floor(y * inv + 0.5).to(tl.int32)
+    h = (xq + 128) >> 8
+    a_sub = a_ptr + ((b * 8 + sub) * 2 * R + 16 * (m // 8) + m % 8) * 32 + c
+    tl.store(a_sub, h.to(tl.int8))
+    tl.store(a_sub + 8 * 32, (xq - 256 * h).to(tl.int8))
+    a = amax / 32639.0 + tl.sum(tl.sum(y - y, axis=1), axis=0) + tl.zeros([8], tl.float32)
+    at = (b * 8 + tl.arange(0, 8)) * R + m
+    tl.store(xa_ptr + at, a)
+    tl.store(xs_ptr + at, a * tl.sum(xq, axis=1).to(tl.float32))
 
 
 _CODES_ASM = tl.constexpr(("and.b32 $0, $1, 0x0F0F0F0F;",
@@ -327,6 +376,25 @@ def rows_planes(x: torch.Tensor, planes: tuple[torch.Tensor, torch.Tensor, torch
     return planes
 
 
+def norm_rows_planes(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float, out: torch.Tensor,
+                     residual_out: torch.Tensor, planes: tuple[torch.Tensor, torch.Tensor, torch.Tensor]) -> tuple:
+    """``add_rms_norm`` of 1..``MMA_ROWS`` rows (``out = rms_norm(x + residual, weight)``, ``residual_out = x
+    + residual``; ``[M, K]`` contiguous fp16/bf16, K a multiple of 256) that also writes ``planes``
+    (:func:`rows_planes` of ``out``, a workspace's buffers) — the launch before a rows GEMV of the normed
+    rows made by the norm's own. Returns ``planes``."""
+    m, k = x.shape
+    _norm_rows_planes_kernel[(k // _SUPER, _rows_for(m))](
+        x, residual, weight, out, residual_out, *planes, m, k, float(eps), R=_rows_for(m),
+        BLOCK_K=triton.next_power_of_2(k), **pdl_launch(x.device))
+    return planes
+
+
+def is_rows_planes(planes) -> bool:
+    """Whether ``planes`` are the rows' operands (:func:`empty_rows_planes`: ``[K / 32, 32, 32]`` int8
+    first), not a one-row tensor-core GEMV's (``[16, K]``)."""
+    return planes is not None and len(planes) == 3 and planes[0].dim() == 3
+
+
 def _rows_for(m: int) -> int:
     """The operands' rows for ``m`` activation rows: 8, or 16 past 8."""
     return 8 if m <= 8 else 16
@@ -361,15 +429,16 @@ def split_for_rows(tiles: int, blocks: int, sms: int, per_sm: int = _TILES[8][2]
 
 def gguf_gemv_mma_rows(x: torch.Tensor, data: torch.Tensor, qtype: str, add: torch.Tensor | None, out: torch.Tensor,
                        workspace, config: dict | None, sms: int, silu_mul: bool = False,
-                       early_launch: bool = False, rms_in_args: dict | None = None) -> torch.Tensor:
-    """``out [M, N] = x [M, K] @ dequant(data).T (+ add)`` for 2..16 fp16/bf16 rows of a Q4_K, Q5_K or (stored)
-    Q6_K weight on the tensor cores; the operands were checked by :func:`.gguf_linear.gguf_gemv`, which
-    calls this. ``workspace``: a :class:`~.gemv.GemvWorkspace` (operands, split-K partials).
-    ``silu_mul`` (Q4_K): ``data`` holds ``[gate | up]`` (``2 N`` rows) and ``out`` gets ``silu(x @
+                       early_launch: bool = False, rms_in_args: dict | None = None, planes=None) -> torch.Tensor:
+    """``out [M, N] = x [M, K] @ dequant(data).T (+ add)`` for 2..16 (Q5_K: 1..16) fp16/bf16 rows of a Q4_K,
+    Q5_K or (stored) Q6_K weight on the tensor cores; the operands were checked by
+    :func:`.gguf_linear.gguf_gemv`, which calls this. ``workspace``: a :class:`~.gemv.GemvWorkspace`
+    (operands, split-K partials). ``silu_mul`` (Q4_K, Q5_K): ``data`` holds ``[gate | up]`` (``2 N`` rows) and ``out`` gets ``silu(x @
     gate.T) * (x @ up.T)``, no ``add``. ``early_launch``: the next kernel launches right after the PDL
     wait (a row part run beside the next: :func:`.gguf_linear.gguf_gemv`). ``rms_in_args``: the launch
     keywords of a carried norm's factor (:func:`.gemv.rms_in_args`; x is a producer's ``y · weight``,
-    each row's sums multiplied by its factor before the epilogue)."""
+    each row's sums multiplied by its factor before the epilogue). ``planes``: the rows' operands of ``x``,
+    already made (:func:`norm_rows_planes`); else this launch makes them (:func:`rows_planes`)."""
     from .gemv import GemvWorkspace
     row_stride, layout = layout_args(data, qtype)
     m, k = x.shape
@@ -380,7 +449,8 @@ def gguf_gemv_mma_rows(x: torch.Tensor, data: torch.Tensor, qtype: str, add: tor
     blocks = k // _SUPER
     per, split = slices(blocks, split)
     ws = workspace or GemvWorkspace()
-    planes = rows_planes(x, ws.rows_planes(x.device, k))
+    if planes is None:
+        planes = rows_planes(x, ws.rows_planes(x.device, k))
     n_tiles = triton.cdiv(rows_n, block_n)
     rr = _rows_for(m)
     part, lock = ws.get(x.device, n_tiles, split, block_n, rows=rr) if split > 1 else (out, out)

@@ -159,10 +159,12 @@ def test_rows_carried_norm_factor_scales_each_row():
     torch.testing.assert_close(got.float().cpu(), want, rtol=0, atol=1e-2 * want.abs().max().item())
 
 
-def test_gguf_gemv_takes_the_rows_kernel_for_2_to_16_q4k_rows(monkeypatch):
-    """By default 2..16 fp16/bf16 rows of a Q4_K or Q6_K weight of at least ``MMA_MIN_ROWS`` rows run
-    the rows kernel; one row, 17 rows (``ROWS_BY_DEFAULT``), Q5_K (``_MMA_ROWS_Q5K`` off: untimed),
-    float32 rows and the switches off (``_MMA_ROWS_Q6K`` for Q6_K, ``_MMA_ROWS``) do not."""
+def test_gguf_gemv_takes_the_rows_kernel_for_2_to_16_rows_and_one_q5k_row(monkeypatch):
+    """By default 2..16 fp16/bf16 rows of a Q4_K, Q5_K or Q6_K weight of at least ``MMA_MIN_ROWS`` rows run
+    the rows kernel, and so does one row of Q5_K (it has no one-row tensor-core kernel); 17 rows
+    (``ROWS_BY_DEFAULT``), float32 rows and the switches off (``_MMA_ROWS_Q5K`` for Q5_K, its one row
+    included; ``_MMA_ROWS_Q6K`` for Q6_K; ``_MMA_ROWS``) do not."""
+    from graphdsl.runtime.kernels.gguf_linear import on_rows_kernel
     calls = []
     monkeypatch.setattr(gguf_linear, "gguf_gemv_mma_rows", lambda x, *a, **kw: calls.append((x.shape[0], a[1])) or a[3])
     monkeypatch.setattr(gguf_linear, "MMA_MIN_ROWS", 32)
@@ -170,23 +172,27 @@ def test_gguf_gemv_takes_the_rows_kernel_for_2_to_16_q4k_rows(monkeypatch):
     q6k, _ = random_gguf_weight("Q6_K", 32, 256, seed=1)
     q5k, _ = random_gguf_weight("Q5_K", 32, 256, seed=1)
     q4k, q5k, q6k = q4k.to(DEV), q5k.to(DEV), to_stored(q6k, "Q6_K").to(DEV)
+    x1, x4 = _x(1, 256, torch.bfloat16, 1), _x(4, 256, torch.bfloat16, 1)
     for m in (2, 8, 16):
         gguf_gemv(_x(m, 256, torch.bfloat16, 1), q4k, "Q4_K")
         assert mma_eligible(_x(m, 256, torch.bfloat16, 1), q4k, "Q4_K")
     gguf_gemv(_x(12, 256, torch.bfloat16, 1), q6k, "Q6_K")
-    assert calls == [(2, "Q4_K"), (8, "Q4_K"), (16, "Q4_K"), (12, "Q6_K")]
+    gguf_gemv(x4, q5k, "Q5_K")
+    gguf_gemv(x1, q5k, "Q5_K")
+    assert calls == [(2, "Q4_K"), (8, "Q4_K"), (16, "Q4_K"), (12, "Q6_K"), (4, "Q5_K"), (1, "Q5_K")]
+    assert on_rows_kernel(x1, q5k, "Q5_K") and on_rows_kernel(x4, q4k, "Q4_K")
+    assert mma_eligible(x1, q4k, "Q4_K") and not on_rows_kernel(x1, q4k, "Q4_K")    # the one-row kernel's
     gguf_gemv(_x(17, 256, torch.bfloat16, 1), q4k, "Q4_K")
-    gguf_gemv(_x(4, 256, torch.bfloat16, 1), q5k, "Q5_K")
-    assert not mma_eligible(_x(4, 256, torch.bfloat16, 1), q5k, "Q5_K")
-    monkeypatch.setattr(gguf_linear, "_MMA_ROWS_Q5K", True)
-    assert mma_eligible(_x(4, 256, torch.bfloat16, 1), q5k, "Q5_K")
     monkeypatch.setattr(gguf_linear, "_MMA_ROWS_Q5K", False)
+    gguf_gemv(x4, q5k, "Q5_K")
+    gguf_gemv(x1, q5k, "Q5_K")
+    assert not mma_eligible(x4, q5k, "Q5_K") and not mma_eligible(x1, q5k, "Q5_K")
     gguf_gemv(_x(4, 256, torch.float32, 1), q4k, "Q4_K")
     monkeypatch.setattr(gguf_linear, "_MMA_ROWS_Q6K", False)
-    gguf_gemv(_x(4, 256, torch.bfloat16, 1), q6k, "Q6_K")
+    gguf_gemv(x4, q6k, "Q6_K")
     monkeypatch.setattr(gguf_linear, "_MMA_ROWS", False)
-    gguf_gemv(_x(4, 256, torch.bfloat16, 1), q4k, "Q4_K")
-    assert len(calls) == 4
+    gguf_gemv(x4, q4k, "Q4_K")
+    assert len(calls) == 6
 
 
 def test_rows_kernel_refuses_what_it_cannot_take():
@@ -195,7 +201,8 @@ def test_rows_kernel_refuses_what_it_cannot_take():
     data, _ = random_gguf_weight("Q4_K", 16, 256, seed=1)
     data = data.to(DEV)
     x = _x(4, 256, torch.bfloat16, seed=2)
-    with pytest.raises(GraphDSLError, match=r"planes take one row .* 4 rows"):
+    with pytest.raises(GraphDSLError, match=r"planes for 4 rows are the rows' operands of K=256 inputs .* the first "
+                                            r"\[16, 256\]"):
         gguf_gemv(x, data, "Q4_K", config=_cfg(), planes=GemvWorkspace().planes(x.device, 256))
     with pytest.raises(GraphDSLError, match=r"2\.\.16 fp16/bf16 rows of Q4_K, Q5_K or Q6_K .* got 17"):
         gguf_gemv(_x(17, 256, torch.bfloat16, 2), data, "Q4_K", config=_cfg())
@@ -207,8 +214,8 @@ def test_rows_kernel_refuses_what_it_cannot_take():
 
 @pytest.mark.parametrize("scheme", ["gguf-q4_k", "gguf-q6_k", "gguf-q5_k"])
 def test_batched_decode_of_a_gguf_model_runs_the_rows_kernel(tmp_path, monkeypatch, scheme):
-    """A Q4_K (Q6_K; Q5_K with ``_MMA_ROWS_Q5K`` on) model decoding 3 sequences at once (``MMA_MIN_ROWS``
-    lowered for the tiny shapes): its projections run the rows kernel (Q4_K's gate/up with its SwiGLU
+    """A Q4_K (Q6_K; Q5_K) model decoding 3 sequences at once (``MMA_MIN_ROWS``
+    lowered for the tiny shapes): its projections run the rows kernel (Q4_K's and Q5_K's gate/up with its SwiGLU
     epilogue), the prefill of their 9 prompt tokens too (padded to 16 rows on a GPU), and each token's
     log-probability matches the run with 2..16 rows a plane a dot (``_MMA_ROWS`` off), token for token,
     within 0.05. float16 activations: the planes path rounds each dequantized weight to the activation
@@ -217,7 +224,6 @@ def test_batched_decode_of_a_gguf_model_runs_the_rows_kernel(tmp_path, monkeypat
     import graphdsl as gd
     from tests.models.hf_tiny import make_checkpoint
     monkeypatch.setattr(gguf_linear, "MMA_MIN_ROWS", 1)
-    monkeypatch.setattr(gguf_linear, "_MMA_ROWS_Q5K", True)
     calls = []
     real = gguf_linear.gguf_gemv_mma_rows
     monkeypatch.setattr(gguf_linear, "gguf_gemv_mma_rows",
@@ -236,9 +242,140 @@ def test_batched_decode_of_a_gguf_model_runs_the_rows_kernel(tmp_path, monkeypat
         ms = {m for m, _ in calls}          # the decode steps' 3 rows and the 9-token prefill (16 rows on a GPU: padded)
         assert (3 in ms and all(m == 3 or 9 <= m <= 16 for m in ms)) if rows else not ms, ms
         if rows:
-            assert any(silu for _, silu in calls) == (scheme == "gguf-q4_k") and not all(silu for _, silu in calls)
+            assert any(silu for _, silu in calls) == (scheme != "gguf-q6_k") and not all(silu for _, silu in calls)
     for got, want in zip(runs[True], runs[False]):
         a, b = got.outputs[0], want.outputs[0]
         assert a.token_ids == b.token_ids
         for la, lb, t in zip(a.logprobs, b.logprobs, a.token_ids):
             assert abs(la[t].logprob - lb[t].logprob) < 0.05, (la[t], lb[t])
+
+
+def _used(planes, m, k):
+    """The part of a rows workspace's buffers that the operands of ``m`` rows fill (8 rows: the first half)."""
+    r = 8 if m <= 8 else 16
+    n = k // 32
+    return [planes[0].reshape(-1)[:n * 2 * r * 32]] + [t.reshape(-1)[:n * r] for t in planes[1:]]
+
+
+@pytest.mark.parametrize("m", [2, 8, 11])
+def test_norm_rows_planes_is_add_rms_norm_and_the_rows_operands_of_its_output(m):
+    """``norm_rows_planes``: the sum and the normed rows as ``add_rms_norm`` gives them (the normed rows
+    within a bf16 unit on a GPU, a few on the CPU interpreter, whose casts truncate), and the rows'
+    operands of that output bit for bit, the rows past M zeroed over a buffer's stale values."""
+    from graphdsl.opdef import get_op
+    from graphdsl.runtime.kernels.gguf_mma_rows import norm_rows_planes
+    k = 512
+    x, res = _x(m, k, torch.bfloat16, seed=30), _x(m, k, torch.bfloat16, seed=31)
+    w = (1 + 0.2 * _x(1, k, torch.float32, seed=32)).to(torch.bfloat16)[0]
+    out, s = torch.empty_like(x), torch.empty_like(x)
+    stale = GemvWorkspace().rows_planes(x.device, k)
+    for t in stale:
+        t.fill_(7)
+    planes = norm_rows_planes(x, res, w, 1e-5, out, s, stale)
+    want_out, want_s = get_op("add_rms_norm").reference(x, res, w, eps=1e-5)
+    torch.testing.assert_close(s.float(), want_s.float(), rtol=0 if DEV == "cuda" else 2 ** -7, atol=0)
+    torch.testing.assert_close(out.float(), want_out.float(), rtol=2 ** -7 if DEV == "cuda" else 2 ** -5, atol=0)
+    for got, want in zip(_used(planes, m, k), _used(rows_planes(out), m, k)):
+        assert torch.equal(got, want)
+
+
+def test_rows_gemv_reads_given_operands():
+    """``gguf_gemv(..., planes=)`` with 2..16 rows: the rows' operands made before (here by
+    ``rows_planes``) give the bits of the launch that makes its own, and skip that launch (operands of
+    other rows, given on purpose, give those rows' product)."""
+    data, _ = random_gguf_weight("Q4_K", 64, 512, seed=33)
+    data = data.to(DEV)
+    x, other = _x(5, 512, torch.bfloat16, seed=34), _x(5, 512, torch.bfloat16, seed=35)
+    want = gguf_gemv(x, data, "Q4_K", config=_cfg(2))
+    assert torch.equal(gguf_gemv(x, data, "Q4_K", config=_cfg(2), planes=rows_planes(x)), want)
+    assert torch.equal(gguf_gemv(x, data, "Q4_K", config=_cfg(2), planes=rows_planes(other)),
+                       gguf_gemv(other, data, "Q4_K", config=_cfg(2)))
+
+
+def test_a_q4_k_m_model_takes_the_rows_operands_from_its_norms(monkeypatch):
+    """A tiny model of the benchmark's Q4_K_M mix (``qkv_proj`` Q4_K rows then Q6_K ``v`` rows in some
+    layers, ``MMA_MIN_ROWS`` lowered so every part runs the rows kernel) decoding 3 sequences, steps
+    eager: with ``_NORM_PLANES`` the ``add_rms_norm`` before qkv and gate/up writes the rows' operands
+    (``norm_rows_planes``; layer 0's first norm, with no residual, is a plain ``rms_norm``), so only
+    o, down and layer 0's qkv parts make their own — against one launch a part without it; greedy
+    tokens equal and their logprobs within 0.02."""
+    import graphdsl as gd
+    from graphdsl.runtime.backends import triton_backend as tb
+    from graphdsl.runtime.kernels import gguf_mma_rows
+    layers = 3
+    llm = _mix_llm("gguf-q4_k_m", 4)
+    monkeypatch.setattr(gguf_linear, "MMA_MIN_ROWS", 1)
+    made, normed = [], []
+    real_rows, real_norm = gguf_mma_rows.rows_planes, gguf_mma_rows.norm_rows_planes
+    monkeypatch.setattr(gguf_mma_rows, "rows_planes", lambda x, *a: made.append(x.shape[0]) or real_rows(x, *a))
+    monkeypatch.setattr(gguf_mma_rows, "norm_rows_planes",
+                        lambda x, *a: normed.append(x.shape[0]) or real_norm(x, *a))
+    params = gd.SamplingParams(max_tokens=3, temperature=0, ignore_eos=True, logprobs=0)
+    prompts = [[5, 9, 2], [7, 1], [3, 3, 8, 4]]
+    got, counts = {}, {}
+    for on in (True, False):
+        monkeypatch.setattr(tb, "_NORM_PLANES", on)
+        made.clear(), normed.clear()
+        got[on] = llm.generate(prompts, params, use_tqdm=False)
+        counts[on] = (len(made), len(normed))
+        assert made and all(2 <= m <= 16 for m in made + normed), (made, normed)
+    forwards = 3                                    # the prefill of 9 rows and two decode steps of 3
+    assert counts[True][1] == forwards * (2 * layers - 1), counts     # layer 0's first norm has no residual
+    assert counts[True][0] in (forwards * (2 * layers + 1), forwards * (2 * layers + 2)), counts  # o, down, layer 0's qkv
+    assert counts[False][1] == 0 and counts[False][0] - counts[True][0] >= counts[True][1], counts
+    for a, b in zip(got[True], got[False]):
+        a, b = a.outputs[0], b.outputs[0]
+        assert a.token_ids == b.token_ids
+        for la, lb, t in zip(a.logprobs, b.logprobs, a.token_ids):
+            assert abs(la[t].logprob - lb[t].logprob) < 0.02, (la[t], lb[t])
+
+
+def _mix_llm(scheme, seqs):
+    """A tiny 3-layer model of the benchmark's ``scheme`` mix (Q4_K_M or Q5_K_M: ``qkv_proj`` in two parts
+    in some layers, ``v`` in Q6_K), float16, steps eager on the Triton backend."""
+    import pathlib
+    import sys
+
+    import graphdsl as gd
+    sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[2] / "benchmarks"))
+    import quant
+    cfg = dict(model_type="llama", architectures=["LlamaForCausalLM"], hidden_size=256, intermediate_size=512,
+               num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2, head_dim=64, vocab_size=128,
+               max_position_embeddings=256, rms_norm_eps=1e-5)
+    with quant._GGUFMix():
+        llm = gd.LLM.from_config(cfg, device=DEV, dtype="float16", seed=0, max_model_len=64, max_num_seqs=seqs,
+                                 quantization=scheme, init_std=0.1)
+    llm.model.configure_runtime(backend="triton", cuda_graphs=False, max_blocks_per_seq=4)
+    return llm
+
+
+def test_a_q5_k_m_model_decodes_one_row_on_the_rows_kernel(monkeypatch):
+    """One sequence of a tiny Q5_K_M model (``MMA_MIN_ROWS`` lowered): each decode step's Q5_K parts run the
+    rows kernel with one row (gate/up with its SwiGLU epilogue), an ``add_rms_norm`` before them writing
+    their operands (``norm_rows_planes``) at least once; greedy tokens equal those with Q5_K off the rows
+    kernel (``_MMA_ROWS_Q5K``: one row's CUDA-core loop), their logprobs within 0.02."""
+    import graphdsl as gd
+    from graphdsl.runtime.kernels import gguf_mma_rows
+    llm = _mix_llm("gguf-q5_k_m", 1)
+    monkeypatch.setattr(gguf_linear, "MMA_MIN_ROWS", 1)
+    calls, normed = [], []
+    real, real_norm = gguf_linear.gguf_gemv_mma_rows, gguf_mma_rows.norm_rows_planes
+    monkeypatch.setattr(gguf_linear, "gguf_gemv_mma_rows", lambda x, data, qtype, *a, **kw: calls.append(
+        (x.shape[0], qtype, a[5] if len(a) > 5 else kw.get("silu_mul", False))) or real(x, data, qtype, *a, **kw))
+    monkeypatch.setattr(gguf_mma_rows, "norm_rows_planes",
+                        lambda x, *a: normed.append(x.shape[0]) or real_norm(x, *a))
+    params = gd.SamplingParams(max_tokens=3, temperature=0, ignore_eos=True, logprobs=0)
+    got = {}
+    for on in (True, False):
+        monkeypatch.setattr(gguf_linear, "_MMA_ROWS_Q5K", on)
+        calls.clear(), normed.clear()
+        got[on] = llm.generate([[5, 9, 2, 7]], params, use_tqdm=False)[0].outputs[0]
+        ones = {(q, silu) for m, q, silu in calls if m == 1}
+        if on:
+            assert ones == {("Q5_K", True), ("Q5_K", False)} and 1 in normed, (calls, normed)
+        else:
+            assert not [c for c in calls if c[1] == "Q5_K"] and 1 not in normed, (calls, normed)
+    a, b = got[True], got[False]
+    assert a.token_ids == b.token_ids
+    for la, lb, t in zip(a.logprobs, b.logprobs, a.token_ids):
+        assert abs(la[t].logprob - lb[t].logprob) < 0.02, (la[t], lb[t])
