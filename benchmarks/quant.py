@@ -397,7 +397,8 @@ def e2e(shape: str, quantization: str | None, copy: float, gen_tokens: int = 64,
 # and dequantize + cuBLAS beyond (the A/B of the plane-a-dot GEMV, with --batches); "planes" / "q6k-planes": 2-16 rows
 # (of Q6_K only) a plane a dot (the A/Bs of gguf_mma_rows.py, with --batches); "q5k-off": the Q5_K_M mix with its
 # Q5_K rows off the tensor-core rows kernel: one row on the CUDA cores, 2-16 a plane a dot (--gguf-q5k-off);
-# "norm-rows-off": every rows GEMV making its own operands (--gguf-norm-rows-off)
+# "norm-rows-off" / "swiglu-rows-off": the rows GEMVs after a norm / down making their own operands
+# (--gguf-norm-rows-off, --gguf-swiglu-rows-off)
 _AB_RUNS = {"cuda-cores": ("MMA_MIN_ROWS", 1 << 40, "CUDA-core GEMVs"),
             "planes": ("_MMA_ROWS", False, "2-16 rows a plane a dot, not the tensor-core rows kernel"),
             "q6k-planes": ("_MMA_ROWS_Q6K", False, "2-16 rows of Q6_K a plane a dot"),
@@ -405,7 +406,9 @@ _AB_RUNS = {"cuda-cores": ("MMA_MIN_ROWS", 1 << 40, "CUDA-core GEMVs"),
             "q5k-off": ("_MMA_ROWS_Q5K", False, "Q5_K off the rows kernel: one row on the CUDA cores, 2-16 a "
                                                 "plane a dot"),
             "norm-rows-off": ("triton_backend._NORM_ROWS_PLANES", False,
-                              "each rows GEMV making its operands, not the RMSNorm before it")}
+                              "each rows GEMV making its operands, not the RMSNorm before it"),
+            "swiglu-rows-off": ("triton_backend._SWIGLU_ROWS_PLANES", False,
+                                "down's rows GEMV making its operands, not gate/up's SwiGLU epilogue")}
 
 
 def e2e_switched(run: str, shape: str, copy: float, batches: tuple = ()) -> dict:
@@ -453,6 +456,9 @@ def main(argv=None) -> int:
     ap.add_argument("--gguf-norm-rows-off", action="store_true",
                     help="with gguf-q4_k_m: also its run with each 2-16-row tensor-core GEMV making its own operands, "
                          "not the RMSNorm before qkv and gate/up (the A/B of norm_rows_planes; with --batches)")
+    ap.add_argument("--gguf-swiglu-rows-off", action="store_true",
+                    help="with gguf-q4_k_m: also its run with down's 2-16-row tensor-core GEMV making its own "
+                         "operands, not gate/up's SwiGLU epilogue (the A/B of planes_out; with --batches)")
     ap.add_argument("--batches", nargs="*", type=int, default=[],
                     help="also the engine decode step and LLM.generate ms a step at these batch sizes (e.g. 8 32 "
                          "64: batched decode)")
@@ -488,6 +494,8 @@ def main(argv=None) -> int:
         runs += ["planes", "q6k-planes"]
     if args.gguf_norm_rows_off and _GGUFMix.NAME in args.schemes:
         runs.append("norm-rows-off")
+    if args.gguf_swiglu_rows_off and _GGUFMix.NAME in args.schemes:
+        runs.append("swiglu-rows-off")
     if args.gguf_q5k_off and "gguf-q5_k_m" in args.schemes:
         runs.append("q5k-off")
     for q in runs:
