@@ -11,12 +11,13 @@ and thread, weight bytes a thread reads per step, their ratio, the barriers (``B
 conversion through shared memory, which makes every warp of the program wait), the top opcodes.
 
     python benchmarks/loop_sass.py [--arch 90] [--launch int4-qkv fp8-gate_up ...] [--no-x-wide] [--no-quads]
-    python benchmarks/loop_sass.py --gguf Q4_K:14336:4096:32 Q6_K:4096:4096:32 [--float32-planes]
+    python benchmarks/loop_sass.py --gguf Q4_K:14336:4096:32 Q6_K:4096:4096:32 Q5_K:14336:4096:8:planes [--float32-planes]
 
 ``--gguf TYPE:N:K:ROWS ...`` counts instead the K loop of ``gguf_linear.gguf_gemv``'s launch for
 ``ROWS`` bf16 activation rows of a block-major GGUF weight (several rows: the plane-a-dot loop; 2-16
-rows of Q4_K or Q6_K, or ``TYPE:N:K:ROWS:mma`` for any type it takes, e.g. Q5_K: the several-row
-tensor-core loop, ``gguf_mma_rows``), per super-block step: instructions, weights a thread, their ratio, the ``HGMMA`` and the
+rows of Q4_K, Q5_K or Q6_K: the several-row tensor-core loop, ``gguf_mma_rows``; ``TYPE:N:K:ROWS:mma``
+that loop for any type it takes, ``TYPE:N:K:ROWS:planes`` the plane-a-dot loop at any row count),
+per super-block step: instructions, weights a thread, their ratio, the ``HGMMA`` and the
 ``WARPGROUP.ARRIVE`` / ``DEPBAR`` pairs around them (one a ``HGMMA``: each waited for), ``BAR.SYNC``; ``--float32-planes`` with the float32 plane decode instead of
 the packed PTX (``gguf_linear._FAST_PLANES`` off).
 
@@ -160,12 +161,12 @@ def _step_bytes(name: str, kwargs: dict) -> int:
     return kwargs["BLOCK_N"] * kwargs["BLOCK_K"] * bits // 8 // threads
 
 
-def capture_gguf(qtype: str, n: int, k: int, rows: int, mma: bool = False):
+def capture_gguf(qtype: str, n: int, k: int, rows: int, how: str = ""):
     """``(kernel, grid, args, kwargs)`` of ``gguf_gemv``'s launch for ``rows`` bf16 rows of a block-major
-    ``qtype [n, k]`` weight — the plane-a-dot GEMV, or for 2-16 rows of Q4_K or Q6_K (or with ``mma``, of
-    any type the kernel takes, at its default launch) the several-row tensor-core GEMV
-    (:mod:`~graphdsl.runtime.kernels.gguf_mma_rows`; its activation launch left out) — recorded from
-    CPU tensors (nothing runs; the kernels are restored)."""
+    ``qtype [n, k]`` weight — the plane-a-dot GEMV, or for 2-16 rows of Q4_K, Q5_K or Q6_K the several-row
+    tensor-core GEMV (:mod:`~graphdsl.runtime.kernels.gguf_mma_rows`; its activation launch left out);
+    ``how`` "mma": that GEMV at its default launch for any type it takes, "planes": the plane-a-dot
+    launch ``_pick_config`` gives — recorded from CPU tensors (nothing runs; the kernels are restored)."""
     import graphdsl.runtime.kernels.gguf_linear as GL
     import graphdsl.runtime.kernels.gguf_mma_rows as GR
     from graphdsl.runtime.kernels.gguf_tiles import KERNEL_QTYPES
@@ -183,7 +184,8 @@ def capture_gguf(qtype: str, n: int, k: int, rows: int, mma: bool = False):
     GL._gguf_gemv_kernel, GL._num_sms = _Recorder(saved[0], True), lambda device: _SMS
     GR._rows_kernel, GR._rows_planes_kernel = _Recorder(saved[2], True), _Recorder(saved[3], False)
     try:
-        config = {"MMA": True, **GR.pick_rows_config(n, k, _SMS, rows)} if mma else None
+        config = ({"MMA": True, **GR.pick_rows_config(n, k, _SMS, rows)} if how == "mma" else
+                  GL._pick_config(rows, n, k, qtype, torch.device("cpu")) if how == "planes" else None)
         GL.gguf_gemv(torch.zeros(rows, k, dtype=torch.bfloat16), torch.zeros(k // per, n, nb, dtype=torch.uint8), qtype,
                      config=config)
     finally:
@@ -204,8 +206,8 @@ def gguf_main(specs: list[str], arch: int, float32_planes: bool) -> int:
     GL._FAST_PLANES = not float32_planes
     try:
         for spec in specs:
-            qtype, n, k, rows, *mma = spec.split(":")
-            kernel, grid, a, kw = capture_gguf(qtype, int(n), int(k), int(rows), mma == ["mma"])
+            qtype, n, k, rows, *how = spec.split(":")
+            kernel, grid, a, kw = capture_gguf(qtype, int(n), int(k), int(rows), "".join(how))
             count, ops = loop_instructions(compile_launch(kernel, a, dict(kw), arch).asm["cubin"])
             values = kw.get("SB", 1) * kw.get("VALUES", 256)           # a step: SB blocks, or one super-block
             weights = kw["BLOCK_N"] * values // (32 * kw["num_warps"])
@@ -226,9 +228,9 @@ def main(argv=None) -> int:
     ap.add_argument("--no-x-wide", action="store_true", help="the activations read 16 bits at a time")
     ap.add_argument("--no-quads", action="store_true",
                     help="int4: the scales and activations loaded as [BLOCK_N, G] / [G, C], not in the quads' layout")
-    ap.add_argument("--gguf", nargs="+", metavar="TYPE:N:K:ROWS[:mma]",
+    ap.add_argument("--gguf", nargs="+", metavar="TYPE:N:K:ROWS[:mma|:planes]",
                     help="count gguf_gemv's several-row loops instead (module docstring); ':mma': the tensor-core "
-                         "rows kernel at its default launch, for any type it takes")
+                         "rows kernel at its default launch, for any type it takes; ':planes': the plane-a-dot loop")
     ap.add_argument("--float32-planes", action="store_true", help="--gguf: the float32 plane decode")
     args = ap.parse_args(argv)
     if os.environ.get("TRITON_INTERPRET") == "1":

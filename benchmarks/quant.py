@@ -397,8 +397,7 @@ def e2e(shape: str, quantization: str | None, copy: float, gen_tokens: int = 64,
 # and dequantize + cuBLAS beyond (the A/B of the plane-a-dot GEMV, with --batches); "planes" / "q6k-planes": 2-16 rows
 # (of Q6_K only) a plane a dot (the A/Bs of gguf_mma_rows.py, with --batches); "q5k-off": the Q5_K_M mix with its
 # Q5_K rows off the tensor-core rows kernel: one row on the CUDA cores, 2-16 a plane a dot (--gguf-q5k-off);
-# "norm-rows-off" / "swiglu-rows-off": the rows GEMVs after a norm / down making their own operands
-# (--gguf-norm-rows-off, --gguf-swiglu-rows-off)
+# "norm-rows-off": the rows GEMVs after a norm making their own operands (--gguf-norm-rows-off)
 _AB_RUNS = {"cuda-cores": ("MMA_MIN_ROWS", 1 << 40, "CUDA-core GEMVs"),
             "planes": ("_MMA_ROWS", False, "2-16 rows a plane a dot, not the tensor-core rows kernel"),
             "q6k-planes": ("_MMA_ROWS_Q6K", False, "2-16 rows of Q6_K a plane a dot"),
@@ -406,18 +405,35 @@ _AB_RUNS = {"cuda-cores": ("MMA_MIN_ROWS", 1 << 40, "CUDA-core GEMVs"),
             "q5k-off": ("_MMA_ROWS_Q5K", False, "Q5_K off the rows kernel: one row on the CUDA cores, 2-16 a "
                                                 "plane a dot"),
             "norm-rows-off": ("triton_backend._NORM_ROWS_PLANES", False,
-                              "each rows GEMV making its operands, not the RMSNorm before it"),
-            "swiglu-rows-off": ("triton_backend._SWIGLU_ROWS_PLANES", False,
-                                "down's rows GEMV making its operands, not gate/up's SwiGLU epilogue")}
+                              "each rows GEMV making its operands, not the RMSNorm before it")}
+
+
+# the A/B flags: flag -> (its runs in _AB_RUNS, the mix they switch, what they change, for --help)
+_AB_FLAGS = {
+    "--gguf-cuda-cores": (["cuda-cores"], _GGUFMix.NAME, "every GEMV on the CUDA cores (A/B)"),
+    "--gguf-tiles": (["tiles"], _GGUFMix.NAME, "several rows on the decoded tiles and dequantize + cuBLAS, not a "
+                                               "plane a dot (A/B; with --batches)"),
+    "--gguf-planes": (["planes", "q6k-planes"], _GGUFMix.NAME, "2-16 rows a plane a dot instead of the several-row "
+                      "tensor-core kernel, for every type and for Q6_K only (A/B; with --batches)"),
+    "--gguf-norm-rows-off": (["norm-rows-off"], _GGUFMix.NAME, "each 2-16-row tensor-core GEMV making its own "
+                             "operands, not the RMSNorm before qkv and gate/up (the A/B of norm_rows_planes)"),
+    "--gguf-q5k-off": (["q5k-off"], "gguf-q5_k_m", "Q5_K off the tensor-core rows kernel (one row on the CUDA cores, "
+                       "2-16 rows a plane a dot: the A/B of the default)"),
+}
+
+
+def switch_target(attr: str) -> tuple:
+    """``(module, name)`` of an ``_AB_RUNS`` switch: ``gguf_linear``'s, or ``triton_backend``'s when it says so."""
+    import graphdsl.runtime.backends.triton_backend as tb
+    import graphdsl.runtime.kernels.gguf_linear as gl
+    return (tb, attr.split(".", 1)[1]) if attr.startswith("triton_backend.") else (gl, attr)
 
 
 def e2e_switched(run: str, shape: str, copy: float, batches: tuple = ()) -> dict:
     """:func:`e2e` of ``gguf-q4_k_m`` (``q5k-off``: ``gguf-q5_k_m``) with the ``gguf_linear`` switch of
     ``_AB_RUNS[run]`` set (and put back)."""
-    import graphdsl.runtime.backends.triton_backend as tb
-    import graphdsl.runtime.kernels.gguf_linear as gl
     attr, value, label = _AB_RUNS[run]
-    mod, attr = (tb, attr.split(".")[1]) if attr.startswith("triton_backend.") else (gl, attr)
+    mod, attr = switch_target(attr)
     keep = getattr(mod, attr)
     setattr(mod, attr, value)
     try:
@@ -442,23 +458,8 @@ def main(argv=None) -> int:
     ap.add_argument("--no-e2e", action="store_true")
     ap.add_argument("--sweep", action="store_true", help="also sweep the decode tile configs")
     ap.add_argument("--int-dot-only", action="store_true", help="with --sweep: int4's INT_DOT launches only")
-    ap.add_argument("--gguf-cuda-cores", action="store_true",
-                    help="with gguf-q4_k_m: also its end-to-end run with every GEMV on the CUDA cores (A/B)")
-    ap.add_argument("--gguf-tiles", action="store_true",
-                    help="with gguf-q4_k_m: also its run with several rows on the decoded tiles and dequantize + "
-                         "cuBLAS, not a plane a dot (A/B; with --batches)")
-    ap.add_argument("--gguf-planes", action="store_true",
-                    help="with gguf-q4_k_m: also its runs with 2-16 rows a plane a dot instead of the several-row "
-                         "tensor-core kernel, for every type and for Q6_K only (A/B; with --batches)")
-    ap.add_argument("--gguf-q5k-off", action="store_true",
-                    help="with gguf-q5_k_m: also its run with Q5_K off the tensor-core rows kernel (one row on the "
-                         "CUDA cores, 2-16 rows a plane a dot: the A/B of the default)")
-    ap.add_argument("--gguf-norm-rows-off", action="store_true",
-                    help="with gguf-q4_k_m: also its run with each 2-16-row tensor-core GEMV making its own operands, "
-                         "not the RMSNorm before qkv and gate/up (the A/B of norm_rows_planes; with --batches)")
-    ap.add_argument("--gguf-swiglu-rows-off", action="store_true",
-                    help="with gguf-q4_k_m: also its run with down's 2-16-row tensor-core GEMV making its own "
-                         "operands, not gate/up's SwiGLU epilogue (the A/B of planes_out; with --batches)")
+    for flag, (_, scheme, text) in _AB_FLAGS.items():
+        ap.add_argument(flag, action="store_true", help=f"with {scheme}: also its run with {text}")
     ap.add_argument("--batches", nargs="*", type=int, default=[],
                     help="also the engine decode step and LLM.generate ms a step at these batch sizes (e.g. 8 32 "
                          "64: batched decode)")
@@ -486,18 +487,9 @@ def main(argv=None) -> int:
               + "".join(f" step ms, batch {b} (% roofline) | LLM.generate ms/step, batch {b} |" for b in extra),
               "|---|---|---|---|---|---|---|---|" + "---|---|" * len(extra)]
     runs = [None] + list(args.schemes)
-    if args.gguf_cuda_cores and _GGUFMix.NAME in args.schemes:
-        runs.append("cuda-cores")
-    if args.gguf_tiles and _GGUFMix.NAME in args.schemes:
-        runs.append("tiles")
-    if args.gguf_planes and _GGUFMix.NAME in args.schemes:
-        runs += ["planes", "q6k-planes"]
-    if args.gguf_norm_rows_off and _GGUFMix.NAME in args.schemes:
-        runs.append("norm-rows-off")
-    if args.gguf_swiglu_rows_off and _GGUFMix.NAME in args.schemes:
-        runs.append("swiglu-rows-off")
-    if args.gguf_q5k_off and "gguf-q5_k_m" in args.schemes:
-        runs.append("q5k-off")
+    for flag, (names, scheme, _) in _AB_FLAGS.items():
+        if getattr(args, flag[2:].replace("-", "_")) and scheme in args.schemes:
+            runs += names
     for q in runs:
         r = e2e_switched(q, args.shape, copy, extra) if q in _AB_RUNS else e2e(args.shape, q, copy, batches=extra)
         lines.append(f"| graphdsl {r['name']} | {r['weight_gb']:.2f} | {r['roof_ms']:.3f} | {r['step_ms']:.3f} | "

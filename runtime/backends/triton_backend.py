@@ -365,7 +365,6 @@ _NORM_PLANES = True   # a one-row add_rms_norm before Q4_K tensor-core GEMVs als
 _SWIGLU_PLANES = True  # ... and a one-row GGUF gate/up GEMV's SwiGLU epilogue before them (down)
 _SWIGLU_PLANES_Q6K = True  # ... also in the Q6_K GEMV's format, for a Q6_K down on the tensor cores
 _NORM_ROWS_PLANES = True  # an add_rms_norm before GGUF GEMVs on the rows kernel makes their operands (quant.py's A/B)
-_SWIGLU_ROWS_PLANES = True  # ... and a rows-kernel gate/up GEMV's SwiGLU epilogue before them (down)
 
 
 def _add_rms_norm(be: TritonBackend, node, ins, attrs, dsts):
@@ -432,23 +431,13 @@ def _planes_takers(be: TritonBackend, readers, rows: torch.Tensor, fmt: str = "Q
     return takers
 
 
-def _swiglu_planes(be: TritonBackend, node, out: torch.Tensor, rows: bool = False):
+def _swiglu_planes(be: TritonBackend, node, out: torch.Tensor):
     """For a one-row GGUF gate/up GEMV with SwiGLU whose output is read next by Q4_K (else Q6_K)
     projections on the tensor cores (``down``): the A operand buffers, in that type's format, its
     epilogue also fills (:func:`..kernels.gguf_mma.gguf_gemv_mma`'s ``planes_out``), marked ready
-    for those readers; else None. ``rows``: the gate/up GEMV runs the rows kernel, whose epilogue
-    fills the rows' operands (:func:`..kernels.gguf_mma_rows.gguf_gemv_mma_rows`) for readers on the
-    rows kernel. As for :func:`_norm_planes`, the readers must be the nodes right after it."""
+    for those readers; else None. As for :func:`_norm_planes`, the readers must be the nodes right
+    after it."""
     from ..kernels.gguf_mma import swiglu_planes_possible
-    if rows:
-        if not _SWIGLU_ROWS_PLANES or out.shape[-1] % 256 or not out.is_contiguous():
-            return None
-        takers = _planes_takers(be, be.gguf_readers_next(node), out, "rows")
-        if not takers:
-            return None
-        planes = be.gemv_workspace.rows_planes(out.device, out.shape[-1])
-        be._planes_ready.update(dict.fromkeys(takers, planes))
-        return planes
     if not _SWIGLU_PLANES or out.shape[0] != 1 or not swiglu_planes_possible(out.shape[-1]):
         return None
     readers = be.gguf_readers_next(node)
@@ -869,7 +858,8 @@ def _quant_linear(be: TritonBackend, node, ins, attrs, dsts):
                 and out2.stride(-1) == 1:           # (the one-row kernel's epilogue also writes down's operand)
             gguf_gemv(x2, stored[0], qtype, silu_mul=True, out=out2, workspace=be.gemv_workspace,
                       planes=_planes_for(planes, x2, stored[0], qtype),
-                      planes_out=_swiglu_planes(be, node, out2, on_rows_kernel(x2, stored[0], qtype)), rms_in=rms_in)
+                      planes_out=None if on_rows_kernel(x2, stored[0], qtype) else _swiglu_planes(be, node, out2),
+                      rms_in=rms_in)
             return dsts
     prod = be.workspace(node, ins, attrs).view(-1, n) if silu else out2
     if gguf:                                   # GGUF blocks: their kernel once per row part

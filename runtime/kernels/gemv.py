@@ -764,15 +764,6 @@ class GemvWorkspace:
                                          torch.empty(k // 16, dtype=torch.float32, device=device))
         return bufs
 
-    def rows_meet(self, device: torch.device, blocks: int) -> torch.Tensor:
-        """``[blocks]`` int32 counters, zeroed once, of a rows GEMV whose SwiGLU epilogue makes its output's
-        operands (:func:`.gguf_mma_rows.gguf_gemv_mma_rows` ``planes_out``): each launch leaves them zero."""
-        key = ("rows_meet", str(device), blocks)
-        buf = self._buffers.get(key)
-        if buf is None:
-            buf = self._buffers[key] = (torch.zeros(blocks, dtype=torch.int32, device=device),)
-        return buf[0]
-
     def rows_planes(self, device: torch.device, k: int):
         """The rows' operands and ``a_m``, ``S_ms`` of the several-row Q4_K / Q5_K / Q6_K tensor-core GEMV
         (:func:`.gguf_mma_rows.empty_rows_planes`: room for 16 rows), one set per (device, k)."""

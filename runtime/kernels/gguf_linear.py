@@ -418,8 +418,8 @@ def gguf_gemv(x: torch.Tensor, data: torch.Tensor, qtype: str, add: torch.Tensor
     :func:`.gguf_mma_rows.norm_rows_planes`); the tensor-core path then skips its activation launch
     (the CUDA-core path reads x itself).
     ``planes_out`` (``silu_mul``): buffers that also receive the result's own A operand
-    (:func:`.gguf_mma.gguf_gemv_mma`; two buffers: the Q6_K format; on the rows kernel the rows'
-    operands, :func:`.gguf_mma_rows.gguf_gemv_mma_rows`), for the projection that reads it next. ``rms_out`` (tensor-core path only: one row, no ``silu_mul``): the epilogue also
+    (:func:`.gguf_mma.gguf_gemv_mma`; two buffers: the Q6_K format), for the projection that reads
+    it next. ``rms_out`` (tensor-core path only: one row, no ``silu_mul``): the epilogue also
     prepares the next RMSNorm (:class:`~.gemv.GemvRmsOut`, its ``planes`` the Q4_K A operand of
     ``scaled``); ``rms_in``: x is such a ``scaled`` and the sums are multiplied by its norm's
     factor (:class:`~.gemv.GemvRmsIn`), on either path.
@@ -516,9 +516,6 @@ def _mma(x, data, qtype, add, out, workspace, config, silu_mul, planes=None, pla
                             f"address {data.data_ptr():#x}")
     cfg = _mma_config(config, _MMA_CONFIG_KEYS, "")
     want = 2 if qtype == "Q6_K" else 3                    # the planes' format: gguf_mma_q6k's or gguf_mma's
-    if planes_out is not None and is_rows_planes(planes_out):
-        raise GraphDSLError(f"gguf_gemv: planes_out for one row of {qtype} on its one-row tensor-core kernel are that "
-                            f"kernel's A operand (gguf_mma.empty_planes), got the rows' operands")
     if planes is not None and (len(planes) != want or is_rows_planes(planes)):
         raise GraphDSLError(f"gguf_gemv: planes for {qtype} are {want} buffers (its tensor-core GEMV's activation "
                             f"operand), got {len(planes)}")
@@ -545,7 +542,7 @@ def _mma_config(config: dict | None, keys: set, what: str) -> dict | None:
 def _mma_rows(x, data, qtype, add, out, workspace, config, silu_mul, planes, planes_out, rms_out, rms_in,
               early_launch, beside):
     """:func:`gguf_gemv` of 2..16 rows (Q5_K: 1..16) on the tensor cores (:mod:`.gguf_mma_rows`), its arguments checked:
-    ``planes`` and ``planes_out`` must be the rows' operands (:func:`.gguf_mma_rows.empty_rows_planes`);
+    ``planes`` must be the rows' operands (:func:`.gguf_mma_rows.norm_rows_planes`); ``planes_out``,
     ``rms_out`` and ``beside`` are the one-row and CUDA-core paths' only."""
     m, k = x.shape
     if not _rows_possible(x, data, qtype):
@@ -557,18 +554,14 @@ def _mma_rows(x, data, qtype, add, out, workspace, config, silu_mul, planes, pla
         raise GraphDSLError(f"gguf_gemv: planes for {m} rows are the rows' operands of K={k} inputs "
                             f"(empty_rows_planes: [{k // 32}, 32, 32] int8 first), got {len(planes)} buffers, the "
                             f"first {list(planes[0].shape)}")
-    if planes_out is not None and not (silu_mul and is_rows_planes(planes_out)
-                                       and planes_out[0].shape[0] == out.shape[1] // 32):
-        raise GraphDSLError(f"gguf_gemv: planes_out for {m} rows are the rows' operands of the {out.shape[1]} outputs "
-                            f"of a silu_mul GEMV (empty_rows_planes: [{out.shape[1] // 32}, 32, 32] int8 first), got "
-                            f"silu_mul={silu_mul}, {len(planes_out)} buffers, the first {list(planes_out[0].shape)}")
-    given = [name for name, v in (("rms_out", rms_out),) if v is not None]
+    given = [name for name, v in (("planes_out", planes_out), ("rms_out", rms_out)) if v is not None]
     if given or beside:
-        raise GraphDSLError(f"gguf_gemv: {', '.join(given + ['beside'] * beside)} take one row (or the CUDA-core "
-                            f"path); got {m} rows of {qtype} on the tensor cores")
+        raise GraphDSLError(f"gguf_gemv: {', '.join(given + ['beside'] * beside)} take the one-row tensor-core "
+                            f"kernels (one row of Q4_K or Q6_K) or the CUDA-core path; got {m} row(s) of {qtype} on "
+                            f"the rows kernel")
     cfg = _mma_config(config, _ROWS_CONFIG_KEYS, " and several rows")
     return gguf_gemv_mma_rows(x, data, qtype, add, out, workspace, cfg, _num_sms(x.device), silu_mul, early_launch,
-                              None if rms_in is None else rms_in_args("gguf_gemv", rms_in, m, k), planes, planes_out)
+                              None if rms_in is None else rms_in_args("gguf_gemv", rms_in, m, k), planes)
 
 
 def gguf_dequantize(data: torch.Tensor, qtype: str, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:

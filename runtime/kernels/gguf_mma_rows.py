@@ -6,8 +6,8 @@ the dot's activation operand; with M rows that would multiply its dots by M. Her
 sub-block ``s`` is its own ``tl.dot`` (``mma.sync``: 32 weight rows, under the 64 of a ``wgmma``),
 so a tile's dots cost what the one-row kernel's do for up to 8 rows:
 
-* **Activations** (:func:`_rows_planes_kernel`, one launch per GEMV; or the RMSNorm before it,
-  :func:`norm_rows_planes`; or the SwiGLU GEMV before it, ``planes_out``): per row ``m`` and super-block
+* **Activations** (:func:`_rows_planes_kernel`, one launch per GEMV, or the RMSNorm before it,
+  :func:`norm_rows_planes`): per row ``m`` and super-block
   (256 inputs) one scale ``a_m = max|x| / 32639`` and 16-bit fixed point ``xq = round(x / a_m) = 256 h
   + l``. Sub-block ``s``'s operand is ``[2 R, 32]`` int8, stored contiguously (``[K / 32, 2 R, 32]``,
   ``R`` = 8, 16, ...): per group of 8 rows, row ``m``'s high bytes ``h`` then its low bytes ``l``
@@ -46,9 +46,7 @@ so a tile's dots cost what the one-row kernel's do for up to 8 rows:
 
 Split-K slices meet in the launch (:mod:`.splitk`); the last adds the residual or bias, or with
 ``SWIGLU`` (``W = [gate | up]``, tile rows ``2 i, 2 i + 1`` the gate and up rows of output ``i``)
-stores ``silu(gate) * up``, rounded as the one-row epilogue rounds it (with ``PLANES_OUT`` the last
-tile of each 256 outputs to store them, counted a block, also makes their operands for the next
-GEMV, reading them back from L2); ``RMS_IN`` multiplies each
+stores ``silu(gate) * up``, rounded as the one-row epilogue rounds it; ``RMS_IN`` multiplies each
 row's sums by its carried norm's factor first. Both launches use programmatic dependent launch
 (:mod:`.pdl`).
 """
@@ -59,8 +57,6 @@ import os
 import torch
 import triton
 import triton.language as tl
-
-from graphdsl.errors import GraphDSLError
 
 from .gemv import rin_tile, rms_factor
 from .gguf_mma import _SUPER, slices
@@ -84,18 +80,15 @@ _MIN_SLICE = 2                  # K slices keep at least this many super-blocks 
 
 
 @triton.jit
-def _block_operands(x_ptr, stride_xm, M, b, a_ptr, xa_ptr, xs_ptr, R: tl.constexpr, CG: tl.constexpr = False):
-    """Super-block ``b`` of the rows ``x [M, K]``: its 8 sub-blocks' ``[2 R, 32]`` operands and each row's
-    ``a_m``, ``S_ms`` (module docstring; ``R`` rows, 8 or 16; zeros for rows ``m >= M``). ``CG``: x read
-    from L2 (written by other programs of this launch)."""
+def _rows_planes_kernel(x_ptr, stride_xm, M, a_ptr, xa_ptr, xs_ptr, R: tl.constexpr, USE_PDL: tl.constexpr):
+    """Super-block ``program_id(0)`` of the rows ``x [M, K]``: its 8 sub-blocks' ``[2 R, 32]`` operands
+    and each row's ``a_m``, ``S_ms`` (module docstring; ``R`` rows, 8 or 16)."""
+    pdl_wait(USE_PDL)
+    b = tl.program_id(0)
     m = tl.arange(0, R)[:, None, None]
     s = tl.arange(0, 8)[None, :, None]
     c = tl.arange(0, 32)[None, None, :]
-    x_at = x_ptr + m * stride_xm + b * 256 + s * 32 + c
-    if CG:
-        x = tl.load(x_at, mask=m < M, other=0.0, cache_modifier=".cg").to(tl.float32)
-    else:
-        x = tl.load(x_at, mask=m < M, other=0.0).to(tl.float32)
+    x = tl.load(x_ptr + m * stride_xm + b * 256 + s * 32 + c, mask=m < M, other=0.0).to(tl.float32)
     amax = tl.max(tl.max(tl.abs(x), axis=2), axis=1)                    # [R rows]: one scale a super-block
     inv = tl.where(amax > 0, 32639.0 / tl.maximum(amax, 1e-30), 0.0)   # |xq| <= 32639: h fits a byte
     xq = tl.floor(x * inv[:, None, None] + 0.5).to(tl.int32)
@@ -107,13 +100,6 @@ def _block_operands(x_ptr, stride_xm, M, b, a_ptr, xa_ptr, xs_ptr, R: tl.constex
     at = (b * 8 + tl.arange(0, 8)[None, :]) * R + tl.arange(0, R)[:, None]
     tl.store(xa_ptr + at, a)
     tl.store(xs_ptr + at, a * tl.sum(xq, axis=2).to(tl.float32))
-
-
-@triton.jit
-def _rows_planes_kernel(x_ptr, stride_xm, M, a_ptr, xa_ptr, xs_ptr, R: tl.constexpr, USE_PDL: tl.constexpr):
-    """Super-block ``program_id(0)`` of the rows ``x [M, K]``: :func:`_block_operands`."""
-    pdl_wait(USE_PDL)
-    _block_operands(x_ptr, stride_xm, M, tl.program_id(0), a_ptr, xa_ptr, xs_ptr, R)
 
 
 @triton.jit
@@ -327,8 +313,6 @@ def _rows_kernel(
     KB: tl.constexpr = False, BYTES: tl.constexpr = 144, KB_STRIDE=0,   # the layout (gguf_tiles.layout_args)
     rin_ptr=None, RIN_CHUNKS=1, rin_inv_n=1.0, rin_eps=0.0,   # RMS_IN: the producer's Σy² partials [M, chunks]
     RMS_IN: tl.constexpr = False, RIN_BLOCK: tl.constexpr = 1,   # the sums times the carried norm's factor (GemvRmsIn)
-    pa_ptr=None, pxa_ptr=None, pxs_ptr=None, meet_ptr=None,   # PLANES_OUT: the output's operands, [N / 256] counters
-    PLANES_OUT: tl.constexpr = False,   # (SWIGLU) the last tile of each 256 outputs makes their operands
 ):
     """out[m, n] = Σ_k x[m, k] dequant(w)[n, k] (+ add) for ``BLOCK_N`` weight rows and every activation
     row over super-blocks ``[pid_s PER, (pid_s + 1) PER)`` (module docstring); weight rows past the
@@ -370,12 +354,6 @@ def _rows_kernel(
         if HAS_ADD:
             y += tl.load(add_ptr + rm[None, :] * stride_am + cols[:, None], mask=ok, other=0.0).to(tl.float32)
         tl.store(out_ptr + rm[None, :] * stride_om + cols[:, None], y.to(dt), mask=ok)
-        if PLANES_OUT:     # the next GEMV's operands, from the stored outputs of the block's 256 // HALF tiles
-            tl.debug_barrier()                                  # this tile's stores before the release
-            sb = pid_n // (512 // BLOCK_N)
-            if tl.atomic_add(meet_ptr + sb, 1, sem="acq_rel") == 512 // BLOCK_N - 1:
-                _block_operands(out_ptr, stride_om, M, sb, pa_ptr, pxa_ptr, pxs_ptr, R, True)
-                tl.atomic_xchg(meet_ptr + sb, 0, sem="relaxed")
 
 
 def empty_rows_planes(k: int, device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -451,8 +429,7 @@ def split_for_rows(tiles: int, blocks: int, sms: int, per_sm: int = _TILES[8][2]
 
 def gguf_gemv_mma_rows(x: torch.Tensor, data: torch.Tensor, qtype: str, add: torch.Tensor | None, out: torch.Tensor,
                        workspace, config: dict | None, sms: int, silu_mul: bool = False,
-                       early_launch: bool = False, rms_in_args: dict | None = None, planes=None,
-                       planes_out=None) -> torch.Tensor:
+                       early_launch: bool = False, rms_in_args: dict | None = None, planes=None) -> torch.Tensor:
     """``out [M, N] = x [M, K] @ dequant(data).T (+ add)`` for 2..16 (Q5_K: 1..16) fp16/bf16 rows of a Q4_K,
     Q5_K or (stored) Q6_K weight on the tensor cores; the operands were checked by
     :func:`.gguf_linear.gguf_gemv`, which calls this. ``workspace``: a :class:`~.gemv.GemvWorkspace`
@@ -461,11 +438,7 @@ def gguf_gemv_mma_rows(x: torch.Tensor, data: torch.Tensor, qtype: str, add: tor
     wait (a row part run beside the next: :func:`.gguf_linear.gguf_gemv`). ``rms_in_args``: the launch
     keywords of a carried norm's factor (:func:`.gemv.rms_in_args`; x is a producer's ``y · weight``,
     each row's sums multiplied by its factor before the epilogue). ``planes``: the rows' operands of ``x``,
-    already made (:func:`norm_rows_planes`); else this launch makes them (:func:`rows_planes`).
-    ``planes_out`` (``silu_mul``, N a multiple of 256): buffers (:func:`empty_rows_planes`) that also
-    receive the rows' operands of ``out``, for the GEMV that reads it next: the last tile to store its
-    outputs of a 256-output block (a counter a block, ``workspace.rows_meet``) makes that block's, as
-    :func:`rows_planes` of ``out`` would."""
+    already made (:func:`norm_rows_planes`); else this launch makes them (:func:`rows_planes`)."""
     from .gemv import GemvWorkspace
     row_stride, layout = layout_args(data, qtype)
     m, k = x.shape
@@ -481,18 +454,11 @@ def gguf_gemv_mma_rows(x: torch.Tensor, data: torch.Tensor, qtype: str, add: tor
     n_tiles = triton.cdiv(rows_n, block_n)
     rr = _rows_for(m)
     part, lock = ws.get(x.device, n_tiles, split, block_n, rows=rr) if split > 1 else (out, out)
-    extra = {}
-    if planes_out is not None:
-        if not silu_mul or n % 256 or 512 % block_n:
-            raise GraphDSLError(f"gguf_gemv: planes_out on the rows kernel needs silu_mul, a multiple of 256 outputs "
-                                f"and BLOCK_N dividing 512, got silu_mul={silu_mul}, {n} outputs, BLOCK_N {block_n}")
-        extra = dict(zip(("pa_ptr", "pxa_ptr", "pxs_ptr"), planes_out), meet_ptr=ws.rows_meet(x.device, n // 256),
-                     PLANES_OUT=True)
     _rows_kernel[(n_tiles, split)](
         *planes, data, add if add is not None else out, out, part, lock, m, n, row_stride, per, split, blocks,
         out.stride(0), 0 if add is None or add.dim() == 1 else add.stride(0),
         QTYPE=qtype, R=rr, BLOCK_N=block_n, SPLIT=split > 1, HAS_ADD=add is not None,
         EMULATE=os.environ.get("TRITON_INTERPRET") == "1", LATE_LAUNCH=n_tiles * split > sms and not early_launch,
         SWIGLU=silu_mul, **layout, **pdl_launch(x.device),
-        **(rms_in_args or {}), **extra, **cfg)
+        **(rms_in_args or {}), **cfg)
     return out

@@ -197,7 +197,8 @@ def test_gguf_gemv_takes_the_rows_kernel_for_2_to_16_rows_and_one_q5k_row(monkey
 
 def test_rows_kernel_refuses_what_it_cannot_take():
     """Errors name the argument and what was given: one-row operands with several rows, more rows
-    than the kernel holds, another type; a config for it must name the tile and the split."""
+    than the kernel holds, another type, the one-row kernel's ``planes_out`` for Q5_K's one row on the
+    rows kernel; a config for it must name the tile and the split."""
     data, _ = random_gguf_weight("Q4_K", 16, 256, seed=1)
     data = data.to(DEV)
     x = _x(4, 256, torch.bfloat16, seed=2)
@@ -210,6 +211,11 @@ def test_rows_kernel_refuses_what_it_cannot_take():
         gguf_gemv(x, data, "Q4_K", config=dict(MMA=True, BLOCK_N=16))
     with pytest.raises(GraphDSLError, match=r"silu_mul runs on the tensor-core paths only: 1\.\.16 .* got 17"):
         gguf_gemv(_x(17, 256, torch.bfloat16, 2), data, "Q4_K", silu_mul=True)
+    q5k, _ = random_gguf_weight("Q5_K", 16, 256, seed=1)
+    with pytest.raises(GraphDSLError, match=r"planes_out take the one-row tensor-core kernels \(one row of Q4_K or "
+                                            r"Q6_K\) or the CUDA-core path; got 1 row\(s\) of Q5_K on the rows kernel"):
+        gguf_gemv(_x(1, 256, torch.bfloat16, 2), q5k.to(DEV), "Q5_K", silu_mul=True, config=_cfg(),
+                  planes_out=GemvWorkspace().planes(x.device, 8))
 
 
 @pytest.mark.parametrize("scheme", ["gguf-q4_k", "gguf-q6_k", "gguf-q5_k"])
@@ -292,46 +298,13 @@ def test_rows_gemv_reads_given_operands():
                        gguf_gemv(other, data, "Q4_K", config=_cfg(2)))
 
 
-@pytest.mark.parametrize("qtype,m,split,block_n", [("Q4_K", 3, 1, 32), ("Q4_K", 12, 3, 64), ("Q5_K", 1, 2, 16)])
-def test_rows_swiglu_epilogue_makes_the_operands_of_its_output(qtype, m, split, block_n):
-    """``gguf_gemv(..., silu_mul=True, planes_out=)`` on the rows kernel: the last tile of each 256 outputs
-    makes their rows' operands, bit for bit ``rows_planes`` of the output (rows past M zeroed over stale
-    values), twice in a row (the counters left at zero); the output itself unchanged. Refused without
-    ``silu_mul`` or with operands of another width."""
-    from graphdsl.runtime.kernels.gguf_mma_rows import empty_rows_planes
-    n, k = 512, 256
-    data, _ = random_gguf_weight(qtype, 2 * n, k, seed=40)
-    data = data.to(DEV)
-    x = _x(m, k, torch.bfloat16, seed=41)
-    cfg = _cfg(split, block_n)
-    want = gguf_gemv(x, data, qtype, silu_mul=True, config=cfg)
-    ws = GemvWorkspace()
-    planes = ws.rows_planes(x.device, n)
-    for t in planes:
-        t.fill_(5)
-    for _ in range(2):
-        got = gguf_gemv(x, data, qtype, silu_mul=True, config=cfg, workspace=ws, planes_out=planes)
-        assert torch.equal(got, want)
-        for a, b in zip(_used(planes, m, n), _used(rows_planes(got), m, n)):
-            assert torch.equal(a, b)
-        assert not ws.rows_meet(x.device, n // 256).any()
-    with pytest.raises(GraphDSLError, match=r"planes_out for 3 rows are the rows' operands of the 1024 outputs of a "
-                                            r"silu_mul GEMV .* got silu_mul=False"):
-        gguf_gemv(_x(3, k, torch.bfloat16, 1), data, qtype, config=cfg, planes_out=planes)
-    with pytest.raises(GraphDSLError, match=r"\[16, 32, 32\] int8 first\), got silu_mul=True, 3 buffers, the first "
-                                            r"\[8, 32, 32\]"):
-        gguf_gemv(_x(3, k, torch.bfloat16, 1), data, qtype, silu_mul=True, config=cfg,
-                  planes_out=empty_rows_planes(k, x.device))
-
-
-def test_a_q4_k_m_model_takes_the_rows_operands_from_its_norms_and_swiglu(monkeypatch):
+def test_a_q4_k_m_model_takes_the_rows_operands_from_its_norms(monkeypatch):
     """A tiny model of the benchmark's Q4_K_M mix (``qkv_proj`` Q4_K rows then Q6_K ``v`` rows in some
     layers, ``MMA_MIN_ROWS`` lowered so every part runs the rows kernel) decoding 3 sequences, steps
     eager: with ``_NORM_PLANES`` the ``add_rms_norm`` before qkv and gate/up writes the rows' operands
-    (``norm_rows_planes``; layer 0's first norm, with no residual, is a plain ``rms_norm``), and with
-    ``_SWIGLU_ROWS_PLANES`` the gate/up GEMV's SwiGLU epilogue writes down's, so only o and layer 0's
-    qkv parts make their own — against one launch a part with both off; greedy tokens equal and their
-    logprobs within 0.02."""
+    (``norm_rows_planes``; layer 0's first norm, with no residual, is a plain ``rms_norm``), so only
+    o, down and layer 0's qkv parts make their own — against one launch a part without it; greedy
+    tokens equal and their logprobs within 0.02."""
     import graphdsl as gd
     from graphdsl.runtime.backends import triton_backend as tb
     from graphdsl.runtime.kernels import gguf_mma_rows
@@ -346,25 +319,21 @@ def test_a_q4_k_m_model_takes_the_rows_operands_from_its_norms_and_swiglu(monkey
     params = gd.SamplingParams(max_tokens=3, temperature=0, ignore_eos=True, logprobs=0)
     prompts = [[5, 9, 2], [7, 1], [3, 3, 8, 4]]
     got, counts = {}, {}
-    runs = ((True, True), (True, False), (False, False))
-    for norm, swiglu in runs:
-        monkeypatch.setattr(tb, "_NORM_PLANES", norm)
-        monkeypatch.setattr(tb, "_SWIGLU_ROWS_PLANES", swiglu)
+    for on in (True, False):
+        monkeypatch.setattr(tb, "_NORM_PLANES", on)
         made.clear(), normed.clear()
-        got[norm, swiglu] = llm.generate(prompts, params, use_tqdm=False)
-        counts[norm, swiglu] = (len(made), len(normed))
+        got[on] = llm.generate(prompts, params, use_tqdm=False)
+        counts[on] = (len(made), len(normed))
         assert made and all(2 <= m <= 16 for m in made + normed), (made, normed)
     forwards = 3                                    # the prefill of 9 rows and two decode steps of 3
-    both, norms, off = (counts[r] for r in runs)
-    assert both[1] == norms[1] == forwards * (2 * layers - 1) and off[1] == 0, counts   # layer 0's first: no residual
-    assert both[0] in (forwards * (layers + 1), forwards * (layers + 2)), counts        # o, layer 0's qkv parts
-    assert norms[0] - both[0] == forwards * layers and off[0] - norms[0] >= norms[1], counts   # down; qkv, gate/up
-    for run in runs[1:]:
-        for a, b in zip(got[runs[0]], got[run]):
-            a, b = a.outputs[0], b.outputs[0]
-            assert a.token_ids == b.token_ids
-            for la, lb, t in zip(a.logprobs, b.logprobs, a.token_ids):
-                assert abs(la[t].logprob - lb[t].logprob) < 0.02, (la[t], lb[t])
+    assert counts[True][1] == forwards * (2 * layers - 1), counts     # layer 0's first norm has no residual
+    assert counts[True][0] in (forwards * (2 * layers + 1), forwards * (2 * layers + 2)), counts  # o, down, layer 0's qkv
+    assert counts[False][1] == 0 and counts[False][0] - counts[True][0] >= counts[True][1], counts
+    for a, b in zip(got[True], got[False]):
+        a, b = a.outputs[0], b.outputs[0]
+        assert a.token_ids == b.token_ids
+        for la, lb, t in zip(a.logprobs, b.logprobs, a.token_ids):
+            assert abs(la[t].logprob - lb[t].logprob) < 0.02, (la[t], lb[t])
 
 
 def _mix_llm(scheme, seqs):

@@ -136,9 +136,11 @@ def test_two_to_sixteen_q4k_rows_are_counted_on_the_rows_kernel(sass):
 
 
 def test_q5k_rows_on_the_tensor_cores_take_a_third_of_the_plane_loops_instructions(sass):
-    """``--gguf Q5_K:N:K:8:mma`` counts the several-row tensor-core GEMV on Q5_K blocks (not the default
-    yet: untimed), which issues under half the instructions a step of the Q5_K plane loop that 8 rows
-    run by default (sm_90: 487 against 1581)."""
-    mma, planes = _table(sass, "Q5_K:14336:4096:8", "--gguf", "Q5_K:14336:4096:8:mma", "Q5_K:14336:4096:8")
-    assert mma[1].startswith("32 x 8") and mma[5] == "0" and int(mma[7]) <= 2
+    """``--gguf Q5_K:N:K:8`` counts the several-row tensor-core GEMV on Q5_K blocks (the default for 2-16
+    rows, as ``:mma`` gives it), which issues under half the instructions a step of the Q5_K plane loop
+    that 8 rows ran before (``:planes``; sm_90: 487 against 1581)."""
+    rows, mma, planes = _table(sass, "Q5_K:14336:4096:8", "--gguf", "Q5_K:14336:4096:8",
+                               "Q5_K:14336:4096:8:mma", "Q5_K:14336:4096:8:planes")
+    assert mma[1].startswith("32 x 8") and mma[5] == "0" and int(mma[7]) <= 2 and rows[1:] == mma[1:]
+    assert planes[1].startswith("64 x 16")
     assert int(mma[2]) < 0.5 * int(planes[2]), (mma, planes)

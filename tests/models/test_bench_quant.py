@@ -137,3 +137,14 @@ def test_q5_k_m_mix_is_the_q4_k_m_rule_with_q5_k(quant):
         assert schemes[f"model.layers.{i}.self_attn.o_proj.weight"] == "gguf-q5_k"
         assert schemes[f"model.layers.{i}.mlp.gate_up_proj.weight"] == "gguf-q5_k"
     assert torch.isfinite(llm.score([1, 2, 3])).all()
+
+
+def test_every_ab_flag_switches_a_knob_that_exists(quant):
+    """Each A/B flag's runs are in ``_AB_RUNS``, and each run's switch is a module attribute of
+    ``gguf_linear`` (or ``triton_backend.``) whose value differs from the one the run sets, so no flag
+    names a knob that an edit renamed or a run that changes nothing."""
+    names = [n for runs, _, _ in quant._AB_FLAGS.values() for n in runs]
+    assert sorted(names) == sorted(quant._AB_RUNS)
+    for attr, value, _ in quant._AB_RUNS.values():
+        mod, name = quant.switch_target(attr)
+        assert getattr(mod, name) != value, attr
