@@ -11,7 +11,8 @@ and thread, weight bytes a thread reads per step, their ratio, the barriers (``B
 conversion through shared memory, which makes every warp of the program wait), the top opcodes.
 
     python benchmarks/loop_sass.py [--arch 90] [--launch int4-qkv fp8-gate_up ...] [--no-x-wide] [--no-quads]
-    python benchmarks/loop_sass.py --gguf Q4_K:14336:4096:32 Q6_K:4096:4096:32 Q5_K:14336:4096:8:planes [--float32-planes]
+    python benchmarks/loop_sass.py --gguf Q4_K:14336:4096:32 Q6_K:4096:4096:32 [--float32-planes]
+    python benchmarks/loop_sass.py --gguf Q8_0:14336:4096:8:mma Q8_0:14336:4096:8:planes
 
 ``--gguf TYPE:N:K:ROWS ...`` counts instead the K loop of ``gguf_linear.gguf_gemv``'s launch for
 ``ROWS`` bf16 activation rows of a block-major GGUF weight (several rows: the plane-a-dot loop; 2-16

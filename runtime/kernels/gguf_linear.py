@@ -78,8 +78,9 @@ _MMA_ROWS = True      # 2..16 rows of Q4_K / Q6_K on the tensor cores by default
 _MMA_ROWS_Q6K = True  # ... Q6_K among them (False: Q6_K a plane a dot; quant.py's A/B)
 _MMA_ROWS_Q5K = True  # ... Q5_K among them, and its one row (False: one row on the CUDA cores, 2-16 a plane a dot;
                       # quant.py's A/B)
-_ONE_ROW_ON_ROWS = ("Q5_K",)   # types with no one-row tensor-core kernel: their one row runs the rows kernel
-SWIGLU_QTYPES = ("Q4_K", "Q5_K")   # types whose tensor-core GEMVs take silu_mul
+_MMA_ROWS_Q8_0 = False # ... Q8_0 among them, and its one row: not yet, untimed (config MMA=True takes it)
+_ONE_ROW_ON_ROWS = ("Q5_K", "Q8_0")   # types with no one-row tensor-core kernel: their one row runs the rows kernel
+SWIGLU_QTYPES = ("Q4_K", "Q5_K", "Q8_0")   # types whose tensor-core GEMVs take silu_mul
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
 
@@ -362,22 +363,25 @@ def _mma_possible(x: torch.Tensor, data: torch.Tensor, qtype: str) -> bool:
 
 def _rows_possible(x: torch.Tensor, data: torch.Tensor, qtype: str) -> bool:
     """The several-row tensor-core kernel (:mod:`.gguf_mma_rows`) takes 2..``MMA_ROWS`` (16) fp16/bf16
-    rows (unit inner stride) of Q4_K, Q5_K or Q6_K over 4-byte aligned blocks; one row of a type with
-    no one-row tensor-core kernel (``_ONE_ROW_ON_ROWS``: Q5_K)."""
+    rows (unit inner stride) of Q4_K, Q5_K, Q6_K or Q8_0 over 4-byte aligned blocks; one row of a type
+    with no one-row tensor-core kernel (``_ONE_ROW_ON_ROWS``: Q5_K, Q8_0)."""
     low = 1 if qtype in _ONE_ROW_ON_ROWS else 2
-    return (low <= x.shape[0] <= MMA_ROWS and (qtype in ("Q4_K", "Q5_K") or qtype == "Q6_K" and _MMA_ROWS_Q6K)
+    types = ("Q4_K", "Q5_K", "Q8_0") + (("Q6_K",) if _MMA_ROWS_Q6K else ())
+    return (low <= x.shape[0] <= MMA_ROWS and qtype in types
             and x.dtype != torch.float32 and x.stride(-1) == 1 and data.data_ptr() % 4 == 0)
 
 
 def mma_eligible(x: torch.Tensor, data: torch.Tensor, qtype: str) -> bool:
     """Whether :func:`gguf_gemv` runs ``x @ dequant(data).T`` on the tensor cores by default: when
     :func:`_mma_possible` (one row) or, with ``_MMA_ROWS``, :func:`_rows_possible` up to
-    ``ROWS_BY_DEFAULT`` (16) rows (Q5_K with ``_MMA_ROWS_Q5K``, one row included), and the
+    ``ROWS_BY_DEFAULT`` (16) rows (Q5_K with ``_MMA_ROWS_Q5K``, Q8_0 with ``_MMA_ROWS_Q8_0``: untimed,
+    off; one row included), and the
     weight has at least ``MMA_MIN_ROWS`` rows (on the H100 a 1024-row Q4_K GEMV took 6.4 µs on CUDA
     cores, 7.5 on the tensor cores with its activation launch; 4096 rows 12.8 against 11.0; Q6_K's
     1024 rows 6.6 against 6.7-8.5, 4096 rows 16.9 against 12.9)."""
     return ((_mma_possible(x, data, qtype)
              or _MMA_ROWS and x.shape[0] <= ROWS_BY_DEFAULT and (qtype != "Q5_K" or _MMA_ROWS_Q5K)
+             and (qtype != "Q8_0" or _MMA_ROWS_Q8_0)
              and _rows_possible(x, data, qtype))
             and code_rows(data) >= MMA_MIN_ROWS and (qtype != "Q6_K" or _Q6K_MMA))
 
@@ -408,11 +412,11 @@ def gguf_gemv(x: torch.Tensor, data: torch.Tensor, qtype: str, add: torch.Tensor
     :data:`~.gguf_mma.MMA_QTYPES` runs on the int8 tensor cores (:mod:`.gguf_mma`) unless ``config``
     picks a CUDA-core launch (:func:`mma_eligible`); ``config={"MMA": True, "BLOCK_N": ..,
     "SPLIT_K": ..}`` (optionally ``num_warps``, ``num_stages``) sets the tensor-core launch.
-    ``silu_mul`` (tensor-core paths only: 1..16 fp16/bf16 rows of Q4_K or Q5_K, no ``add``): ``data`` holds
+    ``silu_mul`` (tensor-core paths only: 1..16 fp16/bf16 rows of Q4_K, Q5_K or Q8_0, no ``add``): ``data`` holds
     ``[gate | up]`` (``2 I`` rows) and the result ``[M, I]`` is ``silu(x @ gate.T) * (x @ up.T)``,
     the ``silu_mul`` op fused. 2..16 fp16/bf16 rows of Q4_K, Q5_K or Q6_K run on the tensor cores too by
     default (:mod:`.gguf_mma_rows`, :func:`mma_eligible`), and so does one row of Q5_K, which has no
-    one-row tensor-core kernel.
+    one-row tensor-core kernel; Q8_0's rows (one too) with ``config={"MMA": True, ...}`` (untimed).
     ``planes``: x's tensor-core A operand, already made (Q4_K: :func:`.gguf_mma.norm_planes`, three
     buffers; Q6_K: a SwiGLU epilogue's ``planes_out``, two; 2..16 rows: the rows' operands,
     :func:`.gguf_mma_rows.norm_rows_planes`); the tensor-core path then skips its activation launch
@@ -541,15 +545,15 @@ def _mma_config(config: dict | None, keys: set, what: str) -> dict | None:
 
 def _mma_rows(x, data, qtype, add, out, workspace, config, silu_mul, planes, planes_out, rms_out, rms_in,
               early_launch, beside):
-    """:func:`gguf_gemv` of 2..16 rows (Q5_K: 1..16) on the tensor cores (:mod:`.gguf_mma_rows`), its arguments checked:
+    """:func:`gguf_gemv` of 2..16 rows (Q5_K, Q8_0: 1..16) on the tensor cores (:mod:`.gguf_mma_rows`), its arguments
+    checked:
     ``planes`` must be the rows' operands (:func:`.gguf_mma_rows.norm_rows_planes`); ``planes_out``,
     ``rms_out`` and ``beside`` are the one-row and CUDA-core paths' only."""
     m, k = x.shape
     if not _rows_possible(x, data, qtype):
         raise GraphDSLError(f"gguf_gemv: config MMA=True with several rows needs 2..{MMA_ROWS} fp16/bf16 rows of "
-                            f"Q4_K, Q5_K or Q6_K (Q5_K: 1..{MMA_ROWS}; unit inner stride) and 4-byte aligned data, "
-                            f"got {m} {x.dtype} "
-                            f"rows of {qtype} at address {data.data_ptr():#x}")
+                            f"Q4_K, Q5_K, Q6_K or Q8_0 (Q5_K, Q8_0: 1..{MMA_ROWS}; unit inner stride) and 4-byte "
+                            f"aligned data, got {m} {x.dtype} rows of {qtype} at address {data.data_ptr():#x}")
     if planes is not None and not (is_rows_planes(planes) and planes[0].shape[0] == k // 32):
         raise GraphDSLError(f"gguf_gemv: planes for {m} rows are the rows' operands of K={k} inputs "
                             f"(empty_rows_planes: [{k // 32}, 32, 32] int8 first), got {len(planes)} buffers, the "

@@ -1,5 +1,5 @@
-"""Two to sixteen rows of a Q4_K, Q5_K or Q6_K GEMV (one row of Q5_K too) on the int8 tensor cores: ``out = x @
-dequant(W).T (+ add)``.
+"""Two to sixteen rows of a Q4_K, Q5_K, Q6_K or Q8_0 GEMV (one row of Q5_K and Q8_0 too) on the int8 tensor cores:
+``out = x @ dequant(W).T (+ add)``.
 
 The one-row kernel (:mod:`.gguf_mma`) lays a row's 8 sub-blocks block-diagonally on the 16 rows of
 the dot's activation operand; with M rows that would multiply its dots by M. Here each 32-input
@@ -35,6 +35,11 @@ so a tile's dots cost what the one-row kernel's do for up to 8 rows:
   8 rows, 685 for 16, against 1581 for the plane loop). Q5_K has no one-row tensor-core kernel, so
   its one row runs here too (the operands' other 7 rows zeros): H200, the 8B gate 23.6 µs at 2 rows
   against 53.3 a plane a dot (``gguf_linear._MMA_ROWS_Q5K`` switches both off).
+* **Q8_0** (:func:`q8_0_rows_sums`, 34-byte blocks, 2-byte aligned): the rows' super-block is 8 blocks;
+  each block's 32 int8 codes are the dot's A operand as they are (two to a 16-bit load), and its
+  float16 ``d`` scales its sums in float32 (605 SASS instructions a step for 8 rows, against 2086
+  for the plane loop). Untimed, so off by default (``gguf_linear._MMA_ROWS_Q8_0``; ``config={"MMA":
+  True, ...}`` takes it), one row included.
 * **9-16 rows** hold two groups of 8 in the rows' operand (``[32, 32]``), so the pairs stay in one
   thread: twice the dots and the scaling, the weights decoded once.
 * **Q6_K** (:func:`q6k_rows_sums`, the stored 224-byte blocks): the same operands of the rows; each
@@ -297,6 +302,31 @@ def q6k_rows_sums(rows, BS, b_lo, b_hi, a_ptr, xa_ptr, BLOCK_N: tl.constexpr, EM
 
 
 @triton.jit
+def q8_0_rows_sums(rows, BS, b_lo, b_hi, a_ptr, xa_ptr, BLOCK_N: tl.constexpr, R: tl.constexpr):
+    """``[BLOCK_N, R]`` float32: ``Σ_k x[m, k] dequant(W)[n, k]`` over the rows' super-blocks ``[b_lo, b_hi)``
+    (8 Q8_0 blocks each) of the Q8_0 rows ``rows`` (34-byte blocks: ``d`` float16, ``qs[32]`` int8;
+    ``BS`` bytes between a row's blocks) against the rows' operands (:func:`rows_planes`: 32 inputs a
+    sub-block, one a Q8_0 block). The codes are the dot's A operand as they are; each block's float
+    ``d`` scales its sums: ``Σ = a_m Σ_s d_s (256 V_h + V_l)`` (``|V| <= 32 · 128 · 128 = 2^19``)."""
+    c = tl.arange(0, 32)
+    r = tl.arange(0, 2 * R)
+    m = tl.arange(0, R)
+    acc = tl.zeros([BLOCK_N, R], tl.float32)
+    for b in range(b_lo, b_hi):
+        t = tl.zeros([BLOCK_N, R], tl.float32)
+        for s in tl.static_range(8):
+            blk = rows + (b * 8 + s) * BS                  # 2-byte aligned: d @0, qs @2
+            d = tl.load(blk.to(tl.pointer_type(tl.int16))).to(tl.float16, bitcast=True).to(tl.float32)
+            hw = tl.load((blk + 2).to(tl.pointer_type(tl.int16))[:, None] + tl.arange(0, 16)[None, :])   # code pairs
+            w = tl.reshape(tl.join(hw.to(tl.int8), (hw >> 8).to(tl.int8)), [BLOCK_N, 32])            # [BLOCK_N, 32]
+            a = tl.load(a_ptr + ((b * 8 + s) * 2 * R + r[None, :]) * 32 + c[:, None])            # [32, 2 R]
+            vh, vl = _pair(tl.dot(w, a, out_dtype=tl.int32), BLOCK_N, R)
+            t += d[:, None] * (vh * 256 + vl).to(tl.float32)
+        acc += t * tl.load(xa_ptr + b * 8 * R + m)[None, :]   # a_m, the same for the super-block's 8 blocks
+    return acc
+
+
+@triton.jit
 def _rows_kernel(
     a_ptr, xa_ptr, xs_ptr,   # activation operands [K / 32, 2 R, 32] int8, a_m and S_ms [K / 32, R] float32
     w_ptr,                   # uint8 Q4_K / stored Q6_K blocks: rows [N, ROW_BYTES], or block-major (KB)
@@ -305,7 +335,7 @@ def _rows_kernel(
     part_ptr, lock_ptr,      # SPLIT: [SPLIT_K, n_tiles, BLOCK_N, R] float32 partials, [n_tiles] counters
     M, N, ROW_BYTES, PER,    # sizes (N: output columns); PER super-blocks per K slice
     SPLIT_K, BLOCKS, stride_om, stride_am,
-    QTYPE: tl.constexpr,     # "Q4_K", "Q5_K" or "Q6_K"
+    QTYPE: tl.constexpr,     # "Q4_K", "Q5_K", "Q6_K" or "Q8_0"
     R: tl.constexpr,         # activation rows the operands hold: 8, or 16 (MMA_ROWS)
     BLOCK_N: tl.constexpr, SPLIT: tl.constexpr, HAS_ADD: tl.constexpr, EMULATE: tl.constexpr,
     USE_PDL: tl.constexpr, LATE_LAUNCH: tl.constexpr,   # (:mod:`.pdl`) the next kernel launches after the K loop
@@ -330,6 +360,8 @@ def _rows_kernel(
     b_lo = pid_s * PER
     if QTYPE == "Q6_K":
         tile = q6k_rows_sums(rows, BS, b_lo, tl.minimum(b_lo + PER, BLOCKS), a_ptr, xa_ptr, BLOCK_N, EMULATE, R)
+    elif QTYPE == "Q8_0":
+        tile = q8_0_rows_sums(rows, BS, b_lo, tl.minimum(b_lo + PER, BLOCKS), a_ptr, xa_ptr, BLOCK_N, R)
     else:
         tile = q4k_rows_sums(rows, BS, b_lo, tl.minimum(b_lo + PER, BLOCKS), a_ptr, xa_ptr, xs_ptr, BLOCK_N, EMULATE,
                              R, QTYPE == "Q5_K")

@@ -166,7 +166,7 @@ def test_errors_name_what_is_wrong():
     data, _ = _weight(8, 256, seed=12)
     x = _x(256, torch.bfloat16, seed=13)
     with pytest.raises(GraphDSLError, match=r"silu_mul runs on the tensor-core paths only: 1\.\.16 fp16/bf16 rows "
-                                            r"of \['Q4_K', 'Q5_K'\].*Q6_K \[8, 256\]"):
+                                            r"of \['Q4_K', 'Q5_K', 'Q8_0'\].*Q6_K \[8, 256\]"):
         gguf_gemv(x, data, "Q6_K", silu_mul=True)
     planes = GemvWorkspace().planes(x.device, 256)
     with pytest.raises(GraphDSLError, match=r"planes for Q6_K are 2 buffers \(its tensor-core GEMV's activation "

@@ -1,4 +1,4 @@
-"""runtime/kernels/gguf_mma_rows.py: 2..16 rows of a Q4_K, Q5_K or Q6_K GEMV on the int8 tensor cores — the rows'
+"""runtime/kernels/gguf_mma_rows.py: 2..16 rows of a Q4_K, Q5_K, Q6_K or Q8_0 GEMV (one of Q5_K, Q8_0) on the int8 tensor cores — the rows'
 A operands and the sums against the dequantize-then-matmul reference (CPU interpreter here, compiled
 on a GPU), the SwiGLU and carried-norm epilogues, and ``gguf_gemv``'s choice of it."""
 import pytest
@@ -88,14 +88,16 @@ def test_nine_to_sixteen_rows_hold_two_groups_of_eight(qtype, m):
 
 
 @pytest.mark.parametrize("qtype,m,split,dtype", [("Q6_K", 3, 1, torch.bfloat16), ("Q6_K", 8, 3, torch.float16),
-                                                  ("Q5_K", 2, 1, torch.bfloat16), ("Q5_K", 13, 3, torch.float16)])
-def test_q6k_and_q5k_rows_gemv_match_gguf_py_values(qtype, m, split, dtype):
-    """Q6_K in the stored 224-byte layout, and Q5_K (``config MMA=True``; not the default until timed),
-    odd N, K of 4 super-blocks (3 slices asked: slices of 2), a float32 output: within 1e-4 of the
-    largest output of gguf-py's dequantized weight times x (Q5_K: every code's fifth bit included); a
-    residual and block-major blocks through ``gguf_gemv`` give the same bits as stored rows."""
+                                                  ("Q5_K", 2, 1, torch.bfloat16), ("Q5_K", 13, 3, torch.float16),
+                                                  ("Q8_0", 1, 1, torch.bfloat16), ("Q8_0", 11, 3, torch.float16)])
+def test_q6k_q5k_and_q8_0_rows_gemv_match_gguf_py_values(qtype, m, split, dtype):
+    """Q6_K in the stored 224-byte layout, Q5_K and Q8_0 (``config MMA=True`` for Q8_0: not the default
+    until timed; one row too), odd N, K of 4 super-blocks (3 slices asked: slices of 2), a float32
+    output: within 1e-4 of the largest output of gguf-py's dequantized weight times x (Q5_K: every
+    code's fifth bit included); a residual and block-major blocks through ``gguf_gemv`` give the same
+    bits as stored rows."""
     from graphdsl.runtime.gguf_blocks import block_major
-    data, ref = random_gguf_weight(qtype, 19, 1024, seed=4 if qtype == "Q6_K" else 7)
+    data, ref = random_gguf_weight(qtype, 19, 1024, seed={"Q6_K": 4, "Q5_K": 7}.get(qtype, 8))
     data = to_stored(data, qtype).to(DEV)
     x = _x(m, 1024, dtype, seed=5)
     out = torch.empty(m, 19, dtype=torch.float32, device=DEV)
@@ -163,7 +165,8 @@ def test_gguf_gemv_takes_the_rows_kernel_for_2_to_16_rows_and_one_q5k_row(monkey
     """By default 2..16 fp16/bf16 rows of a Q4_K, Q5_K or Q6_K weight of at least ``MMA_MIN_ROWS`` rows run
     the rows kernel, and so does one row of Q5_K (it has no one-row tensor-core kernel); 17 rows
     (``ROWS_BY_DEFAULT``), float32 rows and the switches off (``_MMA_ROWS_Q5K`` for Q5_K, its one row
-    included; ``_MMA_ROWS_Q6K`` for Q6_K; ``_MMA_ROWS``) do not."""
+    included; ``_MMA_ROWS_Q6K`` for Q6_K; ``_MMA_ROWS``) do not; Q8_0 only with ``_MMA_ROWS_Q8_0`` (untimed,
+    off), its one row too."""
     from graphdsl.runtime.kernels.gguf_linear import on_rows_kernel
     calls = []
     monkeypatch.setattr(gguf_linear, "gguf_gemv_mma_rows", lambda x, *a, **kw: calls.append((x.shape[0], a[1])) or a[3])
@@ -187,6 +190,12 @@ def test_gguf_gemv_takes_the_rows_kernel_for_2_to_16_rows_and_one_q5k_row(monkey
     gguf_gemv(x4, q5k, "Q5_K")
     gguf_gemv(x1, q5k, "Q5_K")
     assert not mma_eligible(x4, q5k, "Q5_K") and not mma_eligible(x1, q5k, "Q5_K")
+    q8, _ = random_gguf_weight("Q8_0", 32, 256, seed=1)
+    q8 = q8.to(DEV)
+    assert not mma_eligible(x1, q8, "Q8_0") and not mma_eligible(x4, q8, "Q8_0")     # untimed: off
+    monkeypatch.setattr(gguf_linear, "_MMA_ROWS_Q8_0", True)
+    assert on_rows_kernel(x1, q8, "Q8_0") and on_rows_kernel(x4, q8, "Q8_0")
+    monkeypatch.setattr(gguf_linear, "_MMA_ROWS_Q8_0", False)
     gguf_gemv(_x(4, 256, torch.float32, 1), q4k, "Q4_K")
     monkeypatch.setattr(gguf_linear, "_MMA_ROWS_Q6K", False)
     gguf_gemv(x4, q6k, "Q6_K")
@@ -205,7 +214,7 @@ def test_rows_kernel_refuses_what_it_cannot_take():
     with pytest.raises(GraphDSLError, match=r"planes for 4 rows are the rows' operands of K=256 inputs .* the first "
                                             r"\[16, 256\]"):
         gguf_gemv(x, data, "Q4_K", config=_cfg(), planes=GemvWorkspace().planes(x.device, 256))
-    with pytest.raises(GraphDSLError, match=r"2\.\.16 fp16/bf16 rows of Q4_K, Q5_K or Q6_K .* got 17"):
+    with pytest.raises(GraphDSLError, match=r"2\.\.16 fp16/bf16 rows of Q4_K, Q5_K, Q6_K or Q8_0 .* got 17"):
         gguf_gemv(_x(17, 256, torch.bfloat16, 2), data, "Q4_K", config=_cfg())
     with pytest.raises(GraphDSLError, match=r"takes BLOCK_N, SPLIT_K .* got \['BLOCK_N'\]"):
         gguf_gemv(x, data, "Q4_K", config=dict(MMA=True, BLOCK_N=16))
@@ -218,11 +227,11 @@ def test_rows_kernel_refuses_what_it_cannot_take():
                   planes_out=GemvWorkspace().planes(x.device, 8))
 
 
-@pytest.mark.parametrize("scheme", ["gguf-q4_k", "gguf-q6_k", "gguf-q5_k"])
+@pytest.mark.parametrize("scheme", ["gguf-q4_k", "gguf-q6_k", "gguf-q5_k", "gguf-q8_0"])
 def test_batched_decode_of_a_gguf_model_runs_the_rows_kernel(tmp_path, monkeypatch, scheme):
-    """A Q4_K (Q6_K; Q5_K) model decoding 3 sequences at once (``MMA_MIN_ROWS``
-    lowered for the tiny shapes): its projections run the rows kernel (Q4_K's and Q5_K's gate/up with its SwiGLU
-    epilogue), the prefill of their 9 prompt tokens too (padded to 16 rows on a GPU), and each token's
+    """A Q4_K (Q6_K; Q5_K; Q8_0 with ``_MMA_ROWS_Q8_0`` on) model decoding 3 sequences at once (``MMA_MIN_ROWS``
+    lowered for the tiny shapes): its projections run the rows kernel (gate/up with its SwiGLU epilogue,
+    but for Q6_K), the prefill of their 9 prompt tokens too (padded to 16 rows on a GPU), and each token's
     log-probability matches the run with 2..16 rows a plane a dot (``_MMA_ROWS`` off), token for token,
     within 0.05. float16 activations: the planes path rounds each dequantized weight to the activation
     type, and with bfloat16 the two correct paths differed by up to 0.033 on the CPU and 0.12 on a GPU
@@ -230,6 +239,7 @@ def test_batched_decode_of_a_gguf_model_runs_the_rows_kernel(tmp_path, monkeypat
     import graphdsl as gd
     from tests.models.hf_tiny import make_checkpoint
     monkeypatch.setattr(gguf_linear, "MMA_MIN_ROWS", 1)
+    monkeypatch.setattr(gguf_linear, "_MMA_ROWS_Q8_0", True)
     calls = []
     real = gguf_linear.gguf_gemv_mma_rows
     monkeypatch.setattr(gguf_linear, "gguf_gemv_mma_rows",
@@ -327,7 +337,8 @@ def test_a_q4_k_m_model_takes_the_rows_operands_from_its_norms(monkeypatch):
         assert made and all(2 <= m <= 16 for m in made + normed), (made, normed)
     forwards = 3                                    # the prefill of 9 rows and two decode steps of 3
     assert counts[True][1] == forwards * (2 * layers - 1), counts     # layer 0's first norm has no residual
-    assert counts[True][0] in (forwards * (2 * layers + 1), forwards * (2 * layers + 2)), counts  # o, down, layer 0's qkv
+    made_by_gemvs = (forwards * (2 * layers + 1), forwards * (2 * layers + 2))    # o, down, layer 0's qkv part(s)
+    assert counts[True][0] in made_by_gemvs, counts
     assert counts[False][1] == 0 and counts[False][0] - counts[True][0] >= counts[True][1], counts
     for a, b in zip(got[True], got[False]):
         a, b = a.outputs[0], b.outputs[0]
