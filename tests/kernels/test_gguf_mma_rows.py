@@ -1,6 +1,7 @@
-"""runtime/kernels/gguf_mma_rows.py: 2..16 rows of a Q4_K, Q5_K, Q6_K or Q8_0 GEMV (one of Q5_K, Q8_0) on the int8 tensor cores — the rows'
-A operands and the sums against the dequantize-then-matmul reference (CPU interpreter here, compiled
-on a GPU), the SwiGLU and carried-norm epilogues, and ``gguf_gemv``'s choice of it."""
+"""runtime/kernels/gguf_mma_rows.py: 2..16 rows of a Q4_K, Q5_K, Q6_K or Q8_0 GEMV (one of Q5_K, Q8_0) on the
+int8 tensor cores — the rows' A operands (made by their own launch, or by the RMSNorm before) and the sums
+against the dequantize-then-matmul reference (CPU interpreter here, compiled on a GPU), the SwiGLU and
+carried-norm epilogues, and ``gguf_gemv``'s choice of it."""
 import pytest
 import torch
 
