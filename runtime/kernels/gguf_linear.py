@@ -389,7 +389,7 @@ def mma_eligible(x: torch.Tensor, data: torch.Tensor, qtype: str) -> bool:
 def on_rows_kernel(x: torch.Tensor, data: torch.Tensor, qtype: str) -> bool:
     """Whether :func:`gguf_gemv` runs ``x @ dequant(data).T`` on the rows kernel (:mod:`.gguf_mma_rows`) by
     default, which reads the rows' operands (:func:`.gguf_mma_rows.norm_rows_planes` can make them):
-    :func:`mma_eligible` with 2..16 rows, or one row of Q5_K."""
+    :func:`mma_eligible` with 2..16 rows, or one row of Q5_K (of Q8_0 with ``_MMA_ROWS_Q8_0``)."""
     return (x.shape[0] > 1 or qtype in _ONE_ROW_ON_ROWS) and mma_eligible(x, data, qtype)
 
 
@@ -545,10 +545,9 @@ def _mma_config(config: dict | None, keys: set, what: str) -> dict | None:
 
 def _mma_rows(x, data, qtype, add, out, workspace, config, silu_mul, planes, planes_out, rms_out, rms_in,
               early_launch, beside):
-    """:func:`gguf_gemv` of 2..16 rows (Q5_K, Q8_0: 1..16) on the tensor cores (:mod:`.gguf_mma_rows`), its arguments
-    checked:
-    ``planes`` must be the rows' operands (:func:`.gguf_mma_rows.norm_rows_planes`); ``planes_out``,
-    ``rms_out`` and ``beside`` are the one-row and CUDA-core paths' only."""
+    """:func:`gguf_gemv` of 2..16 rows (Q5_K, Q8_0: 1..16) on the tensor cores (:mod:`.gguf_mma_rows`), its
+    arguments checked: ``planes`` must be the rows' operands (:func:`.gguf_mma_rows.norm_rows_planes`);
+    ``planes_out``, ``rms_out`` and ``beside`` are the one-row and CUDA-core paths' only."""
     m, k = x.shape
     if not _rows_possible(x, data, qtype):
         raise GraphDSLError(f"gguf_gemv: config MMA=True with several rows needs 2..{MMA_ROWS} fp16/bf16 rows of "
