@@ -85,6 +85,27 @@ _MIN_SLICE = 2                  # K slices keep at least this many super-blocks 
 
 
 @triton.jit
+def _store_operands(x, rows, b, a_ptr, xa_ptr, xs_ptr, R: tl.constexpr, ROWS: tl.constexpr):
+    """Super-block ``b`` of the rows ``rows [ROWS]`` whose float32 inputs are ``x [ROWS, 8, 32]`` (zeros
+    for rows past M): their bytes in the 8 sub-blocks' ``[2 R, 32]`` operands, ``a_m`` and ``S_ms``
+    (module docstring)."""
+    m = rows[:, None, None]
+    s = tl.arange(0, 8)[None, :, None]
+    c = tl.arange(0, 32)[None, None, :]
+    amax = tl.max(tl.max(tl.abs(x), axis=2), axis=1)                    # [ROWS]: one scale a super-block
+    inv = tl.where(amax > 0, 32639.0 / tl.maximum(amax, 1e-30), 0.0)   # |xq| <= 32639: h fits a byte
+    xq = tl.floor(x * inv[:, None, None] + 0.5).to(tl.int32)
+    h = (xq + 128) >> 8                                                 # xq = 256 h + l, l in [-128, 127]
+    a_sub = a_ptr + ((b * 8 + s) * 2 * R + 16 * (m // 8) + m % 8) * 32 + c   # row m's high bytes in sub-block s
+    tl.store(a_sub, h.to(tl.int8))
+    tl.store(a_sub + 8 * 32, (xq - 256 * h).to(tl.int8))
+    a = amax[:, None] / 32639.0 + tl.sum(tl.sum(x - x, axis=2), axis=1)[:, None] + tl.zeros([ROWS, 8], tl.float32)
+    at = (b * 8 + tl.arange(0, 8)[None, :]) * R + rows[:, None]
+    tl.store(xa_ptr + at, a)
+    tl.store(xs_ptr + at, a * tl.sum(xq, axis=2).to(tl.float32))
+
+
+@triton.jit
 def _rows_planes_kernel(x_ptr, stride_xm, M, a_ptr, xa_ptr, xs_ptr, R: tl.constexpr, USE_PDL: tl.constexpr):
     """Super-block ``program_id(0)`` of the rows ``x [M, K]``: its 8 sub-blocks' ``[2 R, 32]`` operands
     and each row's ``a_m``, ``S_ms`` (module docstring; ``R`` rows, 8 or 16)."""
@@ -94,17 +115,7 @@ def _rows_planes_kernel(x_ptr, stride_xm, M, a_ptr, xa_ptr, xs_ptr, R: tl.conste
     s = tl.arange(0, 8)[None, :, None]
     c = tl.arange(0, 32)[None, None, :]
     x = tl.load(x_ptr + m * stride_xm + b * 256 + s * 32 + c, mask=m < M, other=0.0).to(tl.float32)
-    amax = tl.max(tl.max(tl.abs(x), axis=2), axis=1)                    # [R rows]: one scale a super-block
-    inv = tl.where(amax > 0, 32639.0 / tl.maximum(amax, 1e-30), 0.0)   # |xq| <= 32639: h fits a byte
-    xq = tl.floor(x * inv[:, None, None] + 0.5).to(tl.int32)
-    h = (xq + 128) >> 8                                                 # xq = 256 h + l, l in [-128, 127]
-    a_sub = a_ptr + ((b * 8 + s) * 2 * R + 16 * (m // 8) + m % 8) * 32 + c   # row m's high bytes in sub-block s
-    tl.store(a_sub, h.to(tl.int8))
-    tl.store(a_sub + 8 * 32, (xq - 256 * h).to(tl.int8))
-    a = amax[:, None] / 32639.0 + tl.sum(tl.sum(x - x, axis=2), axis=1)[:, None] + tl.zeros([R, 8], tl.float32)
-    at = (b * 8 + tl.arange(0, 8)[None, :]) * R + tl.arange(0, R)[:, None]
-    tl.store(xa_ptr + at, a)
-    tl.store(xs_ptr + at, a * tl.sum(xq, axis=2).to(tl.float32))
+    _store_operands(x, tl.arange(0, R), b, a_ptr, xa_ptr, xs_ptr, R, R)
 
 
 @triton.jit
@@ -139,18 +150,8 @@ def _norm_rows_planes_kernel(x_ptr, res_ptr, w_ptr, out_ptr, sum_ptr, a_ptr, xa_
     normed = (wv * (s.to(tl.float32) * r).to(dt).to(tl.float32)).to(dt)
     tl.store(sum_ptr + row + cols, s, mask=mine)
     tl.store(out_ptr + row + cols, normed, mask=mine)
-    y = normed.to(tl.float32)                                          # zeros past M
-    amax = tl.max(tl.max(tl.abs(y), axis=1), axis=0)
-    inv = tl.where(amax > 0, 32639.0 / tl.maximum(amax, 1e-30), 0.0)
-    xq = tl.floor(y * inv + 0.5).to(tl.int32)
-    h = (xq + 128) >> 8
-    a_sub = a_ptr + ((b * 8 + sub) * 2 * R + 16 * (m // 8) + m % 8) * 32 + c
-    tl.store(a_sub, h.to(tl.int8))
-    tl.store(a_sub + 8 * 32, (xq - 256 * h).to(tl.int8))
-    a = amax / 32639.0 + tl.sum(tl.sum(y - y, axis=1), axis=0) + tl.zeros([8], tl.float32)
-    at = (b * 8 + tl.arange(0, 8)) * R + m
-    tl.store(xa_ptr + at, a)
-    tl.store(xs_ptr + at, a * tl.sum(xq, axis=1).to(tl.float32))
+    y = tl.reshape(normed.to(tl.float32), [1, 8, 32])                 # zeros past M
+    _store_operands(y, m + tl.zeros([1], tl.int32), b, a_ptr, xa_ptr, xs_ptr, R, 1)
 
 
 _CODES_ASM = tl.constexpr(("and.b32 $0, $1, 0x0F0F0F0F;",
