@@ -521,8 +521,9 @@ def _mma(x, data, qtype, add, out, workspace, config, silu_mul, planes=None, pla
     cfg = _mma_config(config, _MMA_CONFIG_KEYS, "")
     want = 2 if qtype == "Q6_K" else 3                    # the planes' format: gguf_mma_q6k's or gguf_mma's
     if planes is not None and (len(planes) != want or is_rows_planes(planes)):
+        got = "the rows' operands (gguf_mma_rows, 2..16 rows)" if is_rows_planes(planes) else len(planes)
         raise GraphDSLError(f"gguf_gemv: planes for {qtype} are {want} buffers (its tensor-core GEMV's activation "
-                            f"operand), got {len(planes)}")
+                            f"operand), got {got}")
     if qtype == "Q6_K":
         if planes_out is not None:
             raise GraphDSLError("gguf_gemv: planes_out is written by a Q4_K SwiGLU GEMV's epilogue, not by Q6_K's")

@@ -206,9 +206,10 @@ def test_gguf_gemv_takes_the_rows_kernel_for_2_to_16_rows_and_one_q5k_row(monkey
 
 
 def test_rows_kernel_refuses_what_it_cannot_take():
-    """Errors name the argument and what was given: one-row operands with several rows, more rows
-    than the kernel holds, another type, the one-row kernel's ``planes_out`` for Q5_K's one row on the
-    rows kernel; a config for it must name the tile and the split."""
+    """Errors name the argument and what was given: one-row operands with several rows (and the rows'
+    operands with one Q4_K row), more rows than the kernel holds, another type, the one-row kernel's
+    ``planes_out`` for Q5_K's one row on the rows kernel; a config for it must name the tile and the
+    split."""
     data, _ = random_gguf_weight("Q4_K", 16, 256, seed=1)
     data = data.to(DEV)
     x = _x(4, 256, torch.bfloat16, seed=2)
@@ -221,6 +222,8 @@ def test_rows_kernel_refuses_what_it_cannot_take():
         gguf_gemv(x, data, "Q4_K", config=dict(MMA=True, BLOCK_N=16))
     with pytest.raises(GraphDSLError, match=r"silu_mul runs on the tensor-core paths only: 1\.\.16 .* got 17"):
         gguf_gemv(_x(17, 256, torch.bfloat16, 2), data, "Q4_K", silu_mul=True)
+    with pytest.raises(GraphDSLError, match=r"planes for Q4_K are 3 buffers .* got the rows' operands"):
+        gguf_gemv(x[:1], data, "Q4_K", config=dict(MMA=True, BLOCK_N=16, SPLIT_K=1), planes=rows_planes(x))
     q5k, _ = random_gguf_weight("Q5_K", 16, 256, seed=1)
     with pytest.raises(GraphDSLError, match=r"planes_out take the one-row tensor-core kernels \(one row of Q4_K or "
                                             r"Q6_K\) or the CUDA-core path; got 1 row\(s\) of Q5_K on the rows kernel"):
