@@ -10,7 +10,8 @@ float32 matmul), then prints µs per call, the block bytes per call (weight bloc
 output), the GB/s they make and the % of the device-to-device copy bandwidth measured in the same
 run; and the bf16 cuBLAS GEMV of the same shape (its own bytes) for comparison. The table's launch
 is the CUDA-core one (``_pick_config``); for one row of a type the tensor cores take
-(``gguf_mma.MMA_QTYPES``: Q4_K; and Q6_K, ``gguf_mma_q6k``; Q5_K on the rows kernel, ``gguf_mma_rows``) the last
+(``gguf_mma.MMA_QTYPES``: Q4_K; and Q6_K, ``gguf_mma_q6k``; Q5_K and Q8_0 on the rows kernel, ``gguf_mma_rows``,
+``gguf_linear._ONE_ROW_ON_ROWS``) the last
 columns time that path (activation planes launch included, ``pick_mma_config`` / ``pick_rows_config``) and its
 speedup over the CUDA-core launch.
 
@@ -185,7 +186,8 @@ def many_rows(rows: list[int], types: list[str], shapes: list[str], sweep: bool,
     import graphdsl.runtime.kernels.gguf_linear as gl
     from graphdsl.runtime.gguf_blocks import row_bytes
     from graphdsl.runtime.kernels.gemv import GemvWorkspace
-    from graphdsl.runtime.kernels.gguf_linear import (MAX_GEMV_ROWS, PLANE_QTYPES, _num_sms, _pick_config, gemv_rows,
+    from graphdsl.runtime.kernels.gguf_linear import (_ONE_ROW_ON_ROWS, MAX_GEMV_ROWS, PLANE_QTYPES, _num_sms,
+                                                      _pick_config, gemv_rows,
                                                       gguf_dequantize, gguf_gemv, gguf_linear)
     from graphdsl.runtime.kernels.gguf_mma_rows import MMA_ROWS, pick_rows_config
     print(f"\n| type | shape | rows | default µs | % copy | tensor-core rows µs | planes µs | float32 planes µs "
@@ -209,9 +211,10 @@ def many_rows(rows: list[int], types: list[str], shapes: list[str], sweep: bool,
                 default = timed(lambda d: gguf_linear(x, d, qtype))
                 nbytes = n * row_bytes(qtype, k) + m * k * 2 + m * n * 2
                 planes = f32 = tile = mrows = "-"
-                rows_ok = qtype in ("Q4_K", "Q5_K", "Q6_K") and 2 <= m <= MMA_ROWS
+                low = 1 if qtype in _ONE_ROW_ON_ROWS else 2      # one row of Q5_K / Q8_0 runs the rows kernel too
+                rows_ok = qtype in ("Q4_K", "Q5_K", "Q6_K", "Q8_0") and low <= m <= MMA_ROWS
                 if rows_ok:            # the several-row tensor-core kernel (gguf_mma_rows)
-                    cfg = {"MMA": True, **pick_rows_config(n, k, _num_sms(x.device), m)}
+                    cfg = {"MMA": True, **pick_rows_config(n, k, _num_sms(x.device), m, qtype)}
                     mrows = f"{timed(lambda d: gguf_gemv(x, d, qtype, out=out, workspace=ws, config=cfg)):.1f}"
                 planes_ok = qtype in PLANE_QTYPES and 1 < m <= gemv_rows(qtype)    # (beyond: refused)
                 if planes_ok:
@@ -249,7 +252,7 @@ def many_rows(rows: list[int], types: list[str], shapes: list[str], sweep: bool,
 
 
 def main() -> None:
-    from graphdsl.runtime.kernels.gguf_linear import _num_sms, _pick_config, gguf_gemv, gguf_linear
+    from graphdsl.runtime.kernels.gguf_linear import _ONE_ROW_ON_ROWS, _num_sms, _pick_config, gguf_gemv, gguf_linear
     from graphdsl.runtime.gguf_blocks import row_bytes
     from graphdsl.runtime.kernels.gguf_mma import MMA_QTYPES, pick_mma_config
     from graphdsl.runtime.kernels.gguf_mma_q6k import pick_q6k_config
@@ -304,8 +307,9 @@ def main() -> None:
                 nbytes = n * row_bytes(qtype, k) + m * k * 2 + m * n * 2      # the file's block bytes
                 gbs = nbytes / (us * 1e-6) / 1e9
                 tc = f"{'-':>7} {'-':>5} {'-':>6}"
-                if m == 1 and (qtype in MMA_QTYPES or qtype in ("Q6_K", "Q5_K")):   # the tensor-core path
-                    pick = {"Q6_K": pick_q6k_config, "Q5_K": pick_rows_config}.get(qtype, pick_mma_config)
+                if m == 1 and (qtype in MMA_QTYPES or qtype == "Q6_K" or qtype in _ONE_ROW_ON_ROWS):   # tensor cores
+                    pick = pick_rows_config if qtype in _ONE_ROW_ON_ROWS else \
+                        {"Q6_K": pick_q6k_config}.get(qtype, pick_mma_config)
                     tcfg = dict(MMA=True, **pick(n, k, _num_sms(x.device)))
                     us_tc = replay_us(lambda: [gguf_gemv(x, d, qtype, config=tcfg) for d in datas], len(datas))
                     tc = f"{us_tc:7.1f} {100 * nbytes / (us_tc * 1e-6) / 1e9 / copy:4.0f}% {us / us_tc:5.2f}x"

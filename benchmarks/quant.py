@@ -3,6 +3,7 @@
     python benchmarks/quant.py [--shape llama-3-8b] [--schemes int4 fp8 int8 gguf-q4_k_m] [--gguf-cuda-cores]
                                [--batches 8 32 64] [--gguf-tiles] [--no-peer] [--out t.md]
     python benchmarks/quant.py --schemes gguf-q5_k_m --batches 2 8 16 --gguf-q5k-off --no-peer --no-kernels
+    python benchmarks/quant.py --schemes gguf-q8_0 --batches 2 8 16 --gguf-q8_0-off --no-peer --no-kernels
 
 1. The batch-1 decode GEMV the engine runs for ``quant_linear``, on the shape's projections (gate_up
    with its SwiGLU epilogue), one CUDA graph replaying it over >= 256 MB of weight copies so every
@@ -18,7 +19,7 @@
    step at those batch sizes as well (batched decode), each against the roofline with its
    sequences' KV.
    ``gguf-q4_k_m`` (in ``--schemes``; ``gguf-q5_k_m`` the same with Q5_K for Q4_K, llama.cpp's
-   Q5_K_M) is a llama.cpp Q4_K_M-style mix kept in GGUF blocks (the
+   Q5_K_M; ``gguf-q8_0`` every matrix Q8_0, llama.cpp's Q8_0) is a llama.cpp Q4_K_M-style mix kept in GGUF blocks (the
    rule of llama.cpp's ``llama_tensor_get_type`` for ``LLAMA_FTYPE_MOSTLY_Q4_K_M``): every attention
    and MLP matrix Q4_K, but ``attn_v`` and ``ffn_down`` Q6_K in the layers of ``use_more_bits`` (the
    first and last eighth, and every third layer between); MoE experts' gate/up Q4_K and down as the
@@ -208,16 +209,18 @@ def _use_more_bits(i: int, n: int) -> bool:
     return i < n // 8 or i >= 7 * n // 8 or (i - n // 8) % 3 == 2
 
 
-def k_mix_types(num_layers: int, experts: dict[str, str] | None = None, base: str = "Q4_K") -> dict[str, str]:
+def k_mix_types(num_layers: int, experts: dict[str, str] | None = None, base: str = "Q4_K",
+                more_type: str = "Q6_K") -> dict[str, str]:
     """``{HF tensor name: GGML type}`` of a Llama's attention/MLP matrices in llama.cpp's Q4_K_M mix
-    (``base`` Q5_K: its Q5_K_M mix, the same rule); ``experts`` (``{checkpoint name: stack parameter}``
-    of an MoE model's expert pieces) adds them: gate/up ``base``, down as the dense down of its layer."""
+    (``base`` Q5_K: its Q5_K_M mix, the same rule; ``base`` and ``more_type`` Q8_0: a Q8_0 file, every
+    matrix Q8_0); ``experts`` (``{checkpoint name: stack parameter}`` of an MoE model's expert pieces)
+    adds them: gate/up ``base``, down as the dense down of its layer."""
     types = {}
     for name, param in (experts or {}).items():
         i = int(name.split(".layers.")[1].split(".")[0])
-        types[name] = "Q6_K" if param.endswith("down_proj") and _use_more_bits(i, num_layers) else base
+        types[name] = more_type if param.endswith("down_proj") and _use_more_bits(i, num_layers) else base
     for i in range(num_layers):
-        more = "Q6_K" if _use_more_bits(i, num_layers) else base
+        more = more_type if _use_more_bits(i, num_layers) else base
         for proj in ("q_proj", "k_proj", "o_proj"):
             types[f"model.layers.{i}.self_attn.{proj}.weight"] = base
         types[f"model.layers.{i}.self_attn.v_proj.weight"] = more
@@ -239,13 +242,14 @@ def with_fallbacks(types: dict[str, str], inputs: dict[str, int]) -> dict[str, s
 
 
 class _GGUFMix:
-    """While active, ``LLM.from_config(..., quantization="gguf-q4_k_m")`` (``"gguf-q5_k_m"``) marks the
-    linears with the Q4_K_M (Q5_K_M) mix through the same rule as a GGUF file
+    """While active, ``LLM.from_config(..., quantization="gguf-q4_k_m")`` (``"gguf-q5_k_m"``,
+    ``"gguf-q8_0"``) marks the linears with the Q4_K_M (Q5_K_M, Q8_0) mix through the same rule as a GGUF file
     (:func:`graphdsl.models.gguf_weights.keep_gguf_blocks`), and the random weights are rounded onto
     those blocks (``quantize_weights``)."""
 
     NAME = "gguf-q4_k_m"
-    BASES = {NAME: "Q4_K", "gguf-q5_k_m": "Q5_K"}      # mix -> its type but for the Q6_K attn_v / ffn_down
+    # mix -> (its type, the type of the attn_v / ffn_down of use_more_bits' layers)
+    BASES = {NAME: ("Q4_K", "Q6_K"), "gguf-q5_k_m": ("Q5_K", "Q6_K"), "gguf-q8_0": ("Q8_0", "Q8_0")}
 
     def __enter__(self):
         import graphdsl.entrypoints.llm as llm_mod
@@ -257,7 +261,7 @@ class _GGUFMix:
                 return self._saved(model, quantization, tp)
             table = model.checkpoint_table()
             experts = {n: slot.param for n, slot in table.items() if ".experts." in slot.param}
-            types = k_mix_types(model.config.num_hidden_layers, experts, self.BASES[quantization])
+            types = k_mix_types(model.config.num_hidden_layers, experts, *self.BASES[quantization])
             kept = keep_gguf_blocks(model, with_fallbacks(types, {n: slot.shape[-1] for n, slot in table.items()}))
             _log(f"{quantization}: {len(kept)} weights (linears, expert stacks) in GGUF blocks "
                  f"({sorted(set(kept.values()))})")
@@ -397,7 +401,8 @@ def e2e(shape: str, quantization: str | None, copy: float, gen_tokens: int = 64,
 # and dequantize + cuBLAS beyond (the A/B of the plane-a-dot GEMV, with --batches); "planes" / "q6k-planes": 2-16 rows
 # (of Q6_K only) a plane a dot (the A/Bs of gguf_mma_rows.py, with --batches); "q5k-off": the Q5_K_M mix with its
 # Q5_K rows off the tensor-core rows kernel: one row on the CUDA cores, 2-16 a plane a dot (--gguf-q5k-off);
-# "norm-rows-off": the rows GEMVs after a norm making their own operands (--gguf-norm-rows-off)
+# "norm-rows-off": the rows GEMVs after a norm making their own operands (--gguf-norm-rows-off); "q8_0-off": the
+# Q8_0 mix with its rows off the tensor-core rows kernel: one row on the CUDA cores, 2-16 a plane a dot (--gguf-q8_0-off)
 _AB_RUNS = {"cuda-cores": ("MMA_MIN_ROWS", 1 << 40, "CUDA-core GEMVs"),
             "planes": ("_MMA_ROWS", False, "2-16 rows a plane a dot, not the tensor-core rows kernel"),
             "q6k-planes": ("_MMA_ROWS_Q6K", False, "2-16 rows of Q6_K a plane a dot"),
@@ -405,7 +410,9 @@ _AB_RUNS = {"cuda-cores": ("MMA_MIN_ROWS", 1 << 40, "CUDA-core GEMVs"),
             "q5k-off": ("_MMA_ROWS_Q5K", False, "Q5_K off the rows kernel: one row on the CUDA cores, 2-16 a "
                                                 "plane a dot"),
             "norm-rows-off": ("triton_backend._NORM_ROWS_PLANES", False,
-                              "each rows GEMV making its operands, not the RMSNorm before it")}
+                              "each rows GEMV making its operands, not the RMSNorm before it"),
+            "q8_0-off": ("_MMA_ROWS_Q8_0", False, "Q8_0 off the rows kernel: one row on the CUDA cores, 2-16 a "
+                                                  "plane a dot")}
 
 
 # the A/B flags: flag -> (its runs in _AB_RUNS, the mix they switch, what they change, for --help)
@@ -419,6 +426,8 @@ _AB_FLAGS = {
                              "operands, not the RMSNorm before qkv and gate/up (the A/B of norm_rows_planes)"),
     "--gguf-q5k-off": (["q5k-off"], "gguf-q5_k_m", "Q5_K off the tensor-core rows kernel (one row on the CUDA cores, "
                        "2-16 rows a plane a dot: the A/B of the default)"),
+    "--gguf-q8_0-off": (["q8_0-off"], "gguf-q8_0", "Q8_0 off the tensor-core rows kernel (one row on the CUDA cores, "
+                        "2-16 rows a plane a dot: the A/B of the default)"),
 }
 
 
@@ -429,15 +438,15 @@ def switch_target(attr: str) -> tuple:
     return (tb, attr.split(".", 1)[1]) if attr.startswith("triton_backend.") else (gl, attr)
 
 
-def e2e_switched(run: str, shape: str, copy: float, batches: tuple = ()) -> dict:
-    """:func:`e2e` of ``gguf-q4_k_m`` (``q5k-off``: ``gguf-q5_k_m``) with the ``gguf_linear`` switch of
+def e2e_switched(run: str, scheme: str, shape: str, copy: float, batches: tuple = ()) -> dict:
+    """:func:`e2e` of the mix ``scheme`` (the one its ``_AB_FLAGS`` flag names) with the switch of
     ``_AB_RUNS[run]`` set (and put back)."""
     attr, value, label = _AB_RUNS[run]
     mod, attr = switch_target(attr)
     keep = getattr(mod, attr)
     setattr(mod, attr, value)
     try:
-        res = e2e(shape, "gguf-q5_k_m" if run == "q5k-off" else _GGUFMix.NAME, copy, batches=batches)
+        res = e2e(shape, scheme, copy, batches=batches)
     finally:
         setattr(mod, attr, keep)
     res["name"] += f" ({label})"
@@ -486,12 +495,13 @@ def main(argv=None) -> int:
               f"| first token ms (prompt {CONTEXT - 1}) |"
               + "".join(f" step ms, batch {b} (% roofline) | LLM.generate ms/step, batch {b} |" for b in extra),
               "|---|---|---|---|---|---|---|---|" + "---|---|" * len(extra)]
-    runs = [None] + list(args.schemes)
+    runs = [(None, None)] + [(q, q) for q in args.schemes]
     for flag, (names, scheme, _) in _AB_FLAGS.items():
         if getattr(args, flag[2:].replace("-", "_")) and scheme in args.schemes:
-            runs += names
-    for q in runs:
-        r = e2e_switched(q, args.shape, copy, extra) if q in _AB_RUNS else e2e(args.shape, q, copy, batches=extra)
+            runs += [(n, scheme) for n in names]
+    for q, scheme in runs:
+        r = e2e_switched(q, scheme, args.shape, copy, extra) if q in _AB_RUNS else e2e(args.shape, q, copy,
+                                                                                          batches=extra)
         lines.append(f"| graphdsl {r['name']} | {r['weight_gb']:.2f} | {r['roof_ms']:.3f} | {r['step_ms']:.3f} | "
                      f"{100 * r['roof_ms'] / r['step_ms']:.0f}% | {r['gen_ms']:.3f} | {100 * r['roof_ms'] / r['gen_ms']:.0f}% "
                      f"| {r['first_ms']:.2f} |" + "".join(f" {r['steps'][b]:.3f} ({100 * r['roofs'][b] / r['steps'][b]:.0f}%) "

@@ -139,6 +139,24 @@ def test_q5_k_m_mix_is_the_q4_k_m_rule_with_q5_k(quant):
     assert torch.isfinite(llm.score([1, 2, 3])).all()
 
 
+def test_q8_0_mix_is_every_matrix_q8_0(quant):
+    """``gguf-q8_0`` marks a Llama as a llama.cpp Q8_0 file: every attention and MLP matrix Q8_0, in the
+    layers of ``use_more_bits`` too (one GEMV for qkv), and the model scores."""
+    import torch
+
+    from tests.models.hf_tiny import make_config
+    cfg = dict(make_config("llama").to_dict(), hidden_size=256, intermediate_size=512, num_attention_heads=4,
+               num_key_value_heads=2, head_dim=64, num_hidden_layers=4)
+    with quant._GGUFMix():
+        llm = gd.LLM.from_config(cfg, device="cpu", dtype="float32", seed=0, max_model_len=32, max_num_seqs=1,
+                                 quantization="gguf-q8_0")
+    schemes = {n: p.quant.name for n, p in llm.model.named_parameters() if getattr(p, "quant", None) is not None}
+    assert set(schemes.values()) == {"gguf-q8_0"}
+    assert {n.split(".")[-2] for n in schemes} == {"qkv_proj", "o_proj", "gate_up_proj", "down_proj"}
+    assert len(schemes) == 4 * 4
+    assert torch.isfinite(llm.score([1, 2, 3])).all()
+
+
 def test_every_ab_flag_switches_a_knob_that_exists(quant):
     """Each A/B flag's runs are in ``_AB_RUNS``, and each run's switch is a module attribute of
     ``gguf_linear`` (or ``triton_backend.``) whose value differs from the one the run sets, so no flag
