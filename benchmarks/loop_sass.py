@@ -185,7 +185,7 @@ def capture_gguf(qtype: str, n: int, k: int, rows: int, how: str = ""):
     GL._gguf_gemv_kernel, GL._num_sms = _Recorder(saved[0], True), lambda device: _SMS
     GR._rows_kernel, GR._rows_planes_kernel = _Recorder(saved[2], True), _Recorder(saved[3], False)
     try:
-        config = ({"MMA": True, **GR.pick_rows_config(n, k, _SMS, rows)} if how == "mma" else
+        config = ({"MMA": True, **GR.pick_rows_config(n, k, _SMS, rows, qtype)} if how == "mma" else
                   GL._pick_config(rows, n, k, qtype, torch.device("cpu")) if how == "planes" else None)
         GL.gguf_gemv(torch.zeros(rows, k, dtype=torch.bfloat16), torch.zeros(k // per, n, nb, dtype=torch.uint8), qtype,
                      config=config)

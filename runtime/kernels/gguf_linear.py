@@ -78,7 +78,8 @@ _MMA_ROWS = True      # 2..16 rows of Q4_K / Q6_K on the tensor cores by default
 _MMA_ROWS_Q6K = True  # ... Q6_K among them (False: Q6_K a plane a dot; quant.py's A/B)
 _MMA_ROWS_Q5K = True  # ... Q5_K among them, and its one row (False: one row on the CUDA cores, 2-16 a plane a dot;
                       # quant.py's A/B)
-_MMA_ROWS_Q8_0 = False # ... Q8_0 among them, and its one row: not yet, untimed (config MMA=True takes it)
+_MMA_ROWS_Q8_0 = True # ... Q8_0 among them, and its one row (False: one row on the CUDA cores, 2-16 a plane a dot;
+                      # H200, the 8B Q8_0 step 4.265 ms against 9.331: quant.py --gguf-q8_0-rows)
 _ONE_ROW_ON_ROWS = ("Q5_K", "Q8_0")   # types with no one-row tensor-core kernel: their one row runs the rows kernel
 SWIGLU_QTYPES = ("Q4_K", "Q5_K", "Q8_0")   # types whose tensor-core GEMVs take silu_mul
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32)
@@ -374,8 +375,8 @@ def _rows_possible(x: torch.Tensor, data: torch.Tensor, qtype: str) -> bool:
 def mma_eligible(x: torch.Tensor, data: torch.Tensor, qtype: str) -> bool:
     """Whether :func:`gguf_gemv` runs ``x @ dequant(data).T`` on the tensor cores by default: when
     :func:`_mma_possible` (one row) or, with ``_MMA_ROWS``, :func:`_rows_possible` up to
-    ``ROWS_BY_DEFAULT`` (16) rows (Q5_K with ``_MMA_ROWS_Q5K``, Q8_0 with ``_MMA_ROWS_Q8_0``: untimed,
-    off; one row included), and the
+    ``ROWS_BY_DEFAULT`` (16) rows (Q5_K with ``_MMA_ROWS_Q5K``, Q8_0 with ``_MMA_ROWS_Q8_0``; one row
+    included), and the
     weight has at least ``MMA_MIN_ROWS`` rows (on the H100 a 1024-row Q4_K GEMV took 6.4 µs on CUDA
     cores, 7.5 on the tensor cores with its activation launch; 4096 rows 12.8 against 11.0; Q6_K's
     1024 rows 6.6 against 6.7-8.5, 4096 rows 16.9 against 12.9)."""
@@ -389,7 +390,7 @@ def mma_eligible(x: torch.Tensor, data: torch.Tensor, qtype: str) -> bool:
 def on_rows_kernel(x: torch.Tensor, data: torch.Tensor, qtype: str) -> bool:
     """Whether :func:`gguf_gemv` runs ``x @ dequant(data).T`` on the rows kernel (:mod:`.gguf_mma_rows`) by
     default, which reads the rows' operands (:func:`.gguf_mma_rows.norm_rows_planes` can make them):
-    :func:`mma_eligible` with 2..16 rows, or one row of Q5_K (of Q8_0 with ``_MMA_ROWS_Q8_0``)."""
+    :func:`mma_eligible` with 2..16 rows, or one row of Q5_K or Q8_0."""
     return (x.shape[0] > 1 or qtype in _ONE_ROW_ON_ROWS) and mma_eligible(x, data, qtype)
 
 
@@ -414,9 +415,9 @@ def gguf_gemv(x: torch.Tensor, data: torch.Tensor, qtype: str, add: torch.Tensor
     "SPLIT_K": ..}`` (optionally ``num_warps``, ``num_stages``) sets the tensor-core launch.
     ``silu_mul`` (tensor-core paths only: 1..16 fp16/bf16 rows of Q4_K, Q5_K or Q8_0, no ``add``): ``data`` holds
     ``[gate | up]`` (``2 I`` rows) and the result ``[M, I]`` is ``silu(x @ gate.T) * (x @ up.T)``,
-    the ``silu_mul`` op fused. 2..16 fp16/bf16 rows of Q4_K, Q5_K or Q6_K run on the tensor cores too by
-    default (:mod:`.gguf_mma_rows`, :func:`mma_eligible`), and so does one row of Q5_K, which has no
-    one-row tensor-core kernel; Q8_0's rows (one too) with ``config={"MMA": True, ...}`` (untimed).
+    the ``silu_mul`` op fused. 2..16 fp16/bf16 rows of Q4_K, Q5_K, Q6_K or Q8_0 run on the tensor cores
+    too by default (:mod:`.gguf_mma_rows`, :func:`mma_eligible`), and so does one row of Q5_K or Q8_0,
+    which have no one-row tensor-core kernel.
     ``planes``: x's tensor-core A operand, already made (Q4_K: :func:`.gguf_mma.norm_planes`, three
     buffers; Q6_K: a SwiGLU epilogue's ``planes_out``, two; 2..16 rows: the rows' operands,
     :func:`.gguf_mma_rows.norm_rows_planes`); the tensor-core path then skips its activation launch

@@ -38,8 +38,9 @@ so a tile's dots cost what the one-row kernel's do for up to 8 rows:
 * **Q8_0** (:func:`q8_0_rows_sums`, 34-byte blocks, 2-byte aligned): the rows' super-block is 8 blocks;
   each block's 32 int8 codes are the dot's A operand as they are (two to a 16-bit load), and its
   float16 ``d`` scales its sums in float32 (605 SASS instructions a step for 8 rows, against 2086
-  for the plane loop). Untimed, so off by default (``gguf_linear._MMA_ROWS_Q8_0``; ``config={"MMA":
-  True, ...}`` takes it), one row included.
+  for the plane loop). Q8_0 has no one-row tensor-core kernel either, so its 1-16 rows run here by
+  default (``gguf_linear._MMA_ROWS_Q8_0``): H200, the 8B gate 28.9 µs at 1-2 rows against 72.6 on the
+  CUDA cores and 78.6 a plane a dot; the 8B Q8_0 step 4.265 ms against 9.331.
 * **9-16 rows** hold two groups of 8 in the rows' operand (``[32, 32]``), so the pairs stay in one
   thread: twice the dots and the scaling, the weights decoded once.
 * **Q6_K** (:func:`q6k_rows_sums`, the stored 224-byte blocks): the same operands of the rows; each
@@ -79,6 +80,9 @@ CONFIG_KEYS = {"BLOCK_N", "SPLIT_K", "num_warps", "num_stages"}
 # the launch by the rows the operands hold (pick_rows_config): weight rows a tile, warps, and the programs a SM
 # that K is split towards (split_for_rows)
 _TILES = {8: (32, 2, 12), 16: (64, 4, 3)}
+# ... where a type's 16 rows take other launches: 32-row tiles of 2 warps (H200, --many --sweep, µs at 16 rows,
+# against _TILES[16]: Q5_K qkv 16.6 vs 20.6, gate 30.1 vs 30.8; Q8_0 gate 33.6 vs 51.3, down 35.1 vs 49.0)
+_TILES_BY_TYPE = {("Q5_K", 16): (32, 2, 5), ("Q8_0", 16): (32, 2, 12)}
 _WIDE_PROGRAMS_PER_SM = 4       # 64-row tiles take 2 warps, not 4, past this many programs a SM
 _STAGES = 2                     # pipeline stages of the K loop
 _MIN_SLICE = 2                  # K slices keep at least this many super-blocks (split_for_rows)
@@ -433,15 +437,17 @@ def _rows_for(m: int) -> int:
     return 8 if m <= 8 else 16
 
 
-def pick_rows_config(n: int, k: int, sms: int, m: int = 8) -> dict:
-    """Launch of :func:`gguf_gemv_mma_rows` for ``m`` activation rows (``_TILES``): up to 8 rows, tiles of
-    32 weight rows in 2 warps; 9-16 rows, 64 in 4 warps, or 2 when the grid has more than
-    ``_WIDE_PROGRAMS_PER_SM`` programs a SM; 2 stages; K split by :func:`split_for_rows`. H200,
+def pick_rows_config(n: int, k: int, sms: int, m: int = 8, qtype: str = "Q4_K") -> dict:
+    """Launch of :func:`gguf_gemv_mma_rows` for ``m`` activation rows of ``qtype`` (``_TILES``): up to 8
+    rows, tiles of 32 weight rows in 2 warps; 9-16 rows, 64 in 4 warps, or 2 when the grid has more than
+    ``_WIDE_PROGRAMS_PER_SM`` programs a SM (Q5_K and Q8_0: 32 in 2 warps, ``_TILES_BY_TYPE``); 2
+    stages; K split by :func:`split_for_rows`. H200,
     ``benchmarks/gguf_gemv.py --many --sweep``, µs: 8 rows of the 8B gate
     (14336 x 4096) 34.8 unsplit (448 programs), 21.1 in 4 slices; 16 rows of it 32.2 in 32-row
     tiles (4 slices), 29.2 in 64-row tiles of 4 warps (2 slices); 16 rows of the 8B down 33.4 against
     28.3, of a Q6_K down 40.7 against 31.7; of qkv (768 programs) 18.8 in 4 warps, 14.6 in 2."""
-    block_n, warps, per_sm = _TILES[_rows_for(m)]
+    rr = _rows_for(m)
+    block_n, warps, per_sm = _TILES_BY_TYPE.get((qtype, rr), _TILES[rr])
     split = split_for_rows(triton.cdiv(n, block_n), k // _SUPER, sms, per_sm)
     if warps == 4 and triton.cdiv(n, block_n) * split > _WIDE_PROGRAMS_PER_SM * sms:
         warps = 2
@@ -477,7 +483,7 @@ def gguf_gemv_mma_rows(x: torch.Tensor, data: torch.Tensor, qtype: str, add: tor
     m, k = x.shape
     n = out.shape[1]
     rows_n = 2 * n if silu_mul else n
-    cfg = dict(config or pick_rows_config(rows_n, k, sms, m))
+    cfg = dict(config or pick_rows_config(rows_n, k, sms, m, qtype))
     block_n, split = cfg.pop("BLOCK_N"), cfg.pop("SPLIT_K")
     blocks = k // _SUPER
     per, split = slices(blocks, split)

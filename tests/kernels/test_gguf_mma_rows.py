@@ -162,12 +162,12 @@ def test_rows_carried_norm_factor_scales_each_row():
     torch.testing.assert_close(got.float().cpu(), want, rtol=0, atol=1e-2 * want.abs().max().item())
 
 
-def test_gguf_gemv_takes_the_rows_kernel_for_2_to_16_rows_and_one_q5k_row(monkeypatch):
-    """By default 2..16 fp16/bf16 rows of a Q4_K, Q5_K or Q6_K weight of at least ``MMA_MIN_ROWS`` rows run
-    the rows kernel, and so does one row of Q5_K (it has no one-row tensor-core kernel); 17 rows
-    (``ROWS_BY_DEFAULT``), float32 rows and the switches off (``_MMA_ROWS_Q5K`` for Q5_K, its one row
-    included; ``_MMA_ROWS_Q6K`` for Q6_K; ``_MMA_ROWS``) do not; Q8_0 only with ``_MMA_ROWS_Q8_0`` (untimed,
-    off), its one row too."""
+def test_gguf_gemv_takes_the_rows_kernel_for_2_to_16_rows_and_one_q5k_or_q8_0_row(monkeypatch):
+    """By default 2..16 fp16/bf16 rows of a Q4_K, Q5_K, Q6_K or Q8_0 weight of at least ``MMA_MIN_ROWS``
+    rows run the rows kernel, and so does one row of Q5_K or Q8_0 (no one-row tensor-core kernel); 17 rows
+    (``ROWS_BY_DEFAULT``), float32 rows and the switches off (``_MMA_ROWS_Q5K`` for Q5_K and
+    ``_MMA_ROWS_Q8_0`` for Q8_0, their one row included; ``_MMA_ROWS_Q6K`` for Q6_K; ``_MMA_ROWS``) do
+    not."""
     from graphdsl.runtime.kernels.gguf_linear import on_rows_kernel
     calls = []
     monkeypatch.setattr(gguf_linear, "gguf_gemv_mma_rows", lambda x, *a, **kw: calls.append((x.shape[0], a[1])) or a[3])
@@ -193,16 +193,20 @@ def test_gguf_gemv_takes_the_rows_kernel_for_2_to_16_rows_and_one_q5k_row(monkey
     assert not mma_eligible(x4, q5k, "Q5_K") and not mma_eligible(x1, q5k, "Q5_K")
     q8, _ = random_gguf_weight("Q8_0", 32, 256, seed=1)
     q8 = q8.to(DEV)
-    assert not mma_eligible(x1, q8, "Q8_0") and not mma_eligible(x4, q8, "Q8_0")     # untimed: off
-    monkeypatch.setattr(gguf_linear, "_MMA_ROWS_Q8_0", True)
+    gguf_gemv(x1, q8, "Q8_0")
+    gguf_gemv(x4, q8, "Q8_0")
+    assert calls[-2:] == [(1, "Q8_0"), (4, "Q8_0")]
     assert on_rows_kernel(x1, q8, "Q8_0") and on_rows_kernel(x4, q8, "Q8_0")
     monkeypatch.setattr(gguf_linear, "_MMA_ROWS_Q8_0", False)
+    gguf_gemv(x1, q8, "Q8_0")
+    gguf_gemv(x4, q8, "Q8_0")
+    assert not mma_eligible(x1, q8, "Q8_0") and not mma_eligible(x4, q8, "Q8_0")
     gguf_gemv(_x(4, 256, torch.float32, 1), q4k, "Q4_K")
     monkeypatch.setattr(gguf_linear, "_MMA_ROWS_Q6K", False)
     gguf_gemv(x4, q6k, "Q6_K")
     monkeypatch.setattr(gguf_linear, "_MMA_ROWS", False)
     gguf_gemv(x4, q4k, "Q4_K")
-    assert len(calls) == 6
+    assert len(calls) == 8
 
 
 def test_rows_kernel_refuses_what_it_cannot_take():
@@ -233,7 +237,7 @@ def test_rows_kernel_refuses_what_it_cannot_take():
 
 @pytest.mark.parametrize("scheme", ["gguf-q4_k", "gguf-q6_k", "gguf-q5_k", "gguf-q8_0"])
 def test_batched_decode_of_a_gguf_model_runs_the_rows_kernel(tmp_path, monkeypatch, scheme):
-    """A Q4_K (Q6_K; Q5_K; Q8_0 with ``_MMA_ROWS_Q8_0`` on) model decoding 3 sequences at once (``MMA_MIN_ROWS``
+    """A Q4_K (Q6_K; Q5_K; Q8_0) model decoding 3 sequences at once (``MMA_MIN_ROWS``
     lowered for the tiny shapes): its projections run the rows kernel (gate/up with its SwiGLU epilogue,
     but for Q6_K), the prefill of their 9 prompt tokens too (padded to 16 rows on a GPU), and each token's
     log-probability matches the run with 2..16 rows a plane a dot (``_MMA_ROWS`` off), token for token,
@@ -243,7 +247,6 @@ def test_batched_decode_of_a_gguf_model_runs_the_rows_kernel(tmp_path, monkeypat
     import graphdsl as gd
     from tests.models.hf_tiny import make_checkpoint
     monkeypatch.setattr(gguf_linear, "MMA_MIN_ROWS", 1)
-    monkeypatch.setattr(gguf_linear, "_MMA_ROWS_Q8_0", True)
     calls = []
     real = gguf_linear.gguf_gemv_mma_rows
     monkeypatch.setattr(gguf_linear, "gguf_gemv_mma_rows",
@@ -400,3 +403,25 @@ def test_a_q5_k_m_model_decodes_one_row_on_the_rows_kernel(monkeypatch):
     assert a.token_ids == b.token_ids
     for la, lb, t in zip(a.logprobs, b.logprobs, a.token_ids):
         assert abs(la[t].logprob - lb[t].logprob) < 0.02, (la[t], lb[t])
+
+
+def test_rows_launch_by_type_at_16_rows():
+    """``pick_rows_config``: up to 8 rows 32-row tiles of 2 warps, K split towards 12 programs a SM; at
+    9-16 rows Q4_K and Q6_K take 64-row tiles (2 warps past 4 programs a SM), while Q5_K and Q8_0 keep
+    32-row tiles of 2 warps (their H200 sweeps: Q8_0's gate 33.6 against 51.3 µs), Q5_K split towards
+    5 programs a SM (132 SMs, the 8B shapes)."""
+    from graphdsl.runtime.kernels.gguf_mma_rows import pick_rows_config
+
+    def launch(n, k, m, qtype):
+        c = pick_rows_config(n, k, 132, m, qtype)
+        return c["BLOCK_N"], c["num_warps"], c["SPLIT_K"]
+    for qtype in ("Q4_K", "Q5_K", "Q6_K", "Q8_0"):
+        assert launch(14336, 4096, 8, qtype) == (32, 2, 4)           # gate
+        assert launch(4096, 14336, 1, qtype) == (32, 2, 16)          # down
+    assert launch(14336, 4096, 16, "Q4_K") == (64, 4, 2)
+    assert launch(6144, 4096, 16, "Q6_K") == (64, 2, 8)
+    assert launch(14336, 4096, 16, "Q8_0") == (32, 2, 4)
+    assert launch(4096, 14336, 16, "Q8_0") == (32, 2, 16)
+    assert launch(6144, 4096, 16, "Q5_K") == (32, 2, 4)
+    assert launch(14336, 4096, 16, "Q5_K") == (32, 2, 2)
+    assert launch(4096, 14336, 16, "Q5_K") == (32, 2, 8)

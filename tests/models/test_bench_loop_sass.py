@@ -147,12 +147,13 @@ def test_q5k_rows_on_the_tensor_cores_take_a_third_of_the_plane_loops_instructio
 
 
 def test_q8_0_rows_on_the_tensor_cores_take_fewer_instructions_a_weight_than_its_loops(sass):
-    """``--gguf Q8_0:N:K:ROWS:mma`` counts the rows kernel on Q8_0 blocks (untimed, off by default): the
+    """``--gguf Q8_0:N:K:ROWS`` counts the rows kernel on Q8_0 blocks, the default for 1-16 rows: the
     codes enter the dot as they are, two to a 16-bit load (the blocks are 2-byte aligned). sm_90, 8
     rows: 605 instructions a step of 128 weights a thread, against 2086 for the plane loop that 2-16
-    rows run and 22 a weight for one row's CUDA-core loop."""
-    mma, planes, one = _table(sass, "Q8_0:14336:4096:", "--gguf", "Q8_0:14336:4096:8:mma", "Q8_0:14336:4096:8:planes",
-                              "Q8_0:14336:4096:1")
-    assert mma[1].startswith("32 x 8") and mma[5] == "0"
+    rows ran before (``:planes``) and 22 a weight for one row's CUDA-core loop (``1:planes``: its
+    ``_pick_config`` launch)."""
+    rows, mma, planes, one = _table(sass, "Q8_0:14336:4096:", "--gguf", "Q8_0:14336:4096:8", "Q8_0:14336:4096:8:mma",
+                                    "Q8_0:14336:4096:8:planes", "Q8_0:14336:4096:1:planes")
+    assert mma[1].startswith("32 x 8") and mma[5] == "0" and rows[1:] == mma[1:]
     assert int(mma[2]) < 700 and int(mma[2]) < 0.4 * int(planes[2]), (mma, planes)
     assert float(mma[4]) < 0.3 * float(one[4]), (mma, one)
