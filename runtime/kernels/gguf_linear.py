@@ -365,10 +365,12 @@ def _mma_possible(x: torch.Tensor, data: torch.Tensor, qtype: str) -> bool:
 def _rows_possible(x: torch.Tensor, data: torch.Tensor, qtype: str) -> bool:
     """The several-row tensor-core kernel (:mod:`.gguf_mma_rows`) takes 2..``MMA_ROWS`` (16) fp16/bf16
     rows (unit inner stride) of Q4_K, Q5_K, Q6_K or Q8_0 over 4-byte aligned blocks; one row of a type
-    with no one-row tensor-core kernel (``_ONE_ROW_ON_ROWS``: Q5_K, Q8_0)."""
+    with no one-row tensor-core kernel (``_ONE_ROW_ON_ROWS``: Q5_K, Q8_0). Its K loop steps a
+    super-block of 256 inputs, so Q8_0 (blocks of 32) needs K a multiple of 256 (Qwen2.5-0.5B's 896
+    is not)."""
     low = 1 if qtype in _ONE_ROW_ON_ROWS else 2
     types = ("Q4_K", "Q5_K", "Q8_0") + (("Q6_K",) if _MMA_ROWS_Q6K else ())
-    return (low <= x.shape[0] <= MMA_ROWS and qtype in types
+    return (low <= x.shape[0] <= MMA_ROWS and qtype in types and x.shape[1] % 256 == 0
             and x.dtype != torch.float32 and x.stride(-1) == 1 and data.data_ptr() % 4 == 0)
 
 
@@ -553,8 +555,9 @@ def _mma_rows(x, data, qtype, add, out, workspace, config, silu_mul, planes, pla
     m, k = x.shape
     if not _rows_possible(x, data, qtype):
         raise GraphDSLError(f"gguf_gemv: config MMA=True with several rows needs 2..{MMA_ROWS} fp16/bf16 rows of "
-                            f"Q4_K, Q5_K, Q6_K or Q8_0 (Q5_K, Q8_0: 1..{MMA_ROWS}; unit inner stride) and 4-byte "
-                            f"aligned data, got {m} {x.dtype} rows of {qtype} at address {data.data_ptr():#x}")
+                            f"Q4_K, Q5_K, Q6_K or Q8_0 (Q5_K, Q8_0: 1..{MMA_ROWS}; unit inner stride; K a multiple "
+                            f"of 256) and 4-byte aligned data, got {m} {x.dtype} rows of {qtype}, K={k}, at address "
+                            f"{data.data_ptr():#x}")
     if planes is not None and not (is_rows_planes(planes) and planes[0].shape[0] == k // 32):
         raise GraphDSLError(f"gguf_gemv: planes for {m} rows are the rows' operands of K={k} inputs "
                             f"(empty_rows_planes: [{k // 32}, 32, 32] int8 first), got {len(planes)} buffers, the "

@@ -425,3 +425,23 @@ def test_rows_launch_by_type_at_16_rows():
     assert launch(6144, 4096, 16, "Q5_K") == (32, 2, 4)
     assert launch(14336, 4096, 16, "Q5_K") == (32, 2, 2)
     assert launch(4096, 14336, 16, "Q5_K") == (32, 2, 8)
+
+
+def test_q8_0_with_k_no_multiple_of_256_stays_off_the_rows_kernel(monkeypatch):
+    """The rows kernel steps 256 inputs, so a Q8_0 weight whose K is no multiple of 256 (Qwen2.5-0.5B's
+    896) keeps the CUDA-core loop for one row and a plane a dot for more, whose results are right; asked
+    for the rows kernel by config, ``gguf_gemv`` names K."""
+    from graphdsl.runtime.kernels.gguf_linear import on_rows_kernel
+    monkeypatch.setattr(gguf_linear, "MMA_MIN_ROWS", 1)
+    data, w = random_gguf_weight("Q8_0", 32, 288, seed=3)
+    data = data.to(DEV)
+    for m in (1, 3):
+        x = _x(m, 288, torch.bfloat16, seed=m)
+        assert not on_rows_kernel(x, data, "Q8_0") and not mma_eligible(x, data, "Q8_0")
+        got = gguf_gemv(x, data, "Q8_0")
+        want = x.float().cpu() @ w.T
+        torch.testing.assert_close(got.float().cpu(), want, rtol=0, atol=2e-2 * want.abs().max().item())
+    x256 = _x(3, 256, torch.bfloat16, seed=4)
+    assert on_rows_kernel(x256, random_gguf_weight("Q8_0", 32, 256, seed=3)[0].to(DEV), "Q8_0")
+    with pytest.raises(GraphDSLError, match=r"K a multiple of 256.* got 3 torch.bfloat16 rows of Q8_0, K=288"):
+        gguf_gemv(_x(3, 288, torch.bfloat16, seed=2), data, "Q8_0", config=_cfg())
