@@ -402,7 +402,8 @@ def e2e(shape: str, quantization: str | None, copy: float, gen_tokens: int = 64,
 # (of Q6_K only) a plane a dot (the A/Bs of gguf_mma_rows.py, with --batches); "q5k-off": the Q5_K_M mix with its
 # Q5_K rows off the tensor-core rows kernel: one row on the CUDA cores, 2-16 a plane a dot (--gguf-q5k-off);
 # "norm-rows-off": the rows GEMVs after a norm making their own operands (--gguf-norm-rows-off); "q8_0-off": the
-# Q8_0 mix with its rows off the tensor-core rows kernel: one row on the CUDA cores, 2-16 a plane a dot (--gguf-q8_0-off)
+# Q8_0 mix with its rows off the tensor-core rows kernel: one row on the CUDA cores, 2-16 a plane a dot (--gguf-q8_0-off);
+# "rows-32": 17-32 rows on the rows kernel too, not a plane a dot (--gguf-rows-32, with --batches 17..32)
 _AB_RUNS = {"cuda-cores": ("MMA_MIN_ROWS", 1 << 40, "CUDA-core GEMVs"),
             "planes": ("_MMA_ROWS", False, "2-16 rows a plane a dot, not the tensor-core rows kernel"),
             "q6k-planes": ("_MMA_ROWS_Q6K", False, "2-16 rows of Q6_K a plane a dot"),
@@ -412,7 +413,8 @@ _AB_RUNS = {"cuda-cores": ("MMA_MIN_ROWS", 1 << 40, "CUDA-core GEMVs"),
             "norm-rows-off": ("triton_backend._NORM_ROWS_PLANES", False,
                               "each rows GEMV making its operands, not the RMSNorm before it"),
             "q8_0-off": ("_MMA_ROWS_Q8_0", False, "Q8_0 off the rows kernel: one row on the CUDA cores, 2-16 a "
-                                                  "plane a dot")}
+                                                  "plane a dot"),
+            "rows-32": ("ROWS_BY_DEFAULT", 32, "17-32 rows on the rows kernel, not a plane a dot")}
 
 
 # the A/B flags: flag -> (its runs in _AB_RUNS, the mix they switch, what they change, for --help)
@@ -428,6 +430,8 @@ _AB_FLAGS = {
                        "2-16 rows a plane a dot: the A/B of the default)"),
     "--gguf-q8_0-off": (["q8_0-off"], "gguf-q8_0", "Q8_0 off the tensor-core rows kernel (one row on the CUDA cores, "
                         "2-16 rows a plane a dot: the A/B of the default)"),
+    "--gguf-rows-32": (["rows-32"], _GGUFMix.NAME, "17-32 rows on the tensor-core rows kernel, not a plane a dot (with "
+                       "--batches 17..32; the A/B of gguf_mma_rows.ROWS_BY_DEFAULT)"),
 }
 
 

@@ -765,8 +765,8 @@ class GemvWorkspace:
         return bufs
 
     def rows_planes(self, device: torch.device, k: int):
-        """The rows' operands and ``a_m``, ``S_ms`` of the several-row Q4_K / Q5_K / Q6_K tensor-core GEMV
-        (:func:`.gguf_mma_rows.empty_rows_planes`: room for 16 rows), one set per (device, k)."""
+        """The rows' operands and ``a_m``, ``S_ms`` of the several-row GGUF tensor-core GEMV
+        (:func:`.gguf_mma_rows.empty_rows_planes`: room for 32 rows), one set per (device, k)."""
         from .gguf_mma_rows import empty_rows_planes
         key = ("rows_planes", str(device), k)
         bufs = self._buffers.get(key)

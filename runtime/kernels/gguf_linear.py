@@ -32,8 +32,9 @@ One fp16/bf16 row of Q4_K or Q6_K over at least ``MMA_MIN_ROWS`` weight rows run
 tensor cores instead (:mod:`.gguf_mma`, :mod:`.gguf_mma_q6k`, :func:`mma_eligible`): on an H100
 1.2-1.7x faster than the CUDA-core loop, which is instruction-bound (15-33% of copy bandwidth on
 the H200, about the bf16 cuBLAS GEMV's time; docs/gguf-kernels.md has the tables and the next steps).
-So do 2..16 rows of Q4_K and Q6_K (:mod:`.gguf_mma_rows`: a sub-block a dot, the rows on the dot's
-other operand; ``_MMA_ROWS``).
+So do 2..16 rows of Q4_K, Q5_K, Q6_K and Q8_0, and one row of Q5_K and Q8_0 (:mod:`.gguf_mma_rows`: a
+sub-block a dot, the rows on the dot's other operand; ``_MMA_ROWS``); it takes up to 32 rows, 17-32
+by ``config`` only (untimed).
 
 ``data`` is in the stored layout (:func:`graphdsl.runtime.gguf_blocks.to_stored`: Q6_K blocks
 padded to 224 bytes; the other types as in the file).
@@ -74,7 +75,7 @@ MAX_PLANE_ROWS = 64   # the most it takes for a PLANE_QTYPES weight (a plane a d
 _PLANE_ROWS = True    # several rows of a PLANE_QTYPES weight a plane a dot (False: the decoded tile; A/B)
 _FAST_PLANES = True   # their Q4_K / Q6_K planes decoded in fp16/bf16 by packed PTX (False: float32 math; A/B)
 _Q6K_MMA = True       # one Q6_K row on the tensor cores by default (False: CUDA cores; decode_ab.py's A/B)
-_MMA_ROWS = True      # 2..16 rows of Q4_K / Q6_K on the tensor cores by default (gguf_mma_rows; False: a plane a dot)
+_MMA_ROWS = True      # 2..16 GGUF rows on the tensor cores by default (gguf_mma_rows; False: a plane a dot)
 _MMA_ROWS_Q6K = True  # ... Q6_K among them (False: Q6_K a plane a dot; quant.py's A/B)
 _MMA_ROWS_Q5K = True  # ... Q5_K among them, and its one row (False: one row on the CUDA cores, 2-16 a plane a dot;
                       # quant.py's A/B)
@@ -363,7 +364,7 @@ def _mma_possible(x: torch.Tensor, data: torch.Tensor, qtype: str) -> bool:
 
 
 def _rows_possible(x: torch.Tensor, data: torch.Tensor, qtype: str) -> bool:
-    """The several-row tensor-core kernel (:mod:`.gguf_mma_rows`) takes 2..``MMA_ROWS`` (16) fp16/bf16
+    """The several-row tensor-core kernel (:mod:`.gguf_mma_rows`) takes 2..``MMA_ROWS`` (32) fp16/bf16
     rows (unit inner stride) of Q4_K, Q5_K, Q6_K or Q8_0 over 4-byte aligned blocks; one row of a type
     with no one-row tensor-core kernel (``_ONE_ROW_ON_ROWS``: Q5_K, Q8_0). Its K loop steps a
     super-block of 256 inputs, so Q8_0 (blocks of 32) needs K a multiple of 256 (Qwen2.5-0.5B's 896

@@ -1,4 +1,4 @@
-"""Two to sixteen rows of a Q4_K, Q5_K, Q6_K or Q8_0 GEMV (one row of Q5_K and Q8_0 too) on the int8 tensor cores:
+"""Two to 32 rows of a Q4_K, Q5_K, Q6_K or Q8_0 GEMV (one row of Q5_K and Q8_0 too) on the int8 tensor cores:
 ``out = x @ dequant(W).T (+ add)``.
 
 The one-row kernel (:mod:`.gguf_mma`) lays a row's 8 sub-blocks block-diagonally on the 16 rows of
@@ -42,7 +42,10 @@ so a tile's dots cost what the one-row kernel's do for up to 8 rows:
   default (``gguf_linear._MMA_ROWS_Q8_0``): H200, the 8B gate 28.9 µs at 1-2 rows against 72.6 on the
   CUDA cores and 78.6 a plane a dot; the 8B Q8_0 step 4.265 ms against 9.331.
 * **9-16 rows** hold two groups of 8 in the rows' operand (``[32, 32]``), so the pairs stay in one
-  thread: twice the dots and the scaling, the weights decoded once.
+  thread: twice the dots and the scaling, the weights decoded once. **17-32 rows** hold four
+  (``[64, 32]``): ``config={"MMA": True, ...}`` takes them; by default (``ROWS_BY_DEFAULT``) they run
+  a plane a dot: on the H200 Q4_K's 32 rows took 37.2 µs on the 8B gate at the best launch of a sweep,
+  against 44.3 a plane a dot, but the model's step with that launch is untimed.
 * **Q6_K** (:func:`q6k_rows_sums`, the stored 224-byte blocks): the same operands of the rows; each
   32-value plane of the weights (:func:`.gguf_mma_q6k._plane`: ``4 (q - 32)``) is dotted twice, with
   the rows' operand masked to its first and its last 16 inputs, and each int8 weight scale
@@ -74,12 +77,16 @@ from .splitk import meet_tile
 __all__ = ["MMA_ROWS", "ROWS_BY_DEFAULT", "CONFIG_KEYS", "gguf_gemv_mma_rows", "rows_planes", "empty_rows_planes",
            "norm_rows_planes", "is_rows_planes", "pick_rows_config", "split_for_rows"]
 
-MMA_ROWS = 16                   # activation rows a launch takes: the rows' operand holds (high, low) bytes x 8 x 2
-ROWS_BY_DEFAULT = 16            # gguf_gemv takes the kernel by default up to this many rows (gguf_linear.mma_eligible)
+MMA_ROWS = 32                   # activation rows a launch takes: the rows' operand holds (high, low) bytes x 8 x 4
+ROWS_BY_DEFAULT = 16            # gguf_gemv takes the kernel by default up to this many rows (gguf_linear.mma_eligible;
+                                # 17-32 rows untimed)
 CONFIG_KEYS = {"BLOCK_N", "SPLIT_K", "num_warps", "num_stages"}
 # the launch by the rows the operands hold (pick_rows_config): weight rows a tile, warps, and the programs a SM
 # that K is split towards (split_for_rows)
-_TILES = {8: (32, 2, 12), 16: (64, 4, 3)}
+# 17-32 rows: H200, Q4_K's sweep (--many --sweep --rows 32), µs, against a plane a dot: gate 37.2 (1 slice) vs 44.3,
+# qkv 18.6 (4 slices) vs 26.2, down 40.9 (64-row tiles, 2 warps, 8 slices) vs 47.1; 32-row tiles of 2 warps took
+# 85.4, 41.4 and 77.1. Not the default (ROWS_BY_DEFAULT): the model's step with these launches is untimed
+_TILES = {8: (32, 2, 12), 16: (64, 4, 3), 32: (64, 4, 1.5)}
 # ... where a type's 16 rows take other launches: 32-row tiles of 2 warps (H200, --many --sweep, µs at 16 rows,
 # against _TILES[16]: Q5_K qkv 16.6 vs 20.6, gate 30.1 vs 30.8; Q8_0 gate 33.6 vs 51.3, down 35.1 vs 49.0)
 _TILES_BY_TYPE = {("Q5_K", 16): (32, 2, 5), ("Q8_0", 16): (32, 2, 12)}
@@ -112,7 +119,7 @@ def _store_operands(x, rows, b, a_ptr, xa_ptr, xs_ptr, R: tl.constexpr, ROWS: tl
 @triton.jit
 def _rows_planes_kernel(x_ptr, stride_xm, M, a_ptr, xa_ptr, xs_ptr, R: tl.constexpr, USE_PDL: tl.constexpr):
     """Super-block ``program_id(0)`` of the rows ``x [M, K]``: its 8 sub-blocks' ``[2 R, 32]`` operands
-    and each row's ``a_m``, ``S_ms`` (module docstring; ``R`` rows, 8 or 16)."""
+    and each row's ``a_m``, ``S_ms`` (module docstring; ``R`` rows, 8, 16 or 32)."""
     pdl_wait(USE_PDL)
     b = tl.program_id(0)
     m = tl.arange(0, R)[:, None, None]
@@ -341,7 +348,7 @@ def _rows_kernel(
     M, N, ROW_BYTES, PER,    # sizes (N: output columns); PER super-blocks per K slice
     SPLIT_K, BLOCKS, stride_om, stride_am,
     QTYPE: tl.constexpr,     # "Q4_K", "Q5_K", "Q6_K" or "Q8_0"
-    R: tl.constexpr,         # activation rows the operands hold: 8, or 16 (MMA_ROWS)
+    R: tl.constexpr,         # activation rows the operands hold: 8, 16 or 32 (MMA_ROWS)
     BLOCK_N: tl.constexpr, SPLIT: tl.constexpr, HAS_ADD: tl.constexpr, EMULATE: tl.constexpr,
     USE_PDL: tl.constexpr, LATE_LAUNCH: tl.constexpr,   # (:mod:`.pdl`) the next kernel launches after the K loop
     SWIGLU: tl.constexpr = False,   # w is [2N, K] = [gate | up]; out = silu(x @ gate.T) * (x @ up.T)
@@ -394,9 +401,9 @@ def _rows_kernel(
 
 
 def empty_rows_planes(k: int, device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Uninitialised buffers for the operands of up to ``MMA_ROWS`` rows of ``k`` inputs: ``[k / 32, 32,
-    32]`` int8, ``a_m`` and ``S_ms`` ``[k / 32, 16]`` float32 (module docstring). The operands of
-    8 rows fill their first half as ``[k / 32, 16, 32]`` and ``[k / 32, 8]``."""
+    """Uninitialised buffers for the operands of up to ``MMA_ROWS`` (32) rows of ``k`` inputs: ``[k / 32,
+    64, 32]`` int8, ``a_m`` and ``S_ms`` ``[k / 32, 32]`` float32 (module docstring). The operands of
+    ``R`` = 8 or 16 rows fill their start as ``[k / 32, 2 R, 32]`` and ``[k / 32, R]``."""
     return (torch.empty(k // 32, 2 * MMA_ROWS, 32, dtype=torch.int8, device=device),
             torch.empty(k // 32, MMA_ROWS, dtype=torch.float32, device=device),
             torch.empty(k // 32, MMA_ROWS, dtype=torch.float32, device=device))
@@ -404,7 +411,7 @@ def empty_rows_planes(k: int, device) -> tuple[torch.Tensor, torch.Tensor, torch
 
 def rows_planes(x: torch.Tensor, planes: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None) -> tuple:
     """The operands and ``a_m``, ``S_ms`` of the rows ``x [M, K]`` (M <= ``MMA_ROWS``, unit inner
-    stride; module docstring), for 8 rows (M <= 8) or 16, written into ``planes`` when given (a
+    stride; module docstring), for 8 rows (M <= 8), 16 or 32, written into ``planes`` when given (a
     workspace's buffers)."""
     m, k = x.shape
     if planes is None:
@@ -427,21 +434,22 @@ def norm_rows_planes(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tens
 
 
 def is_rows_planes(planes) -> bool:
-    """Whether ``planes`` are the rows' operands (:func:`empty_rows_planes`: ``[K / 32, 32, 32]`` int8
+    """Whether ``planes`` are the rows' operands (:func:`empty_rows_planes`: ``[K / 32, 64, 32]`` int8
     first), not a one-row tensor-core GEMV's (``[16, K]``)."""
     return planes is not None and len(planes) == 3 and planes[0].dim() == 3
 
 
 def _rows_for(m: int) -> int:
-    """The operands' rows for ``m`` activation rows: 8, or 16 past 8."""
-    return 8 if m <= 8 else 16
+    """The operands' rows for ``m`` activation rows: 8, 16 past 8, 32 past 16."""
+    return 8 if m <= 8 else 16 if m <= 16 else 32
 
 
 def pick_rows_config(n: int, k: int, sms: int, m: int = 8, qtype: str = "Q4_K") -> dict:
     """Launch of :func:`gguf_gemv_mma_rows` for ``m`` activation rows of ``qtype`` (``_TILES``): up to 8
     rows, tiles of 32 weight rows in 2 warps; 9-16 rows, 64 in 4 warps, or 2 when the grid has more than
-    ``_WIDE_PROGRAMS_PER_SM`` programs a SM (Q5_K and Q8_0: 32 in 2 warps, ``_TILES_BY_TYPE``); 2
-    stages; K split by :func:`split_for_rows`. H200,
+    ``_WIDE_PROGRAMS_PER_SM`` programs a SM (Q5_K and Q8_0: 32 in 2 warps, ``_TILES_BY_TYPE``); 17-32
+    rows as 16, K split towards fewer programs (Q4_K's sweep); 2 stages; K split by
+    :func:`split_for_rows`. H200,
     ``benchmarks/gguf_gemv.py --many --sweep``, µs: 8 rows of the 8B gate
     (14336 x 4096) 34.8 unsplit (448 programs), 21.1 in 4 slices; 16 rows of it 32.2 in 32-row
     tiles (4 slices), 29.2 in 64-row tiles of 4 warps (2 slices); 16 rows of the 8B down 33.4 against
@@ -469,10 +477,10 @@ def split_for_rows(tiles: int, blocks: int, sms: int, per_sm: int = _TILES[8][2]
 def gguf_gemv_mma_rows(x: torch.Tensor, data: torch.Tensor, qtype: str, add: torch.Tensor | None, out: torch.Tensor,
                        workspace, config: dict | None, sms: int, silu_mul: bool = False,
                        early_launch: bool = False, rms_in_args: dict | None = None, planes=None) -> torch.Tensor:
-    """``out [M, N] = x [M, K] @ dequant(data).T (+ add)`` for 2..16 (Q5_K: 1..16) fp16/bf16 rows of a Q4_K,
-    Q5_K or (stored) Q6_K weight on the tensor cores; the operands were checked by
+    """``out [M, N] = x [M, K] @ dequant(data).T (+ add)`` for 2..32 (Q5_K, Q8_0: 1..32) fp16/bf16 rows of a
+    Q4_K, Q5_K, Q8_0 or (stored) Q6_K weight on the tensor cores; the operands were checked by
     :func:`.gguf_linear.gguf_gemv`, which calls this. ``workspace``: a :class:`~.gemv.GemvWorkspace`
-    (operands, split-K partials). ``silu_mul`` (Q4_K, Q5_K): ``data`` holds ``[gate | up]`` (``2 N`` rows) and ``out`` gets ``silu(x @
+    (operands, split-K partials). ``silu_mul`` (Q4_K, Q5_K, Q8_0): ``data`` holds ``[gate | up]`` (``2 N`` rows) and ``out`` gets ``silu(x @
     gate.T) * (x @ up.T)``, no ``add``. ``early_launch``: the next kernel launches right after the PDL
     wait (a row part run beside the next: :func:`.gguf_linear.gguf_gemv`). ``rms_in_args``: the launch
     keywords of a carried norm's factor (:func:`.gemv.rms_in_args`; x is a producer's ``y · weight``,

@@ -1,4 +1,4 @@
-"""runtime/kernels/gguf_mma_rows.py: 2..16 rows of a Q4_K, Q5_K, Q6_K or Q8_0 GEMV (one of Q5_K, Q8_0) on the
+"""runtime/kernels/gguf_mma_rows.py: 2..32 rows of a Q4_K, Q5_K, Q6_K or Q8_0 GEMV (one of Q5_K, Q8_0) on the
 int8 tensor cores — the rows' A operands (made by their own launch, or by the RMSNorm before) and the sums
 against the dequantize-then-matmul reference (CPU interpreter here, compiled on a GPU), the SwiGLU and
 carried-norm epilogues, and ``gguf_gemv``'s choice of it."""
@@ -68,11 +68,13 @@ def test_rows_gemv_matches_dequantize_then_matmul(m, split, dtype, block_n):
     torch.testing.assert_close(out.cpu(), want, rtol=0, atol=1e-4 * want.abs().max().item())
 
 
-@pytest.mark.parametrize("qtype,m", [("Q4_K", 9), ("Q4_K", 16), ("Q6_K", 12)])
-def test_nine_to_sixteen_rows_hold_two_groups_of_eight(qtype, m):
+@pytest.mark.parametrize("qtype,m", [("Q4_K", 9), ("Q4_K", 16), ("Q6_K", 12), ("Q4_K", 17), ("Q4_K", 32),
+                                     ("Q6_K", 24), ("Q5_K", 20), ("Q8_0", 27)])
+def test_nine_to_32_rows_hold_two_or_four_groups_of_eight(qtype, m):
     """9-16 rows (the default up to ``ROWS_BY_DEFAULT``): the rows' operands hold two groups of 8
-    rows; the sums match the float32 reference within 1e-4 of the largest output, split-K included,
-    and with SwiGLU (Q4_K) each output row matches the 8-row kernel's on the same rows."""
+    rows; 17-32 rows (by config) four. The sums match the float32 reference within 1e-4 of the largest
+    output, split-K included, and with SwiGLU (Q4_K) each output row matches the 8-row kernel's on the
+    same rows."""
     data, ref = random_gguf_weight(qtype, 2 * 24, 512, seed=21)
     data = (to_stored(data, qtype) if qtype == "Q6_K" else data).to(DEV)
     x = _x(m, 512, torch.bfloat16, seed=22)
@@ -83,8 +85,7 @@ def test_nine_to_sixteen_rows_hold_two_groups_of_eight(qtype, m):
     torch.testing.assert_close(out.cpu(), want, rtol=0, atol=1e-4 * want.abs().max().item())
     if qtype == "Q4_K":
         both = gguf_gemv(x, data, qtype, silu_mul=True, config=_cfg(2))
-        halves = torch.cat([gguf_gemv(x[:8], data, qtype, silu_mul=True, config=_cfg(2)),
-                            gguf_gemv(x[8:], data, qtype, silu_mul=True, config=_cfg(2))])
+        halves = torch.cat([gguf_gemv(x[i:i + 8], data, qtype, silu_mul=True, config=_cfg(2)) for i in range(0, m, 8)])
         torch.testing.assert_close(both.float(), halves.float(), rtol=2 ** -7, atol=1e-3 * halves.abs().max().item())
 
 
@@ -92,8 +93,7 @@ def test_nine_to_sixteen_rows_hold_two_groups_of_eight(qtype, m):
                                                   ("Q5_K", 2, 1, torch.bfloat16), ("Q5_K", 13, 3, torch.float16),
                                                   ("Q8_0", 1, 1, torch.bfloat16), ("Q8_0", 11, 3, torch.float16)])
 def test_q6k_q5k_and_q8_0_rows_gemv_match_gguf_py_values(qtype, m, split, dtype):
-    """Q6_K in the stored 224-byte layout, Q5_K and Q8_0 (``config MMA=True`` for Q8_0: not the default
-    until timed; one row too), odd N, K of 4 super-blocks (3 slices asked: slices of 2), a float32
+    """Q6_K in the stored 224-byte layout, Q5_K and Q8_0 (one row too), odd N, K of 4 super-blocks (3 slices asked: slices of 2), a float32
     output: within 1e-4 of the largest output of gguf-py's dequantized weight times x (Q5_K: every
     code's fifth bit included); a residual and block-major blocks through ``gguf_gemv`` give the same
     bits as stored rows."""
@@ -220,12 +220,12 @@ def test_rows_kernel_refuses_what_it_cannot_take():
     with pytest.raises(GraphDSLError, match=r"planes for 4 rows are the rows' operands of K=256 inputs .* the first "
                                             r"\[16, 256\]"):
         gguf_gemv(x, data, "Q4_K", config=_cfg(), planes=GemvWorkspace().planes(x.device, 256))
-    with pytest.raises(GraphDSLError, match=r"2\.\.16 fp16/bf16 rows of Q4_K, Q5_K, Q6_K or Q8_0 .* got 17"):
-        gguf_gemv(_x(17, 256, torch.bfloat16, 2), data, "Q4_K", config=_cfg())
+    with pytest.raises(GraphDSLError, match=r"2\.\.32 fp16/bf16 rows of Q4_K, Q5_K, Q6_K or Q8_0 .* got 33"):
+        gguf_gemv(_x(33, 256, torch.bfloat16, 2), data, "Q4_K", config=_cfg())
     with pytest.raises(GraphDSLError, match=r"takes BLOCK_N, SPLIT_K .* got \['BLOCK_N'\]"):
         gguf_gemv(x, data, "Q4_K", config=dict(MMA=True, BLOCK_N=16))
-    with pytest.raises(GraphDSLError, match=r"silu_mul runs on the tensor-core paths only: 1\.\.16 .* got 17"):
-        gguf_gemv(_x(17, 256, torch.bfloat16, 2), data, "Q4_K", silu_mul=True)
+    with pytest.raises(GraphDSLError, match=r"silu_mul runs on the tensor-core paths only: 1\.\.32 .* got 33"):
+        gguf_gemv(_x(33, 256, torch.bfloat16, 2), data, "Q4_K", silu_mul=True)
     with pytest.raises(GraphDSLError, match=r"planes for Q4_K are 3 buffers .* got the rows' operands"):
         gguf_gemv(x[:1], data, "Q4_K", config=dict(MMA=True, BLOCK_N=16, SPLIT_K=1), planes=rows_planes(x))
     q5k, _ = random_gguf_weight("Q5_K", 16, 256, seed=1)
@@ -275,12 +275,12 @@ def test_batched_decode_of_a_gguf_model_runs_the_rows_kernel(tmp_path, monkeypat
 
 def _used(planes, m, k):
     """The part of a rows workspace's buffers that the operands of ``m`` rows fill (8 rows: the first half)."""
-    r = 8 if m <= 8 else 16
+    r = 8 if m <= 8 else 16 if m <= 16 else 32
     n = k // 32
     return [planes[0].reshape(-1)[:n * 2 * r * 32]] + [t.reshape(-1)[:n * r] for t in planes[1:]]
 
 
-@pytest.mark.parametrize("m", [2, 8, 11])
+@pytest.mark.parametrize("m", [2, 8, 11, 23])
 def test_norm_rows_planes_is_add_rms_norm_and_the_rows_operands_of_its_output(m):
     """``norm_rows_planes``: the sum and the normed rows as ``add_rms_norm`` gives them (the normed rows
     within a bf16 unit on a GPU, a few on the CPU interpreter, whose casts truncate), and the rows'
@@ -409,7 +409,8 @@ def test_rows_launch_by_type_at_16_rows():
     """``pick_rows_config``: up to 8 rows 32-row tiles of 2 warps, K split towards 12 programs a SM; at
     9-16 rows Q4_K and Q6_K take 64-row tiles (2 warps past 4 programs a SM), while Q5_K and Q8_0 keep
     32-row tiles of 2 warps (their H200 sweeps: Q8_0's gate 33.6 against 51.3 µs), Q5_K split towards
-    5 programs a SM (132 SMs, the 8B shapes)."""
+    5 programs a SM; 17-32 rows 64-row tiles split towards 1.5 programs a SM (132 SMs, the 8B
+    shapes)."""
     from graphdsl.runtime.kernels.gguf_mma_rows import pick_rows_config
 
     def launch(n, k, m, qtype):
@@ -425,6 +426,8 @@ def test_rows_launch_by_type_at_16_rows():
     assert launch(6144, 4096, 16, "Q5_K") == (32, 2, 4)
     assert launch(14336, 4096, 16, "Q5_K") == (32, 2, 2)
     assert launch(4096, 14336, 16, "Q5_K") == (32, 2, 8)
+    assert launch(14336, 4096, 32, "Q4_K") == (64, 4, 1)             # 17-32 rows: Q4_K's sweep
+    assert launch(6144, 4096, 32, "Q4_K") == (64, 4, 4)
 
 
 def test_q8_0_with_k_no_multiple_of_256_stays_off_the_rows_kernel(monkeypatch):
@@ -445,3 +448,34 @@ def test_q8_0_with_k_no_multiple_of_256_stays_off_the_rows_kernel(monkeypatch):
     assert on_rows_kernel(x256, random_gguf_weight("Q8_0", 32, 256, seed=3)[0].to(DEV), "Q8_0")
     with pytest.raises(GraphDSLError, match=r"K a multiple of 256.* got 3 torch.bfloat16 rows of Q8_0, K=288"):
         gguf_gemv(_x(3, 288, torch.bfloat16, seed=2), data, "Q8_0", config=_cfg())
+
+
+def test_decode_of_20_sequences_on_the_rows_kernel_when_asked(tmp_path, monkeypatch):
+    """With ``ROWS_BY_DEFAULT`` raised to 32 (``quant.py --gguf-rows-32``), a Q4_K model decoding 20
+    sequences at once runs each projection on the rows kernel with 20 rows (four groups of 8, the
+    RMSNorm writing the operands of qkv and gate/up), and its tokens and log-probabilities match the
+    default's plane a dot within 0.05 (float16, as above)."""
+    import graphdsl as gd
+    import graphdsl.runtime.kernels.gguf_mma_rows as GR
+    from tests.models.hf_tiny import make_checkpoint
+    monkeypatch.setattr(gguf_linear, "MMA_MIN_ROWS", 1)
+    calls, norms = [], []
+    real, real_norm = gguf_linear.gguf_gemv_mma_rows, GR.norm_rows_planes
+    monkeypatch.setattr(gguf_linear, "gguf_gemv_mma_rows", lambda x, *a, **kw: calls.append(x.shape[0]) or real(x, *a, **kw))
+    monkeypatch.setattr(GR, "norm_rows_planes", lambda x, *a: norms.append(x.shape[0]) or real_norm(x, *a))
+    make_checkpoint("llama", tmp_path, hidden_size=256, intermediate_size=512)
+    llm = gd.LLM(tmp_path, device=DEV, dtype="float16", max_model_len=32, max_num_seqs=20, quantization="gguf-q4_k")
+    llm.model.configure_runtime(backend="triton", cuda_graphs=False, max_blocks_per_seq=2)
+    params = gd.SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True, logprobs=0)
+    prompts = [[1 + i % 7, 2 + i % 5] for i in range(20)]
+    runs = {}
+    for rows in (32, 16):
+        monkeypatch.setattr(gguf_linear, "ROWS_BY_DEFAULT", rows)
+        calls.clear(), norms.clear()
+        runs[rows] = llm.generate(prompts, params, use_tqdm=False)
+        assert (20 in calls and 20 in norms) if rows == 32 else (20 not in calls and 20 not in norms), (calls, norms)
+    for got, want in zip(runs[32], runs[16]):
+        a, b = got.outputs[0], want.outputs[0]
+        assert a.token_ids == b.token_ids
+        for la, lb, t in zip(a.logprobs, b.logprobs, a.token_ids):
+            assert abs(la[t].logprob - lb[t].logprob) < 0.05, (la[t], lb[t])
