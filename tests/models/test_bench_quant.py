@@ -97,8 +97,6 @@ def test_q4_k_m_mix_falls_back_where_rows_hold_no_super_block(quant):
     """The benchmark's Q4_K_M mix gives a matrix whose inputs are no multiple of 256 llama.cpp's
     fallback type (Q4_K -> Q5_0, Q6_K -> Q8_0): a Mixtral of hidden 256 and experts 96 wide keeps
     gate/up in Q4_K and its experts' down in Q5_0 or Q8_0, by layer."""
-    import torch
-
     from tests.models.hf_tiny import make_config
     cfg = dict(make_config("mixtral").to_dict(), hidden_size=256, intermediate_size=96, num_attention_heads=4,
                num_key_value_heads=2, head_dim=64)
@@ -112,22 +110,26 @@ def test_q4_k_m_mix_falls_back_where_rows_hold_no_super_block(quant):
         ("down_proj", "gguf-q8_0" if quant._use_more_bits(i, layers) else "gguf-q5_0"))}
     assert quant.with_fallbacks({"a": "Q6_K", "b": "Q4_K", "c": "Q4_K"}, {"a": 1408, "b": 1408, "c": 2048}) == \
         {"a": "Q8_0", "b": "Q5_0", "c": "Q4_K"}
-    assert torch.isfinite(llm.score([1, 2, 3])).all()
+    assert llm.score([1, 2, 3]).isfinite().all()
+
+
+def _four_layer_llama(quant, mix: str):
+    """``(llm, {parameter: scheme name})`` of a 4-layer Llama (hidden 256) marked with the benchmark's
+    ``mix`` (random weights rounded onto its blocks)."""
+    from tests.models.hf_tiny import make_config
+    cfg = dict(make_config("llama").to_dict(), hidden_size=256, intermediate_size=512, num_attention_heads=4,
+               num_key_value_heads=2, head_dim=64, num_hidden_layers=4)
+    with quant._GGUFMix():
+        llm = gd.LLM.from_config(cfg, device="cpu", dtype="float32", seed=0, max_model_len=32, max_num_seqs=1,
+                                 quantization=mix)
+    return llm, {n: p.quant.name for n, p in llm.model.named_parameters() if getattr(p, "quant", None) is not None}
 
 
 def test_q5_k_m_mix_is_the_q4_k_m_rule_with_q5_k(quant):
     """``gguf-q5_k_m`` marks a Llama as llama.cpp's Q5_K_M: every attention and MLP matrix Q5_K but
     ``attn_v`` and ``ffn_down`` Q6_K in the layers of ``use_more_bits`` (of 4 layers: 2 and 3; a fused
     qkv then holds both types), and the model scores."""
-    import torch
-
-    from tests.models.hf_tiny import make_config
-    cfg = dict(make_config("llama").to_dict(), hidden_size=256, intermediate_size=512, num_attention_heads=4,
-               num_key_value_heads=2, head_dim=64, num_hidden_layers=4)
-    with quant._GGUFMix():
-        llm = gd.LLM.from_config(cfg, device="cpu", dtype="float32", seed=0, max_model_len=32, max_num_seqs=1,
-                                 quantization="gguf-q5_k_m")
-    schemes = {n: p.quant.name for n, p in llm.model.named_parameters() if getattr(p, "quant", None) is not None}
+    llm, schemes = _four_layer_llama(quant, "gguf-q5_k_m")
     assert [quant._use_more_bits(i, 4) for i in range(4)] == [False, False, True, True]
     for i in range(4):
         more = quant._use_more_bits(i, 4)
@@ -136,25 +138,17 @@ def test_q5_k_m_mix_is_the_q4_k_m_rule_with_q5_k(quant):
         assert schemes[f"model.layers.{i}.mlp.down_proj.weight"] == ("gguf-q6_k" if more else "gguf-q5_k")
         assert schemes[f"model.layers.{i}.self_attn.o_proj.weight"] == "gguf-q5_k"
         assert schemes[f"model.layers.{i}.mlp.gate_up_proj.weight"] == "gguf-q5_k"
-    assert torch.isfinite(llm.score([1, 2, 3])).all()
+    assert llm.score([1, 2, 3]).isfinite().all()
 
 
 def test_q8_0_mix_is_every_matrix_q8_0(quant):
     """``gguf-q8_0`` marks a Llama as a llama.cpp Q8_0 file: every attention and MLP matrix Q8_0, in the
     layers of ``use_more_bits`` too (one GEMV for qkv), and the model scores."""
-    import torch
-
-    from tests.models.hf_tiny import make_config
-    cfg = dict(make_config("llama").to_dict(), hidden_size=256, intermediate_size=512, num_attention_heads=4,
-               num_key_value_heads=2, head_dim=64, num_hidden_layers=4)
-    with quant._GGUFMix():
-        llm = gd.LLM.from_config(cfg, device="cpu", dtype="float32", seed=0, max_model_len=32, max_num_seqs=1,
-                                 quantization="gguf-q8_0")
-    schemes = {n: p.quant.name for n, p in llm.model.named_parameters() if getattr(p, "quant", None) is not None}
+    llm, schemes = _four_layer_llama(quant, "gguf-q8_0")
     assert set(schemes.values()) == {"gguf-q8_0"}
     assert {n.split(".")[-2] for n in schemes} == {"qkv_proj", "o_proj", "gate_up_proj", "down_proj"}
     assert len(schemes) == 4 * 4
-    assert torch.isfinite(llm.score([1, 2, 3])).all()
+    assert llm.score([1, 2, 3]).isfinite().all()
 
 
 def test_every_ab_flag_switches_a_knob_that_exists(quant):
