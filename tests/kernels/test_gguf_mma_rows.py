@@ -356,7 +356,7 @@ def test_a_q4_k_m_model_takes_the_rows_operands_from_its_norms(monkeypatch):
 
 def _mix_llm(scheme, seqs):
     """A tiny 3-layer model of the benchmark's ``scheme`` mix (Q4_K_M or Q5_K_M: ``qkv_proj`` in two parts
-    in some layers, ``v`` in Q6_K), float16, steps eager on the Triton backend."""
+    in some layers, ``v`` in Q6_K; or Q8_0), float16, steps eager on the Triton backend."""
     import pathlib
     import sys
 
@@ -373,14 +373,19 @@ def _mix_llm(scheme, seqs):
     return llm
 
 
-def test_a_q5_k_m_model_decodes_one_row_on_the_rows_kernel(monkeypatch):
-    """One sequence of a tiny Q5_K_M model (``MMA_MIN_ROWS`` lowered): each decode step's Q5_K parts run the
-    rows kernel with one row (gate/up with its SwiGLU epilogue), an ``add_rms_norm`` before them writing
-    their operands (``norm_rows_planes``) at least once; greedy tokens equal those with Q5_K off the rows
-    kernel (``_MMA_ROWS_Q5K``: one row's CUDA-core loop), their logprobs within 0.02."""
+@pytest.mark.parametrize("mix,qtype,switch,prompt", [("gguf-q5_k_m", "Q5_K", "_MMA_ROWS_Q5K", [5, 9, 2, 7]),
+                                                      ("gguf-q8_0", "Q8_0", "_MMA_ROWS_Q8_0", [11, 7, 2])])
+def test_a_q5_k_m_or_q8_0_model_decodes_one_row_on_the_rows_kernel(monkeypatch, mix, qtype, switch, prompt):
+    """One sequence of a tiny Q5_K_M (Q8_0) model (``MMA_MIN_ROWS`` lowered): each decode step's Q5_K
+    (Q8_0) parts run the rows kernel with one row (gate/up with its SwiGLU epilogue), an
+    ``add_rms_norm`` before them writing their operands (``norm_rows_planes``) at least once; greedy
+    tokens equal those with the type off the rows kernel (``switch``: one row's CUDA-core loop), their
+    logprobs within 0.02. (The Q8_0 model's first token after ``[5, 9, 2, 7]`` is a near tie, 0.002
+    apart, which the two correct paths break differently; after ``[11, 7, 2]`` each step's top two are
+    0.3 or more apart.)"""
     import graphdsl as gd
     from graphdsl.runtime.kernels import gguf_mma_rows
-    llm = _mix_llm("gguf-q5_k_m", 1)
+    llm = _mix_llm(mix, 1)
     monkeypatch.setattr(gguf_linear, "MMA_MIN_ROWS", 1)
     calls, normed = [], []
     real, real_norm = gguf_linear.gguf_gemv_mma_rows, gguf_mma_rows.norm_rows_planes
@@ -391,14 +396,14 @@ def test_a_q5_k_m_model_decodes_one_row_on_the_rows_kernel(monkeypatch):
     params = gd.SamplingParams(max_tokens=3, temperature=0, ignore_eos=True, logprobs=0)
     got = {}
     for on in (True, False):
-        monkeypatch.setattr(gguf_linear, "_MMA_ROWS_Q5K", on)
+        monkeypatch.setattr(gguf_linear, switch, on)
         calls.clear(), normed.clear()
-        got[on] = llm.generate([[5, 9, 2, 7]], params, use_tqdm=False)[0].outputs[0]
+        got[on] = llm.generate([prompt], params, use_tqdm=False)[0].outputs[0]
         ones = {(q, silu) for m, q, silu in calls if m == 1}
         if on:
-            assert ones == {("Q5_K", True), ("Q5_K", False)} and 1 in normed, (calls, normed)
+            assert ones == {(qtype, True), (qtype, False)} and 1 in normed, (calls, normed)
         else:
-            assert not [c for c in calls if c[1] == "Q5_K"] and 1 not in normed, (calls, normed)
+            assert not [c for c in calls if c[1] == qtype] and 1 not in normed, (calls, normed)
     a, b = got[True], got[False]
     assert a.token_ids == b.token_ids
     for la, lb, t in zip(a.logprobs, b.logprobs, a.token_ids):
