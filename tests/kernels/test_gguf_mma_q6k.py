@@ -165,7 +165,7 @@ def test_pick_q6k_config_from_the_sweep():
 def test_errors_name_what_is_wrong():
     data, _ = _weight(8, 256, seed=12)
     x = _x(256, torch.bfloat16, seed=13)
-    with pytest.raises(GraphDSLError, match=r"silu_mul runs on the tensor-core paths only: 1\.\.16 fp16/bf16 rows "
+    with pytest.raises(GraphDSLError, match=r"silu_mul runs on the tensor-core paths only: 1\.\.32 fp16/bf16 rows "
                                             r"of \['Q4_K', 'Q5_K', 'Q8_0'\].*Q6_K \[8, 256\]"):
         gguf_gemv(x, data, "Q6_K", silu_mul=True)
     planes = GemvWorkspace().planes(x.device, 256)
