@@ -80,7 +80,7 @@ _MMA_ROWS_Q6K = True  # ... Q6_K among them (False: Q6_K a plane a dot; quant.py
 _MMA_ROWS_Q5K = True  # ... Q5_K among them, and its one row (False: one row on the CUDA cores, 2-16 a plane a dot;
                       # quant.py's A/B)
 _MMA_ROWS_Q8_0 = True # ... Q8_0 among them, and its one row (False: one row on the CUDA cores, 2-16 a plane a dot;
-                      # H200, the 8B Q8_0 step 4.265 ms against 9.331: quant.py --gguf-q8_0-rows)
+                      # H200, the 8B Q8_0 step 4.265 ms against 9.331: quant.py --gguf-q8_0-off)
 _ONE_ROW_ON_ROWS = ("Q5_K", "Q8_0")   # types with no one-row tensor-core kernel: their one row runs the rows kernel
 SWIGLU_QTYPES = ("Q4_K", "Q5_K", "Q8_0")   # types whose tensor-core GEMVs take silu_mul
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32)
@@ -416,7 +416,7 @@ def gguf_gemv(x: torch.Tensor, data: torch.Tensor, qtype: str, add: torch.Tensor
     :data:`~.gguf_mma.MMA_QTYPES` runs on the int8 tensor cores (:mod:`.gguf_mma`) unless ``config``
     picks a CUDA-core launch (:func:`mma_eligible`); ``config={"MMA": True, "BLOCK_N": ..,
     "SPLIT_K": ..}`` (optionally ``num_warps``, ``num_stages``) sets the tensor-core launch.
-    ``silu_mul`` (tensor-core paths only: 1..16 fp16/bf16 rows of Q4_K, Q5_K or Q8_0, no ``add``): ``data`` holds
+    ``silu_mul`` (tensor-core paths only: 1..16 fp16/bf16 rows of Q4_K, Q5_K or Q8_0, 17-32 by ``config``, no ``add``): ``data`` holds
     ``[gate | up]`` (``2 I`` rows) and the result ``[M, I]`` is ``silu(x @ gate.T) * (x @ up.T)``,
     the ``silu_mul`` op fused. 2..16 fp16/bf16 rows of Q4_K, Q5_K, Q6_K or Q8_0 run on the tensor cores
     too by default (:mod:`.gguf_mma_rows`, :func:`mma_eligible`), and so does one row of Q5_K or Q8_0,
@@ -561,7 +561,7 @@ def _mma_rows(x, data, qtype, add, out, workspace, config, silu_mul, planes, pla
                             f"{data.data_ptr():#x}")
     if planes is not None and not (is_rows_planes(planes) and planes[0].shape[0] == k // 32):
         raise GraphDSLError(f"gguf_gemv: planes for {m} rows are the rows' operands of K={k} inputs "
-                            f"(empty_rows_planes: [{k // 32}, 32, 32] int8 first), got {len(planes)} buffers, the "
+                            f"(empty_rows_planes: [{k // 32}, {2 * MMA_ROWS}, 32] int8 first), got {len(planes)} buffers, the "
                             f"first {list(planes[0].shape)}")
     given = [name for name, v in (("planes_out", planes_out), ("rms_out", rms_out)) if v is not None]
     if given or beside:
