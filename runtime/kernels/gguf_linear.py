@@ -525,7 +525,7 @@ def _mma(x, data, qtype, add, out, workspace, config, silu_mul, planes=None, pla
     cfg = _mma_config(config, _MMA_CONFIG_KEYS, "")
     want = 2 if qtype == "Q6_K" else 3                    # the planes' format: gguf_mma_q6k's or gguf_mma's
     if planes is not None and (len(planes) != want or is_rows_planes(planes)):
-        got = "the rows' operands (gguf_mma_rows, 2..16 rows)" if is_rows_planes(planes) else len(planes)
+        got = "the rows' operands (gguf_mma_rows)" if is_rows_planes(planes) else len(planes)
         raise GraphDSLError(f"gguf_gemv: planes for {qtype} are {want} buffers (its tensor-core GEMV's activation "
                             f"operand), got {got}")
     if qtype == "Q6_K":
