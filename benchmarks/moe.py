@@ -77,14 +77,28 @@ def _picks_gemv(scheme: str, stacks, pairs: int, experts: int) -> bool:
                                torch.bfloat16)
 
 
-def _tensor_cores(scheme: str, stacks, ops) -> bool:
-    """Whether the one-pair path runs ``scheme``'s GGUF stacks on the int8 tensor cores (``moe_gguf_mma``)."""
+def _tensor_cores(scheme: str, stacks, ops, k: int) -> bool:
+    """Whether the one-pair path runs ``scheme``'s GGUF stacks on the int8 tensor cores (``moe_gguf_mma``,
+    or ``moe_gguf_rows`` for Q5_K / Q8_0 stacks) at top-``k``."""
+    from graphdsl.runtime.kernels import moe_gguf
+    from graphdsl.runtime.kernels.moe import _Stack
+    x, _, gate_up, down = ops
+    up, dn = (_Stack.of(s, st) for s, st in zip(_schemes(scheme), stacks))
+    hidden, inter = gate_up.shape[2], down.shape[2]
+    return (bool(up.qtype) and moe_gguf.MMA
+            and (moe_gguf.mma_eligible(up, dn, hidden, inter, x.dtype)
+                 or moe_gguf.rows_eligible(up, dn, hidden, inter, x.dtype, x.shape[0], k)))
+
+
+def _grouped_planes(scheme: str, stacks, ops) -> bool:
+    """Whether the grouped kernels take ``scheme``'s GGUF stacks a 32-value plane a K step
+    (``moe_gguf_mma.planes_eligible``: Q4_K, Q5_K, Q6_K, Q8_0)."""
     from graphdsl.runtime.kernels import moe_gguf
     from graphdsl.runtime.kernels.moe import _Stack
     x, _, gate_up, down = ops
     up, dn = (_Stack.of(s, st) for s, st in zip(_schemes(scheme), stacks))
     return (bool(up.qtype) and moe_gguf.MMA
-            and moe_gguf.mma_eligible(up, dn, gate_up.shape[2], down.shape[2], x.dtype))
+            and moe_gguf.planes_eligible(up, dn, gate_up.shape[2], down.shape[2], x.dtype))
 
 
 def _paths(scheme: str, call, k: int, picked: bool, tensor_cores: bool) -> list[tuple[str, float]]:
@@ -141,7 +155,7 @@ def main(argv=None) -> int:
             for scheme in args.schemes:
                 call, qbytes, stacks = _quantized(scheme, ops, nbytes // (3 * h * i * 2))
                 for path, us in _paths(scheme, call, k, _picks_gemv(scheme, stacks, t * k, e),
-                                       _tensor_cores(scheme, stacks, ops)):
+                                       _tensor_cores(scheme, stacks, ops, k)):
                     print(f"| {t} | {scheme} | {path} | {us:.1f} | {qbytes / us / 1e3:.0f} | "
                           f"{100 * qbytes / us / 1e3 / copy:.1f}% | {base / us:.2f} |", flush=True)
         if not args.sweep:
@@ -157,7 +171,7 @@ def main(argv=None) -> int:
         for scheme in args.schemes:
             call, qbytes, stacks = _quantized(scheme, ops, nbytes // (3 * h * i * 2))
             runs.append((scheme, lambda cfg, call=call: call(k, cfg, gemv=False), qbytes,
-                         _tensor_cores(scheme, stacks, ops)))
+                         _grouped_planes(scheme, stacks, ops)))
         for name, run, size, planes in runs:
             gguf = name.startswith("gguf")
             if planes:

@@ -75,7 +75,7 @@ from .pdl import pdl_launch, pdl_trigger, pdl_wait
 from .splitk import meet_tile
 
 __all__ = ["MMA_ROWS", "ROWS_BY_DEFAULT", "CONFIG_KEYS", "gguf_gemv_mma_rows", "rows_planes", "empty_rows_planes",
-           "norm_rows_planes", "is_rows_planes", "pick_rows_config", "split_for_rows"]
+           "norm_rows_planes", "is_rows_planes", "pick_rows_config", "split_for_rows", "rows_sums"]
 
 MMA_ROWS = 32                   # activation rows a launch takes: the rows' operand holds (high, low) bytes x 8 x 4
 ROWS_BY_DEFAULT = 16            # gguf_gemv takes the kernel by default up to this many rows (gguf_linear.mma_eligible;
@@ -339,6 +339,21 @@ def q8_0_rows_sums(rows, BS, b_lo, b_hi, a_ptr, xa_ptr, BLOCK_N: tl.constexpr, R
 
 
 @triton.jit
+def rows_sums(rows, BS, b_lo, b_hi, a_ptr, xa_ptr, xs_ptr, BLOCK_N: tl.constexpr, EMULATE: tl.constexpr,
+              R: tl.constexpr, QTYPE: tl.constexpr):
+    """``[BLOCK_N, R]`` float32 sums of the ``QTYPE`` rows (Q4_K, Q5_K, Q6_K or Q8_0) over super-blocks
+    ``[b_lo, b_hi)`` against the rows' operands: :func:`q4k_rows_sums`, :func:`q6k_rows_sums` or
+    :func:`q8_0_rows_sums` (the K loop of :func:`_rows_kernel` and of :mod:`.moe_gguf_rows`' kernels)."""
+    if QTYPE == "Q6_K":
+        s = q6k_rows_sums(rows, BS, b_lo, b_hi, a_ptr, xa_ptr, BLOCK_N, EMULATE, R)
+    elif QTYPE == "Q8_0":
+        s = q8_0_rows_sums(rows, BS, b_lo, b_hi, a_ptr, xa_ptr, BLOCK_N, R)
+    else:
+        s = q4k_rows_sums(rows, BS, b_lo, b_hi, a_ptr, xa_ptr, xs_ptr, BLOCK_N, EMULATE, R, QTYPE == "Q5_K")
+    return s
+
+
+@triton.jit
 def _rows_kernel(
     a_ptr, xa_ptr, xs_ptr,   # activation operands [K / 32, 2 R, 32] int8, a_m and S_ms [K / 32, R] float32
     w_ptr,                   # uint8 Q4_K / stored Q6_K blocks: rows [N, ROW_BYTES], or block-major (KB)
@@ -370,13 +385,7 @@ def _rows_kernel(
     BS = KB_STRIDE if KB else BYTES                        # bytes between a row's super-blocks
     pdl_wait(USE_PDL, not LATE_LAUNCH)
     b_lo = pid_s * PER
-    if QTYPE == "Q6_K":
-        tile = q6k_rows_sums(rows, BS, b_lo, tl.minimum(b_lo + PER, BLOCKS), a_ptr, xa_ptr, BLOCK_N, EMULATE, R)
-    elif QTYPE == "Q8_0":
-        tile = q8_0_rows_sums(rows, BS, b_lo, tl.minimum(b_lo + PER, BLOCKS), a_ptr, xa_ptr, BLOCK_N, R)
-    else:
-        tile = q4k_rows_sums(rows, BS, b_lo, tl.minimum(b_lo + PER, BLOCKS), a_ptr, xa_ptr, xs_ptr, BLOCK_N, EMULATE,
-                             R, QTYPE == "Q5_K")
+    tile = rows_sums(rows, BS, b_lo, tl.minimum(b_lo + PER, BLOCKS), a_ptr, xa_ptr, xs_ptr, BLOCK_N, EMULATE, R, QTYPE)
     if LATE_LAUNCH:
         pdl_trigger(USE_PDL)
     tile, last = meet_tile(tile, part_ptr, lock_ptr, pid_n, pid_s, SPLIT_K, BLOCK_N, R, SPLIT)

@@ -16,7 +16,8 @@ decoders the dense GGUF kernels use (:mod:`.gguf_tiles`), offset to the expert's
   ``BLOCK_N`` rows: gate/up with gate row ``c`` and up row ``I + c`` side by side in a tile, down
   with its K split into slices that :func:`.moe_gemv.finish` sums with the ``k`` choices (Q4_K and
   Q6_K stacks under fp16/bf16 activations take the same path on the int8 tensor cores instead:
-  :mod:`.moe_gguf_mma`, unless ``MMA`` is off);
+  :mod:`.moe_gguf_mma`, unless ``MMA`` is off; so do stacks with a Q5_K or Q8_0 side, up to 8 pairs, through
+  the dense rows kernel's K loop: :mod:`.moe_gguf_rows`);
 * **more pairs** (prefill): the pairs grouped by expert (:func:`.moe.moe_align`), a block of
   ``BLOCK_M`` pairs times ``BLOCK_N`` rows a program, each K step ``SB`` blocks decoded into a
   float32 tile (:func:`.gguf_tiles.decode_tile`, values in tile order), the activations gathered at
@@ -43,6 +44,8 @@ from .moe_gemv import _act, _block_of_pairs, _choice, finish
 from .moe_gguf_mma import eligible as mma_eligible
 from .moe_gguf_mma import grouped_config as planes_config
 from .moe_gguf_mma import mma_experts, planes_eligible, rows_dot
+from .moe_gguf_rows import eligible as rows_eligible
+from .moe_gguf_rows import rows_experts
 from .paged_attention import _mm, _sm_count
 
 __all__ = ["gguf_experts", "one_pair_by_default", "grouped_config", "MAX_PAIRS_PER_EXPERT", "MAX_PAIRS_PER_EXPERT_MMA",
@@ -63,7 +66,9 @@ MAX_PAIRS_PER_EXPERT = {"Q4_K": 2, "Q5_K": 2, "Q6_K": 2, "Q4_0": 1, "Q4_1": 1, "
 MAX_PAIRS_PER_EXPERT_MMA = 4
 # ... and where only the grouped kernels run them (a plane at a time: .moe_gguf_mma.planes_eligible, e.g. Q5_K gate/up
 # and Q6_K down, Q8_0). H200, Mixtral's experts, bf16, µs one pair a row (CUDA cores) against grouped planes: Q5_K /
-# Q6_K 2 pairs 223.7 vs 752.0, 16 pairs 1589.1 vs 1477.2; Q8_0 16 pairs 1825.9 vs 1515.1
+# Q6_K 2 pairs 223.7 vs 752.0, 16 pairs 1589.1 vs 1477.2; Q8_0 16 pairs 1825.9 vs 1515.1. Up to moe_gguf_rows.MAX_PAIRS
+# (8) pairs the one-pair path runs on the int8 tensor cores (moe_gguf_rows; 1 token 143.3 against 537.6 grouped, 4
+# tokens 471.6 against 1054.6)
 MAX_PAIRS_PER_EXPERT_PLANES = 1
 
 
@@ -253,6 +258,8 @@ def gguf_experts(x: torch.Tensor, routing: torch.Tensor, up, down, inter: int, t
 
     if gemv and MMA and mma_eligible(up, down, hidden, inter, x.dtype):
         return mma_experts(x, routing, up, down, inter, top_k, geglu, out)
+    if gemv and MMA and rows_eligible(up, down, hidden, inter, x.dtype, t, top_k):
+        return rows_experts(x, routing, up, down, inter, top_k, geglu, out)
     if gemv:
         route = dict(r_ptr=routing, sr=routing.stride(0), E=e, TOP_K=top_k, E_PAD=triton.next_power_of_2(e))
         warps = dict(num_warps=2, num_stages=1)

@@ -161,13 +161,19 @@ def test_gguf_tensor_core_pairs_match_the_reference(up_scheme, down_scheme, dtyp
     assert grids == [(6, 8, 1)]                          # 6 pairs x 8 tiles of 64 rows, K in one slice
 
 
-def test_gguf_tensor_core_down_split_geglu_and_unread_experts(monkeypatch):
-    """Down's K in slices (1024 inputs: 4 super-blocks, split as on a 132-SM GPU), GeGLU, top-3 of 6,
-    and unused experts' blocks all 0xFF (NaN scales) that no program reads."""
-    from graphdsl.runtime.kernels import moe_gguf_mma
-    grids = _spy_launches(monkeypatch, moe_gguf_mma, "_down_kernel")
-    monkeypatch.setattr(moe_gguf_mma, "_sm_count", lambda device: 132)
-    args, kw, want = _case(2, 6, 256, 1024, 3, torch.bfloat16, "gguf-q4_k", "gguf-q6_k", seed=3, act=ActType.GEGLU)
+@pytest.mark.parametrize("module,up_scheme,seed,grid", [
+    ("moe_gguf_mma", "gguf-q4_k", 3, (6, 4, 4)),        # 64-row tiles, K in 4 slices
+    ("moe_gguf_rows", "gguf-q5_k", 8, (6, 8, 2)),       # 32-row tiles, K in 2 slices
+])
+def test_gguf_tensor_core_down_split_geglu_and_unread_experts(module, up_scheme, seed, grid, monkeypatch):
+    """Both tensor-core one-pair paths (Q4_K / Q6_K stacks: ``moe_gguf_mma``; a Q5_K gate/up stack:
+    ``moe_gguf_rows``): down's K in slices (1024 inputs: 4 super-blocks, split as on a 132-SM GPU),
+    GeGLU, top-3 of 6, and unused experts' blocks all 0xFF (NaN scales) that no program reads."""
+    import importlib
+    mod = importlib.import_module(f"graphdsl.runtime.kernels.{module}")
+    grids = _spy_launches(monkeypatch, mod, "_down_kernel")
+    monkeypatch.setattr(mod, "_sm_count", lambda device: 132)
+    args, kw, want = _case(2, 6, 256, 1024, 3, torch.bfloat16, up_scheme, "gguf-q6_k", seed=seed, act=ActType.GEGLU)
     unused = sorted(set(range(6)) - set(args[1].nonzero()[:, 1].tolist()))
     assert unused
     for stack in (args[2], args[3]):
@@ -175,8 +181,7 @@ def test_gguf_tensor_core_down_split_geglu_and_unread_experts(monkeypatch):
     got = quant_moe_experts(*args, **kw, gemv=True)
     assert not got.isnan().any()
     _close(got, want, torch.bfloat16)
-    (p, tiles, split), = grids
-    assert (p, tiles, split) == (6, 4, 4)
+    assert grids == [grid]
 
 
 def _spy_planes(monkeypatch, name):
@@ -249,6 +254,59 @@ def test_gguf_tensor_core_pairs_only_where_eligible(dtype, mma, taken, monkeypat
     assert bool(grids) == taken
 
 
+@pytest.mark.parametrize("up_scheme,down_scheme,dtype,tokens", [
+    ("gguf-q5_k", "gguf-q6_k", torch.bfloat16, 3),     # a Q5_K_M file's experts
+    ("gguf-q8_0", "gguf-q8_0", torch.float16, 4),      # 8 pairs: the most the path takes
+    ("gguf-q5_k", "gguf-q8_0", torch.bfloat16, 3),
+    ("gguf-q8_0", "gguf-q4_k", torch.bfloat16, 3),
+])
+def test_gguf_rows_pairs_match_the_reference(up_scheme, down_scheme, dtype, tokens, monkeypatch):
+    """Stacks with a Q5_K or Q8_0 side under 16-bit activations take the rows kernel's K loop on the int8
+    tensor cores (``moe_gguf_rows``) one pair a program row, within the CUDA-core path's tolerance;
+    top-2: down's grid is the pairs x 16 tiles of 32 rows, K in one slice."""
+    from graphdsl.runtime.kernels import moe_gguf_rows
+    grids = _spy_launches(monkeypatch, moe_gguf_rows, "_down_kernel")
+    args, kw, want = _case(tokens, 4, 512, 256, 2, dtype, up_scheme, down_scheme, seed=7)
+    _close(quant_moe_experts(*args, **kw, gemv=True), want, dtype)
+    assert grids == [(2 * tokens, 16, 1)]
+
+
+@pytest.mark.parametrize("up,down,dtype,tokens,top_k,hidden,taken", [
+    ("Q5_K", "Q6_K", torch.bfloat16, 4, 2, 256, True),
+    ("Q5_K", "Q6_K", torch.bfloat16, 5, 2, 256, False),     # 10 pairs: more than one group of 8 rows
+    ("Q5_K", "Q6_K", torch.bfloat16, 1, 8, 256, True),
+    ("Q8_0", "Q8_0", torch.float16, 1, 2, 256, True),
+    ("Q8_0", "Q8_0", torch.float32, 1, 2, 256, False),      # float32 activations would lose bits
+    ("Q8_0", "Q8_0", torch.bfloat16, 1, 2, 288, False),     # 288 inputs: no whole super-blocks
+    ("Q4_0", "Q8_0", torch.bfloat16, 1, 2, 256, False),
+])
+def test_gguf_rows_pairs_only_where_eligible(up, down, dtype, tokens, top_k, hidden, taken):
+    """Both stacks of the rows kernel's types, whole super-blocks, 16-bit activations, at most 8 pairs
+    (past one group of 8 the dots double: slower than the CUDA cores at Mixtral's size)."""
+    from graphdsl.runtime.kernels.gguf_tiles import KERNEL_QTYPES
+    from graphdsl.runtime.kernels.moe_gguf_rows import eligible
+
+    class Stack:                                         # moe._Stack's fields: stored rows [E, N, row bytes]
+        def __init__(self, qtype, rows, k):
+            values, nbytes = KERNEL_QTYPES[qtype]
+            self.qtype = qtype
+            self.codes = torch.empty(2, rows, k // values * nbytes, dtype=torch.uint8)
+
+    inter = 256
+    assert eligible(Stack(up, 2 * inter, hidden), Stack(down, hidden, inter), hidden, inter, dtype, tokens,
+                    top_k) is taken
+
+
+def test_gguf_rows_pairs_off_with_mma(monkeypatch):
+    """``moe_gguf.MMA`` off keeps the CUDA-core loop for Q5_K stacks."""
+    from graphdsl.runtime.kernels import moe_gguf_rows
+    grids = _spy_launches(monkeypatch, moe_gguf_rows, "_gate_up_kernel")
+    monkeypatch.setattr(moe_gguf, "MMA", False)
+    args, kw, want = _case(1, 4, 256, 256, 2, torch.bfloat16, "gguf-q5_k", "gguf-q6_k")
+    _close(quant_moe_experts(*args, **kw, gemv=True), want, torch.bfloat16)
+    assert grids == []
+
+
 def test_gguf_stacks_refuse_what_the_kernels_cannot_read():
     args, kw, _ = _case(2, 4, 256, 256, 2, torch.float32, "gguf-q4_k", "gguf-q4_k")
     with pytest.raises(GraphDSLError, match=r"schemes gguf-q4_k and int8-channel: GGUF stacks run with GGUF "
@@ -276,3 +334,20 @@ def test_gguf_mixtral_size_on_gpu(tokens, gemv, mma, monkeypatch):
     args, kw, want = _case(tokens, 8, 4096, 14336, 2, torch.bfloat16, "gguf-q4_k", "gguf-q6_k")
     got = quant_moe_experts(*args, **kw, gemv=gemv).float()
     assert (got - want.float()).abs().max().item() <= 2e-2 * want.float().abs().max().item()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("up_scheme,down_scheme,tokens", [("gguf-q5_k", "gguf-q6_k", 1), ("gguf-q5_k", "gguf-q6_k", 4),
+                                                          ("gguf-q8_0", "gguf-q8_0", 2)])
+def test_gguf_rows_pairs_mixtral_size_on_gpu(up_scheme, down_scheme, tokens, monkeypatch):
+    """Mixtral-8x7B's experts as a Q5_K_M file (gate/up Q5_K, down Q6_K) and a Q8_0 file keep them, bfloat16,
+    one pair a program row on the rows kernel's tensor-core loop (``moe_gguf_rows``)."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    from graphdsl.runtime.kernels import moe_gguf_rows
+    grids = _spy_launches(monkeypatch, moe_gguf_rows, "_gate_up_kernel")
+    args, kw, want = _case(tokens, 8, 4096, 14336, 2, torch.bfloat16, up_scheme, down_scheme)
+    got = quant_moe_experts(*args, **kw, gemv=True).float()
+    assert grids == [(2 * tokens, 2 * 14336 // 32)]
+    assert (got - want.float()).abs().max().item() <= 2e-2 * want.float().abs().max().item()
+
