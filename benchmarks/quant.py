@@ -398,41 +398,48 @@ def e2e(shape: str, quantization: str | None, copy: float, gen_tokens: int = 64,
 
 # the Q4_K_M A/B runs: run name -> (gguf_linear switch, or "triton_backend.<switch>", value, label). "cuda-cores": every GGUF GEMV on the CUDA cores
 # (the tensor-core GEMV out of reach: the A/B of gguf_mma.py); "tiles": several rows on the decoded tiles up to 16
-# and dequantize + cuBLAS beyond (the A/B of the plane-a-dot GEMV, with --batches); "planes" / "q6k-planes": 2-16 rows
+# and dequantize + cuBLAS beyond (the A/B of the plane-a-dot GEMV, with --batches); "planes" / "q6k-planes": 2-32 rows
 # (of Q6_K only) a plane a dot (the A/Bs of gguf_mma_rows.py, with --batches); "q5k-off": the Q5_K_M mix with its
-# Q5_K rows off the tensor-core rows kernel: one row on the CUDA cores, 2-16 a plane a dot (--gguf-q5k-off);
+# Q5_K rows off the tensor-core rows kernel: one row on the CUDA cores, 2-32 a plane a dot (--gguf-q5k-off);
 # "norm-rows-off": the rows GEMVs after a norm making their own operands (--gguf-norm-rows-off); "q8_0-off": the
-# Q8_0 mix with its rows off the tensor-core rows kernel: one row on the CUDA cores, 2-16 a plane a dot (--gguf-q8_0-off);
-# "rows-32": 17-32 rows on the rows kernel too, not a plane a dot (--gguf-rows-32, with --batches 17..32)
+# Q8_0 mix with its rows off the tensor-core rows kernel: one row on the CUDA cores, 2-32 a plane a dot (--gguf-q8_0-off);
+# "rows-16": 17-32 rows a plane a dot, not on the rows kernel (--gguf-rows-16, with --batches 17..32: the A/B of the
+# default since session 53)
 _AB_RUNS = {"cuda-cores": ("MMA_MIN_ROWS", 1 << 40, "CUDA-core GEMVs"),
-            "planes": ("_MMA_ROWS", False, "2-16 rows a plane a dot, not the tensor-core rows kernel"),
+            "planes": ("_MMA_ROWS", False, "2-32 rows a plane a dot, not the tensor-core rows kernel"),
             "q6k-planes": ("_MMA_ROWS_Q6K", False, "2-16 rows of Q6_K a plane a dot"),
             "tiles": ("_PLANE_ROWS", False, "several rows: decoded tiles, dequantize + cuBLAS"),
-            "q5k-off": ("_MMA_ROWS_Q5K", False, "Q5_K off the rows kernel: one row on the CUDA cores, 2-16 a "
+            "q5k-off": ("_MMA_ROWS_Q5K", False, "Q5_K off the rows kernel: one row on the CUDA cores, 2-32 a "
                                                 "plane a dot"),
             "norm-rows-off": ("triton_backend._NORM_ROWS_PLANES", False,
                               "each rows GEMV making its operands, not the RMSNorm before it"),
-            "q8_0-off": ("_MMA_ROWS_Q8_0", False, "Q8_0 off the rows kernel: one row on the CUDA cores, 2-16 a "
+            "q8_0-off": ("_MMA_ROWS_Q8_0", False, "Q8_0 off the rows kernel: one row on the CUDA cores, 2-32 a "
                                                   "plane a dot"),
-            "rows-32": ("ROWS_BY_DEFAULT", 32, "17-32 rows on the rows kernel, not a plane a dot")}
+            "rows-16": ("ROWS_BY_DEFAULT", 16, "17-32 rows a plane a dot, not on the rows kernel")}
 
 
-# the A/B flags: flag -> (its runs in _AB_RUNS, the mix they switch, what they change, for --help)
+# the A/B flags: flag -> (its runs in _AB_RUNS, the mixes they switch (each one in --schemes), what they change, for
+# --help)
 _AB_FLAGS = {
     "--gguf-cuda-cores": (["cuda-cores"], _GGUFMix.NAME, "every GEMV on the CUDA cores (A/B)"),
     "--gguf-tiles": (["tiles"], _GGUFMix.NAME, "several rows on the decoded tiles and dequantize + cuBLAS, not a "
                                                "plane a dot (A/B; with --batches)"),
-    "--gguf-planes": (["planes", "q6k-planes"], _GGUFMix.NAME, "2-16 rows a plane a dot instead of the several-row "
-                      "tensor-core kernel, for every type and for Q6_K only (A/B; with --batches)"),
-    "--gguf-norm-rows-off": (["norm-rows-off"], _GGUFMix.NAME, "each 2-16-row tensor-core GEMV making its own "
+    "--gguf-planes": (["planes", "q6k-planes"], _GGUFMix.NAME, "2-32 rows (Q6_K: 2-16) a plane a dot instead of the "
+                      "several-row tensor-core kernel, for every type and for Q6_K only (A/B; with --batches)"),
+    "--gguf-norm-rows-off": (["norm-rows-off"], _GGUFMix.NAME, "each 2-32-row tensor-core GEMV making its own "
                              "operands, not the RMSNorm before qkv and gate/up (the A/B of norm_rows_planes)"),
     "--gguf-q5k-off": (["q5k-off"], "gguf-q5_k_m", "Q5_K off the tensor-core rows kernel (one row on the CUDA cores, "
-                       "2-16 rows a plane a dot: the A/B of the default)"),
+                       "2-32 rows a plane a dot: the A/B of the default)"),
     "--gguf-q8_0-off": (["q8_0-off"], "gguf-q8_0", "Q8_0 off the tensor-core rows kernel (one row on the CUDA cores, "
-                        "2-16 rows a plane a dot: the A/B of the default)"),
-    "--gguf-rows-32": (["rows-32"], _GGUFMix.NAME, "17-32 rows on the tensor-core rows kernel, not a plane a dot (with "
-                       "--batches 17..32; the A/B of gguf_mma_rows.ROWS_BY_DEFAULT)"),
+                        "2-32 rows a plane a dot: the A/B of the default)"),
+    "--gguf-rows-16": (["rows-16"], tuple(_GGUFMix.BASES), "17-32 rows a plane a dot, not on the tensor-core rows "
+                       "kernel (with --batches 17..32; the A/B of gguf_mma_rows.ROWS_BY_DEFAULT)"),
 }
+
+
+def _mixes(mixes) -> tuple:
+    """An ``_AB_FLAGS`` entry's mixes as a tuple (one name or several)."""
+    return (mixes,) if isinstance(mixes, str) else tuple(mixes)
 
 
 def switch_target(attr: str) -> tuple:
@@ -471,8 +478,8 @@ def main(argv=None) -> int:
     ap.add_argument("--no-e2e", action="store_true")
     ap.add_argument("--sweep", action="store_true", help="also sweep the decode tile configs")
     ap.add_argument("--int-dot-only", action="store_true", help="with --sweep: int4's INT_DOT launches only")
-    for flag, (_, scheme, text) in _AB_FLAGS.items():
-        ap.add_argument(flag, action="store_true", help=f"with {scheme}: also its run with {text}")
+    for flag, (_, mixes, text) in _AB_FLAGS.items():
+        ap.add_argument(flag, action="store_true", help=f"with {' or '.join(_mixes(mixes))}: also its run with {text}")
     ap.add_argument("--batches", nargs="*", type=int, default=[],
                     help="also the engine decode step and LLM.generate ms a step at these batch sizes (e.g. 8 32 "
                          "64: batched decode)")
@@ -500,9 +507,9 @@ def main(argv=None) -> int:
               + "".join(f" step ms, batch {b} (% roofline) | LLM.generate ms/step, batch {b} |" for b in extra),
               "|---|---|---|---|---|---|---|---|" + "---|---|" * len(extra)]
     runs = [(None, None)] + [(q, q) for q in args.schemes]
-    for flag, (names, scheme, _) in _AB_FLAGS.items():
-        if getattr(args, flag[2:].replace("-", "_")) and scheme in args.schemes:
-            runs += [(n, scheme) for n in names]
+    for flag, (names, mixes, _) in _AB_FLAGS.items():
+        if getattr(args, flag[2:].replace("-", "_")):
+            runs += [(n, scheme) for scheme in _mixes(mixes) if scheme in args.schemes for n in names]
     for q, scheme in runs:
         r = e2e_switched(q, scheme, args.shape, copy, extra) if q in _AB_RUNS else e2e(args.shape, q, copy,
                                                                                           batches=extra)

@@ -379,7 +379,7 @@ def _add_rms_norm(be: TritonBackend, node, ins, attrs, dsts):
 def _norm_planes(be: TritonBackend, node, ins, attrs, dsts) -> bool:
     """An ``add_rms_norm`` read next by GGUF projections that run on the tensor cores: for one row
     whose Q4_K parts do, :func:`..kernels.gguf_mma.norm_planes` writes the normed row, the sum and
-    their A operand in one launch; for 1..16 rows whose parts run the rows kernel (one row: Q5_K's),
+    their A operand in one launch; for 1..32 rows whose parts run the rows kernel (one row: Q5_K's),
     :func:`..kernels.gguf_mma_rows.norm_rows_planes` writes the rows' operands (shared by every
     part: Q4_K, Q5_K and Q6_K read one format). Those projections skip their activation launch.
     The readers must be the nodes right after the norm (views aside), so no other tensor-core GEMV

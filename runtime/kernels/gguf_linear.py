@@ -32,9 +32,9 @@ One fp16/bf16 row of Q4_K or Q6_K over at least ``MMA_MIN_ROWS`` weight rows run
 tensor cores instead (:mod:`.gguf_mma`, :mod:`.gguf_mma_q6k`, :func:`mma_eligible`): on an H100
 1.2-1.7x faster than the CUDA-core loop, which is instruction-bound (15-33% of copy bandwidth on
 the H200, about the bf16 cuBLAS GEMV's time; docs/gguf-kernels.md has the tables and the next steps).
-So do 2..16 rows of Q4_K, Q5_K, Q6_K and Q8_0, and one row of Q5_K and Q8_0 (:mod:`.gguf_mma_rows`: a
-sub-block a dot, the rows on the dot's other operand; ``_MMA_ROWS``); it takes up to 32 rows, 17-32
-by ``config`` only (untimed).
+So do 2..32 rows of Q4_K, Q5_K and Q8_0, 2..16 of Q6_K, and one row of Q5_K and Q8_0
+(:mod:`.gguf_mma_rows`: a sub-block a dot, the rows on the dot's other operand; ``_MMA_ROWS``); Q6_K's 17-32
+rows only by ``config`` (a plane a dot was faster).
 
 ``data`` is in the stored layout (:func:`graphdsl.runtime.gguf_blocks.to_stored`: Q6_K blocks
 padded to 224 bytes; the other types as in the file).
@@ -60,7 +60,7 @@ from .gguf_mma import _CONFIG_KEYS as _MMA_CONFIG_KEYS
 from .gguf_mma import MMA_MIN_ROWS, MMA_QTYPES, gguf_gemv_mma
 from .gguf_mma_q6k import gguf_gemv_q6k
 from .gguf_mma_rows import CONFIG_KEYS as _ROWS_CONFIG_KEYS
-from .gguf_mma_rows import MMA_ROWS, ROWS_BY_DEFAULT, gguf_gemv_mma_rows, is_rows_planes
+from .gguf_mma_rows import MMA_ROWS, Q6K_ROWS_BY_DEFAULT, ROWS_BY_DEFAULT, gguf_gemv_mma_rows, is_rows_planes
 from .pdl import pdl_launch, pdl_trigger, pdl_wait
 from .gguf_tiles import (KERNEL_QTYPES, PLANE_QTYPES, decode_tile, k_planes, layout_args, q4k_planes, q6k_plane,
                          q6k_plane_of, q8_0_plane, row_codes, row_dot, row_total, row_zeros)
@@ -75,11 +75,11 @@ MAX_PLANE_ROWS = 64   # the most it takes for a PLANE_QTYPES weight (a plane a d
 _PLANE_ROWS = True    # several rows of a PLANE_QTYPES weight a plane a dot (False: the decoded tile; A/B)
 _FAST_PLANES = True   # their Q4_K / Q6_K planes decoded in fp16/bf16 by packed PTX (False: float32 math; A/B)
 _Q6K_MMA = True       # one Q6_K row on the tensor cores by default (False: CUDA cores; decode_ab.py's A/B)
-_MMA_ROWS = True      # 2..16 GGUF rows on the tensor cores by default (gguf_mma_rows; False: a plane a dot)
+_MMA_ROWS = True      # 2..32 GGUF rows on the tensor cores by default (gguf_mma_rows; False: a plane a dot)
 _MMA_ROWS_Q6K = True  # ... Q6_K among them (False: Q6_K a plane a dot; quant.py's A/B)
-_MMA_ROWS_Q5K = True  # ... Q5_K among them, and its one row (False: one row on the CUDA cores, 2-16 a plane a dot;
+_MMA_ROWS_Q5K = True  # ... Q5_K among them, and its one row (False: one row on the CUDA cores, 2-32 a plane a dot;
                       # quant.py's A/B)
-_MMA_ROWS_Q8_0 = True # ... Q8_0 among them, and its one row (False: one row on the CUDA cores, 2-16 a plane a dot;
+_MMA_ROWS_Q8_0 = True # ... Q8_0 among them, and its one row (False: one row on the CUDA cores, 2-32 a plane a dot;
                       # H200, the 8B Q8_0 step 4.265 ms against 9.331: quant.py --gguf-q8_0-off)
 _ONE_ROW_ON_ROWS = ("Q5_K", "Q8_0")   # types with no one-row tensor-core kernel: their one row runs the rows kernel
 SWIGLU_QTYPES = ("Q4_K", "Q5_K", "Q8_0")   # types whose tensor-core GEMVs take silu_mul
@@ -378,13 +378,14 @@ def _rows_possible(x: torch.Tensor, data: torch.Tensor, qtype: str) -> bool:
 def mma_eligible(x: torch.Tensor, data: torch.Tensor, qtype: str) -> bool:
     """Whether :func:`gguf_gemv` runs ``x @ dequant(data).T`` on the tensor cores by default: when
     :func:`_mma_possible` (one row) or, with ``_MMA_ROWS``, :func:`_rows_possible` up to
-    ``ROWS_BY_DEFAULT`` (16) rows (Q5_K with ``_MMA_ROWS_Q5K``, Q8_0 with ``_MMA_ROWS_Q8_0``; one row
-    included), and the
+    ``ROWS_BY_DEFAULT`` (32) rows, Q6_K up to ``Q6K_ROWS_BY_DEFAULT`` (16) (Q5_K with ``_MMA_ROWS_Q5K``,
+    Q8_0 with ``_MMA_ROWS_Q8_0``; one row included), and the
     weight has at least ``MMA_MIN_ROWS`` rows (on the H100 a 1024-row Q4_K GEMV took 6.4 µs on CUDA
     cores, 7.5 on the tensor cores with its activation launch; 4096 rows 12.8 against 11.0; Q6_K's
     1024 rows 6.6 against 6.7-8.5, 4096 rows 16.9 against 12.9)."""
     return ((_mma_possible(x, data, qtype)
-             or _MMA_ROWS and x.shape[0] <= ROWS_BY_DEFAULT and (qtype != "Q5_K" or _MMA_ROWS_Q5K)
+             or _MMA_ROWS and x.shape[0] <= min(ROWS_BY_DEFAULT, Q6K_ROWS_BY_DEFAULT if qtype == "Q6_K" else MMA_ROWS)
+             and (qtype != "Q5_K" or _MMA_ROWS_Q5K)
              and (qtype != "Q8_0" or _MMA_ROWS_Q8_0)
              and _rows_possible(x, data, qtype))
             and code_rows(data) >= MMA_MIN_ROWS and (qtype != "Q6_K" or _Q6K_MMA))
@@ -393,7 +394,7 @@ def mma_eligible(x: torch.Tensor, data: torch.Tensor, qtype: str) -> bool:
 def on_rows_kernel(x: torch.Tensor, data: torch.Tensor, qtype: str) -> bool:
     """Whether :func:`gguf_gemv` runs ``x @ dequant(data).T`` on the rows kernel (:mod:`.gguf_mma_rows`) by
     default, which reads the rows' operands (:func:`.gguf_mma_rows.norm_rows_planes` can make them):
-    :func:`mma_eligible` with 2..16 rows, or one row of Q5_K or Q8_0."""
+    :func:`mma_eligible` with 2..32 rows (Q6_K: 2..16), or one row of Q5_K or Q8_0."""
     return (x.shape[0] > 1 or qtype in _ONE_ROW_ON_ROWS) and mma_eligible(x, data, qtype)
 
 
@@ -416,13 +417,13 @@ def gguf_gemv(x: torch.Tensor, data: torch.Tensor, qtype: str, add: torch.Tensor
     :data:`~.gguf_mma.MMA_QTYPES` runs on the int8 tensor cores (:mod:`.gguf_mma`) unless ``config``
     picks a CUDA-core launch (:func:`mma_eligible`); ``config={"MMA": True, "BLOCK_N": ..,
     "SPLIT_K": ..}`` (optionally ``num_warps``, ``num_stages``) sets the tensor-core launch.
-    ``silu_mul`` (tensor-core paths only: 1..16 fp16/bf16 rows of Q4_K, Q5_K or Q8_0, 17-32 by ``config``, no ``add``): ``data`` holds
+    ``silu_mul`` (tensor-core paths only: 1..32 fp16/bf16 rows of Q4_K, Q5_K or Q8_0, no ``add``): ``data`` holds
     ``[gate | up]`` (``2 I`` rows) and the result ``[M, I]`` is ``silu(x @ gate.T) * (x @ up.T)``,
-    the ``silu_mul`` op fused. 2..16 fp16/bf16 rows of Q4_K, Q5_K, Q6_K or Q8_0 run on the tensor cores
+    the ``silu_mul`` op fused. 2..32 fp16/bf16 rows of Q4_K, Q5_K or Q8_0 (Q6_K: 2..16) run on the tensor cores
     too by default (:mod:`.gguf_mma_rows`, :func:`mma_eligible`), and so does one row of Q5_K or Q8_0,
     which have no one-row tensor-core kernel.
     ``planes``: x's tensor-core A operand, already made (Q4_K: :func:`.gguf_mma.norm_planes`, three
-    buffers; Q6_K: a SwiGLU epilogue's ``planes_out``, two; 2..16 rows: the rows' operands,
+    buffers; Q6_K: a SwiGLU epilogue's ``planes_out``, two; 2..32 rows: the rows' operands,
     :func:`.gguf_mma_rows.norm_rows_planes`); the tensor-core path then skips its activation launch
     (the CUDA-core path reads x itself).
     ``planes_out`` (``silu_mul``): buffers that also receive the result's own A operand
@@ -550,7 +551,7 @@ def _mma_config(config: dict | None, keys: set, what: str) -> dict | None:
 
 def _mma_rows(x, data, qtype, add, out, workspace, config, silu_mul, planes, planes_out, rms_out, rms_in,
               early_launch, beside):
-    """:func:`gguf_gemv` of 2..16 rows (Q5_K, Q8_0: 1..16) on the tensor cores (:mod:`.gguf_mma_rows`), its
+    """:func:`gguf_gemv` of 2..32 rows (Q5_K, Q8_0: 1..32) on the tensor cores (:mod:`.gguf_mma_rows`), its
     arguments checked: ``planes`` must be the rows' operands (:func:`.gguf_mma_rows.norm_rows_planes`);
     ``planes_out``, ``rms_out`` and ``beside`` are the one-row and CUDA-core paths' only."""
     m, k = x.shape

@@ -43,9 +43,9 @@ so a tile's dots cost what the one-row kernel's do for up to 8 rows:
   CUDA cores and 78.6 a plane a dot; the 8B Q8_0 step 4.265 ms against 9.331.
 * **9-16 rows** hold two groups of 8 in the rows' operand (``[32, 32]``), so the pairs stay in one
   thread: twice the dots and the scaling, the weights decoded once. **17-32 rows** hold four
-  (``[64, 32]``): ``config={"MMA": True, ...}`` takes them; by default (``ROWS_BY_DEFAULT``) they run
-  a plane a dot: on the H200 Q4_K's 32 rows took 37.2 µs on the 8B gate at the best launch of a sweep,
-  against 44.3 a plane a dot, but the model's step with that launch is untimed.
+  (``[64, 32]``), by default (``ROWS_BY_DEFAULT``) for Q4_K, Q5_K and Q8_0; Q6_K's 17-32 rows run a plane a
+  dot (``Q6K_ROWS_BY_DEFAULT``). H200, 32 rows of the 8B gate: Q4_K 37.2 µs against 44.3 a plane a dot,
+  Q5_K 42.1 against 61.7, Q8_0 68.4 against 79.2; Q6_K 53.8 against 47.0.
 * **Q6_K** (:func:`q6k_rows_sums`, the stored 224-byte blocks): the same operands of the rows; each
   32-value plane of the weights (:func:`.gguf_mma_q6k._plane`: ``4 (q - 32)``) is dotted twice, with
   the rows' operand masked to its first and its last 16 inputs, and each int8 weight scale
@@ -74,22 +74,26 @@ from .gguf_tiles import layout_args
 from .pdl import pdl_launch, pdl_trigger, pdl_wait
 from .splitk import meet_tile
 
-__all__ = ["MMA_ROWS", "ROWS_BY_DEFAULT", "CONFIG_KEYS", "gguf_gemv_mma_rows", "rows_planes", "empty_rows_planes",
+__all__ = ["MMA_ROWS", "ROWS_BY_DEFAULT", "Q6K_ROWS_BY_DEFAULT", "CONFIG_KEYS", "gguf_gemv_mma_rows", "rows_planes", "empty_rows_planes",
            "norm_rows_planes", "is_rows_planes", "pick_rows_config", "split_for_rows", "rows_sums"]
 
 MMA_ROWS = 32                   # activation rows a launch takes: the rows' operand holds (high, low) bytes x 8 x 4
-ROWS_BY_DEFAULT = 16            # gguf_gemv takes the kernel by default up to this many rows (gguf_linear.mma_eligible;
-                                # 17-32 rows untimed)
+ROWS_BY_DEFAULT = 32            # gguf_gemv takes the kernel by default up to this many rows (gguf_linear.mma_eligible)
+# ... and up to this many of Q6_K: its 17-32 rows run a plane a dot. H200, 32 rows (--many --sweep), µs at the
+# sweep's best launch against a plane a dot: gate 53.8 vs 47.0, qkv 28.6 vs 26.7, o 18.9 vs 18.1, down 49.5 vs 52.2
+Q6K_ROWS_BY_DEFAULT = 16
 CONFIG_KEYS = {"BLOCK_N", "SPLIT_K", "num_warps", "num_stages"}
 # the launch by the rows the operands hold (pick_rows_config): weight rows a tile, warps, and the programs a SM
 # that K is split towards (split_for_rows)
 # 17-32 rows: H200, Q4_K's sweep (--many --sweep --rows 32), µs, against a plane a dot: gate 37.2 (1 slice) vs 44.3,
 # qkv 18.6 (4 slices) vs 26.2, down 40.9 (64-row tiles, 2 warps, 8 slices) vs 47.1; 32-row tiles of 2 warps took
-# 85.4, 41.4 and 77.1. Not the default (ROWS_BY_DEFAULT): the model's step with these launches is untimed
+# 85.4, 41.4 and 77.1. Q5_K at this launch: o 19.4 vs 22.8, qkv 20.5 vs 31.7, gate 42.1 vs 61.7, down 48.6 vs 63.0
 _TILES = {8: (32, 2, 12), 16: (64, 4, 3), 32: (64, 4, 1.5)}
-# ... where a type's 16 rows take other launches: 32-row tiles of 2 warps (H200, --many --sweep, µs at 16 rows,
-# against _TILES[16]: Q5_K qkv 16.6 vs 20.6, gate 30.1 vs 30.8; Q8_0 gate 33.6 vs 51.3, down 35.1 vs 49.0)
-_TILES_BY_TYPE = {("Q5_K", 16): (32, 2, 5), ("Q8_0", 16): (32, 2, 12)}
+# ... where a type's rows take other launches (H200, --many --sweep, µs against _TILES' launch): 16 rows in 32-row
+# tiles of 2 warps, Q5_K qkv 16.6 vs 20.6, gate 30.1 vs 30.8; Q8_0 gate 33.6 vs 51.3, down 35.1 vs 49.0; 32 rows of
+# Q8_0 in 64-row tiles of 2 warps towards 3 programs a SM, o 22.3 vs 26.5, gate 68.4 vs 88.6, down 63.1 vs 82.2
+# (qkv's best was 4 warps in 4 slices, 27.1; a plane a dot: o 24.0, qkv 40.5, gate 79.2, down 81.4)
+_TILES_BY_TYPE = {("Q5_K", 16): (32, 2, 5), ("Q8_0", 16): (32, 2, 12), ("Q8_0", 32): (64, 2, 3)}
 _WIDE_PROGRAMS_PER_SM = 4       # 64-row tiles take 2 warps, not 4, past this many programs a SM
 _STAGES = 2                     # pipeline stages of the K loop
 _MIN_SLICE = 2                  # K slices keep at least this many super-blocks (split_for_rows)
@@ -457,7 +461,7 @@ def pick_rows_config(n: int, k: int, sms: int, m: int = 8, qtype: str = "Q4_K") 
     """Launch of :func:`gguf_gemv_mma_rows` for ``m`` activation rows of ``qtype`` (``_TILES``): up to 8
     rows, tiles of 32 weight rows in 2 warps; 9-16 rows, 64 in 4 warps, or 2 when the grid has more than
     ``_WIDE_PROGRAMS_PER_SM`` programs a SM (Q5_K and Q8_0: 32 in 2 warps, ``_TILES_BY_TYPE``); 17-32
-    rows as 16, K split towards fewer programs (Q4_K's sweep); 2 stages; K split by
+    rows as 16, K split towards fewer programs (Q4_K's sweep; Q8_0 in 2 warps); 2 stages; K split by
     :func:`split_for_rows`. H200,
     ``benchmarks/gguf_gemv.py --many --sweep``, µs: 8 rows of the 8B gate
     (14336 x 4096) 34.8 unsplit (448 programs), 21.1 in 4 slices; 16 rows of it 32.2 in 32-row

@@ -162,12 +162,12 @@ def test_rows_carried_norm_factor_scales_each_row():
     torch.testing.assert_close(got.float().cpu(), want, rtol=0, atol=1e-2 * want.abs().max().item())
 
 
-def test_gguf_gemv_takes_the_rows_kernel_for_2_to_16_rows_and_one_q5k_or_q8_0_row(monkeypatch):
-    """By default 2..16 fp16/bf16 rows of a Q4_K, Q5_K, Q6_K or Q8_0 weight of at least ``MMA_MIN_ROWS``
-    rows run the rows kernel, and so does one row of Q5_K or Q8_0 (no one-row tensor-core kernel); 17 rows
-    (``ROWS_BY_DEFAULT``), float32 rows and the switches off (``_MMA_ROWS_Q5K`` for Q5_K and
-    ``_MMA_ROWS_Q8_0`` for Q8_0, their one row included; ``_MMA_ROWS_Q6K`` for Q6_K; ``_MMA_ROWS``) do
-    not."""
+def test_gguf_gemv_takes_the_rows_kernel_for_2_to_32_rows_and_one_q5k_or_q8_0_row(monkeypatch):
+    """By default 2..32 fp16/bf16 rows of a Q4_K, Q5_K or Q8_0 weight (Q6_K: 2..16) of at least
+    ``MMA_MIN_ROWS`` rows run the rows kernel, and so does one row of Q5_K or Q8_0 (no one-row tensor-core
+    kernel); 17 rows of Q6_K (``Q6K_ROWS_BY_DEFAULT``), 33 rows, float32 rows and the switches off
+    (``_MMA_ROWS_Q5K`` for Q5_K and ``_MMA_ROWS_Q8_0`` for Q8_0, their one row included; ``_MMA_ROWS_Q6K``
+    for Q6_K; ``_MMA_ROWS``) do not."""
     from graphdsl.runtime.kernels.gguf_linear import on_rows_kernel
     calls = []
     monkeypatch.setattr(gguf_linear, "gguf_gemv_mma_rows", lambda x, *a, **kw: calls.append((x.shape[0], a[1])) or a[3])
@@ -177,16 +177,21 @@ def test_gguf_gemv_takes_the_rows_kernel_for_2_to_16_rows_and_one_q5k_or_q8_0_ro
     q5k, _ = random_gguf_weight("Q5_K", 32, 256, seed=1)
     q4k, q5k, q6k = q4k.to(DEV), q5k.to(DEV), to_stored(q6k, "Q6_K").to(DEV)
     x1, x4 = _x(1, 256, torch.bfloat16, 1), _x(4, 256, torch.bfloat16, 1)
-    for m in (2, 8, 16):
+    for m in (2, 8, 16, 17, 32):
         gguf_gemv(_x(m, 256, torch.bfloat16, 1), q4k, "Q4_K")
         assert mma_eligible(_x(m, 256, torch.bfloat16, 1), q4k, "Q4_K")
     gguf_gemv(_x(12, 256, torch.bfloat16, 1), q6k, "Q6_K")
     gguf_gemv(x4, q5k, "Q5_K")
     gguf_gemv(x1, q5k, "Q5_K")
-    assert calls == [(2, "Q4_K"), (8, "Q4_K"), (16, "Q4_K"), (12, "Q6_K"), (4, "Q5_K"), (1, "Q5_K")]
+    gguf_gemv(_x(24, 256, torch.bfloat16, 1), q5k, "Q5_K")
+    assert calls == [(2, "Q4_K"), (8, "Q4_K"), (16, "Q4_K"), (17, "Q4_K"), (32, "Q4_K"), (12, "Q6_K"), (4, "Q5_K"),
+                     (1, "Q5_K"), (24, "Q5_K")]
     assert on_rows_kernel(x1, q5k, "Q5_K") and on_rows_kernel(x4, q4k, "Q4_K")
     assert mma_eligible(x1, q4k, "Q4_K") and not on_rows_kernel(x1, q4k, "Q4_K")    # the one-row kernel's
-    gguf_gemv(_x(17, 256, torch.bfloat16, 1), q4k, "Q4_K")
+    assert on_rows_kernel(_x(16, 256, torch.bfloat16, 1), q6k, "Q6_K")
+    assert not on_rows_kernel(_x(17, 256, torch.bfloat16, 1), q6k, "Q6_K")
+    assert not mma_eligible(_x(33, 256, torch.bfloat16, 1), q4k, "Q4_K")
+    gguf_gemv(_x(17, 256, torch.bfloat16, 1), q6k, "Q6_K")
     monkeypatch.setattr(gguf_linear, "_MMA_ROWS_Q5K", False)
     gguf_gemv(x4, q5k, "Q5_K")
     gguf_gemv(x1, q5k, "Q5_K")
@@ -195,7 +200,8 @@ def test_gguf_gemv_takes_the_rows_kernel_for_2_to_16_rows_and_one_q5k_or_q8_0_ro
     q8 = q8.to(DEV)
     gguf_gemv(x1, q8, "Q8_0")
     gguf_gemv(x4, q8, "Q8_0")
-    assert calls[-2:] == [(1, "Q8_0"), (4, "Q8_0")]
+    gguf_gemv(_x(32, 256, torch.bfloat16, 1), q8, "Q8_0")
+    assert calls[-3:] == [(1, "Q8_0"), (4, "Q8_0"), (32, "Q8_0")]
     assert on_rows_kernel(x1, q8, "Q8_0") and on_rows_kernel(x4, q8, "Q8_0")
     monkeypatch.setattr(gguf_linear, "_MMA_ROWS_Q8_0", False)
     gguf_gemv(x1, q8, "Q8_0")
@@ -206,7 +212,7 @@ def test_gguf_gemv_takes_the_rows_kernel_for_2_to_16_rows_and_one_q5k_or_q8_0_ro
     gguf_gemv(x4, q6k, "Q6_K")
     monkeypatch.setattr(gguf_linear, "_MMA_ROWS", False)
     gguf_gemv(x4, q4k, "Q4_K")
-    assert len(calls) == 8
+    assert len(calls) == 12
 
 
 def test_rows_kernel_refuses_what_it_cannot_take():
@@ -414,8 +420,8 @@ def test_rows_launch_by_type_at_16_rows():
     """``pick_rows_config``: up to 8 rows 32-row tiles of 2 warps, K split towards 12 programs a SM; at
     9-16 rows Q4_K and Q6_K take 64-row tiles (2 warps past 4 programs a SM), while Q5_K and Q8_0 keep
     32-row tiles of 2 warps (their H200 sweeps: Q8_0's gate 33.6 against 51.3 µs), Q5_K split towards
-    5 programs a SM; 17-32 rows 64-row tiles split towards 1.5 programs a SM (132 SMs, the 8B
-    shapes)."""
+    5 programs a SM; 17-32 rows 64-row tiles split towards 1.5 programs a SM, Q8_0's of 2 warps towards 3
+    (its 32-row sweep: gate 68.4 against 88.6 µs; 132 SMs, the 8B shapes)."""
     from graphdsl.runtime.kernels.gguf_mma_rows import pick_rows_config
 
     def launch(n, k, m, qtype):
@@ -433,6 +439,9 @@ def test_rows_launch_by_type_at_16_rows():
     assert launch(4096, 14336, 16, "Q5_K") == (32, 2, 8)
     assert launch(14336, 4096, 32, "Q4_K") == (64, 4, 1)             # 17-32 rows: Q4_K's sweep
     assert launch(6144, 4096, 32, "Q4_K") == (64, 4, 4)
+    assert launch(14336, 4096, 32, "Q8_0") == (64, 2, 2)
+    assert launch(4096, 4096, 32, "Q8_0") == (64, 2, 8)
+    assert launch(4096, 14336, 32, "Q8_0") == (64, 2, 8)
 
 
 def test_q8_0_with_k_no_multiple_of_256_stays_off_the_rows_kernel(monkeypatch):
@@ -456,7 +465,7 @@ def test_q8_0_with_k_no_multiple_of_256_stays_off_the_rows_kernel(monkeypatch):
 
 
 def test_decode_of_20_sequences_on_the_rows_kernel_when_asked(tmp_path, monkeypatch):
-    """With ``ROWS_BY_DEFAULT`` raised to 32 (``quant.py --gguf-rows-32``), a Q4_K model decoding 20
+    """With ``ROWS_BY_DEFAULT`` 32 (the default; 16 is ``quant.py --gguf-rows-16``), a Q4_K model decoding 20
     sequences at once runs each projection on the rows kernel with 20 rows (four groups of 8, the
     RMSNorm writing the operands of qkv and gate/up), and its tokens and log-probabilities match the
     default's plane a dot within 0.05 (float16, as above)."""
