@@ -11,12 +11,12 @@ and thread, weight bytes a thread reads per step, their ratio, the barriers (``B
 conversion through shared memory, which makes every warp of the program wait), the top opcodes.
 
     python benchmarks/loop_sass.py [--arch 90] [--launch int4-qkv fp8-gate_up ...] [--no-x-wide] [--no-quads]
-    python benchmarks/loop_sass.py --gguf Q4_K:14336:4096:32 Q6_K:4096:4096:32 [--float32-planes]
+    python benchmarks/loop_sass.py --gguf Q4_K:14336:4096:32:planes Q6_K:4096:4096:32 [--float32-planes]
     python benchmarks/loop_sass.py --gguf Q8_0:14336:4096:8:mma Q8_0:14336:4096:8:planes
 
 ``--gguf TYPE:N:K:ROWS ...`` counts instead the K loop of ``gguf_linear.gguf_gemv``'s launch for
-``ROWS`` bf16 activation rows of a block-major GGUF weight (several rows: the plane-a-dot loop; 2-16
-rows of Q4_K, Q5_K or Q6_K: the several-row tensor-core loop, ``gguf_mma_rows``; ``TYPE:N:K:ROWS:mma``
+``ROWS`` bf16 activation rows of a block-major GGUF weight (2-32 rows of Q4_K, Q5_K or Q8_0 and 2-16
+of Q6_K: the several-row tensor-core loop, ``gguf_mma_rows``; more: the plane-a-dot loop; ``TYPE:N:K:ROWS:mma``
 that loop for any type it takes, ``TYPE:N:K:ROWS:planes`` the plane-a-dot loop at any row count),
 per super-block step: instructions, weights a thread, their ratio, the ``HGMMA`` and the
 ``WARPGROUP.ARRIVE`` / ``DEPBAR`` pairs around them (one a ``HGMMA``: each waited for), ``BAR.SYNC``; ``--float32-planes`` with the float32 plane decode instead of
@@ -164,8 +164,9 @@ def _step_bytes(name: str, kwargs: dict) -> int:
 
 def capture_gguf(qtype: str, n: int, k: int, rows: int, how: str = ""):
     """``(kernel, grid, args, kwargs)`` of ``gguf_gemv``'s launch for ``rows`` bf16 rows of a block-major
-    ``qtype [n, k]`` weight — the plane-a-dot GEMV, or for 2-16 rows of Q4_K, Q5_K or Q6_K the several-row
-    tensor-core GEMV (:mod:`~graphdsl.runtime.kernels.gguf_mma_rows`; its activation launch left out);
+    ``qtype [n, k]`` weight — the plane-a-dot GEMV, or for the rows ``gguf_linear.mma_eligible`` takes
+    (2-32 of Q4_K, Q5_K, Q8_0; 2-16 of Q6_K) the several-row tensor-core GEMV
+    (:mod:`~graphdsl.runtime.kernels.gguf_mma_rows`; its activation launch left out);
     ``how`` "mma": that GEMV at its default launch for any type it takes, "planes": the plane-a-dot
     launch ``_pick_config`` gives — recorded from CPU tensors (nothing runs; the kernels are restored)."""
     import graphdsl.runtime.kernels.gguf_linear as GL

@@ -99,21 +99,28 @@ def test_a_triton_without_its_nvidia_binaries_is_named(sass, monkeypatch):
 
 
 def test_the_gguf_launch_is_the_one_gguf_gemv_makes(sass):
-    """``--gguf``: 32 bf16 rows of a block-major Q4_K weight take the plane-a-dot loop (2-16 take the
-    rows kernel); nothing runs and the kernel is restored."""
+    """``--gguf``: 32 bf16 rows of a block-major Q6_K weight take the plane-a-dot loop (Q6_K leaves the
+    rows kernel past 16 rows), 32 rows of Q4_K the rows kernel (``ROWS_BY_DEFAULT``), ``:planes`` the
+    plane loop for Q4_K too; nothing runs and the kernels are restored."""
     import graphdsl.runtime.kernels.gguf_linear as GL
-    kernel = GL._gguf_gemv_kernel
-    _, grid, args, kw = sass.capture_gguf("Q4_K", 14336, 4096, 32)
-    assert kw["PLANES"] and kw["USE_DOT"] and kw["BLOCK_M"] == 32 and kw["KB"] and grid[0] == 14336 // kw["BLOCK_N"]
-    assert GL._gguf_gemv_kernel is kernel
+    import graphdsl.runtime.kernels.gguf_mma_rows as GR
+    kernel, rows_kernel = GL._gguf_gemv_kernel, GR._rows_kernel
+    for qtype, how in (("Q6_K", ""), ("Q4_K", "planes")):
+        got, grid, args, kw = sass.capture_gguf(qtype, 14336, 4096, 32, how)
+        assert got is kernel and kw["PLANES"] and kw["USE_DOT"] and kw["BLOCK_M"] == 32 and kw["KB"]
+        assert grid[0] == 14336 // kw["BLOCK_N"]
+    got, grid, _, kw = sass.capture_gguf("Q4_K", 14336, 4096, 32)
+    assert got is rows_kernel and grid[0] == 14336 // kw["BLOCK_N"]
+    assert GL._gguf_gemv_kernel is kernel and GR._rows_kernel is rows_kernel
 
 
 def test_the_packed_ptx_planes_take_fewer_instructions_a_weight(sass):
-    """Compiled for sm_90: the Q4_K plane loop of 32 rows with the packed-PTX decode issues fewer
-    instructions a weight than with the float32 decode (``--float32-planes``)."""
+    """Compiled for sm_90: the Q4_K plane loop of 32 rows (``:planes``; the rows kernel takes 32 rows by
+    default) with the packed-PTX decode issues fewer instructions a weight than with the float32 decode
+    (``--float32-planes``)."""
     per_weight = {}
     for flags in ((), ("--float32-planes",)):
-        cells, = _table(sass, "Q4_K:14336:4096:32", "--gguf", "Q4_K:14336:4096:32", *flags)
+        cells, = _table(sass, "Q4_K:14336:4096:32:planes", "--gguf", "Q4_K:14336:4096:32:planes", *flags)
         assert int(cells[3]) == 64 * 256 // 128                # 64 rows x a super-block over 128 threads
         per_weight[flags] = float(cells[4])
     assert per_weight[()] < 0.85 * per_weight[("--float32-planes",)], per_weight
@@ -136,7 +143,7 @@ def test_two_to_sixteen_q4k_rows_are_counted_on_the_rows_kernel(sass):
 
 
 def test_q5k_rows_on_the_tensor_cores_take_a_third_of_the_plane_loops_instructions(sass):
-    """``--gguf Q5_K:N:K:8`` counts the several-row tensor-core GEMV on Q5_K blocks (the default for 2-16
+    """``--gguf Q5_K:N:K:8`` counts the several-row tensor-core GEMV on Q5_K blocks (the default for 2-32
     rows, as ``:mma`` gives it), which issues under half the instructions a step of the Q5_K plane loop
     that 8 rows ran before (``:planes``; sm_90: 487 against 1581)."""
     rows, mma, planes = _table(sass, "Q5_K:14336:4096:8", "--gguf", "Q5_K:14336:4096:8",
@@ -147,7 +154,7 @@ def test_q5k_rows_on_the_tensor_cores_take_a_third_of_the_plane_loops_instructio
 
 
 def test_q8_0_rows_on_the_tensor_cores_take_fewer_instructions_a_weight_than_its_loops(sass):
-    """``--gguf Q8_0:N:K:ROWS`` counts the rows kernel on Q8_0 blocks, the default for 1-16 rows: the
+    """``--gguf Q8_0:N:K:ROWS`` counts the rows kernel on Q8_0 blocks, the default for 1-32 rows: the
     codes enter the dot as they are, two to a 16-bit load (the blocks are 2-byte aligned). sm_90, 8
     rows: 605 instructions a step of 128 weights a thread, against 2086 for the plane loop that 2-16
     rows ran before (``:planes``) and 22 a weight for one row's CUDA-core loop (``1:planes``: its
