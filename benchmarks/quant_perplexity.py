@@ -14,8 +14,8 @@ llama.cpp's fallback for rows whose inputs are no multiple of 256): SmolLM2's 57
 take Q5_0 / Q5_1 (Q8_0 for a Q6_K v), so only ``down`` (1536 inputs) is in K blocks, Q4_K / Q5_K or
 Q6_K by layer. ``--block-errors`` prints instead each block type's weight error over the file's
 linears, ``sqrt(sum (w' - w)^2 / sum w^2)``: the file's weights sit on the Q4_1 grid, so a type
-whose grid holds it (Q4_1 itself; nearly Q4_K, 16 levels a group of 32 with a min) re-rounds them
-with less error than some wider ones.
+whose grid holds it (Q4_1 itself, Q5_1 with twice the levels; nearly Q4_K) re-rounds them with less
+error than some wider ones.
 """
 from __future__ import annotations
 
@@ -99,7 +99,8 @@ def main(argv=None) -> int:
         text = "\n".join([head, ""] + block_error_table(path))
         print(text)
         return _write(args.out, text)
-    lines = [head, "", "| quantization | scheme(s) | perplexity | vs reference | load + score s |", "|---|---|---|---|---|"]
+    lines = [head, "", "| quantization | scheme(s) | perplexity | vs reference | load + score s |",
+             "|---|---|---|---|---|"]
     ref = None
     for q in [None] + list(args.schemes):
         t0 = time.perf_counter()

@@ -16,10 +16,14 @@ blocks block-major, ``[K / values_per_block, N, stored block bytes]``
 (:func:`~graphdsl.runtime.gguf_blocks.block_major`): what a bind on CUDA stores
 (:func:`graphdsl.layers.quantize.store_codes_in_blocks`); checkpoints and loaders keep rows.
 
-``quantize`` writes the blocks from a float weight by plain round-to-nearest (per block, or per
-sub-block with 6-bit (K types) / 8-bit (Q6_K) scales under a float16 super-block scale), not
-llama.cpp's error-minimising search: good enough for online use and random benchmark weights;
-files quantized by llama.cpp keep their own blocks (``LLM(path.gguf, quantization="gguf")``).
+``quantize`` writes the blocks from a float weight. Each block's (K types: sub-block's) step, and
+for the types with a min its low, come from :mod:`graphdsl.quant_fit`'s weighted least-squares
+search over candidate codes; its candidates include llama.cpp's reference rules (round to nearest
+on the block's range; Q4_0 / Q5_0's largest value on the lowest level), so its pick has no larger
+weighted error than theirs. llama.cpp searches the K types' steps too, by its own rule and weights.
+The K types then round the steps onto 6-bit (Q4_K / Q5_K) or signed 8-bit (Q6_K) multiples of a
+float16 super-block scale. Files quantized by llama.cpp keep their own blocks
+(``LLM(path.gguf, quantization="gguf")``).
 """
 from __future__ import annotations
 
@@ -29,6 +33,7 @@ import torch
 
 from graphdsl.errors import GraphDSLError
 from graphdsl.quant import Companion, QuantScheme, register_scheme
+from graphdsl.quant_fit import fit_affine, fit_symmetric, safe_div
 
 from .gguf_blocks import (GGUF_BLOCKS, KERNEL_QTYPES, STORED_BLOCK_BYTES, block_major, dequantize_blocks, from_stored,
                           row_bytes, row_major, stored_row_bytes, to_stored)
@@ -210,33 +215,28 @@ def _f16_bytes(v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return h.float(), h.reshape(-1, 1).view(torch.uint8)
 
 
-def _safe_div(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    return torch.where(b != 0, a / torch.where(b != 0, b, torch.ones_like(b)), torch.zeros_like(a))
-
-
 def _pack_nibbles(lo: torch.Tensor, hi: torch.Tensor) -> torch.Tensor:
     return (lo.to(torch.uint8) & 15) | ((hi.to(torch.uint8) & 15) << 4)
 
 
 def _enc_q8_0(x):
-    d, db = _f16_bytes(x.abs().amax(1) / 127.0)
-    q = torch.round(_safe_div(x, d[:, None])).clamp(-127, 127).to(torch.int8)
+    d, db = _f16_bytes(fit_symmetric(x, -127, 127))
+    q = torch.round(safe_div(x, d[:, None])).clamp(-127, 127).to(torch.int8)
     return torch.cat([db, q.view(torch.uint8)], 1)
 
 
 def _enc_q4_0(x):
-    # llama.cpp: d = (the value of largest magnitude) / -8, so that value lands on -8 exactly
-    big = x.gather(1, x.abs().argmax(1, keepdim=True))[:, 0]
-    d, db = _f16_bytes(big / -8.0)
-    q = (torch.round(_safe_div(x, d[:, None])) + 8).clamp(0, 15)
+    # llama.cpp's reference: d = (the value of largest magnitude) / -8, the search's shift-0 candidate
+    d, db = _f16_bytes(fit_symmetric(x, -8, 7))
+    q = (torch.round(safe_div(x, d[:, None])) + 8).clamp(0, 15)
     return torch.cat([db, _pack_nibbles(q[:, :16], q[:, 16:])], 1)
 
 
 def _enc_q4_1(x):
-    lo, hi = x.amin(1), x.amax(1)
-    d, db = _f16_bytes((hi - lo) / 15.0)
-    m, mb = _f16_bytes(lo)
-    q = torch.round(_safe_div(x - m[:, None], d[:, None])).clamp(0, 15)
+    step, low = fit_affine(x, 15, True)
+    d, db = _f16_bytes(step)
+    m, mb = _f16_bytes(-low)
+    q = torch.round(safe_div(x - m[:, None], d[:, None])).clamp(0, 15)
     return torch.cat([db, mb, _pack_nibbles(q[:, :16], q[:, 16:])], 1)
 
 
@@ -249,33 +249,32 @@ def _qh_bytes(q: torch.Tensor) -> torch.Tensor:
 
 
 def _enc_q5_0(x):
-    # as Q4_0: d = (the value of largest magnitude) / -16, so that value lands on -16 exactly
-    big = x.gather(1, x.abs().argmax(1, keepdim=True))[:, 0]
-    d, db = _f16_bytes(big / -16.0)
-    q = (torch.round(_safe_div(x, d[:, None])) + 16).clamp(0, 31)
+    # as Q4_0: llama.cpp's d = (the value of largest magnitude) / -16 is the shift-0 candidate
+    d, db = _f16_bytes(fit_symmetric(x, -16, 15))
+    q = (torch.round(safe_div(x, d[:, None])) + 16).clamp(0, 31)
     return torch.cat([db, _qh_bytes(q), _pack_nibbles(q[:, :16], q[:, 16:])], 1)
 
 
 def _enc_q5_1(x):
-    lo, hi = x.amin(1), x.amax(1)
-    d, db = _f16_bytes((hi - lo) / 31.0)
-    m, mb = _f16_bytes(lo)
-    q = torch.round(_safe_div(x - m[:, None], d[:, None])).clamp(0, 31)
+    step, low = fit_affine(x, 31, True)
+    d, db = _f16_bytes(step)
+    m, mb = _f16_bytes(-low)
+    q = torch.round(safe_div(x - m[:, None], d[:, None])).clamp(0, 31)
     return torch.cat([db, mb, _qh_bytes(q), _pack_nibbles(q[:, :16], q[:, 16:])], 1)
 
 
 def _k_super(x, levels: int):
     """Q4_K/Q5_K scales: per sub-block of 32, ``y = d·sc·q - dmin·mn`` with ``q`` in 0..levels and
-    ``sc, mn`` 6-bit; returns (d, dmin f16 bytes, sc, mn uint8 ``[n, 8]``, q ``[n, 8, 32]``)."""
+    ``sc, mn`` 6-bit (each sub-block's step and low from :func:`~graphdsl.quant_fit.fit_affine`, then rounded onto the
+    super-block's ``d / dmin``); returns (d, dmin f16 bytes, sc, mn uint8 ``[n, 8]``, q ``[n, 8, 32]``)."""
     xs = x.reshape(-1, 8, 32)
-    mins = (-xs.amin(2)).clamp(min=0)                                   # mn·dmin >= 0 (min <= 0)
-    scales = (xs.amax(2) + mins) / levels
+    scales, mins = fit_affine(xs, levels)                              # mn·dmin >= 0 (min <= 0)
     d, db = _f16_bytes(scales.amax(1) / 63.0)
     dmin, dminb = _f16_bytes(mins.amax(1) / 63.0)
-    sc = torch.round(_safe_div(scales, d[:, None])).clamp(0, 63)
-    mn = torch.round(_safe_div(mins, dmin[:, None])).clamp(0, 63)
+    sc = torch.round(safe_div(scales, d[:, None])).clamp(0, 63)
+    mn = torch.round(safe_div(mins, dmin[:, None])).clamp(0, 63)
     step, low = d[:, None] * sc, dmin[:, None] * mn                     # what the decoder will use
-    q = torch.round(_safe_div(xs + low[..., None], step[..., None].expand_as(xs))).clamp(0, levels)
+    q = torch.round(safe_div(xs + low[..., None], step[..., None].expand_as(xs))).clamp(0, levels)
     return db, dminb, sc.to(torch.uint8), mn.to(torch.uint8), q.to(torch.uint8)
 
 
@@ -307,11 +306,11 @@ def _enc_q5_k(x):
 def _enc_q6_k(x):
     n = x.shape[0]
     xs = x.reshape(n, 16, 16)
-    scales = xs.abs().amax(2) / 31.0
-    d, db = _f16_bytes(scales.amax(1) / 127.0)
-    sc = torch.round(_safe_div(scales, d[:, None])).clamp(0, 127)
+    scales = fit_symmetric(xs, -32, 31)                                # signed: the int8 scales keep the sign
+    d, db = _f16_bytes(scales.abs().amax(1) / 127.0)
+    sc = torch.round(safe_div(scales, d[:, None])).clamp(-127, 127)
     step = (d[:, None] * sc)[..., None].expand_as(xs)
-    q = (torch.round(_safe_div(xs, step)).clamp(-32, 31) + 32).to(torch.uint8).reshape(n, 2, 4, 32)  # half, k, l
+    q = (torch.round(safe_div(xs, step)).clamp(-32, 31) + 32).to(torch.uint8).reshape(n, 2, 4, 32)  # half, k, l
     ql = torch.cat([_pack_nibbles(q[:, :, 0], q[:, :, 2]), _pack_nibbles(q[:, :, 1], q[:, :, 3])], 2)  # [n, 2, 64]
     qh = sum(((q[:, :, k] >> 4) & 3) << (2 * k) for k in range(4)).to(torch.uint8)                 # [n, 2, 32]
     return torch.cat([ql.reshape(n, 128), qh.reshape(n, 64), sc.to(torch.int8).view(torch.uint8), db], 1)

@@ -14,10 +14,10 @@ from graphdsl.runtime.gguf_blocks import from_stored, to_stored
 from graphdsl.runtime.gguf_scheme import GGUFScheme, quantize_blocks
 
 TYPES = ["Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q4_K", "Q5_K", "Q6_K"]
-# round-to-nearest error bound relative to the row's largest |w|: half a step of the coarsest scale
-# (Q4_0 / Q5_0: llama.cpp's d = max / -8 or -16 clips the opposite sign at 7/8 or 15/16 of the max)
-BOUND = {"Q8_0": 0.005, "Q4_0": 0.13, "Q4_1": 0.07, "Q5_0": 0.07, "Q5_1": 0.035, "Q4_K": 0.07, "Q5_K": 0.035,
-         "Q6_K": 0.02}
+# error bound relative to the row's largest |w|: a step of the coarsest scale (round-to-nearest would
+# keep to half a step; the searched steps may clip a group's extremes), 3/2 of it for Q6_K
+BOUND = {"Q8_0": 0.01, "Q4_0": 0.26, "Q4_1": 0.14, "Q5_0": 0.13, "Q5_1": 0.07, "Q4_K": 0.14, "Q5_K": 0.07,
+         "Q6_K": 0.06}
 
 
 def _gguf_py(data: torch.Tensor, qtype: str, n: int, k: int) -> torch.Tensor:
@@ -45,6 +45,37 @@ def test_encoder_round_trips_through_gguf_py(qtype):
     err = (ref - w).abs().amax(1) / w.abs().amax(1).clamp(min=1e-9)
     assert err.max().item() < BOUND[qtype], (qtype, err)
     assert ref[0, :256].abs().max().item() == 0.0
+
+
+@pytest.mark.parametrize("qtype", TYPES)
+def test_encoders_search_their_steps_for_a_smaller_error(qtype, monkeypatch):
+    """The encoders' step search (``graphdsl.quant_fit.fit_affine`` / ``fit_symmetric``) re-rounds N(0, 1)
+    and heavy-tailed weights with a smaller squared error than plain round-to-nearest steps (each
+    group's span over its levels; at least 3% less, as gguf-py decodes the blocks), the same on the
+    CPU in chunks as in one pass."""
+    import gguf
+
+    import graphdsl.quant_fit as QF
+    import graphdsl.runtime.gguf_scheme as GS
+    g = torch.Generator().manual_seed(3)
+    n, k = 48, 1024
+    w = torch.cat([torch.randn(n, k, generator=g), torch.randn(n, k, generator=g) ** 3])
+
+    def error(data):
+        back = torch.from_numpy(np.ascontiguousarray(
+            gguf.quants.dequantize(data.numpy(), gguf.GGMLQuantizationType[qtype]).reshape(2 * n, k), dtype=np.float32))
+        return ((back - w).square().sum() / w.square().sum()).sqrt().item()
+
+    searched = quantize_blocks(w, qtype)
+    monkeypatch.setattr(QF, "CPU_CHUNK_VALUES", 5 * 256)          # 2 * 48 * 4 super-blocks in 77 chunks
+    assert torch.equal(quantize_blocks(w, qtype), searched)
+    def plain_affine(xs, levels, any_low=False):
+        low = -xs.amin(-1) if any_low else (-xs.amin(-1)).clamp(min=0)
+        return (xs.amax(-1) + low) / levels, low
+    monkeypatch.setattr(GS, "fit_affine", plain_affine)
+    monkeypatch.setattr(GS, "fit_symmetric", lambda xs, qmin, qmax: xs.abs().amax(-1) / qmax)
+    plain = quantize_blocks(w, qtype)
+    assert error(searched) < 0.97 * error(plain), (error(searched), error(plain))
 
 
 @pytest.mark.parametrize("qtype", ["Q4_K", "Q6_K", "Q8_0"])

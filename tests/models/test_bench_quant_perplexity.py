@@ -23,8 +23,8 @@ def test_weights_on_a_types_grid_round_trip_through_it_exactly(ppl):
     from graphdsl.runtime.gguf_scheme import quantize_blocks
     w = torch.randn(16, 512, generator=torch.Generator().manual_seed(1))
     on_grid = dequantize_blocks(quantize_blocks(w, "Q4_1"), "Q4_1", 512).reshape(w.shape)
-    err = ppl.block_errors([on_grid], ["Q4_1", "Q5_1"])
-    assert err["Q4_1"][0] < 1e-6 < 0.01 < err["Q5_1"][0]
+    err = ppl.block_errors([on_grid], ["Q4_1", "Q4_0"])
+    assert err["Q4_1"][0] < 1e-6 < 0.01 < err["Q4_0"][0]                   # Q4_0 has no min: off the grid
 
 
 def test_k_types_skip_matrices_whose_inputs_are_no_multiple_of_256(ppl):
