@@ -7,7 +7,8 @@ The reference is the GGUF's weights dequantized to float32 (no ``quantization``)
 file's own blocks (its Q4_1 linears multiplied as Q4_1: the same values, so the same perplexity up to
 summation order); each other scheme re-quantizes the linears (all but the tied embedding / lm_head)
 of that same model (``gguf-q8_0`` / ``gguf-q4_0``: onto GGUF blocks, round-to-nearest). The text is
-fixed (below), scored in one prefill with ``LLM.score``: perplexity = exp(mean NLL of tokens 2..n).
+fixed (below), scored in one prefill with ``LLM.score``: perplexity = exp(mean NLL of tokens 2..n),
+and the mean KL divergence of each position's next-token distribution from the reference's.
 
 ``gguf-q4_k_m`` / ``gguf-q5_k_m`` are llama.cpp's Q4_K_M / Q5_K_M mixes (``quant.py``'s rule, with
 llama.cpp's fallback for rows whose inputs are no multiple of 256): SmolLM2's 576-input matrices
@@ -48,16 +49,25 @@ TEXT = (
 )
 
 
-def perplexity(llm, ids: list[int]) -> float:
-    logits = llm.score(ids)
-    nll = torch.nn.functional.cross_entropy(logits[:-1].float(), torch.tensor(ids[1:]), reduction="mean")
-    return math.exp(nll.item())
+def score(llm, ids: list[int]) -> tuple[float, torch.Tensor]:
+    """``(perplexity, log-probabilities [n - 1, vocab])`` of ``ids`` under ``llm``: perplexity = exp(mean
+    NLL of tokens 2..n), the log-probabilities those of each next token."""
+    logprobs = torch.log_softmax(llm.score(ids)[:-1].double(), -1)
+    nll = -logprobs.gather(1, torch.tensor(ids[1:])[:, None]).mean()
+    return math.exp(nll.item()), logprobs
+
+
+def kl_divergence(ref: torch.Tensor, got: torch.Tensor) -> float:
+    """Mean over positions of ``KL(ref || got) = sum_v p_ref (log p_ref - log p_got)``, nats: how far a
+    quantized model's next-token distributions moved from the reference's (0: none), a steadier
+    measure than one text's perplexity."""
+    return (ref.exp() * (ref - got)).sum(-1).mean().item()
 
 
 def block_errors(weights, qtypes=None) -> dict[str, tuple[float, int]]:
     """``{GGML type: (sqrt(sum (w' - w)^2 / sum w^2), matrices)}`` over the float ``[N, K]`` matrices
     ``weights`` whose K a block of that type divides, ``w'`` the round trip through
-    ``gguf_scheme.quantize_blocks`` (round-to-nearest, as online quantization makes them)."""
+    ``gguf_scheme.quantize_blocks`` (as online quantization makes them: ``graphdsl.quant_fit``'s search)."""
     from graphdsl.runtime.gguf_blocks import GGUF_BLOCKS, KERNEL_QTYPES, dequantize_blocks
     from graphdsl.runtime.gguf_scheme import quantize_blocks
     sums = {}
@@ -99,19 +109,20 @@ def main(argv=None) -> int:
         text = "\n".join([head, ""] + block_error_table(path))
         print(text)
         return _write(args.out, text)
-    lines = [head, "", "| quantization | scheme(s) | perplexity | vs reference | load + score s |",
-             "|---|---|---|---|---|"]
+    lines = [head, "", "| quantization | scheme(s) | perplexity | vs reference | KL vs reference, nats a token "
+                       "| load + score s |", "|---|---|---|---|---|---|"]
     ref = None
     for q in [None] + list(args.schemes):
         t0 = time.perf_counter()
         with _GGUFMix():
             llm = gd.LLM(path, device="cpu", max_model_len=512, max_num_seqs=1, quantization=q)
         ids = llm.tokenizer.encode(TEXT)
-        ppl = perplexity(llm, ids)
-        ref = ppl if ref is None else ref
+        ppl, logprobs = score(llm, ids)
+        ref = (ppl, logprobs) if ref is None else ref
         schemes = sorted({p.quant.name for _, p in llm.model.named_parameters() if p.quant is not None}) or ["-"]
         lines.append(f"| {q or 'none (GGUF dequantized)'} | {', '.join(schemes)} | {ppl:.3f} | "
-                     f"{100 * (ppl / ref - 1):+.2f}% | {time.perf_counter() - t0:.0f} |")
+                     f"{100 * (ppl / ref[0] - 1):+.2f}% | {kl_divergence(ref[1], logprobs):.4f} | "
+                     f"{time.perf_counter() - t0:.0f} |")
         print(lines[-1], flush=True)
     text = "\n".join(lines)
     print(f"\n{len(ids)} tokens\n" + text)

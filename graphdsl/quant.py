@@ -39,7 +39,7 @@ from typing import Callable, Mapping
 import torch
 
 from .errors import GraphDSLError
-from .quant_fit import fit_symmetric
+from .quant_fit import fit_symmetric, fit_zero_point
 
 __all__ = ["QuantMethod", "Companion", "PERM_SUFFIX", "QuantScheme", "Fp8Scheme", "IntScheme", "parse_scheme",
            "register_scheme", "registered_scheme_families", "online_scheme", "FP8_MAX", "INT4_BLOCK_BYTES",
@@ -358,11 +358,9 @@ class IntScheme(QuantScheme):
             return [torch.round(w / s).clamp(-127, 127).to(torch.int8), s.to(dtype)]
         n, k = w.shape
         wg = w.reshape(n, k // self.group_size, self.group_size)
-        if self.zero_point:                    # round to nearest on the span (quant_fit's search scored worse)
-            lo, hi = wg.amin(-1).clamp(max=0), wg.amax(-1).clamp(min=0)
-            s = ((hi - lo) / 15.0).clamp(min=1e-12)
-            s = s.to(dtype).float()            # quantize against the scale actually stored
-            z = torch.round(-lo / s).clamp(0, 15)
+        if self.zero_point:                    # the group's step and integer zero: quant_fit's search
+            s, z = fit_zero_point(wg, 15)
+            s = s.clamp(min=1e-12).to(dtype).float()            # quantize against the scale actually stored
             q = torch.round(wg / s[..., None] + z[..., None]).clamp(0, 15)
             return [self._stored(pack_int4(q.reshape(n, k).to(torch.uint8))), s.to(dtype), z.to(dtype)]
         s = fit_symmetric(wg, -8, 7, positive=True).clamp(min=1e-12).to(dtype).float()   # quant_fit's search

@@ -3,20 +3,21 @@
 A group of values ``x`` (the last dim of ``xs``) is stored as integer codes ``q`` and a step ``s``
 (and for the types with a min, a low ``m``): ``x ≈ s·q - m``. Plain round-to-nearest takes ``s``
 from the group's span (``(max - min) / levels``, or ``max|x| / qmax``). Clipping the extremes a
-little can make the other values' error smaller: :func:`fit_affine` and :func:`fit_symmetric` try a
-few candidate steps around the plain one (:data:`SHIFTS`), round the codes for each, fit ``s`` (and
-``m``) to those codes by weighted least squares, and keep the candidate with the least weighted
-squared error. The weights (:func:`importance`, ``|x|`` plus the group's rms) make a large value's
+little can make the other values' error smaller: :func:`fit_affine`, :func:`fit_zero_point` (an
+integer zero point) and :func:`fit_symmetric` try a few candidate steps around the plain one
+(:data:`SHIFTS`), round the codes for each, fit ``s`` (and ``m``) to those codes by weighted least
+squares, and keep the candidate with the least weighted squared error. The weights (:func:`importance`, ``|x|`` plus the group's rms) make a large value's
 error count more. The plain candidate is among them, so the result never has a larger weighted
 error than round-to-nearest's codes with the best step for them. Each group is independent; on the
 CPU the groups go in chunks that stay in cache (:data:`CPU_CHUNK_VALUES`).
 
-Why weighted: scored by perplexity (``benchmarks/quant_perplexity.py``, SmolLM2 on the CPU), the
-unweighted search made int4-g128 worse than round-to-nearest (16.557 against 16.184) although its
-weight error was 14% smaller; weighted, 15.977. For int4 with zero points neither search beat
-round-to-nearest (14.368 and 14.210 against 13.686), so ``IntScheme`` keeps that there.
+Why weighted, scored on SmolLM2 on the CPU (``benchmarks/quant_perplexity.py``: the mean KL
+divergence of each position's next-token distribution from the float model's, in nats; one text's
+perplexity moves by a few percent either way): int4-g128 0.589 with round-to-nearest, 0.547
+unweighted, 0.446 weighted; int4-g32 0.432, 0.347, 0.307; GGUF Q4_0 0.345, 0.298, 0.286; int4-g64
+with zero points 0.397, 0.350, 0.351.
 
-Used by the GGUF block encoders (``graphdsl.runtime.gguf_scheme``) and the symmetric int4 schemes
+Used by the GGUF block encoders (``graphdsl.runtime.gguf_scheme``) and the int4 schemes
 (:class:`graphdsl.quant.IntScheme`).
 """
 from __future__ import annotations
@@ -25,7 +26,7 @@ import functools
 
 import torch
 
-__all__ = ["SHIFTS", "fit_affine", "fit_symmetric", "importance", "safe_div"]
+__all__ = ["SHIFTS", "fit_affine", "fit_symmetric", "fit_zero_point", "importance", "safe_div"]
 
 
 def safe_div(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
@@ -93,6 +94,28 @@ def fit_affine(xs: torch.Tensor, levels: int, any_low: bool = False) -> tuple[to
         # sum wt (slope q + off - x)^2 less sum wt x^2 (the same for every candidate), from the sums
         err = slope * (slope * swqq - 2 * swqx + 2 * off * swq) + off * (sw * off - 2 * swx)
         best = _keep_best(best, err, slope, -off)
+    return best[1], best[2]
+
+
+@_by_chunks
+def fit_zero_point(xs: torch.Tensor, levels: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per group (the last dim) the ``(step s >= 0, zero z)`` of ``x ≈ s·(q - z)``, ``q`` and the
+    integer ``z`` in ``0..levels`` (int4 zero points), with the least weighted squared error
+    (:func:`importance`) among: for each shift ``c`` of :data:`SHIFTS` the step ``t = (hi - lo) /
+    (levels + c)`` (``lo = min(min x, 0)``, ``hi = max(max x, 0)``), ``z = clamp(round(-lo / t))``,
+    ``q = clamp(round(x / t + z))``, then ``s`` the weighted least-squares ``sum w·(q - z)·x / sum
+    w·(q - z)²``. ``c = 0`` is plain round-to-nearest on the span."""
+    lo, hi = xs.amin(-1, keepdim=True).clamp(max=0), xs.amax(-1, keepdim=True).clamp(min=0)
+    per_span, wt = safe_div(torch.ones_like(lo), hi - lo), importance(xs)
+    best = None
+    for c in SHIFTS:
+        inv = per_span * (levels + c)
+        z = torch.round(-lo * inv).clamp(0, levels)
+        codes = torch.round(xs * inv + z).clamp(0, levels) - z
+        wc = wt * codes
+        scc, scx = (wc * codes).sum(-1), (wc * xs).sum(-1)
+        # sum wt (s (q - z) - x)^2 at the least-squares s, less sum wt x^2: -scx^2 / scc
+        best = _keep_best(best, -safe_div(scx * scx, scc), safe_div(scx, scc).clamp(min=0), z[..., 0])
     return best[1], best[2]
 
 

@@ -1,6 +1,6 @@
 """graphdsl.quant_fit: the weighted least-squares step search of the online quantizers against plain
 round-to-nearest, exact on values already on a grid, the same in CPU chunks as in one pass, and the
-symmetric int4 schemes' smaller error."""
+int4 schemes' smaller error."""
 import pytest
 import torch
 
@@ -50,16 +50,20 @@ def test_values_on_a_grid_come_back_exactly():
     torch.testing.assert_close(m, low[:, 0], rtol=1e-4, atol=1e-5)
     s = QF.fit_symmetric(step * (codes - 8), -8, 7, positive=True)
     torch.testing.assert_close(s, step[:, 0], rtol=1e-4, atol=0)
+    s, z = QF.fit_zero_point(step * (codes - 4), 15)
+    torch.testing.assert_close(s, step[:, 0], rtol=1e-4, atol=0)
+    torch.testing.assert_close(z, torch.full((40,), 4.0))
 
 
 def test_all_zero_groups_give_zero_steps_not_nan():
     xs = torch.zeros(3, 32)
-    for out in (*QF.fit_affine(xs, 15), QF.fit_symmetric(xs, -8, 7), QF.fit_symmetric(xs, -8, 7, positive=True)):
+    for out in (*QF.fit_affine(xs, 15), QF.fit_symmetric(xs, -8, 7), QF.fit_symmetric(xs, -8, 7, positive=True),
+                *QF.fit_zero_point(xs, 15)):
         assert torch.equal(out, torch.zeros(3))
 
 
 @pytest.mark.parametrize("fit,args", [(QF.fit_affine, (15,)), (QF.fit_affine, (31, True)),
-                                      (QF.fit_symmetric, (-32, 31))])
+                                      (QF.fit_zero_point, (15,)), (QF.fit_symmetric, (-32, 31))])
 def test_cpu_chunks_give_what_one_pass_gives(fit, args, monkeypatch):
     xs = _weights(3).reshape(-1, 16, 16)
     whole = fit(xs, *args)
@@ -69,16 +73,23 @@ def test_cpu_chunks_give_what_one_pass_gives(fit, args, monkeypatch):
     assert all(torch.equal(a, b) for a, b in pairs)
 
 
-@pytest.mark.parametrize("name", ["int4-g32", "int4-g128"])
-def test_symmetric_int4_re_rounds_with_less_error_than_max_over_7(name, monkeypatch):
-    """Against the plain step ``max|w| / 7``, at least 3% less squared error on N(0, 1) and
-    heavy-tailed weights."""
+@pytest.mark.parametrize("name", ["int4-g32", "int4-g128", "int4-g64-zp", "int4-g128-zp"])
+def test_int4_schemes_re_round_with_less_error_than_plain_round_to_nearest(name, monkeypatch):
+    """Against the plain steps (``max|w| / 7``; zero points: the span over 15), less squared error
+    on N(0, 1) and heavy-tailed weights (at least 3%; zero points, whose plain step already fits the
+    span, 1%)."""
     w = _weights(4, k=512)
-
-    def error(s):
-        back = s.dequantize(s.quantize(w, torch.bfloat16), w.shape[0], w.shape[1], torch.float32)
-        return (back - w).square().sum().item()
     scheme = parse_scheme(name)
-    searched = error(scheme)
+
+    def error():
+        back = scheme.dequantize(scheme.quantize(w, torch.bfloat16), w.shape[0], w.shape[1], torch.float32)
+        return (back - w).square().sum().item()
+    searched = error()
     monkeypatch.setattr(Q, "fit_symmetric", lambda xs, qmin, qmax, positive: xs.abs().amax(-1) / qmax)
-    assert searched < 0.97 * error(scheme)
+
+    def plain_zero_point(xs, levels):
+        lo, hi = xs.amin(-1).clamp(max=0), xs.amax(-1).clamp(min=0)
+        step = ((hi - lo) / levels).clamp(min=1e-12)
+        return step, torch.round(-lo / step).clamp(0, levels)
+    monkeypatch.setattr(Q, "fit_zero_point", plain_zero_point)
+    assert searched < (0.99 if scheme.zero_point else 0.97) * error()

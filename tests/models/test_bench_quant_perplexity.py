@@ -43,3 +43,12 @@ def test_the_q4_k_m_mix_scores_smollm2_with_llama_cpps_fallbacks(ppl, capsys):
     schemes = set(mix[1].split(", "))
     assert {"gguf-q4_k", "gguf-q6_k", "gguf-q5_0"} <= schemes, schemes      # down in K blocks; 576 inputs Q5_0
     assert 1.0 < float(mix[2]) / float(ref[2]) < 1.15
+    assert float(ref[4]) == 0.0 and 0.0 < float(mix[4]) < 0.1               # KL from the reference, nats
+
+
+def test_kl_divergence_is_torchs_and_zero_for_the_same_distributions(ppl):
+    g = torch.Generator().manual_seed(5)
+    ref, got = (torch.log_softmax(torch.randn(7, 50, generator=g, dtype=torch.float64), -1) for _ in range(2))
+    want = torch.nn.functional.kl_div(got, ref, log_target=True, reduction="batchmean").item()
+    assert ppl.kl_divergence(ref, got) == pytest.approx(want, rel=1e-12) and want > 0
+    assert ppl.kl_divergence(ref, ref) == 0.0
