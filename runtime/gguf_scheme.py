@@ -233,7 +233,7 @@ def _enc_q4_0(x):
 
 
 def _enc_q4_1(x):
-    step, low = fit_affine(x, 15, True)
+    step, low = fit_affine(x, 15, any_low=True)
     d, db = _f16_bytes(step)
     m, mb = _f16_bytes(-low)
     q = torch.round(safe_div(x - m[:, None], d[:, None])).clamp(0, 15)
@@ -256,7 +256,7 @@ def _enc_q5_0(x):
 
 
 def _enc_q5_1(x):
-    step, low = fit_affine(x, 31, True)
+    step, low = fit_affine(x, 31, any_low=True)
     d, db = _f16_bytes(step)
     m, mb = _f16_bytes(-low)
     q = torch.round(safe_div(x - m[:, None], d[:, None])).clamp(0, 31)
