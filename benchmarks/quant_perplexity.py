@@ -6,7 +6,7 @@
 The reference is the GGUF's weights dequantized to float32 (no ``quantization``); ``gguf`` keeps the
 file's own blocks (its Q4_1 linears multiplied as Q4_1: the same values, so the same perplexity up to
 summation order); each other scheme re-quantizes the linears (all but the tied embedding / lm_head)
-of that same model (``gguf-q8_0`` / ``gguf-q4_0``: onto GGUF blocks, round-to-nearest). The text is
+of that same model (``gguf-q8_0`` / ``gguf-q4_0``: onto GGUF blocks, ``graphdsl.quant_fit``'s steps). The text is
 fixed (below), scored in one prefill with ``LLM.score``: perplexity = exp(mean NLL of tokens 2..n),
 and the mean KL divergence of each position's next-token distribution from the reference's.
 

@@ -6,9 +6,10 @@ from the group's span (``(max - min) / levels``, or ``max|x| / qmax``). Clipping
 little can make the other values' error smaller: :func:`fit_affine`, :func:`fit_zero_point` (an
 integer zero point) and :func:`fit_symmetric` try a few candidate steps around the plain one
 (:data:`SHIFTS`), round the codes for each, fit ``s`` (and ``m``) to those codes by weighted least
-squares, and keep the candidate with the least weighted squared error. The weights (:func:`importance`, ``|x|`` plus the group's rms) make a large value's
-error count more. The plain candidate is among them, so the result never has a larger weighted
-error than round-to-nearest's codes with the best step for them. Each group is independent; on the
+squares, and keep the candidate with the least weighted squared error. The weights
+(:func:`importance`, ``|x|`` plus the group's rms) make a large value's error count more. The plain
+candidate is among them, so the result never has a larger weighted error than round-to-nearest's
+codes with the best step for them. Each group is independent; on the
 CPU the groups go in chunks that stay in cache (:data:`CPU_CHUNK_VALUES`).
 
 Why weighted, scored on SmolLM2 on the CPU (``benchmarks/quant_perplexity.py``: the mean KL
@@ -130,10 +131,10 @@ def fit_symmetric(xs: torch.Tensor, qmin: int, qmax: int, positive: bool = False
     ``positive`` (a format whose scales are positive): instead ``q = round(x · (qmax + c) / max|x|)``
     and ``round(x · (-qmin + c) / max|x|)`` for each shift, ``s > 0`` (0 for an all-zero group)."""
     big = xs.gather(-1, xs.abs().argmax(-1, keepdim=True))
-    candidates = [safe_div(torch.full_like(big, qmax), big.abs())]
+    candidates = [safe_div(torch.full_like(big, qmax), big.abs())]        # plain, first: it wins ties
     if positive:
         candidates += [safe_div(torch.full_like(big, top + c), big.abs()) for top in sorted({qmax, -qmin})
-                       for c in SHIFTS]
+                       for c in SHIFTS if (top, c) != (qmax, 0)]
     else:
         candidates += [safe_div(torch.full_like(big, qmin - c), big) for c in SHIFTS]
     wt, best = importance(xs), None
