@@ -6,7 +6,7 @@ waiting only for the projection it reads, against the engine's chained GEMVs.
 
 ``benchmarks/persistent.py`` found that a persistent grid with a barrier between projections costs
 what the launches do: each barrier waits for the slowest program (every program owns fixed rows)
-and then releases everyone at once (docs/performance.md, "A persistent kernel with the engine's
+and then releases everyone at once (docs/performance-log.md, "A persistent kernel with the engine's
 streams"). Its streams without the barriers were 10% faster than the engine's launches on the 8B
 shape, which is what a step could gain if the dependencies cost nothing. This asks how much of that
 a schedule keeps where no program waits for work it does not need:

@@ -14,7 +14,7 @@ function kept beside the benchmark), set while its engines are built and capture
 graph keeps the launches it was captured with). Prints each variant's median µs per step and % of
 the roofline (as in ``llm.py``; with ``--quantization`` the weights count as stored, as in
 ``quant.py``). Two builds of the same code differ by up to ~0.6% (weights and arena at other
-addresses; docs/performance.md), more than the rounds' spread: to judge a smaller change, build
+addresses; docs/performance-log.md), more than the rounds' spread: to judge a smaller change, build
 each variant twice or more (``--builds 2``: the builds interleaved, the table showing each build's
 median and their mean). The int4 GEMV's integer-dot row loop (the default) against its
 float loop:

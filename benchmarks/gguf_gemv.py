@@ -25,7 +25,7 @@ against the bf16 matmul. ``--busiest-sm`` prints only one table: the one-row ten
 (Q4_K, Q6_K; one K slice, the A operand given) over ``N = tiles x 64`` rows for tile counts just
 under, at and just over multiples of the SM count, with the time per SM's worth of tiles: a
 one-row GEMV runs as long as its busiest SM, so a few tiles past a multiple cost a whole program
-more on those SMs (docs/quantization.md). ``--many`` prints only the table of several rows
+more on those SMs (docs/quantization-log.md). ``--many`` prints only the table of several rows
 (:func:`many_rows`: batched decode and short prefills, the plane-a-dot GEMV against the decoded
 tile and dequantize + cuBLAS).
 """

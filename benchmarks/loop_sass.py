@@ -22,7 +22,7 @@ per super-block step: instructions, weights a thread, their ratio, the ``HGMMA``
 ``WARPGROUP.ARRIVE`` / ``DEPBAR`` pairs around them (one a ``HGMMA``: each waited for), ``BAR.SYNC``; ``--float32-planes`` with the float32 plane decode instead of
 the packed PTX (``gguf_linear._FAST_PLANES`` off).
 
-Timing still needs the device (``decode_ab.py``): ``docs/quantization.md`` "Fewer instructions in
+Timing still needs the device (``decode_ab.py``): ``docs/quantization-log.md`` "Fewer instructions in
 the one-row loops" lists changes that cut instructions and ones that did not make the model faster.
 """
 from __future__ import annotations

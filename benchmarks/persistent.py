@@ -36,7 +36,7 @@ Printed: µs a layer against the layer's weight bytes at the measured copy bandw
 ``--without-barriers`` also each loop with its barriers left out (the streams alone, results
 wrong), and with ``--barrier-times`` how the programs arrive at and leave each barrier
 (:func:`barrier_spread`). Each persistent loop is checked against a float32 torch reference of two
-layers before it is timed. docs/performance.md has the H200 figures. Needs a CUDA GPU; under the
+layers before it is timed. docs/performance-log.md has the H200 figures. Needs a CUDA GPU; under the
 interpreter one program runs it (``G = 1``: every barrier is met by the program itself), which is
 how the tests check its arithmetic.
 """

@@ -4,7 +4,7 @@ and the time to the first token through ``LLM.generate`` both ways (random weigh
     python benchmarks/prefill_graphs.py [--shape llama-3.2-1b] [--tokens 16 128 512 2048] [--prompt 127]
 
 A prefill step run eagerly pays one host launch per node, about 210 nodes on the 1B shape, which
-costs more host time than the device needs for a short prompt (docs/performance.md, "The 1B
+costs more host time than the device needs for a short prompt (docs/performance-log.md, "The 1B
 prefill is bound by the host"). By default (``GRAPHDSL_PREFILL_GRAPHS`` not 0) a step shape seen
 before, of at most ``PREFILL_GRAPH_ROWS`` tokens, replays a CUDA graph
 (``runtime/serving/cuda_graphs.ShapeGraphRunner``); this script sets the variable to 0 and 1 in turn. Per token count: ms per

@@ -167,7 +167,7 @@ def store_codes_in_blocks(model: Module, weights: dict, devices: tuple[str, ...]
     the scheme follows the codes' layout (blocked when the first companion is 3-D). In blocks,
     one step of a decode GEMV over many rows reads one contiguous piece of memory: on an H200 the
     Llama-3-8B int4 decode step took 1943 µs instead of 2068, the Q4_K_M mix's 2687 instead of 2918
-    (docs/quantization.md). Returns the names of the parameters changed. A bind calls it last,
+    (docs/quantization-log.md). Returns the names of the parameters changed. A bind calls it last,
     after the hooks that reorder rows (:func:`fold_input_order`)."""
     changed = []
     for name, p in model.named_parameters():

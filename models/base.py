@@ -405,7 +405,7 @@ def prefill_graphs_enabled() -> bool:
     """Prefill steps go through :class:`~graphdsl.runtime.serving.cuda_graphs.ShapeGraphRunner` unless
     ``GRAPHDSL_PREFILL_GRAPHS=0`` (and only while decode's CUDA graphs are on). On an H200 a 1B
     prefill of 16 tokens took 16.5 ms eagerly (host-bound launches) and 0.95 ms replayed
-    (docs/performance.md, "Prefill graphs")."""
+    (docs/performance-log.md, "Prefill graphs")."""
     return env_flag("GRAPHDSL_PREFILL_GRAPHS", True)
 
 

@@ -52,9 +52,10 @@ ENABLED = True       # False: every norm launches its own kernel (benchmarks/dec
 THROUGH_GATHERS = True   # False: no site whose consumers read through an act-order gather (the A/B)
 # producers' weight kinds whose sites are carried. In-model A/B on an H100 (µs a batch-1 step, carried vs
 # launched): Llama-3-8B int4 2586 vs 2684; bf16 5544 vs 5545 and Llama-3.2-1B 1110 vs 1115; fp8 3599 vs 3469
-# (docs/quantization.md). On three H200s, bf16: 8B 4086 vs 4117, 4019 vs 4073; 1B 860 vs 859, 854 vs 867, 859 vs 883.
+# (docs/quantization-log.md). On three H200s, bf16: 8B 4086 vs 4117, 4019 vs 4073; 1B 860 vs 859, 854 vs 867,
+# 859 vs 883.
 # fp8 W8A8 (H200, two builds each): 8B 2820, 2803 carried vs 2713, 2712 launched. "gguf": the GGUF tensor-core
-# producers (_gguf_producer; measured in docs/quantization.md)
+# producers (_gguf_producer; measured in docs/quantization-log.md)
 KINDS = ("int4", "float", "gguf")
 # one row: the producer also stores the normed rows as the packed activations of its int4 consumers that
 # read packed rows (GemvRmsOut.packed; gemv xpack=) instead of a launch making them. In-model A/B (H200,

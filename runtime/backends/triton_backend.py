@@ -771,7 +771,7 @@ def xpack_pays(silu: bool, codes: torch.Tensor) -> bool:
     the gate/up GEMVs of at least ``_XPACK_MIN_WEIGHTS`` codes. On an H100 the Llama-3-8B gate/up
     GEMV went from 32.2 to 26.9 µs with the pack launch (wider tiles, two groups a step: 26.1 µs
     alone); the smaller projections, the 1B gate/up among them (10.0 -> 11.3 µs), lost
-    (docs/quantization.md) — on the H200 also with the bytes stored by the producer of a carried
+    (docs/quantization-log.md) — on the H200 also with the bytes stored by the producer of a carried
     norm instead of launched (:mod:`.norm_carry`): every int4 reader of such rows packed, 8B
     2156 -> 2202 µs a step, 1B 640 -> 708."""
     return silu and _XPACK_GATE_UP and codes.numel() * 2 >= _XPACK_MIN_WEIGHTS      # two int4 codes a byte

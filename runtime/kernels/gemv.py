@@ -59,7 +59,7 @@ rows, so the op is bound by the bytes of ``w`` and by how many of them are in fl
   starts on L2 hits while the previous kernel was finishing: 1-2% of a batch-1 step (H100 A/B,
   ``_PREFETCH_STEPS``). Before the late launch above this was measured slower.
 
-Tried on the H200 and measured slower, so not kept (docs/performance.md has the figures): loading
+Tried on the H200 and measured slower, so not kept (docs/performance-log.md has the figures): loading
 the rows through a prologue (RMSNorm, SwiGLU computed while loading; loads that do not feed the
 dot directly are not software-pipelined, so each K step waits for them); loading the first weight
 tile into registers before the PDL wait (the one-row int4 loop too: 8B int4 step 2.95 vs 2.87 ms;
@@ -579,7 +579,7 @@ def _pick_config(m: int, n: int, k: int, device: torch.device) -> dict:
 
 def _pick_a8_config(m: int, n: int, k: int, device: torch.device) -> dict:
     """The launch for W8A8 fp8 (``W_FP8_A8``), from an H200 sweep of the Llama-3-8B projections (one
-    row, CUDA-graph replay, weights from HBM; ``probe``-style, see docs/quantization.md): 64-column
+    row, CUDA-graph replay, weights from HBM; ``probe``-style, see docs/quantization-log.md): 64-column
     tiles; 256-code K steps six stages deep while the tiles fit one wave (qkv 10.55 µs; 512-code steps
     at four stages 10.96), 128-code steps four deep beyond (gate_up 34.9 µs; five stages 36.1); K split
     in two when the tiles cover at most half the SMs (o 8.2 µs against 9.4 unsplit with 512-code
@@ -615,9 +615,9 @@ def _pick_quant_config(m: int, n: int, k: int, wkind: int, group: int, device: t
     Before the prefetch both loops ran at 10.0-11.0, 7.3-7.7, 33-34 and 17.4-18.0 µs: the
     scale load inside the step stalled it by a memory latency. With the step's operands loaded in
     the accumulator's layout (``_QUADS``: :func:`_int4_step_dp4a_quads`) the same launches stayed
-    best in the model (128-row tiles, or up to four programs a SM, slower; docs/performance.md), and
+    best in the model (128-row tiles, or up to four programs a SM, slower; docs/performance-log.md), and
     again with the codes in blocks (``KB``: 8B step 1937 µs; within four a SM 1982, within one 2149,
-    128-row tiles 2127; docs/quantization.md).
+    128-row tiles 2127; docs/quantization-log.md).
 
     int4, more rows (the ``tl.dot`` path): 128-row tiles, K split until there are about four
     programs per SM, 256-input steps while the split is at most 4 (else 128).
@@ -669,7 +669,7 @@ def _pick_quant_config(m: int, n: int, k: int, wkind: int, group: int, device: t
 
 def _pick_xpack_config(n: int, k: int, group: int, device: torch.device) -> dict:
     """One int4 row with packed activations (``xpack``): with no activation bytes to make, a program
-    has the registers for 64-row tiles of two groups a step (H200, the probe in docs/quantization.md:
+    has the registers for 64-row tiles of two groups a step (H200, the probe in docs/quantization-log.md:
     gate_up 23.5 µs against 30.3 for the 256-row, one-group loop); K split while the grid stays
     within two programs a SM, as the one-row loop's."""
     block_n = 64

@@ -495,7 +495,7 @@ def _int4_dp4a_core(acc, w, sc, z, he, ho, le, lo, xs4, a, M0F, ZERO_POINT: tl.c
     into quads are moved through shared memory (a few barriers a step: 456 instructions a step for
     the 8B qkv launch, against 640 before the chain, the raw-bit bytes (:func:`_fixed16_bits`) and
     the bfloat16 lane split (:func:`_x_lanes`)); made a quad's word at a time
-    (:func:`_int4_step_dp4a_quads`) they are not (docs/quantization.md, ``benchmarks/loop_sass.py``)."""
+    (:func:`_int4_step_dp4a_quads`) they are not (docs/quantization-log.md, ``benchmarks/loop_sass.py``)."""
     we = w & M0F                    # nibbles 0, 2, 4, 6 (k = 8c, 8c+2, ...) as bytes
     wo = (w >> 4) & M0F             # nibbles 1, 3, 5, 7
     e0, e1, e2, e3 = _quad3(we)

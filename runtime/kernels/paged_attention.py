@@ -778,7 +778,7 @@ def decode_widths(num_seqs: int, kv_heads: int, max_blocks: int, block_size: int
     num_seqs, splits)`` programs, of which a step at context ``L`` uses ``cdiv(L, keys a split)``
     splits; the others launch, wait and exit. At one row and a 2049-token table that is 33 splits
     where context 512 uses 8, and a 512-key table gave the Llama-3-8B step 1.2% (H200;
-    docs/performance.md). Candidates are ``floor_keys / block_size`` blocks doubled up to
+    docs/performance-log.md). Candidates are ``floor_keys / block_size`` blocks doubled up to
     ``max_blocks`` (``floor_keys`` None: :data:`WIDTH_FLOOR_KEYS`); a narrower one is kept when, for some attention of the model (one per entry of
     ``sliding_windows``, 0 for none), it turns the splits into one-tile splits or at most halves
     them against the next wider width kept, so rows and widths that launch the same grid share a

@@ -87,7 +87,7 @@ _TILE128 = dict(BLOCK_M=128, BLOCK_N=64, BLOCK_K=128, STAGES=3, num_warps=4)
 _TILE128_WIDE = dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, STAGES=4, num_warps=8)
 # (fewest rows, most rows, largest K or None, launch): where the tiled GEMM beat cuBLAS + silu_mul in
 # ``python benchmarks/gemv.py --only 1b.gate_up,8b.gate_up --mid-rows 17,32,64,96,128,192,256 --mid-sweep``
-# (H100; docs/performance.md). Rows that leave a row tile partly empty (96, 192) and 32 rows lost;
+# (H100; docs/performance-log.md). Rows that leave a row tile partly empty (96, 192) and 32 rows lost;
 # at 256 rows it won only with K = 2048 (1B), cuBLAS being faster with K = 4096 (8B).
 _WINS = ((49, 64, None, _TILE64), (113, 128, None, _TILE128), (225, 256, 2048, _TILE128_WIDE))
 

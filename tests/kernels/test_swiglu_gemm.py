@@ -49,7 +49,7 @@ def test_reads_rows_with_a_row_stride():
 
 def test_launch_only_where_it_beat_cublas():
     """64 and 128 rows (the decode buckets) take the kernel; 32, 96 and 192 rows keep cuBLAS; 256
-    rows only with K <= 2048 (where it measured faster: docs/performance.md)."""
+    rows only with K <= 2048 (where it measured faster: docs/performance-log.md)."""
     assert launch_for(64, 4096)["BLOCK_M"] == 64 and launch_for(128, 4096)["BLOCK_M"] == 128
     assert launch_for(256, 2048)["BLOCK_N"] == 128 and launch_for(256, 4096) is None
     assert [launch_for(m, 2048) for m in (MIN_ROWS, 32, 96, 192)] == [None] * 4
