@@ -48,7 +48,7 @@ ENV_VARS: dict[str, EnvVar] = {
     "GRAPHDSL_PREFILL_BUCKETS": EnvVar("1 on CUDA, 0 elsewhere", "pad prefill steps to shape buckets",
                                        "docs/runtime.md"),
     "GRAPHDSL_PDL": EnvVar("1", "0: kernels on Hopper launch without programmatic dependent launch",
-                           "docs/performance.md"),
+                           "docs/runtime.md"),
     "GRAPHDSL_OVERLAP": EnvVar("1", "0: the serving loop reads every step's tokens before it launches the "
                                "next (debugging)", "docs/runtime.md"),
     # tensor parallelism
