@@ -80,6 +80,21 @@ def test_runs_end_to_end_on_a_tiny_cpu_shape(bench):
     assert set(res["first_token"]) == {2} and res["first_token"][2] > 0
     assert "| LLM.generate greedy batch 2, prompt 23, first token: ms" in text
     assert "graphdsl/peer time ratio" in text and "cold build decode + prefill engines" in text
+    assert res["triton_new"] == 0 and "no Triton compile) | build target" in text   # the CPU backend is torch's
+
+
+def test_triton_cache_entries_count_the_cache_directory(bench, tmp_path, monkeypatch):
+    """The cold build names how many Triton cache entries its first steps wrote (a fresh machine
+    compiles every kernel; a warm Triton cache none), counted in Triton's cache directory."""
+    monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path / "triton"))
+    assert bench.triton_cache_entries() == 0                 # not made yet
+    for name in ("kernel-hash", "launcher-hash"):
+        (tmp_path / "triton" / name).mkdir(parents=True)
+    assert bench.triton_cache_entries() == 2
+    res = {"cold": dict(decode_build=0.4, decode_first_step=8.6, prefill_build=0.2, prefill_first_step=5.2),
+           "triton_new": 34}
+    row = next(line for line in bench.build_rows(res) if line.startswith("| cold build"))
+    assert "(+ first steps 13.80; 34 new Triton cache entries: kernels compiled, launchers built)" in row
 
 
 def test_decode_timeline_increments_add_up_to_the_critical_path():
