@@ -46,7 +46,7 @@ import torch
 from graphdsl.errors import GraphDSLError
 from graphdsl.quant import Fp8Scheme, IntScheme, QuantScheme, pack_int4, unpack_int4
 
-__all__ = ["CheckpointQuantization", "read_checkpoint_quantization", "SUPPORTED", "STORED_LEAVES"]
+__all__ = ["CheckpointQuantization", "read_checkpoint_quantization", "SUPPORTED", "STORED_METHODS", "STORED_LEAVES"]
 
 SUPPORTED = {
     ("compressed-tensors", "pack-quantized"): "int4-g{32,64,128}[-zp], int8-channel",
@@ -56,9 +56,13 @@ SUPPORTED = {
     ("awq", "gemm"): "int4-g{32,64,128}-zp",
     ("gptq", "gptq"): "int4-g{32,64,128}[-zp][-act]",
 }
+#: the ``quant_method`` names of the formats above: vLLM's ``quantization=`` values for them, which
+#: ``LLM(quantization=)`` accepts for a checkpoint stored in that format
+STORED_METHODS = tuple(sorted({m for m, _ in SUPPORTED}))
 _GROUPS = (128, 64, 32)
 _CT_STATIC_ORDER = ("static", "weight")     # compressed-tensors actorder with contiguous groups: no g_idx
 _CT_GROUP_ORDER = ("group", "dynamic")      # ... with a weight_g_idx per input (the -act schemes)
+_CT_STRATEGIES = (None, "tensor", "channel", "group")   # weight strategies that load (not block, tensor_group, ...)
 _AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)       # nibble i of an AWQ word holds column _AWQ_ORDER[i] of its 8
 
 
@@ -147,6 +151,11 @@ class CheckpointQuantization:
                 raise GraphDSLError(error)
             if module is not None:
                 seen.add(module)
+                if leaf not in self._required(module):      # a leaf this module's layout does not read
+                    error = self._unread(module, leaf, name, t)
+                    if error is not None:
+                        raise GraphDSLError(error)
+                    continue
                 got = pending.setdefault(module, {})
                 got[leaf] = t
                 if all(p in got for p in self._required(module)):
@@ -173,6 +182,10 @@ class CheckpointQuantization:
             module, leaf, error = self._role(name)
             if error is not None:
                 problems.append(error)
+            elif module is not None and leaf not in self._required(module):
+                error = self._unread(module, leaf, name, torch.empty(shape, device="meta"))
+                if error is not None:
+                    problems.append(error)
             elif module is not None:
                 pending.setdefault(module, {})[leaf] = shape
             else:
@@ -240,6 +253,14 @@ class CheckpointQuantization:
     def _required(self, module: str) -> tuple[str, ...]:
         return tuple(p for p in self.leaves)
 
+    def _unread(self, module: str, leaf: str, name: str, t: torch.Tensor) -> str | None:
+        """The error for stored tensor ``name`` of quantized ``module`` whose ``leaf`` its layout does
+        not read (not in :meth:`_required`); None when it says nothing the layout does not (a
+        symmetric layout's all-zero zero points, as older compressed-tensors wrote them)."""
+        scheme = self._chosen[module][0]
+        return (f"checkpoint tensor {name!r} ({self.describe(module)}): quantized linear {module!r} loads as "
+                f"{scheme.name}, whose stored layout has no {leaf!r} (layout mismatch)")
+
     def _scheme(self, module: str, in_features: int) -> QuantScheme | None:
         raise NotImplementedError
 
@@ -296,6 +317,14 @@ def _meta(t: torch.Tensor) -> bool:
     """Whether ``t`` is a header only (``graphdsl check`` converts meta tensors: shapes and dtypes are
     checked, the checks of stored values are left to the load)."""
     return t.device.type == "meta"
+
+
+def _check_float(t: torch.Tensor, what: str) -> torch.Tensor:
+    """``t`` when it holds floating-point values (a scale); an integer tensor is a layout mismatch,
+    not values to cast (an int32 scale would silently scale the weight by whole numbers)."""
+    if not t.is_floating_point():
+        raise GraphDSLError(f"{what} should be a floating-point tensor, got {t.dtype}")
+    return t
 
 
 def _check_int(t: torch.Tensor, shape: tuple, what: str, dtype=torch.int32) -> torch.Tensor:
@@ -379,9 +408,11 @@ class _CompressedTensors(CheckpointQuantization):
         w, a = g.weights, g.activations
         bits, kind, strategy = w.get("num_bits"), w.get("type", "int"), w.get("strategy")
         order = w.get("actorder")
-        if strategy in ("block", "tensor_group") or order not in (None, False) + _CT_STATIC_ORDER + _CT_GROUP_ORDER:
+        if strategy not in _CT_STRATEGIES or order not in (None, False) + _CT_STATIC_ORDER + _CT_GROUP_ORDER:
             raise GraphDSLError(f"{where}: weight strategy {strategy!r}"
-                                f"{'' if not order else ', actorder ' + repr(order)} is not supported")
+                                f"{'' if not order else ', actorder ' + repr(order)} is not supported (strategies "
+                                f"{[x for x in _CT_STRATEGIES if x]}; actorder "
+                                f"{list(_CT_STATIC_ORDER + _CT_GROUP_ORDER)} or none)")
         if order in _CT_GROUP_ORDER and not (bits == 4 and kind == "int" and strategy == "group"):
             raise GraphDSLError(f"{where}: actorder {order!r} (a weight_g_idx per input) applies to int4 group "
                                 f"weights, got {kind}{bits} strategy {strategy!r}")
@@ -421,6 +452,27 @@ class _CompressedTensors(CheckpointQuantization):
         order = ("weight_g_idx",) if g.weights.get("actorder") in _CT_GROUP_ORDER else ()
         return ("weight_scale",) + data + zp + order
 
+    def _unread(self, module, leaf, name, t):
+        scheme, n, k = self._chosen[module]
+        where = f"quantized linear {module!r} ({self.describe(module)})"
+        if leaf == "weight_shape":
+            if not _meta(t) and [int(x) for x in t.reshape(-1).tolist()] != [n, k]:
+                return f"{where}: {name!r} is {t.tolist()}, the model expects [{n}, {k}]"
+            return None
+        if leaf == "weight_zero_point" and not getattr(scheme, "zero_point", False):
+            if not _meta(t) and bool((t.float() != 0).any()):
+                return (f"{where}: {name!r} holds zero points other than 0 although the config says symmetric "
+                        "(layout mismatch)")
+            return None                                   # symmetric: the zero points older files store, all 0
+        if leaf == "weight_g_idx" and isinstance(scheme, IntScheme) and scheme.bits == 4:
+            try:
+                stored = scheme.groups(k) if self._group(module).weights.get("strategy") == "group" else 1
+                _input_order(t, k, stored, f"{where}: {name!r}", False)     # must be the trivial order
+            except GraphDSLError as e:
+                return str(e)
+            return None
+        return super()._unread(module, leaf, name, t)
+
     def _convert(self, module, scheme, got, n, k):
         g = self._group(module)
         where = f"quantized linear {module!r} ({self.describe(module)})"
@@ -434,10 +486,12 @@ class _CompressedTensors(CheckpointQuantization):
             if w.dtype != torch.float8_e4m3fn or tuple(w.shape) != (n, k):
                 raise GraphDSLError(f"{where}: {module + '.weight'!r} should be [{n}, {k}] torch.float8_e4m3fn, "
                                     f"got {list(w.shape)} {w.dtype}")
-            return [w, _per_group(got["weight_scale"].float(), n, 1, f"{where}: {scale_name!r}")]
+            scale = _check_float(got["weight_scale"], f"{where}: {scale_name!r}")
+            return [w, _per_group(scale.float(), n, 1, f"{where}: {scale_name!r}")]
         groups = scheme.groups(k)
         stored = groups if g.weights.get("strategy") == "group" else 1
-        scale = _per_group(got["weight_scale"], n, groups, f"{where}: {scale_name!r}", stored)
+        scale = _per_group(_check_float(got["weight_scale"], f"{where}: {scale_name!r}"), n, groups,
+                           f"{where}: {scale_name!r}", stored)
         if g.fmt == "pack-quantized":
             words = k * scheme.bits // 32
             packed = _check_int(got["weight_packed"], (n, words), f"{where}: {module + '.weight_packed'!r}")
@@ -510,7 +564,7 @@ class _Awq(CheckpointQuantization):
         g = scheme.groups(k)
         qw = _check_int(got["qweight"], (k, n // 8), f"{where}: {module + '.qweight'!r}")
         qz = _check_int(got["qzeros"], (g, n // 8), f"{where}: {module + '.qzeros'!r}")
-        s = got["scales"]
+        s = _check_float(got["scales"], f"{where}: {module + '.scales'!r}")
         if tuple(s.shape) != (g, n):
             raise GraphDSLError(f"{where}: {module + '.scales'!r} should be [{g}, {n}], got {list(s.shape)}")
         codes = _awq_columns(qw).T.contiguous()          # [n, k]
@@ -547,10 +601,12 @@ class _Gptq(CheckpointQuantization):
             raise GraphDSLError(f"quantization_config: GPTQ checkpoint_format {fmt!r} is not supported "
                                 "(gptq, gptq_v2)")
         where = "quantization_config"
-        return cls(method="gptq", leaves=_GPTQ_LEAVES, optional=("g_idx",),
+        desc_act = _typed(qc, "desc_act", bool, False, where)
+        # act-order groups are g_idx's: without it the codes' groups are unknown (no trivial default)
+        return cls(method="gptq", leaves=_GPTQ_LEAVES, optional=() if desc_act else ("g_idx",),
                    bits=_typed(qc, "bits", int, 4, where), group=_typed(qc, "group_size", int, 128, where),
                    sym=_typed(qc, "sym", bool, True, where), v2=fmt == "gptq_v2",
-                   desc_act=_typed(qc, "desc_act", bool, False, where), lm_head=_typed(qc, "lm_head", bool, False, where),
+                   desc_act=desc_act, lm_head=_typed(qc, "lm_head", bool, False, where),
                    skip=tuple(qc.get("modules_to_not_convert") or ()))
 
     def describe(self, module):
@@ -573,7 +629,7 @@ class _Gptq(CheckpointQuantization):
         stored_g = 1 if self.group in (-1, None) else g
         qw = _check_int(got["qweight"], (k // 8, n), f"{where}: {module + '.qweight'!r}")
         qz = _check_int(got["qzeros"], (stored_g, n // 8), f"{where}: {module + '.qzeros'!r}")
-        s = got["scales"]
+        s = _check_float(got["scales"], f"{where}: {module + '.scales'!r}")
         if tuple(s.shape) != (stored_g, n):
             raise GraphDSLError(f"{where}: {module + '.scales'!r} should be [{stored_g}, {n}], got {list(s.shape)}")
         perm = _input_order(got.get("g_idx"), k, stored_g, f"{where}: {module + '.g_idx'!r}", scheme.act_order)

@@ -433,6 +433,9 @@ def test_check_model_reads_a_prequantized_checkpoint_as_the_loader_does(bases, t
     assert any("8 linear weights load in" in n and scheme in n for n in report.notes), report.notes
     again = check_model(tmp_path / "q", quantization="int8")         # LLM refuses this pair too
     assert not again.ok and "quantization='int8' given, but the checkpoint is already quantized" in again.problems[-1]
+    method = {"ct": "compressed-tensors"}.get(writer, writer)
+    named = check_model(tmp_path / "q", quantization=method)        # vLLM's spelling: loads as stored
+    assert named.ok and f"quantization={method!r}: the checkpoint's own format" in named.notes[-1], str(named)
     down = "model.layers.1.mlp.down_proj"
     removed = []
 
@@ -527,6 +530,23 @@ def test_online_quantization_of_a_quantized_checkpoint_is_an_error(bases, tmp_pa
         gd.LLM(tmp_path / "q", device="cpu", quantization="int8")
 
 
+def test_the_checkpoints_own_format_name_is_accepted_as_in_vllm(bases, tmp_path):
+    """vLLM users pass ``quantization="gptq"`` for a GPTQ checkpoint: it loads as stored (the same
+    logits as without it); another format's name, or a format's name over full precision, is an
+    error saying what to pass."""
+    ref = write_gptq(bases["llama"], tmp_path / "q", group=32, sym=True)
+    llm = gd.LLM(tmp_path / "q", device="cpu", quantization="gptq")
+    assert llm.quantization == _load(tmp_path / "q").quantization
+    torch.testing.assert_close(llm.score(IDS), hf_logits(ref, IDS), atol=2e-4, rtol=2e-4)
+    with pytest.raises(GraphDSLError, match=r"quantization='awq' given, but the checkpoint is already quantized "
+                                            r"\(gptq, .*leave quantization unset or pass 'gptq'"):
+        gd.LLM(tmp_path / "q", device="cpu", quantization="awq")
+    bases["llama"].save_pretrained(tmp_path / "full")
+    with pytest.raises(GraphDSLError, match=r"LLM: quantization='awq' loads a checkpoint stored in that format, but "
+                                            r"this one has no quantization_config"):
+        gd.LLM(tmp_path / "full", device="cpu", quantization="awq")
+
+
 def test_quantized_tensor_of_an_unquantized_module_is_an_error(bases, tmp_path):
     """The config leaves the MLP unquantized, the tensors say otherwise: a layout mismatch."""
     write_awq(bases["llama"], tmp_path / "q", group=32)
@@ -545,4 +565,75 @@ def test_compressed_tensors_group_mismatch_names_the_tensor(bases, tmp_path):
     with pytest.raises(GraphDSLError, match=r"\(compressed-tensors pack-quantized int4 group g64\): "
                                             r"'model.layers.0.mlp.down_proj.weight_scale' has shape \[128, 8\]; the "
                                             r"layout expects \[128, 4\]"):
+        _load(tmp_path / "q")
+
+
+@pytest.mark.parametrize("writer,kw,leaf,desc", [
+    ("awq", dict(group=32), "scales", r"awq gemm int4 g32"),
+    ("gptq", dict(group=32, sym=True), "scales", r"gptq int4 g32 sym"),
+    ("ct", dict(fmt="pack-quantized", weights=_int(4, group=32)), "weight_scale",
+     r"compressed-tensors pack-quantized int4 group g32"),
+    ("ct", dict(fmt="float-quantized", weights=dict(num_bits=8, type="float", strategy="channel")), "weight_scale",
+     r"compressed-tensors float-quantized float8 channel"),
+])
+def test_integer_scales_are_refused_not_cast(bases, tmp_path, writer, kw, leaf, desc):
+    """A scale stored as integers (a damaged or mislabelled file) used to be cast to float and load:
+    every weight of the linear scaled by whole numbers, silently. It is a layout mismatch."""
+    if writer == "ct":
+        pytest.importorskip("compressed_tensors")
+    _write(bases, tmp_path, "llama", writer, kw)
+    name = f"model.layers.0.self_attn.k_proj.{leaf}"
+    _edit_tensors(tmp_path / "q", lambda t: t.__setitem__(name, (t[name].float() * 1000).to(torch.int32)))
+    with pytest.raises(GraphDSLError, match=rf"quantized linear 'model.layers.0.self_attn.k_proj' \({desc}\): "
+                                            rf"'{name}' should be a floating-point tensor, got torch.int32"):
+        _load(tmp_path / "q")
+
+
+def test_gptq_desc_act_without_g_idx_is_an_error(bases, tmp_path):
+    """With desc_act the groups are g_idx's; a file without g_idx used to load as if the groups were
+    contiguous (wrong weights, silently)."""
+    write_gptq(bases["llama"], tmp_path / "q", group=32, sym=True, act_order=True)
+    _edit_tensors(tmp_path / "q", lambda t: [t.pop(k) for k in [k for k in t if k.endswith(".g_idx")]])
+    with pytest.raises(GraphDSLError, match=r"quantized linear 'model.layers.0.self_attn.q_proj' \(gptq int4 g32 sym "
+                                            r"desc_act\): the checkpoint lacks \['model.layers.0.self_attn.q_proj."
+                                            r"g_idx'\]"):
+        _load(tmp_path / "q")
+
+
+def test_compressed_tensors_unknown_weight_strategy_is_refused(bases, tmp_path):
+    """A strategy graphdsl does not read is refused by name, not met later as a scale-shape mismatch."""
+    pytest.importorskip("compressed_tensors")
+    write_compressed_tensors(bases["llama"], tmp_path / "q", fmt="pack-quantized", weights=_int(4, group=32))
+    _set_ct_weights(tmp_path / "q", strategy="token")
+    with pytest.raises(GraphDSLError, match=r"'model.layers.0.self_attn.q_proj.weight' \(compressed-tensors "
+                                            r"pack-quantized int4 token g32\): weight strategy 'token' is not supported "
+                                            r"\(strategies \['tensor', 'channel', 'group'\]"):
+        _load(tmp_path / "q")
+
+
+def test_compressed_tensors_tensors_the_layout_does_not_read(bases, tmp_path):
+    """A symmetric checkpoint with all-zero ``weight_zero_point`` tensors (as older compressed-tensors
+    wrote them) loads; nonzero ones are a layout mismatch, as is a stray full-precision ``weight``
+    beside ``weight_packed``. These used to be ignored or, when stored after the module's other
+    tensors, reported as the module's scale and codes missing."""
+    pytest.importorskip("compressed_tensors")
+    ref = write_compressed_tensors(bases["llama"], tmp_path / "q", fmt="pack-quantized", weights=_int(8))
+
+    def zero_points(tensors):
+        for k in [k for k in tensors if k.endswith(".weight_scale")]:
+            tensors[k[:-len("scale")] + "zero_point"] = torch.zeros(tensors[k].shape, dtype=torch.int8)
+    _edit_tensors(tmp_path / "q", zero_points)
+    torch.testing.assert_close(_load(tmp_path / "q").score(IDS), hf_logits(ref, IDS), atol=2e-4, rtol=2e-4)
+    k_zp = "model.layers.0.self_attn.k_proj.weight_zero_point"
+    _edit_tensors(tmp_path / "q", lambda t: t[k_zp].fill_(3))
+    with pytest.raises(GraphDSLError, match=rf"quantized linear 'model.layers.0.self_attn.k_proj' \(compressed-tensors "
+                                            rf"pack-quantized int8 channel\): '{k_zp}' holds zero points other than 0 "
+                                            r"although the config says symmetric"):
+        _load(tmp_path / "q")
+    _edit_tensors(tmp_path / "q", lambda t: [t.pop(k) for k in [k for k in t if k.endswith(".weight_zero_point")]])
+    _edit_tensors(tmp_path / "q", lambda t: t.__setitem__("model.layers.0.self_attn.k_proj.weight", torch.zeros(64, 128)))
+    with pytest.raises(GraphDSLError, match=r"checkpoint tensor 'model.layers.0.self_attn.k_proj.weight' "
+                                            r"\(compressed-tensors pack-quantized int8 channel\): quantized linear "
+                                            r"'model.layers.0.self_attn.k_proj' loads as int8-channel, whose stored "
+                                            r"layout has no 'weight'"):
         _load(tmp_path / "q")
