@@ -81,8 +81,9 @@ _count_arg = _int_at_least(0)          # a count where 0 means none
 def _quantization_arg(value: str) -> str:
     from graphdsl.errors import GraphDSLError
     from graphdsl.quant import QuantMethod, online_scheme
-    if value == QuantMethod.GGUF.value:
-        return value                                    # keep a GGUF file's blocks: checked when the model loads
+    from graphdsl.runtime.loaders.prequantized import STORED_METHODS
+    if value == QuantMethod.GGUF.value or value in STORED_METHODS:
+        return value                        # keep a GGUF file's blocks / a stored format's name: checked at load
     try:
         import graphdsl.runtime  # noqa: F401 - registers the gguf-<type> schemes
         online_scheme(value)
@@ -639,7 +640,8 @@ def _add_runtime(p: argparse.ArgumentParser, model: bool = True) -> None:
     p.add_argument("--quantization", type=_quantization_arg, default=None,
                    help="quantize the linear weights while loading: fp8, int8, int4 or a scheme name such as "
                         "int4-g64-zp or gguf-q8_0; gguf keeps a .gguf file's own blocks; a pre-quantized checkpoint "
-                        "(compressed-tensors, AWQ, GPTQ) loads quantized without it (docs/quantization.md)")
+                        "(compressed-tensors, AWQ, GPTQ) loads quantized without it, or with its format's name as "
+                        "in vLLM (awq, gptq, compressed-tensors) (docs/quantization.md)")
     p.add_argument("--threads", type=_positive_int, default=None, help="torch CPU threads (default: torch's choice)")
     _add_module_map(p)
 

@@ -38,7 +38,7 @@ from graphdsl.runtime.serving.scheduler import Request, RequestStatus, Scheduler
 from graphdsl.models.base import FlashCausalLM
 from graphdsl.models.config import ModelConfig, build_config, read_hf_config
 from graphdsl.models.gguf_weights import keep_gguf_blocks
-from graphdsl.models.loader import (load_weights, mark_checkpoint_quantization, refuse_online_over_stored,
+from graphdsl.models.loader import (load_weights, mark_checkpoint_quantization, online_quantization,
                                     wants_gguf_blocks)
 from graphdsl.models.injection import apply_rules, check_placements
 from graphdsl.models.lora import LoRARequest
@@ -136,7 +136,9 @@ class LLM:
             of a ``.gguf`` file (each attention/MLP weight in its file block type, ``gguf-q4_k`` etc.,
             multiplied by the GGUF kernels; :mod:`graphdsl.models.gguf_weights` has the rule). A
             checkpoint already quantized (compressed-tensors, AutoAWQ, GPTQ: ``config.json``'s
-            ``quantization_config``) loads in its stored schemes without it (and refuses it).
+            ``quantization_config``) loads in its stored schemes without it; it refuses an online
+            scheme, and takes its own format's name as vLLM does (``"awq"``, ``"gptq"``,
+            ``"compressed-tensors"``).
 
     ``num_preemptions`` counts requests pushed out of the KV cache (and recomputed later) so far,
     ``num_steps`` the model steps run. ``generation_config`` holds the sampling settings the
@@ -252,7 +254,8 @@ class LLM:
             keep_blocks = wants_gguf_blocks(opts["quantization"], path if not gguf else None, "LLM: ")
             config, model_obj, dtype = self._architecture(hf, device, dtype, opts["max_model_len"], tp, opts)
             stored = None if gguf else _checkpoint_quantization(model_obj, hf, opts["quantization"], tp, path)
-            scheme = None if keep_blocks else _quantize_model(model_obj, opts["quantization"], tp)
+            online = online_quantization(opts["quantization"], stored, "LLM: ")
+            scheme = None if keep_blocks else _quantize_model(model_obj, online, tp)
             blocks = keep_gguf_blocks(model_obj, ckpt.block_types()) if keep_blocks else {}
             if gguf:
                 tensors = (ckpt.iter_tensors_lazy(dtype, device=device) if tp is not None else
@@ -264,7 +267,8 @@ class LLM:
             weights = load_weights(model_obj, tensors, device=device, dtype=dtype, progress=progress,
                                    quantized=stored is not None, blocks=blocks)
             if scheme is not None:
-                weights = quantize_weights(model_obj, weights, dtype)
+                weights = quantize_weights(model_obj, weights, dtype,
+                                           progress=_quantize_progress(progress, online))
             self.gguf = gguf
             tokenizer = _load_tokenizer(ckpt if gguf else None, path)
         else:
@@ -272,7 +276,7 @@ class LLM:
             self.generation_config = {}
             wants_gguf_blocks(opts["quantization"], "a config (LLM.from_config)", "LLM: ")
             config, model_obj, dtype = self._architecture(dict(hf), device, dtype, opts["max_model_len"], tp, opts)
-            scheme = _quantize_model(model_obj, opts["quantization"], tp)
+            scheme = _quantize_model(model_obj, online_quantization(opts["quantization"], None, "LLM: "), tp)
             weights = _random_weights(model_obj, device, dtype, seed, std)
             if scheme is not None:
                 weights = quantize_weights(model_obj, weights, dtype)
@@ -959,6 +963,21 @@ def _quantize_model(model: FlashCausalLM, quantization, tp=None):
     return scheme
 
 
+def _quantize_progress(progress: bool, quantization):
+    """``quantize_weights``' progress callback: a status line on stderr (``progress``), silent when
+    the quantization ends within two seconds; None when ``progress`` is off."""
+    if not progress:
+        return None
+    line = ProgressLine(sys.stderr, quiet_s=2.0)
+
+    def report(done: int, total: int, name: str) -> None:
+        if done == total:
+            line.done(f"quantizing weights ({quantization}): {total} weights", always=False)
+        elif line.due():
+            line.show(f"quantizing weights ({quantization}): {done}/{total}")
+    return report
+
+
 def _checkpoint_quantization(model: FlashCausalLM, hf: dict, quantization, tp, path: str):
     """A pre-quantized checkpoint's quantization (``config.json``'s ``quantization_config``), with
     ``model``'s linears marked in the stored schemes (its module patterns matched against the
@@ -967,7 +986,7 @@ def _checkpoint_quantization(model: FlashCausalLM, hf: dict, quantization, tp, p
     stored = read_checkpoint_quantization(hf)
     if stored is None:
         return None
-    refuse_online_over_stored(quantization, stored, "LLM: ")
+    online_quantization(quantization, stored, "LLM: ")      # an online scheme over stored ones is an error
     if tp is not None:
         raise GraphDSLError(f"LLM: a pre-quantized ({stored.method}) checkpoint does not load with "
                             "tensor_parallel_size > 1 yet (quantized weights are not sharded)")

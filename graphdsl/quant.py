@@ -500,11 +500,12 @@ def online_scheme(method) -> QuantScheme:
     try:
         scheme = parse_scheme(method)
     except GraphDSLError as e:
-        hint = ""
-        if method != method.lower():
+        hint, plain = "", method.strip().lower()
+        if plain != method:
             try:
-                online_scheme(method.lower())
-                hint = f"; did you mean {method.lower()!r}? (names are lower case)"
+                if plain != QuantMethod.GGUF.value:         # 'gguf' itself names no scheme, yet is valid
+                    online_scheme(plain)
+                hint = f"; did you mean {plain!r}? (names are lower case, without spaces)"
             except GraphDSLError:
                 pass
         raise GraphDSLError(f"quantization must be one of {methods} or a scheme name, got {method!r} "
@@ -513,6 +514,6 @@ def online_scheme(method) -> QuantScheme:
         raise GraphDSLError(f"quantization={method!r}: act-order schemes read their input order from a GPTQ "
                             "checkpoint and cannot be made online; name the scheme without -act")
     if scheme.blocked:
-        raise GraphDSLError(f"quantization={method!r}: -kb is the layout graphdsl stores int4 codes in on CUDA, "
-                            "chosen at bind; name the scheme without -kb")
+        raise GraphDSLError(f"quantization={method!r}: -kb is the layout graphdsl stores int4 codes and GGUF blocks "
+                            "in on CUDA, chosen at bind; name the scheme without -kb")
     return scheme

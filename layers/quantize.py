@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import collections
 import math
-from typing import Mapping
+from typing import Callable, Mapping
 
 import torch
 
@@ -87,15 +87,15 @@ def _int4_group(scheme: IntScheme, weight) -> IntScheme:
                         "group size (128, 64 or 32) divides; quantize this model with int8 or fp8")
 
 
-def quantize_weights(model: Module, weights: Mapping[str, torch.Tensor], dtype: torch.dtype | None = None) \
-        -> dict[str, torch.Tensor]:
+def quantize_weights(model: Module, weights: Mapping[str, torch.Tensor], dtype: torch.dtype | None = None,
+                     progress: Callable[[int, int, str], None] | None = None) -> dict[str, torch.Tensor]:
     """``weights`` with each quantized parameter's full tensor replaced by its companions (scales in
     ``dtype``, default the weight's), quantized one parameter at a time so only one extra copy
-    is alive at once."""
+    is alive at once. ``progress(done, total, name)`` is called after each parameter (the int4 and
+    GGUF searches take minutes for a large model on a CPU)."""
     out = dict(weights)
-    for name, p in model.named_parameters():
-        if p.quant is None:
-            continue
+    todo = [(name, p) for name, p in model.named_parameters() if p.quant is not None]
+    for i, (name, p) in enumerate(todo, 1):
         w = out.pop(name, None)
         if w is None:
             raise GraphDSLError(f"quantize_weights: parameter {name!r} ({p.quant.name}) has no loaded tensor")
@@ -107,6 +107,8 @@ def quantize_weights(model: Module, weights: Mapping[str, torch.Tensor], dtype: 
         for c, t in zip(p.companions(), stored):
             out[c.name] = t
         del w
+        if progress is not None:
+            progress(i, len(todo), name)
     return out
 
 

@@ -18,7 +18,7 @@ from graphdsl.runtime.loaders.prequantized import read_checkpoint_quantization
 
 from .config import ModelConfig, build_config, read_hf_config
 from .gguf_weights import keep_gguf_blocks
-from .loader import mark_checkpoint_quantization, refuse_online_over_stored, wants_gguf_blocks
+from .loader import mark_checkpoint_quantization, online_quantization, wants_gguf_blocks
 from .registry import load_custom_module_map, resolve_model_class
 
 __all__ = ["ModelCheck", "check_model"]
@@ -128,7 +128,9 @@ def _check_online_quantization(report: ModelCheck, model, quantization, stored, 
     weights it dequantizes and why are logged as when loading)."""
     from graphdsl.layers.quantize import dense_expert_share, quantize_linears, scheme_counts
     try:
-        refuse_online_over_stored(quantization, stored)
+        if online_quantization(quantization, stored) is None:      # the checkpoint's own format, named
+            report.notes.append(f"quantization={quantization!r}: the checkpoint's own format; it loads as stored")
+            return
         if wants_gguf_blocks(quantization, None if gguf_ckpt is not None else report.path):
             kept = keep_gguf_blocks(model, gguf_ckpt.block_types())
             dense, _ = dense_expert_share(model)

@@ -27,7 +27,7 @@ from graphdsl.runtime.progress import ProgressLine
 from .base import FlashCausalLM
 from .gguf_weights import rows_of_slot
 
-__all__ = ["load_weights", "mark_checkpoint_quantization", "wants_gguf_blocks", "refuse_online_over_stored"]
+__all__ = ["load_weights", "mark_checkpoint_quantization", "wants_gguf_blocks", "online_quantization"]
 
 
 def wants_gguf_blocks(quantization, not_gguf: str | None, prefix: str = "") -> bool:
@@ -43,12 +43,25 @@ def wants_gguf_blocks(quantization, not_gguf: str | None, prefix: str = "") -> b
     return True
 
 
-def refuse_online_over_stored(quantization, stored, prefix: str = "") -> None:
-    """An error (its message after ``prefix``) when an online ``quantization`` is asked of a
-    pre-quantized checkpoint (``stored``: its :class:`CheckpointQuantization`, or None)."""
-    if quantization is not None and stored is not None:
-        raise GraphDSLError(f"{prefix}quantization={quantization!r} given, but the checkpoint is already quantized "
-                            f"({stored.method}, config.json's quantization_config): leave quantization unset")
+def online_quantization(quantization, stored, prefix: str = ""):
+    """The online quantization to apply for ``LLM(..., quantization=)`` given the checkpoint's own
+    (``stored``: its :class:`CheckpointQuantization`, None for a full-precision checkpoint):
+    ``quantization`` itself over full precision; None over a pre-quantized checkpoint, where
+    ``quantization`` may be unset or name the checkpoint's format as vLLM's does (``"awq"`` for an
+    AutoAWQ checkpoint). Anything else is an error (its message after ``prefix``): an online scheme
+    asked of a quantized checkpoint, another format's name, or a format's name over full precision."""
+    from graphdsl.runtime.loaders.prequantized import STORED_METHODS
+    if stored is None:
+        if quantization in STORED_METHODS:
+            raise GraphDSLError(f"{prefix}quantization={quantization!r} loads a checkpoint stored in that format, but "
+                                "this one has no quantization_config in its config.json (full precision): leave "
+                                "quantization unset, or quantize it online with fp8, int8, int4 or a scheme name")
+        return quantization
+    if quantization is None or quantization == stored.method:
+        return None
+    raise GraphDSLError(f"{prefix}quantization={quantization!r} given, but the checkpoint is already quantized "
+                        f"({stored.method}, config.json's quantization_config): leave quantization unset or pass "
+                        f"{stored.method!r}")
 
 
 def mark_checkpoint_quantization(model: FlashCausalLM, quantization, checkpoint_names: Iterable[str] = ()) -> list[str]:

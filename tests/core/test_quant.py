@@ -82,6 +82,15 @@ def test_errors_name_tensor_and_scheme():
         online_scheme("int4-g16")
     with pytest.raises(GraphDSLError, match=r"did you mean 'int4-g64-zp'\?"):
         online_scheme("INT4-g64-ZP")
+    # 'gguf' names no scheme yet is a valid value, and stray spaces are a typo too
+    with pytest.raises(GraphDSLError, match=r"got 'GGUF' .*; did you mean 'gguf'\?"):
+        online_scheme("GGUF")
+    with pytest.raises(GraphDSLError, match=r"got 'int4 ' .*; did you mean 'int4'\?"):
+        online_scheme("int4 ")
+    import graphdsl.runtime  # noqa: F401 - registers the gguf-<type> schemes
+    with pytest.raises(GraphDSLError, match=r"quantization='gguf-q4_k-kb': -kb is the layout graphdsl stores int4 "
+                                            r"codes and GGUF blocks in"):
+        online_scheme("gguf-q4_k-kb")
     with pytest.raises(GraphDSLError, match=r"quantization='int4-g64-act': act-order schemes .* GPTQ checkpoint"):
         online_scheme("int4-g64-act")
     with pytest.raises(GraphDSLError, match=r"quantization='int4-g128-kb': -kb is the layout"):

@@ -192,3 +192,28 @@ def test_cli_rejects_unknown_quantization(capsys):
     with pytest.raises(SystemExit):
         main(["demo", "--quantization", "nf4", "--device", "cpu"])
     assert "quantization must be one of" in capsys.readouterr().err
+
+
+def test_cli_takes_a_stored_formats_name():
+    """``--quantization awq`` (vLLM's spelling for an AWQ checkpoint) passes the argument check; the
+    loader then checks it against the checkpoint (tests/models/test_prequantized.py)."""
+    from graphdsl.entrypoints.cli import _quantization_arg
+    assert [_quantization_arg(m) for m in ("awq", "gptq", "compressed-tensors")] == ["awq", "gptq", "compressed-tensors"]
+
+
+def test_online_quantization_shows_progress(checkpoint, capsys, monkeypatch):
+    """Quantizing while loading (the int4 / GGUF step searches) takes minutes for a large model on a
+    CPU: with progress on, a status line counts the weights, as the load's line counts tensors."""
+    import graphdsl.entrypoints.llm as llm_module
+    from graphdsl.runtime.progress import ProgressLine
+
+    class Eager(ProgressLine):          # every update shows (the real line waits 2 s, then 10 s apart)
+        def __init__(self, stream, **kwargs):
+            super().__init__(stream, tty_every=0.0, plain_every=0.0)
+    monkeypatch.setattr(llm_module, "ProgressLine", Eager)
+    path, _ = checkpoint
+    gd.LLM(path, device="cpu", quantization="int4", progress=True, max_model_len=64, max_num_seqs=1)
+    err = capsys.readouterr().err
+    assert "quantizing weights (int4): 1/8" in err and "quantizing weights (int4): 8 weights in" in err, err
+    gd.LLM(path, device="cpu", quantization="int4", max_model_len=64, max_num_seqs=1)
+    assert "quantizing" not in capsys.readouterr().err
