@@ -563,14 +563,13 @@ class LLM:
         plist = list(params) if several else [params] * len(prompts)
         if len(plist) != len(prompts):
             raise GraphDSLError(f"got {len(plist)} SamplingParams for {len(prompts)} prompts; pass one or one per prompt")
-        plist = [SamplingParams.model_validate(p) if isinstance(p, dict) else p for p in plist]
         vocab = self.config.vocab_size
         for i, p in enumerate(plist):
             where = f"sampling_params[{i}]" if several else "sampling_params"
-            if not isinstance(p, SamplingParams):
+            if not isinstance(p, (SamplingParams, dict)):
                 raise GraphDSLError(f"{where} must be a SamplingParams or dict, got {type(p).__name__}")
             try:         # a checked snapshot: its lists may have been changed in place since (stop.append)
-                p = plist[i] = SamplingParams.model_validate(p.model_dump())
+                p = plist[i] = SamplingParams.model_validate(p if isinstance(p, dict) else p.model_dump())
             except GraphDSLError as e:
                 raise GraphDSLError(f"{where}: {e}") from None
             bad = [t for t in p.stop_token_ids if t >= vocab]

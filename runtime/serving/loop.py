@@ -424,9 +424,12 @@ class ServingLoop:
 
     def _sampling_row(self, r: Request) -> dict:
         """``r``'s row of :class:`SamplingTensors`, kept on the request until its penalty slot is
-        released (its settings and seed do not change while it runs)."""
+        released (its settings and seed do not change while it runs). A temperature below
+        ``GREEDY_BELOW`` is greedy (0), and a top-k of the whole vocabulary or more is off (0), as
+        the sampler's float32 / int64 columns would otherwise overflow."""
         p = r.params
-        r.sampling_row = dict(temperature=p.temperature, top_k=max(p.top_k, 0), top_p=p.top_p, min_p=p.min_p,
+        top_k = p.top_k if 0 < p.top_k < self.executor.vocab_size else 0
+        r.sampling_row = dict(temperature=0.0 if p.greedy else p.temperature, top_k=top_k, top_p=p.top_p, min_p=p.min_p,
                               presence_penalty=p.presence_penalty, frequency_penalty=p.frequency_penalty,
                               repetition_penalty=p.repetition_penalty, seed=r.seed, slot=self._slot(r))
         return r.sampling_row
@@ -475,7 +478,9 @@ class ServingLoop:
         flat = [t for x in ids for t in x + [-1] * (width - len(x))]
         t = to_device(self.device, {"ids": (flat, torch.int64),
                                     "plen": ([len(r.prompt_ids) for r in reqs], torch.int64),
-                                    "mint": ([r.params.min_tokens for r in reqs], torch.int64)},
+                                    # capped at max_model_len (all of a request's tokens): the same ban, within int64
+                                    "mint": ([min(r.params.min_tokens, self.scheduler.max_model_len) for r in reqs],
+                                             torch.int64)},
                       shapes={"ids": (len(reqs), width)})
         return t["ids"], t["plen"], t["mint"]
 
@@ -530,9 +535,16 @@ class ServingLoop:
         return events
 
     def _position(self, ids, lps, token, token_lp, token_rank) -> dict:
-        """One position's logprob dict: the top ``k`` and the chosen token."""
+        """One position's logprob dict: the top ``k`` and the chosen token. Every rank is 1 + the
+        number of tokens with a strictly larger logprob (outputs.py), so tied tokens share a rank
+        and the chosen token's rank does not depend on ``k``: in the descending top list, those
+        larger tokens are exactly the entries before the first one tied with it."""
         name = self.decode_name
-        out = {t: Logprob(lp, j + 1, name(t) if name else None) for j, (t, lp) in enumerate(zip(ids, lps))}
+        out, rank = {}, 0
+        for j, (t, lp) in enumerate(zip(ids, lps)):
+            if j == 0 or lp < lps[j - 1]:
+                rank = j + 1
+            out[t] = Logprob(lp, rank, name(t) if name else None)
         if token not in out:
             out[token] = Logprob(token_lp, token_rank, name(token) if name else None)
         return out

@@ -6,7 +6,9 @@ Every field is validated on construction and on assignment, the checks between f
 leaves the object as it was. Types are strict: integer fields take ``int`` only (not ``bool``,
 ``str`` or ``float``), float fields take finite ``int`` or ``float`` (not ``bool`` or ``str``),
 ``ignore_eos`` takes a ``bool``, and ``stop`` / ``stop_token_ids`` take a list or tuple of
-``str`` / ``int``; a single ``stop`` string (as vLLM accepts) is stored as a one-element list. The
+``str`` / ``int``; a single ``stop`` string (as vLLM accepts) is stored as a one-element list, and
+None (vLLM's default for both) as an empty one. A ``temperature`` below :data:`GREEDY_BELOW` is
+greedy, as in vLLM (dividing logits by it would overflow float32). The
 math these settings select (penalties, temperature, min-p, top-k, top-p, the seeded draw) is in
 :mod:`graphdsl.runtime.serving.sampler`, which runs it on the device.
 
@@ -25,9 +27,10 @@ from pydantic import (BaseModel, ConfigDict, Field, ValidationError, ValidationI
 
 from graphdsl.errors import GraphDSLError
 
-__all__ = ["SamplingParams", "MAX_LOGPROBS"]
+__all__ = ["SamplingParams", "MAX_LOGPROBS", "GREEDY_BELOW"]
 
 MAX_LOGPROBS = 20        # the most top logprobs a request may ask for (vLLM's and OpenAI's cap)
+GREEDY_BELOW = 1e-5      # temperatures below this are greedy (vLLM's _SAMPLING_EPS)
 _SEED_MIN, _SEED_MAX = -2**63, 2**63 - 1     # the sampler's seeds are int64
 
 # Readable allowed ranges, used in error messages (pydantic's own constraints enforce them).
@@ -109,6 +112,8 @@ class SamplingParams(BaseModel):
     @field_validator("stop", "stop_token_ids", mode="before")
     @classmethod
     def _as_list(cls, value: Any, info: ValidationInfo) -> Any:
+        if value is None:                   # vLLM's default: no stop strings / ids
+            return []
         if info.field_name == "stop" and isinstance(value, str):
             return [value]
         return list(value) if isinstance(value, tuple) else value
@@ -159,7 +164,8 @@ class SamplingParams(BaseModel):
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0.0
+        """Whether the request takes the argmax: ``temperature`` below :data:`GREEDY_BELOW` (vLLM's rule)."""
+        return self.temperature < GREEDY_BELOW
 
     @property
     def uses_penalties(self) -> bool:

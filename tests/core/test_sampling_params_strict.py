@@ -194,3 +194,22 @@ def test_model_validate_json_refuses_with_the_constructors_errors():
         SamplingParams.model_validate_json("{not json")
     with pytest.raises(GraphDSLError, match=r"model_validate expects a dict, got \[1\]"):
         SamplingParams.model_validate_json("[1]")
+
+
+def test_none_stop_and_stop_token_ids_are_vllms_empty_default():
+    """vLLM's SamplingParams defaults both to None; a caller passing None explicitly (forwarding an
+    OpenAI request's null) gets no stop strings / ids, on construction and on assignment."""
+    sp = SamplingParams(stop=None, stop_token_ids=None)
+    assert sp.stop == [] and sp.stop_token_ids == []
+    sp.stop, sp.stop_token_ids = ["x"], [3]
+    sp.stop = None
+    sp.stop_token_ids = None
+    assert sp.stop == [] and sp.stop_token_ids == []
+    assert SamplingParams.model_validate_json('{"stop": null, "stop_token_ids": null}').stop == []
+
+
+@pytest.mark.parametrize("temperature,greedy", [(0, True), (1e-60, True), (9.9e-6, True), (1e-5, False), (0.5, False)])
+def test_a_temperature_below_vllms_epsilon_is_greedy(temperature, greedy):
+    from graphdsl.runtime.serving.sampling import GREEDY_BELOW
+    assert GREEDY_BELOW == 1e-5
+    assert SamplingParams(temperature=temperature).greedy is greedy

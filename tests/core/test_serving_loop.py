@@ -231,3 +231,54 @@ def test_a_graph_narrower_than_a_rows_table_is_refused_by_name():
     with pytest.raises(GraphDSLError, match=r"request 'long' holds 3 blocks, more than the decode block "
                                             r"table's width 1 \(max_blocks_per_seq=16\)"):
         _drive(loop)
+
+
+@pytest.mark.parametrize("temperature", [1e-6, 1e-39, 1e-60])
+def test_a_temperature_too_small_to_divide_by_is_greedy(temperature):
+    """vLLM's rule (temperature < 1e-5 is greedy): logits / 1e-39 overflow float32, and 1e-60 is 0
+    as float32, which the sampler read as a division by 1 (sampling at temperature 1)."""
+    prompt = [5, 6, 7]
+    loop, sched, _ = _loop()
+    reqs = [sched.add_request(s, prompt, SamplingParams(max_tokens=12, temperature=temperature, seed=s))
+            for s in range(4)]
+    _drive(loop)
+    assert all(r.output_ids == _greedy_reference(prompt, 12) for r in reqs)
+
+
+def test_a_top_k_or_min_tokens_past_int64_or_the_vocabulary_is_the_same_as_none():
+    """A top-k of the whole vocabulary or more keeps every token (as top_k=0); one past int64 no
+    longer overflows the sampler's columns, and one near it no longer turns top-p sampling greedy
+    (k + the ties counted wrapped around). A min_tokens past int64 bans EOS to the end."""
+    prompt = [5, 6, 7]
+
+    def run(**kw):
+        loop, sched, _ = _loop(eos=tuple(range(0, 45)))
+        r = sched.add_request(0, prompt, SamplingParams(max_tokens=20, temperature=1.0, top_p=0.9, seed=11, **kw))
+        _drive(loop)
+        return r.output_ids
+
+    off = run(min_tokens=20)
+    assert off != _greedy_reference(prompt, 20), "the seeded draw was meant to leave the argmax"
+    for k in (VOCAB, 2**63 - 1, 2**63):
+        assert run(top_k=k, min_tokens=20) == off
+    loop, sched, _ = _loop(eos=tuple(range(0, 45)), max_model_len=16)
+    r = sched.add_request(0, prompt, SamplingParams(max_tokens=2**64, min_tokens=2**63, temperature=0))
+    _drive(loop)
+    assert len(r.output_ids) == 16 - len(prompt) and all(t >= 45 for t in r.output_ids)
+    assert r.finish_reason == "length"
+
+
+def test_tied_logprobs_share_a_rank_whatever_the_number_asked_for():
+    """rank = 1 + the tokens with a strictly larger logprob (outputs.py), in the top list too: tied
+    tokens (common with 16-bit logits) share a rank, and a token's rank does not change with k."""
+    from graphdsl.runtime.serving.sampler import compute_logprobs
+    loop, _, _ = _loop()
+    logits = torch.tensor([[2.0, 5.0, 5.0, 1.0, 5.0, 2.0]])
+    lp = torch.log_softmax(logits, dim=1)[0]
+    want = {t: 1 + int((lp > lp[t]).sum()) for t in range(6)}
+    for chosen in range(6):
+        for k in range(7):
+            ids, lps, tl, tr = (x.tolist() for x in compute_logprobs(logits, torch.tensor([chosen]), k))
+            pos = loop._position(ids[0], lps[0], chosen, tl[0], tr[0])
+            assert chosen in pos and len(pos) in (k, k + 1)
+            assert {t: v.rank for t, v in pos.items()} == {t: want[t] for t in pos}, (chosen, k)

@@ -209,6 +209,17 @@ def test_lists_changed_in_place_are_checked_when_the_params_are_used(llm):
         list(llm.stream("hello", sp))
 
 
+def test_a_bad_dict_among_the_params_is_named_by_its_index(llm):
+    """Dicts are checked where SamplingParams are: the error names which one of the list it is."""
+    with pytest.raises(GraphDSLError, match=r"^sampling_params\[1\]: invalid SamplingParams: max_tokens must be an "
+                                            r"integer >= 1, got 0"):
+        llm.generate(["hello", "there"], [greedy(4), {"max_tokens": 0}])
+    with pytest.raises(GraphDSLError, match=r"^sampling_params: invalid SamplingParams: unknown field 'bogus'"):
+        llm.generate(["hello", "there"], {"max_tokens": 2, "bogus": 1})
+    out = llm.generate(["hello", "there"], [greedy(3), {"max_tokens": 2, "temperature": 0, "stop": None}])
+    assert [len(o.outputs[0].token_ids) for o in out] == [3, 2]
+
+
 def test_a_request_keeps_the_params_it_was_given(llm):
     """The request holds a snapshot: changing the caller's object while a stream runs changes nothing."""
     sp = greedy(8)
