@@ -36,7 +36,7 @@ _SEED_MIN, _SEED_MAX = -2**63, 2**63 - 1     # the sampler's seeds are int64
 # Readable allowed ranges, used in error messages (pydantic's own constraints enforce them).
 _ALLOWED = {
     "n": "an integer >= 1 (parallel samples of one prompt)",
-    "max_tokens": "an integer >= 1",
+    "max_tokens": "an integer >= 1, or None (as many as max_model_len leaves room for)",
     "min_tokens": "an integer >= 0 and <= max_tokens",
     "temperature": "a float >= 0 (0 = greedy)",
     "top_k": "an integer >= -1 (0 or -1 = off)",
@@ -80,7 +80,7 @@ class SamplingParams(BaseModel):
     model_config = ConfigDict(extra="forbid", validate_assignment=True, strict=True, allow_inf_nan=False)
 
     n: int = Field(1, ge=1)
-    max_tokens: int = Field(16, ge=1)
+    max_tokens: int | None = Field(16, ge=1)
     min_tokens: int = Field(0, ge=0)
     temperature: float = Field(1.0, ge=0.0)
     top_k: int = Field(0, ge=-1)
@@ -135,7 +135,7 @@ class SamplingParams(BaseModel):
     @model_validator(mode="after")
     def _between_fields(self) -> "SamplingParams":
         problems = []
-        if self.min_tokens > self.max_tokens:
+        if self.max_tokens is not None and self.min_tokens > self.max_tokens:
             problems.append(f"min_tokens must be {_ALLOWED['min_tokens']}={self.max_tokens}, got {self.min_tokens}")
         if self.seed is not None and not (_SEED_MIN <= self.seed and self.seed + self.n - 1 <= _SEED_MAX):
             problems.append(f"seed must be {_ALLOWED['seed']}, got {self.seed} with n={self.n}")

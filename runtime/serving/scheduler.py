@@ -270,7 +270,8 @@ class Scheduler:
     def add_request(self, request_id: Hashable, prompt_ids: Sequence[int], params: SamplingParams, *,
                     parent: Request | None = None, seed: int | None = None, lora: str | None = None) -> Request:
         """Queue a request; raises on an empty prompt, a prompt that leaves no room to generate
-        within ``max_model_len``, or one that needs more KV blocks than the whole pool. ``seed``
+        within ``max_model_len``, or one that needs more KV blocks than the whole pool
+        (``params.max_tokens`` None: up to ``max_model_len``, as in vLLM). ``seed``
         (default ``params.seed``, else a random one) drives its sampling noise; ``parent`` is sample 0
         of the same prompt, whose prompt blocks this one may share."""
         prompt = [int(t) for t in prompt_ids]
@@ -280,6 +281,8 @@ class Scheduler:
             raise GraphDSLError(f"request {request_id!r}: the prompt has {len(prompt)} tokens, but max_model_len is "
                                 f"{self.max_model_len} (at most {self.max_model_len - 1} prompt tokens leave room "
                                 "for one generated token)")
+        if params.max_tokens is None:        # vLLM's None: as many tokens as max_model_len leaves room for
+            params = params.model_copy(update={"max_tokens": self.max_model_len - len(prompt)})
         need = self.blocks.blocks_needed(min(len(prompt) + params.max_tokens, self.max_model_len))
         if need > self.blocks.num_blocks:
             raise GraphDSLError(f"request {request_id!r}: {len(prompt)} prompt + {params.max_tokens} new tokens need "

@@ -180,7 +180,7 @@ def test_ints_are_taken_for_floats_and_stored_as_floats():
 
 def test_model_validate_is_strict_too():
     assert SamplingParams.model_validate({"stop": "\n", "seed": I64_MIN}).stop == ["\n"]
-    with pytest.raises(GraphDSLError, match=r"max_tokens must be an integer >= 1, got '10'"):
+    with pytest.raises(GraphDSLError, match=r"max_tokens must be an integer >= 1, or None \(as many as max_model_len leaves room for\), got '10'"):
         SamplingParams.model_validate({"max_tokens": "10"})
 
 

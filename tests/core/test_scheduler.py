@@ -95,6 +95,22 @@ def test_stop_conditions():
     assert not sched.has_unfinished() and blocks.num_free_blocks == 16
 
 
+def test_max_tokens_none_runs_to_max_model_len():
+    """vLLM's ``max_tokens=None``: as many tokens as ``max_model_len`` leaves room for (an int
+    before: None was refused); ``min_tokens`` has no upper bound then."""
+    reqs = _run([([1, 2, 3], SamplingParams(max_tokens=None, temperature=0.0, ignore_eos=True)),
+                 ([4] * 10, SamplingParams(max_tokens=None, min_tokens=30, temperature=0.0))],
+                num_blocks=32, max_model_len=20)
+    assert [len(r.output_ids) for r in reqs] == [17, 10]
+    assert [r.finish_reason for r in reqs] == ["length", "length"]
+    with pytest.raises(GraphDSLError, match=r"max_tokens must be an integer >= 1, or None \(as many as max_model_len "
+                                            r"leaves room for\), got 0"):
+        SamplingParams(max_tokens=0)
+    with pytest.raises(GraphDSLError, match="need 8 KV blocks, but the cache has only 4"):
+        Scheduler(BlockManager(4, 4), max_num_seqs=2, max_num_batched_tokens=8,
+                  max_model_len=32).add_request(0, [1] * 10, SamplingParams(max_tokens=None))
+
+
 def test_request_errors():
     sched = Scheduler(BlockManager(4, 4), max_num_seqs=2, max_num_batched_tokens=8, max_model_len=32)
     with pytest.raises(GraphDSLError, match="the prompt is empty"):

@@ -212,7 +212,7 @@ def test_lists_changed_in_place_are_checked_when_the_params_are_used(llm):
 def test_a_bad_dict_among_the_params_is_named_by_its_index(llm):
     """Dicts are checked where SamplingParams are: the error names which one of the list it is."""
     with pytest.raises(GraphDSLError, match=r"^sampling_params\[1\]: invalid SamplingParams: max_tokens must be an "
-                                            r"integer >= 1, got 0"):
+                                            r"integer >= 1, or None .*, got 0"):
         llm.generate(["hello", "there"], [greedy(4), {"max_tokens": 0}])
     with pytest.raises(GraphDSLError, match=r"^sampling_params: invalid SamplingParams: unknown field 'bogus'"):
         llm.generate(["hello", "there"], {"max_tokens": 2, "bogus": 1})
