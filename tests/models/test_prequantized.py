@@ -557,14 +557,21 @@ def test_quantized_tensor_of_an_unquantized_module_is_an_error(bases, tmp_path):
         _load(tmp_path / "q")
 
 
-def test_compressed_tensors_group_mismatch_names_the_tensor(bases, tmp_path):
-    """The config says groups of 64, the scales hold groups of 32: a layout mismatch, not a repeat."""
+@pytest.mark.parametrize("change,message", [
+    # the config says groups of 64, the scales hold groups of 32: a layout mismatch, not a repeat
+    (dict(group_size=64), r"\(compressed-tensors pack-quantized int4 group g64\): 'model.layers.0.mlp.down_proj."
+                          r"weight_scale' has shape \[128, 8\]; the layout expects \[128, 4\]"),
+    # a strategy graphdsl does not read is refused by name, not met later as a scale-shape mismatch
+    (dict(strategy="token"), r"'model.layers.0.self_attn.q_proj.weight' \(compressed-tensors pack-quantized int4 "
+                             r"token g32\): weight strategy 'token' is not supported \(strategies \['tensor', "
+                             r"'channel', 'group'\]"),
+])
+def test_compressed_tensors_config_mismatch_names_the_tensor(bases, tmp_path, change, message):
+    """A config that does not match the stored int4 g32 tensors is an error naming the tensor."""
     pytest.importorskip("compressed_tensors")
     write_compressed_tensors(bases["llama"], tmp_path / "q", fmt="pack-quantized", weights=_int(4, group=32))
-    _set_ct_weights(tmp_path / "q", group_size=64)
-    with pytest.raises(GraphDSLError, match=r"\(compressed-tensors pack-quantized int4 group g64\): "
-                                            r"'model.layers.0.mlp.down_proj.weight_scale' has shape \[128, 8\]; the "
-                                            r"layout expects \[128, 4\]"):
+    _set_ct_weights(tmp_path / "q", **change)
+    with pytest.raises(GraphDSLError, match=message):
         _load(tmp_path / "q")
 
 
@@ -597,17 +604,6 @@ def test_gptq_desc_act_without_g_idx_is_an_error(bases, tmp_path):
     with pytest.raises(GraphDSLError, match=r"quantized linear 'model.layers.0.self_attn.q_proj' \(gptq int4 g32 sym "
                                             r"desc_act\): the checkpoint lacks \['model.layers.0.self_attn.q_proj."
                                             r"g_idx'\]"):
-        _load(tmp_path / "q")
-
-
-def test_compressed_tensors_unknown_weight_strategy_is_refused(bases, tmp_path):
-    """A strategy graphdsl does not read is refused by name, not met later as a scale-shape mismatch."""
-    pytest.importorskip("compressed_tensors")
-    write_compressed_tensors(bases["llama"], tmp_path / "q", fmt="pack-quantized", weights=_int(4, group=32))
-    _set_ct_weights(tmp_path / "q", strategy="token")
-    with pytest.raises(GraphDSLError, match=r"'model.layers.0.self_attn.q_proj.weight' \(compressed-tensors "
-                                            r"pack-quantized int4 token g32\): weight strategy 'token' is not supported "
-                                            r"\(strategies \['tensor', 'channel', 'group'\]"):
         _load(tmp_path / "q")
 
 
