@@ -445,7 +445,7 @@ def _sampling(body: dict, *, chat: bool, prompt_len: int, max_model_len: int) ->
         sent_as = {"max_tokens": budget, "logprobs": "top_logprobs" if chat else "logprobs"}
         message = str(e).replace("invalid SamplingParams: ", "")
         for ours, theirs in sent_as.items():
-            message = re.sub(rf"\b{ours}\b", theirs, message)
+            message = re.sub(rf"(?<!top )\b{ours}\b", theirs, message)     # not "(top logprobs per ...)"
         name = _param_name(str(e))
         raise ApiError(400, message, sent_as.get(name, name)) from None
 
@@ -457,6 +457,15 @@ def _check_room(body: dict, chat: bool, prompt_len: int, params: SamplingParams,
                             f"tokens ({prompt_len} prompt + {params.max_tokens} completion); lower "
                             f"{_max_tokens_field(body, chat)} to at most {max_model_len - prompt_len} or shorten "
                             f"the {'messages' if chat else 'prompt'}", _max_tokens_field(body, chat))
+
+
+def _refused(message: str, chat: bool) -> ApiError:
+    """The 400 for a request the model refuses (``LLM._make_prompts``' message), naming the field as
+    the client sent it rather than as ``LLM.generate`` takes it."""
+    if message.startswith("sampling_params.stop_token_ids"):
+        return ApiError(400, message.removeprefix("sampling_params."), "stop_token_ids")
+    what = "the prompt the chat template makes of messages" if chat else "the prompt"
+    return ApiError(400, re.sub(r"^prompt 0\b", what, message), "messages" if chat else "prompt")
 
 
 def _check_body(body: Any, chat: bool) -> dict:
@@ -559,7 +568,7 @@ def make_app(llm, engine, *, served_model_name: str, api_key: str | None = None)
     answers what the handlers ask of the model before a request starts: ``tokenizer``,
     ``max_model_len`` and ``list_loras()`` (an ``LLM``, or an API process's snapshot of them)."""
     from fastapi import FastAPI, Request
-    from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
+    from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
     from starlette.exceptions import HTTPException
 
     app = FastAPI(title="graphdsl", docs_url=None, redoc_url=None)
@@ -651,7 +660,7 @@ def make_app(llm, engine, *, served_model_name: str, api_key: str | None = None)
         if isinstance(prompt, list) and prompt and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
             return list(prompt), None
         raise ApiError(400, "prompt must be a non-empty string or a list of token ids (one prompt per request), "
-                            f"got {str(prompt)[:120]}", "prompt")
+                            f"got {json.dumps(prompt)[:120]}", "prompt")
 
     async def _generate(request: Request, chat: bool):
         _auth(request)
@@ -666,25 +675,46 @@ def make_app(llm, engine, *, served_model_name: str, api_key: str | None = None)
         try:
             tracked = await engine.open(ids, text, params, lora, bool(body.get("stream")))
         except GraphDSLError as e:
-            raise ApiError(400, str(e), "messages" if chat else "prompt") from None
+            raise _refused(str(e), chat) from None
         rid = f"{'chatcmpl' if chat else 'cmpl'}-{tracked.request_id}"
         budget = _max_tokens_field(body, chat)
         if body.get("stream"):
             usage = bool((body.get("stream_options") or {}).get("include_usage"))
             return StreamingResponse(_stream(tracked, rid, chat, usage, budget),
                                      media_type="text/event-stream")
+        result = asyncio.ensure_future(_result(tracked))
+        gone = asyncio.ensure_future(_hung_up(request))
         try:
-            while True:
-                item = await tracked.out.get()
-                if item[0] == "error":
-                    raise ApiError(500, item[1], kind="server_error")
-                if item[0] == "bad":
-                    raise ApiError(400, item[1], budget)
-                if item[0] == "done":
-                    return _final(item[1], rid, chat, params, lora or served_model_name)
+            await asyncio.wait((result, gone), return_when=asyncio.FIRST_COMPLETED)
         except asyncio.CancelledError:
+            result.cancel()
             engine.abort(tracked)
             raise
+        finally:
+            gone.cancel()
+        if not result.done():       # the client hung up: nobody will read the answer, so stop generating it
+            result.cancel()
+            engine.abort(tracked)
+            return Response(status_code=499)
+        item = result.result()
+        if item[0] == "error":
+            raise ApiError(500, item[1], kind="server_error")
+        if item[0] == "bad":
+            raise ApiError(400, item[1], budget)
+        return _final(item[1], rid, chat, params, lora or served_model_name)
+
+    async def _result(tracked: _Tracked) -> tuple:
+        """The last item of a request that does not stream: its result, or its error."""
+        while True:
+            item = await tracked.out.get()
+            if item[0] in ("error", "bad", "done"):
+                return item
+
+    async def _hung_up(request: Request) -> None:
+        """Returns once the client has disconnected. The body is read already, so the next ASGI
+        message is the disconnect (Starlette listens for it only beside a streaming response)."""
+        while (await request.receive())["type"] != "http.disconnect":
+            pass
 
     def _final(result, rid: str, chat: bool, params: SamplingParams, model: str) -> dict:
         choices = []
@@ -740,7 +770,7 @@ def make_app(llm, engine, *, served_model_name: str, api_key: str | None = None)
                     if item[0] in ("error", "bad"):
                         err = ApiError(500, item[1], kind="server_error") if item[0] == "error" else \
                             ApiError(400, item[1], budget)
-                        yield "".join(text) + f"data: {json.dumps(err.body())}\n\n"
+                        yield "".join(text) + f"data: {json.dumps(err.body())}\n\ndata: [DONE]\n\n"   # as vLLM
                         return
                     if item[0] == "done":
                         if include_usage:

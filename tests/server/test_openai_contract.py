@@ -328,6 +328,31 @@ def test_errors_name_the_field_the_client_sent(client):
     _error(client.post("/v1/completions", json={"model": 3, "prompt": "Hi"}), 400, "model")
 
 
+def test_refusals_name_the_field_in_words_the_client_knows(client):
+    path, body = _body("chat", logprobs=True, top_logprobs=25)
+    assert "top top_logprobs" not in _error(client.post(path, json=body), 400, "top_logprobs")["message"]
+    err = _error(client.post("/v1/completions", json={"model": NAME, "prompt": "Hi", "stop_token_ids": [10**8]}),
+                 400, "stop_token_ids")
+    assert err["message"].startswith("stop_token_ids must be token ids in [0, ")
+    err = _error(client.post("/v1/completions", json={"model": NAME, "prompt": ""}), 400, "prompt")
+    assert err["message"].endswith('got ""')
+    path, body = _body("chat", messages=[{"role": "user", "content": "hi " * 300}])
+    err = _error(client.post(path, json=body), 400, "messages")
+    assert not err["message"].startswith("prompt 0") and f"max_model_len={MAX_MODEL_LEN}" in err["message"]
+
+
+def test_a_stream_that_fails_ends_with_done_as_vllm(llm):
+    c, engine = _fresh_client(llm)
+
+    def boom():
+        raise RuntimeError("boom in step")
+    engine.loop.step = boom
+    r = _post_within(c, "/v1/completions", {"model": NAME, "prompt": "Hi", "max_tokens": 4, "stream": True})
+    lines = [line for line in r.text.splitlines() if line.startswith("data: ")]
+    assert "boom in step" in json.loads(lines[-2][len("data: "):])["error"]["message"]
+    assert lines[-1] == "data: [DONE]"
+
+
 def test_routing_errors_have_openai_shape(client):
     err = _error(client.get("/v1/nope"), 404, None)
     assert "GET /v1/nope" in err["message"] and "POST /v1/completions" in err["message"]

@@ -165,6 +165,24 @@ def test_disconnect_before_the_first_token_aborts_too(server):
     assert engine.generated_tokens - before < 200
 
 
+def test_a_client_that_hangs_up_on_a_request_that_does_not_stream_aborts_it(server):
+    """Without ``stream`` Starlette does not listen for the disconnect, so the handler does: the request
+    stops long before its 200 tokens and gives its KV blocks back."""
+    base, llm, engine = server
+    before = engine.generated_tokens
+    body = {"model": NAME, "prompt": "Tell me a long story about a wizard.", "max_tokens": 200, "temperature": 0,
+            "ignore_eos": True}
+    with pytest.raises(httpx.ReadTimeout):                       # the client gives up and hangs up
+        httpx.post(base + "/v1/completions", json=body, headers={"Authorization": f"Bearer {KEY}"},
+                   timeout=httpx.Timeout(60, read=1.0))
+    for _ in range(400):
+        if llm.blocks.num_free_blocks == llm.blocks.num_blocks and not engine.sched.running:
+            break
+        time.sleep(0.05)
+    assert llm.blocks.num_free_blocks == llm.blocks.num_blocks and not engine.sched.running
+    assert engine.generated_tokens - before < 200
+
+
 def test_concurrent_requests_share_the_batch(server, client):
     base, _, engine = server
     results = [None] * 4
