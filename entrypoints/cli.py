@@ -582,7 +582,8 @@ def _validate(parser: argparse.ArgumentParser, args) -> None:
                          "takes text; run it from Python with token ids (LLM(path).generate([[1, 2, 3]])) or add "
                          "the model's tokenizer.json")
     if args.command == "diff" and checkpoint_format(args.reference or args.model) is not CheckpointFormat.HF_DIR:
-        parser.error(f"argument --reference: diff compares with HF transformers, which loads a HF model directory; "
+        given = "--reference" if args.reference else "model"      # name the argument the user gave
+        parser.error(f"argument {given}: diff compares with HF transformers, which loads a HF model directory; "
                      f"got {args.reference or args.model!r} (a GGUF MODEL needs --reference HF_DIR)")
     if args.command == "profile":
         if (args.model is None) == (args.shape is None):

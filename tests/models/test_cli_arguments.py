@@ -82,6 +82,8 @@ def _cases():
         yield ["serve", "{gguf}", flag, value], flag
     for model in _MODELS:
         yield ["serve", model], "argument model"
+    yield ["diff", "{gguf}"], "argument model: diff compares with HF transformers"      # not --reference: not given
+    yield ["diff", "{gguf}", "--reference", "{gguf}"], "argument --reference: diff compares"
     yield ["frobnicate"], "invalid choice: 'frobnicate'"
     yield ["--bogus"], "--bogus"
 
