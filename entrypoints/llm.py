@@ -809,12 +809,14 @@ def chat_messages(messages, what: str = "messages") -> list[dict[str, str]]:
     """``[{"role", "content"}]`` with each content as text: a string, or OpenAI's list of content
     parts of which only text parts (``{"type": "text", "text": str}``) are read, joined with newlines
     (no images or audio here). Anything else is an error naming ``what`` and the message."""
-    if not isinstance(messages, list) or not messages or not all(
-            isinstance(m, dict) and isinstance(m.get("role"), str) for m in messages):
+    if not isinstance(messages, list) or not messages or not all(isinstance(m, dict) for m in messages):
         raise GraphDSLError(f'{what} must be a non-empty list of {{"role": str, "content": str or a list of text '
                             f"parts}} dicts, got {messages!r:.120}")
     out = []
     for i, m in enumerate(messages):
+        if not isinstance(m.get("role"), str):
+            raise GraphDSLError(f'{what}[{i}].role must be a string ("system", "user", "assistant", ...), got '
+                                f"{m.get('role')!r:.60}" + ("" if "role" in m else " (the message has no role)"))
         content = m.get("content")
         if isinstance(content, list) and content and all(isinstance(p, dict) for p in content):
             other = sorted({str(p.get("type")) for p in content if p.get("type") != "text"})

@@ -395,15 +395,13 @@ _UNSUPPORTED_IN = {False: ("echo", "best_of", "suffix", "logit_bias"),
                           "prediction", "reasoning_effort", "web_search_options")}
 
 # Type checks made before SamplingParams (whose messages speak of its fields, not the request's).
-_INT, _BOOL = "an integer", "true or false"
+_INT, _BOOL, _STR = "an integer", "true or false", "a string"
 _TYPES = {False: {"stream": _BOOL, "n": _INT, "max_tokens": _INT, "min_tokens": _INT, "seed": _INT,
-                  "best_of": _INT, "echo": _BOOL},
+                  "best_of": _INT, "echo": _BOOL, "user": _STR},
           True: {"stream": _BOOL, "n": _INT, "max_tokens": _INT, "max_completion_tokens": _INT, "min_tokens": _INT,
-                 "seed": _INT, "logprobs": _BOOL, "top_logprobs": _INT}}
-
-
-def _is_int(v: Any) -> bool:
-    return isinstance(v, int) and not isinstance(v, bool)
+                 "seed": _INT, "logprobs": _BOOL, "top_logprobs": _INT, "user": _STR}}
+_IS = {_INT: lambda v: isinstance(v, int) and not isinstance(v, bool), _BOOL: lambda v: isinstance(v, bool),
+       _STR: lambda v: isinstance(v, str)}
 
 
 def _param_name(message: str) -> str | None:
@@ -476,8 +474,8 @@ def _check_body(body: Any, chat: bool) -> dict:
             raise ApiError(400, f"unknown field {name!r}; allowed fields: {sorted(_FIELDS[chat])}", name)
     for name, allowed in _TYPES[chat].items():
         v = body.get(name)
-        if v is not None and not (isinstance(v, bool) if allowed == _BOOL else _is_int(v)):
-            raise ApiError(400, f"{name} must be {allowed}, got {v!r}", name)
+        if v is not None and not _IS[allowed](v):
+            raise ApiError(400, f"{name} must be {allowed}, got {json.dumps(v)[:120]}", name)
     for name in _UNSUPPORTED_IN[chat]:
         neutral, instead = _UNSUPPORTED[name]
         if name in body and not neutral(body[name], body):

@@ -3,6 +3,7 @@ write arbitrary bytes, so characters get cut): EOS and stop token ids are no tex
 last token left unfinished is no text, a stop string must end after the first ``min_tokens``
 tokens' text; and the checks of the API's arguments."""
 import codecs
+import re
 
 import pytest
 
@@ -237,11 +238,19 @@ def test_stream_refuses_what_is_not_a_prompt(llm, prompt):
         next(llm.stream(prompt, greedy(2)))
 
 
-@pytest.mark.parametrize("messages", [[], None, "hi", [{"role": "user"}], [{"content": "hi"}],
-                                      [{"role": "user", "content": None}]])
+@pytest.mark.parametrize("messages", [[], None, "hi", [{"role": "user"}], [{"role": "user", "content": None}]])
 def test_chat_refuses_an_empty_or_malformed_conversation(llm, messages):
     with pytest.raises(GraphDSLError, match=r'chat: messages(\[0\]\.content)? must be (a non-empty list of \{"role": '
                                             r'str|a string or a non-empty list of \{"type": "text")'):
+        llm.chat(messages, greedy(2))
+
+
+@pytest.mark.parametrize("messages,got", [([{"content": "hi"}], "None (the message has no role)"),
+                                          ([{"role": "user", "content": "a"}, {"role": 3, "content": "b"}], "3")])
+def test_chat_names_the_message_whose_role_is_missing(llm, messages, got):
+    i = len(messages) - 1
+    with pytest.raises(GraphDSLError, match=rf'chat: messages\[{i}\]\.role must be a string \("system", "user", '
+                                            rf'"assistant", ...\), got {re.escape(got)}$'):
         llm.chat(messages, greedy(2))
 
 
