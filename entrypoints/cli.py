@@ -329,6 +329,22 @@ def _token_ids_arg(value: str) -> list[int]:
     return ids
 
 
+def _number(value: str) -> float:
+    """An argparse type: a number (its range is SamplingParams' to check, with the same words)."""
+    try:
+        return float(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number, got {value!r}") from None
+
+
+def _integer(value: str) -> int:
+    """An argparse type: an integer (any sign: ``--seed``, ``--top-k`` where -1 is off)."""
+    try:
+        return int(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer, got {value!r}") from None
+
+
 def _positive_float(value: str) -> float:
     try:
         x = float(value)
@@ -613,13 +629,13 @@ def _add_sampling(p: argparse.ArgumentParser, max_tokens: int, greedy: bool = Fa
     p.set_defaults(default_max_tokens=max_tokens)
     g.add_argument("--max-tokens", type=_positive_int, default=None,
                    help=f"tokens to generate at most (default: the checkpoint's max_new_tokens, else {max_tokens})")
-    g.add_argument("--temperature", type=float, default=0.0 if greedy else None,
+    g.add_argument("--temperature", type=_number, default=0.0 if greedy else None,
                    help="0 = greedy, higher = more random" + (" (default 0)" if greedy else " (default 1.0)"))
-    g.add_argument("--top-k", type=int, default=None, help="keep the k most likely tokens (default 0 = off)")
-    g.add_argument("--top-p", type=float, default=None, help="nucleus sampling mass in (0, 1] (default 1 = off)")
-    g.add_argument("--repetition-penalty", type=float, default=None,
+    g.add_argument("--top-k", type=_integer, default=None, help="keep the k most likely tokens (default 0 = off)")
+    g.add_argument("--top-p", type=_number, default=None, help="nucleus sampling mass in (0, 1] (default 1 = off)")
+    g.add_argument("--repetition-penalty", type=_number, default=None,
                    help="HF-style repetition penalty (default 1 = off)")
-    g.add_argument("--seed", type=int, default=None, help="seed for reproducible sampling")
+    g.add_argument("--seed", type=_integer, default=None, help="seed for reproducible sampling")
     g.add_argument("--stop", action="append", type=_text_arg, help="stop string (repeatable)")
 
 
@@ -632,7 +648,9 @@ def _add_runtime(p: argparse.ArgumentParser, model: bool = True) -> None:
         p.add_argument("--dtype", default=None, choices=["float32", "float16", "bfloat16"],
                        help="compute dtype (default: float32 on CPU; on CUDA the checkpoint's, bfloat16 for a float32 "
                             "checkpoint or a GGUF file)")
-        p.add_argument("--max-model-len", type=_positive_int, default=None, help="longest prompt + output in tokens")
+        p.add_argument("--max-model-len", type=_positive_int, default=None,
+                       help="longest prompt + output in tokens (default: the model's max_position_embeddings, at most "
+                            "2048; the KV cache is sized for it)")
         p.add_argument("--tensor-parallel-size", "--tp", type=_positive_int, default=None,
                        help="ranks of tensor parallelism (default: torchrun's WORLD_SIZE, else 1); without torchrun "
                             "the worker processes are spawned (docs/distributed.md)")
@@ -667,7 +685,8 @@ def build_parser() -> argparse.ArgumentParser:
     import graphdsl
     parser = argparse.ArgumentParser(
         prog="graphdsl",
-        description="graphdsl: define LLMs as torch-like Python modules, compile them into static engines.")
+        description="graphdsl: define LLMs as torch-like Python modules, compile them into static engines.",
+        epilog="Start with 'graphdsl demo' (a real 135M model on the CPU); 'graphdsl COMMAND --help' tells more.")
     parser.add_argument("--version", action="version", version=f"graphdsl {graphdsl.__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
 

@@ -109,6 +109,17 @@ def test_bad_argument_is_named_before_anything_loads(files, argv, names, capsys,
     assert err.rstrip().splitlines()[-1].startswith(("graphdsl", "usage")), err
 
 
+@pytest.mark.parametrize("flag,value,expected", [("--temperature", "hot", "expected a number, got 'hot'"),
+                                                 ("--top-p", "most", "expected a number, got 'most'"),
+                                                 ("--top-k", "1.5", "expected an integer, got '1.5'"),
+                                                 ("--seed", "x", "expected an integer, got 'x'")])
+def test_sampling_flags_that_are_no_number_say_what_they_expect(files, flag, value, expected, capsys):
+    """Not argparse's "invalid float value": the words of the other number flags."""
+    with pytest.raises(SystemExit):
+        main(["generate", files["gguf"], "--prompt", "hi", flag, value])
+    assert f"argument {flag}: {expected}" in capsys.readouterr().err
+
+
 def test_no_traceback_from_a_real_process(files):
     """The in-process cases above, checked once for real: exit status 2, the message, no traceback."""
     r = subprocess.run([sys.executable, "-m", "graphdsl.entrypoints.cli", "generate", files["gguf"], "--prompt", "hi",
@@ -139,6 +150,8 @@ def test_help_texts_render_cleanly():
         text = p.format_help()
         assert "%%" not in text, name
     assert "% of roofline" in sub["bench"].format_help()
+    assert "graphdsl demo" in build_parser().format_help()                  # where a newcomer starts
+    assert "default: the model's max_position_embeddings, at most 2048" in " ".join(sub["serve"].format_help().split())
     for name in ("generate", "chat", "dump", "check", "demo"):
         assert "--custom-module-map" in sub[name].format_help(), name
 
