@@ -237,11 +237,13 @@ def _chat(args) -> int:
     system = [{"role": "system", "content": args.system}] if args.system else []
     turns: list[dict] = []                # user, assistant, user, ... (the system message is kept apart)
     print("chat with the model; an empty line or Ctrl-D ends, /reset clears the history", file=sys.stderr)
+    prompt = "> " if sys.stdin.isatty() else ""     # piped input: stdout holds the answers alone
     while True:
         try:
-            line = input("> ").strip()
+            line = input(prompt).strip()
         except EOFError:
-            print()
+            if prompt:
+                print()
             return 0
         if not line:
             return 0

@@ -137,6 +137,15 @@ def test_piped_stderr_has_no_carriage_returns(files, tmp_path):
     assert r.returncode == 0 and b"loading weights:" in log and b"\r" not in log
 
 
+def test_chat_with_piped_input_writes_only_the_answers(files):
+    """No "> " prompts in a piped transcript: stdout is the answers, one a line."""
+    r = subprocess.run([sys.executable, "-m", "graphdsl.entrypoints.cli", "chat", files["gguf"], "--max-tokens", "2",
+                        "--device", "cpu", "--temperature", "0"], input="hi\nhow are you\n", capture_output=True,
+                       text=True, timeout=300)
+    assert r.returncode == 0, r.stderr
+    assert "> " not in r.stdout and len(r.stdout.splitlines()) == 2, repr(r.stdout)
+
+
 def test_version(capsys):
     import graphdsl
     with pytest.raises(SystemExit) as e:
