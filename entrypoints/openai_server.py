@@ -444,6 +444,7 @@ def _sampling(body: dict, *, chat: bool, prompt_len: int, max_model_len: int) ->
         message = str(e).replace("invalid SamplingParams: ", "")
         for ours, theirs in sent_as.items():
             message = re.sub(rf"(?<!top )\b{ours}\b", theirs, message)     # not "(top logprobs per ...)"
+        message = re.sub(r"\bNone\b", "null", message)                  # in the client's JSON words
         name = _param_name(str(e))
         raise ApiError(400, message, sent_as.get(name, name)) from None
 

@@ -339,6 +339,8 @@ def test_refusals_name_the_field_in_words_the_client_knows(client):
     path, body = _body("chat", messages=[{"role": "user", "content": "hi " * 300}])
     err = _error(client.post(path, json=body), 400, "messages")
     assert not err["message"].startswith("prompt 0") and f"max_model_len={MAX_MODEL_LEN}" in err["message"]
+    err = _error(client.post("/v1/completions", json={"model": NAME, "prompt": "Hi", "logprobs": 21}), 400, "logprobs")
+    assert err["message"].startswith("logprobs must be null or an integer in [0, 20]"), err["message"]
     path, body = _body("chat", user=5)                   # OpenAI's user is a string
     assert _error(client.post(path, json=body), 400, "user")["message"] == "user must be a string, got 5"
     path, body = _body("chat", stream="yes")             # the value as the client wrote it (JSON)
