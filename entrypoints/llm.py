@@ -253,8 +253,10 @@ class LLM:
                                       else read_generation_config(path))
             keep_blocks = wants_gguf_blocks(opts["quantization"], path if not gguf else None, "LLM: ")
             config, model_obj, dtype = self._architecture(hf, device, dtype, opts["max_model_len"], tp, opts)
-            stored = None if gguf else _checkpoint_quantization(model_obj, hf, opts["quantization"], tp, path)
+            stored = None if gguf else read_checkpoint_quantization(hf)
             online = online_quantization(opts["quantization"], stored, "LLM: ")
+            if stored is not None:
+                _mark_stored_schemes(model_obj, stored, tp, path)
             scheme = None if keep_blocks else _quantize_model(model_obj, online, tp)
             blocks = keep_gguf_blocks(model_obj, ckpt.block_types()) if keep_blocks else {}
             if gguf:
@@ -979,20 +981,15 @@ def _quantize_progress(progress: bool, quantization):
     return report
 
 
-def _checkpoint_quantization(model: FlashCausalLM, hf: dict, quantization, tp, path: str):
-    """A pre-quantized checkpoint's quantization (``config.json``'s ``quantization_config``), with
-    ``model``'s linears marked in the stored schemes (its module patterns matched against the
-    names of the checkpoint at ``path``); None for a full-precision checkpoint."""
+def _mark_stored_schemes(model: FlashCausalLM, stored, tp, path: str) -> None:
+    """Mark ``model``'s linears in the schemes a pre-quantized checkpoint stores them in
+    (``stored``: its ``quantization_config``; the module patterns matched against the names of the
+    checkpoint at ``path``); an error under tensor parallelism (not sharded yet)."""
     from graphdsl.runtime.loaders.safetensors import tensor_names
-    stored = read_checkpoint_quantization(hf)
-    if stored is None:
-        return None
-    online_quantization(quantization, stored, "LLM: ")      # an online scheme over stored ones is an error
     if tp is not None:
         raise GraphDSLError(f"LLM: a pre-quantized ({stored.method}) checkpoint does not load with "
                             "tensor_parallel_size > 1 yet (quantized weights are not sharded)")
     mark_checkpoint_quantization(model, stored, tensor_names(path))
-    return stored
 
 
 def _iter_dir(path: str, dtype, lazy: bool = False) -> Iterable[tuple[str, torch.Tensor]]:
