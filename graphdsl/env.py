@@ -37,6 +37,9 @@ ENV_VARS: dict[str, EnvVar] = {
     "GRAPHDSL_ENGINE_CACHE": EnvVar("1", "0: no engine cache, in memory or on disk", "docs/runtime.md"),
     "GRAPHDSL_CACHE_DIR": EnvVar("~/.cache/graphdsl", "the on-disk engine cache (`graphdsl cache` lists and "
                                  "clears it)", "docs/runtime.md"),
+    "GRAPHDSL_COMPILE_WORKERS": EnvVar("the CPU count, up to 16", "processes that compile a new shape's Triton "
+                                       "kernels before its first step; 0 or 1: the step compiles them one by one",
+                                       "docs/runtime.md"),
     "GRAPHDSL_KERNEL_CACHE": EnvVar("$TMPDIR/graphdsl-kernels-<uid>", "where generated Triton kernels are "
                                     "written and imported from", "docs/passes.md"),
     # running them

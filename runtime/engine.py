@@ -146,7 +146,8 @@ class Engine:
         key = (device, tuple((k, tuple(feed[k].shape), feed[k].dtype) for k in self.required),
                tuple(sorted(params.items())))
         plan = self._plans.get(key)
-        if plan is None:
+        fresh = plan is None
+        if fresh:
             plan = self._plans[key] = self._specialise(feed, params)
         self.last_plan = plan
         storage = dict(self._storage(plan, device))
@@ -169,6 +170,9 @@ class Engine:
             if tapset.tensors:          # no hook for an empty selection (a hook makes the backend run every node)
                 hook = copy if after is None else _chain(copy, after)
         with on_device(device):                 # Triton launches on the current GPU, not the tensors'
+            if fresh and hasattr(self.backend, "compile_ahead"):   # the plan's kernels, on worker processes
+                self.backend.compile_ahead(nodes, values, plan.attrs, storage, self._plan_label(plan),
+                                           arena=self._arenas.get(device))
             self.backend.run(nodes, values, plan.attrs, storage, after=hook)
         if self.dump_dir is not None and len(getattr(self.backend, "sources", ())) != self._kernels_dumped:
             self._dump_kernels(self.dump_dir)

@@ -144,6 +144,24 @@ class TritonBackend:
             if after is not None:
                 after(node, values)
 
+    def compile_ahead(self, nodes, values: dict, attrs: dict, storage: dict, label: str, arena=None):
+        """Before the first forward of a shape plan: compile the Triton kernels its launches will
+        need on worker processes (:mod:`graphdsl.runtime.precompile`: a dry pass of this forward on
+        copies of ``values`` and ``storage``, with the engine's ``arena`` zeroed first, so a launch
+        reading a skipped kernel's output reads zeros, never stale indices). Skipped off CUDA, under
+        the interpreter, during a CUDA-graph capture, with ``GRAPHDSL_COMPILE_WORKERS`` 0 or 1, and
+        for graphs with collectives (their kernels wait on the other ranks). Returns the report, or
+        None when skipped."""
+        from .. import precompile
+        first = next(iter(values.values()), None)
+        if (first is None or first.device.type != "cuda" or _interpreting() or precompile.num_workers() < 2
+                or torch.cuda.is_current_stream_capturing()
+                or any(n.category is OpCategory.COLLECTIVE for n in nodes)):
+            return None
+        if arena is not None:
+            arena.zero_()
+        return precompile.compile_ahead(lambda: self.run(nodes, dict(values), attrs, dict(storage)), label)
+
     def _run_one(self, node, values: dict, attrs: dict, storage: dict) -> None:
         ins = [values[t] for t in node.inputs]
         on_cpu = bool(ins) and ins[0].device.type == "cpu" and not _interpreting()

@@ -1,0 +1,115 @@
+"""Cold start of an engine's first steps with Triton's kernels compiled ahead on worker processes
+(``runtime/precompile.py``) against one by one in the step, each in a fresh process with empty
+Triton, engine and generated-kernel caches (a fresh machine), then warm (the caches that run left).
+
+    python benchmarks/cold_start.py --shape llama-3-8b [--workers 16] [--rounds 1]
+
+Per run: seconds to build the decode engine and run its first step (batch 1, context 512), the
+same for the prefill engine (64 tokens), what ``precompile`` did, and a digest of the first decode
+step's logits: compiling ahead must not change a bit of them. Prints a markdown table.
+"""
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+CONTEXT = 512
+CHILD_TAG = "COLD_START_JSON "
+
+
+def _child(shape: str) -> int:
+    """One fresh process: build, first steps, report as JSON on stdout."""
+    import torch
+
+    import graphdsl as gd
+    from graphdsl.layers import Phase
+    from graphdsl.runtime import precompile
+    from llm import BLOCK, SHAPES, _decode_inputs, _make_llm, _prefill_inputs, random_kv, triton_cache_entries
+
+    before = triton_cache_entries()
+    llm = _make_llm(gd, SHAPES[shape], "cuda", "bfloat16", CONTEXT + 64, 1, CONTEXT // BLOCK + 8)
+    torch.manual_seed(0)                    # the same cache in every run: the digests must agree
+    random_kv(llm)
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    out = {}
+    for phase in (Phase.DECODE, Phase.PREFILL):
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        llm.model.engine(phase)
+        out[f"{phase.value}_build"] = time.perf_counter() - t0
+        inputs, ids = (_decode_inputs(llm, 1, CONTEXT, gen) if phase is Phase.DECODE
+                       else _prefill_inputs(llm, 64, gen))
+        t0 = time.perf_counter()
+        logits = llm.model.execute(phase, inputs)
+        torch.cuda.synchronize()
+        out[f"{phase.value}_first_step"] = time.perf_counter() - t0
+        if isinstance(logits, dict):
+            logits = next(iter(logits.values()))
+        out[f"{phase.value}_digest"] = hashlib.sha256(logits.float().cpu().numpy().tobytes()).hexdigest()[:16]
+        for sid in ids:
+            llm.blocks.free(sid)
+    out["triton_new"] = triton_cache_entries() - before
+    out["ahead"] = [str(r) for r in precompile.history]
+    print(CHILD_TAG + json.dumps(out), flush=True)
+    return 0
+
+
+def _run(shape: str, env: dict) -> dict:
+    cmd = [sys.executable, os.path.abspath(__file__), "--shape", shape, "--child"]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=900, env=env)
+    for line in proc.stdout.splitlines():
+        if line.startswith(CHILD_TAG):
+            return json.loads(line.removeprefix(CHILD_TAG))
+    raise RuntimeError(f"child failed (exit {proc.returncode}): {proc.stderr[-1500:]}")
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--shape", default="llama-3-8b")
+    ap.add_argument("--workers", type=int, default=16, help="GRAPHDSL_COMPILE_WORKERS of the 'ahead' runs")
+    ap.add_argument("--rounds", type=int, default=1, help="fresh-cache runs of each mode")
+    ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    if args.child:
+        return _child(args.shape)
+    from common import device_line
+    print(device_line())
+    rows = []
+    for r in range(args.rounds):
+        for mode, workers in (("one by one", 0), ("ahead", args.workers)):
+            with tempfile.TemporaryDirectory() as d:
+                env = dict(os.environ, TRITON_CACHE_DIR=f"{d}/triton", GRAPHDSL_CACHE_DIR=f"{d}/engines",
+                           GRAPHDSL_KERNEL_CACHE=f"{d}/kernels", GRAPHDSL_COMPILE_WORKERS=str(workers))
+                for cache in ("cold", "warm"):
+                    res = _run(args.shape, env)
+                    rows.append((mode, cache, res))
+                    print(f"[{time.strftime('%H:%M:%S')}] {mode} {cache}: {json.dumps(res)}", file=sys.stderr,
+                          flush=True)
+    print(f"\n{args.shape}: build + first step, seconds (fresh process; decode batch 1 at context {CONTEXT}, "
+          "prefill 64 tokens)\n")
+    print("| compiles | caches | decode | prefill | total | Triton cache entries written | decode logits digest |")
+    print("|---|---|---:|---:|---:|---:|---|")
+    for mode, cache, res in rows:
+        dec = res["decode_build"] + res["decode_first_step"]
+        pre = res["prefill_build"] + res["prefill_first_step"]
+        print(f"| {mode} | {cache} | {dec:.2f} | {pre:.2f} | {dec + pre:.2f} | {res['triton_new']} | "
+              f"{res['decode_digest']} |")
+    print()
+    for mode, cache, res in rows:
+        for line in res["ahead"]:
+            print(f"- {mode}, {cache}: {line}")
+    digests = {res["decode_digest"] for _, _, res in rows}
+    print(f"\ndecode logits identical across runs: {'yes' if len(digests) == 1 else 'NO'}")
+    return 0 if len(digests) == 1 else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

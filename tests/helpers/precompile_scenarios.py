@@ -1,0 +1,120 @@
+"""Scenarios of runtime/precompile.py on the CPU, run in a process of their own by
+tests/kernels/test_precompile.py (a pytest process imports Triton under ``TRITON_INTERPRET=1``,
+and Triton's compiled path cannot run in a process that has).
+
+    python -m tests.helpers.precompile_scenarios     # TRITON_CACHE_DIR: an empty directory
+
+Triton compiles for an sm_90 target without a GPU (only its compiler and ``ptxas`` run): Triton's
+driver is replaced by ``precompile.OfflineDriver``, as the workers do, and the test kernel, a
+compiled ``JITFunction``, is launched on CPU tensors, which the dry pass turns into a recorded
+specialisation instead of a launch. Prints one JSON object: each scenario's findings.
+"""
+import importlib
+import importlib.util
+import json
+import os
+import sys
+import tempfile
+import time
+
+import torch
+
+KERNELS = "tests.helpers.precompile_kernels"
+
+
+def _fresh():
+    """The test kernel's module imported afresh: a JITFunction with an empty in-memory cache."""
+    sys.modules.pop(KERNELS, None)
+    return importlib.import_module(KERNELS)
+
+
+def _report(r) -> dict:
+    return {"deferred": r.deferred, "on_disk": r.on_disk, "compiled": r.compiled, "failed": r.failed,
+            "workers": r.workers, "killed": r.killed, "dry_error": r.dry_error}
+
+
+def main() -> int:
+    from triton.backends.compiler import GPUTarget
+    from triton.runtime.driver import driver
+    from triton.runtime.jit import JITFunction
+
+    from graphdsl.runtime import precompile
+    driver.set_active(precompile.OfflineDriver(GPUTarget("cuda", 90, 32)))
+    out = {}
+    kernels = _fresh()
+    out["jit"] = isinstance(kernels.add_one, JITFunction)
+    x = torch.zeros(64)
+
+    # 1. a cold cache: deferred, compiled by a worker, the launch skipped
+    r = precompile.compile_ahead(lambda: kernels.add_one[(1,)](x, 60, BLOCK=64), "cold", workers=2)
+    out["cold"] = _report(r)
+    out["untouched"] = bool(torch.equal(x, torch.zeros(64)))
+    out["in_history"] = precompile.history[-1] is r
+
+    # 2. a process that never compiled it finds it on disk; another specialisation is not there
+    again = _fresh()
+    with precompile.defer_launches() as dry:
+        again.add_one[(1,)](x, 60, BLOCK=64)
+    misses, failed = precompile.load_cached(dry.found)
+    out["lookup_same"] = [len(dry.found), len(misses), failed]
+    with precompile.defer_launches() as dry:
+        again.add_one[(1,)](x, 60, BLOCK=128)
+    misses, failed = precompile.load_cached(dry.found)
+    out["lookup_other"] = [len(dry.found), len(misses), failed]
+
+    # 3. the whole call again with everything on disk: no worker forked
+    r = precompile.compile_ahead(lambda: _fresh().add_one[(1,)](x, 60, BLOCK=64), "warm", workers=2)
+    out["warm"] = _report(r)
+
+    # 4. a dry pass that raises keeps what it recorded
+    def failing():
+        kernels.add_one[(1,)](x, 64, BLOCK=32)
+        raise RuntimeError("data-dependent host code")
+    out["failing"] = _report(precompile.compile_ahead(failing, "failing", workers=2))
+
+    # 5. workers that fail, die or hang leave their kernels to the forward
+    class Fails:
+        def preload(self, spec):
+            raise RuntimeError("no compiler today")
+
+    class Dies:
+        def preload(self, spec):
+            os._exit(3)
+
+    class Hangs:
+        def preload(self, spec):
+            time.sleep(30)
+    precompile.TASK_TIMEOUT_S = 2.0
+    bad = [precompile.Deferred("m", name, "{}", jit) for name, jit in
+           (("fails", Fails()), ("dies", Dies()), ("hangs", Hangs()))]
+    t0 = time.perf_counter()
+    replies, killed = precompile._run_workers(bad, 3, GPUTarget("cuda", 90, 32))
+    out["bad"] = {d.qualname: [replies[i]["ok"], replies[i]["error"]] for i, d in enumerate(bad)}
+    out["bad_killed"] = killed
+    out["bad_seconds"] = time.perf_counter() - t0
+
+    # 5b. workers whose tasks are done exit at once, each on its own (none holds another's pipe)
+    class Quick:
+        def preload(self, spec):
+            return None
+    t0 = time.perf_counter()
+    replies, killed = precompile._run_workers([precompile.Deferred("m", f"q{i}", "{}", Quick()) for i in range(12)],
+                                              6, GPUTarget("cuda", 90, 32))
+    out["quick"] = [sorted(i for i, r in replies.items() if r["ok"]), killed, time.perf_counter() - t0]
+
+    # 6. a kernel in a module loaded from a file (generated kernels): the worker loads it by path
+    with tempfile.TemporaryDirectory() as d:
+        path = os.path.join(d, "pc_generated_kernel.py")
+        with open(kernels.__file__) as f, open(path, "w") as g:
+            g.write(f.read())
+        spec = importlib.util.spec_from_file_location("graphdsl_fused_pctest", path)
+        mod = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(mod)
+        out["generated"] = _report(precompile.compile_ahead(lambda: mod.add_one[(1,)](x, 64, BLOCK=16),
+                                                            "generated", workers=2))
+    print(json.dumps(out))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
