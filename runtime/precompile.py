@@ -40,7 +40,7 @@ from dataclasses import dataclass, field
 from graphdsl.env import env_number
 
 __all__ = ["AheadReport", "Deferred", "OfflineDriver", "TASK_TIMEOUT_S", "compile_ahead", "defer_launches",
-           "history", "load_cached", "num_workers"]
+           "dry_pass_running", "history", "load_cached", "num_workers"]
 
 TASK_TIMEOUT_S = 300.0       # a worker's compile of one kernel past this is given up (the forward compiles it)
 _MAX_WORKERS = 16
@@ -86,6 +86,12 @@ class AheadReport:
 
 history: list[AheadReport] = []
 _lock = threading.RLock()
+_state = threading.local()           # .dry: this thread is in a dry pass
+
+
+def dry_pass_running() -> bool:
+    """Whether this thread is inside :func:`compile_ahead`'s dry pass."""
+    return getattr(_state, "dry", False)
 
 
 def num_workers() -> int:
@@ -300,8 +306,12 @@ def _run_workers(misses: list[Deferred], count: int, target) -> tuple[dict[int, 
     up; returns the replies by index and how many workers had to be killed at the end. A worker that
     dies, or a task past :data:`TASK_TIMEOUT_S`, answers with an error."""
     workers = []
-    for _ in range(count):
-        workers.append(_Worker(misses, target, list(workers)))
+    try:
+        for _ in range(count):
+            workers.append(_Worker(misses, target, list(workers)))
+    except OSError:                 # no more processes: those forked do it all
+        if not workers:
+            raise
     queue, busy, replies, hung = list(range(len(misses))), {}, {}, set()
     sel = selectors.DefaultSelector()
     try:
@@ -338,9 +348,13 @@ def _run_workers(misses: list[Deferred], count: int, target) -> tuple[dict[int, 
                     hung.add(w)
                     sel.unregister(w.replies)
                     replies[i] = {"ok": False, "error": f"no answer in {TASK_TIMEOUT_S:.0f} s"}
-    finally:
+    except BaseException:                       # Ctrl-C: do not wait for the workers
         sel.close()
-        killed = sum(w.close(0.0 if w in hung else 2.0) for w in workers)
+        for w in workers:
+            w.close(0.0)
+        raise
+    sel.close()
+    killed = sum(w.close(0.0 if w in hung else 2.0) for w in workers)
     return replies, killed
 
 
@@ -350,7 +364,7 @@ def _compile(found: list[Deferred], workers: int, report: AheadReport) -> None:
     report.on_disk = len(found) - len(misses) - len(report.failed)
     if not misses:
         return
-    if workers < 2:
+    if workers < 2 or not hasattr(os, "fork"):
         report.failed += [(d.qualname, "no workers") for d in misses]
         return
     from triton.runtime.driver import driver
@@ -372,12 +386,19 @@ def compile_ahead(dry_run, label: str = "forward", workers: int | None = None) -
     report = AheadReport(label)
     t0 = time.perf_counter()
     workers = num_workers() if workers is None else workers
+    if dry_pass_running():       # a forward inside another's dry pass: the outer one records its kernels
+        dry_run()
+        report.dry_error = "inside another dry pass"
+        return report
     with _lock:
         with defer_launches() as dry:
+            _state.dry = True
             try:
                 dry_run()
             except Exception as e:                   # what it recorded so far is still worth compiling
                 report.dry_error = f"{type(e).__name__}: {e}"[:300]
+            finally:
+                _state.dry = False
         unique = list(dict.fromkeys(dry.found))
         report.deferred = len(unique)
         try:

@@ -66,6 +66,12 @@ def main() -> int:
     r = precompile.compile_ahead(lambda: _fresh().add_one[(1,)](x, 60, BLOCK=64), "warm", workers=2)
     out["warm"] = _report(r)
 
+    # 3b. a forward inside another's dry pass runs in it: the outer call records and compiles its kernels
+    inner = []
+    outer = precompile.compile_ahead(lambda: inner.append(precompile.compile_ahead(
+        lambda: kernels.add_one[(1,)](x, 64, BLOCK=512), "inner", workers=2)), "outer", workers=2)
+    out["nested"] = [_report(outer), _report(inner[0]), precompile.dry_pass_running()]
+
     # 4. a dry pass that raises keeps what it recorded
     def failing():
         kernels.add_one[(1,)](x, 64, BLOCK=32)

@@ -49,6 +49,13 @@ def test_a_warm_cache_forks_no_worker(scenarios):
                                  "killed": 0, "dry_error": None}
 
 
+def test_a_forward_inside_another_dry_pass_is_recorded_by_the_outer_one(scenarios):
+    outer, inner, still_running = scenarios["nested"]
+    assert (outer["deferred"], outer["compiled"], outer["failed"]) == (1, 1, [])
+    assert inner["dry_error"] == "inside another dry pass" and inner["deferred"] == 0
+    assert still_running is False
+
+
 def test_a_dry_pass_that_fails_still_compiles_what_it_recorded(scenarios):
     r = scenarios["failing"]
     assert r["dry_error"] == "RuntimeError: data-dependent host code"
