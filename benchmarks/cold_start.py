@@ -20,6 +20,7 @@ import tempfile
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from llm import SHAPES  # noqa: E402
 
 CONTEXT = 512
 CHILD_TAG = "COLD_START_JSON "
@@ -32,7 +33,7 @@ def _child(shape: str) -> int:
     import graphdsl as gd
     from graphdsl.layers import Phase
     from graphdsl.runtime import precompile
-    from llm import BLOCK, SHAPES, _decode_inputs, _make_llm, _prefill_inputs, random_kv, triton_cache_entries
+    from llm import BLOCK, _decode_inputs, _make_llm, _prefill_inputs, random_kv, triton_cache_entries
 
     before = triton_cache_entries()
     llm = _make_llm(gd, SHAPES[shape], "cuda", "bfloat16", CONTEXT + 64, 1, CONTEXT // BLOCK + 8)
@@ -71,19 +72,43 @@ def _run(shape: str, env: dict) -> dict:
     raise RuntimeError(f"child failed (exit {proc.returncode}): {proc.stderr[-1500:]}")
 
 
-def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--shape", default="llama-3-8b")
-    ap.add_argument("--workers", type=int, default=16, help="GRAPHDSL_COMPILE_WORKERS of the 'ahead' runs")
-    ap.add_argument("--rounds", type=int, default=1, help="fresh-cache runs of each mode")
+def table(shape: str, rows: list[tuple[str, str, dict]]) -> tuple[str, bool]:
+    """The markdown report of ``rows`` (``(mode, caches, child result)``) and whether every run's
+    decode logits digest agreed."""
+    out = [f"{shape}: build + first step, seconds (fresh process; decode batch 1 at context {CONTEXT}, "
+           "prefill 64 tokens)", "",
+           "| compiles | caches | decode | prefill | total | Triton cache entries written | decode logits digest |",
+           "|---|---|---:|---:|---:|---:|---|"]
+    for mode, cache, res in rows:
+        dec = res["decode_build"] + res["decode_first_step"]
+        pre = res["prefill_build"] + res["prefill_first_step"]
+        out.append(f"| {mode} | {cache} | {dec:.2f} | {pre:.2f} | {dec + pre:.2f} | {res['triton_new']} | "
+                   f"{res['decode_digest']} |")
+    out.append("")
+    out += [f"- {mode}, {cache}: {line}" for mode, cache, res in rows for line in res["ahead"]]
+    same = len({res["decode_digest"] for _, _, res in rows}) == 1
+    out.append(f"\ndecode logits identical across runs: {'yes' if same else 'NO'}")
+    return "\n".join(out), same
+
+
+def main(argv=None) -> int:
+    from common import at_least
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--shape", default="llama-3-8b", choices=sorted(SHAPES), help="model geometry (random weights)")
+    ap.add_argument("--workers", type=at_least(2), default=16, help="GRAPHDSL_COMPILE_WORKERS of the 'ahead' runs")
+    ap.add_argument("--rounds", type=at_least(1), default=1, help="fresh-cache runs of each mode")
     ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
     if args.child:
         return _child(args.shape)
+    import torch
+    if not torch.cuda.is_available():
+        print("cold_start.py needs a CUDA GPU", file=sys.stderr)
+        return 2
     from common import device_line
     print(device_line())
     rows = []
-    for r in range(args.rounds):
+    for _ in range(args.rounds):
         for mode, workers in (("one by one", 0), ("ahead", args.workers)):
             with tempfile.TemporaryDirectory() as d:
                 env = dict(os.environ, TRITON_CACHE_DIR=f"{d}/triton", GRAPHDSL_CACHE_DIR=f"{d}/engines",
@@ -93,22 +118,10 @@ def main() -> int:
                     rows.append((mode, cache, res))
                     print(f"[{time.strftime('%H:%M:%S')}] {mode} {cache}: {json.dumps(res)}", file=sys.stderr,
                           flush=True)
-    print(f"\n{args.shape}: build + first step, seconds (fresh process; decode batch 1 at context {CONTEXT}, "
-          "prefill 64 tokens)\n")
-    print("| compiles | caches | decode | prefill | total | Triton cache entries written | decode logits digest |")
-    print("|---|---|---:|---:|---:|---:|---|")
-    for mode, cache, res in rows:
-        dec = res["decode_build"] + res["decode_first_step"]
-        pre = res["prefill_build"] + res["prefill_first_step"]
-        print(f"| {mode} | {cache} | {dec:.2f} | {pre:.2f} | {dec + pre:.2f} | {res['triton_new']} | "
-              f"{res['decode_digest']} |")
+    report, same = table(args.shape, rows)
     print()
-    for mode, cache, res in rows:
-        for line in res["ahead"]:
-            print(f"- {mode}, {cache}: {line}")
-    digests = {res["decode_digest"] for _, _, res in rows}
-    print(f"\ndecode logits identical across runs: {'yes' if len(digests) == 1 else 'NO'}")
-    return 0 if len(digests) == 1 else 1
+    print(report)
+    return 0 if same else 1
 
 
 if __name__ == "__main__":
