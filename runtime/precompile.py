@@ -9,8 +9,8 @@ GIL); processes do. :func:`compile_ahead` runs a first forward in three passes:
 1. **dry** — the forward once with Triton's ``jit_cache_hook`` deferring every launch of a kernel
    specialisation this process has not compiled: the launch is skipped and its specialisation
    recorded. Launches of kernels already compiled, and torch ops, run as usual (the caller zeroes the
-   engine's arena first, so they read zeros, not stale indices). Only the calling thread's launches
-   are deferred.
+   engine's arena first, so they read zeros, not stale indices; the Triton backend skips its cuBLAS
+   products while :func:`dry_pass_running`). Only the calling thread's launches are deferred.
 2. **disk** — each recorded specialisation goes through Triton's own compile path with a cache that
    may not compile: one that Triton's disk cache holds is loaded into the process, one it does not is
    a *miss*. A warm start therefore forks nothing.

@@ -60,6 +60,14 @@ def _interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 
 
+def _dry_pass() -> bool:
+    """Inside a first forward's dry pass (:mod:`..precompile`), which records the Triton kernels
+    it reaches: cuBLAS products are skipped too (their outputs read as the zeroed arena), so a warm
+    start does not pay a prefill's GEMMs twice."""
+    from ..precompile import dry_pass_running
+    return dry_pass_running()
+
+
 def triton_can_fuse(node: Node) -> str | None:
     """Narrow generic fusion to what the generated kernels compute."""
     from graphdsl.functional import scalar
@@ -963,7 +971,8 @@ def _matmul_silu_mul(be: TritonBackend, node, ins, attrs, a, b, dst) -> torch.Te
             return swiglu_gemm(ins[0], ins[1], out=dst)
     _not_carried(be, node)
     prod = be.workspace(node, ins, attrs)
-    torch.matmul(a, b, out=prod)
+    if not _dry_pass():
+        torch.matmul(a, b, out=prod)
     if dst.device.type == "cpu" and not _interpreting():
         return dst.copy_(get_op("silu_mul").reference(prod))
     return _silu_mul(be, node, [prod], attrs, [dst])[0]
@@ -1043,6 +1052,8 @@ def _matmul(be: TritonBackend, node, ins, attrs, dsts):
                  tp_in=be.tp_carry.tp_in(node))
             return [dst]
     _not_carried(be, node)
+    if _dry_pass() and node.op in ("matmul", "matmul_add"):
+        return [dst]
     if node.op == "matmul_add":
         c = ins[2]
         if a.dim() == 2 and b.dim() == 2 and c.dtype == dst.dtype:
