@@ -95,6 +95,9 @@ def test_triton_cache_entries_count_the_cache_directory(bench, tmp_path, monkeyp
            "triton_new": 34}
     row = next(line for line in bench.build_rows(res) if line.startswith("| cold build"))
     assert "(+ first steps 13.80; 34 new Triton cache entries: kernels compiled, launchers built)" in row
+    res["ahead"] = {"compiled": 15, "workers": 8}
+    row = next(line for line in bench.build_rows(res) if line.startswith("| cold build"))
+    assert "launchers built; 15 of the kernels compiled ahead on 8 workers)" in row
 
 
 def test_decode_timeline_increments_add_up_to_the_critical_path():
