@@ -8,9 +8,10 @@ GIL); processes do. :func:`compile_ahead` runs a first forward in three passes:
 
 1. **dry** — the forward once with Triton's ``jit_cache_hook`` deferring every launch of a kernel
    specialisation this process has not compiled: the launch is skipped and its specialisation
-   recorded. Launches of kernels already compiled, and torch ops, run as usual (the caller zeroes the
-   engine's arena first, so they read zeros, not stale indices; the Triton backend skips its cuBLAS
-   products while :func:`dry_pass_running`). Only the calling thread's launches are deferred.
+   recorded. Kernels already compiled are not launched either; torch ops run as usual (the caller
+   zeroes the engine's arena first, so they read zeros, not stale indices; the Triton backend skips
+   its cuBLAS products while :func:`dry_pass_running`). Only the calling thread's launches are
+   deferred.
 2. **disk** — each recorded specialisation goes through Triton's own compile path with a cache that
    may not compile: one that Triton's disk cache holds is loaded into the process, one it does not is
    a *miss*. A warm start therefore forks nothing.
@@ -101,9 +102,18 @@ def num_workers() -> int:
 
 # -- pass 1: the dry pass -----------------------------------------------------------------------
 class defer_launches:
-    """Context manager: launches of Triton kernel specialisations this process has not compiled, from
-    this thread, are skipped and appended to ``self.found`` as :class:`Deferred`. Other threads'
-    launches go to the hook that was set before (if any)."""
+    """Context manager: no Triton kernel launched from this thread runs. A specialisation this process
+    has not compiled is appended to ``self.found`` as :class:`Deferred`; one it has is looked up and
+    not launched either (Triton's ``warmup`` path). Other threads' launches run, and go to the hook
+    that was set before (if any).
+
+    Not launching the compiled kernels matters as much as deferring the others: a skipped kernel's
+    output left in a fresh ``torch.empty`` buffer is garbage, and a compiled kernel reading it as
+    indices (an MoE's expert rows, after the grouping kernel was skipped for a new token count) reads
+    out of bounds (an H200, session 59: an illegal address in the step after the dry pass)."""
+
+    _depth = 0                 # dry passes entered (the lock in compile_ahead keeps them on one thread)
+    _run = None                # JITFunction.run as Triton defines it, while patched
 
     def __init__(self):
         self.found: list[Deferred] = []
@@ -112,22 +122,45 @@ class defer_launches:
 
     def __enter__(self) -> "defer_launches":
         from triton import knobs
+        from triton.runtime.jit import JITFunction
         self._previous = knobs.runtime.jit_cache_hook
         knobs.runtime.jit_cache_hook = self._hook
+        if defer_launches._depth == 0:
+            defer_launches._run = run = JITFunction.run
+            threads = _dry_threads
+
+            def run_or_look_up(fn, *args, grid, warmup, **kwargs):
+                return run(fn, *args, grid=grid, warmup=warmup or threading.get_ident() in threads, **kwargs)
+            JITFunction.run = run_or_look_up
+        defer_launches._depth += 1
+        _dry_threads[self._thread] = _dry_threads.get(self._thread, 0) + 1
         return self
 
     def __exit__(self, *exc) -> None:
         from triton import knobs
+        from triton.runtime.jit import JITFunction
         knobs.runtime.jit_cache_hook = self._previous
+        left = _dry_threads[self._thread] - 1
+        if left:
+            _dry_threads[self._thread] = left
+        else:
+            del _dry_threads[self._thread]
+        defer_launches._depth -= 1
+        if defer_launches._depth == 0:
+            JITFunction.run = defer_launches._run
+            defer_launches._run = None
 
     def _hook(self, *, key, repr, fn, compile, is_manual_warmup, already_compiled, **rest):
-        if threading.get_ident() != self._thread or is_manual_warmup:
+        if threading.get_ident() != self._thread:
             if self._previous is None:
                 return None
             return self._previous(key=key, repr=repr, fn=fn, compile=compile, is_manual_warmup=is_manual_warmup,
                                   already_compiled=already_compiled, **rest)
         self.found.append(Deferred(str(fn.module), fn.name, compile["specialization_data"], fn.jit_function))
         return True
+
+
+_dry_threads: dict[int, int] = {}     # thread id -> defer_launches entered on it and not yet left
 
 
 # -- pass 2: what Triton's disk cache already holds -------------------------------------------------

@@ -62,6 +62,16 @@ def main() -> int:
     misses, failed = precompile.load_cached(dry.found)
     out["lookup_other"] = [len(dry.found), len(misses), failed]
 
+    # 2b. a specialisation this process has compiled is not launched in a dry pass either (a launch
+    # here, with no GPU behind the offline driver, raises)
+    try:
+        with precompile.defer_launches() as dry:
+            again.add_one[(1,)](x, 60, BLOCK=64)
+        out["hit_not_launched"] = [len(dry.found), None]
+    except Exception as e:
+        out["hit_not_launched"] = [None, f"{type(e).__name__}: {e}"[:200]]
+    out["run_restored"] = JITFunction.run.__qualname__
+
     # 3. the whole call again with everything on disk: no worker forked
     r = precompile.compile_ahead(lambda: _fresh().add_one[(1,)](x, 60, BLOCK=64), "warm", workers=2)
     out["warm"] = _report(r)

@@ -44,6 +44,12 @@ def test_what_a_worker_compiled_is_found_on_disk_by_another_import(scenarios):
     assert scenarios["lookup_other"] == [1, 1, []]          # another BLOCK: a miss
 
 
+def test_a_compiled_kernel_is_not_launched_in_a_dry_pass(scenarios):
+    # its inputs may be a skipped kernel's unwritten output: an H200 read out of bounds so
+    assert scenarios["hit_not_launched"] == [0, None]
+    assert scenarios["run_restored"] == "JITFunction.run"
+
+
 def test_a_warm_cache_forks_no_worker(scenarios):
     assert scenarios["warm"] == {"deferred": 1, "on_disk": 1, "compiled": 0, "failed": [], "workers": 0,
                                  "killed": 0, "dry_error": None}
