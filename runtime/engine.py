@@ -22,6 +22,7 @@ from graphdsl.passes.fused_ops import FUSED_OPS
 from graphdsl.passes.memory_plan import MemoryPlan, plan_memory
 
 from .device import on_device
+from .precompile import dry_pass_running
 from .taps import TapSet, resolve_taps, taps_from_env
 
 __all__ = ["Engine", "ShapePlan"]
@@ -170,9 +171,11 @@ class Engine:
             if tapset.tensors:          # no hook for an empty selection (a hook makes the backend run every node)
                 hook = copy if after is None else _chain(copy, after)
         with on_device(device):                 # Triton launches on the current GPU, not the tensors'
+            arena = self._arenas.get(device)
             if fresh and hasattr(self.backend, "compile_ahead"):   # the plan's kernels, on worker processes
-                self.backend.compile_ahead(nodes, values, plan.attrs, storage, self._plan_label(plan),
-                                           arena=self._arenas.get(device))
+                self.backend.compile_ahead(nodes, values, plan.attrs, storage, self._plan_label(plan), arena=arena)
+            elif arena is not None and dry_pass_running():     # a caller's dry pass (a graph runner's step):
+                arena.zero_()                                  # its ops read zeros, not an earlier step's indices
             self.backend.run(nodes, values, plan.attrs, storage, after=hook)
         if self.dump_dir is not None and len(getattr(self.backend, "sources", ())) != self._kernels_dumped:
             self._dump_kernels(self.dump_dir)

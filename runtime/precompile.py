@@ -60,14 +60,16 @@ class Deferred:
 
 @dataclass
 class AheadReport:
-    """One :func:`compile_ahead` call: kernels ``deferred`` by the dry pass, ``on_disk`` (loaded from
-    Triton's cache), ``compiled`` by workers (``launchers``: of which the launcher was built too),
+    """One :func:`compile_ahead` call: kernels ``deferred`` by the dry pass (``kernels``: their
+    names), ``on_disk`` (loaded from Triton's cache), ``compiled`` by workers (``launchers``: of
+    which the launcher was built too),
     ``failed`` (``(qualname, reason)``: left to the forward), ``workers`` used (``killed``: those
     that did not exit when their tasks were done) and the wall ``seconds``; ``dry_error`` when the
     dry pass stopped early."""
 
     label: str
     deferred: int = 0
+    kernels: list[str] = field(default_factory=list)     # the deferred kernels' names, in launch order
     on_disk: int = 0
     compiled: int = 0
     launchers: int = 0
@@ -415,13 +417,13 @@ def _compile(found: list[Deferred], workers: int, report: AheadReport) -> None:
 def compile_ahead(dry_run, label: str = "forward", workers: int | None = None) -> AheadReport:
     """Passes 1-3 of the module docstring for ``dry_run()`` (a callable running the forward once,
     whose results are thrown away). Returns the call's :class:`AheadReport` (also appended to
-    :data:`history`)."""
+    :data:`history`). Called inside another call's dry pass (a graph runner's step whose engine
+    forward meets a new plan), it does nothing: its caller's forward runs next, in that dry pass."""
     report = AheadReport(label)
     t0 = time.perf_counter()
     workers = num_workers() if workers is None else workers
-    if dry_pass_running():       # a forward inside another's dry pass: the outer one records its kernels
-        dry_run()
-        report.dry_error = "inside another dry pass"
+    if dry_pass_running():       # a forward inside another's dry pass: the launches that follow this
+        report.dry_error = "inside another dry pass"     # call are the outer pass's, which records them
         return report
     with _lock:
         with defer_launches() as dry:
@@ -434,6 +436,7 @@ def compile_ahead(dry_run, label: str = "forward", workers: int | None = None) -
                 _state.dry = False
         unique = list(dict.fromkeys(dry.found))
         report.deferred = len(unique)
+        report.kernels = [d.qualname for d in unique]
         try:
             _compile(unique, workers, report)
         except Exception as e:              # e.g. a Triton without these internals: the forward compiles

@@ -336,6 +336,7 @@ class CudaGraphRunner:
         device = next(iter(static.values())).device
         if device.type != "cuda":
             raise GraphDSLError(f"CudaGraphRunner: CUDA graphs need CUDA inputs, got device {device}")
+        self._compile_ahead(bucket, static, device)
         outputs = _warm_up(engine, self._feed(static, []), device, self.taps or {})
         if self.epilogue is not None:      # warmed on copies (it may update the inputs), so that what it
             # allocates or compiles on first use (the draw's arrival counters) is not captured as work
@@ -354,12 +355,40 @@ class CudaGraphRunner:
             extra = dict(self.epilogue(static, outputs)) if self.epilogue is not None else {}
         return _Graph(graph, static, {**outputs, **extra}, _arena_views(engine) + made, taps=tap_buffers)
 
-    def _feed(self, static: dict, made: list) -> dict:
+    def _compile_ahead(self, bucket: int, static: dict[str, torch.Tensor], device) -> None:
+        """Compile the Triton kernels of the whole captured step — prologue, the engine's forward,
+        epilogue — on worker processes in one round (:mod:`graphdsl.runtime.precompile`), where
+        the engine's backend compiles ahead at all. Without this the engine's forward compiled its
+        own kernels ahead, but the prologue's and the epilogue's compiled one by one in the warm-up
+        (two kernels and their launchers, about a second of a cold 8B start on an H200).
+
+        The dry pass works on copies of the static buffers and launches no Triton kernel; the
+        prologue's outputs, which its skipped launch leaves unwritten, are zeroed before the
+        engine's forward reads them (zeros are a valid index for any torch op that does), and the
+        engine zeroes its arena for a forward inside a dry pass. A forward that meets a new plan
+        there finds its own compile-ahead inside this dry pass and leaves the recording to it."""
+        applies = getattr(self.engine.backend, "ahead_applies", None)
+        if applies is None or not applies(self.engine.net.nodes, device):
+            return
+        from graphdsl.runtime import precompile
+
+        def dry_step() -> None:
+            scratch = {k: v.clone() for k, v in static.items()}
+            outputs = self.engine.forward(self._feed(scratch, [], blank=True))
+            if self.epilogue is not None:
+                self.epilogue(scratch, outputs)
+        precompile.compile_ahead(dry_step, f"graph step, {bucket} rows")
+
+    def _feed(self, static: dict, made: list, blank: bool = False) -> dict:
         """The engine's inputs: the static buffers and what the prologue computes from them (its
-        tensors appended to ``made``: a graph keeps the memory it was captured with)."""
+        tensors appended to ``made``: a graph keeps the memory it was captured with). ``blank``:
+        zero the prologue's tensors (a dry pass skipped the launches that would have written them)."""
         if self.prologue is None:
             return static
         extra = dict(self.prologue(static))
+        if blank:
+            for v in extra.values():
+                v.zero_()
         made.extend(extra.values())
         names = self.engine.net.inputs
         return {k: v for k, v in {**static, **extra}.items() if k in names}

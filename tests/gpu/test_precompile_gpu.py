@@ -2,7 +2,8 @@
 ``pytest -m gpu``): two fresh processes with empty Triton, engine and generated-kernel caches run
 the same greedy generation with logprobs, one with ``GRAPHDSL_COMPILE_WORKERS=4`` and one with the
 kernels compiled one by one in the steps. The first must have compiled kernels ahead with none
-left over, and both must give the same tokens and logprobs bit for bit."""
+left over — the decode graph's prologue and epilogue kernels in one round with its forward's — and
+both must give the same tokens and logprobs bit for bit."""
 from __future__ import annotations
 
 import json
@@ -32,7 +33,7 @@ outs = llm.generate([[5, 9, 13, 200, 31] * 7, [3] * 40], gd.SamplingParams(max_t
 print("RESULT " + json.dumps({
     "tokens": [o.outputs[0].token_ids for o in outs],
     "logprobs": [[sorted((k, v.logprob) for k, v in step.items()) for step in o.outputs[0].logprobs] for o in outs],
-    "reports": [dict(label=r.label, deferred=r.deferred, on_disk=r.on_disk, compiled=r.compiled, failed=r.failed,
+    "reports": [dict(label=r.label, deferred=r.deferred, kernels=r.kernels, on_disk=r.on_disk, compiled=r.compiled, failed=r.failed,
                      workers=r.workers, dry_error=r.dry_error) for r in precompile.history]}))
 """
 
@@ -57,6 +58,10 @@ def test_kernels_compiled_ahead_change_no_bit_of_the_output(tmp_path):
     assert reports, "no engine forward compiled ahead"
     assert sum(r["compiled"] for r in reports) >= 5
     assert all(r["failed"] == [] and r["dry_error"] is None for r in reports)
+    # the decode graph's step compiled its prologue's and epilogue's kernels ahead with the forward's
+    graph = [r for r in reports if r["label"].startswith("graph step")]
+    assert graph and all(k in graph[0]["kernels"] for k in ("_step_inputs_kernel", "_gumbel_argmax_kernel"))
+    assert len(graph[0]["kernels"]) > 2
     assert plain["reports"] == []
     assert ahead["tokens"] == plain["tokens"]
     assert ahead["logprobs"] == plain["logprobs"]

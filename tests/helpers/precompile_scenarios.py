@@ -48,6 +48,7 @@ def main() -> int:
     # 1. a cold cache: deferred, compiled by a worker, the launch skipped
     r = precompile.compile_ahead(lambda: kernels.add_one[(1,)](x, 60, BLOCK=64), "cold", workers=2)
     out["cold"] = _report(r)
+    out["cold_kernels"] = r.kernels
     out["untouched"] = bool(torch.equal(x, torch.zeros(64)))
     out["in_history"] = precompile.history[-1] is r
 
@@ -76,11 +77,15 @@ def main() -> int:
     r = precompile.compile_ahead(lambda: _fresh().add_one[(1,)](x, 60, BLOCK=64), "warm", workers=2)
     out["warm"] = _report(r)
 
-    # 3b. a forward inside another's dry pass runs in it: the outer call records and compiles its kernels
-    inner = []
-    outer = precompile.compile_ahead(lambda: inner.append(precompile.compile_ahead(
-        lambda: kernels.add_one[(1,)](x, 64, BLOCK=512), "inner", workers=2)), "outer", workers=2)
-    out["nested"] = [_report(outer), _report(inner[0]), precompile.dry_pass_running()]
+    # 3b. a forward inside another's dry pass (a graph runner's step meeting a new plan): the nested
+    # call runs no dry pass of its own; the forward's launches after it are recorded by the outer one
+    inner, inner_runs = [], []
+
+    def forward():
+        inner.append(precompile.compile_ahead(lambda: inner_runs.append(1), "inner", workers=2))
+        kernels.add_one[(1,)](x, 64, BLOCK=512)
+    outer = precompile.compile_ahead(forward, "outer", workers=2)
+    out["nested"] = [_report(outer), _report(inner[0]), len(inner_runs), precompile.dry_pass_running()]
 
     # 4. a dry pass that raises keeps what it recorded
     def failing():

@@ -36,6 +36,7 @@ def test_a_cold_cache_defers_the_launch_and_a_worker_compiles_it(scenarios):
     assert scenarios["jit"]
     assert scenarios["cold"] == {"deferred": 1, "on_disk": 0, "compiled": 1, "failed": [], "workers": 1,
                                  "killed": 0, "dry_error": None}
+    assert scenarios["cold_kernels"] == ["add_one"]
     assert scenarios["untouched"] and scenarios["in_history"]     # the dry pass launched nothing
 
 
@@ -56,9 +57,10 @@ def test_a_warm_cache_forks_no_worker(scenarios):
 
 
 def test_a_forward_inside_another_dry_pass_is_recorded_by_the_outer_one(scenarios):
-    outer, inner, still_running = scenarios["nested"]
+    outer, inner, inner_dry_runs, still_running = scenarios["nested"]
     assert (outer["deferred"], outer["compiled"], outer["failed"]) == (1, 1, [])
     assert inner["dry_error"] == "inside another dry pass" and inner["deferred"] == 0
+    assert inner_dry_runs == 0                 # the forward after it is already in the outer dry pass
     assert still_running is False
 
 
