@@ -225,3 +225,26 @@ def test_arena_id_changes_only_when_a_larger_plan_regrows_the_arena():
     assert eng.arena_id("cpu") != first
     torch.testing.assert_close(y, 2 * x)
     assert eng.arena_id(torch.device("cpu", 0)) == eng.arena_id("cpu")   # one device however it is named
+
+
+def test_a_forward_inside_a_dry_pass_zeroes_the_arena_first(monkeypatch):
+    """A graph runner's dry pass (runtime/precompile.py) skips Triton launches, so its ops would read
+    whatever an earlier step left in the arena; the engine zeroes it first — only then."""
+    from graphdsl.runtime import precompile
+    pytest.importorskip("triton")
+    n = Dim("n")
+    with Network() as net:
+        h = F.matmul(Tensor("x", (n, 8), "float32"), Tensor("w", (8, 8), "float32"))
+        net.mark_output(F.matmul(h, Tensor("v", (8, 8), "float32")), "y")   # h lives in the arena
+    eng = net.build_engine(device="cpu")
+    feed = {"x": torch.ones(4, 8), "w": torch.eye(8), "v": torch.eye(8)}
+    eng.forward(feed)
+    arena = eng._arenas[torch.device("cpu")]
+    seen = []
+    run = eng.backend.run
+    monkeypatch.setattr(eng.backend, "run", lambda *a, **k: (seen.append(arena.clone()), run(*a, **k))[1])
+    arena.fill_(7)
+    eng.forward(feed)                                        # a plain forward leaves the arena alone
+    report = precompile.compile_ahead(lambda: eng.forward(feed), "test", workers=0)
+    assert report.dry_error is None
+    assert bool((seen[0] == 7).all()) and not bool(seen[1].any())
