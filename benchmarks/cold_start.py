@@ -3,10 +3,15 @@
 Triton, engine and generated-kernel caches (a fresh machine), then warm (the caches that run left).
 
     python benchmarks/cold_start.py --shape llama-3-8b [--workers 16] [--rounds 1]
+    python benchmarks/cold_start.py --shape llama-3.2-1b --warmup 32
 
 Per run: seconds to build the decode engine and run its first step (batch 1, context 512), the
 same for the prefill engine (64 tokens), what ``precompile`` did, and a digest of the first decode
 step's logits: compiling ahead must not change a bit of them. Prints a markdown table.
+
+``--warmup N``: instead, a server's start-up — ``LLM(..., max_num_seqs=N, max_model_len=1024)`` and
+``LLM.warmup()`` (what ``graphdsl serve`` runs on CUDA before it listens: every prefill token bucket
+and decode batch bucket), then a greedy generation whose tokens are digested.
 """
 from __future__ import annotations
 
@@ -63,8 +68,55 @@ def _child(shape: str) -> int:
     return 0
 
 
-def _run(shape: str, env: dict) -> dict:
+WARMUP_MAX_MODEL_LEN = 1024
+
+
+def _warmup_child(shape: str, seqs: int) -> int:
+    """One fresh process: a server's start-up (``LLM.warmup``), then a greedy generation."""
+    import graphdsl as gd
+    from graphdsl.runtime import precompile
+    from llm import triton_cache_entries
+
+    before = triton_cache_entries()
+    t0 = time.perf_counter()
+    llm = gd.LLM.from_config(SHAPES[shape], device="cuda", dtype="bfloat16", seed=0,
+                             max_model_len=WARMUP_MAX_MODEL_LEN, max_num_seqs=seqs)
+    load = time.perf_counter() - t0
+    rep = llm.warmup(stream=None)
+    outs = llm.generate([[(i * 7919 + j * 104729) % 1000 for j in range(40)] for i in range(4)],
+                        gd.SamplingParams(max_tokens=16, temperature=0, ignore_eos=True), use_tqdm=False)
+    tokens = [o.outputs[0].token_ids for o in outs]
+    rounds = precompile.history
+    out = {"load": load, "warmup": rep.seconds, "stages": rep.stages, "triton_new": triton_cache_entries() - before,
+           "rounds": len(rounds), "ahead_compiled": sum(r.compiled for r in rounds),
+           "ahead_seconds": sum(r.seconds for r in rounds), "ahead_failed": sum(len(r.failed) for r in rounds),
+           "digest": hashlib.sha256(json.dumps(tokens).encode()).hexdigest()[:16]}
+    print(CHILD_TAG + json.dumps(out), flush=True)
+    return 0
+
+
+def warmup_table(shape: str, seqs: int, rows: list[tuple[str, str, dict]]) -> tuple[str, bool]:
+    """The markdown report of ``--warmup`` runs and whether every run's tokens agreed."""
+    out = [f"{shape}: a server's start-up, seconds (fresh process; LLM.warmup at max_num_seqs {seqs}, "
+           f"max_model_len {WARMUP_MAX_MODEL_LEN}, then a greedy generation)", "",
+           "| compiles | caches | load | warm-up | slowest stage | Triton cache entries written | rounds ahead "
+           "| compiled ahead (s in rounds) | tokens digest |",
+           "|---|---|---:|---:|---|---:|---:|---|---|"]
+    for mode, cache, r in rows:
+        label, secs = max(r["stages"], key=lambda st: st[1]) if r["stages"] else ("-", 0.0)
+        failed = f", {r['ahead_failed']} left to the step" if r["ahead_failed"] else ""
+        out.append(f"| {mode} | {cache} | {r['load']:.1f} | {r['warmup']:.1f} | {label} {secs:.1f} | "
+                   f"{r['triton_new']} | {r['rounds']} | {r['ahead_compiled']} ({r['ahead_seconds']:.1f}){failed} | "
+                   f"{r['digest']} |")
+    same = len({r["digest"] for _, _, r in rows}) == 1
+    out.append(f"\ngenerated tokens identical across runs: {'yes' if same else 'NO'}")
+    return "\n".join(out), same
+
+
+def _run(shape: str, env: dict, warmup: int | None = None) -> dict:
     cmd = [sys.executable, os.path.abspath(__file__), "--shape", shape, "--child"]
+    if warmup:
+        cmd += ["--warmup", str(warmup)]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=900, env=env)
     for line in proc.stdout.splitlines():
         if line.startswith(CHILD_TAG):
@@ -97,10 +149,12 @@ def main(argv=None) -> int:
     ap.add_argument("--shape", default="llama-3-8b", choices=sorted(SHAPES), help="model geometry (random weights)")
     ap.add_argument("--workers", type=at_least(2), default=16, help="GRAPHDSL_COMPILE_WORKERS of the 'ahead' runs")
     ap.add_argument("--rounds", type=at_least(1), default=1, help="fresh-cache runs of each mode")
+    ap.add_argument("--warmup", type=at_least(1), default=None, metavar="N",
+                    help="time a server's start-up instead: LLM.warmup() at max_num_seqs N")
     ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     if args.child:
-        return _child(args.shape)
+        return _warmup_child(args.shape, args.warmup) if args.warmup else _child(args.shape)
     import torch
     if not torch.cuda.is_available():
         print("cold_start.py needs a CUDA GPU", file=sys.stderr)
@@ -114,11 +168,11 @@ def main(argv=None) -> int:
                 env = dict(os.environ, TRITON_CACHE_DIR=f"{d}/triton", GRAPHDSL_CACHE_DIR=f"{d}/engines",
                            GRAPHDSL_KERNEL_CACHE=f"{d}/kernels", GRAPHDSL_COMPILE_WORKERS=str(workers))
                 for cache in ("cold", "warm"):
-                    res = _run(args.shape, env)
+                    res = _run(args.shape, env, args.warmup)
                     rows.append((mode, cache, res))
                     print(f"[{time.strftime('%H:%M:%S')}] {mode} {cache}: {json.dumps(res)}", file=sys.stderr,
                           flush=True)
-    report, same = table(args.shape, rows)
+    report, same = warmup_table(args.shape, args.warmup, rows) if args.warmup else table(args.shape, rows)
     print()
     print(report)
     return 0 if same else 1

@@ -29,3 +29,20 @@ def test_bad_arguments_are_named(capsys):
     assert "--workers: expected an integer >= 2, got '1'" in benchmarks.refusal("cold_start", ["--workers", "1"],
                                                                                capsys)
     assert "--rounds: expected an integer >= 1, got 'x'" in benchmarks.refusal("cold_start", ["--rounds", "x"], capsys)
+
+
+def _warm(warmup, digest, rounds=0, compiled=0, failed=0):
+    return {"load": 2.0, "warmup": warmup, "stages": [["prefill of 64 tokens", 1.5], ["decode batch 1", warmup - 1.5]],
+            "triton_new": 40, "rounds": rounds, "ahead_compiled": compiled, "ahead_seconds": 3.25,
+            "ahead_failed": failed, "digest": digest}
+
+
+def test_the_warmup_table_names_the_slowest_stage_and_flags_differing_tokens():
+    cold = benchmarks.load("cold_start")
+    rows = [("one by one", "cold", _warm(30.0, "t1")), ("ahead", "cold", _warm(12.0, "t1", 20, 35, 1))]
+    text, same = cold.warmup_table("llama-3.2-1b", 32, rows)
+    assert same and "max_num_seqs 32" in text
+    assert "| one by one | cold | 2.0 | 30.0 | decode batch 1 28.5 | 40 | 0 | 0 (3.2) | t1 |" in text
+    assert "| ahead | cold | 2.0 | 12.0 | decode batch 1 10.5 | 40 | 20 | 35 (3.2), 1 left to the step | t1 |" in text
+    text, same = cold.warmup_table("llama-3.2-1b", 32, rows + [("ahead", "warm", _warm(3.0, "t2"))])
+    assert not same and text.endswith("generated tokens identical across runs: NO")
