@@ -62,10 +62,9 @@ class Deferred:
 class AheadReport:
     """One :func:`compile_ahead` call: kernels ``deferred`` by the dry pass (``kernels``: their
     names), ``on_disk`` (loaded from Triton's cache), ``compiled`` by workers (``launchers``: of
-    which the launcher was built too),
-    ``failed`` (``(qualname, reason)``: left to the forward), ``workers`` used (``killed``: those
-    that did not exit when their tasks were done) and the wall ``seconds``; ``dry_error`` when the
-    dry pass stopped early."""
+    which the launcher was built too), ``failed`` (``(qualname, reason)``: left to the forward),
+    ``workers`` used (``killed``: those that did not exit when their tasks were done) and the wall
+    ``seconds``; ``dry_error`` when the dry pass stopped early."""
 
     label: str
     deferred: int = 0
