@@ -48,7 +48,7 @@ from dataclasses import dataclass, field
 
 from graphdsl.env import env_number
 
-__all__ = ["AheadReport", "Deferred", "OfflineDriver", "TASK_TIMEOUT_S", "defer_launches", "dry_pass_running",
+__all__ = ["AheadReport", "Deferred", "OfflineDriver", "TASK_TIMEOUT_S", "applies", "defer_launches", "dry_pass_running",
            "history", "load_cached", "num_workers", "on_disk", "run_ahead", "watching"]
 
 TASK_TIMEOUT_S = 300.0       # a worker's compile of one kernel past this is given up (the forward compiles it)
@@ -103,6 +103,14 @@ def dry_pass_running() -> bool:
     """Whether this thread's launches are in a dry pass (:func:`run_ahead` once it turned dry, or
     :class:`defer_launches`)."""
     return getattr(_state, "dry", False)
+
+
+def applies(device) -> bool:
+    """Whether a first call on ``device`` may run watched (:func:`run_ahead`): CUDA, not under
+    Triton's interpreter, not during a CUDA-graph capture, ``GRAPHDSL_COMPILE_WORKERS`` 2 or more."""
+    import torch
+    return (torch.device(device).type == "cuda" and os.environ.get("TRITON_INTERPRET", "0") in ("", "0")
+            and num_workers() >= 2 and not torch.cuda.is_current_stream_capturing())
 
 
 def num_workers() -> int:

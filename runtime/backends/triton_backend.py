@@ -154,13 +154,11 @@ class TritonBackend:
 
     def ahead_applies(self, nodes, device) -> bool:
         """Whether a first forward of ``nodes`` on ``device`` runs watched, its missing Triton kernels
-        compiled ahead (:func:`graphdsl.runtime.precompile.run_ahead`): on CUDA, not under the interpreter, not during a
-        CUDA-graph capture, with ``GRAPHDSL_COMPILE_WORKERS`` 2 or more, and for graphs without
-        collectives (their kernels wait on the other ranks, whose launches a dry pass skips)."""
+        compiled ahead (:func:`graphdsl.runtime.precompile.run_ahead`): where
+        :func:`~graphdsl.runtime.precompile.applies`, for graphs without collectives (their kernels
+        wait on the other ranks, whose launches a dry part skips)."""
         from .. import precompile
-        return (torch.device(device).type == "cuda" and not _interpreting() and precompile.num_workers() >= 2
-                and not torch.cuda.is_current_stream_capturing()
-                and not any(n.category is OpCategory.COLLECTIVE for n in nodes))
+        return precompile.applies(device) and not any(n.category is OpCategory.COLLECTIVE for n in nodes)
 
     def _run_one(self, node, values: dict, attrs: dict, storage: dict) -> None:
         ins = [values[t] for t in node.inputs]
