@@ -22,7 +22,7 @@ from graphdsl.passes.fused_ops import FUSED_OPS
 from graphdsl.passes.memory_plan import MemoryPlan, plan_memory
 
 from .device import on_device
-from .precompile import dry_pass_running
+from .precompile import dry_pass_running, run_ahead, watching
 from .taps import TapSet, resolve_taps, taps_from_env
 
 __all__ = ["Engine", "ShapePlan"]
@@ -171,12 +171,7 @@ class Engine:
             if tapset.tensors:          # no hook for an empty selection (a hook makes the backend run every node)
                 hook = copy if after is None else _chain(copy, after)
         with on_device(device):                 # Triton launches on the current GPU, not the tensors'
-            arena = self._arenas.get(device)
-            if fresh and hasattr(self.backend, "compile_ahead"):   # the plan's kernels, on worker processes
-                self.backend.compile_ahead(nodes, values, plan.attrs, storage, self._plan_label(plan), arena=arena)
-            elif arena is not None and dry_pass_running():     # a caller's dry pass (a graph runner's step):
-                arena.zero_()                                  # its ops read zeros, not an earlier step's indices
-            self.backend.run(nodes, values, plan.attrs, storage, after=hook)
+            values = self._run(fresh, plan, nodes, values, storage, hook, device)
         if self.dump_dir is not None and len(getattr(self.backend, "sources", ())) != self._kernels_dumped:
             self._dump_kernels(self.dump_dir)
         for name, t in self.net.outputs.items():
@@ -185,6 +180,27 @@ class Engine:
         return outs
 
     __call__ = forward
+
+    def _run(self, fresh: bool, plan: ShapePlan, nodes, values: dict, storage: dict, hook, device) -> dict:
+        """The backend's run of ``nodes``; returns the values it filled in. A new plan's first run on a
+        backend that compiles ahead is watched (:func:`~graphdsl.runtime.precompile.run_ahead`): at
+        the first Triton kernel missing from the disk cache it turns dry (the arena zeroed), the
+        missing kernels compile on worker processes, and the run starts again. Inside a caller's
+        watch (a graph runner's step) the run is the caller's to repeat; the arena is zeroed if
+        that watch is dry or turns dry meanwhile, so the dry ops read zeros, not an earlier step's
+        indices."""
+        arena = self._arenas.get(device)
+        applies = getattr(self.backend, "ahead_applies", None)
+        if (fresh or watching()) and applies is not None and applies(nodes, device):
+            first = dict(values)
+            report = run_ahead(lambda: self.backend.run(nodes, first, plan.attrs, storage, after=hook),
+                               self._plan_label(plan), on_dry=None if arena is None else arena.zero_)
+            if report is None:
+                return first
+        elif arena is not None and dry_pass_running():
+            arena.zero_()
+        self.backend.run(nodes, values, plan.attrs, storage, after=hook)
+        return values
 
     def profile(self, inputs: Mapping[str, torch.Tensor], **options):
         """Per-kernel times of one step on ``inputs``: a :class:`~graphdsl.runtime.profile.ProfileReport`

@@ -4,22 +4,30 @@ The first forward of an engine's shape compiles each Triton kernel its launches 
 another, on the host thread: on a fresh H200 the first decode and prefill steps of the 8B engines
 spent about 9 s so — 17 kernel compiles (5.4 s) and their 17 launchers, each a C extension built with
 the host compiler (3.5 s; docs/performance-log.md). Threads do not help (Triton's compiler holds the
-GIL); processes do. :func:`compile_ahead` runs a first forward in three passes:
+GIL); processes do. :func:`run_ahead` runs a first forward in three passes:
 
-1. **dry** — the forward once with Triton's ``jit_cache_hook`` deferring every launch of a kernel
-   specialisation this process has not compiled: the launch is skipped and its specialisation
-   recorded. Kernels already compiled are not launched either; torch ops run as usual (the caller
-   zeroes the engine's arena first, so they read zeros, not stale indices; the Triton backend skips
-   its cuBLAS products while :func:`dry_pass_running`). Only the calling thread's launches are
-   deferred.
+1. **watched** — the forward runs with Triton's ``jit_cache_hook`` watching its compiles. A kernel
+   specialisation this process has not compiled but Triton's disk cache holds loads as usual, so a
+   warm start costs nothing more. At the first one the disk cache does not hold, the forward turns
+   *dry* for the rest of the call: that launch and every later one are skipped (compiled kernels
+   too) and each specialisation not compiled in the process is recorded. Torch ops still run (the
+   caller zeroes the engine's arena as the pass turns dry, so they read zeros, not stale indices;
+   the Triton backend skips its cuBLAS products while :func:`dry_pass_running`). Only the calling
+   thread's launches are watched. What ran before the turn is real and idempotent (kernels write
+   their outputs; a cache write writes the same values again when the forward reruns).
 2. **disk** — each recorded specialisation goes through Triton's own compile path with a cache that
    may not compile: one that Triton's disk cache holds is loaded into the process, one it does not is
-   a *miss*. A warm start therefore forks nothing.
+   a *miss*.
 3. **workers** — the misses are handed out, one at a time as each frees up, to forked copies of this
    process (:class:`_Worker`). A fork has every kernel object already, so it imports nothing (a fresh
    interpreter spent 6 s importing torch and graphdsl on the H200 machine). It replaces Triton's
    driver with :class:`OfflineDriver`, so it never touches the CUDA context it inherited, compiles
-   into Triton's disk cache and builds the launcher there, then exits. The real forward loads them.
+   into Triton's disk cache and builds the launcher there, then exits. The caller then runs the
+   forward again, for real, and it loads them.
+
+Until session 59 the first pass was dry from the start, so every new plan paid a dry pass, even
+one whose kernels were all on disk: a server's warm-up (66 new plans, 1B, an H200) took 8.9 s
+against 5.2 s compiling one by one.
 
 Nothing here decides what runs: a kernel whose precompile fails for any reason (a worker that dies or
 hangs past :data:`TASK_TIMEOUT_S`, a kernel defined inside a function, a Triton without these hooks)
@@ -40,8 +48,8 @@ from dataclasses import dataclass, field
 
 from graphdsl.env import env_number
 
-__all__ = ["AheadReport", "Deferred", "OfflineDriver", "TASK_TIMEOUT_S", "compile_ahead", "defer_launches",
-           "dry_pass_running", "history", "load_cached", "num_workers"]
+__all__ = ["AheadReport", "Deferred", "OfflineDriver", "TASK_TIMEOUT_S", "applies", "defer_launches", "dry_pass_running",
+           "history", "load_cached", "num_workers", "on_disk", "run_ahead", "watching"]
 
 TASK_TIMEOUT_S = 300.0       # a worker's compile of one kernel past this is given up (the forward compiles it)
 _MAX_WORKERS = 16
@@ -60,11 +68,11 @@ class Deferred:
 
 @dataclass
 class AheadReport:
-    """One :func:`compile_ahead` call: kernels ``deferred`` by the dry pass (``kernels``: their
-    names), ``on_disk`` (loaded from Triton's cache), ``compiled`` by workers (``launchers``: of
-    which the launcher was built too), ``failed`` (``(qualname, reason)``: left to the forward),
+    """One :func:`run_ahead` call that went dry: kernels ``deferred`` by the dry part (``kernels``:
+    their names), ``on_disk`` (loaded from Triton's cache), ``compiled`` by workers (``launchers``:
+    of which the launcher was built too), ``failed`` (``(qualname, reason)``: left to the forward),
     ``workers`` used (``killed``: those that did not exit when their tasks were done) and the wall
-    ``seconds``; ``dry_error`` when the dry pass stopped early."""
+    ``seconds``; ``dry_error`` when the forward raised in its dry part."""
 
     label: str
     deferred: int = 0
@@ -86,14 +94,23 @@ class AheadReport:
         return s + (f"; dry pass stopped: {self.dry_error}" if self.dry_error else "")
 
 
-history: list[AheadReport] = []
+history: list[AheadReport] = []        # the run_ahead calls that went dry
 _lock = threading.RLock()
-_state = threading.local()           # .dry: this thread is in a dry pass
+_state = threading.local()           # .dry: this thread is in a dry pass; .watcher: its innermost watch
 
 
 def dry_pass_running() -> bool:
-    """Whether this thread is inside :func:`compile_ahead`'s dry pass."""
+    """Whether this thread's launches are in a dry pass (:func:`run_ahead` once it turned dry, or
+    :class:`defer_launches`)."""
     return getattr(_state, "dry", False)
+
+
+def applies(device) -> bool:
+    """Whether a first call on ``device`` may run watched (:func:`run_ahead`): CUDA, not under
+    Triton's interpreter, not during a CUDA-graph capture, ``GRAPHDSL_COMPILE_WORKERS`` 2 or more."""
+    import torch
+    return (torch.device(device).type == "cuda" and os.environ.get("TRITON_INTERPRET", "0") in ("", "0")
+            and num_workers() >= 2 and not torch.cuda.is_current_stream_capturing())
 
 
 def num_workers() -> int:
@@ -101,25 +118,35 @@ def num_workers() -> int:
     return int(env_number("GRAPHDSL_COMPILE_WORKERS", min(_MAX_WORKERS, os.cpu_count() or 1), integer=True))
 
 
-# -- pass 1: the dry pass -----------------------------------------------------------------------
+# -- pass 1: the watched forward, and its dry part ------------------------------------------------
 class defer_launches:
-    """Context manager: no Triton kernel launched from this thread runs. A specialisation this process
-    has not compiled is appended to ``self.found`` as :class:`Deferred`; one it has is looked up and
-    not launched either (Triton's ``warmup`` path). Other threads' launches run, and go to the hook
-    that was set before (if any).
+    """Context manager watching the Triton launches of this thread; other threads' launches run, and
+    go to the hook that was set before (if any).
 
-    Not launching the compiled kernels matters as much as deferring the others: a skipped kernel's
-    output left in a fresh ``torch.empty`` buffer is garbage, and a compiled kernel reading it as
-    indices (an MoE's expert rows, after the grouping kernel was skipped for a new token count) reads
-    out of bounds (an H200, session 59: an illegal address in the step after the dry pass)."""
+    ``dry=True``: no launch runs. A specialisation this process has not compiled is appended to
+    ``self.found`` as :class:`Deferred`; one it has is looked up (Triton's ``warmup`` path) and not
+    launched either. ``dry=False`` (:func:`run_ahead`): launches run, and a specialisation this
+    process has not compiled loads from Triton's disk cache as usual, until the first one the disk
+    cache does not hold. There the pass turns dry for good (``went_dry``; ``on_dry()`` is called
+    first): that launch and every later one are skipped as above.
 
-    _depth = 0                 # dry passes entered (the lock in compile_ahead keeps them on one thread)
+    Not launching the compiled kernels in the dry part matters as much as deferring the others: a
+    skipped kernel's output left in a fresh ``torch.empty`` buffer is garbage, and a compiled kernel
+    reading it as indices (an MoE's expert rows, after the grouping kernel was skipped for a new
+    token count) reads out of bounds (an H200, session 59: an illegal address)."""
+
+    _depth = 0                 # passes entered (run_ahead's lock keeps its own on one thread at a time)
     _run = None                # JITFunction.run as Triton defines it, while patched
 
-    def __init__(self):
+    def __init__(self, dry: bool = True, on_dry=None):
         self.found: list[Deferred] = []
+        self.went_dry = False
+        self._start_dry = dry
+        self.on_dry = [] if on_dry is None else [on_dry]     # called as the pass turns dry
         self._thread = threading.get_ident()
         self._previous = None
+        self._was_dry = False
+        self._probing = False
 
     def __enter__(self) -> "defer_launches":
         from triton import knobs
@@ -134,18 +161,32 @@ class defer_launches:
                 return run(fn, *args, grid=grid, warmup=warmup or threading.get_ident() in threads, **kwargs)
             JITFunction.run = run_or_look_up
         defer_launches._depth += 1
-        _dry_threads[self._thread] = _dry_threads.get(self._thread, 0) + 1
+        self._outer = getattr(_state, "watcher", None)
+        _state.watcher = self
+        if self._start_dry:
+            self._go_dry()
         return self
+
+    def _go_dry(self) -> None:
+        for fn in self.on_dry:
+            fn()
+        self.went_dry = True
+        self._was_dry = dry_pass_running()
+        _state.dry = True
+        _dry_threads[self._thread] = _dry_threads.get(self._thread, 0) + 1
 
     def __exit__(self, *exc) -> None:
         from triton import knobs
         from triton.runtime.jit import JITFunction
         knobs.runtime.jit_cache_hook = self._previous
-        left = _dry_threads[self._thread] - 1
-        if left:
-            _dry_threads[self._thread] = left
-        else:
-            del _dry_threads[self._thread]
+        if self.went_dry:
+            _state.dry = self._was_dry
+            left = _dry_threads[self._thread] - 1
+            if left:
+                _dry_threads[self._thread] = left
+            else:
+                del _dry_threads[self._thread]
+        _state.watcher = self._outer
         defer_launches._depth -= 1
         if defer_launches._depth == 0:
             JITFunction.run = defer_launches._run
@@ -157,11 +198,28 @@ class defer_launches:
                 return None
             return self._previous(key=key, repr=repr, fn=fn, compile=compile, is_manual_warmup=is_manual_warmup,
                                   already_compiled=already_compiled, **rest)
-        self.found.append(Deferred(str(fn.module), fn.name, compile["specialization_data"], fn.jit_function))
+        if self._probing:                    # on_disk's own lookup (preload calls this hook too)
+            return None
+        found = Deferred(str(fn.module), fn.name, compile["specialization_data"], fn.jit_function)
+        if not self.went_dry:
+            self._probing = True
+            try:
+                held = on_disk(found)
+            finally:
+                self._probing = False
+            if held:
+                return None                  # Triton loads it, as on any warm start
+            self._go_dry()
+        self.found.append(found)
         return True
 
 
-_dry_threads: dict[int, int] = {}     # thread id -> defer_launches entered on it and not yet left
+_dry_threads: dict[int, int] = {}     # thread id -> dry passes entered on it and not yet left
+
+
+def watching() -> bool:
+    """Whether this thread's Triton launches are being watched (:func:`run_ahead`, a dry pass)."""
+    return getattr(_state, "watcher", None) is not None
 
 
 # -- pass 2: what Triton's disk cache already holds -------------------------------------------------
@@ -169,18 +227,24 @@ class _NotCached(Exception):
     pass
 
 
+class _Found(Exception):
+    pass
+
+
 class _lookup_only:
     """Context manager: this thread's Triton compiles may load from the disk cache but not compile
-    (a miss raises :class:`_NotCached`). Wraps the cache-manager factory Triton's ``compile`` calls."""
+    (a miss raises :class:`_NotCached`); with ``probe``, not load either (a hit raises
+    :class:`_Found`). Wraps the cache-manager factory Triton's ``compile`` calls."""
 
-    def __init__(self):
+    def __init__(self, probe: bool = False):
         from triton.compiler import compiler
         self._module = compiler
         self._thread = threading.get_ident()
+        self._probe = probe
 
     def __enter__(self):
         self._factory = factory = self._module.get_cache_manager
-        thread = self._thread
+        thread, probe = self._thread, self._probe
 
         def lookup(key):
             manager = factory(key)
@@ -192,6 +256,8 @@ class _lookup_only:
                 group = get_group(filename)
                 if not group or group.get(filename) is None:
                     raise _NotCached(filename)
+                if probe:
+                    raise _Found(filename)
                 return group
             manager.get_group = group_or_miss
             return manager
@@ -200,6 +266,19 @@ class _lookup_only:
 
     def __exit__(self, *exc):
         self._module.get_cache_manager = self._factory
+
+
+def on_disk(d: Deferred) -> bool:
+    """Whether Triton's disk cache holds ``d`` (nothing is compiled or loaded; a specialisation that
+    cannot be looked up counts as missing)."""
+    with _lookup_only(probe=True):
+        try:
+            d.jit.preload(d.spec)
+        except _Found:
+            return True
+        except Exception:
+            return False
+    return True
 
 
 def load_cached(found: list[Deferred]) -> tuple[list[Deferred], list[tuple[str, str]]]:
@@ -413,29 +492,48 @@ def _compile(found: list[Deferred], workers: int, report: AheadReport) -> None:
             report.failed.append((d.qualname, r.get("error", "")))
 
 
-def compile_ahead(dry_run, label: str = "forward", workers: int | None = None) -> AheadReport:
-    """Passes 1-3 of the module docstring for ``dry_run()`` (a callable running the forward once,
-    whose results are thrown away). Returns the call's :class:`AheadReport` (also appended to
-    :data:`history`). Called inside another call's dry pass (a graph runner's step whose engine
-    forward meets a new plan), it does nothing: its caller's forward runs next, in that dry pass."""
-    report = AheadReport(label)
-    t0 = time.perf_counter()
-    workers = num_workers() if workers is None else workers
-    if dry_pass_running():       # a forward inside another's dry pass: the launches that follow this
-        report.dry_error = "inside another dry pass"     # call are the outer pass's, which records them
-        return report
-    with _lock:
-        with defer_launches() as dry:
-            _state.dry = True
+def run_ahead(forward, label: str = "forward", *, on_dry=None, workers: int | None = None) -> AheadReport | None:
+    """Run ``forward()``, a forward meeting new kernel specialisations, as the module docstring says:
+    watched, real up to the first Triton kernel missing from the disk cache, dry from there
+    (``on_dry()`` first: the caller zeroes its arena), then the misses compiled on workers.
+
+    Returns None when the forward ran through (every kernel compiled in this process or loaded
+    from disk: nothing else was done), else the :class:`AheadReport` (also appended to
+    :data:`history`): then the forward's results are garbage and the caller runs it again, which
+    loads every kernel. A forward raising before it went dry raises here; after, the report keeps
+    the error (``dry_error``) and what was recorded is compiled. Called while this thread is already
+    watched (a graph runner's step whose engine forward meets a new plan), ``forward()`` runs in that
+    watch (``on_dry`` is called if it is dry or turns dry meanwhile) and None is returned."""
+    outer = getattr(_state, "watcher", None)
+    if outer is not None:                  # the outer watch records; this caller's arena must turn too
+        if on_dry is None:
+            forward()
+        elif outer.went_dry:
+            on_dry()
+            forward()
+        else:
+            outer.on_dry.append(on_dry)
             try:
-                dry_run()
-            except Exception as e:                   # what it recorded so far is still worth compiling
-                report.dry_error = f"{type(e).__name__}: {e}"[:300]
+                forward()
             finally:
-                _state.dry = False
-        unique = list(dict.fromkeys(dry.found))
-        report.deferred = len(unique)
-        report.kernels = [d.qualname for d in unique]
+                outer.on_dry.remove(on_dry)
+        return None
+    workers = num_workers() if workers is None else workers
+    t0 = time.perf_counter()
+    with _lock:
+        watch = defer_launches(dry=False, on_dry=on_dry)
+        error = None
+        with watch:
+            try:
+                forward()
+            except Exception as e:
+                if not watch.went_dry:
+                    raise
+                error = f"{type(e).__name__}: {e}"[:300]       # what it recorded is still worth compiling
+        if not watch.went_dry:
+            return None
+        unique = list(dict.fromkeys(watch.found))
+        report = AheadReport(label, deferred=len(unique), kernels=[d.qualname for d in unique], dry_error=error)
         try:
             _compile(unique, workers, report)
         except Exception as e:              # e.g. a Triton without these internals: the forward compiles

@@ -153,28 +153,12 @@ class TritonBackend:
                 after(node, values)
 
     def ahead_applies(self, nodes, device) -> bool:
-        """Whether a first forward of ``nodes`` on ``device`` compiles its Triton kernels ahead
-        (:mod:`graphdsl.runtime.precompile`): on CUDA, not under the interpreter, not during a
-        CUDA-graph capture, with ``GRAPHDSL_COMPILE_WORKERS`` 2 or more, and for graphs without
-        collectives (their kernels wait on the other ranks, whose launches a dry pass skips)."""
+        """Whether a first forward of ``nodes`` on ``device`` runs watched, its missing Triton kernels
+        compiled ahead (:func:`graphdsl.runtime.precompile.run_ahead`): where
+        :func:`~graphdsl.runtime.precompile.applies`, for graphs without collectives (their kernels
+        wait on the other ranks, whose launches a dry part skips)."""
         from .. import precompile
-        return (torch.device(device).type == "cuda" and not _interpreting() and precompile.num_workers() >= 2
-                and not torch.cuda.is_current_stream_capturing()
-                and not any(n.category is OpCategory.COLLECTIVE for n in nodes))
-
-    def compile_ahead(self, nodes, values: dict, attrs: dict, storage: dict, label: str, arena=None):
-        """Before the first forward of a shape plan: compile the Triton kernels its launches will
-        need on worker processes (:mod:`graphdsl.runtime.precompile`: a dry pass of this forward on
-        copies of ``values`` and ``storage``, with the engine's ``arena`` zeroed first, so an op
-        reading a skipped kernel's output reads zeros, never stale indices). Returns the report, or
-        None where :meth:`ahead_applies` says no."""
-        from .. import precompile
-        first = next(iter(values.values()), None)
-        if first is None or not self.ahead_applies(nodes, first.device):
-            return None
-        if arena is not None:
-            arena.zero_()
-        return precompile.compile_ahead(lambda: self.run(nodes, dict(values), attrs, dict(storage)), label)
+        return precompile.applies(device) and not any(n.category is OpCategory.COLLECTIVE for n in nodes)
 
     def _run_one(self, node, values: dict, attrs: dict, storage: dict) -> None:
         ins = [values[t] for t in node.inputs]

@@ -53,6 +53,7 @@ from typing import Mapping
 import torch
 
 from graphdsl.errors import BindError, GraphDSLError
+from graphdsl.runtime.precompile import dry_pass_running
 from graphdsl.runtime.taps import taps_from_env
 
 __all__ = ["BUCKETS", "Pad", "bucket_for", "pad_batch", "packed_inputs", "capture_stream", "CudaGraphRunner",
@@ -336,11 +337,7 @@ class CudaGraphRunner:
         device = next(iter(static.values())).device
         if device.type != "cuda":
             raise GraphDSLError(f"CudaGraphRunner: CUDA graphs need CUDA inputs, got device {device}")
-        self._compile_ahead(bucket, static, device)
-        outputs = _warm_up(engine, self._feed(static, []), device, self.taps or {})
-        if self.epilogue is not None:      # warmed on copies (it may update the inputs), so that what it
-            # allocates or compiles on first use (the draw's arrival counters) is not captured as work
-            self.epilogue({k: v.clone() for k, v in static.items()}, outputs)
+        outputs = self._first_step(bucket, static, device)
         tap_buffers = dict(engine.tapped) if self.taps else {}
         for name, buf in outputs.items():
             if buf.dim() == 0 or buf.shape[0] != bucket:
@@ -355,38 +352,42 @@ class CudaGraphRunner:
             extra = dict(self.epilogue(static, outputs)) if self.epilogue is not None else {}
         return _Graph(graph, static, {**outputs, **extra}, _arena_views(engine) + made, taps=tap_buffers)
 
-    def _compile_ahead(self, bucket: int, static: dict[str, torch.Tensor], device) -> None:
-        """Compile the Triton kernels of the whole captured step — prologue, the engine's forward,
-        epilogue — on worker processes in one round (:mod:`graphdsl.runtime.precompile`), where
-        the engine's backend compiles ahead at all. Without this the engine's forward compiled its
-        own kernels ahead, but the prologue's and the epilogue's compiled one by one in the warm-up
-        (two kernels and their launchers: 8B cold start 5.98 -> 5.42 s on H200s).
+    def _first_step(self, bucket: int, static: dict[str, torch.Tensor], device) -> dict[str, torch.Tensor]:
+        """The step once before its capture — prologue, the engine's forward (:func:`_warm_up`),
+        epilogue — which compiles its kernels, plans the shape and sizes the workspaces; returns the
+        forward's outputs. The epilogue runs on copies of the static buffers (it advances them), so
+        that what it allocates or compiles on first use (the draw's arrival counters) is not captured
+        as work.
 
-        The dry pass works on copies of the static buffers and launches no Triton kernel; the
-        prologue's outputs, which its skipped launch leaves unwritten, are zeroed before the
-        engine's forward reads them (zeros are a valid index for any torch op that does), and the
-        engine zeroes its arena for a forward inside a dry pass. A forward that meets a new plan
-        there finds its own compile-ahead inside this dry pass and leaves the recording to it."""
-        applies = getattr(self.engine.backend, "ahead_applies", None)
-        if applies is None or not applies(self.engine.net.nodes, device):
-            return
+        Where the engine's backend compiles ahead, the step runs watched
+        (:func:`graphdsl.runtime.precompile.run_ahead`): at the first Triton kernel missing from the
+        disk cache the rest of the step goes dry, every kernel it was missing — the prologue's, the
+        forward's, the epilogue's — compiles on worker processes in one round, and the step runs
+        again. In a dry part the prologue's outputs, left unwritten, are zeroed (zeros are a valid
+        index for any torch op that reads them) and the engine zeroes its arena."""
         from graphdsl.runtime import precompile
 
-        def dry_step() -> None:
-            scratch = {k: v.clone() for k, v in static.items()}
-            outputs = self.engine.forward(self._feed(scratch, [], blank=True))
+        def step() -> dict[str, torch.Tensor]:
+            outputs = _warm_up(self.engine, self._feed(static, [], dry=True), device, self.taps or {})
             if self.epilogue is not None:
-                self.epilogue(scratch, outputs)
-        precompile.compile_ahead(dry_step, f"graph step, {bucket} rows")
+                self.epilogue({k: v.clone() for k, v in static.items()}, outputs)
+            return outputs
+        applies = getattr(self.engine.backend, "ahead_applies", None)
+        if applies is None or not applies(self.engine.net.nodes, device):
+            return step()
+        done = []
+        if precompile.run_ahead(lambda: done.append(step()), f"graph step, {bucket} rows") is None:
+            return done[0]
+        return step()
 
-    def _feed(self, static: dict, made: list, blank: bool = False) -> dict:
+    def _feed(self, static: dict, made: list, dry: bool = False) -> dict:
         """The engine's inputs: the static buffers and what the prologue computes from them (its
-        tensors appended to ``made``: a graph keeps the memory it was captured with). ``blank``:
-        zero the prologue's tensors (a dry pass skipped the launches that would have written them)."""
+        tensors appended to ``made``: a graph keeps the memory it was captured with). ``dry``: zero
+        the prologue's tensors if a dry pass skipped the launches that would have written them."""
         if self.prologue is None:
             return static
         extra = dict(self.prologue(static))
-        if blank:
+        if dry and dry_pass_running():
             for v in extra.values():
                 v.zero_()
         made.extend(extra.values())

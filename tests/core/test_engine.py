@@ -245,6 +245,47 @@ def test_a_forward_inside_a_dry_pass_zeroes_the_arena_first(monkeypatch):
     monkeypatch.setattr(eng.backend, "run", lambda *a, **k: (seen.append(arena.clone()), run(*a, **k))[1])
     arena.fill_(7)
     eng.forward(feed)                                        # a plain forward leaves the arena alone
-    report = precompile.compile_ahead(lambda: eng.forward(feed), "test", workers=0)
-    assert report.dry_error is None
+    with precompile.defer_launches():                         # a dry pass on this thread
+        eng.forward(feed)
     assert bool((seen[0] == 7).all()) and not bool(seen[1].any())
+
+
+def test_a_new_plans_watched_run_that_went_dry_runs_again(monkeypatch):
+    """Engine._run's contract with precompile.run_ahead: a new plan's first run goes through it; when
+    it reports (the run turned dry: its results are garbage) the backend runs again on fresh values,
+    and those are the outputs; when it ran through, its values are the outputs; a known plan runs once."""
+    import graphdsl.runtime.engine as engine_module
+    n = Dim("n")
+    with Network() as net:
+        h = F.matmul(Tensor("x", (n, 8), "float32"), Tensor("w", (8, 8), "float32"))
+        net.mark_output(F.matmul(h, Tensor("v", (8, 8), "float32")), "y")
+    eng = net.build_engine(device="cpu")
+    runs, watched = [], []
+    real_run = eng.backend.run
+
+    def run(nodes, values, attrs, storage, after=None):
+        runs.append(values)
+        real_run(nodes, values, attrs, storage, after=after)
+        if watched and watched[-1] == "dry" and len(runs) == 1:
+            for t in list(values):                   # a dry part leaves garbage behind
+                if values[t].dtype.is_floating_point and t.producer is not None:
+                    values[t] = torch.full_like(values[t], float("nan"))
+    monkeypatch.setattr(eng.backend, "run", run)
+    monkeypatch.setattr(eng.backend, "ahead_applies", lambda nodes, device: True, raising=False)
+    turns = iter(["dry", "through"])
+
+    def run_ahead(forward, label, on_dry=None):
+        watched.append(next(turns))
+        assert callable(on_dry)                      # the arena's zeroing, for the turn
+        forward()
+        return object() if watched[-1] == "dry" else None
+    monkeypatch.setattr(engine_module, "run_ahead", run_ahead)
+    x, eye = torch.randn(4, 8), torch.eye(8)
+    y = eng.forward({"x": x, "w": eye, "v": 2 * eye})["y"]
+    assert len(runs) == 2 and runs[0] is not runs[1]            # ran again, on fresh values
+    torch.testing.assert_close(y, 2 * x)
+    y = eng.forward({"x": x[:3], "w": eye, "v": 3 * eye})["y"]    # a new plan that ran through
+    assert len(runs) == 3 and watched == ["dry", "through"]
+    torch.testing.assert_close(y, 3 * x[:3])
+    eng.forward({"x": x, "w": eye, "v": eye})                    # a known plan: one plain run
+    assert len(runs) == 4 and len(watched) == 2

@@ -282,3 +282,34 @@ def test_tied_logprobs_share_a_rank_whatever_the_number_asked_for():
             pos = loop._position(ids[0], lps[0], chosen, tl[0], tr[0])
             assert chosen in pos and len(pos) in (k, k + 1)
             assert {t: v.rank for t, v in pos.items()} == {t: want[t] for t in pos}, (chosen, k)
+
+
+def test_the_first_draw_of_each_kind_runs_watched_and_again_if_it_went_dry(monkeypatch):
+    """On CUDA the first draw of each kind runs through precompile.run_ahead on a copy of the logits
+    (loop._draw); if it went dry, the draw runs again on the logits. Faked here: the odd watched
+    calls 'go dry at once' (nothing ran), the even ones run through. The tokens — sampled with
+    seeds and penalties, whose counts a doubled or missing draw would change — must not move."""
+    from graphdsl.runtime import precompile
+    params = SamplingParams(max_tokens=8, temperature=0.9, top_k=6, seed=3, presence_penalty=1.5,
+                            frequency_penalty=1.5)
+
+    def run():
+        loop, sched, _ = _loop()
+        reqs = [sched.add_request(i, p, params) for i, p in enumerate([[1, 2, 3], [4, 5, 6, 7], [9]])]
+        _drive(loop)
+        return loop, [r.output_ids for r in reqs]
+    _, want = run()
+    watched = []
+
+    def run_ahead(forward, label):
+        watched.append(label)
+        if len(watched) % 2:
+            return object()
+        forward()
+        return None
+    monkeypatch.setattr(precompile, "applies", lambda device: True)
+    monkeypatch.setattr(precompile, "run_ahead", run_ahead)
+    loop, got = run()
+    assert got == want
+    assert len(watched) == len(loop._drawn) >= 2          # once per kind: the prefill's and the decode's
+    assert all(label.startswith("sampler, ") for label in watched)

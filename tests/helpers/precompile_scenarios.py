@@ -45,10 +45,14 @@ def main() -> int:
     out["jit"] = isinstance(kernels.add_one, JITFunction)
     x = torch.zeros(64)
 
-    # 1. a cold cache: deferred, compiled by a worker, the launch skipped
-    r = precompile.compile_ahead(lambda: kernels.add_one[(1,)](x, 60, BLOCK=64), "cold", workers=2)
+    # 1. a cold cache: the watched forward turns dry at its first launch, which is skipped; a worker
+    # compiles the kernel
+    marks = []
+    r = precompile.run_ahead(lambda: kernels.add_one[(1,)](x, 60, BLOCK=64), "cold",
+                             on_dry=lambda: marks.append("dry"), workers=2)
     out["cold"] = _report(r)
     out["cold_kernels"] = r.kernels
+    out["cold_marks"] = marks
     out["untouched"] = bool(torch.equal(x, torch.zeros(64)))
     out["in_history"] = precompile.history[-1] is r
 
@@ -56,10 +60,12 @@ def main() -> int:
     again = _fresh()
     with precompile.defer_launches() as dry:
         again.add_one[(1,)](x, 60, BLOCK=64)
+    out["on_disk"] = [precompile.on_disk(d) for d in dry.found]
     misses, failed = precompile.load_cached(dry.found)
     out["lookup_same"] = [len(dry.found), len(misses), failed]
     with precompile.defer_launches() as dry:
         again.add_one[(1,)](x, 60, BLOCK=128)
+    out["on_disk"] += [precompile.on_disk(d) for d in dry.found]
     misses, failed = precompile.load_cached(dry.found)
     out["lookup_other"] = [len(dry.found), len(misses), failed]
 
@@ -73,25 +79,47 @@ def main() -> int:
         out["hit_not_launched"] = [None, f"{type(e).__name__}: {e}"[:200]]
     out["run_restored"] = JITFunction.run.__qualname__
 
-    # 3. the whole call again with everything on disk: no worker forked
-    r = precompile.compile_ahead(lambda: _fresh().add_one[(1,)](x, 60, BLOCK=64), "warm", workers=2)
-    out["warm"] = _report(r)
+    # 3. everything on disk: the watched forward never turns dry; Triton loads the kernel and launches
+    # it (which, with no GPU behind the offline driver, raises: the launch was the real one)
+    before, marks = len(precompile.history), []
+    try:
+        precompile.run_ahead(lambda: _fresh().add_one[(1,)](x, 60, BLOCK=64), "warm",
+                             on_dry=lambda: marks.append("dry"), workers=2)
+        out["warm"] = "no launch"
+    except Exception as e:
+        out["warm"] = f"{type(e).__name__}: {e}"[:200]
+    out["warm_quiet"] = [len(precompile.history) - before, marks, precompile.watching(),
+                         precompile.dry_pass_running()]
 
-    # 3b. a forward inside another's dry pass (a graph runner's step meeting a new plan): the nested
-    # call runs no dry pass of its own; the forward's launches after it are recorded by the outer one
-    inner, inner_runs = [], []
+    # 3a. a kernel missing from the disk first, then one on it: both recorded after the turn; the
+    # second is loaded from the disk, the first compiled by a worker
+    fresh = _fresh()
+    r = precompile.run_ahead(lambda: (fresh.add_one[(1,)](x, 60, BLOCK=256), fresh.add_one[(1,)](x, 60, BLOCK=64)),
+                             "mixed", workers=2)
+    out["mixed"] = _report(r)
+
+    # 3b. forwards inside another's watch (a graph runner's step meeting a new plan): they run in it,
+    # and their on_dry is called when it turns dry during them, or at once if it already has
+    marks, inner = [], []
 
     def forward():
-        inner.append(precompile.compile_ahead(lambda: inner_runs.append(1), "inner", workers=2))
-        kernels.add_one[(1,)](x, 64, BLOCK=512)
-    outer = precompile.compile_ahead(forward, "outer", workers=2)
-    out["nested"] = [_report(outer), _report(inner[0]), len(inner_runs), precompile.dry_pass_running()]
+        inner.append(precompile.run_ahead(lambda: kernels.add_one[(1,)](x, 64, BLOCK=512), "inner",
+                                          on_dry=lambda: marks.append("inner"), workers=2))
+        inner.append(precompile.run_ahead(lambda: marks.append("ran"), "inner2", on_dry=lambda: marks.append("inner2"),
+                                          workers=2))
+    outer = precompile.run_ahead(forward, "outer", on_dry=lambda: marks.append("outer"), workers=2)
+    out["nested"] = [_report(outer), inner, marks, precompile.dry_pass_running()]
 
-    # 4. a dry pass that raises keeps what it recorded
+    # 4. a forward that raises after turning dry keeps what it recorded; one that raises before, raises
     def failing():
         kernels.add_one[(1,)](x, 64, BLOCK=32)
         raise RuntimeError("data-dependent host code")
-    out["failing"] = _report(precompile.compile_ahead(failing, "failing", workers=2))
+    out["failing"] = _report(precompile.run_ahead(failing, "failing", workers=2))
+    try:
+        precompile.run_ahead(lambda: 1 / 0, "raises", workers=2)
+        out["raises"] = None
+    except ZeroDivisionError as e:
+        out["raises"] = [str(e), precompile.history[-1].label]
 
     # 5. workers that fail, die or hang leave their kernels to the forward
     class Fails:
@@ -131,7 +159,7 @@ def main() -> int:
         spec = importlib.util.spec_from_file_location("graphdsl_fused_pctest", path)
         mod = importlib.util.module_from_spec(spec)
         spec.loader.exec_module(mod)
-        out["generated"] = _report(precompile.compile_ahead(lambda: mod.add_one[(1,)](x, 64, BLOCK=16),
+        out["generated"] = _report(precompile.run_ahead(lambda: mod.add_one[(1,)](x, 64, BLOCK=16),
                                                             "generated", workers=2))
     print(json.dumps(out))
     return 0

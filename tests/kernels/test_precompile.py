@@ -32,17 +32,18 @@ def scenarios(tmp_path_factory):
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
-def test_a_cold_cache_defers_the_launch_and_a_worker_compiles_it(scenarios):
+def test_a_cold_cache_turns_the_forward_dry_and_a_worker_compiles_the_kernel(scenarios):
     assert scenarios["jit"]
     assert scenarios["cold"] == {"deferred": 1, "on_disk": 0, "compiled": 1, "failed": [], "workers": 1,
                                  "killed": 0, "dry_error": None}
-    assert scenarios["cold_kernels"] == ["add_one"]
-    assert scenarios["untouched"] and scenarios["in_history"]     # the dry pass launched nothing
+    assert scenarios["cold_kernels"] == ["add_one"] and scenarios["cold_marks"] == ["dry"]
+    assert scenarios["untouched"] and scenarios["in_history"]     # the dry part launched nothing
 
 
 def test_what_a_worker_compiled_is_found_on_disk_by_another_import(scenarios):
     assert scenarios["lookup_same"] == [1, 0, []]           # recorded, not a miss
     assert scenarios["lookup_other"] == [1, 1, []]          # another BLOCK: a miss
+    assert scenarios["on_disk"] == [True, False]            # the probe agrees, loading nothing
 
 
 def test_a_compiled_kernel_is_not_launched_in_a_dry_pass(scenarios):
@@ -51,23 +52,30 @@ def test_a_compiled_kernel_is_not_launched_in_a_dry_pass(scenarios):
     assert scenarios["run_restored"] == "JITFunction.run"
 
 
-def test_a_warm_cache_forks_no_worker(scenarios):
-    assert scenarios["warm"] == {"deferred": 1, "on_disk": 1, "compiled": 0, "failed": [], "workers": 0,
-                                 "killed": 0, "dry_error": None}
+def test_a_warm_cache_runs_the_forward_for_real_with_no_dry_pass(scenarios):
+    # the kernel loaded from the disk and launched: with no GPU behind the offline driver, that raises
+    assert "launcher_cls" in scenarios["warm"]
+    assert scenarios["warm_quiet"] == [0, [], False, False]      # no report, never dry, nothing left on
 
 
-def test_a_forward_inside_another_dry_pass_is_recorded_by_the_outer_one(scenarios):
-    outer, inner, inner_dry_runs, still_running = scenarios["nested"]
+def test_kernels_after_the_turn_are_recorded_and_those_on_disk_loaded(scenarios):
+    assert scenarios["mixed"] == {"deferred": 2, "on_disk": 1, "compiled": 1, "failed": [], "workers": 1,
+                                  "killed": 0, "dry_error": None}
+
+
+def test_a_forward_inside_another_watch_runs_in_it_and_turns_with_it(scenarios):
+    outer, inner, marks, still_dry = scenarios["nested"]
     assert (outer["deferred"], outer["compiled"], outer["failed"]) == (1, 1, [])
-    assert inner["dry_error"] == "inside another dry pass" and inner["deferred"] == 0
-    assert inner_dry_runs == 0                 # the forward after it is already in the outer dry pass
-    assert still_running is False
+    assert inner == [None, None]                   # the outer watch reports; its caller reruns
+    assert marks == ["outer", "inner", "inner2", "ran"]   # turned inside the first; the second already dry
+    assert still_dry is False
 
 
-def test_a_dry_pass_that_fails_still_compiles_what_it_recorded(scenarios):
+def test_a_forward_that_fails_after_the_turn_still_compiles_what_it_recorded(scenarios):
     r = scenarios["failing"]
     assert r["dry_error"] == "RuntimeError: data-dependent host code"
     assert (r["deferred"], r["compiled"], r["failed"]) == (1, 1, [])
+    assert scenarios["raises"] == ["division by zero", "failing"]    # raised before the turn: raised, no report
 
 
 def test_workers_that_fail_die_or_hang_leave_their_kernels_to_the_forward(scenarios):
@@ -103,7 +111,7 @@ def test_only_the_calling_threads_launches_are_deferred():
 
 def test_the_backend_compiles_ahead_only_on_cuda(monkeypatch):
     from graphdsl.runtime.backends.triton_backend import TritonBackend
-    assert TritonBackend().compile_ahead([], {"x": torch.zeros(2)}, {}, {}, "cpu") is None
+    assert TritonBackend().ahead_applies([], "cpu") is False
     monkeypatch.setenv("GRAPHDSL_COMPILE_WORKERS", "0")
     assert precompile.num_workers() == 0
     monkeypatch.setenv("GRAPHDSL_COMPILE_WORKERS", "many")
