@@ -26,13 +26,24 @@ at start-up instead, as vLLM does with its profile run and graph capture, throug
    for the next narrower table, 3 new tokens each, so that graph is planned and captured too.
 
 Requests are ordinary requests: their KV blocks are freed when they finish, and later outputs do
-not depend on the warm-up (``tests/models/test_warmup.py``)."""
+not depend on the warm-up (``tests/models/test_warmup.py``).
+
+Where the engines compile Triton kernels ahead (CUDA; :mod:`graphdsl.runtime.precompile`), the
+stages run inside one watch. Each kernel this process has not compiled is looked up in Triton's
+disk cache; a warm start loads them all and the stages simply run. At the first kernel the cache
+lacks, the rest of the warm-up turns dry: every later step runs launching nothing (no CUDA graph is
+captured, the sampled tokens read as 0) and records the kernels it would have compiled. They then
+compile in one round on worker processes and the stages run again, for real. Before, a cold
+warm-up compiled in a round per new plan and per sampler kind, each as long as its slowest kernel
+(Llama-3.2-1B at 32 sequences, an H200: 61 kernels in 22 rounds, 32 s of a 38 s warm-up)."""
 from __future__ import annotations
 
 import sys
 import time
 from dataclasses import dataclass, field
 
+from graphdsl.layers import Phase
+from graphdsl.runtime import precompile
 from graphdsl.runtime.serving.cuda_graphs import BUCKETS, bucket_for
 from graphdsl.runtime.serving.loop import prefill_buckets_enabled
 from graphdsl.runtime.serving.prefill_pad import token_buckets
@@ -46,10 +57,13 @@ _NEW_TOKENS = 3           # per decode-bucket request: a prefill-sampled token, 
 
 @dataclass
 class WarmupReport:
-    """What :func:`warm_up` ran: ``stages`` as ``(label, seconds)`` and the total ``seconds``."""
+    """What :func:`warm_up` ran: ``stages`` as ``(label, seconds)`` in order (where the warm-up
+    turned dry: its dry stages, marked so, the compile round, then every stage again) and the total
+    ``seconds``; ``ahead``: the round's :class:`~graphdsl.runtime.precompile.AheadReport`, or None."""
 
     stages: list[tuple[str, float]] = field(default_factory=list)
     seconds: float = 0.0
+    ahead: precompile.AheadReport | None = None
 
     def __str__(self) -> str:
         return f"warmed up {len(self.stages)} stages in {self.seconds:.1f}s: " + \
@@ -120,12 +134,42 @@ def warm_up(llm, *, stream=True) -> WarmupReport:
         stages.append((f"{len(wider)} decode graphs of wider block tables", wider))
     report = WarmupReport()
     t0 = time.monotonic()
+    if _compiles_ahead(llm):
+        ended = []
+        report.ahead = precompile.run_ahead(lambda: ended.append(_run_stages(llm, stages, report, stream)), "warm-up")
+        if report.ahead is not None:
+            a = report.ahead
+            label = (f"{a.compiled} kernels missing from Triton's cache compiled on {a.workers} workers"
+                     + (f" ({len(a.failed)} left to the steps)" if a.failed else ""))
+            report.stages.append((label, time.monotonic() - (ended[0] if ended else t0)))
+            if stream:
+                print(f"warm-up: {label} in {report.stages[-1][1]:.1f}s; the stages again, for real",
+                      file=stream, flush=True)
+            _run_stages(llm, stages, report, stream)
+    else:
+        _run_stages(llm, stages, report, stream)
+    report.seconds = time.monotonic() - t0
+    return report
+
+
+def _compiles_ahead(llm) -> bool:
+    """Whether the warm-up runs watched: the decode engine's backend compiles ahead on this device."""
+    engine = llm.model.engine(Phase.DECODE)
+    applies = getattr(engine.backend, "ahead_applies", None)
+    return applies is not None and applies(engine.net.nodes, llm.device)
+
+
+def _run_stages(llm, stages: list, report: WarmupReport, stream) -> float:
+    """Run ``stages`` through ``llm.generate``, appending ``(label, seconds)`` to ``report.stages``
+    (a stage that ended in a dry pass is marked) and printing a line each on ``stream``; returns the
+    clock at the end."""
     for k, (label, calls) in enumerate(stages, 1):
         t = time.monotonic()
         for prompts, params in calls:
             llm.generate(prompts, params, use_tqdm=False)
+        if precompile.dry_pass_running():
+            label += " (dry: recording the kernels to compile)"
         report.stages.append((label, time.monotonic() - t))
         if stream:
             print(f"warm-up {k}/{len(stages)}: {label} {report.stages[-1][1]:.1f}s", file=stream, flush=True)
-    report.seconds = time.monotonic() - t0
-    return report
+    return time.monotonic()

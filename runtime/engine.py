@@ -39,6 +39,7 @@ class ShapePlan:
     workspaces: dict = field(default_factory=dict)  # node name -> (shape, dtype) of its scratch (OpDef.workspace)
     storage: dict | None = None       # tensor (node: its workspace) -> arena view, valid for ``storage_arena``
     storage_arena: int = -1
+    ran: bool = False                 # a run finished outside a dry pass (until then its runs are watched)
 
 
 class Engine:
@@ -147,9 +148,9 @@ class Engine:
         key = (device, tuple((k, tuple(feed[k].shape), feed[k].dtype) for k in self.required),
                tuple(sorted(params.items())))
         plan = self._plans.get(key)
-        fresh = plan is None
-        if fresh:
+        if plan is None:
             plan = self._plans[key] = self._specialise(feed, params)
+        fresh = not plan.ran
         self.last_plan = plan
         storage = dict(self._storage(plan, device))
         outs = self._bind_outputs(outputs, plan, device)
@@ -172,6 +173,7 @@ class Engine:
                 hook = copy if after is None else _chain(copy, after)
         with on_device(device):                 # Triton launches on the current GPU, not the tensors'
             values = self._run(fresh, plan, nodes, values, storage, hook, device)
+        plan.ran = plan.ran or not dry_pass_running()
         if self.dump_dir is not None and len(getattr(self.backend, "sources", ())) != self._kernels_dumped:
             self._dump_kernels(self.dump_dir)
         for name, t in self.net.outputs.items():
@@ -182,12 +184,13 @@ class Engine:
     __call__ = forward
 
     def _run(self, fresh: bool, plan: ShapePlan, nodes, values: dict, storage: dict, hook, device) -> dict:
-        """The backend's run of ``nodes``; returns the values it filled in. A new plan's first run on a
-        backend that compiles ahead is watched (:func:`~graphdsl.runtime.precompile.run_ahead`): at
-        the first Triton kernel missing from the disk cache it turns dry (the arena zeroed), the
-        missing kernels compile on worker processes, and the run starts again. Inside a caller's
-        watch (a graph runner's step) the run is the caller's to repeat; the arena is zeroed if
-        that watch is dry or turns dry meanwhile, so the dry ops read zeros, not an earlier step's
+        """The backend's run of ``nodes``; returns the values it filled in. On a backend that compiles
+        ahead, a plan's runs are watched (:func:`~graphdsl.runtime.precompile.run_ahead`) until one
+        finishes outside a dry pass (``fresh``: ``plan.ran`` not yet set): at the first Triton kernel
+        missing from the disk cache the run turns dry (the arena zeroed), the missing kernels
+        compile on worker processes, and the run starts again. Inside a caller's watch (a graph
+        runner's step, a warm-up) the run is the caller's to repeat; the arena is zeroed if that
+        watch is dry or turns dry meanwhile, so the dry ops read zeros, not an earlier step's
         indices."""
         arena = self._arenas.get(device)
         applies = getattr(self.backend, "ahead_applies", None)

@@ -37,7 +37,11 @@ replaying a captured CUDA graph removes it. A graph fixes every shape and pointe
   them, so every replay refreshes them; ``runner.tapped`` holds the last replay's (``[bucket, ...]``
   rows, padding included);
 * **static use** — the serving loop writes a bucket's static inputs itself (:meth:`static_inputs`,
-  advanced in place between steps) and calls :meth:`replay` with no copy at all.
+  advanced in place between steps) and calls :meth:`replay` with no copy at all;
+* **dry passes** — nothing is captured inside one (:mod:`graphdsl.runtime.precompile`; a warm-up's
+  watch that turned dry at a kernel missing from the disk cache spans many steps): a new bucket's
+  step runs as its first step does, launching nothing, and its outputs are returned uncaptured; the
+  step is captured when it next comes outside the dry pass.
 
 The warm-up computes the same step the replay then repeats (cache writes are idempotent), so the
 first step of a bucket is correct too. :func:`pad_batch` is the same padding as plain tensors, for
@@ -136,7 +140,7 @@ def pad_batch(inputs: Mapping[str, torch.Tensor], pads: Mapping[str, Pad], rows:
 
 @dataclass
 class _Graph:
-    graph: object                          # torch.cuda.CUDAGraph
+    graph: object                          # torch.cuda.CUDAGraph (None: a step that ran dry, not captured)
     inputs: dict[str, torch.Tensor]        # static input buffers, [bucket, ...]
     outputs: dict[str, torch.Tensor]       # static output buffers the graph writes
     keep: list = field(default_factory=list)   # arena views the captured kernels address
@@ -244,7 +248,10 @@ class CudaGraphRunner:
         entry = self.graphs.get((bucket, width))
         if entry is None:
             static = pad_batch(inputs, pads, bucket)
-            entry = self.graphs[(bucket, width)] = self._capture(bucket, static)
+            entry = self._capture(bucket, static)
+            if entry.graph is None:                    # a dry pass: the step ran, nothing was captured
+                return {name: buf[:n].clone() for name, buf in entry.outputs.items()}
+            self.graphs[(bucket, width)] = entry
             entry.extent = {name: (n, x.shape[1] if pads[name].width is not None else None)
                             for name, x in inputs.items()}
         else:
@@ -296,11 +303,15 @@ class CudaGraphRunner:
         key = self._key(bucket, width)
         entry = self.graphs.get(key)
         if entry is None:
-            static = self._static.pop(key, None)
+            static = self._static.get(key)
             if static is None:
                 raise GraphDSLError(f"CudaGraphRunner.replay: bucket {bucket} (width {key[1]}) has no static "
                                     "inputs; call static_inputs first")
-            entry = self.graphs[key] = self._capture(bucket, static)
+            entry = self._capture(bucket, static)
+            if entry.graph is None:                    # a dry pass: the step ran, nothing was captured
+                return entry.outputs
+            del self._static[key]
+            self.graphs[key] = entry
         entry.extent = {}        # the caller wrote the buffers: a later run() refills all padding
         entry.graph.replay()
         self.tapped = entry.taps
@@ -338,6 +349,9 @@ class CudaGraphRunner:
         if device.type != "cuda":
             raise GraphDSLError(f"CudaGraphRunner: CUDA graphs need CUDA inputs, got device {device}")
         outputs = self._first_step(bucket, static, device)
+        if dry_pass_running():     # a watch spanning several steps (a warm-up) turned dry: capture nothing
+            extra = dict(self.epilogue(static, outputs)) if self.epilogue is not None else {}
+            return _Graph(None, static, {**outputs, **extra})
         tap_buffers = dict(engine.tapped) if self.taps else {}
         for name, buf in outputs.items():
             if buf.dim() == 0 or buf.shape[0] != bucket:
@@ -443,8 +457,9 @@ class ShapeGraphRunner:
 
     def run(self, inputs: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor] | None:
         """The step's outputs through a graph (copies), or None when the caller should run it
-        eagerly (a shape not yet captured, too many rows, taps, not CUDA)."""
-        if not self.capturable(inputs):
+        eagerly (a shape not yet captured, too many rows, taps, not CUDA, inside a dry pass: a
+        warm-up's watch that turned dry captures and counts nothing)."""
+        if not self.capturable(inputs) or dry_pass_running():
             return None
         sig = self.signature(inputs)
         if sig in self.failed:
@@ -468,6 +483,8 @@ class ShapeGraphRunner:
                 _log.warning("ShapeGraphRunner: the step of shapes %s could not be captured, it runs eagerly "
                              "from now on: %s", {k: list(x.shape) for k, x in inputs.items()}, e)
                 return None
+            if entry.graph is None:                    # its warm-up turned a watch dry: nothing captured
+                return {name: buf.clone() for name, buf in entry.outputs.items()}
             while len(self.graphs) >= self.max_graphs:
                 self.graphs.pop(next(iter(self.graphs)))
         else:
@@ -498,6 +515,8 @@ class ShapeGraphRunner:
         engine = self.engine
         device = next(iter(static.values())).device
         outputs = _warm_up(engine, static, device, {})
+        if dry_pass_running():
+            return _Graph(None, static, outputs)
         outputs = {name: self.outputs.setdefault((name, tuple(x.shape), x.dtype, x.device), x)
                    for name, x in outputs.items()}
         graph = torch.cuda.CUDAGraph()

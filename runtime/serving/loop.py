@@ -259,6 +259,9 @@ class ServingLoop:
             self._pinned.setdefault((tuple(h.shape), h.dtype), []).append(h)
 
     def _read_back(self, batch, tokens, lp, prompt_rows, reqs) -> _Flight:
+        if precompile.dry_pass_running():     # nothing was launched: these are unwritten memory, which the
+            for t in (tokens, *(lp or ()), *(x for _, _, ts in prompt_rows for x in ts)):
+                t.zero_()                      # host and the next step's inputs would read as token ids
         host = self._to_host(tokens)
         lp_host = tuple(self._to_host(t) for t in lp) if lp is not None else None
         moved = [(req, first, tuple(self._to_host(t) for t in tensors)) for req, first, tensors in prompt_rows]

@@ -289,3 +289,31 @@ def test_a_new_plans_watched_run_that_went_dry_runs_again(monkeypatch):
     torch.testing.assert_close(y, 3 * x[:3])
     eng.forward({"x": x, "w": eye, "v": eye})                    # a known plan: one plain run
     assert len(runs) == 4 and len(watched) == 2
+
+
+def test_a_plan_first_run_inside_a_dry_pass_is_watched_until_it_runs_for_real(monkeypatch):
+    """A warm-up's watch that turned dry (runtime/precompile.py) makes plans whose runs launched
+    nothing: the plan's next run, outside the dry pass, is watched again (its kernels may still be
+    missing), and only once that run finished is the plan run plainly."""
+    import graphdsl.runtime.engine as engine_module
+    from graphdsl.runtime import precompile
+    pytest.importorskip("triton")
+    n = Dim("n")
+    with Network() as net:
+        net.mark_output(F.matmul(Tensor("x", (n, 8), "float32"), Tensor("w", (8, 8), "float32")), "y")
+    eng = net.build_engine(device="cpu")
+    monkeypatch.setattr(eng.backend, "ahead_applies", lambda nodes, device: True, raising=False)
+    watched = []
+
+    def run_ahead(forward, label, on_dry=None):
+        watched.append(precompile.dry_pass_running())
+        forward()
+    monkeypatch.setattr(engine_module, "run_ahead", run_ahead)
+    feed = {"x": torch.ones(4, 8), "w": torch.eye(8)}
+    with precompile.defer_launches():                          # a dry pass on this thread
+        eng.forward(feed)
+    assert watched == [True]
+    eng.forward(feed)                                          # the plan's first real run: watched
+    assert watched == [True, False]
+    torch.testing.assert_close(eng.forward(feed)["y"], torch.ones(4, 8))   # then plain
+    assert watched == [True, False]

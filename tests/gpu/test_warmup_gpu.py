@@ -59,3 +59,68 @@ def test_warmup_captures_the_wider_block_tables_too(monkeypatch):
     outs = llm.generate([[5] * 30, [6] * 300], gd.SamplingParams(max_tokens=150, temperature=0, ignore_eos=True))
     assert [len(o.outputs[0].token_ids) for o in outs] == [150, 150]
     assert len(decode._plans) == plans and set(runner.graphs) == want
+
+
+def test_steps_inside_a_dry_pass_capture_no_graph():
+    """A warm-up's watch that turned dry (runtime/precompile.py) runs its steps launching nothing:
+    neither graph runner may keep a graph captured then (it would replay nothing). The requests
+    read back token 0; the same requests outside it capture the graphs and get a fresh LLM's tokens."""
+    from graphdsl.runtime import precompile
+    prompts = [[5 + i] * (4 + 7 * i) for i in range(3)]
+    params = gd.SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
+
+    def make():
+        return gd.LLM.from_config(CONFIG, device="cuda", dtype="bfloat16", seed=0, max_model_len=256, max_num_seqs=4,
+                                  max_num_batched_tokens=128)
+    want = [o.outputs[0].token_ids for o in make().generate(prompts, params)]
+    llm = make()
+    with precompile.defer_launches():
+        got = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
+    assert got == [[0] * 6] * 3
+    runners = list(llm.model._graph_runners.values())
+    assert runners and all(not r.graphs for r in runners)
+    assert [o.outputs[0].token_ids for o in llm.generate(prompts, params)] == want
+    assert any(r.graphs for r in runners)
+
+
+_COLD_WARMUP = """
+import json, sys
+import graphdsl as gd
+from graphdsl.runtime import precompile
+config = json.loads(sys.argv[1])
+def make():
+    return gd.LLM.from_config(config, device="cuda", dtype="bfloat16", seed=0, max_model_len=256, max_num_seqs=4,
+                              max_num_batched_tokens=128)
+llm = make()
+report = llm.warmup(stream=None)
+again = llm.warmup(stream=None)
+rounds = [r.label for r in precompile.history]
+params = gd.SamplingParams(max_tokens=6, temperature=0.8, top_k=20, seed=1, ignore_eos=True)
+prompts = [[5 + i] * (4 + 7 * i) for i in range(3)]
+tokens = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
+plain = [o.outputs[0].token_ids for o in make().generate(prompts, params)]
+print(json.dumps({"ahead": None if report.ahead is None else [report.ahead.compiled, len(report.ahead.failed)],
+                  "again": again.ahead is not None, "rounds": rounds,
+                  "stages": [label for label, _ in report.stages], "same": tokens == plain}))
+"""
+
+
+def test_a_cold_warmup_compiles_its_kernels_in_one_round(tmp_path):
+    """With empty caches (a fresh process) the warm-up turns dry at its first missing kernel,
+    compiles every kernel the rest of it would meet in one round, then runs its stages for real; a
+    second warm-up finds every kernel and runs through. Generations after it are a fresh LLM's."""
+    import json
+    import os
+    import subprocess
+    import sys
+    env = dict(os.environ, TRITON_CACHE_DIR=str(tmp_path / "triton"), GRAPHDSL_CACHE_DIR=str(tmp_path / "engines"),
+               GRAPHDSL_KERNEL_CACHE=str(tmp_path / "kernels"), GRAPHDSL_COMPILE_WORKERS="8")
+    proc = subprocess.run([sys.executable, "-c", _COLD_WARMUP, json.dumps(CONFIG)], env=env, capture_output=True,
+                          text=True, timeout=400)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    out = json.loads(proc.stdout.strip().splitlines()[-1])
+    print("\n", out)
+    compiled, failed = out["ahead"]
+    assert compiled > 10 and failed == 0
+    assert out["rounds"] == ["warm-up"]              # one round: no plan or draw of the stages made its own
+    assert any("(dry" in s for s in out["stages"]) and not out["again"] and out["same"]

@@ -62,6 +62,48 @@ def test_outputs_after_warmup_equal_a_fresh_llm():
     assert outputs(warm) == cold
 
 
+def test_a_warmup_that_turned_dry_compiles_once_and_runs_its_stages_again(monkeypatch):
+    """Where kernels compile ahead (CUDA) the stages run in one watch (precompile.run_ahead). Faked
+    here: the watch turns dry at once, as with a cold Triton cache — the stages run inside a real
+    dry pass (the draws read back token 0), are marked dry, the round is reported, and the stages
+    run again for real, leaving the pool free and later outputs a fresh LLM's. A watch that ran
+    through (every kernel on disk) runs them once."""
+    pytest.importorskip("triton")
+    from graphdsl.entrypoints import warmup as warmup_module
+    from graphdsl.runtime import precompile
+    cold = outputs(make(max_model_len=64, max_num_seqs=2))
+    watches = []
+
+    def run_ahead(stages, label, *, dry):
+        watches.append(label)
+        if not dry:
+            stages()
+            return None
+        with precompile.defer_launches():
+            stages()
+        return precompile.AheadReport(label, deferred=5, compiled=5, workers=4)
+    for dry in (True, False):
+        monkeypatch.setattr(warmup_module, "_compiles_ahead", lambda llm: True)
+        monkeypatch.setattr(precompile, "run_ahead", lambda stages, label, dry=dry: run_ahead(stages, label, dry=dry))
+        llm = make(max_model_len=64, max_num_seqs=2)
+        log = io.StringIO()
+        report = llm.warmup(stream=log)
+        labels = [label for label, _ in report.stages]
+        plain = ["prefill of 126 tokens in 2 prompts", "decode batch 1", "decode batch 2"]
+        if dry:
+            assert labels == [f"{x} (dry: recording the kernels to compile)" for x in plain] + \
+                ["5 kernels missing from Triton's cache compiled on 4 workers"] + plain
+            assert report.ahead.compiled == 5
+            assert "warm-up: 5 kernels missing from Triton's cache compiled on 4 workers in " in log.getvalue()
+        else:
+            assert labels == plain and report.ahead is None
+        assert report.seconds >= sum(s for _, s in report.stages) > 0
+        assert llm.blocks.num_free_blocks == llm.blocks.num_blocks
+        monkeypatch.undo()
+        assert outputs(llm) == cold
+    assert watches == ["warm-up", "warm-up"]
+
+
 @pytest.mark.parametrize("max_model_len", [2, 5])
 def test_warmup_fits_a_short_context(max_model_len):
     llm = make(max_model_len=max_model_len, max_num_seqs=2)
