@@ -136,7 +136,13 @@ def warm_up(llm, *, stream=True) -> WarmupReport:
     t0 = time.monotonic()
     if _compiles_ahead(llm):
         ended = []
-        report.ahead = precompile.run_ahead(lambda: ended.append(_run_stages(llm, stages, report, stream)), "warm-up")
+
+        def watched() -> None:
+            ended.append(_run_stages(llm, stages, report, stream))
+            if stream and precompile.dry_pass_running():        # the round runs next, silent for seconds
+                print("warm-up: compiling the kernels missing from Triton's cache on worker processes ...",
+                      file=stream, flush=True)
+        report.ahead = precompile.run_ahead(watched, "warm-up")
         if report.ahead is not None:
             a = report.ahead
             label = (f"{a.compiled} kernels missing from Triton's cache compiled on {a.workers} workers"

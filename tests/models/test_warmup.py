@@ -94,7 +94,10 @@ def test_a_warmup_that_turned_dry_compiles_once_and_runs_its_stages_again(monkey
             assert labels == [f"{x} (dry: recording the kernels to compile)" for x in plain] + \
                 ["5 kernels missing from Triton's cache compiled on 4 workers"] + plain
             assert report.ahead.compiled == 5
-            assert "warm-up: 5 kernels missing from Triton's cache compiled on 4 workers in " in log.getvalue()
+            lines = log.getvalue().splitlines()
+            assert lines[3] == "warm-up: compiling the kernels missing from Triton's cache on worker processes ..."
+            assert lines[4].startswith("warm-up: 5 kernels missing from Triton's cache compiled on 4 workers in ")
+            assert [line.split(":")[0] for line in lines[5:]] == [f"warm-up {k}/3" for k in (1, 2, 3)]
         else:
             assert labels == plain and report.ahead is None
         assert report.seconds >= sum(s for _, s in report.stages) > 0
