@@ -168,11 +168,16 @@ def _compiles_ahead(llm) -> bool:
 def _run_stages(llm, stages: list, report: WarmupReport, stream) -> float:
     """Run ``stages`` through ``llm.generate``, appending ``(label, seconds)`` to ``report.stages``
     (a stage that ended in a dry pass is marked) and printing a line each on ``stream``; returns the
-    clock at the end."""
+    clock at the end. In a dry pass a call repeating the one before (stage 2's second step of a
+    bucket, for its graph) is skipped: it would record no kernel the first did not."""
     for k, (label, calls) in enumerate(stages, 1):
         t = time.monotonic()
-        for prompts, params in calls:
-            llm.generate(prompts, params, use_tqdm=False)
+        last = None
+        for call in calls:
+            if call == last and precompile.dry_pass_running():   # a repeat is there to capture a graph,
+                continue                                         # which a dry pass does not
+            llm.generate(*call, use_tqdm=False)
+            last = call
         if precompile.dry_pass_running():
             label += " (dry: recording the kernels to compile)"
         report.stages.append((label, time.monotonic() - t))

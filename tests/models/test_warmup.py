@@ -107,6 +107,34 @@ def test_a_warmup_that_turned_dry_compiles_once_and_runs_its_stages_again(monkey
     assert watches == ["warm-up", "warm-up"]
 
 
+def test_a_dry_warmup_skips_the_repeated_bucket_steps(monkeypatch):
+    """Stage 2 runs each prefill bucket twice, the second time to capture its graph. A dry pass
+    captures nothing, so there the repeat is skipped; the real pass after the round runs both."""
+    pytest.importorskip("triton")
+    from graphdsl.entrypoints import warmup as warmup_module
+    from graphdsl.runtime import precompile
+    monkeypatch.setattr(warmup_module, "prefill_buckets_enabled", lambda device: True)
+    monkeypatch.setattr(warmup_module, "_compiles_ahead", lambda llm: True)
+
+    def run_ahead(stages, label):
+        with precompile.defer_launches():
+            stages()
+        return precompile.AheadReport(label)
+    monkeypatch.setattr(precompile, "run_ahead", run_ahead)
+    llm = make(max_model_len=64, max_num_seqs=2, max_num_batched_tokens=40)
+    calls = []
+    generate = llm.generate
+    monkeypatch.setattr(llm, "generate", lambda *a, **k: (calls.append(precompile.dry_pass_running()),
+                                                          generate(*a, **k))[1])
+    report = llm.warmup(stream=None)
+    buckets = len(token_buckets(40))
+    stage2 = [label for label, _ in report.stages if label.startswith("prefill graphs")]
+    assert stage2 == [f"prefill graphs of {buckets} token buckets (dry: recording the kernels to compile)",
+                      f"prefill graphs of {buckets} token buckets"]
+    dry, real = calls.count(True), calls.count(False)
+    assert real - dry == buckets > 1                 # the same stages, less one step of each bucket
+
+
 @pytest.mark.parametrize("max_model_len", [2, 5])
 def test_warmup_fits_a_short_context(max_model_len):
     llm = make(max_model_len=max_model_len, max_num_seqs=2)
