@@ -146,7 +146,8 @@ def warm_up(llm, *, stream=True) -> WarmupReport:
         if report.ahead is not None:
             a = report.ahead
             label = (f"{a.compiled} kernels missing from Triton's cache compiled on {a.workers} workers"
-                     + (f" ({len(a.failed)} left to the steps)" if a.failed else ""))
+                     + (f" ({len(a.failed)} left to the steps)" if a.failed else "")
+                     + (f" (the dry stages stopped early: {a.dry_error})" if a.dry_error else ""))
             report.stages.append((label, time.monotonic() - (ended[0] if ended else t0)))
             if stream:
                 print(f"warm-up: {label} in {report.stages[-1][1]:.1f}s; the stages again, for real",

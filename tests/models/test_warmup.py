@@ -119,7 +119,7 @@ def test_a_dry_warmup_skips_the_repeated_bucket_steps(monkeypatch):
     def run_ahead(stages, label):
         with precompile.defer_launches():
             stages()
-        return precompile.AheadReport(label)
+        return precompile.AheadReport(label, dry_error="ValueError: a dry-only failure")
     monkeypatch.setattr(precompile, "run_ahead", run_ahead)
     llm = make(max_model_len=64, max_num_seqs=2, max_num_batched_tokens=40)
     calls = []
@@ -131,6 +131,8 @@ def test_a_dry_warmup_skips_the_repeated_bucket_steps(monkeypatch):
     stage2 = [label for label, _ in report.stages if label.startswith("prefill graphs")]
     assert stage2 == [f"prefill graphs of {buckets} token buckets (dry: recording the kernels to compile)",
                       f"prefill graphs of {buckets} token buckets"]
+    assert any(label.endswith("(the dry stages stopped early: ValueError: a dry-only failure)")
+               for label, _ in report.stages)
     dry, real = calls.count(True), calls.count(False)
     assert real - dry == buckets > 1                 # the same stages, less one step of each bucket
 
