@@ -173,7 +173,8 @@ class Engine:
                 hook = copy if after is None else _chain(copy, after)
         with on_device(device):                 # Triton launches on the current GPU, not the tensors'
             values = self._run(fresh, plan, nodes, values, storage, hook, device)
-        plan.ran = plan.ran or not dry_pass_running()
+        if not plan.ran:                        # a steady-state forward asks nothing more
+            plan.ran = not dry_pass_running()
         if self.dump_dir is not None and len(getattr(self.backend, "sources", ())) != self._kernels_dumped:
             self._dump_kernels(self.dump_dir)
         for name, t in self.net.outputs.items():
