@@ -22,7 +22,7 @@ from graphdsl.passes.fused_ops import FUSED_OPS
 from graphdsl.passes.memory_plan import MemoryPlan, plan_memory
 
 from .device import on_device
-from .precompile import dry_pass_running, run_ahead, watching
+from .precompile import dry_pass_running, run_watched, watching
 from .taps import TapSet, resolve_taps, taps_from_env
 
 __all__ = ["Engine", "ShapePlan"]
@@ -195,16 +195,15 @@ class Engine:
         indices."""
         arena = self._arenas.get(device)
         applies = getattr(self.backend, "ahead_applies", None)
+        def run(values: dict) -> dict:
+            self.backend.run(nodes, values, plan.attrs, storage, after=hook)
+            return values
         if (fresh or watching()) and applies is not None and applies(nodes, device):
-            first = dict(values)
-            report = run_ahead(lambda: self.backend.run(nodes, first, plan.attrs, storage, after=hook),
-                               self._plan_label(plan), on_dry=None if arena is None else arena.zero_)
-            if report is None:
-                return first
-        elif arena is not None and dry_pass_running():
+            return run_watched(lambda: run(dict(values)), self._plan_label(plan), again=lambda: run(values),
+                               on_dry=None if arena is None else arena.zero_)
+        if arena is not None and dry_pass_running():
             arena.zero_()
-        self.backend.run(nodes, values, plan.attrs, storage, after=hook)
-        return values
+        return run(values)
 
     def profile(self, inputs: Mapping[str, torch.Tensor], **options):
         """Per-kernel times of one step on ``inputs``: a :class:`~graphdsl.runtime.profile.ProfileReport`

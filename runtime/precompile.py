@@ -49,7 +49,7 @@ from dataclasses import dataclass, field
 from graphdsl.env import env_number
 
 __all__ = ["AheadReport", "Deferred", "OfflineDriver", "TASK_TIMEOUT_S", "applies", "defer_launches", "dry_pass_running",
-           "history", "load_cached", "num_workers", "on_disk", "run_ahead", "watching"]
+           "history", "load_cached", "num_workers", "on_disk", "run_ahead", "run_watched", "watching"]
 
 TASK_TIMEOUT_S = 300.0       # a worker's compile of one kernel past this is given up (the forward compiles it)
 _MAX_WORKERS = 16
@@ -541,3 +541,13 @@ def run_ahead(forward, label: str = "forward", *, on_dry=None, workers: int | No
     report.seconds = time.perf_counter() - t0
     history.append(report)
     return report
+
+
+def run_watched(first, label: str, *, again=None, on_dry=None):
+    """``first()`` through :func:`run_ahead`, and its result; if it went dry (its result is
+    garbage) the result of ``again()`` (default ``first``), which loads every kernel. ``again``
+    differs where ``first`` works on copies of what a dry part may spoil (a draw's logits)."""
+    out = []
+    if run_ahead(lambda: out.append(first()), label, on_dry=on_dry) is None:
+        return out[0]
+    return (again or first)()

@@ -389,10 +389,7 @@ class CudaGraphRunner:
         applies = getattr(self.engine.backend, "ahead_applies", None)
         if applies is None or not applies(self.engine.net.nodes, device):
             return step()
-        done = []
-        if precompile.run_ahead(lambda: done.append(step()), f"graph step, {bucket} rows") is None:
-            return done[0]
-        return step()
+        return precompile.run_watched(step, f"graph step, {bucket} rows")
 
     def _feed(self, static: dict, made: list, dry: bool = False) -> dict:
         """The engine's inputs: the static buffers and what the prologue computes from them (its

@@ -235,10 +235,8 @@ class ServingLoop:
         if kind in self._drawn or not precompile.applies(logits.device):
             return draw(logits)
         self._drawn.add(kind)
-        scratch, out = logits.clone(), []
-        if precompile.run_ahead(lambda: out.append(draw(scratch)), f"sampler, {logits.shape[0]} rows") is None:
-            return out[0]
-        return draw(logits)
+        return precompile.run_watched(lambda: draw(logits.clone()), f"sampler, {logits.shape[0]} rows",
+                                      again=lambda: draw(logits))
 
     def _to_host(self, t: torch.Tensor) -> torch.Tensor:
         """Start copying ``t`` to the host (into pinned memory on CUDA, without blocking)."""

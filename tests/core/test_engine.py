@@ -254,7 +254,7 @@ def test_a_new_plans_watched_run_that_went_dry_runs_again(monkeypatch):
     """Engine._run's contract with precompile.run_ahead: a new plan's first run goes through it; when
     it reports (the run turned dry: its results are garbage) the backend runs again on fresh values,
     and those are the outputs; when it ran through, its values are the outputs; a known plan runs once."""
-    import graphdsl.runtime.engine as engine_module
+    from graphdsl.runtime import precompile
     n = Dim("n")
     with Network() as net:
         h = F.matmul(Tensor("x", (n, 8), "float32"), Tensor("w", (8, 8), "float32"))
@@ -279,7 +279,7 @@ def test_a_new_plans_watched_run_that_went_dry_runs_again(monkeypatch):
         assert callable(on_dry)                      # the arena's zeroing, for the turn
         forward()
         return object() if watched[-1] == "dry" else None
-    monkeypatch.setattr(engine_module, "run_ahead", run_ahead)
+    monkeypatch.setattr(precompile, "run_ahead", run_ahead)
     x, eye = torch.randn(4, 8), torch.eye(8)
     y = eng.forward({"x": x, "w": eye, "v": 2 * eye})["y"]
     assert len(runs) == 2 and runs[0] is not runs[1]            # ran again, on fresh values
@@ -295,7 +295,6 @@ def test_a_plan_first_run_inside_a_dry_pass_is_watched_until_it_runs_for_real(mo
     """A warm-up's watch that turned dry (runtime/precompile.py) makes plans whose runs launched
     nothing: the plan's next run, outside the dry pass, is watched again (its kernels may still be
     missing), and only once that run finished is the plan run plainly."""
-    import graphdsl.runtime.engine as engine_module
     from graphdsl.runtime import precompile
     pytest.importorskip("triton")
     n = Dim("n")
@@ -308,7 +307,7 @@ def test_a_plan_first_run_inside_a_dry_pass_is_watched_until_it_runs_for_real(mo
     def run_ahead(forward, label, on_dry=None):
         watched.append(precompile.dry_pass_running())
         forward()
-    monkeypatch.setattr(engine_module, "run_ahead", run_ahead)
+    monkeypatch.setattr(precompile, "run_ahead", run_ahead)
     feed = {"x": torch.ones(4, 8), "w": torch.eye(8)}
     with precompile.defer_launches():                          # a dry pass on this thread
         eng.forward(feed)

@@ -301,7 +301,7 @@ def test_the_first_draw_of_each_kind_runs_watched_and_again_if_it_went_dry(monke
     _, want = run()
     watched = []
 
-    def run_ahead(forward, label):
+    def run_ahead(forward, label, on_dry=None):
         watched.append(label)
         if len(watched) % 2:
             return object()
