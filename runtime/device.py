@@ -5,20 +5,33 @@ graphdsl runs on ``"cpu"`` and on CUDA (``"cuda"``, ``"cuda:N"``, a ``torch.devi
 int N meaning ``cuda:N`` as in torch). Anything else — a typo, another torch device type, a CUDA
 device on a machine without one, an index past the last GPU — is a :class:`GraphDSLError` raised
 before any work starts, naming the value and what this machine has.
+
+:func:`triton_interprets` is the one reading of ``TRITON_INTERPRET`` (Triton's CPU interpreter, how CI
+runs the kernels), parsed as Triton parses it.
 """
 from __future__ import annotations
 
 import contextlib
+import os
 import re
 
 import torch
 
 from graphdsl.errors import GraphDSLError
 
-__all__ = ["check_device", "default_device", "machine_devices", "on_device"]
+__all__ = ["check_device", "default_device", "machine_devices", "on_device", "triton_interprets"]
 
 _FORMS = "'cpu', 'cuda' or 'cuda:N'"
 _SPEC = re.compile(r"(cpu|cuda)(?::(\d+))?")
+
+
+def triton_interprets() -> bool:
+    """Whether Triton runs kernels on its CPU interpreter: ``TRITON_INTERPRET`` is ``1``, ``true`` or
+    ``on`` in any case, the values Triton's own switch accepts (anything else, unset included, is off).
+    Reading it any other way (``== "1"``, or "not 0") let ``true`` or ``off`` put graphdsl's launches
+    on one side and Triton's ``@jit`` on the other. Triton decides per kernel when it is decorated, so
+    the variable must be set before Triton is imported."""
+    return os.environ.get("TRITON_INTERPRET", "").lower() in ("1", "true", "on")
 
 
 def default_device() -> torch.device:

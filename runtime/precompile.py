@@ -47,6 +47,7 @@ import warnings
 from dataclasses import dataclass, field
 
 from graphdsl.env import env_number
+from .device import triton_interprets
 
 __all__ = ["AheadReport", "Deferred", "OfflineDriver", "TASK_TIMEOUT_S", "applies", "defer_launches", "dry_pass_running",
            "history", "load_cached", "num_workers", "on_disk", "run_ahead", "run_watched", "watching"]
@@ -109,7 +110,7 @@ def applies(device) -> bool:
     """Whether a first call on ``device`` may run watched (:func:`run_ahead`): CUDA, not under
     Triton's interpreter, not during a CUDA-graph capture, ``GRAPHDSL_COMPILE_WORKERS`` 2 or more."""
     import torch
-    return (torch.device(device).type == "cuda" and os.environ.get("TRITON_INTERPRET", "0") in ("", "0")
+    return (torch.device(device).type == "cuda" and not triton_interprets()
             and num_workers() >= 2 and not torch.cuda.is_current_stream_capturing())
 
 

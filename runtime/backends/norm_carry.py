@@ -45,6 +45,7 @@ from __future__ import annotations
 from typing import NamedTuple
 
 import torch
+from ..device import triton_interprets
 
 __all__ = ["NormCarry", "Site", "plan", "overlaps", "readers_and_outputs", "PRODUCERS", "CONSUMERS"]
 
@@ -263,8 +264,8 @@ def _launch(be, site: Site, values: dict, attrs: dict, storage: dict, carry: Nor
     p, b = site.producer, site.norm
     ins = [values[t] for t in p.inputs]
     x = ins[0]
-    from .triton_backend import _interpreting, _kernel_unsupported
-    if x.dim() != 2 or not (x.device.type == "cuda" or _interpreting()):
+    from .triton_backend import _kernel_unsupported
+    if x.dim() != 2 or not (x.device.type == "cuda" or triton_interprets()):
         return None
     quant = p.op == "quant_linear"
     scheme = parse_scheme(attrs[p]["scheme"]) if quant else None

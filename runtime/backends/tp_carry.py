@@ -36,6 +36,7 @@ from typing import NamedTuple
 
 from graphdsl.env import env_flag
 
+from ..device import triton_interprets
 from .norm_carry import _plain_rows, overlaps, readers_and_outputs
 
 __all__ = ["TPCarry", "Site", "plan", "enabled", "MAX_ROWS", "MAX_WIDTH"]
@@ -131,10 +132,9 @@ def _launch(be, site: Site, values: dict, attrs: dict, storage: dict):
     :class:`~..kernels.tp_carry.GemvTPIn` (its rows, the norm's outputs, set in ``values``), or None."""
     from ..distributed.collectives import carry_buffers, carry_takes
     from ..kernels.gemv import GemvPush, GemvTPIn, gemv
-    from .triton_backend import _interpreting
     p, a, b, c = site.producer, site.reduce, site.norm, site.consumer
     x = values[p.inputs[0]]
-    if x.dim() != 2 or not (x.device.type == "cuda" or _interpreting()) or x.shape[0] > MAX_ROWS \
+    if x.dim() != 2 or not (x.device.type == "cuda" or triton_interprets()) or x.shape[0] > MAX_ROWS \
             or be.gather_rows is not None:           # (act-order: the producer reads x through a gather)
         return None
     weights = _gemv_weights(p, x, values, attrs)

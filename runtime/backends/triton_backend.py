@@ -41,8 +41,6 @@ On CPU the same kernels run under ``TRITON_INTERPRET=1`` (how CI tests them).
 """
 from __future__ import annotations
 
-import os
-
 import torch
 
 from graphdsl.errors import GraphDSLError
@@ -50,14 +48,11 @@ from graphdsl.functional.attention import RopeLayout
 from graphdsl.network import Node
 from graphdsl.opdef import OpCategory, Spec, get_op
 
+from ..device import triton_interprets
 from ..distributed.collectives import COLLECTIVE_LOWERINGS
 from ..gguf_scheme import GGUFMixScheme, GGUFScheme
 
 __all__ = ["TritonBackend", "triton_can_fuse"]
-
-
-def _interpreting() -> bool:
-    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 
 
 def _dry_pass() -> bool:
@@ -162,7 +157,7 @@ class TritonBackend:
 
     def _run_one(self, node, values: dict, attrs: dict, storage: dict) -> None:
         ins = [values[t] for t in node.inputs]
-        on_cpu = bool(ins) and ins[0].device.type == "cpu" and not _interpreting()
+        on_cpu = bool(ins) and ins[0].device.type == "cpu" and not triton_interprets()
         if node.op == "gather" and self.gathers.defer(node, values, storage):
             return
         rows = self.gathers.take(node)          # this node's rows are a gather not yet made
@@ -412,7 +407,8 @@ def _norm_planes(be: TritonBackend, node, ins, attrs, dsts) -> bool:
     m, k = x.shape if x.dim() == 2 else (0, 0)
     if not 1 <= m <= MMA_ROWS or not all(t.shape == (m, k) and t.is_contiguous() for t in (x, res, out, s)) \
             or k % 256 or x.dtype not in (torch.float16, torch.bfloat16) or not w.is_contiguous() \
-            or {t.dtype for t in (x, res, w, out, s)} != {x.dtype} or not (x.device.type == "cuda" or _interpreting()):
+            or {t.dtype for t in (x, res, w, out, s)} != {x.dtype} \
+            or not (x.device.type == "cuda" or triton_interprets()):
         return False
     if any(overlaps(o, i) for o in (out, s) for i in (x, res)):     # each program reads a whole row first
         return False
@@ -848,7 +844,7 @@ def _quant_linear(be: TritonBackend, node, ins, attrs, dsts):
     silu = node.op == "quant_linear_silu_mul"
     add2 = None if add is None else (add if add.dim() == 1 else add.reshape(-1, n))
     gguf = isinstance(scheme, (GGUFScheme, GGUFMixScheme))
-    if gemv_supported(x2, stored[0], scheme) and (x2.device.type == "cuda" or _interpreting()):
+    if gemv_supported(x2, stored[0], scheme) and (x2.device.type == "cuda" or triton_interprets()):
         rows, perm = be.gather_rows, None          # act-order: read x through the gather's index
         if rows is not None:
             x2, perm = rows.x.reshape(-1, rows.x.shape[-1]), rows.index
@@ -934,7 +930,7 @@ def _operands(ins, attrs):
 def _gemv_rows(x: torch.Tensor, w: torch.Tensor, dst: torch.Tensor) -> bool:
     """Whether the decode GEMV takes ``x @ w.T`` into ``dst`` (else cuBLAS does)."""
     from ..kernels.gemv import gemv_supported
-    return (x.device.type == "cuda" or _interpreting()) and dst.stride(-1) == 1 and gemv_supported(x, w)
+    return (x.device.type == "cuda" or triton_interprets()) and dst.stride(-1) == 1 and gemv_supported(x, w)
 
 
 def _not_carried(be: TritonBackend, node) -> None:
@@ -963,7 +959,7 @@ def _matmul_silu_mul(be: TritonBackend, node, ins, attrs, a, b, dst) -> torch.Te
     prod = be.workspace(node, ins, attrs)
     if not _dry_pass():
         torch.matmul(a, b, out=prod)
-    if dst.device.type == "cpu" and not _interpreting():
+    if dst.device.type == "cpu" and not triton_interprets():
         return dst.copy_(get_op("silu_mul").reference(prod))
     return _silu_mul(be, node, [prod], attrs, [dst])[0]
 
@@ -991,7 +987,7 @@ def _lora_matmul(be: TritonBackend, node, ins, attrs, dsts):
     add = ins[2] if node.op == "matmul_add_lora" else None
     a, b, idx = ins[-3:]
     silu = node.op == "matmul_silu_mul_lora"
-    plain_cpu = x.device.type == "cpu" and not _interpreting()
+    plain_cpu = x.device.type == "cpu" and not triton_interprets()
     if plain_cpu or x.dim() != 2 or dst.stride(-1) != 1 or lora_supported(x, x, a, b, idx) is not None \
             or (add is not None and (add.dtype != dst.dtype or add.stride(-1) != 1)):
         dst.copy_(node.opdef.run(ins, attrs)[0])

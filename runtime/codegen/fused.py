@@ -35,6 +35,7 @@ from graphdsl.functional._rules import broadcast_shapes
 from graphdsl.opdef import OpCategory, Spec, get_op
 
 from ..kernels.pdl import pdl_launch
+from ..device import triton_interprets
 from .lowering import PRELUDE, ROW_REDUCTIONS, Operand, compute_type, lower_pointwise, tl_dtype
 
 __all__ = ["launch_config", "FusedKernel", "prepare_fused", "run_fused", "kernel_source", "MAX_ROW", "kernel_cache_dir"]
@@ -251,7 +252,7 @@ def _cache_dir() -> Path:
 
 def compile_source(source: str):
     """The ``fused_kernel`` of ``source``, compiled once per source hash (and interpreter mode)."""
-    interp = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+    interp = triton_interprets()
     key = hashlib.sha256(source.encode()).hexdigest()[:20]
     fn = _KERNELS.get((key, interp))
     if fn is None:

@@ -76,7 +76,6 @@ calls are in :mod:`.gemv_loops`), the launch heuristics :func:`_pick_config` / :
 from __future__ import annotations
 
 import functools
-import os
 from typing import NamedTuple
 
 import torch
@@ -86,6 +85,7 @@ import triton.language as tl
 from graphdsl.errors import GraphDSLError
 from graphdsl.quant import INT4_BLOCK_BYTES, code_rows
 
+from ..device import triton_interprets
 from .gemv_loops import (_f12, _f16, _fp8_row_loop, _int4_k_loop, _int4_loads, _int4_row,
                          _int4_step_dp4a, _int4_step_dp4a_quads, _int4_step_float, _kb_words, _pack_tile, _x_quad_loads)
 from .pdl import hopper, pdl_launch, pdl_trigger, pdl_wait, prefetch_l2
@@ -261,7 +261,6 @@ def _finish(acc, add_ptr, out_ptr, pid_n, rm, m_ok, N, stride_am, stride_om, HAS
         ch = pid_n * CH + tl.arange(0, CH)
         tl.store(rms_part_ptr + rm[None, :] * RMS_CHUNKS + ch[:, None], sq,
                  mask=(ch < RMS_CHUNKS)[:, None] & m_ok[None, :])
-
 
 
 @triton.jit
@@ -1033,7 +1032,7 @@ def gemv(x: torch.Tensor, w: torch.Tensor, add: torch.Tensor | None = None, *, s
     if tp_in is not None and (xpack is not None or rms_in is not None):
         raise GraphDSLError("gemv: tp_in makes the rows itself (no xpack or rms_in)")
     stride_am = 0 if add is None or add.dim() == 1 else add.stride(0)
-    interpret = os.environ.get("TRITON_INTERPRET") == "1"
+    interpret = triton_interprets()
     s_t = scales if scales is not None else out
     stride_sn = 0 if kind == W_FLOAT or s_t.shape[0] == 1 else s_t.stride(0)
     _gemv_kernel[(n_tiles, split)](

@@ -45,7 +45,6 @@ the public wrappers :func:`gguf_gemv`, :func:`gguf_dequantize`, :func:`gguf_line
 from __future__ import annotations
 
 import functools
-import os
 
 import torch
 import triton
@@ -55,6 +54,7 @@ from graphdsl.errors import GraphDSLError
 from graphdsl.quant import code_rows
 
 from ..gguf_blocks import GGUF_BLOCKS
+from ..device import triton_interprets
 from .gemv import rin_tile, rms_factor, rms_in_args
 from .gguf_mma import _CONFIG_KEYS as _MMA_CONFIG_KEYS
 from .gguf_mma import MMA_MIN_ROWS, MMA_QTYPES, gguf_gemv_mma
@@ -502,7 +502,7 @@ def gguf_gemv(x: torch.Tensor, data: torch.Tensor, qtype: str, add: torch.Tensor
     n_tiles = triton.cdiv(n, block_n)
     part, lock = ((workspace or GemvWorkspace()).get(x.device, n_tiles, split, block_n, beside=beside, rows=block_m)
                   if split > 1 else (out, out))
-    interp = os.environ.get("TRITON_INTERPRET") == "1"
+    interp = triton_interprets()
     row_stride, layout = layout_args(data, qtype)
     pdl = pdl_launch(x.device)
     _gguf_gemv_kernel[(n_tiles, split)](

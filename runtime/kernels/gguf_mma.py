@@ -40,8 +40,6 @@ path; on an H100 1.2-1.6x faster on the Llama-3-8B projections, the activation l
 """
 from __future__ import annotations
 
-import os
-
 import torch
 import triton
 import triton.language as tl
@@ -49,6 +47,7 @@ import triton.language as tl
 from graphdsl.errors import GraphDSLError
 from graphdsl.quant import code_rows
 
+from ..device import triton_interprets
 from .gemv import rin_tile, rms_factor
 from .gguf_tiles import layout_args
 from .pdl import pdl_launch, pdl_trigger, pdl_wait, prefetch_l2
@@ -523,7 +522,7 @@ def gguf_gemv_mma(x: torch.Tensor, data: torch.Tensor, qtype: str, add: torch.Te
     _q4k_kernel[(n_tiles, split)](
         *planes, data, add if add is not None else out, out, part, lock, n // 2 if silu_mul else n, k,
         row_stride, per, split, BLOCK_N=block_n, SPLIT=split > 1, HAS_ADD=add is not None,
-        EMULATE=os.environ.get("TRITON_INTERPRET") == "1", LATE_LAUNCH=n_tiles * split > sms and not early_launch,
+        EMULATE=triton_interprets(), LATE_LAUNCH=n_tiles * split > sms and not early_launch,
         SWIGLU=silu_mul,
         PREFETCH=_PREFETCH_LINES, **_planes_args(planes_out, silu_mul, n, block_n), **pdl_launch(x.device), **layout,
         AHEAD=_AHEAD, PAIR=_PAIR,

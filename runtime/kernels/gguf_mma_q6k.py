@@ -41,8 +41,6 @@ Split-K, the epilogue, PDL and the L2 prefetch before the wait are :mod:`.gguf_m
 """
 from __future__ import annotations
 
-import os
-
 import torch
 import triton
 import triton.language as tl
@@ -50,6 +48,7 @@ import triton.language as tl
 from graphdsl.quant import code_rows
 
 from ..gguf_blocks import STORED_BLOCK_BYTES
+from ..device import triton_interprets
 from .gguf_mma import (_bytes, _finish, _norm_weight, _pair_rows, _rms_in_factor, _rows16, rms_args, slices,
                        split_for)
 from .gguf_tiles import layout_args
@@ -297,7 +296,7 @@ def gguf_gemv_q6k(x: torch.Tensor, data: torch.Tensor, add: torch.Tensor | None,
     part, lock = ws.get(x.device, n_tiles, split, block_n) if split > 1 else (out, out)
     _q6k_kernel[(n_tiles, split)](
         *planes, data, add if add is not None else out, out, part, lock, n, k, row_stride, per, split,
-        BLOCK_N=block_n, SPLIT=split > 1, HAS_ADD=add is not None, EMULATE=os.environ.get("TRITON_INTERPRET") == "1",
+        BLOCK_N=block_n, SPLIT=split > 1, HAS_ADD=add is not None, EMULATE=triton_interprets(),
         LATE_LAUNCH=n_tiles * split > sms and not early_launch, PREFETCH=_PREFETCH_LINES, SCALE_DOT=_SCALE_DOT,
         PAIR=_SCALE_DOT and _PAIR, **pdl_launch(x.device), **layout,
         **rms_args("gguf_gemv", rms_out, rms_in, n, k, block_n, False, out), **cfg)

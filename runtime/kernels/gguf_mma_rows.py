@@ -61,12 +61,11 @@ row's sums by its carried norm's factor first. Both launches use programmatic de
 """
 from __future__ import annotations
 
-import os
-
 import torch
 import triton
 import triton.language as tl
 
+from ..device import triton_interprets
 from .gemv import rin_tile, rms_factor
 from .gguf_mma import _SUPER, slices
 from .gguf_mma_q6k import _plane
@@ -518,7 +517,7 @@ def gguf_gemv_mma_rows(x: torch.Tensor, data: torch.Tensor, qtype: str, add: tor
         *planes, data, add if add is not None else out, out, part, lock, m, n, row_stride, per, split, blocks,
         out.stride(0), 0 if add is None or add.dim() == 1 else add.stride(0),
         QTYPE=qtype, R=rr, BLOCK_N=block_n, SPLIT=split > 1, HAS_ADD=add is not None,
-        EMULATE=os.environ.get("TRITON_INTERPRET") == "1", LATE_LAUNCH=n_tiles * split > sms and not early_launch,
+        EMULATE=triton_interprets(), LATE_LAUNCH=n_tiles * split > sms and not early_launch,
         SWIGLU=silu_mul, **layout, **pdl_launch(x.device),
         **(rms_in_args or {}), **cfg)
     return out

@@ -16,14 +16,13 @@ or without it; a residual GEMV carrying the next RMSNorm stores the same bytes i
 """
 from __future__ import annotations
 
-import os
-
 import torch
 import triton
 import triton.language as tl
 
 from graphdsl.errors import GraphDSLError
 
+from ..device import triton_interprets
 from .gemv_loops import _group_amax, _pack_store, _x_at
 from .pdl import pdl_launch, pdl_wait
 
@@ -81,7 +80,7 @@ def pack_int4_activations(x: torch.Tensor, group: int, out: torch.Tensor | None 
     if tuple(out.shape) != (6, k // 8) or out.dtype != torch.int32 or not out.is_contiguous():
         raise GraphDSLError(f"pack_int4_activations: out must be a contiguous int32 [6, {k // 8}], got "
                             f"{out.dtype} {list(out.shape)}")
-    if x.device.type != "cuda" and os.environ.get("TRITON_INTERPRET", "0") in ("", "0"):
+    if x.device.type != "cuda" and not triton_interprets():
         return out.copy_(pack_int4_activations_reference(x if perm is None else x[perm.long()], group))
     _pack_kernel[(k // group,)](x, perm if perm is not None else x, out, k // 8, GROUP=group, PERM=perm is not None,
                                 **pdl_launch(x.device), num_warps=1)

@@ -37,8 +37,6 @@ File shape (STYLE.md 11): the ``@triton.jit`` kernels, the launch heuristics :fu
 """
 from __future__ import annotations
 
-import os
-
 import torch
 import triton
 import triton.language as tl
@@ -46,6 +44,7 @@ import triton.language as tl
 from graphdsl.errors import GraphDSLError
 from graphdsl.functional.lora import LORA_SPLIT_K
 
+from ..device import triton_interprets
 from .pdl import pdl_launch, pdl_trigger, pdl_wait
 
 __all__ = ["lora_apply", "lora_shrink", "lora_shrink_dense", "lora_dense_view", "lora_splits", "lora_supported",
@@ -314,10 +313,6 @@ def lora_supported(y, x, a, b, indices) -> str | None:
     return None
 
 
-def _interpreting() -> bool:
-    return os.environ.get("TRITON_INTERPRET") == "1"
-
-
 def lora_splits(k: int) -> int:
     """K slices of :func:`lora_shrink` for ``k`` input features."""
     return triton.cdiv(k, LORA_SPLIT_K)
@@ -352,7 +347,7 @@ def _launch_shrink(x, a, indices, partials, *, inputs_ready: bool, v=None, lock=
     t, k = x.shape
     slots, r, _ = a.shape
     splits = lora_splits(k)
-    block_r, block_k, _ = _blocks(r, _interpreting())
+    block_r, block_k, _ = _blocks(r, triton_interprets())
     prefetch = inputs_ready and block_r <= 64
     if prefetch:
         block_k = LORA_SPLIT_K
@@ -408,7 +403,7 @@ def lora_shrink_dense(x: torch.Tensor, a: torch.Tensor, indices: torch.Tensor, o
         _launch_shrink(x, a, indices, part, inputs_ready=inputs_ready, v=out, lock=lock)
         return out
     from .gemv import _num_sms
-    block_t, block_r, block_k = _dense_blocks(t, r, _interpreting())
+    block_t, block_r, block_k = _dense_blocks(t, r, triton_interprets())
     t_blocks = triton.cdiv(t, block_t)
     splits = _dense_splits(t_blocks * slots, k, block_k, _num_sms(x.device))
     k_split = triton.cdiv(triton.cdiv(k, splits), block_k) * block_k
@@ -425,7 +420,7 @@ def lora_shrink_dense(x: torch.Tensor, a: torch.Tensor, indices: torch.Tensor, o
     _shrink_dense_kernel[(t_blocks, slots, splits)](
         x, a, indices, out, part, lock, t, k, r, k_split, splits, x.stride(0), out.stride(0), BLOCK_T=block_t,
         BLOCK_R=block_r, BLOCK_K=block_k, SPLIT=splits > 1,
-        DOT_F32=f32 or (_interpreting() and x.dtype == torch.bfloat16), IEEE=f32, num_warps=4)
+        DOT_F32=f32 or (triton_interprets() and x.dtype == torch.bfloat16), IEEE=f32, num_warps=4)
     return out
 
 
@@ -448,7 +443,7 @@ def silu_mul_lora(prod: torch.Tensor, v: torch.Tensor, b: torch.Tensor, out: tor
                             "(unit inner strides, B contiguous)")
     if t == 0:
         return out
-    interp = _interpreting()
+    interp = triton_interprets()
     block_t = 16 if interp or t <= 16 else (32 if t <= 32 else 64)
     block_n = 32
     block_w = 32 if interp else min(128, max(16, triton.next_power_of_2(width)))
@@ -487,7 +482,7 @@ def lora_apply(y: torch.Tensor, x: torch.Tensor, a: torch.Tensor, b: torch.Tenso
         torch.addmm(y, v, b.view(n, slots * r).T, out=out)
         return out
     p = lora_shrink(x, a, indices, workspace)
-    _, _, block_n = _blocks(r, _interpreting())
+    _, _, block_n = _blocks(r, triton_interprets())
     _expand_kernel[(t, triton.cdiv(n, block_n))](p, b, indices, y, out, n, slots, r, splits, y.stride(0),
                                                  out.stride(0), BLOCK_N=block_n, BLOCK_R=block_r_of(r))
     return out

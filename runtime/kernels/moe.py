@@ -44,7 +44,6 @@ arguments, the public wrappers.
 """
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 
 import torch
@@ -56,6 +55,7 @@ from graphdsl.quant import Fp8Scheme, IntScheme, QuantScheme
 
 from ..gguf_scheme import GGUFScheme
 from . import moe_gemv, moe_gguf
+from ..device import triton_interprets
 from .moe_gemv import _act, _block_of_pairs, _channel_scale
 from .paged_attention import _mm
 from .row_topk import row_topk, row_topk_supported
@@ -233,7 +233,7 @@ def moe_align(ids: torch.Tensor, num_experts: int, block_m: int) -> tuple[torch.
     flat = ids.reshape(-1)
     p, dev = flat.numel(), flat.device
     num_blocks = triton.cdiv(p, block_m) + min(num_experts, p)
-    interp = _interpreting()
+    interp = triton_interprets()
     if (dev.type == "cuda" or interp) and 0 < p <= _ALIGN_KERNEL_MAX_PAIRS and num_experts <= 512:
         rows = torch.empty(num_blocks * block_m, dtype=torch.int32, device=dev)
         block_expert = torch.empty(num_blocks, dtype=torch.int32, device=dev)
@@ -414,10 +414,6 @@ def choices(routing: torch.Tensor, top_k: int) -> tuple[torch.Tensor, torch.Tens
     return weights.float(), ids
 
 
-def _interpreting() -> bool:
-    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
-
-
 def _run(x, routing, up: _Stack, down: _Stack, e: int, inter: int, top_k: int, geglu: bool, out, config,
          op: str, gemv: bool = False) -> torch.Tensor:
     """Align the pairs, launch gate/up then down (grouped, or ``gemv``: one pair a program row; GGUF
@@ -429,7 +425,7 @@ def _run(x, routing, up: _Stack, down: _Stack, e: int, inter: int, top_k: int, g
         out = torch.empty_like(x)
     if t == 0:
         return out
-    interp = _interpreting()
+    interp = triton_interprets()
     route = routing if routing.stride(-1) == 1 else routing.contiguous()     # rows may sit apart, not entries
     if up.quant == GGUF:                    # both stacks in GGUF blocks (quant_moe_supported)
         return moe_gguf.gguf_experts(x, route, up, down, inter, top_k, geglu, interp, out, gemv, config)

@@ -37,12 +37,11 @@ Q4_K or Q6_K, ``H`` and ``I`` multiples of 256, fp16/bf16 activations).
 """
 from __future__ import annotations
 
-import os
-
 import torch
 import triton
 import triton.language as tl
 
+from ..device import triton_interprets
 from .gguf_mma import _column_inputs, _q6k_columns_planes, _sub_block_planes, _write_planes, q4k_sums, split_for
 from .gguf_mma_q6k import q6k_sums, write_q6k_planes
 from .gguf_tiles import KERNEL_QTYPES, PLANE_QTYPES, k_planes, q6k_plane_of, q8_0_plane
@@ -167,7 +166,7 @@ def mma_experts(x: torch.Tensor, routing: torch.Tensor, up, down, inter: int, to
     t, hidden = x.shape
     e = routing.shape[1]
     pairs = t * top_k
-    emulate = os.environ.get("TRITON_INTERPRET") == "1"
+    emulate = triton_interprets()
     route = dict(r_ptr=routing, sr=routing.stride(0), E=e, TOP_K=top_k, E_PAD=triton.next_power_of_2(e))
     xp = _planes(t, hidden, up.qtype, x.device)
     _token_planes_kernel[(hidden // 256, t)](x, x.stride(0), *xp, hidden, QTYPE=up.qtype)

@@ -30,12 +30,11 @@ one group of 8.
 """
 from __future__ import annotations
 
-import os
-
 import torch
 import triton
 import triton.language as tl
 
+from ..device import triton_interprets
 from .gguf_mma_rows import rows_planes, rows_sums, split_for_rows
 from .gguf_tiles import KERNEL_QTYPES
 from .moe_gemv import _act, _choice, finish
@@ -118,7 +117,7 @@ def rows_experts(x: torch.Tensor, routing: torch.Tensor, up, down, inter: int, t
     t, hidden = x.shape
     e = routing.shape[1]
     pairs = t * top_k
-    emulate = os.environ.get("TRITON_INTERPRET") == "1"
+    emulate = triton_interprets()
     route = dict(r_ptr=routing, sr=routing.stride(0), E=e, TOP_K=top_k, E_PAD=triton.next_power_of_2(e))
     launch = dict(EMULATE=emulate, num_warps=_WARPS, num_stages=1 if emulate else _STAGES)
 

@@ -26,13 +26,13 @@ dependency control, and not under the CPU interpreter; ``GRAPHDSL_PDL=0`` turns 
 from __future__ import annotations
 
 import functools
-import os
 
 import torch
 import triton
 import triton.language as tl
 
 from graphdsl.env import env_flag
+from ..device import triton_interprets
 
 try:                                   # Triton >= 3.3 on NVIDIA
     from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
@@ -97,7 +97,7 @@ def _triton_has_pdl() -> bool:
 def pdl_available(device) -> bool:
     """Whether kernels on ``device`` launch with PDL (see the module docstring for the conditions)."""
     device = torch.device(device)
-    if device.type != "cuda" or os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
+    if device.type != "cuda" or triton_interprets():
         return False
     if not env_flag("GRAPHDSL_PDL", True) or not _triton_has_pdl():
         return False

@@ -24,8 +24,6 @@ wrapper :func:`quant_linear`.
 """
 from __future__ import annotations
 
-import os
-
 import torch
 import triton
 import triton.language as tl
@@ -33,6 +31,7 @@ import triton.language as tl
 from graphdsl.errors import GraphDSLError
 from graphdsl.quant import Fp8Scheme, IntScheme, QuantScheme, quantize_fp8_rows
 
+from ..device import triton_interprets
 from .gemv_loops import _kb_words
 
 __all__ = ["quant_linear", "quant_linear_supported", "KIND_INT8", "KIND_INT4", "KIND_INT4_ZP", "KIND_FP8"]
@@ -183,7 +182,7 @@ def quant_linear(x: torch.Tensor, stored: list[torch.Tensor], scheme: QuantSchem
     group = scheme.group_size if grouped else bk
     if grouped and group % bk and bk % group:
         raise GraphDSLError(f"quant_linear: BLOCK_K {bk} and the group size {group} must divide one another")
-    interp = os.environ.get("TRITON_INTERPRET") == "1"
+    interp = triton_interprets()
     _quant_linear_kernel[(triton.cdiv(n, bn), triton.cdiv(m, bm))](
         x, q, s, z, out, m, n, k, x.stride(0), s.stride(0) if s.shape[0] > 1 else 0, out.stride(0),
         KIND=kind, GROUPED=grouped, GROUP=group, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, EVEN_K=k % bk == 0,

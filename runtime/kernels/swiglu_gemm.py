@@ -20,14 +20,13 @@ L2 for its first weight lines before that wait.
 """
 from __future__ import annotations
 
-import os
-
 import torch
 import triton
 import triton.language as tl
 
 from graphdsl.errors import GraphDSLError
 
+from ..device import triton_interprets
 from .pdl import pdl_launch, pdl_wait, prefetch_l2
 
 __all__ = ["swiglu_gemm", "swiglu_gemm_supported", "launch_for", "MIN_ROWS", "MAX_ROWS"]
@@ -104,7 +103,7 @@ def swiglu_gemm_supported(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor) -
     """Whether :func:`swiglu_gemm` takes ``silu_mul(x @ w.T)`` into ``out``: CUDA (or the Triton
     interpreter), ``MIN_ROWS <= M <= MAX_ROWS`` fp16/bf16 rows with a unit last stride, a contiguous
     packed weight ``[2I, K]`` of the same dtype, ``out [M, I]`` of that dtype."""
-    interpreting = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+    interpreting = triton_interprets()
     return ((x.device.type == "cuda" or interpreting) and x.dim() == 2 and w.dim() == 2
             and MIN_ROWS <= x.shape[0] <= MAX_ROWS and x.dtype in _DTYPES and w.dtype == x.dtype
             and out.dtype == x.dtype and x.stride(-1) == 1 and w.is_contiguous() and w.shape[0] % 2 == 0
@@ -130,7 +129,7 @@ def swiglu_gemm(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor | None = Non
     k, i = x.shape[1], w.shape[0] // 2
     cfg = dict(config or launch_for(m, k) or (_TILE64 if m <= 64 else _TILE128))
     block_m, block_n, block_k = cfg.pop("BLOCK_M"), cfg.pop("BLOCK_N"), cfg.pop("BLOCK_K")
-    interpret = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+    interpret = triton_interprets()
     grid = (triton.cdiv(m, block_m), triton.cdiv(i, block_n))
     _swiglu_gemm_kernel[grid](x, w, out, m, i, k, x.stride(0), out.stride(0), BLOCK_M=block_m, BLOCK_N=block_n,
                               BLOCK_K=block_k, EVEN_K=k % block_k == 0, DOT_F32=interpret and x.dtype == torch.bfloat16,

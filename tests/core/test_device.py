@@ -132,3 +132,29 @@ def test_on_device_switches_only_to_an_indexed_gpu():
     assert isinstance(on_device(torch.device("cuda")), contextlib.nullcontext)     # the current one already
     guard = on_device(torch.device("cuda", 1))
     assert isinstance(guard, torch.cuda.device) and guard.idx == 1
+
+
+@pytest.mark.parametrize("value, on", [("1", True), ("true", True), ("TRUE", True), ("on", True), ("On", True),
+                                       ("0", False), ("off", False), ("false", False), ("", False), ("yes", False)])
+def test_triton_interpret_is_read_as_triton_reads_it(monkeypatch, value, on):
+    """Triton's switch takes 1/true/on in any case; graphdsl read it as ``== "1"`` in some modules
+    and as "not 0" in others, so ``true`` or ``off`` split graphdsl's launches from Triton's @jit."""
+    from graphdsl.runtime.device import triton_interprets
+    from graphdsl.runtime.kernels.pdl import pdl_available
+    from graphdsl.runtime.precompile import applies
+    monkeypatch.setenv("TRITON_INTERPRET", value)
+    monkeypatch.setenv("GRAPHDSL_COMPILE_WORKERS", "4")
+    assert triton_interprets() is on
+    if on:                  # (off, these go on to ask CUDA, which this CPU build of torch lacks)
+        assert not applies("cuda") and not pdl_available("cuda")
+
+
+def test_triton_interpret_has_one_reader():
+    """Every module under the rooms asks runtime.device.triton_interprets, none reads the variable."""
+    import pathlib
+    import re
+    root = pathlib.Path(__file__).resolve().parents[2]
+    readers = [str(p.relative_to(root)) for room in ("graphdsl", "runtime", "entrypoints", "layers", "models", "passes")
+               for p in (root / room).rglob("*.py")
+               if re.search(r"environ(\.get)?[\[(]\s*['\"]TRITON_INTERPRET", p.read_text())]
+    assert readers == ["runtime/device.py"]
