@@ -188,3 +188,56 @@ def test_captures_run_on_a_stream_of_the_captured_device(monkeypatch):
     first = cuda_graphs.capture_stream("cuda")
     assert (second.index, first.index) == (1, 0)
     assert cuda_graphs.capture_stream("cuda:1") is second and cuda_graphs.capture_stream("cuda:0") is first
+
+
+def test_a_capture_neither_waits_for_the_device_nor_empties_the_caches(monkeypatch):
+    """torch.cuda.graph synchronises the device and empties torch's device and pinned-host caches
+    before every capture; a warm-up captures ~60 graphs, and the steps after each allocated the
+    memory (and the pinned read-back buffers) again. ``capturing`` orders the capture stream after
+    the current one on the device instead, and still ends a capture that raised."""
+    from graphdsl.runtime.serving import cuda_graphs
+    log = []
+
+    class Stream:
+        def __init__(self, name):
+            self.name = name
+
+        def wait_stream(self, other):
+            log.append(("wait", self.name, other.name))
+
+    class Graph:
+        def capture_begin(self, *pool):
+            log.append(("begin",) + pool)
+
+        def capture_end(self):
+            log.append(("end",))
+
+    def refuse(what):
+        def call(*a, **k):
+            raise AssertionError(f"{what} called")
+        return call
+    for name in ("synchronize", "empty_cache"):
+        monkeypatch.setattr(torch.cuda, name, refuse(name))
+    monkeypatch.setattr(torch._C, "_host_emptyCache", refuse("_host_emptyCache"), raising=False)
+    monkeypatch.setattr(cuda_graphs, "capture_stream", lambda device: Stream("capture"))
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: Stream("current"))
+
+    class StreamCtx:
+        def __init__(self, s):
+            self.s = s
+
+        def __enter__(self):
+            log.append(("on", self.s.name))
+
+        def __exit__(self, *exc):
+            log.append(("off", self.s.name))
+    monkeypatch.setattr(torch.cuda, "stream", StreamCtx)
+    with cuda_graphs.capturing(Graph(), "pool", torch.device("cuda", 0)):
+        log.append(("work",))
+    assert log == [("wait", "capture", "current"), ("on", "capture"), ("begin", "pool"), ("work",), ("end",),
+                   ("off", "capture")]
+    log.clear()
+    with pytest.raises(RuntimeError, match="sync inside"):
+        with cuda_graphs.capturing(Graph(), None, torch.device("cuda", 0)):
+            raise RuntimeError("sync inside the capture")
+    assert log == [("wait", "capture", "current"), ("on", "capture"), ("begin",), ("end",), ("off", "capture")]
