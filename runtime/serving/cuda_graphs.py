@@ -419,7 +419,8 @@ class ShapeGraphRunner:
     * A shape signature runs eagerly the first ``capture_after`` times it is seen (the engine's plan
       is specialised and its kernels compiled then; a shape seen once costs no capture), then is
       captured as :class:`CudaGraphRunner` captures a bucket (a warm-up on a side stream, then the
-      captured call writing the warm-up's outputs), and replays from then on: the step's tensors
+      captured call writing the warm-up's outputs; with ``capture_after`` 1 or more the eager runs
+      were the warm-up, and the engine only makes the output buffers), and replays from then on: the step's tensors
       are copied into the graph's static inputs (one ``_foreach_copy_`` per dtype) and the outputs
       returned as copies.
     * Only steps of at most ``max_rows`` rows (the inputs' longest leading dim: a prefill's tokens)
@@ -478,7 +479,7 @@ class ShapeGraphRunner:
                 return None
             static = {k: x.clone() for k, x in inputs.items()}
             try:
-                entry = self._capture(static)
+                entry = self._capture(static, ran=count > 1)
             except RuntimeError as e:                # a host sync inside the step: never capture this shape
                 self.failed.add(sig)
                 _log.warning("ShapeGraphRunner: the step of shapes %s could not be captured, it runs eagerly "
@@ -512,10 +513,16 @@ class ShapeGraphRunner:
             self._pool = torch.cuda.graph_pool_handle()
         return self._pool
 
-    def _capture(self, static: dict[str, torch.Tensor]) -> _Graph:
+    def _capture(self, static: dict[str, torch.Tensor], ran: bool = False) -> _Graph:
+        """Capture the step on ``static``. Its warm-up is the engine's :meth:`~graphdsl.runtime.Engine.
+        output_buffers` when the shape has already run eagerly here (``ran``: the caller ran it
+        when :meth:`run` returned None, so its plan is made and its kernels compiled), else an eager
+        run (:func:`_warm_up`): a warm-up's prefill graphs cost three forwards a bucket before, two now."""
         engine = self.engine
         device = next(iter(static.values())).device
-        outputs = _warm_up(engine, static, device, {})
+        outputs = engine.output_buffers(static) if ran else None
+        if outputs is None:
+            outputs = _warm_up(engine, static, device, {})
         if dry_pass_running():
             return _Graph(None, static, outputs)
         outputs = {name: self.outputs.setdefault((name, tuple(x.shape), x.dtype, x.device), x)

@@ -44,7 +44,8 @@ class _CpuRunner(ShapeGraphRunner):
         rows = max(x.shape[0] for x in inputs.values())
         return rows <= self.max_rows
 
-    def _capture(self, static):
+    def _capture(self, static, ran=False):
+        self.ran_before = getattr(self, "ran_before", []) + [ran]
         outputs = self.engine.forward(static)
         return _Graph(_Replay(self.engine, static, outputs), static, outputs, arena=self._arena(static))
 
@@ -64,6 +65,7 @@ def test_a_shape_is_captured_on_its_second_step_and_replays_new_inputs_after():
         torch.testing.assert_close(got, 2 * step["x"] + step["y"])
     (entry,) = runner.graphs.values()
     assert entry.graph.replays == 3
+    assert runner.ran_before == [True]          # the capture was told the eager run was its warm-up
     before = entry.outputs["out"].clone()
     got.zero_()                                                 # outputs are copies: the static buffer is intact
     assert torch.equal(entry.outputs["out"], before) and before.abs().sum() > 0
@@ -122,6 +124,7 @@ def test_capture_after_zero_captures_on_first_sight_and_bad_settings_are_refused
     runner = _CpuRunner(_Engine(), capture_after=0)
     step = _step(2, 5)
     torch.testing.assert_close(runner.run(step)["out"], 2 * step["x"] + step["y"])
+    assert runner.ran_before == [False]          # never ran eagerly: the capture runs its own warm-up
     for kw, msg in ((dict(max_rows=0), r"max_rows must be an int >= 1, got 0"),
                     (dict(max_graphs="4"), r"max_graphs must be an int >= 1, got '4'"),
                     (dict(capture_after=-1), r"capture_after must be an int >= 0, got -1")):
@@ -160,7 +163,7 @@ def test_a_shape_whose_capture_fails_runs_eagerly_after_one_warning(caplog):
     class _Failing(_CpuRunner):
         captures = 0
 
-        def _capture(self, static):
+        def _capture(self, static, ran=False):
             self.captures += 1
             raise RuntimeError("operation not permitted when stream is capturing")
 
