@@ -211,8 +211,10 @@ def test_a_prefill_capture_after_an_eager_step_runs_no_extra_forward_and_empties
     first, second = _prefill(llm, [21, 20], g), _prefill(llm, [25, 16], g)      # 41 tokens: bucket 44
     engine = llm.model.engine(Phase.PREFILL)
     runner = llm.model._prefill_runners.get(id(engine))
+    def bucket_44(sigs):      # a runner's signatures hold the model's inputs too (cos, sin)
+        return [sig for sig in sigs if dict((k, shape) for k, shape, *_ in sig)["input_ids"] == (44,)]
     if runner is not None:
-        assert runner.signature(first) not in runner.seen
+        assert not bucket_44(runner.seen)
     forwards, emptied = [], []
     real = engine.forward
     monkeypatch.setattr(engine, "forward", lambda *a, **k: forwards.append(1) or real(*a, **k))
@@ -221,7 +223,7 @@ def test_a_prefill_capture_after_an_eager_step_runs_no_extra_forward_and_empties
     got, got_cache = _run_prefill(llm, second, True, monkeypatch)   # captured, then replayed
     assert len(forwards) == 2 and not emptied
     (runner,) = llm.model._prefill_runners.values()
-    assert runner.signature(second) in runner.graphs
+    assert len(bucket_44(runner.graphs)) == 1
     want, want_cache = _run_prefill(llm, second, False, monkeypatch)
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
     for a, b in zip(got_cache, want_cache):
