@@ -91,6 +91,24 @@ class Engine:
         device = torch.device(device)
         return next((n for d, n in self._arena_allocations.items() if _same_device(d, device)), 0)
 
+    def output_buffers(self, inputs: Mapping[str, torch.Tensor], runtime_params: Mapping | None = None
+                       ) -> dict[str, torch.Tensor] | None:
+        """New, unwritten buffers for the outputs of a forward on ``inputs``, if a plan of their shapes
+        has run for real (its kernels compiled, its workspaces sized); else None. A CUDA-graph runner
+        capturing a shape that already ran eagerly takes these instead of running it once more."""
+        feed = {**self._weights, **inputs}
+        if any(k not in feed for k in self.required):
+            return None
+        device = self._check_feed(feed)
+        plan = self._plans.get(self._plan_key(feed, device, self._check_runtime_params(runtime_params)))
+        return self._bind_outputs(None, plan, device) if plan is not None and plan.ran else None
+
+    def _plan_key(self, feed: dict, device, params: dict) -> tuple:
+        """What a shape plan is cached under: the device, each required input's shape and dtype, the
+        runtime parameters."""
+        return (device, tuple((k, tuple(feed[k].shape), feed[k].dtype) for k in self.required),
+                tuple(sorted(params.items())))
+
     @property
     def num_launches(self) -> int:
         """Kernel launches per forward (what fusion and constant folding reduce)."""
@@ -145,8 +163,7 @@ class Engine:
             raise BindError(f"forward: missing inputs {missing} (pass them, or bind weights once with set_weights)")
         device = self._check_feed(feed)
         params = self._check_runtime_params(runtime_params)
-        key = (device, tuple((k, tuple(feed[k].shape), feed[k].dtype) for k in self.required),
-               tuple(sorted(params.items())))
+        key = self._plan_key(feed, device, params)
         plan = self._plans.get(key)
         if plan is None:
             plan = self._plans[key] = self._specialise(feed, params)

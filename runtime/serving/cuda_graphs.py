@@ -25,7 +25,10 @@ replaying a captured CUDA graph removes it. A graph fixes every shape and pointe
   captured with the output buffers given, so the captured region allocates nothing of its own:
   the plan's arena slots, the backend's split-K workspaces and the outputs already exist. The
   arena views of a captured plan are held by the runner, so a later, larger plan that regrows the
-  engine's arena cannot free memory a graph still writes to;
+  engine's arena cannot free memory a graph still writes to. The capture itself is
+  :func:`capturing`, ``torch.cuda.graph`` without what it does first (a device-wide
+  synchronisation and emptying torch's device and pinned-host caches, which later steps then
+  allocate again);
 * **prologue** — inputs computed from other inputs on the device (decode's RoPE cos/sin from the
   positions, the cache slots from positions and block tables) can be captured too: the runner
   calls it before the engine in the warm-up and in the capture, and holds what the captured call
@@ -49,6 +52,7 @@ running a padded batch eagerly (how the CPU tests check that padding changes no 
 """
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
 from dataclasses import dataclass, field
@@ -60,8 +64,8 @@ from graphdsl.errors import BindError, GraphDSLError
 from graphdsl.runtime.precompile import dry_pass_running
 from graphdsl.runtime.taps import taps_from_env
 
-__all__ = ["BUCKETS", "Pad", "bucket_for", "pad_batch", "packed_inputs", "capture_stream", "CudaGraphRunner",
-           "ShapeGraphRunner"]
+__all__ = ["BUCKETS", "Pad", "bucket_for", "pad_batch", "packed_inputs", "capture_stream", "capturing",
+           "CudaGraphRunner", "ShapeGraphRunner"]
 
 BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 _MAX_SEEN = 4096       # shape signatures a ShapeGraphRunner counts before it forgets them all
@@ -361,7 +365,7 @@ class CudaGraphRunner:
             self._pool = torch.cuda.graph_pool_handle()
         graph = torch.cuda.CUDAGraph()
         made: list = []
-        with torch.cuda.graph(graph, pool=self._pool, stream=capture_stream(device)):
+        with capturing(graph, self._pool, device):
             engine.forward(self._feed(static, made), outputs, taps=tap_buffers)
             extra = dict(self.epilogue(static, outputs)) if self.epilogue is not None else {}
         return _Graph(graph, static, {**outputs, **extra}, _arena_views(engine) + made, taps=tap_buffers)
@@ -415,7 +419,8 @@ class ShapeGraphRunner:
     * A shape signature runs eagerly the first ``capture_after`` times it is seen (the engine's plan
       is specialised and its kernels compiled then; a shape seen once costs no capture), then is
       captured as :class:`CudaGraphRunner` captures a bucket (a warm-up on a side stream, then the
-      captured call writing the warm-up's outputs), and replays from then on: the step's tensors
+      captured call writing the warm-up's outputs; with ``capture_after`` 1 or more the eager runs
+      were the warm-up, and the engine only makes the output buffers), and replays from then on: the step's tensors
       are copied into the graph's static inputs (one ``_foreach_copy_`` per dtype) and the outputs
       returned as copies.
     * Only steps of at most ``max_rows`` rows (the inputs' longest leading dim: a prefill's tokens)
@@ -474,7 +479,7 @@ class ShapeGraphRunner:
                 return None
             static = {k: x.clone() for k, x in inputs.items()}
             try:
-                entry = self._capture(static)
+                entry = self._capture(static, ran=count > 1)
             except RuntimeError as e:                # a host sync inside the step: never capture this shape
                 self.failed.add(sig)
                 _log.warning("ShapeGraphRunner: the step of shapes %s could not be captured, it runs eagerly "
@@ -508,16 +513,22 @@ class ShapeGraphRunner:
             self._pool = torch.cuda.graph_pool_handle()
         return self._pool
 
-    def _capture(self, static: dict[str, torch.Tensor]) -> _Graph:
+    def _capture(self, static: dict[str, torch.Tensor], ran: bool = False) -> _Graph:
+        """Capture the step on ``static``. Its warm-up is the engine's :meth:`~graphdsl.runtime.Engine.
+        output_buffers` when the shape has already run eagerly here (``ran``: the caller ran it
+        when :meth:`run` returned None, so its plan is made and its kernels compiled), else an eager
+        run (:func:`_warm_up`): a warm-up's prefill graphs cost three forwards a bucket before, two now."""
         engine = self.engine
         device = next(iter(static.values())).device
-        outputs = _warm_up(engine, static, device, {})
+        outputs = engine.output_buffers(static) if ran else None
+        if outputs is None:
+            outputs = _warm_up(engine, static, device, {})
         if dry_pass_running():
             return _Graph(None, static, outputs)
         outputs = {name: self.outputs.setdefault((name, tuple(x.shape), x.dtype, x.device), x)
                    for name, x in outputs.items()}
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self._graph_pool(), stream=capture_stream(device)):
+        with capturing(graph, self._graph_pool(), device):
             engine.forward(static, outputs, taps={})
         return _Graph(graph, static, outputs, _arena_views(engine), arena=self._arena(static))
 
@@ -574,6 +585,28 @@ def capture_stream(device) -> torch.cuda.Stream:
     if stream is None:
         stream = _CAPTURE_STREAMS[index] = torch.cuda.Stream(index)
     return stream
+
+
+@contextlib.contextmanager
+def capturing(graph: torch.cuda.CUDAGraph, pool, device):
+    """Capture the block's CUDA work on ``device`` into ``graph`` (memory from ``pool``), on
+    :func:`capture_stream`, ordered after the work already queued on the current stream.
+
+    ``torch.cuda.graph`` first synchronises the device, then empties torch's caching allocator and
+    its pinned-host cache; the steps after a capture then allocate that memory again, and the
+    pinned buffers the serving loop reads tokens back through (``cudaHostAlloc``, synchronising)
+    with it. A warm-up captures about 60 graphs in a row, and a server captures a prefill shape
+    the warm-up did not meet while it serves. Here the capture stream waits on the current
+    stream instead of the host waiting on the device, and no cache is emptied: the caller's
+    warm-up has allocated what the step needs, so the captured region allocates (almost) nothing."""
+    stream = capture_stream(device)
+    stream.wait_stream(torch.cuda.current_stream(device))
+    with torch.cuda.stream(stream):
+        graph.capture_begin(*(() if pool is None else (pool,)))
+        try:
+            yield graph
+        finally:
+            graph.capture_end()
 
 
 def _warm_up(engine, feed: dict, device, taps) -> dict[str, torch.Tensor]:

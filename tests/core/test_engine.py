@@ -41,6 +41,20 @@ def test_outputs_returned_when_omitted_and_one_plan_per_signature():
     assert "[n=3]" in eng.summary() and "[n=5]" in eng.summary()
 
 
+def test_output_buffers_only_for_a_shape_that_ran():
+    """What a CUDA-graph runner takes instead of one more eager run before a capture: new buffers
+    of a plan that ran for real, None for a shape not run yet (its capture must warm it up)."""
+    eng = _mlp_engine()
+    eng.set_weights({"w": torch.randn(8, 4)})
+    assert eng.output_buffers({"x": torch.randn(3, 8)}) is None
+    ran = eng.forward({"x": torch.randn(3, 8)})["y"]
+    bufs = eng.output_buffers({"x": torch.randn(3, 8)})
+    assert list(bufs) == ["y"] and bufs["y"].shape == ran.shape and bufs["y"].dtype == ran.dtype
+    assert bufs["y"].data_ptr() != ran.data_ptr()
+    assert eng.output_buffers({"x": torch.randn(5, 8)}) is None       # another shape: no plan yet
+    assert eng.output_buffers({}) is None                             # x missing
+
+
 def test_inputs_override_bound_weights():
     eng = _mlp_engine()
     eng.set_weights({"w": torch.zeros(8, 4)})

@@ -44,7 +44,8 @@ class _CpuRunner(ShapeGraphRunner):
         rows = max(x.shape[0] for x in inputs.values())
         return rows <= self.max_rows
 
-    def _capture(self, static):
+    def _capture(self, static, ran=False):
+        self.ran_before = getattr(self, "ran_before", []) + [ran]
         outputs = self.engine.forward(static)
         return _Graph(_Replay(self.engine, static, outputs), static, outputs, arena=self._arena(static))
 
@@ -64,6 +65,7 @@ def test_a_shape_is_captured_on_its_second_step_and_replays_new_inputs_after():
         torch.testing.assert_close(got, 2 * step["x"] + step["y"])
     (entry,) = runner.graphs.values()
     assert entry.graph.replays == 3
+    assert runner.ran_before == [True]          # the capture was told the eager run was its warm-up
     before = entry.outputs["out"].clone()
     got.zero_()                                                 # outputs are copies: the static buffer is intact
     assert torch.equal(entry.outputs["out"], before) and before.abs().sum() > 0
@@ -122,6 +124,7 @@ def test_capture_after_zero_captures_on_first_sight_and_bad_settings_are_refused
     runner = _CpuRunner(_Engine(), capture_after=0)
     step = _step(2, 5)
     torch.testing.assert_close(runner.run(step)["out"], 2 * step["x"] + step["y"])
+    assert runner.ran_before == [False]          # never ran eagerly: the capture runs its own warm-up
     for kw, msg in ((dict(max_rows=0), r"max_rows must be an int >= 1, got 0"),
                     (dict(max_graphs="4"), r"max_graphs must be an int >= 1, got '4'"),
                     (dict(capture_after=-1), r"capture_after must be an int >= 0, got -1")):
@@ -160,7 +163,7 @@ def test_a_shape_whose_capture_fails_runs_eagerly_after_one_warning(caplog):
     class _Failing(_CpuRunner):
         captures = 0
 
-        def _capture(self, static):
+        def _capture(self, static, ran=False):
             self.captures += 1
             raise RuntimeError("operation not permitted when stream is capturing")
 
@@ -188,3 +191,56 @@ def test_captures_run_on_a_stream_of_the_captured_device(monkeypatch):
     first = cuda_graphs.capture_stream("cuda")
     assert (second.index, first.index) == (1, 0)
     assert cuda_graphs.capture_stream("cuda:1") is second and cuda_graphs.capture_stream("cuda:0") is first
+
+
+def test_a_capture_neither_waits_for_the_device_nor_empties_the_caches(monkeypatch):
+    """torch.cuda.graph synchronises the device and empties torch's device and pinned-host caches
+    before every capture; a warm-up captures ~60 graphs, and the steps after each allocated the
+    memory (and the pinned read-back buffers) again. ``capturing`` orders the capture stream after
+    the current one on the device instead, and still ends a capture that raised."""
+    from graphdsl.runtime.serving import cuda_graphs
+    log = []
+
+    class Stream:
+        def __init__(self, name):
+            self.name = name
+
+        def wait_stream(self, other):
+            log.append(("wait", self.name, other.name))
+
+    class Graph:
+        def capture_begin(self, *pool):
+            log.append(("begin",) + pool)
+
+        def capture_end(self):
+            log.append(("end",))
+
+    def refuse(what):
+        def call(*a, **k):
+            raise AssertionError(f"{what} called")
+        return call
+    for name in ("synchronize", "empty_cache"):
+        monkeypatch.setattr(torch.cuda, name, refuse(name))
+    monkeypatch.setattr(torch._C, "_host_emptyCache", refuse("_host_emptyCache"), raising=False)
+    monkeypatch.setattr(cuda_graphs, "capture_stream", lambda device: Stream("capture"))
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: Stream("current"))
+
+    class StreamCtx:
+        def __init__(self, s):
+            self.s = s
+
+        def __enter__(self):
+            log.append(("on", self.s.name))
+
+        def __exit__(self, *exc):
+            log.append(("off", self.s.name))
+    monkeypatch.setattr(torch.cuda, "stream", StreamCtx)
+    with cuda_graphs.capturing(Graph(), "pool", torch.device("cuda", 0)):
+        log.append(("work",))
+    assert log == [("wait", "capture", "current"), ("on", "capture"), ("begin", "pool"), ("work",), ("end",),
+                   ("off", "capture")]
+    log.clear()
+    with pytest.raises(RuntimeError, match="sync inside"):
+        with cuda_graphs.capturing(Graph(), None, torch.device("cuda", 0)):
+            raise RuntimeError("sync inside the capture")
+    assert log == [("wait", "capture", "current"), ("on", "capture"), ("begin",), ("end",), ("off", "capture")]

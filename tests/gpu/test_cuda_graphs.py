@@ -201,6 +201,35 @@ def test_prefill_replay_equals_eager(tiny_llm, monkeypatch):
     assert entry.graph is not None and entry.inputs["input_ids"].shape == (16,)
 
 
+def test_a_prefill_capture_after_an_eager_step_runs_no_extra_forward_and_empties_no_cache(tiny_llm, monkeypatch):
+    """A shape's second sighting is captured straight away: its first, eager step made the plan
+    and compiled the kernels, so the capture takes the engine's output buffers instead of one more
+    eager forward; and it neither empties torch's caches nor waits for the device, as
+    ``torch.cuda.graph`` does (a warm-up captures ~60 prefill graphs in a row)."""
+    llm = tiny_llm
+    g = torch.Generator().manual_seed(23)
+    first, second = _prefill(llm, [21, 20], g), _prefill(llm, [25, 16], g)      # 41 tokens: bucket 44
+    engine = llm.model.engine(Phase.PREFILL)
+    runner = llm.model._prefill_runners.get(id(engine))
+    def bucket_44(sigs):      # a runner's signatures hold the model's inputs too (cos, sin)
+        return [sig for sig in sigs if dict((k, shape) for k, shape, *_ in sig)["input_ids"] == (44,)]
+    if runner is not None:
+        assert not bucket_44(runner.seen)
+    forwards, emptied = [], []
+    real = engine.forward
+    monkeypatch.setattr(engine, "forward", lambda *a, **k: forwards.append(1) or real(*a, **k))
+    monkeypatch.setattr(torch.cuda, "empty_cache", lambda: emptied.append(1))
+    _run_prefill(llm, first, True, monkeypatch)                     # eager: the plan, the kernels
+    got, got_cache = _run_prefill(llm, second, True, monkeypatch)   # captured, then replayed
+    assert len(forwards) == 2 and not emptied
+    (runner,) = llm.model._prefill_runners.values()
+    assert len(bucket_44(runner.graphs)) == 1
+    want, want_cache = _run_prefill(llm, second, False, monkeypatch)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    for a, b in zip(got_cache, want_cache):
+        torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-6)
+
+
 def test_generate_with_prefill_graphs_gives_the_eager_tokens(tmp_path, monkeypatch):
     """The same prompts generated twice (the second prefill replays the graph the first sighting
     did not capture) give the tokens of prefill run eagerly."""
