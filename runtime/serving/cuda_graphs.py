@@ -420,9 +420,9 @@ class ShapeGraphRunner:
       is specialised and its kernels compiled then; a shape seen once costs no capture), then is
       captured as :class:`CudaGraphRunner` captures a bucket (a warm-up on a side stream, then the
       captured call writing the warm-up's outputs; with ``capture_after`` 1 or more the eager runs
-      were the warm-up, and the engine only makes the output buffers), and replays from then on: the step's tensors
-      are copied into the graph's static inputs (one ``_foreach_copy_`` per dtype) and the outputs
-      returned as copies.
+      were the warm-up, and the engine only makes the output buffers), and replays from then on:
+      the step's tensors are copied into the graph's static inputs (one ``_foreach_copy_`` per
+      dtype) and the outputs returned as copies.
     * Only steps of at most ``max_rows`` rows (the inputs' longest leading dim: a prefill's tokens)
       are captured: past that the device time covers the host's launches anyway.
     * A graph holds the arena it was captured on. When a larger step has regrown the engine's
@@ -593,10 +593,10 @@ def capturing(graph: torch.cuda.CUDAGraph, pool, device):
     :func:`capture_stream`, ordered after the work already queued on the current stream.
 
     ``torch.cuda.graph`` first synchronises the device, then empties torch's caching allocator and
-    its pinned-host cache; the steps after a capture then allocate that memory again, and the
-    pinned buffers the serving loop reads tokens back through (``cudaHostAlloc``, synchronising)
-    with it. A warm-up captures about 60 graphs in a row, and a server captures a prefill shape
-    the warm-up did not meet while it serves. Here the capture stream waits on the current
+    its pinned-host cache. The steps after a capture then allocate that memory again, including
+    the pinned buffers the serving loop reads tokens back through (``cudaHostAlloc``, which
+    synchronises). A warm-up captures about 60 graphs in a row, and a server captures a prefill
+    shape the warm-up did not meet while it serves. Here the capture stream waits on the current
     stream instead of the host waiting on the device, and no cache is emptied: the caller's
     warm-up has allocated what the step needs, so the captured region allocates (almost) nothing."""
     stream = capture_stream(device)
