@@ -11,7 +11,8 @@ step's logits: compiling ahead must not change a bit of them. Prints a markdown 
 
 ``--warmup N``: instead, a server's start-up — ``LLM(..., max_num_seqs=N, max_model_len=1024)`` and
 ``LLM.warmup()`` (what ``graphdsl serve`` runs on CUDA before it listens: every prefill token bucket
-and decode batch bucket), then a greedy generation whose tokens are digested.
+and decode batch bucket), then a greedy generation whose tokens are digested; the table also gives
+the memory torch holds after the warm-up (``torch.cuda.memory_reserved``).
 """
 from __future__ import annotations
 
@@ -83,6 +84,8 @@ def _warmup_child(shape: str, seqs: int) -> int:
                              max_model_len=WARMUP_MAX_MODEL_LEN, max_num_seqs=seqs)
     load = time.perf_counter() - t0
     rep = llm.warmup(stream=None)
+    import torch
+    reserved = torch.cuda.memory_reserved() / 2**30          # what the warm-up left torch holding
     outs = llm.generate([[(i * 7919 + j * 104729) % 1000 for j in range(40)] for i in range(4)],
                         gd.SamplingParams(max_tokens=16, temperature=0, ignore_eos=True), use_tqdm=False)
     tokens = [o.outputs[0].token_ids for o in outs]
@@ -90,7 +93,7 @@ def _warmup_child(shape: str, seqs: int) -> int:
     out = {"load": load, "warmup": rep.seconds, "stages": rep.stages, "triton_new": triton_cache_entries() - before,
            "rounds": len(rounds), "ahead_compiled": sum(r.compiled for r in rounds),
            "ahead_seconds": sum(r.seconds for r in rounds), "ahead_failed": sum(len(r.failed) for r in rounds),
-           "digest": hashlib.sha256(json.dumps(tokens).encode()).hexdigest()[:16]}
+           "reserved_gib": reserved, "digest": hashlib.sha256(json.dumps(tokens).encode()).hexdigest()[:16]}
     print(CHILD_TAG + json.dumps(out), flush=True)
     return 0
 
@@ -100,14 +103,14 @@ def warmup_table(shape: str, seqs: int, rows: list[tuple[str, str, dict]]) -> tu
     out = [f"{shape}: a server's start-up, seconds (fresh process; LLM.warmup at max_num_seqs {seqs}, "
            f"max_model_len {WARMUP_MAX_MODEL_LEN}, then a greedy generation)", "",
            "| compiles | caches | load | warm-up | slowest stage | Triton cache entries written | rounds ahead "
-           "| compiled ahead (s in rounds) | tokens digest |",
-           "|---|---|---:|---:|---|---:|---:|---|---|"]
+           "| compiled ahead (s in rounds) | reserved GiB | tokens digest |",
+           "|---|---|---:|---:|---|---:|---:|---|---:|---|"]
     for mode, cache, r in rows:
         label, secs = max(r["stages"], key=lambda st: st[1]) if r["stages"] else ("-", 0.0)
         failed = f", {r['ahead_failed']} left to the step" if r["ahead_failed"] else ""
         out.append(f"| {mode} | {cache} | {r['load']:.1f} | {r['warmup']:.1f} | {label} {secs:.1f} | "
                    f"{r['triton_new']} | {r['rounds']} | {r['ahead_compiled']} ({r['ahead_seconds']:.1f}){failed} | "
-                   f"{r['digest']} |")
+                   f"{r['reserved_gib']:.2f} | {r['digest']} |")
     same = len({r["digest"] for _, _, r in rows}) == 1
     out.append(f"\ngenerated tokens identical across runs: {'yes' if same else 'NO'}")
     return "\n".join(out), same

@@ -34,7 +34,7 @@ def test_bad_arguments_are_named(capsys):
 def _warm(warmup, digest, rounds=0, compiled=0, failed=0):
     return {"load": 2.0, "warmup": warmup, "stages": [["prefill of 64 tokens", 1.5], ["decode batch 1", warmup - 1.5]],
             "triton_new": 40, "rounds": rounds, "ahead_compiled": compiled, "ahead_seconds": 3.25,
-            "ahead_failed": failed, "digest": digest}
+            "ahead_failed": failed, "reserved_gib": 4.5, "digest": digest}
 
 
 def test_the_warmup_table_names_the_slowest_stage_and_flags_differing_tokens():
@@ -42,7 +42,8 @@ def test_the_warmup_table_names_the_slowest_stage_and_flags_differing_tokens():
     rows = [("one by one", "cold", _warm(30.0, "t1")), ("ahead", "cold", _warm(12.0, "t1", 20, 35, 1))]
     text, same = cold.warmup_table("llama-3.2-1b", 32, rows)
     assert same and "max_num_seqs 32" in text
-    assert "| one by one | cold | 2.0 | 30.0 | decode batch 1 28.5 | 40 | 0 | 0 (3.2) | t1 |" in text
-    assert "| ahead | cold | 2.0 | 12.0 | decode batch 1 10.5 | 40 | 20 | 35 (3.2), 1 left to the step | t1 |" in text
+    assert "| one by one | cold | 2.0 | 30.0 | decode batch 1 28.5 | 40 | 0 | 0 (3.2) | 4.50 | t1 |" in text
+    assert "| ahead | cold | 2.0 | 12.0 | decode batch 1 10.5 | 40 | 20 | 35 (3.2), 1 left to the step | 4.50 | t1 |" \
+        in text
     text, same = cold.warmup_table("llama-3.2-1b", 32, rows + [("ahead", "warm", _warm(3.0, "t2"))])
     assert not same and text.endswith("generated tokens identical across runs: NO")
