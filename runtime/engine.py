@@ -212,6 +212,7 @@ class Engine:
         indices."""
         arena = self._arenas.get(device)
         applies = getattr(self.backend, "ahead_applies", None)
+
         def run(values: dict) -> dict:
             self.backend.run(nodes, values, plan.attrs, storage, after=hook)
             return values

@@ -47,6 +47,7 @@ import warnings
 from dataclasses import dataclass, field
 
 from graphdsl.env import env_number
+
 from .device import triton_interprets
 
 __all__ = ["AheadReport", "Deferred", "OfflineDriver", "TASK_TIMEOUT_S", "applies", "defer_launches", "dry_pass_running",

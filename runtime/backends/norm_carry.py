@@ -45,6 +45,7 @@ from __future__ import annotations
 from typing import NamedTuple
 
 import torch
+
 from ..device import triton_interprets
 
 __all__ = ["NormCarry", "Site", "plan", "overlaps", "readers_and_outputs", "PRODUCERS", "CONSUMERS"]

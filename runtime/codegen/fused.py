@@ -34,8 +34,8 @@ from graphdsl.errors import GraphDSLError
 from graphdsl.functional._rules import broadcast_shapes
 from graphdsl.opdef import OpCategory, Spec, get_op
 
-from ..kernels.pdl import pdl_launch
 from ..device import triton_interprets
+from ..kernels.pdl import pdl_launch
 from .lowering import PRELUDE, ROW_REDUCTIONS, Operand, compute_type, lower_pointwise, tl_dtype
 
 __all__ = ["launch_config", "FusedKernel", "prepare_fused", "run_fused", "kernel_source", "MAX_ROW", "kernel_cache_dir"]

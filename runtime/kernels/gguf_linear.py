@@ -53,8 +53,8 @@ import triton.language as tl
 from graphdsl.errors import GraphDSLError
 from graphdsl.quant import code_rows
 
-from ..gguf_blocks import GGUF_BLOCKS
 from ..device import triton_interprets
+from ..gguf_blocks import GGUF_BLOCKS
 from .gemv import rin_tile, rms_factor, rms_in_args
 from .gguf_mma import _CONFIG_KEYS as _MMA_CONFIG_KEYS
 from .gguf_mma import MMA_MIN_ROWS, MMA_QTYPES, gguf_gemv_mma

@@ -47,8 +47,8 @@ import triton.language as tl
 
 from graphdsl.quant import code_rows
 
-from ..gguf_blocks import STORED_BLOCK_BYTES
 from ..device import triton_interprets
+from ..gguf_blocks import STORED_BLOCK_BYTES
 from .gguf_mma import (_bytes, _finish, _norm_weight, _pair_rows, _rms_in_factor, _rows16, rms_args, slices,
                        split_for)
 from .gguf_tiles import layout_args

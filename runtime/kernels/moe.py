@@ -53,9 +53,9 @@ import triton.language as tl
 from graphdsl.errors import GraphDSLError
 from graphdsl.quant import Fp8Scheme, IntScheme, QuantScheme
 
+from ..device import triton_interprets
 from ..gguf_scheme import GGUFScheme
 from . import moe_gemv, moe_gguf
-from ..device import triton_interprets
 from .moe_gemv import _act, _block_of_pairs, _channel_scale
 from .paged_attention import _mm
 from .row_topk import row_topk, row_topk_supported

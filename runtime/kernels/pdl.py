@@ -32,6 +32,7 @@ import triton
 import triton.language as tl
 
 from graphdsl.env import env_flag
+
 from ..device import triton_interprets
 
 try:                                   # Triton >= 3.3 on NVIDIA
